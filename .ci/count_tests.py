@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Counts kvagent's test results from the JUnit XML each test wrote in this run.
+
+Unit: one Catch2 TEST_CASE (tests/unit/catch_main.cc writes one <testcase> per case to
+$XML_OUTPUT_FILE); a non-Catch2 test counts as the one <testcase> Bazel writes for it.
+  failed  = a <testcase> holding <failure> or <error>
+  skipped = a <testcase> holding <skipped> (KVAGENT_SKIP; GPU tests on a GPU-less host)
+  passed  = every other <testcase>
+Which test.xml files belong to this run, and each target's own status, come from
+Bazel's build event file (--build_event_json_file), so a stale test.xml left by an
+earlier run is never counted. Safety nets, each adding one failure:
+  - a non-manual test target (bazel query) with no result: did not build, or never ran;
+  - a result whose test.xml is missing or unreadable;
+  - a target Bazel did not pass (timeout, crash after its XML) whose XML shows no failure;
+  - `bazel test` exiting non-zero while nothing above counted a failure.
+Prints failures and skips, then, LAST, one line: "N passed, N failed[, N skipped]".
+Exits 1 when anything failed.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import urllib.parse
+import xml.etree.ElementTree as ET
+
+QUERY = 'tests(//...) except attr(tags, "\\bmanual\\b", tests(//...))'
+PASSING_STATUSES = {"PASSED", "FLAKY"}
+
+
+def expected_targets(root):
+    """Non-manual test targets, i.e. what `bazel test //...` must run."""
+    try:
+        proc = subprocess.run(
+            ["bazel", "query", "--keep_going", "--output=label", QUERY],
+            cwd=root, capture_output=True, text=True, check=False)
+    except OSError as err:
+        return set(), f"bazel query could not start ({err}); is bazel-bootstrap installed?"
+    labels = {l.strip() for l in proc.stdout.splitlines() if l.strip().startswith("//")}
+    note = None
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        tail = " | ".join(([l for l in lines if "ERROR" in l] or lines)[-3:])
+        note = f"bazel query exited {proc.returncode} (a BUILD file does not load?): {tail}"
+    return labels, note
+
+
+def read_events(path):
+    """label -> {(run, shard): (attempt, status, xml_path)}, latest attempt wins."""
+    results = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rid = event.get("id", {}).get("testResult")
+            body = event.get("testResult")
+            if rid is None or body is None:
+                continue
+            label = rid.get("label", "")
+            key = (rid.get("run", 1), rid.get("shard", 1))
+            attempt = rid.get("attempt", 1)
+            xml_path = None
+            for out in body.get("testActionOutput", []):
+                if out.get("name") == "test.xml" and out.get("uri", "").startswith("file://"):
+                    xml_path = urllib.parse.unquote(out["uri"][len("file://"):])
+            status = body.get("status", "NO_STATUS")
+            prev = results.setdefault(label, {}).get(key)
+            if prev is None or attempt >= prev[0]:
+                results[label][key] = (attempt, status, xml_path)
+    return results
+
+
+def testlogs_results(root, labels):
+    """Without an event file: bazel-testlogs/<pkg>/<name>/test.xml, status unknown."""
+    results = {}
+    for label in labels:
+        pkg, name = label[2:].split(":", 1)
+        path = os.path.join(root, "bazel-testlogs", pkg, name, "test.xml")
+        if os.path.exists(path):
+            results[label] = {(1, 1): (1, None, path)}
+    return results
+
+
+def count_xml(path):
+    """(passed, [failed case names + first line], [(skipped case, reason)]) or raises."""
+    tree = ET.parse(path)
+    passed, failed, skipped = 0, [], []
+    for case in tree.getroot().iter("testcase"):
+        name = case.get("name", "?")
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        if bad is not None:
+            detail = (bad.get("message") or "").strip()
+            text = (bad.text or "").strip().splitlines()
+            if text:
+                detail = text[0] if not detail or detail == "test case failed" else detail
+            failed.append(f"{name}: {detail}" if detail else name)
+        elif case.find("skipped") is not None:
+            skipped.append((name, case.find("skipped").get("message", "")))
+        else:
+            passed += 1
+    return passed, failed, skipped
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", help="Bazel --build_event_json_file of the test run")
+    parser.add_argument("--bazel-exit", type=int, default=0,
+                        help="exit status of the `bazel test` (or quickstart) run")
+    parser.add_argument("--root", default=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), help="repository root")
+    args = parser.parse_args()
+
+    expected, query_note = expected_targets(args.root)
+    if args.events and os.path.exists(args.events):
+        results = read_events(args.events)
+    else:
+        if args.events:
+            print(f"NOTE: no build event file at {args.events}; the test run did not start",
+                  flush=True)
+            results = {}
+        else:
+            results = testlogs_results(args.root, expected)
+
+    n_pass, failures, skips = 0, [], []
+    for label in sorted(expected | set(results)):
+        shards = results.get(label)
+        if not shards:
+            failures.append(f"{label}: no test result (did not build, or never ran)")
+            continue
+        for (run, shard), (_, status, xml_path) in sorted(shards.items()):
+            where = label if len(shards) == 1 else f"{label} (run {run}, shard {shard})"
+            if not xml_path or not os.path.exists(xml_path):
+                failures.append(f"{where}: no test.xml (status {status})")
+                continue
+            try:
+                passed, failed, skipped = count_xml(xml_path)
+            except (ET.ParseError, OSError) as err:
+                failures.append(f"{where}: unreadable {xml_path}: {err}")
+                continue
+            n_pass += passed
+            failures += [f"{where}: {f}" for f in failed]
+            skips += [f"{where}: {s} ({r})" for s, r in skipped]
+            if status is not None and status not in PASSING_STATUSES and not failed:
+                failures.append(f"{where}: Bazel status {status} though its XML shows no "
+                                "failed case (crash or timeout after the cases ran?)")
+            if passed + len(failed) + len(skipped) == 0:
+                print(f"NOTE: {where} ran no test cases", flush=True)
+
+    if query_note:
+        print(f"NOTE: {query_note}")
+    if args.bazel_exit != 0 and not failures:
+        failures.append(f"bazel test exited {args.bazel_exit} but no test failed: "
+                        "a build or loading error outside any test target (see the log above)")
+
+    for s in skips:
+        print(f"SKIPPED {s}")
+    for f in failures:
+        print(f"FAILED  {f}")
+    line = f"{n_pass} passed, {len(failures)} failed"
+    if skips:
+        line += f", {len(skips)} skipped"
+    print(line, flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

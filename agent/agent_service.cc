@@ -1,0 +1,368 @@
+#include "agent/agent_service.h"
+
+#include <unistd.h>
+
+#include <deque>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "agent/status_util.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("service");
+constexpr uint64_t kMaxAllocationBytes = 1ull << 40;
+
+grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl::Status& status) {
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+bool TerminalPhase(v1::TransferPhase phase) {
+  return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
+         phase == v1::TIMED_OUT;
+}
+
+std::string SafeLabel(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    out.push_back((isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_') ? c : '_');
+  }
+  return out.substr(0, 64);
+}
+
+// Streams a transfer's states until it ends; always writes the newest state.
+class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferState> {
+ public:
+  TransferWatchReactor(TransferEngine* engine, std::string id) : engine_(engine), id_(std::move(id)) {
+    auto token = engine_->Watch(id_, [this](const v1::TransferState& s) { OnState(s); });
+    if (!token.ok()) {
+      absl::MutexLock lock(&mu_);
+      finishing_ = true;
+      Finish(ToGrpcStatus(token.status()));
+      return;
+    }
+    token_ = *token;
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (finishing_) {
+      Finish(grpc::Status::CANCELLED);
+      return;
+    }
+    if (!ok) {
+      finishing_ = true;
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away"));
+      return;
+    }
+    if (TerminalPhase(current_.phase()) && !has_pending_) {
+      finishing_ = true;
+      Finish(grpc::Status::OK);
+      return;
+    }
+    WriteLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (finishing_) return;
+    finishing_ = true;
+    if (!writing_) Finish(grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    if (token_) engine_->Unwatch(id_, token_);
+    delete this;
+  }
+
+ private:
+  void OnState(const v1::TransferState& state) {
+    absl::MutexLock lock(&mu_);
+    if (finishing_) return;
+    pending_ = state;
+    has_pending_ = true;
+    WriteLocked();
+  }
+  void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || !has_pending_) return;
+    current_ = pending_;
+    has_pending_ = false;
+    writing_ = true;
+    StartWrite(&current_);
+  }
+
+  TransferEngine* engine_;
+  std::string id_;
+  uint64_t token_ = 0;
+  absl::Mutex mu_;
+  v1::TransferState current_ ABSL_GUARDED_BY(mu_);
+  v1::TransferState pending_ ABSL_GUARDED_BY(mu_);
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Streams notifications as they arrive; what it took but did not write goes back
+// to the queue when the client leaves.
+class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notification> {
+ public:
+  NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request)
+      : queue_(queue), ids_(request.transfer_ids().begin(), request.transfer_ids().end()) {
+    token_ = queue_->Subscribe([this](const v1::Notification& n) { return Offer(n); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    // A failed write is not known to have reached the client: hand it back.
+    if (!ok) unwritten_.push_front(std::move(current_));
+    if (!ok || finishing_) {
+      finishing_ = true;
+      Finish(grpc::Status::CANCELLED);
+      return;
+    }
+    WriteLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (finishing_) return;
+    finishing_ = true;
+    if (!writing_) Finish(grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    queue_->Unsubscribe(token_);
+    std::vector<v1::Notification> back;
+    {
+      absl::MutexLock lock(&mu_);
+      back.assign(std::make_move_iterator(unwritten_.begin()),
+                  std::make_move_iterator(unwritten_.end()));
+    }
+    if (!back.empty()) queue_->Requeue(std::move(back));
+    delete this;
+  }
+
+ private:
+  bool Offer(const v1::Notification& n) {
+    if (!ids_.empty() && !ids_.contains(n.transfer_id())) return false;
+    absl::MutexLock lock(&mu_);
+    if (finishing_) return false;
+    unwritten_.push_back(n);
+    WriteLocked();
+    return true;
+  }
+  void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || unwritten_.empty()) return;
+    current_ = std::move(unwritten_.front());
+    unwritten_.pop_front();
+    writing_ = true;
+    StartWrite(&current_);
+  }
+
+  NotificationQueue* queue_;
+  absl::flat_hash_set<std::string> ids_;
+  uint64_t token_ = 0;
+  absl::Mutex mu_;
+  std::deque<v1::Notification> unwritten_ ABSL_GUARDED_BY(mu_);
+  v1::Notification current_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AgentService::AllocateSharedMemory(
+    grpc::CallbackServerContext* context, const v1::AllocateSharedMemoryRequest* request,
+    v1::AllocateSharedMemoryResponse* response) {
+  if (request->bytes() == 0 || request->bytes() > kMaxAllocationBytes) {
+    return Done(context, absl::InvalidArgumentError(fmt::format(
+                             "allocation '{}': {} bytes asked; ask for 1 byte to {} bytes",
+                             request->name(), request->bytes(), kMaxAllocationBytes)));
+  }
+  absl::MutexLock lock(&shm_mu_);
+  const std::string name =
+      fmt::format("/kvagent.{}.{}.{}.{}", SafeLabel(deps_.identity->name),
+                  SafeLabel(request->name().empty() ? "pool" : request->name()), getpid(),
+                  shm_counter_++);
+  auto mapping = registry::ShmMapping::Create(name, request->bytes());
+  if (!mapping.ok()) {
+    return Done(context, absl::Status(mapping.status().code(),
+                                      fmt::format("allocation '{}': {}", request->name(),
+                                                  mapping.status().message())));
+  }
+  allocations_.emplace(name, *std::move(mapping));
+  response->set_shm_name(name);
+  response->set_bytes(request->bytes());
+  kLog.Info("allocated shared memory {} ({} bytes)", name, request->bytes());
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::RegisterRegions(grpc::CallbackServerContext* context,
+                                                        const v1::RegisterRegionsRequest* request,
+                                                        v1::RegisterRegionsResponse* response) {
+  std::vector<v1::RegionSpec> specs(request->regions().begin(), request->regions().end());
+  auto result = deps_.registry->Register(specs, request->skip_empty());
+  if (!result.ok()) return Done(context, result.status());
+  for (const auto& region : result->regions) *response->add_regions() = region->Info();
+  for (const auto& name : result->skipped) response->add_skipped(name);
+  response->set_version(result->version);
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
+    grpc::CallbackServerContext* context, const v1::DeregisterRegionsRequest* request,
+    v1::DeregisterRegionsResponse* response) {
+  std::vector<std::string> names(request->names().begin(), request->names().end());
+  auto version = deps_.registry->Deregister(names);
+  if (!version.ok()) return Done(context, version.status());
+  response->set_version(*version);
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::ListRegions(grpc::CallbackServerContext* context,
+                                                    const v1::ListRegionsRequest* request,
+                                                    v1::ListRegionsResponse* response) {
+  for (const auto& region : deps_.registry->List()) *response->add_regions() = region->Info();
+  response->set_version(deps_.registry->version());
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* context,
+                                                  const v1::GetStatusRequest* request,
+                                                  v1::AgentStatus* response) {
+  const auto& id = *deps_.identity;
+  const auto& caps = deps_.context->capabilities();
+  response->set_name(id.name);
+  response->set_incarnation(id.incarnation);
+  response->set_listen_address(id.listen_address);
+  response->set_ucx_version(caps.version);
+  for (const auto& t : caps.transports) response->add_ucx_transports(t);
+  response->set_regions(static_cast<uint32_t>(deps_.registry->List().size()));
+  response->set_registered_bytes(deps_.registry->registered_bytes());
+  response->set_peers(static_cast<uint32_t>(deps_.peers->size()));
+  const TransferCounters counters = deps_.engine->counters();
+  response->set_transfers_active(counters.active);
+  response->set_transfers_completed(counters.completed);
+  response->set_transfers_failed(counters.failed);
+  response->set_notifications_queued(deps_.notifications->queued());
+  response->set_uptime_ms((MonotonicMicros() - id.start_us) / 1000);
+  response->set_metadata_version(deps_.registry->version());
+  response->set_pid(static_cast<uint32_t>(getpid()));
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::ConnectPeer(grpc::CallbackServerContext* context,
+                                                    const v1::ConnectPeerRequest* request,
+                                                    v1::PeerInfo* response) {
+  if (request->address().empty()) {
+    return Done(context, absl::InvalidArgumentError(
+                             "ConnectPeer: address is empty; give the peer agent's HOST:PORT"));
+  }
+  auto* reactor = context->DefaultReactor();
+  deps_.peers->Connect(request->address(),
+                       [reactor, response](absl::StatusOr<v1::PeerInfo> info) {
+                         if (info.ok()) *response = *std::move(info);
+                         reactor->Finish(ToGrpcStatus(info.status()));
+                       });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* context,
+                                                  const v1::ListPeersRequest* request,
+                                                  v1::ListPeersResponse* response) {
+  for (auto& info : deps_.peers->List()) *response->add_peers() = std::move(info);
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerContext* context,
+                                                       const v1::SubmitTransferRequest* request,
+                                                       v1::TransferState* response) {
+  if (!deps_.engine->NamesUnknownRemote(*request)) {
+    auto state = deps_.engine->Submit(*request);
+    if (state.ok()) *response = *std::move(state);
+    return Done(context, state.status());
+  }
+  // The peer may have registered it after our last poll: look again, then submit.
+  auto* reactor = context->DefaultReactor();
+  TransferEngine* engine = deps_.engine;
+  deps_.peers->RefreshAsync(request->peer(), [engine, reactor, request, response](absl::Status) {
+    auto state = engine->Submit(*request);
+    if (state.ok()) *response = *std::move(state);
+    reactor->Finish(ToGrpcStatus(state.status()));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext* context,
+                                                    const v1::GetTransferRequest* request,
+                                                    v1::TransferState* response) {
+  auto state = deps_.engine->Get(request->transfer_id());
+  if (state.ok()) *response = *std::move(state);
+  return Done(context, state.status());
+}
+
+grpc::ServerWriteReactor<v1::TransferState>* AgentService::WatchTransfer(
+    grpc::CallbackServerContext* context, const v1::GetTransferRequest* request) {
+  return new TransferWatchReactor(deps_.engine, request->transfer_id());
+}
+
+grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContext* context,
+                                                      const v1::ListTransfersRequest* request,
+                                                      v1::ListTransfersResponse* response) {
+  for (auto& state : deps_.engine->List(request->active_only())) {
+    *response->add_transfers() = std::move(state);
+  }
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AgentService::CancelTransfer(grpc::CallbackServerContext* context,
+                                                       const v1::CancelTransferRequest* request,
+                                                       v1::TransferState* response) {
+  auto state = deps_.engine->Cancel(request->transfer_id());
+  if (state.ok()) *response = *std::move(state);
+  return Done(context, state.status());
+}
+
+grpc::ServerUnaryReactor* AgentService::PollNotifications(
+    grpc::CallbackServerContext* context, const v1::PollNotificationsRequest* request,
+    v1::PollNotificationsResponse* response) {
+  absl::flat_hash_set<std::string> ids(request->transfer_ids().begin(),
+                                       request->transfer_ids().end());
+  for (auto& n : deps_.notifications->Poll(request->max(), ids)) {
+    *response->add_notifications() = std::move(n);
+  }
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerWriteReactor<v1::Notification>* AgentService::WatchNotifications(
+    grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) {
+  return new NotificationWatchReactor(deps_.notifications, *request);
+}
+
+grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* context,
+                                                   const v1::GetMetadataRequest* request,
+                                                   v1::AgentMetadata* response) {
+  const auto& id = *deps_.identity;
+  response->set_name(id.name);
+  response->set_incarnation(id.incarnation);
+  response->set_host_id(id.host_id);
+  response->set_pid(static_cast<uint32_t>(getpid()));
+  const uint64_t version = deps_.registry->version();
+  if (request->known_incarnation() == id.incarnation && request->known_version() == version) {
+    response->set_version(version);  // unchanged: the caller keeps what it has
+    return Done(context, absl::OkStatus());
+  }
+  response->set_worker_address(deps_.worker->address());
+  deps_.registry->Export(response);
+  return Done(context, absl::OkStatus());
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,113 @@
+// kvagentd: parses flags, starts the Agent, and waits for SIGTERM/SIGINT.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#include "absl/strings/numbers.h"
+#include "agent/agent.h"
+#include "fmt/format.h"
+#include "transport/base/log.h"
+
+namespace {
+
+constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
+
+  --name NAME                 agent name, unique among its peers (required)
+  --listen HOST:PORT          gRPC listen address (default 127.0.0.1:0; port 0 picks one)
+  --port-file PATH            write the bound port here once serving
+  --log-level LEVEL           trace|debug|info|warn|error|off (default info)
+  --transfer-timeout-ms N     default deadline of a transfer (default 30000)
+  --peer-refresh-ms N         how often peers are polled for changes and liveness (default 200)
+  --ucx-error-mode MODE       auto|peer|none (default auto: none for same-host peers,
+                              whose shared-memory transports UCX 1.13 disables under
+                              peer error handling; peer otherwise)
+  --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
+)";
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvagentd: %s\n%.*s", message.c_str(), static_cast<int>(kUsage.size()),
+               kUsage.data());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using kvagent::agent::ErrorModeChoice;
+  kvagent::agent::AgentOptions options;
+  uint32_t grace_ms = 5000;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fwrite(kUsage.data(), 1, kUsage.size(), stdout);
+      return 0;
+    }
+    std::string_view key = arg;
+    std::string value;
+    if (auto eq = arg.find('='); eq != std::string_view::npos) {
+      key = arg.substr(0, eq);
+      value = std::string(arg.substr(eq + 1));
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return Fail(fmt::format("flag {} needs a value", arg));
+    }
+    auto number = [&](uint32_t* out) {
+      if (!absl::SimpleAtoi(value, out)) {
+        std::exit(Fail(fmt::format("flag {}: '{}' is not a non-negative integer", key, value)));
+      }
+    };
+    if (key == "--name") {
+      options.name = value;
+    } else if (key == "--listen") {
+      options.listen = value;
+    } else if (key == "--port-file") {
+      options.port_file = value;
+    } else if (key == "--log-level") {
+      auto level = kvagent::log::ParseLevel(value);
+      if (!level.ok()) return Fail(std::string(level.status().message()));
+      kvagent::log::SetLevel(*level);
+    } else if (key == "--transfer-timeout-ms") {
+      number(&options.transfer_timeout_ms);
+    } else if (key == "--peer-refresh-ms") {
+      number(&options.peer_refresh_ms);
+    } else if (key == "--shutdown-grace-ms") {
+      number(&grace_ms);
+    } else if (key == "--ucx-error-mode") {
+      if (value == "auto") {
+        options.error_mode = ErrorModeChoice::kAuto;
+      } else if (value == "peer") {
+        options.error_mode = ErrorModeChoice::kPeer;
+      } else if (value == "none") {
+        options.error_mode = ErrorModeChoice::kNone;
+      } else {
+        return Fail(fmt::format("--ucx-error-mode '{}': use auto, peer or none", value));
+      }
+    } else {
+      return Fail(fmt::format("unknown flag {}", key));
+    }
+  }
+
+  // Block the stop signals before any thread starts so only sigwait sees them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto agent = kvagent::agent::Agent::Start(options);
+  if (!agent.ok()) {
+    std::fprintf(stderr, "kvagentd: cannot start: %s\n",
+                 std::string(agent.status().message()).c_str());
+    return 1;
+  }
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  (*agent)->Shutdown(absl::Milliseconds(grace_ms));
+  agent->reset();
+  return 0;
+}

@@ -1,0 +1,385 @@
+#include "agent/peer_manager.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_join.h"
+#include "agent/status_util.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "grpcpp/grpcpp.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("peers");
+
+void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
+}
+}  // namespace
+
+PeerManager::PeerManager(transport::UcxWorker* worker, PeerManagerOptions options)
+    : worker_(worker), options_(std::move(options)) {}
+
+PeerManager::~PeerManager() { Stop(); }
+
+void PeerManager::Connect(const std::string& address,
+                          std::function<void(absl::StatusOr<v1::PeerInfo>)> done) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  struct Call {
+    grpc::ClientContext context;
+    v1::GetMetadataRequest request;
+    v1::AgentMetadata reply;
+    std::unique_ptr<v1::Peer::Stub> stub;
+  };
+  auto call = std::make_shared<Call>();
+  call->stub = v1::Peer::NewStub(channel);
+  call->request.set_caller(options_.self_name);
+  SetDeadline(&call->context, options_.connect_timeout_ms);
+  call->stub->async()->GetMetadata(
+      &call->context, &call->request, &call->reply,
+      [this, call, channel, address, done = std::move(done)](grpc::Status status) {
+        if (!status.ok()) {
+          done(absl::UnavailableError(fmt::format(
+              "peer at {} did not answer GetMetadata: {} ({}); check that kvagentd runs there "
+              "and that the address and port are right",
+              address, status.error_message(), static_cast<int>(status.error_code()))));
+          return;
+        }
+        std::shared_ptr<const PeerSnapshot> previous;
+        {
+          absl::MutexLock lock(&mu_);
+          auto it = peers_.find(call->reply.name());
+          if (it != peers_.end()) previous = it->second.snapshot;
+        }
+        const uint64_t version = call->reply.version();
+        BuildSnapshot(address, call->reply, previous,
+                      [this, channel, address, version, done](
+                          absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
+                        if (!snapshot.ok()) {
+                          done(snapshot.status());
+                          return;
+                        }
+                        Install(address, channel, *snapshot, version);
+                        absl::MutexLock lock(&mu_);
+                        done(InfoLocked(peers_.at((*snapshot)->name)));
+                      });
+      });
+}
+
+void PeerManager::BuildSnapshot(
+    const std::string& address, const v1::AgentMetadata& metadata,
+    std::shared_ptr<const PeerSnapshot> previous,
+    std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done) {
+  auto catalog = registry::RemoteCatalog::FromMetadata(metadata);
+  if (!catalog.ok()) {
+    done(absl::Status(catalog.status().code(),
+                      fmt::format("peer at {} sent metadata that fails validation: {}", address,
+                                  catalog.status().message())));
+    return;
+  }
+  auto snapshot = std::make_shared<PeerSnapshot>();
+  snapshot->name = metadata.name();
+  snapshot->address = address;
+  snapshot->incarnation = metadata.incarnation();
+  snapshot->worker_address = metadata.worker_address();
+  snapshot->same_host = !options_.host_id.empty() && metadata.host_id() == options_.host_id;
+  switch (options_.error_mode) {
+    case ErrorModeChoice::kPeer: snapshot->error_mode = transport::ErrorMode::kPeer; break;
+    case ErrorModeChoice::kNone: snapshot->error_mode = transport::ErrorMode::kNone; break;
+    case ErrorModeChoice::kAuto:
+      // UCX 1.13 refuses shared-memory transports under peer error handling, so a
+      // same-host peer gets none and is watched by the agent itself.
+      snapshot->error_mode =
+          snapshot->same_host ? transport::ErrorMode::kNone : transport::ErrorMode::kPeer;
+      break;
+  }
+  snapshot->catalog = std::make_shared<registry::RemoteCatalog>(*std::move(catalog));
+  std::vector<std::string> rkeys;
+  rkeys.reserve(metadata.regions_size());
+  for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
+  worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys),
+                 done = std::move(done)]() mutable {
+    if (previous && previous->incarnation == snapshot->incarnation &&
+        previous->worker_address == snapshot->worker_address &&
+        previous->error_mode == snapshot->error_mode) {
+      snapshot->endpoint = previous->endpoint;
+      snapshot->transports = previous->transports;
+    } else {
+      const std::string name = snapshot->name;
+      auto endpoint = transport::Endpoint::Connect(
+          *worker_, snapshot->worker_address, snapshot->error_mode,
+          [name](absl::Status status) {
+            kLog.Warn("peer '{}' endpoint failed: {}", name, status.message());
+          });
+      if (!endpoint.ok()) {
+        done(absl::Status(endpoint.status().code(),
+                          fmt::format("peer '{}': cannot open a UCX endpoint: {}", name,
+                                      endpoint.status().message())));
+        return;
+      }
+      snapshot->endpoint = OwnedByWorker(worker_, *std::move(endpoint));
+      snapshot->transports = snapshot->endpoint->Transports();
+    }
+    auto table = std::make_unique<RkeyTable>();
+    table->endpoint = snapshot->endpoint;
+    const auto& regions = snapshot->catalog->regions();
+    table->keys.reserve(regions.size());
+    // rkey_slot is the region's index in the metadata, so keys follow that order.
+    for (size_t i = 0; i < regions.size(); ++i) {
+      auto key = snapshot->endpoint->UnpackRkey(rkeys[i]);
+      if (!key.ok()) {
+        done(absl::InvalidArgumentError(fmt::format(
+            "peer '{}' region '{}': its rkey does not unpack: {}; the peer's UCX may differ "
+            "from ours (compare `kvagentctl status` on both)",
+            snapshot->name, regions[i].name, key.status().message())));
+        return;
+      }
+      table->keys.push_back(*std::move(key));
+    }
+    snapshot->keys = OwnedByWorker(worker_, std::move(table));
+    done(std::shared_ptr<const PeerSnapshot>(std::move(snapshot)));
+  });
+}
+
+void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
+                          std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version) {
+  absl::MutexLock lock(&mu_);
+  Peer& peer = peers_[snapshot->name];
+  // Two refreshes may race; never go back to an older view of the same incarnation.
+  if (peer.snapshot && peer.snapshot->incarnation == snapshot->incarnation &&
+      peer.version > version) {
+    return;
+  }
+  if (!peer.snapshot || peer.snapshot->address != address || !peer.stub) {
+    peer.channel = std::move(channel);
+    peer.stub = v1::Peer::NewStub(peer.channel);
+  }
+  const bool changed = !peer.snapshot || peer.version != version ||
+                       peer.snapshot->incarnation != snapshot->incarnation;
+  if (changed) {
+    kLog.Info("peer '{}' at {}: incarnation {:x}, metadata version {}, {} regions, transports {}, "
+              "error mode {}",
+              snapshot->name, address, snapshot->incarnation, version,
+              snapshot->catalog->regions().size(), snapshot->transports,
+              transport::ErrorModeName(snapshot->error_mode));
+  }
+  peer.snapshot = std::move(snapshot);
+  peer.version = version;
+  peer.state = "connected";
+  peer.last_error.clear();
+  peer.last_seen_us = MonotonicMicros();
+}
+
+void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl::Status)> done) {
+  struct Call {
+    grpc::ClientContext context;
+    v1::GetMetadataRequest request;
+    v1::AgentMetadata reply;
+    std::shared_ptr<const PeerSnapshot> previous;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  auto call = std::make_shared<Call>();
+  v1::Peer::Stub* stub = nullptr;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) {
+      done(absl::NotFoundError(fmt::format("peer '{}' is not connected", name)));
+      return;
+    }
+    call->previous = it->second.snapshot;
+    call->channel = it->second.channel;
+    call->request.set_known_version(it->second.version);
+    call->request.set_known_incarnation(call->previous->incarnation);
+    stub = it->second.stub.get();
+  }
+  call->request.set_caller(options_.self_name);
+  SetDeadline(&call->context, options_.connect_timeout_ms);
+  stub->async()->GetMetadata(
+      &call->context, &call->request, &call->reply,
+      [this, call, name, done = std::move(done)](grpc::Status status) {
+        if (!status.ok()) {
+          done(absl::UnavailableError(fmt::format("peer '{}' did not answer GetMetadata: {}", name,
+                                                  status.error_message())));
+          return;
+        }
+        if (call->reply.incarnation() == call->previous->incarnation &&
+            call->reply.version() == call->request.known_version()) {
+          done(absl::OkStatus());
+          return;
+        }
+        const uint64_t version = call->reply.version();
+        const std::string address = call->previous->address;
+        BuildSnapshot(address, call->reply, call->previous,
+                      [this, call, address, version, done](
+                          absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
+                        if (!snapshot.ok()) {
+                          done(snapshot.status());
+                          return;
+                        }
+                        Install(address, call->channel, *snapshot, version);
+                        done(absl::OkStatus());
+                      });
+      });
+}
+
+absl::StatusOr<std::shared_ptr<const PeerSnapshot>> PeerManager::Get(const std::string& name) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = peers_.find(name);
+  if (it == peers_.end()) {
+    std::vector<std::string> names;
+    for (const auto& [n, p] : peers_) names.push_back(n);
+    return absl::NotFoundError(fmt::format(
+        "peer '{}' is not connected (connected: [{}]); connect it first with ConnectPeer "
+        "(`kvagentctl --agent ADDR connect PEER_ADDR`)",
+        name, absl::StrJoin(names, ", ")));
+  }
+  if (it->second.state != "connected") {
+    return absl::UnavailableError(fmt::format(
+        "peer '{}' at {} is {}: {}; transfers to it fail until it answers again", name,
+        it->second.snapshot->address, it->second.state, it->second.last_error));
+  }
+  return it->second.snapshot;
+}
+
+v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
+  v1::PeerInfo info;
+  const PeerSnapshot& s = *peer.snapshot;
+  info.set_name(s.name);
+  info.set_address(s.address);
+  info.set_incarnation(s.incarnation);
+  info.set_metadata_version(peer.version);
+  info.set_regions(static_cast<uint32_t>(s.catalog->regions().size()));
+  info.set_error_mode(std::string(transport::ErrorModeName(s.error_mode)));
+  info.set_transports(s.transports);
+  info.set_same_host(s.same_host);
+  info.set_state(peer.state);
+  info.set_last_error(peer.last_error);
+  info.set_last_seen_ms_ago((MonotonicMicros() - peer.last_seen_us) / 1000);
+  return info;
+}
+
+std::vector<v1::PeerInfo> PeerManager::List() const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<v1::PeerInfo> out;
+  for (const auto& [name, peer] : peers_) out.push_back(InfoLocked(peer));
+  std::sort(out.begin(), out.end(),
+            [](const v1::PeerInfo& a, const v1::PeerInfo& b) { return a.name() < b.name(); });
+  return out;
+}
+
+size_t PeerManager::size() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return peers_.size();
+}
+
+void PeerManager::StartMonitor() {
+  monitor_ = std::thread([this] { MonitorLoop(); });
+}
+
+void PeerManager::Stop() {
+  if (!stopping_.exchange(true)) {
+    {
+      absl::MutexLock lock(&monitor_mu_);
+      monitor_cv_.SignalAll();
+    }
+    if (monitor_.joinable()) monitor_.join();
+  }
+  absl::flat_hash_map<std::string, Peer> peers;
+  {
+    absl::MutexLock lock(&mu_);
+    peers.swap(peers_);
+  }
+}
+
+void PeerManager::MonitorLoop() {
+  while (!stopping_.load()) {
+    {
+      absl::MutexLock lock(&monitor_mu_);
+      monitor_cv_.WaitWithTimeout(&monitor_mu_, absl::Milliseconds(options_.refresh_ms));
+    }
+    if (stopping_.load()) break;
+    std::vector<std::string> names;
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      for (const auto& [name, peer] : peers_) names.push_back(name);
+    }
+    for (const auto& name : names) RefreshOne(name);
+  }
+}
+
+void PeerManager::RefreshOne(const std::string& name) {
+  v1::GetMetadataRequest request;
+  request.set_caller(options_.self_name);
+  std::shared_ptr<const PeerSnapshot> previous;
+  v1::Peer::Stub* stub = nullptr;
+  std::shared_ptr<grpc::Channel> channel;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    previous = it->second.snapshot;
+    stub = it->second.stub.get();
+    channel = it->second.channel;
+    request.set_known_version(it->second.version);
+    request.set_known_incarnation(previous->incarnation);
+  }
+  grpc::ClientContext context;
+  SetDeadline(&context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
+  v1::AgentMetadata reply;
+  // The stub stays valid: peers are removed only by Stop(), after this thread ends.
+  grpc::Status status = stub->GetMetadata(&context, request, &reply);
+  if (!status.ok()) {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    if (it->second.state == "connected") {
+      kLog.Warn("peer '{}' at {} stopped answering: {}", name, previous->address,
+                status.error_message());
+    }
+    it->second.state = "unreachable";
+    it->second.last_error = status.error_message();
+    return;
+  }
+  if (reply.name() != name) {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    it->second.state = "unreachable";
+    it->second.last_error = fmt::format("the agent at {} now calls itself '{}'",
+                                        previous->address, reply.name());
+    return;
+  }
+  if (reply.incarnation() == previous->incarnation && reply.version() == request.known_version()) {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    it->second.state = "connected";
+    it->second.last_error.clear();
+    it->second.last_seen_us = MonotonicMicros();
+    return;
+  }
+  // Changed: rebuild the snapshot, and wait for it so refreshes stay in order.
+  absl::Notification built;
+  const std::string address = previous->address;
+  const uint64_t version = reply.version();
+  BuildSnapshot(address, reply, previous,
+                [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
+                  if (snapshot.ok()) {
+                    Install(address, channel, *snapshot, version);
+                  } else {
+                    absl::MutexLock lock(&mu_);
+                    auto it = peers_.find(name);
+                    if (it != peers_.end()) {
+                      it->second.state = "unreachable";
+                      it->second.last_error = std::string(snapshot.status().message());
+                    }
+                  }
+                  built.Notify();
+                });
+  built.WaitForNotification();
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,121 @@
+// PeerManager connects this agent to peer agents: it fetches their metadata over
+// gRPC (untrusted: validated by registry::RemoteCatalog), opens a UCX endpoint,
+// unpacks their rkeys, and polls them every refresh period for region changes and
+// liveness. The transfer engine reads immutable PeerSnapshots from it.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "proto/kvagent.grpc.pb.h"
+#include "registry/remote_catalog.h"
+#include "transport/ucx_worker.h"
+
+namespace kvagent::agent {
+
+// Deletes on the worker thread: UCX endpoints and rkeys may be touched only there.
+template <typename T>
+std::shared_ptr<T> OwnedByWorker(transport::UcxWorker* worker, std::unique_ptr<T> object) {
+  return std::shared_ptr<T>(object.release(), [worker](T* p) {
+    if (worker->OnWorkerThread()) {
+      delete p;
+    } else {
+      worker->Post([p] { delete p; });
+    }
+  });
+}
+
+// Unpacked rkeys of one metadata version, indexed by RemoteRegion::rkey_slot.
+struct RkeyTable {
+  std::shared_ptr<transport::Endpoint> endpoint;  // outlives the keys
+  std::vector<transport::RemoteKey> keys;
+};
+
+// One consistent view of a peer: catalog, endpoint and keys of the same version.
+struct PeerSnapshot {
+  std::string name;
+  std::string address;
+  uint64_t incarnation = 0;
+  std::string worker_address;
+  bool same_host = false;
+  transport::ErrorMode error_mode = transport::ErrorMode::kNone;
+  std::string transports;
+  std::shared_ptr<const registry::RemoteCatalog> catalog;
+  std::shared_ptr<transport::Endpoint> endpoint;  // worker thread only
+  std::shared_ptr<RkeyTable> keys;                // worker thread only
+};
+
+enum class ErrorModeChoice { kAuto, kPeer, kNone };
+
+struct PeerManagerOptions {
+  std::string self_name;
+  std::string host_id;
+  ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
+  uint32_t refresh_ms = 200;
+  uint32_t connect_timeout_ms = 5000;
+};
+
+class PeerManager {
+ public:
+  PeerManager(transport::UcxWorker* worker, PeerManagerOptions options);
+  ~PeerManager();
+
+  // Fetches the peer's metadata and connects; `done` runs on a gRPC or worker
+  // thread. Connecting an already connected peer refreshes it.
+  void Connect(const std::string& address, std::function<void(absl::StatusOr<v1::PeerInfo>)> done);
+  // NOT_FOUND (with the connected names and the fix) when `name` is not connected;
+  // UNAVAILABLE when it stopped answering.
+  absl::StatusOr<std::shared_ptr<const PeerSnapshot>> Get(const std::string& name) const;
+  // Fetches `name`'s metadata now instead of at the next poll (a region the peer
+  // registered a moment ago); `done` runs on a gRPC or worker thread.
+  void RefreshAsync(const std::string& name, std::function<void(absl::Status)> done);
+  std::vector<v1::PeerInfo> List() const;
+  size_t size() const;
+
+  void StartMonitor();
+  // Stops the monitor and drops every peer (endpoints close on the worker).
+  void Stop();
+
+ private:
+  struct Peer {
+    std::shared_ptr<const PeerSnapshot> snapshot;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Peer::Stub> stub;
+    uint64_t version = 0;
+    std::string state = "connected";
+    std::string last_error;
+    uint64_t last_seen_us = 0;
+  };
+
+  // Validates metadata and builds a snapshot on the worker thread, reusing the
+  // endpoint of `previous` when the peer's worker is the same.
+  void BuildSnapshot(const std::string& address, const v1::AgentMetadata& metadata,
+                     std::shared_ptr<const PeerSnapshot> previous,
+                     std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done);
+  void Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
+               std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version);
+  void MonitorLoop();
+  void RefreshOne(const std::string& name);
+  v1::PeerInfo InfoLocked(const Peer& peer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  transport::UcxWorker* worker_;
+  PeerManagerOptions options_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> stopping_{false};
+  absl::Mutex monitor_mu_;
+  absl::CondVar monitor_cv_;
+  std::thread monitor_;
+};
+
+}  // namespace kvagent::agent

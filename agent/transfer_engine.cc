@@ -1,0 +1,523 @@
+#include "agent/transfer_engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/hash/hash.h"
+#include "agent/status_util.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("transfers");
+constexpr size_t kMaxTransferIdBytes = 256;
+
+uint64_t Digest(const v1::SubmitTransferRequest& request) {
+  v1::SubmitTransferRequest copy = request;
+  copy.clear_timeout_ms();  // a retry may carry a different deadline
+  return absl::Hash<std::string>{}(copy.SerializeAsString());
+}
+
+std::string_view OpName(v1::TransferOp op) { return op == v1::READ ? "READ" : "WRITE"; }
+}  // namespace
+
+TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionRegistry* registry,
+                               PeerManager* peers, NotificationQueue* notifications,
+                               TransferEngineOptions options)
+    : worker_(worker),
+      registry_(registry),
+      peers_(peers),
+      notifications_(notifications),
+      options_(std::move(options)) {}
+
+TransferEngine::~TransferEngine() { Stop(absl::ZeroDuration()); }
+
+void TransferEngine::Start() {
+  worker_->SetAmHandler(kNotificationAmId, [this](std::string_view header, std::string_view data) {
+    OnNotification(header, data);
+  });
+  deadline_thread_ = std::thread([this] { DeadlineLoop(); });
+}
+
+void TransferEngine::Stop(absl::Duration grace) {
+  if (stopping_.exchange(true)) return;
+  {
+    absl::MutexLock lock(&deadline_mu_);
+    deadline_cv_.SignalAll();
+  }
+  if (deadline_thread_.joinable()) deadline_thread_.join();
+  absl::Time until = absl::Now() + grace;
+  absl::MutexLock lock(&mu_);
+  // Let running transfers finish within the grace period, then fail the rest.
+  auto all_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_.empty(); };
+  mu_.AwaitWithDeadline(absl::Condition(&all_done), until);
+  std::vector<std::string> ids(active_.begin(), active_.end());
+  for (const auto& id : ids) {
+    Transfer& t = *transfers_.at(id);
+    Finish(t, v1::FAILED,
+           absl::UnavailableError(fmt::format(
+               "transfer '{}' was still running when agent '{}' shut down", id, options_.self_name)),
+           -1);
+  }
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [id, t] : transfers_) {
+      if (t->inflight) return false;
+    }
+    return true;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&drained), absl::Seconds(2));
+}
+
+bool TransferEngine::Terminal(v1::TransferPhase phase) {
+  return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
+         phase == v1::TIMED_OUT;
+}
+
+void TransferEngine::Publish(Transfer& t) {
+  for (auto& [token, watcher] : t.watchers) watcher(t.state);
+}
+
+void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status status,
+                            int32_t segment) {
+  if (Terminal(t.state.phase())) return;
+  t.state.set_phase(phase);
+  t.state.set_error_code(static_cast<int32_t>(status.code()));
+  t.state.set_error_message(std::string(status.message()));
+  t.state.set_failed_segment(segment);
+  t.state.set_latency_us(MonotonicMicros() - t.start_us);
+  t.state.set_drained(!t.inflight);
+  t.chunks.clear();
+  active_.erase(t.state.transfer_id());
+  finished_order_.push_back(t.state.transfer_id());
+  if (phase == v1::COMPLETED) {
+    ++completed_;
+  } else {
+    ++failed_;
+    kLog.Info("transfer '{}' {}: {}", t.state.transfer_id(), v1::TransferPhase_Name(phase),
+              status.message());
+  }
+  Publish(t);
+  PruneLocked();
+}
+
+void TransferEngine::PruneLocked() {
+  while (finished_order_.size() > options_.max_finished) {
+    auto it = transfers_.find(finished_order_.front());
+    // Keep entries whose operations still drain; they are pruned on a later pass.
+    if (it != transfers_.end() && !it->second->inflight && it->second->watchers.empty()) {
+      transfers_.erase(it);
+    }
+    finished_order_.pop_front();
+  }
+}
+
+absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransferRequest& request) {
+  const std::string& id = request.transfer_id();
+  if (id.empty() || id.size() > kMaxTransferIdBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer_id '{}' is {} bytes; give each transfer a non-empty id of at most {} bytes "
+        "(the request id or bootstrap room)",
+        id.substr(0, 64), id.size(), kMaxTransferIdBytes));
+  }
+  if (request.op() != v1::WRITE && request.op() != v1::READ) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': op is not set; use WRITE (push local items to the peer) or READ (pull "
+        "the peer's items)",
+        id));
+  }
+  if (request.notification().size() > options_.max_notification_bytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': notification is {} bytes, over the limit of {}; send a short token and "
+        "move bulk data as an AUX byte segment",
+        id, request.notification().size(), options_.max_notification_bytes));
+  }
+  if (request.segments_size() == 0 && (request.chunk() == 0 || request.more_chunks())) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}' chunk {}: no segments; only a closing chunk (more_chunks=false after "
+        "chunk 0) may be empty",
+        id, request.chunk()));
+  }
+  const uint64_t digest = Digest(request);
+
+  // Idempotency and chunk order are checked before planning, so a retry of a chunk
+  // that was accepted returns the state even if the peer changed since.
+  TransferPtr existing;
+  uint32_t first_segment = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = transfers_.find(id);
+    if (it != transfers_.end()) {
+      existing = it->second;
+      Transfer& t = *existing;
+      if (request.chunk() < t.chunk_digests.size()) {
+        if (t.chunk_digests[request.chunk()] == digest) return t.state;
+        return absl::AlreadyExistsError(fmt::format(
+            "transfer '{}' chunk {} was already submitted with different content; a retry must "
+            "repeat the request exactly, a new transfer needs a new transfer_id",
+            id, request.chunk()));
+      }
+      if (t.state.peer() != request.peer() || t.state.op() != request.op()) {
+        return absl::AlreadyExistsError(fmt::format(
+            "transfer '{}' exists with peer '{}' and op {}; chunk {} names peer '{}' and op {}; "
+            "use a new transfer_id",
+            id, t.state.peer(), OpName(t.state.op()), request.chunk(), request.peer(),
+            OpName(request.op())));
+      }
+      if (Terminal(t.state.phase())) {
+        return absl::FailedPreconditionError(fmt::format(
+            "transfer '{}' is already {} ; chunk {} cannot be added; submit a new transfer_id",
+            id, v1::TransferPhase_Name(t.state.phase()), request.chunk()));
+      }
+      if (t.state.last_chunk_received()) {
+        return absl::FailedPreconditionError(fmt::format(
+            "transfer '{}' already received its last chunk ({}); chunk {} comes after it",
+            id, t.chunk_digests.size() - 1, request.chunk()));
+      }
+      if (request.chunk() != t.chunk_digests.size()) {
+        return absl::FailedPreconditionError(fmt::format(
+            "transfer '{}': chunk {} arrived but chunk {} is next; submit chunks in order",
+            id, request.chunk(), t.chunk_digests.size()));
+      }
+      first_segment = t.segments;
+    } else if (request.chunk() != 0) {
+      return absl::FailedPreconditionError(fmt::format(
+          "transfer '{}' is not known and chunk {} is not its first; submit chunk 0 first", id,
+          request.chunk()));
+    }
+  }
+
+  auto peer = peers_->Get(request.peer());
+  if (!peer.ok()) {
+    return absl::Status(peer.status().code(),
+                        fmt::format("transfer '{}': {}", id, peer.status().message()));
+  }
+  auto plan = registry::PlanTransfer(*registry_, *(*peer)->catalog, request.segments(),
+                                     first_segment);
+  if (!plan.ok()) {
+    return absl::Status(plan.status().code(),
+                        fmt::format("transfer '{}' to peer '{}': {}", id, request.peer(),
+                                    plan.status().message()));
+  }
+
+  TransferPtr t;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = transfers_.find(id);
+    if (existing == nullptr) {
+      if (it != transfers_.end()) {
+        // Lost a race with an identical or conflicting first chunk.
+        if (it->second->chunk_digests.size() > 0 && it->second->chunk_digests[0] == digest) {
+          return it->second->state;
+        }
+        return absl::AlreadyExistsError(
+            fmt::format("transfer '{}' was submitted concurrently with different content", id));
+      }
+      t = std::make_shared<Transfer>();
+      t->state.set_transfer_id(id);
+      t->state.set_peer(request.peer());
+      t->state.set_op(request.op());
+      t->state.set_phase(v1::PENDING);
+      t->state.set_failed_segment(-1);
+      t->state.set_submitted_unix_us(UnixMicros());
+      t->start_us = MonotonicMicros();
+      const uint32_t timeout_ms =
+          request.timeout_ms() ? request.timeout_ms() : options_.default_timeout_ms;
+      t->deadline_us = t->start_us + uint64_t{timeout_ms} * 1000;
+      transfers_[id] = t;
+      active_.insert(id);
+    } else {
+      t = existing;
+      if (it == transfers_.end() || it->second != t || Terminal(t->state.phase()) ||
+          t->chunk_digests.size() != request.chunk()) {
+        return absl::AbortedError(fmt::format(
+            "transfer '{}' changed while chunk {} was planned (cancelled, timed out or a "
+            "concurrent chunk); query it and resubmit",
+            id, request.chunk()));
+      }
+    }
+    t->chunk_digests.push_back(digest);
+    t->segments += request.segments_size();
+    t->state.set_chunks(t->chunk_digests.size());
+    t->state.set_bytes_total(t->state.bytes_total() + plan->bytes);
+    t->state.set_items(t->state.items() + plan->items);
+    t->state.set_runs(t->state.runs() + plan->ops.size());
+    if (!request.more_chunks()) {
+      t->state.set_last_chunk_received(true);
+      t->notification = request.notification();
+    }
+    t->last_peer = *peer;
+    if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0});
+    Publish(*t);
+    worker_->Post([this, t] { Pump(t); });
+    return t->state;
+  }
+}
+
+void TransferEngine::Pump(const TransferPtr& t) {
+  enum class Action { kNone, kCancelNotice, kNotify, kBatch };
+  Action action = Action::kNone;
+  std::shared_ptr<const PeerSnapshot> peer;
+  std::vector<registry::PlanOp> ops;
+  uint64_t bytes = 0;
+  v1::Notification notice;
+  v1::TransferOp op;
+  {
+    absl::MutexLock lock(&mu_);
+    if (t->inflight) return;  // the pending flush pumps again
+    op = t->state.op();
+    notice.set_from_agent(options_.self_name);
+    notice.set_transfer_id(t->state.transfer_id());
+    if (Terminal(t->state.phase())) {
+      if (!t->state.drained()) {
+        t->state.set_drained(true);
+        Publish(*t);
+      }
+      // Tell the peer of a cancel only once nothing of ours can still write its memory.
+      if (t->state.phase() == v1::CANCELLED && !t->cancel_sent && t->last_peer) {
+        t->cancel_sent = true;
+        notice.set_kind(v1::CANCELLED_BY_PEER);
+        notice.set_bytes(t->state.bytes_done());
+        peer = t->last_peer;
+        action = Action::kCancelNotice;
+      }
+    } else if (t->chunks.empty()) {
+      if (!t->state.last_chunk_received() || t->notified) return;
+      t->notified = true;
+      t->inflight = true;
+      notice.set_payload(t->notification);
+      notice.set_kind(v1::DATA_READY);
+      notice.set_bytes(t->state.bytes_total());
+      peer = t->last_peer;
+      action = Action::kNotify;
+    } else {
+      Chunk& chunk = t->chunks.front();
+      peer = chunk.peer;
+      const auto& planned = chunk.plan.ops;
+      while (chunk.next_op < planned.size() && ops.size() < options_.batch_ops &&
+             bytes < options_.batch_bytes) {
+        bytes += planned[chunk.next_op].length;
+        ops.push_back(planned[chunk.next_op++]);
+      }
+      if (chunk.next_op == planned.size()) t->chunks.pop_front();
+      t->inflight = true;
+      if (t->state.phase() == v1::PENDING) {
+        t->state.set_phase(v1::TRANSFERRING);
+        Publish(*t);
+      }
+      action = Action::kBatch;
+    }
+  }
+
+  switch (action) {
+    case Action::kNone:
+      return;
+    case Action::kCancelNotice:
+      peer->endpoint->SendAm(kNotificationAmId, {}, notice.SerializeAsString(), [](absl::Status) {});
+      return;
+    case Action::kNotify:
+      peer->endpoint->SendAm(
+          kNotificationAmId, {}, notice.SerializeAsString(), [this, t](absl::Status status) {
+            absl::MutexLock lock(&mu_);
+            t->inflight = false;
+            if (status.ok()) {
+              Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
+            } else {
+              Finish(*t, v1::FAILED,
+                     absl::UnavailableError(fmt::format(
+                         "transfer '{}': the data is in place but the notification to peer "
+                         "'{}' failed: {}",
+                         t->state.transfer_id(), t->state.peer(), status.message())),
+                     -1);
+            }
+            if (!t->state.drained()) {
+              t->state.set_drained(true);
+              Publish(*t);
+            }
+          });
+      return;
+    case Action::kBatch:
+      break;
+  }
+
+  const auto& keys = peer->keys->keys;
+  transport::Endpoint& endpoint = *peer->endpoint;
+  absl::Status posted;
+  int32_t failed_segment = -1;
+  for (const auto& o : ops) {
+    posted = op == v1::WRITE
+                 ? endpoint.Put(reinterpret_cast<const void*>(o.local_address), o.length,
+                                o.remote_address, keys[o.rkey_slot])
+                 : endpoint.Get(reinterpret_cast<void*>(o.local_address), o.length,
+                                o.remote_address, keys[o.rkey_slot]);
+    if (!posted.ok()) {
+      failed_segment = static_cast<int32_t>(o.segment);
+      break;
+    }
+  }
+  const int32_t first_segment = static_cast<int32_t>(ops.front().segment);
+  endpoint.Flush([this, t, posted, failed_segment, first_segment, bytes](absl::Status flushed) {
+    {
+      absl::MutexLock lock(&mu_);
+      t->inflight = false;
+      if (!posted.ok()) {
+        Finish(*t, v1::FAILED,
+               absl::Status(posted.code(),
+                            fmt::format("transfer '{}' segment {}: posting to peer '{}' failed: {}",
+                                        t->state.transfer_id(), failed_segment, t->state.peer(),
+                                        posted.message())),
+               failed_segment);
+      } else if (!flushed.ok()) {
+        Finish(*t, v1::FAILED,
+               absl::UnavailableError(fmt::format(
+                   "transfer '{}' segment {}: peer '{}' did not complete the operations: {}",
+                   t->state.transfer_id(), first_segment, t->state.peer(), flushed.message())),
+               first_segment);
+      } else {
+        t->state.set_bytes_done(t->state.bytes_done() + bytes);
+        if (!Terminal(t->state.phase())) Publish(*t);
+      }
+    }
+    // Flush may complete inline; posting keeps the stack flat over many batches.
+    worker_->Post([this, t] { Pump(t); });
+  });
+}
+
+void TransferEngine::OnNotification(std::string_view header, std::string_view data) {
+  v1::Notification n;
+  if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
+    kLog.Warn("dropped a notification of {} bytes that does not parse", data.size());
+    return;
+  }
+  n.set_received_unix_us(UnixMicros());
+  notifications_received_.fetch_add(1);
+  notifications_->Push(std::move(n));
+}
+
+bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request) const {
+  auto peer = peers_->Get(request.peer());
+  if (!peer.ok()) return false;
+  const registry::RemoteCatalog& catalog = *(*peer)->catalog;
+  for (const auto& segment : request.segments()) {
+    if (segment.has_items() && catalog.FindGroup(segment.items().remote_group()).empty()) return true;
+    if (segment.has_bytes() && catalog.Find(segment.bytes().remote_region()) == nullptr) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<v1::TransferState> TransferEngine::Get(const std::string& transfer_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) {
+    return absl::NotFoundError(fmt::format(
+        "transfer '{}' is not known here (finished transfers are kept for the last {}); list "
+        "them with `kvagentctl transfers`",
+        transfer_id, options_.max_finished));
+  }
+  return it->second->state;
+}
+
+absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& transfer_id) {
+  TransferPtr t;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = transfers_.find(transfer_id);
+    if (it == transfers_.end()) {
+      return absl::NotFoundError(
+          fmt::format("transfer '{}' is not known here; nothing to cancel", transfer_id));
+    }
+    t = it->second;
+    if (Terminal(t->state.phase())) return t->state;
+    Finish(*t, v1::CANCELLED,
+           absl::CancelledError(fmt::format("transfer '{}' was cancelled", transfer_id)), -1);
+  }
+  worker_->Post([this, t] { Pump(t); });
+  absl::MutexLock lock(&mu_);
+  return t->state;
+}
+
+std::vector<v1::TransferState> TransferEngine::List(bool active_only) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::TransferState> out;
+  for (const auto& [id, t] : transfers_) {
+    if (!active_only || !Terminal(t->state.phase())) out.push_back(t->state);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.submitted_unix_us() < b.submitted_unix_us();
+  });
+  return out;
+}
+
+TransferCounters TransferEngine::counters() const {
+  absl::MutexLock lock(&mu_);
+  TransferCounters c;
+  c.active = active_.size();
+  c.completed = completed_;
+  c.failed = failed_;
+  c.notifications_received = notifications_received_.load();
+  return c;
+}
+
+absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id, Watcher watcher) {
+  absl::MutexLock lock(&mu_);
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) {
+    return absl::NotFoundError(fmt::format(
+        "transfer '{}' is not known here; submit it before watching it", transfer_id));
+  }
+  const uint64_t token = next_token_++;
+  watcher(it->second->state);
+  it->second->watchers.emplace_back(token, std::move(watcher));
+  return token;
+}
+
+void TransferEngine::Unwatch(const std::string& transfer_id, uint64_t token) {
+  absl::MutexLock lock(&mu_);
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) return;
+  auto& watchers = it->second->watchers;
+  watchers.erase(std::remove_if(watchers.begin(), watchers.end(),
+                                [token](const auto& w) { return w.first == token; }),
+                 watchers.end());
+}
+
+void TransferEngine::DeadlineLoop() {
+  while (!stopping_.load()) {
+    {
+      absl::MutexLock lock(&deadline_mu_);
+      deadline_cv_.WaitWithTimeout(&deadline_mu_, absl::Milliseconds(5));
+    }
+    std::vector<TransferPtr> expired;
+    {
+      absl::MutexLock lock(&mu_);
+      const uint64_t now = MonotonicMicros();
+      for (const auto& id : active_) {
+        const TransferPtr& t = transfers_.at(id);
+        if (now >= t->deadline_us) expired.push_back(t);
+      }
+      for (const auto& t : expired) {
+        const int32_t segment = t->chunks.empty()
+                                    ? -1
+                                    : static_cast<int32_t>(
+                                          t->chunks.front().plan.ops[t->chunks.front().next_op == 0
+                                                                         ? 0
+                                                                         : t->chunks.front().next_op - 1]
+                                              .segment);
+        Finish(*t, v1::TIMED_OUT,
+               absl::DeadlineExceededError(fmt::format(
+                   "transfer '{}' to peer '{}' passed its deadline of {} ms with {} of {} bytes "
+                   "in place{}; raise timeout_ms or --transfer-timeout-ms, or check the peer "
+                   "(`kvagentctl peers`)",
+                   t->state.transfer_id(), t->state.peer(),
+                   (t->deadline_us - t->start_us) / 1000, t->state.bytes_done(),
+                   t->state.bytes_total(),
+                   t->state.last_chunk_received() ? "" : " and its last chunk never submitted")),
+               segment);
+      }
+    }
+    for (const auto& t : expired) worker_->Post([this, t] { Pump(t); });
+  }
+}
+
+}  // namespace kvagent::agent

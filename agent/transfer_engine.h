@@ -1,0 +1,132 @@
+// TransferEngine runs transfers: it validates and plans each chunk on the caller's
+// thread, then posts the planned operations on the UCX worker thread in bounded
+// batches (put/get, one flush per batch), and after the final chunk's data is in
+// place sends the notification as an active message. It also receives peers'
+// notifications into the NotificationQueue. Used by the gRPC service.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/notification_queue.h"
+#include "agent/peer_manager.h"
+#include "proto/kvagent.pb.h"
+#include "registry/region_registry.h"
+#include "registry/transfer_plan.h"
+#include "transport/ucx_worker.h"
+
+namespace kvagent::agent {
+
+inline constexpr uint16_t kNotificationAmId = 1;
+
+struct TransferEngineOptions {
+  std::string self_name;
+  uint32_t default_timeout_ms = 30000;
+  uint64_t batch_bytes = 64ull << 20;  // bytes posted before each flush
+  uint32_t batch_ops = 8192;           // operations posted before each flush
+  uint64_t max_notification_bytes = 64 << 10;
+  uint32_t max_finished = 10000;       // finished transfers kept for queries
+};
+
+struct TransferCounters {
+  uint64_t active = 0;
+  uint64_t completed = 0;
+  uint64_t failed = 0;  // failed, cancelled or timed out
+  uint64_t notifications_received = 0;
+};
+
+class TransferEngine {
+ public:
+  using Watcher = std::function<void(const v1::TransferState&)>;
+
+  TransferEngine(transport::UcxWorker* worker, registry::RegionRegistry* registry,
+                 PeerManager* peers, NotificationQueue* notifications,
+                 TransferEngineOptions options);
+  ~TransferEngine();
+
+  // Installs the notification handler and starts the deadline thread.
+  void Start();
+  // Fails what is still running with `reason` and waits up to `grace` for posted
+  // operations to drain.
+  void Stop(absl::Duration grace);
+
+  absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request);
+  // True when the request names a remote group or region that the peer's current
+  // catalog lacks: the caller refreshes the peer once before submitting, so a region
+  // the peer registered a moment ago is found.
+  bool NamesUnknownRemote(const v1::SubmitTransferRequest& request) const;
+  absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id) const;
+  absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id);
+  std::vector<v1::TransferState> List(bool active_only) const;
+  TransferCounters counters() const;
+
+  // Calls `watcher` now with the current state and after every change, under the
+  // engine's lock (it must not call back into the engine). Returns a token.
+  absl::StatusOr<uint64_t> Watch(const std::string& transfer_id, Watcher watcher);
+  void Unwatch(const std::string& transfer_id, uint64_t token);
+
+ private:
+  struct Chunk {
+    registry::TransferPlan plan;
+    std::shared_ptr<const PeerSnapshot> peer;  // the catalog and keys the plan used
+    size_t next_op = 0;
+  };
+  struct Transfer {
+    v1::TransferState state;
+    std::vector<uint64_t> chunk_digests;
+    std::string notification;
+    std::deque<Chunk> chunks;  // planned, not yet fully posted
+    std::shared_ptr<const PeerSnapshot> last_peer;
+    uint32_t segments = 0;
+    bool inflight = false;     // a batch or the notification is posted
+    bool notified = false;
+    bool cancel_sent = false;
+    uint64_t start_us = 0;     // monotonic
+    uint64_t deadline_us = 0;  // monotonic
+    std::vector<std::pair<uint64_t, Watcher>> watchers;
+  };
+  using TransferPtr = std::shared_ptr<Transfer>;
+
+  static bool Terminal(v1::TransferPhase phase);
+  void Publish(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Finish(Transfer& t, v1::TransferPhase phase, absl::Status status, int32_t segment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Worker thread: posts the next batch, the notification, or records the drain.
+  void Pump(const TransferPtr& t);
+  void OnNotification(std::string_view header, std::string_view data);
+  void DeadlineLoop();
+
+  transport::UcxWorker* worker_;
+  registry::RegionRegistry* registry_;
+  PeerManager* peers_;
+  NotificationQueue* notifications_;
+  TransferEngineOptions options_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, TransferPtr> transfers_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> active_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uint64_t> notifications_received_{0};
+
+  std::atomic<bool> stopping_{false};
+  absl::Mutex deadline_mu_;
+  absl::CondVar deadline_cv_;
+  std::thread deadline_thread_;
+};
+
+}  // namespace kvagent::agent

@@ -1,0 +1,171 @@
+#include "cli/daemon_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include "fmt/format.h"
+#include "transport/base/format.h"
+
+extern char** environ;
+
+namespace kvagent::cli {
+namespace {
+
+bool IsExecutable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
+
+std::string Tail(const std::string& path, size_t bytes) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return text.size() > bytes ? text.substr(text.size() - bytes) : text;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> FindKvagentd(const std::string& argv0) {
+  if (const char* env = std::getenv("KVAGENTD"); env && *env) {
+    if (IsExecutable(env)) return std::string(env);
+    return absl::NotFoundError(fmt::format("$KVAGENTD={} is not an executable file", env));
+  }
+  std::vector<std::string> candidates;
+  if (const char* srcdir = std::getenv("TEST_SRCDIR")) {
+    candidates.push_back(fmt::format("{}/kvagent/agent/kvagentd", srcdir));
+  }
+  if (const char* runfiles = std::getenv("RUNFILES_DIR")) {
+    candidates.push_back(fmt::format("{}/kvagent/agent/kvagentd", runfiles));
+  }
+  candidates.push_back(argv0 + ".runfiles/kvagent/agent/kvagentd");
+  const std::string dir = argv0.substr(0, argv0.rfind('/') == std::string::npos ? 0 : argv0.rfind('/'));
+  candidates.push_back((dir.empty() ? std::string(".") : dir) + "/../agent/kvagentd");
+  candidates.push_back((dir.empty() ? std::string(".") : dir) + "/kvagentd");
+  for (const auto& c : candidates) {
+    if (IsExecutable(c)) return c;
+  }
+  return absl::NotFoundError(fmt::format(
+      "kvagentd not found (looked at {}); build it with `bazel build //agent:kvagentd` and "
+      "pass --kvagentd PATH or set KVAGENTD",
+      fmt::join(candidates, ", ")));
+}
+
+absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options) {
+  const std::string port_file = fmt::format("{}/{}.port", options.work_dir, options.name);
+  const std::string log_path = fmt::format("{}/{}.log", options.work_dir, options.name);
+  ::unlink(port_file.c_str());
+  std::vector<std::string> args = {options.binary, "--name", options.name, "--listen",
+                                   "127.0.0.1:0", "--port-file", port_file};
+  args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) {
+    std::string entry = *e;
+    const std::string key = entry.substr(0, entry.find('='));
+    if (!options.env.count(key)) env_strings.push_back(entry);
+  }
+  for (const auto& [k, v] : options.env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (log_fd < 0) {
+    return absl::FailedPreconditionError(
+        fmt::format("cannot create {} for agent '{}'; check the work directory", log_path, options.name));
+  }
+  const pid_t pid = fork();
+  if (pid < 0) {
+    ::close(log_fd);
+    return absl::ResourceExhaustedError(fmt::format("fork failed for agent '{}'", options.name));
+  }
+  if (pid == 0) {
+    dup2(log_fd, 1);
+    dup2(log_fd, 2);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  ::close(log_fd);
+  DaemonProcess process;
+  process.pid_ = pid;
+  process.log_path_ = log_path;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
+  while (std::chrono::steady_clock::now() < until) {
+    std::ifstream in(port_file);
+    int port = 0;
+    if (in >> port && port > 0) {
+      process.port_ = port;
+      return process;
+    }
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      process.pid_ = -1;
+      return absl::UnavailableError(fmt::format("agent '{}' exited during start-up: {}",
+                                                options.name, Tail(log_path, 2000)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  process.Kill();
+  return absl::DeadlineExceededError(fmt::format(
+      "agent '{}' wrote no port file within {} ms: {}", options.name, options.start_timeout_ms,
+      Tail(log_path, 2000)));
+}
+
+DaemonProcess::DaemonProcess(DaemonProcess&& other) noexcept
+    : pid_(other.pid_), port_(other.port_), log_path_(std::move(other.log_path_)) {
+  other.pid_ = -1;
+}
+
+DaemonProcess& DaemonProcess::operator=(DaemonProcess&& other) noexcept {
+  if (this != &other) {
+    Kill();
+    pid_ = other.pid_;
+    port_ = other.port_;
+    log_path_ = std::move(other.log_path_);
+    other.pid_ = -1;
+  }
+  return *this;
+}
+
+// Graceful first, so the agent unlinks the shared memory it created.
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) (void)Stop(3000);
+}
+
+std::string DaemonProcess::address() const { return fmt::format("127.0.0.1:{}", port_); }
+
+absl::StatusOr<int> DaemonProcess::Stop(uint32_t timeout_ms) {
+  if (pid_ <= 0) return absl::FailedPreconditionError("agent process is not running");
+  ::kill(pid_, SIGTERM);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < until) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      if (WIFEXITED(status)) return WEXITSTATUS(status);
+      return 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  Kill();
+  return absl::DeadlineExceededError(
+      fmt::format("agent did not exit within {} ms of SIGTERM; killed it", timeout_ms));
+}
+
+void DaemonProcess::Kill() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+}  // namespace kvagent::cli

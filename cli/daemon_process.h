@@ -1,0 +1,53 @@
+// DaemonProcess starts a real kvagentd as a child process on a loopback port chosen
+// by the kernel (--listen 127.0.0.1:0 --port-file), and stops it. Used by
+// `kvagentctl demo`/`bench` and by the integration tests.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvagent::cli {
+
+struct DaemonOptions {
+  std::string binary;                       // path of kvagentd
+  std::string name;
+  std::string work_dir;                     // port file and log go here
+  std::vector<std::string> extra_args;
+  std::map<std::string, std::string> env;   // added to the inherited environment
+  uint32_t start_timeout_ms = 15000;
+};
+
+class DaemonProcess {
+ public:
+  static absl::StatusOr<DaemonProcess> Start(const DaemonOptions& options);
+  DaemonProcess() = default;
+  DaemonProcess(DaemonProcess&& other) noexcept;
+  DaemonProcess& operator=(DaemonProcess&& other) noexcept;
+  DaemonProcess(const DaemonProcess&) = delete;
+  DaemonProcess& operator=(const DaemonProcess&) = delete;
+  ~DaemonProcess();  // SIGTERM, then SIGKILL after 3 s, if still running
+
+  std::string address() const;
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  const std::string& log_path() const { return log_path_; }
+  // SIGTERM, then waits up to `timeout_ms`; returns the exit code (or 128+signal).
+  absl::StatusOr<int> Stop(uint32_t timeout_ms = 10000);
+  void Kill();
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string log_path_;
+};
+
+// Finds kvagentd: $KVAGENTD, next to `argv0` in Bazel runfiles, ../agent/kvagentd
+// beside argv0, or $TEST_SRCDIR/kvagent/agent/kvagentd.
+absl::StatusOr<std::string> FindKvagentd(const std::string& argv0);
+
+}  // namespace kvagent::cli

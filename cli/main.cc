@@ -1,0 +1,231 @@
+// kvagentctl: the operator's and scheduler's command line for kvagentd.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "cli/agent_client.h"
+#include "cli/demo.h"
+#include "fmt/format.h"
+#include "google/protobuf/util/json_util.h"
+#include "transport/base/format.h"
+
+namespace {
+
+constexpr std::string_view kUsage = R"(usage: kvagentctl [--agent HOST:PORT] [--json] [--timeout-ms N] COMMAND [ARGS]
+
+commands (talk to the agent given by --agent, default 127.0.0.1:50051):
+  status                     name, UCX, regions, peers, transfer counters
+  regions                    registered regions with layouts
+  peers                      connected peers: transports, error mode, state
+  transfers [--active]       transfers and their states
+  connect PEER_ADDR          connect this agent to the agent at PEER_ADDR
+  cancel TRANSFER_ID         cancel a transfer
+  notifications [--max N]    take queued notifications
+
+  demo [--prefill ADDR --decode ADDR] [--pool-mib N] [--requests N]
+       [--pages N] [--chunks N] [--timeout-ms N] [--kvagentd PATH]
+                             two agents (started here when no addresses are
+                             given), Llama-3.1-8B-shaped KV pools, chunked
+                             pushes of several requests' pages, every byte
+                             verified; the last line is a JSON object
+)";
+
+int Usage(const std::string& error) {
+  if (!error.empty()) std::fprintf(stderr, "kvagentctl: %s\n", error.c_str());
+  std::fwrite(kUsage.data(), 1, kUsage.size(), stderr);
+  return 2;
+}
+
+std::string Json(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+int Report(const absl::Status& status, const std::string& what) {
+  std::fprintf(stderr, "kvagentctl %s: %s (%s)\n", what.c_str(),
+               std::string(status.message()).c_str(),
+               absl::StatusCodeToString(status.code()).c_str());
+  return 1;
+}
+
+template <typename T>
+int Print(const absl::StatusOr<T>& result, const std::string& what, bool json,
+          void (*text)(const T&)) {
+  if (!result.ok()) return Report(result.status(), what);
+  if (json) {
+    std::printf("%s\n", Json(*result).c_str());
+  } else {
+    text(*result);
+  }
+  return 0;
+}
+
+void PrintStatus(const kvagent::v1::AgentStatus& s) {
+  std::printf("agent        %s (pid %u, incarnation %lx, up %.1f s)\n", s.name().c_str(), s.pid(),
+              static_cast<unsigned long>(s.incarnation()), s.uptime_ms() / 1000.0);
+  std::printf("listen       %s\n", s.listen_address().c_str());
+  std::string transports;
+  for (const auto& t : s.ucx_transports()) transports += (transports.empty() ? "" : ",") + t;
+  std::printf("ucx          %s [%s]\n", s.ucx_version().c_str(), transports.c_str());
+  std::printf("regions      %u (%lu bytes, metadata version %lu)\n", s.regions(),
+              static_cast<unsigned long>(s.registered_bytes()),
+              static_cast<unsigned long>(s.metadata_version()));
+  std::printf("peers        %u\n", s.peers());
+  std::printf("transfers    %lu active, %lu completed, %lu failed\n",
+              static_cast<unsigned long>(s.transfers_active()),
+              static_cast<unsigned long>(s.transfers_completed()),
+              static_cast<unsigned long>(s.transfers_failed()));
+  std::printf("notifications %lu queued\n", static_cast<unsigned long>(s.notifications_queued()));
+}
+
+void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
+  std::printf("%-24s %-6s %-10s %-4s %-10s %-10s %-10s %s\n", "name", "kind", "group", "pos",
+              "items", "item_bytes", "stride", "source");
+  for (const auto& info : r.regions()) {
+    const auto& s = info.spec();
+    std::printf("%-24s %-6s %-10s %-4u %-10lu %-10lu %-10lu %s+%lu (%s)\n", s.name().c_str(),
+                kvagent::v1::RegionKind_Name(s.kind()).c_str(), s.group().c_str(),
+                info.group_position(), static_cast<unsigned long>(s.layout().num_items()),
+                static_cast<unsigned long>(s.layout().item_bytes()),
+                static_cast<unsigned long>(s.layout().item_stride()), s.shm().name().c_str(),
+                static_cast<unsigned long>(s.shm().offset()), info.memory_path().c_str());
+  }
+  std::printf("%d regions, metadata version %lu\n", r.regions_size(),
+              static_cast<unsigned long>(r.version()));
+}
+
+void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
+  std::printf("%-16s %-22s %-12s %-10s %-6s %-8s %s\n", "name", "address", "state", "transports",
+              "mode", "regions", "same_host");
+  for (const auto& p : r.peers()) {
+    std::printf("%-16s %-22s %-12s %-10s %-6s %-8u %s\n", p.name().c_str(), p.address().c_str(),
+                p.state().c_str(), p.transports().c_str(), p.error_mode().c_str(), p.regions(),
+                p.same_host() ? "yes" : "no");
+  }
+}
+
+void PrintPeer(const kvagent::v1::PeerInfo& p) {
+  std::printf("connected to '%s' at %s: %u regions, transports %s, error mode %s\n",
+              p.name().c_str(), p.address().c_str(), p.regions(), p.transports().c_str(),
+              p.error_mode().c_str());
+}
+
+void PrintTransfer(const kvagent::v1::TransferState& t) {
+  std::printf("%-24s %-12s %-6s %-12s %12lu/%-12lu %8.3f ms %s\n", t.transfer_id().c_str(),
+              t.peer().c_str(), kvagent::v1::TransferOp_Name(t.op()).c_str(),
+              kvagent::v1::TransferPhase_Name(t.phase()).c_str(),
+              static_cast<unsigned long>(t.bytes_done()), static_cast<unsigned long>(t.bytes_total()),
+              t.latency_us() / 1000.0, t.error_message().c_str());
+}
+
+void PrintTransfers(const kvagent::v1::ListTransfersResponse& r) {
+  for (const auto& t : r.transfers()) PrintTransfer(t);
+  std::printf("%d transfers\n", r.transfers_size());
+}
+
+void PrintNotifications(const kvagent::v1::PollNotificationsResponse& r) {
+  for (const auto& n : r.notifications()) {
+    std::printf("%-24s from %-12s %-18s %lu bytes, payload %zu bytes\n", n.transfer_id().c_str(),
+                n.from_agent().c_str(), kvagent::v1::NotificationKind_Name(n.kind()).c_str(),
+                static_cast<unsigned long>(n.bytes()), n.payload().size());
+  }
+}
+
+bool ParseNumber(const std::string& flag, const std::string& value, uint64_t* out) {
+  if (absl::SimpleAtoi(value, out)) return true;
+  std::fprintf(stderr, "kvagentctl: %s '%s' is not a non-negative integer\n", flag.c_str(),
+               value.c_str());
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string agent_address = "127.0.0.1:50051";
+  bool json = false;
+  uint64_t timeout_ms = 10000;
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+
+  // Global flags may appear anywhere; the rest is the command and its arguments.
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--json") {
+      json = true;
+    } else if (a == "--agent" || a == "--timeout-ms") {
+      if (i + 1 >= args.size()) return Usage(a + " needs a value");
+      if (a == "--agent") {
+        agent_address = args[++i];
+      } else if (!ParseNumber(a, args[++i], &timeout_ms)) {
+        return 2;
+      }
+    } else if (a == "--help" || a == "-h") {
+      return Usage("");
+    } else {
+      rest.push_back(a);
+    }
+  }
+  if (rest.empty()) return Usage("no command given");
+  const std::string command = rest[0];
+
+  if (command == "demo") {
+    kvagent::cli::DemoOptions options;
+    options.argv0 = argv[0];
+    options.json = json;
+    if (timeout_ms != 10000) options.timeout_ms = static_cast<uint32_t>(timeout_ms);
+    for (size_t i = 1; i < rest.size(); ++i) {
+      const std::string& a = rest[i];
+      if (i + 1 >= rest.size()) return Usage("demo flag " + a + " needs a value (or is unknown)");
+      const std::string& v = rest[++i];
+      uint64_t n = 0;
+      if (a == "--prefill") {
+        options.prefill_address = v;
+      } else if (a == "--decode") {
+        options.decode_address = v;
+      } else if (a == "--kvagentd") {
+        options.kvagentd = v;
+      } else if (a == "--pool-mib" || a == "--requests" || a == "--pages" || a == "--chunks") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (a == "--pool-mib") options.pool_mib = n;
+        if (a == "--requests") options.requests = static_cast<uint32_t>(n);
+        if (a == "--pages") options.pages_per_request = static_cast<uint32_t>(n);
+        if (a == "--chunks") options.chunks = static_cast<uint32_t>(n);
+      } else {
+        return Usage("unknown demo flag " + a);
+      }
+    }
+    if (options.requests == 0) return Usage("--requests must be at least 1");
+    return kvagent::cli::RunDemo(options);
+  }
+
+  kvagent::cli::AgentClient client(agent_address, static_cast<uint32_t>(timeout_ms));
+  if (command == "status") return Print(client.Status(), command, json, &PrintStatus);
+  if (command == "regions") return Print(client.Regions(), command, json, &PrintRegions);
+  if (command == "peers") return Print(client.Peers(), command, json, &PrintPeers);
+  if (command == "transfers") {
+    const bool active = rest.size() > 1 && rest[1] == "--active";
+    return Print(client.Transfers(active), command, json, &PrintTransfers);
+  }
+  if (command == "connect") {
+    if (rest.size() != 2) return Usage("connect takes one PEER_ADDR (HOST:PORT)");
+    return Print(client.Connect(rest[1]), command, json, &PrintPeer);
+  }
+  if (command == "cancel") {
+    if (rest.size() != 2) return Usage("cancel takes one TRANSFER_ID");
+    return Print(client.Cancel(rest[1]), command, json, &PrintTransfer);
+  }
+  if (command == "notifications") {
+    uint64_t max = 0;
+    if (rest.size() == 3 && rest[1] == "--max" && !ParseNumber("--max", rest[2], &max)) return 2;
+    return Print(client.Poll(static_cast<uint32_t>(max)), command, json, &PrintNotifications);
+  }
+  return Usage("unknown command '" + command + "'");
+}

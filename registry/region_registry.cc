@@ -1,0 +1,411 @@
+#include "registry/region_registry.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "fmt/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::registry {
+namespace {
+
+constexpr log::Logger kLog("registry");
+
+uint32_t LoadPosition(const Region& region) {
+  return __atomic_load_n(&region.group_position, __ATOMIC_RELAXED);
+}
+// Regions are handed out as shared_ptr<const Region> but created non-const, so the
+// registry may renumber positions (see the header).
+void StorePosition(const RegionPtr& region, uint32_t position) {
+  __atomic_store_n(&const_cast<Region*>(region.get())->group_position, position,
+                   __ATOMIC_RELAXED);
+}
+
+// Errors of one batch, keyed by entry so that lines come out in request order and the
+// first error found for an entry is the one reported.
+class BatchErrors {
+ public:
+  explicit BatchErrors(const std::vector<v1::RegionSpec>& specs) : specs_(specs) {}
+
+  bool Has(int entry) const { return lines_.count(entry) > 0; }
+  bool empty() const { return lines_.empty(); }
+
+  void Add(int entry, absl::StatusCode code, const std::string& cause_and_fix) {
+    if (Has(entry)) return;
+    lines_.emplace(entry, absl::Status(code, fmt::format("region '{}' (entry {}): {}",
+                                                         specs_[entry].name(), entry,
+                                                         cause_and_fix)));
+  }
+  // Re-labels a status from a lower layer ("region 'x': ...") with the entry number.
+  void Add(int entry, const absl::Status& status) {
+    std::string message(status.message());
+    const std::string prefix = fmt::format("region '{}': ", specs_[entry].name());
+    if (absl::StartsWith(message, prefix)) message.erase(0, prefix.size());
+    Add(entry, status.code(), message);
+  }
+
+  absl::Status ToStatus() const {
+    if (lines_.size() == 1) return lines_.begin()->second;
+    std::string message = fmt::format(
+        "{} of {} regions rejected; nothing was registered:", lines_.size(), specs_.size());
+    for (const auto& [entry, status] : lines_) {
+      message += "\n";
+      message.append(status.message().data(), status.message().size());
+    }
+    return absl::Status(lines_.begin()->second.code(), message);
+  }
+
+ private:
+  const std::vector<v1::RegionSpec>& specs_;
+  std::map<int, absl::Status> lines_;
+};
+
+// Checks and normalizes one entry's layout; returns "" or the cause and fix.
+std::string NormalizeLayout(v1::RegionSpec* spec) {
+  v1::ItemLayout* layout = spec->mutable_layout();
+  if (spec->kind() == v1::AUX && layout->num_items() == 0 && layout->item_bytes() == 0 &&
+      layout->item_stride() == 0) {
+    layout->set_num_items(1);  // AUX without a layout: one item, the whole region
+    layout->set_item_bytes(spec->length());
+  }
+  if (layout->item_stride() == 0) layout->set_item_stride(layout->item_bytes());
+  if (layout->num_items() == 0 || layout->item_bytes() == 0) {
+    return fmt::format(
+        "layout has num_items {} and item_bytes {}; both must be > 0 (set layout, or "
+        "use kind AUX to move the region as one item)",
+        layout->num_items(), layout->item_bytes());
+  }
+  if (layout->item_stride() < layout->item_bytes()) {
+    return fmt::format(
+        "item_stride {} is smaller than item_bytes {}, so items would overlap; set "
+        "item_stride >= item_bytes (0 means packed)",
+        layout->item_stride(), layout->item_bytes());
+  }
+  uint64_t end = 0;
+  if (__builtin_mul_overflow(layout->num_items() - 1, layout->item_stride(), &end) ||
+      __builtin_add_overflow(end, layout->item_bytes(), &end) || end > spec->length()) {
+    return fmt::format(
+        "layout ({} items of {} bytes, {} apart) ends beyond the region's length {}; "
+        "fix num_items/item_stride or the length",
+        layout->num_items(), layout->item_bytes(), layout->item_stride(), spec->length());
+  }
+  return "";
+}
+
+struct Candidate {
+  int entry = 0;
+  v1::RegionSpec spec;
+  ShmMapping mapping;
+  transport::MemoryRegistration registration;
+};
+
+bool Overlaps(const ShmMapping& a, const ShmMapping& b) {
+  return a.device() == b.device() && a.inode() == b.inode() &&
+         a.offset() < b.offset() + b.length() && b.offset() < a.offset() + a.length();
+}
+
+}  // namespace
+
+v1::RegionInfo Region::Info() const {
+  v1::RegionInfo info;
+  *info.mutable_spec() = spec;
+  info.set_group_position(LoadPosition(*this));
+  info.set_base_address(base_address);
+  info.set_memory_path("host");
+  return info;
+}
+
+absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::RegionSpec>& specs,
+                                                        bool skip_empty) {
+  absl::MutexLock write_lock(&write_mu_);
+  // Writers are serialized by write_mu_, so this snapshot stays current until commit.
+  const std::vector<RegionPtr> existing = List();
+  absl::flat_hash_set<std::string> existing_names;
+  for (const RegionPtr& region : existing) existing_names.insert(region->spec.name());
+
+  BatchErrors errors(specs);
+  RegisterResult result;
+  std::vector<Candidate> candidates;
+  absl::flat_hash_map<std::string, int> batch_names;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+
+  // 1. Checks that need no import, each entry on its own.
+  for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
+    v1::RegionSpec spec = specs[i];
+    if (spec.name().empty()) {
+      errors.Add(i, kInvalid, "name is empty; give every region a unique name such as \"k.L0\"");
+      continue;
+    }
+    if (spec.length() == 0 && skip_empty) {
+      result.skipped.push_back(spec.name());
+      continue;
+    }
+    auto [it, inserted] = batch_names.emplace(spec.name(), i);
+    if (!inserted) {
+      errors.Add(i, kInvalid, fmt::format("name repeats entry {}; give every region a unique name",
+                                          it->second));
+      continue;
+    }
+    if (existing_names.contains(spec.name())) {
+      errors.Add(i, kInvalid,
+                 "name is already registered; deregister it first or pick another name");
+      continue;
+    }
+    if (spec.memory() == v1::VRAM) {
+      errors.Add(i, absl::StatusCode::kFailedPrecondition,
+                 "VRAM regions are not supported by this build yet (CUDA IPC import lands "
+                 "with the VRAM issue); register host memory (shm) instead");
+      continue;
+    }
+    if (spec.memory() != v1::DRAM && spec.memory() != v1::MEMORY_KIND_UNSPECIFIED) {
+      errors.Add(i, kInvalid, fmt::format("unknown memory kind {}; use DRAM or VRAM",
+                                          static_cast<int>(spec.memory())));
+      continue;
+    }
+    spec.set_memory(v1::DRAM);
+    if (spec.length() == 0) {
+      errors.Add(i, kInvalid,
+                 "length is 0; give the region's size in bytes, or set skip_empty to skip "
+                 "empty regions");
+      continue;
+    }
+    if (!spec.has_shm() || spec.shm().name().empty()) {
+      errors.Add(i, kInvalid,
+                 "DRAM region has no shm source; set shm.name (a \"/name\" shm object or an "
+                 "absolute /dev/shm or hugetlbfs path) and shm.offset");
+      continue;
+    }
+    uint64_t end = 0;
+    if (__builtin_add_overflow(spec.shm().offset(), spec.length(), &end)) {
+      errors.Add(i, kInvalid, fmt::format("shm.offset {} + length {} overflows; fix both",
+                                          spec.shm().offset(), spec.length()));
+      continue;
+    }
+    if (std::string cause = NormalizeLayout(&spec); !cause.empty()) {
+      errors.Add(i, kInvalid, cause);
+      continue;
+    }
+    candidates.push_back(Candidate{i, std::move(spec), {}, {}});
+  }
+
+  // 2. Groups: every region of a group (registered or in this batch) has the same
+  // num_items, since one index list addresses all of them.
+  absl::flat_hash_map<std::string, std::pair<std::string, uint64_t>> group_items;
+  for (const RegionPtr& region : existing) {
+    if (!region->spec.group().empty()) {
+      group_items.try_emplace(region->spec.group(), region->spec.name(), region->num_items());
+    }
+  }
+  for (const Candidate& c : candidates) {
+    if (c.spec.group().empty()) continue;
+    auto [it, inserted] =
+        group_items.try_emplace(c.spec.group(), c.spec.name(), c.spec.layout().num_items());
+    if (!inserted && it->second.second != c.spec.layout().num_items()) {
+      errors.Add(c.entry, kInvalid,
+                 fmt::format("has {} items but region '{}' of group '{}' has {}; every region "
+                             "of a group needs the same num_items (one index list addresses "
+                             "them all)",
+                             c.spec.layout().num_items(), it->second.first, c.spec.group(),
+                             it->second.second));
+    }
+  }
+
+  // 3. Import the memory; 4. reject overlaps with registered or batch regions.
+  for (Candidate& c : candidates) {
+    if (errors.Has(c.entry)) continue;
+    auto mapping = ShmMapping::Open(c.spec.shm().name(), c.spec.shm().offset(), c.spec.length(),
+                                    c.spec.name());
+    if (!mapping.ok()) {
+      errors.Add(c.entry, mapping.status());
+      continue;
+    }
+    c.mapping = std::move(mapping).value();
+    auto overlap = [&](const std::string& other, const ShmMapping& m) {
+      errors.Add(c.entry, kInvalid,
+                 fmt::format("bytes [{}, {}) of '{}' overlap region '{}' (bytes [{}, {})); "
+                             "give each region its own byte range",
+                             c.mapping.offset(), c.mapping.offset() + c.mapping.length(),
+                             c.spec.shm().name(), other, m.offset(), m.offset() + m.length()));
+    };
+    for (const RegionPtr& region : existing) {
+      if (Overlaps(c.mapping, region->mapping)) overlap(region->spec.name(), region->mapping);
+    }
+    for (const Candidate& other : candidates) {
+      if (&other == &c) break;
+      if (other.mapping.data() != nullptr && Overlaps(c.mapping, other.mapping)) {
+        overlap(other.spec.name(), other.mapping);
+      }
+    }
+  }
+  if (!errors.empty()) return errors.ToStatus();
+
+  // 5. Register with UCX. On any failure the whole batch unwinds through RAII.
+  for (Candidate& c : candidates) {
+    auto registration = transport::MemoryRegistration::Map(
+        *context_, c.mapping.data(), c.mapping.length(), transport::MemoryType::kHost,
+        c.spec.name());
+    if (!registration.ok()) {
+      errors.Add(c.entry, registration.status());
+      continue;
+    }
+    c.registration = std::move(registration).value();
+  }
+  if (!errors.empty()) return errors.ToStatus();
+
+  // 6. Commit.
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_map<std::string, uint32_t> group_sizes;
+  for (const auto& [name, entry] : regions_) {
+    if (!entry.region->spec.group().empty()) ++group_sizes[entry.region->spec.group()];
+  }
+  uint64_t bytes = 0;
+  for (Candidate& c : candidates) {
+    auto region = std::make_shared<Region>();
+    region->spec = std::move(c.spec);
+    if (!region->spec.group().empty()) region->group_position = group_sizes[region->spec.group()]++;
+    region->base_address = reinterpret_cast<uint64_t>(c.mapping.data());
+    region->mapping = std::move(c.mapping);
+    region->registration = std::move(c.registration);
+    bytes += region->spec.length();
+    regions_.emplace(region->spec.name(), Entry{next_sequence_++, region});
+    result.regions.push_back(std::move(region));
+  }
+  // A batch of only skipped entries changes nothing, so peers need not refetch.
+  if (!result.regions.empty()) ++version_;
+  result.version = version_;
+  kLog.Info("registered {} regions ({} bytes, {} skipped); version {}", result.regions.size(),
+            bytes, result.skipped.size(), version_);
+  return result;
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::string>& names) {
+  absl::MutexLock write_lock(&write_mu_);
+  std::vector<RegionPtr> removed;  // released after mu_ is dropped (munmap, ucp_mem_unmap)
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    std::string unknown;
+    for (const std::string& name : names) {
+      if (!regions_.contains(name)) unknown += fmt::format("{}'{}'", unknown.empty() ? "" : ", ", name);
+    }
+    if (!unknown.empty()) {
+      return absl::NotFoundError(fmt::format(
+          "regions {} are not registered, so nothing was deregistered; list regions with "
+          "`kvagentctl regions`",
+          unknown));
+    }
+    absl::flat_hash_set<std::string> groups;
+    for (const std::string& name : names) {
+      auto it = regions_.find(name);
+      if (it == regions_.end()) continue;  // named twice
+      if (!it->second.region->spec.group().empty()) groups.insert(it->second.region->spec.group());
+      removed.push_back(std::move(it->second.region));
+      regions_.erase(it);
+    }
+    // Renumber the remaining regions of touched groups 0..n-1 in registration order.
+    for (const std::string& group : groups) {
+      std::vector<const Entry*> members;
+      for (const auto& [name, entry] : regions_) {
+        if (entry.region->spec.group() == group) members.push_back(&entry);
+      }
+      std::sort(members.begin(), members.end(),
+                [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
+      for (size_t p = 0; p < members.size(); ++p) {
+        StorePosition(members[p]->region, static_cast<uint32_t>(p));
+      }
+    }
+    if (!removed.empty()) ++version_;
+    version = version_;
+  }
+  kLog.Info("deregistered {} regions; version {}", removed.size(), version);
+  return version;
+}
+
+RegionPtr RegionRegistry::Find(const std::string& name) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = regions_.find(name);
+  return it == regions_.end() ? nullptr : it->second.region;
+}
+
+std::vector<RegionPtr> RegionRegistry::FindGroup(const std::string& group) const {
+  std::vector<RegionPtr> out;
+  if (group.empty()) return out;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, entry] : regions_) {
+    if (entry.region->spec.group() == group) out.push_back(entry.region);
+  }
+  std::sort(out.begin(), out.end(), [](const RegionPtr& a, const RegionPtr& b) {
+    return a->group_position < b->group_position;
+  });
+  return out;
+}
+
+std::vector<std::string> RegionRegistry::GroupNames() const {
+  absl::flat_hash_set<std::string> groups;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [name, entry] : regions_) {
+      if (!entry.region->spec.group().empty()) groups.insert(entry.region->spec.group());
+    }
+  }
+  std::vector<std::string> out(groups.begin(), groups.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<RegionPtr> RegionRegistry::List() const {
+  std::vector<std::pair<uint64_t, RegionPtr>> entries;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    entries.reserve(regions_.size());
+    for (const auto& [name, entry] : regions_) entries.emplace_back(entry.sequence, entry.region);
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<RegionPtr> out;
+  out.reserve(entries.size());
+  for (auto& [sequence, region] : entries) out.push_back(std::move(region));
+  return out;
+}
+
+uint64_t RegionRegistry::version() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return version_;
+}
+
+uint64_t RegionRegistry::registered_bytes() const {
+  absl::ReaderMutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  for (const auto& [name, entry] : regions_) bytes += entry.region->spec.length();
+  return bytes;
+}
+
+void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<const Entry*> entries;
+  entries.reserve(regions_.size());
+  for (const auto& [name, entry] : regions_) entries.push_back(&entry);
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
+  metadata->clear_regions();
+  for (const Entry* entry : entries) {
+    const Region& region = *entry->region;
+    v1::ExportedRegion* out = metadata->add_regions();
+    out->set_name(region.spec.name());
+    out->set_kind(region.spec.kind());
+    out->set_group(region.spec.group());
+    out->set_group_position(region.group_position);
+    out->set_memory(region.spec.memory());
+    out->set_base_address(region.base_address);
+    out->set_length(region.spec.length());
+    *out->mutable_layout() = region.spec.layout();
+    out->set_rkey(region.registration.packed_rkey());
+  }
+  metadata->set_version(version_);
+}
+
+}  // namespace kvagent::registry

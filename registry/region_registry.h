@@ -1,0 +1,94 @@
+// RegionRegistry holds the memory regions engines registered with this agent:
+// validated layout, imported mapping, UCX registration and packed rkey. Groups
+// order regions by registration order. Used by the agent's service (register,
+// deregister, list, export to peers) and by the transfer planner (lookups).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/kvagent.pb.h"
+#include "registry/shm_mapping.h"
+#include "transport/ucx_context.h"
+
+namespace kvagent::registry {
+
+// An immutable registered region. Transfers hold a shared_ptr, so the memory stays
+// mapped and registered until the last transfer using it lets go, even after
+// deregistration.
+struct Region {
+  v1::RegionSpec spec;       // as registered, item_stride normalized (never 0)
+  // Position in its group. The one field that changes: when a region of the group is
+  // deregistered, the remaining ones are renumbered 0..n-1 in registration order.
+  // Written atomically under the registry's lock; read it through Info() (atomic
+  // load) or under the registry's lock (FindGroup/Export order by it).
+  uint32_t group_position = 0;
+  uint64_t base_address = 0; // first byte in this process
+  ShmMapping mapping;
+  transport::MemoryRegistration registration;
+
+  uint64_t num_items() const { return spec.layout().num_items(); }
+  uint64_t item_bytes() const { return spec.layout().item_bytes(); }
+  uint64_t item_stride() const { return spec.layout().item_stride(); }
+  uint64_t ItemAddress(uint64_t index) const { return base_address + index * item_stride(); }
+  v1::RegionInfo Info() const;
+};
+
+using RegionPtr = std::shared_ptr<const Region>;
+
+struct RegisterResult {
+  std::vector<RegionPtr> regions;     // in request order, skipped ones left out
+  std::vector<std::string> skipped;   // names skipped under skip_empty
+  uint64_t version = 0;
+};
+
+class RegionRegistry {
+ public:
+  explicit RegionRegistry(const transport::UcxContext* context) : context_(context) {}
+
+  // All-or-nothing. Every bad entry is reported in one INVALID_ARGUMENT /
+  // NOT_FOUND / FAILED_PRECONDITION status (the code of the first), one line per
+  // entry naming it, the cause and the fix. Checks: name empty or duplicate (in the
+  // batch or already registered); zero length (or skipped with skip_empty); layout
+  // (num_items, item_bytes > 0; stride >= item_bytes; last item inside length,
+  // overflow-safe); shm object missing or too small; overlap with another region of
+  // the same object; group whose regions disagree in num_items; VRAM (not yet
+  // supported here: FAILED_PRECONDITION). Nothing registered before is touched.
+  absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs,
+                                          bool skip_empty);
+  // All-or-nothing: NOT_FOUND naming every unknown name. Returns the new version.
+  absl::StatusOr<uint64_t> Deregister(const std::vector<std::string>& names);
+
+  RegionPtr Find(const std::string& name) const;
+  // Regions of `group` by position; empty when there is none.
+  std::vector<RegionPtr> FindGroup(const std::string& group) const;
+  std::vector<std::string> GroupNames() const;
+  std::vector<RegionPtr> List() const;  // by registration order
+  uint64_t version() const;
+  uint64_t registered_bytes() const;
+
+  // The regions as peers see them (addresses, layouts, packed rkeys).
+  void Export(v1::AgentMetadata* metadata) const;
+
+ private:
+  const transport::UcxContext* context_;
+  // Serializes Register/Deregister so that validation, import and UCX registration
+  // run without holding mu_ (lookups by transfers never wait on memory pinning).
+  absl::Mutex write_mu_;
+  mutable absl::Mutex mu_;
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Entry {
+    uint64_t sequence;
+    RegionPtr region;
+  };
+  absl::flat_hash_map<std::string, Entry> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvagent::registry

@@ -1,0 +1,61 @@
+// RemoteCatalog is a validated view of a peer's exported regions, built from the
+// AgentMetadata a peer sent. Peer bytes are untrusted: every count and size is
+// bounded and checked before use. Used by the transfer planner and the agent.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "proto/kvagent.pb.h"
+
+namespace kvagent::registry {
+
+struct RemoteRegion {
+  std::string name;
+  std::string group;
+  uint32_t group_position = 0;
+  uint64_t base_address = 0;
+  uint64_t length = 0;
+  uint64_t num_items = 0;
+  uint64_t item_bytes = 0;
+  uint64_t item_stride = 0;
+  uint32_t rkey_slot = 0;  // index into the peer's unpacked rkey table (= region index)
+  uint64_t ItemAddress(uint64_t index) const { return base_address + index * item_stride; }
+};
+
+struct CatalogLimits {
+  uint32_t max_regions = 65536;
+  uint64_t max_rkey_bytes = 4096;
+  uint64_t max_name_bytes = 256;
+  uint64_t max_worker_address_bytes = 16384;
+};
+
+class RemoteCatalog {
+ public:
+  // INVALID_ARGUMENT naming the peer, the region and the field for: too many
+  // regions, empty/oversized names, duplicate names, empty or oversized rkey, zero
+  // item size, stride < item size, layout beyond length, base+length overflow, a
+  // group whose positions are not 0..n-1, empty or oversized worker address.
+  static absl::StatusOr<RemoteCatalog> FromMetadata(const v1::AgentMetadata& metadata,
+                                                    const CatalogLimits& limits = {});
+
+  const std::string& peer() const { return peer_; }
+  uint64_t version() const { return version_; }
+  const std::vector<RemoteRegion>& regions() const { return regions_; }
+  const RemoteRegion* Find(const std::string& name) const;
+  // By position; empty when the peer has no such group.
+  std::vector<const RemoteRegion*> FindGroup(const std::string& group) const;
+  std::vector<std::string> GroupNames() const;
+
+ private:
+  std::string peer_;
+  uint64_t version_ = 0;
+  std::vector<RemoteRegion> regions_;
+  absl::flat_hash_map<std::string, uint32_t> by_name_;
+  absl::flat_hash_map<std::string, std::vector<uint32_t>> groups_;
+};
+
+}  // namespace kvagent::registry

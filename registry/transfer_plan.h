@@ -1,0 +1,45 @@
+// Transfer planning: expands a transfer's segments (group x index lists, byte
+// ranges) into (local address, remote address, bytes) operations and merges runs
+// that are contiguous on both sides. Used by the agent's transfer engine.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "google/protobuf/repeated_field.h"
+#include "proto/kvagent.pb.h"
+#include "registry/region_registry.h"
+#include "registry/remote_catalog.h"
+
+namespace kvagent::registry {
+
+struct PlanOp {
+  uint64_t local_address = 0;
+  uint64_t remote_address = 0;
+  uint64_t length = 0;
+  uint32_t rkey_slot = 0;  // RemoteRegion::rkey_slot of the remote side
+  uint32_t segment = 0;    // segment number across the whole transfer
+};
+
+struct TransferPlan {
+  std::vector<PlanOp> ops;               // coalesced, in segment order
+  uint64_t bytes = 0;
+  uint64_t items = 0;                    // items named by item segments (pages, slots)
+  std::vector<RegionPtr> local_regions;  // pinned for the life of the transfer
+};
+
+// Plans `segments`, numbering them from `first_segment`. Errors name the segment
+// number and the cause: unknown local or remote group/region (NOT_FOUND, listing
+// the known names), groups of different sizes, index lists of unequal length, an
+// index out of range (the index, its position and num_items), paired regions with
+// different item sizes, a byte range outside its region, an empty segment.
+absl::StatusOr<TransferPlan> PlanTransfer(
+    const RegionRegistry& local, const RemoteCatalog& remote,
+    const google::protobuf::RepeatedPtrField<v1::Segment>& segments, uint32_t first_segment);
+
+// Merges neighbours within one segment when both the local and the remote ranges
+// continue each other and they use the same rkey slot. Keeps order.
+void Coalesce(std::vector<PlanOp>* ops);
+
+}  // namespace kvagent::registry

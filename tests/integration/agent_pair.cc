@@ -1,0 +1,96 @@
+#include "tests/integration/agent_pair.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+#include "fmt/format.h"
+#include "transport/base/format.h"
+
+namespace kvagent::testing {
+namespace {
+
+template <typename T>
+T Require(absl::StatusOr<T> value, const std::string& what) {
+  if (!value.ok()) throw std::runtime_error(fmt::format("{}: {}", what, value.status().ToString()));
+  return *std::move(value);
+}
+
+std::string MakeWorkDir() {
+  static int counter = 0;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = fmt::format("{}/pair.{}.{}", tmp ? tmp : "/tmp", getpid(), counter++);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+}  // namespace
+
+AgentPair::AgentPair(const AgentPairOptions& options) : work_dir_(MakeWorkDir()) {
+  const std::string binary = Require(cli::FindKvagentd(""), "finding kvagentd");
+  for (auto [name, process] : {std::pair{"prefill", &prefill_}, {"decode", &decode_}}) {
+    cli::DaemonOptions d;
+    d.binary = binary;
+    d.name = name;
+    d.work_dir = work_dir_;
+    d.env = options.env;
+    d.extra_args = options.extra_args;
+    *process = Require(cli::DaemonProcess::Start(d), fmt::format("starting {}", name));
+  }
+  prefill_client_ = std::make_unique<cli::AgentClient>(prefill_.address());
+  decode_client_ = std::make_unique<cli::AgentClient>(decode_.address());
+  prefill_pool_ = Require(cli::CreateKvPool(*prefill_client_, "prefill", options.shape), "prefill pool");
+  decode_pool_ = Require(cli::CreateKvPool(*decode_client_, "decode", options.shape), "decode pool");
+  Require(prefill_client_->Connect(decode_.address()), "connecting prefill to decode");
+  ResetContents();
+}
+
+void AgentPair::ResetContents() {
+  for (uint32_t r = 0; r < prefill_pool_.regions(); ++r) {
+    for (uint64_t p = 0; p < prefill_pool_.shape.pages; ++p) {
+      cli::FillPage(prefill_pool_.Page(r, p), prefill_pool_.shape.page_bytes, 7, r, p);
+    }
+  }
+  std::memset(decode_pool_.mapping.data(), 0xEE, decode_pool_.bytes());
+}
+
+bool AgentPair::PageEqual(uint64_t src, uint64_t dst) {
+  for (uint32_t r = 0; r < prefill_pool_.regions(); ++r) {
+    if (std::memcmp(prefill_pool_.Page(r, src), decode_pool_.Page(r, dst),
+                    prefill_pool_.shape.page_bytes) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool AgentPair::PageUntouched(uint64_t dst) {
+  for (uint32_t r = 0; r < decode_pool_.regions(); ++r) {
+    const uint8_t* page = decode_pool_.Page(r, dst);
+    for (uint64_t b = 0; b < decode_pool_.shape.page_bytes; ++b) {
+      if (page[b] != 0xEE) return false;
+    }
+  }
+  return true;
+}
+
+v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint64_t>& local,
+                                  const std::vector<uint64_t>& remote,
+                                  const std::string& notification) {
+  v1::SubmitTransferRequest request;
+  request.set_transfer_id(id);
+  request.set_peer("decode");
+  request.set_op(v1::WRITE);
+  request.set_notification(notification);
+  auto* items = request.add_segments()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  for (auto i : local) items->add_local_indices(i);
+  for (auto i : remote) items->add_remote_indices(i);
+  return request;
+}
+
+}  // namespace kvagent::testing

@@ -1,0 +1,61 @@
+// AgentPair starts two real kvagentd processes ("prefill" and "decode") on loopback
+// with small KV pools registered and prefill connected to decode. Shared by the
+// integration tests.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
+
+namespace kvagent::testing {
+
+struct AgentPairOptions {
+  cli::KvPoolShape shape = [] {
+    cli::KvPoolShape s;
+    s.layers = 4;
+    s.pages = 32;
+    s.page_bytes = 4096;
+    return s;
+  }();
+  std::map<std::string, std::string> env;
+  std::vector<std::string> extra_args;
+};
+
+class AgentPair {
+ public:
+  explicit AgentPair(const AgentPairOptions& options = {});
+
+  cli::AgentClient& prefill() { return *prefill_client_; }
+  cli::AgentClient& decode() { return *decode_client_; }
+  cli::KvPool& prefill_pool() { return prefill_pool_; }
+  cli::KvPool& decode_pool() { return decode_pool_; }
+  cli::DaemonProcess& prefill_process() { return prefill_; }
+  cli::DaemonProcess& decode_process() { return decode_; }
+  const std::string& work_dir() const { return work_dir_; }
+
+  // Fills every prefill page with its pattern and every decode page with 0xEE.
+  void ResetContents();
+  // True when decode page `dst` of every region equals prefill page `src`.
+  bool PageEqual(uint64_t src, uint64_t dst);
+  // Decode page `dst` still holds 0xEE in every region.
+  bool PageUntouched(uint64_t dst);
+
+ private:
+  std::string work_dir_;
+  cli::DaemonProcess prefill_, decode_;
+  std::unique_ptr<cli::AgentClient> prefill_client_, decode_client_;
+  cli::KvPool prefill_pool_, decode_pool_;
+};
+
+// A WRITE of kv pages local[i] -> remote[i] in one segment.
+v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint64_t>& local,
+                                  const std::vector<uint64_t>& remote,
+                                  const std::string& notification = "");
+
+}  // namespace kvagent::testing

@@ -1,0 +1,272 @@
+// Two real kvagentd processes on loopback: WRITE, READ, chunked transfers, byte
+// segments, notifications (poll and watch), cancel, deadlines. Every transfer's
+// bytes are compared in shared memory.
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "catch2/catch.hpp"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+using v1::TransferPhase;
+
+v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
+  auto state = client.WaitTransfer(id, 20000);
+  REQUIRE(state.ok());
+  return *state;
+}
+
+std::vector<v1::Notification> PollUntil(cli::AgentClient& client, size_t count,
+                                        uint32_t timeout_ms = 10000) {
+  std::vector<v1::Notification> out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (out.size() < count && std::chrono::steady_clock::now() < until) {
+    auto polled = client.Poll(0);
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) out.push_back(n);
+    if (out.size() < count) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return out;
+}
+
+TEST_CASE("WRITE pushes scattered pages of every layer and notifies after the data") {
+  AgentPair pair;
+  const std::vector<uint64_t> src = {3, 4, 9, 10, 11, 20};
+  const std::vector<uint64_t> dst = {30, 1, 17, 18, 19, 5};
+  auto submitted = pair.prefill().Submit(KvWrite("req-write", src, dst, "first-token:42"));
+  REQUIRE(submitted.ok());
+  auto done = WaitDone(pair.prefill(), "req-write");
+  INFO(done.error_message());
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(done.drained());
+  CHECK(done.items() == 6);
+  CHECK(done.bytes_total() == 6 * 8 * 4096);  // 6 pages x 4 layers x K,V x 4 KiB
+  CHECK(done.bytes_done() == done.bytes_total());
+  // 4,9 -> 1,17 break; 10,11 -> 18,19 continue 9 -> 17: runs per region are
+  // {3}, {4}, {9,10,11}, {20} = 4, times 8 regions.
+  CHECK(done.runs() == 32);
+
+  auto notes = PollUntil(pair.decode(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "req-write");
+  CHECK(notes[0].from_agent() == "prefill");
+  CHECK(notes[0].payload() == "first-token:42");
+  CHECK(notes[0].kind() == v1::DATA_READY);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(pair.PageEqual(src[i], dst[i]));
+  for (uint64_t p : {0, 2, 6, 31}) CHECK(pair.PageUntouched(p));
+}
+
+TEST_CASE("READ pulls the peer's pages and tells the peer when done") {
+  AgentPair pair;
+  auto connected = pair.decode().Connect(pair.prefill_process().address());
+  REQUIRE(connected.ok());
+  CHECK(connected->name() == "prefill");
+  v1::SubmitTransferRequest read;
+  read.set_transfer_id("req-read");
+  read.set_peer("prefill");
+  read.set_op(v1::READ);
+  read.set_notification("pulled");
+  auto* items = read.add_segments()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  for (uint64_t i : {7, 8}) items->add_local_indices(i);   // decode pages
+  for (uint64_t i : {2, 29}) items->add_remote_indices(i); // prefill pages
+  REQUIRE(pair.decode().Submit(read).ok());
+  auto done = WaitDone(pair.decode(), "req-read");
+  INFO(done.error_message());
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(2, 7));
+  CHECK(pair.PageEqual(29, 8));
+  auto notes = PollUntil(pair.prefill(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].payload() == "pulled");
+  CHECK(notes[0].from_agent() == "decode");
+}
+
+TEST_CASE("chunked transfer notifies once, after its last chunk") {
+  AgentPair pair;
+  auto chunk = [](uint32_t index, bool more, std::vector<uint64_t> src, std::vector<uint64_t> dst) {
+    auto r = KvWrite("req-chunked", src, dst, more ? "" : "all-chunks");
+    r.set_chunk(index);
+    r.set_more_chunks(more);
+    return r;
+  };
+  REQUIRE(pair.prefill().Submit(chunk(0, true, {0, 1}, {10, 11})).ok());
+  REQUIRE(pair.prefill().Submit(chunk(1, true, {2}, {12})).ok());
+
+  SECTION("a retried chunk is idempotent; a changed one is refused") {
+    auto again = pair.prefill().Submit(chunk(1, true, {2}, {12}));
+    CHECK(again.ok());
+    auto changed = pair.prefill().Submit(chunk(1, true, {3}, {12}));
+    REQUIRE_FALSE(changed.ok());
+    CHECK(changed.status().code() == absl::StatusCode::kAlreadyExists);
+    CHECK_THAT(std::string(changed.status().message()),
+               Catch::Contains("req-chunked") && Catch::Contains("chunk 1") &&
+                   Catch::Contains("different content"));
+    auto skipped = pair.prefill().Submit(chunk(3, false, {4}, {14}));
+    REQUIRE_FALSE(skipped.ok());
+    CHECK(skipped.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK_THAT(std::string(skipped.status().message()), Catch::Contains("chunk 2 is next"));
+  }
+
+  // The first chunks' data moves while the transfer waits for the rest, but the
+  // decode side hears nothing yet.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto early = pair.decode().Poll(0);
+  REQUIRE(early.ok());
+  CHECK(early->notifications_size() == 0);
+  auto mid = pair.prefill().Get("req-chunked");
+  REQUIRE(mid.ok());
+  CHECK_FALSE(mid->last_chunk_received());
+  CHECK(mid->phase() != v1::COMPLETED);
+
+  REQUIRE(pair.prefill().Submit(chunk(2, false, {3, 4}, {13, 14})).ok());
+  auto done = WaitDone(pair.prefill(), "req-chunked");
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(done.chunks() == 3);
+  CHECK(done.items() == 5);
+  auto notes = PollUntil(pair.decode(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].payload() == "all-chunks");
+  for (uint64_t i = 0; i < 5; ++i) CHECK(pair.PageEqual(i, 10 + i));
+  // Exactly one notification, even after a resubmitted final chunk.
+  REQUIRE(pair.prefill().Submit(chunk(2, false, {3, 4}, {13, 14})).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  auto later = pair.decode().Poll(0);
+  REQUIRE(later.ok());
+  CHECK(later->notifications_size() == 0);
+}
+
+TEST_CASE("byte segments move AUX data next to KV pages in one transfer") {
+  AgentPair pair;
+  // An AUX region per side, inside fresh shared memory.
+  auto make_aux = [](cli::AgentClient& agent, const std::string& name) {
+    auto shm = agent.Allocate(name, 4096);
+    REQUIRE(shm.ok());
+    v1::RegisterRegionsRequest request;
+    auto* spec = request.add_regions();
+    spec->set_name(name);
+    spec->set_kind(v1::AUX);
+    spec->set_group("aux");
+    spec->set_length(4096);
+    spec->mutable_shm()->set_name(shm->shm_name());
+    REQUIRE(agent.Register(request).ok());
+    auto mapped = registry::ShmMapping::Open(shm->shm_name(), 0, 4096, name);
+    REQUIRE(mapped.ok());
+    return *std::move(mapped);
+  };
+  auto src = make_aux(pair.prefill(), "meta-src");
+  auto dst = make_aux(pair.decode(), "meta-dst");
+  std::memcpy(static_cast<char*>(src.data()) + 100, "first token 1234", 16);
+  std::memset(dst.data(), 0, 4096);
+
+  auto request = KvWrite("req-aux", {5}, {6}, "kv+aux");
+  auto* bytes = request.add_segments()->mutable_bytes();
+  bytes->set_local_region("meta-src");
+  bytes->set_local_offset(100);
+  bytes->set_remote_region("meta-dst");
+  bytes->set_remote_offset(2000);
+  bytes->set_length(16);
+  // meta-dst was registered after prefill connected: the submit must still find it.
+  auto submitted = pair.prefill().Submit(request);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = WaitDone(pair.prefill(), "req-aux");
+  INFO(done.error_message());
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(std::memcmp(static_cast<char*>(dst.data()) + 2000, "first token 1234", 16) == 0);
+  CHECK(static_cast<char*>(dst.data())[1999] == 0);
+  CHECK(static_cast<char*>(dst.data())[2016] == 0);
+  CHECK(pair.PageEqual(5, 6));
+  REQUIRE(PollUntil(pair.decode(), 1).size() == 1);
+}
+
+TEST_CASE("notifications stream to a watcher as they arrive") {
+  AgentPair pair;
+  std::vector<std::string> seen;
+  std::thread watcher([&] {
+    cli::AgentClient client(pair.decode_process().address());
+    auto status = client.WatchNotifications({"w-1", "w-2"}, 20000, [&](const v1::Notification& n) {
+      seen.push_back(n.transfer_id() + ":" + n.payload());
+      return seen.size() < 2;
+    });
+    CHECK(status.ok());
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(pair.prefill().Submit(KvWrite("w-other", {0}, {0}, "not watched")).ok());
+  REQUIRE(pair.prefill().Submit(KvWrite("w-1", {1}, {1}, "a")).ok());
+  REQUIRE(pair.prefill().Submit(KvWrite("w-2", {2}, {2}, "b")).ok());
+  watcher.join();
+  REQUIRE(seen.size() == 2);
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen[0] == "w-1:a");
+  CHECK(seen[1] == "w-2:b");
+  // The one nobody watched waits in the queue.
+  auto rest = PollUntil(pair.decode(), 1);
+  REQUIRE(rest.size() == 1);
+  CHECK(rest[0].transfer_id() == "w-other");
+}
+
+TEST_CASE("cancel stops a transfer, reports drained, and tells the peer") {
+  AgentPair pair;
+  auto first = KvWrite("req-cancel", {0}, {0});
+  first.set_more_chunks(true);
+  REQUIRE(pair.prefill().Submit(first).ok());
+  auto cancelled = pair.prefill().Cancel("req-cancel");
+  REQUIRE(cancelled.ok());
+  CHECK(cancelled->phase() == v1::CANCELLED);
+  auto done = WaitDone(pair.prefill(), "req-cancel");
+  CHECK(done.phase() == v1::CANCELLED);
+  // drained comes when no posted operation can still write the peer.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!done.drained() && std::chrono::steady_clock::now() < until) {
+    done = *pair.prefill().Get("req-cancel");
+  }
+  CHECK(done.drained());
+  auto notes = PollUntil(pair.decode(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].kind() == v1::CANCELLED_BY_PEER);
+  auto more = KvWrite("req-cancel", {1}, {1});
+  more.set_chunk(1);
+  auto refused = pair.prefill().Submit(more);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("a transfer that misses its deadline times out with the reason") {
+  AgentPair pair;
+  auto open = KvWrite("req-late", {0}, {0});
+  open.set_more_chunks(true);  // the last chunk never comes
+  open.set_timeout_ms(300);
+  REQUIRE(pair.prefill().Submit(open).ok());
+  auto done = WaitDone(pair.prefill(), "req-late");
+  CHECK(done.phase() == v1::TIMED_OUT);
+  CHECK(done.error_code() == static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  CHECK_THAT(done.error_message(),
+             Catch::Contains("req-late") && Catch::Contains("300 ms") &&
+                 Catch::Contains("last chunk never submitted"));
+  CHECK(pair.decode().Poll(0)->notifications_size() == 0);
+}
+
+TEST_CASE("the demo's shapes work under UCX_TLS=tcp,self as between hosts") {
+  AgentPairOptions options;
+  options.env["UCX_TLS"] = "tcp,self";
+  AgentPair pair(options);
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  REQUIRE(peers->peers_size() == 1);
+  CHECK(peers->peers(0).transports() == "tcp");
+  REQUIRE(pair.prefill().Submit(KvWrite("req-tcp", {1, 2, 3}, {9, 4, 5}, "tcp")).ok());
+  auto done = WaitDone(pair.prefill(), "req-tcp");
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(1, 9));
+  CHECK(pair.PageEqual(2, 4));
+  CHECK(pair.PageEqual(3, 5));
+}
+
+}  // namespace
+}  // namespace kvagent::testing

@@ -1,0 +1,304 @@
+#include "registry/region_registry.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "catch2/catch.hpp"
+#include "registry/remote_catalog.h"
+#include "tests/unit/registry/test_util.h"
+
+namespace kvagent::registry {
+namespace {
+
+using testing::MakeShm;
+using testing::Spec;
+
+const transport::UcxContext& Context() {
+  static std::unique_ptr<transport::UcxContext> context = [] {
+    auto created = transport::UcxContext::Create();
+    REQUIRE(created.ok());
+    return std::move(created).value();
+  }();
+  return *context;
+}
+
+std::string Message(const absl::Status& status) { return std::string(status.message()); }
+
+std::vector<std::string> Names(const std::vector<RegionPtr>& regions) {
+  std::vector<std::string> names;
+  for (const RegionPtr& region : regions) names.push_back(region->spec.name());
+  return names;
+}
+
+v1::RegionSpec Aux(const std::string& name, const std::string& shm, uint64_t offset,
+                   uint64_t length) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::AUX);
+  spec.set_length(length);  // memory left UNSPECIFIED: treated as DRAM
+  spec.mutable_shm()->set_name(shm);
+  spec.mutable_shm()->set_offset(offset);
+  return spec;
+}
+
+// k.L0 [0, 16K), v.L0 [16K, 32K): 4 items of 4 KiB each; aux [32K, 32K+100).
+std::vector<v1::RegionSpec> Batch(const std::string& shm) {
+  return {Spec("k.L0", shm, 0, 16384, 4, 4096, "kv"),
+          Spec("v.L0", shm, 16384, 16384, 4, 4096, "kv"), Aux("aux", shm, 32768, 100)};
+}
+
+TEST_CASE("A valid batch is registered, listed, grouped and exported") {
+  ShmMapping shm = MakeShm(65536);
+  for (int i = 0; i < 65536; ++i) static_cast<unsigned char*>(shm.data())[i] = i % 251;
+  RegionRegistry registry(&Context());
+  auto result = registry.Register(Batch(shm.name()), false);
+  REQUIRE(result.ok());
+  CHECK(result->version == 1);
+  CHECK(registry.version() == 1);
+  CHECK(result->skipped.empty());
+  CHECK(Names(result->regions) == std::vector<std::string>{"k.L0", "v.L0", "aux"});
+  CHECK(Names(registry.List()) == std::vector<std::string>{"k.L0", "v.L0", "aux"});
+  CHECK(registry.registered_bytes() == 16384 + 16384 + 100);
+  CHECK(registry.GroupNames() == std::vector<std::string>{"kv"});
+
+  auto group = registry.FindGroup("kv");
+  REQUIRE(Names(group) == std::vector<std::string>{"k.L0", "v.L0"});
+  CHECK(group[0]->group_position == 0);
+  CHECK(group[1]->group_position == 1);
+  CHECK(registry.FindGroup("none").empty());
+
+  // The agent's mapping shows the engine's bytes at the region's offset.
+  RegionPtr v = registry.Find("v.L0");
+  REQUIRE(v != nullptr);
+  CHECK(std::memcmp(reinterpret_cast<void*>(v->ItemAddress(1)),
+                    static_cast<char*>(shm.data()) + 16384 + 4096, 4096) == 0);
+  CHECK(v->item_stride() == 4096);  // 0 normalized
+  v1::RegionInfo info = v->Info();
+  CHECK(info.group_position() == 1);
+  CHECK(info.base_address() == v->base_address);
+  CHECK(info.memory_path() == "host");
+  CHECK(info.spec().name() == "v.L0");
+
+  RegionPtr aux = registry.Find("aux");
+  REQUIRE(aux != nullptr);
+  CHECK(aux->num_items() == 1);
+  CHECK(aux->item_bytes() == 100);
+  CHECK(aux->spec.memory() == v1::DRAM);
+
+  v1::AgentMetadata md;
+  registry.Export(&md);
+  CHECK(md.version() == 1);
+  REQUIRE(md.regions_size() == 3);
+  CHECK(md.regions(1).name() == "v.L0");
+  CHECK(md.regions(1).group_position() == 1);
+  CHECK(md.regions(1).base_address() == v->base_address);
+  CHECK(md.regions(1).length() == 16384);
+  CHECK(md.regions(1).layout().item_bytes() == 4096);
+  CHECK_FALSE(md.regions(1).rkey().empty());
+  CHECK(md.regions(1).rkey() == v->registration.packed_rkey());
+
+  // What peers receive is a valid catalog.
+  md.set_name("prefill-0");
+  md.set_worker_address("address");
+  auto catalog = RemoteCatalog::FromMetadata(md);
+  REQUIRE(catalog.ok());
+  auto remote = catalog->FindGroup("kv");
+  REQUIRE(remote.size() == 2);
+  CHECK(remote[1]->name == "v.L0");
+  CHECK(remote[1]->rkey_slot == 1);
+  CHECK(remote[1]->ItemAddress(2) == v->ItemAddress(2));
+  CHECK(catalog->Find("aux")->length == 100);
+}
+
+TEST_CASE("Group positions follow registration order across batches and deregistration") {
+  ShmMapping shm = MakeShm(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry.Register({Spec("a", shm.name(), 0, 4096, 4, 1024, "g")}, false).ok());
+  REQUIRE(registry.Register({Spec("b", shm.name(), 4096, 4096, 4, 1024, "g"),
+                             Spec("c", shm.name(), 8192, 4096, 4, 1024, "g")},
+                            false)
+              .ok());
+  CHECK(registry.version() == 2);
+  auto group = registry.FindGroup("g");
+  REQUIRE(Names(group) == std::vector<std::string>{"a", "b", "c"});
+  CHECK(group[2]->group_position == 2);
+
+  RegionPtr held = registry.Find("a");
+  auto version = registry.Deregister({"a"});
+  REQUIRE(version.ok());
+  CHECK(*version == 3);
+  CHECK(registry.Find("a") == nullptr);
+  group = registry.FindGroup("g");
+  REQUIRE(Names(group) == std::vector<std::string>{"b", "c"});
+  CHECK(group[0]->Info().group_position() == 0);
+  CHECK(group[1]->Info().group_position() == 1);
+  v1::AgentMetadata md;
+  registry.Export(&md);
+  md.set_name("p");
+  md.set_worker_address("w");
+  CHECK(RemoteCatalog::FromMetadata(md).ok());  // positions are 0..n-1 again
+  // A transfer still holding the region keeps its memory mapped.
+  static_cast<char*>(reinterpret_cast<void*>(held->base_address))[0] = 42;
+  CHECK(static_cast<char*>(shm.data())[0] == 42);
+}
+
+struct Rejected {
+  absl::Status status;
+  std::string message;
+};
+
+// Registers `specs` into a registry that already holds one region and checks that a
+// failed batch leaves it exactly as it was.
+Rejected RegisterBad(const std::vector<v1::RegionSpec>& specs, const ShmMapping& shm) {
+  RegionRegistry registry(&Context());
+  REQUIRE(registry.Register({Spec("old", shm.name(), 61440, 4096, 1, 4096, "kv2")}, false).ok());
+  auto result = registry.Register(specs, false);
+  REQUIRE_FALSE(result.ok());
+  CHECK(registry.version() == 1);
+  CHECK(Names(registry.List()) == std::vector<std::string>{"old"});
+  return {result.status(), Message(result.status())};
+}
+
+TEST_CASE("Bad entries are rejected with their name, cause and fix") {
+  ShmMapping shm = MakeShm(65536);
+  const std::string name = shm.name();
+  using absl::StatusCode;
+
+  SECTION("duplicate names, in the batch and already registered") {
+    auto r = RegisterBad({Spec("x", name, 0, 4096, 1, 4096), Spec("x", name, 4096, 4096, 1, 4096)},
+                         shm);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'x' (entry 1): name repeats entry 0"));
+    r = RegisterBad({Spec("old", name, 0, 4096, 1, 4096)}, shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'old' (entry 0): name is already registered"));
+  }
+  SECTION("zero length") {
+    auto r = RegisterBad({Spec("z", name, 0, 0, 1, 4096)}, shm);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'z' (entry 0): length is 0"));
+    CHECK_THAT(r.message, Catch::Contains("skip_empty"));
+  }
+  SECTION("layout beyond length") {
+    auto r = RegisterBad({Spec("l", name, 0, 4096, 5, 1024)}, shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'l' (entry 0): layout (5 items"));
+    r = RegisterBad({Spec("l", name, 0, 4096, uint64_t{1} << 62, 8, "", 8)}, shm);
+    CHECK_THAT(r.message, Catch::Contains("ends beyond the region's length 4096"));
+  }
+  SECTION("stride smaller than item size, zero item size") {
+    auto r = RegisterBad({Spec("s", name, 0, 4096, 2, 1024, "", 512)}, shm);
+    CHECK_THAT(r.message, Catch::Contains("item_stride 512 is smaller than item_bytes 1024"));
+    r = RegisterBad({Spec("s", name, 0, 4096, 2, 0)}, shm);
+    CHECK_THAT(r.message, Catch::Contains("item_bytes 0"));
+  }
+  SECTION("overlap, in the batch and with a registered region") {
+    auto r = RegisterBad({Spec("a", name, 0, 8192, 2, 4096), Spec("b", name, 4096, 8192, 2, 4096)},
+                         shm);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'b' (entry 1): bytes [4096, 12288)"));
+    CHECK_THAT(r.message, Catch::Contains("overlap region 'a'"));
+    r = RegisterBad({Spec("c", name, 60000, 2000, 1, 2000)}, shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'c' (entry 0)"));
+    CHECK_THAT(r.message, Catch::Contains("overlap region 'old'"));
+  }
+  SECTION("group whose regions disagree in num_items") {
+    auto r = RegisterBad({Spec("k", name, 0, 8192, 2, 4096, "kv"),
+                          Spec("v", name, 8192, 8192, 4, 2048, "kv")},
+                         shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'v' (entry 1): has 4 items but region 'k' of "
+                                          "group 'kv' has 2"));
+    r = RegisterBad({Spec("k", name, 0, 8192, 2, 4096, "kv2")}, shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'old' of group 'kv2' has 1"));
+  }
+  SECTION("missing shm object and missing source") {
+    auto r = RegisterBad({Spec("m", "/kvagent-test-missing-object", 0, 4096, 1, 4096)}, shm);
+    CHECK(r.status.code() == StatusCode::kNotFound);
+    CHECK_THAT(r.message, Catch::Contains("region 'm' (entry 0): shm object "
+                                          "'/kvagent-test-missing-object' does not exist"));
+    v1::RegionSpec no_source = Spec("n", name, 0, 4096, 1, 4096);
+    no_source.clear_shm();
+    r = RegisterBad({no_source}, shm);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'n' (entry 0): DRAM region has no shm source"));
+  }
+  SECTION("shm object too small") {
+    auto r = RegisterBad({Spec("big", name, 4096, 65536, 1, 4096)}, shm);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'big' (entry 0)"));
+    CHECK_THAT(r.message, Catch::Contains("65536 bytes, smaller than offset 4096 + length 65536"));
+  }
+  SECTION("VRAM") {
+    v1::RegionSpec vram = Spec("gpu", name, 0, 4096, 1, 4096);
+    vram.set_memory(v1::VRAM);
+    auto r = RegisterBad({vram}, shm);
+    CHECK(r.status.code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(r.message, Catch::Contains("region 'gpu' (entry 0): VRAM regions are not supported"));
+  }
+  SECTION("two bad entries are both reported; the code is the first one's") {
+    v1::RegionSpec vram = Spec("gpu", name, 0, 4096, 1, 4096);
+    vram.set_memory(v1::VRAM);
+    auto r = RegisterBad({Spec("fine", name, 0, 4096, 1, 4096),
+                          Spec("missing", "/kvagent-test-missing-object", 0, 4096, 1, 4096),
+                          vram},
+                         shm);
+    CHECK(r.status.code() == StatusCode::kNotFound);
+    CHECK_THAT(r.message, Catch::Contains("2 of 3 regions rejected"));
+    CHECK_THAT(r.message, Catch::Contains("region 'missing' (entry 1)"));
+    CHECK_THAT(r.message, Catch::Contains("region 'gpu' (entry 2)"));
+    CHECK_THAT(r.message, !Catch::Contains("region 'fine'"));
+  }
+}
+
+TEST_CASE("skip_empty skips zero-length entries and registers the rest") {
+  ShmMapping shm = MakeShm(8192);
+  RegionRegistry registry(&Context());
+  auto result = registry.Register({Spec("empty", shm.name(), 0, 0, 1, 4096),
+                                   Spec("real", shm.name(), 0, 4096, 1, 4096)},
+                                  true);
+  REQUIRE(result.ok());
+  CHECK(result->skipped == std::vector<std::string>{"empty"});
+  CHECK(Names(result->regions) == std::vector<std::string>{"real"});
+  CHECK(registry.Find("empty") == nullptr);
+}
+
+TEST_CASE("A failed batch leaves registered regions listed, usable and the version unchanged") {
+  ShmMapping shm = MakeShm(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry.Register(Batch(shm.name()), false).ok());
+  auto bad = registry.Register({Spec("new", shm.name(), 40960, 4096, 1, 4096),
+                                Spec("k.L0", shm.name(), 45056, 4096, 1, 4096)},
+                               false);
+  REQUIRE_FALSE(bad.ok());
+  CHECK(registry.version() == 1);
+  CHECK(registry.Find("new") == nullptr);
+  CHECK(Names(registry.List()) == std::vector<std::string>{"k.L0", "v.L0", "aux"});
+  RegionPtr k = registry.Find("k.L0");
+  REQUIRE(k != nullptr);
+  static_cast<char*>(reinterpret_cast<void*>(k->ItemAddress(3)))[5] = 7;
+  CHECK(static_cast<char*>(shm.data())[3 * 4096 + 5] == 7);
+  // The rejected entry's range is free: registering it alone works.
+  auto good = registry.Register({Spec("new", shm.name(), 40960, 4096, 1, 4096)}, false);
+  REQUIRE(good.ok());
+  CHECK(good->version == 2);
+}
+
+TEST_CASE("Deregister is all-or-nothing") {
+  ShmMapping shm = MakeShm(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry.Register(Batch(shm.name()), false).ok());
+  auto result = registry.Deregister({"k.L0", "nope", "gone"});
+  REQUIRE(result.status().code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(Message(result.status()), Catch::Contains("'nope', 'gone'"));
+  CHECK_THAT(Message(result.status()), Catch::Contains("kvagentctl regions"));
+  CHECK_THAT(Message(result.status()), !Catch::Contains("k.L0"));
+  CHECK(registry.version() == 1);
+  CHECK(registry.List().size() == 3);
+  auto ok = registry.Deregister({"k.L0", "aux"});
+  REQUIRE(ok.ok());
+  CHECK(*ok == 2);
+  CHECK(Names(registry.List()) == std::vector<std::string>{"v.L0"});
+  CHECK(registry.registered_bytes() == 16384);
+}
+
+}  // namespace
+}  // namespace kvagent::registry

@@ -1,0 +1,44 @@
+// Test helpers for registry tests: unique shm objects created through ShmMapping and
+// RegionSpec builders. Used by tests/unit/registry/*_test.cc only.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "catch2/catch.hpp"
+#include "fmt/format.h"
+#include "proto/kvagent.pb.h"
+#include "registry/shm_mapping.h"
+
+namespace kvagent::registry::testing {
+
+// A fresh POSIX shm object, unlinked when the returned mapping goes away.
+inline ShmMapping MakeShm(uint64_t bytes) {
+  static std::atomic<int> counter{0};
+  std::string name = fmt::format("/kvagent-test-{}-{}", getpid(), counter++);
+  auto shm = ShmMapping::Create(name, bytes);
+  REQUIRE(shm.ok());
+  return std::move(shm).value();
+}
+
+inline v1::RegionSpec Spec(const std::string& name, const std::string& shm, uint64_t offset,
+                           uint64_t length, uint64_t num_items, uint64_t item_bytes,
+                           const std::string& group = "", uint64_t stride = 0) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::KV);
+  spec.set_group(group);
+  spec.set_memory(v1::DRAM);
+  spec.set_length(length);
+  spec.mutable_layout()->set_num_items(num_items);
+  spec.mutable_layout()->set_item_bytes(item_bytes);
+  spec.mutable_layout()->set_item_stride(stride);
+  spec.mutable_shm()->set_name(shm);
+  spec.mutable_shm()->set_offset(offset);
+  return spec;
+}
+
+}  // namespace kvagent::registry::testing

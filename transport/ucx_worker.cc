@@ -1,0 +1,606 @@
+#include "transport/ucx_worker.h"
+
+#include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
+#include "fmt/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::transport {
+namespace {
+
+constexpr log::Logger kLog("transport");
+
+// UCX trusts the bytes of a remote address and reads as far as its encoded lengths
+// say; padding our copy with zeros keeps a truncated address from reading past it.
+constexpr size_t kAddressPadding = 4096;
+constexpr size_t kMaxAddressBytes = 64 * 1024;
+// UCX 1.13 addresses start with a header byte whose low nibble is the format
+// version (0 = v1, 1 = v2); other values trip an assertion inside UCX.
+constexpr uint8_t kMaxAddressVersion = 1;
+
+constexpr auto kShutdownBudget = std::chrono::seconds(2);
+
+absl::Status UcxError(ucs_status_t status, std::string message) {
+  message += fmt::format(" ({})", UcsStatusText(status));
+  switch (status) {
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_IO_ERROR:
+      return absl::UnavailableError(message);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return absl::InvalidArgumentError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+std::string CaptureEpInfo(ucp_ep_h ep) {
+  char* buffer = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&buffer, &size);
+  if (stream == nullptr) return {};
+  ucp_ep_print_info(ep, stream);
+  std::fclose(stream);
+  std::string text(buffer, size);
+  std::free(buffer);
+  return text;
+}
+
+// Lane lines of ucp_ep_print_info look like
+//   "#   lane[0]:  3:sysv/memory.0 md[2]  -> md[2]/sysv/sysdev[255] am am_bw#0"
+// The transport is the name between "<resource index>:" and "/".
+std::vector<std::string> ParseLaneTransports(const std::string& info) {
+  std::vector<std::string> names;
+  size_t pos = 0;
+  while ((pos = info.find("lane[", pos)) != std::string::npos) {
+    size_t line_end = info.find('\n', pos);
+    if (line_end == std::string::npos) line_end = info.size();
+    std::string_view line(info.data() + pos, line_end - pos);
+    pos = line_end;
+    size_t colon = line.find("]:");
+    if (colon == std::string_view::npos) continue;
+    std::string_view rest = line.substr(colon + 2);
+    size_t i = rest.find_first_not_of(' ');
+    if (i == std::string_view::npos) continue;
+    rest.remove_prefix(i);
+    size_t index_end = rest.find(':');
+    size_t slash = rest.find('/');
+    if (index_end == std::string_view::npos || slash == std::string_view::npos ||
+        slash < index_end) {
+      continue;
+    }
+    std::string name(rest.substr(index_end + 1, slash - index_end - 1));
+    if (!name.empty() && std::find(names.begin(), names.end(), name) == names.end()) {
+      names.push_back(std::move(name));
+    }
+  }
+  return names;
+}
+
+// Receive state of one rendezvous active message, owned until its data arrives.
+struct RndvReceive {
+  AmHandler* handler;
+  uint16_t id;
+  std::string header;
+  std::string data;
+};
+
+void FinishRndv(RndvReceive* receive, ucs_status_t status) {
+  if (status == UCS_OK) {
+    (*receive->handler)(receive->header, receive->data);
+  } else {
+    kLog.Warn("active message {}: receiving {} bytes of rendezvous data failed ({}); the "
+              "message is dropped",
+              receive->id, receive->data.size(), UcsStatusText(status));
+  }
+  delete receive;
+}
+
+// Heap state of a Flush or SendAm, owned until the send callback.
+struct SendOp {
+  Completion done;
+  std::string what;     // names the operation in error messages
+  std::string payload;  // header followed by data, for SendAm
+};
+
+void FinishSend(SendOp* op, ucs_status_t status) {
+  std::unique_ptr<SendOp> owned(op);
+  if (!owned->done) return;
+  if (status == UCS_OK) {
+    owned->done(absl::OkStatus());
+  } else {
+    owned->done(UcxError(status, owned->what));
+  }
+}
+
+void SendCallback(void* request, ucs_status_t status, void* user_data) {
+  ucp_request_free(request);
+  FinishSend(static_cast<SendOp*>(user_data), status);
+}
+
+// Starts a send-like operation; `start` gets the request params. Runs `op->done`
+// inline on immediate completion or failure.
+template <typename StartFn>
+void StartSend(std::unique_ptr<SendOp> op, StartFn start) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = SendCallback;
+  param.user_data = op.get();
+  ucs_status_ptr_t request = start(op.get(), param);
+  if (UCS_PTR_IS_PTR(request)) {
+    op.release();  // SendCallback owns it now
+    return;
+  }
+  FinishSend(op.release(), UCS_PTR_STATUS(request));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// UcxWorker
+
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& context,
+                                                             std::string name) {
+  std::unique_ptr<UcxWorker> worker(new UcxWorker());
+  worker->name_ = std::move(name);
+  const std::string& label = worker->name_;
+
+  ucp_worker_params_t params{};
+  params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  // Only the progress thread touches the worker once it runs; creation here
+  // happens-before the thread starts.
+  params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucs_status_t status = ucp_worker_create(context.get(), &params, &worker->worker_);
+  if (status != UCS_OK) {
+    worker->worker_ = nullptr;
+    return UcxError(status, fmt::format("UCX worker '{}': ucp_worker_create failed; check "
+                                        "UCX_TLS/UCX_NET_DEVICES (ucx_info -d)",
+                                        label));
+  }
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  status = ucp_worker_get_address(worker->worker_, &address, &address_length);
+  if (status != UCS_OK) {
+    return UcxError(status, fmt::format("UCX worker '{}': ucp_worker_get_address failed; "
+                                        "no usable transport, check UCX_TLS",
+                                        label));
+  }
+  worker->address_.assign(reinterpret_cast<const char*>(address), address_length);
+  ucp_worker_release_address(worker->worker_, address);
+
+  status = ucp_worker_get_efd(worker->worker_, &worker->worker_fd_);
+  if (status != UCS_OK) {
+    return UcxError(status, fmt::format("UCX worker '{}': ucp_worker_get_efd failed; the "
+                                        "context lacks UCP_FEATURE_WAKEUP support",
+                                        label));
+  }
+  worker->event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  worker->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (worker->event_fd_ < 0 || worker->epoll_fd_ < 0) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "UCX worker '{}': creating its eventfd/epoll failed: {}; raise the open-file limit "
+        "(ulimit -n)",
+        label, std::strerror(errno)));
+  }
+  for (int fd : {worker->worker_fd_, worker->event_fd_}) {
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.fd = fd;
+    if (epoll_ctl(worker->epoll_fd_, EPOLL_CTL_ADD, fd, &event) != 0) {
+      return absl::InternalError(fmt::format("UCX worker '{}': epoll_ctl failed: {}", label,
+                                             std::strerror(errno)));
+    }
+  }
+  worker->thread_ = std::thread([w = worker.get()] { w->Loop(); });
+  worker->thread_id_ = worker->thread_.get_id();
+  return worker;
+}
+
+UcxWorker::~UcxWorker() {
+  if (thread_.joinable()) {
+    stopping_.store(true);
+    Wake();
+    thread_.join();
+  } else if (worker_ != nullptr) {
+    ucp_worker_destroy(worker_);  // Create failed before the thread started
+  }
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  if (event_fd_ >= 0) close(event_fd_);
+}
+
+void UcxWorker::Post(std::function<void()> fn) {
+  if (!Enqueue(std::move(fn))) {
+    kLog.Warn("UCX worker '{}': a closure was posted after its thread stopped; dropped", name_);
+  }
+}
+
+void UcxWorker::RunSync(std::function<void()> fn) {
+  if (OnWorkerThread()) {
+    fn();  // waiting on ourselves would never finish
+    return;
+  }
+  absl::Notification done;
+  if (!Enqueue([&fn, &done] {
+        fn();
+        done.Notify();
+      })) {
+    kLog.Warn("UCX worker '{}': RunSync after its thread stopped; not run", name_);
+    return;
+  }
+  done.WaitForNotification();
+}
+
+bool UcxWorker::OnWorkerThread() const { return std::this_thread::get_id() == thread_id_; }
+
+bool UcxWorker::Enqueue(std::function<void()> fn) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (exited_) return false;
+    queue_.push_back(std::move(fn));
+  }
+  Wake();
+  return true;
+}
+
+void UcxWorker::Wake() {
+  uint64_t one = 1;
+  // EAGAIN means the counter is already non-zero: the thread will wake anyway.
+  while (write(event_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+  }
+}
+
+void UcxWorker::DrainQueue() {
+  std::deque<std::function<void()>> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    batch.swap(queue_);
+  }
+  for (auto& fn : batch) fn();
+}
+
+void UcxWorker::SetAmHandler(uint16_t id, AmHandler handler) {
+  if (!OnWorkerThread() && thread_.joinable()) {
+    RunSync([this, id, &handler] { SetAmHandler(id, std::move(handler)); });
+    return;
+  }
+  auto& slot = am_handlers_[id];
+  if (slot != nullptr) {
+    slot->handler = std::move(handler);  // in-flight rendezvous receives keep the slot
+    return;
+  }
+  slot = std::make_unique<AmSlot>(AmSlot{this, id, std::move(handler)});
+  ucp_am_handler_param_t param{};
+  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  param.id = id;
+  param.flags = UCP_AM_FLAG_WHOLE_MSG;
+  param.cb = AmCallback;
+  param.arg = slot.get();
+  ucs_status_t status = ucp_worker_set_am_recv_handler(worker_, &param);
+  if (status != UCS_OK) {
+    // Only an invalid parameter can fail here: a programming error, not the environment.
+    kLog.Error("UCX worker '{}': registering active message {} failed ({})", name_, id,
+               UcsStatusText(status));
+  }
+}
+
+ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_length,
+                                   void* data, size_t length,
+                                   const ucp_am_recv_param_t* param) {
+  auto* slot = static_cast<AmSlot*>(arg);
+  std::string_view header_view(header_length > 0 ? static_cast<const char*>(header) : "",
+                               header_length);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
+    slot->handler(header_view, std::string_view(static_cast<const char*>(data), length));
+    return UCS_OK;
+  }
+  // Rendezvous: the header is only valid now; the data is fetched into our buffer.
+  auto* receive = new RndvReceive{&slot->handler, slot->id, std::string(header_view),
+                                  std::string(length, '\0')};
+  ucp_request_param_t recv_param{};
+  recv_param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  recv_param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    ucp_request_free(request);
+    FinishRndv(static_cast<RndvReceive*>(user_data), status);
+  };
+  recv_param.user_data = receive;
+  ucs_status_ptr_t request = ucp_am_recv_data_nbx(slot->worker->worker_, data,
+                                                  receive->data.data(), length, &recv_param);
+  if (UCS_PTR_IS_PTR(request)) return UCS_INPROGRESS;
+  FinishRndv(receive, UCS_PTR_STATUS(request));
+  return UCS_OK;
+}
+
+void UcxWorker::TrackRequest(void* request) { pending_requests_.push_back(request); }
+
+void UcxWorker::ReapRequests() {
+  auto it = pending_requests_.begin();
+  while (it != pending_requests_.end()) {
+    ucs_status_t status = ucp_request_check_status(*it);
+    if (status == UCS_INPROGRESS) {
+      ++it;
+      continue;
+    }
+    if (status != UCS_OK) {
+      kLog.Debug("UCX worker '{}': endpoint close finished with {}", name_,
+                 UcsStatusText(status));
+    }
+    ucp_request_free(*it);
+    it = pending_requests_.erase(it);
+  }
+}
+
+void UcxWorker::Loop() {
+  std::string thread_name = name_.substr(0, 15);  // the kernel's limit
+  pthread_setname_np(pthread_self(), thread_name.c_str());
+  epoll_event events[2];
+  while (!stopping_.load()) {
+    DrainQueue();
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    ReapRequests();
+    ucs_status_t status = ucp_worker_arm(worker_);
+    if (status == UCS_ERR_BUSY) continue;  // events arrived since the last progress
+    if (status != UCS_OK) {
+      kLog.Error("UCX worker '{}': ucp_worker_arm failed ({}); polling", name_,
+                 UcsStatusText(status));
+    }
+    // Pending closes and a failed arm are polled; otherwise sleep until woken.
+    int timeout_ms = (status != UCS_OK || !pending_requests_.empty()) ? 10 : -1;
+    int count = epoll_wait(epoll_fd_, events, 2, timeout_ms);
+    for (int i = 0; i < count; ++i) {
+      if (events[i].data.fd == event_fd_) {
+        uint64_t value;
+        while (read(event_fd_, &value, sizeof(value)) < 0 && errno == EINTR) {
+        }
+      }
+    }
+  }
+  Shutdown();
+}
+
+void UcxWorker::Shutdown() {
+  DrainQueue();
+  // Endpoints their owners left open: close them so the worker can be destroyed.
+  for (Endpoint* endpoint : endpoints_) endpoint->Close();
+  endpoints_.clear();
+  const auto deadline = std::chrono::steady_clock::now() + kShutdownBudget;
+  for (;;) {
+    DrainQueue();
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    ReapRequests();
+    bool idle;
+    {
+      absl::MutexLock lock(&mu_);
+      idle = queue_.empty() && pending_requests_.empty();
+      if (idle || std::chrono::steady_clock::now() >= deadline) exited_ = true;
+    }
+    if (idle) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      DrainQueue();  // closures accepted before exited_ was set
+      kLog.Warn("UCX worker '{}': {} endpoint close(s) did not finish within {} s; the "
+                "peer is unresponsive, releasing anyway",
+                name_, pending_requests_.size(), kShutdownBudget.count());
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  for (void* request : pending_requests_) ucp_request_free(request);
+  pending_requests_.clear();
+  ucp_worker_destroy(worker_);
+  worker_ = nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// RemoteKey
+
+RemoteKey& RemoteKey::operator=(RemoteKey&& other) noexcept {
+  if (this != &other) {
+    if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
+    rkey_ = std::exchange(other.rkey_, nullptr);
+  }
+  return *this;
+}
+
+RemoteKey::~RemoteKey() {
+  if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
+}
+
+std::string_view ErrorModeName(ErrorMode mode) {
+  return mode == ErrorMode::kPeer ? "peer" : "none";
+}
+
+// ---------------------------------------------------------------------------
+// Endpoint
+
+absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
+    UcxWorker& worker, std::string_view remote_address, ErrorMode mode,
+    std::function<void(absl::Status)> on_error) {
+  if (!worker.OnWorkerThread()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "UCX worker '{}': Endpoint::Connect called off the worker thread; call it from a "
+        "closure given to Post/RunSync",
+        worker.name_));
+  }
+  if (remote_address.empty() || remote_address.size() > kMaxAddressBytes ||
+      (static_cast<uint8_t>(remote_address[0]) & 0x0f) > kMaxAddressVersion) {
+    return absl::InvalidArgumentError(fmt::format(
+        "UCX worker '{}': peer worker address ({} bytes) is not a UCX {} worker address; "
+        "pass the bytes the peer's ucp_worker_get_address returned (GetMetadata)",
+        worker.name_, remote_address.size(), ucp_get_version_string()));
+  }
+  std::string padded(remote_address);
+  padded.resize(remote_address.size() + kAddressPadding, '\0');
+
+  std::unique_ptr<Endpoint> endpoint(new Endpoint(worker, mode));
+  endpoint->on_error_ = std::move(on_error);
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = reinterpret_cast<const ucp_address_t*>(padded.data());
+  if (mode == ErrorMode::kPeer) {
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.err_handler.cb = ErrorCallback;
+    params.err_handler.arg = endpoint.get();
+  } else {
+    params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+  }
+  ucs_status_t status = ucp_ep_create(worker.get(), &params, &endpoint->ep_);
+  if (status != UCS_OK) {
+    endpoint->ep_ = nullptr;
+    return UcxError(status,
+                    fmt::format("UCX worker '{}': connecting to peer worker address ({} bytes, "
+                                "error mode {}) failed; check the peer is running and shares "
+                                "a transport with us (UCX_TLS on both sides)",
+                                worker.name_, remote_address.size(), ErrorModeName(mode)));
+  }
+  worker.endpoints_.insert(endpoint.get());
+  return endpoint;
+}
+
+Endpoint::~Endpoint() {
+  if (ep_ == nullptr) return;  // the worker already closed it at its shutdown
+  worker_.endpoints_.erase(this);
+  Close();
+}
+
+void Endpoint::Close() {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = failed_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(ep_, &param);
+  ep_ = nullptr;
+  if (UCS_PTR_IS_PTR(request)) {
+    worker_.TrackRequest(request);
+  } else if (UCS_PTR_STATUS(request) != UCS_OK) {
+    kLog.Debug("UCX worker '{}': endpoint close returned {}", worker_.name_,
+               UcsStatusText(UCS_PTR_STATUS(request)));
+  }
+}
+
+void Endpoint::ErrorCallback(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* endpoint = static_cast<Endpoint*>(arg);
+  endpoint->failed_ = true;
+  kLog.Warn("UCX worker '{}': endpoint failed ({})", endpoint->worker_.name_,
+            UcsStatusText(status));
+  if (endpoint->on_error_) {
+    endpoint->on_error_(absl::UnavailableError(fmt::format(
+        "UCX worker '{}': the peer of this endpoint failed ({}); the peer process died or the "
+        "network between us broke; reconnect once the peer is back",
+        endpoint->worker_.name_, UcsStatusText(status))));
+  }
+}
+
+absl::Status Endpoint::Unusable(std::string_view op) const {
+  return absl::UnavailableError(fmt::format(
+      "UCX worker '{}': {} on an endpoint that is {}; reconnect to the peer", worker_.name_,
+      op, ep_ == nullptr ? "closed (worker shut down)" : "failed (peer died)"));
+}
+
+std::string Endpoint::Transports() const {
+  if (ep_ == nullptr) return "";
+  return absl::StrJoin(ParseLaneTransports(CaptureEpInfo(ep_)), ",");
+}
+
+absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
+  if (ep_ == nullptr || failed_) return Unusable("unpacking a remote key");
+  if (packed.empty()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "UCX worker '{}': the peer's packed remote key is empty; the peer must send the "
+        "ucp_rkey_pack bytes of its region (GetMetadata)",
+        worker_.name_));
+  }
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t status = ucp_ep_rkey_unpack(ep_, packed.data(), &rkey);
+  if (status != UCS_OK) {
+    return UcxError(status, fmt::format("UCX worker '{}': unpacking a {}-byte remote key "
+                                        "failed; the key is corrupt or from a UCX with "
+                                        "transports we lack",
+                                        worker_.name_, packed.size()));
+  }
+  return RemoteKey(rkey);
+}
+
+absl::Status Endpoint::Put(const void* local, uint64_t length, uint64_t remote_address,
+                           const RemoteKey& rkey) {
+  if (ep_ == nullptr || failed_) return Unusable("put");
+  ucp_request_param_t param{};
+  ucs_status_ptr_t request = ucp_put_nbx(ep_, local, length, remote_address, rkey.get(), &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    return UcxError(UCS_PTR_STATUS(request),
+                    fmt::format("UCX worker '{}': put of {} bytes to remote 0x{:x} failed",
+                                worker_.name_, length, remote_address));
+  }
+  if (request != nullptr) ucp_request_free(request);  // Flush observes completion
+  return absl::OkStatus();
+}
+
+absl::Status Endpoint::Get(void* local, uint64_t length, uint64_t remote_address,
+                           const RemoteKey& rkey) {
+  if (ep_ == nullptr || failed_) return Unusable("get");
+  ucp_request_param_t param{};
+  ucs_status_ptr_t request = ucp_get_nbx(ep_, local, length, remote_address, rkey.get(), &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    return UcxError(UCS_PTR_STATUS(request),
+                    fmt::format("UCX worker '{}': get of {} bytes from remote 0x{:x} failed",
+                                worker_.name_, length, remote_address));
+  }
+  if (request != nullptr) ucp_request_free(request);  // Flush observes completion
+  return absl::OkStatus();
+}
+
+void Endpoint::Flush(Completion done) {
+  if (ep_ == nullptr || failed_) {
+    done(Unusable("flush"));
+    return;
+  }
+  auto op = std::make_unique<SendOp>();
+  op->done = std::move(done);
+  op->what = fmt::format("UCX worker '{}': flushing an endpoint failed; operations posted "
+                         "before it may not have reached the peer",
+                         worker_.name_);
+  StartSend(std::move(op), [this](SendOp*, const ucp_request_param_t& param) {
+    return ucp_ep_flush_nbx(ep_, &param);
+  });
+}
+
+void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view data,
+                      Completion done) {
+  if (ep_ == nullptr || failed_) {
+    done(Unusable("sending an active message"));
+    return;
+  }
+  auto op = std::make_unique<SendOp>();
+  op->done = std::move(done);
+  op->what = fmt::format("UCX worker '{}': sending active message {} ({} + {} bytes) failed",
+                         worker_.name_, id, header.size(), data.size());
+  op->payload.reserve(header.size() + data.size());
+  op->payload.append(header).append(data);
+  const size_t header_size = header.size();
+  StartSend(std::move(op), [this, id, header_size](SendOp* send, ucp_request_param_t& param) {
+    const char* bytes = send->payload.data();
+    return ucp_am_send_nbx(ep_, id, header_size > 0 ? bytes : nullptr, header_size,
+                           bytes + header_size, send->payload.size() - header_size, &param);
+  });
+}
+
+}  // namespace kvagent::transport

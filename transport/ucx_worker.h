@@ -1,0 +1,184 @@
+// UcxWorker owns one ucp_worker and the one thread that progresses it. Everything
+// that touches the worker, its endpoints and rkeys runs on that thread: other
+// threads hand closures to Post(), which wakes the thread through an eventfd.
+// Used by the agent's transfer engine.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "transport/ucx_context.h"
+#include "ucp/api/ucp.h"
+
+namespace kvagent::transport {
+
+// Called on the worker thread for each active message with `id`. `header` and
+// `data` are valid only during the call (rendezvous data is received first, then
+// the handler runs).
+using AmHandler = std::function<void(std::string_view header, std::string_view data)>;
+
+class Endpoint;
+
+class UcxWorker {
+ public:
+  // Creates the worker and starts its progress thread. `name` labels the thread
+  // and log lines.
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const UcxContext& context,
+                                                           std::string name);
+  // Stops the thread: runs queued closures, closes endpoints still open, then
+  // destroys the worker.
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+
+  // This worker's address, what peers connect to (ucp_worker_get_address bytes).
+  const std::string& address() const { return address_; }
+
+  // Runs `fn` on the worker thread, soon. Safe from any thread, including the worker
+  // thread itself (then it runs after the current closure). Never blocks on UCX.
+  void Post(std::function<void()> fn);
+  // Runs `fn` on the worker thread and waits for it (for setup and tests; never
+  // call from the worker thread or a gRPC handler on a hot path).
+  void RunSync(std::function<void()> fn);
+  bool OnWorkerThread() const;
+
+  // Registers the handler for active-message `id` (worker thread or before any
+  // message can arrive).
+  void SetAmHandler(uint16_t id, AmHandler handler);
+
+  ucp_worker_h get() const { return worker_; }
+
+  // Internal: endpoints hand their close requests here so shutdown can finish them.
+  void TrackRequest(void* request);
+
+ private:
+  friend class Endpoint;  // registers itself in endpoints_
+  UcxWorker() = default;
+  void Loop();
+  void DrainQueue();
+  // Queues `fn` and wakes the thread; false once the thread has finished.
+  bool Enqueue(std::function<void()> fn);
+  void Wake();
+  // Frees tracked requests that completed.
+  void ReapRequests();
+  // Thread exit: finishes queued work and open endpoints, then destroys the worker.
+  void Shutdown();
+  static ucs_status_t AmCallback(void* arg, const void* header, size_t header_length,
+                                 void* data, size_t length, const ucp_am_recv_param_t* param);
+
+  ucp_worker_h worker_ = nullptr;
+  std::string name_;
+  std::string address_;
+  int event_fd_ = -1;   // wakes the thread for Post() and shutdown
+  int worker_fd_ = -1;  // ucp_worker_get_efd
+  int epoll_fd_ = -1;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+  std::thread::id thread_id_;
+
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool exited_ ABSL_GUARDED_BY(mu_) = false;  // Post() after this is dropped
+
+  // Worker-thread-only state.
+  struct AmSlot {
+    UcxWorker* worker;
+    uint16_t id;
+    AmHandler handler;
+  };
+  absl::flat_hash_map<uint16_t, std::unique_ptr<AmSlot>> am_handlers_;
+  std::vector<void*> pending_requests_;
+  // Endpoints still open; closed at shutdown if their owner has not destroyed them.
+  absl::flat_hash_set<Endpoint*> endpoints_;
+};
+
+// Unpacked remote key for one peer region; worker thread only. Move-only.
+class RemoteKey {
+ public:
+  RemoteKey() = default;
+  explicit RemoteKey(ucp_rkey_h rkey) : rkey_(rkey) {}
+  RemoteKey(RemoteKey&& other) noexcept : rkey_(other.rkey_) { other.rkey_ = nullptr; }
+  RemoteKey& operator=(RemoteKey&& other) noexcept;
+  RemoteKey(const RemoteKey&) = delete;
+  RemoteKey& operator=(const RemoteKey&) = delete;
+  ~RemoteKey();
+  ucp_rkey_h get() const { return rkey_; }
+
+ private:
+  ucp_rkey_h rkey_ = nullptr;
+};
+
+enum class ErrorMode {
+  kNone,  // shared-memory transports stay available; peer death detected by the agent
+  kPeer,  // UCP_ERR_HANDLING_MODE_PEER: UCX 1.13 then drops to TCP on one host
+};
+
+std::string_view ErrorModeName(ErrorMode mode);
+
+using Completion = std::function<void(absl::Status)>;
+
+// A connection to one remote worker; worker thread only (create, use, destroy).
+class Endpoint {
+ public:
+  // `on_error` runs on the worker thread if UCX reports the peer failed (kPeer mode).
+  static absl::StatusOr<std::unique_ptr<Endpoint>> Connect(
+      UcxWorker& worker, std::string_view remote_address, ErrorMode mode,
+      std::function<void(absl::Status)> on_error);
+  ~Endpoint();  // non-blocking close (flush mode); the worker finishes it
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  ErrorMode error_mode() const { return mode_; }
+  // Which transports UCX picked for this endpoint's lanes, e.g. "posix,sysv,cma" or
+  // "tcp" (parsed from ucp_ep_print_info).
+  std::string Transports() const;
+
+  absl::StatusOr<RemoteKey> UnpackRkey(std::string_view packed) const;
+
+  // Non-blocking RMA. Completion of individual operations is not reported; errors
+  // surface in the next Flush. An immediate failure returns its status.
+  absl::Status Put(const void* local, uint64_t length, uint64_t remote_address,
+                   const RemoteKey& rkey);
+  absl::Status Get(void* local, uint64_t length, uint64_t remote_address,
+                   const RemoteKey& rkey);
+  // Completes when every operation posted on this endpoint before it is complete
+  // (remotely, for puts). `done` runs on the worker thread, possibly before Flush
+  // returns.
+  void Flush(Completion done);
+  // Sends an active message; header and data are copied. `done` as for Flush.
+  void SendAm(uint16_t id, std::string_view header, std::string_view data, Completion done);
+
+  ucp_ep_h get() const { return ep_; }
+
+ private:
+  friend class UcxWorker;  // closes endpoints still open at shutdown
+  Endpoint(UcxWorker& worker, ErrorMode mode) : worker_(worker), mode_(mode) {}
+  // Starts ucp_ep_close_nbx and hands a pending close to the worker; ep_ becomes null.
+  void Close();
+  // Status for an operation on a failed or closed endpoint.
+  absl::Status Unusable(std::string_view op) const;
+  static void ErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
+  UcxWorker& worker_;
+  ErrorMode mode_;
+  ucp_ep_h ep_ = nullptr;
+  std::function<void(absl::Status)> on_error_;
+  bool failed_ = false;
+};
+
+// "ucx status <name>: <ucs_status_string>" for messages.
+std::string UcsStatusText(ucs_status_t status);
+
+}  // namespace kvagent::transport
