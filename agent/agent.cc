@@ -69,6 +69,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.host_id = agent->identity_.host_id;
   peer_options.error_mode = options.error_mode;
   peer_options.refresh_ms = options.peer_refresh_ms;
+  peer_options.shm_direct = options.shm_direct;
   agent->peers_ = std::make_unique<PeerManager>(agent->worker_.get(), peer_options);
   TransferEngineOptions engine_options;
   engine_options.self_name = options.name;

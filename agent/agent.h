@@ -27,6 +27,7 @@ struct AgentOptions {
   uint32_t transfer_timeout_ms = 30000;
   uint32_t peer_refresh_ms = 200;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
+  bool shm_direct = true;
 };
 
 class Agent {

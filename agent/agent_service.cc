@@ -188,10 +188,11 @@ grpc::ServerUnaryReactor* AgentService::AllocateSharedMemory(
                              request->name(), request->bytes(), kMaxAllocationBytes)));
   }
   absl::MutexLock lock(&shm_mu_);
+  // The incarnation, not the pid: agents in separate pid namespaces share /dev/shm.
   const std::string name =
-      fmt::format("/kvagent.{}.{}.{}.{}", SafeLabel(deps_.identity->name),
-                  SafeLabel(request->name().empty() ? "pool" : request->name()), getpid(),
-                  shm_counter_++);
+      fmt::format("/kvagent.{}.{}.{:x}.{}", SafeLabel(deps_.identity->name),
+                  SafeLabel(request->name().empty() ? "pool" : request->name()),
+                  deps_.identity->incarnation, shm_counter_++);
   auto mapping = registry::ShmMapping::Create(name, request->bytes());
   if (!mapping.ok()) {
     return Done(context, absl::Status(mapping.status().code(),

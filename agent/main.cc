@@ -24,6 +24,8 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --ucx-error-mode MODE       auto|peer|none (default auto: none for same-host peers,
                               whose shared-memory transports UCX 1.13 disables under
                               peer error handling; peer otherwise)
+  --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
+                              copy into it directly; off: move all data through UCX
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
 )";
 
@@ -76,6 +78,11 @@ int main(int argc, char** argv) {
       number(&options.peer_refresh_ms);
     } else if (key == "--shutdown-grace-ms") {
       number(&grace_ms);
+    } else if (key == "--shm-direct") {
+      if (value != "auto" && value != "off") {
+        return Fail(fmt::format("--shm-direct '{}': use auto or off", value));
+      }
+      options.shm_direct = value == "auto";
     } else if (key == "--ucx-error-mode") {
       if (value == "auto") {
         options.error_mode = ErrorModeChoice::kAuto;

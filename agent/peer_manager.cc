@@ -96,6 +96,9 @@ void PeerManager::BuildSnapshot(
       break;
   }
   snapshot->catalog = std::make_shared<registry::RemoteCatalog>(*std::move(catalog));
+  if (snapshot->same_host && options_.shm_direct) {
+    snapshot->direct = MapDirect(*snapshot->catalog, previous ? previous->direct.get() : nullptr);
+  }
   std::vector<std::string> rkeys;
   rkeys.reserve(metadata.regions_size());
   for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
@@ -143,6 +146,45 @@ void PeerManager::BuildSnapshot(
   });
 }
 
+std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
+    const registry::RemoteCatalog& catalog, const DirectMappings* previous) const {
+  auto direct = std::make_shared<DirectMappings>();
+  const auto& regions = catalog.regions();
+  direct->base_by_slot.assign(regions.size(), nullptr);
+  direct->mappings.resize(regions.size());
+  size_t mapped = 0;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const registry::RemoteRegion& r = regions[i];
+    if (r.shm_name.empty()) continue;
+    std::shared_ptr<registry::ShmMapping> mapping;
+    if (previous != nullptr) {
+      for (const auto& m : previous->mappings) {
+        if (m && m->name() == r.shm_name && m->offset() == r.shm_offset && m->length() == r.length) {
+          mapping = m;
+          break;
+        }
+      }
+    }
+    if (!mapping) {
+      auto opened = registry::ShmMapping::Open(r.shm_name, r.shm_offset, r.length,
+                                               fmt::format("peer '{}' region '{}'", catalog.peer(), r.name));
+      if (!opened.ok()) {
+        kLog.Warn("peer '{}' region '{}': cannot map its shared memory here ({}); that region "
+                  "moves through UCX",
+                  catalog.peer(), r.name, opened.status().message());
+        continue;
+      }
+      mapping = std::make_shared<registry::ShmMapping>(*std::move(opened));
+    }
+    direct->base_by_slot[i] = static_cast<uint8_t*>(mapping->data());
+    direct->mappings[i] = std::move(mapping);
+    ++mapped;
+  }
+  direct->complete = mapped == regions.size();
+  if (mapped == 0) return nullptr;
+  return direct;
+}
+
 void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
                           std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version) {
   absl::MutexLock lock(&mu_);
@@ -159,11 +201,12 @@ void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Chan
   const bool changed = !peer.snapshot || peer.version != version ||
                        peer.snapshot->incarnation != snapshot->incarnation;
   if (changed) {
-    kLog.Info("peer '{}' at {}: incarnation {:x}, metadata version {}, {} regions, transports {}, "
-              "error mode {}",
+    kLog.Info("peer '{}' at {}: incarnation {:x}, metadata version {}, {} regions, UCX "
+              "transports {}, error mode {}, data path {}",
               snapshot->name, address, snapshot->incarnation, version,
               snapshot->catalog->regions().size(), snapshot->transports,
-              transport::ErrorModeName(snapshot->error_mode));
+              transport::ErrorModeName(snapshot->error_mode),
+              snapshot->direct ? "shm-direct" : "ucx");
   }
   peer.snapshot = std::move(snapshot);
   peer.version = version;
@@ -258,6 +301,9 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_state(peer.state);
   info.set_last_error(peer.last_error);
   info.set_last_seen_ms_ago((MonotonicMicros() - peer.last_seen_us) / 1000);
+  info.set_data_path(s.direct == nullptr    ? "ucx"
+                     : s.direct->complete ? "shm-direct"
+                                          : "shm-direct+ucx");
   return info;
 }
 

@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "registry/remote_catalog.h"
+#include "registry/shm_mapping.h"
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
@@ -41,6 +42,14 @@ struct RkeyTable {
   std::vector<transport::RemoteKey> keys;
 };
 
+// The peer's shared-memory regions mapped into this process (same-host peers),
+// indexed by rkey slot; a null base means that region goes through UCX.
+struct DirectMappings {
+  std::vector<uint8_t*> base_by_slot;
+  std::vector<std::shared_ptr<registry::ShmMapping>> mappings;
+  bool complete = false;  // every region is mapped
+};
+
 // One consistent view of a peer: catalog, endpoint and keys of the same version.
 struct PeerSnapshot {
   std::string name;
@@ -53,6 +62,7 @@ struct PeerSnapshot {
   std::shared_ptr<const registry::RemoteCatalog> catalog;
   std::shared_ptr<transport::Endpoint> endpoint;  // worker thread only
   std::shared_ptr<RkeyTable> keys;                // worker thread only
+  std::shared_ptr<const DirectMappings> direct;   // null unless same-host shm-direct
 };
 
 enum class ErrorModeChoice { kAuto, kPeer, kNone };
@@ -63,6 +73,8 @@ struct PeerManagerOptions {
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   uint32_t refresh_ms = 200;
   uint32_t connect_timeout_ms = 5000;
+  // Map a same-host peer's shared memory and copy directly (see DirectMappings).
+  bool shm_direct = true;
 };
 
 class PeerManager {
@@ -104,6 +116,9 @@ class PeerManager {
                      std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done);
   void Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
                std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version);
+  // Maps the peer's shm-backed regions, reusing `previous` mappings that match.
+  std::shared_ptr<const DirectMappings> MapDirect(const registry::RemoteCatalog& catalog,
+                                                  const DirectMappings* previous) const;
   void MonitorLoop();
   void RefreshOne(const std::string& name);
   v1::PeerInfo InfoLocked(const Peer& peer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -1,6 +1,8 @@
 #include "agent/transfer_engine.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -343,9 +345,25 @@ void TransferEngine::Pump(const TransferPtr& t) {
 
   const auto& keys = peer->keys->keys;
   transport::Endpoint& endpoint = *peer->endpoint;
+  const DirectMappings* direct = peer->direct.get();
+  const auto& remote_regions = peer->catalog->regions();
   absl::Status posted;
   int32_t failed_segment = -1;
+  bool through_ucx = false;
   for (const auto& o : ops) {
+    uint8_t* mapped = direct ? direct->base_by_slot[o.rkey_slot] : nullptr;
+    if (mapped != nullptr) {
+      // Same host: the peer's memory is mapped here; the planner bounded the range.
+      uint8_t* remote = mapped + (o.remote_address - remote_regions[o.rkey_slot].base_address);
+      uint8_t* local = reinterpret_cast<uint8_t*>(o.local_address);
+      if (op == v1::WRITE) {
+        std::memcpy(remote, local, o.length);
+      } else {
+        std::memcpy(local, remote, o.length);
+      }
+      continue;
+    }
+    through_ucx = true;
     posted = op == v1::WRITE
                  ? endpoint.Put(reinterpret_cast<const void*>(o.local_address), o.length,
                                 o.remote_address, keys[o.rkey_slot])
@@ -356,8 +374,10 @@ void TransferEngine::Pump(const TransferPtr& t) {
       break;
     }
   }
+  // Copies are visible before anything the notification path sends after them.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   const int32_t first_segment = static_cast<int32_t>(ops.front().segment);
-  endpoint.Flush([this, t, posted, failed_segment, first_segment, bytes](absl::Status flushed) {
+  auto complete = [this, t, posted, failed_segment, first_segment, bytes](absl::Status flushed) {
     {
       absl::MutexLock lock(&mu_);
       t->inflight = false;
@@ -381,7 +401,12 @@ void TransferEngine::Pump(const TransferPtr& t) {
     }
     // Flush may complete inline; posting keeps the stack flat over many batches.
     worker_->Post([this, t] { Pump(t); });
-  });
+  };
+  if (through_ucx) {
+    endpoint.Flush(std::move(complete));
+  } else {
+    complete(absl::OkStatus());
+  }
 }
 
 void TransferEngine::OnNotification(std::string_view header, std::string_view data) {

@@ -86,6 +86,7 @@ int RunDemo(const DemoOptions& options) {
       d.binary = binary;
       d.name = name;
       d.work_dir = work_dir;
+      if (!options.shm_direct) d.extra_args = {"--shm-direct", "off"};
       auto started = DaemonProcess::Start(d);
       if (!started.ok()) return Fail(fmt::format("starting agent '{}'", name), started.status(), json);
       *slot = *std::move(started);
@@ -101,7 +102,10 @@ int RunDemo(const DemoOptions& options) {
     if (auto s = c->WaitReady(10000); !s.ok()) return Fail("waiting for agent", s, json);
   }
 
+  // Agents that run on may hold an earlier demo's regions: name this run's apart.
+  const std::string run = options.prefill_address.empty() ? "" : fmt::format("demo{}.", getpid());
   KvPoolShape shape;  // Llama-3.1-8B: 32 layers x K,V; 16 tokens x 8 heads x 128 x bf16
+  shape.group = run + "kv";
   shape.pages = std::max<uint64_t>(1, (options.pool_mib << 20) /
                                           (uint64_t{shape.layers} * shape.tensors_per_layer *
                                            shape.page_bytes));
@@ -113,9 +117,9 @@ int RunDemo(const DemoOptions& options) {
                                  shape.pages, options.requests)),
                 json);
   }
-  auto src = CreateKvPool(prefill, "prefill", shape);
+  auto src = CreateKvPool(prefill, run + "prefill", shape);
   if (!src.ok()) return Fail("creating the prefill pool", src.status(), json);
-  auto dst = CreateKvPool(decode, "decode", shape);
+  auto dst = CreateKvPool(decode, run + "decode", shape);
   if (!dst.ok()) return Fail("creating the decode pool", dst.status(), json);
   for (uint32_t r = 0; r < src->regions(); ++r) {
     for (uint64_t p = 0; p < shape.pages; ++p) FillPage(src->Page(r, p), shape.page_bytes, options.seed, r, p);
@@ -135,7 +139,7 @@ int RunDemo(const DemoOptions& options) {
   std::vector<Request> requests(options.requests);
   for (uint32_t i = 0; i < options.requests; ++i) {
     Request& r = requests[i];
-    r.id = fmt::format("demo-req-{}", i);
+    r.id = fmt::format("{}demo-req-{}", run, i);
     for (uint32_t k = 0; k < pages_per_request; ++k) {
       r.prefill_pages.push_back(src_free[i * pages_per_request + k]);
       r.decode_pages.push_back(dst_free[i * pages_per_request + k]);
@@ -181,8 +185,8 @@ int RunDemo(const DemoOptions& options) {
       s.set_timeout_ms(options.timeout_ms);
       if (c + 1 == chunks) s.set_notification("ready:" + r.id);
       auto* seg = s.add_segments()->mutable_items();
-      seg->set_local_group("kv");
-      seg->set_remote_group("kv");
+      seg->set_local_group(shape.group);
+      seg->set_remote_group(shape.group);
       const uint32_t begin = c * pages_per_request / chunks, end = (c + 1) * pages_per_request / chunks;
       for (uint32_t k = begin; k < end; ++k) {
         seg->add_local_indices(r.prefill_pages[k]);
@@ -262,7 +266,8 @@ int RunDemo(const DemoOptions& options) {
     std::printf("\nmodel      Llama-3.1-8B KV: %u layers x K,V, %lu KiB pages, %lu pages per region\n",
                 shape.layers, static_cast<unsigned long>(shape.page_bytes >> 10),
                 static_cast<unsigned long>(shape.pages));
-    std::printf("transport  %s (error mode %s)\n\n", transports.c_str(), peer->error_mode().c_str());
+    std::printf("data path  %s (UCX transports %s, error mode %s)\n\n", peer->data_path().c_str(),
+                transports.c_str(), peer->error_mode().c_str());
     std::printf("%-10s %-8s %-8s %-12s %-10s %-12s %-12s %s\n", "requests", "pages", "chunks",
                 "bytes", "GB/s", "p50 ms", "p99 ms", "verified");
     std::printf("%-10u %-8lu %-8u %-12lu %-10.2f %-12.3f %-12.3f %s\n", options.requests,
@@ -276,11 +281,17 @@ int RunDemo(const DemoOptions& options) {
   std::printf(
       "{\"verified\": %s, \"requests\": %u, \"pages\": %lu, \"regions\": %u, \"bytes\": %lu, "
       "\"checked_bytes\": %lu, \"seconds\": %.6f, \"gbps\": %.3f, \"p50_us\": %.1f, \"p99_us\": "
-      "%.1f, \"transports\": \"%s\", \"error_mode\": \"%s\"}\n",
+      "%.1f, \"data_path\": \"%s\", \"transports\": \"%s\", \"error_mode\": \"%s\"}\n",
       verified ? "true" : "false", options.requests, static_cast<unsigned long>(pages),
       src->regions(), static_cast<unsigned long>(bytes), static_cast<unsigned long>(checked_bytes),
-      seconds, gbps, p50, p99, transports.c_str(), peer->error_mode().c_str());
+      seconds, gbps, p50, p99, peer->data_path().c_str(), transports.c_str(),
+      peer->error_mode().c_str());
   std::fflush(stdout);
+  if (!run.empty()) {
+    // Leave the agents as we found them.
+    (void)prefill.Deregister(src->region_names);
+    (void)decode.Deregister(dst->region_names);
+  }
   if (prefill_daemon) {
     (void)prefill_daemon->Stop();
     (void)decode_daemon->Stop();

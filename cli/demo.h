@@ -19,6 +19,7 @@ struct DemoOptions {
   uint32_t timeout_ms = 60000;
   bool json = false;
   uint64_t seed = 42;
+  bool shm_direct = true;        // agents started here copy same-host data directly
 };
 
 // Returns the process exit code: 0 when every byte verified.

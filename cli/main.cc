@@ -27,6 +27,7 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
 
   demo [--prefill ADDR --decode ADDR] [--pool-mib N] [--requests N]
        [--pages N] [--chunks N] [--timeout-ms N] [--kvagentd PATH]
+       [--shm-direct auto|off]
                              two agents (started here when no addresses are
                              given), Llama-3.1-8B-shaped KV pools, chunked
                              pushes of several requests' pages, every byte
@@ -102,19 +103,20 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
 }
 
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
-  std::printf("%-16s %-22s %-12s %-10s %-6s %-8s %s\n", "name", "address", "state", "transports",
-              "mode", "regions", "same_host");
+  std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %s\n", "name", "address", "state",
+              "data_path", "ucx_transports", "mode", "regions", "same_host");
   for (const auto& p : r.peers()) {
-    std::printf("%-16s %-22s %-12s %-10s %-6s %-8u %s\n", p.name().c_str(), p.address().c_str(),
-                p.state().c_str(), p.transports().c_str(), p.error_mode().c_str(), p.regions(),
+    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %s\n", p.name().c_str(),
+                p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
+                p.transports().c_str(), p.error_mode().c_str(), p.regions(),
                 p.same_host() ? "yes" : "no");
   }
 }
 
 void PrintPeer(const kvagent::v1::PeerInfo& p) {
-  std::printf("connected to '%s' at %s: %u regions, transports %s, error mode %s\n",
-              p.name().c_str(), p.address().c_str(), p.regions(), p.transports().c_str(),
-              p.error_mode().c_str());
+  std::printf("connected to '%s' at %s: %u regions, data path %s, UCX transports %s, error mode %s\n",
+              p.name().c_str(), p.address().c_str(), p.regions(), p.data_path().c_str(),
+              p.transports().c_str(), p.error_mode().c_str());
 }
 
 void PrintTransfer(const kvagent::v1::TransferState& t) {
@@ -190,6 +192,9 @@ int main(int argc, char** argv) {
         options.prefill_address = v;
       } else if (a == "--decode") {
         options.decode_address = v;
+      } else if (a == "--shm-direct") {
+        if (v != "auto" && v != "off") return Usage("--shm-direct takes auto or off");
+        options.shm_direct = v == "auto";
       } else if (a == "--kvagentd") {
         options.kvagentd = v;
       } else if (a == "--pool-mib" || a == "--requests" || a == "--pages" || a == "--chunks") {

@@ -404,6 +404,10 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
     out->set_length(region.spec.length());
     *out->mutable_layout() = region.spec.layout();
     out->set_rkey(region.registration.packed_rkey());
+    if (region.spec.has_shm()) {
+      out->set_shm_name(region.spec.shm().name());
+      out->set_shm_offset(region.spec.shm().offset());
+    }
   }
   metadata->set_version(version_);
 }

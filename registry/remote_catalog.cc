@@ -75,6 +75,10 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
       return bad(fmt::format("layout ({} items of {} bytes, stride {}) extends beyond length {}",
                              layout.num_items(), layout.item_bytes(), stride, in.length()));
     }
+    if (in.shm_name().size() > limits.max_name_bytes) {
+      return bad(fmt::format("shm_name is {} bytes (at most {})", in.shm_name().size(),
+                             limits.max_name_bytes));
+    }
     if (!catalog.by_name_.emplace(in.name(), static_cast<uint32_t>(i)).second) {
       return bad("name is exported twice");
     }
@@ -88,6 +92,8 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
     region.item_bytes = layout.item_bytes();
     region.item_stride = stride;
     region.rkey_slot = static_cast<uint32_t>(i);
+    region.shm_name = in.shm_name();
+    region.shm_offset = in.shm_offset();
     if (!region.group.empty()) catalog.groups_[region.group].push_back(region.rkey_slot);
     catalog.regions_.push_back(std::move(region));
   }

@@ -23,6 +23,8 @@ struct RemoteRegion {
   uint64_t item_bytes = 0;
   uint64_t item_stride = 0;
   uint32_t rkey_slot = 0;  // index into the peer's unpacked rkey table (= region index)
+  std::string shm_name;    // empty when the peer's memory has no shared-memory name
+  uint64_t shm_offset = 0;
   uint64_t ItemAddress(uint64_t index) const { return base_address + index * item_stride; }
 };
 

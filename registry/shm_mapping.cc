@@ -93,7 +93,8 @@ absl::StatusOr<ShmMapping> ShmMapping::Open(const std::string& name, uint64_t of
   uint64_t map_length = delta + length;
   map_length = AlignDown(map_length + alignment - 1, alignment);
 
-  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+  // MAP_POPULATE: fault the pages in now, at registration, not in the transfer path.
+  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
                     static_cast<off_t>(map_offset));
   int err = errno;
   close(fd);  // the mapping keeps the object alive

@@ -255,11 +255,13 @@ TEST_CASE("a transfer that misses its deadline times out with the reason") {
 TEST_CASE("the demo's shapes work under UCX_TLS=tcp,self as between hosts") {
   AgentPairOptions options;
   options.env["UCX_TLS"] = "tcp,self";
+  options.extra_args = {"--shm-direct", "off"};
   AgentPair pair(options);
   auto peers = pair.prefill().Peers();
   REQUIRE(peers.ok());
   REQUIRE(peers->peers_size() == 1);
   CHECK(peers->peers(0).transports() == "tcp");
+  CHECK(peers->peers(0).data_path() == "ucx");
   REQUIRE(pair.prefill().Submit(KvWrite("req-tcp", {1, 2, 3}, {9, 4, 5}, "tcp")).ok());
   auto done = WaitDone(pair.prefill(), "req-tcp");
   REQUIRE(done.phase() == v1::COMPLETED);
