@@ -64,6 +64,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   ASSIGN_OR_RETURN(agent->worker_, transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name));
   agent->registry_ = std::make_unique<registry::RegionRegistry>(agent->context_.get());
   agent->notifications_ = std::make_unique<NotificationQueue>();
+  agent->watchers_ = std::make_unique<MetadataWatchers>();
   PeerManagerOptions peer_options;
   peer_options.self_name = options.name;
   peer_options.host_id = agent->identity_.host_id;
@@ -79,9 +80,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
       agent->notifications_.get(), engine_options);
   agent->engine_->Start();
 
-  ServiceDeps deps{&agent->identity_,       agent->context_.get(),  agent->worker_.get(),
-                   agent->registry_.get(),  agent->peers_.get(),    agent->engine_.get(),
-                   agent->notifications_.get()};
+  ServiceDeps deps{&agent->identity_,      agent->context_.get(),       agent->worker_.get(),
+                   agent->registry_.get(), agent->peers_.get(),         agent->engine_.get(),
+                   agent->notifications_.get(), agent->watchers_.get(), options.deregister_wait_ms};
   agent->agent_service_ = std::make_unique<AgentService>(deps);
   agent->peer_service_ = std::make_unique<PeerService>(deps);
 
@@ -123,6 +124,7 @@ Agent::~Agent() {
   peer_service_.reset();
   engine_.reset();
   peers_.reset();
+  watchers_.reset();
   registry_.reset();
   worker_.reset();
   context_.reset();

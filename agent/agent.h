@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/agent_service.h"
+#include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
 #include "agent/transfer_engine.h"
@@ -28,6 +29,7 @@ struct AgentOptions {
   uint32_t peer_refresh_ms = 200;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   bool shm_direct = true;
+  uint32_t deregister_wait_ms = 2000;
 };
 
 class Agent {
@@ -51,6 +53,7 @@ class Agent {
   std::unique_ptr<transport::UcxWorker> worker_;
   std::unique_ptr<registry::RegionRegistry> registry_;
   std::unique_ptr<NotificationQueue> notifications_;
+  std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<PeerManager> peers_;
   std::unique_ptr<TransferEngine> engine_;
   std::unique_ptr<AgentService> agent_service_;

@@ -225,7 +225,16 @@ grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
   auto version = deps_.registry->Deregister(names);
   if (!version.ok()) return Done(context, version.status());
   response->set_version(*version);
-  return Done(context, absl::OkStatus());
+  auto* reactor = context->DefaultReactor();
+  deps_.watchers->WaitForVersion(
+      *version, deps_.deregister_wait_ms, [reactor, response](std::vector<std::string> unconfirmed) {
+        for (auto& name : unconfirmed) {
+          kLog.Warn("peer '{}' had not picked up the deregistration within the wait", name);
+          response->add_unconfirmed_peers(std::move(name));
+        }
+        reactor->Finish(grpc::Status::OK);
+      });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* AgentService::ListRegions(grpc::CallbackServerContext* context,
@@ -356,6 +365,8 @@ grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* 
   response->set_incarnation(id.incarnation);
   response->set_host_id(id.host_id);
   response->set_pid(static_cast<uint32_t>(getpid()));
+  deps_.watchers->Polled(request->caller(), request->known_version(),
+                         request->known_incarnation() == id.incarnation);
   const uint64_t version = deps_.registry->version();
   if (request->known_incarnation() == id.incarnation && request->known_version() == version) {
     response->set_version(version);  // unchanged: the caller keeps what it has

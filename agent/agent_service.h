@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
 #include "agent/transfer_engine.h"
@@ -38,6 +39,8 @@ struct ServiceDeps {
   PeerManager* peers;
   TransferEngine* engine;
   NotificationQueue* notifications;
+  MetadataWatchers* watchers;
+  uint32_t deregister_wait_ms = 2000;
 };
 
 class AgentService final : public v1::Agent::CallbackService {

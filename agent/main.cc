@@ -26,6 +26,8 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               peer error handling; peer otherwise)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
+  --deregister-wait-ms N      how long DeregisterRegions waits for polling peers to see
+                              the change (default 2000)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
 )";
 
@@ -76,6 +78,8 @@ int main(int argc, char** argv) {
       number(&options.transfer_timeout_ms);
     } else if (key == "--peer-refresh-ms") {
       number(&options.peer_refresh_ms);
+    } else if (key == "--deregister-wait-ms") {
+      number(&options.deregister_wait_ms);
     } else if (key == "--shutdown-grace-ms") {
       number(&grace_ms);
     } else if (key == "--shm-direct") {

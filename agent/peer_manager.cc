@@ -352,11 +352,15 @@ void PeerManager::MonitorLoop() {
       absl::ReaderMutexLock lock(&mu_);
       for (const auto& [name, peer] : peers_) names.push_back(name);
     }
-    for (const auto& name : names) RefreshOne(name);
+    // After a change, poll again at once: that poll tells the peer we hold the new
+    // version (a deregistration on the peer waits for it).
+    for (const auto& name : names) {
+      if (RefreshOne(name)) RefreshOne(name);
+    }
   }
 }
 
-void PeerManager::RefreshOne(const std::string& name) {
+bool PeerManager::RefreshOne(const std::string& name) {
   v1::GetMetadataRequest request;
   request.set_caller(options_.self_name);
   std::shared_ptr<const PeerSnapshot> previous;
@@ -365,7 +369,7 @@ void PeerManager::RefreshOne(const std::string& name) {
   {
     absl::ReaderMutexLock lock(&mu_);
     auto it = peers_.find(name);
-    if (it == peers_.end()) return;
+    if (it == peers_.end()) return false;
     previous = it->second.snapshot;
     stub = it->second.stub.get();
     channel = it->second.channel;
@@ -380,41 +384,43 @@ void PeerManager::RefreshOne(const std::string& name) {
   if (!status.ok()) {
     absl::MutexLock lock(&mu_);
     auto it = peers_.find(name);
-    if (it == peers_.end()) return;
+    if (it == peers_.end()) return false;
     if (it->second.state == "connected") {
       kLog.Warn("peer '{}' at {} stopped answering: {}", name, previous->address,
                 status.error_message());
     }
     it->second.state = "unreachable";
     it->second.last_error = status.error_message();
-    return;
+    return false;
   }
   if (reply.name() != name) {
     absl::MutexLock lock(&mu_);
     auto it = peers_.find(name);
-    if (it == peers_.end()) return;
+    if (it == peers_.end()) return false;
     it->second.state = "unreachable";
     it->second.last_error = fmt::format("the agent at {} now calls itself '{}'",
                                         previous->address, reply.name());
-    return;
+    return false;
   }
   if (reply.incarnation() == previous->incarnation && reply.version() == request.known_version()) {
     absl::MutexLock lock(&mu_);
     auto it = peers_.find(name);
-    if (it == peers_.end()) return;
+    if (it == peers_.end()) return false;
     it->second.state = "connected";
     it->second.last_error.clear();
     it->second.last_seen_us = MonotonicMicros();
-    return;
+    return false;
   }
   // Changed: rebuild the snapshot, and wait for it so refreshes stay in order.
   absl::Notification built;
+  bool installed = false;
   const std::string address = previous->address;
   const uint64_t version = reply.version();
   BuildSnapshot(address, reply, previous,
                 [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
                   if (snapshot.ok()) {
                     Install(address, channel, *snapshot, version);
+                    installed = true;
                   } else {
                     absl::MutexLock lock(&mu_);
                     auto it = peers_.find(name);
@@ -426,6 +432,7 @@ void PeerManager::RefreshOne(const std::string& name) {
                   built.Notify();
                 });
   built.WaitForNotification();
+  return installed;
 }
 
 }  // namespace kvagent::agent

@@ -120,7 +120,8 @@ class PeerManager {
   std::shared_ptr<const DirectMappings> MapDirect(const registry::RemoteCatalog& catalog,
                                                   const DirectMappings* previous) const;
   void MonitorLoop();
-  void RefreshOne(const std::string& name);
+  // Returns true when the peer had changed and a new snapshot was installed.
+  bool RefreshOne(const std::string& name);
   v1::PeerInfo InfoLocked(const Peer& peer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   transport::UcxWorker* worker_;
