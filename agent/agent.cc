@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_join.h"
+#include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -62,7 +63,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   kLog.Info("UCX {}: transports [{}], memory types [{}]", caps.version,
             absl::StrJoin(caps.transports, ","), absl::StrJoin(caps.memory_types, ","));
   ASSIGN_OR_RETURN(agent->worker_, transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name));
-  agent->registry_ = std::make_unique<registry::RegionRegistry>(agent->context_.get());
+  registry::RegistryOptions registry_options;
+  registry_options.vram_staging = options.vram_staging;
+  agent->registry_ =
+      std::make_unique<registry::RegionRegistry>(agent->context_.get(), registry_options);
   agent->notifications_ = std::make_unique<NotificationQueue>();
   agent->watchers_ = std::make_unique<MetadataWatchers>();
   PeerManagerOptions peer_options;
@@ -75,6 +79,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   TransferEngineOptions engine_options;
   engine_options.self_name = options.name;
   engine_options.default_timeout_ms = options.transfer_timeout_ms;
+  engine_options.ucx_cuda = caps.cuda_memory;
   agent->engine_ = std::make_unique<TransferEngine>(
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);
@@ -104,6 +109,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
   kLog.Info("agent '{}' serving on {} (pid {}, incarnation {:x})", options.name,
             agent->identity_.listen_address, getpid(), agent->identity_.incarnation);
+  // The same checks `kvagentctl doctor` runs; also loads the CUDA driver once, off the
+  // RPC path.
+  DoctorInputs doctor;
+  doctor.agent = options.name;
+  doctor.ucx = &caps;
+  LogDoctorReport(RunDoctor(doctor));
   return agent;
 }
 

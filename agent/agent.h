@@ -30,6 +30,7 @@ struct AgentOptions {
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   bool shm_direct = true;
   uint32_t deregister_wait_ms = 2000;
+  bool vram_staging = true;
 };
 
 class Agent {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -355,6 +356,17 @@ grpc::ServerUnaryReactor* AgentService::PollNotifications(
 grpc::ServerWriteReactor<v1::Notification>* AgentService::WatchNotifications(
     grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) {
   return new NotificationWatchReactor(deps_.notifications, *request);
+}
+
+grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* context,
+                                               const v1::DoctorRequest* request,
+                                               v1::DoctorReport* response) {
+  DoctorInputs inputs;
+  inputs.agent = deps_.identity->name;
+  inputs.ucx = &deps_.context->capabilities();
+  inputs.peers = deps_.peers->List();
+  *response = RunDoctor(inputs);
+  return Done(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* context,

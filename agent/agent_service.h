@@ -87,6 +87,11 @@ class AgentService final : public v1::Agent::CallbackService {
                                               v1::PollNotificationsResponse* response) override;
   grpc::ServerWriteReactor<v1::Notification>* WatchNotifications(
       grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) override;
+  // Host checks are local reads and the CUDA driver is probed once at start-up, so
+  // this answers inline.
+  grpc::ServerUnaryReactor* Doctor(grpc::CallbackServerContext* context,
+                                   const v1::DoctorRequest* request,
+                                   v1::DoctorReport* response) override;
 
  private:
   ServiceDeps deps_;

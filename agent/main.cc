@@ -26,6 +26,8 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               peer error handling; peer otherwise)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
+  --vram-staging auto|off     VRAM when UCX lacks CUDA: auto (default) registers it for
+                              same-host CUDA IPC copies ("staged" path); off refuses it
   --deregister-wait-ms N      how long DeregisterRegions waits for polling peers to see
                               the change (default 2000)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
@@ -78,6 +80,11 @@ int main(int argc, char** argv) {
       number(&options.transfer_timeout_ms);
     } else if (key == "--peer-refresh-ms") {
       number(&options.peer_refresh_ms);
+    } else if (key == "--vram-staging") {
+      if (value != "auto" && value != "off") {
+        return Fail(fmt::format("--vram-staging '{}': use auto or off", value));
+      }
+      options.vram_staging = value == "auto";
     } else if (key == "--deregister-wait-ms") {
       number(&options.deregister_wait_ms);
     } else if (key == "--shutdown-grace-ms") {

@@ -104,9 +104,10 @@ void PeerManager::BuildSnapshot(
   for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
   worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys),
                  done = std::move(done)]() mutable {
-    if (previous && previous->incarnation == snapshot->incarnation &&
-        previous->worker_address == snapshot->worker_address &&
-        previous->error_mode == snapshot->error_mode) {
+    const bool reused = previous && previous->incarnation == snapshot->incarnation &&
+                        previous->worker_address == snapshot->worker_address &&
+                        previous->error_mode == snapshot->error_mode;
+    if (reused) {
       snapshot->endpoint = previous->endpoint;
       snapshot->transports = previous->transports;
     } else {
@@ -123,26 +124,50 @@ void PeerManager::BuildSnapshot(
         return;
       }
       snapshot->endpoint = OwnedByWorker(worker_, *std::move(endpoint));
-      snapshot->transports = snapshot->endpoint->Transports();
     }
-    auto table = std::make_unique<RkeyTable>();
-    table->endpoint = snapshot->endpoint;
-    const auto& regions = snapshot->catalog->regions();
-    table->keys.reserve(regions.size());
-    // rkey_slot is the region's index in the metadata, so keys follow that order.
-    for (size_t i = 0; i < regions.size(); ++i) {
-      auto key = snapshot->endpoint->UnpackRkey(rkeys[i]);
-      if (!key.ok()) {
-        done(absl::InvalidArgumentError(fmt::format(
-            "peer '{}' region '{}': its rkey does not unpack: {}; the peer's UCX may differ "
-            "from ours (compare `kvagentctl status` on both)",
-            snapshot->name, regions[i].name, key.status().message())));
+    auto finish = [this, snapshot, rkeys = std::move(rkeys), done, reused]() {
+      // After wireup the lanes are final.
+      if (!reused) snapshot->transports = snapshot->endpoint->Transports();
+      auto table = std::make_unique<RkeyTable>();
+      table->endpoint = snapshot->endpoint;
+      const auto& regions = snapshot->catalog->regions();
+      table->keys.reserve(regions.size());
+      // rkey_slot is the region's index in the metadata, so keys follow that order.
+      // Staged VRAM regions export no rkey: UCX cannot reach them, their slot stays empty.
+      for (size_t i = 0; i < regions.size(); ++i) {
+        if (rkeys[i].empty()) {
+          table->keys.emplace_back();
+          continue;
+        }
+        auto key = snapshot->endpoint->UnpackRkey(rkeys[i]);
+        if (!key.ok()) {
+          done(absl::InvalidArgumentError(fmt::format(
+              "peer '{}' region '{}': its rkey does not unpack: {}; the peer's UCX may differ "
+              "from ours (compare `kvagentctl status` on both)",
+              snapshot->name, regions[i].name, key.status().message())));
+          return;
+        }
+        table->keys.push_back(*std::move(key));
+      }
+      snapshot->keys = OwnedByWorker(worker_, std::move(table));
+      done(std::shared_ptr<const PeerSnapshot>(snapshot));
+    };
+    if (reused) {
+      finish();
+      return;
+    }
+    // Finish wireup before the first data: with UCX 1.13's tcp transport, puts that
+    // race the connection setup crashed the receiving worker (seen here under load).
+    snapshot->endpoint->Flush([snapshot, finish, done](absl::Status flushed) {
+      if (!flushed.ok()) {
+        done(absl::UnavailableError(fmt::format(
+            "peer '{}': the new UCX endpoint did not finish connecting: {}; check that the "
+            "peer's transports are reachable from here (`kvagentctl doctor` on both)",
+            snapshot->name, flushed.message())));
         return;
       }
-      table->keys.push_back(*std::move(key));
-    }
-    snapshot->keys = OwnedByWorker(worker_, std::move(table));
-    done(std::shared_ptr<const PeerSnapshot>(std::move(snapshot)));
+      finish();
+    });
   });
 }
 
@@ -152,9 +177,42 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
   const auto& regions = catalog.regions();
   direct->base_by_slot.assign(regions.size(), nullptr);
   direct->mappings.resize(regions.size());
+  direct->cuda_mappings.resize(regions.size());
+  direct->handles.resize(regions.size());
   size_t mapped = 0;
   for (size_t i = 0; i < regions.size(); ++i) {
     const registry::RemoteRegion& r = regions[i];
+    if (r.memory == v1::VRAM && !r.cuda_ipc_handle.empty()) {
+      std::shared_ptr<registry::CudaIpcMapping> cuda;
+      const std::string key = fmt::format("{}:{}:{}:{}", r.cuda_ipc_handle, r.cuda_device,
+                                          r.cuda_offset, r.length);
+      for (size_t j = 0; previous != nullptr && j < previous->handles.size(); ++j) {
+        if (previous->handles[j] == key && previous->cuda_mappings[j]) {
+          cuda = previous->cuda_mappings[j];
+          break;
+        }
+      }
+      if (!cuda) {
+        v1::CudaIpcSource source;
+        source.set_ipc_handle(r.cuda_ipc_handle);
+        source.set_device(r.cuda_device);
+        source.set_offset(r.cuda_offset);
+        auto opened = registry::CudaIpcMapping::Open(
+            source, r.length, fmt::format("peer '{}' region '{}'", catalog.peer(), r.name));
+        if (!opened.ok()) {
+          kLog.Warn("peer '{}' region '{}': cannot open its CUDA IPC handle here ({}); that "
+                    "region moves through UCX",
+                    catalog.peer(), r.name, opened.status().message());
+          continue;
+        }
+        cuda = std::make_shared<registry::CudaIpcMapping>(*std::move(opened));
+      }
+      direct->base_by_slot[i] = reinterpret_cast<uint8_t*>(cuda->device_pointer());
+      direct->cuda_mappings[i] = std::move(cuda);
+      direct->handles[i] = key;
+      ++mapped;
+      continue;
+    }
     if (r.shm_name.empty()) continue;
     std::shared_ptr<registry::ShmMapping> mapping;
     if (previous != nullptr) {

@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "proto/kvagent.grpc.pb.h"
+#include "registry/cuda_ipc_mapping.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
 #include "transport/ucx_worker.h"
@@ -42,11 +43,14 @@ struct RkeyTable {
   std::vector<transport::RemoteKey> keys;
 };
 
-// The peer's shared-memory regions mapped into this process (same-host peers),
-// indexed by rkey slot; a null base means that region goes through UCX.
+// The peer's memory mapped into this process (same-host peers), indexed by rkey
+// slot: shared-memory regions by mmap, VRAM regions by opening the peer's CUDA IPC
+// handle. A null base means that region goes through UCX.
 struct DirectMappings {
   std::vector<uint8_t*> base_by_slot;
   std::vector<std::shared_ptr<registry::ShmMapping>> mappings;
+  std::vector<std::shared_ptr<registry::CudaIpcMapping>> cuda_mappings;
+  std::vector<std::string> handles;  // identity of each cuda mapping, for reuse
   bool complete = false;  // every region is mapped
 };
 

@@ -10,6 +10,7 @@
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
+#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 namespace {
@@ -202,6 +203,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
                         fmt::format("transfer '{}' to peer '{}': {}", id, request.peer(),
                                     plan.status().message()));
   }
+  if (absl::Status paths = CheckDevicePaths(id, *plan, **peer); !paths.ok()) return paths;
 
   TransferPtr t;
   {
@@ -350,16 +352,25 @@ void TransferEngine::Pump(const TransferPtr& t) {
   absl::Status posted;
   int32_t failed_segment = -1;
   bool through_ucx = false;
+  bool through_cuda = false;
   for (const auto& o : ops) {
     uint8_t* mapped = direct ? direct->base_by_slot[o.rkey_slot] : nullptr;
     if (mapped != nullptr) {
       // Same host: the peer's memory is mapped here; the planner bounded the range.
       uint8_t* remote = mapped + (o.remote_address - remote_regions[o.rkey_slot].base_address);
       uint8_t* local = reinterpret_cast<uint8_t*>(o.local_address);
-      if (op == v1::WRITE) {
-        std::memcpy(remote, local, o.length);
+      uint8_t* dst = op == v1::WRITE ? remote : local;
+      uint8_t* src = op == v1::WRITE ? local : remote;
+      if (o.local_device || o.remote_device) {
+        // CUDA's unified addressing tells host from device pointers.
+        through_cuda = true;
+        posted = CopyDevice(reinterpret_cast<uint64_t>(dst), reinterpret_cast<uint64_t>(src), o.length);
+        if (!posted.ok()) {
+          failed_segment = static_cast<int32_t>(o.segment);
+          break;
+        }
       } else {
-        std::memcpy(local, remote, o.length);
+        std::memcpy(dst, src, o.length);
       }
       continue;
     }
@@ -374,7 +385,15 @@ void TransferEngine::Pump(const TransferPtr& t) {
       break;
     }
   }
-  // Copies are visible before anything the notification path sends after them.
+  // Device copies complete, and every copy is visible, before anything the
+  // notification path sends after them.
+  if (through_cuda) {
+    absl::Status synced = SyncDevice();
+    if (posted.ok() && !synced.ok()) {
+      posted = synced;
+      failed_segment = static_cast<int32_t>(ops.front().segment);
+    }
+  }
   std::atomic_thread_fence(std::memory_order_seq_cst);
   const int32_t first_segment = static_cast<int32_t>(ops.front().segment);
   auto complete = [this, t, posted, failed_segment, first_segment, bytes](absl::Status flushed) {
@@ -418,6 +437,38 @@ void TransferEngine::OnNotification(std::string_view header, std::string_view da
   n.set_received_unix_us(UnixMicros());
   notifications_received_.fetch_add(1);
   notifications_->Push(std::move(n));
+}
+
+absl::Status TransferEngine::CheckDevicePaths(const std::string& id,
+                                             const registry::TransferPlan& plan,
+                                             const PeerSnapshot& peer) const {
+  if (options_.ucx_cuda) return absl::OkStatus();
+  for (const auto& o : plan.ops) {
+    if (!o.local_device && !o.remote_device) continue;
+    if (peer.direct != nullptr && peer.direct->base_by_slot[o.rkey_slot] != nullptr) continue;
+    const auto& r = peer.catalog->regions()[o.rkey_slot];
+    return absl::FailedPreconditionError(fmt::format(
+        "transfer '{}' segment {}: {} VRAM, and the running UCX cannot move CUDA memory while "
+        "peer '{}' region '{}' cannot be reached directly (same-host CUDA IPC or shared "
+        "memory); host staging to other hosts is not built yet. Use a CUDA-enabled UCX, or "
+        "place both agents on one host",
+        id, o.segment, o.local_device ? "the local side is" : "the peer's side is", peer.name,
+        r.name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::CopyDevice(uint64_t dst, uint64_t src, uint64_t bytes) {
+  if (cuda_stream_ == nullptr) {
+    ASSIGN_OR_RETURN(cuda_, transport::CudaDriver::Load());
+    ASSIGN_OR_RETURN(cuda_stream_, cuda_->CreateStream(0));
+  }
+  return cuda_->CopyAsync(dst, src, bytes, cuda_stream_);
+}
+
+absl::Status TransferEngine::SyncDevice() {
+  if (cuda_stream_ == nullptr) return absl::OkStatus();
+  return cuda_->SynchronizeStream(cuda_stream_);
 }
 
 bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request) const {

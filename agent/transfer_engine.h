@@ -24,6 +24,7 @@
 #include "proto/kvagent.pb.h"
 #include "registry/region_registry.h"
 #include "registry/transfer_plan.h"
+#include "transport/cuda_driver.h"
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
@@ -37,6 +38,7 @@ struct TransferEngineOptions {
   uint32_t batch_ops = 8192;           // operations posted before each flush
   uint64_t max_notification_bytes = 64 << 10;
   uint32_t max_finished = 10000;       // finished transfers kept for queries
+  bool ucx_cuda = false;               // the running UCX can move CUDA memory itself
 };
 
 struct TransferCounters {
@@ -106,6 +108,13 @@ class TransferEngine {
   // Worker thread: posts the next batch, the notification, or records the drain.
   void Pump(const TransferPtr& t);
   void OnNotification(std::string_view header, std::string_view data);
+  // Every operation that touches VRAM needs a way to reach it: a same-host direct
+  // mapping (CUDA IPC) or a UCX with CUDA support.
+  absl::Status CheckDevicePaths(const std::string& id, const registry::TransferPlan& plan,
+                                const PeerSnapshot& peer) const;
+  // Worker thread: copies one direct operation that touches VRAM on the CUDA stream.
+  absl::Status CopyDevice(uint64_t dst, uint64_t src, uint64_t bytes);
+  absl::Status SyncDevice();
   void DeadlineLoop();
 
   transport::UcxWorker* worker_;
@@ -122,6 +131,10 @@ class TransferEngine {
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> notifications_received_{0};
+
+  // Worker-thread-only CUDA state, created on the first VRAM copy.
+  transport::CudaDriver* cuda_ = nullptr;
+  CUstream_st* cuda_stream_ = nullptr;
 
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;

@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -17,6 +19,7 @@
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
+#include "cli/model_shapes.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 
@@ -25,8 +28,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Agents this demo started; their logs are shown when it fails.
+std::vector<std::string> g_agent_logs;
+
 int Fail(const std::string& what, const absl::Status& status, bool json) {
   std::fprintf(stderr, "demo: %s: %s\n", what.c_str(), std::string(status.message()).c_str());
+  for (const auto& path : g_agent_logs) {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (text.size() > 4000) text = text.substr(text.size() - 4000);
+    std::fprintf(stderr, "---- %s (last lines)\n%s\n", path.c_str(), text.c_str());
+  }
   if (json) std::printf("{\"verified\": false, \"error\": \"%s\"}\n", what.c_str());
   return 1;
 }
@@ -47,10 +59,33 @@ void Progress(uint32_t done, uint32_t total) {
   if (done == total) std::fprintf(stderr, "\n");
 }
 
+// A request's metadata in the AUX region, kAuxRecordBytes at its slot's offset.
+struct AuxRecord {
+  uint32_t first_token;
+  uint32_t prompt_tokens;
+  uint32_t kv_pages;
+  uint32_t decode_slot;
+  char request_id[48];
+};
+static_assert(sizeof(AuxRecord) == kAuxRecordBytes);
+
+// True when all `n` bytes at `p` are `value` (memcmp against a filled block is
+// much faster than a byte loop over gigabytes of state).
+bool AllBytesAre(const uint8_t* p, uint64_t n, uint8_t value) {
+  std::array<uint8_t, 4096> block;
+  block.fill(value);
+  for (uint64_t done = 0; done < n; done += block.size()) {
+    const uint64_t len = std::min<uint64_t>(block.size(), n - done);
+    if (std::memcmp(p + done, block.data(), len) != 0) return false;
+  }
+  return true;
+}
+
 struct Request {
   std::string id;
   std::vector<uint64_t> prefill_pages;
   std::vector<uint64_t> decode_pages;
+  uint64_t prefill_slot = 0, decode_slot = 0;  // hybrid: state slot and aux record
   Clock::time_point submitted;
   std::optional<Clock::time_point> notified;
 };
@@ -65,6 +100,34 @@ int RunDemo(const DemoOptions& options) {
   if (prefill_address.empty() != decode_address.empty()) {
     return Fail("arguments", absl::InvalidArgumentError(
                                  "give both --prefill and --decode, or neither to start two agents"),
+                json);
+  }
+  // The model's shape first, so bad flags fail before any agent starts. Agents that
+  // run on may hold an earlier demo's regions: name this run's apart.
+  const std::string run = options.prefill_address.empty() ? "" : fmt::format("demo{}.", getpid());
+  ModelOptions model_options;
+  model_options.model = options.model;
+  model_options.group_prefix = run;
+  model_options.kv_pool_bytes = options.pool_mib << 20;
+  model_options.ssm_layers = options.ssm_layers;
+  model_options.state_slots = options.state_slots;
+  auto model = MakeModelShape(model_options);
+  if (!model.ok()) return Fail("model", model.status(), json);
+  const uint64_t pool_pages = model->pages();
+  const uint32_t pages_per_request = static_cast<uint32_t>(
+      std::min<uint64_t>(options.pages_per_request, pool_pages / std::max(1u, options.requests)));
+  if (pages_per_request == 0) {
+    return Fail("pool size", absl::InvalidArgumentError(fmt::format(
+                                 "{} pages per region cannot hold {} requests; raise --pool-mib",
+                                 pool_pages, options.requests)),
+                json);
+  }
+  const bool has_state = !model->state_groups.empty();
+  if (has_state && options.requests > model->state_slots) {
+    return Fail("state slots", absl::InvalidArgumentError(fmt::format(
+                                   "{} requests need a state slot each, but --state-slots is "
+                                   "{}; raise --state-slots or lower --requests",
+                                   options.requests, model->state_slots)),
                 json);
   }
   if (prefill_address.empty()) {
@@ -90,6 +153,7 @@ int RunDemo(const DemoOptions& options) {
       auto started = DaemonProcess::Start(d);
       if (!started.ok()) return Fail(fmt::format("starting agent '{}'", name), started.status(), json);
       *slot = *std::move(started);
+      g_agent_logs.push_back((*slot)->log_path());
     }
     prefill_address = prefill_daemon->address();
     decode_address = decode_daemon->address();
@@ -102,27 +166,22 @@ int RunDemo(const DemoOptions& options) {
     if (auto s = c->WaitReady(10000); !s.ok()) return Fail("waiting for agent", s, json);
   }
 
-  // Agents that run on may hold an earlier demo's regions: name this run's apart.
-  const std::string run = options.prefill_address.empty() ? "" : fmt::format("demo{}.", getpid());
-  KvPoolShape shape;  // Llama-3.1-8B: 32 layers x K,V; 16 tokens x 8 heads x 128 x bf16
-  shape.group = run + "kv";
-  shape.pages = std::max<uint64_t>(1, (options.pool_mib << 20) /
-                                          (uint64_t{shape.layers} * shape.tensors_per_layer *
-                                           shape.page_bytes));
-  const uint32_t pages_per_request = static_cast<uint32_t>(
-      std::min<uint64_t>(options.pages_per_request, shape.pages / std::max(1u, options.requests)));
-  if (pages_per_request == 0) {
-    return Fail("pool size", absl::InvalidArgumentError(fmt::format(
-                                 "{} pages per region cannot hold {} requests; raise --pool-mib",
-                                 shape.pages, options.requests)),
-                json);
-  }
-  auto src = CreateKvPool(prefill, run + "prefill", shape);
+  auto src = CreatePool(prefill, run + "prefill", model->groups);
   if (!src.ok()) return Fail("creating the prefill pool", src.status(), json);
-  auto dst = CreateKvPool(decode, run + "decode", shape);
+  auto dst = CreatePool(decode, run + "decode", model->groups);
   if (!dst.ok()) return Fail("creating the decode pool", dst.status(), json);
-  for (uint32_t r = 0; r < src->regions(); ++r) {
-    for (uint64_t p = 0; p < shape.pages; ++p) FillPage(src->Page(r, p), shape.page_bytes, options.seed, r, p);
+  // Every item gets its own pattern; region numbers run across groups so no two
+  // regions hold the same bytes.
+  {
+    uint32_t region_number = 0;
+    for (size_t g = 0; g < src->groups.size(); ++g) {
+      const PoolGroupShape& shape = src->groups[g].shape;
+      for (uint32_t r = 0; r < shape.regions(); ++r, ++region_number) {
+        for (uint64_t i = 0; i < shape.items; ++i) {
+          FillPage(src->Item(g, r, i), shape.item_bytes, options.seed, region_number, i);
+        }
+      }
+    }
   }
   std::memset(dst->mapping.data(), 0xEE, dst->bytes());
 
@@ -130,12 +189,16 @@ int RunDemo(const DemoOptions& options) {
   if (!peer.ok()) return Fail("connecting prefill to decode", peer.status(), json);
 
   // Each request gets prefill pages and scattered free decode pages, as engines'
-  // allocators hand them out.
+  // allocators hand them out; hybrid requests also get a prefill state slot (its
+  // request number) and a scattered decode slot, whose aux record it fills.
   std::mt19937_64 rng(options.seed);
-  std::vector<uint64_t> src_free(shape.pages), dst_free(shape.pages);
+  std::vector<uint64_t> src_free(pool_pages), dst_free(pool_pages);
   std::iota(src_free.begin(), src_free.end(), 0);
   std::iota(dst_free.begin(), dst_free.end(), 0);
   std::shuffle(dst_free.begin(), dst_free.end(), rng);
+  std::vector<uint64_t> dst_slots(model->state_slots);
+  std::iota(dst_slots.begin(), dst_slots.end(), 0);
+  std::shuffle(dst_slots.begin(), dst_slots.end(), rng);
   std::vector<Request> requests(options.requests);
   for (uint32_t i = 0; i < options.requests; ++i) {
     Request& r = requests[i];
@@ -143,6 +206,21 @@ int RunDemo(const DemoOptions& options) {
     for (uint32_t k = 0; k < pages_per_request; ++k) {
       r.prefill_pages.push_back(src_free[i * pages_per_request + k]);
       r.decode_pages.push_back(dst_free[i * pages_per_request + k]);
+    }
+    if (has_state) {
+      r.prefill_slot = i;
+      r.decode_slot = dst_slots[i];
+    }
+    if (model->aux_group) {
+      // What a prefill engine hands its decode peer besides the cache.
+      AuxRecord record{};
+      record.first_token = static_cast<uint32_t>(rng() % 128256);
+      record.prompt_tokens = pages_per_request * 16 - static_cast<uint32_t>(rng() % 16);
+      record.kv_pages = pages_per_request;
+      record.decode_slot = static_cast<uint32_t>(r.decode_slot);
+      std::snprintf(record.request_id, sizeof(record.request_id), "%s", r.id.c_str());
+      std::memcpy(src->Region(*model->aux_group, 0) + r.prefill_slot * kAuxRecordBytes, &record,
+                  sizeof(record));
     }
   }
 
@@ -172,6 +250,7 @@ int RunDemo(const DemoOptions& options) {
   // Chunked prefill: every request's pages go in `chunks` pieces, interleaved
   // across requests the way a prefill engine finishes them.
   const uint32_t chunks = std::max(1u, std::min(options.chunks, pages_per_request));
+  const std::string kv_group = model->groups[model->kv_group].group;
   const auto start = Clock::now();
   absl::Status submit_status;
   for (uint32_t c = 0; c < chunks && submit_status.ok(); ++c) {
@@ -185,12 +264,31 @@ int RunDemo(const DemoOptions& options) {
       s.set_timeout_ms(options.timeout_ms);
       if (c + 1 == chunks) s.set_notification("ready:" + r.id);
       auto* seg = s.add_segments()->mutable_items();
-      seg->set_local_group(shape.group);
-      seg->set_remote_group(shape.group);
+      seg->set_local_group(kv_group);
+      seg->set_remote_group(kv_group);
       const uint32_t begin = c * pages_per_request / chunks, end = (c + 1) * pages_per_request / chunks;
       for (uint32_t k = begin; k < end; ++k) {
         seg->add_local_indices(r.prefill_pages[k]);
         seg->add_remote_indices(r.decode_pages[k]);
+      }
+      if (c + 1 == chunks) {
+        // The request's state slot in every SSM layer (conv and ssm groups) and its
+        // aux record ride in the last chunk, so the one notification covers them.
+        for (size_t g : model->state_groups) {
+          auto* state = s.add_segments()->mutable_items();
+          state->set_local_group(src->groups[g].shape.group);
+          state->set_remote_group(src->groups[g].shape.group);
+          state->add_local_indices(r.prefill_slot);
+          state->add_remote_indices(r.decode_slot);
+        }
+        if (model->aux_group) {
+          auto* aux = s.add_segments()->mutable_bytes();
+          aux->set_local_region(src->groups[*model->aux_group].region_names[0]);
+          aux->set_local_offset(r.prefill_slot * kAuxRecordBytes);
+          aux->set_remote_region(dst->groups[*model->aux_group].region_names[0]);
+          aux->set_remote_offset(r.decode_slot * kAuxRecordBytes);
+          aux->set_length(kAuxRecordBytes);
+        }
       }
       if (c == 0) r.submitted = Clock::now();
       auto state = prefill.Submit(s);
@@ -220,72 +318,145 @@ int RunDemo(const DemoOptions& options) {
     latencies.push_back(std::chrono::duration<double, std::micro>(*r.notified - r.submitted).count());
   }
 
-  // Every byte: transferred pages equal their source, every other decode page is
-  // untouched.
-  uint64_t bad_pages = 0, checked_bytes = 0;
-  std::vector<bool> written(shape.pages, false);
+  // Every byte: transferred pages, slots and records equal their source, every
+  // other decode page, slot and aux byte is untouched.
+  const size_t kv = model->kv_group;
+  const PoolGroupShape& kv_shape = src->groups[kv].shape;
+  uint64_t bad_pages = 0, bad_slots = 0, bad_records = 0, checked_bytes = 0;
+  std::vector<bool> written(pool_pages, false), slot_written(model->state_slots, false);
   for (auto& r : requests) {
-    for (uint32_t region = 0; region < dst->regions(); ++region) {
+    for (uint32_t region = 0; region < kv_shape.regions(); ++region) {
       for (uint32_t k = 0; k < pages_per_request; ++k) {
-        if (std::memcmp(dst->Page(region, r.decode_pages[k]), src->Page(region, r.prefill_pages[k]),
-                        shape.page_bytes) != 0) {
+        if (std::memcmp(dst->Item(kv, region, r.decode_pages[k]),
+                        src->Item(kv, region, r.prefill_pages[k]), kv_shape.item_bytes) != 0) {
           if (bad_pages++ < 5) {
             std::fprintf(stderr, "demo: %s region %s decode page %lu differs from prefill page %lu\n",
-                         r.id.c_str(), dst->region_names[region].c_str(),
+                         r.id.c_str(), dst->groups[kv].region_names[region].c_str(),
                          static_cast<unsigned long>(r.decode_pages[k]),
                          static_cast<unsigned long>(r.prefill_pages[k]));
           }
         }
-        checked_bytes += shape.page_bytes;
+        checked_bytes += kv_shape.item_bytes;
       }
     }
     for (auto p : r.decode_pages) written[p] = true;
+    for (size_t g : model->state_groups) {
+      const PoolGroupShape& shape = src->groups[g].shape;
+      for (uint32_t region = 0; region < shape.regions(); ++region) {
+        if (std::memcmp(dst->Item(g, region, r.decode_slot), src->Item(g, region, r.prefill_slot),
+                        shape.item_bytes) != 0) {
+          if (bad_slots++ < 5) {
+            std::fprintf(stderr, "demo: %s region %s decode slot %lu differs from prefill slot %lu\n",
+                         r.id.c_str(), dst->groups[g].region_names[region].c_str(),
+                         static_cast<unsigned long>(r.decode_slot),
+                         static_cast<unsigned long>(r.prefill_slot));
+          }
+        }
+        checked_bytes += shape.item_bytes;
+      }
+    }
+    if (has_state) slot_written[r.decode_slot] = true;
+    if (model->aux_group) {
+      const uint8_t* got = dst->Region(*model->aux_group, 0) + r.decode_slot * kAuxRecordBytes;
+      const uint8_t* want = src->Region(*model->aux_group, 0) + r.prefill_slot * kAuxRecordBytes;
+      AuxRecord record;
+      std::memcpy(&record, got, sizeof(record));
+      if (std::memcmp(got, want, kAuxRecordBytes) != 0 || record.decode_slot != r.decode_slot) {
+        if (bad_records++ < 5) {
+          std::fprintf(stderr, "demo: %s aux record at decode offset %lu differs from prefill's\n",
+                       r.id.c_str(), static_cast<unsigned long>(r.decode_slot * kAuxRecordBytes));
+        }
+      }
+      checked_bytes += kAuxRecordBytes;
+    }
   }
   uint64_t stray = 0;
-  for (uint32_t region = 0; region < dst->regions(); ++region) {
-    for (uint64_t p = 0; p < shape.pages; ++p) {
-      if (written[p]) continue;
-      const uint8_t* page = dst->Page(region, p);
-      for (uint64_t b = 0; b < shape.page_bytes; ++b) {
-        if (page[b] != 0xEE) {
+  for (uint32_t region = 0; region < kv_shape.regions(); ++region) {
+    for (uint64_t p = 0; p < pool_pages; ++p) {
+      if (!written[p] && !AllBytesAre(dst->Item(kv, region, p), kv_shape.item_bytes, 0xEE)) ++stray;
+    }
+  }
+  for (size_t g : model->state_groups) {
+    const PoolGroupShape& shape = dst->groups[g].shape;
+    for (uint32_t region = 0; region < shape.regions(); ++region) {
+      for (uint64_t slot = 0; slot < shape.items; ++slot) {
+        if (!slot_written[slot] && !AllBytesAre(dst->Item(g, region, slot), shape.item_bytes, 0xEE)) {
           ++stray;
-          break;
         }
       }
     }
   }
-  const bool verified = bad_pages == 0 && stray == 0;
+  if (model->aux_group) {
+    const uint8_t* aux = dst->Region(*model->aux_group, 0);
+    const uint64_t records = dst->groups[*model->aux_group].shape.item_bytes / kAuxRecordBytes;
+    for (uint64_t slot = 0; slot < records; ++slot) {
+      const bool ours = slot < slot_written.size() && slot_written[slot];
+      if (!ours && !AllBytesAre(aux + slot * kAuxRecordBytes, kAuxRecordBytes, 0xEE)) ++stray;
+    }
+  }
+  const bool verified = bad_pages == 0 && bad_slots == 0 && bad_records == 0 && stray == 0;
   const uint64_t pages = uint64_t{options.requests} * pages_per_request;
-  const uint64_t bytes = pages * src->regions() * shape.page_bytes;
+  const uint64_t kv_bytes = pages * kv_shape.regions() * kv_shape.item_bytes;
+  uint64_t state_bytes = 0, aux_bytes = 0;
+  for (size_t g : model->state_groups) {
+    state_bytes += uint64_t{options.requests} * src->groups[g].shape.regions() *
+                   src->groups[g].shape.item_bytes;
+  }
+  if (model->aux_group) aux_bytes = uint64_t{options.requests} * kAuxRecordBytes;
+  const uint64_t bytes = kv_bytes + state_bytes + aux_bytes;
   const double seconds = std::chrono::duration<double>(end - start).count();
   const double gbps = bytes / seconds / 1e9;
   const double p50 = Percentile(latencies, 50), p99 = Percentile(latencies, 99);
   std::string transports = peer->transports();
 
   if (!json) {
-    std::printf("\nmodel      Llama-3.1-8B KV: %u layers x K,V, %lu KiB pages, %lu pages per region\n",
-                shape.layers, static_cast<unsigned long>(shape.page_bytes >> 10),
-                static_cast<unsigned long>(shape.pages));
+    std::printf("\nmodel      %s\n", model->description.c_str());
     std::printf("data path  %s (UCX transports %s, error mode %s)\n\n", peer->data_path().c_str(),
                 transports.c_str(), peer->error_mode().c_str());
+    if (has_state || model->aux_group) {
+      // Per group: what one request moves and what all of them moved.
+      std::printf("%-8s %-6s %-8s %-12s %-14s %s\n", "group", "kind", "regions", "item bytes",
+                  "items/request", "bytes");
+      for (size_t g = 0; g < src->groups.size(); ++g) {
+        const PoolGroupShape& shape = src->groups[g].shape;
+        const bool is_kv = g == kv, is_aux = model->aux_group && g == *model->aux_group;
+        const uint64_t group_bytes =
+            is_kv ? kv_bytes
+                  : is_aux ? aux_bytes
+                           : uint64_t{options.requests} * shape.regions() * shape.item_bytes;
+        std::printf("%-8s %-6s %-8u %-12lu %-14s %lu\n", shape.group.substr(run.size()).c_str(),
+                    v1::RegionKind_Name(shape.kind).c_str(), shape.regions(),
+                    static_cast<unsigned long>(is_aux ? kAuxRecordBytes : shape.item_bytes),
+                    is_kv ? fmt::format("{} pages", pages_per_request).c_str()
+                          : is_aux ? "1 record" : "1 slot",
+                    static_cast<unsigned long>(group_bytes));
+      }
+      std::printf("\n");
+    }
     std::printf("%-10s %-8s %-8s %-12s %-10s %-12s %-12s %s\n", "requests", "pages", "chunks",
                 "bytes", "GB/s", "p50 ms", "p99 ms", "verified");
     std::printf("%-10u %-8lu %-8u %-12lu %-10.2f %-12.3f %-12.3f %s\n", options.requests,
                 static_cast<unsigned long>(pages), chunks, static_cast<unsigned long>(bytes), gbps,
                 p50 / 1000, p99 / 1000, verified ? "yes" : "NO");
     if (!verified) {
-      std::printf("%lu page copies differ, %lu untouched pages were written\n",
-                  static_cast<unsigned long>(bad_pages), static_cast<unsigned long>(stray));
+      std::printf("%lu page copies, %lu state slot copies and %lu aux records differ, %lu "
+                  "untouched pages/slots/records were written\n",
+                  static_cast<unsigned long>(bad_pages), static_cast<unsigned long>(bad_slots),
+                  static_cast<unsigned long>(bad_records), static_cast<unsigned long>(stray));
     }
   }
   std::printf(
-      "{\"verified\": %s, \"requests\": %u, \"pages\": %lu, \"regions\": %u, \"bytes\": %lu, "
-      "\"checked_bytes\": %lu, \"seconds\": %.6f, \"gbps\": %.3f, \"p50_us\": %.1f, \"p99_us\": "
-      "%.1f, \"data_path\": \"%s\", \"transports\": \"%s\", \"error_mode\": \"%s\"}\n",
-      verified ? "true" : "false", options.requests, static_cast<unsigned long>(pages),
-      src->regions(), static_cast<unsigned long>(bytes), static_cast<unsigned long>(checked_bytes),
-      seconds, gbps, p50, p99, peer->data_path().c_str(), transports.c_str(),
-      peer->error_mode().c_str());
+      "{\"verified\": %s, \"model\": \"%s\", \"requests\": %u, \"pages\": %lu, \"regions\": %zu, "
+      "\"state_slots\": %u, \"bytes\": %lu, \"kv_bytes\": %lu, \"state_bytes\": %lu, "
+      "\"aux_bytes\": %lu, \"checked_bytes\": %lu, \"seconds\": %.6f, \"gbps\": %.3f, "
+      "\"p50_us\": %.1f, \"p99_us\": %.1f, \"data_path\": \"%s\", \"transports\": \"%s\", "
+      "\"error_mode\": \"%s\"}\n",
+      verified ? "true" : "false", model->model.c_str(), options.requests,
+      static_cast<unsigned long>(pages), src->region_names.size(), model->state_slots,
+      static_cast<unsigned long>(bytes), static_cast<unsigned long>(kv_bytes),
+      static_cast<unsigned long>(state_bytes), static_cast<unsigned long>(aux_bytes),
+      static_cast<unsigned long>(checked_bytes), seconds, gbps, p50, p99,
+      peer->data_path().c_str(), transports.c_str(), peer->error_mode().c_str());
   std::fflush(stdout);
   if (!run.empty()) {
     // Leave the agents as we found them.

@@ -1,5 +1,6 @@
-// `kvagentctl demo`: two agents, Llama-3.1-8B-shaped KV pools, several requests'
-// pages pushed in chunks into scattered decode pages, every byte verified.
+// `kvagentctl demo`: two agents, model-shaped pools (Llama-3.1-8B KV, or a hybrid
+// with attention KV pages plus Mamba state slots and aux records), several requests
+// pushed in chunks into scattered decode pages and slots, every byte verified.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +13,10 @@ struct DemoOptions {
   std::string kvagentd;          // empty: FindKvagentd
   std::string prefill_address;   // both empty: start two agents here
   std::string decode_address;
-  uint64_t pool_mib = 256;       // per agent
+  std::string model = "llama";   // "llama" or "hybrid" (model_shapes.h)
+  uint64_t pool_mib = 256;       // per agent, KV pages; hybrid state and aux on top
+  uint32_t ssm_layers = 8;       // hybrid: Mamba2-2.7B-shaped layers (the real model: 64)
+  uint32_t state_slots = 8;      // hybrid: state slots per SSM layer, one per request
   uint32_t requests = 8;
   uint32_t pages_per_request = 16;
   uint32_t chunks = 4;

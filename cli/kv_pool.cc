@@ -7,39 +7,88 @@
 #include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
+namespace {
 
-absl::StatusOr<KvPool> CreateKvPool(AgentClient& agent, const std::string& label,
-                                    const KvPoolShape& shape) {
-  KvPool pool;
-  pool.shape = shape;
-  ASSIGN_OR_RETURN(auto allocation, agent.Allocate(label, pool.bytes()));
+constexpr uint64_t kGroupAlignment = 4096;
+
+uint64_t AlignUp(uint64_t n, uint64_t alignment) { return (n + alignment - 1) / alignment * alignment; }
+
+}  // namespace
+
+absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
+                                const std::vector<PoolGroupShape>& groups) {
+  Pool pool;
+  uint64_t end = 0;
+  for (const PoolGroupShape& shape : groups) {
+    if (shape.regions() == 0 || shape.items == 0 || shape.item_bytes == 0) {
+      return absl::InvalidArgumentError(fmt::format(
+          "pool '{}' group '{}': {} regions of {} items of {} bytes; every count must be > 0",
+          label, shape.group, shape.regions(), shape.items, shape.item_bytes));
+    }
+    PoolGroup group;
+    group.shape = shape;
+    group.offset = AlignUp(end, kGroupAlignment);
+    end = group.offset + shape.bytes();
+    pool.groups.push_back(std::move(group));
+  }
+  if (end == 0) {
+    return absl::InvalidArgumentError(
+        fmt::format("pool '{}' has no groups; give at least one group shape", label));
+  }
+  ASSIGN_OR_RETURN(auto allocation, agent.Allocate(label, end));
   pool.shm_name = allocation.shm_name();
-  ASSIGN_OR_RETURN(pool.mapping,
-                   registry::ShmMapping::Open(pool.shm_name, 0, pool.bytes(), label));
+  ASSIGN_OR_RETURN(pool.mapping, registry::ShmMapping::Open(pool.shm_name, 0, end, label));
+
   v1::RegisterRegionsRequest request;
-  const uint64_t region_bytes = shape.pages * shape.page_bytes;
-  for (uint32_t layer = 0; layer < shape.layers; ++layer) {
-    for (uint32_t t = 0; t < shape.tensors_per_layer; ++t) {
-      const uint32_t index = layer * shape.tensors_per_layer + t;
-      const std::string name =
-          shape.tensors_per_layer == 2
-              ? fmt::format("{}.L{}.{}", label, layer, t == 0 ? "K" : "V")
-              : fmt::format("{}.L{}.T{}", label, layer, t);
+  for (PoolGroup& group : pool.groups) {
+    const PoolGroupShape& shape = group.shape;
+    for (uint32_t r = 0; r < shape.regions(); ++r) {
+      const std::string name = fmt::format("{}.{}", label, shape.region_suffixes[r]);
       auto* spec = request.add_regions();
       spec->set_name(name);
-      spec->set_kind(v1::KV);
+      spec->set_kind(shape.kind);
       spec->set_group(shape.group);
       spec->set_memory(v1::DRAM);
-      spec->set_length(region_bytes);
-      spec->mutable_layout()->set_num_items(shape.pages);
-      spec->mutable_layout()->set_item_bytes(shape.page_bytes);
+      spec->set_length(shape.region_bytes());
+      spec->mutable_layout()->set_num_items(shape.items);
+      spec->mutable_layout()->set_item_bytes(shape.item_bytes);
       spec->mutable_shm()->set_name(pool.shm_name);
-      spec->mutable_shm()->set_offset(uint64_t{index} * region_bytes);
+      spec->mutable_shm()->set_offset(group.offset + uint64_t{r} * shape.region_bytes());
+      group.region_names.push_back(name);
       pool.region_names.push_back(name);
     }
   }
   RETURN_IF_ERROR(agent.Register(request).status());
   return pool;
+}
+
+PoolGroupShape KvGroupShape(const KvPoolShape& shape) {
+  PoolGroupShape group;
+  group.group = shape.group;
+  group.kind = v1::KV;
+  group.items = shape.pages;
+  group.item_bytes = shape.page_bytes;
+  for (uint32_t layer = 0; layer < shape.layers; ++layer) {
+    for (uint32_t t = 0; t < shape.tensors_per_layer; ++t) {
+      group.region_suffixes.push_back(shape.tensors_per_layer == 2
+                                          ? fmt::format("L{}.{}", layer, t == 0 ? "K" : "V")
+                                          : fmt::format("L{}.T{}", layer, t));
+    }
+  }
+  return group;
+}
+
+absl::StatusOr<KvPool> CreateKvPool(AgentClient& agent, const std::string& label,
+                                    const KvPoolShape& shape) {
+  // One group starts at offset 0 with its regions packed, so KvPool::Page's
+  // arithmetic addresses exactly what CreatePool registered.
+  ASSIGN_OR_RETURN(Pool pool, CreatePool(agent, label, {KvGroupShape(shape)}));
+  KvPool kv;
+  kv.shape = shape;
+  kv.shm_name = std::move(pool.shm_name);
+  kv.mapping = std::move(pool.mapping);
+  kv.region_names = std::move(pool.region_names);
+  return kv;
 }
 
 void FillPage(uint8_t* page, uint64_t bytes, uint64_t seed, uint32_t region, uint64_t page_index) {

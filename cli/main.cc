@@ -1,4 +1,6 @@
 // kvagentctl: the operator's and scheduler's command line for kvagentd.
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -6,10 +8,12 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "agent/status_util.h"
 #include "cli/agent_client.h"
 #include "cli/demo.h"
 #include "fmt/format.h"
 #include "google/protobuf/util/json_util.h"
+#include "grpcpp/grpcpp.h"
 #include "transport/base/format.h"
 
 namespace {
@@ -24,14 +28,21 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
   connect PEER_ADDR          connect this agent to the agent at PEER_ADDR
   cancel TRANSFER_ID         cancel a transfer
   notifications [--max N]    take queued notifications
+  doctor                     host and peer checks with fixes; exit 1 on any FAIL
 
   demo [--prefill ADDR --decode ADDR] [--pool-mib N] [--requests N]
        [--pages N] [--chunks N] [--timeout-ms N] [--kvagentd PATH]
-       [--shm-direct auto|off]
+       [--shm-direct auto|off] [--model llama|hybrid]
+       [--ssm-layers N] [--state-slots N]
                              two agents (started here when no addresses are
                              given), Llama-3.1-8B-shaped KV pools, chunked
                              pushes of several requests' pages, every byte
-                             verified; the last line is a JSON object
+                             verified; the last line is a JSON object.
+                             --model hybrid: 4 attention layers' KV pages plus
+                             N Mamba2-2.7B SSM layers (default 8; the real
+                             model has 64) with conv and SSM state slots and
+                             aux records; --pool-mib sizes the KV pages, the
+                             state slots come on top
 )";
 
 int Usage(const std::string& error) {
@@ -140,6 +151,33 @@ void PrintNotifications(const kvagent::v1::PollNotificationsResponse& r) {
   }
 }
 
+absl::StatusOr<kvagent::v1::DoctorReport> Doctor(kvagent::cli::AgentClient& client,
+                                                  uint64_t timeout_ms) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+  kvagent::v1::DoctorReport report;
+  grpc::Status status = client.stub()->Doctor(&context, kvagent::v1::DoctorRequest(), &report);
+  if (!status.ok()) return kvagent::agent::FromGrpcStatus(status);
+  return report;
+}
+
+// check, result, detail; the fix on its own line under a check that is not PASS.
+void PrintDoctor(const kvagent::v1::DoctorReport& r) {
+  int width = 5;
+  for (const auto& c : r.checks()) width = std::max(width, static_cast<int>(c.name().size()));
+  int counts[4] = {};
+  std::printf("%-*s  %-6s %s\n", width, "check", "result", "detail / fix");
+  for (const auto& c : r.checks()) {
+    ++counts[c.result() >= 0 && c.result() < 4 ? c.result() : 0];
+    std::printf("%-*s  %-6s %s\n", width, c.name().c_str(),
+                kvagent::v1::DoctorCheck::Result_Name(c.result()).c_str(), c.detail().c_str());
+    if (!c.fix().empty()) std::printf("%-*s  %-6s fix: %s\n", width, "", "", c.fix().c_str());
+  }
+  std::printf("agent '%s': %d checks, %d pass, %d warn, %d fail\n", r.agent().c_str(),
+              r.checks_size(), counts[kvagent::v1::DoctorCheck::PASS],
+              counts[kvagent::v1::DoctorCheck::WARN], counts[kvagent::v1::DoctorCheck::FAIL]);
+}
+
 bool ParseNumber(const std::string& flag, const std::string& value, uint64_t* out) {
   if (absl::SimpleAtoi(value, out)) return true;
   std::fprintf(stderr, "kvagentctl: %s '%s' is not a non-negative integer\n", flag.c_str(),
@@ -197,6 +235,14 @@ int main(int argc, char** argv) {
         options.shm_direct = v == "auto";
       } else if (a == "--kvagentd") {
         options.kvagentd = v;
+      } else if (a == "--model") {
+        if (v != "llama" && v != "hybrid") return Usage("--model takes llama or hybrid");
+        options.model = v;
+      } else if (a == "--ssm-layers" || a == "--state-slots") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n == 0 || n > 4096) return Usage(a + " takes 1 to 4096");
+        if (a == "--ssm-layers") options.ssm_layers = static_cast<uint32_t>(n);
+        if (a == "--state-slots") options.state_slots = static_cast<uint32_t>(n);
       } else if (a == "--pool-mib" || a == "--requests" || a == "--pages" || a == "--chunks") {
         if (!ParseNumber(a, v, &n)) return 2;
         if (a == "--pool-mib") options.pool_mib = n;
@@ -231,6 +277,14 @@ int main(int argc, char** argv) {
     uint64_t max = 0;
     if (rest.size() == 3 && rest[1] == "--max" && !ParseNumber("--max", rest[2], &max)) return 2;
     return Print(client.Poll(static_cast<uint32_t>(max)), command, json, &PrintNotifications);
+  }
+  if (command == "doctor") {
+    auto report = Doctor(client, timeout_ms);
+    if (Print(report, command, json, &PrintDoctor) != 0) return 1;
+    for (const auto& c : report->checks()) {
+      if (c.result() == kvagent::v1::DoctorCheck::FAIL) return 1;
+    }
+    return 0;
   }
   return Usage("unknown command '" + command + "'");
 }

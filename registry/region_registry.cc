@@ -1,13 +1,19 @@
 #include "registry/region_registry.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "fmt/format.h"
+#include "transport/base/format.h"
 #include "transport/base/log.h"
 
 namespace kvagent::registry {
@@ -99,23 +105,94 @@ std::string NormalizeLayout(v1::RegionSpec* spec) {
 struct Candidate {
   int entry = 0;
   v1::RegionSpec spec;
-  ShmMapping mapping;
+  ShmMapping mapping;                  // DRAM
+  std::optional<CudaIpcMapping> cuda;  // VRAM
+  std::string memory_path;
   transport::MemoryRegistration registration;
 };
 
 bool Overlaps(const ShmMapping& a, const ShmMapping& b) {
-  return a.device() == b.device() && a.inode() == b.inode() &&
-         a.offset() < b.offset() + b.length() && b.offset() < a.offset() + a.length();
+  return a.data() != nullptr && b.data() != nullptr && a.device() == b.device() &&
+         a.inode() == b.inode() && a.offset() < b.offset() + b.length() &&
+         b.offset() < a.offset() + a.length();
+}
+// Device pointers are unique across devices (UVA), and opening one handle twice
+// returns the same base, so overlapping VRAM regions overlap as pointer ranges.
+bool Overlaps(const std::optional<CudaIpcMapping>& a, const std::optional<CudaIpcMapping>& b) {
+  return a.has_value() && b.has_value() &&
+         a->device_pointer() < b->device_pointer() + b->length() &&
+         b->device_pointer() < a->device_pointer() + a->length();
+}
+
+std::string UcxDetail(const transport::UcxCapabilities& caps) {
+  auto list = [](const std::vector<std::string>& items) {
+    return items.empty() ? std::string("none") : absl::StrJoin(items, ",");
+  };
+  return fmt::format("{} (transports {}; memory types {})", caps.version, list(caps.transports),
+                     list(caps.memory_types));
+}
+
+// RLIMIT_MEMLOCK does not bind a process with CAP_IPC_LOCK (mlock and RDMA
+// registration both check it), so the limit only matters without it.
+bool HasIpcLockCapability() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (!absl::StartsWith(line, "CapEff:")) continue;
+    const uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+    constexpr int kCapIpcLock = 14;
+    return (caps >> kCapIpcLock) & 1;
+  }
+  return false;
+}
+
+uint64_t MemlockLimit() {
+  struct rlimit limit {};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0 || HasIpcLockCapability()) return RLIM_INFINITY;
+  return limit.rlim_cur;
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> MemoryPathFor(v1::MemoryKind kind, bool ucx_cuda,
+                                          bool staging_allowed, std::string_view ucx_detail) {
+  if (kind == v1::DRAM || kind == v1::MEMORY_KIND_UNSPECIFIED) return std::string("host");
+  if (kind != v1::VRAM) {
+    return absl::InvalidArgumentError(
+        fmt::format("unknown memory kind {}; use DRAM or VRAM", static_cast<int>(kind)));
+  }
+  if (ucx_cuda) return std::string("zero-copy");
+  if (staging_allowed) return std::string("staged");
+  return absl::FailedPreconditionError(fmt::format(
+      "UCX{}{} cannot register CUDA memory and VRAM staging is off (--vram-staging=off); run "
+      "the agent on a CUDA-enabled UCX build (UCX_MODULE_DIR pointing at its ucx/ modules "
+      "directory, the one with libuct_cuda.so, and UCX_TLS including cuda_copy,cuda_ipc), "
+      "or allow host staging with --vram-staging=auto",
+      ucx_detail.empty() ? "" : " ", ucx_detail));
+}
+
+absl::Status CheckMemlock(uint64_t bytes_to_pin, uint64_t limit, std::string_view entry) {
+  if (limit == RLIM_INFINITY || bytes_to_pin <= limit) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format(
+      "region '{}': needs {} bytes of locked memory (with the regions this agent already "
+      "pins) but RLIMIT_MEMLOCK is {} bytes; raise it (`ulimit -l unlimited`, systemd "
+      "LimitMEMLOCK=infinity, Kubernetes: a privileged container or the IPC_LOCK capability)",
+      entry, bytes_to_pin, limit));
+}
+
+bool PinsRegisteredMemory(const std::vector<std::string>& transports) {
+  return std::any_of(transports.begin(), transports.end(), [](const std::string& name) {
+    return absl::StartsWith(name, "rc") || absl::StartsWith(name, "ud") ||
+           absl::StartsWith(name, "dc") || absl::StartsWith(name, "ib");
+  });
+}
 
 v1::RegionInfo Region::Info() const {
   v1::RegionInfo info;
   *info.mutable_spec() = spec;
   info.set_group_position(LoadPosition(*this));
   info.set_base_address(base_address);
-  info.set_memory_path("host");
+  info.set_memory_path(memory_path);
   return info;
 }
 
@@ -155,41 +232,66 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                  "name is already registered; deregister it first or pick another name");
       continue;
     }
-    if (spec.memory() == v1::VRAM) {
-      errors.Add(i, absl::StatusCode::kFailedPrecondition,
-                 "VRAM regions are not supported by this build yet (CUDA IPC import lands "
-                 "with the VRAM issue); register host memory (shm) instead");
-      continue;
-    }
-    if (spec.memory() != v1::DRAM && spec.memory() != v1::MEMORY_KIND_UNSPECIFIED) {
+    if (spec.memory() != v1::DRAM && spec.memory() != v1::VRAM &&
+        spec.memory() != v1::MEMORY_KIND_UNSPECIFIED) {
       errors.Add(i, kInvalid, fmt::format("unknown memory kind {}; use DRAM or VRAM",
                                           static_cast<int>(spec.memory())));
       continue;
     }
-    spec.set_memory(v1::DRAM);
+    if (spec.memory() == v1::MEMORY_KIND_UNSPECIFIED) spec.set_memory(v1::DRAM);
     if (spec.length() == 0) {
       errors.Add(i, kInvalid,
                  "length is 0; give the region's size in bytes, or set skip_empty to skip "
                  "empty regions");
       continue;
     }
-    if (!spec.has_shm() || spec.shm().name().empty()) {
-      errors.Add(i, kInvalid,
-                 "DRAM region has no shm source; set shm.name (a \"/name\" shm object or an "
-                 "absolute /dev/shm or hugetlbfs path) and shm.offset");
-      continue;
-    }
     uint64_t end = 0;
-    if (__builtin_add_overflow(spec.shm().offset(), spec.length(), &end)) {
-      errors.Add(i, kInvalid, fmt::format("shm.offset {} + length {} overflows; fix both",
-                                          spec.shm().offset(), spec.length()));
-      continue;
+    if (spec.memory() == v1::VRAM) {
+      if (!spec.has_cuda_ipc()) {
+        errors.Add(i, kInvalid,
+                   spec.has_shm()
+                       ? "VRAM region has a shm source, but VRAM comes from a CUDA IPC "
+                         "handle; set cuda_ipc (ipc_handle, device, offset) instead of shm, "
+                         "or set memory DRAM for host memory"
+                       : "VRAM region has no cuda_ipc source; set cuda_ipc.ipc_handle (the 64 "
+                         "bytes of cudaIpcGetMemHandle), cuda_ipc.device and cuda_ipc.offset");
+        continue;
+      }
+      if (absl::Status s = transport::CudaDriver::ValidateIpcSource(
+              spec.name(), spec.cuda_ipc().ipc_handle().size(), spec.cuda_ipc().device(), -1);
+          !s.ok()) {
+        errors.Add(i, s);
+        continue;
+      }
+      if (__builtin_add_overflow(spec.cuda_ipc().offset(), spec.length(), &end)) {
+        errors.Add(i, kInvalid, fmt::format("cuda_ipc.offset {} + length {} overflows; fix both",
+                                            spec.cuda_ipc().offset(), spec.length()));
+        continue;
+      }
+    } else {
+      if (spec.has_cuda_ipc()) {
+        errors.Add(i, kInvalid,
+                   "DRAM region has a cuda_ipc source; set memory VRAM for device memory, or "
+                   "give a shm source for host memory");
+        continue;
+      }
+      if (!spec.has_shm() || spec.shm().name().empty()) {
+        errors.Add(i, kInvalid,
+                   "DRAM region has no shm source; set shm.name (a \"/name\" shm object or an "
+                   "absolute /dev/shm or hugetlbfs path) and shm.offset");
+        continue;
+      }
+      if (__builtin_add_overflow(spec.shm().offset(), spec.length(), &end)) {
+        errors.Add(i, kInvalid, fmt::format("shm.offset {} + length {} overflows; fix both",
+                                            spec.shm().offset(), spec.length()));
+        continue;
+      }
     }
     if (std::string cause = NormalizeLayout(&spec); !cause.empty()) {
       errors.Add(i, kInvalid, cause);
       continue;
     }
-    candidates.push_back(Candidate{i, std::move(spec), {}, {}});
+    candidates.push_back(Candidate{i, std::move(spec), {}, {}, {}, {}});
   }
 
   // 2. Groups: every region of a group (registered or in this batch) has the same
@@ -214,9 +316,34 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     }
   }
 
-  // 3. Import the memory; 4. reject overlaps with registered or batch regions.
+  // 3. Import the memory (shm mapping or CUDA IPC handle); 4. reject overlaps with
+  // registered or batch regions.
   for (Candidate& c : candidates) {
     if (errors.Has(c.entry)) continue;
+    if (c.spec.memory() == v1::VRAM) {
+      auto cuda = CudaIpcMapping::Open(c.spec.cuda_ipc(), c.spec.length(), c.spec.name());
+      if (!cuda.ok()) {
+        errors.Add(c.entry, cuda.status());
+        continue;
+      }
+      c.cuda = std::move(cuda).value();
+      auto overlap = [&](const std::string& other, const CudaIpcMapping& m) {
+        errors.Add(c.entry, kInvalid,
+                   fmt::format("device bytes [{:#x}, {:#x}) on device {} overlap region '{}' "
+                               "([{:#x}, {:#x})); give each region its own byte range",
+                               c.cuda->device_pointer(), c.cuda->device_pointer() + c.cuda->length(),
+                               c.cuda->device(), other, m.device_pointer(),
+                               m.device_pointer() + m.length()));
+      };
+      for (const RegionPtr& region : existing) {
+        if (Overlaps(c.cuda, region->cuda)) overlap(region->spec.name(), *region->cuda);
+      }
+      for (const Candidate& other : candidates) {
+        if (&other == &c) break;
+        if (Overlaps(c.cuda, other.cuda)) overlap(other.spec.name(), *other.cuda);
+      }
+      continue;
+    }
     auto mapping = ShmMapping::Open(c.spec.shm().name(), c.spec.shm().offset(), c.spec.length(),
                                     c.spec.name());
     if (!mapping.ok()) {
@@ -236,17 +363,46 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     }
     for (const Candidate& other : candidates) {
       if (&other == &c) break;
-      if (other.mapping.data() != nullptr && Overlaps(c.mapping, other.mapping)) {
-        overlap(other.spec.name(), other.mapping);
+      if (Overlaps(c.mapping, other.mapping)) overlap(other.spec.name(), other.mapping);
+    }
+  }
+  if (!errors.empty()) return errors.ToStatus();
+
+  // 5. Choose each region's memory path, and check the locked-memory limit for host
+  // memory that an RDMA transport will pin (staging buffers are not allocated here).
+  const transport::UcxCapabilities& caps = context_->capabilities();
+  const bool pins = PinsRegisteredMemory(caps.transports);
+  const uint64_t memlock_limit = pins ? MemlockLimit() : RLIM_INFINITY;
+  uint64_t pinned = 0;
+  for (const RegionPtr& region : existing) {
+    if (region->spec.memory() == v1::DRAM) pinned += region->spec.length();
+  }
+  for (Candidate& c : candidates) {
+    auto path = MemoryPathFor(c.spec.memory(), caps.cuda_memory, options_.vram_staging,
+                              UcxDetail(caps));
+    if (!path.ok()) {
+      errors.Add(c.entry, path.status());
+      continue;
+    }
+    c.memory_path = *std::move(path);
+    if (pins && c.spec.memory() == v1::DRAM) {
+      pinned += c.spec.length();
+      if (absl::Status s = CheckMemlock(pinned, memlock_limit, c.spec.name()); !s.ok()) {
+        errors.Add(c.entry, s);
       }
     }
   }
   if (!errors.empty()) return errors.ToStatus();
 
-  // 5. Register with UCX. On any failure the whole batch unwinds through RAII.
+  // 6. Register with UCX (staged VRAM is not registered: UCX cannot touch device
+  // memory, transfers copy it through host buffers). On any failure the whole batch
+  // unwinds through RAII.
   for (Candidate& c : candidates) {
+    if (c.memory_path == "staged") continue;
+    const bool vram = c.cuda.has_value();
     auto registration = transport::MemoryRegistration::Map(
-        *context_, c.mapping.data(), c.mapping.length(), transport::MemoryType::kHost,
+        *context_, vram ? reinterpret_cast<void*>(c.cuda->device_pointer()) : c.mapping.data(),
+        c.spec.length(), vram ? transport::MemoryType::kCuda : transport::MemoryType::kHost,
         c.spec.name());
     if (!registration.ok()) {
       errors.Add(c.entry, registration.status());
@@ -256,7 +412,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   }
   if (!errors.empty()) return errors.ToStatus();
 
-  // 6. Commit.
+  // 7. Commit.
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<std::string, uint32_t> group_sizes;
   for (const auto& [name, entry] : regions_) {
@@ -267,8 +423,11 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     auto region = std::make_shared<Region>();
     region->spec = std::move(c.spec);
     if (!region->spec.group().empty()) region->group_position = group_sizes[region->spec.group()]++;
-    region->base_address = reinterpret_cast<uint64_t>(c.mapping.data());
+    region->base_address = c.cuda.has_value() ? c.cuda->device_pointer()
+                                              : reinterpret_cast<uint64_t>(c.mapping.data());
+    region->memory_path = std::move(c.memory_path);
     region->mapping = std::move(c.mapping);
+    region->cuda = std::move(c.cuda);
     region->registration = std::move(c.registration);
     bytes += region->spec.length();
     regions_.emplace(region->spec.name(), Entry{next_sequence_++, region});
@@ -407,6 +566,11 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
     if (region.spec.has_shm()) {
       out->set_shm_name(region.spec.shm().name());
       out->set_shm_offset(region.spec.shm().offset());
+    }
+    if (region.spec.has_cuda_ipc()) {
+      out->set_cuda_ipc_handle(region.spec.cuda_ipc().ipc_handle());
+      out->set_cuda_device(region.spec.cuda_ipc().device());
+      out->set_cuda_offset(region.spec.cuda_ipc().offset());
     }
   }
   metadata->set_version(version_);

@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -14,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/kvagent.pb.h"
+#include "registry/cuda_ipc_mapping.h"
 #include "registry/shm_mapping.h"
 #include "transport/ucx_context.h"
 
@@ -29,9 +32,16 @@ struct Region {
   // Written atomically under the registry's lock; read it through Info() (atomic
   // load) or under the registry's lock (FindGroup/Export order by it).
   uint32_t group_position = 0;
-  uint64_t base_address = 0; // first byte in this process
-  ShmMapping mapping;
-  transport::MemoryRegistration registration;
+  // First byte in this process. For VRAM a device pointer (UVA): never dereference
+  // it on the host.
+  uint64_t base_address = 0;
+  // How transfers reach the memory: "host" (DRAM), "zero-copy" (VRAM registered with
+  // UCX as CUDA memory) or "staged" (VRAM moved through host buffers; no UCX
+  // registration, so no rkey).
+  std::string memory_path;
+  ShmMapping mapping;                  // DRAM
+  std::optional<CudaIpcMapping> cuda;  // VRAM
+  transport::MemoryRegistration registration;  // empty for staged VRAM
 
   uint64_t num_items() const { return spec.layout().num_items(); }
   uint64_t item_bytes() const { return spec.layout().item_bytes(); }
@@ -48,9 +58,33 @@ struct RegisterResult {
   uint64_t version = 0;
 };
 
+struct RegistryOptions {
+  // VRAM when UCX cannot register CUDA memory: true moves it through host staging
+  // buffers (memory_path "staged"); false rejects such regions (FAILED_PRECONDITION).
+  bool vram_staging = true;
+};
+
+// How a region's memory is moved: "host" for DRAM; for VRAM "zero-copy" when UCX has
+// CUDA memory support, else "staged" when staging is allowed, else
+// FAILED_PRECONDITION whose cause and fix mention `ucx_detail` (UCX's version,
+// transports and memory types) when given.
+absl::StatusOr<std::string> MemoryPathFor(v1::MemoryKind kind, bool ucx_cuda,
+                                          bool staging_allowed,
+                                          std::string_view ucx_detail = "");
+
+// FAILED_PRECONDITION when pinning `bytes_to_pin` bytes in total exceeds the
+// locked-memory `limit` (RLIM_INFINITY means none), naming `entry` and the ways to
+// raise the limit.
+absl::Status CheckMemlock(uint64_t bytes_to_pin, uint64_t limit, std::string_view entry);
+
+// True when one of UCX's transports is RDMA (rc*, ud*, dc*, ib*), which pins
+// registered host memory and so counts against RLIMIT_MEMLOCK.
+bool PinsRegisteredMemory(const std::vector<std::string>& transports);
+
 class RegionRegistry {
  public:
-  explicit RegionRegistry(const transport::UcxContext* context) : context_(context) {}
+  explicit RegionRegistry(const transport::UcxContext* context, RegistryOptions options = {})
+      : context_(context), options_(options) {}
 
   // All-or-nothing. Every bad entry is reported in one INVALID_ARGUMENT /
   // NOT_FOUND / FAILED_PRECONDITION status (the code of the first), one line per
@@ -58,8 +92,10 @@ class RegionRegistry {
   // batch or already registered); zero length (or skipped with skip_empty); layout
   // (num_items, item_bytes > 0; stride >= item_bytes; last item inside length,
   // overflow-safe); shm object missing or too small; overlap with another region of
-  // the same object; group whose regions disagree in num_items; VRAM (not yet
-  // supported here: FAILED_PRECONDITION). Nothing registered before is touched.
+  // the same object or device range; group whose regions disagree in num_items;
+  // VRAM without a cuda_ipc source or DRAM without shm (INVALID_ARGUMENT); no CUDA
+  // driver, UCX without CUDA and staging off, or RLIMIT_MEMLOCK too low for memory
+  // RDMA pins (FAILED_PRECONDITION). Nothing registered before is touched.
   absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs,
                                           bool skip_empty);
   // All-or-nothing: NOT_FOUND naming every unknown name. Returns the new version.
@@ -73,11 +109,13 @@ class RegionRegistry {
   uint64_t version() const;
   uint64_t registered_bytes() const;
 
-  // The regions as peers see them (addresses, layouts, packed rkeys).
+  // The regions as peers see them (addresses, layouts, packed rkeys; staged VRAM
+  // regions have no UCX registration and go out with an empty rkey).
   void Export(v1::AgentMetadata* metadata) const;
 
  private:
   const transport::UcxContext* context_;
+  const RegistryOptions options_;
   // Serializes Register/Deregister so that validation, import and UCX registration
   // run without holding mu_ (lookups by transfers never wait on memory pinning).
   absl::Mutex write_mu_;

@@ -50,9 +50,12 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
       return bad(fmt::format("group is {} bytes (at most {})", in.group().size(),
                              limits.max_name_bytes));
     }
-    if (in.rkey().empty() || in.rkey().size() > limits.max_rkey_bytes) {
-      return bad(fmt::format("rkey is {} bytes (allowed 1..{})", in.rkey().size(),
-                             limits.max_rkey_bytes));
+    // VRAM that the peer moves through host staging has no UCX registration, so no
+    // rkey; every other region must have one.
+    const bool rkey_optional = in.memory() == v1::VRAM;
+    if ((in.rkey().empty() && !rkey_optional) || in.rkey().size() > limits.max_rkey_bytes) {
+      return bad(fmt::format("rkey is {} bytes (allowed {}..{})", in.rkey().size(),
+                             rkey_optional ? 0 : 1, limits.max_rkey_bytes));
     }
     const v1::ItemLayout& layout = in.layout();
     const uint64_t stride = layout.item_stride() == 0 ? layout.item_bytes() : layout.item_stride();
@@ -75,6 +78,11 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
       return bad(fmt::format("layout ({} items of {} bytes, stride {}) extends beyond length {}",
                              layout.num_items(), layout.item_bytes(), stride, in.length()));
     }
+    if (!in.cuda_ipc_handle().empty() && (in.cuda_ipc_handle().size() != 64 || in.cuda_device() < 0)) {
+      return bad(fmt::format("cuda_ipc_handle is {} bytes on device {} (a CUDA IPC handle is 64 "
+                             "bytes, devices count from 0)",
+                             in.cuda_ipc_handle().size(), in.cuda_device()));
+    }
     if (in.shm_name().size() > limits.max_name_bytes) {
       return bad(fmt::format("shm_name is {} bytes (at most {})", in.shm_name().size(),
                              limits.max_name_bytes));
@@ -86,6 +94,7 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
     region.name = in.name();
     region.group = in.group();
     region.group_position = in.group_position();
+    region.memory = in.memory() == v1::VRAM ? v1::VRAM : v1::DRAM;
     region.base_address = in.base_address();
     region.length = in.length();
     region.num_items = layout.num_items();
@@ -93,6 +102,9 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
     region.item_stride = stride;
     region.rkey_slot = static_cast<uint32_t>(i);
     region.shm_name = in.shm_name();
+    region.cuda_ipc_handle = in.cuda_ipc_handle();
+    region.cuda_device = in.cuda_device();
+    region.cuda_offset = in.cuda_offset();
     region.shm_offset = in.shm_offset();
     if (!region.group.empty()) catalog.groups_[region.group].push_back(region.rkey_slot);
     catalog.regions_.push_back(std::move(region));

@@ -17,12 +17,16 @@ struct RemoteRegion {
   std::string name;
   std::string group;
   uint32_t group_position = 0;
+  v1::MemoryKind memory = v1::DRAM;  // DRAM or VRAM (any other value reads as DRAM)
   uint64_t base_address = 0;
   uint64_t length = 0;
   uint64_t num_items = 0;
   uint64_t item_bytes = 0;
   uint64_t item_stride = 0;
   uint32_t rkey_slot = 0;  // index into the peer's unpacked rkey table (= region index)
+  std::string cuda_ipc_handle;  // VRAM: 64 bytes, empty otherwise
+  int32_t cuda_device = 0;
+  uint64_t cuda_offset = 0;
   std::string shm_name;    // empty when the peer's memory has no shared-memory name
   uint64_t shm_offset = 0;
   uint64_t ItemAddress(uint64_t index) const { return base_address + index * item_stride; }
@@ -38,7 +42,8 @@ struct CatalogLimits {
 class RemoteCatalog {
  public:
   // INVALID_ARGUMENT naming the peer, the region and the field for: too many
-  // regions, empty/oversized names, duplicate names, empty or oversized rkey, zero
+  // regions, empty/oversized names, duplicate names, oversized rkey or an empty one
+  // for DRAM (staged VRAM has none), zero
   // item size, stride < item size, layout beyond length, base+length overflow, a
   // group whose positions are not 0..n-1, empty or oversized worker address.
   static absl::StatusOr<RemoteCatalog> FromMetadata(const v1::AgentMetadata& metadata,

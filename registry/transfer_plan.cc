@@ -84,7 +84,8 @@ absl::Status PlanItems(const RegionRegistry& local, const RemoteCatalog& remote,
             number, ri[k], k, remote.peer(), r.name, r.num_items));
       }
       plan->ops.push_back(PlanOp{l.ItemAddress(li[k]), r.ItemAddress(ri[k]), l.item_bytes(),
-                                 r.rkey_slot, number});
+                                 r.rkey_slot, number, l.spec.memory() == v1::VRAM,
+                                 r.memory == v1::VRAM});
       plan->bytes += l.item_bytes();
     }
     if (pinned->insert(lgroup[p].get()).second) plan->local_regions.push_back(lgroup[p]);
@@ -132,7 +133,7 @@ absl::Status PlanBytes(const RegionRegistry& local, const RemoteCatalog& remote,
   }
   plan->ops.push_back(PlanOp{l->base_address + seg.local_offset(),
                              r->base_address + seg.remote_offset(), seg.length(), r->rkey_slot,
-                             number});
+                             number, l->spec.memory() == v1::VRAM, r->memory == v1::VRAM});
   plan->bytes += seg.length();
   if (pinned->insert(l.get()).second) plan->local_regions.push_back(std::move(l));
   return absl::OkStatus();
@@ -172,7 +173,9 @@ void Coalesce(std::vector<PlanOp>* ops) {
   for (size_t i = 1; i < ops->size(); ++i) {
     PlanOp& last = (*ops)[out];
     const PlanOp& next = (*ops)[i];
+    // Equal device flags: a host and a device address can be numerically adjacent.
     if (next.segment == last.segment && next.rkey_slot == last.rkey_slot &&
+        next.local_device == last.local_device &&
         last.local_address + last.length == next.local_address &&
         last.remote_address + last.length == next.remote_address) {
       last.length += next.length;

@@ -20,6 +20,8 @@ struct PlanOp {
   uint64_t length = 0;
   uint32_t rkey_slot = 0;  // RemoteRegion::rkey_slot of the remote side
   uint32_t segment = 0;    // segment number across the whole transfer
+  bool local_device = false;   // local_address is VRAM (a CUDA device pointer)
+  bool remote_device = false;  // remote_address is the peer's VRAM
 };
 
 struct TransferPlan {

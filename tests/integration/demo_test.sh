@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs `kvagentctl demo --json` end to end (two real kvagentd processes) and checks
 # that its last line reports every byte verified. UCX_TLS from the test's env
-# selects the transports (shared memory by default, tcp,self as between hosts).
+# selects the transports (shared memory by default, tcp,self as between hosts);
+# DEMO_ARGS adds flags (e.g. --model hybrid), EXPECT_* name what the line must say.
 set -euo pipefail
 ctl="$TEST_SRCDIR/kvagent/cli/kvagentctl"
 out="$TEST_TMPDIR/demo.out"
@@ -14,10 +15,24 @@ case "$last" in
   *'"verified": true'*) ;;
   *) echo "demo did not verify its bytes"; cat "$TEST_TMPDIR/demo.err"; exit 1 ;;
 esac
-case "$last" in
-  *'"pages": 48'*) ;;
-  *) echo "expected 48 pages moved (6 requests x 8 pages)"; exit 1 ;;
-esac
+expect_pages="${EXPECT_PAGES:-48}"
+if [[ "$last" != *"\"pages\": $expect_pages,"* ]]; then
+  echo "expected $expect_pages pages moved (6 requests x 8 pages)"; exit 1
+fi
+if [[ -n "${EXPECT_MODEL:-}" && "$last" != *"\"model\": \"$EXPECT_MODEL\""* ]]; then
+  echo "expected model $EXPECT_MODEL"; exit 1
+fi
+# Byte counts the line must report, e.g. "state_bytes": 6 requests x 8 SSM layers x
+# (conv 32256 + ssm 2621440) = 127377408 and "aux_bytes": 6 x 64 = 384.
+for key in STATE_BYTES AUX_BYTES; do
+  want="EXPECT_$key"
+  if [[ -n "${!want:-}" ]]; then
+    name=$(echo "$key" | tr '[:upper:]' '[:lower:]')
+    if [[ "$last" != *"\"$name\": ${!want},"* ]]; then
+      echo "expected \"$name\": ${!want}"; exit 1
+    fi
+  fi
+done
 if [[ -n "${EXPECT_DATA_PATH:-}" && "$last" != *"\"data_path\": \"$EXPECT_DATA_PATH\""* ]]; then
   echo "expected data path $EXPECT_DATA_PATH"; exit 1
 fi

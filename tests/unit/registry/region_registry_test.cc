@@ -230,9 +230,9 @@ TEST_CASE("Bad entries are rejected with their name, cause and fix") {
   SECTION("VRAM") {
     v1::RegionSpec vram = Spec("gpu", name, 0, 4096, 1, 4096);
     vram.set_memory(v1::VRAM);
-    auto r = RegisterBad({vram}, shm);
-    CHECK(r.status.code() == StatusCode::kFailedPrecondition);
-    CHECK_THAT(r.message, Catch::Contains("region 'gpu' (entry 0): VRAM regions are not supported"));
+    auto r = RegisterBad({vram}, shm);  // a shm source: VRAM needs cuda_ipc
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'gpu' (entry 0): VRAM region has a shm source"));
   }
   SECTION("two bad entries are both reported; the code is the first one's") {
     v1::RegionSpec vram = Spec("gpu", name, 0, 4096, 1, 4096);

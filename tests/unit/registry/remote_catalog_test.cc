@@ -65,6 +65,18 @@ TEST_CASE("A valid catalog exposes regions, groups by position and rkey slots") 
   CHECK(catalog->Find("missing") == nullptr);
 }
 
+TEST_CASE("Staged VRAM regions come without an rkey; DRAM ones never do") {
+  v1::AgentMetadata md = Valid();
+  md.mutable_regions(2)->set_memory(v1::VRAM);
+  md.mutable_regions(2)->clear_rkey();
+  auto catalog = RemoteCatalog::FromMetadata(md);
+  REQUIRE(catalog.ok());
+  CHECK(catalog->Find("aux")->memory == v1::VRAM);
+  CHECK(catalog->Find("k.L0")->memory == v1::DRAM);  // UNSPECIFIED reads as DRAM
+  md.mutable_regions(1)->clear_rkey();               // k.L0, DRAM
+  CHECK_THAT(Error(md), Catch::Contains("region 'k.L0' (index 1): rkey is 0 bytes"));
+}
+
 TEST_CASE("Malformed metadata is rejected naming the field") {
   SECTION("too many regions") {
     CatalogLimits limits;
@@ -117,9 +129,13 @@ TEST_CASE("Malformed metadata is rejected naming the field") {
   SECTION("rkey empty or oversized") {
     v1::AgentMetadata md = Valid();
     md.mutable_regions(0)->clear_rkey();
-    CHECK_THAT(Error(md), Catch::Contains("rkey is 0 bytes"));
+    CHECK_THAT(Error(md), Catch::Contains("rkey is 0 bytes (allowed 1..4096)"));
+    md.mutable_regions(0)->set_memory(v1::DRAM);
+    CHECK_THAT(Error(md), Catch::Contains("rkey is 0 bytes (allowed 1..4096)"));
     md.mutable_regions(0)->set_rkey(std::string(5000, 'r'));
     CHECK_THAT(Error(md), Catch::Contains("rkey is 5000 bytes"));
+    md.mutable_regions(0)->set_memory(v1::VRAM);
+    CHECK_THAT(Error(md), Catch::Contains("rkey is 5000 bytes (allowed 0..4096)"));
   }
   SECTION("base + length overflow") {
     v1::AgentMetadata md = Valid();

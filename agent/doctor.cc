@@ -1,0 +1,531 @@
+#include "agent/doctor.h"
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/cuda_driver.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+
+constexpr log::Logger kLog("doctor");
+using Check = v1::DoctorCheck;
+
+Check Make(std::string name, Check::Result result, std::string detail, std::string fix = "") {
+  Check check;
+  check.set_name(std::move(name));
+  check.set_result(result);
+  check.set_detail(std::move(detail));
+  if (result != Check::PASS) check.set_fix(std::move(fix));
+  return check;
+}
+
+std::string Bytes(uint64_t bytes) {
+  if (bytes >= (1ull << 30)) return fmt::format("{:.1f} GiB", bytes / double(1ull << 30));
+  if (bytes >= (1ull << 20)) return fmt::format("{:.1f} MiB", bytes / double(1ull << 20));
+  if (bytes >= (1ull << 10)) return fmt::format("{:.1f} KiB", bytes / double(1ull << 10));
+  return fmt::format("{} B", bytes);
+}
+
+std::string List(const std::vector<std::string>& items) {
+  return fmt::format("[{}]", absl::StrJoin(items, ","));
+}
+
+std::string DriverVersion(int version) {
+  return fmt::format("{}.{} ({})", version / 1000, (version % 1000) / 10, version);
+}
+
+std::string Limit(uint64_t bytes) {
+  return bytes == MemlockFacts::kUnlimited ? "unlimited" : Bytes(bytes);
+}
+
+bool IsRdmaTransport(const std::string& name) {
+  return absl::StartsWith(name, "rc_") || absl::StartsWith(name, "ud_") ||
+         absl::StartsWith(name, "dc_");
+}
+
+std::string DeviceText(const RdmaDevice& device) {
+  return fmt::format("{} [{}]", device.name,
+                     device.port_states.empty() ? "no ports" : absl::StrJoin(device.port_states, ", "));
+}
+
+std::optional<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+constexpr const char* kCudaLibrary = transport::CudaDriver::kLibraryName;
+
+}  // namespace
+
+// ---------------------------------------------------------------- checks
+
+v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx) {
+  const std::string detail = fmt::format("UCX {}; transports {}; memory types {}", ucx.version,
+                                         List(ucx.transports), List(ucx.memory_types));
+  if (ucx.transports.empty()) {
+    return Make("ucx", Check::FAIL, detail + ": no transport to move data with",
+                "check UCX_TLS and UCX_NET_DEVICES against what `ucx_info -d` lists, or unset them");
+  }
+  return Make("ucx", Check::PASS, detail);
+}
+
+v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
+                             std::string_view ucx_tls) {
+  if (ucx.cuda_memory) {
+    return Make("ucx-cuda", Check::PASS,
+                fmt::format("UCX {} registers CUDA memory (memory types {})", ucx.version,
+                            List(ucx.memory_types)));
+  }
+  std::string detail;
+  if (!cuda.devices.empty()) {
+    detail = fmt::format(
+        "GPU present but UCX lacks CUDA: VRAM moves through host staging (where enabled; "
+        "otherwise VRAM registration fails); UCX {} memory types {}, {} CUDA device(s)",
+        ucx.version, List(ucx.memory_types), cuda.devices.size());
+  } else {
+    detail = fmt::format(
+        "UCX {} has no CUDA memory type (memory types {}): VRAM regions will use host "
+        "staging or fail",
+        ucx.version, List(ucx.memory_types));
+  }
+  if (!ucx_tls.empty() && ucx_tls.find("cuda") == std::string_view::npos) {
+    detail += fmt::format("; UCX_TLS={} leaves out the cuda transports", ucx_tls);
+  }
+  return Make("ucx-cuda", Check::WARN, std::move(detail),
+              "run a CUDA-enabled UCX build (cuda_copy/cuda_ipc modules), point UCX_MODULE_DIR at "
+              "its module directory, and set UCX_TLS to include cuda_copy,cuda_ipc (e.g. "
+              "UCX_TLS=tcp,sm,self,cuda_copy,cuda_ipc) or leave it unset; DRAM regions are "
+              "unaffected");
+}
+
+v1::DoctorCheck CheckCudaDriver(const CudaFacts& cuda) {
+  if (!cuda.loaded) {
+    return Make("cuda-driver", Check::WARN,
+                fmt::format("{} not loadable: {}; VRAM regions cannot be registered", kCudaLibrary,
+                            cuda.error.empty() ? "unknown reason" : cuda.error),
+                fmt::format("install the NVIDIA driver (it provides {}; in a container use the "
+                            "NVIDIA container runtime, e.g. docker --gpus all); DRAM regions work "
+                            "without it",
+                            kCudaLibrary));
+  }
+  if (cuda.devices.empty()) {
+    return Make("cuda-driver", Check::WARN,
+                fmt::format("{} loaded, driver {}, but it sees no CUDA devices{}{}", kCudaLibrary,
+                            DriverVersion(cuda.driver_version), cuda.error.empty() ? "" : ": ",
+                            cuda.error),
+                "check `nvidia-smi`, CUDA_VISIBLE_DEVICES and the container's GPU access "
+                "(docker --gpus all / the nvidia.com/gpu resource)");
+  }
+  std::vector<std::string> devices;
+  for (const auto& d : cuda.devices) {
+    devices.push_back(fmt::format("{} {} [{}] {}", d.ordinal, d.name, d.pci_bus_id,
+                                  Bytes(d.total_bytes)));
+  }
+  return Make("cuda-driver", Check::PASS,
+              fmt::format("{} driver {}; {} device(s): {}", kCudaLibrary,
+                          DriverVersion(cuda.driver_version), cuda.devices.size(),
+                          absl::StrJoin(devices, "; ")));
+}
+
+v1::DoctorCheck CheckMemlock(const MemlockFacts& memlock) {
+  if (!memlock.known) {
+    return Make("memlock", Check::WARN, "getrlimit(RLIMIT_MEMLOCK) failed; the limit is unknown",
+                "check `ulimit -l` in the agent's environment; set it to unlimited");
+  }
+  const std::string limits =
+      fmt::format("RLIMIT_MEMLOCK soft {}, hard {}", Limit(memlock.soft), Limit(memlock.hard));
+  if (memlock.soft == MemlockFacts::kUnlimited || memlock.soft >= kMinMemlockBytes) {
+    return Make("memlock", Check::PASS, limits);
+  }
+  std::string fix =
+      "raise it before starting kvagentd: `ulimit -l unlimited`, LimitMEMLOCK=infinity in the "
+      "systemd unit, or docker --ulimit memlock=-1";
+  if (memlock.hard == MemlockFacts::kUnlimited || memlock.hard >= kMinMemlockBytes) {
+    fix += fmt::format(" (the hard limit, {}, already allows it)", Limit(memlock.hard));
+  }
+  return Make("memlock", Check::WARN,
+              fmt::format("{}, under {}: RDMA registration and pinned host staging lock memory "
+                          "and fail past the limit",
+                          limits, Bytes(kMinMemlockBytes)),
+              std::move(fix));
+}
+
+v1::DoctorCheck CheckDevShm(const ShmFacts& shm) {
+  const std::string grow = fmt::format(
+      "grow it: `mount -o remount,size=16G {}`, docker --shm-size=16g, or in Kubernetes an "
+      "emptyDir with medium: Memory mounted at {}",
+      shm.path, shm.path);
+  if (!shm.exists) {
+    return Make("dev-shm", Check::FAIL,
+                fmt::format("{} missing: {}; shared-memory regions and AllocateSharedMemory "
+                            "cannot work",
+                            shm.path, shm.error),
+                fmt::format("mount a tmpfs there (`mount -t tmpfs -o size=16G tmpfs {}`); in a "
+                            "container it is mounted by default unless the runtime removed it",
+                            shm.path));
+  }
+  const std::string sizes =
+      fmt::format("{}: size {}, free {}", shm.path, Bytes(shm.size_bytes), Bytes(shm.free_bytes));
+  if (!shm.writable) {
+    return Make("dev-shm", Check::FAIL,
+                fmt::format("{}, not writable: {}; the agent cannot create shared memory",
+                            sizes, shm.error),
+                fmt::format("mount {} read-write and let the agent's user write it (mode 1777)",
+                            shm.path));
+  }
+  if (shm.free_bytes < kMinShmFreeBytes) {
+    return Make("dev-shm", Check::WARN,
+                fmt::format("{}, under {} free: KV pools in shared memory will not fit", sizes,
+                            Bytes(kMinShmFreeBytes)),
+                grow);
+  }
+  return Make("dev-shm", Check::PASS, sizes);
+}
+
+v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages) {
+  if (!hugepages.known) {
+    return Make("hugepages", Check::WARN,
+                "HugePages_Total/Free/Hugepagesize not found in /proc/meminfo",
+                "optional: check that /proc is mounted; huge pages only speed up pools that "
+                "use them");
+  }
+  const std::string counts =
+      fmt::format("HugePages_Total {}, HugePages_Free {}, Hugepagesize {}", hugepages.total,
+                  hugepages.free, Bytes(hugepages.page_bytes));
+  if (hugepages.total == 0) {
+    return Make("hugepages", Check::WARN,
+                counts + "; optional: hugetlbfs pools reduce TLB misses",
+                "optional: reserve huge pages (sysctl vm.nr_hugepages=N) and back engine pools "
+                "with files on a hugetlbfs mount");
+  }
+  return Make("hugepages", Check::PASS,
+              fmt::format("{} ({} free in huge pages)", counts,
+                          Bytes(hugepages.free * hugepages.page_bytes)));
+}
+
+v1::DoctorCheck CheckPtraceScope(std::optional<int> scope) {
+  constexpr const char* kNeed =
+      "UCX's cma transport between unrelated processes needs ptrace permission (only the "
+      "same-host UCX data path, --shm-direct off, uses it)";
+  if (!scope.has_value()) {
+    return Make("ptrace-scope", Check::PASS,
+                "Yama not enforced (no /proc/sys/kernel/yama/ptrace_scope)");
+  }
+  switch (*scope) {
+    case 0:
+      return Make("ptrace-scope", Check::PASS,
+                  "kernel.yama.ptrace_scope 0: same-user processes may attach (cma works)");
+    case 1:
+      return Make("ptrace-scope", Check::WARN,
+                  fmt::format("kernel.yama.ptrace_scope 1 (restricted): {}", kNeed),
+                  "sysctl kernel.yama.ptrace_scope=0, or run the agents as the same user with "
+                  "CAP_SYS_PTRACE");
+    case 2:
+      return Make("ptrace-scope", Check::WARN,
+                  fmt::format("kernel.yama.ptrace_scope 2 (admin only): {}", kNeed),
+                  "sysctl kernel.yama.ptrace_scope=0, or give the agents CAP_SYS_PTRACE");
+    case 3:
+      return Make("ptrace-scope", Check::WARN,
+                  fmt::format("kernel.yama.ptrace_scope 3 (no attach): {}; UCX same-host "
+                              "traffic uses posix/sysv or tcp",
+                              kNeed),
+                  "scope 3 cannot be lowered until reboot; keep the default --shm-direct auto, "
+                  "which does not need ptrace");
+    default:
+      return Make("ptrace-scope", Check::WARN,
+                  fmt::format("kernel.yama.ptrace_scope {} is not a known value", *scope),
+                  "set kernel.yama.ptrace_scope to 0 or 1 (sysctl)");
+  }
+}
+
+v1::DoctorCheck CheckRdma(const std::vector<RdmaDevice>& devices,
+                          const transport::UcxCapabilities& ucx) {
+  if (devices.empty()) {
+    return Make("rdma", Check::PASS, "no RDMA devices: cross-host traffic uses TCP");
+  }
+  std::vector<std::string> names;
+  bool any_active = false;
+  for (const auto& d : devices) {
+    names.push_back(DeviceText(d));
+    for (const auto& state : d.port_states) any_active |= absl::StrContains(state, "ACTIVE");
+  }
+  std::vector<std::string> rdma_transports;
+  for (const auto& t : ucx.transports) {
+    if (IsRdmaTransport(t)) rdma_transports.push_back(t);
+  }
+  const std::string found = fmt::format("RDMA devices {}", absl::StrJoin(names, ", "));
+  if (!any_active) {
+    return Make("rdma", Check::WARN,
+                found + ": no port is ACTIVE, so cross-host traffic uses TCP",
+                "check the links and the subnet manager (`ibstat`, `ibv_devinfo`)");
+  }
+  if (rdma_transports.empty()) {
+    return Make("rdma", Check::WARN,
+                fmt::format("{} but UCX offers no RDMA transport (transports {}): cross-host "
+                            "traffic uses TCP",
+                            found, List(ucx.transports)),
+                "use a UCX build with verbs/mlx5 support (`ucx_info -d` lists rc_verbs or "
+                "rc_mlx5) and let UCX_TLS include rc (or leave it unset)");
+  }
+  return Make("rdma", Check::PASS,
+              fmt::format("{}; UCX RDMA transports {}", found, List(rdma_transports)));
+}
+
+std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers) {
+  std::vector<v1::DoctorCheck> checks;
+  if (peers.empty()) {
+    checks.push_back(Make("peers", Check::PASS, "no peers connected"));
+    return checks;
+  }
+  for (const auto& p : peers) {
+    const std::string name = "peer:" + p.name();
+    const std::string path =
+        fmt::format("data path {}, UCX transports {}, error mode {}, {} regions, {}", p.data_path(),
+                    p.transports().empty() ? "none" : p.transports(), p.error_mode(), p.regions(),
+                    p.same_host() ? "same host" : "other host");
+    if (p.state() == "connected") {
+      if (p.data_path() == "shm-direct+ucx") {
+        checks.push_back(Make(
+            name, Check::WARN,
+            fmt::format("'{}' at {} connected; {}: some of its regions could not be mapped "
+                        "here and move through UCX",
+                        p.name(), p.address(), path),
+            "let this agent open the peer's shared-memory objects (same /dev/shm, permissions); "
+            "the peer's log names the regions"));
+      } else {
+        checks.push_back(Make(name, Check::PASS,
+                              fmt::format("'{}' at {} connected; {}", p.name(), p.address(), path)));
+      }
+    } else if (p.state() == "unreachable") {
+      checks.push_back(Make(
+          name, Check::FAIL,
+          fmt::format("'{}' at {} unreachable, last seen {} ms ago: {}", p.name(), p.address(),
+                      p.last_seen_ms_ago(), p.last_error().empty() ? "no error recorded" : p.last_error()),
+          fmt::format("check the peer agent is running (kvagentctl --agent {} status) and this "
+                      "host reaches {}; transfers to it fail with UNAVAILABLE until it answers",
+                      p.address(), p.address())));
+    } else {
+      checks.push_back(Make(
+          name, Check::WARN,
+          fmt::format("'{}' at {} in state '{}': {}", p.name(), p.address(), p.state(),
+                      p.last_error()),
+          fmt::format("reconnect it: kvagentctl connect {}", p.address())));
+    }
+  }
+  return checks;
+}
+
+// ---------------------------------------------------------------- live facts
+
+CudaFacts ProbeCuda() {
+  CudaFacts facts;
+  // Load() runs cuInit once per process (slow on GPU hosts) and then returns that result.
+  auto driver = transport::CudaDriver::Load();
+  if (!driver.ok()) {
+    // CudaDriver's messages read "<cause>; <what to do>": the check has its own fix
+    // field, so the detail keeps the cause.
+    const std::string message(driver.status().message());
+    facts.error = message.substr(0, message.find("; "));
+    return facts;
+  }
+  facts.loaded = true;
+  facts.driver_version = (*driver)->driver_version();
+  auto devices = (*driver)->Devices();
+  if (!devices.ok()) {
+    facts.error = std::string(devices.status().message());
+    return facts;
+  }
+  for (const auto& d : *devices) {
+    facts.devices.push_back(CudaDeviceFacts{d.ordinal, d.name, d.pci_bus_id, d.total_bytes});
+  }
+  return facts;
+}
+
+MemlockFacts ReadMemlock() {
+  MemlockFacts facts;
+  struct rlimit limit {};
+  if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0) {
+    facts.known = false;
+    return facts;
+  }
+  auto bytes = [](rlim_t v) {
+    return v == RLIM_INFINITY ? MemlockFacts::kUnlimited : static_cast<uint64_t>(v);
+  };
+  facts.soft = bytes(limit.rlim_cur);
+  facts.hard = bytes(limit.rlim_max);
+  return facts;
+}
+
+ShmFacts InspectShm(const std::string& path) {
+  ShmFacts facts;
+  facts.path = path;
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    facts.error = std::strerror(errno);
+    return facts;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    facts.error = "not a directory";
+    return facts;
+  }
+  facts.exists = true;
+  struct statvfs vfs {};
+  if (statvfs(path.c_str(), &vfs) == 0) {
+    facts.size_bytes = uint64_t{vfs.f_blocks} * vfs.f_frsize;
+    facts.free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  }
+  // Creating a file is the only test that covers read-only mounts, modes and quotas.
+  std::string probe = path + "/.kvagent-doctor-XXXXXX";
+  int fd = mkstemp(probe.data());
+  if (fd < 0) {
+    facts.error = fmt::format("creating a file there failed: {}", std::strerror(errno));
+    return facts;
+  }
+  close(fd);
+  unlink(probe.c_str());
+  facts.writable = true;
+  return facts;
+}
+
+HugepageFacts ParseMeminfo(std::string_view meminfo) {
+  HugepageFacts facts;
+  bool total = false, free = false, size = false;
+  for (absl::string_view line : absl::StrSplit(absl::string_view(meminfo.data(), meminfo.size()), '\n')) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(line, absl::MaxSplits(':', 1));
+    absl::string_view value = absl::StripAsciiWhitespace(kv.second);
+    uint64_t number = 0;
+    const bool kb = absl::ConsumeSuffix(&value, " kB");
+    if (!absl::SimpleAtoi(value, &number)) continue;
+    if (kv.first == "HugePages_Total") {
+      facts.total = number;
+      total = true;
+    } else if (kv.first == "HugePages_Free") {
+      facts.free = number;
+      free = true;
+    } else if (kv.first == "Hugepagesize") {
+      facts.page_bytes = kb ? number * 1024 : number;
+      size = true;
+    }
+  }
+  facts.known = total && free && size;
+  return facts;
+}
+
+std::optional<int> ReadPtraceScope(const std::string& path) {
+  auto text = ReadSmallFile(path);
+  if (!text.has_value()) return std::nullopt;
+  int scope = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &scope)) return -1;
+  return scope;
+}
+
+std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir) {
+  std::vector<RdmaDevice> devices;
+  auto entries = [](const std::string& dir) {
+    std::vector<std::string> names;
+    if (DIR* d = opendir(dir.c_str())) {
+      while (dirent* e = readdir(d)) {
+        if (e->d_name[0] != '.') names.emplace_back(e->d_name);
+      }
+      closedir(d);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  for (const auto& name : entries(sysfs_dir)) {
+    RdmaDevice device;
+    device.name = name;
+    const std::string ports = sysfs_dir + "/" + name + "/ports";
+    for (const auto& port : entries(ports)) {
+      // The file reads "4: ACTIVE"; keep the word.
+      auto state = ReadSmallFile(ports + "/" + port + "/state");
+      std::string word = "UNKNOWN";
+      if (state.has_value()) {
+        absl::string_view s = absl::StripAsciiWhitespace(*state);
+        const size_t colon = s.find(':');
+        word = std::string(absl::StripAsciiWhitespace(colon == s.npos ? s : s.substr(colon + 1)));
+      }
+      device.port_states.push_back(fmt::format("port {} {}", port, word));
+    }
+    devices.push_back(std::move(device));
+  }
+  return devices;
+}
+
+// ---------------------------------------------------------------- report
+
+v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
+  v1::DoctorReport report;
+  report.set_agent(inputs.agent);
+  const transport::UcxCapabilities& ucx = *inputs.ucx;
+  const CudaFacts cuda = ProbeCuda();
+  const char* tls = std::getenv("UCX_TLS");
+  *report.add_checks() = CheckUcx(ucx);
+  *report.add_checks() = CheckUcxCuda(ucx, cuda, tls != nullptr ? tls : "");
+  *report.add_checks() = CheckCudaDriver(cuda);
+  *report.add_checks() = CheckMemlock(ReadMemlock());
+  *report.add_checks() = CheckDevShm(InspectShm(inputs.shm_path));
+  *report.add_checks() =
+      CheckHugepages(ParseMeminfo(ReadSmallFile(inputs.meminfo_path).value_or("")));
+  *report.add_checks() = CheckPtraceScope(ReadPtraceScope(inputs.ptrace_scope_path));
+  *report.add_checks() = CheckRdma(ListRdmaDevices(inputs.rdma_dir), ucx);
+  for (auto& check : CheckPeers(inputs.peers)) *report.add_checks() = std::move(check);
+  return report;
+}
+
+std::vector<std::string> SummaryLines(const v1::DoctorReport& report) {
+  std::vector<std::string> lines;
+  for (const auto& c : report.checks()) {
+    lines.push_back(fmt::format("{} {} {}", c.name(),
+                                v1::DoctorCheck::Result_Name(c.result()), c.detail()));
+  }
+  return lines;
+}
+
+void LogDoctorReport(const v1::DoctorReport& report) {
+  const std::vector<std::string> lines = SummaryLines(report);
+  for (int i = 0; i < report.checks_size(); ++i) {
+    const auto& c = report.checks(i);
+    switch (c.result()) {
+      case Check::PASS:
+        kLog.Info("{}", lines[i]);
+        break;
+      case Check::FAIL:
+        kLog.Error("{}; fix: {}", lines[i], c.fix());
+        break;
+      default:
+        kLog.Warn("{}; fix: {}", lines[i], c.fix());
+        break;
+    }
+  }
+}
+
+bool HasFailure(const v1::DoctorReport& report) {
+  return std::any_of(report.checks().begin(), report.checks().end(),
+                     [](const v1::DoctorCheck& c) { return c.result() == Check::FAIL; });
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,114 @@
+// Doctor: the agent's check of what moving KV pages needs from this host (UCX, the
+// CUDA driver, locked memory, /dev/shm, hugepages, ptrace scope, RDMA) and from its
+// peers. Used by AgentService::Doctor, the agent's start-up log and `kvagentctl doctor`.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "proto/kvagent.pb.h"
+#include "transport/ucx_context.h"
+
+namespace kvagent::agent {
+
+// Each check is a pure function of the facts it judges, so a test can hand it any
+// machine's facts; the Probe*/Read* functions below gather the live ones.
+
+struct CudaDeviceFacts {
+  int ordinal = 0;
+  std::string name;
+  std::string pci_bus_id;
+  uint64_t total_bytes = 0;
+};
+
+struct CudaFacts {
+  bool loaded = false;     // transport::CudaDriver::Load() succeeded (dlopen + cuInit)
+  std::string error;       // why not, or why the devices are unknown
+  int driver_version = 0;  // 12040 = 12.4
+  std::vector<CudaDeviceFacts> devices;
+};
+
+// RLIMIT_MEMLOCK in bytes; kUnlimited stands for RLIM_INFINITY.
+struct MemlockFacts {
+  static constexpr uint64_t kUnlimited = UINT64_MAX;
+  bool known = true;
+  uint64_t soft = 0;
+  uint64_t hard = 0;
+};
+
+struct ShmFacts {
+  std::string path = "/dev/shm";
+  bool exists = false;
+  bool writable = false;
+  uint64_t size_bytes = 0;
+  uint64_t free_bytes = 0;
+  std::string error;  // why it is missing or not writable
+};
+
+struct HugepageFacts {
+  bool known = false;  // /proc/meminfo was readable and had the fields
+  uint64_t total = 0;
+  uint64_t free = 0;
+  uint64_t page_bytes = 0;
+};
+
+struct RdmaDevice {
+  std::string name;                      // "mlx5_0"
+  std::vector<std::string> port_states;  // "1: ACTIVE", one per port
+};
+
+constexpr uint64_t kMinMemlockBytes = 64ull << 20;
+constexpr uint64_t kMinShmFreeBytes = 1ull << 30;
+
+v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx);
+// `ucx_tls` is the UCX_TLS environment variable (empty when unset): a CUDA-enabled
+// UCX loses its CUDA memory type when UCX_TLS leaves out the cuda transports.
+v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
+                             std::string_view ucx_tls);
+v1::DoctorCheck CheckCudaDriver(const CudaFacts& cuda);
+v1::DoctorCheck CheckMemlock(const MemlockFacts& memlock);
+v1::DoctorCheck CheckDevShm(const ShmFacts& shm);
+v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages);
+// `scope` is the content of /proc/sys/kernel/yama/ptrace_scope; nullopt when Yama is
+// not there.
+v1::DoctorCheck CheckPtraceScope(std::optional<int> scope);
+v1::DoctorCheck CheckRdma(const std::vector<RdmaDevice>& devices,
+                          const transport::UcxCapabilities& ucx);
+// One check per peer ("peer:<name>"), or one "peers" check when there are none.
+std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers);
+
+// Live facts. Each reads one thing and never fails: what it cannot read it says in
+// the facts (error / known = false).
+CudaFacts ProbeCuda();  // CudaDriver loads once per process; later calls reuse it
+MemlockFacts ReadMemlock();
+ShmFacts InspectShm(const std::string& path);
+HugepageFacts ParseMeminfo(std::string_view meminfo);
+std::optional<int> ReadPtraceScope(const std::string& path);
+std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir);
+
+struct DoctorInputs {
+  std::string agent;
+  const transport::UcxCapabilities* ucx = nullptr;  // required
+  std::vector<v1::PeerInfo> peers;
+  // Where the host facts come from (tests point these elsewhere).
+  std::string shm_path = "/dev/shm";
+  std::string meminfo_path = "/proc/meminfo";
+  std::string ptrace_scope_path = "/proc/sys/kernel/yama/ptrace_scope";
+  std::string rdma_dir = "/sys/class/infiniband";
+};
+
+// Gathers the live facts and runs every check, in a fixed order.
+v1::DoctorReport RunDoctor(const DoctorInputs& inputs);
+
+// "<name> <RESULT> <detail>", one per check; logged by the "doctor" logger they read
+// "INFO  doctor: ucx PASS UCX 1.13.1; ...".
+std::vector<std::string> SummaryLines(const v1::DoctorReport& report);
+// Logs SummaryLines at INFO/WARN/ERROR by result, with the fix on WARN and FAIL; the
+// ucx-cuda line is the WARN that says a GPU is present but UCX lacks CUDA.
+void LogDoctorReport(const v1::DoctorReport& report);
+bool HasFailure(const v1::DoctorReport& report);
+
+}  // namespace kvagent::agent

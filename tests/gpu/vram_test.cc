@@ -1,0 +1,251 @@
+// VRAM through two real kvagentd processes: the test allocates device memory with the
+// CUDA driver API, exports CUDA IPC handles, registers them with the agents and moves
+// KV pages and a Mamba state slot VRAM to VRAM, host to VRAM and VRAM to host, then
+// compares every byte. Without a GPU and driver it skips with the reason.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
+#include "tests/unit/catch_main.h"
+#include "transport/cuda_driver.h"
+
+namespace kvagent::testing {
+namespace {
+
+using transport::CudaDriver;
+
+constexpr uint32_t kLayers = 4;           // 4 layers x K,V
+constexpr uint64_t kPages = 16;
+constexpr uint64_t kPageBytes = 32 << 10;  // Llama-3.1-8B page, one layer, K or V
+constexpr uint64_t kSlots = 4;
+constexpr uint64_t kConvBytes = 32256;     // Mamba2-2.7B conv state, one layer
+constexpr uint64_t kSsmBytes = 2621440;    // Mamba2-2.7B SSM state, one layer
+constexpr uint64_t kKvBytes = 2 * kLayers * kPages * kPageBytes;
+constexpr uint64_t kStateBytes = kSlots * (kConvBytes + kSsmBytes);
+constexpr uint64_t kPoolBytes = kKvBytes + kStateBytes;
+
+// Why the test cannot run here, or empty when it can.
+std::string GpuMissing() {
+  auto driver = CudaDriver::Load();
+  if (!driver.ok()) return std::string(driver.status().message());
+  auto devices = (*driver)->Devices();
+  if (!devices.ok()) return std::string(devices.status().message());
+  if (devices->empty()) return "the CUDA driver reports no devices";
+  return "";
+}
+
+struct DevicePool {
+  uint64_t dptr = 0;
+  std::string handle;
+  ~DevicePool() {
+    if (dptr) (void)(*CudaDriver::Load())->MemFree(dptr);
+  }
+};
+
+void AllocatePool(DevicePool* pool) {
+  CudaDriver* driver = *CudaDriver::Load();
+  REQUIRE(driver->MakeCurrent(0).ok());
+  auto dptr = driver->MemAlloc(kPoolBytes);
+  REQUIRE(dptr.ok());
+  pool->dptr = *dptr;
+  auto handle = driver->IpcGetHandle(pool->dptr);
+  REQUIRE(handle.ok());
+  pool->handle = *handle;
+}
+
+// KV regions (group `kv_group`) then conv and ssm state regions, all in one allocation.
+v1::RegisterRegionsRequest VramRegions(const std::string& prefix, const DevicePool& pool,
+                                       const std::string& kv_group) {
+  v1::RegisterRegionsRequest request;
+  auto add = [&](const std::string& name, v1::RegionKind kind, const std::string& group,
+                 uint64_t offset, uint64_t items, uint64_t item_bytes) {
+    auto* spec = request.add_regions();
+    spec->set_name(prefix + name);
+    spec->set_kind(kind);
+    spec->set_group(group);
+    spec->set_memory(v1::VRAM);
+    spec->set_length(items * item_bytes);
+    spec->mutable_layout()->set_num_items(items);
+    spec->mutable_layout()->set_item_bytes(item_bytes);
+    spec->mutable_cuda_ipc()->set_ipc_handle(pool.handle);
+    spec->mutable_cuda_ipc()->set_device(0);
+    spec->mutable_cuda_ipc()->set_offset(offset);
+  };
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    add(".kv" + std::to_string(r), v1::KV, kv_group, r * kPages * kPageBytes, kPages, kPageBytes);
+  }
+  add(".conv", v1::STATE, "conv", kKvBytes, kSlots, kConvBytes);
+  add(".ssm", v1::STATE, "ssm", kKvBytes + kSlots * kConvBytes, kSlots, kSsmBytes);
+  return request;
+}
+
+std::vector<uint8_t> PatternPool(uint64_t seed) {
+  std::vector<uint8_t> host(kPoolBytes);
+  for (uint64_t off = 0; off < kPoolBytes; off += kPageBytes) {
+    cli::FillPage(host.data() + off, std::min(kPageBytes, kPoolBytes - off), seed, 0, off / kPageBytes);
+  }
+  return host;
+}
+
+void ToDevice(uint64_t dptr, const std::vector<uint8_t>& host) {
+  REQUIRE((*CudaDriver::Load())->Copy(dptr, reinterpret_cast<uint64_t>(host.data()), host.size()).ok());
+}
+
+std::vector<uint8_t> FromDevice(uint64_t dptr, uint64_t bytes) {
+  std::vector<uint8_t> host(bytes);
+  REQUIRE((*CudaDriver::Load())->Copy(reinterpret_cast<uint64_t>(host.data()), dptr, bytes).ok());
+  return host;
+}
+
+struct Agents {
+  std::string work = [] {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    return std::string(tmp ? tmp : "/tmp");
+  }();
+  cli::DaemonProcess prefill, decode;
+  Agents() {
+    auto binary = cli::FindKvagentd("");
+    REQUIRE(binary.ok());
+    for (auto [name, process] : {std::pair{"gpu-prefill", &prefill}, {"gpu-decode", &decode}}) {
+      cli::DaemonOptions d;
+      d.binary = *binary;
+      d.name = name;
+      d.work_dir = work;
+      auto started = cli::DaemonProcess::Start(d);
+      INFO(started.status().ToString());
+      REQUIRE(started.ok());
+      *process = *std::move(started);
+    }
+  }
+};
+
+v1::SubmitTransferRequest Write(const std::string& id, const std::string& local_group,
+                                const std::string& remote_group, std::vector<uint64_t> local,
+                                std::vector<uint64_t> remote) {
+  v1::SubmitTransferRequest request;
+  request.set_transfer_id(id);
+  request.set_peer("gpu-decode");
+  request.set_op(v1::WRITE);
+  request.set_notification(id);
+  auto* items = request.add_segments()->mutable_items();
+  items->set_local_group(local_group);
+  items->set_remote_group(remote_group);
+  for (auto i : local) items->add_local_indices(i);
+  for (auto i : remote) items->add_remote_indices(i);
+  return request;
+}
+
+TEST_CASE("VRAM to VRAM: KV pages and a Mamba state slot between two agents") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  Agents agents;
+  cli::AgentClient prefill(agents.prefill.address()), decode(agents.decode.address());
+  DevicePool src, dst;
+  AllocatePool(&src);
+  AllocatePool(&dst);
+  const auto pattern = PatternPool(11);
+  ToDevice(src.dptr, pattern);
+  ToDevice(dst.dptr, std::vector<uint8_t>(kPoolBytes, 0xEE));
+
+  auto registered = prefill.Register(VramRegions("p", src, "kv"));
+  INFO(registered.status().ToString());
+  REQUIRE(registered.ok());
+  std::printf("prefill VRAM region path: %s\n", registered->regions(0).memory_path().c_str());
+  REQUIRE(decode.Register(VramRegions("d", dst, "kv")).ok());
+  auto peer = prefill.Connect(agents.decode.address());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  std::printf("data path %s, UCX transports %s\n", peer->data_path().c_str(), peer->transports().c_str());
+
+  auto request = Write("vram-1", "kv", "kv", {1, 2, 3, 7}, {9, 4, 5, 15});
+  for (const char* group : {"conv", "ssm"}) {
+    auto* state = request.add_segments()->mutable_items();
+    state->set_local_group(group);
+    state->set_remote_group(group);
+    state->add_local_indices(1);
+    state->add_remote_indices(3);
+  }
+  auto submitted = prefill.Submit(request);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = prefill.WaitTransfer("vram-1", 30000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+
+  const auto got = FromDevice(dst.dptr, kPoolBytes);
+  auto page = [](uint32_t region, uint64_t page) { return region * kPages * kPageBytes + page * kPageBytes; };
+  const std::vector<std::pair<uint64_t, uint64_t>> moved = {{1, 9}, {2, 4}, {3, 5}, {7, 15}};
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    for (auto [s, d] : moved) {
+      CHECK(std::memcmp(got.data() + page(r, d), pattern.data() + page(r, s), kPageBytes) == 0);
+    }
+    CHECK(got[page(r, 0)] == 0xEE);  // untouched page
+  }
+  const uint64_t conv = kKvBytes, ssm = kKvBytes + kSlots * kConvBytes;
+  CHECK(std::memcmp(got.data() + conv + 3 * kConvBytes, pattern.data() + conv + 1 * kConvBytes, kConvBytes) == 0);
+  CHECK(std::memcmp(got.data() + ssm + 3 * kSsmBytes, pattern.data() + ssm + 1 * kSsmBytes, kSsmBytes) == 0);
+  CHECK(got[conv] == 0xEE);
+  CHECK(got[ssm + 2 * kSsmBytes] == 0xEE);
+  auto notes = decode.Poll(0);
+  REQUIRE(notes.ok());
+  CHECK(notes->notifications_size() == 1);
+}
+
+TEST_CASE("host to VRAM and VRAM to host") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  Agents agents;
+  cli::AgentClient prefill(agents.prefill.address()), decode(agents.decode.address());
+  cli::KvPoolShape shape;
+  shape.group = "kvh";
+  shape.layers = kLayers;
+  shape.pages = kPages;
+  shape.page_bytes = kPageBytes;
+  auto host_src = cli::CreateKvPool(prefill, "ph", shape);
+  REQUIRE(host_src.ok());
+  auto host_dst = cli::CreateKvPool(decode, "dh", shape);
+  REQUIRE(host_dst.ok());
+  for (uint32_t r = 0; r < host_src->regions(); ++r) {
+    for (uint64_t p = 0; p < kPages; ++p) cli::FillPage(host_src->Page(r, p), kPageBytes, 5, r, p);
+  }
+  std::memset(host_dst->mapping.data(), 0xEE, host_dst->bytes());
+  DevicePool src, dst;
+  AllocatePool(&src);
+  AllocatePool(&dst);
+  const auto pattern = PatternPool(13);
+  ToDevice(src.dptr, pattern);
+  ToDevice(dst.dptr, std::vector<uint8_t>(kPoolBytes, 0xEE));
+  REQUIRE(prefill.Register(VramRegions("p", src, "kvd")).ok());
+  REQUIRE(decode.Register(VramRegions("d", dst, "kvd")).ok());
+  REQUIRE(prefill.Connect(agents.decode.address()).ok());
+
+  // host (prefill) -> VRAM (decode)
+  REQUIRE(prefill.Submit(Write("h2d", "kvh", "kvd", {0, 5}, {6, 2})).ok());
+  auto h2d = prefill.WaitTransfer("h2d", 30000);
+  REQUIRE(h2d.ok());
+  INFO(h2d->error_message());
+  REQUIRE(h2d->phase() == v1::COMPLETED);
+  const auto got = FromDevice(dst.dptr, kKvBytes);
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    CHECK(std::memcmp(got.data() + (r * kPages + 6) * kPageBytes, host_src->Page(r, 0), kPageBytes) == 0);
+    CHECK(std::memcmp(got.data() + (r * kPages + 2) * kPageBytes, host_src->Page(r, 5), kPageBytes) == 0);
+  }
+
+  // VRAM (prefill) -> host (decode)
+  REQUIRE(prefill.Submit(Write("d2h", "kvd", "kvh", {4, 8}, {1, 3})).ok());
+  auto d2h = prefill.WaitTransfer("d2h", 30000);
+  REQUIRE(d2h.ok());
+  INFO(d2h->error_message());
+  REQUIRE(d2h->phase() == v1::COMPLETED);
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    CHECK(std::memcmp(host_dst->Page(r, 1), pattern.data() + (r * kPages + 4) * kPageBytes, kPageBytes) == 0);
+    CHECK(std::memcmp(host_dst->Page(r, 3), pattern.data() + (r * kPages + 8) * kPageBytes, kPageBytes) == 0);
+    CHECK(host_dst->Page(r, 0)[0] == 0xEE);
+  }
+}
+
+}  // namespace
+}  // namespace kvagent::testing

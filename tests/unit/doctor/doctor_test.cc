@@ -1,0 +1,393 @@
+// Each Doctor check's PASS/WARN/FAIL decision and its message, from hand-made facts;
+// the fact readers against files written under TEST_TMPDIR; RunDoctor's order.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "agent/doctor.h"
+#include "catch2/catch.hpp"
+
+namespace kvagent::agent {
+namespace {
+
+using Result = v1::DoctorCheck;
+
+transport::UcxCapabilities HostUcx() {
+  transport::UcxCapabilities ucx;
+  ucx.version = "1.13.1";
+  ucx.transports = {"self", "tcp", "sysv", "posix", "cma"};
+  ucx.memory_types = {"host"};
+  return ucx;
+}
+
+transport::UcxCapabilities CudaUcx() {
+  transport::UcxCapabilities ucx = HostUcx();
+  ucx.transports.push_back("cuda_copy");
+  ucx.transports.push_back("cuda_ipc");
+  ucx.memory_types = {"host", "cuda", "cuda-managed"};
+  ucx.cuda_memory = true;
+  return ucx;
+}
+
+CudaFacts OneGpu() {
+  CudaFacts cuda;
+  cuda.loaded = true;
+  cuda.driver_version = 12040;
+  cuda.devices.push_back({0, "NVIDIA H100 80GB HBM3", "0000:18:00.0", 85ull << 30});
+  return cuda;
+}
+
+CudaFacts NoDriver() {
+  CudaFacts cuda;
+  cuda.error = "libcuda.so.1: cannot open shared object file: No such file or directory";
+  return cuda;
+}
+
+bool Has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name + "." +
+                    std::to_string(getpid());
+  std::string cmd = "rm -rf '" + dir + "'";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  REQUIRE(mkdir(dir.c_str(), 0755) == 0);
+  return dir;
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  REQUIRE(out.good());
+}
+
+TEST_CASE("ucx lists version, transports and memory types") {
+  auto check = CheckUcx(HostUcx());
+  CHECK(check.name() == "ucx");
+  CHECK(check.result() == Result::PASS);
+  CHECK(check.detail() ==
+        "UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
+  CHECK(check.fix().empty());
+
+  transport::UcxCapabilities none = HostUcx();
+  none.transports.clear();
+  auto failed = CheckUcx(none);
+  CHECK(failed.result() == Result::FAIL);
+  CHECK(Has(failed.fix(), "UCX_TLS"));
+}
+
+TEST_CASE("ucx-cuda warns without CUDA memory, says so plainly when a GPU is present") {
+  auto no_gpu = CheckUcxCuda(HostUcx(), NoDriver(), "");
+  CHECK(no_gpu.name() == "ucx-cuda");
+  CHECK(no_gpu.result() == Result::WARN);
+  CHECK(Has(no_gpu.detail(), "no CUDA memory type"));
+  CHECK(Has(no_gpu.detail(), "VRAM regions will use host staging or fail"));
+  CHECK(Has(no_gpu.fix(), "CUDA-enabled UCX"));
+  CHECK(Has(no_gpu.fix(), "UCX_MODULE_DIR"));
+  CHECK(Has(no_gpu.fix(), "UCX_TLS"));
+  CHECK(Has(no_gpu.fix(), "cuda_copy,cuda_ipc"));
+
+  auto gpu = CheckUcxCuda(HostUcx(), OneGpu(), "");
+  CHECK(gpu.result() == Result::WARN);
+  CHECK(Has(gpu.detail(), "GPU present but UCX lacks CUDA: VRAM moves through host staging"));
+  CHECK(Has(gpu.detail(), "1 CUDA device(s)"));
+
+  // A UCX_TLS without cuda transports is named as the likely cause.
+  auto tls = CheckUcxCuda(HostUcx(), OneGpu(), "tcp,self");
+  CHECK(Has(tls.detail(), "UCX_TLS=tcp,self leaves out the cuda transports"));
+  auto tls_cuda = CheckUcxCuda(HostUcx(), OneGpu(), "tcp,cuda_copy");
+  CHECK_FALSE(Has(tls_cuda.detail(), "leaves out"));
+
+  auto pass = CheckUcxCuda(CudaUcx(), OneGpu(), "");
+  CHECK(pass.result() == Result::PASS);
+  CHECK(Has(pass.detail(), "host,cuda,cuda-managed"));
+  CHECK(pass.fix().empty());
+}
+
+TEST_CASE("cuda-driver: absent, no devices, devices") {
+  auto absent = CheckCudaDriver(NoDriver());
+  CHECK(absent.name() == "cuda-driver");
+  CHECK(absent.result() == Result::WARN);
+  CHECK(absent.detail() ==
+        "libcuda.so.1 not loadable: libcuda.so.1: cannot open shared object file: No such "
+        "file or directory; VRAM regions cannot be registered");
+  CHECK(Has(absent.fix(), "install the NVIDIA driver"));
+
+  CudaFacts empty = OneGpu();
+  empty.devices.clear();
+  auto none = CheckCudaDriver(empty);
+  CHECK(none.result() == Result::WARN);
+  CHECK(Has(none.detail(), "driver 12.4 (12040)"));
+  CHECK(Has(none.detail(), "sees no CUDA devices"));
+  CHECK(Has(none.fix(), "CUDA_VISIBLE_DEVICES"));
+
+  auto pass = CheckCudaDriver(OneGpu());
+  CHECK(pass.result() == Result::PASS);
+  CHECK(pass.detail() ==
+        "libcuda.so.1 driver 12.4 (12040); 1 device(s): 0 NVIDIA H100 80GB HBM3 "
+        "[0000:18:00.0] 85.0 GiB");
+}
+
+TEST_CASE("memlock passes unlimited or >= 64 MiB, warns below with the ways to raise it") {
+  MemlockFacts unlimited{true, MemlockFacts::kUnlimited, MemlockFacts::kUnlimited};
+  auto pass = CheckMemlock(unlimited);
+  CHECK(pass.result() == Result::PASS);
+  CHECK(pass.detail() == "RLIMIT_MEMLOCK soft unlimited, hard unlimited");
+
+  CHECK(CheckMemlock({true, 64ull << 20, 64ull << 20}).result() == Result::PASS);
+
+  auto low = CheckMemlock({true, 8ull << 20, 8ull << 20});
+  CHECK(low.result() == Result::WARN);
+  CHECK(Has(low.detail(), "soft 8.0 MiB, hard 8.0 MiB, under 64.0 MiB"));
+  CHECK(Has(low.detail(), "RDMA"));
+  CHECK(Has(low.detail(), "pinned host staging"));
+  CHECK(Has(low.fix(), "ulimit -l unlimited"));
+  CHECK(Has(low.fix(), "LimitMEMLOCK=infinity"));
+  CHECK_FALSE(Has(low.fix(), "hard limit"));
+
+  auto raisable = CheckMemlock({true, 8ull << 20, MemlockFacts::kUnlimited});
+  CHECK(raisable.result() == Result::WARN);
+  CHECK(Has(raisable.fix(), "the hard limit, unlimited, already allows it"));
+
+  MemlockFacts unknown;
+  unknown.known = false;
+  CHECK(CheckMemlock(unknown).result() == Result::WARN);
+}
+
+TEST_CASE("dev-shm fails when missing or read-only, warns under 1 GiB free") {
+  ShmFacts missing;
+  missing.error = "No such file or directory";
+  auto gone = CheckDevShm(missing);
+  CHECK(gone.result() == Result::FAIL);
+  CHECK(Has(gone.detail(), "/dev/shm missing: No such file or directory"));
+  CHECK(Has(gone.fix(), "mount -t tmpfs"));
+
+  ShmFacts readonly;
+  readonly.exists = true;
+  readonly.size_bytes = 4ull << 30;
+  readonly.free_bytes = 4ull << 30;
+  readonly.error = "creating a file there failed: Read-only file system";
+  auto ro = CheckDevShm(readonly);
+  CHECK(ro.result() == Result::FAIL);
+  CHECK(Has(ro.detail(), "not writable: creating a file there failed: Read-only file system"));
+
+  ShmFacts small = readonly;
+  small.writable = true;
+  small.size_bytes = 64ull << 20;
+  small.free_bytes = 60ull << 20;
+  auto warn = CheckDevShm(small);
+  CHECK(warn.result() == Result::WARN);
+  CHECK(warn.detail() ==
+        "/dev/shm: size 64.0 MiB, free 60.0 MiB, under 1.0 GiB free: KV pools in shared "
+        "memory will not fit");
+  CHECK(Has(warn.fix(), "mount -o remount,size="));
+  CHECK(Has(warn.fix(), "--shm-size"));
+  CHECK(Has(warn.fix(), "emptyDir with medium: Memory"));
+
+  ShmFacts big = small;
+  big.free_bytes = 1ull << 30;
+  CHECK(CheckDevShm(big).result() == Result::PASS);
+}
+
+TEST_CASE("hugepages: parsed from meminfo, warns with an optional note when none") {
+  const std::string meminfo =
+      "MemTotal:       131072000 kB\n"
+      "HugePages_Total:     512\n"
+      "HugePages_Free:      500\n"
+      "HugePages_Rsvd:        0\n"
+      "Hugepagesize:       2048 kB\n";
+  auto facts = ParseMeminfo(meminfo);
+  CHECK(facts.known);
+  CHECK(facts.total == 512);
+  CHECK(facts.free == 500);
+  CHECK(facts.page_bytes == 2048 * 1024);
+  auto pass = CheckHugepages(facts);
+  CHECK(pass.result() == Result::PASS);
+  CHECK(pass.detail() ==
+        "HugePages_Total 512, HugePages_Free 500, Hugepagesize 2.0 MiB (1000.0 MiB free in "
+        "huge pages)");
+
+  auto none = CheckHugepages(ParseMeminfo("HugePages_Total: 0\nHugePages_Free: 0\n"
+                                          "Hugepagesize: 1048576 kB\n"));
+  CHECK(none.result() == Result::WARN);
+  CHECK(Has(none.detail(), "Hugepagesize 1.0 GiB"));
+  CHECK(Has(none.detail(), "optional: hugetlbfs pools reduce TLB misses"));
+  CHECK(Has(none.fix(), "vm.nr_hugepages"));
+
+  CHECK_FALSE(ParseMeminfo("MemTotal: 1 kB\n").known);
+  CHECK(CheckHugepages(ParseMeminfo("")).result() == Result::WARN);
+}
+
+TEST_CASE("ptrace-scope: absent and 0 pass, 1-3 warn with what to do") {
+  auto absent = CheckPtraceScope(std::nullopt);
+  CHECK(absent.result() == Result::PASS);
+  CHECK(Has(absent.detail(), "Yama not enforced"));
+  CHECK(CheckPtraceScope(0).result() == Result::PASS);
+
+  auto one = CheckPtraceScope(1);
+  CHECK(one.result() == Result::WARN);
+  CHECK(Has(one.detail(), "cma"));
+  CHECK(Has(one.detail(), "ptrace permission"));
+  CHECK(Has(one.fix(), "kernel.yama.ptrace_scope=0"));
+  CHECK(Has(one.fix(), "CAP_SYS_PTRACE"));
+
+  CHECK(CheckPtraceScope(2).result() == Result::WARN);
+  CHECK(Has(CheckPtraceScope(2).detail(), "admin only"));
+  auto three = CheckPtraceScope(3);
+  CHECK(three.result() == Result::WARN);
+  CHECK(Has(three.fix(), "cannot be lowered until reboot"));
+  CHECK(Has(CheckPtraceScope(7).detail(), "not a known value"));
+
+  const std::string dir = TempDir("ptrace");
+  WriteFile(dir + "/scope", "1\n");
+  CHECK(ReadPtraceScope(dir + "/scope") == 1);
+  WriteFile(dir + "/junk", "x\n");
+  CHECK(ReadPtraceScope(dir + "/junk") == -1);
+  CHECK_FALSE(ReadPtraceScope(dir + "/absent").has_value());
+}
+
+TEST_CASE("rdma: none is TCP, devices need an active port and a UCX RDMA transport") {
+  auto none = CheckRdma({}, HostUcx());
+  CHECK(none.result() == Result::PASS);
+  CHECK(none.detail() == "no RDMA devices: cross-host traffic uses TCP");
+
+  // A sysfs tree as the kernel lays it out.
+  const std::string dir = TempDir("infiniband");
+  for (const char* path : {"/mlx5_0", "/mlx5_0/ports", "/mlx5_0/ports/1", "/mlx5_1",
+                           "/mlx5_1/ports", "/mlx5_1/ports/1"}) {
+    REQUIRE(mkdir((dir + path).c_str(), 0755) == 0);
+  }
+  WriteFile(dir + "/mlx5_0/ports/1/state", "4: ACTIVE\n");
+  WriteFile(dir + "/mlx5_1/ports/1/state", "1: DOWN\n");
+  auto devices = ListRdmaDevices(dir);
+  REQUIRE(devices.size() == 2);
+  CHECK(devices[0].name == "mlx5_0");
+  CHECK(devices[0].port_states == std::vector<std::string>{"port 1 ACTIVE"});
+  CHECK(devices[1].port_states == std::vector<std::string>{"port 1 DOWN"});
+  CHECK(ListRdmaDevices(dir + "/absent").empty());
+
+  auto no_tl = CheckRdma(devices, HostUcx());
+  CHECK(no_tl.result() == Result::WARN);
+  CHECK(Has(no_tl.detail(), "mlx5_0 [port 1 ACTIVE], mlx5_1 [port 1 DOWN]"));
+  CHECK(Has(no_tl.detail(), "UCX offers no RDMA transport"));
+  CHECK(Has(no_tl.fix(), "rc_mlx5"));
+
+  transport::UcxCapabilities ib = HostUcx();
+  ib.transports.push_back("rc_mlx5");
+  ib.transports.push_back("dc_mlx5");
+  auto pass = CheckRdma(devices, ib);
+  CHECK(pass.result() == Result::PASS);
+  CHECK(Has(pass.detail(), "UCX RDMA transports [rc_mlx5,dc_mlx5]"));
+
+  auto down = CheckRdma({devices[1]}, ib);
+  CHECK(down.result() == Result::WARN);
+  CHECK(Has(down.detail(), "no port is ACTIVE"));
+}
+
+TEST_CASE("peers: connected passes, unreachable fails with its error, none passes") {
+  auto none = CheckPeers({});
+  REQUIRE(none.size() == 1);
+  CHECK(none[0].name() == "peers");
+  CHECK(none[0].result() == Result::PASS);
+
+  v1::PeerInfo up;
+  up.set_name("decode");
+  up.set_address("10.0.0.2:7000");
+  up.set_state("connected");
+  up.set_data_path("ucx");
+  up.set_transports("rc_mlx5");
+  up.set_error_mode("peer");
+  up.set_regions(64);
+  v1::PeerInfo down = up;
+  down.set_name("decode2");
+  down.set_address("10.0.0.3:7000");
+  down.set_state("unreachable");
+  down.set_last_error("failed to connect to all addresses");
+  down.set_last_seen_ms_ago(2500);
+  v1::PeerInfo partial = up;
+  partial.set_name("local");
+  partial.set_same_host(true);
+  partial.set_data_path("shm-direct+ucx");
+
+  auto checks = CheckPeers({up, down, partial});
+  REQUIRE(checks.size() == 3);
+  CHECK(checks[0].name() == "peer:decode");
+  CHECK(checks[0].result() == Result::PASS);
+  CHECK(checks[0].detail() ==
+        "'decode' at 10.0.0.2:7000 connected; data path ucx, UCX transports rc_mlx5, error mode "
+        "peer, 64 regions, other host");
+  CHECK(checks[1].name() == "peer:decode2");
+  CHECK(checks[1].result() == Result::FAIL);
+  CHECK(checks[1].detail() ==
+        "'decode2' at 10.0.0.3:7000 unreachable, last seen 2500 ms ago: failed to connect to "
+        "all addresses");
+  CHECK(Has(checks[1].fix(), "kvagentctl --agent 10.0.0.3:7000 status"));
+  CHECK(checks[2].result() == Result::WARN);
+  CHECK(Has(checks[2].detail(), "could not be mapped"));
+}
+
+TEST_CASE("InspectShm creates a file to prove the directory writable") {
+  const std::string dir = TempDir("shm");
+  auto facts = InspectShm(dir);
+  CHECK(facts.exists);
+  CHECK(facts.writable);
+  CHECK(facts.size_bytes > 0);
+  CHECK(facts.free_bytes <= facts.size_bytes);
+  CHECK(CheckDevShm(facts).detail().rfind(dir + ": size ", 0) == 0);
+
+  auto missing = InspectShm(dir + "/absent");
+  CHECK_FALSE(missing.exists);
+  CHECK(missing.error == "No such file or directory");
+  CHECK(CheckDevShm(missing).result() == Result::FAIL);
+
+  WriteFile(dir + "/file", "x");
+  auto file = InspectShm(dir + "/file");
+  CHECK_FALSE(file.exists);
+  CHECK(file.error == "not a directory");
+}
+
+TEST_CASE("RunDoctor runs every check in order and the report reads back as lines") {
+  const std::string dir = TempDir("run");
+  WriteFile(dir + "/meminfo", "HugePages_Total: 4\nHugePages_Free: 4\nHugepagesize: 2048 kB\n");
+  WriteFile(dir + "/ptrace_scope", "1\n");
+  transport::UcxCapabilities ucx = HostUcx();
+  DoctorInputs inputs;
+  inputs.agent = "prefill";
+  inputs.ucx = &ucx;
+  inputs.shm_path = dir;
+  inputs.meminfo_path = dir + "/meminfo";
+  inputs.ptrace_scope_path = dir + "/ptrace_scope";
+  inputs.rdma_dir = dir + "/no-infiniband";
+  v1::PeerInfo peer;
+  peer.set_name("decode");
+  peer.set_state("unreachable");
+  inputs.peers = {peer};
+
+  auto report = RunDoctor(inputs);
+  CHECK(report.agent() == "prefill");
+  std::vector<std::string> names;
+  for (const auto& c : report.checks()) names.push_back(c.name());
+  CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "memlock", "dev-shm",
+                                          "hugepages", "ptrace-scope", "rdma", "peer:decode"});
+  CHECK(report.checks(5).result() == Result::PASS);  // from the meminfo written above
+  CHECK(report.checks(6).result() == Result::WARN);  // scope 1
+  CHECK(report.checks(7).result() == Result::PASS);  // no devices
+  CHECK(HasFailure(report));                         // the unreachable peer
+
+  auto lines = SummaryLines(report);
+  REQUIRE(lines.size() == 9);
+  CHECK(lines[0] == "ucx PASS UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
+  CHECK(lines[6].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
+
+  inputs.peers.clear();
+  CHECK_FALSE(HasFailure(RunDoctor(inputs)));
+}
+
+}  // namespace
+}  // namespace kvagent::agent

@@ -1,0 +1,392 @@
+#include "transport/cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "cuda.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::transport {
+
+// The driver entry points, resolved by their ABI names: cuda.h #defines many API
+// names to versioned symbols (cuIpcOpenMemHandle -> cuIpcOpenMemHandle_v2), and
+// dlsym needs the exported name. decltype of the macro'd name gives the matching
+// signature. The per-thread-default-stream (_ptds/_ptsz) variants are not used.
+struct CudaDriver::Api {
+  decltype(&::cuGetErrorName) get_error_name = nullptr;
+  decltype(&::cuGetErrorString) get_error_string = nullptr;
+  decltype(&::cuInit) init = nullptr;
+  decltype(&::cuDriverGetVersion) driver_get_version = nullptr;
+  decltype(&::cuDeviceGetCount) device_get_count = nullptr;
+  decltype(&::cuDeviceGet) device_get = nullptr;
+  decltype(&::cuDeviceGetName) device_get_name = nullptr;
+  decltype(&::cuDeviceTotalMem) device_total_mem = nullptr;
+  decltype(&::cuDeviceGetPCIBusId) device_get_pci_bus_id = nullptr;
+  decltype(&::cuDevicePrimaryCtxRetain) primary_ctx_retain = nullptr;
+  decltype(&::cuDevicePrimaryCtxRelease) primary_ctx_release = nullptr;
+  decltype(&::cuCtxSetCurrent) ctx_set_current = nullptr;
+  decltype(&::cuIpcOpenMemHandle) ipc_open_mem_handle = nullptr;
+  decltype(&::cuIpcCloseMemHandle) ipc_close_mem_handle = nullptr;
+  decltype(&::cuMemGetAddressRange) mem_get_address_range = nullptr;
+  decltype(&::cuMemcpy) mem_copy = nullptr;
+  decltype(&::cuMemcpyAsync) mem_copy_async = nullptr;
+  decltype(&::cuStreamCreate) stream_create = nullptr;
+  decltype(&::cuStreamSynchronize) stream_synchronize = nullptr;
+  decltype(&::cuStreamDestroy) stream_destroy = nullptr;
+  decltype(&::cuMemHostRegister) mem_host_register = nullptr;
+  decltype(&::cuMemHostUnregister) mem_host_unregister = nullptr;
+  decltype(&::cuPointerGetAttribute) pointer_get_attribute = nullptr;
+  decltype(&::cuMemAlloc) mem_alloc = nullptr;
+  decltype(&::cuMemFree) mem_free = nullptr;
+  decltype(&::cuIpcGetMemHandle) ipc_get_mem_handle = nullptr;
+};
+
+namespace {
+
+static_assert(CudaDriver::kIpcHandleBytes == CU_IPC_HANDLE_SIZE);
+static_assert(sizeof(CUipcMemHandle) == CU_IPC_HANDLE_SIZE);
+
+// The primary context current on this thread, -1 when MakeCurrent was not called here.
+thread_local int tls_current_device = -1;
+
+std::string VersionText(int version) {
+  return fmt::format("{}.{}", version / 1000, (version % 1000) / 10);
+}
+
+}  // namespace
+
+absl::StatusOr<CudaDriver*> CudaDriver::Load() {
+  static std::once_flag once;
+  static absl::StatusOr<CudaDriver*>* loaded = nullptr;
+  std::call_once(once, [] {
+    const char* override_path = std::getenv(kLibraryEnv);
+    const std::string library =
+        override_path != nullptr && override_path[0] != '\0' ? override_path : kLibraryName;
+    loaded = new absl::StatusOr<CudaDriver*>(LoadFrom(library));
+  });
+  return *loaded;
+}
+
+absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
+  void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* error = dlerror();
+    return absl::FailedPreconditionError(fmt::format(
+        "CUDA driver not available: dlopen({}) failed: {}; this machine has no NVIDIA "
+        "driver{}. Install the NVIDIA driver to register VRAM, or register host memory "
+        "(shm) instead",
+        library, error != nullptr ? error : "unknown error",
+        library == kLibraryName ? "" : fmt::format(" at {} (set by {})", library, kLibraryEnv)));
+  }
+  // From here on the library stays loaded for the life of the process, as does Api.
+  auto* api = new Api;
+  int version = 0;
+  if (auto get_version = reinterpret_cast<decltype(api->driver_get_version)>(
+          dlsym(handle, "cuDriverGetVersion"));
+      get_version != nullptr) {
+    get_version(&version);  // needs no cuInit
+  }
+  std::string missing;
+  auto resolve = [&](auto* slot, const char* symbol) {
+    *slot = reinterpret_cast<std::remove_pointer_t<decltype(slot)>>(dlsym(handle, symbol));
+    if (*slot == nullptr) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", symbol);
+  };
+  resolve(&api->get_error_name, "cuGetErrorName");
+  resolve(&api->get_error_string, "cuGetErrorString");
+  resolve(&api->init, "cuInit");
+  resolve(&api->driver_get_version, "cuDriverGetVersion");
+  resolve(&api->device_get_count, "cuDeviceGetCount");
+  resolve(&api->device_get, "cuDeviceGet");
+  resolve(&api->device_get_name, "cuDeviceGetName");
+  resolve(&api->device_total_mem, "cuDeviceTotalMem_v2");
+  resolve(&api->device_get_pci_bus_id, "cuDeviceGetPCIBusId");
+  resolve(&api->primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+  resolve(&api->primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+  resolve(&api->ctx_set_current, "cuCtxSetCurrent");
+  resolve(&api->ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
+  resolve(&api->ipc_close_mem_handle, "cuIpcCloseMemHandle");
+  resolve(&api->mem_get_address_range, "cuMemGetAddressRange_v2");
+  resolve(&api->mem_copy, "cuMemcpy");
+  resolve(&api->mem_copy_async, "cuMemcpyAsync");
+  resolve(&api->stream_create, "cuStreamCreate");
+  resolve(&api->stream_synchronize, "cuStreamSynchronize");
+  resolve(&api->stream_destroy, "cuStreamDestroy_v2");
+  resolve(&api->mem_host_register, "cuMemHostRegister_v2");
+  resolve(&api->mem_host_unregister, "cuMemHostUnregister");
+  resolve(&api->pointer_get_attribute, "cuPointerGetAttribute");
+  resolve(&api->mem_alloc, "cuMemAlloc_v2");
+  resolve(&api->mem_free, "cuMemFree_v2");
+  resolve(&api->ipc_get_mem_handle, "cuIpcGetMemHandle");
+  if (!missing.empty()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "CUDA driver {} (driver API version {}) lacks {}; upgrade the NVIDIA driver (kvagent "
+        "needs a CUDA 11.0 or newer driver)",
+        library, version == 0 ? std::string("unknown") : VersionText(version), missing));
+  }
+
+  auto* driver = new CudaDriver;
+  driver->library_ = library;
+  driver->api_ = api;
+  driver->driver_version_ = version;
+  if (CUresult r = api->init(0); r != CUDA_SUCCESS) {
+    return absl::FailedPreconditionError(fmt::format(
+        "CUDA driver {} (version {}) failed to initialize: cuInit: {}; check that the GPUs "
+        "are visible to this process (nvidia-smi; in a container: the NVIDIA runtime and "
+        "/dev/nvidia* devices; CUDA_VISIBLE_DEVICES)",
+        library, VersionText(version), driver->ErrorText(r)));
+  }
+  if (CUresult r = api->device_get_count(&driver->device_count_); r != CUDA_SUCCESS) {
+    return absl::FailedPreconditionError(
+        fmt::format("CUDA driver {}: cuDeviceGetCount: {}; check nvidia-smi", library,
+                    driver->ErrorText(r)));
+  }
+  return driver;
+}
+
+absl::Status CudaDriver::ValidateIpcSource(const std::string& entry, size_t handle_bytes,
+                                           int device, int device_count) {
+  if (handle_bytes != kIpcHandleBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': cuda_ipc.ipc_handle is {} bytes; a CUDA IPC memory handle is {} bytes "
+        "(cudaIpcGetMemHandle); pass the handle's bytes unchanged",
+        entry, handle_bytes, kIpcHandleBytes));
+  }
+  if (device < 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': device ordinal {} is negative; set cuda_ipc.device to the CUDA device "
+        "ordinal that owns the allocation (as this agent numbers devices)",
+        entry, device));
+  }
+  if (device_count >= 0 && device >= device_count) {
+    return absl::InvalidArgumentError(
+        device_count == 0
+            ? fmt::format("region '{}': device ordinal {} is out of range; this machine has no "
+                          "CUDA devices (check nvidia-smi and CUDA_VISIBLE_DEVICES)",
+                          entry, device)
+            : fmt::format("region '{}': device ordinal {} is out of range; this machine has {} "
+                          "CUDA devices (0..{}); CUDA_VISIBLE_DEVICES may number them "
+                          "differently in the engine and in the agent",
+                          entry, device, device_count, device_count - 1));
+  }
+  return absl::OkStatus();
+}
+
+std::string CudaDriver::ErrorText(int result) const {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  const auto r = static_cast<CUresult>(result);
+  if (api_ == nullptr || api_->get_error_name(r, &name) != CUDA_SUCCESS || name == nullptr) {
+    return fmt::format("CUresult {}", result);
+  }
+  if (api_->get_error_string(r, &text) != CUDA_SUCCESS || text == nullptr) return name;
+  return fmt::format("{}: {}", name, text);
+}
+
+absl::Status CudaDriver::Check(int result, std::string_view call) const {
+  if (result == CUDA_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(fmt::format("{} failed: {}", call, ErrorText(result)));
+}
+
+absl::StatusOr<std::vector<CudaDeviceInfo>> CudaDriver::Devices() const {
+  std::vector<CudaDeviceInfo> devices;
+  for (int ordinal = 0; ordinal < device_count_; ++ordinal) {
+    CUdevice device = 0;
+    RETURN_IF_ERROR(Check(api_->device_get(&device, ordinal), "cuDeviceGet"));
+    char name[256] = {};
+    char bus_id[32] = {};
+    size_t bytes = 0;
+    RETURN_IF_ERROR(Check(api_->device_get_name(name, sizeof(name) - 1, device), "cuDeviceGetName"));
+    RETURN_IF_ERROR(Check(api_->device_get_pci_bus_id(bus_id, sizeof(bus_id) - 1, device),
+                          "cuDeviceGetPCIBusId"));
+    RETURN_IF_ERROR(Check(api_->device_total_mem(&bytes, device), "cuDeviceTotalMem"));
+    devices.push_back(CudaDeviceInfo{ordinal, name, bus_id, bytes});
+  }
+  return devices;
+}
+
+absl::Status CudaDriver::CheckDevice(int ordinal, std::string_view entry) const {
+  return ValidateIpcSource(std::string(entry), kIpcHandleBytes, ordinal, device_count_);
+}
+
+absl::Status CudaDriver::MakeCurrent(int ordinal) {
+  if (ordinal < 0 || ordinal >= device_count_) {
+    return absl::InvalidArgumentError(fmt::format(
+        "CUDA device ordinal {} is out of range; this process sees {} CUDA devices", ordinal,
+        device_count_));
+  }
+  CUcontext context = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = contexts_.find(ordinal);
+    if (it != contexts_.end()) {
+      context = it->second;
+    } else {
+      CUdevice device = 0;
+      RETURN_IF_ERROR(Check(api_->device_get(&device, ordinal), "cuDeviceGet"));
+      RETURN_IF_ERROR(
+          Check(api_->primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain"));
+      if (CUresult r = api_->ctx_set_current(context); r != CUDA_SUCCESS) {
+        api_->primary_ctx_release(device);
+        return Check(r, "cuCtxSetCurrent");
+      }
+      contexts_.emplace(ordinal, context);  // kept for the life of the process
+      tls_current_device = ordinal;
+      return absl::OkStatus();
+    }
+  }
+  RETURN_IF_ERROR(Check(api_->ctx_set_current(context), "cuCtxSetCurrent"));
+  tls_current_device = ordinal;
+  return absl::OkStatus();
+}
+
+absl::Status CudaDriver::EnsureContext() {
+  if (tls_current_device >= 0) return absl::OkStatus();
+  if (device_count_ == 0) {
+    return absl::FailedPreconditionError(
+        "no CUDA device is visible to this process; check nvidia-smi and CUDA_VISIBLE_DEVICES");
+  }
+  return MakeCurrent(0);  // UVA: any context can address every device's memory
+}
+
+absl::StatusOr<uint64_t> CudaDriver::OpenIpcHandle(std::string_view handle, int ordinal,
+                                                   std::string_view entry) {
+  RETURN_IF_ERROR(ValidateIpcSource(std::string(entry), handle.size(), ordinal, device_count_));
+  if (absl::Status s = MakeCurrent(ordinal); !s.ok()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "region '{}': cannot use CUDA device {}: {}; check that the GPU is healthy "
+        "(nvidia-smi) and not in exclusive-process compute mode",
+        entry, ordinal, s.message()));
+  }
+  const std::string key = std::string(handle) + static_cast<char>(ordinal);
+  absl::MutexLock lock(&ipc_mu_);
+  if (auto it = opened_.find(key); it != opened_.end()) {
+    ++it->second.references;
+    return it->second.dptr;
+  }
+  CUipcMemHandle ipc{};
+  std::memcpy(ipc.reserved, handle.data(), kIpcHandleBytes);
+  CUdeviceptr dptr = 0;
+  const CUresult r = api_->ipc_open_mem_handle(&dptr, ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_INVALID_HANDLE) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': cuIpcOpenMemHandle on device {}: {}; pass the unchanged bytes of "
+        "cudaIpcGetMemHandle for a live allocation, exported by another process on this "
+        "host (a process cannot open its own handles)",
+        entry, ordinal, ErrorText(r)));
+  }
+  if (r != CUDA_SUCCESS) {
+    return absl::FailedPreconditionError(fmt::format(
+        "region '{}': cuIpcOpenMemHandle on device {}: {}; the exporting process must be "
+        "alive on this host and still hold the allocation, and the agent must see the same "
+        "GPUs (same host IPC namespace, /dev/nvidia* devices)",
+        entry, ordinal, ErrorText(r)));
+  }
+  opened_[key] = OpenedIpc{static_cast<uint64_t>(dptr), 1};
+  opened_by_pointer_[static_cast<uint64_t>(dptr)] = key;
+  return static_cast<uint64_t>(dptr);
+}
+
+absl::Status CudaDriver::CloseIpcHandle(uint64_t dptr, int ordinal) {
+  {
+    absl::MutexLock lock(&ipc_mu_);
+    auto by_pointer = opened_by_pointer_.find(dptr);
+    if (by_pointer != opened_by_pointer_.end()) {
+      auto it = opened_.find(by_pointer->second);
+      if (it != opened_.end() && --it->second.references > 0) return absl::OkStatus();
+      opened_.erase(by_pointer->second);
+      opened_by_pointer_.erase(by_pointer);
+    }
+  }
+  RETURN_IF_ERROR(MakeCurrent(ordinal));
+  return Check(api_->ipc_close_mem_handle(static_cast<CUdeviceptr>(dptr)), "cuIpcCloseMemHandle");
+}
+
+absl::StatusOr<uint64_t> CudaDriver::AllocationSize(uint64_t dptr) {
+  RETURN_IF_ERROR(EnsureContext());
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  RETURN_IF_ERROR(Check(api_->mem_get_address_range(&base, &size, static_cast<CUdeviceptr>(dptr)),
+                        "cuMemGetAddressRange"));
+  return static_cast<uint64_t>(base + size - dptr);
+}
+
+absl::StatusOr<uint64_t> CudaDriver::MemAlloc(uint64_t bytes) {
+  RETURN_IF_ERROR(EnsureContext());
+  CUdeviceptr dptr = 0;
+  RETURN_IF_ERROR(Check(api_->mem_alloc(&dptr, bytes), "cuMemAlloc"));
+  return static_cast<uint64_t>(dptr);
+}
+
+absl::Status CudaDriver::MemFree(uint64_t dptr) {
+  RETURN_IF_ERROR(EnsureContext());
+  return Check(api_->mem_free(static_cast<CUdeviceptr>(dptr)), "cuMemFree");
+}
+
+absl::StatusOr<std::string> CudaDriver::IpcGetHandle(uint64_t dptr) {
+  RETURN_IF_ERROR(EnsureContext());
+  CUipcMemHandle handle;
+  RETURN_IF_ERROR(Check(api_->ipc_get_mem_handle(&handle, static_cast<CUdeviceptr>(dptr)),
+                        "cuIpcGetMemHandle"));
+  return std::string(handle.reserved, sizeof(handle.reserved));
+}
+
+absl::Status CudaDriver::Copy(uint64_t dst, uint64_t src, uint64_t bytes) {
+  RETURN_IF_ERROR(EnsureContext());
+  return Check(api_->mem_copy(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), bytes),
+               "cuMemcpy");
+}
+
+absl::Status CudaDriver::CopyAsync(uint64_t dst, uint64_t src, uint64_t bytes,
+                                   CUstream_st* stream) {
+  RETURN_IF_ERROR(EnsureContext());
+  return Check(api_->mem_copy_async(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src),
+                                  bytes, stream),
+               "cuMemcpyAsync");
+}
+
+absl::StatusOr<CUstream_st*> CudaDriver::CreateStream(int ordinal) {
+  RETURN_IF_ERROR(MakeCurrent(ordinal));
+  CUstream stream = nullptr;
+  RETURN_IF_ERROR(Check(api_->stream_create(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
+  return stream;
+}
+
+absl::Status CudaDriver::SynchronizeStream(CUstream_st* stream) {
+  return Check(api_->stream_synchronize(stream), "cuStreamSynchronize");
+}
+
+absl::Status CudaDriver::DestroyStream(CUstream_st* stream) {
+  return Check(api_->stream_destroy(stream), "cuStreamDestroy");
+}
+
+absl::Status CudaDriver::HostRegister(void* address, uint64_t bytes, std::string_view entry) {
+  RETURN_IF_ERROR(EnsureContext());
+  const CUresult r = api_->mem_host_register(address, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format(
+      "region '{}': cuMemHostRegister of {} bytes: {}; raise RLIMIT_MEMLOCK (`ulimit -l "
+      "unlimited`, systemd LimitMEMLOCK=infinity) or use smaller staging buffers",
+      entry, bytes, ErrorText(r)));
+}
+
+absl::Status CudaDriver::HostUnregister(void* address) {
+  return Check(api_->mem_host_unregister(address), "cuMemHostUnregister");
+}
+
+absl::StatusOr<bool> CudaDriver::IsDevicePointer(uint64_t address) {
+  unsigned int type = 0;
+  const CUresult r = api_->pointer_get_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                                 static_cast<CUdeviceptr>(address));
+  if (r == CUDA_ERROR_INVALID_VALUE) return false;  // memory CUDA does not know: host
+  RETURN_IF_ERROR(Check(r, "cuPointerGetAttribute"));
+  return type == CU_MEMORYTYPE_DEVICE;
+}
+
+}  // namespace kvagent::transport

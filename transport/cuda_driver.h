@@ -1,0 +1,115 @@
+// CudaDriver is the CUDA driver API loaded at run time with dlopen("libcuda.so.1"), so
+// kvagentd builds against the CUDA headers only and starts on machines without a GPU.
+// Used by registry/ (CUDA IPC import of VRAM regions) and later by host staging.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+struct CUctx_st;     // CUcontext, kept out of this header (cuda.h stays in the .cc)
+struct CUstream_st;  // CUstream
+
+namespace kvagent::transport {
+
+struct CudaDeviceInfo {
+  int ordinal = 0;
+  std::string name;        // "NVIDIA H100 80GB HBM3"
+  std::string pci_bus_id;  // "0000:18:00.0"
+  uint64_t total_bytes = 0;
+};
+
+class CudaDriver {
+ public:
+  static constexpr const char* kLibraryName = "libcuda.so.1";
+  // A path to dlopen instead of kLibraryName (tests, unusual installs).
+  static constexpr const char* kLibraryEnv = "KVAGENT_CUDA_DRIVER";
+  static constexpr size_t kIpcHandleBytes = 64;  // CU_IPC_HANDLE_SIZE
+
+  // Loads the driver once per process (later calls return the first result):
+  // FAILED_PRECONDITION naming the library when it is absent, a symbol when the
+  // driver is too old, or cuInit's error. Never unloaded.
+  static absl::StatusOr<CudaDriver*> Load();
+
+  // Checks a CUDA IPC source without a driver: the handle is 64 bytes, the device
+  // ordinal is >= 0 and, when device_count >= 0, below it. INVALID_ARGUMENT naming
+  // `entry` ("region 'x': ...").
+  static absl::Status ValidateIpcSource(const std::string& entry, size_t handle_bytes, int device,
+                                        int device_count);
+
+  CudaDriver(const CudaDriver&) = delete;
+  CudaDriver& operator=(const CudaDriver&) = delete;
+
+  const std::string& library() const { return library_; }
+  int driver_version() const { return driver_version_; }  // 12040 for 12.4
+  int device_count() const { return device_count_; }
+  absl::StatusOr<std::vector<CudaDeviceInfo>> Devices() const;
+  // INVALID_ARGUMENT when `ordinal` is not a device of this machine.
+  absl::Status CheckDevice(int ordinal, std::string_view entry) const;
+
+  // Retains the device's primary context (once per process; the engine's CUDA
+  // runtime uses the same one) and makes it current on the calling thread.
+  absl::Status MakeCurrent(int ordinal);
+
+  // Opens a cudaIpcGetMemHandle handle of device `ordinal`; returns the base
+  // device pointer of the exporter's allocation in this process (UVA).
+  absl::StatusOr<uint64_t> OpenIpcHandle(std::string_view handle, int ordinal,
+                                         std::string_view entry);
+  absl::Status CloseIpcHandle(uint64_t dptr, int ordinal);
+  // Bytes from `dptr` to the end of the device allocation that holds it.
+  absl::StatusOr<uint64_t> AllocationSize(uint64_t dptr);
+
+  // Copies between any two UVA addresses (device or host), synchronously. Runs in
+  // the context current on this thread; device 0's when the thread has none.
+  absl::Status Copy(uint64_t dst, uint64_t src, uint64_t bytes);
+  // What an engine does to share VRAM (the GPU tests play the engine): allocate on
+  // the current context's device and export a 64-byte IPC handle.
+  absl::StatusOr<uint64_t> MemAlloc(uint64_t bytes);
+  absl::Status MemFree(uint64_t dptr);
+  absl::StatusOr<std::string> IpcGetHandle(uint64_t dptr);
+  // The asynchronous form on a stream, for host staging.
+  absl::Status CopyAsync(uint64_t dst, uint64_t src, uint64_t bytes, CUstream_st* stream);
+  absl::StatusOr<CUstream_st*> CreateStream(int ordinal);  // non-blocking stream
+  absl::Status SynchronizeStream(CUstream_st* stream);
+  absl::Status DestroyStream(CUstream_st* stream);
+  // Page-locks host memory for fast device copies (counts against RLIMIT_MEMLOCK).
+  absl::Status HostRegister(void* address, uint64_t bytes, std::string_view entry);
+  absl::Status HostUnregister(void* address);
+  // True when `address` is device memory (CU_POINTER_ATTRIBUTE_MEMORY_TYPE).
+  absl::StatusOr<bool> IsDevicePointer(uint64_t address);
+
+  // "CUDA_ERROR_X: <driver's text>" for a CUresult.
+  std::string ErrorText(int result) const;
+
+ private:
+  struct Api;  // resolved entry points, defined in the .cc
+  CudaDriver() = default;
+  static absl::StatusOr<CudaDriver*> LoadFrom(const std::string& library);
+  absl::Status EnsureContext();
+  absl::Status Check(int result, std::string_view call) const;
+
+  std::string library_;
+  const Api* api_ = nullptr;
+  int driver_version_ = 0;
+  int device_count_ = 0;
+  absl::Mutex mu_;
+  absl::flat_hash_map<int, CUctx_st*> contexts_ ABSL_GUARDED_BY(mu_);  // retained primaries
+  // One process may open a handle once: several regions of one engine allocation
+  // (and a peer's regions of one allocation) share the opened pointer, counted.
+  struct OpenedIpc {
+    uint64_t dptr = 0;
+    int references = 0;
+  };
+  absl::Mutex ipc_mu_;
+  absl::flat_hash_map<std::string, OpenedIpc> opened_ ABSL_GUARDED_BY(ipc_mu_);
+  absl::flat_hash_map<uint64_t, std::string> opened_by_pointer_ ABSL_GUARDED_BY(ipc_mu_);
+};
+
+}  // namespace kvagent::transport
