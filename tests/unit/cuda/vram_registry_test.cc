@@ -15,6 +15,7 @@
 #include "registry/cuda_ipc_mapping.h"
 #include "registry/region_registry.h"
 #include "registry/shm_mapping.h"
+#include "tests/unit/registry/test_util.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::registry {
@@ -31,14 +32,7 @@ bool DriverInstalled() {
   return true;
 }
 
-const transport::UcxContext& Context() {
-  static std::unique_ptr<transport::UcxContext> context = [] {
-    auto created = transport::UcxContext::Create();
-    REQUIRE(created.ok());
-    return std::move(created).value();
-  }();
-  return *context;
-}
+using testing::Context;
 
 ShmMapping MakeShm(uint64_t bytes) {
   static std::atomic<int> counter{0};

@@ -14,14 +14,7 @@ namespace {
 using testing::MakeShm;
 using testing::Spec;
 
-const transport::UcxContext& Context() {
-  static std::unique_ptr<transport::UcxContext> context = [] {
-    auto created = transport::UcxContext::Create();
-    REQUIRE(created.ok());
-    return std::move(created).value();
-  }();
-  return *context;
-}
+using testing::Context;
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
 

@@ -6,14 +6,26 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "proto/kvagent.pb.h"
 #include "registry/shm_mapping.h"
+#include "transport/ucx_context.h"
 
 namespace kvagent::registry::testing {
+
+// One UCX context per test binary, as an agent has.
+inline const transport::UcxContext& Context() {
+  static std::unique_ptr<transport::UcxContext> context = [] {
+    auto created = transport::UcxContext::Create();
+    REQUIRE(created.ok());
+    return std::move(created).value();
+  }();
+  return *context;
+}
 
 // A fresh POSIX shm object, unlinked when the returned mapping goes away.
 inline ShmMapping MakeShm(uint64_t bytes) {

@@ -12,14 +12,7 @@ namespace {
 using testing::MakeShm;
 using testing::Spec;
 
-const transport::UcxContext& Context() {
-  static std::unique_ptr<transport::UcxContext> context = [] {
-    auto created = transport::UcxContext::Create();
-    REQUIRE(created.ok());
-    return std::move(created).value();
-  }();
-  return *context;
-}
+using testing::Context;
 
 // Two agents' registries in one process: local "prefill" and a catalog of "decode".
 // Both have group "kv" (k, v: 16 items of 256 bytes) and region "aux" (100 bytes);
