@@ -10,11 +10,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/mutex.h"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
@@ -22,6 +24,7 @@
 #include "cli/model_shapes.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
+#include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
 namespace {
@@ -32,7 +35,8 @@ using Clock = std::chrono::steady_clock;
 std::vector<std::string> g_agent_logs;
 
 int Fail(const std::string& what, const absl::Status& status, bool json) {
-  std::fprintf(stderr, "demo: %s: %s\n", what.c_str(), std::string(status.message()).c_str());
+  std::fprintf(stderr, "demo: %s: %s (%s)\n", what.c_str(), std::string(status.message()).c_str(),
+               absl::StatusCodeToString(status.code()).c_str());
   for (const auto& path : g_agent_logs) {
     std::ifstream in(path);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -90,10 +94,22 @@ struct Request {
   std::optional<Clock::time_point> notified;
 };
 
+// What the notification watcher thread shares with RunDemo. Held by shared_ptr so a
+// watcher left waiting on an agent that runs on (after a failed submit) owns it.
+struct WatchState {
+  absl::Mutex mu;
+  std::map<std::string, std::optional<Clock::time_point>> notified_at ABSL_GUARDED_BY(mu);
+  uint32_t notified ABSL_GUARDED_BY(mu) = 0;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
 }  // namespace
 
 int RunDemo(const DemoOptions& options) {
   const bool json = options.json;
+  // The pools outlive the agents started here: device memory is freed only after
+  // the agents that imported it have stopped (declaration order is teardown order).
+  std::optional<Pool> src, dst;
   std::optional<DaemonProcess> prefill_daemon, decode_daemon;
   std::string prefill_address = options.prefill_address, decode_address = options.decode_address;
   std::string work_dir;
@@ -129,6 +145,25 @@ int RunDemo(const DemoOptions& options) {
                                    "{}; raise --state-slots or lower --requests",
                                    options.requests, model->state_slots)),
                 json);
+  }
+  // VRAM: this process plays the engine, so it needs the driver and the device
+  // before any agent starts.
+  if (options.memory != "dram" && options.memory != "vram") {
+    return Fail("arguments", absl::InvalidArgumentError(fmt::format(
+                                 "--memory '{}' is unknown; use --memory dram or --memory vram",
+                                 options.memory)),
+                json);
+  }
+  const bool vram = options.memory == "vram";
+  if (vram) {
+    auto driver = transport::CudaDriver::Load();
+    if (!driver.ok()) {
+      return Fail("--memory vram (on a machine without a GPU use --memory dram)", driver.status(),
+                  json);
+    }
+    if (auto s = (*driver)->MakeCurrent(options.device); !s.ok()) {
+      return Fail(fmt::format("--memory vram --device {}", options.device), s, json);
+    }
   }
   if (prefill_address.empty()) {
     std::string binary = options.kvagentd;
@@ -166,10 +201,24 @@ int RunDemo(const DemoOptions& options) {
     if (auto s = c->WaitReady(10000); !s.ok()) return Fail("waiting for agent", s, json);
   }
 
-  auto src = CreatePool(prefill, run + "prefill", model->groups);
-  if (!src.ok()) return Fail("creating the prefill pool", src.status(), json);
-  auto dst = CreatePool(decode, run + "decode", model->groups);
-  if (!dst.ok()) return Fail("creating the decode pool", dst.status(), json);
+  // Agents that run on get this run's regions back on every way out (first thing
+  // torn down, before agents started here stop and before the pools are freed).
+  auto deregister = absl::MakeCleanup([&] {
+    if (run.empty()) return;
+    if (src) (void)prefill.Deregister(src->region_names);
+    if (dst) (void)decode.Deregister(dst->region_names);
+  });
+  PoolMemory memory;
+  memory.kind = vram ? v1::VRAM : v1::DRAM;
+  memory.device = options.device;
+  {
+    auto created = CreatePool(prefill, run + "prefill", model->groups, memory);
+    if (!created.ok()) return Fail("creating the prefill pool", created.status(), json);
+    src = *std::move(created);
+    created = CreatePool(decode, run + "decode", model->groups, memory);
+    if (!created.ok()) return Fail("creating the decode pool", created.status(), json);
+    dst = *std::move(created);
+  }
   // Every item gets its own pattern; region numbers run across groups so no two
   // regions hold the same bytes.
   {
@@ -183,7 +232,7 @@ int RunDemo(const DemoOptions& options) {
       }
     }
   }
-  std::memset(dst->mapping.data(), 0xEE, dst->bytes());
+  std::memset(dst->data(), 0xEE, dst->bytes());
 
   auto peer = prefill.Connect(decode_address);
   if (!peer.ok()) return Fail("connecting prefill to decode", peer.status(), json);
@@ -223,28 +272,38 @@ int RunDemo(const DemoOptions& options) {
                   sizeof(record));
     }
   }
+  // VRAM: the patterns were built in host images; put them on the device (DRAM: the
+  // mappings are the pools, nothing to copy).
+  if (auto s = src->Upload(); !s.ok()) {
+    return Fail("copying the prefill pattern to the GPU", s, json);
+  }
+  if (auto s = dst->Upload(); !s.ok()) return Fail("filling the decode pool on the GPU", s, json);
 
   // The decode side watches for its requests' notifications.
-  absl::Mutex mu;
-  std::map<std::string, Request*> by_id;
-  for (auto& r : requests) by_id[r.id] = &r;
-  uint32_t notified = 0;
-  absl::Status watch_status;
+  auto watch = std::make_shared<WatchState>();
   std::vector<std::string> ids;
-  for (auto& r : requests) ids.push_back(r.id);
-  std::thread watcher([&] {
+  for (auto& r : requests) {
+    ids.push_back(r.id);
+    absl::MutexLock lock(&watch->mu);
+    watch->notified_at[r.id];
+  }
+  std::thread watcher([watch, ids, decode_address, total = options.requests,
+                       timeout_ms = options.timeout_ms] {
     AgentClient watch_client(decode_address);
-    watch_status = watch_client.WatchNotifications(ids, options.timeout_ms, [&](const v1::Notification& n) {
-      absl::MutexLock lock(&mu);
-      auto it = by_id.find(n.transfer_id());
-      if (it != by_id.end() && !it->second->notified && n.kind() == v1::DATA_READY &&
+    auto on_notification = [&](const v1::Notification& n) {
+      absl::MutexLock lock(&watch->mu);
+      auto it = watch->notified_at.find(n.transfer_id());
+      if (it != watch->notified_at.end() && !it->second && n.kind() == v1::DATA_READY &&
           n.payload() == "ready:" + n.transfer_id()) {
-        it->second->notified = Clock::now();
-        ++notified;
-        Progress(notified, options.requests);
+        it->second = Clock::now();
+        ++watch->notified;
+        Progress(watch->notified, total);
       }
-      return notified < options.requests;
-    });
+      return watch->notified < total;
+    };
+    absl::Status status = watch_client.WatchNotifications(ids, timeout_ms, on_notification);
+    absl::MutexLock lock(&watch->mu);
+    watch->status = std::move(status);
   });
 
   // Chunked prefill: every request's pages go in `chunks` pieces, interleaved
@@ -299,11 +358,26 @@ int RunDemo(const DemoOptions& options) {
     }
   }
   if (!submit_status.ok()) {
-    watcher.detach();
+    // The watcher waits on the decode agent's stream: stopping an agent started here
+    // ends it; on an agent that runs on it waits out its timeout on its own state.
+    if (decode_daemon) {
+      (void)decode_daemon->Stop();
+      watcher.join();
+    } else {
+      watcher.detach();
+    }
     return Fail("submitting", submit_status, json);
   }
   watcher.join();
   const auto end = Clock::now();
+  uint32_t notified = 0;
+  absl::Status watch_status;
+  {
+    absl::MutexLock lock(&watch->mu);
+    notified = watch->notified;
+    watch_status = watch->status;
+    for (auto& r : requests) r.notified = watch->notified_at[r.id];
+  }
   if (notified < options.requests) {
     return Fail(fmt::format("waiting for notifications ({} of {} arrived)", notified, options.requests),
                 watch_status.ok() ? absl::DeadlineExceededError("stream ended") : watch_status, json);
@@ -319,7 +393,12 @@ int RunDemo(const DemoOptions& options) {
   }
 
   // Every byte: transferred pages, slots and records equal their source, every
-  // other decode page, slot and aux byte is untouched.
+  // other decode page, slot and aux byte is untouched. One check for both memories:
+  // it reads the decode pool through the shared mapping (DRAM) or a fresh host copy
+  // of the device bytes (VRAM); the prefill side's source is its host view.
+  if (auto s = dst->Download(); !s.ok()) {
+    return Fail("copying the decode pool back from the GPU", s, json);
+  }
   const size_t kv = model->kv_group;
   const PoolGroupShape& kv_shape = src->groups[kv].shape;
   uint64_t bad_pages = 0, bad_slots = 0, bad_records = 0, checked_bytes = 0;
@@ -394,7 +473,7 @@ int RunDemo(const DemoOptions& options) {
       if (!ours && !AllBytesAre(aux + slot * kAuxRecordBytes, kAuxRecordBytes, 0xEE)) ++stray;
     }
   }
-  const bool verified = bad_pages == 0 && bad_slots == 0 && bad_records == 0 && stray == 0;
+  bool verified = bad_pages == 0 && bad_slots == 0 && bad_records == 0 && stray == 0;
   const uint64_t pages = uint64_t{options.requests} * pages_per_request;
   const uint64_t kv_bytes = pages * kv_shape.regions() * kv_shape.item_bytes;
   uint64_t state_bytes = 0, aux_bytes = 0;
@@ -411,8 +490,14 @@ int RunDemo(const DemoOptions& options) {
 
   if (!json) {
     std::printf("\nmodel      %s\n", model->description.c_str());
-    std::printf("data path  %s (UCX transports %s, error mode %s)\n\n", peer->data_path().c_str(),
+    std::printf("data path  %s (UCX transports %s, error mode %s)\n", peer->data_path().c_str(),
                 transports.c_str(), peer->error_mode().c_str());
+    std::printf("regions    %zu per agent in %s (memory path: prefill %s, decode %s)\n\n",
+                src->region_names.size(),
+                vram ? fmt::format("VRAM, CUDA device {}, one IPC handle per pool",
+                                   options.device).c_str()
+                     : "DRAM, one shared-memory object per pool",
+                src->memory_path.c_str(), dst->memory_path.c_str());
     if (has_state || model->aux_group) {
       // Per group: what one request moves and what all of them moved.
       std::printf("%-8s %-6s %-8s %-12s %-14s %s\n", "group", "kind", "regions", "item bytes",
@@ -446,28 +531,36 @@ int RunDemo(const DemoOptions& options) {
     }
   }
   std::printf(
-      "{\"verified\": %s, \"model\": \"%s\", \"requests\": %u, \"pages\": %lu, \"regions\": %zu, "
+      "{\"verified\": %s, \"model\": \"%s\", \"memory\": \"%s\", \"requests\": %u, "
+      "\"pages\": %lu, \"regions\": %zu, "
       "\"state_slots\": %u, \"bytes\": %lu, \"kv_bytes\": %lu, \"state_bytes\": %lu, "
       "\"aux_bytes\": %lu, \"checked_bytes\": %lu, \"seconds\": %.6f, \"gbps\": %.3f, "
       "\"p50_us\": %.1f, \"p99_us\": %.1f, \"data_path\": \"%s\", \"transports\": \"%s\", "
-      "\"error_mode\": \"%s\"}\n",
-      verified ? "true" : "false", model->model.c_str(), options.requests,
+      "\"error_mode\": \"%s\", \"prefill_memory_path\": \"%s\", "
+      "\"decode_memory_path\": \"%s\"}\n",
+      verified ? "true" : "false", model->model.c_str(), options.memory.c_str(), options.requests,
       static_cast<unsigned long>(pages), src->region_names.size(), model->state_slots,
       static_cast<unsigned long>(bytes), static_cast<unsigned long>(kv_bytes),
       static_cast<unsigned long>(state_bytes), static_cast<unsigned long>(aux_bytes),
       static_cast<unsigned long>(checked_bytes), seconds, gbps, p50, p99,
-      peer->data_path().c_str(), transports.c_str(), peer->error_mode().c_str());
+      peer->data_path().c_str(), transports.c_str(), peer->error_mode().c_str(),
+      src->memory_path.c_str(), dst->memory_path.c_str());
   std::fflush(stdout);
-  if (!run.empty()) {
-    // Leave the agents as we found them.
-    (void)prefill.Deregister(src->region_names);
-    (void)decode.Deregister(dst->region_names);
-  }
+  std::move(deregister).Invoke();
   if (prefill_daemon) {
     (void)prefill_daemon->Stop();
     (void)decode_daemon->Stop();
     std::error_code ignored;
     std::filesystem::remove_all(work_dir, ignored);
+  }
+  // The agents have let go of the pools (deregistered or exited): free the device
+  // memory now, as an engine would at shutdown.
+  for (auto [side, pool] : {std::pair{"prefill", &src}, {"decode", &dst}}) {
+    if (auto s = (*pool)->device.Free(); !s.ok()) {
+      std::fprintf(stderr, "demo: freeing the %s pool's GPU memory: %s\n", side,
+                   std::string(s.message()).c_str());
+      verified = false;
+    }
   }
   return verified ? 0 : 1;
 }

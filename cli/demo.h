@@ -1,5 +1,6 @@
 // `kvagentctl demo`: two agents, model-shaped pools (Llama-3.1-8B KV, or a hybrid
-// with attention KV pages plus Mamba state slots and aux records), several requests
+// with attention KV pages plus Mamba state slots and aux records) in shared memory
+// or, playing the engine, in GPU memory exported by CUDA IPC; several requests
 // pushed in chunks into scattered decode pages and slots, every byte verified.
 #pragma once
 
@@ -24,6 +25,11 @@ struct DemoOptions {
   bool json = false;
   uint64_t seed = 42;
   bool shm_direct = true;        // agents started here copy same-host data directly
+  // "dram": shared memory from the agents. "vram": this process allocates each pool
+  // on CUDA device `device` and registers it by IPC handle, as an engine would; the
+  // hybrid model's AUX region lives in that one allocation too.
+  std::string memory = "dram";
+  int device = 0;
 };
 
 // Returns the process exit code: 0 when every byte verified.

@@ -1,6 +1,7 @@
 #include "cli/kv_pool.h"
 
 #include <cstring>
+#include <utility>
 
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -15,9 +16,77 @@ uint64_t AlignUp(uint64_t n, uint64_t alignment) { return (n + alignment - 1) / 
 
 }  // namespace
 
+absl::StatusOr<DeviceAllocation> DeviceAllocation::Allocate(transport::CudaDriver* driver,
+                                                            int device, uint64_t bytes,
+                                                            const std::string& label) {
+  if (absl::Status s = driver->MakeCurrent(device); !s.ok()) {
+    return absl::Status(s.code(), fmt::format("pool '{}': cannot use CUDA device {}: {}; pick "
+                                              "another device (--device N)",
+                                              label, device, s.message()));
+  }
+  auto dptr = driver->MemAlloc(bytes);
+  if (!dptr.ok()) {
+    return absl::Status(dptr.status().code(),
+                        fmt::format("pool '{}': cuMemAlloc of {} bytes on CUDA device {} failed: "
+                                    "{}; free GPU memory or lower --pool-mib",
+                                    label, bytes, device, dptr.status().message()));
+  }
+  DeviceAllocation allocation;
+  allocation.driver_ = driver;
+  allocation.dptr_ = *dptr;
+  allocation.device_ = device;
+  auto handle = driver->IpcGetHandle(*dptr);
+  if (!handle.ok()) {
+    return absl::Status(handle.status().code(),
+                        fmt::format("pool '{}': cannot export a CUDA IPC handle for its {} bytes "
+                                    "on device {}: {}",
+                                    label, bytes, device, handle.status().message()));
+  }
+  allocation.ipc_handle_ = *std::move(handle);
+  return allocation;
+}
+
+DeviceAllocation::DeviceAllocation(DeviceAllocation&& other) noexcept
+    : driver_(std::exchange(other.driver_, nullptr)),
+      dptr_(std::exchange(other.dptr_, 0)),
+      device_(other.device_),
+      ipc_handle_(std::move(other.ipc_handle_)) {}
+
+DeviceAllocation& DeviceAllocation::operator=(DeviceAllocation&& other) noexcept {
+  if (this != &other) {
+    (void)Free();  // the destructor's case: nobody is left to report to
+    driver_ = std::exchange(other.driver_, nullptr);
+    dptr_ = std::exchange(other.dptr_, 0);
+    device_ = other.device_;
+    ipc_handle_ = std::move(other.ipc_handle_);
+  }
+  return *this;
+}
+
+DeviceAllocation::~DeviceAllocation() { (void)Free(); }
+
+absl::Status DeviceAllocation::Free() {
+  if (dptr_ == 0) return absl::OkStatus();
+  const uint64_t dptr = std::exchange(dptr_, 0);
+  RETURN_IF_ERROR(driver_->MakeCurrent(device_));
+  return driver_->MemFree(dptr);
+}
+
+absl::Status Pool::Upload() {
+  if (memory != v1::VRAM) return absl::OkStatus();
+  return device.driver()->Copy(device.dptr(), reinterpret_cast<uint64_t>(host_image.get()), size);
+}
+
+absl::Status Pool::Download() {
+  if (memory != v1::VRAM) return absl::OkStatus();
+  return device.driver()->Copy(reinterpret_cast<uint64_t>(host_image.get()), device.dptr(), size);
+}
+
 absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
-                                const std::vector<PoolGroupShape>& groups) {
+                                const std::vector<PoolGroupShape>& groups,
+                                const PoolMemory& memory) {
   Pool pool;
+  pool.memory = memory.kind == v1::VRAM ? v1::VRAM : v1::DRAM;
   uint64_t end = 0;
   for (const PoolGroupShape& shape : groups) {
     if (shape.regions() == 0 || shape.items == 0 || shape.item_bytes == 0) {
@@ -35,9 +104,16 @@ absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
     return absl::InvalidArgumentError(
         fmt::format("pool '{}' has no groups; give at least one group shape", label));
   }
-  ASSIGN_OR_RETURN(auto allocation, agent.Allocate(label, end));
-  pool.shm_name = allocation.shm_name();
-  ASSIGN_OR_RETURN(pool.mapping, registry::ShmMapping::Open(pool.shm_name, 0, end, label));
+  pool.size = end;
+  if (pool.memory == v1::VRAM) {
+    ASSIGN_OR_RETURN(transport::CudaDriver * driver, transport::CudaDriver::Load());
+    ASSIGN_OR_RETURN(pool.device, DeviceAllocation::Allocate(driver, memory.device, end, label));
+    pool.host_image.reset(new uint8_t[end]());
+  } else {
+    ASSIGN_OR_RETURN(auto allocation, agent.Allocate(label, end));
+    pool.shm_name = allocation.shm_name();
+    ASSIGN_OR_RETURN(pool.mapping, registry::ShmMapping::Open(pool.shm_name, 0, end, label));
+  }
 
   v1::RegisterRegionsRequest request;
   for (PoolGroup& group : pool.groups) {
@@ -48,17 +124,25 @@ absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
       spec->set_name(name);
       spec->set_kind(shape.kind);
       spec->set_group(shape.group);
-      spec->set_memory(v1::DRAM);
+      spec->set_memory(pool.memory);
       spec->set_length(shape.region_bytes());
       spec->mutable_layout()->set_num_items(shape.items);
       spec->mutable_layout()->set_item_bytes(shape.item_bytes);
-      spec->mutable_shm()->set_name(pool.shm_name);
-      spec->mutable_shm()->set_offset(group.offset + uint64_t{r} * shape.region_bytes());
+      const uint64_t offset = group.offset + uint64_t{r} * shape.region_bytes();
+      if (pool.memory == v1::VRAM) {
+        spec->mutable_cuda_ipc()->set_ipc_handle(pool.device.ipc_handle());
+        spec->mutable_cuda_ipc()->set_device(pool.device.device());
+        spec->mutable_cuda_ipc()->set_offset(offset);
+      } else {
+        spec->mutable_shm()->set_name(pool.shm_name);
+        spec->mutable_shm()->set_offset(offset);
+      }
       group.region_names.push_back(name);
       pool.region_names.push_back(name);
     }
   }
-  RETURN_IF_ERROR(agent.Register(request).status());
+  ASSIGN_OR_RETURN(auto registered, agent.Register(request));
+  if (registered.regions_size() > 0) pool.memory_path = registered.regions(0).memory_path();
   return pool;
 }
 

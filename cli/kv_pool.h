@@ -1,13 +1,15 @@
-// Engine-shaped memory pools on an agent. A Pool is one shared-memory object from
-// AllocateSharedMemory holding several groups of regions (KV pages, Mamba STATE
-// slots, AUX bytes), all registered in one batch and also mapped into this process
-// so the caller can fill and check bytes. KvPool is the one-group KV case (one
-// region per layer per K/V, SGLang's layout). Used by the demo, the benchmark and
-// the integration tests.
+// Engine-shaped memory pools on an agent. A Pool is one block of memory holding
+// several groups of regions (KV pages, Mamba STATE slots, AUX bytes), all registered
+// in one batch: a shared-memory object from AllocateSharedMemory mapped into this
+// process (DRAM), or one device allocation exported by a CUDA IPC handle, as an
+// engine does, with a host image here (VRAM). KvPool is the one-group DRAM KV case
+// (one region per layer per K/V, SGLang's layout). Used by the demo, the benchmark
+// and the integration and GPU tests.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "cli/agent_client.h"
 #include "proto/kvagent.pb.h"
 #include "registry/shm_mapping.h"
+#include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
 
@@ -39,28 +42,81 @@ struct PoolGroup {
   std::vector<std::string> region_names;
 };
 
+// Device memory this process allocated with cuMemAlloc (playing the engine), and its
+// exported CUDA IPC handle. Move-only; frees on destruction, but owners that care
+// about the order (after the agents let go of it) call Free themselves.
+class DeviceAllocation {
+ public:
+  // MakeCurrent(device), cuMemAlloc(bytes), cuIpcGetMemHandle. `label` names the
+  // pool in errors.
+  static absl::StatusOr<DeviceAllocation> Allocate(transport::CudaDriver* driver, int device,
+                                                   uint64_t bytes, const std::string& label);
+  DeviceAllocation() = default;
+  DeviceAllocation(DeviceAllocation&& other) noexcept;
+  DeviceAllocation& operator=(DeviceAllocation&& other) noexcept;
+  DeviceAllocation(const DeviceAllocation&) = delete;
+  DeviceAllocation& operator=(const DeviceAllocation&) = delete;
+  ~DeviceAllocation();
+
+  absl::Status Free();  // no-op when empty
+  uint64_t dptr() const { return dptr_; }
+  int device() const { return device_; }
+  const std::string& ipc_handle() const { return ipc_handle_; }
+  transport::CudaDriver* driver() const { return driver_; }
+
+ private:
+  transport::CudaDriver* driver_ = nullptr;
+  uint64_t dptr_ = 0;
+  int device_ = 0;
+  std::string ipc_handle_;
+};
+
+// Where CreatePool puts a pool.
+struct PoolMemory {
+  v1::MemoryKind kind = v1::DRAM;
+  int device = 0;  // VRAM: CUDA device ordinal
+};
+
 struct Pool {
-  std::string shm_name;
-  registry::ShmMapping mapping;  // this process's view of the whole object
+  v1::MemoryKind memory = v1::DRAM;
+  std::string shm_name;          // DRAM
+  registry::ShmMapping mapping;  // DRAM: this process's view of the whole object
+  DeviceAllocation device;       // VRAM: the pool itself
+  // VRAM: this process's image of the device bytes; Upload/Download move it.
+  std::unique_ptr<uint8_t[]> host_image;
+  uint64_t size = 0;
+  std::string memory_path;  // the agent's path for the first region: host, zero-copy, staged
   std::vector<PoolGroup> groups;
   std::vector<std::string> region_names;  // every region, in registration order
 
+  // The bytes this process fills and checks: the shared mapping itself (DRAM) or
+  // the host image of the device memory (VRAM).
+  uint8_t* data() const {
+    return memory == v1::VRAM ? host_image.get() : static_cast<uint8_t*>(mapping.data());
+  }
   // Item `item` of region `region` (position in the group) of groups[group].
   uint8_t* Item(size_t group, uint32_t region, uint64_t item) const {
     const PoolGroup& g = groups[group];
-    return static_cast<uint8_t*>(mapping.data()) + g.offset +
-           (uint64_t{region} * g.shape.items + item) * g.shape.item_bytes;
+    return data() + g.offset + (uint64_t{region} * g.shape.items + item) * g.shape.item_bytes;
   }
   // Start of region `region` of groups[group] (byte segments address regions).
   uint8_t* Region(size_t group, uint32_t region) const { return Item(group, region, 0); }
-  uint64_t bytes() const { return mapping.length(); }
+  uint64_t bytes() const { return size; }
+
+  // VRAM: copy the host image to the device (after filling it) and the device back
+  // into the image (before checking it). DRAM: nothing to do, the mapping is the pool.
+  absl::Status Upload();
+  absl::Status Download();
 };
 
 // Lays the groups out back to back (each group's start aligned to 4 KiB, its
-// regions packed), allocates one object named after `label`, maps it here and
-// registers every region in one all-or-nothing batch.
+// regions packed) and registers every region in one all-or-nothing batch. DRAM:
+// one shared-memory object named after `label`, mapped here. VRAM: one device
+// allocation on `memory.device` with one IPC handle (CudaDriver::Load must
+// succeed), its regions `memory VRAM` with cuda_ipc sources, and a zeroed host image.
 absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
-                                const std::vector<PoolGroupShape>& groups);
+                                const std::vector<PoolGroupShape>& groups,
+                                const PoolMemory& memory = {});
 
 struct KvPoolShape {
   std::string group = "kv";

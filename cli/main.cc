@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "agent/status_util.h"
 #include "cli/agent_client.h"
+#include "cli/bench.h"
 #include "cli/demo.h"
 #include "fmt/format.h"
 #include "google/protobuf/util/json_util.h"
@@ -33,7 +34,8 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
   demo [--prefill ADDR --decode ADDR] [--pool-mib N] [--requests N]
        [--pages N] [--chunks N] [--timeout-ms N] [--kvagentd PATH]
        [--shm-direct auto|off] [--model llama|hybrid]
-       [--ssm-layers N] [--state-slots N]
+       [--ssm-layers N] [--state-slots N] [--memory dram|vram]
+       [--device N]
                              two agents (started here when no addresses are
                              given), Llama-3.1-8B-shaped KV pools, chunked
                              pushes of several requests' pages, every byte
@@ -42,7 +44,23 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
                              N Mamba2-2.7B SSM layers (default 8; the real
                              model has 64) with conv and SSM state slots and
                              aux records; --pool-mib sizes the KV pages, the
-                             state slots come on top
+                             state slots come on top.
+                             --memory vram: this process plays the engine:
+                             it allocates each pool on CUDA device N
+                             (--device, default 0), registers it by CUDA IPC
+                             handle, and checks the bytes through host copies;
+                             needs the NVIDIA driver (libcuda.so.1)
+
+  bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
+        [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
+                             two agents (started here when no addresses are
+                             given) move blocks through the gRPC API: block
+                             size x batch x WRITE/READ x contiguous/scattered,
+                             GB/s, transfers/s, latency avg/p50/p99, WRITE
+                             notification p50/p99, beside ucx_perftest and a
+                             single-thread memcpy of the same pages; --json
+                             prints one JSON object per cell; --quick runs a
+                             smaller sweep in well under a minute
 )";
 
 int Usage(const std::string& error) {
@@ -233,6 +251,13 @@ int main(int argc, char** argv) {
       } else if (a == "--shm-direct") {
         if (v != "auto" && v != "off") return Usage("--shm-direct takes auto or off");
         options.shm_direct = v == "auto";
+      } else if (a == "--memory") {
+        if (v != "dram" && v != "vram") return Usage("--memory takes dram or vram");
+        options.memory = v;
+      } else if (a == "--device") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n > 1023) return Usage("--device takes a CUDA device ordinal (0, 1, ...)");
+        options.device = static_cast<int>(n);
       } else if (a == "--kvagentd") {
         options.kvagentd = v;
       } else if (a == "--model") {
@@ -255,6 +280,42 @@ int main(int argc, char** argv) {
     }
     if (options.requests == 0) return Usage("--requests must be at least 1");
     return kvagent::cli::RunDemo(options);
+  }
+
+  if (command == "bench") {
+    kvagent::cli::BenchOptions options;
+    options.argv0 = argv[0];
+    options.json = json;
+    if (timeout_ms != 10000) options.timeout_ms = static_cast<uint32_t>(timeout_ms);
+    for (size_t i = 1; i < rest.size(); ++i) {
+      const std::string& a = rest[i];
+      if (a == "--quick") {
+        options.quick = true;
+        continue;
+      }
+      if (i + 1 >= rest.size()) return Usage("bench flag " + a + " needs a value (or is unknown)");
+      const std::string& v = rest[++i];
+      uint64_t n = 0;
+      if (a == "--initiator") {
+        options.initiator_address = v;
+      } else if (a == "--target") {
+        options.target_address = v;
+      } else if (a == "--shm-direct") {
+        if (v != "auto" && v != "off") return Usage("--shm-direct takes auto or off");
+        options.shm_direct = v == "auto";
+      } else if (a == "--kvagentd") {
+        options.kvagentd = v;
+      } else if (a == "--perftest") {
+        options.perftest = v;
+      } else if (a == "--pool-mib") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n == 0 || n > (1 << 20)) return Usage("--pool-mib takes 1 to 1048576");
+        options.pool_mib = n;
+      } else {
+        return Usage("unknown bench flag " + a);
+      }
+    }
+    return kvagent::cli::RunBench(options);
   }
 
   kvagent::cli::AgentClient client(agent_address, static_cast<uint32_t>(timeout_ms));

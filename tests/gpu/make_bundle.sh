@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Packs kvagentd and the GPU tests with every shared library they load (glibc and
-# its loader included) and UCX's modules into DIR, so they run on a GPU host that
-# has an NVIDIA driver but not Debian 12's packages. Run tests/gpu/run.sh --bundle DIR there.
+# Packs kvagentd, kvagentctl (for `demo --memory vram`; it finds kvagentd through
+# $KVAGENTD, which run.sh points at the wrapper) and the GPU tests with every shared
+# library they load (glibc and its loader included) and UCX's modules into DIR, so
+# they run on a GPU host that has an NVIDIA driver but not Debian 12's packages.
+# Run tests/gpu/run.sh --bundle DIR there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: make_bundle.sh DIR}
-bazel build //agent:kvagentd //tests/gpu:vram_test >/dev/null
+bazel build //agent:kvagentd //cli:kvagentctl //tests/gpu:vram_test >/dev/null
 bin=$(bazel info bazel-bin 2>/dev/null)
 rm -rf "$out" && mkdir -p "$out/bin" "$out/lib/ucx"
 cp "$bin/agent/kvagentd" "$out/bin/"
+cp "$bin/cli/kvagentctl" "$out/bin/"
 cp "$bin/tests/gpu/vram_test" "$out/bin/"
 for exe in "$out"/bin/*; do
   ldd "$exe" | awk '/=>/ {print $3} /ld-linux/ {print $1}' | while read -r lib; do

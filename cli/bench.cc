@@ -1,0 +1,921 @@
+#include "cli/bench.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "fmt/format.h"
+#include "proto/kvagent.pb.h"
+#include "registry/shm_mapping.h"
+#include "transport/base/format.h"
+
+extern char** environ;
+
+namespace kvagent::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = static_cast<size_t>(p / 100.0 * (v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+std::string SizeName(uint64_t bytes) {
+  if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) return fmt::format("{}M", bytes >> 20);
+  if (bytes >= (1 << 10) && bytes % (1 << 10) == 0) return fmt::format("{}K", bytes >> 10);
+  return fmt::format("{}", bytes);
+}
+
+// Agents this run started; their logs are shown when it fails.
+std::vector<std::string> g_agent_logs;
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "bench: %s: %s\n", what.c_str(), std::string(status.message()).c_str());
+  for (const auto& path : g_agent_logs) {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (text.size() > 3000) text = text.substr(text.size() - 3000);
+    std::fprintf(stderr, "---- %s (last lines)\n%s\n", path.c_str(), text.c_str());
+  }
+  return 1;
+}
+
+// ---- ucx_perftest: UCX's own ceiling between two processes on loopback ----
+
+// A port the kernel just handed out; ucx_perftest's server binds it a moment later.
+absl::StatusOr<int> FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError(fmt::format("socket(): {}", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InternalError(fmt::format("binding a loopback port for ucx_perftest: {}",
+                                           std::strerror(err)));
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// The binary as found on PATH (or as given, when it has a slash); empty when absent.
+std::string FindOnPath(const std::string& binary) {
+  if (binary.empty()) return "";
+  if (binary.find('/') != std::string::npos) return access(binary.c_str(), X_OK) == 0 ? binary : "";
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + binary;
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+// Starts `args` with stdout+stderr into `out_fd` (or /dev/null when -1).
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& args, int out_fd) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (out_fd >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, out_fd, STDOUT_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, out_fd, STDERR_FILENO);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  }
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    return absl::InternalError(fmt::format("starting {}: {}", args[0], std::strerror(rc)));
+  }
+  return pid;
+}
+
+// Waits for `pid` up to `timeout_ms`, then SIGKILLs it. Returns the wait status.
+int Reap(pid_t pid, int timeout_ms) {
+  int status = 0;
+  const auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (Clock::now() < until) {
+    if (waitpid(pid, &status, WNOHANG) == pid) return status;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return status;
+}
+
+// Runs the client once: its whole output, or an error when it failed or hung.
+absl::StatusOr<std::string> RunClient(const std::vector<std::string>& args, int timeout_ms) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    return absl::InternalError(fmt::format("pipe(): {}", std::strerror(errno)));
+  }
+  auto pid = Spawn(args, fds[1]);
+  ::close(fds[1]);
+  if (!pid.ok()) {
+    ::close(fds[0]);
+    return pid.status();
+  }
+  std::string out;
+  const auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  char buf[4096];
+  bool timed_out = false;
+  while (true) {
+    const int left = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count());
+    if (left <= 0) {
+      timed_out = true;
+      break;
+    }
+    pollfd p{fds[0], POLLIN, 0};
+    if (poll(&p, 1, left) <= 0) continue;
+    const ssize_t n = ::read(fds[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  const int status = Reap(*pid, timed_out ? 0 : 5000);
+  if (timed_out) {
+    return absl::DeadlineExceededError(
+        fmt::format("{} did not finish within {} ms", fmt::join(args, " "), timeout_ms));
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::InternalError(fmt::format("{} exited with status {}: {}", fmt::join(args, " "),
+                                           status, out.substr(out.size() > 400 ? out.size() - 400 : 0)));
+  }
+  return out;
+}
+
+// The "Final:" line's overall bandwidth: the columns are iterations, overhead
+// p50/average/overall (us), bandwidth average/overall (MB/s, where UCX's MB is
+// 2^20 bytes), message rate average/overall.
+absl::StatusOr<double> ParsePerftestGbps(const std::string& output) {
+  std::stringstream lines(output);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("Final:", 0) != 0) continue;
+    std::stringstream fields(line.substr(6));
+    std::vector<double> values;
+    double v;
+    while (fields >> v) values.push_back(v);
+    if (values.size() < 7) break;
+    return values[5] * 1048576.0 / 1e9;
+  }
+  return absl::InternalError(fmt::format(
+      "ucx_perftest printed no 'Final:' line with 8 numbers; its output ends: {}",
+      output.substr(output.size() > 400 ? output.size() - 400 : 0)));
+}
+
+class Perftest {
+ public:
+  Perftest(std::string binary, bool quick) : binary_(std::move(binary)), quick_(quick) {}
+  bool available() const { return !binary_.empty(); }
+
+  // GB/s of `test` (ucp_put_bw or ucp_get) at `size`, cached per (test, size);
+  // nullopt (with one line on stderr) when it could not be measured.
+  std::optional<double> Gbps(const std::string& test, uint64_t size) {
+    if (binary_.empty()) return std::nullopt;
+    const auto key = std::make_pair(test, size);
+    if (auto it = cache_.find(key); it != cache_.end()) return it->second;
+    auto gbps = Measure(test, size);
+    std::optional<double> result;
+    if (gbps.ok()) {
+      result = *gbps;
+    } else {
+      std::fprintf(stderr, "bench: ucx_perftest -t %s -s %lu: %s\n", test.c_str(),
+                   static_cast<unsigned long>(size), std::string(gbps.status().message()).c_str());
+    }
+    cache_[key] = result;
+    return result;
+  }
+
+ private:
+  absl::StatusOr<double> Measure(const std::string& test, uint64_t size) {
+    // Enough iterations to move a few hundred MiB, at least 3 of even the largest.
+    const uint64_t budget = quick_ ? (64ull << 20) : (512ull << 20);
+    const uint64_t iterations = std::clamp<uint64_t>(budget / size, 3, 20000);
+    const uint64_t warmup = std::max<uint64_t>(1, iterations / 10);
+    absl::Status last;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      auto port = FreePort();
+      if (!port.ok()) return port.status();
+      auto server = Spawn({binary_, "-p", std::to_string(*port)}, -1);
+      if (!server.ok()) return server.status();
+      // The server needs a moment to listen; a refused client exits at once, so
+      // retry it until it connects.
+      absl::StatusOr<std::string> out;
+      for (int tries = 0; tries < 40; ++tries) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(tries == 0 ? 30 : 50));
+        out = RunClient({binary_, "127.0.0.1", "-p", std::to_string(*port), "-t", test, "-s",
+                         std::to_string(size), "-n", std::to_string(iterations), "-w",
+                         std::to_string(warmup)},
+                        120000);
+        if (out.ok() || out.status().code() == absl::StatusCode::kDeadlineExceeded) break;
+        if (waitpid(*server, nullptr, WNOHANG) == *server) break;  // server gone: new port
+      }
+      Reap(*server, 3000);
+      if (out.ok()) return ParsePerftestGbps(*out);
+      last = out.status();
+    }
+    return last;
+  }
+
+  std::string binary_;
+  bool quick_;
+  std::map<std::pair<std::string, uint64_t>, std::optional<double>> cache_;
+};
+
+// ---- the sweep ----
+
+struct Cell {
+  v1::TransferOp op = v1::WRITE;
+  bool scattered = false;
+  uint64_t block = 0;
+  uint32_t batch = 0;
+};
+
+struct CellResult {
+  Cell cell;
+  uint64_t transfers = 0;
+  double gbps = 0, transfers_per_s = 0, avg_us = 0, p50_us = 0, p99_us = 0;
+  std::optional<double> notify_p50_us, notify_p99_us;
+  uint64_t notifications_missing = 0;
+  std::optional<double> perftest_gbps, memcpy_gbps;
+  uint64_t runs = 0;  // UCX/memcpy operations per transfer after coalescing
+  std::string data_path;  // the initiator's path to the target when the cell ran
+  bool verified = false;
+};
+
+// What one block size's cells share: the pool viewed as items of `block` bytes, the
+// region names, and the item orders the scattered pattern walks.
+struct Layout {
+  uint64_t block = 0;
+  uint64_t items = 0;
+  std::string group;
+  std::string region;
+  std::vector<uint64_t> local_order, remote_order;  // scattered: random permutations
+};
+
+// Indices of transfer `i`: contiguous runs of `batch` items at the same place on
+// both sides, or `batch` consecutive entries of the two permutations.
+void Indices(const Layout& layout, const Cell& cell, uint64_t i, std::vector<uint64_t>* local,
+             std::vector<uint64_t>* remote) {
+  local->clear();
+  remote->clear();
+  if (!cell.scattered) {
+    const uint64_t slots = layout.items / cell.batch;
+    const uint64_t start = (i % slots) * cell.batch;
+    for (uint64_t k = 0; k < cell.batch; ++k) {
+      local->push_back(start + k);
+      remote->push_back(start + k);
+    }
+    return;
+  }
+  for (uint64_t k = 0; k < cell.batch; ++k) {
+    const uint64_t at = (i * cell.batch + k) % layout.items;
+    local->push_back(layout.local_order[at]);
+    remote->push_back(layout.remote_order[at]);
+  }
+}
+
+// Memory of both pools as this process sees it: the agents' shm objects mapped here
+// when on this host, else private buffers (the memcpy baseline only; nothing verified).
+struct Pools {
+  std::string initiator_shm, target_shm;
+  registry::ShmMapping initiator_mapping, target_mapping;
+  uint8_t* initiator = nullptr;
+  uint8_t* target = nullptr;
+  bool shared = false;  // the agents' own memory: results can be verified
+  std::vector<void*> private_buffers;
+  uint64_t bytes = 0;
+  ~Pools() {
+    for (void* p : private_buffers) munmap(p, bytes);
+  }
+};
+
+// Writes a buffer larger than the last-level cache, so the next copy starts cold.
+class CacheEvictor {
+ public:
+  explicit CacheEvictor(uint64_t bytes) : buffer_(bytes, 1) {}
+  void Evict() {
+    ++round_;
+    for (size_t i = 0; i < buffer_.size(); i += 64) buffer_[i] = static_cast<uint8_t>(round_ + i);
+  }
+
+ private:
+  std::vector<uint8_t> buffer_;
+  uint64_t round_ = 0;
+};
+
+struct WatchState {
+  absl::Mutex mu;
+  std::map<std::string, Clock::time_point> seen ABSL_GUARDED_BY(mu);
+  bool ended ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+class Bench {
+ public:
+  Bench(const BenchOptions& options, AgentClient& initiator, std::string target_address,
+        std::string peer, Pools& pools, Perftest& perftest)
+      : options_(options),
+        initiator_(initiator),
+        target_address_(std::move(target_address)),
+        peer_(std::move(peer)),
+        pools_(pools),
+        perftest_(perftest),
+        evictor_(64ull << 20),
+        prefix_(fmt::format("bench{}.", getpid())) {}
+
+  absl::StatusOr<CellResult> Run(const Layout& layout, const Cell& cell) {
+    CellResult result;
+    result.cell = cell;
+    const std::string base = fmt::format("{}{}.", prefix_, cell_number_++);
+    const bool write = cell.op == v1::WRITE;
+    std::vector<uint64_t> local, remote;
+
+    // WRITE: the target's notifications, timed when they reach a client of the
+    // target agent, as a decode worker sees them.
+    auto watch = std::make_shared<WatchState>();
+    std::optional<std::thread> watcher;
+    const std::string end_id = base + "end";
+    if (write) {
+      watcher.emplace([watch, address = target_address_, end_id] {
+        AgentClient client(address);
+        absl::Status status = client.WatchNotifications(
+            {}, 30 * 60 * 1000, [&](const v1::Notification& n) {
+              absl::MutexLock lock(&watch->mu);
+              watch->seen.emplace(n.transfer_id(), Clock::now());
+              return n.transfer_id() != end_id;
+            });
+        absl::MutexLock lock(&watch->mu);
+        watch->ended = true;
+        watch->status = status;
+      });
+    }
+    auto finish_watcher = [&](bool wait) {
+      if (!watcher) return;
+      bool ended;
+      {
+        absl::MutexLock lock(&watch->mu);
+        if (wait) {
+          watch->mu.AwaitWithTimeout(absl::Condition(+[](bool* e) { return *e; }, &watch->ended),
+                                     absl::Seconds(10));
+        }
+        ended = watch->ended;
+      }
+      if (ended) {
+        watcher->join();
+      } else {
+        watcher->detach();  // it holds its own state and ends with its stream
+      }
+      watcher.reset();
+    };
+
+    // Warm-up: maps and registrations in place, and (WRITE) the notification
+    // stream open before anything is timed. The last one carries the notification
+    // waited for below.
+    for (int w = 0; w < 3; ++w) {
+      Indices(layout, cell, w, &local, &remote);
+      const std::string id = w == 2 ? base + "warmup" : fmt::format("{}warmup{}", base, w);
+      if (auto s = Transfer(layout, cell, id, local, remote, write); !s.ok()) {
+        finish_watcher(false);
+        return s.status();
+      }
+    }
+    if (auto peers = initiator_.Peers(); peers.ok()) {
+      for (const auto& p : peers->peers()) {
+        if (p.name() == peer_) result.data_path = p.data_path();
+      }
+    }
+    if (write) {
+      const std::string warm = base + "warmup";
+      absl::Status why;
+      bool seen = false;
+      {
+        absl::MutexLock lock(&watch->mu);
+        struct Arg {
+          WatchState* w;
+          const std::string* id;
+        } arg{watch.get(), &warm};
+        watch->mu.AwaitWithTimeout(
+            absl::Condition(+[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return a->w->ended || a->w->seen.count(*a->id) > 0;
+            }, &arg),
+            absl::Seconds(10));
+        seen = watch->seen.count(warm) > 0;
+        why = watch->status;
+      }
+      if (!seen) {
+        finish_watcher(false);
+        return absl::DeadlineExceededError(fmt::format(
+            "the target agent at {} delivered no notification for '{}' within 10 s{}; check "
+            "its log", target_address_, warm, why.ok() ? "" : fmt::format(" ({})", why.message())));
+      }
+    }
+
+    const double target_s = options_.quick ? 0.1 : 0.3;
+    const uint64_t min_transfers = options_.quick ? 5 : 20;
+    const uint64_t max_transfers = 100000;
+    std::vector<double> latencies;
+    std::vector<std::pair<std::string, Clock::time_point>> submitted;
+    const auto start = Clock::now();
+    for (uint64_t i = 0; i < max_transfers; ++i) {
+      if (i >= min_transfers && Seconds(Clock::now() - start) >= target_s) break;
+      Indices(layout, cell, i, &local, &remote);
+      const std::string id = fmt::format("{}{}", base, i);
+      const auto t0 = Clock::now();
+      auto state = Transfer(layout, cell, id, local, remote, write);
+      const auto t1 = Clock::now();
+      if (!state.ok()) {
+        finish_watcher(false);
+        return state.status();
+      }
+      result.runs = state->runs();
+      latencies.push_back(Micros(t1 - t0));
+      if (write) submitted.emplace_back(id, t0);
+    }
+    const double seconds = Seconds(Clock::now() - start);
+    result.transfers = latencies.size();
+    const double bytes = static_cast<double>(result.transfers) * cell.batch * cell.block;
+    result.gbps = bytes / seconds / 1e9;
+    result.transfers_per_s = result.transfers / seconds;
+    result.avg_us = std::accumulate(latencies.begin(), latencies.end(), 0.0) / latencies.size();
+    result.p50_us = Percentile(latencies, 50);
+    result.p99_us = Percentile(latencies, 99);
+
+    // One more transfer whose destination was scribbled first: its bytes must
+    // equal the source afterwards. For WRITE it also ends the notification stream.
+    Indices(layout, cell, result.transfers, &local, &remote);
+    if (pools_.shared) Scribble(layout, cell, local, remote);
+    if (auto s = Transfer(layout, cell, end_id, local, remote, write); !s.ok()) {
+      finish_watcher(false);
+      return s.status();
+    }
+    result.verified = pools_.shared && Verify(layout, cell, local, remote);
+    if (write) {
+      finish_watcher(true);
+      std::vector<double> notify;
+      absl::MutexLock lock(&watch->mu);
+      for (const auto& [id, t0] : submitted) {
+        auto it = watch->seen.find(id);
+        if (it == watch->seen.end()) {
+          ++result.notifications_missing;
+        } else {
+          notify.push_back(Micros(it->second - t0));
+        }
+      }
+      if (!notify.empty()) {
+        result.notify_p50_us = Percentile(notify, 50);
+        result.notify_p99_us = Percentile(notify, 99);
+      }
+    }
+
+    result.memcpy_gbps = Memcpy(layout, cell, result.transfers);
+    const uint64_t perftest_size = cell.scattered ? cell.block : cell.block * cell.batch;
+    result.perftest_gbps = perftest_.Gbps(write ? "ucp_put_bw" : "ucp_get", perftest_size);
+    return result;
+  }
+
+ private:
+  absl::StatusOr<v1::TransferState> Transfer(const Layout& layout, const Cell& cell,
+                                             const std::string& id,
+                                             const std::vector<uint64_t>& local,
+                                             const std::vector<uint64_t>& remote, bool notify) {
+    v1::SubmitTransferRequest request;
+    request.set_transfer_id(id);
+    request.set_peer(peer_);
+    request.set_op(cell.op);
+    request.set_timeout_ms(options_.timeout_ms);
+    if (notify) request.set_notification("bench");
+    auto* segment = request.add_segments()->mutable_items();
+    segment->set_local_group(layout.group);
+    segment->set_remote_group(layout.group);
+    for (uint64_t i : local) segment->add_local_indices(i);
+    for (uint64_t i : remote) segment->add_remote_indices(i);
+    auto state = initiator_.Submit(request);
+    if (!state.ok()) return state.status();
+    // Back-to-back GetTransfer calls: measured here, they see completion sooner than
+    // opening a WatchTransfer stream per transfer (about 500 against 750 us for one
+    // 4 KiB page), and each call waits on the network, so this does not spin a core.
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms + 5000);
+    while (state->phase() == v1::PENDING || state->phase() == v1::TRANSFERRING) {
+      if (Clock::now() > deadline) {
+        return absl::DeadlineExceededError(fmt::format(
+            "transfer '{}' still {} after {} ms; check the agents' logs", id,
+            v1::TransferPhase_Name(state->phase()), options_.timeout_ms + 5000));
+      }
+      state = initiator_.Get(id);
+      if (!state.ok()) return state.status();
+    }
+    if (state->phase() != v1::COMPLETED) {
+      return absl::InternalError(fmt::format(
+          "transfer '{}' ({} x {} bytes, {}) ended {}: {}", id, cell.batch, cell.block,
+          v1::TransferOp_Name(cell.op), v1::TransferPhase_Name(state->phase()),
+          state->error_message()));
+    }
+    return state;
+  }
+
+  // The (source, destination) bases: WRITE moves initiator -> target pages,
+  // READ target -> initiator; local indices address the initiator.
+  std::pair<uint8_t*, uint8_t*> Ends(const Cell& cell) const {
+    return cell.op == v1::WRITE ? std::make_pair(pools_.initiator, pools_.target)
+                                : std::make_pair(pools_.target, pools_.initiator);
+  }
+
+  void Scribble(const Layout& layout, const Cell& cell, const std::vector<uint64_t>& local,
+                const std::vector<uint64_t>& remote) {
+    uint8_t* dst = Ends(cell).second;
+    const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+    for (uint64_t i : dst_idx) std::memset(dst + i * layout.block, 0xEE, layout.block);
+  }
+
+  bool Verify(const Layout& layout, const Cell& cell, const std::vector<uint64_t>& local,
+              const std::vector<uint64_t>& remote) {
+    auto [src, dst] = Ends(cell);
+    const auto& src_idx = cell.op == v1::WRITE ? local : remote;
+    const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+    for (size_t k = 0; k < src_idx.size(); ++k) {
+      if (std::memcmp(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
+                      layout.block) != 0) {
+        std::fprintf(stderr, "bench: %s %s block %lu: destination item %lu differs from source %lu\n",
+                     v1::TransferOp_Name(cell.op).c_str(), cell.scattered ? "scattered" : "contiguous",
+                     static_cast<unsigned long>(layout.block), static_cast<unsigned long>(dst_idx[k]),
+                     static_cast<unsigned long>(src_idx[k]));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // One thread copies the same page lists the agents moved, from a cold cache each
+  // time (the eviction is not timed); the one-host ceiling.
+  std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    auto [src, dst] = Ends(cell);
+    if (src == nullptr || dst == nullptr) return std::nullopt;
+    const uint64_t max_reps = options_.quick ? 10 : 30;
+    const uint64_t max_bytes = options_.quick ? (256ull << 20) : (2ull << 30);
+    std::vector<uint64_t> local, remote;
+    double seconds = 0, bytes = 0;
+    for (uint64_t i = 0; i < std::max<uint64_t>(transfers, 1); ++i) {
+      if (i >= max_reps || (i >= 3 && bytes >= max_bytes)) break;
+      Indices(layout, cell, i, &local, &remote);
+      const auto& src_idx = cell.op == v1::WRITE ? local : remote;
+      const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+      evictor_.Evict();
+      const auto t0 = Clock::now();
+      for (size_t k = 0; k < src_idx.size(); ++k) {
+        std::memcpy(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block, layout.block);
+      }
+      seconds += Seconds(Clock::now() - t0);
+      bytes += static_cast<double>(src_idx.size()) * layout.block;
+    }
+    if (seconds <= 0) return std::nullopt;
+    return bytes / seconds / 1e9;
+  }
+
+  const BenchOptions& options_;
+  AgentClient& initiator_;
+  std::string target_address_;
+  std::string peer_;
+  Pools& pools_;
+  Perftest& perftest_;
+  CacheEvictor evictor_;
+  std::string prefix_;
+  uint64_t cell_number_ = 0;
+};
+
+// ---- output ----
+
+std::string Opt(const std::optional<double>& v, const char* format = "{:.3f}") {
+  return v ? fmt::format(fmt::runtime(format), *v) : "null";
+}
+
+std::optional<double> Ratio(double num, const std::optional<double>& den) {
+  if (!den || *den <= 0) return std::nullopt;
+  return num / *den;
+}
+
+std::string JsonLine(const CellResult& r) {
+  return fmt::format(
+      "{{\"op\": \"{}\", \"pattern\": \"{}\", \"block_bytes\": {}, \"batch\": {}, "
+      "\"transfers\": {}, \"gbps\": {:.3f}, \"transfers_per_s\": {:.1f}, \"avg_us\": {:.1f}, "
+      "\"p50_us\": {:.1f}, \"p99_us\": {:.1f}, \"notify_p50_us\": {}, \"notify_p99_us\": {}, "
+      "\"perftest_gbps\": {}, \"memcpy_gbps\": {}, \"ratio_perftest\": {}, \"ratio_memcpy\": {}, "
+      "\"data_path\": \"{}\", \"runs\": {}, \"verified\": {}}}",
+      v1::TransferOp_Name(r.cell.op), r.cell.scattered ? "scattered" : "contiguous", r.cell.block,
+      r.cell.batch, r.transfers, r.gbps, r.transfers_per_s, r.avg_us, r.p50_us, r.p99_us,
+      Opt(r.notify_p50_us, "{:.1f}"), Opt(r.notify_p99_us, "{:.1f}"), Opt(r.perftest_gbps),
+      Opt(r.memcpy_gbps), Opt(Ratio(r.gbps, r.perftest_gbps)), Opt(Ratio(r.gbps, r.memcpy_gbps)),
+      r.data_path, r.runs, r.verified ? "true" : "false");
+}
+
+constexpr const char* kHeader =
+    "{:<5} {:<10} {:>5} {:>5} {:>6} {:>7} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} "
+    "{:>6} {:>6} {:>3} {}";
+
+std::string Cellf(const std::optional<double>& v, const char* format) {
+  return v ? fmt::format(fmt::runtime(format), *v) : "-";
+}
+
+std::string TableLine(const CellResult& r) {
+  return fmt::format(fmt::runtime(kHeader), v1::TransferOp_Name(r.cell.op),
+                     r.cell.scattered ? "scattered" : "contig", SizeName(r.cell.block), r.cell.batch,
+                     r.transfers, fmt::format("{:.2f}", r.gbps),
+                     fmt::format("{:.0f}", r.transfers_per_s), fmt::format("{:.0f}", r.avg_us),
+                     fmt::format("{:.0f}", r.p50_us), fmt::format("{:.0f}", r.p99_us),
+                     Cellf(r.notify_p50_us, "{:.0f}"), Cellf(r.notify_p99_us, "{:.0f}"),
+                     Cellf(r.perftest_gbps, "{:.2f}"), Cellf(r.memcpy_gbps, "{:.2f}"),
+                     Cellf(Ratio(r.gbps, r.perftest_gbps), "{:.2f}"),
+                     Cellf(Ratio(r.gbps, r.memcpy_gbps), "{:.2f}"), r.verified ? "yes" : "NO",
+                     r.data_path);
+}
+
+void Progress(size_t done, size_t total, const std::string& what) {
+  if (!isatty(STDERR_FILENO)) return;
+  const int width = 30;
+  const int filled = total ? static_cast<int>(width * done / total) : width;
+  std::fprintf(stderr, "\r[%s%s] %zu/%zu %-40s", std::string(filled, '#').c_str(),
+               std::string(width - filled, ' ').c_str(), done, total, what.c_str());
+  if (done == total) std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+}
+
+// Allocates one shm object of `bytes` on each agent and maps both here.
+absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t bytes,
+                       const std::string& label, Pools* pools) {
+  pools->bytes = bytes;
+  auto a = initiator.Allocate(label + "i", bytes);
+  if (!a.ok()) return a.status();
+  auto b = target.Allocate(label + "t", bytes);
+  if (!b.ok()) return b.status();
+  pools->initiator_shm = a->shm_name();
+  pools->target_shm = b->shm_name();
+  auto mi = registry::ShmMapping::Open(pools->initiator_shm, 0, bytes, label + "initiator");
+  auto mt = registry::ShmMapping::Open(pools->target_shm, 0, bytes, label + "target");
+  if (mi.ok() && mt.ok()) {
+    pools->initiator_mapping = *std::move(mi);
+    pools->target_mapping = *std::move(mt);
+    pools->initiator = static_cast<uint8_t*>(pools->initiator_mapping.data());
+    pools->target = static_cast<uint8_t*>(pools->target_mapping.data());
+    pools->shared = true;
+  } else {
+    // Agents on another host: private buffers stand in for the memcpy baseline.
+    std::fprintf(stderr, "bench: the agents' pools are not mappable here (%s); the memcpy "
+                 "baseline uses private buffers and bytes are not verified\n",
+                 std::string((mi.ok() ? mt.status() : mi.status()).message()).c_str());
+    for (uint8_t** p : {&pools->initiator, &pools->target}) {
+      void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                     -1, 0);
+      if (m == MAP_FAILED) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "mmap of {} bytes for the memcpy baseline: {}; lower --pool-mib", bytes,
+            std::strerror(errno)));
+      }
+      pools->private_buffers.push_back(m);
+      *p = static_cast<uint8_t*>(m);
+    }
+  }
+  // Distinct contents on the two sides, so a copy that did not happen shows.
+  auto* wi = reinterpret_cast<uint64_t*>(pools->initiator);
+  auto* wt = reinterpret_cast<uint64_t*>(pools->target);
+  for (uint64_t w = 0; w < bytes / 8; ++w) {
+    wi[w] = w * 0x9E3779B97F4A7C15ull;
+    wt[w] = ~w * 0xBF58476D1CE4E5B9ull;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegisterLayout(AgentClient& agent, const std::string& shm, const Layout& layout) {
+  v1::RegisterRegionsRequest request;
+  auto* spec = request.add_regions();
+  spec->set_name(layout.region);
+  spec->set_kind(v1::KV);
+  spec->set_group(layout.group);
+  spec->set_memory(v1::DRAM);
+  spec->set_length(layout.items * layout.block);
+  spec->mutable_layout()->set_num_items(layout.items);
+  spec->mutable_layout()->set_item_bytes(layout.block);
+  spec->mutable_shm()->set_name(shm);
+  spec->mutable_shm()->set_offset(0);
+  return agent.Register(request).status();
+}
+
+}  // namespace
+
+int RunBench(const BenchOptions& options) {
+  std::optional<DaemonProcess> initiator_daemon, target_daemon;
+  std::string initiator_address = options.initiator_address;
+  std::string target_address = options.target_address;
+  std::string work_dir;
+  if (initiator_address.empty() != target_address.empty()) {
+    return Fail("arguments", absl::InvalidArgumentError(
+                                 "give both --initiator and --target, or neither to start two agents"));
+  }
+  const uint64_t pool_bytes = options.pool_mib << 20;
+  if (options.pool_mib == 0) {
+    return Fail("arguments", absl::InvalidArgumentError("--pool-mib must be at least 1"));
+  }
+  const std::vector<uint64_t> blocks = options.quick
+                                           ? std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20}
+                                           : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 4 << 20};
+  const std::vector<uint32_t> batches =
+      options.quick ? std::vector<uint32_t>{1, 64} : std::vector<uint32_t>{1, 16, 64, 256};
+
+  if (initiator_address.empty()) {
+    std::string binary = options.kvagentd;
+    if (binary.empty()) {
+      auto found = FindKvagentd(options.argv0);
+      if (!found.ok()) return Fail("finding kvagentd", found.status());
+      binary = *found;
+    }
+    if (const char* tmp = std::getenv("TEST_TMPDIR")) {
+      work_dir = fmt::format("{}/bench.{}", tmp, getpid());
+      std::filesystem::create_directories(work_dir);
+    } else {
+      char pattern[] = "/tmp/kvagent-bench.XXXXXX";
+      work_dir = mkdtemp(pattern);
+    }
+    for (auto [name, slot] :
+         {std::pair{"initiator", &initiator_daemon}, {"target", &target_daemon}}) {
+      DaemonOptions d;
+      d.binary = binary;
+      d.name = name;
+      d.work_dir = work_dir;
+      d.extra_args = {"--log-level", "warn"};
+      if (!options.shm_direct) {
+        d.extra_args.push_back("--shm-direct");
+        d.extra_args.push_back("off");
+      }
+      auto started = DaemonProcess::Start(d);
+      if (!started.ok()) return Fail(fmt::format("starting agent '{}'", name), started.status());
+      *slot = *std::move(started);
+      g_agent_logs.push_back((*slot)->log_path());
+    }
+    initiator_address = initiator_daemon->address();
+    target_address = target_daemon->address();
+  }
+
+  AgentClient initiator(initiator_address, options.timeout_ms), target(target_address, options.timeout_ms);
+  for (auto* c : {&initiator, &target}) {
+    if (auto s = c->WaitReady(10000); !s.ok()) return Fail("waiting for agent", s);
+  }
+  const std::string label = fmt::format("bench{}", getpid());
+  Pools pools;
+  if (auto s = MakePools(initiator, target, pool_bytes, label, &pools); !s.ok()) {
+    return Fail("allocating the pools", s);
+  }
+  auto peer = initiator.Connect(target_address);
+  if (!peer.ok()) return Fail("connecting initiator to target", peer.status());
+
+  Perftest perftest(FindOnPath(options.perftest), options.quick);
+  std::string ucx_tls = std::getenv("UCX_TLS") ? std::getenv("UCX_TLS") : "default";
+  if (!options.json) {
+    std::printf("kvagent bench: initiator %s -> target %s ('%s'), UCX transports %s "
+                "(error mode %s), UCX_TLS=%s, pool %lu MiB per agent%s\n",
+                initiator_address.c_str(), target_address.c_str(), peer->name().c_str(),
+                peer->transports().c_str(), peer->error_mode().c_str(),
+                ucx_tls.c_str(), static_cast<unsigned long>(options.pool_mib),
+                options.quick ? ", quick" : "");
+    if (!perftest.available()) {
+      std::printf("ucx_perftest not found (%s): the perftest columns stay empty\n",
+                  options.perftest.c_str());
+    }
+    std::printf("GB/s = 1e9 bytes/s; latency in us, submit -> COMPLETED seen by the client; "
+                "notify = submit -> the target's client sees the notification (WRITE)\n\n");
+    std::printf("%s\n", fmt::format(fmt::runtime(kHeader), "op", "pattern", "block", "batch", "xfers",
+                                    "GB/s", "xfer/s", "avg_us", "p50_us", "p99_us", "ntf_p50",
+                                    "ntf_p99", "pt_GB/s", "mc_GB/s", "x_pt", "x_mc", "ok", "path")
+                            .c_str());
+  } else if (!perftest.available()) {
+    std::fprintf(stderr, "bench: ucx_perftest not found (%s): perftest_gbps is null\n",
+                 options.perftest.c_str());
+  }
+  std::fflush(stdout);
+
+  Bench bench(options, initiator, target_address, peer->name(), pools, perftest);
+  std::mt19937_64 rng(options.seed);
+  size_t total = 0;
+  for (uint64_t block : blocks) {
+    for (uint32_t batch : batches) total += (batch <= pool_bytes / block ? 4 : 0);
+  }
+  size_t done = 0;
+  bool all_verified = true;
+  for (uint64_t block : blocks) {
+    Layout layout;
+    layout.block = block;
+    layout.items = pool_bytes / block;
+    if (layout.items == 0) continue;
+    layout.group = fmt::format("{}.b{}", label, SizeName(block));
+    layout.region = layout.group + ".r";
+    layout.local_order.resize(layout.items);
+    std::iota(layout.local_order.begin(), layout.local_order.end(), 0);
+    layout.remote_order = layout.local_order;
+    std::shuffle(layout.local_order.begin(), layout.local_order.end(), rng);
+    std::shuffle(layout.remote_order.begin(), layout.remote_order.end(), rng);
+    // One block size at a time over the whole pool: the registry refuses
+    // overlapping regions of one object, and every size gets the full pool.
+    if (auto s = RegisterLayout(initiator, pools.initiator_shm, layout); !s.ok()) {
+      return Fail(fmt::format("registering {} on the initiator", layout.region), s);
+    }
+    if (auto s = RegisterLayout(target, pools.target_shm, layout); !s.ok()) {
+      return Fail(fmt::format("registering {} on the target", layout.region), s);
+    }
+    // Let both agents' peer monitors (every --peer-refresh-ms, 200 by default) see
+    // the new regions and map them, so no refresh lands inside a timed transfer.
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    for (uint32_t batch : batches) {
+      if (batch > layout.items) {
+        std::fprintf(stderr, "bench: skipping %s x %u: the %lu MiB pool holds %lu blocks; raise "
+                     "--pool-mib\n", SizeName(block).c_str(), batch,
+                     static_cast<unsigned long>(options.pool_mib),
+                     static_cast<unsigned long>(layout.items));
+        continue;
+      }
+      for (v1::TransferOp op : {v1::WRITE, v1::READ}) {
+        for (bool scattered : {false, true}) {
+          Cell cell{op, scattered, block, batch};
+          Progress(done, total, fmt::format("{} {} {} x {}", v1::TransferOp_Name(op),
+                                            scattered ? "scattered" : "contiguous", SizeName(block),
+                                            batch));
+          auto result = bench.Run(layout, cell);
+          if (!result.ok()) {
+            return Fail(fmt::format("{} {} {} x {}", v1::TransferOp_Name(op),
+                                    scattered ? "scattered" : "contiguous", SizeName(block), batch),
+                        result.status());
+          }
+          ++done;
+          if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\r%80s\r", "");
+          all_verified = all_verified && (result->verified || !pools.shared);
+          const std::string line =
+              options.json ? JsonLine(*result) : TableLine(*result);
+          std::printf("%s\n", line.c_str());
+          if (result->notifications_missing > 0) {
+            std::fprintf(stderr, "bench: %lu of %lu notifications did not arrive\n",
+                         static_cast<unsigned long>(result->notifications_missing),
+                         static_cast<unsigned long>(result->transfers));
+          }
+          std::fflush(stdout);
+        }
+      }
+    }
+    (void)initiator.Deregister({layout.region});
+    (void)target.Deregister({layout.region});
+  }
+  Progress(total, total, "done");
+  if (initiator_daemon) {
+    (void)initiator_daemon->Stop();
+    (void)target_daemon->Stop();
+    std::error_code ignored;
+    std::filesystem::remove_all(work_dir, ignored);
+  }
+  if (!all_verified) {
+    std::fprintf(stderr, "bench: some cells' destination bytes differ from their source\n");
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace kvagent::cli

@@ -1,0 +1,29 @@
+// `kvagentctl bench`: moves blocks between two kvagentd through the real gRPC API,
+// sweeping block size x batch x op x pattern, beside ucx_perftest and a plain memcpy
+// of the same pages measured in the same run. docs/BENCHMARKS.md shows its output.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kvagent::cli {
+
+struct BenchOptions {
+  std::string argv0;
+  std::string kvagentd;           // empty: FindKvagentd
+  std::string initiator_address;  // both empty: start two agents here
+  std::string target_address;
+  bool quick = false;             // fewer sizes, batches and transfers (under a minute)
+  bool json = false;              // one JSON object per cell per line instead of a table
+  uint64_t pool_mib = 1024;       // per agent; every block size reuses the whole pool
+  bool shm_direct = true;         // agents started here copy same-host data directly
+  uint32_t timeout_ms = 60000;    // per transfer
+  std::string perftest = "ucx_perftest";  // empty: skip the UCX baseline
+  uint64_t seed = 42;
+};
+
+// Returns the process exit code: 0 when every cell ran and its last transfer's bytes
+// checked out.
+int RunBench(const BenchOptions& options);
+
+}  // namespace kvagent::cli
