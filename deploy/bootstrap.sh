@@ -95,6 +95,8 @@ fi
 
 # VRAM support compiles against CUDA headers only (the driver is loaded at run time).
 if [[ ! -f /usr/local/cuda/include/cuda.h ]]; then
-  log "WARN: /usr/local/cuda/include/cuda.h not found: VRAM (CUDA IPC) code needs the" \
-      "CUDA headers at /usr/local/cuda. DRAM transfers, the demo and the tests still build and run."
+  log "WARN: /usr/local/cuda/include/cuda.h not found: the build compiles the VRAM (CUDA IPC)" \
+      "code against the CUDA toolkit's headers at /usr/local/cuda (headers only; no GPU or" \
+      "driver needed) and will fail without them. Debian's repositories do not carry them:" \
+      "install NVIDIA's CUDA toolkit, or point /usr/local/cuda at a copy of its include/ folder."
 fi
