@@ -84,6 +84,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);
   agent->engine_->Start();
+  // A lost peer fails its transfers at once instead of at their deadline. The engine
+  // outlives the peer manager's callers: peers stop in Shutdown, before the engine
+  // is destroyed.
+  agent->peers_->SetLossListener(
+      [engine = agent->engine_.get()](const PeerLoss& loss) { engine->FailPeer(loss); });
 
   ServiceDeps deps{&agent->identity_,      agent->context_.get(),       agent->worker_.get(),
                    agent->registry_.get(), agent->peers_.get(),         agent->engine_.get(),

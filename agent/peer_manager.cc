@@ -17,16 +17,30 @@ constexpr log::Logger kLog("peers");
 void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
 }
+
+// gRPC's default reconnect backoff grows to 120 s; a peer restarted on the same
+// address would then look dead for minutes. A poll fails fast while the channel
+// backs off, so keep the backoff near the poll period.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
 }  // namespace
 
 PeerManager::PeerManager(transport::UcxWorker* worker, PeerManagerOptions options)
-    : worker_(worker), options_(std::move(options)) {}
+    : worker_(worker), options_(std::move(options)) {
+  absl::MutexLock lock(&guard_->mu);
+  guard_->manager = this;
+}
 
 PeerManager::~PeerManager() { Stop(); }
 
 void PeerManager::Connect(const std::string& address,
                           std::function<void(absl::StatusOr<v1::PeerInfo>)> done) {
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  auto channel = MakeChannel(address);
   struct Call {
     grpc::ClientContext context;
     v1::GetMetadataRequest request;
@@ -71,7 +85,8 @@ void PeerManager::Connect(const std::string& address,
 void PeerManager::BuildSnapshot(
     const std::string& address, const v1::AgentMetadata& metadata,
     std::shared_ptr<const PeerSnapshot> previous,
-    std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done) {
+    std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done,
+    bool reuse_endpoint) {
   auto catalog = registry::RemoteCatalog::FromMetadata(metadata);
   if (!catalog.ok()) {
     done(absl::Status(catalog.status().code(),
@@ -102,9 +117,10 @@ void PeerManager::BuildSnapshot(
   std::vector<std::string> rkeys;
   rkeys.reserve(metadata.regions_size());
   for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
-  worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys),
-                 done = std::move(done)]() mutable {
-    const bool reused = previous && previous->incarnation == snapshot->incarnation &&
+  worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys), done = std::move(done),
+                 reuse_endpoint]() mutable {
+    const bool reused = reuse_endpoint && previous &&
+                        previous->incarnation == snapshot->incarnation &&
                         previous->worker_address == snapshot->worker_address &&
                         previous->error_mode == snapshot->error_mode;
     if (reused) {
@@ -112,10 +128,17 @@ void PeerManager::BuildSnapshot(
       snapshot->transports = previous->transports;
     } else {
       const std::string name = snapshot->name;
+      const uint64_t incarnation = snapshot->incarnation;
+      // kPeer mode only: UCX saw the peer fail (often before the next poll does).
       auto endpoint = transport::Endpoint::Connect(
           *worker_, snapshot->worker_address, snapshot->error_mode,
-          [name](absl::Status status) {
+          [guard = guard_, name, incarnation](absl::Status status) {
             kLog.Warn("peer '{}' endpoint failed: {}", name, status.message());
+            absl::MutexLock lock(&guard->mu);
+            if (guard->manager == nullptr) return;
+            guard->manager->MarkUnreachable(
+                name, incarnation, fmt::format("its UCX endpoint failed: {}", status.message()),
+                /*endpoint_failed=*/true);
           });
       if (!endpoint.ok()) {
         done(absl::Status(endpoint.status().code(),
@@ -245,16 +268,39 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
 
 void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
                           std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version) {
-  absl::MutexLock lock(&mu_);
+  std::optional<PeerLoss> restarted;
+  {
+    absl::MutexLock lock(&mu_);
+    restarted = InstallLocked(address, std::move(channel), std::move(snapshot), version);
+  }
+  if (restarted) NotifyLoss(*restarted);
+}
+
+std::optional<PeerLoss> PeerManager::InstallLocked(const std::string& address,
+                                                   std::shared_ptr<grpc::Channel> channel,
+                                                   std::shared_ptr<const PeerSnapshot> snapshot,
+                                                   uint64_t version) {
   Peer& peer = peers_[snapshot->name];
   // Two refreshes may race; never go back to an older view of the same incarnation.
   if (peer.snapshot && peer.snapshot->incarnation == snapshot->incarnation &&
       peer.version > version) {
-    return;
+    return std::nullopt;
+  }
+  std::optional<PeerLoss> restarted;
+  if (peer.snapshot && peer.snapshot->incarnation != snapshot->incarnation) {
+    restarted = PeerLoss{
+        snapshot->name,
+        absl::UnavailableError(fmt::format(
+            "peer '{}' restarted (incarnation {:x} at {} -> {:x} at {}): the old process's "
+            "memory is gone; register the new process's pool and submit again",
+            snapshot->name, peer.snapshot->incarnation, peer.snapshot->address,
+            snapshot->incarnation, address)),
+        snapshot->incarnation};
+    kLog.Warn("{}", restarted->cause.message());
   }
   if (!peer.snapshot || peer.snapshot->address != address || !peer.stub) {
     peer.channel = std::move(channel);
-    peer.stub = v1::Peer::NewStub(peer.channel);
+    peer.stub = std::shared_ptr<v1::Peer::Stub>(v1::Peer::NewStub(peer.channel));
   }
   const bool changed = !peer.snapshot || peer.version != version ||
                        peer.snapshot->incarnation != snapshot->incarnation;
@@ -270,7 +316,42 @@ void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Chan
   peer.version = version;
   peer.state = "connected";
   peer.last_error.clear();
+  peer.endpoint_failed = false;
   peer.last_seen_us = MonotonicMicros();
+  return restarted;
+}
+
+void PeerManager::MarkUnreachable(const std::string& name, uint64_t incarnation,
+                                  const std::string& error, bool endpoint_failed) {
+  std::string address;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    Peer& peer = it->second;
+    // A late report about an incarnation that was replaced meanwhile.
+    if (incarnation != 0 && peer.snapshot->incarnation != incarnation) return;
+    address = peer.snapshot->address;
+    if (peer.state == "connected") {
+      kLog.Warn("peer '{}' at {} stopped answering: {}", name, address, error);
+    }
+    peer.state = "unreachable";
+    peer.last_error = error;
+    peer.endpoint_failed = peer.endpoint_failed || endpoint_failed;
+  }
+  // Every time, not only on the first failure: a transfer submitted just before the
+  // peer was marked is caught by the next failed poll.
+  NotifyLoss(PeerLoss{
+      name,
+      absl::UnavailableError(fmt::format(
+          "peer '{}' at {} stopped answering: {}; check that its kvagentd runs (`kvagentctl "
+          "--agent {} status`), then submit again (ConnectPeer its new address if it moved)",
+          name, address, error, address)),
+      0});
+}
+
+void PeerManager::NotifyLoss(const PeerLoss& loss) const {
+  if (loss_listener_) loss_listener_(loss);
 }
 
 void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl::Status)> done) {
@@ -282,7 +363,7 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
     std::shared_ptr<grpc::Channel> channel;
   };
   auto call = std::make_shared<Call>();
-  v1::Peer::Stub* stub = nullptr;
+  std::shared_ptr<v1::Peer::Stub> stub;
   {
     absl::ReaderMutexLock lock(&mu_);
     auto it = peers_.find(name);
@@ -294,13 +375,13 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
     call->channel = it->second.channel;
     call->request.set_known_version(it->second.version);
     call->request.set_known_incarnation(call->previous->incarnation);
-    stub = it->second.stub.get();
+    stub = it->second.stub;
   }
   call->request.set_caller(options_.self_name);
   SetDeadline(&call->context, options_.connect_timeout_ms);
   stub->async()->GetMetadata(
       &call->context, &call->request, &call->reply,
-      [this, call, name, done = std::move(done)](grpc::Status status) {
+      [this, call, stub, name, done = std::move(done)](grpc::Status status) {
         if (!status.ok()) {
           done(absl::UnavailableError(fmt::format("peer '{}' did not answer GetMetadata: {}", name,
                                                   status.error_message())));
@@ -384,6 +465,10 @@ void PeerManager::StartMonitor() {
 }
 
 void PeerManager::Stop() {
+  {
+    absl::MutexLock lock(&guard_->mu);
+    guard_->manager = nullptr;
+  }
   if (!stopping_.exchange(true)) {
     {
       absl::MutexLock lock(&monitor_mu_);
@@ -422,73 +507,75 @@ bool PeerManager::RefreshOne(const std::string& name) {
   v1::GetMetadataRequest request;
   request.set_caller(options_.self_name);
   std::shared_ptr<const PeerSnapshot> previous;
-  v1::Peer::Stub* stub = nullptr;
+  std::shared_ptr<v1::Peer::Stub> stub;
   std::shared_ptr<grpc::Channel> channel;
+  bool endpoint_failed = false;
   {
     absl::ReaderMutexLock lock(&mu_);
     auto it = peers_.find(name);
     if (it == peers_.end()) return false;
     previous = it->second.snapshot;
-    stub = it->second.stub.get();
+    stub = it->second.stub;
     channel = it->second.channel;
+    endpoint_failed = it->second.endpoint_failed;
     request.set_known_version(it->second.version);
     request.set_known_incarnation(previous->incarnation);
   }
   grpc::ClientContext context;
+  // Detection bound: a dead peer refuses or resets the connection, so its poll fails
+  // at once; a hung one (SIGSTOP, a wedged host) holds the poll until this deadline.
+  // A peer is therefore marked unreachable, and its transfers failed, within
+  // refresh_ms + max(5 * refresh_ms, 1000) ms of its failure: 1.2 s with the default
+  // 200 ms, under the 2 s the fault-handling target asks. The deadline stays well
+  // above a loaded peer's answer time, since a false alarm fails live transfers.
   SetDeadline(&context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
   v1::AgentMetadata reply;
-  // The stub stays valid: peers are removed only by Stop(), after this thread ends.
   grpc::Status status = stub->GetMetadata(&context, request, &reply);
   if (!status.ok()) {
-    absl::MutexLock lock(&mu_);
-    auto it = peers_.find(name);
-    if (it == peers_.end()) return false;
-    if (it->second.state == "connected") {
-      kLog.Warn("peer '{}' at {} stopped answering: {}", name, previous->address,
-                status.error_message());
-    }
-    it->second.state = "unreachable";
-    it->second.last_error = status.error_message();
+    MarkUnreachable(name, previous->incarnation,
+                    fmt::format("GetMetadata failed: {} (gRPC code {})", status.error_message(),
+                                static_cast<int>(status.error_code())),
+                    /*endpoint_failed=*/false);
     return false;
   }
   if (reply.name() != name) {
-    absl::MutexLock lock(&mu_);
-    auto it = peers_.find(name);
-    if (it == peers_.end()) return false;
-    it->second.state = "unreachable";
-    it->second.last_error = fmt::format("the agent at {} now calls itself '{}'",
-                                        previous->address, reply.name());
+    MarkUnreachable(name, previous->incarnation,
+                    fmt::format("the agent at {} now calls itself '{}'", previous->address,
+                                reply.name()),
+                    /*endpoint_failed=*/false);
     return false;
   }
-  if (reply.incarnation() == previous->incarnation && reply.version() == request.known_version()) {
+  if (reply.incarnation() == previous->incarnation &&
+      reply.version() == request.known_version() && !endpoint_failed) {
     absl::MutexLock lock(&mu_);
     auto it = peers_.find(name);
     if (it == peers_.end()) return false;
+    // Only the view this poll asked about; ConnectPeer may have replaced it meanwhile.
+    if (it->second.snapshot != previous) return false;
     it->second.state = "connected";
     it->second.last_error.clear();
     it->second.last_seen_us = MonotonicMicros();
     return false;
   }
-  // Changed: rebuild the snapshot, and wait for it so refreshes stay in order.
+  // Changed (or the endpoint failed and needs replacing): rebuild the snapshot, and
+  // wait for it so refreshes stay in order.
   absl::Notification built;
   bool installed = false;
   const std::string address = previous->address;
   const uint64_t version = reply.version();
-  BuildSnapshot(address, reply, previous,
-                [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
-                  if (snapshot.ok()) {
-                    Install(address, channel, *snapshot, version);
-                    installed = true;
-                  } else {
-                    absl::MutexLock lock(&mu_);
-                    auto it = peers_.find(name);
-                    if (it != peers_.end()) {
-                      it->second.state = "unreachable";
-                      it->second.last_error = std::string(snapshot.status().message());
-                    }
-                  }
-                  built.Notify();
-                });
+  BuildSnapshot(
+      address, reply, previous,
+      [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
+        if (snapshot.ok()) {
+          Install(address, channel, *snapshot, version);
+          installed = true;
+        } else {
+          MarkUnreachable(name, previous->incarnation, std::string(snapshot.status().message()),
+                          /*endpoint_failed=*/false);
+        }
+        built.Notify();
+      },
+      /*reuse_endpoint=*/!endpoint_failed);
   built.WaitForNotification();
   return installed;
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,6 +72,18 @@ struct PeerSnapshot {
 
 enum class ErrorModeChoice { kAuto, kPeer, kNone };
 
+// A peer was lost: it stopped answering (its poll failed, or its UCX endpoint
+// failed), or it restarted (a new incarnation was installed). `cause` is an
+// UNAVAILABLE status naming the peer, what happened and the fix.
+struct PeerLoss {
+  std::string name;
+  absl::Status cause;
+  // Restart: the incarnation now installed; transfers planned against any other one
+  // are lost. 0 when the peer stopped answering (every transfer to it is lost).
+  uint64_t current_incarnation = 0;
+};
+using PeerLossListener = std::function<void(const PeerLoss&)>;
+
 struct PeerManagerOptions {
   std::string self_name;
   std::string host_id;
@@ -98,6 +111,11 @@ class PeerManager {
   std::vector<v1::PeerInfo> List() const;
   size_t size() const;
 
+  // Set once, before StartMonitor. Called on the monitor, gRPC or worker thread,
+  // never under PeerManager's lock (the listener may take its own locks, but must not
+  // call back into PeerManager while holding one that PeerManager callers hold).
+  void SetLossListener(PeerLossListener listener) { loss_listener_ = std::move(listener); }
+
   void StartMonitor();
   // Stops the monitor and drops every peer (endpoints close on the worker).
   void Stop();
@@ -106,8 +124,12 @@ class PeerManager {
   struct Peer {
     std::shared_ptr<const PeerSnapshot> snapshot;
     std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<v1::Peer::Stub> stub;
+    // Shared: a poll keeps using its stub while ConnectPeer with a new address
+    // replaces it.
+    std::shared_ptr<v1::Peer::Stub> stub;
     uint64_t version = 0;
+    // The UCX endpoint reported an error: the next answered poll opens a new one.
+    bool endpoint_failed = false;
     std::string state = "connected";
     std::string last_error;
     uint64_t last_seen_us = 0;
@@ -117,9 +139,21 @@ class PeerManager {
   // endpoint of `previous` when the peer's worker is the same.
   void BuildSnapshot(const std::string& address, const v1::AgentMetadata& metadata,
                      std::shared_ptr<const PeerSnapshot> previous,
-                     std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done);
+                     std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done,
+                     bool reuse_endpoint = true);
+  // Installs `snapshot`; tells the loss listener (after unlocking) when it replaces
+  // another incarnation.
   void Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
                std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version);
+  std::optional<PeerLoss> InstallLocked(const std::string& address,
+                                        std::shared_ptr<grpc::Channel> channel,
+                                        std::shared_ptr<const PeerSnapshot> snapshot,
+                                        uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks `name` unreachable with `error` (only while `incarnation` is still the one
+  // installed, when not 0) and tells the loss listener.
+  void MarkUnreachable(const std::string& name, uint64_t incarnation, const std::string& error,
+                       bool endpoint_failed);
+  void NotifyLoss(const PeerLoss& loss) const;
   // Maps the peer's shm-backed regions, reusing `previous` mappings that match.
   std::shared_ptr<const DirectMappings> MapDirect(const registry::RemoteCatalog& catalog,
                                                   const DirectMappings* previous) const;
@@ -132,6 +166,14 @@ class PeerManager {
   PeerManagerOptions options_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
+  PeerLossListener loss_listener_;
+  // UCX endpoint error callbacks run on the worker thread and may come after Stop();
+  // they reach this manager only through the guard, which Stop() clears.
+  struct CallbackGuard {
+    absl::Mutex mu;
+    PeerManager* manager ABSL_GUARDED_BY(mu) = nullptr;
+  };
+  std::shared_ptr<CallbackGuard> guard_ = std::make_shared<CallbackGuard>();
   std::atomic<bool> stopping_{false};
   absl::Mutex monitor_mu_;
   absl::CondVar monitor_cv_;

@@ -208,6 +208,13 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
   TransferPtr t;
   {
     absl::MutexLock lock(&mu_);
+    if (auto known = peer_incarnation_.find(request.peer());
+        known != peer_incarnation_.end() && known->second != (*peer)->incarnation) {
+      return absl::UnavailableError(fmt::format(
+          "transfer '{}' chunk {}: peer '{}' restarted while the chunk was planned (incarnation "
+          "{:x} is gone, {:x} runs now); submit again",
+          id, request.chunk(), request.peer(), (*peer)->incarnation, known->second));
+    }
     auto it = transfers_.find(id);
     if (existing == nullptr) {
       if (it != transfers_.end()) {
@@ -304,6 +311,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
         bytes += planned[chunk.next_op].length;
         ops.push_back(planned[chunk.next_op++]);
       }
+      t->inflight_segment = static_cast<int32_t>(ops.front().segment);
       if (chunk.next_op == planned.size()) t->chunks.pop_front();
       t->inflight = true;
       if (t->state.phase() == v1::PENDING) {
@@ -523,6 +531,40 @@ std::vector<v1::TransferState> TransferEngine::List(bool active_only) const {
     return a.submitted_unix_us() < b.submitted_unix_us();
   });
   return out;
+}
+
+int32_t TransferEngine::SegmentInProgress(const Transfer& t) {
+  if (t.inflight && !t.notified) return t.inflight_segment;
+  if (!t.chunks.empty()) {
+    const Chunk& chunk = t.chunks.front();
+    if (chunk.next_op < chunk.plan.ops.size()) {
+      return static_cast<int32_t>(chunk.plan.ops[chunk.next_op].segment);
+    }
+  }
+  return -1;
+}
+
+void TransferEngine::FailPeer(const PeerLoss& loss) {
+  absl::MutexLock lock(&mu_);
+  if (loss.current_incarnation != 0) peer_incarnation_[loss.name] = loss.current_incarnation;
+  std::vector<TransferPtr> lost;
+  for (const auto& id : active_) {
+    const TransferPtr& t = transfers_.at(id);
+    if (t->state.peer() != loss.name) continue;
+    if (loss.current_incarnation != 0 && t->last_peer &&
+        t->last_peer->incarnation == loss.current_incarnation) {
+      continue;
+    }
+    lost.push_back(t);
+  }
+  for (const auto& t : lost) {
+    Finish(*t, v1::FAILED,
+           absl::UnavailableError(fmt::format(
+               "transfer '{}' ({} of {} bytes in place{}): {}", t->state.transfer_id(),
+               t->state.bytes_done(), t->state.bytes_total(),
+               t->inflight ? ", a batch still posted" : "", loss.cause.message())),
+           SegmentInProgress(*t));
+  }
 }
 
 TransferCounters TransferEngine::counters() const {

@@ -73,6 +73,12 @@ class TransferEngine {
   std::vector<v1::TransferState> List(bool active_only) const;
   TransferCounters counters() const;
 
+  // The peer was lost (PeerManager's loss listener): fails, under the engine's lock,
+  // every active transfer to it (or, on a restart, those planned against another
+  // incarnation) with UNAVAILABLE. Posted operations are not waited for: `drained`
+  // turns true when their flush completes. Must not be called under PeerManager's lock.
+  void FailPeer(const PeerLoss& loss);
+
   // Calls `watcher` now with the current state and after every change, under the
   // engine's lock (it must not call back into the engine). Returns a token.
   absl::StatusOr<uint64_t> Watch(const std::string& transfer_id, Watcher watcher);
@@ -92,6 +98,7 @@ class TransferEngine {
     std::shared_ptr<const PeerSnapshot> last_peer;
     uint32_t segments = 0;
     bool inflight = false;     // a batch or the notification is posted
+    int32_t inflight_segment = -1;  // first segment of the batch posted last
     bool notified = false;
     bool cancel_sent = false;
     uint64_t start_us = 0;     // monotonic
@@ -105,6 +112,8 @@ class TransferEngine {
   void Finish(Transfer& t, v1::TransferPhase phase, absl::Status status, int32_t segment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The segment being moved: the posted batch's, else the next to post; -1 if none.
+  static int32_t SegmentInProgress(const Transfer& t);
   // Worker thread: posts the next batch, the notification, or records the drain.
   void Pump(const TransferPtr& t);
   void OnNotification(std::string_view header, std::string_view data);
@@ -130,6 +139,9 @@ class TransferEngine {
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
+  // The incarnation of each peer that FailPeer last saw restart: a chunk planned
+  // against an older one (a submit racing the restart) is refused.
+  absl::flat_hash_map<std::string, uint64_t> peer_incarnation_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> notifications_received_{0};
 
   // Worker-thread-only CUDA state, created on the first VRAM copy.

@@ -1,0 +1,222 @@
+// A peer agent killed (SIGKILL), hung (SIGSTOP) or restarted under the same name
+// while prefill holds an open transfer to it: the transfer must turn FAILED with
+// UNAVAILABLE within 2 s (the bound PeerManager documents), new submits must fail at
+// once, and after a restart transfers to the new process must move real bytes.
+#include <signal.h>
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "catch2/catch.hpp"
+#include "cli/daemon_process.h"
+#include "fmt/format.h"
+#include "tests/integration/agent_pair.h"
+#include "transport/base/format.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
+
+int64_t MillisSince(Clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+}
+
+// Chunk 0 of a chunked WRITE with a long deadline: the data moves, then the transfer
+// stays TRANSFERRING waiting for its next chunk. Returns once the data is in place,
+// so no batch is posted when the peer goes away.
+void OpenTransfer(AgentPair& pair, const std::string& id) {
+  auto chunk = KvWrite(id, {0, 1, 2}, {10, 11, 12});
+  chunk.set_more_chunks(true);
+  chunk.set_timeout_ms(60000);
+  auto submitted = pair.prefill().Submit(chunk);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  v1::TransferState state;
+  do {
+    auto got = pair.prefill().Get(id);
+    REQUIRE(got.ok());
+    state = *got;
+    if (state.bytes_done() == state.bytes_total()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } while (Clock::now() < until);
+  REQUIRE(state.bytes_done() == state.bytes_total());
+  REQUIRE(state.phase() == v1::TRANSFERRING);
+}
+
+// Polls the transfer every 10 ms until it ends (or 10 s pass).
+v1::TransferState WaitEnd(cli::AgentClient& client, const std::string& id) {
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  v1::TransferState state;
+  while (Clock::now() < until) {
+    auto got = client.Get(id);
+    REQUIRE(got.ok());
+    state = *got;
+    if (state.phase() != v1::PENDING && state.phase() != v1::TRANSFERRING) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return state;
+}
+
+// The transfer failed for the lost peer: UNAVAILABLE, the peer named, drained.
+void CheckFailedForPeer(const v1::TransferState& state, const std::string& id) {
+  INFO(state.DebugString());
+  REQUIRE(state.phase() == v1::FAILED);
+  CHECK(state.error_code() == kUnavailable);
+  CHECK_THAT(state.error_message(),
+             Catch::Contains(id) && Catch::Contains("peer 'decode'") &&
+                 Catch::Contains("stopped answering") && Catch::Contains("kvagentd runs"));
+  CHECK(state.drained());
+  // Everything had been moved; the transfer was waiting for its next chunk.
+  CHECK(state.failed_segment() == -1);
+}
+
+// A new submit to the lost peer is refused at once with UNAVAILABLE.
+void CheckSubmitFailsFast(AgentPair& pair, const std::string& label) {
+  const auto start = Clock::now();
+  auto refused = pair.prefill().Submit(KvWrite("after-" + label, {5}, {6}));
+  const int64_t ms = MillisSince(start);
+  std::printf("%s: submit to the lost peer refused in %lld ms\n", label.c_str(),
+              static_cast<long long>(ms));
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("peer 'decode'") && Catch::Contains("unreachable"));
+  CHECK(ms < 100);
+}
+
+// The killed decode agent could not unlink the pool it allocated.
+void UnlinkDecodePool(AgentPair& pair) { ::shm_unlink(pair.decode_pool().shm_name.c_str()); }
+
+TEST_CASE("a killed peer fails the open transfer within 2 s, and new submits at once") {
+  AgentPair pair;
+  OpenTransfer(pair, "open-kill");
+
+  const auto killed = Clock::now();
+  REQUIRE(::kill(pair.decode_process().pid(), SIGKILL) == 0);
+  const v1::TransferState state = WaitEnd(pair.prefill(), "open-kill");
+  const int64_t ms = MillisSince(killed);
+  std::printf("SIGKILL: peer death -> transfer failed in %lld ms\n", static_cast<long long>(ms));
+  CheckFailedForPeer(state, "open-kill");
+  CHECK(ms <= 2000);
+  CheckSubmitFailsFast(pair, "SIGKILL");
+
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  REQUIRE(peers->peers_size() == 1);
+  CHECK(peers->peers(0).state() == "unreachable");
+  pair.decode_process().Kill();  // reaps it
+  UnlinkDecodePool(pair);
+}
+
+TEST_CASE("a hung peer (SIGSTOP) fails the open transfer within 2 s, and new submits at once") {
+  AgentPair pair;
+  OpenTransfer(pair, "open-stop");
+
+  const pid_t decode = pair.decode_process().pid();
+  const auto stopped = Clock::now();
+  REQUIRE(::kill(decode, SIGSTOP) == 0);
+  const v1::TransferState state = WaitEnd(pair.prefill(), "open-stop");
+  const int64_t ms = MillisSince(stopped);
+  std::printf("SIGSTOP: peer hang -> transfer failed in %lld ms\n", static_cast<long long>(ms));
+  CheckFailedForPeer(state, "open-stop");
+  CHECK_THAT(state.error_message(), Catch::Contains("Deadline"));
+  CHECK(ms <= 2000);
+  CheckSubmitFailsFast(pair, "SIGSTOP");
+
+  ::kill(decode, SIGCONT);
+  pair.decode_process().Kill();
+  UnlinkDecodePool(pair);
+}
+
+bool PagesEqual(const cli::KvPool& src, uint64_t src_page, const cli::KvPool& dst,
+                uint64_t dst_page) {
+  for (uint32_t r = 0; r < src.regions(); ++r) {
+    if (std::memcmp(src.Page(r, src_page), dst.Page(r, dst_page), src.shape.page_bytes) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST_CASE("a peer restarted under the same name: the old transfer failed, new ones move bytes") {
+  AgentPair pair;
+  auto before = pair.prefill().Peers();
+  REQUIRE(before.ok());
+  REQUIRE(before->peers_size() == 1);
+  const uint64_t old_incarnation = before->peers(0).incarnation();
+  OpenTransfer(pair, "open-restart");
+
+  pair.decode_process().Kill();
+  UnlinkDecodePool(pair);
+
+  // A new process under the same name, on a new port.
+  cli::DaemonOptions d;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  d.binary = *binary;
+  d.name = "decode";
+  d.work_dir = pair.work_dir() + "/restarted";
+  std::filesystem::create_directories(d.work_dir);
+  auto started = cli::DaemonProcess::Start(d);
+  INFO(started.status().ToString());
+  REQUIRE(started.ok());
+  cli::DaemonProcess decode2 = *std::move(started);
+  cli::AgentClient client2(decode2.address());
+  auto status2 = client2.Status();
+  REQUIRE(status2.ok());
+  REQUIRE(status2->incarnation() != old_incarnation);
+  auto pool = cli::CreateKvPool(client2, "decode", pair.decode_pool().shape);
+  INFO(pool.status().ToString());
+  REQUIRE(pool.ok());
+  std::memset(pool->mapping.data(), 0xEE, pool->bytes());
+
+  // ConnectPeer with the new address replaces the old entry of the same name.
+  auto connected = pair.prefill().Connect(decode2.address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  CHECK(connected->incarnation() == status2->incarnation());
+  auto after = pair.prefill().Peers();
+  REQUIRE(after.ok());
+  REQUIRE(after->peers_size() == 1);
+  CHECK(after->peers(0).name() == "decode");
+  CHECK(after->peers(0).incarnation() == status2->incarnation());
+  CHECK(after->peers(0).address() == decode2.address());
+  CHECK(after->peers(0).state() == "connected");
+
+  // The transfer open to the old process was failed, by its death or its restart.
+  const v1::TransferState old_state = WaitEnd(pair.prefill(), "open-restart");
+  INFO(old_state.DebugString());
+  REQUIRE(old_state.phase() == v1::FAILED);
+  CHECK(old_state.error_code() == kUnavailable);
+  CHECK_THAT(old_state.error_message(),
+             Catch::Contains("peer 'decode'") &&
+                 (Catch::Contains("restarted") || Catch::Contains("stopped answering")));
+
+  // New transfers to the same group reach the new process's memory.
+  const std::vector<uint64_t> src = {3, 7, 8, 30};
+  const std::vector<uint64_t> dst = {1, 2, 3, 31};
+  auto submitted = pair.prefill().Submit(KvWrite("after-restart", src, dst, "restarted-ok"));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = pair.prefill().WaitTransfer("after-restart", 20000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(PagesEqual(pair.prefill_pool(), src[i], *pool, dst[i]));
+  CHECK(pool->Page(0, 0)[0] == 0xEE);
+  CHECK(pool->Page(pool->regions() - 1, 30)[100] == 0xEE);
+  auto stopped = decode2.Stop(10000);
+  REQUIRE(stopped.ok());
+  CHECK(*stopped == 0);
+}
+
+}  // namespace
+}  // namespace kvagent::testing
