@@ -36,10 +36,11 @@ TEST_CASE("SIGTERM with an open transfer exits 0 after the grace period") {
   INFO(code.status().ToString());
   REQUIRE(code.ok());
   CHECK(*code == 0);
-  // The grace period, then the teardown: measured here at about 1 s more, spent in
-  // gRPC's server Shutdown waiting out its 1 s deadline (agent.cc).
+  // The grace period, then the teardown: measured here at about 0.12 s more (most of
+  // it gRPC's server Shutdown deadline of 100 ms, agent.cc); the margin is for a
+  // loaded machine.
   CHECK(ms >= kGraceMs - 50);
-  CHECK(ms <= kGraceMs + 2500);
+  CHECK(ms <= kGraceMs + 1500);
   // The peer is unaffected.
   auto decode = pair.decode().Status();
   CHECK(decode.ok());
