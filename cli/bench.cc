@@ -15,8 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -31,6 +29,7 @@
 #include "absl/time/time.h"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
+#include "cli/local_agents.h"
 #include "fmt/format.h"
 #include "proto/kvagent.pb.h"
 #include "registry/shm_mapping.h"
@@ -46,13 +45,6 @@ using Clock = std::chrono::steady_clock;
 double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = static_cast<size_t>(p / 100.0 * (v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
-
 std::string SizeName(uint64_t bytes) {
   if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) return fmt::format("{}M", bytes >> 20);
   if (bytes >= (1 << 10) && bytes % (1 << 10) == 0) return fmt::format("{}K", bytes >> 10);
@@ -64,12 +56,7 @@ std::vector<std::string> g_agent_logs;
 
 int Fail(const std::string& what, const absl::Status& status) {
   std::fprintf(stderr, "bench: %s: %s\n", what.c_str(), std::string(status.message()).c_str());
-  for (const auto& path : g_agent_logs) {
-    std::ifstream in(path);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (text.size() > 3000) text = text.substr(text.size() - 3000);
-    std::fprintf(stderr, "---- %s (last lines)\n%s\n", path.c_str(), text.c_str());
-  }
+  PrintAgentLogs(g_agent_logs);
   return 1;
 }
 
@@ -673,16 +660,6 @@ std::string TableLine(const CellResult& r) {
                      r.data_path);
 }
 
-void Progress(size_t done, size_t total, const std::string& what) {
-  if (!isatty(STDERR_FILENO)) return;
-  const int width = 30;
-  const int filled = total ? static_cast<int>(width * done / total) : width;
-  std::fprintf(stderr, "\r[%s%s] %zu/%zu %-40s", std::string(filled, '#').c_str(),
-               std::string(width - filled, ' ').c_str(), done, total, what.c_str());
-  if (done == total) std::fprintf(stderr, "\n");
-  std::fflush(stderr);
-}
-
 // Allocates one shm object of `bytes` on each agent and maps both here.
 absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t bytes,
                        const std::string& label, Pools* pools) {
@@ -746,10 +723,9 @@ absl::Status RegisterLayout(AgentClient& agent, const std::string& shm, const La
 }  // namespace
 
 int RunBench(const BenchOptions& options) {
-  std::optional<DaemonProcess> initiator_daemon, target_daemon;
+  LocalAgents local;
   std::string initiator_address = options.initiator_address;
   std::string target_address = options.target_address;
-  std::string work_dir;
   if (initiator_address.empty() != target_address.empty()) {
     return Fail("arguments", absl::InvalidArgumentError(
                                  "give both --initiator and --target, or neither to start two agents"));
@@ -765,37 +741,22 @@ int RunBench(const BenchOptions& options) {
       options.quick ? std::vector<uint32_t>{1, 64} : std::vector<uint32_t>{1, 16, 64, 256};
 
   if (initiator_address.empty()) {
-    std::string binary = options.kvagentd;
-    if (binary.empty()) {
-      auto found = FindKvagentd(options.argv0);
-      if (!found.ok()) return Fail("finding kvagentd", found.status());
-      binary = *found;
+    LocalAgentsOptions start;
+    start.argv0 = options.argv0;
+    start.kvagentd = options.kvagentd;
+    start.label = "bench";
+    start.first_name = "initiator";
+    start.second_name = "target";
+    start.extra_args = {"--log-level", "warn"};
+    if (!options.shm_direct) {
+      start.extra_args.push_back("--shm-direct");
+      start.extra_args.push_back("off");
     }
-    if (const char* tmp = std::getenv("TEST_TMPDIR")) {
-      work_dir = fmt::format("{}/bench.{}", tmp, getpid());
-      std::filesystem::create_directories(work_dir);
-    } else {
-      char pattern[] = "/tmp/kvagent-bench.XXXXXX";
-      work_dir = mkdtemp(pattern);
-    }
-    for (auto [name, slot] :
-         {std::pair{"initiator", &initiator_daemon}, {"target", &target_daemon}}) {
-      DaemonOptions d;
-      d.binary = binary;
-      d.name = name;
-      d.work_dir = work_dir;
-      d.extra_args = {"--log-level", "warn"};
-      if (!options.shm_direct) {
-        d.extra_args.push_back("--shm-direct");
-        d.extra_args.push_back("off");
-      }
-      auto started = DaemonProcess::Start(d);
-      if (!started.ok()) return Fail(fmt::format("starting agent '{}'", name), started.status());
-      *slot = *std::move(started);
-      g_agent_logs.push_back((*slot)->log_path());
-    }
-    initiator_address = initiator_daemon->address();
-    target_address = target_daemon->address();
+    absl::Status started = StartLocalAgents(start, &local);
+    g_agent_logs = local.log_paths;
+    if (!started.ok()) return Fail("starting the agents", started);
+    initiator_address = local.first->address();
+    target_address = local.second->address();
   }
 
   AgentClient initiator(initiator_address, options.timeout_ms), target(target_address, options.timeout_ms);
@@ -905,12 +866,7 @@ int RunBench(const BenchOptions& options) {
     (void)target.Deregister({layout.region});
   }
   Progress(total, total, "done");
-  if (initiator_daemon) {
-    (void)initiator_daemon->Stop();
-    (void)target_daemon->Stop();
-    std::error_code ignored;
-    std::filesystem::remove_all(work_dir, ignored);
-  }
+  if (local.started()) local.StopAndClean();
   if (!all_verified) {
     std::fprintf(stderr, "bench: some cells' destination bytes differ from their source\n");
     return 1;

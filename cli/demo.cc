@@ -7,8 +7,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -20,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
+#include "cli/local_agents.h"
 #include "cli/kv_pool.h"
 #include "cli/model_shapes.h"
 #include "fmt/format.h"
@@ -37,30 +36,9 @@ std::vector<std::string> g_agent_logs;
 int Fail(const std::string& what, const absl::Status& status, bool json) {
   std::fprintf(stderr, "demo: %s: %s (%s)\n", what.c_str(), std::string(status.message()).c_str(),
                absl::StatusCodeToString(status.code()).c_str());
-  for (const auto& path : g_agent_logs) {
-    std::ifstream in(path);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (text.size() > 4000) text = text.substr(text.size() - 4000);
-    std::fprintf(stderr, "---- %s (last lines)\n%s\n", path.c_str(), text.c_str());
-  }
+  PrintAgentLogs(g_agent_logs);
   if (json) std::printf("{\"verified\": false, \"error\": \"%s\"}\n", what.c_str());
   return 1;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t i = static_cast<size_t>(p / 100.0 * (v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
-}
-
-void Progress(uint32_t done, uint32_t total) {
-  if (!isatty(STDERR_FILENO)) return;
-  const int width = 30;
-  const int filled = total ? static_cast<int>(width * done / total) : width;
-  std::fprintf(stderr, "\r[%s%s] %u/%u requests", std::string(filled, '#').c_str(),
-               std::string(width - filled, ' ').c_str(), done, total);
-  if (done == total) std::fprintf(stderr, "\n");
 }
 
 // A request's metadata in the AUX region, kAuxRecordBytes at its slot's offset.
@@ -110,9 +88,8 @@ int RunDemo(const DemoOptions& options) {
   // The pools outlive the agents started here: device memory is freed only after
   // the agents that imported it have stopped (declaration order is teardown order).
   std::optional<Pool> src, dst;
-  std::optional<DaemonProcess> prefill_daemon, decode_daemon;
+  LocalAgents local;
   std::string prefill_address = options.prefill_address, decode_address = options.decode_address;
-  std::string work_dir;
   if (prefill_address.empty() != decode_address.empty()) {
     return Fail("arguments", absl::InvalidArgumentError(
                                  "give both --prefill and --decode, or neither to start two agents"),
@@ -166,34 +143,20 @@ int RunDemo(const DemoOptions& options) {
     }
   }
   if (prefill_address.empty()) {
-    std::string binary = options.kvagentd;
-    if (binary.empty()) {
-      auto found = FindKvagentd(options.argv0);
-      if (!found.ok()) return Fail("finding kvagentd", found.status(), json);
-      binary = *found;
-    }
-    char pattern[] = "/tmp/kvagent-demo.XXXXXX";
-    if (const char* tmp = std::getenv("TEST_TMPDIR")) {
-      work_dir = fmt::format("{}/demo.{}", tmp, getpid());
-      std::filesystem::create_directories(work_dir);
-    } else {
-      work_dir = mkdtemp(pattern);
-    }
-    for (auto [name, slot] : {std::pair{"prefill", &prefill_daemon}, {"decode", &decode_daemon}}) {
-      DaemonOptions d;
-      d.binary = binary;
-      d.name = name;
-      d.work_dir = work_dir;
-      if (!options.shm_direct) d.extra_args = {"--shm-direct", "off"};
-      auto started = DaemonProcess::Start(d);
-      if (!started.ok()) return Fail(fmt::format("starting agent '{}'", name), started.status(), json);
-      *slot = *std::move(started);
-      g_agent_logs.push_back((*slot)->log_path());
-    }
-    prefill_address = prefill_daemon->address();
-    decode_address = decode_daemon->address();
+    LocalAgentsOptions start;
+    start.argv0 = options.argv0;
+    start.kvagentd = options.kvagentd;
+    start.label = "demo";
+    start.first_name = "prefill";
+    start.second_name = "decode";
+    if (!options.shm_direct) start.extra_args = {"--shm-direct", "off"};
+    absl::Status started = StartLocalAgents(start, &local);
+    g_agent_logs = local.log_paths;
+    if (!started.ok()) return Fail("starting the agents", started, json);
+    prefill_address = local.first->address();
+    decode_address = local.second->address();
     if (!json) std::printf("started agents: prefill %s, decode %s (logs in %s)\n",
-                           prefill_address.c_str(), decode_address.c_str(), work_dir.c_str());
+                           prefill_address.c_str(), decode_address.c_str(), local.work_dir.c_str());
   }
 
   AgentClient prefill(prefill_address), decode(decode_address);
@@ -297,7 +260,7 @@ int RunDemo(const DemoOptions& options) {
           n.payload() == "ready:" + n.transfer_id()) {
         it->second = Clock::now();
         ++watch->notified;
-        Progress(watch->notified, total);
+        Progress(watch->notified, total, "requests");
       }
       return watch->notified < total;
     };
@@ -360,8 +323,8 @@ int RunDemo(const DemoOptions& options) {
   if (!submit_status.ok()) {
     // The watcher waits on the decode agent's stream: stopping an agent started here
     // ends it; on an agent that runs on it waits out its timeout on its own state.
-    if (decode_daemon) {
-      (void)decode_daemon->Stop();
+    if (local.started()) {
+      (void)local.second->Stop();
       watcher.join();
     } else {
       watcher.detach();
@@ -547,12 +510,7 @@ int RunDemo(const DemoOptions& options) {
       src->memory_path.c_str(), dst->memory_path.c_str());
   std::fflush(stdout);
   std::move(deregister).Invoke();
-  if (prefill_daemon) {
-    (void)prefill_daemon->Stop();
-    (void)decode_daemon->Stop();
-    std::error_code ignored;
-    std::filesystem::remove_all(work_dir, ignored);
-  }
+  if (local.started()) local.StopAndClean();
   // The agents have let go of the pools (deregistered or exited): free the device
   // memory now, as an engine would at shutdown.
   for (auto [side, pool] : {std::pair{"prefill", &src}, {"decode", &dst}}) {
