@@ -55,6 +55,12 @@ absl::StatusOr<std::string> FindKvagentd(const std::string& argv0) {
 }
 
 absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options) {
+  if (!IsExecutable(options.binary)) {
+    return absl::NotFoundError(fmt::format(
+        "agent '{}': kvagentd '{}' is not an executable file; build it with `bazel build "
+        "//agent:kvagentd` and pass its path (--kvagentd PATH or $KVAGENTD)",
+        options.name, options.binary));
+  }
   const std::string port_file = fmt::format("{}/{}.port", options.work_dir, options.name);
   const std::string log_path = fmt::format("{}/{}.log", options.work_dir, options.name);
   ::unlink(port_file.c_str());

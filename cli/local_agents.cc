@@ -43,10 +43,8 @@ absl::Status StartLocalAgents(const LocalAgentsOptions& options, LocalAgents* ag
     d.work_dir = agents->work_dir;
     d.extra_args = options.extra_args;
     auto started = DaemonProcess::Start(d);
-    if (!started.ok()) {
-      return absl::Status(started.status().code(), fmt::format("starting agent '{}': {}", *name,
-                                                               started.status().message()));
-    }
+    // DaemonProcess's errors name the agent already.
+    if (!started.ok()) return started.status();
     *slot = *std::move(started);
     agents->log_paths.push_back((*slot)->log_path());
   }
