@@ -13,6 +13,12 @@ earlier run is never counted. Safety nets, each adding one failure:
   - a result whose test.xml is missing or unreadable;
   - a target Bazel did not pass (timeout, crash after its XML) whose XML shows no failure;
   - `bazel test` exiting non-zero while nothing above counted a failure.
+Extra runs count the same way, each case once per run it ran in:
+  --run NAME EVENTS EXIT PATTERN...  another `bazel test` (e.g. the ASan/UBSan and TSan
+      runs of .ci/run); its expected targets are the non-manual tests of PATTERNs
+      ("-//x/..." excludes), its results are reported as "[NAME] //label".
+  --junit NAME FILE  a JUnit XML written by a non-Bazel run (fuzz/run.sh: one case per
+      fuzzer); a missing or unreadable FILE counts as one failure.
 Prints failures and skips, then, LAST, one line: "N passed, N failed[, N skipped]".
 Exits 1 when anything failed.
 """
@@ -28,11 +34,22 @@ QUERY = 'tests(//...) except attr(tags, "\\bmanual\\b", tests(//...))'
 PASSING_STATUSES = {"PASSED", "FLAKY"}
 
 
-def expected_targets(root):
-    """Non-manual test targets, i.e. what `bazel test //...` must run."""
+def pattern_query(patterns):
+    """Non-manual tests of Bazel target patterns ("-//x/..." subtracts), as a query."""
+    universe = ""
+    for p in patterns:
+        if p.startswith("-"):
+            universe += f" - {p[1:]}"
+        else:
+            universe += f" + {p}" if universe else p
+    return f'tests({universe}) except attr(tags, "\\bmanual\\b", tests({universe}))'
+
+
+def expected_targets(root, query=QUERY):
+    """Non-manual test targets, i.e. what `bazel test //...` (or the query) must run."""
     try:
         proc = subprocess.run(
-            ["bazel", "query", "--keep_going", "--output=label", QUERY],
+            ["bazel", "query", "--keep_going", "--output=label", query],
             cwd=root, capture_output=True, text=True, check=False)
     except OSError as err:
         return set(), f"bazel query could not start ({err}); is bazel-bootstrap installed?"
@@ -108,17 +125,55 @@ def count_xml(path):
     return passed, failed, skipped
 
 
+def count_run(expected, results, prefix, counts):
+    """Adds one run's results to counts = {"passed": n, "failures": [], "skips": []}."""
+    for label in sorted(expected | set(results)):
+        shards = results.get(label)
+        name = f"{prefix}{label}"
+        if not shards:
+            counts["failures"].append(f"{name}: no test result (did not build, or never ran)")
+            continue
+        for (run, shard), (_, status, xml_path) in sorted(shards.items()):
+            where = name if len(shards) == 1 else f"{name} (run {run}, shard {shard})"
+            if not xml_path or not os.path.exists(xml_path):
+                counts["failures"].append(f"{where}: no test.xml (status {status})")
+                continue
+            try:
+                passed, failed, skipped = count_xml(xml_path)
+            except (ET.ParseError, OSError) as err:
+                counts["failures"].append(f"{where}: unreadable {xml_path}: {err}")
+                continue
+            counts["passed"] += passed
+            counts["failures"] += [f"{where}: {f}" for f in failed]
+            counts["skips"] += [f"{where}: {s} ({r})" for s, r in skipped]
+            if status is not None and status not in PASSING_STATUSES and not failed:
+                counts["failures"].append(f"{where}: Bazel status {status} though its XML shows "
+                                          "no failed case (crash or timeout after the cases ran?)")
+            if passed + len(failed) + len(skipped) == 0:
+                print(f"NOTE: {where} ran no test cases", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", help="Bazel --build_event_json_file of the test run")
     parser.add_argument("--bazel-exit", type=int, default=0,
                         help="exit status of the `bazel test` (or quickstart) run")
+    parser.add_argument("--run", nargs="+", action="append", default=[],
+                        metavar="NAME EVENTS EXIT PATTERN",
+                        help="another bazel test run: name, event file, exit status, patterns")
+    parser.add_argument("--junit", nargs=2, action="append", default=[], metavar=("NAME", "FILE"),
+                        help="JUnit XML of a non-Bazel run (fuzz/run.sh --junit)")
     parser.add_argument("--root", default=os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), help="repository root")
     args = parser.parse_args()
 
-    expected, query_note = expected_targets(args.root)
-    if args.events and os.path.exists(args.events):
+    # The `bazel test //...` run: always, unless only other runs were given (.ci/run
+    # with its test stage off).
+    main_run = bool(args.events) or not (args.run or args.junit)
+    expected, query_note = expected_targets(args.root) if main_run else (set(), None)
+    if not main_run:
+        results = {}
+    elif args.events and os.path.exists(args.events):
         results = read_events(args.events)
     else:
         if args.events:
@@ -128,46 +183,55 @@ def main():
         else:
             results = testlogs_results(args.root, expected)
 
-    n_pass, failures, skips = 0, [], []
-    for label in sorted(expected | set(results)):
-        shards = results.get(label)
-        if not shards:
-            failures.append(f"{label}: no test result (did not build, or never ran)")
+    counts = {"passed": 0, "failures": [], "skips": []}
+    count_run(expected, results, "", counts)
+    notes = [query_note] if query_note else []
+    if args.bazel_exit != 0 and not counts["failures"]:
+        counts["failures"].append(
+            f"bazel test exited {args.bazel_exit} but no test failed: a build or loading error "
+            "outside any test target (see the log above)")
+
+    for run in args.run:
+        if len(run) < 4:
+            parser.error(f"--run needs NAME EVENTS EXIT PATTERN..., got {run}")
+        name, events, exit_status, patterns = run[0], run[1], run[2], run[3:]
+        before = len(counts["failures"])
+        run_expected, note = expected_targets(args.root, pattern_query(patterns))
+        if note:
+            notes.append(f"[{name}] {note}")
+        run_results = read_events(events) if os.path.exists(events) else {}
+        if not os.path.exists(events):
+            print(f"NOTE: [{name}] no build event file at {events}; the run did not start",
+                  flush=True)
+        count_run(run_expected, run_results, f"[{name}] ", counts)
+        if exit_status != "0" and len(counts["failures"]) == before:
+            counts["failures"].append(
+                f"[{name}] bazel test exited {exit_status} but no test failed: a build or "
+                "loading error outside any test target (see the log above)")
+
+    for name, path in args.junit:
+        try:
+            passed, failed, skipped = count_xml(path)
+        except (ET.ParseError, OSError) as err:
+            counts["failures"].append(f"[{name}] no readable result file {path}: {err}")
             continue
-        for (run, shard), (_, status, xml_path) in sorted(shards.items()):
-            where = label if len(shards) == 1 else f"{label} (run {run}, shard {shard})"
-            if not xml_path or not os.path.exists(xml_path):
-                failures.append(f"{where}: no test.xml (status {status})")
-                continue
-            try:
-                passed, failed, skipped = count_xml(xml_path)
-            except (ET.ParseError, OSError) as err:
-                failures.append(f"{where}: unreadable {xml_path}: {err}")
-                continue
-            n_pass += passed
-            failures += [f"{where}: {f}" for f in failed]
-            skips += [f"{where}: {s} ({r})" for s, r in skipped]
-            if status is not None and status not in PASSING_STATUSES and not failed:
-                failures.append(f"{where}: Bazel status {status} though its XML shows no "
-                                "failed case (crash or timeout after the cases ran?)")
-            if passed + len(failed) + len(skipped) == 0:
-                print(f"NOTE: {where} ran no test cases", flush=True)
+        counts["passed"] += passed
+        counts["failures"] += [f"[{name}] {f}" for f in failed]
+        counts["skips"] += [f"[{name}] {s} ({r})" for s, r in skipped]
+        if passed + len(failed) + len(skipped) == 0:
+            counts["failures"].append(f"[{name}] {path} holds no test case")
 
-    if query_note:
-        print(f"NOTE: {query_note}")
-    if args.bazel_exit != 0 and not failures:
-        failures.append(f"bazel test exited {args.bazel_exit} but no test failed: "
-                        "a build or loading error outside any test target (see the log above)")
-
-    for s in skips:
+    for note in notes:
+        print(f"NOTE: {note}")
+    for s in counts["skips"]:
         print(f"SKIPPED {s}")
-    for f in failures:
+    for f in counts["failures"]:
         print(f"FAILED  {f}")
-    line = f"{n_pass} passed, {len(failures)} failed"
-    if skips:
-        line += f", {len(skips)} skipped"
+    line = f"{counts['passed']} passed, {len(counts['failures'])} failed"
+    if counts["skips"]:
+        line += f", {len(counts['skips'])} skipped"
     print(line, flush=True)
-    return 1 if failures else 0
+    return 1 if counts["failures"] else 0
 
 
 if __name__ == "__main__":

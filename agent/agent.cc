@@ -46,6 +46,7 @@ absl::Status WritePortFile(const std::string& path, int port) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options) {
+  RETURN_IF_ERROR(ValidateStagingOptions(options.staging));
   if (options.name.empty()) {
     return absl::InvalidArgumentError(
         "--name is empty; give this agent a name unique among its peers (e.g. the host and "
@@ -65,6 +66,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   ASSIGN_OR_RETURN(agent->worker_, transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name));
   registry::RegistryOptions registry_options;
   registry_options.vram_staging = options.vram_staging;
+  registry_options.stage_host_regions = options.stage_host_regions;
   agent->registry_ =
       std::make_unique<registry::RegionRegistry>(agent->context_.get(), registry_options);
   agent->notifications_ = std::make_unique<NotificationQueue>();
@@ -76,14 +78,25 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.refresh_ms = options.peer_refresh_ms;
   peer_options.shm_direct = options.shm_direct;
   agent->peers_ = std::make_unique<PeerManager>(agent->worker_.get(), peer_options);
+  StagerOptions stager_options;
+  stager_options.self_name = options.name;
+  stager_options.incarnation = agent->identity_.incarnation;
+  stager_options.pool = options.staging;
+  Agent* self = agent.get();
+  agent->stager_ = std::make_unique<Stager>(
+      agent->worker_.get(), agent->context_.get(), agent->registry_.get(), stager_options,
+      [self](v1::Notification n) { self->engine_->DeliverNotification(std::move(n)); });
   TransferEngineOptions engine_options;
   engine_options.self_name = options.name;
   engine_options.default_timeout_ms = options.transfer_timeout_ms;
   engine_options.ucx_cuda = caps.cuda_memory;
+  engine_options.incarnation = agent->identity_.incarnation;
+  engine_options.stager = agent->stager_.get();
   agent->engine_ = std::make_unique<TransferEngine>(
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);
   agent->engine_->Start();
+  agent->stager_->Start();
   // A lost peer fails its transfers at once instead of at their deadline. The engine
   // outlives the peer manager's callers: peers stop in Shutdown, before the engine
   // is destroyed.
@@ -129,6 +142,7 @@ void Agent::Shutdown(absl::Duration grace) {
   kLog.Info("agent '{}' shutting down", options_.name);
   // Transfers finish first (their notifications need the worker, not gRPC).
   if (engine_) engine_->Stop(grace);
+  if (stager_) stager_->Stop();
   // Transfers had their grace above and handlers never block: 100 ms lets answers in
   // flight go out, then calls still open (watch streams) are cancelled. With 1 s, a
   // SIGTERM during a transfer measured grace + 1.0 s to exit; with 100 ms, grace + 0.12 s.
@@ -146,6 +160,8 @@ Agent::~Agent() {
   watchers_.reset();
   registry_.reset();
   worker_.reset();
+  // After the worker: its last closures may still finish staged chunks.
+  stager_.reset();
   context_.reset();
 }
 

@@ -13,6 +13,7 @@
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
+#include "agent/staging.h"
 #include "agent/transfer_engine.h"
 #include "grpcpp/server.h"
 #include "registry/region_registry.h"
@@ -31,6 +32,11 @@ struct AgentOptions {
   bool shm_direct = true;
   uint32_t deregister_wait_ms = 2000;
   bool vram_staging = true;
+  // Host staging pool (--staging-buffers, --staging-chunk-bytes).
+  StagingPoolOptions staging;
+  // For tests only (--stage-host-regions): host regions take the staged path, so the
+  // staging protocol runs end to end on machines without a GPU.
+  bool stage_host_regions = false;
 };
 
 class Agent {
@@ -56,6 +62,7 @@ class Agent {
   std::unique_ptr<NotificationQueue> notifications_;
   std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<PeerManager> peers_;
+  std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker
   std::unique_ptr<TransferEngine> engine_;
   std::unique_ptr<AgentService> agent_service_;
   std::unique_ptr<PeerService> peer_service_;

@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <deque>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -223,16 +226,24 @@ grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
     grpc::CallbackServerContext* context, const v1::DeregisterRegionsRequest* request,
     v1::DeregisterRegionsResponse* response) {
   std::vector<std::string> names(request->names().begin(), request->names().end());
-  auto version = deps_.registry->Deregister(names);
+  // The memory stays registered and mapped until every polling peer holds the new
+  // version (a peer acknowledges it only after its operations posted under the old
+  // one completed), or the wait ends: only then is it released and the call answered.
+  auto retired = std::make_shared<std::vector<registry::RegionPtr>>();
+  auto version = deps_.registry->Deregister(names, retired.get());
   if (!version.ok()) return Done(context, version.status());
   response->set_version(*version);
   auto* reactor = context->DefaultReactor();
   deps_.watchers->WaitForVersion(
-      *version, deps_.deregister_wait_ms, [reactor, response](std::vector<std::string> unconfirmed) {
+      *version, deps_.deregister_wait_ms,
+      [reactor, response, retired](std::vector<std::string> unconfirmed) {
         for (auto& name : unconfirmed) {
-          kLog.Warn("peer '{}' had not picked up the deregistration within the wait", name);
+          kLog.Warn("peer '{}' had not picked up the deregistration within the wait; its "
+                    "late writes, if any, may reach released memory",
+                    name);
           response->add_unconfirmed_peers(std::move(name));
         }
+        retired->clear();
         reactor->Finish(grpc::Status::OK);
       });
   return reactor;
@@ -293,22 +304,79 @@ grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* c
   return Done(context, absl::OkStatus());
 }
 
+void AgentService::Submit(const v1::SubmitTransferRequest& request, bool wait,
+                          SubmitDone done) {
+  TransferEngine* engine = deps_.engine;
+  // Submits and, when asked to wait, answers with the final state instead.
+  auto submit = [engine, &request, wait](SubmitDone done) {
+    auto state = engine->Submit(request);
+    if (!state.ok() || !wait || TerminalPhase(state->phase())) {
+      done(std::move(state));
+      return;
+    }
+    auto shared = std::make_shared<SubmitDone>(std::move(done));
+    absl::Status watched = engine->WhenTerminal(
+        request.transfer_id(), [shared](const v1::TransferState& s) { (*shared)(s); });
+    // Only pruning could lose it, and that keeps the newest finished transfers.
+    if (!watched.ok()) (*shared)(watched);
+  };
+  if (!engine->NamesUnknownRemote(request)) {
+    submit(std::move(done));
+    return;
+  }
+  // The peer may have registered it after our last poll: look again, then submit.
+  deps_.peers->RefreshAsync(request.peer(),
+                            [submit, done = std::move(done)](absl::Status) mutable {
+                              submit(std::move(done));
+                            });
+}
+
 grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerContext* context,
                                                        const v1::SubmitTransferRequest* request,
                                                        v1::TransferState* response) {
-  if (!deps_.engine->NamesUnknownRemote(*request)) {
-    auto state = deps_.engine->Submit(*request);
-    if (state.ok()) *response = *std::move(state);
-    return Done(context, state.status());
-  }
-  // The peer may have registered it after our last poll: look again, then submit.
   auto* reactor = context->DefaultReactor();
-  TransferEngine* engine = deps_.engine;
-  deps_.peers->RefreshAsync(request->peer(), [engine, reactor, request, response](absl::Status) {
-    auto state = engine->Submit(*request);
-    if (state.ok()) *response = *std::move(state);
-    reactor->Finish(ToGrpcStatus(state.status()));
-  });
+  Submit(*request, request->wait(),
+         [reactor, response](absl::StatusOr<v1::TransferState> state) {
+           if (state.ok()) *response = *std::move(state);
+           reactor->Finish(ToGrpcStatus(state.status()));
+         });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerContext* context,
+                                                        const v1::SubmitTransfersRequest* request,
+                                                        v1::SubmitTransfersResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  const int n = request->transfers_size();
+  if (n == 0) {
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  for (int i = 0; i < n; ++i) response->add_results();
+  // Each entry answers into its own slot; the last one to answer ends the call.
+  struct Call {
+    std::atomic<int> pending;
+    grpc::ServerUnaryReactor* reactor;
+    v1::SubmitTransfersResponse* response;
+  };
+  auto call = std::make_shared<Call>();
+  call->pending.store(n);
+  call->reactor = reactor;
+  call->response = response;
+  for (int i = 0; i < n; ++i) {
+    const v1::SubmitTransferRequest& entry = request->transfers(i);
+    Submit(entry, request->wait() || entry.wait(),
+           [call, i](absl::StatusOr<v1::TransferState> state) {
+             v1::SubmitResult* result = call->response->mutable_results(i);
+             if (state.ok()) {
+               *result->mutable_state() = *std::move(state);
+             } else {
+               result->set_error_code(static_cast<int32_t>(state.status().code()));
+               result->set_error_message(std::string(state.status().message()));
+             }
+             if (call->pending.fetch_sub(1) == 1) call->reactor->Finish(grpc::Status::OK);
+           });
+  }
   return reactor;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -71,6 +72,10 @@ class AgentService final : public v1::Agent::CallbackService {
   grpc::ServerUnaryReactor* SubmitTransfer(grpc::CallbackServerContext* context,
                                            const v1::SubmitTransferRequest* request,
                                            v1::TransferState* response) override;
+  // Each entry is submitted on its own; with `wait` the call answers when all ended.
+  grpc::ServerUnaryReactor* SubmitTransfers(grpc::CallbackServerContext* context,
+                                            const v1::SubmitTransfersRequest* request,
+                                            v1::SubmitTransfersResponse* response) override;
   grpc::ServerUnaryReactor* GetTransfer(grpc::CallbackServerContext* context,
                                         const v1::GetTransferRequest* request,
                                         v1::TransferState* response) override;
@@ -94,6 +99,12 @@ class AgentService final : public v1::Agent::CallbackService {
                                    v1::DoctorReport* response) override;
 
  private:
+  using SubmitDone = std::function<void(absl::StatusOr<v1::TransferState>)>;
+  // Submits `request` (refreshing the peer first when it names a remote group or
+  // region the peer's catalog lacks) and calls `done` once: with the accepted state,
+  // or with the final state when `wait`. `request` must outlive the call of `done`.
+  void Submit(const v1::SubmitTransferRequest& request, bool wait, SubmitDone done);
+
   ServiceDeps deps_;
   absl::Mutex shm_mu_;
   uint64_t shm_counter_ ABSL_GUARDED_BY(shm_mu_) = 0;

@@ -28,6 +28,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               copy into it directly; off: move all data through UCX
   --vram-staging auto|off     VRAM when UCX lacks CUDA: auto (default) registers it for
                               same-host CUDA IPC copies ("staged" path); off refuses it
+  --staging-buffers N         host staging: bounce buffers per direction (default 8)
+  --staging-chunk-bytes N     host staging: bytes of one bounce buffer, the chunk size
+                              (default 4194304)
   --deregister-wait-ms N      how long DeregisterRegions waits for polling peers to see
                               the change (default 2000)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
@@ -50,6 +53,12 @@ int main(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") {
       std::fwrite(kUsage.data(), 1, kUsage.size(), stdout);
       return 0;
+    }
+    if (arg == "--stage-host-regions") {
+      // Hidden, for tests only: host regions take the staged path (memcpy stands in for
+      // the device copy), so the staging protocol runs on machines without a GPU.
+      options.stage_host_regions = true;
+      continue;
     }
     std::string_view key = arg;
     std::string value;
@@ -85,6 +94,17 @@ int main(int argc, char** argv) {
         return Fail(fmt::format("--vram-staging '{}': use auto or off", value));
       }
       options.vram_staging = value == "auto";
+    } else if (key == "--staging-buffers") {
+      number(&options.staging.buffers);
+    } else if (key == "--staging-chunk-bytes") {
+      if (!absl::SimpleAtoi(value, &options.staging.chunk_bytes)) {
+        return Fail(fmt::format("flag {}: '{}' is not a non-negative integer", key, value));
+      }
+    } else if (key == "--stage-host-regions") {
+      if (value != "on" && value != "off") {
+        return Fail(fmt::format("--stage-host-regions '{}': use on or off (tests only)", value));
+      }
+      options.stage_host_regions = value == "on";
     } else if (key == "--deregister-wait-ms") {
       number(&options.deregister_wait_ms);
     } else if (key == "--shutdown-grace-ms") {
@@ -117,6 +137,10 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  if (absl::Status staging = kvagent::agent::ValidateStagingOptions(options.staging);
+      !staging.ok()) {
+    return Fail(std::string(staging.message()));
+  }
   auto agent = kvagent::agent::Agent::Start(options);
   if (!agent.ok()) {
     std::fprintf(stderr, "kvagentd: cannot start: %s\n",

@@ -373,7 +373,11 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
     }
     call->previous = it->second.snapshot;
     call->channel = it->second.channel;
-    call->request.set_known_version(it->second.version);
+    // Only a drained version may be acknowledged (see RefreshOne); until the monitor
+    // has drained the newest, this poll names the last drained one and so refetches.
+    call->request.set_known_version(it->second.drained_version == it->second.version
+                                        ? it->second.version
+                                        : it->second.drained_version);
     call->request.set_known_incarnation(call->previous->incarnation);
     stub = it->second.stub;
   }
@@ -496,11 +500,33 @@ void PeerManager::MonitorLoop() {
       for (const auto& [name, peer] : peers_) names.push_back(name);
     }
     // After a change, poll again at once: that poll tells the peer we hold the new
-    // version (a deregistration on the peer waits for it).
-    for (const auto& name : names) {
+    // version (a deregistration on the peer waits for it). Peers are polled side by
+    // side, so one that hangs until the poll deadline delays no other's detection.
+    auto poll = [this](const std::string& name) {
       if (RefreshOne(name)) RefreshOne(name);
+    };
+    if (names.size() == 1) {
+      poll(names[0]);
+    } else {
+      std::vector<std::thread> polls;
+      polls.reserve(names.size());
+      for (const auto& name : names) polls.emplace_back(poll, name);
+      for (auto& t : polls) t.join();
     }
   }
+}
+
+bool PeerManager::DrainPosted(const std::shared_ptr<const PeerSnapshot>& snapshot,
+                              absl::Duration timeout) {
+  auto drained = std::make_shared<absl::Notification>();
+  worker_->Post([snapshot, drained] {
+    if (snapshot->endpoint == nullptr) {
+      drained->Notify();
+      return;
+    }
+    snapshot->endpoint->Flush([drained](absl::Status) { drained->Notify(); });
+  });
+  return drained->WaitForNotificationWithTimeout(timeout);
 }
 
 bool PeerManager::RefreshOne(const std::string& name) {
@@ -520,6 +546,31 @@ bool PeerManager::RefreshOne(const std::string& name) {
     endpoint_failed = it->second.endpoint_failed;
     request.set_known_version(it->second.version);
     request.set_known_incarnation(previous->incarnation);
+  }
+  if (request.known_version() != 0) {
+    bool drain = false;
+    {
+      absl::ReaderMutexLock lock(&mu_);
+      auto it = peers_.find(name);
+      drain = it != peers_.end() && it->second.snapshot == previous &&
+              it->second.drained_version != request.known_version();
+    }
+    if (drain) {
+      // This poll tells the peer we hold the new version, and the peer may then
+      // release the memory of regions it deregistered. Transfers stop posting to such
+      // regions once they see the new version (TransferEngine::CheckRegionsCurrent);
+      // what was posted before must complete first.
+      if (!DrainPosted(previous, absl::Seconds(2))) {
+        kLog.Warn("peer '{}': operations posted before its metadata version {} did not "
+                  "complete within 2 s; acknowledging the version anyway",
+                  name, request.known_version());
+      }
+      absl::MutexLock lock(&mu_);
+      auto it = peers_.find(name);
+      if (it != peers_.end() && it->second.snapshot == previous) {
+        it->second.drained_version = request.known_version();
+      }
+    }
   }
   grpc::ClientContext context;
   // Detection bound: a dead peer refuses or resets the connection, so its poll fails

@@ -128,6 +128,9 @@ class PeerManager {
     // replaces it.
     std::shared_ptr<v1::Peer::Stub> stub;
     uint64_t version = 0;
+    // The newest version whose older operations were drained (DrainPosted) before a
+    // poll told the peer that this agent holds it.
+    uint64_t drained_version = 0;
     // The UCX endpoint reported an error: the next answered poll opens a new one.
     bool endpoint_failed = false;
     std::string state = "connected";
@@ -158,6 +161,11 @@ class PeerManager {
   std::shared_ptr<const DirectMappings> MapDirect(const registry::RemoteCatalog& catalog,
                                                   const DirectMappings* previous) const;
   void MonitorLoop();
+  // Waits (up to `timeout`) until every operation posted to the peer through
+  // `snapshot`'s endpoint before this call has completed or failed: direct copies run
+  // on the worker thread, so a closure queued after them runs after them, and an
+  // endpoint flush covers what UCX still has in flight. False on timeout.
+  bool DrainPosted(const std::shared_ptr<const PeerSnapshot>& snapshot, absl::Duration timeout);
   // Returns true when the peer had changed and a new snapshot was installed.
   bool RefreshOne(const std::string& name);
   v1::PeerInfo InfoLocked(const Peer& peer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

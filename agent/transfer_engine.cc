@@ -20,6 +20,7 @@ constexpr size_t kMaxTransferIdBytes = 256;
 uint64_t Digest(const v1::SubmitTransferRequest& request) {
   v1::SubmitTransferRequest copy = request;
   copy.clear_timeout_ms();  // a retry may carry a different deadline
+  copy.clear_wait();        // or wait where the first try did not
   return absl::Hash<std::string>{}(copy.SerializeAsString());
 }
 
@@ -102,6 +103,9 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
               status.message());
   }
   Publish(t);
+  std::vector<Watcher> done;
+  done.swap(t.on_terminal);
+  for (auto& fn : done) fn(t.state);
   PruneLocked();
 }
 
@@ -135,6 +139,12 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
         "transfer '{}': notification is {} bytes, over the limit of {}; send a short token and "
         "move bulk data as an AUX byte segment",
         id, request.notification().size(), options_.max_notification_bytes));
+  }
+  if (request.wait() && request.more_chunks()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}' chunk {}: wait is set on a chunk with more_chunks=true; the transfer "
+        "cannot end before its last chunk, so set wait only on the last chunk",
+        id, request.chunk()));
   }
   if (request.segments_size() == 0 && (request.chunk() == 0 || request.more_chunks())) {
     return absl::InvalidArgumentError(fmt::format(
@@ -203,7 +213,11 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
                         fmt::format("transfer '{}' to peer '{}': {}", id, request.peer(),
                                     plan.status().message()));
   }
-  if (absl::Status paths = CheckDevicePaths(id, *plan, **peer); !paths.ok()) return paths;
+  std::vector<StagedRoute> routes;
+  if (absl::Status paths = CheckDevicePaths(id, request.op(), *plan, **peer, &routes);
+      !paths.ok()) {
+    return paths;
+  }
 
   TransferPtr t;
   {
@@ -259,7 +273,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->notification = request.notification();
     }
     t->last_peer = *peer;
-    if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0});
+    if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0, std::move(routes), nullptr});
     Publish(*t);
     worker_->Post([this, t] { Pump(t); });
     return t->state;
@@ -274,6 +288,10 @@ void TransferEngine::Pump(const TransferPtr& t) {
   uint64_t bytes = 0;
   v1::Notification notice;
   v1::TransferOp op;
+  StagedRoute route = StagedRoute::kNone;
+  // The peer's current view, taken before our lock (PeerManager never calls into the
+  // engine under its own): a chunk planned earlier may name a region deregistered since.
+  auto current = peers_->Get(t->state.peer());
   {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
@@ -300,17 +318,35 @@ void TransferEngine::Pump(const TransferPtr& t) {
       notice.set_payload(t->notification);
       notice.set_kind(v1::DATA_READY);
       notice.set_bytes(t->state.bytes_total());
+      if (t->staged_bytes > 0) {
+        // The peer holds this notification until it has copied these bytes in.
+        notice.set_staged_bytes(t->staged_bytes);
+        notice.set_sender_incarnation(options_.incarnation);
+      }
       peer = t->last_peer;
       action = Action::kNotify;
     } else {
       Chunk& chunk = t->chunks.front();
+      if (current.ok()) {
+        if (absl::Status still = CheckRegionsCurrent(t->state.transfer_id(), chunk, **current);
+            !still.ok()) {
+          Finish(*t, v1::FAILED, still, static_cast<int32_t>(chunk.plan.ops[chunk.next_op].segment));
+          return;
+        }
+      }
       peer = chunk.peer;
       const auto& planned = chunk.plan.ops;
+      // A batch takes ops of one route: staged ops go to the Stager as one batch.
+      auto route_of = [&chunk](size_t i) {
+        return chunk.routes.empty() ? StagedRoute::kNone : chunk.routes[i];
+      };
+      route = route_of(chunk.next_op);
       while (chunk.next_op < planned.size() && ops.size() < options_.batch_ops &&
-             bytes < options_.batch_bytes) {
+             bytes < options_.batch_bytes && route_of(chunk.next_op) == route) {
         bytes += planned[chunk.next_op].length;
         ops.push_back(planned[chunk.next_op++]);
       }
+      if (route == StagedRoute::kChunks) t->staged_bytes += bytes;
       t->inflight_segment = static_cast<int32_t>(ops.front().segment);
       if (chunk.next_op == planned.size()) t->chunks.pop_front();
       t->inflight = true;
@@ -351,6 +387,39 @@ void TransferEngine::Pump(const TransferPtr& t) {
       return;
     case Action::kBatch:
       break;
+  }
+
+  if (route != StagedRoute::kNone) {
+    // Host staging: the Stager runs the batch chunk by chunk and calls back once no
+    // chunk of it is in flight, so `inflight` (and so `drained`) covers them all.
+    const int32_t first = static_cast<int32_t>(ops.front().segment);
+    options_.stager->Run(
+        t->state.transfer_id(), op, route, std::move(ops), peer,
+        [this, t] {
+          absl::MutexLock lock(&mu_);
+          return Terminal(t->state.phase());
+        },
+        [this, t, bytes, first](absl::Status status, int32_t failed_segment) {
+          {
+            absl::MutexLock lock(&mu_);
+            t->inflight = false;
+            if (!status.ok()) {
+              const int32_t segment = failed_segment >= 0 ? failed_segment : first;
+              Finish(*t, v1::FAILED,
+                     absl::Status(status.code(),
+                                  fmt::format("transfer '{}' segment {}: staging through host "
+                                              "buffers to peer '{}' failed: {}",
+                                              t->state.transfer_id(), segment, t->state.peer(),
+                                              status.message())),
+                     segment);
+            } else if (!Terminal(t->state.phase())) {
+              t->state.set_bytes_done(t->state.bytes_done() + bytes);
+              Publish(*t);
+            }
+          }
+          worker_->Post([this, t] { Pump(t); });
+        });
+    return;
   }
 
   const auto& keys = peer->keys->keys;
@@ -436,32 +505,80 @@ void TransferEngine::Pump(const TransferPtr& t) {
   }
 }
 
+absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& chunk,
+                                                 const PeerSnapshot& current) {
+  // Same catalog, already checked, or another incarnation (FailPeer's business).
+  if (chunk.peer->catalog == current.catalog || chunk.checked_catalog == current.catalog ||
+      chunk.peer->incarnation != current.incarnation) {
+    return absl::OkStatus();
+  }
+  const auto& planned_regions = chunk.peer->catalog->regions();
+  std::vector<bool> seen(planned_regions.size(), false);
+  const auto& ops = chunk.plan.ops;
+  for (size_t i = chunk.next_op; i < ops.size(); ++i) {
+    const uint32_t slot = ops[i].rkey_slot;
+    if (seen[slot]) continue;
+    seen[slot] = true;
+    const registry::RemoteRegion& was = planned_regions[slot];
+    const registry::RemoteRegion* now = current.catalog->Find(was.name);
+    if (now == nullptr || now->base_address != was.base_address || now->length != was.length) {
+      return absl::AbortedError(fmt::format(
+          "transfer '{}' segment {}: peer '{}' {} region '{}' while the transfer was moving "
+          "its pages; nothing more was posted to it. The peer must not release pages that a "
+          "transfer still targets: cancel the transfer first (its `drained` tells when), then "
+          "deregister",
+          id, ops[i].segment, current.name, now == nullptr ? "deregistered" : "re-registered",
+          was.name));
+    }
+  }
+  chunk.checked_catalog = current.catalog;
+  return absl::OkStatus();
+}
+
 void TransferEngine::OnNotification(std::string_view header, std::string_view data) {
   v1::Notification n;
   if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
     kLog.Warn("dropped a notification of {} bytes that does not parse", data.size());
     return;
   }
+  if (options_.stager != nullptr && (n.staged_bytes() > 0 || n.kind() == v1::CANCELLED_BY_PEER)) {
+    // Held until its staged bytes are in place (the Stager runs on this thread too).
+    options_.stager->OnNotification(std::move(n));
+    return;
+  }
+  DeliverNotification(std::move(n));
+}
+
+void TransferEngine::DeliverNotification(v1::Notification n) {
   n.set_received_unix_us(UnixMicros());
   notifications_received_.fetch_add(1);
   notifications_->Push(std::move(n));
 }
 
-absl::Status TransferEngine::CheckDevicePaths(const std::string& id,
+absl::Status TransferEngine::CheckDevicePaths(const std::string& id, v1::TransferOp op,
                                              const registry::TransferPlan& plan,
-                                             const PeerSnapshot& peer) const {
+                                             const PeerSnapshot& peer,
+                                             std::vector<StagedRoute>* routes) const {
+  routes->clear();
+  if (options_.stager != nullptr) {
+    ASSIGN_OR_RETURN(*routes, Stager::Route(id, op, plan, peer));
+  }
   if (options_.ucx_cuda) return absl::OkStatus();
-  for (const auto& o : plan.ops) {
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const auto& o = plan.ops[i];
     if (!o.local_device && !o.remote_device) continue;
     if (peer.direct != nullptr && peer.direct->base_by_slot[o.rkey_slot] != nullptr) continue;
+    if (!routes->empty() && (*routes)[i] != StagedRoute::kNone) continue;
     const auto& r = peer.catalog->regions()[o.rkey_slot];
     return absl::FailedPreconditionError(fmt::format(
         "transfer '{}' segment {}: {} VRAM, and the running UCX cannot move CUDA memory while "
         "peer '{}' region '{}' cannot be reached directly (same-host CUDA IPC or shared "
-        "memory); host staging to other hosts is not built yet. Use a CUDA-enabled UCX, or "
-        "place both agents on one host",
+        "memory) nor through host staging{}. Use a CUDA-enabled UCX, or place both agents on "
+        "one host",
         id, o.segment, o.local_device ? "the local side is" : "the peer's side is", peer.name,
-        r.name));
+        r.name,
+        options_.stager == nullptr ? " (this engine has none)"
+                                   : " (the peer's region is registered for zero-copy)"));
   }
   return absl::OkStatus();
 }
@@ -513,6 +630,9 @@ absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& tran
     }
     t = it->second;
     if (Terminal(t->state.phase())) return t->state;
+    // Every byte is in place and DATA_READY is on its way: the peer may already use
+    // the pages, so the transfer completes rather than telling it both things.
+    if (t->notified) return t->state;
     Finish(*t, v1::CANCELLED,
            absl::CancelledError(fmt::format("transfer '{}' was cancelled", transfer_id)), -1);
   }
@@ -588,6 +708,23 @@ absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id, W
   watcher(it->second->state);
   it->second->watchers.emplace_back(token, std::move(watcher));
   return token;
+}
+
+absl::Status TransferEngine::WhenTerminal(const std::string& transfer_id, Watcher done) {
+  absl::MutexLock lock(&mu_);
+  auto it = transfers_.find(transfer_id);
+  if (it == transfers_.end()) {
+    return absl::NotFoundError(fmt::format(
+        "transfer '{}' is not known here (finished transfers are kept for the last {})",
+        transfer_id, options_.max_finished));
+  }
+  Transfer& t = *it->second;
+  if (Terminal(t.state.phase())) {
+    done(t.state);
+  } else {
+    t.on_terminal.push_back(std::move(done));
+  }
+  return absl::OkStatus();
 }
 
 void TransferEngine::Unwatch(const std::string& transfer_id, uint64_t token) {

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
+#include "agent/staging.h"
 #include "proto/kvagent.pb.h"
 #include "registry/region_registry.h"
 #include "registry/transfer_plan.h"
@@ -39,6 +40,10 @@ struct TransferEngineOptions {
   uint64_t max_notification_bytes = 64 << 10;
   uint32_t max_finished = 10000;       // finished transfers kept for queries
   bool ucx_cuda = false;               // the running UCX can move CUDA memory itself
+  uint64_t incarnation = 0;            // this agent's, sent with staged notifications
+  // Moves ops that need host staging (VRAM UCX cannot reach); owned by the Agent,
+  // outlives the engine. Null: such transfers are refused at submit.
+  Stager* stager = nullptr;
 };
 
 struct TransferCounters {
@@ -83,12 +88,20 @@ class TransferEngine {
   // engine's lock (it must not call back into the engine). Returns a token.
   absl::StatusOr<uint64_t> Watch(const std::string& transfer_id, Watcher watcher);
   void Unwatch(const std::string& transfer_id, uint64_t token);
+  // Calls `done` once with the final state when the transfer ends (at once if it has
+  // ended), under the engine's lock; it must not call back into the engine. Unlike a
+  // watcher it is dropped after that call, so it never holds a finished transfer.
+  absl::Status WhenTerminal(const std::string& transfer_id, Watcher done);
 
  private:
   struct Chunk {
     registry::TransferPlan plan;
     std::shared_ptr<const PeerSnapshot> peer;  // the catalog and keys the plan used
     size_t next_op = 0;
+    std::vector<StagedRoute> routes;  // per op; empty when no op needs staging
+    // The newer catalog of the same peer that was found to still hold every region
+    // this chunk's remaining ops use (CheckRegionsCurrent), so it is checked once.
+    std::shared_ptr<const registry::RemoteCatalog> checked_catalog;
   };
   struct Transfer {
     v1::TransferState state;
@@ -101,9 +114,11 @@ class TransferEngine {
     int32_t inflight_segment = -1;  // first segment of the batch posted last
     bool notified = false;
     bool cancel_sent = false;
+    uint64_t staged_bytes = 0;  // bytes sent as staged chunks (the peer waits for them)
     uint64_t start_us = 0;     // monotonic
     uint64_t deadline_us = 0;  // monotonic
     std::vector<std::pair<uint64_t, Watcher>> watchers;
+    std::vector<Watcher> on_terminal;  // WhenTerminal callbacks, run once by Finish
   };
   using TransferPtr = std::shared_ptr<Transfer>;
 
@@ -116,11 +131,23 @@ class TransferEngine {
   static int32_t SegmentInProgress(const Transfer& t);
   // Worker thread: posts the next batch, the notification, or records the drain.
   void Pump(const TransferPtr& t);
+  // ABORTED when the peer, since `chunk` was planned, deregistered (or moved) a region
+  // that the chunk's remaining ops write or read: nothing more may be posted to it.
+  static absl::Status CheckRegionsCurrent(const std::string& id, Chunk& chunk,
+                                          const PeerSnapshot& current);
   void OnNotification(std::string_view header, std::string_view data);
+ public:
+  // Queues a notification for local clients (the Stager calls it once staged data of
+  // the transfer is in place).
+  void DeliverNotification(v1::Notification n);
+
+ private:
   // Every operation that touches VRAM needs a way to reach it: a same-host direct
-  // mapping (CUDA IPC) or a UCX with CUDA support.
-  absl::Status CheckDevicePaths(const std::string& id, const registry::TransferPlan& plan,
-                                const PeerSnapshot& peer) const;
+  // mapping (CUDA IPC), a UCX with CUDA support, or host staging (then `routes` says
+  // which ops go through the Stager).
+  absl::Status CheckDevicePaths(const std::string& id, v1::TransferOp op,
+                                const registry::TransferPlan& plan, const PeerSnapshot& peer,
+                                std::vector<StagedRoute>* routes) const;
   // Worker thread: copies one direct operation that touches VRAM on the CUDA stream.
   absl::Status CopyDevice(uint64_t dst, uint64_t src, uint64_t bytes);
   absl::Status SyncDevice();

@@ -1,5 +1,6 @@
 #include "cli/agent_client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -81,9 +82,32 @@ absl::StatusOr<v1::ListPeersResponse> AgentClient::Peers() {
       stub_.get(), &v1::Agent::Stub::ListPeers, v1::ListPeersRequest(), timeout_ms_);
 }
 
+namespace {
+// A call that waits for the transfer to end needs the transfer's deadline on top of
+// the usual one (60 s stands in for an agent default this client cannot see).
+uint32_t WaitingTimeout(uint32_t base_ms, bool wait, uint32_t transfer_timeout_ms) {
+  if (!wait) return base_ms;
+  return base_ms + (transfer_timeout_ms != 0 ? transfer_timeout_ms : 60000);
+}
+}  // namespace
+
 absl::StatusOr<v1::TransferState> AgentClient::Submit(const v1::SubmitTransferRequest& request) {
   return Unary<v1::SubmitTransferRequest, v1::TransferState>(
-      stub_.get(), &v1::Agent::Stub::SubmitTransfer, request, timeout_ms_);
+      stub_.get(), &v1::Agent::Stub::SubmitTransfer, request,
+      WaitingTimeout(timeout_ms_, request.wait(), request.timeout_ms()));
+}
+
+absl::StatusOr<v1::SubmitTransfersResponse> AgentClient::SubmitBatch(
+    const v1::SubmitTransfersRequest& request) {
+  uint32_t longest = 0;
+  bool wait = request.wait();
+  for (const auto& t : request.transfers()) {
+    wait = wait || t.wait();
+    longest = std::max(longest, t.timeout_ms() != 0 ? t.timeout_ms() : 60000u);
+  }
+  return Unary<v1::SubmitTransfersRequest, v1::SubmitTransfersResponse>(
+      stub_.get(), &v1::Agent::Stub::SubmitTransfers, request,
+      WaitingTimeout(timeout_ms_, wait, longest));
 }
 
 absl::StatusOr<v1::TransferState> AgentClient::Get(const std::string& transfer_id) {

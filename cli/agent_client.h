@@ -27,7 +27,10 @@ class AgentClient {
   absl::StatusOr<v1::ListRegionsResponse> Regions();
   absl::StatusOr<v1::PeerInfo> Connect(const std::string& peer_address);
   absl::StatusOr<v1::ListPeersResponse> Peers();
+  // With request.wait the answer comes when the transfer has ended.
   absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request);
+  // Many transfers in one call; each entry's result (state or error) in order.
+  absl::StatusOr<v1::SubmitTransfersResponse> SubmitBatch(const v1::SubmitTransfersRequest& request);
   absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id);
   absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id);
   absl::StatusOr<v1::ListTransfersResponse> Transfers(bool active_only);

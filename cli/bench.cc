@@ -521,21 +521,10 @@ class Bench {
     segment->set_remote_group(layout.group);
     for (uint64_t i : local) segment->add_local_indices(i);
     for (uint64_t i : remote) segment->add_remote_indices(i);
+    // The agent answers when the transfer has ended: one round trip per transfer.
+    request.set_wait(true);
     auto state = initiator_.Submit(request);
     if (!state.ok()) return state.status();
-    // Back-to-back GetTransfer calls: measured here, they see completion sooner than
-    // opening a WatchTransfer stream per transfer (about 500 against 750 us for one
-    // 4 KiB page), and each call waits on the network, so this does not spin a core.
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms + 5000);
-    while (state->phase() == v1::PENDING || state->phase() == v1::TRANSFERRING) {
-      if (Clock::now() > deadline) {
-        return absl::DeadlineExceededError(fmt::format(
-            "transfer '{}' still {} after {} ms; check the agents' logs", id,
-            v1::TransferPhase_Name(state->phase()), options_.timeout_ms + 5000));
-      }
-      state = initiator_.Get(id);
-      if (!state.ok()) return state.status();
-    }
     if (state->phase() != v1::COMPLETED) {
       return absl::InternalError(fmt::format(
           "transfer '{}' ({} x {} bytes, {}) ended {}: {}", id, cell.batch, cell.block,
@@ -614,6 +603,190 @@ class Bench {
   uint64_t cell_number_ = 0;
 };
 
+// ---- rate: many one-page transfers at once through the gRPC API ----
+
+struct RateResult {
+  std::string mode;       // "single" (SubmitTransfer) or "batch" (SubmitTransfers)
+  uint32_t clients = 0;   // client threads, each with its own channel
+  uint32_t per_call = 0;  // transfers per RPC
+  uint64_t transfers = 0;
+  double transfers_per_s = 0, p50_us = 0, p99_us = 0;  // latency per call
+  uint64_t notifications = 0;  // DATA_READY seen by the target's client
+  uint64_t late_notifications = 0;  // of those, taken after the closing transfer's
+};
+
+// `clients` threads submit one-page WRITEs (each with a notification, waiting for the
+// end) for about `seconds`; a client of the target takes the notifications, and
+// every transfer's must arrive.
+absl::StatusOr<RateResult> RunRate(const BenchOptions& options, const std::string& initiator_address,
+                                   const std::string& target_address, const std::string& peer,
+                                   const Layout& layout, uint32_t clients, uint32_t per_call,
+                                   double seconds, const std::string& prefix) {
+  RateResult result;
+  result.mode = per_call == 1 ? "single" : "batch";
+  result.clients = clients;
+  result.per_call = per_call;
+  const std::string end_id = prefix + "end";
+
+  struct Shared {
+    absl::Mutex mu;
+    uint64_t notified ABSL_GUARDED_BY(mu) = 0;
+    bool ended ABSL_GUARDED_BY(mu) = false;
+    absl::Status status ABSL_GUARDED_BY(mu);
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread watcher([shared, target_address, prefix, end_id] {
+    AgentClient client(target_address);
+    absl::Status status = client.WatchNotifications({}, 10 * 60 * 1000, [&](const v1::Notification& n) {
+      if (n.transfer_id().rfind(prefix, 0) != 0) return true;
+      if (n.transfer_id() == end_id) return false;
+      absl::MutexLock lock(&shared->mu);
+      ++shared->notified;
+      return true;
+    });
+    absl::MutexLock lock(&shared->mu);
+    shared->ended = true;
+    shared->status = status;
+  });
+
+  auto one_page = [&](const std::string& id, uint64_t i) {
+    v1::SubmitTransferRequest request;
+    request.set_transfer_id(id);
+    request.set_peer(peer);
+    request.set_op(v1::WRITE);
+    request.set_timeout_ms(options.timeout_ms);
+    request.set_notification("rate");
+    request.set_wait(true);
+    auto* segment = request.add_segments()->mutable_items();
+    segment->set_local_group(layout.group);
+    segment->set_remote_group(layout.group);
+    segment->add_local_indices(layout.local_order[i % layout.items]);
+    segment->add_remote_indices(layout.remote_order[i % layout.items]);
+    return request;
+  };
+
+  absl::Mutex mu;
+  std::vector<double> latencies;
+  uint64_t completed = 0;
+  absl::Status failure;
+  const auto start = Clock::now();
+  const auto stop_at = start + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(seconds));
+  std::vector<std::thread> threads;
+  for (uint32_t c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      AgentClient client(initiator_address, options.timeout_ms);
+      std::vector<double> mine;
+      uint64_t done = 0;
+      absl::Status error;
+      for (uint64_t call = 0; error.ok() && Clock::now() < stop_at; ++call) {
+        const auto t0 = Clock::now();
+        if (per_call == 1) {
+          const uint64_t i = call * clients + c;
+          auto state = client.Submit(one_page(fmt::format("{}{}.{}", prefix, c, call), i));
+          if (!state.ok()) {
+            error = state.status();
+          } else if (state->phase() != v1::COMPLETED) {
+            error = absl::InternalError(fmt::format("transfer '{}' ended {}: {}",
+                                                    state->transfer_id(),
+                                                    v1::TransferPhase_Name(state->phase()),
+                                                    state->error_message()));
+          } else {
+            ++done;
+          }
+        } else {
+          v1::SubmitTransfersRequest batch;
+          batch.set_wait(true);
+          for (uint32_t k = 0; k < per_call; ++k) {
+            const uint64_t i = (call * clients + c) * per_call + k;
+            *batch.add_transfers() = one_page(fmt::format("{}{}.{}.{}", prefix, c, call, k), i);
+          }
+          auto answer = client.SubmitBatch(batch);
+          if (!answer.ok()) {
+            error = answer.status();
+          } else {
+            for (const auto& r : answer->results()) {
+              if (r.error_code() != 0 || r.state().phase() != v1::COMPLETED) {
+                error = absl::InternalError(fmt::format(
+                    "a batched transfer failed: {}",
+                    r.error_code() != 0 ? r.error_message() : r.state().error_message()));
+                break;
+              }
+              ++done;
+            }
+          }
+        }
+        mine.push_back(Micros(Clock::now() - t0));
+      }
+      absl::MutexLock lock(&mu);
+      latencies.insert(latencies.end(), mine.begin(), mine.end());
+      completed += done;
+      if (!error.ok() && failure.ok()) failure = error;
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double elapsed = Seconds(Clock::now() - start);
+
+  // The closing transfer ends the notification stream once everything before it came.
+  AgentClient closer(initiator_address, options.timeout_ms);
+  auto closed = closer.Submit(one_page(end_id, 0));
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->mu.AwaitWithTimeout(absl::Condition(+[](Shared* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                  return s->ended;
+                                }, shared.get()),
+                                absl::Seconds(10));
+    result.notifications = shared->notified;
+    if (!shared->ended) {
+      watcher.detach();  // it owns `shared` and ends with its stream
+    }
+  }
+  if (watcher.joinable()) watcher.join();
+  // Notifications of different transfers carry no order between them: those that
+  // came after the closing one are still queued at the target.
+  AgentClient target(target_address, options.timeout_ms);
+  for (int round = 0; round < 50 && result.notifications < completed; ++round) {
+    auto late = target.Poll(0);
+    if (!late.ok()) break;
+    uint64_t mine = 0;
+    for (const auto& n : late->notifications()) {
+      if (n.transfer_id().rfind(prefix, 0) == 0 && n.transfer_id() != end_id) ++mine;
+    }
+    result.notifications += mine;
+    result.late_notifications += mine;
+    if (result.notifications < completed) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!failure.ok()) return failure;
+  if (!closed.ok()) return closed.status();
+  result.transfers = completed;
+  result.transfers_per_s = completed / elapsed;
+  result.p50_us = Percentile(latencies, 50);
+  result.p99_us = Percentile(latencies, 99);
+  if (result.notifications != completed) {
+    return absl::DataLossError(fmt::format(
+        "{} {} transfers completed but the target's client saw {} notifications for them",
+        result.mode, completed, result.notifications));
+  }
+  return result;
+}
+
+std::string RateJson(const RateResult& r) {
+  return fmt::format(
+      "{{\"kind\": \"rate\", \"op\": \"WRITE\", \"block_bytes\": 4096, \"mode\": \"{}\", "
+      "\"clients\": {}, \"transfers_per_call\": {}, \"transfers\": {}, "
+      "\"transfers_per_s\": {:.1f}, \"call_p50_us\": {:.1f}, \"call_p99_us\": {:.1f}, "
+      "\"notifications\": {}, \"late_notifications\": {}}}",
+      r.mode, r.clients, r.per_call, r.transfers, r.transfers_per_s, r.p50_us, r.p99_us,
+      r.notifications, r.late_notifications);
+}
+
+std::string RateLine(const RateResult& r) {
+  return fmt::format("rate  {:<6} clients {:>2} x {:>3} per call: {:>7} transfers, {:>8.0f} /s, "
+                     "call p50 {:>6.0f} us, p99 {:>6.0f} us, notifications {}",
+                     r.mode, r.clients, r.per_call, r.transfers, r.transfers_per_s, r.p50_us,
+                     r.p99_us, r.notifications == r.transfers ? "all" : "MISSING");
+}
+
 // ---- output ----
 
 std::string Opt(const std::optional<double>& v, const char* format = "{:.3f}") {
@@ -627,7 +800,7 @@ std::optional<double> Ratio(double num, const std::optional<double>& den) {
 
 std::string JsonLine(const CellResult& r) {
   return fmt::format(
-      "{{\"op\": \"{}\", \"pattern\": \"{}\", \"block_bytes\": {}, \"batch\": {}, "
+      "{{\"kind\": \"cell\", \"op\": \"{}\", \"pattern\": \"{}\", \"block_bytes\": {}, \"batch\": {}, "
       "\"transfers\": {}, \"gbps\": {:.3f}, \"transfers_per_s\": {:.1f}, \"avg_us\": {:.1f}, "
       "\"p50_us\": {:.1f}, \"p99_us\": {:.1f}, \"notify_p50_us\": {}, \"notify_p99_us\": {}, "
       "\"perftest_gbps\": {}, \"memcpy_gbps\": {}, \"ratio_perftest\": {}, \"ratio_memcpy\": {}, "
@@ -861,6 +1034,46 @@ int RunBench(const BenchOptions& options) {
           std::fflush(stdout);
         }
       }
+    }
+    (void)initiator.Deregister({layout.region});
+    (void)target.Deregister({layout.region});
+  }
+  // One-page WRITEs from several clients at once: what the API sustains.
+  {
+    Layout layout;
+    layout.block = 4 << 10;
+    layout.items = pool_bytes / layout.block;
+    layout.group = fmt::format("{}.rate", label);
+    layout.region = layout.group + ".r";
+    layout.local_order.resize(layout.items);
+    std::iota(layout.local_order.begin(), layout.local_order.end(), 0);
+    layout.remote_order = layout.local_order;
+    std::shuffle(layout.local_order.begin(), layout.local_order.end(), rng);
+    std::shuffle(layout.remote_order.begin(), layout.remote_order.end(), rng);
+    if (auto s = RegisterLayout(initiator, pools.initiator_shm, layout); !s.ok()) {
+      return Fail(fmt::format("registering {} on the initiator", layout.region), s);
+    }
+    if (auto s = RegisterLayout(target, pools.target_shm, layout); !s.ok()) {
+      return Fail(fmt::format("registering {} on the target", layout.region), s);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    if (!options.json) std::printf("\n");
+    struct Shape {
+      uint32_t clients, per_call;
+    };
+    const std::vector<Shape> shapes = {{1, 1}, {8, 1}, {1, 64}, {4, 64}};
+    int n = 0;
+    for (const Shape& shape : shapes) {
+      Progress(done, total, fmt::format("rate: {} clients x {} per call", shape.clients, shape.per_call));
+      auto rate = RunRate(options, initiator_address, target_address, peer->name(), layout,
+                          shape.clients, shape.per_call, options.quick ? 1.0 : 3.0,
+                          fmt::format("{}.rate{}.", label, n++));
+      if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\r%80s\r", "");
+      if (!rate.ok()) {
+        return Fail(fmt::format("rate {} x {}", shape.clients, shape.per_call), rate.status());
+      }
+      std::printf("%s\n", (options.json ? RateJson(*rate) : RateLine(*rate)).c_str());
+      std::fflush(stdout);
     }
     (void)initiator.Deregister({layout.region});
     (void)target.Deregister({layout.region});

@@ -64,8 +64,17 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
   const std::string port_file = fmt::format("{}/{}.port", options.work_dir, options.name);
   const std::string log_path = fmt::format("{}/{}.log", options.work_dir, options.name);
   ::unlink(port_file.c_str());
-  std::vector<std::string> args = {options.binary, "--name", options.name, "--listen",
-                                   "127.0.0.1:0", "--port-file", port_file};
+  if (!options.command_prefix.empty() && !IsExecutable(options.command_prefix[0])) {
+    return absl::NotFoundError(fmt::format(
+        "agent '{}': wrapper command '{}' is not an executable file; give its absolute path",
+        options.name, options.command_prefix[0]));
+  }
+  std::vector<std::string> args = options.command_prefix;
+  for (std::string a : {options.binary, std::string("--name"), options.name,
+                        std::string("--listen"), options.listen_host + ":0",
+                        std::string("--port-file"), port_file}) {
+    args.push_back(std::move(a));
+  }
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
   std::vector<std::string> env_strings;
   for (char** e = environ; *e; ++e) {
@@ -103,6 +112,7 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
   DaemonProcess process;
   process.pid_ = pid;
   process.log_path_ = log_path;
+  process.host_ = options.connect_host.empty() ? options.listen_host : options.connect_host;
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
   while (std::chrono::steady_clock::now() < until) {
     std::ifstream in(port_file);
@@ -126,7 +136,10 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
 }
 
 DaemonProcess::DaemonProcess(DaemonProcess&& other) noexcept
-    : pid_(other.pid_), port_(other.port_), log_path_(std::move(other.log_path_)) {
+    : pid_(other.pid_),
+      port_(other.port_),
+      host_(std::move(other.host_)),
+      log_path_(std::move(other.log_path_)) {
   other.pid_ = -1;
 }
 
@@ -135,6 +148,7 @@ DaemonProcess& DaemonProcess::operator=(DaemonProcess&& other) noexcept {
     Kill();
     pid_ = other.pid_;
     port_ = other.port_;
+    host_ = std::move(other.host_);
     log_path_ = std::move(other.log_path_);
     other.pid_ = -1;
   }
@@ -146,7 +160,7 @@ DaemonProcess::~DaemonProcess() {
   if (pid_ > 0) (void)Stop(3000);
 }
 
-std::string DaemonProcess::address() const { return fmt::format("127.0.0.1:{}", port_); }
+std::string DaemonProcess::address() const { return fmt::format("{}:{}", host_, port_); }
 
 absl::StatusOr<int> DaemonProcess::Stop(uint32_t timeout_ms) {
   if (pid_ <= 0) return absl::FailedPreconditionError("agent process is not running");

@@ -1,6 +1,7 @@
-// DaemonProcess starts a real kvagentd as a child process on a loopback port chosen
-// by the kernel (--listen 127.0.0.1:0 --port-file), and stops it. Used by
-// `kvagentctl demo`/`bench` and by the integration tests.
+// DaemonProcess starts a real kvagentd as a child process on a port chosen by the
+// kernel (--listen 127.0.0.1:0 --port-file, or another host), optionally through a
+// wrapper command (`ip netns exec NAME`), and stops it. Used by `kvagentctl
+// demo`/`bench` and by the integration and fault tests.
 #pragma once
 
 #include <sys/types.h>
@@ -20,6 +21,14 @@ struct DaemonOptions {
   std::vector<std::string> extra_args;
   std::map<std::string, std::string> env;   // added to the inherited environment
   uint32_t start_timeout_ms = 15000;
+  // --listen LISTEN_HOST:0. An agent in another network namespace listens on 0.0.0.0
+  // and is reached from here at `connect_host`.
+  std::string listen_host = "127.0.0.1";
+  std::string connect_host;  // the host address() names; empty: listen_host
+  // Runs `prefix... kvagentd ARGS` instead of kvagentd itself; prefix[0] is an absolute
+  // path. It must exec kvagentd in place (as `ip netns exec NAME` does), so pid() and
+  // the signals stay the daemon's.
+  std::vector<std::string> command_prefix;
 };
 
 class DaemonProcess {
@@ -43,6 +52,7 @@ class DaemonProcess {
  private:
   pid_t pid_ = -1;
   int port_ = 0;
+  std::string host_ = "127.0.0.1";
   std::string log_path_;
 };
 

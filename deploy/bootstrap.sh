@@ -16,6 +16,9 @@ export DEBIAN_FRONTEND=noninteractive
 #   catch2                           unit and integration tests
 #   libbenchmark-dev                 the benchmark
 #   python3                          .ci/count_tests.py (counts JUnit XML test results)
+#   clang libclang-rt-14-dev         fuzz/run.sh: clang builds the libFuzzer targets (libFuzzer,
+#                                    ASan/UBSan runtimes are in libclang-rt-14-dev)
+#   iproute2                         `ip netns`/veth/`tc` for tests/fault/netns_test (link cuts between agents)
 PACKAGES=(
   bazel-bootstrap
   g++
@@ -36,6 +39,9 @@ PACKAGES=(
   catch2
   libbenchmark-dev
   python3
+  clang
+  libclang-rt-14-dev
+  iproute2
 )
 
 log() { echo "bootstrap: $*" >&2; }

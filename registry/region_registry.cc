@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "fmt/format.h"
+#include "registry/remote_catalog.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
 
@@ -221,6 +222,18 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
       result.skipped.push_back(spec.name());
       continue;
     }
+    // Peers refuse metadata with longer strings (CatalogLimits::max_name_bytes), so
+    // one such region would break every peer's connection to this agent.
+    if (const uint64_t limit = CatalogLimits{}.max_name_bytes;
+        spec.name().size() > limit || spec.group().size() > limit ||
+        (spec.has_shm() && spec.shm().name().size() > limit)) {
+      errors.Add(i, kInvalid,
+                 fmt::format("name, group or shm.name is over {} bytes (they are {}, {} and {}), "
+                             "which peers refuse in metadata; use shorter ones",
+                             limit, spec.name().size(), spec.group().size(),
+                             spec.has_shm() ? spec.shm().name().size() : 0));
+      continue;
+    }
     auto [it, inserted] = batch_names.emplace(spec.name(), i);
     if (!inserted) {
       errors.Add(i, kInvalid, fmt::format("name repeats entry {}; give every region a unique name",
@@ -385,6 +398,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
       continue;
     }
     c.memory_path = *std::move(path);
+    if (options_.stage_host_regions && c.memory_path == "host") c.memory_path = "staged";
     if (pins && c.spec.memory() == v1::DRAM) {
       pinned += c.spec.length();
       if (absl::Status s = CheckMemlock(pinned, memlock_limit, c.spec.name()); !s.ok()) {
@@ -398,7 +412,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   // memory, transfers copy it through host buffers). On any failure the whole batch
   // unwinds through RAII.
   for (Candidate& c : candidates) {
-    if (c.memory_path == "staged") continue;
+    if (c.memory_path == "staged" && c.cuda.has_value()) continue;
     const bool vram = c.cuda.has_value();
     auto registration = transport::MemoryRegistration::Map(
         *context_, vram ? reinterpret_cast<void*>(c.cuda->device_pointer()) : c.mapping.data(),
@@ -441,7 +455,8 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   return result;
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::string>& names) {
+absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::string>& names,
+                                                    std::vector<RegionPtr>* retired) {
   absl::MutexLock write_lock(&write_mu_);
   std::vector<RegionPtr> removed;  // released after mu_ is dropped (munmap, ucp_mem_unmap)
   uint64_t version = 0;
@@ -481,6 +496,9 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
     version = version_;
   }
   kLog.Info("deregistered {} regions; version {}", removed.size(), version);
+  if (retired != nullptr) {
+    for (auto& region : removed) retired->push_back(std::move(region));
+  }
   return version;
 }
 
@@ -563,6 +581,7 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
     out->set_length(region.spec.length());
     *out->mutable_layout() = region.spec.layout();
     out->set_rkey(region.registration.packed_rkey());
+    out->set_memory_path(region.memory_path);
     if (region.spec.has_shm()) {
       out->set_shm_name(region.spec.shm().name());
       out->set_shm_offset(region.spec.shm().offset());

@@ -62,6 +62,10 @@ struct RegistryOptions {
   // VRAM when UCX cannot register CUDA memory: true moves it through host staging
   // buffers (memory_path "staged"); false rejects such regions (FAILED_PRECONDITION).
   bool vram_staging = true;
+  // For tests only (kvagentd --stage-host-regions): host regions take the "staged"
+  // path too (still registered with UCX), so machines without a GPU run every byte
+  // through the staging protocol.
+  bool stage_host_regions = false;
 };
 
 // How a region's memory is moved: "host" for DRAM; for VRAM "zero-copy" when UCX has
@@ -89,7 +93,8 @@ class RegionRegistry {
   // All-or-nothing. Every bad entry is reported in one INVALID_ARGUMENT /
   // NOT_FOUND / FAILED_PRECONDITION status (the code of the first), one line per
   // entry naming it, the cause and the fix. Checks: name empty or duplicate (in the
-  // batch or already registered); zero length (or skipped with skip_empty); layout
+  // batch or already registered); name, group or shm.name over the 256 bytes peers
+  // accept (CatalogLimits); zero length (or skipped with skip_empty); layout
   // (num_items, item_bytes > 0; stride >= item_bytes; last item inside length,
   // overflow-safe); shm object missing or too small; overlap with another region of
   // the same object or device range; group whose regions disagree in num_items;
@@ -99,7 +104,12 @@ class RegionRegistry {
   absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs,
                                           bool skip_empty);
   // All-or-nothing: NOT_FOUND naming every unknown name. Returns the new version.
-  absl::StatusOr<uint64_t> Deregister(const std::vector<std::string>& names);
+  // The regions leave the catalog at once; their memory (UCX registration, mapping)
+  // is released when the last RegionPtr goes: with `retired`, the caller holds them
+  // until peers no longer write there (a put that UCX tcp still delivers into an
+  // unmapped region would crash this process).
+  absl::StatusOr<uint64_t> Deregister(const std::vector<std::string>& names,
+                                      std::vector<RegionPtr>* retired = nullptr);
 
   RegionPtr Find(const std::string& name) const;
   // Regions of `group` by position; empty when there is none.

@@ -106,6 +106,8 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
     region.cuda_device = in.cuda_device();
     region.cuda_offset = in.cuda_offset();
     region.shm_offset = in.shm_offset();
+    region.staged = in.memory_path() == "staged" ||
+                    (region.memory == v1::VRAM && in.rkey().empty());
     if (!region.group.empty()) catalog.groups_[region.group].push_back(region.rkey_slot);
     catalog.regions_.push_back(std::move(region));
   }

@@ -29,6 +29,10 @@ struct RemoteRegion {
   uint64_t cuda_offset = 0;
   std::string shm_name;    // empty when the peer's memory has no shared-memory name
   uint64_t shm_offset = 0;
+  // The peer moves this region's bytes through host staging: data goes to it as
+  // staged chunks (active messages), never by RMA. Its memory_path "staged", or VRAM
+  // without an rkey from a peer that does not say.
+  bool staged = false;
   uint64_t ItemAddress(uint64_t index) const { return base_address + index * item_stride; }
 };
 

@@ -46,6 +46,8 @@ struct CudaDriver::Api {
   decltype(&::cuMemAlloc) mem_alloc = nullptr;
   decltype(&::cuMemFree) mem_free = nullptr;
   decltype(&::cuIpcGetMemHandle) ipc_get_mem_handle = nullptr;
+  decltype(&::cuMemHostAlloc) mem_host_alloc = nullptr;
+  decltype(&::cuMemFreeHost) mem_free_host = nullptr;
 };
 
 namespace {
@@ -124,6 +126,8 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
   resolve(&api->mem_alloc, "cuMemAlloc_v2");
   resolve(&api->mem_free, "cuMemFree_v2");
   resolve(&api->ipc_get_mem_handle, "cuIpcGetMemHandle");
+  resolve(&api->mem_host_alloc, "cuMemHostAlloc");
+  resolve(&api->mem_free_host, "cuMemFreeHost");
   if (!missing.empty()) {
     return absl::FailedPreconditionError(fmt::format(
         "CUDA driver {} (driver API version {}) lacks {}; upgrade the NVIDIA driver (kvagent "
@@ -374,6 +378,23 @@ absl::Status CudaDriver::HostRegister(void* address, uint64_t bytes, std::string
       "region '{}': cuMemHostRegister of {} bytes: {}; raise RLIMIT_MEMLOCK (`ulimit -l "
       "unlimited`, systemd LimitMEMLOCK=infinity) or use smaller staging buffers",
       entry, bytes, ErrorText(r)));
+}
+
+absl::StatusOr<void*> CudaDriver::HostAlloc(uint64_t bytes, std::string_view entry) {
+  RETURN_IF_ERROR(EnsureContext());
+  void* address = nullptr;
+  // Portable: the pinned pages serve copies on any device's context.
+  const CUresult r = api_->mem_host_alloc(&address, bytes, CU_MEMHOSTALLOC_PORTABLE);
+  if (r == CUDA_SUCCESS) return address;
+  return absl::FailedPreconditionError(fmt::format(
+      "{}: cuMemHostAlloc of {} pinned bytes: {}; raise RLIMIT_MEMLOCK (`ulimit -l "
+      "unlimited`, systemd LimitMEMLOCK=infinity) or use fewer or smaller staging buffers "
+      "(--staging-buffers, --staging-chunk-bytes)",
+      entry, bytes, ErrorText(r)));
+}
+
+absl::Status CudaDriver::HostFree(void* address) {
+  return Check(api_->mem_free_host(address), "cuMemFreeHost");
 }
 
 absl::Status CudaDriver::HostUnregister(void* address) {

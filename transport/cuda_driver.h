@@ -1,6 +1,7 @@
 // CudaDriver is the CUDA driver API loaded at run time with dlopen("libcuda.so.1"), so
 // kvagentd builds against the CUDA headers only and starts on machines without a GPU.
-// Used by registry/ (CUDA IPC import of VRAM regions) and later by host staging.
+// Used by registry/ (CUDA IPC import of VRAM regions) and agent/staging (pinned
+// bounce buffers, device copies).
 #pragma once
 
 #include <cstddef>
@@ -82,6 +83,10 @@ class CudaDriver {
   // Page-locks host memory for fast device copies (counts against RLIMIT_MEMLOCK).
   absl::Status HostRegister(void* address, uint64_t bytes, std::string_view entry);
   absl::Status HostUnregister(void* address);
+  // Allocates page-locked host memory (staging bounce buffers); FAILED_PRECONDITION
+  // naming `entry` and the memlock fixes. Free with HostFree.
+  absl::StatusOr<void*> HostAlloc(uint64_t bytes, std::string_view entry);
+  absl::Status HostFree(void* address);
   // True when `address` is device memory (CU_POINTER_ATTRIBUTE_MEMORY_TYPE).
   absl::StatusOr<bool> IsDevicePointer(uint64_t address);
 

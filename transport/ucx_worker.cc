@@ -277,16 +277,28 @@ void UcxWorker::DrainQueue() {
 }
 
 void UcxWorker::SetAmHandler(uint16_t id, AmHandler handler) {
+  InstallAmSlot(id, std::move(handler), nullptr);
+}
+
+void UcxWorker::SetAmDataHandler(uint16_t id, AmDataHandler handler) {
+  InstallAmSlot(id, nullptr, std::move(handler));
+}
+
+void UcxWorker::InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler) {
   if (!OnWorkerThread() && thread_.joinable()) {
-    RunSync([this, id, &handler] { SetAmHandler(id, std::move(handler)); });
+    RunSync([this, id, &handler, &data_handler] {
+      InstallAmSlot(id, std::move(handler), std::move(data_handler));
+    });
     return;
   }
   auto& slot = am_handlers_[id];
   if (slot != nullptr) {
-    slot->handler = std::move(handler);  // in-flight rendezvous receives keep the slot
+    // In-flight rendezvous receives keep the slot.
+    slot->handler = std::move(handler);
+    slot->data_handler = std::move(data_handler);
     return;
   }
-  slot = std::make_unique<AmSlot>(AmSlot{this, id, std::move(handler)});
+  slot = std::make_unique<AmSlot>(AmSlot{this, id, std::move(handler), std::move(data_handler)});
   ucp_am_handler_param_t param{};
   param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -308,6 +320,20 @@ ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_
   auto* slot = static_cast<AmSlot*>(arg);
   std::string_view header_view(header_length > 0 ? static_cast<const char*>(header) : "",
                                header_length);
+  if (slot->data_handler) {
+    AmMessage message;
+    message.header = header_view;
+    message.length = length;
+    message.rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) message.reply_ep = param->reply_ep;
+    if (message.rendezvous) {
+      message.descriptor = data;
+    } else {
+      message.data = std::string_view(length > 0 ? static_cast<const char*>(data) : "", length);
+    }
+    const bool kept = slot->data_handler(message);
+    return message.rendezvous && kept ? UCS_INPROGRESS : UCS_OK;
+  }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     slot->handler(header_view, std::string_view(static_cast<const char*>(data), length));
     return UCS_OK;
@@ -327,6 +353,54 @@ ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_
   if (UCS_PTR_IS_PTR(request)) return UCS_INPROGRESS;
   FinishRndv(receive, UCS_PTR_STATUS(request));
   return UCS_OK;
+}
+
+void UcxWorker::ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
+                              std::function<void(absl::Status)> done) {
+  auto* state = new std::function<void(absl::Status)>(std::move(done));
+  auto finish = [](std::function<void(absl::Status)>* state, ucs_status_t status,
+                   uint64_t length) {
+    std::unique_ptr<std::function<void(absl::Status)>> owned(state);
+    (*owned)(status == UCS_OK
+                 ? absl::OkStatus()
+                 : UcxError(status, fmt::format("receiving {} bytes of rendezvous data failed; "
+                                                "the sender's data did not arrive",
+                                                length)));
+  };
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.recv_am = [](void* request, ucs_status_t status, size_t received, void* user_data) {
+    ucp_request_free(request);
+    auto* state = static_cast<std::function<void(absl::Status)>*>(user_data);
+    std::unique_ptr<std::function<void(absl::Status)>> owned(state);
+    (*owned)(status == UCS_OK
+                 ? absl::OkStatus()
+                 : UcxError(status, fmt::format("receiving {} bytes of rendezvous data failed; "
+                                                "the sender's data did not arrive",
+                                                received)));
+  };
+  param.user_data = state;
+  ucs_status_ptr_t request = ucp_am_recv_data_nbx(worker_, descriptor, buffer, length, &param);
+  if (UCS_PTR_IS_PTR(request)) return;
+  finish(state, UCS_PTR_STATUS(request), length);
+}
+
+void UcxWorker::ReleaseAmData(void* descriptor) { ucp_am_data_release(worker_, descriptor); }
+
+void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header,
+                            const void* data, uint64_t length,
+                            std::function<void(absl::Status)> done) {
+  auto op = std::make_unique<SendOp>();
+  op->done = std::move(done);
+  op->what = fmt::format("UCX worker '{}': replying with active message {} ({} + {} bytes) "
+                         "failed; the requesting peer is gone or unreachable",
+                         name_, id, header.size(), length);
+  op->payload.assign(header.data(), header.size());
+  auto* ep = static_cast<ucp_ep_h>(reply_ep);
+  StartSend(std::move(op), [ep, id, data, length](SendOp* send, ucp_request_param_t& param) {
+    return ucp_am_send_nbx(ep, id, send->payload.empty() ? nullptr : send->payload.data(),
+                           send->payload.size(), data, length, &param);
+  });
 }
 
 void UcxWorker::TrackRequest(void* request) { pending_requests_.push_back(request); }
@@ -600,6 +674,41 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
     const char* bytes = send->payload.data();
     return ucp_am_send_nbx(ep_, id, header_size > 0 ? bytes : nullptr, header_size,
                            bytes + header_size, send->payload.size() - header_size, &param);
+  });
+}
+
+void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* data,
+                            uint64_t length, Completion done) {
+  if (ep_ == nullptr || failed_) {
+    done(Unusable("sending an active message"));
+    return;
+  }
+  auto op = std::make_unique<SendOp>();
+  op->done = std::move(done);
+  op->what = fmt::format("UCX worker '{}': sending active message {} ({} + {} bytes) failed",
+                         worker_.name_, id, header.size(), length);
+  op->payload.assign(header.data(), header.size());  // the header only; data is referenced
+  StartSend(std::move(op), [this, id, data, length](SendOp* send, ucp_request_param_t& param) {
+    return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),
+                           send->payload.size(), data, length, &param);
+  });
+}
+
+void Endpoint::SendAmRequest(uint16_t id, std::string_view header, Completion done) {
+  if (ep_ == nullptr || failed_) {
+    done(Unusable("sending an active message"));
+    return;
+  }
+  auto op = std::make_unique<SendOp>();
+  op->done = std::move(done);
+  op->what = fmt::format("UCX worker '{}': sending request active message {} ({} bytes) failed",
+                         worker_.name_, id, header.size());
+  op->payload.assign(header.data(), header.size());
+  StartSend(std::move(op), [this, id](SendOp* send, ucp_request_param_t& param) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY;
+    return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),
+                           send->payload.size(), nullptr, 0, &param);
   });
 }
 

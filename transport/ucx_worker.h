@@ -30,6 +30,25 @@ namespace kvagent::transport {
 // the handler runs).
 using AmHandler = std::function<void(std::string_view header, std::string_view data)>;
 
+// An active message whose receiver places the data itself (host staging receives a
+// chunk straight into a bounce buffer). Eager data is in `data`, valid only during
+// the handler; rendezvous data (`rendezvous` true, `data` empty) is still on the
+// sender and is fetched with UcxWorker::ReceiveAmData or dropped with
+// UcxWorker::ReleaseAmData, now or later from the worker thread.
+struct AmMessage {
+  std::string_view header;
+  std::string_view data;
+  uint64_t length = 0;
+  bool rendezvous = false;
+  void* descriptor = nullptr;  // rendezvous only
+  // The endpoint to answer on (a ucp_ep_h), when the sender used Endpoint::SendAmRequest;
+  // else null. Pass it to UcxWorker::SendAmReply, from the worker thread only.
+  void* reply_ep = nullptr;
+};
+// Returns true when it kept a rendezvous descriptor (it must then receive or release
+// it exactly once); false lets UCX drop the data.
+using AmDataHandler = std::function<bool(const AmMessage& message)>;
+
 class Endpoint;
 
 class UcxWorker {
@@ -58,6 +77,20 @@ class UcxWorker {
   // Registers the handler for active-message `id` (worker thread or before any
   // message can arrive).
   void SetAmHandler(uint16_t id, AmHandler handler);
+  // The same for handlers that place the data themselves (see AmMessage).
+  void SetAmDataHandler(uint16_t id, AmDataHandler handler);
+  // Worker thread: fetches a kept rendezvous message into `buffer` (its `length`
+  // bytes); `done` runs on the worker thread, possibly before this returns.
+  void ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
+                     std::function<void(absl::Status)> done);
+  // Worker thread: drops a kept rendezvous message without fetching it.
+  void ReleaseAmData(void* descriptor);
+  // Worker thread: answers a message that came with `reply_ep` (AmMessage), without
+  // copying `data` (valid and unchanged until `done`). UCX keeps the reply endpoint
+  // while its connection lives; a send on one whose peer failed completes with an
+  // error.
+  void SendAmReply(void* reply_ep, uint16_t id, std::string_view header, const void* data,
+                   uint64_t length, std::function<void(absl::Status)> done);
 
   ucp_worker_h get() const { return worker_; }
 
@@ -98,7 +131,9 @@ class UcxWorker {
     UcxWorker* worker;
     uint16_t id;
     AmHandler handler;
+    AmDataHandler data_handler;  // set instead of `handler` by SetAmDataHandler
   };
+  void InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler);
   absl::flat_hash_map<uint16_t, std::unique_ptr<AmSlot>> am_handlers_;
   std::vector<void*> pending_requests_;
   // Endpoints still open; closed at shutdown if their owner has not destroyed them.
@@ -160,6 +195,13 @@ class Endpoint {
   void Flush(Completion done);
   // Sends an active message; header and data are copied. `done` as for Flush.
   void SendAm(uint16_t id, std::string_view header, std::string_view data, Completion done);
+  // Sends an active message without copying `data`: it must stay valid and unchanged
+  // until `done` runs (a bounce buffer held until then). The header is copied.
+  void SendAmNoCopy(uint16_t id, std::string_view header, const void* data, uint64_t length,
+                    Completion done);
+  // Sends a header-only active message that the receiver may answer over its reply
+  // endpoint (UCP_AM_SEND_FLAG_REPLY; AmMessage::reply_ep there). The header is copied.
+  void SendAmRequest(uint16_t id, std::string_view header, Completion done);
 
   ucp_ep_h get() const { return ep_; }
 

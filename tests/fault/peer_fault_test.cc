@@ -1,7 +1,8 @@
 // A peer agent killed (SIGKILL), hung (SIGSTOP) or restarted under the same name
 // while prefill holds an open transfer to it: the transfer must turn FAILED with
 // UNAVAILABLE within 2 s (the bound PeerManager documents), new submits must fail at
-// once, and after a restart transfers to the new process must move real bytes.
+// once, and after a restart transfers to the new process must move real bytes. In
+// `peer` UCX error mode the endpoint's error callback alone must catch a SIGKILL.
 #include <signal.h>
 #include <sys/mman.h>
 
@@ -9,8 +10,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "cli/daemon_process.h"
@@ -48,6 +52,22 @@ void OpenTransfer(AgentPair& pair, const std::string& id) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   } while (Clock::now() < until);
   REQUIRE(state.bytes_done() == state.bytes_total());
+  REQUIRE(state.phase() == v1::TRANSFERRING);
+}
+
+// Polls every millisecond until the transfer is TRANSFERRING (its first batch is
+// posted); fails when it ended or is still PENDING after 5 s.
+void WaitTransferring(cli::AgentClient& client, const std::string& id) {
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  v1::TransferState state;
+  do {
+    auto got = client.Get(id);
+    REQUIRE(got.ok());
+    state = *got;
+    if (state.phase() != v1::PENDING) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  } while (Clock::now() < until);
+  INFO(state.DebugString());
   REQUIRE(state.phase() == v1::TRANSFERRING);
 }
 
@@ -132,6 +152,99 @@ TEST_CASE("a hung peer (SIGSTOP) fails the open transfer within 2 s, and new sub
   CheckSubmitFailsFast(pair, "SIGSTOP");
 
   ::kill(decode, SIGCONT);
+  pair.decode_process().Kill();
+  UnlinkDecodePool(pair);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// `--ucx-error-mode peer` (UCX 1.13 then carries the endpoint over tcp, even on one
+// host) with polls 60 s apart (their deadline 300 s): within this test only the UCX
+// endpoint's error callback can notice the death. The failure must name that path.
+TEST_CASE("peer error mode: a killed peer fails the open transfer through the UCX endpoint error") {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--peer-refresh-ms",
+                        "60000"};
+  AgentPair pair(options);
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  REQUIRE(peers->peers_size() == 1);
+  INFO(peers->peers(0).DebugString());
+  REQUIRE(peers->peers(0).error_mode() == "peer");
+  REQUIRE(peers->peers(0).data_path() == "ucx");
+  REQUIRE_THAT(peers->peers(0).transports(), Catch::Contains("tcp"));
+  OpenTransfer(pair, "open-ep");
+
+  const auto killed = Clock::now();
+  REQUIRE(::kill(pair.decode_process().pid(), SIGKILL) == 0);
+  const v1::TransferState state = WaitEnd(pair.prefill(), "open-ep");
+  const int64_t ms = MillisSince(killed);
+  std::printf("SIGKILL (peer error mode, polls 60 s apart): peer death -> UCX endpoint error -> "
+              "transfer failed in %lld ms\n",
+              static_cast<long long>(ms));
+  CheckFailedForPeer(state, "open-ep");
+  CHECK_THAT(state.error_message(), Catch::Contains("its UCX endpoint failed"));
+  CHECK_THAT(state.error_message(), !Catch::Contains("GetMetadata"));
+  CHECK(ms <= 2000);
+  CheckSubmitFailsFast(pair, "SIGKILL (peer error mode)");
+  // The prefill log names the endpoint path.
+  CHECK_THAT(ReadFile(pair.prefill_process().log_path()),
+             Catch::Contains("peer 'decode' endpoint failed"));
+  pair.decode_process().Kill();
+  UnlinkDecodePool(pair);
+}
+
+// The same with a 128 MiB WRITE still moving (posted puts and their flush pending):
+// UCX fails them, and the transfer ends through that, not through a poll.
+TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, not the poll") {
+  AgentPairOptions options;
+  options.shape.layers = 8;
+  options.shape.pages = 128;
+  options.shape.page_bytes = 64 << 10;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--peer-refresh-ms",
+                        "60000"};
+  AgentPair pair(options);
+  std::vector<uint64_t> all;
+  for (uint64_t p = 0; p < options.shape.pages; ++p) all.push_back(p);
+  auto submitted = pair.prefill().Submit(KvWrite("inflight-ep", all, all));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  // Once its first batch is posted (TRANSFERRING) and moving: no fixed sleep that a
+  // fast machine could outrun.
+  WaitTransferring(pair.prefill(), "inflight-ep");
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const auto killed = Clock::now();
+  REQUIRE(::kill(pair.decode_process().pid(), SIGKILL) == 0);
+  const v1::TransferState state = WaitEnd(pair.prefill(), "inflight-ep");
+  const int64_t ms = MillisSince(killed);
+  INFO(state.DebugString());
+  std::printf("SIGKILL (peer error mode, polls 60 s apart) under a 128 MiB WRITE: transfer "
+              "failed in %lld ms, %llu of %llu bytes confirmed: %s\n",
+              static_cast<long long>(ms), static_cast<unsigned long long>(state.bytes_done()),
+              static_cast<unsigned long long>(state.bytes_total()), state.error_message().c_str());
+  REQUIRE(state.phase() != v1::COMPLETED);  // else: make the transfer bigger
+  REQUIRE(state.phase() == v1::FAILED);
+  CHECK(state.error_code() == kUnavailable);
+  CHECK_THAT(state.error_message(), Catch::Contains("inflight-ep") &&
+                                        Catch::Contains("peer 'decode'") &&
+                                        Catch::Contains("UCX") && !Catch::Contains("GetMetadata"));
+  CHECK(ms <= 2000);
+  // drained once the posted batch's flush has completed (with its error).
+  v1::TransferState later = state;
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (!later.drained() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    auto got = pair.prefill().Get("inflight-ep");
+    REQUIRE(got.ok());
+    later = *got;
+  }
+  std::printf("SIGKILL under a WRITE (peer error mode): drained %d, %lld ms after the kill\n",
+              later.drained(), static_cast<long long>(MillisSince(killed)));
+  CHECK(later.drained());
+  CheckSubmitFailsFast(pair, "SIGKILL under a WRITE (peer error mode)");
   pair.decode_process().Kill();
   UnlinkDecodePool(pair);
 }

@@ -12,7 +12,7 @@ start=$(date +%s)
 echo "bench took $(( $(date +%s) - start )) s"
 cat "$out"
 # 3 block sizes x 2 batches x WRITE/READ x contiguous/scattered.
-lines=$(grep -c '^{' "$out" || true)
+lines=$(grep -c '^{"kind": "cell"' "$out" || true)
 if [[ "$lines" != 24 ]]; then
   echo "expected 24 JSON lines, got $lines"; cat "$err"; exit 1
 fi
@@ -42,5 +42,17 @@ while IFS= read -r line; do
   if [[ "$line" == *'"op": "WRITE"'* && "$line" == *'"notify_p50_us": null'* ]]; then
     echo "WRITE cell without notification latency: $line"; bad=1
   fi
-done < <(grep '^{' "$out")
+done < <(grep '^{"kind": "cell"' "$out")
+# The rate phase: 4 client shapes, each with transfers done and every notification seen.
+rates=$(grep -c '^{"kind": "rate"' "$out" || true)
+if [[ "$rates" != 4 ]]; then
+  echo "expected 4 rate lines, got $rates"; cat "$err"; exit 1
+fi
+while IFS= read -r line; do
+  n=$(sed -n 's/.*"transfers": \([0-9]*\),.*/\1/p' <<<"$line")
+  seen=$(sed -n 's/.*"notifications": \([0-9]*\),.*/\1/p' <<<"$line")
+  if [[ -z "$n" || "$n" == 0 || "$n" != "$seen" ]]; then
+    echo "rate line without transfers, or notifications != transfers: $line"; bad=1
+  fi
+done < <(grep '^{"kind": "rate"' "$out")
 exit "$bad"

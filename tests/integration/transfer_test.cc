@@ -3,6 +3,7 @@
 // bytes are compared in shared memory.
 #include <chrono>
 #include <cstring>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -250,6 +251,67 @@ TEST_CASE("a transfer that misses its deadline times out with the reason") {
              Catch::Contains("req-late") && Catch::Contains("300 ms") &&
                  Catch::Contains("last chunk never submitted"));
   CHECK(pair.decode().Poll(0)->notifications_size() == 0);
+}
+
+TEST_CASE("wait answers with the final state; a batch submits each entry on its own") {
+  AgentPair pair;
+  pair.ResetContents();
+  auto one = KvWrite("req-wait", {2, 7}, {12, 3}, "waited");
+  one.set_wait(true);
+  auto done = pair.prefill().Submit(one);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(done->bytes_done() == done->bytes_total());
+  // Answered at the end: the bytes are already in place.
+  CHECK(pair.PageEqual(2, 12));
+  CHECK(pair.PageEqual(7, 3));
+
+  // A chunked transfer waits on its last chunk only.
+  auto open = KvWrite("req-wait-chunks", {4}, {14});
+  open.set_more_chunks(true);
+  auto early = open;
+  early.set_wait(true);
+  auto refused = pair.prefill().Submit(early);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("req-wait-chunks") && Catch::Contains("last chunk"));
+  REQUIRE(pair.prefill().Submit(open).ok());
+  auto last = KvWrite("req-wait-chunks", {5}, {15});
+  last.set_chunk(1);
+  last.set_wait(true);
+  auto closed = pair.prefill().Submit(last);
+  REQUIRE(closed.ok());
+  CHECK(closed->phase() == v1::COMPLETED);
+  CHECK(closed->chunks() == 2);
+  CHECK(pair.PageEqual(5, 15));
+
+  // One bad entry fails only itself.
+  v1::SubmitTransfersRequest batch;
+  batch.set_wait(true);
+  *batch.add_transfers() = KvWrite("req-batch-a", {8}, {20}, "a");
+  auto bad = KvWrite("req-batch-bad", {9}, {21});
+  bad.mutable_segments(0)->mutable_items()->set_remote_group("no-such-group");
+  *batch.add_transfers() = bad;
+  *batch.add_transfers() = KvWrite("req-batch-c", {10}, {22}, "c");
+  auto answer = pair.prefill().SubmitBatch(batch);
+  REQUIRE(answer.ok());
+  REQUIRE(answer->results_size() == 3);
+  CHECK(answer->results(0).error_code() == 0);
+  CHECK(answer->results(0).state().phase() == v1::COMPLETED);
+  CHECK(answer->results(1).error_code() != 0);
+  CHECK_THAT(answer->results(1).error_message(),
+             Catch::Contains("req-batch-bad") && Catch::Contains("no-such-group"));
+  CHECK_FALSE(answer->results(1).has_state());
+  CHECK(answer->results(2).state().phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(8, 20));
+  CHECK(pair.PageEqual(10, 22));
+  CHECK(pair.PageUntouched(21));
+  auto notes = PollUntil(pair.decode(), 4);
+  std::set<std::string> ids;
+  for (const auto& n : notes) ids.insert(n.transfer_id());
+  CHECK(ids == std::set<std::string>{"req-wait", "req-wait-chunks", "req-batch-a", "req-batch-c"});
 }
 
 TEST_CASE("the demo's shapes work under UCX_TLS=tcp,self as between hosts") {

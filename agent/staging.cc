@@ -1,0 +1,1131 @@
+#include "agent/staging.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "agent/status_util.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/log.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("staging");
+constexpr uint64_t kPageBytes = 4096;
+constexpr uint64_t kMaxPoolBytes = 64ull << 30;
+constexpr size_t kMaxHeaderBytes = 1 << 20;
+
+std::string ArrivalKey(const std::string& from, uint64_t incarnation, const std::string& id) {
+  return fmt::format("{}/{:x}/{}", from, incarnation, id);
+}
+}  // namespace
+
+absl::Status ValidateStagingOptions(const StagingPoolOptions& options) {
+  if (options.chunk_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "--staging-chunk-bytes 0: a bounce buffer needs at least 1 byte; use a size such as "
+        "4194304 (4 MiB, the default)");
+  }
+  if (options.buffers == 0) {
+    return absl::InvalidArgumentError(
+        "--staging-buffers 0: staging needs at least one bounce buffer; use 2 or more (8 is "
+        "the default) so device copies overlap the network");
+  }
+  if (options.chunk_bytes > kMaxPoolBytes / options.buffers) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--staging-buffers {} x --staging-chunk-bytes {} is over the {} bytes a staging pool "
+        "may pin; use fewer or smaller buffers",
+        options.buffers, options.chunk_bytes, kMaxPoolBytes));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// StagingPool
+
+struct StagingPool::State {
+  uint64_t chunk_bytes = 0;
+  transport::CudaDriver* cuda = nullptr;  // set when the buffers are pinned by CUDA
+  std::vector<uint8_t*> buffers;
+  std::vector<transport::MemoryRegistration> registrations;
+  absl::Mutex mu;
+  std::vector<uint32_t> free ABSL_GUARDED_BY(mu);
+  std::deque<Waiter> waiters ABSL_GUARDED_BY(mu);
+
+  ~State() {
+    registrations.clear();  // unmap from UCX before the memory goes
+    for (uint8_t* b : buffers) {
+      if (cuda != nullptr) {
+        (void)cuda->HostFree(b);
+      } else {
+        std::free(b);
+      }
+    }
+  }
+};
+
+StagingPool::Lease::Lease(Lease&& other) noexcept
+    : state_(std::move(other.state_)), index_(other.index_), data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+}
+
+StagingPool::Lease& StagingPool::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    state_ = std::move(other.state_);
+    index_ = other.index_;
+    data_ = other.data_;
+    size_ = other.size_;
+    other.data_ = nullptr;
+  }
+  return *this;
+}
+
+StagingPool::Lease::~Lease() { Release(); }
+
+void StagingPool::Lease::Release() {
+  if (data_ == nullptr) return;
+  data_ = nullptr;
+  std::shared_ptr<State> state = std::move(state_);
+  Waiter waiter;
+  {
+    absl::MutexLock lock(&state->mu);
+    if (state->waiters.empty()) {
+      state->free.push_back(index_);
+      return;
+    }
+    waiter = std::move(state->waiters.front());
+    state->waiters.pop_front();
+  }
+  // Hand the buffer straight to the oldest waiter, outside the lock.
+  Lease next;
+  next.state_ = state;
+  next.index_ = index_;
+  next.data_ = state->buffers[index_];
+  next.size_ = state->chunk_bytes;
+  waiter(std::move(next));
+}
+
+absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(
+    const StagingPoolOptions& options, transport::CudaDriver* cuda,
+    const transport::UcxContext* context) {
+  RETURN_IF_ERROR(ValidateStagingOptions(options));
+  auto state = std::make_shared<State>();
+  state->chunk_bytes = options.chunk_bytes;
+  state->cuda = cuda;
+  const uint64_t rounded = (options.chunk_bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
+  for (uint32_t i = 0; i < options.buffers; ++i) {
+    const std::string entry = fmt::format("staging buffer {} of {}", i, options.buffers);
+    uint8_t* buffer = nullptr;
+    if (cuda != nullptr) {
+      ASSIGN_OR_RETURN(void* pinned, cuda->HostAlloc(rounded, entry));
+      buffer = static_cast<uint8_t*>(pinned);
+    } else {
+      buffer = static_cast<uint8_t*>(std::aligned_alloc(kPageBytes, rounded));
+      if (buffer == nullptr) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "{}: allocating {} bytes failed; use fewer or smaller staging buffers "
+            "(--staging-buffers, --staging-chunk-bytes)",
+            entry, rounded));
+      }
+    }
+    state->buffers.push_back(buffer);
+    if (context != nullptr) {
+      ASSIGN_OR_RETURN(auto registration,
+                       transport::MemoryRegistration::Map(*context, buffer, rounded,
+                                                          transport::MemoryType::kHost, entry));
+      state->registrations.push_back(std::move(registration));
+    }
+  }
+  {
+    absl::MutexLock lock(&state->mu);
+    for (uint32_t i = options.buffers; i > 0; --i) state->free.push_back(i - 1);
+  }
+  return std::unique_ptr<StagingPool>(new StagingPool(std::move(state)));
+}
+
+StagingPool::~StagingPool() = default;
+
+StagingPool::Lease StagingPool::TryAcquire() {
+  Lease lease;
+  absl::MutexLock lock(&state_->mu);
+  if (state_->free.empty()) return lease;
+  lease.state_ = state_;
+  lease.index_ = state_->free.back();
+  state_->free.pop_back();
+  lease.data_ = state_->buffers[lease.index_];
+  lease.size_ = state_->chunk_bytes;
+  return lease;
+}
+
+void StagingPool::Acquire(Waiter waiter) {
+  Lease lease;
+  {
+    absl::MutexLock lock(&state_->mu);
+    if (state_->free.empty()) {
+      state_->waiters.push_back(std::move(waiter));
+      return;
+    }
+    lease.state_ = state_;
+    lease.index_ = state_->free.back();
+    state_->free.pop_back();
+    lease.data_ = state_->buffers[lease.index_];
+    lease.size_ = state_->chunk_bytes;
+  }
+  waiter(std::move(lease));
+}
+
+uint64_t StagingPool::chunk_bytes() const { return state_->chunk_bytes; }
+uint32_t StagingPool::buffers() const { return static_cast<uint32_t>(state_->buffers.size()); }
+uint32_t StagingPool::free_buffers() const {
+  absl::MutexLock lock(&state_->mu);
+  return static_cast<uint32_t>(state_->free.size());
+}
+size_t StagingPool::waiters() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->waiters.size();
+}
+bool StagingPool::pinned() const { return state_->cuda != nullptr; }
+
+// ---------------------------------------------------------------------------
+// Copiers
+
+namespace {
+
+class CudaCopier : public DeviceCopier {
+ public:
+  absl::Status Copy(uint64_t dst, uint64_t src, uint64_t bytes) override {
+    if (stream_ == nullptr) {
+      ASSIGN_OR_RETURN(cuda_, transport::CudaDriver::Load());
+      ASSIGN_OR_RETURN(stream_, cuda_->CreateStream(0));
+    }
+    pending_ = true;
+    return cuda_->CopyAsync(dst, src, bytes, stream_);
+  }
+  absl::Status Sync() override {
+    if (!pending_) return absl::OkStatus();
+    pending_ = false;
+    return cuda_->SynchronizeStream(stream_);
+  }
+  ~CudaCopier() override {
+    if (stream_ != nullptr) (void)cuda_->DestroyStream(stream_);
+  }
+
+ private:
+  transport::CudaDriver* cuda_ = nullptr;
+  CUstream_st* stream_ = nullptr;
+  bool pending_ = false;
+};
+
+class HostCopier : public DeviceCopier {
+ public:
+  absl::Status Copy(uint64_t dst, uint64_t src, uint64_t bytes) override {
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Sync() override { return absl::OkStatus(); }
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceCopier> MakeCudaCopier() { return std::make_unique<CudaCopier>(); }
+std::unique_ptr<DeviceCopier> MakeHostCopier() { return std::make_unique<HostCopier>(); }
+
+// ---------------------------------------------------------------------------
+// Stager: routing
+
+absl::StatusOr<std::vector<StagedRoute>> Stager::Route(const std::string& transfer_id,
+                                                       v1::TransferOp op,
+                                                       const registry::TransferPlan& plan,
+                                                       const PeerSnapshot& peer) {
+  // Local regions by base, to find each op's region.
+  std::vector<const registry::Region*> locals;
+  for (const auto& r : plan.local_regions) locals.push_back(r.get());
+  std::sort(locals.begin(), locals.end(),
+            [](const auto* a, const auto* b) { return a->base_address < b->base_address; });
+  auto local_staged = [&](uint64_t address) {
+    auto it = std::upper_bound(locals.begin(), locals.end(), address,
+                               [](uint64_t a, const auto* r) { return a < r->base_address; });
+    if (it == locals.begin()) return false;
+    const registry::Region* r = *(it - 1);
+    return address < r->base_address + r->spec.length() && r->memory_path == "staged";
+  };
+  (void)transfer_id;
+  std::vector<StagedRoute> routes(plan.ops.size(), StagedRoute::kNone);
+  bool any = false;
+  const auto& remote_regions = peer.catalog->regions();
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const registry::PlanOp& o = plan.ops[i];
+    if (peer.direct != nullptr && peer.direct->base_by_slot[o.rkey_slot] != nullptr) continue;
+    const registry::RemoteRegion& remote = remote_regions[o.rkey_slot];
+    if (remote.staged) {
+      // UCX cannot reach the peer's memory: it copies out (READ) or in (WRITE) itself.
+      routes[i] = op == v1::READ ? StagedRoute::kRemoteRead : StagedRoute::kChunks;
+      any = true;
+    } else if (local_staged(o.local_address)) {
+      routes[i] = StagedRoute::kBounce;
+      any = true;
+    }
+  }
+  if (!any) routes.clear();
+  return routes;
+}
+
+// ---------------------------------------------------------------------------
+// Stager: lifecycle
+
+Stager::Stager(transport::UcxWorker* worker, const transport::UcxContext* context,
+               registry::RegionRegistry* registry, StagerOptions options, Deliver deliver)
+    : worker_(worker),
+      context_(context),
+      registry_(registry),
+      options_(std::move(options)),
+      deliver_(std::move(deliver)) {
+  // Request ids start at a random point: a reply from another agent (or an earlier
+  // incarnation of the peer) does not name one of ours by accident.
+  std::random_device random;
+  next_request_id_ = (uint64_t{random()} << 32 | random()) & ~(uint64_t{1} << 63);
+}
+
+Stager::~Stager() { Stop(); }
+
+void Stager::Start() {
+  worker_->SetAmDataHandler(kStagedDataAmId,
+                            [this](const transport::AmMessage& m) { return OnChunk(m); });
+  worker_->SetAmDataHandler(kStagedReadRequestAmId,
+                            [this](const transport::AmMessage& m) { return OnReadRequest(m); });
+  worker_->SetAmDataHandler(kStagedReadReplyAmId,
+                            [this](const transport::AmMessage& m) { return OnReadReply(m); });
+  sweep_thread_ = std::thread([this] {
+    // Every 500 ms: sweep stale receive state. Every 10 ms while READs of a peer's
+    // staged memory wait for replies: abandon those whose transfer stopped, so a peer
+    // that never answers cannot hold a transfer (or a bounce buffer) past its deadline.
+    uint64_t last_sweep_us = MonotonicMicros();
+    while (!stopping_.load()) {
+      const bool reading = reads_outstanding_.load() > 0;
+      {
+        absl::MutexLock lock(&sweep_mu_);
+        sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(reading ? 10 : 500));
+      }
+      if (stopping_.load()) break;
+      if (reads_outstanding_.load() > 0) worker_->Post([this] { CheckReads(); });
+      const uint64_t now = MonotonicMicros();
+      if (now - last_sweep_us >= 500000) {
+        last_sweep_us = now;
+        worker_->Post([this] { Sweep(); });
+      }
+    }
+  });
+}
+
+void Stager::Stop() {
+  if (stopping_.exchange(true)) return;
+  {
+    absl::MutexLock lock(&sweep_mu_);
+    sweep_cv_.SignalAll();
+  }
+  if (sweep_thread_.joinable()) sweep_thread_.join();
+}
+
+absl::Status Stager::EnsurePool() {
+  if (pool_ != nullptr) return absl::OkStatus();
+  // Pinned when a GPU is there (fast DMA for the device copies), plain otherwise.
+  transport::CudaDriver* cuda = nullptr;
+  if (auto driver = transport::CudaDriver::Load(); driver.ok() && (*driver)->device_count() > 0) {
+    cuda = *driver;
+  }
+  // Sending and receiving get a pool each: a receive never waits for a buffer held by
+  // one of our sends, which may itself wait on the peer's receive (two agents pushing
+  // to each other would otherwise deadlock).
+  std::unique_ptr<StagingPool> pools[2];
+  for (auto& pool : pools) {
+    auto created = StagingPool::Create(options_.pool, cuda, context_);
+    if (!created.ok()) {
+      return absl::Status(created.status().code(),
+                          fmt::format("agent '{}': creating the host staging pool ({} x {} "
+                                      "bytes) failed: {}",
+                                      options_.self_name, options_.pool.buffers,
+                                      options_.pool.chunk_bytes, created.status().message()));
+    }
+    pool = *std::move(created);
+  }
+  pool_ = std::move(pools[0]);
+  recv_pool_ = std::move(pools[1]);
+  kLog.Info("staging pools: 2 x {} buffers of {} bytes ({})", pool_->buffers(),
+            pool_->chunk_bytes(), pool_->pinned() ? "pinned by CUDA" : "host memory, no CUDA device");
+  return absl::OkStatus();
+}
+
+DeviceCopier& Stager::CopierFor(bool device) {
+  auto& copier = device ? cuda_copier_ : host_copier_;
+  if (copier == nullptr) copier = device ? MakeCudaCopier() : MakeHostCopier();
+  return *copier;
+}
+
+// ---------------------------------------------------------------------------
+// Stager: sending side
+
+struct Stager::Job {
+  std::string transfer_id;
+  v1::TransferOp op = v1::WRITE;
+  StagedRoute route = StagedRoute::kNone;
+  std::vector<registry::PlanOp> ops;
+  std::vector<registry::StagingChunk> chunks;
+  std::shared_ptr<const PeerSnapshot> peer;
+  std::function<bool()> stopped;
+  Done done;
+  size_t next = 0;
+  uint32_t in_flight = 0;
+  bool waiting = false;  // a pool waiter is registered
+  std::shared_ptr<StagingPool::Lease> spare;  // handed over by the pool waiter
+  absl::Status status;
+  int32_t failed_segment = -1;
+  bool finished = false;
+};
+
+void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute route,
+                 std::vector<registry::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
+                 std::function<bool()> stopped, Done done) {
+  auto job = std::make_shared<Job>();
+  job->transfer_id = transfer_id;
+  job->op = op;
+  job->route = route;
+  job->ops = std::move(ops);
+  job->peer = std::move(peer);
+  job->stopped = std::move(stopped);
+  job->done = std::move(done);
+  const int32_t first_segment = job->ops.empty() ? -1 : static_cast<int32_t>(job->ops[0].segment);
+  if (absl::Status s = EnsurePool(); !s.ok()) {
+    job->done(s, first_segment);
+    return;
+  }
+  registry::StagingPlanOptions plan_options;
+  plan_options.chunk_bytes = pool_->chunk_bytes();
+  plan_options.buffers = pool_->buffers();
+  plan_options.max_pieces = options_.max_pieces;
+  auto chunks = registry::PlanStaging(job->ops, plan_options);
+  if (!chunks.ok()) {
+    job->done(chunks.status(), first_segment);
+    return;
+  }
+  job->chunks = *std::move(chunks);
+  Advance(job);
+}
+
+void Stager::Advance(const std::shared_ptr<Job>& job) {
+  while (job->status.ok() && job->next < job->chunks.size() && !job->stopped()) {
+    std::shared_ptr<StagingPool::Lease> lease = std::move(job->spare);
+    if (lease == nullptr) {
+      StagingPool::Lease free = pool_->TryAcquire();
+      if (free) lease = std::make_shared<StagingPool::Lease>(std::move(free));
+    }
+    if (lease == nullptr) {
+      // Every buffer is in flight (ours or other transfers'): wait for one.
+      if (!job->waiting) {
+        job->waiting = true;
+        pool_->Acquire([this, job](StagingPool::Lease l) {
+          auto handed = std::make_shared<StagingPool::Lease>(std::move(l));
+          worker_->Post([this, job, handed] {
+            job->waiting = false;
+            job->spare = handed;
+            Advance(job);
+          });
+        });
+      }
+      return;
+    }
+    StartChunk(job, job->next++, std::move(lease));
+  }
+  if (job->in_flight == 0 && !job->waiting && !job->finished) {
+    job->finished = true;
+    job->spare.reset();
+    job->done(job->status, job->status.ok() ? -1 : job->failed_segment);
+  }
+}
+
+void Stager::ChunkDone(const std::shared_ptr<Job>& job, absl::Status status, int32_t segment) {
+  --job->in_flight;
+  if (!status.ok() && job->status.ok()) {
+    job->status = std::move(status);
+    job->failed_segment = segment;
+  }
+  // Completions may run inline; posting keeps the stack flat over many chunks.
+  worker_->Post([this, job] { Advance(job); });
+}
+
+void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
+                        std::shared_ptr<StagingPool::Lease> lease) {
+  if (job->route == StagedRoute::kRemoteRead) {
+    StartRemoteRead(job, index, std::move(lease));
+    return;
+  }
+  const registry::StagingChunk& chunk = job->chunks[index];
+  const int32_t segment = static_cast<int32_t>(chunk.pieces.front().segment);
+  uint8_t* buffer = lease->data();
+  const PeerSnapshot& peer = *job->peer;
+  transport::Endpoint& endpoint = *peer.endpoint;
+  ++job->in_flight;
+  auto fail = [&](absl::Status s) { ChunkDone(job, std::move(s), segment); };
+
+  if (job->op == v1::WRITE) {
+    // Our side into the bounce buffer (device to host, or memcpy for host memory).
+    bool used_device = false, used_host = false;
+    for (const auto& p : chunk.pieces) {
+      const bool device = job->ops[p.op_index].local_device;
+      (device ? used_device : used_host) = true;
+      absl::Status s = CopierFor(device).Copy(reinterpret_cast<uint64_t>(buffer + p.buffer_offset),
+                                              p.local_address, p.length);
+      if (!s.ok()) return fail(s);
+    }
+    if (used_device) {
+      if (absl::Status s = CopierFor(true).Sync(); !s.ok()) return fail(s);
+    }
+    (void)used_host;
+    if (job->route == StagedRoute::kChunks) {
+      v1::StagedChunkHeader header;
+      header.set_from_agent(options_.self_name);
+      header.set_transfer_id(job->transfer_id);
+      header.set_incarnation(options_.incarnation);
+      for (const auto& p : chunk.pieces) {
+        v1::StagedPiece* piece = header.add_pieces();
+        piece->set_remote_address(p.remote_address);
+        piece->set_length(p.length);
+      }
+      // The buffer stays leased until the send completes: only then may it be reused.
+      endpoint.SendAmNoCopy(kStagedDataAmId, header.SerializeAsString(), buffer, chunk.bytes,
+                            [this, job, lease, segment](absl::Status s) {
+                              ChunkDone(job, std::move(s), segment);
+                            });
+      return;
+    }
+    // The peer's memory is RMA-reachable: put from the bounce buffer, flush, release.
+    for (const auto& p : chunk.pieces) {
+      const auto& key = peer.keys->keys[job->ops[p.op_index].rkey_slot];
+      absl::Status s = endpoint.Put(buffer + p.buffer_offset, p.length, p.remote_address, key);
+      if (!s.ok()) {
+        // Puts already posted may still read the buffer: release it after a flush.
+        endpoint.Flush([this, job, lease, s, segment](absl::Status) { ChunkDone(job, s, segment); });
+        return;
+      }
+    }
+    endpoint.Flush([this, job, lease, segment](absl::Status s) { ChunkDone(job, std::move(s), segment); });
+    return;
+  }
+
+  // READ into our staged memory: get into the bounce buffer, then copy it into place.
+  for (const auto& p : chunk.pieces) {
+    const auto& key = peer.keys->keys[job->ops[p.op_index].rkey_slot];
+    absl::Status s = endpoint.Get(buffer + p.buffer_offset, p.length, p.remote_address, key);
+    if (!s.ok()) {
+      endpoint.Flush([this, job, lease, s, segment](absl::Status) { ChunkDone(job, s, segment); });
+      return;
+    }
+  }
+  endpoint.Flush([this, job, lease, index, segment](absl::Status s) {
+    if (s.ok()) {
+      const registry::StagingChunk& c = job->chunks[index];
+      bool used_device = false;
+      for (const auto& p : c.pieces) {
+        const bool device = job->ops[p.op_index].local_device;
+        used_device |= device;
+        s = CopierFor(device).Copy(p.local_address,
+                                   reinterpret_cast<uint64_t>(lease->data() + p.buffer_offset),
+                                   p.length);
+        if (!s.ok()) break;
+      }
+      if (s.ok() && used_device) s = CopierFor(true).Sync();
+    }
+    ChunkDone(job, std::move(s), segment);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Stager: receiving side
+
+const std::vector<Stager::StagedRegion>& Stager::StagedRegions() {
+  const uint64_t version = registry_->version();
+  if (version == regions_version_) return staged_regions_;
+  regions_version_ = version;
+  staged_regions_.clear();
+  local_regions_.clear();
+  for (registry::RegionPtr& r : registry_->List()) {
+    if (r->memory_path == "staged") {
+      staged_regions_.push_back(StagedRegion{r->base_address, r->spec.length(), r});
+    }
+    local_regions_.push_back(StagedRegion{r->base_address, r->spec.length(), std::move(r)});
+  }
+  auto by_base = [](const StagedRegion& a, const StagedRegion& b) { return a.base < b.base; };
+  std::sort(staged_regions_.begin(), staged_regions_.end(), by_base);
+  std::sort(local_regions_.begin(), local_regions_.end(), by_base);
+  return staged_regions_;
+}
+
+const Stager::StagedRegion* Stager::LocalRegionOf(uint64_t address, uint64_t length) {
+  StagedRegions();  // refreshes local_regions_ too
+  auto it = std::upper_bound(local_regions_.begin(), local_regions_.end(), address,
+                             [](uint64_t x, const StagedRegion& r) { return x < r.base; });
+  if (it == local_regions_.begin()) return nullptr;
+  const StagedRegion& r = *(it - 1);
+  if (address - r.base >= r.length || length > r.length - (address - r.base)) return nullptr;
+  return &r;
+}
+
+bool Stager::OnChunk(const transport::AmMessage& message) {
+  v1::StagedChunkHeader header;
+  if (message.header.size() > kMaxHeaderBytes ||
+      !header.ParseFromArray(message.header.data(), static_cast<int>(message.header.size()))) {
+    chunks_rejected_.fetch_add(1);
+    kLog.Warn("dropped a staged chunk whose {}-byte header does not parse (or is over {} "
+              "bytes); the sending agent runs an incompatible version",
+              message.header.size(), kMaxHeaderBytes);
+    return false;
+  }
+  const std::string key = ArrivalKey(header.from_agent(), header.incarnation(), header.transfer_id());
+  Arrival& arrival = arrivals_[key];
+  arrival.touched_us = MonotonicMicros();
+
+  // Untrusted: every piece must lie inside one staged region of ours, and the pieces
+  // must add up to the data that came.
+  auto reject = [&](std::string why) {
+    chunks_rejected_.fetch_add(1);
+    kLog.Warn("dropped a staged chunk of transfer '{}' from agent '{}': {}", header.transfer_id(),
+              header.from_agent(), why);
+    if (arrival.failure.empty()) arrival.failure = std::move(why);
+    MaybeDeliver(key);
+    return false;
+  };
+  if (static_cast<uint32_t>(header.pieces_size()) > 65536) {
+    return reject(fmt::format("{} pieces, over the limit of 65536", header.pieces_size()));
+  }
+  if (message.length > std::max(options_.max_chunk_message, options_.pool.chunk_bytes)) {
+    return reject(fmt::format("{} bytes in one chunk, over the limit of {}; lower the sender's "
+                              "--staging-chunk-bytes",
+                              message.length, options_.max_chunk_message));
+  }
+  const auto& regions = StagedRegions();
+  std::vector<const StagedRegion*> targets;
+  targets.reserve(header.pieces_size());
+  uint64_t total = 0;
+  for (const auto& p : header.pieces()) {
+    const uint64_t a = p.remote_address(), n = p.length();
+    auto it = std::upper_bound(regions.begin(), regions.end(), a,
+                               [](uint64_t x, const StagedRegion& r) { return x < r.base; });
+    const StagedRegion* r = it == regions.begin() ? nullptr : &*(it - 1);
+    if (n == 0 || r == nullptr || a - r->base >= r->length || n > r->length - (a - r->base)) {
+      return reject(fmt::format(
+          "piece [{:#x}, +{}) is not inside one staged region of agent '{}' (regions "
+          "deregistered meanwhile, or a bad peer); the transfer's notification will be dropped",
+          a, n, options_.self_name));
+    }
+    targets.push_back(r);
+    total += n;
+  }
+  if (total != message.length) {
+    return reject(fmt::format("its pieces add up to {} bytes but {} bytes came", total,
+                              message.length));
+  }
+  chunks_received_.fetch_add(1);
+  if (!message.rendezvous) {
+    absl::Status s = CopyIn(header, reinterpret_cast<const uint8_t*>(message.data.data()), targets);
+    Credit(key, s.ok() ? total : 0, s.ok() ? "" : std::string(s.message()));
+    return false;
+  }
+
+  // Rendezvous: fetch into a bounce buffer (the data waits on the sender until one is
+  // free), then copy into place. The regions stay referenced until the copy is done.
+  ++arrival.in_flight;
+  auto header_ptr = std::make_shared<v1::StagedChunkHeader>(std::move(header));
+  std::vector<registry::RegionPtr> held;
+  for (const auto* t : targets) held.push_back(t->region);
+  auto copies = std::make_shared<std::vector<StagedRegion>>();
+  for (const auto* t : targets) copies->push_back(*t);
+  void* descriptor = message.descriptor;
+  const uint64_t length = message.length;
+  auto receive = [this, key, header_ptr, copies, descriptor, length, total](
+                     std::shared_ptr<StagingPool::Lease> lease) {
+    // A chunk bigger than our buffers (the sender's --staging-chunk-bytes is larger)
+    // is received into heap memory, bounded by max_chunk_message above.
+    std::shared_ptr<std::string> heap;
+    uint8_t* target = nullptr;
+    if (lease != nullptr && length <= lease->size()) {
+      target = lease->data();
+    } else {
+      lease.reset();
+      heap = std::make_shared<std::string>(length, '\0');
+      target = reinterpret_cast<uint8_t*>(heap->data());
+    }
+    worker_->ReceiveAmData(descriptor, target, length,
+                           [this, key, header_ptr, copies, lease, heap, target, total](absl::Status s) {
+                             if (s.ok()) {
+                               std::vector<const StagedRegion*> targets;
+                               for (const auto& r : *copies) targets.push_back(&r);
+                               s = CopyIn(*header_ptr, target, targets);
+                             }
+                             auto it = arrivals_.find(key);
+                             if (it != arrivals_.end() && it->second.in_flight > 0) --it->second.in_flight;
+                             Credit(key, s.ok() ? total : 0, s.ok() ? "" : std::string(s.message()));
+                           });
+  };
+  if (absl::Status s = EnsurePool(); !s.ok() || length > recv_pool_->chunk_bytes()) {
+    receive(nullptr);
+    return true;
+  }
+  recv_pool_->Acquire([this, receive](StagingPool::Lease l) {
+    auto lease = std::make_shared<StagingPool::Lease>(std::move(l));
+    worker_->Post([receive, lease] { receive(lease); });
+  });
+  return true;
+}
+
+absl::Status Stager::CopyIn(const v1::StagedChunkHeader& header, const uint8_t* data,
+                            const std::vector<const StagedRegion*>& targets) {
+  uint64_t offset = 0;
+  bool used_device = false;
+  for (int i = 0; i < header.pieces_size(); ++i) {
+    const auto& p = header.pieces(i);
+    const bool device = targets[i]->region->spec.memory() == v1::VRAM;
+    used_device |= device;
+    absl::Status s = CopierFor(device).Copy(p.remote_address(),
+                                            reinterpret_cast<uint64_t>(data + offset), p.length());
+    if (!s.ok()) {
+      return absl::Status(s.code(), fmt::format("copying a staged chunk into region '{}' failed: {}",
+                                                targets[i]->region->spec.name(), s.message()));
+    }
+    offset += p.length();
+  }
+  if (used_device) {
+    if (absl::Status s = CopierFor(true).Sync(); !s.ok()) {
+      return absl::Status(s.code(),
+                          fmt::format("copying a staged chunk to the device failed: {}", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Stager::Credit(const std::string& key, uint64_t bytes, const std::string& failure) {
+  auto it = arrivals_.find(key);
+  if (it == arrivals_.end()) return;  // swept or cancelled meanwhile
+  it->second.bytes += bytes;
+  it->second.touched_us = MonotonicMicros();
+  if (!failure.empty() && it->second.failure.empty()) {
+    kLog.Warn("staged chunk of {} failed: {}", key, failure);
+    it->second.failure = failure;
+  }
+  MaybeDeliver(key);
+}
+
+void Stager::MaybeDeliver(const std::string& key) {
+  auto it = arrivals_.find(key);
+  if (it == arrivals_.end() || !it->second.held.has_value()) return;
+  Arrival& a = it->second;
+  const v1::Notification& n = *a.held;
+  if (!a.failure.empty()) {
+    kLog.Warn("dropped the notification of transfer '{}' from agent '{}': a staged chunk of it "
+              "was rejected ({}); its data is incomplete, the sender must resubmit",
+              n.transfer_id(), n.from_agent(), a.failure);
+    arrivals_.erase(it);
+    return;
+  }
+  if (a.bytes < n.staged_bytes()) return;
+  v1::Notification out = *std::move(a.held);
+  arrivals_.erase(it);
+  deliver_(std::move(out));
+}
+
+void Stager::OnNotification(v1::Notification n) {
+  const std::string key = ArrivalKey(n.from_agent(), n.sender_incarnation(), n.transfer_id());
+  if (n.kind() == v1::CANCELLED_BY_PEER) {
+    arrivals_.erase(key);  // nothing more comes for it
+    deliver_(std::move(n));
+    return;
+  }
+  if (n.staged_bytes() == 0) {
+    deliver_(std::move(n));
+    return;
+  }
+  if (held_order_.size() >= options_.max_held) {
+    // Forget keys already delivered or swept before counting the bound.
+    std::deque<std::string> live;
+    for (auto& k : held_order_) {
+      auto it = arrivals_.find(k);
+      if (it != arrivals_.end() && it->second.held.has_value()) live.push_back(std::move(k));
+    }
+    held_order_ = std::move(live);
+  }
+  if (held_order_.size() >= options_.max_held) {
+    kLog.Warn("dropped the notification of transfer '{}' from agent '{}': {} notifications "
+              "already wait for their staged data; the receiving agent is falling behind",
+              n.transfer_id(), n.from_agent(), held_order_.size());
+    arrivals_.erase(key);
+    return;
+  }
+  Arrival& a = arrivals_[key];
+  a.touched_us = MonotonicMicros();
+  a.held = std::move(n);
+  held_order_.push_back(key);
+  MaybeDeliver(key);
+}
+
+void Stager::Sweep() {
+  const uint64_t now = MonotonicMicros();
+  const uint64_t limit = uint64_t{options_.hold_timeout_ms} * 1000;
+  for (auto it = arrivals_.begin(); it != arrivals_.end();) {
+    const Arrival& a = it->second;
+    if (a.in_flight == 0 && now - a.touched_us > limit) {
+      if (a.held.has_value()) {
+        kLog.Warn("dropped the notification of transfer '{}' from agent '{}': only {} of {} "
+                  "staged bytes arrived within {} ms",
+                  a.held->transfer_id(), a.held->from_agent(), a.bytes, a.held->staged_bytes(),
+                  options_.hold_timeout_ms);
+      }
+      arrivals_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Stager: READ of the peer's staged memory, initiator side
+//
+// Each chunk becomes one request (StagedReadRequest) that holds one of our sending
+// buffers: rendezvous replies land in it, eager ones are copied straight from UCX's
+// buffer. The destinations are ours, kept here by request id; the peer's replies name
+// only the request and an offset, so a peer cannot make us write anywhere else.
+
+void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
+                             std::shared_ptr<StagingPool::Lease> lease) {
+  const registry::StagingChunk& chunk = job->chunks[index];
+  ++job->in_flight;
+  const uint64_t id = next_request_id_++;
+  auto request = std::make_shared<ReadRequest>();
+  request->job = job;
+  request->chunk = index;
+  request->lease = std::move(lease);
+  reads_[id] = request;
+  if (reads_outstanding_.exchange(static_cast<uint32_t>(reads_.size())) == 0) {
+    absl::MutexLock lock(&sweep_mu_);
+    sweep_cv_.SignalAll();  // start checking for stopped transfers every 10 ms
+  }
+  v1::StagedReadRequest header;
+  header.set_from_agent(options_.self_name);
+  header.set_incarnation(options_.incarnation);
+  header.set_transfer_id(job->transfer_id);
+  header.set_request_id(id);
+  for (const auto& p : chunk.pieces) {
+    v1::StagedPiece* piece = header.add_pieces();
+    piece->set_remote_address(p.remote_address);
+    piece->set_length(p.length);
+  }
+  job->peer->endpoint->SendAmRequest(kStagedReadRequestAmId, header.SerializeAsString(),
+                                     [this, id](absl::Status s) {
+                                       if (!s.ok()) EndRead(id, std::move(s));
+                                     });
+}
+
+void Stager::EndRead(uint64_t request_id, absl::Status status) {
+  auto it = reads_.find(request_id);
+  if (it == reads_.end()) return;
+  std::shared_ptr<ReadRequest> request = std::move(it->second);
+  reads_.erase(it);
+  reads_outstanding_.store(static_cast<uint32_t>(reads_.size()));
+  // A rendezvous reply still being fetched keeps `request` (and so its buffer) until
+  // it lands; it writes nothing more into place once `ended` is set.
+  request->ended = true;
+  std::shared_ptr<Job> job = std::move(request->job);
+  const int32_t segment = static_cast<int32_t>(job->chunks[request->chunk].pieces.front().segment);
+  if (request->receiving == 0) request->lease.reset();
+  ChunkDone(job, std::move(status), segment);
+}
+
+void Stager::CheckReads() {
+  absl::flat_hash_map<const Job*, bool> stopped;
+  std::vector<uint64_t> abandon;
+  for (const auto& [id, request] : reads_) {
+    auto [it, inserted] = stopped.try_emplace(request->job.get(), false);
+    if (inserted) it->second = request->job->stopped();
+    if (it->second) abandon.push_back(id);
+  }
+  for (uint64_t id : abandon) {
+    kLog.Debug("abandoned staged read request {:x}: its transfer stopped", id);
+    EndRead(id, absl::OkStatus());
+  }
+}
+
+absl::Status Stager::PlaceReply(const ReadRequest& request, uint64_t offset, const uint8_t* data,
+                                uint64_t length) {
+  const Job& job = *request.job;
+  const registry::StagingChunk& chunk = job.chunks[request.chunk];
+  std::vector<uint64_t> lengths;
+  lengths.reserve(chunk.pieces.size());
+  for (const auto& p : chunk.pieces) lengths.push_back(p.length);
+  bool used_device = false;
+  for (const registry::PieceSlice& slice : registry::SlicePieces(lengths, offset, length)) {
+    const registry::StagingPiece& p = chunk.pieces[slice.piece];
+    const uint64_t dst = p.local_address + slice.piece_offset;
+    // Planned against our registry at submit; checked again, since a region may have
+    // been deregistered while the reply was on its way.
+    if (LocalRegionOf(dst, slice.length) == nullptr) {
+      return absl::AbortedError(fmt::format(
+          "transfer '{}': the destination [{:#x}, +{}) is no longer inside a region registered "
+          "with agent '{}' (deregistered during the transfer); cancel transfers before "
+          "deregistering their regions",
+          job.transfer_id, dst, slice.length, options_.self_name));
+    }
+    const bool device = job.ops[p.op_index].local_device;
+    used_device |= device;
+    absl::Status s = CopierFor(device).Copy(dst, reinterpret_cast<uint64_t>(data + slice.range_offset),
+                                            slice.length);
+    if (!s.ok()) {
+      return absl::Status(s.code(), fmt::format("transfer '{}': copying staged read data into "
+                                                "place failed: {}",
+                                                job.transfer_id, s.message()));
+    }
+  }
+  if (used_device) {
+    if (absl::Status s = CopierFor(true).Sync(); !s.ok()) {
+      return absl::Status(s.code(), fmt::format("transfer '{}': copying staged read data to the "
+                                                "device failed: {}",
+                                                job.transfer_id, s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool Stager::OnReadReply(const transport::AmMessage& message) {
+  v1::StagedReadReply header;
+  if (message.header.size() > kMaxHeaderBytes ||
+      !header.ParseFromArray(message.header.data(), static_cast<int>(message.header.size()))) {
+    kLog.Warn("dropped a staged read reply whose {}-byte header does not parse; the serving "
+              "agent runs an incompatible version",
+              message.header.size());
+    return false;
+  }
+  auto it = reads_.find(header.request_id());
+  if (it == reads_.end()) {
+    // Abandoned (its transfer stopped), already failed, or not ours: nothing is written.
+    kLog.Debug("dropped a staged read reply for request {:x} from agent '{}': no such request "
+               "is waiting",
+               header.request_id(), header.from_agent());
+    return false;
+  }
+  const uint64_t id = it->first;
+  std::shared_ptr<ReadRequest> request = it->second;
+  const Job& job = *request->job;
+  const std::string& peer = job.peer->name;
+  if (header.from_agent() != peer) {
+    kLog.Warn("dropped a staged read reply for request {:x}: it came from agent '{}', the "
+              "request went to '{}'",
+              id, header.from_agent(), peer);
+    return false;
+  }
+  if (!header.error().empty()) {
+    auto code = static_cast<absl::StatusCode>(header.error_code());
+    if (code == absl::StatusCode::kOk || header.error_code() < 0 || header.error_code() > 16) {
+      code = absl::StatusCode::kFailedPrecondition;
+    }
+    EndRead(id, absl::Status(code, fmt::format("peer '{}' refused the staged read: {}", peer,
+                                               header.error())));
+    return false;
+  }
+  const uint64_t total = job.chunks[request->chunk].bytes;
+  const uint64_t offset = header.offset(), length = message.length;
+  bool overlaps = false;
+  if (length > 0 && offset < total && length <= total - offset) {
+    auto next = request->received.lower_bound(offset);
+    if (next != request->received.end() && next->first < offset + length) overlaps = true;
+    if (next != request->received.begin() && std::prev(next)->first + std::prev(next)->second > offset) {
+      overlaps = true;
+    }
+  }
+  if (length == 0 || offset >= total || length > total - offset || overlaps) {
+    EndRead(id, absl::DataLossError(fmt::format(
+                    "peer '{}' answered a staged read of {} bytes with bytes [{}, +{}), {}; the "
+                    "peer runs an incompatible version or is faulty",
+                    peer, total, offset, length,
+                    overlaps ? "which it had already sent" : "outside the request")));
+    return false;
+  }
+  request->received.emplace(offset, length);
+  auto credit = [this, id, request, total, length](absl::Status placed) {
+    if (!placed.ok()) {
+      EndRead(id, std::move(placed));
+      return;
+    }
+    request->bytes += length;
+    if (request->bytes == total) EndRead(id, absl::OkStatus());
+  };
+  if (!message.rendezvous) {
+    credit(PlaceReply(*request, offset, reinterpret_cast<const uint8_t*>(message.data.data()),
+                      length));
+    return false;
+  }
+  // Rendezvous: fetched into the request's buffer at its offset, then copied into place
+  // unless the request ended meanwhile (abandoned: the bytes stay in our buffer).
+  ++request->receiving;
+  uint8_t* landing = request->lease->data() + offset;
+  worker_->ReceiveAmData(message.descriptor, landing, length,
+                         [this, request, landing, offset, length, credit](absl::Status s) {
+                           --request->receiving;
+                           if (request->ended) {
+                             if (request->receiving == 0) request->lease.reset();
+                             return;
+                           }
+                           credit(s.ok() ? PlaceReply(*request, offset, landing, length) : s);
+                         });
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Stager: READ of our staged memory, serving side
+//
+// The request is untrusted: every piece must lie inside one of OUR staged regions
+// (CheckReadPieces) before a byte is read. The bytes go back in parts of one receive
+// buffer each (device to host into it, then one reply without a copy); the receive
+// pool, not the sending one, so two agents reading from each other never wait on
+// buffers that their own reads hold.
+
+void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
+                        absl::StatusCode code) {
+  reads_refused_.fetch_add(1);
+  v1::StagedReadReply header;
+  header.set_from_agent(options_.self_name);
+  header.set_request_id(request_id);
+  header.set_error(why);
+  header.set_error_code(static_cast<int32_t>(code));
+  worker_->SendAmReply(reply_ep, kStagedReadReplyAmId, header.SerializeAsString(), nullptr, 0,
+                       [](absl::Status s) {
+                         if (!s.ok()) kLog.Warn("refusing a staged read: {}", s.message());
+                       });
+}
+
+bool Stager::OnReadRequest(const transport::AmMessage& message) {
+  v1::StagedReadRequest header;
+  if (message.header.size() > kMaxHeaderBytes ||
+      !header.ParseFromArray(message.header.data(), static_cast<int>(message.header.size()))) {
+    reads_refused_.fetch_add(1);
+    kLog.Warn("dropped a staged read request whose {}-byte header does not parse (or is over "
+              "{} bytes); the requesting agent runs an incompatible version",
+              message.header.size(), kMaxHeaderBytes);
+    return false;
+  }
+  if (message.reply_ep == nullptr) {
+    reads_refused_.fetch_add(1);
+    kLog.Warn("dropped staged read request {:x} of transfer '{}' from agent '{}': it came "
+              "without a reply endpoint; the requesting agent runs an incompatible version",
+              header.request_id(), header.transfer_id(), header.from_agent());
+    return false;
+  }
+  auto refuse = [&](const absl::Status& why) {
+    kLog.Warn("refused staged read request of transfer '{}' from agent '{}': {}",
+              header.transfer_id(), header.from_agent(), why.message());
+    RefuseRead(message.reply_ep, header.request_id(), std::string(why.message()), why.code());
+    return false;
+  };
+  if (message.length > 0) {
+    return refuse(absl::InvalidArgumentError(fmt::format(
+        "staged read from agent '{}': the request carries {} bytes of data, a request has "
+        "none; the requesting agent runs an incompatible version",
+        options_.self_name, message.length)));
+  }
+  const auto& regions = StagedRegions();
+  std::vector<registry::StagedRange> ranges;
+  ranges.reserve(regions.size());
+  for (const auto& r : regions) {
+    ranges.push_back(registry::StagedRange{r.base, r.length, r.region->spec.name()});
+  }
+  std::vector<registry::ReadPiece> pieces;
+  pieces.reserve(std::min(header.pieces_size(), 65537));
+  for (const auto& p : header.pieces()) {
+    if (pieces.size() > 65536) break;  // CheckReadPieces refuses the count
+    pieces.push_back(registry::ReadPiece{p.remote_address(), p.length()});
+  }
+  registry::ReadRequestLimits limits;
+  limits.max_bytes = std::max(options_.max_chunk_message, options_.pool.chunk_bytes);
+  auto checked = registry::CheckReadPieces(pieces, ranges, limits, options_.self_name);
+  if (!checked.ok()) return refuse(checked.status());
+  if (absl::Status s = EnsurePool(); !s.ok()) return refuse(s);
+
+  auto sources = std::make_shared<std::vector<StagedRegion>>();
+  uint64_t total = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    sources->push_back(regions[(*checked)[i]]);  // holds the region until the copy is done
+    total += pieces[i].length;
+  }
+  const uint64_t part = recv_pool_->chunk_bytes();
+  const uint64_t parts = (total + part - 1) / part;
+  if (serving_ + parts > options_.max_serving) {
+    return refuse(absl::ResourceExhaustedError(fmt::format(
+        "agent '{}' already has {} staged read replies waiting for a bounce buffer; it is "
+        "falling behind: retry later, or give it more --staging-buffers",
+        options_.self_name, serving_)));
+  }
+  auto request = std::make_shared<const v1::StagedReadRequest>(std::move(header));
+  void* reply_ep = message.reply_ep;
+  for (uint64_t offset = 0; offset < total; offset += part) {
+    const uint64_t length = std::min(part, total - offset);
+    ++serving_;
+    recv_pool_->Acquire([this, request, sources, reply_ep, offset, length](StagingPool::Lease l) {
+      auto lease = std::make_shared<StagingPool::Lease>(std::move(l));
+      worker_->Post([this, request, sources, reply_ep, offset, length, lease] {
+        ServePart(request, sources, reply_ep, offset, length, lease);
+      });
+    });
+  }
+  return false;
+}
+
+void Stager::ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
+                       std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
+                       uint64_t offset, uint64_t length,
+                       std::shared_ptr<StagingPool::Lease> lease) {
+  std::vector<uint64_t> lengths;
+  lengths.reserve(request->pieces_size());
+  for (const auto& p : request->pieces()) lengths.push_back(p.length());
+  bool used_device = false;
+  absl::Status s;
+  for (const registry::PieceSlice& slice : registry::SlicePieces(lengths, offset, length)) {
+    const StagedRegion& source = (*sources)[slice.piece];
+    const bool device = source.region->spec.memory() == v1::VRAM;
+    used_device |= device;
+    s = CopierFor(device).Copy(reinterpret_cast<uint64_t>(lease->data() + slice.range_offset),
+                               request->pieces(slice.piece).remote_address() + slice.piece_offset,
+                               slice.length);
+    if (!s.ok()) {
+      s = absl::Status(s.code(), fmt::format("agent '{}': copying region '{}' out for a staged "
+                                             "read failed: {}",
+                                             options_.self_name, source.region->spec.name(),
+                                             s.message()));
+      break;
+    }
+  }
+  if (s.ok() && used_device) s = CopierFor(true).Sync();
+  if (!s.ok()) {
+    --serving_;
+    kLog.Warn("staged read of transfer '{}' from agent '{}': {}", request->transfer_id(),
+              request->from_agent(), s.message());
+    RefuseRead(reply_ep, request->request_id(), std::string(s.message()), s.code());
+    return;
+  }
+  v1::StagedReadReply header;
+  header.set_from_agent(options_.self_name);
+  header.set_request_id(request->request_id());
+  header.set_offset(offset);
+  // The buffer stays leased until the reply is sent: only then may it be reused.
+  worker_->SendAmReply(reply_ep, kStagedReadReplyAmId, header.SerializeAsString(), lease->data(),
+                       length, [this, lease, request](absl::Status sent) {
+                         --serving_;
+                         if (sent.ok()) {
+                           reads_served_.fetch_add(1);
+                         } else {
+                           kLog.Warn("staged read reply of transfer '{}' to agent '{}': {}",
+                                     request->transfer_id(), request->from_agent(), sent.message());
+                         }
+                       });
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,277 @@
+// Host staging: moves VRAM that UCX cannot reach (no CUDA support in the running
+// UCX) through a bounded pool of pinned host bounce buffers. StagingPool owns the
+// buffers, DeviceCopier copies between them and VRAM, Stager runs the sender side
+// (chunks over UCX active messages, or RMA from/into a bounce buffer) and the
+// receiver side (checks, copies in, holds DATA_READY until the bytes are in place).
+// Used by the transfer engine; the protocol is in docs/ARCHITECTURE.md.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/peer_manager.h"
+#include "proto/kvagent.pb.h"
+#include "registry/region_registry.h"
+#include "registry/staging_plan.h"
+#include "registry/transfer_plan.h"
+#include "transport/cuda_driver.h"
+#include "transport/ucx_context.h"
+#include "transport/ucx_worker.h"
+
+namespace kvagent::agent {
+
+// Active message carrying one staged chunk (StagedChunkHeader + the bytes).
+inline constexpr uint16_t kStagedDataAmId = 2;
+// READ of a peer's staged memory: the request (StagedReadRequest, header only, sent so
+// the peer can answer on its reply endpoint) and the replies (StagedReadReply + bytes).
+inline constexpr uint16_t kStagedReadRequestAmId = 3;
+inline constexpr uint16_t kStagedReadReplyAmId = 4;
+
+struct StagingPoolOptions {
+  uint64_t chunk_bytes = 4ull << 20;  // bytes of one bounce buffer
+  uint32_t buffers = 8;               // never more are allocated
+};
+
+// INVALID_ARGUMENT naming the flag when a value is 0 or the pool would be huge.
+absl::Status ValidateStagingOptions(const StagingPoolOptions& options);
+
+// N bounce buffers of chunk_bytes. Pinned with the CUDA driver when one is given,
+// else page-aligned host memory; registered with UCX (ucp_mem_map) when a context is
+// given, so rendezvous and RMA use them without registering per message. A chunk
+// that finds no free buffer waits for one: the pool never grows.
+class StagingPool {
+ private:
+  struct State;
+
+ public:
+  // A held buffer, released to the pool (or straight to a waiter) on destruction.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept;
+    Lease& operator=(Lease&& other) noexcept;
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease();
+    uint8_t* data() const { return data_; }
+    uint64_t size() const { return size_; }
+    explicit operator bool() const { return data_ != nullptr; }
+
+   private:
+    friend class StagingPool;
+    void Release();
+    std::shared_ptr<State> state_;
+    uint32_t index_ = 0;
+    uint8_t* data_ = nullptr;
+    uint64_t size_ = 0;
+  };
+  using Waiter = std::function<void(Lease)>;
+
+  // `cuda` and `context` may be null (plain memory, no UCX registration).
+  static absl::StatusOr<std::unique_ptr<StagingPool>> Create(const StagingPoolOptions& options,
+                                                             transport::CudaDriver* cuda,
+                                                             const transport::UcxContext* context);
+  ~StagingPool();
+  StagingPool(const StagingPool&) = delete;
+  StagingPool& operator=(const StagingPool&) = delete;
+
+  // A free buffer, or an empty lease when all are held.
+  Lease TryAcquire();
+  // Runs `waiter` with a buffer: now, on this thread, when one is free; otherwise on
+  // the thread that releases the next one, in the order waiters came.
+  void Acquire(Waiter waiter);
+
+  uint64_t chunk_bytes() const;
+  uint32_t buffers() const;
+  uint32_t free_buffers() const;
+  size_t waiters() const;
+  bool pinned() const;  // cuMemHostAlloc'd
+
+ private:
+  explicit StagingPool(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+// Copies between host memory and (device or host) memory; worker thread only.
+// Copies may be queued until Sync().
+class DeviceCopier {
+ public:
+  virtual ~DeviceCopier() = default;
+  virtual absl::Status Copy(uint64_t dst, uint64_t src, uint64_t bytes) = 0;
+  virtual absl::Status Sync() = 0;
+};
+
+// cuMemcpyAsync on one stream, then a stream sync (the real VRAM path).
+std::unique_ptr<DeviceCopier> MakeCudaCopier();
+// memcpy: stands in for the device copy only for host regions staged under
+// --stage-host-regions (tests on machines without a GPU).
+std::unique_ptr<DeviceCopier> MakeHostCopier();
+
+// How one planned operation moves when it cannot use plain RMA or a direct mapping.
+enum class StagedRoute : uint8_t {
+  kNone = 0,    // RMA or same-host direct copy, as for host memory
+  kChunks = 1,  // WRITE into the peer's staged memory: staged chunks over AM
+  kBounce = 2,  // our memory is staged, the peer's is RMA-reachable: via a bounce buffer
+  kRemoteRead = 3,  // READ of the peer's staged memory: it copies out and replies
+};
+
+struct StagerOptions {
+  std::string self_name;
+  uint64_t incarnation = 0;
+  StagingPoolOptions pool;
+  uint32_t max_pieces = 1024;             // pieces per chunk
+  uint64_t max_chunk_message = 64 << 20;  // bytes of one incoming chunk, over the pool's too
+  uint32_t max_held = 4096;               // notifications held for their data
+  uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
+  uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
+};
+
+class Stager {
+ public:
+  // Gets each DATA_READY notification once its staged bytes are in place.
+  using Deliver = std::function<void(v1::Notification)>;
+  // `failed_segment` is -1 when the status is OK.
+  using Done = std::function<void(absl::Status status, int32_t failed_segment)>;
+
+  Stager(transport::UcxWorker* worker, const transport::UcxContext* context,
+         registry::RegionRegistry* registry, StagerOptions options, Deliver deliver);
+  ~Stager();
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+
+  // Installs the chunk handler and starts the sweep of stale receive state.
+  void Start();
+  // Stops the sweep; call before the worker goes away.
+  void Stop();
+
+  // Submit-time routing of each op of `plan` (by the local region's and the peer
+  // region's memory path).
+  static absl::StatusOr<std::vector<StagedRoute>> Route(const std::string& transfer_id,
+                                                        v1::TransferOp op,
+                                                        const registry::TransferPlan& plan,
+                                                        const PeerSnapshot& peer);
+
+  // Worker thread: moves `ops` (all of `route`) and runs `done` once no chunk of
+  // them is in flight. `stopped` is polled between chunks (cancel, deadline, lost
+  // peer): no new chunk starts after it turns true; the status is then OK. A READ of
+  // the peer's staged memory also polls it while waiting for replies (every 10 ms):
+  // once it turns true the outstanding requests are abandoned (late replies are
+  // dropped, nothing more is written to our memory) and `done` runs.
+  void Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute route,
+           std::vector<registry::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
+           std::function<bool()> stopped, Done done);
+
+  // Worker thread: delivers `n` now, or once its staged bytes are in place; drops it
+  // with a log line if a chunk of its transfer was rejected.
+  void OnNotification(v1::Notification n);
+
+  uint64_t chunks_received() const { return chunks_received_.load(); }
+  uint64_t chunks_rejected() const { return chunks_rejected_.load(); }
+  uint64_t reads_served() const { return reads_served_.load(); }
+  uint64_t reads_refused() const { return reads_refused_.load(); }
+
+ private:
+  struct Job;
+  struct Arrival {
+    uint64_t bytes = 0;          // staged bytes copied into place
+    uint32_t in_flight = 0;      // chunks being received
+    std::string failure;         // why a chunk was rejected; empty if none
+    uint64_t touched_us = 0;     // monotonic, last progress
+    std::optional<v1::Notification> held;
+  };
+  struct StagedRegion {
+    uint64_t base = 0;
+    uint64_t length = 0;
+    registry::RegionPtr region;
+  };
+  // One outstanding request of a READ of the peer's staged memory (initiator side);
+  // worker thread only.
+  struct ReadRequest {
+    std::shared_ptr<Job> job;
+    size_t chunk = 0;
+    std::shared_ptr<StagingPool::Lease> lease;  // lands rendezvous replies
+    std::map<uint64_t, uint64_t> received;      // offset -> length, never overlapping
+    uint64_t bytes = 0;                         // copied into place
+    uint32_t receiving = 0;                     // rendezvous replies being fetched
+    bool ended = false;                         // completed, failed or abandoned
+  };
+
+  absl::Status EnsurePool();
+  DeviceCopier& CopierFor(bool device);
+  void Advance(const std::shared_ptr<Job>& job);
+  void StartChunk(const std::shared_ptr<Job>& job, size_t index,
+                  std::shared_ptr<StagingPool::Lease> lease);
+  void ChunkDone(const std::shared_ptr<Job>& job, absl::Status status, int32_t segment);
+  bool OnChunk(const transport::AmMessage& message);
+  // Copies the pieces from `data` into place; the regions are the checked targets.
+  absl::Status CopyIn(const v1::StagedChunkHeader& header, const uint8_t* data,
+                      const std::vector<const StagedRegion*>& targets);
+  void Credit(const std::string& key, uint64_t bytes, const std::string& failure);
+  void MaybeDeliver(const std::string& key);
+  void Sweep();
+  // READ of the peer's staged memory, initiator side.
+  void StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
+                       std::shared_ptr<StagingPool::Lease> lease);
+  bool OnReadReply(const transport::AmMessage& message);
+  // Copies reply bytes [offset, +length) of the request's chunk into place.
+  absl::Status PlaceReply(const ReadRequest& request, uint64_t offset, const uint8_t* data,
+                          uint64_t length);
+  void EndRead(uint64_t request_id, absl::Status status);
+  // Abandons the requests of jobs whose transfer stopped (cancel, deadline, lost peer).
+  void CheckReads();
+  // Serving side: checks the request and answers it from our staged regions.
+  bool OnReadRequest(const transport::AmMessage& message);
+  void ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
+                 std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
+                 uint64_t offset, uint64_t length, std::shared_ptr<StagingPool::Lease> lease);
+  void RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
+                  absl::StatusCode code);
+  // Our staged regions by base address, rebuilt when the registry version changes.
+  const std::vector<StagedRegion>& StagedRegions();
+  // The registered region of ours that holds [address, +length), or null.
+  const StagedRegion* LocalRegionOf(uint64_t address, uint64_t length);
+
+  transport::UcxWorker* worker_;
+  const transport::UcxContext* context_;
+  registry::RegionRegistry* registry_;
+  StagerOptions options_;
+  Deliver deliver_;
+
+  // Worker-thread-only state.
+  std::unique_ptr<StagingPool> pool_;       // sending
+  std::unique_ptr<StagingPool> recv_pool_;  // receiving
+  std::unique_ptr<DeviceCopier> cuda_copier_;
+  std::unique_ptr<DeviceCopier> host_copier_;
+  absl::flat_hash_map<std::string, Arrival> arrivals_;  // by from/incarnation/transfer
+  std::deque<std::string> held_order_;
+  uint64_t regions_version_ = UINT64_MAX;
+  std::vector<StagedRegion> staged_regions_;
+  std::vector<StagedRegion> local_regions_;  // every region of ours, by base (same version)
+  absl::flat_hash_map<uint64_t, std::shared_ptr<ReadRequest>> reads_;  // by request id
+  uint64_t next_request_id_ = 0;  // random start, so ids are not guessable across agents
+  uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
+  std::atomic<uint32_t> reads_outstanding_{0};  // reads_.size(), for the sweep thread
+  std::atomic<uint64_t> reads_served_{0};
+  std::atomic<uint64_t> reads_refused_{0};
+
+  std::atomic<uint64_t> chunks_received_{0};
+  std::atomic<uint64_t> chunks_rejected_{0};
+  std::atomic<bool> stopping_{false};
+  absl::Mutex sweep_mu_;
+  absl::CondVar sweep_cv_;
+  std::thread sweep_thread_;
+};
+
+}  // namespace kvagent::agent

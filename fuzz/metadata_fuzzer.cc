@@ -1,0 +1,124 @@
+// Fuzz target: a peer's GetMetadata reply, as bytes, through the validation the peer
+// manager applies before using anything in it (RemoteCatalog::FromMetadata), with the
+// default limits and with tight ones. Accepted catalogs must satisfy every invariant
+// the planner relies on; rejections must be INVALID_ARGUMENT naming the peer.
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "fuzz/fuzz_check.h"
+#include "fuzz/fuzz_target.h"
+#include "proto/kvagent.pb.h"
+#include "registry/remote_catalog.h"
+#include "transport/base/format.h"
+
+namespace kvagent::fuzz {
+namespace {
+
+using registry::CatalogLimits;
+using registry::RemoteCatalog;
+using registry::RemoteRegion;
+
+void CheckRejection(const absl::Status& status) {
+  FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument,
+             "rejection has code {} (want INVALID_ARGUMENT): {}", static_cast<int>(status.code()),
+             status.message());
+  FUZZ_CHECK(absl::StartsWith(status.message(), "peer '"),
+             "rejection does not name the peer: {}", status.message());
+}
+
+void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalog,
+                  const CatalogLimits& limits) {
+  FUZZ_CHECK(catalog.peer() == metadata.name(), "peer '{}' vs metadata name", catalog.peer());
+  FUZZ_CHECK(!catalog.peer().empty() && catalog.peer().size() <= limits.max_name_bytes,
+             "peer name of {} bytes accepted", catalog.peer().size());
+  FUZZ_CHECK(!metadata.worker_address().empty() &&
+                 metadata.worker_address().size() <= limits.max_worker_address_bytes,
+             "worker address of {} bytes accepted", metadata.worker_address().size());
+  const std::vector<RemoteRegion>& regions = catalog.regions();
+  FUZZ_CHECK(static_cast<int>(regions.size()) == metadata.regions_size(),
+             "{} regions from {} exported", regions.size(), metadata.regions_size());
+  FUZZ_CHECK(regions.size() <= limits.max_regions, "{} regions accepted", regions.size());
+  size_t grouped = 0;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const RemoteRegion& r = regions[i];
+    const v1::ExportedRegion& in = metadata.regions(static_cast<int>(i));
+    FUZZ_CHECK(r.name == in.name() && r.rkey_slot == i, "region {} is '{}' slot {}", i, r.name,
+               r.rkey_slot);
+    FUZZ_CHECK(!r.name.empty() && r.name.size() <= limits.max_name_bytes &&
+                   r.group.size() <= limits.max_name_bytes &&
+                   r.shm_name.size() <= limits.max_name_bytes,
+               "region {}: name/group/shm_name sizes {}/{}/{}", i, r.name.size(), r.group.size(),
+               r.shm_name.size());
+    FUZZ_CHECK(r.memory == v1::DRAM || r.memory == v1::VRAM, "region '{}' memory {}", r.name,
+               static_cast<int>(r.memory));
+    FUZZ_CHECK((r.memory == v1::VRAM || !in.rkey().empty()) &&
+                   in.rkey().size() <= limits.max_rkey_bytes,
+               "region '{}' rkey of {} bytes accepted", r.name, in.rkey().size());
+    FUZZ_CHECK(r.cuda_ipc_handle.empty() || (r.cuda_ipc_handle.size() == 64 && r.cuda_device >= 0),
+               "region '{}' cuda handle {} bytes device {}", r.name, r.cuda_ipc_handle.size(),
+               r.cuda_device);
+    // The planner computes ItemAddress(index) + item_bytes for index < num_items and
+    // base + offset + length for byte ranges: all of it must stay inside the region
+    // without wrapping.
+    FUZZ_CHECK(r.num_items > 0 && r.item_bytes > 0 && r.item_stride >= r.item_bytes &&
+                   r.length > 0,
+               "region '{}' layout {}x{} stride {} length {}", r.name, r.num_items, r.item_bytes,
+               r.item_stride, r.length);
+    const unsigned __int128 end = static_cast<unsigned __int128>(r.base_address) + r.length;
+    FUZZ_CHECK(end <= ~uint64_t{0}, "region '{}' base {:#x} + length {} wraps", r.name,
+               r.base_address, r.length);
+    const unsigned __int128 last_end =
+        static_cast<unsigned __int128>(r.num_items - 1) * r.item_stride + r.item_bytes;
+    FUZZ_CHECK(last_end <= r.length, "region '{}' last item ends at {} beyond length {}", r.name,
+               static_cast<uint64_t>(last_end), r.length);
+    FUZZ_CHECK(r.ItemAddress(r.num_items - 1) + r.item_bytes == r.base_address + last_end,
+               "region '{}' ItemAddress wraps", r.name);
+    FUZZ_CHECK(catalog.Find(r.name) == &r, "Find('{}') is not region {}", r.name, i);
+    if (!r.group.empty()) ++grouped;
+  }
+  size_t in_groups = 0;
+  for (const std::string& group : catalog.GroupNames()) {
+    FUZZ_CHECK(!group.empty(), "empty group name listed");
+    const std::vector<const RemoteRegion*> members = catalog.FindGroup(group);
+    FUZZ_CHECK(!members.empty(), "group '{}' listed but empty", group);
+    for (size_t p = 0; p < members.size(); ++p) {
+      FUZZ_CHECK(members[p] != nullptr && members[p]->group == group &&
+                     members[p]->group_position == p,
+                 "group '{}' position {} holds the wrong region", group, p);
+    }
+    in_groups += members.size();
+  }
+  FUZZ_CHECK(in_groups == grouped, "{} grouped regions but groups hold {}", grouped, in_groups);
+  FUZZ_CHECK(catalog.FindGroup("").empty(), "the empty group name finds regions");
+}
+
+void Run(const v1::AgentMetadata& metadata, const CatalogLimits& limits) {
+  auto catalog = RemoteCatalog::FromMetadata(metadata, limits);
+  if (!catalog.ok()) {
+    CheckRejection(catalog.status());
+    return;
+  }
+  CheckCatalog(metadata, *catalog, limits);
+}
+
+}  // namespace
+
+const google::protobuf::Message& InputPrototype() { return v1::AgentMetadata::default_instance(); }
+const char* TargetName() { return "metadata"; }
+
+}  // namespace kvagent::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  kvagent::v1::AgentMetadata metadata;
+  if (!metadata.ParseFromArray(data, static_cast<int>(size))) return 0;
+  kvagent::fuzz::Run(metadata, kvagent::registry::CatalogLimits{});  // what the agent uses
+  kvagent::registry::CatalogLimits tight;
+  tight.max_regions = 4;
+  tight.max_rkey_bytes = 8;
+  tight.max_name_bytes = 8;
+  tight.max_worker_address_bytes = 8;
+  kvagent::fuzz::Run(metadata, tight);
+  return 0;
+}

@@ -1,0 +1,209 @@
+// Fuzz target: a SubmitTransfer request, as bytes, through PlanTransfer against a fixed
+// small local registry (real shm, real UCX registrations) and a fixed remote catalog,
+// both built once. Every planned operation must lie inside one local region the plan
+// pins and inside the remote region its rkey slot names; the byte count must match an
+// independent count; rejections must name the segment.
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "fuzz/fuzz_check.h"
+#include "fuzz/fuzz_target.h"
+#include "proto/kvagent.pb.h"
+#include "registry/region_registry.h"
+#include "registry/remote_catalog.h"
+#include "registry/shm_mapping.h"
+#include "registry/transfer_plan.h"
+#include "transport/base/format.h"
+#include "transport/ucx_context.h"
+
+namespace kvagent::fuzz {
+namespace {
+
+using registry::RegionPtr;
+using registry::RemoteRegion;
+
+v1::RegionSpec LocalSpec(const std::string& name, const std::string& group, uint64_t offset,
+                         uint64_t num_items, uint64_t item_bytes, uint64_t stride,
+                         const std::string& shm) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(group.empty() ? v1::AUX : v1::KV);
+  spec.set_group(group);
+  spec.set_memory(v1::DRAM);
+  spec.set_length((num_items - 1) * (stride ? stride : item_bytes) + item_bytes);
+  spec.mutable_layout()->set_num_items(num_items);
+  spec.mutable_layout()->set_item_bytes(item_bytes);
+  spec.mutable_layout()->set_item_stride(stride);
+  spec.mutable_shm()->set_name(shm);
+  spec.mutable_shm()->set_offset(offset);
+  return spec;
+}
+
+void AddRemote(v1::AgentMetadata* md, const std::string& name, const std::string& group,
+               uint32_t position, uint64_t base, uint64_t num_items, uint64_t item_bytes,
+               uint64_t stride) {
+  v1::ExportedRegion* r = md->add_regions();
+  r->set_name(name);
+  r->set_group(group);
+  r->set_group_position(position);
+  r->set_memory(v1::DRAM);
+  r->set_base_address(base);
+  r->set_length((num_items - 1) * (stride ? stride : item_bytes) + item_bytes);
+  r->mutable_layout()->set_num_items(num_items);
+  r->mutable_layout()->set_item_bytes(item_bytes);
+  r->mutable_layout()->set_item_stride(stride);
+  r->set_rkey("rkey-" + name);
+}
+
+// The local side (groups kv, state, kv3, wide; byte region aux) and the peer (kv and
+// state of other sizes, kv3 of three regions, wide with other item sizes, aux; one
+// region near the top of the address space).
+struct Fixture {
+  Fixture() {
+    auto created = transport::UcxContext::Create();
+    FUZZ_CHECK(created.ok(), "UCX context: {}", created.status().message());
+    context = std::move(created).value();
+    shm_name = fmt::format("/kvagent-fuzz-{}-plan", getpid());
+    auto created_shm = registry::ShmMapping::Create(shm_name, 65536);
+    FUZZ_CHECK(created_shm.ok(), "shm: {}", created_shm.status().message());
+    shm = std::move(created_shm).value();
+    UnlinkOnFailure(shm_name);
+    registry = std::make_unique<registry::RegionRegistry>(context.get());
+    const std::vector<v1::RegionSpec> specs = {
+        LocalSpec("k.L0", "kv", 0, 16, 256, 0, shm_name),
+        LocalSpec("v.L0", "kv", 4096, 16, 256, 512, shm_name),
+        LocalSpec("state", "state", 16384, 4, 1024, 2048, shm_name),
+        LocalSpec("aux", "", 32768, 1, 4096, 0, shm_name),
+        LocalSpec("a3", "kv3", 40960, 8, 128, 0, shm_name),
+        LocalSpec("b3", "kv3", 41984, 8, 128, 0, shm_name),
+        LocalSpec("wide", "wide", 43008, 4, 512, 0, shm_name),
+    };
+    auto result = registry->Register(specs, false);
+    FUZZ_CHECK(result.ok(), "local regions: {}", result.status().message());
+
+    v1::AgentMetadata md;
+    md.set_name("peer");
+    md.set_worker_address("worker-address");
+    AddRemote(&md, "k.L0", "kv", 0, 0x100000, 32, 256, 0);
+    AddRemote(&md, "v.L0", "kv", 1, 0x100000 + 32 * 256, 32, 256, 0);  // adjacent to k.L0
+    AddRemote(&md, "state", "state", 0, 0x200000, 8, 1024, 0);
+    AddRemote(&md, "aux", "", 0, 0xffffffffffffe000ULL, 1, 4096, 0);  // ends 4 KiB below 2^64
+    AddRemote(&md, "a3", "kv3", 0, 0x300000, 8, 128, 0);
+    AddRemote(&md, "b3", "kv3", 1, 0x310000, 8, 128, 0);
+    AddRemote(&md, "c3", "kv3", 2, 0x320000, 8, 128, 0);
+    AddRemote(&md, "wide", "wide", 0, 0x400000, 4, 256, 0);
+    auto built = registry::RemoteCatalog::FromMetadata(md);
+    FUZZ_CHECK(built.ok(), "remote catalog: {}", built.status().message());
+    catalog = std::make_unique<registry::RemoteCatalog>(*std::move(built));
+  }
+  std::unique_ptr<transport::UcxContext> context;
+  std::string shm_name;
+  registry::ShmMapping shm;
+  std::unique_ptr<registry::RegionRegistry> registry;
+  std::unique_ptr<registry::RemoteCatalog> catalog;
+};
+
+const Fixture& GetFixture() {
+  static Fixture fixture;
+  return fixture;
+}
+
+bool Inside(uint64_t address, uint64_t length, uint64_t base, uint64_t region_length) {
+  const unsigned __int128 end = static_cast<unsigned __int128>(address) + length;
+  return address >= base && end <= static_cast<unsigned __int128>(base) + region_length;
+}
+
+// Bytes and items the request names when it is valid, counted without the planner.
+void CountExpected(const Fixture& f, const v1::SubmitTransferRequest& request, uint64_t* bytes,
+                   uint64_t* items) {
+  *bytes = 0;
+  *items = 0;
+  for (const v1::Segment& segment : request.segments()) {
+    if (segment.has_bytes()) {
+      *bytes += segment.bytes().length();
+      continue;
+    }
+    const auto& seg = segment.items();
+    for (const RegionPtr& region : f.registry->FindGroup(seg.local_group())) {
+      *bytes += region->item_bytes() * static_cast<uint64_t>(seg.local_indices_size());
+    }
+    *items += static_cast<uint64_t>(seg.local_indices_size());
+  }
+}
+
+void Run(const v1::SubmitTransferRequest& request) {
+  const Fixture& f = GetFixture();
+  const uint32_t first_segment = request.chunk() & 0xffff;  // as a later chunk numbers them
+  auto plan = registry::PlanTransfer(*f.registry, *f.catalog, request.segments(), first_segment);
+  if (!plan.ok()) {
+    const absl::Status& status = plan.status();
+    FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument ||
+                   status.code() == absl::StatusCode::kNotFound,
+               "rejection with code {}: {}", static_cast<int>(status.code()), status.message());
+    FUZZ_CHECK(absl::StartsWith(status.message(), "segment "),
+               "rejection does not name the segment: {}", status.message());
+    return;
+  }
+  const std::vector<const RemoteRegion*> remote = [&] {
+    std::vector<const RemoteRegion*> out;
+    for (const RemoteRegion& r : f.catalog->regions()) out.push_back(&r);
+    return out;
+  }();
+  uint64_t total = 0;
+  uint32_t last_segment = first_segment;
+  for (const registry::PlanOp& op : plan->ops) {
+    FUZZ_CHECK(op.length > 0, "empty op in segment {}", op.segment);
+    FUZZ_CHECK(op.segment >= last_segment &&
+                   op.segment < first_segment + static_cast<uint32_t>(request.segments_size()),
+               "op segment {} out of order or range", op.segment);
+    last_segment = op.segment;
+    bool local_ok = false;
+    for (const RegionPtr& region : plan->local_regions) {
+      local_ok = local_ok || Inside(op.local_address, op.length, region->base_address,
+                                    region->spec.length());
+    }
+    FUZZ_CHECK(local_ok, "op [{:#x}, +{}) of segment {} is outside every pinned local region",
+               op.local_address, op.length, op.segment);
+    FUZZ_CHECK(op.rkey_slot < remote.size(), "rkey slot {} of {}", op.rkey_slot, remote.size());
+    const RemoteRegion& r = *remote[op.rkey_slot];
+    FUZZ_CHECK(Inside(op.remote_address, op.length, r.base_address, r.length),
+               "op remote [{:#x}, +{}) of segment {} is outside peer region '{}' [{:#x}, +{})",
+               op.remote_address, op.length, op.segment, r.name, r.base_address, r.length);
+    FUZZ_CHECK(!op.local_device && !op.remote_device, "device flag on host memory");
+    total += op.length;
+  }
+  FUZZ_CHECK(total == plan->bytes, "ops move {} bytes, plan says {}", total, plan->bytes);
+  uint64_t bytes = 0;
+  uint64_t items = 0;
+  CountExpected(f, request, &bytes, &items);
+  FUZZ_CHECK(bytes == plan->bytes && items == plan->items,
+             "plan has {} bytes / {} items, the request names {} / {}", plan->bytes, plan->items,
+             bytes, items);
+  for (size_t i = 0; i < plan->local_regions.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      FUZZ_CHECK(plan->local_regions[i] != plan->local_regions[j], "region '{}' pinned twice",
+                 plan->local_regions[i]->spec.name());
+    }
+  }
+}
+
+}  // namespace
+
+const google::protobuf::Message& InputPrototype() {
+  return v1::SubmitTransferRequest::default_instance();
+}
+const char* TargetName() { return "plan"; }
+
+}  // namespace kvagent::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  kvagent::v1::SubmitTransferRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  kvagent::fuzz::Run(request);
+  return 0;
+}

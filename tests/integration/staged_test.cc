@@ -1,0 +1,428 @@
+// Host staging end to end on two real kvagentd: --stage-host-regions makes their
+// host regions take the "staged" path (memcpy stands in for the device copy), and
+// --shm-direct off keeps the same-host shortcut out, so every byte goes through the
+// bounce buffers and the staged-chunk protocol over real UCX. Small buffers (64 KiB,
+// 2 of them) make chunks split, pack and reuse buffers. Bytes are compared in the
+// agents' shared memory.
+#include <csignal>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <tuple>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+
+namespace kvagent::testing {
+namespace {
+
+constexpr uint64_t kChunkBytes = 64 << 10;
+
+const std::vector<std::string> kStagingArgs = {
+    "--shm-direct", "off", "--staging-chunk-bytes", std::to_string(kChunkBytes),
+    "--staging-buffers", "2"};
+
+template <typename T>
+T Require(absl::StatusOr<T> value, const std::string& what) {
+  if (!value.ok()) FAIL(what << ": " << value.status().ToString());
+  return *std::move(value);
+}
+
+// Two agents with their own flags; a KV pool and a STATE pool on each, prefill
+// connected to decode.
+struct StagedPair {
+  std::string work_dir;
+  cli::DaemonProcess prefill, decode;
+  std::unique_ptr<cli::AgentClient> prefill_client, decode_client;
+  cli::Pool prefill_pool, decode_pool;
+
+  StagedPair(bool stage_prefill, bool stage_decode, uint64_t page_bytes) {
+    static int counter = 0;
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    work_dir = fmt::format("{}/staged.{}.{}", tmp ? tmp : "/tmp", getpid(), counter++);
+    std::filesystem::create_directories(work_dir);
+    const std::string binary = Require(cli::FindKvagentd(""), "finding kvagentd");
+    for (auto [name, process, staged] : {std::tuple{"prefill", &prefill, stage_prefill},
+                                         std::tuple{"decode", &decode, stage_decode}}) {
+      cli::DaemonOptions d;
+      d.binary = binary;
+      d.name = name;
+      d.work_dir = work_dir;
+      d.extra_args = kStagingArgs;
+      if (staged) d.extra_args.push_back("--stage-host-regions");
+      *process = Require(cli::DaemonProcess::Start(d), fmt::format("starting {}", name));
+    }
+    prefill_client = std::make_unique<cli::AgentClient>(prefill.address());
+    decode_client = std::make_unique<cli::AgentClient>(decode.address());
+    std::vector<cli::PoolGroupShape> groups(2);
+    groups[0].group = "kv";
+    groups[0].kind = v1::KV;
+    groups[0].region_suffixes = {"L0.K", "L0.V", "L1.K", "L1.V"};
+    groups[0].items = 16;
+    groups[0].item_bytes = page_bytes;
+    // A Mamba-like state slot bigger than two bounce buffers.
+    groups[1].group = "ssm";
+    groups[1].kind = v1::STATE;
+    groups[1].region_suffixes = {"conv", "ssm"};
+    groups[1].items = 4;
+    groups[1].item_bytes = 150000;
+    prefill_pool = Require(cli::CreatePool(*prefill_client, "prefill", groups), "prefill pool");
+    decode_pool = Require(cli::CreatePool(*decode_client, "decode", groups), "decode pool");
+    REQUIRE(prefill_client->Connect(decode.address()).ok());
+    REQUIRE(decode_client->Connect(prefill.address()).ok());
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (uint32_t r = 0; r < groups[g].regions(); ++r) {
+        for (uint64_t i = 0; i < groups[g].items; ++i) {
+          cli::FillPage(prefill_pool.Item(g, r, i), groups[g].item_bytes, 11 + g, r, i);
+          cli::FillPage(decode_pool.Item(g, r, i), groups[g].item_bytes, 99 + g, r, i);
+        }
+      }
+    }
+  }
+
+  // Item `src` of every region of group `g` on `from` equals item `dst` on `to`.
+  static bool ItemEqual(const cli::Pool& from, const cli::Pool& to, size_t g, uint64_t src,
+                        uint64_t dst) {
+    const auto& shape = from.groups[g].shape;
+    for (uint32_t r = 0; r < shape.regions(); ++r) {
+      if (std::memcmp(from.Item(g, r, src), to.Item(g, r, dst), shape.item_bytes) != 0) return false;
+    }
+    return true;
+  }
+};
+
+v1::SubmitTransferRequest Request(const std::string& id, const std::string& peer, v1::TransferOp op,
+                                  const std::vector<uint64_t>& local,
+                                  const std::vector<uint64_t>& remote,
+                                  const std::string& group = "kv") {
+  v1::SubmitTransferRequest request;
+  request.set_transfer_id(id);
+  request.set_peer(peer);
+  request.set_op(op);
+  auto* items = request.add_segments()->mutable_items();
+  items->set_local_group(group);
+  items->set_remote_group(group);
+  for (auto i : local) items->add_local_indices(i);
+  for (auto i : remote) items->add_remote_indices(i);
+  return request;
+}
+
+v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
+  auto state = client.WaitTransfer(id, 30000);
+  REQUIRE(state.ok());
+  return *state;
+}
+
+TEST_CASE("staged WRITE: scattered pages larger than a chunk and a state slot arrive intact, "
+          "and the notification comes only after the data") {
+  StagedPair pair(true, true, 80 << 10);  // pages of 80 KiB: each splits over two chunks
+  auto regions = Require(pair.decode_client->Regions(), "listing decode regions");
+  for (const auto& r : regions.regions()) CHECK(r.memory_path() == "staged");
+
+  auto request = Request("staged-write", "decode", v1::WRITE, {1, 5, 6, 11}, {2, 9, 3, 14});
+  auto* slot = request.add_segments()->mutable_items();
+  slot->set_local_group("ssm");
+  slot->set_remote_group("ssm");
+  slot->add_local_indices(2);
+  slot->add_remote_indices(0);
+  request.set_notification("first-token:7");
+  auto submitted = pair.prefill_client->Submit(request);
+  REQUIRE(submitted.ok());
+
+  // Poll as fast as we can: the moment the notification is visible, every byte must
+  // already be in place.
+  v1::Notification note;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  bool got = false;
+  while (!got && std::chrono::steady_clock::now() < until) {
+    auto polled = pair.decode_client->Poll(0);
+    REQUIRE(polled.ok());
+    if (polled->notifications_size() > 0) {
+      note = polled->notifications(0);
+      got = true;
+    }
+  }
+  REQUIRE(got);
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 1, 2));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 5, 9));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 6, 3));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 11, 14));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 2, 0));
+  CHECK(note.kind() == v1::DATA_READY);
+  CHECK(note.payload() == "first-token:7");
+  const uint64_t expected = 4 * 4 * (80 << 10) + 2 * 150000;
+  CHECK(note.bytes() == expected);
+  CHECK(note.staged_bytes() == expected);
+
+  auto done = WaitDone(*pair.prefill_client, "staged-write");
+  CHECK(done.phase() == v1::COMPLETED);
+  CHECK(done.bytes_done() == expected);
+  // Untouched items stayed as they were.
+  CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 0, 0));
+  CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 3, 3));
+}
+
+TEST_CASE("staged WRITE packs many small pages into shared chunks") {
+  StagedPair pair(true, true, 4096);  // 16 pages of 4 KiB fill one 64 KiB chunk
+  std::vector<uint64_t> src, dst;
+  for (uint64_t i = 0; i < 16; ++i) {
+    src.push_back(i);
+    dst.push_back(15 - i);  // reversed: nothing coalesces on both sides
+  }
+  for (int round = 0; round < 3; ++round) {
+    const std::string id = fmt::format("packed-{}", round);
+    REQUIRE(pair.prefill_client->Submit(Request(id, "decode", v1::WRITE, src, dst)).ok());
+    auto done = WaitDone(*pair.prefill_client, id);
+    REQUIRE(done.phase() == v1::COMPLETED);
+  }
+  for (uint64_t i = 0; i < 16; ++i) {
+    INFO("page " << i);
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, i, 15 - i));
+  }
+  // Every transfer's notification arrives, each once.
+  std::map<std::string, int> seen;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (seen.size() < 3 && std::chrono::steady_clock::now() < until) {
+    auto polled = pair.decode_client->Poll(0);
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) ++seen[n.transfer_id()];
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  CHECK(seen == std::map<std::string, int>{{"packed-0", 1}, {"packed-1", 1}, {"packed-2", 1}});
+}
+
+TEST_CASE("a staged WRITE cancelled mid-way reports drained once no chunk is in flight") {
+  StagedPair pair(true, true, 80 << 10);
+  std::vector<uint64_t> all;
+  for (uint64_t i = 0; i < 16; ++i) all.push_back(i);
+  auto request = Request("staged-cancel", "decode", v1::WRITE, all, all);
+  request.set_more_chunks(true);  // held open, so it cannot complete before the cancel
+  REQUIRE(pair.prefill_client->Submit(request).ok());
+  auto cancelled = pair.prefill_client->Cancel("staged-cancel");
+  REQUIRE(cancelled.ok());
+  CHECK(cancelled->phase() == v1::CANCELLED);
+  auto done = WaitDone(*pair.prefill_client, "staged-cancel");
+  CHECK(done.phase() == v1::CANCELLED);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done.drained() && std::chrono::steady_clock::now() < until) {
+    done = Require(pair.prefill_client->Get("staged-cancel"), "getting the transfer");
+  }
+  CHECK(done.drained());
+  // The peer hears of the cancel (and drops what it counted), never a DATA_READY.
+  std::vector<v1::Notification> notes;
+  const auto poll_until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (notes.empty() && std::chrono::steady_clock::now() < poll_until) {
+    auto polled = pair.decode_client->Poll(0);
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) notes.push_back(n);
+  }
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].kind() == v1::CANCELLED_BY_PEER);
+
+  // The agents still move data afterwards (buffers were all returned).
+  REQUIRE(pair.prefill_client->Submit(Request("after-cancel", "decode", v1::WRITE, {3}, {4})).ok());
+  CHECK(WaitDone(*pair.prefill_client, "after-cancel").phase() == v1::COMPLETED);
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 3, 4));
+}
+
+TEST_CASE("staged READ into our staged memory from a peer's host memory") {
+  StagedPair pair(false, true, 80 << 10);  // decode stages, prefill is plain host memory
+  auto request = Request("staged-read", "prefill", v1::READ, {2, 9, 3}, {1, 5, 6});
+  auto* slot = request.add_segments()->mutable_items();
+  slot->set_local_group("ssm");
+  slot->set_remote_group("ssm");
+  slot->add_local_indices(1);
+  slot->add_remote_indices(3);
+  REQUIRE(pair.decode_client->Submit(request).ok());
+  auto done = WaitDone(*pair.decode_client, "staged-read");
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 1, 2));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 5, 9));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 6, 3));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 3, 1));
+  CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 0, 0));
+
+  // WRITE from staged memory into the peer's host memory: bounce buffer, then put.
+  auto push = Request("staged-put", "prefill", v1::WRITE, {7}, {8});
+  REQUIRE(pair.decode_client->Submit(push).ok());
+  REQUIRE(WaitDone(*pair.decode_client, "staged-put").phase() == v1::COMPLETED);
+  CHECK(StagedPair::ItemEqual(pair.decode_pool, pair.prefill_pool, 0, 7, 8));
+}
+
+// Adds the state slot `local` <- `remote` of group "ssm" to `request`.
+void AddSlot(v1::SubmitTransferRequest& request, uint64_t local, uint64_t remote) {
+  auto* slot = request.add_segments()->mutable_items();
+  slot->set_local_group("ssm");
+  slot->set_remote_group("ssm");
+  slot->add_local_indices(local);
+  slot->add_remote_indices(remote);
+}
+
+// Waits until the transfer reports drained (bounded), returning the last state.
+v1::TransferState WaitDrained(cli::AgentClient& client, const std::string& id, int seconds) {
+  v1::TransferState state = Require(client.Get(id), "getting the transfer");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (!state.drained() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    state = Require(client.Get(id), "getting the transfer");
+  }
+  return state;
+}
+
+TEST_CASE("READ of the peer's staged memory: scattered pages split over chunks and a state "
+          "slot arrive intact, into host or staged memory") {
+  for (bool stage_decode : {false, true}) {
+    INFO("decode's own memory staged: " << stage_decode);
+    StagedPair pair(true, stage_decode, 80 << 10);  // prefill stages; pages span 2 chunks
+    auto request = Request("read-staged", "prefill", v1::READ, {2, 9, 3, 14}, {1, 5, 6, 11});
+    AddSlot(request, 1, 3);
+    auto submitted = pair.decode_client->Submit(request);
+    REQUIRE(submitted.ok());
+    auto done = WaitDone(*pair.decode_client, "read-staged");
+    INFO(done.error_message());
+    REQUIRE(done.phase() == v1::COMPLETED);
+    const uint64_t expected = 4 * 4 * (80 << 10) + 2 * 150000;
+    CHECK(done.bytes_done() == expected);
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 1, 2));
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 5, 9));
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 6, 3));
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 11, 14));
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 3, 1));
+    // Only the requested items changed.
+    CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 0, 0));
+    CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 2, 2));
+    CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 0, 0));
+    // The serving agent's pages are unchanged by being read.
+    for (uint64_t i : {1, 5, 6, 11}) {
+      for (uint32_t r = 0; r < 4; ++r) {
+        std::vector<uint8_t> want(80 << 10);
+        cli::FillPage(want.data(), want.size(), 11, r, i);
+        CHECK(std::memcmp(pair.prefill_pool.Item(0, r, i), want.data(), want.size()) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("READ of staged memory packs many small pages, and two agents reading from each "
+          "other at once both finish") {
+  StagedPair pair(true, true, 4096);
+  std::vector<uint64_t> src, dst;
+  for (uint64_t i = 0; i < 8; ++i) {
+    src.push_back(i);
+    dst.push_back(15 - i);  // reversed: nothing coalesces on both sides
+  }
+  std::vector<uint64_t> src2, dst2;
+  for (uint64_t i = 8; i < 16; ++i) {
+    src2.push_back(i);
+    dst2.push_back(15 - i);
+  }
+  for (int round = 0; round < 3; ++round) {
+    const std::string a = fmt::format("pull-a-{}", round), b = fmt::format("pull-b-{}", round);
+    // decode pulls prefill's 0..7 into 15..8; prefill pulls decode's 8..15 into 7..0.
+    REQUIRE(pair.decode_client->Submit(Request(a, "prefill", v1::READ, dst, src)).ok());
+    REQUIRE(pair.prefill_client->Submit(Request(b, "decode", v1::READ, dst2, src2)).ok());
+    auto da = WaitDone(*pair.decode_client, a);
+    auto db = WaitDone(*pair.prefill_client, b);
+    INFO(da.error_message() << " / " << db.error_message());
+    REQUIRE(da.phase() == v1::COMPLETED);
+    REQUIRE(db.phase() == v1::COMPLETED);
+  }
+  for (uint64_t i = 0; i < 8; ++i) {
+    INFO("page " << i);
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, i, 15 - i));
+  }
+  // prefill's 7..0 now hold decode's 8..15 as they were before any transfer.
+  for (uint64_t i = 8; i < 16; ++i) {
+    for (uint32_t r = 0; r < 4; ++r) {
+      std::vector<uint8_t> want(4096);
+      cli::FillPage(want.data(), want.size(), 99, r, i);
+      CHECK(std::memcmp(pair.prefill_pool.Item(0, r, 15 - i), want.data(), want.size()) == 0);
+    }
+  }
+}
+
+TEST_CASE("READ of a hung peer's staged memory ends by its deadline and drains; the agent "
+          "reads again once the peer is back") {
+  StagedPair pair(true, false, 80 << 10);
+  REQUIRE(kill(pair.prefill.pid(), SIGSTOP) == 0);
+  std::vector<uint64_t> all;
+  for (uint64_t i = 0; i < 16; ++i) all.push_back(i);
+  auto request = Request("read-hung", "prefill", v1::READ, all, all);
+  request.set_timeout_ms(700);
+  auto submitted = pair.decode_client->Submit(request);
+  if (!submitted.ok()) kill(pair.prefill.pid(), SIGCONT);
+  REQUIRE(submitted.ok());
+  auto done = WaitDone(*pair.decode_client, "read-hung");
+  done = WaitDrained(*pair.decode_client, "read-hung", 5);
+  // The pages of the hung peer never came: a deadline, or the peer declared lost.
+  const bool expected_end = done.phase() == v1::TIMED_OUT || done.phase() == v1::FAILED;
+  CHECK(expected_end);
+  CHECK(done.drained());
+  INFO(done.error_message());
+  const v1::TransferState before = done;
+  // Nothing of the peer may land after drained: keep a copy of our pages, let the peer
+  // run (it answers the requests it got), and compare.
+  std::vector<std::vector<uint8_t>> snapshot;
+  for (uint64_t i = 0; i < 16; ++i) {
+    for (uint32_t r = 0; r < 4; ++r) {
+      const uint8_t* p = pair.decode_pool.Item(0, r, i);
+      snapshot.emplace_back(p, p + (80 << 10));
+    }
+  }
+  REQUIRE(kill(pair.prefill.pid(), SIGCONT) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  size_t k = 0;
+  for (uint64_t i = 0; i < 16; ++i) {
+    for (uint32_t r = 0; r < 4; ++r, ++k) {
+      INFO("page " << i << " region " << r);
+      CHECK(std::memcmp(pair.decode_pool.Item(0, r, i), snapshot[k].data(), snapshot[k].size()) == 0);
+    }
+  }
+  // Every bounce buffer came back: a new READ completes (after reconnecting if the peer
+  // was declared lost).
+  if (done.phase() == v1::FAILED) REQUIRE(pair.decode_client->Connect(pair.prefill.address()).ok());
+  v1::TransferState again;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    const std::string id = fmt::format("read-after-{}", attempt);
+    auto resubmitted = pair.decode_client->Submit(Request(id, "prefill", v1::READ, {4, 7}, {3, 8}));
+    if (resubmitted.ok()) {
+      again = WaitDone(*pair.decode_client, id);
+      if (again.phase() == v1::COMPLETED) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  INFO(again.error_message());
+  CHECK(again.phase() == v1::COMPLETED);
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 3, 4));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 8, 7));
+}
+
+TEST_CASE("a READ of staged memory cancelled mid-way drains, and reading works after") {
+  StagedPair pair(true, true, 80 << 10);
+  std::vector<uint64_t> all;
+  for (uint64_t i = 0; i < 16; ++i) all.push_back(i);
+  auto request = Request("read-cancel", "prefill", v1::READ, all, all);
+  request.set_more_chunks(true);  // held open, so it cannot complete before the cancel
+  REQUIRE(pair.decode_client->Submit(request).ok());
+  auto cancelled = pair.decode_client->Cancel("read-cancel");
+  REQUIRE(cancelled.ok());
+  CHECK(cancelled->phase() == v1::CANCELLED);
+  auto done = WaitDrained(*pair.decode_client, "read-cancel", 10);
+  CHECK(done.phase() == v1::CANCELLED);
+  CHECK(done.drained());
+  REQUIRE(pair.decode_client->Submit(Request("read-after-cancel", "prefill", v1::READ, {3}, {4})).ok());
+  CHECK(WaitDone(*pair.decode_client, "read-after-cancel").phase() == v1::COMPLETED);
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 4, 3));
+}
+
+}  // namespace
+}  // namespace kvagent::testing

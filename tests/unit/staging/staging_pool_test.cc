@@ -1,0 +1,106 @@
+// StagingPool bounds: never more than N buffers out; a waiter gets the next one
+// released, in order; buffers are page-aligned and hold their bytes.
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "agent/staging.h"
+#include "catch2/catch.hpp"
+#include "transport/ucx_context.h"
+
+namespace kvagent::agent {
+namespace {
+
+TEST_CASE("the pool hands out at most N buffers and a waiter gets a released one") {
+  StagingPoolOptions options;
+  options.chunk_bytes = 10000;
+  options.buffers = 2;
+  auto pool = StagingPool::Create(options, nullptr, nullptr);
+  REQUIRE(pool.ok());
+  StagingPool& p = **pool;
+  CHECK_FALSE(p.pinned());
+  auto a = p.TryAcquire();
+  auto b = p.TryAcquire();
+  REQUIRE(a);
+  REQUIRE(b);
+  CHECK(a.data() != b.data());
+  CHECK(a.size() == 10000);
+  CHECK(reinterpret_cast<uintptr_t>(a.data()) % 4096 == 0);
+  std::memset(a.data(), 0x5A, a.size());
+  std::memset(b.data(), 0xA5, b.size());
+  CHECK_FALSE(p.TryAcquire());  // bounded: a third is never allocated
+  CHECK(p.free_buffers() == 0);
+
+  std::vector<int> order;
+  StagingPool::Lease first_got, second_got;
+  p.Acquire([&](StagingPool::Lease l) {
+    order.push_back(1);
+    first_got = std::move(l);
+  });
+  p.Acquire([&](StagingPool::Lease l) {
+    order.push_back(2);
+    second_got = std::move(l);
+  });
+  CHECK(order.empty());
+  CHECK(p.waiters() == 2);
+  uint8_t* a_data = a.data();
+  a = StagingPool::Lease();  // release: goes straight to the first waiter
+  REQUIRE(order == std::vector<int>{1});
+  CHECK(first_got.data() == a_data);
+  CHECK(first_got.data()[9999] == 0x5A);  // the same memory, not a new allocation
+  CHECK(p.free_buffers() == 0);
+  { StagingPool::Lease drop = std::move(b); }
+  REQUIRE(order == std::vector<int>{1, 2});
+  CHECK(p.waiters() == 0);
+  first_got = StagingPool::Lease();
+  second_got = StagingPool::Lease();
+  CHECK(p.free_buffers() == 2);
+}
+
+TEST_CASE("a waiter on another thread gets a buffer released here") {
+  StagingPoolOptions options;
+  options.chunk_bytes = 4096;
+  options.buffers = 1;
+  auto pool = StagingPool::Create(options, nullptr, nullptr);
+  REQUIRE(pool.ok());
+  auto held = (*pool)->TryAcquire();
+  REQUIRE(held);
+  absl::Notification got;
+  std::thread waiter([&] {
+    (*pool)->Acquire([&](StagingPool::Lease l) {
+      CHECK(l.size() == 4096);
+      got.Notify();
+    });
+  });
+  waiter.join();
+  CHECK_FALSE(got.HasBeenNotified());
+  held = StagingPool::Lease();
+  CHECK(got.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  CHECK((*pool)->free_buffers() == 1);
+}
+
+TEST_CASE("buffers registered with UCX stay usable and a bad size is refused with the flag") {
+  auto context = transport::UcxContext::Create();
+  REQUIRE(context.ok());
+  StagingPoolOptions options;
+  options.chunk_bytes = 64 << 10;
+  options.buffers = 3;
+  auto pool = StagingPool::Create(options, nullptr, context->get());
+  REQUIRE(pool.ok());
+  CHECK((*pool)->buffers() == 3);
+
+  options.chunk_bytes = 0;
+  auto zero = StagingPool::Create(options, nullptr, nullptr);
+  REQUIRE(zero.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(zero.status().message()).find("--staging-chunk-bytes 0") != std::string::npos);
+  options.chunk_bytes = 4096;
+  options.buffers = 0;
+  auto none = StagingPool::Create(options, nullptr, nullptr);
+  REQUIRE(none.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(none.status().message()).find("--staging-buffers 0") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvagent::agent
