@@ -14,9 +14,9 @@ earlier run is never counted. Safety nets, each adding one failure:
   - a target Bazel did not pass (timeout, crash after its XML) whose XML shows no failure;
   - `bazel test` exiting non-zero while nothing above counted a failure.
 Extra runs count the same way, each case once per run it ran in:
-  --run NAME EVENTS EXIT PATTERN...  another `bazel test` (e.g. the ASan/UBSan and TSan
-      runs of .ci/run); its expected targets are the non-manual tests of PATTERNs
-      ("-//x/..." excludes), its results are reported as "[NAME] //label".
+  --run NAME EVENTS EXIT "PATTERN..."  another `bazel test` (e.g. the ASan/UBSan and
+      TSan runs of .ci/run); its expected targets are the non-manual tests of the
+      space-separated PATTERNs ("-//x:y" excludes), its results read "[NAME] //label".
   --junit NAME FILE  a JUnit XML written by a non-Bazel run (fuzz/run.sh: one case per
       fuzzer); a missing or unreadable FILE counts as one failure.
 Prints failures and skips, then, LAST, one line: "N passed, N failed[, N skipped]".
@@ -158,9 +158,10 @@ def main():
     parser.add_argument("--events", help="Bazel --build_event_json_file of the test run")
     parser.add_argument("--bazel-exit", type=int, default=0,
                         help="exit status of the `bazel test` (or quickstart) run")
-    parser.add_argument("--run", nargs="+", action="append", default=[],
-                        metavar="NAME EVENTS EXIT PATTERN",
-                        help="another bazel test run: name, event file, exit status, patterns")
+    parser.add_argument("--run", nargs=4, action="append", default=[],
+                        metavar=("NAME", "EVENTS", "EXIT", "PATTERNS"),
+                        help="another bazel test run: name, event file, exit status, and its "
+                             "target patterns as one space-separated argument")
     parser.add_argument("--junit", nargs=2, action="append", default=[], metavar=("NAME", "FILE"),
                         help="JUnit XML of a non-Bazel run (fuzz/run.sh --junit)")
     parser.add_argument("--root", default=os.path.dirname(os.path.dirname(
@@ -191,10 +192,8 @@ def main():
             f"bazel test exited {args.bazel_exit} but no test failed: a build or loading error "
             "outside any test target (see the log above)")
 
-    for run in args.run:
-        if len(run) < 4:
-            parser.error(f"--run needs NAME EVENTS EXIT PATTERN..., got {run}")
-        name, events, exit_status, patterns = run[0], run[1], run[2], run[3:]
+    for name, events, exit_status, pattern_text in args.run:
+        patterns = pattern_text.split()
         before = len(counts["failures"])
         run_expected, note = expected_targets(args.root, pattern_query(patterns))
         if note:

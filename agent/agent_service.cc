@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -40,10 +41,24 @@ std::string SafeLabel(const std::string& text) {
   return out.substr(0, 64);
 }
 
+// Counts a stream from its reactor's construction to its deletion (AgentStatus
+// open_streams), so a client that vanishes mid-stream is seen to leave nothing behind.
+class StreamCount {
+ public:
+  explicit StreamCount(std::atomic<int64_t>* count) : count_(count) { count_->fetch_add(1); }
+  ~StreamCount() { count_->fetch_sub(1); }
+  StreamCount(const StreamCount&) = delete;
+  StreamCount& operator=(const StreamCount&) = delete;
+
+ private:
+  std::atomic<int64_t>* count_;
+};
+
 // Streams a transfer's states until it ends; always writes the newest state.
 class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferState> {
  public:
-  TransferWatchReactor(TransferEngine* engine, std::string id) : engine_(engine), id_(std::move(id)) {
+  TransferWatchReactor(TransferEngine* engine, std::string id, std::atomic<int64_t>* streams)
+      : counted_(streams), engine_(engine), id_(std::move(id)) {
     auto token = engine_->Watch(id_, [this](const v1::TransferState& s) { OnState(s); });
     if (!token.ok()) {
       absl::MutexLock lock(&mu_);
@@ -102,6 +117,7 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferS
     StartWrite(&current_);
   }
 
+  StreamCount counted_;
   TransferEngine* engine_;
   std::string id_;
   uint64_t token_ = 0;
@@ -117,8 +133,11 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferS
 // to the queue when the client leaves.
 class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notification> {
  public:
-  NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request)
-      : queue_(queue), ids_(request.transfer_ids().begin(), request.transfer_ids().end()) {
+  NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request,
+                           std::atomic<int64_t>* streams)
+      : counted_(streams),
+        queue_(queue),
+        ids_(request.transfer_ids().begin(), request.transfer_ids().end()) {
     token_ = queue_->Subscribe([this](const v1::Notification& n) { return Offer(n); });
   }
 
@@ -171,6 +190,7 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
     StartWrite(&current_);
   }
 
+  StreamCount counted_;
   NotificationQueue* queue_;
   absl::flat_hash_set<std::string> ids_;
   uint64_t token_ = 0;
@@ -278,6 +298,7 @@ grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* c
   response->set_uptime_ms((MonotonicMicros() - id.start_us) / 1000);
   response->set_metadata_version(deps_.registry->version());
   response->set_pid(static_cast<uint32_t>(getpid()));
+  response->set_open_streams(static_cast<uint64_t>(std::max<int64_t>(open_streams_.load(), 0)));
   return Done(context, absl::OkStatus());
 }
 
@@ -390,7 +411,7 @@ grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext*
 
 grpc::ServerWriteReactor<v1::TransferState>* AgentService::WatchTransfer(
     grpc::CallbackServerContext* context, const v1::GetTransferRequest* request) {
-  return new TransferWatchReactor(deps_.engine, request->transfer_id());
+  return new TransferWatchReactor(deps_.engine, request->transfer_id(), &open_streams_);
 }
 
 grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContext* context,
@@ -423,7 +444,7 @@ grpc::ServerUnaryReactor* AgentService::PollNotifications(
 
 grpc::ServerWriteReactor<v1::Notification>* AgentService::WatchNotifications(
     grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) {
-  return new NotificationWatchReactor(deps_.notifications, *request);
+  return new NotificationWatchReactor(deps_.notifications, *request, &open_streams_);
 }
 
 grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* context,

@@ -3,6 +3,7 @@
 // run on the worker thread and streams are fed from engine callbacks.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -106,6 +107,8 @@ class AgentService final : public v1::Agent::CallbackService {
   void Submit(const v1::SubmitTransferRequest& request, bool wait, SubmitDone done);
 
   ServiceDeps deps_;
+  // WatchTransfer and WatchNotifications streams whose reactor still exists.
+  std::atomic<int64_t> open_streams_{0};
   absl::Mutex shm_mu_;
   uint64_t shm_counter_ ABSL_GUARDED_BY(shm_mu_) = 0;
   // Objects this agent created; unlinked when the agent exits.

@@ -276,6 +276,19 @@ void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Chan
   if (restarted) NotifyLoss(*restarted);
 }
 
+namespace {
+// True when `now` lacks a region of `before`, or has it at another address or length.
+bool RemovesRegions(const registry::RemoteCatalog& before, const registry::RemoteCatalog& now) {
+  for (const auto& was : before.regions()) {
+    const registry::RemoteRegion* is = now.Find(was.name);
+    if (is == nullptr || is->base_address != was.base_address || is->length != was.length) {
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace
+
 std::optional<PeerLoss> PeerManager::InstallLocked(const std::string& address,
                                                    std::shared_ptr<grpc::Channel> channel,
                                                    std::shared_ptr<const PeerSnapshot> snapshot,
@@ -311,6 +324,15 @@ std::optional<PeerLoss> PeerManager::InstallLocked(const std::string& address,
               snapshot->catalog->regions().size(), snapshot->transports,
               transport::ErrorModeName(snapshot->error_mode),
               snapshot->direct ? "shm-direct" : "ucx");
+  }
+  // Only a version that removed or moved a region of the same incarnation must be
+  // drained before a poll acknowledges it (RefreshOne); any other is acknowledged
+  // at once, so a first poll or a version that only added regions never waits.
+  if (!peer.snapshot || peer.snapshot->incarnation != snapshot->incarnation) {
+    peer.drained_version = version;  // nothing was posted under this incarnation yet
+  } else if (peer.drained_version == peer.version &&
+             !RemovesRegions(*peer.snapshot->catalog, *snapshot->catalog)) {
+    peer.drained_version = version;
   }
   peer.snapshot = std::move(snapshot);
   peer.version = version;

@@ -28,12 +28,16 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cli/agent_client.h"
+#include "cli/bench_memory.h"
 #include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
 #include "cli/local_agents.h"
 #include "fmt/format.h"
 #include "proto/kvagent.pb.h"
 #include "registry/shm_mapping.h"
 #include "transport/base/format.h"
+#include "transport/base/status_macros.h"
+#include "transport/cuda_driver.h"
 
 extern char** environ;
 
@@ -309,6 +313,11 @@ void Indices(const Layout& layout, const Cell& cell, uint64_t i, std::vector<uin
 // Memory of both pools as this process sees it: the agents' shm objects mapped here
 // when on this host, else private buffers (the memcpy baseline only; nothing verified).
 struct Pools {
+  // VRAM (--memory vram): device pools, owned by RunBench's VramMemory; the host
+  // pointers stay null and every byte check goes through device copies.
+  bool vram = false;
+  const DeviceAllocation* initiator_device = nullptr;
+  const DeviceAllocation* target_device = nullptr;
   std::string initiator_shm, target_shm;
   registry::ShmMapping initiator_mapping, target_mapping;
   uint8_t* initiator = nullptr;
@@ -541,8 +550,23 @@ class Bench {
                                 : std::make_pair(pools_.target, pools_.initiator);
   }
 
+  // VRAM: the (source, destination) device pointers, as Ends.
+  std::pair<uint64_t, uint64_t> DeviceEnds(const Cell& cell) const {
+    const uint64_t i = pools_.initiator_device->dptr(), t = pools_.target_device->dptr();
+    return cell.op == v1::WRITE ? std::make_pair(i, t) : std::make_pair(t, i);
+  }
+
   void Scribble(const Layout& layout, const Cell& cell, const std::vector<uint64_t>& local,
                 const std::vector<uint64_t>& remote) {
+    if (pools_.vram) {
+      const uint64_t dst = DeviceEnds(cell).second;
+      std::vector<uint8_t> scribble(layout.block, 0xEE);
+      for (uint64_t i : cell.op == v1::WRITE ? remote : local) {
+        (void)pools_.initiator_device->driver()->Copy(
+            dst + i * layout.block, reinterpret_cast<uint64_t>(scribble.data()), layout.block);
+      }
+      return;
+    }
     uint8_t* dst = Ends(cell).second;
     const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
     for (uint64_t i : dst_idx) std::memset(dst + i * layout.block, 0xEE, layout.block);
@@ -553,9 +577,36 @@ class Bench {
     auto [src, dst] = Ends(cell);
     const auto& src_idx = cell.op == v1::WRITE ? local : remote;
     const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+    // VRAM: both blocks are copied back to the host and compared there.
+    std::vector<uint8_t> src_host, dst_host;
+    if (pools_.vram) {
+      src_host.resize(layout.block);
+      dst_host.resize(layout.block);
+    }
     for (size_t k = 0; k < src_idx.size(); ++k) {
-      if (std::memcmp(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
-                      layout.block) != 0) {
+      const uint8_t* a = nullptr;
+      const uint8_t* b = nullptr;
+      if (pools_.vram) {
+        auto [dsrc, ddst] = DeviceEnds(cell);
+        transport::CudaDriver* cuda = pools_.initiator_device->driver();
+        absl::Status copied = cuda->Copy(reinterpret_cast<uint64_t>(src_host.data()),
+                                         dsrc + src_idx[k] * layout.block, layout.block);
+        if (copied.ok()) {
+          copied = cuda->Copy(reinterpret_cast<uint64_t>(dst_host.data()),
+                              ddst + dst_idx[k] * layout.block, layout.block);
+        }
+        if (!copied.ok()) {
+          std::fprintf(stderr, "bench: copying blocks back from the device to verify them: %s\n",
+                       std::string(copied.message()).c_str());
+          return false;
+        }
+        a = dst_host.data();
+        b = src_host.data();
+      } else {
+        a = dst + dst_idx[k] * layout.block;
+        b = src + src_idx[k] * layout.block;
+      }
+      if (std::memcmp(a, b, layout.block) != 0) {
         std::fprintf(stderr, "bench: %s %s block %lu: destination item %lu differs from source %lu\n",
                      v1::TransferOp_Name(cell.op).c_str(), cell.scattered ? "scattered" : "contiguous",
                      static_cast<unsigned long>(layout.block), static_cast<unsigned long>(dst_idx[k]),
@@ -569,6 +620,7 @@ class Bench {
   // One thread copies the same page lists the agents moved, from a cold cache each
   // time (the eviction is not timed); the one-host ceiling.
   std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    if (pools_.vram) return DeviceMemcpy(layout, cell, transfers);
     auto [src, dst] = Ends(cell);
     if (src == nullptr || dst == nullptr) return std::nullopt;
     const uint64_t max_reps = options_.quick ? 10 : 30;
@@ -592,6 +644,54 @@ class Bench {
     return bytes / seconds / 1e9;
   }
 
+  // VRAM: the same page lists as device-to-device cuMemcpyAsync on one stream, then a
+  // stream sync per transfer (what one engine-side copy loop reaches on this GPU).
+  std::optional<double> DeviceMemcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    transport::CudaDriver* cuda = pools_.initiator_device->driver();
+    if (stream_ == nullptr) {
+      auto stream = cuda->CreateStream(pools_.initiator_device->device());
+      if (!stream.ok()) {
+        std::fprintf(stderr, "bench: device copy baseline: %s\n",
+                     std::string(stream.status().message()).c_str());
+        return std::nullopt;
+      }
+      stream_ = *stream;
+    }
+    auto [src, dst] = DeviceEnds(cell);
+    const uint64_t max_reps = options_.quick ? 10 : 30;
+    const uint64_t max_bytes = options_.quick ? (256ull << 20) : (2ull << 30);
+    std::vector<uint64_t> local, remote;
+    double seconds = 0, bytes = 0;
+    for (uint64_t i = 0; i < std::max<uint64_t>(transfers, 1); ++i) {
+      if (i >= max_reps || (i >= 3 && bytes >= max_bytes)) break;
+      Indices(layout, cell, i, &local, &remote);
+      const auto& src_idx = cell.op == v1::WRITE ? local : remote;
+      const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+      const auto t0 = Clock::now();
+      absl::Status s;
+      for (size_t k = 0; k < src_idx.size() && s.ok(); ++k) {
+        s = cuda->CopyAsync(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
+                            layout.block, stream_);
+      }
+      if (s.ok()) s = cuda->SynchronizeStream(stream_);
+      if (!s.ok()) {
+        std::fprintf(stderr, "bench: device copy baseline: %s\n", std::string(s.message()).c_str());
+        return std::nullopt;
+      }
+      seconds += Seconds(Clock::now() - t0);
+      bytes += static_cast<double>(src_idx.size()) * layout.block;
+    }
+    if (seconds <= 0) return std::nullopt;
+    return bytes / seconds / 1e9;
+  }
+
+ public:
+  ~Bench() {
+    if (stream_ != nullptr) (void)pools_.initiator_device->driver()->DestroyStream(stream_);
+  }
+
+ private:
+  CUstream_st* stream_ = nullptr;  // VRAM baseline
   const BenchOptions& options_;
   AgentClient& initiator_;
   std::string target_address_;
@@ -878,6 +978,56 @@ absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t byt
   return absl::OkStatus();
 }
 
+// VRAM: one device pool per agent, with distinct contents (as MakePools), filled
+// through a bounded host buffer.
+struct VramMemory {
+  DeviceAllocation initiator, target;
+};
+
+absl::Status MakeVramPools(transport::CudaDriver* cuda, int device, uint64_t bytes,
+                           const std::string& label, VramMemory* memory, Pools* pools) {
+  ASSIGN_OR_RETURN(memory->initiator,
+                   DeviceAllocation::Allocate(cuda, device, bytes, label + " initiator pool"));
+  ASSIGN_OR_RETURN(memory->target,
+                   DeviceAllocation::Allocate(cuda, device, bytes, label + " target pool"));
+  pools->vram = true;
+  pools->shared = true;
+  pools->bytes = bytes;
+  pools->initiator_device = &memory->initiator;
+  pools->target_device = &memory->target;
+  const uint64_t step = std::min<uint64_t>(bytes, 64ull << 20);
+  std::vector<uint64_t> words(step / 8 + 1);
+  for (int side = 0; side < 2; ++side) {
+    const uint64_t dptr = side == 0 ? memory->initiator.dptr() : memory->target.dptr();
+    for (uint64_t at = 0; at < bytes; at += step) {
+      const uint64_t n = std::min(step, bytes - at);
+      for (uint64_t w = 0; w < (n + 7) / 8; ++w) {
+        const uint64_t g = at / 8 + w;
+        words[w] = side == 0 ? g * 0x9E3779B97F4A7C15ull : ~g * 0xBF58476D1CE4E5B9ull;
+      }
+      RETURN_IF_ERROR(cuda->Copy(dptr + at, reinterpret_cast<uint64_t>(words.data()), n));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegisterVramLayout(AgentClient& agent, const DeviceAllocation& pool,
+                                const Layout& layout) {
+  v1::RegisterRegionsRequest request;
+  auto* spec = request.add_regions();
+  spec->set_name(layout.region);
+  spec->set_kind(v1::KV);
+  spec->set_group(layout.group);
+  spec->set_memory(v1::VRAM);
+  spec->set_length(layout.items * layout.block);
+  spec->mutable_layout()->set_num_items(layout.items);
+  spec->mutable_layout()->set_item_bytes(layout.block);
+  spec->mutable_cuda_ipc()->set_ipc_handle(pool.ipc_handle());
+  spec->mutable_cuda_ipc()->set_device(pool.device());
+  spec->mutable_cuda_ipc()->set_offset(0);
+  return agent.Register(request).status();
+}
+
 absl::Status RegisterLayout(AgentClient& agent, const std::string& shm, const Layout& layout) {
   v1::RegisterRegionsRequest request;
   auto* spec = request.add_regions();
@@ -896,6 +1046,26 @@ absl::Status RegisterLayout(AgentClient& agent, const std::string& shm, const La
 }  // namespace
 
 int RunBench(const BenchOptions& options) {
+  // VRAM: this process plays the engine, so it needs the driver and the device before
+  // any agent starts; the device pools outlive the agents (declared first).
+  if (options.memory != "dram" && options.memory != "vram") {
+    return Fail("arguments", absl::InvalidArgumentError(fmt::format(
+                                 "--memory '{}' is unknown; use --memory dram or --memory vram",
+                                 options.memory)));
+  }
+  const bool vram = options.memory == "vram";
+  transport::CudaDriver* cuda = nullptr;
+  if (vram) {
+    auto driver = transport::CudaDriver::Load();
+    if (!driver.ok()) {
+      return Fail("--memory vram (on a machine without a GPU use --memory dram)", driver.status());
+    }
+    cuda = *driver;
+    if (auto s = cuda->MakeCurrent(options.device); !s.ok()) {
+      return Fail(fmt::format("--memory vram --device {}", options.device), s);
+    }
+  }
+  VramMemory vram_memory;
   LocalAgents local;
   std::string initiator_address = options.initiator_address;
   std::string target_address = options.target_address;
@@ -938,7 +1108,9 @@ int RunBench(const BenchOptions& options) {
   }
   const std::string label = fmt::format("bench{}", getpid());
   Pools pools;
-  if (auto s = MakePools(initiator, target, pool_bytes, label, &pools); !s.ok()) {
+  if (auto s = vram ? MakeVramPools(cuda, options.device, pool_bytes, label, &vram_memory, &pools)
+                    : MakePools(initiator, target, pool_bytes, label, &pools);
+      !s.ok()) {
     return Fail("allocating the pools", s);
   }
   auto peer = initiator.Connect(target_address);
@@ -956,6 +1128,11 @@ int RunBench(const BenchOptions& options) {
     if (!perftest.available()) {
       std::printf("ucx_perftest not found (%s): the perftest columns stay empty\n",
                   options.perftest.c_str());
+    }
+    if (vram) {
+      std::printf("pools in VRAM (CUDA device %d, one IPC handle per agent); mc_GB/s = a "
+                  "device-to-device cuMemcpyAsync of the same pages\n",
+                  options.device);
     }
     std::printf("GB/s = 1e9 bytes/s; latency in us, submit -> COMPLETED seen by the client; "
                 "notify = submit -> the target's client sees the notification (WRITE)\n\n");
@@ -991,10 +1168,14 @@ int RunBench(const BenchOptions& options) {
     std::shuffle(layout.remote_order.begin(), layout.remote_order.end(), rng);
     // One block size at a time over the whole pool: the registry refuses
     // overlapping regions of one object, and every size gets the full pool.
-    if (auto s = RegisterLayout(initiator, pools.initiator_shm, layout); !s.ok()) {
+    if (auto s = vram ? RegisterVramLayout(initiator, vram_memory.initiator, layout)
+                      : RegisterLayout(initiator, pools.initiator_shm, layout);
+        !s.ok()) {
       return Fail(fmt::format("registering {} on the initiator", layout.region), s);
     }
-    if (auto s = RegisterLayout(target, pools.target_shm, layout); !s.ok()) {
+    if (auto s = vram ? RegisterVramLayout(target, vram_memory.target, layout)
+                      : RegisterLayout(target, pools.target_shm, layout);
+        !s.ok()) {
       return Fail(fmt::format("registering {} on the target", layout.region), s);
     }
     // Let both agents' peer monitors (every --peer-refresh-ms, 200 by default) see
@@ -1038,8 +1219,14 @@ int RunBench(const BenchOptions& options) {
     (void)initiator.Deregister({layout.region});
     (void)target.Deregister({layout.region});
   }
-  // One-page WRITEs from several clients at once: what the API sustains.
-  {
+  // One-page WRITEs from several clients at once: what the API sustains. Its pools
+  // are shared memory, so a VRAM run skips it (and the agent-memory phase below).
+  if (vram) {
+    if (!options.json) {
+      std::printf("\nrate and agent memory: not measured with --memory vram (run the bench "
+                  "with --memory dram for them)\n");
+    }
+  } else {
     Layout layout;
     layout.block = 4 << 10;
     layout.items = pool_bytes / layout.block;
@@ -1077,6 +1264,24 @@ int RunBench(const BenchOptions& options) {
     }
     (void)initiator.Deregister({layout.region});
     (void)target.Deregister({layout.region});
+  }
+  // Agent memory beyond the pools with 1,000 regions and many transfers (issue 6's
+  // bound); /proc is read, so only for agents started here.
+  if (local.started() && !vram) {
+    MemoryBenchOptions memory;
+    memory.transfers = options.quick ? 10000 : 100000;
+    memory.progress = [&](uint64_t n, uint64_t of) {
+      Progress(n, of, fmt::format("memory: {} of {} transfers", n, of));
+    };
+    auto measured = RunMemoryBench(memory, initiator, target, peer->name(), local.first->pid(),
+                                   local.second->pid());
+    if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\r%80s\r", "");
+    if (!measured.ok()) return Fail("memory", measured.status());
+    std::printf("%s%s\n", options.json ? "" : "\n",
+                (options.json ? MemoryBenchJson(*measured) : FormatMemoryBench(*measured)).c_str());
+    std::fflush(stdout);
+  } else if (!options.json && !vram) {
+    std::printf("\nmemory: not measured (the agents run elsewhere; their /proc is not here)\n");
   }
   Progress(total, total, "done");
   if (local.started()) local.StopAndClean();

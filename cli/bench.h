@@ -20,6 +20,12 @@ struct BenchOptions {
   uint32_t timeout_ms = 60000;    // per transfer
   std::string perftest = "ucx_perftest";  // empty: skip the UCX baseline
   uint64_t seed = 42;
+  // "dram" (shared memory) or "vram": each pool is device memory this process
+  // allocates (playing the engine) on CUDA device `device` and registers with the
+  // agents by IPC handle; the memcpy column is then a device-to-device cuMemcpy of the
+  // same pages. Without a CUDA driver or device the run fails before starting agents.
+  std::string memory = "dram";
+  int device = 0;
 };
 
 // Returns the process exit code: 0 when every cell ran and its last transfer's bytes

@@ -322,7 +322,7 @@ std::string MemoryBenchJson(const MemoryBenchResult& r) {
         c.vm_hwm);
   };
   return fmt::format(
-      "{{\"bench\":\"memory\",\"regions\":{},\"pool_bytes\":{},\"transfers\":{},"
+      "{{\"kind\": \"memory\", \"regions\":{},\"pool_bytes\":{},\"transfers\":{},"
       "\"notifications\":{},\"seconds\":{:.3f},\"transfers_per_second\":{:.1f},"
       "\"limit_bytes\":{},\"meets_target\":{},\"moments\":[\"before_regions\",\"after_regions\","
       "\"after_transfers\"],\"initiator\":{},\"target\":{}}}",

@@ -29,6 +29,11 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
   connect PEER_ADDR          connect this agent to the agent at PEER_ADDR
   cancel TRANSFER_ID         cancel a transfer
   notifications [--max N]    take queued notifications
+  notifications --watch [--for-ms N] [--id TRANSFER_ID]...
+                             stream notifications as they arrive (one line
+                             each, or one JSON object per line with --json),
+                             for N ms or until interrupted; the agent gives
+                             each notification to one taker
   doctor                     host and peer checks with fixes; exit 1 on any FAIL
 
   demo [--prefill ADDR --decode ADDR] [--pool-mib N] [--requests N]
@@ -53,6 +58,7 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
 
   bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
+        [--memory dram|vram] [--device N]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
                              size x batch x WRITE/READ x contiguous/scattered,
@@ -60,7 +66,13 @@ commands (talk to the agent given by --agent, default 127.0.0.1:50051):
                              notification p50/p99, beside ucx_perftest and a
                              single-thread memcpy of the same pages; --json
                              prints one JSON object per cell; --quick runs a
-                             smaller sweep in well under a minute
+                             smaller sweep in well under a minute.
+                             --memory vram: pools on CUDA device N (--device),
+                             registered by IPC handle; the memcpy column is a
+                             device-to-device cuMemcpy of the same pages, and
+                             bytes are checked through host copies; the rate
+                             and agent-memory phases are skipped; needs the
+                             NVIDIA driver (libcuda.so.1)
 )";
 
 int Usage(const std::string& error) {
@@ -113,6 +125,7 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.transfers_completed()),
               static_cast<unsigned long>(s.transfers_failed()));
   std::printf("notifications %lu queued\n", static_cast<unsigned long>(s.notifications_queued()));
+  std::printf("streams      %lu open\n", static_cast<unsigned long>(s.open_streams()));
 }
 
 void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
@@ -311,6 +324,13 @@ int main(int argc, char** argv) {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n == 0 || n > (1 << 20)) return Usage("--pool-mib takes 1 to 1048576");
         options.pool_mib = n;
+      } else if (a == "--memory") {
+        if (v != "dram" && v != "vram") return Usage("--memory takes dram or vram");
+        options.memory = v;
+      } else if (a == "--device") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n > 1024) return Usage("--device takes a CUDA device ordinal");
+        options.device = static_cast<int>(n);
       } else {
         return Usage("unknown bench flag " + a);
       }
@@ -335,8 +355,42 @@ int main(int argc, char** argv) {
     return Print(client.Cancel(rest[1]), command, json, &PrintTransfer);
   }
   if (command == "notifications") {
+    if (rest.size() >= 2 && rest[1] == "--watch") {
+      uint64_t for_ms = 0;
+      std::vector<std::string> ids;
+      for (size_t i = 2; i < rest.size(); i += 2) {
+        if (i + 1 >= rest.size()) return Usage("notifications " + rest[i] + " needs a value");
+        if (rest[i] == "--for-ms") {
+          if (!ParseNumber("--for-ms", rest[i + 1], &for_ms)) return 2;
+        } else if (rest[i] == "--id") {
+          ids.push_back(rest[i + 1]);
+        } else {
+          return Usage("unknown notifications flag " + rest[i]);
+        }
+      }
+      // 0 = until interrupted: the stream's deadline is then a year away.
+      const uint64_t limit = for_ms == 0 ? 365ull * 24 * 3600 * 1000 : for_ms;
+      absl::Status ended = client.WatchNotifications(
+          ids, static_cast<uint32_t>(std::min<uint64_t>(limit, UINT32_MAX)),
+          [json](const kvagent::v1::Notification& n) {
+            if (json) {
+              std::printf("%s\n", Json(n).c_str());
+            } else {
+              kvagent::v1::PollNotificationsResponse one;
+              *one.add_notifications() = n;
+              PrintNotifications(one);
+            }
+            std::fflush(stdout);
+            return true;
+          });
+      if (ended.ok() || (for_ms != 0 && ended.code() == absl::StatusCode::kDeadlineExceeded)) {
+        return 0;
+      }
+      return Report(ended, command);
+    }
     uint64_t max = 0;
     if (rest.size() == 3 && rest[1] == "--max" && !ParseNumber("--max", rest[2], &max)) return 2;
+    if (rest.size() != 1 && rest.size() != 3) return Usage("notifications takes [--max N] or --watch");
     return Print(client.Poll(static_cast<uint32_t>(max)), command, json, &PrintNotifications);
   }
   if (command == "doctor") {

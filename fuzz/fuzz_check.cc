@@ -1,10 +1,12 @@
 #include "fuzz/fuzz_check.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <random>
 #include <vector>
 
 namespace kvagent::fuzz {
@@ -26,6 +28,11 @@ CurrentInput& Current() {
 void SetCurrentInput(const std::string& description, const uint8_t* data, size_t size) {
   Current().description = description;
   Current().bytes.assign(reinterpret_cast<const char*>(data), size);
+}
+
+std::string ShmName(const std::string& suffix) {
+  static const uint64_t run = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  return fmt::format("/kvagent-fuzz-{}-{:x}-{}", getpid(), run, suffix);
 }
 
 void UnlinkOnFailure(const std::string& shm_name) { Current().shm_names.push_back(shm_name); }

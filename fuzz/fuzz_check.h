@@ -24,6 +24,10 @@ void SetCurrentInput(const std::string& description, const uint8_t* data, size_t
 // the destructors that would), so failed runs leave nothing in /dev/shm.
 void UnlinkOnFailure(const std::string& shm_name);
 
+// "/kvagent-fuzz-<pid>-<random>-<suffix>": unique even between sandboxed tests, which
+// all see the same pid while /dev/shm is shared. fuzz/run.sh cleans up by pid.
+std::string ShmName(const std::string& suffix);
+
 }  // namespace kvagent::fuzz
 
 #define FUZZ_CHECK(condition, ...)                                                    \

@@ -3,7 +3,6 @@
 // both built once. Every planned operation must lie inside one local region the plan
 // pins and inside the remote region its rkey slot names; the byte count must match an
 // independent count; rejections must name the segment.
-#include <unistd.h>
 
 #include <memory>
 #include <string>
@@ -68,7 +67,7 @@ struct Fixture {
     auto created = transport::UcxContext::Create();
     FUZZ_CHECK(created.ok(), "UCX context: {}", created.status().message());
     context = std::move(created).value();
-    shm_name = fmt::format("/kvagent-fuzz-{}-plan", getpid());
+    shm_name = ShmName("plan");
     auto created_shm = registry::ShmMapping::Create(shm_name, 65536);
     FUZZ_CHECK(created_shm.ok(), "shm: {}", created_shm.status().message());
     shm = std::move(created_shm).value();

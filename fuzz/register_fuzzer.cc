@@ -4,7 +4,6 @@
 // peers and deregistrable; rejected batches must leave the registry unchanged and
 // name every bad entry. Shm names in the input are redirected to objects this target
 // created (or to a missing and a malformed name), so fuzzing never opens other files.
-#include <unistd.h>
 
 #include <memory>
 #include <string>
@@ -37,14 +36,14 @@ struct Fixture {
     FUZZ_CHECK(created.ok(), "UCX context: {}", created.status().message());
     context = std::move(created).value();
     for (size_t i = 0; i < sizeof(kObjectBytes) / sizeof(kObjectBytes[0]); ++i) {
-      const std::string name = fmt::format("/kvagent-fuzz-{}-{}", getpid(), i);
+      const std::string name = ShmName(std::to_string(i));
       auto shm = registry::ShmMapping::Create(name, kObjectBytes[i]);
       FUZZ_CHECK(shm.ok(), "shm object {}: {}", name, shm.status().message());
       objects.push_back(std::move(shm).value());
       names.push_back(name);
       UnlinkOnFailure(name);
     }
-    names.push_back(fmt::format("/kvagent-fuzz-{}-missing", getpid()));
+    names.push_back(ShmName("missing"));
     names.push_back("not-absolute");
   }
   std::unique_ptr<transport::UcxContext> context;

@@ -5,7 +5,9 @@
 #                                   without Debian's packages: the bundle carries
 #                                   its own loader and libraries): the *_test
 #                                   binaries, then `kvagentctl demo` with VRAM pools
-#                                   (llama, hybrid), the DRAM demo as a baseline, and
+#                                   (llama, hybrid), the DRAM demo as a baseline,
+#                                   `kvagentctl bench --memory vram --quick` (direct
+#                                   and with --shm-direct off), and
 #                                   one expected failure (VRAM with --shm-direct off);
 #                                   exits with the number of failed tests and demos
 set -euo pipefail
@@ -34,6 +36,14 @@ if [[ "${1:-}" == "--bundle" ]]; then
     # shellcheck disable=SC2086 # $args is a list of flags
     run "$ctl" demo $args || { echo "FAILED: kvagentctl demo $args"; failures=$((failures + 1)); }
   done
+  # The bench with VRAM pools: direct (CUDA IPC), then through host staging (WRITE as
+  # staged chunks, READ as staged read requests). Every cell's bytes are verified.
+  for args in "" "--shm-direct off"; do
+    echo "== kvagentctl bench --memory vram --quick --pool-mib 256 $args"
+    # shellcheck disable=SC2086 # $args is a list of flags
+    run "$ctl" bench --memory vram --quick --pool-mib 256 --kvagentd "$KVAGENTD" $args ||
+      { echo "FAILED: kvagentctl bench --memory vram $args"; failures=$((failures + 1)); }
+  done
   # Expected to fail: with the direct copy off, VRAM must go through UCX, and this
   # UCX has no CUDA support; the agent must refuse with FAILED_PRECONDITION naming
   # VRAM and UCX. Its output is shown; its exit status is not counted.
@@ -53,4 +63,14 @@ if ! ls /dev/nvidia0 >/dev/null 2>&1; then
   echo "tests/gpu/run.sh: no /dev/nvidia0 here; the GPU tests need an NVIDIA GPU and driver" >&2
   exit 2
 fi
-bazel test --test_output=all --cache_test_results=no //tests/gpu:all
+rc=0
+bazel test --test_output=all --cache_test_results=no //tests/gpu:all || rc=$?
+# The bench with VRAM pools, direct and through host staging; bytes verified per cell.
+bazel build //cli:kvagentctl //agent:kvagentd
+for args in "" "--shm-direct off"; do
+  echo "== kvagentctl bench --memory vram --quick --pool-mib 256 $args"
+  # shellcheck disable=SC2086 # $args is a list of flags
+  bazel-bin/cli/kvagentctl bench --memory vram --quick --pool-mib 256 \
+    --kvagentd bazel-bin/agent/kvagentd $args || rc=1
+done
+exit $rc

@@ -55,4 +55,9 @@ while IFS= read -r line; do
     echo "rate line without transfers, or notifications != transfers: $line"; bad=1
   fi
 done < <(grep '^{"kind": "rate"' "$out")
+# The memory check: one line with both agents' figures after its transfers.
+memory=$(grep -c '^{"kind": "memory"' "$out" || true)
+if [[ "$memory" != 1 ]]; then
+  echo "expected 1 memory line, got $memory"; cat "$err"; exit 1
+fi
 exit "$bad"

@@ -28,14 +28,18 @@ extern "C" {
 void AnnotateIgnoreReadsBegin(const char* file, int line);
 void AnnotateIgnoreReadsEnd(const char* file, int line);
 
-// Races TSan cannot judge because the synchronization is inside an uninstrumented
+// What TSan cannot judge because the synchronization is inside an uninstrumented
 // library:
-//  ucp_put_handler: UCX writes RMA data on the target worker's progress thread; the
-//    initiator learns that it landed through UCX's own shared-memory/network protocol
-//    (flush), which TSan cannot see, so the test's read of the bytes looks unordered.
-const char* __tsan_default_suppressions() {
-  return "race:ucp_put_handler\n";
-}
+//  race:ucp_put_handler: UCX copies RMA data (memcpy in ucp_put_handler) on the
+//    target worker's progress thread, and the initiator learns that it landed through
+//    UCX's own shared-memory or network protocol (flush), which TSan cannot see: a
+//    test reading the bytes after the flush was reported racing with that memcpy
+//    (ucx_worker_test PutGetRoundTrip). Matching the writer's stack needs TSan to
+//    keep it, hence history_size=7 below. (called_from_lib on UCX's libraries is not
+//    an option: it also hides UCX's own spinlock calls and TSan then reports bogus
+//    lock misuse in libucs.)
+const char* __tsan_default_suppressions() { return "race:ucp_put_handler\n"; }
+const char* __tsan_default_options() { return "history_size=7"; }
 }  // extern "C"
 
 namespace {

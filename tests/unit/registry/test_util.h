@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 
 #include "catch2/catch.hpp"
@@ -30,7 +31,10 @@ inline const transport::UcxContext& Context() {
 // A fresh POSIX shm object, unlinked when the returned mapping goes away.
 inline ShmMapping MakeShm(uint64_t bytes) {
   static std::atomic<int> counter{0};
-  std::string name = fmt::format("/kvagent-test-{}-{}", getpid(), counter++);
+  // Not the pid alone: Bazel's sandbox gives every test the same pid (a PID
+  // namespace) while /dev/shm is shared, so tests running side by side collided.
+  static const uint64_t run = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  std::string name = fmt::format("/kvagent-test-{}-{:x}-{}", getpid(), run, counter++);
   auto shm = ShmMapping::Create(name, bytes);
   REQUIRE(shm.ok());
   return std::move(shm).value();
