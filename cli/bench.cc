@@ -617,12 +617,11 @@ class Bench {
     return true;
   }
 
-  // One thread copies the same page lists the agents moved, from a cold cache each
-  // time (the eviction is not timed); the one-host ceiling.
-  std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
-    if (pools_.vram) return DeviceMemcpy(layout, cell, transfers);
-    auto [src, dst] = Ends(cell);
-    if (src == nullptr || dst == nullptr) return std::nullopt;
+  // Times `copy(src_idx, dst_idx)` over the page lists of the first transfers the
+  // agents moved (bounded in count and bytes); `before` runs untimed before each.
+  template <typename Before, typename Copy>
+  std::optional<double> TimedCopies(const Layout& layout, const Cell& cell, uint64_t transfers,
+                                    Before before, Copy copy) {
     const uint64_t max_reps = options_.quick ? 10 : 30;
     const uint64_t max_bytes = options_.quick ? (256ull << 20) : (2ull << 30);
     std::vector<uint64_t> local, remote;
@@ -632,16 +631,31 @@ class Bench {
       Indices(layout, cell, i, &local, &remote);
       const auto& src_idx = cell.op == v1::WRITE ? local : remote;
       const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
-      evictor_.Evict();
+      before();
       const auto t0 = Clock::now();
-      for (size_t k = 0; k < src_idx.size(); ++k) {
-        std::memcpy(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block, layout.block);
-      }
+      if (!copy(src_idx, dst_idx)) return std::nullopt;
       seconds += Seconds(Clock::now() - t0);
       bytes += static_cast<double>(src_idx.size()) * layout.block;
     }
     if (seconds <= 0) return std::nullopt;
     return bytes / seconds / 1e9;
+  }
+
+  // One thread copies the same page lists the agents moved, from a cold cache each
+  // time (the eviction is not timed); the one-host ceiling.
+  std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    if (pools_.vram) return DeviceMemcpy(layout, cell, transfers);
+    auto [src, dst] = Ends(cell);
+    if (src == nullptr || dst == nullptr) return std::nullopt;
+    return TimedCopies(
+        layout, cell, transfers, [this] { evictor_.Evict(); },
+        [&](const std::vector<uint64_t>& src_idx, const std::vector<uint64_t>& dst_idx) {
+          for (size_t k = 0; k < src_idx.size(); ++k) {
+            std::memcpy(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
+                        layout.block);
+          }
+          return true;
+        });
   }
 
   // VRAM: the same page lists as device-to-device cuMemcpyAsync on one stream, then a
@@ -658,31 +672,21 @@ class Bench {
       stream_ = *stream;
     }
     auto [src, dst] = DeviceEnds(cell);
-    const uint64_t max_reps = options_.quick ? 10 : 30;
-    const uint64_t max_bytes = options_.quick ? (256ull << 20) : (2ull << 30);
-    std::vector<uint64_t> local, remote;
-    double seconds = 0, bytes = 0;
-    for (uint64_t i = 0; i < std::max<uint64_t>(transfers, 1); ++i) {
-      if (i >= max_reps || (i >= 3 && bytes >= max_bytes)) break;
-      Indices(layout, cell, i, &local, &remote);
-      const auto& src_idx = cell.op == v1::WRITE ? local : remote;
-      const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
-      const auto t0 = Clock::now();
-      absl::Status s;
-      for (size_t k = 0; k < src_idx.size() && s.ok(); ++k) {
-        s = cuda->CopyAsync(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
-                            layout.block, stream_);
-      }
-      if (s.ok()) s = cuda->SynchronizeStream(stream_);
-      if (!s.ok()) {
-        std::fprintf(stderr, "bench: device copy baseline: %s\n", std::string(s.message()).c_str());
-        return std::nullopt;
-      }
-      seconds += Seconds(Clock::now() - t0);
-      bytes += static_cast<double>(src_idx.size()) * layout.block;
-    }
-    if (seconds <= 0) return std::nullopt;
-    return bytes / seconds / 1e9;
+    return TimedCopies(
+        layout, cell, transfers, [] {},
+        [&](const std::vector<uint64_t>& src_idx, const std::vector<uint64_t>& dst_idx) {
+          absl::Status s;
+          for (size_t k = 0; k < src_idx.size() && s.ok(); ++k) {
+            s = cuda->CopyAsync(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
+                                layout.block, stream_);
+          }
+          if (s.ok()) s = cuda->SynchronizeStream(stream_);
+          if (!s.ok()) {
+            std::fprintf(stderr, "bench: device copy baseline: %s\n",
+                         std::string(s.message()).c_str());
+          }
+          return s.ok();
+        });
   }
 
  public:
@@ -1011,17 +1015,41 @@ absl::Status MakeVramPools(transport::CudaDriver* cuda, int device, uint64_t byt
   return absl::OkStatus();
 }
 
+// The pool as items of `block` bytes, one region in group `group`, with the random
+// item orders the scattered pattern walks.
+Layout MakeLayout(uint64_t block, uint64_t pool_bytes, std::string group, std::mt19937_64& rng) {
+  Layout layout;
+  layout.block = block;
+  layout.items = pool_bytes / block;
+  layout.group = std::move(group);
+  layout.region = layout.group + ".r";
+  layout.local_order.resize(layout.items);
+  std::iota(layout.local_order.begin(), layout.local_order.end(), 0);
+  layout.remote_order = layout.local_order;
+  std::shuffle(layout.local_order.begin(), layout.local_order.end(), rng);
+  std::shuffle(layout.remote_order.begin(), layout.remote_order.end(), rng);
+  return layout;
+}
+
+// The one KV region of `layout` (the whole pool as items of one block size); the
+// caller names where its memory is.
+v1::RegionSpec LayoutSpec(const Layout& layout, v1::MemoryKind memory) {
+  v1::RegionSpec spec;
+  spec.set_name(layout.region);
+  spec.set_kind(v1::KV);
+  spec.set_group(layout.group);
+  spec.set_memory(memory);
+  spec.set_length(layout.items * layout.block);
+  spec.mutable_layout()->set_num_items(layout.items);
+  spec.mutable_layout()->set_item_bytes(layout.block);
+  return spec;
+}
+
 absl::Status RegisterVramLayout(AgentClient& agent, const DeviceAllocation& pool,
                                 const Layout& layout) {
   v1::RegisterRegionsRequest request;
   auto* spec = request.add_regions();
-  spec->set_name(layout.region);
-  spec->set_kind(v1::KV);
-  spec->set_group(layout.group);
-  spec->set_memory(v1::VRAM);
-  spec->set_length(layout.items * layout.block);
-  spec->mutable_layout()->set_num_items(layout.items);
-  spec->mutable_layout()->set_item_bytes(layout.block);
+  *spec = LayoutSpec(layout, v1::VRAM);
   spec->mutable_cuda_ipc()->set_ipc_handle(pool.ipc_handle());
   spec->mutable_cuda_ipc()->set_device(pool.device());
   spec->mutable_cuda_ipc()->set_offset(0);
@@ -1031,13 +1059,7 @@ absl::Status RegisterVramLayout(AgentClient& agent, const DeviceAllocation& pool
 absl::Status RegisterLayout(AgentClient& agent, const std::string& shm, const Layout& layout) {
   v1::RegisterRegionsRequest request;
   auto* spec = request.add_regions();
-  spec->set_name(layout.region);
-  spec->set_kind(v1::KV);
-  spec->set_group(layout.group);
-  spec->set_memory(v1::DRAM);
-  spec->set_length(layout.items * layout.block);
-  spec->mutable_layout()->set_num_items(layout.items);
-  spec->mutable_layout()->set_item_bytes(layout.block);
+  *spec = LayoutSpec(layout, v1::DRAM);
   spec->mutable_shm()->set_name(shm);
   spec->mutable_shm()->set_offset(0);
   return agent.Register(request).status();
@@ -1155,17 +1177,8 @@ int RunBench(const BenchOptions& options) {
   size_t done = 0;
   bool all_verified = true;
   for (uint64_t block : blocks) {
-    Layout layout;
-    layout.block = block;
-    layout.items = pool_bytes / block;
-    if (layout.items == 0) continue;
-    layout.group = fmt::format("{}.b{}", label, SizeName(block));
-    layout.region = layout.group + ".r";
-    layout.local_order.resize(layout.items);
-    std::iota(layout.local_order.begin(), layout.local_order.end(), 0);
-    layout.remote_order = layout.local_order;
-    std::shuffle(layout.local_order.begin(), layout.local_order.end(), rng);
-    std::shuffle(layout.remote_order.begin(), layout.remote_order.end(), rng);
+    if (pool_bytes / block == 0) continue;
+    Layout layout = MakeLayout(block, pool_bytes, fmt::format("{}.b{}", label, SizeName(block)), rng);
     // One block size at a time over the whole pool: the registry refuses
     // overlapping regions of one object, and every size gets the full pool.
     if (auto s = vram ? RegisterVramLayout(initiator, vram_memory.initiator, layout)
@@ -1227,16 +1240,7 @@ int RunBench(const BenchOptions& options) {
                   "with --memory dram for them)\n");
     }
   } else {
-    Layout layout;
-    layout.block = 4 << 10;
-    layout.items = pool_bytes / layout.block;
-    layout.group = fmt::format("{}.rate", label);
-    layout.region = layout.group + ".r";
-    layout.local_order.resize(layout.items);
-    std::iota(layout.local_order.begin(), layout.local_order.end(), 0);
-    layout.remote_order = layout.local_order;
-    std::shuffle(layout.local_order.begin(), layout.local_order.end(), rng);
-    std::shuffle(layout.remote_order.begin(), layout.remote_order.end(), rng);
+    Layout layout = MakeLayout(4 << 10, pool_bytes, fmt::format("{}.rate", label), rng);
     if (auto s = RegisterLayout(initiator, pools.initiator_shm, layout); !s.ok()) {
       return Fail(fmt::format("registering {} on the initiator", layout.region), s);
     }

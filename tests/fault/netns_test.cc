@@ -334,22 +334,6 @@ std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& 
   return pair;
 }
 
-// Polls every millisecond until the transfer is TRANSFERRING (its first batch is
-// posted); fails when it ended or is still PENDING after 5 s.
-void WaitTransferring(cli::AgentClient& client, const std::string& id) {
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  v1::TransferState state;
-  do {
-    auto got = client.Get(id);
-    REQUIRE(got.ok());
-    state = *got;
-    if (state.phase() != v1::PENDING) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  } while (Clock::now() < until);
-  INFO(state.DebugString());
-  REQUIRE(state.phase() == v1::TRANSFERRING);
-}
-
 // Polls the transfer every 10 ms until it ends (or `timeout` passes).
 v1::TransferState WaitEnd(cli::AgentClient& client, const std::string& id,
                           std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
@@ -429,7 +413,11 @@ void LinkCutCase(const std::string& error_mode, const std::string& expected_mode
   REQUIRE(submitted.ok());
   // Once its first batch is posted (TRANSFERRING) and moving: no fixed sleep that a
   // fast machine could outrun.
-  WaitTransferring(*pair->prefill, "big");
+  {
+    absl::Status moving = WaitTransferring(*pair->prefill, "big");
+    INFO(moving.ToString());
+    REQUIRE(moving.ok());
+  }
   std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const auto cut = Clock::now();
   REQUIRE(lab.IpIn(0, {"link", "set", lab.data_dev(0), "down"}) == "");

@@ -55,22 +55,6 @@ void OpenTransfer(AgentPair& pair, const std::string& id) {
   REQUIRE(state.phase() == v1::TRANSFERRING);
 }
 
-// Polls every millisecond until the transfer is TRANSFERRING (its first batch is
-// posted); fails when it ended or is still PENDING after 5 s.
-void WaitTransferring(cli::AgentClient& client, const std::string& id) {
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  v1::TransferState state;
-  do {
-    auto got = client.Get(id);
-    REQUIRE(got.ok());
-    state = *got;
-    if (state.phase() != v1::PENDING) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  } while (Clock::now() < until);
-  INFO(state.DebugString());
-  REQUIRE(state.phase() == v1::TRANSFERRING);
-}
-
 // Polls the transfer every 10 ms until it ends (or 10 s pass).
 v1::TransferState WaitEnd(cli::AgentClient& client, const std::string& id) {
   const auto until = Clock::now() + std::chrono::seconds(10);
@@ -214,7 +198,11 @@ TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, n
   REQUIRE(submitted.ok());
   // Once its first batch is posted (TRANSFERRING) and moving: no fixed sleep that a
   // fast machine could outrun.
-  WaitTransferring(pair.prefill(), "inflight-ep");
+  {
+    absl::Status moving = WaitTransferring(pair.prefill(), "inflight-ep");
+    INFO(moving.ToString());
+    REQUIRE(moving.ok());
+  }
   std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const auto killed = Clock::now();
   REQUIRE(::kill(pair.decode_process().pid(), SIGKILL) == 0);

@@ -2,10 +2,12 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
+#include <thread>
 
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -91,6 +93,21 @@ v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint6
   for (auto i : local) items->add_local_indices(i);
   for (auto i : remote) items->add_remote_indices(i);
   return request;
+}
+
+absl::Status WaitTransferring(cli::AgentClient& client, const std::string& id,
+                              uint32_t limit_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
+  while (true) {
+    auto state = client.Get(id);
+    if (!state.ok()) return state.status();
+    if (state->phase() == v1::TRANSFERRING) return absl::OkStatus();
+    if (state->phase() != v1::PENDING || std::chrono::steady_clock::now() >= until) {
+      return absl::FailedPreconditionError(
+          fmt::format("transfer '{}' is not TRANSFERRING: {}", id, state->DebugString()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace kvagent::testing

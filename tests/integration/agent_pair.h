@@ -58,4 +58,10 @@ v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint6
                                   const std::vector<uint64_t>& remote,
                                   const std::string& notification = "");
 
+// Polls every millisecond until the transfer is TRANSFERRING (its first batch is
+// posted): OK then; FAILED_PRECONDITION with its state when it ended or is still
+// PENDING after `limit_ms`.
+absl::Status WaitTransferring(cli::AgentClient& client, const std::string& id,
+                              uint32_t limit_ms = 5000);
+
 }  // namespace kvagent::testing
