@@ -194,6 +194,23 @@ void PeerManager::BuildSnapshot(
   });
 }
 
+namespace {
+// A name this agent will map for a same-host peer: "/name" (shm_open), or a file
+// directly under /dev/shm or /dev/hugepages, with no way out of those directories.
+bool PeerMappableName(const std::string& name) {
+  if (name.find("..") != std::string::npos || name.find('\0') != std::string::npos) return false;
+  if (!name.empty() && name[0] == '/' && name.find('/', 1) == std::string::npos) return true;
+  for (std::string_view dir : {"/dev/shm/", "/dev/hugepages/"}) {
+    if (name.size() > dir.size() && name.compare(0, dir.size(), dir) == 0 &&
+        name.find('/', dir.size()) == std::string::npos) {
+      return true;
+    }
+  }
+  return name.find('/') == std::string::npos && !name.empty();
+}
+
+}  // namespace
+
 std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
     const registry::RemoteCatalog& catalog, const DirectMappings* previous) const {
   auto direct = std::make_shared<DirectMappings>();
@@ -237,6 +254,15 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
       continue;
     }
     if (r.shm_name.empty()) continue;
+    if (!PeerMappableName(r.shm_name)) {
+      // A peer's metadata is untrusted: it must not make this agent map (and then
+      // write into) an arbitrary file it can open.
+      kLog.Warn("peer '{}' region '{}': shared-memory name '{}' is neither a POSIX "
+                "shared-memory name nor a file under /dev/shm or /dev/hugepages; that region "
+                "moves through UCX",
+                catalog.peer(), r.name, r.shm_name.substr(0, 128));
+      continue;
+    }
     std::shared_ptr<registry::ShmMapping> mapping;
     if (previous != nullptr) {
       for (const auto& m : previous->mappings) {

@@ -273,6 +273,7 @@ struct CellResult {
   std::optional<double> notify_p50_us, notify_p99_us;
   uint64_t notifications_missing = 0;
   std::optional<double> perftest_gbps, memcpy_gbps;
+  double gbps_inflight = 0;  // with 4 transfers in flight at once
   uint64_t runs = 0;  // UCX/memcpy operations per transfer after coalescing
   std::string data_path;  // the initiator's path to the target when the cell ran
   bool verified = false;
@@ -480,6 +481,45 @@ class Bench {
     result.avg_us = std::accumulate(latencies.begin(), latencies.end(), 0.0) / latencies.size();
     result.p50_us = Percentile(latencies, 50);
     result.p99_us = Percentile(latencies, 99);
+
+    // The same cell with kInflight transfers in flight at once (a scheduler keeps
+    // many requests moving; ucx_perftest keeps a window of puts outstanding too).
+    {
+      constexpr uint32_t kInflight = 4;
+      absl::Mutex mu;
+      uint64_t moved = 0;
+      absl::Status failed;
+      const auto pipelined_start = Clock::now();
+      std::vector<std::thread> threads;
+      for (uint32_t k = 0; k < kInflight; ++k) {
+        threads.emplace_back([&, k] {
+          std::vector<uint64_t> l, r;
+          uint64_t done = 0;
+          absl::Status error;
+          for (uint64_t n = 0; error.ok(); ++n) {
+            if (n >= min_transfers && Seconds(Clock::now() - pipelined_start) >= target_s) break;
+            const uint64_t i = result.transfers + 1 + n * kInflight + k;
+            Indices(layout, cell, i, &l, &r);
+            auto state = Transfer(layout, cell, fmt::format("{}p{}.{}", base, k, n), l, r, write);
+            if (state.ok()) {
+              ++done;
+            } else {
+              error = state.status();
+            }
+          }
+          absl::MutexLock lock(&mu);
+          moved += done;
+          if (!error.ok() && failed.ok()) failed = error;
+        });
+      }
+      for (auto& t : threads) t.join();
+      if (!failed.ok()) {
+        finish_watcher(false);
+        return failed;
+      }
+      result.gbps_inflight = static_cast<double>(moved) * cell.batch * cell.block /
+                             Seconds(Clock::now() - pipelined_start) / 1e9;
+    }
 
     // One more transfer whose destination was scribbled first: its bytes must
     // equal the source afterwards. For WRITE it also ends the notification stream.
@@ -908,17 +948,20 @@ std::string JsonLine(const CellResult& r) {
       "\"transfers\": {}, \"gbps\": {:.3f}, \"transfers_per_s\": {:.1f}, \"avg_us\": {:.1f}, "
       "\"p50_us\": {:.1f}, \"p99_us\": {:.1f}, \"notify_p50_us\": {}, \"notify_p99_us\": {}, "
       "\"perftest_gbps\": {}, \"memcpy_gbps\": {}, \"ratio_perftest\": {}, \"ratio_memcpy\": {}, "
+      "\"gbps_inflight4\": {:.3f}, \"ratio_perftest_inflight4\": {}, \"ratio_memcpy_inflight4\": {}, "
       "\"data_path\": \"{}\", \"runs\": {}, \"verified\": {}}}",
       v1::TransferOp_Name(r.cell.op), r.cell.scattered ? "scattered" : "contiguous", r.cell.block,
       r.cell.batch, r.transfers, r.gbps, r.transfers_per_s, r.avg_us, r.p50_us, r.p99_us,
       Opt(r.notify_p50_us, "{:.1f}"), Opt(r.notify_p99_us, "{:.1f}"), Opt(r.perftest_gbps),
       Opt(r.memcpy_gbps), Opt(Ratio(r.gbps, r.perftest_gbps)), Opt(Ratio(r.gbps, r.memcpy_gbps)),
-      r.data_path, r.runs, r.verified ? "true" : "false");
+      r.gbps_inflight, Opt(Ratio(r.gbps_inflight, r.perftest_gbps)),
+      Opt(Ratio(r.gbps_inflight, r.memcpy_gbps)), r.data_path, r.runs,
+      r.verified ? "true" : "false");
 }
 
 constexpr const char* kHeader =
     "{:<5} {:<10} {:>5} {:>5} {:>6} {:>7} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} "
-    "{:>6} {:>6} {:>3} {}";
+    "{:>6} {:>6} {:>7} {:>6} {:>6} {:>3} {}";
 
 std::string Cellf(const std::optional<double>& v, const char* format) {
   return v ? fmt::format(fmt::runtime(format), *v) : "-";
@@ -933,7 +976,10 @@ std::string TableLine(const CellResult& r) {
                      Cellf(r.notify_p50_us, "{:.0f}"), Cellf(r.notify_p99_us, "{:.0f}"),
                      Cellf(r.perftest_gbps, "{:.2f}"), Cellf(r.memcpy_gbps, "{:.2f}"),
                      Cellf(Ratio(r.gbps, r.perftest_gbps), "{:.2f}"),
-                     Cellf(Ratio(r.gbps, r.memcpy_gbps), "{:.2f}"), r.verified ? "yes" : "NO",
+                     Cellf(Ratio(r.gbps, r.memcpy_gbps), "{:.2f}"),
+                     fmt::format("{:.2f}", r.gbps_inflight),
+                     Cellf(Ratio(r.gbps_inflight, r.perftest_gbps), "{:.2f}"),
+                     Cellf(Ratio(r.gbps_inflight, r.memcpy_gbps), "{:.2f}"), r.verified ? "yes" : "NO",
                      r.data_path);
 }
 
@@ -1157,10 +1203,12 @@ int RunBench(const BenchOptions& options) {
                   options.device);
     }
     std::printf("GB/s = 1e9 bytes/s; latency in us, submit -> COMPLETED seen by the client; "
-                "notify = submit -> the target's client sees the notification (WRITE)\n\n");
+                "notify = submit -> the target's client sees the notification (WRITE); @4 = the same "
+                "cell with 4 transfers in flight at once\n\n");
     std::printf("%s\n", fmt::format(fmt::runtime(kHeader), "op", "pattern", "block", "batch", "xfers",
                                     "GB/s", "xfer/s", "avg_us", "p50_us", "p99_us", "ntf_p50",
-                                    "ntf_p99", "pt_GB/s", "mc_GB/s", "x_pt", "x_mc", "ok", "path")
+                                    "ntf_p99", "pt_GB/s", "mc_GB/s", "x_pt", "x_mc", "GB/s@4",
+                                    "x_pt@4", "x_mc@4", "ok", "path")
                             .c_str());
   } else if (!perftest.available()) {
     std::fprintf(stderr, "bench: ucx_perftest not found (%s): perftest_gbps is null\n",

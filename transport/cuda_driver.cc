@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 
@@ -87,8 +88,10 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
         library, error != nullptr ? error : "unknown error",
         library == kLibraryName ? "" : fmt::format(" at {} (set by {})", library, kLibraryEnv)));
   }
-  // From here on the library stays loaded for the life of the process, as does Api.
-  auto* api = new Api;
+  // From here on the library stays loaded for the life of the process, as do Api and
+  // the driver once loading succeeds; a failed load frees them (LeakSanitizer found
+  // the Api leaked when a symbol was missing).
+  auto api = std::make_unique<Api>();
   int version = 0;
   if (auto get_version = reinterpret_cast<decltype(api->driver_get_version)>(
           dlsym(handle, "cuDriverGetVersion"));
@@ -135,9 +138,9 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
         library, version == 0 ? std::string("unknown") : VersionText(version), missing));
   }
 
-  auto* driver = new CudaDriver;
+  std::unique_ptr<CudaDriver> driver(new CudaDriver);
   driver->library_ = library;
-  driver->api_ = api;
+  driver->api_ = api.get();
   driver->driver_version_ = version;
   if (CUresult r = api->init(0); r != CUDA_SUCCESS) {
     return absl::FailedPreconditionError(fmt::format(
@@ -151,7 +154,8 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
         fmt::format("CUDA driver {}: cuDeviceGetCount: {}; check nvidia-smi", library,
                     driver->ErrorText(r)));
   }
-  return driver;
+  api.release();  // owned by the driver for the life of the process
+  return driver.release();
 }
 
 absl::Status CudaDriver::ValidateIpcSource(const std::string& entry, size_t handle_bytes,

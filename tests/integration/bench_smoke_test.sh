@@ -27,7 +27,8 @@ while IFS= read -r line; do
   fi
   for key in op pattern block_bytes batch transfers transfers_per_s avg_us p50_us p99_us \
              notify_p50_us notify_p99_us perftest_gbps memcpy_gbps ratio_perftest \
-             ratio_memcpy data_path; do
+             ratio_memcpy gbps_inflight4 ratio_perftest_inflight4 ratio_memcpy_inflight4 \
+             data_path; do
     if [[ "$line" != *"\"$key\": "* ]]; then echo "key $key missing in: $line"; bad=1; fi
   done
   # Contiguous indices coalesce into one operation; a scattered batch cannot.
