@@ -150,8 +150,14 @@ TEST_CASE("clients that vanish mid-stream leave nothing behind") {
               prefill_after / 1048576.0, decode_before / 1048576.0, decode_after / 1048576.0);
   // 20 rounds x 19 streams: a stream's state leaking (reactor, watcher, queue
   // subscriber, copies of messages) would show; 4 MiB is far above noise here.
+  // Under ASan the agents hold freed memory in quarantine, so RSS grows without a
+  // leak; there LeakSanitizer checks the agents at exit instead.
+#if defined(__SANITIZE_ADDRESS__)
+  std::printf("ASan build: the RSS bound is not checked (quarantine holds freed memory)\n");
+#else
   CHECK(prefill_after < prefill_before + (4u << 20));
   CHECK(decode_after < decode_before + (4u << 20));
+#endif
 
   // Still serving, and no notification went to two takers: those that reached a
   // vanished client are gone, the rest wait in the queue, each once.
