@@ -289,9 +289,6 @@ void TransferEngine::Pump(const TransferPtr& t) {
   v1::Notification notice;
   v1::TransferOp op;
   StagedRoute route = StagedRoute::kNone;
-  // The peer's current view, taken before our lock (PeerManager never calls into the
-  // engine under its own): a chunk planned earlier may name a region deregistered since.
-  auto current = peers_->Get(t->state.peer());
   {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
@@ -327,6 +324,10 @@ void TransferEngine::Pump(const TransferPtr& t) {
       action = Action::kNotify;
     } else {
       Chunk& chunk = t->chunks.front();
+      // Only a batch needs the peer's current view (a chunk planned earlier may name a
+      // region deregistered since). Taking PeerManager's lock under ours is safe: it
+      // never calls into the engine under its own.
+      auto current = peers_->Get(t->state.peer());
       if (current.ok()) {
         if (absl::Status still = CheckRegionsCurrent(t->state.transfer_id(), chunk, **current);
             !still.ok()) {

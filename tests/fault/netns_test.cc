@@ -37,10 +37,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
 
-int64_t MillisSince(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
-}
-
 // iproute2's binaries by absolute path: Bazel's strict test PATH lacks /usr/sbin.
 std::string FindTool(const std::string& name) {
   for (const char* dir : {"/usr/sbin/", "/sbin/", "/usr/bin/", "/bin/"}) {

@@ -28,10 +28,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
 
-int64_t MillisSince(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
-}
-
 // Chunk 0 of a chunked WRITE with a long deadline: the data moves, then the transfer
 // stays TRANSFERRING waiting for its next chunk. Returns once the data is in place,
 // so no batch is posted when the peer goes away.

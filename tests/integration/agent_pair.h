@@ -3,6 +3,7 @@
 // integration tests.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -57,6 +58,13 @@ class AgentPair {
 v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint64_t>& local,
                                   const std::vector<uint64_t>& remote,
                                   const std::string& notification = "");
+
+// Milliseconds from `start` (steady clock) to now: the fault tests' measured times.
+inline int64_t MillisSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                               start)
+      .count();
+}
 
 // Polls every millisecond until the transfer is TRANSFERRING (its first batch is
 // posted): OK then; FAILED_PRECONDITION with its state when it ended or is still

@@ -200,22 +200,33 @@ TEST_CASE("staged WRITE packs many small pages into shared chunks") {
   CHECK(seen == std::map<std::string, int>{{"packed-0", 1}, {"packed-1", 1}, {"packed-2", 1}});
 }
 
+v1::TransferState WaitDrained(cli::AgentClient& client, const std::string& id, int seconds) {
+  v1::TransferState state = Require(client.Get(id), "getting the transfer");
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (!state.drained() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    state = Require(client.Get(id), "getting the transfer");
+  }
+  return state;
+}
+
+// Submits `request` held open (more_chunks), so it cannot complete first, and cancels
+// it: the answer must already say CANCELLED.
+void OpenThenCancel(cli::AgentClient& client, v1::SubmitTransferRequest request) {
+  request.set_more_chunks(true);
+  REQUIRE(client.Submit(request).ok());
+  auto cancelled = client.Cancel(request.transfer_id());
+  REQUIRE(cancelled.ok());
+  CHECK(cancelled->phase() == v1::CANCELLED);
+}
+
 TEST_CASE("a staged WRITE cancelled mid-way reports drained once no chunk is in flight") {
   StagedPair pair(true, true, 80 << 10);
   std::vector<uint64_t> all;
   for (uint64_t i = 0; i < 16; ++i) all.push_back(i);
-  auto request = Request("staged-cancel", "decode", v1::WRITE, all, all);
-  request.set_more_chunks(true);  // held open, so it cannot complete before the cancel
-  REQUIRE(pair.prefill_client->Submit(request).ok());
-  auto cancelled = pair.prefill_client->Cancel("staged-cancel");
-  REQUIRE(cancelled.ok());
-  CHECK(cancelled->phase() == v1::CANCELLED);
-  auto done = WaitDone(*pair.prefill_client, "staged-cancel");
+  OpenThenCancel(*pair.prefill_client, Request("staged-cancel", "decode", v1::WRITE, all, all));
+  auto done = WaitDrained(*pair.prefill_client, "staged-cancel", 10);
   CHECK(done.phase() == v1::CANCELLED);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!done.drained() && std::chrono::steady_clock::now() < until) {
-    done = Require(pair.prefill_client->Get("staged-cancel"), "getting the transfer");
-  }
   CHECK(done.drained());
   // The peer hears of the cancel (and drops what it counted), never a DATA_READY.
   std::vector<v1::Notification> notes;
@@ -268,16 +279,6 @@ void AddSlot(v1::SubmitTransferRequest& request, uint64_t local, uint64_t remote
 }
 
 // Waits until the transfer reports drained (bounded), returning the last state.
-v1::TransferState WaitDrained(cli::AgentClient& client, const std::string& id, int seconds) {
-  v1::TransferState state = Require(client.Get(id), "getting the transfer");
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  while (!state.drained() && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    state = Require(client.Get(id), "getting the transfer");
-  }
-  return state;
-}
-
 TEST_CASE("READ of the peer's staged memory: scattered pages split over chunks and a state "
           "slot arrive intact, into host or staged memory") {
   for (bool stage_decode : {false, true}) {
@@ -406,12 +407,7 @@ TEST_CASE("a READ of staged memory cancelled mid-way drains, and reading works a
   StagedPair pair(true, true, 80 << 10);
   std::vector<uint64_t> all;
   for (uint64_t i = 0; i < 16; ++i) all.push_back(i);
-  auto request = Request("read-cancel", "prefill", v1::READ, all, all);
-  request.set_more_chunks(true);  // held open, so it cannot complete before the cancel
-  REQUIRE(pair.decode_client->Submit(request).ok());
-  auto cancelled = pair.decode_client->Cancel("read-cancel");
-  REQUIRE(cancelled.ok());
-  CHECK(cancelled->phase() == v1::CANCELLED);
+  OpenThenCancel(*pair.decode_client, Request("read-cancel", "prefill", v1::READ, all, all));
   auto done = WaitDrained(*pair.decode_client, "read-cancel", 10);
   CHECK(done.phase() == v1::CANCELLED);
   CHECK(done.drained());
