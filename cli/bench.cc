@@ -345,11 +345,82 @@ class CacheEvictor {
   uint64_t round_ = 0;
 };
 
-struct WatchState {
-  absl::Mutex mu;
-  std::map<std::string, Clock::time_point> seen ABSL_GUARDED_BY(mu);
-  bool ended ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
+// A client of the target agent taking its notifications on one stream, as a decode
+// worker would, until the one for `end_id` arrives; records when each notification
+// whose transfer id starts with `prefix` came.
+class NotificationWatch {
+ public:
+  NotificationWatch(std::string address, std::string prefix, std::string end_id)
+      : state_(std::make_shared<State>()) {
+    thread_ = std::thread([state = state_, address = std::move(address),
+                           prefix = std::move(prefix), end_id = std::move(end_id)] {
+      AgentClient client(address);
+      absl::Status status = client.WatchNotifications(
+          {}, 30 * 60 * 1000, [&](const v1::Notification& n) {
+            if (n.transfer_id().rfind(prefix, 0) != 0) return true;
+            if (n.transfer_id() == end_id) return false;
+            absl::MutexLock lock(&state->mu);
+            state->seen.emplace(n.transfer_id(), Clock::now());
+            return true;
+          });
+      absl::MutexLock lock(&state->mu);
+      state->ended = true;
+      state->status = status;
+    });
+  }
+  ~NotificationWatch() { Finish(false); }
+  NotificationWatch(const NotificationWatch&) = delete;
+  NotificationWatch& operator=(const NotificationWatch&) = delete;
+
+  // Waits up to `timeout` for `id`'s notification: OK when it came, else why not.
+  absl::Status WaitFor(const std::string& id, absl::Duration timeout) {
+    absl::MutexLock lock(&state_->mu);
+    struct Arg {
+      State* state;
+      const std::string* id;
+    } arg{state_.get(), &id};
+    state_->mu.AwaitWithTimeout(absl::Condition(+[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                  return a->state->ended || a->state->seen.count(*a->id) > 0;
+                                }, &arg),
+                                timeout);
+    if (state_->seen.count(id) > 0) return absl::OkStatus();
+    return state_->status.ok() ? absl::DeadlineExceededError("not delivered in time")
+                               : state_->status;
+  }
+  // When `wait`, waits up to 10 s for the end notification; then lets the thread go
+  // (joined if the stream ended, else detached: it owns its state and ends with it).
+  void Finish(bool wait) {
+    if (!thread_.joinable()) return;
+    bool ended;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (wait) {
+        state_->mu.AwaitWithTimeout(
+            absl::Condition(+[](bool* e) { return *e; }, &state_->ended), absl::Seconds(10));
+      }
+      ended = state_->ended;
+    }
+    if (ended) {
+      thread_.join();
+    } else {
+      thread_.detach();
+    }
+  }
+  // Notifications seen so far: transfer id -> when it came.
+  std::map<std::string, Clock::time_point> Seen() const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->seen;
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    std::map<std::string, Clock::time_point> seen ABSL_GUARDED_BY(mu);
+    bool ended ABSL_GUARDED_BY(mu) = false;
+    absl::Status status ABSL_GUARDED_BY(mu);
+  };
+  std::shared_ptr<State> state_;
+  std::thread thread_;
 };
 
 class Bench {
@@ -374,41 +445,9 @@ class Bench {
 
     // WRITE: the target's notifications, timed when they reach a client of the
     // target agent, as a decode worker sees them.
-    auto watch = std::make_shared<WatchState>();
-    std::optional<std::thread> watcher;
     const std::string end_id = base + "end";
-    if (write) {
-      watcher.emplace([watch, address = target_address_, end_id] {
-        AgentClient client(address);
-        absl::Status status = client.WatchNotifications(
-            {}, 30 * 60 * 1000, [&](const v1::Notification& n) {
-              absl::MutexLock lock(&watch->mu);
-              watch->seen.emplace(n.transfer_id(), Clock::now());
-              return n.transfer_id() != end_id;
-            });
-        absl::MutexLock lock(&watch->mu);
-        watch->ended = true;
-        watch->status = status;
-      });
-    }
-    auto finish_watcher = [&](bool wait) {
-      if (!watcher) return;
-      bool ended;
-      {
-        absl::MutexLock lock(&watch->mu);
-        if (wait) {
-          watch->mu.AwaitWithTimeout(absl::Condition(+[](bool* e) { return *e; }, &watch->ended),
-                                     absl::Seconds(10));
-        }
-        ended = watch->ended;
-      }
-      if (ended) {
-        watcher->join();
-      } else {
-        watcher->detach();  // it holds its own state and ends with its stream
-      }
-      watcher.reset();
-    };
+    std::optional<NotificationWatch> watch;
+    if (write) watch.emplace(target_address_, base, end_id);
 
     // Warm-up: maps and registrations in place, and (WRITE) the notification
     // stream open before anything is timed. The last one carries the notification
@@ -417,7 +456,6 @@ class Bench {
       Indices(layout, cell, w, &local, &remote);
       const std::string id = w == 2 ? base + "warmup" : fmt::format("{}warmup{}", base, w);
       if (auto s = Transfer(layout, cell, id, local, remote, write); !s.ok()) {
-        finish_watcher(false);
         return s.status();
       }
     }
@@ -428,27 +466,10 @@ class Bench {
     }
     if (write) {
       const std::string warm = base + "warmup";
-      absl::Status why;
-      bool seen = false;
-      {
-        absl::MutexLock lock(&watch->mu);
-        struct Arg {
-          WatchState* w;
-          const std::string* id;
-        } arg{watch.get(), &warm};
-        watch->mu.AwaitWithTimeout(
-            absl::Condition(+[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return a->w->ended || a->w->seen.count(*a->id) > 0;
-            }, &arg),
-            absl::Seconds(10));
-        seen = watch->seen.count(warm) > 0;
-        why = watch->status;
-      }
-      if (!seen) {
-        finish_watcher(false);
+      if (absl::Status why = watch->WaitFor(warm, absl::Seconds(10)); !why.ok()) {
         return absl::DeadlineExceededError(fmt::format(
-            "the target agent at {} delivered no notification for '{}' within 10 s{}; check "
-            "its log", target_address_, warm, why.ok() ? "" : fmt::format(" ({})", why.message())));
+            "the target agent at {} delivered no notification for '{}' within 10 s ({}); check "
+            "its log", target_address_, warm, why.message()));
       }
     }
 
@@ -466,7 +487,6 @@ class Bench {
       auto state = Transfer(layout, cell, id, local, remote, write);
       const auto t1 = Clock::now();
       if (!state.ok()) {
-        finish_watcher(false);
         return state.status();
       }
       result.runs = state->runs();
@@ -514,7 +534,6 @@ class Bench {
       }
       for (auto& t : threads) t.join();
       if (!failed.ok()) {
-        finish_watcher(false);
         return failed;
       }
       result.gbps_inflight = static_cast<double>(moved) * cell.batch * cell.block /
@@ -526,17 +545,16 @@ class Bench {
     Indices(layout, cell, result.transfers, &local, &remote);
     if (pools_.shared) Scribble(layout, cell, local, remote);
     if (auto s = Transfer(layout, cell, end_id, local, remote, write); !s.ok()) {
-      finish_watcher(false);
       return s.status();
     }
     result.verified = pools_.shared && Verify(layout, cell, local, remote);
     if (write) {
-      finish_watcher(true);
+      watch->Finish(true);
       std::vector<double> notify;
-      absl::MutexLock lock(&watch->mu);
+      const auto seen = watch->Seen();
       for (const auto& [id, t0] : submitted) {
-        auto it = watch->seen.find(id);
-        if (it == watch->seen.end()) {
+        auto it = seen.find(id);
+        if (it == seen.end()) {
           ++result.notifications_missing;
         } else {
           notify.push_back(Micros(it->second - t0));
@@ -772,26 +790,7 @@ absl::StatusOr<RateResult> RunRate(const BenchOptions& options, const std::strin
   result.per_call = per_call;
   const std::string end_id = prefix + "end";
 
-  struct Shared {
-    absl::Mutex mu;
-    uint64_t notified ABSL_GUARDED_BY(mu) = 0;
-    bool ended ABSL_GUARDED_BY(mu) = false;
-    absl::Status status ABSL_GUARDED_BY(mu);
-  };
-  auto shared = std::make_shared<Shared>();
-  std::thread watcher([shared, target_address, prefix, end_id] {
-    AgentClient client(target_address);
-    absl::Status status = client.WatchNotifications({}, 10 * 60 * 1000, [&](const v1::Notification& n) {
-      if (n.transfer_id().rfind(prefix, 0) != 0) return true;
-      if (n.transfer_id() == end_id) return false;
-      absl::MutexLock lock(&shared->mu);
-      ++shared->notified;
-      return true;
-    });
-    absl::MutexLock lock(&shared->mu);
-    shared->ended = true;
-    shared->status = status;
-  });
+  NotificationWatch watch(target_address, prefix, end_id);
 
   auto one_page = [&](const std::string& id, uint64_t i) {
     v1::SubmitTransferRequest request;
@@ -874,18 +873,8 @@ absl::StatusOr<RateResult> RunRate(const BenchOptions& options, const std::strin
   // The closing transfer ends the notification stream once everything before it came.
   AgentClient closer(initiator_address, options.timeout_ms);
   auto closed = closer.Submit(one_page(end_id, 0));
-  {
-    absl::MutexLock lock(&shared->mu);
-    shared->mu.AwaitWithTimeout(absl::Condition(+[](Shared* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                  return s->ended;
-                                }, shared.get()),
-                                absl::Seconds(10));
-    result.notifications = shared->notified;
-    if (!shared->ended) {
-      watcher.detach();  // it owns `shared` and ends with its stream
-    }
-  }
-  if (watcher.joinable()) watcher.join();
+  watch.Finish(true);
+  result.notifications = watch.Seen().size();
   // Notifications of different transfers carry no order between them: those that
   // came after the closing one are still queued at the target.
   AgentClient target(target_address, options.timeout_ms);
