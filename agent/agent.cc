@@ -1,7 +1,14 @@
 #include "agent/agent.h"
 
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -9,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "agent/doctor.h"
 #include "agent/status_util.h"
+#include "agent/unix_listener.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "grpcpp/grpcpp.h"
@@ -43,6 +51,79 @@ absl::Status WritePortFile(const std::string& path, int port) {
   }
   return absl::OkStatus();
 }
+// The interface that holds `host` (an IP literal; "localhost" counts as 127.0.0.1), for
+// UCX_NET_DEVICES; "" when the host is a wildcard or no interface has it.
+std::string InterfaceOf(std::string host) {
+  if (!host.empty() && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host == "localhost") host = "127.0.0.1";
+  unsigned char want[16];
+  int family = AF_INET;
+  if (inet_pton(AF_INET, host.c_str(), want) != 1) {
+    family = AF_INET6;
+    if (inet_pton(AF_INET6, host.c_str(), want) != 1) return "";
+  }
+  const size_t size = family == AF_INET ? 4 : 16;
+  bool wildcard = true;
+  for (size_t i = 0; i < size; ++i) wildcard = wildcard && want[i] == 0;
+  if (wildcard) return "";
+  struct ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "";
+  std::string found;
+  for (struct ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != family) continue;
+    const void* addr = family == AF_INET
+                           ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr)
+                           : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr);
+    if (std::memcmp(addr, want, size) == 0) found = i->ifa_name;
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+std::string HostOf(const std::string& address) {
+  return address.substr(0, address.rfind(':'));
+}
+
+// UCX's TCP transport listens on every interface it is allowed: restrict it to the
+// data interface(s) (an explicit UCX_NET_DEVICES in the environment wins).
+void RestrictUcxInterfaces(const AgentOptions& options) {
+  std::string devices = options.data_interface;
+  if (devices.empty()) {
+    const std::string& door = !options.listen.empty() ? options.listen : options.insecure_listen;
+    // Without a network door every peer is on this host: loopback is enough.
+    devices = door.empty() ? "lo" : InterfaceOf(HostOf(door));
+  }
+  if (const char* env = std::getenv("UCX_NET_DEVICES"); env != nullptr) {
+    kLog.Info("UCX_NET_DEVICES={} from the environment (--data-interface {} not applied)", env,
+              devices.empty() ? "(default)" : devices);
+    return;
+  }
+  if (devices.empty()) {
+    kLog.Warn("UCX's TCP transport listens on every interface: the network door listens on a "
+              "wildcard address; name the data interface(s) with --data-interface (e.g. eth0 "
+              "or mlx5_0:1)");
+    return;
+  }
+  setenv("UCX_NET_DEVICES", devices.c_str(), 1);
+  kLog.Info("UCX data path restricted to interface(s) {}", devices);
+}
+
+absl::Status CheckSocketPath(const std::string& path) {
+  if (path.empty()) {
+    return absl::InvalidArgumentError(
+        "--local-socket is empty; give a path for the local door (default "
+        "/run/kvagent/kvagent.sock)");
+  }
+  const size_t limit = sizeof(sockaddr_un::sun_path) - 1;
+  // The session socket adds ".session".
+  if (path.size() + 8 > limit) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--local-socket {} is {} bytes; with '.session' it must fit the {} bytes of a Unix "
+        "socket path: choose a shorter path",
+        path, path.size(), limit));
+  }
+  return absl::OkStatus();
+}
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options) {
@@ -52,12 +133,30 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
         "--name is empty; give this agent a name unique among its peers (e.g. the host and "
         "GPU: node3-gpu0)");
   }
+  RETURN_IF_ERROR(CheckSocketPath(options.local_socket));
+  if (!options.listen.empty()) {
+    if (options.tls.empty()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "--listen {} is the mutual-TLS network door and needs --tls-cert, --tls-key and "
+          "--tls-ca (the cluster CA); without certificates use only the local door, or "
+          "--insecure-listen on a network where everyone is trusted",
+          options.listen));
+    }
+    RETURN_IF_ERROR(CheckTlsFiles(options.tls, "kvagentd"));
+  } else if (!options.tls.empty()) {
+    RETURN_IF_ERROR(CheckTlsFiles(options.tls, "kvagentd"));
+  }
+  RestrictUcxInterfaces(options);
+
   std::unique_ptr<Agent> agent(new Agent());
+  Agent* self = agent.get();
   agent->options_ = options;
   agent->identity_.name = options.name;
   agent->identity_.incarnation = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
   agent->identity_.host_id = ReadBootId();
   agent->identity_.start_us = MonotonicMicros();
+  agent->identity_.local_socket = options.local_socket;
+  agent->path_policy_.allowed_dirs = options.shm_dirs;
 
   ASSIGN_OR_RETURN(agent->context_, transport::UcxContext::Create());
   const auto& caps = agent->context_->capabilities();
@@ -73,16 +172,23 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->watchers_ = std::make_unique<MetadataWatchers>();
   PeerManagerOptions peer_options;
   peer_options.self_name = options.name;
+  peer_options.incarnation = agent->identity_.incarnation;
   peer_options.host_id = agent->identity_.host_id;
   peer_options.error_mode = options.error_mode;
   peer_options.refresh_ms = options.peer_refresh_ms;
   peer_options.shm_direct = options.shm_direct;
+  peer_options.link.tls = options.tls;
+  peer_options.link.insecure = !options.insecure_listen.empty();
+  peer_options.link.peer_uids = options.policy.peer_uids;
   agent->peers_ = std::make_unique<PeerManager>(agent->worker_.get(), peer_options);
   StagerOptions stager_options;
   stager_options.self_name = options.name;
   stager_options.incarnation = agent->identity_.incarnation;
   stager_options.pool = options.staging;
-  Agent* self = agent.get();
+  stager_options.verify_peer = [self](std::string_view from, std::string_view secret) {
+    return self->secrets_.Verify(from, secret);
+  };
+  stager_options.on_dropped = [self] { self->counters_.dropped_peer_messages.fetch_add(1); };
   agent->stager_ = std::make_unique<Stager>(
       agent->worker_.get(), agent->context_.get(), agent->registry_.get(), stager_options,
       [self](v1::Notification n) { self->engine_->DeliverNotification(std::move(n)); });
@@ -92,6 +198,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   engine_options.ucx_cuda = caps.cuda_memory;
   engine_options.incarnation = agent->identity_.incarnation;
   engine_options.stager = agent->stager_.get();
+  engine_options.secrets = &agent->secrets_;
+  engine_options.counters = &agent->counters_;
   agent->engine_ = std::make_unique<TransferEngine>(
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);
@@ -103,30 +211,64 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->peers_->SetLossListener(
       [engine = agent->engine_.get()](const PeerLoss& loss) { engine->FailPeer(loss); });
 
-  ServiceDeps deps{&agent->identity_,      agent->context_.get(),       agent->worker_.get(),
-                   agent->registry_.get(), agent->peers_.get(),         agent->engine_.get(),
-                   agent->notifications_.get(), agent->watchers_.get(), options.deregister_wait_ms};
-  agent->agent_service_ = std::make_unique<AgentService>(deps);
-  agent->peer_service_ = std::make_unique<PeerService>(deps);
+  agent->deps_ = ServiceDeps{&agent->identity_,
+                             agent->context_.get(),
+                             agent->worker_.get(),
+                             agent->registry_.get(),
+                             agent->peers_.get(),
+                             agent->engine_.get(),
+                             agent->notifications_.get(),
+                             agent->watchers_.get(),
+                             nullptr,
+                             &agent->options_.policy,
+                             &agent->path_policy_,
+                             &agent->secrets_,
+                             &agent->counters_,
+                             &agent->open_streams_,
+                             options.deregister_wait_ms};
 
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &agent->port_);
-  builder.RegisterService(agent->agent_service_.get());
-  builder.RegisterService(agent->peer_service_.get());
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  agent->server_ = builder.BuildAndStart();
-  if (!agent->server_ || agent->port_ == 0) {
-    return absl::UnavailableError(fmt::format(
-        "--listen {}: cannot listen there (address in use, not local, or malformed); use "
-        "HOST:PORT with a free port, or port 0 to pick one",
-        options.listen));
+  // The local door: sessions first (their tokens open the gRPC socket), then gRPC.
+  LocalDoorOptions door_options;
+  door_options.policy = options.policy;
+  door_options.agent_name = options.name;
+  door_options.incarnation = agent->identity_.incarnation;
+  agent->local_door_ = std::make_unique<LocalDoor>(
+      door_options, agent->registry_.get(), &agent->counters_,
+      // A session that ends takes its regions with it (after peers let go of them).
+      [self](const Caller& caller) { self->ReleaseSession(caller); });
+  agent->deps_.local_door = agent->local_door_.get();
+  SessionServerOptions session_options;
+  session_options.path = options.local_socket + ".session";
+  session_options.mode = options.local_socket_mode;
+  session_options.group = options.local_socket_group;
+  session_options.max_sessions = options.max_sessions;
+  ASSIGN_OR_RETURN(agent->session_server_,
+                   SessionServer::Start(session_options, agent->local_door_.get()));
+
+  // gRPC creates its socket with the process umask: the session socket's mode and
+  // group are applied right after (a caller that slips in between still needs a
+  // session token for any call).
+  RETURN_IF_ERROR(PrepareUnixSocketPath(options.local_socket));
+  RETURN_IF_ERROR(agent->StartDoor(Door::kLocal, "unix:" + options.local_socket,
+                                   grpc::InsecureServerCredentials()));
+  RETURN_IF_ERROR(SetUnixSocketAccess(options.local_socket, options.local_socket_mode,
+                                      options.local_socket_group));
+  agent->identity_.network_door = "none";
+  if (!options.listen.empty()) {
+    ASSIGN_OR_RETURN(auto credentials, MakeServerCredentials(options.tls));
+    RETURN_IF_ERROR(agent->StartDoor(Door::kNetwork, options.listen, credentials));
   }
-  const std::string host = options.listen.substr(0, options.listen.rfind(':'));
-  agent->identity_.listen_address = fmt::format("{}:{}", host, agent->port_);
+  if (!options.insecure_listen.empty()) {
+    RETURN_IF_ERROR(agent->StartDoor(Door::kInsecure, options.insecure_listen,
+                                     grpc::InsecureServerCredentials()));
+    agent->insecure_warning_ = std::thread([self] { self->WarnInsecure(); });
+  }
   agent->peers_->StartMonitor();
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
-  kLog.Info("agent '{}' serving on {} (pid {}, incarnation {:x})", options.name,
-            agent->identity_.listen_address, getpid(), agent->identity_.incarnation);
+  kLog.Info("agent '{}' serving: local door {} (sessions {}.session), network door {} (pid {}, "
+            "incarnation {:x})",
+            options.name, options.local_socket, options.local_socket,
+            agent->identity_.network_door, getpid(), agent->identity_.incarnation);
   // The same checks `kvagentctl doctor` runs; also loads the CUDA driver once, off the
   // RPC path.
   DoctorInputs doctor;
@@ -136,25 +278,104 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   return agent;
 }
 
+absl::Status Agent::StartDoor(Door door, const std::string& address,
+                              std::shared_ptr<grpc::ServerCredentials> credentials) {
+  DoorServer d;
+  d.door = door;
+  d.agent_service = std::make_unique<AgentService>(door, deps_);
+  d.peer_service = std::make_unique<PeerService>(door, deps_);
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, std::move(credentials), door == Door::kLocal ? nullptr : &port);
+  builder.RegisterService(d.agent_service.get());
+  builder.RegisterService(d.peer_service.get());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  d.server = builder.BuildAndStart();
+  const std::string flag = door == Door::kLocal      ? "--local-socket"
+                           : door == Door::kNetwork ? "--listen"
+                                                     : "--insecure-listen";
+  if (!d.server || (door != Door::kLocal && port == 0)) {
+    return absl::UnavailableError(fmt::format(
+        "{} {}: cannot listen there (address in use, not local, malformed, or a directory "
+        "that is not writable); use {}",
+        flag, address,
+        door == Door::kLocal ? "a writable path (the directory is created if missing)"
+                             : "HOST:PORT with a free port, or port 0 to pick one"));
+  }
+  if (door != Door::kLocal) {
+    d.address = fmt::format("{}:{}", HostOf(address), port);
+    // The first network door is the one peers are told about.
+    if (port_ == 0) {
+      port_ = port;
+      identity_.listen_address = d.address;
+      identity_.network_door = fmt::format("{} {}", DoorName(door), d.address);
+    }
+  } else {
+    d.address = address;
+  }
+  doors_.push_back(std::move(d));
+  return absl::OkStatus();
+}
+
+void Agent::ReleaseSession(const Caller& caller) {
+  std::vector<std::string> names;
+  for (const auto& region : registry_->List()) {
+    if (region->owner == caller.principal) names.push_back(region->spec.name());
+  }
+  if (names.empty()) return;
+  kLog.Info("{} ended: deregistering its {} regions", caller.principal, names.size());
+  DeregisterAndWait(deps_, names, caller,
+                    [principal = caller.principal](absl::StatusOr<uint64_t> version,
+                                                   std::vector<std::string> unconfirmed) {
+                      if (!version.ok()) {
+                        kLog.Warn("releasing the regions of {} failed: {}", principal,
+                                  version.status().message());
+                      }
+                    });
+}
+
+void Agent::WarnInsecure() {
+  absl::MutexLock lock(&stop_mu_);
+  while (!stopping_) {
+    kLog.Warn("INSECURE: --insecure-listen {} accepts calls from anyone who reaches it, with "
+              "every right (read and write every registered region, deregister, cancel, read "
+              "notifications); use the mutual-TLS door (--listen with --tls-*) outside a "
+              "trusted test network",
+              options_.insecure_listen);
+    stop_cv_.WaitWithTimeout(&stop_mu_, absl::Minutes(1));
+  }
+}
+
 void Agent::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
   kLog.Info("agent '{}' shutting down", options_.name);
+  {
+    absl::MutexLock lock(&stop_mu_);
+    stopping_ = true;
+    stop_cv_.SignalAll();
+  }
+  if (insecure_warning_.joinable()) insecure_warning_.join();
   // Transfers finish first (their notifications need the worker, not gRPC).
   if (engine_) engine_->Stop(grace);
   if (stager_) stager_->Stop();
+  // No new sessions; the ones open end without releasing regions (all go below).
+  if (session_server_) session_server_->Stop();
   // Transfers had their grace above and handlers never block: 100 ms lets answers in
   // flight go out, then calls still open (watch streams) are cancelled. With 1 s, a
   // SIGTERM during a transfer measured grace + 1.0 s to exit; with 100 ms, grace + 0.12 s.
-  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  for (auto& d : doors_) {
+    d.server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  }
   if (peers_) peers_->Stop();
+  if (!options_.local_socket.empty()) unlink(options_.local_socket.c_str());
 }
 
 Agent::~Agent() {
   Shutdown(absl::ZeroDuration());
-  server_.reset();
-  agent_service_.reset();
-  peer_service_.reset();
+  doors_.clear();
+  session_server_.reset();
+  local_door_.reset();
   engine_.reset();
   peers_.reset();
   watchers_.reset();

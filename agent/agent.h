@@ -1,19 +1,29 @@
 // Agent wires one kvagentd together: UCX context and worker, region registry, peer
-// manager, transfer engine, notification queue and the gRPC server. main.cc parses
-// flags into AgentOptions; tests and tools can embed an Agent the same way.
+// manager, transfer engine, notification queue, and its doors: the local door (a gRPC
+// Unix socket plus the session socket), the mutual-TLS network door and, only when
+// asked, an insecure one. main.cc parses flags into AgentOptions; tests and tools can
+// embed an Agent the same way.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "agent/access.h"
 #include "agent/agent_service.h"
+#include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
+#include "agent/peer_secrets.h"
+#include "agent/session_server.h"
 #include "agent/staging.h"
+#include "agent/tls.h"
 #include "agent/transfer_engine.h"
 #include "grpcpp/server.h"
 #include "registry/region_registry.h"
@@ -24,8 +34,22 @@ namespace kvagent::agent {
 
 struct AgentOptions {
   std::string name;
-  std::string listen = "127.0.0.1:0";  // HOST:PORT, port 0 picks a free port
-  std::string port_file;               // written with the bound port once serving
+  // The local door: gRPC on this Unix socket, sessions on PATH.session (mode, group).
+  std::string local_socket = "/run/kvagent/kvagent.sock";
+  std::string local_socket_group;
+  uint32_t local_socket_mode = 0660;
+  uint32_t max_sessions = 1024;
+  // The network door, mutual TLS: HOST:PORT (port 0 picks a free port); "" for none.
+  std::string listen;
+  TlsFiles tls;
+  // A plain-TCP door where nobody is identified and everybody may do everything; ""
+  // for none. Also lets this agent reach network peers without TLS.
+  std::string insecure_listen;
+  AccessPolicy policy;  // roles; main.cc fills the defaults (the agent's own uid)
+  std::vector<std::string> shm_dirs = {"/dev/shm", "/dev/hugepages"};
+  // UCX_NET_DEVICES for the data path; "" derives it from the network door's address.
+  std::string data_interface;
+  std::string port_file;  // written with the network door's port (0: none) once serving
   uint32_t transfer_timeout_ms = 30000;
   uint32_t peer_refresh_ms = 200;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
@@ -44,7 +68,7 @@ class Agent {
   static absl::StatusOr<std::unique_ptr<Agent>> Start(const AgentOptions& options);
   ~Agent();
 
-  int port() const { return port_; }
+  int port() const { return port_; }  // the network door's (mutual TLS, else insecure)
   const AgentIdentity& identity() const { return identity_; }
   // Stops accepting RPCs, lets transfers finish for up to `grace`, fails the rest,
   // then releases peers, memory and UCX. Idempotent.
@@ -52,6 +76,11 @@ class Agent {
 
  private:
   Agent() = default;
+  absl::Status StartDoor(Door door, const std::string& address,
+                         std::shared_ptr<grpc::ServerCredentials> credentials);
+  // A local session ended: its regions are deregistered (after peers let go).
+  void ReleaseSession(const Caller& caller);
+  void WarnInsecure();
 
   AgentOptions options_;
   AgentIdentity identity_;
@@ -64,9 +93,27 @@ class Agent {
   std::unique_ptr<PeerManager> peers_;
   std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker
   std::unique_ptr<TransferEngine> engine_;
-  std::unique_ptr<AgentService> agent_service_;
-  std::unique_ptr<PeerService> peer_service_;
-  std::unique_ptr<grpc::Server> server_;
+  SecurityCounters counters_;
+  std::atomic<int64_t> open_streams_{0};
+  PeerSecrets secrets_;
+  registry::PathPolicy path_policy_;
+  std::unique_ptr<LocalDoor> local_door_;
+  std::unique_ptr<SessionServer> session_server_;
+  ServiceDeps deps_{};
+  // One Agent and one Peer service per door, each on its own server.
+  struct DoorServer {
+    Door door;
+    std::string address;
+    std::unique_ptr<AgentService> agent_service;
+    std::unique_ptr<PeerService> peer_service;
+    std::unique_ptr<grpc::Server> server;
+  };
+  std::vector<DoorServer> doors_;
+  // --insecure-listen: a warning every minute while it runs that way.
+  std::thread insecure_warning_;
+  absl::Mutex stop_mu_;
+  absl::CondVar stop_cv_;
+  bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
   bool shut_down_ = false;
 };
 

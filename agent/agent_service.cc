@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_join.h"
 #include "agent/doctor.h"
 #include "agent/status_util.h"
+#include "agent/tls.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
@@ -20,7 +22,7 @@
 namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("service");
-constexpr uint64_t kMaxAllocationBytes = 1ull << 40;
+constexpr log::Logger kAudit("audit");
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl::Status& status) {
   auto* reactor = context->DefaultReactor();
@@ -31,14 +33,6 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
 bool TerminalPhase(v1::TransferPhase phase) {
   return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
          phase == v1::TIMED_OUT;
-}
-
-std::string SafeLabel(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    out.push_back((isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_') ? c : '_');
-  }
-  return out.substr(0, 64);
 }
 
 // Counts a stream from its reactor's construction to its deletion (AgentStatus
@@ -57,9 +51,17 @@ class StreamCount {
 // Streams a transfer's states until it ends; always writes the newest state.
 class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferState> {
  public:
-  TransferWatchReactor(TransferEngine* engine, std::string id, std::atomic<int64_t>* streams)
+  TransferWatchReactor(TransferEngine* engine, std::string id, std::atomic<int64_t>* streams,
+                       const absl::StatusOr<Caller>& caller)
       : counted_(streams), engine_(engine), id_(std::move(id)) {
-    auto token = engine_->Watch(id_, [this](const v1::TransferState& s) { OnState(s); });
+    if (!caller.ok()) {
+      absl::MutexLock lock(&mu_);
+      finishing_ = true;
+      Finish(ToGrpcStatus(caller.status()));
+      return;
+    }
+    auto token =
+        engine_->Watch(id_, *caller, [this](const v1::TransferState& s) { OnState(s); });
     if (!token.ok()) {
       absl::MutexLock lock(&mu_);
       finishing_ = true;
@@ -134,11 +136,19 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferS
 class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notification> {
  public:
   NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request,
-                           std::atomic<int64_t>* streams)
+                           std::atomic<int64_t>* streams, const absl::StatusOr<Caller>& caller)
       : counted_(streams),
         queue_(queue),
         ids_(request.transfer_ids().begin(), request.transfer_ids().end()) {
-    token_ = queue_->Subscribe([this](const v1::Notification& n) { return Offer(n); });
+    if (!caller.ok()) {
+      absl::MutexLock lock(&mu_);
+      finishing_ = true;
+      Finish(ToGrpcStatus(caller.status()));
+      return;
+    }
+    reader_.principal = caller->principal;
+    reader_.any = caller->scheduler;
+    token_ = queue_->Subscribe([this](const QueuedNotification& n) { return Offer(n); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -146,6 +156,7 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
     writing_ = false;
     // A failed write is not known to have reached the client: hand it back.
     if (!ok) unwritten_.push_front(std::move(current_));
+
     if (!ok || finishing_) {
       finishing_ = true;
       Finish(grpc::Status::CANCELLED);
@@ -162,8 +173,8 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
   }
 
   void OnDone() override {
-    queue_->Unsubscribe(token_);
-    std::vector<v1::Notification> back;
+    if (token_ != 0) queue_->Unsubscribe(token_);
+    std::vector<QueuedNotification> back;
     {
       absl::MutexLock lock(&mu_);
       back.assign(std::make_move_iterator(unwritten_.begin()),
@@ -174,8 +185,9 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
   }
 
  private:
-  bool Offer(const v1::Notification& n) {
-    if (!ids_.empty() && !ids_.contains(n.transfer_id())) return false;
+  bool Offer(const QueuedNotification& n) {
+    if (!ids_.empty() && !ids_.contains(n.notification.transfer_id())) return false;
+    if (!reader_.Takes(n)) return false;
     absl::MutexLock lock(&mu_);
     if (finishing_) return false;
     unwritten_.push_back(n);
@@ -187,54 +199,83 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
     current_ = std::move(unwritten_.front());
     unwritten_.pop_front();
     writing_ = true;
-    StartWrite(&current_);
+    StartWrite(&current_.notification);
   }
 
   StreamCount counted_;
   NotificationQueue* queue_;
   absl::flat_hash_set<std::string> ids_;
+  NotificationReader reader_;
   uint64_t token_ = 0;
   absl::Mutex mu_;
-  std::deque<v1::Notification> unwritten_ ABSL_GUARDED_BY(mu_);
-  v1::Notification current_ ABSL_GUARDED_BY(mu_);
+  std::deque<QueuedNotification> unwritten_ ABSL_GUARDED_BY(mu_);
+  QueuedNotification current_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
 
-grpc::ServerUnaryReactor* AgentService::AllocateSharedMemory(
-    grpc::CallbackServerContext* context, const v1::AllocateSharedMemoryRequest* request,
-    v1::AllocateSharedMemoryResponse* response) {
-  if (request->bytes() == 0 || request->bytes() > kMaxAllocationBytes) {
-    return Done(context, absl::InvalidArgumentError(fmt::format(
-                             "allocation '{}': {} bytes asked; ask for 1 byte to {} bytes",
-                             request->name(), request->bytes(), kMaxAllocationBytes)));
+absl::StatusOr<Caller> IdentifyCaller(Door door, const ServiceDeps& deps,
+                                      grpc::CallbackServerContext* context) {
+  switch (door) {
+    case Door::kLocal: {
+      const auto& metadata = context->client_metadata();
+      auto it = metadata.find(kSessionTokenKey);
+      if (it == metadata.end()) {
+        return absl::UnauthenticatedError(fmt::format(
+            "the local door needs a session: attach over the session socket ({}.session), then "
+            "send its token as gRPC metadata '{}'",
+            deps.identity->local_socket, kSessionTokenKey));
+      }
+      return deps.local_door->FindToken(std::string_view(it->second.data(), it->second.size()));
+    }
+    case Door::kNetwork: {
+      std::shared_ptr<const grpc::AuthContext> auth = context->auth_context();
+      std::vector<std::string> identities =
+          auth ? PeerIdentities(*auth) : std::vector<std::string>{};
+      if (identities.empty()) {
+        return absl::UnauthenticatedError(
+            "the network door needs a client certificate from the cluster CA (mutual TLS)");
+      }
+      return deps.policy->NetworkCaller(identities.front());
+    }
+    case Door::kInsecure:
+      return AccessPolicy::InsecureCaller("");
   }
-  absl::MutexLock lock(&shm_mu_);
-  // The incarnation, not the pid: agents in separate pid namespaces share /dev/shm.
-  const std::string name =
-      fmt::format("/kvagent.{}.{}.{:x}.{}", SafeLabel(deps_.identity->name),
-                  SafeLabel(request->name().empty() ? "pool" : request->name()),
-                  deps_.identity->incarnation, shm_counter_++);
-  auto mapping = registry::ShmMapping::Create(name, request->bytes());
-  if (!mapping.ok()) {
-    return Done(context, absl::Status(mapping.status().code(),
-                                      fmt::format("allocation '{}': {}", request->name(),
-                                                  mapping.status().message())));
-  }
-  allocations_.emplace(name, *std::move(mapping));
-  response->set_shm_name(name);
-  response->set_bytes(request->bytes());
-  kLog.Info("allocated shared memory {} ({} bytes)", name, request->bytes());
-  return Done(context, absl::OkStatus());
+  return absl::InternalError("unknown door");
+}
+
+absl::StatusOr<Caller> AgentService::Authorize(grpc::CallbackServerContext* context, Need need,
+                                               std::string_view call) {
+  auto caller = IdentifyCaller(door_, deps_, context);
+  absl::Status status = caller.ok() ? CheckRole(*caller, need, call) : caller.status();
+  if (status.ok()) return caller;
+  deps_.counters->refused_calls.fetch_add(1);
+  LogRefusal(caller.ok() ? caller->principal
+                         : fmt::format("{} ({} door)", Printable(context->peer(), 128),
+                                       DoorName(door_)),
+             call, status);
+  return status;
 }
 
 grpc::ServerUnaryReactor* AgentService::RegisterRegions(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionsRequest* request,
                                                         v1::RegisterRegionsResponse* response) {
+  auto caller = Authorize(context, Need::kEngine, "RegisterRegions");
+  if (!caller.ok()) return Done(context, caller.status());
   std::vector<v1::RegionSpec> specs(request->regions().begin(), request->regions().end());
-  auto result = deps_.registry->Register(specs, request->skip_empty());
+  registry::RegisterContext register_context;
+  register_context.owner = caller->principal;
+  register_context.path_policy = *deps_.path_policy;
+  register_context.path_policy.required_uid = caller->uid;
+  if (caller->door == Door::kLocal) {
+    register_context.resolve_handle = [door = deps_.local_door,
+                                       session = caller->session_id](uint64_t handle) {
+      return door->ResolveHandle(session, handle);
+    };
+  }
+  auto result = deps_.registry->Register(specs, request->skip_empty(), register_context);
   if (!result.ok()) return Done(context, result.status());
   for (const auto& region : result->regions) *response->add_regions() = region->Info();
   for (const auto& name : result->skipped) response->add_skipped(name);
@@ -242,37 +283,60 @@ grpc::ServerUnaryReactor* AgentService::RegisterRegions(grpc::CallbackServerCont
   return Done(context, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
-    grpc::CallbackServerContext* context, const v1::DeregisterRegionsRequest* request,
-    v1::DeregisterRegionsResponse* response) {
-  std::vector<std::string> names(request->names().begin(), request->names().end());
+void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& names,
+                       const Caller& caller,
+                       std::function<void(absl::StatusOr<uint64_t>, std::vector<std::string>)> done) {
   // The memory stays registered and mapped until every polling peer holds the new
   // version (a peer acknowledges it only after its operations posted under the old
-  // one completed), or the wait ends: only then is it released and the call answered.
+  // one completed), or the wait ends: only then is it released.
   auto retired = std::make_shared<std::vector<registry::RegionPtr>>();
-  auto version = deps_.registry->Deregister(names, retired.get());
-  if (!version.ok()) return Done(context, version.status());
-  response->set_version(*version);
-  auto* reactor = context->DefaultReactor();
-  deps_.watchers->WaitForVersion(
-      *version, deps_.deregister_wait_ms,
-      [reactor, response, retired](std::vector<std::string> unconfirmed) {
-        for (auto& name : unconfirmed) {
+  auto version = deps.registry->Deregister(names, retired.get(), caller.principal, caller.scheduler);
+  if (!version.ok()) {
+    done(version.status(), {});
+    return;
+  }
+  deps.watchers->WaitForVersion(
+      *version, deps.deregister_wait_ms,
+      [version = *version, retired, done = std::move(done)](std::vector<std::string> unconfirmed) {
+        for (const auto& name : unconfirmed) {
           kLog.Warn("peer '{}' had not picked up the deregistration within the wait; its "
                     "late writes, if any, may reach released memory",
                     name);
-          response->add_unconfirmed_peers(std::move(name));
         }
         retired->clear();
-        reactor->Finish(grpc::Status::OK);
+        done(version, std::move(unconfirmed));
       });
+}
+
+grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
+    grpc::CallbackServerContext* context, const v1::DeregisterRegionsRequest* request,
+    v1::DeregisterRegionsResponse* response) {
+  auto caller = Authorize(context, Need::kEngineOrScheduler, "DeregisterRegions");
+  if (!caller.ok()) return Done(context, caller.status());
+  std::vector<std::string> names(request->names().begin(), request->names().end());
+  auto* reactor = context->DefaultReactor();
+  DeregisterAndWait(deps_, names, *caller,
+                    [reactor, response](absl::StatusOr<uint64_t> version,
+                                        std::vector<std::string> unconfirmed) {
+                      if (version.ok()) {
+                        response->set_version(*version);
+                        for (auto& name : unconfirmed) {
+                          response->add_unconfirmed_peers(std::move(name));
+                        }
+                      }
+                      reactor->Finish(ToGrpcStatus(version.status()));
+                    });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AgentService::ListRegions(grpc::CallbackServerContext* context,
                                                     const v1::ListRegionsRequest* request,
                                                     v1::ListRegionsResponse* response) {
-  for (const auto& region : deps_.registry->List()) *response->add_regions() = region->Info();
+  auto caller = Authorize(context, Need::kAny, "ListRegions");
+  if (!caller.ok()) return Done(context, caller.status());
+  for (const auto& region : deps_.registry->List()) {
+    if (caller->MayUse(region->owner)) *response->add_regions() = region->Info();
+  }
   response->set_version(deps_.registry->version());
   return Done(context, absl::OkStatus());
 }
@@ -280,6 +344,8 @@ grpc::ServerUnaryReactor* AgentService::ListRegions(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* context,
                                                   const v1::GetStatusRequest* request,
                                                   v1::AgentStatus* response) {
+  auto caller = Authorize(context, Need::kAny, "GetStatus");
+  if (!caller.ok()) return Done(context, caller.status());
   const auto& id = *deps_.identity;
   const auto& caps = deps_.context->capabilities();
   response->set_name(id.name);
@@ -298,18 +364,31 @@ grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* c
   response->set_uptime_ms((MonotonicMicros() - id.start_us) / 1000);
   response->set_metadata_version(deps_.registry->version());
   response->set_pid(static_cast<uint32_t>(getpid()));
-  response->set_open_streams(static_cast<uint64_t>(std::max<int64_t>(open_streams_.load(), 0)));
+  response->set_open_streams(
+      static_cast<uint64_t>(std::max<int64_t>(deps_.open_streams->load(), 0)));
+  response->set_caller(caller->principal);
+  for (const auto& role : caller->Roles()) response->add_caller_roles(role);
+  response->set_sessions(deps_.local_door ? deps_.local_door->sessions() : 0);
+  response->set_refused_calls(deps_.counters->refused_calls.load());
+  response->set_dropped_peer_messages(deps_.counters->dropped_peer_messages.load());
+  response->set_local_socket(id.local_socket);
+  response->set_network_door(id.network_door);
   return Done(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AgentService::ConnectPeer(grpc::CallbackServerContext* context,
                                                     const v1::ConnectPeerRequest* request,
                                                     v1::PeerInfo* response) {
+  auto caller = Authorize(context, Need::kEngineOrScheduler, "ConnectPeer");
+  if (!caller.ok()) return Done(context, caller.status());
   if (request->address().empty()) {
     return Done(context, absl::InvalidArgumentError(
-                             "ConnectPeer: address is empty; give the peer agent's HOST:PORT"));
+                             "ConnectPeer: address is empty; give the peer agent's unix:PATH "
+                             "(same host) or HOST:PORT (its network door)"));
   }
   auto* reactor = context->DefaultReactor();
+  kAudit.Info("{} asks to connect peer at {}", caller->principal,
+              Printable(request->address(), 256));
   deps_.peers->Connect(request->address(),
                        [reactor, response](absl::StatusOr<v1::PeerInfo> info) {
                          if (info.ok()) *response = *std::move(info);
@@ -321,16 +400,18 @@ grpc::ServerUnaryReactor* AgentService::ConnectPeer(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* context,
                                                   const v1::ListPeersRequest* request,
                                                   v1::ListPeersResponse* response) {
+  auto caller = Authorize(context, Need::kAny, "ListPeers");
+  if (!caller.ok()) return Done(context, caller.status());
   for (auto& info : deps_.peers->List()) *response->add_peers() = std::move(info);
   return Done(context, absl::OkStatus());
 }
 
-void AgentService::Submit(const v1::SubmitTransferRequest& request, bool wait,
-                          SubmitDone done) {
+void AgentService::Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
+                          bool wait, SubmitDone done) {
   TransferEngine* engine = deps_.engine;
   // Submits and, when asked to wait, answers with the final state instead.
-  auto submit = [engine, &request, wait](SubmitDone done) {
-    auto state = engine->Submit(request);
+  auto submit = [engine, &request, caller, wait](SubmitDone done) {
+    auto state = engine->Submit(request, caller);
     if (!state.ok() || !wait || TerminalPhase(state->phase())) {
       done(std::move(state));
       return;
@@ -355,8 +436,10 @@ void AgentService::Submit(const v1::SubmitTransferRequest& request, bool wait,
 grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerContext* context,
                                                        const v1::SubmitTransferRequest* request,
                                                        v1::TransferState* response) {
+  auto caller = Authorize(context, Need::kEngineOrScheduler, "SubmitTransfer");
+  if (!caller.ok()) return Done(context, caller.status());
   auto* reactor = context->DefaultReactor();
-  Submit(*request, request->wait(),
+  Submit(*request, *caller, request->wait(),
          [reactor, response](absl::StatusOr<v1::TransferState> state) {
            if (state.ok()) *response = *std::move(state);
            reactor->Finish(ToGrpcStatus(state.status()));
@@ -367,6 +450,8 @@ grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerContext* context,
                                                         const v1::SubmitTransfersRequest* request,
                                                         v1::SubmitTransfersResponse* response) {
+  auto caller = Authorize(context, Need::kEngineOrScheduler, "SubmitTransfers");
+  if (!caller.ok()) return Done(context, caller.status());
   auto* reactor = context->DefaultReactor();
   const int n = request->transfers_size();
   if (n == 0) {
@@ -386,7 +471,7 @@ grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerCont
   call->response = response;
   for (int i = 0; i < n; ++i) {
     const v1::SubmitTransferRequest& entry = request->transfers(i);
-    Submit(entry, request->wait() || entry.wait(),
+    Submit(entry, *caller, request->wait() || entry.wait(),
            [call, i](absl::StatusOr<v1::TransferState> state) {
              v1::SubmitResult* result = call->response->mutable_results(i);
              if (state.ok()) {
@@ -404,20 +489,25 @@ grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext* context,
                                                     const v1::GetTransferRequest* request,
                                                     v1::TransferState* response) {
-  auto state = deps_.engine->Get(request->transfer_id());
+  auto caller = Authorize(context, Need::kAny, "GetTransfer");
+  if (!caller.ok()) return Done(context, caller.status());
+  auto state = deps_.engine->Get(request->transfer_id(), *caller);
   if (state.ok()) *response = *std::move(state);
   return Done(context, state.status());
 }
 
 grpc::ServerWriteReactor<v1::TransferState>* AgentService::WatchTransfer(
     grpc::CallbackServerContext* context, const v1::GetTransferRequest* request) {
-  return new TransferWatchReactor(deps_.engine, request->transfer_id(), &open_streams_);
+  return new TransferWatchReactor(deps_.engine, request->transfer_id(), deps_.open_streams,
+                                  Authorize(context, Need::kAny, "WatchTransfer"));
 }
 
 grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContext* context,
                                                       const v1::ListTransfersRequest* request,
                                                       v1::ListTransfersResponse* response) {
-  for (auto& state : deps_.engine->List(request->active_only())) {
+  auto caller = Authorize(context, Need::kAny, "ListTransfers");
+  if (!caller.ok()) return Done(context, caller.status());
+  for (auto& state : deps_.engine->List(request->active_only(), *caller)) {
     *response->add_transfers() = std::move(state);
   }
   return Done(context, absl::OkStatus());
@@ -426,7 +516,9 @@ grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* AgentService::CancelTransfer(grpc::CallbackServerContext* context,
                                                        const v1::CancelTransferRequest* request,
                                                        v1::TransferState* response) {
-  auto state = deps_.engine->Cancel(request->transfer_id());
+  auto caller = Authorize(context, Need::kAny, "CancelTransfer");
+  if (!caller.ok()) return Done(context, caller.status());
+  auto state = deps_.engine->Cancel(request->transfer_id(), *caller);
   if (state.ok()) *response = *std::move(state);
   return Done(context, state.status());
 }
@@ -434,9 +526,12 @@ grpc::ServerUnaryReactor* AgentService::CancelTransfer(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* AgentService::PollNotifications(
     grpc::CallbackServerContext* context, const v1::PollNotificationsRequest* request,
     v1::PollNotificationsResponse* response) {
+  auto caller = Authorize(context, Need::kAny, "PollNotifications");
+  if (!caller.ok()) return Done(context, caller.status());
   absl::flat_hash_set<std::string> ids(request->transfer_ids().begin(),
                                        request->transfer_ids().end());
-  for (auto& n : deps_.notifications->Poll(request->max(), ids)) {
+  NotificationReader reader{caller->principal, caller->scheduler};
+  for (auto& n : deps_.notifications->Poll(request->max(), ids, reader)) {
     *response->add_notifications() = std::move(n);
   }
   return Done(context, absl::OkStatus());
@@ -444,12 +539,15 @@ grpc::ServerUnaryReactor* AgentService::PollNotifications(
 
 grpc::ServerWriteReactor<v1::Notification>* AgentService::WatchNotifications(
     grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) {
-  return new NotificationWatchReactor(deps_.notifications, *request, &open_streams_);
+  return new NotificationWatchReactor(deps_.notifications, *request, deps_.open_streams,
+                                      Authorize(context, Need::kAny, "WatchNotifications"));
 }
 
 grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* context,
                                                const v1::DoctorRequest* request,
                                                v1::DoctorReport* response) {
+  auto caller = Authorize(context, Need::kAny, "Doctor");
+  if (!caller.ok()) return Done(context, caller.status());
   DoctorInputs inputs;
   inputs.agent = deps_.identity->name;
   inputs.ucx = &deps_.context->capabilities();
@@ -461,12 +559,24 @@ grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* cont
 grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* context,
                                                    const v1::GetMetadataRequest* request,
                                                    v1::AgentMetadata* response) {
+  auto caller = IdentifyCaller(door_, deps_, context);
+  absl::Status allowed = caller.ok() ? CheckRole(*caller, Need::kPeer, "GetMetadata")
+                                     : caller.status();
+  if (!allowed.ok()) {
+    deps_.counters->refused_calls.fetch_add(1);
+    LogRefusal(caller.ok() ? caller->principal : Printable(context->peer(), 128), "GetMetadata",
+               allowed);
+    return Done(context, allowed);
+  }
+  // Who polls is who authenticated; on the insecure door, whoever it claims to be.
+  const std::string identity =
+      door_ == Door::kInsecure ? request->caller() : caller->peer_name;
   const auto& id = *deps_.identity;
   response->set_name(id.name);
   response->set_incarnation(id.incarnation);
   response->set_host_id(id.host_id);
   response->set_pid(static_cast<uint32_t>(getpid()));
-  deps_.watchers->Polled(request->caller(), request->known_version(),
+  deps_.watchers->Polled(identity, request->known_version(),
                          request->known_incarnation() == id.incarnation);
   const uint64_t version = deps_.registry->version();
   if (request->known_incarnation() == id.incarnation && request->known_version() == version) {
@@ -474,7 +584,11 @@ grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* 
     return Done(context, absl::OkStatus());
   }
   response->set_worker_address(deps_.worker->address());
-  deps_.registry->Export(response);
+  response->set_notify_secret(deps_.secrets->Issue(identity));
+  deps_.registry->Export(response, /*same_host=*/door_ == Door::kLocal);
+  kAudit.Info("metadata version {} ({} regions) sent to peer '{}' ({}, {} door)", version,
+              response->regions_size(), Printable(identity), caller->principal,
+              DoorName(door_));
   return Done(context, absl::OkStatus());
 }
 

@@ -1,6 +1,8 @@
 // The gRPC services of kvagentd: `Agent` (engine workers and schedulers) and `Peer`
-// (other agents). Handlers use the callback API and never block on UCX: transfers
-// run on the worker thread and streams are fed from engine callbacks.
+// (other agents), one pair per door (local socket, mutual TLS, insecure). Every call
+// first identifies its caller (agent/access.h) and is refused unless the caller has
+// the role and owns what it names. Handlers use the callback API and never block on
+// UCX: transfers run on the worker thread and streams are fed from engine callbacks.
 #pragma once
 
 #include <atomic>
@@ -12,13 +14,16 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/access.h"
+#include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
+#include "agent/peer_secrets.h"
 #include "agent/transfer_engine.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "registry/region_registry.h"
-#include "registry/shm_mapping.h"
+#include "registry/memory_object.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -29,7 +34,9 @@ struct AgentIdentity {
   std::string name;
   uint64_t incarnation = 0;
   std::string host_id;
-  std::string listen_address;
+  std::string listen_address;  // the network door, "" when there is none
+  std::string network_door;    // "mtls HOST:PORT", "insecure HOST:PORT" or "none"
+  std::string local_socket;    // the local door's gRPC socket
   uint64_t start_us = 0;  // monotonic
 };
 
@@ -42,16 +49,33 @@ struct ServiceDeps {
   TransferEngine* engine;
   NotificationQueue* notifications;
   MetadataWatchers* watchers;
+  LocalDoor* local_door;
+  const AccessPolicy* policy;
+  const registry::PathPolicy* path_policy;  // registration by name
+  PeerSecrets* secrets;
+  SecurityCounters* counters;
+  // WatchTransfer and WatchNotifications streams whose reactor still exists, on all
+  // doors (AgentStatus.open_streams).
+  std::atomic<int64_t>* open_streams;
   uint32_t deregister_wait_ms = 2000;
 };
 
+// Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it
+// cannot be (no or unknown session token, no verified certificate).
+absl::StatusOr<Caller> IdentifyCaller(Door door, const ServiceDeps& deps,
+                                      grpc::CallbackServerContext* context);
+
+// Deregisters `names` (owned by `caller` unless it is a scheduler) and calls `done`
+// once every polling peer holds the new version or the wait passed, with the new
+// version and the peers that had not confirmed. The memory stays mapped until then.
+void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& names,
+                       const Caller& caller,
+                       std::function<void(absl::StatusOr<uint64_t> version,
+                                          std::vector<std::string> unconfirmed)> done);
+
 class AgentService final : public v1::Agent::CallbackService {
  public:
-  explicit AgentService(ServiceDeps deps) : deps_(deps) {}
-
-  grpc::ServerUnaryReactor* AllocateSharedMemory(grpc::CallbackServerContext* context,
-                                                 const v1::AllocateSharedMemoryRequest* request,
-                                                 v1::AllocateSharedMemoryResponse* response) override;
+  AgentService(Door door, ServiceDeps deps) : door_(door), deps_(deps) {}
   grpc::ServerUnaryReactor* RegisterRegions(grpc::CallbackServerContext* context,
                                             const v1::RegisterRegionsRequest* request,
                                             v1::RegisterRegionsResponse* response) override;
@@ -104,25 +128,26 @@ class AgentService final : public v1::Agent::CallbackService {
   // Submits `request` (refreshing the peer first when it names a remote group or
   // region the peer's catalog lacks) and calls `done` once: with the accepted state,
   // or with the final state when `wait`. `request` must outlive the call of `done`.
-  void Submit(const v1::SubmitTransferRequest& request, bool wait, SubmitDone done);
+  void Submit(const v1::SubmitTransferRequest& request, const Caller& caller, bool wait,
+              SubmitDone done);
+  // Identifies the caller and checks it has what `call` needs; a refusal is counted
+  // and logged with the caller and the reason.
+  absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* context, Need need,
+                                   std::string_view call);
 
+  const Door door_;
   ServiceDeps deps_;
-  // WatchTransfer and WatchNotifications streams whose reactor still exists.
-  std::atomic<int64_t> open_streams_{0};
-  absl::Mutex shm_mu_;
-  uint64_t shm_counter_ ABSL_GUARDED_BY(shm_mu_) = 0;
-  // Objects this agent created; unlinked when the agent exits.
-  absl::flat_hash_map<std::string, registry::ShmMapping> allocations_ ABSL_GUARDED_BY(shm_mu_);
 };
 
 class PeerService final : public v1::Peer::CallbackService {
  public:
-  explicit PeerService(ServiceDeps deps) : deps_(deps) {}
+  PeerService(Door door, ServiceDeps deps) : door_(door), deps_(deps) {}
   grpc::ServerUnaryReactor* GetMetadata(grpc::CallbackServerContext* context,
                                         const v1::GetMetadataRequest* request,
                                         v1::AgentMetadata* response) override;
 
  private:
+  const Door door_;
   ServiceDeps deps_;
 };
 

@@ -1,12 +1,15 @@
 // kvagentd: parses flags, starts the Agent, and waits for SIGTERM/SIGINT.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <string>
 #include <string_view>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "agent/agent.h"
 #include "fmt/format.h"
 #include "transport/base/log.h"
@@ -16,8 +19,41 @@ namespace {
 constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
 
   --name NAME                 agent name, unique among its peers (required)
-  --listen HOST:PORT          gRPC listen address (default 127.0.0.1:0; port 0 picks one)
-  --port-file PATH            write the bound port here once serving
+
+ Doors (see docs/SECURITY.md):
+  --local-socket PATH         the local door: gRPC on PATH, sessions on PATH.session
+                              (default /run/kvagent/kvagent.sock)
+  --local-socket-group GROUP  group of both sockets (name or gid); with mode 0660 its
+                              members may attach
+  --local-socket-mode OCTAL   mode of both sockets (default 0660)
+  --max-sessions N            local sessions attached at once (default 1024)
+  --listen HOST:PORT          the network door, mutual TLS only (needs --tls-cert,
+                              --tls-key, --tls-ca); port 0 picks one. Default: none
+  --tls-cert PATH             this agent's certificate (PEM); its DNS name or CN must be
+                              --name; also used to reach network peers
+  --tls-key PATH              its private key (PEM)
+  --tls-ca PATH               the cluster CA: the only issuer of peers and schedulers
+  --insecure-listen HOST:PORT a plain-TCP door where NOBODY IS IDENTIFIED and every
+                              caller may read and write every registered region; for a
+                              trusted test network only (warns every minute)
+  --port-file PATH            write the network door's port (0: none) once serving
+
+ Roles (comma-separated uids or user names; "none" for nobody):
+  --engine-uids LIST          local uids that may register memory (default: any uid
+                              that can open the socket)
+  --scheduler-uids LIST       local uids that may act on every engine's regions,
+                              transfers and notifications (default: the agent's own uid)
+  --peer-uids LIST            uids a same-host peer agent may run as (default: the
+                              agent's own uid)
+  --scheduler-identities LIST certificate names with the scheduler role (default none)
+  --peer-identities LIST      certificate names that may act as peers (default: every
+                              certificate of the cluster CA)
+
+ Memory and data path:
+  --shm-dirs DIR[,DIR]        where registration by file name may look (default
+                              /dev/shm,/dev/hugepages); descriptors need none
+  --data-interface IF[,IF]    UCX_NET_DEVICES for data (default: the interface of the
+                              --listen address; lo without a network door)
   --log-level LEVEL           trace|debug|info|warn|error|off (default info)
   --transfer-timeout-ms N     default deadline of a transfer (default 30000)
   --peer-refresh-ms N         how often peers are polled for changes and liveness (default 200)
@@ -48,6 +84,8 @@ int main(int argc, char** argv) {
   using kvagent::agent::ErrorModeChoice;
   kvagent::agent::AgentOptions options;
   uint32_t grace_ms = 5000;
+  bool scheduler_uids_set = false;
+  bool peer_uids_set = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -70,6 +108,11 @@ int main(int argc, char** argv) {
     } else {
       return Fail(fmt::format("flag {} needs a value", arg));
     }
+    auto uids = [&](std::set<uid_t>* out) {
+      auto parsed = kvagent::agent::ParseUidList(value, key);
+      if (!parsed.ok()) std::exit(Fail(std::string(parsed.status().message())));
+      *out = *std::move(parsed);
+    };
     auto number = [&](uint32_t* out) {
       if (!absl::SimpleAtoi(value, out)) {
         std::exit(Fail(fmt::format("flag {}: '{}' is not a non-negative integer", key, value)));
@@ -79,6 +122,46 @@ int main(int argc, char** argv) {
       options.name = value;
     } else if (key == "--listen") {
       options.listen = value;
+    } else if (key == "--insecure-listen") {
+      options.insecure_listen = value;
+    } else if (key == "--local-socket") {
+      options.local_socket = value;
+    } else if (key == "--local-socket-group") {
+      options.local_socket_group = value;
+    } else if (key == "--local-socket-mode") {
+      char* end = nullptr;
+      const unsigned long mode = std::strtoul(value.c_str(), &end, 8);
+      if (value.empty() || *end != '\0' || mode > 0777) {
+        return Fail(fmt::format("--local-socket-mode '{}': give an octal mode such as 0660", value));
+      }
+      options.local_socket_mode = static_cast<uint32_t>(mode);
+    } else if (key == "--max-sessions") {
+      number(&options.max_sessions);
+    } else if (key == "--tls-cert") {
+      options.tls.cert = value;
+    } else if (key == "--tls-key") {
+      options.tls.key = value;
+    } else if (key == "--tls-ca") {
+      options.tls.ca = value;
+    } else if (key == "--engine-uids") {
+      uids(&options.policy.engine_uids);
+    } else if (key == "--scheduler-uids") {
+      uids(&options.policy.scheduler_uids);
+      scheduler_uids_set = true;
+    } else if (key == "--peer-uids") {
+      uids(&options.policy.peer_uids);
+      peer_uids_set = true;
+    } else if (key == "--scheduler-identities") {
+      options.policy.scheduler_identities = kvagent::agent::ParseIdentityList(value);
+    } else if (key == "--peer-identities") {
+      options.policy.any_peer_identity = value == "*";
+      if (!options.policy.any_peer_identity) {
+        options.policy.peer_identities = kvagent::agent::ParseIdentityList(value);
+      }
+    } else if (key == "--shm-dirs") {
+      options.shm_dirs = absl::StrSplit(value, ',', absl::SkipEmpty());
+    } else if (key == "--data-interface") {
+      options.data_interface = value;
     } else if (key == "--port-file") {
       options.port_file = value;
     } else if (key == "--log-level") {
@@ -128,6 +211,10 @@ int main(int argc, char** argv) {
       return Fail(fmt::format("unknown flag {}", key));
     }
   }
+
+  // The agent's own user administers it and is its same-host peers' user.
+  if (!scheduler_uids_set) options.policy.scheduler_uids = {geteuid()};
+  if (!peer_uids_set) options.policy.peer_uids = {geteuid()};
 
   // Block the stop signals before any thread starts so only sigwait sees them.
   sigset_t stop_signals;

@@ -4,7 +4,15 @@
 
 namespace kvagent::agent {
 
-bool NotificationQueue::OfferLocked(const v1::Notification& n) {
+bool NotificationReader::Takes(const QueuedNotification& q) const {
+  if (any) return true;
+  for (const auto& owner : q.owners) {
+    if (owner == principal) return true;
+  }
+  return false;
+}
+
+bool NotificationQueue::OfferLocked(const QueuedNotification& n) {
   const size_t count = subscribers_.size();
   for (size_t i = 0; i < count; ++i) {
     auto& subscriber = subscribers_[(next_subscriber_ + i) % count];
@@ -17,19 +25,19 @@ bool NotificationQueue::OfferLocked(const v1::Notification& n) {
   return false;
 }
 
-void NotificationQueue::Push(v1::Notification notification) {
+void NotificationQueue::Push(QueuedNotification notification) {
   absl::MutexLock lock(&mu_);
   if (!OfferLocked(notification)) queue_.push_back(std::move(notification));
 }
 
 std::vector<v1::Notification> NotificationQueue::Poll(
-    uint32_t max, const absl::flat_hash_set<std::string>& ids) {
+    uint32_t max, const absl::flat_hash_set<std::string>& ids, const NotificationReader& reader) {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Notification> out;
   for (auto it = queue_.begin(); it != queue_.end();) {
     if (max != 0 && out.size() >= max) break;
-    if (ids.empty() || ids.contains(it->transfer_id())) {
-      out.push_back(std::move(*it));
+    if ((ids.empty() || ids.contains(it->notification.transfer_id())) && reader.Takes(*it)) {
+      out.push_back(std::move(it->notification));
       it = queue_.erase(it);
     } else {
       ++it;
@@ -39,7 +47,7 @@ std::vector<v1::Notification> NotificationQueue::Poll(
   return out;
 }
 
-void NotificationQueue::Requeue(std::vector<v1::Notification> notifications) {
+void NotificationQueue::Requeue(std::vector<QueuedNotification> notifications) {
   absl::MutexLock lock(&mu_);
   delivered_ -= std::min<uint64_t>(delivered_, notifications.size());
   for (auto it = notifications.rbegin(); it != notifications.rend(); ++it) {

@@ -3,7 +3,9 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "agent/access.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -13,6 +15,7 @@
 namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("peers");
+constexpr log::Logger kAudit("audit");
 
 void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
@@ -21,14 +24,99 @@ void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
 // gRPC's default reconnect backoff grows to 120 s; a peer restarted on the same
 // address would then look dead for minutes. A poll fails fast while the channel
 // backs off, so keep the backoff near the poll period.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return args;
 }
+
+constexpr char kSessionTokenKey[] = "kvagent-session";
 }  // namespace
+
+void PeerLink::Prepare(grpc::ClientContext* context) const {
+  if (session) context->AddMetadata(kSessionTokenKey, session->token());
+}
+
+absl::Status PeerLink::Verify(const grpc::ClientContext& context,
+                              const v1::AgentMetadata& reply) const {
+  if (local) {
+    const auto& welcome = session->welcome();
+    const auto credentials = session->agent_credentials();
+    if (reply.name() != welcome.agent() || reply.incarnation() != welcome.incarnation() ||
+        reply.pid() != static_cast<uint32_t>(credentials.pid)) {
+      return absl::PermissionDeniedError(fmt::format(
+          "the agent answering at {} says it is '{}' (incarnation {:x}, pid {}) but its session "
+          "socket belongs to '{}' (incarnation {:x}, pid {}); something stands between the "
+          "two sockets: check who listens at that path",
+          address, Printable(reply.name()), reply.incarnation(), reply.pid(),
+          Printable(welcome.agent()), welcome.incarnation(), credentials.pid));
+    }
+    return absl::OkStatus();
+  }
+  if (!tls) return absl::OkStatus();  // --insecure-listen: nobody is identified
+  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !IdentityMatches(*auth, reply.name())) {
+    std::vector<std::string> names = auth ? PeerIdentities(*auth) : std::vector<std::string>{};
+    for (auto& n : names) n = Printable(n);
+    return absl::PermissionDeniedError(fmt::format(
+        "the agent at {} calls itself '{}' but its certificate names [{}]; a peer's agent name "
+        "must be in its certificate (DNS subject alternative name or common name): issue it "
+        "one for its --name",
+        address, Printable(reply.name()), absl::StrJoin(names, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<PeerLink>> PeerManager::OpenLink(const std::string& address) const {
+  auto link = std::make_shared<PeerLink>();
+  link->address = address;
+  if (absl::StartsWith(address, "unix:")) {
+    const std::string path = address.substr(5);
+    auto session = client::LocalSession::Attach(path + ".session", options_.self_name,
+                                                options_.connect_timeout_ms);
+    if (!session.ok()) {
+      return absl::Status(session.status().code(),
+                          fmt::format("peer at {}: {}", address, session.status().message()));
+    }
+    const uid_t uid = (*session)->agent_credentials().uid;
+    if (options_.link.peer_uids.count(uid) == 0) {
+      return absl::PermissionDeniedError(fmt::format(
+          "peer at {}: the process listening there runs as uid {}, which is not in this "
+          "agent's --peer-uids; same-host agents run as the agent user (or list its uid)",
+          address, uid));
+    }
+    const auto& roles = (*session)->welcome().roles();
+    if (std::find(roles.begin(), roles.end(), "peer") == roles.end()) {
+      return absl::PermissionDeniedError(fmt::format(
+          "peer at {}: agent '{}' does not accept this agent (uid {}) as a peer; run both "
+          "agents as the same user, or add our uid to its --peer-uids",
+          address, Printable((*session)->welcome().agent()), geteuid()));
+    }
+    link->local = true;
+    link->session = *std::move(session);
+    link->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                              ChannelArgs());
+  } else if (!options_.link.tls.empty()) {
+    auto credentials = MakeChannelCredentials(options_.link.tls);
+    if (!credentials.ok()) return credentials.status();
+    link->tls = true;
+    link->channel = grpc::CreateCustomChannel(address, *credentials, ChannelArgs());
+  } else if (options_.link.insecure) {
+    link->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                              ChannelArgs());
+  } else {
+    return absl::FailedPreconditionError(fmt::format(
+        "peer at {}: a network peer needs mutual TLS and this agent has no certificate; start "
+        "it with --tls-cert, --tls-key and --tls-ca (or, on a trusted network only, "
+        "--insecure-listen), or connect a same-host peer as unix:PATH",
+        Printable(address, 256)));
+  }
+  link->stub = v1::Peer::NewStub(link->channel);
+  return link;
+}
 
 PeerManager::PeerManager(transport::UcxWorker* worker, PeerManagerOptions options)
     : worker_(worker), options_(std::move(options)) {
@@ -40,27 +128,53 @@ PeerManager::~PeerManager() { Stop(); }
 
 void PeerManager::Connect(const std::string& address,
                           std::function<void(absl::StatusOr<v1::PeerInfo>)> done) {
-  auto channel = MakeChannel(address);
+  auto link = OpenLink(address);
+  if (!link.ok()) {
+    kAudit.Warn("peer connection to {} refused: {}", Printable(address, 256),
+                link.status().message());
+    done(link.status());
+    return;
+  }
   struct Call {
     grpc::ClientContext context;
     v1::GetMetadataRequest request;
     v1::AgentMetadata reply;
-    std::unique_ptr<v1::Peer::Stub> stub;
+    std::shared_ptr<PeerLink> link;
   };
   auto call = std::make_shared<Call>();
-  call->stub = v1::Peer::NewStub(channel);
+  call->link = *std::move(link);
   call->request.set_caller(options_.self_name);
+  call->link->Prepare(&call->context);
   SetDeadline(&call->context, options_.connect_timeout_ms);
-  call->stub->async()->GetMetadata(
+  call->link->stub->async()->GetMetadata(
       &call->context, &call->request, &call->reply,
-      [this, call, channel, address, done = std::move(done)](grpc::Status status) {
+      [this, call, address, done = std::move(done)](grpc::Status status) {
         if (!status.ok()) {
           done(absl::UnavailableError(fmt::format(
-              "peer at {} did not answer GetMetadata: {} ({}); check that kvagentd runs there "
-              "and that the address and port are right",
-              address, status.error_message(), static_cast<int>(status.error_code()))));
+              "peer at {} did not answer GetMetadata: {} ({}); check that kvagentd runs there, "
+              "that the address and port are right, and (network peers) that both agents' "
+              "certificates come from the same CA",
+              Printable(address, 256), status.error_message(),
+              static_cast<int>(status.error_code()))));
           return;
         }
+        absl::Status who = call->link->Verify(call->context, call->reply);
+        if (who.ok() && call->reply.incarnation() == options_.incarnation) {
+          who = absl::InvalidArgumentError(fmt::format(
+              "ConnectPeer {}: that is this agent itself ('{}'); connect other agents",
+              Printable(address, 256), options_.self_name));
+        }
+        if (!who.ok()) {
+          kAudit.Warn("peer connection to {} refused: {}", Printable(address, 256), who.message());
+          done(who);
+          return;
+        }
+        kAudit.Info("peer '{}' at {} authenticated ({})", Printable(call->reply.name()),
+                    Printable(address, 256),
+                    call->link->local ? fmt::format("local door, uid {}",
+                                                    call->link->session->agent_credentials().uid)
+                    : call->link->tls ? std::string("certificate")
+                                      : std::string("INSECURE: not authenticated"));
         std::shared_ptr<const PeerSnapshot> previous;
         {
           absl::MutexLock lock(&mu_);
@@ -68,14 +182,14 @@ void PeerManager::Connect(const std::string& address,
           if (it != peers_.end()) previous = it->second.snapshot;
         }
         const uint64_t version = call->reply.version();
-        BuildSnapshot(address, call->reply, previous,
-                      [this, channel, address, version, done](
+        BuildSnapshot(call->link, call->reply, previous,
+                      [this, call, version, done](
                           absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
                         if (!snapshot.ok()) {
                           done(snapshot.status());
                           return;
                         }
-                        Install(address, channel, *snapshot, version);
+                        Install(call->link, *snapshot, version);
                         absl::MutexLock lock(&mu_);
                         done(InfoLocked(peers_.at((*snapshot)->name)));
                       });
@@ -83,10 +197,11 @@ void PeerManager::Connect(const std::string& address,
 }
 
 void PeerManager::BuildSnapshot(
-    const std::string& address, const v1::AgentMetadata& metadata,
+    const std::shared_ptr<PeerLink>& link, const v1::AgentMetadata& metadata,
     std::shared_ptr<const PeerSnapshot> previous,
     std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done,
     bool reuse_endpoint) {
+  const std::string& address = link->address;
   auto catalog = registry::RemoteCatalog::FromMetadata(metadata);
   if (!catalog.ok()) {
     done(absl::Status(catalog.status().code(),
@@ -99,7 +214,10 @@ void PeerManager::BuildSnapshot(
   snapshot->address = address;
   snapshot->incarnation = metadata.incarnation();
   snapshot->worker_address = metadata.worker_address();
-  snapshot->same_host = !options_.host_id.empty() && metadata.host_id() == options_.host_id;
+  // Same host only when proven: the peer answered on its local door (a Unix socket the
+  // kernel vouches for). A host_id in metadata is just a claim.
+  snapshot->same_host = link->local;
+  snapshot->notify_secret = metadata.notify_secret();
   switch (options_.error_mode) {
     case ErrorModeChoice::kPeer: snapshot->error_mode = transport::ErrorMode::kPeer; break;
     case ErrorModeChoice::kNone: snapshot->error_mode = transport::ErrorMode::kNone; break;
@@ -112,7 +230,9 @@ void PeerManager::BuildSnapshot(
   }
   snapshot->catalog = std::make_shared<registry::RemoteCatalog>(*std::move(catalog));
   if (snapshot->same_host && options_.shm_direct) {
-    snapshot->direct = MapDirect(*snapshot->catalog, previous ? previous->direct.get() : nullptr);
+    const bool same_process = previous && previous->incarnation == snapshot->incarnation;
+    snapshot->direct =
+        MapDirect(*snapshot->catalog, *link, same_process ? previous->direct.get() : nullptr);
   }
   std::vector<std::string> rkeys;
   rkeys.reserve(metadata.regions_size());
@@ -194,29 +314,49 @@ void PeerManager::BuildSnapshot(
   });
 }
 
-namespace {
-// A name this agent will map for a same-host peer: "/name" (shm_open), or a file
-// directly under /dev/shm or /dev/hugepages, with no way out of those directories.
-bool PeerMappableName(const std::string& name) {
-  if (name.find("..") != std::string::npos || name.find('\0') != std::string::npos) return false;
-  if (!name.empty() && name[0] == '/' && name.find('/', 1) == std::string::npos) return true;
-  for (std::string_view dir : {"/dev/shm/", "/dev/hugepages/"}) {
-    if (name.size() > dir.size() && name.compare(0, dir.size(), dir) == 0 &&
-        name.find('/', dir.size()) == std::string::npos) {
-      return true;
-    }
-  }
-  return name.find('/') == std::string::npos && !name.empty();
-}
-
-}  // namespace
-
 std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
-    const registry::RemoteCatalog& catalog, const DirectMappings* previous) const {
+    const registry::RemoteCatalog& catalog, PeerLink& link, const DirectMappings* previous) const {
   auto direct = std::make_shared<DirectMappings>();
   const auto& regions = catalog.regions();
   direct->base_by_slot.assign(regions.size(), nullptr);
   direct->mappings.resize(regions.size());
+  direct->memory_keys.resize(regions.size());
+  // The descriptors of the peer's memory objects this view needs and the previous
+  // view did not map, fetched over the peer's session socket (never opened by name).
+  absl::flat_hash_map<uint64_t, std::shared_ptr<const registry::MemoryObject>> objects;
+  {
+    std::vector<uint64_t> wanted;
+    for (const auto& r : regions) {
+      if (r.memory_id == 0 || objects.contains(r.memory_id)) continue;
+      const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
+      bool reusable = false;
+      for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
+        reusable = reusable || (previous->memory_keys[j] == key && previous->mappings[j]);
+      }
+      if (reusable) continue;
+      objects[r.memory_id] = nullptr;
+      wanted.push_back(r.memory_id);
+    }
+    if (!wanted.empty() && link.session != nullptr) {
+      auto fds = link.session->PeerMemory(wanted);
+      if (!fds.ok()) {
+        kLog.Warn("peer '{}': cannot get descriptors of its memory ({}); its host regions move "
+                  "through UCX",
+                  catalog.peer(), fds.status().message());
+      } else {
+        for (auto& [id, fd] : *fds) {
+          auto object = registry::MemoryObject::FromDescriptor(
+              std::move(fd), fmt::format("peer '{}' memory {}", catalog.peer(), id));
+          if (!object.ok()) {
+            kLog.Warn("peer '{}' memory {}: {}; regions in it move through UCX", catalog.peer(),
+                      id, object.status().message());
+            continue;
+          }
+          objects[id] = *std::move(object);
+        }
+      }
+    }
+  }
   direct->cuda_mappings.resize(regions.size());
   direct->handles.resize(regions.size());
   size_t mapped = 0;
@@ -253,36 +393,30 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
       ++mapped;
       continue;
     }
-    if (r.shm_name.empty()) continue;
-    if (!PeerMappableName(r.shm_name)) {
-      // A peer's metadata is untrusted: it must not make this agent map (and then
-      // write into) an arbitrary file it can open.
-      kLog.Warn("peer '{}' region '{}': shared-memory name '{}' is neither a POSIX "
-                "shared-memory name nor a file under /dev/shm or /dev/hugepages; that region "
-                "moves through UCX",
-                catalog.peer(), r.name, r.shm_name.substr(0, 128));
-      continue;
-    }
+    if (r.memory_id == 0) continue;
+    const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
     std::shared_ptr<registry::ShmMapping> mapping;
-    if (previous != nullptr) {
-      for (const auto& m : previous->mappings) {
-        if (m && m->name() == r.shm_name && m->offset() == r.shm_offset && m->length() == r.length) {
-          mapping = m;
-          break;
-        }
+    for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
+      if (previous->memory_keys[j] == key && previous->mappings[j]) {
+        mapping = previous->mappings[j];
+        break;
       }
     }
     if (!mapping) {
-      auto opened = registry::ShmMapping::Open(r.shm_name, r.shm_offset, r.length,
-                                               fmt::format("peer '{}' region '{}'", catalog.peer(), r.name));
-      if (!opened.ok()) {
-        kLog.Warn("peer '{}' region '{}': cannot map its shared memory here ({}); that region "
-                  "moves through UCX",
-                  catalog.peer(), r.name, opened.status().message());
+      auto object = objects.find(r.memory_id);
+      if (object == objects.end() || object->second == nullptr) continue;
+      auto mapped_now = registry::ShmMapping::Map(
+          object->second, r.memory_offset, r.length,
+          fmt::format("peer '{}' region '{}'", catalog.peer(), r.name));
+      if (!mapped_now.ok()) {
+        kLog.Warn("peer '{}' region '{}': cannot map its memory here ({}); that region moves "
+                  "through UCX",
+                  catalog.peer(), r.name, mapped_now.status().message());
         continue;
       }
-      mapping = std::make_shared<registry::ShmMapping>(*std::move(opened));
+      mapping = std::make_shared<registry::ShmMapping>(*std::move(mapped_now));
     }
+    direct->memory_keys[i] = key;
     direct->base_by_slot[i] = static_cast<uint8_t*>(mapping->data());
     direct->mappings[i] = std::move(mapping);
     ++mapped;
@@ -292,12 +426,12 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
   return direct;
 }
 
-void PeerManager::Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
+void PeerManager::Install(std::shared_ptr<PeerLink> link,
                           std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version) {
   std::optional<PeerLoss> restarted;
   {
     absl::MutexLock lock(&mu_);
-    restarted = InstallLocked(address, std::move(channel), std::move(snapshot), version);
+    restarted = InstallLocked(std::move(link), std::move(snapshot), version);
   }
   if (restarted) NotifyLoss(*restarted);
 }
@@ -315,10 +449,10 @@ bool RemovesRegions(const registry::RemoteCatalog& before, const registry::Remot
 }
 }  // namespace
 
-std::optional<PeerLoss> PeerManager::InstallLocked(const std::string& address,
-                                                   std::shared_ptr<grpc::Channel> channel,
+std::optional<PeerLoss> PeerManager::InstallLocked(std::shared_ptr<PeerLink> link,
                                                    std::shared_ptr<const PeerSnapshot> snapshot,
                                                    uint64_t version) {
+  const std::string address = link->address;
   Peer& peer = peers_[snapshot->name];
   // Two refreshes may race; never go back to an older view of the same incarnation.
   if (peer.snapshot && peer.snapshot->incarnation == snapshot->incarnation &&
@@ -337,10 +471,7 @@ std::optional<PeerLoss> PeerManager::InstallLocked(const std::string& address,
         snapshot->incarnation};
     kLog.Warn("{}", restarted->cause.message());
   }
-  if (!peer.snapshot || peer.snapshot->address != address || !peer.stub) {
-    peer.channel = std::move(channel);
-    peer.stub = std::shared_ptr<v1::Peer::Stub>(v1::Peer::NewStub(peer.channel));
-  }
+  if (peer.link != link) peer.link = std::move(link);
   const bool changed = !peer.snapshot || peer.version != version ||
                        peer.snapshot->incarnation != snapshot->incarnation;
   if (changed) {
@@ -408,10 +539,9 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
     v1::GetMetadataRequest request;
     v1::AgentMetadata reply;
     std::shared_ptr<const PeerSnapshot> previous;
-    std::shared_ptr<grpc::Channel> channel;
+    std::shared_ptr<PeerLink> link;
   };
   auto call = std::make_shared<Call>();
-  std::shared_ptr<v1::Peer::Stub> stub;
   {
     absl::ReaderMutexLock lock(&mu_);
     auto it = peers_.find(name);
@@ -420,23 +550,27 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
       return;
     }
     call->previous = it->second.snapshot;
-    call->channel = it->second.channel;
+    call->link = it->second.link;
     // Only a drained version may be acknowledged (see RefreshOne); until the monitor
     // has drained the newest, this poll names the last drained one and so refetches.
     call->request.set_known_version(it->second.drained_version == it->second.version
                                         ? it->second.version
                                         : it->second.drained_version);
     call->request.set_known_incarnation(call->previous->incarnation);
-    stub = it->second.stub;
   }
   call->request.set_caller(options_.self_name);
+  call->link->Prepare(&call->context);
   SetDeadline(&call->context, options_.connect_timeout_ms);
-  stub->async()->GetMetadata(
+  call->link->stub->async()->GetMetadata(
       &call->context, &call->request, &call->reply,
-      [this, call, stub, name, done = std::move(done)](grpc::Status status) {
+      [this, call, name, done = std::move(done)](grpc::Status status) {
         if (!status.ok()) {
           done(absl::UnavailableError(fmt::format("peer '{}' did not answer GetMetadata: {}", name,
                                                   status.error_message())));
+          return;
+        }
+        if (absl::Status who = call->link->Verify(call->context, call->reply); !who.ok()) {
+          done(who);
           return;
         }
         if (call->reply.incarnation() == call->previous->incarnation &&
@@ -445,15 +579,14 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
           return;
         }
         const uint64_t version = call->reply.version();
-        const std::string address = call->previous->address;
-        BuildSnapshot(address, call->reply, call->previous,
-                      [this, call, address, version, done](
+        BuildSnapshot(call->link, call->reply, call->previous,
+                      [this, call, version, done](
                           absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
                         if (!snapshot.ok()) {
                           done(snapshot.status());
                           return;
                         }
-                        Install(address, call->channel, *snapshot, version);
+                        Install(call->link, *snapshot, version);
                         done(absl::OkStatus());
                       });
       });
@@ -581,16 +714,14 @@ bool PeerManager::RefreshOne(const std::string& name) {
   v1::GetMetadataRequest request;
   request.set_caller(options_.self_name);
   std::shared_ptr<const PeerSnapshot> previous;
-  std::shared_ptr<v1::Peer::Stub> stub;
-  std::shared_ptr<grpc::Channel> channel;
+  std::shared_ptr<PeerLink> link;
   bool endpoint_failed = false;
   {
     absl::ReaderMutexLock lock(&mu_);
     auto it = peers_.find(name);
     if (it == peers_.end()) return false;
     previous = it->second.snapshot;
-    stub = it->second.stub;
-    channel = it->second.channel;
+    link = it->second.link;
     endpoint_failed = it->second.endpoint_failed;
     request.set_known_version(it->second.version);
     request.set_known_incarnation(previous->incarnation);
@@ -621,6 +752,7 @@ bool PeerManager::RefreshOne(const std::string& name) {
     }
   }
   grpc::ClientContext context;
+  link->Prepare(&context);
   // Detection bound: a dead peer refuses or resets the connection, so its poll fails
   // at once; a hung one (SIGSTOP, a wedged host) holds the poll until this deadline.
   // A peer is therefore marked unreachable, and its transfers failed, within
@@ -629,11 +761,16 @@ bool PeerManager::RefreshOne(const std::string& name) {
   // above a loaded peer's answer time, since a false alarm fails live transfers.
   SetDeadline(&context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
   v1::AgentMetadata reply;
-  grpc::Status status = stub->GetMetadata(&context, request, &reply);
+  grpc::Status status = link->stub->GetMetadata(&context, request, &reply);
   if (!status.ok()) {
     MarkUnreachable(name, previous->incarnation,
                     fmt::format("GetMetadata failed: {} (gRPC code {})", status.error_message(),
                                 static_cast<int>(status.error_code())),
+                    /*endpoint_failed=*/false);
+    return false;
+  }
+  if (absl::Status who = link->Verify(context, reply); !who.ok()) {
+    MarkUnreachable(name, previous->incarnation, std::string(who.message()),
                     /*endpoint_failed=*/false);
     return false;
   }
@@ -660,13 +797,12 @@ bool PeerManager::RefreshOne(const std::string& name) {
   // wait for it so refreshes stay in order.
   absl::Notification built;
   bool installed = false;
-  const std::string address = previous->address;
   const uint64_t version = reply.version();
   BuildSnapshot(
-      address, reply, previous,
+      link, reply, previous,
       [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
         if (snapshot.ok()) {
-          Install(address, channel, *snapshot, version);
+          Install(link, *snapshot, version);
           installed = true;
         } else {
           MarkUnreachable(name, previous->incarnation, std::string(snapshot.status().message()),

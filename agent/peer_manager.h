@@ -1,7 +1,9 @@
-// PeerManager connects this agent to peer agents: it fetches their metadata over
-// gRPC (untrusted: validated by registry::RemoteCatalog), opens a UCX endpoint,
-// unpacks their rkeys, and polls them every refresh period for region changes and
-// liveness. The transfer engine reads immutable PeerSnapshots from it.
+// PeerManager connects this agent to peer agents: it authenticates them (a same-host
+// peer through its local door, identified by the kernel; any other by its
+// certificate), fetches their metadata over gRPC (untrusted: validated by
+// registry::RemoteCatalog), and only then opens a UCX endpoint and unpacks their
+// rkeys; it polls them every refresh period for region changes and liveness. The
+// transfer engine reads immutable PeerSnapshots from it.
 #pragma once
 
 #include <atomic>
@@ -9,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "agent/tls.h"
+#include "client/local_session.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "registry/cuda_ipc_mapping.h"
 #include "registry/remote_catalog.h"
@@ -45,11 +50,13 @@ struct RkeyTable {
 };
 
 // The peer's memory mapped into this process (same-host peers), indexed by rkey
-// slot: shared-memory regions by mmap, VRAM regions by opening the peer's CUDA IPC
-// handle. A null base means that region goes through UCX.
+// slot: host memory by mapping the descriptor the peer passed over its session
+// socket, VRAM regions by opening the peer's CUDA IPC handle. A null base means that
+// region goes through UCX.
 struct DirectMappings {
   std::vector<uint8_t*> base_by_slot;
   std::vector<std::shared_ptr<registry::ShmMapping>> mappings;
+  std::vector<std::string> memory_keys;  // identity of each shm mapping, for reuse
   std::vector<std::shared_ptr<registry::CudaIpcMapping>> cuda_mappings;
   std::vector<std::string> handles;  // identity of each cuda mapping, for reuse
   bool complete = false;  // every region is mapped
@@ -68,6 +75,35 @@ struct PeerSnapshot {
   std::shared_ptr<transport::Endpoint> endpoint;  // worker thread only
   std::shared_ptr<RkeyTable> keys;                // worker thread only
   std::shared_ptr<const DirectMappings> direct;   // null unless same-host shm-direct
+  // The secret the peer issued us (AgentMetadata.notify_secret): every UCX message we
+  // send it carries it.
+  std::string notify_secret;
+};
+
+// How this agent reaches one peer's Peer service: a gRPC channel and, for a same-host
+// peer, the session on its local door (its token goes with every call; descriptors of
+// its memory come over it). Shared by the polls that use it.
+struct PeerLink {
+  std::string address;
+  bool local = false;  // unix:PATH: the peer's local door, kernel-identified
+  bool tls = false;    // HOST:PORT with mutual TLS
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Peer::Stub> stub;
+  std::unique_ptr<client::LocalSession> session;  // local only
+
+  // Adds the session token to a call (local links).
+  void Prepare(grpc::ClientContext* context) const;
+  // After a call answered: the agent that answered is the one the reply names. TLS:
+  // the certificate names it; local: it is the process behind the socket (pid) and
+  // the session's agent. PERMISSION_DENIED naming both sides otherwise.
+  absl::Status Verify(const grpc::ClientContext& context, const v1::AgentMetadata& reply) const;
+};
+
+// What PeerManager needs to open links.
+struct PeerLinkOptions {
+  TlsFiles tls;           // mutual TLS to network peers (empty: none)
+  bool insecure = false;  // plain TCP to network peers (this agent runs --insecure-listen)
+  std::set<uid_t> peer_uids;  // a same-host peer's agent must run as one of these
 };
 
 enum class ErrorModeChoice { kAuto, kPeer, kNone };
@@ -86,12 +122,14 @@ using PeerLossListener = std::function<void(const PeerLoss&)>;
 
 struct PeerManagerOptions {
   std::string self_name;
+  uint64_t incarnation = 0;  // ours: connecting to ourselves is refused
   std::string host_id;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   uint32_t refresh_ms = 200;
   uint32_t connect_timeout_ms = 5000;
   // Map a same-host peer's shared memory and copy directly (see DirectMappings).
   bool shm_direct = true;
+  PeerLinkOptions link;
 };
 
 class PeerManager {
@@ -123,10 +161,9 @@ class PeerManager {
  private:
   struct Peer {
     std::shared_ptr<const PeerSnapshot> snapshot;
-    std::shared_ptr<grpc::Channel> channel;
-    // Shared: a poll keeps using its stub while ConnectPeer with a new address
+    // Shared: a poll keeps using its link while ConnectPeer with a new address
     // replaces it.
-    std::shared_ptr<v1::Peer::Stub> stub;
+    std::shared_ptr<PeerLink> link;
     uint64_t version = 0;
     // The newest version whose older operations were drained (DrainPosted) before a
     // poll told the peer that this agent holds it.
@@ -140,18 +177,19 @@ class PeerManager {
 
   // Validates metadata and builds a snapshot on the worker thread, reusing the
   // endpoint of `previous` when the peer's worker is the same.
-  void BuildSnapshot(const std::string& address, const v1::AgentMetadata& metadata,
+  void BuildSnapshot(const std::shared_ptr<PeerLink>& link, const v1::AgentMetadata& metadata,
                      std::shared_ptr<const PeerSnapshot> previous,
                      std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done,
                      bool reuse_endpoint = true);
   // Installs `snapshot`; tells the loss listener (after unlocking) when it replaces
   // another incarnation.
-  void Install(const std::string& address, std::shared_ptr<grpc::Channel> channel,
-               std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version);
-  std::optional<PeerLoss> InstallLocked(const std::string& address,
-                                        std::shared_ptr<grpc::Channel> channel,
+  void Install(std::shared_ptr<PeerLink> link, std::shared_ptr<const PeerSnapshot> snapshot,
+               uint64_t version);
+  std::optional<PeerLoss> InstallLocked(std::shared_ptr<PeerLink> link,
                                         std::shared_ptr<const PeerSnapshot> snapshot,
                                         uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens a link to `address` (see ConnectPeerRequest.address).
+  absl::StatusOr<std::shared_ptr<PeerLink>> OpenLink(const std::string& address) const;
   // Marks `name` unreachable with `error` (only while `incarnation` is still the one
   // installed, when not 0) and tells the loss listener.
   void MarkUnreachable(const std::string& name, uint64_t incarnation, const std::string& error,
@@ -159,6 +197,7 @@ class PeerManager {
   void NotifyLoss(const PeerLoss& loss) const;
   // Maps the peer's shm-backed regions, reusing `previous` mappings that match.
   std::shared_ptr<const DirectMappings> MapDirect(const registry::RemoteCatalog& catalog,
+                                                  PeerLink& link,
                                                   const DirectMappings* previous) const;
   void MonitorLoop();
   // Waits (up to `timeout`) until every operation posted to the peer through

@@ -6,6 +6,7 @@
 #include <random>
 #include <utility>
 
+#include "agent/access.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -488,6 +489,7 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
     if (job->route == StagedRoute::kChunks) {
       v1::StagedChunkHeader header;
       header.set_from_agent(options_.self_name);
+      header.set_secret(job->peer->notify_secret);
       header.set_transfer_id(job->transfer_id);
       header.set_incarnation(options_.incarnation);
       for (const auto& p : chunk.pieces) {
@@ -582,6 +584,15 @@ bool Stager::OnChunk(const transport::AmMessage& message) {
     kLog.Warn("dropped a staged chunk whose {}-byte header does not parse (or is over {} "
               "bytes); the sending agent runs an incompatible version",
               message.header.size(), kMaxHeaderBytes);
+    return false;
+  }
+  if (!options_.verify_peer || !options_.verify_peer(header.from_agent(), header.secret())) {
+    chunks_rejected_.fetch_add(1);
+    if (options_.on_dropped) options_.on_dropped();
+    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(header.from_agent())),
+               "a staged chunk",
+               absl::PermissionDeniedError("it does not carry the secret this agent issued to "
+                                           "the agent it names"));
     return false;
   }
   const std::string key = ArrivalKey(header.from_agent(), header.incarnation(), header.transfer_id());
@@ -813,6 +824,7 @@ void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
   }
   v1::StagedReadRequest header;
   header.set_from_agent(options_.self_name);
+  header.set_secret(job->peer->notify_secret);
   header.set_incarnation(options_.incarnation);
   header.set_transfer_id(job->transfer_id);
   header.set_request_id(id);
@@ -1011,6 +1023,16 @@ bool Stager::OnReadRequest(const transport::AmMessage& message) {
     kLog.Warn("dropped a staged read request whose {}-byte header does not parse (or is over "
               "{} bytes); the requesting agent runs an incompatible version",
               message.header.size(), kMaxHeaderBytes);
+    return false;
+  }
+  if (!options_.verify_peer || !options_.verify_peer(header.from_agent(), header.secret())) {
+    // A stranger gets no answer at all.
+    reads_refused_.fetch_add(1);
+    if (options_.on_dropped) options_.on_dropped();
+    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(header.from_agent())),
+               "a staged read request",
+               absl::PermissionDeniedError("it does not carry the secret this agent issued to "
+                                           "the agent it names"));
     return false;
   }
   if (message.reply_ep == nullptr) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -136,6 +137,11 @@ struct StagerOptions {
   uint32_t max_held = 4096;               // notifications held for their data
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
+  // True when `secret` is the one this agent issued to agent `from` (PeerSecrets):
+  // staged chunks and read requests without it are dropped before anything else is
+  // looked at. Required; `on_dropped` counts each drop.
+  std::function<bool(std::string_view from, std::string_view secret)> verify_peer;
+  std::function<void()> on_dropped;
 };
 
 class Stager {

@@ -16,6 +16,9 @@ namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("transfers");
 constexpr size_t kMaxTransferIdBytes = 256;
+// Notification.targets: distinct peer groups and regions one transfer names.
+constexpr size_t kMaxTargets = 256;
+constexpr size_t kMaxAuthHeaderBytes = 1024;
 
 uint64_t Digest(const v1::SubmitTransferRequest& request) {
   v1::SubmitTransferRequest copy = request;
@@ -91,7 +94,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   t.state.set_error_message(std::string(status.message()));
   t.state.set_failed_segment(segment);
   t.state.set_latency_us(MonotonicMicros() - t.start_us);
-  t.state.set_drained(!t.inflight);
+  if (!t.inflight) SetDrained(t);
   t.chunks.clear();
   active_.erase(t.state.transfer_id());
   finished_order_.push_back(t.state.transfer_id());
@@ -109,6 +112,23 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   PruneLocked();
 }
 
+void TransferEngine::SetDrained(Transfer& t) {
+  t.state.set_drained(true);
+  t.pinned.clear();
+}
+
+absl::StatusOr<TransferEngine::TransferPtr> TransferEngine::FindVisible(const std::string& id,
+                                                                        const Caller& caller) const {
+  auto it = transfers_.find(id);
+  if (it == transfers_.end() || !caller.MayUse(it->second->state.owner())) {
+    return absl::NotFoundError(fmt::format(
+        "transfer '{}' is not known here (or is another client's; finished transfers are kept "
+        "for the last {}); list yours with `kvagentctl transfers`",
+        Printable(id, 256), options_.max_finished));
+  }
+  return it->second;
+}
+
 void TransferEngine::PruneLocked() {
   while (finished_order_.size() > options_.max_finished) {
     auto it = transfers_.find(finished_order_.front());
@@ -120,13 +140,14 @@ void TransferEngine::PruneLocked() {
   }
 }
 
-absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransferRequest& request) {
+absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransferRequest& request,
+                                                         const Caller& caller) {
   const std::string& id = request.transfer_id();
   if (id.empty() || id.size() > kMaxTransferIdBytes) {
     return absl::InvalidArgumentError(fmt::format(
         "transfer_id '{}' is {} bytes; give each transfer a non-empty id of at most {} bytes "
         "(the request id or bootstrap room)",
-        id.substr(0, 64), id.size(), kMaxTransferIdBytes));
+        Printable(id), id.size(), kMaxTransferIdBytes));
   }
   if (request.op() != v1::WRITE && request.op() != v1::READ) {
     return absl::InvalidArgumentError(fmt::format(
@@ -164,6 +185,12 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
     if (it != transfers_.end()) {
       existing = it->second;
       Transfer& t = *existing;
+      if (!caller.MayUse(t.state.owner())) {
+        return absl::AlreadyExistsError(fmt::format(
+            "transfer id '{}' is in use by another client on this agent; choose another id "
+            "(ids are unique per agent)",
+            Printable(id, 256)));
+      }
       if (request.chunk() < t.chunk_digests.size()) {
         if (t.chunk_digests[request.chunk()] == digest) return t.state;
         return absl::AlreadyExistsError(fmt::format(
@@ -213,6 +240,15 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
                         fmt::format("transfer '{}' to peer '{}': {}", id, request.peer(),
                                     plan.status().message()));
   }
+  if (!caller.scheduler) {
+    for (const auto& region : plan->local_regions) {
+      if (region->owner == caller.principal) continue;
+      return absl::PermissionDeniedError(fmt::format(
+          "transfer '{}': local region '{}' belongs to {}, not to {}; a client moves only the "
+          "regions it registered (the node's scheduler role may move any: --scheduler-uids)",
+          Printable(id), region->spec.name(), region->owner, caller.principal));
+    }
+  }
   std::vector<StagedRoute> routes;
   if (absl::Status paths = CheckDevicePaths(id, request.op(), *plan, **peer, &routes);
       !paths.ok()) {
@@ -246,6 +282,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->state.set_phase(v1::PENDING);
       t->state.set_failed_segment(-1);
       t->state.set_submitted_unix_us(UnixMicros());
+      t->state.set_owner(caller.principal);
       t->start_us = MonotonicMicros();
       const uint32_t timeout_ms =
           request.timeout_ms() ? request.timeout_ms() : options_.default_timeout_ms;
@@ -273,6 +310,15 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->notification = request.notification();
     }
     t->last_peer = *peer;
+    t->pinned.insert(t->pinned.end(), plan->local_regions.begin(), plan->local_regions.end());
+    for (const auto& segment : request.segments()) {
+      const std::string& target =
+          segment.has_items() ? segment.items().remote_group() : segment.bytes().remote_region();
+      if (t->targets.size() < kMaxTargets &&
+          std::find(t->targets.begin(), t->targets.end(), target) == t->targets.end()) {
+        t->targets.push_back(target);
+      }
+    }
     if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0, std::move(routes), nullptr});
     Publish(*t);
     worker_->Post([this, t] { Pump(t); });
@@ -297,7 +343,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
     notice.set_transfer_id(t->state.transfer_id());
     if (Terminal(t->state.phase())) {
       if (!t->state.drained()) {
-        t->state.set_drained(true);
+        SetDrained(*t);
         Publish(*t);
       }
       // Tell the peer of a cancel only once nothing of ours can still write its memory.
@@ -305,6 +351,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
         t->cancel_sent = true;
         notice.set_kind(v1::CANCELLED_BY_PEER);
         notice.set_bytes(t->state.bytes_done());
+        for (const auto& target : t->targets) notice.add_targets(target);
         peer = t->last_peer;
         action = Action::kCancelNotice;
       }
@@ -313,6 +360,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
       t->notified = true;
       t->inflight = true;
       notice.set_payload(t->notification);
+      for (const auto& target : t->targets) notice.add_targets(target);
       notice.set_kind(v1::DATA_READY);
       notice.set_bytes(t->state.bytes_total());
       if (t->staged_bytes > 0) {
@@ -363,11 +411,11 @@ void TransferEngine::Pump(const TransferPtr& t) {
     case Action::kNone:
       return;
     case Action::kCancelNotice:
-      peer->endpoint->SendAm(kNotificationAmId, {}, notice.SerializeAsString(), [](absl::Status) {});
+      SendNotice(*peer, notice, [](absl::Status) {});
       return;
     case Action::kNotify:
-      peer->endpoint->SendAm(
-          kNotificationAmId, {}, notice.SerializeAsString(), [this, t](absl::Status status) {
+      SendNotice(
+          *peer, notice, [this, t](absl::Status status) {
             absl::MutexLock lock(&mu_);
             t->inflight = false;
             if (status.ok()) {
@@ -381,7 +429,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
                      -1);
             }
             if (!t->state.drained()) {
-              t->state.set_drained(true);
+              SetDrained(*t);
               Publish(*t);
             }
           });
@@ -536,10 +584,48 @@ absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& c
   return absl::OkStatus();
 }
 
+void TransferEngine::SendNotice(const PeerSnapshot& peer, const v1::Notification& notice,
+                                transport::Completion done) {
+  v1::PeerMessageAuth auth;
+  auth.set_from_agent(options_.self_name);
+  auth.set_secret(peer.notify_secret);
+  peer.endpoint->SendAm(kNotificationAmId, auth.SerializeAsString(), notice.SerializeAsString(),
+                        std::move(done));
+}
+
 void TransferEngine::OnNotification(std::string_view header, std::string_view data) {
+  // Untrusted until the secret checks: bound, then parse, then verify, then use.
+  auto drop = [this](std::string_view why, std::string_view from) {
+    options_.counters->dropped_peer_messages.fetch_add(1);
+    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(from)), "a notification",
+               absl::PermissionDeniedError(std::string(why)));
+  };
+  if (header.size() > kMaxAuthHeaderBytes || data.size() > options_.max_notification_message_bytes) {
+    drop(fmt::format("oversized: header {} bytes, data {} bytes (limits {} and {})", header.size(),
+                     data.size(), kMaxAuthHeaderBytes, options_.max_notification_message_bytes),
+         "?");
+    return;
+  }
+  v1::PeerMessageAuth auth;
+  if (!auth.ParseFromArray(header.data(), static_cast<int>(header.size()))) {
+    drop("its header does not parse", "?");
+    return;
+  }
+  if (options_.secrets == nullptr || !options_.secrets->Verify(auth.from_agent(), auth.secret())) {
+    drop("it does not carry the secret this agent issued to the agent it names (not a "
+         "connected, authenticated peer)",
+         auth.from_agent());
+    return;
+  }
   v1::Notification n;
   if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
-    kLog.Warn("dropped a notification of {} bytes that does not parse", data.size());
+    drop(fmt::format("its {} bytes do not parse", data.size()), auth.from_agent());
+    return;
+  }
+  if (n.from_agent() != auth.from_agent() || n.payload().size() > options_.max_notification_bytes ||
+      n.targets_size() > static_cast<int>(kMaxTargets)) {
+    drop("it names another sender than its header, or exceeds the payload or target limits",
+         auth.from_agent());
     return;
   }
   if (options_.stager != nullptr && (n.staged_bytes() > 0 || n.kind() == v1::CANCELLED_BY_PEER)) {
@@ -553,7 +639,23 @@ void TransferEngine::OnNotification(std::string_view header, std::string_view da
 void TransferEngine::DeliverNotification(v1::Notification n) {
   n.set_received_unix_us(UnixMicros());
   notifications_received_.fetch_add(1);
-  notifications_->Push(std::move(n));
+  // The owners of the regions it addressed take it (or a scheduler). A target that is
+  // gone leaves the notification to schedulers only.
+  QueuedNotification queued;
+  for (const auto& target : n.targets()) {
+    std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
+    if (regions.empty()) {
+      if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
+    }
+    for (const auto& region : regions) {
+      if (std::find(queued.owners.begin(), queued.owners.end(), region->owner) ==
+          queued.owners.end()) {
+        queued.owners.push_back(region->owner);
+      }
+    }
+  }
+  queued.notification = std::move(n);
+  notifications_->Push(std::move(queued));
 }
 
 absl::Status TransferEngine::CheckDevicePaths(const std::string& id, v1::TransferOp op,
@@ -608,28 +710,19 @@ bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request
   return false;
 }
 
-absl::StatusOr<v1::TransferState> TransferEngine::Get(const std::string& transfer_id) const {
+absl::StatusOr<v1::TransferState> TransferEngine::Get(const std::string& transfer_id,
+                                                      const Caller& caller) const {
   absl::MutexLock lock(&mu_);
-  auto it = transfers_.find(transfer_id);
-  if (it == transfers_.end()) {
-    return absl::NotFoundError(fmt::format(
-        "transfer '{}' is not known here (finished transfers are kept for the last {}); list "
-        "them with `kvagentctl transfers`",
-        transfer_id, options_.max_finished));
-  }
-  return it->second->state;
+  ASSIGN_OR_RETURN(TransferPtr t, FindVisible(transfer_id, caller));
+  return t->state;
 }
 
-absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& transfer_id) {
+absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& transfer_id,
+                                                         const Caller& caller) {
   TransferPtr t;
   {
     absl::MutexLock lock(&mu_);
-    auto it = transfers_.find(transfer_id);
-    if (it == transfers_.end()) {
-      return absl::NotFoundError(
-          fmt::format("transfer '{}' is not known here; nothing to cancel", transfer_id));
-    }
-    t = it->second;
+    ASSIGN_OR_RETURN(t, FindVisible(transfer_id, caller));
     if (Terminal(t->state.phase())) return t->state;
     // Every byte is in place and DATA_READY is on its way: the peer may already use
     // the pages, so the transfer completes rather than telling it both things.
@@ -642,10 +735,11 @@ absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& tran
   return t->state;
 }
 
-std::vector<v1::TransferState> TransferEngine::List(bool active_only) const {
+std::vector<v1::TransferState> TransferEngine::List(bool active_only, const Caller& caller) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::TransferState> out;
   for (const auto& [id, t] : transfers_) {
+    if (!caller.MayUse(t->state.owner())) continue;
     if (!active_only || !Terminal(t->state.phase())) out.push_back(t->state);
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
@@ -698,16 +792,13 @@ TransferCounters TransferEngine::counters() const {
   return c;
 }
 
-absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id, Watcher watcher) {
+absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id,
+                                               const Caller& caller, Watcher watcher) {
   absl::MutexLock lock(&mu_);
-  auto it = transfers_.find(transfer_id);
-  if (it == transfers_.end()) {
-    return absl::NotFoundError(fmt::format(
-        "transfer '{}' is not known here; submit it before watching it", transfer_id));
-  }
+  ASSIGN_OR_RETURN(TransferPtr t, FindVisible(transfer_id, caller));
   const uint64_t token = next_token_++;
-  watcher(it->second->state);
-  it->second->watchers.emplace_back(token, std::move(watcher));
+  watcher(t->state);
+  t->watchers.emplace_back(token, std::move(watcher));
   return token;
 }
 

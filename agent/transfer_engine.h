@@ -19,8 +19,10 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/access.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
+#include "agent/peer_secrets.h"
 #include "agent/staging.h"
 #include "proto/kvagent.pb.h"
 #include "registry/region_registry.h"
@@ -38,12 +40,19 @@ struct TransferEngineOptions {
   uint64_t batch_bytes = 64ull << 20;  // bytes posted before each flush
   uint32_t batch_ops = 8192;           // operations posted before each flush
   uint64_t max_notification_bytes = 64 << 10;
+  // A notification active message larger than this (payload, targets and framing) is
+  // dropped on receipt, unparsed.
+  uint64_t max_notification_message_bytes = 256 << 10;
   uint32_t max_finished = 10000;       // finished transfers kept for queries
   bool ucx_cuda = false;               // the running UCX can move CUDA memory itself
   uint64_t incarnation = 0;            // this agent's, sent with staged notifications
   // Moves ops that need host staging (VRAM UCX cannot reach); owned by the Agent,
   // outlives the engine. Null: such transfers are refused at submit.
   Stager* stager = nullptr;
+  // Secrets this agent issued to peers (checked on every notification received) and
+  // the counters of what was dropped. Owned by the Agent; required.
+  const PeerSecrets* secrets = nullptr;
+  SecurityCounters* counters = nullptr;
 };
 
 struct TransferCounters {
@@ -68,14 +77,20 @@ class TransferEngine {
   // operations to drain.
   void Stop(absl::Duration grace);
 
-  absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request);
+  // `caller` must own every local region the request names, unless it is a
+  // scheduler (PERMISSION_DENIED naming the region and its owner otherwise); the
+  // transfer is then owned by the caller.
+  absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request,
+                                           const Caller& caller);
   // True when the request names a remote group or region that the peer's current
   // catalog lacks: the caller refreshes the peer once before submitting, so a region
   // the peer registered a moment ago is found.
   bool NamesUnknownRemote(const v1::SubmitTransferRequest& request) const;
-  absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id) const;
-  absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id);
-  std::vector<v1::TransferState> List(bool active_only) const;
+  // Get, Cancel, List and Watch see only the caller's own transfers (a scheduler's:
+  // all); another's transfer reads as NOT_FOUND, as one that does not exist.
+  absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id, const Caller& caller) const;
+  absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id, const Caller& caller);
+  std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
   TransferCounters counters() const;
 
   // The peer was lost (PeerManager's loss listener): fails, under the engine's lock,
@@ -86,7 +101,8 @@ class TransferEngine {
 
   // Calls `watcher` now with the current state and after every change, under the
   // engine's lock (it must not call back into the engine). Returns a token.
-  absl::StatusOr<uint64_t> Watch(const std::string& transfer_id, Watcher watcher);
+  absl::StatusOr<uint64_t> Watch(const std::string& transfer_id, const Caller& caller,
+                                 Watcher watcher);
   void Unwatch(const std::string& transfer_id, uint64_t token);
   // Calls `done` once with the final state when the transfer ends (at once if it has
   // ended), under the engine's lock; it must not call back into the engine. Unlike a
@@ -109,6 +125,12 @@ class TransferEngine {
     std::string notification;
     std::deque<Chunk> chunks;  // planned, not yet fully posted
     std::shared_ptr<const PeerSnapshot> last_peer;
+    // Local regions of every chunk, held until nothing posted can touch them any more
+    // (drained): a deregistration meanwhile cannot unmap memory a batch still reads or
+    // writes.
+    std::vector<registry::RegionPtr> pinned;
+    // The peer's groups and regions this transfer addresses (Notification.targets).
+    std::vector<std::string> targets;
     uint32_t segments = 0;
     bool inflight = false;     // a batch or the notification is posted
     int32_t inflight_segment = -1;  // first segment of the batch posted last
@@ -136,9 +158,18 @@ class TransferEngine {
   static absl::Status CheckRegionsCurrent(const std::string& id, Chunk& chunk,
                                           const PeerSnapshot& current);
   void OnNotification(std::string_view header, std::string_view data);
+  // Sends `notice` to `peer` with this agent's name and the secret the peer issued us.
+  void SendNotice(const PeerSnapshot& peer, const v1::Notification& notice,
+                  transport::Completion done);
+  // Marks `t` drained and releases its pinned regions (under the lock).
+  void SetDrained(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND unless `caller` may see transfer `id` (it exists and is the caller's, or
+  // the caller is a scheduler).
+  absl::StatusOr<TransferPtr> FindVisible(const std::string& id, const Caller& caller) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
  public:
-  // Queues a notification for local clients (the Stager calls it once staged data of
-  // the transfer is in place).
+  // Queues a notification for the local owners of its targets (the Stager calls it
+  // once staged data of the transfer is in place).
   void DeliverNotification(v1::Notification n);
 
  private:

@@ -4,7 +4,10 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "agent/status_util.h"
+#include "registry/memory_object.h"
+#include "transport/base/status_macros.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "transport/base/format.h"
@@ -16,45 +19,99 @@ void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
 }
 
-template <typename Request, typename Response, typename Method>
-absl::StatusOr<Response> Unary(v1::Agent::Stub* stub, Method method, const Request& request,
-                               uint32_t timeout_ms) {
-  grpc::ClientContext context;
-  SetDeadline(&context, timeout_ms);
-  Response response;
-  grpc::Status status = (stub->*method)(&context, request, &response);
-  if (!status.ok()) return agent::FromGrpcStatus(status);
-  return response;
-}
+constexpr char kSessionTokenKey[] = "kvagent-session";
 
 }  // namespace
 
 AgentClient::AgentClient(const std::string& address, uint32_t timeout_ms)
-    : address_(address), timeout_ms_(timeout_ms) {
+    : AgentClient(address, [timeout_ms] {
+        AgentClientOptions options;
+        options.timeout_ms = timeout_ms;
+        return options;
+      }()) {}
+
+AgentClient::AgentClient(const std::string& address, AgentClientOptions options)
+    : address_(address), options_(std::move(options)), timeout_ms_(options_.timeout_ms) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
-  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (absl::StartsWith(address, "unix:")) {
+    session_path_ = address.substr(5) + ".session";
+  } else if (!options_.tls.empty()) {
+    auto tls = agent::MakeChannelCredentials(options_.tls);
+    if (tls.ok()) {
+      credentials = *std::move(tls);
+    } else {
+      channel_error_ = tls.status();
+    }
+  }
+  channel_ = grpc::CreateCustomChannel(address, credentials, args);
   stub_ = v1::Agent::NewStub(channel_);
 }
 
-absl::StatusOr<v1::AgentStatus> AgentClient::Status() {
-  return Unary<v1::GetStatusRequest, v1::AgentStatus>(stub_.get(), &v1::Agent::Stub::GetStatus,
-                                                      v1::GetStatusRequest(), timeout_ms_);
+absl::StatusOr<client::LocalSession*> AgentClient::Session() {
+  if (session_path_.empty()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "{} is a network address: memory is shared only through the local door; connect to "
+        "the agent's unix:PATH on its host",
+        address_));
+  }
+  absl::MutexLock lock(&mu_);
+  if (session_ == nullptr) {
+    auto attached = client::LocalSession::Attach(session_path_, options_.client_name, timeout_ms_);
+    if (!attached.ok()) return attached.status();
+    session_ = *std::move(attached);
+  }
+  return session_.get();
 }
 
-absl::StatusOr<v1::AllocateSharedMemoryResponse> AgentClient::Allocate(const std::string& name,
-                                                                       uint64_t bytes) {
-  v1::AllocateSharedMemoryRequest request;
-  request.set_name(name);
-  request.set_bytes(bytes);
-  return Unary<v1::AllocateSharedMemoryRequest, v1::AllocateSharedMemoryResponse>(
-      stub_.get(), &v1::Agent::Stub::AllocateSharedMemory, request, timeout_ms_);
+absl::Status AgentClient::Prepare(grpc::ClientContext* context, uint32_t timeout_ms) {
+  SetDeadline(context, timeout_ms);
+  if (!channel_error_.ok()) return channel_error_;
+  if (session_path_.empty()) return absl::OkStatus();
+  auto session = Session();
+  if (!session.ok()) return session.status();
+  context->AddMetadata(kSessionTokenKey, (*session)->token());
+  return absl::OkStatus();
+}
+
+template <typename Request, typename Response, typename Method>
+absl::StatusOr<Response> AgentClient::Unary(Method method, const Request& request,
+                                            uint32_t timeout_ms) {
+  grpc::ClientContext context;
+  if (absl::Status prepared = Prepare(&context, timeout_ms); !prepared.ok()) return prepared;
+  Response response;
+  grpc::Status status = (stub_.get()->*method)(&context, request, &response);
+  if (!status.ok()) return agent::FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<SharedMemory> AgentClient::AllocateMemory(const std::string& label,
+                                                         uint64_t bytes) {
+  ASSIGN_OR_RETURN(client::LocalSession * session, Session());
+  ASSIGN_OR_RETURN(auto allocated, session->AllocateMemory(label, bytes));
+  ASSIGN_OR_RETURN(auto object,
+                   registry::MemoryObject::FromDescriptor(std::move(allocated.second), label));
+  SharedMemory memory;
+  memory.info = allocated.first;
+  ASSIGN_OR_RETURN(memory.mapping, registry::ShmMapping::Map(std::move(object), 0, bytes, label));
+  return memory;
+}
+
+absl::StatusOr<v1::MemoryHandleInfo> AgentClient::ShareMemory(int fd, const std::string& label) {
+  ASSIGN_OR_RETURN(client::LocalSession * session, Session());
+  return session->ShareMemory(fd, label);
+}
+
+absl::StatusOr<v1::AgentStatus> AgentClient::Status() {
+  return Unary<v1::GetStatusRequest, v1::AgentStatus>(&v1::Agent::Stub::GetStatus,
+                                                      v1::GetStatusRequest(), timeout_ms_);
 }
 
 absl::StatusOr<v1::RegisterRegionsResponse> AgentClient::Register(
     const v1::RegisterRegionsRequest& request) {
   return Unary<v1::RegisterRegionsRequest, v1::RegisterRegionsResponse>(
-      stub_.get(), &v1::Agent::Stub::RegisterRegions, request, timeout_ms_);
+      &v1::Agent::Stub::RegisterRegions, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::DeregisterRegionsResponse> AgentClient::Deregister(
@@ -62,24 +119,24 @@ absl::StatusOr<v1::DeregisterRegionsResponse> AgentClient::Deregister(
   v1::DeregisterRegionsRequest request;
   for (const auto& n : names) request.add_names(n);
   return Unary<v1::DeregisterRegionsRequest, v1::DeregisterRegionsResponse>(
-      stub_.get(), &v1::Agent::Stub::DeregisterRegions, request, timeout_ms_);
+      &v1::Agent::Stub::DeregisterRegions, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::ListRegionsResponse> AgentClient::Regions() {
   return Unary<v1::ListRegionsRequest, v1::ListRegionsResponse>(
-      stub_.get(), &v1::Agent::Stub::ListRegions, v1::ListRegionsRequest(), timeout_ms_);
+      &v1::Agent::Stub::ListRegions, v1::ListRegionsRequest(), timeout_ms_);
 }
 
 absl::StatusOr<v1::PeerInfo> AgentClient::Connect(const std::string& peer_address) {
   v1::ConnectPeerRequest request;
   request.set_address(peer_address);
-  return Unary<v1::ConnectPeerRequest, v1::PeerInfo>(stub_.get(), &v1::Agent::Stub::ConnectPeer,
+  return Unary<v1::ConnectPeerRequest, v1::PeerInfo>(&v1::Agent::Stub::ConnectPeer,
                                                      request, timeout_ms_);
 }
 
 absl::StatusOr<v1::ListPeersResponse> AgentClient::Peers() {
   return Unary<v1::ListPeersRequest, v1::ListPeersResponse>(
-      stub_.get(), &v1::Agent::Stub::ListPeers, v1::ListPeersRequest(), timeout_ms_);
+      &v1::Agent::Stub::ListPeers, v1::ListPeersRequest(), timeout_ms_);
 }
 
 namespace {
@@ -93,7 +150,7 @@ uint32_t WaitingTimeout(uint32_t base_ms, bool wait, uint32_t transfer_timeout_m
 
 absl::StatusOr<v1::TransferState> AgentClient::Submit(const v1::SubmitTransferRequest& request) {
   return Unary<v1::SubmitTransferRequest, v1::TransferState>(
-      stub_.get(), &v1::Agent::Stub::SubmitTransfer, request,
+      &v1::Agent::Stub::SubmitTransfer, request,
       WaitingTimeout(timeout_ms_, request.wait(), request.timeout_ms()));
 }
 
@@ -106,7 +163,7 @@ absl::StatusOr<v1::SubmitTransfersResponse> AgentClient::SubmitBatch(
     longest = std::max(longest, t.timeout_ms() != 0 ? t.timeout_ms() : 60000u);
   }
   return Unary<v1::SubmitTransfersRequest, v1::SubmitTransfersResponse>(
-      stub_.get(), &v1::Agent::Stub::SubmitTransfers, request,
+      &v1::Agent::Stub::SubmitTransfers, request,
       WaitingTimeout(timeout_ms_, wait, longest));
 }
 
@@ -114,21 +171,21 @@ absl::StatusOr<v1::TransferState> AgentClient::Get(const std::string& transfer_i
   v1::GetTransferRequest request;
   request.set_transfer_id(transfer_id);
   return Unary<v1::GetTransferRequest, v1::TransferState>(
-      stub_.get(), &v1::Agent::Stub::GetTransfer, request, timeout_ms_);
+      &v1::Agent::Stub::GetTransfer, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::TransferState> AgentClient::Cancel(const std::string& transfer_id) {
   v1::CancelTransferRequest request;
   request.set_transfer_id(transfer_id);
   return Unary<v1::CancelTransferRequest, v1::TransferState>(
-      stub_.get(), &v1::Agent::Stub::CancelTransfer, request, timeout_ms_);
+      &v1::Agent::Stub::CancelTransfer, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::ListTransfersResponse> AgentClient::Transfers(bool active_only) {
   v1::ListTransfersRequest request;
   request.set_active_only(active_only);
   return Unary<v1::ListTransfersRequest, v1::ListTransfersResponse>(
-      stub_.get(), &v1::Agent::Stub::ListTransfers, request, timeout_ms_);
+      &v1::Agent::Stub::ListTransfers, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::PollNotificationsResponse> AgentClient::Poll(
@@ -137,13 +194,13 @@ absl::StatusOr<v1::PollNotificationsResponse> AgentClient::Poll(
   request.set_max(max);
   for (const auto& id : ids) request.add_transfer_ids(id);
   return Unary<v1::PollNotificationsRequest, v1::PollNotificationsResponse>(
-      stub_.get(), &v1::Agent::Stub::PollNotifications, request, timeout_ms_);
+      &v1::Agent::Stub::PollNotifications, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::TransferState> AgentClient::WaitTransfer(const std::string& transfer_id,
                                                             uint32_t timeout_ms) {
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_ms);
+  if (absl::Status prepared = Prepare(&context, timeout_ms); !prepared.ok()) return prepared;
   v1::GetTransferRequest request;
   request.set_transfer_id(transfer_id);
   auto reader = stub_->WatchTransfer(&context, request);
@@ -163,7 +220,7 @@ absl::Status AgentClient::WatchNotifications(
     const std::vector<std::string>& ids, uint32_t timeout_ms,
     const std::function<bool(const v1::Notification&)>& on_notification) {
   grpc::ClientContext context;
-  SetDeadline(&context, timeout_ms);
+  if (absl::Status prepared = Prepare(&context, timeout_ms); !prepared.ok()) return prepared;
   v1::WatchNotificationsRequest request;
   for (const auto& id : ids) request.add_transfer_ids(id);
   auto reader = stub_->WatchNotifications(&context, request);
@@ -176,6 +233,11 @@ absl::Status AgentClient::WatchNotifications(
     }
   }
   return agent::FromGrpcStatus(reader->Finish());
+}
+
+absl::StatusOr<v1::DoctorReport> AgentClient::Doctor() {
+  return Unary<v1::DoctorRequest, v1::DoctorReport>(&v1::Agent::Stub::Doctor, v1::DoctorRequest(),
+                                                   timeout_ms_);
 }
 
 absl::Status AgentClient::WaitReady(uint32_t timeout_ms) {

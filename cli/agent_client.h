@@ -1,6 +1,9 @@
 // AgentClient is a blocking client for one kvagentd's Agent service, every call
-// with a deadline. Used by kvagentctl (status, demo, bench) and by the integration
-// tests, which drive real agents through it.
+// with a deadline. On the local door ("unix:PATH") it attaches a session first (the
+// kernel identifies this process) and sends its token with every call; on the
+// network door it authenticates with a client certificate. Used by kvagentctl
+// (status, demo, bench) and by the integration tests, which drive real agents
+// through it.
 #pragma once
 
 #include <cstdint>
@@ -9,19 +12,47 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/tls.h"
+#include "client/local_session.h"
 #include "proto/kvagent.grpc.pb.h"
+#include "registry/shm_mapping.h"
 
 namespace kvagent::cli {
 
+struct AgentClientOptions {
+  uint32_t timeout_ms = 10000;
+  std::string client_name = "kvagentctl";  // how the agent's logs name this session
+  // A network address ("HOST:PORT"): mutual TLS with this certificate; without one,
+  // plain TCP (only an agent's --insecure-listen door answers that).
+  agent::TlsFiles tls;
+};
+
+// Memory the agent allocated for this session: its handle (for RegionSpec's
+// shm.memory_handle) and this process's mapping of it.
+struct SharedMemory {
+  v1::MemoryHandleInfo info;
+  registry::ShmMapping mapping;
+};
+
 class AgentClient {
  public:
-  explicit AgentClient(const std::string& address, uint32_t timeout_ms = 10000);
+  explicit AgentClient(const std::string& address, AgentClientOptions options = {});
+  AgentClient(const std::string& address, uint32_t timeout_ms);
 
   const std::string& address() const { return address_; }
+  bool local() const { return !session_path_.empty(); }
+
+  // The local session (attached on first use); an error on the network door.
+  absl::StatusOr<client::LocalSession*> Session();
+  // A sealed memfd the agent allocates for this session, mapped here too.
+  absl::StatusOr<SharedMemory> AllocateMemory(const std::string& label, uint64_t bytes);
+  // Hands the agent a descriptor of memory this process owns (memfd, shm, hugetlbfs).
+  absl::StatusOr<v1::MemoryHandleInfo> ShareMemory(int fd, const std::string& label);
 
   absl::StatusOr<v1::AgentStatus> Status();
-  absl::StatusOr<v1::AllocateSharedMemoryResponse> Allocate(const std::string& name, uint64_t bytes);
   absl::StatusOr<v1::RegisterRegionsResponse> Register(const v1::RegisterRegionsRequest& request);
   absl::StatusOr<v1::DeregisterRegionsResponse> Deregister(const std::vector<std::string>& names);
   absl::StatusOr<v1::ListRegionsResponse> Regions();
@@ -43,16 +74,28 @@ class AgentClient {
   // timeout passes (then DEADLINE_EXCEEDED).
   absl::Status WatchNotifications(const std::vector<std::string>& ids, uint32_t timeout_ms,
                                   const std::function<bool(const v1::Notification&)>& on_notification);
+  absl::StatusOr<v1::DoctorReport> Doctor();
   // Waits until the agent answers GetStatus, up to `timeout_ms`.
   absl::Status WaitReady(uint32_t timeout_ms);
 
   v1::Agent::Stub* stub() { return stub_.get(); }
+  // Prepares a call on stub(): deadline and, on the local door, the session token
+  // (attaching first). Errors when the session cannot be attached.
+  absl::Status Prepare(grpc::ClientContext* context, uint32_t timeout_ms);
 
  private:
+  template <typename Request, typename Response, typename Method>
+  absl::StatusOr<Response> Unary(Method method, const Request& request, uint32_t timeout_ms);
+
   std::string address_;
+  AgentClientOptions options_;
   uint32_t timeout_ms_;
+  std::string session_path_;  // local door: PATH.session; empty on the network door
+  absl::Status channel_error_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Agent::Stub> stub_;
+  absl::Mutex mu_;
+  std::unique_ptr<client::LocalSession> session_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvagent::cli

@@ -319,7 +319,7 @@ struct Pools {
   bool vram = false;
   const DeviceAllocation* initiator_device = nullptr;
   const DeviceAllocation* target_device = nullptr;
-  std::string initiator_shm, target_shm;
+  uint64_t initiator_handle = 0, target_handle = 0;  // the sessions' memory handles
   registry::ShmMapping initiator_mapping, target_mapping;
   uint8_t* initiator = nullptr;
   uint8_t* target = nullptr;
@@ -972,41 +972,22 @@ std::string TableLine(const CellResult& r) {
                      r.data_path);
 }
 
-// Allocates one shm object of `bytes` on each agent and maps both here.
+// Has each agent allocate a sealed memfd of `bytes` (over the local door) and maps
+// both here.
 absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t bytes,
                        const std::string& label, Pools* pools) {
   pools->bytes = bytes;
-  auto a = initiator.Allocate(label + "i", bytes);
+  auto a = initiator.AllocateMemory(label + "i", bytes);
   if (!a.ok()) return a.status();
-  auto b = target.Allocate(label + "t", bytes);
+  auto b = target.AllocateMemory(label + "t", bytes);
   if (!b.ok()) return b.status();
-  pools->initiator_shm = a->shm_name();
-  pools->target_shm = b->shm_name();
-  auto mi = registry::ShmMapping::Open(pools->initiator_shm, 0, bytes, label + "initiator");
-  auto mt = registry::ShmMapping::Open(pools->target_shm, 0, bytes, label + "target");
-  if (mi.ok() && mt.ok()) {
-    pools->initiator_mapping = *std::move(mi);
-    pools->target_mapping = *std::move(mt);
-    pools->initiator = static_cast<uint8_t*>(pools->initiator_mapping.data());
-    pools->target = static_cast<uint8_t*>(pools->target_mapping.data());
-    pools->shared = true;
-  } else {
-    // Agents on another host: private buffers stand in for the memcpy baseline.
-    std::fprintf(stderr, "bench: the agents' pools are not mappable here (%s); the memcpy "
-                 "baseline uses private buffers and bytes are not verified\n",
-                 std::string((mi.ok() ? mt.status() : mi.status()).message()).c_str());
-    for (uint8_t** p : {&pools->initiator, &pools->target}) {
-      void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                     -1, 0);
-      if (m == MAP_FAILED) {
-        return absl::ResourceExhaustedError(fmt::format(
-            "mmap of {} bytes for the memcpy baseline: {}; lower --pool-mib", bytes,
-            std::strerror(errno)));
-      }
-      pools->private_buffers.push_back(m);
-      *p = static_cast<uint8_t*>(m);
-    }
-  }
+  pools->initiator_handle = a->info.handle();
+  pools->target_handle = b->info.handle();
+  pools->initiator_mapping = std::move(a->mapping);
+  pools->target_mapping = std::move(b->mapping);
+  pools->initiator = static_cast<uint8_t*>(pools->initiator_mapping.data());
+  pools->target = static_cast<uint8_t*>(pools->target_mapping.data());
+  pools->shared = true;
   // Distinct contents on the two sides, so a copy that did not happen shows.
   auto* wi = reinterpret_cast<uint64_t*>(pools->initiator);
   auto* wt = reinterpret_cast<uint64_t*>(pools->target);
@@ -1091,11 +1072,11 @@ absl::Status RegisterVramLayout(AgentClient& agent, const DeviceAllocation& pool
   return agent.Register(request).status();
 }
 
-absl::Status RegisterLayout(AgentClient& agent, const std::string& shm, const Layout& layout) {
+absl::Status RegisterLayout(AgentClient& agent, uint64_t memory_handle, const Layout& layout) {
   v1::RegisterRegionsRequest request;
   auto* spec = request.add_regions();
   *spec = LayoutSpec(layout, v1::DRAM);
-  spec->mutable_shm()->set_name(shm);
+  spec->mutable_shm()->set_memory_handle(memory_handle);
   spec->mutable_shm()->set_offset(0);
   return agent.Register(request).status();
 }
@@ -1219,12 +1200,12 @@ int RunBench(const BenchOptions& options) {
     // One block size at a time over the whole pool: the registry refuses
     // overlapping regions of one object, and every size gets the full pool.
     if (auto s = vram ? RegisterVramLayout(initiator, vram_memory.initiator, layout)
-                      : RegisterLayout(initiator, pools.initiator_shm, layout);
+                      : RegisterLayout(initiator, pools.initiator_handle, layout);
         !s.ok()) {
       return Fail(fmt::format("registering {} on the initiator", layout.region), s);
     }
     if (auto s = vram ? RegisterVramLayout(target, vram_memory.target, layout)
-                      : RegisterLayout(target, pools.target_shm, layout);
+                      : RegisterLayout(target, pools.target_handle, layout);
         !s.ok()) {
       return Fail(fmt::format("registering {} on the target", layout.region), s);
     }
@@ -1278,10 +1259,10 @@ int RunBench(const BenchOptions& options) {
     }
   } else {
     Layout layout = MakeLayout(4 << 10, pool_bytes, fmt::format("{}.rate", label), rng);
-    if (auto s = RegisterLayout(initiator, pools.initiator_shm, layout); !s.ok()) {
+    if (auto s = RegisterLayout(initiator, pools.initiator_handle, layout); !s.ok()) {
       return Fail(fmt::format("registering {} on the initiator", layout.region), s);
     }
-    if (auto s = RegisterLayout(target, pools.target_shm, layout); !s.ok()) {
+    if (auto s = RegisterLayout(target, pools.target_handle, layout); !s.ok()) {
       return Fail(fmt::format("registering {} on the target", layout.region), s);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(600));

@@ -42,13 +42,13 @@ std::string GroupName(const std::string& label, uint32_t group) {
   return fmt::format("{}.g{}", label, group);
 }
 
-// One shared-memory object from the agent, cut into the regions, registered in one
+// One sealed memfd from the agent, cut into the regions, registered in one
 // batch. Returns the region names.
 absl::StatusOr<std::vector<std::string>> RegisterRegions(AgentClient& agent, const std::string& role,
                                                          const std::string& label,
                                                          const MemoryBenchOptions& o) {
   const uint64_t region_bytes = o.items_per_region * o.item_bytes;
-  auto allocation = agent.Allocate(label, region_bytes * o.regions);
+  auto allocation = agent.AllocateMemory(label, region_bytes * o.regions);
   if (!allocation.ok()) {
     return absl::Status(allocation.status().code(),
                         fmt::format("memory bench: allocating the {} pool on {}: {}", role,
@@ -66,7 +66,7 @@ absl::StatusOr<std::vector<std::string>> RegisterRegions(AgentClient& agent, con
     spec->set_length(region_bytes);
     spec->mutable_layout()->set_num_items(o.items_per_region);
     spec->mutable_layout()->set_item_bytes(o.item_bytes);
-    spec->mutable_shm()->set_name(allocation->shm_name());
+    spec->mutable_shm()->set_memory_handle(allocation->info.handle());
     spec->mutable_shm()->set_offset(uint64_t{r} * region_bytes);
     names.push_back(spec->name());
   }

@@ -6,8 +6,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <fstream>
 #include <thread>
 
@@ -20,6 +23,20 @@ namespace kvagent::cli {
 namespace {
 
 bool IsExecutable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
+
+// WORK_DIR/NAME.sock when it fits a Unix socket path with ".session" appended, else
+// a short directory under /tmp named after a hash of WORK_DIR (stable across restarts).
+absl::StatusOr<std::string> DefaultSocketPath(const std::string& work_dir, const std::string& name) {
+  std::string path = fmt::format("{}/{}.sock", work_dir, name);
+  if (path.size() + 8 < 100) return path;
+  const std::string dir =
+      fmt::format("/tmp/kva-{:x}", std::hash<std::string>{}(work_dir) & 0xffffffffffull);
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::FailedPreconditionError(
+        fmt::format("cannot create {} for agent sockets: {}", dir, std::strerror(errno)));
+  }
+  return fmt::format("{}/{}.sock", dir, name);
+}
 
 std::string Tail(const std::string& path, size_t bytes) {
   std::ifstream in(path);
@@ -69,11 +86,37 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
         "agent '{}': wrapper command '{}' is not an executable file; give its absolute path",
         options.name, options.command_prefix[0]));
   }
+  std::string local_socket = options.local_socket;
+  if (local_socket.empty()) {
+    auto derived = DefaultSocketPath(options.work_dir, options.name);
+    if (!derived.ok()) return derived.status();
+    local_socket = *std::move(derived);
+  }
   std::vector<std::string> args = options.command_prefix;
   for (std::string a : {options.binary, std::string("--name"), options.name,
-                        std::string("--listen"), options.listen_host + ":0",
+                        std::string("--local-socket"), local_socket,
                         std::string("--port-file"), port_file}) {
     args.push_back(std::move(a));
+  }
+  if (options.network == NetworkDoor::kTls) {
+    if (options.tls.empty()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "agent '{}': a TLS network door needs its certificate, key and CA", options.name));
+    }
+    for (std::string a : {std::string("--listen"), options.listen_host + ":0",
+                          std::string("--tls-cert"), options.tls.cert, std::string("--tls-key"),
+                          options.tls.key, std::string("--tls-ca"), options.tls.ca}) {
+      args.push_back(std::move(a));
+    }
+  } else if (options.network == NetworkDoor::kInsecure) {
+    args.push_back("--insecure-listen");
+    args.push_back(options.listen_host + ":0");
+  } else if (!options.tls.empty()) {
+    // Reaching network peers needs the certificate even without a door of our own.
+    for (std::string a : {std::string("--tls-cert"), options.tls.cert, std::string("--tls-key"),
+                          options.tls.key, std::string("--tls-ca"), options.tls.ca}) {
+      args.push_back(std::move(a));
+    }
   }
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
   std::vector<std::string> env_strings;
@@ -113,11 +156,14 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
   process.pid_ = pid;
   process.log_path_ = log_path;
   process.host_ = options.connect_host.empty() ? options.listen_host : options.connect_host;
+  process.local_socket_ = local_socket;
+  const bool want_port = options.network != NetworkDoor::kNone;
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
   while (std::chrono::steady_clock::now() < until) {
     std::ifstream in(port_file);
     int port = 0;
-    if (in >> port && port > 0) {
+    // The port file is written once every door serves (0: no network door).
+    if (in >> port && (port > 0 || !want_port)) {
       process.port_ = port;
       return process;
     }
@@ -138,6 +184,7 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
 DaemonProcess::DaemonProcess(DaemonProcess&& other) noexcept
     : pid_(other.pid_),
       port_(other.port_),
+      local_socket_(std::move(other.local_socket_)),
       host_(std::move(other.host_)),
       log_path_(std::move(other.log_path_)) {
   other.pid_ = -1;
@@ -148,6 +195,7 @@ DaemonProcess& DaemonProcess::operator=(DaemonProcess&& other) noexcept {
     Kill();
     pid_ = other.pid_;
     port_ = other.port_;
+    local_socket_ = std::move(other.local_socket_);
     host_ = std::move(other.host_);
     log_path_ = std::move(other.log_path_);
     other.pid_ = -1;
@@ -160,7 +208,9 @@ DaemonProcess::~DaemonProcess() {
   if (pid_ > 0) (void)Stop(3000);
 }
 
-std::string DaemonProcess::address() const { return fmt::format("{}:{}", host_, port_); }
+std::string DaemonProcess::network_address() const {
+  return port_ > 0 ? fmt::format("{}:{}", host_, port_) : std::string();
+}
 
 absl::StatusOr<int> DaemonProcess::Stop(uint32_t timeout_ms) {
   if (pid_ <= 0) return absl::FailedPreconditionError("agent process is not running");

@@ -1,5 +1,6 @@
-// DaemonProcess starts a real kvagentd as a child process on a port chosen by the
-// kernel (--listen 127.0.0.1:0 --port-file, or another host), optionally through a
+// DaemonProcess starts a real kvagentd as a child process with its local door on a
+// Unix socket (and, when asked, a network door on a port chosen by the kernel:
+// --listen HOST:0 with mutual TLS, or --insecure-listen), optionally through a
 // wrapper command (`ip netns exec NAME`), and stops it. Used by `kvagentctl
 // demo`/`bench` and by the integration and fault tests.
 #pragma once
@@ -11,8 +12,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "agent/tls.h"
 
 namespace kvagent::cli {
+
+enum class NetworkDoor { kNone, kTls, kInsecure };
 
 struct DaemonOptions {
   std::string binary;                       // path of kvagentd
@@ -21,8 +25,14 @@ struct DaemonOptions {
   std::vector<std::string> extra_args;
   std::map<std::string, std::string> env;   // added to the inherited environment
   uint32_t start_timeout_ms = 15000;
-  // --listen LISTEN_HOST:0. An agent in another network namespace listens on 0.0.0.0
-  // and is reached from here at `connect_host`.
+  // The local door's socket; empty: WORK_DIR/NAME.sock, or, when that path is too long
+  // for a Unix socket, /tmp/kva-<hash of WORK_DIR>/NAME.sock (the same on a restart).
+  std::string local_socket;
+  // A network door on LISTEN_HOST:0: kTls needs `tls` (this agent's certificate).
+  NetworkDoor network = NetworkDoor::kNone;
+  agent::TlsFiles tls;
+  // An agent in another network namespace listens on 0.0.0.0 and is reached from
+  // here at `connect_host`.
   std::string listen_host = "127.0.0.1";
   std::string connect_host;  // the host address() names; empty: listen_host
   // Runs `prefix... kvagentd ARGS` instead of kvagentd itself; prefix[0] is an absolute
@@ -41,7 +51,11 @@ class DaemonProcess {
   DaemonProcess& operator=(const DaemonProcess&) = delete;
   ~DaemonProcess();  // SIGTERM, then SIGKILL after 3 s, if still running
 
-  std::string address() const;
+  // The local door, "unix:PATH": clients and same-host peers use it.
+  std::string address() const { return "unix:" + local_socket_; }
+  const std::string& local_socket() const { return local_socket_; }
+  // The network door, "HOST:PORT" (empty without one).
+  std::string network_address() const;
   int port() const { return port_; }
   pid_t pid() const { return pid_; }
   const std::string& log_path() const { return log_path_; }
@@ -52,6 +66,7 @@ class DaemonProcess {
  private:
   pid_t pid_ = -1;
   int port_ = 0;
+  std::string local_socket_;
   std::string host_ = "127.0.0.1";
   std::string log_path_;
 };

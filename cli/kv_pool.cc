@@ -110,9 +110,9 @@ absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
     ASSIGN_OR_RETURN(pool.device, DeviceAllocation::Allocate(driver, memory.device, end, label));
     pool.host_image.reset(new uint8_t[end]());
   } else {
-    ASSIGN_OR_RETURN(auto allocation, agent.Allocate(label, end));
-    pool.shm_name = allocation.shm_name();
-    ASSIGN_OR_RETURN(pool.mapping, registry::ShmMapping::Open(pool.shm_name, 0, end, label));
+    ASSIGN_OR_RETURN(SharedMemory allocation, agent.AllocateMemory(label, end));
+    pool.memory_handle = allocation.info.handle();
+    pool.mapping = std::move(allocation.mapping);
   }
 
   v1::RegisterRegionsRequest request;
@@ -134,7 +134,7 @@ absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
         spec->mutable_cuda_ipc()->set_device(pool.device.device());
         spec->mutable_cuda_ipc()->set_offset(offset);
       } else {
-        spec->mutable_shm()->set_name(pool.shm_name);
+        spec->mutable_shm()->set_memory_handle(pool.memory_handle);
         spec->mutable_shm()->set_offset(offset);
       }
       group.region_names.push_back(name);
@@ -169,7 +169,7 @@ absl::StatusOr<KvPool> CreateKvPool(AgentClient& agent, const std::string& label
   ASSIGN_OR_RETURN(Pool pool, CreatePool(agent, label, {KvGroupShape(shape)}));
   KvPool kv;
   kv.shape = shape;
-  kv.shm_name = std::move(pool.shm_name);
+  kv.memory_handle = pool.memory_handle;
   kv.mapping = std::move(pool.mapping);
   kv.region_names = std::move(pool.region_names);
   return kv;

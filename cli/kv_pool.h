@@ -1,7 +1,7 @@
 // Engine-shaped memory pools on an agent. A Pool is one block of memory holding
 // several groups of regions (KV pages, Mamba STATE slots, AUX bytes), all registered
-// in one batch: a shared-memory object from AllocateSharedMemory mapped into this
-// process (DRAM), or one device allocation exported by a CUDA IPC handle, as an
+// in one batch: a sealed memfd the agent allocated for this session and passed here
+// as a descriptor, mapped into this process (DRAM), or one device allocation exported by a CUDA IPC handle, as an
 // engine does, with a host image here (VRAM). KvPool is the one-group DRAM KV case
 // (one region per layer per K/V, SGLang's layout). Used by the demo, the benchmark
 // and the integration and GPU tests.
@@ -79,7 +79,7 @@ struct PoolMemory {
 
 struct Pool {
   v1::MemoryKind memory = v1::DRAM;
-  std::string shm_name;          // DRAM
+  uint64_t memory_handle = 0;    // DRAM: the session's handle of the memfd
   registry::ShmMapping mapping;  // DRAM: this process's view of the whole object
   DeviceAllocation device;       // VRAM: the pool itself
   // VRAM: this process's image of the device bytes; Upload/Download move it.
@@ -132,7 +132,7 @@ PoolGroupShape KvGroupShape(const KvPoolShape& shape);
 
 struct KvPool {
   KvPoolShape shape;
-  std::string shm_name;
+  uint64_t memory_handle = 0;    // the session's handle of the pool's memfd
   registry::ShmMapping mapping;  // this process's view of the whole pool
   std::vector<std::string> region_names;
 

@@ -19,14 +19,24 @@
 
 namespace {
 
-constexpr std::string_view kUsage = R"(usage: kvagentctl [--agent HOST:PORT] [--json] [--timeout-ms N] COMMAND [ARGS]
+constexpr std::string_view kUsage = R"(usage: kvagentctl [--agent ADDR] [--tls-cert PATH --tls-key PATH --tls-ca PATH]
+                  [--json] [--timeout-ms N] COMMAND [ARGS]
 
-commands (talk to the agent given by --agent, default 127.0.0.1:50051):
-  status                     name, UCX, regions, peers, transfer counters
+--agent: unix:PATH, the agent's local door on this host (default
+unix:/run/kvagent/kvagent.sock; this process attaches a session, the kernel says
+who it is), or HOST:PORT, its network door: mutual TLS with --tls-* (a certificate
+the agent grants a role, e.g. --scheduler-identities), or plain TCP to an agent's
+--insecure-listen door when no --tls-* is given. What you see and may change depends
+on your roles (status shows them).
+
+commands:
+  status                     name, doors, UCX, regions, peers, transfer counters,
+                             and who you are to the agent (principal, roles)
   regions                    registered regions with layouts
   peers                      connected peers: transports, error mode, state
   transfers [--active]       transfers and their states
   connect PEER_ADDR          connect this agent to the agent at PEER_ADDR
+                             (unix:PATH on this host, HOST:PORT over mutual TLS)
   cancel TRANSFER_ID         cancel a transfer
   notifications [--max N]    take queued notifications
   notifications --watch [--for-ms N] [--id TRANSFER_ID]...
@@ -112,7 +122,11 @@ int Print(const absl::StatusOr<T>& result, const std::string& what, bool json,
 void PrintStatus(const kvagent::v1::AgentStatus& s) {
   std::printf("agent        %s (pid %u, incarnation %lx, up %.1f s)\n", s.name().c_str(), s.pid(),
               static_cast<unsigned long>(s.incarnation()), s.uptime_ms() / 1000.0);
-  std::printf("listen       %s\n", s.listen_address().c_str());
+  std::printf("doors        local %s (sessions %s.session), network %s\n",
+              s.local_socket().c_str(), s.local_socket().c_str(), s.network_door().c_str());
+  std::string roles;
+  for (const auto& r : s.caller_roles()) roles += (roles.empty() ? "" : ",") + r;
+  std::printf("you          %s [%s]\n", s.caller().c_str(), roles.c_str());
   std::string transports;
   for (const auto& t : s.ucx_transports()) transports += (transports.empty() ? "" : ",") + t;
   std::printf("ucx          %s [%s]\n", s.ucx_version().c_str(), transports.c_str());
@@ -126,19 +140,27 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.transfers_failed()));
   std::printf("notifications %lu queued\n", static_cast<unsigned long>(s.notifications_queued()));
   std::printf("streams      %lu open\n", static_cast<unsigned long>(s.open_streams()));
+  std::printf("sessions     %lu attached\n", static_cast<unsigned long>(s.sessions()));
+  std::printf("refused      %lu calls, %lu peer messages dropped\n",
+              static_cast<unsigned long>(s.refused_calls()),
+              static_cast<unsigned long>(s.dropped_peer_messages()));
 }
 
 void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
   std::printf("%-24s %-6s %-10s %-4s %-10s %-10s %-10s %s\n", "name", "kind", "group", "pos",
-              "items", "item_bytes", "stride", "source");
+              "items", "item_bytes", "stride", "source / owner");
   for (const auto& info : r.regions()) {
     const auto& s = info.spec();
-    std::printf("%-24s %-6s %-10s %-4u %-10lu %-10lu %-10lu %s+%lu (%s)\n", s.name().c_str(),
+    const std::string source =
+        s.has_cuda_ipc()              ? fmt::format("cuda:{}+{}", s.cuda_ipc().device(), s.cuda_ipc().offset())
+        : s.shm().memory_handle() != 0 ? fmt::format("handle:{}+{}", s.shm().memory_handle(), s.shm().offset())
+                                       : fmt::format("{}+{}", s.shm().name(), s.shm().offset());
+    std::printf("%-24s %-6s %-10s %-4u %-10lu %-10lu %-10lu %s (%s) %s\n", s.name().c_str(),
                 kvagent::v1::RegionKind_Name(s.kind()).c_str(), s.group().c_str(),
                 info.group_position(), static_cast<unsigned long>(s.layout().num_items()),
                 static_cast<unsigned long>(s.layout().item_bytes()),
-                static_cast<unsigned long>(s.layout().item_stride()), s.shm().name().c_str(),
-                static_cast<unsigned long>(s.shm().offset()), info.memory_path().c_str());
+                static_cast<unsigned long>(s.layout().item_stride()), source.c_str(),
+                info.memory_path().c_str(), info.owner().c_str());
   }
   std::printf("%d regions, metadata version %lu\n", r.regions_size(),
               static_cast<unsigned long>(r.version()));
@@ -182,16 +204,6 @@ void PrintNotifications(const kvagent::v1::PollNotificationsResponse& r) {
   }
 }
 
-absl::StatusOr<kvagent::v1::DoctorReport> Doctor(kvagent::cli::AgentClient& client,
-                                                  uint64_t timeout_ms) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
-  kvagent::v1::DoctorReport report;
-  grpc::Status status = client.stub()->Doctor(&context, kvagent::v1::DoctorRequest(), &report);
-  if (!status.ok()) return kvagent::agent::FromGrpcStatus(status);
-  return report;
-}
-
 // check, result, detail; the fix on its own line under a check that is not PASS.
 void PrintDoctor(const kvagent::v1::DoctorReport& r) {
   int width = 5;
@@ -219,7 +231,8 @@ bool ParseNumber(const std::string& flag, const std::string& value, uint64_t* ou
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string agent_address = "127.0.0.1:50051";
+  std::string agent_address = "unix:/run/kvagent/kvagent.sock";
+  kvagent::agent::TlsFiles tls;
   bool json = false;
   uint64_t timeout_ms = 10000;
   std::vector<std::string> args;
@@ -231,10 +244,17 @@ int main(int argc, char** argv) {
     const std::string& a = args[i];
     if (a == "--json") {
       json = true;
-    } else if (a == "--agent" || a == "--timeout-ms") {
+    } else if (a == "--agent" || a == "--timeout-ms" || a == "--tls-cert" || a == "--tls-key" ||
+               a == "--tls-ca") {
       if (i + 1 >= args.size()) return Usage(a + " needs a value");
       if (a == "--agent") {
         agent_address = args[++i];
+      } else if (a == "--tls-cert") {
+        tls.cert = args[++i];
+      } else if (a == "--tls-key") {
+        tls.key = args[++i];
+      } else if (a == "--tls-ca") {
+        tls.ca = args[++i];
       } else if (!ParseNumber(a, args[++i], &timeout_ms)) {
         return 2;
       }
@@ -338,7 +358,15 @@ int main(int argc, char** argv) {
     return kvagent::cli::RunBench(options);
   }
 
-  kvagent::cli::AgentClient client(agent_address, static_cast<uint32_t>(timeout_ms));
+  if (!tls.empty()) {
+    if (absl::Status files = kvagent::agent::CheckTlsFiles(tls, "kvagentctl"); !files.ok()) {
+      return Report(files, "--tls-*");
+    }
+  }
+  kvagent::cli::AgentClientOptions client_options;
+  client_options.timeout_ms = static_cast<uint32_t>(timeout_ms);
+  client_options.tls = tls;
+  kvagent::cli::AgentClient client(agent_address, client_options);
   if (command == "status") return Print(client.Status(), command, json, &PrintStatus);
   if (command == "regions") return Print(client.Regions(), command, json, &PrintRegions);
   if (command == "peers") return Print(client.Peers(), command, json, &PrintPeers);
@@ -347,7 +375,7 @@ int main(int argc, char** argv) {
     return Print(client.Transfers(active), command, json, &PrintTransfers);
   }
   if (command == "connect") {
-    if (rest.size() != 2) return Usage("connect takes one PEER_ADDR (HOST:PORT)");
+    if (rest.size() != 2) return Usage("connect takes one PEER_ADDR (unix:PATH or HOST:PORT)");
     return Print(client.Connect(rest[1]), command, json, &PrintPeer);
   }
   if (command == "cancel") {
@@ -394,7 +422,7 @@ int main(int argc, char** argv) {
     return Print(client.Poll(static_cast<uint32_t>(max)), command, json, &PrintNotifications);
   }
   if (command == "doctor") {
-    auto report = Doctor(client, timeout_ms);
+    auto report = client.Doctor();
     if (Print(report, command, json, &PrintDoctor) != 0) return 1;
     for (const auto& c : report->checks()) {
       if (c.result() == kvagent::v1::DoctorCheck::FAIL) return 1;

@@ -47,10 +47,11 @@ void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalo
     FUZZ_CHECK(r.name == in.name() && r.rkey_slot == i, "region {} is '{}' slot {}", i, r.name,
                r.rkey_slot);
     FUZZ_CHECK(!r.name.empty() && r.name.size() <= limits.max_name_bytes &&
-                   r.group.size() <= limits.max_name_bytes &&
-                   r.shm_name.size() <= limits.max_name_bytes,
-               "region {}: name/group/shm_name sizes {}/{}/{}", i, r.name.size(), r.group.size(),
-               r.shm_name.size());
+                   r.group.size() <= limits.max_name_bytes,
+               "region {}: name/group sizes {}/{}", i, r.name.size(), r.group.size());
+    // A same-host peer maps [memory_offset, memory_offset + length) of the object.
+    FUZZ_CHECK(static_cast<unsigned __int128>(r.memory_offset) + r.length <= ~uint64_t{0},
+               "region '{}' memory_offset {} + length {} wraps", r.name, r.memory_offset, r.length);
     FUZZ_CHECK(r.memory == v1::DRAM || r.memory == v1::VRAM, "region '{}' memory {}", r.name,
                static_cast<int>(r.memory));
     FUZZ_CHECK((r.memory == v1::VRAM || !in.rkey().empty()) &&

@@ -4,6 +4,8 @@
 // pins and inside the remote region its rkey slot names; the byte count must match an
 // independent count; rejections must name the segment.
 
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,7 +84,10 @@ struct Fixture {
         LocalSpec("b3", "kv3", 41984, 8, 128, 0, shm_name),
         LocalSpec("wide", "wide", 43008, 4, 512, 0, shm_name),
     };
-    auto result = registry->Register(specs, false);
+    registry::RegisterContext registrant;  // by name: the object this process created
+    registrant.owner = "plan-fuzzer";
+    registrant.path_policy.required_uid = geteuid();
+    auto result = registry->Register(specs, false, registrant);
     FUZZ_CHECK(result.ok(), "local regions: {}", result.status().message());
 
     v1::AgentMetadata md;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "fmt/format.h"
 #include "registry/remote_catalog.h"
+#include "transport/base/text.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
 
@@ -21,6 +22,24 @@ namespace kvagent::registry {
 namespace {
 
 constexpr log::Logger kLog("registry");
+
+// How messages and lower layers name a region: its name as an escaped, bounded prefix
+// (names are the client's bytes).
+std::string Label(const v1::RegionSpec& spec) { return Printable(spec.name()); }
+
+// At most this many names are listed in one Deregister error; the rest are counted.
+constexpr size_t kMaxListedNames = 32;
+
+std::string ListNames(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size() && i < kMaxListedNames; ++i) {
+    out += fmt::format("{}{}", i == 0 ? "" : ", ", items[i]);
+  }
+  if (items.size() > kMaxListedNames) {
+    out += fmt::format(" and {} more", items.size() - kMaxListedNames);
+  }
+  return out;
+}
 
 uint32_t LoadPosition(const Region& region) {
   return __atomic_load_n(&region.group_position, __ATOMIC_RELAXED);
@@ -43,14 +62,15 @@ class BatchErrors {
 
   void Add(int entry, absl::StatusCode code, const std::string& cause_and_fix) {
     if (Has(entry)) return;
-    lines_.emplace(entry, absl::Status(code, fmt::format("region '{}' (entry {}): {}",
-                                                         specs_[entry].name(), entry,
-                                                         cause_and_fix)));
+    lines_.emplace(
+        entry, absl::Status(code, fmt::format("region '{}' (entry {}): {}", Label(specs_[entry]),
+                                              entry, cause_and_fix)));
   }
-  // Re-labels a status from a lower layer ("region 'x': ...") with the entry number.
+  // Re-labels a status from a lower layer ("region 'x': ...", x being Label(spec))
+  // with the entry number.
   void Add(int entry, const absl::Status& status) {
     std::string message(status.message());
-    const std::string prefix = fmt::format("region '{}': ", specs_[entry].name());
+    const std::string prefix = fmt::format("region '{}': ", Label(specs_[entry]));
     if (absl::StartsWith(message, prefix)) message.erase(0, prefix.size());
     Add(entry, status.code(), message);
   }
@@ -194,11 +214,13 @@ v1::RegionInfo Region::Info() const {
   info.set_group_position(LoadPosition(*this));
   info.set_base_address(base_address);
   info.set_memory_path(memory_path);
+  info.set_owner(owner);
   return info;
 }
 
 absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::RegionSpec>& specs,
-                                                        bool skip_empty) {
+                                                        bool skip_empty,
+                                                        const RegisterContext& context) {
   absl::MutexLock write_lock(&write_mu_);
   // Writers are serialized by write_mu_, so this snapshot stays current until commit.
   const std::vector<RegionPtr> existing = List();
@@ -232,6 +254,29 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                              "which peers refuse in metadata; use shorter ones",
                              limit, spec.name().size(), spec.group().size(),
                              spec.has_shm() ? spec.shm().name().size() : 0));
+      continue;
+    }
+    // Names travel into logs, peers' metadata and other tools' output.
+    if (HasControlCharacter(spec.name()) || HasControlCharacter(spec.group()) ||
+        (spec.has_shm() && HasControlCharacter(spec.shm().name()))) {
+      std::vector<std::string> fields;
+      if (HasControlCharacter(spec.name())) fields.push_back("name");
+      if (HasControlCharacter(spec.group()))
+        fields.push_back("group '" + Printable(spec.group()) + "'");
+      if (spec.has_shm() && HasControlCharacter(spec.shm().name())) {
+        fields.push_back("shm.name '" + Printable(spec.shm().name()) + "'");
+      }
+      errors.Add(
+          i, kInvalid,
+          fmt::format("{} {} a NUL or control character; use printable names",
+                      absl::StrJoin(fields, " and "), fields.size() == 1 ? "contains" : "contain"));
+      continue;
+    }
+    if (spec.kind() != v1::KV && spec.kind() != v1::STATE && spec.kind() != v1::AUX &&
+        spec.kind() != v1::REGION_KIND_UNSPECIFIED) {
+      errors.Add(i, kInvalid,
+                 fmt::format("kind {} is not a region kind; use KV, STATE or AUX",
+                             static_cast<int>(spec.kind())));
       continue;
     }
     auto [it, inserted] = batch_names.emplace(spec.name(), i);
@@ -271,7 +316,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
         continue;
       }
       if (absl::Status s = transport::CudaDriver::ValidateIpcSource(
-              spec.name(), spec.cuda_ipc().ipc_handle().size(), spec.cuda_ipc().device(), -1);
+              Label(spec), spec.cuda_ipc().ipc_handle().size(), spec.cuda_ipc().device(), -1);
           !s.ok()) {
         errors.Add(i, s);
         continue;
@@ -288,10 +333,12 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                    "give a shm source for host memory");
         continue;
       }
-      if (!spec.has_shm() || spec.shm().name().empty()) {
+      if (!spec.has_shm() || (spec.shm().memory_handle() == 0 && spec.shm().name().empty())) {
         errors.Add(i, kInvalid,
-                   "DRAM region has no shm source; set shm.name (a \"/name\" shm object or an "
-                   "absolute /dev/shm or hugetlbfs path) and shm.offset");
+                   "DRAM region has no shm source; set shm.memory_handle (a handle from "
+                   "ShareMemory or AllocateMemory on the session socket) or, for "
+                   "compatibility, shm.name (a \"/name\" shm object or a path under an allowed "
+                   "directory), and shm.offset");
         continue;
       }
       if (__builtin_add_overflow(spec.shm().offset(), spec.length(), &end)) {
@@ -307,16 +354,26 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     candidates.push_back(Candidate{i, std::move(spec), {}, {}, {}, {}});
   }
 
-  // 2. Groups: every region of a group (registered or in this batch) has the same
-  // num_items, since one index list addresses all of them.
+  // 2. Groups: a group belongs to the owner of its regions (another owner's transfers
+  // and notifications address it by name), and every region of a group (registered or
+  // in this batch) has the same num_items, since one index list addresses all of them.
   absl::flat_hash_map<std::string, std::pair<std::string, uint64_t>> group_items;
+  absl::flat_hash_map<std::string, std::string> group_owners;
   for (const RegionPtr& region : existing) {
     if (!region->spec.group().empty()) {
       group_items.try_emplace(region->spec.group(), region->spec.name(), region->num_items());
+      group_owners.try_emplace(region->spec.group(), region->owner);
     }
   }
   for (const Candidate& c : candidates) {
     if (c.spec.group().empty()) continue;
+    if (auto owner = group_owners.find(c.spec.group());
+        owner != group_owners.end() && owner->second != context.owner) {
+      errors.Add(c.entry, absl::StatusCode::kPermissionDenied,
+                 fmt::format("group '{}' belongs to {}; use another group name",
+                             Printable(c.spec.group()), Printable(owner->second)));
+      continue;
+    }
     auto [it, inserted] =
         group_items.try_emplace(c.spec.group(), c.spec.name(), c.spec.layout().num_items());
     if (!inserted && it->second.second != c.spec.layout().num_items()) {
@@ -324,8 +381,8 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                  fmt::format("has {} items but region '{}' of group '{}' has {}; every region "
                              "of a group needs the same num_items (one index list addresses "
                              "them all)",
-                             c.spec.layout().num_items(), it->second.first, c.spec.group(),
-                             it->second.second));
+                             c.spec.layout().num_items(), Printable(it->second.first),
+                             Printable(c.spec.group()), it->second.second));
     }
   }
 
@@ -334,19 +391,20 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   for (Candidate& c : candidates) {
     if (errors.Has(c.entry)) continue;
     if (c.spec.memory() == v1::VRAM) {
-      auto cuda = CudaIpcMapping::Open(c.spec.cuda_ipc(), c.spec.length(), c.spec.name());
+      auto cuda = CudaIpcMapping::Open(c.spec.cuda_ipc(), c.spec.length(), Label(c.spec));
       if (!cuda.ok()) {
         errors.Add(c.entry, cuda.status());
         continue;
       }
       c.cuda = std::move(cuda).value();
       auto overlap = [&](const std::string& other, const CudaIpcMapping& m) {
-        errors.Add(c.entry, kInvalid,
-                   fmt::format("device bytes [{:#x}, {:#x}) on device {} overlap region '{}' "
-                               "([{:#x}, {:#x})); give each region its own byte range",
-                               c.cuda->device_pointer(), c.cuda->device_pointer() + c.cuda->length(),
-                               c.cuda->device(), other, m.device_pointer(),
-                               m.device_pointer() + m.length()));
+        errors.Add(
+            c.entry, kInvalid,
+            fmt::format("device bytes [{:#x}, {:#x}) on device {} overlap region '{}' "
+                        "([{:#x}, {:#x})); give each region its own byte range",
+                        c.cuda->device_pointer(), c.cuda->device_pointer() + c.cuda->length(),
+                        c.cuda->device(), Printable(other), m.device_pointer(),
+                        m.device_pointer() + m.length()));
       };
       for (const RegionPtr& region : existing) {
         if (Overlaps(c.cuda, region->cuda)) overlap(region->spec.name(), *region->cuda);
@@ -357,8 +415,34 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
       }
       continue;
     }
-    auto mapping = ShmMapping::Open(c.spec.shm().name(), c.spec.shm().offset(), c.spec.length(),
-                                    c.spec.name());
+    absl::StatusOr<ShmMapping> mapping;
+    const v1::SharedMemorySource& shm = c.spec.shm();
+    if (shm.memory_handle() != 0) {
+      if (!context.resolve_handle) {
+        errors.Add(c.entry, absl::StatusCode::kFailedPrecondition,
+                   fmt::format("shm.memory_handle {} given, but memory handles need a local "
+                               "session (ShareMemory / AllocateMemory on the agent's session "
+                               "socket); register from that session, or give shm.name",
+                               shm.memory_handle()));
+        continue;
+      }
+      auto object = context.resolve_handle(shm.memory_handle());
+      if (!object.ok()) {
+        errors.Add(c.entry, object.status());
+        continue;
+      }
+      if (*object == nullptr) {
+        errors.Add(c.entry, absl::StatusCode::kNotFound,
+                   fmt::format("shm.memory_handle {} is not one of this session's memory "
+                               "handles; use a handle from ShareMemory or AllocateMemory",
+                               shm.memory_handle()));
+        continue;
+      }
+      mapping = ShmMapping::Map(*std::move(object), shm.offset(), c.spec.length(), Label(c.spec));
+    } else {
+      mapping = ShmMapping::OpenPath(shm.name(), shm.offset(), c.spec.length(), Label(c.spec),
+                                     context.path_policy);
+    }
     if (!mapping.ok()) {
       errors.Add(c.entry, mapping.status());
       continue;
@@ -366,10 +450,11 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     c.mapping = std::move(mapping).value();
     auto overlap = [&](const std::string& other, const ShmMapping& m) {
       errors.Add(c.entry, kInvalid,
-                 fmt::format("bytes [{}, {}) of '{}' overlap region '{}' (bytes [{}, {})); "
-                             "give each region its own byte range",
+                 fmt::format("bytes [{}, {}) of memory '{}' overlap region '{}' (bytes [{}, "
+                             "{})); give each region its own byte range",
                              c.mapping.offset(), c.mapping.offset() + c.mapping.length(),
-                             c.spec.shm().name(), other, m.offset(), m.offset() + m.length()));
+                             c.mapping.memory()->label(), Printable(other), m.offset(),
+                             m.offset() + m.length()));
     };
     for (const RegionPtr& region : existing) {
       if (Overlaps(c.mapping, region->mapping)) overlap(region->spec.name(), region->mapping);
@@ -401,7 +486,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     if (options_.stage_host_regions && c.memory_path == "host") c.memory_path = "staged";
     if (pins && c.spec.memory() == v1::DRAM) {
       pinned += c.spec.length();
-      if (absl::Status s = CheckMemlock(pinned, memlock_limit, c.spec.name()); !s.ok()) {
+      if (absl::Status s = CheckMemlock(pinned, memlock_limit, Label(c.spec)); !s.ok()) {
         errors.Add(c.entry, s);
       }
     }
@@ -417,7 +502,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     auto registration = transport::MemoryRegistration::Map(
         *context_, vram ? reinterpret_cast<void*>(c.cuda->device_pointer()) : c.mapping.data(),
         c.spec.length(), vram ? transport::MemoryType::kCuda : transport::MemoryType::kHost,
-        c.spec.name());
+        Label(c.spec));
     if (!registration.ok()) {
       errors.Add(c.entry, registration.status());
       continue;
@@ -440,6 +525,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     region->base_address = c.cuda.has_value() ? c.cuda->device_pointer()
                                               : reinterpret_cast<uint64_t>(c.mapping.data());
     region->memory_path = std::move(c.memory_path);
+    region->owner = context.owner;
     region->mapping = std::move(c.mapping);
     region->cuda = std::move(c.cuda);
     region->registration = std::move(c.registration);
@@ -450,27 +536,49 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   // A batch of only skipped entries changes nothing, so peers need not refetch.
   if (!result.regions.empty()) ++version_;
   result.version = version_;
-  kLog.Info("registered {} regions ({} bytes, {} skipped); version {}", result.regions.size(),
-            bytes, result.skipped.size(), version_);
+  kLog.Info("registered {} regions ({} bytes, {} skipped) for {}; version {}",
+            result.regions.size(), bytes, result.skipped.size(), Printable(context.owner),
+            version_);
   return result;
 }
 
 absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::string>& names,
-                                                    std::vector<RegionPtr>* retired) {
+                                                    std::vector<RegionPtr>* retired,
+                                                    const std::string& owner, bool any_owner) {
   absl::MutexLock write_lock(&write_mu_);
   std::vector<RegionPtr> removed;  // released after mu_ is dropped (munmap, ucp_mem_unmap)
   uint64_t version = 0;
   {
     absl::MutexLock lock(&mu_);
-    std::string unknown;
+    std::vector<std::string> unknown;
+    std::vector<std::string> foreign;
+    absl::flat_hash_set<std::string> seen;
     for (const std::string& name : names) {
-      if (!regions_.contains(name)) unknown += fmt::format("{}'{}'", unknown.empty() ? "" : ", ", name);
+      if (!seen.insert(name).second) continue;  // named twice
+      auto it = regions_.find(name);
+      if (it == regions_.end()) {
+        unknown.push_back(fmt::format("'{}'", Printable(name)));
+      } else if (!any_owner && it->second.region->owner != owner) {
+        foreign.push_back(fmt::format("'{}' (owned by {})", Printable(name),
+                                      Printable(it->second.region->owner)));
+      }
     }
-    if (!unknown.empty()) {
-      return absl::NotFoundError(fmt::format(
-          "regions {} are not registered, so nothing was deregistered; list regions with "
-          "`kvagentctl regions`",
-          unknown));
+    if (!unknown.empty() || !foreign.empty()) {
+      std::vector<std::string> causes;
+      std::vector<std::string> fixes;
+      if (!unknown.empty()) {
+        causes.push_back(fmt::format("regions {} are not registered", ListNames(unknown)));
+        fixes.push_back("list regions with `kvagentctl regions`");
+      }
+      if (!foreign.empty()) {
+        causes.push_back(fmt::format("regions {} belong to another owner, not to {}",
+                                     ListNames(foreign), Printable(owner)));
+        fixes.push_back("deregister only regions you registered (or ask their owner)");
+      }
+      return absl::Status(
+          unknown.empty() ? absl::StatusCode::kPermissionDenied : absl::StatusCode::kNotFound,
+          fmt::format("{}, so nothing was deregistered; {}", absl::StrJoin(causes, "; and "),
+                      absl::StrJoin(fixes, "; ")));
     }
     absl::flat_hash_set<std::string> groups;
     for (const std::string& name : names) {
@@ -495,7 +603,8 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
     if (!removed.empty()) ++version_;
     version = version_;
   }
-  kLog.Info("deregistered {} regions; version {}", removed.size(), version);
+  kLog.Info("deregistered {} regions for {}; version {}", removed.size(), Printable(owner),
+            version);
   if (retired != nullptr) {
     for (auto& region : removed) retired->push_back(std::move(region));
   }
@@ -561,7 +670,7 @@ uint64_t RegionRegistry::registered_bytes() const {
   return bytes;
 }
 
-void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
+void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {
   absl::ReaderMutexLock lock(&mu_);
   std::vector<const Entry*> entries;
   entries.reserve(regions_.size());
@@ -582,9 +691,12 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
     *out->mutable_layout() = region.spec.layout();
     out->set_rkey(region.registration.packed_rkey());
     out->set_memory_path(region.memory_path);
-    if (region.spec.has_shm()) {
-      out->set_shm_name(region.spec.shm().name());
-      out->set_shm_offset(region.spec.shm().offset());
+    // Where the memory is, only to a peer on this host (it can map it itself): by the
+    // object's id, whose descriptor it fetches over the session socket.
+    if (!same_host) continue;
+    if (region.mapping.memory() != nullptr) {
+      out->set_memory_id(region.mapping.memory()->id());
+      out->set_memory_offset(region.mapping.offset());
     }
     if (region.spec.has_cuda_ipc()) {
       out->set_cuda_ipc_handle(region.spec.cuda_ipc().ipc_handle());
@@ -593,6 +705,16 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata) const {
     }
   }
   metadata->set_version(version_);
+}
+
+std::shared_ptr<const MemoryObject> RegionRegistry::FindMemory(uint64_t memory_id) const {
+  if (memory_id == 0) return nullptr;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, entry] : regions_) {
+    const std::shared_ptr<const MemoryObject>& memory = entry.region->mapping.memory();
+    if (memory != nullptr && memory->id() == memory_id) return memory;
+  }
+  return nullptr;
 }
 
 }  // namespace kvagent::registry

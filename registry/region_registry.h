@@ -1,10 +1,12 @@
 // RegionRegistry holds the memory regions engines registered with this agent:
-// validated layout, imported mapping, UCX registration and packed rkey. Groups
-// order regions by registration order. Used by the agent's service (register,
-// deregister, list, export to peers) and by the transfer planner (lookups).
+// validated layout, imported mapping, UCX registration, packed rkey and the owner
+// that registered it. Groups order regions by registration order and belong to one
+// owner. Used by the agent's service (register, deregister, list, export to peers)
+// and by the transfer planner (lookups).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -17,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/kvagent.pb.h"
 #include "registry/cuda_ipc_mapping.h"
+#include "registry/memory_object.h"
 #include "registry/shm_mapping.h"
 #include "transport/ucx_context.h"
 
@@ -39,7 +42,9 @@ struct Region {
   // UCX as CUDA memory) or "staged" (VRAM moved through host buffers; no UCX
   // registration, so no rkey).
   std::string memory_path;
-  ShmMapping mapping;                  // DRAM
+  // The principal that registered it (RegisterContext::owner): only it may remove it.
+  std::string owner;
+  ShmMapping mapping;                  // DRAM; mapping.memory() is the object
   std::optional<CudaIpcMapping> cuda;  // VRAM
   transport::MemoryRegistration registration;  // empty for staged VRAM
 
@@ -85,31 +90,54 @@ absl::Status CheckMemlock(uint64_t bytes_to_pin, uint64_t limit, std::string_vie
 // registered host memory and so counts against RLIMIT_MEMLOCK.
 bool PinsRegisteredMemory(const std::vector<std::string>& transports);
 
+// Who registers, and how their memory is reached.
+struct RegisterContext {
+  // The caller's principal ("session:7 uid:1000 (engine-a)"); regions and groups it
+  // registers belong to it.
+  std::string owner;
+  // Where shm.name may point (compatibility registration by name).
+  PathPolicy path_policy;
+  // Resolves shm.memory_handle to the caller's shared memory (its session's
+  // ShareMemory / AllocateMemory handles). Null: the caller has no local session, so
+  // handles are refused.
+  std::function<absl::StatusOr<std::shared_ptr<const MemoryObject>>(uint64_t handle)>
+      resolve_handle;
+};
+
 class RegionRegistry {
  public:
   explicit RegionRegistry(const transport::UcxContext* context, RegistryOptions options = {})
       : context_(context), options_(options) {}
 
-  // All-or-nothing. Every bad entry is reported in one INVALID_ARGUMENT /
-  // NOT_FOUND / FAILED_PRECONDITION status (the code of the first), one line per
-  // entry naming it, the cause and the fix. Checks: name empty or duplicate (in the
-  // batch or already registered); name, group or shm.name over the 256 bytes peers
-  // accept (CatalogLimits); zero length (or skipped with skip_empty); layout
-  // (num_items, item_bytes > 0; stride >= item_bytes; last item inside length,
-  // overflow-safe); shm object missing or too small; overlap with another region of
-  // the same object or device range; group whose regions disagree in num_items;
-  // VRAM without a cuda_ipc source or DRAM without shm (INVALID_ARGUMENT); no CUDA
-  // driver, UCX without CUDA and staging off, or RLIMIT_MEMLOCK too low for memory
-  // RDMA pins (FAILED_PRECONDITION). Nothing registered before is touched.
-  absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs,
-                                          bool skip_empty);
-  // All-or-nothing: NOT_FOUND naming every unknown name. Returns the new version.
-  // The regions leave the catalog at once; their memory (UCX registration, mapping)
-  // is released when the last RegionPtr goes: with `retired`, the caller holds them
-  // until peers no longer write there (a put that UCX tcp still delivers into an
-  // unmapped region would crash this process).
+  // Registers `specs` for context.owner. All-or-nothing. Every bad entry is
+  // reported in one status (the code of the first), one line per entry naming it (an
+  // escaped, bounded prefix of every echoed input), the cause and the fix. Checks:
+  // name empty or duplicate agent-wide (in the batch or already registered); name,
+  // group or shm.name over the 256 bytes peers accept (CatalogLimits) or holding NUL
+  // or control characters; kind not KV/STATE/AUX (unspecified is accepted); memory
+  // not DRAM/VRAM; zero length (or skipped with skip_empty); layout (num_items,
+  // item_bytes > 0; stride >= item_bytes; last item inside length, overflow-safe);
+  // memory: shm.memory_handle through context.resolve_handle (FAILED_PRECONDITION
+  // without a resolver; its errors pass through), else shm.name through
+  // MemoryObject::OpenPath with context.path_policy (NOT_FOUND, PERMISSION_DENIED,
+  // INVALID_ARGUMENT); object too small; overlap with another region of the same
+  // object (device, inode) or device range; a group that another owner's regions use
+  // (PERMISSION_DENIED) or whose regions disagree in num_items; VRAM without a
+  // cuda_ipc source or DRAM without shm (INVALID_ARGUMENT); no CUDA driver, UCX
+  // without CUDA and staging off, or RLIMIT_MEMLOCK too low for memory RDMA pins
+  // (FAILED_PRECONDITION). Nothing registered before is touched.
+  absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs, bool skip_empty,
+                                          const RegisterContext& context);
+  // Removes `names` on behalf of `owner`. All-or-nothing: NOT_FOUND naming every
+  // unknown name; else PERMISSION_DENIED naming every region another owner holds and
+  // that owner (unless `any_owner`: a role the operator grants). Returns the new
+  // version. The regions leave the catalog at once; their memory (UCX registration,
+  // mapping) is released when the last RegionPtr goes: with `retired` (may be null),
+  // the caller holds them until peers no longer write there (a put that UCX tcp still
+  // delivers into an unmapped region would crash this process).
   absl::StatusOr<uint64_t> Deregister(const std::vector<std::string>& names,
-                                      std::vector<RegionPtr>* retired = nullptr);
+                                      std::vector<RegionPtr>* retired, const std::string& owner,
+                                      bool any_owner);
 
   RegionPtr Find(const std::string& name) const;
   // Regions of `group` by position; empty when there is none.
@@ -120,8 +148,16 @@ class RegionRegistry {
   uint64_t registered_bytes() const;
 
   // The regions as peers see them (addresses, layouts, packed rkeys; staged VRAM
-  // regions have no UCX registration and go out with an empty rkey).
-  void Export(v1::AgentMetadata* metadata) const;
+  // regions have no UCX registration and go out with an empty rkey). Only for a peer
+  // on the same host (`same_host`: reached through its local door) also where the
+  // memory is: memory_id/memory_offset of DRAM regions (the peer fetches the
+  // descriptor by id, see FindMemory) and the CUDA IPC fields of VRAM ones. Never
+  // names of files.
+  void Export(v1::AgentMetadata* metadata, bool same_host) const;
+
+  // The memory object with this id (MemoryObject::id) when a registered region uses
+  // it, else null: what a same-host peer may ask for by ExportedRegion.memory_id.
+  std::shared_ptr<const MemoryObject> FindMemory(uint64_t memory_id) const;
 
  private:
   const transport::UcxContext* context_;

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "fmt/format.h"
+#include "transport/base/text.h"
 
 namespace kvagent::registry {
 namespace {
@@ -14,12 +15,13 @@ constexpr char kFix[] = "the peer sent malformed metadata; upgrade or restart th
 
 absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadata& metadata,
                                                           const CatalogLimits& limits) {
-  const std::string& peer = metadata.name();
+  // Peer bytes go into messages only as bounded, escaped prefixes.
+  const std::string peer = Printable(metadata.name());
   auto bad_peer = [&](const std::string& cause) {
     return absl::InvalidArgumentError(fmt::format("peer '{}': {}; {}", peer, cause, kFix));
   };
-  if (peer.empty() || peer.size() > limits.max_name_bytes) {
-    return bad_peer(fmt::format("name is {} bytes (allowed 1..{})", peer.size(),
+  if (metadata.name().empty() || metadata.name().size() > limits.max_name_bytes) {
+    return bad_peer(fmt::format("name is {} bytes (allowed 1..{})", metadata.name().size(),
                                 limits.max_name_bytes));
   }
   const uint64_t address_bytes = metadata.worker_address().size();
@@ -33,14 +35,14 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
   }
 
   RemoteCatalog catalog;
-  catalog.peer_ = peer;
+  catalog.peer_ = metadata.name();
   catalog.version_ = metadata.version();
   catalog.regions_.reserve(metadata.regions_size());
   for (int i = 0; i < metadata.regions_size(); ++i) {
     const v1::ExportedRegion& in = metadata.regions(i);
     auto bad = [&](const std::string& cause) {
       return absl::InvalidArgumentError(fmt::format("peer '{}' region '{}' (index {}): {}; {}",
-                                                    peer, in.name(), i, cause, kFix));
+                                                    peer, Printable(in.name()), i, cause, kFix));
     };
     if (in.name().empty() || in.name().size() > limits.max_name_bytes) {
       return bad(fmt::format("name is {} bytes (allowed 1..{})", in.name().size(),
@@ -83,9 +85,10 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
                              "bytes, devices count from 0)",
                              in.cuda_ipc_handle().size(), in.cuda_device()));
     }
-    if (in.shm_name().size() > limits.max_name_bytes) {
-      return bad(fmt::format("shm_name is {} bytes (at most {})", in.shm_name().size(),
-                             limits.max_name_bytes));
+    if (uint64_t memory_end = 0;
+        __builtin_add_overflow(in.memory_offset(), in.length(), &memory_end)) {
+      return bad(
+          fmt::format("memory_offset {} + length {} overflows", in.memory_offset(), in.length()));
     }
     if (!catalog.by_name_.emplace(in.name(), static_cast<uint32_t>(i)).second) {
       return bad("name is exported twice");
@@ -101,11 +104,11 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
     region.item_bytes = layout.item_bytes();
     region.item_stride = stride;
     region.rkey_slot = static_cast<uint32_t>(i);
-    region.shm_name = in.shm_name();
     region.cuda_ipc_handle = in.cuda_ipc_handle();
     region.cuda_device = in.cuda_device();
     region.cuda_offset = in.cuda_offset();
-    region.shm_offset = in.shm_offset();
+    region.memory_id = in.memory_id();
+    region.memory_offset = in.memory_offset();
     region.staged = in.memory_path() == "staged" ||
                     (region.memory == v1::VRAM && in.rkey().empty());
     if (!region.group.empty()) catalog.groups_[region.group].push_back(region.rkey_slot);
@@ -121,7 +124,7 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
         return absl::InvalidArgumentError(fmt::format(
             "peer '{}' region '{}': group_position {} in group '{}' of {} regions is out of "
             "range or taken twice (positions must be 0..{}); {}",
-            peer, region.name, region.group_position, group, members.size(),
+            peer, Printable(region.name), region.group_position, Printable(group), members.size(),
             members.size() - 1, kFix));
       }
       by_position[region.group_position] = index;

@@ -27,8 +27,10 @@ struct RemoteRegion {
   std::string cuda_ipc_handle;  // VRAM: 64 bytes, empty otherwise
   int32_t cuda_device = 0;
   uint64_t cuda_offset = 0;
-  std::string shm_name;    // empty when the peer's memory has no shared-memory name
-  uint64_t shm_offset = 0;
+  // Same-host peers only: the peer's memory object (fetch its descriptor by this id
+  // over the peer's session socket) and the region's offset inside it. 0 when none.
+  uint64_t memory_id = 0;
+  uint64_t memory_offset = 0;
   // The peer moves this region's bytes through host staging: data goes to it as
   // staged chunks (active messages), never by RMA. Its memory_path "staged", or VRAM
   // without an rkey from a peer that does not say.
@@ -49,7 +51,8 @@ class RemoteCatalog {
   // regions, empty/oversized names, duplicate names, oversized rkey or an empty one
   // for DRAM (staged VRAM has none), zero
   // item size, stride < item size, layout beyond length, base+length overflow, a
-  // group whose positions are not 0..n-1, empty or oversized worker address.
+  // group whose positions are not 0..n-1, empty or oversized worker address,
+  // memory_offset + length overflowing.
   static absl::StatusOr<RemoteCatalog> FromMetadata(const v1::AgentMetadata& metadata,
                                                     const CatalogLimits& limits = {});
 

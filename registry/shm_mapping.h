@@ -1,30 +1,39 @@
-// ShmMapping maps host memory that an engine shares with the agent: a POSIX
-// shared-memory object or a /dev/shm / hugetlbfs file, MAP_SHARED. Used by the
-// region registry (import) and by AllocateSharedMemory (create).
+// ShmMapping maps host memory that an engine shares with the agent (a MemoryObject:
+// memfd, POSIX shm or hugetlbfs file), MAP_SHARED, and keeps the object open while
+// mapped. Used by the region registry (import) and by the agent's allocations.
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "registry/memory_object.h"
 
 namespace kvagent::registry {
 
 class ShmMapping {
  public:
-  // Maps [offset, offset+length) of an existing object. `name` is a POSIX shm name
-  // ("/x", opened with shm_open) or an absolute file path (opened with open).
-  // `entry` names the caller's region in errors. NOT_FOUND when the object does not
-  // exist; INVALID_ARGUMENT when it is smaller than offset+length (message gives
-  // both sizes) or length is 0; PERMISSION_DENIED when it cannot be opened.
-  static absl::StatusOr<ShmMapping> Open(const std::string& name, uint64_t offset,
-                                         uint64_t length, std::string_view entry);
-  // Creates a new POSIX shm object of `bytes` (O_EXCL), maps it whole, and unlinks
-  // the name when this mapping is destroyed. RESOURCE_EXHAUSTED when /dev/shm has no
-  // room (the message gives free bytes).
+  // Maps [offset, offset+length) of `object` read-write, MAP_SHARED|MAP_POPULATE (the
+  // pages are faulted in now, not in the transfer path), offsets aligned to the
+  // object's page_alignment(). `entry` names the caller's region in errors.
+  // INVALID_ARGUMENT when there is no object, length is 0, or the object is now (fstat
+  // again: unsealed objects change size) smaller than offset+length (the message gives
+  // both sizes; an overflowing sum is refused, not wrapped); RESOURCE_EXHAUSTED or
+  // FAILED_PRECONDITION when mmap fails.
+  static absl::StatusOr<ShmMapping> Map(std::shared_ptr<const MemoryObject> object, uint64_t offset,
+                                        uint64_t length, std::string_view entry);
+  // Compatibility: MemoryObject::OpenPath(name, policy, entry) (see its refusals),
+  // then Map.
+  static absl::StatusOr<ShmMapping> OpenPath(const std::string& name, uint64_t offset,
+                                             uint64_t length, std::string_view entry,
+                                             const PathPolicy& policy);
+  // Creates a new POSIX shm object of `bytes` (O_EXCL, mode 0600), maps it whole, and
+  // unlinks the name when this mapping is destroyed. RESOURCE_EXHAUSTED when /dev/shm
+  // has no room (the message gives free bytes).
   static absl::StatusOr<ShmMapping> Create(const std::string& name, uint64_t bytes);
 
   ShmMapping() = default;
@@ -37,23 +46,29 @@ class ShmMapping {
   // First byte of the requested range (offset applied).
   void* data() const { return data_; }
   uint64_t length() const { return length_; }
+  // The POSIX shm name of a mapping made by Create; empty for the others.
   const std::string& name() const { return name_; }
+  // The mapped object (null for an empty mapping); it stays open while mapped.
+  const std::shared_ptr<const MemoryObject>& memory() const { return memory_; }
   // Identity of the underlying object, to detect overlapping registrations.
-  dev_t device() const { return device_; }
-  ino_t inode() const { return inode_; }
+  dev_t device() const { return memory_ ? memory_->device() : 0; }
+  ino_t inode() const { return memory_ ? memory_->inode() : 0; }
+  // Offset of data() inside the object.
   uint64_t offset() const { return offset_; }
 
  private:
+  static absl::StatusOr<ShmMapping> MapRange(std::shared_ptr<const MemoryObject> object,
+                                             uint64_t offset, uint64_t length,
+                                             std::string_view entry, bool populate);
   void Reset();
   std::string name_;
+  std::shared_ptr<const MemoryObject> memory_;
   void* map_base_ = nullptr;  // page-aligned mapping start
   uint64_t map_length_ = 0;
   void* data_ = nullptr;
   uint64_t length_ = 0;
   uint64_t offset_ = 0;
-  dev_t device_ = 0;
-  ino_t inode_ = 0;
-  bool owner_ = false;  // unlink on destruction
+  bool owner_ = false;  // unlink name_ on destruction
 };
 
 }  // namespace kvagent::registry

@@ -68,15 +68,20 @@ struct Agents {
         spec.set_length(region_bytes);
         spec.mutable_layout()->set_num_items(kItems);
         spec.mutable_layout()->set_item_bytes(kItemBytes);
-        spec.mutable_shm()->set_name(shm->name());
+        spec.mutable_shm()->set_memory_handle(1);
         spec.mutable_shm()->set_offset(r * region_bytes);
         specs.push_back(std::move(spec));
       }
-      auto registered = registry->Register(specs, false);
+      // Registered by descriptor, as a local session does: handle 1 is this side's object.
+      RegisterContext registrant{
+          "benchmark", {}, [shm = shm](uint64_t) {
+            return absl::StatusOr<std::shared_ptr<const MemoryObject>>(shm->memory());
+          }};
+      auto registered = registry->Register(specs, false, registrant);
       if (!registered.ok()) Die("registering 64 regions", registered.status());
     }
     v1::AgentMetadata metadata;
-    remote_registry->Export(&metadata);
+    remote_registry->Export(&metadata, /*same_host=*/false);
     metadata.set_name("decode");
     metadata.set_worker_address("benchmark");
     auto catalog = RemoteCatalog::FromMetadata(metadata);

@@ -104,10 +104,12 @@ TEST_CASE("clients that vanish mid-stream leave nothing behind") {
     std::vector<std::unique_ptr<grpc::ClientReader<v1::Notification>>> notification_streams;
     for (int i = 0; i < kInProcess; ++i) {
       contexts.push_back(std::make_unique<grpc::ClientContext>());
+      REQUIRE(pair.prefill().Prepare(contexts.back().get(), 600000).ok());
       v1::GetTransferRequest request;
       request.set_transfer_id(open_id);
       transfer_streams.push_back(pair.prefill().stub()->WatchTransfer(contexts.back().get(), request));
       contexts.push_back(std::make_unique<grpc::ClientContext>());
+      REQUIRE(pair.decode().Prepare(contexts.back().get(), 600000).ok());
       notification_streams.push_back(
           pair.decode().stub()->WatchNotifications(contexts.back().get(), v1::WatchNotificationsRequest()));
     }

@@ -92,9 +92,6 @@ void CheckSubmitFailsFast(AgentPair& pair, const std::string& label) {
   CHECK(ms < 100);
 }
 
-// The killed decode agent could not unlink the pool it allocated.
-void UnlinkDecodePool(AgentPair& pair) { ::shm_unlink(pair.decode_pool().shm_name.c_str()); }
-
 TEST_CASE("a killed peer fails the open transfer within 2 s, and new submits at once") {
   AgentPair pair;
   OpenTransfer(pair, "open-kill");
@@ -113,7 +110,6 @@ TEST_CASE("a killed peer fails the open transfer within 2 s, and new submits at 
   REQUIRE(peers->peers_size() == 1);
   CHECK(peers->peers(0).state() == "unreachable");
   pair.decode_process().Kill();  // reaps it
-  UnlinkDecodePool(pair);
 }
 
 TEST_CASE("a hung peer (SIGSTOP) fails the open transfer within 2 s, and new submits at once") {
@@ -133,7 +129,6 @@ TEST_CASE("a hung peer (SIGSTOP) fails the open transfer within 2 s, and new sub
 
   ::kill(decode, SIGCONT);
   pair.decode_process().Kill();
-  UnlinkDecodePool(pair);
 }
 
 std::string ReadFile(const std::string& path) {
@@ -174,7 +169,6 @@ TEST_CASE("peer error mode: a killed peer fails the open transfer through the UC
   CHECK_THAT(ReadFile(pair.prefill_process().log_path()),
              Catch::Contains("peer 'decode' endpoint failed"));
   pair.decode_process().Kill();
-  UnlinkDecodePool(pair);
 }
 
 // The same with a 128 MiB WRITE still moving (posted puts and their flush pending):
@@ -230,7 +224,6 @@ TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, n
   CHECK(later.drained());
   CheckSubmitFailsFast(pair, "SIGKILL under a WRITE (peer error mode)");
   pair.decode_process().Kill();
-  UnlinkDecodePool(pair);
 }
 
 bool PagesEqual(const cli::KvPool& src, uint64_t src_page, const cli::KvPool& dst,
@@ -252,7 +245,6 @@ TEST_CASE("a peer restarted under the same name: the old transfer failed, new on
   OpenTransfer(pair, "open-restart");
 
   pair.decode_process().Kill();
-  UnlinkDecodePool(pair);
 
   // A new process under the same name, on a new port.
   cli::DaemonOptions d;

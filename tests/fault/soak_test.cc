@@ -127,7 +127,7 @@ class NotificationCounter {
   explicit NotificationCounter(const std::string& address) : client_(address) {}
 
   void Start(uint32_t timeout_s) {
-    context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(timeout_s));
+    timeout_ms_ = timeout_s * 1000;
     thread_ = std::thread([this] { Run(); });
   }
   // Ends the stream (nothing may be in flight by then: the caller waited for quiet),
@@ -201,6 +201,10 @@ class NotificationCounter {
  private:
   void Run() {
     v1::WatchNotificationsRequest request;  // every transfer id
+    if (absl::Status prepared = client_.Prepare(&context_, timeout_ms_); !prepared.ok()) {
+      stream_status_ = grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(prepared.message()));
+      return;
+    }
     auto reader = client_.stub()->WatchNotifications(&context_, request);
     v1::Notification n;
     while (reader->Read(&n)) Count(n);
@@ -209,6 +213,7 @@ class NotificationCounter {
 
   cli::AgentClient client_;
   grpc::ClientContext context_;
+  uint32_t timeout_ms_ = 0;
   std::thread thread_;
   grpc::Status stream_status_;
   std::string late_poll_error_;

@@ -67,6 +67,18 @@ v1::RegionSpec ShmRegion(const std::string& name, const std::string& shm, uint64
   return spec;
 }
 
+// The same over memory the session allocated (handle from AllocateMemory).
+v1::RegionSpec ShmRegion(const std::string& name, uint64_t memory_handle, uint64_t offset,
+                         uint64_t length) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::AUX);
+  spec.set_length(length);
+  spec.mutable_shm()->set_memory_handle(memory_handle);
+  spec.mutable_shm()->set_offset(offset);
+  return spec;
+}
+
 v1::RegisterRegionsRequest Batch(std::vector<v1::RegionSpec> specs, bool skip_empty = false) {
   v1::RegisterRegionsRequest request;
   for (auto& spec : specs) *request.add_regions() = std::move(spec);
@@ -264,9 +276,9 @@ TEST_CASE("paired regions with different item sizes are INVALID_ARGUMENT naming 
   // Group "kv2": one region per side, 4 items each, 4 KiB items on prefill and
   // 8 KiB items on decode.
   auto make = [](cli::AgentClient& agent, const std::string& name, uint64_t item_bytes) {
-    auto shm = agent.Allocate(name, 4 * item_bytes);
+    auto shm = agent.AllocateMemory(name, 4 * item_bytes);
     REQUIRE(shm.ok());
-    v1::RegionSpec spec = ShmRegion(name, shm->shm_name(), 0, 4 * item_bytes);
+    v1::RegionSpec spec = ShmRegion(name, shm->info.handle(), 0, 4 * item_bytes);
     spec.set_kind(v1::KV);
     spec.set_group("kv2");
     spec.mutable_layout()->set_num_items(4);
@@ -389,26 +401,26 @@ TEST_CASE("a shm name that does not exist is NOT_FOUND naming region and object"
 
 TEST_CASE("a shm object smaller than offset+length is INVALID_ARGUMENT with both sizes") {
   AgentPair pair;
-  auto shm = pair.decode().Allocate("small", 4096);
+  auto shm = pair.decode().AllocateMemory("small", 4096);
   REQUIRE(shm.ok());
   Baseline baseline(pair);
-  auto refused = pair.decode().Register(Batch({ShmRegion("too-far", shm->shm_name(), 1024, 4096)}));
+  auto refused = pair.decode().Register(Batch({ShmRegion("too-far", shm->info.handle(), 1024, 4096)}));
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(Message(refused.status()),
-             Contains("region 'too-far'") && Contains(shm->shm_name()) &&
+             Contains("region 'too-far'") &&
                  Contains("4096 bytes") && Contains("offset 1024 + length 4096 = 5120"));
   baseline.Check();
 }
 
 TEST_CASE("a batch with two bad entries names both and registers nothing") {
   AgentPair pair;
-  auto shm = pair.decode().Allocate("batch", 8192);
+  auto shm = pair.decode().AllocateMemory("batch", 8192);
   REQUIRE(shm.ok());
   Baseline baseline(pair);
-  v1::RegionSpec good = ShmRegion("batch-good", shm->shm_name(), 0, 4096);
-  v1::RegionSpec too_long = ShmRegion("batch-too-long", shm->shm_name(), 4096, 8192);
-  v1::RegionSpec no_layout = ShmRegion("batch-no-layout", shm->shm_name(), 4096, 4096);
+  v1::RegionSpec good = ShmRegion("batch-good", shm->info.handle(), 0, 4096);
+  v1::RegionSpec too_long = ShmRegion("batch-too-long", shm->info.handle(), 4096, 8192);
+  v1::RegionSpec no_layout = ShmRegion("batch-no-layout", shm->info.handle(), 4096, 4096);
   no_layout.set_kind(v1::KV);  // KV needs a layout
   auto refused = pair.decode().Register(Batch({good, too_long, no_layout}));
   REQUIRE_FALSE(refused.ok());
@@ -428,10 +440,10 @@ TEST_CASE("a batch with two bad entries names both and registers nothing") {
 
 TEST_CASE("a zero-length region is refused, or skipped with skip_empty") {
   AgentPair pair;
-  auto shm = pair.decode().Allocate("empty", 4096);
+  auto shm = pair.decode().AllocateMemory("empty", 4096);
   REQUIRE(shm.ok());
   Baseline baseline(pair);
-  const v1::RegionSpec empty = ShmRegion("empty-region", shm->shm_name(), 0, 0);
+  const v1::RegionSpec empty = ShmRegion("empty-region", shm->info.handle(), 0, 0);
   SECTION("rejected") {
     auto refused = pair.decode().Register(Batch({empty}));
     REQUIRE_FALSE(refused.ok());
@@ -512,7 +524,8 @@ TEST_CASE("a transfer to a group the peer has deregistered is NOT_FOUND naming t
   const uint64_t region_bytes = shape.pages * shape.page_bytes;
   for (size_t i = 0; i < pair.decode_pool().region_names.size(); ++i) {
     v1::RegionSpec spec = ShmRegion(pair.decode_pool().region_names[i],
-                                    pair.decode_pool().shm_name, i * region_bytes, region_bytes);
+                                    pair.decode_pool().memory_handle, i * region_bytes,
+                                    region_bytes);
     spec.set_kind(v1::KV);
     spec.set_group("kv");
     spec.mutable_layout()->set_num_items(shape.pages);

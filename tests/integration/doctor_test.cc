@@ -19,13 +19,10 @@ namespace {
 using Result = v1::DoctorCheck;
 
 v1::DoctorReport Doctor(cli::AgentClient& client) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  v1::DoctorReport report;
-  grpc::Status status = client.stub()->Doctor(&context, v1::DoctorRequest(), &report);
-  INFO(status.error_message());
-  REQUIRE(status.ok());
-  return report;
+  auto report = client.Doctor();
+  INFO(report.status().ToString());
+  REQUIRE(report.ok());
+  return *std::move(report);
 }
 
 const v1::DoctorCheck& Find(const v1::DoctorReport& report, const std::string& name) {

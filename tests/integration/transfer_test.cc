@@ -146,7 +146,7 @@ TEST_CASE("byte segments move AUX data next to KV pages in one transfer") {
   AgentPair pair;
   // An AUX region per side, inside fresh shared memory.
   auto make_aux = [](cli::AgentClient& agent, const std::string& name) {
-    auto shm = agent.Allocate(name, 4096);
+    auto shm = agent.AllocateMemory(name, 4096);
     REQUIRE(shm.ok());
     v1::RegisterRegionsRequest request;
     auto* spec = request.add_regions();
@@ -154,9 +154,9 @@ TEST_CASE("byte segments move AUX data next to KV pages in one transfer") {
     spec->set_kind(v1::AUX);
     spec->set_group("aux");
     spec->set_length(4096);
-    spec->mutable_shm()->set_name(shm->shm_name());
+    spec->mutable_shm()->set_memory_handle(shm->info.handle());
     REQUIRE(agent.Register(request).ok());
-    auto mapped = registry::ShmMapping::Open(shm->shm_name(), 0, 4096, name);
+    auto mapped = absl::StatusOr<registry::ShmMapping>(std::move(shm->mapping));
     REQUIRE(mapped.ok());
     return *std::move(mapped);
   };

@@ -152,12 +152,12 @@ TEST_CASE("CudaIpcMapping::Open without a driver names libcuda.so.1") {
 TEST_CASE("VRAM registration fails whole batches and leaves registered regions alone") {
   ShmMapping shm = MakeShm(3 * 4096);
   RegionRegistry registry(&Context());
-  auto before = registry.Register({Dram("pre", shm.name(), 0, 4096)}, false);
+  auto before = registry.Register({Dram("pre", shm.name(), 0, 4096)}, false, testing::Registrant());
   REQUIRE(before.ok());
   const uint64_t version = registry.version();
 
   SECTION("one VRAM region") {
-    auto result = registry.Register({Vram("gpu.k", 65536)}, false);
+    auto result = registry.Register({Vram("gpu.k", 65536)}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     const std::string message = Message(result.status());
     CHECK_THAT(message, Catch::StartsWith("region 'gpu.k' (entry 0): "));
@@ -169,7 +169,7 @@ TEST_CASE("VRAM registration fails whole batches and leaves registered regions a
   }
   SECTION("a good DRAM region with a VRAM region registers nothing") {
     auto result = registry.Register(
-        {Dram("fine", shm.name(), 4096, 4096), Vram("gpu.v", 65536)}, false);
+        {Dram("fine", shm.name(), 4096, 4096), Vram("gpu.v", 65536)}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     const std::string message = Message(result.status());
     CHECK_THAT(message, Catch::StartsWith("region 'gpu.v' (entry 1): "));
@@ -180,7 +180,7 @@ TEST_CASE("VRAM registration fails whole batches and leaves registered regions a
   }
   SECTION("staging off changes nothing before the driver is there") {
     RegionRegistry strict(&Context(), RegistryOptions{false});
-    auto result = strict.Register({Vram("gpu.s", 65536)}, false);
+    auto result = strict.Register({Vram("gpu.s", 65536)}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     CHECK(result.status().code() == StatusCode::kFailedPrecondition);
     CHECK_THAT(Message(result.status()), Catch::StartsWith("region 'gpu.s' (entry 0): "));
@@ -196,10 +196,10 @@ TEST_CASE("VRAM registration fails whole batches and leaves registered regions a
   std::memset(reinterpret_cast<void*>(pre->base_address), 0x7e, 4096);
   CHECK(static_cast<const unsigned char*>(shm.data())[4095] == 0x7e);
   v1::AgentMetadata metadata;
-  registry.Export(&metadata);
+  registry.Export(&metadata, /*same_host=*/true);
   REQUIRE(metadata.regions_size() == 1);
   CHECK_FALSE(metadata.regions(0).rkey().empty());
-  auto after = registry.Register({Dram("fine", shm.name(), 4096, 4096)}, false);
+  auto after = registry.Register({Dram("fine", shm.name(), 4096, 4096)}, false, testing::Registrant());
   REQUIRE(after.ok());
   CHECK(registry.version() == version + 1);
 }
@@ -210,7 +210,7 @@ TEST_CASE("Memory kind and source must agree") {
   SECTION("VRAM with a shm source") {
     v1::RegionSpec spec = Dram("gpu", shm.name(), 0, 4096);
     spec.set_memory(v1::VRAM);
-    auto result = registry.Register({spec}, false);
+    auto result = registry.Register({spec}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     CHECK(result.status().code() == StatusCode::kInvalidArgument);
     CHECK_THAT(Message(result.status()),
@@ -220,7 +220,7 @@ TEST_CASE("Memory kind and source must agree") {
   SECTION("VRAM with no source") {
     v1::RegionSpec spec = Vram("gpu", 4096);
     spec.clear_cuda_ipc();
-    auto result = registry.Register({spec}, false);
+    auto result = registry.Register({spec}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     CHECK(result.status().code() == StatusCode::kInvalidArgument);
     CHECK_THAT(Message(result.status()),
@@ -229,14 +229,14 @@ TEST_CASE("Memory kind and source must agree") {
   SECTION("DRAM with a cuda_ipc source") {
     v1::RegionSpec spec = Vram("host", 4096);
     spec.set_memory(v1::DRAM);
-    auto result = registry.Register({spec}, false);
+    auto result = registry.Register({spec}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     CHECK(result.status().code() == StatusCode::kInvalidArgument);
     CHECK_THAT(Message(result.status()),
                Catch::StartsWith("region 'host' (entry 0): DRAM region has a cuda_ipc source"));
   }
   SECTION("a handle of the wrong size, a negative device") {
-    auto result = registry.Register({Vram("short", 4096, 16), Vram("neg", 4096, 64, -2)}, false);
+    auto result = registry.Register({Vram("short", 4096, 16), Vram("neg", 4096, 64, -2)}, false, testing::Registrant());
     REQUIRE_FALSE(result.ok());
     CHECK(result.status().code() == StatusCode::kInvalidArgument);
     const std::string message = Message(result.status());

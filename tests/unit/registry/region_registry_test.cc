@@ -1,8 +1,13 @@
 #include "registry/region_registry.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "registry/remote_catalog.h"
@@ -15,6 +20,7 @@ using testing::MakeShm;
 using testing::Spec;
 
 using testing::Context;
+using testing::Registrant;
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
 
@@ -45,7 +51,7 @@ TEST_CASE("A valid batch is registered, listed, grouped and exported") {
   ShmMapping shm = MakeShm(65536);
   for (int i = 0; i < 65536; ++i) static_cast<unsigned char*>(shm.data())[i] = i % 251;
   RegionRegistry registry(&Context());
-  auto result = registry.Register(Batch(shm.name()), false);
+  auto result = registry.Register(Batch(shm.name()), false, Registrant());
   REQUIRE(result.ok());
   CHECK(result->version == 1);
   CHECK(registry.version() == 1);
@@ -80,7 +86,7 @@ TEST_CASE("A valid batch is registered, listed, grouped and exported") {
   CHECK(aux->spec.memory() == v1::DRAM);
 
   v1::AgentMetadata md;
-  registry.Export(&md);
+  registry.Export(&md, /*same_host=*/false);
   CHECK(md.version() == 1);
   REQUIRE(md.regions_size() == 3);
   CHECK(md.regions(1).name() == "v.L0");
@@ -107,10 +113,12 @@ TEST_CASE("A valid batch is registered, listed, grouped and exported") {
 TEST_CASE("Group positions follow registration order across batches and deregistration") {
   ShmMapping shm = MakeShm(65536);
   RegionRegistry registry(&Context());
-  REQUIRE(registry.Register({Spec("a", shm.name(), 0, 4096, 4, 1024, "g")}, false).ok());
-  REQUIRE(registry.Register({Spec("b", shm.name(), 4096, 4096, 4, 1024, "g"),
-                             Spec("c", shm.name(), 8192, 4096, 4, 1024, "g")},
-                            false)
+  REQUIRE(
+      registry.Register({Spec("a", shm.name(), 0, 4096, 4, 1024, "g")}, false, Registrant()).ok());
+  REQUIRE(registry
+              .Register({Spec("b", shm.name(), 4096, 4096, 4, 1024, "g"),
+                         Spec("c", shm.name(), 8192, 4096, 4, 1024, "g")},
+                        false, Registrant())
               .ok());
   CHECK(registry.version() == 2);
   auto group = registry.FindGroup("g");
@@ -118,7 +126,7 @@ TEST_CASE("Group positions follow registration order across batches and deregist
   CHECK(group[2]->group_position == 2);
 
   RegionPtr held = registry.Find("a");
-  auto version = registry.Deregister({"a"});
+  auto version = registry.Deregister({"a"}, nullptr, "test-owner", false);
   REQUIRE(version.ok());
   CHECK(*version == 3);
   CHECK(registry.Find("a") == nullptr);
@@ -127,7 +135,7 @@ TEST_CASE("Group positions follow registration order across batches and deregist
   CHECK(group[0]->Info().group_position() == 0);
   CHECK(group[1]->Info().group_position() == 1);
   v1::AgentMetadata md;
-  registry.Export(&md);
+  registry.Export(&md, /*same_host=*/false);
   md.set_name("p");
   md.set_worker_address("w");
   CHECK(RemoteCatalog::FromMetadata(md).ok());  // positions are 0..n-1 again
@@ -145,8 +153,10 @@ struct Rejected {
 // failed batch leaves it exactly as it was.
 Rejected RegisterBad(const std::vector<v1::RegionSpec>& specs, const ShmMapping& shm) {
   RegionRegistry registry(&Context());
-  REQUIRE(registry.Register({Spec("old", shm.name(), 61440, 4096, 1, 4096, "kv2")}, false).ok());
-  auto result = registry.Register(specs, false);
+  REQUIRE(
+      registry.Register({Spec("old", shm.name(), 61440, 4096, 1, 4096, "kv2")}, false, Registrant())
+          .ok());
+  auto result = registry.Register(specs, false, Registrant());
   REQUIRE_FALSE(result.ok());
   CHECK(registry.version() == 1);
   CHECK(Names(registry.List()) == std::vector<std::string>{"old"});
@@ -206,7 +216,7 @@ TEST_CASE("Bad entries are rejected with their name, cause and fix") {
   SECTION("missing shm object and missing source") {
     auto r = RegisterBad({Spec("m", "/kvagent-test-missing-object", 0, 4096, 1, 4096)}, shm);
     CHECK(r.status.code() == StatusCode::kNotFound);
-    CHECK_THAT(r.message, Catch::Contains("region 'm' (entry 0): shm object "
+    CHECK_THAT(r.message, Catch::Contains("region 'm' (entry 0): shm name "
                                           "'/kvagent-test-missing-object' does not exist"));
     v1::RegionSpec no_source = Spec("n", name, 0, 4096, 1, 4096);
     no_source.clear_shm();
@@ -245,9 +255,9 @@ TEST_CASE("Bad entries are rejected with their name, cause and fix") {
 TEST_CASE("skip_empty skips zero-length entries and registers the rest") {
   ShmMapping shm = MakeShm(8192);
   RegionRegistry registry(&Context());
-  auto result = registry.Register({Spec("empty", shm.name(), 0, 0, 1, 4096),
-                                   Spec("real", shm.name(), 0, 4096, 1, 4096)},
-                                  true);
+  auto result = registry.Register(
+      {Spec("empty", shm.name(), 0, 0, 1, 4096), Spec("real", shm.name(), 0, 4096, 1, 4096)}, true,
+      Registrant());
   REQUIRE(result.ok());
   CHECK(result->skipped == std::vector<std::string>{"empty"});
   CHECK(Names(result->regions) == std::vector<std::string>{"real"});
@@ -257,10 +267,10 @@ TEST_CASE("skip_empty skips zero-length entries and registers the rest") {
 TEST_CASE("A failed batch leaves registered regions listed, usable and the version unchanged") {
   ShmMapping shm = MakeShm(65536);
   RegionRegistry registry(&Context());
-  REQUIRE(registry.Register(Batch(shm.name()), false).ok());
+  REQUIRE(registry.Register(Batch(shm.name()), false, Registrant()).ok());
   auto bad = registry.Register({Spec("new", shm.name(), 40960, 4096, 1, 4096),
                                 Spec("k.L0", shm.name(), 45056, 4096, 1, 4096)},
-                               false);
+                               false, Registrant());
   REQUIRE_FALSE(bad.ok());
   CHECK(registry.version() == 1);
   CHECK(registry.Find("new") == nullptr);
@@ -270,7 +280,8 @@ TEST_CASE("A failed batch leaves registered regions listed, usable and the versi
   static_cast<char*>(reinterpret_cast<void*>(k->ItemAddress(3)))[5] = 7;
   CHECK(static_cast<char*>(shm.data())[3 * 4096 + 5] == 7);
   // The rejected entry's range is free: registering it alone works.
-  auto good = registry.Register({Spec("new", shm.name(), 40960, 4096, 1, 4096)}, false);
+  auto good =
+      registry.Register({Spec("new", shm.name(), 40960, 4096, 1, 4096)}, false, Registrant());
   REQUIRE(good.ok());
   CHECK(good->version == 2);
 }
@@ -278,19 +289,277 @@ TEST_CASE("A failed batch leaves registered regions listed, usable and the versi
 TEST_CASE("Deregister is all-or-nothing") {
   ShmMapping shm = MakeShm(65536);
   RegionRegistry registry(&Context());
-  REQUIRE(registry.Register(Batch(shm.name()), false).ok());
-  auto result = registry.Deregister({"k.L0", "nope", "gone"});
+  REQUIRE(registry.Register(Batch(shm.name()), false, Registrant()).ok());
+  auto result = registry.Deregister({"k.L0", "nope", "gone"}, nullptr, "test-owner", false);
   REQUIRE(result.status().code() == absl::StatusCode::kNotFound);
   CHECK_THAT(Message(result.status()), Catch::Contains("'nope', 'gone'"));
   CHECK_THAT(Message(result.status()), Catch::Contains("kvagentctl regions"));
   CHECK_THAT(Message(result.status()), !Catch::Contains("k.L0"));
   CHECK(registry.version() == 1);
   CHECK(registry.List().size() == 3);
-  auto ok = registry.Deregister({"k.L0", "aux"});
+  auto ok = registry.Deregister({"k.L0", "aux"}, nullptr, "test-owner", false);
   REQUIRE(ok.ok());
   CHECK(*ok == 2);
   CHECK(Names(registry.List()) == std::vector<std::string>{"v.L0"});
   CHECK(registry.registered_bytes() == 16384);
+}
+
+// ---- Memory by descriptor, ownership, hostile input ---------------------------------
+
+using testing::HandleSpec;
+
+std::shared_ptr<const MemoryObject> Memfd(uint64_t bytes, const std::string& label = "pool") {
+  auto object = MemoryObject::CreateMemfd(label, bytes);
+  REQUIRE(object.ok());
+  return *std::move(object);
+}
+
+TEST_CASE("Regions register by memory handle and map the session's memory") {
+  auto memory = Memfd(65536);
+  RegionRegistry registry(&Context());
+  const uint64_t handle = memory->id();
+  auto result = registry.Register({HandleSpec("k", handle, 0, 16384, 4, 4096, "kv"),
+                                   HandleSpec("v", handle, 16384, 16384, 4, 4096, "kv")},
+                                  false, Registrant("session:1 uid:0 (engine-a)", {memory}));
+  REQUIRE(result.ok());
+  RegionPtr v = registry.Find("v");
+  REQUIRE(v != nullptr);
+  CHECK(v->owner == "session:1 uid:0 (engine-a)");
+  CHECK(v->Info().owner() == "session:1 uid:0 (engine-a)");
+  CHECK(v->mapping.memory() == memory);
+  CHECK(v->mapping.offset() == 16384);
+  void* engine_view = mmap(nullptr, 65536, PROT_READ | PROT_WRITE, MAP_SHARED, memory->fd(), 0);
+  REQUIRE(engine_view != MAP_FAILED);
+  static_cast<char*>(engine_view)[16384 + 4096 + 3] = 77;
+  CHECK(reinterpret_cast<const char*>(v->ItemAddress(1))[3] == 77);
+  munmap(engine_view, 65536);
+
+  CHECK(registry.FindMemory(memory->id()) == memory);
+  CHECK(registry.FindMemory(memory->id() + 1000) == nullptr);
+  CHECK(registry.FindMemory(0) == nullptr);
+  REQUIRE(registry.Deregister({"k", "v"}, nullptr, "session:1 uid:0 (engine-a)", false).ok());
+  CHECK(registry.FindMemory(memory->id()) == nullptr);  // no region uses it any more
+}
+
+TEST_CASE("Memory handles need a resolver; its errors are labeled with the entry") {
+  auto memory = Memfd(8192);
+  SECTION("no local session") {
+    RegisterContext remote_caller = Registrant();
+    remote_caller.resolve_handle = nullptr;
+    RegionRegistry registry(&Context());
+    auto r =
+        registry.Register({HandleSpec("h", memory->id(), 0, 4096, 1, 4096)}, false, remote_caller);
+    REQUIRE(r.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK_THAT(Message(r.status()), Catch::Contains("region 'h' (entry 0)"));
+    CHECK_THAT(Message(r.status()), Catch::Contains("memory handles need a local session"));
+  }
+  SECTION("a handle of another session") {
+    RegionRegistry registry(&Context());
+    auto r = registry.Register({HandleSpec("h", memory->id(), 0, 4096, 1, 4096)}, false,
+                               Registrant("someone", {}));
+    REQUIRE(r.status().code() == absl::StatusCode::kNotFound);
+    CHECK_THAT(Message(r.status()), Catch::StartsWith("region 'h' (entry 0): memory handle"));
+  }
+  SECTION("out of the object") {
+    RegionRegistry registry(&Context());
+    auto r = registry.Register({HandleSpec("h", memory->id(), 4096, 8192, 1, 8192)}, false,
+                               Registrant("someone", {memory}));
+    REQUIRE(r.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(Message(r.status()),
+               Catch::Contains("region 'h' (entry 0): memory 'pool' is 8192 bytes, smaller than "
+                               "offset 4096 + length 8192"));
+  }
+}
+
+TEST_CASE("Registration by name refuses paths outside /dev/shm, links and other users' files") {
+  ShmMapping shm = MakeShm(65536);
+  SECTION("/etc/shadow and a path through ..") {
+    auto r = RegisterBad(
+        {Spec("s", "/etc/shadow", 0, 64, 1, 64), Spec("p", "/dev/shm/../etc/passwd", 0, 64, 1, 64)},
+        shm);
+    CHECK(r.status.code() == absl::StatusCode::kPermissionDenied);
+    CHECK_THAT(r.message, Catch::Contains("region 's' (entry 0): shm name '/etc/shadow' is not "
+                                          "under an allowed directory"));
+    CHECK_THAT(r.message, Catch::Contains("region 'p' (entry 1): shm name "
+                                          "'/dev/shm/../etc/passwd' has a '..' component"));
+  }
+  SECTION("a /dev/shm link to a root-only file") {
+    testing::ScopedPath link("/dev/shm/" + testing::UniqueName("shadow"));
+    REQUIRE(symlink("/etc/shadow", link.path().c_str()) == 0);
+    auto r = RegisterBad({Spec("s", link.path(), 0, 64, 1, 64)}, shm);
+    CHECK(r.status.code() == absl::StatusCode::kPermissionDenied);
+    CHECK_THAT(r.message, Catch::Contains("symbolic link"));
+  }
+  SECTION("a file another uid owns") {
+    // The test's file, registered by a caller of another uid.
+    RegisterContext stranger = Registrant("stranger");
+    stranger.path_policy.required_uid = geteuid() == 65534 ? 65533 : 65534;
+    RegionRegistry registry(&Context());
+    auto r = registry.Register({Spec("f", shm.name(), 0, 4096, 1, 4096)}, false, stranger);
+    REQUIRE(r.status().code() == absl::StatusCode::kPermissionDenied);
+    CHECK_THAT(Message(r.status()), Catch::Contains("region 'f' (entry 0): shm name"));
+    CHECK_THAT(Message(r.status()), Catch::Contains("not by the caller"));
+    CHECK(registry.List().empty());
+  }
+}
+
+TEST_CASE("Hostile names, kinds and sizes are refused with short, escaped messages") {
+  ShmMapping shm = MakeShm(65536);
+  const std::string name = shm.name();
+  SECTION("NUL and newline in name, group and shm.name") {
+    v1::RegionSpec group = Spec("g", name, 0, 4096, 1, 4096, "kv\nINFO forged");
+    auto r = RegisterBad({Spec(std::string("a\0b", 3), name, 0, 4096, 1, 4096),
+                          Spec("line\nbreak", name, 4096, 4096, 1, 4096), group,
+                          Spec("s", name + "\n", 8192, 4096, 1, 4096)},
+                         shm);
+    CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("4 of 4 regions rejected"));
+    CHECK_THAT(r.message, Catch::Contains("region 'a\\x00b' (entry 0): name contains a NUL or "
+                                          "control character"));
+    CHECK_THAT(r.message, Catch::Contains("region 'line\\x0abreak' (entry 1)"));
+    CHECK_THAT(r.message, Catch::Contains("region 'g' (entry 2): group 'kv\\x0aINFO forged'"));
+    CHECK_THAT(r.message, Catch::Contains("region 's' (entry 3): shm.name"));
+    // One line per entry: no byte of the input starts a line of its own.
+    CHECK(std::count(r.message.begin(), r.message.end(), '\n') == 4);
+    CHECK(r.message.find('\0') == std::string::npos);
+  }
+  SECTION("a 10 KB name") {
+    auto r = RegisterBad({Spec(std::string(10240, 'n'), name, 0, 4096, 1, 4096)}, shm);
+    CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("(10240 bytes)"));
+    CHECK(r.message.size() < 512);
+  }
+  SECTION("an unknown kind") {
+    v1::RegionSpec spec = Spec("k99", name, 0, 4096, 1, 4096);
+    spec.set_kind(static_cast<v1::RegionKind>(99));
+    auto r = RegisterBad({spec}, shm);
+    CHECK(r.status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'k99' (entry 0): kind 99 is not a region kind; "
+                                          "use KV, STATE or AUX"));
+    spec.set_kind(v1::REGION_KIND_UNSPECIFIED);  // accepted, as before
+    RegionRegistry registry(&Context());
+    CHECK(registry.Register({spec}, false, Registrant()).ok());
+  }
+  SECTION("an unknown memory kind") {
+    v1::RegionSpec spec = Spec("m7", name, 0, 4096, 1, 4096);
+    spec.set_memory(static_cast<v1::MemoryKind>(7));
+    auto r = RegisterBad({spec}, shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'm7' (entry 0): unknown memory kind 7; use "
+                                          "DRAM or VRAM"));
+  }
+}
+
+TEST_CASE("A group belongs to the owner of its regions") {
+  auto memory = Memfd(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry
+              .Register({HandleSpec("a.k", memory->id(), 0, 4096, 1, 4096, "kv")}, false,
+                        Registrant("engine-a", {memory}))
+              .ok());
+  auto other = Memfd(65536, "b-pool");
+  auto r = registry.Register({HandleSpec("b.k", other->id(), 0, 4096, 1, 4096, "kv"),
+                              HandleSpec("b.v", other->id(), 4096, 4096, 1, 4096, "kv-b")},
+                             false, Registrant("engine-b", {other}));
+  REQUIRE(r.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(Message(r.status()), Catch::Contains("region 'b.k' (entry 0): group 'kv' belongs to "
+                                                  "engine-a; use another group name"));
+  CHECK(registry.List().size() == 1);  // all-or-nothing: b.v was not registered either
+  // Region names stay unique agent-wide.
+  auto same_name = registry.Register({HandleSpec("a.k", other->id(), 0, 4096, 1, 4096, "kv-b")},
+                                     false, Registrant("engine-b", {other}));
+  CHECK_THAT(Message(same_name.status()), Catch::Contains("name is already registered"));
+  // The owner may add to its group; another group name works for the other owner.
+  CHECK(registry
+            .Register({HandleSpec("a.v", memory->id(), 4096, 4096, 1, 4096, "kv")}, false,
+                      Registrant("engine-a", {memory}))
+            .ok());
+  CHECK(registry
+            .Register({HandleSpec("b.k", other->id(), 0, 4096, 1, 4096, "kv-b")}, false,
+                      Registrant("engine-b", {other}))
+            .ok());
+  CHECK(Names(registry.FindGroup("kv")) == std::vector<std::string>{"a.k", "a.v"});
+}
+
+TEST_CASE("Only a region's owner, or a caller allowed any owner, deregisters it") {
+  auto memory = Memfd(65536);
+  auto other = Memfd(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry
+              .Register({HandleSpec("a.k", memory->id(), 0, 4096, 1, 4096, "kv"),
+                         HandleSpec("a.v", memory->id(), 4096, 4096, 1, 4096, "kv")},
+                        false, Registrant("engine-a", {memory}))
+              .ok());
+  REQUIRE(registry
+              .Register({HandleSpec("b.k", other->id(), 0, 4096, 1, 4096)}, false,
+                        Registrant("engine-b", {other}))
+              .ok());
+  const uint64_t version = registry.version();
+
+  auto refused = registry.Deregister({"b.k", "a.k", "a.v"}, nullptr, "engine-b", false);
+  REQUIRE(refused.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(Message(refused.status()),
+             Catch::Contains("regions 'a.k' (owned by engine-a), 'a.v' (owned by engine-a) "
+                             "belong to another owner, not to engine-b"));
+  CHECK_THAT(Message(refused.status()), Catch::Contains("nothing was deregistered"));
+  CHECK(registry.version() == version);
+  CHECK(Names(registry.List()) == std::vector<std::string>{"a.k", "a.v", "b.k"});
+
+  // Unknown names are NOT_FOUND, and reported together with the foreign ones.
+  auto mixed = registry.Deregister({"nope", "a.k"}, nullptr, "engine-b", false);
+  REQUIRE(mixed.status().code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(Message(mixed.status()), Catch::Contains("regions 'nope' are not registered"));
+  CHECK_THAT(Message(mixed.status()), Catch::Contains("'a.k' (owned by engine-a)"));
+  CHECK(registry.List().size() == 3);
+
+  std::vector<RegionPtr> retired;
+  auto own = registry.Deregister({"b.k"}, &retired, "engine-b", false);
+  REQUIRE(own.ok());
+  CHECK(retired.size() == 1);
+  auto admin = registry.Deregister({"a.k"}, nullptr, "scheduler", /*any_owner=*/true);
+  REQUIRE(admin.ok());
+  CHECK(Names(registry.List()) == std::vector<std::string>{"a.v"});
+  CHECK(registry.FindGroup("kv")[0]->Info().group_position() == 0);
+}
+
+TEST_CASE("Export tells where memory is only to a peer on the same host") {
+  auto memory = Memfd(65536);
+  ShmMapping shm = MakeShm(8192);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry
+              .Register({HandleSpec("k", memory->id(), 8192, 4096, 1, 4096, "kv"),
+                         Spec("byname", shm.name(), 4096, 4096, 1, 4096)},
+                        false, Registrant("engine-a", {memory}))
+              .ok());
+  RegionPtr byname = registry.Find("byname");
+  REQUIRE(byname != nullptr);
+
+  v1::AgentMetadata local;
+  registry.Export(&local, /*same_host=*/true);
+  REQUIRE(local.regions_size() == 2);
+  CHECK(local.regions(0).memory_id() == memory->id());
+  CHECK(local.regions(0).memory_offset() == 8192);
+  CHECK(local.regions(1).memory_id() == byname->mapping.memory()->id());
+  CHECK(local.regions(1).memory_offset() == 4096);
+  CHECK(registry.FindMemory(local.regions(1).memory_id()) == byname->mapping.memory());
+  for (const v1::ExportedRegion& region : local.regions()) CHECK(region.cuda_ipc_handle().empty());
+  // No file names: the metadata does not contain the object's name.
+  CHECK(local.SerializeAsString().find(shm.name().substr(1)) == std::string::npos);
+  local.set_name("a");
+  local.set_worker_address("w");
+  auto catalog = RemoteCatalog::FromMetadata(local);
+  REQUIRE(catalog.ok());
+  CHECK(catalog->Find("k")->memory_id == memory->id());
+  CHECK(catalog->Find("k")->memory_offset == 8192);
+
+  v1::AgentMetadata remote;
+  registry.Export(&remote, /*same_host=*/false);
+  REQUIRE(remote.regions_size() == 2);
+  for (const v1::ExportedRegion& region : remote.regions()) {
+    CHECK(region.memory_id() == 0);
+    CHECK(region.memory_offset() == 0);
+    CHECK(region.cuda_ipc_handle().empty());
+    CHECK_FALSE(region.rkey().empty());
+  }
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "catch2/catch.hpp"
 #include "tests/unit/registry/test_util.h"
+#include "transport/base/unique_fd.h"
 
 namespace kvagent::registry {
 namespace {
@@ -18,44 +19,56 @@ using testing::MakeShm;
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
 
-TEST_CASE("Open of a missing object is NOT_FOUND and names it") {
-  auto shm = ShmMapping::Open("/kvagent-test-does-not-exist", 0, 4096, "k.L0");
+PathPolicy Policy() {
+  PathPolicy policy;
+  policy.required_uid = geteuid();
+  return policy;
+}
+
+TEST_CASE("OpenPath of a missing object is NOT_FOUND and names it") {
+  auto shm = ShmMapping::OpenPath("/kvagent-test-does-not-exist", 0, 4096, "k.L0", Policy());
   REQUIRE(shm.status().code() == absl::StatusCode::kNotFound);
   CHECK_THAT(Message(shm.status()), Catch::Contains("/kvagent-test-does-not-exist"));
   CHECK_THAT(Message(shm.status()), Catch::Contains("k.L0"));
 }
 
-TEST_CASE("Open of a too small object gives both sizes") {
+TEST_CASE("OpenPath of a too small object gives both sizes") {
   ShmMapping owner = MakeShm(8192);
-  auto shm = ShmMapping::Open(owner.name(), 4096, 8192, "v.L3");
+  auto shm = ShmMapping::OpenPath(owner.name(), 4096, 8192, "v.L3", Policy());
   REQUIRE(shm.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(Message(shm.status()), Catch::Contains("8192 bytes"));
   CHECK_THAT(Message(shm.status()), Catch::Contains("12288"));
   CHECK_THAT(Message(shm.status()), Catch::Contains("v.L3"));
   // offset + length overflowing uint64 is rejected, not wrapped.
-  auto wrapped = ShmMapping::Open(owner.name(), UINT64_MAX - 10, 100, "v.L3");
+  auto wrapped = ShmMapping::OpenPath(owner.name(), UINT64_MAX - 10, 100, "v.L3", Policy());
   CHECK(wrapped.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(wrapped.status()), Catch::Contains("overflow"));
 }
 
-TEST_CASE("Open rejects zero length and relative names") {
+TEST_CASE("OpenPath rejects zero length, relative names and paths outside /dev/shm") {
   ShmMapping owner = MakeShm(4096);
-  CHECK(ShmMapping::Open(owner.name(), 0, 0, "a").status().code() ==
+  CHECK(ShmMapping::OpenPath(owner.name(), 0, 0, "a", Policy()).status().code() ==
         absl::StatusCode::kInvalidArgument);
-  CHECK(ShmMapping::Open("relative", 0, 1, "a").status().code() ==
+  CHECK(ShmMapping::OpenPath("relative", 0, 1, "a", Policy()).status().code() ==
         absl::StatusCode::kInvalidArgument);
+  CHECK(ShmMapping::OpenPath("/etc/passwd", 0, 1, "a", Policy()).status().code() ==
+        absl::StatusCode::kPermissionDenied);
 }
 
-TEST_CASE("Create makes a shared object that Open sees, and unlinks it on destruction") {
+TEST_CASE("Create makes a shared object that OpenPath sees, and unlinks it on destruction") {
   std::string name;
   {
     ShmMapping owner = MakeShm(3 * 4096);
     name = owner.name();
     REQUIRE(owner.length() == 3 * 4096);
+    REQUIRE(owner.memory() != nullptr);
     std::memset(owner.data(), 0x5a, owner.length());
-    auto view = ShmMapping::Open(name, 4096, 4096, "view");
+    auto view = ShmMapping::OpenPath(name, 4096, 4096, "view", Policy());
     REQUIRE(view.ok());
+    CHECK(view->name().empty());  // only Create's mappings own a name
     CHECK(view->device() == owner.device());
     CHECK(view->inode() == owner.inode());
+    CHECK(view->memory()->id() != owner.memory()->id());
     CHECK(static_cast<unsigned char*>(view->data())[0] == 0x5a);
     static_cast<unsigned char*>(view->data())[1] = 0x11;  // MAP_SHARED both ways
     CHECK(static_cast<unsigned char*>(owner.data())[4097] == 0x11);
@@ -63,15 +76,16 @@ TEST_CASE("Create makes a shared object that Open sees, and unlinks it on destru
     auto again = ShmMapping::Create(name, 4096);
     CHECK(again.status().code() == absl::StatusCode::kAlreadyExists);
   }
-  CHECK(ShmMapping::Open(name, 0, 1, "gone").status().code() == absl::StatusCode::kNotFound);
+  CHECK(ShmMapping::OpenPath(name, 0, 1, "gone", Policy()).status().code() ==
+        absl::StatusCode::kNotFound);
 }
 
 TEST_CASE("Create reports free bytes when /dev/shm has no room") {
-  const std::string name = "/kvagent-test-huge-" + std::to_string(getpid());
+  const std::string name = "/" + testing::UniqueName("huge");
   auto shm = ShmMapping::Create(name, uint64_t{1} << 62);
   REQUIRE(shm.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(Message(shm.status()), Catch::Contains("bytes free"));
-  CHECK(ShmMapping::Open(name, 0, 1, "x").status().code() ==
+  CHECK(ShmMapping::OpenPath(name, 0, 1, "x", Policy()).status().code() ==
         absl::StatusCode::kNotFound);
 }
 
@@ -81,37 +95,62 @@ TEST_CASE("Move transfers ownership") {
   void* data = a.data();
   ShmMapping b(std::move(a));
   CHECK(a.data() == nullptr);
+  CHECK(a.memory() == nullptr);
   CHECK(b.data() == data);
   ShmMapping c;
   c = std::move(b);
   CHECK(b.data() == nullptr);
   CHECK(c.name() == name);
   static_cast<char*>(c.data())[0] = 1;  // still mapped
-  CHECK(ShmMapping::Open(name, 0, 1, "x").ok());  // not unlinked by the moved-from ones
+  CHECK(ShmMapping::OpenPath(name, 0, 1, "x", Policy()).ok());  // not unlinked by moved-from ones
 }
 
-TEST_CASE("A file path with unaligned offsets maps the right bytes") {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  REQUIRE(tmp != nullptr);
-  const std::string path = std::string(tmp) + "/pool.bin";
+TEST_CASE("Map of a memfd with unaligned offsets maps the right bytes and keeps the object") {
   const size_t size = 3 * 4096 + 123;
-  int fd = open(path.c_str(), O_CREAT | O_TRUNC | O_RDWR, 0600);
-  REQUIRE(fd >= 0);
+  UniqueFd fd(memfd_create("pool", MFD_CLOEXEC));
+  REQUIRE(fd.valid());
   std::string bytes(size, '\0');
   for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(i * 7 + 3);
-  REQUIRE(write(fd, bytes.data(), size) == static_cast<ssize_t>(size));
-  close(fd);
+  REQUIRE(write(fd.get(), bytes.data(), size) == static_cast<ssize_t>(size));
+  auto object = MemoryObject::FromDescriptor(std::move(fd), "pool");
+  REQUIRE(object.ok());
+  std::weak_ptr<const MemoryObject> weak = *object;
 
-  for (uint64_t offset : {uint64_t{1}, uint64_t{4095}, uint64_t{4097}, uint64_t{8200}}) {
+  for (uint64_t offset :
+       {uint64_t{0}, uint64_t{1}, uint64_t{4095}, uint64_t{4097}, uint64_t{8200}}) {
     const uint64_t length = size - offset;
-    auto shm = ShmMapping::Open(path, offset, length, "file");
+    auto shm = ShmMapping::Map(*object, offset, length, "file");
     REQUIRE(shm.ok());
     CHECK(shm->offset() == offset);
     CHECK(shm->length() == length);
+    CHECK(shm->memory() == *object);
+    CHECK(shm->device() == (*object)->device());
+    CHECK(shm->inode() == (*object)->inode());
     CHECK(std::memcmp(shm->data(), bytes.data() + offset, length) == 0);
   }
-  auto missing = ShmMapping::Open(std::string(tmp) + "/none.bin", 0, 1, "file");
-  CHECK(missing.status().code() == absl::StatusCode::kNotFound);
+  auto held = ShmMapping::Map(*std::move(object), 4096, 100, "held");
+  REQUIRE(held.ok());
+  CHECK_FALSE(weak.expired());  // the mapping holds the object (and its descriptor) open
+  held = ShmMapping();
+  CHECK(weak.expired());
+}
+
+TEST_CASE("Map checks the size the object has now, not at open") {
+  auto file = std::make_unique<testing::ScopedPath>("/dev/shm/" + testing::UniqueName("shrink"));
+  UniqueFd fd(open(file->path().c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
+  REQUIRE(ftruncate(fd.get(), 16384) == 0);
+  auto object = MemoryObject::OpenPath(file->path(), Policy(), "s");
+  REQUIRE(object.ok());
+  CHECK((*object)->size() == 16384);
+  CHECK_FALSE((*object)->sealed());
+  REQUIRE(ftruncate(fd.get(), 4096) == 0);  // the engine shrinks it (not sealed)
+  auto shm = ShmMapping::Map(*object, 4096, 8192, "s.L0");
+  REQUIRE(shm.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(shm.status()), Catch::Contains("region 's.L0'"));
+  CHECK_THAT(Message(shm.status()), Catch::Contains("is 4096 bytes, smaller than offset 4096 + "
+                                                    "length 8192 = 12288 bytes"));
+  CHECK(ShmMapping::Map(nullptr, 0, 1, "n").status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(ShmMapping::Map(*object, 0, 0, "z").status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

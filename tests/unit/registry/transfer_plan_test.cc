@@ -13,6 +13,7 @@ using testing::MakeShm;
 using testing::Spec;
 
 using testing::Context;
+using testing::Registrant;
 
 // Two agents' registries in one process: local "prefill" and a catalog of "decode".
 // Both have group "kv" (k, v: 16 items of 256 bytes) and region "aux" (100 bytes);
@@ -27,11 +28,13 @@ struct Fixture {
   Fixture() {
     const std::string l = local_shm.name();
     const std::string r = remote_shm.name();
-    REQUIRE(local.Register({Spec("k", l, 0, 4096, 16, 256, "kv"),
-                            Spec("v", l, 4096, 4096, 16, 256, "kv"),
-                            Spec("aux", l, 8192, 100, 1, 100), Spec("kvs", l, 12288, 8192, 16, 256, "strided", 512)},
-                           false)
-                .ok());
+    REQUIRE(
+        local
+            .Register({Spec("k", l, 0, 4096, 16, 256, "kv"),
+                       Spec("v", l, 4096, 4096, 16, 256, "kv"), Spec("aux", l, 8192, 100, 1, 100),
+                       Spec("kvs", l, 12288, 8192, 16, 256, "strided", 512)},
+                      false, Registrant())
+            .ok());
     REQUIRE(remote_registry
                 .Register({Spec("aux", r, 0, 100, 1, 100), Spec("k", r, 4096, 4096, 16, 256, "kv"),
                            Spec("v", r, 8192, 4096, 16, 256, "kv"),
@@ -41,10 +44,10 @@ struct Fixture {
                            Spec("b3", r, 28928, 256, 1, 256, "kv3"),
                            Spec("c3", r, 29184, 256, 1, 256, "kv3"),
                            Spec("s", r, 32768, 4096, 16, 256, "single")},
-                          false)
+                          false, Registrant())
                 .ok());
     v1::AgentMetadata md;
-    remote_registry.Export(&md);
+    remote_registry.Export(&md, /*same_host=*/false);
     md.set_name("decode");
     md.set_worker_address("w");
     auto catalog = RemoteCatalog::FromMetadata(md);

@@ -1,0 +1,291 @@
+#include "agent/local_door.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_join.h"
+#include "agent/peer_secrets.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/log.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("session");
+constexpr size_t kMaxClientNameBytes = 128;
+constexpr int kMaxPeerMemoryIds = 64;
+
+void SetError(v1::SessionReply* reply, const absl::Status& status) {
+  reply->set_error_code(static_cast<int32_t>(status.code()));
+  reply->set_error_message(std::string(status.message()));
+}
+
+absl::StatusOr<UniqueFd> Dup(int fd) {
+  int copy = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (copy < 0) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "cannot duplicate a descriptor to send ({}); raise the agent's open-file limit "
+        "(LimitNOFILE)",
+        std::strerror(errno)));
+  }
+  return UniqueFd(copy);
+}
+}  // namespace
+
+LocalDoor::LocalDoor(LocalDoorOptions options, const registry::RegionRegistry* registry,
+                     SecurityCounters* counters, SessionEnded on_end)
+    : options_(std::move(options)),
+      registry_(registry),
+      counters_(counters),
+      on_end_(std::move(on_end)) {}
+
+absl::StatusOr<v1::SessionWelcome> LocalDoor::OnHello(uint64_t session_id,
+                                                      const PeerCredentials& credentials,
+                                                      const v1::SessionHello& hello) {
+  if (hello.protocol() > 1) {
+    return absl::FailedPreconditionError(fmt::format(
+        "session protocol {} is newer than this agent's (1); use a client of this agent's "
+        "version",
+        hello.protocol()));
+  }
+  if (hello.client_name().size() > kMaxClientNameBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "client_name is {} bytes, over {}; give a short label (the engine or tool name)",
+        hello.client_name().size(), kMaxClientNameBytes));
+  }
+  Caller caller = options_.policy.LocalCaller(session_id, credentials.uid, credentials.pid,
+                                              hello.client_name());
+  if (!caller.engine && !caller.scheduler && !caller.peer) {
+    counters_->refused_calls.fetch_add(1);
+    kLog.Warn("refused session of uid {} pid {} ('{}'): no role for this uid", credentials.uid,
+              credentials.pid, Printable(hello.client_name()));
+    return absl::PermissionDeniedError(fmt::format(
+        "uid {} has no role on agent '{}'; the operator grants local uids roles with "
+        "--engine-uids, --scheduler-uids and --peer-uids",
+        credentials.uid, options_.agent_name));
+  }
+  const std::string token = absl::BytesToHexString(RandomBytes(16));
+  v1::SessionWelcome welcome;
+  welcome.set_agent(options_.agent_name);
+  welcome.set_incarnation(options_.incarnation);
+  welcome.set_session_id(session_id);
+  welcome.set_token(token);
+  welcome.set_uid(credentials.uid);
+  welcome.set_gid(credentials.gid);
+  welcome.set_pid(static_cast<uint32_t>(credentials.pid));
+  welcome.set_principal(caller.principal);
+  for (const auto& role : caller.Roles()) welcome.add_roles(role);
+  absl::MutexLock lock(&mu_);
+  Session& session = sessions_[session_id];
+  session.caller = std::move(caller);
+  session.token = token;
+  session.client_name = hello.client_name();
+  by_token_[token] = session_id;
+  return welcome;
+}
+
+void LocalDoor::OnRequest(uint64_t session_id, const v1::SessionRequest& request,
+                          std::vector<UniqueFd> fds, v1::SessionReply* reply,
+                          std::vector<UniqueFd>* reply_fds) {
+  absl::Status status;
+  switch (request.body_case()) {
+    case v1::SessionRequest::kShare:
+      status = Share(session_id, request.share(), std::move(fds), reply);
+      break;
+    case v1::SessionRequest::kAllocate:
+      status = Allocate(session_id, request.allocate(), reply, reply_fds);
+      break;
+    case v1::SessionRequest::kFree:
+      status = Free(session_id, request.free());
+      break;
+    case v1::SessionRequest::kPeerMemory:
+      status = PeerMemory(session_id, request.peer_memory(), reply, reply_fds);
+      break;
+    default:
+      status = absl::InvalidArgumentError(fmt::format(
+          "session request has no known body (field {}); this agent takes share, allocate, "
+          "free and peer_memory",
+          static_cast<int>(request.body_case())));
+  }
+  if (!status.ok()) {
+    reply_fds->clear();
+    reply->clear_body();
+    SetError(reply, status);
+  }
+}
+
+absl::StatusOr<Caller> LocalDoor::CallerOf(uint64_t session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
+  }
+  return it->second.caller;
+}
+
+absl::Status LocalDoor::Keep(uint64_t session_id,
+                             std::shared_ptr<const registry::MemoryObject> object,
+                             v1::SessionReply* reply) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
+  }
+  const uint64_t handle = it->second.next_handle++;
+  v1::MemoryHandleInfo* info = reply->mutable_memory();
+  info->set_handle(handle);
+  info->set_bytes(object->size());
+  info->set_kind(std::string(object->kind()));
+  info->set_sealed(object->sealed());
+  info->set_label(std::string(object->label()));
+  it->second.memory.emplace(handle, std::move(object));
+  return absl::OkStatus();
+}
+
+absl::Status LocalDoor::Share(uint64_t session_id, const v1::ShareMemoryRequest& request,
+                              std::vector<UniqueFd> fds, v1::SessionReply* reply) {
+  ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
+  const std::string label = Printable(request.label(), 128);
+  if (!caller.engine) {
+    counters_->refused_calls.fetch_add(1);
+    return absl::PermissionDeniedError(fmt::format(
+        "share '{}': {} is not an engine here, so it cannot register memory; the operator "
+        "grants it with --engine-uids",
+        label, caller.principal));
+  }
+  if (fds.size() != 1) {
+    return absl::InvalidArgumentError(fmt::format(
+        "share '{}': {} descriptors came with the request; attach exactly one (SCM_RIGHTS)",
+        label, fds.size()));
+  }
+  ASSIGN_OR_RETURN(auto object, registry::MemoryObject::FromDescriptor(std::move(fds[0]), label));
+  kLog.Info("session {}: shared memory '{}' ({} bytes, {}{})", session_id, label, object->size(),
+            object->kind(), object->sealed() ? ", sealed" : "");
+  return Keep(session_id, std::move(object), reply);
+}
+
+absl::Status LocalDoor::Allocate(uint64_t session_id, const v1::AllocateMemoryRequest& request,
+                                 v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds) {
+  ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
+  const std::string label = Printable(request.label(), 128);
+  if (!caller.engine) {
+    counters_->refused_calls.fetch_add(1);
+    return absl::PermissionDeniedError(fmt::format(
+        "allocate '{}': {} is not an engine here; the operator grants it with --engine-uids",
+        label, caller.principal));
+  }
+  if (request.bytes() == 0 || request.bytes() > options_.max_allocation_bytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "allocate '{}': {} bytes asked; ask for 1 byte to {} bytes", label, request.bytes(),
+        options_.max_allocation_bytes));
+  }
+  ASSIGN_OR_RETURN(auto object, registry::MemoryObject::CreateMemfd(label, request.bytes()));
+  ASSIGN_OR_RETURN(UniqueFd copy, Dup(object->fd()));
+  RETURN_IF_ERROR(Keep(session_id, std::move(object), reply));
+  reply_fds->push_back(std::move(copy));
+  kLog.Info("session {}: allocated '{}' ({} bytes, sealed memfd)", session_id, label,
+            request.bytes());
+  return absl::OkStatus();
+}
+
+absl::Status LocalDoor::Free(uint64_t session_id, const v1::FreeMemoryRequest& request) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
+  }
+  if (it->second.memory.erase(request.handle()) == 0) {
+    return absl::NotFoundError(fmt::format(
+        "free: memory handle {} is not one of this session's; free only handles that share "
+        "or allocate returned",
+        request.handle()));
+  }
+  // Regions registered from it keep their own mapping until they are deregistered.
+  return absl::OkStatus();
+}
+
+absl::Status LocalDoor::PeerMemory(uint64_t session_id, const v1::PeerMemoryRequest& request,
+                                   v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds) {
+  ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
+  if (!caller.peer) {
+    counters_->refused_calls.fetch_add(1);
+    kLog.Warn("refused peer memory to {}: not a peer", caller.principal);
+    return absl::PermissionDeniedError(fmt::format(
+        "peer_memory: {} is not a peer agent here; same-host agents must run as a uid in "
+        "--peer-uids",
+        caller.principal));
+  }
+  if (request.memory_ids_size() > kMaxPeerMemoryIds) {
+    return absl::InvalidArgumentError(fmt::format(
+        "peer_memory: {} ids asked; ask for at most {} per request",
+        request.memory_ids_size(), kMaxPeerMemoryIds));
+  }
+  v1::PeerMemoryReply* out = reply->mutable_peer_memory();
+  for (uint64_t id : request.memory_ids()) {
+    auto object = registry_->FindMemory(id);
+    if (object == nullptr) {
+      return absl::NotFoundError(fmt::format(
+          "peer_memory: memory {} is not exported by any registered region (deregistered "
+          "meanwhile?); fetch the metadata again",
+          id));
+    }
+    ASSIGN_OR_RETURN(UniqueFd copy, Dup(object->fd()));
+    out->add_memory_ids(id);
+    out->add_bytes(object->size());
+    reply_fds->push_back(std::move(copy));
+  }
+  return absl::OkStatus();
+}
+
+void LocalDoor::OnClose(uint64_t session_id) {
+  Caller caller;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    caller = it->second.caller;
+    by_token_.erase(it->second.token);
+    sessions_.erase(it);
+  }
+  if (on_end_) on_end_(caller);
+}
+
+absl::StatusOr<Caller> LocalDoor::FindToken(std::string_view token) const {
+  absl::MutexLock lock(&mu_);
+  auto it = by_token_.find(std::string(token));
+  if (it == by_token_.end()) {
+    return absl::UnauthenticatedError(
+        "no open session has this token (the session ended, or the token is wrong); attach "
+        "over the session socket (<local-socket>.session) and send its token as gRPC "
+        "metadata 'kvagent-session'");
+  }
+  return sessions_.at(it->second).caller;
+}
+
+absl::StatusOr<std::shared_ptr<const registry::MemoryObject>> LocalDoor::ResolveHandle(
+    uint64_t session_id, uint64_t handle) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
+  }
+  auto m = it->second.memory.find(handle);
+  if (m == it->second.memory.end()) {
+    return absl::NotFoundError(fmt::format(
+        "memory handle {} is not one of this session's (handles belong to the session that "
+        "shared or allocated them); share the memory first",
+        handle));
+  }
+  return m->second;
+}
+
+size_t LocalDoor::sessions() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.size();
+}
+
+}  // namespace kvagent::agent

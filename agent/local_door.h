@@ -1,0 +1,87 @@
+// LocalDoor is the agent's side of local sessions (the session socket): it opens a
+// session per attached process, identified by the kernel, gives it a token for its
+// gRPC calls, keeps the memory the session shared or had allocated (descriptors),
+// hands same-host peer agents the descriptors of exported memory, and tells the
+// agent when a session ends so that its regions are released. Used by the Agent.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/access.h"
+#include "agent/session_server.h"
+#include "registry/memory_object.h"
+#include "registry/region_registry.h"
+
+namespace kvagent::agent {
+
+struct LocalDoorOptions {
+  AccessPolicy policy;
+  std::string agent_name;
+  uint64_t incarnation = 0;
+  uint64_t max_allocation_bytes = 1ull << 40;
+};
+
+class LocalDoor final : public SessionHandler {
+ public:
+  // Runs on the session server's thread after a session ended, outside LocalDoor's lock.
+  using SessionEnded = std::function<void(const Caller& caller)>;
+
+  LocalDoor(LocalDoorOptions options, const registry::RegionRegistry* registry,
+            SecurityCounters* counters, SessionEnded on_end);
+
+  // The session behind a gRPC call's token; UNAUTHENTICATED when there is none.
+  absl::StatusOr<Caller> FindToken(std::string_view token) const;
+  // A memory handle of `session_id` (RegisterRegions: SharedMemorySource.memory_handle).
+  absl::StatusOr<std::shared_ptr<const registry::MemoryObject>> ResolveHandle(
+      uint64_t session_id, uint64_t handle) const;
+  size_t sessions() const;
+
+  absl::StatusOr<v1::SessionWelcome> OnHello(uint64_t session_id,
+                                             const PeerCredentials& credentials,
+                                             const v1::SessionHello& hello) override;
+  void OnRequest(uint64_t session_id, const v1::SessionRequest& request,
+                 std::vector<UniqueFd> fds, v1::SessionReply* reply,
+                 std::vector<UniqueFd>* reply_fds) override;
+  void OnClose(uint64_t session_id) override;
+
+ private:
+  struct Session {
+    Caller caller;
+    std::string token;
+    std::string client_name;
+    absl::flat_hash_map<uint64_t, std::shared_ptr<const registry::MemoryObject>> memory;
+    uint64_t next_handle = 1;
+  };
+  absl::Status Share(uint64_t session_id, const v1::ShareMemoryRequest& request,
+                     std::vector<UniqueFd> fds, v1::SessionReply* reply);
+  absl::Status Allocate(uint64_t session_id, const v1::AllocateMemoryRequest& request,
+                        v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
+  absl::Status Free(uint64_t session_id, const v1::FreeMemoryRequest& request);
+  absl::Status PeerMemory(uint64_t session_id, const v1::PeerMemoryRequest& request,
+                          v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
+  // Records `object` as a new handle of the session; fills `reply`.
+  absl::Status Keep(uint64_t session_id, std::shared_ptr<const registry::MemoryObject> object,
+                    v1::SessionReply* reply);
+  absl::StatusOr<Caller> CallerOf(uint64_t session_id) const;
+
+  const LocalDoorOptions options_;
+  const registry::RegionRegistry* registry_;
+  SecurityCounters* counters_;
+  SessionEnded on_end_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint64_t> by_token_ ABSL_GUARDED_BY(mu_);
+};
+
+// The gRPC metadata key that carries a local session's token.
+inline constexpr char kSessionTokenKey[] = "kvagent-session";
+
+}  // namespace kvagent::agent

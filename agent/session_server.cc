@@ -1,0 +1,384 @@
+#include "agent/session_server.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "agent/unix_listener.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/log.h"
+#include "transport/base/text.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::agent {
+namespace {
+
+constexpr log::Logger kLog("session");
+
+// The session protocol version this server speaks (SessionHello.protocol).
+constexpr uint32_t kSessionProtocol = 1;
+// Datagrams served per connection per wake-up, so one busy client cannot starve the
+// others (epoll is level-triggered: the rest is served on the next round).
+constexpr int kMaxRequestsPerWakeup = 16;
+// Datagrams read from a refused connection to find its hello's seq.
+constexpr int kMaxDrainedOnRefusal = 4;
+
+std::string ErrnoText(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
+
+
+void SetError(v1::SessionReply* reply, const absl::Status& status) {
+  reply->set_error_code(static_cast<int32_t>(status.code()));
+  reply->set_error_message(std::string(status.message()));
+}
+
+std::vector<int> RawFds(const std::vector<UniqueFd>& fds) {
+  std::vector<int> raw;
+  raw.reserve(fds.size());
+  for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+  return raw;
+}
+
+std::string Describe(const PeerCredentials& c) {
+  return fmt::format("uid {} gid {} pid {}", c.uid, c.gid, c.pid);
+}
+
+}  // namespace
+
+
+struct SessionServer::Connection {
+  UniqueFd fd;
+  PeerCredentials credentials;
+  uint64_t session_id = 0;  // 0 until welcomed
+  std::string client_name;  // escaped, for logs
+};
+
+SessionServer::SessionServer(const SessionServerOptions& options, SessionHandler* handler)
+    : options_(options), handler_(handler) {}
+
+absl::StatusOr<std::unique_ptr<SessionServer>> SessionServer::Start(
+    const SessionServerOptions& options, SessionHandler* handler) {
+  if (handler == nullptr) {
+    return absl::InvalidArgumentError("session server: no handler given; this is a bug");
+  }
+  if (options.max_sessions == 0) {
+    return absl::InvalidArgumentError(
+        "--max-sessions is 0, so no engine could attach; give at least 1 (default 1024)");
+  }
+  std::unique_ptr<SessionServer> server(new SessionServer(options, handler));
+  ASSIGN_OR_RETURN(server->listen_fd_,
+                   ListenOnUnixSocket(options.path, SOCK_SEQPACKET, options.mode, options.group));
+  struct stat st {};
+  if (lstat(options.path.c_str(), &st) == 0) {
+    server->socket_dev_ = st.st_dev;
+    server->socket_ino_ = st.st_ino;
+  }
+  // From here on the destructor (Stop) removes the socket file.
+  server->epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
+  server->stop_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  server->reserve_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!server->epoll_fd_ || !server->stop_fd_) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "session server at {}: cannot create its epoll or eventfd descriptor: {}; raise the "
+        "agent's descriptor limit (LimitNOFILE)",
+        options.path, ErrnoText(errno)));
+  }
+  for (int fd : {server->listen_fd_.get(), server->stop_fd_.get()}) {
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.fd = fd;
+    if (epoll_ctl(server->epoll_fd_.get(), EPOLL_CTL_ADD, fd, &event) != 0) {
+      return absl::InternalError(fmt::format("session server at {}: epoll_ctl failed: {}",
+                                             options.path, ErrnoText(errno)));
+    }
+  }
+  server->thread_ = std::thread([s = server.get()] { s->Run(); });
+  kLog.Info("session socket listening at {} (mode {:04o}{}{}, at most {} sessions)",
+            options.path, static_cast<unsigned>(options.mode),
+            options.group.empty() ? "" : ", group ", options.group, options.max_sessions);
+  return server;
+}
+
+SessionServer::~SessionServer() { Stop(); }
+
+void SessionServer::Stop() {
+  if (stopped_.exchange(true)) return;
+  if (thread_.joinable()) {
+    const uint64_t one = 1;
+    if (write(stop_fd_.get(), &one, sizeof(one)) != sizeof(one)) {
+      kLog.Error("cannot wake the session thread to stop it: {}", ErrnoText(errno));
+    }
+    thread_.join();
+  }
+  if (listen_fd_) {
+    listen_fd_.reset();
+    // Remove the file only if it is still ours (not a successor's socket).
+    struct stat st {};
+    if (lstat(options_.path.c_str(), &st) == 0 && st.st_dev == socket_dev_ &&
+        st.st_ino == socket_ino_) {
+      unlink(options_.path.c_str());
+    }
+  }
+}
+
+void SessionServer::Run() {
+  epoll_event events[64];
+  bool stopping = false;
+  while (!stopping) {
+    const int n = epoll_wait(epoll_fd_.get(), events, 64, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      kLog.Error("session server at {}: epoll_wait failed: {}; no more sessions are served",
+                 options_.path, ErrnoText(errno));
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const int fd = events[i].data.fd;
+      if (fd == stop_fd_.get()) {
+        stopping = true;
+      } else if (fd == listen_fd_.get()) {
+        AcceptAll();
+      } else {
+        auto it = connections_.find(fd);
+        if (it == connections_.end()) continue;  // closed earlier in this round
+        ServeReadable(*it->second);
+      }
+    }
+  }
+  std::vector<int> open;
+  open.reserve(connections_.size());
+  for (const auto& [fd, connection] : connections_) open.push_back(fd);
+  for (int fd : open) Close(*connections_.at(fd), "the agent stopped");
+}
+
+void SessionServer::AcceptAll() {
+  while (true) {
+    int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      if ((err == EMFILE || err == ENFILE) && reserve_fd_) {
+        // Out of descriptors: free the spare one to take the connection and tell the
+        // client why, rather than leave it hanging (and this loop spinning).
+        reserve_fd_.reset();
+        UniqueFd refused(accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+        if (refused) {
+          PeerCredentials credentials;
+          if (auto c = client::PeerCredentialsOf(refused.get()); c.ok()) credentials = *c;
+          Refuse(std::move(refused), credentials,
+                 absl::ResourceExhaustedError(fmt::format(
+                     "the agent is out of file descriptors ({}); the operator raises its "
+                     "descriptor limit (LimitNOFILE) or lowers --max-sessions",
+                     ErrnoText(err))));
+        }
+        reserve_fd_.reset(open("/dev/null", O_RDONLY | O_CLOEXEC));
+        if (refused) continue;
+        return;
+      }
+      kLog.Error("session server at {}: accept failed: {}", options_.path, ErrnoText(err));
+      return;
+    }
+    UniqueFd connection_fd(fd);
+    absl::StatusOr<PeerCredentials> credentials = client::PeerCredentialsOf(fd);
+    if (!credentials.ok()) {
+      kLog.Warn("refused a connection on {}: {}", options_.path, credentials.status());
+      continue;
+    }
+    if (connections_.size() >= options_.max_sessions) {
+      Refuse(std::move(connection_fd), *credentials,
+             absl::ResourceExhaustedError(fmt::format(
+                 "{} sessions attached, the limit of --max-sessions ({}); detach unused "
+                 "engines or raise --max-sessions",
+                 connections_.size(), options_.max_sessions)));
+      continue;
+    }
+    epoll_event event{};
+    event.events = EPOLLIN | EPOLLRDHUP;
+    event.data.fd = fd;
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &event) != 0) {
+      Refuse(std::move(connection_fd), *credentials,
+             absl::InternalError(fmt::format("epoll_ctl failed: {}", ErrnoText(errno))));
+      continue;
+    }
+    auto connection = std::make_unique<Connection>();
+    connection->fd = std::move(connection_fd);
+    connection->credentials = *credentials;
+    connections_.emplace(fd, std::move(connection));
+  }
+}
+
+void SessionServer::Refuse(UniqueFd fd, const PeerCredentials& credentials,
+                           const absl::Status& reason) {
+  // Read what the client already sent, so that the reply carries its hello's seq and
+  // closing with unread data does not reset the connection before the reply is read.
+  uint64_t seq = 0;
+  for (int i = 0; i < kMaxDrainedOnRefusal; ++i) {
+    v1::SessionRequest request;
+    std::vector<UniqueFd> fds;
+    if (!client::ReceiveMessage(fd.get(), &request, &fds, 0).ok()) break;
+    if (request.has_hello()) seq = request.seq();
+  }
+  v1::SessionReply reply;
+  reply.set_seq(seq);
+  SetError(&reply, reason);
+  (void)client::SendMessage(fd.get(), reply, {});  // best effort: it is closed either way
+  kLog.Warn("refused a connection on {} from {}: {}", options_.path, Describe(credentials),
+            reason.message());
+}
+
+bool SessionServer::ServeReadable(Connection& connection) {
+  for (int i = 0; i < kMaxRequestsPerWakeup; ++i) {
+    v1::SessionRequest request;
+    std::vector<UniqueFd> fds;
+    absl::Status received = client::ReceiveMessage(connection.fd.get(), &request, &fds, 0);
+    if (absl::IsDeadlineExceeded(received)) return true;  // nothing more queued
+    if (absl::IsUnavailable(received)) {
+      Close(connection, "the client closed the connection", /*refused=*/false);
+      return false;
+    }
+    if (absl::IsInvalidArgument(received)) {
+      SendErrorAndClose(connection, 0, received);
+      return false;
+    }
+    if (!received.ok()) {
+      Close(connection, fmt::format("cannot read from the connection: {}", received.message()));
+      return false;
+    }
+
+    if (connection.session_id == 0) {
+      fds.clear();  // a hello carries none; close any before answering
+      if (!request.has_hello()) {
+        SendErrorAndClose(connection, request.seq(),
+                          absl::InvalidArgumentError(fmt::format(
+                              "the first session request must be hello, not {}; send "
+                              "SessionHello first (LocalSession::Attach does)",
+                              client::SessionRequestName(request))));
+        return false;
+      }
+      const v1::SessionHello& hello = request.hello();
+      connection.client_name = Printable(hello.client_name(), 64);
+      if (hello.protocol() != kSessionProtocol) {
+        SendErrorAndClose(connection, request.seq(),
+                          absl::FailedPreconditionError(fmt::format(
+                              "client '{}' speaks session protocol {}, this agent speaks {}; "
+                              "use a client library that matches the agent's version",
+                              connection.client_name, hello.protocol(), kSessionProtocol)));
+        return false;
+      }
+      const uint64_t session_id = next_session_id_++;
+      absl::StatusOr<v1::SessionWelcome> welcome =
+          handler_->OnHello(session_id, connection.credentials, hello);
+      if (!welcome.ok()) {
+        SendErrorAndClose(connection, request.seq(), welcome.status());
+        return false;
+      }
+      v1::SessionReply reply;
+      reply.set_seq(request.seq());
+      v1::SessionWelcome* out = reply.mutable_welcome();
+      *out = *std::move(welcome);
+      out->set_session_id(session_id);
+      out->set_uid(connection.credentials.uid);
+      out->set_gid(connection.credentials.gid);
+      out->set_pid(static_cast<uint32_t>(connection.credentials.pid));
+      connection.session_id = session_id;
+      sessions_.fetch_add(1, std::memory_order_relaxed);
+      kLog.Info("session {} opened: {} client '{}'", session_id,
+                Describe(connection.credentials), connection.client_name);
+      if (!Reply(connection, reply, {})) return false;
+      continue;
+    }
+
+    if (request.has_hello()) {
+      fds.clear();
+      SendErrorAndClose(connection, request.seq(),
+                        absl::InvalidArgumentError(fmt::format(
+                            "session {} sent a second hello; a connection carries one "
+                            "session: attach again on a new connection",
+                            connection.session_id)));
+      return false;
+    }
+    v1::SessionReply reply;
+    std::vector<UniqueFd> reply_fds;
+    if (request.body_case() == v1::SessionRequest::BODY_NOT_SET) {
+      // A newer client's request type arrives as an unknown field: say so, keep going.
+      SetError(&reply, absl::UnimplementedError(
+                           "this agent does not know the session request's type (no known "
+                           "body); upgrade the agent or use a matching client library"));
+    } else {
+      handler_->OnRequest(connection.session_id, request, std::move(fds), &reply, &reply_fds);
+    }
+    reply.set_seq(request.seq());
+    if (!Reply(connection, reply, std::move(reply_fds))) return false;
+  }
+  return true;
+}
+
+bool SessionServer::Reply(Connection& connection, const v1::SessionReply& reply,
+                          std::vector<UniqueFd> fds) {
+  absl::Status sent = client::SendMessage(connection.fd.get(), reply, RawFds(fds));
+  if (absl::IsInvalidArgument(sent)) {
+    // Too large or too many descriptors: the handler's bug, not the client's.
+    kLog.Error("session {}: cannot send the reply to request seq {}: {}", connection.session_id,
+               reply.seq(), sent.message());
+    v1::SessionReply error;
+    error.set_seq(reply.seq());
+    SetError(&error, absl::InternalError(fmt::format(
+                         "the agent could not send its reply: {}; report this agent bug",
+                         sent.message())));
+    sent = client::SendMessage(connection.fd.get(), error, {});
+  }
+  if (sent.ok()) return true;
+  if (absl::IsResourceExhausted(sent)) {
+    Close(connection,
+          "the client is not reading its replies (its socket queue is full): disconnected");
+  } else if (absl::IsUnavailable(sent)) {
+    Close(connection, "the client closed the connection");
+  } else {
+    Close(connection, fmt::format("cannot send a reply: {}", sent.message()));
+  }
+  return false;
+}
+
+void SessionServer::SendErrorAndClose(Connection& connection, uint64_t seq,
+                                      const absl::Status& error) {
+  v1::SessionReply reply;
+  reply.set_seq(seq);
+  SetError(&reply, error);
+  (void)client::SendMessage(connection.fd.get(), reply, {});  // best effort: closing anyway
+  Close(connection, std::string(error.message()));
+}
+
+void SessionServer::Close(Connection& connection, std::string_view reason, bool refused) {
+  const int fd = connection.fd.get();
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  const uint64_t session_id = connection.session_id;
+  if (session_id != 0) {
+    const bool warn = reason.find("not reading") != std::string_view::npos;
+    kLog.Log(warn ? log::Level::kWarn : log::Level::kInfo, "session {} closed ({}): {} client '{}'",
+             session_id, reason, Describe(connection.credentials), connection.client_name);
+  } else if (!refused) {
+    kLog.Debug("a connection on {} from {} closed before its hello ({})", options_.path,
+               Describe(connection.credentials), reason);
+  } else {
+    kLog.Warn("refused a connection on {} from {}{}: {}", options_.path,
+              Describe(connection.credentials),
+              connection.client_name.empty() ? "" : " client '" + connection.client_name + "'",
+              reason);
+  }
+  connections_.erase(fd);  // closes the socket; `connection` is gone from here on
+  if (session_id != 0) {
+    sessions_.fetch_sub(1, std::memory_order_relaxed);
+    handler_->OnClose(session_id);
+  }
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,116 @@
+// SessionServer: the agent's session socket (proto "Local session protocol"), one
+// thread serving SOCK_SEQPACKET connections. Transport only: it identifies callers
+// (SO_PEERCRED), frames and bounds datagrams and hands requests to a SessionHandler,
+// which the agent implements (policy lives there). Used by agent/agent and its tests.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/session_wire.h"
+#include "proto/kvagent.pb.h"
+#include "transport/base/unique_fd.h"
+
+namespace kvagent::agent {
+
+// The caller of a session, as the kernel identified it when it connected.
+using PeerCredentials = client::ProcessCredentials;
+
+// The agent's side of the protocol. Every call is made on the server's thread, one at
+// a time, and must not block for long (every other session waits meanwhile).
+class SessionHandler {
+ public:
+  virtual ~SessionHandler() = default;
+
+  // First request of a connection. The welcome is sent with session_id, uid, gid and
+  // pid filled in by the server (the handler need not). An error is sent as the
+  // SessionReply and the connection closed; OnClose is not called for it.
+  virtual absl::StatusOr<v1::SessionWelcome> OnHello(uint64_t session_id,
+                                                     const PeerCredentials& credentials,
+                                                     const v1::SessionHello& hello) = 0;
+
+  // Every later request (share, allocate, free, peer_memory). `fds`: the descriptors
+  // that came with it (the handler keeps what it moves out; the rest are closed).
+  // Fills `reply` (seq is set by the server) and may add descriptors to `reply_fds`
+  // (at most client::kMaxSessionFds; sent, then closed by the server).
+  virtual void OnRequest(uint64_t session_id, const v1::SessionRequest& request,
+                         std::vector<UniqueFd> fds, v1::SessionReply* reply,
+                         std::vector<UniqueFd>* reply_fds) = 0;
+
+  // The connection of a welcomed session closed: the client exited or crashed, broke
+  // the protocol or stopped reading, or the server stopped. Once per session.
+  virtual void OnClose(uint64_t session_id) = 0;
+};
+
+struct SessionServerOptions {
+  std::string path;         // the session socket: <local gRPC socket path>.session
+  mode_t mode = 0660;       // the socket file's mode
+  std::string group;        // --local-socket-group: name or numeric gid; empty: leave it
+  uint32_t max_sessions = 1024;  // connections open at once, welcomed or not
+};
+
+class SessionServer {
+ public:
+  // Creates the socket (see agent/unix_listener.h: stale sockets are replaced, live
+  // ones and other files refused) and starts the thread. `handler` must outlive the
+  // server.
+  static absl::StatusOr<std::unique_ptr<SessionServer>> Start(const SessionServerOptions& options,
+                                                              SessionHandler* handler);
+  ~SessionServer();
+  SessionServer(const SessionServer&) = delete;
+  SessionServer& operator=(const SessionServer&) = delete;
+
+  // Stops the thread, closes every connection (OnClose for each session, on the
+  // server's thread) and removes the socket file if it is still this server's.
+  // Idempotent; must not be called from a handler callback.
+  void Stop();
+
+  // Welcomed sessions open now.
+  size_t sessions() const { return sessions_.load(std::memory_order_relaxed); }
+  const std::string& path() const { return options_.path; }
+
+ private:
+  struct Connection;
+
+  SessionServer(const SessionServerOptions& options, SessionHandler* handler);
+  void Run();
+  void AcceptAll();
+  void Refuse(UniqueFd fd, const PeerCredentials& credentials, const absl::Status& reason);
+  // Handles up to a few queued datagrams; false when the connection was closed.
+  bool ServeReadable(Connection& connection);
+  // Sends a reply; false (after logging why) when the connection must be closed.
+  bool Reply(Connection& connection, const v1::SessionReply& reply, std::vector<UniqueFd> fds);
+  void SendErrorAndClose(Connection& connection, uint64_t seq, const absl::Status& error);
+  // Closes and forgets the connection (OnClose for a session). `refused`: the agent
+  // turned the caller away, as opposed to the caller leaving before its hello.
+  void Close(Connection& connection, std::string_view reason, bool refused = true);
+
+  const SessionServerOptions options_;
+  SessionHandler* const handler_;
+  UniqueFd listen_fd_;
+  UniqueFd epoll_fd_;
+  UniqueFd stop_fd_;     // eventfd: Stop() wakes the thread
+  UniqueFd reserve_fd_;  // spare descriptor, to refuse connections when out of them
+  dev_t socket_dev_ = 0;
+  ino_t socket_ino_ = 0;
+  std::thread thread_;
+  std::atomic<bool> stopped_{false};
+  std::atomic<size_t> sessions_{0};
+
+  // Touched by the server's thread only (and by Stop after it joined).
+  std::unordered_map<int, std::unique_ptr<Connection>> connections_;
+  uint64_t next_session_id_ = 1;
+};
+
+
+}  // namespace kvagent::agent
