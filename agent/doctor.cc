@@ -475,6 +475,23 @@ std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir) {
   return devices;
 }
 
+v1::DoctorCheck CheckPrivileges(uid_t euid, bool has_ipc_lock) {
+  if (euid == 0) {
+    return Make("privileges", Check::WARN,
+                "kvagentd runs as root: every engine's memory and every peer's input meet a "
+                "process that can do anything on this host",
+                "run it as its own unprivileged user with only CAP_IPC_LOCK (systemd: "
+                "User=kvagent, AmbientCapabilities=CAP_IPC_LOCK, LimitMEMLOCK=infinity; "
+                "Kubernetes: runAsUser and capabilities.add [IPC_LOCK], not privileged)");
+  }
+  return Make("privileges", Check::PASS,
+              fmt::format("runs as uid {}{}", euid,
+                          has_ipc_lock ? " with CAP_IPC_LOCK"
+                                       : " without CAP_IPC_LOCK (pinning is bound by "
+                                         "RLIMIT_MEMLOCK)"));
+}
+
+
 // ---------------------------------------------------------------- report
 
 v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
@@ -492,6 +509,7 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
       CheckHugepages(ParseMeminfo(ReadSmallFile(inputs.meminfo_path).value_or("")));
   *report.add_checks() = CheckPtraceScope(ReadPtraceScope(inputs.ptrace_scope_path));
   *report.add_checks() = CheckRdma(ListRdmaDevices(inputs.rdma_dir), ucx);
+  *report.add_checks() = CheckPrivileges(inputs.euid, inputs.has_ipc_lock);
   for (auto& check : CheckPeers(inputs.peers)) *report.add_checks() = std::move(check);
   return report;
 }

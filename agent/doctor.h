@@ -3,6 +3,9 @@
 // peers. Used by AgentService::Doctor, the agent's start-up log and `kvagentctl doctor`.
 #pragma once
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -10,6 +13,7 @@
 #include <vector>
 
 #include "proto/kvagent.pb.h"
+#include "registry/region_registry.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::agent {
@@ -77,6 +81,9 @@ v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages);
 v1::DoctorCheck CheckPtraceScope(std::optional<int> scope);
 v1::DoctorCheck CheckRdma(const std::vector<RdmaDevice>& devices,
                           const transport::UcxCapabilities& ucx);
+// "privileges": WARN when the agent runs as root (euid 0). It needs no more than
+// CAP_IPC_LOCK (to pin memory) as its own user; as root, a flaw in it is a flaw in root.
+v1::DoctorCheck CheckPrivileges(uid_t euid, bool has_ipc_lock);
 // One check per peer ("peer:<name>"), or one "peers" check when there are none.
 std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers);
 
@@ -98,6 +105,9 @@ struct DoctorInputs {
   std::string meminfo_path = "/proc/meminfo";
   std::string ptrace_scope_path = "/proc/sys/kernel/yama/ptrace_scope";
   std::string rdma_dir = "/sys/class/infiniband";
+  // The process's effective uid and CAP_IPC_LOCK (tests set them).
+  uid_t euid = geteuid();
+  bool has_ipc_lock = registry::HasIpcLockCapability();
 };
 
 // Gathers the live facts and runs every check, in a fixed order.

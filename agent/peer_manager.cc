@@ -150,6 +150,9 @@ void PeerManager::Connect(const std::string& address,
       &call->context, &call->request, &call->reply,
       [this, call, address, done = std::move(done)](grpc::Status status) {
         if (!status.ok()) {
+          kAudit.Warn("peer connection to {} failed: {} (gRPC code {})", Printable(address, 256),
+                      Printable(status.error_message(), 256),
+                      static_cast<int>(status.error_code()));
           done(absl::UnavailableError(fmt::format(
               "peer at {} did not answer GetMetadata: {} ({}); check that kvagentd runs there, "
               "that the address and port are right, and (network peers) that both agents' "
@@ -569,7 +572,16 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
                                                   status.error_message())));
           return;
         }
-        if (absl::Status who = call->link->Verify(call->context, call->reply); !who.ok()) {
+        absl::Status who = call->link->Verify(call->context, call->reply);
+        if (who.ok() && call->reply.name() != name) {
+          // Another agent now answers at this address: not the peer we refresh.
+          who = absl::PermissionDeniedError(fmt::format(
+              "the agent at {} now calls itself '{}', not '{}'; ConnectPeer the new agent if "
+              "it is meant to replace the old one",
+              call->link->address, Printable(call->reply.name()), name));
+        }
+        if (!who.ok()) {
+          kAudit.Warn("refresh of peer '{}' refused: {}", name, who.message());
           done(who);
           return;
         }

@@ -42,8 +42,8 @@ TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionReg
 TransferEngine::~TransferEngine() { Stop(absl::ZeroDuration()); }
 
 void TransferEngine::Start() {
-  worker_->SetAmHandler(kNotificationAmId, [this](std::string_view header, std::string_view data) {
-    OnNotification(header, data);
+  worker_->SetAmDataHandler(kNotificationAmId, [this](const transport::AmMessage& message) {
+    return OnNotificationMessage(message);
   });
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
 }
@@ -593,30 +593,62 @@ void TransferEngine::SendNotice(const PeerSnapshot& peer, const v1::Notification
                         std::move(done));
 }
 
-void TransferEngine::OnNotification(std::string_view header, std::string_view data) {
+bool TransferEngine::OnNotificationMessage(const transport::AmMessage& message) {
+  if (!message.rendezvous) {
+    OnNotification(message.header, message.data);
+    return false;
+  }
+  // The body is still on the sender: nothing is allocated or received for it before
+  // the header authenticates and the announced length is within the limit.
+  v1::PeerMessageAuth auth;
+  if (!AdmitNotification(message.header, message.length, &auth)) return false;
+  auto header = std::make_shared<std::string>(message.header);
+  auto data = std::make_shared<std::string>(message.length, '\0');
+  worker_->ReceiveAmData(message.descriptor, data->data(), data->size(),
+                         [this, header, data](absl::Status received) {
+                           if (!received.ok()) {
+                             kLog.Warn("dropped a notification: {}", received.message());
+                             return;
+                           }
+                           OnNotification(*header, *data);
+                         });
+  return true;
+}
+
+bool TransferEngine::AdmitNotification(std::string_view header, uint64_t data_bytes,
+                                       v1::PeerMessageAuth* auth) {
   // Untrusted until the secret checks: bound, then parse, then verify, then use.
   auto drop = [this](std::string_view why, std::string_view from) {
     options_.counters->dropped_peer_messages.fetch_add(1);
     LogRefusal(fmt::format("'{}' (UCX active message)", Printable(from)), "a notification",
                absl::PermissionDeniedError(std::string(why)));
+    return false;
   };
-  if (header.size() > kMaxAuthHeaderBytes || data.size() > options_.max_notification_message_bytes) {
-    drop(fmt::format("oversized: header {} bytes, data {} bytes (limits {} and {})", header.size(),
-                     data.size(), kMaxAuthHeaderBytes, options_.max_notification_message_bytes),
-         "?");
-    return;
+  if (header.size() > kMaxAuthHeaderBytes || data_bytes > options_.max_notification_message_bytes) {
+    return drop(fmt::format("oversized: header {} bytes, data {} bytes (limits {} and {})",
+                            header.size(), data_bytes, kMaxAuthHeaderBytes,
+                            options_.max_notification_message_bytes),
+                "?");
   }
+  if (!auth->ParseFromArray(header.data(), static_cast<int>(header.size()))) {
+    return drop("its header does not parse", "?");
+  }
+  if (options_.secrets == nullptr || !options_.secrets->Verify(auth->from_agent(), auth->secret())) {
+    return drop("it does not carry the secret this agent issued to the agent it names (not a "
+                "connected, authenticated peer)",
+                auth->from_agent());
+  }
+  return true;
+}
+
+void TransferEngine::OnNotification(std::string_view header, std::string_view data) {
+  auto drop = [this](std::string_view why, std::string_view from) {
+    options_.counters->dropped_peer_messages.fetch_add(1);
+    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(from)), "a notification",
+               absl::PermissionDeniedError(std::string(why)));
+  };
   v1::PeerMessageAuth auth;
-  if (!auth.ParseFromArray(header.data(), static_cast<int>(header.size()))) {
-    drop("its header does not parse", "?");
-    return;
-  }
-  if (options_.secrets == nullptr || !options_.secrets->Verify(auth.from_agent(), auth.secret())) {
-    drop("it does not carry the secret this agent issued to the agent it names (not a "
-         "connected, authenticated peer)",
-         auth.from_agent());
-    return;
-  }
+  if (!AdmitNotification(header, data.size(), &auth)) return;
   v1::Notification n;
   if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
     drop(fmt::format("its {} bytes do not parse", data.size()), auth.from_agent());

@@ -157,7 +157,13 @@ class TransferEngine {
   // that the chunk's remaining ops write or read: nothing more may be posted to it.
   static absl::Status CheckRegionsCurrent(const std::string& id, Chunk& chunk,
                                           const PeerSnapshot& current);
+  // Notification active message: an eager one is handled at once; a rendezvous one is
+  // received only after its header authenticates and its announced length is in bounds.
+  bool OnNotificationMessage(const transport::AmMessage& message);
   void OnNotification(std::string_view header, std::string_view data);
+  // Bounds, parses and verifies a notification's header for `data_bytes` of body;
+  // false (counted and logged) when the message is to be dropped.
+  bool AdmitNotification(std::string_view header, uint64_t data_bytes, v1::PeerMessageAuth* auth);
   // Sends `notice` to `peer` with this agent's name and the secret the peer issued us.
   void SendNotice(const PeerSnapshot& peer, const v1::Notification& notice,
                   transport::Completion done);

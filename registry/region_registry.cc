@@ -153,8 +153,8 @@ std::string UcxDetail(const transport::UcxCapabilities& caps) {
                      list(caps.memory_types));
 }
 
-// RLIMIT_MEMLOCK does not bind a process with CAP_IPC_LOCK (mlock and RDMA
-// registration both check it), so the limit only matters without it.
+}  // namespace
+
 bool HasIpcLockCapability() {
   std::ifstream status("/proc/self/status");
   std::string line;
@@ -166,6 +166,8 @@ bool HasIpcLockCapability() {
   }
   return false;
 }
+
+namespace {
 
 uint64_t MemlockLimit() {
   struct rlimit limit {};
@@ -197,7 +199,7 @@ absl::Status CheckMemlock(uint64_t bytes_to_pin, uint64_t limit, std::string_vie
   return absl::FailedPreconditionError(fmt::format(
       "region '{}': needs {} bytes of locked memory (with the regions this agent already "
       "pins) but RLIMIT_MEMLOCK is {} bytes; raise it (`ulimit -l unlimited`, systemd "
-      "LimitMEMLOCK=infinity, Kubernetes: a privileged container or the IPC_LOCK capability)",
+      "LimitMEMLOCK=infinity, Kubernetes: the IPC_LOCK capability; no privileged container)",
       entry, bytes_to_pin, limit));
 }
 

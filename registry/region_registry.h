@@ -86,6 +86,10 @@ absl::StatusOr<std::string> MemoryPathFor(v1::MemoryKind kind, bool ucx_cuda,
 // raise the limit.
 absl::Status CheckMemlock(uint64_t bytes_to_pin, uint64_t limit, std::string_view entry);
 
+// True when this process holds CAP_IPC_LOCK (its effective set, /proc/self/status):
+// RLIMIT_MEMLOCK does not bind it (mlock and RDMA registration both check it).
+bool HasIpcLockCapability();
+
 // True when one of UCX's transports is RDMA (rc*, ud*, dc*, ib*), which pins
 // registered host memory and so counts against RLIMIT_MEMLOCK.
 bool PinsRegisteredMemory(const std::vector<std::string>& transports);

@@ -276,18 +276,19 @@ void UcxWorker::DrainQueue() {
   for (auto& fn : batch) fn();
 }
 
-void UcxWorker::SetAmHandler(uint16_t id, AmHandler handler) {
-  InstallAmSlot(id, std::move(handler), nullptr);
+void UcxWorker::SetAmHandler(uint16_t id, AmHandler handler, uint64_t max_data_bytes) {
+  InstallAmSlot(id, std::move(handler), nullptr, max_data_bytes);
 }
 
 void UcxWorker::SetAmDataHandler(uint16_t id, AmDataHandler handler) {
-  InstallAmSlot(id, nullptr, std::move(handler));
+  InstallAmSlot(id, nullptr, std::move(handler), 0);
 }
 
-void UcxWorker::InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler) {
+void UcxWorker::InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler,
+                              uint64_t max_data_bytes) {
   if (!OnWorkerThread() && thread_.joinable()) {
-    RunSync([this, id, &handler, &data_handler] {
-      InstallAmSlot(id, std::move(handler), std::move(data_handler));
+    RunSync([this, id, &handler, &data_handler, max_data_bytes] {
+      InstallAmSlot(id, std::move(handler), std::move(data_handler), max_data_bytes);
     });
     return;
   }
@@ -296,9 +297,11 @@ void UcxWorker::InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data
     // In-flight rendezvous receives keep the slot.
     slot->handler = std::move(handler);
     slot->data_handler = std::move(data_handler);
+    slot->max_data_bytes = max_data_bytes;
     return;
   }
-  slot = std::make_unique<AmSlot>(AmSlot{this, id, std::move(handler), std::move(data_handler)});
+  slot = std::make_unique<AmSlot>(
+      AmSlot{this, id, std::move(handler), std::move(data_handler), max_data_bytes});
   ucp_am_handler_param_t param{};
   param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -333,6 +336,11 @@ ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_
     }
     const bool kept = slot->data_handler(message);
     return message.rendezvous && kept ? UCS_INPROGRESS : UCS_OK;
+  }
+  if (length > slot->max_data_bytes) {
+    kLog.Warn("active message {}: dropped {} bytes of data, over this handler's limit of {}",
+              slot->id, length, slot->max_data_bytes);
+    return UCS_OK;  // a rendezvous body is never fetched
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
     slot->handler(header_view, std::string_view(static_cast<const char*>(data), length));

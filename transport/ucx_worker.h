@@ -75,8 +75,10 @@ class UcxWorker {
   bool OnWorkerThread() const;
 
   // Registers the handler for active-message `id` (worker thread or before any
-  // message can arrive).
-  void SetAmHandler(uint16_t id, AmHandler handler);
+  // message can arrive). A message whose data exceeds `max_data_bytes` is dropped
+  // before anything is allocated for it (the sender may be anyone who knows our
+  // address: a length UCX announces must not size an allocation unchecked).
+  void SetAmHandler(uint16_t id, AmHandler handler, uint64_t max_data_bytes = 256 << 10);
   // The same for handlers that place the data themselves (see AmMessage).
   void SetAmDataHandler(uint16_t id, AmDataHandler handler);
   // Worker thread: fetches a kept rendezvous message into `buffer` (its `length`
@@ -132,8 +134,10 @@ class UcxWorker {
     uint16_t id;
     AmHandler handler;
     AmDataHandler data_handler;  // set instead of `handler` by SetAmDataHandler
+    uint64_t max_data_bytes = 0;  // `handler` only
   };
-  void InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler);
+  void InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler,
+                     uint64_t max_data_bytes);
   absl::flat_hash_map<uint16_t, std::unique_ptr<AmSlot>> am_handlers_;
   std::vector<void*> pending_requests_;
   // Endpoints still open; closed at shutdown if their owner has not destroyed them.

@@ -117,7 +117,7 @@ TEST_CASE("CheckMemlock refuses to pin more than RLIMIT_MEMLOCK allows") {
   CHECK_THAT(Message(s), Catch::StartsWith("region 'k.L0': needs 65537 bytes of locked memory"));
   CHECK_THAT(Message(s), Catch::Contains("RLIMIT_MEMLOCK is 65536 bytes"));
   CHECK_THAT(Message(s), Catch::Contains("`ulimit -l unlimited`, systemd LimitMEMLOCK=infinity, "
-                                         "Kubernetes: a privileged container or the IPC_LOCK "
+                                         "Kubernetes: the IPC_LOCK "
                                          "capability"));
 }
 

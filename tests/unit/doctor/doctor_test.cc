@@ -134,6 +134,23 @@ TEST_CASE("cuda-driver: absent, no devices, devices") {
         "[0000:18:00.0] 85.0 GiB");
 }
 
+TEST_CASE("privileges warn when the agent runs as root, with the unprivileged setup") {
+  auto root = CheckPrivileges(0, true);
+  CHECK(root.name() == "privileges");
+  CHECK(root.result() == Result::WARN);
+  CHECK(Has(root.detail(), "runs as root"));
+  CHECK(Has(root.fix(), "CAP_IPC_LOCK"));
+  CHECK(Has(root.fix(), "User=kvagent"));
+  CHECK(Has(root.fix(), "not privileged"));
+
+  auto user = CheckPrivileges(998, true);
+  CHECK(user.result() == Result::PASS);
+  CHECK(user.detail() == "runs as uid 998 with CAP_IPC_LOCK");
+  auto bare = CheckPrivileges(998, false);
+  CHECK(bare.result() == Result::PASS);
+  CHECK(Has(bare.detail(), "without CAP_IPC_LOCK"));
+}
+
 TEST_CASE("memlock passes unlimited or >= 64 MiB, warns below with the ways to raise it") {
   MemlockFacts unlimited{true, MemlockFacts::kUnlimited, MemlockFacts::kUnlimited};
   auto pass = CheckMemlock(unlimited);
@@ -374,14 +391,16 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   std::vector<std::string> names;
   for (const auto& c : report.checks()) names.push_back(c.name());
   CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "memlock", "dev-shm",
-                                          "hugepages", "ptrace-scope", "rdma", "peer:decode"});
+                                          "hugepages", "ptrace-scope", "rdma", "privileges",
+                                          "peer:decode"});
   CHECK(report.checks(5).result() == Result::PASS);  // from the meminfo written above
   CHECK(report.checks(6).result() == Result::WARN);  // scope 1
   CHECK(report.checks(7).result() == Result::PASS);  // no devices
+  CHECK(report.checks(8).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
   CHECK(HasFailure(report));                         // the unreachable peer
 
   auto lines = SummaryLines(report);
-  REQUIRE(lines.size() == 9);
+  REQUIRE(lines.size() == 10);
   CHECK(lines[0] == "ucx PASS UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
   CHECK(lines[6].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
 

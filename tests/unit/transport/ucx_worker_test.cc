@@ -184,11 +184,14 @@ TEST_CASE("active messages arrive intact, eager and rendezvous") {
   absl::Mutex mu;
   std::vector<std::pair<std::string, std::string>> received;
   std::atomic<bool> off_thread{false};
-  b.worker->SetAmHandler(kId, [&](std::string_view header, std::string_view data) {
-    if (!b.worker->OnWorkerThread()) off_thread = true;
-    absl::MutexLock lock(&mu);
-    received.emplace_back(std::string(header), std::string(data));
-  });
+  b.worker->SetAmHandler(
+      kId,
+      [&](std::string_view header, std::string_view data) {
+        if (!b.worker->OnWorkerThread()) off_thread = true;
+        absl::MutexLock lock(&mu);
+        received.emplace_back(std::string(header), std::string(data));
+      },
+      /*max_data_bytes=*/2 << 20);
 
   for (ErrorMode mode : {ErrorMode::kNone, ErrorMode::kPeer}) {
     std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), mode);
@@ -226,6 +229,44 @@ TEST_CASE("active messages arrive intact, eager and rendezvous") {
     Destroy(*a.worker, ep);
   }
   CHECK_FALSE(off_thread.load());
+}
+
+TEST_CASE("an active message over its handler's limit is dropped unread, eager or rendezvous") {
+  Agent a = Agent::Make("limit-a");
+  Agent b = Agent::Make("limit-b");
+  constexpr uint16_t kId = 9;
+  absl::Mutex mu;
+  std::vector<std::string> received;
+  b.worker->SetAmHandler(
+      kId,
+      [&](std::string_view header, std::string_view data) {
+        absl::MutexLock lock(&mu);
+        received.emplace_back(header);
+      },
+      /*max_data_bytes=*/1024);
+  std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), ErrorMode::kNone);
+  const std::string big(1 << 20, 'x');     // rendezvous
+  const std::string medium(4096, 'y');     // eager, still over the limit
+  for (const auto* data : {&big, &medium}) {
+    REQUIRE(Await(*a.worker, [&](Completion done) {
+              ep->SendAm(kId, "over", *data, std::move(done));
+            }).ok());
+  }
+  REQUIRE(Await(*a.worker, [&](Completion done) {
+            ep->SendAm(kId, "within", std::string(1024, 'z'), std::move(done));
+          }).ok());
+  {
+    absl::MutexLock lock(&mu);
+    auto arrived = [&] { return !received.empty(); };
+    REQUIRE(mu.AwaitWithTimeout(absl::Condition(&arrived), kWait));
+  }
+  // Let anything still on its way arrive; only the message within the limit may.
+  b.worker->RunSync([] {});
+  absl::SleepFor(absl::Milliseconds(50));
+  b.worker->RunSync([] {});
+  absl::MutexLock lock(&mu);
+  CHECK(received == std::vector<std::string>{"within"});
+  Destroy(*a.worker, ep);
 }
 
 TEST_CASE("Post keeps per-thread order and RunSync sees every earlier Post") {

@@ -1,0 +1,610 @@
+// Forged peer traffic against real kvagentd processes; the test process plays the
+// attacker. (1) UCX active messages sent straight to decode's worker, from an
+// attacker that learned the worker address the only way the agent gives it out (as
+// an authenticated peer "eve"): every forgery is dropped and counted, none reaches
+// the owner, an honest notification from eve itself still arrives; one that announces
+// 1 TiB of rendezvous data is refused before anything is allocated. (2) A session
+// "mallory" that polls GetMetadata naming itself "prefill" cannot acknowledge a
+// deregistration on behalf of a hung prefill.
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/kv_pool.h"
+#include "client/local_session.h"
+#include "fmt/format.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/kvagent.grpc.pb.h"
+#include "tests/integration/agent_pair.h"
+#include "transport/ucx_context.h"
+#include "transport/ucx_worker.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Catch::Matchers::Contains;
+
+constexpr uint32_t kTimeoutMs = 5000;
+constexpr uint16_t kNotificationAm = 1;   // TransferEngine: PeerMessageAuth + Notification
+constexpr uint16_t kStagedChunkAm = 2;    // Stager: StagedChunkHeader + bytes
+constexpr uint16_t kStagedReadAm = 3;     // Stager: StagedReadRequest
+
+// A same-uid process calling decode's Peer service as the session `client_name`.
+class PeerCaller {
+ public:
+  static std::unique_ptr<PeerCaller> Attach(const cli::DaemonProcess& agent,
+                                            const std::string& client_name) {
+    auto session =
+        client::LocalSession::Attach(agent.local_socket() + ".session", client_name, kTimeoutMs);
+    INFO(session.status().ToString());
+    REQUIRE(session.ok());
+    auto caller = std::unique_ptr<PeerCaller>(new PeerCaller);
+    caller->session_ = *std::move(session);
+    caller->stub_ = v1::Peer::NewStub(
+        grpc::CreateChannel(agent.address(), grpc::InsecureChannelCredentials()));
+    return caller;
+  }
+
+  absl::StatusOr<v1::AgentMetadata> GetMetadata(const v1::GetMetadataRequest& request,
+                                                uint32_t timeout_ms = kTimeoutMs) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    context.AddMetadata("kvagent-session", session_->token());
+    v1::AgentMetadata reply;
+    grpc::Status status = stub_->GetMetadata(&context, request, &reply);
+    if (!status.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          status.error_message());
+    }
+    return reply;
+  }
+
+  const v1::SessionWelcome& welcome() const { return session_->welcome(); }
+
+ private:
+  PeerCaller() = default;
+  std::unique_ptr<client::LocalSession> session_;
+  std::unique_ptr<v1::Peer::Stub> stub_;
+};
+
+// The attacker's own UCX worker with one endpoint to the target worker.
+class UcxAttacker {
+ public:
+  // `rndv_thresh`: UCX_RNDV_THRESH for this process's context only (set around its
+  // creation, so agents started later do not inherit it).
+  UcxAttacker(const std::string& remote_address, const std::string& rndv_thresh) {
+    ::setenv("UCX_RNDV_THRESH", rndv_thresh.c_str(), 1);
+    auto context = transport::UcxContext::Create();
+    ::unsetenv("UCX_RNDV_THRESH");
+    INFO(context.status().ToString());
+    REQUIRE(context.ok());
+    context_ = *std::move(context);
+    auto worker = transport::UcxWorker::Create(*context_, "attacker");
+    INFO(worker.status().ToString());
+    REQUIRE(worker.ok());
+    worker_ = *std::move(worker);
+    absl::Status connected;
+    worker_->RunSync([&] {
+      auto endpoint = transport::Endpoint::Connect(*worker_, remote_address,
+                                                   transport::ErrorMode::kNone, nullptr);
+      if (endpoint.ok()) {
+        endpoint_ = *std::move(endpoint);
+      } else {
+        connected = endpoint.status();
+      }
+    });
+    INFO(connected.ToString());
+    REQUIRE(connected.ok());
+  }
+  ~UcxAttacker() {
+    if (worker_ != nullptr) worker_->RunSync([this] { endpoint_.reset(); });
+  }
+  UcxAttacker(const UcxAttacker&) = delete;
+  UcxAttacker& operator=(const UcxAttacker&) = delete;
+
+  // Sends one active message (with a reply endpoint when `request`, header only) and
+  // waits up to kTimeoutMs for UCX to complete the send.
+  absl::Status Send(uint16_t id, std::string header, std::string data, bool request = false) {
+    auto done = std::make_shared<absl::Notification>();
+    auto result = std::make_shared<absl::Status>();
+    auto complete = [done, result](absl::Status status) {
+      *result = std::move(status);
+      done->Notify();
+    };
+    worker_->Post([this, id, request, header = std::move(header), data = std::move(data),
+                   complete = std::move(complete)]() mutable {
+      if (request) {
+        endpoint_->SendAmRequest(id, header, std::move(complete));
+      } else {
+        endpoint_->SendAm(id, header, data, std::move(complete));
+      }
+    });
+    return Wait(id, done, result);
+  }
+
+  // The same without copying `data` (it must stay mapped until this returns or, after
+  // a timeout, until the attacker is destroyed).
+  absl::Status SendNoCopy(uint16_t id, std::string header, const void* data, uint64_t length) {
+    auto done = std::make_shared<absl::Notification>();
+    auto result = std::make_shared<absl::Status>();
+    auto complete = [done, result](absl::Status status) {
+      *result = std::move(status);
+      done->Notify();
+    };
+    worker_->Post([this, id, header = std::move(header), data, length,
+                   complete = std::move(complete)]() mutable {
+      endpoint_->SendAmNoCopy(id, header, data, length, std::move(complete));
+    });
+    return Wait(id, done, result);
+  }
+
+ private:
+  static absl::Status Wait(uint16_t id, const std::shared_ptr<absl::Notification>& done,
+                           const std::shared_ptr<absl::Status>& result) {
+    if (!done->WaitForNotificationWithTimeout(absl::Milliseconds(kTimeoutMs))) {
+      return absl::DeadlineExceededError(
+          fmt::format("active message {} was not sent within {} ms", id, kTimeoutMs));
+    }
+    return *result;
+  }
+
+  std::unique_ptr<transport::UcxContext> context_;
+  std::unique_ptr<transport::UcxWorker> worker_;
+  std::unique_ptr<transport::Endpoint> endpoint_;
+};
+
+std::string AuthHeader(const std::string& from_agent, const std::string& secret) {
+  v1::PeerMessageAuth auth;
+  auth.set_from_agent(from_agent);
+  auth.set_secret(secret);
+  return auth.SerializeAsString();
+}
+
+std::string NotificationBytes(const std::string& from_agent, const std::string& transfer_id,
+                              const std::string& payload = "forged") {
+  v1::Notification n;
+  n.set_from_agent(from_agent);
+  n.set_transfer_id(transfer_id);
+  n.set_kind(v1::DATA_READY);
+  n.set_payload(payload);
+  n.add_targets("kv");  // decode's group: an accepted one would reach the pool's owner
+  return n.SerializeAsString();
+}
+
+std::string RandomSecret() {
+  std::random_device random;
+  std::string out(16, '\0');
+  for (auto& c : out) c = static_cast<char>(random());
+  return out;
+}
+
+uint64_t Dropped(cli::AgentClient& client) {
+  auto status = client.Status();
+  INFO(status.status().ToString());
+  REQUIRE(status.ok());
+  return status->dropped_peer_messages();
+}
+
+// Polls until `count` notifications arrived or `limit_ms` passed, then `settle_ms`
+// more so that a duplicate would be seen too.
+std::vector<v1::Notification> PollNotifications(cli::AgentClient& client, size_t count,
+                                                uint32_t limit_ms, uint32_t settle_ms) {
+  std::vector<v1::Notification> out;
+  const auto until = Clock::now() + std::chrono::milliseconds(limit_ms);
+  auto poll = [&] {
+    auto polled = client.Poll(0);
+    INFO(polled.status().ToString());
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) out.push_back(n);
+  };
+  while (out.size() < count && Clock::now() < until) {
+    poll();
+    if (out.size() < count) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const auto settle = Clock::now() + std::chrono::milliseconds(settle_ms);
+  while (Clock::now() < settle) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    poll();
+  }
+  return out;
+}
+
+std::string Describe(const std::vector<v1::Notification>& notes) {
+  std::string out;
+  for (const auto& n : notes) {
+    out += fmt::format("[{} from '{}' kind {}] ", n.transfer_id(), n.from_agent(),
+                       v1::NotificationKind_Name(n.kind()));
+  }
+  return out.empty() ? "none" : out;
+}
+
+// An honest WRITE prefill -> decode: byte-exact, and its DATA_READY reaches decode's
+// owner exactly once.
+void HonestWrite(AgentPair& pair, const std::string& id, std::vector<uint64_t> src,
+                 std::vector<uint64_t> dst) {
+  auto submitted = pair.prefill().Submit(KvWrite(id, src, dst, "honest"));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = pair.prefill().WaitTransfer(id, kTimeoutMs);
+  INFO(done.status().ToString());
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(pair.PageEqual(src[i], dst[i]));
+  auto notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
+  INFO(Describe(notes));
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == id);
+  CHECK(notes[0].from_agent() == "prefill");
+  CHECK(notes[0].kind() == v1::DATA_READY);
+  CHECK(notes[0].payload() == "honest");
+}
+
+// Waits until prefill holds decode's current metadata version and sees it connected.
+void WaitPrefillCurrent(AgentPair& pair, uint64_t version) {
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  std::string last;
+  while (Clock::now() < until) {
+    auto peers = pair.prefill().Peers();
+    REQUIRE(peers.ok());
+    for (const auto& p : peers->peers()) {
+      if (p.name() != "decode") continue;
+      last = fmt::format("state {} version {} ({})", p.state(), p.metadata_version(),
+                         p.last_error());
+      if (p.state() == "connected" && p.metadata_version() >= version) return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  FAIL(fmt::format("prefill did not install decode's version {} within {} ms: {}", version,
+                   kTimeoutMs, last));
+}
+
+TEST_CASE("forged UCX messages to an agent's worker are dropped, counted and delivered to nobody") {
+  AgentPair pair;
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+
+  // Eve learns decode's worker address as an authenticated peer (same uid as the agent).
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  {
+    const auto& roles = eve->welcome().roles();
+    CHECK(std::find(roles.begin(), roles.end(), "peer") != roles.end());
+  }
+  v1::GetMetadataRequest ask;
+  ask.set_caller("eve");
+  auto metadata = eve->GetMetadata(ask);
+  INFO(metadata.status().ToString());
+  REQUIRE(metadata.ok());
+  CHECK(metadata->name() == "decode");
+  REQUIRE_FALSE(metadata->worker_address().empty());
+  const std::string eve_secret = metadata->notify_secret();
+  REQUIRE(eve_secret.size() == 16);
+  // The secret is bound to the identity: the same on a second call.
+  auto again = eve->GetMetadata(ask);
+  REQUIRE(again.ok());
+  CHECK(again->notify_secret() == eve_secret);
+  REQUIRE(metadata->regions_size() > 0);
+  const v1::ExportedRegion& target = metadata->regions(0);
+
+  // Messages over 1 KiB go as rendezvous, so an honest notification takes that path too.
+  UcxAttacker attacker(metadata->worker_address(), "1024");
+  const uint64_t dropped_before = Dropped(decode_status);
+
+  // Every one of these must be dropped.
+  struct Forgery {
+    const char* what;
+    uint16_t id;
+    std::string header;
+    std::string data;
+    bool request = false;
+  };
+  std::vector<Forgery> forgeries;
+  forgeries.push_back({"notification without a header", kNotificationAm, "",
+                       NotificationBytes("prefill", "forged-no-header")});
+  forgeries.push_back({"notification claiming prefill with eve's secret", kNotificationAm,
+                       AuthHeader("prefill", eve_secret),
+                       NotificationBytes("prefill", "forged-eve-secret")});
+  forgeries.push_back({"notification claiming prefill with a random secret", kNotificationAm,
+                       AuthHeader("prefill", RandomSecret()),
+                       NotificationBytes("prefill", "forged-random-secret")});
+  forgeries.push_back({"eve's valid header carrying a notification from prefill", kNotificationAm,
+                       AuthHeader("eve", eve_secret),
+                       NotificationBytes("prefill", "forged-inner-sender")});
+  forgeries.push_back({"eve's valid header with an 8 MiB notification", kNotificationAm,
+                       AuthHeader("eve", eve_secret),
+                       NotificationBytes("eve", "forged-8mib", std::string(8 << 20, 'x'))});
+  {
+    v1::StagedChunkHeader chunk;
+    chunk.set_from_agent("prefill");
+    chunk.set_transfer_id("forged-chunk");
+    chunk.set_incarnation(1);
+    auto* piece = chunk.add_pieces();
+    piece->set_remote_address(target.base_address());
+    piece->set_length(64);
+    forgeries.push_back({"staged chunk without a secret", kStagedChunkAm,
+                         chunk.SerializeAsString(), std::string(64, '\x66')});
+  }
+  {
+    v1::StagedReadRequest read;
+    read.set_from_agent("prefill");
+    read.set_incarnation(1);
+    read.set_transfer_id("forged-read");
+    read.set_request_id(42);
+    auto* piece = read.add_pieces();
+    piece->set_remote_address(target.base_address());
+    piece->set_length(4096);
+    forgeries.push_back({"staged read request without a secret", kStagedReadAm,
+                         read.SerializeAsString(), "", /*request=*/true});
+  }
+  for (auto& f : forgeries) {
+    INFO(f.what);
+    absl::Status sent = attacker.Send(f.id, std::move(f.header), std::move(f.data), f.request);
+    INFO(sent.ToString());
+    CHECK(sent.ok());
+  }
+
+  size_t sent_count = forgeries.size();
+  // No header, and 1 TiB of rendezvous data announced (mapped here, never touched): the
+  // agent must refuse it on its header and length, before allocating or receiving
+  // anything. (It once allocated the announced length first: std::bad_alloc, abort.)
+  {
+    const uint64_t length = uint64_t{1} << 40;
+    void* huge = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+    REQUIRE(huge != MAP_FAILED);
+    absl::Status sent = attacker.SendNoCopy(kNotificationAm, "", huge, length);
+    INFO(sent.ToString());
+    CHECK(sent.ok());
+    // After a timeout UCX may still read the mapping: then it stays (address space only).
+    if (sent.ok()) ::munmap(huge, length);
+    ++sent_count;
+  }
+
+  // The counter rises by exactly the number of forgeries (bounded wait, then a settle).
+  const uint64_t expected = dropped_before + sent_count;
+  uint64_t dropped = dropped_before;
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (dropped < expected && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    dropped = Dropped(decode_status);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  dropped = Dropped(decode_status);
+  std::printf("forgeries: %zu sent, dropped_peer_messages %lu -> %lu\n", sent_count,
+              static_cast<unsigned long>(dropped_before), static_cast<unsigned long>(dropped));
+  CHECK(dropped - dropped_before == sent_count);
+  {
+    // Each drop is logged with its cause (the audit log names who and why).
+    std::ifstream log(pair.decode_process().log_path());
+    std::string line, refusals;
+    while (std::getline(log, line)) {
+      if (line.find("audit: refused") != std::string::npos) refusals += line + "\n";
+    }
+    std::printf("decode's refusals:\n%s", refusals.c_str());
+    CHECK_THAT(refusals, Contains("refused a notification from '?'") &&
+                             Contains("refused a notification from 'prefill'") &&
+                             Contains("does not carry the secret") &&
+                             Contains("names another sender than its header") &&
+                             Contains("data 1099511627776 bytes") &&
+                             Contains("refused a staged chunk from 'prefill'") &&
+                             Contains("refused a staged read request from 'prefill'"));
+  }
+
+  // None reached decode's owner (the test's root session is also a scheduler, so it
+  // would see any notification at all), and decode's memory is untouched.
+  {
+    auto notes = PollNotifications(pair.decode(), 0, 0, 200);
+    INFO(Describe(notes));
+    CHECK(notes.empty());
+    for (uint64_t p = 0; p < pair.decode_pool().shape.pages; ++p) CHECK(pair.PageUntouched(p));
+  }
+
+  // Positive control: eve, a real authenticated peer, may notify in her own name.
+  {
+    absl::Status sent = attacker.Send(kNotificationAm, AuthHeader("eve", eve_secret),
+                                      NotificationBytes("eve", "eve-1", "hello"));
+    INFO(sent.ToString());
+    REQUIRE(sent.ok());
+    auto notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
+    INFO(Describe(notes));
+    REQUIRE(notes.size() == 1);
+    CHECK(notes[0].transfer_id() == "eve-1");
+    CHECK(notes[0].from_agent() == "eve");
+    CHECK(notes[0].payload() == "hello");
+    CHECK(Dropped(decode_status) == dropped);
+  }
+  {
+    // 60 KiB of payload (under the 64 KiB limit): sent as rendezvous, received only after
+    // its header checked, delivered intact.
+    const std::string payload(60 << 10, 'e');
+    absl::Status sent = attacker.Send(kNotificationAm, AuthHeader("eve", eve_secret),
+                                      NotificationBytes("eve", "eve-2", payload));
+    INFO(sent.ToString());
+    REQUIRE(sent.ok());
+    auto notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
+    INFO(Describe(notes));
+    REQUIRE(notes.size() == 1);
+    CHECK(notes[0].transfer_id() == "eve-2");
+    CHECK(notes[0].from_agent() == "eve");
+    CHECK(notes[0].payload() == payload);
+    CHECK(Dropped(decode_status) == dropped);
+    std::printf("positive control: eve-1 (eager) and eve-2 (60 KiB, rendezvous) delivered once "
+                "each, dropped_peer_messages stays %lu\n",
+                static_cast<unsigned long>(dropped));
+  }
+
+  // Decode still serves, and an honest transfer is byte-exact and notified once.
+  auto status = decode_status.Status();
+  REQUIRE(status.ok());
+  CHECK(status->name() == "decode");
+  HonestWrite(pair, "honest-after-forgery", {3, 4, 9}, {10, 11, 30});
+  CHECK(Dropped(decode_status) == dropped);
+}
+
+// SIGSTOPs an agent; SIGCONT on destruction, whatever failed in between.
+class Stopped {
+ public:
+  explicit Stopped(pid_t pid) : pid_(pid) { REQUIRE(::kill(pid_, SIGSTOP) == 0); }
+  ~Stopped() { Resume(); }
+  void Resume() {
+    if (pid_ > 0) ::kill(pid_, SIGCONT);
+    pid_ = -1;
+  }
+  Stopped(const Stopped&) = delete;
+  Stopped& operator=(const Stopped&) = delete;
+
+ private:
+  pid_t pid_;
+};
+
+// Polls decode's GetMetadata as "mallory" naming "prefill" as the caller, with decode's
+// incarnation and versions at or past the new one, every ~20 ms until stopped.
+class Spoofer {
+ public:
+  Spoofer(PeerCaller* mallory, uint64_t incarnation, uint64_t new_version)
+      : mallory_(mallory), incarnation_(incarnation), new_version_(new_version) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Spoofer() { Stop(); }
+  void Stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+  int calls() const { return calls_.load(); }
+  int failures() const { return failures_.load(); }
+  std::string last_error() const { return last_error_; }  // after Stop()
+
+ private:
+  void Run() {
+    const uint64_t versions[] = {new_version_, new_version_ + 1, new_version_ + 2};
+    for (size_t i = 0; !stop_.load(); ++i) {
+      v1::GetMetadataRequest request;
+      request.set_caller("prefill");
+      request.set_known_incarnation(incarnation_);
+      request.set_known_version(versions[i % 3]);
+      auto reply = mallory_->GetMetadata(request, 1000);
+      calls_.fetch_add(1);
+      if (!reply.ok()) {
+        failures_.fetch_add(1);
+        last_error_ = reply.status().ToString();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  PeerCaller* mallory_;
+  const uint64_t incarnation_;
+  const uint64_t new_version_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> calls_{0};
+  std::atomic<int> failures_{0};
+  std::string last_error_;
+  std::thread thread_;
+};
+
+TEST_CASE("a session naming itself prefill in GetMetadata cannot acknowledge a deregistration") {
+  constexpr int64_t kWaitMs = 1500;
+  AgentPairOptions options;
+  options.extra_args = {"--deregister-wait-ms", std::to_string(kWaitMs), "--peer-refresh-ms", "100"};
+  AgentPair pair(options);
+
+  // Two scratch regions on decode, outside the kv group the honest transfer uses.
+  cli::AgentClientOptions owner_options;
+  owner_options.client_name = "scratch-owner";
+  owner_options.timeout_ms = kTimeoutMs;
+  cli::AgentClient owner(pair.decode_process().address(), owner_options);
+  cli::PoolGroupShape shape;
+  shape.group = "scratch";
+  shape.region_suffixes = {"A", "B"};
+  shape.items = 4;
+  shape.item_bytes = 4096;
+  auto scratch = cli::CreatePool(owner, "scratch", {shape});
+  INFO(scratch.status().ToString());
+  REQUIRE(scratch.ok());
+
+  auto status = owner.Status();
+  REQUIRE(status.ok());
+  const uint64_t incarnation = status->incarnation();
+  const uint64_t version = status->metadata_version();
+  // Prefill polls decode (every 100 ms) and holds the version with the scratch regions.
+  WaitPrefillCurrent(pair, version);
+
+  auto mallory = PeerCaller::Attach(pair.decode_process(), "mallory");
+  int64_t spoofed_ms = 0;
+  std::vector<std::string> spoofed_unconfirmed;
+  {
+    Stopped prefill_stopped(pair.prefill_process().pid());
+    Spoofer spoofer(mallory.get(), incarnation, version + 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a few spoofed polls first
+    const auto start = Clock::now();
+    auto dereg = owner.Deregister({"scratch.A"});
+    spoofed_ms = MillisSince(start);
+    spoofer.Stop();
+    prefill_stopped.Resume();
+    INFO(dereg.status().ToString());
+    REQUIRE(dereg.ok());
+    spoofed_unconfirmed.assign(dereg->unconfirmed_peers().begin(),
+                               dereg->unconfirmed_peers().end());
+    std::printf("spoofed: DeregisterRegions -> version %lu answered in %lld ms, unconfirmed [%s]; "
+                "mallory made %d spoofed polls (%d failed%s%s)\n",
+                static_cast<unsigned long>(dereg->version()), static_cast<long long>(spoofed_ms),
+                fmt::format("{}", fmt::join(spoofed_unconfirmed, ",")).c_str(), spoofer.calls(),
+                spoofer.failures(), spoofer.failures() ? ": " : "", spoofer.last_error().c_str());
+    CHECK(dereg->version() == version + 1);
+    CHECK(spoofer.calls() >= 10);
+    CHECK(spoofer.failures() == 0);
+  }
+  CHECK(spoofed_ms >= kWaitMs - 100);
+  CHECK(spoofed_ms < kWaitMs + 2000);
+  CHECK(std::find(spoofed_unconfirmed.begin(), spoofed_unconfirmed.end(), "prefill") !=
+        spoofed_unconfirmed.end());
+  // Mallory, polled in her own name at versions past the new one, confirmed only herself.
+  CHECK(std::find(spoofed_unconfirmed.begin(), spoofed_unconfirmed.end(), "mallory") ==
+        spoofed_unconfirmed.end());
+
+  // Mallory's last poll names a version past every later one, so the control below
+  // waits for prefill alone (mallory stays a recent watcher for 5 s).
+  {
+    v1::GetMetadataRequest request;
+    request.set_caller("prefill");
+    request.set_known_incarnation(incarnation);
+    request.set_known_version(version + 1000);
+    REQUIRE(mallory->GetMetadata(request).ok());
+  }
+
+  // Control: with prefill running, the same deregistration is confirmed by prefill itself.
+  WaitPrefillCurrent(pair, version + 1);
+  const auto start = Clock::now();
+  auto control = owner.Deregister({"scratch.B"});
+  const int64_t control_ms = MillisSince(start);
+  INFO(control.status().ToString());
+  REQUIRE(control.ok());
+  std::printf("control: DeregisterRegions -> version %lu answered in %lld ms, unconfirmed [%s]\n",
+              static_cast<unsigned long>(control->version()), static_cast<long long>(control_ms),
+              fmt::format("{}", fmt::join(control->unconfirmed_peers(), ",")).c_str());
+  CHECK(control->unconfirmed_peers_size() == 0);
+  CHECK(control_ms < kWaitMs - 500);
+
+  // An honest transfer into regions that still exist is byte-exact.
+  WaitPrefillCurrent(pair, version + 2);
+  HonestWrite(pair, "honest-after-spoof", {1, 2, 7}, {5, 6, 20});
+}
+
+}  // namespace
+}  // namespace kvagent::testing

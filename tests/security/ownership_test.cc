@@ -1,0 +1,259 @@
+// Engines on one node are kept apart: a session acts only on what it registered.
+// Two real kvagentd processes whose root uid is NOT a scheduler (--scheduler-uids
+// none), so the test's sessions are plain engines: the pair's own sessions own the
+// pools, a "stranger" session of the same uid tries to use them. Every refusal is
+// checked for its code and its message, the agents keep serving, and an honest
+// transfer is byte-exact afterwards.
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent/status_util.h"
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/kvagent.grpc.pb.h"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Catch::Matchers::Contains;
+
+AgentPairOptions EnginesOnly() {
+  AgentPairOptions options;
+  options.extra_args = {"--scheduler-uids", "none"};
+  return options;
+}
+
+cli::AgentClient Stranger(const cli::DaemonProcess& process) {
+  cli::AgentClientOptions options;
+  options.client_name = "stranger";
+  options.timeout_ms = 5000;
+  return cli::AgentClient(process.address(), options);
+}
+
+std::string Message(const absl::Status& status) { return std::string(status.message()); }
+
+v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
+  auto state = client.WaitTransfer(id, 20000);
+  INFO(state.status().ToString());
+  REQUIRE(state.ok());
+  return *state;
+}
+
+// An honest WRITE by the owner after the attacks: completes, bytes equal.
+void HonestWrite(AgentPair& pair, const std::string& id, uint64_t src, uint64_t dst) {
+  auto submitted = pair.prefill().Submit(KvWrite(id, {src}, {dst}, "honest"));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = WaitDone(pair.prefill(), id);
+  INFO(done.error_message());
+  CHECK(done.phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(src, dst));
+}
+
+std::vector<v1::Notification> PollFor(cli::AgentClient& client, uint32_t ms) {
+  std::vector<v1::Notification> out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (std::chrono::steady_clock::now() < until) {
+    auto polled = client.Poll(0);
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) out.push_back(n);
+    if (!out.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return out;
+}
+
+TEST_CASE("a stranger session cannot move another engine's pages") {
+  AgentPair pair(EnginesOnly());
+  cli::AgentClient stranger = Stranger(pair.prefill_process());
+  auto status = stranger.Status();
+  REQUIRE(status.ok());
+  CHECK_THAT(status->caller(), Contains("session:"));
+  // The agent's own uid may act as a same-host peer, but is no scheduler here.
+  std::vector<std::string> roles(status->caller_roles().begin(), status->caller_roles().end());
+  CHECK(std::find(roles.begin(), roles.end(), "engine") != roles.end());
+  CHECK(std::find(roles.begin(), roles.end(), "scheduler") == roles.end());
+
+  for (v1::TransferOp op : {v1::WRITE, v1::READ}) {
+    auto request = KvWrite(op == v1::WRITE ? "steal-write" : "steal-read", {1, 2}, {3, 4});
+    request.set_op(op);
+    auto refused = stranger.Submit(request);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+    CHECK_THAT(Message(refused.status()),
+               Contains("prefill.L0.K") && Contains("belongs to session:") &&
+                   Contains("moves only the regions it registered"));
+  }
+  CHECK(pair.PageUntouched(3));
+  CHECK(pair.PageUntouched(4));
+  // Nothing was recorded under those ids, for anyone.
+  CHECK(pair.prefill().Get("steal-write").status().code() == absl::StatusCode::kNotFound);
+  HonestWrite(pair, "after-steal", 5, 6);
+}
+
+TEST_CASE("a stranger session cannot deregister, list, see or cancel another's objects") {
+  AgentPair pair(EnginesOnly());
+  cli::AgentClient stranger = Stranger(pair.prefill_process());
+
+  auto refused = stranger.Deregister({pair.prefill_pool().region_names[0], "prefill.L1.V"});
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(Message(refused.status()), Contains("prefill.L0.K") && Contains("session:"));
+  auto owned = pair.prefill().Regions();
+  REQUIRE(owned.ok());
+  CHECK(owned->regions_size() == static_cast<int>(pair.prefill_pool().region_names.size()));
+  for (const auto& region : owned->regions()) CHECK_THAT(region.owner(), Contains("session:"));
+  auto theirs = stranger.Regions();
+  REQUIRE(theirs.ok());
+  CHECK(theirs->regions_size() == 0);
+
+  // A group belongs to its owner: joining it would mix the stranger's memory into the
+  // owner's transfers.
+  auto memory = stranger.AllocateMemory("stranger", 4096);
+  REQUIRE(memory.ok());
+  v1::RegisterRegionsRequest join;
+  auto* spec = join.add_regions();
+  spec->set_name("stranger.in.kv");
+  spec->set_kind(v1::KV);
+  spec->set_group("kv");
+  spec->set_length(4096);
+  spec->mutable_layout()->set_num_items(1);
+  spec->mutable_layout()->set_item_bytes(4096);
+  spec->mutable_shm()->set_memory_handle(memory->info.handle());
+  auto joined = stranger.Register(join);
+  REQUIRE_FALSE(joined.ok());
+  CHECK(joined.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(Message(joined.status()), Contains("group 'kv' belongs to"));
+
+  // Memory handles are per session: the owner's handle means nothing to the stranger.
+  spec->set_group("stranger");
+  spec->mutable_shm()->set_memory_handle(pair.prefill_pool().memory_handle);
+  spec->mutable_shm()->set_offset(0);
+  if (pair.prefill_pool().memory_handle == memory->info.handle()) {
+    spec->mutable_shm()->set_memory_handle(memory->info.handle() + 7);
+  }
+  auto borrowed = stranger.Register(join);
+  REQUIRE_FALSE(borrowed.ok());
+  CHECK(borrowed.status().code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(Message(borrowed.status()), Contains("not one of this session's"));
+
+  // The owner's open transfer is invisible to the stranger and survives its cancel.
+  auto open = KvWrite("owned-open", {7}, {8});
+  open.set_more_chunks(true);
+  REQUIRE(pair.prefill().Submit(open).ok());
+  CHECK(stranger.Get("owned-open").status().code() == absl::StatusCode::kNotFound);
+  auto cancel = stranger.Cancel("owned-open");
+  REQUIRE_FALSE(cancel.ok());
+  CHECK(cancel.status().code() == absl::StatusCode::kNotFound);
+  auto listed = stranger.Transfers(false);
+  REQUIRE(listed.ok());
+  CHECK(listed->transfers_size() == 0);
+  // Reusing the id does not reveal or touch the owner's transfer.
+  auto reuse = stranger.Submit(open);
+  REQUIRE_FALSE(reuse.ok());
+  CHECK(reuse.status().code() == absl::StatusCode::kAlreadyExists);
+  CHECK_THAT(Message(reuse.status()), Contains("in use by another client"));
+
+  v1::SubmitTransferRequest close;
+  close.set_transfer_id("owned-open");
+  close.set_peer("decode");
+  close.set_op(v1::WRITE);
+  close.set_chunk(1);
+  auto closed = pair.prefill().Submit(close);
+  INFO(closed.status().ToString());
+  REQUIRE(closed.ok());
+  auto done = WaitDone(pair.prefill(), "owned-open");
+  CHECK(done.phase() == v1::COMPLETED);
+  CHECK_THAT(done.owner(), Contains("session:"));
+  CHECK(pair.PageEqual(7, 8));
+}
+
+TEST_CASE("notifications go to the owner of the pages they are about, not to a stranger") {
+  AgentPair pair(EnginesOnly());
+  cli::AgentClient stranger = Stranger(pair.decode_process());
+  std::vector<v1::Notification> seen_by_stranger;
+  std::thread watcher([&] {
+    (void)stranger.WatchNotifications({}, 2500, [&](const v1::Notification& n) {
+      seen_by_stranger.push_back(n);
+      return true;
+    });
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the stream is open
+  HonestWrite(pair, "for-the-owner", 9, 10);
+  auto owner = PollFor(pair.decode(), 5000);
+  watcher.join();
+  REQUIRE(owner.size() == 1);
+  CHECK(owner[0].transfer_id() == "for-the-owner");
+  CHECK(owner[0].payload() == "honest");
+  CHECK(seen_by_stranger.empty());
+  auto polled = stranger.Poll(0);
+  REQUIRE(polled.ok());
+  CHECK(polled->notifications_size() == 0);
+}
+
+TEST_CASE("a call without a session token is refused, and a session's end takes its regions") {
+  AgentPair pair(EnginesOnly());
+  // No token: the local gRPC socket alone opens nothing.
+  auto channel = grpc::CreateChannel(pair.prefill_process().address(),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::Agent::NewStub(channel);
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ListRegionsResponse response;
+    grpc::Status status = stub->ListRegions(&context, v1::ListRegionsRequest(), &response);
+    CHECK(status.error_code() == grpc::StatusCode::UNAUTHENTICATED);
+    CHECK_THAT(status.error_message(), Contains(".session") && Contains("kvagent-session"));
+  }
+
+  auto before = pair.prefill().Status();
+  REQUIRE(before.ok());
+  std::string token;
+  {
+    cli::AgentClient leaving = Stranger(pair.prefill_process());
+    auto memory = leaving.AllocateMemory("leaving", 8192);
+    REQUIRE(memory.ok());
+    v1::RegisterRegionsRequest request;
+    auto* spec = request.add_regions();
+    spec->set_name("leaving.aux");
+    spec->set_kind(v1::AUX);
+    spec->set_length(8192);
+    spec->mutable_shm()->set_memory_handle(memory->info.handle());
+    REQUIRE(leaving.Register(request).ok());
+    auto during = pair.prefill().Status();
+    REQUIRE(during.ok());
+    CHECK(during->regions() == before->regions() + 1);
+    auto session = leaving.Session();
+    REQUIRE(session.ok());
+    token = (*session)->token();
+  }  // the session ends with its client
+  uint32_t regions = 0;
+  for (int i = 0; i < 300; ++i) {
+    auto now = pair.prefill().Status();
+    REQUIRE(now.ok());
+    regions = now->regions();
+    if (regions == before->regions()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(regions == before->regions());
+  // Its token died with it.
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  context.AddMetadata("kvagent-session", token);
+  v1::AgentStatus status;
+  grpc::Status refused = stub->GetStatus(&context, v1::GetStatusRequest(), &status);
+  CHECK(refused.error_code() == grpc::StatusCode::UNAUTHENTICATED);
+  CHECK_THAT(refused.error_message(), Contains("no open session has this token"));
+  auto counted = pair.prefill().Status();
+  REQUIRE(counted.ok());
+  CHECK(counted->refused_calls() >= 2);
+  HonestWrite(pair, "after-session", 11, 12);
+}
+
+}  // namespace
+}  // namespace kvagent::testing

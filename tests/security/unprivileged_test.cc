@@ -1,0 +1,165 @@
+// An unprivileged local user against an agent that runs as root (as the agent did in
+// the attack this guards against: a root-only file copied out through the agent).
+// The user is uid 65534 (nobody), allowed on the local door by --local-socket-group
+// 65534; it runs tests/security/security_probe under setpriv. Needs root (skips
+// otherwise) and runs outside Bazel's sandbox (files given to uid 65534 in /dev/shm).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "fmt/format.h"
+#include "tests/unit/catch_main.h"
+#include "transport/base/format.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Catch::Matchers::Contains;
+
+struct Outcome {
+  std::string code;
+  std::string message;
+};
+
+// A directory under /tmp that uid 65534 can traverse (the sockets and the probe live
+// there; $TEST_TMPDIR sits under root's home, which it cannot).
+class OpenDir {
+ public:
+  OpenDir() {
+    char tmpl[] = "/tmp/kvsec.XXXXXX";
+    path_ = mkdtemp(tmpl);
+    chmod(path_.c_str(), 0755);
+  }
+  ~OpenDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ProbeSource() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  return fmt::format("{}/kvagent/tests/security/security_probe", srcdir ? srcdir : ".");
+}
+
+// Runs the probe as `uid`:`gid` with no supplementary groups.
+Outcome RunAs(uid_t uid, gid_t gid, const std::string& probe, const std::string& address,
+              const std::string& command, const std::string& arg = "") {
+  const std::string line = fmt::format(
+      "setpriv --reuid={} --regid={} --clear-groups -- {} {} {} '{}' 2>&1", uid, gid, probe,
+      address, command, arg);
+  FILE* pipe = popen(line.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
+  pclose(pipe);
+  INFO(line << "\n -> " << out);
+  const size_t tab = out.find('\t');
+  REQUIRE(tab != std::string::npos);
+  return Outcome{out.substr(0, tab), out.substr(tab + 1)};
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST_CASE("an unprivileged user gets no file it does not own, and no peer's rights") {
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the test runs the attacker as uid 65534");
+  if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
+  OpenDir dir;
+  const std::string probe = dir.path() + "/security_probe";
+  std::filesystem::copy_file(ProbeSource(), probe);
+  chmod(probe.c_str(), 0755);
+
+  const std::string tag = std::to_string(getpid());
+  const std::string root_file = "/dev/shm/kvsec-root-" + tag;
+  const std::string own_file = "/dev/shm/kvsec-nobody-" + tag;
+  const std::string link = "/dev/shm/kvsec-link-" + tag;
+  const std::string link_to_root = "/dev/shm/kvsec-link-root-" + tag;
+  {
+    std::ofstream(root_file) << std::string(4096, 'S');
+    std::ofstream(own_file) << std::string(4096, 'n');
+  }
+  // World-writable, but root's: the agent must still refuse it to another uid.
+  chmod(root_file.c_str(), 0666);
+  REQUIRE(chown(own_file.c_str(), 65534, 65534) == 0);
+  REQUIRE(symlink("/etc/shadow", link.c_str()) == 0);
+  REQUIRE(symlink(root_file.c_str(), link_to_root.c_str()) == 0);
+  struct Cleanup {
+    std::vector<std::string> paths;
+    ~Cleanup() {
+      for (const auto& p : paths) unlink(p.c_str());
+    }
+  } cleanup{{root_file, own_file, link, link_to_root}};
+
+  cli::DaemonOptions options;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  options.binary = *binary;
+  options.name = "victim";
+  options.work_dir = dir.path();
+  options.local_socket = dir.path() + "/victim.sock";
+  options.extra_args = {"--local-socket-group", "65534"};
+  auto agent = cli::DaemonProcess::Start(options);
+  REQUIRE(agent.ok());
+  const std::string address = agent->address();
+
+  Outcome who = RunAs(65534, 65534, probe, address, "status");
+  CHECK(who.code == "OK");
+  CHECK_THAT(who.message, Contains("uid:65534") && Contains("[engine]"));
+
+  Outcome shadow = RunAs(65534, 65534, probe, address, "register-path", "/etc/shadow");
+  CHECK(shadow.code == "PERMISSION_DENIED");
+  CHECK_THAT(shadow.message, Contains("/dev/shm"));
+  Outcome dots = RunAs(65534, 65534, probe, address, "register-path", "/dev/shm/../etc/shadow");
+  CHECK(dots.code == "INVALID_ARGUMENT");
+  CHECK_THAT(dots.message, Contains(".."));
+  for (const std::string& path : {link, link_to_root}) {
+    Outcome via_link = RunAs(65534, 65534, probe, address, "register-path", path);
+    CHECK(via_link.code == "PERMISSION_DENIED");
+    CHECK_THAT(via_link.message, Contains("symlink") || Contains("symbolic link"));
+  }
+  Outcome roots = RunAs(65534, 65534, probe, address, "register-path", root_file);
+  CHECK(roots.code == "PERMISSION_DENIED");
+  CHECK_THAT(roots.message, Contains("uid 0") && Contains("65534"));
+  // The positive control: a file the user owns, on tmpfs under /dev/shm, registers.
+  Outcome own = RunAs(65534, 65534, probe, address, "register-path", own_file);
+  CHECK(own.code == "OK");
+
+  // Not the agent's uid: not a peer, so no metadata (rkeys, secret) and no descriptors.
+  Outcome metadata = RunAs(65534, 65534, probe, address, "metadata");
+  CHECK(metadata.code == "PERMISSION_DENIED");
+  CHECK_THAT(metadata.message, Contains("peer") && Contains("--peer-uids"));
+  Outcome memory = RunAs(65534, 65534, probe, address, "peer-memory", "1");
+  CHECK(memory.code == "PERMISSION_DENIED");
+  CHECK_THAT(memory.message, Contains("--peer-uids"));
+
+  // A uid outside the socket's group does not get in at all.
+  Outcome outsider = RunAs(65533, 65533, probe, address, "status");
+  CHECK(outsider.code == "PERMISSION_DENIED");
+  CHECK_THAT(outsider.message, Contains("--local-socket-group"));
+
+  CHECK(ReadFile(root_file) == std::string(4096, 'S'));
+  cli::AgentClient root(address);
+  auto status = root.Status();
+  REQUIRE(status.ok());
+  // The probe's own region left with its session; the refused peer calls are counted.
+  CHECK(status->regions() == 0);
+  CHECK(status->refused_calls() >= 2);
+}
+
+}  // namespace
+}  // namespace kvagent::testing
