@@ -191,7 +191,22 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   stager_options.on_dropped = [self] { self->counters_.dropped_peer_messages.fetch_add(1); };
   agent->stager_ = std::make_unique<Stager>(
       agent->worker_.get(), agent->context_.get(), agent->registry_.get(), stager_options,
-      [self](v1::Notification n) { self->engine_->DeliverNotification(std::move(n)); });
+      [self](v1::Notification n, absl::Status data) {
+        self->engine_->StagedDataInPlace(std::move(n), std::move(data));
+      });
+  IncomingOptions incoming_options;
+  incoming_options.self_name = options.name;
+  agent->incoming_ = std::make_unique<IncomingTransfers>(
+      incoming_options, agent->registry_.get(), agent->notifications_.get(),
+      [worker = agent->worker_.get()](void* reply_ep, const v1::TransferAck& ack) {
+        worker->SendAmReply(reply_ep, kTransferAckAmId, ack.SerializeAsString(), nullptr, 0,
+                            [](absl::Status sent) {
+                              if (!sent.ok()) {
+                                kLog.Warn("a transfer acknowledgement was not sent: {}",
+                                          sent.message());
+                              }
+                            });
+      });
   TransferEngineOptions engine_options;
   engine_options.self_name = options.name;
   engine_options.default_timeout_ms = options.transfer_timeout_ms;
@@ -200,6 +215,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   engine_options.stager = agent->stager_.get();
   engine_options.secrets = &agent->secrets_;
   engine_options.counters = &agent->counters_;
+  engine_options.incoming = agent->incoming_.get();
+  engine_options.drain_timeout_ms = options.drain_timeout_ms;
   agent->engine_ = std::make_unique<TransferEngine>(
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);
@@ -218,6 +235,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              agent->peers_.get(),
                              agent->engine_.get(),
                              agent->notifications_.get(),
+                             agent->incoming_.get(),
                              agent->watchers_.get(),
                              nullptr,
                              &agent->options_.policy,
@@ -377,6 +395,7 @@ Agent::~Agent() {
   session_server_.reset();
   local_door_.reset();
   engine_.reset();
+  incoming_.reset();
   peers_.reset();
   watchers_.reset();
   registry_.reset();

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "agent/access.h"
 #include "agent/agent_service.h"
+#include "agent/incoming.h"
 #include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
@@ -55,6 +56,9 @@ struct AgentOptions {
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   bool shm_direct = true;
   uint32_t deregister_wait_ms = 2000;
+  // How long a transfer that ended with operations posted waits for them before it
+  // reports drain_unknown (--drain-timeout-ms).
+  uint32_t drain_timeout_ms = 5000;
   bool vram_staging = true;
   // Host staging pool (--staging-buffers, --staging-chunk-bytes).
   StagingPoolOptions staging;
@@ -89,6 +93,7 @@ class Agent {
   std::unique_ptr<transport::UcxWorker> worker_;
   std::unique_ptr<registry::RegionRegistry> registry_;
   std::unique_ptr<NotificationQueue> notifications_;
+  std::unique_ptr<IncomingTransfers> incoming_;
   std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<PeerManager> peers_;
   std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker

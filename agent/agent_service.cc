@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "agent/doctor.h"
 #include "agent/status_util.h"
@@ -295,16 +296,28 @@ void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& 
     done(version.status(), {});
     return;
   }
-  deps.watchers->WaitForVersion(
-      *version, deps.deregister_wait_ms,
-      [version = *version, retired, done = std::move(done)](std::vector<std::string> unconfirmed) {
-        for (const auto& name : unconfirmed) {
-          kLog.Warn("peer '{}' had not picked up the deregistration within the wait; its "
-                    "late writes, if any, may reach released memory",
-                    name);
+  // Our own transfers that use the regions fail first and drain, then peers must hold
+  // the new version; only then may the engine reuse the memory.
+  const ServiceDeps* d = &deps;
+  deps.engine->StopUsersOf(
+      *retired, caller.principal, absl::Milliseconds(deps.deregister_wait_ms),
+      [d, version = *version, retired, done = std::move(done)](std::vector<std::string> draining) {
+        for (const auto& id : draining) {
+          kLog.Warn("transfer '{}' using a deregistered region had not drained within the "
+                    "wait; its memory stays mapped until it does",
+                    id);
         }
-        retired->clear();
-        done(version, std::move(unconfirmed));
+        d->watchers->WaitForVersion(
+            version, d->deregister_wait_ms,
+            [version, retired, done](std::vector<std::string> unconfirmed) {
+              for (const auto& name : unconfirmed) {
+                kLog.Warn("peer '{}' had not picked up the deregistration within the wait; "
+                          "its late writes, if any, may reach released memory",
+                          name);
+              }
+              retired->clear();
+              done(version, std::move(unconfirmed));
+            });
       });
 }
 
@@ -395,6 +408,24 @@ grpc::ServerUnaryReactor* AgentService::ConnectPeer(grpc::CallbackServerContext*
                          reactor->Finish(ToGrpcStatus(info.status()));
                        });
   return reactor;
+}
+
+grpc::ServerUnaryReactor* AgentService::DisconnectPeer(grpc::CallbackServerContext* context,
+                                                       const v1::DisconnectPeerRequest* request,
+                                                       v1::DisconnectPeerResponse* response) {
+  auto caller = Authorize(context, Need::kScheduler, "DisconnectPeer");
+  if (!caller.ok()) return Done(context, caller.status());
+  if (absl::Status gone = deps_.peers->Disconnect(request->name()); !gone.ok()) {
+    return Done(context, gone);
+  }
+  response->set_failed_transfers(deps_.engine->FailTransfersTo(
+      request->name(),
+      absl::UnavailableError(fmt::format("peer '{}' was disconnected by {}; submit again after "
+                                         "ConnectPeer",
+                                         Printable(request->name()), caller->principal))));
+  kAudit.Info("{} disconnected peer '{}' ({} transfers failed)", caller->principal,
+              Printable(request->name()), response->failed_transfers());
+  return Done(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* context,
@@ -491,7 +522,13 @@ grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext*
                                                     v1::TransferState* response) {
   auto caller = Authorize(context, Need::kAny, "GetTransfer");
   if (!caller.ok()) return Done(context, caller.status());
-  auto state = deps_.engine->Get(request->transfer_id(), *caller);
+  absl::StatusOr<v1::TransferState> state =
+      request->peer().empty() ? deps_.engine->Get(request->transfer_id(), *caller)
+                              : absl::NotFoundError("");
+  if (!state.ok() && state.status().code() == absl::StatusCode::kNotFound) {
+    auto incoming = deps_.incoming->Get(request->peer(), request->transfer_id(), *caller);
+    if (incoming.ok() || !request->peer().empty()) state = std::move(incoming);
+  }
   if (state.ok()) *response = *std::move(state);
   return Done(context, state.status());
 }
@@ -507,7 +544,48 @@ grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContex
                                                       v1::ListTransfersResponse* response) {
   auto caller = Authorize(context, Need::kAny, "ListTransfers");
   if (!caller.ok()) return Done(context, caller.status());
-  for (auto& state : deps_.engine->List(request->active_only(), *caller)) {
+  constexpr uint32_t kDefaultPage = 1000, kMaxPage = 10000;
+  if (request->page_size() > kMaxPage) {
+    return Done(context, absl::InvalidArgumentError(fmt::format(
+                             "ListTransfers: page_size {} is over {}; ask for at most {} and "
+                             "follow next_page_token",
+                             request->page_size(), kMaxPage, kMaxPage)));
+  }
+  const uint32_t page = request->page_size() == 0 ? kDefaultPage : request->page_size();
+  // A page starts after the (submitted time, id) its token names: stable while
+  // transfers are added or pruned.
+  uint64_t after_us = 0;
+  std::string after_id;
+  if (!request->page_token().empty()) {
+    const std::string& token = request->page_token();
+    const size_t colon = token.find(':');
+    if (colon == std::string::npos || !absl::SimpleAtoi(token.substr(0, colon), &after_us)) {
+      return Done(context, absl::InvalidArgumentError(fmt::format(
+                               "ListTransfers: page_token '{}' is not one this agent handed out; "
+                               "pass next_page_token unchanged, or none for the first page",
+                               Printable(token))));
+    }
+    after_id = token.substr(colon + 1);
+  }
+  std::vector<v1::TransferState> states =
+      request->incoming() ? deps_.incoming->List(request->active_only(), *caller)
+                          : deps_.engine->List(request->active_only(), *caller);
+  auto before = [](const v1::TransferState& a, uint64_t us, const std::string& id) {
+    return a.submitted_unix_us() < us || (a.submitted_unix_us() == us && a.transfer_id() <= id);
+  };
+  std::sort(states.begin(), states.end(), [](const auto& a, const auto& b) {
+    return a.submitted_unix_us() != b.submitted_unix_us()
+               ? a.submitted_unix_us() < b.submitted_unix_us()
+               : a.transfer_id() < b.transfer_id();
+  });
+  for (auto& state : states) {
+    if (!request->page_token().empty() && before(state, after_us, after_id)) continue;
+    if (static_cast<uint32_t>(response->transfers_size()) == page) {
+      const auto& last = response->transfers(response->transfers_size() - 1);
+      response->set_next_page_token(
+          fmt::format("{}:{}", last.submitted_unix_us(), last.transfer_id()));
+      break;
+    }
     *response->add_transfers() = std::move(state);
   }
   return Done(context, absl::OkStatus());

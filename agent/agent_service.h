@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/incoming.h"
 #include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
@@ -48,6 +49,7 @@ struct ServiceDeps {
   PeerManager* peers;
   TransferEngine* engine;
   NotificationQueue* notifications;
+  IncomingTransfers* incoming;
   MetadataWatchers* watchers;
   LocalDoor* local_door;
   const AccessPolicy* policy;
@@ -91,6 +93,9 @@ class AgentService final : public v1::Agent::CallbackService {
   grpc::ServerUnaryReactor* ConnectPeer(grpc::CallbackServerContext* context,
                                         const v1::ConnectPeerRequest* request,
                                         v1::PeerInfo* response) override;
+  grpc::ServerUnaryReactor* DisconnectPeer(grpc::CallbackServerContext* context,
+                                           const v1::DisconnectPeerRequest* request,
+                                           v1::DisconnectPeerResponse* response) override;
   grpc::ServerUnaryReactor* ListPeers(grpc::CallbackServerContext* context,
                                       const v1::ListPeersRequest* request,
                                       v1::ListPeersResponse* response) override;

@@ -68,7 +68,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --staging-chunk-bytes N     host staging: bytes of one bounce buffer, the chunk size
                               (default 4194304)
   --deregister-wait-ms N      how long DeregisterRegions waits for polling peers to see
-                              the change (default 2000)
+                              the change, and for this agent's transfers that use the
+                              regions to drain (default 2000)
+  --drain-timeout-ms N        a transfer that ended with operations posted to a peer
+                              reports drain_unknown if they are not confirmed by then
+                              (default 5000)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
 )";
 
@@ -190,6 +194,8 @@ int main(int argc, char** argv) {
       options.stage_host_regions = value == "on";
     } else if (key == "--deregister-wait-ms") {
       number(&options.deregister_wait_ms);
+    } else if (key == "--drain-timeout-ms") {
+      number(&options.drain_timeout_ms);
     } else if (key == "--shutdown-grace-ms") {
       number(&grace_ms);
     } else if (key == "--shm-direct") {

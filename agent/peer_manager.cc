@@ -652,6 +652,25 @@ std::vector<v1::PeerInfo> PeerManager::List() const {
   return out;
 }
 
+absl::Status PeerManager::Disconnect(const std::string& name) {
+  Peer gone;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) {
+      std::vector<std::string> names;
+      for (const auto& [n, p] : peers_) names.push_back(n);
+      return absl::NotFoundError(fmt::format(
+          "DisconnectPeer: peer '{}' is not connected (connected: [{}])", Printable(name),
+          absl::StrJoin(names, ", ")));
+    }
+    gone = std::move(it->second);
+    peers_.erase(it);
+  }
+  kLog.Info("peer '{}' at {} disconnected", name, gone.snapshot->address);
+  return absl::OkStatus();  // `gone` lets go of the endpoint (on the worker) and the link
+}
+
 size_t PeerManager::size() const {
   absl::ReaderMutexLock lock(&mu_);
   return peers_.size();

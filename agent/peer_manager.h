@@ -148,6 +148,9 @@ class PeerManager {
   void RefreshAsync(const std::string& name, std::function<void(absl::Status)> done);
   std::vector<v1::PeerInfo> List() const;
   size_t size() const;
+  // Forgets peer `name`: no more polls, its endpoint and mappings close once nothing
+  // uses them, its local session (same host) ends. NOT_FOUND naming the connected peers.
+  absl::Status Disconnect(const std::string& name);
 
   // Set once, before StartMonitor. Called on the monitor, gRPC or worker thread,
   // never under PeerManager's lock (the listener may take its own locks, but must not

@@ -733,31 +733,28 @@ void Stager::MaybeDeliver(const std::string& key) {
   auto it = arrivals_.find(key);
   if (it == arrivals_.end() || !it->second.held.has_value()) return;
   Arrival& a = it->second;
-  const v1::Notification& n = *a.held;
   if (!a.failure.empty()) {
-    kLog.Warn("dropped the notification of transfer '{}' from agent '{}': a staged chunk of it "
-              "was rejected ({}); its data is incomplete, the sender must resubmit",
-              n.transfer_id(), n.from_agent(), a.failure);
+    v1::Notification n = *std::move(a.held);
+    const std::string failure = a.failure;
     arrivals_.erase(it);
+    deliver_(std::move(n), absl::DataLossError(fmt::format(
+                               "a staged chunk of it was rejected by the receiving agent ({}); its "
+                               "data is incomplete: submit it again",
+                               failure)));
     return;
   }
-  if (a.bytes < n.staged_bytes()) return;
+  if (a.bytes < a.held->staged_bytes()) return;
   v1::Notification out = *std::move(a.held);
   arrivals_.erase(it);
-  deliver_(std::move(out));
+  deliver_(std::move(out), absl::OkStatus());
 }
 
-void Stager::OnNotification(v1::Notification n) {
+void Stager::Forget(const v1::Notification& n) {
+  arrivals_.erase(ArrivalKey(n.from_agent(), n.sender_incarnation(), n.transfer_id()));
+}
+
+void Stager::Hold(v1::Notification n) {
   const std::string key = ArrivalKey(n.from_agent(), n.sender_incarnation(), n.transfer_id());
-  if (n.kind() == v1::CANCELLED_BY_PEER) {
-    arrivals_.erase(key);  // nothing more comes for it
-    deliver_(std::move(n));
-    return;
-  }
-  if (n.staged_bytes() == 0) {
-    deliver_(std::move(n));
-    return;
-  }
   if (held_order_.size() >= options_.max_held) {
     // Forget keys already delivered or swept before counting the bound.
     std::deque<std::string> live;
@@ -768,10 +765,11 @@ void Stager::OnNotification(v1::Notification n) {
     held_order_ = std::move(live);
   }
   if (held_order_.size() >= options_.max_held) {
-    kLog.Warn("dropped the notification of transfer '{}' from agent '{}': {} notifications "
-              "already wait for their staged data; the receiving agent is falling behind",
-              n.transfer_id(), n.from_agent(), held_order_.size());
     arrivals_.erase(key);
+    deliver_(std::move(n), absl::ResourceExhaustedError(fmt::format(
+                               "{} notifications already wait for their staged data here; the "
+                               "receiving agent is falling behind: submit it again later",
+                               held_order_.size())));
     return;
   }
   Arrival& a = arrivals_[key];
@@ -788,10 +786,13 @@ void Stager::Sweep() {
     const Arrival& a = it->second;
     if (a.in_flight == 0 && now - a.touched_us > limit) {
       if (a.held.has_value()) {
-        kLog.Warn("dropped the notification of transfer '{}' from agent '{}': only {} of {} "
-                  "staged bytes arrived within {} ms",
-                  a.held->transfer_id(), a.held->from_agent(), a.bytes, a.held->staged_bytes(),
-                  options_.hold_timeout_ms);
+        v1::Notification n = *a.held;
+        const std::string why = fmt::format(
+            "only {} of {} staged bytes arrived within {} ms; the sender stopped sending them",
+            a.bytes, n.staged_bytes(), options_.hold_timeout_ms);
+        arrivals_.erase(it++);
+        deliver_(std::move(n), absl::DeadlineExceededError(why));
+        continue;
       }
       arrivals_.erase(it++);
     } else {

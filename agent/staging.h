@@ -146,8 +146,9 @@ struct StagerOptions {
 
 class Stager {
  public:
-  // Gets each DATA_READY notification once its staged bytes are in place.
-  using Deliver = std::function<void(v1::Notification)>;
+  // A held DATA_READY whose staged data is all in place (`data` OK), or never will be
+  // (`data` says why: a chunk was rejected, or the bytes stopped coming).
+  using Deliver = std::function<void(v1::Notification n, absl::Status data)>;
   // `failed_segment` is -1 when the status is OK.
   using Done = std::function<void(absl::Status status, int32_t failed_segment)>;
 
@@ -179,9 +180,13 @@ class Stager {
            std::vector<registry::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
            std::function<bool()> stopped, Done done);
 
-  // Worker thread: delivers `n` now, or once its staged bytes are in place; drops it
-  // with a log line if a chunk of its transfer was rejected.
-  void OnNotification(v1::Notification n);
+  // Worker thread: holds DATA_READY `n` (staged_bytes > 0) until that many bytes of its
+  // transfer arrived, then hands it to `deliver`, with the failure when a chunk of it
+  // was rejected or its bytes stopped coming.
+  void Hold(v1::Notification n);
+  // Worker thread: the transfer of `n` ended without data (cancelled, failed): its
+  // arrival state goes, and nothing more is credited to it.
+  void Forget(const v1::Notification& n);
 
   uint64_t chunks_received() const { return chunks_received_.load(); }
   uint64_t chunks_rejected() const { return chunks_rejected_.load(); }

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/hash/hash.h"
+#include "agent/peer_secrets.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -19,6 +21,15 @@ constexpr size_t kMaxTransferIdBytes = 256;
 // Notification.targets: distinct peer groups and regions one transfer names.
 constexpr size_t kMaxTargets = 256;
 constexpr size_t kMaxAuthHeaderBytes = 1024;
+
+uint64_t RandomToken() {
+  uint64_t token = 0;
+  while (token == 0) {
+    const std::string bytes = RandomBytes(sizeof token);
+    std::memcpy(&token, bytes.data(), sizeof token);
+  }
+  return token;
+}
 
 uint64_t Digest(const v1::SubmitTransferRequest& request) {
   v1::SubmitTransferRequest copy = request;
@@ -45,6 +56,10 @@ void TransferEngine::Start() {
   worker_->SetAmDataHandler(kNotificationAmId, [this](const transport::AmMessage& message) {
     return OnNotificationMessage(message);
   });
+  worker_->SetAmHandler(
+      kTransferAckAmId,
+      [this](std::string_view header, std::string_view data) { OnAck(header, data); },
+      /*max_data_bytes=*/0);
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
 }
 
@@ -94,7 +109,13 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   t.state.set_error_message(std::string(status.message()));
   t.state.set_failed_segment(segment);
   t.state.set_latency_us(MonotonicMicros() - t.start_us);
-  if (!t.inflight) SetDrained(t);
+  if (!t.inflight) {
+    SetDrained(t);
+  } else {
+    t.stopped_us = MonotonicMicros();
+    draining_.insert(t.state.transfer_id());
+  }
+  t.awaiting_ack = false;
   t.chunks.clear();
   active_.erase(t.state.transfer_id());
   finished_order_.push_back(t.state.transfer_id());
@@ -113,8 +134,12 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
 }
 
 void TransferEngine::SetDrained(Transfer& t) {
+  destinations_.Release(t.state.transfer_id());
   t.state.set_drained(true);
+  t.state.set_drain_unknown(false);
+  t.state.clear_drain_note();
   t.pinned.clear();
+  draining_.erase(t.state.transfer_id());
 }
 
 absl::StatusOr<TransferEngine::TransferPtr> TransferEngine::FindVisible(const std::string& id,
@@ -151,9 +176,10 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
   }
   if (request.op() != v1::WRITE && request.op() != v1::READ) {
     return absl::InvalidArgumentError(fmt::format(
-        "transfer '{}': op is not set; use WRITE (push local items to the peer) or READ (pull "
-        "the peer's items)",
-        id));
+        "transfer '{}': op {} is {}; use WRITE (1: push local items to the peer) or READ (2: "
+        "pull the peer's items)",
+        Printable(id), static_cast<int>(request.op()),
+        request.op() == v1::TRANSFER_OP_UNSPECIFIED ? "not set" : "not an operation"));
   }
   if (request.notification().size() > options_.max_notification_bytes) {
     return absl::InvalidArgumentError(fmt::format(
@@ -234,7 +260,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
                         fmt::format("transfer '{}': {}", id, peer.status().message()));
   }
   auto plan = registry::PlanTransfer(*registry_, *(*peer)->catalog, request.segments(),
-                                     first_segment);
+                                     first_segment, request.op());
   if (!plan.ok()) {
     return absl::Status(plan.status().code(),
                         fmt::format("transfer '{}' to peer '{}': {}", id, request.peer(),
@@ -254,6 +280,16 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       !paths.ok()) {
     return paths;
   }
+  // The last check that may refuse the chunk: no destination byte is written by two
+  // transfers at once, nor twice by this one. The peer's incarnation is part of the
+  // key: a restarted peer's memory is new.
+  const std::string destination_key =
+      request.op() == v1::WRITE
+          ? fmt::format("{}#{:x}", registry::DestinationKey(request.op(), request.peer()),
+                        (*peer)->incarnation)
+          : registry::DestinationKey(request.op(), request.peer());
+  const std::vector<registry::DestinationRange> destinations =
+      registry::DestinationRanges(*plan, request.op(), *(*peer)->catalog);
 
   TransferPtr t;
   {
@@ -274,6 +310,11 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
         }
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
+      }
+      // Claimed under the lock, after every other check: nothing below can fail.
+      if (absl::Status claimed = destinations_.Claim(id, destination_key, destinations);
+          !claimed.ok()) {
+        return claimed;
       }
       t = std::make_shared<Transfer>();
       t->state.set_transfer_id(id);
@@ -297,6 +338,10 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
             "transfer '{}' changed while chunk {} was planned (cancelled, timed out or a "
             "concurrent chunk); query it and resubmit",
             id, request.chunk()));
+      }
+      if (absl::Status claimed = destinations_.Claim(id, destination_key, destinations);
+          !claimed.ok()) {
+        return claimed;
       }
     }
     t->chunk_digests.push_back(digest);
@@ -327,12 +372,13 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
 }
 
 void TransferEngine::Pump(const TransferPtr& t) {
-  enum class Action { kNone, kCancelNotice, kNotify, kBatch };
+  enum class Action { kNone, kOutcomeNotice, kNotify, kBatch };
   Action action = Action::kNone;
   std::shared_ptr<const PeerSnapshot> peer;
   std::vector<registry::PlanOp> ops;
   uint64_t bytes = 0;
   v1::Notification notice;
+  std::optional<v1::Notification> open;  // sent before the first batch
   v1::TransferOp op;
   StagedRoute route = StagedRoute::kNone;
   {
@@ -341,33 +387,38 @@ void TransferEngine::Pump(const TransferPtr& t) {
     op = t->state.op();
     notice.set_from_agent(options_.self_name);
     notice.set_transfer_id(t->state.transfer_id());
+    notice.set_sender_incarnation(options_.incarnation);
+    for (const auto& target : t->targets) notice.add_targets(target);
     if (Terminal(t->state.phase())) {
       if (!t->state.drained()) {
         SetDrained(*t);
         Publish(*t);
       }
-      // Tell the peer of a cancel only once nothing of ours can still write its memory.
-      if (t->state.phase() == v1::CANCELLED && !t->cancel_sent && t->last_peer) {
-        t->cancel_sent = true;
-        notice.set_kind(v1::CANCELLED_BY_PEER);
+      // Tell the peer how it ended (it completes by the commit, in OnAck), once nothing
+      // of ours can still touch its memory, so its clients hear exactly one outcome,
+      // even of a transfer that ended before its first operation (they may wait for it).
+      if (t->state.phase() != v1::COMPLETED && !t->outcome_sent && t->last_peer) {
+        t->outcome_sent = true;
+        notice.set_kind(t->state.phase() == v1::CANCELLED   ? v1::CANCELLED_BY_PEER
+                        : t->state.phase() == v1::TIMED_OUT ? v1::TRANSFER_TIMED_OUT
+                                                            : v1::TRANSFER_FAILED);
         notice.set_bytes(t->state.bytes_done());
-        for (const auto& target : t->targets) notice.add_targets(target);
+        notice.set_error_code(t->state.error_code());
+        notice.set_error_message(t->state.error_message());
         peer = t->last_peer;
-        action = Action::kCancelNotice;
+        action = Action::kOutcomeNotice;
       }
     } else if (t->chunks.empty()) {
       if (!t->state.last_chunk_received() || t->notified) return;
       t->notified = true;
       t->inflight = true;
+      t->ack_token = RandomToken();
       notice.set_payload(t->notification);
-      for (const auto& target : t->targets) notice.add_targets(target);
       notice.set_kind(v1::DATA_READY);
       notice.set_bytes(t->state.bytes_total());
-      if (t->staged_bytes > 0) {
-        // The peer holds this notification until it has copied these bytes in.
-        notice.set_staged_bytes(t->staged_bytes);
-        notice.set_sender_incarnation(options_.incarnation);
-      }
+      notice.set_ack_token(t->ack_token);
+      // The peer holds this notification until it has copied these bytes in.
+      if (t->staged_bytes > 0) notice.set_staged_bytes(t->staged_bytes);
       peer = t->last_peer;
       action = Action::kNotify;
     } else {
@@ -380,6 +431,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
         if (absl::Status still = CheckRegionsCurrent(t->state.transfer_id(), chunk, **current);
             !still.ok()) {
           Finish(*t, v1::FAILED, still, static_cast<int32_t>(chunk.plan.ops[chunk.next_op].segment));
+          worker_->Post([this, t] { Pump(t); });  // tells the peer
           return;
         }
       }
@@ -403,6 +455,18 @@ void TransferEngine::Pump(const TransferPtr& t) {
         t->state.set_phase(v1::TRANSFERRING);
         Publish(*t);
       }
+      if (!t->opened) {
+        // The peer learns of the transfer before anything of it lands: it can list it,
+        // and it ends it by its deadline if we never say more.
+        t->opened = true;
+        open = notice;
+        open->set_kind(v1::PEER_TRANSFER_OPEN);
+        open->set_op(op);
+        open->set_bytes(t->state.bytes_total());
+        const uint64_t now = MonotonicMicros();
+        open->set_timeout_ms(
+            static_cast<uint32_t>(t->deadline_us > now ? (t->deadline_us - now) / 1000 : 0));
+      }
       action = Action::kBatch;
     }
   }
@@ -410,31 +474,36 @@ void TransferEngine::Pump(const TransferPtr& t) {
   switch (action) {
     case Action::kNone:
       return;
-    case Action::kCancelNotice:
-      SendNotice(*peer, notice, [](absl::Status) {});
+    case Action::kOutcomeNotice:
+      SendNotice(*peer, std::move(notice), [](absl::Status) {});
       return;
     case Action::kNotify:
+      // COMPLETED comes with the peer's TransferAck (OnAck): the data is in place there
+      // and the notification queued, so a peer lost before it gives FAILED, not a
+      // COMPLETED nobody received.
       SendNotice(
-          *peer, notice, [this, t](absl::Status status) {
-            absl::MutexLock lock(&mu_);
-            t->inflight = false;
-            if (status.ok()) {
-              Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
-            } else {
-              Finish(*t, v1::FAILED,
-                     absl::UnavailableError(fmt::format(
-                         "transfer '{}': the data is in place but the notification to peer "
-                         "'{}' failed: {}",
-                         t->state.transfer_id(), t->state.peer(), status.message())),
-                     -1);
+          *peer, std::move(notice),
+          [this, t](absl::Status status) {
+            {
+              absl::MutexLock lock(&mu_);
+              t->inflight = false;
+              if (!status.ok()) {
+                Finish(*t, v1::FAILED,
+                       absl::UnavailableError(fmt::format(
+                           "transfer '{}': the data is in place but the notification to peer "
+                           "'{}' failed: {}",
+                           t->state.transfer_id(), t->state.peer(), status.message())),
+                       -1);
+              } else if (!Terminal(t->state.phase())) {
+                t->awaiting_ack = true;
+              }
             }
-            if (!t->state.drained()) {
-              SetDrained(*t);
-              Publish(*t);
-            }
-          });
+            worker_->Post([this, t] { Pump(t); });
+          },
+          /*want_reply=*/true);
       return;
     case Action::kBatch:
+      if (open.has_value()) SendNotice(*peer, *std::move(open), [](absl::Status) {});
       break;
   }
 
@@ -584,18 +653,18 @@ absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& c
   return absl::OkStatus();
 }
 
-void TransferEngine::SendNotice(const PeerSnapshot& peer, const v1::Notification& notice,
-                                transport::Completion done) {
+void TransferEngine::SendNotice(const PeerSnapshot& peer, v1::Notification notice,
+                                transport::Completion done, bool want_reply) {
   v1::PeerMessageAuth auth;
   auth.set_from_agent(options_.self_name);
   auth.set_secret(peer.notify_secret);
   peer.endpoint->SendAm(kNotificationAmId, auth.SerializeAsString(), notice.SerializeAsString(),
-                        std::move(done));
+                        std::move(done), want_reply);
 }
 
 bool TransferEngine::OnNotificationMessage(const transport::AmMessage& message) {
   if (!message.rendezvous) {
-    OnNotification(message.header, message.data);
+    OnNotification(message.header, message.data, message.reply_ep);
     return false;
   }
   // The body is still on the sender: nothing is allocated or received for it before
@@ -604,13 +673,14 @@ bool TransferEngine::OnNotificationMessage(const transport::AmMessage& message) 
   if (!AdmitNotification(message.header, message.length, &auth)) return false;
   auto header = std::make_shared<std::string>(message.header);
   auto data = std::make_shared<std::string>(message.length, '\0');
+  void* reply_ep = message.reply_ep;
   worker_->ReceiveAmData(message.descriptor, data->data(), data->size(),
-                         [this, header, data](absl::Status received) {
+                         [this, header, data, reply_ep](absl::Status received) {
                            if (!received.ok()) {
                              kLog.Warn("dropped a notification: {}", received.message());
                              return;
                            }
-                           OnNotification(*header, *data);
+                           OnNotification(*header, *data, reply_ep);
                          });
   return true;
 }
@@ -641,7 +711,8 @@ bool TransferEngine::AdmitNotification(std::string_view header, uint64_t data_by
   return true;
 }
 
-void TransferEngine::OnNotification(std::string_view header, std::string_view data) {
+void TransferEngine::OnNotification(std::string_view header, std::string_view data,
+                                    void* reply_ep) {
   auto drop = [this](std::string_view why, std::string_view from) {
     options_.counters->dropped_peer_messages.fetch_add(1);
     LogRefusal(fmt::format("'{}' (UCX active message)", Printable(from)), "a notification",
@@ -660,34 +731,93 @@ void TransferEngine::OnNotification(std::string_view header, std::string_view da
          auth.from_agent());
     return;
   }
-  if (options_.stager != nullptr && (n.staged_bytes() > 0 || n.kind() == v1::CANCELLED_BY_PEER)) {
-    // Held until its staged bytes are in place (the Stager runs on this thread too).
-    options_.stager->OnNotification(std::move(n));
-    return;
-  }
-  DeliverNotification(std::move(n));
+  notifications_received_.fetch_add(1);
+  OnAuthenticatedNotice(std::move(n), reply_ep);
 }
 
-void TransferEngine::DeliverNotification(v1::Notification n) {
-  n.set_received_unix_us(UnixMicros());
-  notifications_received_.fetch_add(1);
-  // The owners of the regions it addressed take it (or a scheduler). A target that is
-  // gone leaves the notification to schedulers only.
-  QueuedNotification queued;
-  for (const auto& target : n.targets()) {
-    std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
-    if (regions.empty()) {
-      if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
-    }
-    for (const auto& region : regions) {
-      if (std::find(queued.owners.begin(), queued.owners.end(), region->owner) ==
-          queued.owners.end()) {
-        queued.owners.push_back(region->owner);
+void TransferEngine::OnAuthenticatedNotice(v1::Notification n, void* reply_ep) {
+  IncomingTransfers& incoming = *options_.incoming;
+  switch (n.kind()) {
+    case v1::DATA_READY:
+      incoming.OnNotice(n, reply_ep);
+      if (n.staged_bytes() > 0 && options_.stager != nullptr) {
+        // Acknowledged once its staged bytes are in place (the Stager runs on this thread).
+        options_.stager->Hold(std::move(n));
+      } else {
+        incoming.DataInPlace(n, n.staged_bytes() > 0
+                                    ? absl::FailedPreconditionError(
+                                          "staged bytes were announced, but this agent stages "
+                                          "nothing")
+                                    : absl::OkStatus());
       }
-    }
+      return;
+    case v1::CANCELLED_BY_PEER:
+    case v1::TRANSFER_FAILED:
+    case v1::TRANSFER_TIMED_OUT:
+      if (options_.stager != nullptr) options_.stager->Forget(n);
+      incoming.OnNotice(n, nullptr);
+      return;
+    default:
+      incoming.OnNotice(n, nullptr);
   }
-  queued.notification = std::move(n);
-  notifications_->Push(std::move(queued));
+}
+
+void TransferEngine::StagedDataInPlace(v1::Notification n, absl::Status data) {
+  options_.incoming->DataInPlace(n, data);
+}
+
+void TransferEngine::OnAck(std::string_view header, std::string_view data) {
+  v1::TransferAck ack;
+  if (header.size() > kMaxAuthHeaderBytes ||
+      !ack.ParseFromArray(header.data(), static_cast<int>(header.size()))) {
+    options_.counters->dropped_peer_messages.fetch_add(1);
+    LogRefusal("? (UCX active message)", "a transfer acknowledgement",
+               absl::InvalidArgumentError(
+                   fmt::format("its {}-byte header does not parse or is too long", header.size())));
+    return;
+  }
+  TransferPtr t;
+  v1::Notification commit;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = transfers_.find(ack.transfer_id());
+    // Only the receiver of our DATA_READY knows its token.
+    const bool ours = it != transfers_.end() && ack.ack_token() != 0 &&
+                      it->second->ack_token == ack.ack_token() &&
+                      ack.sender_incarnation() == options_.incarnation &&
+                      it->second->state.peer() == ack.from_agent();
+    if (!ours) {
+      options_.counters->dropped_peer_messages.fetch_add(1);
+      LogRefusal(fmt::format("'{}' (UCX active message)", Printable(ack.from_agent())),
+                 "a transfer acknowledgement",
+                 absl::PermissionDeniedError(fmt::format(
+                     "it matches no DATA_READY of ours (transfer '{}')",
+                     Printable(ack.transfer_id()))));
+      return;
+    }
+    t = it->second;
+    // A late one: the transfer ended meanwhile (deadline, lost peer) and told the peer so.
+    if (!t->awaiting_ack) return;
+    t->awaiting_ack = false;
+    if (ack.error_code() != 0) {
+      Finish(*t, v1::FAILED,
+             absl::Status(static_cast<absl::StatusCode>(ack.error_code()),
+                          fmt::format("transfer '{}': peer '{}' did not take the data: {}",
+                                      t->state.transfer_id(), t->state.peer(),
+                                      Printable(ack.error_message(), 1024))),
+             -1);
+      t->outcome_sent = true;  // the peer ended it on its side already
+      return;
+    }
+    Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
+    commit.set_from_agent(options_.self_name);
+    commit.set_transfer_id(t->state.transfer_id());
+    commit.set_sender_incarnation(options_.incarnation);
+    commit.set_kind(v1::PEER_DATA_COMMIT);
+    for (const auto& target : t->targets) commit.add_targets(target);
+  }
+  // COMPLETED is recorded: only now may the peer's clients see DATA_READY.
+  SendNotice(*t->last_peer, std::move(commit), [](absl::Status) {});
 }
 
 absl::Status TransferEngine::CheckDevicePaths(const std::string& id, v1::TransferOp op,
@@ -809,7 +939,10 @@ void TransferEngine::FailPeer(const PeerLoss& loss) {
            absl::UnavailableError(fmt::format(
                "transfer '{}' ({} of {} bytes in place{}): {}", t->state.transfer_id(),
                t->state.bytes_done(), t->state.bytes_total(),
-               t->inflight ? ", a batch still posted" : "", loss.cause.message())),
+               t->awaiting_ack ? "; the peer never confirmed it received them: delivery unknown"
+               : t->inflight   ? ", a batch still posted"
+                               : "",
+               loss.cause.message())),
            SegmentInProgress(*t));
   }
 }
@@ -862,6 +995,8 @@ void TransferEngine::Unwatch(const std::string& transfer_id, uint64_t token) {
 }
 
 void TransferEngine::DeadlineLoop() {
+  std::vector<std::shared_ptr<DrainWait>> ready_waits;
+  uint64_t rounds = 0;
   while (!stopping_.load()) {
     {
       absl::MutexLock lock(&deadline_mu_);
@@ -891,12 +1026,126 @@ void TransferEngine::DeadlineLoop() {
                    t->state.transfer_id(), t->state.peer(),
                    (t->deadline_us - t->start_us) / 1000, t->state.bytes_done(),
                    t->state.bytes_total(),
-                   t->state.last_chunk_received() ? "" : " and its last chunk never submitted")),
+                   t->awaiting_ack ? ", and the peer never confirmed it received them "
+                                     "(delivery unknown; the peer is told it timed out)"
+                   : t->state.last_chunk_received() ? ""
+                                                    : " and its last chunk never submitted")),
                segment);
+      }
+      ExpireDrains();
+      for (auto it = drain_waits_.begin(); it != drain_waits_.end();) {
+        DrainWait& wait = **it;
+        for (auto id = wait.ids.begin(); id != wait.ids.end();) {
+          auto t = transfers_.find(*id);
+          const bool settled = t == transfers_.end() || t->second->state.drained() ||
+                               t->second->state.drain_unknown();
+          if (settled) {
+            wait.ids.erase(id++);
+          } else {
+            ++id;
+          }
+        }
+        if (wait.ids.empty() || now >= wait.deadline_us) {
+          ready_waits.push_back(*it);
+          it = drain_waits_.erase(it);
+        } else {
+          ++it;
+        }
       }
     }
     for (const auto& t : expired) worker_->Post([this, t] { Pump(t); });
+    for (auto& wait : ready_waits) {
+      wait->done(std::vector<std::string>(wait->ids.begin(), wait->ids.end()));
+    }
+    ready_waits.clear();
+    if (++rounds % 20 == 0) options_.incoming->Expire();  // every ~100 ms
   }
+}
+
+void TransferEngine::ExpireDrains() {
+  if (draining_.empty()) return;
+  const uint64_t now = MonotonicMicros();
+  const uint64_t limit = uint64_t{options_.drain_timeout_ms} * 1000;
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    auto found = transfers_.find(*it);
+    if (found == transfers_.end() || !found->second->inflight) {
+      draining_.erase(it++);
+      continue;
+    }
+    Transfer& t = *found->second;
+    if (now - t.stopped_us < limit) {
+      ++it;
+      continue;
+    }
+    // The operations went to a peer that no longer answers: nothing says whether they
+    // were delivered or dropped, nor, if it resumes, whether they still will be.
+    t.state.set_drain_unknown(true);
+    t.state.set_drain_note(fmt::format(
+        "operations posted to peer '{}' before the transfer ended were not confirmed within "
+        "{} ms; if the peer resumes they may still land {} (drained turns true if they "
+        "complete); reuse those pages only once the peer is gone or restarted",
+        t.state.peer(), options_.drain_timeout_ms,
+        t.state.op() == v1::WRITE ? "in the peer's pages" : "in this agent's pages"));
+    kLog.Warn("transfer '{}': {}", t.state.transfer_id(), t.state.drain_note());
+    Publish(t);
+    draining_.erase(it++);
+  }
+}
+
+void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions,
+                                 const std::string& who, absl::Duration timeout,
+                                 std::function<void(std::vector<std::string>)> done) {
+  auto wait = std::make_shared<DrainWait>();
+  std::vector<TransferPtr> stopped;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, t] : transfers_) {
+      if (t->state.drained()) continue;
+      const registry::Region* used = nullptr;
+      for (const auto& pin : t->pinned) {
+        for (const auto& region : regions) {
+          if (pin == region) used = region.get();
+        }
+      }
+      if (used == nullptr) continue;
+      wait->ids.insert(id);
+      if (Terminal(t->state.phase())) continue;  // ended already; still draining
+      Finish(*t, v1::FAILED,
+             absl::AbortedError(fmt::format(
+                 "transfer '{}': local region '{}' was deregistered by {} while the transfer "
+                 "used it; nothing more was posted. Deregister regions only after their "
+                 "transfers ended (cancel them and wait for drained)",
+                 id, used->spec.name(), who)),
+             SegmentInProgress(*t));
+      stopped.push_back(t);
+    }
+    if (!wait->ids.empty()) {
+      wait->deadline_us = MonotonicMicros() + absl::ToInt64Microseconds(timeout);
+      wait->done = std::move(done);
+      drain_waits_.push_back(wait);
+    }
+  }
+  for (const auto& t : stopped) worker_->Post([this, t] { Pump(t); });
+  if (wait->ids.empty()) done({});
+}
+
+uint32_t TransferEngine::FailTransfersTo(const std::string& name, const absl::Status& cause) {
+  std::vector<TransferPtr> failed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& id : active_) {
+      const TransferPtr& t = transfers_.at(id);
+      if (t->state.peer() == name) failed.push_back(t);
+    }
+    for (const auto& t : failed) {
+      Finish(*t, v1::FAILED,
+             absl::Status(cause.code(), fmt::format("transfer '{}': {}", t->state.transfer_id(),
+                                                    cause.message())),
+             SegmentInProgress(*t));
+    }
+  }
+  for (const auto& t : failed) worker_->Post([this, t] { Pump(t); });
+  return static_cast<uint32_t>(failed.size());
 }
 
 }  // namespace kvagent::agent

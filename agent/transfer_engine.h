@@ -20,11 +20,13 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/incoming.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
 #include "agent/staging.h"
 #include "proto/kvagent.pb.h"
+#include "registry/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/transfer_plan.h"
 #include "transport/cuda_driver.h"
@@ -53,6 +55,11 @@ struct TransferEngineOptions {
   // the counters of what was dropped. Owned by the Agent; required.
   const PeerSecrets* secrets = nullptr;
   SecurityCounters* counters = nullptr;
+  // The receiving side (notices from peers); owned by the Agent, required.
+  IncomingTransfers* incoming = nullptr;
+  // A transfer that ended with operations still posted is given this long to drain;
+  // then it says drain_unknown (the operations went to a peer that stopped answering).
+  uint32_t drain_timeout_ms = 5000;
 };
 
 struct TransferCounters {
@@ -92,6 +99,16 @@ class TransferEngine {
   absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id, const Caller& caller);
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
   TransferCounters counters() const;
+
+  // Local regions are being deregistered: fails (ABORTED, naming the region and
+  // `who`) every active transfer that uses one of them, and calls `done` once each of
+  // them drained (or reports drain_unknown), or after `timeout`; `done` gets the ids
+  // still draining then. `done` may run at once, on this thread.
+  void StopUsersOf(const std::vector<registry::RegionPtr>& regions, const std::string& who,
+                   absl::Duration timeout, std::function<void(std::vector<std::string>)> done);
+  // Fails every active transfer to peer `name` with `cause` (DisconnectPeer); returns
+  // how many.
+  uint32_t FailTransfersTo(const std::string& name, const absl::Status& cause);
 
   // The peer was lost (PeerManager's loss listener): fails, under the engine's lock,
   // every active transfer to it (or, on a restart, those planned against another
@@ -134,8 +151,12 @@ class TransferEngine {
     uint32_t segments = 0;
     bool inflight = false;     // a batch or the notification is posted
     int32_t inflight_segment = -1;  // first segment of the batch posted last
-    bool notified = false;
-    bool cancel_sent = false;
+    bool notified = false;      // DATA_READY posted (cancel no longer possible)
+    bool opened = false;        // PEER_TRANSFER_OPEN sent: the peer knows the transfer
+    bool awaiting_ack = false;  // DATA_READY sent, its TransferAck not yet here
+    uint64_t ack_token = 0;
+    bool outcome_sent = false;  // the peer was told how it ended (cancel, failure)
+    uint64_t stopped_us = 0;    // when it ended with operations still posted
     uint64_t staged_bytes = 0;  // bytes sent as staged chunks (the peer waits for them)
     uint64_t start_us = 0;     // monotonic
     uint64_t deadline_us = 0;  // monotonic
@@ -160,13 +181,21 @@ class TransferEngine {
   // Notification active message: an eager one is handled at once; a rendezvous one is
   // received only after its header authenticates and its announced length is in bounds.
   bool OnNotificationMessage(const transport::AmMessage& message);
-  void OnNotification(std::string_view header, std::string_view data);
+  void OnNotification(std::string_view header, std::string_view data, void* reply_ep);
   // Bounds, parses and verifies a notification's header for `data_bytes` of body;
   // false (counted and logged) when the message is to be dropped.
   bool AdmitNotification(std::string_view header, uint64_t data_bytes, v1::PeerMessageAuth* auth);
-  // Sends `notice` to `peer` with this agent's name and the secret the peer issued us.
-  void SendNotice(const PeerSnapshot& peer, const v1::Notification& notice,
-                  transport::Completion done);
+  // Sends `notice` to `peer` with this agent's name and the secret the peer issued us
+  // (`want_reply`: the peer gets a reply endpoint, for DATA_READY's TransferAck).
+  void SendNotice(const PeerSnapshot& peer, v1::Notification notice,
+                  transport::Completion done, bool want_reply = false);
+  // A notice from a peer passed authentication: the receiving side takes it.
+  void OnAuthenticatedNotice(v1::Notification n, void* reply_ep);
+  // Active message 5: a receiver acknowledged a DATA_READY of ours (worker thread).
+  void OnAck(std::string_view header, std::string_view data);
+  // Marks the transfers that ended with operations posted longer than the drain
+  // timeout ago as drain_unknown (deadline thread).
+  void ExpireDrains() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks `t` drained and releases its pinned regions (under the lock).
   void SetDrained(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND unless `caller` may see transfer `id` (it exists and is the caller's, or
@@ -174,9 +203,9 @@ class TransferEngine {
   absl::StatusOr<TransferPtr> FindVisible(const std::string& id, const Caller& caller) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
  public:
-  // Queues a notification for the local owners of its targets (the Stager calls it
-  // once staged data of the transfer is in place).
-  void DeliverNotification(v1::Notification n);
+  // The Stager's answer for a DATA_READY it held: its staged data is in place, or never
+  // will be (worker thread).
+  void StagedDataInPlace(v1::Notification n, absl::Status data);
 
  private:
   // Every operation that touches VRAM needs a way to reach it: a same-host direct
@@ -200,6 +229,19 @@ class TransferEngine {
   absl::flat_hash_map<std::string, TransferPtr> transfers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> active_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);
+  // Destination bytes each active transfer writes, per peer incarnation (WRITE) or here
+  // (READ): overlapping writes, by two transfers or two chunks, are refused at submit.
+  // Released when the transfer drained.
+  registry::DestinationLedger destinations_;
+  // Ended with operations still posted: waiting for their drain (ExpireDrains).
+  absl::flat_hash_set<std::string> draining_ ABSL_GUARDED_BY(mu_);
+  // StopUsersOf waits: ids still draining and the callback.
+  struct DrainWait {
+    absl::flat_hash_set<std::string> ids;
+    uint64_t deadline_us = 0;
+    std::function<void(std::vector<std::string>)> done;
+  };
+  std::vector<std::shared_ptr<DrainWait>> drain_waits_ ABSL_GUARDED_BY(mu_);
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;

@@ -167,9 +167,11 @@ absl::StatusOr<v1::SubmitTransfersResponse> AgentClient::SubmitBatch(
       WaitingTimeout(timeout_ms_, wait, longest));
 }
 
-absl::StatusOr<v1::TransferState> AgentClient::Get(const std::string& transfer_id) {
+absl::StatusOr<v1::TransferState> AgentClient::Get(const std::string& transfer_id,
+                                                   const std::string& peer) {
   v1::GetTransferRequest request;
   request.set_transfer_id(transfer_id);
+  request.set_peer(peer);
   return Unary<v1::GetTransferRequest, v1::TransferState>(
       &v1::Agent::Stub::GetTransfer, request, timeout_ms_);
 }
@@ -181,11 +183,27 @@ absl::StatusOr<v1::TransferState> AgentClient::Cancel(const std::string& transfe
       &v1::Agent::Stub::CancelTransfer, request, timeout_ms_);
 }
 
-absl::StatusOr<v1::ListTransfersResponse> AgentClient::Transfers(bool active_only) {
+absl::StatusOr<v1::ListTransfersResponse> AgentClient::Transfers(bool active_only,
+                                                                  bool incoming) {
   v1::ListTransfersRequest request;
   request.set_active_only(active_only);
-  return Unary<v1::ListTransfersRequest, v1::ListTransfersResponse>(
-      &v1::Agent::Stub::ListTransfers, request, timeout_ms_);
+  request.set_incoming(incoming);
+  v1::ListTransfersResponse all;
+  while (true) {
+    auto page = Unary<v1::ListTransfersRequest, v1::ListTransfersResponse>(
+        &v1::Agent::Stub::ListTransfers, request, timeout_ms_);
+    if (!page.ok()) return page.status();
+    for (auto& t : *page->mutable_transfers()) *all.add_transfers() = std::move(t);
+    if (page->next_page_token().empty()) return all;
+    request.set_page_token(page->next_page_token());
+  }
+}
+
+absl::StatusOr<v1::DisconnectPeerResponse> AgentClient::Disconnect(const std::string& peer_name) {
+  v1::DisconnectPeerRequest request;
+  request.set_name(peer_name);
+  return Unary<v1::DisconnectPeerRequest, v1::DisconnectPeerResponse>(
+      &v1::Agent::Stub::DisconnectPeer, request, timeout_ms_);
 }
 
 absl::StatusOr<v1::PollNotificationsResponse> AgentClient::Poll(

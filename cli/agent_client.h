@@ -62,9 +62,13 @@ class AgentClient {
   absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request);
   // Many transfers in one call; each entry's result (state or error) in order.
   absl::StatusOr<v1::SubmitTransfersResponse> SubmitBatch(const v1::SubmitTransfersRequest& request);
-  absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id);
+  // This agent's transfer by id, else an incoming one by that id (from `peer` when given).
+  absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id,
+                                        const std::string& peer = "");
   absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id);
-  absl::StatusOr<v1::ListTransfersResponse> Transfers(bool active_only);
+  // Every page of ListTransfers (outgoing, or incoming), in one response.
+  absl::StatusOr<v1::ListTransfersResponse> Transfers(bool active_only, bool incoming = false);
+  absl::StatusOr<v1::DisconnectPeerResponse> Disconnect(const std::string& peer_name);
   absl::StatusOr<v1::PollNotificationsResponse> Poll(uint32_t max,
                                                      const std::vector<std::string>& ids = {});
   // Streams states until the transfer ends; returns the last one.

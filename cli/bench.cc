@@ -505,20 +505,27 @@ class Bench {
     // The same cell with kInflight transfers in flight at once (a scheduler keeps
     // many requests moving; ucx_perftest keeps a window of puts outstanding too).
     {
+      // The agent refuses two transfers writing the same destination at once, so each
+      // thread keeps to its own slots (a slot: `batch` items; a pool of fewer slots
+      // than kInflight runs fewer threads).
       constexpr uint32_t kInflight = 4;
+      const uint64_t slots = std::max<uint64_t>(1, layout.items / cell.batch);
+      const uint32_t inflight = static_cast<uint32_t>(std::min<uint64_t>(kInflight, slots));
       absl::Mutex mu;
       uint64_t moved = 0;
       absl::Status failed;
       const auto pipelined_start = Clock::now();
       std::vector<std::thread> threads;
-      for (uint32_t k = 0; k < kInflight; ++k) {
+      for (uint32_t k = 0; k < inflight; ++k) {
         threads.emplace_back([&, k] {
           std::vector<uint64_t> l, r;
           uint64_t done = 0;
           absl::Status error;
           for (uint64_t n = 0; error.ok(); ++n) {
             if (n >= min_transfers && Seconds(Clock::now() - pipelined_start) >= target_s) break;
-            const uint64_t i = result.transfers + 1 + n * kInflight + k;
+            // Slot k, k + inflight, k + 2 * inflight, ... below slots (whole rounds only).
+            const uint64_t per_thread = slots / inflight;
+            const uint64_t i = k + inflight * (n % per_thread);
             Indices(layout, cell, i, &l, &r);
             auto state = Transfer(layout, cell, fmt::format("{}p{}.{}", base, k, n), l, r, write);
             if (state.ok()) {

@@ -187,7 +187,6 @@ absl::Status RunTransfers(const MemoryBenchOptions& o, AgentClient& initiator,
   std::vector<std::thread> threads;
   for (uint32_t t = 0; t < o.threads; ++t) {
     threads.emplace_back([&, t] {
-      std::mt19937_64 rng(t + 1);
       for (uint64_t mine = 0;; ++mine) {
         const uint64_t j = next.fetch_add(1);
         if (j >= o.transfers || failed.load()) return;
@@ -200,8 +199,12 @@ absl::Status RunTransfers(const MemoryBenchOptions& o, AgentClient& initiator,
         const std::string group = GroupName(label, static_cast<uint32_t>(j % groups));
         items->set_local_group(group);
         items->set_remote_group(group);
-        items->add_local_indices(rng() % o.items_per_region);
-        items->add_remote_indices(rng() % o.items_per_region);
+        // Transfers in flight at once write distinct pages (the agent refuses two
+        // transfers writing the same destination at once): (group, item) walks
+        // groups x items, far more than the threads in flight.
+        const uint64_t item = (j / groups) % o.items_per_region;
+        items->add_local_indices(item);
+        items->add_remote_indices(item);
         absl::Status done = RunOne(initiator, request);
         if (!done.ok()) {
           absl::MutexLock lock(&mu);

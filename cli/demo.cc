@@ -347,10 +347,20 @@ int RunDemo(const DemoOptions& options) {
   }
   std::vector<double> latencies;
   for (auto& r : requests) {
-    auto state = prefill.Get(r.id);
+    // Its final state (the notification comes after the sender recorded it; waiting
+    // also covers an agent that was not started here).
+    auto state = prefill.WaitTransfer(r.id, options.timeout_ms);
     if (!state.ok() || state->phase() != v1::COMPLETED) {
       return Fail(fmt::format("transfer {} did not complete", r.id),
-                  state.ok() ? absl::InternalError(state->error_message()) : state.status(), json);
+                  state.ok() ? absl::Status(state->error_code() != 0
+                                                ? static_cast<absl::StatusCode>(state->error_code())
+                                                : absl::StatusCode::kInternal,
+                                            fmt::format("it ended {}{}{}",
+                                                        v1::TransferPhase_Name(state->phase()),
+                                                        state->error_message().empty() ? "" : ": ",
+                                                        state->error_message()))
+                             : state.status(),
+                  json);
     }
     latencies.push_back(std::chrono::duration<double, std::micro>(*r.notified - r.submitted).count());
   }

@@ -34,9 +34,12 @@ commands:
                              and who you are to the agent (principal, roles)
   regions                    registered regions with layouts
   peers                      connected peers: transports, error mode, state
-  transfers [--active]       transfers and their states
+  transfers [--active] [--incoming]
+                             this agent's transfers and their states (or, with
+                             --incoming, peers' transfers into its regions)
   connect PEER_ADDR          connect this agent to the agent at PEER_ADDR
                              (unix:PATH on this host, HOST:PORT over mutual TLS)
+  disconnect PEER_NAME       forget a peer (its active transfers fail); scheduler role
   cancel TRANSFER_ID         cancel a transfer
   notifications [--max N]    take queued notifications
   notifications --watch [--for-ms N] [--id TRANSFER_ID]...
@@ -184,11 +187,15 @@ void PrintPeer(const kvagent::v1::PeerInfo& p) {
 }
 
 void PrintTransfer(const kvagent::v1::TransferState& t) {
-  std::printf("%-24s %-12s %-6s %-12s %12lu/%-12lu %8.3f ms %s\n", t.transfer_id().c_str(),
+  const char* drain = t.drained()         ? "drained"
+                      : t.drain_unknown() ? "drain-unknown"
+                                          : "draining";
+  std::printf("%-24s %-3s %-12s %-6s %-12s %12lu/%-12lu %8.3f ms %-13s %s\n",
+              t.transfer_id().c_str(), t.direction() == kvagent::v1::INCOMING ? "in" : "out",
               t.peer().c_str(), kvagent::v1::TransferOp_Name(t.op()).c_str(),
               kvagent::v1::TransferPhase_Name(t.phase()).c_str(),
               static_cast<unsigned long>(t.bytes_done()), static_cast<unsigned long>(t.bytes_total()),
-              t.latency_us() / 1000.0, t.error_message().c_str());
+              t.latency_us() / 1000.0, drain, t.error_message().c_str());
 }
 
 void PrintTransfers(const kvagent::v1::ListTransfersResponse& r) {
@@ -198,9 +205,11 @@ void PrintTransfers(const kvagent::v1::ListTransfersResponse& r) {
 
 void PrintNotifications(const kvagent::v1::PollNotificationsResponse& r) {
   for (const auto& n : r.notifications()) {
-    std::printf("%-24s from %-12s %-18s %lu bytes, payload %zu bytes\n", n.transfer_id().c_str(),
-                n.from_agent().c_str(), kvagent::v1::NotificationKind_Name(n.kind()).c_str(),
-                static_cast<unsigned long>(n.bytes()), n.payload().size());
+    std::printf("%-24s from %-12s %-18s %lu bytes, payload %zu bytes%s%s\n",
+                n.transfer_id().c_str(), n.from_agent().c_str(),
+                kvagent::v1::NotificationKind_Name(n.kind()).c_str(),
+                static_cast<unsigned long>(n.bytes()), n.payload().size(),
+                n.error_message().empty() ? "" : ": ", n.error_message().c_str());
   }
 }
 
@@ -371,8 +380,25 @@ int main(int argc, char** argv) {
   if (command == "regions") return Print(client.Regions(), command, json, &PrintRegions);
   if (command == "peers") return Print(client.Peers(), command, json, &PrintPeers);
   if (command == "transfers") {
-    const bool active = rest.size() > 1 && rest[1] == "--active";
-    return Print(client.Transfers(active), command, json, &PrintTransfers);
+    bool active = false, incoming = false;
+    for (size_t i = 1; i < rest.size(); ++i) {
+      if (rest[i] == "--active") {
+        active = true;
+      } else if (rest[i] == "--incoming") {
+        incoming = true;
+      } else {
+        return Usage("unknown transfers flag " + rest[i]);
+      }
+    }
+    return Print(client.Transfers(active, incoming), command, json, &PrintTransfers);
+  }
+  if (command == "disconnect") {
+    if (rest.size() != 2) return Usage("disconnect takes one PEER_NAME");
+    auto gone = client.Disconnect(rest[1]);
+    if (!gone.ok()) return Report(gone.status(), command);
+    std::printf("disconnected '%s' (%u active transfers failed)\n", rest[1].c_str(),
+                gone->failed_transfers());
+    return 0;
   }
   if (command == "connect") {
     if (rest.size() != 2) return Usage("connect takes one PEER_ADDR (unix:PATH or HOST:PORT)");

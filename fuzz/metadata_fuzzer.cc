@@ -1,7 +1,9 @@
 // Fuzz target: a peer's GetMetadata reply, as bytes, through the validation the peer
 // manager applies before using anything in it (RemoteCatalog::FromMetadata), with the
 // default limits and with tight ones. Accepted catalogs must satisfy every invariant
-// the planner relies on; rejections must be INVALID_ARGUMENT naming the peer.
+// the planner relies on (bounded printable roles, unique within a group, among them);
+// rejections must be INVALID_ARGUMENT naming the peer.
+#include <set>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "proto/kvagent.pb.h"
 #include "registry/remote_catalog.h"
 #include "transport/base/format.h"
+#include "transport/base/text.h"
 
 namespace kvagent::fuzz {
 namespace {
@@ -76,6 +79,9 @@ void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalo
                static_cast<uint64_t>(last_end), r.length);
     FUZZ_CHECK(r.ItemAddress(r.num_items - 1) + r.item_bytes == r.base_address + last_end,
                "region '{}' ItemAddress wraps", r.name);
+    FUZZ_CHECK(r.role == in.role() && r.role.size() <= limits.max_role_bytes &&
+                   !HasControlCharacter(r.role),
+               "region '{}': role of {} bytes accepted", r.name, r.role.size());
     FUZZ_CHECK(catalog.Find(r.name) == &r, "Find('{}') is not region {}", r.name, i);
     if (!r.group.empty()) ++grouped;
   }
@@ -84,7 +90,10 @@ void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalo
     FUZZ_CHECK(!group.empty(), "empty group name listed");
     const std::vector<const RemoteRegion*> members = catalog.FindGroup(group);
     FUZZ_CHECK(!members.empty(), "group '{}' listed but empty", group);
+    std::set<std::string> roles;
     for (size_t p = 0; p < members.size(); ++p) {
+      FUZZ_CHECK(members[p]->role.empty() || roles.insert(members[p]->role).second,
+                 "group '{}' has role '{}' twice", group, members[p]->role);
       FUZZ_CHECK(members[p] != nullptr && members[p]->group == group &&
                      members[p]->group_position == p,
                  "group '{}' position {} holds the wrong region", group, p);
@@ -120,6 +129,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   tight.max_rkey_bytes = 8;
   tight.max_name_bytes = 8;
   tight.max_worker_address_bytes = 8;
+  tight.max_role_bytes = 4;
   kvagent::fuzz::Run(metadata, tight);
   return 0;
 }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
 #include "transport/base/format.h"
+#include "transport/base/text.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::fuzz {
@@ -135,7 +137,11 @@ void CheckGroups(const RegionRegistry& registry) {
   for (const std::string& group : registry.GroupNames()) {
     const std::vector<RegionPtr> members = registry.FindGroup(group);
     FUZZ_CHECK(!members.empty(), "group '{}' listed but empty", group);
+    std::set<std::string> roles;  // a role names one region of its group
     for (size_t p = 0; p < members.size(); ++p) {
+      const std::string& role = members[p]->spec.role();
+      FUZZ_CHECK(role.empty() || roles.insert(role).second, "group '{}' has role '{}' twice",
+                 group, role);
       FUZZ_CHECK(members[p]->Info().group_position() == p && members[p]->spec.group() == group,
                  "group '{}' position {} holds '{}' at position {}", group, p,
                  members[p]->spec.name(), members[p]->Info().group_position());
@@ -189,6 +195,10 @@ void CheckRegion(const Fixture& f, const registry::Region& region) {
              spec.shm().offset(), spec.length(), spec.shm().name(), spec.shm().memory_handle());
   FUZZ_CHECK(region.mapping.offset() == spec.shm().offset(), "region '{}' mapped at offset {}",
              spec.name(), region.mapping.offset());
+  FUZZ_CHECK(spec.role().size() <= registry::CatalogLimits{}.max_role_bytes &&
+                 !HasControlCharacter(spec.role()),
+             "region '{}' accepted with a role of {} bytes or with a control character",
+             spec.name(), spec.role().size());
   FUZZ_CHECK(region.owner == kOwner && region.spec.group() != "theirs",
              "region '{}' registered for '{}' in group '{}'", spec.name(), region.owner,
              region.spec.group());

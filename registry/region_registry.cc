@@ -274,6 +274,21 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                       absl::StrJoin(fields, " and "), fields.size() == 1 ? "contains" : "contain"));
       continue;
     }
+    // Roles travel to peers too, which refuse longer ones (CatalogLimits::max_role_bytes).
+    if (const uint64_t limit = CatalogLimits{}.max_role_bytes; spec.role().size() > limit) {
+      errors.Add(i, kInvalid,
+                 fmt::format("role is {} bytes (at most {}, which peers accept); use a short "
+                             "role such as \"L0.K\"",
+                             spec.role().size(), limit));
+      continue;
+    }
+    if (HasControlCharacter(spec.role())) {
+      errors.Add(i, kInvalid,
+                 fmt::format("role '{}' contains a NUL or control character; use a printable "
+                             "role such as \"L0.K\"",
+                             Printable(spec.role())));
+      continue;
+    }
     if (spec.kind() != v1::KV && spec.kind() != v1::STATE && spec.kind() != v1::AUX &&
         spec.kind() != v1::REGION_KIND_UNSPECIFIED) {
       errors.Add(i, kInvalid,
@@ -357,14 +372,21 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   }
 
   // 2. Groups: a group belongs to the owner of its regions (another owner's transfers
-  // and notifications address it by name), and every region of a group (registered or
-  // in this batch) has the same num_items, since one index list addresses all of them.
+  // and notifications address it by name), every region of a group (registered or
+  // in this batch) has the same num_items, since one index list addresses all of them,
+  // and a role names one region of its group (peers pair groups by role).
   absl::flat_hash_map<std::string, std::pair<std::string, uint64_t>> group_items;
   absl::flat_hash_map<std::string, std::string> group_owners;
+  // (group, role) -> the region that declares it.
+  absl::flat_hash_map<std::pair<std::string, std::string>, std::string> group_roles;
   for (const RegionPtr& region : existing) {
     if (!region->spec.group().empty()) {
       group_items.try_emplace(region->spec.group(), region->spec.name(), region->num_items());
       group_owners.try_emplace(region->spec.group(), region->owner);
+      if (!region->spec.role().empty()) {
+        group_roles.try_emplace(std::pair(region->spec.group(), region->spec.role()),
+                                region->spec.name());
+      }
     }
   }
   for (const Candidate& c : candidates) {
@@ -385,6 +407,18 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                              "them all)",
                              c.spec.layout().num_items(), Printable(it->second.first),
                              Printable(c.spec.group()), it->second.second));
+      continue;
+    }
+    if (c.spec.role().empty()) continue;
+    auto [role, role_inserted] =
+        group_roles.try_emplace(std::pair(c.spec.group(), c.spec.role()), c.spec.name());
+    if (!role_inserted) {
+      errors.Add(c.entry, kInvalid,
+                 fmt::format("role '{}' is already declared by region '{}' of group '{}'; a "
+                             "role names one region of its group, so give each its own (such "
+                             "as \"L0.K\" and \"L0.V\")",
+                             Printable(c.spec.role()), Printable(role->second),
+                             Printable(c.spec.group())));
     }
   }
 
@@ -687,6 +721,7 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {
     out->set_kind(region.spec.kind());
     out->set_group(region.spec.group());
     out->set_group_position(region.group_position);
+    out->set_role(region.spec.role());
     out->set_memory(region.spec.memory());
     out->set_base_address(region.base_address);
     out->set_length(region.spec.length());

@@ -1,8 +1,8 @@
 // RegionRegistry holds the memory regions engines registered with this agent:
 // validated layout, imported mapping, UCX registration, packed rkey and the owner
-// that registered it. Groups order regions by registration order and belong to one
-// owner. Used by the agent's service (register, deregister, list, export to peers)
-// and by the transfer planner (lookups).
+// that registered it. Groups order regions by registration order, may name each
+// region's role in the group, and belong to one owner. Used by the agent's service
+// (register, deregister, list, export to peers) and by the transfer planner (lookups).
 #pragma once
 
 #include <cstdint>
@@ -126,7 +126,10 @@ class RegionRegistry {
   // MemoryObject::OpenPath with context.path_policy (NOT_FOUND, PERMISSION_DENIED,
   // INVALID_ARGUMENT); object too small; overlap with another region of the same
   // object (device, inode) or device range; a group that another owner's regions use
-  // (PERMISSION_DENIED) or whose regions disagree in num_items; VRAM without a
+  // (PERMISSION_DENIED) or whose regions disagree in num_items; a role over 128 bytes
+  // (CatalogLimits::max_role_bytes) or holding a control character, or one that
+  // another region of the same group (registered or in the batch) declares, naming
+  // that region (ungrouped regions may carry any role); VRAM without a
   // cuda_ipc source or DRAM without shm (INVALID_ARGUMENT); no CUDA driver, UCX
   // without CUDA and staging off, or RLIMIT_MEMLOCK too low for memory RDMA pins
   // (FAILED_PRECONDITION). Nothing registered before is touched.

@@ -1,6 +1,7 @@
 #include "registry/remote_catalog.h"
 
 #include <algorithm>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "fmt/format.h"
@@ -52,6 +53,13 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
       return bad(fmt::format("group is {} bytes (at most {})", in.group().size(),
                              limits.max_name_bytes));
     }
+    if (in.role().size() > limits.max_role_bytes) {
+      return bad(fmt::format("role is {} bytes (at most {})", in.role().size(),
+                             limits.max_role_bytes));
+    }
+    if (HasControlCharacter(in.role())) {
+      return bad(fmt::format("role '{}' holds a NUL or control character", Printable(in.role())));
+    }
     // VRAM that the peer moves through host staging has no UCX registration, so no
     // rkey; every other region must have one.
     const bool rkey_optional = in.memory() == v1::VRAM;
@@ -97,6 +105,7 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
     region.name = in.name();
     region.group = in.group();
     region.group_position = in.group_position();
+    region.role = in.role();
     region.memory = in.memory() == v1::VRAM ? v1::VRAM : v1::DRAM;
     region.base_address = in.base_address();
     region.length = in.length();
@@ -130,6 +139,20 @@ absl::StatusOr<RemoteCatalog> RemoteCatalog::FromMetadata(const v1::AgentMetadat
       by_position[region.group_position] = index;
     }
     members = std::move(by_position);
+    // Roles pair groups across agents, so one role names one region of the group.
+    absl::flat_hash_map<std::string_view, uint32_t> roles;
+    for (uint32_t index : members) {
+      const RemoteRegion& region = catalog.regions_[index];
+      if (region.role.empty()) continue;
+      auto [it, inserted] = roles.emplace(region.role, index);
+      if (!inserted) {
+        return absl::InvalidArgumentError(fmt::format(
+            "peer '{}' group '{}': regions '{}' and '{}' both declare role '{}' (a role names "
+            "one region of its group); {}",
+            peer, Printable(group), Printable(catalog.regions_[it->second].name),
+            Printable(region.name), Printable(region.role), kFix));
+      }
+    }
   }
   return catalog;
 }

@@ -17,6 +17,9 @@ struct RemoteRegion {
   std::string name;
   std::string group;
   uint32_t group_position = 0;
+  // ExportedRegion.role: what the region holds in its group ("L0.K"), unique within
+  // the group; empty when the peer declares none. The planner pairs groups by it.
+  std::string role;
   v1::MemoryKind memory = v1::DRAM;  // DRAM or VRAM (any other value reads as DRAM)
   uint64_t base_address = 0;
   uint64_t length = 0;
@@ -42,6 +45,8 @@ struct CatalogLimits {
   uint32_t max_regions = 65536;
   uint64_t max_rkey_bytes = 4096;
   uint64_t max_name_bytes = 256;
+  // Also what this agent's registry accepts for RegionSpec.role.
+  uint64_t max_role_bytes = 128;
   uint64_t max_worker_address_bytes = 16384;
 };
 
@@ -52,7 +57,9 @@ class RemoteCatalog {
   // for DRAM (staged VRAM has none), zero
   // item size, stride < item size, layout beyond length, base+length overflow, a
   // group whose positions are not 0..n-1, empty or oversized worker address,
-  // memory_offset + length overflowing.
+  // memory_offset + length overflowing, a role over max_role_bytes or holding a
+  // control character, a role declared twice in one group (naming the group and both
+  // regions).
   static absl::StatusOr<RemoteCatalog> FromMetadata(const v1::AgentMetadata& metadata,
                                                     const CatalogLimits& limits = {});
 

@@ -1,7 +1,9 @@
 // Google Benchmark of PlanTransfer: one segment naming 16384 items of a 64-region
 // group on both sides expands to 1M (local, remote, bytes) operations, which
-// coalesce to 64 (contiguous indices) or stay 1M (scattered). A cc_binary, not a
-// test: `bazel run -c opt //registry:transfer_plan_benchmark` (docs/BENCHMARKS.md).
+// coalesce to 64 (contiguous indices) or stay 1M (scattered); and of what the engine
+// adds per chunk to keep destinations apart (DestinationRanges + a DestinationLedger
+// claim and release). A cc_binary, not a test:
+// `bazel run -c opt //registry:transfer_plan_benchmark` (docs/BENCHMARKS.md).
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "benchmark/benchmark.h"
 #include "fmt/format.h"
 #include "proto/kvagent.pb.h"
+#include "registry/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
@@ -119,7 +122,7 @@ void BM_PlanTransfer(benchmark::State& state) {
   const auto segments = Segments(scattered);
   size_t ops = 0;
   for (auto _ : state) {
-    auto plan = PlanTransfer(*agents.local, agents.remote, segments, 0);
+    auto plan = PlanTransfer(*agents.local, agents.remote, segments, 0, v1::WRITE);
     if (!plan.ok()) {
       state.SkipWithError(std::string(plan.status().message()).c_str());
       break;
@@ -132,6 +135,45 @@ void BM_PlanTransfer(benchmark::State& state) {
   state.SetLabel(scattered ? "scattered" : "contiguous");
 }
 BENCHMARK(BM_PlanTransfer)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+
+// The destination ranges of the 1M-page plan, claimed in a ledger that already holds
+// another transfer's 64 ranges (other pages of the same regions: none overlap), then
+// released.
+void BM_DestinationClaim(benchmark::State& state) {
+  const bool scattered = state.range(0) != 0;
+  Agents& agents = Shared();
+  auto plan = PlanTransfer(*agents.local, agents.remote, Segments(scattered), 0, v1::WRITE);
+  if (!plan.ok()) {
+    state.SkipWithError(std::string(plan.status().message()).c_str());
+    return;
+  }
+  // The plan writes items [0, 16384) of every region: the other transfer's ranges lie
+  // past the end of a region (as if regions were longer), so none overlap.
+  DestinationLedger ledger;
+  std::vector<DestinationRange> other;
+  for (uint32_t r = 0; r < kRegions; ++r) {
+    other.push_back({fmt::format("L{}", r), kItems * kItemBytes, kItems * kItemBytes + 4096});
+  }
+  if (absl::Status s = ledger.Claim("other", "peer:decode", other); !s.ok()) {
+    state.SkipWithError(std::string(s.message()).c_str());
+    return;
+  }
+  size_t ranges = 0;
+  for (auto _ : state) {
+    const std::vector<DestinationRange> claimed =
+        DestinationRanges(*plan, v1::WRITE, agents.remote);
+    if (absl::Status s = ledger.Claim("bench", "peer:decode", claimed); !s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      break;
+    }
+    ranges = claimed.size();
+    ledger.Release("bench");
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kRegions * kItems);
+  state.counters["ranges_after_merging"] = static_cast<double>(ranges);
+  state.SetLabel(scattered ? "scattered" : "contiguous");
+}
+BENCHMARK(BM_DestinationClaim)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace kvagent::registry

@@ -666,7 +666,7 @@ void Endpoint::Flush(Completion done) {
 }
 
 void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view data,
-                      Completion done) {
+                      Completion done, bool want_reply) {
   if (ep_ == nullptr || failed_) {
     done(Unusable("sending an active message"));
     return;
@@ -678,7 +678,12 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
   op->payload.reserve(header.size() + data.size());
   op->payload.append(header).append(data);
   const size_t header_size = header.size();
-  StartSend(std::move(op), [this, id, header_size](SendOp* send, ucp_request_param_t& param) {
+  StartSend(std::move(op), [this, id, header_size, want_reply](SendOp* send,
+                                                                ucp_request_param_t& param) {
+    if (want_reply) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_AM_SEND_FLAG_REPLY;
+    }
     const char* bytes = send->payload.data();
     return ucp_am_send_nbx(ep_, id, header_size > 0 ? bytes : nullptr, header_size,
                            bytes + header_size, send->payload.size() - header_size, &param);
@@ -703,21 +708,7 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
 }
 
 void Endpoint::SendAmRequest(uint16_t id, std::string_view header, Completion done) {
-  if (ep_ == nullptr || failed_) {
-    done(Unusable("sending an active message"));
-    return;
-  }
-  auto op = std::make_unique<SendOp>();
-  op->done = std::move(done);
-  op->what = fmt::format("UCX worker '{}': sending request active message {} ({} bytes) failed",
-                         worker_.name_, id, header.size());
-  op->payload.assign(header.data(), header.size());
-  StartSend(std::move(op), [this, id](SendOp* send, ucp_request_param_t& param) {
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_REPLY;
-    return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),
-                           send->payload.size(), nullptr, 0, &param);
-  });
+  SendAm(id, header, {}, std::move(done), /*want_reply=*/true);
 }
 
 }  // namespace kvagent::transport

@@ -197,8 +197,11 @@ class Endpoint {
   // (remotely, for puts). `done` runs on the worker thread, possibly before Flush
   // returns.
   void Flush(Completion done);
-  // Sends an active message; header and data are copied. `done` as for Flush.
-  void SendAm(uint16_t id, std::string_view header, std::string_view data, Completion done);
+  // Sends an active message; header and data are copied. `done` as for Flush. With
+  // `want_reply` the receiver gets a reply endpoint (UCP_AM_SEND_FLAG_REPLY;
+  // AmMessage::reply_ep there) to answer on.
+  void SendAm(uint16_t id, std::string_view header, std::string_view data, Completion done,
+              bool want_reply = false);
   // Sends an active message without copying `data`: it must stay valid and unchanged
   // until `done` runs (a bounce buffer held until then). The header is copied.
   void SendAmNoCopy(uint16_t id, std::string_view header, const void* data, uint64_t length,

@@ -358,9 +358,19 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
-               Contains("'no-op'") && Contains("op is not set") && Contains("WRITE") &&
+               Contains("'no-op'") && Contains("op 0 is not set") && Contains("WRITE") &&
                    Contains("READ"));
     CheckNotRecorded(pair, "no-op");
+  }
+  SECTION("op out of range") {
+    auto request = KvWrite("op-7", {3}, {3});
+    request.set_op(static_cast<v1::TransferOp>(7));
+    auto refused = pair.prefill().Submit(request);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(Message(refused.status()),
+               Contains("'op-7'") && Contains("op 7 is not an operation") && Contains("WRITE"));
+    CheckNotRecorded(pair, "op-7");
   }
   SECTION("notification over 64 KiB") {
     auto refused =

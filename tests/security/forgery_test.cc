@@ -179,11 +179,12 @@ std::string AuthHeader(const std::string& from_agent, const std::string& secret)
 }
 
 std::string NotificationBytes(const std::string& from_agent, const std::string& transfer_id,
-                              const std::string& payload = "forged") {
+                              const std::string& payload = "forged",
+                              v1::NotificationKind kind = v1::DATA_READY) {
   v1::Notification n;
   n.set_from_agent(from_agent);
   n.set_transfer_id(transfer_id);
-  n.set_kind(v1::DATA_READY);
+  n.set_kind(kind);
   n.set_payload(payload);
   n.add_targets("kv");  // decode's group: an accepted one would reach the pool's owner
   return n.SerializeAsString();
@@ -416,11 +417,17 @@ TEST_CASE("forged UCX messages to an agent's worker are dropped, counted and del
     for (uint64_t p = 0; p < pair.decode_pool().shape.pages; ++p) CHECK(pair.PageUntouched(p));
   }
 
-  // Positive control: eve, a real authenticated peer, may notify in her own name.
+  // Positive control: eve, a real authenticated peer, may notify in her own name. Her
+  // DATA_READY is held until she commits it (the transfer contract: the sender records
+  // COMPLETED first), then delivered once.
   {
     absl::Status sent = attacker.Send(kNotificationAm, AuthHeader("eve", eve_secret),
                                       NotificationBytes("eve", "eve-1", "hello"));
     INFO(sent.ToString());
+    REQUIRE(sent.ok());
+    CHECK(PollNotifications(pair.decode(), 0, 0, 300).empty());  // held
+    sent = attacker.Send(kNotificationAm, AuthHeader("eve", eve_secret),
+                         NotificationBytes("eve", "eve-1", "", v1::PEER_DATA_COMMIT));
     REQUIRE(sent.ok());
     auto notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
     INFO(Describe(notes));
@@ -437,6 +444,9 @@ TEST_CASE("forged UCX messages to an agent's worker are dropped, counted and del
     absl::Status sent = attacker.Send(kNotificationAm, AuthHeader("eve", eve_secret),
                                       NotificationBytes("eve", "eve-2", payload));
     INFO(sent.ToString());
+    REQUIRE(sent.ok());
+    sent = attacker.Send(kNotificationAm, AuthHeader("eve", eve_secret),
+                         NotificationBytes("eve", "eve-2", "", v1::PEER_DATA_COMMIT));
     REQUIRE(sent.ok());
     auto notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
     INFO(Describe(notes));

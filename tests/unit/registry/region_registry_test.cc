@@ -562,5 +562,80 @@ TEST_CASE("Export tells where memory is only to a peer on the same host") {
   }
 }
 
+v1::RegionSpec WithRole(v1::RegionSpec spec, const std::string& role) {
+  spec.set_role(role);
+  return spec;
+}
+
+TEST_CASE("Roles are bounded, printable and unique within their group, and exported") {
+  ShmMapping shm = MakeShm(65536);
+  const std::string name = shm.name();
+  using absl::StatusCode;
+
+  SECTION("a duplicate role in one batch names the entry, the role and the other region") {
+    auto r = RegisterBad({WithRole(Spec("k.L0", name, 0, 4096, 1, 4096, "kv"), "L0.K"),
+                          WithRole(Spec("v.L0", name, 4096, 4096, 1, 4096, "kv"), "L0.K")},
+                         shm);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK_THAT(r.message, Catch::Contains("region 'v.L0' (entry 1): role 'L0.K' is already "
+                                          "declared by region 'k.L0' of group 'kv'"));
+    CHECK_THAT(r.message, Catch::Contains("give each its own"));
+  }
+  SECTION("a role a registered region of the group already declares") {
+    RegionRegistry registry(&Context());
+    REQUIRE(registry
+                .Register({WithRole(Spec("k.L0", name, 0, 4096, 1, 4096, "kv"), "L0.K")}, false,
+                          Registrant())
+                .ok());
+    auto result = registry.Register(
+        {WithRole(Spec("v.L0", name, 4096, 4096, 1, 4096, "kv"), "L0.K")}, false, Registrant());
+    REQUIRE_FALSE(result.ok());
+    CHECK_THAT(Message(result.status()),
+               Catch::Contains("region 'v.L0' (entry 0): role 'L0.K' is already declared by "
+                               "region 'k.L0' of group 'kv'"));
+    // The same role in another group, or on an ungrouped region, is fine; so is the
+    // role again once its region is gone.
+    REQUIRE(registry
+                .Register({WithRole(Spec("k2", name, 8192, 4096, 1, 4096, "kv2"), "L0.K"),
+                           WithRole(Spec("aux", name, 12288, 4096, 1, 4096), "L0.K")},
+                          false, Registrant())
+                .ok());
+    REQUIRE(registry.Deregister({"k.L0"}, nullptr, "test-owner", false).ok());
+    REQUIRE(registry
+                .Register({WithRole(Spec("v.L0", name, 4096, 4096, 1, 4096, "kv"), "L0.K")},
+                          false, Registrant())
+                .ok());
+  }
+  SECTION("oversized and control characters") {
+    auto r = RegisterBad({WithRole(Spec("k", name, 0, 4096, 1, 4096, "kv"), std::string(129, 'r'))},
+                         shm);
+    CHECK_THAT(r.message, Catch::Contains("region 'k' (entry 0): role is 129 bytes (at most 128"));
+    r = RegisterBad({WithRole(Spec("k", name, 0, 4096, 1, 4096, "kv"), "L0\n.K")}, shm);
+    CHECK_THAT(r.message, Catch::Contains("role 'L0\\x0a.K' contains a NUL or control character"));
+    CHECK(r.message.find('\n') == std::string::npos);
+  }
+  SECTION("exported to peers and read back") {
+    RegionRegistry registry(&Context());
+    REQUIRE(registry
+                .Register({WithRole(Spec("v.L0", name, 0, 4096, 1, 4096, "kv"), "L0.V"),
+                           WithRole(Spec("k.L0", name, 4096, 4096, 1, 4096, "kv"),
+                                    std::string(128, 'k')),
+                           Spec("aux", name, 8192, 100, 1, 100)},
+                          false, Registrant())
+                .ok());
+    CHECK(registry.Find("v.L0")->Info().spec().role() == "L0.V");
+    v1::AgentMetadata md;
+    registry.Export(&md, false);
+    md.set_name("a");
+    md.set_worker_address("w");
+    CHECK(md.regions(0).role() == "L0.V");
+    auto catalog = RemoteCatalog::FromMetadata(md);
+    REQUIRE(catalog.ok());
+    CHECK(catalog->Find("v.L0")->role == "L0.V");
+    CHECK(catalog->Find("k.L0")->role == std::string(128, 'k'));
+    CHECK(catalog->Find("aux")->role.empty());
+  }
+}
+
 }  // namespace
 }  // namespace kvagent::registry

@@ -153,5 +153,36 @@ TEST_CASE("Malformed metadata is rejected naming the field") {
   }
 }
 
+TEST_CASE("Roles are parsed, bounded and unique within a peer's group") {
+  v1::AgentMetadata md = Valid();
+  md.mutable_regions(0)->set_role("L0.V");
+  md.mutable_regions(1)->set_role("L0.K");
+  md.mutable_regions(2)->set_role("L0.K");  // aux: not in group kv
+  auto catalog = RemoteCatalog::FromMetadata(md);
+  REQUIRE(catalog.ok());
+  CHECK(catalog->FindGroup("kv")[0]->role == "L0.K");
+  CHECK(catalog->FindGroup("kv")[1]->role == "L0.V");
+
+  SECTION("a role twice in one group names the peer, the group and both regions") {
+    md.mutable_regions(0)->set_role("L0.K");
+    std::string message = Error(md);
+    CHECK_THAT(message, Catch::Contains("peer 'decode-0' group 'kv': regions 'k.L0' and 'v.L0' "
+                                        "both declare role 'L0.K'"));
+    CHECK_THAT(message, Catch::Contains("upgrade or restart that agent"));
+  }
+  SECTION("oversized, or with control characters (echoed escaped)") {
+    md.mutable_regions(0)->set_role(std::string(129, 'r'));
+    CHECK_THAT(Error(md), Catch::Contains("region 'v.L0' (index 0): role is 129 bytes (at most "
+                                          "128)"));
+    CatalogLimits limits;
+    limits.max_role_bytes = 3;
+    md.mutable_regions(0)->set_role("L0.V");
+    CHECK_THAT(Error(md, limits), Catch::Contains("role is 4 bytes (at most 3)"));
+    md.mutable_regions(0)->set_role(std::string("L0\x1b[2J", 6));
+    std::string message = Error(md);
+    CHECK_THAT(message, Catch::Contains("role 'L0\\x1b[2J' holds a NUL or control character"));
+  }
+}
+
 }  // namespace
 }  // namespace kvagent::registry

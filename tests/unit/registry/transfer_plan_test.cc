@@ -56,9 +56,9 @@ struct Fixture {
   }
 
   absl::StatusOr<TransferPlan> Plan(const std::vector<v1::Segment>& segments,
-                                    uint32_t first = 0) {
+                                    uint32_t first = 0, v1::TransferOp op = v1::WRITE) {
     google::protobuf::RepeatedPtrField<v1::Segment> field(segments.begin(), segments.end());
-    return PlanTransfer(local, remote, field, first);
+    return PlanTransfer(local, remote, field, first, op);
   }
 };
 
@@ -226,6 +226,266 @@ TEST_CASE("Coalesce merges only same-segment, same-rkey, two-sided runs") {
   std::vector<PlanOp> empty;
   Coalesce(&empty);
   CHECK(empty.empty());
+}
+
+v1::RegionSpec WithRole(v1::RegionSpec spec, const std::string& role) {
+  spec.set_role(role);
+  return spec;
+}
+
+// An engine that registers V before K (local "prefill") and one that registers K
+// before V (the peer "decode"), both declaring roles in group "kvr"; groups without
+// roles ("kvn", V before K locally, K before V on the peer); a local group where only
+// some regions declare roles ("kvm"); peer groups with another role set ("kvx") and
+// with a K of other item size ("kv5").
+struct RoleFixture {
+  ShmMapping local_shm = MakeShm(65536);
+  ShmMapping remote_shm = MakeShm(65536);
+  RegionRegistry local{&Context()};
+  RegionRegistry remote_registry{&Context()};
+  RemoteCatalog remote;
+
+  RoleFixture() {
+    const std::string l = local_shm.name();
+    const std::string r = remote_shm.name();
+    REQUIRE(local
+                .Register({WithRole(Spec("v.r", l, 0, 4096, 16, 256, "kvr"), "L0.V"),
+                           WithRole(Spec("k.r", l, 4096, 4096, 16, 256, "kvr"), "L0.K"),
+                           Spec("v.n", l, 8192, 4096, 16, 256, "kvn"),
+                           Spec("k.n", l, 12288, 4096, 16, 256, "kvn"),
+                           WithRole(Spec("k.m", l, 16384, 4096, 16, 256, "kvm"), "L0.K"),
+                           Spec("v.m", l, 20480, 4096, 16, 256, "kvm")},
+                          false, Registrant())
+                .ok());
+    REQUIRE(remote_registry
+                .Register({WithRole(Spec("k.r", r, 0, 4096, 16, 256, "kvr"), "L0.K"),
+                           WithRole(Spec("v.r", r, 4096, 4096, 16, 256, "kvr"), "L0.V"),
+                           Spec("k.n", r, 8192, 4096, 16, 256, "kvn"),
+                           Spec("v.n", r, 12288, 4096, 16, 256, "kvn"),
+                           WithRole(Spec("k.x", r, 16384, 4096, 16, 256, "kvx"), "L0.K"),
+                           WithRole(Spec("x.x", r, 20480, 4096, 16, 256, "kvx"), "L0.X"),
+                           WithRole(Spec("v5", r, 24576, 4096, 16, 256, "kv5"), "L0.V"),
+                           WithRole(Spec("k5", r, 28672, 8192, 16, 512, "kv5"), "L0.K")},
+                          false, Registrant())
+                .ok());
+    v1::AgentMetadata md;
+    remote_registry.Export(&md, /*same_host=*/false);
+    md.set_name("decode");
+    md.set_worker_address("w");
+    auto catalog = RemoteCatalog::FromMetadata(md);
+    REQUIRE(catalog.ok());
+    remote = std::move(catalog).value();
+  }
+
+  absl::StatusOr<TransferPlan> Plan(const std::vector<v1::Segment>& segments,
+                                    v1::TransferOp op = v1::WRITE) {
+    google::protobuf::RepeatedPtrField<v1::Segment> field(segments.begin(), segments.end());
+    return PlanTransfer(local, remote, field, 0, op);
+  }
+};
+
+TEST_CASE("Regions pair by role whatever order each side registered them in") {
+  RoleFixture f;
+  const RegionPtr lk = f.local.Find("k.r");
+  const RegionPtr lv = f.local.Find("v.r");
+  const RemoteRegion* rk = f.remote.Find("k.r");
+  const RemoteRegion* rv = f.remote.Find("v.r");
+  REQUIRE(lv->group_position == 0);  // V first here, K first on the peer
+  REQUIRE(rk->group_position == 0);
+  CHECK(rk->role == "L0.K");
+  for (v1::TransferOp op : {v1::WRITE, v1::READ}) {
+    auto plan = f.Plan({Items("kvr", "kvr", {0, 1}, {2, 3})}, op);
+    REQUIRE(plan.ok());
+    REQUIRE(plan->ops.size() == 2);  // region-major in the local order, coalesced
+    // V -> V
+    CHECK(plan->ops[0].local_address == lv->ItemAddress(0));
+    CHECK(plan->ops[0].remote_address == rv->ItemAddress(2));
+    CHECK(plan->ops[0].rkey_slot == rv->rkey_slot);
+    CHECK(plan->ops[0].length == 512);
+    // K -> K
+    CHECK(plan->ops[1].local_address == lk->ItemAddress(0));
+    CHECK(plan->ops[1].remote_address == rk->ItemAddress(2));
+    CHECK(plan->ops[1].rkey_slot == rk->rkey_slot);
+  }
+}
+
+TEST_CASE("Without roles on either side, regions pair by position as before") {
+  RoleFixture f;
+  auto plan = f.Plan({Items("kvn", "kvn", {0}, {1})});
+  REQUIRE(plan.ok());
+  REQUIRE(plan->ops.size() == 2);
+  // Position 0 with position 0: the local V (registered first) into the peer's K.
+  // Roles are how an engine that registers in another order says what is what.
+  CHECK(plan->ops[0].local_address == f.local.Find("v.n")->ItemAddress(0));
+  CHECK(plan->ops[0].remote_address == f.remote.Find("k.n")->ItemAddress(1));
+  CHECK(plan->ops[1].local_address == f.local.Find("k.n")->ItemAddress(0));
+  CHECK(plan->ops[1].remote_address == f.remote.Find("v.n")->ItemAddress(1));
+}
+
+TEST_CASE("Groups that declare different roles are refused, naming both and the roles") {
+  RoleFixture f;
+  std::string m = Error(f.Plan({Items("kvr", "kvr", {0}, {0}), Items("kvr", "kvx", {1}, {1})}),
+            absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::StartsWith("segment 1: local group 'kvr' and peer 'decode' group 'kvx' "
+                                  "declare different roles"));
+  CHECK_THAT(m, Catch::Contains("only local: 'L0.V'; only on the peer: 'L0.X'"));
+  CHECK_THAT(m, Catch::Contains("register the same roles on both sides"));
+}
+
+TEST_CASE("Roles on one side only, or on some regions only, are refused") {
+  RoleFixture f;
+  using absl::StatusCode;
+  std::string m = Error(f.Plan({Items("kvr", "kvn", {0}, {0})}), StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::Contains("local group 'kvr' declares a role on 2 of its 2 regions and "
+                                "peer 'decode' group 'kvn' on 0 of 2"));
+  CHECK_THAT(m, Catch::Contains("both sides must declare roles"));
+  CHECK_THAT(m, Catch::Contains("set RegionSpec.role on every region of peer 'decode' group "
+                                "'kvn' (no role on 'k.n', 'v.n')"));
+  m = Error(f.Plan({Items("kvn", "kvr", {0}, {0})}), StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::Contains("every region of local group 'kvn' (no role on 'v.n', 'k.n')"));
+  m = Error(f.Plan({Items("kvm", "kvr", {0}, {0})}), StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::Contains("local group 'kvm' declares a role on 1 of its 2 regions"));
+  CHECK_THAT(m, Catch::Contains("(no role on 'v.m')"));
+}
+
+TEST_CASE("Role-paired regions must still agree on item size, named with the role") {
+  RoleFixture f;
+  std::string m =
+      Error(f.Plan({Items("kvr", "kv5", {0}, {0})}), absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::Contains("segment 0: role 'L0.K': local region 'k.r' has 256-byte items "
+                                "but peer 'decode' region 'k5' has 512-byte items"));
+}
+
+TEST_CASE("An op other than WRITE or READ is refused") {
+  Fixture f;
+  std::string m = Error(f.Plan({Items("kv", "kv", {0}, {0})}, 0, v1::TRANSFER_OP_UNSPECIFIED),
+                        absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::Contains("transfer op 0 is neither WRITE nor READ"));
+}
+
+TEST_CASE("A WRITE that writes a remote item twice is refused") {
+  Fixture f;
+  using absl::StatusCode;
+  SECTION("the same remote index twice in one segment") {
+    std::string m = Error(f.Plan({Items("kv", "kv", {1, 2}, {7, 7})}, 3),
+                          StatusCode::kInvalidArgument);
+    CHECK_THAT(m, Catch::StartsWith("segment 3: remote index 7 appears at positions 0 and 1"));
+    CHECK_THAT(m, Catch::Contains("item 7 of peer 'decode' region 'k' (and of every region of "
+                                  "its group 'kv') would be written twice"));
+    CHECK_THAT(m, Catch::Contains("drop the repeated index"));
+  }
+  SECTION("across two segments") {
+    std::string m = Error(f.Plan({Items("kv", "kv", {1, 2}, {6, 7}), Bytes("aux", 0, "aux", 0, 1),
+                                  Items("kv", "kv", {3}, {7})}),
+                          StatusCode::kInvalidArgument);
+    CHECK_THAT(m, Catch::StartsWith("segment 2: remote index 7 (position 0) repeats segment 0's "
+                                    "remote index 7 (position 1)"));
+    CHECK_THAT(m, Catch::Contains("peer 'decode' region 'k'"));
+  }
+  SECTION("reading one local item twice is fine: only destinations count") {
+    auto plan = f.Plan({Items("kv", "kv", {5, 5}, {1, 2}), Items("kv", "kv", {5}, {3})});
+    REQUIRE(plan.ok());
+    CHECK(plan->items == 3);
+  }
+}
+
+TEST_CASE("Byte segments may not overlap each other or items written in the same region") {
+  Fixture f;
+  using absl::StatusCode;
+  SECTION("two byte segments") {
+    std::string m = Error(f.Plan({Bytes("aux", 0, "aux", 0, 50), Bytes("aux", 50, "aux", 40, 20)}),
+                          StatusCode::kInvalidArgument);
+    CHECK_THAT(m, Catch::StartsWith("segment 1: bytes [40, 60) of peer 'decode' region 'aux' "
+                                    "overlap bytes [0, 50) that segment 0 writes: bytes [40, 50) "
+                                    "would be written twice"));
+    CHECK_THAT(m, Catch::Contains("trim or merge the ranges"));
+    // A range inside a longer earlier one, past a short one in between.
+    m = Error(f.Plan({Bytes("aux", 0, "aux", 0, 90), Bytes("aux", 0, "aux", 10, 5),
+                      Bytes("aux", 0, "aux", 60, 10)}),
+              StatusCode::kInvalidArgument);
+    CHECK_THAT(m, Catch::StartsWith("segment 1: bytes [10, 15)"));
+  }
+  SECTION("an item segment, then a byte segment into one of its items") {
+    std::string m = Error(f.Plan({Items("kv", "kv", {0}, {1}), Bytes("aux", 0, "k", 300, 100)}),
+                          StatusCode::kInvalidArgument);
+    CHECK_THAT(m, Catch::StartsWith("segment 1: bytes [300, 400) of peer 'decode' region 'k' "
+                                    "overlaps item 1 (bytes [256, 512), remote index 1 at "
+                                    "position 0) that segment 0 writes: bytes [300, 400)"));
+  }
+  SECTION("a byte segment, then an item segment over it") {
+    std::string m =
+        Error(f.Plan({Bytes("aux", 0, "v", 500, 20), Items("kv", "kv", {0, 1}, {3, 2})}),
+              StatusCode::kInvalidArgument);
+    CHECK_THAT(m, Catch::StartsWith("segment 1: item 2 (bytes [512, 768), remote index 2 at "
+                                    "position 1) of peer 'decode' region 'v' overlaps bytes "
+                                    "[500, 520) that segment 0 writes: bytes [512, 520)"));
+  }
+  SECTION("adjacent ranges and items are fine") {
+    auto plan = f.Plan({Items("kv", "kv", {0}, {1}), Bytes("aux", 0, "k", 0, 100),
+                        Bytes("aux", 0, "k", 156, 100), Bytes("aux", 0, "k", 512, 100)});
+    REQUIRE(plan.ok());
+  }
+}
+
+TEST_CASE("A READ checks its destinations on the local side") {
+  Fixture f;
+  using absl::StatusCode;
+  std::string m = Error(f.Plan({Items("kv", "kv", {7, 7}, {1, 2})}, 0, v1::READ),
+                        StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::StartsWith("segment 0: local index 7 appears at positions 0 and 1"));
+  CHECK_THAT(m, Catch::Contains("item 7 of local region 'k' (and of every region of its group "
+                                "'kv')"));
+  m = Error(f.Plan({Bytes("aux", 0, "aux", 0, 10), Bytes("aux", 5, "aux", 50, 10)}, 0, v1::READ),
+            StatusCode::kInvalidArgument);
+  CHECK_THAT(m, Catch::StartsWith("segment 1: bytes [5, 15) of local region 'aux' overlap"));
+  // Reading one remote item into two local ones is fine.
+  auto plan = f.Plan({Items("kv", "kv", {1, 2}, {7, 7})}, 0, v1::READ);
+  REQUIRE(plan.ok());
+  CHECK(plan->ops.size() == 2 * 2);
+}
+
+TEST_CASE("A plan with many distinct destination pages is accepted") {
+  ShmMapping local_shm = MakeShm(2 * 4096 * 16);
+  ShmMapping remote_shm = MakeShm(2 * 4096 * 16);
+  RegionRegistry local{&Context()};
+  RegionRegistry remote_registry{&Context()};
+  for (auto [registry, shm] : {std::pair{&local, &local_shm}, {&remote_registry, &remote_shm}}) {
+    REQUIRE(registry
+                ->Register({Spec("k", shm->name(), 0, 4096 * 16, 4096, 16, "kv"),
+                            Spec("v", shm->name(), 4096 * 16, 4096 * 16, 4096, 16, "kv")},
+                           false, Registrant())
+                .ok());
+  }
+  v1::AgentMetadata md;
+  remote_registry.Export(&md, false);
+  md.set_name("decode");
+  md.set_worker_address("w");
+  auto remote = RemoteCatalog::FromMetadata(md);
+  REQUIRE(remote.ok());
+  // Every page once: half scattered in one segment, the other half one page per segment.
+  google::protobuf::RepeatedPtrField<v1::Segment> segments;
+  v1::ItemSegment* items = segments.Add()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  for (uint64_t i = 0; i < 2048; ++i) {
+    items->add_local_indices(i);
+    items->add_remote_indices((i * 7) % 4096);  // distinct: 7 is odd
+  }
+  // The rest of the pages, one segment each.
+  std::vector<bool> used(4096, false);
+  for (uint64_t index : items->remote_indices()) used[index] = true;
+  for (uint64_t page = 0; page < 4096; ++page) {
+    if (used[page]) continue;
+    *segments.Add() = Items("kv", "kv", {page}, {page});
+  }
+  auto plan = PlanTransfer(local, *remote, segments, 0, v1::WRITE);
+  REQUIRE(plan.ok());
+  CHECK(plan->items == 4096);
+  CHECK(plan->bytes == 2 * 4096 * 16);
+  // The same pages again in a READ: all distinct on the local side too.
+  plan = PlanTransfer(local, *remote, segments, 0, v1::READ);
+  CHECK(plan.status().code() == absl::StatusCode::kInvalidArgument);  // locals 0..2047 twice
+  CHECK_THAT(std::string(plan.status().message()), Catch::Contains("local index"));
 }
 
 }  // namespace

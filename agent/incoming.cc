@@ -1,0 +1,283 @@
+#include "agent/incoming.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_join.h"
+#include "agent/status_util.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("incoming");
+
+bool Terminal(v1::TransferPhase phase) {
+  return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
+         phase == v1::TIMED_OUT;
+}
+}  // namespace
+
+IncomingTransfers::IncomingTransfers(IncomingOptions options,
+                                     const registry::RegionRegistry* registry,
+                                     NotificationQueue* queue, SendAck send_ack)
+    : options_(std::move(options)),
+      registry_(registry),
+      queue_(queue),
+      send_ack_(std::move(send_ack)) {}
+
+IncomingTransfers::Key IncomingTransfers::KeyOf(const v1::Notification& n) {
+  return fmt::format("{}\n{:x}\n{}", n.from_agent(), n.sender_incarnation(), n.transfer_id());
+}
+
+std::vector<std::string> IncomingTransfers::OwnersOf(const v1::Notification& n) const {
+  std::vector<std::string> owners;
+  for (const auto& target : n.targets()) {
+    std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
+    if (regions.empty()) {
+      if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
+    }
+    for (const auto& region : regions) {
+      if (std::find(owners.begin(), owners.end(), region->owner) == owners.end()) {
+        owners.push_back(region->owner);
+      }
+    }
+  }
+  return owners;
+}
+
+IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification& n) {
+  const Key key = KeyOf(n);
+  auto it = records_.find(key);
+  if (it != records_.end()) return &it->second;
+  const bool outcome = n.kind() == v1::CANCELLED_BY_PEER || n.kind() == v1::TRANSFER_FAILED ||
+                       n.kind() == v1::TRANSFER_TIMED_OUT;
+  // An outcome always gets its record (it ends at once); a new transfer only while
+  // there is room.
+  if (!outcome && active_ >= options_.max_active) {
+    kLog.Warn("not tracking incoming transfer '{}' from '{}': {} incoming transfers are open "
+              "already; its outcome still reaches its owners",
+              Printable(n.transfer_id()), Printable(n.from_agent()), active_);
+    return nullptr;
+  }
+  Record& r = records_[key];
+  r.state.set_transfer_id(n.transfer_id());
+  r.state.set_peer(n.from_agent());
+  r.state.set_direction(v1::INCOMING);
+  r.state.set_phase(v1::TRANSFERRING);
+  r.state.set_failed_segment(-1);
+  r.state.set_submitted_unix_us(UnixMicros());
+  r.start_us = MonotonicMicros();
+  r.owners = OwnersOf(n);
+  r.state.set_owner(absl::StrJoin(r.owners, ","));
+  ++active_;
+  return &r;
+}
+
+void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
+  absl::MutexLock lock(&mu_);
+  switch (n.kind()) {
+    case v1::PEER_TRANSFER_OPEN: {
+      Record* r = FindOrMake(n);
+      if (r == nullptr || r->ended) return;
+      if (n.op() == v1::WRITE || n.op() == v1::READ) r->state.set_op(n.op());
+      r->expires_us = MonotonicMicros() + (uint64_t{n.timeout_ms()} + options_.grace_ms) * 1000;
+      return;
+    }
+    case v1::DATA_READY: {
+      Record* r = FindOrMake(n);
+      if (r == nullptr) {
+        // Untracked (no room): acknowledge and deliver at once; the commit finds nothing.
+        Record lone;
+        lone.owners = OwnersOf(n);
+        lone.held = std::make_unique<v1::Notification>(n);
+        lone.reply_ep = reply_ep;
+        lone.ack_token = n.ack_token();
+        Key key = KeyOf(n);
+        records_.emplace(key, std::move(lone));
+        ++active_;
+        return;
+      }
+      // Ended already (its deadline passed here): no ack, so the sender fails too.
+      if (r->ended) return;
+      r->reply_ep = reply_ep;
+      r->ack_token = n.ack_token();
+      r->held = std::make_unique<v1::Notification>(n);
+      r->state.set_bytes_total(n.bytes());
+      return;
+    }
+    case v1::PEER_DATA_COMMIT: {
+      auto it = records_.find(KeyOf(n));
+      if (it == records_.end() || it->second.ended || it->second.held == nullptr) return;
+      Record& r = it->second;
+      const v1::Notification held = *r.held;
+      EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, held, absl::OkStatus());
+      return;
+    }
+    case v1::CANCELLED_BY_PEER:
+    case v1::TRANSFER_FAILED:
+    case v1::TRANSFER_TIMED_OUT: {
+      Record* r = FindOrMake(n);
+      if (r == nullptr || r->ended) return;
+      const v1::TransferPhase phase = n.kind() == v1::CANCELLED_BY_PEER    ? v1::CANCELLED
+                                      : n.kind() == v1::TRANSFER_FAILED ? v1::FAILED
+                                                                        : v1::TIMED_OUT;
+      absl::Status why(static_cast<absl::StatusCode>(n.error_code()), n.error_message());
+      if (phase == v1::CANCELLED && why.ok()) {
+        why = absl::CancelledError(fmt::format("the sender '{}' cancelled it", n.from_agent()));
+      }
+      EndLocked(KeyOf(n), *r, phase, n.kind(), n, why);
+      return;
+    }
+    default:
+      kLog.Warn("ignored a notice of kind {} from '{}' (a newer agent?)", static_cast<int>(n.kind()),
+                Printable(n.from_agent()));
+  }
+}
+
+void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Status& status) {
+  void* reply_ep = nullptr;
+  v1::TransferAck ack;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = records_.find(KeyOf(n));
+    if (it == records_.end() || it->second.reply_ep == nullptr) return;
+    Record& r = it->second;
+    reply_ep = std::exchange(r.reply_ep, nullptr);
+    ack.set_from_agent(options_.self_name);
+    ack.set_transfer_id(n.transfer_id());
+    ack.set_sender_incarnation(n.sender_incarnation());
+    ack.set_ack_token(r.ack_token);
+    if (!status.ok()) {
+      ack.set_error_code(static_cast<int32_t>(status.code()));
+      ack.set_error_message(std::string(status.message()));
+      if (!r.ended) EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, status);
+    } else if (r.state.direction() != v1::INCOMING) {
+      // Untracked: nobody will look it up, so deliver now.
+      v1::Notification out = *r.held;
+      out.clear_ack_token();
+      out.set_received_unix_us(UnixMicros());
+      queue_->Push(QueuedNotification{std::move(out), r.owners});
+      records_.erase(it);
+      --active_;
+    }
+  }
+  send_ack_(reply_ep, ack);
+}
+
+void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase phase,
+                                  v1::NotificationKind kind, const v1::Notification& from,
+                                  const absl::Status& status) {
+  if (r.ended) return;
+  r.ended = true;
+  --active_;
+  r.held.reset();
+  r.reply_ep = nullptr;
+  r.state.set_phase(phase);
+  r.state.set_error_code(static_cast<int32_t>(status.code()));
+  r.state.set_error_message(std::string(status.message()));
+  r.state.set_latency_us(MonotonicMicros() - r.start_us);
+  if (phase == v1::COMPLETED) {
+    r.state.set_bytes_done(r.state.bytes_total());
+    r.state.set_drained(true);
+  }
+  v1::Notification out;
+  out.set_from_agent(from.from_agent());
+  out.set_transfer_id(from.transfer_id());
+  out.set_kind(kind);
+  out.set_sender_incarnation(from.sender_incarnation());
+  out.set_received_unix_us(UnixMicros());
+  *out.mutable_targets() = from.targets();
+  if (kind == v1::DATA_READY) {
+    out.set_payload(from.payload());
+    out.set_bytes(from.bytes());
+    out.set_staged_bytes(from.staged_bytes());
+  } else {
+    out.set_bytes(from.bytes());
+    out.set_error_code(static_cast<int32_t>(status.code()));
+    out.set_error_message(std::string(status.message()));
+  }
+  // The owners as they were when the transfer began; the targets' owners now, when it
+  // was never opened here.
+  std::vector<std::string> owners = r.owners.empty() ? OwnersOf(out) : r.owners;
+  queue_->Push(QueuedNotification{std::move(out), std::move(owners)});
+  ended_order_.push_back(key);
+  PruneLocked();
+}
+
+void IncomingTransfers::Expire() {
+  const uint64_t now = MonotonicMicros();
+  absl::MutexLock lock(&mu_);
+  if (active_ == 0) return;
+  for (auto& [key, r] : records_) {
+    if (r.ended || r.expires_us == 0 || now < r.expires_us) continue;
+    v1::Notification from;
+    from.set_from_agent(r.state.peer());
+    from.set_transfer_id(r.state.transfer_id());
+    EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, from,
+              absl::DeadlineExceededError(fmt::format(
+                  "transfer '{}' from '{}': no outcome came from the sender within its deadline "
+                  "plus {} ms (the sender may have died or lost the link); the pages it targets "
+                  "hold no reliable data",
+                  Printable(r.state.transfer_id()), Printable(r.state.peer()),
+                  options_.grace_ms)));
+  }
+}
+
+void IncomingTransfers::PruneLocked() {
+  while (ended_order_.size() > options_.max_finished) {
+    records_.erase(ended_order_.front());
+    ended_order_.pop_front();
+  }
+}
+
+bool IncomingTransfers::Visible(const Record& r, const Caller& caller) const {
+  if (caller.scheduler) return true;
+  return std::find(r.owners.begin(), r.owners.end(), caller.principal) != r.owners.end();
+}
+
+absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer,
+                                                         const std::string& id,
+                                                         const Caller& caller) const {
+  absl::MutexLock lock(&mu_);
+  const v1::TransferState* found = nullptr;
+  for (const auto& [key, r] : records_) {
+    if (r.state.direction() != v1::INCOMING || r.state.transfer_id() != id) continue;
+    if (!peer.empty() && r.state.peer() != peer) continue;
+    if (!Visible(r, caller)) continue;
+    // The newest when a peer reused the id across restarts.
+    if (found == nullptr || r.state.submitted_unix_us() > found->submitted_unix_us()) {
+      found = &r.state;
+    }
+  }
+  if (found == nullptr) {
+    return absl::NotFoundError(fmt::format(
+        "no incoming transfer '{}'{} is known here that you may see (ended ones are kept for the "
+        "last {}); list them with `kvagentctl transfers --incoming`",
+        Printable(id, 256), peer.empty() ? "" : fmt::format(" from '{}'", Printable(peer)),
+        options_.max_finished));
+  }
+  return *found;
+}
+
+std::vector<v1::TransferState> IncomingTransfers::List(bool active_only, const Caller& caller) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::TransferState> out;
+  for (const auto& [key, r] : records_) {
+    if (r.state.direction() != v1::INCOMING || !Visible(r, caller)) continue;
+    if (active_only && Terminal(r.state.phase())) continue;
+    out.push_back(r.state);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.submitted_unix_us() < b.submitted_unix_us();
+  });
+  return out;
+}
+
+uint64_t IncomingTransfers::active() const {
+  absl::MutexLock lock(&mu_);
+  return active_;
+}
+
+}  // namespace kvagent::agent

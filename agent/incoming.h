@@ -1,0 +1,102 @@
+// IncomingTransfers is the receiving side of the transfer contract: every transfer a
+// peer runs into (WRITE) or out of (READ) this agent's regions, from the peer's OPEN to
+// its one outcome. It acknowledges DATA_READY once the data is in place, holds the
+// client notification until the sender commits (so the sender's state is final
+// first), turns the sender's outcome notices, or a deadline that passes without one,
+// into exactly one notification for the owners of the regions involved, and lists
+// incoming transfers. Used by the transfer engine (notices, on the worker thread)
+// and the gRPC service (queries).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/access.h"
+#include "agent/notification_queue.h"
+#include "proto/kvagent.pb.h"
+#include "registry/region_registry.h"
+
+namespace kvagent::agent {
+
+// Active message 5: a receiver's TransferAck, sent over the reply endpoint of the
+// DATA_READY it answers.
+inline constexpr uint16_t kTransferAckAmId = 5;
+
+struct IncomingOptions {
+  std::string self_name;
+  // Past the sender's deadline (as its OPEN gave it) before an incoming transfer
+  // without an outcome ends TIMED_OUT here.
+  uint32_t grace_ms = 2000;
+  uint32_t max_finished = 10000;  // ended incoming transfers kept for queries
+  uint32_t max_active = 65536;    // open incoming transfers tracked at once
+};
+
+class IncomingTransfers {
+ public:
+  // Sends `ack` over `reply_ep` (worker thread).
+  using SendAck = std::function<void(void* reply_ep, const v1::TransferAck& ack)>;
+
+  IncomingTransfers(IncomingOptions options, const registry::RegionRegistry* registry,
+                    NotificationQueue* queue, SendAck send_ack);
+
+  // Worker thread, for notices that passed authentication. A DATA_READY records its
+  // reply endpoint; it is acknowledged by DataInPlace (at once, or once its staged
+  // bytes arrived).
+  void OnNotice(const v1::Notification& notice, void* reply_ep);
+  // Worker thread: the data of DATA_READY `notice` is in place (`status` OK), or never
+  // will be (the status says why: the sender's transfer fails with it). Acknowledges.
+  void DataInPlace(const v1::Notification& notice, const absl::Status& status);
+  // Ends incoming transfers whose deadline plus grace passed without an outcome
+  // (TRANSFER_TIMED_OUT to their owners). Any thread; call it often.
+  void Expire();
+
+  // An incoming transfer by id (and sending agent, when not empty) that `caller` may
+  // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise.
+  absl::StatusOr<v1::TransferState> Get(const std::string& peer, const std::string& id,
+                                        const Caller& caller) const;
+  std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
+  uint64_t active() const;
+
+ private:
+  struct Record {
+    v1::TransferState state;
+    std::vector<std::string> owners;  // principals owning its targets
+    uint64_t start_us = 0;            // monotonic, when first heard of
+    uint64_t expires_us = 0;          // monotonic; 0: no deadline known
+    void* reply_ep = nullptr;         // of DATA_READY, until acknowledged
+    uint64_t ack_token = 0;
+    std::unique_ptr<v1::Notification> held;  // DATA_READY, until the commit
+    bool ended = false;                      // its one outcome was delivered
+  };
+  using Key = std::string;  // sender, incarnation, transfer id
+  static Key KeyOf(const v1::Notification& n);
+
+  // The record of `n` (made when missing and there is room; null otherwise).
+  Record* FindOrMake(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> OwnersOf(const v1::Notification& n) const;
+  // Delivers `kind` to the record's owners, once, and ends the record.
+  void EndLocked(const Key& key, Record& r, v1::TransferPhase phase, v1::NotificationKind kind,
+                 const v1::Notification& from, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Visible(const Record& r, const Caller& caller) const;
+
+  const IncomingOptions options_;
+  const registry::RegionRegistry* registry_;
+  NotificationQueue* queue_;
+  SendAck send_ack_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<Key, Record> records_ ABSL_GUARDED_BY(mu_);
+  uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<Key> ended_order_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvagent::agent

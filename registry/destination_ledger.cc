@@ -1,0 +1,272 @@
+#include "registry/destination_ledger.h"
+
+#include <algorithm>
+#include <iterator>
+#include <tuple>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "fmt/format.h"
+#include "transport/base/text.h"
+
+namespace kvagent::registry {
+
+namespace {
+
+using Range = std::pair<uint64_t, uint64_t>;  // [begin, end)
+
+// Sorts by begin: an LSD radix sort on 11-bit digits of the begin offsets (as many
+// digits as the largest offset needs), since a plan of scattered pages gives a region
+// up to millions of ranges; std::sort for small slices.
+void SortByBegin(std::vector<Range>::iterator first, std::vector<Range>::iterator last) {
+  const size_t n = static_cast<size_t>(last - first);
+  if (n < 1024) {
+    std::sort(first, last);
+    return;
+  }
+  uint64_t max = 0;
+  for (auto it = first; it != last; ++it) max = std::max(max, it->first);
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  std::vector<Range> buffer(n);
+  Range* from = &*first;
+  Range* to = buffer.data();
+  bool in_buffer = false;
+  for (int shift = 0; shift < 64 && (max >> shift) != 0; shift += kBits) {
+    size_t counts[kBuckets + 1] = {};
+    for (size_t i = 0; i < n; ++i) ++counts[((from[i].first >> shift) & (kBuckets - 1)) + 1];
+    for (size_t b = 1; b <= kBuckets; ++b) counts[b] += counts[b - 1];
+    for (size_t i = 0; i < n; ++i)
+      to[counts[(from[i].first >> shift) & (kBuckets - 1)]++] = from[i];
+    std::swap(from, to);
+    in_buffer = !in_buffer;
+  }
+  if (in_buffer) std::copy(buffer.begin(), buffer.end(), first);
+}
+
+}  // namespace
+
+std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::TransferOp op,
+                                                const RemoteCatalog& remote) {
+  const bool read = op == v1::READ;
+  // Regions are numbered: WRITE by rkey slot (the catalog's order), READ by base
+  // address among the plan's pinned local regions; `known` stands for an op outside
+  // every region, which PlanTransfer never makes (claimed by address, so it still
+  // conflicts with itself).
+  std::vector<const Region*> locals;
+  if (read) {
+    for (const RegionPtr& region : plan.local_regions) locals.push_back(region.get());
+    std::sort(locals.begin(), locals.end(),
+              [](const Region* a, const Region* b) { return a->base_address < b->base_address; });
+  }
+  const size_t known = read ? locals.size() : remote.regions().size();
+  auto region_of = [&](const PlanOp& o, uint64_t address) -> std::pair<size_t, uint64_t> {
+    if (!read) {
+      if (o.rkey_slot < known) return {o.rkey_slot, remote.regions()[o.rkey_slot].base_address};
+      return {known, 0};
+    }
+    auto inside = [&](const Region* r) {
+      return (r->spec.memory() == v1::VRAM) == o.local_device && address >= r->base_address &&
+             address - r->base_address < r->spec.length();
+    };
+    auto it = std::upper_bound(locals.begin(), locals.end(), address,
+                               [](uint64_t a, const Region* r) { return a < r->base_address; });
+    if (it == locals.begin() || !inside(*std::prev(it))) {
+      it = std::find_if(locals.begin(), locals.end(), inside);  // a host/device address clash
+      if (it == locals.end()) return {known, 0};
+      ++it;
+    }
+    const size_t index = static_cast<size_t>(std::prev(it) - locals.begin());
+    return {index, locals[index]->base_address};
+  };
+
+  // 1. Each op's region, numbered densely in order of first use (ops come region-major,
+  //    so the last lookup is nearly always the answer).
+  std::vector<size_t> dense_regions;  // dense id -> region index
+  absl::flat_hash_map<size_t, uint32_t> dense_ids;
+  std::vector<uint32_t> ids(plan.ops.size());
+  std::vector<uint64_t> offsets(plan.ops.size());
+  size_t last_region = SIZE_MAX;
+  uint32_t last_id = 0;
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const PlanOp& o = plan.ops[i];
+    const uint64_t address = read ? o.local_address : o.remote_address;
+    const auto [region, base] = region_of(o, address);
+    if (region != last_region) {
+      auto [it, inserted] =
+          dense_ids.try_emplace(region, static_cast<uint32_t>(dense_regions.size()));
+      if (inserted) dense_regions.push_back(region);
+      last_region = region;
+      last_id = it->second;
+    }
+    ids[i] = last_id;
+    offsets[i] = address - base;
+  }
+  // 2. Ranges grouped by region (a counting sort), then by offset within each.
+  std::vector<size_t> starts(dense_regions.size() + 1, 0);
+  for (uint32_t id : ids) ++starts[id + 1];
+  for (size_t d = 1; d < starts.size(); ++d) starts[d] += starts[d - 1];
+  std::vector<std::pair<uint64_t, uint64_t>> ranges(plan.ops.size());
+  {
+    std::vector<size_t> next(starts.begin(), starts.end() - 1);
+    for (size_t i = 0; i < plan.ops.size(); ++i) {
+      ranges[next[ids[i]]++] = {offsets[i], offsets[i] + plan.ops[i].length};
+    }
+  }
+  std::vector<size_t> order(dense_regions.size());
+  for (size_t d = 0; d < order.size(); ++d) order[d] = d;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return dense_regions[a] < dense_regions[b]; });
+  // 3. Touching ranges merge.
+  std::vector<DestinationRange> out;
+  for (size_t d : order) {
+    const size_t region = dense_regions[d];
+    const std::string name =
+        region < known ? (read ? locals[region]->spec.name() : remote.regions()[region].name)
+                       : std::string(read ? "local@address" : "remote@address");
+    auto first = ranges.begin() + static_cast<std::ptrdiff_t>(starts[d]);
+    auto last = ranges.begin() + static_cast<std::ptrdiff_t>(starts[d + 1]);
+    if (!std::is_sorted(first, last)) SortByBegin(first, last);
+    const size_t begin_out = out.size();
+    for (auto it = first; it != last; ++it) {
+      if (it->first == it->second) continue;
+      if (out.size() > begin_out && it->first <= out.back().end) {
+        out.back().end = std::max(out.back().end, it->second);
+        continue;
+      }
+      out.push_back(DestinationRange{name, it->first, it->second});
+    }
+  }
+  return out;
+}
+
+std::string DestinationKey(v1::TransferOp op, const std::string& peer) {
+  return op == v1::READ ? std::string("local") : "peer:" + peer;
+}
+
+absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std::string& key,
+                                      const std::vector<DestinationRange>& ranges) {
+  std::vector<const DestinationRange*> sorted;
+  sorted.reserve(ranges.size());
+  for (const DestinationRange& range : ranges) {
+    if (range.end < range.begin) {
+      return absl::InvalidArgumentError(
+          fmt::format("transfer '{}': range [{}, {}) of region '{}' ends before it begins; give "
+                      "[begin, end) with begin <= end",
+                      Printable(transfer_id), range.begin, range.end, Printable(range.region)));
+    }
+    if (range.end > range.begin) sorted.push_back(&range);
+  }
+  std::sort(sorted.begin(), sorted.end(), [](const DestinationRange* a, const DestinationRange* b) {
+    return std::tie(a->region, a->begin) < std::tie(b->region, b->begin);
+  });
+
+  absl::MutexLock lock(&mu_);
+  const Holder* self = nullptr;
+  if (auto it = holders_.find(transfer_id); it != holders_.end()) self = &it->second;
+  Regions* regions = nullptr;
+  if (auto it = keys_.find(key); it != keys_.end()) regions = &it->second;
+
+  auto refuse = [&](const DestinationRange& range, uint64_t other_begin, uint64_t other_end,
+                    const Holder* other) {
+    const std::string where = fmt::format(
+        "transfer '{}': bytes [{}, {}) of region '{}' (destination '{}') overlap "
+        "bytes [{}, {})",
+        Printable(transfer_id), range.begin, range.end, Printable(range.region), Printable(key),
+        other_begin, other_end);
+    if (other == nullptr) {
+      return absl::FailedPreconditionError(fmt::format(
+          "{} that this chunk also writes; a transfer writes each destination byte once: name "
+          "each page once",
+          where));
+    }
+    if (other == self) {
+      return absl::FailedPreconditionError(fmt::format(
+          "{} that an earlier chunk of this transfer writes; a transfer writes each "
+          "destination byte once: drop the repeated pages from this chunk, or move them to a "
+          "later transfer that starts after this one ends",
+          where));
+    }
+    return absl::FailedPreconditionError(fmt::format(
+        "{} that transfer '{}' is still writing; two transfers may not write the same "
+        "destination at once: wait until transfer '{}' has ended (or cancel it), then submit "
+        "again",
+        where, Printable(other->transfer_id), Printable(other->transfer_id)));
+  };
+
+  const Intervals* intervals = nullptr;
+  const DestinationRange* widest = nullptr;  // of this claim, in the current region
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const DestinationRange& range = *sorted[i];
+    if (i == 0 || range.region != sorted[i - 1]->region) {
+      widest = nullptr;
+      intervals = nullptr;
+      if (regions != nullptr) {
+        if (auto it = regions->find(range.region); it != regions->end()) intervals = &it->second;
+      }
+    }
+    if (widest != nullptr && range.begin < widest->end) {
+      return refuse(range, widest->begin, widest->end, nullptr);
+    }
+    if (widest == nullptr || range.end > widest->end) widest = &range;
+    if (intervals == nullptr) continue;
+    // Claimed ranges do not overlap each other, so only the last one starting at or
+    // before `begin` and the first one starting after it can meet [begin, end).
+    auto next = intervals->upper_bound(range.begin);
+    if (next != intervals->begin()) {
+      auto prev = std::prev(next);
+      if (prev->second.end > range.begin) {
+        return refuse(range, prev->first, prev->second.end, prev->second.holder);
+      }
+    }
+    if (next != intervals->end() && next->first < range.end) {
+      return refuse(range, next->first, next->second.end, next->second.holder);
+    }
+  }
+  if (sorted.empty()) return absl::OkStatus();
+
+  Holder& holder = holders_[transfer_id];
+  holder.transfer_id = transfer_id;
+  Regions& key_regions = keys_[key];
+  Held* held = nullptr;
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const DestinationRange& range = *sorted[i];
+    if (i == 0 || range.region != sorted[i - 1]->region) {
+      Intervals* target = &key_regions[range.region];
+      held = nullptr;
+      for (Held& h : holder.held) {
+        if (h.intervals == target) held = &h;
+      }
+      if (held == nullptr) {
+        holder.held.push_back(Held{key, range.region, target, {}});
+        held = &holder.held.back();
+      }
+    }
+    held->intervals->emplace(range.begin, Claimed{range.end, &holder});
+    held->begins.push_back(range.begin);
+    ++claimed_;
+  }
+  return absl::OkStatus();
+}
+
+void DestinationLedger::Release(const std::string& transfer_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = holders_.find(transfer_id);
+  if (it == holders_.end()) return;
+  for (Held& held : it->second.held) {
+    for (uint64_t begin : held.begins) claimed_ -= held.intervals->erase(begin);
+    if (!held.intervals->empty()) continue;
+    // No transfer holds anything there: drop the region (and the key) from the map.
+    auto key = keys_.find(held.key);
+    key->second.erase(held.region);
+    if (key->second.empty()) keys_.erase(key);
+  }
+  holders_.erase(it);
+}
+
+size_t DestinationLedger::claimed_ranges() const {
+  absl::MutexLock lock(&mu_);
+  return claimed_;
+}
+
+}  // namespace kvagent::registry

@@ -1,0 +1,272 @@
+#include "registry/destination_ledger.h"
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "fmt/format.h"
+#include "tests/unit/registry/test_util.h"
+
+namespace kvagent::registry {
+namespace {
+
+using testing::Context;
+using testing::MakeShm;
+using testing::Registrant;
+using testing::Spec;
+
+std::string Refused(const absl::Status& status,
+                    absl::StatusCode code = absl::StatusCode::kFailedPrecondition) {
+  REQUIRE_FALSE(status.ok());
+  CHECK(status.code() == code);
+  return std::string(status.message());
+}
+
+TEST_CASE("A range another transfer is writing is refused, naming that transfer") {
+  DestinationLedger ledger;
+  REQUIRE(ledger.Claim("req-a", "peer:decode", {{"k.L0", 0, 1024}, {"v.L0", 0, 1024}}).ok());
+  CHECK(ledger.claimed_ranges() == 2);
+  std::string m = Refused(ledger.Claim("req-b", "peer:decode", {{"k.L0", 512, 2048}}));
+  CHECK_THAT(m, Catch::StartsWith("transfer 'req-b': bytes [512, 2048) of region 'k.L0' "
+                                  "(destination 'peer:decode') overlap bytes [0, 1024) that "
+                                  "transfer 'req-a' is still writing"));
+  CHECK_THAT(m, Catch::Contains("wait until transfer 'req-a' has ended (or cancel it)"));
+  // The range before, the one after, a range inside it.
+  Refused(ledger.Claim("req-b", "peer:decode", {{"v.L0", 1023, 1024}}));
+  Refused(ledger.Claim("req-b", "peer:decode", {{"v.L0", 0, 1}}));
+  Refused(ledger.Claim("req-b", "peer:decode", {{"v.L0", 100, 200}}));
+  Refused(ledger.Claim("req-b", "peer:decode", {{"v.L0", 0, 4096}}));
+  CHECK(ledger.claimed_ranges() == 2);
+}
+
+TEST_CASE("Adjacent ranges, other regions and other destinations are independent") {
+  DestinationLedger ledger;
+  REQUIRE(ledger.Claim("a", "peer:decode", {{"k", 1000, 2000}}).ok());
+  CHECK(ledger.Claim("b", "peer:decode", {{"k", 0, 1000}, {"k", 2000, 3000}}).ok());
+  CHECK(ledger.Claim("c", "peer:decode", {{"v", 1000, 2000}}).ok());
+  CHECK(ledger.Claim("d", "peer:other", {{"k", 1000, 2000}}).ok());
+  CHECK(ledger.Claim("e", "local", {{"k", 1000, 2000}}).ok());
+  CHECK(ledger.claimed_ranges() == 6);
+  // Empty ranges claim nothing; a reversed one is a caller error.
+  CHECK(ledger.Claim("f", "peer:decode", {{"k", 1500, 1500}}).ok());
+  CHECK(ledger.claimed_ranges() == 6);
+  Refused(ledger.Claim("f", "peer:decode", {{"k", 10, 5}}), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("A later chunk writing what an earlier chunk of the same transfer wrote is refused") {
+  DestinationLedger ledger;
+  REQUIRE(ledger.Claim("req", "peer:decode", {{"k", 0, 256}}).ok());
+  REQUIRE(ledger.Claim("req", "peer:decode", {{"k", 256, 512}}).ok());  // next pages: fine
+  std::string m = Refused(ledger.Claim("req", "peer:decode", {{"k", 128, 384}}));
+  CHECK_THAT(m, Catch::StartsWith("transfer 'req': bytes [128, 384) of region 'k'"));
+  CHECK_THAT(m, Catch::Contains("that an earlier chunk of this transfer writes"));
+  // Within one claim too.
+  m = Refused(ledger.Claim("other", "peer:decode", {{"v", 0, 100}, {"v", 50, 60}}));
+  CHECK_THAT(m, Catch::Contains("bytes [50, 60) of region 'v'"));
+  CHECK_THAT(m, Catch::Contains("overlap bytes [0, 100) that this chunk also writes"));
+  CHECK(ledger.claimed_ranges() == 2);
+}
+
+TEST_CASE("A refused claim claims nothing; Release frees a transfer's ranges") {
+  DestinationLedger ledger;
+  REQUIRE(ledger.Claim("a", "peer:decode", {{"k", 0, 100}}).ok());
+  // The first range is free, the second is not: neither is claimed.
+  Refused(ledger.Claim("b", "peer:decode", {{"aux", 0, 10}, {"k", 50, 60}}));
+  CHECK(ledger.claimed_ranges() == 1);
+  REQUIRE(ledger.Claim("c", "peer:decode", {{"aux", 0, 10}}).ok());
+  ledger.Release("a");
+  CHECK(ledger.claimed_ranges() == 1);
+  CHECK(ledger.Claim("b", "peer:decode", {{"k", 50, 60}}).ok());
+  ledger.Release("b");
+  ledger.Release("c");
+  ledger.Release("never-claimed");
+  CHECK(ledger.claimed_ranges() == 0);
+  CHECK(ledger.Claim("a", "peer:decode", {{"k", 0, 100}, {"aux", 0, 10}}).ok());
+}
+
+TEST_CASE("Many ranges claim and release without a search per range") {
+  DestinationLedger ledger;
+  std::vector<DestinationRange> even, odd;
+  for (uint64_t page = 0; page < 100000; ++page) {
+    (page % 2 == 0 ? even : odd).push_back({"k", page * 16, page * 16 + 16});
+  }
+  REQUIRE(ledger.Claim("even", "peer:decode", even).ok());
+  REQUIRE(ledger.Claim("odd", "peer:decode", odd).ok());
+  CHECK(ledger.claimed_ranges() == 100000);
+  std::string m = Refused(ledger.Claim("late", "peer:decode", {{"k", 16 * 77777 + 8, 16 * 77778}}));
+  CHECK_THAT(m, Catch::Contains("transfer 'odd' is still writing"));
+  ledger.Release("even");
+  CHECK(ledger.claimed_ranges() == 50000);
+  ledger.Release("odd");
+  CHECK(ledger.claimed_ranges() == 0);
+}
+
+TEST_CASE("Concurrent claims and releases keep every range with one writer") {
+  DestinationLedger ledger;
+  std::atomic<int> holders{0};
+  std::atomic<int> wins{0};
+  std::atomic<bool> broken{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 500; ++i) {
+        const std::string id = fmt::format("t{}-{}", t, i);
+        // Its own pages, always free, plus one page every thread wants.
+        if (!ledger.Claim(id, "peer:decode", {{"k", uint64_t(t) * 4096, uint64_t(t + 1) * 4096}})
+                 .ok()) {
+          broken = true;
+        }
+        if (ledger.Claim(id, "peer:decode", {{"shared", 0, 256}}).ok()) {
+          if (holders.fetch_add(1) != 0) broken = true;
+          ++wins;
+          holders.fetch_sub(1);
+        }
+        ledger.Release(id);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  CHECK_FALSE(broken);
+  CHECK(wins > 0);
+  CHECK(ledger.claimed_ranges() == 0);
+}
+
+std::vector<std::string> Text(const std::vector<DestinationRange>& ranges) {
+  std::vector<std::string> text;
+  for (const DestinationRange& r : ranges) {
+    text.push_back(fmt::format("{} [{}, {})", r.region, r.begin, r.end));
+  }
+  return text;
+}
+
+// A plan's destinations, by region name: the peer's regions for WRITE, ours for READ.
+TEST_CASE("DestinationRanges names a plan's destination regions and merges runs") {
+  ShmMapping local_shm = MakeShm(16384);
+  ShmMapping remote_shm = MakeShm(16384);
+  RegionRegistry local{&Context()};
+  RegionRegistry remote_registry{&Context()};
+  REQUIRE(local
+              .Register({Spec("lk", local_shm.name(), 0, 4096, 16, 256, "kv"),
+                         Spec("lv", local_shm.name(), 4096, 4096, 16, 256, "kv"),
+                         Spec("laux", local_shm.name(), 8192, 100, 1, 100)},
+                        false, Registrant())
+              .ok());
+  REQUIRE(remote_registry
+              .Register({Spec("rk", remote_shm.name(), 0, 4096, 16, 256, "kv"),
+                         Spec("rv", remote_shm.name(), 4096, 4096, 16, 256, "kv"),
+                         Spec("raux", remote_shm.name(), 8192, 100, 1, 100)},
+                        false, Registrant())
+              .ok());
+  v1::AgentMetadata md;
+  remote_registry.Export(&md, false);
+  md.set_name("decode");
+  md.set_worker_address("w");
+  auto remote = RemoteCatalog::FromMetadata(md);
+  REQUIRE(remote.ok());
+
+  google::protobuf::RepeatedPtrField<v1::Segment> segments;
+  v1::ItemSegment* items = segments.Add()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  for (uint64_t i : {0, 1, 2, 9}) items->add_local_indices(i);
+  for (uint64_t i : {5, 3, 4, 7}) items->add_remote_indices(i);  // 3, 4, 5 contiguous
+  v1::ByteSegment* bytes = segments.Add()->mutable_bytes();
+  bytes->set_local_region("laux");
+  bytes->set_local_offset(10);
+  bytes->set_remote_region("raux");
+  bytes->set_remote_offset(20);
+  bytes->set_length(30);
+
+  auto plan = PlanTransfer(local, *remote, segments, 0, v1::WRITE);
+  REQUIRE(plan.ok());
+  // By rkey slot (rk, rv, raux), by offset within one; pages 3-5 become one range.
+  CHECK(Text(DestinationRanges(*plan, v1::WRITE, *remote)) ==
+        std::vector<std::string>{"rk [768, 1536)", "rk [1792, 2048)", "rv [768, 1536)",
+                                 "rv [1792, 2048)", "raux [20, 50)"});
+  CHECK(DestinationKey(v1::WRITE, "decode") == "peer:decode");
+
+  plan = PlanTransfer(local, *remote, segments, 0, v1::READ);
+  REQUIRE(plan.ok());
+  // Local regions come in address order, which mmap chose: compare sorted.
+  std::vector<std::string> text = Text(DestinationRanges(*plan, v1::READ, *remote));
+  std::sort(text.begin(), text.end());
+  CHECK(text == std::vector<std::string>{"laux [10, 40)", "lk [0, 768)", "lk [2304, 2560)",
+                                         "lv [0, 768)", "lv [2304, 2560)"});
+  CHECK(DestinationKey(v1::READ, "decode") == "local");
+
+  // A second chunk that writes page 7 again: each plan alone is fine, the ledger is not.
+  DestinationLedger ledger;
+  plan = PlanTransfer(local, *remote, segments, 0, v1::WRITE);
+  REQUIRE(plan.ok());
+  REQUIRE(ledger.Claim("req", "peer:decode", DestinationRanges(*plan, v1::WRITE, *remote)).ok());
+  google::protobuf::RepeatedPtrField<v1::Segment> chunk;
+  v1::ItemSegment* again = chunk.Add()->mutable_items();
+  again->set_local_group("kv");
+  again->set_remote_group("kv");
+  again->add_local_indices(11);
+  again->add_remote_indices(7);
+  auto second = PlanTransfer(local, *remote, chunk, 2, v1::WRITE);
+  REQUIRE(second.ok());
+  std::string m =
+      Refused(ledger.Claim("req", "peer:decode", DestinationRanges(*second, v1::WRITE, *remote)));
+  CHECK_THAT(m, Catch::Contains("bytes [1792, 2048) of region 'rk'"));
+  CHECK_THAT(m, Catch::Contains("an earlier chunk of this transfer"));
+}
+
+TEST_CASE("DestinationRanges sorts thousands of scattered pages per region") {
+  // 8192 pages of 16 bytes, and 2048 of 1 byte (offsets that fit one radix digit).
+  const auto [kItems, kBytes] = GENERATE(table<uint64_t, uint64_t>({{8192, 16}, {2048, 1}}));
+  ShmMapping local_shm = MakeShm(2 * kItems * kBytes);
+  ShmMapping remote_shm = MakeShm(2 * kItems * kBytes);
+  RegionRegistry local{&Context()};
+  RegionRegistry remote_registry{&Context()};
+  for (auto [registry, shm] : {std::pair{&local, &local_shm}, {&remote_registry, &remote_shm}}) {
+    REQUIRE(registry
+                ->Register({Spec("k", shm->name(), 0, kItems * kBytes, kItems, kBytes, "kv"),
+                            Spec("v", shm->name(), kItems * kBytes, kItems * kBytes, kItems, kBytes,
+                                 "kv")},
+                           false, Registrant())
+                .ok());
+  }
+  v1::AgentMetadata md;
+  remote_registry.Export(&md, false);
+  md.set_name("decode");
+  md.set_worker_address("w");
+  auto remote = RemoteCatalog::FromMetadata(md);
+  REQUIRE(remote.ok());
+  // Every other page (so no two touch), in a scrambled order, from pages 0.. locally.
+  std::vector<uint64_t> pages;
+  for (uint64_t i = 0; i < kItems / 2; ++i) pages.push_back(2 * ((i * 1237) % (kItems / 2)));
+  google::protobuf::RepeatedPtrField<v1::Segment> segments;
+  v1::ItemSegment* items = segments.Add()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  for (uint64_t i = 0; i < pages.size(); ++i) {
+    items->add_local_indices(i);
+    items->add_remote_indices(pages[i]);
+  }
+  auto plan = PlanTransfer(local, *remote, segments, 0, v1::WRITE);
+  REQUIRE(plan.ok());
+  const std::vector<DestinationRange> ranges = DestinationRanges(*plan, v1::WRITE, *remote);
+  REQUIRE(ranges.size() == kItems);  // kItems / 2 in each of k and v
+  bool ordered = true;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const uint64_t page = 2 * (i % (kItems / 2));
+    ordered = ordered && ranges[i].region == (i < kItems / 2 ? "k" : "v") &&
+              ranges[i].begin == page * kBytes && ranges[i].end == page * kBytes + kBytes;
+  }
+  CHECK(ordered);
+  // READ: the local side is written, pages 0..kItems/2-1, contiguous: one range each.
+  plan = PlanTransfer(local, *remote, segments, 0, v1::READ);
+  REQUIRE(plan.ok());
+  std::vector<std::string> text = Text(DestinationRanges(*plan, v1::READ, *remote));
+  std::sort(text.begin(), text.end());
+  const std::string half = fmt::format("[0, {})", kItems / 2 * kBytes);
+  CHECK(text == std::vector<std::string>{"k " + half, "v " + half});
+}
+
+}  // namespace
+}  // namespace kvagent::registry
