@@ -16,6 +16,7 @@
 #include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "agent/tls.h"
+#include "client/session_wire.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
@@ -25,11 +26,60 @@ namespace {
 constexpr log::Logger kLog("service");
 constexpr log::Logger kAudit("audit");
 
-grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl::Status& status) {
+grpc::ByteBuffer ToByteBuffer(const google::protobuf::MessageLite& message) {
+  grpc::Slice slice(message.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+using Reply = std::function<void(absl::Status)>;
+
+// Parses a request gRPC handed over as bytes: INVALID_ARGUMENT with the parser's
+// reason when it does not parse (gRPC's own handlers answer UNIMPLEMENTED, empty).
+absl::Status ParseRequest(const grpc::ByteBuffer& bytes, std::string_view method,
+                          google::protobuf::MessageLite* request) {
+  std::vector<grpc::Slice> slices;
+  std::string data;
+  if (bytes.Dump(&slices).ok()) {
+    for (const auto& slice : slices) {
+      data.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+    if (request->ParseFromString(data)) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(fmt::format(
+      "{}: the request does not parse: {}; send a serialized {} (proto/kvagent.proto)", method,
+      client::DescribeParseFailure(data, request->GetTypeName()), request->GetTypeName()));
+}
+
+// A unary call: parse, run `handler(context, &request, &response, reply)`, and on
+// reply(status) serialize the response and finish.
+template <typename Request, typename Response, typename Handler>
+grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+                                   std::string_view method, Handler handler) {
   auto* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
+  struct Call {
+    Request request;
+    Response response;
+  };
+  auto call = std::make_shared<Call>();
+  if (absl::Status parsed = ParseRequest(*in, method, &call->request); !parsed.ok()) {
+    reactor->Finish(ToGrpcStatus(parsed));
+    return reactor;
+  }
+  handler(context, &call->request, &call->response,
+          Reply([reactor, out, call](absl::Status status) {
+            if (status.ok()) *out = ToByteBuffer(call->response);
+            reactor->Finish(ToGrpcStatus(status));
+          }));
   return reactor;
 }
+
+// A stream whose request did not parse: it ends at once with the reason.
+class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  explicit RefusedStream(const absl::Status& why) { Finish(ToGrpcStatus(why)); }
+  void OnDone() override { delete this; }
+};
 
 bool TerminalPhase(v1::TransferPhase phase) {
   return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
@@ -50,7 +100,7 @@ class StreamCount {
 };
 
 // Streams a transfer's states until it ends; always writes the newest state.
-class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferState> {
+class TransferWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   TransferWatchReactor(TransferEngine* engine, std::string id, std::atomic<int64_t>* streams,
                        const absl::StatusOr<Caller>& caller)
@@ -117,7 +167,8 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferS
     current_ = pending_;
     has_pending_ = false;
     writing_ = true;
-    StartWrite(&current_);
+    current_bytes_ = ToByteBuffer(current_);
+    StartWrite(&current_bytes_);
   }
 
   StreamCount counted_;
@@ -126,6 +177,7 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferS
   uint64_t token_ = 0;
   absl::Mutex mu_;
   v1::TransferState current_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer current_bytes_ ABSL_GUARDED_BY(mu_);
   v1::TransferState pending_ ABSL_GUARDED_BY(mu_);
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -134,7 +186,7 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<v1::TransferS
 
 // Streams notifications as they arrive; what it took but did not write goes back
 // to the queue when the client leaves.
-class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notification> {
+class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request,
                            std::atomic<int64_t>* streams, const absl::StatusOr<Caller>& caller)
@@ -200,7 +252,8 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
     current_ = std::move(unwritten_.front());
     unwritten_.pop_front();
     writing_ = true;
-    StartWrite(&current_.notification);
+    current_bytes_ = ToByteBuffer(current_.notification);
+    StartWrite(&current_bytes_);
   }
 
   StreamCount counted_;
@@ -211,6 +264,7 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<v1::Notif
   absl::Mutex mu_;
   std::deque<QueuedNotification> unwritten_ ABSL_GUARDED_BY(mu_);
   QueuedNotification current_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer current_bytes_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -260,11 +314,10 @@ absl::StatusOr<Caller> AgentService::Authorize(grpc::CallbackServerContext* cont
   return status;
 }
 
-grpc::ServerUnaryReactor* AgentService::RegisterRegions(grpc::CallbackServerContext* context,
-                                                        const v1::RegisterRegionsRequest* request,
-                                                        v1::RegisterRegionsResponse* response) {
+void AgentService::HandleRegisterRegions(grpc::CallbackServerContext* context,
+    const v1::RegisterRegionsRequest* request, v1::RegisterRegionsResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngine, "RegisterRegions");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   std::vector<v1::RegionSpec> specs(request->regions().begin(), request->regions().end());
   registry::RegisterContext register_context;
   register_context.owner = caller->principal;
@@ -277,11 +330,11 @@ grpc::ServerUnaryReactor* AgentService::RegisterRegions(grpc::CallbackServerCont
     };
   }
   auto result = deps_.registry->Register(specs, request->skip_empty(), register_context);
-  if (!result.ok()) return Done(context, result.status());
+  if (!result.ok()) return reply(result.status());
   for (const auto& region : result->regions) *response->add_regions() = region->Info();
   for (const auto& name : result->skipped) response->add_skipped(name);
   response->set_version(result->version);
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
 void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& names,
@@ -321,15 +374,13 @@ void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& 
       });
 }
 
-grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
-    grpc::CallbackServerContext* context, const v1::DeregisterRegionsRequest* request,
-    v1::DeregisterRegionsResponse* response) {
+void AgentService::HandleDeregisterRegions(grpc::CallbackServerContext* context,
+    const v1::DeregisterRegionsRequest* request, v1::DeregisterRegionsResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngineOrScheduler, "DeregisterRegions");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   std::vector<std::string> names(request->names().begin(), request->names().end());
-  auto* reactor = context->DefaultReactor();
   DeregisterAndWait(deps_, names, *caller,
-                    [reactor, response](absl::StatusOr<uint64_t> version,
+                    [reply, response](absl::StatusOr<uint64_t> version,
                                         std::vector<std::string> unconfirmed) {
                       if (version.ok()) {
                         response->set_version(*version);
@@ -337,28 +388,25 @@ grpc::ServerUnaryReactor* AgentService::DeregisterRegions(
                           response->add_unconfirmed_peers(std::move(name));
                         }
                       }
-                      reactor->Finish(ToGrpcStatus(version.status()));
+                      reply(version.status());
                     });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* AgentService::ListRegions(grpc::CallbackServerContext* context,
-                                                    const v1::ListRegionsRequest* request,
-                                                    v1::ListRegionsResponse* response) {
+void AgentService::HandleListRegions(grpc::CallbackServerContext* context,
+    const v1::ListRegionsRequest* request, v1::ListRegionsResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "ListRegions");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   for (const auto& region : deps_.registry->List()) {
     if (caller->MayUse(region->owner)) *response->add_regions() = region->Info();
   }
   response->set_version(deps_.registry->version());
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* context,
-                                                  const v1::GetStatusRequest* request,
-                                                  v1::AgentStatus* response) {
+void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
+    const v1::GetStatusRequest* request, v1::AgentStatus* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "GetStatus");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   const auto& id = *deps_.identity;
   const auto& caps = deps_.context->capabilities();
   response->set_name(id.name);
@@ -386,37 +434,33 @@ grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* c
   response->set_dropped_peer_messages(deps_.counters->dropped_peer_messages.load());
   response->set_local_socket(id.local_socket);
   response->set_network_door(id.network_door);
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AgentService::ConnectPeer(grpc::CallbackServerContext* context,
-                                                    const v1::ConnectPeerRequest* request,
-                                                    v1::PeerInfo* response) {
+void AgentService::HandleConnectPeer(grpc::CallbackServerContext* context,
+    const v1::ConnectPeerRequest* request, v1::PeerInfo* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngineOrScheduler, "ConnectPeer");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   if (request->address().empty()) {
-    return Done(context, absl::InvalidArgumentError(
+    return reply(absl::InvalidArgumentError(
                              "ConnectPeer: address is empty; give the peer agent's unix:PATH "
                              "(same host) or HOST:PORT (its network door)"));
   }
-  auto* reactor = context->DefaultReactor();
   kAudit.Info("{} asks to connect peer at {}", caller->principal,
               Printable(request->address(), 256));
   deps_.peers->Connect(request->address(),
-                       [reactor, response](absl::StatusOr<v1::PeerInfo> info) {
+                       [reply, response](absl::StatusOr<v1::PeerInfo> info) {
                          if (info.ok()) *response = *std::move(info);
-                         reactor->Finish(ToGrpcStatus(info.status()));
+                         reply(info.status());
                        });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* AgentService::DisconnectPeer(grpc::CallbackServerContext* context,
-                                                       const v1::DisconnectPeerRequest* request,
-                                                       v1::DisconnectPeerResponse* response) {
+void AgentService::HandleDisconnectPeer(grpc::CallbackServerContext* context,
+    const v1::DisconnectPeerRequest* request, v1::DisconnectPeerResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kScheduler, "DisconnectPeer");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   if (absl::Status gone = deps_.peers->Disconnect(request->name()); !gone.ok()) {
-    return Done(context, gone);
+    return reply(gone);
   }
   response->set_failed_transfers(deps_.engine->FailTransfersTo(
       request->name(),
@@ -425,16 +469,15 @@ grpc::ServerUnaryReactor* AgentService::DisconnectPeer(grpc::CallbackServerConte
                                          Printable(request->name()), caller->principal))));
   kAudit.Info("{} disconnected peer '{}' ({} transfers failed)", caller->principal,
               Printable(request->name()), response->failed_transfers());
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* context,
-                                                  const v1::ListPeersRequest* request,
-                                                  v1::ListPeersResponse* response) {
+void AgentService::HandleListPeers(grpc::CallbackServerContext* context,
+    const v1::ListPeersRequest* request, v1::ListPeersResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "ListPeers");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   for (auto& info : deps_.peers->List()) *response->add_peers() = std::move(info);
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
 void AgentService::Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
@@ -464,41 +507,36 @@ void AgentService::Submit(const v1::SubmitTransferRequest& request, const Caller
                             });
 }
 
-grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerContext* context,
-                                                       const v1::SubmitTransferRequest* request,
-                                                       v1::TransferState* response) {
+void AgentService::HandleSubmitTransfer(grpc::CallbackServerContext* context,
+    const v1::SubmitTransferRequest* request, v1::TransferState* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngineOrScheduler, "SubmitTransfer");
-  if (!caller.ok()) return Done(context, caller.status());
-  auto* reactor = context->DefaultReactor();
+  if (!caller.ok()) return reply(caller.status());
   Submit(*request, *caller, request->wait(),
-         [reactor, response](absl::StatusOr<v1::TransferState> state) {
+         [reply, response](absl::StatusOr<v1::TransferState> state) {
            if (state.ok()) *response = *std::move(state);
-           reactor->Finish(ToGrpcStatus(state.status()));
+           reply(state.status());
          });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerContext* context,
-                                                        const v1::SubmitTransfersRequest* request,
-                                                        v1::SubmitTransfersResponse* response) {
+void AgentService::HandleSubmitTransfers(grpc::CallbackServerContext* context,
+    const v1::SubmitTransfersRequest* request, v1::SubmitTransfersResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngineOrScheduler, "SubmitTransfers");
-  if (!caller.ok()) return Done(context, caller.status());
-  auto* reactor = context->DefaultReactor();
+  if (!caller.ok()) return reply(caller.status());
   const int n = request->transfers_size();
   if (n == 0) {
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
+    reply(absl::OkStatus());
+    return;
   }
   for (int i = 0; i < n; ++i) response->add_results();
   // Each entry answers into its own slot; the last one to answer ends the call.
   struct Call {
     std::atomic<int> pending;
-    grpc::ServerUnaryReactor* reactor;
+    Reply reply;
     v1::SubmitTransfersResponse* response;
   };
   auto call = std::make_shared<Call>();
   call->pending.store(n);
-  call->reactor = reactor;
+  call->reply = std::move(reply);
   call->response = response;
   for (int i = 0; i < n; ++i) {
     const v1::SubmitTransferRequest& entry = request->transfers(i);
@@ -511,17 +549,15 @@ grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerCont
                result->set_error_code(static_cast<int32_t>(state.status().code()));
                result->set_error_message(std::string(state.status().message()));
              }
-             if (call->pending.fetch_sub(1) == 1) call->reactor->Finish(grpc::Status::OK);
+             if (call->pending.fetch_sub(1) == 1) call->reply(absl::OkStatus());
            });
   }
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext* context,
-                                                    const v1::GetTransferRequest* request,
-                                                    v1::TransferState* response) {
+void AgentService::HandleGetTransfer(grpc::CallbackServerContext* context,
+    const v1::GetTransferRequest* request, v1::TransferState* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "GetTransfer");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   absl::StatusOr<v1::TransferState> state =
       request->peer().empty() ? deps_.engine->Get(request->transfer_id(), *caller)
                               : absl::NotFoundError("");
@@ -530,23 +566,26 @@ grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext*
     if (incoming.ok() || !request->peer().empty()) state = std::move(incoming);
   }
   if (state.ok()) *response = *std::move(state);
-  return Done(context, state.status());
+  return reply(state.status());
 }
 
-grpc::ServerWriteReactor<v1::TransferState>* AgentService::WatchTransfer(
-    grpc::CallbackServerContext* context, const v1::GetTransferRequest* request) {
-  return new TransferWatchReactor(deps_.engine, request->transfer_id(), deps_.open_streams,
+grpc::ServerWriteReactor<grpc::ByteBuffer>* AgentService::WatchTransfer(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes) {
+  v1::GetTransferRequest request;
+  if (absl::Status parsed = ParseRequest(*bytes, "WatchTransfer", &request); !parsed.ok()) {
+    return new RefusedStream(parsed);
+  }
+  return new TransferWatchReactor(deps_.engine, request.transfer_id(), deps_.open_streams,
                                   Authorize(context, Need::kAny, "WatchTransfer"));
 }
 
-grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContext* context,
-                                                      const v1::ListTransfersRequest* request,
-                                                      v1::ListTransfersResponse* response) {
+void AgentService::HandleListTransfers(grpc::CallbackServerContext* context,
+    const v1::ListTransfersRequest* request, v1::ListTransfersResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "ListTransfers");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   constexpr uint32_t kDefaultPage = 1000, kMaxPage = 10000;
   if (request->page_size() > kMaxPage) {
-    return Done(context, absl::InvalidArgumentError(fmt::format(
+    return reply(absl::InvalidArgumentError(fmt::format(
                              "ListTransfers: page_size {} is over {}; ask for at most {} and "
                              "follow next_page_token",
                              request->page_size(), kMaxPage, kMaxPage)));
@@ -560,7 +599,7 @@ grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContex
     const std::string& token = request->page_token();
     const size_t colon = token.find(':');
     if (colon == std::string::npos || !absl::SimpleAtoi(token.substr(0, colon), &after_us)) {
-      return Done(context, absl::InvalidArgumentError(fmt::format(
+      return reply(absl::InvalidArgumentError(fmt::format(
                                "ListTransfers: page_token '{}' is not one this agent handed out; "
                                "pass next_page_token unchanged, or none for the first page",
                                Printable(token))));
@@ -588,55 +627,55 @@ grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContex
     }
     *response->add_transfers() = std::move(state);
   }
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AgentService::CancelTransfer(grpc::CallbackServerContext* context,
-                                                       const v1::CancelTransferRequest* request,
-                                                       v1::TransferState* response) {
+void AgentService::HandleCancelTransfer(grpc::CallbackServerContext* context,
+    const v1::CancelTransferRequest* request, v1::TransferState* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "CancelTransfer");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   auto state = deps_.engine->Cancel(request->transfer_id(), *caller);
   if (state.ok()) *response = *std::move(state);
-  return Done(context, state.status());
+  return reply(state.status());
 }
 
-grpc::ServerUnaryReactor* AgentService::PollNotifications(
-    grpc::CallbackServerContext* context, const v1::PollNotificationsRequest* request,
-    v1::PollNotificationsResponse* response) {
+void AgentService::HandlePollNotifications(grpc::CallbackServerContext* context,
+    const v1::PollNotificationsRequest* request, v1::PollNotificationsResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "PollNotifications");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   absl::flat_hash_set<std::string> ids(request->transfer_ids().begin(),
                                        request->transfer_ids().end());
   NotificationReader reader{caller->principal, caller->scheduler};
   for (auto& n : deps_.notifications->Poll(request->max(), ids, reader)) {
     *response->add_notifications() = std::move(n);
   }
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
-grpc::ServerWriteReactor<v1::Notification>* AgentService::WatchNotifications(
-    grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) {
-  return new NotificationWatchReactor(deps_.notifications, *request, deps_.open_streams,
+grpc::ServerWriteReactor<grpc::ByteBuffer>* AgentService::WatchNotifications(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes) {
+  v1::WatchNotificationsRequest request;
+  if (absl::Status parsed = ParseRequest(*bytes, "WatchNotifications", &request); !parsed.ok()) {
+    return new RefusedStream(parsed);
+  }
+  return new NotificationWatchReactor(deps_.notifications, request, deps_.open_streams,
                                       Authorize(context, Need::kAny, "WatchNotifications"));
 }
 
-grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* context,
-                                               const v1::DoctorRequest* request,
-                                               v1::DoctorReport* response) {
+void AgentService::HandleDoctor(grpc::CallbackServerContext* context,
+    const v1::DoctorRequest* request, v1::DoctorReport* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "Doctor");
-  if (!caller.ok()) return Done(context, caller.status());
+  if (!caller.ok()) return reply(caller.status());
   DoctorInputs inputs;
   inputs.agent = deps_.identity->name;
   inputs.ucx = &deps_.context->capabilities();
   inputs.peers = deps_.peers->List();
   *response = RunDoctor(inputs);
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* context,
-                                                   const v1::GetMetadataRequest* request,
-                                                   v1::AgentMetadata* response) {
+void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
+    const v1::GetMetadataRequest* request, v1::AgentMetadata* response, Reply reply) {
   auto caller = IdentifyCaller(door_, deps_, context);
   absl::Status allowed = caller.ok() ? CheckRole(*caller, Need::kPeer, "GetMetadata")
                                      : caller.status();
@@ -644,7 +683,7 @@ grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* 
     deps_.counters->refused_calls.fetch_add(1);
     LogRefusal(caller.ok() ? caller->principal : Printable(context->peer(), 128), "GetMetadata",
                allowed);
-    return Done(context, allowed);
+    return reply(allowed);
   }
   // Who polls is who authenticated; on the insecure door, whoever it claims to be.
   const std::string identity =
@@ -659,7 +698,7 @@ grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* 
   const uint64_t version = deps_.registry->version();
   if (request->known_incarnation() == id.incarnation && request->known_version() == version) {
     response->set_version(version);  // unchanged: the caller keeps what it has
-    return Done(context, absl::OkStatus());
+    return reply(absl::OkStatus());
   }
   response->set_worker_address(deps_.worker->address());
   response->set_notify_secret(deps_.secrets->Issue(identity));
@@ -667,7 +706,117 @@ grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* 
   kAudit.Info("metadata version {} ({} regions) sent to peer '{}' ({}, {} door)", version,
               response->regions_size(), Printable(identity), caller->principal,
               DoorName(door_));
-  return Done(context, absl::OkStatus());
+  return reply(absl::OkStatus());
+}
+
+
+// The raw methods gRPC calls: each parses its request (an unparseable one is
+// INVALID_ARGUMENT with the parser's reason, not gRPC's empty UNIMPLEMENTED) and hands
+// it to its handler.
+grpc::ServerUnaryReactor* AgentService::RegisterRegions(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::RegisterRegionsRequest, v1::RegisterRegionsResponse>(context, request, response, "RegisterRegions",
+                                  [this](auto... args) { HandleRegisterRegions(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::DeregisterRegions(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::DeregisterRegionsRequest, v1::DeregisterRegionsResponse>(context, request, response, "DeregisterRegions",
+                                  [this](auto... args) { HandleDeregisterRegions(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::ListRegions(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::ListRegionsRequest, v1::ListRegionsResponse>(context, request, response, "ListRegions",
+                                  [this](auto... args) { HandleListRegions(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::GetStatus(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::GetStatusRequest, v1::AgentStatus>(context, request, response, "GetStatus",
+                                  [this](auto... args) { HandleGetStatus(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::ConnectPeer(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::ConnectPeerRequest, v1::PeerInfo>(context, request, response, "ConnectPeer",
+                                  [this](auto... args) { HandleConnectPeer(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::DisconnectPeer(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::DisconnectPeerRequest, v1::DisconnectPeerResponse>(context, request, response, "DisconnectPeer",
+                                  [this](auto... args) { HandleDisconnectPeer(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::ListPeersRequest, v1::ListPeersResponse>(context, request, response, "ListPeers",
+                                  [this](auto... args) { HandleListPeers(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::SubmitTransferRequest, v1::TransferState>(context, request, response, "SubmitTransfer",
+                                  [this](auto... args) { HandleSubmitTransfer(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::SubmitTransfers(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::SubmitTransfersRequest, v1::SubmitTransfersResponse>(context, request, response, "SubmitTransfers",
+                                  [this](auto... args) { HandleSubmitTransfers(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::GetTransfer(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::GetTransferRequest, v1::TransferState>(context, request, response, "GetTransfer",
+                                  [this](auto... args) { HandleGetTransfer(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::ListTransfers(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::ListTransfersRequest, v1::ListTransfersResponse>(context, request, response, "ListTransfers",
+                                  [this](auto... args) { HandleListTransfers(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::CancelTransfer(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::CancelTransferRequest, v1::TransferState>(context, request, response, "CancelTransfer",
+                                  [this](auto... args) { HandleCancelTransfer(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::PollNotifications(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::PollNotificationsRequest, v1::PollNotificationsResponse>(context, request, response, "PollNotifications",
+                                  [this](auto... args) { HandlePollNotifications(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::DoctorRequest, v1::DoctorReport>(context, request, response, "Doctor",
+                                  [this](auto... args) { HandleDoctor(args...); });
+}
+
+grpc::ServerUnaryReactor* PeerService::GetMetadata(grpc::CallbackServerContext* context,
+                                                   const grpc::ByteBuffer* request,
+                                                   grpc::ByteBuffer* response) {
+  return RunUnary<v1::GetMetadataRequest, v1::AgentMetadata>(
+      context, request, response, "GetMetadata",
+      [this](auto... args) { HandleGetMetadata(args...); });
 }
 
 }  // namespace kvagent::agent

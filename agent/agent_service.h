@@ -75,58 +75,96 @@ void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& 
                        std::function<void(absl::StatusOr<uint64_t> version,
                                           std::vector<std::string> unconfirmed)> done);
 
-class AgentService final : public v1::Agent::CallbackService {
+// Every method raw (bytes in, bytes out), so that the service parses requests itself.
+using AgentServiceBase =
+    v1::Agent::WithRawCallbackMethod_RegisterRegions<
+    v1::Agent::WithRawCallbackMethod_DeregisterRegions<
+    v1::Agent::WithRawCallbackMethod_ListRegions<
+    v1::Agent::WithRawCallbackMethod_GetStatus<
+    v1::Agent::WithRawCallbackMethod_ConnectPeer<
+    v1::Agent::WithRawCallbackMethod_DisconnectPeer<
+    v1::Agent::WithRawCallbackMethod_ListPeers<
+    v1::Agent::WithRawCallbackMethod_SubmitTransfer<
+    v1::Agent::WithRawCallbackMethod_SubmitTransfers<
+    v1::Agent::WithRawCallbackMethod_GetTransfer<
+    v1::Agent::WithRawCallbackMethod_WatchTransfer<
+    v1::Agent::WithRawCallbackMethod_ListTransfers<
+    v1::Agent::WithRawCallbackMethod_CancelTransfer<
+    v1::Agent::WithRawCallbackMethod_PollNotifications<
+    v1::Agent::WithRawCallbackMethod_WatchNotifications<
+    v1::Agent::WithRawCallbackMethod_Doctor<
+    v1::Agent::Service>>>>>>>>>>>>>>>>;
+
+class AgentService final : public AgentServiceBase {
  public:
   AgentService(Door door, ServiceDeps deps) : door_(door), deps_(deps) {}
+  using Reply = std::function<void(absl::Status)>;
+
+  // The handlers: plain C++ with the parsed request; each calls `reply` exactly once
+  // (the response is sent when the status is OK). The raw methods below adapt them.
+  void HandleRegisterRegions(grpc::CallbackServerContext* context, const v1::RegisterRegionsRequest* request,
+      v1::RegisterRegionsResponse* response, Reply reply);
+  void HandleDeregisterRegions(grpc::CallbackServerContext* context, const v1::DeregisterRegionsRequest* request,
+      v1::DeregisterRegionsResponse* response, Reply reply);
+  void HandleListRegions(grpc::CallbackServerContext* context, const v1::ListRegionsRequest* request,
+      v1::ListRegionsResponse* response, Reply reply);
+  void HandleGetStatus(grpc::CallbackServerContext* context, const v1::GetStatusRequest* request,
+      v1::AgentStatus* response, Reply reply);
+  void HandleConnectPeer(grpc::CallbackServerContext* context, const v1::ConnectPeerRequest* request,
+      v1::PeerInfo* response, Reply reply);
+  void HandleDisconnectPeer(grpc::CallbackServerContext* context, const v1::DisconnectPeerRequest* request,
+      v1::DisconnectPeerResponse* response, Reply reply);
+  void HandleListPeers(grpc::CallbackServerContext* context, const v1::ListPeersRequest* request,
+      v1::ListPeersResponse* response, Reply reply);
+  void HandleSubmitTransfer(grpc::CallbackServerContext* context, const v1::SubmitTransferRequest* request,
+      v1::TransferState* response, Reply reply);
+  void HandleSubmitTransfers(grpc::CallbackServerContext* context, const v1::SubmitTransfersRequest* request,
+      v1::SubmitTransfersResponse* response, Reply reply);
+  void HandleGetTransfer(grpc::CallbackServerContext* context, const v1::GetTransferRequest* request,
+      v1::TransferState* response, Reply reply);
+  void HandleListTransfers(grpc::CallbackServerContext* context, const v1::ListTransfersRequest* request,
+      v1::ListTransfersResponse* response, Reply reply);
+  void HandleCancelTransfer(grpc::CallbackServerContext* context, const v1::CancelTransferRequest* request,
+      v1::TransferState* response, Reply reply);
+  void HandlePollNotifications(grpc::CallbackServerContext* context, const v1::PollNotificationsRequest* request,
+      v1::PollNotificationsResponse* response, Reply reply);
+  void HandleDoctor(grpc::CallbackServerContext* context, const v1::DoctorRequest* request,
+      v1::DoctorReport* response, Reply reply);
+
+  // gRPC entry points: parse the request (INVALID_ARGUMENT with the reason when it
+  // does not), then run the handler.
   grpc::ServerUnaryReactor* RegisterRegions(grpc::CallbackServerContext* context,
-                                            const v1::RegisterRegionsRequest* request,
-                                            v1::RegisterRegionsResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* DeregisterRegions(grpc::CallbackServerContext* context,
-                                              const v1::DeregisterRegionsRequest* request,
-                                              v1::DeregisterRegionsResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* context,
-                                        const v1::ListRegionsRequest* request,
-                                        v1::ListRegionsResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
-                                      const v1::GetStatusRequest* request,
-                                      v1::AgentStatus* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ConnectPeer(grpc::CallbackServerContext* context,
-                                        const v1::ConnectPeerRequest* request,
-                                        v1::PeerInfo* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* DisconnectPeer(grpc::CallbackServerContext* context,
-                                           const v1::DisconnectPeerRequest* request,
-                                           v1::DisconnectPeerResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListPeers(grpc::CallbackServerContext* context,
-                                      const v1::ListPeersRequest* request,
-                                      v1::ListPeersResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SubmitTransfer(grpc::CallbackServerContext* context,
-                                           const v1::SubmitTransferRequest* request,
-                                           v1::TransferState* response) override;
-  // Each entry is submitted on its own; with `wait` the call answers when all ended.
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SubmitTransfers(grpc::CallbackServerContext* context,
-                                            const v1::SubmitTransfersRequest* request,
-                                            v1::SubmitTransfersResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetTransfer(grpc::CallbackServerContext* context,
-                                        const v1::GetTransferRequest* request,
-                                        v1::TransferState* response) override;
-  grpc::ServerWriteReactor<v1::TransferState>* WatchTransfer(
-      grpc::CallbackServerContext* context, const v1::GetTransferRequest* request) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListTransfers(grpc::CallbackServerContext* context,
-                                          const v1::ListTransfersRequest* request,
-                                          v1::ListTransfersResponse* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* CancelTransfer(grpc::CallbackServerContext* context,
-                                           const v1::CancelTransferRequest* request,
-                                           v1::TransferState* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* PollNotifications(grpc::CallbackServerContext* context,
-                                              const v1::PollNotificationsRequest* request,
-                                              v1::PollNotificationsResponse* response) override;
-  grpc::ServerWriteReactor<v1::Notification>* WatchNotifications(
-      grpc::CallbackServerContext* context, const v1::WatchNotificationsRequest* request) override;
-  // Host checks are local reads and the CUDA driver is probed once at start-up, so
-  // this answers inline.
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Doctor(grpc::CallbackServerContext* context,
-                                   const v1::DoctorRequest* request,
-                                   v1::DoctorReport* response) override;
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchTransfer(grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* request) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* WatchNotifications(grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* request) override;
 
  private:
   using SubmitDone = std::function<void(absl::StatusOr<v1::TransferState>)>;
@@ -144,12 +182,15 @@ class AgentService final : public v1::Agent::CallbackService {
   ServiceDeps deps_;
 };
 
-class PeerService final : public v1::Peer::CallbackService {
+class PeerService final : public v1::Peer::WithRawCallbackMethod_GetMetadata<v1::Peer::Service> {
  public:
   PeerService(Door door, ServiceDeps deps) : door_(door), deps_(deps) {}
+  using Reply = std::function<void(absl::Status)>;
+  void HandleGetMetadata(grpc::CallbackServerContext* context, const v1::GetMetadataRequest* request,
+                         v1::AgentMetadata* response, Reply reply);
   grpc::ServerUnaryReactor* GetMetadata(grpc::CallbackServerContext* context,
-                                        const v1::GetMetadataRequest* request,
-                                        v1::AgentMetadata* response) override;
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
 
  private:
   const Door door_;

@@ -324,6 +324,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->state.set_failed_segment(-1);
       t->state.set_submitted_unix_us(UnixMicros());
       t->state.set_owner(caller.principal);
+      t->state.set_direction(v1::OUTGOING);
       t->start_us = MonotonicMicros();
       const uint32_t timeout_ms =
           request.timeout_ms() ? request.timeout_ms() : options_.default_timeout_ms;

@@ -41,10 +41,15 @@ int PollFor(int fd, short events, int timeout_ms) {
   }
 }
 
+
+}  // namespace
+
 // Why bytes did not parse as `type`: protobuf's parser only says "no", so walk the
 // wire format to say where it breaks, or that the wire format is sound and a field's
 // content is not (a string that is not UTF-8, a malformed nested message).
-std::string DescribeParseFailure(const char* data, size_t size, const std::string& type) {
+std::string DescribeParseFailure(std::string_view bytes, const std::string& type) {
+  const char* data = bytes.data();
+  const size_t size = bytes.size();
   namespace wire = google::protobuf::internal;
   google::protobuf::io::CodedInputStream input(reinterpret_cast<const uint8_t*>(data),
                                                static_cast<int>(size));
@@ -67,8 +72,6 @@ std::string DescribeParseFailure(const char* data, size_t size, const std::strin
       "not UTF-8, or a malformed nested message)",
       size, type);
 }
-
-}  // namespace
 
 absl::StatusOr<ProcessCredentials> PeerCredentialsOf(int fd) {
   ucred cred{};
@@ -274,7 +277,7 @@ absl::Status ReceiveMessage(int fd, google::protobuf::MessageLite* message,
     fds->clear();
     return absl::InvalidArgumentError(fmt::format(
         "session datagram does not parse: {}",
-        DescribeParseFailure(buffer.get(), static_cast<size_t>(n), message->GetTypeName())));
+        DescribeParseFailure(std::string_view(buffer.get(), static_cast<size_t>(n)), message->GetTypeName())));
   }
   return absl::OkStatus();
 }

@@ -54,6 +54,12 @@ absl::StatusOr<UnixAddress> MakeUnixAddress(const std::string& path);
 // When the peer's queue is full: with timeout_ms == 0, RESOURCE_EXHAUSTED at once
 // (the peer is not reading); with timeout_ms > 0, waits for room that long, then
 // DEADLINE_EXCEEDED. UNAVAILABLE when the peer closed the connection.
+// Why `bytes` did not parse as a `type` message: protobuf's parser only says no, so
+// this walks the wire format to say where it breaks, or that it is sound and a
+// field's content is not (a string that is not UTF-8, a malformed nested message).
+// Also used by the agent's gRPC methods for unparseable requests.
+std::string DescribeParseFailure(std::string_view bytes, const std::string& type);
+
 // "hello", "share", "allocate", "free", "peer_memory" or "request" (no known body).
 const char* SessionRequestName(const v1::SessionRequest& request);
 

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
 #include "tests/integration/agent_pair.h"
 
 namespace kvagent::testing {
@@ -555,6 +557,90 @@ TEST_CASE("a transfer to a group the peer has deregistered is NOT_FOUND naming t
   CHECK(pair.PageEqual(7, 7));
   CHECK(pair.PageEqual(8, 8));
   CHECK(pair.PageEqual(1, 1));
+}
+
+}  // namespace
+}  // namespace kvagent::testing
+
+namespace kvagent::testing {
+namespace {
+
+// Raw bytes to a method of the local door (with a session's token): what a client with
+// a broken serializer, or an attacker, sends.
+grpc::Status CallRaw(cli::AgentClient& client, const std::string& method, const std::string& body,
+                     bool stream) {
+  auto session = client.Session();
+  REQUIRE(session.ok());
+  auto channel = grpc::CreateChannel(client.address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  context.AddMetadata("kvagent-session", (*session)->token());
+  grpc::Slice slice(body);
+  grpc::ByteBuffer request(&slice, 1);
+  if (stream) {
+    grpc::CompletionQueue cq;
+    auto call = stub.PrepareCall(&context, method, &cq);
+    call->StartCall(reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    REQUIRE(cq.Next(&tag, &ok));
+    call->Write(request, grpc::WriteOptions().set_last_message(), reinterpret_cast<void*>(2));
+    REQUIRE(cq.Next(&tag, &ok));
+    grpc::ByteBuffer reply;
+    call->Read(&reply, reinterpret_cast<void*>(3));
+    REQUIRE(cq.Next(&tag, &ok));
+    grpc::Status status;
+    call->Finish(&status, reinterpret_cast<void*>(4));
+    REQUIRE(cq.Next(&tag, &ok));
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return status;
+  }
+  grpc::ByteBuffer reply;
+  absl::Mutex mu;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&context, method, grpc::StubOptions(), &request, &reply, [&](grpc::Status s) {
+    absl::MutexLock lock(&mu);
+    status = std::move(s);
+    done = true;
+  });
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(&done));
+  return status;
+}
+
+TEST_CASE("an unparseable request is INVALID_ARGUMENT with the parser's reason") {
+  AgentPair pair;
+  Baseline baseline(pair);
+  // Truncated (a length-delimited field whose bytes do not follow), a varint that
+  // never ends, and a string field (transfer_id) that is not UTF-8.
+  const std::string truncated("\x0a\x80", 2);
+  const std::string endless("\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", 12);
+  const std::string not_utf8("\x0a\x02\xc3\x28", 4);
+  for (const auto* body : {&truncated, &endless}) {
+    grpc::Status submit =
+        CallRaw(pair.prefill(), "/kvagent.v1.Agent/SubmitTransfer", *body, /*stream=*/false);
+    CHECK(submit.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(submit.error_message(),
+               Contains("SubmitTransfer") && Contains("does not parse") &&
+                   Contains("malformed protobuf wire format at byte") &&
+                   Contains("kvagent.v1.SubmitTransferRequest"));
+  }
+  grpc::Status utf8 =
+      CallRaw(pair.prefill(), "/kvagent.v1.Agent/SubmitTransfer", not_utf8, /*stream=*/false);
+  CHECK(utf8.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(utf8.error_message(), Contains("not UTF-8"));
+  grpc::Status watch =
+      CallRaw(pair.prefill(), "/kvagent.v1.Agent/WatchTransfer", truncated, /*stream=*/true);
+  CHECK(watch.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(watch.error_message(), Contains("WatchTransfer") && Contains("does not parse"));
+  // A well-formed request still works on the same agent.
+  auto status = pair.prefill().Status();
+  REQUIRE(status.ok());
+  baseline.Check();
 }
 
 }  // namespace

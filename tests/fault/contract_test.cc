@@ -1,0 +1,1112 @@
+// The transfer contract (docs/ARCHITECTURE.md, "The transfer contract", "Peers") as an
+// engine integrator relies on it, on real kvagentd pairs, each promise repeated often
+// enough that the races the previous release lost would show:
+//   A. an engine deregisters its regions while a transfer uses them (shm-direct, UCX,
+//      host staging): the agents live, the transfer fails ABORTED (or completed) and
+//      drains;
+//   B. COMPLETED means acknowledged: decode killed under a large shm-direct WRITE;
+//   C. the sender is final before the receiver hears DATA_READY;
+//   D. `drained` always ends (drained or drain_unknown) when the peer dies or hangs;
+//   E. both ends see each transfer, and decode's owner gets exactly one outcome each;
+//   F. destinations: duplicates and concurrent writers refused, regions paired by role;
+//   G. ConnectPeer / DisconnectPeer;
+//   H. ListTransfers pages.
+// Every wait is bounded. The measured numbers are printed.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
+#include "client/local_session.h"
+#include "fmt/format.h"
+#include "grpcpp/grpcpp.h"
+#include "tests/integration/agent_pair.h"
+#include "transport/base/format.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kAborted = static_cast<int>(absl::StatusCode::kAborted);
+constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
+constexpr int kDeadlineExceeded = static_cast<int>(absl::StatusCode::kDeadlineExceeded);
+
+template <typename T>
+T Require(absl::StatusOr<T> value, const std::string& what) {
+  if (!value.ok()) FAIL(what << ": " << value.status().ToString());
+  return *std::move(value);
+}
+
+bool Terminal(v1::TransferPhase phase) {
+  return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
+         phase == v1::TIMED_OUT;
+}
+
+std::string Describe(const v1::TransferState& s) {
+  return fmt::format("'{}' {} code {} drained {} drain_unknown {} bytes {}/{}: {}", s.transfer_id(),
+                     v1::TransferPhase_Name(s.phase()), s.error_code(), s.drained(),
+                     s.drain_unknown(), s.bytes_done(), s.bytes_total(), s.error_message());
+}
+
+// True while `pid` (our child) runs: a crashed child is a zombie until reaped, which
+// kill(pid, 0) would still call alive. WNOWAIT leaves it for DaemonProcess to reap.
+bool Alive(pid_t pid) {
+  siginfo_t info;
+  std::memset(&info, 0, sizeof info);
+  if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) return false;
+  return info.si_pid == 0;
+}
+
+// Polls the transfer (every `step_us`) until `done(state)` or `limit_ms` pass; returns
+// the last state seen.
+v1::TransferState PollUntil(cli::AgentClient& client, const std::string& id,
+                            const std::function<bool(const v1::TransferState&)>& done,
+                            uint32_t limit_ms, const std::string& peer = "",
+                            uint32_t step_us = 2000) {
+  const auto until = Clock::now() + std::chrono::milliseconds(limit_ms);
+  v1::TransferState state;
+  while (true) {
+    state = Require(client.Get(id, peer), fmt::format("GetTransfer('{}', '{}')", id, peer));
+    if (done(state) || Clock::now() >= until) return state;
+    std::this_thread::sleep_for(std::chrono::microseconds(step_us));
+  }
+}
+
+v1::TransferState WaitTerminal(cli::AgentClient& client, const std::string& id,
+                               uint32_t limit_ms = 10000) {
+  return PollUntil(
+      client, id, [](const v1::TransferState& s) { return Terminal(s.phase()); }, limit_ms);
+}
+
+v1::TransferState WaitDrained(cli::AgentClient& client, const std::string& id,
+                              uint32_t limit_ms = 5000) {
+  return PollUntil(
+      client, id,
+      [](const v1::TransferState& s) { return Terminal(s.phase()) && s.drained(); }, limit_ms);
+}
+
+std::vector<uint64_t> Range(uint64_t begin, uint64_t end) {
+  std::vector<uint64_t> out(end - begin);
+  std::iota(out.begin(), out.end(), begin);
+  return out;
+}
+
+// A WRITE (or READ) between local group `local_group` and decode's "kv".
+v1::SubmitTransferRequest ItemTransfer(const std::string& id, v1::TransferOp op,
+                                       const std::string& local_group,
+                                       const std::vector<uint64_t>& local,
+                                       const std::vector<uint64_t>& remote) {
+  v1::SubmitTransferRequest request = KvWrite(id, local, remote);
+  request.set_op(op);
+  request.mutable_segments(0)->mutable_items()->set_local_group(local_group);
+  return request;
+}
+
+// Chunk 0 of a chunked WRITE that stays open (TRANSFERRING, waiting for its next chunk).
+v1::SubmitTransferRequest OpenChunk(const std::string& id, const std::vector<uint64_t>& local,
+                                    const std::vector<uint64_t>& remote,
+                                    uint32_t timeout_ms = 60000) {
+  v1::SubmitTransferRequest request = KvWrite(id, local, remote);
+  request.set_more_chunks(true);
+  request.set_timeout_ms(timeout_ms);
+  return request;
+}
+
+// Submits chunk 0 of an open transfer and waits until its data is in place.
+v1::TransferState OpenAndMove(cli::AgentClient& client, const v1::SubmitTransferRequest& chunk) {
+  Require(client.Submit(chunk), "submitting chunk 0 of '" + chunk.transfer_id() + "'");
+  v1::TransferState state = PollUntil(
+      client, chunk.transfer_id(),
+      [](const v1::TransferState& s) {
+        return Terminal(s.phase()) || (s.bytes_total() > 0 && s.bytes_done() == s.bytes_total());
+      },
+      10000);
+  INFO(Describe(state));
+  REQUIRE(state.phase() == v1::TRANSFERRING);
+  REQUIRE(state.bytes_done() == state.bytes_total());
+  return state;
+}
+
+size_t Hash(const void* data, uint64_t bytes) {
+  return std::hash<std::string_view>{}(std::string_view(static_cast<const char*>(data), bytes));
+}
+
+bool KvPageEqual(const cli::KvPool& a, uint64_t pa, const cli::KvPool& b, uint64_t pb) {
+  for (uint32_t r = 0; r < a.regions(); ++r) {
+    if (std::memcmp(a.Page(r, pa), b.Page(r, pb), a.shape.page_bytes) != 0) return false;
+  }
+  return true;
+}
+
+// One call of ListTransfers (the client's Transfers() pages through all of them).
+absl::StatusOr<v1::ListTransfersResponse> ListPage(cli::AgentClient& client,
+                                                   const v1::ListTransfersRequest& request) {
+  grpc::ClientContext context;
+  if (absl::Status prepared = client.Prepare(&context, 10000); !prepared.ok()) return prepared;
+  v1::ListTransfersResponse response;
+  grpc::Status status = client.stub()->ListTransfers(&context, request, &response);
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  return response;
+}
+
+// Reads decode's WatchNotifications stream on its own thread for as long as it
+// lives, keeping every notification with the time it arrived; `hook` runs on that
+// thread for each, first. The destructor cancels the stream.
+class NotificationWatch {
+ public:
+  struct Seen {
+    v1::Notification note;
+    Clock::time_point at;
+  };
+  using Hook = std::function<void(const v1::Notification&)>;
+
+  explicit NotificationWatch(cli::AgentClient& client, Hook hook = nullptr) {
+    absl::Status prepared = client.Prepare(&context_, 30 * 60 * 1000);
+    REQUIRE(prepared.ok());
+    reader_ = client.stub()->WatchNotifications(&context_, v1::WatchNotificationsRequest());
+    thread_ = std::thread([this, hook = std::move(hook)] {
+      v1::Notification n;
+      while (reader_->Read(&n)) {
+        if (hook) hook(n);
+        std::lock_guard<std::mutex> lock(mu_);
+        seen_.push_back(Seen{n, Clock::now()});
+        cv_.notify_all();
+      }
+      grpc::Status finished = reader_->Finish();
+      std::lock_guard<std::mutex> lock(mu_);
+      ended_ = fmt::format("stream ended: {} {}", static_cast<int>(finished.error_code()),
+                           finished.error_message());
+      cv_.notify_all();
+    });
+  }
+  NotificationWatch(const NotificationWatch&) = delete;
+  NotificationWatch& operator=(const NotificationWatch&) = delete;
+  ~NotificationWatch() {
+    context_.TryCancel();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // The first notification of `id` (of `kind`, unless UNSPECIFIED), waiting up to
+  // `limit_ms`.
+  std::optional<Seen> WaitFor(const std::string& id, v1::NotificationKind kind, uint32_t limit_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::optional<Seen> found;
+    cv_.wait_for(lock, std::chrono::milliseconds(limit_ms), [&] {
+      for (const Seen& s : seen_) {
+        if (s.note.transfer_id() == id &&
+            (kind == v1::NOTIFICATION_KIND_UNSPECIFIED || s.note.kind() == kind)) {
+          found = s;
+          return true;
+        }
+      }
+      return !ended_.empty();
+    });
+    return found;
+  }
+  // Waits until `count` notifications arrived (or `limit_ms`); returns how many did.
+  size_t WaitCount(size_t count, uint32_t limit_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::milliseconds(limit_ms),
+                 [&] { return seen_.size() >= count || !ended_.empty(); });
+    return seen_.size();
+  }
+  std::vector<Seen> All() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return seen_;
+  }
+  std::vector<Seen> For(const std::string& id) {
+    std::vector<Seen> out;
+    for (Seen& s : All()) {
+      if (s.note.transfer_id() == id) out.push_back(std::move(s));
+    }
+    return out;
+  }
+  std::string ended() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ended_;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::Notification>> reader_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Seen> seen_;
+  std::string ended_;
+};
+
+// SIGCONT on the way out, whatever fails in between.
+struct ResumeOnExit {
+  pid_t pid;
+  ~ResumeOnExit() { ::kill(pid, SIGCONT); }
+};
+
+cli::DaemonProcess StartAgent(const std::string& name, const std::string& dir,
+                              const std::vector<std::string>& args = {}) {
+  std::filesystem::create_directories(dir);
+  cli::DaemonOptions d;
+  d.binary = Require(cli::FindKvagentd(""), "finding kvagentd");
+  d.name = name;
+  d.work_dir = dir;
+  d.extra_args = args;
+  return Require(cli::DaemonProcess::Start(d), "starting " + name);
+}
+
+// ---------------------------------------------------------------------------------
+// A. Deregistration racing transfers.
+
+struct RaceCount {
+  int rounds = 0;
+  int completed = 0;
+  int aborted = 0;
+  int drained_at_reply = 0;
+  double max_dereg_ms = 0;
+  double total_dereg_ms = 0;
+};
+
+// `rounds` rounds on one pair: a fresh 16-region group registered on prefill, a
+// WRITE from it (even rounds) or a READ into it (odd rounds) submitted without
+// waiting, the group deregistered at once.
+void DeregisterRace(const std::string& path, const std::vector<std::string>& args, int rounds) {
+  AgentPairOptions options;
+  options.shape.layers = 8;  // 16 regions
+  options.shape.pages = 32;
+  options.shape.page_bytes = 16 << 10;
+  options.extra_args = args;
+  AgentPair pair(options);
+  const cli::KvPoolShape& shape = options.shape;
+  // decode kv pages [0, 16) take the WRITEs; [16, 32) are read and never written.
+  for (uint32_t r = 0; r < pair.decode_pool().regions(); ++r) {
+    for (uint64_t p = 16; p < 32; ++p) {
+      cli::FillPage(pair.decode_pool().Page(r, p), shape.page_bytes, 5, r, p);
+    }
+  }
+  const size_t prefill_kv = Hash(pair.prefill_pool().mapping.data(), pair.prefill_pool().bytes());
+  const uint64_t region_bytes = shape.pages * shape.page_bytes;
+  std::vector<size_t> read_sources;
+  for (uint32_t r = 0; r < pair.decode_pool().regions(); ++r) {
+    read_sources.push_back(Hash(pair.decode_pool().Page(r, 16), region_bytes / 2));
+  }
+
+  std::map<std::string, RaceCount> counts;  // by op
+  std::map<std::string, int> other_failures;
+  for (int round = 0; round < rounds; ++round) {
+    const bool write = round % 2 == 0;
+    const std::string op_name = write ? "WRITE" : "READ";
+    const uint64_t n = 1 + (uint64_t(round) * 7) % 16;  // pages moved: 1..16
+    const std::string label = fmt::format("race{}", round);
+    const std::string id = fmt::format("race-{}-{}", path, round);
+    cli::KvPoolShape fresh_shape = shape;
+    fresh_shape.group = fmt::format("fresh{}", round);
+    cli::KvPool fresh = Require(cli::CreateKvPool(pair.prefill(), label, fresh_shape),
+                                "registering " + label);
+    for (uint32_t r = 0; r < fresh.regions(); ++r) {
+      for (uint64_t p = 0; p < shape.pages; ++p) {
+        if (write) {
+          cli::FillPage(fresh.Page(r, p), shape.page_bytes, 100 + round, r, p);
+        } else {
+          std::memset(fresh.Page(r, p), 0xAA, shape.page_bytes);
+        }
+      }
+    }
+    const std::vector<uint64_t> local = Range(0, n);
+    const std::vector<uint64_t> remote = write ? Range(0, n) : Range(16, 16 + n);
+    auto submitted = pair.prefill().Submit(
+        ItemTransfer(id, write ? v1::WRITE : v1::READ, fresh_shape.group, local, remote));
+    INFO(path << " round " << round << " " << op_name << ": " << submitted.status().ToString());
+    REQUIRE(submitted.ok());
+
+    const auto dereg_start = Clock::now();
+    auto dereg = pair.prefill().Deregister(fresh.region_names);
+    const double dereg_ms =
+        std::chrono::duration<double, std::milli>(Clock::now() - dereg_start).count();
+    INFO(dereg.status().ToString());
+    REQUIRE(dereg.ok());
+    const v1::TransferState at_reply = Require(pair.prefill().Get(id), "GetTransfer " + id);
+
+    // Both agents alive and answering after every round.
+    REQUIRE(Alive(pair.prefill_process().pid()));
+    REQUIRE(Alive(pair.decode_process().pid()));
+    REQUIRE(pair.prefill().Status().ok());
+    REQUIRE(pair.decode().Status().ok());
+
+    const v1::TransferState state = WaitDrained(pair.prefill(), id);
+    INFO(Describe(state));
+    REQUIRE(Terminal(state.phase()));
+    CHECK(state.drained());
+    RaceCount& count = counts[op_name];
+    ++count.rounds;
+    count.max_dereg_ms = std::max(count.max_dereg_ms, dereg_ms);
+    count.total_dereg_ms += dereg_ms;
+    if (at_reply.drained()) ++count.drained_at_reply;
+    if (state.phase() == v1::COMPLETED) {
+      ++count.completed;
+      for (uint64_t k = 0; k < n; ++k) {
+        INFO("page " << k);
+        const bool equal = write ? KvPageEqual(fresh, k, pair.decode_pool(), k)
+                                 : KvPageEqual(pair.decode_pool(), 16 + k, fresh, k);
+        CHECK(equal);
+      }
+    } else if (state.phase() == v1::FAILED && state.error_code() == kAborted &&
+               state.error_message().find("region '" + label + ".") != std::string::npos &&
+               state.error_message().find("deregistered") != std::string::npos) {
+      ++count.aborted;
+    } else {
+      ++other_failures[Describe(state)];
+    }
+    // Nothing of a READ lands after drained (the local group is released memory now).
+    if (!write) {
+      const size_t after = Hash(fresh.mapping.data(), fresh.bytes());
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      CHECK(Hash(fresh.mapping.data(), fresh.bytes()) == after);
+    }
+    auto session = pair.prefill().Session();
+    REQUIRE(session.ok());
+    CHECK((*session)->FreeMemory(fresh.memory_handle).ok());
+  }
+
+  for (const auto& [op, c] : counts) {
+    std::printf("A %s %s: %d rounds: %d COMPLETED, %d FAILED/ABORTED naming the region, "
+                "%d other; drained at the DeregisterRegions reply in %d; deregistration "
+                "answered in %.1f ms on average, %.1f ms at most\n",
+                path.c_str(), op.c_str(), c.rounds, c.completed, c.aborted,
+                c.rounds - c.completed - c.aborted, c.drained_at_reply,
+                c.total_dereg_ms / std::max(1, c.rounds), c.max_dereg_ms);
+    CHECK(c.completed + c.aborted == c.rounds);
+    CHECK(c.drained_at_reply == c.rounds);  // the reply waits for the drain
+  }
+  for (const auto& [what, n] : other_failures) {
+    std::printf("A %s: unexpected outcome x%d: %s\n", path.c_str(), n, what.c_str());
+  }
+  CHECK(other_failures.empty());
+
+  // Other groups untouched: prefill's own pool, decode's read-only half.
+  CHECK(Hash(pair.prefill_pool().mapping.data(), pair.prefill_pool().bytes()) == prefill_kv);
+  for (uint32_t r = 0; r < pair.decode_pool().regions(); ++r) {
+    INFO("decode region " << r);
+    CHECK(Hash(pair.decode_pool().Page(r, 16), region_bytes / 2) == read_sources[r]);
+  }
+  // And the agents still move data.
+  auto after = pair.prefill().Submit(KvWrite("race-after-" + path, {3, 4}, {3, 4}));
+  REQUIRE(after.ok());
+  const v1::TransferState done = WaitTerminal(pair.prefill(), "race-after-" + path);
+  INFO(Describe(done));
+  CHECK(done.phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(3, 3));
+  CHECK(Alive(pair.prefill_process().pid()));
+  CHECK(Alive(pair.decode_process().pid()));
+}
+
+TEST_CASE("A: deregistering regions a transfer uses, shm-direct", "[contract][A]") {
+  DeregisterRace("shm-direct", {}, 150);
+}
+
+TEST_CASE("A: deregistering regions a transfer uses, UCX", "[contract][A]") {
+  DeregisterRace("ucx", {"--shm-direct", "off"}, 150);
+}
+
+TEST_CASE("A: deregistering regions a transfer uses, host staging", "[contract][A]") {
+  DeregisterRace("staging",
+                 {"--shm-direct", "off", "--stage-host-regions", "--staging-chunk-bytes", "65536",
+                  "--staging-buffers", "4"},
+                 100);
+}
+
+// ---------------------------------------------------------------------------------
+// B. COMPLETED means acknowledged.
+
+TEST_CASE("B: decode killed under a large shm-direct WRITE: prefill never says COMPLETED",
+          "[contract][B]") {
+  constexpr int kTrials = 16;
+  AgentPairOptions options;
+  options.shape.layers = 8;  // 16 regions x 128 pages x 64 KiB = 128 MiB per agent
+  options.shape.pages = 128;
+  options.shape.page_bytes = 64 << 10;
+  // A dead peer fails its poll at once; polling often makes some deaths land before
+  // the last batch is posted (killed mid-data), others after (delivery unknown).
+  options.extra_args = {"--peer-refresh-ms", "20"};
+  AgentPair pair(options);
+  const std::vector<uint64_t> all = Range(0, options.shape.pages);
+
+  int mid_data = 0, after_data = 0, missed = 0;
+  int64_t worst_ms = 0;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    cli::DaemonProcess decode =
+        StartAgent("decode", fmt::format("{}/b{}", pair.work_dir(), trial));
+    cli::AgentClient client(decode.address());
+    {
+      cli::KvPool pool = Require(cli::CreateKvPool(client, "decode", options.shape), "decode pool");
+      auto connected = pair.prefill().Connect(decode.address());
+      INFO(connected.status().ToString());
+      REQUIRE(connected.ok());
+      REQUIRE(connected->data_path() == "shm-direct");
+    }
+    const std::string id = fmt::format("b-{}", trial);
+    REQUIRE(pair.prefill().Submit(KvWrite(id, all, all, "b")).ok());
+    // Kill as soon as the first batch is being copied (nothing confirmed yet).
+    const v1::TransferState seen = PollUntil(
+        pair.prefill(), id,
+        [](const v1::TransferState& s) { return s.phase() != v1::PENDING; }, 5000, "", 50);
+    const auto killed = Clock::now();
+    ::kill(decode.pid(), SIGKILL);
+    if (seen.phase() != v1::TRANSFERRING || seen.bytes_done() != 0) {
+      ++missed;  // too late to say "in flight"; not counted
+      std::printf("B trial %d: not caught in flight (%s)\n", trial, Describe(seen).c_str());
+      decode.Kill();
+      continue;
+    }
+    const v1::TransferState end = WaitTerminal(pair.prefill(), id, 15000);
+    const int64_t ms = MillisSince(killed);
+    worst_ms = std::max(worst_ms, ms);
+    INFO("trial " << trial << ": " << Describe(end));
+    REQUIRE(end.phase() != v1::COMPLETED);
+    REQUIRE((end.phase() == v1::FAILED || end.phase() == v1::TIMED_OUT));
+    CHECK_THAT(end.error_message(), Catch::Contains("decode"));
+    if (end.bytes_done() == end.bytes_total()) {
+      ++after_data;
+      CHECK_THAT(end.error_message(), Catch::Contains("delivery unknown"));
+    } else {
+      ++mid_data;
+    }
+    std::printf("B trial %d: %s %lld ms after the kill\n", trial, Describe(end).c_str(),
+                static_cast<long long>(ms));
+    decode.Kill();
+  }
+  std::printf("B: %d trials: %d killed mid-data, %d after the data (\"delivery unknown\"), %d "
+              "not caught in flight; COMPLETED 0 times; slowest failure %lld ms after the kill\n",
+              kTrials, mid_data, after_data, missed, static_cast<long long>(worst_ms));
+  CHECK(mid_data + after_data >= kTrials * 3 / 4);
+}
+
+// ---------------------------------------------------------------------------------
+// C. The sender is final before the receiver hears DATA_READY.
+
+TEST_CASE("C: when decode sees DATA_READY, prefill already says COMPLETED", "[contract][C]") {
+  constexpr int kLanes = 2;
+  constexpr int kPerLane = 160;
+  AgentPairOptions options;
+  options.shape.layers = 8;
+  options.shape.pages = 64;
+  options.shape.page_bytes = 4096;
+  AgentPair pair(options);
+  cli::AgentClient checker(pair.prefill_process().address());
+  REQUIRE(checker.Status().ok());
+
+  std::mutex mu;
+  std::map<std::string, v1::TransferPhase> phase_at_data_ready;
+  std::vector<std::string> errors;
+  NotificationWatch watch(pair.decode(), [&](const v1::Notification& n) {
+    if (n.kind() != v1::DATA_READY) return;
+    auto state = checker.Get(n.transfer_id());  // at once, before anything else
+    std::lock_guard<std::mutex> lock(mu);
+    if (!state.ok()) {
+      errors.push_back(n.transfer_id() + ": " + state.status().ToString());
+    } else {
+      phase_at_data_ready[n.transfer_id()] = state->phase();
+    }
+  });
+
+  const auto start = Clock::now();
+  std::vector<std::thread> lanes;
+  std::vector<std::string> submit_errors[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane) {
+    lanes.emplace_back([&, lane] {
+      for (int i = 0; i < kPerLane; ++i) {
+        const uint64_t page = uint64_t(lane) * 32 + uint64_t(i) % 32;
+        auto request = KvWrite(fmt::format("c-{}-{}", lane, i), {page}, {page}, "c");
+        request.set_wait(true);
+        request.set_timeout_ms(10000);
+        auto done = pair.prefill().Submit(request);
+        if (!done.ok() || done->phase() != v1::COMPLETED) {
+          submit_errors[lane].push_back(done.ok() ? Describe(*done) : done.status().ToString());
+        }
+      }
+    });
+  }
+  for (auto& t : lanes) t.join();
+  const int64_t submit_ms = MillisSince(start);
+  const size_t total = kLanes * kPerLane;
+  const size_t arrived = watch.WaitCount(total, 10000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // any duplicates show
+
+  for (int lane = 0; lane < kLanes; ++lane) {
+    for (const auto& e : submit_errors[lane]) FAIL_CHECK("submit: " << e);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& e : errors) FAIL_CHECK("GetTransfer at DATA_READY: " << e);
+  int completed = 0;
+  std::map<std::string, int> early;
+  for (const auto& [id, phase] : phase_at_data_ready) {
+    if (phase == v1::COMPLETED) {
+      ++completed;
+    } else {
+      ++early[v1::TransferPhase_Name(phase)];
+    }
+  }
+  std::map<std::string, int> per_id;
+  for (const auto& s : watch.All()) ++per_id[s.note.transfer_id()];
+  int duplicates = 0;
+  for (const auto& [id, n] : per_id) duplicates += n - 1;
+  std::printf("C: %zu one-page WRITEs in %lld ms; %zu DATA_READY seen by decode's watch; "
+              "prefill already COMPLETED at %d of them; %d duplicates\n",
+              total, static_cast<long long>(submit_ms), arrived, completed, duplicates);
+  for (const auto& [phase, n] : early) std::printf("C: prefill said %s at DATA_READY %d times\n", phase.c_str(), n);
+  CHECK(arrived == total);
+  CHECK(per_id.size() == total);
+  CHECK(duplicates == 0);
+  CHECK(completed == static_cast<int>(total));
+  CHECK(early.empty());
+}
+
+// ---------------------------------------------------------------------------------
+// D. drained always ends.
+
+struct DrainResult {
+  v1::TransferState end;
+  v1::TransferState settled;
+  int64_t fail_ms = 0;
+  int64_t settle_ms = 0;
+};
+
+// A 64 MiB WRITE over UCX; `fault` hits decode once it is moving; times from the fault.
+DrainResult DrainAfter(AgentPair& pair, const std::string& id,
+                       const std::function<void(pid_t)>& fault) {
+  const std::vector<uint64_t> all = Range(0, pair.prefill_pool().shape.pages);
+  REQUIRE(pair.prefill().Submit(KvWrite(id, all, all)).ok());
+  {
+    absl::Status moving = WaitTransferring(pair.prefill(), id);
+    INFO(moving.ToString());
+    REQUIRE(moving.ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto hit = Clock::now();
+  fault(pair.decode_process().pid());
+  DrainResult r;
+  r.end = WaitTerminal(pair.prefill(), id, 10000);
+  r.fail_ms = MillisSince(hit);
+  r.settled = PollUntil(
+      pair.prefill(), id,
+      [](const v1::TransferState& s) { return s.drained() || s.drain_unknown(); }, 10000);
+  r.settle_ms = MillisSince(hit);
+  return r;
+}
+
+AgentPairOptions DrainOptions() {
+  AgentPairOptions options;
+  options.shape.layers = 8;  // 16 regions x 64 pages x 64 KiB = 64 MiB: ~0.2 s over cma
+  options.shape.pages = 64;
+  options.shape.page_bytes = 64 << 10;
+  options.extra_args = {"--shm-direct", "off", "--drain-timeout-ms", "1000"};
+  return options;
+}
+
+void CheckSettled(const DrainResult& r, const char* what, int trial) {
+  INFO(Describe(r.settled));
+  REQUIRE(r.end.phase() != v1::COMPLETED);  // else: make the transfer bigger
+  CHECK((r.end.phase() == v1::FAILED || r.end.phase() == v1::TIMED_OUT));
+  CHECK((r.settled.drained() || r.settled.drain_unknown()));
+  if (r.settled.drain_unknown()) {
+    CHECK_FALSE(r.settled.drained());
+    CHECK_THAT(r.settled.drain_note(), Catch::Contains("peer 'decode'"));
+  }
+  std::printf("D %s trial %d: %s %lld ms after the fault; %s %lld ms after it%s%s\n", what, trial,
+              v1::TransferPhase_Name(r.end.phase()).c_str(), static_cast<long long>(r.fail_ms),
+              r.settled.drained() ? "drained" : r.settled.drain_unknown() ? "drain_unknown" : "NEITHER",
+              static_cast<long long>(r.settle_ms), r.settled.drain_unknown() ? ": " : "",
+              r.settled.drain_note().c_str());
+}
+
+TEST_CASE("D: drained or drain_unknown within a bound after the peer dies (UCX)", "[contract][D]") {
+  for (int trial = 0; trial < 3; ++trial) {
+    AgentPair pair(DrainOptions());
+    REQUIRE(Require(pair.prefill().Peers(), "peers").peers(0).data_path() == "ucx");
+    const DrainResult r = DrainAfter(pair, fmt::format("d-kill-{}", trial),
+                                     [](pid_t pid) { ::kill(pid, SIGKILL); });
+    CheckSettled(r, "SIGKILL", trial);
+    CHECK(r.fail_ms <= 2000);
+    CHECK(r.settle_ms <= 5000);
+    pair.decode_process().Kill();
+  }
+}
+
+TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs (UCX)", "[contract][D]") {
+  for (int trial = 0; trial < 2; ++trial) {
+    AgentPair pair(DrainOptions());
+    ResumeOnExit resume{pair.decode_process().pid()};
+    const DrainResult r = DrainAfter(pair, fmt::format("d-stop-{}", trial),
+                                     [](pid_t pid) { ::kill(pid, SIGSTOP); });
+    CheckSettled(r, "SIGSTOP", trial);
+    CHECK(r.end.error_code() == kUnavailable);
+    CHECK_THAT(r.end.error_message(), Catch::Contains("peer 'decode'"));
+    CHECK(r.fail_ms <= 2000);
+    // --drain-timeout-ms 1000 after the failure, plus the deadline thread's step.
+    CHECK(r.settle_ms <= r.fail_ms + 1500);
+    CHECK(r.settle_ms <= 3500);
+    ::kill(pair.decode_process().pid(), SIGCONT);
+    if (r.settled.drain_unknown()) {
+      // The peer resumed: its operations complete or fail, and drained may turn true.
+      const v1::TransferState later = PollUntil(
+          pair.prefill(), fmt::format("d-stop-{}", trial),
+          [](const v1::TransferState& s) { return s.drained(); }, 5000);
+      std::printf("D SIGSTOP trial %d: after SIGCONT, drained %d\n", trial, later.drained());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// E. Both ends see the transfer; one outcome each for decode's owner.
+
+TEST_CASE("E: decode sees every incoming transfer and gets exactly one outcome for each",
+          "[contract][E]") {
+  AgentPairOptions options;
+  options.shape.layers = 8;  // 16 regions x 64 pages x 64 KiB
+  options.shape.pages = 64;
+  options.shape.page_bytes = 64 << 10;
+  AgentPair pair(options);
+  NotificationWatch watch(pair.decode());
+  std::map<std::string, v1::NotificationKind> expected;
+
+  // Completed: open, listed as incoming, then its last chunk.
+  {
+    OpenAndMove(pair.prefill(), OpenChunk("e-done", {0, 1, 2, 3}, {0, 1, 2, 3}));
+    const v1::TransferState in = Require(pair.decode().Get("e-done", "prefill"), "incoming e-done");
+    INFO(in.DebugString());
+    CHECK(in.direction() == v1::INCOMING);
+    CHECK(in.phase() == v1::TRANSFERRING);
+    CHECK(in.peer() == "prefill");
+    CHECK(in.op() == v1::WRITE);
+    // Without the peer, by id alone (decode has no outgoing transfer of that name).
+    CHECK(Require(pair.decode().Get("e-done"), "incoming e-done by id").direction() == v1::INCOMING);
+    const auto listed = Require(pair.decode().Transfers(false, true), "incoming list");
+    const auto active = Require(pair.decode().Transfers(true, true), "active incoming list");
+    auto has = [](const v1::ListTransfersResponse& list, const std::string& id) {
+      for (const auto& t : list.transfers()) {
+        if (t.transfer_id() == id && t.direction() == v1::INCOMING) return true;
+      }
+      return false;
+    };
+    CHECK(has(listed, "e-done"));
+    CHECK(has(active, "e-done"));
+    CHECK_FALSE(watch.WaitFor("e-done", v1::NOTIFICATION_KIND_UNSPECIFIED, 50).has_value());
+
+    v1::SubmitTransferRequest last;
+    last.set_transfer_id("e-done");
+    last.set_peer("decode");
+    last.set_op(v1::WRITE);
+    last.set_chunk(1);
+    last.set_notification("e-done-note");
+    last.set_wait(true);
+    last.set_timeout_ms(10000);
+    const v1::TransferState done = Require(pair.prefill().Submit(last), "closing e-done");
+    INFO(Describe(done));
+    REQUIRE(done.phase() == v1::COMPLETED);
+    auto note = watch.WaitFor("e-done", v1::DATA_READY, 5000);
+    REQUIRE(note.has_value());
+    CHECK(note->note.payload() == "e-done-note");
+    const v1::TransferState in_done = Require(pair.decode().Get("e-done", "prefill"), "incoming");
+    CHECK(in_done.phase() == v1::COMPLETED);
+    CHECK(in_done.direction() == v1::INCOMING);
+    for (uint64_t p = 0; p < 4; ++p) CHECK(pair.PageEqual(p, p));
+    expected["e-done"] = v1::DATA_READY;
+  }
+
+  // Cancelled mid-way: the data moved, the transfer waits for its next chunk.
+  {
+    OpenAndMove(pair.prefill(), OpenChunk("e-cancel", {10, 11}, {10, 11}));
+    const v1::TransferState cancelled = Require(pair.prefill().Cancel("e-cancel"), "cancel");
+    CHECK(cancelled.phase() == v1::CANCELLED);
+    CHECK(WaitDrained(pair.prefill(), "e-cancel").drained());
+    auto note = watch.WaitFor("e-cancel", v1::CANCELLED_BY_PEER, 5000);
+    REQUIRE(note.has_value());
+    CHECK(Require(pair.decode().Get("e-cancel", "prefill"), "incoming").phase() == v1::CANCELLED);
+    expected["e-cancel"] = v1::CANCELLED_BY_PEER;
+  }
+
+  // Cancelled before its first operation: submitted behind a 32 MiB copy that holds
+  // prefill's worker thread, and cancelled at once. Decode never heard its OPEN (its
+  // record has no op), yet hears the outcome.
+  {
+    int attempts = 0;
+    bool before_first_op = false;
+    for (; attempts < 8 && !before_first_op; ++attempts) {
+      const std::string big = fmt::format("e-big-{}", attempts);
+      const std::string early = fmt::format("e-early-{}", attempts);
+      REQUIRE(pair.prefill().Submit(KvWrite(big, Range(32, 64), Range(32, 64))).ok());
+      REQUIRE(pair.prefill().Submit(OpenChunk(early, {20}, {20})).ok());
+      const v1::TransferState cancelled = Require(pair.prefill().Cancel(early), "cancel early");
+      CHECK(cancelled.phase() == v1::CANCELLED);
+      expected[big] = v1::DATA_READY;
+      expected[early] = v1::CANCELLED_BY_PEER;
+      REQUIRE(WaitTerminal(pair.prefill(), big).phase() == v1::COMPLETED);
+      const v1::TransferState state = WaitDrained(pair.prefill(), early);
+      CHECK(state.drained());
+      auto note = watch.WaitFor(early, v1::CANCELLED_BY_PEER, 5000);
+      REQUIRE(note.has_value());
+      const v1::TransferState in = Require(pair.decode().Get(early, "prefill"), "incoming early");
+      CHECK(in.phase() == v1::CANCELLED);
+      before_first_op = in.op() == v1::TRANSFER_OP_UNSPECIFIED && state.bytes_done() == 0;
+    }
+    std::printf("E: cancelled before its first operation in attempt %d\n", attempts);
+    CHECK(before_first_op);
+  }
+
+  // The sender's deadline.
+  {
+    const auto start = Clock::now();
+    REQUIRE(pair.prefill().Submit(OpenChunk("e-deadline", {30}, {30}, 400)).ok());
+    const v1::TransferState end = WaitTerminal(pair.prefill(), "e-deadline", 5000);
+    INFO(Describe(end));
+    CHECK(end.phase() == v1::TIMED_OUT);
+    auto note = watch.WaitFor("e-deadline", v1::TRANSFER_TIMED_OUT, 5000);
+    REQUIRE(note.has_value());
+    CHECK(note->note.error_code() == kDeadlineExceeded);
+    CHECK_THAT(note->note.error_message(), Catch::Contains("passed its deadline") &&
+                                               !Catch::Contains("no outcome came from the sender"));
+    std::printf("E: TRANSFER_TIMED_OUT (sender's 400 ms deadline) reached decode's client %lld ms "
+                "after the submit\n",
+                static_cast<long long>(
+                    std::chrono::duration_cast<std::chrono::milliseconds>(note->at - start).count()));
+    expected["e-deadline"] = v1::TRANSFER_TIMED_OUT;
+  }
+
+  // Failed: prefill deregisters the source regions mid-transfer.
+  {
+    cli::KvPoolShape fresh_shape = options.shape;
+    fresh_shape.group = "efresh";
+    fresh_shape.pages = 4;
+    cli::KvPool fresh = Require(cli::CreateKvPool(pair.prefill(), "efresh", fresh_shape), "fresh");
+    v1::SubmitTransferRequest chunk = OpenChunk("e-failed", {0, 1}, {40, 41});
+    chunk.mutable_segments(0)->mutable_items()->set_local_group("efresh");
+    OpenAndMove(pair.prefill(), chunk);
+    REQUIRE(pair.prefill().Deregister(fresh.region_names).ok());
+    const v1::TransferState end = Require(pair.prefill().Get("e-failed"), "e-failed");
+    INFO(Describe(end));
+    CHECK(end.phase() == v1::FAILED);
+    CHECK(end.error_code() == kAborted);
+    CHECK(end.drained());
+    auto note = watch.WaitFor("e-failed", v1::TRANSFER_FAILED, 5000);
+    REQUIRE(note.has_value());
+    CHECK(note->note.error_code() == kAborted);
+    CHECK_THAT(note->note.error_message(), Catch::Contains("efresh."));
+    CHECK(Require(pair.decode().Get("e-failed", "prefill"), "incoming").phase() == v1::FAILED);
+    expected["e-failed"] = v1::TRANSFER_FAILED;
+  }
+
+  // Exactly one each, and nothing more for a while.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  std::map<std::string, std::vector<v1::NotificationKind>> got;
+  for (const auto& s : watch.All()) got[s.note.transfer_id()].push_back(s.note.kind());
+  for (const auto& [id, kind] : expected) {
+    INFO(id);
+    REQUIRE(got.count(id) == 1);
+    CHECK(got[id].size() == 1);
+    CHECK(got[id][0] == kind);
+  }
+  CHECK(got.size() == expected.size());
+  std::printf("E: %zu transfers, %zu notifications at decode, one each: DATA_READY, "
+              "CANCELLED_BY_PEER (mid-way and before the first op), TRANSFER_TIMED_OUT, "
+              "TRANSFER_FAILED\n",
+              expected.size(), watch.All().size());
+}
+
+TEST_CASE("E: prefill killed mid-transfer: decode's client hears TRANSFER_TIMED_OUT by the "
+          "sender's deadline plus the grace",
+          "[contract][E]") {
+  constexpr uint32_t kTimeoutMs = 1500, kGraceMs = 2000, kSlackMs = 700;
+  AgentPair pair;
+  NotificationWatch watch(pair.decode());
+  const auto start = Clock::now();
+  OpenAndMove(pair.prefill(), OpenChunk("e-orphan", {0, 1}, {0, 1}, kTimeoutMs));
+  const v1::TransferState in = PollUntil(
+      pair.decode(), "e-orphan", [](const v1::TransferState& s) { return s.phase() == v1::TRANSFERRING; },
+      2000, "prefill");
+  REQUIRE(in.phase() == v1::TRANSFERRING);
+  pair.prefill_process().Kill();
+  const auto killed = Clock::now();
+  auto note = watch.WaitFor("e-orphan", v1::NOTIFICATION_KIND_UNSPECIFIED, kTimeoutMs + kGraceMs + 3000);
+  REQUIRE(note.has_value());
+  const int64_t from_submit =
+      std::chrono::duration_cast<std::chrono::milliseconds>(note->at - start).count();
+  const int64_t from_kill =
+      std::chrono::duration_cast<std::chrono::milliseconds>(note->at - killed).count();
+  std::printf("E: prefill SIGKILLed mid-transfer (timeout_ms %u): decode's client got %s %lld ms "
+              "after the submit (%lld after the kill): %s\n",
+              kTimeoutMs, v1::NotificationKind_Name(note->note.kind()).c_str(),
+              static_cast<long long>(from_submit), static_cast<long long>(from_kill),
+              note->note.error_message().c_str());
+  CHECK(note->note.kind() == v1::TRANSFER_TIMED_OUT);
+  CHECK_THAT(note->note.error_message(), Catch::Contains("no outcome came from the sender"));
+  CHECK(from_submit <= kTimeoutMs + kGraceMs + kSlackMs);
+  CHECK(from_submit >= kTimeoutMs + kGraceMs - 300);  // not before the deadline plus the grace
+  CHECK(Require(pair.decode().Get("e-orphan", "prefill"), "incoming").phase() == v1::TIMED_OUT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  CHECK(watch.For("e-orphan").size() == 1);
+  CHECK(watch.All().size() == 1);
+}
+
+// ---------------------------------------------------------------------------------
+// F. Destinations.
+
+// Regions of one group on one agent, each with a role, in a memory the agent allocated.
+struct RolePool {
+  cli::SharedMemory memory;
+  std::vector<std::string> names;
+  uint64_t items = 0, item_bytes = 0;
+  uint8_t* Item(size_t region, uint64_t item) const {
+    return static_cast<uint8_t*>(memory.mapping.data()) + (region * items + item) * item_bytes;
+  }
+};
+
+RolePool RegisterRoles(cli::AgentClient& client, const std::string& label, const std::string& group,
+                       const std::vector<std::string>& roles, uint64_t items, uint64_t item_bytes) {
+  RolePool pool;
+  pool.items = items;
+  pool.item_bytes = item_bytes;
+  pool.memory = Require(client.AllocateMemory(label, roles.size() * items * item_bytes), "memory");
+  v1::RegisterRegionsRequest request;
+  for (size_t i = 0; i < roles.size(); ++i) {
+    auto* spec = request.add_regions();
+    spec->set_name(fmt::format("{}.{}", label, roles[i]));
+    spec->set_kind(v1::KV);
+    spec->set_group(group);
+    spec->set_memory(v1::DRAM);
+    spec->set_length(items * item_bytes);
+    spec->mutable_layout()->set_num_items(items);
+    spec->mutable_layout()->set_item_bytes(item_bytes);
+    spec->mutable_shm()->set_memory_handle(pool.memory.info.handle());
+    spec->mutable_shm()->set_offset(i * items * item_bytes);
+    spec->set_role(roles[i]);
+    pool.names.push_back(spec->name());
+  }
+  Require(client.Register(request), "registering " + label);
+  return pool;
+}
+
+TEST_CASE("F: destinations written once, by one transfer at a time; regions paired by role",
+          "[contract][F]") {
+  AgentPair pair;
+  // A page named twice in one request.
+  {
+    auto refused = pair.prefill().Submit(KvWrite("f-twice", {1, 2}, {7, 7}));
+    REQUIRE_FALSE(refused.ok());
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(refused.status().message()), Catch::Contains("index 7"));
+    CHECK(refused.status().message().find("f-twice") != absl::string_view::npos);
+    CHECK_FALSE(pair.prefill().Get("f-twice").ok());  // no transfer was created
+  }
+  // Two transfers writing the same page at once.
+  {
+    OpenAndMove(pair.prefill(), OpenChunk("f-first", {3}, {20}));
+    auto second = pair.prefill().Submit(KvWrite("f-second", {4, 5}, {21, 20}));
+    REQUIRE_FALSE(second.ok());
+    INFO(second.status().ToString());
+    CHECK(second.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK_THAT(std::string(second.status().message()), Catch::Contains("'f-first'"));
+    REQUIRE(pair.prefill().Cancel("f-first").ok());
+    CHECK(WaitDrained(pair.prefill(), "f-first").drained());
+    auto again = pair.prefill().Submit(KvWrite("f-second", {4, 5}, {21, 20}));
+    INFO(again.status().ToString());
+    REQUIRE(again.ok());
+    const v1::TransferState done = WaitTerminal(pair.prefill(), "f-second");
+    INFO(Describe(done));
+    CHECK(done.phase() == v1::COMPLETED);
+    CHECK(pair.PageEqual(4, 21));
+    CHECK(pair.PageEqual(5, 20));
+  }
+  // Roles: decode registered V before K; the bytes still go K to K and V to V.
+  {
+    constexpr uint64_t kItems = 8, kBytes = 4096;
+    RolePool src = RegisterRoles(pair.prefill(), "pr", "roles", {"L0.K", "L0.V"}, kItems, kBytes);
+    RolePool dst = RegisterRoles(pair.decode(), "dr", "roles", {"L0.V", "L0.K"}, kItems, kBytes);
+    for (uint32_t r = 0; r < 2; ++r) {
+      for (uint64_t i = 0; i < kItems; ++i) {
+        cli::FillPage(src.Item(r, i), kBytes, 21, r, i);
+        std::memset(dst.Item(r, i), 0xEE, kBytes);
+      }
+    }
+    auto request = ItemTransfer("f-roles", v1::WRITE, "roles", {0, 1, 2}, {3, 4, 5});
+    request.mutable_segments(0)->mutable_items()->set_remote_group("roles");
+    request.set_wait(true);
+    request.set_timeout_ms(10000);
+    const v1::TransferState done = Require(pair.prefill().Submit(request), "f-roles");
+    INFO(Describe(done));
+    REQUIRE(done.phase() == v1::COMPLETED);
+    for (uint64_t k = 0; k < 3; ++k) {
+      INFO("item " << k);
+      // src region 0 is K, 1 is V; dst region 0 is V, 1 is K.
+      CHECK(std::memcmp(src.Item(0, k), dst.Item(1, 3 + k), kBytes) == 0);
+      CHECK(std::memcmp(src.Item(1, k), dst.Item(0, 3 + k), kBytes) == 0);
+    }
+    CHECK(dst.Item(0, 0)[0] == 0xEE);
+    CHECK(dst.Item(1, 7)[kBytes - 1] == 0xEE);
+
+    RolePool odd = RegisterRoles(pair.prefill(), "po", "oddroles", {"L0.K", "L0.X"}, kItems, kBytes);
+    auto mismatch = ItemTransfer("f-mismatch", v1::WRITE, "oddroles", {0}, {0});
+    mismatch.mutable_segments(0)->mutable_items()->set_remote_group("roles");
+    auto refused = pair.prefill().Submit(mismatch);
+    REQUIRE_FALSE(refused.ok());
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(refused.status().message()),
+               Catch::Contains("'L0.X'") && Catch::Contains("'L0.V'"));
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// G. Peers.
+
+TEST_CASE("G: ConnectPeer to ourselves is refused; DisconnectPeer fails open transfers and "
+          "forgets the peer",
+          "[contract][G]") {
+  AgentPair pair;
+  {
+    auto self = pair.prefill().Connect(pair.prefill_process().address());
+    REQUIRE_FALSE(self.ok());
+    INFO(self.status().ToString());
+    CHECK(self.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(self.status().message()), Catch::Contains("itself"));
+  }
+  NotificationWatch watch(pair.decode());
+  OpenAndMove(pair.prefill(), OpenChunk("g-open", {1}, {1}));
+  const v1::DisconnectPeerResponse gone = Require(pair.prefill().Disconnect("decode"), "disconnect");
+  CHECK(gone.failed_transfers() == 1);
+  const v1::TransferState failed = WaitDrained(pair.prefill(), "g-open");
+  INFO(Describe(failed));
+  CHECK(failed.phase() == v1::FAILED);
+  CHECK(failed.error_code() == kUnavailable);
+  CHECK_THAT(failed.error_message(), Catch::Contains("disconnected"));
+  CHECK(failed.drained());
+  CHECK(Require(pair.prefill().Peers(), "peers").peers_size() == 0);
+  auto refused = pair.prefill().Submit(KvWrite("g-after", {2}, {2}));
+  REQUIRE_FALSE(refused.ok());
+  INFO(refused.status().ToString());
+  CHECK(refused.status().code() == absl::StatusCode::kNotFound);
+  // Decode's owner hears how it ended.
+  auto note = watch.WaitFor("g-open", v1::NOTIFICATION_KIND_UNSPECIFIED, 5000);
+  REQUIRE(note.has_value());
+  CHECK(note->note.kind() == v1::TRANSFER_FAILED);
+  CHECK(note->note.error_code() == kUnavailable);
+
+  auto unknown = pair.prefill().Disconnect("nobody");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.status().code() == absl::StatusCode::kNotFound);
+
+  auto back = pair.prefill().Connect(pair.decode_process().address());
+  INFO(back.status().ToString());
+  REQUIRE(back.ok());
+  CHECK(back->state() == "connected");
+  CHECK(Require(pair.prefill().Peers(), "peers").peers_size() == 1);
+  auto request = KvWrite("g-again", {2}, {2});
+  request.set_wait(true);
+  request.set_timeout_ms(10000);
+  const v1::TransferState done = Require(pair.prefill().Submit(request), "g-again");
+  INFO(Describe(done));
+  CHECK(done.phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(2, 2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  CHECK(watch.For("g-open").size() == 1);
+}
+
+// ---------------------------------------------------------------------------------
+// H. ListTransfers pages.
+
+TEST_CASE("H: ListTransfers pages through 250 transfers without gaps or duplicates",
+          "[contract][H]") {
+  constexpr int kTransfers = 250, kBatch = 50;
+  AgentPairOptions options;
+  options.shape.layers = 2;
+  options.shape.pages = kBatch;
+  options.shape.page_bytes = 4096;
+  AgentPair pair(options);
+  std::set<std::string> submitted;
+  for (int b = 0; b < kTransfers / kBatch; ++b) {
+    v1::SubmitTransfersRequest batch;
+    batch.set_wait(true);
+    for (int i = 0; i < kBatch; ++i) {
+      auto request = KvWrite(fmt::format("h-{:03}", b * kBatch + i), {uint64_t(i)}, {uint64_t(i)});
+      request.set_timeout_ms(10000);
+      *batch.add_transfers() = request;
+      submitted.insert(request.transfer_id());
+    }
+    const auto results = Require(pair.prefill().SubmitBatch(batch), "batch");
+    for (const auto& r : results.results()) {
+      INFO(r.error_message());
+      REQUIRE(r.error_code() == 0);
+      REQUIRE(r.state().phase() == v1::COMPLETED);
+    }
+  }
+  for (bool incoming : {false, true}) {
+    cli::AgentClient& client = incoming ? pair.decode() : pair.prefill();
+    INFO((incoming ? "incoming on decode" : "outgoing on prefill"));
+    v1::ListTransfersRequest request;
+    request.set_page_size(100);
+    request.set_incoming(incoming);
+    std::vector<size_t> sizes;
+    std::vector<std::string> ids;
+    for (int page = 0; page < 10; ++page) {
+      const auto response = Require(ListPage(client, request), "ListTransfers");
+      sizes.push_back(response.transfers_size());
+      for (const auto& t : response.transfers()) {
+        ids.push_back(t.transfer_id());
+        CHECK(t.direction() == (incoming ? v1::INCOMING : v1::OUTGOING));
+      }
+      if (response.next_page_token().empty()) break;
+      request.set_page_token(response.next_page_token());
+    }
+    CHECK(sizes == std::vector<size_t>{100, 100, 50});
+    CHECK(std::set<std::string>(ids.begin(), ids.end()) == submitted);
+    CHECK(ids.size() == submitted.size());
+    std::printf("H: %s: pages of %zu", incoming ? "incoming on decode" : "outgoing on prefill",
+                sizes.empty() ? size_t{0} : sizes[0]);
+    for (size_t i = 1; i < sizes.size(); ++i) std::printf(", %zu", sizes[i]);
+    std::printf(" (%zu ids, %zu distinct)\n", ids.size(),
+                std::set<std::string>(ids.begin(), ids.end()).size());
+  }
+  // The client's Transfers() pages through them all.
+  CHECK(Require(pair.prefill().Transfers(false), "all").transfers_size() == kTransfers);
+  {
+    v1::ListTransfersRequest bad;
+    bad.set_page_token("not-a-token");
+    auto refused = ListPage(pair.prefill(), bad);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  }
+  {
+    v1::ListTransfersRequest big;
+    big.set_page_size(20000);
+    auto refused = ListPage(pair.prefill(), big);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(refused.status().message()), Catch::Contains("10000"));
+  }
+}
+
+}  // namespace
+}  // namespace kvagent::testing
