@@ -14,6 +14,8 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <string>
+#include <tuple>
 #include <utility>
 
 #include "fmt/chrono.h"
@@ -265,34 +267,44 @@ absl::Status CheckTlsFiles(const TlsFiles& files, std::string_view who) {
   return absl::OkStatus();
 }
 
+namespace {
+// The three files' contents, each read with the checks ReadFlagFile makes.
+struct TlsPem {
+  std::string cert, key, ca;
+};
+absl::StatusOr<TlsPem> ReadTlsFiles(const TlsFiles& files) {
+  TlsPem pem;
+  for (auto [flag, path, out] : {std::tuple{"--tls-cert", &files.cert, &pem.cert},
+                                 {"--tls-key", &files.key, &pem.key},
+                                 {"--tls-ca", &files.ca, &pem.ca}}) {
+    absl::StatusOr<std::string> text = ReadFlagFile(flag, *path, "");
+    if (!text.ok()) return text.status();
+    *out = *std::move(text);
+  }
+  return pem;
+}
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const TlsFiles& files) {
-  absl::StatusOr<std::string> cert = ReadFlagFile("--tls-cert", files.cert, "");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFlagFile("--tls-key", files.key, "");
-  if (!key.ok()) return key.status();
-  absl::StatusOr<std::string> ca = ReadFlagFile("--tls-ca", files.ca, "");
-  if (!ca.ok()) return ca.status();
+  absl::StatusOr<TlsPem> pem = ReadTlsFiles(files);
+  if (!pem.ok()) return pem.status();
   // OpenSSL verifies the client's chain (validity dates included) against the CA alone
   // during the handshake; a client without a certificate is refused there too.
   grpc::SslServerCredentialsOptions options(
       GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  options.pem_root_certs = std::move(*ca);
-  options.pem_key_cert_pairs.push_back({std::move(*key), std::move(*cert)});
+  options.pem_root_certs = std::move(pem->ca);
+  options.pem_key_cert_pairs.push_back({std::move(pem->key), std::move(pem->cert)});
   return grpc::SslServerCredentials(options);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const TlsFiles& files) {
-  absl::StatusOr<std::string> cert = ReadFlagFile("--tls-cert", files.cert, "");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFlagFile("--tls-key", files.key, "");
-  if (!key.ok()) return key.status();
-  absl::StatusOr<std::string> ca = ReadFlagFile("--tls-ca", files.ca, "");
-  if (!ca.ok()) return ca.status();
+  absl::StatusOr<TlsPem> pem = ReadTlsFiles(files);
+  if (!pem.ok()) return pem.status();
   namespace gx = grpc::experimental;
   auto provider = std::make_shared<gx::StaticDataCertificateProvider>(
-      *ca, std::vector<gx::IdentityKeyCertPair>{{std::move(*key), std::move(*cert)}});
+      pem->ca, std::vector<gx::IdentityKeyCertPair>{{std::move(pem->key), std::move(pem->cert)}});
   gx::TlsChannelCredentialsOptions options;
   options.set_certificate_provider(std::move(provider));
   options.watch_root_certs();
