@@ -328,6 +328,10 @@ void AgentService::HandleRegisterRegions(grpc::CallbackServerContext* context,
                                        session = caller->session_id](uint64_t handle) {
       return door->ResolveHandle(session, handle);
     };
+    register_context.resolve_device_handle = [door = deps_.local_door,
+                                              session = caller->session_id](uint64_t handle) {
+      return door->ResolveDeviceHandle(session, handle);
+    };
   }
   auto result = deps_.registry->Register(specs, request->skip_empty(), register_context);
   if (!result.ok()) return reply(result.status());

@@ -96,6 +96,9 @@ void LocalDoor::OnRequest(uint64_t session_id, const v1::SessionRequest& request
     case v1::SessionRequest::kShare:
       status = Share(session_id, request.share(), std::move(fds), reply);
       break;
+    case v1::SessionRequest::kShareDevice:
+      status = ShareDevice(session_id, request.share_device(), std::move(fds), reply);
+      break;
     case v1::SessionRequest::kAllocate:
       status = Allocate(session_id, request.allocate(), reply, reply_fds);
       break;
@@ -107,8 +110,8 @@ void LocalDoor::OnRequest(uint64_t session_id, const v1::SessionRequest& request
       break;
     default:
       status = absl::InvalidArgumentError(fmt::format(
-          "session request has no known body (field {}); this agent takes share, allocate, "
-          "free and peer_memory",
+          "session request has no known body (field {}); this agent takes share, "
+          "share_device, allocate, free and peer_memory",
           static_cast<int>(request.body_case())));
   }
   if (!status.ok()) {
@@ -146,6 +149,24 @@ absl::Status LocalDoor::Keep(uint64_t session_id,
   return absl::OkStatus();
 }
 
+absl::Status LocalDoor::Keep(uint64_t session_id,
+                             std::shared_ptr<const registry::DeviceMemoryObject> object,
+                             v1::SessionReply* reply) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
+  }
+  const uint64_t handle = it->second.next_handle++;
+  v1::MemoryHandleInfo* info = reply->mutable_memory();
+  info->set_handle(handle);
+  info->set_bytes(object->bytes());
+  info->set_kind(std::string(object->kind()));
+  info->set_label(object->label());
+  it->second.device_memory.emplace(handle, std::move(object));
+  return absl::OkStatus();
+}
+
 absl::Status LocalDoor::Share(uint64_t session_id, const v1::ShareMemoryRequest& request,
                               std::vector<UniqueFd> fds, v1::SessionReply* reply) {
   ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
@@ -165,6 +186,34 @@ absl::Status LocalDoor::Share(uint64_t session_id, const v1::ShareMemoryRequest&
   ASSIGN_OR_RETURN(auto object, registry::MemoryObject::FromDescriptor(std::move(fds[0]), label));
   kLog.Info("session {}: shared memory '{}' ({} bytes, {}{})", session_id, label, object->size(),
             object->kind(), object->sealed() ? ", sealed" : "");
+  return Keep(session_id, std::move(object), reply);
+}
+
+absl::Status LocalDoor::ShareDevice(uint64_t session_id,
+                                    const v1::ShareDeviceMemoryRequest& request,
+                                    std::vector<UniqueFd> fds, v1::SessionReply* reply) {
+  ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
+  const std::string label = Printable(request.label(), 128);
+  if (!caller.engine) {
+    counters_->refused_calls.fetch_add(1);
+    return absl::PermissionDeniedError(fmt::format(
+        "share_device '{}': {} is not an engine here, so it cannot register memory; the "
+        "operator grants it with --engine-uids",
+        label, caller.principal));
+  }
+  if (fds.size() != 1) {
+    return absl::InvalidArgumentError(fmt::format(
+        "share_device '{}': {} descriptors came with the request; attach exactly one, the "
+        "POSIX descriptor of cuMemExportToShareableHandle (SCM_RIGHTS)",
+        label, fds.size()));
+  }
+  // What needs no driver is checked here (not host memory, a size, an ordinal); the
+  // driver checks the rest when a region imports it.
+  ASSIGN_OR_RETURN(auto object,
+                   registry::DeviceMemoryObject::FromDescriptor(
+                       std::move(fds[0]), request.device(), request.bytes(), request.label()));
+  kLog.Info("session {}: shared device memory '{}' ({} bytes on device {}, CUDA VMM)", session_id,
+            label, object->bytes(), object->device());
   return Keep(session_id, std::move(object), reply);
 }
 
@@ -198,10 +247,11 @@ absl::Status LocalDoor::Free(uint64_t session_id, const v1::FreeMemoryRequest& r
   if (it == sessions_.end()) {
     return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
   }
-  if (it->second.memory.erase(request.handle()) == 0) {
+  if (it->second.memory.erase(request.handle()) == 0 &&
+      it->second.device_memory.erase(request.handle()) == 0) {
     return absl::NotFoundError(fmt::format(
-        "free: memory handle {} is not one of this session's; free only handles that share "
-        "or allocate returned",
+        "free: memory handle {} is not one of this session's; free only handles that share, "
+        "share_device or allocate returned",
         request.handle()));
   }
   // Regions registered from it keep their own mapping until they are deregistered.
@@ -275,9 +325,38 @@ absl::StatusOr<std::shared_ptr<const registry::MemoryObject>> LocalDoor::Resolve
   }
   auto m = it->second.memory.find(handle);
   if (m == it->second.memory.end()) {
+    if (it->second.device_memory.contains(handle)) {
+      return absl::InvalidArgumentError(fmt::format(
+          "memory handle {} is device memory (share_device), not host memory; name it in "
+          "cuda_vmm.memory_handle of a VRAM region",
+          handle));
+    }
     return absl::NotFoundError(fmt::format(
         "memory handle {} is not one of this session's (handles belong to the session that "
         "shared or allocated them); share the memory first",
+        handle));
+  }
+  return m->second;
+}
+
+absl::StatusOr<std::shared_ptr<const registry::DeviceMemoryObject>>
+LocalDoor::ResolveDeviceHandle(uint64_t session_id, uint64_t handle) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
+  }
+  auto m = it->second.device_memory.find(handle);
+  if (m == it->second.device_memory.end()) {
+    if (it->second.memory.contains(handle)) {
+      return absl::InvalidArgumentError(fmt::format(
+          "memory handle {} is host memory (share or allocate), not device memory; name it "
+          "in shm.memory_handle of a DRAM region, and share VRAM with share_device",
+          handle));
+    }
+    return absl::NotFoundError(fmt::format(
+        "device memory handle {} is not one of this session's (handles belong to the "
+        "session that shared them); share the device memory first (ShareDeviceMemory)",
         handle));
   }
   return m->second;

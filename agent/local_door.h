@@ -1,6 +1,7 @@
 // LocalDoor is the agent's side of local sessions (the session socket): it opens a
 // session per attached process, identified by the kernel, gives it a token for its
-// gRPC calls, keeps the memory the session shared or had allocated (descriptors),
+// gRPC calls, keeps the memory the session shared or had allocated (descriptors of
+// host memory and of CUDA VMM allocations),
 // hands same-host peer agents the descriptors of exported memory, and tells the
 // agent when a session ends so that its regions are released. Used by the Agent.
 #pragma once
@@ -17,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
 #include "agent/session_server.h"
+#include "registry/device_memory_object.h"
 #include "registry/memory_object.h"
 #include "registry/region_registry.h"
 
@@ -40,7 +42,12 @@ class LocalDoor final : public SessionHandler {
   // The session behind a gRPC call's token; UNAUTHENTICATED when there is none.
   absl::StatusOr<Caller> FindToken(std::string_view token) const;
   // A memory handle of `session_id` (RegisterRegions: SharedMemorySource.memory_handle).
+  // NOT_FOUND for an unknown handle; INVALID_ARGUMENT for one of device memory.
   absl::StatusOr<std::shared_ptr<const registry::MemoryObject>> ResolveHandle(
+      uint64_t session_id, uint64_t handle) const;
+  // A device memory handle of `session_id` (RegisterRegions: CudaVmmSource.memory_handle).
+  // NOT_FOUND for an unknown handle; INVALID_ARGUMENT for one of host memory.
+  absl::StatusOr<std::shared_ptr<const registry::DeviceMemoryObject>> ResolveDeviceHandle(
       uint64_t session_id, uint64_t handle) const;
   size_t sessions() const;
 
@@ -58,10 +65,15 @@ class LocalDoor final : public SessionHandler {
     std::string token;
     std::string client_name;
     absl::flat_hash_map<uint64_t, std::shared_ptr<const registry::MemoryObject>> memory;
+    // ShareDeviceMemory's; numbered with `memory` (a handle names one or the other).
+    absl::flat_hash_map<uint64_t, std::shared_ptr<const registry::DeviceMemoryObject>>
+        device_memory;
     uint64_t next_handle = 1;
   };
   absl::Status Share(uint64_t session_id, const v1::ShareMemoryRequest& request,
                      std::vector<UniqueFd> fds, v1::SessionReply* reply);
+  absl::Status ShareDevice(uint64_t session_id, const v1::ShareDeviceMemoryRequest& request,
+                           std::vector<UniqueFd> fds, v1::SessionReply* reply);
   absl::Status Allocate(uint64_t session_id, const v1::AllocateMemoryRequest& request,
                         v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
   absl::Status Free(uint64_t session_id, const v1::FreeMemoryRequest& request);
@@ -69,6 +81,9 @@ class LocalDoor final : public SessionHandler {
                           v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
   // Records `object` as a new handle of the session; fills `reply`.
   absl::Status Keep(uint64_t session_id, std::shared_ptr<const registry::MemoryObject> object,
+                    v1::SessionReply* reply);
+  absl::Status Keep(uint64_t session_id,
+                    std::shared_ptr<const registry::DeviceMemoryObject> object,
                     v1::SessionReply* reply);
   absl::StatusOr<Caller> CallerOf(uint64_t session_id) const;
 

@@ -26,6 +26,10 @@ void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
 // backs off, so keep the backoff near the poll period.
 grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
+  // Our own connections: gRPC's process-wide subchannel pool would hand a new channel
+  // the broken connection of an old one to the same address (an agent restarted on
+  // the same socket path), and its first call would fail.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
@@ -782,17 +786,39 @@ bool PeerManager::RefreshOne(const std::string& name) {
       }
     }
   }
-  grpc::ClientContext context;
-  link->Prepare(&context);
   // Detection bound: a dead peer refuses or resets the connection, so its poll fails
   // at once; a hung one (SIGSTOP, a wedged host) holds the poll until this deadline.
   // A peer is therefore marked unreachable, and its transfers failed, within
   // refresh_ms + max(5 * refresh_ms, 1000) ms of its failure: 1.2 s with the default
   // 200 ms, under the 2 s the fault-handling target asks. The deadline stays well
   // above a loaded peer's answer time, since a false alarm fails live transfers.
-  SetDeadline(&context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
+  auto poll = [&](grpc::ClientContext* context, v1::AgentMetadata* reply) {
+    link->Prepare(context);
+    SetDeadline(context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
+    return link->stub->GetMetadata(context, request, reply);
+  };
+  auto context = std::make_unique<grpc::ClientContext>();
   v1::AgentMetadata reply;
-  grpc::Status status = link->stub->GetMetadata(&context, request, &reply);
+  grpc::Status status = poll(context.get(), &reply);
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED && link->local) {
+    // A same-host peer restarted on the same path: the agent there does not know our
+    // session. Attach to it (authenticated as on ConnectPeer) and ask again; its new
+    // incarnation is then installed like any restart. (A dead or hung peer answers
+    // UNAVAILABLE or not at all, and is marked unreachable below without waiting.)
+    auto fresh = OpenLink(link->address);
+    if (fresh.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = peers_.find(name);
+        if (it == peers_.end() || it->second.snapshot != previous) return false;
+        it->second.link = *fresh;
+      }
+      link = *std::move(fresh);
+      context = std::make_unique<grpc::ClientContext>();
+      reply.Clear();
+      status = poll(context.get(), &reply);
+    }
+  }
   if (!status.ok()) {
     MarkUnreachable(name, previous->incarnation,
                     fmt::format("GetMetadata failed: {} (gRPC code {})", status.error_message(),
@@ -800,7 +826,7 @@ bool PeerManager::RefreshOne(const std::string& name) {
                     /*endpoint_failed=*/false);
     return false;
   }
-  if (absl::Status who = link->Verify(context, reply); !who.ok()) {
+  if (absl::Status who = link->Verify(*context, reply); !who.ok()) {
     MarkUnreachable(name, previous->incarnation, std::string(who.message()),
                     /*endpoint_failed=*/false);
     return false;

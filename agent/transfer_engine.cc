@@ -524,12 +524,31 @@ void TransferEngine::Pump(const TransferPtr& t) {
             t->inflight = false;
             if (!status.ok()) {
               const int32_t segment = failed_segment >= 0 ? failed_segment : first;
+              // The Stager's own check can see a local region deregistered a moment
+              // before StopUsersOf fails the transfer: name the region, as it does.
+              const registry::Region* gone = nullptr;
+              if (status.code() == absl::StatusCode::kAborted) {
+                for (const auto& pin : t->pinned) {
+                  if (registry_->Find(pin->spec.name()) != pin) {
+                    gone = pin.get();
+                    break;
+                  }
+                }
+              }
               Finish(*t, v1::FAILED,
-                     absl::Status(status.code(),
-                                  fmt::format("transfer '{}' segment {}: staging through host "
-                                              "buffers to peer '{}' failed: {}",
-                                              t->state.transfer_id(), segment, t->state.peer(),
-                                              status.message())),
+                     gone != nullptr
+                         ? absl::AbortedError(fmt::format(
+                               "transfer '{}' segment {}: local region '{}' was deregistered "
+                               "while the transfer used it; nothing more was posted. Deregister "
+                               "regions only after their transfers ended (cancel them and wait "
+                               "for drained). Staging said: {}",
+                               t->state.transfer_id(), segment, gone->spec.name(),
+                               status.message()))
+                         : absl::Status(status.code(),
+                                        fmt::format("transfer '{}' segment {}: staging through "
+                                                    "host buffers to peer '{}' failed: {}",
+                                                    t->state.transfer_id(), segment,
+                                                    t->state.peer(), status.message())),
                      segment);
             } else if (!Terminal(t->state.phase())) {
               t->state.set_bytes_done(t->state.bytes_done() + bytes);

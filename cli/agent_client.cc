@@ -33,6 +33,10 @@ AgentClient::AgentClient(const std::string& address, uint32_t timeout_ms)
 AgentClient::AgentClient(const std::string& address, AgentClientOptions options)
     : address_(address), options_(std::move(options)), timeout_ms_(options_.timeout_ms) {
   grpc::ChannelArguments args;
+  // Our own connections: gRPC's process-wide subchannel pool would hand a new channel
+  // the broken connection of an old one to the same address (an agent restarted on
+  // the same socket path), and its first call would fail.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetMaxReceiveMessageSize(64 << 20);
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (absl::StartsWith(address, "unix:")) {

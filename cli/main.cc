@@ -156,6 +156,7 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
     const auto& s = info.spec();
     const std::string source =
         s.has_cuda_ipc()              ? fmt::format("cuda:{}+{}", s.cuda_ipc().device(), s.cuda_ipc().offset())
+        : s.has_cuda_vmm()             ? fmt::format("vmm:{}+{}", s.cuda_vmm().memory_handle(), s.cuda_vmm().offset())
         : s.shm().memory_handle() != 0 ? fmt::format("handle:{}+{}", s.shm().memory_handle(), s.shm().offset())
                                        : fmt::format("{}+{}", s.shm().name(), s.shm().offset());
     std::printf("%-24s %-6s %-10s %-4u %-10lu %-10lu %-10lu %s (%s) %s\n", s.name().c_str(),

@@ -307,5 +307,63 @@ TEST_CASE("a peer restarted under the same name: the old transfer failed, new on
   CHECK(*stopped == 0);
 }
 
+TEST_CASE("a same-host peer restarted on the same socket is picked up by the poll alone") {
+  AgentPair pair;
+  auto before = pair.prefill().Peers();
+  REQUIRE(before.ok());
+  REQUIRE(before->peers_size() == 1);
+  const uint64_t old_incarnation = before->peers(0).incarnation();
+  const std::string socket = pair.decode_process().local_socket();
+  pair.decode_process().Kill();
+
+  // The new process takes over the stale socket at the same path; nobody calls
+  // ConnectPeer: the poll finds the agent there does not know its session, attaches
+  // again and installs the new incarnation.
+  cli::DaemonOptions d;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  d.binary = *binary;
+  d.name = "decode";
+  d.work_dir = pair.work_dir() + "/same-socket";
+  d.local_socket = socket;
+  std::filesystem::create_directories(d.work_dir);
+  auto started = cli::DaemonProcess::Start(d);
+  INFO(started.status().ToString());
+  REQUIRE(started.ok());
+  cli::DaemonProcess decode2 = *std::move(started);
+  cli::AgentClient client2(decode2.address());
+  auto pool = cli::CreateKvPool(client2, "decode", pair.decode_pool().shape);
+  INFO(pool.status().ToString());
+  REQUIRE(pool.ok());
+  std::memset(pool->mapping.data(), 0xEE, pool->bytes());
+
+  const auto start = Clock::now();
+  uint64_t incarnation = old_incarnation;
+  std::string state;
+  while (Clock::now() - start < std::chrono::seconds(10)) {
+    auto peers = pair.prefill().Peers();
+    REQUIRE(peers.ok());
+    REQUIRE(peers->peers_size() == 1);
+    incarnation = peers->peers(0).incarnation();
+    state = peers->peers(0).state();
+    if (incarnation != old_incarnation && state == "connected") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::printf("same-socket restart: new incarnation connected after %lld ms\n",
+              static_cast<long long>(MillisSince(start)));
+  REQUIRE(incarnation != old_incarnation);
+  REQUIRE(state == "connected");
+  const std::vector<uint64_t> src = {4, 5};
+  const std::vector<uint64_t> dst = {6, 9};
+  auto submitted = pair.prefill().Submit(KvWrite("after-same-socket", src, dst));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = pair.prefill().WaitTransfer("after-same-socket", 20000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(PagesEqual(pair.prefill_pool(), src[i], *pool, dst[i]));
+}
+
 }  // namespace
 }  // namespace kvagent::testing
