@@ -413,6 +413,8 @@ void TransferEngine::Pump(const TransferPtr& t) {
       if (!t->state.last_chunk_received() || t->notified) return;
       t->notified = true;
       t->inflight = true;
+      // Waiting for the ack from now on: it may come back before the send completes.
+      t->awaiting_ack = true;
       t->ack_token = RandomToken();
       notice.set_payload(t->notification);
       notice.set_kind(v1::DATA_READY);
@@ -495,8 +497,6 @@ void TransferEngine::Pump(const TransferPtr& t) {
                            "'{}' failed: {}",
                            t->state.transfer_id(), t->state.peer(), status.message())),
                        -1);
-              } else if (!Terminal(t->state.phase())) {
-                t->awaiting_ack = true;
               }
             }
             worker_->Post([this, t] { Pump(t); });

@@ -239,6 +239,30 @@ absl::StatusOr<v1::MemoryHandleInfo> LocalSession::ShareMemory(int fd, const std
   return std::move(*reply.mutable_memory());
 }
 
+absl::StatusOr<v1::MemoryHandleInfo> LocalSession::ShareDeviceMemory(int fd, int device,
+                                                                     uint64_t bytes,
+                                                                     const std::string& label) {
+  if (fd < 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "ShareDeviceMemory '{}': descriptor {} is not valid; pass the POSIX descriptor of "
+        "cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)",
+        label, fd));
+  }
+  v1::SessionRequest request;
+  request.mutable_share_device()->set_label(label);
+  request.mutable_share_device()->set_device(device);
+  request.mutable_share_device()->set_bytes(bytes);
+  std::vector<UniqueFd> reply_fds;
+  ASSIGN_OR_RETURN(v1::SessionReply reply, Call(std::move(request), {fd}, &reply_fds));
+  if (!reply.has_memory()) {
+    return absl::InternalError(fmt::format(
+        "the agent at {} answered share_device '{}' without memory info; use a client library "
+        "that matches the agent",
+        path_, label));
+  }
+  return std::move(*reply.mutable_memory());
+}
+
 absl::StatusOr<std::pair<v1::MemoryHandleInfo, UniqueFd>> LocalSession::AllocateMemory(
     const std::string& label, uint64_t bytes) {
   v1::SessionRequest request;

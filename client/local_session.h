@@ -45,6 +45,13 @@ class LocalSession {
   // Hands the agent a descriptor of host memory (memfd, shm, hugetlbfs file, opened
   // read-write). `fd` stays the caller's; the agent keeps its own duplicate.
   absl::StatusOr<v1::MemoryHandleInfo> ShareMemory(int fd, const std::string& label);
+  // Hands the agent a CUDA VMM allocation of `bytes` on `device` (the ordinal as the
+  // agent numbers devices): `fd` is the POSIX descriptor of
+  // cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), and stays
+  // the caller's. The handle (kind "cuda-vmm") goes in CudaVmmSource.memory_handle of
+  // VRAM regions; the agent imports the allocation when they are registered.
+  absl::StatusOr<v1::MemoryHandleInfo> ShareDeviceMemory(int fd, int device, uint64_t bytes,
+                                                         const std::string& label);
   // Has the agent allocate `bytes` of shared memory; returns its handle and a
   // descriptor of it for the caller to map.
   absl::StatusOr<std::pair<v1::MemoryHandleInfo, UniqueFd>> AllocateMemory(

@@ -109,6 +109,7 @@ const char* SessionRequestName(const v1::SessionRequest& request) {
   switch (request.body_case()) {
     case v1::SessionRequest::kHello: return "hello";
     case v1::SessionRequest::kShare: return "share";
+    case v1::SessionRequest::kShareDevice: return "share_device";
     case v1::SessionRequest::kAllocate: return "allocate";
     case v1::SessionRequest::kFree: return "free";
     case v1::SessionRequest::kPeerMemory: return "peer_memory";

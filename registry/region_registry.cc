@@ -127,9 +127,18 @@ struct Candidate {
   int entry = 0;
   v1::RegionSpec spec;
   ShmMapping mapping;                  // DRAM
-  std::optional<CudaIpcMapping> cuda;  // VRAM
+  std::optional<CudaIpcMapping> cuda;  // VRAM by cuda_ipc
+  // VRAM by cuda_vmm: the resolved object (set before the import, so overlaps within
+  // the batch are found without a driver) and its import.
+  std::shared_ptr<const DeviceMemoryObject> device_memory;
+  std::shared_ptr<const CudaVmmMapping> vmm;
   std::string memory_path;
   transport::MemoryRegistration registration;
+
+  bool vram() const { return cuda.has_value() || vmm != nullptr; }
+  uint64_t DevicePointer() const {
+    return cuda.has_value() ? cuda->device_pointer() : vmm->address() + spec.cuda_vmm().offset();
+  }
 };
 
 bool Overlaps(const ShmMapping& a, const ShmMapping& b) {
@@ -143,6 +152,14 @@ bool Overlaps(const std::optional<CudaIpcMapping>& a, const std::optional<CudaIp
   return a.has_value() && b.has_value() &&
          a->device_pointer() < b->device_pointer() + b->length() &&
          b->device_pointer() < a->device_pointer() + a->length();
+}
+
+// Regions of one shared VMM object, by their byte ranges in it.
+bool VmmOverlaps(const v1::RegionSpec& a, uint64_t a_object, const v1::RegionSpec& b,
+                 uint64_t b_object) {
+  return a_object != 0 && a_object == b_object &&
+         a.cuda_vmm().offset() < b.cuda_vmm().offset() + b.length() &&
+         b.cuda_vmm().offset() < a.cuda_vmm().offset() + a.length();
 }
 
 std::string UcxDetail(const transport::UcxCapabilities& caps) {
@@ -321,14 +338,29 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
       continue;
     }
     uint64_t end = 0;
-    if (spec.memory() == v1::VRAM) {
+    if (spec.memory() == v1::VRAM && spec.has_cuda_vmm()) {
+      if (spec.cuda_vmm().memory_handle() == 0) {
+        errors.Add(i, kInvalid,
+                   "cuda_vmm.memory_handle is 0; set it to the handle that ShareDeviceMemory "
+                   "returned on the agent's session socket");
+        continue;
+      }
+      if (__builtin_add_overflow(spec.cuda_vmm().offset(), spec.length(), &end)) {
+        errors.Add(i, kInvalid, fmt::format("cuda_vmm.offset {} + length {} overflows; fix both",
+                                            spec.cuda_vmm().offset(), spec.length()));
+        continue;
+      }
+    } else if (spec.memory() == v1::VRAM) {
       if (!spec.has_cuda_ipc()) {
         errors.Add(i, kInvalid,
                    spec.has_shm()
-                       ? "VRAM region has a shm source, but VRAM comes from a CUDA IPC "
-                         "handle; set cuda_ipc (ipc_handle, device, offset) instead of shm, "
-                         "or set memory DRAM for host memory"
-                       : "VRAM region has no cuda_ipc source; set cuda_ipc.ipc_handle (the 64 "
+                       ? "VRAM region has a shm source, but VRAM comes from a CUDA VMM or IPC "
+                         "handle; set cuda_vmm (memory_handle from ShareDeviceMemory, offset) "
+                         "or cuda_ipc (ipc_handle, device, offset) instead of shm, or set "
+                         "memory DRAM for host memory"
+                       : "VRAM region has no cuda_vmm or cuda_ipc source; set "
+                         "cuda_vmm.memory_handle (a handle from ShareDeviceMemory on the "
+                         "session socket) and cuda_vmm.offset, or cuda_ipc.ipc_handle (the 64 "
                          "bytes of cudaIpcGetMemHandle), cuda_ipc.device and cuda_ipc.offset");
         continue;
       }
@@ -344,10 +376,11 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
         continue;
       }
     } else {
-      if (spec.has_cuda_ipc()) {
+      if (spec.has_cuda_ipc() || spec.has_cuda_vmm()) {
         errors.Add(i, kInvalid,
-                   "DRAM region has a cuda_ipc source; set memory VRAM for device memory, or "
-                   "give a shm source for host memory");
+                   fmt::format("DRAM region has a {} source; set memory VRAM for device memory, "
+                               "or give a shm source for host memory",
+                               spec.has_cuda_ipc() ? "cuda_ipc" : "cuda_vmm"));
         continue;
       }
       if (!spec.has_shm() || (spec.shm().memory_handle() == 0 && spec.shm().name().empty())) {
@@ -368,7 +401,10 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
       errors.Add(i, kInvalid, cause);
       continue;
     }
-    candidates.push_back(Candidate{i, std::move(spec), {}, {}, {}, {}});
+    Candidate candidate;
+    candidate.entry = i;
+    candidate.spec = std::move(spec);
+    candidates.push_back(std::move(candidate));
   }
 
   // 2. Groups: a group belongs to the owner of its regions (another owner's transfers
@@ -422,10 +458,89 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     }
   }
 
-  // 3. Import the memory (shm mapping or CUDA IPC handle); 4. reject overlaps with
-  // registered or batch regions.
+  // 3. Import the memory (shm mapping, CUDA VMM or IPC handle); 4. reject overlaps
+  // with registered or batch regions.
   for (Candidate& c : candidates) {
     if (errors.Has(c.entry)) continue;
+    if (c.spec.has_cuda_vmm()) {
+      const v1::CudaVmmSource& source = c.spec.cuda_vmm();
+      if (!context.resolve_device_handle) {
+        errors.Add(c.entry, absl::StatusCode::kFailedPrecondition,
+                   fmt::format("cuda_vmm.memory_handle {} given, but device memory handles need "
+                               "a local session (ShareDeviceMemory on the agent's session "
+                               "socket); register from that session",
+                               source.memory_handle()));
+        continue;
+      }
+      auto object = context.resolve_device_handle(source.memory_handle());
+      if (!object.ok()) {
+        errors.Add(c.entry, object.status());
+        continue;
+      }
+      if (*object == nullptr) {
+        errors.Add(c.entry, absl::StatusCode::kNotFound,
+                   fmt::format("cuda_vmm.memory_handle {} is not one of this session's device "
+                               "memory handles; use a handle from ShareDeviceMemory",
+                               source.memory_handle()));
+        continue;
+      }
+      const DeviceMemoryObject& memory = **object;
+      const uint64_t end = source.offset() + c.spec.length();  // checked in step 1
+      if (end > memory.bytes()) {
+        errors.Add(c.entry, kInvalid,
+                   fmt::format("cuda_vmm.offset {} + length {} = {} bytes, but device memory "
+                               "'{}' (handle {}) was shared with {} bytes; fix offset/length, "
+                               "or share the allocation with its whole size",
+                               source.offset(), c.spec.length(), end, memory.label(),
+                               source.memory_handle(), memory.bytes()));
+        continue;
+      }
+      c.device_memory = *std::move(object);
+      // Overlaps need no driver: byte ranges of the same shared object.
+      auto overlap = [&](const std::string& other, const v1::RegionSpec& spec) {
+        errors.Add(c.entry, kInvalid,
+                   fmt::format("bytes [{}, {}) of device memory '{}' overlap region '{}' (bytes "
+                               "[{}, {})); give each region its own byte range",
+                               source.offset(), end, memory.label(), Printable(other),
+                               spec.cuda_vmm().offset(),
+                               spec.cuda_vmm().offset() + spec.length()));
+      };
+      for (const RegionPtr& region : existing) {
+        if (region->vmm != nullptr &&
+            VmmOverlaps(c.spec, memory.id(), region->spec, region->vmm->memory()->id())) {
+          overlap(region->spec.name(), region->spec);
+        }
+      }
+      for (const Candidate& other : candidates) {
+        if (&other == &c) break;
+        if (other.device_memory != nullptr &&
+            VmmOverlaps(c.spec, memory.id(), other.spec, other.device_memory->id())) {
+          overlap(other.spec.name(), other.spec);
+        }
+      }
+      if (errors.Has(c.entry)) continue;
+      // One import per object: regions of it registered before or earlier in this
+      // batch share theirs.
+      for (const RegionPtr& region : existing) {
+        if (c.vmm == nullptr && region->vmm != nullptr &&
+            region->vmm->memory()->id() == memory.id()) {
+          c.vmm = region->vmm;
+        }
+      }
+      for (const Candidate& other : candidates) {
+        if (&other == &c || c.vmm != nullptr) break;
+        if (other.vmm != nullptr && other.vmm->memory()->id() == memory.id()) c.vmm = other.vmm;
+      }
+      if (c.vmm == nullptr) {
+        auto imported = CudaVmmMapping::Import(c.device_memory, Label(c.spec));
+        if (!imported.ok()) {
+          errors.Add(c.entry, imported.status());
+          continue;
+        }
+        c.vmm = *std::move(imported);
+      }
+      continue;
+    }
     if (c.spec.memory() == v1::VRAM) {
       auto cuda = CudaIpcMapping::Open(c.spec.cuda_ipc(), c.spec.length(), Label(c.spec));
       if (!cuda.ok()) {
@@ -533,10 +648,10 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   // memory, transfers copy it through host buffers). On any failure the whole batch
   // unwinds through RAII.
   for (Candidate& c : candidates) {
-    if (c.memory_path == "staged" && c.cuda.has_value()) continue;
-    const bool vram = c.cuda.has_value();
+    if (c.memory_path == "staged" && c.vram()) continue;
+    const bool vram = c.vram();
     auto registration = transport::MemoryRegistration::Map(
-        *context_, vram ? reinterpret_cast<void*>(c.cuda->device_pointer()) : c.mapping.data(),
+        *context_, vram ? reinterpret_cast<void*>(c.DevicePointer()) : c.mapping.data(),
         c.spec.length(), vram ? transport::MemoryType::kCuda : transport::MemoryType::kHost,
         Label(c.spec));
     if (!registration.ok()) {
@@ -558,12 +673,13 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     auto region = std::make_shared<Region>();
     region->spec = std::move(c.spec);
     if (!region->spec.group().empty()) region->group_position = group_sizes[region->spec.group()]++;
-    region->base_address = c.cuda.has_value() ? c.cuda->device_pointer()
-                                              : reinterpret_cast<uint64_t>(c.mapping.data());
+    region->base_address =
+        c.vram() ? c.DevicePointer() : reinterpret_cast<uint64_t>(c.mapping.data());
     region->memory_path = std::move(c.memory_path);
     region->owner = context.owner;
     region->mapping = std::move(c.mapping);
     region->cuda = std::move(c.cuda);
+    region->vmm = std::move(c.vmm);
     region->registration = std::move(c.registration);
     bytes += region->spec.length();
     regions_.emplace(region->spec.name(), Entry{next_sequence_++, region});
@@ -740,6 +856,9 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {
       out->set_cuda_device(region.spec.cuda_ipc().device());
       out->set_cuda_offset(region.spec.cuda_ipc().offset());
     }
+    // VRAM by cuda_vmm: nothing more yet. Handing a same-host peer the VMM descriptor
+    // (as PeerMemory does for host memory) is not built, so such a peer reaches these
+    // regions as a remote one does: zero-copy with a CUDA UCX, else host staging.
   }
   metadata->set_version(version_);
 }

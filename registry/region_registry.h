@@ -19,6 +19,8 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/kvagent.pb.h"
 #include "registry/cuda_ipc_mapping.h"
+#include "registry/cuda_vmm_mapping.h"
+#include "registry/device_memory_object.h"
 #include "registry/memory_object.h"
 #include "registry/shm_mapping.h"
 #include "transport/ucx_context.h"
@@ -45,7 +47,10 @@ struct Region {
   // The principal that registered it (RegisterContext::owner): only it may remove it.
   std::string owner;
   ShmMapping mapping;                  // DRAM; mapping.memory() is the object
-  std::optional<CudaIpcMapping> cuda;  // VRAM
+  std::optional<CudaIpcMapping> cuda;  // VRAM by CUDA IPC handle (cuda_ipc)
+  // VRAM by CUDA VMM (cuda_vmm): the object's one import, shared by its regions;
+  // base_address is its address() plus spec.cuda_vmm().offset().
+  std::shared_ptr<const CudaVmmMapping> vmm;
   transport::MemoryRegistration registration;  // empty for staged VRAM
 
   uint64_t num_items() const { return spec.layout().num_items(); }
@@ -106,6 +111,10 @@ struct RegisterContext {
   // handles are refused.
   std::function<absl::StatusOr<std::shared_ptr<const MemoryObject>>(uint64_t handle)>
       resolve_handle;
+  // Resolves cuda_vmm.memory_handle to the caller's shared device memory (its
+  // session's ShareDeviceMemory handles). Null: no local session, handles refused.
+  std::function<absl::StatusOr<std::shared_ptr<const DeviceMemoryObject>>(uint64_t handle)>
+      resolve_device_handle;
 };
 
 class RegionRegistry {
@@ -130,7 +139,13 @@ class RegionRegistry {
   // (CatalogLimits::max_role_bytes) or holding a control character, or one that
   // another region of the same group (registered or in the batch) declares, naming
   // that region (ungrouped regions may carry any role); VRAM without a
-  // cuda_ipc source or DRAM without shm (INVALID_ARGUMENT); no CUDA driver, UCX
+  // cuda_vmm or cuda_ipc source, DRAM without shm, or DRAM with a CUDA source
+  // (INVALID_ARGUMENT); cuda_vmm: memory_handle 0 (INVALID_ARGUMENT), resolved through
+  // context.resolve_device_handle (FAILED_PRECONDITION without one; its errors pass
+  // through; NOT_FOUND when it yields nothing), offset + length beyond the bytes
+  // shared or overlapping another region of the same object (INVALID_ARGUMENT), then
+  // imported once per object (CudaVmmMapping: the device ordinal and the allocation
+  // checked by the driver); no CUDA driver, UCX
   // without CUDA and staging off, or RLIMIT_MEMLOCK too low for memory RDMA pins
   // (FAILED_PRECONDITION). Nothing registered before is touched.
   absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs, bool skip_empty,
@@ -158,8 +173,9 @@ class RegionRegistry {
   // regions have no UCX registration and go out with an empty rkey). Only for a peer
   // on the same host (`same_host`: reached through its local door) also where the
   // memory is: memory_id/memory_offset of DRAM regions (the peer fetches the
-  // descriptor by id, see FindMemory) and the CUDA IPC fields of VRAM ones. Never
-  // names of files.
+  // descriptor by id, see FindMemory) and the CUDA IPC fields of VRAM ones by
+  // cuda_ipc. VRAM by cuda_vmm exports nothing more (for now a same-host peer reaches
+  // it like a remote one: zero-copy or host staging). Never names of files.
   void Export(v1::AgentMetadata* metadata, bool same_host) const;
 
   // The memory object with this id (MemoryObject::id) when a registered region uses

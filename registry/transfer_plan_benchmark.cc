@@ -76,10 +76,11 @@ struct Agents {
         specs.push_back(std::move(spec));
       }
       // Registered by descriptor, as a local session does: handle 1 is this side's object.
-      RegisterContext registrant{
-          "benchmark", {}, [shm = shm](uint64_t) {
-            return absl::StatusOr<std::shared_ptr<const MemoryObject>>(shm->memory());
-          }};
+      RegisterContext registrant;
+      registrant.owner = "benchmark";
+      registrant.resolve_handle = [shm = shm](uint64_t) {
+        return absl::StatusOr<std::shared_ptr<const MemoryObject>>(shm->memory());
+      };
       auto registered = registry->Register(specs, false, registrant);
       if (!registered.ok()) Die("registering 64 regions", registered.status());
     }

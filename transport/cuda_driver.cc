@@ -49,6 +49,19 @@ struct CudaDriver::Api {
   decltype(&::cuIpcGetMemHandle) ipc_get_mem_handle = nullptr;
   decltype(&::cuMemHostAlloc) mem_host_alloc = nullptr;
   decltype(&::cuMemFreeHost) mem_free_host = nullptr;
+  // CUDA VMM (since CUDA 10.2): importing engines' allocations, and creating
+  // exportable ones where this process plays the engine (GPU tests).
+  decltype(&::cuMemImportFromShareableHandle) mem_import_from_shareable_handle = nullptr;
+  decltype(&::cuMemGetAllocationPropertiesFromHandle) mem_get_allocation_properties = nullptr;
+  decltype(&::cuMemGetAllocationGranularity) mem_get_allocation_granularity = nullptr;
+  decltype(&::cuMemAddressReserve) mem_address_reserve = nullptr;
+  decltype(&::cuMemMap) mem_map = nullptr;
+  decltype(&::cuMemSetAccess) mem_set_access = nullptr;
+  decltype(&::cuMemUnmap) mem_unmap = nullptr;
+  decltype(&::cuMemAddressFree) mem_address_free = nullptr;
+  decltype(&::cuMemRelease) mem_release = nullptr;
+  decltype(&::cuMemCreate) mem_create = nullptr;
+  decltype(&::cuMemExportToShareableHandle) mem_export_to_shareable_handle = nullptr;
 };
 
 namespace {
@@ -131,6 +144,18 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
   resolve(&api->ipc_get_mem_handle, "cuIpcGetMemHandle");
   resolve(&api->mem_host_alloc, "cuMemHostAlloc");
   resolve(&api->mem_free_host, "cuMemFreeHost");
+  // Required like the rest: every driver kvagent supports (11.0+) has them.
+  resolve(&api->mem_import_from_shareable_handle, "cuMemImportFromShareableHandle");
+  resolve(&api->mem_get_allocation_properties, "cuMemGetAllocationPropertiesFromHandle");
+  resolve(&api->mem_get_allocation_granularity, "cuMemGetAllocationGranularity");
+  resolve(&api->mem_address_reserve, "cuMemAddressReserve");
+  resolve(&api->mem_map, "cuMemMap");
+  resolve(&api->mem_set_access, "cuMemSetAccess");
+  resolve(&api->mem_unmap, "cuMemUnmap");
+  resolve(&api->mem_address_free, "cuMemAddressFree");
+  resolve(&api->mem_release, "cuMemRelease");
+  resolve(&api->mem_create, "cuMemCreate");
+  resolve(&api->mem_export_to_shareable_handle, "cuMemExportToShareableHandle");
   if (!missing.empty()) {
     return absl::FailedPreconditionError(fmt::format(
         "CUDA driver {} (driver API version {}) lacks {}; upgrade the NVIDIA driver (kvagent "
@@ -343,6 +368,245 @@ absl::StatusOr<std::string> CudaDriver::IpcGetHandle(uint64_t dptr) {
   RETURN_IF_ERROR(Check(api_->ipc_get_mem_handle(&handle, static_cast<CUdeviceptr>(dptr)),
                         "cuIpcGetMemHandle"));
   return std::string(handle.reserved, sizeof(handle.reserved));
+}
+
+namespace {
+
+// The descriptor that grants `device` read-write access to a mapped range.
+CUmemAccessDesc ReadWriteFor(int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return access;
+}
+
+// A granularity multiple of at least `bytes`; false on overflow.
+bool RoundUp(uint64_t bytes, uint64_t granularity, uint64_t* rounded) {
+  uint64_t sum = 0;
+  if (granularity == 0 || __builtin_add_overflow(bytes, granularity - 1, &sum)) return false;
+  *rounded = sum / granularity * granularity;
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<CudaVmmRange> CudaDriver::ImportVmm(int fd, int device, uint64_t bytes,
+                                                   std::string_view entry) {
+  constexpr char kExportFix[] =
+      "pass the descriptor of cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_"
+      "DESCRIPTOR) for a live cuMemCreate allocation whose requestedHandleTypes include "
+      "it, unchanged (host memory goes through share instead)";
+  if (fd < 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': CUDA VMM descriptor {} is not valid; {}", entry, fd, kExportFix));
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': the shared CUDA VMM allocation has 0 bytes; share it with its size",
+        entry));
+  }
+  if (device < 0 || device >= device_count_) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': device ordinal {} of the shared CUDA VMM allocation is out of range; "
+        "this machine has {} CUDA devices{}; share it with the ordinal as this agent numbers "
+        "devices (CUDA_VISIBLE_DEVICES may differ between the engine and the agent)",
+        entry, device, device_count_,
+        device_count_ > 0 ? fmt::format(" (0..{})", device_count_ - 1) : std::string()));
+  }
+  if (absl::Status s = MakeCurrent(device); !s.ok()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "region '{}': cannot use CUDA device {}: {}; check that the GPU is healthy "
+        "(nvidia-smi) and not in exclusive-process compute mode",
+        entry, device, s.message()));
+  }
+  CudaVmmRange range;
+  range.device = device;
+  CUmemGenericAllocationHandle allocation = 0;
+  const CUresult imported = api_->mem_import_from_shareable_handle(
+      &allocation, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (imported == CUDA_ERROR_INVALID_VALUE || imported == CUDA_ERROR_INVALID_HANDLE) {
+    return absl::InvalidArgumentError(fmt::format(
+        "region '{}': cuMemImportFromShareableHandle on device {}: {}; the descriptor is not "
+        "a CUDA VMM shareable handle; {}",
+        entry, device, ErrorText(imported), kExportFix));
+  }
+  if (imported != CUDA_SUCCESS) {
+    return absl::FailedPreconditionError(fmt::format(
+        "region '{}': cuMemImportFromShareableHandle on device {}: {}; the driver and GPU "
+        "must support CUDA VMM POSIX handles (CUDA 10.2+, "
+        "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED), and the agent must "
+        "see the engine's GPUs (same host, /dev/nvidia* devices)",
+        entry, device, ErrorText(imported)));
+  }
+  range.allocation = static_cast<uint64_t>(allocation);
+  // From here on every failure undoes what was done so far.
+  auto undo = [&](absl::Status status) {
+    (void)ReleaseVmm(range);
+    return status;
+  };
+  CUmemAllocationProp prop{};
+  if (CUresult r = api_->mem_get_allocation_properties(&prop, allocation); r != CUDA_SUCCESS) {
+    return undo(absl::FailedPreconditionError(fmt::format(
+        "region '{}': cuMemGetAllocationPropertiesFromHandle: {}; report this with the driver "
+        "version ({})",
+        entry, ErrorText(r), VersionText(driver_version_))));
+  }
+  if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device) {
+    return undo(absl::InvalidArgumentError(
+        prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE
+            ? fmt::format("region '{}': the shared CUDA VMM allocation is not device memory "
+                          "(location type {}); share host memory through share, and device "
+                          "memory allocated with CU_MEM_LOCATION_TYPE_DEVICE here",
+                          entry, static_cast<int>(prop.location.type))
+            : fmt::format("region '{}': the shared CUDA VMM allocation is on device {}, not "
+                          "device {} as shared; share it with device {} (the ordinal as this "
+                          "agent numbers devices)",
+                          entry, prop.location.id, device, prop.location.id)));
+  }
+  size_t granularity = 0;
+  if (CUresult r = api_->mem_get_allocation_granularity(&granularity, &prop,
+                                                       CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      r != CUDA_SUCCESS || granularity == 0) {
+    return undo(absl::FailedPreconditionError(fmt::format(
+        "region '{}': cuMemGetAllocationGranularity on device {}: {}; report this with the "
+        "driver version ({})",
+        entry, device, r != CUDA_SUCCESS ? ErrorText(r) : std::string("granularity 0"),
+        VersionText(driver_version_))));
+  }
+  range.granularity = granularity;
+  uint64_t mapped_bytes = 0;
+  if (!RoundUp(bytes, granularity, &mapped_bytes)) {
+    return undo(absl::InvalidArgumentError(fmt::format(
+        "region '{}': {} bytes shared, which overflows when rounded up to the granularity "
+        "{}; share the allocation's real size",
+        entry, bytes, granularity)));
+  }
+  CUdeviceptr address = 0;
+  if (CUresult r = api_->mem_address_reserve(&address, mapped_bytes, 0, 0, 0); r != CUDA_SUCCESS) {
+    return undo(absl::Status(
+        r == CUDA_ERROR_OUT_OF_MEMORY ? absl::StatusCode::kResourceExhausted
+                                      : absl::StatusCode::kFailedPrecondition,
+        fmt::format("region '{}': cuMemAddressReserve of {} bytes: {}; free address space in "
+                    "the agent (deregister unused VRAM regions) or share a smaller allocation",
+                    entry, mapped_bytes, ErrorText(r))));
+  }
+  range.address = static_cast<uint64_t>(address);
+  range.reserved_bytes = mapped_bytes;
+  if (CUresult r = api_->mem_map(address, mapped_bytes, 0, allocation, 0); r != CUDA_SUCCESS) {
+    return undo(absl::Status(
+        r == CUDA_ERROR_INVALID_VALUE ? absl::StatusCode::kInvalidArgument
+                                      : absl::StatusCode::kFailedPrecondition,
+        fmt::format("region '{}': cuMemMap of {} bytes ({} shared, rounded up to the "
+                    "granularity {}) on device {}: {}; {}",
+                    entry, mapped_bytes, bytes, granularity, device, ErrorText(r),
+                    r == CUDA_ERROR_INVALID_VALUE
+                        ? "the allocation is smaller than that: share it with its real size "
+                          "(the size given to cuMemCreate)"
+                        : "check the GPU (nvidia-smi) and the driver version")));
+  }
+  range.mapped_bytes = mapped_bytes;
+  const CUmemAccessDesc access = ReadWriteFor(device);
+  if (CUresult r = api_->mem_set_access(address, mapped_bytes, &access, 1); r != CUDA_SUCCESS) {
+    return undo(absl::FailedPreconditionError(fmt::format(
+        "region '{}': cuMemSetAccess (read-write for device {}) on {} bytes: {}; check the "
+        "GPU (nvidia-smi) and that the allocation was not made read-only for other processes",
+        entry, device, mapped_bytes, ErrorText(r))));
+  }
+  return range;
+}
+
+absl::Status CudaDriver::ReleaseVmm(const CudaVmmRange& range) {
+  absl::Status first = MakeCurrent(range.device);
+  auto keep = [&first](absl::Status s) {
+    if (first.ok()) first = std::move(s);
+  };
+  const auto address = static_cast<CUdeviceptr>(range.address);
+  if (range.address != 0 && range.mapped_bytes != 0) {
+    keep(Check(api_->mem_unmap(address, range.mapped_bytes), "cuMemUnmap"));
+  }
+  if (range.address != 0 && range.reserved_bytes != 0) {
+    keep(Check(api_->mem_address_free(address, range.reserved_bytes), "cuMemAddressFree"));
+  }
+  if (range.allocation != 0) {
+    keep(Check(api_->mem_release(static_cast<CUmemGenericAllocationHandle>(range.allocation)),
+               "cuMemRelease"));
+  }
+  return first;
+}
+
+absl::StatusOr<CudaVmmExportable> CudaDriver::CreateVmmExportable(int device, uint64_t bytes) {
+  const std::string entry = fmt::format("VMM allocation of {} bytes on device {}", bytes, device);
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(entry + ": 0 bytes; ask for at least one byte");
+  }
+  if (absl::Status s = MakeCurrent(device); !s.ok()) {
+    return absl::FailedPreconditionError(
+        fmt::format("{}: {}; pick a device this process sees", entry, s.message()));
+  }
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  size_t granularity = 0;
+  if (CUresult r = api_->mem_get_allocation_granularity(&granularity, &prop,
+                                                       CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      r != CUDA_SUCCESS || granularity == 0) {
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: cuMemGetAllocationGranularity: {}; use a GPU and driver with CUDA VMM (CUDA "
+        "10.2+)",
+        entry, r != CUDA_SUCCESS ? ErrorText(r) : std::string("granularity 0")));
+  }
+  CudaVmmExportable out;
+  out.range.device = device;
+  out.range.granularity = granularity;
+  uint64_t size = 0;
+  if (!RoundUp(bytes, granularity, &size)) {
+    return absl::InvalidArgumentError(entry + ": too large; ask for less");
+  }
+  // Every failure: what failed, the driver's text, and the fix.
+  auto failed = [&](const char* call, CUresult r) {
+    return absl::Status(r == CUDA_ERROR_OUT_OF_MEMORY ? absl::StatusCode::kResourceExhausted
+                                                      : absl::StatusCode::kFailedPrecondition,
+                        fmt::format("{}: {}: {}; {}", entry, call, ErrorText(r),
+                                    r == CUDA_ERROR_OUT_OF_MEMORY
+                                        ? "ask for less or free device memory"
+                                        : "use a GPU and driver with CUDA VMM POSIX handles "
+                                          "(nvidia-smi; CUDA 10.2+)"));
+  };
+  CUmemGenericAllocationHandle allocation = 0;
+  if (CUresult r = api_->mem_create(&allocation, size, &prop, 0); r != CUDA_SUCCESS) {
+    return failed("cuMemCreate", r);
+  }
+  out.range.allocation = static_cast<uint64_t>(allocation);
+  auto undo = [&](absl::Status status) {
+    (void)ReleaseVmm(out.range);
+    return status;
+  };
+  int fd = -1;
+  if (CUresult r = api_->mem_export_to_shareable_handle(
+          &fd, allocation, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+      r != CUDA_SUCCESS) {
+    return undo(failed("cuMemExportToShareableHandle", r));
+  }
+  out.fd.reset(fd);
+  CUdeviceptr address = 0;
+  if (CUresult r = api_->mem_address_reserve(&address, size, 0, 0, 0); r != CUDA_SUCCESS) {
+    return undo(failed("cuMemAddressReserve", r));
+  }
+  out.range.address = static_cast<uint64_t>(address);
+  out.range.reserved_bytes = size;
+  if (CUresult r = api_->mem_map(address, size, 0, allocation, 0); r != CUDA_SUCCESS) {
+    return undo(failed("cuMemMap", r));
+  }
+  out.range.mapped_bytes = size;
+  const CUmemAccessDesc access = ReadWriteFor(device);
+  if (CUresult r = api_->mem_set_access(address, size, &access, 1); r != CUDA_SUCCESS) {
+    return undo(failed("cuMemSetAccess", r));
+  }
+  return out;
 }
 
 absl::Status CudaDriver::Copy(uint64_t dst, uint64_t src, uint64_t bytes) {

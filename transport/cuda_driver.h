@@ -1,7 +1,7 @@
 // CudaDriver is the CUDA driver API loaded at run time with dlopen("libcuda.so.1"), so
 // kvagentd builds against the CUDA headers only and starts on machines without a GPU.
-// Used by registry/ (CUDA IPC import of VRAM regions) and agent/staging (pinned
-// bounce buffers, device copies).
+// Used by registry/ (CUDA IPC and CUDA VMM import of VRAM regions) and agent/staging
+// (pinned bounce buffers, device copies).
 #pragma once
 
 #include <cstddef>
@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "transport/base/unique_fd.h"
 
 struct CUctx_st;     // CUcontext, kept out of this header (cuda.h stays in the .cc)
 struct CUstream_st;  // CUstream
@@ -25,6 +26,25 @@ struct CudaDeviceInfo {
   std::string name;        // "NVIDIA H100 80GB HBM3"
   std::string pci_bus_id;  // "0000:18:00.0"
   uint64_t total_bytes = 0;
+};
+
+// A CUDA VMM allocation mapped into this process: a reserved virtual address range
+// with the allocation mapped at its start, read-write for `device`. Release it with
+// CudaDriver::ReleaseVmm (registry/cuda_vmm_mapping does, RAII).
+struct CudaVmmRange {
+  uint64_t address = 0;         // first byte in this process (UVA); 0 when none is reserved
+  uint64_t reserved_bytes = 0;  // the address range: the bytes asked, rounded up to granularity
+  uint64_t mapped_bytes = 0;    // mapped at `address`: reserved_bytes, or 0 when not mapped
+  uint64_t granularity = 0;     // cuMemGetAllocationGranularity (minimum)
+  uint64_t allocation = 0;    // CUmemGenericAllocationHandle, released with the range
+  int device = 0;
+};
+
+// What CreateVmmExportable makes: the exporter's mapping and the POSIX descriptor to
+// hand over (ShareDeviceMemory). Closing the descriptor does not free the memory.
+struct CudaVmmExportable {
+  UniqueFd fd;
+  CudaVmmRange range;
 };
 
 class CudaDriver {
@@ -75,6 +95,26 @@ class CudaDriver {
   absl::StatusOr<uint64_t> MemAlloc(uint64_t bytes);
   absl::Status MemFree(uint64_t dptr);
   absl::StatusOr<std::string> IpcGetHandle(uint64_t dptr);
+
+  // Imports a CUDA VMM allocation an engine exported as a POSIX file descriptor
+  // (cuMemExportToShareableHandle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) and maps
+  // its first `bytes` (rounded up to the allocation granularity) read-write for
+  // `device` in a fresh address range. `fd` stays the caller's. Errors name `entry`
+  // ("region 'x': ..."), the call, the driver's text and the fix: INVALID_ARGUMENT for
+  // a device ordinal out of range, a descriptor that is not such a handle, an
+  // allocation on another device or smaller than `bytes`; RESOURCE_EXHAUSTED when the
+  // address range cannot be reserved; FAILED_PRECONDITION otherwise. Nothing stays
+  // imported or reserved on failure.
+  absl::StatusOr<CudaVmmRange> ImportVmm(int fd, int device, uint64_t bytes,
+                                         std::string_view entry);
+  // Unmaps the range, frees its addresses and releases its allocation handle (the
+  // memory itself lives on while the exporter or another importer holds it). Tries
+  // all three; returns the first failure.
+  absl::Status ReleaseVmm(const CudaVmmRange& range);
+  // What an engine does to share VRAM by VMM (the GPU tests play the engine):
+  // cuMemCreate of `bytes` (rounded up to granularity) on `device`, exportable as a
+  // POSIX descriptor, mapped read-write here. Free with ReleaseVmm(result.range).
+  absl::StatusOr<CudaVmmExportable> CreateVmmExportable(int device, uint64_t bytes);
   // The asynchronous form on a stream, for host staging.
   absl::Status CopyAsync(uint64_t dst, uint64_t src, uint64_t bytes, CUstream_st* stream);
   absl::StatusOr<CUstream_st*> CreateStream(int ordinal);  // non-blocking stream

@@ -1,7 +1,8 @@
 // VRAM through two real kvagentd processes: the test allocates device memory with the
-// CUDA driver API, exports CUDA IPC handles, registers them with the agents and moves
-// KV pages and a Mamba state slot VRAM to VRAM, host to VRAM and VRAM to host, then
-// compares every byte. Without a GPU and driver it skips with the reason.
+// CUDA driver API, shares it as CUDA IPC handles or as CUDA VMM POSIX descriptors
+// (ShareDeviceMemory over each agent's session socket), registers it with the agents
+// and moves KV pages and a Mamba state slot VRAM to VRAM, host to VRAM and VRAM to
+// host, then compares every byte. Without a GPU and driver it skips with the reason.
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -40,17 +41,52 @@ std::string GpuMissing() {
   return "";
 }
 
+// How the engine (this test) hands a pool to its agent.
+enum class Share {
+  kIpc,  // cuMemAlloc + a legacy CUDA IPC handle in each region (cuda_ipc)
+  kVmm,  // cuMemCreate + a POSIX descriptor over the session socket (cuda_vmm)
+};
+
 struct DevicePool {
+  Share share = Share::kIpc;
   uint64_t dptr = 0;
-  std::string handle;
+  std::string handle;                 // kIpc: the 64 bytes of cuIpcGetMemHandle
+  transport::CudaVmmExportable vmm;   // kVmm: the allocation and its descriptor
+  uint64_t memory_handle = 0;         // kVmm: the agent session's handle for it
   ~DevicePool() {
-    if (dptr) (void)(*CudaDriver::Load())->MemFree(dptr);
+    CudaDriver* driver = *CudaDriver::Load();
+    if (share == Share::kVmm && vmm.range.address != 0) {
+      (void)driver->ReleaseVmm(vmm.range);
+    } else if (share == Share::kIpc && dptr != 0) {
+      (void)driver->MemFree(dptr);
+    }
   }
 };
 
-void AllocatePool(DevicePool* pool) {
+// kVmm also shares the descriptor with `agent` (its session: the one that registers).
+void AllocatePool(DevicePool* pool, Share share = Share::kIpc, cli::AgentClient* agent = nullptr) {
   CudaDriver* driver = *CudaDriver::Load();
   REQUIRE(driver->MakeCurrent(0).ok());
+  pool->share = share;
+  if (share == Share::kVmm) {
+    REQUIRE(agent != nullptr);
+    auto created = driver->CreateVmmExportable(0, kPoolBytes);
+    INFO(created.status().ToString());
+    REQUIRE(created.ok());
+    pool->vmm = *std::move(created);
+    pool->dptr = pool->vmm.range.address;
+    auto session = agent->Session();
+    INFO(session.status().ToString());
+    REQUIRE(session.ok());
+    // Not a multiple of the granularity: the agent rounds up as cuMemCreate did.
+    auto info = (*session)->ShareDeviceMemory(pool->vmm.fd.get(), 0, kPoolBytes, "vram-pool");
+    INFO(info.status().ToString());
+    REQUIRE(info.ok());
+    CHECK(info->kind() == "cuda-vmm");
+    CHECK(info->bytes() == kPoolBytes);
+    pool->memory_handle = info->handle();
+    return;
+  }
   auto dptr = driver->MemAlloc(kPoolBytes);
   REQUIRE(dptr.ok());
   pool->dptr = *dptr;
@@ -73,6 +109,11 @@ v1::RegisterRegionsRequest VramRegions(const std::string& prefix, const DevicePo
     spec->set_length(items * item_bytes);
     spec->mutable_layout()->set_num_items(items);
     spec->mutable_layout()->set_item_bytes(item_bytes);
+    if (pool.share == Share::kVmm) {
+      spec->mutable_cuda_vmm()->set_memory_handle(pool.memory_handle);
+      spec->mutable_cuda_vmm()->set_offset(offset);
+      return;
+    }
     spec->mutable_cuda_ipc()->set_ipc_handle(pool.handle);
     spec->mutable_cuda_ipc()->set_device(0);
     spec->mutable_cuda_ipc()->set_offset(offset);
@@ -142,13 +183,15 @@ v1::SubmitTransferRequest Write(const std::string& id, const std::string& local_
   return request;
 }
 
-// `extra_args` for both agents; `expect_data_path` is the peer's data path.
-void VramToVram(const std::vector<std::string>& extra_args, const std::string& expect_data_path) {
+// `extra_args` for both agents; `expect_data_path` is the peer's data path; each side's
+// pool shared as `prefill_share` / `decode_share`.
+void VramToVram(const std::vector<std::string>& extra_args, const std::string& expect_data_path,
+                Share prefill_share = Share::kIpc, Share decode_share = Share::kIpc) {
   Agents agents(extra_args);
   cli::AgentClient prefill(agents.prefill.address()), decode(agents.decode.address());
   DevicePool src, dst;
-  AllocatePool(&src);
-  AllocatePool(&dst);
+  AllocatePool(&src, prefill_share, &prefill);
+  AllocatePool(&dst, decode_share, &decode);
   const auto pattern = PatternPool(11);
   ToDevice(src.dptr, pattern);
   ToDevice(dst.dptr, std::vector<uint8_t>(kPoolBytes, 0xEE));
@@ -157,7 +200,16 @@ void VramToVram(const std::vector<std::string>& extra_args, const std::string& e
   INFO(registered.status().ToString());
   REQUIRE(registered.ok());
   std::printf("prefill VRAM region path: %s\n", registered->regions(0).memory_path().c_str());
-  REQUIRE(decode.Register(VramRegions("d", dst, "kv")).ok());
+  if (prefill_share == Share::kVmm) {
+    // Imported by VMM, the regions' path is as for any VRAM: zero-copy with a CUDA UCX.
+    for (const auto& region : registered->regions()) {
+      CHECK((region.memory_path() == "staged" || region.memory_path() == "zero-copy"));
+      CHECK(region.spec().has_cuda_vmm());
+    }
+  }
+  auto decode_registered = decode.Register(VramRegions("d", dst, "kv"));
+  INFO(decode_registered.status().ToString());
+  REQUIRE(decode_registered.ok());
   auto peer = prefill.Connect(agents.decode.address());
   INFO(peer.status().ToString());
   REQUIRE(peer.ok());
@@ -217,6 +269,22 @@ TEST_CASE("VRAM to VRAM through host staging (--shm-direct off)") {
   if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
   VramToVram({"--shm-direct", "off", "--staging-chunk-bytes", "1048576", "--staging-buffers", "4"},
              "ucx");
+}
+
+// The engine shares its pool as a CUDA VMM allocation (cuMemCreate, exported as a POSIX
+// descriptor over the session socket); the decode agent's pool is a legacy CUDA IPC
+// one, which the prefill agent opens itself: device to device on this host.
+TEST_CASE("VRAM by CUDA VMM descriptor to VRAM by CUDA IPC handle") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  VramToVram({}, "shm-direct", Share::kVmm, Share::kIpc);
+}
+
+// Both pools by VMM: same-host peers get no VMM descriptor (not built yet), so with
+// Debian's UCX every byte goes through host staging between the agents.
+TEST_CASE("VRAM by CUDA VMM descriptor on both sides") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  VramToVram({"--staging-chunk-bytes", "1048576", "--staging-buffers", "4"}, "ucx", Share::kVmm,
+             Share::kVmm);
 }
 
 TEST_CASE("host to VRAM and VRAM to host") {

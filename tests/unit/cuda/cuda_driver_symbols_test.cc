@@ -21,7 +21,11 @@ TEST_CASE("Load names the missing driver symbols and the driver version") {
   for (const char* symbol : {"cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRelease_v2",
                              "cuIpcOpenMemHandle_v2", "cuMemGetAddressRange_v2", "cuMemcpy,",
                              "cuStreamDestroy_v2", "cuMemHostRegister_v2",
-                             "cuPointerGetAttribute"}) {
+                             "cuPointerGetAttribute", "cuMemImportFromShareableHandle",
+                             "cuMemGetAllocationPropertiesFromHandle",
+                             "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemMap,",
+                             "cuMemSetAccess", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease",
+                             "cuMemCreate", "cuMemExportToShareableHandle"}) {
     CHECK_THAT(message, Catch::Contains(symbol));
   }
   CHECK_THAT(message, !Catch::Contains("_ptds"));

@@ -1,6 +1,7 @@
 // The registry's VRAM flow on a machine without a CUDA driver, and its pure
 // decisions (memory path, locked-memory limit). Real UCX, real shm.
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -13,6 +14,8 @@
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "registry/cuda_ipc_mapping.h"
+#include "registry/cuda_vmm_mapping.h"
+#include "registry/device_memory_object.h"
 #include "registry/region_registry.h"
 #include "registry/shm_mapping.h"
 #include "tests/unit/registry/test_util.h"
@@ -215,7 +218,8 @@ TEST_CASE("Memory kind and source must agree") {
     CHECK(result.status().code() == StatusCode::kInvalidArgument);
     CHECK_THAT(Message(result.status()),
                Catch::StartsWith("region 'gpu' (entry 0): VRAM region has a shm source"));
-    CHECK_THAT(Message(result.status()), Catch::Contains("set cuda_ipc"));
+    CHECK_THAT(Message(result.status()), Catch::Contains("set cuda_vmm"));
+    CHECK_THAT(Message(result.status()), Catch::Contains("or cuda_ipc"));
   }
   SECTION("VRAM with no source") {
     v1::RegionSpec spec = Vram("gpu", 4096);
@@ -224,7 +228,8 @@ TEST_CASE("Memory kind and source must agree") {
     REQUIRE_FALSE(result.ok());
     CHECK(result.status().code() == StatusCode::kInvalidArgument);
     CHECK_THAT(Message(result.status()),
-               Catch::StartsWith("region 'gpu' (entry 0): VRAM region has no cuda_ipc source"));
+               Catch::StartsWith("region 'gpu' (entry 0): VRAM region has no cuda_vmm or "
+                                 "cuda_ipc source"));
   }
   SECTION("DRAM with a cuda_ipc source") {
     v1::RegionSpec spec = Vram("host", 4096);
@@ -247,6 +252,166 @@ TEST_CASE("Memory kind and source must agree") {
   }
   CHECK(registry.List().empty());
   CHECK(registry.version() == 0);
+}
+
+// ---- CUDA VMM sources (cuda_vmm): every check that needs no driver, then the driver.
+
+// Shared device memory for the registry: a pipe stands in for the VMM descriptor
+// (only the driver could tell it is not one).
+std::shared_ptr<const DeviceMemoryObject> DeviceMemory(uint64_t bytes, int device = 0) {
+  int ends[2];
+  REQUIRE(pipe2(ends, O_CLOEXEC) == 0);
+  close(ends[0]);
+  auto object = DeviceMemoryObject::FromDescriptor(UniqueFd(ends[1]), device, bytes, "kv-vram");
+  REQUIRE(object.ok());
+  return *std::move(object);
+}
+
+// A registrant whose device memory handles are the ids of `objects`, as a session's are.
+RegisterContext VmmRegistrant(std::vector<std::shared_ptr<const DeviceMemoryObject>> objects) {
+  RegisterContext context = testing::Registrant();
+  context.resolve_device_handle =
+      [objects = std::move(objects)](
+          uint64_t handle) -> absl::StatusOr<std::shared_ptr<const DeviceMemoryObject>> {
+    for (const auto& object : objects) {
+      if (object->id() == handle) return object;
+    }
+    if (handle == 404) {
+      return std::shared_ptr<const DeviceMemoryObject>();  // nothing found, no error
+    }
+    return absl::NotFoundError(fmt::format(
+        "device memory handle {} is not one of this session's; share it first", handle));
+  };
+  return context;
+}
+
+v1::RegionSpec Vmm(const std::string& name, uint64_t handle, uint64_t offset, uint64_t length) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::KV);
+  spec.set_memory(v1::VRAM);
+  spec.set_length(length);
+  spec.mutable_layout()->set_num_items(4);
+  spec.mutable_layout()->set_item_bytes(length / 4);
+  spec.mutable_cuda_vmm()->set_memory_handle(handle);
+  spec.mutable_cuda_vmm()->set_offset(offset);
+  return spec;
+}
+
+TEST_CASE("CudaVmmMapping::Import without a driver names libcuda.so.1 and keeps nothing") {
+  auto memory = DeviceMemory(1 << 20);
+  auto mapping = CudaVmmMapping::Import(memory, "k.L0");
+  REQUIRE_FALSE(mapping.ok());
+  if (!DriverInstalled()) {
+    CHECK(mapping.status().code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(Message(mapping.status()), Catch::Contains("dlopen(libcuda.so.1) failed"));
+  } else {
+    WARN("libcuda.so.1 is installed here; a pipe must be refused by the driver instead");
+    CHECK_THAT(Message(mapping.status()), Catch::StartsWith("region 'k.L0': "));
+  }
+  CHECK(memory.use_count() == 1);
+}
+
+TEST_CASE("VRAM by cuda_vmm: registration without a driver fails and keeps nothing") {
+  ShmMapping shm = MakeShm(4096);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry.Register({Dram("pre", shm.name(), 0, 4096)}, false, testing::Registrant()).ok());
+  const uint64_t version = registry.version();
+  auto memory = DeviceMemory(1 << 20);
+  RegisterContext context = VmmRegistrant({memory});
+
+  auto result = registry.Register({Vmm("vmm.k", memory->id(), 0, 65536),
+                                   Vmm("vmm.v", memory->id(), 65536, 65536)},
+                                  false, context);
+  REQUIRE_FALSE(result.ok());
+  const std::string message = Message(result.status());
+  CHECK_THAT(message, Catch::Contains("region 'vmm.k' (entry 0): "));
+  CHECK_THAT(message, Catch::Contains("region 'vmm.v' (entry 1): "));
+  if (!DriverInstalled()) {
+    CHECK(result.status().code() == StatusCode::kFailedPrecondition);
+    CHECK_THAT(message, Catch::Contains("CUDA driver not available: dlopen(libcuda.so.1) failed"));
+    CHECK_THAT(message, Catch::Contains("register host memory (shm) instead"));
+  }
+  // Nothing registered, nothing held: the object is the test's (and the resolver's) again.
+  CHECK(registry.version() == version);
+  CHECK(registry.List().size() == 1);
+  CHECK(registry.Find("vmm.k") == nullptr);
+  context = RegisterContext{};
+  CHECK(memory.use_count() == 1);
+
+  SECTION("staging off changes nothing before the driver is there") {
+    RegionRegistry strict(&Context(), RegistryOptions{false});
+    auto refused = strict.Register({Vmm("vmm.s", memory->id(), 0, 4096)}, false,
+                                   VmmRegistrant({memory}));
+    REQUIRE_FALSE(refused.ok());
+    if (!DriverInstalled()) CHECK(refused.status().code() == StatusCode::kFailedPrecondition);
+  }
+}
+
+TEST_CASE("VRAM by cuda_vmm: handles, bounds and overlaps are checked without a driver") {
+  RegionRegistry registry(&Context());
+  auto memory = DeviceMemory(1 << 20);
+  auto other = DeviceMemory(1 << 20);
+  auto expect = [&](const std::vector<v1::RegionSpec>& specs, const RegisterContext& context,
+                    StatusCode code, const std::string& start) {
+    auto result = registry.Register(specs, false, context);
+    REQUIRE_FALSE(result.ok());
+    CHECK(result.status().code() == code);
+    CHECK_THAT(Message(result.status()), Catch::StartsWith(start));
+    CHECK(registry.List().empty());
+  };
+  SECTION("an unknown handle") {
+    expect({Vmm("x", 77, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kNotFound,
+           "region 'x' (entry 0): device memory handle 77 is not one of this session's");
+    expect({Vmm("x", 404, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kNotFound,
+           "region 'x' (entry 0): cuda_vmm.memory_handle 404 is not one of this session's "
+           "device memory handles; use a handle from ShareDeviceMemory");
+  }
+  SECTION("no local session") {
+    expect({Vmm("x", memory->id(), 0, 4096)}, testing::Registrant(),
+           StatusCode::kFailedPrecondition,
+           "region 'x' (entry 0): cuda_vmm.memory_handle " + std::to_string(memory->id()) +
+               " given, but device memory handles need a local session (ShareDeviceMemory");
+  }
+  SECTION("handle 0, an overflowing range, DRAM with a cuda_vmm source") {
+    expect({Vmm("x", 0, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kInvalidArgument,
+           "region 'x' (entry 0): cuda_vmm.memory_handle is 0; set it to the handle that "
+           "ShareDeviceMemory returned");
+    expect({Vmm("x", memory->id(), ~uint64_t{0} - 100, 4096)}, VmmRegistrant({memory}),
+           StatusCode::kInvalidArgument, "region 'x' (entry 0): cuda_vmm.offset ");
+    v1::RegionSpec dram = Vmm("x", memory->id(), 0, 4096);
+    dram.set_memory(v1::DRAM);
+    expect({dram}, VmmRegistrant({memory}), StatusCode::kInvalidArgument,
+           "region 'x' (entry 0): DRAM region has a cuda_vmm source; set memory VRAM");
+  }
+  SECTION("beyond the bytes shared") {
+    expect({Vmm("x", memory->id(), (1 << 20) - 4096, 8192)}, VmmRegistrant({memory}),
+           StatusCode::kInvalidArgument,
+           "region 'x' (entry 0): cuda_vmm.offset 1044480 + length 8192 = 1052672 bytes, but "
+           "device memory 'kv-vram' (handle " +
+               std::to_string(memory->id()) + ") was shared with 1048576 bytes");
+  }
+  SECTION("overlapping regions of one object; other objects' ranges are their own") {
+    auto result = registry.Register(
+        {Vmm("a", memory->id(), 0, 8192), Vmm("b", memory->id(), 4096, 8192),
+         Vmm("c", other->id(), 0, 8192), Vmm("d", memory->id(), 12288, 4096)},
+        false, VmmRegistrant({memory, other}));
+    REQUIRE_FALSE(result.ok());
+    const std::string message = Message(result.status());
+    CHECK_THAT(message, Catch::Contains("4 of 4 regions rejected; nothing was registered"));
+    CHECK_THAT(message, Catch::Contains(
+                            "region 'b' (entry 1): bytes [4096, 12288) of device memory "
+                            "'kv-vram' overlap region 'a' (bytes [0, 8192)); give each region "
+                            "its own byte range"));
+    // c (another object) and d (after b's end) do not overlap: they get only what the
+    // import says (no driver here, or a pipe the driver refuses).
+    CHECK_THAT(message, !Catch::Contains("region 'c' (entry 2): bytes"));
+    CHECK_THAT(message, !Catch::Contains("region 'd' (entry 3): bytes"));
+    if (!DriverInstalled()) {
+      CHECK(result.status().code() == StatusCode::kFailedPrecondition);  // entry 0's
+      CHECK_THAT(message, Catch::Contains("region 'd' (entry 3): CUDA driver not available"));
+    }
+  }
 }
 
 }  // namespace
