@@ -1,5 +1,6 @@
 // An unprivileged local user against an agent that runs as root (as the agent did in
-// the attack this guards against: a root-only file copied out through the agent).
+// the attack this guards against: a root-only file copied out through the agent); and
+// agents that run unprivileged themselves.
 // The user is uid 65534 (nobody), allowed on the local door by --local-socket-group
 // 65534; it runs tests/security/security_probe under setpriv. Needs root (skips
 // otherwise) and runs outside Bazel's sandbox (files given to uid 65534 in /dev/shm).
@@ -8,14 +9,17 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
 #include "fmt/format.h"
 #include "tests/unit/catch_main.h"
 #include "transport/base/format.h"
@@ -159,6 +163,96 @@ TEST_CASE("an unprivileged user gets no file it does not own, and no peer's righ
   // The probe's own region left with its session; the refused peer calls are counted.
   CHECK(status->regions() == 0);
   CHECK(status->refused_calls() >= 2);
+}
+
+// Least privilege: two agents running as an unprivileged uid (65534) serve engines
+// and move pages between each other; doctor does not flag them. (Root, the test's
+// client, may use their sockets as any local caller; here it is an engine, not a
+// scheduler: that role defaults to the agents' own uid.)
+TEST_CASE("agents running as an unprivileged user serve and move pages") {
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the test starts the agents as uid 65534");
+  if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
+  OpenDir dir;
+  // Everything the agents write goes in a directory of their own.
+  const std::string home = dir.path() + "/agents";
+  std::filesystem::create_directories(home);
+  REQUIRE(chown(home.c_str(), 65534, 65534) == 0);
+  auto source = cli::FindKvagentd("");
+  REQUIRE(source.ok());
+  const std::string binary = dir.path() + "/kvagentd";
+  std::filesystem::copy_file(*source, binary);
+  chmod(binary.c_str(), 0755);
+
+  std::vector<cli::DaemonProcess> agents;
+  for (const char* name : {"prefill", "decode"}) {
+    cli::DaemonOptions options;
+    options.binary = binary;
+    options.name = name;
+    options.work_dir = home;
+    options.local_socket = fmt::format("{}/{}.sock", home, name);
+    options.command_prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
+                              "--clear-groups", "--"};
+    auto started = cli::DaemonProcess::Start(options);
+    INFO(started.status().ToString());
+    REQUIRE(started.ok());
+    agents.push_back(*std::move(started));
+  }
+  cli::AgentClient prefill(agents[0].address()), decode(agents[1].address());
+  auto status = prefill.Status();
+  REQUIRE(status.ok());
+  std::vector<std::string> roles(status->caller_roles().begin(), status->caller_roles().end());
+  CHECK(roles == std::vector<std::string>{"engine"});
+  auto report = prefill.Doctor();
+  REQUIRE(report.ok());
+  bool checked = false;
+  for (const auto& check : report->checks()) {
+    if (check.name() != "privileges") continue;
+    checked = true;
+    CHECK(check.result() == v1::DoctorCheck::PASS);
+    CHECK_THAT(check.detail(), Contains("uid 65534"));
+  }
+  CHECK(checked);
+
+  cli::KvPoolShape shape;
+  shape.layers = 2;
+  shape.pages = 16;
+  shape.page_bytes = 4096;
+  auto src = cli::CreateKvPool(prefill, "prefill", shape);
+  auto dst = cli::CreateKvPool(decode, "decode", shape);
+  INFO(src.status().ToString() << " / " << dst.status().ToString());
+  REQUIRE(src.ok());
+  REQUIRE(dst.ok());
+  for (uint32_t r = 0; r < src->regions(); ++r) {
+    for (uint64_t p = 0; p < shape.pages; ++p) cli::FillPage(src->Page(r, p), shape.page_bytes, 5, r, p);
+  }
+  std::memset(dst->mapping.data(), 0xEE, dst->bytes());
+  // Same-host peers running as the same (unprivileged) user accept each other.
+  auto peer = prefill.Connect(agents[1].address());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  CHECK(peer->data_path() == "shm-direct");
+  v1::SubmitTransferRequest write;
+  write.set_transfer_id("unprivileged");
+  write.set_peer("decode");
+  write.set_op(v1::WRITE);
+  auto* items = write.add_segments()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  for (uint64_t p : {2, 3, 9}) {
+    items->add_local_indices(p);
+    items->add_remote_indices(p + 4);
+  }
+  write.set_wait(true);
+  auto done = prefill.Submit(write);
+  INFO(done.status().ToString());
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (uint32_t r = 0; r < src->regions(); ++r) {
+    for (uint64_t p : {2, 3, 9}) {
+      CHECK(std::memcmp(src->Page(r, p), dst->Page(r, p + 4), shape.page_bytes) == 0);
+    }
+  }
 }
 
 }  // namespace
