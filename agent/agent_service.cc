@@ -66,11 +66,25 @@ grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context,
     reactor->Finish(ToGrpcStatus(parsed));
     return reactor;
   }
-  handler(context, &call->request, &call->response,
-          Reply([reactor, out, call](absl::Status status) {
-            if (status.ok()) *out = ToByteBuffer(call->response);
-            reactor->Finish(ToGrpcStatus(status));
-          }));
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  try {
+    handler(context, &call->request, &call->response,
+            Reply([reactor, out, call, finished](absl::Status status) {
+              if (finished->exchange(true)) return;  // answered already (see below)
+              if (status.ok()) *out = ToByteBuffer(call->response);
+              reactor->Finish(ToGrpcStatus(status));
+            }));
+  } catch (const std::exception& e) {
+    // A bug, never an answer: gRPC would turn the escaping exception into an empty
+    // UNIMPLEMENTED, which names nothing. Say what failed instead.
+    kLog.Error("{}: the handler threw: {}", method, e.what());
+    if (!finished->exchange(true)) {
+      reactor->Finish(ToGrpcStatus(absl::InternalError(fmt::format(
+          "{}: internal error in the agent ({}); the call's effect is unknown: check its "
+          "state (regions, transfers) and report this with the agent's log",
+          method, e.what()))));
+    }
+  }
   return reactor;
 }
 

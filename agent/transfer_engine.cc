@@ -1117,6 +1117,9 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
                                  std::function<void(std::vector<std::string>)> done) {
   auto wait = std::make_shared<DrainWait>();
   std::vector<TransferPtr> stopped;
+  // Decided under mu_: once the wait is queued, the deadline loop owns it (it erases
+  // settled ids and calls `done`, which was moved into the wait).
+  bool nothing_to_wait_for = false;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, t] : transfers_) {
@@ -1139,14 +1142,15 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
              SegmentInProgress(*t));
       stopped.push_back(t);
     }
-    if (!wait->ids.empty()) {
+    nothing_to_wait_for = wait->ids.empty();
+    if (!nothing_to_wait_for) {
       wait->deadline_us = MonotonicMicros() + absl::ToInt64Microseconds(timeout);
       wait->done = std::move(done);
       drain_waits_.push_back(wait);
     }
   }
   for (const auto& t : stopped) worker_->Post([this, t] { Pump(t); });
-  if (wait->ids.empty()) done({});
+  if (nothing_to_wait_for) done({});
 }
 
 uint32_t TransferEngine::FailTransfersTo(const std::string& name, const absl::Status& cause) {
