@@ -168,7 +168,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   registry_options.stage_host_regions = options.stage_host_regions;
   agent->registry_ =
       std::make_unique<registry::RegionRegistry>(agent->context_.get(), registry_options);
-  agent->notifications_ = std::make_unique<NotificationQueue>();
+  agent->limits_ = options.limits;
+  agent->quota_ = std::make_unique<grpc::ResourceQuota>("kvagentd-" + options.name);
+  agent->quota_->Resize(options.grpc_memory_bytes);
+  agent->quota_->SetMaxThreads(static_cast<int>(options.grpc_max_threads));
+  agent->streams_ = std::make_unique<StreamTable>(&agent->limits_);
+  agent->notifications_ = std::make_unique<NotificationQueue>(&agent->limits_);
   agent->watchers_ = std::make_unique<MetadataWatchers>();
   PeerManagerOptions peer_options;
   peer_options.self_name = options.name;
@@ -217,6 +222,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   engine_options.counters = &agent->counters_;
   engine_options.incoming = agent->incoming_.get();
   engine_options.drain_timeout_ms = options.drain_timeout_ms;
+  engine_options.limits = &agent->limits_;
   agent->engine_ = std::make_unique<TransferEngine>(
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);
@@ -243,6 +249,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              &agent->secrets_,
                              &agent->counters_,
                              &agent->open_streams_,
+                             &agent->limits_,
+                             agent->streams_.get(),
+                             &agent->pending_connects_,
                              options.deregister_wait_ms};
 
   // The local door: sessions first (their tokens open the gRPC socket), then gRPC.
@@ -250,6 +259,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   door_options.policy = options.policy;
   door_options.agent_name = options.name;
   door_options.incarnation = agent->identity_.incarnation;
+  door_options.limits = &agent->limits_;
   agent->local_door_ = std::make_unique<LocalDoor>(
       door_options, agent->registry_.get(), &agent->counters_,
       // A session that ends takes its regions with it (after peers let go of them).
@@ -308,6 +318,11 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
   builder.RegisterService(d.agent_service.get());
   builder.RegisterService(d.peer_service.get());
   builder.SetMaxReceiveMessageSize(64 << 20);
+  // Fairness: one quota of memory (and threads) for calls in progress on every door,
+  // and at most kMaxCallsPerConnection calls at once per client connection (more
+  // wait in the client's HTTP/2 flow, they are not refused).
+  builder.SetResourceQuota(*quota_);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxCallsPerConnection);
   d.server = builder.BuildAndStart();
   const std::string flag = door == Door::kLocal      ? "--local-socket"
                            : door == Door::kNetwork ? "--listen"

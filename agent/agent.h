@@ -17,6 +17,7 @@
 #include "agent/access.h"
 #include "agent/agent_service.h"
 #include "agent/incoming.h"
+#include "agent/limits.h"
 #include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
@@ -26,6 +27,7 @@
 #include "agent/staging.h"
 #include "agent/tls.h"
 #include "agent/transfer_engine.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/server.h"
 #include "registry/region_registry.h"
 #include "transport/ucx_context.h"
@@ -65,6 +67,12 @@ struct AgentOptions {
   // For tests only (--stage-host-regions): host regions take the staged path, so the
   // staging protocol runs end to end on machines without a GPU.
   bool stage_host_regions = false;
+  // Every bound on what callers and peers can grow (--max-* flags; docs/LIMITS.md).
+  Limits limits;
+  // gRPC's resource quota for this agent's servers: memory for calls in progress
+  // (--grpc-memory-bytes) and threads (--grpc-max-threads).
+  uint64_t grpc_memory_bytes = 512ull << 20;
+  uint32_t grpc_max_threads = 256;
 };
 
 class Agent {
@@ -100,6 +108,11 @@ class Agent {
   std::unique_ptr<TransferEngine> engine_;
   SecurityCounters counters_;
   std::atomic<int64_t> open_streams_{0};
+  Limits limits_;
+  std::unique_ptr<StreamTable> streams_;
+  std::atomic<uint64_t> pending_connects_{0};
+  static constexpr int kMaxCallsPerConnection = 1024;
+  std::unique_ptr<grpc::ResourceQuota> quota_;
   PeerSecrets secrets_;
   registry::PathPolicy path_policy_;
   std::unique_ptr<LocalDoor> local_door_;

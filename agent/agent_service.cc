@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -16,6 +17,8 @@
 #include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "agent/tls.h"
+#include "registry/fault_guard.h"
+#include "registry/remote_catalog.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -117,8 +120,8 @@ class StreamCount {
 class TransferWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   TransferWatchReactor(TransferEngine* engine, std::string id, std::atomic<int64_t>* streams,
-                       const absl::StatusOr<Caller>& caller)
-      : counted_(streams), engine_(engine), id_(std::move(id)) {
+                       const absl::StatusOr<Caller>& caller, StreamTable::Lease lease)
+      : counted_(streams), lease_(std::move(lease)), engine_(engine), id_(std::move(id)) {
     if (!caller.ok()) {
       absl::MutexLock lock(&mu_);
       finishing_ = true;
@@ -186,6 +189,7 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuf
   }
 
   StreamCount counted_;
+  StreamTable::Lease lease_;
   TransferEngine* engine_;
   std::string id_;
   uint64_t token_ = 0;
@@ -203,8 +207,10 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuf
 class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request,
-                           std::atomic<int64_t>* streams, const absl::StatusOr<Caller>& caller)
+                           std::atomic<int64_t>* streams, const absl::StatusOr<Caller>& caller,
+                           StreamTable::Lease lease)
       : counted_(streams),
+        lease_(std::move(lease)),
         queue_(queue),
         ids_(request.transfer_ids().begin(), request.transfer_ids().end()) {
     if (!caller.ok()) {
@@ -219,17 +225,24 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    // A failed write is not known to have reached the client: hand it back.
-    if (!ok) unwritten_.push_front(std::move(current_));
+    bool pull = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      // A failed write is not known to have reached the client: hand it back.
+      if (!ok) unwritten_.push_front(std::move(current_));
 
-    if (!ok || finishing_) {
-      finishing_ = true;
-      Finish(grpc::Status::CANCELLED);
-      return;
+      if (!ok || finishing_) {
+        finishing_ = true;
+        Finish(grpc::Status::CANCELLED);
+        return;
+      }
+      WriteLocked();
+      // Caught up after refusing some (backlog full): take what waits in the queue.
+      pull = starved_ && unwritten_.empty();
+      if (pull) starved_ = false;
     }
-    WriteLocked();
+    if (pull) queue_->OfferQueued(token_);
   }
 
   void OnCancel() override {
@@ -256,7 +269,12 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
     if (!ids_.empty() && !ids_.contains(n.notification.transfer_id())) return false;
     if (!reader_.Takes(n)) return false;
     absl::MutexLock lock(&mu_);
+    // A client that does not read leaves the rest in the queue, under its limits.
     if (finishing_) return false;
+    if (unwritten_.size() >= kMaxUnwritten) {
+      starved_ = true;
+      return false;
+    }
     unwritten_.push_back(n);
     WriteLocked();
     return true;
@@ -270,7 +288,9 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
     StartWrite(&current_bytes_);
   }
 
+  static constexpr size_t kMaxUnwritten = 1024;
   StreamCount counted_;
+  StreamTable::Lease lease_;
   NotificationQueue* queue_;
   absl::flat_hash_set<std::string> ids_;
   NotificationReader reader_;
@@ -281,6 +301,7 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
   grpc::ByteBuffer current_bytes_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool starved_ ABSL_GUARDED_BY(mu_) = false;  // refused one: backlog was full
 };
 
 }  // namespace
@@ -328,6 +349,15 @@ absl::StatusOr<Caller> AgentService::Authorize(grpc::CallbackServerContext* cont
   return status;
 }
 
+absl::StatusOr<StreamTable::Lease> AgentService::OpenStream(const absl::StatusOr<Caller>& caller,
+                                                           std::string_view call) {
+  // A refused caller gets its refusal from the reactor, as before.
+  if (!caller.ok()) return StreamTable::Lease();
+  auto lease = deps_.streams->Open(caller->principal, call);
+  if (!lease.ok()) kLog.Warn("{}", lease.status().message());
+  return lease;
+}
+
 void AgentService::HandleRegisterRegions(grpc::CallbackServerContext* context,
     const v1::RegisterRegionsRequest* request, v1::RegisterRegionsResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngine, "RegisterRegions");
@@ -347,6 +377,26 @@ void AgentService::HandleRegisterRegions(grpc::CallbackServerContext* context,
       return door->ResolveDeviceHandle(session, handle);
     };
   }
+  register_context.admit = [limits = deps_.limits,
+                            owner = caller->principal](const registry::RegisterUsage& u) {
+    const std::string what = fmt::format("RegisterRegions: {} regions ({} bytes) for {}",
+                                         u.new_regions, u.new_bytes, owner);
+    absl::Status fits = limits->Check(Limit::kRegions, what, u.regions, u.new_regions,
+                                      "deregister regions no longer used");
+    if (fits.ok()) {
+      fits = limits->Check(Limit::kRegionsPerOwner, what, u.owner_regions, u.new_regions,
+                           "register fewer, larger regions (a region holds many items)");
+    }
+    if (fits.ok()) {
+      fits = limits->Check(Limit::kRegisteredBytesPerOwner, what, u.owner_bytes, u.new_bytes,
+                           "deregister regions no longer used");
+    }
+    if (fits.ok()) {
+      fits = limits->Check(Limit::kMetadataBytes, what, u.metadata_bytes, u.new_metadata_bytes,
+                           "use shorter names, groups and roles, or fewer regions");
+    }
+    return fits;
+  };
   auto result = deps_.registry->Register(specs, request->skip_empty(), register_context);
   if (!result.ok()) return reply(result.status());
   for (const auto& region : result->regions) *response->add_regions() = region->Info();
@@ -452,7 +502,54 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
   response->set_dropped_peer_messages(deps_.counters->dropped_peer_messages.load());
   response->set_local_socket(id.local_socket);
   response->set_network_door(id.network_door);
+  response->set_queued_notification_bytes(deps_.notifications->queued_bytes());
+  response->set_notifications_overflowed(deps_.notifications->overflowed());
+  response->set_memory_faults(registry::FaultGuard::faults_caught());
+  FillLimits(counters, response);
   return reply(absl::OkStatus());
+}
+
+void AgentService::FillLimits(const TransferCounters& counters, v1::AgentStatus* status) const {
+  std::array<uint64_t, kLimitCount> in_use{};
+  auto use = [&in_use](Limit limit) -> uint64_t& { return in_use[static_cast<int>(limit)]; };
+  absl::flat_hash_map<std::string, std::pair<uint64_t, uint64_t>> by_owner;  // regions, bytes
+  const auto regions = deps_.registry->List();
+  for (const auto& region : regions) {
+    auto& [count, bytes] = by_owner[region->owner];
+    ++count;
+    bytes += region->spec.length();
+  }
+  use(Limit::kRegions) = regions.size();
+  for (const auto& [owner, totals] : by_owner) {
+    use(Limit::kRegionsPerOwner) = std::max(use(Limit::kRegionsPerOwner), totals.first);
+    use(Limit::kRegisteredBytesPerOwner) =
+        std::max(use(Limit::kRegisteredBytesPerOwner), totals.second);
+  }
+  use(Limit::kMetadataBytes) = deps_.registry->metadata_bytes();
+  if (deps_.local_door != nullptr) {
+    use(Limit::kAllocatedBytes) = deps_.local_door->allocated_bytes();
+    use(Limit::kAllocatedBytesPerOwner) = deps_.local_door->largest_allocation_owner();
+  }
+  use(Limit::kActiveTransfers) = counters.active;
+  use(Limit::kActiveTransfersPerOwner) = counters.largest_owner_active;
+  use(Limit::kPlannedOps) = counters.planned_ops;
+  use(Limit::kQueuedNotifications) = deps_.notifications->queued();
+  use(Limit::kQueuedNotificationBytes) = deps_.notifications->queued_bytes();
+  use(Limit::kStreams) = deps_.streams->open();
+  use(Limit::kStreamsPerCaller) = deps_.streams->largest_caller();
+  use(Limit::kPendingConnects) = deps_.pending_connects->load();
+  use(Limit::kPeerCallers) = deps_.watchers->size();
+  for (int i = 0; i < kLimitCount; ++i) {
+    const Limit limit = static_cast<Limit>(i);
+    const LimitInfo& info = InfoOf(limit);
+    v1::LimitState* out = status->add_limits();
+    out->set_name(std::string(info.name));
+    out->set_flag(std::string(info.flag));
+    out->set_unit(std::string(info.unit));
+    out->set_value(deps_.limits->value(limit));
+    out->set_in_use(in_use[i]);
+    out->set_refused(deps_.limits->refused(limit));
+  }
 }
 
 void AgentService::HandleConnectPeer(grpc::CallbackServerContext* context,
@@ -464,13 +561,23 @@ void AgentService::HandleConnectPeer(grpc::CallbackServerContext* context,
                              "ConnectPeer: address is empty; give the peer agent's unix:PATH "
                              "(same host) or HOST:PORT (its network door)"));
   }
+  if (absl::Status slot = deps_.limits->TakeSlot(
+          Limit::kPendingConnects, deps_.pending_connects,
+          fmt::format("ConnectPeer {} for {}", Printable(request->address(), 256),
+                      caller->principal),
+          "retry when earlier ConnectPeer calls answered (each ends within the connect "
+          "timeout)");
+      !slot.ok()) {
+    return reply(slot);
+  }
   kAudit.Info("{} asks to connect peer at {}", caller->principal,
               Printable(request->address(), 256));
-  deps_.peers->Connect(request->address(),
-                       [reply, response](absl::StatusOr<v1::PeerInfo> info) {
-                         if (info.ok()) *response = *std::move(info);
-                         reply(info.status());
-                       });
+  deps_.peers->Connect(request->address(), [reply, response, pending = deps_.pending_connects](
+                                               absl::StatusOr<v1::PeerInfo> info) {
+    pending->fetch_sub(1);
+    if (info.ok()) *response = *std::move(info);
+    reply(info.status());
+  });
 }
 
 void AgentService::HandleDisconnectPeer(grpc::CallbackServerContext* context,
@@ -593,8 +700,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AgentService::WatchTransfer(
   if (absl::Status parsed = ParseRequest(*bytes, "WatchTransfer", &request); !parsed.ok()) {
     return new RefusedStream(parsed);
   }
-  return new TransferWatchReactor(deps_.engine, request.transfer_id(), deps_.open_streams,
-                                  Authorize(context, Need::kAny, "WatchTransfer"));
+  auto caller = Authorize(context, Need::kAny, "WatchTransfer");
+  auto lease = OpenStream(caller, "WatchTransfer");
+  if (!lease.ok()) return new RefusedStream(lease.status());
+  return new TransferWatchReactor(deps_.engine, request.transfer_id(), deps_.open_streams, caller,
+                                  *std::move(lease));
 }
 
 void AgentService::HandleListTransfers(grpc::CallbackServerContext* context,
@@ -676,8 +786,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AgentService::WatchNotifications(
   if (absl::Status parsed = ParseRequest(*bytes, "WatchNotifications", &request); !parsed.ok()) {
     return new RefusedStream(parsed);
   }
-  return new NotificationWatchReactor(deps_.notifications, request, deps_.open_streams,
-                                      Authorize(context, Need::kAny, "WatchNotifications"));
+  auto caller = Authorize(context, Need::kAny, "WatchNotifications");
+  auto lease = OpenStream(caller, "WatchNotifications");
+  if (!lease.ok()) return new RefusedStream(lease.status());
+  return new NotificationWatchReactor(deps_.notifications, request, deps_.open_streams, caller,
+                                      *std::move(lease));
 }
 
 void AgentService::HandleDoctor(grpc::CallbackServerContext* context,
@@ -711,8 +824,19 @@ void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
   response->set_incarnation(id.incarnation);
   response->set_host_id(id.host_id);
   response->set_pid(static_cast<uint32_t>(getpid()));
-  deps_.watchers->Polled(identity, request->known_version(),
-                         request->known_incarnation() == id.incarnation);
+  // A claimed name (insecure door) is bounded as the agent names peers are.
+  if (identity.size() > registry::CatalogLimits{}.max_name_bytes) {
+    return reply(absl::InvalidArgumentError(fmt::format(
+        "GetMetadata: caller name is {} bytes; agent names are at most {}",
+        identity.size(), registry::CatalogLimits{}.max_name_bytes)));
+  }
+  if (absl::Status tracked = deps_.watchers->Polled(identity, request->known_version(),
+                                                    request->known_incarnation() == id.incarnation,
+                                                    deps_.limits);
+      !tracked.ok()) {
+    kLog.Warn("{}", tracked.message());
+    return reply(tracked);
+  }
   const uint64_t version = deps_.registry->version();
   if (request->known_incarnation() == id.incarnation && request->known_version() == version) {
     response->set_version(version);  // unchanged: the caller keeps what it has

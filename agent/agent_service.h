@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
 #include "agent/incoming.h"
+#include "agent/limits.h"
 #include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
 #include "agent/notification_queue.h"
@@ -59,6 +60,10 @@ struct ServiceDeps {
   // WatchTransfer and WatchNotifications streams whose reactor still exists, on all
   // doors (AgentStatus.open_streams).
   std::atomic<int64_t>* open_streams;
+  const Limits* limits;
+  // Open Watch* streams per principal (the streams_per_caller limit).
+  StreamTable* streams;
+  std::atomic<uint64_t>* pending_connects;  // ConnectPeer calls in progress
   uint32_t deregister_wait_ms = 2000;
 };
 
@@ -173,6 +178,12 @@ class AgentService final : public AgentServiceBase {
   // or with the final state when `wait`. `request` must outlive the call of `done`.
   void Submit(const v1::SubmitTransferRequest& request, const Caller& caller, bool wait,
               SubmitDone done);
+  // AgentStatus.limits: each limit's value, use and refusals.
+  void FillLimits(const TransferCounters& counters, v1::AgentStatus* status) const;
+  // A Watch* stream's lease against the stream limits (an empty one for a refused
+  // caller, whose reactor reports the refusal).
+  absl::StatusOr<StreamTable::Lease> OpenStream(const absl::StatusOr<Caller>& caller,
+                                                std::string_view call);
   // Identifies the caller and checks it has what `call` needs; a refusal is counted
   // and logged with the caller and the reason.
   absl::StatusOr<Caller> Authorize(grpc::CallbackServerContext* context, Need need,

@@ -1,5 +1,7 @@
 #include "agent/incoming.h"
 
+#include "registry/fault_guard.h"
+
 #include <algorithm>
 #include <utility>
 
@@ -29,6 +31,26 @@ IncomingTransfers::IncomingTransfers(IncomingOptions options,
 
 IncomingTransfers::Key IncomingTransfers::KeyOf(const v1::Notification& n) {
   return fmt::format("{}\n{:x}\n{}", n.from_agent(), n.sender_incarnation(), n.transfer_id());
+}
+
+absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) const {
+  // Nothing to look at while no fault was ever caught (the common case).
+  if (registry::FaultGuard::faults_caught() == 0) return absl::OkStatus();
+  for (const auto& target : n.targets()) {
+    std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
+    if (regions.empty()) {
+      if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
+    }
+    for (const auto& region : regions) {
+      if (!region->mapping.broken()) continue;
+      return absl::DataLossError(fmt::format(
+          "transfer '{}' from '{}': region '{}' of this agent ('{}') is broken: {}; the bytes "
+          "written there are not valid. Fix: {}",
+          Printable(n.transfer_id(), 256), Printable(n.from_agent()), region->spec.name(),
+          options_.self_name, registry::kLostMemoryCause, registry::kLostMemoryFix));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::vector<std::string> IncomingTransfers::OwnersOf(const v1::Notification& n) const {
@@ -149,16 +171,34 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
     ack.set_transfer_id(n.transfer_id());
     ack.set_sender_incarnation(n.sender_incarnation());
     ack.set_ack_token(r.ack_token);
-    if (!status.ok()) {
-      ack.set_error_code(static_cast<int32_t>(status.code()));
-      ack.set_error_message(std::string(status.message()));
-      if (!r.ended) EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, status);
+    absl::Status outcome = status;
+    // Memory that vanished under a write (caught by the fault guard) makes the data
+    // invalid: the sender's transfer fails instead of being acknowledged.
+    if (outcome.ok() && r.held != nullptr) outcome = CheckTargetsIntact(*r.held);
+    // Push-back: a success whose notification this agent could not keep is refused
+    // to its sender (its transfer fails with the reason), never accepted and dropped.
+    if (outcome.ok() && r.held != nullptr && r.reserved_bytes == 0) {
+      const uint64_t bytes = NotificationQueue::Size(*r.held);
+      outcome = queue_->Reserve(fmt::format("peer '{}': transfer '{}' into this agent",
+                                            options_.self_name, Printable(n.transfer_id(), 256)),
+                                bytes);
+      if (outcome.ok()) r.reserved_bytes = bytes;
+    }
+    if (!outcome.ok()) {
+      ack.set_error_code(static_cast<int32_t>(outcome.code()));
+      ack.set_error_message(std::string(outcome.message()));
+      if (r.state.direction() != v1::INCOMING) {
+        records_.erase(it);  // untracked: only its sender learns of it
+        --active_;
+      } else if (!r.ended) {
+        EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, outcome);
+      }
     } else if (r.state.direction() != v1::INCOMING) {
       // Untracked: nobody will look it up, so deliver now.
       v1::Notification out = *r.held;
       out.clear_ack_token();
       out.set_received_unix_us(UnixMicros());
-      queue_->Push(QueuedNotification{std::move(out), r.owners});
+      queue_->Push(QueuedNotification{std::move(out), r.owners}, r.reserved_bytes);
       records_.erase(it);
       --active_;
     }
@@ -201,7 +241,8 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   // The owners as they were when the transfer began; the targets' owners now, when it
   // was never opened here.
   std::vector<std::string> owners = r.owners.empty() ? OwnersOf(out) : r.owners;
-  queue_->Push(QueuedNotification{std::move(out), std::move(owners)});
+  queue_->Push(QueuedNotification{std::move(out), std::move(owners)},
+               std::exchange(r.reserved_bytes, 0));
   ended_order_.push_back(key);
   PruneLocked();
 }

@@ -74,10 +74,16 @@ class IncomingTransfers {
     void* reply_ep = nullptr;         // of DATA_READY, until acknowledged
     uint64_t ack_token = 0;
     std::unique_ptr<v1::Notification> held;  // DATA_READY, until the commit
+    // Room reserved in the notification queue when DATA_READY was acknowledged: its
+    // one outcome is always kept.
+    uint64_t reserved_bytes = 0;
     bool ended = false;                      // its one outcome was delivered
   };
   using Key = std::string;  // sender, incarnation, transfer id
   static Key KeyOf(const v1::Notification& n);
+  // DATA_LOSS naming the region when a region `n` targets was broken by a caught
+  // fault (registry/fault_guard.h).
+  absl::Status CheckTargetsIntact(const v1::Notification& n) const;
 
   // The record of `n` (made when missing and there is room; null otherwise).
   Record* FindOrMake(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

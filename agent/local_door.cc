@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -217,6 +218,45 @@ absl::Status LocalDoor::ShareDevice(uint64_t session_id,
   return Keep(session_id, std::move(object), reply);
 }
 
+absl::Status AllocationLedger::Take(const Limits* limits, const std::string& owner,
+                                    uint64_t bytes, std::string_view what) {
+  absl::MutexLock lock(&mu_);
+  uint64_t& mine = by_owner_[owner];
+  if (limits != nullptr) {
+    constexpr std::string_view kFix = "free allocations no longer used (FreeMemory)";
+    absl::Status fits = limits->Check(Limit::kAllocatedBytes, what, total_, bytes, kFix);
+    if (fits.ok()) fits = limits->Check(Limit::kAllocatedBytesPerOwner, what, mine, bytes, kFix);
+    if (!fits.ok()) {
+      if (mine == 0) by_owner_.erase(owner);
+      return fits;
+    }
+  }
+  mine += bytes;
+  total_ += bytes;
+  return absl::OkStatus();
+}
+
+void AllocationLedger::Give(const std::string& owner, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  total_ -= std::min(total_, bytes);
+  auto it = by_owner_.find(owner);
+  if (it == by_owner_.end()) return;
+  it->second -= std::min(it->second, bytes);
+  if (it->second == 0) by_owner_.erase(it);
+}
+
+uint64_t AllocationLedger::largest_owner() const {
+  absl::MutexLock lock(&mu_);
+  uint64_t most = 0;
+  for (const auto& [owner, bytes] : by_owner_) most = std::max(most, bytes);
+  return most;
+}
+
+uint64_t AllocationLedger::total() const {
+  absl::MutexLock lock(&mu_);
+  return total_;
+}
+
 absl::Status LocalDoor::Allocate(uint64_t session_id, const v1::AllocateMemoryRequest& request,
                                  v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds) {
   ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
@@ -232,7 +272,30 @@ absl::Status LocalDoor::Allocate(uint64_t session_id, const v1::AllocateMemoryRe
         "allocate '{}': {} bytes asked; ask for 1 byte to {} bytes", label, request.bytes(),
         options_.max_allocation_bytes));
   }
-  ASSIGN_OR_RETURN(auto object, registry::MemoryObject::CreateMemfd(label, request.bytes()));
+  RETURN_IF_ERROR(allocations_->Take(options_.limits, caller.principal, request.bytes(),
+                                     fmt::format("allocate '{}' ({} bytes) for {}", label,
+                                                 request.bytes(), caller.principal)));
+  auto created = registry::MemoryObject::CreateMemfd(label, request.bytes());
+  if (!created.ok()) {
+    allocations_->Give(caller.principal, request.bytes());
+    return created.status();
+  }
+  // The object gives its bytes back to the ledger when its last holder lets go.
+  struct Held {
+    Held(std::shared_ptr<const registry::MemoryObject> o, std::shared_ptr<AllocationLedger> l,
+         std::string w, uint64_t b)
+        : object(std::move(o)), ledger(std::move(l)), owner(std::move(w)), bytes(b) {}
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+    ~Held() { ledger->Give(owner, bytes); }
+    std::shared_ptr<const registry::MemoryObject> object;
+    std::shared_ptr<AllocationLedger> ledger;
+    std::string owner;
+    uint64_t bytes;
+  };
+  auto held = std::make_shared<Held>(*std::move(created), allocations_, caller.principal,
+                                     request.bytes());
+  std::shared_ptr<const registry::MemoryObject> object(held, held->object.get());
   ASSIGN_OR_RETURN(UniqueFd copy, Dup(object->fd()));
   RETURN_IF_ERROR(Keep(session_id, std::move(object), reply));
   reply_fds->push_back(std::move(copy));

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/limits.h"
 #include "agent/session_server.h"
 #include "registry/device_memory_object.h"
 #include "registry/memory_object.h"
@@ -29,6 +30,27 @@ struct LocalDoorOptions {
   std::string agent_name;
   uint64_t incarnation = 0;
   uint64_t max_allocation_bytes = 1ull << 40;
+  // allocated_bytes and allocated_bytes_per_owner; null: unbounded (tests).
+  const Limits* limits = nullptr;
+};
+
+// AllocateMemory bytes held, in all and per principal: an allocation counts from the
+// call until the agent lets go of its memfd (FreeMemory or the session's end, and no
+// region maps it any more).
+class AllocationLedger {
+ public:
+  // Counts `bytes` for `owner` if they fit `limits` (may be null), else
+  // RESOURCE_EXHAUSTED naming the limit.
+  absl::Status Take(const Limits* limits, const std::string& owner, uint64_t bytes,
+                    std::string_view what);
+  void Give(const std::string& owner, uint64_t bytes);
+  uint64_t total() const;
+  uint64_t largest_owner() const;  // the most one owner holds
+
+ private:
+  mutable absl::Mutex mu_;
+  uint64_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, uint64_t> by_owner_ ABSL_GUARDED_BY(mu_);
 };
 
 class LocalDoor final : public SessionHandler {
@@ -50,6 +72,9 @@ class LocalDoor final : public SessionHandler {
   absl::StatusOr<std::shared_ptr<const registry::DeviceMemoryObject>> ResolveDeviceHandle(
       uint64_t session_id, uint64_t handle) const;
   size_t sessions() const;
+  // AllocateMemory bytes held now (AllocationLedger).
+  uint64_t allocated_bytes() const { return allocations_->total(); }
+  uint64_t largest_allocation_owner() const { return allocations_->largest_owner(); }
 
   absl::StatusOr<v1::SessionWelcome> OnHello(uint64_t session_id,
                                              const PeerCredentials& credentials,
@@ -91,6 +116,8 @@ class LocalDoor final : public SessionHandler {
   const registry::RegionRegistry* registry_;
   SecurityCounters* counters_;
   SessionEnded on_end_;
+  // Shared with every allocated object, which gives its bytes back when it goes.
+  std::shared_ptr<AllocationLedger> allocations_ = std::make_shared<AllocationLedger>();
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint64_t> by_token_ ABSL_GUARDED_BY(mu_);

@@ -74,11 +74,15 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               reports drain_unknown if they are not confirmed by then
                               (default 5000)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
+  --grpc-memory-bytes N       gRPC's memory quota for calls in progress, all doors
+                              (default 536870912)
+  --grpc-max-threads N        gRPC's thread quota (default 256)
 )";
 
+std::string Usage() { return std::string(kUsage) + kvagent::agent::Limits::Usage(); }
+
 int Fail(const std::string& message) {
-  std::fprintf(stderr, "kvagentd: %s\n%.*s", message.c_str(), static_cast<int>(kUsage.size()),
-               kUsage.data());
+  std::fprintf(stderr, "kvagentd: %s\n%s", message.c_str(), Usage().c_str());
   return 2;
 }
 
@@ -93,7 +97,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h") {
-      std::fwrite(kUsage.data(), 1, kUsage.size(), stdout);
+      const std::string usage = Usage();
+      std::fwrite(usage.data(), 1, usage.size(), stdout);
       return 0;
     }
     if (arg == "--stage-host-regions") {
@@ -198,6 +203,16 @@ int main(int argc, char** argv) {
       number(&options.drain_timeout_ms);
     } else if (key == "--shutdown-grace-ms") {
       number(&grace_ms);
+    } else if (key == "--grpc-memory-bytes") {
+      if (!absl::SimpleAtoi(value, &options.grpc_memory_bytes) || options.grpc_memory_bytes == 0) {
+        return Fail(fmt::format("flag {}: '{}' is not a positive integer", key, value));
+      }
+    } else if (key == "--grpc-max-threads") {
+      number(&options.grpc_max_threads);
+      if (options.grpc_max_threads == 0) return Fail("--grpc-max-threads: give at least 1");
+    } else if (absl::Status limit = options.limits.SetFromFlag(key, value);
+               limit.code() != absl::StatusCode::kNotFound) {
+      if (!limit.ok()) return Fail(std::string(limit.message()));
     } else if (key == "--shm-direct") {
       if (value != "auto" && value != "off") {
         return Fail(fmt::format("--shm-direct '{}': use auto or off", value));

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
+
 #include "agent/status_util.h"
 
 namespace kvagent::agent {
@@ -23,17 +25,37 @@ MetadataWatchers::~MetadataWatchers() {
   for (auto& w : left) w.done({});
 }
 
-void MetadataWatchers::Polled(const std::string& caller, uint64_t known_version,
-                              uint64_t incarnation_match) {
-  if (caller.empty()) return;
+absl::Status MetadataWatchers::Polled(const std::string& caller, uint64_t known_version,
+                                      uint64_t incarnation_match, const Limits* limits) {
+  if (caller.empty()) return absl::OkStatus();
   {
     absl::MutexLock lock(&mu_);
+    auto found = watchers_.find(caller);
+    if (found == watchers_.end() && limits != nullptr &&
+        !limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
+      // Those that stopped polling count for nothing: make room by dropping them.
+      const uint64_t now = MonotonicMicros();
+      absl::erase_if(watchers_, [&](const auto& entry) {
+        return now - entry.second.last_poll_us > uint64_t{recent_ms_} * 1000;
+      });
+      if (!limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
+        return limits->Refuse(Limit::kPeerCallers, "GetMetadata from a new peer",
+                              watchers_.size(), 1,
+                              "peers that polled in the last seconds fill the table");
+      }
+    }
     Watcher& w = watchers_[caller];
     // A caller that knows another incarnation holds none of our versions.
     w.known_version = incarnation_match ? known_version : 0;
     w.last_poll_us = MonotonicMicros();
   }
   CheckWaiters();
+  return absl::OkStatus();
+}
+
+size_t MetadataWatchers::size() const {
+  absl::MutexLock lock(&mu_);
+  return watchers_.size();
 }
 
 std::vector<std::string> MetadataWatchers::PendingLocked(uint64_t version) const {

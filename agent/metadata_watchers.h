@@ -13,6 +13,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/status/status.h"
+#include "agent/limits.h"
 
 namespace kvagent::agent {
 
@@ -22,8 +24,12 @@ class MetadataWatchers {
   explicit MetadataWatchers(uint32_t recent_ms = 5000);
   ~MetadataWatchers();
 
-  // Records a poll by `caller` that already holds `known_version`.
-  void Polled(const std::string& caller, uint64_t known_version, uint64_t incarnation_match);
+  // Records a poll by `caller` that already holds `known_version`. A caller not seen
+  // before when the table is full (limits' peer_callers, after dropping those that
+  // stopped polling) is refused with RESOURCE_EXHAUSTED; `limits` may be null.
+  absl::Status Polled(const std::string& caller, uint64_t known_version,
+                      uint64_t incarnation_match, const Limits* limits = nullptr);
+  size_t size() const;
   // Calls `done(unconfirmed)` once every recent watcher holds `version`, or after
   // `timeout_ms` with the names of those that did not. Never calls inline under a lock.
   void WaitForVersion(uint64_t version, uint32_t timeout_ms,

@@ -132,6 +132,31 @@ PeerManager::~PeerManager() { Stop(); }
 
 void PeerManager::Connect(const std::string& address,
                           std::function<void(absl::StatusOr<v1::PeerInfo>)> done) {
+  absl::MutexLock lock(&connect_mu_);
+  if (stopping_.load()) {
+    done(absl::UnavailableError("ConnectPeer: this agent is shutting down"));
+    return;
+  }
+  // Join the connectors that finished.
+  for (auto it = connectors_.begin(); it != connectors_.end();) {
+    if (it->finished->load()) {
+      it->thread.join();
+      it = connectors_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  connectors_.push_back(Connector{
+      std::thread([this, address, done = std::move(done), finished]() mutable {
+        ConnectNow(address, std::move(done));
+        finished->store(true);
+      }),
+      finished});
+}
+
+void PeerManager::ConnectNow(const std::string& address,
+                             std::function<void(absl::StatusOr<v1::PeerInfo>)> done) {
   auto link = OpenLink(address);
   if (!link.ok()) {
     kAudit.Warn("peer connection to {} refused: {}", Printable(address, 256),
@@ -338,7 +363,8 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
       const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
       bool reusable = false;
       for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
-        reusable = reusable || (previous->memory_keys[j] == key && previous->mappings[j]);
+        reusable = reusable || (previous->memory_keys[j] == key && previous->mappings[j] &&
+                                !previous->mappings[j]->broken());
       }
       if (reusable) continue;
       objects[r.memory_id] = nullptr;
@@ -404,7 +430,10 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
     const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
     std::shared_ptr<registry::ShmMapping> mapping;
     for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
-      if (previous->memory_keys[j] == key && previous->mappings[j]) {
+      // A mapping a caught fault broke (FaultGuard) is not reused: the peer
+      // re-registering the region maps its memory anew.
+      if (previous->memory_keys[j] == key && previous->mappings[j] &&
+          !previous->mappings[j]->broken()) {
         mapping = previous->mappings[j];
         break;
       }
@@ -696,6 +725,12 @@ void PeerManager::Stop() {
     }
     if (monitor_.joinable()) monitor_.join();
   }
+  std::vector<Connector> connectors;
+  {
+    absl::MutexLock lock(&connect_mu_);
+    connectors.swap(connectors_);
+  }
+  for (auto& c : connectors) c.thread.join();
   absl::flat_hash_map<std::string, Peer> peers;
   {
     absl::MutexLock lock(&mu_);

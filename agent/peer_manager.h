@@ -137,8 +137,12 @@ class PeerManager {
   PeerManager(transport::UcxWorker* worker, PeerManagerOptions options);
   ~PeerManager();
 
-  // Fetches the peer's metadata and connects; `done` runs on a gRPC or worker
-  // thread. Connecting an already connected peer refreshes it.
+  // Fetches the peer's metadata and connects; `done` runs on a connector, gRPC or
+  // worker thread. Connecting an already connected peer refreshes it. Returns at once:
+  // attaching to a same-host peer's session socket blocks (up to connect_timeout_ms
+  // when it does not answer), so each call runs on its own connector thread, never on
+  // the caller's (a gRPC thread that other calls need). The caller bounds how many
+  // run at once (the pending_connects limit).
   void Connect(const std::string& address, std::function<void(absl::StatusOr<v1::PeerInfo>)> done);
   // NOT_FOUND (with the connected names and the fix) when `name` is not connected;
   // UNAVAILABLE when it stopped answering.
@@ -193,6 +197,9 @@ class PeerManager {
                                         uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens a link to `address` (see ConnectPeerRequest.address).
   absl::StatusOr<std::shared_ptr<PeerLink>> OpenLink(const std::string& address) const;
+  // Connect's work, on a connector thread.
+  void ConnectNow(const std::string& address,
+                  std::function<void(absl::StatusOr<v1::PeerInfo>)> done);
   // Marks `name` unreachable with `error` (only while `incarnation` is still the one
   // installed, when not 0) and tells the loss listener.
   void MarkUnreachable(const std::string& name, uint64_t incarnation, const std::string& error,
@@ -225,6 +232,13 @@ class PeerManager {
   };
   std::shared_ptr<CallbackGuard> guard_ = std::make_shared<CallbackGuard>();
   std::atomic<bool> stopping_{false};
+  // Connector threads (Connect), joined when finished or at Stop.
+  struct Connector {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> finished;
+  };
+  absl::Mutex connect_mu_;
+  std::vector<Connector> connectors_ ABSL_GUARDED_BY(connect_mu_);
   absl::Mutex monitor_mu_;
   absl::CondVar monitor_cv_;
   std::thread monitor_;

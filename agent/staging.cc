@@ -9,6 +9,7 @@
 #include "agent/access.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
+#include "registry/fault_guard.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
 #include "transport/base/status_macros.h"
@@ -712,6 +713,16 @@ absl::Status Stager::CopyIn(const v1::StagedChunkHeader& header, const uint8_t* 
     if (absl::Status s = CopierFor(true).Sync(); !s.ok()) {
       return absl::Status(s.code(),
                           fmt::format("copying a staged chunk to the device failed: {}", s.message()));
+    }
+  }
+  // Host memory that vanished under the copy (FaultGuard caught the SIGBUS): the
+  // bytes landed in throwaway pages, so the chunk is rejected and DATA_READY fails.
+  for (const StagedRegion* target : targets) {
+    if (target->region->mapping.broken()) {
+      return absl::DataLossError(
+          fmt::format("region '{}' is broken: {}; the staged bytes are not valid. Fix: {}",
+                      target->region->spec.name(), registry::kLostMemoryCause,
+                      registry::kLostMemoryFix));
     }
   }
   return absl::OkStatus();

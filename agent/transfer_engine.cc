@@ -10,6 +10,7 @@
 #include "agent/peer_secrets.h"
 #include "agent/status_util.h"
 #include "fmt/format.h"
+#include "registry/fault_guard.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
 #include "transport/base/status_macros.h"
@@ -39,6 +40,31 @@ uint64_t Digest(const v1::SubmitTransferRequest& request) {
 }
 
 std::string_view OpName(v1::TransferOp op) { return op == v1::READ ? "READ" : "WRITE"; }
+
+// The first memory that a caught SIGBUS broke (registry/fault_guard.h) among the local
+// `regions` and the peer's regions mapped here directly that `ops` reach, as "local
+// region 'x'" or "peer 'p' region 'y'"; empty when none. Atomic loads only, and none
+// at all until the process caught its first fault.
+std::string BrokenMemory(const std::vector<registry::RegionPtr>& regions, const PeerSnapshot& peer,
+                         const std::vector<registry::PlanOp>& ops) {
+  if (registry::FaultGuard::faults_caught() == 0) return "";
+  for (const auto& region : regions) {
+    if (region->mapping.broken()) return fmt::format("local region '{}'", region->spec.name());
+  }
+  const DirectMappings* direct = peer.direct.get();
+  if (direct == nullptr) return "";
+  uint32_t checked = UINT32_MAX;  // ops come region by region: check each slot once per run
+  for (const auto& o : ops) {
+    if (o.rkey_slot == checked) continue;
+    checked = o.rkey_slot;
+    const auto& mapping = direct->mappings[o.rkey_slot];
+    if (mapping != nullptr && mapping->broken()) {
+      return fmt::format("peer '{}' region '{}'", peer.name,
+                         peer.catalog->regions()[o.rkey_slot].name);
+    }
+  }
+  return "";
+}
 }  // namespace
 
 TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionRegistry* registry,
@@ -117,7 +143,12 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   }
   t.awaiting_ack = false;
   t.chunks.clear();
-  active_.erase(t.state.transfer_id());
+  planned_ops_ -= std::min(planned_ops_, t.planned_ops);
+  t.planned_ops = 0;
+  if (active_.erase(t.state.transfer_id()) > 0) {
+    auto owner = active_by_owner_.find(t.state.owner());
+    if (owner != active_by_owner_.end() && --owner->second == 0) active_by_owner_.erase(owner);
+  }
   finished_order_.push_back(t.state.transfer_id());
   if (phase == v1::COMPLETED) {
     ++completed_;
@@ -163,6 +194,23 @@ void TransferEngine::PruneLocked() {
     }
     finished_order_.pop_front();
   }
+}
+
+absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::string& owner,
+                                         bool is_new, uint64_t ops) {
+  const Limits* limits = options_.limits;
+  if (limits == nullptr) return absl::OkStatus();
+  const std::string what = fmt::format("transfer '{}' for {}", Printable(id, 256), owner);
+  if (is_new) {
+    constexpr std::string_view kFix = "wait for transfers to end before submitting more";
+    RETURN_IF_ERROR(limits->Check(Limit::kActiveTransfers, what, active_.size(), 1, kFix));
+    auto mine = active_by_owner_.find(owner);
+    RETURN_IF_ERROR(limits->Check(Limit::kActiveTransfersPerOwner, what,
+                                  mine == active_by_owner_.end() ? 0 : mine->second, 1, kFix));
+  }
+  return limits->Check(Limit::kPlannedOps, what, planned_ops_, ops,
+                       "wait for transfers to end, or submit large transfers in chunks as "
+                       "earlier ones finish");
 }
 
 absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransferRequest& request,
@@ -259,9 +307,14 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
     return absl::Status(peer.status().code(),
                         fmt::format("transfer '{}': {}", id, peer.status().message()));
   }
+  const uint64_t max_ops =
+      options_.limits ? options_.limits->value(Limit::kOpsPerChunk) : UINT64_MAX;
   auto plan = registry::PlanTransfer(*registry_, *(*peer)->catalog, request.segments(),
-                                     first_segment, request.op());
+                                     first_segment, request.op(), max_ops);
   if (!plan.ok()) {
+    if (plan.status().code() == absl::StatusCode::kResourceExhausted && options_.limits) {
+      options_.limits->Count(Limit::kOpsPerChunk);
+    }
     return absl::Status(plan.status().code(),
                         fmt::format("transfer '{}' to peer '{}': {}", id, request.peer(),
                                     plan.status().message()));
@@ -311,11 +364,16 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
       }
+      if (absl::Status fits = AdmitLocked(id, caller.principal, /*is_new=*/true, plan->ops.size());
+          !fits.ok()) {
+        return fits;
+      }
       // Claimed under the lock, after every other check: nothing below can fail.
       if (absl::Status claimed = destinations_.Claim(id, destination_key, destinations);
           !claimed.ok()) {
         return claimed;
       }
+      ++active_by_owner_[caller.principal];
       t = std::make_shared<Transfer>();
       t->state.set_transfer_id(id);
       t->state.set_peer(request.peer());
@@ -340,11 +398,17 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
             "concurrent chunk); query it and resubmit",
             id, request.chunk()));
       }
+      if (absl::Status fits = AdmitLocked(id, caller.principal, /*is_new=*/false, plan->ops.size());
+          !fits.ok()) {
+        return fits;
+      }
       if (absl::Status claimed = destinations_.Claim(id, destination_key, destinations);
           !claimed.ok()) {
         return claimed;
       }
     }
+    planned_ops_ += plan->ops.size();
+    t->planned_ops += plan->ops.size();
     t->chunk_digests.push_back(digest);
     t->segments += request.segments_size();
     t->state.set_chunks(t->chunk_digests.size());
@@ -452,7 +516,11 @@ void TransferEngine::Pump(const TransferPtr& t) {
       }
       if (route == StagedRoute::kChunks) t->staged_bytes += bytes;
       t->inflight_segment = static_cast<int32_t>(ops.front().segment);
-      if (chunk.next_op == planned.size()) t->chunks.pop_front();
+      if (chunk.next_op == planned.size()) {
+        t->planned_ops -= std::min<uint64_t>(t->planned_ops, planned.size());
+        planned_ops_ -= std::min<uint64_t>(planned_ops_, planned.size());
+        t->chunks.pop_front();
+      }
       t->inflight = true;
       if (t->state.phase() == v1::PENDING) {
         t->state.set_phase(v1::TRANSFERRING);
@@ -518,11 +586,13 @@ void TransferEngine::Pump(const TransferPtr& t) {
           absl::MutexLock lock(&mu_);
           return Terminal(t->state.phase());
         },
-        [this, t, bytes, first](absl::Status status, int32_t failed_segment) {
+        [this, t, bytes, first, peer](absl::Status status, int32_t failed_segment) {
           {
             absl::MutexLock lock(&mu_);
             t->inflight = false;
-            if (!status.ok()) {
+            if (absl::Status lost = MemoryLost(*t, *peer, {}, first); !lost.ok()) {
+              Finish(*t, v1::FAILED, lost, first);
+            } else if (!status.ok()) {
               const int32_t segment = failed_segment >= 0 ? failed_segment : first;
               // The Stager's own check can see a local region deregistered a moment
               // before StopUsersOf fails the transfer: name the region, as it does.
@@ -611,11 +681,16 @@ void TransferEngine::Pump(const TransferPtr& t) {
   }
   std::atomic_thread_fence(std::memory_order_seq_cst);
   const int32_t first_segment = static_cast<int32_t>(ops.front().segment);
-  auto complete = [this, t, posted, failed_segment, first_segment, bytes](absl::Status flushed) {
+  auto complete = [this, t, posted, failed_segment, first_segment, bytes, peer,
+                   ops = std::move(ops)](absl::Status flushed) {
     {
       absl::MutexLock lock(&mu_);
       t->inflight = false;
-      if (!posted.ok()) {
+      // Memory that vanished under the copies (FaultGuard caught the SIGBUS) explains
+      // whatever else went wrong, and makes the bytes moved worthless.
+      if (absl::Status lost = MemoryLost(*t, *peer, ops, first_segment); !lost.ok()) {
+        Finish(*t, v1::FAILED, lost, first_segment);
+      } else if (!posted.ok()) {
         Finish(*t, v1::FAILED,
                absl::Status(posted.code(),
                             fmt::format("transfer '{}' segment {}: posting to peer '{}' failed: {}",
@@ -641,6 +716,17 @@ void TransferEngine::Pump(const TransferPtr& t) {
   } else {
     complete(absl::OkStatus());
   }
+}
+
+absl::Status TransferEngine::MemoryLost(const Transfer& t, const PeerSnapshot& peer,
+                                        const std::vector<registry::PlanOp>& ops,
+                                        int32_t segment) const {
+  const std::string lost = BrokenMemory(t.pinned, peer, ops);
+  if (lost.empty()) return absl::OkStatus();
+  return absl::DataLossError(fmt::format(
+      "transfer '{}' segment {}: {} is broken: {}; the bytes of this transfer are not valid. Fix: "
+      "{}",
+      t.state.transfer_id(), segment, lost, registry::kLostMemoryCause, registry::kLostMemoryFix));
 }
 
 absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& chunk,
@@ -845,6 +931,14 @@ absl::Status TransferEngine::CheckDevicePaths(const std::string& id, v1::Transfe
                                              const PeerSnapshot& peer,
                                              std::vector<StagedRoute>* routes) const {
   routes->clear();
+  // Memory a caught fault broke stays refused until it is mapped anew: the local
+  // region re-registered, or the peer's region re-registered (a new direct mapping).
+  if (const std::string lost = BrokenMemory(plan.local_regions, peer, plan.ops); !lost.empty()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "transfer '{}': {} is broken since an earlier transfer: {}; it is refused until "
+        "re-registered. Fix: {}",
+        id, lost, registry::kLostMemoryCause, registry::kLostMemoryFix));
+  }
   if (options_.stager != nullptr) {
     ASSIGN_OR_RETURN(*routes, Stager::Route(id, op, plan, peer));
   }
@@ -971,6 +1065,10 @@ TransferCounters TransferEngine::counters() const {
   absl::MutexLock lock(&mu_);
   TransferCounters c;
   c.active = active_.size();
+  c.planned_ops = planned_ops_;
+  for (const auto& [owner, n] : active_by_owner_) {
+    c.largest_owner_active = std::max(c.largest_owner_active, n);
+  }
   c.completed = completed_;
   c.failed = failed_;
   c.notifications_received = notifications_received_.load();

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
 #include "agent/incoming.h"
+#include "agent/limits.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
@@ -60,10 +61,15 @@ struct TransferEngineOptions {
   // A transfer that ended with operations still posted is given this long to drain;
   // then it says drain_unknown (the operations went to a peer that stopped answering).
   uint32_t drain_timeout_ms = 5000;
+  // Active transfers (total, per owner), operations per chunk and planned in all.
+  // Owned by the Agent; null: unbounded (tests).
+  const Limits* limits = nullptr;
 };
 
 struct TransferCounters {
   uint64_t active = 0;
+  uint64_t planned_ops = 0;  // operations planned and not yet posted or dropped
+  uint64_t largest_owner_active = 0;  // the most active transfers one owner has
   uint64_t completed = 0;
   uint64_t failed = 0;  // failed, cancelled or timed out
   uint64_t notifications_received = 0;
@@ -141,6 +147,7 @@ class TransferEngine {
     std::vector<uint64_t> chunk_digests;
     std::string notification;
     std::deque<Chunk> chunks;  // planned, not yet fully posted
+    uint64_t planned_ops = 0;  // ops of `chunks` (the planned_ops limit)
     std::shared_ptr<const PeerSnapshot> last_peer;
     // Local regions of every chunk, held until nothing posted can touch them any more
     // (drained): a deregistration meanwhile cannot unmap memory a batch still reads or
@@ -166,6 +173,10 @@ class TransferEngine {
   using TransferPtr = std::shared_ptr<Transfer>;
 
   static bool Terminal(v1::TransferPhase phase);
+  // The limits a new transfer (`is_new`) or chunk of `ops` operations must fit:
+  // RESOURCE_EXHAUSTED naming the one it does not.
+  absl::Status AdmitLocked(const std::string& id, const std::string& owner, bool is_new,
+                           uint64_t ops) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Publish(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish(Transfer& t, v1::TransferPhase phase, absl::Status status, int32_t segment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -210,10 +221,17 @@ class TransferEngine {
  private:
   // Every operation that touches VRAM needs a way to reach it: a same-host direct
   // mapping (CUDA IPC), a UCX with CUDA support, or host staging (then `routes` says
-  // which ops go through the Stager).
+  // which ops go through the Stager). Also refuses (FAILED_PRECONDITION) a plan that
+  // uses memory a caught SIGBUS broke (MemoryLost), until it is re-registered.
   absl::Status CheckDevicePaths(const std::string& id, v1::TransferOp op,
                                 const registry::TransferPlan& plan, const PeerSnapshot& peer,
                                 std::vector<StagedRoute>* routes) const;
+  // DATA_LOSS naming the memory when a SIGBUS caught by registry::FaultGuard broke a
+  // local region `t` pins, or a region of the peer mapped here directly that `ops`
+  // reach: the batch just moved read zeros or wrote into throwaway pages.
+  absl::Status MemoryLost(const Transfer& t, const PeerSnapshot& peer,
+                          const std::vector<registry::PlanOp>& ops, int32_t segment) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Worker thread: copies one direct operation that touches VRAM on the CUDA stream.
   absl::Status CopyDevice(uint64_t dst, uint64_t src, uint64_t bytes);
   absl::Status SyncDevice();
@@ -228,6 +246,9 @@ class TransferEngine {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, TransferPtr> transfers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> active_ ABSL_GUARDED_BY(mu_);
+  // Active transfers per owner and operations planned in all (the limits).
+  absl::flat_hash_map<std::string, uint64_t> active_by_owner_ ABSL_GUARDED_BY(mu_);
+  uint64_t planned_ops_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);
   // Destination bytes each active transfer writes, per peer incarnation (WRITE) or here
   // (READ): overlapping writes, by two transfers or two chunks, are refused at submit.

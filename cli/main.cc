@@ -141,12 +141,24 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.transfers_active()),
               static_cast<unsigned long>(s.transfers_completed()),
               static_cast<unsigned long>(s.transfers_failed()));
-  std::printf("notifications %lu queued\n", static_cast<unsigned long>(s.notifications_queued()));
+  std::printf("notifications %lu queued (%lu bytes), %lu not queued: queue full\n",
+              static_cast<unsigned long>(s.notifications_queued()),
+              static_cast<unsigned long>(s.queued_notification_bytes()),
+              static_cast<unsigned long>(s.notifications_overflowed()));
   std::printf("streams      %lu open\n", static_cast<unsigned long>(s.open_streams()));
   std::printf("sessions     %lu attached\n", static_cast<unsigned long>(s.sessions()));
+  std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
+              static_cast<unsigned long>(s.memory_faults()));
   std::printf("refused      %lu calls, %lu peer messages dropped\n",
               static_cast<unsigned long>(s.refused_calls()),
               static_cast<unsigned long>(s.dropped_peer_messages()));
+  std::printf("limits       %-28s %14s %14s %8s  %s\n", "name", "in use", "limit", "refused",
+              "flag");
+  for (const auto& l : s.limits()) {
+    std::printf("             %-28s %14lu %14lu %8lu  %s\n", l.name().c_str(),
+                static_cast<unsigned long>(l.in_use()), static_cast<unsigned long>(l.value()),
+                static_cast<unsigned long>(l.refused()), l.flag().c_str());
+  }
 }
 
 void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
@@ -159,12 +171,13 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
         : s.has_cuda_vmm()             ? fmt::format("vmm:{}+{}", s.cuda_vmm().memory_handle(), s.cuda_vmm().offset())
         : s.shm().memory_handle() != 0 ? fmt::format("handle:{}+{}", s.shm().memory_handle(), s.shm().offset())
                                        : fmt::format("{}+{}", s.shm().name(), s.shm().offset());
-    std::printf("%-24s %-6s %-10s %-4u %-10lu %-10lu %-10lu %s (%s) %s\n", s.name().c_str(),
+    std::printf("%-24s %-6s %-10s %-4u %-10lu %-10lu %-10lu %s (%s) %s%s\n", s.name().c_str(),
                 kvagent::v1::RegionKind_Name(s.kind()).c_str(), s.group().c_str(),
                 info.group_position(), static_cast<unsigned long>(s.layout().num_items()),
                 static_cast<unsigned long>(s.layout().item_bytes()),
                 static_cast<unsigned long>(s.layout().item_stride()), source.c_str(),
-                info.memory_path().c_str(), info.owner().c_str());
+                info.memory_path().c_str(), info.owner().c_str(),
+                info.broken() ? " BROKEN: memory vanished, register it again" : "");
   }
   std::printf("%d regions, metadata version %lu\n", r.regions_size(),
               static_cast<unsigned long>(r.version()));

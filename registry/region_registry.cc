@@ -234,6 +234,7 @@ v1::RegionInfo Region::Info() const {
   info.set_base_address(base_address);
   info.set_memory_path(memory_path);
   info.set_owner(owner);
+  info.set_broken(mapping.broken());
   return info;
 }
 
@@ -455,6 +456,32 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                              "as \"L0.K\" and \"L0.V\")",
                              Printable(c.spec.role()), Printable(role->second),
                              Printable(c.spec.group())));
+    }
+  }
+
+  // The agent's limits, before anything is imported: the batch as it stands (entries
+  // refused above are not counted; the whole batch fails anyway).
+  if (context.admit && errors.empty()) {
+    RegisterUsage usage;
+    uint64_t rkey_bytes = 0;
+    for (const RegionPtr& region : existing) {
+      const uint64_t rkey = region->registration.packed_rkey().size();
+      usage.metadata_bytes += ExportBytes(region->spec, rkey);
+      rkey_bytes = std::max(rkey_bytes, rkey);
+      if (region->owner != context.owner) continue;
+      ++usage.owner_regions;
+      usage.owner_bytes += region->spec.length();
+    }
+    usage.regions = existing.size();
+    // A new region's rkey is not packed yet: as large as the largest one so far.
+    if (rkey_bytes == 0) rkey_bytes = 512;
+    for (const Candidate& c : candidates) {
+      ++usage.new_regions;
+      usage.new_bytes += c.spec.length();
+      usage.new_metadata_bytes += ExportBytes(c.spec, rkey_bytes);
+    }
+    if (usage.new_regions > 0) {
+      if (absl::Status admitted = context.admit(usage); !admitted.ok()) return admitted;
     }
   }
 
@@ -820,6 +847,23 @@ uint64_t RegionRegistry::registered_bytes() const {
   uint64_t bytes = 0;
   for (const auto& [name, entry] : regions_) bytes += entry.region->spec.length();
   return bytes;
+}
+
+uint64_t ExportBytes(const v1::RegionSpec& spec, uint64_t rkey_bytes) {
+  // Each string with a tag and a length prefix, the layout and the fixed-size fields
+  // (addresses, ids, kinds, path) with theirs: an upper bound for this proto.
+  constexpr uint64_t kFixed = 96;
+  return spec.name().size() + spec.group().size() + spec.role().size() + rkey_bytes +
+         4 * 3 + 3 + kFixed;
+}
+
+uint64_t RegionRegistry::metadata_bytes() const {
+  absl::ReaderMutexLock lock(&mu_);
+  uint64_t total = 0;
+  for (const auto& [name, entry] : regions_) {
+    total += ExportBytes(entry.region->spec, entry.region->registration.packed_rkey().size());
+  }
+  return total;
 }
 
 void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {

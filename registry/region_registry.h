@@ -99,6 +99,17 @@ bool HasIpcLockCapability();
 // registered host memory and so counts against RLIMIT_MEMLOCK.
 bool PinsRegisteredMemory(const std::vector<std::string>& transports);
 
+// What a batch would add to what is registered, for RegisterContext::admit.
+struct RegisterUsage {
+  uint64_t regions = 0;         // registered now, all owners
+  uint64_t owner_regions = 0;   // registered now by the batch's owner
+  uint64_t owner_bytes = 0;     // their bytes
+  uint64_t metadata_bytes = 0;  // the catalog peers fetch, estimated (ExportBytes)
+  uint64_t new_regions = 0;     // the batch's
+  uint64_t new_bytes = 0;
+  uint64_t new_metadata_bytes = 0;
+};
+
 // Who registers, and how their memory is reached.
 struct RegisterContext {
   // The caller's principal ("session:7 uid:1000 (engine-a)"); regions and groups it
@@ -115,7 +126,16 @@ struct RegisterContext {
   // session's ShareDeviceMemory handles). Null: no local session, handles refused.
   std::function<absl::StatusOr<std::shared_ptr<const DeviceMemoryObject>>(uint64_t handle)>
       resolve_device_handle;
+  // Decides whether a batch that passed the per-entry checks fits the agent's limits
+  // (regions, bytes, catalog size); a refusal is returned as is and nothing is
+  // imported. Called under the registry's writer lock, so the usage it sees is
+  // exact. Null: no limit.
+  std::function<absl::Status(const RegisterUsage& usage)> admit;
 };
+
+// Bytes a region adds to the metadata peers fetch: its strings, its packed rkey
+// (`rkey_bytes`) and the fixed fields, with protobuf framing (an upper estimate).
+uint64_t ExportBytes(const v1::RegionSpec& spec, uint64_t rkey_bytes);
 
 class RegionRegistry {
  public:
@@ -168,6 +188,8 @@ class RegionRegistry {
   std::vector<RegionPtr> List() const;  // by registration order
   uint64_t version() const;
   uint64_t registered_bytes() const;
+  // The catalog's size as peers fetch it, estimated as the sum of ExportBytes.
+  uint64_t metadata_bytes() const;
 
   // The regions as peers see them (addresses, layouts, packed rkeys; staged VRAM
   // regions have no UCX registration and go out with an empty rkey). Only for a peer

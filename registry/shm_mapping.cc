@@ -78,7 +78,14 @@ absl::StatusOr<ShmMapping> ShmMapping::MapRange(std::shared_ptr<const MemoryObje
         entry, map_length, map_offset, object->label(), std::strerror(err)));
   }
 
+  auto guard = FaultGuard::Guard(base, map_length, alignment, entry);
+  if (!guard.ok()) {
+    munmap(base, map_length);
+    return guard.status();
+  }
+
   ShmMapping mapping;
+  mapping.guard_ = *std::move(guard);
   mapping.memory_ = std::move(object);
   mapping.map_base_ = base;
   mapping.map_length_ = map_length;
@@ -172,6 +179,7 @@ ShmMapping& ShmMapping::operator=(ShmMapping&& other) noexcept {
     length_ = std::exchange(other.length_, 0);
     offset_ = std::exchange(other.offset_, 0);
     owner_ = std::exchange(other.owner_, false);
+    guard_ = std::move(other.guard_);
     other.name_.clear();
     other.memory_.reset();
   }
@@ -181,6 +189,7 @@ ShmMapping& ShmMapping::operator=(ShmMapping&& other) noexcept {
 ShmMapping::~ShmMapping() { Reset(); }
 
 void ShmMapping::Reset() {
+  guard_.Reset();  // first: nothing may touch the range once it is unmapped
   if (map_base_ != nullptr) munmap(map_base_, map_length_);
   if (owner_) shm_unlink(name_.c_str());
   name_.clear();

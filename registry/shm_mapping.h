@@ -1,6 +1,9 @@
 // ShmMapping maps host memory that an engine shares with the agent (a MemoryObject:
 // memfd, POSIX shm or hugetlbfs file), MAP_SHARED, and keeps the object open while
-// mapped. Used by the region registry (import) and by the agent's allocations.
+// mapped. Every mapping is guarded (registry/fault_guard.h): memory that vanishes
+// under it (the file truncated, tmpfs full) marks it broken() instead of killing the
+// process. Used by the region registry (import), peers' direct mappings and the
+// agent's allocations.
 #pragma once
 
 #include <sys/types.h>
@@ -11,6 +14,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "registry/fault_guard.h"
 #include "registry/memory_object.h"
 
 namespace kvagent::registry {
@@ -23,7 +27,8 @@ class ShmMapping {
   // INVALID_ARGUMENT when there is no object, length is 0, or the object is now (fstat
   // again: unsealed objects change size) smaller than offset+length (the message gives
   // both sizes; an overflowing sum is refused, not wrapped); RESOURCE_EXHAUSTED or
-  // FAILED_PRECONDITION when mmap fails.
+  // FAILED_PRECONDITION when mmap fails; RESOURCE_EXHAUSTED when FaultGuard's table
+  // of guarded mappings is full.
   static absl::StatusOr<ShmMapping> Map(std::shared_ptr<const MemoryObject> object, uint64_t offset,
                                         uint64_t length, std::string_view entry);
   // Compatibility: MemoryObject::OpenPath(name, policy, entry) (see its refusals),
@@ -55,6 +60,10 @@ class ShmMapping {
   ino_t inode() const { return memory_ ? memory_->inode() : 0; }
   // Offset of data() inside the object.
   uint64_t offset() const { return offset_; }
+  // A SIGBUS was caught in this mapping (FaultGuard): from the faulting page on it
+  // holds zeros, not the object's bytes, until unmapped. Bytes moved through it since
+  // the fault are not valid.
+  bool broken() const { return guard_.broken(); }
 
  private:
   static absl::StatusOr<ShmMapping> MapRange(std::shared_ptr<const MemoryObject> object,
@@ -69,6 +78,7 @@ class ShmMapping {
   uint64_t length_ = 0;
   uint64_t offset_ = 0;
   bool owner_ = false;  // unlink name_ on destruction
+  GuardedRange guard_;  // [map_base_, +map_length_); released before munmap
 };
 
 }  // namespace kvagent::registry

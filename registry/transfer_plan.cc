@@ -89,8 +89,9 @@ constexpr char kByteFix[] =
 
 class Planner {
  public:
-  Planner(const RegionRegistry& local, const RemoteCatalog& remote, v1::TransferOp op)
-      : local_(local), remote_(remote), read_(op == v1::READ) {}
+  Planner(const RegionRegistry& local, const RemoteCatalog& remote, v1::TransferOp op,
+          uint64_t max_ops)
+      : local_(local), remote_(remote), read_(op == v1::READ), max_ops_(max_ops) {}
 
   absl::Status Items(const v1::ItemSegment& seg, uint32_t number);
   absl::Status Bytes(const v1::ByteSegment& seg, uint32_t number);
@@ -115,7 +116,11 @@ class Planner {
 
   const RegionRegistry& local_;
   const RemoteCatalog& remote_;
+  // Refuses, before building them, operations past max_ops_ (RESOURCE_EXHAUSTED).
+  absl::Status Room(uint64_t more, uint32_t number, std::string_view how) const;
+
   const bool read_;  // READ: the local side is written; WRITE: the peer's
+  const uint64_t max_ops_;
   TransferPlan plan_;
   absl::flat_hash_set<const Region*> pinned_;
   absl::flat_hash_map<std::pair<std::string, std::string>, absl::StatusOr<GroupPairing>> pairings_;
@@ -292,7 +297,14 @@ absl::Status Planner::Items(const v1::ItemSegment& seg, uint32_t number) {
   }
   // Region-major order so that consecutive indices of one region end up adjacent
   // and Coalesce can merge them.
-  plan_.ops.reserve(plan_.ops.size() + pairing.pairs.size() * li.size());
+  const uint64_t more = static_cast<uint64_t>(pairing.pairs.size()) * li.size();
+  if (absl::Status room = Room(more, number,
+                               fmt::format("{} regions x {} indices", pairing.pairs.size(),
+                                           li.size()));
+      !room.ok()) {
+    return room;
+  }
+  plan_.ops.reserve(plan_.ops.size() + more);
   for (const RegionPair& pair : pairing.pairs) {
     const Region& l = *pair.local;
     const RemoteRegion& r = *pair.remote;
@@ -309,7 +321,17 @@ absl::Status Planner::Items(const v1::ItemSegment& seg, uint32_t number) {
   return absl::OkStatus();
 }
 
+absl::Status Planner::Room(uint64_t more, uint32_t number, std::string_view how) const {
+  if (plan_.ops.size() <= max_ops_ && more <= max_ops_ - plan_.ops.size()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(fmt::format(
+      "segment {}: the chunk expands to {} operations ({} in the segments before it, {} "
+      "here: {}), over the limit ops_per_chunk ({} operations); split the transfer into "
+      "chunks (more_chunks) or raise --max-ops-per-chunk on the agent (docs/LIMITS.md)",
+      number, plan_.ops.size() + more, plan_.ops.size(), more, how, max_ops_));
+}
+
 absl::Status Planner::Bytes(const v1::ByteSegment& seg, uint32_t number) {
+  if (absl::Status room = Room(1, number, "a byte segment"); !room.ok()) return room;
   RegionPtr l = local_.Find(seg.local_region());
   if (l == nullptr) {
     std::vector<std::string> names;
@@ -477,14 +499,14 @@ absl::Status Planner::CheckDestinations() {
 absl::StatusOr<TransferPlan> PlanTransfer(
     const RegionRegistry& local, const RemoteCatalog& remote,
     const google::protobuf::RepeatedPtrField<v1::Segment>& segments, uint32_t first_segment,
-    v1::TransferOp op) {
+    v1::TransferOp op, uint64_t max_ops) {
   if (op != v1::WRITE && op != v1::READ) {
     return absl::InvalidArgumentError(fmt::format(
         "transfer op {} is neither WRITE nor READ; set op to WRITE (push local items into the "
         "peer's) or READ (pull the peer's items into local ones)",
         static_cast<int>(op)));
   }
-  Planner planner(local, remote, op);
+  Planner planner(local, remote, op, max_ops);
   for (int i = 0; i < segments.size(); ++i) {
     const uint32_t number = first_segment + static_cast<uint32_t>(i);
     const v1::Segment& segment = segments[i];

@@ -38,6 +38,10 @@ struct TransferPlan {
 // index, its position and num_items), paired regions with different item sizes, a
 // byte range outside its region, an empty segment (INVALID_ARGUMENT).
 //
+// Size: a chunk that would expand to more than `max_ops` operations (before runs
+// merge) is refused with RESOURCE_EXHAUSTED naming the segment and the count, before
+// they are built.
+//
 // Pairing: an item segment pairs the regions of its local group with those of its
 // remote group. When every region of both groups declares a role (RegionSpec.role),
 // regions pair by role, whatever their positions; both groups must then declare the
@@ -58,7 +62,7 @@ struct TransferPlan {
 absl::StatusOr<TransferPlan> PlanTransfer(
     const RegionRegistry& local, const RemoteCatalog& remote,
     const google::protobuf::RepeatedPtrField<v1::Segment>& segments, uint32_t first_segment,
-    v1::TransferOp op);
+    v1::TransferOp op, uint64_t max_ops = UINT64_MAX);
 
 // Merges neighbours within one segment when both the local and the remote ranges
 // continue each other and they use the same rkey slot. Keeps order.
