@@ -71,6 +71,7 @@ Caller AccessPolicy::LocalCaller(uint64_t session_id, uid_t uid, pid_t pid,
   c.door = Door::kLocal;
   c.session_id = session_id;
   c.principal = fmt::format("session:{} uid:{} pid:{}", session_id, uid, pid);
+  c.durable_identity = fmt::format("uid:{} client:{}", uid, Printable(client_name, 128));
   c.uid = uid;
   c.engine = engine_uids.empty() || engine_uids.count(uid) > 0;
   c.scheduler = scheduler_uids.count(uid) > 0;
@@ -83,6 +84,7 @@ Caller AccessPolicy::NetworkCaller(std::string_view identity) const {
   Caller c;
   c.door = Door::kNetwork;
   c.principal = fmt::format("cert:{}", Printable(identity, 128));
+  c.durable_identity = c.principal;
   c.uid = geteuid();
   c.scheduler = scheduler_identities.count(std::string(identity)) > 0;
   c.peer = any_peer_identity || peer_identities.count(std::string(identity)) > 0;
@@ -94,6 +96,7 @@ Caller AccessPolicy::InsecureCaller(std::string_view claimed_peer_name) {
   Caller c;
   c.door = Door::kInsecure;
   c.principal = "insecure";
+  c.durable_identity = c.principal;
   c.uid = geteuid();
   c.engine = c.scheduler = c.peer = true;
   c.peer_name = std::string(claimed_peer_name);

@@ -39,6 +39,10 @@ struct Caller {
   // session's client name (when its uid may act as a peer), or, on the insecure door,
   // what it claims.
   std::string peer_name;
+  // Who this caller is across its own restarts (what a notification subscription
+  // belongs to): "uid:1000 client:NAME" for a local session (uid from the kernel,
+  // NAME from its hello, escaped), "cert:NAME" on the network door, "insecure".
+  std::string durable_identity;
   bool engine = false;     // may register memory and move what it registered
   bool scheduler = false;  // may act on every engine's regions, transfers and notifications
   bool peer = false;       // may fetch metadata (and so receive rkeys and a secret)

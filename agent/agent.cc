@@ -174,6 +174,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->quota_->SetMaxThreads(static_cast<int>(options.grpc_max_threads));
   agent->streams_ = std::make_unique<StreamTable>(&agent->limits_);
   agent->notifications_ = std::make_unique<NotificationQueue>(&agent->limits_);
+  agent->notifications_->set_subscription_ttl_ms(options.subscription_ttl_ms);
   agent->watchers_ = std::make_unique<MetadataWatchers>();
   PeerManagerOptions peer_options;
   peer_options.self_name = options.name;

@@ -61,6 +61,8 @@ struct AgentOptions {
   // How long a transfer that ended with operations posted waits for them before it
   // reports drain_unknown (--drain-timeout-ms).
   uint32_t drain_timeout_ms = 5000;
+  // A notification subscription idle this long is dropped, its held ones requeued.
+  uint32_t subscription_ttl_ms = 600000;
   bool vram_staging = true;
   // Host staging pool (--staging-buffers, --staging-chunk-bytes).
   StagingPoolOptions staging;

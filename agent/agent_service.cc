@@ -203,7 +203,9 @@ class TransferWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuf
 };
 
 // Streams notifications as they arrive; what it took but did not write goes back
-// to the queue when the client leaves.
+// to the queue when the client leaves. Through a subscription, the queue holds every
+// one it wrote until the client acknowledges it, so nothing is handed back: the next
+// attachment gets what was not acknowledged.
 class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   NotificationWatchReactor(NotificationQueue* queue, const v1::WatchNotificationsRequest& request,
@@ -212,16 +214,27 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
       : counted_(streams),
         lease_(std::move(lease)),
         queue_(queue),
-        ids_(request.transfer_ids().begin(), request.transfer_ids().end()) {
+        ids_(request.transfer_ids().begin(), request.transfer_ids().end()),
+        subscribed_(!request.subscription().empty()) {
+    absl::StatusOr<uint64_t> token = absl::InternalError("unset");
     if (!caller.ok()) {
+      token = caller.status();
+    } else {
+      reader_.principal = caller->principal;
+      reader_.any = caller->scheduler;
+      auto offer = [this](const QueuedNotification& n) { return Offer(n); };
+      token = subscribed_
+                  ? queue_->Attach(SubscriptionKey{caller->durable_identity, request.subscription()},
+                                   NotificationFilter{reader_, ids_}, offer)
+                  : queue_->Subscribe(offer);
+    }
+    if (!token.ok()) {
       absl::MutexLock lock(&mu_);
       finishing_ = true;
-      Finish(ToGrpcStatus(caller.status()));
+      Finish(ToGrpcStatus(token.status()));
       return;
     }
-    reader_.principal = caller->principal;
-    reader_.any = caller->scheduler;
-    token_ = queue_->Subscribe([this](const QueuedNotification& n) { return Offer(n); });
+    token_ = *token;
   }
 
   void OnWriteDone(bool ok) override {
@@ -229,8 +242,9 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
-      // A failed write is not known to have reached the client: hand it back.
-      if (!ok) unwritten_.push_front(std::move(current_));
+      // A failed write is not known to have reached the client: hand it back (a
+      // subscription still holds it).
+      if (!ok && !subscribed_) unwritten_.push_front(std::move(current_));
 
       if (!ok || finishing_) {
         finishing_ = true;
@@ -255,7 +269,7 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
   void OnDone() override {
     if (token_ != 0) queue_->Unsubscribe(token_);
     std::vector<QueuedNotification> back;
-    {
+    if (!subscribed_) {
       absl::MutexLock lock(&mu_);
       back.assign(std::make_move_iterator(unwritten_.begin()),
                   std::make_move_iterator(unwritten_.end()));
@@ -266,6 +280,15 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
 
  private:
   bool Offer(const QueuedNotification& n) {
+    if (subscribed_) {
+      // The queue filtered it and holds it; the subscription's cap bounds the backlog.
+      absl::MutexLock lock(&mu_);
+      if (!finishing_) {
+        unwritten_.push_back(n);
+        WriteLocked();
+      }
+      return true;
+    }
     if (!ids_.empty() && !ids_.contains(n.notification.transfer_id())) return false;
     if (!reader_.Takes(n)) return false;
     absl::MutexLock lock(&mu_);
@@ -293,6 +316,7 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
   StreamTable::Lease lease_;
   NotificationQueue* queue_;
   absl::flat_hash_set<std::string> ids_;
+  const bool subscribed_;
   NotificationReader reader_;
   uint64_t token_ = 0;
   absl::Mutex mu_;
@@ -505,6 +529,10 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
   response->set_queued_notification_bytes(deps_.notifications->queued_bytes());
   response->set_notifications_overflowed(deps_.notifications->overflowed());
   response->set_memory_faults(registry::FaultGuard::faults_caught());
+  deps_.notifications->ExpireIdle();
+  response->set_notifications_in_flight(deps_.notifications->in_flight());
+  response->set_subscriptions(deps_.notifications->subscriptions());
+  response->set_subscriptions_expired(deps_.notifications->expired_subscriptions());
   FillLimits(counters, response);
   return reply(absl::OkStatus());
 }
@@ -533,12 +561,16 @@ void AgentService::FillLimits(const TransferCounters& counters, v1::AgentStatus*
   use(Limit::kActiveTransfers) = counters.active;
   use(Limit::kActiveTransfersPerOwner) = counters.largest_owner_active;
   use(Limit::kPlannedOps) = counters.planned_ops;
-  use(Limit::kQueuedNotifications) = deps_.notifications->queued();
+  // In flight (held for a subscription until acknowledged) counts against the queue.
+  use(Limit::kQueuedNotifications) =
+      deps_.notifications->queued() + deps_.notifications->in_flight();
   use(Limit::kQueuedNotificationBytes) = deps_.notifications->queued_bytes();
   use(Limit::kStreams) = deps_.streams->open();
   use(Limit::kStreamsPerCaller) = deps_.streams->largest_caller();
   use(Limit::kPendingConnects) = deps_.pending_connects->load();
   use(Limit::kPeerCallers) = deps_.watchers->size();
+  use(Limit::kSubscriptions) = deps_.notifications->subscriptions();
+  use(Limit::kInFlightPerSubscription) = deps_.notifications->largest_subscription();
   for (int i = 0; i < kLimitCount; ++i) {
     const Limit limit = static_cast<Limit>(i);
     const LimitInfo& info = InfoOf(limit);
@@ -774,9 +806,39 @@ void AgentService::HandlePollNotifications(grpc::CallbackServerContext* context,
   absl::flat_hash_set<std::string> ids(request->transfer_ids().begin(),
                                        request->transfer_ids().end());
   NotificationReader reader{caller->principal, caller->scheduler};
+  if (!request->subscription().empty()) {
+    auto held = deps_.notifications->PollSubscription(
+        SubscriptionKey{caller->durable_identity, request->subscription()}, request->max(),
+        NotificationFilter{reader, std::move(ids)});
+    if (!held.ok()) return reply(held.status());
+    for (auto& n : *held) *response->add_notifications() = std::move(n);
+    return reply(absl::OkStatus());
+  }
   for (auto& n : deps_.notifications->Poll(request->max(), ids, reader)) {
     *response->add_notifications() = std::move(n);
   }
+  return reply(absl::OkStatus());
+}
+
+void AgentService::HandleAckNotifications(grpc::CallbackServerContext* context,
+    const v1::AckNotificationsRequest* request, v1::AckNotificationsResponse* response,
+    Reply reply) {
+  auto caller = Authorize(context, Need::kAny, "AckNotifications");
+  if (!caller.ok()) return reply(caller.status());
+  constexpr int kMaxListed = 65536;
+  if (request->sequences_size() > kMaxListed) {
+    return reply(absl::InvalidArgumentError(fmt::format(
+        "AckNotifications: {} sequences listed, at most {}; acknowledge a prefix with "
+        "through_sequence",
+        request->sequences_size(), kMaxListed)));
+  }
+  // Only the caller's own subscription is found: the key is its durable identity.
+  auto released = deps_.notifications->Ack(
+      SubscriptionKey{caller->durable_identity, request->subscription()},
+      request->through_sequence(),
+      std::vector<uint64_t>(request->sequences().begin(), request->sequences().end()));
+  if (!released.ok()) return reply(released.status());
+  response->set_released(*released);
   return reply(absl::OkStatus());
 }
 
@@ -844,10 +906,18 @@ void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
   }
   response->set_worker_address(deps_.worker->address());
   response->set_notify_secret(deps_.secrets->Issue(identity));
-  deps_.registry->Export(response, /*same_host=*/door_ == Door::kLocal);
-  kAudit.Info("metadata version {} ({} regions) sent to peer '{}' ({}, {} door)", version,
-              response->regions_size(), Printable(identity), caller->principal,
-              DoorName(door_));
+  const bool same_host = door_ == Door::kLocal;
+  // A caller that holds a version of this incarnation gets what changed since, when
+  // the registry's change log still reaches back to it; any other the whole catalog.
+  const bool delta = request->accept_delta() && request->known_incarnation() == id.incarnation &&
+                     deps_.registry->ExportDelta(request->known_version(), response, same_host);
+  if (!delta) deps_.registry->Export(response, same_host);
+  kAudit.Info("metadata version {} ({}{} regions{}) sent to peer '{}' ({}, {} door)",
+              response->version(), response->regions_size(), delta ? " changed" : "",
+              delta ? fmt::format(", {} removed, delta from {}", response->removed_regions_size(),
+                                  request->known_version())
+                    : "",
+              Printable(identity), caller->principal, DoorName(door_));
   return reply(absl::OkStatus());
 }
 
@@ -944,6 +1014,13 @@ grpc::ServerUnaryReactor* AgentService::PollNotifications(grpc::CallbackServerCo
                                            grpc::ByteBuffer* response) {
   return RunUnary<v1::PollNotificationsRequest, v1::PollNotificationsResponse>(context, request, response, "PollNotifications",
                                   [this](auto... args) { HandlePollNotifications(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::AckNotifications(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::AckNotificationsRequest, v1::AckNotificationsResponse>(context, request, response, "AckNotifications",
+                                  [this](auto... args) { HandleAckNotifications(args...); });
 }
 
 grpc::ServerUnaryReactor* AgentService::Doctor(grpc::CallbackServerContext* context,

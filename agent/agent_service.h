@@ -97,8 +97,9 @@ using AgentServiceBase =
     v1::Agent::WithRawCallbackMethod_CancelTransfer<
     v1::Agent::WithRawCallbackMethod_PollNotifications<
     v1::Agent::WithRawCallbackMethod_WatchNotifications<
+    v1::Agent::WithRawCallbackMethod_AckNotifications<
     v1::Agent::WithRawCallbackMethod_Doctor<
-    v1::Agent::Service>>>>>>>>>>>>>>>>;
+    v1::Agent::Service>>>>>>>>>>>>>>>>>;
 
 class AgentService final : public AgentServiceBase {
  public:
@@ -133,6 +134,9 @@ class AgentService final : public AgentServiceBase {
       v1::TransferState* response, Reply reply);
   void HandlePollNotifications(grpc::CallbackServerContext* context, const v1::PollNotificationsRequest* request,
       v1::PollNotificationsResponse* response, Reply reply);
+  void HandleAckNotifications(grpc::CallbackServerContext* context,
+      const v1::AckNotificationsRequest* request, v1::AckNotificationsResponse* response,
+      Reply reply);
   void HandleDoctor(grpc::CallbackServerContext* context, const v1::DoctorRequest* request,
       v1::DoctorReport* response, Reply reply);
 
@@ -163,6 +167,8 @@ class AgentService final : public AgentServiceBase {
   grpc::ServerUnaryReactor* CancelTransfer(grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* PollNotifications(grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* AckNotifications(grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Doctor(grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;

@@ -18,8 +18,8 @@ constexpr uint64_t kKiB = 1024, kMiB = kKiB << 10, kGiB = kMiB << 10, kTiB = kGi
 
 // Same order as enum Limit.
 constexpr std::array<LimitInfo, kLimitCount> kInfo = {{
-    {"regions", "--max-regions", "regions", 65536,
-     "regions registered on this agent (peers accept at most 65536)"},
+    {"regions", "--max-regions", "regions", 131072,
+     "regions registered on this agent (peers accept at most 131072)"},
     {"regions_per_owner", "--max-regions-per-owner", "regions", 16384,
      "regions one engine (principal) may register"},
     {"registered_bytes_per_owner", "--max-registered-bytes-per-owner", "bytes", 4 * kTiB,
@@ -50,6 +50,10 @@ constexpr std::array<LimitInfo, kLimitCount> kInfo = {{
      "ConnectPeer calls in progress at once"},
     {"peer_callers", "--max-peer-callers", "peers", 4096,
      "peer identities this agent tracks (metadata pollers, notification secrets)"},
+    {"subscriptions", "--max-subscriptions", "subscriptions", 1024,
+     "durable notification subscriptions (idle ones expire: --subscription-ttl-ms)"},
+    {"in_flight_per_subscription", "--max-in-flight-per-subscription", "notifications", 4096,
+     "notifications one subscription holds unacknowledged (more wait in the queue)"},
 }};
 
 uint64_t HalfOfMemTotal() {

@@ -36,6 +36,8 @@ enum class Limit : int {
   kStreamsPerCaller,         // ... of one principal
   kPendingConnects,          // ConnectPeer calls in progress
   kPeerCallers,              // peer identities tracked (metadata watchers, secrets)
+  kSubscriptions,            // durable notification subscriptions
+  kInFlightPerSubscription,  // notifications one subscription holds unacknowledged
   kCount,
 };
 

@@ -74,6 +74,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               reports drain_unknown if they are not confirmed by then
                               (default 5000)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
+  --subscription-ttl-ms N     a notification subscription with no watch, poll or ack for
+                              this long is dropped; what it held unacknowledged goes
+                              back to the queue (default 600000)
   --grpc-memory-bytes N       gRPC's memory quota for calls in progress, all doors
                               (default 536870912)
   --grpc-max-threads N        gRPC's thread quota (default 256)
@@ -201,6 +204,8 @@ int main(int argc, char** argv) {
       number(&options.deregister_wait_ms);
     } else if (key == "--drain-timeout-ms") {
       number(&options.drain_timeout_ms);
+    } else if (key == "--subscription-ttl-ms") {
+      number(&options.subscription_ttl_ms);
     } else if (key == "--shutdown-grace-ms") {
       number(&grace_ms);
     } else if (key == "--grpc-memory-bytes") {

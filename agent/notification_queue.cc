@@ -1,9 +1,33 @@
 #include "agent/notification_queue.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
+#include "fmt/format.h"
+#include "transport/base/text.h"
+
 namespace kvagent::agent {
+namespace {
+constexpr size_t kMaxSubscriptionName = 64;
+constexpr uint64_t kExpiryCheckMs = 100;
+}  // namespace
+
+bool NotificationFilter::Matches(const QueuedNotification& q) const {
+  return (ids.empty() || ids.contains(q.notification.transfer_id())) && reader.Takes(q);
+}
+
+absl::Status CheckSubscriptionName(std::string_view name) {
+  bool ok = !name.empty() && name.size() <= kMaxSubscriptionName;
+  for (char c : name) {
+    ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                c == '.' || c == '_' || c == ':' || c == '-');
+  }
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format(
+      "subscription '{}' ({} bytes): name it with 1 to {} of A-Z a-z 0-9 . _ : -",
+      Printable(name, 80), name.size(), kMaxSubscriptionName));
+}
 
 bool NotificationReader::Takes(const QueuedNotification& q) const {
   if (any) return true;
@@ -13,11 +37,23 @@ bool NotificationReader::Takes(const QueuedNotification& q) const {
   return false;
 }
 
-bool NotificationQueue::OfferLocked(const QueuedNotification& n) {
+bool NotificationQueue::OfferLocked(const QueuedNotification& n, bool may_hold) {
   const size_t count = subscribers_.size();
   for (size_t i = 0; i < count; ++i) {
-    auto& subscriber = subscribers_[(next_subscriber_ + i) % count];
-    if (subscriber.second(n)) {
+    Entry& entry = subscribers_[(next_subscriber_ + i) % count];
+    bool taken = false;
+    if (entry.subscription.empty()) {
+      taken = entry.subscriber(n);
+    } else if (may_hold) {
+      // Held, so counted: bytes_ grows here, not on the plain path (the taker has it).
+      auto it = subscriptions_.find(entry.subscription);
+      if (it != subscriptions_.end() && it->second->filter.Matches(n) &&
+          HoldLocked(*it->second, n, &entry.subscriber)) {
+        bytes_ += Size(n.notification);
+        taken = true;
+      }
+    }
+    if (taken) {
       next_subscriber_ = (next_subscriber_ + i + 1) % count;
       ++delivered_;
       return true;
@@ -37,8 +73,9 @@ absl::Status NotificationQueue::Reserve(std::string_view what, uint64_t bytes) {
   constexpr std::string_view kFix =
       "the clients of this agent's regions are not taking their notifications "
       "(PollNotifications or WatchNotifications)";
+  MaybeExpireLocked();
   absl::Status fits =
-      limits_->Check(Limit::kQueuedNotifications, what, queue_.size() + reserved_, 1, kFix);
+      limits_->Check(Limit::kQueuedNotifications, what, HeldLocked() + reserved_, 1, kFix);
   if (fits.ok()) {
     fits = limits_->Check(Limit::kQueuedNotificationBytes, what, bytes_ + reserved_bytes_, bytes,
                           kFix);
@@ -56,11 +93,14 @@ bool NotificationQueue::Push(QueuedNotification notification, uint64_t reserved_
     --reserved_;
     reserved_bytes_ -= std::min(reserved_bytes_, reserved_bytes);
   }
-  if (OfferLocked(notification)) return true;
+  MaybeExpireLocked();
   const uint64_t bytes = Size(notification.notification);
-  if (!reserved && limits_ != nullptr &&
-      (!limits_->Fits(Limit::kQueuedNotifications, queue_.size() + reserved_, 1) ||
-       !limits_->Fits(Limit::kQueuedNotificationBytes, bytes_ + reserved_bytes_, bytes))) {
+  const bool fits =
+      reserved || limits_ == nullptr ||
+      (limits_->Fits(Limit::kQueuedNotifications, HeldLocked() + reserved_, 1) &&
+       limits_->Fits(Limit::kQueuedNotificationBytes, bytes_ + reserved_bytes_, bytes));
+  if (OfferLocked(notification, fits)) return true;
+  if (!fits) {
     ++overflowed_;
     return false;
   }
@@ -72,6 +112,7 @@ bool NotificationQueue::Push(QueuedNotification notification, uint64_t reserved_
 std::vector<v1::Notification> NotificationQueue::Poll(
     uint32_t max, const absl::flat_hash_set<std::string>& ids, const NotificationReader& reader) {
   absl::MutexLock lock(&mu_);
+  MaybeExpireLocked();
   std::vector<v1::Notification> out;
   for (auto it = queue_.begin(); it != queue_.end();) {
     if (max != 0 && out.size() >= max) break;
@@ -113,15 +154,15 @@ uint64_t NotificationQueue::Subscribe(Subscriber subscriber) {
   absl::MutexLock lock(&mu_);
   const uint64_t token = next_token_++;
   HandOverLocked(subscriber);
-  subscribers_.emplace_back(token, std::move(subscriber));
+  subscribers_.push_back(Entry{token, std::move(subscriber), ""});
   return token;
 }
 
 void NotificationQueue::OfferQueued(uint64_t token) {
   absl::MutexLock lock(&mu_);
-  for (const auto& [t, subscriber] : subscribers_) {
-    if (t == token) {
-      HandOverLocked(subscriber);
+  for (const Entry& entry : subscribers_) {
+    if (entry.token == token) {
+      if (entry.subscription.empty()) HandOverLocked(entry.subscriber);
       return;
     }
   }
@@ -130,7 +171,14 @@ void NotificationQueue::OfferQueued(uint64_t token) {
 void NotificationQueue::Unsubscribe(uint64_t token) {
   absl::MutexLock lock(&mu_);
   for (auto it = subscribers_.begin(); it != subscribers_.end(); ++it) {
-    if (it->first == token) {
+    if (it->token == token) {
+      if (!it->subscription.empty()) {
+        auto sub = subscriptions_.find(it->subscription);
+        if (sub != subscriptions_.end() && sub->second->attached == token) {
+          sub->second->attached = 0;
+          sub->second->idle_since_ms = NowMs();
+        }
+      }
       subscribers_.erase(it);
       break;
     }
@@ -138,9 +186,241 @@ void NotificationQueue::Unsubscribe(uint64_t token) {
   next_subscriber_ = 0;
 }
 
+std::string NotificationQueue::KeyOf(const SubscriptionKey& key) {
+  // The owner never holds a newline (escaped by Printable), so the key is unambiguous.
+  return key.owner + "\n" + key.name;
+}
+
+uint64_t NotificationQueue::NowMs() const {
+  if (clock_) return clock_();
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+bool NotificationQueue::HoldLocked(Subscription& sub, const QueuedNotification& n,
+                                   const Subscriber* deliver) {
+  if (limits_ != nullptr && !limits_->Fits(Limit::kInFlightPerSubscription, sub.held.size(), 1)) {
+    return false;  // back-pressure: it waits in the queue until acknowledgements make room
+  }
+  Held held{next_sequence_++, n};
+  held.notification.notification.set_sequence(held.sequence);
+  if (deliver != nullptr) (*deliver)(held.notification);
+  sub.held.push_back(std::move(held));
+  ++in_flight_;
+  return true;
+}
+
+void NotificationQueue::HandOverToSubscriptionLocked(Subscription& sub,
+                                                     const NotificationFilter& filter,
+                                                     const Subscriber* deliver, uint32_t max) {
+  uint32_t moved = 0;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (max != 0 && moved >= max) break;
+    if (!filter.Matches(*it)) {
+      ++it;
+      continue;
+    }
+    if (!HoldLocked(sub, *it, deliver)) break;  // full
+    ++delivered_;
+    ++moved;
+    it = queue_.erase(it);  // its bytes stay counted: now held
+  }
+}
+
+const NotificationQueue::Subscriber* NotificationQueue::AttachedLocked(
+    const Subscription& sub) const {
+  if (sub.attached == 0) return nullptr;
+  for (const Entry& entry : subscribers_) {
+    if (entry.token == sub.attached) return &entry.subscriber;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<NotificationQueue::Subscription*> NotificationQueue::FindOrMakeLocked(
+    const SubscriptionKey& key, std::string_view call) {
+  if (absl::Status named = CheckSubscriptionName(key.name); !named.ok()) {
+    return absl::InvalidArgumentError(fmt::format("{}: {}", call, std::string(named.message())));
+  }
+  const std::string k = KeyOf(key);
+  auto it = subscriptions_.find(k);
+  if (it != subscriptions_.end()) return it->second.get();
+  if (limits_ != nullptr) {
+    absl::Status fits = limits_->Check(
+        Limit::kSubscriptions, fmt::format("{}: new subscription '{}' for {}", call, key.name,
+                                           key.owner),
+        subscriptions_.size(), 1,
+        "reuse subscription names (one per decode worker), or shorten --subscription-ttl-ms so "
+        "abandoned ones expire sooner");
+    if (!fits.ok()) return fits;
+  }
+  auto sub = std::make_unique<Subscription>();
+  sub->idle_since_ms = NowMs();
+  Subscription* made = sub.get();
+  subscriptions_.emplace(k, std::move(sub));
+  return made;
+}
+
+absl::StatusOr<uint64_t> NotificationQueue::Attach(const SubscriptionKey& key,
+                                                   NotificationFilter filter,
+                                                   Subscriber deliver) {
+  absl::MutexLock lock(&mu_);
+  MaybeExpireLocked();
+  auto sub = FindOrMakeLocked(key, "WatchNotifications");
+  if (!sub.ok()) return sub.status();
+  Subscription& s = **sub;
+  if (s.attached != 0) {
+    // The newer attachment wins (the older client is most likely gone, unnoticed yet).
+    subscribers_.erase(std::remove_if(subscribers_.begin(), subscribers_.end(),
+                                      [&](const Entry& e) { return e.token == s.attached; }),
+                       subscribers_.end());
+    next_subscriber_ = 0;
+  }
+  const uint64_t token = next_token_++;
+  s.attached = token;
+  s.filter = std::move(filter);
+  for (const Held& held : s.held) deliver(held.notification);  // again, in order
+  HandOverToSubscriptionLocked(s, s.filter, &deliver, 0);
+  subscribers_.push_back(Entry{token, std::move(deliver), KeyOf(key)});
+  return token;
+}
+
+absl::StatusOr<std::vector<v1::Notification>> NotificationQueue::PollSubscription(
+    const SubscriptionKey& key, uint32_t max, const NotificationFilter& filter) {
+  absl::MutexLock lock(&mu_);
+  MaybeExpireLocked();
+  auto sub = FindOrMakeLocked(key, "PollNotifications");
+  if (!sub.ok()) return sub.status();
+  Subscription& s = **sub;
+  if (s.attached == 0) s.idle_since_ms = NowMs();
+  std::vector<v1::Notification> out;
+  for (const Held& held : s.held) {
+    if (max != 0 && out.size() >= max) return out;
+    out.push_back(held.notification.notification);
+  }
+  const size_t before = s.held.size();
+  HandOverToSubscriptionLocked(s, filter, nullptr,
+                               max == 0 ? 0 : max - static_cast<uint32_t>(out.size()));
+  for (size_t i = before; i < s.held.size(); ++i) {
+    out.push_back(s.held[i].notification.notification);
+  }
+  return out;
+}
+
+absl::StatusOr<uint64_t> NotificationQueue::Ack(const SubscriptionKey& key, uint64_t through,
+                                                const std::vector<uint64_t>& sequences) {
+  absl::MutexLock lock(&mu_);
+  MaybeExpireLocked();
+  auto it = subscriptions_.find(KeyOf(key));
+  if (it == subscriptions_.end()) {
+    return absl::NotFoundError(fmt::format(
+        "AckNotifications: no subscription '{}' for {} (never made by this caller, or idle past "
+        "--subscription-ttl-ms, when what it held went back to the queue)",
+        Printable(key.name, 80), key.owner));
+  }
+  Subscription& s = *it->second;
+  const absl::flat_hash_set<uint64_t> listed(sequences.begin(), sequences.end());
+  uint64_t released = 0;
+  for (auto h = s.held.begin(); h != s.held.end();) {
+    if (h->sequence <= through || listed.contains(h->sequence)) {
+      bytes_ -= std::min(bytes_, Size(h->notification.notification));
+      h = s.held.erase(h);
+      ++released;
+    } else {
+      ++h;
+    }
+  }
+  in_flight_ -= std::min(in_flight_, released);
+  if (s.attached == 0) s.idle_since_ms = NowMs();
+  // Room made: what waited for it goes to the attached stream now.
+  if (released > 0) {
+    if (const Subscriber* deliver = AttachedLocked(s)) {
+      HandOverToSubscriptionLocked(s, s.filter, deliver, 0);
+    }
+  }
+  return released;
+}
+
+void NotificationQueue::set_subscription_ttl_ms(uint64_t ttl_ms) {
+  absl::MutexLock lock(&mu_);
+  ttl_ms_ = ttl_ms;
+}
+
+void NotificationQueue::set_clock(std::function<uint64_t()> now_ms) {
+  absl::MutexLock lock(&mu_);
+  clock_ = std::move(now_ms);
+}
+
+uint64_t NotificationQueue::ExpireIdle() {
+  absl::MutexLock lock(&mu_);
+  return ExpireLocked(NowMs());
+}
+
+void NotificationQueue::MaybeExpireLocked() {
+  if (subscriptions_.empty()) return;
+  const uint64_t now = NowMs();
+  if (now - last_expiry_check_ms_ < std::min(kExpiryCheckMs, ttl_ms_)) return;
+  ExpireLocked(now);
+}
+
+uint64_t NotificationQueue::ExpireLocked(uint64_t now) {
+  last_expiry_check_ms_ = now;
+  uint64_t dropped = 0;
+  for (auto it = subscriptions_.begin(); it != subscriptions_.end();) {
+    Subscription& s = *it->second;
+    if (s.attached != 0 || now < s.idle_since_ms || now - s.idle_since_ms < ttl_ms_) {
+      ++it;
+      continue;
+    }
+    // Back to the front, in order, taken once again; they were counted all along, so
+    // they fit.
+    for (auto h = s.held.rbegin(); h != s.held.rend(); ++h) {
+      h->notification.notification.clear_sequence();
+      queue_.push_front(std::move(h->notification));
+    }
+    in_flight_ -= std::min<uint64_t>(in_flight_, s.held.size());
+    delivered_ -= std::min<uint64_t>(delivered_, s.held.size());
+    subscriptions_.erase(it++);
+    ++dropped;
+  }
+  expired_ += dropped;
+  if (dropped > 0) {
+    for (Entry& entry : subscribers_) {
+      if (entry.subscription.empty()) {
+        HandOverLocked(entry.subscriber);
+      } else if (auto sub = subscriptions_.find(entry.subscription); sub != subscriptions_.end()) {
+        HandOverToSubscriptionLocked(*sub->second, sub->second->filter, &entry.subscriber, 0);
+      }
+    }
+  }
+  return dropped;
+}
+
 uint64_t NotificationQueue::queued() const {
   absl::MutexLock lock(&mu_);
   return queue_.size();
+}
+
+uint64_t NotificationQueue::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return in_flight_;
+}
+
+uint64_t NotificationQueue::subscriptions() const {
+  absl::MutexLock lock(&mu_);
+  return subscriptions_.size();
+}
+
+uint64_t NotificationQueue::largest_subscription() const {
+  absl::MutexLock lock(&mu_);
+  uint64_t largest = 0;
+  for (const auto& [key, sub] : subscriptions_) largest = std::max<uint64_t>(largest, sub->held.size());
+  return largest;
+}
+
+uint64_t NotificationQueue::expired_subscriptions() const {
+  absl::MutexLock lock(&mu_);
+  return expired_;
 }
 
 uint64_t NotificationQueue::queued_bytes() const {

@@ -221,7 +221,8 @@ void PeerManager::ConnectNow(const std::string& address,
                           done(snapshot.status());
                           return;
                         }
-                        Install(call->link, *snapshot, version);
+                        Install(call->link, *snapshot, version,
+                                RefreshCost{call->reply.ByteSizeLong(), 0, false});
                         absl::MutexLock lock(&mu_);
                         done(InfoLocked(peers_.at((*snapshot)->name)));
                       });
@@ -232,9 +233,10 @@ void PeerManager::BuildSnapshot(
     const std::shared_ptr<PeerLink>& link, const v1::AgentMetadata& metadata,
     std::shared_ptr<const PeerSnapshot> previous,
     std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done,
-    bool reuse_endpoint) {
+    bool reuse_endpoint, std::optional<registry::AppliedDelta> delta) {
   const std::string& address = link->address;
-  auto catalog = registry::RemoteCatalog::FromMetadata(metadata);
+  absl::StatusOr<registry::RemoteCatalog> catalog =
+      delta ? std::move(delta->catalog) : registry::RemoteCatalog::FromMetadata(metadata);
   if (!catalog.ok()) {
     done(absl::Status(catalog.status().code(),
                       fmt::format("peer at {} sent metadata that fails validation: {}", address,
@@ -266,10 +268,23 @@ void PeerManager::BuildSnapshot(
     snapshot->direct =
         MapDirect(*snapshot->catalog, *link, same_process ? previous->direct.get() : nullptr);
   }
+  // The packed rkey of each slot; with a delta, only the slots it brought have one
+  // here (the others take previous's unpacked key, see base_slots).
   std::vector<std::string> rkeys;
-  rkeys.reserve(metadata.regions_size());
-  for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
-  worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys), done = std::move(done),
+  std::vector<uint32_t> base_slots;
+  rkeys.reserve(snapshot->catalog->regions().size());
+  if (delta) {
+    base_slots = std::move(delta->base_slots);
+    int next = 0;
+    for (uint32_t base : base_slots) {
+      rkeys.push_back(base == registry::AppliedDelta::kNew ? metadata.regions(next++).rkey()
+                                                           : std::string());
+    }
+  } else {
+    for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
+  }
+  worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys),
+                 base_slots = std::move(base_slots), done = std::move(done),
                  reuse_endpoint]() mutable {
     const bool reused = reuse_endpoint && previous &&
                         previous->incarnation == snapshot->incarnation &&
@@ -278,6 +293,12 @@ void PeerManager::BuildSnapshot(
     if (reused) {
       snapshot->endpoint = previous->endpoint;
       snapshot->transports = previous->transports;
+    } else if (!base_slots.empty()) {
+      done(absl::FailedPreconditionError(fmt::format(
+          "peer '{}': a delta keeps the previous endpoint's keys, but the endpoint must be "
+          "replaced; fetch the whole catalog",
+          snapshot->name)));
+      return;
     } else {
       const std::string name = snapshot->name;
       const uint64_t incarnation = snapshot->incarnation;
@@ -300,7 +321,8 @@ void PeerManager::BuildSnapshot(
       }
       snapshot->endpoint = OwnedByWorker(worker_, *std::move(endpoint));
     }
-    auto finish = [this, snapshot, rkeys = std::move(rkeys), done, reused]() {
+    auto finish = [this, snapshot, previous, rkeys = std::move(rkeys),
+                   base_slots = std::move(base_slots), done, reused]() {
       // After wireup the lanes are final.
       if (!reused) snapshot->transports = snapshot->endpoint->Transports();
       auto table = std::make_unique<RkeyTable>();
@@ -310,6 +332,10 @@ void PeerManager::BuildSnapshot(
       // rkey_slot is the region's index in the metadata, so keys follow that order.
       // Staged VRAM regions export no rkey: UCX cannot reach them, their slot stays empty.
       for (size_t i = 0; i < regions.size(); ++i) {
+        if (!base_slots.empty() && base_slots[i] != registry::AppliedDelta::kNew) {
+          table->keys.push_back(previous->keys->keys[base_slots[i]]);  // same endpoint
+          continue;
+        }
         if (rkeys[i].empty()) {
           table->keys.emplace_back();
           continue;
@@ -322,7 +348,7 @@ void PeerManager::BuildSnapshot(
               snapshot->name, regions[i].name, key.status().message())));
           return;
         }
-        table->keys.push_back(*std::move(key));
+        table->keys.push_back(std::make_shared<const transport::RemoteKey>(*std::move(key)));
       }
       snapshot->keys = OwnedByWorker(worker_, std::move(table));
       done(std::shared_ptr<const PeerSnapshot>(snapshot));
@@ -350,6 +376,15 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
     const registry::RemoteCatalog& catalog, PeerLink& link, const DirectMappings* previous) const {
   auto direct = std::make_shared<DirectMappings>();
   const auto& regions = catalog.regions();
+  // previous's slots by mapping identity (a peer may export 100,000 regions).
+  absl::flat_hash_map<std::string_view, size_t> previous_memory;
+  absl::flat_hash_map<std::string_view, size_t> previous_cuda;
+  for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
+    if (previous->mappings[j]) previous_memory.try_emplace(previous->memory_keys[j], j);
+  }
+  for (size_t j = 0; previous != nullptr && j < previous->handles.size(); ++j) {
+    if (previous->cuda_mappings[j]) previous_cuda.try_emplace(previous->handles[j], j);
+  }
   direct->base_by_slot.assign(regions.size(), nullptr);
   direct->mappings.resize(regions.size());
   direct->memory_keys.resize(regions.size());
@@ -361,12 +396,8 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
     for (const auto& r : regions) {
       if (r.memory_id == 0 || objects.contains(r.memory_id)) continue;
       const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
-      bool reusable = false;
-      for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
-        reusable = reusable || (previous->memory_keys[j] == key && previous->mappings[j] &&
-                                !previous->mappings[j]->broken());
-      }
-      if (reusable) continue;
+      auto found = previous_memory.find(key);
+      if (found != previous_memory.end() && !previous->mappings[found->second]->broken()) continue;
       objects[r.memory_id] = nullptr;
       wanted.push_back(r.memory_id);
     }
@@ -399,11 +430,8 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
       std::shared_ptr<registry::CudaIpcMapping> cuda;
       const std::string key = fmt::format("{}:{}:{}:{}", r.cuda_ipc_handle, r.cuda_device,
                                           r.cuda_offset, r.length);
-      for (size_t j = 0; previous != nullptr && j < previous->handles.size(); ++j) {
-        if (previous->handles[j] == key && previous->cuda_mappings[j]) {
-          cuda = previous->cuda_mappings[j];
-          break;
-        }
+      if (auto found = previous_cuda.find(key); found != previous_cuda.end()) {
+        cuda = previous->cuda_mappings[found->second];
       }
       if (!cuda) {
         v1::CudaIpcSource source;
@@ -429,14 +457,11 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
     if (r.memory_id == 0) continue;
     const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
     std::shared_ptr<registry::ShmMapping> mapping;
-    for (size_t j = 0; previous != nullptr && j < previous->memory_keys.size(); ++j) {
-      // A mapping a caught fault broke (FaultGuard) is not reused: the peer
-      // re-registering the region maps its memory anew.
-      if (previous->memory_keys[j] == key && previous->mappings[j] &&
-          !previous->mappings[j]->broken()) {
-        mapping = previous->mappings[j];
-        break;
-      }
+    // A mapping a caught fault broke (FaultGuard) is not reused: the peer
+    // re-registering the region maps its memory anew.
+    if (auto found = previous_memory.find(key);
+        found != previous_memory.end() && !previous->mappings[found->second]->broken()) {
+      mapping = previous->mappings[found->second];
     }
     if (!mapping) {
       auto object = objects.find(r.memory_id);
@@ -463,11 +488,12 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
 }
 
 void PeerManager::Install(std::shared_ptr<PeerLink> link,
-                          std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version) {
+                          std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version,
+                          const RefreshCost& cost) {
   std::optional<PeerLoss> restarted;
   {
     absl::MutexLock lock(&mu_);
-    restarted = InstallLocked(std::move(link), std::move(snapshot), version);
+    restarted = InstallLocked(std::move(link), std::move(snapshot), version, cost);
   }
   if (restarted) NotifyLoss(*restarted);
 }
@@ -487,7 +513,7 @@ bool RemovesRegions(const registry::RemoteCatalog& before, const registry::Remot
 
 std::optional<PeerLoss> PeerManager::InstallLocked(std::shared_ptr<PeerLink> link,
                                                    std::shared_ptr<const PeerSnapshot> snapshot,
-                                                   uint64_t version) {
+                                                   uint64_t version, const RefreshCost& cost) {
   const std::string address = link->address;
   Peer& peer = peers_[snapshot->name];
   // Two refreshes may race; never go back to an older view of the same incarnation.
@@ -529,6 +555,9 @@ std::optional<PeerLoss> PeerManager::InstallLocked(std::shared_ptr<PeerLink> lin
   }
   peer.snapshot = std::move(snapshot);
   peer.version = version;
+  peer.metadata_bytes_last = cost.bytes;
+  peer.refresh_us_last = cost.micros;
+  ++(cost.delta ? peer.deltas_applied : peer.full_fetches);
   peer.state = "connected";
   peer.last_error.clear();
   peer.endpoint_failed = false;
@@ -631,7 +660,8 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
                           done(snapshot.status());
                           return;
                         }
-                        Install(call->link, *snapshot, version);
+                        Install(call->link, *snapshot, version,
+                                RefreshCost{call->reply.ByteSizeLong(), 0, false});
                         done(absl::OkStatus());
                       });
       });
@@ -670,6 +700,10 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_state(peer.state);
   info.set_last_error(peer.last_error);
   info.set_last_seen_ms_ago((MonotonicMicros() - peer.last_seen_us) / 1000);
+  info.set_metadata_bytes_last(peer.metadata_bytes_last);
+  info.set_refresh_us_last(peer.refresh_us_last);
+  info.set_deltas_applied(peer.deltas_applied);
+  info.set_full_fetches(peer.full_fetches);
   info.set_data_path(s.direct == nullptr    ? "ucx"
                      : s.direct->complete ? "shm-direct"
                                           : "shm-direct+ucx");
@@ -795,6 +829,9 @@ bool PeerManager::RefreshOne(const std::string& name) {
     endpoint_failed = it->second.endpoint_failed;
     request.set_known_version(it->second.version);
     request.set_known_incarnation(previous->incarnation);
+    // A delta applies to the view we hold, over the endpoint we hold.
+    request.set_accept_delta(!endpoint_failed &&
+                             previous->catalog->version() == it->second.version);
   }
   if (request.known_version() != 0) {
     bool drain = false;
@@ -832,6 +869,7 @@ bool PeerManager::RefreshOne(const std::string& name) {
     SetDeadline(context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
     return link->stub->GetMetadata(context, request, reply);
   };
+  const auto started = std::chrono::steady_clock::now();
   auto context = std::make_unique<grpc::ClientContext>();
   v1::AgentMetadata reply;
   grpc::Status status = poll(context.get(), &reply);
@@ -854,25 +892,52 @@ bool PeerManager::RefreshOne(const std::string& name) {
       status = poll(context.get(), &reply);
     }
   }
-  if (!status.ok()) {
-    MarkUnreachable(name, previous->incarnation,
-                    fmt::format("GetMetadata failed: {} (gRPC code {})", status.error_message(),
-                                static_cast<int>(status.error_code())),
-                    /*endpoint_failed=*/false);
-    return false;
+  // False (the peer marked unreachable) unless the reply answered and comes from
+  // the peer we poll.
+  auto answered = [&] {
+    if (!status.ok()) {
+      MarkUnreachable(name, previous->incarnation,
+                      fmt::format("GetMetadata failed: {} (gRPC code {})", status.error_message(),
+                                  static_cast<int>(status.error_code())),
+                      /*endpoint_failed=*/false);
+      return false;
+    }
+    if (absl::Status who = link->Verify(*context, reply); !who.ok()) {
+      MarkUnreachable(name, previous->incarnation, std::string(who.message()),
+                      /*endpoint_failed=*/false);
+      return false;
+    }
+    if (reply.name() != name) {
+      MarkUnreachable(name, previous->incarnation,
+                      fmt::format("the agent at {} now calls itself '{}'", previous->address,
+                                  reply.name()),
+                      /*endpoint_failed=*/false);
+      return false;
+    }
+    return true;
+  };
+  if (!answered()) return false;
+  // A delta is applied to the view we hold; one that does not apply (it should not
+  // happen: the log is the agent's) costs a second poll for the whole catalog.
+  std::optional<registry::AppliedDelta> applied;
+  if (reply.delta()) {
+    absl::StatusOr<registry::AppliedDelta> delta =
+        reply.incarnation() == previous->incarnation
+            ? previous->catalog->ApplyDelta(reply)
+            : absl::InvalidArgumentError("it is a delta for another incarnation");
+    if (delta.ok()) {
+      applied = *std::move(delta);
+    } else {
+      kLog.Warn("peer '{}': {}; fetching its whole catalog", name, delta.status().message());
+      request.set_accept_delta(false);
+      context = std::make_unique<grpc::ClientContext>();
+      reply.Clear();
+      status = poll(context.get(), &reply);
+      if (!answered()) return false;
+    }
   }
-  if (absl::Status who = link->Verify(*context, reply); !who.ok()) {
-    MarkUnreachable(name, previous->incarnation, std::string(who.message()),
-                    /*endpoint_failed=*/false);
-    return false;
-  }
-  if (reply.name() != name) {
-    MarkUnreachable(name, previous->incarnation,
-                    fmt::format("the agent at {} now calls itself '{}'", previous->address,
-                                reply.name()),
-                    /*endpoint_failed=*/false);
-    return false;
-  }
+  const uint64_t reply_bytes = reply.ByteSizeLong();
+  const bool is_delta = applied.has_value();
   if (reply.incarnation() == previous->incarnation &&
       reply.version() == request.known_version() && !endpoint_failed) {
     absl::MutexLock lock(&mu_);
@@ -894,7 +959,13 @@ bool PeerManager::RefreshOne(const std::string& name) {
       link, reply, previous,
       [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
         if (snapshot.ok()) {
-          Install(link, *snapshot, version);
+          Install(link, *snapshot, version,
+                  RefreshCost{reply_bytes,
+                              static_cast<uint64_t>(
+                                  std::chrono::duration_cast<std::chrono::microseconds>(
+                                      std::chrono::steady_clock::now() - started)
+                                      .count()),
+                              is_delta});
           installed = true;
         } else {
           MarkUnreachable(name, previous->incarnation, std::string(snapshot.status().message()),
@@ -902,7 +973,7 @@ bool PeerManager::RefreshOne(const std::string& name) {
         }
         built.Notify();
       },
-      /*reuse_endpoint=*/!endpoint_failed);
+      /*reuse_endpoint=*/!endpoint_failed, std::move(applied));
   built.WaitForNotification();
   return installed;
 }

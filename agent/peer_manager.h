@@ -44,9 +44,17 @@ std::shared_ptr<T> OwnedByWorker(transport::UcxWorker* worker, std::unique_ptr<T
 }
 
 // Unpacked rkeys of one metadata version, indexed by RemoteRegion::rkey_slot.
+// A key is shared by the tables of consecutive versions of one endpoint (a delta
+// keeps the keys of the regions it did not change); tables die on the worker thread,
+// so the keys do too.
 struct RkeyTable {
   std::shared_ptr<transport::Endpoint> endpoint;  // outlives the keys
-  std::vector<transport::RemoteKey> keys;
+  std::vector<std::shared_ptr<const transport::RemoteKey>> keys;  // null: no rkey (staged)
+
+  const transport::RemoteKey& at(uint32_t slot) const {
+    static const transport::RemoteKey kNone;
+    return keys[slot] != nullptr ? *keys[slot] : kNone;
+  }
 };
 
 // The peer's memory mapped into this process (same-host peers), indexed by rkey
@@ -180,21 +188,38 @@ class PeerManager {
     std::string state = "connected";
     std::string last_error;
     uint64_t last_seen_us = 0;
+    // PeerInfo.metadata_bytes_last and the rest (RecordRefresh).
+    uint64_t metadata_bytes_last = 0;
+    uint64_t refresh_us_last = 0;
+    uint64_t deltas_applied = 0;
+    uint64_t full_fetches = 0;
   };
 
   // Validates metadata and builds a snapshot on the worker thread, reusing the
   // endpoint of `previous` when the peer's worker is the same.
+  // With `delta` (metadata is a delta, applied to previous's catalog), the keys of the
+  // regions it kept are taken from `previous` and only its own are unpacked; that
+  // needs previous's endpoint (else FAILED_PRECONDITION: fetch the whole catalog).
   void BuildSnapshot(const std::shared_ptr<PeerLink>& link, const v1::AgentMetadata& metadata,
                      std::shared_ptr<const PeerSnapshot> previous,
                      std::function<void(absl::StatusOr<std::shared_ptr<const PeerSnapshot>>)> done,
-                     bool reuse_endpoint = true);
+                     bool reuse_endpoint = true,
+                     std::optional<registry::AppliedDelta> delta = std::nullopt);
+  // What a changed view cost (PeerInfo.metadata_bytes_last and the rest): its bytes,
+  // the time from the poll's start, and whether it came as a delta.
+  struct RefreshCost {
+    uint64_t bytes = 0;
+    uint64_t micros = 0;
+    bool delta = false;
+  };
   // Installs `snapshot`; tells the loss listener (after unlocking) when it replaces
   // another incarnation.
   void Install(std::shared_ptr<PeerLink> link, std::shared_ptr<const PeerSnapshot> snapshot,
-               uint64_t version);
+               uint64_t version, const RefreshCost& cost);
   std::optional<PeerLoss> InstallLocked(std::shared_ptr<PeerLink> link,
                                         std::shared_ptr<const PeerSnapshot> snapshot,
-                                        uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                        uint64_t version, const RefreshCost& cost)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens a link to `address` (see ConnectPeerRequest.address).
   absl::StatusOr<std::shared_ptr<PeerLink>> OpenLink(const std::string& address) const;
   // Connect's work, on a connector thread.

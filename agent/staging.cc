@@ -507,7 +507,7 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
     }
     // The peer's memory is RMA-reachable: put from the bounce buffer, flush, release.
     for (const auto& p : chunk.pieces) {
-      const auto& key = peer.keys->keys[job->ops[p.op_index].rkey_slot];
+      const auto& key = peer.keys->at(job->ops[p.op_index].rkey_slot);
       absl::Status s = endpoint.Put(buffer + p.buffer_offset, p.length, p.remote_address, key);
       if (!s.ok()) {
         // Puts already posted may still read the buffer: release it after a flush.
@@ -521,7 +521,7 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
 
   // READ into our staged memory: get into the bounce buffer, then copy it into place.
   for (const auto& p : chunk.pieces) {
-    const auto& key = peer.keys->keys[job->ops[p.op_index].rkey_slot];
+    const auto& key = peer.keys->at(job->ops[p.op_index].rkey_slot);
     absl::Status s = endpoint.Get(buffer + p.buffer_offset, p.length, p.remote_address, key);
     if (!s.ok()) {
       endpoint.Flush([this, job, lease, s, segment](absl::Status) { ChunkDone(job, s, segment); });
@@ -597,6 +597,19 @@ bool Stager::OnChunk(const transport::AmMessage& message) {
     return false;
   }
   const std::string key = ArrivalKey(header.from_agent(), header.incarnation(), header.transfer_id());
+  // Bounded: a peer that opens ever more transfers' chunks (rejected ones included)
+  // cannot grow this table; a chunk past the bound is dropped (its transfer's
+  // DATA_READY then fails for the missing bytes).
+  if (!arrivals_.contains(key) && arrivals_.size() >= options_.max_arrivals) {
+    chunks_rejected_.fetch_add(1);
+    if (arrivals_full_logged_.exchange(true) == false) {
+      kLog.Warn("dropping staged chunks of new transfers from '{}' and others: {} transfers' "
+                "chunks are being received already (the bound); counted in chunks_rejected",
+                Printable(header.from_agent()), arrivals_.size());
+    }
+    return false;
+  }
+  arrivals_full_logged_ = false;
   Arrival& arrival = arrivals_[key];
   arrival.touched_us = MonotonicMicros();
 
@@ -604,9 +617,14 @@ bool Stager::OnChunk(const transport::AmMessage& message) {
   // must add up to the data that came.
   auto reject = [&](std::string why) {
     chunks_rejected_.fetch_add(1);
-    kLog.Warn("dropped a staged chunk of transfer '{}' from agent '{}': {}", header.transfer_id(),
-              header.from_agent(), why);
-    if (arrival.failure.empty()) arrival.failure = std::move(why);
+    // One line per transfer, not per chunk: a peer sending thousands of bad chunks
+    // does not fill the log (chunks_rejected counts them all).
+    if (arrival.failure.empty()) {
+      kLog.Warn("dropped a staged chunk of transfer '{}' from agent '{}': {} (later chunks "
+                "of it that fail are only counted)",
+                Printable(header.transfer_id(), 256), Printable(header.from_agent()), why);
+      arrival.failure = std::move(why);
+    }
     MaybeDeliver(key);
     return false;
   };

@@ -135,6 +135,7 @@ struct StagerOptions {
   uint32_t max_pieces = 1024;             // pieces per chunk
   uint64_t max_chunk_message = 64 << 20;  // bytes of one incoming chunk, over the pool's too
   uint32_t max_held = 4096;               // notifications held for their data
+  uint32_t max_arrivals = 8192;           // transfers whose staged chunks are being received
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
   // True when `secret` is the one this agent issued to agent `from` (PeerSecrets):
@@ -266,6 +267,7 @@ class Stager {
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
   absl::flat_hash_map<std::string, Arrival> arrivals_;  // by from/incarnation/transfer
+  std::atomic<bool> arrivals_full_logged_{false};       // one warning per full spell
   std::deque<std::string> held_order_;
   uint64_t regions_version_ = UINT64_MAX;
   std::vector<StagedRegion> staged_regions_;

@@ -630,7 +630,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
     return;
   }
 
-  const auto& keys = peer->keys->keys;
+  const RkeyTable& keys = *peer->keys;
   transport::Endpoint& endpoint = *peer->endpoint;
   const DirectMappings* direct = peer->direct.get();
   const auto& remote_regions = peer->catalog->regions();
@@ -662,9 +662,9 @@ void TransferEngine::Pump(const TransferPtr& t) {
     through_ucx = true;
     posted = op == v1::WRITE
                  ? endpoint.Put(reinterpret_cast<const void*>(o.local_address), o.length,
-                                o.remote_address, keys[o.rkey_slot])
+                                o.remote_address, keys.at(o.rkey_slot))
                  : endpoint.Get(reinterpret_cast<void*>(o.local_address), o.length,
-                                o.remote_address, keys[o.rkey_slot]);
+                                o.remote_address, keys.at(o.rkey_slot));
     if (!posted.ok()) {
       failed_segment = static_cast<int32_t>(o.segment);
       break;

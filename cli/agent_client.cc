@@ -211,12 +211,25 @@ absl::StatusOr<v1::DisconnectPeerResponse> AgentClient::Disconnect(const std::st
 }
 
 absl::StatusOr<v1::PollNotificationsResponse> AgentClient::Poll(
-    uint32_t max, const std::vector<std::string>& ids) {
+    uint32_t max, const std::vector<std::string>& ids, const std::string& subscription) {
   v1::PollNotificationsRequest request;
   request.set_max(max);
   for (const auto& id : ids) request.add_transfer_ids(id);
+  request.set_subscription(subscription);
   return Unary<v1::PollNotificationsRequest, v1::PollNotificationsResponse>(
       &v1::Agent::Stub::PollNotifications, request, timeout_ms_);
+}
+
+absl::StatusOr<uint64_t> AgentClient::Ack(const std::string& subscription, uint64_t through,
+                                          const std::vector<uint64_t>& sequences) {
+  v1::AckNotificationsRequest request;
+  request.set_subscription(subscription);
+  request.set_through_sequence(through);
+  for (uint64_t s : sequences) request.add_sequences(s);
+  auto response = Unary<v1::AckNotificationsRequest, v1::AckNotificationsResponse>(
+      &v1::Agent::Stub::AckNotifications, request, timeout_ms_);
+  if (!response.ok()) return response.status();
+  return response->released();
 }
 
 absl::StatusOr<v1::TransferState> AgentClient::WaitTransfer(const std::string& transfer_id,
@@ -240,11 +253,13 @@ absl::StatusOr<v1::TransferState> AgentClient::WaitTransfer(const std::string& t
 
 absl::Status AgentClient::WatchNotifications(
     const std::vector<std::string>& ids, uint32_t timeout_ms,
-    const std::function<bool(const v1::Notification&)>& on_notification) {
+    const std::function<bool(const v1::Notification&)>& on_notification,
+    const std::string& subscription) {
   grpc::ClientContext context;
   if (absl::Status prepared = Prepare(&context, timeout_ms); !prepared.ok()) return prepared;
   v1::WatchNotificationsRequest request;
   for (const auto& id : ids) request.add_transfer_ids(id);
+  request.set_subscription(subscription);
   auto reader = stub_->WatchNotifications(&context, request);
   v1::Notification n;
   while (reader->Read(&n)) {

@@ -69,15 +69,24 @@ class AgentClient {
   // Every page of ListTransfers (outgoing, or incoming), in one response.
   absl::StatusOr<v1::ListTransfersResponse> Transfers(bool active_only, bool incoming = false);
   absl::StatusOr<v1::DisconnectPeerResponse> Disconnect(const std::string& peer_name);
+  // With `subscription`: its unacknowledged notifications first, then queued ones,
+  // each with a sequence, held by the agent until Ack.
   absl::StatusOr<v1::PollNotificationsResponse> Poll(uint32_t max,
-                                                     const std::vector<std::string>& ids = {});
+                                                     const std::vector<std::string>& ids = {},
+                                                     const std::string& subscription = "");
+  // Releases subscription's notifications up to `through` and those in `sequences`;
+  // returns how many were released.
+  absl::StatusOr<uint64_t> Ack(const std::string& subscription, uint64_t through,
+                               const std::vector<uint64_t>& sequences = {});
   // Streams states until the transfer ends; returns the last one.
   absl::StatusOr<v1::TransferState> WaitTransfer(const std::string& transfer_id,
                                                  uint32_t timeout_ms);
   // Streams notifications to `on_notification` until it returns false or the
-  // timeout passes (then DEADLINE_EXCEEDED).
+  // timeout passes (then DEADLINE_EXCEEDED). With `subscription`, the unacknowledged
+  // ones come first, again; acknowledge with Ack after processing each.
   absl::Status WatchNotifications(const std::vector<std::string>& ids, uint32_t timeout_ms,
-                                  const std::function<bool(const v1::Notification&)>& on_notification);
+                                  const std::function<bool(const v1::Notification&)>& on_notification,
+                                  const std::string& subscription = "");
   absl::StatusOr<v1::DoctorReport> Doctor();
   // Waits until the agent answers GetStatus, up to `timeout_ms`.
   absl::Status WaitReady(uint32_t timeout_ms);

@@ -20,7 +20,7 @@
 namespace {
 
 constexpr std::string_view kUsage = R"(usage: kvagentctl [--agent ADDR] [--tls-cert PATH --tls-key PATH --tls-ca PATH]
-                  [--json] [--timeout-ms N] COMMAND [ARGS]
+                  [--json] [--timeout-ms N] [--client-name NAME] COMMAND [ARGS]
 
 --agent: unix:PATH, the agent's local door on this host (default
 unix:/run/kvagent/kvagent.sock; this process attaches a session, the kernel says
@@ -41,12 +41,17 @@ commands:
                              (unix:PATH on this host, HOST:PORT over mutual TLS)
   disconnect PEER_NAME       forget a peer (its active transfers fail); scheduler role
   cancel TRANSFER_ID         cancel a transfer
-  notifications [--max N]    take queued notifications
-  notifications --watch [--for-ms N] [--id TRANSFER_ID]...
+  notifications [--max N] [--subscription NAME]
+                             take queued notifications
+  notifications --watch [--for-ms N] [--id TRANSFER_ID]... [--subscription NAME]
                              stream notifications as they arrive (one line
                              each, or one JSON object per line with --json),
                              for N ms or until interrupted; the agent gives
-                             each notification to one taker
+                             each notification to one taker. With a
+                             subscription (yours: your uid and --client-name,
+                             default kvagentctl) each is acknowledged after it
+                             is printed; what was not comes again to the next
+                             watch or poll of it (dedupe by its sequence)
   doctor                     host and peer checks with fixes; exit 1 on any FAIL
 
   demo [--prefill ADDR --decode ADDR] [--pool-mib N] [--requests N]
@@ -141,8 +146,11 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.transfers_active()),
               static_cast<unsigned long>(s.transfers_completed()),
               static_cast<unsigned long>(s.transfers_failed()));
-  std::printf("notifications %lu queued (%lu bytes), %lu not queued: queue full\n",
+  std::printf("notifications %lu queued, %lu in flight in %lu subscriptions (%lu bytes), "
+              "%lu not queued: queue full\n",
               static_cast<unsigned long>(s.notifications_queued()),
+              static_cast<unsigned long>(s.notifications_in_flight()),
+              static_cast<unsigned long>(s.subscriptions()),
               static_cast<unsigned long>(s.queued_notification_bytes()),
               static_cast<unsigned long>(s.notifications_overflowed()));
   std::printf("streams      %lu open\n", static_cast<unsigned long>(s.open_streams()));
@@ -184,13 +192,16 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
 }
 
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
-  std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %s\n", "name", "address", "state",
-              "data_path", "ucx_transports", "mode", "regions", "same_host");
+  std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %-9s %s\n", "name", "address", "state",
+              "data_path", "ucx_transports", "mode", "regions", "same_host",
+              "metadata (last refresh; deltas/full fetches)");
   for (const auto& p : r.peers()) {
-    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %s\n", p.name().c_str(),
-                p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
+    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %lu bytes in %.1f ms; %lu/%lu\n",
+                p.name().c_str(), p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
                 p.transports().c_str(), p.error_mode().c_str(), p.regions(),
-                p.same_host() ? "yes" : "no");
+                p.same_host() ? "yes" : "no", static_cast<unsigned long>(p.metadata_bytes_last()),
+                p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
+                static_cast<unsigned long>(p.full_fetches()));
   }
 }
 
@@ -219,10 +230,12 @@ void PrintTransfers(const kvagent::v1::ListTransfersResponse& r) {
 
 void PrintNotifications(const kvagent::v1::PollNotificationsResponse& r) {
   for (const auto& n : r.notifications()) {
-    std::printf("%-24s from %-12s %-18s %lu bytes, payload %zu bytes%s%s\n",
+    const std::string sequence =
+        n.sequence() == 0 ? "" : fmt::format(" seq {}", n.sequence());
+    std::printf("%-24s from %-12s %-18s %lu bytes, payload %zu bytes%s%s%s\n",
                 n.transfer_id().c_str(), n.from_agent().c_str(),
                 kvagent::v1::NotificationKind_Name(n.kind()).c_str(),
-                static_cast<unsigned long>(n.bytes()), n.payload().size(),
+                static_cast<unsigned long>(n.bytes()), n.payload().size(), sequence.c_str(),
                 n.error_message().empty() ? "" : ": ", n.error_message().c_str());
   }
 }
@@ -258,6 +271,7 @@ int main(int argc, char** argv) {
   kvagent::agent::TlsFiles tls;
   bool json = false;
   uint64_t timeout_ms = 10000;
+  std::string client_name = "kvagentctl";
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
 
@@ -268,9 +282,11 @@ int main(int argc, char** argv) {
     if (a == "--json") {
       json = true;
     } else if (a == "--agent" || a == "--timeout-ms" || a == "--tls-cert" || a == "--tls-key" ||
-               a == "--tls-ca") {
+               a == "--tls-ca" || a == "--client-name") {
       if (i + 1 >= args.size()) return Usage(a + " needs a value");
-      if (a == "--agent") {
+      if (a == "--client-name") {
+        client_name = args[++i];
+      } else if (a == "--agent") {
         agent_address = args[++i];
       } else if (a == "--tls-cert") {
         tls.cert = args[++i];
@@ -389,6 +405,7 @@ int main(int argc, char** argv) {
   kvagent::cli::AgentClientOptions client_options;
   client_options.timeout_ms = static_cast<uint32_t>(timeout_ms);
   client_options.tls = tls;
+  client_options.client_name = client_name;
   kvagent::cli::AgentClient client(agent_address, client_options);
   if (command == "status") return Print(client.Status(), command, json, &PrintStatus);
   if (command == "regions") return Print(client.Regions(), command, json, &PrintRegions);
@@ -423,43 +440,75 @@ int main(int argc, char** argv) {
     return Print(client.Cancel(rest[1]), command, json, &PrintTransfer);
   }
   if (command == "notifications") {
-    if (rest.size() >= 2 && rest[1] == "--watch") {
-      uint64_t for_ms = 0;
-      std::vector<std::string> ids;
-      for (size_t i = 2; i < rest.size(); i += 2) {
-        if (i + 1 >= rest.size()) return Usage("notifications " + rest[i] + " needs a value");
-        if (rest[i] == "--for-ms") {
-          if (!ParseNumber("--for-ms", rest[i + 1], &for_ms)) return 2;
-        } else if (rest[i] == "--id") {
-          ids.push_back(rest[i + 1]);
-        } else {
-          return Usage("unknown notifications flag " + rest[i]);
+    const bool watch = rest.size() >= 2 && rest[1] == "--watch";
+    uint64_t for_ms = 0, max = 0;
+    std::vector<std::string> ids;
+    std::string subscription;
+    for (size_t i = watch ? 2 : 1; i < rest.size(); i += 2) {
+      if (i + 1 >= rest.size()) return Usage("notifications " + rest[i] + " needs a value");
+      if (rest[i] == "--subscription") {
+        subscription = rest[i + 1];
+      } else if (watch && rest[i] == "--for-ms") {
+        if (!ParseNumber("--for-ms", rest[i + 1], &for_ms)) return 2;
+      } else if (watch && rest[i] == "--id") {
+        ids.push_back(rest[i + 1]);
+      } else if (!watch && rest[i] == "--max") {
+        if (!ParseNumber("--max", rest[i + 1], &max)) return 2;
+      } else {
+        return Usage("unknown notifications flag " + rest[i]);
+      }
+    }
+    auto print = [json](const kvagent::v1::Notification& n) {
+      if (json) {
+        std::printf("%s\n", Json(n).c_str());
+      } else {
+        kvagent::v1::PollNotificationsResponse one;
+        *one.add_notifications() = n;
+        PrintNotifications(one);
+      }
+      std::fflush(stdout);
+    };
+    if (!watch) {
+      auto polled = client.Poll(static_cast<uint32_t>(max), {}, subscription);
+      if (!polled.ok()) return Report(polled.status(), command);
+      if (!json) {
+        PrintNotifications(*polled);
+      } else {
+        std::printf("%s\n", Json(*polled).c_str());
+      }
+      // Printed (and flushed, so a kill cannot lose printed-and-acknowledged lines in
+      // stdio's buffer): acknowledged (a failure says so; they come again on the next poll).
+      std::fflush(stdout);
+      if (!subscription.empty() && polled->notifications_size() > 0) {
+        uint64_t through = 0;
+        for (const auto& n : polled->notifications()) through = std::max(through, n.sequence());
+        if (auto acked = client.Ack(subscription, through); !acked.ok()) {
+          return Report(acked.status(), "notifications (ack)");
         }
       }
-      // 0 = until interrupted: the stream's deadline is then a year away.
-      const uint64_t limit = for_ms == 0 ? 365ull * 24 * 3600 * 1000 : for_ms;
-      absl::Status ended = client.WatchNotifications(
-          ids, static_cast<uint32_t>(std::min<uint64_t>(limit, UINT32_MAX)),
-          [json](const kvagent::v1::Notification& n) {
-            if (json) {
-              std::printf("%s\n", Json(n).c_str());
-            } else {
-              kvagent::v1::PollNotificationsResponse one;
-              *one.add_notifications() = n;
-              PrintNotifications(one);
-            }
-            std::fflush(stdout);
-            return true;
-          });
-      if (ended.ok() || (for_ms != 0 && ended.code() == absl::StatusCode::kDeadlineExceeded)) {
-        return 0;
-      }
-      return Report(ended, command);
+      return 0;
     }
-    uint64_t max = 0;
-    if (rest.size() == 3 && rest[1] == "--max" && !ParseNumber("--max", rest[2], &max)) return 2;
-    if (rest.size() != 1 && rest.size() != 3) return Usage("notifications takes [--max N] or --watch");
-    return Print(client.Poll(static_cast<uint32_t>(max)), command, json, &PrintNotifications);
+    // 0 = until interrupted: the stream's deadline is then a year away.
+    const uint64_t limit = for_ms == 0 ? 365ull * 24 * 3600 * 1000 : for_ms;
+    absl::Status acked = absl::OkStatus();
+    absl::Status ended = client.WatchNotifications(
+        ids, static_cast<uint32_t>(std::min<uint64_t>(limit, UINT32_MAX)),
+        [&](const kvagent::v1::Notification& n) {
+          print(n);
+          if (subscription.empty()) return true;
+          // After printing and flushing (stdout may be a pipe, fully buffered): a crash
+          // before the ack means it comes again (same sequence), never that it is lost.
+          std::fflush(stdout);
+          auto released = client.Ack(subscription, n.sequence());
+          if (!released.ok()) acked = released.status();
+          return released.ok();
+        },
+        subscription);
+    if (!acked.ok()) return Report(acked, "notifications (ack)");
+    if (ended.ok() || (for_ms != 0 && ended.code() == absl::StatusCode::kDeadlineExceeded)) {
+      return 0;
+    }
+    return Report(ended, command);
   }
   if (command == "doctor") {
     auto report = client.Doctor();

@@ -141,11 +141,39 @@ struct Candidate {
   }
 };
 
-bool Overlaps(const ShmMapping& a, const ShmMapping& b) {
-  return a.data() != nullptr && b.data() != nullptr && a.device() == b.device() &&
-         a.inode() == b.inode() && a.offset() < b.offset() + b.length() &&
-         b.offset() < a.offset() + a.length();
-}
+// Registered host byte ranges by object (device, inode), ordered by offset. Ranges
+// in it never overlap (that is what it checks), so the only candidate that can
+// overlap [b, e) is the first range ending after b.
+struct ShmRange {
+  uint64_t end = 0;
+  std::string name;
+  const ShmMapping* mapping = nullptr;
+};
+class HostRangeIndex {
+ public:
+  // The registered range that `m` overlaps, or null.
+  const ShmRange* Overlapping(const ShmMapping& m) const {
+    auto object = by_object_.find(Key(m));
+    if (object == by_object_.end()) return nullptr;
+    const auto& ranges = object->second;
+    // The last range starting before m's end; ranges are disjoint, so it is the only one
+    // that may still end after m's start.
+    auto it = ranges.lower_bound(m.offset() + m.length());
+    if (it == ranges.begin()) return nullptr;
+    --it;
+    return it->second.end > m.offset() ? &it->second : nullptr;
+  }
+  void Insert(const ShmMapping& m, const std::string& name) {
+    by_object_[Key(m)].emplace(m.offset(), ShmRange{m.offset() + m.length(), name, &m});
+  }
+
+ private:
+  static std::pair<uint64_t, uint64_t> Key(const ShmMapping& m) {
+    return {static_cast<uint64_t>(m.device()), static_cast<uint64_t>(m.inode())};
+  }
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, std::map<uint64_t, ShmRange>> by_object_;
+};
+
 // Device pointers are unique across devices (UVA), and opening one handle twice
 // returns the same base, so overlapping VRAM regions overlap as pointer ranges.
 bool Overlaps(const std::optional<CudaIpcMapping>& a, const std::optional<CudaIpcMapping>& b) {
@@ -485,6 +513,14 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     }
   }
 
+  // Host byte ranges already registered, by object, so that each entry's overlap
+  // check is a lookup, not a scan of every region (100,000 regions register in
+  // batches).
+  HostRangeIndex host_ranges;
+  for (const RegionPtr& region : existing) {
+    if (region->mapping.data() != nullptr) host_ranges.Insert(region->mapping, region->spec.name());
+  }
+
   // 3. Import the memory (shm mapping, CUDA VMM or IPC handle); 4. reject overlaps
   // with registered or batch regions.
   for (Candidate& c : candidates) {
@@ -634,12 +670,10 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                              c.mapping.memory()->label(), Printable(other), m.offset(),
                              m.offset() + m.length()));
     };
-    for (const RegionPtr& region : existing) {
-      if (Overlaps(c.mapping, region->mapping)) overlap(region->spec.name(), region->mapping);
-    }
-    for (const Candidate& other : candidates) {
-      if (&other == &c) break;
-      if (Overlaps(c.mapping, other.mapping)) overlap(other.spec.name(), other.mapping);
+    if (const ShmRange* other = host_ranges.Overlapping(c.mapping)) {
+      overlap(other->name, *other->mapping);
+    } else {
+      host_ranges.Insert(c.mapping, c.spec.name());
     }
   }
   if (!errors.empty()) return errors.ToStatus();
@@ -713,7 +747,14 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     result.regions.push_back(std::move(region));
   }
   // A batch of only skipped entries changes nothing, so peers need not refetch.
-  if (!result.regions.empty()) ++version_;
+  if (!result.regions.empty()) {
+    ++version_;
+    Change change;
+    change.version = version_;
+    change.added.reserve(result.regions.size());
+    for (const RegionPtr& region : result.regions) change.added.push_back(region->spec.name());
+    LogChange(std::move(change));
+  }
   result.version = version_;
   kLog.Info("registered {} regions ({} bytes, {} skipped) for {}; version {}",
             result.regions.size(), bytes, result.skipped.size(), Printable(context.owner),
@@ -760,26 +801,39 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
                       absl::StrJoin(fixes, "; ")));
     }
     absl::flat_hash_set<std::string> groups;
+    Change change;
     for (const std::string& name : names) {
       auto it = regions_.find(name);
       if (it == regions_.end()) continue;  // named twice
       if (!it->second.region->spec.group().empty()) groups.insert(it->second.region->spec.group());
+      change.removed.push_back(name);
       removed.push_back(std::move(it->second.region));
       regions_.erase(it);
     }
-    // Renumber the remaining regions of touched groups 0..n-1 in registration order.
-    for (const std::string& group : groups) {
-      std::vector<const Entry*> members;
+    // Renumber the remaining regions of touched groups 0..n-1 in registration order
+    // (one pass over the catalog for all of them).
+    if (!groups.empty()) {
+      absl::flat_hash_map<std::string, std::vector<const Entry*>> members;
       for (const auto& [name, entry] : regions_) {
-        if (entry.region->spec.group() == group) members.push_back(&entry);
+        if (groups.contains(entry.region->spec.group())) {
+          members[entry.region->spec.group()].push_back(&entry);
+        }
       }
-      std::sort(members.begin(), members.end(),
-                [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
-      for (size_t p = 0; p < members.size(); ++p) {
-        StorePosition(members[p]->region, static_cast<uint32_t>(p));
+      for (auto& [group, entries] : members) {
+        std::sort(entries.begin(), entries.end(),
+                  [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
+        for (size_t p = 0; p < entries.size(); ++p) {
+          StorePosition(entries[p]->region, static_cast<uint32_t>(p));
+          // Peers get every region of a touched group again (positions changed).
+          change.renumbered.push_back(entries[p]->region->spec.name());
+        }
       }
     }
-    if (!removed.empty()) ++version_;
+    if (!removed.empty()) {
+      ++version_;
+      change.version = version_;
+      LogChange(std::move(change));
+    }
     version = version_;
   }
   kLog.Info("deregistered {} regions for {}; version {}", removed.size(), Printable(owner),
@@ -866,6 +920,36 @@ uint64_t RegionRegistry::metadata_bytes() const {
   return total;
 }
 
+void RegionRegistry::ExportRegion(const Region& region, bool same_host,
+                                  v1::ExportedRegion* out) const {
+  out->set_name(region.spec.name());
+  out->set_kind(region.spec.kind());
+  out->set_group(region.spec.group());
+  out->set_group_position(region.group_position);
+  out->set_role(region.spec.role());
+  out->set_memory(region.spec.memory());
+  out->set_base_address(region.base_address);
+  out->set_length(region.spec.length());
+  *out->mutable_layout() = region.spec.layout();
+  out->set_rkey(region.registration.packed_rkey());
+  out->set_memory_path(region.memory_path);
+  // Where the memory is, only to a peer on this host (it can map it itself): by the
+  // object's id, whose descriptor it fetches over the session socket.
+  if (!same_host) return;
+  if (region.mapping.memory() != nullptr) {
+    out->set_memory_id(region.mapping.memory()->id());
+    out->set_memory_offset(region.mapping.offset());
+  }
+  if (region.spec.has_cuda_ipc()) {
+    out->set_cuda_ipc_handle(region.spec.cuda_ipc().ipc_handle());
+    out->set_cuda_device(region.spec.cuda_ipc().device());
+    out->set_cuda_offset(region.spec.cuda_ipc().offset());
+  }
+  // VRAM by cuda_vmm: nothing more yet. Handing a same-host peer the VMM descriptor
+  // (as PeerMemory does for host memory) is not built, so such a peer reaches these
+  // regions as a remote one does: zero-copy with a CUDA UCX, else host staging.
+}
+
 void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {
   absl::ReaderMutexLock lock(&mu_);
   std::vector<const Entry*> entries;
@@ -874,37 +958,73 @@ void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {
   std::sort(entries.begin(), entries.end(),
             [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
   metadata->clear_regions();
+  metadata->mutable_regions()->Reserve(static_cast<int>(entries.size()));
   for (const Entry* entry : entries) {
-    const Region& region = *entry->region;
-    v1::ExportedRegion* out = metadata->add_regions();
-    out->set_name(region.spec.name());
-    out->set_kind(region.spec.kind());
-    out->set_group(region.spec.group());
-    out->set_group_position(region.group_position);
-    out->set_role(region.spec.role());
-    out->set_memory(region.spec.memory());
-    out->set_base_address(region.base_address);
-    out->set_length(region.spec.length());
-    *out->mutable_layout() = region.spec.layout();
-    out->set_rkey(region.registration.packed_rkey());
-    out->set_memory_path(region.memory_path);
-    // Where the memory is, only to a peer on this host (it can map it itself): by the
-    // object's id, whose descriptor it fetches over the session socket.
-    if (!same_host) continue;
-    if (region.mapping.memory() != nullptr) {
-      out->set_memory_id(region.mapping.memory()->id());
-      out->set_memory_offset(region.mapping.offset());
-    }
-    if (region.spec.has_cuda_ipc()) {
-      out->set_cuda_ipc_handle(region.spec.cuda_ipc().ipc_handle());
-      out->set_cuda_device(region.spec.cuda_ipc().device());
-      out->set_cuda_offset(region.spec.cuda_ipc().offset());
-    }
-    // VRAM by cuda_vmm: nothing more yet. Handing a same-host peer the VMM descriptor
-    // (as PeerMemory does for host memory) is not built, so such a peer reaches these
-    // regions as a remote one does: zero-copy with a CUDA UCX, else host staging.
+    ExportRegion(*entry->region, same_host, metadata->add_regions());
   }
   metadata->set_version(version_);
+}
+
+void RegionRegistry::LogChange(Change change) {
+  for (const auto* names : {&change.added, &change.removed, &change.renumbered}) {
+    for (const std::string& name : *names) change.bytes += name.size() + 32;
+  }
+  if (change.bytes > kChangeLogBytes) {
+    // Too big to keep: nobody gets a delta across it.
+    changes_.clear();
+    change_bytes_ = 0;
+    log_base_ = change.version;
+    return;
+  }
+  change_bytes_ += change.bytes;
+  changes_.push_back(std::move(change));
+  while (changes_.size() > kChangeLogVersions || change_bytes_ > kChangeLogBytes) {
+    change_bytes_ -= changes_.front().bytes;
+    log_base_ = changes_.front().version;
+    changes_.pop_front();
+  }
+}
+
+bool RegionRegistry::ExportDelta(uint64_t known_version, v1::AgentMetadata* metadata,
+                                 bool same_host) const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (known_version < log_base_ || known_version > version_) return false;
+  // Each name's state at known_version is what its first change after it tells:
+  // "added" means it did not exist then; "removed" or "renumbered" that it did.
+  absl::flat_hash_map<absl::string_view, bool> existed;
+  auto first_seen = [&](const std::vector<std::string>& names, bool existed_before) {
+    for (const std::string& name : names) existed.try_emplace(name, existed_before);
+  };
+  // Versions are consecutive, so the entries after known_version are the last ones.
+  const size_t newer = static_cast<size_t>(version_ - known_version);
+  for (size_t i = changes_.size() - newer; i < changes_.size(); ++i) {
+    first_seen(changes_[i].added, false);
+    first_seen(changes_[i].removed, true);
+    first_seen(changes_[i].renumbered, true);
+  }
+  std::vector<const Entry*> upserts;
+  std::vector<absl::string_view> removed;
+  for (const auto& [name, existed_before] : existed) {
+    auto it = regions_.find(name);
+    if (it != regions_.end()) {
+      upserts.push_back(&it->second);
+    } else if (existed_before) {
+      removed.push_back(name);
+    }
+  }
+  std::sort(upserts.begin(), upserts.end(),
+            [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
+  std::sort(removed.begin(), removed.end());
+  metadata->clear_regions();
+  metadata->mutable_regions()->Reserve(static_cast<int>(upserts.size()));
+  for (const Entry* entry : upserts) {
+    ExportRegion(*entry->region, same_host, metadata->add_regions());
+  }
+  for (absl::string_view name : removed) metadata->add_removed_regions(std::string(name));
+  metadata->set_delta(true);
+  metadata->set_base_version(known_version);
+  metadata->set_version(version_);
+  return true;
 }
 
 std::shared_ptr<const MemoryObject> RegionRegistry::FindMemory(uint64_t memory_id) const {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -199,6 +200,12 @@ class RegionRegistry {
   // cuda_ipc. VRAM by cuda_vmm exports nothing more (for now a same-host peer reaches
   // it like a remote one: zero-copy or host staging). Never names of files.
   void Export(v1::AgentMetadata* metadata, bool same_host) const;
+  // What changed since `known_version`, as a delta (AgentMetadata.delta: the regions
+  // added, replaced or renumbered in their group, and the names removed), exported as
+  // Export does. False, leaving `metadata` alone, when the change log no longer
+  // reaches back to `known_version` (or it is newer than the catalog): then send the
+  // whole catalog.
+  bool ExportDelta(uint64_t known_version, v1::AgentMetadata* metadata, bool same_host) const;
 
   // The memory object with this id (MemoryObject::id) when a registered region uses
   // it, else null: what a same-host peer may ask for by ExportedRegion.memory_id.
@@ -218,6 +225,25 @@ class RegionRegistry {
     RegionPtr region;
   };
   absl::flat_hash_map<std::string, Entry> regions_ ABSL_GUARDED_BY(mu_);
+
+  // The change log behind ExportDelta: one entry per version, the oldest dropped
+  // past kChangeLogVersions entries or kChangeLogBytes of names. A delta from
+  // version v needs every entry after v, so it can be answered for v >= log_base_.
+  static constexpr size_t kChangeLogVersions = 4096;
+  static constexpr uint64_t kChangeLogBytes = 16 << 20;
+  struct Change {
+    uint64_t version = 0;
+    std::vector<std::string> added;        // registered at this version
+    std::vector<std::string> removed;      // deregistered
+    std::vector<std::string> renumbered;   // kept, with a new group_position
+    uint64_t bytes = 0;                    // names' bytes, plus 32 per name
+  };
+  void LogChange(Change change) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExportRegion(const Region& region, bool same_host, v1::ExportedRegion* out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::deque<Change> changes_ ABSL_GUARDED_BY(mu_);
+  uint64_t change_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t log_base_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvagent::registry

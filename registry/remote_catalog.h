@@ -42,13 +42,17 @@ struct RemoteRegion {
 };
 
 struct CatalogLimits {
-  uint32_t max_regions = 65536;
+  // 100,000 regions fit (one per KV block of a large pool); the agent's --max-regions
+  // default matches.
+  uint32_t max_regions = 131072;
   uint64_t max_rkey_bytes = 4096;
   uint64_t max_name_bytes = 256;
   // Also what this agent's registry accepts for RegionSpec.role.
   uint64_t max_role_bytes = 128;
   uint64_t max_worker_address_bytes = 16384;
 };
+
+struct AppliedDelta;
 
 class RemoteCatalog {
  public:
@@ -62,6 +66,16 @@ class RemoteCatalog {
   // regions).
   static absl::StatusOr<RemoteCatalog> FromMetadata(const v1::AgentMetadata& metadata,
                                                     const CatalogLimits& limits = {});
+
+  // The view at delta.version(), from this one (its version must be
+  // delta.base_version()): without delta.removed_regions, with delta.regions added or
+  // replaced by name. The added regions are checked as FromMetadata checks them, and
+  // so is the result (names, group positions, roles). INVALID_ARGUMENT saying why the
+  // delta does not apply (not a delta, another peer, another base version, a removed
+  // name this view lacks, a name both removed and added, too many regions, a bad
+  // region or group); the caller then fetches the whole catalog.
+  absl::StatusOr<AppliedDelta> ApplyDelta(const v1::AgentMetadata& delta,
+                                          const CatalogLimits& limits = {}) const;
 
   const std::string& peer() const { return peer_; }
   uint64_t version() const { return version_; }
@@ -77,6 +91,19 @@ class RemoteCatalog {
   std::vector<RemoteRegion> regions_;
   absl::flat_hash_map<std::string, uint32_t> by_name_;
   absl::flat_hash_map<std::string, std::vector<uint32_t>> groups_;
+
+  // Numbers slots 0..n-1 in order, indexes names and groups and checks them.
+  absl::Status Index();
+};
+
+struct AppliedDelta {
+  static constexpr uint32_t kNew = UINT32_MAX;
+  // Regions kept from the base view (in its order), then the delta's in its order.
+  RemoteCatalog catalog;
+  // For each region of `catalog`, its slot in the base view (its rkey and mapping may
+  // be reused), or kNew for one the delta brought (the delta's regions(i) is
+  // catalog.regions()[first kNew + i]).
+  std::vector<uint32_t> base_slots;
 };
 
 }  // namespace kvagent::registry

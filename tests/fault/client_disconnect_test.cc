@@ -3,9 +3,7 @@
 // (the connection just closes). Round after round the agents must free every
 // stream's state (AgentStatus.open_streams back to 0), keep their memory flat, keep
 // serving, and hand no notification to two takers.
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,33 +24,16 @@
 #include "tests/integration/agent_pair.h"
 #include "transport/base/format.h"
 
-extern char** environ;
-
 namespace kvagent::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string Kvagentctl() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  return fmt::format("{}/kvagent/cli/kvagentctl", srcdir ? srcdir : ".");
-}
-
 pid_t SpawnWatcher(const std::string& address) {
-  const std::string ctl = Kvagentctl();
-  std::vector<std::string> args = {ctl, "--agent", address, "notifications", "--watch"};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, ctl.c_str(), &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  INFO("posix_spawn " << ctl << ": " << rc);
-  REQUIRE(rc == 0);
-  return pid;
+  auto pid = SpawnKvagentctl({"--agent", address, "notifications", "--watch"});
+  INFO(pid.status().ToString());
+  REQUIRE(pid.ok());
+  return *pid;
 }
 
 // Waits until the agent reports `want` open streams; returns the milliseconds it took.

@@ -1,5 +1,7 @@
 #include "tests/integration/agent_pair.h"
 
+#include <fcntl.h>
+#include <spawn.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -11,6 +13,8 @@
 
 #include "fmt/format.h"
 #include "transport/base/format.h"
+
+extern char** environ;
 
 namespace kvagent::testing {
 namespace {
@@ -30,6 +34,28 @@ std::string MakeWorkDir() {
 }
 
 }  // namespace
+
+absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
+                                      const std::string& stdout_path) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  std::string ctl = fmt::format("{}/kvagent/cli/kvagentctl", srcdir ? srcdir : ".");
+  std::vector<std::string> all = {ctl};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, ctl.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    return absl::InternalError(fmt::format("posix_spawn {}: {}", ctl, std::strerror(rc)));
+  }
+  return pid;
+}
 
 AgentPair::AgentPair(const AgentPairOptions& options) : work_dir_(MakeWorkDir()) {
   const std::string binary = Require(cli::FindKvagentd(""), "finding kvagentd");

@@ -4,12 +4,15 @@
 #pragma once
 
 #include <chrono>
+#include <sys/types.h>
+
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
@@ -58,6 +61,11 @@ class AgentPair {
 v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint64_t>& local,
                                   const std::vector<uint64_t>& remote,
                                   const std::string& notification = "");
+
+// Starts `kvagentctl ARGS` ($TEST_SRCDIR/kvagent/cli/kvagentctl; the test needs it
+// as data) as a child process, its stdout to `stdout_path` (created, truncated).
+absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
+                                      const std::string& stdout_path = "/dev/null");
 
 // Milliseconds from `start` (steady clock) to now: the fault tests' measured times.
 inline int64_t MillisSince(std::chrono::steady_clock::time_point start) {

@@ -18,6 +18,7 @@
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/limits/status_probe.h"
 #include "transport/base/format.h"
 #include "transport/base/unique_fd.h"
 
@@ -101,50 +102,6 @@ v1::SubmitTransferRequest ByteWrite(const std::string& id, const std::string& lo
   return request;
 }
 
-// GetStatus of an agent every 2 ms on its own client while the test runs: the agent
-// must keep answering (and quickly) while it absorbs faults.
-class StatusSampler {
- public:
-  explicit StatusSampler(const std::string& address)
-      : client_(address), thread_([this] { Run(); }) {}
-  ~StatusSampler() { Stop(); }
-  void Stop() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-  }
-  // Milliseconds at the p-th percentile (0..100); failures counted apart.
-  double Percentile(double p) {
-    std::vector<double> sorted = micros_;
-    if (sorted.empty()) return 0;
-    std::sort(sorted.begin(), sorted.end());
-    const size_t index = std::min(sorted.size() - 1, static_cast<size_t>(p / 100 * sorted.size()));
-    return sorted[index] / 1000.0;
-  }
-  size_t samples() const { return micros_.size(); }
-  size_t failures() const { return failures_; }
-
- private:
-  void Run() {
-    while (!stop_) {
-      const auto start = Clock::now();
-      auto status = client_.Status();
-      const auto took =
-          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
-      if (status.ok()) {
-        micros_.push_back(static_cast<double>(took));
-      } else {
-        ++failures_;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-  }
-  cli::AgentClient client_;
-  std::atomic<bool> stop_{false};
-  std::vector<double> micros_;
-  size_t failures_ = 0;
-  std::thread thread_;
-};
-
 uint32_t Pid(cli::AgentClient& agent) {
   auto status = agent.Status();
   INFO(status.status().ToString());
@@ -187,22 +144,12 @@ void RequireShmDirect(cli::AgentClient& prefill) {
   REQUIRE(peers->peers(0).data_path() == "shm-direct");
 }
 
-void PrintLatencies(StatusSampler& sampler, const std::string& what) {
-  sampler.Stop();
-  const double p50 = sampler.Percentile(50), p99 = sampler.Percentile(99);
-  fmt::print("{}: GetStatus during the test: {} samples, {} failed, p50 {:.2f} ms, p99 {:.2f} "
-             "ms\n",
-             what, sampler.samples(), sampler.failures(), p50, p99);
-  CHECK(sampler.failures() == 0);
-  CHECK(sampler.samples() > 0);
-  CHECK(p99 < 1000.0);
-}
 
 // Two agents on one host (data shm-direct), GetStatus sampled on the sender while the
 // case runs, and both pids, to tell a restarted agent from one that lived.
 struct Scene {
   AgentPair pair;
-  StatusSampler sampler{pair.prefill_process().address()};
+  StatusProbe sampler{{pair.prefill_process().address()}, 2};
   const uint32_t prefill_pid = Pid(pair.prefill());
   const uint32_t decode_pid = Pid(pair.decode());
 
@@ -255,7 +202,7 @@ TEST_CASE("the sender's own region truncated: the transfer fails naming it, the 
   REQUIRE(renewed->phase() == v1::COMPLETED);
   CHECK(std::memcmp(fresh->data, dst_a->data, kSmall) == 0);
   scene.RequireAlive();
-  PrintLatencies(scene.sampler, "sender's region truncated");
+  scene.sampler.Report("sender's region truncated");
 }
 
 TEST_CASE("the receiver's region truncated: the sender catches it and names the peer's region") {
@@ -288,7 +235,7 @@ TEST_CASE("the receiver's region truncated: the sender catches it and names the 
 
   RequireRefused(pair.prefill(), ByteWrite("into-doomed-again", "src", "dst.doomed", kSmall, true),
                  "dst.doomed");
-  PrintLatencies(scene.sampler, "receiver's region truncated");
+  scene.sampler.Report("receiver's region truncated");
 }
 
 TEST_CASE("truncation under a big transfer in flight: FAILED or COMPLETED, never a crash") {
@@ -323,7 +270,7 @@ TEST_CASE("truncation under a big transfer in flight: FAILED or COMPLETED, never
     }
     scene.RequireAlive();
   }
-  PrintLatencies(scene.sampler, "truncation in flight");
+  scene.sampler.Report("truncation in flight");
 }
 
 }  // namespace

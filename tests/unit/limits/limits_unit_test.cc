@@ -17,7 +17,7 @@ std::string Message(const absl::Status& status) { return std::string(status.mess
 
 TEST_CASE("limit flags parse values, byte suffixes and refuse garbage") {
   Limits limits;
-  CHECK(limits.value(Limit::kRegions) == 65536);
+  CHECK(limits.value(Limit::kRegions) == 131072);
   CHECK(limits.value(Limit::kAllocatedBytes) > 0);  // derived from MemTotal
   REQUIRE(limits.SetFromFlag("--max-regions", "12").ok());
   CHECK(limits.value(Limit::kRegions) == 12);

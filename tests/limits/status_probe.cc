@@ -1,0 +1,56 @@
+#include "tests/limits/status_probe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+
+namespace kvagent::testing {
+
+StatusProbe::StatusProbe(std::vector<std::string> addresses, uint32_t every_ms)
+    : thread_([this, addresses = std::move(addresses), every_ms] {
+        std::vector<std::unique_ptr<cli::AgentClient>> clients;
+        for (const auto& address : addresses) {
+          clients.push_back(std::make_unique<cli::AgentClient>(address, 5000));
+        }
+        while (!stop_.load()) {
+          for (auto& client : clients) {
+            const auto start = std::chrono::steady_clock::now();
+            const bool ok = client->Status().ok();
+            const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now() - start)
+                                   .count();
+            std::lock_guard<std::mutex> lock(mu_);
+            micros_.push_back(us);
+            if (!ok) ++failures_;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(every_ms));
+        }
+      }) {}
+
+StatusProbe::~StatusProbe() { Stop(); }
+
+void StatusProbe::Stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void StatusProbe::Report(const std::string& what) {
+  Stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  REQUIRE(!micros_.empty());
+  std::sort(micros_.begin(), micros_.end());
+  const auto at = [this](double q) {
+    return micros_[std::min(micros_.size() - 1, static_cast<size_t>(q * micros_.size()))];
+  };
+  std::printf("%s: GetStatus p50 %.2f ms, p99 %.2f ms, max %.2f ms over %zu calls (%d failed)\n",
+              what.c_str(), at(0.5) / 1000.0, at(0.99) / 1000.0, micros_.back() / 1000.0,
+              micros_.size(), failures_);
+  CHECK(failures_ == 0);
+  CHECK(at(0.99) < 1'000'000);
+}
+
+}  // namespace kvagent::testing
