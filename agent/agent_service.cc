@@ -506,8 +506,9 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
   response->set_listen_address(id.listen_address);
   response->set_ucx_version(caps.version);
   for (const auto& t : caps.transports) response->add_ucx_transports(t);
-  response->set_regions(static_cast<uint32_t>(deps_.registry->List().size()));
-  response->set_registered_bytes(deps_.registry->registered_bytes());
+  const registry::RegistryUsage registered = deps_.registry->Usage();
+  response->set_regions(static_cast<uint32_t>(registered.regions));
+  response->set_registered_bytes(registered.bytes);
   response->set_peers(static_cast<uint32_t>(deps_.peers->size()));
   const TransferCounters counters = deps_.engine->counters();
   response->set_transfers_active(counters.active);
@@ -540,20 +541,11 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
 void AgentService::FillLimits(const TransferCounters& counters, v1::AgentStatus* status) const {
   std::array<uint64_t, kLimitCount> in_use{};
   auto use = [&in_use](Limit limit) -> uint64_t& { return in_use[static_cast<int>(limit)]; };
-  absl::flat_hash_map<std::string, std::pair<uint64_t, uint64_t>> by_owner;  // regions, bytes
-  const auto regions = deps_.registry->List();
-  for (const auto& region : regions) {
-    auto& [count, bytes] = by_owner[region->owner];
-    ++count;
-    bytes += region->spec.length();
-  }
-  use(Limit::kRegions) = regions.size();
-  for (const auto& [owner, totals] : by_owner) {
-    use(Limit::kRegionsPerOwner) = std::max(use(Limit::kRegionsPerOwner), totals.first);
-    use(Limit::kRegisteredBytesPerOwner) =
-        std::max(use(Limit::kRegisteredBytesPerOwner), totals.second);
-  }
-  use(Limit::kMetadataBytes) = deps_.registry->metadata_bytes();
+  const registry::RegistryUsage registered = deps_.registry->Usage();
+  use(Limit::kRegions) = registered.regions;
+  use(Limit::kRegionsPerOwner) = registered.largest_owner_regions;
+  use(Limit::kRegisteredBytesPerOwner) = registered.largest_owner_bytes;
+  use(Limit::kMetadataBytes) = registered.metadata_bytes;
   if (deps_.local_door != nullptr) {
     use(Limit::kAllocatedBytes) = deps_.local_door->allocated_bytes();
     use(Limit::kAllocatedBytesPerOwner) = deps_.local_door->largest_allocation_owner();

@@ -743,6 +743,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     region->vmm = std::move(c.vmm);
     region->registration = std::move(c.registration);
     bytes += region->spec.length();
+    CountLocked(*region, +1);
     regions_.emplace(region->spec.name(), Entry{next_sequence_++, region});
     result.regions.push_back(std::move(region));
   }
@@ -807,6 +808,7 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
       if (it == regions_.end()) continue;  // named twice
       if (!it->second.region->spec.group().empty()) groups.insert(it->second.region->spec.group());
       change.removed.push_back(name);
+      CountLocked(*it->second.region, -1);
       removed.push_back(std::move(it->second.region));
       regions_.erase(it);
     }
@@ -898,9 +900,37 @@ uint64_t RegionRegistry::version() const {
 
 uint64_t RegionRegistry::registered_bytes() const {
   absl::ReaderMutexLock lock(&mu_);
-  uint64_t bytes = 0;
-  for (const auto& [name, entry] : regions_) bytes += entry.region->spec.length();
-  return bytes;
+  return usage_.bytes;
+}
+
+void RegionRegistry::CountLocked(const Region& region, int sign) {
+  const uint64_t bytes = region.spec.length();
+  const uint64_t exported = ExportBytes(region.spec, region.registration.packed_rkey().size());
+  OwnerUsage& owner = by_owner_[region.owner];
+  if (sign > 0) {
+    ++usage_.regions;
+    usage_.bytes += bytes;
+    usage_.metadata_bytes += exported;
+    ++owner.regions;
+    owner.bytes += bytes;
+  } else {
+    --usage_.regions;
+    usage_.bytes -= bytes;
+    usage_.metadata_bytes -= exported;
+    --owner.regions;
+    owner.bytes -= bytes;
+    if (owner.regions == 0) by_owner_.erase(region.owner);
+  }
+}
+
+RegistryUsage RegionRegistry::Usage() const {
+  absl::ReaderMutexLock lock(&mu_);
+  RegistryUsage usage = usage_;
+  for (const auto& [owner, counts] : by_owner_) {
+    usage.largest_owner_regions = std::max(usage.largest_owner_regions, counts.regions);
+    usage.largest_owner_bytes = std::max(usage.largest_owner_bytes, counts.bytes);
+  }
+  return usage;
 }
 
 uint64_t ExportBytes(const v1::RegionSpec& spec, uint64_t rkey_bytes) {
@@ -913,11 +943,7 @@ uint64_t ExportBytes(const v1::RegionSpec& spec, uint64_t rkey_bytes) {
 
 uint64_t RegionRegistry::metadata_bytes() const {
   absl::ReaderMutexLock lock(&mu_);
-  uint64_t total = 0;
-  for (const auto& [name, entry] : regions_) {
-    total += ExportBytes(entry.region->spec, entry.region->registration.packed_rkey().size());
-  }
-  return total;
+  return usage_.metadata_bytes;
 }
 
 void RegionRegistry::ExportRegion(const Region& region, bool same_host,

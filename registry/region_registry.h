@@ -111,6 +111,15 @@ struct RegisterUsage {
   uint64_t new_metadata_bytes = 0;
 };
 
+// What is registered, kept current (RegionRegistry::Usage): for GetStatus.
+struct RegistryUsage {
+  uint64_t regions = 0;
+  uint64_t bytes = 0;
+  uint64_t metadata_bytes = 0;  // sum of ExportBytes
+  uint64_t largest_owner_regions = 0;
+  uint64_t largest_owner_bytes = 0;
+};
+
 // Who registers, and how their memory is reached.
 struct RegisterContext {
   // The caller's principal ("session:7 uid:1000 (engine-a)"); regions and groups it
@@ -191,6 +200,8 @@ class RegionRegistry {
   uint64_t registered_bytes() const;
   // The catalog's size as peers fetch it, estimated as the sum of ExportBytes.
   uint64_t metadata_bytes() const;
+  // Counts, bytes and the largest owner's share, in O(owners).
+  RegistryUsage Usage() const;
 
   // The regions as peers see them (addresses, layouts, packed rkeys; staged VRAM
   // regions have no UCX registration and go out with an empty rkey). Only for a peer
@@ -225,6 +236,14 @@ class RegionRegistry {
     RegionPtr region;
   };
   absl::flat_hash_map<std::string, Entry> regions_ ABSL_GUARDED_BY(mu_);
+  // Kept as regions come and go, so that GetStatus costs O(owners), not O(regions).
+  struct OwnerUsage {
+    uint64_t regions = 0;
+    uint64_t bytes = 0;
+  };
+  void CountLocked(const Region& region, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RegistryUsage usage_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, OwnerUsage> by_owner_ ABSL_GUARDED_BY(mu_);
 
   // The change log behind ExportDelta: one entry per version, the oldest dropped
   // past kChangeLogVersions entries or kChangeLogBytes of names. A delta from

@@ -201,6 +201,12 @@ TEST_CASE("regions: a batch past regions_per_owner is refused whole; long error 
   INFO(fits.status().ToString());
   CHECK(fits.ok());
   CHECK(Refused(pair.prefill(), "regions_per_owner") == 1);
+  auto counted = pair.prefill().Status();
+  REQUIRE(counted.ok());
+  CHECK(counted->regions() == 40);
+  CHECK(FindLimit(*counted, "regions")->in_use() == 40);
+  CHECK(FindLimit(*counted, "regions_per_owner")->in_use() == 40);
+  CHECK(FindLimit(*counted, "metadata_bytes")->in_use() > 40 * 100);
 
   // 200 bad entries: one line each, far over gRPC's trailer; the client still gets
   // INVALID_ARGUMENT and the start of the text, not gRPC's own RESOURCE_EXHAUSTED.
