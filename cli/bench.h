@@ -14,6 +14,10 @@ struct BenchOptions {
   std::string initiator_address;  // both empty: start two agents here
   std::string target_address;
   bool quick = false;             // fewer sizes, batches and transfers (under a minute)
+  // Regions per agent in the memory phase (--memory-regions): 1,000 by default; past
+  // 1,000 each region holds one 4 KiB item (100,000 regions: 400 MiB of pool per agent)
+  // and the phase runs a tenth of the transfers.
+  uint32_t memory_regions = 1000;
   bool json = false;              // one JSON object per cell per line instead of a table
   uint64_t pool_mib = 1024;       // per agent; every block size reuses the whole pool
   bool shm_direct = true;         // agents started here copy same-host data directly

@@ -29,7 +29,7 @@ struct MemoryBenchOptions {
   // notification; submitted by `threads` threads, each waiting for its transfer.
   uint64_t transfers = 100000;
   uint32_t threads = 4;
-  // The target of issue 6, per agent.
+  // The target of issue 6, per agent; 0: none (the 100,000-region scale line).
   uint64_t limit_bytes = 64ull << 20;
   // Called now and then with the transfers completed so far (e.g. cli::Progress), from
   // one submitting thread, never two calls at once; may be empty.

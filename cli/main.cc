@@ -76,7 +76,7 @@ commands:
 
   bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
-        [--memory dram|vram] [--device N]
+        [--memory dram|vram] [--device N] [--memory-regions N]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
                              size x batch x WRITE/READ x contiguous/scattered,
@@ -84,7 +84,10 @@ commands:
                              notification p50/p99, beside ucx_perftest and a
                              single-thread memcpy of the same pages; --json
                              prints one JSON object per cell; --quick runs a
-                             smaller sweep in well under a minute.
+                             smaller sweep in well under a minute;
+                             --memory-regions N: the agent-memory phase
+                             registers N regions per agent (default 1000;
+                             100000 is issue 13's scale line)
                              --memory vram: pools on CUDA device N (--device),
                              registered by IPC handle; the memcpy column is a
                              device-to-device cuMemcpy of the same pages, and
@@ -386,6 +389,12 @@ int main(int argc, char** argv) {
       } else if (a == "--memory") {
         if (v != "dram" && v != "vram") return Usage("--memory takes dram or vram");
         options.memory = v;
+      } else if (a == "--memory-regions") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n < 10 || n > 131072 || n % 10 != 0) {
+          return Usage("--memory-regions takes a multiple of 10 from 10 to 131072");
+        }
+        options.memory_regions = static_cast<uint32_t>(n);
       } else if (a == "--device") {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n > 1024) return Usage("--device takes a CUDA device ordinal");

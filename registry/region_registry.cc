@@ -488,28 +488,32 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   }
 
   // The agent's limits, before anything is imported: the batch as it stands (entries
-  // refused above are not counted; the whole batch fails anyway).
+  // refused above are not counted; the whole batch fails anyway). New regions' rkeys
+  // are not packed yet, so the catalog's size is checked here as a lower bound (no
+  // rkey) and again, exactly, once they are.
+  RegisterUsage usage;
+  auto admit = [&](bool packed) -> absl::Status {
+    usage.new_metadata_bytes = 0;
+    for (const Candidate& c : candidates) {
+      usage.new_metadata_bytes +=
+          ExportBytes(c.spec, packed ? c.registration.packed_rkey().size() : 0);
+    }
+    return context.admit(usage);
+  };
   if (context.admit && errors.empty()) {
-    RegisterUsage usage;
-    uint64_t rkey_bytes = 0;
     for (const RegionPtr& region : existing) {
-      const uint64_t rkey = region->registration.packed_rkey().size();
-      usage.metadata_bytes += ExportBytes(region->spec, rkey);
-      rkey_bytes = std::max(rkey_bytes, rkey);
+      usage.metadata_bytes += ExportBytes(region->spec, region->registration.packed_rkey().size());
       if (region->owner != context.owner) continue;
       ++usage.owner_regions;
       usage.owner_bytes += region->spec.length();
     }
     usage.regions = existing.size();
-    // A new region's rkey is not packed yet: as large as the largest one so far.
-    if (rkey_bytes == 0) rkey_bytes = 512;
     for (const Candidate& c : candidates) {
       ++usage.new_regions;
       usage.new_bytes += c.spec.length();
-      usage.new_metadata_bytes += ExportBytes(c.spec, rkey_bytes);
     }
     if (usage.new_regions > 0) {
-      if (absl::Status admitted = context.admit(usage); !admitted.ok()) return admitted;
+      if (absl::Status admitted = admit(/*packed=*/false); !admitted.ok()) return admitted;
     }
   }
 
@@ -722,13 +726,14 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     c.registration = std::move(registration).value();
   }
   if (!errors.empty()) return errors.ToStatus();
+  if (context.admit && usage.new_regions > 0) {
+    if (absl::Status admitted = admit(/*packed=*/true); !admitted.ok()) return admitted;
+  }
 
   // 7. Commit.
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<std::string, uint32_t> group_sizes;
-  for (const auto& [name, entry] : regions_) {
-    if (!entry.region->spec.group().empty()) ++group_sizes[entry.region->spec.group()];
-  }
+  for (const auto& [group, members] : groups_) group_sizes[group] = members.size();
   uint64_t bytes = 0;
   for (Candidate& c : candidates) {
     auto region = std::make_shared<Region>();
@@ -743,7 +748,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     region->vmm = std::move(c.vmm);
     region->registration = std::move(c.registration);
     bytes += region->spec.length();
-    CountLocked(*region, +1);
+    CountLocked(region, +1);
     regions_.emplace(region->spec.name(), Entry{next_sequence_++, region});
     result.regions.push_back(std::move(region));
   }
@@ -808,7 +813,7 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
       if (it == regions_.end()) continue;  // named twice
       if (!it->second.region->spec.group().empty()) groups.insert(it->second.region->spec.group());
       change.removed.push_back(name);
-      CountLocked(*it->second.region, -1);
+      CountLocked(it->second.region, -1);
       removed.push_back(std::move(it->second.region));
       regions_.erase(it);
     }
@@ -855,9 +860,11 @@ RegionPtr RegionRegistry::Find(const std::string& name) const {
 std::vector<RegionPtr> RegionRegistry::FindGroup(const std::string& group) const {
   std::vector<RegionPtr> out;
   if (group.empty()) return out;
-  absl::ReaderMutexLock lock(&mu_);
-  for (const auto& [name, entry] : regions_) {
-    if (entry.region->spec.group() == group) out.push_back(entry.region);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = groups_.find(group);
+    if (it == groups_.end()) return out;
+    out = it->second;
   }
   std::sort(out.begin(), out.end(), [](const RegionPtr& a, const RegionPtr& b) {
     return a->group_position < b->group_position;
@@ -869,9 +876,7 @@ std::vector<std::string> RegionRegistry::GroupNames() const {
   absl::flat_hash_set<std::string> groups;
   {
     absl::ReaderMutexLock lock(&mu_);
-    for (const auto& [name, entry] : regions_) {
-      if (!entry.region->spec.group().empty()) groups.insert(entry.region->spec.group());
-    }
+    for (const auto& [group, members] : groups_) groups.insert(group);
   }
   std::vector<std::string> out(groups.begin(), groups.end());
   std::sort(out.begin(), out.end());
@@ -903,7 +908,17 @@ uint64_t RegionRegistry::registered_bytes() const {
   return usage_.bytes;
 }
 
-void RegionRegistry::CountLocked(const Region& region, int sign) {
+void RegionRegistry::CountLocked(const RegionPtr& ptr, int sign) {
+  const Region& region = *ptr;
+  if (!region.spec.group().empty()) {
+    std::vector<RegionPtr>& members = groups_[region.spec.group()];
+    if (sign > 0) {
+      members.push_back(ptr);
+    } else {
+      members.erase(std::remove(members.begin(), members.end(), ptr), members.end());
+      if (members.empty()) groups_.erase(region.spec.group());
+    }
+  }
   const uint64_t bytes = region.spec.length();
   const uint64_t exported = ExportBytes(region.spec, region.registration.packed_rkey().size());
   OwnerUsage& owner = by_owner_[region.owner];

@@ -241,7 +241,9 @@ class RegionRegistry {
     uint64_t regions = 0;
     uint64_t bytes = 0;
   };
-  void CountLocked(const Region& region, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountLocked(const RegionPtr& region, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Regions by group (FindGroup is on every transfer's path: O(group), not O(regions)).
+  absl::flat_hash_map<std::string, std::vector<RegionPtr>> groups_ ABSL_GUARDED_BY(mu_);
   RegistryUsage usage_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, OwnerUsage> by_owner_ ABSL_GUARDED_BY(mu_);
 

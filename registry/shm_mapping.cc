@@ -8,9 +8,13 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
+#include <atomic>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "fmt/format.h"
 #include "transport/base/status_macros.h"
 
@@ -26,15 +30,86 @@ uint64_t AlignDown(uint64_t value, uint64_t alignment) { return value - value % 
 
 }  // namespace
 
+struct ShmMapping::Segment {
+  void* base = nullptr;
+  uint64_t length = 0;
+  std::pair<uint64_t, uint64_t> key;  // (device, inode); {0, 0}: not shared
+  GuardedRange guard;                 // [base, +length); released before munmap
+  std::shared_ptr<const MemoryObject> object;  // keeps the descriptor open
+
+  ~Segment();
+};
+
+namespace {
+
+// The whole-object mappings alive, by (device, inode): what Map shares.
+struct SegmentTable {
+  absl::Mutex mu;
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, std::weak_ptr<ShmMapping::Segment>> live
+      ABSL_GUARDED_BY(mu);
+};
+SegmentTable& Segments() {
+  static auto* table = new SegmentTable();  // never destroyed: segments may outlive statics
+  return *table;
+}
+
+std::atomic<size_t> segments_alive{0};
+
+uint64_t AlignUp(uint64_t value, uint64_t alignment) {
+  return AlignDown(value + alignment - 1, alignment);
+}
+
+}  // namespace
+
+ShmMapping::Segment::~Segment() {
+  if (base != nullptr) segments_alive.fetch_sub(1);
+  guard.Reset();  // first: nothing may touch the range once it is unmapped
+  if (base != nullptr) munmap(base, length);
+  if (key != std::pair<uint64_t, uint64_t>{0, 0}) {
+    SegmentTable& table = Segments();
+    absl::MutexLock lock(&table.mu);
+    auto it = table.live.find(key);
+    if (it != table.live.end() && it->second.expired()) table.live.erase(it);
+  }
+}
+
+size_t ShmMapping::shared_mappings() { return segments_alive.load(); }
+
+bool ShmMapping::broken() const { return segment_ != nullptr && segment_->guard.broken(); }
+
+absl::StatusOr<std::shared_ptr<ShmMapping::Segment>> ShmMapping::MapSegment(
+    const std::shared_ptr<const MemoryObject>& object, uint64_t length, std::string_view entry) {
+  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, object->fd(), 0);
+  if (base == MAP_FAILED) {
+    const int err = errno;
+    if (err == EACCES || err == EPERM) {
+      return absl::FailedPreconditionError(fmt::format(
+          "region '{}': memory '{}' cannot be mapped read-write ({}); share memory opened "
+          "O_RDWR and not sealed against writes",
+          entry, object->label(), std::strerror(err)));
+    }
+    return absl::ResourceExhaustedError(fmt::format(
+        "region '{}': mmap of {} bytes of memory '{}' failed ({}); check the address-space "
+        "limit (ulimit -v), vm.max_map_count and, for hugetlbfs, free huge pages",
+        entry, length, object->label(), std::strerror(err)));
+  }
+  auto guard = FaultGuard::Guard(base, length, object->page_alignment(), entry);
+  if (!guard.ok()) {
+    munmap(base, length);
+    return guard.status();
+  }
+  auto segment = std::make_shared<Segment>();
+  segments_alive.fetch_add(1);
+  segment->base = base;
+  segment->length = length;
+  segment->guard = *std::move(guard);
+  segment->object = object;
+  return segment;
+}
+
 absl::StatusOr<ShmMapping> ShmMapping::Map(std::shared_ptr<const MemoryObject> object,
                                            uint64_t offset, uint64_t length,
                                            std::string_view entry) {
-  return MapRange(std::move(object), offset, length, entry, /*populate=*/true);
-}
-
-absl::StatusOr<ShmMapping> ShmMapping::MapRange(std::shared_ptr<const MemoryObject> object,
-                                                uint64_t offset, uint64_t length,
-                                                std::string_view entry, bool populate) {
   if (object == nullptr) {
     return absl::InvalidArgumentError(
         fmt::format("region '{}': no memory object to map; share the memory first", entry));
@@ -54,44 +129,43 @@ absl::StatusOr<ShmMapping> ShmMapping::MapRange(std::shared_ptr<const MemoryObje
                     end < offset ? std::string("overflow") : std::to_string(end)));
   }
 
-  // mmap offsets must be page aligned (huge-page aligned on hugetlbfs).
-  const uint64_t alignment = object->page_alignment();
-  const uint64_t map_offset = AlignDown(offset, alignment);
-  const uint64_t delta = offset - map_offset;
-  const uint64_t map_length = AlignDown(delta + length + alignment - 1, alignment);
-
-  void* base =
-      mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0),
-           object->fd(), static_cast<off_t>(map_offset));
-  if (base == MAP_FAILED) {
-    const int err = errno;
-    if (err == EACCES || err == EPERM) {
-      return absl::FailedPreconditionError(fmt::format(
-          "region '{}': memory '{}' cannot be mapped read-write ({}); share memory opened "
-          "O_RDWR and not sealed against writes",
-          entry, object->label(), std::strerror(err)));
+  // Share the object's mapping when one covers the range and is intact. Segments are
+  // only ever released outside the table's lock (their destructor takes it).
+  const std::pair<uint64_t, uint64_t> key{static_cast<uint64_t>(object->device()),
+                                          static_cast<uint64_t>(object->inode())};
+  std::shared_ptr<Segment> segment, unused;
+  {
+    SegmentTable& table = Segments();
+    absl::MutexLock lock(&table.mu);
+    auto it = table.live.find(key);
+    if (it != table.live.end()) {
+      segment = it->second.lock();
+      if (segment != nullptr && (segment->guard.broken() || segment->length < end)) {
+        unused = std::move(segment);  // grown or broken: a new mapping replaces it
+        segment = nullptr;
+      }
     }
-    return absl::ResourceExhaustedError(fmt::format(
-        "region '{}': mmap of {} bytes at offset {} of memory '{}' failed ({}); check the "
-        "address-space limit (ulimit -v), vm.max_map_count and, for hugetlbfs, free huge "
-        "pages",
-        entry, map_length, map_offset, object->label(), std::strerror(err)));
-  }
-
-  auto guard = FaultGuard::Guard(base, map_length, alignment, entry);
-  if (!guard.ok()) {
-    munmap(base, map_length);
-    return guard.status();
+    if (segment == nullptr) {
+      // The whole object as it is now (huge-page aligned on hugetlbfs).
+      ASSIGN_OR_RETURN(segment, MapSegment(object, AlignUp(size, object->page_alignment()), entry));
+      segment->key = key;
+      table.live[key] = segment;
+    }
   }
 
   ShmMapping mapping;
-  mapping.guard_ = *std::move(guard);
   mapping.memory_ = std::move(object);
-  mapping.map_base_ = base;
-  mapping.map_length_ = map_length;
-  mapping.data_ = static_cast<char*>(base) + delta;
+  mapping.segment_ = std::move(segment);
+  mapping.data_ = static_cast<char*>(mapping.segment_->base) + offset;
   mapping.length_ = length;
   mapping.offset_ = offset;
+  // Fault the range's pages in now, writable, as MAP_POPULATE did for a mapping of
+  // the range alone; failures are left to the transfer path (and the fault guard).
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t first = AlignDown(offset, page);
+  (void)madvise(static_cast<char*>(mapping.segment_->base) + first,
+                std::min(AlignUp(end, page), mapping.segment_->length) - first,
+                MADV_POPULATE_WRITE);
   return mapping;
 }
 
@@ -158,11 +232,17 @@ absl::StatusOr<ShmMapping> ShmMapping::Create(const std::string& name, uint64_t 
   }
   auto object = MemoryObject::FromDescriptor(std::move(fd), name);
   if (!object.ok()) return fail_unlink(object.status());
-  // Not populated: the creator touches the pages it uses.
-  auto mapping = MapRange(*std::move(object), 0, bytes, name, /*populate=*/false);
-  if (!mapping.ok()) return fail_unlink(mapping.status());
-  mapping->name_ = name;
-  mapping->owner_ = true;
+  // Not populated, and not shared (the name is unlinked with it): the creator touches
+  // the pages it uses.
+  auto segment = MapSegment(*object, AlignUp(bytes, (*object)->page_alignment()), name);
+  if (!segment.ok()) return fail_unlink(segment.status());
+  ShmMapping mapping;
+  mapping.memory_ = *std::move(object);
+  mapping.segment_ = *std::move(segment);
+  mapping.data_ = mapping.segment_->base;
+  mapping.length_ = bytes;
+  mapping.name_ = name;
+  mapping.owner_ = true;
   return mapping;
 }
 
@@ -173,15 +253,14 @@ ShmMapping& ShmMapping::operator=(ShmMapping&& other) noexcept {
     Reset();
     name_ = std::move(other.name_);
     memory_ = std::move(other.memory_);
-    map_base_ = std::exchange(other.map_base_, nullptr);
-    map_length_ = std::exchange(other.map_length_, 0);
+    segment_ = std::move(other.segment_);
     data_ = std::exchange(other.data_, nullptr);
     length_ = std::exchange(other.length_, 0);
     offset_ = std::exchange(other.offset_, 0);
     owner_ = std::exchange(other.owner_, false);
-    guard_ = std::move(other.guard_);
     other.name_.clear();
     other.memory_.reset();
+    other.segment_.reset();
   }
   return *this;
 }
@@ -189,13 +268,12 @@ ShmMapping& ShmMapping::operator=(ShmMapping&& other) noexcept {
 ShmMapping::~ShmMapping() { Reset(); }
 
 void ShmMapping::Reset() {
-  guard_.Reset();  // first: nothing may touch the range once it is unmapped
-  if (map_base_ != nullptr) munmap(map_base_, map_length_);
+  segment_.reset();  // unmapped (and unguarded) with its last user
   if (owner_) shm_unlink(name_.c_str());
   name_.clear();
   memory_.reset();
-  map_base_ = data_ = nullptr;
-  map_length_ = length_ = offset_ = 0;
+  data_ = nullptr;
+  length_ = offset_ = 0;
   owner_ = false;
 }
 

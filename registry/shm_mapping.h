@@ -21,9 +21,13 @@ namespace kvagent::registry {
 
 class ShmMapping {
  public:
-  // Maps [offset, offset+length) of `object` read-write, MAP_SHARED|MAP_POPULATE (the
-  // pages are faulted in now, not in the transfer path), offsets aligned to the
-  // object's page_alignment(). `entry` names the caller's region in errors.
+  // Maps [offset, offset+length) of `object` read-write, MAP_SHARED, and faults the
+  // range's pages in now (MADV_POPULATE_WRITE), not in the transfer path. `entry`
+  // names the caller's region in errors. Mappings of one object share one mapping of
+  // the whole object (one VMA, one guard slot), so 100,000 regions of one pool cost
+  // one mapping, not 100,000 (vm.max_map_count is 65,530 by default): a live, intact
+  // shared mapping that covers the range is reused (the object grew past it, or it is
+  // broken: a new one is made).
   // INVALID_ARGUMENT when there is no object, length is 0, or the object is now (fstat
   // again: unsealed objects change size) smaller than offset+length (the message gives
   // both sizes; an overflowing sum is refused, not wrapped); RESOURCE_EXHAUSTED or
@@ -62,23 +66,25 @@ class ShmMapping {
   uint64_t offset() const { return offset_; }
   // A SIGBUS was caught in this mapping (FaultGuard): from the faulting page on it
   // holds zeros, not the object's bytes, until unmapped. Bytes moved through it since
-  // the fault are not valid.
-  bool broken() const { return guard_.broken(); }
+  // the fault are not valid. Mappings sharing one whole-object mapping break together.
+  bool broken() const;
+  // mmaps alive now (each shared by the ShmMappings of one object, or one Create).
+  static size_t shared_mappings();
+
+  struct Segment;  // one mmap of a whole object, guarded; unmapped with its last user
 
  private:
-  static absl::StatusOr<ShmMapping> MapRange(std::shared_ptr<const MemoryObject> object,
-                                             uint64_t offset, uint64_t length,
-                                             std::string_view entry, bool populate);
+  static absl::StatusOr<std::shared_ptr<Segment>> MapSegment(
+      const std::shared_ptr<const MemoryObject>& object, uint64_t length,
+      std::string_view entry);
   void Reset();
   std::string name_;
   std::shared_ptr<const MemoryObject> memory_;
-  void* map_base_ = nullptr;  // page-aligned mapping start
-  uint64_t map_length_ = 0;
+  std::shared_ptr<Segment> segment_;
   void* data_ = nullptr;
   uint64_t length_ = 0;
   uint64_t offset_ = 0;
   bool owner_ = false;  // unlink name_ on destruction
-  GuardedRange guard_;  // [map_base_, +map_length_); released before munmap
 };
 
 }  // namespace kvagent::registry

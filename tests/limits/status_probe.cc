@@ -50,7 +50,10 @@ void StatusProbe::Report(const std::string& what) {
               what.c_str(), at(0.5) / 1000.0, at(0.99) / 1000.0, micros_.back() / 1000.0,
               micros_.size(), failures_);
   CHECK(failures_ == 0);
-  CHECK(at(0.99) < 1'000'000);
+  // Loose: a stall (a call stuck behind a blocked thread, seconds) fails it; speed
+  // under load is the benchmark's to judge, and sanitizer builds are several times
+  // slower.
+  CHECK(at(0.99) < 2'500'000);
 }
 
 }  // namespace kvagent::testing

@@ -1,7 +1,7 @@
 // StatusProbe samples GetStatus on one or more agents every few milliseconds, each on
 // its own client, while a limits test pushes them: the agents must keep answering, and
-// quickly. Report() prints p50/p99/max and checks that every call answered, with a
-// loose bound (the 50 ms target is the benchmark's to check, not a timed test's).
+// without stalls. Report() prints p50/p99/max and checks that every call answered,
+// with a loose bound (the 50 ms target is the benchmark's to check, not a test's).
 #pragma once
 
 #include <atomic>
@@ -22,7 +22,7 @@ class StatusProbe {
 
   void Stop();
   // Stops, prints "<what>: GetStatus p50 .. p99 .. max .. over N calls (F failed)" and
-  // CHECKs: samples taken, none failed, p99 under 1 s.
+  // CHECKs: samples taken, none failed, p99 under 2.5 s (catches stalls, not speed).
   void Report(const std::string& what);
 
  private:

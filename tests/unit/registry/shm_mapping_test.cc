@@ -4,9 +4,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "tests/unit/registry/test_util.h"
@@ -151,6 +153,66 @@ TEST_CASE("Map checks the size the object has now, not at open") {
                                                     "length 8192 = 12288 bytes"));
   CHECK(ShmMapping::Map(nullptr, 0, 1, "n").status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(ShmMapping::Map(*object, 0, 0, "z").status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvagent::registry
+
+namespace kvagent::registry {
+namespace {
+
+TEST_CASE("mappings of one object share one whole-object mapping until it breaks or is outgrown") {
+  constexpr uint64_t kPage = 4096;
+  UniqueFd fd(memfd_create("shared-pool", MFD_CLOEXEC));
+  REQUIRE(fd.valid());
+  REQUIRE(ftruncate(fd.get(), 16 * kPage) == 0);
+  auto object = MemoryObject::FromDescriptor(UniqueFd(dup(fd.get())), "shared-pool");
+  REQUIRE(object.ok());
+  const size_t before = ShmMapping::shared_mappings();
+  std::vector<ShmMapping> regions;
+  for (uint64_t i = 0; i < 16; ++i) {
+    auto mapping = ShmMapping::Map(*object, i * kPage, kPage, "item");
+    REQUIRE(mapping.ok());
+    regions.push_back(*std::move(mapping));
+  }
+  // One mapping for all sixteen: consecutive regions are consecutive addresses.
+  CHECK(ShmMapping::shared_mappings() == before + 1);
+  for (uint64_t i = 1; i < 16; ++i) {
+    CHECK(static_cast<char*>(regions[i].data()) - static_cast<char*>(regions[0].data()) ==
+          static_cast<std::ptrdiff_t>(i * kPage));
+  }
+  // Another descriptor of the same memfd (as a second engine handle would be) shares it too.
+  auto other = MemoryObject::FromDescriptor(UniqueFd(dup(fd.get())), "same-pool");
+  REQUIRE(other.ok());
+  auto again = ShmMapping::Map(*other, 3 * kPage, 10, "again");
+  REQUIRE(again.ok());
+  CHECK(again->data() == static_cast<char*>(regions[3].data()));
+  CHECK(again->memory() == *other);
+
+  // Grown past the shared mapping: a new one for the new range, the old one stays.
+  REQUIRE(ftruncate(fd.get(), 32 * kPage) == 0);
+  auto grown = ShmMapping::Map(*object, 20 * kPage, kPage, "grown");
+  REQUIRE(grown.ok());
+  CHECK(ShmMapping::shared_mappings() == before + 2);
+
+  // Broken (truncated under it): all its users are broken, and a new mapping is made.
+  REQUIRE(ftruncate(fd.get(), 2 * kPage) == 0);
+  const volatile char* lost = static_cast<const char*>(regions[15].data());
+  CHECK(*lost == 0);
+  CHECK(regions[0].broken());
+  CHECK(regions[15].broken());
+  CHECK(again->broken());
+  auto fresh = ShmMapping::Map(*object, 0, kPage, "fresh");
+  REQUIRE(fresh.ok());
+  CHECK_FALSE(fresh->broken());
+  CHECK(fresh->data() != regions[0].data());
+
+  // Unmapped with the last user.
+  regions.clear();
+  *again = ShmMapping();
+  *grown = ShmMapping();
+  *fresh = ShmMapping();
+  CHECK(ShmMapping::shared_mappings() == before);
 }
 
 }  // namespace
