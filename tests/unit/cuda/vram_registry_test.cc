@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <random>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -39,7 +40,12 @@ using testing::Context;
 
 ShmMapping MakeShm(uint64_t bytes) {
   static std::atomic<int> counter{0};
-  auto shm = ShmMapping::Create(fmt::format("/kvagent-cuda-test-{}-{}", getpid(), counter++), bytes);
+  // Random per run: tests run in PID namespaces (the same pid every run), and a run
+  // that was killed leaves its objects behind, which O_EXCL would refuse.
+  static const uint64_t run = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  auto shm = ShmMapping::Create(
+      fmt::format("/kvagent-cuda-test-{}-{:x}-{}", getpid(), run, counter++), bytes);
+  INFO(shm.status().ToString());
   REQUIRE(shm.ok());
   return std::move(shm).value();
 }
