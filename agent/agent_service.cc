@@ -534,14 +534,15 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
   response->set_notifications_in_flight(deps_.notifications->in_flight());
   response->set_subscriptions(deps_.notifications->subscriptions());
   response->set_subscriptions_expired(deps_.notifications->expired_subscriptions());
-  FillLimits(counters, response);
+  FillLimits(counters, registered, response);
   return reply(absl::OkStatus());
 }
 
-void AgentService::FillLimits(const TransferCounters& counters, v1::AgentStatus* status) const {
+void AgentService::FillLimits(const TransferCounters& counters,
+                              const registry::RegistryUsage& registered,
+                              v1::AgentStatus* status) const {
   std::array<uint64_t, kLimitCount> in_use{};
   auto use = [&in_use](Limit limit) -> uint64_t& { return in_use[static_cast<int>(limit)]; };
-  const registry::RegistryUsage registered = deps_.registry->Usage();
   use(Limit::kRegions) = registered.regions;
   use(Limit::kRegionsPerOwner) = registered.largest_owner_regions;
   use(Limit::kRegisteredBytesPerOwner) = registered.largest_owner_bytes;

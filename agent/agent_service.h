@@ -185,7 +185,8 @@ class AgentService final : public AgentServiceBase {
   void Submit(const v1::SubmitTransferRequest& request, const Caller& caller, bool wait,
               SubmitDone done);
   // AgentStatus.limits: each limit's value, use and refusals.
-  void FillLimits(const TransferCounters& counters, v1::AgentStatus* status) const;
+  void FillLimits(const TransferCounters& counters, const registry::RegistryUsage& registered,
+                  v1::AgentStatus* status) const;
   // A Watch* stream's lease against the stream limits (an empty one for a refused
   // caller, whose reactor reports the refusal).
   absl::StatusOr<StreamTable::Lease> OpenStream(const absl::StatusOr<Caller>& caller,

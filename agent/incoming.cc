@@ -33,15 +33,19 @@ IncomingTransfers::Key IncomingTransfers::KeyOf(const v1::Notification& n) {
   return fmt::format("{}\n{:x}\n{}", n.from_agent(), n.sender_incarnation(), n.transfer_id());
 }
 
+std::vector<registry::RegionPtr> IncomingTransfers::RegionsOf(const std::string& target) const {
+  std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
+  if (regions.empty()) {
+    if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
+  }
+  return regions;
+}
+
 absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) const {
   // Nothing to look at while no fault was ever caught (the common case).
   if (registry::FaultGuard::faults_caught() == 0) return absl::OkStatus();
   for (const auto& target : n.targets()) {
-    std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
-    if (regions.empty()) {
-      if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
-    }
-    for (const auto& region : regions) {
+    for (const auto& region : RegionsOf(target)) {
       if (!region->mapping.broken()) continue;
       return absl::DataLossError(fmt::format(
           "transfer '{}' from '{}': region '{}' of this agent ('{}') is broken: {}; the bytes "
@@ -56,11 +60,7 @@ absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) co
 std::vector<std::string> IncomingTransfers::OwnersOf(const v1::Notification& n) const {
   std::vector<std::string> owners;
   for (const auto& target : n.targets()) {
-    std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
-    if (regions.empty()) {
-      if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
-    }
-    for (const auto& region : regions) {
+    for (const auto& region : RegionsOf(target)) {
       if (std::find(owners.begin(), owners.end(), region->owner) == owners.end()) {
         owners.push_back(region->owner);
       }

@@ -81,6 +81,8 @@ class IncomingTransfers {
   };
   using Key = std::string;  // sender, incarnation, transfer id
   static Key KeyOf(const v1::Notification& n);
+  // The local regions a notification target names: a group's, else one region.
+  std::vector<registry::RegionPtr> RegionsOf(const std::string& target) const;
   // DATA_LOSS naming the region when a region `n` targets was broken by a caught
   // fault (registry/fault_guard.h).
   absl::Status CheckTargetsIntact(const v1::Notification& n) const;

@@ -122,31 +122,39 @@ void LocalDoor::OnRequest(uint64_t session_id, const v1::SessionRequest& request
   }
 }
 
-absl::StatusOr<Caller> LocalDoor::CallerOf(uint64_t session_id) const {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<const LocalDoor::Session*> LocalDoor::SessionLocked(uint64_t session_id) const {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
   }
-  return it->second.caller;
+  return &it->second;
+}
+
+absl::StatusOr<LocalDoor::Session*> LocalDoor::SessionLocked(uint64_t session_id) {
+  ASSIGN_OR_RETURN(const Session* session,
+                   static_cast<const LocalDoor*>(this)->SessionLocked(session_id));
+  return const_cast<Session*>(session);
+}
+
+absl::StatusOr<Caller> LocalDoor::CallerOf(uint64_t session_id) const {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const Session* session, SessionLocked(session_id));
+  return session->caller;
 }
 
 absl::Status LocalDoor::Keep(uint64_t session_id,
                              std::shared_ptr<const registry::MemoryObject> object,
                              v1::SessionReply* reply) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
-  }
-  const uint64_t handle = it->second.next_handle++;
+  ASSIGN_OR_RETURN(Session* session, SessionLocked(session_id));
+  const uint64_t handle = session->next_handle++;
   v1::MemoryHandleInfo* info = reply->mutable_memory();
   info->set_handle(handle);
   info->set_bytes(object->size());
   info->set_kind(std::string(object->kind()));
   info->set_sealed(object->sealed());
   info->set_label(std::string(object->label()));
-  it->second.memory.emplace(handle, std::move(object));
+  session->memory.emplace(handle, std::move(object));
   return absl::OkStatus();
 }
 
@@ -154,17 +162,14 @@ absl::Status LocalDoor::Keep(uint64_t session_id,
                              std::shared_ptr<const registry::DeviceMemoryObject> object,
                              v1::SessionReply* reply) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
-  }
-  const uint64_t handle = it->second.next_handle++;
+  ASSIGN_OR_RETURN(Session* session, SessionLocked(session_id));
+  const uint64_t handle = session->next_handle++;
   v1::MemoryHandleInfo* info = reply->mutable_memory();
   info->set_handle(handle);
   info->set_bytes(object->bytes());
   info->set_kind(std::string(object->kind()));
   info->set_label(object->label());
-  it->second.device_memory.emplace(handle, std::move(object));
+  session->device_memory.emplace(handle, std::move(object));
   return absl::OkStatus();
 }
 
@@ -306,12 +311,9 @@ absl::Status LocalDoor::Allocate(uint64_t session_id, const v1::AllocateMemoryRe
 
 absl::Status LocalDoor::Free(uint64_t session_id, const v1::FreeMemoryRequest& request) {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
-  }
-  if (it->second.memory.erase(request.handle()) == 0 &&
-      it->second.device_memory.erase(request.handle()) == 0) {
+  ASSIGN_OR_RETURN(Session* session, SessionLocked(session_id));
+  if (session->memory.erase(request.handle()) == 0 &&
+      session->device_memory.erase(request.handle()) == 0) {
     return absl::NotFoundError(fmt::format(
         "free: memory handle {} is not one of this session's; free only handles that share, "
         "share_device or allocate returned",
@@ -382,13 +384,10 @@ absl::StatusOr<Caller> LocalDoor::FindToken(std::string_view token) const {
 absl::StatusOr<std::shared_ptr<const registry::MemoryObject>> LocalDoor::ResolveHandle(
     uint64_t session_id, uint64_t handle) const {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
-  }
-  auto m = it->second.memory.find(handle);
-  if (m == it->second.memory.end()) {
-    if (it->second.device_memory.contains(handle)) {
+  ASSIGN_OR_RETURN(const Session* session, SessionLocked(session_id));
+  auto m = session->memory.find(handle);
+  if (m == session->memory.end()) {
+    if (session->device_memory.contains(handle)) {
       return absl::InvalidArgumentError(fmt::format(
           "memory handle {} is device memory (share_device), not host memory; name it in "
           "cuda_vmm.memory_handle of a VRAM region",
@@ -405,13 +404,10 @@ absl::StatusOr<std::shared_ptr<const registry::MemoryObject>> LocalDoor::Resolve
 absl::StatusOr<std::shared_ptr<const registry::DeviceMemoryObject>>
 LocalDoor::ResolveDeviceHandle(uint64_t session_id, uint64_t handle) const {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::UnauthenticatedError(fmt::format("session {} is not open", session_id));
-  }
-  auto m = it->second.device_memory.find(handle);
-  if (m == it->second.device_memory.end()) {
-    if (it->second.memory.contains(handle)) {
+  ASSIGN_OR_RETURN(const Session* session, SessionLocked(session_id));
+  auto m = session->device_memory.find(handle);
+  if (m == session->device_memory.end()) {
+    if (session->memory.contains(handle)) {
       return absl::InvalidArgumentError(fmt::format(
           "memory handle {} is host memory (share or allocate), not device memory; name it "
           "in shm.memory_handle of a DRAM region, and share VRAM with share_device",

@@ -111,6 +111,10 @@ class LocalDoor final : public SessionHandler {
                     std::shared_ptr<const registry::DeviceMemoryObject> object,
                     v1::SessionReply* reply);
   absl::StatusOr<Caller> CallerOf(uint64_t session_id) const;
+  // The open session `session_id`, else UNAUTHENTICATED ("session N is not open").
+  absl::StatusOr<const Session*> SessionLocked(uint64_t session_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Session*> SessionLocked(uint64_t session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const LocalDoorOptions options_;
   const registry::RegionRegistry* registry_;

@@ -501,13 +501,16 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     return context.admit(usage);
   };
   if (context.admit && errors.empty()) {
-    for (const RegionPtr& region : existing) {
-      usage.metadata_bytes += ExportBytes(region->spec, region->registration.packed_rkey().size());
-      if (region->owner != context.owner) continue;
-      ++usage.owner_regions;
-      usage.owner_bytes += region->spec.length();
+    {
+      // Current: writers are serialized by write_mu_, and the totals are kept per commit.
+      absl::ReaderMutexLock lock(&mu_);
+      usage.regions = usage_.regions;
+      usage.metadata_bytes = usage_.metadata_bytes;
+      if (auto owner = by_owner_.find(context.owner); owner != by_owner_.end()) {
+        usage.owner_regions = owner->second.regions;
+        usage.owner_bytes = owner->second.bytes;
+      }
     }
-    usage.regions = existing.size();
     for (const Candidate& c : candidates) {
       ++usage.new_regions;
       usage.new_bytes += c.spec.length();
@@ -954,11 +957,6 @@ uint64_t ExportBytes(const v1::RegionSpec& spec, uint64_t rkey_bytes) {
   constexpr uint64_t kFixed = 96;
   return spec.name().size() + spec.group().size() + spec.role().size() + rkey_bytes +
          4 * 3 + 3 + kFixed;
-}
-
-uint64_t RegionRegistry::metadata_bytes() const {
-  absl::ReaderMutexLock lock(&mu_);
-  return usage_.metadata_bytes;
 }
 
 void RegionRegistry::ExportRegion(const Region& region, bool same_host,

@@ -198,9 +198,8 @@ class RegionRegistry {
   std::vector<RegionPtr> List() const;  // by registration order
   uint64_t version() const;
   uint64_t registered_bytes() const;
-  // The catalog's size as peers fetch it, estimated as the sum of ExportBytes.
-  uint64_t metadata_bytes() const;
-  // Counts, bytes and the largest owner's share, in O(owners).
+  // Counts, bytes, the catalog's size as peers fetch it (the sum of ExportBytes) and
+  // the largest owner's share, in O(owners).
   RegistryUsage Usage() const;
 
   // The regions as peers see them (addresses, layouts, packed rkeys; staged VRAM

@@ -37,6 +37,7 @@ bool DriverInstalled() {
 }
 
 using testing::Context;
+using testing::VmmSpec;
 
 ShmMapping MakeShm(uint64_t bytes) {
   static std::atomic<int> counter{0};
@@ -50,18 +51,10 @@ ShmMapping MakeShm(uint64_t bytes) {
   return std::move(shm).value();
 }
 
+// A one-item DRAM region by shm name.
 v1::RegionSpec Dram(const std::string& name, const std::string& shm, uint64_t offset,
                     uint64_t length) {
-  v1::RegionSpec spec;
-  spec.set_name(name);
-  spec.set_kind(v1::KV);
-  spec.set_memory(v1::DRAM);
-  spec.set_length(length);
-  spec.mutable_layout()->set_num_items(1);
-  spec.mutable_layout()->set_item_bytes(length);
-  spec.mutable_shm()->set_name(shm);
-  spec.mutable_shm()->set_offset(offset);
-  return spec;
+  return testing::Spec(name, shm, offset, length, /*num_items=*/1, /*item_bytes=*/length);
 }
 
 v1::RegionSpec Vram(const std::string& name, uint64_t length, size_t handle_bytes = 64,
@@ -291,18 +284,6 @@ RegisterContext VmmRegistrant(std::vector<std::shared_ptr<const DeviceMemoryObje
   return context;
 }
 
-v1::RegionSpec Vmm(const std::string& name, uint64_t handle, uint64_t offset, uint64_t length) {
-  v1::RegionSpec spec;
-  spec.set_name(name);
-  spec.set_kind(v1::KV);
-  spec.set_memory(v1::VRAM);
-  spec.set_length(length);
-  spec.mutable_layout()->set_num_items(4);
-  spec.mutable_layout()->set_item_bytes(length / 4);
-  spec.mutable_cuda_vmm()->set_memory_handle(handle);
-  spec.mutable_cuda_vmm()->set_offset(offset);
-  return spec;
-}
 
 TEST_CASE("CudaVmmMapping::Import without a driver names libcuda.so.1 and keeps nothing") {
   auto memory = DeviceMemory(1 << 20);
@@ -326,8 +307,8 @@ TEST_CASE("VRAM by cuda_vmm: registration without a driver fails and keeps nothi
   auto memory = DeviceMemory(1 << 20);
   RegisterContext context = VmmRegistrant({memory});
 
-  auto result = registry.Register({Vmm("vmm.k", memory->id(), 0, 65536),
-                                   Vmm("vmm.v", memory->id(), 65536, 65536)},
+  auto result = registry.Register({VmmSpec("vmm.k", memory->id(), 0, 65536),
+                                   VmmSpec("vmm.v", memory->id(), 65536, 65536)},
                                   false, context);
   REQUIRE_FALSE(result.ok());
   const std::string message = Message(result.status());
@@ -347,7 +328,7 @@ TEST_CASE("VRAM by cuda_vmm: registration without a driver fails and keeps nothi
 
   SECTION("staging off changes nothing before the driver is there") {
     RegionRegistry strict(&Context(), RegistryOptions{false});
-    auto refused = strict.Register({Vmm("vmm.s", memory->id(), 0, 4096)}, false,
+    auto refused = strict.Register({VmmSpec("vmm.s", memory->id(), 0, 4096)}, false,
                                    VmmRegistrant({memory}));
     REQUIRE_FALSE(refused.ok());
     if (!DriverInstalled()) CHECK(refused.status().code() == StatusCode::kFailedPrecondition);
@@ -367,31 +348,31 @@ TEST_CASE("VRAM by cuda_vmm: handles, bounds and overlaps are checked without a 
     CHECK(registry.List().empty());
   };
   SECTION("an unknown handle") {
-    expect({Vmm("x", 77, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kNotFound,
+    expect({VmmSpec("x", 77, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kNotFound,
            "region 'x' (entry 0): device memory handle 77 is not one of this session's");
-    expect({Vmm("x", 404, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kNotFound,
+    expect({VmmSpec("x", 404, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kNotFound,
            "region 'x' (entry 0): cuda_vmm.memory_handle 404 is not one of this session's "
            "device memory handles; use a handle from ShareDeviceMemory");
   }
   SECTION("no local session") {
-    expect({Vmm("x", memory->id(), 0, 4096)}, testing::Registrant(),
+    expect({VmmSpec("x", memory->id(), 0, 4096)}, testing::Registrant(),
            StatusCode::kFailedPrecondition,
            "region 'x' (entry 0): cuda_vmm.memory_handle " + std::to_string(memory->id()) +
                " given, but device memory handles need a local session (ShareDeviceMemory");
   }
   SECTION("handle 0, an overflowing range, DRAM with a cuda_vmm source") {
-    expect({Vmm("x", 0, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kInvalidArgument,
+    expect({VmmSpec("x", 0, 0, 4096)}, VmmRegistrant({memory}), StatusCode::kInvalidArgument,
            "region 'x' (entry 0): cuda_vmm.memory_handle is 0; set it to the handle that "
            "ShareDeviceMemory returned");
-    expect({Vmm("x", memory->id(), ~uint64_t{0} - 100, 4096)}, VmmRegistrant({memory}),
+    expect({VmmSpec("x", memory->id(), ~uint64_t{0} - 100, 4096)}, VmmRegistrant({memory}),
            StatusCode::kInvalidArgument, "region 'x' (entry 0): cuda_vmm.offset ");
-    v1::RegionSpec dram = Vmm("x", memory->id(), 0, 4096);
+    v1::RegionSpec dram = VmmSpec("x", memory->id(), 0, 4096);
     dram.set_memory(v1::DRAM);
     expect({dram}, VmmRegistrant({memory}), StatusCode::kInvalidArgument,
            "region 'x' (entry 0): DRAM region has a cuda_vmm source; set memory VRAM");
   }
   SECTION("beyond the bytes shared") {
-    expect({Vmm("x", memory->id(), (1 << 20) - 4096, 8192)}, VmmRegistrant({memory}),
+    expect({VmmSpec("x", memory->id(), (1 << 20) - 4096, 8192)}, VmmRegistrant({memory}),
            StatusCode::kInvalidArgument,
            "region 'x' (entry 0): cuda_vmm.offset 1044480 + length 8192 = 1052672 bytes, but "
            "device memory 'kv-vram' (handle " +
@@ -399,8 +380,8 @@ TEST_CASE("VRAM by cuda_vmm: handles, bounds and overlaps are checked without a 
   }
   SECTION("overlapping regions of one object; other objects' ranges are their own") {
     auto result = registry.Register(
-        {Vmm("a", memory->id(), 0, 8192), Vmm("b", memory->id(), 4096, 8192),
-         Vmm("c", other->id(), 0, 8192), Vmm("d", memory->id(), 12288, 4096)},
+        {VmmSpec("a", memory->id(), 0, 8192), VmmSpec("b", memory->id(), 4096, 8192),
+         VmmSpec("c", other->id(), 0, 8192), VmmSpec("d", memory->id(), 12288, 4096)},
         false, VmmRegistrant({memory, other}));
     REQUIRE_FALSE(result.ok());
     const std::string message = Message(result.status());

@@ -119,4 +119,20 @@ inline v1::RegionSpec HandleSpec(const std::string& name, uint64_t handle, uint6
   return spec;
 }
 
+// A VRAM region of 4 items by CUDA VMM descriptor: a session's device memory handle
+// and an offset into what it shared.
+inline v1::RegionSpec VmmSpec(const std::string& name, uint64_t handle, uint64_t offset,
+                              uint64_t length) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::KV);
+  spec.set_memory(v1::VRAM);
+  spec.set_length(length);
+  spec.mutable_layout()->set_num_items(4);
+  spec.mutable_layout()->set_item_bytes(length / 4);
+  spec.mutable_cuda_vmm()->set_memory_handle(handle);
+  spec.mutable_cuda_vmm()->set_offset(offset);
+  return spec;
+}
+
 }  // namespace kvagent::registry::testing
