@@ -255,8 +255,26 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              &agent->pending_connects_,
                              options.deregister_wait_ms};
 
+  // The fast path submits and cancels exactly as the gRPC methods do.
+  FastPathOptions fast_options;
+  fast_options.spin_us = options.fast_path_spin_us;
+  FastPathBackend backend;
+  backend.submit = [self](const v1::SubmitTransferRequest& request, const Caller& caller,
+                          FastPathBackend::Done done) {
+    // As gRPC's `wait`: the last chunk answers when the transfer ends, others when taken.
+    SubmitTransfer(self->deps_, request, caller, /*wait=*/!request.more_chunks(),
+                   std::move(done));
+  };
+  backend.cancel = [self](const std::string& transfer_id, const Caller& caller) {
+    return self->engine_->Cancel(transfer_id, caller);
+  };
+  agent->fast_path_ = std::make_unique<FastPathServer>(fast_options, std::move(backend));
+  agent->fast_path_->Start();
+  agent->deps_.fast_path = agent->fast_path_.get();
+
   // The local door: sessions first (their tokens open the gRPC socket), then gRPC.
   LocalDoorOptions door_options;
+  if (options.fast_path) door_options.fast_path = agent->fast_path_.get();
   door_options.policy = options.policy;
   door_options.agent_name = options.name;
   door_options.incarnation = agent->identity_.incarnation;
@@ -390,6 +408,8 @@ void Agent::Shutdown(absl::Duration grace) {
     stop_cv_.SignalAll();
   }
   if (insecure_warning_.joinable()) insecure_warning_.join();
+  // No new fast path entries; completions of what runs still reach open rings.
+  if (fast_path_) fast_path_->Stop();
   // Transfers finish first (their notifications need the worker, not gRPC).
   if (engine_) engine_->Stop(grace);
   if (stager_) stager_->Stop();
@@ -410,6 +430,7 @@ Agent::~Agent() {
   doors_.clear();
   session_server_.reset();
   local_door_.reset();
+  fast_path_.reset();
   engine_.reset();
   incoming_.reset();
   peers_.reset();

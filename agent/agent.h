@@ -75,6 +75,9 @@ struct AgentOptions {
   // (--grpc-memory-bytes) and threads (--grpc-max-threads).
   uint64_t grpc_memory_bytes = 512ull << 20;
   uint32_t grpc_max_threads = 256;
+  // The local fast path (--fast-path, --fast-path-spin-us; agent/fast_path.h).
+  bool fast_path = true;
+  uint32_t fast_path_spin_us = 50;
 };
 
 class Agent {
@@ -117,6 +120,7 @@ class Agent {
   std::unique_ptr<grpc::ResourceQuota> quota_;
   PeerSecrets secrets_;
   registry::PathPolicy path_policy_;
+  std::unique_ptr<FastPathServer> fast_path_;  // used by the local door
   std::unique_ptr<LocalDoor> local_door_;
   std::unique_ptr<SessionServer> session_server_;
   ServiceDeps deps_{};

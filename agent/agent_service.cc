@@ -534,6 +534,12 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
   response->set_notifications_in_flight(deps_.notifications->in_flight());
   response->set_subscriptions(deps_.notifications->subscriptions());
   response->set_subscriptions_expired(deps_.notifications->expired_subscriptions());
+  if (deps_.fast_path != nullptr) {
+    const FastPathCounters fast = deps_.fast_path->counters();
+    response->set_fast_path_rings(fast.rings);
+    response->set_fast_path_entries(fast.entries);
+    response->set_fast_path_protocol_errors(fast.protocol_errors);
+  }
   FillLimits(counters, registered, response);
   return reply(absl::OkStatus());
 }
@@ -630,9 +636,9 @@ void AgentService::HandleListPeers(grpc::CallbackServerContext* context,
   return reply(absl::OkStatus());
 }
 
-void AgentService::Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
-                          bool wait, SubmitDone done) {
-  TransferEngine* engine = deps_.engine;
+void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request,
+                    const Caller& caller, bool wait, SubmitDone done) {
+  TransferEngine* engine = deps.engine;
   // Submits and, when asked to wait, answers with the final state instead.
   auto submit = [engine, &request, caller, wait](SubmitDone done) {
     auto state = engine->Submit(request, caller);
@@ -651,17 +657,17 @@ void AgentService::Submit(const v1::SubmitTransferRequest& request, const Caller
     return;
   }
   // The peer may have registered it after our last poll: look again, then submit.
-  deps_.peers->RefreshAsync(request.peer(),
-                            [submit, done = std::move(done)](absl::Status) mutable {
-                              submit(std::move(done));
-                            });
+  deps.peers->RefreshAsync(request.peer(),
+                           [submit, done = std::move(done)](absl::Status) mutable {
+                             submit(std::move(done));
+                           });
 }
 
 void AgentService::HandleSubmitTransfer(grpc::CallbackServerContext* context,
     const v1::SubmitTransferRequest* request, v1::TransferState* response, Reply reply) {
   auto caller = Authorize(context, Need::kEngineOrScheduler, "SubmitTransfer");
   if (!caller.ok()) return reply(caller.status());
-  Submit(*request, *caller, request->wait(),
+  agent::SubmitTransfer(deps_, *request, *caller, request->wait(),
          [reply, response](absl::StatusOr<v1::TransferState> state) {
            if (state.ok()) *response = *std::move(state);
            reply(state.status());
@@ -690,7 +696,7 @@ void AgentService::HandleSubmitTransfers(grpc::CallbackServerContext* context,
   call->response = response;
   for (int i = 0; i < n; ++i) {
     const v1::SubmitTransferRequest& entry = request->transfers(i);
-    Submit(entry, *caller, request->wait() || entry.wait(),
+    agent::SubmitTransfer(deps_, entry, *caller, request->wait() || entry.wait(),
            [call, i](absl::StatusOr<v1::TransferState> state) {
              v1::SubmitResult* result = call->response->mutable_results(i);
              if (state.ok()) {

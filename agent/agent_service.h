@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/fast_path.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/local_door.h"
@@ -65,6 +66,7 @@ struct ServiceDeps {
   StreamTable* streams;
   std::atomic<uint64_t>* pending_connects;  // ConnectPeer calls in progress
   uint32_t deregister_wait_ms = 2000;
+  FastPathServer* fast_path = nullptr;  // AgentStatus.fast_path_*; null: none
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it
@@ -79,6 +81,14 @@ void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& 
                        const Caller& caller,
                        std::function<void(absl::StatusOr<uint64_t> version,
                                           std::vector<std::string> unconfirmed)> done);
+
+// Submits `request` as `caller` (refreshing the peer first when it names a remote group
+// or region the peer's catalog lacks) and calls `done` once: with the accepted state,
+// or with the final state when `wait`. `request` must outlive the call of `done`. The
+// gRPC methods and the fast path (agent/fast_path) both submit through it.
+using SubmitDone = std::function<void(absl::StatusOr<v1::TransferState>)>;
+void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request,
+                    const Caller& caller, bool wait, SubmitDone done);
 
 // Every method raw (bytes in, bytes out), so that the service parses requests itself.
 using AgentServiceBase =
@@ -178,12 +188,6 @@ class AgentService final : public AgentServiceBase {
       const grpc::ByteBuffer* request) override;
 
  private:
-  using SubmitDone = std::function<void(absl::StatusOr<v1::TransferState>)>;
-  // Submits `request` (refreshing the peer first when it names a remote group or
-  // region the peer's catalog lacks) and calls `done` once: with the accepted state,
-  // or with the final state when `wait`. `request` must outlive the call of `done`.
-  void Submit(const v1::SubmitTransferRequest& request, const Caller& caller, bool wait,
-              SubmitDone done);
   // AgentStatus.limits: each limit's value, use and refusals.
   void FillLimits(const TransferCounters& counters, const registry::RegistryUsage& registered,
                   v1::AgentStatus* status) const;

@@ -109,10 +109,13 @@ void LocalDoor::OnRequest(uint64_t session_id, const v1::SessionRequest& request
     case v1::SessionRequest::kPeerMemory:
       status = PeerMemory(session_id, request.peer_memory(), reply, reply_fds);
       break;
+    case v1::SessionRequest::kOpenFastPath:
+      status = OpenFastPath(session_id, request.open_fast_path(), reply, reply_fds);
+      break;
     default:
       status = absl::InvalidArgumentError(fmt::format(
           "session request has no known body (field {}); this agent takes share, "
-          "share_device, allocate, free and peer_memory",
+          "share_device, allocate, free, peer_memory and open_fast_path",
           static_cast<int>(request.body_case())));
   }
   if (!status.ok()) {
@@ -134,6 +137,24 @@ absl::StatusOr<LocalDoor::Session*> LocalDoor::SessionLocked(uint64_t session_id
   ASSIGN_OR_RETURN(const Session* session,
                    static_cast<const LocalDoor*>(this)->SessionLocked(session_id));
   return const_cast<Session*>(session);
+}
+
+absl::Status LocalDoor::OpenFastPath(uint64_t session_id, const v1::OpenFastPathRequest& request,
+                                     v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds) {
+  if (options_.fast_path == nullptr) {
+    return absl::UnimplementedError("this agent serves no fast path; submit through gRPC");
+  }
+  ASSIGN_OR_RETURN(Caller caller, CallerOf(session_id));
+  auto info = options_.fast_path->Open(session_id, caller, request, reply_fds);
+  if (!info.ok()) {
+    if (absl::IsPermissionDenied(info.status())) {
+      counters_->refused_calls.fetch_add(1);
+      LogRefusal(caller.principal, "open_fast_path", info.status());
+    }
+    return info.status();
+  }
+  *reply->mutable_fast_path() = *std::move(info);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Caller> LocalDoor::CallerOf(uint64_t session_id) const {
@@ -366,6 +387,7 @@ void LocalDoor::OnClose(uint64_t session_id) {
     by_token_.erase(it->second.token);
     sessions_.erase(it);
   }
+  if (options_.fast_path != nullptr) options_.fast_path->Close(session_id);
   if (on_end_) on_end_(caller);
 }
 

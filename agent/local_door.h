@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/fast_path.h"
 #include "agent/limits.h"
 #include "agent/session_server.h"
 #include "registry/device_memory_object.h"
@@ -32,6 +33,8 @@ struct LocalDoorOptions {
   uint64_t max_allocation_bytes = 1ull << 40;
   // allocated_bytes and allocated_bytes_per_owner; null: unbounded (tests).
   const Limits* limits = nullptr;
+  // Opens and closes sessions' fast path rings; null: open_fast_path is refused.
+  FastPathServer* fast_path = nullptr;
 };
 
 // AllocateMemory bytes held, in all and per principal: an allocation counts from the
@@ -102,6 +105,8 @@ class LocalDoor final : public SessionHandler {
   absl::Status Allocate(uint64_t session_id, const v1::AllocateMemoryRequest& request,
                         v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
   absl::Status Free(uint64_t session_id, const v1::FreeMemoryRequest& request);
+  absl::Status OpenFastPath(uint64_t session_id, const v1::OpenFastPathRequest& request,
+                            v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
   absl::Status PeerMemory(uint64_t session_id, const v1::PeerMemoryRequest& request,
                           v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
   // Records `object` as a new handle of the session; fills `reply`.

@@ -80,6 +80,10 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --grpc-memory-bytes N       gRPC's memory quota for calls in progress, all doors
                               (default 536870912)
   --grpc-max-threads N        gRPC's thread quota (default 256)
+  --fast-path on|off          on (default): local sessions may open a submission and a
+                              completion ring in shared memory (OpenFastPathRequest)
+  --fast-path-spin-us N       how long the fast path's thread polls the rings after the
+                              last entry before it sleeps on their doorbells (default 50)
 )";
 
 std::string Usage() { return std::string(kUsage) + kvagent::agent::Limits::Usage(); }
@@ -212,6 +216,13 @@ int main(int argc, char** argv) {
       if (!absl::SimpleAtoi(value, &options.grpc_memory_bytes) || options.grpc_memory_bytes == 0) {
         return Fail(fmt::format("flag {}: '{}' is not a positive integer", key, value));
       }
+    } else if (key == "--fast-path") {
+      if (value != "on" && value != "off") {
+        return Fail(fmt::format("--fast-path '{}': use on or off", value));
+      }
+      options.fast_path = value == "on";
+    } else if (key == "--fast-path-spin-us") {
+      number(&options.fast_path_spin_us);
     } else if (key == "--grpc-max-threads") {
       number(&options.grpc_max_threads);
       if (options.grpc_max_threads == 0) return Fail("--grpc-max-threads: give at least 1");

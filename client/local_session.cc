@@ -279,6 +279,21 @@ absl::StatusOr<std::pair<v1::MemoryHandleInfo, UniqueFd>> LocalSession::Allocate
   return std::make_pair(std::move(*reply.mutable_memory()), std::move(reply_fds[0]));
 }
 
+absl::StatusOr<std::pair<v1::FastPathInfo, std::vector<UniqueFd>>> LocalSession::OpenFastPath(
+    const v1::OpenFastPathRequest& open) {
+  v1::SessionRequest request;
+  *request.mutable_open_fast_path() = open;
+  std::vector<UniqueFd> reply_fds;
+  ASSIGN_OR_RETURN(v1::SessionReply reply, Call(std::move(request), {}, &reply_fds));
+  if (!reply.has_fast_path() || reply_fds.size() != 3) {
+    return absl::InternalError(fmt::format(
+        "the agent at {} answered open_fast_path with {} and {} descriptors (expected fast "
+        "path info and 3); use a client library that matches the agent",
+        path_, reply.has_fast_path() ? "fast path info" : "no fast path info", reply_fds.size()));
+  }
+  return std::make_pair(std::move(*reply.mutable_fast_path()), std::move(reply_fds));
+}
+
 absl::Status LocalSession::FreeMemory(uint64_t handle) {
   v1::SessionRequest request;
   request.mutable_free()->set_handle(handle);

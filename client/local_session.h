@@ -62,6 +62,12 @@ class LocalSession {
   absl::StatusOr<std::vector<std::pair<uint64_t, UniqueFd>>> PeerMemory(
       const std::vector<uint64_t>& memory_ids);
 
+  // Opens the session's local fast path (proto OpenFastPathRequest): the ring info and
+  // its three descriptors (ring file, submission doorbell, completion doorbell).
+  // client/fast_path's FastPath::Open calls it and maps the ring.
+  absl::StatusOr<std::pair<v1::FastPathInfo, std::vector<UniqueFd>>> OpenFastPath(
+      const v1::OpenFastPathRequest& request);
+
   // The session socket, to watch for the agent going away (POLLHUP, or POLLIN with a
   // read at end of stream). Do not read or write it.
   int fd() const { return fd_.get(); }

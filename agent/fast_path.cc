@@ -1,0 +1,437 @@
+#include "agent/fast_path.h"
+
+#include <fcntl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "agent/limits.h"
+#include "client/fast_ring.h"
+#include "client/session_wire.h"
+#include "fmt/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+
+constexpr log::Logger kLog("fast-path");
+namespace fr = client::fastring;
+using Clock = std::chrono::steady_clock;
+
+void RingDoorbell(int fd) {
+  const uint64_t one = 1;
+  // A full counter (2^64 - 2 unread rings) cannot happen; EAGAIN would mean it did.
+  [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof(one));
+}
+
+void DrainDoorbell(int fd) {
+  uint64_t value;
+  [[maybe_unused]] ssize_t n = ::read(fd, &value, sizeof(value));
+}
+
+absl::Status Errno(const char* what) {
+  return absl::ResourceExhaustedError(
+      fmt::format("fast path: {} failed: {}; the agent is short of memory or descriptors",
+                  what, std::strerror(errno)));
+}
+
+
+}  // namespace
+
+struct FastPathServer::Ring {
+  uint64_t session_id = 0;
+  Caller caller;
+  fr::Geometry geometry;
+  UniqueFd memfd;
+  UniqueFd submit_fd;    // the client rings it
+  UniqueFd complete_fd;  // the agent rings it
+  char* base = nullptr;
+  fr::RingHeader* header = nullptr;
+  // The poller thread's own.
+  uint32_t sq_head = 0;
+  std::atomic<bool> closed{false};
+
+  absl::Mutex cq_mu;
+  uint32_t cq_tail ABSL_GUARDED_BY(cq_mu) = 0;
+  // Entries taken whose completion is not posted yet: each has its completion slot.
+  uint32_t reserved ABSL_GUARDED_BY(cq_mu) = 0;
+
+  ~Ring() {
+    if (base != nullptr) munmap(base, geometry.ring_bytes);
+  }
+
+  const char* slot(uint32_t index) const {
+    return base + geometry.submission_offset + uint64_t{index} * fr::kSlotBytes;
+  }
+
+  // Room on the completion ring for one more entry's completion. False also when the
+  // client's cq_head is impossible (set in *bad).
+  bool HasRoom(bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
+    const uint32_t head = header->cq_head.value.load(std::memory_order_acquire);
+    const uint32_t unreaped = cq_tail - head;
+    if (unreaped > geometry.completion_entries) {
+      *bad = true;
+      return false;
+    }
+    return unreaped + reserved < geometry.completion_entries;
+  }
+
+  // Posts the completion of a taken entry (its reservation is given back).
+  void Post(const fr::CompletionHeader& completion, absl::string_view message) {
+    absl::MutexLock lock(&cq_mu);
+    --reserved;
+    if (closed.load(std::memory_order_acquire)) return;
+    char* at = base + geometry.completion_offset +
+               uint64_t{cq_tail & (geometry.completion_entries - 1)} * fr::kCompletionBytes;
+    fr::CompletionHeader h = completion;
+    const std::string text =
+        BoundedErrorText(std::string_view(message.data(), message.size()), fr::kMaxMessage);
+    h.message_length = static_cast<uint32_t>(text.size());
+    std::memcpy(at, &h, sizeof(h));
+    std::memcpy(at + sizeof(h), text.data(), text.size());
+    ++cq_tail;
+    header->cq_tail.value.store(cq_tail, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (header->client_flags.value.load(std::memory_order_relaxed) & fr::kWaiting) {
+      RingDoorbell(complete_fd.get());
+    }
+  }
+
+  // Published slots not taken yet, and whether the next entry can be taken now.
+  bool Ready() {
+    const uint32_t available = header->sq_tail.value.load(std::memory_order_acquire) - sq_head;
+    if (available == 0) return false;
+    absl::MutexLock lock(&cq_mu);
+    bool bad = false;
+    return HasRoom(&bad) || bad || available > geometry.submission_slots;
+  }
+};
+
+FastPathServer::FastPathServer(FastPathOptions options, FastPathBackend backend)
+    : options_(options), backend_(std::move(backend)) {
+  epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
+  wake_fd_.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  epoll_event event{};
+  event.events = EPOLLIN;
+  event.data.u64 = 0;  // session ids start at 1
+  epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &event);
+}
+
+FastPathServer::~FastPathServer() { Stop(); }
+
+void FastPathServer::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
+
+void FastPathServer::Stop() {
+  stopping_.store(true);
+  RingDoorbell(wake_fd_.get());
+  if (thread_.joinable()) thread_.join();
+}
+
+FastPathCounters FastPathServer::counters() const {
+  FastPathCounters c;
+  {
+    absl::MutexLock lock(&mu_);
+    c.rings = rings_.size();
+  }
+  c.entries = entries_.load(std::memory_order_relaxed);
+  c.protocol_errors = protocol_errors_.load(std::memory_order_relaxed);
+  return c;
+}
+
+absl::StatusOr<v1::FastPathInfo> FastPathServer::Open(uint64_t session_id, const Caller& caller,
+                                                      const v1::OpenFastPathRequest& request,
+                                                      std::vector<UniqueFd>* fds) {
+  if (absl::Status role = CheckRole(caller, Need::kEngineOrScheduler, "OpenFastPath");
+      !role.ok()) {
+    return role;
+  }
+  if (stopping_.load()) {
+    return absl::UnavailableError("the agent is shutting down; the fast path takes no new rings");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (rings_.contains(session_id)) {
+      return absl::FailedPreconditionError(fmt::format(
+          "session {} already has a fast path open (one per session); use it, or attach "
+          "another session for another ring",
+          session_id));
+    }
+  }
+  absl::StatusOr<fr::Geometry> geometry =
+      fr::Layout(request.submission_slots(), request.completion_entries());
+  if (!geometry.ok()) return geometry.status();
+
+  auto ring = std::make_shared<Ring>();
+  ring->session_id = session_id;
+  ring->caller = caller;
+  ring->geometry = *geometry;
+  ring->memfd.reset(memfd_create("kvagent-fast-path", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!ring->memfd) return Errno("memfd_create");
+  if (ftruncate(ring->memfd.get(), static_cast<off_t>(geometry->ring_bytes)) != 0) {
+    return Errno("ftruncate of the ring file");
+  }
+  // The client maps the same file: it must not be able to shrink it under us (SIGBUS).
+  if (fcntl(ring->memfd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return Errno("sealing the ring file");
+  }
+  void* base = mmap(nullptr, geometry->ring_bytes, PROT_READ | PROT_WRITE,
+                    MAP_SHARED | MAP_POPULATE, ring->memfd.get(), 0);
+  if (base == MAP_FAILED) return Errno("mmap of the ring file");
+  ring->base = static_cast<char*>(base);
+  ring->header = new (base) fr::RingHeader();
+  ring->header->magic = fr::kMagic;
+  ring->header->version = fr::kVersion;
+  ring->header->submission_slots = geometry->submission_slots;
+  ring->header->slot_bytes = fr::kSlotBytes;
+  ring->header->completion_entries = geometry->completion_entries;
+  ring->header->completion_bytes = fr::kCompletionBytes;
+  ring->header->submission_offset = geometry->submission_offset;
+  ring->header->completion_offset = geometry->completion_offset;
+  ring->header->ring_bytes = geometry->ring_bytes;
+  ring->submit_fd.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  ring->complete_fd.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!ring->submit_fd || !ring->complete_fd) return Errno("eventfd");
+
+  std::vector<UniqueFd> out;
+  for (int fd : {ring->memfd.get(), ring->submit_fd.get(), ring->complete_fd.get()}) {
+    UniqueFd copy(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (!copy) return Errno("dup of a ring descriptor");
+    out.push_back(std::move(copy));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (rings_.contains(session_id)) {
+      return absl::FailedPreconditionError(
+          fmt::format("session {} already has a fast path open (one per session)", session_id));
+    }
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.u64 = session_id;
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, ring->submit_fd.get(), &event) != 0) {
+      return Errno("epoll_ctl");
+    }
+    rings_[session_id] = ring;
+  }
+  generation_.fetch_add(1);
+  RingDoorbell(wake_fd_.get());
+  *fds = std::move(out);
+
+  v1::FastPathInfo info;
+  info.set_version(fr::kVersion);
+  info.set_ring_bytes(geometry->ring_bytes);
+  info.set_submission_slots(geometry->submission_slots);
+  info.set_slot_bytes(fr::kSlotBytes);
+  info.set_completion_entries(geometry->completion_entries);
+  info.set_completion_bytes(fr::kCompletionBytes);
+  info.set_submission_offset(geometry->submission_offset);
+  info.set_completion_offset(geometry->completion_offset);
+  info.set_spin_us(options_.spin_us);
+  kLog.Info("{}: fast path open ({} submission slots, {} completions, {} bytes)",
+            caller.principal, geometry->submission_slots, geometry->completion_entries,
+            geometry->ring_bytes);
+  return info;
+}
+
+void FastPathServer::Close(uint64_t session_id) {
+  std::shared_ptr<Ring> ring;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = rings_.find(session_id);
+    if (it == rings_.end()) return;
+    ring = std::move(it->second);
+    rings_.erase(it);
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, ring->submit_fd.get(), nullptr);
+  }
+  {
+    absl::MutexLock lock(&ring->cq_mu);
+    ring->closed.store(true, std::memory_order_release);
+  }
+  ring->header->agent_flags.value.fetch_or(fr::kClosed);
+  generation_.fetch_add(1);
+  RingDoorbell(wake_fd_.get());
+}
+
+void FastPathServer::Break(Ring& ring, const absl::Status& why) {
+  protocol_errors_.fetch_add(1, std::memory_order_relaxed);
+  const std::string reason = fmt::format(
+      "the agent closed this fast path: the client broke the ring protocol: {}", why.message());
+  kLog.Warn("{}: {}", ring.caller.principal, reason);
+  {
+    absl::MutexLock lock(&ring.cq_mu);
+    ring.closed.store(true, std::memory_order_release);
+    // The reason, for the client to read (the bytes between the header and the slots).
+    const std::string text = BoundedErrorText(reason, fr::kReasonBytes - 1);
+    std::memcpy(ring.base + fr::kReasonOffset, text.c_str(), text.size() + 1);
+  }
+  ring.header->agent_flags.value.fetch_or(fr::kClosed);
+  RingDoorbell(ring.complete_fd.get());
+  Close(ring.session_id);
+}
+
+std::vector<std::shared_ptr<FastPathServer::Ring>> FastPathServer::Snapshot() {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Ring>> rings;
+  rings.reserve(rings_.size());
+  for (const auto& [id, ring] : rings_) rings.push_back(ring);
+  return rings;
+}
+
+bool FastPathServer::Drain(const std::shared_ptr<Ring>& ring) {
+  const uint32_t slots = ring->geometry.submission_slots;
+  uint32_t available = ring->header->sq_tail.value.load(std::memory_order_acquire) - ring->sq_head;
+  if (available == 0) return false;
+  if (available > slots) {
+    Break(*ring, absl::InvalidArgumentError(fmt::format(
+                     "sq_tail is {} slots past sq_head, and the ring has {}; publish only "
+                     "entries written into free slots",
+                     available, slots)));
+    return false;
+  }
+  bool took = false;
+  while (available > 0 && !ring->closed.load(std::memory_order_acquire)) {
+    bool room = false, bad = false;
+    {
+      absl::MutexLock lock(&ring->cq_mu);
+      room = ring->HasRoom(&bad);
+      if (room) ++ring->reserved;
+    }
+    if (bad) {
+      Break(*ring, absl::InvalidArgumentError(
+                       "cq_head is past cq_tail (more completions reaped than posted); store "
+                       "in cq_head only the count of completions read"));
+      return took;
+    }
+    if (!room) break;  // completions not reaped yet: the rest waits
+    const uint32_t index = ring->sq_head & (slots - 1);
+    fr::SubmissionHeader header;
+    std::memcpy(&header, ring->slot(index), sizeof(header));
+    if (absl::Status ok = fr::CheckEntry(header, index, available, slots); !ok.ok()) {
+      {
+        absl::MutexLock lock(&ring->cq_mu);
+        --ring->reserved;
+      }
+      Break(*ring, ok);
+      return took;
+    }
+    // Copied out before it is parsed: the client may change the slots meanwhile.
+    std::string payload(ring->slot(index) + sizeof(header), header.length);
+    ring->sq_head += header.slots;
+    available -= header.slots;
+    ring->header->sq_head.value.store(ring->sq_head, std::memory_order_release);
+    took = true;
+    if (header.opcode == fr::kPad) {
+      absl::MutexLock lock(&ring->cq_mu);
+      --ring->reserved;
+      continue;
+    }
+    entries_.fetch_add(1, std::memory_order_relaxed);
+    Handle(ring, header.opcode, header.user_data, std::move(payload));
+  }
+  return took;
+}
+
+void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
+                            uint64_t user_data, std::string payload) {
+  fr::CompletionHeader completion{};
+  completion.user_data = user_data;
+  completion.opcode = opcode;
+  auto post_state = [](const std::shared_ptr<Ring>& ring, fr::CompletionHeader completion,
+                       const absl::StatusOr<v1::TransferState>& state) {
+    if (!state.ok()) {
+      completion.code = static_cast<int32_t>(state.status().code());
+      ring->Post(completion, state.status().message());
+      return;
+    }
+    completion.code = state->error_code();
+    completion.phase = static_cast<uint32_t>(state->phase());
+    completion.bytes_done = state->bytes_done();
+    completion.latency_us = state->latency_us();
+    ring->Post(completion, state->error_message());
+  };
+  switch (opcode) {
+    case fr::kPing:
+      ring->Post(completion, "");
+      return;
+    case fr::kCancel:
+      post_state(ring, completion, backend_.cancel(payload, ring->caller));
+      return;
+    case fr::kSubmit: {
+      auto request = std::make_shared<v1::SubmitTransferRequest>();
+      if (!request->ParseFromString(payload)) {
+        completion.code = static_cast<int32_t>(absl::StatusCode::kInvalidArgument);
+        ring->Post(completion,
+                   fmt::format("submit entry {}: the payload is not a SubmitTransferRequest: {}",
+                               user_data,
+                               client::DescribeParseFailure(payload, "SubmitTransferRequest")));
+        return;
+      }
+      const v1::SubmitTransferRequest& ref = *request;
+      backend_.submit(ref, ring->caller,
+                      [ring, completion, request = std::move(request),
+                       post_state](absl::StatusOr<v1::TransferState> state) {
+                        post_state(ring, completion, state);
+                      });
+      return;
+    }
+  }
+}
+
+void FastPathServer::Run() {
+  std::vector<std::shared_ptr<Ring>> rings;
+  uint64_t seen = ~uint64_t{0};
+  const auto spin = std::chrono::microseconds(options_.spin_us);
+  auto last_work = Clock::now();
+  epoll_event events[64];
+  while (!stopping_.load(std::memory_order_relaxed)) {
+    if (const uint64_t now = generation_.load(); now != seen) {
+      rings = Snapshot();
+      seen = now;
+    }
+    bool took = false;
+    for (const auto& ring : rings) {
+      if (!ring->closed.load(std::memory_order_acquire)) took |= Drain(ring);
+    }
+    if (took) {
+      last_work = Clock::now();
+      continue;
+    }
+    if (Clock::now() - last_work < spin) {
+      fr::CpuRelax();
+      continue;
+    }
+    // Asleep: clients ring the doorbell from now on. Look once more after saying so
+    // (an entry published just before would otherwise wait for idle_poll_ms).
+    for (const auto& ring : rings) ring->header->agent_flags.value.fetch_or(fr::kSleeping);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    bool ready = false;
+    for (const auto& ring : rings) {
+      if (!ring->closed.load(std::memory_order_acquire) && ring->Ready()) ready = true;
+    }
+    if (!ready) {
+      const int n = epoll_wait(epoll_fd_.get(), events, 64, static_cast<int>(options_.idle_poll_ms));
+      for (int i = 0; i < n; ++i) {
+        if (events[i].data.u64 == 0) {
+          DrainDoorbell(wake_fd_.get());
+          continue;
+        }
+        for (const auto& ring : rings) {
+          if (ring->session_id == events[i].data.u64) DrainDoorbell(ring->submit_fd.get());
+        }
+      }
+    }
+    for (const auto& ring : rings) {
+      ring->header->agent_flags.value.fetch_and(~fr::kSleeping);
+    }
+    last_work = Clock::now();
+  }
+}
+
+}  // namespace kvagent::agent

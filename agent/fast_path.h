@@ -1,0 +1,102 @@
+// FastPathServer: the agent's side of the local fast path (proto OpenFastPathRequest,
+// layout in client/fast_ring.h). A session opens one ring pair over the session
+// socket; one thread takes submission entries from every open ring, hands them to the
+// same submit and cancel paths as the gRPC API (as the session's caller), and posts
+// each transfer's outcome on the completion ring when it ends. The thread polls for
+// spin_us after the last entry it took, then sleeps on the rings' doorbells (and
+// wakes every idle_poll_ms regardless, so a lost doorbell costs at most that).
+// Everything the client can write is untrusted (see client/fast_ring.h). Used by
+// agent/agent (LocalDoor opens and closes rings for sessions).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "agent/access.h"
+#include "proto/kvagent.pb.h"
+#include "transport/base/unique_fd.h"
+
+namespace kvagent::agent {
+
+struct FastPathOptions {
+  uint32_t spin_us = 50;         // --fast-path-spin-us: poll this long after work
+  uint32_t idle_poll_ms = 100;   // look at every ring this often while asleep
+};
+
+// What the rings' entries become: the agent's submit (with wait: `done` gets the
+// final state, or the refusal) and cancel, exactly as gRPC's.
+struct FastPathBackend {
+  using Done = std::function<void(absl::StatusOr<v1::TransferState>)>;
+  std::function<void(const v1::SubmitTransferRequest& request, const Caller& caller, Done done)>
+      submit;
+  std::function<absl::StatusOr<v1::TransferState>(const std::string& transfer_id,
+                                                  const Caller& caller)>
+      cancel;
+};
+
+struct FastPathCounters {
+  uint64_t rings = 0;            // open now
+  uint64_t entries = 0;          // submission entries taken (pads not counted)
+  uint64_t protocol_errors = 0;  // rings closed because their client broke the protocol
+};
+
+class FastPathServer {
+ public:
+  FastPathServer(FastPathOptions options, FastPathBackend backend);
+  ~FastPathServer();
+  FastPathServer(const FastPathServer&) = delete;
+  FastPathServer& operator=(const FastPathServer&) = delete;
+
+  void Start();
+  // Stops taking entries (idempotent). Completions of transfers still running are
+  // posted when they end, as long as their ring's session is open.
+  void Stop();
+
+  // Opens the ring pair of `session_id` for `caller` (engine or scheduler role; one
+  // per session). Fills `fds` with the ring file, the submission doorbell and the
+  // completion doorbell.
+  absl::StatusOr<v1::FastPathInfo> Open(uint64_t session_id, const Caller& caller,
+                                        const v1::OpenFastPathRequest& request,
+                                        std::vector<UniqueFd>* fds);
+  // The session ended: its ring takes nothing more; its transfers go on (their
+  // completions are dropped) and the ring's memory goes with the last of them.
+  void Close(uint64_t session_id);
+
+  FastPathCounters counters() const;
+
+  struct Ring;  // defined in fast_path.cc
+
+ private:
+  void Run();
+  // Takes what `ring` has published; true when it took anything.
+  bool Drain(const std::shared_ptr<Ring>& ring);
+  void Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode, uint64_t user_data,
+              std::string payload);
+  // The client broke the ring protocol: closes the ring, logs why, counts it.
+  void Break(Ring& ring, const absl::Status& why);
+  std::vector<std::shared_ptr<Ring>> Snapshot();
+
+  const FastPathOptions options_;
+  const FastPathBackend backend_;
+  UniqueFd epoll_fd_;
+  UniqueFd wake_fd_;  // eventfd: Stop() and Open() wake the thread
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> entries_{0};
+  std::atomic<uint64_t> protocol_errors_{0};
+  std::atomic<uint64_t> generation_{0};  // bumped when rings come and go
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvagent::agent

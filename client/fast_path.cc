@@ -1,0 +1,275 @@
+#include "client/fast_path.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "fmt/format.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::client {
+namespace {
+
+namespace fr = fastring;
+using Clock = std::chrono::steady_clock;
+
+
+absl::Status Mismatch(const std::string& what) {
+  return absl::FailedPreconditionError(fmt::format(
+      "the agent's fast path ring does not match this client ({}); use a client library "
+      "that matches the agent (ring version {})",
+      what, fr::kVersion));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FastPath>> FastPath::Open(LocalSession* session,
+                                                         FastPathOptions options) {
+  v1::OpenFastPathRequest request;
+  request.set_submission_slots(options.submission_slots);
+  request.set_completion_entries(options.completion_entries);
+  ASSIGN_OR_RETURN(auto opened, session->OpenFastPath(request));
+  v1::FastPathInfo& info = opened.first;
+  if (info.version() != fr::kVersion || info.slot_bytes() != fr::kSlotBytes ||
+      info.completion_bytes() != fr::kCompletionBytes) {
+    return Mismatch(fmt::format("version {}, slots of {} bytes, completions of {} bytes",
+                                info.version(), info.slot_bytes(), info.completion_bytes()));
+  }
+  absl::StatusOr<fr::Geometry> geometry =
+      fr::Layout(info.submission_slots(), info.completion_entries());
+  if (!geometry.ok() || geometry->ring_bytes != info.ring_bytes() ||
+      geometry->submission_offset != info.submission_offset() ||
+      geometry->completion_offset != info.completion_offset()) {
+    return Mismatch("its sizes and offsets are not this client's layout");
+  }
+  UniqueFd memfd = std::move(opened.second[0]);
+  struct stat st {};
+  if (fstat(memfd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < info.ring_bytes()) {
+    return Mismatch(fmt::format("the ring file is shorter than {} bytes", info.ring_bytes()));
+  }
+  void* base = mmap(nullptr, info.ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+                    memfd.get(), 0);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        fmt::format("mapping the fast path ring ({} bytes) failed: {}", info.ring_bytes(),
+                    std::strerror(errno)));
+  }
+  auto* header = static_cast<fr::RingHeader*>(base);
+  if (header->magic != fr::kMagic || header->version != fr::kVersion) {
+    munmap(base, info.ring_bytes());
+    return Mismatch("the ring file's header");
+  }
+  return std::unique_ptr<FastPath>(new FastPath(
+      session, std::move(info), std::move(memfd), std::move(opened.second[1]),
+      std::move(opened.second[2]), static_cast<char*>(base), options));
+}
+
+FastPath::FastPath(LocalSession* session, v1::FastPathInfo info, UniqueFd memfd,
+                   UniqueFd submit_fd, UniqueFd complete_fd, char* base, FastPathOptions options)
+    : session_(session),
+      info_(std::move(info)),
+      memfd_(std::move(memfd)),
+      submit_fd_(std::move(submit_fd)),
+      complete_fd_(std::move(complete_fd)),
+      base_(base),
+      options_(options),
+      slots_(info_.submission_slots()),
+      completions_(info_.completion_entries()) {}
+
+FastPath::~FastPath() { munmap(base_, info_.ring_bytes()); }
+
+std::string FastPath::closed_reason() const {
+  if ((header()->agent_flags.value.load(std::memory_order_acquire) & fr::kClosed) == 0) return "";
+  const char* text = base_ + fr::kReasonOffset;
+  std::string reason(text, strnlen(text, fr::kReasonBytes - 1));
+  if (reason.empty()) reason = "the agent closed this fast path (the session ended)";
+  return reason;
+}
+
+absl::Status FastPath::Put(uint16_t opcode, uint64_t user_data, size_t length,
+                           const std::function<void(char*)>& fill, bool publish) {
+  if (length > fr::MaxPayload(slots_)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "a {} entry of {} bytes does not fit this fast path ring (at most {} bytes with {} "
+        "slots); open the ring with more submission_slots, split the transfer into chunks, "
+        "or submit it through gRPC",
+        fr::OpcodeName(opcode), length, fr::MaxPayload(slots_), slots_));
+  }
+  if (std::string reason = closed_reason(); !reason.empty()) {
+    return absl::FailedPreconditionError(reason);
+  }
+  const uint32_t need = fr::SlotsFor(length);
+  const uint32_t head = header()->sq_head.value.load(std::memory_order_acquire);
+  const uint32_t used = sq_tail_ - head;
+  const uint32_t free_slots = used > slots_ ? 0 : slots_ - used;
+  const uint32_t index = sq_tail_ & (slots_ - 1);
+  const uint32_t to_end = slots_ - index;
+  const uint32_t pad = need > to_end ? to_end : 0;
+  if (pad + need > free_slots) {
+    if (publish) PublishLocked();
+    return absl::ResourceExhaustedError(fmt::format(
+        "the fast path's submission ring is full ({} of {} slots wait for the agent, which "
+        "takes an entry only when its completion has room): reap completions, then submit "
+        "again",
+        used, slots_));
+  }
+  char* slots = base_ + info_.submission_offset();
+  if (pad != 0) {
+    fr::SubmissionHeader h{};
+    h.opcode = fr::kPad;
+    h.slots = static_cast<uint16_t>(pad);
+    std::memcpy(slots + uint64_t{index} * fr::kSlotBytes, &h, sizeof(h));
+    sq_tail_ += pad;
+  }
+  char* at = slots + uint64_t{sq_tail_ & (slots_ - 1)} * fr::kSlotBytes;
+  fr::SubmissionHeader h{};
+  h.length = static_cast<uint32_t>(length);
+  h.opcode = opcode;
+  h.slots = static_cast<uint16_t>(need);
+  h.user_data = user_data;
+  std::memcpy(at, &h, sizeof(h));
+  if (length != 0) fill(at + sizeof(h));
+  sq_tail_ += need;
+  submitted_.fetch_add(1, std::memory_order_relaxed);
+  if (publish) PublishLocked();
+  return absl::OkStatus();
+}
+
+absl::Status FastPath::Submit(const v1::SubmitTransferRequest& request, uint64_t user_data,
+                              bool publish) {
+  absl::MutexLock lock(&submit_mu_);
+  const size_t length = request.ByteSizeLong();
+  return Put(
+      fr::kSubmit, user_data, length,
+      [&](char* out) { request.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out)); },
+      publish);
+}
+
+absl::Status FastPath::Cancel(std::string_view transfer_id, uint64_t user_data, bool publish) {
+  absl::MutexLock lock(&submit_mu_);
+  return Put(
+      fr::kCancel, user_data, transfer_id.size(),
+      [&](char* out) { std::memcpy(out, transfer_id.data(), transfer_id.size()); }, publish);
+}
+
+absl::Status FastPath::Ping(uint64_t user_data, bool publish) {
+  absl::MutexLock lock(&submit_mu_);
+  return Put(fr::kPing, user_data, 0, [](char*) {}, publish);
+}
+
+void FastPath::Publish() {
+  absl::MutexLock lock(&submit_mu_);
+  PublishLocked();
+}
+
+void FastPath::PublishLocked() {
+  if (published_ == sq_tail_) return;
+  header()->sq_tail.value.store(sq_tail_, std::memory_order_release);
+  published_ = sq_tail_;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (header()->agent_flags.value.load(std::memory_order_relaxed) & fr::kSleeping) {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(submit_fd_.get(), &one, sizeof(one));
+  }
+}
+
+void FastPath::NudgeAgent() {
+  fr::RingHeader* h = header();
+  if (h->sq_tail.value.load(std::memory_order_relaxed) ==
+      h->sq_head.value.load(std::memory_order_acquire)) {
+    return;
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (h->agent_flags.value.load(std::memory_order_relaxed) & fr::kSleeping) {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(submit_fd_.get(), &one, sizeof(one));
+  }
+}
+
+size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
+  const uint32_t tail = header()->cq_tail.value.load(std::memory_order_acquire);
+  size_t n = 0;
+  const char* entries = base_ + info_.completion_offset();
+  while (cq_head_ != tail && n < max) {
+    const char* at = entries + uint64_t{cq_head_ & (completions_ - 1)} * fr::kCompletionBytes;
+    fr::CompletionHeader h;
+    std::memcpy(&h, at, sizeof(h));
+    FastCompletion c;
+    c.user_data = h.user_data;
+    c.opcode = h.opcode;
+    c.code = static_cast<absl::StatusCode>(h.code);
+    c.phase = static_cast<v1::TransferPhase>(h.phase);
+    c.bytes_done = h.bytes_done;
+    c.latency_us = h.latency_us;
+    c.message.assign(at + sizeof(h), std::min<uint32_t>(h.message_length, fr::kMaxMessage));
+    out->push_back(std::move(c));
+    ++cq_head_;
+    ++n;
+  }
+  if (n != 0) {
+    header()->cq_head.value.store(cq_head_, std::memory_order_release);
+    reaped_.fetch_add(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t max,
+                                      absl::Duration timeout) {
+  absl::MutexLock lock(&reap_mu_);
+  size_t n = TakeCompletions(out, max);
+  if (n != 0) {
+    NudgeAgent();  // entries may wait for the room just made
+    return n;
+  }
+  const auto start = Clock::now();
+  const auto limit = start + absl::ToChronoNanoseconds(timeout);
+  const auto spin_end = start + std::chrono::microseconds(options_.spin_us);
+  fr::RingHeader* h = header();
+  while (Clock::now() < std::min(spin_end, limit)) {
+    if ((n = TakeCompletions(out, max)) != 0) return n;
+    fr::CpuRelax();
+  }
+  for (;;) {
+    h->client_flags.value.store(fr::kWaiting, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    n = TakeCompletions(out, max);
+    if (n != 0) break;
+    if (std::string reason = closed_reason(); !reason.empty()) {
+      h->client_flags.value.store(0, std::memory_order_relaxed);
+      return absl::FailedPreconditionError(reason);
+    }
+    const auto now = Clock::now();
+    if (now >= limit) break;
+    NudgeAgent();
+    pollfd fds[2] = {{complete_fd_.get(), POLLIN, 0}, {session_->fd(), POLLRDHUP, 0}};
+    const auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(limit - now);
+    timespec ts{static_cast<time_t>(wait.count() / 1000000000),
+                static_cast<long>(wait.count() % 1000000000)};
+    const int ready = ppoll(fds, 2, &ts, nullptr);
+    if (ready > 0 && (fds[0].revents & POLLIN)) {
+      uint64_t value;
+      [[maybe_unused]] ssize_t got = ::read(complete_fd_.get(), &value, sizeof(value));
+    }
+    if (ready > 0 && (fds[1].revents & (POLLHUP | POLLRDHUP | POLLERR))) {
+      n = TakeCompletions(out, max);
+      h->client_flags.value.store(0, std::memory_order_relaxed);
+      if (n != 0) return n;
+      return absl::UnavailableError(fmt::format(
+          "the agent at {} closed the session; its fast path is gone (attach again)",
+          session_->path()));
+    }
+  }
+  h->client_flags.value.store(0, std::memory_order_relaxed);
+  if (n != 0) NudgeAgent();
+  return n;
+}
+
+uint64_t FastPath::outstanding() const {
+  return submitted_.load(std::memory_order_relaxed) - reaped_.load(std::memory_order_relaxed);
+}
+
+}  // namespace kvagent::client

@@ -1,0 +1,123 @@
+// FastPath: an engine's side of the local fast path (proto OpenFastPathRequest,
+// layout in client/fast_ring.h). Transfers go into a submission ring in shared memory
+// and their outcomes come back on a completion ring: no round trip per transfer, many
+// transfers per doorbell, completions reaped in batches. The same requests, checks,
+// errors, states, deadlines and cancels as gRPC's SubmitTransfer; the transfers are
+// the session's. Used by engines, kvagentctl bench and the tests.
+//
+// Threads: Submit/Cancel/Ping/Publish may be called from one thread at a time, and
+// Reap from one thread at a time (the two sides have separate locks).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/fast_ring.h"
+#include "client/local_session.h"
+#include "proto/kvagent.pb.h"
+#include "transport/base/unique_fd.h"
+
+namespace kvagent::client {
+
+struct FastPathOptions {
+  uint32_t submission_slots = 0;    // 0: the agent's default (1024)
+  uint32_t completion_entries = 0;  // 0: as many as submission slots
+  // How long Reap polls the completion ring before it sleeps on the doorbell.
+  uint32_t spin_us = 20;
+};
+
+// One entry's outcome.
+struct FastCompletion {
+  uint64_t user_data = 0;
+  uint16_t opcode = 0;  // fastring::Opcode
+  // The refusal (the transfer was never accepted), or the transfer's error: OK for a
+  // COMPLETED transfer and a ping; a cancel that found its transfer reports that
+  // transfer's state after the cancel (CANCELLED, or its end if it had ended).
+  absl::StatusCode code = absl::StatusCode::kOk;
+  v1::TransferPhase phase = v1::TRANSFER_PHASE_UNSPECIFIED;  // submit and cancel
+  uint64_t bytes_done = 0;
+  uint64_t latency_us = 0;
+  std::string message;
+
+  absl::Status status() const { return absl::Status(code, message); }
+};
+
+class FastPath {
+ public:
+  // Asks the agent for a ring pair over `session` (which must outlive this object) and
+  // maps it. Errors: the agent's refusal (no engine or scheduler role, one already
+  // open for the session, sizes out of range), or a ring that does not match this
+  // client (FAILED_PRECONDITION).
+  static absl::StatusOr<std::unique_ptr<FastPath>> Open(LocalSession* session,
+                                                        FastPathOptions options = {});
+  ~FastPath();
+  FastPath(const FastPath&) = delete;
+  FastPath& operator=(const FastPath&) = delete;
+
+  // Puts one entry on the submission ring, and publishes it (and any unpublished
+  // before it) unless `publish` is false: then Publish() does, so many entries go with
+  // one doorbell. RESOURCE_EXHAUSTED when the ring has no room (the agent takes an
+  // entry only when its completion has room: reap, then submit again); INVALID_ARGUMENT
+  // for a request too large for one entry (use gRPC or chunks); FAILED_PRECONDITION
+  // once the agent closed the ring (with its reason).
+  absl::Status Submit(const v1::SubmitTransferRequest& request, uint64_t user_data,
+                      bool publish = true);
+  absl::Status Cancel(std::string_view transfer_id, uint64_t user_data, bool publish = true);
+  absl::Status Ping(uint64_t user_data, bool publish = true);
+  void Publish();
+
+  // Appends up to `max` completions to `out`; waits up to `timeout` for the first one
+  // (polling spin_us, then sleeping on the doorbell). Returns how many it appended (0
+  // when none came in time). UNAVAILABLE when the agent closed the session;
+  // FAILED_PRECONDITION when it closed the ring (with its reason) and none are left.
+  absl::StatusOr<size_t> Reap(std::vector<FastCompletion>* out, size_t max,
+                              absl::Duration timeout);
+
+  // Entries submitted whose completion has not been reaped (pads not counted).
+  uint64_t outstanding() const;
+  // Why the agent closed this ring; empty while it is open.
+  std::string closed_reason() const;
+  const v1::FastPathInfo& info() const { return info_; }
+
+ private:
+  FastPath(LocalSession* session, v1::FastPathInfo info, UniqueFd memfd, UniqueFd submit_fd,
+           UniqueFd complete_fd, char* base, FastPathOptions options);
+  absl::Status Put(uint16_t opcode, uint64_t user_data, size_t length,
+                   const std::function<void(char*)>& fill, bool publish)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(submit_mu_);
+  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(submit_mu_);
+  // Rings the submission doorbell if the agent sleeps and entries wait.
+  void NudgeAgent();
+  size_t TakeCompletions(std::vector<FastCompletion>* out, size_t max)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(reap_mu_);
+  fastring::RingHeader* header() const { return reinterpret_cast<fastring::RingHeader*>(base_); }
+
+  LocalSession* const session_;
+  const v1::FastPathInfo info_;
+  const UniqueFd memfd_;
+  const UniqueFd submit_fd_;
+  const UniqueFd complete_fd_;
+  char* const base_;
+  const FastPathOptions options_;
+  const uint32_t slots_;
+  const uint32_t completions_;
+
+  absl::Mutex submit_mu_;
+  uint32_t sq_tail_ ABSL_GUARDED_BY(submit_mu_) = 0;       // written, maybe not published
+  uint32_t published_ ABSL_GUARDED_BY(submit_mu_) = 0;
+  std::atomic<uint64_t> submitted_{0};
+
+  absl::Mutex reap_mu_;
+  uint32_t cq_head_ ABSL_GUARDED_BY(reap_mu_) = 0;
+  std::atomic<uint64_t> reaped_{0};
+};
+
+}  // namespace kvagent::client

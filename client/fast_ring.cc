@@ -1,0 +1,89 @@
+#include "client/fast_ring.h"
+
+#include "absl/status/status.h"
+#include "fmt/format.h"
+
+namespace kvagent::client::fastring {
+namespace {
+
+absl::StatusOr<uint32_t> CheckCount(uint32_t value, uint32_t fallback, const char* field) {
+  if (value == 0) value = fallback;
+  if (value < kMinEntries || value > kMaxEntries || (value & (value - 1)) != 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "OpenFastPathRequest.{} is {}; it must be a power of two from {} to {} (0 picks {})",
+        field, value, kMinEntries, kMaxEntries, fallback));
+  }
+  return value;
+}
+
+uint64_t RoundUp(uint64_t value, uint64_t to) { return (value + to - 1) / to * to; }
+
+}  // namespace
+
+absl::StatusOr<Geometry> Layout(uint32_t submission_slots, uint32_t completion_entries) {
+  Geometry g;
+  absl::StatusOr<uint32_t> sq = CheckCount(submission_slots, kDefaultEntries, "submission_slots");
+  if (!sq.ok()) return sq.status();
+  absl::StatusOr<uint32_t> cq = CheckCount(completion_entries, *sq, "completion_entries");
+  if (!cq.ok()) return cq.status();
+  g.submission_slots = *sq;
+  g.completion_entries = *cq;
+  g.submission_offset = RoundUp(sizeof(RingHeader), 4096);
+  g.completion_offset = g.submission_offset + RoundUp(uint64_t{*sq} * kSlotBytes, 4096);
+  g.ring_bytes = g.completion_offset + RoundUp(uint64_t{*cq} * kCompletionBytes, 4096);
+  return g;
+}
+
+const char* OpcodeName(uint16_t opcode) {
+  switch (opcode) {
+    case kPad: return "pad";
+    case kSubmit: return "submit";
+    case kCancel: return "cancel";
+    case kPing: return "ping";
+  }
+  return "unknown";
+}
+
+absl::Status CheckEntry(const SubmissionHeader& header, uint32_t index, uint32_t available,
+                        uint32_t slots) {
+  const char* name = OpcodeName(header.opcode);
+  if (header.slots == 0 || header.slots > available) {
+    return absl::InvalidArgumentError(fmt::format(
+        "entry at slot {} spans {} slots but {} are published (sq_tail - sq_head); write the "
+        "whole entry before storing sq_tail, and count its header's slot",
+        index, header.slots, available));
+  }
+  if (uint64_t{index} + header.slots > slots) {
+    return absl::InvalidArgumentError(fmt::format(
+        "entry at slot {} spans {} slots past the ring's end ({} slots); entries never wrap: "
+        "pad to the end (opcode pad) and start at slot 0",
+        index, header.slots, slots));
+  }
+  if (header.opcode == kPad) {
+    if (header.length != 0) {
+      return absl::InvalidArgumentError(fmt::format(
+          "pad entry at slot {} has a {}-byte payload; a pad carries none", index, header.length));
+    }
+  } else if (header.opcode != kSubmit && header.opcode != kCancel && header.opcode != kPing) {
+    return absl::InvalidArgumentError(fmt::format(
+        "entry at slot {} has opcode {}, which this agent does not know (pad 0, submit 1, "
+        "cancel 2, ping 3); use a client that matches the agent (ring version {})",
+        index, header.opcode, kVersion));
+  } else if (header.slots != SlotsFor(header.length) || header.length > MaxPayload(slots)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{} entry at slot {} carries {} payload bytes in {} slots (it needs exactly {}, and "
+        "at most {} bytes fit one entry of this ring); the slot count is "
+        "ceil((24 + length) / {})",
+        name, index, header.length, header.slots, SlotsFor(header.length), MaxPayload(slots),
+        kSlotBytes));
+  }
+  if (header.flags != 0 || header.reserved != 0) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{} entry at slot {} sets flags {:#x} and reserved {:#x}; both must be 0 in ring "
+        "version {}",
+        name, index, header.flags, header.reserved, kVersion));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvagent::client::fastring

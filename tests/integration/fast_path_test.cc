@@ -1,0 +1,601 @@
+// The local fast path (client/fast_path, agent/fast_path) between two real kvagentd
+// processes: the same transfers, checks, errors, cancels, deadlines and peer deaths
+// as gRPC submission, bytes compared in shared memory; then what a careless or
+// hostile client does to its ring (garbage entries, impossible counters, a truncated
+// file, a lost doorbell, a full ring, a client killed mid-flight). The agent stays up
+// and an honest transfer is byte-exact after each.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "client/fast_path.h"
+#include "client/fast_ring.h"
+#include "fmt/format.h"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+namespace fr = client::fastring;
+using client::FastCompletion;
+using client::FastPath;
+using Catch::Matchers::Contains;
+
+std::unique_ptr<FastPath> OpenFast(cli::AgentClient& client, client::FastPathOptions options = {}) {
+  auto session = client.Session();
+  REQUIRE(session.ok());
+  auto fast = FastPath::Open(*session, options);
+  INFO(fast.status().ToString());
+  REQUIRE(fast.ok());
+  return *std::move(fast);
+}
+
+// Reaps until `count` completions came or `timeout_ms` passed.
+std::vector<FastCompletion> ReapN(FastPath& fast, size_t count, uint32_t timeout_ms = 20000) {
+  std::vector<FastCompletion> out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (out.size() < count && std::chrono::steady_clock::now() < until) {
+    auto got = fast.Reap(&out, count - out.size(), absl::Milliseconds(100));
+    INFO(got.status().ToString());
+    REQUIRE(got.ok());
+  }
+  return out;
+}
+
+FastCompletion ReapOne(FastPath& fast, uint32_t timeout_ms = 20000) {
+  auto got = ReapN(fast, 1, timeout_ms);
+  REQUIRE(got.size() == 1);
+  return got[0];
+}
+
+void WaitStopped(pid_t pid) {
+  for (int i = 0; i < 500; ++i) {
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    FILE* f = std::fopen(path, "r");
+    if (f == nullptr) return;
+    char state = '?';
+    [[maybe_unused]] int n = std::fscanf(f, "%*d %*s %c", &state);
+    std::fclose(f);
+    if (state == 'T' || state == 't') return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+// For tests that SIGSTOP the decode agent: with the default 200 ms refresh a stopped
+// peer is marked unreachable (its transfers failed) within 1.2 s, which a loaded
+// machine can reach before the test's checks; 1 s polls put that at 6 s.
+AgentPairOptions StoppablePeer(std::vector<std::string> extra = {}) {
+  AgentPairOptions options;
+  options.extra_args = std::move(extra);
+  options.extra_args.push_back("--peer-refresh-ms");
+  options.extra_args.push_back("1000");
+  return options;
+}
+
+// The fast path submits asynchronously: waits until the agent took `id`.
+void WaitKnown(cli::AgentClient& client, const std::string& id) {
+  for (int i = 0; i < 2000; ++i) {
+    if (client.Get(id).ok()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  FAIL("transfer " << id << " never appeared");
+}
+
+void HonestFastWrite(AgentPair& pair, FastPath& fast, const std::string& id, uint64_t src,
+                     uint64_t dst) {
+  REQUIRE(fast.Submit(KvWrite(id, {src}, {dst}), 999).ok());
+  FastCompletion c = ReapOne(fast);
+  INFO(c.message);
+  CHECK(c.user_data == 999);
+  CHECK(c.phase == v1::COMPLETED);
+  CHECK(pair.PageEqual(src, dst));
+}
+
+TEST_CASE("fast path: a WRITE moves pages byte-exact and the peer is notified") {
+  AgentPair pair;
+  auto fast = OpenFast(pair.prefill());
+  CHECK(fast->info().submission_slots() == fr::kDefaultEntries);
+  REQUIRE(fast->Submit(KvWrite("fast-1", {3, 4, 9}, {30, 1, 17}, "first-token:7"), 42).ok());
+  FastCompletion c = ReapOne(*fast);
+  INFO(c.message);
+  CHECK(c.user_data == 42);
+  CHECK(c.opcode == fr::kSubmit);
+  CHECK(c.code == absl::StatusCode::kOk);
+  CHECK(c.phase == v1::COMPLETED);
+  CHECK(c.bytes_done == 3 * 8 * 4096);
+  CHECK(c.latency_us > 0);
+  CHECK(pair.PageEqual(3, 30));
+  CHECK(pair.PageEqual(4, 1));
+  CHECK(pair.PageEqual(9, 17));
+  CHECK(pair.PageUntouched(2));
+  // The same transfer as gRPC sees it.
+  auto state = pair.prefill().Get("fast-1");
+  REQUIRE(state.ok());
+  CHECK(state->phase() == v1::COMPLETED);
+  CHECK(state->drained());
+  // The receiver's notification, as for any transfer.
+  std::vector<v1::Notification> notes;
+  for (int i = 0; i < 200 && notes.empty(); ++i) {
+    auto polled = pair.decode().Poll(0);
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) notes.push_back(n);
+    if (notes.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "fast-1");
+  CHECK(notes[0].payload() == "first-token:7");
+  auto status = pair.prefill().Status();
+  REQUIRE(status.ok());
+  CHECK(status->fast_path_rings() == 1);
+  CHECK(status->fast_path_entries() == 1);
+  CHECK(status->fast_path_protocol_errors() == 0);
+}
+
+TEST_CASE("fast path: 64 transfers behind one doorbell, completions reaped in a batch") {
+  AgentPair pair;
+  auto fast = OpenFast(pair.prefill());
+  for (uint64_t i = 0; i < 32; ++i) {
+    REQUIRE(fast->Submit(KvWrite(fmt::format("b{}", i), {i}, {31 - i}), i, /*publish=*/false).ok());
+  }
+  for (uint64_t i = 32; i < 64; ++i) REQUIRE(fast->Ping(i, /*publish=*/false).ok());
+  CHECK(fast->outstanding() == 64);
+  fast->Publish();
+  auto done = ReapN(*fast, 64);
+  REQUIRE(done.size() == 64);
+  std::vector<bool> seen(64);
+  for (const auto& c : done) {
+    REQUIRE(c.user_data < 64);
+    seen[c.user_data] = true;
+    INFO(c.message);
+    CHECK(c.code == absl::StatusCode::kOk);
+    if (c.user_data < 32) CHECK(c.phase == v1::COMPLETED);
+    if (c.user_data >= 32) CHECK(c.opcode == fr::kPing);
+  }
+  CHECK(std::count(seen.begin(), seen.end(), true) == 64);
+  for (uint64_t i = 0; i < 32; ++i) CHECK(pair.PageEqual(i, 31 - i));
+  CHECK(fast->outstanding() == 0);
+}
+
+TEST_CASE("fast path: bad requests come back with gRPC's code and message; a second ring is refused") {
+  AgentPair pair;
+  auto fast = OpenFast(pair.prefill());
+  auto bad_group = KvWrite("bad-1", {1}, {2});
+  bad_group.mutable_segments(0)->mutable_items()->set_local_group("no-such-group");
+  auto out_of_range = KvWrite("bad-2", {1000}, {2});
+  auto no_peer = KvWrite("bad-3", {1}, {2});
+  no_peer.set_peer("nobody");
+  for (const auto& request : {bad_group, out_of_range, no_peer}) {
+    REQUIRE(fast->Submit(request, 1).ok());
+    FastCompletion c = ReapOne(*fast);
+    auto grpc = pair.prefill().Submit(request);
+    REQUIRE_FALSE(grpc.ok());
+    INFO(request.transfer_id() << ": fast '" << c.message << "', gRPC '"
+                               << grpc.status().message() << "'");
+    CHECK(c.code == grpc.status().code());
+    CHECK(c.message == std::string(grpc.status().message()));
+    CHECK(c.phase == v1::TRANSFER_PHASE_UNSPECIFIED);
+  }
+  // A retry of the same request is answered with its state; a transfer id reused for
+  // another request is refused, as through gRPC.
+  HonestFastWrite(pair, *fast, "dup", 5, 6);
+  REQUIRE(fast->Submit(KvWrite("dup", {5}, {6}), 2).ok());
+  FastCompletion retry = ReapOne(*fast);
+  CHECK(retry.phase == v1::COMPLETED);
+  REQUIRE(fast->Submit(KvWrite("dup", {5}, {7}), 2).ok());
+  FastCompletion dup = ReapOne(*fast);
+  CHECK(dup.code == absl::StatusCode::kAlreadyExists);
+  CHECK_THAT(dup.message, Contains("already submitted with different content"));
+  CHECK(pair.PageUntouched(7));
+  // One ring per session.
+  auto session = pair.prefill().Session();
+  REQUIRE(session.ok());
+  auto second = FastPath::Open(*session);
+  REQUIRE_FALSE(second.ok());
+  CHECK(second.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(second.status().message()), Contains("one per session"));
+  // Sizes out of range name the field.
+  cli::AgentClient other(pair.prefill_process().address());
+  auto other_session = other.Session();
+  REQUIRE(other_session.ok());
+  client::FastPathOptions odd;
+  odd.submission_slots = 1000;
+  auto refused = FastPath::Open(*other_session, odd);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(refused.status().message()), Contains("submission_slots is 1000"));
+  // A request too large for one entry is refused by the client, before the ring.
+  client::FastPathOptions small;
+  small.submission_slots = 8;
+  auto tiny = OpenFast(other, small);
+  auto big = KvWrite("big", {}, {});
+  for (int i = 0; i < 2000; ++i) big.mutable_segments(0)->mutable_items()->add_local_indices(1);
+  absl::Status too_big = tiny->Submit(big, 3);
+  CHECK(too_big.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(too_big.message()), Contains("does not fit this fast path ring"));
+  HonestFastWrite(pair, *fast, "after-bad", 7, 8);
+}
+
+TEST_CASE("fast path: a stranger session can neither move nor cancel another engine's pages") {
+  AgentPair pair(StoppablePeer({"--scheduler-uids", "none"}));
+  cli::AgentClientOptions options;
+  options.client_name = "stranger";
+  cli::AgentClient stranger(pair.prefill_process().address(), options);
+  auto fast = OpenFast(stranger);
+  REQUIRE(fast->Submit(KvWrite("steal", {1}, {2}), 1).ok());
+  FastCompletion c = ReapOne(*fast);
+  CHECK(c.code == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(c.message, Contains("belongs to session:1"));
+  CHECK(pair.PageUntouched(2));
+  // The owner's transfer, in flight: the stranger's cancel does not find it.
+  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
+  WaitStopped(pair.decode_process().pid());
+  auto owner_fast = OpenFast(pair.prefill());
+  REQUIRE(owner_fast->Submit(KvWrite("owned", {3}, {4}), 7).ok());
+  REQUIRE(fast->Cancel("owned", 2).ok());
+  FastCompletion cancel = ReapOne(*fast);
+  CHECK(cancel.opcode == fr::kCancel);
+  CHECK(cancel.code == absl::StatusCode::kNotFound);
+  REQUIRE(kill(pair.decode_process().pid(), SIGCONT) == 0);
+  FastCompletion owned = ReapOne(*owner_fast);
+  INFO(owned.message);
+  CHECK(owned.phase == v1::COMPLETED);
+  CHECK(pair.PageEqual(3, 4));
+}
+
+TEST_CASE("fast path: a chunk completes when accepted, a cancel ends its transfer") {
+  AgentPair pair;
+  auto fast = OpenFast(pair.prefill());
+  auto first = KvWrite("to-cancel", {1}, {2});
+  first.set_more_chunks(true);  // more to come: the transfer cannot end before them
+  REQUIRE(fast->Submit(first, 1).ok());
+  FastCompletion accepted = ReapOne(*fast);
+  INFO(accepted.message);
+  CHECK(accepted.code == absl::StatusCode::kOk);
+  CHECK((accepted.phase == v1::PENDING || accepted.phase == v1::TRANSFERRING));
+  REQUIRE(fast->Cancel("to-cancel", 2).ok());
+  FastCompletion cancel = ReapOne(*fast);
+  CHECK(cancel.opcode == fr::kCancel);  // the transfer's state after the cancel
+  CHECK(cancel.code == absl::StatusCode::kCancelled);
+  CHECK(cancel.phase == v1::CANCELLED);
+  // Its last chunk is refused now, as through gRPC.
+  auto last = KvWrite("to-cancel", {3}, {4});
+  last.set_chunk(1);
+  REQUIRE(fast->Submit(last, 3).ok());
+  FastCompletion refused = ReapOne(*fast);
+  CHECK(refused.code == absl::StatusCode::kFailedPrecondition);
+  // A cancel of an unknown transfer is NOT_FOUND.
+  REQUIRE(fast->Cancel("never-submitted", 4).ok());
+  CHECK(ReapOne(*fast).code == absl::StatusCode::kNotFound);
+  // A chunked transfer whose last chunk comes completes on that chunk's entry.
+  auto open = KvWrite("chunked", {5}, {6});
+  open.set_more_chunks(true);
+  auto close = KvWrite("chunked", {7}, {8});
+  close.set_chunk(1);
+  REQUIRE(fast->Submit(open, 5, /*publish=*/false).ok());
+  REQUIRE(fast->Submit(close, 6).ok());
+  auto both = ReapN(*fast, 2);
+  REQUIRE(both.size() == 2);
+  for (const auto& c : both) {
+    INFO(c.user_data << ": " << c.message);
+    CHECK(c.code == absl::StatusCode::kOk);
+    if (c.user_data == 6) CHECK(c.phase == v1::COMPLETED);
+  }
+  CHECK(pair.PageEqual(5, 6));
+  CHECK(pair.PageEqual(7, 8));
+}
+
+TEST_CASE("fast path: a deadline ends a transfer whose peer stopped answering") {
+  AgentPair pair(StoppablePeer());
+  auto fast = OpenFast(pair.prefill());
+  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
+  WaitStopped(pair.decode_process().pid());
+  auto timed = KvWrite("to-time-out", {3}, {4});
+  timed.set_timeout_ms(300);
+  const auto start = std::chrono::steady_clock::now();
+  REQUIRE(fast->Submit(timed, 2).ok());
+  FastCompletion c = ReapOne(*fast);
+  const int64_t ms = MillisSince(start);
+  REQUIRE(kill(pair.decode_process().pid(), SIGCONT) == 0);
+  INFO(c.message << " after " << ms << " ms");
+  CHECK(c.phase == v1::TIMED_OUT);
+  CHECK(c.code == absl::StatusCode::kDeadlineExceeded);
+  CHECK(ms >= 250);
+  HonestFastWrite(pair, *fast, "after-deadline", 10, 11);
+}
+
+TEST_CASE("fast path: a peer that dies fails the transfers in flight on the ring") {
+  AgentPair pair(StoppablePeer());
+  auto fast = OpenFast(pair.prefill());
+  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
+  WaitStopped(pair.decode_process().pid());
+  REQUIRE(fast->Submit(KvWrite("doomed", {1}, {2}), 1).ok());
+  WaitKnown(pair.prefill(), "doomed");
+  REQUIRE(WaitTransferring(pair.prefill(), "doomed").ok());
+  REQUIRE(kill(pair.decode_process().pid(), SIGKILL) == 0);
+  FastCompletion c = ReapOne(*fast, 30000);
+  INFO(c.message);
+  CHECK(c.phase == v1::FAILED);
+  CHECK(c.code == absl::StatusCode::kUnavailable);
+  auto status = pair.prefill().Status();
+  CHECK(status.ok());
+}
+
+TEST_CASE("fast path: a full ring refuses more and takes the rest once completions are reaped") {
+  AgentPair pair(StoppablePeer());
+  client::FastPathOptions small;
+  small.submission_slots = 8;
+  small.completion_entries = 8;
+  auto fast = OpenFast(pair.prefill(), small);
+  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
+  WaitStopped(pair.decode_process().pid());
+  int accepted = 0;
+  absl::Status full;
+  for (int i = 0; i < 40; ++i) {
+    full = fast->Submit(KvWrite(fmt::format("f{}", i), {static_cast<uint64_t>(i % 32)},
+                                {static_cast<uint64_t>(i % 32)}),
+                        i);
+    if (!full.ok()) break;
+    ++accepted;
+    // Let the agent take what it can: 8 entries (their completions reserved).
+    if (i == 7) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  CHECK(full.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(full.message()), Contains("submission ring is full"));
+  // 8 taken by the agent (one completion each), 8 waiting in the submission ring.
+  CHECK(accepted == 16);
+  REQUIRE(kill(pair.decode_process().pid(), SIGCONT) == 0);
+  auto done = ReapN(*fast, accepted, 30000);
+  REQUIRE(done.size() == static_cast<size_t>(accepted));
+  for (const auto& c : done) {
+    INFO(c.user_data << ": " << c.message);
+    CHECK(c.phase == v1::COMPLETED);
+  }
+  for (uint64_t i = 0; i < 16; ++i) CHECK(pair.PageEqual(i, i));
+}
+
+// A client that speaks the ring protocol itself, to break it.
+struct RawRing {
+  v1::FastPathInfo info;
+  std::vector<UniqueFd> fds;
+  char* base = nullptr;
+  fr::RingHeader* header = nullptr;
+
+  explicit RawRing(cli::AgentClient& client, uint32_t slots = 8) {
+    auto session = client.Session();
+    REQUIRE(session.ok());
+    v1::OpenFastPathRequest request;
+    request.set_submission_slots(slots);
+    auto opened = (*session)->OpenFastPath(request);
+    REQUIRE(opened.ok());
+    info = opened->first;
+    fds = std::move(opened->second);
+    void* p = mmap(nullptr, info.ring_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fds[0].get(), 0);
+    REQUIRE(p != MAP_FAILED);
+    base = static_cast<char*>(p);
+    header = reinterpret_cast<fr::RingHeader*>(base);
+  }
+  ~RawRing() { munmap(base, info.ring_bytes()); }
+  char* slot(uint32_t i) { return base + info.submission_offset() + uint64_t{i} * fr::kSlotBytes; }
+  void Write(uint32_t at, fr::SubmissionHeader h, const std::string& payload) {
+    std::memcpy(slot(at), &h, sizeof(h));
+    std::memcpy(slot(at) + sizeof(h), payload.data(), payload.size());
+  }
+  // Writes one payload-less entry at slot 0 and publishes it.
+  void PublishFirst(fr::SubmissionHeader h) {
+    Write(0, h, "");
+    Publish(1);
+  }
+  void Publish(uint32_t tail, bool doorbell = true) {
+    header->sq_tail.value.store(tail, std::memory_order_release);
+    if (doorbell) {
+      const uint64_t one = 1;
+      REQUIRE(::write(fds[1].get(), &one, sizeof(one)) == 8);
+    }
+  }
+  // Waits for cq_tail to reach `count`; returns the completion `index`.
+  fr::CompletionHeader WaitCompletion(uint32_t count, uint32_t index, std::string* message,
+                                      uint32_t timeout_ms = 5000) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (header->cq_tail.value.load(std::memory_order_acquire) < count &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    REQUIRE(header->cq_tail.value.load(std::memory_order_acquire) >= count);
+    fr::CompletionHeader c;
+    const char* at = base + info.completion_offset() + uint64_t{index} * fr::kCompletionBytes;
+    std::memcpy(&c, at, sizeof(c));
+    message->assign(at + sizeof(c), std::min<uint32_t>(c.message_length, fr::kMaxMessage));
+    return c;
+  }
+  bool Closed(uint32_t timeout_ms = 5000) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (std::chrono::steady_clock::now() < until) {
+      if (header->agent_flags.value.load() & fr::kClosed) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+  std::string Reason() { return std::string(base + fr::kReasonOffset); }
+};
+
+// An entry header; `slots` 0 picks the right count.
+fr::SubmissionHeader Header(uint16_t opcode, uint32_t length, uint64_t user_data,
+                            int slots = -1) {
+  fr::SubmissionHeader h{};
+  h.opcode = opcode;
+  h.length = length;
+  h.slots = static_cast<uint16_t>(slots >= 0 ? static_cast<uint32_t>(slots) : fr::SlotsFor(length));
+  h.user_data = user_data;
+  return h;
+}
+
+TEST_CASE("fast path: garbage in an entry is refused on the ring; the ring goes on") {
+  AgentPair pair;
+  RawRing ring(pair.prefill());
+  const std::string garbage = "\xff\xff\xff\xff this is not a protobuf";
+  ring.Write(0, Header(fr::kSubmit, garbage.size(), 11), garbage);
+  ring.Write(1, Header(fr::kPing, 0, 12), "");
+  ring.Publish(2);
+  std::string message;
+  fr::CompletionHeader c = ring.WaitCompletion(2, 0, &message);
+  CHECK(c.user_data == 11);
+  CHECK(c.code == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  CHECK_THAT(message, Contains("not a SubmitTransferRequest"));
+  fr::CompletionHeader ping = ring.WaitCompletion(2, 1, &message);
+  CHECK(ping.user_data == 12);
+  CHECK(ping.code == 0);
+  // The client cannot shrink the ring file under the agent (it is sealed).
+  CHECK(ftruncate(ring.fds[0].get(), 4096) != 0);
+  CHECK(errno == EPERM);
+}
+
+TEST_CASE("fast path: a client that breaks the ring protocol loses its ring, nothing else") {
+  AgentPair pair;
+  auto honest = OpenFast(pair.decode());  // another session on the other agent: unaffected
+  struct Case {
+    const char* what;
+    std::function<void(RawRing&)> act;
+    const char* reason;
+  };
+  std::vector<Case> cases = {
+      {"an entry of 0 slots",
+       [](RawRing& r) { r.PublishFirst(Header(fr::kPing, 0, 1, /*slots=*/0)); },
+       "spans 0 slots"},
+      {"an entry past the ring's end",
+       [](RawRing& r) {
+         r.Write(0, Header(fr::kPad, 0, 0, /*slots=*/7), "");
+         r.Publish(7);
+         for (int i = 0; i < 2000 && r.header->sq_head.value.load() != 7; ++i) {
+           std::this_thread::sleep_for(std::chrono::milliseconds(1));
+         }
+         REQUIRE(r.header->sq_head.value.load() == 7);
+         auto h = Header(fr::kSubmit, 300, 2);  // 2 slots from slot 7 of 8
+         std::memcpy(r.slot(7), &h, sizeof(h));
+         r.Publish(9);
+       },
+       "past the ring's end"},
+      {"an unknown opcode",
+       [](RawRing& r) { r.PublishFirst(Header(77, 0, 1)); },
+       "opcode 77"},
+      {"a tail far past the head",
+       [](RawRing& r) { r.Publish(1000000); },
+       "sq_tail is 1000000 slots past sq_head"},
+      {"a payload longer than its slots",
+       [](RawRing& r) { r.PublishFirst(Header(fr::kSubmit, 1000, 1, /*slots=*/1)); },
+       "carries 1000 payload bytes in 1 slots"},
+      {"completions reaped before they were posted",
+       [](RawRing& r) {
+         r.header->cq_head.value.store(5);
+         r.PublishFirst(Header(fr::kPing, 0, 1));
+       },
+       "cq_head is past cq_tail"},
+  };
+  for (const auto& c : cases) {
+    SECTION(c.what) {
+      cli::AgentClient hostile(pair.prefill_process().address());
+      RawRing ring(hostile);
+      c.act(ring);
+      REQUIRE(ring.Closed());
+      INFO(ring.Reason());
+      CHECK_THAT(ring.Reason(), Contains("broke the ring protocol"));
+      CHECK_THAT(ring.Reason(), Contains(c.reason));
+      auto status = pair.prefill().Status();
+      REQUIRE(status.ok());
+      CHECK(status->fast_path_protocol_errors() == 1);
+      // Its session is still good for gRPC, and other rings are untouched.
+      CHECK(hostile.Status().ok());
+      auto fast = OpenFast(pair.prefill());
+      HonestFastWrite(pair, *fast, "after-hostile", 12, 13);
+      REQUIRE(honest->Ping(5).ok());
+      CHECK(ReapOne(*honest).user_data == 5);
+    }
+  }
+}
+
+TEST_CASE("fast path: an entry published without its doorbell is still taken") {
+  AgentPair pair;
+  RawRing ring(pair.prefill());
+  // Wait for the agent to sleep (it polls spin_us after the last entry).
+  for (int i = 0; i < 1000 && (ring.header->agent_flags.value.load() & fr::kSleeping) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  REQUIRE((ring.header->agent_flags.value.load() & fr::kSleeping) != 0);
+  ring.Write(0, Header(fr::kPing, 0, 21), "");  // and no doorbell
+  const auto start = std::chrono::steady_clock::now();
+  ring.Publish(1, /*doorbell=*/false);
+  std::string message;
+  fr::CompletionHeader c = ring.WaitCompletion(1, 0, &message, 2000);
+  CHECK(c.user_data == 21);
+  const int64_t ms = MillisSince(start);
+  INFO("taken after " << ms << " ms without a doorbell");
+  CHECK(ms < 1000);
+}
+
+TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck transfer") {
+  AgentPair pair(StoppablePeer());
+  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
+  WaitStopped(pair.decode_process().pid());
+  const std::string session_path = pair.prefill_process().address().substr(5) + ".session";
+  int ready[2];
+  REQUIRE(pipe(ready) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // The child uses no gRPC: a session, a ring, eight transfers, then it waits to die.
+    close(ready[0]);
+    auto session = client::LocalSession::Attach(session_path, "doomed-engine");
+    if (!session.ok()) _exit(3);
+    auto fast = FastPath::Open(session->get());
+    if (!fast.ok()) _exit(4);
+    for (uint64_t i = 0; i < 8; ++i) {
+      if (!(*fast)->Submit(KvWrite(fmt::format("orphan-{}", i), {i}, {i}), i).ok()) _exit(5);
+    }
+    char byte = 1;
+    if (::write(ready[1], &byte, 1) != 1) _exit(6);
+    for (;;) pause();
+  }
+  close(ready[1]);
+  char byte = 0;
+  REQUIRE(::read(ready[0], &byte, 1) == 1);
+  close(ready[0]);
+  // The agent took the entries before the child said so? Give it a moment, then kill.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(kill(child, SIGKILL) == 0);
+  int wstatus = 0;
+  REQUIRE(waitpid(child, &wstatus, 0) == child);
+  uint64_t rings = 1;
+  for (int i = 0; i < 300 && rings != 0; ++i) {
+    auto status = pair.prefill().Status();
+    REQUIRE(status.ok());
+    rings = status->fast_path_rings();
+    if (rings != 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(rings == 0);
+  REQUIRE(kill(pair.decode_process().pid(), SIGCONT) == 0);
+  // Its transfers end (they were the dead session's; the agent finishes them).
+  uint64_t active = 1;
+  for (int i = 0; i < 2000 && active != 0; ++i) {
+    auto list = pair.prefill().Transfers(/*active_only=*/true);
+    REQUIRE(list.ok());
+    active = list->transfers_size();
+    if (active != 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(active == 0);
+  auto fast = OpenFast(pair.prefill());
+  HonestFastWrite(pair, *fast, "after-kill", 20, 21);
+}
+
+}  // namespace
+}  // namespace kvagent::testing
