@@ -35,6 +35,17 @@ void DrainDoorbell(int fd) {
   [[maybe_unused]] ssize_t n = ::read(fd, &value, sizeof(value));
 }
 
+// A completion's message: at most kMaxMessage bytes, saying when it was cut.
+std::string CutMessage(absl::string_view message) {
+  if (message.size() <= fr::kMaxMessage) return std::string(message);
+  const std::string tail = fmt::format(" ... [{} more bytes cut; GetTransfer has the whole text]",
+                                       message.size() - fr::kMaxMessage);
+  size_t keep = fr::kMaxMessage - tail.size();
+  // Do not cut a UTF-8 sequence in half.
+  while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
+  return std::string(message.substr(0, keep)) + tail;
+}
+
 absl::Status Errno(const char* what) {
   return absl::ResourceExhaustedError(
       fmt::format("fast path: {} failed: {}; the agent is short of memory or descriptors",
@@ -90,8 +101,7 @@ struct FastPathServer::Ring {
     char* at = base + geometry.completion_offset +
                uint64_t{cq_tail & (geometry.completion_entries - 1)} * fr::kCompletionBytes;
     fr::CompletionHeader h = completion;
-    const std::string text =
-        BoundedErrorText(std::string_view(message.data(), message.size()), fr::kMaxMessage);
+    const std::string text = CutMessage(message);
     h.message_length = static_cast<uint32_t>(text.size());
     std::memcpy(at, &h, sizeof(h));
     std::memcpy(at + sizeof(h), text.data(), text.size());

@@ -158,6 +158,10 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.notifications_overflowed()));
   std::printf("streams      %lu open\n", static_cast<unsigned long>(s.open_streams()));
   std::printf("sessions     %lu attached\n", static_cast<unsigned long>(s.sessions()));
+  std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors\n",
+              static_cast<unsigned long>(s.fast_path_rings()),
+              static_cast<unsigned long>(s.fast_path_entries()),
+              static_cast<unsigned long>(s.fast_path_protocol_errors()));
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
   std::printf("refused      %lu calls, %lu peer messages dropped\n",
