@@ -17,12 +17,14 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/mutex.h"
 #include "cli/agent_client.h"
+#include "client/fast_path.h"
 #include "cli/daemon_process.h"
 #include "cli/local_agents.h"
 #include "cli/kv_pool.h"
 #include "cli/model_shapes.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
+#include "transport/base/status_macros.h"
 #include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
@@ -79,6 +81,64 @@ struct WatchState {
   std::map<std::string, std::optional<Clock::time_point>> notified_at ABSL_GUARDED_BY(mu);
   uint32_t notified ABSL_GUARDED_BY(mu) = 0;
   absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+// Submits the demo's chunks through the fast path (its completions checked as they
+// come) or one SubmitTransfer call each.
+class ChunkSubmitter {
+ public:
+  explicit ChunkSubmitter(AgentClient* client) : client_(client) {}
+
+  absl::Status Open(const std::string& mode) {
+    if (mode == "grpc" || (mode == "auto" && !client_->local())) return absl::OkStatus();
+    if (!client_->local()) {
+      return absl::InvalidArgumentError(
+          "--submit fast needs the prefill agent's local door (a unix: address)");
+    }
+    auto session = client_->Session();
+    if (!session.ok()) return session.status();
+    auto fast = client::FastPath::Open(*session);
+    if (!fast.ok()) return fast.status();
+    fast_ = *std::move(fast);
+    return absl::OkStatus();
+  }
+  const char* mode() const { return fast_ ? "fast" : "grpc"; }
+
+  absl::Status Submit(const v1::SubmitTransferRequest& request) {
+    if (!fast_) return client_->Submit(request).status();
+    RETURN_IF_ERROR(fast_->SubmitOrReap(request, next_++, &reaped_, absl::Seconds(30)));
+    return Check();
+  }
+
+  // Waits for every completion (each transfer's last chunk completes when it ends).
+  absl::Status Finish(uint32_t timeout_ms) {
+    if (!fast_) return absl::OkStatus();
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
+    while (fast_->outstanding() != 0 && absl::Now() < deadline) {
+      auto got = fast_->Reap(&reaped_, 1024, absl::Milliseconds(100));
+      if (!got.ok()) return got.status();
+      RETURN_IF_ERROR(Check());
+    }
+    if (fast_->outstanding() != 0) {
+      return absl::DeadlineExceededError(fmt::format(
+          "{} fast path completions did not come within {} ms", fast_->outstanding(), timeout_ms));
+    }
+    return Check();
+  }
+
+ private:
+  absl::Status Check() {
+    for (const client::FastCompletion& c : reaped_) {
+      if (c.code != absl::StatusCode::kOk) return c.status();
+    }
+    reaped_.clear();
+    return absl::OkStatus();
+  }
+
+  AgentClient* client_;
+  std::unique_ptr<client::FastPath> fast_;
+  std::vector<client::FastCompletion> reaped_;
+  uint64_t next_ = 1;
 };
 
 }  // namespace
@@ -273,6 +333,10 @@ int RunDemo(const DemoOptions& options) {
   // across requests the way a prefill engine finishes them.
   const uint32_t chunks = std::max(1u, std::min(options.chunks, pages_per_request));
   const std::string kv_group = model->groups[model->kv_group].group;
+  ChunkSubmitter submitter(&prefill);
+  if (absl::Status opened = submitter.Open(options.submit); !opened.ok()) {
+    return Fail("opening the fast path", opened, json);
+  }
   const auto start = Clock::now();
   absl::Status submit_status;
   for (uint32_t c = 0; c < chunks && submit_status.ok(); ++c) {
@@ -313,13 +377,11 @@ int RunDemo(const DemoOptions& options) {
         }
       }
       if (c == 0) r.submitted = Clock::now();
-      auto state = prefill.Submit(s);
-      if (!state.ok()) {
-        submit_status = state.status();
-        break;
-      }
+      submit_status = submitter.Submit(s);
+      if (!submit_status.ok()) break;
     }
   }
+  if (submit_status.ok()) submit_status = submitter.Finish(options.timeout_ms);
   if (!submit_status.ok()) {
     // The watcher waits on the decode agent's stream: stopping an agent started here
     // ends it; on an agent that runs on it waits out its timeout on its own state.
@@ -463,6 +525,7 @@ int RunDemo(const DemoOptions& options) {
 
   if (!json) {
     std::printf("\nmodel      %s\n", model->description.c_str());
+    std::printf("submitted  through %s\n", submitter.mode());
     std::printf("data path  %s (UCX transports %s, error mode %s)\n", peer->data_path().c_str(),
                 transports.c_str(), peer->error_mode().c_str());
     std::printf("regions    %zu per agent in %s (memory path: prefill %s, decode %s)\n\n",
@@ -510,14 +573,14 @@ int RunDemo(const DemoOptions& options) {
       "\"aux_bytes\": %lu, \"checked_bytes\": %lu, \"seconds\": %.6f, \"gbps\": %.3f, "
       "\"p50_us\": %.1f, \"p99_us\": %.1f, \"data_path\": \"%s\", \"transports\": \"%s\", "
       "\"error_mode\": \"%s\", \"prefill_memory_path\": \"%s\", "
-      "\"decode_memory_path\": \"%s\"}\n",
+      "\"decode_memory_path\": \"%s\", \"submit\": \"%s\"}\n",
       verified ? "true" : "false", model->model.c_str(), options.memory.c_str(), options.requests,
       static_cast<unsigned long>(pages), src->region_names.size(), model->state_slots,
       static_cast<unsigned long>(bytes), static_cast<unsigned long>(kv_bytes),
       static_cast<unsigned long>(state_bytes), static_cast<unsigned long>(aux_bytes),
       static_cast<unsigned long>(checked_bytes), seconds, gbps, p50, p99,
       peer->data_path().c_str(), transports.c_str(), peer->error_mode().c_str(),
-      src->memory_path.c_str(), dst->memory_path.c_str());
+      src->memory_path.c_str(), dst->memory_path.c_str(), submitter.mode());
   std::fflush(stdout);
   std::move(deregister).Invoke();
   if (local.started()) local.StopAndClean();

@@ -30,6 +30,9 @@ struct DemoOptions {
   // hybrid model's AUX region lives in that one allocation too.
   std::string memory = "dram";
   int device = 0;
+  // How the prefill side submits: "fast" (the local fast path's rings), "grpc", or
+  // "auto": fast on a local door, gRPC on a network one.
+  std::string submit = "auto";
 };
 
 // Returns the process exit code: 0 when every byte verified.

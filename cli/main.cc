@@ -58,7 +58,7 @@ commands:
        [--pages N] [--chunks N] [--timeout-ms N] [--kvagentd PATH]
        [--shm-direct auto|off] [--model llama|hybrid]
        [--ssm-layers N] [--state-slots N] [--memory dram|vram]
-       [--device N]
+       [--device N] [--submit auto|fast|grpc]
                              two agents (started here when no addresses are
                              given), Llama-3.1-8B-shaped KV pools, chunked
                              pushes of several requests' pages, every byte
@@ -73,6 +73,9 @@ commands:
                              (--device, default 0), registers it by CUDA IPC
                              handle, and checks the bytes through host copies;
                              needs the NVIDIA driver (libcuda.so.1)
+                             --submit: fast submits through the local fast
+                             path's rings, grpc one SubmitTransfer per chunk;
+                             auto (default): fast on a unix: address
 
   bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
@@ -333,6 +336,11 @@ int main(int argc, char** argv) {
       } else if (a == "--memory") {
         if (v != "dram" && v != "vram") return Usage("--memory takes dram or vram");
         options.memory = v;
+      } else if (a == "--submit") {
+        if (v != "auto" && v != "fast" && v != "grpc") {
+          return Usage("--submit takes auto, fast or grpc");
+        }
+        options.submit = v;
       } else if (a == "--device") {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n > 1023) return Usage("--device takes a CUDA device ordinal (0, 1, ...)");

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "fmt/format.h"
+#include "transport/base/format.h"
 #include "transport/base/status_macros.h"
 
 namespace kvagent::client {
@@ -147,6 +148,24 @@ absl::Status FastPath::Submit(const v1::SubmitTransferRequest& request, uint64_t
       fr::kSubmit, user_data, length,
       [&](char* out) { request.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out)); },
       publish);
+}
+
+absl::Status FastPath::SubmitOrReap(const v1::SubmitTransferRequest& request, uint64_t user_data,
+                                    std::vector<FastCompletion>* reaped, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    absl::Status put = Submit(request, user_data);
+    if (!absl::IsResourceExhausted(put)) return put;
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(fmt::format(
+          "the fast path's submission ring stayed full for {} (the agent takes entries only "
+          "as their completions find room): {}",
+          absl::FormatDuration(timeout), put.message()));
+    }
+    absl::StatusOr<size_t> got = Reap(reaped, completions_, std::min(left, absl::Milliseconds(10)));
+    if (!got.ok()) return got.status();
+  }
 }
 
 absl::Status FastPath::Cancel(std::string_view transfer_id, uint64_t user_data, bool publish) {

@@ -70,6 +70,11 @@ class FastPath {
   // once the agent closed the ring (with its reason).
   absl::Status Submit(const v1::SubmitTransferRequest& request, uint64_t user_data,
                       bool publish = true);
+  // Submit, and while the ring is full, reap completions into `reaped` (which makes
+  // room: the agent takes an entry once its completion has one) and try again, until
+  // `timeout` passes (then DEADLINE_EXCEEDED). Publishes at once.
+  absl::Status SubmitOrReap(const v1::SubmitTransferRequest& request, uint64_t user_data,
+                            std::vector<FastCompletion>* reaped, absl::Duration timeout);
   absl::Status Cancel(std::string_view transfer_id, uint64_t user_data, bool publish = true);
   absl::Status Ping(uint64_t user_data, bool publish = true);
   void Publish();

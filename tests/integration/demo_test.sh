@@ -39,3 +39,8 @@ fi
 if [[ -n "${EXPECT_TRANSPORTS:-}" && "$last" != *"\"transports\": \"$EXPECT_TRANSPORTS\""* ]]; then
   echo "expected transports $EXPECT_TRANSPORTS"; exit 1
 fi
+# The demo submits through the local fast path unless told otherwise.
+expect_submit="${EXPECT_SUBMIT:-fast}"
+if [[ "$last" != *"\"submit\": \"$expect_submit\""* ]]; then
+  echo "expected submission through $expect_submit"; exit 1
+fi
