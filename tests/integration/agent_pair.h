@@ -62,6 +62,16 @@ v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint6
                                   const std::vector<uint64_t>& remote,
                                   const std::string& notification = "");
 
+// Submits `request` as the tests' submissions go: through gRPC's SubmitTransfer, or,
+// when KVAGENT_TEST_SUBMIT=fast, through the local fast path of `client`'s session
+// (one ring per session, opened on first use): then it answers once the entry
+// completed, with the refusal as the error, else the transfer's state (GetTransfer).
+// The same test cases thus check both submission paths.
+absl::StatusOr<v1::TransferState> SubmitThrough(cli::AgentClient& client,
+                                                const v1::SubmitTransferRequest& request);
+// "fast" or "grpc": what SubmitThrough uses.
+const char* SubmitPath();
+
 // Starts `kvagentctl ARGS` ($TEST_SRCDIR/kvagent/cli/kvagentctl; the test needs it
 // as data) as a child process, its stdout to `stdout_path` (created, truncated).
 absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,

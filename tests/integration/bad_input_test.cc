@@ -101,7 +101,7 @@ class Baseline {
     decode_version_ = MetadataVersion(pair.decode());
     auto open = KvWrite("in-flight", {20}, {20});
     open.set_more_chunks(true);
-    auto opened = pair.prefill().Submit(open);
+    auto opened = SubmitThrough(pair.prefill(), open);
     INFO(opened.status().ToString());
     REQUIRE(opened.ok());
   }
@@ -114,14 +114,14 @@ class Baseline {
 
     auto close = KvWrite("in-flight", {21}, {21}, "closed");
     close.set_chunk(1);
-    auto closed = pair_.prefill().Submit(close);
+    auto closed = SubmitThrough(pair_.prefill(), close);
     INFO(closed.status().ToString());
     REQUIRE(closed.ok());
     auto in_flight = WaitDone(pair_.prefill(), "in-flight");
     INFO(in_flight.error_message());
     CHECK(in_flight.phase() == v1::COMPLETED);
 
-    auto good = pair_.prefill().Submit(KvWrite("good-after", {0, 1, 2}, {10, 11, 12}, "good"));
+    auto good = SubmitThrough(pair_.prefill(), KvWrite("good-after", {0, 1, 2}, {10, 11, 12}, "good"));
     INFO(good.status().ToString());
     REQUIRE(good.ok());
     auto done = WaitDone(pair_.prefill(), "good-after");
@@ -153,7 +153,7 @@ TEST_CASE("an unknown local group is NOT_FOUND naming it and the known groups") 
   Baseline baseline(pair);
   auto request = KvWrite("bad-local-group", {3}, {3});
   request.mutable_segments(0)->mutable_items()->set_local_group("kv-typo");
-  auto refused = pair.prefill().Submit(request);
+  auto refused = SubmitThrough(pair.prefill(), request);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kNotFound);
   CHECK_THAT(Message(refused.status()),
@@ -170,7 +170,7 @@ TEST_CASE("an unknown remote group is NOT_FOUND naming the peer, the group and t
   Baseline baseline(pair);
   auto request = KvWrite("bad-remote-group", {3}, {3});
   request.mutable_segments(0)->mutable_items()->set_remote_group("kv-typo");
-  auto refused = pair.prefill().Submit(request);
+  auto refused = SubmitThrough(pair.prefill(), request);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kNotFound);
   CHECK_THAT(Message(refused.status()),
@@ -193,7 +193,7 @@ TEST_CASE("an unknown region in a byte segment is NOT_FOUND and the whole transf
 
   SECTION("local region") {
     bytes->set_local_region("no-such-local");
-    auto refused = pair.prefill().Submit(request);
+    auto refused = SubmitThrough(pair.prefill(), request);
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kNotFound);
     CHECK_THAT(Message(refused.status()),
@@ -203,7 +203,7 @@ TEST_CASE("an unknown region in a byte segment is NOT_FOUND and the whole transf
   }
   SECTION("remote region") {
     bytes->set_remote_region("no-such-remote");
-    auto refused = pair.prefill().Submit(request);
+    auto refused = SubmitThrough(pair.prefill(), request);
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kNotFound);
     CHECK_THAT(Message(refused.status()),
@@ -220,7 +220,7 @@ TEST_CASE("an unknown peer is NOT_FOUND naming it and saying how to connect") {
   Baseline baseline(pair);
   auto request = KvWrite("bad-peer", {3}, {3});
   request.set_peer("decoder");
-  auto refused = pair.prefill().Submit(request);
+  auto refused = SubmitThrough(pair.prefill(), request);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kNotFound);
   CHECK_THAT(Message(refused.status()),
@@ -235,7 +235,7 @@ TEST_CASE("an index out of range is INVALID_ARGUMENT with the index, region and 
   AgentPair pair;
   Baseline baseline(pair);
   SECTION("local side") {
-    auto refused = pair.prefill().Submit(KvWrite("bad-index", {3, 32}, {3, 4}));
+    auto refused = SubmitThrough(pair.prefill(), KvWrite("bad-index", {3, 32}, {3, 4}));
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
@@ -244,7 +244,7 @@ TEST_CASE("an index out of range is INVALID_ARGUMENT with the index, region and 
                    Contains("num_items 32"));
   }
   SECTION("remote side") {
-    auto refused = pair.prefill().Submit(KvWrite("bad-index", {3, 4}, {3, 1000}));
+    auto refused = SubmitThrough(pair.prefill(), KvWrite("bad-index", {3, 4}, {3, 1000}));
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
@@ -262,7 +262,7 @@ TEST_CASE("an index out of range is INVALID_ARGUMENT with the index, region and 
 TEST_CASE("index lists of unequal length are INVALID_ARGUMENT with both lengths") {
   AgentPair pair;
   Baseline baseline(pair);
-  auto refused = pair.prefill().Submit(KvWrite("bad-lengths", {3, 4, 5}, {3, 4}));
+  auto refused = SubmitThrough(pair.prefill(), KvWrite("bad-lengths", {3, 4, 5}, {3, 4}));
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(Message(refused.status()),
@@ -296,7 +296,7 @@ TEST_CASE("paired regions with different item sizes are INVALID_ARGUMENT naming 
   v1::SubmitTransferRequest request = KvWrite("bad-item-size", {0}, {0});
   request.mutable_segments(0)->mutable_items()->set_local_group("kv2");
   request.mutable_segments(0)->mutable_items()->set_remote_group("kv2");
-  auto refused = pair.prefill().Submit(request);
+  auto refused = SubmitThrough(pair.prefill(), request);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(Message(refused.status()),
@@ -310,18 +310,18 @@ TEST_CASE("paired regions with different item sizes are INVALID_ARGUMENT naming 
 TEST_CASE("a transfer_id reused with different content is ALREADY_EXISTS; an exact retry is idempotent") {
   AgentPair pair;
   Baseline baseline(pair);
-  REQUIRE(pair.prefill().Submit(KvWrite("dup", {5}, {5}, "once")).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("dup", {5}, {5}, "once")).ok());
   auto first = WaitDone(pair.prefill(), "dup");
   REQUIRE(first.phase() == v1::COMPLETED);
 
-  auto changed = pair.prefill().Submit(KvWrite("dup", {6}, {6}, "once"));
+  auto changed = SubmitThrough(pair.prefill(), KvWrite("dup", {6}, {6}, "once"));
   REQUIRE_FALSE(changed.ok());
   CHECK(changed.status().code() == absl::StatusCode::kAlreadyExists);
   CHECK_THAT(Message(changed.status()),
              Contains("'dup'") && Contains("different content") && Contains("new transfer_id"));
   CHECK(pair.PageUntouched(6));
 
-  auto retried = pair.prefill().Submit(KvWrite("dup", {5}, {5}, "once"));
+  auto retried = SubmitThrough(pair.prefill(), KvWrite("dup", {5}, {5}, "once"));
   INFO(retried.status().ToString());
   REQUIRE(retried.ok());
   CHECK(retried->phase() == v1::COMPLETED);
@@ -347,7 +347,7 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
   AgentPair pair;
   Baseline baseline(pair);
   SECTION("empty transfer_id") {
-    auto refused = pair.prefill().Submit(KvWrite("", {3}, {3}));
+    auto refused = SubmitThrough(pair.prefill(), KvWrite("", {3}, {3}));
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
@@ -356,7 +356,7 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
   SECTION("op unset") {
     auto request = KvWrite("no-op", {3}, {3});
     request.clear_op();
-    auto refused = pair.prefill().Submit(request);
+    auto refused = SubmitThrough(pair.prefill(), request);
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
@@ -367,7 +367,7 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
   SECTION("op out of range") {
     auto request = KvWrite("op-7", {3}, {3});
     request.set_op(static_cast<v1::TransferOp>(7));
-    auto refused = pair.prefill().Submit(request);
+    auto refused = SubmitThrough(pair.prefill(), request);
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
@@ -376,7 +376,7 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
   }
   SECTION("notification over 64 KiB") {
     auto refused =
-        pair.prefill().Submit(KvWrite("big-note", {3}, {3}, std::string((64 << 10) + 1, 'n')));
+        SubmitThrough(pair.prefill(), KvWrite("big-note", {3}, {3}, std::string((64 << 10) + 1, 'n')));
     REQUIRE_FALSE(refused.ok());
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(refused.status()),
@@ -385,7 +385,7 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
     CheckNotRecorded(pair, "big-note");
     // Exactly at the limit is fine, and arrives whole.
     const std::string at_limit(64 << 10, 'm');
-    REQUIRE(pair.prefill().Submit(KvWrite("big-note", {9}, {9}, at_limit)).ok());
+    REQUIRE(SubmitThrough(pair.prefill(), KvWrite("big-note", {9}, {9}, at_limit)).ok());
     REQUIRE(WaitDone(pair.prefill(), "big-note").phase() == v1::COMPLETED);
     auto notes = PollUntil(pair.decode(), 1, {"big-note"});
     REQUIRE(notes.size() == 1);
@@ -479,7 +479,7 @@ TEST_CASE("a zero-length region is refused, or skipped with skip_empty") {
 
 TEST_CASE("a transfer to a group the peer has deregistered is NOT_FOUND naming the group") {
   AgentPair pair;
-  REQUIRE(pair.prefill().Submit(KvWrite("before", {1, 2}, {1, 2})).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("before", {1, 2}, {1, 2})).ok());
   REQUIRE(WaitDone(pair.prefill(), "before").phase() == v1::COMPLETED);
   const uint64_t before_version = MetadataVersion(pair.decode());
 
@@ -490,7 +490,7 @@ TEST_CASE("a transfer to a group the peer has deregistered is NOT_FOUND naming t
   CHECK(RegionNames(pair.decode()).empty());
 
   auto check_refused = [&](const std::string& id) {
-    auto refused = pair.prefill().Submit(KvWrite(id, {3}, {3}));
+    auto refused = SubmitThrough(pair.prefill(), KvWrite(id, {3}, {3}));
     INFO("id " << id << ": " << refused.status().ToString());
     if (refused.ok()) {
       // Accepted against stale metadata: report how it ended (or that it hangs).
@@ -548,7 +548,7 @@ TEST_CASE("a transfer to a group the peer has deregistered is NOT_FOUND naming t
   INFO(reregistered.status().ToString());
   REQUIRE(reregistered.ok());
   CHECK(RegionNames(pair.decode()) == pair.decode_pool().region_names);
-  auto good = pair.prefill().Submit(KvWrite("after", {7, 8}, {7, 8}));
+  auto good = SubmitThrough(pair.prefill(), KvWrite("after", {7, 8}, {7, 8}));
   INFO(good.status().ToString());
   REQUIRE(good.ok());
   auto done = WaitDone(pair.prefill(), "after");

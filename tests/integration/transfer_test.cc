@@ -38,7 +38,7 @@ TEST_CASE("WRITE pushes scattered pages of every layer and notifies after the da
   AgentPair pair;
   const std::vector<uint64_t> src = {3, 4, 9, 10, 11, 20};
   const std::vector<uint64_t> dst = {30, 1, 17, 18, 19, 5};
-  auto submitted = pair.prefill().Submit(KvWrite("req-write", src, dst, "first-token:42"));
+  auto submitted = SubmitThrough(pair.prefill(), KvWrite("req-write", src, dst, "first-token:42"));
   REQUIRE(submitted.ok());
   auto done = WaitDone(pair.prefill(), "req-write");
   INFO(done.error_message());
@@ -76,7 +76,7 @@ TEST_CASE("READ pulls the peer's pages and tells the peer when done") {
   items->set_remote_group("kv");
   for (uint64_t i : {7, 8}) items->add_local_indices(i);   // decode pages
   for (uint64_t i : {2, 29}) items->add_remote_indices(i); // prefill pages
-  REQUIRE(pair.decode().Submit(read).ok());
+  REQUIRE(SubmitThrough(pair.decode(), read).ok());
   auto done = WaitDone(pair.decode(), "req-read");
   INFO(done.error_message());
   REQUIRE(done.phase() == v1::COMPLETED);
@@ -96,19 +96,19 @@ TEST_CASE("chunked transfer notifies once, after its last chunk") {
     r.set_more_chunks(more);
     return r;
   };
-  REQUIRE(pair.prefill().Submit(chunk(0, true, {0, 1}, {10, 11})).ok());
-  REQUIRE(pair.prefill().Submit(chunk(1, true, {2}, {12})).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), chunk(0, true, {0, 1}, {10, 11})).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), chunk(1, true, {2}, {12})).ok());
 
   SECTION("a retried chunk is idempotent; a changed one is refused") {
-    auto again = pair.prefill().Submit(chunk(1, true, {2}, {12}));
+    auto again = SubmitThrough(pair.prefill(), chunk(1, true, {2}, {12}));
     CHECK(again.ok());
-    auto changed = pair.prefill().Submit(chunk(1, true, {3}, {12}));
+    auto changed = SubmitThrough(pair.prefill(), chunk(1, true, {3}, {12}));
     REQUIRE_FALSE(changed.ok());
     CHECK(changed.status().code() == absl::StatusCode::kAlreadyExists);
     CHECK_THAT(std::string(changed.status().message()),
                Catch::Contains("req-chunked") && Catch::Contains("chunk 1") &&
                    Catch::Contains("different content"));
-    auto skipped = pair.prefill().Submit(chunk(3, false, {4}, {14}));
+    auto skipped = SubmitThrough(pair.prefill(), chunk(3, false, {4}, {14}));
     REQUIRE_FALSE(skipped.ok());
     CHECK(skipped.status().code() == absl::StatusCode::kFailedPrecondition);
     CHECK_THAT(std::string(skipped.status().message()), Catch::Contains("chunk 2 is next"));
@@ -125,7 +125,7 @@ TEST_CASE("chunked transfer notifies once, after its last chunk") {
   CHECK_FALSE(mid->last_chunk_received());
   CHECK(mid->phase() != v1::COMPLETED);
 
-  REQUIRE(pair.prefill().Submit(chunk(2, false, {3, 4}, {13, 14})).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), chunk(2, false, {3, 4}, {13, 14})).ok());
   auto done = WaitDone(pair.prefill(), "req-chunked");
   REQUIRE(done.phase() == v1::COMPLETED);
   CHECK(done.chunks() == 3);
@@ -135,7 +135,7 @@ TEST_CASE("chunked transfer notifies once, after its last chunk") {
   CHECK(notes[0].payload() == "all-chunks");
   for (uint64_t i = 0; i < 5; ++i) CHECK(pair.PageEqual(i, 10 + i));
   // Exactly one notification, even after a resubmitted final chunk.
-  REQUIRE(pair.prefill().Submit(chunk(2, false, {3, 4}, {13, 14})).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), chunk(2, false, {3, 4}, {13, 14})).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   auto later = pair.decode().Poll(0);
   REQUIRE(later.ok());
@@ -173,7 +173,7 @@ TEST_CASE("byte segments move AUX data next to KV pages in one transfer") {
   bytes->set_remote_offset(2000);
   bytes->set_length(16);
   // meta-dst was registered after prefill connected: the submit must still find it.
-  auto submitted = pair.prefill().Submit(request);
+  auto submitted = SubmitThrough(pair.prefill(), request);
   INFO(submitted.status().ToString());
   REQUIRE(submitted.ok());
   auto done = WaitDone(pair.prefill(), "req-aux");
@@ -198,9 +198,9 @@ TEST_CASE("notifications stream to a watcher as they arrive") {
     CHECK(status.ok());
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  REQUIRE(pair.prefill().Submit(KvWrite("w-other", {0}, {0}, "not watched")).ok());
-  REQUIRE(pair.prefill().Submit(KvWrite("w-1", {1}, {1}, "a")).ok());
-  REQUIRE(pair.prefill().Submit(KvWrite("w-2", {2}, {2}, "b")).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("w-other", {0}, {0}, "not watched")).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("w-1", {1}, {1}, "a")).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("w-2", {2}, {2}, "b")).ok());
   watcher.join();
   REQUIRE(seen.size() == 2);
   std::sort(seen.begin(), seen.end());
@@ -216,7 +216,7 @@ TEST_CASE("cancel stops a transfer, reports drained, and tells the peer") {
   AgentPair pair;
   auto first = KvWrite("req-cancel", {0}, {0});
   first.set_more_chunks(true);
-  REQUIRE(pair.prefill().Submit(first).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), first).ok());
   auto cancelled = pair.prefill().Cancel("req-cancel");
   REQUIRE(cancelled.ok());
   CHECK(cancelled->phase() == v1::CANCELLED);
@@ -233,7 +233,7 @@ TEST_CASE("cancel stops a transfer, reports drained, and tells the peer") {
   CHECK(notes[0].kind() == v1::CANCELLED_BY_PEER);
   auto more = KvWrite("req-cancel", {1}, {1});
   more.set_chunk(1);
-  auto refused = pair.prefill().Submit(more);
+  auto refused = SubmitThrough(pair.prefill(), more);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
 }
@@ -243,7 +243,7 @@ TEST_CASE("a transfer that misses its deadline times out with the reason") {
   auto open = KvWrite("req-late", {0}, {0});
   open.set_more_chunks(true);  // the last chunk never comes
   open.set_timeout_ms(300);
-  REQUIRE(pair.prefill().Submit(open).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), open).ok());
   auto done = WaitDone(pair.prefill(), "req-late");
   CHECK(done.phase() == v1::TIMED_OUT);
   CHECK(done.error_code() == static_cast<int>(absl::StatusCode::kDeadlineExceeded));
@@ -269,7 +269,7 @@ TEST_CASE("wait answers with the final state; a batch submits each entry on its 
   pair.ResetContents();
   auto one = KvWrite("req-wait", {2, 7}, {12, 3}, "waited");
   one.set_wait(true);
-  auto done = pair.prefill().Submit(one);
+  auto done = SubmitThrough(pair.prefill(), one);
   REQUIRE(done.ok());
   INFO(done->error_message());
   CHECK(done->phase() == v1::COMPLETED);
@@ -283,16 +283,16 @@ TEST_CASE("wait answers with the final state; a batch submits each entry on its 
   open.set_more_chunks(true);
   auto early = open;
   early.set_wait(true);
-  auto refused = pair.prefill().Submit(early);
+  auto refused = SubmitThrough(pair.prefill(), early);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(refused.status().message()),
              Catch::Contains("req-wait-chunks") && Catch::Contains("last chunk"));
-  REQUIRE(pair.prefill().Submit(open).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), open).ok());
   auto last = KvWrite("req-wait-chunks", {5}, {15});
   last.set_chunk(1);
   last.set_wait(true);
-  auto closed = pair.prefill().Submit(last);
+  auto closed = SubmitThrough(pair.prefill(), last);
   REQUIRE(closed.ok());
   CHECK(closed->phase() == v1::COMPLETED);
   CHECK(closed->chunks() == 2);
@@ -335,7 +335,7 @@ TEST_CASE("the demo's shapes work under UCX_TLS=tcp,self as between hosts") {
   REQUIRE(peers->peers_size() == 1);
   CHECK(peers->peers(0).transports() == "tcp");
   CHECK(peers->peers(0).data_path() == "ucx");
-  REQUIRE(pair.prefill().Submit(KvWrite("req-tcp", {1, 2, 3}, {9, 4, 5}, "tcp")).ok());
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("req-tcp", {1, 2, 3}, {9, 4, 5}, "tcp")).ok());
   auto done = WaitDone(pair.prefill(), "req-tcp");
   REQUIRE(done.phase() == v1::COMPLETED);
   CHECK(pair.PageEqual(1, 9));
