@@ -1,6 +1,7 @@
 #include "agent/agent.h"
 
 #include <ifaddrs.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <sys/socket.h>
@@ -311,6 +312,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     agent->insecure_warning_ = std::thread([self] { self->WarnInsecure(); });
   }
   agent->peers_->StartMonitor();
+  agent->heap_trimmer_ = std::thread([self] { self->TrimHeap(); });
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
   kLog.Info("agent '{}' serving: local door {} (sessions {}.session), network door {} (pid {}, "
             "incarnation {:x})",
@@ -398,6 +400,23 @@ void Agent::WarnInsecure() {
   }
 }
 
+void Agent::TrimHeap() {
+  size_t trimmed_at = 0;  // free bytes after the last trim: nothing new since when equal
+  for (;;) {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      if (!stopping_) stop_cv_.WaitWithTimeout(&stop_mu_, kHeapTrimInterval);
+      if (stopping_) return;
+    }
+    // mallinfo2 walks the arenas' bins: cheap next to malloc_trim, which also madvises
+    // every free page, and runs only when the free memory changed and is worth it.
+    const size_t free_bytes = mallinfo2().fordblks;
+    if (free_bytes < kHeapTrimFreeBytes || free_bytes == trimmed_at) continue;
+    malloc_trim(0);
+    trimmed_at = mallinfo2().fordblks;
+  }
+}
+
 void Agent::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
@@ -408,6 +427,7 @@ void Agent::Shutdown(absl::Duration grace) {
     stop_cv_.SignalAll();
   }
   if (insecure_warning_.joinable()) insecure_warning_.join();
+  if (heap_trimmer_.joinable()) heap_trimmer_.join();
   // No new fast path entries; completions of what runs still reach open rings.
   if (fast_path_) fast_path_->Stop();
   // Transfers finish first (their notifications need the worker, not gRPC).

@@ -1,9 +1,12 @@
-// Limits, tried as a careless or hostile client would: two real kvagentd processes
-// with small limits, each pushed past one. In every case the refusal is
-// RESOURCE_EXHAUSTED naming the limit, its value and its flag; nothing already
-// registered or in flight is lost; GetStatus keeps answering (its latency, sampled
-// all along, is printed and loosely asserted); an honest transfer still completes
-// byte-exact afterwards; GetStatus counts the refusals.
+// Limits, tried as a careless or hostile client would: two real kvagentd processes,
+// each pushed past one limit (small ones, or the issue's load where it is cheap:
+// 100,000 queued notifications, 2,000 ConnectPeer to a silent peer; a fifth of that
+// under sanitizers). In every case the refusal is RESOURCE_EXHAUSTED naming the
+// limit, its value and its flag; nothing already registered or in flight is lost;
+// GetStatus keeps answering (its latency, sampled all along, is printed and loosely
+// asserted); an honest transfer still completes byte-exact afterwards; GetStatus
+// counts the refusals; after a load, the agent's RssAnon comes back within a stated
+// bound (printed; checked in the normal build).
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -12,6 +15,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <mutex>
@@ -25,6 +30,7 @@
 #include "cli/process_memory.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/limits/pair_checks.h"
 #include "tests/limits/status_probe.h"
 
 namespace kvagent::testing {
@@ -33,13 +39,6 @@ namespace {
 using Catch::Matchers::Contains;
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
-
-const v1::LimitState* FindLimit(const v1::AgentStatus& status, const std::string& name) {
-  for (const auto& limit : status.limits()) {
-    if (limit.name() == name) return &limit;
-  }
-  return nullptr;
-}
 
 uint64_t Refused(cli::AgentClient& client, const std::string& limit) {
   auto status = client.Status();
@@ -57,38 +56,28 @@ void CheckRefusal(const absl::Status& status, const std::string& limit, const st
                                   Contains("docs/LIMITS.md"));
 }
 
-// An honest one-page WRITE after the load: completes, bytes equal.
-void HonestWrite(AgentPair& pair, const std::string& id, uint64_t src, uint64_t dst) {
-  pair.ResetContents();
-  auto request = KvWrite(id, {src}, {dst}, "honest");
-  request.set_wait(true);
-  auto done = pair.prefill().Submit(request);
-  INFO(done.status().ToString());
-  REQUIRE(done.ok());
-  INFO(done->error_message());
-  CHECK(done->phase() == v1::COMPLETED);
-  CHECK(pair.PageEqual(src, dst));
-}
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+// Sanitizer builds run the same paths at a fifth of the load (several times slower).
+constexpr int kQueueLimit = 20000, kQueueTransfers = 22000, kConnects = 1000;
+#else
+// The issue's figures: 100,000 queued notifications, 2,000 bogus connects.
+constexpr int kQueueLimit = 100000, kQueueTransfers = 110000, kConnects = 2000;
+#endif
 
-AgentPairOptions WithArgs(std::vector<std::string> args) {
-  AgentPairOptions options;
-  options.extra_args = std::move(args);
-  return options;
-}
-
-TEST_CASE("a full notification queue refuses new transfers back to their sender; none is lost") {
-  constexpr int kLimit = 300, kTransfers = 500, kPerCall = 32;
-  AgentPair pair(WithArgs({"--max-queued-notifications", std::to_string(kLimit)}));
-  StatusProbe probe({pair.prefill_process().address(), pair.decode_process().address()});
-  auto rss = [&pair] { return cli::ReadProcessMemory(pair.decode_process().pid())->rss_anon; };
-  const uint64_t rss_before = rss();
-  std::set<std::string> completed, failed;
-  for (int base = 0; base < kTransfers; base += kPerCall) {
+// One fill of the queue: `count` one-page WRITEs with a notification each, `per_call`
+// per SubmitTransfers (each page written once per call). Returns the ids that
+// completed; the refused ones (their sender's transfer FAILED naming the limit), in
+// submission order, to `failed`.
+std::set<std::string> FillQueue(AgentPair& pair, const std::string& prefix, int count,
+                                int per_call, std::vector<std::string>* failed) {
+  std::set<std::string> completed;
+  for (int base = 0; base < count; base += per_call) {
     v1::SubmitTransfersRequest batch;
     batch.set_wait(true);
-    for (int i = base; i < std::min(base + kPerCall, kTransfers); ++i) {
+    for (int i = base; i < std::min(base + per_call, count); ++i) {
       const uint64_t page = static_cast<uint64_t>(i - base);
-      *batch.add_transfers() = KvWrite(fmt::format("n{}", i), {page}, {page}, fmt::format("p{}", i));
+      *batch.add_transfers() =
+          KvWrite(fmt::format("{}{}", prefix, i), {page}, {page}, fmt::format("p{}", i));
     }
     auto results = pair.prefill().SubmitBatch(batch);
     REQUIRE(results.ok());
@@ -97,60 +86,92 @@ TEST_CASE("a full notification queue refuses new transfers back to their sender;
       REQUIRE(r.error_code() == 0);
       if (r.state().phase() == v1::COMPLETED) {
         completed.insert(r.state().transfer_id());
-      } else {
-        // The receiver refused its acknowledgement: the sender's transfer fails with why.
-        CHECK(r.state().phase() == v1::FAILED);
-        CHECK(r.state().error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
-        CHECK_THAT(r.state().error_message(),
-                   Contains("queued_notifications") && Contains("--max-queued-notifications"));
-        failed.insert(r.state().transfer_id());
+        continue;
       }
+      // The receiver refused its acknowledgement: the sender's transfer fails with why.
+      REQUIRE(r.state().phase() == v1::FAILED);
+      REQUIRE(r.state().error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
+      REQUIRE_THAT(r.state().error_message(),
+                   Contains("queued_notifications") && Contains("--max-queued-notifications"));
+      failed->push_back(r.state().transfer_id());
     }
   }
-  std::printf("queue limit %d: %zu completed, %zu refused back to the sender\n", kLimit,
-              completed.size(), failed.size());
-  CHECK(completed.size() == kLimit);
-  CHECK(failed.size() == kTransfers - kLimit);
+  return completed;
+}
 
-  const uint64_t rss_full = rss();
-  // Room was reserved at each acknowledgement; a notification is queued when its
-  // sender's commit arrives, a moment after the sender reported COMPLETED.
-  absl::StatusOr<v1::AgentStatus> status;
-  for (int i = 0; i < 500; ++i) {
-    status = pair.decode().Status();
-    REQUIRE(status.ok());
-    if (status->notifications_queued() == kLimit) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  CHECK(status->notifications_queued() == kLimit);
-  CHECK(FindLimit(*status, "queued_notifications")->refused() == kTransfers - kLimit);
-  CHECK(FindLimit(*status, "queued_notifications")->in_use() == kLimit);
-
-  // Every completed transfer's notification is there, once; no refused one is.
+// Polls until the queue is empty; what was delivered, by transfer id.
+std::multiset<std::string> TakeQueue(AgentPair& pair) {
   std::multiset<std::string> delivered;
   for (;;) {
-    auto polled = pair.decode().Poll(0);
+    auto polled = pair.decode().Poll(10000);
     REQUIRE(polled.ok());
-    if (polled->notifications_size() == 0) break;
+    if (polled->notifications_size() == 0) return delivered;
     for (const auto& n : polled->notifications()) {
-      CHECK(n.kind() == v1::DATA_READY);
+      REQUIRE(n.kind() == v1::DATA_READY);
       delivered.insert(n.transfer_id());
     }
   }
-  const uint64_t rss_after = rss();
-  std::printf("decode RssAnon: %.1f MiB before, %.1f with the queue full, %.1f once taken\n",
-              rss_before / 1048576.0, rss_full / 1048576.0, rss_after / 1048576.0);
-  CHECK(rss_after < rss_before + (32u << 20));
+}
+
+TEST_CASE("a full notification queue refuses new transfers back to their sender; none is lost") {
+  constexpr int kPerCall = 128;
+  AgentPairOptions options = WithArgs({"--max-queued-notifications", std::to_string(kQueueLimit)});
+  options.shape.pages = kPerCall;
+  AgentPair pair(options);
+  StatusProbe probe({pair.prefill_process().address(), pair.decode_process().address()});
+  const pid_t decode_pid = pair.decode_process().pid();
+  const uint64_t rss_before = RssAnon(decode_pid);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> failed;
+  const std::set<std::string> completed =
+      FillQueue(pair, "n", kQueueTransfers, kPerCall, &failed);
+  std::printf("queue limit %d: %d transfers in %.1f s, %zu completed, %zu refused back to the "
+              "sender\n",
+              kQueueLimit, kQueueTransfers, MillisSince(start) / 1000.0, completed.size(),
+              failed.size());
+  CHECK(completed.size() == kQueueLimit);
+  CHECK(failed.size() == kQueueTransfers - kQueueLimit);
+
+  // Room was reserved at each acknowledgement; a notification is queued when its
+  // sender's commit arrives, a moment after the sender reported COMPLETED.
+  absl::StatusOr<v1::AgentStatus> status;
+  for (int i = 0; i < 2500; ++i) {
+    status = pair.decode().Status();
+    REQUIRE(status.ok());
+    if (status->notifications_queued() == kQueueLimit) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  CHECK(status->notifications_queued() == kQueueLimit);
+  CHECK(FindLimit(*status, "queued_notifications")->refused() == kQueueTransfers - kQueueLimit);
+  CHECK(FindLimit(*status, "queued_notifications")->in_use() == kQueueLimit);
+  const uint64_t rss_full = RssAnon(decode_pid);
+
+  // Every completed transfer's notification is there, once; no refused one is.
+  const std::multiset<std::string> delivered = TakeQueue(pair);
   CHECK(delivered.size() == completed.size());
   CHECK(std::set<std::string>(delivered.begin(), delivered.end()) == completed);
-  // The receiver's own record says why the others failed.
-  auto incoming = pair.decode().Get(*failed.begin(), "prefill");
+  // The receiver's own record says why the others failed (it keeps the last 10,000).
+  auto incoming = pair.decode().Get(failed.back(), "prefill");
   REQUIRE(incoming.ok());
   CHECK(incoming->phase() == v1::FAILED);
   CHECK_THAT(incoming->error_message(), Contains("queued_notifications"));
 
+  // What stays: the 10,000 ended incoming records kept for queries (~9 MB of heap in
+  // use), scattered over the pages the queue had used, so glibc can give back little
+  // of the free memory around them (the agent trims what it can). Measured after
+  // 100,000: +41 to +65 MiB, about the peak; so the bound is loose.
+  const std::string what = fmt::format("{} queued notifications, taken", kQueueLimit);
+  CheckRssBack(what, decode_pid, rss_before, rss_full, 96u << 20);
+  // Not a leak: half the load again reuses that memory.
+  const uint64_t rss_first = RssAnon(decode_pid);
+  std::vector<std::string> failed_again;
+  CHECK(FillQueue(pair, "again", kQueueLimit / 2, kPerCall, &failed_again).size() ==
+        kQueueLimit / 2);
+  const uint64_t rss_full_again = RssAnon(decode_pid);
+  CHECK(TakeQueue(pair).size() == kQueueLimit / 2);
+  CheckRssBack(what + " again", decode_pid, rss_first, rss_full_again, 8u << 20);
   HonestWrite(pair, "after-queue", 3, 4);
-  probe.Report("notification queue");
+  probe.Report(fmt::format("{} queued notifications, then {}", kQueueLimit, kQueueLimit / 2));
 }
 
 TEST_CASE("a chunk that would expand past ops_per_chunk is refused before it is built") {
@@ -325,8 +346,46 @@ TEST_CASE("watch streams per caller are bounded and given back when a stream end
   CHECK(later.code() == absl::StatusCode::kDeadlineExceeded);
 }
 
+// ConnectPeer calls sent at once over `clients` (callback API: many calls per
+// connection, under its cap of 1,024), each with its answer and how long it took.
+struct ConnectCalls {
+  struct Call {
+    grpc::ClientContext context;
+    v1::ConnectPeerRequest request;
+    v1::PeerInfo reply;
+    grpc::Status status;
+    int64_t ms = 0;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  std::mutex mu;
+  std::condition_variable all_done;
+  size_t done = 0;
+
+  ConnectCalls(std::vector<std::unique_ptr<cli::AgentClient>>& clients, int count,
+               const std::string& address) {
+    for (int i = 0; i < count; ++i) calls.push_back(std::make_unique<Call>());
+    for (int i = 0; i < count; ++i) {
+      Call* call = calls[i].get();
+      cli::AgentClient& client = *clients[i % clients.size()];
+      REQUIRE(client.Prepare(&call->context, 30000).ok());
+      call->request.set_address(address);
+      const auto start = std::chrono::steady_clock::now();
+      client.stub()->async()->ConnectPeer(&call->context, &call->request, &call->reply,
+                                          [this, call, start](grpc::Status status) {
+                                            std::lock_guard<std::mutex> lock(mu);
+                                            call->status = std::move(status);
+                                            call->ms = MillisSince(start);
+                                            if (++done == calls.size()) all_done.notify_all();
+                                          });
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    REQUIRE(all_done.wait_for(lock, std::chrono::seconds(60), [&] { return done == calls.size(); }));
+  }
+};
+
 TEST_CASE("ConnectPeer calls to peers that never answer are bounded; GetStatus stays fast") {
-  AgentPair pair(WithArgs({"--max-pending-connects", "8"}));
+  constexpr int kPending = 64;  // --max-pending-connects' default
+  AgentPair pair;
   // An "agent" whose sockets (the session socket and the gRPC one) accept
   // connections and never speak: each call waits for the connect timeout (5 s).
   const std::string silent = fmt::format("/tmp/kvagent-silent-{}.sock", getpid());
@@ -343,35 +402,64 @@ TEST_CASE("ConnectPeer calls to peers that never answer are bounded; GetStatus s
   };
   const int grpc_fd = listen_on(silent, SOCK_STREAM);
   const int session_fd = listen_on(silent + ".session", SOCK_SEQPACKET);
+  const pid_t prefill_pid = pair.prefill_process().pid();
+  const uint64_t rss_before = RssAnon(prefill_pid);
   StatusProbe probe({pair.prefill_process().address(), pair.decode_process().address()});
-  std::atomic<int> refused{0}, failed{0};
-  std::vector<std::thread> callers;
-  for (int i = 0; i < 64; ++i) {
-    callers.emplace_back([&] {
-      cli::AgentClient client(pair.prefill_process().address(), 15000);
-      auto connected = client.Connect("unix:" + silent);
-      if (connected.status().code() == absl::StatusCode::kResourceExhausted) {
-        CHECK_THAT(Message(connected.status()), Contains("pending_connects"));
-        refused.fetch_add(1);
-      } else {
-        CHECK(!connected.ok());
-        if (failed.fetch_add(1) == 0) {
-          std::printf("a ConnectPeer that was let through ended: %s\n",
-                      connected.status().ToString().c_str());
-        }
-      }
-    });
+  std::vector<std::unique_ptr<cli::AgentClient>> clients;
+  for (int i = 0; i < 4; ++i) {
+    clients.push_back(std::make_unique<cli::AgentClient>(pair.prefill_process().address(), 30000));
   }
-  for (auto& t : callers) t.join();
+  std::atomic<uint64_t> rss_peak{rss_before};
+  std::atomic<bool> loaded{true};
+  std::thread sampler([&] {
+    while (loaded.load()) {
+      // Not RssAnon: Catch2's assertions are for the test's own thread.
+      auto memory = cli::ReadProcessMemory(prefill_pid);
+      if (memory.ok()) rss_peak = std::max(rss_peak.load(), memory->rss_anon);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  ConnectCalls connects(clients, kConnects, "unix:" + silent);
+  const int64_t all_ms = MillisSince(start);
+  loaded = false;
+  sampler.join();
   close(grpc_fd);
   close(session_fd);
   unlink(silent.c_str());
   unlink((silent + ".session").c_str());
-  std::printf("64 ConnectPeer to a silent socket, limit 8: %d refused at once, %d timed out\n",
-              refused.load(), failed.load());
-  CHECK(refused.load() >= 56 - 8);  // calls end and free slots while others arrive
-  CHECK(failed.load() >= 8);
-  probe.Report("silent peers");
+
+  int refused = 0, failed = 0;
+  int64_t refused_max_ms = 0, failed_min_ms = INT64_MAX;
+  for (const auto& call : connects.calls) {
+    if (call->status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      CHECK_THAT(call->status.error_message(),
+                 Contains("limit pending_connects") && Contains("--max-pending-connects"));
+      ++refused;
+      refused_max_ms = std::max(refused_max_ms, call->ms);
+    } else {
+      INFO(call->status.error_message());
+      CHECK(!call->status.ok());
+      if (failed++ == 0) {
+        std::printf("a ConnectPeer that was let through ended: %d %s\n",
+                    static_cast<int>(call->status.error_code()),
+                    call->status.error_message().c_str());
+      }
+      failed_min_ms = std::min(failed_min_ms, call->ms);
+    }
+  }
+  std::printf("%d ConnectPeer to a silent socket, limit %d: %d refused (the slowest answered in "
+              "%lld ms), %d let through and timed out (the first after %lld ms); all answered in "
+              "%lld ms\n",
+              kConnects, kPending, refused, static_cast<long long>(refused_max_ms), failed,
+              static_cast<long long>(failed_min_ms), static_cast<long long>(all_ms));
+  // Calls end and free slots while others arrive: a few more than the limit may pass.
+  CHECK(failed >= kPending);
+  CHECK(refused >= kConnects - 2 * kPending);
+  CHECK(Refused(pair.prefill(), "pending_connects") == static_cast<uint64_t>(refused));
+  probe.Report(fmt::format("{} silent peers", kConnects), 500);
+  CheckRssBack(fmt::format("{} silent peers", kConnects), prefill_pid, rss_before, rss_peak,
+               16u << 20);
   HonestWrite(pair, "after-connects", 9, 10);
 }
 

@@ -25,25 +25,13 @@
 #include "cli/agent_client.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/limits/pair_checks.h"
 
 namespace kvagent::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kSubscription[] = "decode-worker-0";
-
-const v1::LimitState* FindLimit(const v1::AgentStatus& status, const std::string& name) {
-  for (const auto& limit : status.limits()) {
-    if (limit.name() == name) return &limit;
-  }
-  return nullptr;
-}
-
-AgentPairOptions WithArgs(std::vector<std::string> args) {
-  AgentPairOptions options;
-  options.extra_args = std::move(args);
-  return options;
-}
 
 // `kvagentctl --json notifications --watch --subscription S`, its stdout to `out`.
 pid_t SpawnSubscriber(const std::string& address, const std::string& out) {

@@ -7,6 +7,7 @@
 
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
+#include "cli/process_memory.h"
 
 namespace kvagent::testing {
 
@@ -38,7 +39,7 @@ void StatusProbe::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void StatusProbe::Report(const std::string& what) {
+int64_t StatusProbe::Report(const std::string& what, int64_t max_p99_ms) {
   Stop();
   std::lock_guard<std::mutex> lock(mu_);
   REQUIRE(!micros_.empty());
@@ -53,7 +54,36 @@ void StatusProbe::Report(const std::string& what) {
   // Loose: a stall (a call stuck behind a blocked thread, seconds) fails it; speed
   // under load is the benchmark's to judge, and sanitizer builds are several times
   // slower.
-  CHECK(at(0.99) < 2'500'000);
+  CHECK(at(0.99) < max_p99_ms * 1000);
+  return at(0.99);
+}
+
+uint64_t RssAnon(pid_t pid) {
+  auto memory = cli::ReadProcessMemory(pid);
+  INFO(memory.status().ToString());
+  REQUIRE(memory.ok());
+  return memory->rss_anon;
+}
+
+void CheckRssBack(const std::string& what, pid_t pid, uint64_t before, uint64_t peak,
+                  uint64_t bound, uint32_t limit_ms) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  limit_ms = 0;  // nothing to wait for: the sanitizer's allocator keeps what was freed
+#endif
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t after = RssAnon(pid);
+  while (after >= before + bound &&
+         std::chrono::steady_clock::now() - start < std::chrono::milliseconds(limit_ms)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = RssAnon(pid);
+  }
+  std::printf("%s: agent RssAnon %s before, %s under the load, %s after (%s; bound +%s)\n",
+              what.c_str(), cli::FormatMiB(before).c_str(), cli::FormatMiB(peak).c_str(),
+              cli::FormatMiB(after).c_str(), cli::FormatDeltaMiB(before, after).c_str(),
+              cli::FormatMiB(bound).c_str());
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  CHECK(after < before + bound);
+#endif
 }
 
 }  // namespace kvagent::testing
