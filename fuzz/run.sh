@@ -4,7 +4,7 @@
 # (fuzz/seeds/<target>/*.textpb, encoded with protoc), its past failures
 # (fuzz/regressions/<target>/) and a corpus kept between runs.
 #
-#   fuzz/run.sh [--seconds N] [--targets "metadata register plan"] [--junit FILE]
+#   fuzz/run.sh [--seconds N] [--targets "metadata register plan fast_ring"] [--junit FILE]
 #               [-- BAZEL_BUILD_FLAGS...]
 #
 # A fuzzer that crashes, leaks, trips a sanitizer or breaks a FUZZ_CHECK fails; its
@@ -17,7 +17,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 seconds="${KVAGENT_FUZZ_SECONDS:-60}"
-targets="metadata register plan"
+targets="metadata register plan fast_ring"
 junit=""
 bazel_flags=()
 while (($# > 0)); do
@@ -89,15 +89,19 @@ export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:symbolize=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
-declare -A message_of=([metadata]=AgentMetadata [register]=RegisterRegionsRequest
-                       [plan]=SubmitTransferRequest)
+# Each target's input message and the .proto that defines it (for protoc --encode).
+declare -A message_of=([metadata]=kvagent.v1.AgentMetadata
+                       [register]=kvagent.v1.RegisterRegionsRequest
+                       [plan]=kvagent.v1.SubmitTransferRequest
+                       [fast_ring]=kvagent.fuzz.FastRingInput)
+declare -A proto_of=([fast_ring]=fuzz/fast_ring_input.proto)
 rc=0
 for t in $targets; do
   dir="$work/$t"
   rm -rf "$dir/seeds" "$dir/artifacts"
   mkdir -p "$dir/corpus" "$dir/seeds" "$dir/artifacts"
   for seed in fuzz/seeds/"$t"/*.textpb; do
-    if ! protoc --proto_path=. --encode="kvagent.v1.${message_of[$t]}" proto/kvagent.proto \
+    if ! protoc --proto_path=. --encode="${message_of[$t]}" "${proto_of[$t]:-proto/kvagent.proto}" \
         <"$seed" >"$dir/seeds/$(basename "$seed" .textpb).bin"; then
       echo "fuzz/run.sh: seed $seed is not a valid ${message_of[$t]} text proto; fix it" >&2
     fi
