@@ -426,7 +426,9 @@ void FastPathServer::Run() {
       if (!ring->closed.load(std::memory_order_acquire) && ring->Ready()) ready = true;
     }
     if (!ready) {
-      const int n = epoll_wait(epoll_fd_.get(), events, 64, static_cast<int>(options_.idle_poll_ms));
+      // With no ring open there is nothing to look at: sleep until Open or Stop.
+      const int timeout = rings.empty() ? -1 : static_cast<int>(options_.idle_poll_ms);
+      const int n = epoll_wait(epoll_fd_.get(), events, 64, timeout);
       for (int i = 0; i < n; ++i) {
         if (events[i].data.u64 == 0) {
           DrainDoorbell(wake_fd_.get());
