@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cli/agent_client.h"
+#include "cli/bench_fast.h"
 #include "cli/bench_memory.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
@@ -277,6 +278,7 @@ struct CellResult {
   uint64_t runs = 0;  // UCX/memcpy operations per transfer after coalescing
   std::string data_path;  // the initiator's path to the target when the cell ran
   bool verified = false;
+  std::optional<FastCell> fast;  // the same cell through the fast path ring
 };
 
 // What one block size's cells share: the pool viewed as items of `block` bytes, the
@@ -426,13 +428,14 @@ class NotificationWatch {
 class Bench {
  public:
   Bench(const BenchOptions& options, AgentClient& initiator, std::string target_address,
-        std::string peer, Pools& pools, Perftest& perftest)
+        std::string peer, Pools& pools, Perftest& perftest, FastRing* fast)
       : options_(options),
         initiator_(initiator),
         target_address_(std::move(target_address)),
         peer_(std::move(peer)),
         pools_(pools),
         perftest_(perftest),
+        fast_(fast),
         evictor_(64ull << 20),
         prefix_(fmt::format("bench{}.", getpid())) {}
 
@@ -573,6 +576,10 @@ class Bench {
       }
     }
 
+    if (fast_ != nullptr) {
+      ASSIGN_OR_RETURN(result.fast, RunFast(layout, cell, base + "f."));
+    }
+
     result.memcpy_gbps = Memcpy(layout, cell, result.transfers);
     const uint64_t perftest_size = cell.scattered ? cell.block : cell.block * cell.batch;
     result.perftest_gbps = perftest_.Gbps(write ? "ucp_put_bw" : "ucp_get", perftest_size);
@@ -580,10 +587,42 @@ class Bench {
   }
 
  private:
-  absl::StatusOr<v1::TransferState> Transfer(const Layout& layout, const Cell& cell,
-                                             const std::string& id,
-                                             const std::vector<uint64_t>& local,
-                                             const std::vector<uint64_t>& remote, bool notify) {
+  // The cell through the fast path ring: transfer i has the gRPC column's indices;
+  // then one more into scribbled destination pages, checked byte for byte.
+  absl::StatusOr<FastCell> RunFast(const Layout& layout, const Cell& cell, const std::string& prefix) {
+    const bool write = cell.op == v1::WRITE;
+    FastCellSpec spec;
+    spec.prefix = prefix;
+    spec.bytes_per_transfer = cell.batch * cell.block;
+    spec.slots = std::max<uint64_t>(1, layout.items / cell.batch);
+    spec.make = [&](uint32_t, uint64_t i) {
+      std::vector<uint64_t> local, remote;
+      Indices(layout, cell, i, &local, &remote);
+      return Request(layout, cell, "", local, remote, write);
+    };
+    if (write) spec.notify_address = target_address_;
+    spec.seconds = options_.quick ? 0.1 : 0.3;
+    spec.min_transfers = options_.quick ? 5 : 20;
+    ASSIGN_OR_RETURN(FastCell fast, RunFastCell(*fast_, spec));
+    std::vector<uint64_t> local, remote;
+    Indices(layout, cell, fast.transfers + 1, &local, &remote);
+    if (pools_.shared) Scribble(layout, cell, local, remote);
+    v1::SubmitTransferRequest last = Request(layout, cell, prefix + "end", local, remote, false);
+    last.clear_wait();
+    RETURN_IF_ERROR(fast_->Transfer(last));
+    fast.verified = pools_.shared && Verify(layout, cell, local, remote);
+    if (fast.notifications_missing > 0) {
+      std::fprintf(stderr, "bench: fast path, %s %s %s x %u: %lu notifications did not arrive\n",
+                   v1::TransferOp_Name(cell.op).c_str(), cell.scattered ? "scattered" : "contiguous",
+                   SizeName(cell.block).c_str(), cell.batch,
+                   static_cast<unsigned long>(fast.notifications_missing));
+    }
+    return fast;
+  }
+
+  v1::SubmitTransferRequest Request(const Layout& layout, const Cell& cell, const std::string& id,
+                                    const std::vector<uint64_t>& local,
+                                    const std::vector<uint64_t>& remote, bool notify) const {
     v1::SubmitTransferRequest request;
     request.set_transfer_id(id);
     request.set_peer(peer_);
@@ -597,7 +636,14 @@ class Bench {
     for (uint64_t i : remote) segment->add_remote_indices(i);
     // The agent answers when the transfer has ended: one round trip per transfer.
     request.set_wait(true);
-    auto state = initiator_.Submit(request);
+    return request;
+  }
+
+  absl::StatusOr<v1::TransferState> Transfer(const Layout& layout, const Cell& cell,
+                                             const std::string& id,
+                                             const std::vector<uint64_t>& local,
+                                             const std::vector<uint64_t>& remote, bool notify) {
+    auto state = initiator_.Submit(Request(layout, cell, id, local, remote, notify));
     if (!state.ok()) return state.status();
     if (state->phase() != v1::COMPLETED) {
       return absl::InternalError(fmt::format(
@@ -767,6 +813,7 @@ class Bench {
   std::string peer_;
   Pools& pools_;
   Perftest& perftest_;
+  FastRing* fast_;  // null: no fast column
   CacheEvictor evictor_;
   std::string prefix_;
   uint64_t cell_number_ = 0;
@@ -784,6 +831,24 @@ struct RateResult {
   uint64_t late_notifications = 0;  // of those, taken after the closing transfer's
 };
 
+// One 4 KiB WRITE of the pages of transfer `i` (entry i of each side's permutation),
+// with `notification` unless empty; without id and wait.
+v1::SubmitTransferRequest OnePageWrite(const BenchOptions& options, const std::string& peer,
+                                       const Layout& layout, uint64_t i,
+                                       const std::string& notification) {
+  v1::SubmitTransferRequest request;
+  request.set_peer(peer);
+  request.set_op(v1::WRITE);
+  request.set_timeout_ms(options.timeout_ms);
+  if (!notification.empty()) request.set_notification(notification);
+  auto* segment = request.add_segments()->mutable_items();
+  segment->set_local_group(layout.group);
+  segment->set_remote_group(layout.group);
+  segment->add_local_indices(layout.local_order[i % layout.items]);
+  segment->add_remote_indices(layout.remote_order[i % layout.items]);
+  return request;
+}
+
 // `clients` threads submit one-page WRITEs (each with a notification, waiting for the
 // end) for about `seconds`; a client of the target takes the notifications, and
 // every transfer's must arrive.
@@ -800,18 +865,9 @@ absl::StatusOr<RateResult> RunRate(const BenchOptions& options, const std::strin
   NotificationWatch watch(target_address, prefix, end_id);
 
   auto one_page = [&](const std::string& id, uint64_t i) {
-    v1::SubmitTransferRequest request;
+    v1::SubmitTransferRequest request = OnePageWrite(options, peer, layout, i, "rate");
     request.set_transfer_id(id);
-    request.set_peer(peer);
-    request.set_op(v1::WRITE);
-    request.set_timeout_ms(options.timeout_ms);
-    request.set_notification("rate");
     request.set_wait(true);
-    auto* segment = request.add_segments()->mutable_items();
-    segment->set_local_group(layout.group);
-    segment->set_remote_group(layout.group);
-    segment->add_local_indices(layout.local_order[i % layout.items]);
-    segment->add_remote_indices(layout.remote_order[i % layout.items]);
     return request;
   };
 
@@ -945,19 +1001,19 @@ std::string JsonLine(const CellResult& r) {
       "\"p50_us\": {:.1f}, \"p99_us\": {:.1f}, \"notify_p50_us\": {}, \"notify_p99_us\": {}, "
       "\"perftest_gbps\": {}, \"memcpy_gbps\": {}, \"ratio_perftest\": {}, \"ratio_memcpy\": {}, "
       "\"gbps_inflight4\": {:.3f}, \"ratio_perftest_inflight4\": {}, \"ratio_memcpy_inflight4\": {}, "
-      "\"data_path\": \"{}\", \"runs\": {}, \"verified\": {}}}",
+      "\"data_path\": \"{}\", \"runs\": {}, \"verified\": {}{}}}",
       v1::TransferOp_Name(r.cell.op), r.cell.scattered ? "scattered" : "contiguous", r.cell.block,
       r.cell.batch, r.transfers, r.gbps, r.transfers_per_s, r.avg_us, r.p50_us, r.p99_us,
       Opt(r.notify_p50_us, "{:.1f}"), Opt(r.notify_p99_us, "{:.1f}"), Opt(r.perftest_gbps),
       Opt(r.memcpy_gbps), Opt(Ratio(r.gbps, r.perftest_gbps)), Opt(Ratio(r.gbps, r.memcpy_gbps)),
       r.gbps_inflight, Opt(Ratio(r.gbps_inflight, r.perftest_gbps)),
       Opt(Ratio(r.gbps_inflight, r.memcpy_gbps)), r.data_path, r.runs,
-      r.verified ? "true" : "false");
+      r.verified ? "true" : "false", FastCellJson(r.fast, r.perftest_gbps, r.memcpy_gbps));
 }
 
 constexpr const char* kHeader =
     "{:<5} {:<10} {:>5} {:>5} {:>6} {:>7} {:>8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} "
-    "{:>6} {:>6} {:>7} {:>6} {:>6} {:>3} {}";
+    "{:>6} {:>6} {:>7} {:>6} {:>6} {} {:>3} {}";
 
 std::string Cellf(const std::optional<double>& v, const char* format) {
   return v ? fmt::format(fmt::runtime(format), *v) : "-";
@@ -975,8 +1031,9 @@ std::string TableLine(const CellResult& r) {
                      Cellf(Ratio(r.gbps, r.memcpy_gbps), "{:.2f}"),
                      fmt::format("{:.2f}", r.gbps_inflight),
                      Cellf(Ratio(r.gbps_inflight, r.perftest_gbps), "{:.2f}"),
-                     Cellf(Ratio(r.gbps_inflight, r.memcpy_gbps), "{:.2f}"), r.verified ? "yes" : "NO",
-                     r.data_path);
+                     Cellf(Ratio(r.gbps_inflight, r.memcpy_gbps), "{:.2f}"),
+                     FastCellColumns(r.fast, r.perftest_gbps, r.memcpy_gbps),
+                     r.verified ? "yes" : "NO", r.data_path);
 }
 
 // Has each agent allocate a sealed memfd of `bytes` (over the local door) and maps
@@ -1187,11 +1244,13 @@ int RunBench(const BenchOptions& options) {
     }
     std::printf("GB/s = 1e9 bytes/s; latency in us, submit -> COMPLETED seen by the client; "
                 "notify = submit -> the target's client sees the notification (WRITE); @4 = the same "
-                "cell with 4 transfers in flight at once\n\n");
+                "cell with 4 transfers in flight at once; f* = the same cell through the fast path ring "
+                "(Submit + Reap, one at a time; @4: 4 in flight on the ring), ratios to the same "
+                "baselines\n\n");
     std::printf("%s\n", fmt::format(fmt::runtime(kHeader), "op", "pattern", "block", "batch", "xfers",
                                     "GB/s", "xfer/s", "avg_us", "p50_us", "p99_us", "ntf_p50",
                                     "ntf_p99", "pt_GB/s", "mc_GB/s", "x_pt", "x_mc", "GB/s@4",
-                                    "x_pt@4", "x_mc@4", "ok", "path")
+                                    "x_pt@4", "x_mc@4", FastCellHeader(), "ok", "path")
                             .c_str());
   } else if (!perftest.available()) {
     std::fprintf(stderr, "bench: ucx_perftest not found (%s): perftest_gbps is null\n",
@@ -1199,7 +1258,17 @@ int RunBench(const BenchOptions& options) {
   }
   std::fflush(stdout);
 
-  Bench bench(options, initiator, target_address, peer->name(), pools, perftest);
+  // The fast column: a ring on its own session of the initiator (the local door only).
+  std::unique_ptr<FastRing> fast;
+  if (auto opened = FastRing::Open(initiator_address, options.timeout_ms, "kvagentctl-bench-fast",
+                                   options.fast_spin_us);
+      opened.ok()) {
+    fast = *std::move(opened);
+  } else {
+    std::fprintf(stderr, "bench: no fast path column: %s\n",
+                 std::string(opened.status().message()).c_str());
+  }
+  Bench bench(options, initiator, target_address, peer->name(), pools, perftest, fast.get());
   std::mt19937_64 rng(options.seed);
   size_t total = 0;
   for (uint64_t block : blocks) {
@@ -1284,6 +1353,7 @@ int RunBench(const BenchOptions& options) {
       uint32_t clients, per_call;
     };
     const std::vector<Shape> shapes = {{1, 1}, {8, 1}, {1, 64}, {4, 64}};
+    FastPhaseOptions fast_phase;
     int n = 0;
     for (const Shape& shape : shapes) {
       Progress(done, total, fmt::format("rate: {} clients x {} per call", shape.clients, shape.per_call));
@@ -1296,6 +1366,29 @@ int RunBench(const BenchOptions& options) {
       }
       std::printf("%s\n", (options.json ? RateJson(*rate) : RateLine(*rate)).c_str());
       std::fflush(stdout);
+      if (shape.clients == 1) {
+        (shape.per_call == 1 ? fast_phase.grpc_rate_single : fast_phase.grpc_rate_batch64) =
+            rate->transfers_per_s;
+      }
+    }
+    if (fast) {
+      fast_phase.initiator_address = initiator_address;
+      fast_phase.target_address = target_address;
+      fast_phase.timeout_ms = options.timeout_ms;
+      fast_phase.spin_us = options.fast_spin_us;
+      fast_phase.quick = options.quick;
+      fast_phase.json = options.json;
+      fast_phase.one_page = [&](uint64_t i, bool notify) {
+        return OnePageWrite(options, peer->name(), layout, i, notify ? "fast" : "");
+      };
+      fast_phase.pages = layout.items;
+      if (local.started()) {
+        fast_phase.initiator_pid = local.first->pid();
+        fast_phase.target_pid = local.second->pid();
+      }
+      if (auto s = RunFastPhase(fast_phase, initiator, &fast); !s.ok()) {
+        return Fail("fast path", s);
+      }
     }
     (void)initiator.Deregister({layout.region});
     (void)target.Deregister({layout.region});

@@ -19,6 +19,9 @@ struct BenchOptions {
   // and the phase runs a tenth of the transfers.
   uint32_t memory_regions = 1000;
   bool json = false;              // one JSON object per cell per line instead of a table
+  // How long the fast path rings' Reap polls before sleeping on the doorbell
+  // (--fast-spin-us; 0: the client library's default, 20 us).
+  uint32_t fast_spin_us = 0;
   uint64_t pool_mib = 1024;       // per agent; every block size reuses the whole pool
   bool shm_direct = true;         // agents started here copy same-host data directly
   uint32_t timeout_ms = 60000;    // per transfer

@@ -80,12 +80,21 @@ commands:
   bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
         [--memory dram|vram] [--device N] [--memory-regions N]
+        [--fast-spin-us N]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
                              size x batch x WRITE/READ x contiguous/scattered,
                              GB/s, transfers/s, latency avg/p50/p99, WRITE
                              notification p50/p99, beside ucx_perftest and a
-                             single-thread memcpy of the same pages; --json
+                             single-thread memcpy of the same pages, and each
+                             cell again through the local fast path (the f*
+                             columns; a unix: initiator); then one 4 KiB page
+                             gRPC vs fast path p50/p99/p999 and ring pings,
+                             fast path WRITEs/s (64 in flight, 1 and 2
+                             clients) and the agents' idle CPU with a ring
+                             open, with the load average (--fast-spin-us:
+                             how long the bench's Reap polls before it
+                             sleeps, default 20); --json
                              prints one JSON object per cell; --quick runs a
                              smaller sweep in well under a minute;
                              --memory-regions N: the agent-memory phase
@@ -407,6 +416,10 @@ int main(int argc, char** argv) {
           return Usage("--memory-regions takes a multiple of 10 from 10 to 131072");
         }
         options.memory_regions = static_cast<uint32_t>(n);
+      } else if (a == "--fast-spin-us") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n > 1000000) return Usage("--fast-spin-us takes 0 to 1000000");
+        options.fast_spin_us = static_cast<uint32_t>(n);
       } else if (a == "--device") {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n > 1024) return Usage("--device takes a CUDA device ordinal");

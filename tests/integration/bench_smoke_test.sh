@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs `kvagentctl bench --quick --json` with a small pool (two real kvagentd) and
-# checks that every cell printed one JSON line with gbps > 0 and verified bytes.
+# checks that every cell printed one JSON line with gbps > 0 and verified bytes, for the
+# gRPC column and the fast path's, and that the fast path phase (latency, rate, idle CPU)
+# printed its lines.
 # Figures are not judged here (speed targets live in docs/BENCHMARKS.md).
 set -euo pipefail
 ctl="$TEST_SRCDIR/kvagent/cli/kvagentctl"
@@ -25,10 +27,19 @@ while IFS= read -r line; do
   if [[ "$line" != *'"verified": true'* ]]; then
     echo "bytes not verified in: $line"; bad=1
   fi
+  # The fast column: the same cell through the fast path ring.
+  fast=$(sed -n 's/.*"fast_gbps": \([0-9.eE+-]*\),.*/\1/p' <<<"$line")
+  if [[ -z "$fast" ]] || ! awk -v g="$fast" 'BEGIN { exit !(g > 0) }'; then
+    echo "no fast_gbps > 0 in: $line"; bad=1
+  fi
+  if [[ "$line" != *'"fast_verified": true'* ]]; then
+    echo "fast path bytes not verified in: $line"; bad=1
+  fi
   for key in op pattern block_bytes batch transfers transfers_per_s avg_us p50_us p99_us \
              notify_p50_us notify_p99_us perftest_gbps memcpy_gbps ratio_perftest \
              ratio_memcpy gbps_inflight4 ratio_perftest_inflight4 ratio_memcpy_inflight4 \
-             data_path; do
+             data_path fast_gbps fast_p50_us fast_p99_us ratio_perftest_fast ratio_memcpy_fast \
+             fast_gbps_inflight4 ratio_perftest_fast_inflight4 ratio_memcpy_fast_inflight4; do
     if [[ "$line" != *"\"$key\": "* ]]; then echo "key $key missing in: $line"; bad=1; fi
   done
   # Contiguous indices coalesce into one operation; a scattered batch cannot.
@@ -44,10 +55,15 @@ while IFS= read -r line; do
     echo "WRITE cell without notification latency: $line"; bad=1
   fi
 done < <(grep '^{"kind": "cell"' "$out")
-# The rate phase: 4 client shapes, each with transfers done and every notification seen.
+# The rate phase: 4 client shapes through gRPC, then the fast path phase's 1 and 2
+# clients; each with transfers done and every notification seen.
 rates=$(grep -c '^{"kind": "rate"' "$out" || true)
 if [[ "$rates" != 4 ]]; then
   echo "expected 4 rate lines, got $rates"; cat "$err"; exit 1
+fi
+fast_rates=$(grep -c '^{"kind": "fast_rate"' "$out" || true)
+if [[ "$fast_rates" != 2 ]]; then
+  echo "expected 2 fast_rate lines, got $fast_rates"; bad=1
 fi
 while IFS= read -r line; do
   n=$(sed -n 's/.*"transfers": \([0-9]*\),.*/\1/p' <<<"$line")
@@ -55,7 +71,22 @@ while IFS= read -r line; do
   if [[ -z "$n" || "$n" == 0 || "$n" != "$seen" ]]; then
     echo "rate line without transfers, or notifications != transfers: $line"; bad=1
   fi
-done < <(grep '^{"kind": "rate"' "$out")
+done < <(grep -E '^\{"kind": "(rate|fast_rate)"' "$out")
+# The fast path phase's latency: gRPC, fast (with and without notification) and ring
+# pings (back to back, and after an idle pause), with the load average; and both
+# agents' idle CPU with a ring open.
+for path in grpc fast fast_no_notification fast_ping fast_ping_idle; do
+  line=$(grep "^{\"kind\": \"fast_latency\", \"path\": \"$path\"" "$out" || true)
+  p50=$(sed -n 's/.*"p50_us": \([0-9.eE+-]*\),.*/\1/p' <<<"$line")
+  if [[ -z "$p50" ]] || ! awk -v g="$p50" 'BEGIN { exit !(g > 0) }'; then
+    echo "no fast_latency line for $path with p50_us > 0: '$line'"; bad=1
+  fi
+  if [[ "$line" != *'"loadavg_1m": '[0-9]* ]]; then echo "no load average in: '$line'"; bad=1; fi
+done
+idle=$(grep -c '^{"kind": "fast_idle".*"cpu_percent_ring_open": [0-9]' "$out" || true)
+if [[ "$idle" != 2 ]]; then
+  echo "expected 2 fast_idle lines (initiator, target), got $idle"; bad=1
+fi
 # The memory check: one line with both agents' figures after its transfers.
 memory=$(grep -c '^{"kind": "memory"' "$out" || true)
 if [[ "$memory" != 1 ]]; then

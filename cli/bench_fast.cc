@@ -1,0 +1,690 @@
+#include "cli/bench_fast.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "cli/local_agents.h"
+#include "fmt/format.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+absl::Status Unfinished(const client::FastCompletion& c, const std::string& id) {
+  if (c.code != absl::StatusCode::kOk) {
+    return absl::Status(c.code, fmt::format("fast path transfer '{}': {}", id, c.message));
+  }
+  return absl::InternalError(fmt::format("fast path transfer '{}' ended {}: {}", id,
+                                         v1::TransferPhase_Name(c.phase), c.message));
+}
+
+// Takes the target agent's notifications by PollNotifications in batches while a
+// measurement runs, counting those whose transfer id starts with `prefix`: a ring
+// moving 100,000s of WRITEs a second would otherwise fill the target's queue (65,536
+// by default), and one stream message per notification costs the target more than the
+// transfers. Polls again at once while they come, every 5 ms when none came.
+// Constructed once no stream is open on the target any more: a watch stream that is
+// closing (the gRPC column's) would take notifications meant for this one's count.
+class NotificationDrain {
+ public:
+  NotificationDrain(std::string address, std::string prefix, uint32_t timeout_ms)
+      : state_(std::make_shared<State>()) {
+    AgentClient target(address, timeout_ms);
+    for (int i = 0; i < 300; ++i) {
+      auto status = target.Status();
+      if (!status.ok() || status->open_streams() == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    thread_ = std::thread([state = state_, address = std::move(address),
+                           prefix = std::move(prefix), timeout_ms] {
+      AgentClient client(address, timeout_ms);
+      while (!state->stop.load()) {
+        auto polled = client.Poll(8192);
+        if (!polled.ok()) {
+          absl::MutexLock lock(&state->mu);
+          state->error = polled.status();
+          return;
+        }
+        uint64_t mine = 0;
+        for (const auto& n : polled->notifications()) {
+          if (n.transfer_id().rfind(prefix, 0) == 0) ++mine;
+        }
+        {
+          absl::MutexLock lock(&state->mu);
+          state->seen += mine;
+        }
+        const int got = polled->notifications_size();
+        if (got < 256) std::this_thread::sleep_for(std::chrono::milliseconds(got == 0 ? 5 : 1));
+      }
+    });
+  }
+  ~NotificationDrain() {
+    state_->stop.store(true);
+    thread_.join();
+  }
+  NotificationDrain(const NotificationDrain&) = delete;
+  NotificationDrain& operator=(const NotificationDrain&) = delete;
+
+  // Waits up to `timeout` until `count` were seen; returns how many were.
+  absl::StatusOr<uint64_t> WaitFor(uint64_t count, absl::Duration timeout) {
+    absl::MutexLock lock(&state_->mu);
+    struct Arg {
+      State* state;
+      uint64_t count;
+    } arg{state_.get(), count};
+    state_->mu.AwaitWithTimeout(absl::Condition(+[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                  return a->state->seen >= a->count || !a->state->error.ok();
+                                }, &arg),
+                                timeout);
+    if (!state_->error.ok()) return state_->error;
+    return state_->seen;
+  }
+
+ private:
+  struct State {
+    std::atomic<bool> stop{false};
+    absl::Mutex mu;
+    uint64_t seen ABSL_GUARDED_BY(mu) = 0;
+    absl::Status error ABSL_GUARDED_BY(mu);
+  };
+  std::shared_ptr<State> state_;
+  std::thread thread_;
+};
+
+// Notifications of `expected` transfers not taken by `drain` within 30 s.
+absl::StatusOr<uint64_t> Missing(NotificationDrain& drain, uint64_t expected) {
+  ASSIGN_OR_RETURN(uint64_t seen, drain.WaitFor(expected, absl::Seconds(30)));
+  return seen >= expected ? 0 : expected - seen;
+}
+
+// A process's or thread's name and utime + stime in clock ticks, from a /proc stat
+// file ("PID (NAME) STATE ...": utime is field 14, stime 15).
+struct StatTicks {
+  std::string name;
+  uint64_t ticks = 0;
+};
+
+absl::StatusOr<StatTicks> ReadStat(const std::string& path) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t open = text.find('('), close = text.rfind(')');
+  if (text.empty() || open == std::string::npos || close == std::string::npos || close < open) {
+    return absl::NotFoundError(fmt::format("{} is unreadable (the agent is gone?)", path));
+  }
+  std::istringstream fields(text.substr(close + 1));
+  std::vector<std::string> f;
+  for (std::string s; fields >> s;) f.push_back(s);
+  // f[0] is field 3 (state).
+  if (f.size() < 13) return absl::InternalError(fmt::format("{}: too few fields", path));
+  return StatTicks{text.substr(open + 1, close - open - 1), std::stoull(f[11]) + std::stoull(f[12])};
+}
+
+// Every thread of `pid`: tid -> its name and ticks (threads that ended are missing).
+std::map<std::string, StatTicks> ThreadTicks(pid_t pid) {
+  std::map<std::string, StatTicks> threads;
+  std::error_code ec;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+    auto t = ReadStat(entry.path().string() + "/stat");
+    if (t.ok()) threads[entry.path().filename().string()] = *t;
+  }
+  return threads;
+}
+
+// What an agent's threads spent between two ThreadTicks readings over `wall` seconds:
+// the total in % of one core and per transfer, and the threads that used at least
+// `shown` (a fraction of one core).
+struct AgentCpu {
+  double percent = 0, us_per_transfer = 0;
+  std::string threads;  // "name 45%, name 12%, ..."
+};
+
+AgentCpu DescribeCpu(const std::map<std::string, StatTicks>& before,
+                     const std::map<std::string, StatTicks>& after, double wall,
+                     uint64_t transfers, double shown) {
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  std::vector<std::pair<double, std::string>> busy;
+  double total = 0;
+  for (const auto& [tid, t] : after) {
+    auto it = before.find(tid);
+    const double seconds = (t.ticks - (it == before.end() ? 0 : it->second.ticks)) / tick;
+    total += seconds;
+    if (seconds > 0 && seconds / wall >= shown) busy.emplace_back(seconds / wall * 100, t.name);
+  }
+  std::sort(busy.rbegin(), busy.rend());
+  AgentCpu cpu;
+  cpu.percent = total / wall * 100;
+  cpu.us_per_transfer = transfers ? total * 1e6 / transfers : 0;
+  for (const auto& [percent, name] : busy) {
+    cpu.threads += fmt::format("{}{} {:.1f}%", cpu.threads.empty() ? "" : ", ", name, percent);
+  }
+  if (cpu.threads.empty()) cpu.threads = "none";
+  return cpu;
+}
+
+// Each pid's CPU (and its threads') over `seconds` of wall time.
+absl::StatusOr<std::vector<AgentCpu>> IdleCpu(const std::vector<pid_t>& pids, double seconds) {
+  std::vector<std::map<std::string, StatTicks>> before;
+  for (pid_t pid : pids) {
+    before.push_back(ThreadTicks(pid));
+    if (before.back().empty()) {
+      return absl::NotFoundError(fmt::format("/proc/{}/task is unreadable (the agent is gone?)", pid));
+    }
+  }
+  const auto t0 = Clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  const double wall = Seconds(Clock::now() - t0);
+  std::vector<AgentCpu> cpu;
+  for (size_t k = 0; k < pids.size(); ++k) {
+    cpu.push_back(DescribeCpu(before[k], ThreadTicks(pids[k]), wall, 0, 0));
+  }
+  return cpu;
+}
+
+std::string Opt(const std::optional<double>& v, const char* format) {
+  return v ? fmt::format(fmt::runtime(format), *v) : "null";
+}
+
+std::string Cellf(const std::optional<double>& v, const char* format) {
+  return v ? fmt::format(fmt::runtime(format), *v) : "-";
+}
+
+std::optional<double> Ratio(double num, const std::optional<double>& den) {
+  if (!den || *den <= 0) return std::nullopt;
+  return num / *den;
+}
+
+struct Latency {
+  std::string path;  // grpc, fast, fast_no_notification, fast_ping, fast_ping_idle
+  std::string what;
+  std::vector<double> us;
+  std::vector<double> agent_us;  // the agent's own part (TransferState.latency_us)
+};
+
+void PrintLatency(const Latency& l, bool json, const std::optional<double>& load) {
+  const double p50 = Percentile(l.us, 50), p99 = Percentile(l.us, 99), p999 = Percentile(l.us, 99.9);
+  std::optional<double> a50, a99, a999;
+  if (!l.agent_us.empty()) {
+    a50 = Percentile(l.agent_us, 50);
+    a99 = Percentile(l.agent_us, 99);
+    a999 = Percentile(l.agent_us, 99.9);
+  }
+  if (json) {
+    std::printf("{\"kind\": \"fast_latency\", \"path\": \"%s\", \"n\": %zu, \"p50_us\": %.1f, "
+                "\"p99_us\": %.1f, \"p999_us\": %.1f, \"agent_p50_us\": %s, \"agent_p99_us\": %s, "
+                "\"agent_p999_us\": %s, \"loadavg_1m\": %s}\n",
+                l.path.c_str(), l.us.size(), p50, p99, p999, Opt(a50, "{:.1f}").c_str(),
+                Opt(a99, "{:.1f}").c_str(), Opt(a999, "{:.1f}").c_str(), Opt(load, "{:.2f}").c_str());
+  } else {
+    std::printf("  %-44s %6zu %9.1f %9.1f %9.1f\n", l.what.c_str(), l.us.size(), p50, p99, p999);
+    if (a50) {
+      std::printf("  %-44s %6s %9.1f %9.1f %9.1f\n", "  of which the agent's (accepted -> ended)", "",
+                  *a50, *a99, *a999);
+    }
+  }
+}
+
+// Target lines: "met" / "not met" with the figure.
+std::string Verdict(bool met) { return met ? "met" : "NOT met"; }
+
+}  // namespace
+
+// ---- FastRing ----
+
+absl::StatusOr<std::unique_ptr<FastRing>> FastRing::Open(const std::string& address,
+                                                         uint32_t timeout_ms,
+                                                         const std::string& client_name,
+                                                         uint32_t spin_us) {
+  AgentClientOptions options;
+  options.timeout_ms = timeout_ms;
+  options.client_name = client_name;
+  auto agent = std::make_unique<AgentClient>(address, options);
+  ASSIGN_OR_RETURN(client::LocalSession * session, agent->Session());
+  client::FastPathOptions fast;
+  if (spin_us != 0) fast.spin_us = spin_us;
+  ASSIGN_OR_RETURN(auto path, client::FastPath::Open(session, fast));
+  return std::unique_ptr<FastRing>(new FastRing(std::move(agent), std::move(path), timeout_ms));
+}
+
+absl::Status FastRing::ReapSome(std::vector<client::FastCompletion>* out, size_t max) {
+  out->clear();
+  ASSIGN_OR_RETURN(size_t n, path_->Reap(out, max, absl::Milliseconds(timeout_ms_)));
+  if (n == 0) {
+    return absl::DeadlineExceededError(fmt::format(
+        "no fast path completion within {} ms ({} entries outstanding)", timeout_ms_,
+        path_->outstanding()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<FastRun> FastRing::Run(const std::string& prefix, uint32_t depth,
+                                      uint64_t min_transfers, double seconds,
+                                      uint64_t max_transfers, const LaneRequest& make) {
+  FastRun run;
+  run.latencies_us.reserve(std::min<uint64_t>(max_transfers, 1 << 20));
+  std::vector<Clock::time_point> started(depth);
+  std::vector<uint64_t> next(depth, 0);
+  std::vector<std::string> ids(depth);
+  uint64_t submitted = 0, inflight = 0;
+  auto submit = [&](uint32_t lane) -> absl::Status {
+    v1::SubmitTransferRequest request = make(lane, next[lane]);
+    ids[lane] = fmt::format("{}{}.{}", prefix, lane, next[lane]++);
+    request.set_transfer_id(ids[lane]);
+    request.clear_wait();  // the ring answers when the transfer ends anyway
+    started[lane] = Clock::now();
+    RETURN_IF_ERROR(path_->Submit(request, lane, /*publish=*/false));
+    ++submitted;
+    ++inflight;
+    return absl::OkStatus();
+  };
+  const auto start = Clock::now();
+  auto more = [&] {
+    if (submitted >= max_transfers) return false;
+    return run.transfers < min_transfers || Seconds(Clock::now() - start) < seconds;
+  };
+  for (uint32_t lane = 0; lane < depth && more(); ++lane) RETURN_IF_ERROR(submit(lane));
+  path_->Publish();
+  std::vector<client::FastCompletion> done;
+  while (inflight > 0) {
+    RETURN_IF_ERROR(ReapSome(&done, depth));
+    const auto now = Clock::now();
+    for (const auto& c : done) {
+      const uint32_t lane = static_cast<uint32_t>(c.user_data);
+      if (c.opcode != client::fastring::kSubmit || lane >= depth) {
+        return absl::InternalError(fmt::format("unexpected fast path completion (opcode {}, "
+                                               "user data {})", c.opcode, c.user_data));
+      }
+      if (c.code != absl::StatusCode::kOk || c.phase != v1::COMPLETED) {
+        return Unfinished(c, ids[lane]);
+      }
+      run.latencies_us.push_back(Micros(now - started[lane]));
+      run.agent_us.push_back(static_cast<double>(c.latency_us));
+      ++run.transfers;
+      --inflight;
+      if (more()) RETURN_IF_ERROR(submit(lane));
+    }
+    path_->Publish();
+  }
+  run.seconds = Seconds(Clock::now() - start);
+  return run;
+}
+
+absl::Status FastRing::Transfer(const v1::SubmitTransferRequest& request) {
+  RETURN_IF_ERROR(path_->Submit(request, 0));
+  std::vector<client::FastCompletion> done;
+  RETURN_IF_ERROR(ReapSome(&done, 1));
+  if (done[0].code != absl::StatusCode::kOk || done[0].phase != v1::COMPLETED) {
+    return Unfinished(done[0], request.transfer_id());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<double>> FastRing::Pings(uint64_t count, absl::Duration idle) {
+  std::vector<double> us;
+  us.reserve(count);
+  std::vector<client::FastCompletion> done;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (idle > absl::ZeroDuration()) absl::SleepFor(idle);
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(path_->Ping(i));
+    RETURN_IF_ERROR(ReapSome(&done, 1));
+    us.push_back(Micros(Clock::now() - t0));
+  }
+  return us;
+}
+
+// ---- grid cells ----
+
+absl::StatusOr<FastCell> RunFastCell(FastRing& ring, const FastCellSpec& spec) {
+  FastCell cell;
+  std::optional<NotificationDrain> drain;
+  if (!spec.notify_address.empty()) drain.emplace(spec.notify_address, spec.prefix, 10000);
+  // Warm-up (untimed): the ring's first use in this cell's layout.
+  RETURN_IF_ERROR(ring.Run(spec.prefix + "w", 1, 3, 0, 3, spec.make).status());
+  ASSIGN_OR_RETURN(FastRun one, ring.Run(spec.prefix, 1, spec.min_transfers, spec.seconds, 100000,
+                                         spec.make));
+  cell.transfers = one.transfers;
+  cell.gbps = static_cast<double>(one.transfers) * spec.bytes_per_transfer / one.seconds / 1e9;
+  cell.p50_us = Percentile(one.latencies_us, 50);
+  cell.p99_us = Percentile(one.latencies_us, 99);
+  // 4 in flight on the ring: lane k keeps to slots k, k + 4, ... (as the gRPC column's
+  // 4 threads do).
+  const uint32_t depth = static_cast<uint32_t>(std::min<uint64_t>(4, spec.slots));
+  const uint64_t per_lane = std::max<uint64_t>(1, spec.slots / depth);
+  ASSIGN_OR_RETURN(FastRun four,
+                   ring.Run(spec.prefix + "p", depth, spec.min_transfers, spec.seconds, 100000,
+                            [&](uint32_t lane, uint64_t n) {
+                              return spec.make(0, lane + depth * (n % per_lane));
+                            }));
+  cell.gbps_inflight =
+      static_cast<double>(four.transfers) * spec.bytes_per_transfer / four.seconds / 1e9;
+  if (drain) {
+    // 3 warm-ups, the one-at-a-time and the in-flight transfers.
+    ASSIGN_OR_RETURN(cell.notifications_missing, Missing(*drain, 3 + one.transfers + four.transfers));
+  }
+  return cell;
+}
+
+std::string FastCellHeader() {
+  return fmt::format("{:>7} {:>6} {:>6} {:>6} {:>6} {:>7} {:>7} {:>7} {:>3}", "fGB/s", "f_p50",
+                     "f_p99", "fx_pt", "fx_mc", "fGB/s@4", "fx_pt@4", "fx_mc@4", "fok");
+}
+
+std::string FastCellColumns(const std::optional<FastCell>& cell,
+                            const std::optional<double>& perftest_gbps,
+                            const std::optional<double>& memcpy_gbps) {
+  if (!cell) return fmt::format("{:>7} {:>6} {:>6} {:>6} {:>6} {:>7} {:>7} {:>7} {:>3}", "-", "-",
+                                "-", "-", "-", "-", "-", "-", "-");
+  return fmt::format("{:>7} {:>6} {:>6} {:>6} {:>6} {:>7} {:>7} {:>7} {:>3}",
+                     fmt::format("{:.2f}", cell->gbps), fmt::format("{:.0f}", cell->p50_us),
+                     fmt::format("{:.0f}", cell->p99_us),
+                     Cellf(Ratio(cell->gbps, perftest_gbps), "{:.2f}"),
+                     Cellf(Ratio(cell->gbps, memcpy_gbps), "{:.2f}"),
+                     fmt::format("{:.2f}", cell->gbps_inflight),
+                     Cellf(Ratio(cell->gbps_inflight, perftest_gbps), "{:.2f}"),
+                     Cellf(Ratio(cell->gbps_inflight, memcpy_gbps), "{:.2f}"),
+                     cell->verified ? "yes" : "NO");
+}
+
+std::string FastCellJson(const std::optional<FastCell>& cell,
+                         const std::optional<double>& perftest_gbps,
+                         const std::optional<double>& memcpy_gbps) {
+  if (!cell) {
+    return ", \"fast_transfers\": 0, \"fast_gbps\": null, \"fast_p50_us\": null, "
+           "\"fast_p99_us\": null, \"ratio_perftest_fast\": null, \"ratio_memcpy_fast\": null, "
+           "\"fast_gbps_inflight4\": null, \"ratio_perftest_fast_inflight4\": null, "
+           "\"ratio_memcpy_fast_inflight4\": null, \"fast_verified\": null";
+  }
+  return fmt::format(
+      ", \"fast_transfers\": {}, \"fast_gbps\": {:.3f}, \"fast_p50_us\": {:.1f}, "
+      "\"fast_p99_us\": {:.1f}, \"ratio_perftest_fast\": {}, \"ratio_memcpy_fast\": {}, "
+      "\"fast_gbps_inflight4\": {:.3f}, \"ratio_perftest_fast_inflight4\": {}, "
+      "\"ratio_memcpy_fast_inflight4\": {}, \"fast_verified\": {}",
+      cell->transfers, cell->gbps, cell->p50_us, cell->p99_us,
+      Opt(Ratio(cell->gbps, perftest_gbps), "{:.3f}"), Opt(Ratio(cell->gbps, memcpy_gbps), "{:.3f}"),
+      cell->gbps_inflight, Opt(Ratio(cell->gbps_inflight, perftest_gbps), "{:.3f}"),
+      Opt(Ratio(cell->gbps_inflight, memcpy_gbps), "{:.3f}"), cell->verified ? "true" : "false");
+}
+
+// ---- the phase ----
+
+std::optional<double> LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  double one = 0;
+  if (!(in >> one)) return std::nullopt;
+  return one;
+}
+
+absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiator,
+                          std::unique_ptr<FastRing>* ring) {
+  const std::string prefix = fmt::format("bench{}.fast.", getpid());
+  const std::optional<double> load_start = LoadAverage();
+  const bool json = options.json;
+  if (!json) {
+    std::printf("\nfast path (client/fast_path ring) beside gRPC: 4 KiB WRITEs, load average "
+                "(1 min) %s at the start\n",
+                Cellf(load_start, "{:.2f}").c_str());
+  }
+
+  // 1. Latency: one page at a time, submit -> completion, rounds interleaved so that
+  // load changes hit every path alike.
+  const uint64_t iterations = options.quick ? 1000 : 5000;
+  const int rounds = options.quick ? 2 : 5;
+  const uint64_t per_round = iterations / rounds;
+  std::vector<Latency> latency = {
+      {"grpc", "gRPC SubmitTransfer(wait), with notification", {}, {}},
+      {"fast", "fast Submit + Reap, with notification", {}, {}},
+      {"fast_no_notification", "fast Submit + Reap, no notification", {}, {}},
+      {"fast_ping", "fast Ping + Reap, back to back (ring only)", {}, {}},
+      {"fast_ping_idle", "fast Ping + Reap after 1 ms idle (wake-ups)", {}, {}},
+  };
+  {
+    NotificationDrain drain(options.target_address, prefix + "l", options.timeout_ms);
+    uint64_t notified = 0;
+    uint64_t page = 0;
+    auto one = [&](bool notify) {
+      return [&, notify](uint32_t, uint64_t) { return options.one_page(page++, notify); };
+    };
+    for (int r = 0; r < rounds; ++r) {
+      Progress(r, rounds, "fast path: latency");
+      // gRPC, with the warm-up of its first round.
+      for (uint64_t i = 0; i < per_round + (r == 0 ? 50 : 0); ++i) {
+        v1::SubmitTransferRequest request = options.one_page(page++, true);
+        request.set_transfer_id(fmt::format("{}lg{}.{}", prefix, r, i));
+        request.set_wait(true);
+        const auto t0 = Clock::now();
+        auto state = initiator.Submit(request);
+        const double us = Micros(Clock::now() - t0);
+        if (!state.ok()) return state.status();
+        if (state->phase() != v1::COMPLETED) {
+          return absl::InternalError(fmt::format("transfer '{}' ended {}: {}", request.transfer_id(),
+                                                 v1::TransferPhase_Name(state->phase()),
+                                                 state->error_message()));
+        }
+        ++notified;
+        if (r > 0 || i >= 50) {
+          latency[0].us.push_back(us);
+          latency[0].agent_us.push_back(static_cast<double>(state->latency_us()));
+        }
+      }
+      for (int path = 1; path <= 2; ++path) {
+        const bool notify = path == 1;
+        const uint64_t warm = r == 0 ? 50 : 0;
+        ASSIGN_OR_RETURN(FastRun run, (*ring)->Run(fmt::format("{}l{}.{}.", prefix, path, r), 1,
+                                                   per_round + warm, 0, per_round + warm,
+                                                   one(notify)));
+        if (notify) notified += run.transfers;
+        latency[path].us.insert(latency[path].us.end(), run.latencies_us.begin() + warm,
+                                run.latencies_us.end());
+        latency[path].agent_us.insert(latency[path].agent_us.end(), run.agent_us.begin() + warm,
+                                      run.agent_us.end());
+      }
+      ASSIGN_OR_RETURN(std::vector<double> pings, (*ring)->Pings(per_round + (r == 0 ? 50 : 0)));
+      latency[3].us.insert(latency[3].us.end(), pings.begin() + (r == 0 ? 50 : 0), pings.end());
+      // After a pause the agent's ring thread sleeps (past --fast-path-spin-us) and so
+      // does this client (past its Reap spin): the submission and completion doorbells'
+      // wake-ups, which a transfer longer than the spins pays too.
+      ASSIGN_OR_RETURN(pings, (*ring)->Pings(std::min<uint64_t>(per_round, 1000 / rounds),
+                                             absl::Milliseconds(1)));
+      latency[4].us.insert(latency[4].us.end(), pings.begin(), pings.end());
+    }
+    ASSIGN_OR_RETURN(uint64_t missing, Missing(drain, notified));
+    if (missing > 0) {
+      return absl::DataLossError(fmt::format(
+          "{} of {} latency transfers' notifications did not reach the target's client", missing,
+          notified));
+    }
+  }
+  const std::optional<double> load_latency = LoadAverage();
+  if (!json) {
+    std::printf("latency, one 4 KiB page WRITE at a time, one client (us; load average %s):\n",
+                Cellf(load_latency, "{:.2f}").c_str());
+    std::printf("  %-44s %6s %9s %9s %9s\n", "", "n", "p50", "p99", "p999");
+  }
+  for (const auto& l : latency) PrintLatency(l, json, load_latency);
+
+  // 2. Rate: one-page WRITEs with notifications, 64 in flight per client, reaped in
+  // batches; 1 client, then 2 (two sessions, two threads).
+  constexpr uint32_t kDepth = 64;
+  const double seconds = options.quick ? 1.0 : 3.0;
+  struct Rate {
+    uint32_t clients;
+    uint64_t transfers = 0;
+    double per_s = 0, p50_us = 0, p99_us = 0;
+    std::optional<AgentCpu> cpu[2];  // initiator, target (agents started here)
+  };
+  std::vector<Rate> rates;
+  std::unique_ptr<FastRing> second;
+  for (uint32_t clients : {1u, 2u}) {
+    Progress(clients - 1, 2, fmt::format("fast path: rate, {} client(s)", clients));
+    if (clients == 2 && !second) {
+      ASSIGN_OR_RETURN(second, FastRing::Open(options.initiator_address, options.timeout_ms,
+                                              "kvagentctl-bench-fast-2", options.spin_us));
+    }
+    const std::string run_prefix = fmt::format("{}r{}.", prefix, clients);
+    NotificationDrain drain(options.target_address, run_prefix, options.timeout_ms);
+    std::vector<FastRing*> rings = {ring->get(), second.get()};
+    std::vector<absl::StatusOr<FastRun>> runs(clients, absl::UnknownError("not run"));
+    const uint64_t span = clients * kDepth;
+    const uint64_t per_lane = std::max<uint64_t>(1, options.pages / span);
+    const bool here = options.initiator_pid != 0 && options.target_pid != 0;
+    std::map<std::string, StatTicks> cpu_before[2];
+    if (here) {
+      cpu_before[0] = ThreadTicks(options.initiator_pid);
+      cpu_before[1] = ThreadTicks(options.target_pid);
+    }
+    const auto start = Clock::now();
+    std::vector<std::thread> threads;
+    for (uint32_t c = 0; c < clients; ++c) {
+      threads.emplace_back([&, c] {
+        runs[c] = rings[c]->Run(fmt::format("{}{}.", run_prefix, c), kDepth, 0, seconds,
+                                uint64_t{1} << 40, [&, c](uint32_t lane, uint64_t n) {
+                                  return options.one_page(c * kDepth + lane + span * (n % per_lane),
+                                                          true);
+                                });
+      });
+    }
+    for (auto& t : threads) t.join();
+    const double elapsed = Seconds(Clock::now() - start);
+    Rate rate;
+    rate.clients = clients;
+    std::vector<double> all;
+    for (auto& run : runs) {
+      if (!run.ok()) return run.status();
+      rate.transfers += run->transfers;
+      all.insert(all.end(), run->latencies_us.begin(), run->latencies_us.end());
+    }
+    if (here) {
+      rate.cpu[0] = DescribeCpu(cpu_before[0], ThreadTicks(options.initiator_pid), elapsed,
+                                rate.transfers, 0.03);
+      rate.cpu[1] = DescribeCpu(cpu_before[1], ThreadTicks(options.target_pid), elapsed,
+                                rate.transfers, 0.03);
+    }
+    rate.per_s = rate.transfers / elapsed;
+    rate.p50_us = Percentile(all, 50);
+    rate.p99_us = Percentile(all, 99);
+    ASSIGN_OR_RETURN(uint64_t missing, Missing(drain, rate.transfers));
+    if (missing > 0) {
+      return absl::DataLossError(fmt::format(
+          "fast rate, {} client(s): {} transfers completed but the target's client saw {} "
+          "notifications for them",
+          clients, rate.transfers, rate.transfers - missing));
+    }
+    rates.push_back(rate);
+  }
+  const std::optional<double> load_rate = LoadAverage();
+  if (!json) {
+    std::printf("rate, one-page WRITEs with a notification each (load average %s):\n",
+                Cellf(load_rate, "{:.2f}").c_str());
+    std::printf("  gRPC, 1 client, 1 per SubmitTransfer (rate phase above): %s /s\n",
+                Cellf(options.grpc_rate_single, "{:.0f}").c_str());
+    std::printf("  gRPC, 1 client, 64 per SubmitTransfers (rate phase above): %s /s\n",
+                Cellf(options.grpc_rate_batch64, "{:.0f}").c_str());
+  }
+  for (const Rate& r : rates) {
+    if (json) {
+      std::printf("{\"kind\": \"fast_rate\", \"op\": \"WRITE\", \"block_bytes\": 4096, "
+                  "\"clients\": %u, \"in_flight_per_client\": %u, \"transfers\": %lu, "
+                  "\"transfers_per_s\": %.1f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
+                  "\"notifications\": %lu, \"grpc_transfers_per_s\": %s, "
+                  "\"grpc_batch64_transfers_per_s\": %s, \"initiator_cpu_us_per_transfer\": %s, "
+                  "\"target_cpu_us_per_transfer\": %s, \"loadavg_1m\": %s}\n",
+                  r.clients, kDepth, static_cast<unsigned long>(r.transfers), r.per_s, r.p50_us,
+                  r.p99_us, static_cast<unsigned long>(r.transfers),
+                  Opt(options.grpc_rate_single, "{:.1f}").c_str(),
+                  Opt(options.grpc_rate_batch64, "{:.1f}").c_str(),
+                  r.cpu[0] ? fmt::format("{:.1f}", r.cpu[0]->us_per_transfer).c_str() : "null",
+                  r.cpu[1] ? fmt::format("{:.1f}", r.cpu[1]->us_per_transfer).c_str() : "null",
+                  Opt(load_rate, "{:.2f}").c_str());
+    } else {
+      std::printf("  fast, %u client%s x %u in flight: %9lu transfers, %8.0f /s, submit -> "
+                  "completion p50 %.0f us, p99 %.0f us, notifications all\n",
+                  r.clients, r.clients == 1 ? " " : "s", kDepth,
+                  static_cast<unsigned long>(r.transfers), r.per_s, r.p50_us, r.p99_us);
+      const char* names[] = {"initiator", "target"};
+      for (int k = 0; k < 2; ++k) {
+        if (!r.cpu[k]) continue;
+        std::printf("    %-9s CPU %3.0f%% of one core, %5.1f us per transfer; threads: %s\n",
+                    names[k], r.cpu[k]->percent, r.cpu[k]->us_per_transfer,
+                    r.cpu[k]->threads.c_str());
+      }
+    }
+  }
+  std::fflush(stdout);
+
+  // 3. Idle CPU of the agents with the rings open, then with none.
+  std::optional<std::vector<AgentCpu>> idle_open, idle_closed;
+  constexpr double kIdleSeconds = 2.0;
+  if (options.initiator_pid != 0 && options.target_pid != 0) {
+    Progress(0, 2, "fast path: idle CPU");
+    const std::vector<pid_t> pids = {options.initiator_pid, options.target_pid};
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // spinning ends
+    ASSIGN_OR_RETURN(idle_open, IdleCpu(pids, kIdleSeconds));
+    second.reset();
+    ring->reset();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    Progress(1, 2, "fast path: idle CPU");
+    ASSIGN_OR_RETURN(idle_closed, IdleCpu(pids, kIdleSeconds));
+    Progress(2, 2, "fast path: idle CPU");
+    if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\r%80s\r", "");
+    const char* names[] = {"initiator", "target"};
+    if (!json) {
+      std::printf("idle CPU over %.0f s (%% of one core, /proc/PID/task/*/stat utime+stime, "
+                  "%.0f ms ticks):\n",
+                  kIdleSeconds, 1000.0 / static_cast<double>(sysconf(_SC_CLK_TCK)));
+    }
+    for (int k = 0; k < 2; ++k) {
+      if (json) {
+        std::printf("{\"kind\": \"fast_idle\", \"agent\": \"%s\", \"pid\": %d, \"seconds\": %.1f, "
+                    "\"cpu_percent_ring_open\": %.2f, \"cpu_percent_no_ring\": %.2f}\n",
+                    names[k], pids[k], kIdleSeconds, (*idle_open)[k].percent,
+                    (*idle_closed)[k].percent);
+      } else {
+        std::printf("  %-9s pid %d: %4.1f%% with the bench's 2 rings open (on the initiator; "
+                    "threads: %s), %4.1f%% with none (threads: %s)\n",
+                    names[k], pids[k], (*idle_open)[k].percent, (*idle_open)[k].threads.c_str(),
+                    (*idle_closed)[k].percent, (*idle_closed)[k].threads.c_str());
+      }
+    }
+  } else {
+    ring->reset();
+    if (!json) std::printf("idle CPU: not measured (the agents run elsewhere)\n");
+  }
+
+  // 4. The issue's targets, as measured in this run.
+  if (!json) {
+    const double p50 = Percentile(latency[1].us, 50), p99 = Percentile(latency[1].us, 99);
+    const double p50_quiet = Percentile(latency[2].us, 50);
+    const std::optional<double> load_end = LoadAverage();
+    std::printf("targets (issue 15; load average %s now, %s at the start):\n",
+                Cellf(load_end, "{:.2f}").c_str(), Cellf(load_start, "{:.2f}").c_str());
+    std::printf("  one 4 KiB page p50 <= 20 us: %.1f us (%.1f us without notification): %s\n", p50,
+                p50_quiet, Verdict(p50 <= 20).c_str());
+    std::printf("  one 4 KiB page p99 <= 100 us: %.1f us: %s\n", p99, Verdict(p99 <= 100).c_str());
+    std::printf("  >= 200,000 one-page WRITEs/s from one client: %.0f /s: %s (2 clients: %.0f /s)\n",
+                rates[0].per_s, Verdict(rates[0].per_s >= 200000).c_str(), rates[1].per_s);
+    if (idle_open) {
+      std::printf("  idle CPU near zero with a ring open: initiator %.1f%%, target %.1f%%\n",
+                  (*idle_open)[0].percent, (*idle_open)[1].percent);
+    }
+  }
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+
+}  // namespace kvagent::cli
