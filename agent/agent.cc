@@ -163,7 +163,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   const auto& caps = agent->context_->capabilities();
   kLog.Info("UCX {}: transports [{}], memory types [{}]", caps.version,
             absl::StrJoin(caps.transports, ","), absl::StrJoin(caps.memory_types, ","));
-  ASSIGN_OR_RETURN(agent->worker_, transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name));
+  ASSIGN_OR_RETURN(agent->worker_, transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name,
+                                                                options.ucx_spin_us));
   registry::RegistryOptions registry_options;
   registry_options.vram_staging = options.vram_staging;
   registry_options.stage_host_regions = options.stage_host_regions;

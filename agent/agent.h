@@ -78,6 +78,8 @@ struct AgentOptions {
   // The local fast path (--fast-path, --fast-path-spin-us; agent/fast_path.h).
   bool fast_path = true;
   uint32_t fast_path_spin_us = 50;
+  // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
+  uint32_t ucx_spin_us = 0;
 };
 
 class Agent {

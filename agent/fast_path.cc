@@ -1,6 +1,7 @@
 #include "agent/fast_path.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -395,6 +396,7 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
 }
 
 void FastPathServer::Run() {
+  pthread_setname_np(pthread_self(), "fast-path");
   std::vector<std::shared_ptr<Ring>> rings;
   uint64_t seen = ~uint64_t{0};
   const auto spin = std::chrono::microseconds(options_.spin_us);

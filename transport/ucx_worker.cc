@@ -158,9 +158,11 @@ void StartSend(std::unique_ptr<SendOp> op, StartFn start) {
 // UcxWorker
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& context,
-                                                             std::string name) {
+                                                             std::string name,
+                                                             uint32_t spin_us) {
   std::unique_ptr<UcxWorker> worker(new UcxWorker());
   worker->name_ = std::move(name);
+  worker->spin_us_ = spin_us;
   const std::string& label = worker->name_;
 
   ucp_worker_params_t params{};
@@ -267,13 +269,14 @@ void UcxWorker::Wake() {
   }
 }
 
-void UcxWorker::DrainQueue() {
+bool UcxWorker::DrainQueue() {
   std::deque<std::function<void()>> batch;
   {
     absl::MutexLock lock(&mu_);
     batch.swap(queue_);
   }
   for (auto& fn : batch) fn();
+  return !batch.empty();
 }
 
 void UcxWorker::SetAmHandler(uint16_t id, AmHandler handler, uint64_t max_data_bytes) {
@@ -434,11 +437,17 @@ void UcxWorker::Loop() {
   std::string thread_name = name_.substr(0, 15);  // the kernel's limit
   pthread_setname_np(pthread_self(), thread_name.c_str());
   epoll_event events[2];
+  const auto spin = std::chrono::microseconds(spin_us_);
+  auto last_work = std::chrono::steady_clock::now();
   while (!stopping_.load()) {
-    DrainQueue();
-    while (ucp_worker_progress(worker_) != 0) {
-    }
+    bool worked = DrainQueue();
+    while (ucp_worker_progress(worker_) != 0) worked = true;
     ReapRequests();
+    if (spin_us_ != 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (worked) last_work = now;
+      if (now - last_work < spin) continue;  // poll a while before sleeping
+    }
     ucs_status_t status = ucp_worker_arm(worker_);
     if (status == UCS_ERR_BUSY) continue;  // events arrived since the last progress
     if (status != UCS_OK) {
