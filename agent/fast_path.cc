@@ -85,7 +85,7 @@ struct FastPathServer::Ring {
   // Room on the completion ring for one more entry's completion. False also when the
   // client's cq_head is impossible (set in *bad).
   bool HasRoom(bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
-    const uint32_t head = header->cq_head.value.load(std::memory_order_acquire);
+    const uint32_t head = header->cq_head.value.load(std::memory_order_seq_cst);
     const uint32_t unreaped = cq_tail - head;
     if (unreaped > geometry.completion_entries) {
       *bad = true;
@@ -107,16 +107,18 @@ struct FastPathServer::Ring {
     std::memcpy(at, &h, sizeof(h));
     std::memcpy(at + sizeof(h), text.data(), text.size());
     ++cq_tail;
-    header->cq_tail.value.store(cq_tail, std::memory_order_release);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (header->client_flags.value.load(std::memory_order_relaxed) & fr::kWaiting) {
+    // seq_cst store, then seq_cst load (no fence: GCC's TSan does not support
+    // atomic_thread_fence): the client, which stores its flag before it reads cq_tail,
+    // sees this completion or is woken.
+    header->cq_tail.value.store(cq_tail, std::memory_order_seq_cst);
+    if (header->client_flags.value.load(std::memory_order_seq_cst) & fr::kWaiting) {
       RingDoorbell(complete_fd.get());
     }
   }
 
   // Published slots not taken yet, and whether the next entry can be taken now.
   bool Ready() {
-    const uint32_t available = header->sq_tail.value.load(std::memory_order_acquire) - sq_head;
+    const uint32_t available = header->sq_tail.value.load(std::memory_order_seq_cst) - sq_head;
     if (available == 0) return false;
     absl::MutexLock lock(&cq_mu);
     bool bad = false;
@@ -421,8 +423,12 @@ void FastPathServer::Run() {
     }
     // Asleep: clients ring the doorbell from now on. Look once more after saying so
     // (an entry published just before would otherwise wait for idle_poll_ms).
-    for (const auto& ring : rings) ring->header->agent_flags.value.fetch_or(fr::kSleeping);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    // seq_cst RMW, then seq_cst loads of the client's counters in Ready(): a client
+    // that stored sq_tail or cq_head (seq_cst) before it read the flag is seen here,
+    // or it sees the flag and rings.
+    for (const auto& ring : rings) {
+      ring->header->agent_flags.value.fetch_or(fr::kSleeping, std::memory_order_seq_cst);
+    }
     bool ready = false;
     for (const auto& ring : rings) {
       if (!ring->closed.load(std::memory_order_acquire) && ring->Ready()) ready = true;

@@ -187,10 +187,11 @@ void FastPath::Publish() {
 
 void FastPath::PublishLocked() {
   if (published_ == sq_tail_) return;
-  header()->sq_tail.value.store(sq_tail_, std::memory_order_release);
+  // seq_cst store, then seq_cst load (see agent/fast_path's sleep): the agent sees
+  // the entries or this side sees it sleeping and rings.
+  header()->sq_tail.value.store(sq_tail_, std::memory_order_seq_cst);
   published_ = sq_tail_;
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (header()->agent_flags.value.load(std::memory_order_relaxed) & fr::kSleeping) {
+  if (header()->agent_flags.value.load(std::memory_order_seq_cst) & fr::kSleeping) {
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(submit_fd_.get(), &one, sizeof(one));
   }
@@ -202,15 +203,14 @@ void FastPath::NudgeAgent() {
       h->sq_head.value.load(std::memory_order_acquire)) {
     return;
   }
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (h->agent_flags.value.load(std::memory_order_relaxed) & fr::kSleeping) {
+  if (h->agent_flags.value.load(std::memory_order_seq_cst) & fr::kSleeping) {
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(submit_fd_.get(), &one, sizeof(one));
   }
 }
 
 size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
-  const uint32_t tail = header()->cq_tail.value.load(std::memory_order_acquire);
+  const uint32_t tail = header()->cq_tail.value.load(std::memory_order_seq_cst);
   size_t n = 0;
   const char* entries = base_ + info_.completion_offset();
   while (cq_head_ != tail && n < max) {
@@ -230,7 +230,7 @@ size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
     ++n;
   }
   if (n != 0) {
-    header()->cq_head.value.store(cq_head_, std::memory_order_release);
+    header()->cq_head.value.store(cq_head_, std::memory_order_seq_cst);
     reaped_.fetch_add(n, std::memory_order_relaxed);
   }
   return n;
@@ -253,8 +253,9 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
     fr::CpuRelax();
   }
   for (;;) {
-    h->client_flags.value.store(fr::kWaiting, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    // seq_cst store, then TakeCompletions' seq_cst load of cq_tail: the agent's
+    // completion is seen, or the agent sees the flag and rings.
+    h->client_flags.value.store(fr::kWaiting, std::memory_order_seq_cst);
     n = TakeCompletions(out, max);
     if (n != 0) break;
     if (std::string reason = closed_reason(); !reason.empty()) {
