@@ -25,28 +25,6 @@ constexpr log::Logger kLog("fast-path");
 namespace fr = client::fastring;
 using Clock = std::chrono::steady_clock;
 
-void RingDoorbell(int fd) {
-  const uint64_t one = 1;
-  // A full counter (2^64 - 2 unread rings) cannot happen; EAGAIN would mean it did.
-  [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof(one));
-}
-
-void DrainDoorbell(int fd) {
-  uint64_t value;
-  [[maybe_unused]] ssize_t n = ::read(fd, &value, sizeof(value));
-}
-
-// A completion's message: at most kMaxMessage bytes, saying when it was cut.
-std::string CutMessage(absl::string_view message) {
-  if (message.size() <= fr::kMaxMessage) return std::string(message);
-  const std::string tail = fmt::format(" ... [{} more bytes cut; GetTransfer has the whole text]",
-                                       message.size() - fr::kMaxMessage);
-  size_t keep = fr::kMaxMessage - tail.size();
-  // Do not cut a UTF-8 sequence in half.
-  while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;
-  return std::string(message.substr(0, keep)) + tail;
-}
-
 absl::Status Errno(const char* what) {
   return absl::ResourceExhaustedError(
       fmt::format("fast path: {} failed: {}; the agent is short of memory or descriptors",
@@ -102,7 +80,8 @@ struct FastPathServer::Ring {
     char* at = base + geometry.completion_offset +
                uint64_t{cq_tail & (geometry.completion_entries - 1)} * fr::kCompletionBytes;
     fr::CompletionHeader h = completion;
-    const std::string text = CutMessage(message);
+    const std::string text = BoundedErrorText(std::string_view(message.data(), message.size()),
+                                              fr::kMaxMessage, "GetTransfer");
     h.message_length = static_cast<uint32_t>(text.size());
     std::memcpy(at, &h, sizeof(h));
     std::memcpy(at + sizeof(h), text.data(), text.size());
@@ -112,8 +91,22 @@ struct FastPathServer::Ring {
     // sees this completion or is woken.
     header->cq_tail.value.store(cq_tail, std::memory_order_seq_cst);
     if (header->client_flags.value.load(std::memory_order_seq_cst) & fr::kWaiting) {
-      RingDoorbell(complete_fd.get());
+      fr::RingDoorbell(complete_fd.get());
     }
+  }
+
+  // Posts a submit's or cancel's completion: the refusal, or the transfer's state.
+  void Finish(fr::CompletionHeader completion, const absl::StatusOr<v1::TransferState>& state) {
+    if (!state.ok()) {
+      completion.code = static_cast<int32_t>(state.status().code());
+      Post(completion, state.status().message());
+      return;
+    }
+    completion.code = state->error_code();
+    completion.phase = static_cast<uint32_t>(state->phase());
+    completion.bytes_done = state->bytes_done();
+    completion.latency_us = state->latency_us();
+    Post(completion, state->error_message());
   }
 
   // Published slots not taken yet, and whether the next entry can be taken now.
@@ -144,7 +137,7 @@ void FastPathServer::Start() {
 
 void FastPathServer::Stop() {
   stopping_.store(true);
-  RingDoorbell(wake_fd_.get());
+  fr::RingDoorbell(wake_fd_.get());
   if (thread_.joinable()) thread_.join();
 }
 
@@ -234,7 +227,7 @@ absl::StatusOr<v1::FastPathInfo> FastPathServer::Open(uint64_t session_id, const
     rings_[session_id] = ring;
   }
   generation_.fetch_add(1);
-  RingDoorbell(wake_fd_.get());
+  fr::RingDoorbell(wake_fd_.get());
   *fds = std::move(out);
 
   v1::FastPathInfo info;
@@ -269,7 +262,7 @@ void FastPathServer::Close(uint64_t session_id) {
   }
   ring->header->agent_flags.value.fetch_or(fr::kClosed);
   generation_.fetch_add(1);
-  RingDoorbell(wake_fd_.get());
+  fr::RingDoorbell(wake_fd_.get());
 }
 
 void FastPathServer::Break(Ring& ring, const absl::Status& why) {
@@ -284,9 +277,8 @@ void FastPathServer::Break(Ring& ring, const absl::Status& why) {
     const std::string text = BoundedErrorText(reason, fr::kReasonBytes - 1);
     std::memcpy(ring.base + fr::kReasonOffset, text.c_str(), text.size() + 1);
   }
-  ring.header->agent_flags.value.fetch_or(fr::kClosed);
-  RingDoorbell(ring.complete_fd.get());
-  Close(ring.session_id);
+  Close(ring.session_id);  // sets kClosed
+  fr::RingDoorbell(ring.complete_fd.get());  // a waiting client reads the reason
 }
 
 std::vector<std::shared_ptr<FastPathServer::Ring>> FastPathServer::Snapshot() {
@@ -310,11 +302,19 @@ bool FastPathServer::Drain(const std::shared_ptr<Ring>& ring) {
   }
   bool took = false;
   while (available > 0 && !ring->closed.load(std::memory_order_acquire)) {
+    const uint32_t index = ring->sq_head & (slots - 1);
+    fr::SubmissionHeader header;
+    std::memcpy(&header, ring->slot(index), sizeof(header));
+    if (absl::Status ok = fr::CheckEntry(header, index, available, slots); !ok.ok()) {
+      Break(*ring, ok);
+      return took;
+    }
+    // The entry's completion slot is reserved as it is taken (a pad has none).
     bool room = false, bad = false;
     {
       absl::MutexLock lock(&ring->cq_mu);
       room = ring->HasRoom(&bad);
-      if (room) ++ring->reserved;
+      if (room && header.opcode != fr::kPad) ++ring->reserved;
     }
     if (bad) {
       Break(*ring, absl::InvalidArgumentError(
@@ -323,28 +323,13 @@ bool FastPathServer::Drain(const std::shared_ptr<Ring>& ring) {
       return took;
     }
     if (!room) break;  // completions not reaped yet: the rest waits
-    const uint32_t index = ring->sq_head & (slots - 1);
-    fr::SubmissionHeader header;
-    std::memcpy(&header, ring->slot(index), sizeof(header));
-    if (absl::Status ok = fr::CheckEntry(header, index, available, slots); !ok.ok()) {
-      {
-        absl::MutexLock lock(&ring->cq_mu);
-        --ring->reserved;
-      }
-      Break(*ring, ok);
-      return took;
-    }
     // Copied out before it is parsed: the client may change the slots meanwhile.
     std::string payload(ring->slot(index) + sizeof(header), header.length);
     ring->sq_head += header.slots;
     available -= header.slots;
     ring->header->sq_head.value.store(ring->sq_head, std::memory_order_release);
     took = true;
-    if (header.opcode == fr::kPad) {
-      absl::MutexLock lock(&ring->cq_mu);
-      --ring->reserved;
-      continue;
-    }
+    if (header.opcode == fr::kPad) continue;
     entries_.fetch_add(1, std::memory_order_relaxed);
     Handle(ring, header.opcode, header.user_data, std::move(payload));
   }
@@ -356,25 +341,12 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
   fr::CompletionHeader completion{};
   completion.user_data = user_data;
   completion.opcode = opcode;
-  auto post_state = [](const std::shared_ptr<Ring>& ring, fr::CompletionHeader completion,
-                       const absl::StatusOr<v1::TransferState>& state) {
-    if (!state.ok()) {
-      completion.code = static_cast<int32_t>(state.status().code());
-      ring->Post(completion, state.status().message());
-      return;
-    }
-    completion.code = state->error_code();
-    completion.phase = static_cast<uint32_t>(state->phase());
-    completion.bytes_done = state->bytes_done();
-    completion.latency_us = state->latency_us();
-    ring->Post(completion, state->error_message());
-  };
   switch (opcode) {
     case fr::kPing:
       ring->Post(completion, "");
       return;
     case fr::kCancel:
-      post_state(ring, completion, backend_.cancel(payload, ring->caller));
+      ring->Finish(completion, backend_.cancel(payload, ring->caller));
       return;
     case fr::kSubmit: {
       auto request = std::make_shared<v1::SubmitTransferRequest>();
@@ -388,9 +360,9 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
       }
       const v1::SubmitTransferRequest& ref = *request;
       backend_.submit(ref, ring->caller,
-                      [ring, completion, request = std::move(request),
-                       post_state](absl::StatusOr<v1::TransferState> state) {
-                        post_state(ring, completion, state);
+                      [ring, completion, request = std::move(request)](
+                          absl::StatusOr<v1::TransferState> state) {
+                        ring->Finish(completion, state);
                       });
       return;
     }
@@ -439,11 +411,11 @@ void FastPathServer::Run() {
       const int n = epoll_wait(epoll_fd_.get(), events, 64, timeout);
       for (int i = 0; i < n; ++i) {
         if (events[i].data.u64 == 0) {
-          DrainDoorbell(wake_fd_.get());
+          fr::DrainDoorbell(wake_fd_.get());
           continue;
         }
         for (const auto& ring : rings) {
-          if (ring->session_id == events[i].data.u64) DrainDoorbell(ring->submit_fd.get());
+          if (ring->session_id == events[i].data.u64) fr::DrainDoorbell(ring->submit_fd.get());
         }
       }
     }

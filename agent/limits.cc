@@ -170,10 +170,11 @@ uint64_t StreamTable::open() const {
   return open_;
 }
 
-std::string BoundedErrorText(std::string_view message, size_t max_bytes) {
+std::string BoundedErrorText(std::string_view message, size_t max_bytes,
+                             std::string_view whole_text_at) {
   if (message.size() <= max_bytes) return std::string(message);
-  const std::string tail = fmt::format(" ... [{} more bytes cut; the agent's log has the whole text]",
-                                       message.size() - max_bytes);
+  const std::string tail = fmt::format(" ... [{} more bytes cut; {} has the whole text]",
+                                       message.size() - max_bytes, whole_text_at);
   size_t keep = max_bytes > tail.size() ? max_bytes - tail.size() : 0;
   // Do not cut a UTF-8 sequence in half.
   while (keep > 0 && (static_cast<unsigned char>(message[keep]) & 0xC0) == 0x80) --keep;

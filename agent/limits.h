@@ -155,8 +155,11 @@ class StreamTable {
 
 // Error texts reach the client in gRPC's trailer (8 KiB of metadata by default): a
 // longer one would be replaced by a misleading RESOURCE_EXHAUSTED from gRPC itself.
-// Keeps the first `max_bytes` of `message` and says how much was cut.
+// Keeps the first `max_bytes` of `message` and says how much was cut and where the
+// whole text is (`whole_text_at`: "the agent's log", or "GetTransfer" for a fast path
+// completion, whose state has it).
 inline constexpr size_t kMaxErrorBytes = 4096;
-std::string BoundedErrorText(std::string_view message, size_t max_bytes = kMaxErrorBytes);
+std::string BoundedErrorText(std::string_view message, size_t max_bytes = kMaxErrorBytes,
+                             std::string_view whole_text_at = "the agent's log");
 
 }  // namespace kvagent::agent

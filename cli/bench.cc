@@ -47,8 +47,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 std::string SizeName(uint64_t bytes) {
   if (bytes >= (1 << 20) && bytes % (1 << 20) == 0) return fmt::format("{}M", bytes >> 20);

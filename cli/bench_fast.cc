@@ -22,8 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
-double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 absl::Status Unfinished(const client::FastCompletion& c, const std::string& id) {
   if (c.code != absl::StatusCode::kOk) {

@@ -424,7 +424,7 @@ int RunDemo(const DemoOptions& options) {
                              : state.status(),
                   json);
     }
-    latencies.push_back(std::chrono::duration<double, std::micro>(*r.notified - r.submitted).count());
+    latencies.push_back(Micros(*r.notified - r.submitted));
   }
 
   // Every byte: transferred pages, slots and records equal their source, every

@@ -3,6 +3,7 @@
 // when a run fails, percentiles and a terminal progress bar.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -39,6 +40,13 @@ absl::Status StartLocalAgents(const LocalAgentsOptions& options, LocalAgents* ag
 void PrintAgentLogs(const std::vector<std::string>& paths, size_t tail_bytes = 4000);
 
 double Percentile(std::vector<double> values, double p);
+// A steady-clock span in microseconds and in seconds, as the measurements report them.
+inline double Micros(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double, std::micro>(d).count();
+}
+inline double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 // "[####      ] done/total what" on stderr when it is a terminal; nothing otherwise.
 void Progress(size_t done, size_t total, const std::string& what);

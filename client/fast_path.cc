@@ -191,9 +191,12 @@ void FastPath::PublishLocked() {
   // the entries or this side sees it sleeping and rings.
   header()->sq_tail.value.store(sq_tail_, std::memory_order_seq_cst);
   published_ = sq_tail_;
+  WakeAgentIfAsleep();
+}
+
+void FastPath::WakeAgentIfAsleep() {
   if (header()->agent_flags.value.load(std::memory_order_seq_cst) & fr::kSleeping) {
-    const uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(submit_fd_.get(), &one, sizeof(one));
+    fr::RingDoorbell(submit_fd_.get());
   }
 }
 
@@ -203,10 +206,7 @@ void FastPath::NudgeAgent() {
       h->sq_head.value.load(std::memory_order_acquire)) {
     return;
   }
-  if (h->agent_flags.value.load(std::memory_order_seq_cst) & fr::kSleeping) {
-    const uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = ::write(submit_fd_.get(), &one, sizeof(one));
-  }
+  WakeAgentIfAsleep();
 }
 
 size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
@@ -270,10 +270,7 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
     timespec ts{static_cast<time_t>(wait.count() / 1000000000),
                 static_cast<long>(wait.count() % 1000000000)};
     const int ready = ppoll(fds, 2, &ts, nullptr);
-    if (ready > 0 && (fds[0].revents & POLLIN)) {
-      uint64_t value;
-      [[maybe_unused]] ssize_t got = ::read(complete_fd_.get(), &value, sizeof(value));
-    }
+    if (ready > 0 && (fds[0].revents & POLLIN)) fr::DrainDoorbell(complete_fd_.get());
     if (ready > 0 && (fds[1].revents & (POLLHUP | POLLRDHUP | POLLERR))) {
       n = TakeCompletions(out, max);
       h->client_flags.value.store(0, std::memory_order_relaxed);

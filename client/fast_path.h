@@ -101,6 +101,8 @@ class FastPath {
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(submit_mu_);
   // Rings the submission doorbell if the agent sleeps and entries wait.
   void NudgeAgent();
+  // Rings the submission doorbell if the agent says it sleeps.
+  void WakeAgentIfAsleep();
   size_t TakeCompletions(std::vector<FastCompletion>* out, size_t max)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(reap_mu_);
   fastring::RingHeader* header() const { return reinterpret_cast<fastring::RingHeader*>(base_); }

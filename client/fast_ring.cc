@@ -1,5 +1,7 @@
 #include "client/fast_ring.h"
 
+#include <unistd.h>
+
 #include "absl/status/status.h"
 #include "fmt/format.h"
 
@@ -32,6 +34,16 @@ absl::StatusOr<Geometry> Layout(uint32_t submission_slots, uint32_t completion_e
   g.completion_offset = g.submission_offset + RoundUp(uint64_t{*sq} * kSlotBytes, 4096);
   g.ring_bytes = g.completion_offset + RoundUp(uint64_t{*cq} * kCompletionBytes, 4096);
   return g;
+}
+
+void RingDoorbell(int fd) {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof(one));
+}
+
+void DrainDoorbell(int fd) {
+  uint64_t value;
+  [[maybe_unused]] ssize_t n = ::read(fd, &value, sizeof(value));
 }
 
 const char* OpcodeName(uint16_t opcode) {

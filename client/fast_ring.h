@@ -152,6 +152,12 @@ absl::Status CheckEntry(const SubmissionHeader& header, uint32_t index, uint32_t
 
 const char* OpcodeName(uint16_t opcode);
 
+// The doorbells are eventfds: a ring adds 1 (a full counter, 2^64 - 2 unread rings,
+// cannot happen), a drain reads the count back to 0 (nothing to read is fine: they
+// are non-blocking).
+void RingDoorbell(int fd);
+void DrainDoorbell(int fd);
+
 // One pause of a polling loop (both sides poll the rings for a while before sleeping).
 inline void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)

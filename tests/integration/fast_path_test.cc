@@ -143,6 +143,24 @@ TEST_CASE("fast path: a WRITE moves pages byte-exact and the peer is notified") 
   CHECK(status->fast_path_protocol_errors() == 0);
 }
 
+TEST_CASE("fast path: an agent run with --fast-path off refuses a ring, saying to use gRPC") {
+  AgentPairOptions off;
+  off.extra_args = {"--fast-path", "off"};
+  AgentPair pair(off);
+  auto session = pair.prefill().Session();
+  REQUIRE(session.ok());
+  auto refused = FastPath::Open(*session);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(refused.status().message()), Contains("submit through gRPC"));
+  // The session and gRPC submission go on.
+  REQUIRE(pair.prefill().Submit(KvWrite("grpc-instead", {1}, {2})).ok());
+  auto done = pair.prefill().WaitTransfer("grpc-instead", 20000);
+  REQUIRE(done.ok());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(1, 2));
+}
+
 TEST_CASE("fast path: 64 transfers behind one doorbell, completions reaped in a batch") {
   AgentPair pair;
   auto fast = OpenFast(pair.prefill());

@@ -83,6 +83,10 @@ TEST_CASE("error texts are bounded for gRPC's trailer, saying how much was cut")
   const std::string cut = BoundedErrorText(long_text);
   CHECK(cut.size() <= kMaxErrorBytes);
   CHECK_THAT(cut, Contains("more bytes cut") && Contains("agent's log"));
+  // A fast path completion says where its whole text is instead.
+  const std::string completion = BoundedErrorText(long_text, 472, "GetTransfer");
+  CHECK(completion.size() <= 472);
+  CHECK_THAT(completion, Contains("GetTransfer has the whole text"));
   // A multi-byte character is never split.
   std::string utf8;
   while (utf8.size() < 5000) utf8 += "\xc3\xa9";  // é
