@@ -73,7 +73,7 @@ Caller AccessPolicy::LocalCaller(uint64_t session_id, uid_t uid, pid_t pid,
   c.principal = fmt::format("session:{} uid:{} pid:{}", session_id, uid, pid);
   c.durable_identity = fmt::format("uid:{} client:{}", uid, Printable(client_name, 128));
   c.uid = uid;
-  c.engine = engine_uids.empty() || engine_uids.count(uid) > 0;
+  c.engine = any_engine_uid || engine_uids.count(uid) > 0;
   c.scheduler = scheduler_uids.count(uid) > 0;
   c.peer = peer_uids.count(uid) > 0;
   if (c.peer) c.peer_name = std::string(client_name);

@@ -55,7 +55,9 @@ struct Caller {
 // Operator policy: which local uids and which certificate identities get which role.
 struct AccessPolicy {
   // Local callers (any uid that can open the socket may attach; the socket's mode and
-  // group are the first gate). Empty engine_uids: every uid may act as an engine.
+  // group are the first gate). any_engine_uid (the default, no --engine-uids): every
+  // uid may act as an engine; otherwise only engine_uids ("none": nobody).
+  bool any_engine_uid = true;
   std::set<uid_t> engine_uids;
   std::set<uid_t> scheduler_uids;
   std::set<uid_t> peer_uids;

@@ -165,6 +165,7 @@ int main(int argc, char** argv) {
       options.tls.ca = value;
     } else if (key == "--engine-uids") {
       uids(&options.policy.engine_uids);
+      options.policy.any_engine_uid = false;  // "none" means nobody, not everybody
     } else if (key == "--scheduler-uids") {
       uids(&options.policy.scheduler_uids);
       scheduler_uids_set = true;

@@ -35,6 +35,7 @@
 #include "cli/cert_authority.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
+#include "client/fast_path.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
@@ -856,6 +857,35 @@ TEST_CASE("--insecure-listen warns, and gives every plain caller every role") {
       "visible\n",
       status.network_door().c_str(), status.caller().c_str(), regions.regions_size());
   ExpectServing(*local, "open");
+}
+
+TEST_CASE("a session without the engine or scheduler role cannot open a fast path ring") {
+  // Only the peer role is left for the local uid (a same-host peer agent's session):
+  // the ring would let it submit transfers, so it is refused like SubmitTransfer is.
+  const std::string dir = MakeWorkDir("fastpeer");
+  cli::DaemonProcess agent = StartAgent(dir, "peer-only", cli::NetworkDoor::kNone, {},
+                                        {"--engine-uids", "none", "--scheduler-uids", "none"});
+  auto local = Client(agent.address(), kLocalMs);
+  auto session = Require(local->Session(), "attaching a session");
+  auto before = Require(local->Status(), "status before");
+  CHECK(std::vector<std::string>(before.caller_roles().begin(), before.caller_roles().end()) ==
+        std::vector<std::string>{"peer"});
+
+  auto refused = client::FastPath::Open(session);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(Text(refused.status()), Contains("OpenFastPath") &&
+                                         Contains("engine or scheduler role") &&
+                                         Contains("--engine-uids or --scheduler-uids"));
+  std::printf("peer-only session -> OpenFastPath: %s\n", refused.status().ToString().c_str());
+
+  // Counted and logged; no ring was made; the session and the agent go on.
+  auto after = Require(local->Status(), "status after");
+  CHECK(after.refused_calls() == before.refused_calls() + 1);
+  CHECK(after.fast_path_rings() == 0);
+  const std::string log = ReadFile(agent.log_path());
+  CHECK_THAT(log, Contains("open_fast_path"));
+  ExpectServing(*local, "peer-only");
 }
 
 }  // namespace

@@ -207,6 +207,7 @@ TEST_CASE("ShareDeviceMemory refusals that need no driver") {
   }
   SECTION("not an engine") {
     AccessPolicy policy;
+    policy.any_engine_uid = false;
     policy.engine_uids = {geteuid() + 1};
     policy.scheduler_uids = {geteuid()};
     Door door(policy);
