@@ -452,14 +452,21 @@ Agent::~Agent() {
   session_server_.reset();
   local_door_.reset();
   fast_path_.reset();
+  // The worker progresses UCX until it is destroyed: from here on, what peers send is
+  // dropped unread (a message must never reach an object being torn down).
+  if (worker_) worker_->SilenceAmHandlers();
+  // Peer views (endpoints, keys) die on the worker thread, so before the worker.
+  if (engine_) engine_->ReleasePeers();
+  // The worker runs its last closures and completions (flushes, sends, staged chunks)
+  // into the engine, the Stager, the receiving side and the peer manager, so they all
+  // go after it.
+  worker_.reset();
   engine_.reset();
+  stager_.reset();
   incoming_.reset();
   peers_.reset();
   watchers_.reset();
   registry_.reset();
-  worker_.reset();
-  // After the worker: its last closures may still finish staged chunks.
-  stager_.reset();
   context_.reset();
 }
 

@@ -114,7 +114,7 @@ class Agent {
   std::unique_ptr<IncomingTransfers> incoming_;
   std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<PeerManager> peers_;
-  std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker
+  std::unique_ptr<Stager> stager_;  // used by the engine
   std::unique_ptr<TransferEngine> engine_;
   SecurityCounters counters_;
   std::atomic<int64_t> open_streams_{0};

@@ -118,6 +118,14 @@ void TransferEngine::Stop(absl::Duration grace) {
   mu_.AwaitWithTimeout(absl::Condition(&drained), absl::Seconds(2));
 }
 
+void TransferEngine::ReleasePeers() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, t] : transfers_) {
+    t->chunks.clear();
+    t->last_peer.reset();
+  }
+}
+
 bool TransferEngine::Terminal(v1::TransferPhase phase) {
   return phase == v1::COMPLETED || phase == v1::FAILED || phase == v1::CANCELLED ||
          phase == v1::TIMED_OUT;

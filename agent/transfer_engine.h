@@ -89,6 +89,10 @@ class TransferEngine {
   // Fails what is still running with `reason` and waits up to `grace` for posted
   // operations to drain.
   void Stop(absl::Duration grace);
+  // Shutdown, after Stop: every transfer lets go of the peer views it holds (their
+  // endpoints and keys must die on the worker thread, so before the worker does; the
+  // engine itself outlives the worker, whose last closures and completions call it).
+  void ReleasePeers();
 
   // `caller` must own every local region the request names, unless it is a
   // scheduler (PERMISSION_DENIED naming the region and its owner otherwise); the

@@ -104,7 +104,9 @@ struct RndvReceive {
 };
 
 void FinishRndv(RndvReceive* receive, ucs_status_t status) {
-  if (status == UCS_OK) {
+  if (!*receive->handler) {
+    // Silenced while the data was on its way (shutdown): nobody takes it any more.
+  } else if (status == UCS_OK) {
     (*receive->handler)(receive->header, receive->data);
   } else {
     kLog.Warn("active message {}: receiving {} bytes of rendezvous data failed ({}); the "
@@ -320,10 +322,23 @@ void UcxWorker::InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data
   }
 }
 
+void UcxWorker::SilenceAmHandlers() {
+  RunSync([this] {
+    for (auto& [id, slot] : am_handlers_) {
+      slot->handler = nullptr;
+      slot->data_handler = nullptr;
+    }
+  });
+}
+
 ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_length,
                                    void* data, size_t length,
                                    const ucp_am_recv_param_t* param) {
   auto* slot = static_cast<AmSlot*>(arg);
+  if (!slot->handler && !slot->data_handler) {
+    slot->worker->silenced_messages_.fetch_add(1);
+    return UCS_OK;  // silenced: a rendezvous body is never fetched
+  }
   std::string_view header_view(header_length > 0 ? static_cast<const char*>(header) : "",
                                header_length);
   if (slot->data_handler) {

@@ -84,6 +84,14 @@ class UcxWorker {
   void SetAmHandler(uint16_t id, AmHandler handler, uint64_t max_data_bytes = 256 << 10);
   // The same for handlers that place the data themselves (see AmMessage).
   void SetAmDataHandler(uint16_t id, AmDataHandler handler);
+  // Makes every handler inert, for shutdown: a message that arrives later is dropped
+  // unread (rendezvous data is never fetched), and a rendezvous receive in progress
+  // finishes without calling its handler. Once it returns no handler runs again, so
+  // what the handlers point to may go (after the worker, for what the closures and
+  // completions still posted use). Any thread; idempotent.
+  void SilenceAmHandlers();
+  // Messages dropped because their handler was silenced.
+  uint64_t silenced_messages() const { return silenced_messages_.load(); }
   // Worker thread: fetches a kept rendezvous message into `buffer` (its `length`
   // bytes); `done` runs on the worker thread, possibly before this returns.
   void ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
@@ -144,6 +152,7 @@ class UcxWorker {
   void InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data_handler,
                      uint64_t max_data_bytes);
   absl::flat_hash_map<uint16_t, std::unique_ptr<AmSlot>> am_handlers_;
+  std::atomic<uint64_t> silenced_messages_{0};
   std::vector<void*> pending_requests_;
   // Endpoints still open; closed at shutdown if their owner has not destroyed them.
   absl::flat_hash_set<Endpoint*> endpoints_;

@@ -269,6 +269,46 @@ TEST_CASE("an active message over its handler's limit is dropped unread, eager o
   Destroy(*a.worker, ep);
 }
 
+TEST_CASE("silenced handlers never run: later messages are dropped and counted") {
+  Agent a = Agent::Make("silence-a");
+  Agent b = Agent::Make("silence-b");
+  constexpr uint16_t kPlain = 11;
+  constexpr uint16_t kData = 12;
+  std::atomic<int> calls{0};
+  b.worker->SetAmHandler(
+      kPlain, [&](std::string_view, std::string_view) { calls.fetch_add(1); },
+      /*max_data_bytes=*/2 << 20);
+  b.worker->SetAmDataHandler(kData, [&](const transport::AmMessage&) {
+    calls.fetch_add(1);
+    return false;
+  });
+  std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), ErrorMode::kNone);
+  // Before: the handler runs (so the messages below would reach it).
+  REQUIRE(Await(*a.worker, [&](Completion done) { ep->SendAm(kPlain, "h", "d", std::move(done)); })
+              .ok());
+  const auto until = absl::Now() + kWait;
+  while (calls.load() == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  REQUIRE(calls.load() == 1);
+
+  b.worker->SilenceAmHandlers();
+  const std::string big(1 << 20, 'x');  // rendezvous: never fetched
+  for (uint16_t id : {kPlain, kData}) {
+    for (const std::string& data : {std::string("eager"), big}) {
+      REQUIRE(Await(*a.worker, [&](Completion done) { ep->SendAm(id, "h", data, std::move(done)); })
+                  .ok());
+    }
+  }
+  const auto dropped_by = absl::Now() + kWait;
+  while (b.worker->silenced_messages() < 4 && absl::Now() < dropped_by) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  b.worker->RunSync([] {});
+  CHECK(b.worker->silenced_messages() == 4);
+  CHECK(calls.load() == 1);
+  b.worker->SilenceAmHandlers();  // idempotent
+  Destroy(*a.worker, ep);
+}
+
 TEST_CASE("Post keeps per-thread order and RunSync sees every earlier Post") {
   Agent a = Agent::Make("post-a");
   constexpr int kThreads = 4;
