@@ -19,6 +19,9 @@ export DEBIAN_FRONTEND=noninteractive
 #   clang libclang-rt-14-dev         fuzz/run.sh: clang builds the libFuzzer targets (libFuzzer,
 #                                    ASan/UBSan runtimes are in libclang-rt-14-dev)
 #   iproute2                         `ip netns`/veth/`tc` for tests/fault/netns_test (link cuts between agents)
+#   python3-grpcio python3-protobuf  the Python client (python/kvagent) and its py_tests, run by
+#   python3-numpy python3-torch      /usr/bin/python3; torch (CPU) for tensor views and the examples
+#                                    (--no-install-recommends below keeps torch's GUI recommends out)
 PACKAGES=(
   bazel-bootstrap
   g++
@@ -42,6 +45,10 @@ PACKAGES=(
   clang
   libclang-rt-14-dev
   iproute2
+  python3-grpcio
+  python3-protobuf
+  python3-numpy
+  python3-torch
 )
 
 log() { echo "bootstrap: $*" >&2; }

@@ -1,0 +1,86 @@
+"""What the Python tests share: two real kvagentd ("prefill", "decode") started per test
+class, engines only (--scheduler-uids none, so ownership is enforced as for engines),
+and a runner that writes one JUnit <testcase> per test method to $XML_OUTPUT_FILE, so
+.ci/count_tests.py counts every case (a skip with its reason)."""
+import os
+import sys
+import time
+import unittest
+import xml.etree.ElementTree as ET
+
+from kvagent.daemon import AgentPair
+
+ENGINES_ONLY = ("--scheduler-uids", "none")
+
+
+class PairTestCase(unittest.TestCase):
+    """Starts a pair for the class; self.pre and self.dec are fresh clients per test."""
+
+    agent_args = ENGINES_ONLY
+
+    @classmethod
+    def setUpClass(cls):
+        cls.pair = AgentPair(extra_args=cls.agent_args)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.pair.stop()
+
+    def clients(self, prefix):
+        """A prefill and a decode client named after the test (region names are
+        agent-wide), closed at the end of the test, prefill connected to decode."""
+        import kvagent
+        pre = kvagent.connect(self.pair.prefill.socket, name=f"{prefix}-pre")
+        dec = kvagent.connect(self.pair.decode.socket, name=f"{prefix}-dec")
+        self.addCleanup(pre.close)
+        self.addCleanup(dec.close)
+        return pre, dec
+
+
+class _Recorder(unittest.TextTestResult):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cases = []
+        self._start = 0.0
+
+    def startTest(self, test):
+        self._start = time.monotonic()
+        super().startTest(test)
+
+    def _record(self, test, kind=None, text=""):
+        self.cases.append((test.id(), time.monotonic() - self._start, kind, text))
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._record(test)
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._record(test, "failure", self._exc_info_to_string(err, test))
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._record(test, "error", self._exc_info_to_string(err, test))
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self._record(test, "skipped", reason)
+
+
+def main():
+    suite = unittest.defaultTestLoader.loadTestsFromModule(sys.modules["__main__"])
+    runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=2)
+    result = runner.run(suite)
+    path = os.environ.get("XML_OUTPUT_FILE")
+    if path:
+        suites = ET.Element("testsuites")
+        ts = ET.SubElement(suites, "testsuite", name=os.path.basename(sys.argv[0]),
+                           tests=str(len(result.cases)))
+        for name, seconds, kind, text in result.cases:
+            case = ET.SubElement(ts, "testcase", name=name, time=f"{seconds:.3f}")
+            if kind == "skipped":
+                ET.SubElement(case, "skipped", message=text)
+            elif kind:
+                ET.SubElement(case, kind, message=text.strip().splitlines()[-1]).text = text
+        ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
+    sys.exit(0 if result.wasSuccessful() else 1)
