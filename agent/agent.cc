@@ -129,6 +129,7 @@ absl::Status CheckSocketPath(const std::string& path) {
 
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options) {
   RETURN_IF_ERROR(ValidateStagingOptions(options.staging));
+  if (options.copy_lanes != 0) RETURN_IF_ERROR(ValidateCopyLanes(options.copy_lanes));
   if (options.name.empty()) {
     return absl::InvalidArgumentError(
         "--name is empty; give this agent a name unique among its peers (e.g. the host and "
@@ -226,6 +227,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   engine_options.incoming = agent->incoming_.get();
   engine_options.drain_timeout_ms = options.drain_timeout_ms;
   engine_options.limits = &agent->limits_;
+  engine_options.copy_lanes =
+      options.copy_lanes != 0 ? options.copy_lanes : DefaultCopyLanes();
+  kLog.Info("same-host host copies: {} copy lane(s)", engine_options.copy_lanes);
   agent->engine_ = std::make_unique<TransferEngine>(
       agent->worker_.get(), agent->registry_.get(), agent->peers_.get(),
       agent->notifications_.get(), engine_options);

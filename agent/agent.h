@@ -80,6 +80,9 @@ struct AgentOptions {
   uint32_t fast_path_spin_us = 50;
   // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
   uint32_t ucx_spin_us = 0;
+  // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the
+  // default, the cores this agent may use up to 4 (DefaultCopyLanes).
+  uint32_t copy_lanes = 0;
 };
 
 class Agent {

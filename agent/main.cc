@@ -88,6 +88,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page
                               transfers 30 % slower)
+  --copy-lanes N              threads that copy one batch of same-host host memory side
+                              by side (1-64; default: the cores this agent may use, at
+                              most 4)
 )";
 
 std::string Usage() { return std::string(kUsage) + kvagent::agent::Limits::Usage(); }
@@ -230,6 +233,11 @@ int main(int argc, char** argv) {
       number(&options.fast_path_spin_us);
     } else if (key == "--ucx-spin-us") {
       number(&options.ucx_spin_us);
+    } else if (key == "--copy-lanes") {
+      number(&options.copy_lanes);
+      if (absl::Status lanes = kvagent::agent::ValidateCopyLanes(options.copy_lanes); !lanes.ok()) {
+        return Fail(std::string(lanes.message()));
+      }
     } else if (key == "--grpc-max-threads") {
       number(&options.grpc_max_threads);
       if (options.grpc_max_threads == 0) return Fail("--grpc-max-threads: give at least 1");

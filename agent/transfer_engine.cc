@@ -74,7 +74,18 @@ TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionReg
       registry_(registry),
       peers_(peers),
       notifications_(notifications),
-      options_(std::move(options)) {}
+      options_(std::move(options)),
+      lanes_(options_.copy_lanes) {
+  paths_[static_cast<size_t>(Route::kHostCopy)] = MakeHostCopyPath(&lanes_);
+  paths_[static_cast<size_t>(Route::kDeviceCopy)] = MakeDeviceCopyPath();
+  paths_[static_cast<size_t>(Route::kUcxRma)] = MakeUcxRmaPath();
+  if (options_.stager != nullptr) {
+    std::shared_ptr<DataPath> staging = MakeStagingPath(options_.stager);
+    for (Route r : {Route::kStagedChunks, Route::kStagedBounce, Route::kStagedRemoteRead}) {
+      paths_[static_cast<size_t>(r)] = staging;
+    }
+  }
+}
 
 TransferEngine::~TransferEngine() { Stop(absl::ZeroDuration()); }
 
@@ -336,9 +347,8 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
           Printable(id), region->spec.name(), region->owner, caller.principal));
     }
   }
-  std::vector<StagedRoute> routes;
-  if (absl::Status paths = CheckDevicePaths(id, request.op(), *plan, **peer, &routes);
-      !paths.ok()) {
+  std::vector<Route> routes;
+  if (absl::Status paths = RouteChunk(id, request.op(), *plan, **peer, &routes); !paths.ok()) {
     return paths;
   }
   // The last check that may refuse the chunk: no destination byte is written by two
@@ -453,7 +463,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
   v1::Notification notice;
   std::optional<v1::Notification> open;  // sent before the first batch
   v1::TransferOp op;
-  StagedRoute route = StagedRoute::kNone;
+  Route route = Route::kUcxRma;
   {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
@@ -512,17 +522,14 @@ void TransferEngine::Pump(const TransferPtr& t) {
       }
       peer = chunk.peer;
       const auto& planned = chunk.plan.ops;
-      // A batch takes ops of one route: staged ops go to the Stager as one batch.
-      auto route_of = [&chunk](size_t i) {
-        return chunk.routes.empty() ? StagedRoute::kNone : chunk.routes[i];
-      };
-      route = route_of(chunk.next_op);
+      // A batch takes consecutive ops of one route (chosen at submit), for one path.
+      route = chunk.routes[chunk.next_op];
       while (chunk.next_op < planned.size() && ops.size() < options_.batch_ops &&
-             bytes < options_.batch_bytes && route_of(chunk.next_op) == route) {
+             bytes < options_.batch_bytes && chunk.routes[chunk.next_op] == route) {
         bytes += planned[chunk.next_op].length;
         ops.push_back(planned[chunk.next_op++]);
       }
-      if (route == StagedRoute::kChunks) t->staged_bytes += bytes;
+      if (route == Route::kStagedChunks) t->staged_bytes += bytes;
       t->inflight_segment = static_cast<int32_t>(ops.front().segment);
       if (chunk.next_op == planned.size()) {
         t->planned_ops -= std::min<uint64_t>(t->planned_ops, planned.size());
@@ -584,146 +591,53 @@ void TransferEngine::Pump(const TransferPtr& t) {
       break;
   }
 
-  if (route != StagedRoute::kNone) {
-    // Host staging: the Stager runs the batch chunk by chunk and calls back once no
-    // chunk of it is in flight, so `inflight` (and so `drained`) covers them all.
-    const int32_t first = static_cast<int32_t>(ops.front().segment);
-    options_.stager->Run(
-        t->state.transfer_id(), op, route, std::move(ops), peer,
-        [this, t] {
-          absl::MutexLock lock(&mu_);
-          return Terminal(t->state.phase());
-        },
-        [this, t, bytes, first, peer](absl::Status status, int32_t failed_segment) {
-          {
-            absl::MutexLock lock(&mu_);
-            t->inflight = false;
-            if (absl::Status lost = MemoryLost(*t, *peer, {}, first); !lost.ok()) {
-              Finish(*t, v1::FAILED, lost, first);
-            } else if (!status.ok()) {
-              const int32_t segment = failed_segment >= 0 ? failed_segment : first;
-              // The Stager's own check can see a local region deregistered a moment
-              // before StopUsersOf fails the transfer: name the region, as it does.
-              const registry::Region* gone = nullptr;
-              if (status.code() == absl::StatusCode::kAborted) {
-                for (const auto& pin : t->pinned) {
-                  if (registry_->Find(pin->spec.name()) != pin) {
-                    gone = pin.get();
-                    break;
-                  }
-                }
-              }
-              Finish(*t, v1::FAILED,
-                     gone != nullptr
-                         ? absl::AbortedError(fmt::format(
-                               "transfer '{}' segment {}: local region '{}' was deregistered "
-                               "while the transfer used it; nothing more was posted. Deregister "
-                               "regions only after their transfers ended (cancel them and wait "
-                               "for drained). Staging said: {}",
-                               t->state.transfer_id(), segment, gone->spec.name(),
-                               status.message()))
-                         : absl::Status(status.code(),
-                                        fmt::format("transfer '{}' segment {}: staging through "
-                                                    "host buffers to peer '{}' failed: {}",
-                                                    t->state.transfer_id(), segment,
-                                                    t->state.peer(), status.message())),
-                     segment);
-            } else if (!Terminal(t->state.phase())) {
-              t->state.set_bytes_done(t->state.bytes_done() + bytes);
-              Publish(*t);
-            }
-          }
-          worker_->Post([this, t] { Pump(t); });
-        });
-    return;
-  }
-
-  const RkeyTable& keys = *peer->keys;
-  transport::Endpoint& endpoint = *peer->endpoint;
-  const DirectMappings* direct = peer->direct.get();
-  const auto& remote_regions = peer->catalog->regions();
-  absl::Status posted;
-  int32_t failed_segment = -1;
-  bool through_ucx = false;
-  bool through_cuda = false;
-  for (const auto& o : ops) {
-    uint8_t* mapped = direct ? direct->base_by_slot[o.rkey_slot] : nullptr;
-    if (mapped != nullptr) {
-      // Same host: the peer's memory is mapped here; the planner bounded the range.
-      uint8_t* remote = mapped + (o.remote_address - remote_regions[o.rkey_slot].base_address);
-      uint8_t* local = reinterpret_cast<uint8_t*>(o.local_address);
-      uint8_t* dst = op == v1::WRITE ? remote : local;
-      uint8_t* src = op == v1::WRITE ? local : remote;
-      if (o.local_device || o.remote_device) {
-        // CUDA's unified addressing tells host from device pointers.
-        through_cuda = true;
-        posted = CopyDevice(reinterpret_cast<uint64_t>(dst), reinterpret_cast<uint64_t>(src), o.length);
-        if (!posted.ok()) {
-          failed_segment = static_cast<int32_t>(o.segment);
-          break;
-        }
-      } else {
-        std::memcpy(dst, src, o.length);
-      }
-      continue;
-    }
-    through_ucx = true;
-    posted = op == v1::WRITE
-                 ? endpoint.Put(reinterpret_cast<const void*>(o.local_address), o.length,
-                                o.remote_address, keys.at(o.rkey_slot))
-                 : endpoint.Get(reinterpret_cast<void*>(o.local_address), o.length,
-                                o.remote_address, keys.at(o.rkey_slot));
-    if (!posted.ok()) {
-      failed_segment = static_cast<int32_t>(o.segment);
-      break;
-    }
-  }
-  // Device copies complete, and every copy is visible, before anything the
-  // notification path sends after them.
-  if (through_cuda) {
-    absl::Status synced = SyncDevice();
-    if (posted.ok() && !synced.ok()) {
-      posted = synced;
-      failed_segment = static_cast<int32_t>(ops.front().segment);
-    }
-  }
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  const int32_t first_segment = static_cast<int32_t>(ops.front().segment);
-  auto complete = [this, t, posted, failed_segment, first_segment, bytes, peer,
-                   ops = std::move(ops)](absl::Status flushed) {
+  // The batch goes to its route's path; the engine keeps only the state machine.
+  auto batch = std::make_shared<DataBatch>();
+  batch->transfer_id = t->state.transfer_id();
+  batch->peer_name = t->state.peer();
+  batch->op = op;
+  batch->route = route;
+  batch->ops = std::move(ops);
+  batch->bytes = bytes;
+  batch->peer = std::move(peer);
+  batch->stopped = [this, t] {
+    absl::MutexLock lock(&mu_);
+    return Terminal(t->state.phase());
+  };
+  paths_[static_cast<size_t>(route)]->Run(*batch, [this, t, batch](BatchOutcome outcome) {
+    const int32_t first = static_cast<int32_t>(batch->ops.front().segment);
     {
       absl::MutexLock lock(&mu_);
       t->inflight = false;
       // Memory that vanished under the copies (FaultGuard caught the SIGBUS) explains
       // whatever else went wrong, and makes the bytes moved worthless.
-      if (absl::Status lost = MemoryLost(*t, *peer, ops, first_segment); !lost.ok()) {
-        Finish(*t, v1::FAILED, lost, first_segment);
-      } else if (!posted.ok()) {
-        Finish(*t, v1::FAILED,
-               absl::Status(posted.code(),
-                            fmt::format("transfer '{}' segment {}: posting to peer '{}' failed: {}",
-                                        t->state.transfer_id(), failed_segment, t->state.peer(),
-                                        posted.message())),
-               failed_segment);
-      } else if (!flushed.ok()) {
-        Finish(*t, v1::FAILED,
-               absl::UnavailableError(fmt::format(
-                   "transfer '{}' segment {}: peer '{}' did not complete the operations: {}",
-                   t->state.transfer_id(), first_segment, t->state.peer(), flushed.message())),
-               first_segment);
+      if (absl::Status lost = MemoryLost(*t, *batch->peer, batch->ops, first); !lost.ok()) {
+        Finish(*t, v1::FAILED, lost, first);
+      } else if (!outcome.status.ok()) {
+        Finish(*t, v1::FAILED, LocalRegionGone(*t, outcome), outcome.failed_segment);
       } else {
-        t->state.set_bytes_done(t->state.bytes_done() + bytes);
+        t->state.set_bytes_done(t->state.bytes_done() + batch->bytes);
         if (!Terminal(t->state.phase())) Publish(*t);
       }
     }
-    // Flush may complete inline; posting keeps the stack flat over many batches.
+    // A path may complete inline; posting keeps the stack flat over many batches.
     worker_->Post([this, t] { Pump(t); });
-  };
-  if (through_ucx) {
-    endpoint.Flush(std::move(complete));
-  } else {
-    complete(absl::OkStatus());
+  });
+}
+
+absl::Status TransferEngine::LocalRegionGone(const Transfer& t, const BatchOutcome& outcome) const {
+  // A path's own check (the Stager's) can see a local region deregistered a moment
+  // before StopUsersOf fails the transfer: name the region, as StopUsersOf does.
+  if (outcome.status.code() != absl::StatusCode::kAborted) return outcome.status;
+  for (const auto& pin : t.pinned) {
+    if (registry_->Find(pin->spec.name()) == pin) continue;
+    return absl::AbortedError(fmt::format(
+        "transfer '{}' segment {}: local region '{}' was deregistered while the transfer used "
+        "it; nothing more was posted. Deregister regions only after their transfers ended "
+        "(cancel them and wait for drained). The path said: {}",
+        t.state.transfer_id(), outcome.failed_segment, pin->spec.name(), outcome.status.message()));
   }
+  return outcome.status;
 }
 
 absl::Status TransferEngine::MemoryLost(const Transfer& t, const PeerSnapshot& peer,
@@ -934,11 +848,9 @@ void TransferEngine::OnAck(std::string_view header, std::string_view data) {
   SendNotice(*t->last_peer, std::move(commit), [](absl::Status) {});
 }
 
-absl::Status TransferEngine::CheckDevicePaths(const std::string& id, v1::TransferOp op,
-                                             const registry::TransferPlan& plan,
-                                             const PeerSnapshot& peer,
-                                             std::vector<StagedRoute>* routes) const {
-  routes->clear();
+absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op,
+                                       const registry::TransferPlan& plan,
+                                       const PeerSnapshot& peer, std::vector<Route>* routes) const {
   // Memory a caught fault broke stays refused until it is mapped anew: the local
   // region re-registered, or the peer's region re-registered (a new direct mapping).
   if (const std::string lost = BrokenMemory(plan.local_regions, peer, plan.ops); !lost.empty()) {
@@ -947,40 +859,9 @@ absl::Status TransferEngine::CheckDevicePaths(const std::string& id, v1::Transfe
         "re-registered. Fix: {}",
         id, lost, registry::kLostMemoryCause, registry::kLostMemoryFix));
   }
-  if (options_.stager != nullptr) {
-    ASSIGN_OR_RETURN(*routes, Stager::Route(id, op, plan, peer));
-  }
-  if (options_.ucx_cuda) return absl::OkStatus();
-  for (size_t i = 0; i < plan.ops.size(); ++i) {
-    const auto& o = plan.ops[i];
-    if (!o.local_device && !o.remote_device) continue;
-    if (peer.direct != nullptr && peer.direct->base_by_slot[o.rkey_slot] != nullptr) continue;
-    if (!routes->empty() && (*routes)[i] != StagedRoute::kNone) continue;
-    const auto& r = peer.catalog->regions()[o.rkey_slot];
-    return absl::FailedPreconditionError(fmt::format(
-        "transfer '{}' segment {}: {} VRAM, and the running UCX cannot move CUDA memory while "
-        "peer '{}' region '{}' cannot be reached directly (same-host CUDA IPC or shared "
-        "memory) nor through host staging{}. Use a CUDA-enabled UCX, or place both agents on "
-        "one host",
-        id, o.segment, o.local_device ? "the local side is" : "the peer's side is", peer.name,
-        r.name,
-        options_.stager == nullptr ? " (this engine has none)"
-                                   : " (the peer's region is registered for zero-copy)"));
-  }
+  ASSIGN_OR_RETURN(*routes, RouteOps(id, op, plan, peer, options_.stager != nullptr,
+                                     options_.ucx_cuda));
   return absl::OkStatus();
-}
-
-absl::Status TransferEngine::CopyDevice(uint64_t dst, uint64_t src, uint64_t bytes) {
-  if (cuda_stream_ == nullptr) {
-    ASSIGN_OR_RETURN(cuda_, transport::CudaDriver::Load());
-    ASSIGN_OR_RETURN(cuda_stream_, cuda_->CreateStream(0));
-  }
-  return cuda_->CopyAsync(dst, src, bytes, cuda_stream_);
-}
-
-absl::Status TransferEngine::SyncDevice() {
-  if (cuda_stream_ == nullptr) return absl::OkStatus();
-  return cuda_->SynchronizeStream(cuda_stream_);
 }
 
 bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request) const {
@@ -1080,6 +961,8 @@ TransferCounters TransferEngine::counters() const {
   c.completed = completed_;
   c.failed = failed_;
   c.notifications_received = notifications_received_.load();
+  c.copy_lanes = lanes_.counters();
+  c.lanes = lanes_.lanes();
   return c;
 }
 

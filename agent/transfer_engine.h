@@ -5,6 +5,7 @@
 // notifications into the NotificationQueue. Used by the gRPC service.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -20,6 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/copy_lanes.h"
+#include "agent/data_path.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/notification_queue.h"
@@ -30,7 +33,6 @@
 #include "registry/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/transfer_plan.h"
-#include "transport/cuda_driver.h"
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
@@ -61,6 +63,9 @@ struct TransferEngineOptions {
   // A transfer that ended with operations still posted is given this long to drain;
   // then it says drain_unknown (the operations went to a peer that stopped answering).
   uint32_t drain_timeout_ms = 5000;
+  // Threads that copy one batch of same-host host memory side by side (--copy-lanes;
+  // agent/copy_lanes.h).
+  uint32_t copy_lanes = 1;
   // Active transfers (total, per owner), operations per chunk and planned in all.
   // Owned by the Agent; null: unbounded (tests).
   const Limits* limits = nullptr;
@@ -73,6 +78,8 @@ struct TransferCounters {
   uint64_t completed = 0;
   uint64_t failed = 0;  // failed, cancelled or timed out
   uint64_t notifications_received = 0;
+  CopyLaneCounters copy_lanes;  // the host copy path's
+  uint32_t lanes = 1;
 };
 
 class TransferEngine {
@@ -141,7 +148,7 @@ class TransferEngine {
     registry::TransferPlan plan;
     std::shared_ptr<const PeerSnapshot> peer;  // the catalog and keys the plan used
     size_t next_op = 0;
-    std::vector<StagedRoute> routes;  // per op; empty when no op needs staging
+    std::vector<Route> routes;  // per op, chosen at submit (RouteOps)
     // The newer catalog of the same peer that was found to still hold every region
     // this chunk's remaining ops use (CheckRegionsCurrent), so it is checked once.
     std::shared_ptr<const registry::RemoteCatalog> checked_catalog;
@@ -223,22 +230,23 @@ class TransferEngine {
   void StagedDataInPlace(v1::Notification n, absl::Status data);
 
  private:
-  // Every operation that touches VRAM needs a way to reach it: a same-host direct
-  // mapping (CUDA IPC), a UCX with CUDA support, or host staging (then `routes` says
-  // which ops go through the Stager). Also refuses (FAILED_PRECONDITION) a plan that
-  // uses memory a caught SIGBUS broke (MemoryLost), until it is re-registered.
-  absl::Status CheckDevicePaths(const std::string& id, v1::TransferOp op,
-                                const registry::TransferPlan& plan, const PeerSnapshot& peer,
-                                std::vector<StagedRoute>* routes) const;
+  // Routes every op of `plan` (RouteOps): each op that touches VRAM needs a way to
+  // reach it (a same-host direct mapping, a UCX with CUDA support, or host staging).
+  // Also refuses (FAILED_PRECONDITION) a plan that uses memory a caught SIGBUS broke
+  // (MemoryLost), until it is re-registered.
+  absl::Status RouteChunk(const std::string& id, v1::TransferOp op,
+                          const registry::TransferPlan& plan, const PeerSnapshot& peer,
+                          std::vector<Route>* routes) const;
   // DATA_LOSS naming the memory when a SIGBUS caught by registry::FaultGuard broke a
   // local region `t` pins, or a region of the peer mapped here directly that `ops`
   // reach: the batch just moved read zeros or wrote into throwaway pages.
   absl::Status MemoryLost(const Transfer& t, const PeerSnapshot& peer,
                           const std::vector<registry::PlanOp>& ops, int32_t segment) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Worker thread: copies one direct operation that touches VRAM on the CUDA stream.
-  absl::Status CopyDevice(uint64_t dst, uint64_t src, uint64_t bytes);
-  absl::Status SyncDevice();
+  // A failed batch's error, or ABORTED naming the local region when one `t` pins was
+  // deregistered meanwhile (the outcome was ABORTED).
+  absl::Status LocalRegionGone(const Transfer& t, const BatchOutcome& outcome) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DeadlineLoop();
 
   transport::UcxWorker* worker_;
@@ -246,6 +254,10 @@ class TransferEngine {
   PeerManager* peers_;
   NotificationQueue* notifications_;
   TransferEngineOptions options_;
+  // The ways bytes move, by Route (the staged routes share one path; null without a
+  // Stager, when RouteOps never picks them).
+  CopyLanes lanes_;
+  std::array<std::shared_ptr<DataPath>, kRouteCount> paths_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, TransferPtr> transfers_ ABSL_GUARDED_BY(mu_);
@@ -274,10 +286,6 @@ class TransferEngine {
   // against an older one (a submit racing the restart) is refused.
   absl::flat_hash_map<std::string, uint64_t> peer_incarnation_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> notifications_received_{0};
-
-  // Worker-thread-only CUDA state, created on the first VRAM copy.
-  transport::CudaDriver* cuda_ = nullptr;
-  CUstream_st* cuda_stream_ = nullptr;
 
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;

@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cli/agent_client.h"
@@ -38,6 +40,7 @@
 #include "registry/shm_mapping.h"
 #include "transport/base/format.h"
 #include "transport/base/status_macros.h"
+#include "transport/base/text.h"
 #include "transport/cuda_driver.h"
 
 extern char** environ;
@@ -1177,11 +1180,24 @@ int RunBench(const BenchOptions& options) {
   if (options.pool_mib == 0) {
     return Fail("arguments", absl::InvalidArgumentError("--pool-mib must be at least 1"));
   }
-  const std::vector<uint64_t> blocks = options.quick
-                                           ? std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20}
-                                           : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 4 << 20};
-  const std::vector<uint32_t> batches =
+  std::vector<uint64_t> blocks = options.quick
+                                     ? std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20}
+                                     : std::vector<uint64_t>{4 << 10, 64 << 10, 1 << 20, 4 << 20};
+  std::vector<uint32_t> batches =
       options.quick ? std::vector<uint32_t>{1, 64} : std::vector<uint32_t>{1, 16, 64, 256};
+  auto wanted = [&options](uint64_t block, uint32_t batch) {
+    if (options.cells.empty()) return true;
+    return std::find(options.cells.begin(), options.cells.end(), std::pair{block, batch}) !=
+           options.cells.end();
+  };
+  if (!options.cells.empty()) {
+    blocks.clear();
+    batches.clear();
+    for (const auto& [block, batch] : options.cells) {
+      if (std::find(blocks.begin(), blocks.end(), block) == blocks.end()) blocks.push_back(block);
+      if (std::find(batches.begin(), batches.end(), batch) == batches.end()) batches.push_back(batch);
+    }
+  }
 
   if (initiator_address.empty()) {
     LocalAgentsOptions start;
@@ -1200,6 +1216,10 @@ int RunBench(const BenchOptions& options) {
     if (!options.shm_direct) {
       start.extra_args.push_back("--shm-direct");
       start.extra_args.push_back("off");
+    }
+    if (options.copy_lanes != 0) {
+      start.extra_args.push_back("--copy-lanes");
+      start.extra_args.push_back(std::to_string(options.copy_lanes));
     }
     absl::Status started = StartLocalAgents(start, &local);
     g_agent_logs = local.log_paths;
@@ -1231,6 +1251,10 @@ int RunBench(const BenchOptions& options) {
                 peer->transports().c_str(), peer->error_mode().c_str(),
                 ucx_tls.c_str(), static_cast<unsigned long>(options.pool_mib),
                 options.quick ? ", quick" : "");
+    std::printf("copy lanes (same-host host copies): %s\n",
+                options.copy_lanes != 0        ? std::to_string(options.copy_lanes).c_str()
+                : local.started()              ? "the agents' default (the cores they may use, at most 4)"
+                                               : "the agents' own setting");
     if (!perftest.available()) {
       std::printf("ucx_perftest not found (%s): the perftest columns stay empty\n",
                   options.perftest.c_str());
@@ -1270,7 +1294,7 @@ int RunBench(const BenchOptions& options) {
   std::mt19937_64 rng(options.seed);
   size_t total = 0;
   for (uint64_t block : blocks) {
-    for (uint32_t batch : batches) total += (batch <= pool_bytes / block ? 4 : 0);
+    for (uint32_t batch : batches) total += (batch <= pool_bytes / block && wanted(block, batch) ? 4 : 0);
   }
   size_t done = 0;
   bool all_verified = true;
@@ -1293,6 +1317,7 @@ int RunBench(const BenchOptions& options) {
     // the new regions and map them, so no refresh lands inside a timed transfer.
     std::this_thread::sleep_for(std::chrono::milliseconds(600));
     for (uint32_t batch : batches) {
+      if (!wanted(block, batch)) continue;
       if (batch > layout.items) {
         std::fprintf(stderr, "bench: skipping %s x %u: the %lu MiB pool holds %lu blocks; raise "
                      "--pool-mib\n", SizeName(block).c_str(), batch,
@@ -1329,6 +1354,12 @@ int RunBench(const BenchOptions& options) {
     }
     (void)initiator.Deregister({layout.region});
     (void)target.Deregister({layout.region});
+  }
+  if (!options.cells.empty()) {
+    // A targeted run: the grid cells asked for, none of the later phases.
+    Progress(total, total, "done");
+    if (local.started()) local.StopAndClean();
+    return all_verified ? 0 : 1;
   }
   // One-page WRITEs from several clients at once: what the API sustains. Its pools
   // are shared memory, so a VRAM run skips it (and the agent-memory phase below).
@@ -1424,6 +1455,36 @@ int RunBench(const BenchOptions& options) {
     return 1;
   }
   return 0;
+}
+
+absl::StatusOr<std::vector<std::pair<uint64_t, uint32_t>>> ParseCells(std::string_view text) {
+  std::vector<std::pair<uint64_t, uint32_t>> cells;
+  for (std::string_view entry : absl::StrSplit(text, ',')) {
+    auto bad = [&](std::string_view why) {
+      return absl::InvalidArgumentError(fmt::format(
+          "--cells entry '{}': {}; give BLOCK:BATCH pairs separated by commas, BLOCK in bytes "
+          "or with K or M (64K:16,1M:16)",
+          Printable(entry, 64), why));
+    };
+    const size_t colon = entry.find(':');
+    if (colon == std::string_view::npos) return bad("no ':'");
+    std::string_view block_text = entry.substr(0, colon);
+    uint64_t unit = 1;
+    if (!block_text.empty() && (block_text.back() == 'K' || block_text.back() == 'M')) {
+      unit = block_text.back() == 'K' ? 1024 : 1024 * 1024;
+      block_text.remove_suffix(1);
+    }
+    uint64_t block = 0;
+    uint32_t batch = 0;
+    if (!absl::SimpleAtoi(block_text, &block) || block == 0 || block > (uint64_t{1} << 30) / unit) {
+      return bad("the block size is not a number from 1 byte to 1 GiB");
+    }
+    if (!absl::SimpleAtoi(entry.substr(colon + 1), &batch) || batch == 0 || batch > 65536) {
+      return bad("the batch is not a number from 1 to 65536");
+    }
+    cells.emplace_back(block * unit, batch);
+  }
+  return cells;
 }
 
 }  // namespace kvagent::cli

@@ -5,6 +5,11 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
 
 namespace kvagent::cli {
 
@@ -33,7 +38,16 @@ struct BenchOptions {
   // same pages. Without a CUDA driver or device the run fails before starting agents.
   std::string memory = "dram";
   int device = 0;
+  // --cells 64K:16,1M:16: only these block x batch cells of the grid, and none of the
+  // later phases (a short targeted run).
+  std::vector<std::pair<uint64_t, uint32_t>> cells;
+  // --copy-lanes N for agents started here (0: their default); printed either way.
+  uint32_t copy_lanes = 0;
 };
+
+// Parses --cells: BLOCK:BATCH pairs, comma-separated, BLOCK as 4K, 64K, 1M or 4M (or
+// bytes). INVALID_ARGUMENT naming the bad entry.
+absl::StatusOr<std::vector<std::pair<uint64_t, uint32_t>>> ParseCells(std::string_view text);
 
 // Returns the process exit code: 0 when every cell ran and its last transfer's bytes
 // checked out.

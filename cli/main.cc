@@ -80,7 +80,7 @@ commands:
   bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
         [--memory dram|vram] [--device N] [--memory-regions N]
-        [--fast-spin-us N]
+        [--fast-spin-us N] [--cells BLOCK:BATCH,...] [--copy-lanes N]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
                              size x batch x WRITE/READ x contiguous/scattered,
@@ -97,6 +97,9 @@ commands:
                              sleeps, default 20); --json
                              prints one JSON object per cell; --quick runs a
                              smaller sweep in well under a minute;
+                             --cells 64K:16,4M:64 runs only those cells
+                             and no later phase; --copy-lanes N starts
+                             the agents with that many copy lanes;
                              --memory-regions N: the agent-memory phase
                              registers N regions per agent (default 1000;
                              100000 is issue 13's scale line)
@@ -424,6 +427,14 @@ int main(int argc, char** argv) {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n > 1024) return Usage("--device takes a CUDA device ordinal");
         options.device = static_cast<int>(n);
+      } else if (a == "--cells") {
+        auto cells = kvagent::cli::ParseCells(v);
+        if (!cells.ok()) return Usage(std::string(cells.status().message()));
+        options.cells = *std::move(cells);
+      } else if (a == "--copy-lanes") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n == 0 || n > 64) return Usage("--copy-lanes takes 1 to 64");
+        options.copy_lanes = static_cast<uint32_t>(n);
       } else {
         return Usage("unknown bench flag " + a);
       }

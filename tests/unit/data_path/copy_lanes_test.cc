@@ -1,0 +1,125 @@
+#include "agent/copy_lanes.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "registry/fault_guard.h"
+#include "registry/memory_object.h"
+#include "registry/shm_mapping.h"
+#include "transport/base/unique_fd.h"
+
+namespace kvagent::agent {
+namespace {
+
+uint64_t Sum(const std::vector<CopyPiece>& pieces) {
+  uint64_t total = 0;
+  for (const auto& p : pieces) total += p.bytes;
+  return total;
+}
+
+// `count` pieces of `bytes` each, every other one of a big source and destination (so
+// none merges with the next).
+struct Scattered {
+  std::vector<uint8_t> src, dst;
+  std::vector<CopyPiece> pieces;
+  Scattered(size_t count, uint64_t bytes) : src(2 * count * bytes), dst(2 * count * bytes, 0) {
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+    for (size_t i = 0; i < count; ++i) {
+      pieces.push_back(CopyPiece{dst.data() + 2 * i * bytes, src.data() + 2 * i * bytes, bytes});
+    }
+  }
+  bool Copied() const {
+    for (const auto& p : pieces) {
+      if (std::memcmp(p.dst, p.src, p.bytes) != 0) return false;
+    }
+    return true;
+  }
+};
+
+TEST_CASE("Split gives each lane one run of about equal bytes, cutting large pieces") {
+  Scattered small(64, 64 << 10);  // 64 x 64 KiB, 4 lanes: 16 whole pieces each
+  auto parts = CopyLanes::Split(small.pieces, 4);
+  REQUIRE(parts.size() == 4);
+  for (const auto& part : parts) {
+    CHECK(part.size() == 16);
+    CHECK(Sum(part) == 16 * (64 << 10));
+  }
+  CHECK(parts[1].front().src == small.pieces[16].src);  // in order, gathered per lane
+
+  std::vector<uint8_t> src(10 << 20), dst(10 << 20);
+  std::vector<CopyPiece> one{{dst.data(), src.data(), src.size()}};  // one 10 MiB run
+  auto cut = CopyLanes::Split(one, 3);
+  REQUIRE(cut.size() == 3);
+  uint64_t offset = 0;
+  for (const auto& part : cut) {
+    REQUIRE(part.size() == 1);
+    CHECK(part[0].src == src.data() + offset);  // consecutive, no gap, no overlap
+    CHECK(part[0].dst == dst.data() + offset);
+    offset += part[0].bytes;
+  }
+  CHECK(offset == src.size());
+  CHECK(cut[0].front().bytes == cut[1].front().bytes);
+}
+
+TEST_CASE("every byte is copied whatever the lanes and shapes") {
+  for (uint32_t lanes : {1u, 2u, 3u, 4u}) {
+    CopyLanes copier(lanes);
+    CHECK(copier.lanes() == lanes);
+    for (auto [count, bytes] : {std::pair<size_t, uint64_t>{16, 64 << 10}, {64, 64 << 10},
+                                {16, 1 << 20}, {3, 4096}, {1, 8 << 20}, {5, 777777}}) {
+      Scattered s(count, bytes);
+      copier.Copy(s.pieces);
+      INFO("lanes " << lanes << ", " << count << " x " << bytes);
+      CHECK(s.Copied());
+    }
+    const CopyLaneCounters c = copier.counters();
+    CHECK(c.batches == 6);
+    // 1 MiB and up is split when there are lanes to split across; 12 KiB never is.
+    CHECK(c.split_batches == (lanes == 1 ? 0u : 5u));
+  }
+}
+
+TEST_CASE("--copy-lanes bounds: 1 to 64, the default from the cores we may use") {
+  CHECK(ValidateCopyLanes(1).ok());
+  CHECK(ValidateCopyLanes(kMaxCopyLanes).ok());
+  for (uint32_t bad : {0u, kMaxCopyLanes + 1}) {
+    absl::Status status = ValidateCopyLanes(bad);
+    CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(status.message()), Catch::Contains("--copy-lanes"));
+  }
+  const uint32_t lanes = DefaultCopyLanes();
+  CHECK(lanes >= 1);
+  CHECK(lanes <= 4);
+  CHECK(lanes <= static_cast<uint32_t>(sysconf(_SC_NPROCESSORS_ONLN)));
+}
+
+TEST_CASE("a lane that faults on memory that vanished finishes, and the mapping says broken") {
+  constexpr uint64_t kBytes = 4 << 20;
+  UniqueFd fd(memfd_create("kvagent-copy-lanes-test", MFD_CLOEXEC));
+  REQUIRE(fd.valid());
+  REQUIRE(ftruncate(fd.get(), kBytes) == 0);
+  UniqueFd copy(dup(fd.get()));
+  auto object = registry::MemoryObject::FromDescriptor(std::move(copy), "engine memfd");
+  REQUIRE(object.ok());
+  auto mapping = registry::ShmMapping::Map(*std::move(object), 0, kBytes, "k.L0");
+  REQUIRE(mapping.ok());
+  auto* peer = static_cast<uint8_t*>(mapping->data());
+  std::vector<uint8_t> local(kBytes, 0x42);
+  // The second half vanishes: the lane that writes it faults (lane 1 of 2).
+  REQUIRE(ftruncate(fd.get(), kBytes / 2) == 0);
+  CopyLanes copier(2);
+  copier.Copy({CopyPiece{peer, local.data(), kBytes}});
+  CHECK(mapping->broken());
+  CHECK(registry::FaultGuard::faults_caught() >= 1);
+  CHECK(peer[0] == 0x42);  // the first half landed
+  CHECK(copier.counters().split_batches == 1);
+}
+
+}  // namespace
+}  // namespace kvagent::agent
