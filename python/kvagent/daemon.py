@@ -15,13 +15,15 @@ SOCKET_PATH_MAX = 107 - len(".session")
 
 
 def find_kvagentd():
-    """$KVAGENTD, the Bazel runfiles' //agent:kvagentd, bazel-bin/agent/kvagentd of this
-    checkout, or kvagentd on PATH."""
+    """$KVAGENTD, the Bazel runfiles' //agent:kvagentd (a test's or a py_binary's),
+    bazel-bin/agent/kvagentd of this checkout, or kvagentd on PATH."""
     here = os.path.dirname(os.path.abspath(__file__))
     candidates = [os.environ.get("KVAGENTD", "")]
     for var in ("TEST_SRCDIR", "RUNFILES_DIR"):
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "kvagent", "agent", "kvagentd"))
+    # In runfiles (bazel run / py_binary): <runfiles>/kvagent/python/kvagent/daemon.py.
+    candidates.append(os.path.join(here, "..", "..", "agent", "kvagentd"))
     candidates.append(os.path.join(here, "..", "..", "bazel-bin", "agent", "kvagentd"))
     candidates.append(shutil.which("kvagentd") or "")
     for c in candidates:
