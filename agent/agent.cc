@@ -261,6 +261,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              &agent->pending_connects_,
                              options.deregister_wait_ms};
 
+  // Before the first door: each door's server gets gRPC's health service, which the
+  // monitor keeps NOT_SERVING until UCX answers (Start below).
+  agent->health_ = std::make_unique<HealthMonitor>(agent->worker_.get());
+  agent->deps_.health = agent->health_.get();
+
   // The fast path submits and cancels exactly as the gRPC methods do.
   FastPathOptions fast_options;
   fast_options.spin_us = options.fast_path_spin_us;
@@ -316,6 +321,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                                      grpc::InsecureServerCredentials()));
     agent->insecure_warning_ = std::thread([self] { self->WarnInsecure(); });
   }
+  if (!options.health_listen.empty()) {
+    ASSIGN_OR_RETURN(agent->health_door_,
+                     StartHealthDoor(options.health_listen, agent->quota_.get()));
+    agent->identity_.health_address = agent->health_door_->address;
+    agent->health_->Follow(agent->health_door_->server->GetHealthCheckService());
+  }
+  agent->health_->Start();
   agent->peers_->StartMonitor();
   agent->heap_trimmer_ = std::thread([self] { self->TrimHeap(); });
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
@@ -343,6 +355,7 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
   builder.AddListeningPort(address, std::move(credentials), door == Door::kLocal ? nullptr : &port);
   builder.RegisterService(d.agent_service.get());
   builder.RegisterService(d.peer_service.get());
+  AddReflection(&builder);
   builder.SetMaxReceiveMessageSize(64 << 20);
   // Fairness: one quota of memory (and threads) for calls in progress on every door,
   // and at most kMaxCallsPerConnection calls at once per client connection (more
@@ -361,6 +374,7 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
         door == Door::kLocal ? "a writable path (the directory is created if missing)"
                              : "HOST:PORT with a free port, or port 0 to pick one"));
   }
+  health_->Follow(d.server->GetHealthCheckService());
   if (door != Door::kLocal) {
     d.address = fmt::format("{}:{}", HostOf(address), port);
     // The first network door is the one peers are told about.
@@ -431,6 +445,8 @@ void Agent::Shutdown(absl::Duration grace) {
     stopping_ = true;
     stop_cv_.SignalAll();
   }
+  // Probes see NOT_SERVING at once, while transfers still drain.
+  if (health_) health_->Stop();
   if (insecure_warning_.joinable()) insecure_warning_.join();
   if (heap_trimmer_.joinable()) heap_trimmer_.join();
   // No new fast path entries; completions of what runs still reach open rings.
@@ -446,6 +462,7 @@ void Agent::Shutdown(absl::Duration grace) {
   for (auto& d : doors_) {
     d.server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   }
+  if (health_door_) health_door_->server->Shutdown(std::chrono::system_clock::now());
   if (peers_) peers_->Stop();
   if (!options_.local_socket.empty()) unlink(options_.local_socket.c_str());
 }

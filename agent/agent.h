@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "agent/access.h"
 #include "agent/agent_service.h"
+#include "agent/health.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/local_door.h"
@@ -80,6 +81,9 @@ struct AgentOptions {
   uint32_t fast_path_spin_us = 50;
   // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
   uint32_t ucx_spin_us = 0;
+  // A plain-TCP door with grpc.health.v1.Health only (--health-listen HOST:PORT), for
+  // probes without a certificate; "" for none. Every gRPC door serves Health too.
+  std::string health_listen;
   // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the
   // default, the cores this agent may use up to 4 (DefaultCopyLanes).
   uint32_t copy_lanes = 0;
@@ -132,6 +136,9 @@ class Agent {
   std::unique_ptr<LocalDoor> local_door_;
   std::unique_ptr<SessionServer> session_server_;
   ServiceDeps deps_{};
+  // grpc.health.v1 status of every door (agent/health.h) and the health-only door.
+  std::unique_ptr<HealthMonitor> health_;
+  std::unique_ptr<HealthDoor> health_door_;
   // One Agent and one Peer service per door, each on its own server.
   struct DoorServer {
     Door door;

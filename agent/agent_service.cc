@@ -540,6 +540,9 @@ void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
     response->set_fast_path_entries(fast.entries);
     response->set_fast_path_protocol_errors(fast.protocol_errors);
   }
+  if (deps_.health != nullptr) response->set_health(deps_.health->Describe());
+  response->set_health_address(id.health_address);
+  response->set_metrics_address(id.metrics_address);
   FillLimits(counters, registered, response);
   return reply(absl::OkStatus());
 }

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
 #include "agent/fast_path.h"
+#include "agent/health.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/local_door.h"
@@ -40,6 +41,8 @@ struct AgentIdentity {
   std::string listen_address;  // the network door, "" when there is none
   std::string network_door;    // "mtls HOST:PORT", "insecure HOST:PORT" or "none"
   std::string local_socket;    // the local door's gRPC socket
+  std::string health_address;  // --health-listen as bound, "" when off
+  std::string metrics_address;  // --metrics-listen as bound, "" when off
   uint64_t start_us = 0;  // monotonic
 };
 
@@ -67,6 +70,7 @@ struct ServiceDeps {
   std::atomic<uint64_t>* pending_connects;  // ConnectPeer calls in progress
   uint32_t deregister_wait_ms = 2000;
   FastPathServer* fast_path = nullptr;  // AgentStatus.fast_path_*; null: none
+  const HealthMonitor* health = nullptr;  // AgentStatus.health; null: not reported
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it

@@ -37,6 +37,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               caller may read and write every registered region; for a
                               trusted test network only (warns every minute)
   --port-file PATH            write the network door's port (0: none) once serving
+  --health-listen HOST:PORT   a plain-TCP door with grpc.health.v1.Health only (no
+                              other service, nobody identified), for probes that have
+                              no certificate, e.g. Kubernetes' gRPC probes; port 0
+                              picks one. Every gRPC door also serves Health and server
+                              reflection. Default: none
 
  Roles (comma-separated uids or user names; "none" for nobody):
   --engine-uids LIST          local uids that may register memory (default: any uid
@@ -186,6 +191,8 @@ int main(int argc, char** argv) {
       options.shm_dirs = absl::StrSplit(value, ',', absl::SkipEmpty());
     } else if (key == "--data-interface") {
       options.data_interface = value;
+    } else if (key == "--health-listen") {
+      options.health_listen = value;
     } else if (key == "--port-file") {
       options.port_file = value;
     } else if (key == "--log-level") {

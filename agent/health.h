@@ -1,0 +1,99 @@
+// How kvagentd tells standard tools whether it serves and what it serves:
+// grpc.health.v1.Health (gRPC's default health service, one per server, whose status
+// HealthMonitor sets) and server reflection (the schema of every service on a door).
+// The Agent wires them into its doors and the health-only door (--health-listen).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "transport/ucx_worker.h"
+
+namespace kvagent::agent {
+
+// The names Health answers for: "" (the agent as a whole) and each gRPC service.
+const std::vector<std::string>& HealthServiceNames();
+
+// SERVING while every condition holds, NOT_SERVING (with the first failing reason)
+// otherwise, on every health service it follows. Built in: the UCX worker's progress
+// thread runs a posted closure within `ucx_stall` (a stuck or dead worker moves no
+// bytes). Further conditions plug in with AddCondition: the directory's lease, once
+// the agent has a directory (issue 17 part 1), is one.
+class HealthMonitor {
+ public:
+  struct Options {
+    absl::Duration interval = absl::Milliseconds(500);  // how often conditions are checked
+    absl::Duration ucx_stall = absl::Seconds(5);        // a heartbeat older than this fails
+  };
+  HealthMonitor(transport::UcxWorker* worker, Options options);
+  explicit HealthMonitor(transport::UcxWorker* worker) : HealthMonitor(worker, Options{}) {}
+  ~HealthMonitor();
+  HealthMonitor(const HealthMonitor&) = delete;
+  HealthMonitor& operator=(const HealthMonitor&) = delete;
+
+  // Before Start. `check` runs on the monitor's thread every interval; a non-OK
+  // status means NOT_SERVING, its message the reason (GetStatus's `health`).
+  void AddCondition(std::string name, std::function<absl::Status()> check);
+  // A server's health service (grpc::Server::GetHealthCheckService) now follows this
+  // monitor's status, starting with the current one (NOT_SERVING before Start).
+  void Follow(grpc::HealthCheckServiceInterface* service);
+  // Waits for one UCX heartbeat, sets the status, and starts checking every interval.
+  void Start();
+  // NOT_SERVING for good on every followed service (shutdown: probes see it at once,
+  // before transfers drain), then stops the thread. Idempotent.
+  void Stop();
+
+  bool serving() const;
+  // "SERVING", or "NOT_SERVING: <reason>".
+  std::string Describe() const;
+
+ private:
+  struct Heartbeat;
+  void Loop();
+  // Runs every condition; OK or the first failure.
+  absl::Status Evaluate();
+  void Apply(absl::Status status);
+
+  transport::UcxWorker* worker_;
+  Options options_;
+  std::shared_ptr<Heartbeat> heartbeat_;  // shared with closures still queued on the worker
+  std::vector<std::pair<std::string, std::function<absl::Status()>>> conditions_;
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  std::vector<grpc::HealthCheckServiceInterface*> followed_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("starting");
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+// Adds server reflection (grpc.reflection.v1alpha.ServerReflection) to this one
+// builder's server: it lists that server's services and describes them from the
+// compiled-in descriptors. Reflection reveals the schema only, never state.
+void AddReflection(grpc::ServerBuilder* builder);
+
+// The health-only door (--health-listen HOST:PORT, plain TCP): grpc.health.v1.Health
+// and nothing else (every other method UNIMPLEMENTED, no reflection), for probes that
+// cannot present a certificate (Kubernetes' gRPC probes).
+struct HealthDoor {
+  std::string address;  // HOST:PORT as bound (port 0 picks one)
+  std::unique_ptr<grpc::CallbackGenericService> unimplemented;  // outlives `server`
+  std::unique_ptr<grpc::Server> server;
+};
+absl::StatusOr<std::unique_ptr<HealthDoor>> StartHealthDoor(const std::string& address,
+                                                            grpc::ResourceQuota* quota);
+
+}  // namespace kvagent::agent
