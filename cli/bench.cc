@@ -1459,7 +1459,8 @@ int RunBench(const BenchOptions& options) {
 
 absl::StatusOr<std::vector<std::pair<uint64_t, uint32_t>>> ParseCells(std::string_view text) {
   std::vector<std::pair<uint64_t, uint32_t>> cells;
-  for (std::string_view entry : absl::StrSplit(text, ',')) {
+  for (absl::string_view piece : absl::StrSplit(absl::string_view(text.data(), text.size()), ',')) {
+    const std::string_view entry(piece.data(), piece.size());
     auto bad = [&](std::string_view why) {
       return absl::InvalidArgumentError(fmt::format(
           "--cells entry '{}': {}; give BLOCK:BATCH pairs separated by commas, BLOCK in bytes "
@@ -1476,10 +1477,10 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint32_t>>> ParseCells(std::strin
     }
     uint64_t block = 0;
     uint32_t batch = 0;
-    if (!absl::SimpleAtoi(block_text, &block) || block == 0 || block > (uint64_t{1} << 30) / unit) {
+    if (!absl::SimpleAtoi(absl::string_view(block_text.data(), block_text.size()), &block) || block == 0 || block > (uint64_t{1} << 30) / unit) {
       return bad("the block size is not a number from 1 byte to 1 GiB");
     }
-    if (!absl::SimpleAtoi(entry.substr(colon + 1), &batch) || batch == 0 || batch > 65536) {
+    if (!absl::SimpleAtoi(absl::string_view(piece.substr(colon + 1)), &batch) || batch == 0 || batch > 65536) {
       return bad("the batch is not a number from 1 to 65536");
     }
     cells.emplace_back(block * unit, batch);
