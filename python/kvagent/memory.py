@@ -116,6 +116,17 @@ class Layout:
             spec.cuda_ipc.ipc_handle, spec.cuda_ipc.device, spec.cuda_ipc.offset = rest
 
 
+class Raw:
+    """Memory named by address, as SGLang's KVArgs gives it (data pointer, bytes, item
+    bytes): items packed from `address`. It must lie in a buffer of the client."""
+
+    def __init__(self, address, nbytes, item_bytes):
+        if item_bytes <= 0 or nbytes < item_bytes:
+            raise errors.invalid(f"memory at 0x{address:x}", f"{nbytes} bytes of {item_bytes}-byte "
+                                 "items hold no item", "give the length and item size in bytes")
+        self.address, self.nbytes, self.item_bytes = address, nbytes, item_bytes
+
+
 def _describe(tensor):
     """(address, shape, byte strides, itemsize, dtype name, device) of a torch tensor or
     numpy array."""
@@ -123,6 +134,9 @@ def _describe(tensor):
         size = tensor.element_size()
         return (tensor.data_ptr(), tuple(tensor.shape), tuple(s * size for s in tensor.stride()),
                 size, str(tensor.dtype).replace("torch.", ""), str(tensor.device))
+    if isinstance(tensor, Raw):
+        return (tensor.address, (tensor.nbytes // tensor.item_bytes, tensor.item_bytes),
+                (tensor.item_bytes, 1), 1, "bytes", "cpu")
     if isinstance(tensor, np.ndarray):
         return (tensor.ctypes.data, tuple(tensor.shape), tuple(tensor.strides),
                 tensor.itemsize, str(tensor.dtype), "cpu")

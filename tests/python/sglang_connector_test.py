@@ -1,0 +1,141 @@
+"""The SGLang-shaped connector (kvagent.connectors.sglang) driven through the calls
+SGLang's prefill and decode schedulers make (manager per worker, sender on prefill,
+receiver on decode, bootstrap pairing them by room), with real torch pools in memory
+the agents map, two real agents, bytes compared; a hybrid model's Mamba state rides in
+the same transfer."""
+import time
+
+import torch
+
+import kvagent
+from client_test import fill
+from harness import PairTestCase, main
+from kvagent.connectors.bootstrap import BootstrapServer
+from kvagent.connectors.sglang import (KVArgs, KVPoll, KvAgentConfig, KvAgentManager,
+                                       KvAgentReceiver, KvAgentSender)
+
+LAYERS, PAGES, SLOTS = 2, 16, 4
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class Worker:
+    """One SGLang worker's pools (as its memory pool classes shape them) and manager."""
+
+    def __init__(self, socket, name, mode, bootstrap):
+        self.client = kvagent.connect(socket, name=name)
+        c = self.client
+        self.k = [c.empty((PAGES, 16, 2, 32), torch.bfloat16) for _ in range(LAYERS)]
+        self.v = [c.empty((PAGES, 16, 2, 32), torch.bfloat16) for _ in range(LAYERS)]
+        self.conv = c.empty((LAYERS, SLOTS, 48, 3), torch.bfloat16)   # [layers, slots, ...]
+        self.ssm = c.empty((LAYERS, SLOTS, 2, 8, 16), torch.float32)
+        self.aux = c.empty((SLOTS, 16), torch.int32)                   # output ids etc.
+        for t in self.k + self.v + [self.conv, self.ssm, self.aux]:
+            t.zero_()
+        kv = self.k + self.v  # SGLang lists every layer's K, then every layer's V
+        state = [self.conv[l] for l in range(LAYERS)] + [self.ssm[l] for l in range(LAYERS)]
+        args = KVArgs(
+            engine_rank=0,
+            kv_data_ptrs=[t.data_ptr() for t in kv],
+            kv_data_lens=[nbytes(t) for t in kv],
+            kv_item_lens=[nbytes(t[0]) for t in kv],
+            aux_data_ptrs=[self.aux.data_ptr()], aux_data_lens=[nbytes(self.aux)],
+            aux_item_lens=[nbytes(self.aux[0])],
+            state_types=["mamba"],
+            state_data_ptrs=[[t.data_ptr() for t in state]],
+            state_data_lens=[[nbytes(t) for t in state]],
+            state_item_lens=[[nbytes(t[0]) for t in state]])
+        self.mgr = KvAgentManager(args, mode, KvAgentConfig(bootstrap, client=c))
+
+    def tensors(self):
+        return self.k + self.v
+
+
+def poll_until(obj, wanted, seconds=10):
+    deadline = time.monotonic() + seconds
+    while True:
+        state = obj.poll()
+        if state in wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(0.002)
+
+
+class SglangConnectorTest(PairTestCase):
+    def setUp(self):
+        self.boot = BootstrapServer()
+        self.addCleanup(self.boot.close)
+
+    def workers(self, tag):
+        pre = Worker(self.pair.prefill.socket, f"{tag}-p", "prefill", self.boot.address)
+        dec = Worker(self.pair.decode.socket, f"{tag}-d", "decode", self.boot.address)
+        self.addCleanup(pre.client.close)
+        self.addCleanup(dec.client.close)
+        return pre, dec
+
+    def test_chunked_prefill_with_mamba_state_and_aux(self):
+        pre, dec = self.workers("sg")
+        fill(pre.tensors() + [pre.conv, pre.ssm], 11)
+        pre.aux[1] = torch.arange(16, dtype=torch.int32)
+        room = 4242
+        sender = KvAgentSender(pre.mgr, self.boot.address, room, dest_tp_ranks=[0], pp_rank=0)
+        self.assertEqual(sender.poll(), KVPoll.Bootstrapping)
+        sender.init(num_kv_indices=5, aux_index=1)
+        receiver = KvAgentReceiver(dec.mgr, self.boot.address, room)
+        self.assertEqual(receiver.poll(), KVPoll.Bootstrapping)
+        dst_pages = [9, 3, 12, 4, 15]
+        receiver.init(torch.tensor(dst_pages, dtype=torch.int32), aux_index=2, state_indices=[3])
+        self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)
+        self.assertEqual(poll_until(sender, {KVPoll.WaitingForInput}), KVPoll.WaitingForInput)
+        # Chunked prefill: pages as they fill, then the last chunk with the state slot.
+        sender.send(torch.tensor([0, 1], dtype=torch.int32))
+        self.assertEqual(sender.poll(), KVPoll.Transferring)
+        self.assertEqual(receiver.poll(), KVPoll.WaitingForInput)  # not before the last chunk
+        sender.send(torch.tensor([2, 5, 7], dtype=torch.int32), state_indices=[1])
+        self.assertEqual(poll_until(sender, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+        self.assertEqual(poll_until(receiver, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+        for s, d in zip(pre.tensors(), dec.tensors()):
+            self.assertTrue(torch.equal(s[[0, 1, 2, 5, 7]], d[dst_pages]))
+        self.assertTrue(torch.equal(pre.conv[:, 1], dec.conv[:, 3]))
+        self.assertTrue(torch.equal(pre.ssm[:, 1], dec.ssm[:, 3]))
+        self.assertTrue(torch.equal(pre.aux[1], dec.aux[2]))
+        self.assertTrue(bool((dec.ssm[:, [0, 1, 2]] == 0).all()))
+
+    def test_many_rooms_interleaved(self):
+        pre, dec = self.workers("rooms")
+        fill(pre.tensors(), 12)
+        pairs = []
+        for room in range(3):
+            s = KvAgentSender(pre.mgr, self.boot.address, room)
+            s.init(2, aux_index=room)
+            r = KvAgentReceiver(dec.mgr, self.boot.address, room)
+            r.init([room * 2, room * 2 + 1], aux_index=room, state_indices=[room])
+            pairs.append((s, r))
+        for room, (s, _) in reversed(list(enumerate(pairs))):
+            self.assertEqual(poll_until(s, {KVPoll.WaitingForInput}), KVPoll.WaitingForInput)
+            s.send([10 + room, 13], state_indices=[room])
+        for s, r in pairs:
+            self.assertEqual(poll_until(s, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+            self.assertEqual(poll_until(r, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+        for room in range(3):
+            for s, d in zip(pre.tensors(), dec.tensors()):
+                self.assertTrue(torch.equal(s[[10 + room, 13]], d[[room * 2, room * 2 + 1]]))
+
+    def test_bad_destination_fails_with_the_agents_message(self):
+        pre, dec = self.workers("sgbad")
+        sender = KvAgentSender(pre.mgr, self.boot.address, 7)
+        sender.init(1, aux_index=0)
+        KvAgentReceiver(dec.mgr, self.boot.address, 7).init([PAGES + 3], aux_index=0,
+                                                            state_indices=[0])
+        poll_until(sender, {KVPoll.WaitingForInput})
+        sender.send([0], state_indices=[0])
+        self.assertEqual(sender.poll(), KVPoll.Failed)
+        with self.assertRaises(kvagent.InvalidArgument) as caught:
+            sender.failure_exception()
+        self.assertIn(f"remote index {PAGES + 3} at position 0 is out of range",
+                      caught.exception.message)
+
+
+if __name__ == "__main__":
+    main()
