@@ -76,30 +76,39 @@ class KvAgentManager:
         self.client = server_args.client or connect(server_args.local_socket,
                                                     name=server_args.name)
         self.bootstrap = server_args.bootstrap
-        # One group per kind; regions named by position, so both sides pair them when
-        # their engines list buffers in the same order (SGLang's does).
-        self._register("kv", pb.KV, _raw_regions("T", args.kv_data_ptrs, args.kv_data_lens,
-                                                 args.kv_item_lens))
+        # One group per kind, named after the worker's engine rank (group names are
+        # agent-wide; the receiver tells the sender its names). Regions are named by
+        # position, so both sides pair them when their engines list buffers in the same
+        # order (SGLang's do).
+        rank = f"{self.mode[0]}{args.engine_rank}"
+        self.groups = {}  # logical name ("kv", "aux", "state.mamba") -> group on the agent
+        self._register("kv", f"kv.{rank}", pb.KV, _raw_regions(
+            "T", args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens))
         self.aux_group = None
         if args.aux_data_ptrs:
-            self.aux_group = self._register("aux", pb.AUX, _raw_regions(
+            self.aux_group = self._register("aux", f"aux.{rank}", pb.AUX, _raw_regions(
                 "A", args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens))
         self.state_groups = []
         for t, ptrs in enumerate(args.state_data_ptrs):
             kind = args.state_types[t] if t < len(args.state_types) else f"state{t}"
             name = f"state.{getattr(kind, 'value', kind)}"
-            self.state_groups.append(self._register(name, pb.STATE, _raw_regions(
+            self.state_groups.append(self._register(name, f"{name}.{rank}", pb.STATE, _raw_regions(
                 "S", ptrs, args.state_data_lens[t], args.state_item_lens[t])))
         self._peers = {}
         self._notes = {}
         if self.mode == "prefill":
             self.register_to_bootstrap()
 
-    def _register(self, group, kind, named):
+    def _register(self, logical, group, kind, named):
         request, built = self.client._region_request(group, kind, named)
         self.client.register_regions(request)
         self.client.groups[group] = built
+        self.groups[logical] = group
         return group
+
+    def remote_groups(self, info):
+        """Our group -> the receiver's group of the same logical name."""
+        return {group: info["groups"][logical] for logical, group in self.groups.items()}
 
     def register_to_bootstrap(self):
         ask(self.bootstrap, "register_prefill", rank=self.args.engine_rank,
@@ -117,7 +126,7 @@ class KvAgentManager:
             self._notes[n.request_id] = n
         return self._notes.pop(str(room), None)
 
-    def state_segments(self, src, dst):
+    def state_segments(self, src, dst, remote_groups):
         """Item segments for state slots: one list for every state group, or one list
         per group (SGLang passes per-type lists for models with several)."""
         src, dst = list(src or []), list(dst or [])
@@ -127,7 +136,7 @@ class KvAgentManager:
         out = []
         for i, g in enumerate(self.state_groups):
             s, d = (src[i], dst[i]) if per_group else (src, dst)
-            out.append(items_segment(g, g, s, d))
+            out.append(items_segment(g, remote_groups[g], s, d))
         return out
 
 
@@ -190,8 +199,9 @@ class KvAgentSender:
             dst = self.dst["kv_indices"][self.sent:self.sent + len(src)]
             self.sent += len(src)
             if self.chunks is None:
-                self.chunks = self.mgr.client.open_transfer(self.mgr.peer(self.dst["agent"]),
-                                                            str(self.room))
+                self.chunks = self.mgr.client.open_transfer(
+                    self.mgr.peer(self.dst["agent"]), str(self.room),
+                    remote_groups=self.mgr.remote_groups(self.dst))
             pages = (src, dst) if src else None
             if self.sent < self.num_kv_indices:
                 if pages:
@@ -200,7 +210,8 @@ class KvAgentSender:
             aux = None
             if self.mgr.aux_group and self.aux_index is not None and self.dst["aux_index"] is not None:
                 aux = ([self.aux_index], [self.dst["aux_index"]])
-            segments = self.mgr.state_segments(state_indices, self.dst.get("state_indices"))
+            segments = self.mgr.state_segments(state_indices, self.dst.get("state_indices"),
+                                               self.mgr.remote_groups(self.dst))
             self.transfer = self.chunks.finish(
                 pages=pages, aux=aux, segments=segments,
                 notification=json.dumps({"room": self.room}).encode())
@@ -229,7 +240,7 @@ class KvAgentReceiver:
         at the bootstrap for the room's sender."""
         to_list = lambda v: v.tolist() if hasattr(v, "tolist") else v
         ask(self.bootstrap, "put_room", room=self.room, info={
-            "agent": self.mgr.client.address, "kv_indices": [int(i) for i in to_list(kv_indices)],
+            "agent": self.mgr.client.address, "groups": self.mgr.groups, "kv_indices": [int(i) for i in to_list(kv_indices)],
             "aux_index": aux_index, "state_indices": to_list(state_indices)})
         self.posted = True
 
