@@ -265,6 +265,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // monitor keeps NOT_SERVING until UCX answers (Start below).
   agent->health_ = std::make_unique<HealthMonitor>(agent->worker_.get());
   agent->deps_.health = agent->health_.get();
+  agent->transfer_metrics_ = std::make_unique<TransferMetrics>();
+  agent->deps_.transfer_metrics = agent->transfer_metrics_.get();
 
   // The fast path submits and cancels exactly as the gRPC methods do.
   FastPathOptions fast_options;
@@ -328,6 +330,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     agent->health_->Follow(agent->health_door_->server->GetHealthCheckService());
   }
   agent->health_->Start();
+  if (!options.metrics.listen.empty()) {
+    ASSIGN_OR_RETURN(agent->metrics_, MetricsServer::Start(options.metrics, [self] {
+                       return RenderMetrics({&self->deps_, self->transfer_metrics_.get(),
+                                             self->stager_.get(), self->metrics_.get()});
+                     }));
+    agent->identity_.metrics_address = agent->metrics_->address();
+  }
   agent->peers_->StartMonitor();
   agent->heap_trimmer_ = std::thread([self] { self->TrimHeap(); });
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
@@ -463,6 +472,7 @@ void Agent::Shutdown(absl::Duration grace) {
     d.server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   }
   if (health_door_) health_door_->server->Shutdown(std::chrono::system_clock::now());
+  if (metrics_) metrics_->Stop();
   if (peers_) peers_->Stop();
   if (!options_.local_socket.empty()) unlink(options_.local_socket.c_str());
 }

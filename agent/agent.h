@@ -17,6 +17,8 @@
 #include "agent/access.h"
 #include "agent/agent_service.h"
 #include "agent/health.h"
+#include "agent/metrics.h"
+#include "agent/transfer_metrics.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/local_door.h"
@@ -84,6 +86,9 @@ struct AgentOptions {
   // A plain-TCP door with grpc.health.v1.Health only (--health-listen HOST:PORT), for
   // probes without a certificate; "" for none. Every gRPC door serves Health too.
   std::string health_listen;
+  // The Prometheus endpoint (--metrics-listen, --metrics-listen-any,
+  // --metrics-max-connections); listen "" for none.
+  MetricsServerOptions metrics;
   // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the
   // default, the cores this agent may use up to 4 (DefaultCopyLanes).
   uint32_t copy_lanes = 0;
@@ -139,6 +144,9 @@ class Agent {
   // grpc.health.v1 status of every door (agent/health.h) and the health-only door.
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<HealthDoor> health_door_;
+  // Ended transfers counted for the metrics endpoint, and the endpoint itself.
+  std::unique_ptr<TransferMetrics> transfer_metrics_;
+  std::unique_ptr<MetricsServer> metrics_;
   // One Agent and one Peer service per door, each on its own server.
   struct DoorServer {
     Door door;

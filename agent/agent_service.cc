@@ -384,6 +384,12 @@ absl::StatusOr<StreamTable::Lease> AgentService::OpenStream(const absl::StatusOr
 
 void AgentService::HandleRegisterRegions(grpc::CallbackServerContext* context,
     const v1::RegisterRegionsRequest* request, v1::RegisterRegionsResponse* response, Reply reply) {
+  if (deps_.transfer_metrics != nullptr) {
+    reply = [reply, metrics = deps_.transfer_metrics](absl::Status status) {
+      if (!status.ok()) metrics->RegistrationFailed(status.code());
+      reply(status);
+    };
+  }
   auto caller = Authorize(context, Need::kEngine, "RegisterRegions");
   if (!caller.ok()) return reply(caller.status());
   std::vector<v1::RegionSpec> specs(request->regions().begin(), request->regions().end());
@@ -495,84 +501,32 @@ void AgentService::HandleListRegions(grpc::CallbackServerContext* context,
   return reply(absl::OkStatus());
 }
 
-void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
-    const v1::GetStatusRequest* request, v1::AgentStatus* response, Reply reply) {
-  auto caller = Authorize(context, Need::kAny, "GetStatus");
-  if (!caller.ok()) return reply(caller.status());
-  const auto& id = *deps_.identity;
-  const auto& caps = deps_.context->capabilities();
-  response->set_name(id.name);
-  response->set_incarnation(id.incarnation);
-  response->set_listen_address(id.listen_address);
-  response->set_ucx_version(caps.version);
-  for (const auto& t : caps.transports) response->add_ucx_transports(t);
-  const registry::RegistryUsage registered = deps_.registry->Usage();
-  response->set_regions(static_cast<uint32_t>(registered.regions));
-  response->set_registered_bytes(registered.bytes);
-  response->set_peers(static_cast<uint32_t>(deps_.peers->size()));
-  const TransferCounters counters = deps_.engine->counters();
-  response->set_transfers_active(counters.active);
-  response->set_transfers_completed(counters.completed);
-  response->set_transfers_failed(counters.failed);
-  response->set_notifications_queued(deps_.notifications->queued());
-  response->set_uptime_ms((MonotonicMicros() - id.start_us) / 1000);
-  response->set_metadata_version(deps_.registry->version());
-  response->set_pid(static_cast<uint32_t>(getpid()));
-  response->set_open_streams(
-      static_cast<uint64_t>(std::max<int64_t>(deps_.open_streams->load(), 0)));
-  response->set_caller(caller->principal);
-  for (const auto& role : caller->Roles()) response->add_caller_roles(role);
-  response->set_sessions(deps_.local_door ? deps_.local_door->sessions() : 0);
-  response->set_refused_calls(deps_.counters->refused_calls.load());
-  response->set_dropped_peer_messages(deps_.counters->dropped_peer_messages.load());
-  response->set_local_socket(id.local_socket);
-  response->set_network_door(id.network_door);
-  response->set_queued_notification_bytes(deps_.notifications->queued_bytes());
-  response->set_notifications_overflowed(deps_.notifications->overflowed());
-  response->set_memory_faults(registry::FaultGuard::faults_caught());
-  deps_.notifications->ExpireIdle();
-  response->set_notifications_in_flight(deps_.notifications->in_flight());
-  response->set_subscriptions(deps_.notifications->subscriptions());
-  response->set_subscriptions_expired(deps_.notifications->expired_subscriptions());
-  if (deps_.fast_path != nullptr) {
-    const FastPathCounters fast = deps_.fast_path->counters();
-    response->set_fast_path_rings(fast.rings);
-    response->set_fast_path_entries(fast.entries);
-    response->set_fast_path_protocol_errors(fast.protocol_errors);
-  }
-  if (deps_.health != nullptr) response->set_health(deps_.health->Describe());
-  response->set_health_address(id.health_address);
-  response->set_metrics_address(id.metrics_address);
-  FillLimits(counters, registered, response);
-  return reply(absl::OkStatus());
-}
-
-void AgentService::FillLimits(const TransferCounters& counters,
-                              const registry::RegistryUsage& registered,
-                              v1::AgentStatus* status) const {
+// AgentStatus.limits: each limit's value, use and refusals.
+static void FillLimits(const ServiceDeps& deps, const TransferCounters& counters,
+                const registry::RegistryUsage& registered, v1::AgentStatus* status) {
   std::array<uint64_t, kLimitCount> in_use{};
   auto use = [&in_use](Limit limit) -> uint64_t& { return in_use[static_cast<int>(limit)]; };
   use(Limit::kRegions) = registered.regions;
   use(Limit::kRegionsPerOwner) = registered.largest_owner_regions;
   use(Limit::kRegisteredBytesPerOwner) = registered.largest_owner_bytes;
   use(Limit::kMetadataBytes) = registered.metadata_bytes;
-  if (deps_.local_door != nullptr) {
-    use(Limit::kAllocatedBytes) = deps_.local_door->allocated_bytes();
-    use(Limit::kAllocatedBytesPerOwner) = deps_.local_door->largest_allocation_owner();
+  if (deps.local_door != nullptr) {
+    use(Limit::kAllocatedBytes) = deps.local_door->allocated_bytes();
+    use(Limit::kAllocatedBytesPerOwner) = deps.local_door->largest_allocation_owner();
   }
   use(Limit::kActiveTransfers) = counters.active;
   use(Limit::kActiveTransfersPerOwner) = counters.largest_owner_active;
   use(Limit::kPlannedOps) = counters.planned_ops;
   // In flight (held for a subscription until acknowledged) counts against the queue.
   use(Limit::kQueuedNotifications) =
-      deps_.notifications->queued() + deps_.notifications->in_flight();
-  use(Limit::kQueuedNotificationBytes) = deps_.notifications->queued_bytes();
-  use(Limit::kStreams) = deps_.streams->open();
-  use(Limit::kStreamsPerCaller) = deps_.streams->largest_caller();
-  use(Limit::kPendingConnects) = deps_.pending_connects->load();
-  use(Limit::kPeerCallers) = deps_.watchers->size();
-  use(Limit::kSubscriptions) = deps_.notifications->subscriptions();
-  use(Limit::kInFlightPerSubscription) = deps_.notifications->largest_subscription();
+      deps.notifications->queued() + deps.notifications->in_flight();
+  use(Limit::kQueuedNotificationBytes) = deps.notifications->queued_bytes();
+  use(Limit::kStreams) = deps.streams->open();
+  use(Limit::kStreamsPerCaller) = deps.streams->largest_caller();
+  use(Limit::kPendingConnects) = deps.pending_connects->load();
+  use(Limit::kPeerCallers) = deps.watchers->size();
+  use(Limit::kSubscriptions) = deps.notifications->subscriptions();
+  use(Limit::kInFlightPerSubscription) = deps.notifications->largest_subscription();
   for (int i = 0; i < kLimitCount; ++i) {
     const Limit limit = static_cast<Limit>(i);
     const LimitInfo& info = InfoOf(limit);
@@ -580,10 +534,67 @@ void AgentService::FillLimits(const TransferCounters& counters,
     out->set_name(std::string(info.name));
     out->set_flag(std::string(info.flag));
     out->set_unit(std::string(info.unit));
-    out->set_value(deps_.limits->value(limit));
+    out->set_value(deps.limits->value(limit));
     out->set_in_use(in_use[i]);
-    out->set_refused(deps_.limits->refused(limit));
+    out->set_refused(deps.limits->refused(limit));
   }
+}
+
+
+void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
+  const auto& id = *deps.identity;
+  const auto& caps = deps.context->capabilities();
+  status->set_name(id.name);
+  status->set_incarnation(id.incarnation);
+  status->set_listen_address(id.listen_address);
+  status->set_ucx_version(caps.version);
+  for (const auto& t : caps.transports) status->add_ucx_transports(t);
+  const registry::RegistryUsage registered = deps.registry->Usage();
+  status->set_regions(static_cast<uint32_t>(registered.regions));
+  status->set_registered_bytes(registered.bytes);
+  status->set_peers(static_cast<uint32_t>(deps.peers->size()));
+  const TransferCounters counters = deps.engine->counters();
+  status->set_transfers_active(counters.active);
+  status->set_transfers_completed(counters.completed);
+  status->set_transfers_failed(counters.failed);
+  status->set_notifications_queued(deps.notifications->queued());
+  status->set_uptime_ms((MonotonicMicros() - id.start_us) / 1000);
+  status->set_metadata_version(deps.registry->version());
+  status->set_pid(static_cast<uint32_t>(getpid()));
+  status->set_open_streams(
+      static_cast<uint64_t>(std::max<int64_t>(deps.open_streams->load(), 0)));
+  status->set_sessions(deps.local_door ? deps.local_door->sessions() : 0);
+  status->set_refused_calls(deps.counters->refused_calls.load());
+  status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load());
+  status->set_local_socket(id.local_socket);
+  status->set_network_door(id.network_door);
+  status->set_queued_notification_bytes(deps.notifications->queued_bytes());
+  status->set_notifications_overflowed(deps.notifications->overflowed());
+  status->set_memory_faults(registry::FaultGuard::faults_caught());
+  deps.notifications->ExpireIdle();
+  status->set_notifications_in_flight(deps.notifications->in_flight());
+  status->set_subscriptions(deps.notifications->subscriptions());
+  status->set_subscriptions_expired(deps.notifications->expired_subscriptions());
+  if (deps.fast_path != nullptr) {
+    const FastPathCounters fast = deps.fast_path->counters();
+    status->set_fast_path_rings(fast.rings);
+    status->set_fast_path_entries(fast.entries);
+    status->set_fast_path_protocol_errors(fast.protocol_errors);
+  }
+  if (deps.health != nullptr) status->set_health(deps.health->Describe());
+  status->set_health_address(id.health_address);
+  status->set_metrics_address(id.metrics_address);
+  FillLimits(deps, counters, registered, status);
+}
+
+void AgentService::HandleGetStatus(grpc::CallbackServerContext* context,
+    const v1::GetStatusRequest* request, v1::AgentStatus* response, Reply reply) {
+  auto caller = Authorize(context, Need::kAny, "GetStatus");
+  if (!caller.ok()) return reply(caller.status());
+  FillAgentStatus(deps_, response);
+  response->set_caller(caller->principal);
+  for (const auto& role : caller->Roles()) response->add_caller_roles(role);
+  return reply(absl::OkStatus());
 }
 
 void AgentService::HandleConnectPeer(grpc::CallbackServerContext* context,
@@ -639,12 +650,34 @@ void AgentService::HandleListPeers(grpc::CallbackServerContext* context,
   return reply(absl::OkStatus());
 }
 
+// A transfer accepted for the first time is counted by its outcome (agent/metrics)
+// when it ends; its data path is the peer's when it was submitted.
+static void CountTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request) {
+  TransferMetrics* metrics = deps.transfer_metrics;
+  if (metrics == nullptr) return;
+  std::string path = "unknown";
+  if (auto peer = deps.peers->Get(request.peer()); peer.ok()) {
+    const auto& direct = (*peer)->direct;
+    path = direct == nullptr ? "ucx" : direct->complete ? "shm-direct" : "shm-direct+ucx";
+  }
+  if (!metrics->Track(request.transfer_id(), path)) return;
+  absl::Status watched = deps.engine->WhenTerminal(
+      request.transfer_id(), [metrics](const v1::TransferState& s) { metrics->Ended(s); });
+  // Only pruning could lose it; then it is not counted.
+  (void)watched;
+}
+
 void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request,
                     const Caller& caller, bool wait, SubmitDone done) {
   TransferEngine* engine = deps.engine;
   // Submits and, when asked to wait, answers with the final state instead.
-  auto submit = [engine, &request, caller, wait](SubmitDone done) {
+  auto submit = [engine, &request, caller, wait, &deps](SubmitDone done) {
     auto state = engine->Submit(request, caller);
+    if (state.ok()) {
+      CountTransfer(deps, request);
+    } else if (deps.transfer_metrics != nullptr) {
+      deps.transfer_metrics->SubmitRefused(state.status().code());
+    }
     if (!state.ok() || !wait || TerminalPhase(state->phase())) {
       done(std::move(state));
       return;

@@ -25,6 +25,7 @@
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
 #include "agent/transfer_engine.h"
+#include "agent/transfer_metrics.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "registry/region_registry.h"
 #include "registry/memory_object.h"
@@ -71,12 +72,18 @@ struct ServiceDeps {
   uint32_t deregister_wait_ms = 2000;
   FastPathServer* fast_path = nullptr;  // AgentStatus.fast_path_*; null: none
   const HealthMonitor* health = nullptr;  // AgentStatus.health; null: not reported
+  // Ended transfers by op, data path, peer and outcome (Prometheus); null: not counted.
+  TransferMetrics* transfer_metrics = nullptr;
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it
 // cannot be (no or unknown session token, no verified certificate).
 absl::StatusOr<Caller> IdentifyCaller(Door door, const ServiceDeps& deps,
                                       grpc::CallbackServerContext* context);
+
+// Everything GetStatus reports but who asked (caller, caller_roles): the numbers
+// GetStatus and the Prometheus endpoint (agent/metrics) both read.
+void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status);
 
 // Deregisters `names` (owned by `caller` unless it is a scheduler) and calls `done`
 // once every polling peer holds the new version or the wait passed, with the new
@@ -192,9 +199,6 @@ class AgentService final : public AgentServiceBase {
       const grpc::ByteBuffer* request) override;
 
  private:
-  // AgentStatus.limits: each limit's value, use and refusals.
-  void FillLimits(const TransferCounters& counters, const registry::RegistryUsage& registered,
-                  v1::AgentStatus* status) const;
   // A Watch* stream's lease against the stream limits (an empty one for a refused
   // caller, whose reactor reports the refusal).
   absl::StatusOr<StreamTable::Lease> OpenStream(const absl::StatusOr<Caller>& caller,

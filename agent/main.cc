@@ -37,6 +37,14 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               caller may read and write every registered region; for a
                               trusted test network only (warns every minute)
   --port-file PATH            write the network door's port (0: none) once serving
+  --metrics-listen [HOST:]PORT
+                              serve Prometheus metrics at http://HOST:PORT/metrics on
+                              a listener of its own (HOST defaults to 127.0.0.1; port 0
+                              picks one; see GetStatus.metrics_address). Default: none
+  --metrics-listen-any on|off allow a wildcard HOST (0.0.0.0, [::]) for
+                              --metrics-listen (default off: name the scraper's address)
+  --metrics-max-connections N scrapes served at once; more are refused with 503
+                              (default 16)
   --health-listen HOST:PORT   a plain-TCP door with grpc.health.v1.Health only (no
                               other service, nobody identified), for probes that have
                               no certificate, e.g. Kubernetes' gRPC probes; port 0
@@ -191,6 +199,15 @@ int main(int argc, char** argv) {
       options.shm_dirs = absl::StrSplit(value, ',', absl::SkipEmpty());
     } else if (key == "--data-interface") {
       options.data_interface = value;
+    } else if (key == "--metrics-listen") {
+      options.metrics.listen = value;
+    } else if (key == "--metrics-listen-any") {
+      if (value != "on" && value != "off") {
+        return Fail(fmt::format("--metrics-listen-any '{}': use on or off", value));
+      }
+      options.metrics.allow_any = value == "on";
+    } else if (key == "--metrics-max-connections") {
+      number(&options.metrics.max_connections);
     } else if (key == "--health-listen") {
       options.health_listen = value;
     } else if (key == "--port-file") {

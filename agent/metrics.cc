@@ -1,0 +1,512 @@
+#include "agent/metrics.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "fmt/format.h"
+#include "transport/base/log.h"
+
+namespace kvagent::agent {
+namespace {
+constexpr log::Logger kLog("metrics");
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string CodeName(size_t code) {
+  static constexpr const char* kNames[17] = {
+      "OK",           "CANCELLED",          "UNKNOWN",          "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",     "ALREADY_EXISTS",   "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",   "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",          "UNAVAILABLE",      "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  return code < 17 ? kNames[code] : "UNKNOWN";
+}
+
+// One metric family of the text format: HELP and TYPE once, then its samples.
+class Family {
+ public:
+  Family(std::string* out, std::string_view name, std::string_view type, std::string_view help)
+      : out_(out), name_(name) {
+    fmt::format_to(std::back_inserter(*out_), "# HELP {} {}\n# TYPE {} {}\n", name, help, name,
+                   type);
+  }
+  // `labels`: name, value pairs; values are escaped here.
+  Family& Sample(std::initializer_list<std::pair<std::string_view, std::string_view>> labels,
+                 double value, std::string_view suffix = "") {
+    out_->append(name_).append(suffix);
+    if (labels.size() != 0) {
+      out_->push_back('{');
+      bool first = true;
+      for (const auto& [k, v] : labels) {
+        if (!first) out_->push_back(',');
+        first = false;
+        fmt::format_to(std::back_inserter(*out_), "{}=\"{}\"", k, EscapeLabelValue(v));
+      }
+      out_->push_back('}');
+    }
+    fmt::format_to(std::back_inserter(*out_), " {}\n", value);
+    return *this;
+  }
+  Family& Sample(double value) { return Sample({}, value); }
+
+ private:
+  std::string* out_;
+  std::string name_;
+};
+
+std::string Seconds(uint64_t us) { return fmt::format("{}", static_cast<double>(us) / 1e6); }
+
+}  // namespace
+
+std::string EscapeLabelValue(std::string_view value) {
+  std::string out;
+  out.reserve(value.size());
+  for (char c : value) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+std::string RenderMetrics(const MetricsSources& sources) {
+  const ServiceDeps& deps = *sources.deps;
+  v1::AgentStatus status;
+  FillAgentStatus(deps, &status);
+  std::string out;
+  out.reserve(16 << 10);
+
+  Family(&out, "kvagent_info", "gauge", "This agent: name, incarnation, UCX version (always 1).")
+      .Sample({{"name", status.name()},
+               {"incarnation", fmt::format("{:x}", status.incarnation())},
+               {"ucx_version", status.ucx_version()}},
+              1);
+  Family(&out, "kvagent_uptime_seconds", "gauge", "Seconds since the agent started.")
+      .Sample(static_cast<double>(status.uptime_ms()) / 1000);
+  Family(&out, "kvagent_health_serving", "gauge",
+         "1 when grpc.health.v1 answers SERVING (UCX progressing, every condition held).")
+      .Sample(status.health() == "SERVING" ? 1 : 0);
+
+  // Transfers that ended, as TransferMetrics counted them.
+  if (sources.transfers != nullptr) {
+    const auto series = sources.transfers->Series();
+    Family transfers(&out, "kvagent_transfers_total", "counter",
+                     "Outgoing transfers ended, by op, data path, peer and outcome.");
+    for (const auto& s : series) {
+      transfers.Sample({{"op", s.op}, {"data_path", s.data_path}, {"peer", s.peer},
+                        {"outcome", s.outcome}},
+                       static_cast<double>(s.transfers));
+    }
+    Family bytes(&out, "kvagent_transfer_bytes_total", "counter",
+                 "Bytes that reached the destination (bytes_done) of ended outgoing transfers.");
+    for (const auto& s : series) {
+      bytes.Sample({{"op", s.op}, {"data_path", s.data_path}, {"peer", s.peer},
+                    {"outcome", s.outcome}},
+                   static_cast<double>(s.bytes));
+    }
+    Family errors(&out, "kvagent_transfer_errors_total", "counter",
+                  "Outgoing transfers that did not complete, by op, peer and cause (gRPC code).");
+    std::map<std::tuple<std::string, std::string, size_t>, uint64_t> by_cause;
+    for (const auto& s : series) {
+      for (size_t code = 0; code < 17; ++code) {
+        if (s.errors_by_code[code] != 0) by_cause[{s.op, s.peer, code}] += s.errors_by_code[code];
+      }
+    }
+    for (const auto& [key, n] : by_cause) {
+      errors.Sample({{"op", std::get<0>(key)}, {"peer", std::get<1>(key)},
+                     {"cause", CodeName(std::get<2>(key))}},
+                    static_cast<double>(n));
+    }
+    Family latency(&out, "kvagent_transfer_latency_seconds", "histogram",
+                   "First submit to outcome (COMPLETED: the peer has the data in place and its "
+                   "notification queued), by op and outcome.");
+    for (const auto& h : sources.transfers->Latency()) {
+      uint64_t cumulative = 0;
+      for (size_t b = 0; b < kLatencyBucketsUs.size(); ++b) {
+        cumulative += h.buckets[b];
+        const std::string le = Seconds(kLatencyBucketsUs[b]);
+        latency.Sample({{"op", h.op}, {"outcome", h.outcome}, {"le", le}},
+                       static_cast<double>(cumulative), "_bucket");
+      }
+      latency.Sample({{"op", h.op}, {"outcome", h.outcome}, {"le", "+Inf"}},
+                     static_cast<double>(h.count), "_bucket");
+      latency.Sample({{"op", h.op}, {"outcome", h.outcome}}, static_cast<double>(h.sum_us) / 1e6,
+                     "_sum");
+      latency.Sample({{"op", h.op}, {"outcome", h.outcome}}, static_cast<double>(h.count),
+                     "_count");
+    }
+    Family refused(&out, "kvagent_refused_total", "counter",
+                   "Requests refused before anything ran, by request and cause (gRPC code).");
+    const auto submits = sources.transfers->submit_refusals();
+    const auto registrations = sources.transfers->registration_failures();
+    for (size_t code = 0; code < 17; ++code) {
+      if (submits[code] != 0) {
+        refused.Sample({{"request", "submit_transfer"}, {"cause", CodeName(code)}},
+                       static_cast<double>(submits[code]));
+      }
+      if (registrations[code] != 0) {
+        refused.Sample({{"request", "register_regions"}, {"cause", CodeName(code)}},
+                       static_cast<double>(registrations[code]));
+      }
+    }
+  }
+
+  // GetStatus's totals and queue depths.
+  Family(&out, "kvagent_transfers_active", "gauge", "Outgoing transfers not yet ended.")
+      .Sample(static_cast<double>(status.transfers_active()));
+  Family(&out, "kvagent_transfers_completed_total", "counter", "Outgoing transfers completed.")
+      .Sample(static_cast<double>(status.transfers_completed()));
+  Family(&out, "kvagent_transfers_failed_total", "counter",
+         "Outgoing transfers failed, cancelled or timed out.")
+      .Sample(static_cast<double>(status.transfers_failed()));
+  Family queues(&out, "kvagent_queue_depth", "gauge",
+                "Work waiting, by queue (the limits' use; see kvagent_limit).");
+  for (const auto& limit : status.limits()) {
+    if (limit.name() == "planned_ops" || limit.name() == "pending_connects" ||
+        limit.name() == "streams") {
+      queues.Sample({{"queue", limit.name()}}, static_cast<double>(limit.in_use()));
+    }
+  }
+  queues.Sample({{"queue", "notifications_queued"}}, static_cast<double>(status.notifications_queued()));
+  queues.Sample({{"queue", "notifications_in_flight"}},
+                static_cast<double>(status.notifications_in_flight()));
+  Family(&out, "kvagent_queued_notification_bytes", "gauge",
+         "Bytes of the notifications waiting for a client.")
+      .Sample(static_cast<double>(status.queued_notification_bytes()));
+  Family(&out, "kvagent_notifications_overflowed_total", "counter",
+         "Failure notices not queued because the queue was full.")
+      .Sample(static_cast<double>(status.notifications_overflowed()));
+  Family(&out, "kvagent_sessions", "gauge", "Local sessions attached.")
+      .Sample(static_cast<double>(status.sessions()));
+  Family(&out, "kvagent_subscriptions", "gauge", "Durable notification subscriptions.")
+      .Sample(static_cast<double>(status.subscriptions()));
+  Family(&out, "kvagent_refused_calls_total", "counter",
+         "RPCs refused: unauthenticated or not permitted.")
+      .Sample(static_cast<double>(status.refused_calls()));
+  Family(&out, "kvagent_dropped_peer_messages_total", "counter",
+         "UCX messages dropped: no or wrong secret, oversized.")
+      .Sample(static_cast<double>(status.dropped_peer_messages()));
+  Family(&out, "kvagent_memory_faults_total", "counter",
+         "SIGBUS faults caught in registered or peer memory that vanished.")
+      .Sample(static_cast<double>(status.memory_faults()));
+  Family(&out, "kvagent_fast_path_rings", "gauge", "Fast path rings open.")
+      .Sample(static_cast<double>(status.fast_path_rings()));
+  Family(&out, "kvagent_fast_path_entries_total", "counter", "Fast path entries taken.")
+      .Sample(static_cast<double>(status.fast_path_entries()));
+
+  // Limits: value, use and refusals of each (docs/LIMITS.md).
+  Family limit_value(&out, "kvagent_limit", "gauge", "Each limit's value (its --max-* flag).");
+  for (const auto& l : status.limits()) {
+    limit_value.Sample({{"limit", l.name()}, {"unit", l.unit()}}, static_cast<double>(l.value()));
+  }
+  Family limit_use(&out, "kvagent_limit_in_use", "gauge",
+                   "Each limit's use now (per-owner limits: the largest owner's).");
+  for (const auto& l : status.limits()) {
+    limit_use.Sample({{"limit", l.name()}}, static_cast<double>(l.in_use()));
+  }
+  Family limit_refused(&out, "kvagent_limit_refusals_total", "counter",
+                       "Requests each limit refused since the agent started.");
+  for (const auto& l : status.limits()) {
+    limit_refused.Sample({{"limit", l.name()}}, static_cast<double>(l.refused()));
+  }
+
+  // Regions by kind and memory path.
+  std::map<std::pair<std::string, std::string>, std::pair<uint64_t, uint64_t>> regions;
+  for (const auto& region : deps.registry->List()) {
+    auto& [count, bytes] = regions[{v1::RegionKind_Name(region->spec.kind()), region->memory_path}];
+    ++count;
+    bytes += region->spec.length();
+  }
+  Family region_count(&out, "kvagent_regions", "gauge", "Registered regions by kind and memory path.");
+  for (const auto& [key, v] : regions) {
+    region_count.Sample({{"kind", key.first}, {"memory_path", key.second}},
+                        static_cast<double>(v.first));
+  }
+  Family region_bytes(&out, "kvagent_registered_bytes", "gauge",
+                      "Registered bytes by kind and memory path.");
+  for (const auto& [key, v] : regions) {
+    region_bytes.Sample({{"kind", key.first}, {"memory_path", key.second}},
+                        static_cast<double>(v.second));
+  }
+
+  // Peers (bounded by the peer table).
+  const auto peers = deps.peers->List();
+  Family peer_up(&out, "kvagent_peer_up", "gauge",
+                 "1 when the peer is connected, 0 when unreachable; by data path and error mode.");
+  for (const auto& p : peers) {
+    peer_up.Sample({{"peer", p.name()}, {"state", p.state()}, {"data_path", p.data_path()},
+                    {"error_mode", p.error_mode()}},
+                   p.state() == "connected" ? 1 : 0);
+  }
+  Family peer_seen(&out, "kvagent_peer_last_seen_seconds", "gauge",
+                   "Seconds since the peer last answered a poll.");
+  for (const auto& p : peers) {
+    peer_seen.Sample({{"peer", p.name()}}, static_cast<double>(p.last_seen_ms_ago()) / 1000);
+  }
+
+  if (sources.stager != nullptr) {
+    Family staged(&out, "kvagent_staging_total", "counter",
+                  "Host staging: chunks received and rejected, peer reads served and refused.");
+    staged.Sample({{"event", "chunks_received"}}, static_cast<double>(sources.stager->chunks_received()));
+    staged.Sample({{"event", "chunks_rejected"}}, static_cast<double>(sources.stager->chunks_rejected()));
+    staged.Sample({{"event", "reads_served"}}, static_cast<double>(sources.stager->reads_served()));
+    staged.Sample({{"event", "reads_refused"}}, static_cast<double>(sources.stager->reads_refused()));
+  }
+  if (sources.server != nullptr) {
+    const MetricsServerCounters c = sources.server->counters();
+    Family endpoint(&out, "kvagent_metrics_requests_total", "counter",
+                    "Requests to this endpoint, by result.");
+    endpoint.Sample({{"result", "ok"}}, static_cast<double>(c.requests));
+    endpoint.Sample({{"result", "refused_connection"}}, static_cast<double>(c.refused_connections));
+    endpoint.Sample({{"result", "bad_request"}}, static_cast<double>(c.bad_requests));
+    endpoint.Sample({{"result", "too_large"}}, static_cast<double>(c.too_large));
+    endpoint.Sample({{"result", "timeout"}}, static_cast<double>(c.timeouts));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- the HTTP responder
+
+struct MetricsServer::Connection {
+  int fd = -1;
+  int64_t deadline_ms = 0;
+  std::string in;
+  std::string out;  // the response, once there is one
+  size_t written = 0;
+  bool eof = false;  // the client closed its side (or the read failed)
+};
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const MetricsServerOptions& options, Render render) {
+  std::string host = "127.0.0.1";
+  std::string port = options.listen;
+  if (auto colon = options.listen.rfind(':'); colon != std::string::npos) {
+    host = options.listen.substr(0, colon);
+    port = options.listen.substr(colon + 1);
+  }
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host == "localhost") host = "127.0.0.1";
+  const bool wildcard = host.empty() || host == "0.0.0.0" || host == "::";
+  if (wildcard && !options.allow_any) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--metrics-listen {}: a wildcard address serves the metrics (peer names, regions, "
+        "transfer counts) on every interface; give the address the scraper uses (the pod's "
+        "or node's IP, or 127.0.0.1), or add --metrics-listen-any to mean it",
+        options.listen));
+  }
+  if (options.max_connections == 0) {
+    return absl::InvalidArgumentError("--metrics-max-connections: give at least 1");
+  }
+  struct addrinfo hints {};
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE;
+  hints.ai_socktype = SOCK_STREAM;
+  struct addrinfo* found = nullptr;
+  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0 ||
+      found == nullptr) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--metrics-listen {}: not HOST:PORT with an IP address and a port number (e.g. "
+        "127.0.0.1:9464, [::1]:9464, or 9464 for loopback)",
+        options.listen));
+  }
+  std::unique_ptr<MetricsServer> server(new MetricsServer());
+  server->options_ = options;
+  server->render_ = std::move(render);
+  server->listen_fd_ = socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  setsockopt(server->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const bool bound = server->listen_fd_ >= 0 &&
+                     bind(server->listen_fd_, found->ai_addr, found->ai_addrlen) == 0 &&
+                     listen(server->listen_fd_, 64) == 0;
+  const int error = errno;
+  freeaddrinfo(found);
+  if (!bound) {
+    return absl::UnavailableError(fmt::format(
+        "--metrics-listen {}: cannot listen there: {}; use a free port (0 picks one) on an "
+        "address of this host",
+        options.listen, std::strerror(error)));
+  }
+  struct sockaddr_storage addr {};
+  socklen_t len = sizeof(addr);
+  getsockname(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int bound_port = addr.ss_family == AF_INET6
+                             ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                             : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  server->address_ = host.find(':') != std::string::npos
+                         ? fmt::format("[{}]:{}", host, bound_port)
+                         : fmt::format("{}:{}", host, bound_port);
+  server->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  server->thread_ = std::thread([s = server.get()] { s->Loop(); });
+  kLog.Info("Prometheus metrics at http://{}/metrics (at most {} connections)", server->address_,
+            options.max_connections);
+  return server;
+}
+
+MetricsServer::~MetricsServer() {
+  Stop();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void MetricsServer::Stop() {
+  if (stopping_.exchange(true)) return;
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+}
+
+MetricsServerCounters MetricsServer::counters() const {
+  return {requests_.load(), refused_.load(), bad_.load(), too_large_.load(), timeouts_.load()};
+}
+
+void MetricsServer::Respond(Connection& c, int code, std::string_view reason, std::string body,
+                            std::string_view content_type) {
+  c.out = fmt::format(
+      "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+      code, reason, content_type, body.size());
+  c.out += body;
+  c.written = 0;
+}
+
+bool MetricsServer::OnReadable(Connection& c) {
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = read(c.fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      // Past the bound the rest is read and dropped (so the answer is not lost to a
+      // reset for unread data when the connection closes).
+      const size_t room = kMaxRequestBytes + 1 - std::min(c.in.size(), kMaxRequestBytes + 1);
+      c.in.append(buffer, std::min(room, static_cast<size_t>(n)));
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (n < 0 && errno == EINTR) continue;
+    c.eof = true;  // closed (or failed): answer what came, if it is a whole request
+    break;
+  }
+  const size_t head_end = c.in.find("\r\n\r\n");
+  if (head_end == std::string::npos || head_end + 4 > kMaxRequestBytes) {
+    if (c.in.size() <= kMaxRequestBytes) return false;  // wait for more
+    too_large_.fetch_add(1);
+    Respond(c, 431, "Request Header Fields Too Large",
+            fmt::format("request head over {} bytes\n", kMaxRequestBytes));
+    return true;
+  }
+  const std::string_view line(c.in.data(), c.in.find("\r\n"));
+  const size_t sp1 = line.find(' ');
+  const size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
+  if (sp2 == std::string_view::npos || line.substr(sp2 + 1).rfind("HTTP/1.", 0) != 0) {
+    bad_.fetch_add(1);
+    Respond(c, 400, "Bad Request", "expected: GET /metrics HTTP/1.1\n");
+    return true;
+  }
+  const std::string_view method = line.substr(0, sp1);
+  std::string_view path = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  path = path.substr(0, path.find('?'));
+  if (method != "GET") {
+    bad_.fetch_add(1);
+    Respond(c, 405, "Method Not Allowed", "only GET /metrics\n");
+    return true;
+  }
+  if (path != "/metrics") {
+    bad_.fetch_add(1);
+    Respond(c, 404, "Not Found", "only GET /metrics\n");
+    return true;
+  }
+  requests_.fetch_add(1);
+  Respond(c, 200, "OK", render_(), "text/plain; version=0.0.4; charset=utf-8");
+  return true;
+}
+
+void MetricsServer::Loop() {
+  std::vector<Connection> connections;
+  std::vector<pollfd> fds;
+  while (!stopping_.load()) {
+    fds.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    int64_t next_deadline = NowMs() + 1000;
+    for (const auto& c : connections) {
+      fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+      next_deadline = std::min(next_deadline, c.deadline_ms);
+    }
+    const int wait = static_cast<int>(std::max<int64_t>(0, next_deadline - NowMs()));
+    if (poll(fds.data(), fds.size(), wait) < 0 && errno != EINTR) break;
+    if (fds[0].revents != 0) break;  // Stop
+    const int64_t now = NowMs();
+    // Connections first (fds[2 + i] is connections[i]); those done are closed.
+    std::vector<Connection> kept;
+    for (size_t i = 0; i < connections.size(); ++i) {
+      Connection& c = connections[i];
+      const short revents = fds[2 + i].revents;
+      bool done = false;
+      if (c.out.empty() && (revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        // Closed before a whole request: nothing to answer.
+        done = !OnReadable(c) && (c.eof || (revents & (POLLHUP | POLLERR)) != 0);
+      }
+      if (!done && !c.out.empty() && (revents & (POLLOUT | POLLERR | POLLHUP)) != 0) {
+        const ssize_t n = send(c.fd, c.out.data() + c.written, c.out.size() - c.written,
+                               MSG_NOSIGNAL);
+        if (n > 0) c.written += static_cast<size_t>(n);
+        if (n < 0 && errno != EAGAIN && errno != EINTR) done = true;
+        if (c.written == c.out.size()) done = true;
+      }
+      if (!done && now >= c.deadline_ms) {
+        if (c.out.empty()) timeouts_.fetch_add(1);
+        done = true;
+      }
+      if (done) {
+        close(c.fd);
+      } else {
+        kept.push_back(std::move(c));
+      }
+    }
+    connections = std::move(kept);
+    if ((fds[1].revents & POLLIN) != 0) {
+      for (;;) {
+        const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) break;
+        if (connections.size() >= options_.max_connections) {
+          // Refused at once, with a best-effort answer; the scraper retries next round.
+          refused_.fetch_add(1);
+          static constexpr std::string_view kBusy =
+              "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+          (void)!send(fd, kBusy.data(), kBusy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+          close(fd);
+          continue;
+        }
+        Connection c;
+        c.fd = fd;
+        c.deadline_ms = NowMs() + kRequestTimeoutMs;
+        connections.push_back(std::move(c));
+      }
+    }
+  }
+  for (auto& c : connections) close(c.fd);
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,88 @@
+// TransferMetrics counts what ended transfers moved, for the Prometheus endpoint
+// (agent/metrics): transfers and bytes by op, data path, peer and outcome, and the
+// submit-to-outcome latency as a histogram; also submits and registrations refused,
+// by cause. The submit path (SubmitTransfer, gRPC and
+// fast path alike) registers each new transfer once; the engine's WhenTerminal hands
+// its final state here. Label sets are bounded: past kMaxSeries, new peers count under
+// peer="_other".
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/kvagent.pb.h"
+
+namespace kvagent::agent {
+
+// Upper bounds of the latency buckets, in microseconds (100 us to 60 s); +Inf follows.
+inline constexpr std::array<uint64_t, 18> kLatencyBucketsUs = {
+    100,     250,     500,      1000,     2500,     5000,     10000,    25000,    50000,
+    100000,  250000,  500000,   1000000,  2500000,  5000000,  10000000, 30000000, 60000000};
+
+struct TransferSeries {
+  std::string op;         // "WRITE", "READ"
+  std::string data_path;  // the peer's at submit: "shm-direct", "ucx", "shm-direct+ucx"
+  std::string peer;
+  std::string outcome;    // "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"
+  uint64_t transfers = 0;
+  uint64_t bytes = 0;     // bytes_done: what reached the destination
+  uint64_t errors_by_code[17] = {};  // by google.rpc code (outcome != COMPLETED)
+};
+
+struct LatencyHistogram {
+  std::string op;
+  std::string outcome;
+  std::array<uint64_t, kLatencyBucketsUs.size() + 1> buckets{};  // not cumulative
+  uint64_t count = 0;
+  uint64_t sum_us = 0;
+};
+
+class TransferMetrics {
+ public:
+  static constexpr size_t kMaxSeries = 4096;
+  // Ended transfer ids remembered so that resubmitting one (idempotent) does not
+  // count it again; as many as the engine keeps for queries.
+  static constexpr size_t kRememberEnded = 10000;
+
+  // True the first time `transfer_id` is seen (the caller then registers the end
+  // callback); false for a chunk or a resubmission of a transfer already counted.
+  bool Track(const std::string& transfer_id, const std::string& data_path);
+  // The transfer ended with `state` (called once per tracked id, under the engine's
+  // lock: takes only this object's lock).
+  void Ended(const v1::TransferState& state);
+
+  // A SubmitTransfer chunk or a RegisterRegions batch refused with `code`.
+  void SubmitRefused(absl::StatusCode code);
+  void RegistrationFailed(absl::StatusCode code);
+  // Refusals by google.rpc code (index = code).
+  using ByCode = std::array<uint64_t, 17>;
+  ByCode submit_refusals() const;
+  ByCode registration_failures() const;
+
+  std::vector<TransferSeries> Series() const;
+  std::vector<LatencyHistogram> Latency() const;
+  uint64_t tracked() const;  // transfers registered and not yet ended
+
+ private:
+  using Key = std::tuple<std::string, std::string, std::string, std::string>;
+  mutable absl::Mutex mu_;
+  // Active ids and the data path each was submitted over.
+  std::map<std::string, std::string> active_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, TransferSeries> series_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, LatencyHistogram> latency_ ABSL_GUARDED_BY(mu_);
+  ByCode submit_refusals_ ABSL_GUARDED_BY(mu_) = {};
+  ByCode registration_failures_ ABSL_GUARDED_BY(mu_) = {};
+};
+
+}  // namespace kvagent::agent

@@ -1,0 +1,276 @@
+// The Prometheus endpoint (--metrics-listen) of real agents: scraped during and after
+// real transfers, its numbers checked against what moved; and the endpoint's bounds
+// (request size, garbage, connections, idle clients).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+// Connects to HOST:PORT (IPv4); -1 on failure.
+int Dial(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::atoi(address.substr(colon + 1).c_str())));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  timeval timeout{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+std::string ReadAll(int fd) {
+  std::string out;
+  char buffer[65536];
+  for (;;) {
+    const ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n <= 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Sends `request` as is and returns the whole response ("" if none).
+std::string Exchange(const std::string& address, const std::string& request) {
+  const int fd = Dial(address);
+  if (fd < 0) return "";
+  (void)!write(fd, request.data(), request.size());
+  std::string response = ReadAll(fd);
+  close(fd);
+  return response;
+}
+
+int StatusCode(const std::string& response) {
+  return response.size() > 12 ? std::atoi(response.substr(9, 3).c_str()) : 0;
+}
+
+// GET /metrics: the body; fails the test unless 200.
+std::string Scrape(const std::string& address) {
+  const std::string response = Exchange(address, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  INFO(response.substr(0, 200));
+  REQUIRE(StatusCode(response) == 200);
+  return response.substr(response.find("\r\n\r\n") + 4);
+}
+
+// The sum of the samples of `name` whose labels include every `k="v"` in `labels`
+// (exact name: `name{` or `name `).
+double Value(const std::string& body, const std::string& name,
+             const std::vector<std::string>& labels = {}) {
+  std::istringstream lines(body);
+  std::string line;
+  double sum = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind(name + "{", 0) != 0 && line.rfind(name + " ", 0) != 0) continue;
+    bool match = true;
+    for (const auto& l : labels) match = match && line.find(l) != std::string::npos;
+    if (match) sum += std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return sum;
+}
+
+std::string MetricsAddress(cli::AgentClient& client) {
+  auto status = client.Status();
+  REQUIRE(status.ok());
+  REQUIRE(!status->metrics_address().empty());
+  return status->metrics_address();
+}
+
+}  // namespace
+
+TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]") {
+  AgentPairOptions options;
+  options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(options);
+  const std::string prefill = MetricsAddress(pair.prefill());
+  const std::string decode = MetricsAddress(pair.decode());
+  REQUIRE(prefill.rfind("127.0.0.1:", 0) == 0);
+
+  std::string before = Scrape(prefill);
+  CHECK(Value(before, "kvagent_transfers_total") == 0);
+  CHECK(Value(before, "kvagent_health_serving") == 1);
+  CHECK(Value(before, "kvagent_peer_up", {"peer=\"decode\"", "state=\"connected\""}) == 1);
+  CHECK(Value(before, "kvagent_regions", {"kind=\"KV\"", "memory_path=\"host\""}) ==
+        pair.prefill_pool().regions());
+  CHECK(Value(before, "kvagent_registered_bytes", {"kind=\"KV\""}) ==
+        static_cast<double>(pair.prefill_pool().bytes()));
+  CHECK(Value(before, "kvagent_limit", {"limit=\"regions\""}) > 0);
+
+  // Scraped all through the transfers: every scrape answers, and no counter goes back.
+  std::atomic<bool> moving{true};
+  std::atomic<int> scrapes{0}, regressions{0}, failures{0};
+  std::thread scraper([&] {
+    double last = 0;
+    while (moving.load()) {
+      const std::string response =
+          Exchange(prefill, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+      if (StatusCode(response) != 200) {
+        ++failures;
+        continue;
+      }
+      const double bytes = Value(response, "kvagent_transfer_bytes_total");
+      if (bytes < last) ++regressions;
+      last = bytes;
+      ++scrapes;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+
+  constexpr int kWrites = 24, kReads = 6;
+  uint64_t write_bytes = 0, read_bytes = 0, latency_us = 0;
+  for (int i = 0; i < kWrites + kReads; ++i) {
+    const bool read = i >= kWrites;
+    const uint64_t page = static_cast<uint64_t>(i);
+    auto request = KvWrite("m-" + std::to_string(i), {page}, {page});
+    if (read) request.set_op(v1::READ);
+    REQUIRE(SubmitThrough(pair.prefill(), request).ok());
+    auto state = pair.prefill().WaitTransfer(request.transfer_id(), 20000);
+    REQUIRE(state.ok());
+    REQUIRE(state->phase() == v1::COMPLETED);
+    (read ? read_bytes : write_bytes) += state->bytes_done();
+    latency_us += state->latency_us();
+  }
+  moving = false;
+  scraper.join();
+  CHECK(failures.load() == 0);
+  CHECK(regressions.load() == 0);
+  CHECK(scrapes.load() > 0);
+  INFO("scrapes during the transfers: " << scrapes.load());
+
+  // Refused before anything ran: a submit naming a group the peer lacks, a bad region.
+  auto bad = KvWrite("m-bad", {0}, {0});
+  bad.mutable_segments(0)->mutable_items()->set_remote_group("no-such-group");
+  CHECK(!pair.prefill().Submit(bad).ok());
+  v1::RegisterRegionsRequest empty_region;
+  empty_region.add_regions()->set_name("zero");
+  CHECK(!pair.prefill().Register(empty_region).ok());
+
+  const std::string after = Scrape(prefill);
+  const uint64_t page_bytes = pair.prefill_pool().shape.page_bytes * pair.prefill_pool().regions();
+  CHECK(write_bytes == kWrites * page_bytes);
+  CHECK(read_bytes == kReads * page_bytes);
+  const std::vector<std::string> writes = {"op=\"WRITE\"", "peer=\"decode\"",
+                                           "outcome=\"COMPLETED\"", "data_path=\"shm-direct\""};
+  CHECK(Value(after, "kvagent_transfers_total", writes) == kWrites);
+  CHECK(Value(after, "kvagent_transfer_bytes_total", writes) == static_cast<double>(write_bytes));
+  CHECK(Value(after, "kvagent_transfers_total", {"op=\"READ\"", "outcome=\"COMPLETED\""}) == kReads);
+  CHECK(Value(after, "kvagent_transfer_bytes_total", {"op=\"READ\""}) ==
+        static_cast<double>(read_bytes));
+  CHECK(Value(after, "kvagent_transfers_total") == kWrites + kReads);  // nothing else
+  CHECK(Value(after, "kvagent_transfer_errors_total") == 0);
+  CHECK(Value(after, "kvagent_transfers_completed_total") == kWrites + kReads);
+  CHECK(Value(after, "kvagent_transfers_active") == 0);
+  CHECK(Value(after, "kvagent_transfer_latency_seconds_count", {"op=\"WRITE\""}) == kWrites);
+  CHECK(Value(after, "kvagent_transfer_latency_seconds_bucket", {"op=\"WRITE\"", "le=\"+Inf\""}) ==
+        kWrites);
+  CHECK(Value(after, "kvagent_transfer_latency_seconds_sum") ==
+        Approx(static_cast<double>(latency_us) / 1e6).epsilon(1e-6));
+  CHECK(Value(after, "kvagent_refused_total", {"request=\"submit_transfer\""}) == 1);
+  CHECK(Value(after, "kvagent_refused_total", {"request=\"register_regions\""}) == 1);
+  CHECK(Value(after, "kvagent_metrics_requests_total", {"result=\"ok\""}) >= scrapes.load() + 2);
+
+  // The receiver counts no outgoing transfer; its regions are its own.
+  const std::string receiver = Scrape(decode);
+  CHECK(Value(receiver, "kvagent_transfers_total") == 0);
+  CHECK(Value(receiver, "kvagent_registered_bytes") ==
+        static_cast<double>(pair.decode_pool().bytes()));
+}
+
+TEST_CASE("The metrics endpoint refuses what it must and survives many connections",
+          "[metrics]") {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(tmp ? tmp : "/tmp") + "/metrics-limits";
+  std::filesystem::create_directories(dir);
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  cli::DaemonOptions d;
+  d.binary = *binary;
+  d.work_dir = dir;
+
+  SECTION("a wildcard address needs --metrics-listen-any") {
+    d.name = "wild";
+    d.extra_args = {"--metrics-listen", "0.0.0.0:0"};
+    auto refused = cli::DaemonProcess::Start(d);
+    REQUIRE(!refused.ok());
+    CHECK(std::string(refused.status().message()).find("--metrics-listen-any") !=
+          std::string::npos);
+  }
+
+  SECTION("bad requests, oversized heads, idle and surplus connections") {
+    d.name = "bounded";
+    d.extra_args = {"--metrics-listen", "0", "--metrics-max-connections", "4"};
+    auto process = cli::DaemonProcess::Start(d);
+    REQUIRE(process.ok());
+    cli::AgentClient client(process->address());
+    const std::string address = MetricsAddress(client);
+    REQUIRE(address.rfind("127.0.0.1:", 0) == 0);  // a bare port means loopback
+
+    CHECK(StatusCode(Exchange(address, "HELLO\r\n\r\n")) == 400);
+    CHECK(StatusCode(Exchange(address, std::string(300, '\x01') + "\r\n\r\n")) == 400);
+    CHECK(StatusCode(Exchange(address, "POST /metrics HTTP/1.1\r\n\r\n")) == 405);
+    CHECK(StatusCode(Exchange(address, "GET /secrets HTTP/1.1\r\n\r\n")) == 404);
+    CHECK(StatusCode(Exchange(address, "GET /metrics HTTP/1.1\r\nX: " + std::string(9000, 'a'))) ==
+          431);
+
+    // Four idle clients hold every slot: the fifth is refused at once, not queued.
+    std::vector<int> idle;
+    for (int i = 0; i < 4; ++i) idle.push_back(Dial(address));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    CHECK(StatusCode(Exchange(address, "GET /metrics HTTP/1.1\r\n\r\n")) == 503);
+    // An idle client is dropped after the request timeout (2 s), freeing its slot.
+    const auto start = std::chrono::steady_clock::now();
+    CHECK(ReadAll(idle[0]).empty());
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::steady_clock::now() - start)
+                            .count();
+    CHECK(waited < 4000);
+    for (int fd : idle) close(fd);
+
+    // 400 connections from 16 threads: each is answered 200 or refused 503, never hung.
+    std::atomic<int> ok{0}, busy{0}, other{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 16; ++t) {
+      threads.emplace_back([&] {
+        for (int i = 0; i < 25; ++i) {
+          const int code = StatusCode(Exchange(address, "GET /metrics HTTP/1.1\r\n\r\n"));
+          (code == 200 ? ok : code == 503 ? busy : other)++;
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    INFO("200: " << ok.load() << " 503: " << busy.load());
+    CHECK(other.load() == 0);
+    CHECK(ok.load() > 0);
+
+    const std::string body = Scrape(address);
+    CHECK(Value(body, "kvagent_metrics_requests_total", {"result=\"bad_request\""}) == 4);
+    CHECK(Value(body, "kvagent_metrics_requests_total", {"result=\"too_large\""}) == 1);
+    CHECK(Value(body, "kvagent_metrics_requests_total", {"result=\"timeout\""}) >= 1);
+    CHECK(Value(body, "kvagent_metrics_requests_total", {"result=\"refused_connection\""}) ==
+          1 + busy.load());
+    CHECK(Value(body, "kvagent_metrics_requests_total", {"result=\"ok\""}) == ok.load() + 1);
+    // The gRPC doors did not notice.
+    CHECK(client.Status().ok());
+  }
+}
+
+}  // namespace kvagent::testing
