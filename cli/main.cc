@@ -177,12 +177,6 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.fast_path_rings()),
               static_cast<unsigned long>(s.fast_path_entries()),
               static_cast<unsigned long>(s.fast_path_protocol_errors()));
-  const auto& lanes = s.copy_lanes();
-  std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes), "
-              "%lu bytes; device copy %s\n",
-              lanes.lanes(), static_cast<unsigned long>(lanes.batches()),
-              static_cast<unsigned long>(lanes.split_batches()),
-              static_cast<unsigned long>(lanes.bytes()), s.device_copy().c_str());
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
   std::printf("refused      %lu calls, %lu peer messages dropped\n",
@@ -222,15 +216,14 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
   std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %-9s %s\n", "name", "address", "state",
               "data_path", "ucx_transports", "mode", "regions", "same_host",
-              "metadata (last refresh; deltas/full fetches)[; device copy]");
+              "metadata (last refresh; deltas/full fetches)");
   for (const auto& p : r.peers()) {
-    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %lu bytes in %.1f ms; %lu/%lu%s%s\n",
+    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %lu bytes in %.1f ms; %lu/%lu\n",
                 p.name().c_str(), p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
                 p.transports().c_str(), p.error_mode().c_str(), p.regions(),
                 p.same_host() ? "yes" : "no", static_cast<unsigned long>(p.metadata_bytes_last()),
                 p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
-                static_cast<unsigned long>(p.full_fetches()),
-                p.device_copy().empty() ? "" : "; device copy ", p.device_copy().c_str());
+                static_cast<unsigned long>(p.full_fetches()));
   }
 }
 
