@@ -14,7 +14,6 @@
 #include "transport/base/format.h"
 #include "transport/base/log.h"
 #include "transport/base/status_macros.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::agent {
 namespace {
@@ -965,10 +964,6 @@ TransferCounters TransferEngine::counters() const {
   c.copy_lanes = lanes_.counters();
   c.lanes = lanes_.lanes();
   return c;
-}
-
-std::string TransferEngine::device_copy_mode() {
-  return DeviceCopyMode(transport::CudaDriver::Load().ok());
 }
 
 absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id,
