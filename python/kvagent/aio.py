@@ -68,10 +68,13 @@ class AsyncClient(Base):
         return await self.call("GetStatus", pb.GetStatusRequest(), "GetStatus")
 
     async def transfer(self, peer, request_id, pages=None, slots=None, aux=None, segments=(),
-                       notification=b"", op="write", timeout_ms=0, remote_groups=None):
+                       notification=b"", op="write", timeout_ms=0, remote_groups=None,
+                       wait=False):
         request = self._transfer_request(peer, request_id, pages, slots, aux, segments,
                                          notification, op, timeout_ms, remote_groups)
-        state = await self.call("SubmitTransfer", request, f"transfer '{request.transfer_id}'")
+        request.wait = wait  # one round trip: the answer is the final state
+        state = await self.call("SubmitTransfer", request, f"transfer '{request.transfer_id}'",
+                          timeout=self.timeout + (timeout_ms / 1000 or 60) if wait else None)
         return AsyncTransfer(self, request.transfer_id, state)
 
     async def notifications(self, request_ids=(), subscription="", timeout=None):

@@ -89,16 +89,21 @@ class Client(Base):
 
     # ---- transfers ------------------------------------------------------------------
     def transfer(self, peer, request_id, pages=None, slots=None, aux=None, segments=(),
-                 notification=b"", op="write", timeout_ms=0, remote_groups=None):
+                 notification=b"", op="write", timeout_ms=0, remote_groups=None,
+                 wait=False):
         """Submits one transfer in engine terms and returns its Transfer future.
         pages=(src_page_ids, dst_page_ids) covers every KV group this client registered,
         slots=(src_slots, dst_slots) every STATE group, aux=(src_ids, dst_ids) every AUX
         group (source and destination in data-flow order for WRITE and READ alike).
         `notification` reaches the peer's owner after every byte is in place. Refusals
-        (bad ids, unknown peer, ...) raise at once with the agent's message."""
+        (bad ids, unknown peer, ...) raise at once with the agent's message. With
+        wait=True the call returns once the transfer ended (one round trip instead of
+        submit + watch: the future is already done)."""
         request = self._transfer_request(peer, request_id, pages, slots, aux, segments,
                                          notification, op, timeout_ms, remote_groups)
-        state = self.call("SubmitTransfer", request, f"transfer '{request.transfer_id}'")
+        request.wait = wait  # one round trip: the answer is the final state
+        state = self.call("SubmitTransfer", request, f"transfer '{request.transfer_id}'",
+                          timeout=self.timeout + (timeout_ms / 1000 or 60) if wait else None)
         return Transfer(self, request.transfer_id, state)
 
     def open_transfer(self, peer, request_id, op="write", timeout_ms=0, remote_groups=None):

@@ -28,6 +28,21 @@ def kv_cache(client, layers=LAYERS, pages=PAGES, page=PAGE, dtype=torch.bfloat16
     return k, v
 
 
+def connected_kv(case, prefix, seed):
+    """Clients for `case`'s pair, a KV cache on each (prefill's filled from `seed`,
+    decode's zeroed), registered, prefill connected to decode: (pre, dec, src, dst),
+    src and dst every layer's K then V tensors."""
+    pre, dec = case.clients(prefix)
+    (sk, sv), (dk, dv) = kv_cache(pre), kv_cache(dec)
+    fill(sk + sv, seed)
+    for t in dk + dv:
+        t.zero_()
+    pre.register_kv_cache(sk, sv)
+    dec.register_kv_cache(dk, dv)
+    pre.connect_peer(dec.address)
+    return pre, dec, sk + sv, dk + dv
+
+
 def mamba_state(client, layers=3, slots=6):
     """SGLang's Mamba pool shapes: conv [layers, slots, dim, d_conv-1] bf16, ssm
     [layers, slots, heads, head_dim, d_state] fp32 (scaled-down Mamba2)."""
@@ -96,31 +111,30 @@ class ClientTest(PairTestCase):
         self.assertTrue(torch.equal(aux["pre"][2], aux["dec"][7]))
 
     def test_chunks_as_prefill_produces_them(self):
-        pre, dec = self.clients("chunks")
-        (sk, sv), (dk, dv) = kv_cache(pre), kv_cache(dec)
-        fill(sk + sv, 3)
-        pre.register_kv_cache(sk, sv)
-        dec.register_kv_cache(dk, dv)
-        pre.connect_peer(dec.address)
+        pre, dec, src, dst = connected_kv(self, "chunks", 3)
         tx = pre.open_transfer("decode", "chunked")
         tx.send(pages=([0, 1], [10, 11]))
         tx.send(pages=([2], [12]))
         transfer = tx.finish(pages=([3], [13]), notification=b"n")
         self.assertEqual(transfer.result(timeout=10).chunks, 3)
         dec.wait_notification("chunked", timeout=10)
-        for s, d in zip(sk + sv, dk + dv):
+        for s, d in zip(src, dst):
             self.assertTrue(torch.equal(s[0:4], d[10:14]))
 
+    def test_wait_answers_with_the_final_state(self):
+        pre, dec, src, dst = connected_kv(self, "wait", 6)
+        transfer = pre.transfer("decode", "waited", pages=([7], [8]), wait=True)
+        self.assertEqual(transfer.last_state.phase, kvagent.pb.COMPLETED)  # no watch needed
+        self.assertTrue(transfer.done())
+        for s, d in zip(src, dst):
+            self.assertTrue(torch.equal(s[7], d[8]))
+
     def test_read_pulls_from_the_peer(self):
-        pre, dec = self.clients("read")
-        (sk, sv), (dk, dv) = kv_cache(pre), kv_cache(dec)
-        fill(sk + sv, 4)
-        pre.register_kv_cache(sk, sv)
-        dec.register_kv_cache(dk, dv)
+        pre, dec, src, dst = connected_kv(self, "read", 4)
         dec.connect_peer(self.pair.prefill.address)
         # vLLM's flow: decode pulls; pages are (source on the peer, destination here).
         dec.transfer("prefill", "pull-1", pages=([5, 6], [1, 2]), op="read").result(timeout=10)
-        for s, d in zip(sk + sv, dk + dv):
+        for s, d in zip(src, dst):
             self.assertTrue(torch.equal(s[[5, 6]], d[[1, 2]]))
 
     def test_engine_memfd_numpy_and_share_memory(self):
@@ -147,11 +161,7 @@ class ClientTest(PairTestCase):
             self.assertTrue(np.array_equal(s[[0, 31]], d[[31, 0]].numpy()))
 
     def test_subscription_holds_until_ack(self):
-        pre, dec = self.clients("sub")
-        (sk, sv), (dk, dv) = kv_cache(pre), kv_cache(dec)
-        pre.register_kv_cache(sk, sv)
-        dec.register_kv_cache(dk, dv)
-        pre.connect_peer(dec.address)
+        pre, dec, _, _ = connected_kv(self, "sub", 0)
         pre.transfer("decode", "sub-1", pages=([1], [1]), notification=b"x").result(timeout=10)
         first = dec.poll_notifications(subscription="decode-worker")
         self.assertEqual([n.request_id for n in first], ["sub-1"])

@@ -1,0 +1,189 @@
+"""The local fast path from Python (client/fast_ring.h's layout): a submission ring and
+a completion ring in a memfd the agent creates for the session, mapped here, with two
+eventfd doorbells. Transfers go in as serialized SubmitTransferRequests, many per
+doorbell, and their outcomes come back in batches: the same checks, states and
+errors as gRPC's SubmitTransfer, without a round trip per transfer.
+
+Memory order: the ring's counters are 32-bit words written and read through a
+memoryview (single aligned loads and stores). x86-64 keeps stores in order (an entry's
+bytes are visible before the sq_tail that publishes it); the store-then-load of the
+doorbell handshake needs a full fence, which an uncontended lock's atomic exchange
+gives there. Other architectures are refused. Waits also wake every millisecond, so a
+missed doorbell costs at most that.
+"""
+import mmap
+import os
+import platform
+import select
+import struct
+import threading
+import time
+
+from . import errors
+from ._proto import kvagent_pb2 as pb
+
+VERSION, MAGIC, SLOT_BYTES, COMPLETION_BYTES = 1, 0x5246564B, 256, 512
+PAD, SUBMIT, CANCEL, PING = 0, 1, 2, 3
+SLEEPING = WAITING = 1
+CLOSED = 2
+REASON_OFFSET, REASON_BYTES = 1024, 3072
+HEADER = struct.Struct("<IHHIIQ")        # SubmissionHeader: 24 bytes
+COMPLETION = struct.Struct("<QHHiIIQQ")  # CompletionHeader: 40 bytes
+# Word indices of the counters (one cache line each after the 64-byte header).
+SQ_TAIL, SQ_HEAD, CQ_TAIL, CQ_HEAD, AGENT_FLAGS, CLIENT_FLAGS = (16, 32, 48, 64, 80, 96)
+
+
+class Completion:
+    """One entry's outcome: user_data, opcode, code (a gRPC code number; 0 OK), phase
+    (TransferPhase name for submit/cancel), bytes_done, latency_us, message."""
+
+    def __init__(self, data, message):
+        (self.user_data, self.opcode, _, self.code, phase, _, self.bytes_done,
+         self.latency_us) = data
+        self.phase = pb.TransferPhase.Name(phase) if phase else ""
+        self.message = message
+
+    @property
+    def ok(self):
+        return self.code == 0
+
+    def error(self):
+        """The refusal or the transfer's error as a KvAgentError (None when OK)."""
+        return None if self.ok else errors.error(self.code, self.message,
+                                                 where=f"fast path entry {self.user_data}")
+
+    def __repr__(self):
+        return f"Completion({self.user_data}, code={self.code}, {self.phase or self.opcode})"
+
+
+class FastPath:
+    """The session's ring pair (one per session). submit/cancel/ping from one thread
+    at a time, reap from one thread at a time."""
+
+    def __init__(self, client, submission_slots=0, completion_entries=0):
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise errors.error(9, f"the Python fast path runs on x86-64 only (this is "
+                               f"{platform.machine()}); submit through gRPC (client.transfer)")
+        request = pb.SessionRequest()
+        request.open_fast_path.submission_slots = submission_slots
+        request.open_fast_path.completion_entries = completion_entries
+        reply, fds = client.session.call(request, what="opening the fast path")
+        self.info = reply.fast_path
+        if (len(fds) != 3 or self.info.version != VERSION or self.info.slot_bytes != SLOT_BYTES
+                or self.info.completion_bytes != COMPLETION_BYTES):
+            for fd in fds:
+                os.close(fd)
+            raise errors.error(9, "the agent's fast path ring does not match this client (ring "
+                               f"version {self.info.version}); use a matching kvagent package")
+        self.client = client
+        ring_fd, self.submit_fd, self.complete_fd = fds
+        self._mmap = mmap.mmap(ring_fd, self.info.ring_bytes, mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(ring_fd)
+        self._words = memoryview(self._mmap).cast("I")
+        if self._words[0] != MAGIC or self._words[1] != VERSION:
+            raise errors.error(9, "the fast path ring file's header is not this client's layout")
+        self.slots = self.info.submission_slots
+        self.entries = self.info.completion_entries
+        self._tail = self._words[SQ_TAIL]
+        self._cq_head = self._words[CQ_HEAD]
+        self._fence_lock = threading.Lock()
+
+    def _fence(self):
+        with self._fence_lock:  # an atomic exchange: a full barrier on x86-64
+            pass
+
+    def closed_reason(self):
+        if not self._words[AGENT_FLAGS] & CLOSED:
+            return ""
+        raw = bytes(self._mmap[REASON_OFFSET:REASON_OFFSET + REASON_BYTES]).split(b"\0")[0]
+        return raw.decode(errors="replace") or "the agent closed this fast path"
+
+    def _put(self, opcode, user_data, payload):
+        max_payload = (self.slots // 2) * SLOT_BYTES - HEADER.size
+        if len(payload) > max_payload:
+            raise errors.invalid(f"fast path entry {user_data}", f"{len(payload)} bytes exceed "
+                                 f"the ring's {max_payload}", "split the transfer into chunks, "
+                                 "open the ring with more slots, or submit through gRPC")
+        reason = self.closed_reason()
+        if reason:
+            raise errors.error(9, reason, where="fast path")
+        need = (HEADER.size + len(payload) + SLOT_BYTES - 1) // SLOT_BYTES
+        used = (self._tail - self._words[SQ_HEAD]) & 0xFFFFFFFF
+        index = self._tail & (self.slots - 1)
+        pad = self.slots - index if need > self.slots - index else 0
+        if pad + need > self.slots - min(used, self.slots):
+            raise errors.error(8, f"the fast path's submission ring is full ({used} of "
+                               f"{self.slots} slots wait for the agent); reap completions, then "
+                               "submit again", where="fast path")
+        base = self.info.submission_offset
+        if pad:
+            at = base + index * SLOT_BYTES
+            self._mmap[at:at + HEADER.size] = HEADER.pack(0, PAD, pad, 0, 0, 0)
+            self._tail = (self._tail + pad) & 0xFFFFFFFF
+        at = base + (self._tail & (self.slots - 1)) * SLOT_BYTES
+        self._mmap[at + HEADER.size:at + HEADER.size + len(payload)] = payload
+        self._mmap[at:at + HEADER.size] = HEADER.pack(len(payload), opcode, need, 0, 0, user_data)
+        self._tail = (self._tail + need) & 0xFFFFFFFF
+        self._words[SQ_TAIL] = self._tail  # publishes: x86 keeps the stores above first
+        self._fence()
+        if self._words[AGENT_FLAGS] & SLEEPING:
+            os.write(self.submit_fd, (1).to_bytes(8, "little"))
+
+    def submit(self, request, user_data):
+        """Puts a SubmitTransferRequest on the ring and publishes it."""
+        self._put(SUBMIT, user_data, request.SerializeToString())
+
+    def transfer(self, user_data, peer, request_id, **engine_terms):
+        """submit() of the request client.transfer would send (pages, slots, aux, ...)."""
+        self.submit(self.client._transfer_request(peer, request_id, **engine_terms), user_data)
+
+    def cancel(self, transfer_id, user_data):
+        self._put(CANCEL, user_data, str(transfer_id).encode())
+
+    def ping(self, user_data):
+        self._put(PING, user_data, b"")
+
+    def reap(self, max_count=64, timeout=1.0):
+        """Up to max_count completions; waits up to `timeout` s for the first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self._take(max_count)
+            if out or time.monotonic() >= deadline:
+                return out
+            self._words[CLIENT_FLAGS] = WAITING
+            self._fence()
+            if self._words[CQ_TAIL] == self._cq_head:
+                left = max(0.0, min(0.001, deadline - time.monotonic()))
+                if select.select([self.complete_fd], [], [], left)[0]:
+                    try:
+                        os.read(self.complete_fd, 8)
+                    except BlockingIOError:
+                        pass
+            self._words[CLIENT_FLAGS] = 0
+            if self.closed_reason() and self._words[CQ_TAIL] == self._cq_head:
+                raise errors.error(9, self.closed_reason(), where="fast path")
+
+    def _take(self, max_count):
+        tail = self._words[CQ_TAIL]
+        out = []
+        while self._cq_head != tail and len(out) < max_count:
+            at = self.info.completion_offset + (self._cq_head & (self.entries - 1)) * COMPLETION_BYTES
+            data = COMPLETION.unpack_from(self._mmap, at)
+            length = min(data[5], COMPLETION_BYTES - COMPLETION.size)
+            start = at + COMPLETION.size
+            out.append(Completion(data, bytes(self._mmap[start:start + length]).decode(
+                errors="replace")))
+            self._cq_head = (self._cq_head + 1) & 0xFFFFFFFF
+        if out:
+            self._words[CQ_HEAD] = self._cq_head
+            self._fence()
+            if self._tail != self._words[SQ_HEAD] and self._words[AGENT_FLAGS] & SLEEPING:
+                os.write(self.submit_fd, (1).to_bytes(8, "little"))  # entries waited for room
+        return out
+
+    def close(self):
+        self._words.release()
+        self._mmap.close()
+        os.close(self.submit_fd)
+        os.close(self.complete_fd)

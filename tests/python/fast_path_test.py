@@ -1,0 +1,45 @@
+"""The fast path from Python (kvagent.fast_path) against two real agents: many
+transfers behind the ring's doorbells, completions reaped in batches, bytes compared;
+a refusal and a ping come back on the completion ring with the agent's message."""
+import torch
+
+import kvagent
+from client_test import connected_kv
+from harness import PairTestCase, main
+from kvagent.fast_path import FastPath
+
+
+class FastPathTest(PairTestCase):
+    def test_transfers_through_the_ring(self):
+        pre, dec, src, dst = connected_kv(self, "fast", 31)
+        ring = FastPath(pre, submission_slots=8)  # small: entries wrap with pads
+        self.addCleanup(ring.close)
+        done = {}
+
+        def put(entry):
+            while True:  # a full ring says so; reaping makes room
+                try:
+                    return entry()
+                except kvagent.ResourceExhausted:
+                    done.update((c.user_data, c) for c in ring.reap(timeout=5))
+
+        for i in range(24):
+            put(lambda: ring.transfer(i, "decode", f"fast-{i}", pages=([i], [31 - i])))
+        put(lambda: ring.ping(100))
+        put(lambda: ring.transfer(101, "decode", "fast-bad", pages=([0], [99])))
+        while len(done) < 26:
+            got = ring.reap(timeout=5)
+            self.assertTrue(got, f"no completion in 5 s; have {sorted(done)}")
+            done.update((c.user_data, c) for c in got)
+        for i in range(24):
+            self.assertEqual((done[i].code, done[i].phase), (0, "COMPLETED"), done[i].message)
+            for s, d in zip(src, dst):
+                self.assertTrue(torch.equal(s[i], d[31 - i]))
+        self.assertTrue(done[100].ok)
+        bad = done[101].error()
+        self.assertEqual(bad.code.name, "INVALID_ARGUMENT")
+        self.assertIn("remote index 99 at position 0 is out of range", bad.message)
+
+
+if __name__ == "__main__":
+    main()
