@@ -190,6 +190,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.link.insecure = !options.insecure_listen.empty();
   peer_options.link.peer_uids = options.policy.peer_uids;
   agent->peers_ = std::make_unique<PeerManager>(agent->worker_.get(), peer_options);
+  if (!options.directory.url.empty()) {
+    ASSIGN_OR_RETURN(agent->directory_, Directory::Create(options.directory));
+    agent->directory_->SetListener(
+        [self](const std::string& name, const directory::AgentRecord* before,
+               const directory::AgentRecord* now) { self->OnDirectoryChange(name, before, now); });
+  }
   StagerOptions stager_options;
   stager_options.self_name = options.name;
   stager_options.incarnation = agent->identity_.incarnation;
@@ -260,6 +266,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              agent->streams_.get(),
                              &agent->pending_connects_,
                              options.deregister_wait_ms};
+  agent->deps_.directory = agent->directory_.get();
 
   // Before the first door: each door's server gets gRPC's health service, which the
   // monitor keeps NOT_SERVING until UCX answers (Start below).
@@ -338,6 +345,16 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     agent->identity_.metrics_address = agent->metrics_->address();
   }
   agent->peers_->StartMonitor();
+  if (agent->directory_) {
+    directory::AgentRecord record;
+    record.set_name(options.name);
+    record.set_address(agent->identity_.listen_address);
+    record.set_local_socket("unix:" + options.local_socket);
+    record.set_host(agent->identity_.host_id);
+    record.set_incarnation(agent->identity_.incarnation);
+    record.set_metadata_version(agent->registry_->version());
+    agent->directory_->Start(std::move(record));
+  }
   agent->heap_trimmer_ = std::thread([self] { self->TrimHeap(); });
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
   kLog.Info("agent '{}' serving: local door {} (sessions {}.session), network door {} (pid {}, "
@@ -349,6 +366,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   DoctorInputs doctor;
   doctor.agent = options.name;
   doctor.ucx = &caps;
+  doctor.device_copy = TransferEngine::device_copy_mode();
   LogDoctorReport(RunDoctor(doctor));
   return agent;
 }
@@ -445,6 +463,36 @@ void Agent::TrimHeap() {
   }
 }
 
+void Agent::OnDirectoryChange(const std::string& name, const directory::AgentRecord* before,
+                              const directory::AgentRecord* now) {
+  auto known = peers_->Get(name);
+  if (absl::IsNotFound(known.status())) return;  // not a peer of ours
+  const uint64_t installed = known.ok() ? (*known)->incarnation : 0;
+  if (now == nullptr) {
+    peers_->MarkGone(name, installed,
+                     "its record left the directory (its etcd lease expired: the agent "
+                     "stopped, or lost etcd for longer than its TTL)");
+    return;
+  }
+  if (known.ok() && installed == now->incarnation()) return;
+  if (known.ok()) {
+    peers_->MarkGone(name, installed,
+                     fmt::format("it restarted (the directory lists incarnation {:x} instead of "
+                                 "{:x})",
+                                 now->incarnation(), installed));
+  }
+  absl::StatusOr<std::string> address = DialAddress(*now, identity_.host_id);
+  if (!address.ok()) {
+    kLog.Warn("peer '{}' is back but cannot be reconnected: {}", name, address.status().message());
+    return;
+  }
+  kLog.Info("peer '{}' {} (incarnation {:x}); reconnecting at {}", name,
+            before == nullptr ? "is listed again" : "restarted", now->incarnation(), *address);
+  peers_->Connect(*address, [name](absl::StatusOr<v1::PeerInfo> info) {
+    if (!info.ok()) kLog.Warn("reconnecting peer '{}': {}", name, info.status().message());
+  });
+}
+
 void Agent::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
@@ -456,6 +504,8 @@ void Agent::Shutdown(absl::Duration grace) {
   }
   // Probes see NOT_SERVING at once, while transfers still drain.
   if (health_) health_->Stop();
+  // Peers learn at once that this incarnation is leaving (the lease is revoked).
+  if (directory_) directory_->Stop();
   if (insecure_warning_.joinable()) insecure_warning_.join();
   if (heap_trimmer_.joinable()) heap_trimmer_.join();
   // No new fast path entries; completions of what runs still reach open rings.

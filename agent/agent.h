@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "agent/access.h"
 #include "agent/agent_service.h"
+#include "agent/directory.h"
 #include "agent/health.h"
 #include "agent/metrics.h"
 #include "agent/transfer_metrics.h"
@@ -83,15 +84,18 @@ struct AgentOptions {
   uint32_t fast_path_spin_us = 50;
   // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
   uint32_t ucx_spin_us = 0;
+  // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the
+  // default, the cores this agent may use up to 4 (DefaultCopyLanes).
+  uint32_t copy_lanes = 0;
   // A plain-TCP door with grpc.health.v1.Health only (--health-listen HOST:PORT), for
   // probes without a certificate; "" for none. Every gRPC door serves Health too.
   std::string health_listen;
   // The Prometheus endpoint (--metrics-listen, --metrics-listen-any,
   // --metrics-max-connections); listen "" for none.
   MetricsServerOptions metrics;
-  // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the
-  // default, the cores this agent may use up to 4 (DefaultCopyLanes).
-  uint32_t copy_lanes = 0;
+  // The fleet directory in etcd (--directory, --directory-prefix, --directory-ttl-s);
+  // url "" for none (peers by address only).
+  DirectoryOptions directory;
 };
 
 class Agent {
@@ -112,6 +116,11 @@ class Agent {
   // A local session ended: its regions are deregistered (after peers let go).
   void ReleaseSession(const Caller& caller);
   void WarnInsecure();
+  // The directory saw agent `name` leave, restart or (re)appear: when it is a peer here
+  // whose installed incarnation is not `now`'s, fails its transfers at once and
+  // reconnects it at its new record's address.
+  void OnDirectoryChange(const std::string& name, const directory::AgentRecord* before,
+                         const directory::AgentRecord* now);
   // Every kHeapTrimInterval: hands the heap's free pages back to the kernel when
   // enough is free (see heap_trimmer_).
   void TrimHeap();
@@ -126,7 +135,8 @@ class Agent {
   std::unique_ptr<IncomingTransfers> incoming_;
   std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<PeerManager> peers_;
-  std::unique_ptr<Stager> stager_;  // used by the engine
+  std::unique_ptr<Directory> directory_;  // null without --directory
+  std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker
   std::unique_ptr<TransferEngine> engine_;
   SecurityCounters counters_;
   std::atomic<int64_t> open_streams_{0};

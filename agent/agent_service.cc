@@ -7,11 +7,13 @@
 #include <atomic>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "agent/doctor.h"
@@ -541,6 +543,16 @@ static void FillLimits(const ServiceDeps& deps, const TransferCounters& counters
 }
 
 
+// The same-host copy paths: the host copy lanes' counters and the device copy mode.
+static void FillCopyPaths(const TransferCounters& counters, v1::AgentStatus* status) {
+  v1::CopyLaneStatus* lanes = status->mutable_copy_lanes();
+  lanes->set_lanes(counters.lanes);
+  lanes->set_batches(counters.copy_lanes.batches);
+  lanes->set_split_batches(counters.copy_lanes.split_batches);
+  lanes->set_bytes(counters.copy_lanes.bytes);
+  status->set_device_copy(TransferEngine::device_copy_mode());
+}
+
 void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   const auto& id = *deps.identity;
   const auto& caps = deps.context->capabilities();
@@ -584,6 +596,7 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   if (deps.health != nullptr) status->set_health(deps.health->Describe());
   status->set_health_address(id.health_address);
   status->set_metrics_address(id.metrics_address);
+  FillCopyPaths(counters, status);
   FillLimits(deps, counters, registered, status);
 }
 
@@ -617,12 +630,68 @@ void AgentService::HandleConnectPeer(grpc::CallbackServerContext* context,
   }
   kAudit.Info("{} asks to connect peer at {}", caller->principal,
               Printable(request->address(), 256));
-  deps_.peers->Connect(request->address(), [reply, response, pending = deps_.pending_connects](
-                                               absl::StatusOr<v1::PeerInfo> info) {
+  std::string address = request->address();
+  if (address.rfind(kAgentPrefix, 0) == 0) {
+    absl::StatusOr<std::string> resolved = ResolveAgent(address.substr(kAgentPrefix.size()));
+    if (!resolved.ok()) {
+      deps_.pending_connects->fetch_sub(1);
+      return reply(resolved.status());
+    }
+    address = *std::move(resolved);
+  }
+  deps_.peers->Connect(address, [reply, response, pending = deps_.pending_connects](
+                                    absl::StatusOr<v1::PeerInfo> info) {
     pending->fetch_sub(1);
     if (info.ok()) *response = *std::move(info);
     reply(info.status());
   });
+}
+
+absl::StatusOr<std::string> AgentService::ResolveAgent(const std::string& name) const {
+  if (deps_.directory == nullptr) {
+    return absl::FailedPreconditionError(fmt::format(
+        "ConnectPeer agent:{}: this agent runs without a directory; start it with --directory "
+        "etcd://HOST:PORT, or give the peer's address (unix:PATH or HOST:PORT)",
+        Printable(name, 128)));
+  }
+  absl::StatusOr<directory::AgentRecord> record = deps_.directory->Lookup(name);
+  if (!record.ok()) return record.status();
+  return DialAddress(*record, deps_.identity->host_id);
+}
+
+void AgentService::HandleListAgents(grpc::CallbackServerContext* context,
+    const v1::ListAgentsRequest* request, v1::ListAgentsResponse* response, Reply reply) {
+  auto caller = Authorize(context, Need::kAny, "ListAgents");
+  if (!caller.ok()) return reply(caller.status());
+  if (deps_.directory == nullptr) {
+    return reply(absl::FailedPreconditionError(
+        "ListAgents: this agent runs without a directory (peers are connected by address); "
+        "start every agent with --directory etcd://HOST:PORT[,...] to list the fleet"));
+  }
+  DirectoryState state = deps_.directory->State();
+  response->set_directory(state.endpoints);
+  response->set_prefix(state.prefix);
+  response->set_published(state.published);
+  response->set_watching(state.watching);
+  response->set_last_error(state.last_error);
+  response->set_publishes(state.publishes);
+  std::map<std::string, std::string> peer_states;
+  for (const auto& peer : deps_.peers->List()) peer_states[peer.name()] = peer.state();
+  for (const auto& record : state.agents) {
+    v1::DirectoryAgent* agent = response->add_agents();
+    agent->set_name(record.name());
+    agent->set_address(record.address());
+    agent->set_local_socket(record.local_socket());
+    agent->set_host(record.host());
+    agent->set_incarnation(record.incarnation());
+    agent->set_metadata_version(record.metadata_version());
+    agent->set_published_unix_ms(record.published_unix_ms());
+    agent->set_self(record.name() == deps_.identity->name);
+    if (auto it = peer_states.find(record.name()); it != peer_states.end()) {
+      agent->set_peer_state(it->second);
+    }
+  }
+  return reply(absl::OkStatus());
 }
 
 void AgentService::HandleDisconnectPeer(grpc::CallbackServerContext* context,
@@ -642,11 +711,20 @@ void AgentService::HandleDisconnectPeer(grpc::CallbackServerContext* context,
   return reply(absl::OkStatus());
 }
 
+std::vector<v1::PeerInfo> AgentService::ListPeersWithPaths() const {
+  std::vector<v1::PeerInfo> peers = deps_.peers->List();
+  const std::string device_copy = TransferEngine::device_copy_mode();
+  for (auto& p : peers) {
+    if (p.data_path() != "ucx") p.set_device_copy(device_copy);
+  }
+  return peers;
+}
+
 void AgentService::HandleListPeers(grpc::CallbackServerContext* context,
     const v1::ListPeersRequest* request, v1::ListPeersResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "ListPeers");
   if (!caller.ok()) return reply(caller.status());
-  for (auto& info : deps_.peers->List()) *response->add_peers() = std::move(info);
+  for (auto& info : ListPeersWithPaths()) *response->add_peers() = std::move(info);
   return reply(absl::OkStatus());
 }
 
@@ -897,7 +975,8 @@ void AgentService::HandleDoctor(grpc::CallbackServerContext* context,
   DoctorInputs inputs;
   inputs.agent = deps_.identity->name;
   inputs.ucx = &deps_.context->capabilities();
-  inputs.peers = deps_.peers->List();
+  inputs.peers = ListPeersWithPaths();
+  inputs.device_copy = TransferEngine::device_copy_mode();
   *response = RunDoctor(inputs);
   return reply(absl::OkStatus());
 }
@@ -1007,6 +1086,13 @@ grpc::ServerUnaryReactor* AgentService::ListPeers(grpc::CallbackServerContext* c
                                            grpc::ByteBuffer* response) {
   return RunUnary<v1::ListPeersRequest, v1::ListPeersResponse>(context, request, response, "ListPeers",
                                   [this](auto... args) { HandleListPeers(args...); });
+}
+
+grpc::ServerUnaryReactor* AgentService::ListAgents(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) {
+  return RunUnary<v1::ListAgentsRequest, v1::ListAgentsResponse>(context, request, response, "ListAgents",
+                                  [this](auto... args) { HandleListAgents(args...); });
 }
 
 grpc::ServerUnaryReactor* AgentService::SubmitTransfer(grpc::CallbackServerContext* context,

@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/directory.h"
 #include "agent/fast_path.h"
 #include "agent/health.h"
 #include "agent/incoming.h"
@@ -74,6 +75,7 @@ struct ServiceDeps {
   const HealthMonitor* health = nullptr;  // AgentStatus.health; null: not reported
   // Ended transfers by op, data path, peer and outcome (Prometheus); null: not counted.
   TransferMetrics* transfer_metrics = nullptr;
+  Directory* directory = nullptr;  // ListAgents, ConnectPeer "agent:NAME"; null: none
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it
@@ -110,6 +112,7 @@ using AgentServiceBase =
     v1::Agent::WithRawCallbackMethod_ConnectPeer<
     v1::Agent::WithRawCallbackMethod_DisconnectPeer<
     v1::Agent::WithRawCallbackMethod_ListPeers<
+    v1::Agent::WithRawCallbackMethod_ListAgents<
     v1::Agent::WithRawCallbackMethod_SubmitTransfer<
     v1::Agent::WithRawCallbackMethod_SubmitTransfers<
     v1::Agent::WithRawCallbackMethod_GetTransfer<
@@ -120,7 +123,7 @@ using AgentServiceBase =
     v1::Agent::WithRawCallbackMethod_WatchNotifications<
     v1::Agent::WithRawCallbackMethod_AckNotifications<
     v1::Agent::WithRawCallbackMethod_Doctor<
-    v1::Agent::Service>>>>>>>>>>>>>>>>>;
+    v1::Agent::Service>>>>>>>>>>>>>>>>>>;
 
 class AgentService final : public AgentServiceBase {
  public:
@@ -143,6 +146,13 @@ class AgentService final : public AgentServiceBase {
       v1::DisconnectPeerResponse* response, Reply reply);
   void HandleListPeers(grpc::CallbackServerContext* context, const v1::ListPeersRequest* request,
       v1::ListPeersResponse* response, Reply reply);
+  // PeerManager's list with each same-host (shm-direct) peer's device copy mode.
+  std::vector<v1::PeerInfo> ListPeersWithPaths() const;
+  // "agent:NAME" in ConnectPeer: NAME's address from the directory.
+  static constexpr std::string_view kAgentPrefix = "agent:";
+  absl::StatusOr<std::string> ResolveAgent(const std::string& name) const;
+  void HandleListAgents(grpc::CallbackServerContext* context, const v1::ListAgentsRequest* request,
+      v1::ListAgentsResponse* response, Reply reply);
   void HandleSubmitTransfer(grpc::CallbackServerContext* context, const v1::SubmitTransferRequest* request,
       v1::TransferState* response, Reply reply);
   void HandleSubmitTransfers(grpc::CallbackServerContext* context, const v1::SubmitTransfersRequest* request,
@@ -176,6 +186,8 @@ class AgentService final : public AgentServiceBase {
   grpc::ServerUnaryReactor* DisconnectPeer(grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListPeers(grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListAgents(grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* SubmitTransfer(grpc::CallbackServerContext* context,
       const grpc::ByteBuffer* request, grpc::ByteBuffer* response) override;

@@ -80,6 +80,12 @@ std::unique_ptr<DataPath> MakeDeviceCopyPath();
 std::unique_ptr<DataPath> MakeUcxRmaPath();
 std::unique_ptr<DataPath> MakeStagingPath(Stager* stager);
 
+// How the device copy path moves pages on this host, for GetStatus, ListPeers and
+// doctor: "cuMemcpyAsync per page" (one call per operation on one stream, one sync per
+// batch) when the CUDA driver loads (`cuda_driver`), else "none (no CUDA driver)".
+// Batched copies (cuMemcpyBatchAsync, a gather kernel) will be chosen here at run time.
+std::string DeviceCopyMode(bool cuda_driver);
+
 // The failure text of a batch that could not be posted or copied (shared by paths).
 absl::Status PostingFailed(const DataBatch& batch, int32_t segment, const absl::Status& cause);
 

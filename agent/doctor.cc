@@ -121,6 +121,19 @@ v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFa
               "unaffected");
 }
 
+v1::DoctorCheck CheckDeviceCopy(std::string_view mode, const CudaFacts& cuda) {
+  if (!cuda.loaded) {
+    return Make("device-copy", Check::PASS,
+                fmt::format("{}: VRAM is not copied between agents on this host (host memory "
+                            "is: memcpy across the copy lanes)",
+                            mode));
+  }
+  return Make("device-copy", Check::PASS,
+              fmt::format("{}: how VRAM pages of same-host peers mapped here (CUDA IPC) are "
+                          "copied, on one stream with one sync per batch",
+                          mode));
+}
+
 v1::DoctorCheck CheckCudaDriver(const CudaFacts& cuda) {
   if (!cuda.loaded) {
     return Make("cuda-driver", Check::WARN,
@@ -503,6 +516,9 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   *report.add_checks() = CheckUcx(ucx);
   *report.add_checks() = CheckUcxCuda(ucx, cuda, tls != nullptr ? tls : "");
   *report.add_checks() = CheckCudaDriver(cuda);
+  if (!inputs.device_copy.empty()) {
+    *report.add_checks() = CheckDeviceCopy(inputs.device_copy, cuda);
+  }
   *report.add_checks() = CheckMemlock(ReadMemlock());
   *report.add_checks() = CheckDevShm(InspectShm(inputs.shm_path));
   *report.add_checks() =

@@ -73,6 +73,10 @@ v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx);
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
                              std::string_view ucx_tls);
 v1::DoctorCheck CheckCudaDriver(const CudaFacts& cuda);
+// "device-copy": how same-host VRAM pages are copied here (`mode`, from the device
+// copy path: DeviceCopyMode in agent/data_path.h), and what that costs. PASS: it
+// reports, it does not judge (a driver problem is cuda-driver's).
+v1::DoctorCheck CheckDeviceCopy(std::string_view mode, const CudaFacts& cuda);
 v1::DoctorCheck CheckMemlock(const MemlockFacts& memlock);
 v1::DoctorCheck CheckDevShm(const ShmFacts& shm);
 v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages);
@@ -100,6 +104,9 @@ struct DoctorInputs {
   std::string agent;
   const transport::UcxCapabilities* ucx = nullptr;  // required
   std::vector<v1::PeerInfo> peers;
+  // The device copy path's mode (TransferEngine::device_copy_mode); "" leaves the
+  // device-copy check out.
+  std::string device_copy;
   // Where the host facts come from (tests point these elsewhere).
   std::string shm_path = "/dev/shm";
   std::string meminfo_path = "/proc/meminfo";

@@ -51,6 +51,17 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               picks one. Every gRPC door also serves Health and server
                               reflection. Default: none
 
+ Fleet directory (etcd v3, through its JSON gateway; docs/ARCHITECTURE.md "Directory"):
+  --directory etcd://HOST:PORT[,HOST:PORT...]
+                              publish this agent (name, doors, host, incarnation) under
+                              a lease and watch the others: ConnectPeer "agent:NAME"
+                              resolves through it, a peer whose record expires or that
+                              restarts fails its transfers at once and is reconnected,
+                              `kvagentctl agents` lists the fleet. Default: none (peers by
+                              address only)
+  --directory-prefix PREFIX   key prefix in etcd (default /kvagent/)
+  --directory-ttl-s N         lease TTL: how long a dead agent stays listed (default 10)
+
  Roles (comma-separated uids or user names; "none" for nobody):
   --engine-uids LIST          local uids that may register memory (default: any uid
                               that can open the socket)
@@ -199,6 +210,12 @@ int main(int argc, char** argv) {
       options.shm_dirs = absl::StrSplit(value, ',', absl::SkipEmpty());
     } else if (key == "--data-interface") {
       options.data_interface = value;
+    } else if (key == "--directory") {
+      options.directory.url = value;
+    } else if (key == "--directory-prefix") {
+      options.directory.prefix = value;
+    } else if (key == "--directory-ttl-s") {
+      number(&options.directory.ttl_s);
     } else if (key == "--metrics-listen") {
       options.metrics.listen = value;
     } else if (key == "--metrics-listen-any") {

@@ -164,6 +164,14 @@ class PeerManager {
   // uses them, its local session (same host) ends. NOT_FOUND naming the connected peers.
   absl::Status Disconnect(const std::string& name);
 
+  // The fleet directory says incarnation `incarnation` of `name` is gone (its lease
+  // expired) or was replaced (a restart): marks it unreachable now, failing its
+  // transfers, when that incarnation is still the one installed; the polls reconnect it
+  // once it answers.
+  void MarkGone(const std::string& name, uint64_t incarnation, const std::string& why) {
+    MarkUnreachable(name, incarnation, why, /*endpoint_failed=*/true);
+  }
+
   // Set once, before StartMonitor. Called on the monitor, gRPC or worker thread,
   // never under PeerManager's lock (the listener may take its own locks, but must not
   // call back into PeerManager while holding one that PeerManager callers hold).

@@ -14,6 +14,7 @@
 #include "transport/base/format.h"
 #include "transport/base/log.h"
 #include "transport/base/status_macros.h"
+#include "transport/cuda_driver.h"
 
 namespace kvagent::agent {
 namespace {
@@ -964,6 +965,10 @@ TransferCounters TransferEngine::counters() const {
   c.copy_lanes = lanes_.counters();
   c.lanes = lanes_.lanes();
   return c;
+}
+
+std::string TransferEngine::device_copy_mode() {
+  return DeviceCopyMode(transport::CudaDriver::Load().ok());
 }
 
 absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id,

@@ -116,6 +116,9 @@ class TransferEngine {
   absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id, const Caller& caller);
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
   TransferCounters counters() const;
+  // The device copy path's mode on this host (DeviceCopyMode; loads the CUDA driver
+  // once per process to know).
+  static std::string device_copy_mode();
 
   // Local regions are being deregistered: fails (ABORTED, naming the region and
   // `who`) every active transfer that uses one of them, and calls `done` once each of

@@ -138,6 +138,11 @@ absl::StatusOr<v1::PeerInfo> AgentClient::Connect(const std::string& peer_addres
                                                      request, timeout_ms_);
 }
 
+absl::StatusOr<v1::ListAgentsResponse> AgentClient::Agents() {
+  return Unary<v1::ListAgentsRequest, v1::ListAgentsResponse>(
+      &v1::Agent::Stub::ListAgents, v1::ListAgentsRequest(), timeout_ms_);
+}
+
 absl::StatusOr<v1::ListPeersResponse> AgentClient::Peers() {
   return Unary<v1::ListPeersRequest, v1::ListPeersResponse>(
       &v1::Agent::Stub::ListPeers, v1::ListPeersRequest(), timeout_ms_);

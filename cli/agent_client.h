@@ -58,6 +58,8 @@ class AgentClient {
   absl::StatusOr<v1::ListRegionsResponse> Regions();
   absl::StatusOr<v1::PeerInfo> Connect(const std::string& peer_address);
   absl::StatusOr<v1::ListPeersResponse> Peers();
+  // The fleet in the agent's directory (FAILED_PRECONDITION without --directory).
+  absl::StatusOr<v1::ListAgentsResponse> Agents();
   // With request.wait the answer comes when the transfer has ended.
   absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request);
   // Many transfers in one call; each entry's result (state or error) in order.

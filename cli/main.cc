@@ -34,10 +34,13 @@ commands:
                              and who you are to the agent (principal, roles)
   regions                    registered regions with layouts
   peers                      connected peers: transports, error mode, state
+  agents                     the fleet in the agent's etcd directory (--directory):
+                             name, doors, incarnation, age, whether it is a peer here
   transfers [--active] [--incoming]
                              this agent's transfers and their states (or, with
                              --incoming, peers' transfers into its regions)
-  connect PEER_ADDR          connect this agent to the agent at PEER_ADDR
+  connect PEER_ADDR          connect this agent to the agent at PEER_ADDR (unix:PATH,
+                             HOST:PORT, or agent:NAME through the directory)
                              (unix:PATH on this host, HOST:PORT over mutual TLS)
   disconnect PEER_NAME       forget a peer (its active transfers fail); scheduler role
   cancel TRANSFER_ID         cancel a transfer
@@ -177,6 +180,12 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.fast_path_rings()),
               static_cast<unsigned long>(s.fast_path_entries()),
               static_cast<unsigned long>(s.fast_path_protocol_errors()));
+  const auto& lanes = s.copy_lanes();
+  std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes), "
+              "%lu bytes; device copy %s\n",
+              lanes.lanes(), static_cast<unsigned long>(lanes.batches()),
+              static_cast<unsigned long>(lanes.split_batches()),
+              static_cast<unsigned long>(lanes.bytes()), s.device_copy().c_str());
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
   std::printf("refused      %lu calls, %lu peer messages dropped\n",
@@ -213,17 +222,37 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
               static_cast<unsigned long>(r.version()));
 }
 
+void PrintAgents(const kvagent::v1::ListAgentsResponse& r) {
+  std::printf("directory etcd://%s prefix %s: this agent %s, list %s (%lu publishes)%s%s\n",
+              r.directory().c_str(), r.prefix().c_str(),
+              r.published() ? "published" : "NOT published",
+              r.watching() ? "live" : "STALE (etcd not answering)",
+              static_cast<unsigned long>(r.publishes()), r.last_error().empty() ? "" : "; last error: ",
+              r.last_error().c_str());
+  std::printf("%-16s %-22s %-40s %-16s %-9s %s\n", "name", "address", "local_socket",
+              "incarnation", "age_s", "here");
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  for (const auto& a : r.agents()) {
+    std::string here = a.self() ? "self" : a.peer_state().empty() ? "-" : "peer " + a.peer_state();
+    std::printf("%-16s %-22s %-40s %-16lx %-9.1f %s\n", a.name().c_str(),
+                a.address().empty() ? "-" : a.address().c_str(), a.local_socket().c_str(),
+                static_cast<unsigned long>(a.incarnation()),
+                (now_ms - a.published_unix_ms()) / 1000.0, here.c_str());
+  }
+}
+
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
   std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %-9s %s\n", "name", "address", "state",
               "data_path", "ucx_transports", "mode", "regions", "same_host",
-              "metadata (last refresh; deltas/full fetches)");
+              "metadata (last refresh; deltas/full fetches)[; device copy]");
   for (const auto& p : r.peers()) {
-    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %lu bytes in %.1f ms; %lu/%lu\n",
+    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %lu bytes in %.1f ms; %lu/%lu%s%s\n",
                 p.name().c_str(), p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
                 p.transports().c_str(), p.error_mode().c_str(), p.regions(),
                 p.same_host() ? "yes" : "no", static_cast<unsigned long>(p.metadata_bytes_last()),
                 p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
-                static_cast<unsigned long>(p.full_fetches()));
+                static_cast<unsigned long>(p.full_fetches()),
+                p.device_copy().empty() ? "" : "; device copy ", p.device_copy().c_str());
   }
 }
 
@@ -455,6 +484,7 @@ int main(int argc, char** argv) {
   if (command == "status") return Print(client.Status(), command, json, &PrintStatus);
   if (command == "regions") return Print(client.Regions(), command, json, &PrintRegions);
   if (command == "peers") return Print(client.Peers(), command, json, &PrintPeers);
+  if (command == "agents") return Print(client.Agents(), command, json, &PrintAgents);
   if (command == "transfers") {
     bool active = false, incoming = false;
     for (size_t i = 1; i < rest.size(); ++i) {

@@ -19,6 +19,9 @@ export DEBIAN_FRONTEND=noninteractive
 #   clang libclang-rt-14-dev         fuzz/run.sh: clang builds the libFuzzer targets (libFuzzer,
 #                                    ASan/UBSan runtimes are in libclang-rt-14-dev)
 #   iproute2                         `ip netns`/veth/`tc` for tests/fault/netns_test (link cuts between agents)
+#   etcd-server                      tests/integration/directory_test runs real etcd members (the
+#                                    --directory fleet directory); the agent itself needs no package
+#   python3-yaml                     tests/deploy:deploy_test parses deploy/kubernetes
 #   python3-yaml                     tests/deploy:deploy_test parses deploy/kubernetes
 #   python3-grpcio python3-protobuf  the Python client (python/kvagent) and its py_tests, run by
 #   python3-numpy python3-torch      /usr/bin/python3; torch (CPU) for tensor views and the examples
@@ -46,6 +49,8 @@ PACKAGES=(
   clang
   libclang-rt-14-dev
   iproute2
+  etcd-server
+  python3-yaml
   python3-yaml
   python3-grpcio
   python3-protobuf

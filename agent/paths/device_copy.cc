@@ -59,4 +59,8 @@ class DeviceCopyPath final : public DataPath {
 
 std::unique_ptr<DataPath> MakeDeviceCopyPath() { return std::make_unique<DeviceCopyPath>(); }
 
+std::string DeviceCopyMode(bool cuda_driver) {
+  return cuda_driver ? "cuMemcpyAsync per page" : "none (no CUDA driver)";
+}
+
 }  // namespace kvagent::agent

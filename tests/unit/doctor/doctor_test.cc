@@ -134,6 +134,17 @@ TEST_CASE("cuda-driver: absent, no devices, devices") {
         "[0000:18:00.0] 85.0 GiB");
 }
 
+TEST_CASE("device-copy names the mode it is given and what it means here") {
+  auto none = CheckDeviceCopy("none (no CUDA driver)", NoDriver());
+  CHECK(none.name() == "device-copy");
+  CHECK(none.result() == Result::PASS);
+  CHECK(none.detail().rfind("none (no CUDA driver): VRAM is not copied between agents", 0) == 0);
+  CHECK(none.fix().empty());
+  auto gpu = CheckDeviceCopy("cuMemcpyAsync per page", OneGpu());
+  CHECK(gpu.result() == Result::PASS);
+  CHECK(gpu.detail().rfind("cuMemcpyAsync per page: how VRAM pages of same-host peers", 0) == 0);
+}
+
 TEST_CASE("privileges warn when the agent runs as root, with the unprivileged setup") {
   auto root = CheckPrivileges(0, true);
   CHECK(root.name() == "privileges");
@@ -385,27 +396,31 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   peer.set_name("decode");
   peer.set_state("unreachable");
   inputs.peers = {peer};
+  inputs.device_copy = "cuMemcpyAsync per page";
 
   auto report = RunDoctor(inputs);
   CHECK(report.agent() == "prefill");
   std::vector<std::string> names;
   for (const auto& c : report.checks()) names.push_back(c.name());
-  CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "memlock", "dev-shm",
-                                          "hugepages", "ptrace-scope", "rdma", "privileges",
-                                          "peer:decode"});
-  CHECK(report.checks(5).result() == Result::PASS);  // from the meminfo written above
-  CHECK(report.checks(6).result() == Result::WARN);  // scope 1
-  CHECK(report.checks(7).result() == Result::PASS);  // no devices
-  CHECK(report.checks(8).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
+  CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "device-copy",
+                                          "memlock", "dev-shm", "hugepages", "ptrace-scope",
+                                          "rdma", "privileges", "peer:decode"});
+  CHECK(report.checks(6).result() == Result::PASS);  // from the meminfo written above
+  CHECK(report.checks(7).result() == Result::WARN);  // scope 1
+  CHECK(report.checks(8).result() == Result::PASS);  // no devices
+  CHECK(report.checks(9).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
   CHECK(HasFailure(report));                         // the unreachable peer
 
   auto lines = SummaryLines(report);
-  REQUIRE(lines.size() == 10);
+  REQUIRE(lines.size() == 11);
   CHECK(lines[0] == "ucx PASS UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
-  CHECK(lines[6].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
+  CHECK(lines[3].rfind("device-copy PASS cuMemcpyAsync per page", 0) == 0);
+  CHECK(lines[7].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
 
   inputs.peers.clear();
   CHECK_FALSE(HasFailure(RunDoctor(inputs)));
+  inputs.device_copy.clear();  // not given: no device-copy check
+  CHECK(RunDoctor(inputs).checks_size() == 10);  // 9 host checks and "peers"
 }
 
 }  // namespace

@@ -1,0 +1,120 @@
+// The same-host copy paths as an operator sees them, against two real kvagentd
+// processes: GetStatus counts what the host copy lanes copied (and `kvagentctl status`
+// prints it), and GetStatus, ListPeers and Doctor name the device copy mode.
+#include <sys/wait.h>
+
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "tests/integration/agent_pair.h"
+#include "transport/cuda_driver.h"
+
+namespace kvagent::testing {
+namespace {
+
+std::string KvagentctlOutput(const std::vector<std::string>& args, const std::string& path) {
+  auto pid = SpawnKvagentctl(args, path);
+  INFO(pid.status().ToString());
+  REQUIRE(pid.ok());
+  int status = 0;
+  REQUIRE(waitpid(*pid, &status, 0) == *pid);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST_CASE("GetStatus counts the copy lanes' batches; status, peers and doctor name the modes") {
+  AgentPairOptions options;
+  options.shape.page_bytes = 64 << 10;  // a page of all 8 regions is 512 KiB: two lanes
+  options.extra_args = {"--copy-lanes", "2"};
+  AgentPair pair(options);
+  const std::string mode = transport::CudaDriver::Load().ok() ? "cuMemcpyAsync per page"
+                                                               : "none (no CUDA driver)";
+
+  auto before = pair.prefill().Status();
+  REQUIRE(before.ok());
+  CHECK(before->copy_lanes().lanes() == 2);
+  CHECK(before->copy_lanes().batches() == 0);
+  CHECK(before->copy_lanes().bytes() == 0);
+  CHECK(before->device_copy() == mode);
+
+  pair.ResetContents();
+  const std::vector<uint64_t> src = {0, 1, 2, 3, 4, 5, 6, 7};
+  const std::vector<uint64_t> dst = {20, 21, 22, 23, 24, 25, 26, 27};
+  v1::SubmitTransferRequest write = KvWrite("lanes-write", src, dst);
+  write.set_wait(true);
+  auto done = pair.prefill().Submit(write);
+  INFO(done.status().ToString());
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(pair.PageEqual(src[i], dst[i]));
+
+  auto after = pair.prefill().Status();
+  REQUIRE(after.ok());
+  const uint64_t bytes = src.size() * pair.prefill_pool().regions() * (64 << 10);
+  CHECK(done->bytes_total() == bytes);
+  CHECK(after->copy_lanes().bytes() == bytes);
+  CHECK(after->copy_lanes().batches() >= 1);
+  CHECK(after->copy_lanes().split_batches() >= 1);  // 4 MiB: both lanes took part
+  CHECK(after->copy_lanes().split_batches() <= after->copy_lanes().batches());
+  // decode copied nothing: prefill's host copy path wrote into its memory.
+  auto decode = pair.decode().Status();
+  REQUIRE(decode.ok());
+  CHECK(decode->copy_lanes().bytes() == 0);
+
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  REQUIRE(peers->peers_size() == 1);
+  CHECK(peers->peers(0).data_path() == "shm-direct");
+  CHECK(peers->peers(0).device_copy() == mode);
+
+  auto report = pair.prefill().Doctor();
+  REQUIRE(report.ok());
+  bool found = false;
+  for (const auto& c : report->checks()) {
+    if (c.name() != "device-copy") continue;
+    found = true;
+    CHECK(c.result() == v1::DoctorCheck::PASS);
+    CHECK(c.detail().rfind(mode + ": ", 0) == 0);
+  }
+  CHECK(found);
+
+  const std::string address = pair.prefill_process().address();
+  const std::string status =
+      KvagentctlOutput({"--agent", address, "status"}, pair.work_dir() + "/status.txt");
+  INFO(status);
+  CHECK(status.find("copy lanes   2: ") != std::string::npos);
+  CHECK(status.find(std::to_string(bytes) + " bytes; device copy " + mode) != std::string::npos);
+  const std::string listed =
+      KvagentctlOutput({"--agent", address, "peers"}, pair.work_dir() + "/peers.txt");
+  INFO(listed);
+  CHECK(listed.find("; device copy " + mode) != std::string::npos);
+}
+
+TEST_CASE("One copy lane copies every batch on the worker thread") {
+  AgentPairOptions options;
+  options.shape.page_bytes = 64 << 10;
+  options.extra_args = {"--copy-lanes", "1"};
+  AgentPair pair(options);
+  pair.ResetContents();
+  v1::SubmitTransferRequest write = KvWrite("one-lane", {0, 1, 2, 3}, {10, 11, 12, 13});
+  write.set_wait(true);
+  auto done = pair.prefill().Submit(write);
+  REQUIRE(done.ok());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (uint64_t i = 0; i < 4; ++i) CHECK(pair.PageEqual(i, 10 + i));
+  auto status = pair.prefill().Status();
+  REQUIRE(status.ok());
+  CHECK(status->copy_lanes().lanes() == 1);
+  CHECK(status->copy_lanes().batches() >= 1);
+  CHECK(status->copy_lanes().split_batches() == 0);
+  CHECK(status->copy_lanes().bytes() == done->bytes_total());
+}
+
+}  // namespace
+}  // namespace kvagent::testing

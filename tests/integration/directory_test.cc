@@ -1,0 +1,426 @@
+// The fleet directory (agent/directory, --directory) against real etcd 3.4 processes
+// on free loopback ports: agents publish themselves and list the fleet, ConnectPeer
+// "agent:NAME" resolves through etcd, a peer that dies or restarts is failed and
+// reconnected by what etcd says (the agents' own polls are slowed to a minute, so only
+// the directory can be what noticed), etcd going away leaves established peers
+// working and lookups failing clearly, and a 3-member cluster survives losing the
+// member the agents talk to.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent/etcd_client.h"
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
+#include "fmt/format.h"
+#include "proto/directory.pb.h"
+#include "tests/integration/agent_pair.h"
+#include "tests/unit/catch_main.h"
+
+extern char** environ;
+
+namespace kvagent::testing {
+namespace {
+
+using Catch::Matchers::Contains;
+constexpr const char* kEtcd = "/usr/bin/etcd";
+
+template <typename T>
+T Require(absl::StatusOr<T> value, const std::string& what) {
+  INFO(what << ": " << value.status().ToString());
+  REQUIRE(value.ok());
+  return *std::move(value);
+}
+
+std::string WorkDir(const std::string& tag) {
+  static int counter = 0;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = fmt::format("{}/dir.{}.{}.{}", tmp ? tmp : "/tmp", tag, getpid(), counter++);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// A port nobody listens on now (etcd takes no port 0: it must advertise its URLs).
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+bool WaitFor(const std::function<bool()>& ready, int ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (std::chrono::steady_clock::now() < until) {
+    if (ready()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return ready();
+}
+
+// One etcd member; `cluster` is the --initial-cluster of all members.
+struct EtcdMember {
+  std::string name, dir;
+  int client_port = 0, peer_port = 0;
+  pid_t pid = -1;
+
+  std::string client_url() const { return fmt::format("http://127.0.0.1:{}", client_port); }
+  std::string peer_url() const { return fmt::format("http://127.0.0.1:{}", peer_port); }
+  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_port); }
+
+  void Start(const std::string& cluster) {
+    std::vector<std::string> args = {kEtcd,
+                                     "--name", name,
+                                     "--data-dir", dir + "/data",
+                                     "--listen-client-urls", client_url(),
+                                     "--advertise-client-urls", client_url(),
+                                     "--listen-peer-urls", peer_url(),
+                                     "--initial-advertise-peer-urls", peer_url(),
+                                     "--initial-cluster", cluster,
+                                     "--initial-cluster-state", "new",
+                                     "--heartbeat-interval", "50",
+                                     "--election-timeout", "500",
+                                     "--log-level", "warn"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    const std::string log = dir + "/etcd.log";
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    REQUIRE(posix_spawn(&pid, kEtcd, &actions, nullptr, argv.data(), environ) == 0);
+    posix_spawn_file_actions_destroy(&actions);
+  }
+  void Kill() {
+    if (pid <= 0) return;
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    pid = -1;
+  }
+  ~EtcdMember() { Kill(); }
+};
+
+// 1 or 3 members, ready to answer.
+struct Etcd {
+  std::vector<std::unique_ptr<EtcdMember>> members;
+  std::string cluster;
+
+  explicit Etcd(int size) {
+    const std::string dir = WorkDir("etcd");
+    for (int i = 0; i < size; ++i) {
+      auto m = std::make_unique<EtcdMember>();
+      m->name = fmt::format("e{}", i);
+      m->dir = fmt::format("{}/{}", dir, m->name);
+      std::filesystem::create_directories(m->dir);
+      m->client_port = FreePort();
+      m->peer_port = FreePort();
+      cluster += fmt::format("{}{}={}", i ? "," : "", m->name, m->peer_url());
+      members.push_back(std::move(m));
+    }
+    for (auto& m : members) m->Start(cluster);
+    for (auto& m : members) REQUIRE(Ready(*m));
+  }
+  std::string url() const {
+    std::string out = "etcd://";
+    for (size_t i = 0; i < members.size(); ++i) out += (i ? "," : "") + members[i]->endpoint();
+    return out;
+  }
+  static bool Ready(const EtcdMember& m) {
+    agent::EtcdClient client({{"127.0.0.1", static_cast<uint16_t>(m.client_port), m.endpoint()}},
+                             absl::Milliseconds(500));
+    directory::EtcdRangeRequest range;
+    range.set_key("/");
+    directory::EtcdRangeResponse answer;
+    return WaitFor([&] { return client.Call("/v3/kv/range", range, &answer).ok(); }, 20000);
+  }
+};
+
+// An agent with a pool, publishing in the directory; its polls of peers slowed to a
+// minute so that only the directory can notice a peer's death or restart quickly.
+struct FleetAgent {
+  cli::DaemonProcess process;
+  std::unique_ptr<cli::AgentClient> client;
+  cli::KvPool pool;
+
+  FleetAgent(const std::string& dir, const std::string& name, const std::string& url) {
+    cli::DaemonOptions d;
+    d.binary = Require(cli::FindKvagentd(""), "finding kvagentd");
+    d.name = name;
+    d.work_dir = dir;
+    d.extra_args = {"--directory", url, "--directory-ttl-s", "2", "--peer-refresh-ms", "60000"};
+    process = Require(cli::DaemonProcess::Start(d), "starting " + name);
+    client = std::make_unique<cli::AgentClient>(process.address());
+    AgentPairOptions shape;
+    pool = Require(cli::CreateKvPool(*client, name, shape.shape), name + "'s pool");
+  }
+};
+
+// prefill and decode publishing in `etcd`, both listed, prefill connected to decode
+// by name.
+struct Fleet {
+  std::string dir;
+  FleetAgent prefill;
+  std::unique_ptr<FleetAgent> decode;
+
+  Fleet(const std::string& url, const std::string& tag);
+};
+
+v1::ListAgentsResponse Agents(cli::AgentClient& client) {
+  return Require(client.Agents(), "ListAgents");
+}
+
+const v1::DirectoryAgent* Find(const v1::ListAgentsResponse& r, const std::string& name) {
+  for (const auto& a : r.agents()) {
+    if (a.name() == name) return &a;
+  }
+  return nullptr;
+}
+
+std::string PeerState(cli::AgentClient& client, const std::string& name, std::string* error) {
+  auto peers = Require(client.Peers(), "ListPeers");
+  for (const auto& p : peers.peers()) {
+    if (p.name() != name) continue;
+    if (error) *error = p.last_error();
+    return p.state() + "/" + std::to_string(p.incarnation());
+  }
+  return "absent";
+}
+
+void PrintFleet(const char* when, cli::AgentClient& client) {
+  auto r = Agents(client);
+  std::printf("%s: published %d, watching %d, %d agents:", when, r.published(), r.watching(),
+              r.agents_size());
+  for (const auto& a : r.agents()) std::printf(" %s(%s)", a.name().c_str(), a.peer_state().c_str());
+  std::printf("%s%s\n", r.last_error().empty() ? "" : "; last error: ", r.last_error().c_str());
+}
+
+Fleet::Fleet(const std::string& url, const std::string& tag)
+    : dir(WorkDir(tag)),
+      prefill(dir, "prefill", url),
+      decode(std::make_unique<FleetAgent>(dir, "decode", url)) {
+  REQUIRE(WaitFor([&] { return Agents(*prefill.client).agents_size() == 2; }, 10000));
+  REQUIRE(prefill.client->Connect("agent:decode").ok());
+}
+
+void WriteAndCheck(FleetAgent& prefill, FleetAgent& decode, const std::string& id, uint64_t page) {
+  for (uint32_t r = 0; r < prefill.pool.regions(); ++r) {
+    cli::FillPage(prefill.pool.Page(r, page), prefill.pool.shape.page_bytes, 11, r, page);
+  }
+  REQUIRE(prefill.client->Submit(KvWrite(id, {page}, {page})).ok());
+  auto done = prefill.client->WaitTransfer(id, 20000);
+  REQUIRE(done.ok());
+  INFO(done->DebugString());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (uint32_t r = 0; r < prefill.pool.regions(); ++r) {
+    CHECK(std::memcmp(prefill.pool.Page(r, page), decode.pool.Page(r, page),
+                      prefill.pool.shape.page_bytes) == 0);
+  }
+}
+
+#define NEEDS_ETCD()                                                                     \
+  if (access(kEtcd, X_OK) != 0)                                                          \
+  KVAGENT_SKIP("needs etcd 3.4 at /usr/bin/etcd (Debian's etcd-server, which "           \
+               "deploy/bootstrap.sh installs)")
+
+TEST_CASE("directory: agents publish, list the fleet, and connect by name") {
+  NEEDS_ETCD();
+  Etcd etcd(1);
+  const std::string dir = WorkDir("fleet");
+  FleetAgent prefill(dir, "prefill", etcd.url());
+  FleetAgent decode(dir, "decode", etcd.url());
+
+  REQUIRE(WaitFor([&] { return Agents(*prefill.client).agents_size() == 2; }, 10000));
+  auto fleet = Agents(*prefill.client);
+  CHECK(fleet.published());
+  CHECK(fleet.watching());
+  CHECK(fleet.publishes() == 1);
+  const v1::DirectoryAgent* d = Find(fleet, "decode");
+  REQUIRE(d != nullptr);
+  CHECK(d->local_socket() == decode.process.address());
+  CHECK_FALSE(d->self());
+  CHECK(d->peer_state().empty());
+  CHECK(Find(fleet, "prefill")->self());
+  PrintFleet("before connecting", *prefill.client);
+
+  // By name: same host, so through decode's local door (memory by descriptor).
+  auto info = Require(prefill.client->Connect("agent:decode"), "ConnectPeer agent:decode");
+  CHECK(info.name() == "decode");
+  CHECK(info.address() == decode.process.address());
+  CHECK(Find(Agents(*prefill.client), "decode")->peer_state() == "connected");
+  WriteAndCheck(prefill, decode, "by-name", 3);
+
+  auto unknown = prefill.client->Connect("agent:nobody");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.status().code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(std::string(unknown.status().message()),
+             Contains("no agent 'nobody'") && Contains("listed: [decode, prefill]") &&
+                 Contains("--directory-prefix"));
+  std::printf("ConnectPeer agent:nobody -> %s\n", unknown.status().ToString().c_str());
+
+  // An agent that stops cleanly revokes its lease: it leaves the list at once.
+  REQUIRE(Require(decode.process.Stop(), "stopping decode") == 0);
+  CHECK(WaitFor([&] { return Find(Agents(*prefill.client), "decode") == nullptr; }, 1500));
+}
+
+TEST_CASE("directory: a peer that dies is failed, one that restarts is reconnected") {
+  NEEDS_ETCD();
+  Etcd etcd(1);
+  Fleet fleet(etcd.url(), "restart");
+  FleetAgent& prefill = fleet.prefill;
+  std::unique_ptr<FleetAgent>& decode = fleet.decode;
+  const std::string& dir = fleet.dir;
+  WriteAndCheck(prefill, *decode, "before", 1);
+  std::string first = PeerState(*prefill.client, "decode", nullptr);
+
+  // Killed (no lease revoke): its record expires after the 2 s TTL; with polls a
+  // minute apart, only the directory can mark it.
+  const auto killed = std::chrono::steady_clock::now();
+  decode->process.Kill();
+  std::string error;
+  REQUIRE(WaitFor([&] {
+    return PeerState(*prefill.client, "decode", &error).rfind("unreachable", 0) == 0;
+  }, 8000));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  std::printf("decode killed: marked unreachable after %.1f s: %s\n", seconds, error.c_str());
+  CHECK_THAT(error, Contains("left the directory"));
+  // A transfer submitted now fails at once, naming why.
+  auto refused = prefill.client->Submit(KvWrite("to-the-dead", {2}, {2}));
+  if (refused.ok()) {
+    auto ended = prefill.client->WaitTransfer("to-the-dead", 5000);
+    REQUIRE(ended.ok());
+    CHECK(ended->phase() == v1::FAILED);
+  } else {
+    CHECK(refused.status().code() == absl::StatusCode::kUnavailable);
+  }
+
+  // Restarted with the same name: a new incarnation appears, prefill reconnects to it
+  // without a ConnectPeer (the polls would take a minute).
+  decode = std::make_unique<FleetAgent>(dir, "decode", etcd.url());
+  REQUIRE(WaitFor([&] {
+    return PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0;
+  }, 8000));
+  CHECK(PeerState(*prefill.client, "decode", nullptr) != first);
+  // Its new pool is in the catalog prefill fetched, or is fetched at submit.
+  WriteAndCheck(prefill, *decode, "after-restart", 5);
+
+  // Killed and restarted before its lease expires: the record is replaced (another
+  // incarnation) and prefill fails the old one and follows the new one.
+  const std::string second = PeerState(*prefill.client, "decode", nullptr);
+  decode->process.Kill();
+  decode = std::make_unique<FleetAgent>(dir, "decode", etcd.url());
+  REQUIRE(WaitFor([&] {
+    const std::string now = PeerState(*prefill.client, "decode", nullptr);
+    return now.rfind("connected", 0) == 0 && now != second;
+  }, 8000));
+  WriteAndCheck(prefill, *decode, "after-quick-restart", 6);
+}
+
+TEST_CASE("directory: etcd gone leaves peers working and lookups failing clearly") {
+  NEEDS_ETCD();
+  Etcd etcd(1);
+  Fleet fleet(etcd.url(), "etcdgone");
+  FleetAgent& prefill = fleet.prefill;
+  FleetAgent& decode = *fleet.decode;
+
+  etcd.members[0]->Kill();
+  REQUIRE(WaitFor([&] { return !Agents(*prefill.client).watching(); }, 5000));
+  PrintFleet("etcd killed", *prefill.client);
+  WriteAndCheck(prefill, decode, "without-etcd", 7);
+  auto lookup = prefill.client->Connect("agent:decode");
+  REQUIRE_FALSE(lookup.ok());
+  CHECK(lookup.status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(lookup.status().message()),
+             Contains(etcd.members[0]->endpoint()) && Contains("connect by address"));
+  std::printf("ConnectPeer agent:decode without etcd -> %s\n", lookup.status().ToString().c_str());
+  // Longer than the TTL: established peers are not failed because etcd went away.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  CHECK(PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0);
+  WriteAndCheck(prefill, decode, "still-without-etcd", 8);
+
+  // etcd back (same data): both agents publish again and lookups work.
+  etcd.members[0]->Start(etcd.cluster);
+  REQUIRE(Etcd::Ready(*etcd.members[0]));
+  REQUIRE(WaitFor([&] {
+    auto r = Agents(*prefill.client);
+    return r.watching() && r.published() && r.agents_size() == 2;
+  }, 10000));
+  PrintFleet("etcd back", *prefill.client);
+  CHECK(prefill.client->Connect("agent:decode").ok());
+  WriteAndCheck(prefill, decode, "etcd-back", 9);
+}
+
+TEST_CASE("directory: a 3-member etcd cluster loses the member the agents use") {
+  NEEDS_ETCD();
+  Etcd etcd(3);
+  Fleet fleet(etcd.url(), "cluster");
+  FleetAgent& prefill = fleet.prefill;
+  FleetAgent& decode = *fleet.decode;
+
+  // The agents start with the first endpoint; it goes.
+  etcd.members[0]->Kill();
+  // Their leases live on (keepalives move to another member) and the watch resumes.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  REQUIRE(WaitFor([&] {
+    auto r = Agents(*prefill.client);
+    return r.watching() && r.published() && r.agents_size() == 2;
+  }, 10000));
+  PrintFleet("member e0 killed", *prefill.client);
+  CHECK(Agents(*decode.client).published());
+  CHECK(PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0);
+  CHECK(prefill.client->Connect("agent:decode").ok());
+  WriteAndCheck(prefill, decode, "after-member-loss", 10);
+}
+
+TEST_CASE("directory: bad flags are refused at start, naming the flag") {
+  const std::string dir = WorkDir("flags");
+  for (const auto& [args, text] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--directory", "http://127.0.0.1:2379"}, "does not start with etcd://"},
+           {{"--directory", "etcd://127.0.0.1"}, "is not HOST:PORT"},
+           {{"--directory", "etcd://127.0.0.1:2379", "--directory-ttl-s", "1"}, "--directory-ttl-s 1"},
+           {{"--directory", "etcd://127.0.0.1:2379", "--directory-prefix", "kv"},
+            "--directory-prefix 'kv'"}}) {
+    cli::DaemonOptions d;
+    d.binary = Require(cli::FindKvagentd(""), "finding kvagentd");
+    d.name = "bad";
+    d.work_dir = dir;
+    d.extra_args = args;
+    d.start_timeout_ms = 5000;
+    auto started = cli::DaemonProcess::Start(d);
+    REQUIRE_FALSE(started.ok());
+    CHECK_THAT(std::string(started.status().message()), Contains(text));
+  }
+  // ListAgents on an agent without a directory says how to get one.
+  AgentPair pair;
+  auto none = pair.prefill().Agents();
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(none.status().message()), Contains("--directory etcd://"));
+  auto by_name = pair.prefill().Connect("agent:decode");
+  REQUIRE_FALSE(by_name.ok());
+  CHECK_THAT(std::string(by_name.status().message()), Contains("without a directory"));
+}
+
+}  // namespace
+}  // namespace kvagent::testing
