@@ -22,7 +22,6 @@ export DEBIAN_FRONTEND=noninteractive
 #   etcd-server                      tests/integration/directory_test runs real etcd members (the
 #                                    --directory fleet directory); the agent itself needs no package
 #   python3-yaml                     tests/deploy:deploy_test parses deploy/kubernetes
-#   python3-yaml                     tests/deploy:deploy_test parses deploy/kubernetes
 #   python3-grpcio python3-protobuf  the Python client (python/kvagent) and its py_tests, run by
 #   python3-numpy python3-torch      /usr/bin/python3; torch (CPU) for tensor views and the examples
 #                                    (--no-install-recommends below keeps torch's GUI recommends out)
@@ -50,7 +49,6 @@ PACKAGES=(
   libclang-rt-14-dev
   iproute2
   etcd-server
-  python3-yaml
   python3-yaml
   python3-grpcio
   python3-protobuf
