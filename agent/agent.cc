@@ -214,7 +214,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->incoming_ = std::make_unique<IncomingTransfers>(
       incoming_options, agent->registry_.get(), agent->notifications_.get(),
       [worker = agent->worker_.get()](void* reply_ep, const v1::TransferAck& ack) {
-        worker->SendAmReply(reply_ep, kTransferAckAmId, ack.SerializeAsString(), nullptr, 0,
+        worker->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack.SerializeAsString(), nullptr, 0,
                             [](absl::Status sent) {
                               if (!sent.ok()) {
                                 kLog.Warn("a transfer acknowledgement was not sent: {}",
@@ -241,6 +241,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
       agent->notifications_.get(), engine_options);
   agent->engine_->Start();
   agent->stager_->Start();
+  // Everything peers send arrives through the Inbox (agent/inbox.cc has the table).
+  agent->inbox_ = std::make_unique<Inbox>(agent->worker_.get(), &agent->secrets_,
+                                          &agent->counters_);
+  agent->inbox_->Install(agent->engine_.get(), agent->stager_.get());
   // A lost peer fails its transfers at once instead of at their deadline. The engine
   // outlives the peer manager's callers: peers stop in Shutdown, before the engine
   // is destroyed.
@@ -535,7 +539,7 @@ Agent::~Agent() {
   fast_path_.reset();
   // The worker progresses UCX until it is destroyed: from here on, what peers send is
   // dropped unread (a message must never reach an object being torn down).
-  if (worker_) worker_->SilenceAmHandlers();
+  if (inbox_) inbox_->Silence();
   // Peer views (endpoints, keys) die on the worker thread, so before the worker.
   if (engine_) engine_->ReleasePeers();
   // The worker runs its last closures and completions (flushes, sends, staged chunks)

@@ -20,6 +20,7 @@
 #include "agent/health.h"
 #include "agent/metrics.h"
 #include "agent/transfer_metrics.h"
+#include "agent/inbox.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/local_door.h"
@@ -129,6 +130,8 @@ class Agent {
   AgentIdentity identity_;
   int port_ = 0;
   std::unique_ptr<transport::UcxContext> context_;
+  // Declared before the worker, so it goes after it (its handlers are silenced first).
+  std::unique_ptr<Inbox> inbox_;
   std::unique_ptr<transport::UcxWorker> worker_;
   std::unique_ptr<registry::RegionRegistry> registry_;
   std::unique_ptr<NotificationQueue> notifications_;

@@ -26,10 +26,6 @@
 
 namespace kvagent::agent {
 
-// Active message 5: a receiver's TransferAck, sent over the reply endpoint of the
-// DATA_READY it answers.
-inline constexpr uint16_t kTransferAckAmId = 5;
-
 struct IncomingOptions {
   std::string self_name;
   // Past the sender's deadline (as its OPEN gave it) before an incoming transfer

@@ -19,7 +19,6 @@ namespace {
 constexpr log::Logger kLog("staging");
 constexpr uint64_t kPageBytes = 4096;
 constexpr uint64_t kMaxPoolBytes = 64ull << 30;
-constexpr size_t kMaxHeaderBytes = 1 << 20;
 
 std::string ArrivalKey(const std::string& from, uint64_t incarnation, const std::string& id) {
   return fmt::format("{}/{:x}/{}", from, incarnation, id);
@@ -296,12 +295,6 @@ Stager::Stager(transport::UcxWorker* worker, const transport::UcxContext* contex
 Stager::~Stager() { Stop(); }
 
 void Stager::Start() {
-  worker_->SetAmDataHandler(kStagedDataAmId,
-                            [this](const transport::AmMessage& m) { return OnChunk(m); });
-  worker_->SetAmDataHandler(kStagedReadRequestAmId,
-                            [this](const transport::AmMessage& m) { return OnReadRequest(m); });
-  worker_->SetAmDataHandler(kStagedReadReplyAmId,
-                            [this](const transport::AmMessage& m) { return OnReadReply(m); });
   sweep_thread_ = std::thread([this] {
     // Every 500 ms: sweep stale receive state. Every 10 ms while READs of a peer's
     // staged memory wait for replies: abandon those whose transfer stopped, so a peer
@@ -499,7 +492,7 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
         piece->set_length(p.length);
       }
       // The buffer stays leased until the send completes: only then may it be reused.
-      endpoint.SendAmNoCopy(kStagedDataAmId, header.SerializeAsString(), buffer, chunk.bytes,
+      endpoint.SendAmNoCopy(Wire(AmId::kStagedChunk), header.SerializeAsString(), buffer, chunk.bytes,
                             [this, job, lease, segment](absl::Status s) {
                               ChunkDone(job, std::move(s), segment);
                             });
@@ -577,16 +570,12 @@ const Stager::StagedRegion* Stager::LocalRegionOf(uint64_t address, uint64_t len
   return &r;
 }
 
-bool Stager::OnChunk(const transport::AmMessage& message) {
-  v1::StagedChunkHeader header;
-  if (message.header.size() > kMaxHeaderBytes ||
-      !header.ParseFromArray(message.header.data(), static_cast<int>(message.header.size()))) {
-    chunks_rejected_.fetch_add(1);
-    kLog.Warn("dropped a staged chunk whose {}-byte header does not parse (or is over {} "
-              "bytes); the sending agent runs an incompatible version",
-              message.header.size(), kMaxHeaderBytes);
-    return false;
-  }
+void Stager::CountUnparsed(AmId id) {
+  if (id == AmId::kStagedChunk) chunks_rejected_.fetch_add(1);
+  if (id == AmId::kStagedReadRequest) reads_refused_.fetch_add(1);
+}
+
+bool Stager::OnChunk(const v1::StagedChunkHeader& header, const transport::AmMessage& message) {
   if (!options_.verify_peer || !options_.verify_peer(header.from_agent(), header.secret())) {
     chunks_rejected_.fetch_add(1);
     if (options_.on_dropped) options_.on_dropped();
@@ -863,7 +852,7 @@ void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
     piece->set_remote_address(p.remote_address);
     piece->set_length(p.length);
   }
-  job->peer->endpoint->SendAmRequest(kStagedReadRequestAmId, header.SerializeAsString(),
+  job->peer->endpoint->SendAmRequest(Wire(AmId::kStagedReadRequest), header.SerializeAsString(),
                                      [this, id](absl::Status s) {
                                        if (!s.ok()) EndRead(id, std::move(s));
                                      });
@@ -938,15 +927,7 @@ absl::Status Stager::PlaceReply(const ReadRequest& request, uint64_t offset, con
   return absl::OkStatus();
 }
 
-bool Stager::OnReadReply(const transport::AmMessage& message) {
-  v1::StagedReadReply header;
-  if (message.header.size() > kMaxHeaderBytes ||
-      !header.ParseFromArray(message.header.data(), static_cast<int>(message.header.size()))) {
-    kLog.Warn("dropped a staged read reply whose {}-byte header does not parse; the serving "
-              "agent runs an incompatible version",
-              message.header.size());
-    return false;
-  }
+bool Stager::OnReadReply(const v1::StagedReadReply& header, const transport::AmMessage& message) {
   auto it = reads_.find(header.request_id());
   if (it == reads_.end()) {
     // Abandoned (its transfer stopped), already failed, or not ours: nothing is written.
@@ -1039,22 +1020,13 @@ void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& 
   header.set_request_id(request_id);
   header.set_error(why);
   header.set_error_code(static_cast<int32_t>(code));
-  worker_->SendAmReply(reply_ep, kStagedReadReplyAmId, header.SerializeAsString(), nullptr, 0,
+  worker_->SendAmReply(reply_ep, Wire(AmId::kStagedReadReply), header.SerializeAsString(), nullptr, 0,
                        [](absl::Status s) {
                          if (!s.ok()) kLog.Warn("refusing a staged read: {}", s.message());
                        });
 }
 
-bool Stager::OnReadRequest(const transport::AmMessage& message) {
-  v1::StagedReadRequest header;
-  if (message.header.size() > kMaxHeaderBytes ||
-      !header.ParseFromArray(message.header.data(), static_cast<int>(message.header.size()))) {
-    reads_refused_.fetch_add(1);
-    kLog.Warn("dropped a staged read request whose {}-byte header does not parse (or is over "
-              "{} bytes); the requesting agent runs an incompatible version",
-              message.header.size(), kMaxHeaderBytes);
-    return false;
-  }
+bool Stager::OnReadRequest(const v1::StagedReadRequest& header, const transport::AmMessage& message) {
   if (!options_.verify_peer || !options_.verify_peer(header.from_agent(), header.secret())) {
     // A stranger gets no answer at all.
     reads_refused_.fetch_add(1);
@@ -1168,7 +1140,7 @@ void Stager::ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
   header.set_request_id(request->request_id());
   header.set_offset(offset);
   // The buffer stays leased until the reply is sent: only then may it be reused.
-  worker_->SendAmReply(reply_ep, kStagedReadReplyAmId, header.SerializeAsString(), lease->data(),
+  worker_->SendAmReply(reply_ep, Wire(AmId::kStagedReadReply), header.SerializeAsString(), lease->data(),
                        length, [this, lease, request](absl::Status sent) {
                          --serving_;
                          if (sent.ok()) {

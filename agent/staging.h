@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/am_ids.h"
 #include "agent/peer_manager.h"
 #include "proto/kvagent.pb.h"
 #include "registry/region_registry.h"
@@ -32,13 +33,6 @@
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
-
-// Active message carrying one staged chunk (StagedChunkHeader + the bytes).
-inline constexpr uint16_t kStagedDataAmId = 2;
-// READ of a peer's staged memory: the request (StagedReadRequest, header only, sent so
-// the peer can answer on its reply endpoint) and the replies (StagedReadReply + bytes).
-inline constexpr uint16_t kStagedReadRequestAmId = 3;
-inline constexpr uint16_t kStagedReadReplyAmId = 4;
 
 struct StagingPoolOptions {
   uint64_t chunk_bytes = 4ull << 20;  // bytes of one bounce buffer
@@ -159,7 +153,7 @@ class Stager {
   Stager(const Stager&) = delete;
   Stager& operator=(const Stager&) = delete;
 
-  // Installs the chunk handler and starts the sweep of stale receive state.
+  // Starts the sweep of stale receive state (chunks arrive through agent/inbox).
   void Start();
   // Stops the sweep; call before the worker goes away.
   void Stop();
@@ -188,6 +182,18 @@ class Stager {
   // Worker thread: the transfer of `n` ended without data (cancelled, failed): its
   // arrival state goes, and nothing more is credited to it.
   void Forget(const v1::Notification& n);
+
+  // The Inbox's handlers (worker thread), each with a header that parsed (agent/inbox);
+  // true when it kept the rendezvous descriptor. A staged chunk (AmId::kStagedChunk):
+  // checked against our staged regions, then copied in and credited.
+  bool OnChunk(const v1::StagedChunkHeader& header, const transport::AmMessage& message);
+  // Serving side of a READ (kStagedReadRequest): checks the request and answers it from
+  // our staged regions.
+  bool OnReadRequest(const v1::StagedReadRequest& header, const transport::AmMessage& message);
+  // Initiator side (kStagedReadReply): places a reply's bytes.
+  bool OnReadReply(const v1::StagedReadReply& header, const transport::AmMessage& message);
+  // A staged message whose header did not parse (the Inbox logged it): counted.
+  void CountUnparsed(AmId id);
 
   uint64_t chunks_received() const { return chunks_received_.load(); }
   uint64_t chunks_rejected() const { return chunks_rejected_.load(); }
@@ -226,7 +232,6 @@ class Stager {
   void StartChunk(const std::shared_ptr<Job>& job, size_t index,
                   std::shared_ptr<StagingPool::Lease> lease);
   void ChunkDone(const std::shared_ptr<Job>& job, absl::Status status, int32_t segment);
-  bool OnChunk(const transport::AmMessage& message);
   // Copies the pieces from `data` into place; the regions are the checked targets.
   absl::Status CopyIn(const v1::StagedChunkHeader& header, const uint8_t* data,
                       const std::vector<const StagedRegion*>& targets);
@@ -236,15 +241,12 @@ class Stager {
   // READ of the peer's staged memory, initiator side.
   void StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
                        std::shared_ptr<StagingPool::Lease> lease);
-  bool OnReadReply(const transport::AmMessage& message);
   // Copies reply bytes [offset, +length) of the request's chunk into place.
   absl::Status PlaceReply(const ReadRequest& request, uint64_t offset, const uint8_t* data,
                           uint64_t length);
   void EndRead(uint64_t request_id, absl::Status status);
   // Abandons the requests of jobs whose transfer stopped (cancel, deadline, lost peer).
   void CheckReads();
-  // Serving side: checks the request and answers it from our staged regions.
-  bool OnReadRequest(const transport::AmMessage& message);
   void ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
                  std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
                  uint64_t offset, uint64_t length, std::shared_ptr<StagingPool::Lease> lease);

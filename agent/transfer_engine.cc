@@ -22,7 +22,6 @@ constexpr log::Logger kLog("transfers");
 constexpr size_t kMaxTransferIdBytes = 256;
 // Notification.targets: distinct peer groups and regions one transfer names.
 constexpr size_t kMaxTargets = 256;
-constexpr size_t kMaxAuthHeaderBytes = 1024;
 
 uint64_t RandomToken() {
   uint64_t token = 0;
@@ -91,13 +90,6 @@ TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionReg
 TransferEngine::~TransferEngine() { Stop(absl::ZeroDuration()); }
 
 void TransferEngine::Start() {
-  worker_->SetAmDataHandler(kNotificationAmId, [this](const transport::AmMessage& message) {
-    return OnNotificationMessage(message);
-  });
-  worker_->SetAmHandler(
-      kTransferAckAmId,
-      [this](std::string_view header, std::string_view data) { OnAck(header, data); },
-      /*max_data_bytes=*/0);
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
 }
 
@@ -687,84 +679,12 @@ void TransferEngine::SendNotice(const PeerSnapshot& peer, v1::Notification notic
   v1::PeerMessageAuth auth;
   auth.set_from_agent(options_.self_name);
   auth.set_secret(peer.notify_secret);
-  peer.endpoint->SendAm(kNotificationAmId, auth.SerializeAsString(), notice.SerializeAsString(),
+  peer.endpoint->SendAm(Wire(AmId::kNotification), auth.SerializeAsString(), notice.SerializeAsString(),
                         std::move(done), want_reply);
 }
 
-bool TransferEngine::OnNotificationMessage(const transport::AmMessage& message) {
-  if (!message.rendezvous) {
-    OnNotification(message.header, message.data, message.reply_ep);
-    return false;
-  }
-  // The body is still on the sender: nothing is allocated or received for it before
-  // the header authenticates and the announced length is within the limit.
-  v1::PeerMessageAuth auth;
-  if (!AdmitNotification(message.header, message.length, &auth)) return false;
-  auto header = std::make_shared<std::string>(message.header);
-  auto data = std::make_shared<std::string>(message.length, '\0');
-  void* reply_ep = message.reply_ep;
-  worker_->ReceiveAmData(message.descriptor, data->data(), data->size(),
-                         [this, header, data, reply_ep](absl::Status received) {
-                           if (!received.ok()) {
-                             kLog.Warn("dropped a notification: {}", received.message());
-                             return;
-                           }
-                           OnNotification(*header, *data, reply_ep);
-                         });
-  return true;
-}
-
-bool TransferEngine::AdmitNotification(std::string_view header, uint64_t data_bytes,
-                                       v1::PeerMessageAuth* auth) {
-  // Untrusted until the secret checks: bound, then parse, then verify, then use.
-  auto drop = [this](std::string_view why, std::string_view from) {
-    options_.counters->dropped_peer_messages.fetch_add(1);
-    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(from)), "a notification",
-               absl::PermissionDeniedError(std::string(why)));
-    return false;
-  };
-  if (header.size() > kMaxAuthHeaderBytes || data_bytes > options_.max_notification_message_bytes) {
-    return drop(fmt::format("oversized: header {} bytes, data {} bytes (limits {} and {})",
-                            header.size(), data_bytes, kMaxAuthHeaderBytes,
-                            options_.max_notification_message_bytes),
-                "?");
-  }
-  if (!auth->ParseFromArray(header.data(), static_cast<int>(header.size()))) {
-    return drop("its header does not parse", "?");
-  }
-  if (options_.secrets == nullptr || !options_.secrets->Verify(auth->from_agent(), auth->secret())) {
-    return drop("it does not carry the secret this agent issued to the agent it names (not a "
-                "connected, authenticated peer)",
-                auth->from_agent());
-  }
-  return true;
-}
-
-void TransferEngine::OnNotification(std::string_view header, std::string_view data,
-                                    void* reply_ep) {
-  auto drop = [this](std::string_view why, std::string_view from) {
-    options_.counters->dropped_peer_messages.fetch_add(1);
-    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(from)), "a notification",
-               absl::PermissionDeniedError(std::string(why)));
-  };
-  v1::PeerMessageAuth auth;
-  if (!AdmitNotification(header, data.size(), &auth)) return;
-  v1::Notification n;
-  if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
-    drop(fmt::format("its {} bytes do not parse", data.size()), auth.from_agent());
-    return;
-  }
-  if (n.from_agent() != auth.from_agent() || n.payload().size() > options_.max_notification_bytes ||
-      n.targets_size() > static_cast<int>(kMaxTargets)) {
-    drop("it names another sender than its header, or exceeds the payload or target limits",
-         auth.from_agent());
-    return;
-  }
-  notifications_received_.fetch_add(1);
-  OnAuthenticatedNotice(std::move(n), reply_ep);
-}
-
 void TransferEngine::OnAuthenticatedNotice(v1::Notification n, void* reply_ep) {
+  notifications_received_.fetch_add(1);
   IncomingTransfers& incoming = *options_.incoming;
   switch (n.kind()) {
     case v1::DATA_READY:
@@ -795,16 +715,7 @@ void TransferEngine::StagedDataInPlace(v1::Notification n, absl::Status data) {
   options_.incoming->DataInPlace(n, data);
 }
 
-void TransferEngine::OnAck(std::string_view header, std::string_view data) {
-  v1::TransferAck ack;
-  if (header.size() > kMaxAuthHeaderBytes ||
-      !ack.ParseFromArray(header.data(), static_cast<int>(header.size()))) {
-    options_.counters->dropped_peer_messages.fetch_add(1);
-    LogRefusal("? (UCX active message)", "a transfer acknowledgement",
-               absl::InvalidArgumentError(
-                   fmt::format("its {}-byte header does not parse or is too long", header.size())));
-    return;
-  }
+void TransferEngine::OnAck(const v1::TransferAck& ack) {
   TransferPtr t;
   v1::Notification commit;
   {

@@ -27,6 +27,7 @@
 #include "agent/limits.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
+#include "agent/am_ids.h"
 #include "agent/peer_secrets.h"
 #include "agent/staging.h"
 #include "proto/kvagent.pb.h"
@@ -37,17 +38,12 @@
 
 namespace kvagent::agent {
 
-inline constexpr uint16_t kNotificationAmId = 1;
-
 struct TransferEngineOptions {
   std::string self_name;
   uint32_t default_timeout_ms = 30000;
   uint64_t batch_bytes = 64ull << 20;  // bytes posted before each flush
   uint32_t batch_ops = 8192;           // operations posted before each flush
   uint64_t max_notification_bytes = 64 << 10;
-  // A notification active message larger than this (payload, targets and framing) is
-  // dropped on receipt, unparsed.
-  uint64_t max_notification_message_bytes = 256 << 10;
   uint32_t max_finished = 10000;       // finished transfers kept for queries
   bool ucx_cuda = false;               // the running UCX can move CUDA memory itself
   uint64_t incarnation = 0;            // this agent's, sent with staged notifications
@@ -91,7 +87,7 @@ class TransferEngine {
                  TransferEngineOptions options);
   ~TransferEngine();
 
-  // Installs the notification handler and starts the deadline thread.
+  // Starts the deadline thread (peers' messages reach the engine through agent/inbox).
   void Start();
   // Fails what is still running with `reason` and waits up to `grace` for posted
   // operations to drain.
@@ -116,6 +112,11 @@ class TransferEngine {
   absl::StatusOr<v1::TransferState> Cancel(const std::string& transfer_id, const Caller& caller);
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
   TransferCounters counters() const;
+  // The Inbox's handlers (worker thread). A notice from a peer that passed
+  // authentication and the bounds (agent/inbox): the receiving side takes it.
+  void OnAuthenticatedNotice(v1::Notification n, void* reply_ep);
+  // A receiver acknowledged a DATA_READY of ours (AmId::kTransferAck).
+  void OnAck(const v1::TransferAck& ack);
   // The device copy path's mode on this host (DeviceCopyMode; loads the CUDA driver
   // once per process to know).
   static std::string device_copy_mode();
@@ -203,21 +204,10 @@ class TransferEngine {
   // that the chunk's remaining ops write or read: nothing more may be posted to it.
   static absl::Status CheckRegionsCurrent(const std::string& id, Chunk& chunk,
                                           const PeerSnapshot& current);
-  // Notification active message: an eager one is handled at once; a rendezvous one is
-  // received only after its header authenticates and its announced length is in bounds.
-  bool OnNotificationMessage(const transport::AmMessage& message);
-  void OnNotification(std::string_view header, std::string_view data, void* reply_ep);
-  // Bounds, parses and verifies a notification's header for `data_bytes` of body;
-  // false (counted and logged) when the message is to be dropped.
-  bool AdmitNotification(std::string_view header, uint64_t data_bytes, v1::PeerMessageAuth* auth);
   // Sends `notice` to `peer` with this agent's name and the secret the peer issued us
   // (`want_reply`: the peer gets a reply endpoint, for DATA_READY's TransferAck).
   void SendNotice(const PeerSnapshot& peer, v1::Notification notice,
                   transport::Completion done, bool want_reply = false);
-  // A notice from a peer passed authentication: the receiving side takes it.
-  void OnAuthenticatedNotice(v1::Notification n, void* reply_ep);
-  // Active message 5: a receiver acknowledged a DATA_READY of ours (worker thread).
-  void OnAck(std::string_view header, std::string_view data);
   // Marks the transfers that ended with operations posted longer than the drain
   // timeout ago as drain_unknown (deadline thread).
   void ExpireDrains() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
