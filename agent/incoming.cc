@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_join.h"
 #include "agent/status_util.h"
+#include "agent/timeline.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "transport/base/log.h"
@@ -78,9 +79,9 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   // An outcome always gets its record (it ends at once); a new transfer only while
   // there is room.
   if (!outcome && active_ >= options_.max_active) {
-    kLog.Warn("not tracking incoming transfer '{}' from '{}': {} incoming transfers are open "
+    kLog.Warn("not tracking incoming {} from '{}': {} incoming transfers are open "
               "already; its outcome still reaches its owners",
-              Printable(n.transfer_id()), Printable(n.from_agent()), active_);
+              TransferLabel(n.transfer_id(), n.request_id()), Printable(n.from_agent()), active_);
     return nullptr;
   }
   Record& r = records_[key];
@@ -90,7 +91,9 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   r.state.set_phase(v1::TRANSFERRING);
   r.state.set_failed_segment(-1);
   r.state.set_submitted_unix_us(UnixMicros());
+  r.state.set_request_id(n.request_id());
   r.start_us = MonotonicMicros();
+  MarkStage(r.state, v1::STAGE_SUBMITTED, r.start_us, r.start_us);
   r.owners = OwnersOf(n);
   r.state.set_owner(absl::StrJoin(r.owners, ","));
   ++active_;
@@ -127,6 +130,7 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       r->ack_token = n.ack_token();
       r->held = std::make_unique<v1::Notification>(n);
       r->state.set_bytes_total(n.bytes());
+      MarkStage(r->state, v1::STAGE_NOTIFICATION_RECEIVED, r->start_us, MonotonicMicros());
       return;
     }
     case v1::PEER_DATA_COMMIT: {
@@ -193,7 +197,9 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
       } else if (!r.ended) {
         EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, outcome);
       }
-    } else if (r.state.direction() != v1::INCOMING) {
+    } else if (r.state.direction() == v1::INCOMING) {
+      MarkStage(r.state, v1::STAGE_ACKNOWLEDGED, r.start_us, MonotonicMicros());
+    } else {
       // Untracked: nobody will look it up, so deliver now.
       v1::Notification out = *r.held;
       out.clear_ack_token();
@@ -217,7 +223,9 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   r.state.set_phase(phase);
   r.state.set_error_code(static_cast<int32_t>(status.code()));
   r.state.set_error_message(std::string(status.message()));
-  r.state.set_latency_us(MonotonicMicros() - r.start_us);
+  const uint64_t now = MonotonicMicros();
+  r.state.set_latency_us(now - r.start_us);
+  MarkStage(r.state, v1::STAGE_ENDED, r.start_us, now);
   if (phase == v1::COMPLETED) {
     r.state.set_bytes_done(r.state.bytes_total());
     r.state.set_drained(true);

@@ -9,6 +9,7 @@
 #include "absl/hash/hash.h"
 #include "agent/peer_secrets.h"
 #include "agent/status_util.h"
+#include "agent/timeline.h"
 #include "fmt/format.h"
 #include "registry/fault_guard.h"
 #include "transport/base/format.h"
@@ -146,11 +147,13 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   t.state.set_error_code(static_cast<int32_t>(status.code()));
   t.state.set_error_message(std::string(status.message()));
   t.state.set_failed_segment(segment);
-  t.state.set_latency_us(MonotonicMicros() - t.start_us);
+  const uint64_t now = MonotonicMicros();
+  t.state.set_latency_us(now - t.start_us);
+  MarkStage(t.state, v1::STAGE_ENDED, t.start_us, now);
   if (!t.inflight) {
     SetDrained(t);
   } else {
-    t.stopped_us = MonotonicMicros();
+    t.stopped_us = now;
     draining_.insert(t.state.transfer_id());
   }
   t.awaiting_ack = false;
@@ -166,7 +169,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
     ++completed_;
   } else {
     ++failed_;
-    kLog.Info("transfer '{}' {}: {}", t.state.transfer_id(), v1::TransferPhase_Name(phase),
+    kLog.Info("{} {}: {}", TransferLabel(t.state), v1::TransferPhase_Name(phase),
               status.message());
   }
   Publish(t);
@@ -233,6 +236,13 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
         "transfer_id '{}' is {} bytes; give each transfer a non-empty id of at most {} bytes "
         "(the request id or bootstrap room)",
         Printable(id), id.size(), kMaxTransferIdBytes));
+  }
+  if (request.request_id().size() > kMaxTransferIdBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': request_id '{}' is {} bytes, over the limit of {}; pass the engine's "
+        "request id (or leave it empty)",
+        Printable(id), Printable(request.request_id()), request.request_id().size(),
+        kMaxTransferIdBytes));
   }
   if (request.op() != v1::WRITE && request.op() != v1::READ) {
     return absl::InvalidArgumentError(fmt::format(
@@ -394,7 +404,9 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->state.set_submitted_unix_us(UnixMicros());
       t->state.set_owner(caller.principal);
       t->state.set_direction(v1::OUTGOING);
+      t->state.set_request_id(request.request_id());
       t->start_us = MonotonicMicros();
+      MarkStage(t->state, v1::STAGE_SUBMITTED, t->start_us, t->start_us);
       const uint32_t timeout_ms =
           request.timeout_ms() ? request.timeout_ms() : options_.default_timeout_ms;
       t->deadline_us = t->start_us + uint64_t{timeout_ms} * 1000;
@@ -429,6 +441,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
     if (!request.more_chunks()) {
       t->state.set_last_chunk_received(true);
       t->notification = request.notification();
+      MarkStage(t->state, v1::STAGE_PLANNED, t->start_us, MonotonicMicros());
     }
     t->last_peer = *peer;
     t->pinned.insert(t->pinned.end(), plan->local_regions.begin(), plan->local_regions.end());
@@ -464,6 +477,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
     notice.set_from_agent(options_.self_name);
     notice.set_transfer_id(t->state.transfer_id());
     notice.set_sender_incarnation(options_.incarnation);
+    notice.set_request_id(t->state.request_id());
     for (const auto& target : t->targets) notice.add_targets(target);
     if (Terminal(t->state.phase())) {
       if (!t->state.drained()) {
@@ -495,6 +509,11 @@ void TransferEngine::Pump(const TransferPtr& t) {
       notice.set_kind(v1::DATA_READY);
       notice.set_bytes(t->state.bytes_total());
       notice.set_ack_token(t->ack_token);
+      // Every byte is in place by now; a transfer whose data was flushed before its
+      // (empty) closing chunk came records the flush here.
+      const uint64_t now = MonotonicMicros();
+      MarkStage(t->state, v1::STAGE_DATA_FLUSHED, t->start_us, now);
+      MarkStage(t->state, v1::STAGE_NOTIFICATION_SENT, t->start_us, now);
       // The peer holds this notification until it has copied these bytes in.
       if (t->staged_bytes > 0) notice.set_staged_bytes(t->staged_bytes);
       peer = t->last_peer;
@@ -530,6 +549,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
         t->chunks.pop_front();
       }
       t->inflight = true;
+      MarkStage(t->state, v1::STAGE_FIRST_POSTED, t->start_us, MonotonicMicros());
       if (t->state.phase() == v1::PENDING) {
         t->state.set_phase(v1::TRANSFERRING);
         Publish(*t);
@@ -610,6 +630,9 @@ void TransferEngine::Pump(const TransferPtr& t) {
         Finish(*t, v1::FAILED, LocalRegionGone(*t, outcome), outcome.failed_segment);
       } else {
         t->state.set_bytes_done(t->state.bytes_done() + batch->bytes);
+        if (t->chunks.empty() && t->state.last_chunk_received()) {
+          MarkStage(t->state, v1::STAGE_DATA_FLUSHED, t->start_us, MonotonicMicros());
+        }
         if (!Terminal(t->state.phase())) Publish(*t);
       }
     }
@@ -739,6 +762,7 @@ void TransferEngine::OnAck(const v1::TransferAck& ack) {
     // A late one: the transfer ended meanwhile (deadline, lost peer) and told the peer so.
     if (!t->awaiting_ack) return;
     t->awaiting_ack = false;
+    MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
     if (ack.error_code() != 0) {
       Finish(*t, v1::FAILED,
              absl::Status(static_cast<absl::StatusCode>(ack.error_code()),
@@ -1011,7 +1035,7 @@ void TransferEngine::ExpireDrains() {
         "complete); reuse those pages only once the peer is gone or restarted",
         t.state.peer(), options_.drain_timeout_ms,
         t.state.op() == v1::WRITE ? "in the peer's pages" : "in this agent's pages"));
-    kLog.Warn("transfer '{}': {}", t.state.transfer_id(), t.state.drain_note());
+    kLog.Warn("{}: {}", TransferLabel(t.state), t.state.drain_note());
     Publish(t);
     draining_.erase(it++);
   }

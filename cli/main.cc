@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/time/time.h"
 #include "agent/status_util.h"
 #include "cli/agent_client.h"
 #include "cli/bench.h"
@@ -39,6 +40,12 @@ commands:
   transfers [--active] [--incoming]
                              this agent's transfers and their states (or, with
                              --incoming, peers' transfers into its regions)
+  transfers --timeline TRANSFER_ID [--peer NAME]
+                             where one transfer's time went: each stage it
+                             reached (submitted, planned, first posted, data
+                             flushed, notification sent, acknowledged, ended),
+                             its time since submit and since the stage before;
+                             an incoming one by id (from peer NAME)
   connect PEER_ADDR          connect this agent to the agent at PEER_ADDR (unix:PATH,
                              HOST:PORT, or agent:NAME through the directory)
                              (unix:PATH on this host, HOST:PORT over mutual TLS)
@@ -181,10 +188,11 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.fast_path_entries()),
               static_cast<unsigned long>(s.fast_path_protocol_errors()));
   const auto& lanes = s.copy_lanes();
-  std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes), "
-              "%lu bytes; device copy %s\n",
+  std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes, "
+              "%lu shares taken back by the worker thread), %lu bytes; device copy %s\n",
               lanes.lanes(), static_cast<unsigned long>(lanes.batches()),
               static_cast<unsigned long>(lanes.split_batches()),
+              static_cast<unsigned long>(lanes.stolen_parts()),
               static_cast<unsigned long>(lanes.bytes()), s.device_copy().c_str());
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
@@ -272,6 +280,27 @@ void PrintTransfer(const kvagent::v1::TransferState& t) {
               kvagent::v1::TransferPhase_Name(t.phase()).c_str(),
               static_cast<unsigned long>(t.bytes_done()), static_cast<unsigned long>(t.bytes_total()),
               t.latency_us() / 1000.0, drain, t.error_message().c_str());
+}
+
+void PrintTimeline(const kvagent::v1::TransferState& t) {
+  std::printf("transfer '%s'%s%s%s %s %s peer '%s': %s, %lu/%lu bytes%s%s\n",
+              t.transfer_id().c_str(), t.request_id().empty() ? "" : " (request '",
+              t.request_id().c_str(), t.request_id().empty() ? "" : "')",
+              t.direction() == kvagent::v1::INCOMING ? "incoming" : "outgoing",
+              kvagent::v1::TransferOp_Name(t.op()).c_str(), t.peer().c_str(),
+              kvagent::v1::TransferPhase_Name(t.phase()).c_str(),
+              static_cast<unsigned long>(t.bytes_done()), static_cast<unsigned long>(t.bytes_total()),
+              t.error_message().empty() ? "" : ": ", t.error_message().c_str());
+  const absl::Time submitted = absl::FromUnixMicros(static_cast<int64_t>(t.submitted_unix_us()));
+  std::printf("submitted %s\n",
+              absl::FormatTime("%Y-%m-%d %H:%M:%E6S UTC", submitted, absl::UTCTimeZone()).c_str());
+  std::printf("%-28s %14s %14s\n", "stage", "since submit", "delta");
+  uint64_t previous = 0;
+  for (const auto& e : t.timeline()) {
+    std::printf("%-28s %11.3f ms %11.3f ms\n", kvagent::v1::TransferStage_Name(e.stage()).c_str(),
+                e.at_us() / 1000.0, (e.at_us() - std::min(previous, e.at_us())) / 1000.0);
+    previous = e.at_us();
+  }
 }
 
 void PrintTransfers(const kvagent::v1::ListTransfersResponse& r) {
@@ -487,15 +516,24 @@ int main(int argc, char** argv) {
   if (command == "agents") return Print(client.Agents(), command, json, &PrintAgents);
   if (command == "transfers") {
     bool active = false, incoming = false;
+    std::string timeline, peer;
     for (size_t i = 1; i < rest.size(); ++i) {
       if (rest[i] == "--active") {
         active = true;
       } else if (rest[i] == "--incoming") {
         incoming = true;
+      } else if ((rest[i] == "--timeline" || rest[i] == "--peer") && i + 1 < rest.size()) {
+        (rest[i] == "--timeline" ? timeline : peer) = rest[i + 1];
+        ++i;
       } else {
         return Usage("unknown transfers flag " + rest[i]);
       }
     }
+    if (!timeline.empty()) {
+      if (active || incoming) return Usage("transfers --timeline takes no --active or --incoming");
+      return Print(client.Get(timeline, peer), command, json, &PrintTimeline);
+    }
+    if (!peer.empty()) return Usage("transfers --peer goes with --timeline TRANSFER_ID");
     return Print(client.Transfers(active, incoming), command, json, &PrintTransfers);
   }
   if (command == "disconnect") {
