@@ -276,6 +276,21 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // monitor keeps NOT_SERVING until UCX answers (Start below).
   agent->health_ = std::make_unique<HealthMonitor>(agent->worker_.get());
   agent->deps_.health = agent->health_.get();
+  if (agent->directory_) {
+    // Not ready while peers cannot find this agent; still live (kvagent.liveness), so a
+    // lost etcd does not get every agent of the fleet restarted.
+    agent->health_->AddCondition(
+        "directory",
+        [directory = agent->directory_.get()]() -> absl::Status {
+          DirectoryState state = directory->State();
+          if (state.published) return absl::OkStatus();
+          return absl::UnavailableError(fmt::format(
+              "this agent's record is not held in etcd ({}): {}; peers cannot find it by "
+              "name until it is",
+              state.endpoints, state.last_error.empty() ? "publishing" : state.last_error));
+        },
+        /*readiness_only=*/true);
+  }
   agent->transfer_metrics_ = std::make_unique<TransferMetrics>();
   agent->deps_.transfer_metrics = agent->transfer_metrics_.get();
 

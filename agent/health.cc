@@ -75,16 +75,20 @@ HealthMonitor::HealthMonitor(transport::UcxWorker* worker, Options options)
 
 HealthMonitor::~HealthMonitor() { Stop(); }
 
-void HealthMonitor::AddCondition(std::string name, std::function<absl::Status()> check) {
-  conditions_.emplace_back(std::move(name), std::move(check));
+void HealthMonitor::AddCondition(std::string name, std::function<absl::Status()> check,
+                                 bool readiness_only) {
+  conditions_.push_back(Condition{std::move(name), std::move(check), readiness_only});
+}
+
+void HealthMonitor::SetAll(grpc::HealthCheckServiceInterface* service, bool ready, bool live) {
+  for (const auto& name : HealthServiceNames()) service->SetServingStatus(name, ready);
+  service->SetServingStatus(kLivenessService, live);
 }
 
 void HealthMonitor::Follow(grpc::HealthCheckServiceInterface* service) {
   if (service == nullptr) return;
   absl::MutexLock lock(&mu_);
-  for (const auto& name : HealthServiceNames()) {
-    service->SetServingStatus(name, status_.ok() && !stopping_);
-  }
+  SetAll(service, status_.ok() && !stopping_, live_ && !stopping_);
   if (stopping_) service->Shutdown();
   followed_.push_back(service);
 }
@@ -109,29 +113,37 @@ void HealthMonitor::Loop() {
   }
 }
 
-absl::Status HealthMonitor::Evaluate() {
-  for (const auto& [name, check] : conditions_) {
-    absl::Status status = check();
-    if (!status.ok()) {
-      return absl::Status(status.code(), fmt::format("{}: {}", name, status.message()));
+HealthMonitor::Verdict HealthMonitor::Evaluate() {
+  Verdict verdict;
+  verdict.live = true;
+  for (const auto& c : conditions_) {
+    absl::Status status = c.check();
+    if (status.ok()) continue;
+    if (!c.readiness_only) verdict.live = false;
+    if (verdict.ready.ok()) {
+      verdict.ready = absl::Status(status.code(), fmt::format("{}: {}", c.name, status.message()));
     }
   }
-  return absl::OkStatus();
+  return verdict;
 }
 
-void HealthMonitor::Apply(absl::Status status) {
+void HealthMonitor::Apply(Verdict verdict) {
   absl::MutexLock lock(&mu_);
-  if (stopping_ || status.ok() == status_.ok()) {
-    if (!stopping_) status_ = std::move(status);
-    return;
+  if (stopping_) return;
+  const bool changed = verdict.ready.ok() != status_.ok() || verdict.live != live_;
+  if (verdict.ready.ok() != status_.ok()) {
+    if (verdict.ready.ok()) {
+      kLog.Info("SERVING (grpc.health.v1)");
+    } else {
+      kLog.Warn("NOT_SERVING (grpc.health.v1): {}{}", verdict.ready.message(),
+                verdict.live ? " (kvagent.liveness stays SERVING)" : "");
+    }
   }
-  if (status.ok()) {
-    kLog.Info("SERVING (grpc.health.v1)");
-  } else {
-    kLog.Warn("NOT_SERVING (grpc.health.v1): {}", status.message());
+  if (changed) {
+    for (auto* service : followed_) SetAll(service, verdict.ready.ok(), verdict.live);
   }
-  for (auto* service : followed_) service->SetServingStatus(status.ok());
-  status_ = std::move(status);
+  status_ = std::move(verdict.ready);
+  live_ = verdict.live;
 }
 
 void HealthMonitor::Stop() {

@@ -45,9 +45,15 @@ class HealthMonitor {
   HealthMonitor(const HealthMonitor&) = delete;
   HealthMonitor& operator=(const HealthMonitor&) = delete;
 
+  // The service name whose status leaves out readiness-only conditions: a liveness
+  // probe asks for it, so an agent that only lost etcd is not restarted.
+  static constexpr const char* kLivenessService = "kvagent.liveness";
+
   // Before Start. `check` runs on the monitor's thread every interval; a non-OK
-  // status means NOT_SERVING, its message the reason (GetStatus's `health`).
-  void AddCondition(std::string name, std::function<absl::Status()> check);
+  // status means NOT_SERVING, its message the reason (GetStatus's `health`). A
+  // `readiness_only` condition leaves kLivenessService SERVING.
+  void AddCondition(std::string name, std::function<absl::Status()> check,
+                    bool readiness_only = false);
   // A server's health service (grpc::Server::GetHealthCheckService) now follows this
   // monitor's status, starting with the current one (NOT_SERVING before Start).
   void Follow(grpc::HealthCheckServiceInterface* service);
@@ -64,18 +70,28 @@ class HealthMonitor {
  private:
   struct Heartbeat;
   void Loop();
-  // Runs every condition; OK or the first failure.
-  absl::Status Evaluate();
-  void Apply(absl::Status status);
+  struct Verdict {
+    absl::Status ready;  // every condition: OK or the first failure
+    bool live = false;   // every condition that is not readiness-only holds
+  };
+  struct Condition {
+    std::string name;
+    std::function<absl::Status()> check;
+    bool readiness_only = false;
+  };
+  Verdict Evaluate();
+  void Apply(Verdict verdict);
+  void SetAll(grpc::HealthCheckServiceInterface* service, bool ready, bool live);
 
   transport::UcxWorker* worker_;
   Options options_;
   std::shared_ptr<Heartbeat> heartbeat_;  // shared with closures still queued on the worker
-  std::vector<std::pair<std::string, std::function<absl::Status()>>> conditions_;
+  std::vector<Condition> conditions_;
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
   std::vector<grpc::HealthCheckServiceInterface*> followed_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("starting");
+  bool live_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -37,6 +37,11 @@ for probe in ("readinessProbe", "livenessProbe"):
     p = container.get(probe, {})
     check("grpc" in p, f"{probe} is not a gRPC health probe")
     check(p.get("grpc", {}).get("port") == health_port, f"{probe} does not use --health-listen's port")
+# Liveness leaves readiness-only conditions (the etcd directory) out.
+check(container.get("livenessProbe", {}).get("grpc", {}).get("service") == "kvagent.liveness",
+      "livenessProbe does not ask for service kvagent.liveness (an etcd outage would restart every agent)")
+check(container.get("readinessProbe", {}).get("grpc", {}).get("service", "") == "",
+      "readinessProbe does not ask for the overall service \"\"")
 
 # Prometheus annotations name --metrics-listen's port and path.
 metrics_port = flags.get("--metrics-listen", ":").rsplit(":", 1)[1]

@@ -28,7 +28,9 @@
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
+#include "grpcpp/grpcpp.h"
 #include "proto/directory.pb.h"
+#include "proto/health.grpc.pb.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/unit/catch_main.h"
 
@@ -185,6 +187,21 @@ struct Fleet {
 
   Fleet(const std::string& url, const std::string& tag);
 };
+
+// grpc.health.v1 Check of `service` on the agent's local door (no token needed).
+bool Serving(const cli::DaemonProcess& agent, const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(agent.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = stub->Check(&context, request, &response);
+  INFO(status.error_message());
+  REQUIRE(status.ok());
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
 
 v1::ListAgentsResponse Agents(cli::AgentClient& client) {
   return Require(client.Agents(), "ListAgents");
@@ -344,9 +361,14 @@ TEST_CASE("directory: etcd gone leaves peers working and lookups failing clearly
   FleetAgent& prefill = fleet.prefill;
   FleetAgent& decode = *fleet.decode;
 
+  // Ready once published (the health monitor looks every 500 ms).
+  CHECK(WaitFor([&] { return Serving(prefill.process, ""); }, 3000));
   etcd.members[0]->Kill();
   REQUIRE(WaitFor([&] { return !Agents(*prefill.client).watching(); }, 5000));
   PrintFleet("etcd killed", *prefill.client);
+  // Not ready (peers cannot find it by name), still live (no restart for an etcd outage).
+  CHECK(WaitFor([&] { return !Serving(prefill.process, ""); }, 6000));
+  CHECK(Serving(prefill.process, "kvagent.liveness"));
   WriteAndCheck(prefill, decode, "without-etcd", 7);
   auto lookup = prefill.client->Connect("agent:decode");
   REQUIRE_FALSE(lookup.ok());
@@ -367,6 +389,7 @@ TEST_CASE("directory: etcd gone leaves peers working and lookups failing clearly
     return r.watching() && r.published() && r.agents_size() == 2;
   }, 10000));
   PrintFleet("etcd back", *prefill.client);
+  CHECK(WaitFor([&] { return Serving(prefill.process, ""); }, 3000));
   CHECK(prefill.client->Connect("agent:decode").ok());
   WriteAndCheck(prefill, decode, "etcd-back", 9);
 }

@@ -34,9 +34,15 @@ class RecordingHealth final : public grpc::HealthCheckServiceInterface {
     absl::MutexLock lock(&mu_);
     return status_;
   }
+  bool Is(const std::string& name, bool serving) {
+    auto s = status();
+    auto it = s.find(name);
+    return it != s.end() && it->second == serving;
+  }
   bool All(bool serving) {
     auto s = status();
-    if (s.size() != HealthServiceNames().size()) return false;
+    // The overall names and kvagent.liveness.
+    if (s.size() != HealthServiceNames().size() + 1) return false;
     for (const auto& [name, v] : s) {
       if (v != serving) return false;
     }
@@ -96,6 +102,32 @@ TEST_CASE("HealthMonitor follows its conditions and the UCX worker", "[health]")
     CHECK(monitor.Describe().find("NOT_SERVING: ucx: the UCX progress thread has not run") == 0);
     release.Notify();
     REQUIRE(Eventually([&] { return monitor.serving() && early.All(true); }));
+  }
+  SECTION("a readiness-only condition leaves kvagent.liveness SERVING") {
+    std::atomic<bool> etcd_up{true};
+    HealthMonitor ready(worker->get(), options);
+    ready.AddCondition(
+        "directory",
+        [&etcd_up]() -> absl::Status {
+          return etcd_up.load() ? absl::OkStatus() : absl::UnavailableError("etcd down");
+        },
+        /*readiness_only=*/true);
+    RecordingHealth probe;
+    ready.Follow(&probe);
+    ready.Start();
+    REQUIRE(Eventually([&] { return ready.serving() && probe.All(true); }));
+    etcd_up = false;
+    REQUIRE(Eventually([&] { return !ready.serving() && probe.Is("", false); }));
+    CHECK(probe.Is(HealthMonitor::kLivenessService, true));
+    CHECK(ready.Describe() == "NOT_SERVING: directory: etcd down");
+    // A stuck worker is not live either.
+    absl::Notification release;
+    (*worker)->Post([&release] { release.WaitForNotification(); });
+    REQUIRE(Eventually([&] { return probe.Is(HealthMonitor::kLivenessService, false); }));
+    release.Notify();
+    etcd_up = true;
+    REQUIRE(Eventually([&] { return ready.serving() && probe.All(true); }));
+    ready.Stop();
   }
   SECTION("Stop is NOT_SERVING for good") {
     monitor.Stop();
