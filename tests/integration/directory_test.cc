@@ -354,6 +354,42 @@ TEST_CASE("directory: a peer that dies is failed, one that restarts is reconnect
   WriteAndCheck(prefill, *decode, "after-quick-restart", 6);
 }
 
+TEST_CASE("directory: a stopped peer's lease expires, failing its transfer in flight") {
+  NEEDS_ETCD();
+  Etcd etcd(1);
+  Fleet fleet(etcd.url(), "stopped");
+  FleetAgent& prefill = fleet.prefill;
+  FleetAgent& decode = *fleet.decode;
+  WriteAndCheck(prefill, decode, "before-stop", 1);
+
+  // Stopped, not dead: its endpoint raises no error and polls are a minute apart; the
+  // WRITE below waits for decode's acknowledgement with a 60 s deadline. Only the
+  // directory (decode's lease, 2 s, no longer kept alive) can end it sooner.
+  REQUIRE(kill(decode.process.pid(), SIGSTOP) == 0);
+  auto request = KvWrite("in-flight", {2}, {2}, "ready");
+  request.set_timeout_ms(60000);
+  REQUIRE(prefill.client->Submit(request).ok());
+  const auto submitted = std::chrono::steady_clock::now();
+  auto ended = prefill.client->WaitTransfer("in-flight", 15000);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - submitted).count();
+  kill(decode.process.pid(), SIGCONT);
+  REQUIRE(ended.ok());
+  INFO(ended->DebugString());
+  CHECK(ended->phase() == v1::FAILED);
+  CHECK_THAT(ended->error_message(), Contains("left the directory"));
+  CHECK(seconds < 10);
+  std::printf("in-flight WRITE to a stopped peer failed after %.1f s: %s\n", seconds,
+              ended->error_message().c_str());
+
+  // Resumed: decode finds its lease gone, publishes again, and prefill reconnects.
+  REQUIRE(WaitFor([&] { return Agents(*decode.client).publishes() == 2; }, 8000));
+  REQUIRE(WaitFor([&] {
+    return PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0;
+  }, 8000));
+  WriteAndCheck(prefill, decode, "after-resume", 3);
+}
+
 TEST_CASE("directory: etcd gone leaves peers working and lookups failing clearly") {
   NEEDS_ETCD();
   Etcd etcd(1);
