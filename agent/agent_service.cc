@@ -550,6 +550,7 @@ static void FillCopyPaths(const TransferCounters& counters, v1::AgentStatus* sta
   lanes->set_batches(counters.copy_lanes.batches);
   lanes->set_split_batches(counters.copy_lanes.split_batches);
   lanes->set_bytes(counters.copy_lanes.bytes);
+  lanes->set_stolen_parts(counters.copy_lanes.stolen_parts);
   status->set_device_copy(TransferEngine::device_copy_mode());
 }
 

@@ -105,6 +105,24 @@ void CopyLanes::Copy(const std::vector<CopyPiece>& pieces) {
     work_cv_.SignalAll();
   }
   CopyAll(split[0]);  // lane 0 is this thread
+  // Lanes that have not woken up yet (a busy host can take milliseconds to schedule
+  // one, longer than the copy) lose their share to this thread instead of being waited
+  // for: a split batch never takes much longer than one lane would.
+  for (;;) {
+    std::vector<CopyPiece> stolen;
+    {
+      absl::MutexLock lock(&mu_);
+      for (uint32_t lane = 1; lane < lanes_ && stolen.empty(); ++lane) {
+        if (!work_[lane].empty()) {
+          stolen.swap(work_[lane]);
+          --pending_;
+          ++counters_.stolen_parts;
+        }
+      }
+    }
+    if (stolen.empty()) break;
+    CopyAll(stolen);
+  }
   absl::MutexLock lock(&mu_);
   while (pending_ > 0) done_cv_.Wait(&mu_);
   ++counters_.batches;

@@ -35,8 +35,11 @@ absl::Status ValidateCopyLanes(uint32_t lanes);
 
 struct CopyLaneCounters {
   uint64_t batches = 0;        // Copy calls
-  uint64_t split_batches = 0;  // of which more than one lane took part
+  uint64_t split_batches = 0;  // of which were split across lanes
   uint64_t bytes = 0;
+  // Lane shares the calling thread copied itself because their lane had not started
+  // them when it finished its own.
+  uint64_t stolen_parts = 0;
 };
 
 class CopyLanes {

@@ -62,6 +62,8 @@ TEST_CASE("GetStatus counts the copy lanes' batches; status, peers and doctor na
   CHECK(after->copy_lanes().batches() >= 1);
   CHECK(after->copy_lanes().split_batches() >= 1);  // 4 MiB: both lanes took part
   CHECK(after->copy_lanes().split_batches() <= after->copy_lanes().batches());
+  // With 2 lanes, at most the one other share of a split batch is taken back.
+  CHECK(after->copy_lanes().stolen_parts() <= after->copy_lanes().split_batches());
   // decode copied nothing: prefill's host copy path wrote into its memory.
   auto decode = pair.decode().Status();
   REQUIRE(decode.ok());
