@@ -104,6 +104,11 @@ void MetadataWatchers::Loop() {
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
+      // Idle (nobody waits for a version), the thread sleeps until a waiter comes.
+      auto has_waiters = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !waiters_.empty();
+      };
+      mu_.Await(absl::Condition(&has_waiters));
       auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
       mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(20));
       if (stopping_) return;

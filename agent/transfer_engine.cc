@@ -98,6 +98,7 @@ void TransferEngine::Stop(absl::Duration grace) {
   if (stopping_.exchange(true)) return;
   {
     absl::MutexLock lock(&deadline_mu_);
+    deadline_wake_ = true;
     deadline_cv_.SignalAll();
   }
   if (deadline_thread_.joinable()) deadline_thread_.join();
@@ -412,6 +413,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->deadline_us = t->start_us + uint64_t{timeout_ms} * 1000;
       transfers_[id] = t;
       active_.insert(id);
+      if (deadline_idle_.load()) WakeDeadlines();
     } else {
       t = existing;
       if (it == transfers_.end() || it->second != t || Terminal(t->state.phase()) ||
@@ -699,7 +701,7 @@ absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& c
 
 void TransferEngine::SendNotice(const PeerSnapshot& peer, v1::Notification notice,
                                 transport::Completion done, bool want_reply) {
-  v1::PeerMessageAuth auth;
+  wire::PeerMessageAuth auth;
   auth.set_from_agent(options_.self_name);
   auth.set_secret(peer.notify_secret);
   peer.endpoint->SendAm(Wire(AmId::kNotification), auth.SerializeAsString(), notice.SerializeAsString(),
@@ -738,7 +740,7 @@ void TransferEngine::StagedDataInPlace(v1::Notification n, absl::Status data) {
   options_.incoming->DataInPlace(n, data);
 }
 
-void TransferEngine::OnAck(const v1::TransferAck& ack) {
+void TransferEngine::OnAck(const wire::TransferAck& ack) {
   TransferPtr t;
   v1::Notification commit;
   {
@@ -945,11 +947,18 @@ void TransferEngine::Unwatch(const std::string& transfer_id, uint64_t token) {
 
 void TransferEngine::DeadlineLoop() {
   std::vector<std::shared_ptr<DrainWait>> ready_waits;
-  uint64_t rounds = 0;
+  uint64_t last_expire_us = 0;
   while (!stopping_.load()) {
     {
+      // An idle agent wakes 10 times a second, not 200 (issue 17 part 6).
       absl::MutexLock lock(&deadline_mu_);
-      deadline_cv_.WaitWithTimeout(&deadline_mu_, absl::Milliseconds(5));
+      const absl::Duration tick =
+          deadline_idle_.load() ? absl::Milliseconds(100) : absl::Milliseconds(5);
+      const absl::Time until = absl::Now() + tick;
+      while (!deadline_wake_ && !stopping_.load()) {
+        if (deadline_cv_.WaitWithDeadline(&deadline_mu_, until)) break;
+      }
+      deadline_wake_ = false;
     }
     std::vector<TransferPtr> expired;
     {
@@ -1001,14 +1010,24 @@ void TransferEngine::DeadlineLoop() {
           ++it;
         }
       }
+      deadline_idle_.store(active_.empty() && draining_.empty() && drain_waits_.empty());
     }
     for (const auto& t : expired) worker_->Post([this, t] { Pump(t); });
     for (auto& wait : ready_waits) {
       wait->done(std::vector<std::string>(wait->ids.begin(), wait->ids.end()));
     }
     ready_waits.clear();
-    if (++rounds % 20 == 0) options_.incoming->Expire();  // every ~100 ms
+    if (const uint64_t now = MonotonicMicros(); now - last_expire_us >= 100000) {
+      options_.incoming->Expire();  // every ~100 ms
+      last_expire_us = now;
+    }
   }
+}
+
+void TransferEngine::WakeDeadlines() {
+  absl::MutexLock lock(&deadline_mu_);
+  deadline_wake_ = true;
+  deadline_cv_.Signal();
 }
 
 void TransferEngine::ExpireDrains() {
@@ -1076,6 +1095,7 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
       wait->deadline_us = MonotonicMicros() + absl::ToInt64Microseconds(timeout);
       wait->done = std::move(done);
       drain_waits_.push_back(wait);
+      if (deadline_idle_.load()) WakeDeadlines();
     }
   }
   for (const auto& t : stopped) worker_->Post([this, t] { Pump(t); });

@@ -31,6 +31,7 @@
 #include "agent/peer_secrets.h"
 #include "agent/staging.h"
 #include "proto/kvagent.pb.h"
+#include "proto/wire.pb.h"
 #include "registry/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/transfer_plan.h"
@@ -116,7 +117,7 @@ class TransferEngine {
   // authentication and the bounds (agent/inbox): the receiving side takes it.
   void OnAuthenticatedNotice(v1::Notification n, void* reply_ep);
   // A receiver acknowledged a DATA_READY of ours (AmId::kTransferAck).
-  void OnAck(const v1::TransferAck& ack);
+  void OnAck(const wire::TransferAck& ack);
   // The device copy path's mode on this host (DeviceCopyMode; loads the CUDA driver
   // once per process to know).
   static std::string device_copy_mode();
@@ -283,6 +284,12 @@ class TransferEngine {
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;
   absl::CondVar deadline_cv_;
+  // The deadline thread ticks every 5 ms only while something can expire (active or
+  // draining transfers, drain waits); idle, every 100 ms (incoming expiry), woken
+  // early by the first transfer or drain wait (WakeDeadlines).
+  bool deadline_wake_ ABSL_GUARDED_BY(deadline_mu_) = false;
+  std::atomic<bool> deadline_idle_{false};
+  void WakeDeadlines();
   std::thread deadline_thread_;
 };
 
