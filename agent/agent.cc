@@ -213,7 +213,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   incoming_options.self_name = options.name;
   agent->incoming_ = std::make_unique<IncomingTransfers>(
       incoming_options, agent->registry_.get(), agent->notifications_.get(),
-      [worker = agent->worker_.get()](void* reply_ep, const v1::TransferAck& ack) {
+      [worker = agent->worker_.get()](void* reply_ep, const wire::TransferAck& ack) {
         worker->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack.SerializeAsString(), nullptr, 0,
                             [](absl::Status sent) {
                               if (!sent.ok()) {

@@ -39,13 +39,13 @@ void Inbox::Install(TransferEngine* engine, Stager* stager) {
   if (stager_ == nullptr) return;
   // 2-4: headers bounded and parsed here; the Stager verifies the sender's secret (2,
   // 3) or its request id (4), checks every piece against its regions and places data.
-  InstallStaged<v1::StagedChunkHeader>(
+  InstallStaged<wire::StagedChunkHeader>(
       AmId::kStagedChunk, [stager](const auto& h, const auto& m) { return stager->OnChunk(h, m); });
-  InstallStaged<v1::StagedReadRequest>(AmId::kStagedReadRequest, [stager](const auto& h,
+  InstallStaged<wire::StagedReadRequest>(AmId::kStagedReadRequest, [stager](const auto& h,
                                                                           const auto& m) {
     return stager->OnReadRequest(h, m);
   });
-  InstallStaged<v1::StagedReadReply>(AmId::kStagedReadReply, [stager](const auto& h,
+  InstallStaged<wire::StagedReadReply>(AmId::kStagedReadReply, [stager](const auto& h,
                                                                       const auto& m) {
     return stager->OnReadReply(h, m);
   });
@@ -76,7 +76,7 @@ bool Inbox::OnNotificationMessage(const transport::AmMessage& message) {
   }
   // The body is still on the sender: nothing is allocated or received for it before
   // the header authenticates and the announced length is within the limit.
-  v1::PeerMessageAuth auth;
+  wire::PeerMessageAuth auth;
   if (!AdmitNotification(message.header, message.length, &auth)) return false;
   auto header = std::make_shared<std::string>(message.header);
   auto data = std::make_shared<std::string>(message.length, '\0');
@@ -99,7 +99,7 @@ void Inbox::DropNotification(std::string_view why, std::string_view from) {
 }
 
 bool Inbox::AdmitNotification(std::string_view header, uint64_t data_bytes,
-                              v1::PeerMessageAuth* auth) {
+                              wire::PeerMessageAuth* auth) {
   // Untrusted until the secret checks: bound, then parse, then verify, then use.
   if (header.size() > limits_.max_auth_header_bytes ||
       data_bytes > limits_.max_notification_message_bytes) {
@@ -123,7 +123,7 @@ bool Inbox::AdmitNotification(std::string_view header, uint64_t data_bytes,
 }
 
 void Inbox::OnNotification(std::string_view header, std::string_view data, void* reply_ep) {
-  v1::PeerMessageAuth auth;
+  wire::PeerMessageAuth auth;
   if (!AdmitNotification(header, data.size(), &auth)) return;
   v1::Notification n;
   if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
@@ -142,7 +142,7 @@ void Inbox::OnNotification(std::string_view header, std::string_view data, void*
 }
 
 void Inbox::OnAck(std::string_view header) {
-  v1::TransferAck ack;
+  wire::TransferAck ack;
   if (!ParseHeader(header, limits_.max_auth_header_bytes, &ack)) {
     counters_->dropped_peer_messages.fetch_add(1);
     LogRefusal("? (UCX active message)", "a transfer acknowledgement",

@@ -14,6 +14,7 @@
 #include "agent/am_ids.h"
 #include "agent/peer_secrets.h"
 #include "proto/kvagent.pb.h"
+#include "proto/wire.pb.h"
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
@@ -61,7 +62,7 @@ class Inbox {
   void OnNotification(std::string_view header, std::string_view data, void* reply_ep);
   // Bounds, parses and verifies a notification's header for `data_bytes` of body;
   // false (counted and logged) when the message is to be dropped.
-  bool AdmitNotification(std::string_view header, uint64_t data_bytes, v1::PeerMessageAuth* auth);
+  bool AdmitNotification(std::string_view header, uint64_t data_bytes, wire::PeerMessageAuth* auth);
   void DropNotification(std::string_view why, std::string_view from);
   void OnAck(std::string_view header);
   // Registers a staged id whose header is `Header` (parsed here, then `handler`).

@@ -164,7 +164,7 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
 
 void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Status& status) {
   void* reply_ep = nullptr;
-  v1::TransferAck ack;
+  wire::TransferAck ack;
   {
     absl::MutexLock lock(&mu_);
     auto it = records_.find(KeyOf(n));

@@ -22,6 +22,7 @@
 #include "agent/access.h"
 #include "agent/notification_queue.h"
 #include "proto/kvagent.pb.h"
+#include "proto/wire.pb.h"
 #include "registry/region_registry.h"
 
 namespace kvagent::agent {
@@ -38,7 +39,7 @@ struct IncomingOptions {
 class IncomingTransfers {
  public:
   // Sends `ack` over `reply_ep` (worker thread).
-  using SendAck = std::function<void(void* reply_ep, const v1::TransferAck& ack)>;
+  using SendAck = std::function<void(void* reply_ep, const wire::TransferAck& ack)>;
 
   IncomingTransfers(IncomingOptions options, const registry::RegionRegistry* registry,
                     NotificationQueue* queue, SendAck send_ack);

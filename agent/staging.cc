@@ -481,13 +481,13 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
     }
     (void)used_host;
     if (job->route == StagedRoute::kChunks) {
-      v1::StagedChunkHeader header;
+      wire::StagedChunkHeader header;
       header.set_from_agent(options_.self_name);
       header.set_secret(job->peer->notify_secret);
       header.set_transfer_id(job->transfer_id);
       header.set_incarnation(options_.incarnation);
       for (const auto& p : chunk.pieces) {
-        v1::StagedPiece* piece = header.add_pieces();
+        wire::StagedPiece* piece = header.add_pieces();
         piece->set_remote_address(p.remote_address);
         piece->set_length(p.length);
       }
@@ -575,7 +575,7 @@ void Stager::CountUnparsed(AmId id) {
   if (id == AmId::kStagedReadRequest) reads_refused_.fetch_add(1);
 }
 
-bool Stager::OnChunk(const v1::StagedChunkHeader& header, const transport::AmMessage& message) {
+bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmMessage& message) {
   if (!options_.verify_peer || !options_.verify_peer(header.from_agent(), header.secret())) {
     chunks_rejected_.fetch_add(1);
     if (options_.on_dropped) options_.on_dropped();
@@ -657,7 +657,7 @@ bool Stager::OnChunk(const v1::StagedChunkHeader& header, const transport::AmMes
   // Rendezvous: fetch into a bounce buffer (the data waits on the sender until one is
   // free), then copy into place. The regions stay referenced until the copy is done.
   ++arrival.in_flight;
-  auto header_ptr = std::make_shared<v1::StagedChunkHeader>(std::move(header));
+  auto header_ptr = std::make_shared<wire::StagedChunkHeader>(std::move(header));
   std::vector<registry::RegionPtr> held;
   for (const auto* t : targets) held.push_back(t->region);
   auto copies = std::make_shared<std::vector<StagedRegion>>();
@@ -700,7 +700,7 @@ bool Stager::OnChunk(const v1::StagedChunkHeader& header, const transport::AmMes
   return true;
 }
 
-absl::Status Stager::CopyIn(const v1::StagedChunkHeader& header, const uint8_t* data,
+absl::Status Stager::CopyIn(const wire::StagedChunkHeader& header, const uint8_t* data,
                             const std::vector<const StagedRegion*>& targets) {
   uint64_t offset = 0;
   bool used_device = false;
@@ -841,14 +841,14 @@ void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
     absl::MutexLock lock(&sweep_mu_);
     sweep_cv_.SignalAll();  // start checking for stopped transfers every 10 ms
   }
-  v1::StagedReadRequest header;
+  wire::StagedReadRequest header;
   header.set_from_agent(options_.self_name);
   header.set_secret(job->peer->notify_secret);
   header.set_incarnation(options_.incarnation);
   header.set_transfer_id(job->transfer_id);
   header.set_request_id(id);
   for (const auto& p : chunk.pieces) {
-    v1::StagedPiece* piece = header.add_pieces();
+    wire::StagedPiece* piece = header.add_pieces();
     piece->set_remote_address(p.remote_address);
     piece->set_length(p.length);
   }
@@ -927,7 +927,7 @@ absl::Status Stager::PlaceReply(const ReadRequest& request, uint64_t offset, con
   return absl::OkStatus();
 }
 
-bool Stager::OnReadReply(const v1::StagedReadReply& header, const transport::AmMessage& message) {
+bool Stager::OnReadReply(const wire::StagedReadReply& header, const transport::AmMessage& message) {
   auto it = reads_.find(header.request_id());
   if (it == reads_.end()) {
     // Abandoned (its transfer stopped), already failed, or not ours: nothing is written.
@@ -1015,7 +1015,7 @@ bool Stager::OnReadReply(const v1::StagedReadReply& header, const transport::AmM
 void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
                         absl::StatusCode code) {
   reads_refused_.fetch_add(1);
-  v1::StagedReadReply header;
+  wire::StagedReadReply header;
   header.set_from_agent(options_.self_name);
   header.set_request_id(request_id);
   header.set_error(why);
@@ -1026,7 +1026,7 @@ void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& 
                        });
 }
 
-bool Stager::OnReadRequest(const v1::StagedReadRequest& header, const transport::AmMessage& message) {
+bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transport::AmMessage& message) {
   if (!options_.verify_peer || !options_.verify_peer(header.from_agent(), header.secret())) {
     // A stranger gets no answer at all.
     reads_refused_.fetch_add(1);
@@ -1088,7 +1088,7 @@ bool Stager::OnReadRequest(const v1::StagedReadRequest& header, const transport:
         "falling behind: retry later, or give it more --staging-buffers",
         options_.self_name, serving_)));
   }
-  auto request = std::make_shared<const v1::StagedReadRequest>(std::move(header));
+  auto request = std::make_shared<const wire::StagedReadRequest>(std::move(header));
   void* reply_ep = message.reply_ep;
   for (uint64_t offset = 0; offset < total; offset += part) {
     const uint64_t length = std::min(part, total - offset);
@@ -1103,7 +1103,7 @@ bool Stager::OnReadRequest(const v1::StagedReadRequest& header, const transport:
   return false;
 }
 
-void Stager::ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
+void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
                        std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
                        uint64_t offset, uint64_t length,
                        std::shared_ptr<StagingPool::Lease> lease) {
@@ -1135,7 +1135,7 @@ void Stager::ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
     RefuseRead(reply_ep, request->request_id(), std::string(s.message()), s.code());
     return;
   }
-  v1::StagedReadReply header;
+  wire::StagedReadReply header;
   header.set_from_agent(options_.self_name);
   header.set_request_id(request->request_id());
   header.set_offset(offset);

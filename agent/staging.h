@@ -25,6 +25,7 @@
 #include "agent/am_ids.h"
 #include "agent/peer_manager.h"
 #include "proto/kvagent.pb.h"
+#include "proto/wire.pb.h"
 #include "registry/region_registry.h"
 #include "registry/staging_plan.h"
 #include "registry/transfer_plan.h"
@@ -186,12 +187,12 @@ class Stager {
   // The Inbox's handlers (worker thread), each with a header that parsed (agent/inbox);
   // true when it kept the rendezvous descriptor. A staged chunk (AmId::kStagedChunk):
   // checked against our staged regions, then copied in and credited.
-  bool OnChunk(const v1::StagedChunkHeader& header, const transport::AmMessage& message);
+  bool OnChunk(const wire::StagedChunkHeader& header, const transport::AmMessage& message);
   // Serving side of a READ (kStagedReadRequest): checks the request and answers it from
   // our staged regions.
-  bool OnReadRequest(const v1::StagedReadRequest& header, const transport::AmMessage& message);
+  bool OnReadRequest(const wire::StagedReadRequest& header, const transport::AmMessage& message);
   // Initiator side (kStagedReadReply): places a reply's bytes.
-  bool OnReadReply(const v1::StagedReadReply& header, const transport::AmMessage& message);
+  bool OnReadReply(const wire::StagedReadReply& header, const transport::AmMessage& message);
   // A staged message whose header did not parse (the Inbox logged it): counted.
   void CountUnparsed(AmId id);
 
@@ -233,7 +234,7 @@ class Stager {
                   std::shared_ptr<StagingPool::Lease> lease);
   void ChunkDone(const std::shared_ptr<Job>& job, absl::Status status, int32_t segment);
   // Copies the pieces from `data` into place; the regions are the checked targets.
-  absl::Status CopyIn(const v1::StagedChunkHeader& header, const uint8_t* data,
+  absl::Status CopyIn(const wire::StagedChunkHeader& header, const uint8_t* data,
                       const std::vector<const StagedRegion*>& targets);
   void Credit(const std::string& key, uint64_t bytes, const std::string& failure);
   void MaybeDeliver(const std::string& key);
@@ -247,7 +248,7 @@ class Stager {
   void EndRead(uint64_t request_id, absl::Status status);
   // Abandons the requests of jobs whose transfer stopped (cancel, deadline, lost peer).
   void CheckReads();
-  void ServePart(std::shared_ptr<const v1::StagedReadRequest> request,
+  void ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
                  std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
                  uint64_t offset, uint64_t length, std::shared_ptr<StagingPool::Lease> lease);
   void RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,

@@ -32,6 +32,7 @@
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
+#include "proto/wire.pb.h"
 #include "tests/integration/agent_pair.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -172,7 +173,7 @@ class UcxAttacker {
 };
 
 std::string AuthHeader(const std::string& from_agent, const std::string& secret) {
-  v1::PeerMessageAuth auth;
+  wire::PeerMessageAuth auth;
   auth.set_from_agent(from_agent);
   auth.set_secret(secret);
   return auth.SerializeAsString();
@@ -332,7 +333,7 @@ TEST_CASE("forged UCX messages to an agent's worker are dropped, counted and del
                        AuthHeader("eve", eve_secret),
                        NotificationBytes("eve", "forged-8mib", std::string(8 << 20, 'x'))});
   {
-    v1::StagedChunkHeader chunk;
+    wire::StagedChunkHeader chunk;
     chunk.set_from_agent("prefill");
     chunk.set_transfer_id("forged-chunk");
     chunk.set_incarnation(1);
@@ -343,7 +344,7 @@ TEST_CASE("forged UCX messages to an agent's worker are dropped, counted and del
                          chunk.SerializeAsString(), std::string(64, '\x66')});
   }
   {
-    v1::StagedReadRequest read;
+    wire::StagedReadRequest read;
     read.set_from_agent("prefill");
     read.set_incarnation(1);
     read.set_transfer_id("forged-read");
