@@ -88,7 +88,15 @@ v1::TransferState PollUntil(cli::AgentClient& client, const std::string& id,
   const auto until = Clock::now() + std::chrono::milliseconds(limit_ms);
   v1::TransferState state;
   while (true) {
-    state = Require(client.Get(id, peer), fmt::format("GetTransfer('{}', '{}')", id, peer));
+    auto got = client.Get(id, peer);
+    // An incoming transfer is known once the receiver's worker took the sender's OPEN,
+    // which can come after the sender's first data landed (shm-direct copies do not
+    // wait for it): until the limit, not yet known is not yet done.
+    if (absl::IsNotFound(got.status()) && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(step_us));
+      continue;
+    }
+    state = Require(std::move(got), fmt::format("GetTransfer('{}', '{}')", id, peer));
     if (done(state) || Clock::now() >= until) return state;
     std::this_thread::sleep_for(std::chrono::microseconds(step_us));
   }
