@@ -68,25 +68,6 @@ int Fail(const std::string& what, const absl::Status& status) {
 
 // ---- ucx_perftest: UCX's own ceiling between two processes on loopback ----
 
-// A port the kernel just handed out; ucx_perftest's server binds it a moment later.
-absl::StatusOr<int> FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError(fmt::format("socket(): {}", std::strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return absl::InternalError(fmt::format("binding a loopback port for ucx_perftest: {}",
-                                           std::strerror(err)));
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // The binary as found on PATH (or as given, when it has a slash); empty when absent.
 std::string FindOnPath(const std::string& binary) {

@@ -1,8 +1,13 @@
 #include "cli/local_agents.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -82,6 +87,24 @@ void Progress(size_t done, size_t total, const std::string& what) {
                std::string(width - filled, ' ').c_str(), done, total, what.c_str());
   if (done == total) std::fprintf(stderr, "\n");
   std::fflush(stderr);
+}
+
+absl::StatusOr<int> FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError(fmt::format("socket(): {}", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InternalError(fmt::format("binding a free loopback port: {}", std::strerror(err)));
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
 }
 
 }  // namespace kvagent::cli

@@ -51,4 +51,8 @@ inline double Seconds(std::chrono::steady_clock::duration d) {
 // "[####      ] done/total what" on stderr when it is a terminal; nothing otherwise.
 void Progress(size_t done, size_t total, const std::string& what);
 
+// A loopback TCP port the kernel just handed out (bound and closed), for a server
+// that must be told its port before it starts (ucx_perftest, etcd).
+absl::StatusOr<int> FreePort();
+
 }  // namespace kvagent::cli

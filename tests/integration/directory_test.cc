@@ -6,10 +6,8 @@
 // working and lookups failing clearly, and a 3-member cluster survives losing the
 // member the agents talk to.
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,6 +25,7 @@
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
+#include "cli/local_agents.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/directory.pb.h"
@@ -58,17 +57,7 @@ std::string WorkDir(const std::string& tag) {
 }
 
 // A port nobody listens on now (etcd takes no port 0: it must advertise its URLs).
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+int FreePort() { return Require(cli::FreePort(), "a free loopback port"); }
 
 bool WaitFor(const std::function<bool()>& ready, int ms) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);

@@ -12,6 +12,7 @@
 
 #include "agent/etcd_client.h"
 #include "catch2/catch.hpp"
+#include "cli/local_agents.h"
 #include "proto/directory.pb.h"
 
 namespace kvagent::agent {
@@ -128,17 +129,12 @@ TEST_CASE("etcd client: broken and hostile answers end in clear errors") {
 }
 
 TEST_CASE("etcd client: no endpoint answers, each one named") {
-  // Ports from a socket bound and closed: nothing listens there.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  const std::string endpoint = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
-  EtcdClient client({{"127.0.0.1", ntohs(a.sin_port), endpoint}}, absl::Milliseconds(300));
+  // A port from a socket bound and closed: nothing listens there.
+  auto port = cli::FreePort();
+  REQUIRE(port.ok());
+  const std::string endpoint = "127.0.0.1:" + std::to_string(*port);
+  EtcdClient client({{"127.0.0.1", static_cast<uint16_t>(*port), endpoint}},
+                    absl::Milliseconds(300));
   directory::EtcdRangeRequest request;
   directory::EtcdRangeResponse answer;
   auto status = client.Call("/v3/kv/range", request, &answer);
