@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -250,21 +251,18 @@ absl::StatusOr<int64_t> Directory::Resync() {
   range.set_range_end(PrefixEnd(Key("")));
   directory::EtcdRangeResponse answer;
   RETURN_IF_ERROR(etcd_.Call("/v3/kv/range", range, &answer));
-  std::vector<std::pair<std::string, std::string>> found;
-  for (const auto& kv : answer.kvs()) found.emplace_back(kv.key(), kv.value());
+  absl::flat_hash_set<std::string> found;
+  for (const auto& kv : answer.kvs()) found.insert(kv.key());
   // Whatever the view held that etcd no longer has went while we were not watching.
   std::vector<std::string> gone;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, record] : view_) {
-      const std::string key = Key(name);
-      if (std::none_of(found.begin(), found.end(), [&](const auto& f) { return f.first == key; })) {
-        gone.push_back(key);
-      }
+      if (!found.contains(Key(name))) gone.push_back(Key(name));
     }
   }
   for (const auto& key : gone) Apply(key, nullptr);
-  for (const auto& [key, value] : found) Apply(key, &value);
+  for (const auto& kv : answer.kvs()) Apply(kv.key(), &kv.value());
   return answer.header().revision();
 }
 
