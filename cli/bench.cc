@@ -1171,7 +1171,9 @@ int RunBench(const BenchOptions& options) {
     return std::find(options.cells.begin(), options.cells.end(), std::pair{block, batch}) !=
            options.cells.end();
   };
-  if (!options.cells.empty()) {
+  if (options.fast_only) {
+    blocks.clear();
+  } else if (!options.cells.empty()) {
     blocks.clear();
     batches.clear();
     for (const auto& [block, batch] : options.cells) {
@@ -1245,6 +1247,7 @@ int RunBench(const BenchOptions& options) {
                   "device-to-device cuMemcpyAsync of the same pages\n",
                   options.device);
     }
+    if (!options.fast_only) {
     std::printf("GB/s = 1e9 bytes/s; latency in us, submit -> COMPLETED seen by the client; "
                 "notify = submit -> the target's client sees the notification (WRITE); @4 = the same "
                 "cell with 4 transfers in flight at once; f* = the same cell through the fast path ring "
@@ -1255,6 +1258,7 @@ int RunBench(const BenchOptions& options) {
                                     "ntf_p99", "pt_GB/s", "mc_GB/s", "x_pt", "x_mc", "GB/s@4",
                                     "x_pt@4", "x_mc@4", FastCellHeader(), "ok", "path")
                             .c_str());
+    }
   } else if (!perftest.available()) {
     std::fprintf(stderr, "bench: ucx_perftest not found (%s): perftest_gbps is null\n",
                  options.perftest.c_str());
@@ -1366,6 +1370,7 @@ int RunBench(const BenchOptions& options) {
     FastPhaseOptions fast_phase;
     int n = 0;
     for (const Shape& shape : shapes) {
+      if (options.fast_only) break;
       Progress(done, total, fmt::format("rate: {} clients x {} per call", shape.clients, shape.per_call));
       auto rate = RunRate(options, initiator_address, target_address, peer->name(), layout,
                           shape.clients, shape.per_call, options.quick ? 1.0 : 3.0,
@@ -1402,6 +1407,10 @@ int RunBench(const BenchOptions& options) {
     }
     (void)initiator.Deregister({layout.region});
     (void)target.Deregister({layout.region});
+  }
+  if (options.fast_only) {
+    if (local.started()) local.StopAndClean();
+    return 0;
   }
   // Agent memory beyond the pools with 1,000 regions and many transfers (issue 6's
   // bound); /proc is read, so only for agents started here.

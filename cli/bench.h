@@ -19,6 +19,9 @@ struct BenchOptions {
   std::string initiator_address;  // both empty: start two agents here
   std::string target_address;
   bool quick = false;             // fewer sizes, batches and transfers (under a minute)
+  // --fast-only: the fast path phase alone (no grid, gRPC rate or memory phase), its
+  // quick sizes: a short A/B of the fast path's figures.
+  bool fast_only = false;
   // Regions per agent in the memory phase (--memory-regions): 1,000 by default; past
   // 1,000 each region holds one 4 KiB item (100,000 regions: 400 MiB of pool per agent)
   // and the phase runs a tenth of the transfers.

@@ -91,6 +91,7 @@ commands:
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
         [--memory dram|vram] [--device N] [--memory-regions N]
         [--fast-spin-us N] [--cells BLOCK:BATCH,...] [--copy-lanes N]
+        [--fast-only]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
                              size x batch x WRITE/READ x contiguous/scattered,
@@ -108,7 +109,9 @@ commands:
                              prints one JSON object per cell; --quick runs a
                              smaller sweep in well under a minute;
                              --cells 64K:16,4M:64 runs only those cells
-                             and no later phase; --copy-lanes N starts
+                             and no later phase; --fast-only runs only
+                             the fast path phase (quick sizes; its gRPC
+                             rate lines print -); --copy-lanes N starts
                              the agents with that many copy lanes;
                              --memory-regions N: the agent-memory phase
                              registers N regions per agent (default 1000;
@@ -448,6 +451,10 @@ int main(int argc, char** argv) {
       const std::string& a = rest[i];
       if (a == "--quick") {
         options.quick = true;
+        continue;
+      }
+      if (a == "--fast-only") {
+        options.fast_only = options.quick = true;
         continue;
       }
       if (i + 1 >= rest.size()) return Usage("bench flag " + a + " needs a value (or is unknown)");
