@@ -5,167 +5,34 @@
 // the directory can be what noticed), etcd going away leaves established peers
 // working and lookups failing clearly, and a 3-member cluster survives losing the
 // member the agents talk to.
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
-#include <filesystem>
-#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "agent/etcd_client.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
-#include "cli/local_agents.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
-#include "proto/directory.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/integration/etcd_fixture.h"
 #include "tests/unit/catch_main.h"
-
-extern char** environ;
 
 namespace kvagent::testing {
 namespace {
 
 using Catch::Matchers::Contains;
-constexpr const char* kEtcd = "/usr/bin/etcd";
 
-template <typename T>
-T Require(absl::StatusOr<T> value, const std::string& what) {
-  INFO(what << ": " << value.status().ToString());
-  REQUIRE(value.ok());
-  return *std::move(value);
-}
-
-std::string WorkDir(const std::string& tag) {
-  static int counter = 0;
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  std::string dir = fmt::format("{}/dir.{}.{}.{}", tmp ? tmp : "/tmp", tag, getpid(), counter++);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-// A port nobody listens on now (etcd takes no port 0: it must advertise its URLs).
-int FreePort() { return Require(cli::FreePort(), "a free loopback port"); }
-
-bool WaitFor(const std::function<bool()>& ready, int ms) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-  while (std::chrono::steady_clock::now() < until) {
-    if (ready()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return ready();
-}
-
-// One etcd member; `cluster` is the --initial-cluster of all members.
-struct EtcdMember {
-  std::string name, dir;
-  int client_port = 0, peer_port = 0;
-  pid_t pid = -1;
-
-  std::string client_url() const { return fmt::format("http://127.0.0.1:{}", client_port); }
-  std::string peer_url() const { return fmt::format("http://127.0.0.1:{}", peer_port); }
-  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_port); }
-
-  void Start(const std::string& cluster) {
-    std::vector<std::string> args = {kEtcd,
-                                     "--name", name,
-                                     "--data-dir", dir + "/data",
-                                     "--listen-client-urls", client_url(),
-                                     "--advertise-client-urls", client_url(),
-                                     "--listen-peer-urls", peer_url(),
-                                     "--initial-advertise-peer-urls", peer_url(),
-                                     "--initial-cluster", cluster,
-                                     "--initial-cluster-state", "new",
-                                     "--heartbeat-interval", "50",
-                                     "--election-timeout", "500",
-                                     "--log-level", "warn"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    const std::string log = dir + "/etcd.log";
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                     O_WRONLY | O_CREAT | O_APPEND, 0644);
-    posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-    REQUIRE(posix_spawn(&pid, kEtcd, &actions, nullptr, argv.data(), environ) == 0);
-    posix_spawn_file_actions_destroy(&actions);
-  }
-  void Kill() {
-    if (pid <= 0) return;
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    pid = -1;
-  }
-  ~EtcdMember() { Kill(); }
-};
-
-// 1 or 3 members, ready to answer.
-struct Etcd {
-  std::vector<std::unique_ptr<EtcdMember>> members;
-  std::string cluster;
-
-  explicit Etcd(int size) {
-    const std::string dir = WorkDir("etcd");
-    for (int i = 0; i < size; ++i) {
-      auto m = std::make_unique<EtcdMember>();
-      m->name = fmt::format("e{}", i);
-      m->dir = fmt::format("{}/{}", dir, m->name);
-      std::filesystem::create_directories(m->dir);
-      m->client_port = FreePort();
-      m->peer_port = FreePort();
-      cluster += fmt::format("{}{}={}", i ? "," : "", m->name, m->peer_url());
-      members.push_back(std::move(m));
-    }
-    for (auto& m : members) m->Start(cluster);
-    for (auto& m : members) REQUIRE(Ready(*m));
-  }
-  std::string url() const {
-    std::string out = "etcd://";
-    for (size_t i = 0; i < members.size(); ++i) out += (i ? "," : "") + members[i]->endpoint();
-    return out;
-  }
-  static bool Ready(const EtcdMember& m) {
-    agent::EtcdClient client({{"127.0.0.1", static_cast<uint16_t>(m.client_port), m.endpoint()}},
-                             absl::Milliseconds(500));
-    directory::EtcdRangeRequest range;
-    range.set_key("/");
-    directory::EtcdRangeResponse answer;
-    return WaitFor([&] { return client.Call("/v3/kv/range", range, &answer).ok(); }, 20000);
-  }
-};
-
-// An agent with a pool, publishing in the directory; its polls of peers slowed to a
-// minute so that only the directory can notice a peer's death or restart quickly.
-struct FleetAgent {
-  cli::DaemonProcess process;
-  std::unique_ptr<cli::AgentClient> client;
-  cli::KvPool pool;
-
-  FleetAgent(const std::string& dir, const std::string& name, const std::string& url) {
-    cli::DaemonOptions d;
-    d.binary = Require(cli::FindKvagentd(""), "finding kvagentd");
-    d.name = name;
-    d.work_dir = dir;
-    d.extra_args = {"--directory", url, "--directory-ttl-s", "2", "--peer-refresh-ms", "60000"};
-    process = Require(cli::DaemonProcess::Start(d), "starting " + name);
-    client = std::make_unique<cli::AgentClient>(process.address());
-    AgentPairOptions shape;
-    pool = Require(cli::CreateKvPool(*client, name, shape.shape), name + "'s pool");
-  }
-};
+// The agents' own polls of their peers slowed to a minute, so that only the directory
+// can notice a peer's death or restart quickly.
+const std::vector<std::string> kSlowPolls = {"--peer-refresh-ms", "60000"};
 
 // prefill and decode publishing in `etcd`, both listed, prefill connected to decode
 // by name.
@@ -222,9 +89,9 @@ void PrintFleet(const char* when, cli::AgentClient& client) {
 }
 
 Fleet::Fleet(const std::string& url, const std::string& tag)
-    : dir(WorkDir(tag)),
-      prefill(dir, "prefill", url),
-      decode(std::make_unique<FleetAgent>(dir, "decode", url)) {
+    : dir(FleetWorkDir(tag)),
+      prefill(dir, "prefill", url, kSlowPolls),
+      decode(std::make_unique<FleetAgent>(dir, "decode", url, kSlowPolls)) {
   REQUIRE(WaitFor([&] { return Agents(*prefill.client).agents_size() == 2; }, 10000));
   REQUIRE(prefill.client->Connect("agent:decode").ok());
 }
@@ -244,17 +111,12 @@ void WriteAndCheck(FleetAgent& prefill, FleetAgent& decode, const std::string& i
   }
 }
 
-#define NEEDS_ETCD()                                                                     \
-  if (access(kEtcd, X_OK) != 0)                                                          \
-  KVAGENT_SKIP("needs etcd 3.4 at /usr/bin/etcd (Debian's etcd-server, which "           \
-               "deploy/bootstrap.sh installs)")
-
 TEST_CASE("directory: agents publish, list the fleet, and connect by name") {
   NEEDS_ETCD();
   Etcd etcd(1);
-  const std::string dir = WorkDir("fleet");
-  FleetAgent prefill(dir, "prefill", etcd.url());
-  FleetAgent decode(dir, "decode", etcd.url());
+  const std::string dir = FleetWorkDir("fleet");
+  FleetAgent prefill(dir, "prefill", etcd.url(), kSlowPolls);
+  FleetAgent decode(dir, "decode", etcd.url(), kSlowPolls);
 
   REQUIRE(WaitFor([&] { return Agents(*prefill.client).agents_size() == 2; }, 10000));
   auto fleet = Agents(*prefill.client);
@@ -323,7 +185,7 @@ TEST_CASE("directory: a peer that dies is failed, one that restarts is reconnect
 
   // Restarted with the same name: a new incarnation appears, prefill reconnects to it
   // without a ConnectPeer (the polls would take a minute).
-  decode = std::make_unique<FleetAgent>(dir, "decode", etcd.url());
+  decode = std::make_unique<FleetAgent>(dir, "decode", etcd.url(), kSlowPolls);
   REQUIRE(WaitFor([&] {
     return PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0;
   }, 8000));
@@ -335,7 +197,7 @@ TEST_CASE("directory: a peer that dies is failed, one that restarts is reconnect
   // incarnation) and prefill fails the old one and follows the new one.
   const std::string second = PeerState(*prefill.client, "decode", nullptr);
   decode->process.Kill();
-  decode = std::make_unique<FleetAgent>(dir, "decode", etcd.url());
+  decode = std::make_unique<FleetAgent>(dir, "decode", etcd.url(), kSlowPolls);
   REQUIRE(WaitFor([&] {
     const std::string now = PeerState(*prefill.client, "decode", nullptr);
     return now.rfind("connected", 0) == 0 && now != second;
@@ -442,7 +304,7 @@ TEST_CASE("directory: a 3-member etcd cluster loses the member the agents use") 
 }
 
 TEST_CASE("directory: bad flags are refused at start, naming the flag") {
-  const std::string dir = WorkDir("flags");
+  const std::string dir = FleetWorkDir("flags");
   for (const auto& [args, text] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--directory", "http://127.0.0.1:2379"}, "does not start with etcd://"},
            {{"--directory", "etcd://127.0.0.1"}, "is not HOST:PORT"},
