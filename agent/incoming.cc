@@ -230,6 +230,7 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
     r.state.set_bytes_done(r.state.bytes_total());
     r.state.set_drained(true);
   }
+  if (options_.on_ended) options_.on_ended(r.state);
   v1::Notification out;
   out.set_from_agent(from.from_agent());
   out.set_transfer_id(from.transfer_id());

@@ -34,6 +34,9 @@ struct IncomingOptions {
   uint32_t grace_ms = 2000;
   uint32_t max_finished = 10000;  // ended incoming transfers kept for queries
   uint32_t max_active = 65536;    // open incoming transfers tracked at once
+  // Called once with each tracked record's final state (its outcome, bytes and
+  // timeline), under this object's lock: the metrics count it. Null: nothing.
+  std::function<void(const v1::TransferState&)> on_ended;
 };
 
 class IncomingTransfers {

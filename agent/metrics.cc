@@ -16,6 +16,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "fmt/format.h"
 #include "transport/base/log.h"
 
@@ -48,8 +49,8 @@ class Family {
                    type);
   }
   // `labels`: name, value pairs; values are escaped here.
-  Family& Sample(std::initializer_list<std::pair<std::string_view, std::string_view>> labels,
-                 double value, std::string_view suffix = "") {
+  using Labels = absl::Span<const std::pair<std::string_view, std::string_view>>;
+  Family& Sample(Labels labels, double value, std::string_view suffix = "") {
     out_->append(name_).append(suffix);
     if (labels.size() != 0) {
       out_->push_back('{');
@@ -72,6 +73,24 @@ class Family {
 };
 
 std::string Seconds(uint64_t us) { return fmt::format("{}", static_cast<double>(us) / 1e6); }
+
+// A histogram's _bucket (cumulative, le in seconds, then +Inf), _sum and _count
+// samples under `labels`.
+void HistogramSamples(Family& family, std::vector<std::pair<std::string_view, std::string_view>> labels,
+                      const Histogram& h) {
+  const size_t plain = labels.size();
+  uint64_t cumulative = 0;
+  for (size_t b = 0; b <= kLatencyBucketsUs.size(); ++b) {
+    cumulative += h.buckets[b];
+    const std::string le = b < kLatencyBucketsUs.size() ? Seconds(kLatencyBucketsUs[b]) : "+Inf";
+    labels.resize(plain);
+    labels.emplace_back("le", le);
+    family.Sample(labels, static_cast<double>(cumulative), "_bucket");
+  }
+  labels.resize(plain);
+  family.Sample(labels, static_cast<double>(h.sum_us) / 1e6, "_sum");
+  family.Sample(labels, static_cast<double>(h.count), "_count");
+}
 
 }  // namespace
 
@@ -144,19 +163,29 @@ std::string RenderMetrics(const MetricsSources& sources) {
                    "First submit to outcome (COMPLETED: the peer has the data in place and its "
                    "notification queued), by op and outcome.");
     for (const auto& h : sources.transfers->Latency()) {
-      uint64_t cumulative = 0;
-      for (size_t b = 0; b < kLatencyBucketsUs.size(); ++b) {
-        cumulative += h.buckets[b];
-        const std::string le = Seconds(kLatencyBucketsUs[b]);
-        latency.Sample({{"op", h.op}, {"outcome", h.outcome}, {"le", le}},
-                       static_cast<double>(cumulative), "_bucket");
-      }
-      latency.Sample({{"op", h.op}, {"outcome", h.outcome}, {"le", "+Inf"}},
-                     static_cast<double>(h.count), "_bucket");
-      latency.Sample({{"op", h.op}, {"outcome", h.outcome}}, static_cast<double>(h.sum_us) / 1e6,
-                     "_sum");
-      latency.Sample({{"op", h.op}, {"outcome", h.outcome}}, static_cast<double>(h.count),
-                     "_count");
+      HistogramSamples(latency, {{"op", h.op}, {"outcome", h.outcome}}, h);
+    }
+    Family stages(&out, "kvagent_transfer_stage_seconds", "histogram",
+                  "Time from one timeline stage to the next (the stage named is the later one) "
+                  "of ended transfers, by direction (outgoing; incoming: the receiver's record), "
+                  "op and stage; a direction's stages add up to its whole submit-to-outcome time.");
+    for (const auto& h : sources.transfers->Stages()) {
+      HistogramSamples(stages, {{"direction", h.direction}, {"op", h.op}, {"stage", h.stage}}, h);
+    }
+    const auto incoming = sources.transfers->Incoming();
+    Family incoming_transfers(&out, "kvagent_incoming_transfers_total", "counter",
+                              "Peers' transfers into (WRITE) or out of (READ) this agent's regions, "
+                              "ended, by op, peer and outcome.");
+    for (const auto& s : incoming) {
+      incoming_transfers.Sample({{"op", s.op}, {"peer", s.peer}, {"outcome", s.outcome}},
+                                static_cast<double>(s.transfers));
+    }
+    Family incoming_bytes(&out, "kvagent_incoming_bytes_total", "counter",
+                          "Bytes of ended incoming transfers (what each sender's DATA_READY "
+                          "announced, for those that completed), by op, peer and outcome.");
+    for (const auto& s : incoming) {
+      incoming_bytes.Sample({{"op", s.op}, {"peer", s.peer}, {"outcome", s.outcome}},
+                            static_cast<double>(s.bytes));
     }
     Family refused(&out, "kvagent_refused_total", "counter",
                    "Requests refused before anything ran, by request and cause (gRPC code).");

@@ -43,28 +43,79 @@ void TransferMetrics::Ended(const v1::TransferState& state) {
     histogram.op = op;
     histogram.outcome = outcome;
   }
-  size_t bucket = 0;
-  while (bucket < kLatencyBucketsUs.size() && state.latency_us() > kLatencyBucketsUs[bucket]) {
-    ++bucket;
-  }
-  ++histogram.buckets[bucket];
-  ++histogram.count;
-  histogram.sum_us += state.latency_us();
+  histogram.Observe(state.latency_us());
+  ObserveStages("outgoing", state);
 }
+
+void TransferMetrics::IncomingEnded(const v1::TransferState& state) {
+  absl::MutexLock lock(&mu_);
+  const std::string op = v1::TransferOp_Name(state.op());
+  const std::string outcome = v1::TransferPhase_Name(state.phase());
+  std::tuple<std::string, std::string, std::string> key{op, state.peer(), outcome};
+  if (incoming_.count(key) == 0 && incoming_.size() >= kMaxSeries) std::get<1>(key) = "_other";
+  IncomingSeries& series = incoming_[key];
+  if (series.transfers == 0) {
+    series.op = op;
+    series.peer = std::get<1>(key);
+    series.outcome = outcome;
+  }
+  ++series.transfers;
+  series.bytes += state.bytes_done();
+  ObserveStages("incoming", state);
+}
+
+void TransferMetrics::ObserveStages(const std::string& direction, const v1::TransferState& state) {
+  const std::string op = v1::TransferOp_Name(state.op());
+  for (int i = 1; i < state.timeline_size(); ++i) {
+    const std::string stage = v1::TransferStage_Name(state.timeline(i).stage());
+    StageHistogram& histogram = stages_[{direction, op, stage}];
+    if (histogram.count == 0) {
+      histogram.direction = direction;
+      histogram.op = op;
+      histogram.stage = stage;
+    }
+    const uint64_t at = state.timeline(i).at_us(), before = state.timeline(i - 1).at_us();
+    histogram.Observe(at > before ? at - before : 0);
+  }
+}
+
+void Histogram::Observe(uint64_t us) {
+  size_t bucket = 0;
+  while (bucket < kLatencyBucketsUs.size() && us > kLatencyBucketsUs[bucket]) ++bucket;
+  ++buckets[bucket];
+  ++count;
+  sum_us += us;
+}
+
+namespace {
+// The values of a map of series, in key order (labels sorted).
+template <typename Map>
+std::vector<typename Map::mapped_type> ValuesOf(const Map& map) {
+  std::vector<typename Map::mapped_type> out;
+  out.reserve(map.size());
+  for (const auto& entry : map) out.push_back(entry.second);
+  return out;
+}
+}  // namespace
 
 std::vector<TransferSeries> TransferMetrics::Series() const {
   absl::MutexLock lock(&mu_);
-  std::vector<TransferSeries> out;
-  out.reserve(series_.size());
-  for (const auto& [key, series] : series_) out.push_back(series);
-  return out;
+  return ValuesOf(series_);
 }
 
 std::vector<LatencyHistogram> TransferMetrics::Latency() const {
   absl::MutexLock lock(&mu_);
-  std::vector<LatencyHistogram> out;
-  for (const auto& [key, histogram] : latency_) out.push_back(histogram);
-  return out;
+  return ValuesOf(latency_);
+}
+
+std::vector<IncomingSeries> TransferMetrics::Incoming() const {
+  absl::MutexLock lock(&mu_);
+  return ValuesOf(incoming_);
+}
+
+std::vector<StageHistogram> TransferMetrics::Stages() const {
+  absl::MutexLock lock(&mu_);
+  return ValuesOf(stages_);
 }
 
 namespace {

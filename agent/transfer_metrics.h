@@ -1,7 +1,8 @@
 // TransferMetrics counts what ended transfers moved, for the Prometheus endpoint
-// (agent/metrics): transfers and bytes by op, data path, peer and outcome, and the
-// submit-to-outcome latency as a histogram; also submits and registrations refused,
-// by cause. The submit path (SubmitTransfer, gRPC and
+// (agent/metrics): transfers and bytes by op, data path, peer and outcome, the
+// submit-to-outcome latency and each timeline stage's share of it as histograms, the
+// receiver's side (peers' transfers into or out of this agent, by op, peer and
+// outcome); also submits and registrations refused, by cause. The submit path (SubmitTransfer, gRPC and
 // fast path alike) registers each new transfer once; the engine's WhenTerminal hands
 // its final state here. Label sets are bounded: past kMaxSeries, new peers count under
 // peer="_other".
@@ -38,12 +39,36 @@ struct TransferSeries {
   uint64_t errors_by_code[17] = {};  // by google.rpc code (outcome != COMPLETED)
 };
 
-struct LatencyHistogram {
-  std::string op;
-  std::string outcome;
-  std::array<uint64_t, kLatencyBucketsUs.size() + 1> buckets{};  // not cumulative
+// Observations in kLatencyBucketsUs (not cumulative; the last is +Inf).
+struct Histogram {
+  std::array<uint64_t, kLatencyBucketsUs.size() + 1> buckets{};
   uint64_t count = 0;
   uint64_t sum_us = 0;
+  void Observe(uint64_t us);
+};
+
+struct LatencyHistogram : Histogram {
+  std::string op;
+  std::string outcome;
+};
+
+// The time from one timeline stage to the next (the stage named is the later one),
+// for outgoing transfers and the receiver's records: summed over a direction's stages
+// it is the whole submit-to-outcome time of every transfer counted.
+struct StageHistogram : Histogram {
+  std::string direction;  // "outgoing", "incoming"
+  std::string op;
+  std::string stage;      // "STAGE_PLANNED", ...
+};
+
+// Transfers peers ran into or out of this agent's regions, ended (the receiver's
+// records: IncomingTransfers), by op, peer and outcome.
+struct IncomingSeries {
+  std::string op;
+  std::string peer;
+  std::string outcome;
+  uint64_t transfers = 0;
+  uint64_t bytes = 0;  // bytes_done: what the sender moved, as its DATA_READY said
 };
 
 class TransferMetrics {
@@ -60,6 +85,10 @@ class TransferMetrics {
   // lock: takes only this object's lock).
   void Ended(const v1::TransferState& state);
 
+  // A peer's transfer into or out of this agent's regions ended with `state` (the
+  // receiver's record; called once per record, under IncomingTransfers' lock).
+  void IncomingEnded(const v1::TransferState& state);
+
   // A SubmitTransfer chunk or a RegisterRegions batch refused with `code`.
   void SubmitRefused(absl::StatusCode code);
   void RegistrationFailed(absl::StatusCode code);
@@ -70,6 +99,8 @@ class TransferMetrics {
 
   std::vector<TransferSeries> Series() const;
   std::vector<LatencyHistogram> Latency() const;
+  std::vector<IncomingSeries> Incoming() const;
+  std::vector<StageHistogram> Stages() const;
   uint64_t tracked() const;  // transfers registered and not yet ended
 
  private:
@@ -81,6 +112,13 @@ class TransferMetrics {
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   std::map<Key, TransferSeries> series_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, LatencyHistogram> latency_ ABSL_GUARDED_BY(mu_);
+  std::map<std::tuple<std::string, std::string, std::string>, IncomingSeries> incoming_
+      ABSL_GUARDED_BY(mu_);
+  std::map<std::tuple<std::string, std::string, std::string>, StageHistogram> stages_
+      ABSL_GUARDED_BY(mu_);
+  // Adds each stage's time since the one before to stages_.
+  void ObserveStages(const std::string& direction, const v1::TransferState& state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ByCode submit_refusals_ ABSL_GUARDED_BY(mu_) = {};
   ByCode registration_failures_ ABSL_GUARDED_BY(mu_) = {};
 };
