@@ -62,7 +62,34 @@ struct CudaDriver::Api {
   decltype(&::cuMemRelease) mem_release = nullptr;
   decltype(&::cuMemCreate) mem_create = nullptr;
   decltype(&::cuMemExportToShareableHandle) mem_export_to_shareable_handle = nullptr;
+  // Optional (CudaCopyEntryPoints): batched copies and kernel launches. The two
+  // cuMemcpyBatchAsync forms are spelled out: which one cuda.h's name maps to depends
+  // on the headers' version, the driver may export either.
+  using BatchCopy = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes,
+                                 size_t count, CUmemcpyAttributes* attrs, size_t* attrs_idxs,
+                                 size_t num_attrs, CUstream stream);
+  using BatchCopyWithFailIndex = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs,
+                                              size_t* sizes, size_t count,
+                                              CUmemcpyAttributes* attrs, size_t* attrs_idxs,
+                                              size_t num_attrs, size_t* fail_idx,
+                                              CUstream stream);
+  BatchCopy batch_copy = nullptr;                               // cuMemcpyBatchAsync_v2
+  BatchCopyWithFailIndex batch_copy_with_fail_index = nullptr;  // cuMemcpyBatchAsync
+  decltype(&::cuModuleLoadData) module_load_data = nullptr;
+  decltype(&::cuModuleGetFunction) module_get_function = nullptr;
+  decltype(&::cuModuleUnload) module_unload = nullptr;
+  decltype(&::cuLaunchKernel) launch_kernel = nullptr;
+  decltype(&::cuDeviceGetAttribute) device_get_attribute = nullptr;
 };
+
+namespace {
+constexpr char kBatchCopySymbol[] = "cuMemcpyBatchAsync_v2";
+constexpr char kBatchCopyWithFailIndexSymbol[] = "cuMemcpyBatchAsync";
+constexpr const char* kKernelLaunchSymbols[] = {"cuModuleLoadData", "cuModuleGetFunction",
+                                                "cuModuleUnload", "cuLaunchKernel",
+                                                "cuDeviceGetAttribute"};
+static_assert(sizeof(CUdeviceptr) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t));
+}  // namespace
 
 namespace {
 
@@ -156,6 +183,20 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
   resolve(&api->mem_release, "cuMemRelease");
   resolve(&api->mem_create, "cuMemCreate");
   resolve(&api->mem_export_to_shareable_handle, "cuMemExportToShareableHandle");
+  const CudaCopyEntryPoints copy_entry_points =
+      FindCopyEntryPoints([handle](const char* symbol) { return dlsym(handle, symbol); });
+  if (copy_entry_points.batch_copy == kBatchCopySymbol) {
+    resolve(&api->batch_copy, kBatchCopySymbol);
+  } else if (!copy_entry_points.batch_copy.empty()) {
+    resolve(&api->batch_copy_with_fail_index, kBatchCopyWithFailIndexSymbol);
+  }
+  if (copy_entry_points.kernel_launch) {
+    resolve(&api->module_load_data, "cuModuleLoadData");
+    resolve(&api->module_get_function, "cuModuleGetFunction");
+    resolve(&api->module_unload, "cuModuleUnload");
+    resolve(&api->launch_kernel, "cuLaunchKernel");
+    resolve(&api->device_get_attribute, "cuDeviceGetAttribute");
+  }
   if (!missing.empty()) {
     return absl::FailedPreconditionError(fmt::format(
         "CUDA driver {} (driver API version {}) lacks {}; upgrade the NVIDIA driver (kvagent "
@@ -167,6 +208,7 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
   driver->library_ = library;
   driver->api_ = api.get();
   driver->driver_version_ = version;
+  driver->copy_entry_points_ = copy_entry_points;
   if (CUresult r = api->init(0); r != CUDA_SUCCESS) {
     return absl::FailedPreconditionError(fmt::format(
         "CUDA driver {} (version {}) failed to initialize: cuInit: {}; check that the GPUs "
@@ -181,6 +223,21 @@ absl::StatusOr<CudaDriver*> CudaDriver::LoadFrom(const std::string& library) {
   }
   api.release();  // owned by the driver for the life of the process
   return driver.release();
+}
+
+CudaCopyEntryPoints CudaDriver::FindCopyEntryPoints(
+    const std::function<void*(const char*)>& lookup) {
+  CudaCopyEntryPoints found;
+  if (lookup(kBatchCopySymbol) != nullptr) {
+    found.batch_copy = kBatchCopySymbol;
+  } else if (lookup(kBatchCopyWithFailIndexSymbol) != nullptr) {
+    found.batch_copy = kBatchCopyWithFailIndexSymbol;
+  }
+  found.kernel_launch = true;
+  for (const char* symbol : kKernelLaunchSymbols) {
+    if (lookup(symbol) == nullptr) found.kernel_launch = false;
+  }
+  return found;
 }
 
 absl::Status CudaDriver::ValidateIpcSource(const std::string& entry, size_t handle_bytes,
@@ -667,6 +724,79 @@ absl::Status CudaDriver::HostFree(void* address) {
 
 absl::Status CudaDriver::HostUnregister(void* address) {
   return Check(api_->mem_host_unregister(address), "cuMemHostUnregister");
+}
+
+absl::StatusOr<int> CudaDriver::ComputeCapability(int ordinal) const {
+  if (api_->device_get_attribute == nullptr) {
+    return absl::FailedPreconditionError("the CUDA driver lacks cuDeviceGetAttribute");
+  }
+  CUdevice device = 0;
+  RETURN_IF_ERROR(Check(api_->device_get(&device, ordinal), "cuDeviceGet"));
+  int major = 0;
+  int minor = 0;
+  RETURN_IF_ERROR(Check(api_->device_get_attribute(
+                            &major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device),
+                        "cuDeviceGetAttribute"));
+  RETURN_IF_ERROR(Check(api_->device_get_attribute(
+                            &minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
+                        "cuDeviceGetAttribute"));
+  return major * 10 + minor;
+}
+
+absl::Status CudaDriver::CopyBatchAsync(uint64_t* dsts, uint64_t* srcs, uint64_t* sizes,
+                                        size_t count, CUstream_st* stream,
+                                        size_t* failed_index) {
+  *failed_index = count;
+  if (api_->batch_copy == nullptr && api_->batch_copy_with_fail_index == nullptr) {
+    return absl::FailedPreconditionError(fmt::format(
+        "CUDA driver {} lacks cuMemcpyBatchAsync; it needs a CUDA 12.8 or newer driver",
+        VersionText(driver_version_)));
+  }
+  RETURN_IF_ERROR(EnsureContext());
+  // One attribute for every copy: sources are read in stream order (they may be
+  // written by work queued before), no location hints (device memory has one).
+  CUmemcpyAttributes attributes{};
+  attributes.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+  size_t first_copy = 0;
+  auto* d = reinterpret_cast<CUdeviceptr*>(dsts);
+  auto* s = reinterpret_cast<CUdeviceptr*>(srcs);
+  auto* n = reinterpret_cast<size_t*>(sizes);
+  if (api_->batch_copy != nullptr) {
+    return Check(api_->batch_copy(d, s, n, count, &attributes, &first_copy, 1, stream),
+                 kBatchCopySymbol);
+  }
+  size_t fail = SIZE_MAX;
+  const CUresult r = api_->batch_copy_with_fail_index(d, s, n, count, &attributes,
+                                                      &first_copy, 1, &fail, stream);
+  if (r != CUDA_SUCCESS && fail < count) *failed_index = fail;
+  return Check(r, kBatchCopyWithFailIndexSymbol);
+}
+
+absl::StatusOr<CUmod_st*> CudaDriver::LoadModule(const void* image) {
+  if (api_->module_load_data == nullptr) {
+    return absl::FailedPreconditionError("the CUDA driver lacks cuModuleLoadData");
+  }
+  RETURN_IF_ERROR(EnsureContext());
+  CUmodule module = nullptr;
+  RETURN_IF_ERROR(Check(api_->module_load_data(&module, image), "cuModuleLoadData"));
+  return module;
+}
+
+absl::StatusOr<CUfunc_st*> CudaDriver::ModuleFunction(CUmod_st* module, const char* name) {
+  CUfunction function = nullptr;
+  RETURN_IF_ERROR(Check(api_->module_get_function(&function, module, name),
+                        fmt::format("cuModuleGetFunction({})", name)));
+  return function;
+}
+
+absl::Status CudaDriver::UnloadModule(CUmod_st* module) {
+  return Check(api_->module_unload(module), "cuModuleUnload");
+}
+
+absl::Status CudaDriver::LaunchKernel(CUfunc_st* function, unsigned grid, unsigned block,
+                                      CUstream_st* stream, void** params) {
+  return Check(api_->launch_kernel(function, grid, 1, 1, block, 1, 1, 0, stream, params, nullptr),
+               "cuLaunchKernel");
 }
 
 absl::StatusOr<bool> CudaDriver::IsDevicePointer(uint64_t address) {

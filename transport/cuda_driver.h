@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,8 @@
 
 struct CUctx_st;     // CUcontext, kept out of this header (cuda.h stays in the .cc)
 struct CUstream_st;  // CUstream
+struct CUmod_st;     // CUmodule
+struct CUfunc_st;    // CUfunction
 
 namespace kvagent::transport {
 
@@ -45,6 +48,18 @@ struct CudaVmmRange {
 struct CudaVmmExportable {
   UniqueFd fd;
   CudaVmmRange range;
+};
+
+// The optional driver entry points of batched device copies (agent/paths/device_batch
+// chooses among them at run time); a driver without them still loads.
+struct CudaCopyEntryPoints {
+  // The exported name of cuMemcpyBatchAsync: "cuMemcpyBatchAsync_v2" (CUDA 13's form,
+  // preferred) or "cuMemcpyBatchAsync" (CUDA 12.8's, which also names the failing
+  // copy); "" when the driver has neither (older than 12.8).
+  std::string batch_copy;
+  // cuModuleLoadData, cuModuleGetFunction, cuModuleUnload, cuLaunchKernel and
+  // cuDeviceGetAttribute all resolved: a kernel image can be loaded and launched.
+  bool kernel_launch = false;
 };
 
 class CudaDriver {
@@ -130,6 +145,28 @@ class CudaDriver {
   // True when `address` is device memory (CU_POINTER_ATTRIBUTE_MEMORY_TYPE).
   absl::StatusOr<bool> IsDevicePointer(uint64_t address);
 
+  // Which optional copy entry points `lookup` (dlsym on the driver; a test passes a
+  // table) resolves, by their exported names.
+  static CudaCopyEntryPoints FindCopyEntryPoints(
+      const std::function<void*(const char*)>& lookup);
+  const CudaCopyEntryPoints& copy_entry_points() const { return copy_entry_points_; }
+  // Device `ordinal`'s compute capability as major * 10 + minor (90 for an H100/H200).
+  absl::StatusOr<int> ComputeCapability(int ordinal) const;
+  // One cuMemcpyBatchAsync of `count` copies (dsts[i] <- srcs[i], sizes[i] bytes, in
+  // any order among themselves, in stream order as a whole; sources read in stream
+  // order). FAILED_PRECONDITION when the driver lacks it. On failure `*failed_index`
+  // is the copy the driver named, or `count` when it names none (CUDA 13's form).
+  absl::Status CopyBatchAsync(uint64_t* dsts, uint64_t* srcs, uint64_t* sizes, size_t count,
+                              CUstream_st* stream, size_t* failed_index);
+  // A kernel module from a cubin, PTX or fatbin image (cuModuleLoadData), in the
+  // context current on this thread; its functions launch on that context's streams.
+  absl::StatusOr<CUmod_st*> LoadModule(const void* image);
+  absl::StatusOr<CUfunc_st*> ModuleFunction(CUmod_st* module, const char* name);
+  absl::Status UnloadModule(CUmod_st* module);
+  // cuLaunchKernel with a 1-D grid and block, no dynamic shared memory.
+  absl::Status LaunchKernel(CUfunc_st* function, unsigned grid, unsigned block,
+                            CUstream_st* stream, void** params);
+
   // "CUDA_ERROR_X: <driver's text>" for a CUresult.
   std::string ErrorText(int result) const;
 
@@ -144,6 +181,7 @@ class CudaDriver {
   const Api* api_ = nullptr;
   int driver_version_ = 0;
   int device_count_ = 0;
+  CudaCopyEntryPoints copy_entry_points_;
   absl::Mutex mu_;
   absl::flat_hash_map<int, CUctx_st*> contexts_ ABSL_GUARDED_BY(mu_);  // retained primaries
   // One process may open a handle once: several regions of one engine allocation
