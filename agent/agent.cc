@@ -179,12 +179,15 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->notifications_ = std::make_unique<NotificationQueue>(&agent->limits_);
   agent->notifications_->set_subscription_ttl_ms(options.subscription_ttl_ms);
   agent->watchers_ = std::make_unique<MetadataWatchers>();
+  // Off, WatchMetadata answers UNIMPLEMENTED, so peers poll this agent as it polls them.
+  if (options.metadata_push) agent->push_ = std::make_unique<MetadataPush>();
   PeerManagerOptions peer_options;
   peer_options.self_name = options.name;
   peer_options.incarnation = agent->identity_.incarnation;
   peer_options.host_id = agent->identity_.host_id;
   peer_options.error_mode = options.error_mode;
   peer_options.refresh_ms = options.peer_refresh_ms;
+  peer_options.metadata_push = options.metadata_push;
   peer_options.shm_direct = options.shm_direct;
   peer_options.link.tls = options.tls;
   peer_options.link.insecure = !options.insecure_listen.empty();
@@ -209,8 +212,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
       [self](v1::Notification n, absl::Status data) {
         self->engine_->StagedDataInPlace(std::move(n), std::move(data));
       });
+  agent->transfer_metrics_ = std::make_unique<TransferMetrics>();
   IncomingOptions incoming_options;
   incoming_options.self_name = options.name;
+  incoming_options.on_ended = [metrics = agent->transfer_metrics_.get()](
+                                  const v1::TransferState& state) { metrics->IncomingEnded(state); };
   agent->incoming_ = std::make_unique<IncomingTransfers>(
       incoming_options, agent->registry_.get(), agent->notifications_.get(),
       [worker = agent->worker_.get()](void* reply_ep, const wire::TransferAck& ack) {
@@ -271,6 +277,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              &agent->pending_connects_,
                              options.deregister_wait_ms};
   agent->deps_.directory = agent->directory_.get();
+  agent->deps_.push = agent->push_.get();
 
   // Before the first door: each door's server gets gRPC's health service, which the
   // monitor keeps NOT_SERVING until UCX answers (Start below).
@@ -291,7 +298,6 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
         },
         /*readiness_only=*/true);
   }
-  agent->transfer_metrics_ = std::make_unique<TransferMetrics>();
   agent->deps_.transfer_metrics = agent->transfer_metrics_.get();
 
   // The fast path submits and cancels exactly as the gRPC methods do.
@@ -408,6 +414,8 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
   // wait in the client's HTTP/2 flow, they are not refused).
   builder.SetResourceQuota(*quota_);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxCallsPerConnection);
+  // Peers' HTTP/2 keepalive pings (their liveness check of this agent) are welcome.
+  AllowPeerKeepalive(&builder);
   d.server = builder.BuildAndStart();
   const std::string flag = door == Door::kLocal      ? "--local-socket"
                            : door == Door::kNetwork ? "--listen"
@@ -565,6 +573,7 @@ Agent::~Agent() {
   stager_.reset();
   incoming_.reset();
   peers_.reset();
+  push_.reset();  // after the doors: no stream is left to push to
   watchers_.reset();
   registry_.reset();
   context_.reset();

@@ -60,6 +60,9 @@ struct AgentOptions {
   std::string port_file;  // written with the network door's port (0: none) once serving
   uint32_t transfer_timeout_ms = 30000;
   uint32_t peer_refresh_ms = 200;
+  // Peers' metadata pushed over Peer.WatchMetadata streams (--metadata-push on, the
+  // default) or polled every peer_refresh_ms (off: the old way, for comparison).
+  bool metadata_push = true;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   bool shm_direct = true;
   uint32_t deregister_wait_ms = 2000;
@@ -137,6 +140,7 @@ class Agent {
   std::unique_ptr<NotificationQueue> notifications_;
   std::unique_ptr<IncomingTransfers> incoming_;
   std::unique_ptr<MetadataWatchers> watchers_;
+  std::unique_ptr<MetadataPush> push_;  // null with --metadata-push off
   std::unique_ptr<PeerManager> peers_;
   std::unique_ptr<Directory> directory_;  // null without --directory
   std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker

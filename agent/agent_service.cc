@@ -431,6 +431,7 @@ void AgentService::HandleRegisterRegions(grpc::CallbackServerContext* context,
   };
   auto result = deps_.registry->Register(specs, request->skip_empty(), register_context);
   if (!result.ok()) return reply(result.status());
+  if (deps_.push != nullptr) deps_.push->Changed();  // watching peers get the regions now
   for (const auto& region : result->regions) *response->add_regions() = region->Info();
   for (const auto& name : result->skipped) response->add_skipped(name);
   response->set_version(result->version);
@@ -449,6 +450,7 @@ void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& 
     done(version.status(), {});
     return;
   }
+  if (deps.push != nullptr) deps.push->Changed();  // watching peers drain and acknowledge
   // Our own transfers that use the regions fail first and drain, then peers must hold
   // the new version; only then may the engine reuse the memory.
   const ServiceDeps* d = &deps;
@@ -555,6 +557,7 @@ static void FillCopyPaths(const TransferCounters& counters, v1::AgentStatus* sta
 }
 
 void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
+  status->set_metadata_streams(deps.watchers->streams());
   const auto& id = *deps.identity;
   const auto& caps = deps.context->capabilities();
   status->set_name(id.name);
@@ -982,60 +985,232 @@ void AgentService::HandleDoctor(grpc::CallbackServerContext* context,
   return reply(absl::OkStatus());
 }
 
-void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
-    const v1::GetMetadataRequest* request, v1::AgentMetadata* response, Reply reply) {
+absl::StatusOr<Caller> PeerService::AuthorizePeer(grpc::CallbackServerContext* context,
+                                                  std::string_view call) {
   auto caller = IdentifyCaller(door_, deps_, context);
-  absl::Status allowed = caller.ok() ? CheckRole(*caller, Need::kPeer, "GetMetadata")
-                                     : caller.status();
-  if (!allowed.ok()) {
-    deps_.counters->refused_calls.fetch_add(1);
-    LogRefusal(caller.ok() ? caller->principal : Printable(context->peer(), 128), "GetMetadata",
-               allowed);
-    return reply(allowed);
+  absl::Status allowed = caller.ok() ? CheckRole(*caller, Need::kPeer, call) : caller.status();
+  if (allowed.ok()) return caller;
+  deps_.counters->refused_calls.fetch_add(1);
+  LogRefusal(caller.ok() ? caller->principal : Printable(context->peer(), 128), call, allowed);
+  return allowed;
+}
+
+namespace {
+// Who polls or watches is who authenticated; on the insecure door, whoever it claims
+// to be (bounded as the agent names peers are).
+absl::StatusOr<std::string> PeerIdentity(Door door, const Caller& caller,
+                                         const v1::GetMetadataRequest& request,
+                                         std::string_view call) {
+  std::string identity = door == Door::kInsecure ? request.caller() : caller.peer_name;
+  if (identity.size() > registry::CatalogLimits{}.max_name_bytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: caller name is {} bytes; agent names are at most {}", call,
+                    identity.size(), registry::CatalogLimits{}.max_name_bytes));
   }
-  // Who polls is who authenticated; on the insecure door, whoever it claims to be.
-  const std::string identity =
-      door_ == Door::kInsecure ? request->caller() : caller->peer_name;
-  const auto& id = *deps_.identity;
+  return identity;
+}
+}  // namespace
+
+void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& identity,
+                       const std::string& principal, const v1::GetMetadataRequest& request,
+                       v1::AgentMetadata* response) {
+  const auto& id = *deps.identity;
   response->set_name(id.name);
   response->set_incarnation(id.incarnation);
   response->set_host_id(id.host_id);
   response->set_pid(static_cast<uint32_t>(getpid()));
-  // A claimed name (insecure door) is bounded as the agent names peers are.
-  if (identity.size() > registry::CatalogLimits{}.max_name_bytes) {
-    return reply(absl::InvalidArgumentError(fmt::format(
-        "GetMetadata: caller name is {} bytes; agent names are at most {}",
-        identity.size(), registry::CatalogLimits{}.max_name_bytes)));
+  const uint64_t version = deps.registry->version();
+  if (request.known_incarnation() == id.incarnation && request.known_version() == version) {
+    response->set_version(version);  // unchanged: the caller keeps what it has
+    return;
   }
-  if (absl::Status tracked = deps_.watchers->Polled(identity, request->known_version(),
-                                                    request->known_incarnation() == id.incarnation,
-                                                    deps_.limits);
+  response->set_worker_address(deps.worker->address());
+  response->set_notify_secret(deps.secrets->Issue(identity));
+  const bool same_host = door == Door::kLocal;
+  // A caller that holds a version of this incarnation gets what changed since, when
+  // the registry's change log still reaches back to it; any other the whole catalog.
+  const bool delta = request.accept_delta() && request.known_incarnation() == id.incarnation &&
+                     deps.registry->ExportDelta(request.known_version(), response, same_host);
+  if (!delta) deps.registry->Export(response, same_host);
+  kAudit.Info("metadata version {} ({}{} regions{}) sent to peer '{}' ({}, {} door)",
+              response->version(), response->regions_size(), delta ? " changed" : "",
+              delta ? fmt::format(", {} removed, delta from {}", response->removed_regions_size(),
+                                  request.known_version())
+                    : "",
+              Printable(identity), principal, DoorName(door));
+}
+
+void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
+    const v1::GetMetadataRequest* request, v1::AgentMetadata* response, Reply reply) {
+  auto caller = AuthorizePeer(context, "GetMetadata");
+  if (!caller.ok()) return reply(caller.status());
+  auto identity = PeerIdentity(door_, *caller, *request, "GetMetadata");
+  if (!identity.ok()) return reply(identity.status());
+  if (absl::Status tracked = deps_.watchers->Polled(
+          *identity, request->known_version(),
+          request->known_incarnation() == deps_.identity->incarnation, deps_.limits);
       !tracked.ok()) {
     kLog.Warn("{}", tracked.message());
     return reply(tracked);
   }
-  const uint64_t version = deps_.registry->version();
-  if (request->known_incarnation() == id.incarnation && request->known_version() == version) {
-    response->set_version(version);  // unchanged: the caller keeps what it has
-    return reply(absl::OkStatus());
-  }
-  response->set_worker_address(deps_.worker->address());
-  response->set_notify_secret(deps_.secrets->Issue(identity));
-  const bool same_host = door_ == Door::kLocal;
-  // A caller that holds a version of this incarnation gets what changed since, when
-  // the registry's change log still reaches back to it; any other the whole catalog.
-  const bool delta = request->accept_delta() && request->known_incarnation() == id.incarnation &&
-                     deps_.registry->ExportDelta(request->known_version(), response, same_host);
-  if (!delta) deps_.registry->Export(response, same_host);
-  kAudit.Info("metadata version {} ({}{} regions{}) sent to peer '{}' ({}, {} door)",
-              response->version(), response->regions_size(), delta ? " changed" : "",
-              delta ? fmt::format(", {} removed, delta from {}", response->removed_regions_size(),
-                                  request->known_version())
-                    : "",
-              Printable(identity), caller->principal, DoorName(door_));
+  ExportMetadataFor(deps_, door_, *identity, caller->principal, *request, response);
   return reply(absl::OkStatus());
 }
 
+namespace {
+using MetadataStreamReactor = grpc::ServerBidiReactor<v1::GetMetadataRequest, v1::AgentMetadata>;
+
+class RefusedMetadataWatch final : public MetadataStreamReactor {
+ public:
+  explicit RefusedMetadataWatch(const absl::Status& why) { Finish(ToGrpcStatus(why)); }
+  void OnDone() override { delete this; }
+};
+
+// One peer's WatchMetadata stream: reads its acknowledgements (recorded in
+// MetadataWatchers) and writes a new view whenever the version moves past what it
+// last wrote (MetadataPush wakes it). One write in flight at a time; a version that
+// moves meanwhile is sent when it completes, as one delta.
+class MetadataWatchReactor final : public MetadataStreamReactor, public MetadataPush::Stream {
+ public:
+  MetadataWatchReactor(const ServiceDeps& deps, Door door, Caller caller)
+      : deps_(deps), door_(door), caller_(std::move(caller)) {
+    StartRead(&read_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the watcher closed its side, went away or the server stops
+      absl::MutexLock lock(&mu_);
+      FinishLocked(grpc::Status::OK);
+      return;
+    }
+    const v1::GetMetadataRequest request = read_;
+    if (!opened_) {
+      auto identity = PeerIdentity(door_, caller_, request, "WatchMetadata");
+      absl::Status opened = identity.ok()
+                                ? deps_.watchers->StreamOpened(*identity, deps_.limits)
+                                : identity.status();
+      if (!opened.ok()) {
+        deps_.counters->refused_calls.fetch_add(1);
+        LogRefusal(caller_.principal, "WatchMetadata", opened);
+        absl::MutexLock lock(&mu_);
+        FinishLocked(ToGrpcStatus(opened));
+        return;
+      }
+      identity_ = *std::move(identity);
+      opened_ = true;
+      kAudit.Info("peer '{}' ({}, {} door) watches this agent's metadata", Printable(identity_),
+                  caller_.principal, DoorName(door_));
+      deps_.push->Add(this);
+    }
+    const bool current_incarnation = request.known_incarnation() == deps_.identity->incarnation;
+    deps_.watchers->StreamAcked(identity_, request.known_version(), current_incarnation);
+    {
+      absl::MutexLock lock(&mu_);
+      // The first request, and one asking for the whole catalog again, reset what the
+      // next write starts from; an acknowledgement only records what the peer holds.
+      if (!answered_ || !request.accept_delta() || !current_incarnation) {
+        basis_ = request;
+        reply_now_ = true;
+      }
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (finishing_) return;
+    }
+    StartRead(&read_);
+    Push();
+  }
+
+  void Push() override {
+    absl::MutexLock lock(&mu_);
+    if (finishing_) return;
+    if (writing_) {
+      push_again_ = true;
+      return;
+    }
+    if (!reply_now_ && basis_.known_incarnation() == deps_.identity->incarnation &&
+        basis_.known_version() == deps_.registry->version()) {
+      return;  // the peer has (or is being sent) the current version
+    }
+    write_.Clear();
+    ExportMetadataFor(deps_, door_, identity_, caller_.principal, basis_, &write_);
+    basis_.set_known_version(write_.version());
+    basis_.set_known_incarnation(write_.incarnation());
+    basis_.set_accept_delta(true);
+    reply_now_ = false;
+    answered_ = true;
+    writing_ = true;
+    StartWrite(&write_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        FinishLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the watcher went away"));
+        return;
+      }
+      if (finishing_) {
+        Finish(finish_status_);
+        return;
+      }
+      if (!push_again_) return;
+      push_again_ = false;
+    }
+    Push();
+  }
+
+  void OnDone() override {
+    if (opened_) {
+      deps_.push->Remove(this);
+      deps_.watchers->StreamClosed(identity_);
+      kAudit.Info("peer '{}' stopped watching this agent's metadata", Printable(identity_));
+    }
+    delete this;
+  }
+
+ private:
+  // Finishes now, or once the write in flight completes.
+  void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finishing_) return;
+    finishing_ = true;
+    if (writing_) {
+      finish_status_ = status;
+      return;
+    }
+    Finish(status);
+  }
+
+  const ServiceDeps deps_;
+  const Door door_;
+  const Caller caller_;
+  v1::GetMetadataRequest read_;  // reads are serial: only the read callback touches it
+  bool opened_ = false;          // set on the first read, before any Push
+  std::string identity_;
+  absl::Mutex mu_;
+  v1::GetMetadataRequest basis_ ABSL_GUARDED_BY(mu_);  // what the peer holds once writes land
+  v1::AgentMetadata write_ ABSL_GUARDED_BY(mu_);
+  bool reply_now_ ABSL_GUARDED_BY(mu_) = false;
+  bool answered_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool push_again_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+}  // namespace
+
+MetadataStreamReactor* PeerService::WatchMetadata(grpc::CallbackServerContext* context) {
+  if (deps_.push == nullptr) {
+    return new RefusedMetadataWatch(
+        absl::UnimplementedError("WatchMetadata: this agent serves metadata by GetMetadata only"));
+  }
+  auto caller = AuthorizePeer(context, "WatchMetadata");
+  if (!caller.ok()) return new RefusedMetadataWatch(caller.status());
+  // Bounded by MetadataWatchers (peer identities, and streams per identity), not by
+  // the engines' Watch* stream limits.
+  return new MetadataWatchReactor(deps_, door_, *std::move(caller));
+}
 
 // The raw methods gRPC calls: each parses its request (an unparseable one is
 // INVALID_ARGUMENT with the parser's reason, not gRPC's empty UNIMPLEMENTED) and hands

@@ -76,6 +76,9 @@ struct ServiceDeps {
   // Ended transfers by op, data path, peer and outcome (Prometheus); null: not counted.
   TransferMetrics* transfer_metrics = nullptr;
   Directory* directory = nullptr;  // ListAgents, ConnectPeer "agent:NAME"; null: none
+  // WatchMetadata streams (woken when the registry's version moves); null: the Peer
+  // service answers WatchMetadata with UNIMPLEMENTED.
+  MetadataPush* push = nullptr;
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it
@@ -224,7 +227,17 @@ class AgentService final : public AgentServiceBase {
   ServiceDeps deps_;
 };
 
-class PeerService final : public v1::Peer::WithRawCallbackMethod_GetMetadata<v1::Peer::Service> {
+// Fills `response` for a peer `identity` that holds `request.known_version` (as
+// GetMetadata answers; a WatchMetadata stream asks it for each push): the unchanged
+// form when that is current, else a delta when it can, else the whole catalog. The
+// caller has authorized the peer and bounded `identity`.
+void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& identity,
+                       const std::string& principal, const v1::GetMetadataRequest& request,
+                       v1::AgentMetadata* response);
+
+class PeerService final
+    : public v1::Peer::WithCallbackMethod_WatchMetadata<
+          v1::Peer::WithRawCallbackMethod_GetMetadata<v1::Peer::Service>> {
  public:
   PeerService(Door door, ServiceDeps deps) : door_(door), deps_(deps) {}
   using Reply = std::function<void(absl::Status)>;
@@ -233,8 +246,14 @@ class PeerService final : public v1::Peer::WithRawCallbackMethod_GetMetadata<v1:
   grpc::ServerUnaryReactor* GetMetadata(grpc::CallbackServerContext* context,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<v1::GetMetadataRequest, v1::AgentMetadata>* WatchMetadata(
+      grpc::CallbackServerContext* context) override;
 
  private:
+  // Identifies the caller and checks its peer role; a refusal is counted and logged.
+  absl::StatusOr<Caller> AuthorizePeer(grpc::CallbackServerContext* context,
+                                       std::string_view call);
+
   const Door door_;
   ServiceDeps deps_;
 };

@@ -49,7 +49,7 @@ constexpr std::array<LimitInfo, kLimitCount> kInfo = {{
     {"pending_connects", "--max-pending-connects", "calls", 64,
      "ConnectPeer calls in progress at once"},
     {"peer_callers", "--max-peer-callers", "peers", 4096,
-     "peer identities this agent tracks (metadata pollers, notification secrets)"},
+     "peer identities this agent tracks (metadata watchers, notification secrets)"},
     {"subscriptions", "--max-subscriptions", "subscriptions", 1024,
      "durable notification subscriptions (idle ones expire: --subscription-ttl-ms)"},
     {"in_flight_per_subscription", "--max-in-flight-per-subscription", "notifications", 4096,

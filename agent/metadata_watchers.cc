@@ -3,7 +3,6 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-
 #include "agent/status_util.h"
 
 namespace kvagent::agent {
@@ -25,32 +24,84 @@ MetadataWatchers::~MetadataWatchers() {
   for (auto& w : left) w.done({});
 }
 
+absl::StatusOr<MetadataWatchers::Watcher*> MetadataWatchers::FindOrAddLocked(
+    const std::string& caller, const Limits* limits, std::string_view what) {
+  auto found = watchers_.find(caller);
+  if (found != watchers_.end()) return &found->second;
+  if (limits != nullptr && !limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
+    // Those that stopped watching count for nothing: make room by dropping them.
+    const uint64_t now = MonotonicMicros();
+    absl::erase_if(watchers_,
+                   [&](const auto& entry) { return !CountsLocked(entry.second, now); });
+    if (!limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
+      return limits->Refuse(Limit::kPeerCallers, std::string(what) + " from a new peer",
+                            watchers_.size(), 1,
+                            "peers that watch this agent (a stream open, or a poll in the last "
+                            "seconds) fill the table");
+    }
+  }
+  return &watchers_[caller];
+}
+
 absl::Status MetadataWatchers::Polled(const std::string& caller, uint64_t known_version,
                                       uint64_t incarnation_match, const Limits* limits) {
   if (caller.empty()) return absl::OkStatus();
   {
     absl::MutexLock lock(&mu_);
-    auto found = watchers_.find(caller);
-    if (found == watchers_.end() && limits != nullptr &&
-        !limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
-      // Those that stopped polling count for nothing: make room by dropping them.
-      const uint64_t now = MonotonicMicros();
-      absl::erase_if(watchers_, [&](const auto& entry) {
-        return now - entry.second.last_poll_us > uint64_t{recent_ms_} * 1000;
-      });
-      if (!limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
-        return limits->Refuse(Limit::kPeerCallers, "GetMetadata from a new peer",
-                              watchers_.size(), 1,
-                              "peers that polled in the last seconds fill the table");
-      }
-    }
-    Watcher& w = watchers_[caller];
+    auto w = FindOrAddLocked(caller, limits, "GetMetadata");
+    if (!w.ok()) return w.status();
     // A caller that knows another incarnation holds none of our versions.
-    w.known_version = incarnation_match ? known_version : 0;
-    w.last_poll_us = MonotonicMicros();
+    (*w)->known_version = incarnation_match ? known_version : 0;
+    (*w)->last_poll_us = MonotonicMicros();
   }
   CheckWaiters();
   return absl::OkStatus();
+}
+
+absl::Status MetadataWatchers::StreamOpened(const std::string& caller, const Limits* limits) {
+  absl::MutexLock lock(&mu_);
+  auto w = FindOrAddLocked(caller, limits, "WatchMetadata");
+  if (!w.ok()) return w.status();
+  if ((*w)->streams >= kStreamsPerWatcher) {
+    return absl::ResourceExhaustedError(
+        "WatchMetadata: peer '" + caller + "' already holds " +
+        std::to_string(kStreamsPerWatcher) +
+        " metadata streams here; an agent needs one: close the others (one agent name per "
+        "agent)");
+  }
+  ++(*w)->streams;
+  ++streams_;
+  return absl::OkStatus();
+}
+
+void MetadataWatchers::StreamAcked(const std::string& caller, uint64_t known_version,
+                                   bool incarnation_match) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = watchers_.find(caller);
+    if (found == watchers_.end()) return;
+    found->second.known_version = incarnation_match ? known_version : 0;
+    found->second.last_poll_us = MonotonicMicros();
+  }
+  CheckWaiters();
+}
+
+void MetadataWatchers::StreamClosed(const std::string& caller) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = watchers_.find(caller);
+    if (found == watchers_.end() || found->second.streams == 0) return;
+    --streams_;
+    // Its view may be stale from here on: it is not waited for (it polls, or opens
+    // a stream, again before it plans anything new).
+    if (--found->second.streams == 0) found->second.last_poll_us = 0;
+  }
+  CheckWaiters();
+}
+
+size_t MetadataWatchers::streams() const {
+  absl::MutexLock lock(&mu_);
+  return streams_;
 }
 
 size_t MetadataWatchers::size() const {
@@ -62,8 +113,7 @@ std::vector<std::string> MetadataWatchers::PendingLocked(uint64_t version) const
   std::vector<std::string> pending;
   const uint64_t now = MonotonicMicros();
   for (const auto& [name, w] : watchers_) {
-    if (now - w.last_poll_us > uint64_t{recent_ms_} * 1000) continue;
-    if (w.known_version < version) pending.push_back(name);
+    if (CountsLocked(w, now) && w.known_version < version) pending.push_back(name);
   }
   return pending;
 }
@@ -115,6 +165,48 @@ void MetadataWatchers::Loop() {
       if (waiters_.empty()) continue;
     }
     CheckWaiters();
+  }
+}
+
+MetadataPush::MetadataPush() : thread_([this] { Loop(); }) {}
+
+MetadataPush::~MetadataPush() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+void MetadataPush::Add(Stream* stream) {
+  absl::MutexLock lock(&mu_);
+  streams_.insert(stream);
+}
+
+void MetadataPush::Remove(Stream* stream) {
+  absl::MutexLock lock(&mu_);  // the pusher holds it while it pushes
+  streams_.erase(stream);
+}
+
+void MetadataPush::Changed() {
+  absl::MutexLock lock(&mu_);
+  changed_ = true;
+}
+
+size_t MetadataPush::size() const {
+  absl::MutexLock lock(&mu_);
+  return streams_.size();
+}
+
+void MetadataPush::Loop() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || changed_; };
+    mu_.Await(absl::Condition(&woken));
+    if (stopping_) return;
+    changed_ = false;
+    // Versions that move while this runs set changed_ again: the next round sends them.
+    for (Stream* stream : streams_) stream->Push();
   }
 }
 

@@ -1,7 +1,9 @@
-// MetadataWatchers tracks which peers poll this agent's metadata and which version
-// each has installed (the known_version of its latest GetMetadata). Deregistration
-// waits on it: once every recent watcher has installed the new version, no peer can
-// plan a new transfer into the removed regions. Used by the gRPC services.
+// MetadataWatchers tracks which peers watch this agent's metadata and which version
+// each has installed (the known_version of its latest GetMetadata, or of its latest
+// acknowledgement on a WatchMetadata stream). Deregistration waits on it: once every
+// watcher has installed the new version, no peer can plan a new transfer into the
+// removed regions. MetadataPush wakes the open WatchMetadata streams when the
+// version moves. Used by the gRPC services.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/status/status.h"
 #include "agent/limits.h"
@@ -20,6 +23,10 @@ namespace kvagent::agent {
 
 class MetadataWatchers {
  public:
+  // Streams one peer identity may hold open at once: one, and a few more while a
+  // reconnect replaces it.
+  static constexpr uint32_t kStreamsPerWatcher = 4;
+
   // `recent_ms`: a peer that polled within this window counts as a watcher.
   explicit MetadataWatchers(uint32_t recent_ms = 5000);
   ~MetadataWatchers();
@@ -29,7 +36,16 @@ class MetadataWatchers {
   // stopped polling) is refused with RESOURCE_EXHAUSTED; `limits` may be null.
   absl::Status Polled(const std::string& caller, uint64_t known_version,
                       uint64_t incarnation_match, const Limits* limits = nullptr);
+  // A WatchMetadata stream of `caller` opened (refused as Polled refuses a new
+  // caller, and past kStreamsPerWatcher of one caller), acknowledged `known_version`,
+  // or ended. A caller with a stream open
+  // counts as a watcher however long ago it acknowledged; once its last stream ends
+  // it stops counting (until it polls again).
+  absl::Status StreamOpened(const std::string& caller, const Limits* limits = nullptr);
+  void StreamAcked(const std::string& caller, uint64_t known_version, bool incarnation_match);
+  void StreamClosed(const std::string& caller);
   size_t size() const;
+  size_t streams() const;  // open WatchMetadata streams
   // Calls `done(unconfirmed)` once every recent watcher holds `version`, or after
   // `timeout_ms` with the names of those that did not. Never calls inline under a lock.
   void WaitForVersion(uint64_t version, uint32_t timeout_ms,
@@ -39,6 +55,7 @@ class MetadataWatchers {
   struct Watcher {
     uint64_t known_version = 0;
     uint64_t last_poll_us = 0;
+    uint32_t streams = 0;  // open WatchMetadata streams
   };
   struct Waiter {
     uint64_t version;
@@ -46,6 +63,14 @@ class MetadataWatchers {
     std::function<void(std::vector<std::string>)> done;
   };
   std::vector<std::string> PendingLocked(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The entry of `caller`, made (room permitting, see Polled) when new; `what` names
+  // the call in a refusal.
+  absl::StatusOr<Watcher*> FindOrAddLocked(const std::string& caller, const Limits* limits,
+                                           std::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CountsLocked(const Watcher& w, uint64_t now) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return w.streams > 0 || now - w.last_poll_us <= uint64_t{recent_ms_} * 1000;
+  }
   void CheckWaiters();
   void Loop();
 
@@ -53,6 +78,38 @@ class MetadataWatchers {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
   std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  size_t streams_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+// The open WatchMetadata streams of this agent. Changed() (the registry's version
+// moved) wakes one pusher thread that calls Push() on every stream; idle, it sleeps.
+// Remove() returns only when no Push() on that stream runs, so a stream may be
+// deleted right after.
+class MetadataPush {
+ public:
+  class Stream {
+   public:
+    virtual ~Stream() = default;
+    // Sends what changed, or notes that it must once the write in flight is done.
+    // Must not block or call back into MetadataPush.
+    virtual void Push() = 0;
+  };
+
+  MetadataPush();
+  ~MetadataPush();
+  void Add(Stream* stream);
+  void Remove(Stream* stream);
+  void Changed();
+  size_t size() const;
+
+ private:
+  void Loop();
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(mu_);
+  bool changed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -1,5 +1,6 @@
 #include "agent/peer_manager.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -24,8 +25,20 @@ void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
 // gRPC's default reconnect backoff grows to 120 s; a peer restarted on the same
 // address would then look dead for minutes. A poll fails fast while the channel
 // backs off, so keep the backoff near the poll period.
-grpc::ChannelArguments ChannelArgs() {
+}  // namespace
+
+grpc::ChannelArguments PeerChannelArgs(bool keepalive) {
   grpc::ChannelArguments args;
+  if (keepalive) {
+    // Liveness of a watched peer: a ping every kPeerKeepaliveTimeMs, with or without a
+    // call, however long no data came (gRPC's defaults stop pinging after two pings
+    // without data and space them 5 minutes apart).
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kPeerKeepaliveTimeMs);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kPeerKeepaliveTimeoutMs);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    args.SetInt(GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS, kPeerKeepaliveTimeMs);
+  }
   // Our own connections: gRPC's process-wide subchannel pool would hand a new channel
   // the broken connection of an old one to the same address (an agent restarted on
   // the same socket path), and its first call would fail.
@@ -37,8 +50,123 @@ grpc::ChannelArguments ChannelArgs() {
   return args;
 }
 
+namespace {
+
 constexpr char kSessionTokenKey[] = "kvagent-session";
 }  // namespace
+
+void AllowPeerKeepalive(grpc::ServerBuilder* builder) {
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Pings closer than this count as strikes (a flood); peers ping every 700 ms.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                              kPeerKeepaliveTimeMs * 4 / 5);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 10);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+}
+
+// One peer's WatchMetadata stream. Reads one view at a time: the next read starts
+// once the pool has applied the last (so views install in order, and a slow install
+// holds the peer's pushes in HTTP/2 flow control). Holds keep OnDone away while a
+// read may still be started (the read side) or a write is in flight.
+class PeerManager::MetadataWatch final
+    : public grpc::ClientBidiReactor<v1::GetMetadataRequest, v1::AgentMetadata> {
+ public:
+  MetadataWatch(PeerManager* owner, std::string name, std::shared_ptr<PeerLink> link,
+                uint64_t incarnation)
+      : owner_(owner), guard_(owner->guard_), name_(std::move(name)), link_(std::move(link)),
+        incarnation_(incarnation) {}
+
+  const std::string& name() const { return name_; }
+  const std::shared_ptr<PeerLink>& link() const { return link_; }
+  uint64_t incarnation() const { return incarnation_; }
+  const grpc::ClientContext& context() const { return context_; }
+  bool verified = false;  // the first view was checked (pool, one view at a time)
+
+  void Start(std::shared_ptr<MetadataWatch> self, const v1::GetMetadataRequest& first) {
+    self_ = std::move(self);
+    link_->Prepare(&context_);
+    link_->stub->async()->WatchMetadata(&context_, this);
+    AddHold();  // the read side, released when a read fails
+    Send(first);
+    StartRead(&read_);
+    StartCall();
+  }
+  // An acknowledgement (or a request for the whole catalog), after the one in flight.
+  void Send(const v1::GetMetadataRequest& request) {
+    absl::MutexLock lock(&mu_);
+    if (writing_) {
+      pending_ = request;
+      has_pending_ = true;
+      return;
+    }
+    writing_ = true;
+    write_ = request;
+    AddHold();
+    StartWrite(&write_);
+  }
+  void Cancel() { context_.TryCancel(); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      RemoveHold();
+      return;
+    }
+    absl::MutexLock lock(&guard_->mu);
+    if (guard_->manager == nullptr) {
+      RemoveHold();  // stopping: no more reads
+      return;
+    }
+    auto self = self_;  // OnDone has not run: the read side's hold is held
+    // Runs when the job is done or dropped (Stop): then the next read starts, or
+    // fails on a cancelled call and lets the reactor finish.
+    std::shared_ptr<void> turn(nullptr, [self](void*) { self->StartRead(&self->read_); });
+    guard_->manager->Enqueue([manager = guard_->manager, self, reply = std::move(read_), turn] {
+      manager->ApplyPushed(self, reply);
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (ok && has_pending_) {
+        has_pending_ = false;
+        writing_ = true;
+        write_ = pending_;
+        AddHold();
+        StartWrite(&write_);
+      }
+    }
+    RemoveHold();
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    std::shared_ptr<MetadataWatch> keep = std::move(self_);
+    {
+      absl::MutexLock lock(&guard_->mu);
+      if (guard_->manager != nullptr) guard_->manager->WatchEnded(this, status);
+    }
+    absl::MutexLock lock(&owner_->watches_mu_);
+    --owner_->live_watches_;  // the last touch of the manager: Stop waits for it
+  }
+
+ private:
+  PeerManager* const owner_;
+  const std::shared_ptr<CallbackGuard> guard_;
+  const std::string name_;
+  const std::shared_ptr<PeerLink> link_;
+  const uint64_t incarnation_;
+  grpc::ClientContext context_;
+  std::shared_ptr<MetadataWatch> self_;  // until OnDone
+  v1::AgentMetadata read_;
+  absl::Mutex mu_;
+  v1::GetMetadataRequest write_ ABSL_GUARDED_BY(mu_);
+  v1::GetMetadataRequest pending_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+};
 
 void PeerLink::Prepare(grpc::ClientContext* context) const {
   if (session) context->AddMetadata(kSessionTokenKey, session->token());
@@ -102,15 +230,16 @@ absl::StatusOr<std::shared_ptr<PeerLink>> PeerManager::OpenLink(const std::strin
     link->local = true;
     link->session = *std::move(session);
     link->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                              ChannelArgs());
+                                              PeerChannelArgs(options_.metadata_push));
   } else if (!options_.link.tls.empty()) {
     auto credentials = MakeChannelCredentials(options_.link.tls);
     if (!credentials.ok()) return credentials.status();
     link->tls = true;
-    link->channel = grpc::CreateCustomChannel(address, *credentials, ChannelArgs());
+    link->channel = grpc::CreateCustomChannel(address, *credentials,
+                                              PeerChannelArgs(options_.metadata_push));
   } else if (options_.link.insecure) {
     link->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                              ChannelArgs());
+                                              PeerChannelArgs(options_.metadata_push));
   } else {
     return absl::FailedPreconditionError(fmt::format(
         "peer at {}: a network peer needs mutual TLS and this agent has no certificate; start "
@@ -223,6 +352,7 @@ void PeerManager::ConnectNow(const std::string& address,
                         }
                         Install(call->link, *snapshot, version,
                                 RefreshCost{call->reply.ByteSizeLong(), 0, false});
+                        OpenWatch((*snapshot)->name);
                         absl::MutexLock lock(&mu_);
                         done(InfoLocked(peers_.at((*snapshot)->name)));
                       });
@@ -491,10 +621,20 @@ void PeerManager::Install(std::shared_ptr<PeerLink> link,
                           std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version,
                           const RefreshCost& cost) {
   std::optional<PeerLoss> restarted;
+  std::shared_ptr<MetadataWatch> stale;
   {
     absl::MutexLock lock(&mu_);
+    const std::string name = snapshot->name;
     restarted = InstallLocked(std::move(link), std::move(snapshot), version, cost);
+    // A stream to another address or incarnation (ConnectPeer named a new one, a
+    // restart) watches what is no longer installed: the caller opens a new one.
+    Peer& peer = peers_.at(name);
+    if (peer.watch && (peer.watch->link() != peer.link ||
+                       peer.watch->incarnation() != peer.snapshot->incarnation)) {
+      stale = std::move(peer.watch);
+    }
   }
+  if (stale) stale->Cancel();
   if (restarted) NotifyLoss(*restarted);
 }
 
@@ -583,6 +723,7 @@ void PeerManager::MarkUnreachable(const std::string& name, uint64_t incarnation,
     peer.last_error = error;
     peer.endpoint_failed = peer.endpoint_failed || endpoint_failed;
   }
+  KickMonitor();  // unreachable peers are polled until they answer
   // Every time, not only on the first failure: a transfer submitted just before the
   // peer was marked is caught by the next failed poll.
   NotifyLoss(PeerLoss{
@@ -699,7 +840,12 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_same_host(s.same_host);
   info.set_state(peer.state);
   info.set_last_error(peer.last_error);
-  info.set_last_seen_ms_ago((MonotonicMicros() - peer.last_seen_us) / 1000);
+  // A watched peer is seen all the time: its stream is open under keepalive.
+  const bool pushed = peer.watch != nullptr && peer.state == "connected";
+  info.set_last_seen_ms_ago(pushed ? 0 : (MonotonicMicros() - peer.last_seen_us) / 1000);
+  info.set_metadata_source(pushed ? "push"
+                           : !options_.metadata_push || peer.push_unsupported ? "poll"
+                                                                               : "reconnecting");
   info.set_metadata_bytes_last(peer.metadata_bytes_last);
   info.set_refresh_us_last(peer.refresh_us_last);
   info.set_deltas_applied(peer.deltas_applied);
@@ -734,6 +880,7 @@ absl::Status PeerManager::Disconnect(const std::string& name) {
     gone = std::move(it->second);
     peers_.erase(it);
   }
+  if (gone.watch) gone.watch->Cancel();
   kLog.Info("peer '{}' at {} disconnected", name, gone.snapshot->address);
   return absl::OkStatus();  // `gone` lets go of the endpoint (on the worker) and the link
 }
@@ -744,6 +891,7 @@ size_t PeerManager::size() const {
 }
 
 void PeerManager::StartMonitor() {
+  for (int i = 0; i < kPollThreads; ++i) pool_.emplace_back([this] { PoolLoop(); });
   monitor_ = std::thread([this] { MonitorLoop(); });
 }
 
@@ -759,6 +907,31 @@ void PeerManager::Stop() {
     }
     if (monitor_.joinable()) monitor_.join();
   }
+  std::vector<std::shared_ptr<MetadataWatch>> watches;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, peer] : peers_) {
+      if (peer.watch) watches.push_back(std::move(peer.watch));
+    }
+  }
+  for (auto& watch : watches) watch->Cancel();
+  {
+    absl::MutexLock lock(&pool_mu_);
+    pool_stopping_ = true;
+  }
+  for (auto& t : pool_) t.join();
+  pool_.clear();
+  std::deque<std::function<void()>> dropped;
+  {
+    absl::MutexLock lock(&pool_mu_);
+    dropped.swap(jobs_);
+  }
+  dropped.clear();  // a dropped view lets its (cancelled) stream finish
+  {
+    absl::MutexLock lock(&watches_mu_);
+    auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watches_mu_) { return live_watches_ == 0; };
+    watches_mu_.Await(absl::Condition(&none));
+  }
   std::vector<Connector> connectors;
   {
     absl::MutexLock lock(&connect_mu_);
@@ -772,33 +945,280 @@ void PeerManager::Stop() {
   }
 }
 
+void PeerManager::Enqueue(std::function<void()> job) {
+  absl::MutexLock lock(&pool_mu_);
+  if (pool_stopping_) return;  // dropped: `job` dies here
+  jobs_.push_back(std::move(job));
+}
+
+void PeerManager::PoolLoop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      absl::MutexLock lock(&pool_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_) {
+        return pool_stopping_ || !jobs_.empty();
+      };
+      pool_mu_.Await(absl::Condition(&ready));
+      if (pool_stopping_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+void PeerManager::QueuePoll(const std::string& name) {
+  auto it = peers_.find(name);
+  if (it == peers_.end() || it->second.polling) return;
+  it->second.polling = true;
+  Enqueue([this, name] {
+    // After a change, poll again at once: that poll tells the peer we hold the new
+    // version (a deregistration on the peer waits for it).
+    if (RefreshOne(name)) RefreshOne(name);
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = peers_.find(name);
+      if (it == peers_.end()) return;
+      it->second.polling = false;
+    }
+    OpenWatch(name);  // when push is on and the peer answered
+  });
+}
+
+void PeerManager::OpenWatch(const std::string& name) {
+  auto first = std::make_unique<v1::GetMetadataRequest>();
+  std::shared_ptr<MetadataWatch> watch;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_.load() || !options_.metadata_push) return;
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    Peer& peer = it->second;
+    if (peer.watch || peer.push_unsupported || peer.state != "connected") return;
+    watch = std::make_shared<MetadataWatch>(this, name, peer.link, peer.snapshot->incarnation);
+    peer.watch = watch;
+    first->set_caller(options_.self_name);
+    first->set_known_incarnation(peer.snapshot->incarnation);
+    // Only a drained version may be acknowledged (see RefreshOne); until it is, ask for
+    // the whole catalog from the last drained one.
+    const bool drained = peer.drained_version == peer.version;
+    first->set_known_version(drained ? peer.version : peer.drained_version);
+    first->set_accept_delta(drained && !peer.endpoint_failed &&
+                            peer.snapshot->catalog->version() == peer.version);
+  }
+  {
+    absl::MutexLock lock(&watches_mu_);
+    ++live_watches_;
+  }
+  watch->Start(watch, *first);
+}
+
+void PeerManager::WatchEnded(MetadataWatch* watch, const grpc::Status& status) {
+  const std::string& name = watch->name();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    // Replaced or cancelled by this agent (Disconnect, a new address, Stop).
+    if (it == peers_.end() || it->second.watch.get() != watch || stopping_.load()) return;
+    it->second.watch.reset();
+    if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+      kLog.Info("peer '{}' has no WatchMetadata ({}); polling it every {} ms", name,
+                status.error_message(), options_.refresh_ms);
+      it->second.push_unsupported = true;
+      QueuePoll(name);
+    }
+  }
+  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    KickMonitor();  // polled from now on
+    return;
+  }
+  // Its process died (connection reset), hung (keepalive unanswered) or is stopping:
+  // its transfers fail now; the poll reconnects it when it answers again.
+  MarkUnreachable(name, watch->incarnation(),
+                  fmt::format("its metadata stream ended: {} (gRPC code {})",
+                              status.error_message(), static_cast<int>(status.error_code())),
+                  /*endpoint_failed=*/false);
+  absl::MutexLock lock(&mu_);
+  QueuePoll(name);
+}
+
+void PeerManager::ApplyPushed(const std::shared_ptr<MetadataWatch>& watch,
+                              const v1::AgentMetadata& reply) {
+  const std::string& name = watch->name();
+  const auto started = std::chrono::steady_clock::now();
+  std::shared_ptr<const PeerSnapshot> previous;
+  bool endpoint_failed = false;
+  uint64_t held = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end() || it->second.watch != watch) return;
+    previous = it->second.snapshot;
+    endpoint_failed = it->second.endpoint_failed;
+    held = it->second.version;
+  }
+  const std::shared_ptr<PeerLink>& link = watch->link();
+  // What this agent holds (an acknowledgement), or a request for the whole catalog.
+  auto send = [&](uint64_t known_version, uint64_t incarnation, bool accept_delta) {
+    v1::GetMetadataRequest request;
+    request.set_caller(options_.self_name);
+    request.set_known_version(known_version);
+    request.set_known_incarnation(incarnation);
+    request.set_accept_delta(accept_delta);
+    watch->Send(request);
+  };
+  if (!watch->verified) {
+    absl::Status who = link->Verify(watch->context(), reply);
+    if (who.ok() && reply.name() != name) {
+      who = absl::PermissionDeniedError(fmt::format(
+          "the agent at {} now calls itself '{}', not '{}'", link->address,
+          Printable(reply.name()), name));
+    }
+    if (!who.ok()) {
+      kAudit.Warn("metadata stream of peer '{}' refused: {}", name, who.message());
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = peers_.find(name);
+        if (it != peers_.end() && it->second.watch == watch) it->second.watch.reset();
+      }
+      watch->Cancel();
+      MarkUnreachable(name, previous->incarnation, std::string(who.message()),
+                      /*endpoint_failed=*/false);
+      return;
+    }
+    watch->verified = true;
+  }
+  const bool same_incarnation = reply.incarnation() == previous->incarnation;
+  if (same_incarnation && !reply.delta() && reply.worker_address().empty() &&
+      reply.version() == held) {
+    // The unchanged form: it answered our first request, we hold its current view.
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it != peers_.end() && it->second.snapshot == previous && !endpoint_failed) {
+      it->second.state = "connected";
+      it->second.last_error.clear();
+      it->second.last_seen_us = MonotonicMicros();
+    }
+    return;
+  }
+  std::optional<registry::AppliedDelta> applied;
+  if (reply.delta()) {
+    absl::StatusOr<registry::AppliedDelta> delta =
+        !same_incarnation ? absl::InvalidArgumentError("it is a delta for another incarnation")
+        : endpoint_failed ? absl::FailedPreconditionError("its endpoint failed and is replaced")
+                          : previous->catalog->ApplyDelta(reply);
+    if (!delta.ok()) {
+      kLog.Warn("peer '{}': pushed delta not applied: {}; asking for its whole catalog", name,
+                delta.status().message());
+      send(held, previous->incarnation, /*accept_delta=*/false);
+      return;
+    }
+    applied = *std::move(delta);
+  }
+  absl::Notification built;
+  std::shared_ptr<const PeerSnapshot> installed;
+  const bool is_delta = applied.has_value();
+  BuildSnapshot(
+      link, reply, previous,
+      [&](absl::StatusOr<std::shared_ptr<const PeerSnapshot>> snapshot) {
+        if (snapshot.ok()) {
+          Install(link, *snapshot, reply.version(),
+                  RefreshCost{reply.ByteSizeLong(),
+                              static_cast<uint64_t>(
+                                  std::chrono::duration_cast<std::chrono::microseconds>(
+                                      std::chrono::steady_clock::now() - started)
+                                      .count()),
+                              is_delta});
+          installed = *snapshot;
+        } else {
+          MarkUnreachable(name, previous->incarnation, std::string(snapshot.status().message()),
+                          /*endpoint_failed=*/false);
+        }
+        built.Notify();
+      },
+      /*reuse_endpoint=*/!endpoint_failed, std::move(applied));
+  built.WaitForNotification();
+  if (installed == nullptr) return;
+  // Acknowledged once what was posted under the older view has completed.
+  const uint64_t version = DrainedVersion(name, installed);
+  if (version != 0) send(version, installed->incarnation, /*accept_delta=*/true);
+}
+
+void PeerManager::KickMonitor() {
+  if (!options_.metadata_push) return;  // polling: a round each period, no sooner
+  absl::MutexLock lock(&monitor_mu_);
+  monitor_kicked_ = true;
+  monitor_cv_.SignalAll();
+}
+
 void PeerManager::MonitorLoop() {
+  bool idle = false;  // a first round; then, polling, one each refresh period
   while (!stopping_.load()) {
     {
       absl::MutexLock lock(&monitor_mu_);
-      monitor_cv_.WaitWithTimeout(&monitor_mu_, absl::Milliseconds(options_.refresh_ms));
+      // With every peer watched (or none), nothing is due until a stream ends, a
+      // peer is lost or one cannot be watched: those kick the monitor. Otherwise
+      // (polls, retries), a round each refresh period.
+      if (idle) {
+        while (!monitor_kicked_ && !stopping_.load()) monitor_cv_.Wait(&monitor_mu_);
+      } else {
+        monitor_cv_.WaitWithTimeout(&monitor_mu_, absl::Milliseconds(options_.refresh_ms));
+      }
+      monitor_kicked_ = false;
     }
     if (stopping_.load()) break;
-    std::vector<std::string> names;
+    // Watched peers need nothing here: their changes and their loss come by their
+    // stream. The others (push off, a peer without the stream, one that stopped
+    // answering) are polled on the pool, a few at a time, one poll per peer at once.
+    std::vector<std::string> to_watch;
+    std::vector<std::shared_ptr<MetadataWatch>> stale;
+    bool polled = false;
     {
-      absl::ReaderMutexLock lock(&mu_);
-      for (const auto& [name, peer] : peers_) names.push_back(name);
+      absl::MutexLock lock(&mu_);
+      for (auto& [name, peer] : peers_) {
+        if (peer.watch && peer.watch->link() != peer.link) {
+          stale.push_back(std::move(peer.watch));  // ConnectPeer gave it a new address
+        }
+        if (options_.metadata_push && !peer.push_unsupported && peer.state == "connected") {
+          if (!peer.watch) to_watch.push_back(name);
+          continue;
+        }
+        QueuePoll(name);
+        polled = true;
+      }
     }
-    // After a change, poll again at once: that poll tells the peer we hold the new
-    // version (a deregistration on the peer waits for it). Peers are polled side by
-    // side, so one that hangs until the poll deadline delays no other's detection.
-    auto poll = [this](const std::string& name) {
-      if (RefreshOne(name)) RefreshOne(name);
-    };
-    if (names.size() == 1) {
-      poll(names[0]);
-    } else {
-      std::vector<std::thread> polls;
-      polls.reserve(names.size());
-      for (const auto& name : names) polls.emplace_back(poll, name);
-      for (auto& t : polls) t.join();
-    }
+    idle = options_.metadata_push && !polled && to_watch.empty() && stale.empty();
+    for (auto& watch : stale) watch->Cancel();
+    for (const auto& name : to_watch) OpenWatch(name);
   }
+}
+
+uint64_t PeerManager::DrainedVersion(const std::string& name,
+                                     const std::shared_ptr<const PeerSnapshot>& previous) {
+  uint64_t version = 0;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end() || it->second.snapshot != previous) return 0;
+    version = it->second.version;
+    if (it->second.drained_version == version) return version;
+  }
+  // Reporting this version lets the peer release the memory of regions it
+  // deregistered. Transfers stop posting to such regions once they see the new
+  // version (TransferEngine::CheckRegionsCurrent); what was posted before must
+  // complete first.
+  if (!DrainPosted(previous, absl::Seconds(2))) {
+    kLog.Warn("peer '{}': operations posted before its metadata version {} did not "
+              "complete within 2 s; acknowledging the version anyway",
+              name, version);
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = peers_.find(name);
+  if (it != peers_.end() && it->second.snapshot == previous) {
+    it->second.drained_version = version;
+  }
+  return version;
 }
 
 bool PeerManager::DrainPosted(const std::shared_ptr<const PeerSnapshot>& snapshot,
@@ -833,31 +1253,7 @@ bool PeerManager::RefreshOne(const std::string& name) {
     request.set_accept_delta(!endpoint_failed &&
                              previous->catalog->version() == it->second.version);
   }
-  if (request.known_version() != 0) {
-    bool drain = false;
-    {
-      absl::ReaderMutexLock lock(&mu_);
-      auto it = peers_.find(name);
-      drain = it != peers_.end() && it->second.snapshot == previous &&
-              it->second.drained_version != request.known_version();
-    }
-    if (drain) {
-      // This poll tells the peer we hold the new version, and the peer may then
-      // release the memory of regions it deregistered. Transfers stop posting to such
-      // regions once they see the new version (TransferEngine::CheckRegionsCurrent);
-      // what was posted before must complete first.
-      if (!DrainPosted(previous, absl::Seconds(2))) {
-        kLog.Warn("peer '{}': operations posted before its metadata version {} did not "
-                  "complete within 2 s; acknowledging the version anyway",
-                  name, request.known_version());
-      }
-      absl::MutexLock lock(&mu_);
-      auto it = peers_.find(name);
-      if (it != peers_.end() && it->second.snapshot == previous) {
-        it->second.drained_version = request.known_version();
-      }
-    }
-  }
+  if (request.known_version() != 0) DrainedVersion(name, previous);
   // Detection bound: a dead peer refuses or resets the connection, so its poll fails
   // at once; a hung one (SIGSTOP, a wedged host) holds the poll until this deadline.
   // A peer is therefore marked unreachable, and its transfers failed, within
@@ -866,7 +1262,8 @@ bool PeerManager::RefreshOne(const std::string& name) {
   // above a loaded peer's answer time, since a false alarm fails live transfers.
   auto poll = [&](grpc::ClientContext* context, v1::AgentMetadata* reply) {
     link->Prepare(context);
-    SetDeadline(context, std::max<uint32_t>(options_.refresh_ms * 5, 1000));
+    // At most 5 s: a hung peer holds one of the few pool threads until then.
+    SetDeadline(context, std::clamp<uint32_t>(options_.refresh_ms * 5, 1000, 5000));
     return link->stub->GetMetadata(context, request, reply);
   };
   const auto started = std::chrono::steady_clock::now();

@@ -2,12 +2,15 @@
 // peer through its local door, identified by the kernel; any other by its
 // certificate), fetches their metadata over gRPC (untrusted: validated by
 // registry::RemoteCatalog), and only then opens a UCX endpoint and unpacks their
-// rkeys; it polls them every refresh period for region changes and liveness. The
-// transfer engine reads immutable PeerSnapshots from it.
+// rkeys. It then watches each peer over a WatchMetadata stream (changes pushed, acked
+// once installed; the stream's end and HTTP/2 keepalive on the channel carry
+// liveness), or polls it every refresh period (--metadata-push off, or a peer without
+// the stream). The transfer engine reads immutable PeerSnapshots from it.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -29,7 +32,26 @@
 #include "registry/shm_mapping.h"
 #include "transport/ucx_worker.h"
 
+namespace grpc {
+class ChannelArguments;
+class ServerBuilder;
+}
+
 namespace kvagent::agent {
+
+// Peer liveness by HTTP/2 keepalive (metadata push on): every peer channel pings each
+// kPeerKeepaliveTimeMs and drops a connection whose ping is not answered within
+// kPeerKeepaliveTimeoutMs, which ends its WatchMetadata stream: a hung peer is seen
+// about 1.5 s after it stops (the 2 s bound). Each ping costs the pinged agent
+// ~25 us: 1,000 peers at this period are ~4 % of a core (docs/BENCHMARKS.md).
+inline constexpr int kPeerKeepaliveTimeMs = 700;
+inline constexpr int kPeerKeepaliveTimeoutMs = 800;
+// A door lets peers ping that often without calls in progress, and pings its own
+// clients every 10 s so a vanished watcher's stream ends (it then stops counting).
+void AllowPeerKeepalive(grpc::ServerBuilder* builder);
+// A peer channel's arguments: its own connection, a reconnect backoff near the poll
+// period and, with `keepalive` (metadata push on), the pings above.
+grpc::ChannelArguments PeerChannelArgs(bool keepalive);
 
 // Deletes on the worker thread: UCX endpoints and rkeys may be touched only there.
 template <typename T>
@@ -134,6 +156,9 @@ struct PeerManagerOptions {
   std::string host_id;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   uint32_t refresh_ms = 200;
+  // Watch each peer's metadata over Peer.WatchMetadata (falling back to polls for a
+  // peer without it) instead of polling every refresh_ms.
+  bool metadata_push = true;
   uint32_t connect_timeout_ms = 5000;
   // Map a same-host peer's shared memory and copy directly (see DirectMappings).
   bool shm_direct = true;
@@ -182,6 +207,8 @@ class PeerManager {
   void Stop();
 
  private:
+  class MetadataWatch;  // one peer's WatchMetadata stream (peer_manager.cc)
+  friend class MetadataWatch;
   struct Peer {
     std::shared_ptr<const PeerSnapshot> snapshot;
     // Shared: a poll keeps using its link while ConnectPeer with a new address
@@ -201,6 +228,12 @@ class PeerManager {
     uint64_t refresh_us_last = 0;
     uint64_t deltas_applied = 0;
     uint64_t full_fetches = 0;
+    // Its open WatchMetadata stream (null: none open; polled).
+    std::shared_ptr<MetadataWatch> watch;
+    // It answered WatchMetadata with UNIMPLEMENTED: polled from then on.
+    bool push_unsupported = false;
+    // A poll of it is queued or running in the pool (one at a time per peer).
+    bool polling = false;
   };
 
   // Validates metadata and builds a snapshot on the worker thread, reusing the
@@ -251,6 +284,25 @@ class PeerManager {
   // Returns true when the peer had changed and a new snapshot was installed.
   bool RefreshOne(const std::string& name);
   v1::PeerInfo InfoLocked(const Peer& peer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The version a poll or an acknowledgement may report for `name` after draining
+  // what was posted before it (see RefreshOne); 0 when `previous` is no longer the
+  // view installed.
+  uint64_t DrainedVersion(const std::string& name,
+                          const std::shared_ptr<const PeerSnapshot>& previous);
+  // Opens `name`'s WatchMetadata stream unless one is open or stopping.
+  void OpenWatch(const std::string& name);
+  // A pushed view from `watch`, on a pool thread: verified, applied, installed, then
+  // acknowledged once drained.
+  void ApplyPushed(const std::shared_ptr<MetadataWatch>& watch, const v1::AgentMetadata& reply);
+  // `watch` ended with `status` (not by this agent's own cancel).
+  void WatchEnded(MetadataWatch* watch, const grpc::Status& status);
+  // Runs `job` on the pool (kPollThreads threads); dropped, not run, at Stop.
+  void Enqueue(std::function<void()> job);
+  // Queues a poll of `name` (RefreshOne), then a stream if push is on and it answers.
+  void QueuePoll(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PoolLoop();
+  // Wakes the monitor for a round now (it sleeps while every peer is watched).
+  void KickMonitor();
 
   transport::UcxWorker* worker_;
   PeerManagerOptions options_;
@@ -274,7 +326,17 @@ class PeerManager {
   std::vector<Connector> connectors_ ABSL_GUARDED_BY(connect_mu_);
   absl::Mutex monitor_mu_;
   absl::CondVar monitor_cv_;
+  bool monitor_kicked_ ABSL_GUARDED_BY(monitor_mu_) = false;
   std::thread monitor_;
+  // Polls and pushed views are worked by a few threads, however many peers there are.
+  static constexpr int kPollThreads = 4;
+  absl::Mutex pool_mu_;
+  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(pool_mu_);
+  bool pool_stopping_ ABSL_GUARDED_BY(pool_mu_) = false;
+  std::vector<std::thread> pool_;
+  // WatchMetadata streams whose reactor has not finished (Stop waits for none).
+  absl::Mutex watches_mu_;
+  int live_watches_ ABSL_GUARDED_BY(watches_mu_) = 0;
 };
 
 }  // namespace kvagent::agent

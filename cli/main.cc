@@ -12,6 +12,7 @@
 #include "agent/status_util.h"
 #include "cli/agent_client.h"
 #include "cli/bench.h"
+#include "cli/bench_peers.h"
 #include "cli/demo.h"
 #include "fmt/format.h"
 #include "google/protobuf/util/json_util.h"
@@ -122,6 +123,17 @@ commands:
                              bytes are checked through host copies; the rate
                              and agent-memory phases are skipped; needs the
                              NVIDIA driver (libcuda.so.1)
+
+  bench-peers [--peers N] [--window-s S] [--idle-s S] [--poll-ms N]
+              [--metadata-push on|off|both] [--kvagentd PATH]
+                             a hub agent with N fake peers watching it (one
+                             session and connection each; default 1000):
+                             its CPU idle and with the peers (/proc), per
+                             peer, one change's time to reach all, and how
+                             long it takes to see a real peer killed and
+                             hung; both (default) also runs the polling
+                             baseline (a GetMetadata per peer every --poll-ms,
+                             default 200)
 )";
 
 int Usage(const std::string& error) {
@@ -440,6 +452,36 @@ int main(int argc, char** argv) {
     }
     if (options.requests == 0) return Usage("--requests must be at least 1");
     return kvagent::cli::RunDemo(options);
+  }
+
+  if (command == "bench-peers") {
+    kvagent::cli::BenchPeersOptions options;
+    options.argv0 = argv[0];
+    for (size_t i = 1; i < rest.size(); ++i) {
+      const std::string& a = rest[i];
+      if (i + 1 >= rest.size()) return Usage("bench-peers flag " + a + " needs a value");
+      const std::string& v = rest[++i];
+      uint64_t n = 0;
+      if (a == "--peers" || a == "--window-s" || a == "--idle-s" || a == "--poll-ms") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n == 0 || n > 100000) return Usage(a + " takes 1 to 100000");
+        if (a == "--peers") options.peers = static_cast<uint32_t>(n);
+        if (a == "--window-s") options.window_s = static_cast<double>(n);
+        if (a == "--idle-s") options.idle_s = static_cast<double>(n);
+        if (a == "--poll-ms") options.poll_ms = static_cast<uint32_t>(n);
+      } else if (a == "--metadata-push") {
+        if (v != "on" && v != "off" && v != "both") {
+          return Usage("--metadata-push takes on, off or both");
+        }
+        options.modes = v == "both" ? std::vector<std::string>{"on", "off"}
+                                    : std::vector<std::string>{v};
+      } else if (a == "--kvagentd") {
+        options.kvagentd = v;
+      } else {
+        return Usage("unknown bench-peers flag " + a);
+      }
+    }
+    return kvagent::cli::RunBenchPeers(options);
   }
 
   if (command == "bench") {

@@ -30,9 +30,11 @@ namespace {
 
 using Catch::Matchers::Contains;
 
-// The agents' own polls of their peers slowed to a minute, so that only the directory
-// can notice a peer's death or restart quickly.
-const std::vector<std::string> kSlowPolls = {"--peer-refresh-ms", "60000"};
+// The agents' own polls of their peers slowed to a minute, and no metadata streams
+// (whose end and keepalive would see a death first), so that only the directory can
+// notice a peer's death or restart quickly.
+const std::vector<std::string> kSlowPolls = {"--peer-refresh-ms", "60000", "--metadata-push",
+                                             "off"};
 
 // prefill and decode publishing in `etcd`, both listed, prefill connected to decode
 // by name.

@@ -1,0 +1,174 @@
+// Pushed metadata and transport liveness between two real agents whose polls are a
+// minute apart (--peer-refresh-ms 60000), so nothing here can come from a poll: a
+// region registered on decode reaches prefill's view over the WatchMetadata stream,
+// decode's DeregisterRegions returns once prefill acknowledged the new version over
+// that stream, and a killed or hung decode is seen by prefill within 2 s (the stream
+// ends: connection reset, or HTTP/2 keepalive unanswered). A peer without the stream
+// (--metadata-push off answers UNIMPLEMENTED) is polled instead.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "catch2/catch.hpp"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
+#include "fmt/format.h"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+AgentPairOptions LongPolls() {
+  AgentPairOptions options;
+  options.extra_args = {"--peer-refresh-ms", "60000"};
+  return options;
+}
+
+// Prefill's view of `peer` (fails the test when prefill lists no such peer).
+v1::PeerInfo PeerView(cli::AgentClient& agent, const std::string& peer) {
+  auto peers = agent.Peers();
+  REQUIRE(peers.ok());
+  for (const auto& p : peers->peers()) {
+    if (p.name() == peer) return p;
+  }
+  FAIL("peer " << peer << " not listed");
+  return {};
+}
+
+// Milliseconds until `done(view of peer)` holds, or -1 after `limit_ms`.
+int64_t MillisUntil(cli::AgentClient& agent, const std::string& peer, int64_t limit_ms,
+                    const std::function<bool(const v1::PeerInfo&)>& done) {
+  const auto start = Clock::now();
+  while (MillisSince(start) < limit_ms) {
+    if (done(PeerView(agent, peer))) return MillisSince(start);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return -1;
+}
+
+// One more layer of the pair's shape (a group's regions all have as many pages).
+cli::KvPoolShape SmallShape() {
+  cli::KvPoolShape s = AgentPairOptions{}.shape;
+  s.layers = 1;
+  return s;
+}
+
+TEST_CASE("pushed: a new region is in the peer's view at once, deregistration is acked over "
+          "the stream") {
+  AgentPair pair(LongPolls());
+  REQUIRE(MillisUntil(pair.prefill(), "decode", 2000, [](const v1::PeerInfo& p) {
+            return p.metadata_source() == "push";
+          }) >= 0);
+  auto decode_status = pair.decode().Status();
+  REQUIRE(decode_status.ok());
+  CHECK(decode_status->metadata_streams() == 1);  // prefill watches decode
+  const uint32_t regions_before = PeerView(pair.prefill(), "decode").regions();
+
+  auto extra = cli::CreateKvPool(pair.decode(), "extra", SmallShape());
+  INFO(extra.status().ToString());
+  REQUIRE(extra.ok());
+  const int64_t seen_ms = MillisUntil(pair.prefill(), "decode", 2000, [&](const v1::PeerInfo& p) {
+    return p.regions() == regions_before + extra->region_names.size();
+  });
+  std::printf("pushed: region registered on decode in prefill's view after %lld ms\n",
+              static_cast<long long>(seen_ms));
+  CHECK(seen_ms >= 0);
+  CHECK(PeerView(pair.prefill(), "decode").deltas_applied() >= 1);
+
+  // DeregisterRegions waits for every watcher to hold the new version; prefill
+  // acknowledges it over the stream once installed, so the reply comes quickly, names
+  // nobody, and prefill's view is already at that version when it does.
+  const auto dereg_start = Clock::now();
+  auto dereg = pair.decode().Deregister(extra->region_names);
+  const int64_t dereg_ms = MillisSince(dereg_start);
+  REQUIRE(dereg.ok());
+  std::printf("pushed: deregistration acknowledged in %lld ms\n",
+              static_cast<long long>(dereg_ms));
+  CHECK(dereg->unconfirmed_peers_size() == 0);
+  CHECK(dereg_ms < 1000);  // the wait is 2 s: an unacknowledged version would take it
+  const v1::PeerInfo after = PeerView(pair.prefill(), "decode");
+  CHECK(after.metadata_version() == dereg->version());
+  CHECK(after.regions() == regions_before);
+
+  // Transfers still move bytes over the pushed view.
+  pair.ResetContents();
+  auto write = pair.prefill().Submit(KvWrite("after-push", {0, 1}, {5, 6}));
+  REQUIRE(write.ok());
+  auto done = pair.prefill().WaitTransfer("after-push", 20000);
+  REQUIRE(done.ok());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(0, 5));
+  CHECK(pair.PageEqual(1, 6));
+}
+
+TEST_CASE("pushed: a killed peer is unreachable within 2 s with polls a minute apart") {
+  AgentPair pair(LongPolls());
+  REQUIRE(MillisUntil(pair.prefill(), "decode", 2000, [](const v1::PeerInfo& p) {
+            return p.metadata_source() == "push";
+          }) >= 0);
+  REQUIRE(::kill(pair.decode_process().pid(), SIGKILL) == 0);
+  const int64_t ms = MillisUntil(pair.prefill(), "decode", 5000, [](const v1::PeerInfo& p) {
+    return p.state() == "unreachable";
+  });
+  std::printf("pushed: SIGKILL seen after %lld ms\n", static_cast<long long>(ms));
+  CHECK(ms >= 0);
+  CHECK(ms <= 2000);
+  pair.decode_process().Kill();
+}
+
+TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by keepalive") {
+  AgentPair pair(LongPolls());
+  REQUIRE(MillisUntil(pair.prefill(), "decode", 2000, [](const v1::PeerInfo& p) {
+            return p.metadata_source() == "push";
+          }) >= 0);
+  const pid_t decode = pair.decode_process().pid();
+  REQUIRE(::kill(decode, SIGSTOP) == 0);
+  const int64_t ms = MillisUntil(pair.prefill(), "decode", 5000, [](const v1::PeerInfo& p) {
+    return p.state() == "unreachable";
+  });
+  std::printf("pushed: SIGSTOP seen after %lld ms\n", static_cast<long long>(ms));
+  CHECK(ms >= 0);
+  CHECK(ms <= 2000);
+  CHECK_THAT(PeerView(pair.prefill(), "decode").last_error(), Catch::Contains("keepalive"));
+  ::kill(decode, SIGCONT);
+  pair.decode_process().Kill();
+}
+
+TEST_CASE("a peer without WatchMetadata (--metadata-push off) is polled, and changes arrive") {
+  AgentPair pair;  // polls every 200 ms
+  cli::DaemonOptions d;
+  d.binary = *cli::FindKvagentd("");
+  d.name = "oldpeer";
+  d.work_dir = pair.work_dir();
+  d.extra_args = {"--metadata-push", "off"};
+  auto old = cli::DaemonProcess::Start(d);
+  REQUIRE(old.ok());
+  cli::AgentClient old_client(old->address());
+  REQUIRE(pair.prefill().Connect(old->address()).ok());
+  REQUIRE(MillisUntil(pair.prefill(), "oldpeer", 2000, [](const v1::PeerInfo& p) {
+            return p.metadata_source() == "poll";
+          }) >= 0);
+  CHECK(PeerView(pair.prefill(), "decode").metadata_source() == "push");
+
+  auto pool = cli::CreateKvPool(old_client, "old", SmallShape());
+  INFO(pool.status().ToString());
+  REQUIRE(pool.ok());
+  const int64_t seen_ms = MillisUntil(pair.prefill(), "oldpeer", 3000, [&](const v1::PeerInfo& p) {
+    return p.regions() == pool->region_names.size();
+  });
+  std::printf("polled: region registered on oldpeer in prefill's view after %lld ms\n",
+              static_cast<long long>(seen_ms));
+  CHECK(seen_ms >= 0);
+  auto old_status = old_client.Status();
+  REQUIRE(old_status.ok());
+  CHECK(old_status->metadata_streams() == 0);
+}
+
+}  // namespace
+}  // namespace kvagent::testing
