@@ -457,9 +457,35 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
     }
     if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0, std::move(routes), nullptr});
     Publish(*t);
-    worker_->Post([this, t] { Pump(t); });
+    SchedulePump(t);
     return t->state;
   }
+}
+
+void TransferEngine::SchedulePump(const TransferPtr& t) {
+  bool post = false;
+  {
+    absl::MutexLock lock(&pump_mu_);
+    post = pump_queue_.empty();
+    pump_queue_.push_back(t);
+  }
+  // One closure, and one wake-up of the worker, per batch: a Pump scheduled while an
+  // earlier one still waits joins it (a burst from the fast path's ring thread or a
+  // SubmitTransfers call costs one eventfd write, not one per transfer).
+  if (post) worker_->Post([this] { PumpQueued(); });
+}
+
+void TransferEngine::PumpQueued() {
+  std::vector<TransferPtr> batch;
+  {
+    absl::MutexLock lock(&pump_mu_);
+    batch.swap(pump_queue_);
+  }
+  for (const TransferPtr& t : batch) Pump(t);
+  batch.clear();
+  // Hand the storage back (a later batch reuses it instead of allocating).
+  absl::MutexLock lock(&pump_mu_);
+  if (pump_queue_.empty() && pump_queue_.capacity() < batch.capacity()) pump_queue_.swap(batch);
 }
 
 void TransferEngine::Pump(const TransferPtr& t) {
@@ -530,7 +556,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
         if (absl::Status still = CheckRegionsCurrent(t->state.transfer_id(), chunk, **current);
             !still.ok()) {
           Finish(*t, v1::FAILED, still, static_cast<int32_t>(chunk.plan.ops[chunk.next_op].segment));
-          worker_->Post([this, t] { Pump(t); });  // tells the peer
+          SchedulePump(t);  // tells the peer
           return;
         }
       }
@@ -597,7 +623,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
                        -1);
               }
             }
-            worker_->Post([this, t] { Pump(t); });
+            SchedulePump(t);
           },
           /*want_reply=*/true);
       return;
@@ -639,7 +665,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
       }
     }
     // A path may complete inline; posting keeps the stack flat over many batches.
-    worker_->Post([this, t] { Pump(t); });
+    SchedulePump(t);
   });
 }
 
@@ -833,7 +859,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& tran
     Finish(*t, v1::CANCELLED,
            absl::CancelledError(fmt::format("transfer '{}' was cancelled", transfer_id)), -1);
   }
-  worker_->Post([this, t] { Pump(t); });
+  SchedulePump(t);
   absl::MutexLock lock(&mu_);
   return t->state;
 }
@@ -1012,7 +1038,7 @@ void TransferEngine::DeadlineLoop() {
       }
       deadline_idle_.store(active_.empty() && draining_.empty() && drain_waits_.empty());
     }
-    for (const auto& t : expired) worker_->Post([this, t] { Pump(t); });
+    for (const auto& t : expired) SchedulePump(t);
     for (auto& wait : ready_waits) {
       wait->done(std::vector<std::string>(wait->ids.begin(), wait->ids.end()));
     }
@@ -1098,7 +1124,7 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
       if (deadline_idle_.load()) WakeDeadlines();
     }
   }
-  for (const auto& t : stopped) worker_->Post([this, t] { Pump(t); });
+  for (const auto& t : stopped) SchedulePump(t);
   if (nothing_to_wait_for) done({});
 }
 
@@ -1117,7 +1143,7 @@ uint32_t TransferEngine::FailTransfersTo(const std::string& name, const absl::St
              SegmentInProgress(*t));
     }
   }
-  for (const auto& t : failed) worker_->Post([this, t] { Pump(t); });
+  for (const auto& t : failed) SchedulePump(t);
   return static_cast<uint32_t>(failed.size());
 }
 

@@ -201,6 +201,11 @@ class TransferEngine {
   static int32_t SegmentInProgress(const Transfer& t);
   // Worker thread: posts the next batch, the notification, or records the drain.
   void Pump(const TransferPtr& t);
+  // Any thread: has the worker Pump `t` soon, in the order scheduled (one posted
+  // closure for all the Pumps scheduled before the worker takes them).
+  void SchedulePump(const TransferPtr& t);
+  // Worker thread: runs the scheduled Pumps.
+  void PumpQueued();
   // ABORTED when the peer, since `chunk` was planned, deregistered (or moved) a region
   // that the chunk's remaining ops write or read: nothing more may be posted to it.
   static absl::Status CheckRegionsCurrent(const std::string& id, Chunk& chunk,
@@ -280,6 +285,10 @@ class TransferEngine {
   // against an older one (a submit racing the restart) is refused.
   absl::flat_hash_map<std::string, uint64_t> peer_incarnation_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> notifications_received_{0};
+  // Transfers whose Pump is scheduled and not yet run (SchedulePump). Taken after mu_
+  // (SchedulePump runs under it), never before.
+  absl::Mutex pump_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<TransferPtr> pump_queue_ ABSL_GUARDED_BY(pump_mu_);
 
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;
