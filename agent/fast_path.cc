@@ -88,9 +88,13 @@ struct FastPathServer::Ring {
     ++cq_tail;
     // seq_cst store, then seq_cst load (no fence: GCC's TSan does not support
     // atomic_thread_fence): the client, which stores its flag before it reads cq_tail,
-    // sees this completion or is woken.
+    // sees this completion or is woken. One ring per sleep: the flag is taken back
+    // before the ring (the client sets it again before it sleeps again), so the
+    // completions posted while it wakes up ring no more doorbells.
     header->cq_tail.value.store(cq_tail, std::memory_order_seq_cst);
-    if (header->client_flags.value.load(std::memory_order_seq_cst) & fr::kWaiting) {
+    std::atomic<uint32_t>& flags = header->client_flags.value;
+    if ((flags.load(std::memory_order_seq_cst) & fr::kWaiting) &&
+        (flags.fetch_and(~fr::kWaiting, std::memory_order_seq_cst) & fr::kWaiting)) {
       fr::RingDoorbell(complete_fd.get());
     }
   }

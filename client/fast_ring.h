@@ -16,12 +16,15 @@
 // of the ring fills them with one kPad entry and starts over at slot 0. Counters are
 // free-running uint32 (they wrap; compare differences). The client publishes entries
 // by storing sq_tail (release) and, when the agent says it sleeps, writes 1 to the
-// submission doorbell; the agent publishes completions by storing cq_tail and rings
-// the completion doorbell when the client says it waits.
+// submission doorbell; the agent publishes completions by storing cq_tail and, when
+// the client says it waits (kWaiting), clears that flag and rings the completion
+// doorbell: one ring per sleep, however many completions follow, so a client sets
+// kWaiting again (then looks at cq_tail) before each sleep.
 //
 // Trust: the client can write every byte of the file at any time. The agent keeps its
 // own copies of the sizes and of the counters it owns (sq_head, cq_tail), reads only
-// sq_tail, cq_head and client_flags from the file, copies an entry out before it
+// sq_tail, cq_head and client_flags from the file (and only clears kWaiting in the
+// latter, which a client may set again at any time), copies an entry out before it
 // looks at it, and closes the ring (counted, logged) when the client breaks these
 // rules; the client's damage stays in its own ring.
 #pragma once
@@ -90,7 +93,7 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 
 // Bits of agent_flags and client_flags.
 inline constexpr uint32_t kSleeping = 1;  // agent: ring the submission doorbell
-inline constexpr uint32_t kWaiting = 1;   // client: ring the completion doorbell
+inline constexpr uint32_t kWaiting = 1;   // client: ring the completion doorbell (once)
 inline constexpr uint32_t kClosed = 2;    // agent: this ring is closed (reason in the log)
 
 struct alignas(64) RingHeader {
