@@ -118,3 +118,10 @@ if [[ ! -f /usr/local/cuda/include/cuda.h ]]; then
       "driver needed) and will fail without them. Debian's repositories do not carry them:" \
       "install NVIDIA's CUDA toolkit, or point /usr/local/cuda at a copy of its include/ folder."
 fi
+# The device copy path's gather kernel (agent/gpu/gather_kernel.cu) is compiled by the
+# toolkit's nvcc during the build (offline; it needs gcc, not a GPU).
+if [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+  log "WARN: /usr/local/cuda/bin/nvcc not found: the build compiles the gather kernel with" \
+      "it (//agent/gpu:gather_kernel_image_cc) and will fail without it; install NVIDIA's CUDA" \
+      "toolkit (12.8 or newer, for sm_100/sm_120) at /usr/local/cuda."
+fi
