@@ -204,6 +204,21 @@ std::string Label(const char* name, const std::string& value) {
   return std::string(name) + "=\"" + value + "\"";
 }
 
+// kvagent_transfer_stage_seconds of one direction: every stage after the first seen
+// `transfers` times, the stages' sums adding up to `latency_sum` seconds.
+void CheckStageSums(const std::string& body, const std::string& direction, const Stages& stages,
+                    double transfers, double latency_sum) {
+  const std::string label = Label("direction", direction);
+  for (size_t i = 1; i < stages.size(); ++i) {
+    const std::string stage = v1::TransferStage_Name(stages[i]);
+    INFO(direction << " " << stage);
+    CHECK(Value(body, "kvagent_transfer_stage_seconds_count", {label, Label("stage", stage)}) ==
+          transfers);
+  }
+  CHECK(Value(body, "kvagent_transfer_stage_seconds_sum", {label}) ==
+        Approx(latency_sum).margin(1e-6));
+}
+
 // Every counter of `name`'s metrics that is about transfers equals what the run moved.
 void CheckMetrics(const std::string& name, const std::string& body, const std::vector<Moved>& run) {
   INFO("agent " << name);
@@ -252,23 +267,9 @@ void CheckMetrics(const std::string& name, const std::string& body, const std::v
   CHECK(Value(body, "kvagent_incoming_bytes_total") == received_bytes);
 
   // Where the time went, summed over the run: each stage after SUBMITTED counted once
-  // per transfer, and the stages' sums add up to the latency histogram's sum.
-  for (size_t i = 1; i < kOutgoing.size(); ++i) {
-    const std::string stage = v1::TransferStage_Name(kOutgoing[i]);
-    INFO(stage);
-    CHECK(Value(body, "kvagent_transfer_stage_seconds_count",
-                {"direction=\"outgoing\"", Label("stage", stage)}) == sent);
-  }
-  CHECK(Value(body, "kvagent_transfer_stage_seconds_sum", {"direction=\"outgoing\""}) ==
-        Approx(latency_sum).margin(1e-6));
-  for (size_t i = 1; i < kIncoming.size(); ++i) {
-    const std::string stage = v1::TransferStage_Name(kIncoming[i]);
-    INFO(stage);
-    CHECK(Value(body, "kvagent_transfer_stage_seconds_count",
-                {"direction=\"incoming\"", Label("stage", stage)}) == received);
-  }
-  CHECK(Value(body, "kvagent_transfer_stage_seconds_sum", {"direction=\"incoming\""}) ==
-        Approx(received_latency_sum).margin(1e-6));
+  // per transfer, and the stages' sums add up to the latency sums.
+  CheckStageSums(body, "outgoing", kOutgoing, sent, latency_sum);
+  CheckStageSums(body, "incoming", kIncoming, received, received_latency_sum);
 }
 
 TEST_CASE("fleet: three agents from a directory only move verified transfers by name, and "
