@@ -196,7 +196,9 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.subscriptions()),
               static_cast<unsigned long>(s.queued_notification_bytes()),
               static_cast<unsigned long>(s.notifications_overflowed()));
-  std::printf("streams      %lu open\n", static_cast<unsigned long>(s.open_streams()));
+  std::printf("streams      %lu open; %lu metadata streams of peers watching this agent\n",
+              static_cast<unsigned long>(s.open_streams()),
+              static_cast<unsigned long>(s.metadata_streams()));
   std::printf("sessions     %lu attached\n", static_cast<unsigned long>(s.sessions()));
   std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors\n",
               static_cast<unsigned long>(s.fast_path_rings()),
@@ -267,12 +269,15 @@ void PrintAgents(const kvagent::v1::ListAgentsResponse& r) {
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
   std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %-9s %s\n", "name", "address", "state",
               "data_path", "ucx_transports", "mode", "regions", "same_host",
-              "metadata (last refresh; deltas/full fetches)[; device copy]");
+              "metadata (push|poll|reconnecting: last refresh; deltas/full fetches)"
+              "[; device copy]");
   for (const auto& p : r.peers()) {
-    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %lu bytes in %.1f ms; %lu/%lu%s%s\n",
+    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %s: %lu bytes in %.1f ms; "
+                "%lu/%lu%s%s\n",
                 p.name().c_str(), p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
                 p.transports().c_str(), p.error_mode().c_str(), p.regions(),
-                p.same_host() ? "yes" : "no", static_cast<unsigned long>(p.metadata_bytes_last()),
+                p.same_host() ? "yes" : "no", p.metadata_source().c_str(),
+                static_cast<unsigned long>(p.metadata_bytes_last()),
                 p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
                 static_cast<unsigned long>(p.full_fetches()),
                 p.device_copy().empty() ? "" : "; device copy ", p.device_copy().c_str());
