@@ -1,3 +1,5 @@
+#include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -197,6 +199,62 @@ TEST_CASE("the metadata watcher table is bounded; peers that stopped polling mak
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
   CHECK(watchers.Polled("c", 1, true, &limits).ok());  // a and b went quiet
   CHECK(watchers.size() == 1);
+}
+
+TEST_CASE("a metadata stream keeps its watcher counted; acks free a waiting deregistration") {
+  Limits limits;
+  REQUIRE(limits.SetFromFlag("--max-peer-callers", "2").ok());
+  MetadataWatchers watchers(/*recent_ms=*/50);
+  REQUIRE(watchers.StreamOpened("a", &limits).ok());
+  watchers.StreamAcked("a", 3, true);
+  CHECK(watchers.streams() == 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // past recent_ms
+  // Still a watcher (its stream is open): a deregistration at version 4 waits for it.
+  std::atomic<int> calls{0};
+  std::vector<std::string> pending;
+  watchers.WaitForVersion(4, 5000, [&](std::vector<std::string> unconfirmed) {
+    pending = std::move(unconfirmed);
+    calls.fetch_add(1);
+  });
+  CHECK(calls.load() == 0);
+  watchers.StreamAcked("a", 4, true);
+  CHECK(calls.load() == 1);
+  CHECK(pending.empty());
+  // A fifth stream of one identity is refused, naming why.
+  for (int i = 0; i < 3; ++i) REQUIRE(watchers.StreamOpened("a", &limits).ok());
+  absl::Status fifth = watchers.StreamOpened("a", &limits);
+  CHECK(fifth.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(Message(fifth), Contains("peer 'a'") && Contains("metadata streams"));
+  for (int i = 0; i < 4; ++i) watchers.StreamClosed("a");
+  CHECK(watchers.streams() == 0);
+  // Its streams closed, it no longer counts: a new version waits for nobody.
+  watchers.WaitForVersion(5, 5000, [&](std::vector<std::string>) { calls.fetch_add(1); });
+  CHECK(calls.load() == 2);
+}
+
+TEST_CASE("MetadataPush calls every stream on a change, none once removed") {
+  struct Counted : MetadataPush::Stream {
+    std::atomic<int> pushes{0};
+    void Push() override { pushes.fetch_add(1); }
+  };
+  MetadataPush push;
+  Counted a, b;
+  push.Add(&a);
+  push.Add(&b);
+  push.Changed();
+  auto wait = [](Counted& s, int n) {
+    for (int i = 0; i < 500 && s.pushes.load() < n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return s.pushes.load();
+  };
+  CHECK(wait(a, 1) == 1);
+  CHECK(wait(b, 1) == 1);
+  push.Remove(&a);  // returns once no Push on `a` runs
+  push.Changed();
+  CHECK(wait(b, 2) == 2);
+  CHECK(a.pushes.load() == 1);
+  CHECK(push.size() == 1);
 }
 
 TEST_CASE("the allocation ledger counts per owner and in all, and gives back") {
