@@ -1,7 +1,8 @@
 #!/bin/bash
 # deploy/: the systemd unit passes `systemd-analyze verify` (with ExecStart pointed at
-# the kvagentd just built, and every flag it passes known to that kvagentd), and the
-# Kubernetes manifests hold what kvagentd needs (tests/deploy/check_manifests.py).
+# the kvagentd just built, and every flag it passes known to that kvagentd), its flag
+# file is accepted by that kvagentd, and the Kubernetes manifests hold what kvagentd
+# needs (tests/deploy/check_manifests.py).
 set -euo pipefail
 root="${TEST_SRCDIR}/kvagent"
 kvagentd="$root/agent/kvagentd"
@@ -13,6 +14,14 @@ unit="$root/deploy/systemd/kvagentd.service"
 for flag in $(sed -n '/^ExecStart=/,/[^\\]$/p' "$unit" | grep -o -- '--[a-z-]*' | sort -u); do
   grep -qE "^\s+$flag\b" "$tmp/help.txt" || { echo "FAIL: $flag (the unit's ExecStart) is not in kvagentd --help"; exit 1; }
 done
+# The unit's flag file: kvagentd accepts it as shipped, and every flag its comments
+# offer parses (--only_check_args: names and values, not user names or addresses).
+flagfile="$root/deploy/systemd/kvagentd.flags"
+grep -q -- "--flagfile /etc/kvagent/kvagentd.flags" "$unit"
+"$kvagentd" --flagfile="$flagfile" --check-flags >/dev/null
+sed 's/^#--/--/' "$flagfile" >"$tmp/every.flags"
+[ "$(grep -c '^--' "$tmp/every.flags")" -gt "$(grep -c '^--' "$flagfile")" ]
+"$kvagentd" --flagfile="$tmp/every.flags" --only_check_args
 grep -q '^AmbientCapabilities=CAP_IPC_LOCK$' "$unit"
 grep -q '^LimitMEMLOCK=infinity$' "$unit"
 grep -q '^RuntimeDirectory=kvagent$' "$unit"

@@ -1,0 +1,84 @@
+// kvagentd's flag value types (agent/flags.h): what each accepts, the reason it gives
+// for what it refuses, and that unparsing gives back a value it accepts.
+#include "agent/flags.h"
+
+#include "absl/flags/marshalling.h"
+#include "catch2/catch.hpp"
+
+namespace kvagent::agent {
+namespace {
+
+template <typename T>
+std::string Refusal(const std::string& text) {
+  T value{};
+  std::string error;
+  CHECK_FALSE(absl::ParseFlag(text, &value, &error));
+  return error;
+}
+
+template <typename T>
+T Parsed(const std::string& text) {
+  T value{};
+  std::string error;
+  CHECK(absl::ParseFlag(text, &value, &error));
+  CHECK(error.empty());
+  // Unparsing gives the same value back.
+  T again{};
+  CHECK(absl::ParseFlag(absl::UnparseFlag(value), &again, &error));
+  CHECK(absl::UnparseFlag(again) == absl::UnparseFlag(value));
+  return value;
+}
+
+TEST_CASE("on|off and auto|off flags take only their two words", "[flags]") {
+  CHECK(Parsed<OnOff>("on").on);
+  CHECK_FALSE(Parsed<OnOff>("off").on);
+  CHECK(Refusal<OnOff>("true") == "use on or off");
+  CHECK(Refusal<OnOff>("") == "use on or off");
+  CHECK(Parsed<AutoOff>("auto").on);
+  CHECK_FALSE(Parsed<AutoOff>("off").on);
+  CHECK(Refusal<AutoOff>("on") == "use auto or off");
+}
+
+TEST_CASE("--ucx-error-mode takes auto, peer or none", "[flags]") {
+  CHECK(Parsed<ErrorModeChoice>("auto") == ErrorModeChoice::kAuto);
+  CHECK(Parsed<ErrorModeChoice>("peer") == ErrorModeChoice::kPeer);
+  CHECK(Parsed<ErrorModeChoice>("none") == ErrorModeChoice::kNone);
+  CHECK(Refusal<ErrorModeChoice>("PEER") == "use auto, peer or none");
+}
+
+TEST_CASE("file modes are octal, at most 0777", "[flags]") {
+  CHECK(Parsed<FileMode>("0660").bits == 0660);
+  CHECK(Parsed<FileMode>("600").bits == 0600);
+  CHECK(Parsed<FileMode>("0").bits == 0);
+  CHECK(absl::UnparseFlag(FileMode{0660}) == "0660");
+  for (const char* bad : {"", "0999", "01777", "-1", "rw-rw----", "0660 "}) {
+    INFO(bad);
+    CHECK(Refusal<FileMode>(bad).find("octal mode such as 0660") != std::string::npos);
+  }
+}
+
+TEST_CASE("counts are non-negative decimal integers within their type", "[flags]") {
+  CHECK(Parsed<Count<uint32_t>>("0").value == 0);
+  CHECK(Parsed<Count<uint32_t>>("0").given);  // set, unlike the default
+  CHECK_FALSE(Count<uint32_t>{}.given);
+  CHECK(Parsed<Count<uint32_t>>("4294967295").value == 4294967295u);
+  CHECK(Parsed<Count<uint64_t>>("18446744073709551615").value == UINT64_MAX);
+  CHECK(Refusal<Count<uint32_t>>("4294967296") ==
+        "give a non-negative integer, at most 4294967295");
+  for (const char* bad : {"", "-1", "1.5", "12ms", "lots"}) {
+    INFO(bad);
+    CHECK(!Refusal<Count<uint32_t>>(bad).empty());
+  }
+}
+
+TEST_CASE("a list flag remembers that it was given, even empty or none", "[flags]") {
+  CHECK_FALSE(GivenList{}.given);
+  const GivenList none = Parsed<GivenList>("none");
+  CHECK(none.given);
+  CHECK(none.text == "none");
+  CHECK(Parsed<GivenList>("").given);
+  CHECK(Parsed<GivenList>("1000,alice").text == "1000,alice");
+}
+
+}  // namespace
+}  // namespace kvagent::agent

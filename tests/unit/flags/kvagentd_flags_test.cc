@@ -1,0 +1,266 @@
+// kvagentd's command line through Abseil flags, on the real binary: --help prints the
+// grouped text and exits 0; an unknown flag, a bad value of every kind of flag and a
+// bad --flagfile are refused (exit 2) naming the flag or the file; an agent configured
+// by a --flagfile alone comes up and reports those settings in GetStatus.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "fmt/format.h"
+#include "tests/unit/catch_main.h"
+
+extern char** environ;
+
+namespace kvagent {
+namespace {
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+// Sockets go in a short folder of /tmp: TEST_TMPDIR is longer than a Unix socket path
+// may be. Removed, with what is left in it, when the test ends.
+struct SocketDir {
+  SocketDir() {
+    char pattern[] = "/tmp/kvaflags-XXXXXX";
+    REQUIRE(mkdtemp(pattern) != nullptr);
+    path = pattern;
+  }
+  ~SocketDir() { std::filesystem::remove_all(path); }
+  std::string path;
+};
+
+const std::string& Sockets() {
+  static SocketDir dir;
+  return dir.path;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+}
+
+std::string Kvagentd() {
+  auto path = cli::FindKvagentd("kvagentd_flags_test");
+  REQUIRE(path.ok());
+  return *path;
+}
+
+// Starts kvagentd with `args`, its stdout and stderr in TEMP/out.txt and TEMP/err.txt.
+pid_t Spawn(const std::vector<std::string>& args) {
+  std::vector<std::string> owned = {Kvagentd()};
+  owned.insert(owned.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : owned) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  const std::string out = TempDir() + "/out.txt", err = TempDir() + "/err.txt";
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  REQUIRE(rc == 0);
+  return pid;
+}
+
+int WaitExit(pid_t pid) {
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+struct Run {
+  int code;
+  std::string out, err;
+};
+
+// Runs kvagentd to its exit (every case here ends before any door opens).
+Run RunKvagentd(const std::vector<std::string>& args) {
+  Run run;
+  run.code = WaitExit(Spawn(args));
+  run.out = ReadFile(TempDir() + "/out.txt");
+  run.err = ReadFile(TempDir() + "/err.txt");
+  return run;
+}
+
+// A kvagentd that must be refused before it starts: exit 2, stderr holding each of
+// `expected`, and the pointer to --help.
+void ExpectRefused(const std::vector<std::string>& args, const std::vector<std::string>& expected) {
+  const std::string sock = Sockets() + "/refused.sock";
+  std::vector<std::string> full = {"--name", "refused", "--local-socket", sock};
+  full.insert(full.end(), args.begin(), args.end());
+  const Run run = RunKvagentd(full);
+  INFO("args: " << args.front() << (args.size() > 1 ? " " + args[1] : std::string()));
+  INFO("stderr: " << run.err);
+  CHECK(run.code == 2);
+  for (const std::string& text : expected) CHECK(run.err.find(text) != std::string::npos);
+  CHECK(run.err.find("kvagentd --help") != std::string::npos);
+  CHECK(access(sock.c_str(), F_OK) != 0);  // refused before the door opened
+}
+
+TEST_CASE("kvagentd --help prints the grouped flags and exits 0", "[flags]") {
+  for (const char* help : {"--help", "-h", "--helpfull", "--help=listen"}) {
+    INFO(help);
+    const Run run = RunKvagentd({help});
+    CHECK(run.code == 0);
+    CHECK(run.err.empty());
+    for (const char* group : {"usage: kvagentd --name NAME", " Doors (", " Fleet directory (",
+                              " Roles (", " Memory and data path:", " Limits (",
+                              "  --flagfile PATH", "  --local-socket PATH", "  --max-regions N"}) {
+      CHECK(run.out.find(group) != std::string::npos);
+    }
+    // Not Abseil's own listing, file by file.
+    CHECK(run.out.find("Flags from") == std::string::npos);
+  }
+}
+
+TEST_CASE("kvagentd refuses an unknown flag or a stray argument, naming it", "[flags]") {
+  ExpectRefused({"--no-such-flag=1"}, {"no-such-flag"});
+  ExpectRefused({"--local_socket=/tmp/x"}, {"local_socket"});  // the names have dashes
+  ExpectRefused({"stray"}, {"unexpected argument 'stray'"});
+}
+
+TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and value", "[flags]") {
+  // on|off, auto|off, auto|peer|none, octal modes, counts: refused by Abseil's parse.
+  ExpectRefused({"--fast-path=maybe"}, {"'fast-path'", "'maybe'", "use on or off"});
+  ExpectRefused({"--metrics-listen-any", "yes"}, {"'metrics-listen-any'", "use on or off"});
+  ExpectRefused({"--shm-direct=on"}, {"'shm-direct'", "'on'", "use auto or off"});
+  ExpectRefused({"--ucx-error-mode=always"}, {"'ucx-error-mode'", "use auto, peer or none"});
+  ExpectRefused({"--local-socket-mode=0999"}, {"'local-socket-mode'", "'0999'", "octal mode"});
+  ExpectRefused({"--local-socket-mode=01777"}, {"'local-socket-mode'", "at most 0777"});
+  ExpectRefused({"--max-sessions=-1"}, {"'max-sessions'", "'-1'", "non-negative integer"});
+  ExpectRefused({"--staging-chunk-bytes=4M"}, {"'staging-chunk-bytes'", "non-negative integer"});
+  ExpectRefused({"--transfer-timeout-ms"}, {"transfer-timeout-ms"});  // no value at all
+  // Values checked once parsed: lists, levels, limits, ranges.
+  ExpectRefused({"--engine-uids=no-such-user-here"},
+                {"--engine-uids", "'no-such-user-here'", "numeric uids"});
+  ExpectRefused({"--log-level=loud"}, {"--log-level", "'loud'", "trace, debug"});
+  ExpectRefused({"--max-regions=lots"}, {"--max-regions", "'lots'", "non-negative integer"});
+  ExpectRefused({"--max-metadata-bytes=1X"}, {"--max-metadata-bytes", "K, M, G or T"});
+  ExpectRefused({"--grpc-max-threads=0"}, {"--grpc-max-threads", "at least 1"});
+  ExpectRefused({"--grpc-memory-bytes=0"}, {"--grpc-memory-bytes", "positive integer"});
+  ExpectRefused({"--copy-lanes=65"}, {"--copy-lanes 65", "give 1 to 64"});
+  ExpectRefused({"--copy-lanes=0"}, {"--copy-lanes 0", "give 1 to 64"});
+  ExpectRefused({"--staging-buffers=0"}, {"staging"});
+}
+
+TEST_CASE("kvagentd refuses a bad HOST:PORT as it opens that door, naming the flag", "[flags]") {
+  // Addresses are the doors' to check (agent/agent.cc): exit 1, "cannot start".
+  const std::string sock = Sockets() + "/door.sock";
+  for (const auto& [flag, value, fix] :
+       {std::tuple{"--metrics-listen", "garbage:x", "not HOST:PORT"},
+        std::tuple{"--health-listen", "garbage", "use HOST:PORT"},
+        std::tuple{"--listen", "127.0.0.1:0", "needs --tls-cert"}}) {
+    const Run run = RunKvagentd({"--name", "door", "--local-socket", sock, flag, value});
+    INFO(run.err);
+    CHECK(run.code == 1);
+    CHECK(run.err.find(fmt::format("cannot start: {} {}", flag, value)) != std::string::npos);
+    CHECK(run.err.find(fix) != std::string::npos);
+  }
+}
+
+TEST_CASE("kvagentd refuses a bad --flagfile, naming the file or the flag", "[flags]") {
+  const std::string missing = TempDir() + "/missing.flags";
+  ExpectRefused({"--flagfile=" + missing}, {missing});
+
+  const std::string stray = TempDir() + "/stray.flags";
+  WriteFile(stray, "--max-sessions=4\nmax-regions=5\n");
+  ExpectRefused({"--flagfile", stray}, {stray, "max-regions=5"});
+
+  const std::string bad_value = TempDir() + "/bad_value.flags";
+  WriteFile(bad_value, "# a comment\n--fast-path=sometimes\n");
+  ExpectRefused({"--flagfile=" + bad_value}, {"'fast-path'", "'sometimes'", "use on or off"});
+
+  const std::string unknown = TempDir() + "/unknown.flags";
+  WriteFile(unknown, "--max-sesions=4\n");
+  ExpectRefused({"--flagfile=" + unknown}, {"max-sesions"});
+}
+
+TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[flags]") {
+  const std::string dir = TempDir();
+  const std::string sock = Sockets() + "/flagfile.sock", port_file = dir + "/flagfile.port";
+  const std::string flags = dir + "/kvagentd.flags";
+  ::unlink(port_file.c_str());
+  WriteFile(flags, "# kvagentd settings, one flag a line\n"
+                   "--name=from-flagfile\n"
+                   "--local-socket=" + sock + "\n"
+                   "--port-file=" + port_file + "\n"
+                   "--health-listen=127.0.0.1:0\n"
+                   "--max-regions=1000\n"
+                   "--max-metadata-bytes=2M\n"
+                   "--copy-lanes=2\n"
+                   "--log-level=warn\n");
+  // --check-flags accepts the file and starts nothing.
+  const Run check = RunKvagentd({"--flagfile=" + flags, "--check-flags"});
+  CHECK(check.code == 0);
+  CHECK(check.out.find("flags accepted; agent 'from-flagfile' not started") != std::string::npos);
+  CHECK(access(sock.c_str(), F_OK) != 0);
+  const Run refused = RunKvagentd({"--flagfile=" + flags, "--max-regions=x", "--check-flags"});
+  CHECK(refused.code == 2);
+  CHECK(refused.err.find("--max-regions") != std::string::npos);
+
+  // A later flag overrides the file's.
+  const pid_t pid = Spawn({"--flagfile=" + flags, "--max-regions=1500"});
+  std::string port;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  while (port.empty() && std::chrono::steady_clock::now() < until) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) FAIL("kvagentd exited: " << ReadFile(dir + "/err.txt"));
+    port = ReadFile(port_file);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(!port.empty());
+
+  cli::AgentClient client("unix:" + sock);
+  auto status = client.Status();
+  REQUIRE(status.ok());
+  CHECK(status->name() == "from-flagfile");
+  CHECK(status->local_socket() == sock);
+  CHECK(status->network_door() == "none");
+  CHECK(status->health_address().rfind("127.0.0.1:", 0) == 0);
+  CHECK(status->copy_lanes().lanes() == 2);
+  bool saw_regions = false, saw_metadata = false;
+  for (const auto& limit : status->limits()) {
+    if (limit.name() == "regions") {
+      saw_regions = true;
+      CHECK(limit.value() == 1500);
+    }
+    if (limit.name() == "metadata_bytes") {
+      saw_metadata = true;
+      CHECK(limit.value() == (2u << 20));
+    }
+  }
+  CHECK(saw_regions);
+  CHECK(saw_metadata);
+
+  REQUIRE(kill(pid, SIGTERM) == 0);
+  CHECK(WaitExit(pid) == 0);
+}
+
+}  // namespace
+}  // namespace kvagent
