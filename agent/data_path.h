@@ -26,8 +26,9 @@ namespace kvagent::agent {
 enum class Route : uint8_t {
   kHostCopy = 0,      // same host, host memory on both sides: memcpy into the peer's
                       // memory mapped here, split across copy lanes
-  kDeviceCopy = 1,    // same host, VRAM on either side mapped here (CUDA IPC):
-                      // cuMemcpyAsync on one stream, one sync per batch
+  kDeviceCopy = 1,    // same host, VRAM on either side mapped here (CUDA IPC): one
+                      // cuMemcpyBatchAsync, gather kernel launch or cuMemcpyAsync per
+                      // page on one stream (agent/gpu/device_batch.h), one sync per batch
   kUcxRma = 2,        // UCX put/get, one flush per batch
   kStagedChunks = 3,  // host staging (agent/staging): WRITE into the peer's staged memory
   kStagedBounce = 4,  //   our memory is staged, the peer's is RMA-reachable
@@ -81,9 +82,10 @@ std::unique_ptr<DataPath> MakeUcxRmaPath();
 std::unique_ptr<DataPath> MakeStagingPath(Stager* stager);
 
 // How the device copy path moves pages on this host, for GetStatus, ListPeers and
-// doctor: "cuMemcpyAsync per page" (one call per operation on one stream, one sync per
-// batch) when the CUDA driver loads (`cuda_driver`), else "none (no CUDA driver)".
-// Batched copies (cuMemcpyBatchAsync, a gather kernel) will be chosen here at run time.
+// doctor: the mechanism chosen for this process (agent/gpu/device_batch.h:
+// "cuMemcpyBatchAsync per batch", "gather kernel per batch (sm_90 cubin)",
+// "cuMemcpyAsync per page", with why when forced or when a better one is missing)
+// when the CUDA driver loads (`cuda_driver`), else "none (no CUDA driver)".
 std::string DeviceCopyMode(bool cuda_driver);
 
 // The failure text of a batch that could not be posted or copied (shared by paths).

@@ -4,6 +4,7 @@
 // and moves KV pages and a Mamba state slot VRAM to VRAM, host to VRAM and VRAM to
 // host, then compares every byte. Without a GPU and driver it skips with the reason.
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <string>
@@ -184,9 +185,11 @@ v1::SubmitTransferRequest Write(const std::string& id, const std::string& local_
 }
 
 // `extra_args` for both agents; `expect_data_path` is the peer's data path; each side's
-// pool shared as `prefill_share` / `decode_share`.
+// pool shared as `prefill_share` / `decode_share`; `expect_device_copy`, when given, is
+// how prefill's GetStatus.device_copy starts.
 void VramToVram(const std::vector<std::string>& extra_args, const std::string& expect_data_path,
-                Share prefill_share = Share::kIpc, Share decode_share = Share::kIpc) {
+                Share prefill_share = Share::kIpc, Share decode_share = Share::kIpc,
+                const std::string& expect_device_copy = "") {
   Agents agents(extra_args);
   cli::AgentClient prefill(agents.prefill.address()), decode(agents.decode.address());
   DevicePool src, dst;
@@ -232,6 +235,14 @@ void VramToVram(const std::vector<std::string>& extra_args, const std::string& e
   INFO(done->error_message());
   REQUIRE(done->phase() == v1::COMPLETED);
 
+  auto status = prefill.Status();
+  REQUIRE(status.ok());
+  std::printf("device copy: %s\n", status->device_copy().c_str());
+  if (!expect_device_copy.empty()) {
+    // A forced mechanism this driver lacks goes per page and says why (printed above).
+    CHECK((status->device_copy().rfind(expect_device_copy, 0) == 0 ||
+           status->device_copy().find(", but ") != std::string::npos));
+  }
   const auto got = FromDevice(dst.dptr, kPoolBytes);
   auto page = [](uint32_t region, uint64_t page) { return region * kPages * kPageBytes + page * kPageBytes; };
   const std::vector<std::pair<uint64_t, uint64_t>> moved = {{1, 9}, {2, 4}, {3, 5}, {7, 15}};
@@ -261,6 +272,23 @@ void VramToVram(const std::vector<std::string>& extra_args, const std::string& e
 TEST_CASE("VRAM to VRAM: KV pages and a Mamba state slot between two agents") {
   if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
   VramToVram({}, "shm-direct");
+}
+
+// Each device copy mechanism, forced through KVAGENT_DEVICE_COPY (the agents inherit
+// it): the same pages and state slot, every byte compared.
+TEST_CASE("VRAM to VRAM by each device copy mechanism (KVAGENT_DEVICE_COPY)") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  for (auto [choice, mode] : {std::pair{"batch", "cuMemcpyBatchAsync per batch"},
+                              {"kernel", "gather kernel per batch"},
+                              {"per-page", "cuMemcpyAsync per page"}}) {
+    DYNAMIC_SECTION(choice) {
+      struct ForcedMechanism {  // unset again however the section ends
+        explicit ForcedMechanism(const char* value) { setenv("KVAGENT_DEVICE_COPY", value, 1); }
+        ~ForcedMechanism() { unsetenv("KVAGENT_DEVICE_COPY"); }
+      } forced(choice);
+      VramToVram({}, "shm-direct", Share::kIpc, Share::kIpc, mode);
+    }
+  }
 }
 
 // The cross-host path on one host: no CUDA IPC shortcut, so without a CUDA-enabled UCX
