@@ -57,7 +57,7 @@ constexpr char kSessionTokenKey[] = "kvagent-session";
 
 void AllowPeerKeepalive(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  // Pings closer than this count as strikes (a flood); peers ping every 700 ms.
+  // Pings closer than this count as strikes (a flood); peers ping every kPeerKeepaliveTimeMs.
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                               kPeerKeepaliveTimeMs * 4 / 5);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 10);

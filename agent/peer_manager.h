@@ -42,10 +42,11 @@ namespace kvagent::agent {
 // Peer liveness by HTTP/2 keepalive (metadata push on): every peer channel pings each
 // kPeerKeepaliveTimeMs and drops a connection whose ping is not answered within
 // kPeerKeepaliveTimeoutMs, which ends its WatchMetadata stream: a hung peer is seen
-// about 1.5 s after it stops (the 2 s bound). Each ping costs the pinged agent
-// ~25 us: 1,000 peers at this period are ~4 % of a core (docs/BENCHMARKS.md).
-inline constexpr int kPeerKeepaliveTimeMs = 700;
-inline constexpr int kPeerKeepaliveTimeoutMs = 800;
+// about 1 s after it stops (the 2 s bound, with room for a loaded host: at 700+800 ms a
+// cut link was seen in 2.26 s under CI load). Each ping costs the pinged agent
+// ~25 us: 1,000 peers at 700 ms were 5.7-7.8 % of a core (docs/BENCHMARKS.md).
+inline constexpr int kPeerKeepaliveTimeMs = 500;
+inline constexpr int kPeerKeepaliveTimeoutMs = 500;
 // A door lets peers ping that often without calls in progress, and pings its own
 // clients every 10 s so a vanished watcher's stream ends (it then stops counting).
 void AllowPeerKeepalive(grpc::ServerBuilder* builder);
