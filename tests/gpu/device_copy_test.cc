@@ -17,20 +17,17 @@
 #include "agent/gpu/device_batch.h"
 #include "agent/gpu/device_batch_copier.h"
 #include "catch2/catch.hpp"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/catch_main.h"
 #include "transport/cuda_driver.h"
 
 namespace kvagent::agent {
 namespace {
 
+using testing::FromDevice;
+using testing::GpuMissing;
+using testing::ToDevice;
 using transport::CudaDriver;
-
-std::string GpuMissing() {
-  auto driver = CudaDriver::Load();
-  if (!driver.ok()) return std::string(driver.status().message());
-  if ((*driver)->device_count() == 0) return "the CUDA driver reports no devices";
-  return "";
-}
 
 // Why `mechanism` cannot run on this driver, or "".
 std::string MechanismMissing(DeviceCopyMechanism mechanism) {
@@ -68,15 +65,6 @@ struct DeviceBuffer {
   ~DeviceBuffer() { (void)(*CudaDriver::Load())->MemFree(dptr); }
 };
 
-void Upload(uint64_t dptr, const std::vector<uint8_t>& bytes) {
-  REQUIRE((*CudaDriver::Load())->Copy(dptr, reinterpret_cast<uint64_t>(bytes.data()), bytes.size()).ok());
-}
-std::vector<uint8_t> Download(uint64_t dptr, uint64_t bytes) {
-  std::vector<uint8_t> host(bytes);
-  REQUIRE((*CudaDriver::Load())->Copy(reinterpret_cast<uint64_t>(host.data()), dptr, bytes).ok());
-  return host;
-}
-
 constexpr uint64_t kPage = 32 << 10;
 
 TEST_CASE("each device copy mechanism moves scattered pages and odd pieces byte-exact") {
@@ -86,7 +74,7 @@ TEST_CASE("each device copy mechanism moves scattered pages and odd pieces byte-
   std::vector<uint8_t> pattern(kBytes);
   std::mt19937_64 random(7);
   for (auto& b : pattern) b = static_cast<uint8_t>(random());
-  Upload(src.dptr, pattern);
+  ToDevice(src.dptr, pattern);
 
   // 512 pages to a permutation (none merge), a run of 8 pages that merges, a Mamba2
   // SSM slot (2.5 MiB: the kernel splits it), its conv state (31.5 KiB), and pieces
@@ -115,7 +103,7 @@ TEST_CASE("each device copy mechanism moves scattered pages and odd pieces byte-
       if (auto why = MechanismMissing(mechanism); !why.empty()) {
         KVAGENT_SKIP(std::string(Name(mechanism)) + ": " + why);
       }
-      Upload(dst.dptr, std::vector<uint8_t>(kBytes, 0xEE));
+      ToDevice(dst.dptr, std::vector<uint8_t>(kBytes, 0xEE));
       DeviceBatchCopier copier;
       uint32_t failed_op = 0;
       absl::Status copied = copier.Copy(copies, mechanism, &failed_op);
@@ -123,7 +111,7 @@ TEST_CASE("each device copy mechanism moves scattered pages and odd pieces byte-
       REQUIRE(copied.ok());
       // The kernel ran, not the per-page fallback.
       CHECK_THAT(CurrentDeviceCopy().mode, !Catch::Contains("failed to load"));
-      const auto got = Download(dst.dptr, kBytes);
+      const auto got = FromDevice(dst.dptr, kBytes);
       size_t wrong = 0;
       for (uint64_t i = 0; i < kBytes; ++i) wrong += got[i] != expected[i];
       CHECK(wrong == 0);

@@ -14,6 +14,7 @@
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/catch_main.h"
 #include "transport/cuda_driver.h"
 
@@ -31,16 +32,6 @@ constexpr uint64_t kSsmBytes = 2621440;    // Mamba2-2.7B SSM state, one layer
 constexpr uint64_t kKvBytes = 2 * kLayers * kPages * kPageBytes;
 constexpr uint64_t kStateBytes = kSlots * (kConvBytes + kSsmBytes);
 constexpr uint64_t kPoolBytes = kKvBytes + kStateBytes;
-
-// Why the test cannot run here, or empty when it can.
-std::string GpuMissing() {
-  auto driver = CudaDriver::Load();
-  if (!driver.ok()) return std::string(driver.status().message());
-  auto devices = (*driver)->Devices();
-  if (!devices.ok()) return std::string(devices.status().message());
-  if (devices->empty()) return "the CUDA driver reports no devices";
-  return "";
-}
 
 // How the engine (this test) hands a pool to its agent.
 enum class Share {
@@ -132,16 +123,6 @@ std::vector<uint8_t> PatternPool(uint64_t seed) {
   for (uint64_t off = 0; off < kPoolBytes; off += kPageBytes) {
     cli::FillPage(host.data() + off, std::min(kPageBytes, kPoolBytes - off), seed, 0, off / kPageBytes);
   }
-  return host;
-}
-
-void ToDevice(uint64_t dptr, const std::vector<uint8_t>& host) {
-  REQUIRE((*CudaDriver::Load())->Copy(dptr, reinterpret_cast<uint64_t>(host.data()), host.size()).ok());
-}
-
-std::vector<uint8_t> FromDevice(uint64_t dptr, uint64_t bytes) {
-  std::vector<uint8_t> host(bytes);
-  REQUIRE((*CudaDriver::Load())->Copy(reinterpret_cast<uint64_t>(host.data()), dptr, bytes).ok());
   return host;
 }
 
