@@ -108,6 +108,7 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       if (r == nullptr || r->ended) return;
       if (n.op() == v1::WRITE || n.op() == v1::READ) r->state.set_op(n.op());
       r->expires_us = MonotonicMicros() + (uint64_t{n.timeout_ms()} + options_.grace_ms) * 1000;
+      next_expiry_us_ = std::min(next_expiry_us_, r->expires_us);
       return;
     }
     case v1::DATA_READY: {
@@ -259,9 +260,15 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
 void IncomingTransfers::Expire() {
   const uint64_t now = MonotonicMicros();
   absl::MutexLock lock(&mu_);
+  if (now < next_expiry_us_) return;
+  next_expiry_us_ = UINT64_MAX;
   if (active_ == 0) return;
   for (auto& [key, r] : records_) {
-    if (r.ended || r.expires_us == 0 || now < r.expires_us) continue;
+    if (r.ended || r.expires_us == 0) continue;
+    if (now < r.expires_us) {
+      next_expiry_us_ = std::min(next_expiry_us_, r.expires_us);
+      continue;
+    }
     v1::Notification from;
     from.set_from_agent(r.state.peer());
     from.set_transfer_id(r.state.transfer_id());
@@ -273,6 +280,11 @@ void IncomingTransfers::Expire() {
                   Printable(r.state.transfer_id()), Printable(r.state.peer()),
                   options_.grace_ms)));
   }
+}
+
+uint64_t IncomingTransfers::NextExpiry() const {
+  absl::MutexLock lock(&mu_);
+  return next_expiry_us_;
 }
 
 void IncomingTransfers::PruneLocked() {

@@ -55,8 +55,12 @@ class IncomingTransfers {
   // will be (the status says why: the sender's transfer fails with it). Acknowledges.
   void DataInPlace(const v1::Notification& notice, const absl::Status& status);
   // Ends incoming transfers whose deadline plus grace passed without an outcome
-  // (TRANSFER_TIMED_OUT to their owners). Any thread; call it often.
+  // (TRANSFER_TIMED_OUT to their owners). Any thread; call it by NextExpiry.
   void Expire();
+  // When Expire next has something to end (monotonic us; UINT64_MAX: nothing can
+  // expire). May be early (a record ended since): Expire then finds nothing and
+  // recomputes it. Any thread.
+  uint64_t NextExpiry() const;
 
   // An incoming transfer by id (and sending agent, when not empty) that `caller` may
   // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise.
@@ -104,6 +108,8 @@ class IncomingTransfers {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<Key, Record> records_ ABSL_GUARDED_BY(mu_);
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
+  // The earliest expires_us of an open record, or earlier (NextExpiry).
+  uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
   std::deque<Key> ended_order_ ABSL_GUARDED_BY(mu_);
 };
 
