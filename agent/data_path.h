@@ -84,8 +84,9 @@ std::unique_ptr<DataPath> MakeStagingPath(Stager* stager);
 // How the device copy path moves pages on this host, for GetStatus, ListPeers and
 // doctor: the mechanism chosen for this process (agent/gpu/device_batch.h:
 // "cuMemcpyBatchAsync per batch", "gather kernel per batch (sm_90 cubin)",
-// "cuMemcpyAsync per page", with why when forced or when a better one is missing)
-// when the CUDA driver loads (`cuda_driver`), else "none (no CUDA driver)".
+// "cuMemcpyAsync per page", with why when forced or when a better one is missing), or
+// "none (no CUDA driver)", naming a forced choice. `cuda_driver` (whether the driver
+// loads) is what the selection finds too; kept so callers need not change.
 std::string DeviceCopyMode(bool cuda_driver);
 
 // The failure text of a batch that could not be posted or copied (shared by paths).

@@ -56,6 +56,21 @@ std::string AbslUnparseFlag(ErrorModeChoice value) {
   return "auto";
 }
 
+bool AbslParseFlag(absl::string_view text, DeviceCopyFlag* out, std::string* error) {
+  auto choice = ParseDeviceCopyChoice(std::string_view(text.data(), text.size()), kDeviceCopyFlag);
+  if (!choice.ok()) {
+    *error = kDeviceCopyChoices;  // Abseil names the flag and the value refused
+    return false;
+  }
+  out->choice = *choice;
+  out->given = true;
+  return true;
+}
+
+std::string AbslUnparseFlag(DeviceCopyFlag value) {
+  return std::string(DeviceCopyChoiceName(value.choice));
+}
+
 bool AbslParseFlag(absl::string_view text, FileMode* out, std::string* error) {
   const std::string digits(text);
   char* end = nullptr;

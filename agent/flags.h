@@ -11,6 +11,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
+#include "agent/gpu/device_batch.h"
 #include "agent/peer_manager.h"
 
 // ABSL_FLAG names a flag after its C++ identifier, so it cannot spell kvagentd's dashed
@@ -48,6 +49,15 @@ std::string AbslUnparseFlag(AutoOff value);
 // auto|peer|none (--ucx-error-mode).
 bool AbslParseFlag(absl::string_view text, ErrorModeChoice* out, std::string* error);
 std::string AbslUnparseFlag(ErrorModeChoice value);
+
+// auto|batch|kernel|per-page (--device-copy); `given` because the flag, when given,
+// wins over KVAGENT_DEVICE_COPY and the default does not.
+struct DeviceCopyFlag {
+  DeviceCopyChoice choice = DeviceCopyChoice::kAuto;
+  bool given = false;
+};
+bool AbslParseFlag(absl::string_view text, DeviceCopyFlag* out, std::string* error);
+std::string AbslUnparseFlag(DeviceCopyFlag value);
 
 // A file mode in octal, at most 0777 (--local-socket-mode).
 struct FileMode {

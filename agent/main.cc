@@ -29,6 +29,7 @@ namespace {
 
 using kvagent::agent::AutoOff;
 using kvagent::agent::Count;
+using kvagent::agent::DeviceCopyFlag;
 using kvagent::agent::ErrorModeChoice;
 using kvagent::agent::FileMode;
 using kvagent::agent::GivenList;
@@ -142,6 +143,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --copy-lanes N              threads that copy one batch of same-host host memory side
                               by side (1-64; default: the cores this agent may use, at
                               most 4)
+  --device-copy MECHANISM     how same-host VRAM pages are copied: auto (default: the
+                              best this host has), batch (cuMemcpyBatchAsync), kernel
+                              (the gather kernel) or per-page (cuMemcpyAsync per page);
+                              overrides KVAGENT_DEVICE_COPY; GetStatus, peers and
+                              doctor show what is used and why
 )";
 
 std::string Usage() { return std::string(kUsage) + kvagent::agent::Limits::Usage(); }
@@ -221,6 +227,7 @@ KVAGENT_FLAG(Count<uint32_t>, fast_path_spin_us, "fast-path-spin-us",
              {Defaults().fast_path_spin_us}, "");
 KVAGENT_FLAG(Count<uint32_t>, ucx_spin_us, "ucx-spin-us", {Defaults().ucx_spin_us}, "");
 KVAGENT_FLAG(Count<uint32_t>, copy_lanes, "copy-lanes", {Defaults().copy_lanes}, "");
+KVAGENT_FLAG(DeviceCopyFlag, device_copy, "device-copy", {}, "");
 KVAGENT_FLAG(bool, check_flags, "check-flags", false, "");
 // Hidden, for tests only: host regions take the staged path (memcpy stands in for the
 // device copy), so the staging protocol runs on machines without a GPU.
@@ -359,6 +366,11 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   }
   if (GetFlag(FLAGS_copy_lanes).given) {
     RETURN_IF_ERROR(kvagent::agent::ValidateCopyLanes(options->copy_lanes));
+  }
+  // Process-wide, read at the first device copy or status; unset, KVAGENT_DEVICE_COPY
+  // (or auto) decides.
+  if (const DeviceCopyFlag device_copy = GetFlag(FLAGS_device_copy); device_copy.given) {
+    kvagent::agent::SetDeviceCopyChoice(device_copy.choice);
   }
   auto level = kvagent::log::ParseLevel(GetFlag(FLAGS_log_level));
   if (!level.ok()) {

@@ -34,20 +34,6 @@ std::string Version(int version) {
   return fmt::format("{}.{}", version / 1000, (version % 1000) / 10);
 }
 
-std::string_view ChoiceName(DeviceCopyChoice choice) {
-  switch (choice) {
-    case DeviceCopyChoice::kAuto:
-      return "auto";
-    case DeviceCopyChoice::kBatchApi:
-      return "batch";
-    case DeviceCopyChoice::kKernel:
-      return "kernel";
-    case DeviceCopyChoice::kPerPage:
-      return "per-page";
-  }
-  return "?";
-}
-
 // Why cuMemcpyBatchAsync cannot be used here; "" when it can.
 std::string BatchApiMissing(const DeviceCopyAbilities& host) {
   if (!host.batch_copy.empty()) return "";
@@ -85,16 +71,28 @@ ProcessState& State() {
 
 }  // namespace
 
+std::string_view DeviceCopyChoiceName(DeviceCopyChoice choice) {
+  switch (choice) {
+    case DeviceCopyChoice::kAuto:
+      return "auto";
+    case DeviceCopyChoice::kBatchApi:
+      return "batch";
+    case DeviceCopyChoice::kKernel:
+      return "kernel";
+    case DeviceCopyChoice::kPerPage:
+      return "per-page";
+  }
+  return "?";
+}
+
 absl::StatusOr<DeviceCopyChoice> ParseDeviceCopyChoice(std::string_view text,
                                                        std::string_view entry) {
   for (DeviceCopyChoice c : {DeviceCopyChoice::kAuto, DeviceCopyChoice::kBatchApi,
                              DeviceCopyChoice::kKernel, DeviceCopyChoice::kPerPage}) {
-    if (text == ChoiceName(c)) return c;
+    if (text == DeviceCopyChoiceName(c)) return c;
   }
-  return absl::InvalidArgumentError(fmt::format(
-      "{}='{}' is not a device copy mechanism; use auto (the best this host has), batch "
-      "(cuMemcpyBatchAsync), kernel (the gather kernel) or per-page (cuMemcpyAsync per page)",
-      entry, text.substr(0, 64)));
+  return absl::InvalidArgumentError(fmt::format("{}='{}' is not a device copy mechanism; {}",
+                                                entry, text.substr(0, 64), kDeviceCopyChoices));
 }
 
 absl::StatusOr<DeviceCopyChoice> DeviceCopyChoiceFromEnv() {
@@ -179,11 +177,16 @@ DeviceCopyAbilities ProbeDeviceCopyAbilities() {
 
 DeviceCopySelection SelectDeviceCopy(DeviceCopyChoice choice, const DeviceCopyAbilities& host,
                                      std::string_view source) {
-  if (!host.driver) return {DeviceCopyMechanism::kNone, "none (no CUDA driver)"};
   const std::string forced =
       choice == DeviceCopyChoice::kAuto
           ? std::string()
-          : fmt::format(" ({}={})", source, ChoiceName(choice));
+          : fmt::format(" ({}={})", source, DeviceCopyChoiceName(choice));
+  if (!host.driver) {
+    if (forced.empty()) return {DeviceCopyMechanism::kNone, "none (no CUDA driver)"};
+    return {DeviceCopyMechanism::kNone,
+            fmt::format("none (no CUDA driver; {}={} applies on a host with a GPU)", source,
+                        DeviceCopyChoiceName(choice))};
+  }
   const std::string batch_missing = BatchApiMissing(host);
   std::optional<FatbinEntry> image;
   const std::string kernel_missing = KernelMissing(host, &image);

@@ -29,6 +29,11 @@ enum class DeviceCopyChoice : uint8_t { kAuto, kBatchApi, kKernel, kPerPage };
 
 inline constexpr char kDeviceCopyEnv[] = "KVAGENT_DEVICE_COPY";
 inline constexpr char kDeviceCopyFlag[] = "--device-copy";
+// What to give instead of a value that is not one (the variable's and the flag's fix).
+inline constexpr char kDeviceCopyChoices[] =
+    "use auto (the best this host has), batch (cuMemcpyBatchAsync), kernel (the gather "
+    "kernel) or per-page (cuMemcpyAsync per page)";
+std::string_view DeviceCopyChoiceName(DeviceCopyChoice choice);  // "per-page"
 // "auto", "batch", "kernel" or "per-page"; INVALID_ARGUMENT naming `entry` (the
 // variable or flag), the value and the accepted ones.
 absl::StatusOr<DeviceCopyChoice> ParseDeviceCopyChoice(std::string_view text,
@@ -70,7 +75,8 @@ struct DeviceCopySelection {
   // forced, and why a forced or better one is not used.
   std::string mode;
 };
-// `source` names where a forced choice came from in the mode.
+// `source` names where a forced choice came from in the mode; without a driver the
+// mode still names a forced choice: "none (no CUDA driver; --device-copy=kernel ...)".
 DeviceCopySelection SelectDeviceCopy(DeviceCopyChoice choice, const DeviceCopyAbilities& host,
                                      std::string_view source = kDeviceCopyEnv);
 

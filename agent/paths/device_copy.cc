@@ -56,8 +56,6 @@ class DeviceCopyPath final : public DataPath {
 
 std::unique_ptr<DataPath> MakeDeviceCopyPath() { return std::make_unique<DeviceCopyPath>(); }
 
-std::string DeviceCopyMode(bool cuda_driver) {
-  return cuda_driver ? CurrentDeviceCopy().mode : "none (no CUDA driver)";
-}
+std::string DeviceCopyMode(bool /*cuda_driver*/) { return CurrentDeviceCopy().mode; }
 
 }  // namespace kvagent::agent

@@ -214,9 +214,13 @@ TEST_CASE("SelectDeviceCopy honours a forced mechanism, or says why it cannot") 
   CHECK(SelectDeviceCopy(DeviceCopyChoice::kKernel, Host({}, 90, 12060), kDeviceCopyFlag).mode ==
         "cuMemcpyAsync per page (--device-copy=kernel, but the driver cannot load kernels "
         "(cuModuleLoadData))");
-  // Forcing never makes a driver appear.
-  CHECK(SelectDeviceCopy(DeviceCopyChoice::kKernel, DeviceCopyAbilities{}).mode ==
-        "none (no CUDA driver)");
+  // Forcing never makes a driver appear; the mode still names what was forced.
+  auto no_driver = SelectDeviceCopy(DeviceCopyChoice::kKernel, DeviceCopyAbilities{});
+  CHECK(no_driver.mechanism == DeviceCopyMechanism::kNone);
+  CHECK(no_driver.mode ==
+        "none (no CUDA driver; KVAGENT_DEVICE_COPY=kernel applies on a host with a GPU)");
+  CHECK(SelectDeviceCopy(DeviceCopyChoice::kPerPage, DeviceCopyAbilities{}, kDeviceCopyFlag)
+            .mode == "none (no CUDA driver; --device-copy=per-page applies on a host with a GPU)");
 }
 
 TEST_CASE("The gather kernel image: a fatbin nvcc built, with the kernel for every target") {
@@ -284,7 +288,9 @@ TEST_CASE("This process: without a CUDA driver, nothing is selected and status s
   CHECK(CurrentDeviceCopy().mechanism == DeviceCopyMechanism::kNone);
   CHECK(CurrentDeviceCopy().mode == "none (no CUDA driver)");
   SetDeviceCopyChoice(DeviceCopyChoice::kKernel);  // re-selects: still nothing to copy with
-  CHECK(CurrentDeviceCopy().mode == "none (no CUDA driver)");
+  CHECK(CurrentDeviceCopy().mechanism == DeviceCopyMechanism::kNone);
+  CHECK(CurrentDeviceCopy().mode ==
+        "none (no CUDA driver; --device-copy=kernel applies on a host with a GPU)");
 }
 
 }  // namespace

@@ -46,6 +46,21 @@ TEST_CASE("--ucx-error-mode takes auto, peer or none", "[flags]") {
   CHECK(Refusal<ErrorModeChoice>("PEER") == "use auto, peer or none");
 }
 
+TEST_CASE("--device-copy takes auto, batch, kernel or per-page, and remembers it was given",
+          "[flags]") {
+  CHECK_FALSE(DeviceCopyFlag{}.given);  // the default: KVAGENT_DEVICE_COPY decides
+  CHECK(Parsed<DeviceCopyFlag>("auto").choice == DeviceCopyChoice::kAuto);
+  CHECK(Parsed<DeviceCopyFlag>("auto").given);
+  CHECK(Parsed<DeviceCopyFlag>("batch").choice == DeviceCopyChoice::kBatchApi);
+  CHECK(Parsed<DeviceCopyFlag>("kernel").choice == DeviceCopyChoice::kKernel);
+  CHECK(Parsed<DeviceCopyFlag>("per-page").choice == DeviceCopyChoice::kPerPage);
+  CHECK(absl::UnparseFlag(DeviceCopyFlag{DeviceCopyChoice::kPerPage, true}) == "per-page");
+  for (const char* bad : {"", "Kernel", "per_page", "cuMemcpyBatchAsync"}) {
+    INFO(bad);
+    CHECK(Refusal<DeviceCopyFlag>(bad) == kDeviceCopyChoices);
+  }
+}
+
 TEST_CASE("file modes are octal, at most 0777", "[flags]") {
   CHECK(Parsed<FileMode>("0660").bits == 0660);
   CHECK(Parsed<FileMode>("600").bits == 0600);

@@ -1,7 +1,8 @@
 // kvagentd's command line through Abseil flags, on the real binary: --help prints the
 // grouped text and exits 0; an unknown flag, a bad value of every kind of flag and a
 // bad --flagfile are refused (exit 2) naming the flag or the file; an agent configured
-// by a --flagfile alone comes up and reports those settings in GetStatus.
+// by a --flagfile alone comes up and reports those settings in GetStatus (--device-copy
+// over KVAGENT_DEVICE_COPY among them).
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -23,6 +24,7 @@
 #include "cli/daemon_process.h"
 #include "fmt/format.h"
 #include "tests/unit/catch_main.h"
+#include "transport/cuda_driver.h"
 
 extern char** environ;
 
@@ -131,7 +133,8 @@ TEST_CASE("kvagentd --help prints the grouped flags and exits 0", "[flags]") {
     CHECK(run.err.empty());
     for (const char* group : {"usage: kvagentd --name NAME", " Doors (", " Fleet directory (",
                               " Roles (", " Memory and data path:", " Limits (",
-                              "  --flagfile PATH", "  --local-socket PATH", "  --max-regions N"}) {
+                              "  --flagfile PATH", "  --local-socket PATH", "  --max-regions N",
+                              "  --device-copy MECHANISM"}) {
       CHECK(run.out.find(group) != std::string::npos);
     }
     // Not Abseil's own listing, file by file.
@@ -167,6 +170,9 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--copy-lanes=65"}, {"--copy-lanes 65", "give 1 to 64"});
   ExpectRefused({"--copy-lanes=0"}, {"--copy-lanes 0", "give 1 to 64"});
   ExpectRefused({"--staging-buffers=0"}, {"staging"});
+  ExpectRefused({"--device-copy=gpu"},
+                {"'device-copy'", "'gpu'", "use auto (the best this host has), batch", "per-page"});
+  ExpectRefused({"--device-copy"}, {"device-copy"});  // no value at all
 }
 
 TEST_CASE("kvagentd refuses a bad HOST:PORT as it opens that door, naming the flag", "[flags]") {
@@ -214,6 +220,7 @@ TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[fl
                    "--max-regions=1000\n"
                    "--max-metadata-bytes=2M\n"
                    "--copy-lanes=2\n"
+                   "--device-copy=per-page\n"
                    "--log-level=warn\n");
   // --check-flags accepts the file and starts nothing.
   const Run check = RunKvagentd({"--flagfile=" + flags, "--check-flags"});
@@ -224,8 +231,10 @@ TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[fl
   CHECK(refused.code == 2);
   CHECK(refused.err.find("--max-regions") != std::string::npos);
 
-  // A later flag overrides the file's.
+  // A later flag overrides the file's; --device-copy overrides the variable.
+  REQUIRE(setenv("KVAGENT_DEVICE_COPY", "kernel", 1) == 0);
   const pid_t pid = Spawn({"--flagfile=" + flags, "--max-regions=1500"});
+  REQUIRE(unsetenv("KVAGENT_DEVICE_COPY") == 0);
   std::string port;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(15);
   while (port.empty() && std::chrono::steady_clock::now() < until) {
@@ -244,6 +253,15 @@ TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[fl
   CHECK(status->network_door() == "none");
   CHECK(status->health_address().rfind("127.0.0.1:", 0) == 0);
   CHECK(status->copy_lanes().lanes() == 2);
+  // The flag's choice, whether or not this host has a GPU to apply it to.
+  CHECK(status->device_copy().find("--device-copy=per-page") != std::string::npos);
+  CHECK(status->device_copy().find("KVAGENT_DEVICE_COPY") == std::string::npos);
+  if (!transport::CudaDriver::Load().ok()) {
+    CHECK(status->device_copy() ==
+          "none (no CUDA driver; --device-copy=per-page applies on a host with a GPU)");
+  } else {
+    CHECK(status->device_copy() == "cuMemcpyAsync per page (--device-copy=per-page)");
+  }
   bool saw_regions = false, saw_metadata = false;
   for (const auto& limit : status->limits()) {
     if (limit.name() == "regions") {
