@@ -1,6 +1,5 @@
 #include "agent/status_util.h"
 
-#include <chrono>
 #include <string>
 
 #include "agent/limits.h"
@@ -29,18 +28,6 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                       status.error_message());
-}
-
-uint64_t UnixMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-uint64_t MonotonicMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 }  // namespace kvagent::agent

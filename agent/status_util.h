@@ -1,17 +1,18 @@
-// The one place where absl::Status becomes grpc::Status (and back), plus small time
-// helpers shared by the agent's components.
+// The one place where absl::Status becomes grpc::Status (and back). The clocks the
+// agent's components use here as agent::UnixMicros live in transport/base/clock.h.
 #pragma once
 
 #include <cstdint>
 
 #include "absl/status/status.h"
 #include "grpcpp/support/status.h"
+#include "transport/base/clock.h"
 
 namespace kvagent::agent {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
-uint64_t UnixMicros();
-uint64_t MonotonicMicros();
+using ::kvagent::MonotonicMicros;
+using ::kvagent::UnixMicros;
 
 }  // namespace kvagent::agent

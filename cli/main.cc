@@ -9,7 +9,6 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
-#include "agent/status_util.h"
 #include "cli/agent_client.h"
 #include "cli/bench.h"
 #include "cli/bench_peers.h"
