@@ -14,10 +14,9 @@
 #include <fstream>
 #include <thread>
 
+#include "cli/child_process.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
-
-extern char** environ;
 
 namespace kvagent::cli {
 namespace {
@@ -119,41 +118,20 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
     }
   }
   args.insert(args.end(), options.extra_args.begin(), options.extra_args.end());
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) {
-    std::string entry = *e;
-    const std::string key = entry.substr(0, entry.find('='));
-    if (!options.env.count(key)) env_strings.push_back(entry);
-  }
-  for (const auto& [k, v] : options.env) env_strings.push_back(k + "=" + v);
-  std::vector<char*> argv, envp;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-
   const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (log_fd < 0) {
     return absl::FailedPreconditionError(
         fmt::format("cannot create {} for agent '{}'; check the work directory", log_path, options.name));
   }
-  const pid_t pid = fork();
-  if (pid < 0) {
+  auto pid = SpawnChild(args, log_fd, options.env);
+  if (!pid.ok()) {
     ::close(log_fd);
-    return absl::ResourceExhaustedError(fmt::format("fork failed for agent '{}'", options.name));
-  }
-  if (pid == 0) {
-    dup2(log_fd, 1);
-    dup2(log_fd, 2);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    execve(argv[0], argv.data(), envp.data());
-    _exit(127);
+    return absl::Status(pid.status().code(),
+                        fmt::format("agent '{}': {}", options.name, pid.status().message()));
   }
   ::close(log_fd);
   DaemonProcess process;
-  process.pid_ = pid;
+  process.pid_ = *pid;
   process.log_path_ = log_path;
   process.host_ = options.connect_host.empty() ? options.listen_host : options.connect_host;
   process.local_socket_ = local_socket;
@@ -168,7 +146,7 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
       return process;
     }
     int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
+    if (waitpid(*pid, &status, WNOHANG) == *pid) {
       process.pid_ = -1;
       return absl::UnavailableError(fmt::format("agent '{}' exited during start-up: {}",
                                                 options.name, Tail(log_path, 2000)));

@@ -2,7 +2,8 @@
 // Unix socket (and, when asked, a network door on a port chosen by the kernel:
 // --listen HOST:0 with mutual TLS, or --insecure-listen), optionally through a
 // wrapper command (`ip netns exec NAME`), and stops it. Used by `kvagentctl
-// demo`/`bench` and by the integration and fault tests.
+// demo`/`bench`/`bench-peers` and by the integration and fault tests; the one launcher
+// of kvagentd (through SpawnChild, cli/child_process.h).
 #pragma once
 
 #include <sys/types.h>

@@ -1,0 +1,91 @@
+// What `kvagentctl bench`'s phases share about the memory they move: both agents'
+// pools (their shared memory mapped here, or VRAM this process allocated), a pool seen
+// as items of one block size (Layout, with the item orders the scattered pattern
+// walks), one grid cell's shape and the indices of its transfers, and registering a
+// layout with an agent.
+#pragma once
+
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "cli/agent_client.h"
+#include "cli/kv_pool.h"
+#include "proto/kvagent.pb.h"
+#include "registry/shm_mapping.h"
+#include "transport/cuda_driver.h"
+
+namespace kvagent::cli {
+
+// "4K", "1M", or bytes when not a whole number of either.
+std::string SizeName(uint64_t bytes);
+
+struct Cell {
+  v1::TransferOp op = v1::WRITE;
+  bool scattered = false;
+  uint64_t block = 0;
+  uint32_t batch = 0;
+};
+
+// What one block size's cells share: the pool viewed as items of `block` bytes, the
+// region names, and the item orders the scattered pattern walks.
+struct Layout {
+  uint64_t block = 0;
+  uint64_t items = 0;
+  std::string group;
+  std::string region;
+  std::vector<uint64_t> local_order, remote_order;  // scattered: random permutations
+};
+
+// Indices of transfer `i`: contiguous runs of `batch` items at the same place on
+// both sides, or `batch` consecutive entries of the two permutations.
+void Indices(const Layout& layout, const Cell& cell, uint64_t i, std::vector<uint64_t>* local,
+             std::vector<uint64_t>* remote);
+
+// Memory of both pools as this process sees it: the agents' shm objects mapped here
+// when on this host, else private buffers (the memcpy baseline only; nothing verified).
+struct Pools {
+  // VRAM (--memory vram): device pools, owned by RunBench's VramMemory; the host
+  // pointers stay null and every byte check goes through device copies.
+  bool vram = false;
+  const DeviceAllocation* initiator_device = nullptr;
+  const DeviceAllocation* target_device = nullptr;
+  uint64_t initiator_handle = 0, target_handle = 0;  // the sessions' memory handles
+  registry::ShmMapping initiator_mapping, target_mapping;
+  uint8_t* initiator = nullptr;
+  uint8_t* target = nullptr;
+  bool shared = false;  // the agents' own memory: results can be verified
+  std::vector<void*> private_buffers;
+  uint64_t bytes = 0;
+  ~Pools() {
+    for (void* p : private_buffers) munmap(p, bytes);
+  }
+};
+
+// VRAM: one device pool per agent, with distinct contents (as MakePools), filled
+// through a bounded host buffer.
+struct VramMemory {
+  DeviceAllocation initiator, target;
+};
+
+// Has each agent allocate a sealed memfd of `bytes` (over the local door) and maps
+// both here.
+absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t bytes,
+                       const std::string& label, Pools* pools);
+absl::Status MakeVramPools(transport::CudaDriver* cuda, int device, uint64_t bytes,
+                           const std::string& label, VramMemory* memory, Pools* pools);
+
+// The pool as items of `block` bytes, one region in group `group`, with the random
+// item orders the scattered pattern walks.
+Layout MakeLayout(uint64_t block, uint64_t pool_bytes, std::string group, std::mt19937_64& rng);
+// Registers `layout`'s one KV region with `agent`: in the session's shared memory
+// `memory_handle`, or (VRAM) in `pool` by its IPC handle.
+absl::Status RegisterLayout(AgentClient& agent, uint64_t memory_handle, const Layout& layout);
+absl::Status RegisterVramLayout(AgentClient& agent, const DeviceAllocation& pool,
+                                const Layout& layout);
+
+}  // namespace kvagent::cli

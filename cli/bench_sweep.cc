@@ -1,0 +1,446 @@
+#include "cli/bench_sweep.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cli/local_agents.h"
+#include "cli/notification_waiter.h"
+#include "fmt/format.h"
+#include "transport/base/format.h"
+#include "transport/base/status_macros.h"
+
+namespace kvagent::cli {
+
+using Clock = std::chrono::steady_clock;
+
+// Writes a buffer larger than the last-level cache, so the next copy starts cold.
+class CacheEvictor {
+ public:
+  explicit CacheEvictor(uint64_t bytes) : buffer_(bytes, 1) {}
+  void Evict() {
+    ++round_;
+    for (size_t i = 0; i < buffer_.size(); i += 64) buffer_[i] = static_cast<uint8_t>(round_ + i);
+  }
+
+ private:
+  std::vector<uint8_t> buffer_;
+  uint64_t round_ = 0;
+};
+
+class CellBench::Impl {
+ public:
+  Impl(const BenchOptions& options, AgentClient& initiator, std::string target_address,
+       std::string peer, Pools& pools, Perftest& perftest, FastRing* fast)
+      : options_(options),
+        initiator_(initiator),
+        target_address_(std::move(target_address)),
+        peer_(std::move(peer)),
+        pools_(pools),
+        perftest_(perftest),
+        fast_(fast),
+        evictor_(64ull << 20),
+        prefix_(fmt::format("bench{}.", getpid())) {}
+
+  absl::StatusOr<CellResult> Run(const Layout& layout, const Cell& cell) {
+    CellResult result;
+    result.cell = cell;
+    const std::string base = fmt::format("{}{}.", prefix_, cell_number_++);
+    const bool write = cell.op == v1::WRITE;
+    std::vector<uint64_t> local, remote;
+
+    // WRITE: the target's notifications, timed when they reach a client of the
+    // target agent, as a decode worker sees them.
+    const std::string end_id = base + "end";
+    std::optional<NotificationWaiter> watch;
+    if (write) watch.emplace(StreamUntil(target_address_, base, end_id));
+
+    // Warm-up: maps and registrations in place, and (WRITE) the notification
+    // stream open before anything is timed. The last one carries the notification
+    // waited for below.
+    for (int w = 0; w < 3; ++w) {
+      Indices(layout, cell, w, &local, &remote);
+      const std::string id = w == 2 ? base + "warmup" : fmt::format("{}warmup{}", base, w);
+      if (auto s = Transfer(layout, cell, id, local, remote, write); !s.ok()) {
+        return s.status();
+      }
+    }
+    if (auto peers = initiator_.Peers(); peers.ok()) {
+      for (const auto& p : peers->peers()) {
+        if (p.name() == peer_) result.data_path = p.data_path();
+      }
+    }
+    if (write) {
+      const std::string warm = base + "warmup";
+      if (absl::Status why = watch->WaitForId(warm, absl::Seconds(10)); !why.ok()) {
+        return absl::DeadlineExceededError(fmt::format(
+            "the target agent at {} delivered no notification for '{}' within 10 s ({}); check "
+            "its log", target_address_, warm, why.message()));
+      }
+    }
+
+    const double target_s = options_.quick ? 0.1 : 0.3;
+    const uint64_t min_transfers = options_.quick ? 5 : 20;
+    const uint64_t max_transfers = 100000;
+    std::vector<double> latencies;
+    std::vector<std::pair<std::string, Clock::time_point>> submitted;
+    const auto start = Clock::now();
+    for (uint64_t i = 0; i < max_transfers; ++i) {
+      if (i >= min_transfers && Seconds(Clock::now() - start) >= target_s) break;
+      Indices(layout, cell, i, &local, &remote);
+      const std::string id = fmt::format("{}{}", base, i);
+      const auto t0 = Clock::now();
+      auto state = Transfer(layout, cell, id, local, remote, write);
+      const auto t1 = Clock::now();
+      if (!state.ok()) {
+        return state.status();
+      }
+      result.runs = state->runs();
+      latencies.push_back(Micros(t1 - t0));
+      if (write) submitted.emplace_back(id, t0);
+    }
+    const double seconds = Seconds(Clock::now() - start);
+    result.transfers = latencies.size();
+    const double bytes = static_cast<double>(result.transfers) * cell.batch * cell.block;
+    result.gbps = bytes / seconds / 1e9;
+    result.transfers_per_s = result.transfers / seconds;
+    result.avg_us = std::accumulate(latencies.begin(), latencies.end(), 0.0) / latencies.size();
+    result.p50_us = Percentile(latencies, 50);
+    result.p99_us = Percentile(latencies, 99);
+
+    // The same cell with kInflight transfers in flight at once (a scheduler keeps
+    // many requests moving; ucx_perftest keeps a window of puts outstanding too).
+    {
+      // The agent refuses two transfers writing the same destination at once, so each
+      // thread keeps to its own slots (a slot: `batch` items; a pool of fewer slots
+      // than kInflight runs fewer threads).
+      constexpr uint32_t kInflight = 4;
+      const uint64_t slots = std::max<uint64_t>(1, layout.items / cell.batch);
+      const uint32_t inflight = static_cast<uint32_t>(std::min<uint64_t>(kInflight, slots));
+      absl::Mutex mu;
+      uint64_t moved = 0;
+      absl::Status failed;
+      const auto pipelined_start = Clock::now();
+      std::vector<std::thread> threads;
+      for (uint32_t k = 0; k < inflight; ++k) {
+        threads.emplace_back([&, k] {
+          std::vector<uint64_t> l, r;
+          uint64_t done = 0;
+          absl::Status error;
+          for (uint64_t n = 0; error.ok(); ++n) {
+            if (n >= min_transfers && Seconds(Clock::now() - pipelined_start) >= target_s) break;
+            // Slot k, k + inflight, k + 2 * inflight, ... below slots (whole rounds only).
+            const uint64_t per_thread = slots / inflight;
+            const uint64_t i = k + inflight * (n % per_thread);
+            Indices(layout, cell, i, &l, &r);
+            auto state = Transfer(layout, cell, fmt::format("{}p{}.{}", base, k, n), l, r, write);
+            if (state.ok()) {
+              ++done;
+            } else {
+              error = state.status();
+            }
+          }
+          absl::MutexLock lock(&mu);
+          moved += done;
+          if (!error.ok() && failed.ok()) failed = error;
+        });
+      }
+      for (auto& t : threads) t.join();
+      if (!failed.ok()) {
+        return failed;
+      }
+      result.gbps_inflight = static_cast<double>(moved) * cell.batch * cell.block /
+                             Seconds(Clock::now() - pipelined_start) / 1e9;
+    }
+
+    // One more transfer whose destination was scribbled first: its bytes must
+    // equal the source afterwards. For WRITE it also ends the notification stream.
+    Indices(layout, cell, result.transfers, &local, &remote);
+    if (pools_.shared) Scribble(layout, cell, local, remote);
+    if (auto s = Transfer(layout, cell, end_id, local, remote, write); !s.ok()) {
+      return s.status();
+    }
+    result.verified = pools_.shared && Verify(layout, cell, local, remote);
+    if (write) {
+      watch->Finish(absl::Seconds(10));
+      std::vector<double> notify;
+      const auto seen = watch->Kept();
+      for (const auto& [id, t0] : submitted) {
+        auto it = seen.find(id);
+        if (it == seen.end()) {
+          ++result.notifications_missing;
+        } else {
+          notify.push_back(Micros(it->second - t0));
+        }
+      }
+      if (!notify.empty()) {
+        result.notify_p50_us = Percentile(notify, 50);
+        result.notify_p99_us = Percentile(notify, 99);
+      }
+    }
+
+    if (fast_ != nullptr) {
+      ASSIGN_OR_RETURN(result.fast, RunFast(layout, cell, base + "f."));
+    }
+
+    result.memcpy_gbps = Memcpy(layout, cell, result.transfers);
+    const uint64_t perftest_size = cell.scattered ? cell.block : cell.block * cell.batch;
+    result.perftest_gbps = perftest_.Gbps(write ? "ucp_put_bw" : "ucp_get", perftest_size);
+    return result;
+  }
+
+ private:
+  // The cell through the fast path ring: transfer i has the gRPC column's indices;
+  // then one more into scribbled destination pages, checked byte for byte.
+  absl::StatusOr<FastCell> RunFast(const Layout& layout, const Cell& cell, const std::string& prefix) {
+    const bool write = cell.op == v1::WRITE;
+    FastCellSpec spec;
+    spec.prefix = prefix;
+    spec.bytes_per_transfer = cell.batch * cell.block;
+    spec.slots = std::max<uint64_t>(1, layout.items / cell.batch);
+    spec.make = [&](uint32_t, uint64_t i) {
+      std::vector<uint64_t> local, remote;
+      Indices(layout, cell, i, &local, &remote);
+      return Request(layout, cell, "", local, remote, write);
+    };
+    if (write) spec.notify_address = target_address_;
+    spec.seconds = options_.quick ? 0.1 : 0.3;
+    spec.min_transfers = options_.quick ? 5 : 20;
+    ASSIGN_OR_RETURN(FastCell fast, RunFastCell(*fast_, spec));
+    std::vector<uint64_t> local, remote;
+    Indices(layout, cell, fast.transfers + 1, &local, &remote);
+    if (pools_.shared) Scribble(layout, cell, local, remote);
+    v1::SubmitTransferRequest last = Request(layout, cell, prefix + "end", local, remote, false);
+    last.clear_wait();
+    RETURN_IF_ERROR(fast_->Transfer(last));
+    fast.verified = pools_.shared && Verify(layout, cell, local, remote);
+    if (fast.notifications_missing > 0) {
+      std::fprintf(stderr, "bench: fast path, %s %s %s x %u: %lu notifications did not arrive\n",
+                   v1::TransferOp_Name(cell.op).c_str(), cell.scattered ? "scattered" : "contiguous",
+                   SizeName(cell.block).c_str(), cell.batch,
+                   static_cast<unsigned long>(fast.notifications_missing));
+    }
+    return fast;
+  }
+
+  v1::SubmitTransferRequest Request(const Layout& layout, const Cell& cell, const std::string& id,
+                                    const std::vector<uint64_t>& local,
+                                    const std::vector<uint64_t>& remote, bool notify) const {
+    v1::SubmitTransferRequest request;
+    request.set_transfer_id(id);
+    request.set_peer(peer_);
+    request.set_op(cell.op);
+    request.set_timeout_ms(options_.timeout_ms);
+    if (notify) request.set_notification("bench");
+    auto* segment = request.add_segments()->mutable_items();
+    segment->set_local_group(layout.group);
+    segment->set_remote_group(layout.group);
+    for (uint64_t i : local) segment->add_local_indices(i);
+    for (uint64_t i : remote) segment->add_remote_indices(i);
+    // The agent answers when the transfer has ended: one round trip per transfer.
+    request.set_wait(true);
+    return request;
+  }
+
+  absl::StatusOr<v1::TransferState> Transfer(const Layout& layout, const Cell& cell,
+                                             const std::string& id,
+                                             const std::vector<uint64_t>& local,
+                                             const std::vector<uint64_t>& remote, bool notify) {
+    auto state = initiator_.Submit(Request(layout, cell, id, local, remote, notify));
+    if (!state.ok()) return state.status();
+    if (state->phase() != v1::COMPLETED) {
+      return absl::InternalError(fmt::format(
+          "transfer '{}' ({} x {} bytes, {}) ended {}: {}", id, cell.batch, cell.block,
+          v1::TransferOp_Name(cell.op), v1::TransferPhase_Name(state->phase()),
+          state->error_message()));
+    }
+    return state;
+  }
+
+  // The (source, destination) bases: WRITE moves initiator -> target pages,
+  // READ target -> initiator; local indices address the initiator.
+  std::pair<uint8_t*, uint8_t*> Ends(const Cell& cell) const {
+    return cell.op == v1::WRITE ? std::make_pair(pools_.initiator, pools_.target)
+                                : std::make_pair(pools_.target, pools_.initiator);
+  }
+
+  // VRAM: the (source, destination) device pointers, as Ends.
+  std::pair<uint64_t, uint64_t> DeviceEnds(const Cell& cell) const {
+    const uint64_t i = pools_.initiator_device->dptr(), t = pools_.target_device->dptr();
+    return cell.op == v1::WRITE ? std::make_pair(i, t) : std::make_pair(t, i);
+  }
+
+  void Scribble(const Layout& layout, const Cell& cell, const std::vector<uint64_t>& local,
+                const std::vector<uint64_t>& remote) {
+    if (pools_.vram) {
+      const uint64_t dst = DeviceEnds(cell).second;
+      std::vector<uint8_t> scribble(layout.block, 0xEE);
+      for (uint64_t i : cell.op == v1::WRITE ? remote : local) {
+        (void)pools_.initiator_device->driver()->Copy(
+            dst + i * layout.block, reinterpret_cast<uint64_t>(scribble.data()), layout.block);
+      }
+      return;
+    }
+    uint8_t* dst = Ends(cell).second;
+    const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+    for (uint64_t i : dst_idx) std::memset(dst + i * layout.block, 0xEE, layout.block);
+  }
+
+  bool Verify(const Layout& layout, const Cell& cell, const std::vector<uint64_t>& local,
+              const std::vector<uint64_t>& remote) {
+    auto [src, dst] = Ends(cell);
+    const auto& src_idx = cell.op == v1::WRITE ? local : remote;
+    const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+    // VRAM: both blocks are copied back to the host and compared there.
+    std::vector<uint8_t> src_host, dst_host;
+    if (pools_.vram) {
+      src_host.resize(layout.block);
+      dst_host.resize(layout.block);
+    }
+    for (size_t k = 0; k < src_idx.size(); ++k) {
+      const uint8_t* a = nullptr;
+      const uint8_t* b = nullptr;
+      if (pools_.vram) {
+        auto [dsrc, ddst] = DeviceEnds(cell);
+        transport::CudaDriver* cuda = pools_.initiator_device->driver();
+        absl::Status copied = cuda->Copy(reinterpret_cast<uint64_t>(src_host.data()),
+                                         dsrc + src_idx[k] * layout.block, layout.block);
+        if (copied.ok()) {
+          copied = cuda->Copy(reinterpret_cast<uint64_t>(dst_host.data()),
+                              ddst + dst_idx[k] * layout.block, layout.block);
+        }
+        if (!copied.ok()) {
+          std::fprintf(stderr, "bench: copying blocks back from the device to verify them: %s\n",
+                       std::string(copied.message()).c_str());
+          return false;
+        }
+        a = dst_host.data();
+        b = src_host.data();
+      } else {
+        a = dst + dst_idx[k] * layout.block;
+        b = src + src_idx[k] * layout.block;
+      }
+      if (std::memcmp(a, b, layout.block) != 0) {
+        std::fprintf(stderr, "bench: %s %s block %lu: destination item %lu differs from source %lu\n",
+                     v1::TransferOp_Name(cell.op).c_str(), cell.scattered ? "scattered" : "contiguous",
+                     static_cast<unsigned long>(layout.block), static_cast<unsigned long>(dst_idx[k]),
+                     static_cast<unsigned long>(src_idx[k]));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Times `copy(src_idx, dst_idx)` over the page lists of the first transfers the
+  // agents moved (bounded in count and bytes); `before` runs untimed before each.
+  template <typename Before, typename Copy>
+  std::optional<double> TimedCopies(const Layout& layout, const Cell& cell, uint64_t transfers,
+                                    Before before, Copy copy) {
+    const uint64_t max_reps = options_.quick ? 10 : 30;
+    const uint64_t max_bytes = options_.quick ? (256ull << 20) : (2ull << 30);
+    std::vector<uint64_t> local, remote;
+    double seconds = 0, bytes = 0;
+    for (uint64_t i = 0; i < std::max<uint64_t>(transfers, 1); ++i) {
+      if (i >= max_reps || (i >= 3 && bytes >= max_bytes)) break;
+      Indices(layout, cell, i, &local, &remote);
+      const auto& src_idx = cell.op == v1::WRITE ? local : remote;
+      const auto& dst_idx = cell.op == v1::WRITE ? remote : local;
+      before();
+      const auto t0 = Clock::now();
+      if (!copy(src_idx, dst_idx)) return std::nullopt;
+      seconds += Seconds(Clock::now() - t0);
+      bytes += static_cast<double>(src_idx.size()) * layout.block;
+    }
+    if (seconds <= 0) return std::nullopt;
+    return bytes / seconds / 1e9;
+  }
+
+  // One thread copies the same page lists the agents moved, from a cold cache each
+  // time (the eviction is not timed); the one-host ceiling.
+  std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    if (pools_.vram) return DeviceMemcpy(layout, cell, transfers);
+    auto [src, dst] = Ends(cell);
+    if (src == nullptr || dst == nullptr) return std::nullopt;
+    return TimedCopies(
+        layout, cell, transfers, [this] { evictor_.Evict(); },
+        [&](const std::vector<uint64_t>& src_idx, const std::vector<uint64_t>& dst_idx) {
+          for (size_t k = 0; k < src_idx.size(); ++k) {
+            std::memcpy(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
+                        layout.block);
+          }
+          return true;
+        });
+  }
+
+  // VRAM: the same page lists as device-to-device cuMemcpyAsync on one stream, then a
+  // stream sync per transfer (what one engine-side copy loop reaches on this GPU).
+  std::optional<double> DeviceMemcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    transport::CudaDriver* cuda = pools_.initiator_device->driver();
+    if (stream_ == nullptr) {
+      auto stream = cuda->CreateStream(pools_.initiator_device->device());
+      if (!stream.ok()) {
+        std::fprintf(stderr, "bench: device copy baseline: %s\n",
+                     std::string(stream.status().message()).c_str());
+        return std::nullopt;
+      }
+      stream_ = *stream;
+    }
+    auto [src, dst] = DeviceEnds(cell);
+    return TimedCopies(
+        layout, cell, transfers, [] {},
+        [&](const std::vector<uint64_t>& src_idx, const std::vector<uint64_t>& dst_idx) {
+          absl::Status s;
+          for (size_t k = 0; k < src_idx.size() && s.ok(); ++k) {
+            s = cuda->CopyAsync(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
+                                layout.block, stream_);
+          }
+          if (s.ok()) s = cuda->SynchronizeStream(stream_);
+          if (!s.ok()) {
+            std::fprintf(stderr, "bench: device copy baseline: %s\n",
+                         std::string(s.message()).c_str());
+          }
+          return s.ok();
+        });
+  }
+
+ public:
+  ~Impl() {
+    if (stream_ != nullptr) (void)pools_.initiator_device->driver()->DestroyStream(stream_);
+  }
+
+ private:
+  CUstream_st* stream_ = nullptr;  // VRAM baseline
+  const BenchOptions& options_;
+  AgentClient& initiator_;
+  std::string target_address_;
+  std::string peer_;
+  Pools& pools_;
+  Perftest& perftest_;
+  FastRing* fast_;  // null: no fast column
+  CacheEvictor evictor_;
+  std::string prefix_;
+  uint64_t cell_number_ = 0;
+};
+
+CellBench::CellBench(const BenchOptions& options, AgentClient& initiator,
+                     std::string target_address, std::string peer, Pools& pools,
+                     Perftest& perftest, FastRing* fast)
+    : impl_(std::make_unique<Impl>(options, initiator, std::move(target_address),
+                                   std::move(peer), pools, perftest, fast)) {}
+
+CellBench::~CellBench() = default;
+
+absl::StatusOr<CellResult> CellBench::Run(const Layout& layout, const Cell& cell) {
+  return impl_->Run(layout, cell);
+}
+
+}  // namespace kvagent::cli

@@ -1,0 +1,31 @@
+// Child processes of kvagentctl other than kvagentd (ucx_perftest's server and client):
+// found on PATH, started with their output in a file or discarded, reaped with a
+// deadline, or run to their exit with the output kept. kvagentd itself starts through
+// DaemonProcess (cli/daemon_process.h), which uses SpawnChild too.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvagent::cli {
+
+// The binary as found on PATH (or as given, when it has a slash); empty when absent.
+std::string FindOnPath(const std::string& binary);
+
+// Starts `args` (args[0] a path) with stdout+stderr into `out_fd` (or /dev/null when
+// -1), this process's environment with `env` added or replaced, and no signal blocked.
+absl::StatusOr<pid_t> SpawnChild(const std::vector<std::string>& args, int out_fd,
+                                 const std::map<std::string, std::string>& env = {});
+
+// Waits for `pid` up to `timeout_ms`, then SIGKILLs it. Returns the wait status.
+int ReapChild(pid_t pid, int timeout_ms);
+
+// Runs `args` once: its whole output, or an error when it failed or hung.
+absl::StatusOr<std::string> RunChild(const std::vector<std::string>& args, int timeout_ms);
+
+}  // namespace kvagent::cli
