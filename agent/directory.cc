@@ -60,12 +60,25 @@ absl::StatusOr<std::unique_ptr<Directory>> Directory::Create(DirectoryOptions op
         "--directory-ttl-s {}: give 2..3600 seconds (how long a dead agent stays listed)",
         options.ttl_s));
   }
-  return std::unique_ptr<Directory>(new Directory(std::move(options), std::move(endpoints)));
+  EtcdTlsContext tls;
+  if (!endpoints.empty() && endpoints.front().tls) {
+    ASSIGN_OR_RETURN(tls, MakeEtcdTlsContext(options.tls));
+  } else if (options.tls.any()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--directory-ca, --directory-cert and --directory-key are for TLS to etcd, but "
+        "--directory '{}' is plain etcd://: write etcds:// where etcd serves TLS, or drop "
+        "those flags",
+        Printable(options.url, 200)));
+  }
+  return std::unique_ptr<Directory>(
+      new Directory(std::move(options), std::move(endpoints), std::move(tls)));
 }
 
-Directory::Directory(DirectoryOptions options, std::vector<EtcdEndpoint> endpoints)
+Directory::Directory(DirectoryOptions options, std::vector<EtcdEndpoint> endpoints,
+                     EtcdTlsContext tls)
     : options_(std::move(options)),
-      etcd_(std::move(endpoints), absl::Milliseconds(options_.timeout_ms)) {}
+      tls_(std::move(tls)),
+      etcd_(std::move(endpoints), absl::Milliseconds(options_.timeout_ms), tls_) {}
 
 Directory::~Directory() { Stop(); }
 
@@ -184,7 +197,7 @@ void Directory::PublishLoop() {
   }
   if (lease != 0) {
     // Leave at once instead of after the TTL.
-    EtcdClient quick(*ParseEtcdUrl(options_.url), absl::Milliseconds(500));
+    EtcdClient quick(*ParseEtcdUrl(options_.url), absl::Milliseconds(500), tls_);
     directory::EtcdLeaseIdRequest revoke;
     revoke.set_id(lease);
     directory::EtcdHeader ignored;

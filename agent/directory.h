@@ -1,5 +1,5 @@
 // Directory publishes this agent in etcd and keeps a live view of the fleet
-// (`--directory etcd://HOST:PORT[,...]`, `--directory-prefix`).
+// (`--directory etcd://HOST:PORT[,...]` or `etcds://` with TLS, `--directory-prefix`).
 //
 // - Publish: a lease of `ttl_s` is granted and the agent's record (name, network
 //   address, local socket, host, incarnation, metadata version) is put under
@@ -33,7 +33,8 @@
 namespace kvagent::agent {
 
 struct DirectoryOptions {
-  std::string url;                  // etcd://HOST:PORT[,HOST:PORT...]
+  std::string url;                  // etcd://HOST:PORT[,HOST:PORT...] or etcds://...
+  EtcdTlsFiles tls;                 // for etcds://: --directory-ca, -cert, -key
   std::string prefix = "/kvagent/";
   uint32_t ttl_s = 10;              // the lease: how long a dead agent stays listed
   uint32_t timeout_ms = 2000;       // per etcd call and connect
@@ -84,7 +85,7 @@ class Directory {
   const DirectoryOptions& options() const { return options_; }
 
  private:
-  Directory(DirectoryOptions options, std::vector<EtcdEndpoint> endpoints);
+  Directory(DirectoryOptions options, std::vector<EtcdEndpoint> endpoints, EtcdTlsContext tls);
   std::string Key(const std::string& name) const { return options_.prefix + "agents/" + name; }
   void PublishLoop();
   void WatchLoop();
@@ -97,6 +98,7 @@ class Directory {
   void Sleep(absl::Duration d);
 
   DirectoryOptions options_;
+  EtcdTlsContext tls_;  // null for etcd://
   EtcdClient etcd_;
   Listener listener_;
   directory::AgentRecord self_;

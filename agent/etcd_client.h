@@ -6,11 +6,19 @@
 // proto/directory.proto. Every answer is bounded (kMaxBodyBytes, kMaxStreamMessageBytes).
 // Endpoints are tried in order, starting from the last one that answered, so losing
 // one member of a cluster costs one connect timeout.
+//
+// TLS (`etcds://`): each connection is a TLS 1.2+ client over the same non-blocking
+// socket; etcd's certificate must chain to the CA file given (or the system's trust
+// store) and name the endpoint's host (DNS name or IP address in its subjectAltName);
+// a client certificate is presented when given, for an etcd with --client-cert-auth.
 #pragma once
+
+#include <openssl/types.h>
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,18 +34,42 @@ struct EtcdEndpoint {
   std::string host;
   uint16_t port = 0;
   std::string text;  // "host:port"
+  bool tls = false;  // etcds://
 };
 
-// Parses "etcd://HOST:PORT[,HOST:PORT...]" (IPv6 hosts in brackets); names the flag
-// and the expected form when it is wrong.
+// Parses "etcd://HOST:PORT[,HOST:PORT...]" or "etcds://..." (TLS; IPv6 hosts in
+// brackets); names the flag and the expected form when it is wrong.
 absl::StatusOr<std::vector<EtcdEndpoint>> ParseEtcdUrl(std::string_view url);
+
+// The files of `--directory-ca`, `--directory-cert` and `--directory-key`.
+struct EtcdTlsFiles {
+  std::string ca_file;    // PEM CA(s) that signed etcd's certificate; empty: the system's
+  std::string cert_file;  // PEM client certificate (chain), with key_file, or neither
+  std::string key_file;
+  bool any() const { return !ca_file.empty() || !cert_file.empty() || !key_file.empty(); }
+};
+
+struct SslCtxFree {
+  void operator()(SSL_CTX* ctx) const;
+};
+using EtcdTlsContext = std::shared_ptr<SSL_CTX>;
+
+// A TLS client context from `files`: every file is loaded and checked now (the key
+// must match the certificate), so a bad one stops the agent at start, naming the
+// flag, the file, the cause and the fix.
+absl::StatusOr<EtcdTlsContext> MakeEtcdTlsContext(const EtcdTlsFiles& files);
+
+// One connection to an endpoint: a socket, with TLS over it for etcds://.
+class EtcdConnection;
 
 class EtcdClient {
  public:
   static constexpr uint64_t kMaxBodyBytes = 16ull << 20;
   static constexpr uint64_t kMaxStreamMessageBytes = 4ull << 20;
 
-  EtcdClient(std::vector<EtcdEndpoint> endpoints, absl::Duration timeout);
+  // `tls` is required when the endpoints are etcds:// and ignored otherwise.
+  EtcdClient(std::vector<EtcdEndpoint> endpoints, absl::Duration timeout,
+             EtcdTlsContext tls = nullptr);
 
   // POSTs `request` as JSON to `path` and parses the 200 answer into `response`
   // (unknown fields ignored). UNAVAILABLE naming every endpoint tried when none
@@ -61,12 +93,17 @@ class EtcdClient {
     int status = 0;
     std::string body;
   };
-  // Runs `exchange` on a connection to each endpoint in turn (from the current one)
-  // until one connects.
-  absl::Status OnSomeEndpoint(const std::function<absl::Status(int fd, const EtcdEndpoint&)>& exchange);
+  // Runs `exchange` on a connection (TLS set up when the endpoint is etcds://) to each
+  // endpoint in turn (from the current one) until one connects.
+  absl::Status OnSomeEndpoint(
+      const std::function<absl::Status(EtcdConnection&, const EtcdEndpoint&)>& exchange);
+
+  // A connected socket, with TLS set up and checked for etcds://.
+  absl::StatusOr<std::unique_ptr<EtcdConnection>> Connect(const EtcdEndpoint& endpoint);
 
   std::vector<EtcdEndpoint> endpoints_;
   absl::Duration timeout_;
+  EtcdTlsContext tls_;
   mutable absl::Mutex mu_;
   size_t current_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -81,8 +81,12 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               a lease and watch the others: ConnectPeer "agent:NAME"
                               resolves through it, a peer whose record expires or that
                               restarts fails its transfers at once and is reconnected,
-                              `kvagentctl agents` lists the fleet. Default: none (peers by
-                              address only)
+                              `kvagentctl agents` lists the fleet. etcds://... speaks TLS.
+                              Default: none (peers by address only)
+  --directory-ca FILE         etcds://: PEM CA that signed etcd's certificate (default:
+                              the system's trust store)
+  --directory-cert FILE       etcds://: PEM client certificate, for an etcd started with
+  --directory-key FILE        --client-cert-auth (both or neither)
   --directory-prefix PREFIX   key prefix in etcd (default /kvagent/)
   --directory-ttl-s N         lease TTL: how long a dead agent stays listed (default 10)
 
@@ -188,6 +192,9 @@ KVAGENT_FLAG(Count<uint32_t>, metrics_max_connections, "metrics-max-connections"
              {Defaults().metrics.max_connections}, "");
 KVAGENT_FLAG(std::string, health_listen, "health-listen", "", "");
 KVAGENT_FLAG(std::string, directory, "directory", "", "");
+KVAGENT_FLAG(std::string, directory_ca, "directory-ca", "", "");
+KVAGENT_FLAG(std::string, directory_cert, "directory-cert", "", "");
+KVAGENT_FLAG(std::string, directory_key, "directory-key", "", "");
 KVAGENT_FLAG(std::string, directory_prefix, "directory-prefix", Defaults().directory.prefix, "");
 KVAGENT_FLAG(Count<uint32_t>, directory_ttl_s, "directory-ttl-s", {Defaults().directory.ttl_s},
              "");
@@ -332,6 +339,8 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->metrics.max_connections = GetFlag(FLAGS_metrics_max_connections).value;
   options->health_listen = GetFlag(FLAGS_health_listen);
   options->directory.url = GetFlag(FLAGS_directory);
+  options->directory.tls = {GetFlag(FLAGS_directory_ca), GetFlag(FLAGS_directory_cert),
+                            GetFlag(FLAGS_directory_key)};
   options->directory.prefix = GetFlag(FLAGS_directory_prefix);
   options->directory.ttl_s = GetFlag(FLAGS_directory_ttl_s).value;
   options->shm_dirs = absl::StrSplit(GetFlag(FLAGS_shm_dirs), ',', absl::SkipEmpty());

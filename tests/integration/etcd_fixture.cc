@@ -39,7 +39,7 @@ bool WaitFor(const std::function<bool()>& ready, int ms) {
 }
 
 std::string EtcdMember::client_url() const {
-  return fmt::format("http://127.0.0.1:{}", client_port);
+  return fmt::format("{}://127.0.0.1:{}", tls ? "https" : "http", client_port);
 }
 std::string EtcdMember::peer_url() const { return fmt::format("http://127.0.0.1:{}", peer_port); }
 std::string EtcdMember::endpoint() const { return fmt::format("127.0.0.1:{}", client_port); }
@@ -57,6 +57,12 @@ void EtcdMember::Start(const std::string& cluster) {
                                    "--heartbeat-interval", "50",
                                    "--election-timeout", "500",
                                    "--log-level", "warn"};
+  if (tls) {
+    args.insert(args.end(), {"--cert-file", tls->cert, "--key-file", tls->key});
+    if (tls->client_cert_auth) {
+      args.insert(args.end(), {"--client-cert-auth", "--trusted-ca-file", tls->ca});
+    }
+  }
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -77,12 +83,13 @@ void EtcdMember::Kill() {
   pid = -1;
 }
 
-Etcd::Etcd(int size) {
+Etcd::Etcd(int size, std::optional<EtcdTls> tls) {
   const std::string dir = FleetWorkDir("etcd");
   for (int i = 0; i < size; ++i) {
     auto m = std::make_unique<EtcdMember>();
     m->name = fmt::format("e{}", i);
     m->dir = fmt::format("{}/{}", dir, m->name);
+    m->tls = tls;
     std::filesystem::create_directories(m->dir);
     // etcd takes no port 0 (it must advertise its URLs): ports nobody listens on now.
     m->client_port = Require(cli::FreePort(), "a free loopback port");
@@ -95,14 +102,20 @@ Etcd::Etcd(int size) {
 }
 
 std::string Etcd::url() const {
-  std::string out = "etcd://";
+  std::string out = !members.empty() && members[0]->tls ? "etcds://" : "etcd://";
   for (size_t i = 0; i < members.size(); ++i) out += (i ? "," : "") + members[i]->endpoint();
   return out;
 }
 
 bool Etcd::Ready(const EtcdMember& m) {
-  agent::EtcdClient client({{"127.0.0.1", static_cast<uint16_t>(m.client_port), m.endpoint()}},
-                           absl::Milliseconds(500));
+  agent::EtcdTlsContext tls;
+  if (m.tls) {
+    tls = Require(agent::MakeEtcdTlsContext({m.tls->ca, m.tls->client_cert, m.tls->client_key}),
+                  "the readiness check's TLS context");
+  }
+  agent::EtcdClient client(
+      {{"127.0.0.1", static_cast<uint16_t>(m.client_port), m.endpoint(), m.tls.has_value()}},
+      absl::Milliseconds(500), tls);
   directory::EtcdRangeRequest range;
   range.set_key("/");
   directory::EtcdRangeResponse answer;

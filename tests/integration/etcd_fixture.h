@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,11 +43,21 @@ std::string FleetWorkDir(const std::string& tag);
 // Polls `ready` every 50 ms for up to `ms`; its last answer.
 bool WaitFor(const std::function<bool()>& ready, int ms);
 
+// TLS on the members' client URLs (https://): their certificate and key, the CA that
+// signed it (and, with client_cert_auth, the clients' certificates), and the client
+// certificate the fixture's own readiness checks present.
+struct EtcdTls {
+  std::string cert, key, ca;
+  bool client_cert_auth = false;
+  std::string client_cert, client_key;
+};
+
 // One etcd member; `cluster` is the --initial-cluster of all members.
 struct EtcdMember {
   std::string name, dir;
   int client_port = 0, peer_port = 0;
   pid_t pid = -1;
+  std::optional<EtcdTls> tls;
 
   std::string client_url() const;
   std::string peer_url() const;
@@ -62,8 +73,9 @@ struct Etcd {
   std::vector<std::unique_ptr<EtcdMember>> members;
   std::string cluster;
 
-  explicit Etcd(int size);
-  std::string url() const;  // etcd://HOST:PORT[,...], the agents' --directory
+  explicit Etcd(int size, std::optional<EtcdTls> tls = std::nullopt);
+  // etcd://HOST:PORT[,...] (etcds:// with TLS), the agents' --directory
+  std::string url() const;
   static bool Ready(const EtcdMember& m);
 };
 

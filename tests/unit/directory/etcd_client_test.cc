@@ -142,6 +142,36 @@ TEST_CASE("etcd client: no endpoint answers, each one named") {
   CHECK_THAT(std::string(status.message()), Contains("no etcd endpoint answered") && Contains(endpoint));
 }
 
+TEST_CASE("etcd client over TLS: a stalled handshake, a plain server, a TLS server spoken to in plain") {
+  auto tls = MakeEtcdTlsContext({});
+  REQUIRE(tls.ok());
+  auto tls_client = [&](const FakeServer& server) {
+    return EtcdClient({{"127.0.0.1", server.port, "127.0.0.1:" + std::to_string(server.port), true}},
+                      absl::Milliseconds(300), *tls);
+  };
+  directory::EtcdRangeRequest request;
+  directory::EtcdRangeResponse answer;
+  {
+    FakeServer silent("", /*hold_open=*/true);
+    absl::Status status = tls_client(silent).Call("/v3/kv/range", request, &answer);
+    CHECK(absl::IsUnavailable(status));
+    CHECK_THAT(std::string(status.message()),
+               Contains("TLS handshake failed (no handshake within 300 ms)"));
+  }
+  {
+    FakeServer plain("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+    absl::Status status = tls_client(plain).Call("/v3/kv/range", request, &answer);
+    CHECK(absl::IsUnavailable(status));
+    CHECK_THAT(std::string(status.message()),
+               Contains("TLS handshake failed") && Contains("plain HTTP needs etcd://"));
+  }
+  {
+    FakeServer https("HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n");
+    absl::Status status = Range(https, &answer);
+    CHECK_THAT(std::string(status.message()), Contains("this etcd serves TLS: use etcds://"));
+  }
+}
+
 TEST_CASE("etcd client: --directory URLs") {
   auto two = ParseEtcdUrl("etcd://127.0.0.1:2379,[::1]:2380/");
   REQUIRE(two.ok());
@@ -150,8 +180,15 @@ TEST_CASE("etcd client: --directory URLs") {
   CHECK((*two)[0].port == 2379);
   CHECK((*two)[1].host == "::1");
   CHECK((*two)[1].port == 2380);
+  CHECK_FALSE((*two)[0].tls);
+  auto tls = ParseEtcdUrl("etcds://etcd.example:2379,10.0.0.2:2379");
+  REQUIRE(tls.ok());
+  REQUIRE(tls->size() == 2);
+  CHECK((*tls)[0].host == "etcd.example");
+  CHECK(((*tls)[0].tls && (*tls)[1].tls));
   for (const char* bad : {"http://127.0.0.1:2379", "etcd://", "etcd://host", "etcd://host:0",
-                          "etcd://host:70000", "etcd://:2379"}) {
+                          "etcd://host:70000", "etcd://:2379", "etcds://", "https://host:2379",
+                          "etcds:/host:2379"}) {
     auto parsed = ParseEtcdUrl(bad);
     CAPTURE(bad);
     REQUIRE_FALSE(parsed.ok());
