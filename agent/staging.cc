@@ -296,25 +296,38 @@ Stager::~Stager() { Stop(); }
 
 void Stager::Start() {
   sweep_thread_ = std::thread([this] {
-    // Every 500 ms: sweep stale receive state. Every 10 ms while READs of a peer's
-    // staged memory wait for replies: abandon those whose transfer stopped, so a peer
-    // that never answers cannot hold a transfer (or a bounce buffer) past its deadline.
+    // Every 500 ms while staged chunks are being received: sweep stale receive state.
+    // Every 10 ms while READs of a peer's staged memory wait for replies: abandon those
+    // whose transfer stopped, so a peer that never answers cannot hold a transfer (or a
+    // bounce buffer) past its deadline. With neither, it sleeps until one starts.
     uint64_t last_sweep_us = MonotonicMicros();
     while (!stopping_.load()) {
-      const bool reading = reads_outstanding_.load() > 0;
       {
         absl::MutexLock lock(&sweep_mu_);
-        sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(reading ? 10 : 500));
+        if (reads_outstanding_.load() > 0) {
+          sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(10));
+        } else if (arrivals_held_.load()) {
+          sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(500));
+        } else {
+          sweep_cv_.Wait(&sweep_mu_);
+          last_sweep_us = MonotonicMicros();  // the first sweep 500 ms after it started
+        }
       }
       if (stopping_.load()) break;
       if (reads_outstanding_.load() > 0) worker_->Post([this] { CheckReads(); });
       const uint64_t now = MonotonicMicros();
-      if (now - last_sweep_us >= 500000) {
+      if (arrivals_held_.load() && now - last_sweep_us >= 500000) {
         last_sweep_us = now;
         worker_->Post([this] { Sweep(); });
       }
     }
   });
+}
+
+void Stager::NoteArrival() {
+  if (arrivals_held_.exchange(true)) return;
+  absl::MutexLock lock(&sweep_mu_);
+  sweep_cv_.SignalAll();
 }
 
 void Stager::Stop() {
@@ -601,6 +614,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   arrivals_full_logged_ = false;
   Arrival& arrival = arrivals_[key];
   arrival.touched_us = MonotonicMicros();
+  NoteArrival();
 
   // Untrusted: every piece must lie inside one staged region of ours, and the pieces
   // must add up to the data that came.
@@ -794,6 +808,7 @@ void Stager::Hold(v1::Notification n) {
   a.touched_us = MonotonicMicros();
   a.held = std::move(n);
   held_order_.push_back(key);
+  NoteArrival();
   MaybeDeliver(key);
 }
 
@@ -817,6 +832,8 @@ void Stager::Sweep() {
       ++it;
     }
   }
+  // Empty: the sweep thread sleeps until the next arrival (NoteArrival, this thread).
+  arrivals_held_.store(!arrivals_.empty());
 }
 
 // ---------------------------------------------------------------------------

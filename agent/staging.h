@@ -279,6 +279,11 @@ class Stager {
   uint64_t next_request_id_ = 0;  // random start, so ids are not guessable across agents
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
   std::atomic<uint32_t> reads_outstanding_{0};  // reads_.size(), for the sweep thread
+  // arrivals_ held something at the last insert or sweep (worker thread writes it): the
+  // sweep thread sweeps every 500 ms only then; with nothing to sweep it sleeps.
+  std::atomic<bool> arrivals_held_{false};
+  // Worker thread, after an insert into arrivals_: wakes an idle sweep thread.
+  void NoteArrival();
   std::atomic<uint64_t> reads_served_{0};
   std::atomic<uint64_t> reads_refused_{0};
 
