@@ -36,7 +36,10 @@ const std::vector<std::string>& HealthServiceNames();
 class HealthMonitor {
  public:
   struct Options {
-    absl::Duration interval = absl::Milliseconds(500);  // how often conditions are checked
+    // How often conditions are checked and a heartbeat is posted to the UCX worker
+    // (each wakes the worker: an idle agent's wakeups, issue 17 part 6); a stall is
+    // seen within ucx_stall plus this.
+    absl::Duration interval = absl::Seconds(1);
     absl::Duration ucx_stall = absl::Seconds(5);        // a heartbeat older than this fails
   };
   HealthMonitor(transport::UcxWorker* worker, Options options);
