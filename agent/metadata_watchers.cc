@@ -34,7 +34,8 @@ absl::StatusOr<MetadataWatchers::Watcher*> MetadataWatchers::FindOrAddLocked(
     absl::erase_if(watchers_,
                    [&](const auto& entry) { return !CountsLocked(entry.second, now); });
     if (!limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
-      return limits->Refuse(Limit::kPeerCallers, std::string(what) + " from a new peer",
+      return limits->Refuse(Limit::kPeerCallers,
+                            std::string(what) + " from new peer '" + caller + "'",
                             watchers_.size(), 1,
                             "peers that watch this agent (a stream open, or a poll in the last "
                             "seconds) fill the table");
@@ -66,8 +67,9 @@ absl::Status MetadataWatchers::StreamOpened(const std::string& caller, const Lim
     return absl::ResourceExhaustedError(
         "WatchMetadata: peer '" + caller + "' already holds " +
         std::to_string(kStreamsPerWatcher) +
-        " metadata streams here; an agent needs one: close the others (one agent name per "
-        "agent)");
+        " metadata streams here, the most one peer identity may hold open at once; an agent "
+        "needs one: close the others (streams opened and never used count too), and give "
+        "each agent its own name and certificate");
   }
   ++(*w)->streams;
   ++streams_;
