@@ -14,6 +14,8 @@
 #include <utility>
 
 #include "cli/local_agents.h"
+#include "cli/notification_waiter.h"
+#include "cli/process_cpu.h"
 #include "fmt/format.h"
 #include "transport/base/status_macros.h"
 
@@ -35,113 +37,31 @@ absl::Status Unfinished(const client::FastCompletion& c, const std::string& id) 
 // measurement runs, counting those whose transfer id starts with `prefix`: a ring
 // moving 100,000s of WRITEs a second would otherwise fill the target's queue (65,536
 // by default), and one stream message per notification costs the target more than the
-// transfers. Polls again at once while they come, every 5 ms when none came.
-// Constructed once no stream is open on the target any more: a watch stream that is
-// closing (the gRPC column's) would take notifications meant for this one's count.
-class NotificationDrain {
- public:
-  NotificationDrain(std::string address, std::string prefix, uint32_t timeout_ms)
-      : state_(std::make_shared<State>()) {
-    AgentClient target(address, timeout_ms);
-    for (int i = 0; i < 300; ++i) {
-      auto status = target.Status();
-      if (!status.ok() || status->open_streams() == 0) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    thread_ = std::thread([state = state_, address = std::move(address),
-                           prefix = std::move(prefix), timeout_ms] {
-      AgentClient client(address, timeout_ms);
-      while (!state->stop.load()) {
-        auto polled = client.Poll(8192);
-        if (!polled.ok()) {
-          absl::MutexLock lock(&state->mu);
-          state->error = polled.status();
-          return;
-        }
-        uint64_t mine = 0;
-        for (const auto& n : polled->notifications()) {
-          if (n.transfer_id().rfind(prefix, 0) == 0) ++mine;
-        }
-        {
-          absl::MutexLock lock(&state->mu);
-          state->seen += mine;
-        }
-        const int got = polled->notifications_size();
-        if (got < 256) std::this_thread::sleep_for(std::chrono::milliseconds(got == 0 ? 5 : 1));
-      }
-    });
+// transfers. Started once no stream is open on the target any more: a watch stream that
+// is closing (the gRPC column's) would take notifications meant for this one's count.
+std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::string prefix,
+                                               uint32_t timeout_ms) {
+  AgentClient target(address, timeout_ms);
+  for (int i = 0; i < 300; ++i) {
+    auto status = target.Status();
+    if (!status.ok() || status->open_streams() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ~NotificationDrain() {
-    state_->stop.store(true);
-    thread_.join();
-  }
-  NotificationDrain(const NotificationDrain&) = delete;
-  NotificationDrain& operator=(const NotificationDrain&) = delete;
-
-  // Waits up to `timeout` until `count` were seen; returns how many were.
-  absl::StatusOr<uint64_t> WaitFor(uint64_t count, absl::Duration timeout) {
-    absl::MutexLock lock(&state_->mu);
-    struct Arg {
-      State* state;
-      uint64_t count;
-    } arg{state_.get(), count};
-    state_->mu.AwaitWithTimeout(absl::Condition(+[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                  return a->state->seen >= a->count || !a->state->error.ok();
-                                }, &arg),
-                                timeout);
-    if (!state_->error.ok()) return state_->error;
-    return state_->seen;
-  }
-
- private:
-  struct State {
-    std::atomic<bool> stop{false};
-    absl::Mutex mu;
-    uint64_t seen ABSL_GUARDED_BY(mu) = 0;
-    absl::Status error ABSL_GUARDED_BY(mu);
+  NotificationWaiterOptions drain;
+  drain.address = address;
+  drain.timeout_ms = timeout_ms;
+  drain.poll = true;
+  drain.poll_max = 8192;
+  drain.keep = [prefix = std::move(prefix)](const v1::Notification& n) {
+    return n.transfer_id().rfind(prefix, 0) == 0;
   };
-  std::shared_ptr<State> state_;
-  std::thread thread_;
-};
+  return std::make_unique<NotificationWaiter>(std::move(drain));
+}
 
 // Notifications of `expected` transfers not taken by `drain` within 30 s.
-absl::StatusOr<uint64_t> Missing(NotificationDrain& drain, uint64_t expected) {
-  ASSIGN_OR_RETURN(uint64_t seen, drain.WaitFor(expected, absl::Seconds(30)));
+absl::StatusOr<uint64_t> Missing(NotificationWaiter& drain, uint64_t expected) {
+  ASSIGN_OR_RETURN(uint64_t seen, drain.WaitForCount(expected, absl::Seconds(30)));
   return seen >= expected ? 0 : expected - seen;
-}
-
-// A process's or thread's name and utime + stime in clock ticks, from a /proc stat
-// file ("PID (NAME) STATE ...": utime is field 14, stime 15).
-struct StatTicks {
-  std::string name;
-  uint64_t ticks = 0;
-};
-
-absl::StatusOr<StatTicks> ReadStat(const std::string& path) {
-  std::ifstream in(path);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t open = text.find('('), close = text.rfind(')');
-  if (text.empty() || open == std::string::npos || close == std::string::npos || close < open) {
-    return absl::NotFoundError(fmt::format("{} is unreadable (the agent is gone?)", path));
-  }
-  std::istringstream fields(text.substr(close + 1));
-  std::vector<std::string> f;
-  for (std::string s; fields >> s;) f.push_back(s);
-  // f[0] is field 3 (state).
-  if (f.size() < 13) return absl::InternalError(fmt::format("{}: too few fields", path));
-  return StatTicks{text.substr(open + 1, close - open - 1), std::stoull(f[11]) + std::stoull(f[12])};
-}
-
-// Every thread of `pid`: tid -> its name and ticks (threads that ended are missing).
-std::map<std::string, StatTicks> ThreadTicks(pid_t pid) {
-  std::map<std::string, StatTicks> threads;
-  std::error_code ec;
-  for (const auto& entry :
-       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
-    auto t = ReadStat(entry.path().string() + "/stat");
-    if (t.ok()) threads[entry.path().filename().string()] = *t;
-  }
-  return threads;
 }
 
 // What an agent's threads spent between two ThreadTicks readings over `wall` seconds:
@@ -152,8 +72,8 @@ struct AgentCpu {
   std::string threads;  // "name 45%, name 12%, ..."
 };
 
-AgentCpu DescribeCpu(const std::map<std::string, StatTicks>& before,
-                     const std::map<std::string, StatTicks>& after, double wall,
+AgentCpu DescribeCpu(const std::map<std::string, CpuTicks>& before,
+                     const std::map<std::string, CpuTicks>& after, double wall,
                      uint64_t transfers, double shown) {
   const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
   std::vector<std::pair<double, std::string>> busy;
@@ -177,9 +97,9 @@ AgentCpu DescribeCpu(const std::map<std::string, StatTicks>& before,
 
 // Each pid's CPU (and its threads') over `seconds` of wall time.
 absl::StatusOr<std::vector<AgentCpu>> IdleCpu(const std::vector<pid_t>& pids, double seconds) {
-  std::vector<std::map<std::string, StatTicks>> before;
+  std::vector<std::map<std::string, CpuTicks>> before;
   for (pid_t pid : pids) {
-    before.push_back(ThreadTicks(pid));
+    before.push_back(ThreadCpuTicks(pid));
     if (before.back().empty()) {
       return absl::NotFoundError(fmt::format("/proc/{}/task is unreadable (the agent is gone?)", pid));
     }
@@ -189,7 +109,7 @@ absl::StatusOr<std::vector<AgentCpu>> IdleCpu(const std::vector<pid_t>& pids, do
   const double wall = Seconds(Clock::now() - t0);
   std::vector<AgentCpu> cpu;
   for (size_t k = 0; k < pids.size(); ++k) {
-    cpu.push_back(DescribeCpu(before[k], ThreadTicks(pids[k]), wall, 0, 0));
+    cpu.push_back(DescribeCpu(before[k], ThreadCpuTicks(pids[k]), wall, 0, 0));
   }
   return cpu;
 }
@@ -350,8 +270,8 @@ absl::StatusOr<std::vector<double>> FastRing::Pings(uint64_t count, absl::Durati
 
 absl::StatusOr<FastCell> RunFastCell(FastRing& ring, const FastCellSpec& spec) {
   FastCell cell;
-  std::optional<NotificationDrain> drain;
-  if (!spec.notify_address.empty()) drain.emplace(spec.notify_address, spec.prefix, 10000);
+  std::unique_ptr<NotificationWaiter> drain;
+  if (!spec.notify_address.empty()) drain = StartDrain(spec.notify_address, spec.prefix, 10000);
   // Warm-up (untimed): the ring's first use in this cell's layout.
   RETURN_IF_ERROR(ring.Run(spec.prefix + "w", 1, 3, 0, 3, spec.make).status());
   ASSIGN_OR_RETURN(FastRun one, ring.Run(spec.prefix, 1, spec.min_transfers, spec.seconds, 100000,
@@ -452,7 +372,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       {"fast_ping_idle", "fast Ping + Reap after 1 ms idle (wake-ups)", {}, {}},
   };
   {
-    NotificationDrain drain(options.target_address, prefix + "l", options.timeout_ms);
+    std::unique_ptr<NotificationWaiter> drain =
+        StartDrain(options.target_address, prefix + "l", options.timeout_ms);
     uint64_t notified = 0;
     uint64_t page = 0;
     auto one = [&](bool notify) {
@@ -501,7 +422,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                                              absl::Milliseconds(1)));
       latency[4].us.insert(latency[4].us.end(), pings.begin(), pings.end());
     }
-    ASSIGN_OR_RETURN(uint64_t missing, Missing(drain, notified));
+    ASSIGN_OR_RETURN(uint64_t missing, Missing(*drain, notified));
     if (missing > 0) {
       return absl::DataLossError(fmt::format(
           "{} of {} latency transfers' notifications did not reach the target's client", missing,
@@ -535,16 +456,17 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                                               "kvagentctl-bench-fast-2", options.spin_us));
     }
     const std::string run_prefix = fmt::format("{}r{}.", prefix, clients);
-    NotificationDrain drain(options.target_address, run_prefix, options.timeout_ms);
+    std::unique_ptr<NotificationWaiter> drain =
+        StartDrain(options.target_address, run_prefix, options.timeout_ms);
     std::vector<FastRing*> rings = {ring->get(), second.get()};
     std::vector<absl::StatusOr<FastRun>> runs(clients, absl::UnknownError("not run"));
     const uint64_t span = clients * kDepth;
     const uint64_t per_lane = std::max<uint64_t>(1, options.pages / span);
     const bool here = options.initiator_pid != 0 && options.target_pid != 0;
-    std::map<std::string, StatTicks> cpu_before[2];
+    std::map<std::string, CpuTicks> cpu_before[2];
     if (here) {
-      cpu_before[0] = ThreadTicks(options.initiator_pid);
-      cpu_before[1] = ThreadTicks(options.target_pid);
+      cpu_before[0] = ThreadCpuTicks(options.initiator_pid);
+      cpu_before[1] = ThreadCpuTicks(options.target_pid);
     }
     const auto start = Clock::now();
     std::vector<std::thread> threads;
@@ -568,15 +490,15 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       all.insert(all.end(), run->latencies_us.begin(), run->latencies_us.end());
     }
     if (here) {
-      rate.cpu[0] = DescribeCpu(cpu_before[0], ThreadTicks(options.initiator_pid), elapsed,
+      rate.cpu[0] = DescribeCpu(cpu_before[0], ThreadCpuTicks(options.initiator_pid), elapsed,
                                 rate.transfers, 0.03);
-      rate.cpu[1] = DescribeCpu(cpu_before[1], ThreadTicks(options.target_pid), elapsed,
+      rate.cpu[1] = DescribeCpu(cpu_before[1], ThreadCpuTicks(options.target_pid), elapsed,
                                 rate.transfers, 0.03);
     }
     rate.per_s = rate.transfers / elapsed;
     rate.p50_us = Percentile(all, 50);
     rate.p99_us = Percentile(all, 99);
-    ASSIGN_OR_RETURN(uint64_t missing, Missing(drain, rate.transfers));
+    ASSIGN_OR_RETURN(uint64_t missing, Missing(*drain, rate.transfers));
     if (missing > 0) {
       return absl::DataLossError(fmt::format(
           "fast rate, {} client(s): {} transfers completed but the target's client saw {} "

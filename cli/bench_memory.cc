@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "cli/notification_waiter.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "transport/base/status_macros.h"
@@ -78,69 +79,6 @@ absl::StatusOr<std::vector<std::string>> RegisterRegions(AgentClient& agent, con
   }
   return names;
 }
-
-// Takes every notification queued at the target while the transfers run, so the
-// queue does not grow with the count, and counts the DATA_READY of ours.
-class NotificationDrain {
- public:
-  NotificationDrain(AgentClient& target, std::string prefix)
-      : target_(target), prefix_(std::move(prefix)), thread_([this] { Run(); }) {}
-  ~NotificationDrain() { Stop(); }
-
-  // Waits until `expected` of ours arrived or `timeout` passed, then stops.
-  void WaitFor(uint64_t expected, absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    auto enough = [this, expected]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return ours_ >= expected || !error_.ok();
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
-  }
-  void Stop() {
-    stop_.store(true);
-    if (thread_.joinable()) thread_.join();
-  }
-  uint64_t ours() const {
-    absl::MutexLock lock(&mu_);
-    return ours_;
-  }
-  absl::Status error() const {
-    absl::MutexLock lock(&mu_);
-    return error_;
-  }
-
- private:
-  void Run() {
-    while (!stop_.load()) {
-      auto polled = target_.Poll(0);
-      {
-        absl::MutexLock lock(&mu_);
-        if (!polled.ok()) {
-          error_ = absl::Status(polled.status().code(),
-                                fmt::format("memory bench: PollNotifications on the target ({}): {}",
-                                            target_.address(), polled.status().message()));
-          return;
-        }
-        for (const auto& n : polled->notifications()) {
-          if (n.kind() == v1::DATA_READY &&
-              n.transfer_id().compare(0, prefix_.size(), prefix_) == 0) {
-            ++ours_;
-          }
-        }
-      }
-      if (polled->notifications_size() == 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-    }
-  }
-
-  AgentClient& target_;
-  std::string prefix_;
-  std::atomic<bool> stop_{false};
-  mutable absl::Mutex mu_;
-  uint64_t ours_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
-};
 
 bool Terminal(v1::TransferPhase p) {
   return p == v1::COMPLETED || p == v1::FAILED || p == v1::CANCELLED || p == v1::TIMED_OUT;
@@ -250,12 +188,25 @@ absl::StatusOr<MemoryBenchResult> RunMemoryBench(const MemoryBenchOptions& optio
     ASSIGN_OR_RETURN(target_regions, RegisterRegions(target, "target", label, options));
     ASSIGN_OR_RETURN(initiator_regions, RegisterRegions(initiator, "initiator", label, options));
     ASSIGN_OR_RETURN(result.after_regions, Sample(initiator_pid, target_pid));
-    NotificationDrain drain(target, label + ".t");
+    // Every notification queued at the target is taken while the transfers run, so the
+    // queue does not grow with the count; the DATA_READY of ours are counted.
+    NotificationWaiterOptions taken;
+    taken.address = target.address();
+    taken.timeout_ms = 10000;
+    taken.poll = true;
+    taken.keep = [prefix = label + ".t"](const v1::Notification& n) {
+      return n.kind() == v1::DATA_READY && n.transfer_id().rfind(prefix, 0) == 0;
+    };
+    NotificationWaiter drain(std::move(taken));
     RETURN_IF_ERROR(RunTransfers(options, initiator, peer_name, label, &result));
-    drain.WaitFor(options.transfers, absl::Seconds(10));
-    drain.Stop();
-    RETURN_IF_ERROR(drain.error());
-    result.notifications = drain.ours();
+    auto kept = drain.WaitForCount(options.transfers, absl::Seconds(10));
+    drain.Finish(absl::ZeroDuration());
+    if (!kept.ok()) {
+      return absl::Status(kept.status().code(),
+                          fmt::format("memory bench: PollNotifications on the target ({}): {}",
+                                      target.address(), kept.status().message()));
+    }
+    result.notifications = drain.kept();
     if (result.notifications != options.transfers) {
       return absl::DataLossError(fmt::format(
           "memory bench: {} transfers COMPLETED at the initiator but the target received {} "

@@ -21,6 +21,7 @@
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "cli/local_agents.h"
+#include "cli/process_cpu.h"
 #include "client/local_session.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
@@ -32,29 +33,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// utime + stime of the whole process in seconds, from /proc/PID/stat (fields 14 and 15,
-// counted after the parenthesized command name, which may hold spaces).
-absl::StatusOr<double> CpuSeconds(pid_t pid) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) {
-    return absl::NotFoundError(fmt::format("/proc/{}/stat is unreadable (the agent is gone?)", pid));
-  }
-  std::istringstream fields(text.substr(close + 1));
-  std::vector<std::string> f;
-  for (std::string s; fields >> s;) f.push_back(s);
-  if (f.size() < 13) return absl::InternalError(fmt::format("/proc/{}/stat: too few fields", pid));
-  return static_cast<double>(std::stoull(f[11]) + std::stoull(f[12])) / sysconf(_SC_CLK_TCK);
-}
-
 // `pid`'s CPU in % of one core over `seconds` of wall time.
 absl::StatusOr<double> CpuPercent(pid_t pid, double seconds) {
-  ASSIGN_OR_RETURN(double before, CpuSeconds(pid));
+  ASSIGN_OR_RETURN(double before, ProcessCpuSeconds(pid));
   const auto start = Clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   const double wall = Seconds(Clock::now() - start);
-  ASSIGN_OR_RETURN(double after, CpuSeconds(pid));
+  ASSIGN_OR_RETURN(double after, ProcessCpuSeconds(pid));
   return (after - before) / wall * 100;
 }
 

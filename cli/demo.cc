@@ -22,6 +22,7 @@
 #include "cli/local_agents.h"
 #include "cli/kv_pool.h"
 #include "cli/model_shapes.h"
+#include "cli/notification_waiter.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
 #include "transport/base/status_macros.h"
@@ -72,15 +73,6 @@ struct Request {
   uint64_t prefill_slot = 0, decode_slot = 0;  // hybrid: state slot and aux record
   Clock::time_point submitted;
   std::optional<Clock::time_point> notified;
-};
-
-// What the notification watcher thread shares with RunDemo. Held by shared_ptr so a
-// watcher left waiting on an agent that runs on (after a failed submit) owns it.
-struct WatchState {
-  absl::Mutex mu;
-  std::map<std::string, std::optional<Clock::time_point>> notified_at ABSL_GUARDED_BY(mu);
-  uint32_t notified ABSL_GUARDED_BY(mu) = 0;
-  absl::Status status ABSL_GUARDED_BY(mu);
 };
 
 // Submits the demo's chunks through the fast path (its completions checked as they
@@ -302,32 +294,18 @@ int RunDemo(const DemoOptions& options) {
   }
   if (auto s = dst->Upload(); !s.ok()) return Fail("filling the decode pool on the GPU", s, json);
 
-  // The decode side watches for its requests' notifications.
-  auto watch = std::make_shared<WatchState>();
-  std::vector<std::string> ids;
-  for (auto& r : requests) {
-    ids.push_back(r.id);
-    absl::MutexLock lock(&watch->mu);
-    watch->notified_at[r.id];
-  }
-  std::thread watcher([watch, ids, decode_address, total = options.requests,
-                       timeout_ms = options.timeout_ms] {
-    AgentClient watch_client(decode_address);
-    auto on_notification = [&](const v1::Notification& n) {
-      absl::MutexLock lock(&watch->mu);
-      auto it = watch->notified_at.find(n.transfer_id());
-      if (it != watch->notified_at.end() && !it->second && n.kind() == v1::DATA_READY &&
-          n.payload() == "ready:" + n.transfer_id()) {
-        it->second = Clock::now();
-        ++watch->notified;
-        Progress(watch->notified, total, "requests");
-      }
-      return watch->notified < total;
-    };
-    absl::Status status = watch_client.WatchNotifications(ids, timeout_ms, on_notification);
-    absl::MutexLock lock(&watch->mu);
-    watch->status = std::move(status);
-  });
+  // The decode side watches for its requests' notifications (a watcher left waiting
+  // on an agent that runs on, after a failed submit, owns its state).
+  NotificationWaiterOptions watch;
+  watch.address = decode_address;
+  watch.timeout_ms = options.timeout_ms;
+  for (auto& r : requests) watch.ids.push_back(r.id);
+  watch.keep = [](const v1::Notification& n) {
+    return n.kind() == v1::DATA_READY && n.payload() == "ready:" + n.transfer_id();
+  };
+  watch.stop_after = options.requests;
+  watch.on_kept = [total = options.requests](uint64_t kept) { Progress(kept, total, "requests"); };
+  NotificationWaiter watcher(std::move(watch));
 
   // Chunked prefill: every request's pages go in `chunks` pieces, interleaved
   // across requests the way a prefill engine finishes them.
@@ -387,21 +365,19 @@ int RunDemo(const DemoOptions& options) {
     // ends it; on an agent that runs on it waits out its timeout on its own state.
     if (local.started()) {
       (void)local.second->Stop();
-      watcher.join();
+      watcher.Finish(absl::InfiniteDuration());
     } else {
-      watcher.detach();
+      watcher.Finish(absl::ZeroDuration());
     }
     return Fail("submitting", submit_status, json);
   }
-  watcher.join();
+  watcher.Finish(absl::InfiniteDuration());
   const auto end = Clock::now();
-  uint32_t notified = 0;
-  absl::Status watch_status;
-  {
-    absl::MutexLock lock(&watch->mu);
-    notified = watch->notified;
-    watch_status = watch->status;
-    for (auto& r : requests) r.notified = watch->notified_at[r.id];
+  const uint64_t notified = watcher.kept();
+  const absl::Status watch_status = watcher.status();
+  const auto kept = watcher.Kept();
+  for (auto& r : requests) {
+    if (auto it = kept.find(r.id); it != kept.end()) r.notified = it->second;
   }
   if (notified < options.requests) {
     return Fail(fmt::format("waiting for notifications ({} of {} arrived)", notified, options.requests),

@@ -1,0 +1,47 @@
+#include "cli/process_cpu.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <vector>
+
+#include "fmt/format.h"
+
+namespace kvagent::cli {
+
+absl::StatusOr<CpuTicks> ReadCpuTicks(const std::string& stat_path) {
+  std::ifstream in(stat_path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t open = text.find('('), close = text.rfind(')');
+  if (text.empty() || open == std::string::npos || close == std::string::npos || close < open) {
+    return absl::NotFoundError(fmt::format("{} is unreadable (the agent is gone?)", stat_path));
+  }
+  std::istringstream fields(text.substr(close + 1));
+  std::vector<std::string> f;
+  for (std::string s; fields >> s;) f.push_back(s);
+  // f[0] is field 3 (state).
+  if (f.size() < 13) return absl::InternalError(fmt::format("{}: too few fields", stat_path));
+  return CpuTicks{text.substr(open + 1, close - open - 1), std::stoull(f[11]) + std::stoull(f[12])};
+}
+
+std::map<std::string, CpuTicks> ThreadCpuTicks(pid_t pid) {
+  std::map<std::string, CpuTicks> threads;
+  std::error_code ec;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+    auto t = ReadCpuTicks(entry.path().string() + "/stat");
+    if (t.ok()) threads[entry.path().filename().string()] = *t;
+  }
+  return threads;
+}
+
+absl::StatusOr<double> ProcessCpuSeconds(pid_t pid) {
+  auto ticks = ReadCpuTicks(fmt::format("/proc/{}/stat", pid));
+  if (!ticks.ok()) return ticks.status();
+  return static_cast<double>(ticks->ticks) / sysconf(_SC_CLK_TCK);
+}
+
+}  // namespace kvagent::cli

@@ -1,0 +1,35 @@
+// How much CPU a process, or each of its threads, has spent: utime + stime from
+// /proc/<pid>/stat and /proc/<pid>/task/<tid>/stat. Used with DaemonProcess's pid by
+// the fast path phase of `kvagentctl bench` (per thread) and `bench-peers` (whole
+// process); ProcessMemory (process_memory.h) is the memory side.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace kvagent::cli {
+
+// A process's or thread's name and utime + stime in clock ticks.
+struct CpuTicks {
+  std::string name;
+  uint64_t ticks = 0;
+};
+
+// One stat file ("PID (NAME) STATE ...": utime is field 14, stime 15, counted after
+// the parenthesized name, which may hold spaces). NOT_FOUND when it is unreadable
+// (the process is gone).
+absl::StatusOr<CpuTicks> ReadCpuTicks(const std::string& stat_path);
+
+// Every thread of `pid`: tid -> its name and ticks (threads that ended are missing;
+// empty when the process is gone).
+std::map<std::string, CpuTicks> ThreadCpuTicks(pid_t pid);
+
+// The whole process's utime + stime in seconds.
+absl::StatusOr<double> ProcessCpuSeconds(pid_t pid);
+
+}  // namespace kvagent::cli
