@@ -1,0 +1,121 @@
+// kvagentctl's child processes and the /proc readers of the benches, on real
+// processes: RunChild keeps the output and refuses a failing or hung child, SpawnChild
+// passes the environment it is given and starts the child with no signal blocked,
+// CPU ticks are read for this process and its threads (a name with spaces and
+// parentheses included), and ucx_perftest's Final line is parsed.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "catch2/catch.hpp"
+#include "cli/bench_perftest.h"
+#include "cli/child_process.h"
+#include "cli/process_cpu.h"
+
+namespace kvagent::cli {
+namespace {
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+TEST_CASE("FindOnPath finds sh on PATH and nothing for a missing name") {
+  CHECK(FindOnPath("sh").rfind('/') != std::string::npos);
+  CHECK(FindOnPath("no-such-binary-kvagent").empty());
+  CHECK(FindOnPath("/no/such/path/x").empty());
+  CHECK(FindOnPath("").empty());
+}
+
+TEST_CASE("RunChild returns the output, and refuses a failed or hung child") {
+  const std::string sh = FindOnPath("sh");
+  REQUIRE(!sh.empty());
+  auto out = RunChild({sh, "-c", "echo out; echo err >&2"}, 10000);
+  INFO(out.status().ToString());
+  REQUIRE(out.ok());
+  CHECK(*out == "out\nerr\n");
+
+  auto failed = RunChild({sh, "-c", "echo why; exit 3"}, 10000);
+  REQUIRE_FALSE(failed.ok());
+  CHECK(failed.status().code() == absl::StatusCode::kInternal);
+  CHECK(std::string(failed.status().message()).find("why") != std::string::npos);
+
+  const auto start = std::chrono::steady_clock::now();
+  auto hung = RunChild({sh, "-c", "sleep 30"}, 200);
+  REQUIRE_FALSE(hung.ok());
+  CHECK(hung.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+
+  auto missing = SpawnChild({"/no/such/binary"}, -1);
+  REQUIRE_FALSE(missing.ok());
+  CHECK(std::string(missing.status().message()).find("/no/such/binary") != std::string::npos);
+}
+
+TEST_CASE("SpawnChild adds the environment given and blocks no signal in the child") {
+  const std::string sh = FindOnPath("sh");
+  const std::string path = TempDir() + "/spawn_out.txt";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(fd >= 0);
+  // Blocked here; the child must see none blocked (SigBlk in its status).
+  sigset_t term, old;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &term, &old);
+  auto pid = SpawnChild({sh, "-c", "echo \"$KVAGENT_CHILD_TEST\"; grep SigBlk /proc/self/status"},
+                        fd, {{"KVAGENT_CHILD_TEST", "given value"}});
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  ::close(fd);
+  REQUIRE(pid.ok());
+  const int status = ReapChild(*pid, 10000);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(path);
+  std::string value, blocked;
+  std::getline(in, value);
+  std::getline(in, blocked);
+  CHECK(value == "given value");
+  CHECK(blocked.find("0000000000000000") != std::string::npos);
+}
+
+TEST_CASE("CPU ticks of this process and its threads; a name with spaces and parentheses") {
+  // Spend some CPU so the reading is above zero.
+  volatile uint64_t x = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  while (std::chrono::steady_clock::now() < until) x = x + 1;
+  auto seconds = ProcessCpuSeconds(getpid());
+  INFO(seconds.status().ToString());
+  REQUIRE(seconds.ok());
+  CHECK(*seconds > 0.0);
+  const auto threads = ThreadCpuTicks(getpid());
+  CHECK(threads.count(std::to_string(getpid())) == 1);
+
+  const std::string stat = TempDir() + "/stat";
+  std::ofstream(stat) << "42 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 120 34 0 0 20 0 1 0\n";
+  auto ticks = ReadCpuTicks(stat);
+  REQUIRE(ticks.ok());
+  CHECK(ticks->name == "a (b) c");
+  CHECK(ticks->ticks == 154);
+
+  std::ofstream(stat) << "42 (short) S 1 2\n";
+  CHECK(ReadCpuTicks(stat).status().code() == absl::StatusCode::kInternal);
+  CHECK(ReadCpuTicks(TempDir() + "/no-such-stat").status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("ParsePerftestGbps reads the Final line's overall bandwidth") {
+  auto gbps = ParsePerftestGbps(
+      "+----+\nFinal:   1000   1.2   2.3   3.4   4000.0   2000.0   100   50\n");
+  REQUIRE(gbps.ok());
+  CHECK(*gbps == Approx(2000.0 * 1048576.0 / 1e9));
+  auto none = ParsePerftestGbps("no such line\n");
+  REQUIRE_FALSE(none.ok());
+  CHECK(std::string(none.status().message()).find("no 'Final:' line") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvagent::cli
