@@ -1,5 +1,7 @@
 #include "agent/health.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -101,6 +103,7 @@ void HealthMonitor::Start() {
 }
 
 void HealthMonitor::Loop() {
+  pthread_setname_np(pthread_self(), "health");
   for (;;) {
     {
       absl::MutexLock lock(&mu_);

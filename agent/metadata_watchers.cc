@@ -1,5 +1,7 @@
 #include "agent/metadata_watchers.h"
 
+#include <pthread.h>
+
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -153,6 +155,7 @@ void MetadataWatchers::CheckWaiters() {
 }
 
 void MetadataWatchers::Loop() {
+  pthread_setname_np(pthread_self(), "meta-watchers");
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
@@ -201,6 +204,7 @@ size_t MetadataPush::size() const {
 }
 
 void MetadataPush::Loop() {
+  pthread_setname_np(pthread_self(), "meta-push");
   absl::MutexLock lock(&mu_);
   for (;;) {
     auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || changed_; };

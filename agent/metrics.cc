@@ -5,6 +5,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -472,6 +473,7 @@ bool MetricsServer::OnReadable(Connection& c) {
 }
 
 void MetricsServer::Loop() {
+  pthread_setname_np(pthread_self(), "metrics");
   std::vector<Connection> connections;
   std::vector<pollfd> fds;
   while (!stopping_.load()) {
@@ -483,7 +485,10 @@ void MetricsServer::Loop() {
       fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
       next_deadline = std::min(next_deadline, c.deadline_ms);
     }
-    const int wait = static_cast<int>(std::max<int64_t>(0, next_deadline - NowMs()));
+    // With no connection open nothing can time out: asleep until one comes or Stop.
+    const int wait = connections.empty()
+                         ? -1
+                         : static_cast<int>(std::max<int64_t>(0, next_deadline - NowMs()));
     if (poll(fds.data(), fds.size(), wait) < 0 && errno != EINTR) break;
     if (fds[0].revents != 0) break;  // Stop
     const int64_t now = NowMs();

@@ -1,6 +1,7 @@
 #include "agent/session_server.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -130,6 +131,7 @@ void SessionServer::Stop() {
 }
 
 void SessionServer::Run() {
+  pthread_setname_np(pthread_self(), "sessions");
   epoll_event events[64];
   bool stopping = false;
   while (!stopping) {

@@ -1,5 +1,7 @@
 #include "agent/staging.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -296,6 +298,7 @@ Stager::~Stager() { Stop(); }
 
 void Stager::Start() {
   sweep_thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "stage-sweep");
     // Every 500 ms while staged chunks are being received: sweep stale receive state.
     // Every 10 ms while READs of a peer's staged memory wait for replies: abandon those
     // whose transfer stopped, so a peer that never answers cannot hold a transfer (or a
