@@ -126,7 +126,6 @@ class FakeWatch final : public grpc::ClientBidiReactor<v1::GetMetadataRequest, v
         tally_->last_error = status.error_message();
       }
     }
-    delete this;
   }
 
  private:
@@ -235,6 +234,25 @@ bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds limit)
   return done();
 }
 
+// The run's watches. A watch stays alive after its stream ends (cancelling it is then
+// harmless); they go once every stream has ended, cancelled here on the way out, or
+// are left (leaked) when one has not after 30 s, since its reactor could still run.
+struct FakeWatches {
+  WatchTally tally;
+  std::vector<std::unique_ptr<FakeWatch>> watches;
+
+  bool AllEnded() {
+    absl::MutexLock lock(&tally.mu);
+    return tally.live == 0;
+  }
+  ~FakeWatches() {
+    for (auto& w : watches) w->Cancel();
+    if (!WaitFor([&] { return AllEnded(); }, std::chrono::seconds(30))) {
+      for (auto& w : watches) (void)w.release();
+    }
+  }
+};
+
 // Milliseconds until the hub lists `peer` as unreachable, or an error after 10 s.
 absl::StatusOr<double> DetectionMs(AgentClient& hub, const std::string& peer, pid_t pid,
                                    int signal) {
@@ -305,11 +323,12 @@ absl::StatusOr<ModeResult> RunMode(const BenchPeersOptions& options, const std::
   RETURN_IF_ERROR(hub.Connect((*third)->address()).status());
 
   ASSIGN_OR_RETURN(auto peers, AttachFakePeers(*agents->first, options.peers, push));
-  WatchTally tally;
-  std::vector<FakeWatch*> watches;
+  FakeWatches fakes;
   std::optional<FakePollers> pollers;
   if (push) {
-    for (auto& p : peers) watches.push_back(new FakeWatch(p.get(), &tally));
+    for (auto& p : peers) {
+      fakes.watches.push_back(std::make_unique<FakeWatch>(p.get(), &fakes.tally));
+    }
   } else {
     pollers.emplace(&peers, options.poll_ms);
   }
@@ -350,18 +369,13 @@ absl::StatusOr<ModeResult> RunMode(const BenchPeersOptions& options, const std::
   ASSIGN_OR_RETURN(r.stop_ms, DetectionMs(hub, "peer-c", (*third)->pid(), SIGSTOP));
   ::kill((*third)->pid(), SIGCONT);
 
-  for (FakeWatch* w : watches) w->Cancel();
-  WaitFor(
-      [&] {
-        absl::MutexLock lock(&tally.mu);
-        return tally.live == 0;
-      },
-      std::chrono::seconds(30));
+  for (auto& w : fakes.watches) w->Cancel();
+  WaitFor([&] { return fakes.AllEnded(); }, std::chrono::seconds(30));
   {
-    absl::MutexLock lock(&tally.mu);
-    if (tally.failed > 0) {
+    absl::MutexLock lock(&fakes.tally.mu);
+    if (fakes.tally.failed > 0) {
       std::fprintf(stderr, "%s: %d fake watch streams failed (last: %s)\n", r.mode.c_str(),
-                   tally.failed, tally.last_error.c_str());
+                   fakes.tally.failed, fakes.tally.last_error.c_str());
     }
   }
   if (pollers && pollers->failures() > 0) {
