@@ -119,9 +119,32 @@ void FinishRndv(RndvReceive* receive, ucs_status_t status) {
 // Heap state of a Flush or SendAm, owned until the send callback.
 struct SendOp {
   Completion done;
-  std::string what;     // names the operation in error messages
   std::string payload;  // header followed by data, for SendAm
+  // What the operation was, for its error message (formatted only on failure: a
+  // transfer sends several messages, and text for each would cost more than the send).
+  enum class Kind { kFlush, kSend, kReply } kind = Kind::kSend;
+  const std::string* worker = nullptr;  // the worker's name (outlives its operations)
+  uint16_t id = 0;
+  uint64_t header_bytes = 0;
+  uint64_t data_bytes = 0;
 };
+
+std::string Describe(const SendOp& op) {
+  switch (op.kind) {
+    case SendOp::Kind::kFlush:
+      return fmt::format("UCX worker '{}': flushing an endpoint failed; operations posted "
+                         "before it may not have reached the peer",
+                         *op.worker);
+    case SendOp::Kind::kReply:
+      return fmt::format("UCX worker '{}': replying with active message {} ({} + {} bytes) "
+                         "failed; the requesting peer is gone or unreachable",
+                         *op.worker, op.id, op.header_bytes, op.data_bytes);
+    case SendOp::Kind::kSend:
+      break;
+  }
+  return fmt::format("UCX worker '{}': sending active message {} ({} + {} bytes) failed",
+                     *op.worker, op.id, op.header_bytes, op.data_bytes);
+}
 
 void FinishSend(SendOp* op, ucs_status_t status) {
   std::unique_ptr<SendOp> owned(op);
@@ -129,7 +152,7 @@ void FinishSend(SendOp* op, ucs_status_t status) {
   if (status == UCS_OK) {
     owned->done(absl::OkStatus());
   } else {
-    owned->done(UcxError(status, owned->what));
+    owned->done(UcxError(status, Describe(*owned)));
   }
 }
 
@@ -335,6 +358,8 @@ ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_
                                    void* data, size_t length,
                                    const ucp_am_recv_param_t* param) {
   auto* slot = static_cast<AmSlot*>(arg);
+  slot->worker->am_received_[slot->id < kAmCounters ? slot->id : 0].fetch_add(
+      1, std::memory_order_relaxed);
   if (!slot->handler && !slot->data_handler) {
     slot->worker->silenced_messages_.fetch_add(1);
     return UCS_OK;  // silenced: a rendezvous body is never fetched
@@ -418,9 +443,12 @@ void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header
                             std::function<void(absl::Status)> done) {
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
-  op->what = fmt::format("UCX worker '{}': replying with active message {} ({} + {} bytes) "
-                         "failed; the requesting peer is gone or unreachable",
-                         name_, id, header.size(), length);
+  op->kind = SendOp::Kind::kReply;
+  op->worker = &name_;
+  op->id = id;
+  op->header_bytes = header.size();
+  op->data_bytes = length;
+  CountSent(id);
   op->payload.assign(header.data(), header.size());
   auto* ep = static_cast<ucp_ep_h>(reply_ep);
   StartSend(std::move(op), [ep, id, data, length](SendOp* send, ucp_request_param_t& param) {
@@ -681,9 +709,8 @@ void Endpoint::Flush(Completion done) {
   }
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
-  op->what = fmt::format("UCX worker '{}': flushing an endpoint failed; operations posted "
-                         "before it may not have reached the peer",
-                         worker_.name_);
+  op->kind = SendOp::Kind::kFlush;
+  op->worker = &worker_.name_;
   StartSend(std::move(op), [this](SendOp*, const ucp_request_param_t& param) {
     return ucp_ep_flush_nbx(ep_, &param);
   });
@@ -697,8 +724,11 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
   }
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
-  op->what = fmt::format("UCX worker '{}': sending active message {} ({} + {} bytes) failed",
-                         worker_.name_, id, header.size(), data.size());
+  op->worker = &worker_.name_;
+  op->id = id;
+  op->header_bytes = header.size();
+  op->data_bytes = data.size();
+  worker_.CountSent(id);
   op->payload.reserve(header.size() + data.size());
   op->payload.append(header).append(data);
   const size_t header_size = header.size();
@@ -722,8 +752,11 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
   }
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
-  op->what = fmt::format("UCX worker '{}': sending active message {} ({} + {} bytes) failed",
-                         worker_.name_, id, header.size(), length);
+  op->worker = &worker_.name_;
+  op->id = id;
+  op->header_bytes = header.size();
+  op->data_bytes = length;
+  worker_.CountSent(id);
   op->payload.assign(header.data(), header.size());  // the header only; data is referenced
   StartSend(std::move(op), [this, id, data, length](SendOp* send, ucp_request_param_t& param) {
     return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),

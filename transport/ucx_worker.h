@@ -4,6 +4,7 @@
 // Used by the agent's transfer engine.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -92,6 +93,15 @@ class UcxWorker {
   void SilenceAmHandlers();
   // Messages dropped because their handler was silenced.
   uint64_t silenced_messages() const { return silenced_messages_.load(); }
+  // Active messages sent (begun: SendAm*, SendAmReply) and received (handler slot
+  // reached, silenced or not), by id; ids at or above kAmCounters count under 0.
+  static constexpr uint16_t kAmCounters = 16;
+  uint64_t am_sent(uint16_t id) const {
+    return am_sent_[id < kAmCounters ? id : 0].load(std::memory_order_relaxed);
+  }
+  uint64_t am_received(uint16_t id) const {
+    return am_received_[id < kAmCounters ? id : 0].load(std::memory_order_relaxed);
+  }
   // Worker thread: fetches a kept rendezvous message into `buffer` (its `length`
   // bytes); `done` runs on the worker thread, possibly before this returns.
   void ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
@@ -153,6 +163,11 @@ class UcxWorker {
                      uint64_t max_data_bytes);
   absl::flat_hash_map<uint16_t, std::unique_ptr<AmSlot>> am_handlers_;
   std::atomic<uint64_t> silenced_messages_{0};
+  std::array<std::atomic<uint64_t>, kAmCounters> am_sent_{};
+  std::array<std::atomic<uint64_t>, kAmCounters> am_received_{};
+  void CountSent(uint16_t id) {
+    am_sent_[id < kAmCounters ? id : 0].fetch_add(1, std::memory_order_relaxed);
+  }
   std::vector<void*> pending_requests_;
   // Endpoints still open; closed at shutdown if their owner has not destroyed them.
   absl::flat_hash_set<Endpoint*> endpoints_;
