@@ -15,7 +15,10 @@ enum class AmId : uint16_t {
   kStagedReadRequest = 3,  // StagedReadRequest, header only, with a reply endpoint: Stager
   kStagedReadReply = 4,    // StagedReadReply + bytes, on the request's reply endpoint: Stager
   kTransferAck = 5,        // TransferAck, on DATA_READY's reply endpoint: TransferEngine
+  kNoticeBatch = 6,        // PeerMessageAuth + NoticeBatch: TransferEngine, per entry
+  kAckBatch = 7,           // TransferAckBatch, on a NoticeBatch's reply endpoint: TransferEngine
 };
+inline constexpr uint16_t kMaxAmId = 7;
 inline constexpr uint16_t Wire(AmId id) { return static_cast<uint16_t>(id); }
 inline std::string_view AmName(AmId id) {
   switch (id) {
@@ -24,8 +27,21 @@ inline std::string_view AmName(AmId id) {
     case AmId::kStagedReadRequest: return "staged read request";
     case AmId::kStagedReadReply: return "staged read reply";
     case AmId::kTransferAck: return "transfer acknowledgement";
+    case AmId::kNoticeBatch: return "notification batch";
+    case AmId::kAckBatch: return "acknowledgement batch";
   }
   return "unknown message";
 }
+
+// AgentMetadata.wire_features: what this agent's inbox takes beyond ids 1-5. A sender
+// uses a feature only with a peer whose metadata announces it, so agents of different
+// builds still meet (an older one announces nothing and gets single messages).
+inline constexpr uint32_t kWireBatches = 1u << 0;  // ids 6 and 7
+inline constexpr uint32_t kWireFeatures = kWireBatches;
+// The bounds of a batch (both the sender's and the receiver's): entries, and bytes of
+// the NoticeBatch. A notification larger than kMaxBatchedNoticeBytes goes alone (id 1).
+inline constexpr uint32_t kMaxBatchEntries = 1024;
+inline constexpr uint64_t kMaxBatchBytes = 1 << 20;
+inline constexpr uint64_t kMaxBatchedNoticeBytes = 16 << 10;
 
 }  // namespace kvagent::agent
