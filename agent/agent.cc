@@ -219,15 +219,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                                   const v1::TransferState& state) { metrics->IncomingEnded(state); };
   agent->incoming_ = std::make_unique<IncomingTransfers>(
       incoming_options, agent->registry_.get(), agent->notifications_.get(),
-      [worker = agent->worker_.get()](void* reply_ep, const wire::TransferAck& ack) {
-        worker->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack.SerializeAsString(), nullptr, 0,
-                            [](absl::Status sent) {
-                              if (!sent.ok()) {
-                                kLog.Warn("a transfer acknowledgement was not sent: {}",
-                                          sent.message());
-                              }
-                            });
-      });
+      // Through the Inbox (made below, before any DATA_READY can arrive): it holds the
+      // acknowledgements of a notification batch and answers them as one.
+      [self](void* reply_ep, const wire::TransferAck& ack) { self->inbox_->SendAck(reply_ep, ack); });
   TransferEngineOptions engine_options;
   engine_options.self_name = options.name;
   engine_options.default_timeout_ms = options.transfer_timeout_ms;
@@ -249,7 +243,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->stager_->Start();
   // Everything peers send arrives through the Inbox (agent/inbox.cc has the table).
   agent->inbox_ = std::make_unique<Inbox>(agent->worker_.get(), &agent->secrets_,
-                                          &agent->counters_);
+                                          &agent->counters_, options.name);
   agent->inbox_->Install(agent->engine_.get(), agent->stager_.get());
   // A lost peer fails its transfers at once instead of at their deadline. The engine
   // outlives the peer manager's callers: peers stop in Shutdown, before the engine

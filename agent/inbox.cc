@@ -1,6 +1,7 @@
 #include "agent/inbox.h"
 
 #include <memory>
+#include <type_traits>
 #include <string>
 #include <utility>
 
@@ -16,8 +17,12 @@ constexpr log::Logger kLog("inbox");
 }  // namespace
 
 Inbox::Inbox(transport::UcxWorker* worker, const PeerSecrets* secrets, SecurityCounters* counters,
-             InboxLimits limits)
-    : worker_(worker), secrets_(secrets), counters_(counters), limits_(limits) {}
+             std::string self_name, InboxLimits limits)
+    : worker_(worker),
+      secrets_(secrets),
+      counters_(counters),
+      self_name_(std::move(self_name)),
+      limits_(limits) {}
 
 // The table: every id this agent answers, its header, what is checked here and who
 // takes it. Senders: notifications from TransferEngine::SendNotice, acknowledgements
@@ -29,13 +34,24 @@ void Inbox::Install(TransferEngine* engine, Stager* stager) {
   // 1: PeerMessageAuth (bounded, parsed, its secret verified) + Notification (bounded
   // before a rendezvous body is fetched, parsed, sender and limits checked).
   worker_->SetAmDataHandler(Wire(AmId::kNotification), [this](const transport::AmMessage& m) {
-    return OnNotificationMessage(m);
+    return OnNotificationMessage(m, /*batch=*/false);
   });
   // 5: TransferAck (bounded, parsed); the engine matches it to a DATA_READY of ours.
   worker_->SetAmHandler(
       Wire(AmId::kTransferAck),
       [this](std::string_view header, std::string_view /*data*/) { OnAck(header); },
       /*max_data_bytes=*/0);
+  // 6: PeerMessageAuth as for 1 (the batch's bytes bounded before a rendezvous body is
+  // fetched) + NoticeBatch (entries bounded; each entry checked as 1's body is).
+  worker_->SetAmDataHandler(Wire(AmId::kNoticeBatch), [this](const transport::AmMessage& m) {
+    return OnNotificationMessage(m, /*batch=*/true);
+  });
+  // 7: TransferAckBatch as data (bounded by the worker before it is received, parsed,
+  // entries bounded); the engine matches each acknowledgement as it does 5.
+  worker_->SetAmHandler(
+      Wire(AmId::kAckBatch),
+      [this](std::string_view /*header*/, std::string_view data) { OnAckBatch(data); },
+      limits_.max_batch_bytes);
   if (stager_ == nullptr) return;
   // 2-4: headers bounded and parsed here; the Stager verifies the sender's secret (2,
   // 3) or its request id (4), checks every piece against its regions and places data.
@@ -69,25 +85,34 @@ void Inbox::InstallStaged(AmId id,
   });
 }
 
-bool Inbox::OnNotificationMessage(const transport::AmMessage& message) {
+bool Inbox::OnNotificationMessage(const transport::AmMessage& message, bool batch) {
+  auto handle = [this, batch](std::string_view header, std::string_view data, void* reply_ep) {
+    if (batch) {
+      OnNoticeBatch(header, data, reply_ep);
+    } else {
+      OnNotification(header, data, reply_ep);
+    }
+  };
   if (!message.rendezvous) {
-    OnNotification(message.header, message.data, message.reply_ep);
+    handle(message.header, message.data, message.reply_ep);
     return false;
   }
   // The body is still on the sender: nothing is allocated or received for it before
   // the header authenticates and the announced length is within the limit.
   wire::PeerMessageAuth auth;
-  if (!AdmitNotification(message.header, message.length, &auth)) return false;
+  const uint64_t max_data =
+      batch ? limits_.max_batch_bytes : limits_.max_notification_message_bytes;
+  if (!AdmitNotification(message.header, message.length, max_data, &auth)) return false;
   auto header = std::make_shared<std::string>(message.header);
   auto data = std::make_shared<std::string>(message.length, '\0');
   void* reply_ep = message.reply_ep;
   worker_->ReceiveAmData(message.descriptor, data->data(), data->size(),
-                         [this, header, data, reply_ep](absl::Status received) {
+                         [header, data, reply_ep, handle](absl::Status received) {
                            if (!received.ok()) {
                              kLog.Warn("dropped a notification: {}", received.message());
                              return;
                            }
-                           OnNotification(*header, *data, reply_ep);
+                           handle(*header, *data, reply_ep);
                          });
   return true;
 }
@@ -99,13 +124,12 @@ void Inbox::DropNotification(std::string_view why, std::string_view from) {
 }
 
 bool Inbox::AdmitNotification(std::string_view header, uint64_t data_bytes,
-                              wire::PeerMessageAuth* auth) {
+                              uint64_t max_data_bytes, wire::PeerMessageAuth* auth) {
   // Untrusted until the secret checks: bound, then parse, then verify, then use.
-  if (header.size() > limits_.max_auth_header_bytes ||
-      data_bytes > limits_.max_notification_message_bytes) {
+  if (header.size() > limits_.max_auth_header_bytes || data_bytes > max_data_bytes) {
     DropNotification(fmt::format("oversized: header {} bytes, data {} bytes (limits {} and {})",
                                  header.size(), data_bytes, limits_.max_auth_header_bytes,
-                                 limits_.max_notification_message_bytes),
+                                 max_data_bytes),
                      "?");
     return false;
   }
@@ -122,23 +146,144 @@ bool Inbox::AdmitNotification(std::string_view header, uint64_t data_bytes,
   return true;
 }
 
+absl::Status Inbox::CheckBody(std::string_view data, std::string_view from_agent,
+                              const InboxLimits& limits, v1::Notification* n) {
+  if (!n->ParseFromArray(data.data(), static_cast<int>(data.size()))) {
+    n->Clear();  // nothing of it is used, not even to answer
+    return absl::InvalidArgumentError(fmt::format("its {} bytes do not parse", data.size()));
+  }
+  if (n->from_agent() != from_agent) {
+    return absl::PermissionDeniedError(fmt::format(
+        "it names another sender than its header ('{}')", Printable(n->from_agent())));
+  }
+  if (n->payload().size() > limits.max_notification_payload_bytes ||
+      n->targets_size() > static_cast<int>(limits.max_notification_targets)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': its notification has {} payload bytes and {} targets, over this "
+        "agent's limits of {} and {}; send a shorter notification (bulk data as an AUX "
+        "segment) and fewer targets",
+        Printable(n->transfer_id(), 256), n->payload().size(), n->targets_size(),
+        limits.max_notification_payload_bytes, limits.max_notification_targets));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Batch>
+absl::Status Inbox::ParseBatch(std::string_view data, const InboxLimits& limits, Batch* out) {
+  if (data.size() > limits.max_batch_bytes ||
+      !out->ParseFromArray(data.data(), static_cast<int>(data.size()))) {
+    return absl::InvalidArgumentError(
+        fmt::format("its {} bytes do not parse (or are over {})", data.size(),
+                    limits.max_batch_bytes));
+  }
+  int entries = 0;
+  if constexpr (std::is_same_v<Batch, wire::NoticeBatch>) {
+    entries = out->notices_size();
+  } else {
+    entries = out->acks_size();
+  }
+  if (entries > static_cast<int>(limits.max_batch_entries)) {
+    return absl::InvalidArgumentError(fmt::format("it has {} entries, over the limit of {}",
+                                                  entries, limits.max_batch_entries));
+  }
+  return absl::OkStatus();
+}
+template absl::Status Inbox::ParseBatch(std::string_view, const InboxLimits&, wire::NoticeBatch*);
+template absl::Status Inbox::ParseBatch(std::string_view, const InboxLimits&,
+                                        wire::TransferAckBatch*);
+
+bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth,
+                      std::string_view where, void* reply_ep, v1::Notification* n) {
+  const absl::Status checked = CheckBody(data, auth.from_agent(), limits_, n);
+  if (checked.ok()) return true;
+  const std::string why = fmt::format("{}{}", where, checked.message());
+  DropNotification(why, auth.from_agent());
+  // The sender is authenticated: a DATA_READY of its own that it waits on, refused
+  // only for its size, is answered at once, so its transfer fails with the reason
+  // instead of at its deadline.
+  if (checked.code() == absl::StatusCode::kInvalidArgument && n->from_agent() == auth.from_agent() &&
+      n->kind() == v1::DATA_READY && n->ack_token() != 0 && reply_ep != nullptr) {
+    wire::TransferAck refusal;
+    refusal.set_from_agent(self_name_);
+    refusal.set_transfer_id(n->transfer_id());
+    refusal.set_sender_incarnation(n->sender_incarnation());
+    refusal.set_ack_token(n->ack_token());
+    refusal.set_error_code(static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    refusal.set_error_message(why);
+    SendAck(reply_ep, refusal);
+  }
+  return false;
+}
+
 void Inbox::OnNotification(std::string_view header, std::string_view data, void* reply_ep) {
   wire::PeerMessageAuth auth;
-  if (!AdmitNotification(header, data.size(), &auth)) return;
+  if (!AdmitNotification(header, data.size(), limits_.max_notification_message_bytes, &auth)) {
+    return;
+  }
   v1::Notification n;
-  if (!n.ParseFromArray(data.data(), static_cast<int>(data.size()))) {
-    DropNotification(fmt::format("its {} bytes do not parse", data.size()), auth.from_agent());
-    return;
-  }
-  if (n.from_agent() != auth.from_agent() ||
-      n.payload().size() > limits_.max_notification_payload_bytes ||
-      n.targets_size() > static_cast<int>(limits_.max_notification_targets)) {
-    DropNotification(
-        "it names another sender than its header, or exceeds the payload or target limits",
-        auth.from_agent());
-    return;
-  }
+  if (!AdmitBody(data, auth, "", reply_ep, &n)) return;
   engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
+}
+
+void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep) {
+  wire::PeerMessageAuth auth;
+  if (!AdmitNotification(header, data.size(), limits_.max_batch_bytes, &auth)) return;
+  wire::NoticeBatch batch;
+  if (absl::Status parsed = ParseBatch(data, limits_, &batch); !parsed.ok()) {
+    DropNotification(fmt::format("a notification batch: {}", parsed.message()),
+                     auth.from_agent());
+    return;
+  }
+  holding_acks_ = true;
+  for (int i = 0; i < batch.notices_size(); ++i) {
+    v1::Notification n;
+    const std::string where = fmt::format("entry {} of a batch of {}: ", i, batch.notices_size());
+    if (!AdmitBody(batch.notices(i), auth, where, reply_ep, &n)) continue;
+    engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
+  }
+  holding_acks_ = false;
+  FlushAcks();
+}
+
+void Inbox::SendAck(void* reply_ep, const wire::TransferAck& ack) {
+  if (holding_acks_) {
+    held_acks_.emplace_back(reply_ep, ack);
+    return;
+  }
+  worker_->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack.SerializeAsString(), nullptr, 0,
+                       [](absl::Status sent) {
+                         if (!sent.ok()) {
+                           kLog.Warn("a transfer acknowledgement was not sent: {}", sent.message());
+                         }
+                       });
+}
+
+void Inbox::FlushAcks() {
+  // A batch came on one reply endpoint; group by endpoint anyway, in order.
+  std::vector<std::pair<void*, wire::TransferAck>> acks;
+  acks.swap(held_acks_);
+  for (size_t i = 0; i < acks.size();) {
+    void* reply_ep = acks[i].first;
+    size_t end = i;
+    while (end < acks.size() && acks[end].first == reply_ep) ++end;
+    if (end - i == 1) {
+      SendAck(reply_ep, acks[i].second);
+      i = end;
+      continue;
+    }
+    wire::TransferAckBatch batch;
+    for (; i < end; ++i) *batch.add_acks() = std::move(acks[i].second);
+    // The reply's data is referenced, not copied: it lives until the send completes.
+    auto bytes = std::make_shared<std::string>(batch.SerializeAsString());
+    const size_t count = static_cast<size_t>(batch.acks_size());
+    worker_->SendAmReply(reply_ep, Wire(AmId::kAckBatch), "", bytes->data(), bytes->size(),
+                         [bytes, count](absl::Status sent) {
+                           if (!sent.ok()) {
+                             kLog.Warn("a batch of {} transfer acknowledgements was not sent: {}",
+                                       count, sent.message());
+                           }
+                         });
+  }
 }
 
 void Inbox::OnAck(std::string_view header) {
@@ -151,6 +296,16 @@ void Inbox::OnAck(std::string_view header) {
     return;
   }
   engine_->OnAck(ack);
+}
+
+void Inbox::OnAckBatch(std::string_view data) {
+  wire::TransferAckBatch batch;
+  if (absl::Status parsed = ParseBatch(data, limits_, &batch); !parsed.ok()) {
+    counters_->dropped_peer_messages.fetch_add(1);
+    LogRefusal("? (UCX active message)", "a batch of transfer acknowledgements", parsed);
+    return;
+  }
+  for (const wire::TransferAck& ack : batch.acks()) engine_->OnAck(ack);
 }
 
 }  // namespace kvagent::agent

@@ -8,8 +8,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "agent/access.h"
 #include "agent/am_ids.h"
 #include "agent/peer_secrets.h"
@@ -30,14 +34,18 @@ struct InboxLimits {
   uint64_t max_notification_message_bytes = 256 << 10;
   uint64_t max_notification_payload_bytes = 64 << 10;  // as TransferEngineOptions bounds ours
   uint32_t max_notification_targets = 256;              // as the engine bounds ours
+  // A notification batch (6) or acknowledgement batch (7): entries and bytes.
+  uint32_t max_batch_entries = kMaxBatchEntries;
+  uint64_t max_batch_bytes = kMaxBatchBytes;
 };
 
 class Inbox {
  public:
   // `secrets` authenticate notifications; `counters` count what was dropped. Both
   // outlive the Inbox (the Agent owns them).
+  // `self_name`: this agent's, in the refusals it answers.
   Inbox(transport::UcxWorker* worker, const PeerSecrets* secrets, SecurityCounters* counters,
-        InboxLimits limits = {});
+        std::string self_name, InboxLimits limits = {});
   Inbox(const Inbox&) = delete;
   Inbox& operator=(const Inbox&) = delete;
 
@@ -47,6 +55,21 @@ class Inbox {
   // Shutdown: every handler inert (UcxWorker::SilenceAmHandlers); nothing installed
   // here runs again.
   void Silence();
+  // Worker thread: answers a DATA_READY with `ack` over `reply_ep` (IncomingTransfers
+  // calls it). While a notification batch is handled, its acknowledgements are held
+  // and go back as one acknowledgement batch (7) when it is done; else at once (5).
+  void SendAck(void* reply_ep, const wire::TransferAck& ack);
+
+  // The checks each notification body takes (message 1, and each entry of a batch):
+  // it parses, names `from_agent` (the authenticated header's), and its payload and
+  // targets are within `limits`. INVALID_ARGUMENT or PERMISSION_DENIED (another
+  // sender) with the reason otherwise; `n` holds what parsed. Pure: fuzz/inbox_fuzzer.
+  static absl::Status CheckBody(std::string_view data, std::string_view from_agent,
+                                const InboxLimits& limits, v1::Notification* n);
+  // A batch's own checks (6's data as NoticeBatch, 7's as TransferAckBatch): within
+  // max_batch_bytes, parses, at most max_batch_entries. Pure.
+  template <typename Batch>
+  static absl::Status ParseBatch(std::string_view data, const InboxLimits& limits, Batch* out);
 
   // Parsers, shared with tests: false when `header` is over `max_bytes` or does not parse.
   template <typename Message>
@@ -58,13 +81,29 @@ class Inbox {
  private:
   // Notification (1): an eager one is handled at once; a rendezvous one is fetched only
   // after its header authenticates and its announced length is in bounds.
-  bool OnNotificationMessage(const transport::AmMessage& message);
+  // The same for a notification batch (`batch`: id 6).
+  bool OnNotificationMessage(const transport::AmMessage& message, bool batch);
   void OnNotification(std::string_view header, std::string_view data, void* reply_ep);
-  // Bounds, parses and verifies a notification's header for `data_bytes` of body;
-  // false (counted and logged) when the message is to be dropped.
-  bool AdmitNotification(std::string_view header, uint64_t data_bytes, wire::PeerMessageAuth* auth);
+  // A batch: one header for all, then each entry bounded, parsed, checked and handed
+  // on alone (a bad one is dropped and counted, naming its index); the acknowledgements
+  // its DATA_READYs get meanwhile go back as one message.
+  void OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep);
+  // Parses one notification body and checks it against the header's sender and the
+  // limits; false (dropped, counted, logged with `where`) when it fails. A DATA_READY
+  // of the authenticated sender over the limits is refused over `reply_ep` (its
+  // transfer fails with the reason).
+  bool AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, std::string_view where,
+                 void* reply_ep, v1::Notification* n);
+  // Bounds, parses and verifies a notification's header for `data_bytes` of body
+  // (at most `max_data_bytes`); false (counted and logged) when the message is dropped.
+  bool AdmitNotification(std::string_view header, uint64_t data_bytes, uint64_t max_data_bytes,
+                         wire::PeerMessageAuth* auth);
   void DropNotification(std::string_view why, std::string_view from);
   void OnAck(std::string_view header);
+  void OnAckBatch(std::string_view data);
+  // Sends the acknowledgements held while a batch was handled (one message per reply
+  // endpoint, or a single acknowledgement when there is one).
+  void FlushAcks();
   // Registers a staged id whose header is `Header` (parsed here, then `handler`).
   template <typename Header>
   void InstallStaged(AmId id,
@@ -73,9 +112,13 @@ class Inbox {
   transport::UcxWorker* worker_;
   const PeerSecrets* secrets_;
   SecurityCounters* counters_;
+  const std::string self_name_;
   const InboxLimits limits_;
   TransferEngine* engine_ = nullptr;
   Stager* stager_ = nullptr;
+  // Worker thread only: acknowledgements held while a notification batch is handled.
+  bool holding_acks_ = false;
+  std::vector<std::pair<void*, wire::TransferAck>> held_acks_;
 };
 
 }  // namespace kvagent::agent

@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
@@ -47,6 +48,9 @@ constexpr uint32_t kTimeoutMs = 5000;
 constexpr uint16_t kNotificationAm = 1;   // TransferEngine: PeerMessageAuth + Notification
 constexpr uint16_t kStagedChunkAm = 2;    // Stager: StagedChunkHeader + bytes
 constexpr uint16_t kStagedReadAm = 3;     // Stager: StagedReadRequest
+constexpr uint16_t kAckAm = 5;            // TransferAck, on a request's reply endpoint
+constexpr uint16_t kNoticeBatchAm = 6;    // PeerMessageAuth + NoticeBatch
+constexpr uint16_t kAckBatchAm = 7;       // TransferAckBatch, on a batch's reply endpoint
 
 // A same-uid process calling decode's Peer service as the session `client_name`.
 class PeerCaller {
@@ -132,13 +136,16 @@ class UcxAttacker {
     };
     worker_->Post([this, id, request, header = std::move(header), data = std::move(data),
                    complete = std::move(complete)]() mutable {
-      if (request) {
-        endpoint_->SendAmRequest(id, header, std::move(complete));
-      } else {
-        endpoint_->SendAm(id, header, data, std::move(complete));
-      }
+      // With `request` the receiver gets a reply endpoint (header and data alike).
+      endpoint_->SendAm(id, header, data, std::move(complete), /*want_reply=*/request);
     });
     return Wait(id, done, result);
+  }
+
+  // Takes what the target answers with active message `id` (on the reply endpoint of
+  // a request), on the attacker's worker thread.
+  void Listen(uint16_t id, transport::AmHandler handler) {
+    worker_->SetAmHandler(id, std::move(handler), 1 << 20);
   }
 
   // The same without copying `data` (it must stay mapped until this returns or, after
@@ -528,6 +535,109 @@ class Spoofer {
   std::string last_error_;
   std::thread thread_;
 };
+
+TEST_CASE("a notification batch loses only its bad entries: the others arrive once, and a "
+          "DATA_READY over the limits is refused to its sender with the reason") {
+  AgentPair pair;
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  v1::GetMetadataRequest ask;
+  ask.set_caller("eve");
+  auto metadata = eve->GetMetadata(ask);
+  INFO(metadata.status().ToString());
+  REQUIRE(metadata.ok());
+  const std::string eve_secret = metadata->notify_secret();
+  // Declared before the attacker, whose worker thread calls `take` until it goes.
+  absl::Mutex mu;
+  std::vector<wire::TransferAck> acks;
+  int ack_messages = 0;
+  auto take = [&](std::string_view header, std::string_view data, bool batch) {
+    absl::MutexLock lock(&mu);
+    ++ack_messages;
+    if (!batch) {
+      wire::TransferAck ack;
+      if (ack.ParseFromArray(header.data(), static_cast<int>(header.size()))) acks.push_back(ack);
+      return;
+    }
+    wire::TransferAckBatch many;
+    if (!many.ParseFromArray(data.data(), static_cast<int>(data.size()))) return;
+    for (const auto& ack : many.acks()) acks.push_back(ack);
+  };
+  // Eager up to 1 MiB: the batch arrives in one piece (rendezvous takes the same checks).
+  UcxAttacker attacker(metadata->worker_address(), "1048576");
+  attacker.Listen(kAckAm, [&](std::string_view h, std::string_view d) { take(h, d, false); });
+  attacker.Listen(kAckBatchAm, [&](std::string_view h, std::string_view d) { take(h, d, true); });
+  const uint64_t dropped_before = Dropped(decode_status);
+
+  v1::Notification big;
+  big.set_from_agent("eve");
+  big.set_transfer_id("batch-big");
+  big.set_kind(v1::DATA_READY);
+  big.set_payload(std::string(70000, 'x'));  // over the 64 KiB payload limit
+  big.set_ack_token(77);
+  big.add_targets("kv");
+  wire::NoticeBatch batch;
+  batch.add_notices(NotificationBytes("eve", "batch-a", "", v1::TRANSFER_FAILED));
+  batch.add_notices(NotificationBytes("prefill", "batch-forged"));  // another sender
+  batch.add_notices(std::string("\xff\xff\xff\xff", 4));           // does not parse
+  batch.add_notices(big.SerializeAsString());
+  batch.add_notices(NotificationBytes("eve", "batch-b", "", v1::CANCELLED_BY_PEER));
+  REQUIRE(attacker
+              .Send(kNoticeBatchAm, AuthHeader("eve", eve_secret), batch.SerializeAsString(),
+                    /*request=*/true)
+              .ok());
+
+  // The good entries arrive once each, in order; the three bad ones are dropped.
+  auto notes = PollNotifications(pair.decode(), 2, kTimeoutMs, 300);
+  INFO(Describe(notes));
+  REQUIRE(notes.size() == 2);
+  CHECK(notes[0].transfer_id() == "batch-a");
+  CHECK(notes[0].kind() == v1::TRANSFER_FAILED);
+  CHECK(notes[1].transfer_id() == "batch-b");
+  CHECK(notes[1].kind() == v1::CANCELLED_BY_PEER);
+  CHECK(Dropped(decode_status) == dropped_before + 3);
+  // The oversized DATA_READY's sender hears why, naming the entry, at once.
+  for (int i = 0; i < 200; ++i) {
+    {
+      absl::MutexLock lock(&mu);
+      if (!acks.empty()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  {
+    absl::MutexLock lock(&mu);
+    REQUIRE(acks.size() == 1);
+    CHECK(ack_messages == 1);
+    CHECK(acks[0].transfer_id() == "batch-big");
+    CHECK(acks[0].ack_token() == 77);
+    CHECK(acks[0].error_code() == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    CHECK_THAT(acks[0].error_message(), Contains("entry 3 of a batch of 5") &&
+                                            Contains("70000 payload bytes") &&
+                                            Contains("limits of 65536"));
+  }
+
+  // A batch over the entry limit is dropped whole, before any entry is looked at.
+  wire::NoticeBatch huge;
+  for (int i = 0; i < 1025; ++i) {
+    huge.add_notices(NotificationBytes("eve", fmt::format("many{}", i), "", v1::TRANSFER_FAILED));
+  }
+  const uint64_t dropped_mid = Dropped(decode_status);
+  REQUIRE(attacker.Send(kNoticeBatchAm, AuthHeader("eve", eve_secret), huge.SerializeAsString())
+              .ok());
+  auto none = PollNotifications(pair.decode(), 1, 500, 100);
+  INFO(Describe(none));
+  CHECK(none.empty());
+  CHECK(Dropped(decode_status) == dropped_mid + 1);
+  // A batch with another agent's secret: dropped unread.
+  REQUIRE(attacker
+              .Send(kNoticeBatchAm, AuthHeader("prefill", eve_secret), batch.SerializeAsString())
+              .ok());
+  auto forged = PollNotifications(pair.decode(), 1, 500, 100);
+  INFO(Describe(forged));
+  CHECK(forged.empty());
+  CHECK(Dropped(decode_status) == dropped_mid + 2);
+  HonestWrite(pair, "after-batches", {1}, {2});
+}
 
 TEST_CASE("a session naming itself prefill in GetMetadata cannot acknowledge a deregistration") {
   constexpr int64_t kWaitMs = 1500;
