@@ -159,6 +159,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   }
   t.awaiting_ack = false;
   t.chunks.clear();
+  std::string().swap(t.notification);  // ended before DATA_READY: never sent
   planned_ops_ -= std::min(planned_ops_, t.planned_ops);
   t.planned_ops = 0;
   if (active_.erase(t.state.transfer_id()) > 0) {
@@ -533,7 +534,9 @@ void TransferEngine::Pump(const TransferPtr& t) {
       // Waiting for the ack from now on: it may come back before the send completes.
       t->awaiting_ack = true;
       t->ack_token = RandomToken();
-      notice.set_payload(t->notification);
+      // Moved, not copied: the record stays for queries after the transfer ends
+      // (max_finished of them), and its payload (up to max_notification_bytes) with it.
+      notice.set_payload(std::move(t->notification));
       notice.set_kind(v1::DATA_READY);
       notice.set_bytes(t->state.bytes_total());
       notice.set_ack_token(t->ack_token);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -162,7 +163,10 @@ class TransferEngine {
     v1::TransferState state;
     std::vector<uint64_t> chunk_digests;
     std::string notification;
-    std::deque<Chunk> chunks;  // planned, not yet fully posted
+    // Planned, not yet fully posted. A list, not a deque: libstdc++'s deque allocates
+    // ~600 bytes even when empty, and every ended transfer kept for queries (up to
+    // max_finished) would hold them (docs/BENCHMARKS.md, Agent memory).
+    std::list<Chunk> chunks;
     uint64_t planned_ops = 0;  // ops of `chunks` (the planned_ops limit)
     std::shared_ptr<const PeerSnapshot> last_peer;
     // Local regions of every chunk, held until nothing posted can touch them any more
