@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "agent/am_ids.h"
 #include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "agent/tls.h"
@@ -582,6 +583,16 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   status->set_sessions(deps.local_door ? deps.local_door->sessions() : 0);
   status->set_refused_calls(deps.counters->refused_calls.load());
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load());
+  for (uint16_t am = 1; am <= kMaxAmId; ++am) {
+    const uint64_t sent = deps.worker->am_sent(am);
+    const uint64_t received = deps.worker->am_received(am);
+    if (sent == 0 && received == 0) continue;
+    v1::ActiveMessageCount* count = status->add_active_messages();
+    count->set_id(am);
+    count->set_kind(std::string(AmName(static_cast<AmId>(am))));
+    count->set_sent(sent);
+    count->set_received(received);
+  }
   status->set_local_socket(id.local_socket);
   status->set_network_door(id.network_door);
   status->set_queued_notification_bytes(deps.notifications->queued_bytes());
@@ -1026,6 +1037,7 @@ void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& id
   }
   response->set_worker_address(deps.worker->address());
   response->set_notify_secret(deps.secrets->Issue(identity));
+  response->set_wire_features(kWireFeatures);
   const bool same_host = door == Door::kLocal;
   // A caller that holds a version of this incarnation gets what changed since, when
   // the registry's change log still reaches back to it; any other the whole catalog.
@@ -1070,10 +1082,16 @@ class RefusedMetadataWatch final : public MetadataStreamReactor {
 // MetadataWatchers) and writes a new view whenever the version moves past what it
 // last wrote (MetadataPush wakes it). One write in flight at a time; a version that
 // moves meanwhile is sent when it completes, as one delta.
+//
+// Counted against the watcher limits (streams per identity, --max-peer-callers) from
+// the moment it is created where the door names the caller (TLS, local): a caller
+// that opens streams and never writes on them holds no more than the limit. On the
+// insecure door the identity comes in the first message, so it is counted then.
 class MetadataWatchReactor final : public MetadataStreamReactor, public MetadataPush::Stream {
  public:
   MetadataWatchReactor(const ServiceDeps& deps, Door door, Caller caller)
       : deps_(deps), door_(door), caller_(std::move(caller)) {
+    if (door_ != Door::kInsecure && !Open(v1::GetMetadataRequest())) return;
     StartRead(&read_);
   }
 
@@ -1084,22 +1102,9 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
       return;
     }
     const v1::GetMetadataRequest request = read_;
-    if (!opened_) {
-      auto identity = PeerIdentity(door_, caller_, request, "WatchMetadata");
-      absl::Status opened = identity.ok()
-                                ? deps_.watchers->StreamOpened(*identity, deps_.limits)
-                                : identity.status();
-      if (!opened.ok()) {
-        deps_.counters->refused_calls.fetch_add(1);
-        LogRefusal(caller_.principal, "WatchMetadata", opened);
-        absl::MutexLock lock(&mu_);
-        FinishLocked(ToGrpcStatus(opened));
-        return;
-      }
-      identity_ = *std::move(identity);
-      opened_ = true;
-      kAudit.Info("peer '{}' ({}, {} door) watches this agent's metadata", Printable(identity_),
-                  caller_.principal, DoorName(door_));
+    if (!opened_ && !Open(request)) return;
+    if (!pushed_) {
+      pushed_ = true;
       deps_.push->Add(this);
     }
     const bool current_incarnation = request.known_incarnation() == deps_.identity->incarnation;
@@ -1112,9 +1117,6 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
         basis_ = request;
         reply_now_ = true;
       }
-    }
-    {
-      absl::MutexLock lock(&mu_);
       if (finishing_) return;
     }
     StartRead(&read_);
@@ -1162,8 +1164,8 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
   }
 
   void OnDone() override {
+    if (pushed_) deps_.push->Remove(this);
     if (opened_) {
-      deps_.push->Remove(this);
       deps_.watchers->StreamClosed(identity_);
       kAudit.Info("peer '{}' stopped watching this agent's metadata", Printable(identity_));
     }
@@ -1171,6 +1173,27 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
   }
 
  private:
+  // Counts the stream against the watcher limits under the caller's identity (from
+  // the door, or from `first` on the insecure door). Refused: counted and logged, the
+  // stream finished with the reason, false.
+  bool Open(const v1::GetMetadataRequest& first) {
+    auto identity = PeerIdentity(door_, caller_, first, "WatchMetadata");
+    absl::Status opened =
+        identity.ok() ? deps_.watchers->StreamOpened(*identity, deps_.limits) : identity.status();
+    if (!opened.ok()) {
+      deps_.counters->refused_calls.fetch_add(1);
+      LogRefusal(caller_.principal, "WatchMetadata", opened);
+      absl::MutexLock lock(&mu_);
+      FinishLocked(ToGrpcStatus(opened));
+      return false;
+    }
+    identity_ = *std::move(identity);
+    opened_ = true;
+    kAudit.Info("peer '{}' ({}, {} door) watches this agent's metadata", Printable(identity_),
+                caller_.principal, DoorName(door_));
+    return true;
+  }
+
   // Finishes now, or once the write in flight completes.
   void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finishing_) return;
@@ -1186,7 +1209,10 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
   const Door door_;
   const Caller caller_;
   v1::GetMetadataRequest read_;  // reads are serial: only the read callback touches it
-  bool opened_ = false;          // set on the first read, before any Push
+  // Counted in MetadataWatchers: at creation, or on the insecure door at the first
+  // read. Both are set before any Push and only read afterwards (OnDone).
+  bool opened_ = false;
+  bool pushed_ = false;  // added to MetadataPush (at the first read)
   std::string identity_;
   absl::Mutex mu_;
   v1::GetMetadataRequest basis_ ABSL_GUARDED_BY(mu_);  // what the peer holds once writes land

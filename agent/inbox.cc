@@ -305,7 +305,10 @@ void Inbox::OnAckBatch(std::string_view data) {
     LogRefusal("? (UCX active message)", "a batch of transfer acknowledgements", parsed);
     return;
   }
-  for (const wire::TransferAck& ack : batch.acks()) engine_->OnAck(ack);
+  // Matched one by one; the commits they lead to go out together.
+  std::vector<wire::TransferAck> acks(std::make_move_iterator(batch.mutable_acks()->begin()),
+                                      std::make_move_iterator(batch.mutable_acks()->end()));
+  engine_->OnAcks(std::move(acks));
 }
 
 }  // namespace kvagent::agent

@@ -382,6 +382,7 @@ void PeerManager::BuildSnapshot(
   // kernel vouches for). A host_id in metadata is just a claim.
   snapshot->same_host = link->local;
   snapshot->notify_secret = metadata.notify_secret();
+  snapshot->wire_features = metadata.wire_features();
   switch (options_.error_mode) {
     case ErrorModeChoice::kPeer: snapshot->error_mode = transport::ErrorMode::kPeer; break;
     case ErrorModeChoice::kNone: snapshot->error_mode = transport::ErrorMode::kNone; break;

@@ -41,10 +41,13 @@ namespace kvagent::agent {
 
 // Peer liveness by HTTP/2 keepalive (metadata push on): every peer channel pings each
 // kPeerKeepaliveTimeMs and drops a connection whose ping is not answered within
-// kPeerKeepaliveTimeoutMs, which ends its WatchMetadata stream: a hung peer is seen
-// about 1 s after it stops (the 2 s bound, with room for a loaded host: at 700+800 ms a
-// cut link was seen in 2.26 s under CI load). Each ping costs the pinged agent
-// ~25 us: 1,000 peers at 700 ms were 5.7-7.8 % of a core (docs/BENCHMARKS.md).
+// kPeerKeepaliveTimeoutMs, which ends its WatchMetadata stream: a hung peer, a dead
+// host or a cut link is seen 1-1.5 s after it stops (the 2 s bound, with room for a
+// loaded host: at 700+800 ms a cut link was seen in 2.26 s under CI load). gRPC 1.51
+// sends these pings about 1 s apart, not 500 ms (counted: an agent with 1,000 watching
+// peers answers ~1,000 a second). Each answer costs it 30-95 us on these shared cores,
+// mostly the kernel's context switches: 3-10 % of a core at 1,000 peers
+// (docs/BENCHMARKS.md, "Peers at scale").
 inline constexpr int kPeerKeepaliveTimeMs = 500;
 inline constexpr int kPeerKeepaliveTimeoutMs = 500;
 // A door lets peers ping that often without calls in progress, and pings its own
@@ -109,6 +112,9 @@ struct PeerSnapshot {
   // The secret the peer issued us (AgentMetadata.notify_secret): every UCX message we
   // send it carries it.
   std::string notify_secret;
+  // AgentMetadata.wire_features: the active messages beyond 1-5 the peer takes
+  // (agent/am_ids.h kWire*).
+  uint32_t wire_features = 0;
 };
 
 // How this agent reaches one peer's Peer service: a gRPC channel and, for a same-host

@@ -1,5 +1,7 @@
 #include "agent/transfer_engine.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -156,6 +158,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   } else {
     t.stopped_us = now;
     draining_.insert(t.state.transfer_id());
+    WakeDeadlinesBy(now + uint64_t{options_.drain_timeout_ms} * 1000);
   }
   t.awaiting_ack = false;
   t.chunks.clear();
@@ -188,6 +191,7 @@ void TransferEngine::SetDrained(Transfer& t) {
   t.state.clear_drain_note();
   t.pinned.clear();
   draining_.erase(t.state.transfer_id());
+  if (!drain_waits_.empty()) WakeDeadlinesBy(0);  // a drain wait may be settled
 }
 
 absl::StatusOr<TransferEngine::TransferPtr> TransferEngine::FindVisible(const std::string& id,
@@ -414,7 +418,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       t->deadline_us = t->start_us + uint64_t{timeout_ms} * 1000;
       transfers_[id] = t;
       active_.insert(id);
-      if (deadline_idle_.load()) WakeDeadlines();
+      WakeDeadlinesBy(t->deadline_us);
     } else {
       t = existing;
       if (it == transfers_.end() || it->second != t || Terminal(t->state.phase()) ||
@@ -482,7 +486,13 @@ void TransferEngine::PumpQueued() {
     absl::MutexLock lock(&pump_mu_);
     batch.swap(pump_queue_);
   }
+  // One round: what the Pumps send to a peer goes as one message where it can, and
+  // the data batches start after their transfers' opens went.
+  Outbox outbox;
+  outbox_ = &outbox;
   for (const TransferPtr& t : batch) Pump(t);
+  outbox_ = nullptr;
+  FlushOutbox(outbox);
   batch.clear();
   // Hand the storage back (a later batch reuses it instead of allocating).
   absl::MutexLock lock(&pump_mu_);
@@ -648,28 +658,37 @@ void TransferEngine::Pump(const TransferPtr& t) {
     absl::MutexLock lock(&mu_);
     return Terminal(t->state.phase());
   };
-  paths_[static_cast<size_t>(route)]->Run(*batch, [this, t, batch](BatchOutcome outcome) {
-    const int32_t first = static_cast<int32_t>(batch->ops.front().segment);
-    {
-      absl::MutexLock lock(&mu_);
-      t->inflight = false;
-      // Memory that vanished under the copies (FaultGuard caught the SIGBUS) explains
-      // whatever else went wrong, and makes the bytes moved worthless.
-      if (absl::Status lost = MemoryLost(*t, *batch->peer, batch->ops, first); !lost.ok()) {
-        Finish(*t, v1::FAILED, lost, first);
-      } else if (!outcome.status.ok()) {
-        Finish(*t, v1::FAILED, LocalRegionGone(*t, outcome), outcome.failed_segment);
-      } else {
-        t->state.set_bytes_done(t->state.bytes_done() + batch->bytes);
-        if (t->chunks.empty() && t->state.last_chunk_received()) {
-          MarkStage(t->state, v1::STAGE_DATA_FLUSHED, t->start_us, MonotonicMicros());
+  auto run = [this, t, batch, route] {
+    paths_[static_cast<size_t>(route)]->Run(*batch, [this, t, batch](BatchOutcome outcome) {
+      const int32_t first = static_cast<int32_t>(batch->ops.front().segment);
+      {
+        absl::MutexLock lock(&mu_);
+        t->inflight = false;
+        // Memory that vanished under the copies (FaultGuard caught the SIGBUS) explains
+        // whatever else went wrong, and makes the bytes moved worthless.
+        if (absl::Status lost = MemoryLost(*t, *batch->peer, batch->ops, first); !lost.ok()) {
+          Finish(*t, v1::FAILED, lost, first);
+        } else if (!outcome.status.ok()) {
+          Finish(*t, v1::FAILED, LocalRegionGone(*t, outcome), outcome.failed_segment);
+        } else {
+          t->state.set_bytes_done(t->state.bytes_done() + batch->bytes);
+          if (t->chunks.empty() && t->state.last_chunk_received()) {
+            MarkStage(t->state, v1::STAGE_DATA_FLUSHED, t->start_us, MonotonicMicros());
+          }
+          if (!Terminal(t->state.phase())) Publish(*t);
         }
-        if (!Terminal(t->state.phase())) Publish(*t);
       }
-    }
-    // A path may complete inline; posting keeps the stack flat over many batches.
-    SchedulePump(t);
-  });
+      // A path may complete inline; posting keeps the stack flat over many batches.
+      SchedulePump(t);
+    });
+  };
+  // Pump runs inside a round (PumpQueued): the batch starts once the round's notices,
+  // this transfer's open among them, are sent.
+  if (outbox_ != nullptr) {
+    outbox_->runs.push_back(std::move(run));
+  } else {
+    run();
+  }
 }
 
 absl::Status TransferEngine::LocalRegionGone(const Transfer& t, const BatchOutcome& outcome) const {
@@ -730,11 +749,85 @@ absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& c
 
 void TransferEngine::SendNotice(const PeerSnapshot& peer, v1::Notification notice,
                                 transport::Completion done, bool want_reply) {
+  if (outbox_ != nullptr) {
+    outbox_->notices.push_back(HeldNotice{peer.endpoint, peer.notify_secret, peer.wire_features,
+                                          notice.SerializeAsString(), std::move(done),
+                                          want_reply});
+    return;
+  }
   wire::PeerMessageAuth auth;
   auth.set_from_agent(options_.self_name);
   auth.set_secret(peer.notify_secret);
   peer.endpoint->SendAm(Wire(AmId::kNotification), auth.SerializeAsString(), notice.SerializeAsString(),
                         std::move(done), want_reply);
+}
+
+void TransferEngine::FlushOutbox(Outbox& outbox) {
+  // Each endpoint's notices in the order they were made: runs of small ones as one
+  // NoticeBatch (when the peer takes batches), a large one alone between them.
+  std::vector<bool> sent(outbox.notices.size(), false);
+  std::vector<HeldNotice*> batch;
+  for (size_t first = 0; first < outbox.notices.size(); ++first) {
+    if (sent[first]) continue;
+    const transport::Endpoint* endpoint = outbox.notices[first].endpoint.get();
+    const bool batches = (outbox.notices[first].wire_features & kWireBatches) != 0;
+    uint64_t bytes = 0;
+    for (size_t i = first; i < outbox.notices.size(); ++i) {
+      HeldNotice& held = outbox.notices[i];
+      if (sent[i] || held.endpoint.get() != endpoint) continue;
+      sent[i] = true;
+      const bool fits = batches && held.body.size() <= kMaxBatchedNoticeBytes;
+      if (fits && (batch.size() == kMaxBatchEntries ||
+                   bytes + held.body.size() + 8 > kMaxBatchBytes)) {
+        SendBatch(batch);
+        bytes = 0;
+      }
+      if (fits) {
+        batch.push_back(&held);
+        bytes += held.body.size() + 8;  // with the entry's framing
+        continue;
+      }
+      SendBatch(batch);
+      bytes = 0;
+      batch.push_back(&held);
+      SendBatch(batch);
+    }
+    SendBatch(batch);
+  }
+  outbox.notices.clear();
+  for (auto& run : outbox.runs) run();
+  outbox.runs.clear();
+}
+
+void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
+  if (notices.empty()) return;
+  HeldNotice& front = *notices.front();
+  wire::PeerMessageAuth auth;
+  auth.set_from_agent(options_.self_name);
+  auth.set_secret(front.secret);
+  if (notices.size() == 1) {
+    front.endpoint->SendAm(Wire(AmId::kNotification), auth.SerializeAsString(), front.body,
+                           std::move(front.done), front.want_reply);
+    notices.clear();
+    return;
+  }
+  wire::NoticeBatch message;
+  message.mutable_notices()->Reserve(static_cast<int>(notices.size()));
+  bool want_reply = false;
+  std::vector<transport::Completion> dones;
+  dones.reserve(notices.size());
+  for (HeldNotice* held : notices) {
+    message.add_notices(std::move(held->body));
+    want_reply = want_reply || held->want_reply;
+    if (held->done) dones.push_back(std::move(held->done));
+  }
+  front.endpoint->SendAm(Wire(AmId::kNoticeBatch), auth.SerializeAsString(),
+                         message.SerializeAsString(),
+                         [dones = std::move(dones)](absl::Status status) {
+                           for (const auto& done : dones) done(status);
+                         },
+                         want_reply);
+  notices.clear();
 }
 
 void TransferEngine::OnAuthenticatedNotice(v1::Notification n, void* reply_ep) {
@@ -762,6 +855,7 @@ void TransferEngine::OnAuthenticatedNotice(v1::Notification n, void* reply_ep) {
       return;
     default:
       incoming.OnNotice(n, nullptr);
+      if (n.kind() == v1::PEER_TRANSFER_OPEN) WakeDeadlinesBy(incoming.NextExpiry());
   }
 }
 
@@ -769,50 +863,65 @@ void TransferEngine::StagedDataInPlace(v1::Notification n, absl::Status data) {
   options_.incoming->DataInPlace(n, data);
 }
 
-void TransferEngine::OnAck(const wire::TransferAck& ack) {
-  TransferPtr t;
-  v1::Notification commit;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = transfers_.find(ack.transfer_id());
-    // Only the receiver of our DATA_READY knows its token.
-    const bool ours = it != transfers_.end() && ack.ack_token() != 0 &&
-                      it->second->ack_token == ack.ack_token() &&
-                      ack.sender_incarnation() == options_.incarnation &&
-                      it->second->state.peer() == ack.from_agent();
-    if (!ours) {
-      options_.counters->dropped_peer_messages.fetch_add(1);
-      LogRefusal(fmt::format("'{}' (UCX active message)", Printable(ack.from_agent())),
-                 "a transfer acknowledgement",
-                 absl::PermissionDeniedError(fmt::format(
-                     "it matches no DATA_READY of ours (transfer '{}')",
-                     Printable(ack.transfer_id()))));
-      return;
+void TransferEngine::OnAcks(std::vector<wire::TransferAck> acks) {
+  // The commits go out together (one round), each after its COMPLETED is recorded.
+  Outbox outbox;
+  outbox_ = &outbox;
+  for (const wire::TransferAck& ack : acks) {
+    TransferPtr t;
+    std::optional<v1::Notification> commit;
+    {
+      absl::MutexLock lock(&mu_);
+      commit = OnAckLocked(ack, &t);
     }
-    t = it->second;
-    // A late one: the transfer ended meanwhile (deadline, lost peer) and told the peer so.
-    if (!t->awaiting_ack) return;
-    t->awaiting_ack = false;
-    MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
-    if (ack.error_code() != 0) {
-      Finish(*t, v1::FAILED,
-             absl::Status(static_cast<absl::StatusCode>(ack.error_code()),
-                          fmt::format("transfer '{}': peer '{}' did not take the data: {}",
-                                      t->state.transfer_id(), t->state.peer(),
-                                      Printable(ack.error_message(), 1024))),
-             -1);
-      t->outcome_sent = true;  // the peer ended it on its side already
-      return;
-    }
-    Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
-    commit.set_from_agent(options_.self_name);
-    commit.set_transfer_id(t->state.transfer_id());
-    commit.set_sender_incarnation(options_.incarnation);
-    commit.set_kind(v1::PEER_DATA_COMMIT);
-    for (const auto& target : t->targets) commit.add_targets(target);
+    // COMPLETED is recorded: only now may the peer's clients see DATA_READY.
+    if (commit.has_value()) SendNotice(*t->last_peer, *std::move(commit), [](absl::Status) {});
   }
-  // COMPLETED is recorded: only now may the peer's clients see DATA_READY.
-  SendNotice(*t->last_peer, std::move(commit), [](absl::Status) {});
+  outbox_ = nullptr;
+  FlushOutbox(outbox);
+}
+
+std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::TransferAck& ack,
+                                                            TransferPtr* found) {
+  auto it = transfers_.find(ack.transfer_id());
+  // Only the receiver of our DATA_READY knows its token.
+  const bool ours = it != transfers_.end() && ack.ack_token() != 0 &&
+                    it->second->ack_token == ack.ack_token() &&
+                    ack.sender_incarnation() == options_.incarnation &&
+                    it->second->state.peer() == ack.from_agent();
+  if (!ours) {
+    options_.counters->dropped_peer_messages.fetch_add(1);
+    LogRefusal(fmt::format("'{}' (UCX active message)", Printable(ack.from_agent())),
+               "a transfer acknowledgement",
+               absl::PermissionDeniedError(fmt::format(
+                   "it matches no DATA_READY of ours (transfer '{}')",
+                   Printable(ack.transfer_id()))));
+    return std::nullopt;
+  }
+  const TransferPtr& t = it->second;
+  *found = t;
+  // A late one: the transfer ended meanwhile (deadline, lost peer) and told the peer so.
+  if (!t->awaiting_ack) return std::nullopt;
+  t->awaiting_ack = false;
+  MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
+  if (ack.error_code() != 0) {
+    Finish(*t, v1::FAILED,
+           absl::Status(static_cast<absl::StatusCode>(ack.error_code()),
+                        fmt::format("transfer '{}': peer '{}' did not take the data: {}",
+                                    t->state.transfer_id(), t->state.peer(),
+                                    Printable(ack.error_message(), 1024))),
+           -1);
+    t->outcome_sent = true;  // the peer ended it on its side already
+    return std::nullopt;
+  }
+  Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
+  v1::Notification commit;
+  commit.set_from_agent(options_.self_name);
+  commit.set_transfer_id(t->state.transfer_id());
+  commit.set_sender_incarnation(options_.incarnation);
+  commit.set_kind(v1::PEER_DATA_COMMIT);
+  for (const auto& target : t->targets) commit.add_targets(target);
+  return commit;
 }
 
 absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op,
@@ -975,20 +1084,28 @@ void TransferEngine::Unwatch(const std::string& transfer_id, uint64_t token) {
 }
 
 void TransferEngine::DeadlineLoop() {
+  pthread_setname_np(pthread_self(), "deadlines");
   std::vector<std::shared_ptr<DrainWait>> ready_waits;
-  uint64_t last_expire_us = 0;
   while (!stopping_.load()) {
     {
-      // An idle agent wakes 10 times a second, not 200 (issue 17 part 6).
+      // Asleep until the earliest deadline or a wake: an idle agent does not tick.
       absl::MutexLock lock(&deadline_mu_);
-      const absl::Duration tick =
-          deadline_idle_.load() ? absl::Milliseconds(100) : absl::Milliseconds(5);
-      const absl::Time until = absl::Now() + tick;
+      const uint64_t next = deadline_next_us_.load();
       while (!deadline_wake_ && !stopping_.load()) {
-        if (deadline_cv_.WaitWithDeadline(&deadline_mu_, until)) break;
+        if (next == UINT64_MAX) {
+          deadline_cv_.Wait(&deadline_mu_);
+          continue;
+        }
+        const uint64_t now = MonotonicMicros();
+        if (now >= next) break;
+        deadline_cv_.WaitWithTimeout(&deadline_mu_, absl::Microseconds(next - now));
       }
       deadline_wake_ = false;
+      // Awake: anything added from here on wakes the next wait at once, until the
+      // scan below has seen it and set when to look next.
+      deadline_next_us_.store(UINT64_MAX);
     }
+    uint64_t next_us = UINT64_MAX;
     std::vector<TransferPtr> expired;
     {
       absl::MutexLock lock(&mu_);
@@ -1039,21 +1156,33 @@ void TransferEngine::DeadlineLoop() {
           ++it;
         }
       }
-      deadline_idle_.store(active_.empty() && draining_.empty() && drain_waits_.empty());
+      next_us = NextDeadlineLocked();
     }
     for (const auto& t : expired) SchedulePump(t);
     for (auto& wait : ready_waits) {
       wait->done(std::vector<std::string>(wait->ids.begin(), wait->ids.end()));
     }
     ready_waits.clear();
-    if (const uint64_t now = MonotonicMicros(); now - last_expire_us >= 100000) {
-      options_.incoming->Expire();  // every ~100 ms
-      last_expire_us = now;
-    }
+    options_.incoming->Expire();  // returns at once before its next expiry
+    next_us = std::min(next_us, options_.incoming->NextExpiry());
+    deadline_next_us_.store(next_us);
   }
 }
 
-void TransferEngine::WakeDeadlines() {
+uint64_t TransferEngine::NextDeadlineLocked() const {
+  uint64_t next = UINT64_MAX;
+  for (const auto& id : active_) next = std::min(next, transfers_.at(id)->deadline_us);
+  const uint64_t drain_us = uint64_t{options_.drain_timeout_ms} * 1000;
+  for (const auto& id : draining_) {
+    auto found = transfers_.find(id);
+    if (found != transfers_.end()) next = std::min(next, found->second->stopped_us + drain_us);
+  }
+  for (const auto& wait : drain_waits_) next = std::min(next, wait->deadline_us);
+  return next;
+}
+
+void TransferEngine::WakeDeadlinesBy(uint64_t due_us) {
+  if (due_us >= deadline_next_us_.load()) return;  // it looks by then anyway
   absl::MutexLock lock(&deadline_mu_);
   deadline_wake_ = true;
   deadline_cv_.Signal();
@@ -1124,7 +1253,7 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
       wait->deadline_us = MonotonicMicros() + absl::ToInt64Microseconds(timeout);
       wait->done = std::move(done);
       drain_waits_.push_back(wait);
-      if (deadline_idle_.load()) WakeDeadlines();
+      WakeDeadlinesBy(wait->deadline_us);
     }
   }
   for (const auto& t : stopped) SchedulePump(t);

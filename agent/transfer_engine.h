@@ -12,6 +12,7 @@
 #include <functional>
 #include <list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -117,8 +118,10 @@ class TransferEngine {
   // The Inbox's handlers (worker thread). A notice from a peer that passed
   // authentication and the bounds (agent/inbox): the receiving side takes it.
   void OnAuthenticatedNotice(v1::Notification n, void* reply_ep);
-  // A receiver acknowledged a DATA_READY of ours (AmId::kTransferAck).
-  void OnAck(const wire::TransferAck& ack);
+  // Receivers acknowledged DATA_READYs of ours (AmId::kTransferAck, one; kAckBatch,
+  // several): each is matched on its own; the commits they lead to go out together.
+  void OnAcks(std::vector<wire::TransferAck> acks);
+  void OnAck(const wire::TransferAck& ack) { OnAcks({ack}); }  // one (AmId::kTransferAck)
   // The device copy path's mode on this host (DeviceCopyMode; loads the CUDA driver
   // once per process to know).
   static std::string device_copy_mode();
@@ -215,9 +218,33 @@ class TransferEngine {
   static absl::Status CheckRegionsCurrent(const std::string& id, Chunk& chunk,
                                           const PeerSnapshot& current);
   // Sends `notice` to `peer` with this agent's name and the secret the peer issued us
-  // (`want_reply`: the peer gets a reply endpoint, for DATA_READY's TransferAck).
+  // (`want_reply`: the peer gets a reply endpoint, for DATA_READY's TransferAck). Inside
+  // a worker round (outbox_ set) it is held and goes out with the round's others.
   void SendNotice(const PeerSnapshot& peer, v1::Notification notice,
                   transport::Completion done, bool want_reply = false);
+  // What one worker round (PumpQueued, OnAcks) sends: notices are held until the round
+  // ends, then each peer's go out in order, as few messages as its wire features allow
+  // (NoticeBatch); the data batches the round started run after that, so a transfer's
+  // PEER_TRANSFER_OPEN is still sent before its first operation is posted.
+  struct HeldNotice {
+    std::shared_ptr<transport::Endpoint> endpoint;
+    std::string secret;
+    uint32_t wire_features = 0;
+    std::string body;  // the serialized Notification
+    transport::Completion done;
+    bool want_reply = false;
+  };
+  struct Outbox {
+    std::vector<HeldNotice> notices;
+    std::vector<std::function<void()>> runs;  // data batches, started after the notices
+  };
+  // Worker thread: sends what `outbox` holds (the notices, then the runs).
+  void FlushOutbox(Outbox& outbox);
+  // Worker thread: sends `notices` (all to one endpoint) as one message.
+  void SendBatch(std::vector<HeldNotice*>& notices);
+  // OnAcks, for one acknowledgement (under mu_): the commit to send, if any.
+  std::optional<v1::Notification> OnAckLocked(const wire::TransferAck& ack, TransferPtr* t)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the transfers that ended with operations posted longer than the drain
   // timeout ago as drain_unknown (deadline thread).
   void ExpireDrains() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -293,16 +320,23 @@ class TransferEngine {
   // (SchedulePump runs under it), never before.
   absl::Mutex pump_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<TransferPtr> pump_queue_ ABSL_GUARDED_BY(pump_mu_);
+  // Worker thread only: the round in progress (SendNotice holds into it), else null.
+  Outbox* outbox_ = nullptr;
 
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;
   absl::CondVar deadline_cv_;
-  // The deadline thread ticks every 5 ms only while something can expire (active or
-  // draining transfers, drain waits); idle, every 100 ms (incoming expiry), woken
-  // early by the first transfer or drain wait (WakeDeadlines).
+  // The deadline thread sleeps until the earliest thing it acts on: a transfer's
+  // deadline, a drain's timeout, a drain wait's deadline, the incoming table's next
+  // expiry; with none, until woken. deadline_next_us_ is when it next looks
+  // (monotonic us; UINT64_MAX while it is awake or has nothing to wait for): whoever
+  // adds something due earlier, or settles a drain wait, wakes it (WakeDeadlinesBy).
   bool deadline_wake_ ABSL_GUARDED_BY(deadline_mu_) = false;
-  std::atomic<bool> deadline_idle_{false};
-  void WakeDeadlines();
+  std::atomic<uint64_t> deadline_next_us_{UINT64_MAX};
+  // Wakes the deadline thread if `due_us` (monotonic) comes before it next looks.
+  void WakeDeadlinesBy(uint64_t due_us);
+  // When the deadline thread must next look at active_, draining_ and drain_waits_.
+  uint64_t NextDeadlineLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::thread deadline_thread_;
 };
 
