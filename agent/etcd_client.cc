@@ -111,14 +111,16 @@ class EtcdConnection {
   // The TLS handshake, within `timeout`; UNAVAILABLE naming the endpoint, the cause
   // and the fix.
   absl::Status Handshake(const EtcdEndpoint& endpoint, absl::Duration timeout) {
-    const int64_t until = absl::ToUnixMillis(absl::Now()) + absl::ToInt64Milliseconds(timeout);
+    const int64_t until = NowMs() + absl::ToInt64Milliseconds(timeout);
     while (true) {
       const int rc = SSL_connect(ssl_.get());
       if (rc == 1) return absl::OkStatus();
       short wait_for = 0;
       std::string error;
-      if (TlsBlocked(rc, &wait_for, &error) == -1 && wait_for != 0) {
-        const int64_t left = until - absl::ToUnixMillis(absl::Now());
+      const ssize_t blocked = TlsBlocked(rc, &wait_for, &error);
+      if (blocked == 0) error = "etcd closed the connection during the handshake";
+      if (blocked == -1 && wait_for != 0) {
+        const int64_t left = until - NowMs();
         pollfd p{fd_.get(), wait_for, 0};
         if (left > 0 && poll(&p, 1, static_cast<int>(left)) >= 0) continue;
         error = fmt::format("no handshake within {} ms", absl::ToInt64Milliseconds(timeout));

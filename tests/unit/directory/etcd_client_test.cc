@@ -159,6 +159,13 @@ TEST_CASE("etcd client over TLS: a stalled handshake, a plain server, a TLS serv
                Contains("TLS handshake failed (no handshake within 300 ms)"));
   }
   {
+    FakeServer closing("");  // reads the ClientHello, answers nothing, closes
+    absl::Status status = tls_client(closing).Call("/v3/kv/range", request, &answer);
+    CHECK(absl::IsUnavailable(status));
+    CHECK_THAT(std::string(status.message()),
+               Contains("TLS handshake failed (etcd closed the connection during the handshake)"));
+  }
+  {
     FakeServer plain("HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
     absl::Status status = tls_client(plain).Call("/v3/kv/range", request, &answer);
     CHECK(absl::IsUnavailable(status));
