@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/peer_manager.h"
 #include "cli/agent_client.h"
+#include "cli/child_process.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "cli/local_agents.h"
@@ -278,7 +279,10 @@ struct FakeWatches {
 absl::StatusOr<double> DetectionMs(AgentClient& hub, const std::string& peer, pid_t pid,
                                    int signal) {
   const auto start = Clock::now();
-  if (::kill(pid, signal) != 0) {
+  if (signal == SIGSTOP) {
+    // Hung means every thread stopped: kill() returns before they are.
+    RETURN_IF_ERROR(SuspendChild(pid));
+  } else if (::kill(pid, signal) != 0) {
     return absl::InternalError(fmt::format("kill {} {}: {}", signal, pid, std::strerror(errno)));
   }
   bool seen = false;

@@ -1,5 +1,6 @@
 #include "cli/child_process.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -86,6 +88,54 @@ int ReapChild(pid_t pid, int timeout_ms) {
   kill(pid, SIGKILL);
   waitpid(pid, &status, 0);
   return status;
+}
+
+namespace {
+
+// The threads of `pid` that are not stopped ("TID:STATE" each), or an error when its
+// /proc directory cannot be read (the process is gone).
+absl::StatusOr<std::vector<std::string>> RunningThreads(pid_t pid) {
+  const std::string dir = fmt::format("/proc/{}/task", pid);
+  DIR* tasks = opendir(dir.c_str());
+  if (tasks == nullptr) {
+    return absl::NotFoundError(fmt::format("{}: {}", dir, std::strerror(errno)));
+  }
+  std::vector<std::string> running;
+  while (const dirent* entry = readdir(tasks)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream stat(dir + "/" + entry->d_name + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    // "TID (COMM) STATE ...": COMM may hold spaces and parentheses, so the state
+    // follows the last ')'. A thread that exited meanwhile reads as empty: skip it.
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos || paren + 2 >= line.size()) continue;
+    const char state = line[paren + 2];
+    if (state != 'T' && state != 't') running.push_back(fmt::format("{}:{}", entry->d_name, state));
+  }
+  closedir(tasks);
+  return running;
+}
+
+}  // namespace
+
+absl::Status SuspendChild(pid_t pid, int timeout_ms) {
+  if (kill(pid, SIGSTOP) != 0) {
+    return absl::InternalError(fmt::format("kill({}, SIGSTOP): {}", pid, std::strerror(errno)));
+  }
+  const auto until = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  std::vector<std::string> running;
+  do {
+    auto threads = RunningThreads(pid);
+    if (!threads.ok()) return threads.status();
+    if (threads->empty()) return absl::OkStatus();
+    running = std::move(*threads);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  } while (Clock::now() < until);
+  return absl::DeadlineExceededError(fmt::format(
+      "process {}: {} thread(s) not stopped {} ms after SIGSTOP (TID:STATE {}); it may be "
+      "in uninterruptible sleep (D) on a slow disk or a hung mount",
+      pid, running.size(), timeout_ms, fmt::join(running, ", ")));
 }
 
 absl::StatusOr<std::string> RunChild(const std::vector<std::string>& args, int timeout_ms) {

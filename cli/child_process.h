@@ -25,6 +25,14 @@ absl::StatusOr<pid_t> SpawnChild(const std::vector<std::string>& args, int out_f
 // Waits for `pid` up to `timeout_ms`, then SIGKILLs it. Returns the wait status.
 int ReapChild(pid_t pid, int timeout_ms);
 
+// Stops `pid` with SIGSTOP and waits up to `timeout_ms` until every one of its threads
+// is stopped (state T or t in /proc/PID/task/TID/stat). kill() returns once the signal
+// is queued, before the kernel has stopped the threads: one still running for a moment
+// can answer a peer, so a test or bench that acts on "the process is hung" waits here.
+// An error names the threads still running (or why /proc could not be read); the
+// process may then be partly stopped, and SIGCONT resumes it either way.
+absl::Status SuspendChild(pid_t pid, int timeout_ms = 5000);
+
 // Runs `args` once: its whole output, or an error when it failed or hung.
 absl::StatusOr<std::string> RunChild(const std::vector<std::string>& args, int timeout_ms);
 

@@ -689,7 +689,7 @@ TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs (UCX)
     AgentPair pair(DrainOptions());
     ResumeOnExit resume{pair.decode_process().pid()};
     const DrainResult r = DrainAfter(pair, fmt::format("d-stop-{}", trial),
-                                     [](pid_t pid) { ::kill(pid, SIGSTOP); });
+                                     [](pid_t pid) { REQUIRE(SuspendAgent(pid) == ""); });
     CheckSettled(r, "SIGSTOP", trial);
     CHECK(r.end.error_code() == kUnavailable);
     CHECK_THAT(r.end.error_message(), Catch::Contains("peer 'decode'"));

@@ -128,7 +128,7 @@ TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by keepalive"
             return p.metadata_source() == "push";
           }) >= 0);
   const pid_t decode = pair.decode_process().pid();
-  REQUIRE(::kill(decode, SIGSTOP) == 0);
+  REQUIRE(SuspendAgent(decode) == "");
   const int64_t ms = MillisUntil(pair.prefill(), "decode", 5000, [](const v1::PeerInfo& p) {
     return p.state() == "unreachable";
   });

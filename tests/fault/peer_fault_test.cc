@@ -118,7 +118,7 @@ TEST_CASE("a hung peer (SIGSTOP) fails the open transfer within 2 s, and new sub
 
   const pid_t decode = pair.decode_process().pid();
   const auto stopped = Clock::now();
-  REQUIRE(::kill(decode, SIGSTOP) == 0);
+  REQUIRE(SuspendAgent(decode) == "");
   const v1::TransferState state = WaitEnd(pair.prefill(), "open-stop");
   const int64_t ms = MillisSince(stopped);
   std::printf("SIGSTOP: peer hang -> transfer failed in %lld ms\n", static_cast<long long>(ms));

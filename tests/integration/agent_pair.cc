@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "cli/child_process.h"
 #include "client/fast_path.h"
 #include "fmt/format.h"
 #include "transport/base/format.h"
@@ -180,6 +181,11 @@ absl::Status WaitTransferring(cli::AgentClient& client, const std::string& id,
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+std::string SuspendAgent(pid_t pid) {
+  const absl::Status stopped = cli::SuspendChild(pid);
+  return stopped.ok() ? "" : stopped.ToString();
 }
 
 }  // namespace kvagent::testing

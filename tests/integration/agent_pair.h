@@ -77,6 +77,13 @@ const char* SubmitPath();
 absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
                                       const std::string& stdout_path = "/dev/null");
 
+// Hangs agent process `pid`: SIGSTOP, then waits until every one of its threads is
+// stopped (cli::SuspendChild). Returns "" once they are, else why not, so a test writes
+// REQUIRE(SuspendAgent(pid) == "") and Catch shows the reason. kill() alone returns
+// before the threads stop, and a peer that runs a moment longer can still acknowledge a
+// transfer the test expects to hang (directory_test failed so in CI).
+std::string SuspendAgent(pid_t pid);
+
 // Milliseconds from `start` (steady clock) to now: the fault tests' measured times.
 inline int64_t MillisSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -

@@ -218,7 +218,7 @@ TEST_CASE("directory: a stopped peer's lease expires, failing its transfer in fl
   // Stopped, not dead: its endpoint raises no error and polls are a minute apart; the
   // WRITE below waits for decode's acknowledgement with a 60 s deadline. Only the
   // directory (decode's lease, 2 s, no longer kept alive) can end it sooner.
-  REQUIRE(kill(decode.process.pid(), SIGSTOP) == 0);
+  REQUIRE(SuspendAgent(decode.process.pid()) == "");
   auto request = KvWrite("in-flight", {2}, {2}, "ready");
   request.set_timeout_ms(60000);
   REQUIRE(prefill.client->Submit(request).ok());

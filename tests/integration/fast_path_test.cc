@@ -59,20 +59,6 @@ FastCompletion ReapOne(FastPath& fast, uint32_t timeout_ms = 20000) {
   return got[0];
 }
 
-void WaitStopped(pid_t pid) {
-  for (int i = 0; i < 500; ++i) {
-    char path[64];
-    std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-    FILE* f = std::fopen(path, "r");
-    if (f == nullptr) return;
-    char state = '?';
-    [[maybe_unused]] int n = std::fscanf(f, "%*d %*s %c", &state);
-    std::fclose(f);
-    if (state == 'T' || state == 't') return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-}
-
 // For tests that SIGSTOP the decode agent: with the default 200 ms refresh a stopped
 // peer is marked unreachable (its transfers failed) within 1.2 s, which a loaded
 // machine can reach before the test's checks; 1 s polls put that at 6 s.
@@ -257,8 +243,7 @@ TEST_CASE("fast path: a stranger session can neither move nor cancel another eng
   CHECK_THAT(c.message, Contains("belongs to session:1"));
   CHECK(pair.PageUntouched(2));
   // The owner's transfer, in flight: the stranger's cancel does not find it.
-  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
-  WaitStopped(pair.decode_process().pid());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   auto owner_fast = OpenFast(pair.prefill());
   REQUIRE(owner_fast->Submit(KvWrite("owned", {3}, {4}), 7).ok());
   REQUIRE(fast->Cancel("owned", 2).ok());
@@ -317,8 +302,7 @@ TEST_CASE("fast path: a chunk completes when accepted, a cancel ends its transfe
 TEST_CASE("fast path: a deadline ends a transfer whose peer stopped answering") {
   AgentPair pair(StoppablePeer());
   auto fast = OpenFast(pair.prefill());
-  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
-  WaitStopped(pair.decode_process().pid());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   auto timed = KvWrite("to-time-out", {3}, {4});
   timed.set_timeout_ms(300);
   const auto start = std::chrono::steady_clock::now();
@@ -336,8 +320,7 @@ TEST_CASE("fast path: a deadline ends a transfer whose peer stopped answering") 
 TEST_CASE("fast path: a peer that dies fails the transfers in flight on the ring") {
   AgentPair pair(StoppablePeer());
   auto fast = OpenFast(pair.prefill());
-  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
-  WaitStopped(pair.decode_process().pid());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   REQUIRE(fast->Submit(KvWrite("doomed", {1}, {2}), 1).ok());
   WaitKnown(pair.prefill(), "doomed");
   REQUIRE(WaitTransferring(pair.prefill(), "doomed").ok());
@@ -356,8 +339,7 @@ TEST_CASE("fast path: a full ring refuses more and takes the rest once completio
   small.submission_slots = 8;
   small.completion_entries = 8;
   auto fast = OpenFast(pair.prefill(), small);
-  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
-  WaitStopped(pair.decode_process().pid());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   int accepted = 0;
   absl::Status full;
   for (int i = 0; i < 40; ++i) {
@@ -672,8 +654,7 @@ TEST_CASE("fast path: an entry published without its doorbell is still taken") {
 
 TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck transfer") {
   AgentPair pair(StoppablePeer());
-  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
-  WaitStopped(pair.decode_process().pid());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   const std::string session_path = pair.prefill_process().address().substr(5) + ".session";
   int ready[2];
   REQUIRE(pipe(ready) == 0);

@@ -20,6 +20,7 @@
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
+#include "tests/integration/agent_pair.h"
 #include "transport/base/format.h"
 
 namespace kvagent::testing {
@@ -350,7 +351,7 @@ TEST_CASE("READ of staged memory packs many small pages, and two agents reading 
 TEST_CASE("READ of a hung peer's staged memory ends by its deadline and drains; the agent "
           "reads again once the peer is back") {
   StagedPair pair(true, false, 80 << 10);
-  REQUIRE(kill(pair.prefill.pid(), SIGSTOP) == 0);
+  REQUIRE(SuspendAgent(pair.prefill.pid()) == "");
   std::vector<uint64_t> all;
   for (uint64_t i = 0; i < 16; ++i) all.push_back(i);
   auto request = Request("read-hung", "prefill", v1::READ, all, all);

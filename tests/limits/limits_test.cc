@@ -327,24 +327,9 @@ TEST_CASE("allocations are counted across calls and given back by FreeMemory") {
   HonestWrite(pair, "after-allocations", 7, 8);
 }
 
-// Waits until `pid` is stopped (state T in /proc/PID/stat): SIGSTOP is asynchronous,
-// and a peer still running for a moment could complete a transfer.
-void WaitStopped(pid_t pid) {
-  for (int i = 0; i < 1000; ++i) {
-    std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  FAIL(fmt::format("process {} did not stop", pid));
-}
-
 TEST_CASE("active transfers per owner are bounded while a peer is stopped") {
   AgentPair pair(WithArgs({"--max-active-transfers-per-owner", "8"}));
-  REQUIRE(kill(pair.decode_process().pid(), SIGSTOP) == 0);
-  WaitStopped(pair.decode_process().pid());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   std::vector<std::string> accepted;
   int refused = 0;
   for (int i = 0; i < 20; ++i) {

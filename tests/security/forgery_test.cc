@@ -479,7 +479,7 @@ TEST_CASE("forged UCX messages to an agent's worker are dropped, counted and del
 // SIGSTOPs an agent; SIGCONT on destruction, whatever failed in between.
 class Stopped {
  public:
-  explicit Stopped(pid_t pid) : pid_(pid) { REQUIRE(::kill(pid_, SIGSTOP) == 0); }
+  explicit Stopped(pid_t pid) : pid_(pid) { REQUIRE(SuspendAgent(pid_) == ""); }
   ~Stopped() { Resume(); }
   void Resume() {
     if (pid_ > 0) ::kill(pid_, SIGCONT);

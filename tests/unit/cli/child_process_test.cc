@@ -8,12 +8,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "catch2/catch.hpp"
+#include "fmt/format.h"
 #include "cli/bench_perftest.h"
 #include "cli/child_process.h"
 #include "cli/process_cpu.h"
@@ -105,6 +110,56 @@ TEST_CASE("CPU ticks of this process and its threads; a name with spaces and par
   std::ofstream(stat) << "42 (short) S 1 2\n";
   CHECK(ReadCpuTicks(stat).status().code() == absl::StatusCode::kInternal);
   CHECK(ReadCpuTicks(TempDir() + "/no-such-stat").status().code() == absl::StatusCode::kNotFound);
+}
+
+// The state letter of each thread of `pid`, read from /proc/PID/task/*/stat here.
+std::string ThreadStates(pid_t pid) {
+  std::string states;
+  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid))) {
+    std::ifstream stat(task.path() / "stat");
+    std::string line;
+    if (std::getline(stat, line)) states += line[line.rfind(')') + 2];
+  }
+  return states;
+}
+
+TEST_CASE("SuspendChild returns once every thread of the child is stopped, spinning ones too") {
+  int ready[2];
+  REQUIRE(pipe(ready) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // Four threads that spin: running on a CPU, not asleep, when SIGSTOP comes.
+    static std::atomic<bool> spin{true};
+    for (int i = 0; i < 4; ++i) {
+      std::thread([] {
+        while (spin.load(std::memory_order_relaxed)) {
+        }
+      }).detach();
+    }
+    [[maybe_unused]] ssize_t n = write(ready[1], "r", 1);
+    for (;;) pause();
+  }
+  close(ready[1]);
+  char byte;
+  REQUIRE(read(ready[0], &byte, 1) == 1);
+  close(ready[0]);
+  const absl::Status stopped = SuspendChild(child);
+  INFO(stopped.ToString());
+  CHECK(stopped.ok());
+  const std::string states = ThreadStates(child);
+  CHECK(states.size() == 5);
+  CHECK(states.find_first_not_of("Tt") == std::string::npos);
+  kill(child, SIGCONT);
+  kill(child, SIGKILL);
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+
+  // A process that is gone: an error naming the call and the pid.
+  const absl::Status gone = SuspendChild(child);
+  CHECK(!gone.ok());
+  CHECK(std::string(gone.message()).find(fmt::format("kill({}, SIGSTOP)", child)) !=
+        std::string::npos);
 }
 
 TEST_CASE("ParsePerftestGbps reads the Final line's overall bandwidth") {
