@@ -36,7 +36,7 @@ bool IsStaged(Route route) {
 //   a side is VRAM and the running UCX cannot move CUDA memory          -> refused
 //   otherwise                                                           -> UCX RMA
 absl::StatusOr<std::vector<Route>> RouteOps(const std::string& transfer_id, v1::TransferOp op,
-                                            const registry::TransferPlan& plan,
+                                            const planning::TransferPlan& plan,
                                             const PeerSnapshot& peer, bool stager, bool ucx_cuda) {
   std::vector<StagedRoute> staged;
   if (stager) {

@@ -16,10 +16,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "agent/copy_lanes.h"
-#include "agent/peer_manager.h"
+#include "agent/peer_snapshot.h"
 #include "agent/staging.h"
+#include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
-#include "registry/transfer_plan.h"
 
 namespace kvagent::agent {
 
@@ -42,7 +42,7 @@ bool IsStaged(Route route);
 // the rows). FAILED_PRECONDITION, naming the op's segment and the peer's region, when
 // an op touches VRAM that nothing here can reach. `stager`: host staging is there.
 absl::StatusOr<std::vector<Route>> RouteOps(const std::string& transfer_id, v1::TransferOp op,
-                                            const registry::TransferPlan& plan,
+                                            const planning::TransferPlan& plan,
                                             const PeerSnapshot& peer, bool stager, bool ucx_cuda);
 
 // One batch of one route.
@@ -51,7 +51,7 @@ struct DataBatch {
   std::string peer_name;
   v1::TransferOp op = v1::WRITE;
   Route route = Route::kUcxRma;
-  std::vector<registry::PlanOp> ops;
+  std::vector<planning::PlanOp> ops;
   uint64_t bytes = 0;
   std::shared_ptr<const PeerSnapshot> peer;  // the view the ops were planned against
   // True once the transfer stopped (cancel, deadline, lost peer); polled by paths that

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "agent/peer_snapshot.h"
 #include "agent/tls.h"
 #include "client/local_session.h"
 #include "proto/kvagent.grpc.pb.h"
@@ -56,66 +57,6 @@ void AllowPeerKeepalive(grpc::ServerBuilder* builder);
 // A peer channel's arguments: its own connection, a reconnect backoff near the poll
 // period and, with `keepalive` (metadata push on), the pings above.
 grpc::ChannelArguments PeerChannelArgs(bool keepalive);
-
-// Deletes on the worker thread: UCX endpoints and rkeys may be touched only there.
-template <typename T>
-std::shared_ptr<T> OwnedByWorker(transport::UcxWorker* worker, std::unique_ptr<T> object) {
-  return std::shared_ptr<T>(object.release(), [worker](T* p) {
-    if (worker->OnWorkerThread()) {
-      delete p;
-    } else {
-      worker->Post([p] { delete p; });
-    }
-  });
-}
-
-// Unpacked rkeys of one metadata version, indexed by RemoteRegion::rkey_slot.
-// A key is shared by the tables of consecutive versions of one endpoint (a delta
-// keeps the keys of the regions it did not change); tables die on the worker thread,
-// so the keys do too.
-struct RkeyTable {
-  std::shared_ptr<transport::Endpoint> endpoint;  // outlives the keys
-  std::vector<std::shared_ptr<const transport::RemoteKey>> keys;  // null: no rkey (staged)
-
-  const transport::RemoteKey& at(uint32_t slot) const {
-    static const transport::RemoteKey kNone;
-    return keys[slot] != nullptr ? *keys[slot] : kNone;
-  }
-};
-
-// The peer's memory mapped into this process (same-host peers), indexed by rkey
-// slot: host memory by mapping the descriptor the peer passed over its session
-// socket, VRAM regions by opening the peer's CUDA IPC handle. A null base means that
-// region goes through UCX.
-struct DirectMappings {
-  std::vector<uint8_t*> base_by_slot;
-  std::vector<std::shared_ptr<registry::ShmMapping>> mappings;
-  std::vector<std::string> memory_keys;  // identity of each shm mapping, for reuse
-  std::vector<std::shared_ptr<registry::CudaIpcMapping>> cuda_mappings;
-  std::vector<std::string> handles;  // identity of each cuda mapping, for reuse
-  bool complete = false;  // every region is mapped
-};
-
-// One consistent view of a peer: catalog, endpoint and keys of the same version.
-struct PeerSnapshot {
-  std::string name;
-  std::string address;
-  uint64_t incarnation = 0;
-  std::string worker_address;
-  bool same_host = false;
-  transport::ErrorMode error_mode = transport::ErrorMode::kNone;
-  std::string transports;
-  std::shared_ptr<const registry::RemoteCatalog> catalog;
-  std::shared_ptr<transport::Endpoint> endpoint;  // worker thread only
-  std::shared_ptr<RkeyTable> keys;                // worker thread only
-  std::shared_ptr<const DirectMappings> direct;   // null unless same-host shm-direct
-  // The secret the peer issued us (AgentMetadata.notify_secret): every UCX message we
-  // send it carries it.
-  std::string notify_secret;
-  // AgentMetadata.wire_features: the active messages beyond 1-5 the peer takes
-  // (agent/am_ids.h kWire*).
-  uint32_t wire_features = 0;
-};
 
 // How this agent reaches one peer's Peer service: a gRPC channel and, for a same-host
 // peer, the session on its local door (its token goes with every call; descriptors of

@@ -243,7 +243,7 @@ std::unique_ptr<DeviceCopier> MakeHostCopier() { return std::make_unique<HostCop
 
 absl::StatusOr<std::vector<StagedRoute>> Stager::Route(const std::string& transfer_id,
                                                        v1::TransferOp op,
-                                                       const registry::TransferPlan& plan,
+                                                       const planning::TransferPlan& plan,
                                                        const PeerSnapshot& peer) {
   // Local regions by base, to find each op's region.
   std::vector<const registry::Region*> locals;
@@ -262,7 +262,7 @@ absl::StatusOr<std::vector<StagedRoute>> Stager::Route(const std::string& transf
   bool any = false;
   const auto& remote_regions = peer.catalog->regions();
   for (size_t i = 0; i < plan.ops.size(); ++i) {
-    const registry::PlanOp& o = plan.ops[i];
+    const planning::PlanOp& o = plan.ops[i];
     if (peer.direct != nullptr && peer.direct->base_by_slot[o.rkey_slot] != nullptr) continue;
     const registry::RemoteRegion& remote = remote_regions[o.rkey_slot];
     if (remote.staged) {
@@ -384,8 +384,8 @@ struct Stager::Job {
   std::string transfer_id;
   v1::TransferOp op = v1::WRITE;
   StagedRoute route = StagedRoute::kNone;
-  std::vector<registry::PlanOp> ops;
-  std::vector<registry::StagingChunk> chunks;
+  std::vector<planning::PlanOp> ops;
+  std::vector<planning::StagingChunk> chunks;
   std::shared_ptr<const PeerSnapshot> peer;
   std::function<bool()> stopped;
   Done done;
@@ -399,7 +399,7 @@ struct Stager::Job {
 };
 
 void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute route,
-                 std::vector<registry::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
+                 std::vector<planning::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
                  std::function<bool()> stopped, Done done) {
   auto job = std::make_shared<Job>();
   job->transfer_id = transfer_id;
@@ -414,11 +414,11 @@ void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute 
     job->done(s, first_segment);
     return;
   }
-  registry::StagingPlanOptions plan_options;
+  planning::StagingPlanOptions plan_options;
   plan_options.chunk_bytes = pool_->chunk_bytes();
   plan_options.buffers = pool_->buffers();
   plan_options.max_pieces = options_.max_pieces;
-  auto chunks = registry::PlanStaging(job->ops, plan_options);
+  auto chunks = planning::PlanStaging(job->ops, plan_options);
   if (!chunks.ok()) {
     job->done(chunks.status(), first_segment);
     return;
@@ -474,7 +474,7 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
     StartRemoteRead(job, index, std::move(lease));
     return;
   }
-  const registry::StagingChunk& chunk = job->chunks[index];
+  const planning::StagingChunk& chunk = job->chunks[index];
   const int32_t segment = static_cast<int32_t>(chunk.pieces.front().segment);
   uint8_t* buffer = lease->data();
   const PeerSnapshot& peer = *job->peer;
@@ -539,7 +539,7 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
   }
   endpoint.Flush([this, job, lease, index, segment](absl::Status s) {
     if (s.ok()) {
-      const registry::StagingChunk& c = job->chunks[index];
+      const planning::StagingChunk& c = job->chunks[index];
       bool used_device = false;
       for (const auto& p : c.pieces) {
         const bool device = job->ops[p.op_index].local_device;
@@ -849,7 +849,7 @@ void Stager::Sweep() {
 
 void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
                              std::shared_ptr<StagingPool::Lease> lease) {
-  const registry::StagingChunk& chunk = job->chunks[index];
+  const planning::StagingChunk& chunk = job->chunks[index];
   ++job->in_flight;
   const uint64_t id = next_request_id_++;
   auto request = std::make_shared<ReadRequest>();
@@ -910,13 +910,13 @@ void Stager::CheckReads() {
 absl::Status Stager::PlaceReply(const ReadRequest& request, uint64_t offset, const uint8_t* data,
                                 uint64_t length) {
   const Job& job = *request.job;
-  const registry::StagingChunk& chunk = job.chunks[request.chunk];
+  const planning::StagingChunk& chunk = job.chunks[request.chunk];
   std::vector<uint64_t> lengths;
   lengths.reserve(chunk.pieces.size());
   for (const auto& p : chunk.pieces) lengths.push_back(p.length);
   bool used_device = false;
-  for (const registry::PieceSlice& slice : registry::SlicePieces(lengths, offset, length)) {
-    const registry::StagingPiece& p = chunk.pieces[slice.piece];
+  for (const planning::PieceSlice& slice : planning::SlicePieces(lengths, offset, length)) {
+    const planning::StagingPiece& p = chunk.pieces[slice.piece];
     const uint64_t dst = p.local_address + slice.piece_offset;
     // Planned against our registry at submit; checked again, since a region may have
     // been deregistered while the reply was on its way.
@@ -1077,20 +1077,20 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
         options_.self_name, message.length)));
   }
   const auto& regions = StagedRegions();
-  std::vector<registry::StagedRange> ranges;
+  std::vector<planning::StagedRange> ranges;
   ranges.reserve(regions.size());
   for (const auto& r : regions) {
-    ranges.push_back(registry::StagedRange{r.base, r.length, r.region->spec.name()});
+    ranges.push_back(planning::StagedRange{r.base, r.length, r.region->spec.name()});
   }
-  std::vector<registry::ReadPiece> pieces;
+  std::vector<planning::ReadPiece> pieces;
   pieces.reserve(std::min(header.pieces_size(), 65537));
   for (const auto& p : header.pieces()) {
     if (pieces.size() > 65536) break;  // CheckReadPieces refuses the count
-    pieces.push_back(registry::ReadPiece{p.remote_address(), p.length()});
+    pieces.push_back(planning::ReadPiece{p.remote_address(), p.length()});
   }
-  registry::ReadRequestLimits limits;
+  planning::ReadRequestLimits limits;
   limits.max_bytes = std::max(options_.max_chunk_message, options_.pool.chunk_bytes);
-  auto checked = registry::CheckReadPieces(pieces, ranges, limits, options_.self_name);
+  auto checked = planning::CheckReadPieces(pieces, ranges, limits, options_.self_name);
   if (!checked.ok()) return refuse(checked.status());
   if (absl::Status s = EnsurePool(); !s.ok()) return refuse(s);
 
@@ -1132,7 +1132,7 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
   for (const auto& p : request->pieces()) lengths.push_back(p.length());
   bool used_device = false;
   absl::Status s;
-  for (const registry::PieceSlice& slice : registry::SlicePieces(lengths, offset, length)) {
+  for (const planning::PieceSlice& slice : planning::SlicePieces(lengths, offset, length)) {
     const StagedRegion& source = (*sources)[slice.piece];
     const bool device = source.region->spec.memory() == v1::VRAM;
     used_device |= device;

@@ -23,12 +23,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/am_ids.h"
-#include "agent/peer_manager.h"
+#include "agent/peer_snapshot.h"
+#include "planning/staging_plan.h"
+#include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
 #include "registry/region_registry.h"
-#include "registry/staging_plan.h"
-#include "registry/transfer_plan.h"
 #include "transport/cuda_driver.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -163,7 +163,7 @@ class Stager {
   // region's memory path).
   static absl::StatusOr<std::vector<StagedRoute>> Route(const std::string& transfer_id,
                                                         v1::TransferOp op,
-                                                        const registry::TransferPlan& plan,
+                                                        const planning::TransferPlan& plan,
                                                         const PeerSnapshot& peer);
 
   // Worker thread: moves `ops` (all of `route`) and runs `done` once no chunk of
@@ -173,7 +173,7 @@ class Stager {
   // once it turns true the outstanding requests are abandoned (late replies are
   // dropped, nothing more is written to our memory) and `done` runs.
   void Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute route,
-           std::vector<registry::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
+           std::vector<planning::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
            std::function<bool()> stopped, Done done);
 
   // Worker thread: holds DATA_READY `n` (staged_bytes > 0) until that many bytes of its

@@ -49,7 +49,7 @@ std::string_view OpName(v1::TransferOp op) { return op == v1::READ ? "READ" : "W
 // region 'x'" or "peer 'p' region 'y'"; empty when none. Atomic loads only, and none
 // at all until the process caught its first fault.
 std::string BrokenMemory(const std::vector<registry::RegionPtr>& regions, const PeerSnapshot& peer,
-                         const std::vector<registry::PlanOp>& ops) {
+                         const std::vector<planning::PlanOp>& ops) {
   if (registry::FaultGuard::faults_caught() == 0) return "";
   for (const auto& region : regions) {
     if (region->mapping.broken()) return fmt::format("local region '{}'", region->spec.name());
@@ -337,7 +337,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
   }
   const uint64_t max_ops =
       options_.limits ? options_.limits->value(Limit::kOpsPerChunk) : UINT64_MAX;
-  auto plan = registry::PlanTransfer(*registry_, *(*peer)->catalog, request.segments(),
+  auto plan = planning::PlanTransfer(*registry_, *(*peer)->catalog, request.segments(),
                                      first_segment, request.op(), max_ops);
   if (!plan.ok()) {
     if (plan.status().code() == absl::StatusCode::kResourceExhausted && options_.limits) {
@@ -365,11 +365,11 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
   // key: a restarted peer's memory is new.
   const std::string destination_key =
       request.op() == v1::WRITE
-          ? fmt::format("{}#{:x}", registry::DestinationKey(request.op(), request.peer()),
+          ? fmt::format("{}#{:x}", planning::DestinationKey(request.op(), request.peer()),
                         (*peer)->incarnation)
-          : registry::DestinationKey(request.op(), request.peer());
-  const std::vector<registry::DestinationRange> destinations =
-      registry::DestinationRanges(*plan, request.op(), *(*peer)->catalog);
+          : planning::DestinationKey(request.op(), request.peer());
+  const std::vector<planning::DestinationRange> destinations =
+      planning::DestinationRanges(*plan, request.op(), *(*peer)->catalog);
 
   TransferPtr t;
   {
@@ -503,7 +503,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
   enum class Action { kNone, kOutcomeNotice, kNotify, kBatch };
   Action action = Action::kNone;
   std::shared_ptr<const PeerSnapshot> peer;
-  std::vector<registry::PlanOp> ops;
+  std::vector<planning::PlanOp> ops;
   uint64_t bytes = 0;
   v1::Notification notice;
   std::optional<v1::Notification> open;  // sent before the first batch
@@ -707,7 +707,7 @@ absl::Status TransferEngine::LocalRegionGone(const Transfer& t, const BatchOutco
 }
 
 absl::Status TransferEngine::MemoryLost(const Transfer& t, const PeerSnapshot& peer,
-                                        const std::vector<registry::PlanOp>& ops,
+                                        const std::vector<planning::PlanOp>& ops,
                                         int32_t segment) const {
   const std::string lost = BrokenMemory(t.pinned, peer, ops);
   if (lost.empty()) return absl::OkStatus();
@@ -925,7 +925,7 @@ std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::Transfer
 }
 
 absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op,
-                                       const registry::TransferPlan& plan,
+                                       const planning::TransferPlan& plan,
                                        const PeerSnapshot& peer, std::vector<Route>* routes) const {
   // Memory a caught fault broke stays refused until it is mapped anew: the local
   // region re-registered, or the peer's region re-registered (a new direct mapping).

@@ -23,20 +23,20 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/am_ids.h"
 #include "agent/copy_lanes.h"
 #include "agent/data_path.h"
 #include "agent/incoming.h"
 #include "agent/limits.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
-#include "agent/am_ids.h"
 #include "agent/peer_secrets.h"
 #include "agent/staging.h"
+#include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
-#include "registry/destination_ledger.h"
+#include "planning/destination_ledger.h"
 #include "registry/region_registry.h"
-#include "registry/transfer_plan.h"
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
@@ -154,7 +154,7 @@ class TransferEngine {
 
  private:
   struct Chunk {
-    registry::TransferPlan plan;
+    planning::TransferPlan plan;
     std::shared_ptr<const PeerSnapshot> peer;  // the catalog and keys the plan used
     size_t next_op = 0;
     std::vector<Route> routes;  // per op, chosen at submit (RouteOps)
@@ -265,13 +265,13 @@ class TransferEngine {
   // Also refuses (FAILED_PRECONDITION) a plan that uses memory a caught SIGBUS broke
   // (MemoryLost), until it is re-registered.
   absl::Status RouteChunk(const std::string& id, v1::TransferOp op,
-                          const registry::TransferPlan& plan, const PeerSnapshot& peer,
+                          const planning::TransferPlan& plan, const PeerSnapshot& peer,
                           std::vector<Route>* routes) const;
   // DATA_LOSS naming the memory when a SIGBUS caught by registry::FaultGuard broke a
   // local region `t` pins, or a region of the peer mapped here directly that `ops`
   // reach: the batch just moved read zeros or wrote into throwaway pages.
   absl::Status MemoryLost(const Transfer& t, const PeerSnapshot& peer,
-                          const std::vector<registry::PlanOp>& ops, int32_t segment) const
+                          const std::vector<planning::PlanOp>& ops, int32_t segment) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A failed batch's error, or ABORTED naming the local region when one `t` pins was
   // deregistered meanwhile (the outcome was ABORTED).
@@ -299,7 +299,7 @@ class TransferEngine {
   // Destination bytes each active transfer writes, per peer incarnation (WRITE) or here
   // (READ): overlapping writes, by two transfers or two chunks, are refused at submit.
   // Released when the transfer drained.
-  registry::DestinationLedger destinations_;
+  planning::DestinationLedger destinations_;
   // Ended with operations still posted: waiting for their drain (ExpireDrains).
   absl::flat_hash_set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   // StopUsersOf waits: ids still draining and the callback.

@@ -19,12 +19,12 @@
 #include "absl/strings/match.h"
 #include "fuzz/fuzz_check.h"
 #include "fuzz/fuzz_target.h"
+#include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
-#include "registry/destination_ledger.h"
+#include "planning/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
-#include "registry/transfer_plan.h"
 #include "transport/base/format.h"
 #include "transport/ucx_context.h"
 
@@ -161,7 +161,7 @@ void CountExpected(const Fixture& f, const v1::SubmitTransferRequest& request, u
 }
 
 // The pinned local region holding [address, +length), or null.
-const registry::Region* LocalRegion(const registry::TransferPlan& plan, uint64_t address,
+const registry::Region* LocalRegion(const planning::TransferPlan& plan, uint64_t address,
                                     uint64_t length) {
   for (const RegionPtr& region : plan.local_regions) {
     if (Inside(address, length, region->base_address, region->spec.length())) return region.get();
@@ -175,7 +175,7 @@ void Run(const v1::SubmitTransferRequest& request) {
   // The engine refuses other ops before planning; any other value plans as a WRITE.
   const v1::TransferOp op = request.op() == v1::READ ? v1::READ : v1::WRITE;
   auto plan =
-      registry::PlanTransfer(*f.registry, *f.catalog, request.segments(), first_segment, op);
+      planning::PlanTransfer(*f.registry, *f.catalog, request.segments(), first_segment, op);
   if (!plan.ok()) {
     const absl::Status& status = plan.status();
     FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument ||
@@ -192,7 +192,7 @@ void Run(const v1::SubmitTransferRequest& request) {
   }();
   uint64_t total = 0;
   uint32_t last_segment = first_segment;
-  for (const registry::PlanOp& op : plan->ops) {
+  for (const planning::PlanOp& op : plan->ops) {
     FUZZ_CHECK(op.length > 0, "empty op in segment {}", op.segment);
     FUZZ_CHECK(op.segment >= last_segment &&
                    op.segment < first_segment + static_cast<uint32_t>(request.segments_size()),
@@ -219,7 +219,7 @@ void Run(const v1::SubmitTransferRequest& request) {
   }
   // No destination byte is written twice: the peer's for WRITE, ours for READ.
   std::vector<std::pair<uint64_t, uint64_t>> destinations;
-  for (const registry::PlanOp& o : plan->ops) {
+  for (const planning::PlanOp& o : plan->ops) {
     destinations.emplace_back(op == v1::READ ? o.local_address : o.remote_address, o.length);
   }
   std::sort(destinations.begin(), destinations.end());
@@ -230,10 +230,10 @@ void Run(const v1::SubmitTransferRequest& request) {
   }
   // What the engine would claim covers the same bytes, by region name, and a ledger
   // holding nothing else accepts it.
-  const std::vector<registry::DestinationRange> ranges =
-      registry::DestinationRanges(*plan, op, *f.catalog);
+  const std::vector<planning::DestinationRange> ranges =
+      planning::DestinationRanges(*plan, op, *f.catalog);
   uint64_t claimed = 0;
-  for (const registry::DestinationRange& range : ranges) {
+  for (const planning::DestinationRange& range : ranges) {
     uint64_t region_length = 0;
     if (op == v1::READ) {
       const RegionPtr region = f.registry->Find(range.region);
@@ -251,9 +251,9 @@ void Run(const v1::SubmitTransferRequest& request) {
   }
   FUZZ_CHECK(claimed == plan->bytes, "destination ranges cover {} bytes, the plan moves {}",
              claimed, plan->bytes);
-  registry::DestinationLedger ledger;
+  planning::DestinationLedger ledger;
   const absl::Status claim =
-      ledger.Claim("fuzz", registry::DestinationKey(op, f.catalog->peer()), ranges);
+      ledger.Claim("fuzz", planning::DestinationKey(op, f.catalog->peer()), ranges);
   FUZZ_CHECK(claim.ok(), "a fresh ledger refuses the plan's destinations: {}", claim.message());
   FUZZ_CHECK(total == plan->bytes, "ops move {} bytes, plan says {}", total, plan->bytes);
   uint64_t bytes = 0;

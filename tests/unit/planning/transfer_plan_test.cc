@@ -1,4 +1,4 @@
-#include "registry/transfer_plan.h"
+#include "planning/transfer_plan.h"
 
 #include <memory>
 #include <string>
@@ -6,14 +6,19 @@
 #include "catch2/catch.hpp"
 #include "tests/unit/registry/test_util.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 namespace {
 
-using testing::MakeShm;
-using testing::Spec;
-
-using testing::Context;
-using testing::Registrant;
+using registry::Region;
+using registry::RegionPtr;
+using registry::RegionRegistry;
+using registry::RemoteCatalog;
+using registry::RemoteRegion;
+using registry::ShmMapping;
+using registry::testing::Context;
+using registry::testing::MakeShm;
+using registry::testing::Registrant;
+using registry::testing::Spec;
 
 // Two agents' registries in one process: local "prefill" and a catalog of "decode".
 // Both have group "kv" (k, v: 16 items of 256 bytes) and region "aux" (100 bytes);
@@ -489,4 +494,4 @@ TEST_CASE("A plan with many distinct destination pages is accepted") {
 }
 
 }  // namespace
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

@@ -1,4 +1,4 @@
-#include "registry/transfer_plan.h"
+#include "planning/transfer_plan.h"
 
 #include <algorithm>
 #include <functional>
@@ -13,7 +13,13 @@
 #include "fmt/format.h"
 #include "transport/base/text.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
+
+using registry::Region;
+using registry::RegionPtr;
+using registry::RegionRegistry;
+using registry::RemoteCatalog;
+using registry::RemoteRegion;
 namespace {
 
 // At most this many names in one list: enough to spot a typo without flooding the
@@ -549,4 +555,4 @@ void Coalesce(std::vector<PlanOp>* ops) {
   ops->resize(out + 1);
 }
 
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

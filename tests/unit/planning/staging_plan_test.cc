@@ -1,4 +1,4 @@
-#include "registry/staging_plan.h"
+#include "planning/staging_plan.h"
 
 #include <algorithm>
 #include <map>
@@ -7,7 +7,7 @@
 
 #include "catch2/catch.hpp"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 namespace {
 
 PlanOp Op(uint64_t local, uint64_t remote, uint64_t length, uint32_t segment = 0) {
@@ -182,10 +182,10 @@ TEST_CASE("randomized batches are covered byte by byte") {
 }
 
 }  // namespace
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning
 
 // --- READ of a peer's staged memory: the serving agent's checks of untrusted pieces ---
-namespace kvagent::registry {
+namespace kvagent::planning {
 namespace {
 
 const std::vector<StagedRange> kRanges = {{0x10000, 0x1000, "a.L0.K"}, {0x20000, 0x2000, "a.L0.V"}};
@@ -278,4 +278,4 @@ TEST_CASE("SlicePieces maps a byte range of pieces laid end to end onto the piec
 }
 
 }  // namespace
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

@@ -1,4 +1,4 @@
-#include "registry/destination_ledger.h"
+#include "planning/destination_ledger.h"
 
 #include <algorithm>
 #include <iterator>
@@ -9,7 +9,11 @@
 #include "fmt/format.h"
 #include "transport/base/text.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
+
+using registry::Region;
+using registry::RegionPtr;
+using registry::RemoteCatalog;
 
 namespace {
 
@@ -269,4 +273,4 @@ size_t DestinationLedger::claimed_ranges() const {
   return claimed_;
 }
 
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

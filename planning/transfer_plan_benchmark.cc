@@ -3,7 +3,7 @@
 // coalesce to 64 (contiguous indices) or stay 1M (scattered); and of what the engine
 // adds per chunk to keep destinations apart (DestinationRanges + a DestinationLedger
 // claim and release). A cc_binary, not a test:
-// `bazel run -c opt //registry:transfer_plan_benchmark` (docs/BENCHMARKS.md).
+// `bazel run -c opt //planning:transfer_plan_benchmark` (docs/BENCHMARKS.md).
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,17 +17,23 @@
 
 #include "benchmark/benchmark.h"
 #include "fmt/format.h"
+#include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
-#include "registry/destination_ledger.h"
+#include "planning/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
-#include "registry/transfer_plan.h"
 #include "transport/base/format.h"
 #include "transport/ucx_context.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 namespace {
+
+using registry::MemoryObject;
+using registry::RegionRegistry;
+using registry::RegisterContext;
+using registry::RemoteCatalog;
+using registry::ShmMapping;
 
 constexpr uint32_t kRegions = 64;
 constexpr uint64_t kItems = 16384;   // per region: 64 x 16384 = 1M pages per transfer
@@ -177,6 +183,6 @@ void BM_DestinationClaim(benchmark::State& state) {
 BENCHMARK(BM_DestinationClaim)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 }  // namespace
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning
 
 BENCHMARK_MAIN();

@@ -1,4 +1,4 @@
-#include "registry/destination_ledger.h"
+#include "planning/destination_ledger.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,13 +10,16 @@
 #include "fmt/format.h"
 #include "tests/unit/registry/test_util.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 namespace {
 
-using testing::Context;
-using testing::MakeShm;
-using testing::Registrant;
-using testing::Spec;
+using registry::RegionRegistry;
+using registry::RemoteCatalog;
+using registry::ShmMapping;
+using registry::testing::Context;
+using registry::testing::MakeShm;
+using registry::testing::Registrant;
+using registry::testing::Spec;
 
 std::string Refused(const absl::Status& status,
                     absl::StatusCode code = absl::StatusCode::kFailedPrecondition) {
@@ -269,4 +272,4 @@ TEST_CASE("DestinationRanges sorts thousands of scattered pages per region") {
 }
 
 }  // namespace
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

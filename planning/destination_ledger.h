@@ -13,11 +13,11 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
 #include "registry/remote_catalog.h"
-#include "registry/transfer_plan.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 
 // Bytes [begin, end) of the destination region named `region` (by name, as transfers
 // address regions; offsets from the region's start).
@@ -34,7 +34,7 @@ struct DestinationRange {
 // is contiguous on the destination side is one range. About linear in the plan's ops
 // (a radix sort per region): ~20 ms for 1M scattered pages (transfer_plan_benchmark).
 std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::TransferOp op,
-                                                const RemoteCatalog& remote);
+                                                const registry::RemoteCatalog& remote);
 
 // The ledger key of a transfer's destination: "peer:<name>" for WRITE (the peer's
 // memory), "local" for READ (this agent's memory, whichever peer it is read from).
@@ -101,4 +101,4 @@ class DestinationLedger {
   size_t claimed_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "registry/transfer_plan.h"
+#include "planning/transfer_plan.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 
 // One contiguous piece of one operation, placed at `buffer_offset` in a bounce buffer.
 struct StagingPiece {
@@ -87,4 +87,4 @@ struct PieceSlice {
 std::vector<PieceSlice> SlicePieces(const std::vector<uint64_t>& piece_lengths, uint64_t offset,
                                     uint64_t length);
 
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

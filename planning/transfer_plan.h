@@ -12,7 +12,7 @@
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 
 struct PlanOp {
   uint64_t local_address = 0;
@@ -28,7 +28,7 @@ struct TransferPlan {
   std::vector<PlanOp> ops;               // coalesced, in segment order
   uint64_t bytes = 0;
   uint64_t items = 0;                    // items named by item segments (pages, slots)
-  std::vector<RegionPtr> local_regions;  // pinned for the life of the transfer
+  std::vector<registry::RegionPtr> local_regions;  // pinned for the life of the transfer
 };
 
 // Plans `segments` of a transfer whose direction is `op` (WRITE or READ, else
@@ -58,9 +58,9 @@ struct TransferPlan {
 // same destination group, byte segments overlapping each other or an item that an
 // item segment writes in the same region. O(n log n) in the indices and byte ranges
 // named. Writes across chunks and concurrent transfers are the DestinationLedger's
-// (registry/destination_ledger.h).
+// (planning/destination_ledger.h).
 absl::StatusOr<TransferPlan> PlanTransfer(
-    const RegionRegistry& local, const RemoteCatalog& remote,
+    const registry::RegionRegistry& local, const registry::RemoteCatalog& remote,
     const google::protobuf::RepeatedPtrField<v1::Segment>& segments, uint32_t first_segment,
     v1::TransferOp op, uint64_t max_ops = UINT64_MAX);
 
@@ -68,4 +68,4 @@ absl::StatusOr<TransferPlan> PlanTransfer(
 // continue each other and they use the same rkey slot. Keeps order.
 void Coalesce(std::vector<PlanOp>* ops);
 
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning

@@ -1,11 +1,11 @@
-#include "registry/staging_plan.h"
+#include "planning/staging_plan.h"
 
 #include <algorithm>
 #include <limits>
 
 #include "fmt/format.h"
 
-namespace kvagent::registry {
+namespace kvagent::planning {
 
 absl::StatusOr<std::vector<StagingChunk>> PlanStaging(const std::vector<PlanOp>& ops,
                                                        const StagingPlanOptions& options) {
@@ -124,4 +124,4 @@ std::vector<PieceSlice> SlicePieces(const std::vector<uint64_t>& piece_lengths, 
   return slices;
 }
 
-}  // namespace kvagent::registry
+}  // namespace kvagent::planning
