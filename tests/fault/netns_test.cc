@@ -456,7 +456,7 @@ void LinkCutCase(const std::string& error_mode, const std::string& expected_mode
     CHECK(refused.status().code() == absl::StatusCode::kUnavailable);
     CHECK_THAT(std::string(refused.status().message()),
                Catch::Contains("peer 'decode'") && Catch::Contains("unreachable"));
-    CHECK(ms < 200);
+    CHECK(ms < 500);  // at once: one round trip, no timeout (see peer_fault_test)
   }
   CHECK(pair->DecodePeerState() == "unreachable");
 

@@ -89,7 +89,10 @@ void CheckSubmitFailsFast(AgentPair& pair, const std::string& label) {
   CHECK(refused.status().code() == absl::StatusCode::kUnavailable);
   CHECK_THAT(std::string(refused.status().message()),
              Catch::Contains("peer 'decode'") && Catch::Contains("unreachable"));
-  CHECK(ms < 100);
+  // At once: refused on the peer's state, not after a timeout (those are 2 s and up).
+  // One gRPC round trip, which takes 1-5 ms here and more under ASan on a loaded CI
+  // machine: 500 ms leaves it room and still tells the two apart.
+  CHECK(ms < 500);
 }
 
 TEST_CASE("a killed peer fails the open transfer within 2 s, and new submits at once") {
