@@ -308,7 +308,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     return self->engine_->Cancel(transfer_id, caller);
   };
   agent->fast_path_ = std::make_unique<FastPathServer>(fast_options, std::move(backend));
-  agent->fast_path_->Start();
+  agent->fast_path_->Start(agent->worker_.get());  // entries taken on the UCX thread
   agent->deps_.fast_path = agent->fast_path_.get();
 
   // The local door: sessions first (their tokens open the gRPC socket), then gRPC.

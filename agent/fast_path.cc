@@ -25,6 +25,10 @@ constexpr log::Logger kLog("fast-path");
 namespace fr = client::fastring;
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kSpinsPerClockRead = 16;
+// Entries taken from one ring per look: the taking thread is the UCX worker's, whose
+// messages (acknowledgements among them) wait while it plans; a burst is taken over
+// several looks, each one round of the engine (its notices still batched).
+constexpr uint32_t kEntriesPerLook = 256;
 
 absl::Status Errno(const char* what) {
   return absl::ResourceExhaustedError(
@@ -136,14 +140,20 @@ FastPathServer::FastPathServer(FastPathOptions options, FastPathBackend backend)
 
 FastPathServer::~FastPathServer() { Stop(); }
 
-void FastPathServer::Start() {
+void FastPathServer::Start(transport::UcxWorker* worker) {
+  if (worker != nullptr) {
+    worker_ = worker;
+    worker_->SetPoller(this);
+    return;
+  }
   thread_ = std::thread([this] { Run(); });
 }
 
 void FastPathServer::Stop() {
-  stopping_.store(true);
+  if (stopping_.exchange(true)) return;
   fr::RingDoorbell(wake_fd_.get());
   if (thread_.joinable()) thread_.join();
+  if (worker_ != nullptr) worker_->SetPoller(nullptr);
 }
 
 FastPathCounters FastPathServer::counters() const {
@@ -306,7 +316,9 @@ bool FastPathServer::Drain(const std::shared_ptr<Ring>& ring) {
     return false;
   }
   bool took = false;
-  while (available > 0 && !ring->closed.load(std::memory_order_acquire)) {
+  for (uint32_t taken = 0; available > 0 && taken < kEntriesPerLook &&
+                           !ring->closed.load(std::memory_order_acquire);
+       ++taken) {
     const uint32_t index = ring->sq_head & (slots - 1);
     fr::SubmissionHeader header;
     std::memcpy(&header, ring->slot(index), sizeof(header));
@@ -374,24 +386,68 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
   }
 }
 
+bool FastPathServer::Poll() {
+  if (stopping_.load(std::memory_order_relaxed)) return false;
+  if (const uint64_t now = generation_.load(); now != seen_) {
+    polled_ = Snapshot();
+    seen_ = now;
+  }
+  bool took = false;
+  for (const auto& ring : polled_) {
+    if (!ring->closed.load(std::memory_order_acquire)) took |= Drain(ring);
+  }
+  return took;
+}
+
+bool FastPathServer::PrepareSleep() {
+  // Asleep: clients ring the doorbell from now on. Look once more after saying so (an
+  // entry published just before would otherwise wait for idle_poll_ms). seq_cst RMW,
+  // then seq_cst loads of the client's counters in Ready(): a client that stored
+  // sq_tail or cq_head (seq_cst) before it read the flag is seen here, or it sees the
+  // flag and rings.
+  for (const auto& ring : polled_) {
+    ring->header->agent_flags.value.fetch_or(fr::kSleeping, std::memory_order_seq_cst);
+  }
+  for (const auto& ring : polled_) {
+    if (!ring->closed.load(std::memory_order_acquire) && ring->Ready()) return false;
+  }
+  return true;
+}
+
+void FastPathServer::Woke() {
+  // The doorbells that rang (level-triggered: each is read back to zero).
+  epoll_event events[64];
+  const int n = epoll_wait(epoll_fd_.get(), events, 64, 0);
+  for (int i = 0; i < n; ++i) {
+    if (events[i].data.u64 == 0) {
+      fr::DrainDoorbell(wake_fd_.get());
+      continue;
+    }
+    for (const auto& ring : polled_) {
+      if (ring->session_id == events[i].data.u64) fr::DrainDoorbell(ring->submit_fd.get());
+    }
+  }
+  for (const auto& ring : polled_) {
+    ring->header->agent_flags.value.fetch_and(~fr::kSleeping);
+  }
+}
+
+int FastPathServer::fd() const { return epoll_fd_.get(); }
+
+int FastPathServer::SleepTimeoutMs() const {
+  // With no ring open there is nothing to look at: sleep until Open or Stop rings.
+  return polled_.empty() ? -1 : static_cast<int>(options_.idle_poll_ms);
+}
+
+uint32_t FastPathServer::spin_us() const { return options_.spin_us; }
+
 void FastPathServer::Run() {
   pthread_setname_np(pthread_self(), "fast-path");
-  std::vector<std::shared_ptr<Ring>> rings;
-  uint64_t seen = ~uint64_t{0};
   const auto spin = std::chrono::microseconds(options_.spin_us);
   auto last_work = Clock::now();
   uint32_t spins = 0;
-  epoll_event events[64];
   while (!stopping_.load(std::memory_order_relaxed)) {
-    if (const uint64_t now = generation_.load(); now != seen) {
-      rings = Snapshot();
-      seen = now;
-    }
-    bool took = false;
-    for (const auto& ring : rings) {
-      if (!ring->closed.load(std::memory_order_acquire)) took |= Drain(ring);
-    }
-    if (took) {
+    if (Poll()) {
       last_work = Clock::now();
       spins = 0;
       continue;
@@ -403,35 +459,12 @@ void FastPathServer::Run() {
       fr::CpuRelax();
       continue;
     }
-    // Asleep: clients ring the doorbell from now on. Look once more after saying so
-    // (an entry published just before would otherwise wait for idle_poll_ms).
-    // seq_cst RMW, then seq_cst loads of the client's counters in Ready(): a client
-    // that stored sq_tail or cq_head (seq_cst) before it read the flag is seen here,
-    // or it sees the flag and rings.
-    for (const auto& ring : rings) {
-      ring->header->agent_flags.value.fetch_or(fr::kSleeping, std::memory_order_seq_cst);
+    if (PrepareSleep()) {
+      epoll_event event;
+      // Woke() takes the doorbells back; this only waits for one.
+      epoll_wait(epoll_fd_.get(), &event, 1, SleepTimeoutMs());
     }
-    bool ready = false;
-    for (const auto& ring : rings) {
-      if (!ring->closed.load(std::memory_order_acquire) && ring->Ready()) ready = true;
-    }
-    if (!ready) {
-      // With no ring open there is nothing to look at: sleep until Open or Stop.
-      const int timeout = rings.empty() ? -1 : static_cast<int>(options_.idle_poll_ms);
-      const int n = epoll_wait(epoll_fd_.get(), events, 64, timeout);
-      for (int i = 0; i < n; ++i) {
-        if (events[i].data.u64 == 0) {
-          fr::DrainDoorbell(wake_fd_.get());
-          continue;
-        }
-        for (const auto& ring : rings) {
-          if (ring->session_id == events[i].data.u64) fr::DrainDoorbell(ring->submit_fd.get());
-        }
-      }
-    }
-    for (const auto& ring : rings) {
-      ring->header->agent_flags.value.fetch_and(~fr::kSleeping);
-    }
+    Woke();
     last_work = Clock::now();
   }
 }

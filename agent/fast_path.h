@@ -2,9 +2,11 @@
 // layout in client/fast_ring.h). A session opens one ring pair over the session
 // socket; one thread takes submission entries from every open ring, hands them to the
 // same submit and cancel paths as the gRPC API (as the session's caller), and posts
-// each transfer's outcome on the completion ring when it ends. The thread polls for
-// spin_us after the last entry it took, then sleeps on the rings' doorbells (and
-// wakes every idle_poll_ms regardless, so a lost doorbell costs at most that).
+// each transfer's outcome on the completion ring when it ends. In the agent that
+// thread is the UCX worker's (a WorkerPoller: a submission's plan, data and messages
+// then run on the thread that sends them, with no wake-up between), else its own. It
+// polls for spin_us after the last entry it took, then sleeps on the rings' doorbells
+// (and wakes every idle_poll_ms regardless, so a lost doorbell costs at most that).
 // Everything the client can write is untrusted (see client/fast_ring.h). Used by
 // agent/agent (LocalDoor opens and closes rings for sessions).
 #pragma once
@@ -24,6 +26,7 @@
 #include "agent/access.h"
 #include "proto/kvagent.pb.h"
 #include "transport/base/unique_fd.h"
+#include "transport/ucx_worker.h"
 
 namespace kvagent::agent {
 
@@ -49,17 +52,28 @@ struct FastPathCounters {
   uint64_t protocol_errors = 0;  // rings closed because their client broke the protocol
 };
 
-class FastPathServer {
+class FastPathServer final : public transport::WorkerPoller {
  public:
   FastPathServer(FastPathOptions options, FastPathBackend backend);
   ~FastPathServer();
   FastPathServer(const FastPathServer&) = delete;
   FastPathServer& operator=(const FastPathServer&) = delete;
 
-  void Start();
-  // Stops taking entries (idempotent). Completions of transfers still running are
-  // posted when they end, as long as their ring's session is open.
+  // Takes entries on `worker`'s thread (its poller), or on a thread of its own when
+  // null (tests, fuzzers).
+  void Start(transport::UcxWorker* worker = nullptr);
+  // Stops taking entries (idempotent; before the worker goes). Completions of
+  // transfers still running are posted when they end, as long as their ring's session
+  // is open.
   void Stop();
+
+  // transport::WorkerPoller, on the taking thread.
+  bool Poll() override;
+  bool PrepareSleep() override;
+  void Woke() override;
+  int fd() const override;
+  int SleepTimeoutMs() const override;
+  uint32_t spin_us() const override;
 
   // Opens the ring pair of `session_id` for `caller` (engine or scheduler role; one
   // per session). Fills `fds` with the ring file, the submission doorbell and the
@@ -89,7 +103,11 @@ class FastPathServer {
   const FastPathBackend backend_;
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;  // eventfd: Stop() and Open() wake the thread
-  std::thread thread_;
+  std::thread thread_;        // without a worker
+  transport::UcxWorker* worker_ = nullptr;  // whose thread takes the entries, else null
+  // The taking thread's: the rings as of generation seen_.
+  std::vector<std::shared_ptr<Ring>> polled_;
+  uint64_t seen_ = ~uint64_t{0};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> entries_{0};
   std::atomic<uint64_t> protocol_errors_{0};

@@ -157,6 +157,92 @@ void PrintLatency(const Latency& l, bool json, const std::optional<double>& load
   }
 }
 
+// Active messages an agent's worker sent, by kind (GetStatus.active_messages); empty
+// when the status is unreadable (the figures are then not printed).
+std::map<std::string, uint64_t> AmSent(AgentClient& agent) {
+  std::map<std::string, uint64_t> sent;
+  auto status = agent.Status();
+  if (!status.ok()) return sent;
+  for (const auto& am : status->active_messages()) sent[am.kind()] = am.sent();
+  return sent;
+}
+
+// Adds after - before, kind by kind, into `total`.
+void AddAmDelta(const std::map<std::string, uint64_t>& before,
+                const std::map<std::string, uint64_t>& after, std::map<std::string, uint64_t>* total) {
+  for (const auto& [kind, n] : after) {
+    auto was = before.find(kind);
+    (*total)[kind] += n - (was == before.end() ? 0 : std::min(n, was->second));
+  }
+}
+
+// "kind a.bb, kind c.dd" per transfer, and the sum.
+std::string AmPerTransfer(const std::map<std::string, uint64_t>& sent, uint64_t transfers,
+                          double* sum) {
+  std::string out;
+  *sum = 0;
+  for (const auto& [kind, n] : sent) {
+    if (n == 0 || transfers == 0) continue;
+    const double per = static_cast<double>(n) / transfers;
+    *sum += per;
+    out += fmt::format("{}{} {:.2f}", out.empty() ? "" : ", ", kind, per);
+  }
+  return out.empty() ? "none" : out;
+}
+
+// Each thread's voluntary context switches (/proc/PID/task/TID/status): the times it
+// slept and was woken. By thread name (threads of one name summed); empty when the
+// process is gone.
+std::map<std::string, uint64_t> ThreadWakeups(pid_t pid) {
+  std::map<std::string, uint64_t> out;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+    std::ifstream status(task.path() / "status");
+    std::string line, name;
+    uint64_t switches = 0;
+    while (std::getline(status, line)) {
+      if (line.rfind("Name:", 0) == 0) {
+        name = line.substr(5);
+        name.erase(0, name.find_first_not_of(" \t"));
+      } else if (line.rfind("voluntary_ctxt_switches:", 0) == 0) {
+        switches = std::strtoull(line.c_str() + 24, nullptr, 10);
+      }
+    }
+    if (!name.empty()) out[name] += switches;
+  }
+  return out;
+}
+
+// "thread 1.02, thread 0.98" per transfer, the threads woken at least 0.05 times each.
+std::string WakeupsPerTransfer(const std::map<std::string, uint64_t>& wakeups, uint64_t transfers) {
+  std::vector<std::pair<double, std::string>> busy;
+  for (const auto& [name, n] : wakeups) {
+    const double per = transfers ? static_cast<double>(n) / transfers : 0;
+    if (per >= 0.05) busy.emplace_back(per, name);
+  }
+  std::sort(busy.rbegin(), busy.rend());
+  std::string out;
+  for (const auto& [per, name] : busy) out += fmt::format("{}{} {:.2f}", out.empty() ? "" : ", ", name, per);
+  return out.empty() ? "none" : out;
+}
+
+// The median offset (us after the transfer's first stage) of each stage reached in
+// `states`' timelines, "stage 12, stage 40, ..." in the stages' order.
+std::string StageMedians(const std::vector<v1::TransferState>& states) {
+  std::map<int, std::vector<double>> at;
+  for (const auto& s : states) {
+    for (const auto& e : s.timeline()) at[e.stage()].push_back(static_cast<double>(e.at_us()));
+  }
+  std::string out;
+  for (auto& [stage, us] : at) {
+    std::string name = v1::TransferStage_Name(static_cast<v1::TransferStage>(stage));
+    if (name.rfind("STAGE_", 0) == 0) name = name.substr(6);
+    for (auto& c : name) c = c == '_' ? ' ' : static_cast<char>(std::tolower(c));
+    out += fmt::format("{}{} {:.0f}", out.empty() ? "" : ", ", name, Percentile(us, 50));
+  }
+  return out.empty() ? "none" : out;
+}
+
 // Target lines: "met" / "not met" with the figure.
 std::string Verdict(bool met) { return met ? "met" : "NOT met"; }
 
@@ -371,10 +457,18 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       {"fast_ping", "fast Ping + Reap, back to back (ring only)", {}, {}},
       {"fast_ping_idle", "fast Ping + Reap after 1 ms idle (wake-ups)", {}, {}},
   };
+  // The fast notified transfers' active messages (initiator, target) and timelines.
+  std::map<std::string, uint64_t> am_sent[2];
+  uint64_t am_transfers = 0;
+  std::vector<v1::TransferState> stages[2];
+  // Their threads' wake-ups (agents started here only).
+  const bool here = options.initiator_pid != 0 && options.target_pid != 0;
+  std::map<std::string, uint64_t> wakeups[2];
   {
     std::unique_ptr<NotificationWaiter> drain =
         StartDrain(options.target_address, prefix + "l", options.timeout_ms);
     uint64_t notified = 0;
+    AgentClient target(options.target_address, options.timeout_ms);
     uint64_t page = 0;
     auto one = [&](bool notify) {
       return [&, notify](uint32_t, uint64_t) { return options.one_page(page++, notify); };
@@ -404,10 +498,29 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       for (int path = 1; path <= 2; ++path) {
         const bool notify = path == 1;
         const uint64_t warm = r == 0 ? 50 : 0;
+        // The active messages a lone notified transfer costs, both agents' workers.
+        std::map<std::string, uint64_t> am_before[2];
+        std::map<std::string, uint64_t> wake_before[2];
+        if (notify) {
+          am_before[0] = AmSent(initiator), am_before[1] = AmSent(target);
+          if (here) {
+            wake_before[0] = ThreadWakeups(options.initiator_pid);
+            wake_before[1] = ThreadWakeups(options.target_pid);
+          }
+        }
         ASSIGN_OR_RETURN(FastRun run, (*ring)->Run(fmt::format("{}l{}.{}.", prefix, path, r), 1,
                                                    per_round + warm, 0, per_round + warm,
                                                    one(notify)));
-        if (notify) notified += run.transfers;
+        if (notify) {
+          notified += run.transfers;
+          am_transfers += run.transfers;
+          AddAmDelta(am_before[0], AmSent(initiator), &am_sent[0]);
+          AddAmDelta(am_before[1], AmSent(target), &am_sent[1]);
+          if (here) {
+            AddAmDelta(wake_before[0], ThreadWakeups(options.initiator_pid), &wakeups[0]);
+            AddAmDelta(wake_before[1], ThreadWakeups(options.target_pid), &wakeups[1]);
+          }
+        }
         latency[path].us.insert(latency[path].us.end(), run.latencies_us.begin() + warm,
                                 run.latencies_us.end());
         latency[path].agent_us.insert(latency[path].agent_us.end(), run.agent_us.begin() + warm,
@@ -428,6 +541,14 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
           "{} of {} latency transfers' notifications did not reach the target's client", missing,
           notified));
     }
+    // Where a lone notified transfer's time goes: the stages of the last round's last
+    // (up to) 200, on the sender and on the receiver (each from its own first stage).
+    const uint64_t sample = std::min<uint64_t>(per_round, 200);
+    for (uint64_t n = per_round - sample; n < per_round; ++n) {
+      const std::string id = fmt::format("{}l1.{}.0.{}", prefix, rounds - 1, n);
+      if (auto s = initiator.Get(id); s.ok()) stages[0].push_back(*std::move(s));
+      if (auto s = target.Get(id); s.ok()) stages[1].push_back(*std::move(s));
+    }
   }
   const std::optional<double> load_latency = LoadAverage();
   if (!json) {
@@ -436,6 +557,31 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     std::printf("  %-44s %6s %9s %9s %9s\n", "", "n", "p50", "p99", "p999");
   }
   for (const auto& l : latency) PrintLatency(l, json, load_latency);
+  double am_initiator = 0, am_target = 0;
+  const std::string am_text[2] = {AmPerTransfer(am_sent[0], am_transfers, &am_initiator),
+                                  AmPerTransfer(am_sent[1], am_transfers, &am_target)};
+  if (json) {
+    std::printf("{\"kind\": \"fast_lone_transfer\", \"transfers\": %llu, "
+                "\"active_messages_per_transfer\": %.2f, \"initiator_sent\": \"%s\", "
+                "\"target_sent\": \"%s\", \"initiator_stages_p50_us\": \"%s\", "
+                "\"target_stages_p50_us\": \"%s\"}\n",
+                static_cast<unsigned long long>(am_transfers), am_initiator + am_target,
+                am_text[0].c_str(), am_text[1].c_str(), StageMedians(stages[0]).c_str(),
+                StageMedians(stages[1]).c_str());
+  } else {
+    std::printf("  one notified transfer at a time: %.2f active messages each (initiator sent: "
+                "%s; target sent: %s)\n",
+                am_initiator + am_target, am_text[0].c_str(), am_text[1].c_str());
+    if (here) {
+      std::printf("  thread wake-ups per transfer: initiator %s; target %s\n",
+                  WakeupsPerTransfer(wakeups[0], am_transfers).c_str(),
+                  WakeupsPerTransfer(wakeups[1], am_transfers).c_str());
+    }
+    std::printf("  its stages, median us after accepted (%zu sampled): %s\n", stages[0].size(),
+                StageMedians(stages[0]).c_str());
+    std::printf("  the receiver's, after its first notice of it (%zu): %s\n", stages[1].size(),
+                StageMedians(stages[1]).c_str());
+  }
 
   // 2. Rate: one-page WRITEs with notifications, 64 in flight per client, reaped in
   // batches; 1 client, then 2 (two sessions, two threads).
@@ -462,7 +608,6 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     std::vector<absl::StatusOr<FastRun>> runs(clients, absl::UnknownError("not run"));
     const uint64_t span = clients * kDepth;
     const uint64_t per_lane = std::max<uint64_t>(1, options.pages / span);
-    const bool here = options.initiator_pid != 0 && options.target_pid != 0;
     std::map<std::string, CpuTicks> cpu_before[2];
     if (here) {
       cpu_before[0] = ThreadCpuTicks(options.initiator_pid);

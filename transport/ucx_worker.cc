@@ -476,20 +476,49 @@ void UcxWorker::ReapRequests() {
   }
 }
 
+void UcxWorker::SetPoller(WorkerPoller* poller) {
+  RunSync([this, poller] {
+    if (poller_fd_ >= 0) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, poller_fd_, nullptr);
+    poller_ = poller;
+    poller_fd_ = -1;
+    if (poller == nullptr) return;
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.fd = poller->fd();
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, poller->fd(), &event) == 0) {
+      poller_fd_ = poller->fd();
+    } else {
+      // Still polled every loop and at its sleep timeout; only its doorbell is lost.
+      kLog.Error("UCX worker '{}': epoll_ctl for the poller's descriptor failed: {}; it is "
+                 "looked at every {} ms instead",
+                 name_, std::strerror(errno), poller->SleepTimeoutMs());
+    }
+  });
+}
+
 void UcxWorker::Loop() {
   std::string thread_name = name_.substr(0, 15);  // the kernel's limit
   pthread_setname_np(pthread_self(), thread_name.c_str());
-  epoll_event events[2];
+  epoll_event events[3];
   const auto spin = std::chrono::microseconds(spin_us_);
   auto last_work = std::chrono::steady_clock::now();
+  auto last_polled = last_work;  // when the poller last took something
   while (!stopping_.load()) {
+    // The poller first: what it submits is posted here and runs in this same loop.
+    bool polled = poller_ != nullptr && poller_->Poll();
     bool worked = DrainQueue();
     while (ucp_worker_progress(worker_) != 0) worked = true;
     ReapRequests();
-    if (spin_us_ != 0) {
+    if (spin_us_ != 0 || poller_ != nullptr) {
       const auto now = std::chrono::steady_clock::now();
       if (worked) last_work = now;
-      if (now - last_work < spin) continue;  // poll a while before sleeping
+      if (polled) last_polled = now;
+      // Poll a while before sleeping: after UCX work for spin_us_, after the poller's
+      // for its own spin (a reply to what it sent often comes within it).
+      if (spin_us_ != 0 && now - last_work < spin) continue;
+      if (poller_ != nullptr && now - last_polled < std::chrono::microseconds(poller_->spin_us())) {
+        continue;
+      }
     }
     ucs_status_t status = ucp_worker_arm(worker_);
     if (status == UCS_ERR_BUSY) continue;  // events arrived since the last progress
@@ -497,9 +526,18 @@ void UcxWorker::Loop() {
       kLog.Error("UCX worker '{}': ucp_worker_arm failed ({}); polling", name_,
                  UcsStatusText(status));
     }
+    WorkerPoller* poller = poller_;
+    if (poller != nullptr && !poller->PrepareSleep()) {
+      poller->Woke();  // its work came meanwhile: take it now
+      continue;
+    }
     // Pending closes and a failed arm are polled; otherwise sleep until woken.
     int timeout_ms = (status != UCS_OK || !pending_requests_.empty()) ? 10 : -1;
-    int count = epoll_wait(epoll_fd_, events, 2, timeout_ms);
+    if (poller != nullptr) {
+      const int limit = poller->SleepTimeoutMs();
+      if (limit >= 0 && (timeout_ms < 0 || limit < timeout_ms)) timeout_ms = limit;
+    }
+    int count = epoll_wait(epoll_fd_, events, 3, timeout_ms);
     for (int i = 0; i < count; ++i) {
       if (events[i].data.fd == event_fd_) {
         uint64_t value;
@@ -507,6 +545,7 @@ void UcxWorker::Loop() {
         }
       }
     }
+    if (poller != nullptr) poller->Woke();
   }
   Shutdown();
 }

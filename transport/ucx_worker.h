@@ -52,6 +52,27 @@ using AmDataHandler = std::function<bool(const AmMessage& message)>;
 
 class Endpoint;
 
+// Work the worker thread takes beside UCX (the agent's fast path rings), so that a
+// submission and the messages it sends run on one thread with no hand-off (one
+// wake-up fewer per transfer). Every call is on the worker thread.
+class WorkerPoller {
+ public:
+  virtual ~WorkerPoller() = default;
+  // Takes what is there; true when it took anything.
+  virtual bool Poll() = 0;
+  // The thread is about to sleep: say so to whoever rings fd(); false when work came
+  // meanwhile (the thread then does not sleep). Woke follows either way.
+  virtual bool PrepareSleep() = 0;
+  // After the sleep (or one refused): take the doorbells back.
+  virtual void Woke() = 0;
+  // Readable when work arrives for a sleeping thread (epoll'd by the worker).
+  virtual int fd() const = 0;
+  // The longest sleep (-1: none): a lost doorbell costs at most this.
+  virtual int SleepTimeoutMs() const = 0;
+  // How long the thread keeps polling after Poll took something.
+  virtual uint32_t spin_us() const = 0;
+};
+
 class UcxWorker {
  public:
   // Creates the worker and starts its progress thread. `name` labels the thread
@@ -77,6 +98,10 @@ class UcxWorker {
   // call from the worker thread or a gRPC handler on a hot path).
   void RunSync(std::function<void()> fn);
   bool OnWorkerThread() const;
+  // Has the thread poll `poller` in every loop and sleep on its fd as well (null:
+  // stops). Any thread; returns once the thread uses it, after which the previous one
+  // is not called again. The poller must outlive its use (set null before it goes).
+  void SetPoller(WorkerPoller* poller);
 
   // Registers the handler for active-message `id` (worker thread or before any
   // message can arrive). A message whose data exceeds `max_data_bytes` is dropped
@@ -169,6 +194,8 @@ class UcxWorker {
     am_sent_[id < kAmCounters ? id : 0].fetch_add(1, std::memory_order_relaxed);
   }
   std::vector<void*> pending_requests_;
+  WorkerPoller* poller_ = nullptr;  // worker thread only (SetPoller)
+  int poller_fd_ = -1;              // in epoll_fd_ while poller_ is set
   // Endpoints still open; closed at shutdown if their owner has not destroyed them.
   absl::flat_hash_set<Endpoint*> endpoints_;
 };
