@@ -414,10 +414,11 @@ bool FastPathServer::PrepareSleep() {
   return true;
 }
 
-void FastPathServer::Woke() {
-  // The doorbells that rang (level-triggered: each is read back to zero).
+void FastPathServer::Woke(bool rang) {
+  // The doorbells that rang (level-triggered: each is read back to zero). Not looked
+  // for when none did: the UCX thread wakes for much else, and this is a system call.
   epoll_event events[64];
-  const int n = epoll_wait(epoll_fd_.get(), events, 64, 0);
+  const int n = rang ? epoll_wait(epoll_fd_.get(), events, 64, 0) : 0;
   for (int i = 0; i < n; ++i) {
     if (events[i].data.u64 == 0) {
       fr::DrainDoorbell(wake_fd_.get());
@@ -459,12 +460,13 @@ void FastPathServer::Run() {
       fr::CpuRelax();
       continue;
     }
+    bool rang = false;
     if (PrepareSleep()) {
       epoll_event event;
       // Woke() takes the doorbells back; this only waits for one.
-      epoll_wait(epoll_fd_.get(), &event, 1, SleepTimeoutMs());
+      rang = epoll_wait(epoll_fd_.get(), &event, 1, SleepTimeoutMs()) > 0;
     }
-    Woke();
+    Woke(rang);
     last_work = Clock::now();
   }
 }

@@ -70,7 +70,7 @@ class FastPathServer final : public transport::WorkerPoller {
   // transport::WorkerPoller, on the taking thread.
   bool Poll() override;
   bool PrepareSleep() override;
-  void Woke() override;
+  void Woke(bool rang) override;
   int fd() const override;
   int SleepTimeoutMs() const override;
   uint32_t spin_us() const override;

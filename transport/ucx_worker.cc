@@ -528,7 +528,7 @@ void UcxWorker::Loop() {
     }
     WorkerPoller* poller = poller_;
     if (poller != nullptr && !poller->PrepareSleep()) {
-      poller->Woke();  // its work came meanwhile: take it now
+      poller->Woke(/*rang=*/false);  // its work came meanwhile: take it now
       continue;
     }
     // Pending closes and a failed arm are polled; otherwise sleep until woken.
@@ -538,14 +538,16 @@ void UcxWorker::Loop() {
       if (limit >= 0 && (timeout_ms < 0 || limit < timeout_ms)) timeout_ms = limit;
     }
     int count = epoll_wait(epoll_fd_, events, 3, timeout_ms);
+    bool rang = false;
     for (int i = 0; i < count; ++i) {
       if (events[i].data.fd == event_fd_) {
         uint64_t value;
         while (read(event_fd_, &value, sizeof(value)) < 0 && errno == EINTR) {
         }
       }
+      rang = rang || (poller_fd_ >= 0 && events[i].data.fd == poller_fd_);
     }
-    if (poller != nullptr) poller->Woke();
+    if (poller != nullptr) poller->Woke(rang);
   }
   Shutdown();
 }

@@ -63,8 +63,9 @@ class WorkerPoller {
   // The thread is about to sleep: say so to whoever rings fd(); false when work came
   // meanwhile (the thread then does not sleep). Woke follows either way.
   virtual bool PrepareSleep() = 0;
-  // After the sleep (or one refused): take the doorbells back.
-  virtual void Woke() = 0;
+  // After the sleep (or one refused): take the doorbells back; `rang`: fd() was
+  // readable (else no doorbell needs reading).
+  virtual void Woke(bool rang) = 0;
   // Readable when work arrives for a sleeping thread (epoll'd by the worker).
   virtual int fd() const = 0;
   // The longest sleep (-1: none): a lost doorbell costs at most this.
