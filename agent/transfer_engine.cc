@@ -670,13 +670,17 @@ void TransferEngine::Pump(const TransferPtr& t) {
           Finish(*t, v1::FAILED, lost, first);
         } else if (!outcome.status.ok()) {
           Finish(*t, v1::FAILED, LocalRegionGone(*t, outcome), outcome.failed_segment);
-        } else {
+        } else if (!Terminal(t->state.phase())) {
           t->state.set_bytes_done(t->state.bytes_done() + batch->bytes);
           if (t->chunks.empty() && t->state.last_chunk_received()) {
             MarkStage(t->state, v1::STAGE_DATA_FLUSHED, t->start_us, MonotonicMicros());
           }
-          if (!Terminal(t->state.phase())) Publish(*t);
+          Publish(*t);
         }
+        // Else the transfer ended while this batch was posted (its peer was lost, it
+        // was cancelled or timed out): its state is final as reported, and the error
+        // said "N of M bytes in place, a batch still posted". Counting the batch now
+        // would make a later GetTransfer contradict that answer.
       }
       // A path may complete inline; posting keeps the stack flat over many batches.
       SchedulePump(t);

@@ -65,9 +65,16 @@ TEST_CASE("pushed: a new region is in the peer's view at once, deregistration is
   REQUIRE(MillisUntil(pair.prefill(), "decode", 2000, [](const v1::PeerInfo& p) {
             return p.metadata_source() == "push";
           }) >= 0);
-  auto decode_status = pair.decode().Status();
-  REQUIRE(decode_status.ok());
-  CHECK(decode_status->metadata_streams() == 1);  // prefill watches decode
+  // prefill watches decode. Its view says "push" once its stream is started; decode
+  // counts the stream when the call reaches it, a moment later on a loaded machine.
+  int64_t streams = -1;
+  for (int i = 0; i < 500 && streams != 1; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    auto decode_status = pair.decode().Status();
+    REQUIRE(decode_status.ok());
+    streams = decode_status->metadata_streams();
+  }
+  CHECK(streams == 1);
   const uint32_t regions_before = PeerView(pair.prefill(), "decode").regions();
 
   auto extra = cli::CreateKvPool(pair.decode(), "extra", SmallShape());
