@@ -68,6 +68,17 @@ std::string BrokenMemory(const std::vector<registry::RegionPtr>& regions, const 
   }
   return "";
 }
+// One active message to a peer, with the authentication header every message to it
+// carries (our name and the secret the peer issued us).
+void SendAuthenticated(transport::Endpoint& endpoint, const std::string& from,
+                       const std::string& secret, AmId id, std::string_view body,
+                       transport::Completion done, bool want_reply) {
+  wire::PeerMessageAuth auth;
+  auth.set_from_agent(from);
+  auth.set_secret(secret);
+  endpoint.SendAm(Wire(id), auth.SerializeAsString(), body, std::move(done), want_reply);
+}
+
 }  // namespace
 
 TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionRegistry* registry,
@@ -759,11 +770,8 @@ void TransferEngine::SendNotice(const PeerSnapshot& peer, v1::Notification notic
                                           want_reply});
     return;
   }
-  wire::PeerMessageAuth auth;
-  auth.set_from_agent(options_.self_name);
-  auth.set_secret(peer.notify_secret);
-  peer.endpoint->SendAm(Wire(AmId::kNotification), auth.SerializeAsString(), notice.SerializeAsString(),
-                        std::move(done), want_reply);
+  SendAuthenticated(*peer.endpoint, options_.self_name, peer.notify_secret, AmId::kNotification,
+                    notice.SerializeAsString(), std::move(done), want_reply);
 }
 
 void TransferEngine::FlushOutbox(Outbox& outbox) {
@@ -806,12 +814,9 @@ void TransferEngine::FlushOutbox(Outbox& outbox) {
 void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
   if (notices.empty()) return;
   HeldNotice& front = *notices.front();
-  wire::PeerMessageAuth auth;
-  auth.set_from_agent(options_.self_name);
-  auth.set_secret(front.secret);
   if (notices.size() == 1) {
-    front.endpoint->SendAm(Wire(AmId::kNotification), auth.SerializeAsString(), front.body,
-                           std::move(front.done), front.want_reply);
+    SendAuthenticated(*front.endpoint, options_.self_name, front.secret, AmId::kNotification,
+                      front.body, std::move(front.done), front.want_reply);
     notices.clear();
     return;
   }
@@ -825,12 +830,12 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
     want_reply = want_reply || held->want_reply;
     if (held->done) dones.push_back(std::move(held->done));
   }
-  front.endpoint->SendAm(Wire(AmId::kNoticeBatch), auth.SerializeAsString(),
-                         message.SerializeAsString(),
-                         [dones = std::move(dones)](absl::Status status) {
-                           for (const auto& done : dones) done(status);
-                         },
-                         want_reply);
+  SendAuthenticated(*front.endpoint, options_.self_name, front.secret, AmId::kNoticeBatch,
+                    message.SerializeAsString(),
+                    [dones = std::move(dones)](absl::Status status) {
+                      for (const auto& done : dones) done(status);
+                    },
+                    want_reply);
   notices.clear();
 }
 
@@ -1114,9 +1119,15 @@ void TransferEngine::DeadlineLoop() {
     {
       absl::MutexLock lock(&mu_);
       const uint64_t now = MonotonicMicros();
+      // One pass over the active transfers: the expired ones, and the earliest deadline
+      // of the rest (expiring them below removes none of the rest from active_).
       for (const auto& id : active_) {
         const TransferPtr& t = transfers_.at(id);
-        if (now >= t->deadline_us) expired.push_back(t);
+        if (now >= t->deadline_us) {
+          expired.push_back(t);
+        } else {
+          next_us = std::min(next_us, t->deadline_us);
+        }
       }
       for (const auto& t : expired) {
         const int32_t segment = t->chunks.empty()
@@ -1160,7 +1171,7 @@ void TransferEngine::DeadlineLoop() {
           ++it;
         }
       }
-      next_us = NextDeadlineLocked();
+      next_us = std::min(next_us, NextDrainDeadlineLocked());
     }
     for (const auto& t : expired) SchedulePump(t);
     for (auto& wait : ready_waits) {
@@ -1173,9 +1184,8 @@ void TransferEngine::DeadlineLoop() {
   }
 }
 
-uint64_t TransferEngine::NextDeadlineLocked() const {
+uint64_t TransferEngine::NextDrainDeadlineLocked() const {
   uint64_t next = UINT64_MAX;
-  for (const auto& id : active_) next = std::min(next, transfers_.at(id)->deadline_us);
   const uint64_t drain_us = uint64_t{options_.drain_timeout_ms} * 1000;
   for (const auto& id : draining_) {
     auto found = transfers_.find(id);

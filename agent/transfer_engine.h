@@ -335,8 +335,9 @@ class TransferEngine {
   std::atomic<uint64_t> deadline_next_us_{UINT64_MAX};
   // Wakes the deadline thread if `due_us` (monotonic) comes before it next looks.
   void WakeDeadlinesBy(uint64_t due_us);
-  // When the deadline thread must next look at active_, draining_ and drain_waits_.
-  uint64_t NextDeadlineLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When the deadline thread must next look at draining_ and drain_waits_ (active_'s
+  // deadlines it takes in the same pass that expires them).
+  uint64_t NextDrainDeadlineLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::thread deadline_thread_;
 };
 
