@@ -6,7 +6,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -188,29 +187,6 @@ std::string AmPerTransfer(const std::map<std::string, uint64_t>& sent, uint64_t 
     out += fmt::format("{}{} {:.2f}", out.empty() ? "" : ", ", kind, per);
   }
   return out.empty() ? "none" : out;
-}
-
-// Each thread's voluntary context switches (/proc/PID/task/TID/status): the times it
-// slept and was woken. By thread name (threads of one name summed); empty when the
-// process is gone.
-std::map<std::string, uint64_t> ThreadWakeups(pid_t pid) {
-  std::map<std::string, uint64_t> out;
-  std::error_code ec;
-  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
-    std::ifstream status(task.path() / "status");
-    std::string line, name;
-    uint64_t switches = 0;
-    while (std::getline(status, line)) {
-      if (line.rfind("Name:", 0) == 0) {
-        name = line.substr(5);
-        name.erase(0, name.find_first_not_of(" \t"));
-      } else if (line.rfind("voluntary_ctxt_switches:", 0) == 0) {
-        switches = std::strtoull(line.c_str() + 24, nullptr, 10);
-      }
-    }
-    if (!name.empty()) out[name] += switches;
-  }
-  return out;
 }
 
 // "thread 1.02, thread 0.98" per transfer, the threads woken at least 0.05 times each.

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -42,6 +43,26 @@ absl::StatusOr<double> ProcessCpuSeconds(pid_t pid) {
   auto ticks = ReadCpuTicks(fmt::format("/proc/{}/stat", pid));
   if (!ticks.ok()) return ticks.status();
   return static_cast<double>(ticks->ticks) / sysconf(_SC_CLK_TCK);
+}
+
+std::map<std::string, uint64_t> ThreadWakeups(pid_t pid) {
+  std::map<std::string, uint64_t> out;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+    std::ifstream status(task.path() / "status");
+    std::string line, name;
+    uint64_t switches = 0;
+    while (std::getline(status, line)) {
+      if (line.rfind("Name:", 0) == 0) {
+        name = line.substr(5);
+        name.erase(0, name.find_first_not_of(" \t"));
+      } else if (line.rfind("voluntary_ctxt_switches:", 0) == 0) {
+        switches = std::strtoull(line.c_str() + 24, nullptr, 10);
+      }
+    }
+    if (!name.empty()) out[name] += switches;
+  }
+  return out;
 }
 
 }  // namespace kvagent::cli

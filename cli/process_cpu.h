@@ -1,5 +1,6 @@
 // How much CPU a process, or each of its threads, has spent: utime + stime from
-// /proc/<pid>/stat and /proc/<pid>/task/<tid>/stat. Used with DaemonProcess's pid by
+// /proc/<pid>/stat and /proc/<pid>/task/<tid>/stat; and how often its threads slept
+// and were woken (/proc/<pid>/task/<tid>/status). Used with DaemonProcess's pid by
 // the fast path phase of `kvagentctl bench` (per thread) and `bench-peers` (whole
 // process); ProcessMemory (process_memory.h) is the memory side.
 #pragma once
@@ -28,6 +29,11 @@ absl::StatusOr<CpuTicks> ReadCpuTicks(const std::string& stat_path);
 // Every thread of `pid`: tid -> its name and ticks (threads that ended are missing;
 // empty when the process is gone).
 std::map<std::string, CpuTicks> ThreadCpuTicks(pid_t pid);
+
+// Each thread's voluntary context switches (/proc/PID/task/TID/status): the times it
+// slept and was woken. By thread name, threads of one name summed; empty when the
+// process is gone. The benches and tests count an agent's wake-ups per transfer so.
+std::map<std::string, uint64_t> ThreadWakeups(pid_t pid);
 
 // The whole process's utime + stime in seconds.
 absl::StatusOr<double> ProcessCpuSeconds(pid_t pid);

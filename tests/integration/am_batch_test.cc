@@ -9,15 +9,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "cli/process_cpu.h"
 #include "client/fast_path.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
@@ -51,26 +49,6 @@ uint64_t TotalSent(const std::map<std::string, std::pair<uint64_t, uint64_t>>& c
   uint64_t total = 0;
   for (const auto& [kind, n] : counts) total += n.first;
   return total;
-}
-
-// The times the threads of process `pid` slept and were woken (the sum of their
-// voluntary_ctxt_switches), by thread name.
-std::map<std::string, uint64_t> Wakeups(pid_t pid) {
-  std::map<std::string, uint64_t> out;
-  for (const auto& task :
-       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid))) {
-    std::ifstream status(task.path() / "status");
-    std::string line, name;
-    uint64_t switches = 0;
-    while (std::getline(status, line)) {
-      if (line.rfind("Name:\t", 0) == 0) name = line.substr(6);
-      if (line.rfind("voluntary_ctxt_switches:", 0) == 0) {
-        switches = std::strtoull(line.c_str() + 24, nullptr, 10);
-      }
-    }
-    out[name] += switches;
-  }
-  return out;
 }
 
 uint64_t Total(const std::map<std::string, uint64_t>& m) {
@@ -111,11 +89,11 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: four act
   constexpr uint64_t kLone = 300;
   const auto am_before = AmCounts(pair.prefill());
   const auto decode_am_before = AmCounts(pair.decode());
-  const auto woke_before = Wakeups(pair.prefill_process().pid());
-  const auto decode_woke_before = Wakeups(pair.decode_process().pid());
+  const auto woke_before = cli::ThreadWakeups(pair.prefill_process().pid());
+  const auto decode_woke_before = cli::ThreadWakeups(pair.decode_process().pid());
   for (uint64_t i = 20; i < 20 + kLone; ++i) one(i);
-  const auto woke_after = Wakeups(pair.prefill_process().pid());
-  const auto decode_woke_after = Wakeups(pair.decode_process().pid());
+  const auto woke_after = cli::ThreadWakeups(pair.prefill_process().pid());
+  const auto decode_woke_after = cli::ThreadWakeups(pair.decode_process().pid());
   const auto am_after = AmCounts(pair.prefill());
   const auto decode_am_after = AmCounts(pair.decode());
 
@@ -140,7 +118,11 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: four act
   // acknowledgement the other (alone they are not batched).
   const uint64_t sent = TotalSent(am_after) - TotalSent(am_before);
   const uint64_t acks = TotalSent(decode_am_after) - TotalSent(decode_am_before);
-  CHECK(sent == 3 * kLone);
+  // The commit goes out after the transfer's completion is posted, so the window
+  // between the readings can hold the commit of the transfer before it and miss that
+  // of its last: 3 per transfer, give or take one at each end.
+  CHECK(sent + 2 >= 3 * kLone);
+  CHECK(sent <= 3 * kLone + 2);
   CHECK(acks == kLone);
 
   std::string by_thread;

@@ -4,6 +4,7 @@
 // CPU ticks are read for this process and its threads (a name with spaces and
 // parentheses included), and ucx_perftest's Final line is parsed.
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -160,6 +161,20 @@ TEST_CASE("SuspendChild returns once every thread of the child is stopped, spinn
   CHECK(!gone.ok());
   CHECK(std::string(gone.message()).find(fmt::format("kill({}, SIGSTOP)", child)) !=
         std::string::npos);
+}
+
+TEST_CASE("ThreadWakeups counts a thread's sleeps by its name") {
+  std::thread sleeper([] {
+    pthread_setname_np(pthread_self(), "wakeup-test");
+    for (int i = 0; i < 5; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    const auto counts = ThreadWakeups(getpid());
+    const auto it = counts.find("wakeup-test");
+    REQUIRE(it != counts.end());
+    CHECK(it->second >= 5);  // each sleep was a voluntary switch
+  });
+  sleeper.join();
+  CHECK(ThreadWakeups(getpid()).count("wakeup-test") == 0);  // ended threads are gone
+  CHECK(ThreadWakeups(-1).empty());
 }
 
 TEST_CASE("ParsePerftestGbps reads the Final line's overall bandwidth") {
