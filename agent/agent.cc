@@ -1,7 +1,6 @@
 #include "agent/agent.h"
 
 #include <ifaddrs.h>
-#include <malloc.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <sys/socket.h>
@@ -197,7 +196,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     ASSIGN_OR_RETURN(agent->directory_, Directory::Create(options.directory));
     agent->directory_->SetListener(
         [self](const std::string& name, const directory::AgentRecord* before,
-               const directory::AgentRecord* now) { self->OnDirectoryChange(name, before, now); });
+               const directory::AgentRecord* now) {
+          NoteHeapActivity();
+          self->OnDirectoryChange(name, before, now);
+        });
   }
   StagerOptions stager_options;
   stager_options.self_name = options.name;
@@ -206,7 +208,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   stager_options.verify_peer = [self](std::string_view from, std::string_view secret) {
     return self->secrets_.Verify(from, secret);
   };
-  stager_options.on_dropped = [self] { self->counters_.dropped_peer_messages.fetch_add(1); };
+  stager_options.on_dropped = [self] {
+    NoteHeapActivity();
+    self->counters_.dropped_peer_messages.fetch_add(1);
+  };
   agent->stager_ = std::make_unique<Stager>(
       agent->worker_.get(), agent->context_.get(), agent->registry_.get(), stager_options,
       [self](v1::Notification n, absl::Status data) {
@@ -216,7 +221,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   IncomingOptions incoming_options;
   incoming_options.self_name = options.name;
   incoming_options.on_ended = [metrics = agent->transfer_metrics_.get()](
-                                  const v1::TransferState& state) { metrics->IncomingEnded(state); };
+                                  const v1::TransferState& state) {
+    // Transfers that arrive start no call here: their end is this agent's activity.
+    NoteHeapActivity();
+    metrics->IncomingEnded(state);
+  };
   agent->incoming_ = std::make_unique<IncomingTransfers>(
       incoming_options, agent->registry_.get(), agent->notifications_.get(),
       // Through the Inbox (made below, before any DATA_READY can arrive): it holds the
@@ -249,7 +258,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // outlives the peer manager's callers: peers stop in Shutdown, before the engine
   // is destroyed.
   agent->peers_->SetLossListener(
-      [engine = agent->engine_.get()](const PeerLoss& loss) { engine->FailPeer(loss); });
+      [engine = agent->engine_.get()](const PeerLoss& loss) {
+        NoteHeapActivity();
+        engine->FailPeer(loss);
+      });
 
   agent->deps_ = ServiceDeps{&agent->identity_,
                              agent->context_.get(),
@@ -291,6 +303,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
               state.endpoints, state.last_error.empty() ? "publishing" : state.last_error));
         },
         /*readiness_only=*/true);
+    // Its lease won or lost: health follows at once, not at the monitor's next round.
+    agent->directory_->SetStateListener([health = agent->health_.get()] { health->Recheck(); });
   }
   agent->deps_.transfer_metrics = agent->transfer_metrics_.get();
 
@@ -300,6 +314,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   FastPathBackend backend;
   backend.submit = [self](const v1::SubmitTransferRequest& request, const Caller& caller,
                           FastPathBackend::Done done) {
+    NoteHeapActivity();  // as IdentifyCaller does for a gRPC call
     // As gRPC's `wait`: the last chunk answers when the transfer ends, others when taken.
     SubmitTransfer(self->deps_, request, caller, /*wait=*/!request.more_chunks(),
                    std::move(done));
@@ -374,7 +389,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     record.set_metadata_version(agent->registry_->version());
     agent->directory_->Start(std::move(record));
   }
-  agent->heap_trimmer_ = std::thread([self] { self->TrimHeap(); });
+  agent->heap_trimmer_ = std::make_unique<HeapTrimmer>();
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
   kLog.Info("agent '{}' serving: local door {} (sessions {}.session), network door {} (pid {}, "
             "incarnation {:x})",
@@ -439,6 +454,7 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
 }
 
 void Agent::ReleaseSession(const Caller& caller) {
+  NoteHeapActivity();  // a session's calls and streams ended with it
   std::vector<std::string> names;
   for (const auto& region : registry_->List()) {
     if (region->owner == caller.principal) names.push_back(region->spec.name());
@@ -464,23 +480,6 @@ void Agent::WarnInsecure() {
               "trusted test network",
               options_.insecure_listen);
     stop_cv_.WaitWithTimeout(&stop_mu_, absl::Minutes(1));
-  }
-}
-
-void Agent::TrimHeap() {
-  size_t trimmed_at = 0;  // free bytes after the last trim: nothing new since when equal
-  for (;;) {
-    {
-      absl::MutexLock lock(&stop_mu_);
-      if (!stopping_) stop_cv_.WaitWithTimeout(&stop_mu_, kHeapTrimInterval);
-      if (stopping_) return;
-    }
-    // mallinfo2 walks the arenas' bins: cheap next to malloc_trim, which also madvises
-    // every free page, and runs only when the free memory changed and is worth it.
-    const size_t free_bytes = mallinfo2().fordblks;
-    if (free_bytes < kHeapTrimFreeBytes || free_bytes == trimmed_at) continue;
-    malloc_trim(0);
-    trimmed_at = mallinfo2().fordblks;
   }
 }
 
@@ -528,7 +527,7 @@ void Agent::Shutdown(absl::Duration grace) {
   // Peers learn at once that this incarnation is leaving (the lease is revoked).
   if (directory_) directory_->Stop();
   if (insecure_warning_.joinable()) insecure_warning_.join();
-  if (heap_trimmer_.joinable()) heap_trimmer_.join();
+  if (heap_trimmer_) heap_trimmer_->Stop();
   // No new fast path entries; completions of what runs still reach open rings.
   if (fast_path_) fast_path_->Stop();
   // Transfers finish first (their notifications need the worker, not gRPC).

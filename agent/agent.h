@@ -18,6 +18,7 @@
 #include "agent/agent_service.h"
 #include "agent/directory.h"
 #include "agent/health.h"
+#include "agent/heap_trimmer.h"
 #include "agent/metrics.h"
 #include "agent/transfer_metrics.h"
 #include "agent/inbox.h"
@@ -125,9 +126,6 @@ class Agent {
   // reconnects it at its new record's address.
   void OnDirectoryChange(const std::string& name, const directory::AgentRecord* before,
                          const directory::AgentRecord* now);
-  // Every kHeapTrimInterval: hands the heap's free pages back to the kernel when
-  // enough is free (see heap_trimmer_).
-  void TrimHeap();
 
   AgentOptions options_;
   AgentIdentity identity_;
@@ -177,11 +175,10 @@ class Agent {
   std::thread insecure_warning_;
   // After a burst of calls glibc keeps what they freed in its arenas: with 1,500 watch
   // streams, RssAnon stayed at 29-31 MiB (3 before) once they had ended, 45-56 MiB
-  // after two more bursts. This thread gives it back (malloc_trim): 6 MiB after.
+  // after two more bursts. The trimmer gives it back (malloc_trim) a moment after
+  // activity, and sleeps while there is none: 6 MiB after.
   // Pages that still hold a live object stay (docs/LIMITS.md, Tested by).
-  std::thread heap_trimmer_;
-  static constexpr absl::Duration kHeapTrimInterval = absl::Seconds(2);
-  static constexpr size_t kHeapTrimFreeBytes = size_t{4} << 20;
+  std::unique_ptr<HeapTrimmer> heap_trimmer_;
   absl::Mutex stop_mu_;
   absl::CondVar stop_cv_;
   bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "agent/am_ids.h"
 #include "agent/doctor.h"
+#include "agent/heap_trimmer.h"
 #include "agent/status_util.h"
 #include "agent/tls.h"
 #include "registry/fault_guard.h"
@@ -111,7 +112,10 @@ bool TerminalPhase(v1::TransferPhase phase) {
 class StreamCount {
  public:
   explicit StreamCount(std::atomic<int64_t>* count) : count_(count) { count_->fetch_add(1); }
-  ~StreamCount() { count_->fetch_sub(1); }
+  ~StreamCount() {
+    count_->fetch_sub(1);
+    NoteHeapActivity();  // what the stream held is freed: the trimmer looks soon after
+  }
   StreamCount(const StreamCount&) = delete;
   StreamCount& operator=(const StreamCount&) = delete;
 
@@ -335,6 +339,9 @@ class NotificationWatchReactor final : public grpc::ServerWriteReactor<grpc::Byt
 
 absl::StatusOr<Caller> IdentifyCaller(Door door, const ServiceDeps& deps,
                                       grpc::CallbackServerContext* context) {
+  // Every call of the Agent and Peer services starts here: the heap trimmer wakes
+  // after activity only (one relaxed load while it is awake).
+  NoteHeapActivity();
   switch (door) {
     case Door::kLocal: {
       const auto& metadata = context->client_metadata();

@@ -120,7 +120,19 @@ void Directory::PublishLoop() {
   const absl::Duration tick = absl::Seconds(options_.ttl_s) / 3;
   int64_t lease = 0;
   bool warned = false;
+  bool told = false;  // `published` as the state listener last heard it
+  auto tell = [&] {
+    bool published;
+    {
+      absl::MutexLock lock(&mu_);
+      published = published_;
+    }
+    if (published == told) return;
+    told = published;
+    if (state_listener_) state_listener_();
+  };
   while (!stop_.load()) {
+    tell();
     absl::Status status;
     if (lease == 0) {
       directory::EtcdLeaseGrantRequest grant;
@@ -190,9 +202,11 @@ void Directory::PublishLoop() {
                   etcd_.EndpointsText(), status.message());
         warned = true;
       }
+      tell();
       Sleep(kRetry);
       continue;
     }
+    tell();
     Sleep(tick);
   }
   if (lease != 0) {

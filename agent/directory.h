@@ -72,6 +72,9 @@ class Directory {
   ~Directory();
 
   void SetListener(Listener listener) { listener_ = std::move(listener); }
+  // Called when State().published changes (the health monitor's Recheck), on the
+  // publishing thread, outside the lock. Before Start.
+  void SetStateListener(std::function<void()> listener) { state_listener_ = std::move(listener); }
   // Starts publishing `self` and watching the prefix, in the background (etcd may be
   // down now; it is retried).
   void Start(directory::AgentRecord self);
@@ -101,6 +104,7 @@ class Directory {
   EtcdTlsContext tls_;  // null for etcd://
   EtcdClient etcd_;
   Listener listener_;
+  std::function<void()> state_listener_;
   directory::AgentRecord self_;
 
   mutable absl::Mutex mu_;

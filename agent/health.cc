@@ -51,9 +51,40 @@ const std::vector<std::string>& HealthServiceNames() {
   return *names;
 }
 
+// The heartbeat's clock and what wakes the monitor's thread. Closures queued on the
+// worker hold a reference, so they may run after the monitor is gone.
 struct HealthMonitor::Heartbeat {
-  std::atomic<uint64_t> last_us{0};  // monotonic; when the worker last ran our closure
+  // Monotonic microseconds, 0 for none.
+  std::atomic<uint64_t> posted_us{0};     // when the unanswered heartbeat was posted
+  std::atomic<uint64_t> last_post_us{0};  // when the last heartbeat was posted
+  std::atomic<uint64_t> answered_us{0};   // when the worker last ran one
+  std::atomic<bool> stalled{false};       // reported stalled: the next answer wakes the thread
+  std::atomic<bool> check_due{false};     // an asked-for heartbeat's check is scheduled
+  absl::Mutex mu;
+  absl::CondVar cv;
+  bool wake ABSL_GUARDED_BY(mu) = false;      // check the conditions now
+  bool asked ABSL_GUARDED_BY(mu) = false;     // a reader wants a fresh heartbeat
+  bool stopping ABSL_GUARDED_BY(mu) = false;  // the thread leaves
+
+  void Wake(bool ask) {
+    absl::MutexLock lock(&mu);
+    (ask ? asked : wake) = true;
+    cv.Signal();
+  }
+  void Answered() {
+    answered_us.store(NowMicros());
+    posted_us.store(0);
+    // Paired with the thread's store of `stalled` and then load of `posted_us`: one of
+    // the two sees the other, so a recovery is never left for the next round.
+    if (stalled.load()) Wake(/*ask=*/false);
+  }
 };
+
+namespace {
+uint64_t Micros(absl::Duration d) {
+  return static_cast<uint64_t>(std::max<int64_t>(absl::ToInt64Microseconds(d), 0));
+}
+}  // namespace
 
 HealthMonitor::HealthMonitor(transport::UcxWorker* worker, Options options)
     : worker_(worker), options_(options), heartbeat_(std::make_shared<Heartbeat>()) {
@@ -63,15 +94,19 @@ HealthMonitor::HealthMonitor(transport::UcxWorker* worker, Options options)
   // Every server built from now on gets gRPC's default health service.
   grpc::EnableDefaultHealthCheckService(true);
   AddCondition("ucx", [this]() -> absl::Status {
-    const uint64_t last = heartbeat_->last_us.load();
-    const uint64_t age = last == 0 ? UINT64_MAX : NowMicros() - last;
-    if (age <= static_cast<uint64_t>(absl::ToInt64Microseconds(options_.ucx_stall))) {
+    Heartbeat& beat = *heartbeat_;
+    const bool never = beat.answered_us.load() == 0;
+    const uint64_t posted = beat.posted_us.load();
+    const uint64_t age = posted == 0 ? 0 : NowMicros() - posted;
+    if (!never && age <= Micros(options_.ucx_stall)) {
+      beat.stalled.store(false);
       return absl::OkStatus();
     }
+    beat.stalled.store(true);
     return absl::UnavailableError(fmt::format(
         "the UCX progress thread has not run a posted task for {}; transfers cannot move "
         "(see the agent's log; restart it if this lasts)",
-        last == 0 ? std::string("ever") : fmt::format("{} ms", age / 1000)));
+        never ? std::string("ever") : fmt::format("{} ms", age / 1000)));
   });
 }
 
@@ -81,6 +116,8 @@ void HealthMonitor::AddCondition(std::string name, std::function<absl::Status()>
                                  bool readiness_only) {
   conditions_.push_back(Condition{std::move(name), std::move(check), readiness_only});
 }
+
+void HealthMonitor::Recheck() { heartbeat_->Wake(/*ask=*/false); }
 
 void HealthMonitor::SetAll(grpc::HealthCheckServiceInterface* service, bool ready, bool live) {
   for (const auto& name : HealthServiceNames()) service->SetServingStatus(name, ready);
@@ -95,25 +132,83 @@ void HealthMonitor::Follow(grpc::HealthCheckServiceInterface* service) {
   followed_.push_back(service);
 }
 
+void HealthMonitor::PostHeartbeat(uint64_t now) {
+  uint64_t none = 0;
+  if (!heartbeat_->posted_us.compare_exchange_strong(none, now)) return;  // one unanswered
+  heartbeat_->last_post_us.store(now);
+  worker_->Post([beat = heartbeat_] { beat->Answered(); });
+}
+
 void HealthMonitor::Start() {
   std::shared_ptr<Heartbeat> beat = heartbeat_;
-  worker_->RunSync([beat] { beat->last_us.store(NowMicros()); });
+  const uint64_t now = NowMicros();
+  beat->posted_us.store(now);
+  beat->last_post_us.store(now);
+  worker_->RunSync([beat] { beat->Answered(); });
   Apply(Evaluate());
   thread_ = std::thread([this] { Loop(); });
 }
 
 void HealthMonitor::Loop() {
   pthread_setname_np(pthread_self(), "health");
+  Heartbeat& beat = *heartbeat_;
+  const uint64_t interval = std::max<uint64_t>(Micros(options_.interval), 1000);
+  uint64_t next_round = NowMicros() + interval;
+  uint64_t check_at = 0;  // when an asked-for heartbeat is late; 0: none
   for (;;) {
+    bool asked = false;
     {
-      absl::MutexLock lock(&mu_);
-      if (!stopping_) cv_.WaitWithTimeout(&mu_, options_.interval);
-      if (stopping_) return;
+      absl::MutexLock lock(&beat.mu);
+      for (;;) {
+        if (beat.stopping) return;
+        if (beat.wake || beat.asked) break;
+        const uint64_t now = NowMicros();
+        const uint64_t due = check_at != 0 ? std::min(next_round, check_at) : next_round;
+        if (now >= due) break;
+        beat.cv.WaitWithTimeout(&beat.mu, absl::Microseconds(due - now));
+      }
+      asked = beat.asked;
+      beat.asked = beat.wake = false;
+    }
+    const uint64_t now = NowMicros();
+    if (check_at != 0 && now >= check_at) {
+      check_at = 0;
+      beat.check_due.store(false);
     }
     Apply(Evaluate());
-    // Checked at the next round: a worker that does not run it within ucx_stall fails.
-    worker_->Post([beat = heartbeat_] { beat->last_us.store(NowMicros()); });
+    if (beat.stalled.load() && beat.posted_us.load() == 0) {
+      beat.Wake(/*ask=*/false);  // answered while being judged late: judge again
+    }
+    if (now >= next_round) {
+      // Judged at a later round (or when asked): unanswered longer than ucx_stall fails.
+      PostHeartbeat(now);
+      next_round = now + interval;
+    }
+    if (asked) {
+      // A heartbeat for the reader, unless one is unanswered or was posted just now;
+      // then judged as soon as it is late (not at the next round).
+      const bool fresh = beat.posted_us.load() == 0 &&
+                         now - beat.last_post_us.load() >= Micros(options_.ask_gap);
+      if (fresh) PostHeartbeat(now);
+      const uint64_t posted = beat.posted_us.load();
+      if (posted != 0 && (fresh || check_at == 0) && !beat.stalled.load()) {
+        check_at = posted + Micros(options_.ucx_stall) + 1000;
+        beat.check_due.store(true);
+      }
+    }
   }
+}
+
+void HealthMonitor::Ask() const {
+  Heartbeat& beat = *heartbeat_;
+  const uint64_t posted = beat.posted_us.load();
+  if (posted == 0) {
+    // The worker answered one posted within ask_gap: nothing newer to learn yet.
+    if (NowMicros() - beat.last_post_us.load() < Micros(options_.ask_gap)) return;
+  } else if (beat.check_due.load() || beat.stalled.load()) {
+    return;  // its check is already scheduled, or it is already reported
+  }
+  beat.Wake(/*ask=*/true);
 }
 
 HealthMonitor::Verdict HealthMonitor::Evaluate() {
@@ -156,18 +251,24 @@ void HealthMonitor::Stop() {
       stopping_ = true;
       status_ = absl::UnavailableError("the agent is shutting down");
       for (auto* service : followed_) service->Shutdown();
-      cv_.SignalAll();
     }
+  }
+  {
+    absl::MutexLock lock(&heartbeat_->mu);
+    heartbeat_->stopping = true;
+    heartbeat_->cv.SignalAll();
   }
   if (thread_.joinable()) thread_.join();
 }
 
 bool HealthMonitor::serving() const {
+  Ask();
   absl::MutexLock lock(&mu_);
   return status_.ok();
 }
 
 std::string HealthMonitor::Describe() const {
+  Ask();
   absl::MutexLock lock(&mu_);
   return status_.ok() ? "SERVING" : fmt::format("NOT_SERVING: {}", status_.message());
 }

@@ -30,17 +30,26 @@ const std::vector<std::string>& HealthServiceNames();
 
 // SERVING while every condition holds, NOT_SERVING (with the first failing reason)
 // otherwise, on every health service it follows. Built in: the UCX worker's progress
-// thread runs a posted closure within `ucx_stall` (a stuck or dead worker moves no
-// bytes). Further conditions plug in with AddCondition: the directory's lease, once
-// the agent has a directory (issue 17 part 1), is one.
+// thread runs a posted closure (a heartbeat) within `ucx_stall` (a stuck or dead worker
+// moves no bytes). Further conditions plug in with AddCondition: the directory's lease,
+// once the agent has a directory (issue 17 part 1), is one.
+//
+// Nothing wakes on a timer while nothing changes (an idle agent's wakeups, issue 17
+// part 6): a condition's owner calls Recheck when its state changes (the directory
+// when its lease is won or lost), and the monitor's own round, every `interval`,
+// re-checks every condition and posts one heartbeat. A worker that stalls is reported
+// within interval + max(interval, ucx_stall) (20 s by default) with no one asking, and
+// within ucx_stall of a Describe or serving() (GetStatus, the metrics endpoint), which
+// post a heartbeat of their own when the last one is more than a second old.
 class HealthMonitor {
  public:
   struct Options {
-    // How often conditions are checked and a heartbeat is posted to the UCX worker
-    // (each wakes the worker: an idle agent's wakeups, issue 17 part 6); a stall is
-    // seen within ucx_stall plus this.
-    absl::Duration interval = absl::Seconds(1);
-    absl::Duration ucx_stall = absl::Seconds(5);        // a heartbeat older than this fails
+    // The monitor's own round: every condition re-checked, one heartbeat posted to the
+    // UCX worker (which wakes it). Conditions whose owner calls Recheck need no round.
+    absl::Duration interval = absl::Seconds(10);
+    absl::Duration ucx_stall = absl::Seconds(5);  // a heartbeat unanswered longer fails
+    // A Describe or serving() posts a heartbeat when the last was posted longer ago.
+    absl::Duration ask_gap = absl::Seconds(1);
   };
   HealthMonitor(transport::UcxWorker* worker, Options options);
   explicit HealthMonitor(transport::UcxWorker* worker) : HealthMonitor(worker, Options{}) {}
@@ -52,20 +61,25 @@ class HealthMonitor {
   // probe asks for it, so an agent that only lost etcd is not restarted.
   static constexpr const char* kLivenessService = "kvagent.liveness";
 
-  // Before Start. `check` runs on the monitor's thread every interval; a non-OK
-  // status means NOT_SERVING, its message the reason (GetStatus's `health`). A
-  // `readiness_only` condition leaves kLivenessService SERVING.
+  // Before Start. `check` runs on the monitor's thread at each round and after each
+  // Recheck; a non-OK status means NOT_SERVING, its message the reason (GetStatus's
+  // `health`). A `readiness_only` condition leaves kLivenessService SERVING.
   void AddCondition(std::string name, std::function<absl::Status()> check,
                     bool readiness_only = false);
+  // A condition's state may have changed: the monitor checks them all now (on its
+  // thread; this only wakes it). Any thread, any time, also after Stop.
+  void Recheck();
   // A server's health service (grpc::Server::GetHealthCheckService) now follows this
   // monitor's status, starting with the current one (NOT_SERVING before Start).
   void Follow(grpc::HealthCheckServiceInterface* service);
-  // Waits for one UCX heartbeat, sets the status, and starts checking every interval.
+  // Waits for one UCX heartbeat, sets the status, and starts the monitor's thread.
   void Start();
   // NOT_SERVING for good on every followed service (shutdown: probes see it at once,
   // before transfers drain), then stops the thread. Idempotent.
   void Stop();
 
+  // The status as last set. Each call also asks for a fresh heartbeat (see above), so
+  // a caller that asks again sees a stalled worker within ucx_stall.
   bool serving() const;
   // "SERVING", or "NOT_SERVING: <reason>".
   std::string Describe() const;
@@ -73,6 +87,9 @@ class HealthMonitor {
  private:
   struct Heartbeat;
   void Loop();
+  // Posts a heartbeat unless one is unanswered; `now` in monotonic microseconds.
+  void PostHeartbeat(uint64_t now);
+  void Ask() const;
   struct Verdict {
     absl::Status ready;  // every condition: OK or the first failure
     bool live = false;   // every condition that is not readiness-only holds
@@ -88,10 +105,10 @@ class HealthMonitor {
 
   transport::UcxWorker* worker_;
   Options options_;
-  std::shared_ptr<Heartbeat> heartbeat_;  // shared with closures still queued on the worker
+  // Shared with closures still queued on the worker; also what wakes the thread.
+  std::shared_ptr<Heartbeat> heartbeat_;
   std::vector<Condition> conditions_;
   mutable absl::Mutex mu_;
-  absl::CondVar cv_;
   std::vector<grpc::HealthCheckServiceInterface*> followed_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("starting");
   bool live_ ABSL_GUARDED_BY(mu_) = false;

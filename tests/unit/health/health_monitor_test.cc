@@ -141,3 +141,49 @@ TEST_CASE("HealthMonitor follows its conditions and the UCX worker", "[health]")
 }
 
 }  // namespace kvagent::agent
+
+namespace kvagent::agent {
+
+// No round for an hour: only Recheck (a condition's owner telling) and asking
+// (Describe, serving()) can change the status, and they do.
+TEST_CASE("HealthMonitor without rounds: Recheck and asking keep it true", "[health]") {
+  auto context = transport::UcxContext::Create();
+  REQUIRE(context.ok());
+  auto worker = transport::UcxWorker::Create(**context, "health-ask");
+  REQUIRE(worker.ok());
+  HealthMonitor::Options options;
+  options.interval = absl::Hours(1);
+  options.ucx_stall = absl::Milliseconds(300);
+  options.ask_gap = absl::Milliseconds(50);
+  HealthMonitor monitor(worker->get(), options);
+  std::atomic<bool> lease_held{true};
+  monitor.AddCondition("directory", [&lease_held]() -> absl::Status {
+    return lease_held.load() ? absl::OkStatus() : absl::UnavailableError("lease lost");
+  });
+  RecordingHealth probe;
+  monitor.Follow(&probe);
+  monitor.Start();
+  REQUIRE(probe.All(true));
+
+  lease_held = false;
+  monitor.Recheck();
+  REQUIRE(Eventually([&] { return probe.Is("", false); }));
+  lease_held = true;
+  monitor.Recheck();
+  REQUIRE(Eventually([&] { return probe.All(true); }));
+
+  // A stuck worker: followers see it only because a reader keeps asking.
+  absl::Notification release;
+  (*worker)->Post([&release] { release.WaitForNotification(); });
+  REQUIRE(Eventually([&] { return !monitor.serving(); }));
+  CHECK(probe.All(false));
+  CHECK(monitor.Describe().find("NOT_SERVING: ucx: the UCX progress thread has not run") == 0);
+  release.Notify();
+  // The late answer wakes the monitor; nobody asks.
+  REQUIRE(Eventually([&] { return probe.All(true); }));
+  monitor.Stop();
+  monitor.Recheck();  // after Stop: nothing to wake, no harm
+  CHECK(!monitor.serving());
+}
+
+}  // namespace kvagent::agent

@@ -1,0 +1,61 @@
+// Gives the heap's free pages back to the kernel (malloc_trim) after activity, and
+// sleeps while there is none: the agent's HeapTrimmer thread, woken by
+// NoteHeapActivity from the places that start or end work (gRPC calls, streams,
+// sessions, transfers that arrive, peers that go).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <thread>
+
+#include "absl/time/time.h"
+
+namespace kvagent::agent {
+
+// Memory may have been freed, or soon will be: the trimmer looks a moment later. Any
+// thread; while the trimmer is already awake this is one relaxed load.
+void NoteHeapActivity();
+
+// One per process (glibc's heap is the process's): the Agent owns it.
+class HeapTrimmer {
+ public:
+  struct Options {
+    // The first look after activity; then `follow_ups` more, each after twice the
+    // wait before (2, 4, 8, 16, 32 s: memory freed later, such as a transfer that times
+    // out, is still given back), then sleep until the next activity. Activity while
+    // awake starts the series again.
+    absl::Duration delay = absl::Seconds(2);
+    int follow_ups = 4;
+    // malloc_trim runs only when glibc holds at least this much free, and the amount
+    // changed since the last trim (mallinfo2 is cheap; malloc_trim madvises every
+    // free page).
+    size_t min_free_bytes = size_t{4} << 20;
+  };
+  explicit HeapTrimmer(Options options);  // starts the thread, asleep
+  HeapTrimmer() : HeapTrimmer(Options{}) {}
+  ~HeapTrimmer();
+  HeapTrimmer(const HeapTrimmer&) = delete;
+  HeapTrimmer& operator=(const HeapTrimmer&) = delete;
+
+  void Stop();  // idempotent
+
+  uint64_t looks() const { return looks_.load(); }  // rounds that read mallinfo2
+  uint64_t trims() const { return trims_.load(); }  // of which called malloc_trim
+
+ private:
+  void Loop();
+  // False when stopping.
+  bool SleepUntilActivity();
+  bool SleepFor(absl::Duration d);
+  void Look();
+
+  const Options options_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> looks_{0};
+  std::atomic<uint64_t> trims_{0};
+  size_t trimmed_at_ = 0;  // free bytes after the last trim: nothing new while equal
+  std::thread thread_;
+};
+
+}  // namespace kvagent::agent

@@ -1,0 +1,98 @@
+#include "agent/heap_trimmer.h"
+
+#include <malloc.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "catch2/catch.hpp"
+
+namespace kvagent::agent {
+namespace {
+
+uint64_t RssAnonBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoull(line.substr(8)) << 10;
+  }
+  return 0;
+}
+
+bool ThreadNamed(const std::string& name) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(entry.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) return true;
+  }
+  return false;
+}
+
+bool Eventually(const std::function<bool()>& condition, absl::Duration limit = absl::Seconds(10)) {
+  const absl::Time deadline = absl::Now() + limit;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return condition();
+}
+
+}  // namespace
+
+TEST_CASE("The heap trimmer sleeps until activity, looks a few times, sleeps again",
+          "[heap]") {
+  HeapTrimmer::Options options;
+  options.delay = absl::Milliseconds(40);
+  options.follow_ups = 2;  // looks at +40, +120, +280 ms after the last activity
+  HeapTrimmer trimmer(options);
+  REQUIRE(Eventually([] { return ThreadNamed("heap-trim"); }));
+  // No activity: no look, however long (the idle agent's trimmer never wakes).
+  absl::SleepFor(absl::Milliseconds(500));
+  CHECK(trimmer.looks() == 0);
+
+  NoteHeapActivity();
+  REQUIRE(Eventually([&] { return trimmer.looks() == 3; }));
+  absl::SleepFor(absl::Milliseconds(700));  // more than twice the last wait
+  CHECK(trimmer.looks() == 3);
+
+  // Freed heap goes back to the kernel after activity. 64 MiB in 32 KiB blocks (under
+  // glibc's mmap threshold, so from the heap), pinned by one block after them so that
+  // glibc's own trimming of the heap's top cannot return it.
+  constexpr size_t kBlock = 32 << 10, kBlocks = 2048;
+  std::vector<char*> blocks;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    blocks.push_back(static_cast<char*>(malloc(kBlock)));
+    std::memset(blocks.back(), 1, kBlock);
+  }
+  char* pin = static_cast<char*>(malloc(kBlock));
+  std::memset(pin, 1, kBlock);
+  const uint64_t held = RssAnonBytes();
+  for (char* b : blocks) free(b);
+  const uint64_t freed = RssAnonBytes();
+  INFO("RssAnon " << (held >> 20) << " MiB held, " << (freed >> 20) << " MiB after free()");
+  REQUIRE(mallinfo2().fordblks >= options.min_free_bytes);
+  const uint64_t trims = trimmer.trims();
+  NoteHeapActivity();
+  REQUIRE(Eventually([&] { return trimmer.trims() > trims; }));
+  const uint64_t trimmed = RssAnonBytes();
+  INFO("RssAnon " << (trimmed >> 20) << " MiB after the trim");
+  // At least half of the 64 MiB freed went back (glibc keeps block headers' pages).
+  CHECK(trimmed + (32u << 20) <= held);
+  free(pin);
+
+  trimmer.Stop();
+  trimmer.Stop();  // idempotent
+  CHECK(!ThreadNamed("heap-trim"));
+  const uint64_t looks = trimmer.looks();
+  NoteHeapActivity();  // nobody to wake: harmless
+  absl::SleepFor(absl::Milliseconds(100));
+  CHECK(trimmer.looks() == looks);
+}
+
+}  // namespace kvagent::agent
