@@ -10,13 +10,13 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "base/format.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "transport/base/text.h"
+#include "base/text.h"
 
 namespace kvagent::agent {
 

@@ -17,11 +17,11 @@
 #include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "agent/unix_listener.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 #include "grpcpp/grpcpp.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 namespace {

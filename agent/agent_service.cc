@@ -21,12 +21,12 @@
 #include "agent/heap_trimmer.h"
 #include "agent/status_util.h"
 #include "agent/tls.h"
-#include "registry/fault_guard.h"
-#include "registry/remote_catalog.h"
+#include "base/format.h"
+#include "base/log.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
+#include "registry/fault_guard.h"
+#include "registry/remote_catalog.h"
 
 namespace kvagent::agent {
 namespace {

@@ -1,8 +1,8 @@
 #include "agent/data_path.h"
 
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 

@@ -7,11 +7,11 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
-#include "transport/base/text.h"
 
 namespace kvagent::agent {
 namespace {

@@ -19,10 +19,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "cuda/driver.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/cuda_driver.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {
@@ -76,7 +76,7 @@ std::optional<std::string> ReadSmallFile(const std::string& path) {
   return text.str();
 }
 
-constexpr const char* kCudaLibrary = transport::CudaDriver::kLibraryName;
+constexpr const char* kCudaLibrary = cuda::CudaDriver::kLibraryName;
 
 }  // namespace
 
@@ -356,7 +356,7 @@ std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers) 
 CudaFacts ProbeCuda() {
   CudaFacts facts;
   // Load() runs cuInit once per process (slow on GPU hosts) and then returns that result.
-  auto driver = transport::CudaDriver::Load();
+  auto driver = cuda::CudaDriver::Load();
   if (!driver.ok()) {
     // CudaDriver's messages read "<cause>; <what to do>": the check has its own fix
     // field, so the detail keeps the cause.

@@ -29,7 +29,7 @@ struct CudaDeviceFacts {
 };
 
 struct CudaFacts {
-  bool loaded = false;     // transport::CudaDriver::Load() succeeded (dlopen + cuInit)
+  bool loaded = false;     // cuda::CudaDriver::Load() succeeded (dlopen + cuInit)
   std::string error;       // why not, or why the devices are unknown
   int driver_version = 0;  // 12040 = 12.4
   std::vector<CudaDeviceFacts> devices;

@@ -17,14 +17,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "fmt/format.h"
 #include "agent/openssl_util.h"
+#include "base/format.h"
+#include "base/status_macros.h"
+#include "base/text.h"
+#include "base/unique_fd.h"
+#include "fmt/format.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/directory.pb.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
-#include "transport/base/text.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::agent {
 namespace {

@@ -13,10 +13,10 @@
 
 #include "absl/status/status.h"
 #include "agent/limits.h"
+#include "base/log.h"
 #include "client/fast_ring.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

@@ -24,8 +24,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "base/unique_fd.h"
 #include "proto/kvagent.pb.h"
-#include "transport/base/unique_fd.h"
 #include "transport/ucx_worker.h"
 
 namespace kvagent::agent {

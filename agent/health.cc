@@ -6,12 +6,12 @@
 #include <atomic>
 #include <chrono>
 
+#include "base/log.h"
 #include "fmt/format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/security/server_credentials.h"
 #include "proto/health.pb.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

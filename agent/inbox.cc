@@ -7,9 +7,9 @@
 
 #include "agent/staging.h"
 #include "agent/transfer_engine.h"
+#include "base/format.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

@@ -8,9 +8,9 @@
 #include "absl/strings/str_join.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
+#include "base/format.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

@@ -9,10 +9,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
 #include "agent/peer_secrets.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 namespace {

@@ -22,9 +22,9 @@
 #include "agent/agent.h"
 #include "agent/copy_lanes.h"
 #include "agent/flags.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
 
 namespace {
 

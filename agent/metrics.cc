@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

@@ -4,8 +4,8 @@
 #include <chrono>
 #include <utility>
 
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::agent {
 namespace {

@@ -8,10 +8,10 @@
 #include "absl/strings/str_join.h"
 #include "agent/access.h"
 #include "agent/status_util.h"
+#include "base/format.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 #include "grpcpp/grpcpp.h"
-#include "transport/base/log.h"
 
 namespace kvagent::agent {
 namespace {

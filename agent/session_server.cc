@@ -14,11 +14,11 @@
 #include <utility>
 
 #include "agent/unix_listener.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/text.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 namespace {

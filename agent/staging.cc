@@ -10,11 +10,11 @@
 
 #include "agent/access.h"
 #include "agent/status_util.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
 #include "registry/fault_guard.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 namespace {
@@ -52,7 +52,7 @@ absl::Status ValidateStagingOptions(const StagingPoolOptions& options) {
 
 struct StagingPool::State {
   uint64_t chunk_bytes = 0;
-  transport::CudaDriver* cuda = nullptr;  // set when the buffers are pinned by CUDA
+  cuda::CudaDriver* cuda = nullptr;  // set when the buffers are pinned by CUDA
   std::vector<uint8_t*> buffers;
   std::vector<transport::MemoryRegistration> registrations;
   absl::Mutex mu;
@@ -114,7 +114,7 @@ void StagingPool::Lease::Release() {
 }
 
 absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(
-    const StagingPoolOptions& options, transport::CudaDriver* cuda,
+    const StagingPoolOptions& options, cuda::CudaDriver* cuda,
     const transport::UcxContext* context) {
   RETURN_IF_ERROR(ValidateStagingOptions(options));
   auto state = std::make_shared<State>();
@@ -203,7 +203,7 @@ class CudaCopier : public DeviceCopier {
  public:
   absl::Status Copy(uint64_t dst, uint64_t src, uint64_t bytes) override {
     if (stream_ == nullptr) {
-      ASSIGN_OR_RETURN(cuda_, transport::CudaDriver::Load());
+      ASSIGN_OR_RETURN(cuda_, cuda::CudaDriver::Load());
       ASSIGN_OR_RETURN(stream_, cuda_->CreateStream(0));
     }
     pending_ = true;
@@ -219,7 +219,7 @@ class CudaCopier : public DeviceCopier {
   }
 
  private:
-  transport::CudaDriver* cuda_ = nullptr;
+  cuda::CudaDriver* cuda_ = nullptr;
   CUstream_st* stream_ = nullptr;
   bool pending_ = false;
 };
@@ -345,8 +345,8 @@ void Stager::Stop() {
 absl::Status Stager::EnsurePool() {
   if (pool_ != nullptr) return absl::OkStatus();
   // Pinned when a GPU is there (fast DMA for the device copies), plain otherwise.
-  transport::CudaDriver* cuda = nullptr;
-  if (auto driver = transport::CudaDriver::Load(); driver.ok() && (*driver)->device_count() > 0) {
+  cuda::CudaDriver* cuda = nullptr;
+  if (auto driver = cuda::CudaDriver::Load(); driver.ok() && (*driver)->device_count() > 0) {
     cuda = *driver;
   }
   // Sending and receiving get a pool each: a receive never waits for a buffer held by

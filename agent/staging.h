@@ -24,12 +24,12 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/am_ids.h"
 #include "agent/peer_snapshot.h"
+#include "cuda/driver.h"
 #include "planning/staging_plan.h"
 #include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
 #include "registry/region_registry.h"
-#include "transport/cuda_driver.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -77,7 +77,7 @@ class StagingPool {
 
   // `cuda` and `context` may be null (plain memory, no UCX registration).
   static absl::StatusOr<std::unique_ptr<StagingPool>> Create(const StagingPoolOptions& options,
-                                                             transport::CudaDriver* cuda,
+                                                             cuda::CudaDriver* cuda,
                                                              const transport::UcxContext* context);
   ~StagingPool();
   StagingPool(const StagingPool&) = delete;

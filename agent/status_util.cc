@@ -3,8 +3,8 @@
 #include <string>
 
 #include "agent/limits.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
+#include "base/format.h"
+#include "base/log.h"
 
 namespace kvagent::agent {
 namespace {

@@ -1,12 +1,12 @@
 // The one place where absl::Status becomes grpc::Status (and back). The clocks the
-// agent's components use here as agent::UnixMicros live in transport/base/clock.h.
+// agent's components use here as agent::UnixMicros live in base/clock.h.
 #pragma once
 
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "base/clock.h"
 #include "grpcpp/support/status.h"
-#include "transport/base/clock.h"
 
 namespace kvagent::agent {
 

@@ -1,8 +1,8 @@
 #include "agent/timeline.h"
 
+#include "base/log.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/log.h"
-#include "transport/base/text.h"
 
 namespace kvagent::agent {
 namespace {

@@ -12,12 +12,12 @@
 #include "agent/peer_secrets.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+#include "cuda/driver.h"
 #include "fmt/format.h"
 #include "registry/fault_guard.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::agent {
 namespace {
@@ -1052,7 +1052,7 @@ TransferCounters TransferEngine::counters() const {
 }
 
 std::string TransferEngine::device_copy_mode() {
-  return DeviceCopyMode(transport::CudaDriver::Load().ok());
+  return DeviceCopyMode(cuda::CudaDriver::Load().ok());
 }
 
 absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id,

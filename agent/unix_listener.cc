@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 namespace {

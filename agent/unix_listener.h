@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "transport/base/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace kvagent::agent {
 

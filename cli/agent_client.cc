@@ -6,11 +6,11 @@
 
 #include "absl/strings/match.h"
 #include "agent/status_util.h"
-#include "registry/memory_object.h"
-#include "transport/base/status_macros.h"
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
-#include "transport/base/format.h"
+#include "registry/memory_object.h"
 
 namespace kvagent::cli {
 namespace {

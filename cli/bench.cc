@@ -14,6 +14,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "base/format.h"
+#include "base/text.h"
 #include "cli/agent_client.h"
 #include "cli/bench_fast.h"
 #include "cli/bench_layout.h"
@@ -24,11 +26,9 @@
 #include "cli/bench_sweep.h"
 #include "cli/child_process.h"
 #include "cli/local_agents.h"
+#include "cuda/driver.h"
 #include "fmt/format.h"
 #include "proto/kvagent.pb.h"
-#include "transport/base/format.h"
-#include "transport/base/text.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
 namespace {
@@ -53,9 +53,9 @@ int RunBench(const BenchOptions& options) {
                                  options.memory)));
   }
   const bool vram = options.memory == "vram";
-  transport::CudaDriver* cuda = nullptr;
+  cuda::CudaDriver* cuda = nullptr;
   if (vram) {
-    auto driver = transport::CudaDriver::Load();
+    auto driver = cuda::CudaDriver::Load();
     if (!driver.ok()) {
       return Fail("--memory vram (on a machine without a GPU use --memory dram)", driver.status());
     }

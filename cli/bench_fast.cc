@@ -12,11 +12,11 @@
 #include <thread>
 #include <utility>
 
+#include "base/status_macros.h"
 #include "cli/local_agents.h"
 #include "cli/notification_waiter.h"
 #include "cli/process_cpu.h"
 #include "fmt/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
 namespace {

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
 namespace {
@@ -75,7 +75,7 @@ absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t byt
   return absl::OkStatus();
 }
 
-absl::Status MakeVramPools(transport::CudaDriver* cuda, int device, uint64_t bytes,
+absl::Status MakeVramPools(cuda::CudaDriver* cuda, int device, uint64_t bytes,
                            const std::string& label, VramMemory* memory, Pools* pools) {
   ASSIGN_OR_RETURN(memory->initiator,
                    DeviceAllocation::Allocate(cuda, device, bytes, label + " initiator pool"));

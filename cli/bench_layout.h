@@ -15,9 +15,9 @@
 #include "absl/status/status.h"
 #include "cli/agent_client.h"
 #include "cli/kv_pool.h"
+#include "cuda/driver.h"
 #include "proto/kvagent.pb.h"
 #include "registry/shm_mapping.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
 
@@ -76,7 +76,7 @@ struct VramMemory {
 // both here.
 absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t bytes,
                        const std::string& label, Pools* pools);
-absl::Status MakeVramPools(transport::CudaDriver* cuda, int device, uint64_t bytes,
+absl::Status MakeVramPools(cuda::CudaDriver* cuda, int device, uint64_t bytes,
                            const std::string& label, VramMemory* memory, Pools* pools);
 
 // The pool as items of `block` bytes, one region in group `group`, with the random

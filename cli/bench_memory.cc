@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "cli/notification_waiter.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
 namespace {

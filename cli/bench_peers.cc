@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/peer_manager.h"
+#include "base/status_macros.h"
 #include "cli/agent_client.h"
 #include "cli/child_process.h"
 #include "cli/daemon_process.h"
@@ -27,7 +28,6 @@
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
 namespace {

@@ -6,11 +6,11 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/format.h"
 #include "cli/agent_client.h"
 #include "cli/local_agents.h"
 #include "cli/notification_waiter.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::cli {
 

@@ -2,9 +2,9 @@
 
 #include <optional>
 
+#include "base/format.h"
 #include "cli/bench_fast.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::cli {
 namespace {

@@ -13,11 +13,11 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "cli/local_agents.h"
 #include "cli/notification_waiter.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
 
@@ -311,7 +311,7 @@ class CellBench::Impl {
       const uint8_t* b = nullptr;
       if (pools_.vram) {
         auto [dsrc, ddst] = DeviceEnds(cell);
-        transport::CudaDriver* cuda = pools_.initiator_device->driver();
+        cuda::CudaDriver* cuda = pools_.initiator_device->driver();
         absl::Status copied = cuda->Copy(reinterpret_cast<uint64_t>(src_host.data()),
                                          dsrc + src_idx[k] * layout.block, layout.block);
         if (copied.ok()) {
@@ -384,7 +384,7 @@ class CellBench::Impl {
   // VRAM: the same page lists as device-to-device cuMemcpyAsync on one stream, then a
   // stream sync per transfer (what one engine-side copy loop reaches on this GPU).
   std::optional<double> DeviceMemcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
-    transport::CudaDriver* cuda = pools_.initiator_device->driver();
+    cuda::CudaDriver* cuda = pools_.initiator_device->driver();
     if (stream_ == nullptr) {
       auto stream = cuda->CreateStream(pools_.initiator_device->device());
       if (!stream.ok()) {

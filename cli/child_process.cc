@@ -16,8 +16,8 @@
 #include <sstream>
 #include <thread>
 
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 extern char** environ;
 

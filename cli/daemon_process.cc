@@ -14,9 +14,9 @@
 #include <fstream>
 #include <thread>
 
+#include "base/format.h"
 #include "cli/child_process.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::cli {
 namespace {

@@ -16,17 +16,17 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/mutex.h"
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "cli/agent_client.h"
-#include "client/fast_path.h"
 #include "cli/daemon_process.h"
-#include "cli/local_agents.h"
 #include "cli/kv_pool.h"
+#include "cli/local_agents.h"
 #include "cli/model_shapes.h"
 #include "cli/notification_waiter.h"
+#include "client/fast_path.h"
+#include "cuda/driver.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
 namespace {
@@ -185,7 +185,7 @@ int RunDemo(const DemoOptions& options) {
   }
   const bool vram = options.memory == "vram";
   if (vram) {
-    auto driver = transport::CudaDriver::Load();
+    auto driver = cuda::CudaDriver::Load();
     if (!driver.ok()) {
       return Fail("--memory vram (on a machine without a GPU use --memory dram)", driver.status(),
                   json);

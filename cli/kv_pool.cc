@@ -3,9 +3,9 @@
 #include <cstring>
 #include <utility>
 
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::cli {
 namespace {
@@ -16,7 +16,7 @@ uint64_t AlignUp(uint64_t n, uint64_t alignment) { return (n + alignment - 1) / 
 
 }  // namespace
 
-absl::StatusOr<DeviceAllocation> DeviceAllocation::Allocate(transport::CudaDriver* driver,
+absl::StatusOr<DeviceAllocation> DeviceAllocation::Allocate(cuda::CudaDriver* driver,
                                                             int device, uint64_t bytes,
                                                             const std::string& label) {
   if (absl::Status s = driver->MakeCurrent(device); !s.ok()) {
@@ -106,7 +106,7 @@ absl::StatusOr<Pool> CreatePool(AgentClient& agent, const std::string& label,
   }
   pool.size = end;
   if (pool.memory == v1::VRAM) {
-    ASSIGN_OR_RETURN(transport::CudaDriver * driver, transport::CudaDriver::Load());
+    ASSIGN_OR_RETURN(cuda::CudaDriver * driver, cuda::CudaDriver::Load());
     ASSIGN_OR_RETURN(pool.device, DeviceAllocation::Allocate(driver, memory.device, end, label));
     pool.host_image.reset(new uint8_t[end]());
   } else {

@@ -15,9 +15,9 @@
 
 #include "absl/status/statusor.h"
 #include "cli/agent_client.h"
+#include "cuda/driver.h"
 #include "proto/kvagent.pb.h"
 #include "registry/shm_mapping.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::cli {
 
@@ -49,7 +49,7 @@ class DeviceAllocation {
  public:
   // MakeCurrent(device), cuMemAlloc(bytes), cuIpcGetMemHandle. `label` names the
   // pool in errors.
-  static absl::StatusOr<DeviceAllocation> Allocate(transport::CudaDriver* driver, int device,
+  static absl::StatusOr<DeviceAllocation> Allocate(cuda::CudaDriver* driver, int device,
                                                    uint64_t bytes, const std::string& label);
   DeviceAllocation() = default;
   DeviceAllocation(DeviceAllocation&& other) noexcept;
@@ -62,10 +62,10 @@ class DeviceAllocation {
   uint64_t dptr() const { return dptr_; }
   int device() const { return device_; }
   const std::string& ipc_handle() const { return ipc_handle_; }
-  transport::CudaDriver* driver() const { return driver_; }
+  cuda::CudaDriver* driver() const { return driver_; }
 
  private:
-  transport::CudaDriver* driver_ = nullptr;
+  cuda::CudaDriver* driver_ = nullptr;
   uint64_t dptr_ = 0;
   int device_ = 0;
   std::string ipc_handle_;

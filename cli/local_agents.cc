@@ -14,8 +14,8 @@
 #include <fstream>
 #include <iterator>
 
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::cli {
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
+#include "base/format.h"
 #include "cli/agent_client.h"
 #include "cli/bench.h"
 #include "cli/bench_peers.h"
@@ -16,7 +17,6 @@
 #include "fmt/format.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
-#include "transport/base/format.h"
 
 namespace {
 

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::cli {
 namespace {

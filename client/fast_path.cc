@@ -8,9 +8,9 @@
 #include <chrono>
 #include <cstring>
 
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::client {
 namespace {

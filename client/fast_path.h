@@ -20,10 +20,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/unique_fd.h"
 #include "client/fast_ring.h"
 #include "client/local_session.h"
 #include "proto/kvagent.pb.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::client {
 

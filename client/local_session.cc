@@ -10,9 +10,9 @@
 #include <cstring>
 #include <utility>
 
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::client {
 namespace {

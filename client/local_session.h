@@ -14,9 +14,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "base/unique_fd.h"
 #include "client/session_wire.h"
 #include "proto/kvagent.pb.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::client {
 

@@ -11,10 +11,10 @@
 #include <string>
 #include <utility>
 
+#include "base/format.h"
 #include "fmt/format.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
-#include "transport/base/format.h"
 
 namespace kvagent::client {
 namespace {

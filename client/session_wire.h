@@ -15,9 +15,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/unique_fd.h"
 #include "google/protobuf/message_lite.h"
 #include "proto/kvagent.pb.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::client {
 

@@ -44,13 +44,13 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
 #include "agent/fast_path.h"
+#include "base/log.h"
+#include "base/unique_fd.h"
 #include "client/fast_ring.h"
 #include "fuzz/fast_ring_input.pb.h"
 #include "fuzz/fuzz_check.h"
 #include "fuzz/fuzz_target.h"
 #include "proto/kvagent.pb.h"
-#include "transport/base/log.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::fuzz {
 namespace {

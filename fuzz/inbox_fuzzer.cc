@@ -8,11 +8,11 @@
 
 #include "absl/status/status.h"
 #include "agent/inbox.h"
+#include "base/format.h"
 #include "fuzz/fuzz_check.h"
 #include "fuzz/fuzz_target.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
-#include "transport/base/format.h"
 
 namespace kvagent::fuzz {
 namespace {

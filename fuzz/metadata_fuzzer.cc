@@ -9,12 +9,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "base/format.h"
+#include "base/text.h"
 #include "fuzz/fuzz_check.h"
 #include "fuzz/fuzz_target.h"
 #include "proto/kvagent.pb.h"
 #include "registry/remote_catalog.h"
-#include "transport/base/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::fuzz {
 namespace {

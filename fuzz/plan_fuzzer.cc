@@ -17,15 +17,15 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "base/format.h"
 #include "fuzz/fuzz_check.h"
 #include "fuzz/fuzz_target.h"
+#include "planning/destination_ledger.h"
 #include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
-#include "planning/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
-#include "transport/base/format.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::fuzz {

@@ -19,14 +19,14 @@
 #include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "base/format.h"
+#include "base/text.h"
 #include "fuzz/fuzz_check.h"
 #include "fuzz/fuzz_target.h"
 #include "proto/kvagent.pb.h"
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
-#include "transport/base/format.h"
-#include "transport/base/text.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::fuzz {

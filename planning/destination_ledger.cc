@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::planning {
 

@@ -10,8 +10,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::planning {
 

@@ -15,15 +15,15 @@
 #include <string>
 #include <vector>
 
+#include "base/format.h"
 #include "benchmark/benchmark.h"
 #include "fmt/format.h"
+#include "planning/destination_ledger.h"
 #include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
-#include "planning/destination_ledger.h"
 #include "registry/region_registry.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
-#include "transport/base/format.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::planning {

@@ -3,10 +3,10 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::registry {
 namespace {
@@ -17,7 +17,7 @@ constexpr log::Logger kLog("registry");
 
 absl::StatusOr<CudaIpcMapping> CudaIpcMapping::Open(const v1::CudaIpcSource& source,
                                                     uint64_t length, std::string_view entry) {
-  ASSIGN_OR_RETURN(transport::CudaDriver * driver, transport::CudaDriver::Load());
+  ASSIGN_OR_RETURN(cuda::CudaDriver * driver, cuda::CudaDriver::Load());
   RETURN_IF_ERROR(driver->CheckDevice(source.device(), entry));
   uint64_t end = 0;
   if (length == 0 || __builtin_add_overflow(source.offset(), length, &end)) {

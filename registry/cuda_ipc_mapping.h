@@ -8,8 +8,8 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "cuda/driver.h"
 #include "proto/kvagent.pb.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::registry {
 
@@ -39,7 +39,7 @@ class CudaIpcMapping {
 
  private:
   void Reset();
-  transport::CudaDriver* driver_ = nullptr;  // null when nothing is open
+  cuda::CudaDriver* driver_ = nullptr;  // null when nothing is open
   std::string entry_;
   uint64_t base_ = 0;
   uint64_t offset_ = 0;

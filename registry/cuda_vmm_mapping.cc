@@ -3,10 +3,10 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::registry {
 namespace {
@@ -17,8 +17,8 @@ constexpr log::Logger kLog("registry");
 
 absl::StatusOr<std::shared_ptr<const CudaVmmMapping>> CudaVmmMapping::Import(
     std::shared_ptr<const DeviceMemoryObject> memory, std::string_view entry) {
-  ASSIGN_OR_RETURN(transport::CudaDriver * driver, transport::CudaDriver::Load());
-  ASSIGN_OR_RETURN(transport::CudaVmmRange range,
+  ASSIGN_OR_RETURN(cuda::CudaDriver * driver, cuda::CudaDriver::Load());
+  ASSIGN_OR_RETURN(cuda::CudaVmmRange range,
                    driver->ImportVmm(memory->fd(), memory->device(), memory->bytes(), entry));
   std::shared_ptr<CudaVmmMapping> mapping(new CudaVmmMapping());
   mapping->driver_ = driver;

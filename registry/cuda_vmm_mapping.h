@@ -10,8 +10,8 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "cuda/driver.h"
 #include "registry/device_memory_object.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::registry {
 
@@ -36,10 +36,10 @@ class CudaVmmMapping {
  private:
   CudaVmmMapping() = default;
 
-  transport::CudaDriver* driver_ = nullptr;
+  cuda::CudaDriver* driver_ = nullptr;
   std::shared_ptr<const DeviceMemoryObject> memory_;
   std::string entry_;
-  transport::CudaVmmRange range_;
+  cuda::CudaVmmRange range_;
 };
 
 }  // namespace kvagent::registry

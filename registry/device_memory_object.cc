@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::registry {
 namespace {

@@ -10,7 +10,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "transport/base/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace kvagent::registry {
 

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::registry {
 namespace {

@@ -20,8 +20,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::registry {
 namespace {

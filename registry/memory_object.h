@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "transport/base/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace kvagent::registry {
 

@@ -12,11 +12,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "base/text.h"
 #include "fmt/format.h"
 #include "registry/remote_catalog.h"
-#include "transport/base/text.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::registry {
 namespace {
@@ -393,7 +393,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                          "bytes of cudaIpcGetMemHandle), cuda_ipc.device and cuda_ipc.offset");
         continue;
       }
-      if (absl::Status s = transport::CudaDriver::ValidateIpcSource(
+      if (absl::Status s = cuda::CudaDriver::ValidateIpcSource(
               Label(spec), spec.cuda_ipc().ipc_handle().size(), spec.cuda_ipc().device(), -1);
           !s.ok()) {
         errors.Add(i, s);

@@ -4,8 +4,8 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "base/text.h"
 #include "fmt/format.h"
-#include "transport/base/text.h"
 
 namespace kvagent::registry {
 namespace {

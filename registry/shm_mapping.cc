@@ -15,8 +15,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::registry {
 namespace {

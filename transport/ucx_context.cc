@@ -10,8 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/log.h"
 #include "ucs/memory/memory_type.h"
 
 namespace kvagent::transport {

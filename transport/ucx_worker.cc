@@ -15,8 +15,8 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "base/log.h"
 #include "fmt/format.h"
-#include "transport/base/log.h"
 
 namespace kvagent::transport {
 namespace {

@@ -7,10 +7,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "agent/gpu/gather_kernel.h"
+#include "base/format.h"
+#include "base/log.h"
+#include "cuda/driver.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/log.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::agent {
 namespace {
@@ -159,7 +159,7 @@ std::string FatbinEntryName(const FatbinEntry& entry) {
 
 DeviceCopyAbilities ProbeDeviceCopyAbilities() {
   DeviceCopyAbilities host;
-  auto driver = transport::CudaDriver::Load();
+  auto driver = cuda::CudaDriver::Load();
   if (!driver.ok()) return host;
   host.driver = true;
   host.driver_version = (*driver)->driver_version();

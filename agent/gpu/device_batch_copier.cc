@@ -3,9 +3,9 @@
 #include <string>
 
 #include "agent/gpu/gather_kernel.h"
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
 namespace kvagent::agent {
 
@@ -29,7 +29,7 @@ absl::Status DeviceBatchCopier::Copy(const std::vector<DeviceCopy>& copies,
 absl::Status DeviceBatchCopier::Queue(const std::vector<DeviceCopy>& copies,
                                  DeviceCopyMechanism mechanism, uint32_t* failed_op) {
   if (stream_ == nullptr) {
-    ASSIGN_OR_RETURN(cuda_, transport::CudaDriver::Load());
+    ASSIGN_OR_RETURN(cuda_, cuda::CudaDriver::Load());
     ASSIGN_OR_RETURN(stream_, cuda_->CreateStream(0));
   }
   if (mechanism == DeviceCopyMechanism::kKernel && !EnsureKernel().ok()) {

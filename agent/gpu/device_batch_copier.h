@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "agent/gpu/device_batch.h"
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
 namespace kvagent::agent {
 
@@ -37,7 +37,7 @@ class DeviceBatchCopier {
   absl::Status EnsureKernel();
   absl::Status Sync();
 
-  transport::CudaDriver* cuda_ = nullptr;
+  cuda::CudaDriver* cuda_ = nullptr;
   CUstream_st* stream_ = nullptr;
   CUmod_st* module_ = nullptr;
   CUfunc_st* kernel_ = nullptr;

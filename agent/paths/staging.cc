@@ -3,8 +3,8 @@
 // (agent/staging.h, "Host staging" in docs/ARCHITECTURE.md); the batch is done once no
 // chunk of it is in flight.
 #include "agent/data_path.h"
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::agent {
 namespace {

@@ -3,8 +3,8 @@
 // completes (every put complete at the peer, every get here), or at once when an op
 // could not be posted (what was posted before it is flushed first).
 #include "agent/data_path.h"
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::agent {
 namespace {

@@ -17,12 +17,12 @@
 #include <thread>
 #include <vector>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "cli/process_memory.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

@@ -11,10 +11,10 @@
 #include <string_view>
 #include <thread>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

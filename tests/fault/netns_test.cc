@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/cert_authority.h"
@@ -30,7 +31,6 @@
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/unit/catch_main.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

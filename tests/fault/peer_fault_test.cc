@@ -16,11 +16,11 @@
 #include <thread>
 #include <vector>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "cli/daemon_process.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

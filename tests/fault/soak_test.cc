@@ -26,13 +26,13 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/process_memory.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

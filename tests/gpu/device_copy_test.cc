@@ -17,9 +17,9 @@
 #include "agent/gpu/device_batch.h"
 #include "agent/gpu/device_batch_copier.h"
 #include "catch2/catch.hpp"
+#include "cuda/driver.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/catch_main.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::agent {
 namespace {
@@ -27,7 +27,7 @@ namespace {
 using testing::FromDevice;
 using testing::GpuMissing;
 using testing::ToDevice;
-using transport::CudaDriver;
+using cuda::CudaDriver;
 
 // Why `mechanism` cannot run on this driver, or "".
 std::string MechanismMissing(DeviceCopyMechanism mechanism) {

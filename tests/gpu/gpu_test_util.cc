@@ -1,11 +1,11 @@
 #include "tests/gpu/gpu_test_util.h"
 
 #include "catch2/catch.hpp"
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
 namespace kvagent::testing {
 
-using transport::CudaDriver;
+using cuda::CudaDriver;
 
 std::string GpuMissing() {
   auto driver = CudaDriver::Load();

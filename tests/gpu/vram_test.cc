@@ -14,14 +14,14 @@
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
+#include "cuda/driver.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/catch_main.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::testing {
 namespace {
 
-using transport::CudaDriver;
+using cuda::CudaDriver;
 
 constexpr uint32_t kLayers = 4;           // 4 layers x K,V
 constexpr uint64_t kPages = 16;
@@ -43,7 +43,7 @@ struct DevicePool {
   Share share = Share::kIpc;
   uint64_t dptr = 0;
   std::string handle;                 // kIpc: the 64 bytes of cuIpcGetMemHandle
-  transport::CudaVmmExportable vmm;   // kVmm: the allocation and its descriptor
+  cuda::CudaVmmExportable vmm;   // kVmm: the allocation and its descriptor
   uint64_t memory_handle = 0;         // kVmm: the agent session's handle for it
   ~DevicePool() {
     CudaDriver* driver = *CudaDriver::Load();

@@ -12,10 +12,10 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "base/format.h"
 #include "cli/child_process.h"
 #include "client/fast_path.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 extern char** environ;
 

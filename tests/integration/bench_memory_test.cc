@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

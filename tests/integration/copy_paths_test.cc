@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "cuda/driver.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/cuda_driver.h"
 
 namespace kvagent::testing {
 namespace {
@@ -34,7 +34,7 @@ TEST_CASE("GetStatus counts the copy lanes' batches; status, peers and doctor na
   AgentPair pair(options);
   // With a driver, the mechanism chosen at run time (agent/gpu/device_batch.h).
   auto mode_of = [](const std::string& status_mode) {
-    if (!transport::CudaDriver::Load().ok()) {
+    if (!cuda::CudaDriver::Load().ok()) {
       CHECK(status_mode == "none (no CUDA driver)");
     } else {
       INFO(status_mode);

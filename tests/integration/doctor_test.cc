@@ -8,9 +8,9 @@
 #include <thread>
 
 #include "catch2/catch.hpp"
+#include "cuda/driver.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/cuda_driver.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::testing {
@@ -50,7 +50,7 @@ TEST_CASE("Doctor reports this host's UCX and CUDA and the connected peer") {
   auto local_ucx = transport::UcxContext::Create();
   REQUIRE(local_ucx.ok());
   const bool ucx_cuda = (*local_ucx)->capabilities().cuda_memory;
-  const bool driver = transport::CudaDriver::Load().ok();
+  const bool driver = cuda::CudaDriver::Load().ok();
 
   const v1::DoctorReport report = Doctor(pair.prefill());
   INFO(report.ShortDebugString());

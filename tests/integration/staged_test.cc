@@ -15,13 +15,13 @@
 #include <thread>
 #include <vector>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

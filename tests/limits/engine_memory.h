@@ -9,10 +9,10 @@
 #include <memory>
 #include <string>
 
+#include "base/unique_fd.h"
 #include "cli/agent_client.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/limits/status_probe.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::testing {
 

@@ -7,12 +7,12 @@
 #include <cstring>
 #include <string>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/limits/engine_memory.h"
 #include "tests/limits/status_probe.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

@@ -16,13 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
 #include "tests/unit/catch_main.h"
-#include "transport/base/format.h"
 
 namespace kvagent::testing {
 namespace {

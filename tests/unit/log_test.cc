@@ -1,7 +1,7 @@
-#include "transport/base/log.h"
+#include "base/log.h"
 
+#include "base/status_macros.h"
 #include "catch2/catch.hpp"
-#include "transport/base/status_macros.h"
 
 namespace kvagent {
 namespace {

@@ -10,8 +10,8 @@
 #include <cstring>
 #include <string>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
-#include "transport/base/format.h"
 
 namespace kvagent::cli {
 namespace {

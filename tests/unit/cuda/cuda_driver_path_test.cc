@@ -4,9 +4,9 @@
 #include <string>
 
 #include "catch2/catch.hpp"
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
-namespace kvagent::transport {
+namespace kvagent::cuda {
 namespace {
 
 TEST_CASE("Load names the library path set by KVAGENT_CUDA_DRIVER") {
@@ -27,4 +27,4 @@ TEST_CASE("Load names the library path set by KVAGENT_CUDA_DRIVER") {
 }
 
 }  // namespace
-}  // namespace kvagent::transport
+}  // namespace kvagent::cuda

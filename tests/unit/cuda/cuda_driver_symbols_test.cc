@@ -5,9 +5,9 @@
 #include <string>
 
 #include "catch2/catch.hpp"
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
-namespace kvagent::transport {
+namespace kvagent::cuda {
 namespace {
 
 TEST_CASE("Load names the missing driver symbols and the driver version") {
@@ -34,4 +34,4 @@ TEST_CASE("Load names the missing driver symbols and the driver version") {
 }
 
 }  // namespace
-}  // namespace kvagent::transport
+}  // namespace kvagent::cuda

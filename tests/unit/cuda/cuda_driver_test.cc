@@ -1,4 +1,4 @@
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
 #include <dlfcn.h>
 
@@ -6,7 +6,7 @@
 
 #include "catch2/catch.hpp"
 
-namespace kvagent::transport {
+namespace kvagent::cuda {
 namespace {
 
 using absl::StatusCode;
@@ -91,4 +91,4 @@ TEST_CASE("ValidateIpcSource checks the handle size and the device ordinal") {
 }
 
 }  // namespace
-}  // namespace kvagent::transport
+}  // namespace kvagent::cuda

@@ -8,11 +8,11 @@
 #include <numeric>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
 #include "registry/fault_guard.h"
 #include "registry/memory_object.h"
 #include "registry/shm_mapping.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::agent {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "agent/gpu/gather_kernel.h"
 #include "catch2/catch.hpp"
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
 namespace kvagent::agent {
 namespace {
@@ -108,8 +108,8 @@ TEST_CASE("KVAGENT_DEVICE_COPY values; a bad one names the variable and the choi
 }
 
 // What FindCopyEntryPoints finds in a driver where the symbols in `table` resolve.
-transport::CudaCopyEntryPoints Find(const std::vector<std::string>& table) {
-  return transport::CudaDriver::FindCopyEntryPoints([&](const char* symbol) -> void* {
+cuda::CudaCopyEntryPoints Find(const std::vector<std::string>& table) {
+  return cuda::CudaDriver::FindCopyEntryPoints([&](const char* symbol) -> void* {
     for (const auto& t : table) {
       if (t == symbol) return reinterpret_cast<void*>(0x1);
     }
@@ -278,7 +278,7 @@ TEST_CASE("ParseFatbin refuses what is not a whole fatbin") {
 }
 
 TEST_CASE("This process: without a CUDA driver, nothing is selected and status says so") {
-  if (transport::CudaDriver::Load().ok()) {
+  if (cuda::CudaDriver::Load().ok()) {
     // On a GPU host the selection is whatever the driver offers: one of the three.
     const auto selection = CurrentDeviceCopy();
     CHECK(selection.mechanism != DeviceCopyMechanism::kNone);

@@ -22,9 +22,9 @@
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
+#include "cuda/driver.h"
 #include "fmt/format.h"
 #include "tests/unit/catch_main.h"
-#include "transport/cuda_driver.h"
 
 extern char** environ;
 
@@ -256,7 +256,7 @@ TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[fl
   // The flag's choice, whether or not this host has a GPU to apply it to.
   CHECK(status->device_copy().find("--device-copy=per-page") != std::string::npos);
   CHECK(status->device_copy().find("KVAGENT_DEVICE_COPY") == std::string::npos);
-  if (!transport::CudaDriver::Load().ok()) {
+  if (!cuda::CudaDriver::Load().ok()) {
     CHECK(status->device_copy() ==
           "none (no CUDA driver; --device-copy=per-page applies on a host with a GPU)");
   } else {

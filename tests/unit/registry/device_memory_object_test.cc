@@ -11,9 +11,9 @@
 #include <memory>
 #include <string>
 
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
 #include "tests/unit/registry/test_util.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::registry {
 namespace {

@@ -11,10 +11,10 @@
 #include <utility>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
 #include "registry/memory_object.h"
 #include "registry/shm_mapping.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::registry {
 namespace {

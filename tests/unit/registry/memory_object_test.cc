@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/unit/registry/test_util.h"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::registry {
 namespace {

@@ -23,13 +23,13 @@
 
 #include "absl/synchronization/mutex.h"
 #include "agent/session_server.h"
-#include "transport/base/text.h"
+#include "base/format.h"
+#include "base/text.h"
 #include "catch2/catch.hpp"
 #include "client/local_session.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
 #include "tests/unit/session/test_util.h"
-#include "transport/base/format.h"
 
 namespace kvagent::agent::session_test {
 

@@ -21,13 +21,13 @@
 #include <thread>
 #include <vector>
 
+#include "base/format.h"
 #include "catch2/catch.hpp"
 #include "client/local_session.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
 #include "tests/unit/session/session_fixture.h"
 #include "tests/unit/session/test_util.h"
-#include "transport/base/format.h"
 
 namespace kvagent::agent {
 namespace {

@@ -18,8 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
-#include "transport/base/unique_fd.h"
 
 namespace kvagent::testing {
 

@@ -1,4 +1,4 @@
-#include "transport/base/text.h"
+#include "base/text.h"
 
 #include <algorithm>
 

@@ -15,14 +15,14 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "transport/base/unique_fd.h"
+#include "base/unique_fd.h"
 
 struct CUctx_st;     // CUcontext, kept out of this header (cuda.h stays in the .cc)
 struct CUstream_st;  // CUstream
 struct CUmod_st;     // CUmodule
 struct CUfunc_st;    // CUfunction
 
-namespace kvagent::transport {
+namespace kvagent::cuda {
 
 struct CudaDeviceInfo {
   int ordinal = 0;
@@ -195,4 +195,4 @@ class CudaDriver {
   absl::flat_hash_map<uint64_t, std::string> opened_by_pointer_ ABSL_GUARDED_BY(ipc_mu_);
 };
 
-}  // namespace kvagent::transport
+}  // namespace kvagent::cuda

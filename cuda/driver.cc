@@ -1,4 +1,4 @@
-#include "transport/cuda_driver.h"
+#include "cuda/driver.h"
 
 #include <dlfcn.h>
 
@@ -9,12 +9,12 @@
 #include <type_traits>
 
 #include "absl/status/status.h"
+#include "base/format.h"
+#include "base/status_macros.h"
 #include "cuda.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
-#include "transport/base/status_macros.h"
 
-namespace kvagent::transport {
+namespace kvagent::cuda {
 
 // The driver entry points, resolved by their ABI names: cuda.h #defines many API
 // names to versioned symbols (cuIpcOpenMemHandle -> cuIpcOpenMemHandle_v2), and
@@ -808,4 +808,4 @@ absl::StatusOr<bool> CudaDriver::IsDevicePointer(uint64_t address) {
   return type == CU_MEMORYTYPE_DEVICE;
 }
 
-}  // namespace kvagent::transport
+}  // namespace kvagent::cuda

@@ -5,8 +5,8 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "base/format.h"
 #include "fmt/format.h"
-#include "transport/base/format.h"
 
 namespace kvagent::log {
 

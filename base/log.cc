@@ -1,4 +1,4 @@
-#include "transport/base/log.h"
+#include "base/log.h"
 
 #include <atomic>
 #include <chrono>
