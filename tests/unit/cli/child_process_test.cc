@@ -9,7 +9,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -20,6 +19,7 @@
 
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
+#include "tests/unit/catch_main.h"
 #include "cli/bench_perftest.h"
 #include "cli/child_process.h"
 #include "cli/process_cpu.h"
@@ -125,23 +125,26 @@ std::string ThreadStates(pid_t pid) {
 }
 
 TEST_CASE("SuspendChild returns once every thread of the child is stopped, spinning ones too") {
+  // A child with four threads that spin (running, not asleep, when SIGSTOP comes; they
+  // take turns on Python's lock, so some wait in futex at any moment). A program of
+  // its own, not a fork of this test: the TSan stage runs this test, and TSan refuses
+  // threads started in a forked child.
+  const std::string python = FindOnPath("python3");
+  if (python.empty()) KVAGENT_SKIP("python3 is not on PATH (deploy/bootstrap.sh installs it)");
   int ready[2];
   REQUIRE(pipe(ready) == 0);
-  const pid_t child = fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    // Four threads that spin: running on a CPU, not asleep, when SIGSTOP comes.
-    static std::atomic<bool> spin{true};
-    for (int i = 0; i < 4; ++i) {
-      std::thread([] {
-        while (spin.load(std::memory_order_relaxed)) {
-        }
-      }).detach();
-    }
-    [[maybe_unused]] ssize_t n = write(ready[1], "r", 1);
-    for (;;) pause();
-  }
+  auto spawned = SpawnChild({python, "-c",
+                             "import os, threading\n"
+                             "def spin():\n"
+                             "    while True: pass\n"
+                             "for _ in range(4): threading.Thread(target=spin, daemon=True).start()\n"
+                             "os.write(1, b'r')\n"
+                             "threading.Event().wait()\n"},
+                            ready[1]);
   close(ready[1]);
+  INFO(spawned.status().ToString());
+  REQUIRE(spawned.ok());
+  const pid_t child = *spawned;
   char byte;
   REQUIRE(read(ready[0], &byte, 1) == 1);
   close(ready[0]);
