@@ -139,8 +139,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --grpc-max-threads N        gRPC's thread quota (default 256)
   --fast-path on|off          on (default): local sessions may open a submission and a
                               completion ring in shared memory (OpenFastPathRequest)
-  --fast-path-spin-us N       how long the fast path's thread polls the rings after the
-                              last entry before it sleeps on their doorbells (default 50)
+  --fast-path-spin-us N       how long the UCX thread, which takes the rings' entries,
+                              keeps polling them after the last one before it sleeps on
+                              their doorbells and UCX's events (default 50)
   --ucx-spin-us N             how long the UCX progress thread polls after work before
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page

@@ -486,8 +486,8 @@ void TransferEngine::SchedulePump(const TransferPtr& t) {
     pump_queue_.push_back(t);
   }
   // One closure, and one wake-up of the worker, per batch: a Pump scheduled while an
-  // earlier one still waits joins it (a burst from the fast path's ring thread or a
-  // SubmitTransfers call costs one eventfd write, not one per transfer).
+  // earlier one still waits joins it (a burst of fast path entries, or a
+  // SubmitTransfers call, costs one closure, not one per transfer).
   if (post) worker_->Post([this] { PumpQueued(); });
 }
 

@@ -504,7 +504,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       }
       ASSIGN_OR_RETURN(std::vector<double> pings, (*ring)->Pings(per_round + (r == 0 ? 50 : 0)));
       latency[3].us.insert(latency[3].us.end(), pings.begin() + (r == 0 ? 50 : 0), pings.end());
-      // After a pause the agent's ring thread sleeps (past --fast-path-spin-us) and so
+      // After a pause the agent's UCX thread sleeps (past --fast-path-spin-us) and so
       // does this client (past its Reap spin): the submission and completion doorbells'
       // wake-ups, which a transfer longer than the spins pays too.
       ASSIGN_OR_RETURN(pings, (*ring)->Pings(std::min<uint64_t>(per_round, 1000 / rounds),
