@@ -1,6 +1,5 @@
 #include "cli/child_process.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -12,11 +11,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "base/format.h"
+#include "cli/process_cpu.h"
 #include "fmt/format.h"
 
 extern char** environ;
@@ -92,28 +91,20 @@ int ReapChild(pid_t pid, int timeout_ms) {
 
 namespace {
 
-// The threads of `pid` that are not stopped ("TID:STATE" each), or an error when its
-// /proc directory cannot be read (the process is gone).
+// The threads of `pid` that are not stopped ("TID:STATE" each), or NOT_FOUND when none
+// can be read (the process is gone). A thread that exits meanwhile is not listed.
 absl::StatusOr<std::vector<std::string>> RunningThreads(pid_t pid) {
-  const std::string dir = fmt::format("/proc/{}/task", pid);
-  DIR* tasks = opendir(dir.c_str());
-  if (tasks == nullptr) {
-    return absl::NotFoundError(fmt::format("{}: {}", dir, std::strerror(errno)));
+  const std::map<std::string, CpuTicks> threads = ThreadCpuTicks(pid);
+  if (threads.empty()) {
+    return absl::NotFoundError(
+        fmt::format("/proc/{}/task: no thread to read (the process is gone)", pid));
   }
   std::vector<std::string> running;
-  while (const dirent* entry = readdir(tasks)) {
-    if (entry->d_name[0] == '.') continue;
-    std::ifstream stat(dir + "/" + entry->d_name + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    // "TID (COMM) STATE ...": COMM may hold spaces and parentheses, so the state
-    // follows the last ')'. A thread that exited meanwhile reads as empty: skip it.
-    const size_t paren = line.rfind(')');
-    if (paren == std::string::npos || paren + 2 >= line.size()) continue;
-    const char state = line[paren + 2];
-    if (state != 'T' && state != 't') running.push_back(fmt::format("{}:{}", entry->d_name, state));
+  for (const auto& [tid, thread] : threads) {
+    if (thread.state != 'T' && thread.state != 't') {
+      running.push_back(fmt::format("{}:{}", tid, thread.state));
+    }
   }
-  closedir(tasks);
   return running;
 }
 

@@ -25,7 +25,8 @@ absl::StatusOr<CpuTicks> ReadCpuTicks(const std::string& stat_path) {
   for (std::string s; fields >> s;) f.push_back(s);
   // f[0] is field 3 (state).
   if (f.size() < 13) return absl::InternalError(fmt::format("{}: too few fields", stat_path));
-  return CpuTicks{text.substr(open + 1, close - open - 1), std::stoull(f[11]) + std::stoull(f[12])};
+  return CpuTicks{text.substr(open + 1, close - open - 1), f[0][0],
+                  std::stoull(f[11]) + std::stoull(f[12])};
 }
 
 std::map<std::string, CpuTicks> ThreadCpuTicks(pid_t pid) {

@@ -15,9 +15,10 @@
 
 namespace kvagent::cli {
 
-// A process's or thread's name and utime + stime in clock ticks.
+// A process's or thread's name, state and utime + stime in clock ticks.
 struct CpuTicks {
   std::string name;
+  char state = '?';  // field 3: R running, S sleeping, D disk wait, T/t stopped, ...
   uint64_t ticks = 0;
 };
 

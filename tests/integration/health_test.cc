@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <set>
 #include <string>
@@ -18,6 +17,7 @@
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
+#include "cli/process_cpu.h"
 #include "google/protobuf/descriptor.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/health.grpc.pb.h"
@@ -93,13 +93,10 @@ std::string WorkDir() {
 // The agent's liveness-only service name (HealthMonitor::kLivenessService).
 constexpr const char* kLiveness = "kvagent.liveness";
 
-// The thread of `pid` named `name` (/proc/PID/task/*/comm), or -1.
+// The thread of `pid` named `name`, or -1.
 pid_t FindThread(pid_t pid, const std::string& name) {
-  for (const auto& entry :
-       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
-    std::ifstream comm(entry.path() / "comm");
-    std::string line;
-    if (std::getline(comm, line) && line == name) return std::stoi(entry.path().filename());
+  for (const auto& [tid, thread] : cli::ThreadCpuTicks(pid)) {
+    if (thread.name == name) return std::stoi(tid);
   }
   return -1;
 }

@@ -11,7 +11,6 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -106,6 +105,7 @@ TEST_CASE("CPU ticks of this process and its threads; a name with spaces and par
   auto ticks = ReadCpuTicks(stat);
   REQUIRE(ticks.ok());
   CHECK(ticks->name == "a (b) c");
+  CHECK(ticks->state == 'S');
   CHECK(ticks->ticks == 154);
 
   std::ofstream(stat) << "42 (short) S 1 2\n";
@@ -113,14 +113,10 @@ TEST_CASE("CPU ticks of this process and its threads; a name with spaces and par
   CHECK(ReadCpuTicks(TempDir() + "/no-such-stat").status().code() == absl::StatusCode::kNotFound);
 }
 
-// The state letter of each thread of `pid`, read from /proc/PID/task/*/stat here.
+// The state letter of each thread of `pid`.
 std::string ThreadStates(pid_t pid) {
   std::string states;
-  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid))) {
-    std::ifstream stat(task.path() / "stat");
-    std::string line;
-    if (std::getline(stat, line)) states += line[line.rfind(')') + 2];
-  }
+  for (const auto& [tid, thread] : ThreadCpuTicks(pid)) states += thread.state;
   return states;
 }
 

@@ -1,36 +1,32 @@
 #include "agent/heap_trimmer.h"
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "catch2/catch.hpp"
+#include "cli/process_cpu.h"
+#include "cli/process_memory.h"
 #include "tests/unit/catch_main.h"
 
 namespace kvagent::agent {
 namespace {
 
 uint64_t RssAnonBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("RssAnon:", 0) == 0) return std::stoull(line.substr(8)) << 10;
-  }
-  return 0;
+  auto memory = cli::ReadProcessMemory(getpid());
+  REQUIRE(memory.ok());
+  return memory->rss_anon;
 }
 
 bool ThreadNamed(const std::string& name) {
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream comm(entry.path() / "comm");
-    std::string line;
-    if (std::getline(comm, line) && line == name) return true;
+  for (const auto& [tid, thread] : cli::ThreadCpuTicks(getpid())) {
+    if (thread.name == name) return true;
   }
   return false;
 }
