@@ -55,11 +55,11 @@ const std::vector<std::string>& HealthServiceNames() {
 // worker hold a reference, so they may run after the monitor is gone.
 struct HealthMonitor::Heartbeat {
   // Monotonic microseconds, 0 for none.
-  std::atomic<uint64_t> posted_us{0};     // when the unanswered heartbeat was posted
-  std::atomic<uint64_t> last_post_us{0};  // when the last heartbeat was posted
-  std::atomic<uint64_t> answered_us{0};   // when the worker last ran one
-  std::atomic<bool> stalled{false};       // reported stalled: the next answer wakes the thread
-  std::atomic<bool> check_due{false};     // an asked-for heartbeat's check is scheduled
+  std::atomic<uint64_t> posted_us{0};       // when the unanswered heartbeat was posted
+  std::atomic<uint64_t> last_post_us{0};    // when the last heartbeat was posted
+  std::atomic<bool> ever_answered{false};   // the worker has run one
+  std::atomic<bool> stalled{false};         // reported stalled: the next answer wakes the thread
+  std::atomic<bool> check_due{false};       // an asked-for heartbeat's check is scheduled
   absl::Mutex mu;
   absl::CondVar cv;
   bool wake ABSL_GUARDED_BY(mu) = false;      // check the conditions now
@@ -72,7 +72,7 @@ struct HealthMonitor::Heartbeat {
     cv.Signal();
   }
   void Answered() {
-    answered_us.store(NowMicros());
+    ever_answered.store(true);
     posted_us.store(0);
     // Paired with the thread's store of `stalled` and then load of `posted_us`: one of
     // the two sees the other, so a recovery is never left for the next round.
@@ -95,7 +95,7 @@ HealthMonitor::HealthMonitor(transport::UcxWorker* worker, Options options)
   grpc::EnableDefaultHealthCheckService(true);
   AddCondition("ucx", [this]() -> absl::Status {
     Heartbeat& beat = *heartbeat_;
-    const bool never = beat.answered_us.load() == 0;
+    const bool never = !beat.ever_answered.load();
     const uint64_t posted = beat.posted_us.load();
     const uint64_t age = posted == 0 ? 0 : NowMicros() - posted;
     if (!never && age <= Micros(options_.ucx_stall)) {
