@@ -77,7 +77,7 @@ class DataPath {
 
 // One implementation per way (agent/paths/*.cc).
 std::unique_ptr<DataPath> MakeHostCopyPath(CopyLanes* lanes);
-std::unique_ptr<DataPath> MakeDeviceCopyPath();
+std::unique_ptr<DataPath> MakeDeviceCopyPath(uint32_t lanes);
 std::unique_ptr<DataPath> MakeUcxRmaPath();
 std::unique_ptr<DataPath> MakeStagingPath(Stager* stager);
 

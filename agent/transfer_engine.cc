@@ -91,7 +91,7 @@ TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionReg
       options_(std::move(options)),
       lanes_(options_.copy_lanes) {
   paths_[static_cast<size_t>(Route::kHostCopy)] = MakeHostCopyPath(&lanes_);
-  paths_[static_cast<size_t>(Route::kDeviceCopy)] = MakeDeviceCopyPath();
+  paths_[static_cast<size_t>(Route::kDeviceCopy)] = MakeDeviceCopyPath(lanes_.lanes());
   paths_[static_cast<size_t>(Route::kUcxRma)] = MakeUcxRmaPath();
   if (options_.stager != nullptr) {
     std::shared_ptr<DataPath> staging = MakeStagingPath(options_.stager);

@@ -115,4 +115,18 @@ struct DeviceCopyPlan {
 void PlanDeviceCopies(const std::vector<DeviceCopy>& copies, const DeviceCopyLimits& limits,
                       DeviceCopyPlan* plan);
 
+// Device copy lanes (--copy-lanes, one CUDA stream each): a batch is split across
+// lanes only when each lane gets at least this much (a stream's calls and its sync
+// cost more than a smaller share saves).
+inline constexpr uint64_t kMinDeviceLaneBytes = 1 << 20;
+// The lanes' shares of `copies` (in batch order): `parts` runs of about equal bytes,
+// lane k taking bytes [k * share, (k + 1) * share) of the batch, so a copy may be cut
+// at a share's edge (both halves keep its `op`). `out` gets `parts` lists (some may be
+// empty when `copies` holds fewer bytes than parts); zero-byte copies are dropped.
+void SplitDeviceCopies(const std::vector<DeviceCopy>& copies, uint32_t parts,
+                       std::vector<std::vector<DeviceCopy>>* out);
+// How many lanes a batch of `bytes` uses out of `lanes`: one per kMinDeviceLaneBytes,
+// at least 1, at most `lanes`.
+uint32_t DeviceLanesFor(uint64_t bytes, uint32_t lanes);
+
 }  // namespace kvagent::agent

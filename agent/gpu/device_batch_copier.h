@@ -1,8 +1,12 @@
 // DeviceBatchCopier: moves a list of copies between UVA addresses (VRAM, or host memory
-// for the batch call and per page) on one CUDA stream by one mechanism of
-// agent/gpu/device_batch.h, then waits for them. The device copy path
+// for the batch call and per page) on its CUDA streams, one per copy lane, by one
+// mechanism of agent/gpu/device_batch.h, then waits for them. A batch of at least
+// kMinDeviceLaneBytes per lane is split across the lanes (SplitDeviceCopies: each
+// lane one run of the batch, queued on its own stream), so one batch can keep more
+// than one copy engine or set of SMs busy. The device copy path
 // (agent/paths/device_copy.cc) runs one per engine on the worker thread;
-// tests/gpu/device_copy_test runs each mechanism on a GPU.
+// tests/gpu/device_copy_test runs each mechanism on a GPU, and
+// tests/unit/data_path:device_lanes_test runs the lanes over a stand-in driver.
 #pragma once
 
 #include <cstdint>
@@ -14,39 +18,57 @@
 
 namespace kvagent::agent {
 
+struct DeviceLaneCounters {
+  uint64_t batches = 0;
+  uint64_t split_batches = 0;  // of which were split across more than one stream
+  uint64_t bytes = 0;
+};
+
 class DeviceBatchCopier {
  public:
-  DeviceBatchCopier() = default;
+  // `lanes` streams (at least 1), created on the first copy.
+  explicit DeviceBatchCopier(uint32_t lanes = 1);
   DeviceBatchCopier(const DeviceBatchCopier&) = delete;
   DeviceBatchCopier& operator=(const DeviceBatchCopier&) = delete;
-  ~DeviceBatchCopier();  // frees the stream, the kernel module and its buffers
+  ~DeviceBatchCopier();  // frees the streams, the kernel module and its buffers
 
-  // Queues `copies` (planned here: merged, split, in calls) by `mechanism` on the
-  // stream (device 0's primary context, created on first use), then waits for the
-  // stream, whatever failed. kKernel needs every address to be device memory; when
-  // the kernel will not load, the copies go per page and KernelUnavailable records
-  // why. On failure `*failed_op` is DeviceCopy::op of the copy the error is about.
+  // Queues `copies` (split across the lanes, then planned per lane: merged, split, in
+  // calls) by `mechanism` on the lanes' streams (device 0's primary context, created
+  // on first use), then waits for every stream, whatever failed. kKernel needs every
+  // address to be device memory; when the kernel will not load, the copies go per page
+  // and KernelUnavailable records why. On failure `*failed_op` is DeviceCopy::op of the
+  // copy the error is about; lanes after a failed one queue nothing.
   absl::Status Copy(const std::vector<DeviceCopy>& copies, DeviceCopyMechanism mechanism,
                     uint32_t* failed_op);
 
+  uint32_t lanes() const { return static_cast<uint32_t>(lanes_.size()); }
+  const DeviceLaneCounters& counters() const { return counters_; }
+
  private:
-  absl::Status Queue(const std::vector<DeviceCopy>& copies, DeviceCopyMechanism mechanism,
-                     uint32_t* failed_op);
-  absl::Status CopyBatched(uint32_t* failed_op);
-  absl::Status Launch(uint32_t* failed_op);
+  struct Lane {
+    CUstream_st* stream = nullptr;
+    uint64_t device_descriptors = 0;  // kKernelLimits.max_copies_per_call GatherCopy
+    void* host_descriptors = nullptr;  // pinned, as many
+    // Reused per call.
+    DeviceCopyPlan plan;
+    std::vector<uint64_t> dsts, srcs, sizes;
+  };
+  absl::Status Queue(Lane& lane, const std::vector<DeviceCopy>& copies,
+                     DeviceCopyMechanism mechanism, uint32_t* failed_op);
+  absl::Status CopyBatched(Lane& lane, uint32_t* failed_op);
+  absl::Status Launch(Lane& lane, uint32_t* failed_op);
+  absl::Status EnsureStreams();
   absl::Status EnsureKernel();
-  absl::Status Sync();
+  absl::Status Sync(Lane& lane);
 
   cuda::CudaDriver* cuda_ = nullptr;
-  CUstream_st* stream_ = nullptr;
+  std::vector<Lane> lanes_;
+  bool streams_ready_ = false;
   CUmod_st* module_ = nullptr;
   CUfunc_st* kernel_ = nullptr;
-  uint64_t device_descriptors_ = 0;     // kKernelLimits.max_copies_per_call GatherCopy
-  void* host_descriptors_ = nullptr;    // pinned, as many
   absl::Status kernel_failed_;
-  // Reused per call.
-  DeviceCopyPlan plan_;
-  std::vector<uint64_t> dsts_, srcs_, sizes_;
+  DeviceLaneCounters counters_;
+  std::vector<std::vector<DeviceCopy>> shares_;  // reused per batch
 };
 
 }  // namespace kvagent::agent

@@ -16,6 +16,8 @@ namespace {
 
 class DeviceCopyPath final : public DataPath {
  public:
+  explicit DeviceCopyPath(uint32_t lanes) : copier_(lanes) {}
+
   void Run(const DataBatch& batch, BatchDone done) override {
     const PeerSnapshot& peer = *batch.peer;
     const auto& remote_regions = peer.catalog->regions();
@@ -54,7 +56,9 @@ class DeviceCopyPath final : public DataPath {
 
 }  // namespace
 
-std::unique_ptr<DataPath> MakeDeviceCopyPath() { return std::make_unique<DeviceCopyPath>(); }
+std::unique_ptr<DataPath> MakeDeviceCopyPath(uint32_t lanes) {
+  return std::make_unique<DeviceCopyPath>(lanes);
+}
 
 std::string DeviceCopyMode(bool /*cuda_driver*/) { return CurrentDeviceCopy().mode; }
 
