@@ -22,8 +22,8 @@ uint32_t DefaultCopyLanes() {
 absl::Status ValidateCopyLanes(uint32_t lanes) {
   if (lanes >= 1 && lanes <= kMaxCopyLanes) return absl::OkStatus();
   return absl::InvalidArgumentError(fmt::format(
-      "--copy-lanes {}: give 1 to {} (threads that copy one batch of same-host host memory "
-      "side by side); leave it out for the default, the cores this agent may use up to 4 "
+      "--copy-lanes {}: give 1 to {} (lanes that copy one batch of same-host memory side by "
+      "side: threads for host memory, CUDA streams for VRAM); leave it out for the default, the cores this agent may use up to 4 "
       "(here {})",
       lanes, kMaxCopyLanes, DefaultCopyLanes()));
 }

@@ -146,9 +146,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page
                               transfers 30 % slower)
-  --copy-lanes N              threads that copy one batch of same-host host memory side
-                              by side (1-64; default: the cores this agent may use, at
-                              most 4)
+  --copy-lanes N              lanes that copy one batch of same-host memory side by
+                              side: threads for host memory, CUDA streams for VRAM
+                              (1-64; default: the cores this agent may use, at most 4)
   --device-copy MECHANISM     how same-host VRAM pages are copied: auto (default: the
                               best this host has), batch (cuMemcpyBatchAsync), kernel
                               (the gather kernel) or per-page (cuMemcpyAsync per page);
