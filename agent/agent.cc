@@ -188,6 +188,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.refresh_ms = options.peer_refresh_ms;
   peer_options.metadata_push = options.metadata_push;
   peer_options.shm_direct = options.shm_direct;
+  peer_options.liveness = options.liveness;
   peer_options.link.tls = options.tls;
   peer_options.link.insecure = !options.insecure_listen.empty();
   peer_options.link.peer_uids = options.policy.peer_uids;
@@ -350,6 +351,29 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // group are applied right after (a caller that slips in between still needs a
   // session token for any call).
   RETURN_IF_ERROR(PrepareUnixSocketPath(options.local_socket));
+  // The liveness door before the gRPC doors (its socket beside the local door's): the
+  // first GetMetadata announces it.
+  if (options.liveness) {
+    LivenessDoorOptions liveness;
+    const std::string& network =
+        !options.listen.empty() ? options.listen : options.insecure_listen;
+    if (!network.empty()) {
+      liveness.udp_host = HostOf(network);
+      liveness.udp_port = options.liveness_port;
+    }
+    liveness.unix_path = LivenessUnixPath(options.local_socket);
+    if (liveness.unix_path.size() >= sizeof(sockaddr_un::sun_path)) {
+      kLog.Warn("the liveness socket path {} is longer than a Unix socket path may be: "
+                "same-host peers poll this agent for liveness instead (use a shorter "
+                "--local-socket)",
+                liveness.unix_path);
+      liveness.unix_path.clear();
+    }
+    liveness.incarnation = agent->identity_.incarnation;
+    ASSIGN_OR_RETURN(agent->liveness_, LivenessDoor::Start(liveness));
+    agent->deps_.liveness = agent->liveness_.get();
+  }
+
   RETURN_IF_ERROR(agent->StartDoor(Door::kLocal, "unix:" + options.local_socket,
                                    grpc::InsecureServerCredentials()));
   RETURN_IF_ERROR(SetUnixSocketAccess(options.local_socket, options.local_socket_mode,
@@ -544,6 +568,7 @@ void Agent::Shutdown(absl::Duration grace) {
   if (health_door_) health_door_->server->Shutdown(std::chrono::system_clock::now());
   if (metrics_) metrics_->Stop();
   if (peers_) peers_->Stop();
+  liveness_.reset();  // after the doors: no peer is told about it any more
   if (!options_.local_socket.empty()) unlink(options_.local_socket.c_str());
 }
 

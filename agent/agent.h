@@ -64,6 +64,11 @@ struct AgentOptions {
   // Peers' metadata pushed over Peer.WatchMetadata streams (--metadata-push on, the
   // default) or polled every peer_refresh_ms (off: the old way, for comparison).
   bool metadata_push = true;
+  // The liveness door (agent/liveness.h): watched peers ping it instead of relying on
+  // HTTP/2 keepalive (--liveness), UDP on this port of the network door's host (0: any
+  // free port, announced to peers; --liveness-port).
+  bool liveness = true;
+  uint32_t liveness_port = 0;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   bool shm_direct = true;
   uint32_t deregister_wait_ms = 2000;
@@ -140,6 +145,7 @@ class Agent {
   std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<MetadataPush> push_;  // null with --metadata-push off
   std::unique_ptr<PeerManager> peers_;
+  std::unique_ptr<LivenessDoor> liveness_;  // null with --liveness off
   std::unique_ptr<Directory> directory_;  // null without --directory
   std::unique_ptr<Stager> stager_;  // used by the engine; destroyed after the worker
   std::unique_ptr<TransferEngine> engine_;

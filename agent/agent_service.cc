@@ -566,6 +566,9 @@ static void FillCopyPaths(const TransferCounters& counters, v1::AgentStatus* sta
 
 void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   status->set_metadata_streams(deps.watchers->streams());
+  if (deps.liveness != nullptr) status->set_liveness_answered(deps.liveness->answered());
+  status->set_liveness_dropped((deps.liveness != nullptr ? deps.liveness->dropped() : 0) +
+                               deps.peers->liveness_dropped());
   const auto& id = *deps.identity;
   const auto& caps = deps.context->capabilities();
   status->set_name(id.name);
@@ -1044,6 +1047,10 @@ void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& id
   }
   response->set_worker_address(deps.worker->address());
   response->set_notify_secret(deps.secrets->Issue(identity));
+  if (deps.liveness != nullptr) {
+    deps.liveness->Admit(response->notify_secret());
+    response->set_liveness_address(deps.liveness->AnnounceFor(door == Door::kLocal));
+  }
   response->set_wire_features(kWireFeatures);
   const bool same_host = door == Door::kLocal;
   // A caller that holds a version of this incarnation gets what changed since, when

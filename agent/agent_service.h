@@ -79,6 +79,9 @@ struct ServiceDeps {
   // WatchMetadata streams (woken when the registry's version moves); null: the Peer
   // service answers WatchMetadata with UNIMPLEMENTED.
   MetadataPush* push = nullptr;
+  // Announced in AgentMetadata.liveness_address, its keys admitted as secrets are
+  // issued; null: none (--liveness off).
+  LivenessDoor* liveness = nullptr;
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it

@@ -112,8 +112,14 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --peer-refresh-ms N         how often peers without a metadata stream are polled, and
                               unreachable ones retried (default 200)
   --metadata-push on|off      on (default): peers push their metadata over a stream and
-                              HTTP/2 keepalive watches them; off: poll every peer each
+                              their liveness doors are pinged; off: poll every peer each
                               --peer-refresh-ms (the old way)
+  --liveness on|off           on (default): answer watching peers' liveness pings (UDP
+                              beside the network door, a Unix datagram socket beside
+                              the local door) and ping the peers this agent watches;
+                              off: peers poll this agent for liveness
+  --liveness-port N           the liveness door's UDP port on the --listen host (default
+                              0: any free port, announced to peers); open it for UDP
   --ucx-error-mode MODE       auto|peer|none (default auto: none for same-host peers,
                               whose shared-memory transports UCX 1.13 disables under
                               peer error handling; peer otherwise)
@@ -213,6 +219,8 @@ KVAGENT_FLAG(Count<uint32_t>, transfer_timeout_ms, "transfer-timeout-ms",
 KVAGENT_FLAG(Count<uint32_t>, peer_refresh_ms, "peer-refresh-ms", {Defaults().peer_refresh_ms},
              "");
 KVAGENT_FLAG(OnOff, metadata_push, "metadata-push", OnOff{Defaults().metadata_push}, "");
+KVAGENT_FLAG(OnOff, liveness, "liveness", OnOff{Defaults().liveness}, "");
+KVAGENT_FLAG(Count<uint32_t>, liveness_port, "liveness-port", {Defaults().liveness_port}, "");
 KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error_mode, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
 KVAGENT_FLAG(AutoOff, vram_staging, "vram-staging", AutoOff{Defaults().vram_staging}, "");
@@ -350,6 +358,8 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->transfer_timeout_ms = GetFlag(FLAGS_transfer_timeout_ms).value;
   options->peer_refresh_ms = GetFlag(FLAGS_peer_refresh_ms).value;
   options->metadata_push = GetFlag(FLAGS_metadata_push).on;
+  options->liveness = GetFlag(FLAGS_liveness).on;
+  options->liveness_port = GetFlag(FLAGS_liveness_port).value;
   options->error_mode = GetFlag(FLAGS_ucx_error_mode);
   options->shm_direct = GetFlag(FLAGS_shm_direct).on;
   options->vram_staging = GetFlag(FLAGS_vram_staging).on;

@@ -30,9 +30,10 @@ void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
 grpc::ChannelArguments PeerChannelArgs(bool keepalive) {
   grpc::ChannelArguments args;
   if (keepalive) {
-    // Liveness of a watched peer: a ping every kPeerKeepaliveTimeMs, with or without a
-    // call, however long no data came (gRPC's defaults stop pinging after two pings
-    // without data and space them 5 minutes apart).
+    // A connection that died without a reset (a host gone) ends the watch's stream: a
+    // ping every kPeerKeepaliveTimeMs, with or without a call, however long no data
+    // came (gRPC's defaults stop pinging after two pings without data and space them 5
+    // minutes apart). A hung peer is the liveness door's to see, far sooner.
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kPeerKeepaliveTimeMs);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kPeerKeepaliveTimeoutMs);
     args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -57,9 +58,10 @@ constexpr char kSessionTokenKey[] = "kvagent-session";
 
 void AllowPeerKeepalive(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  // Pings closer than this count as strikes (a flood); peers ping every kPeerKeepaliveTimeMs.
+  // Pings closer than this count as strikes (a flood); peers ping every
+  // kPeerKeepaliveTimeMs now, older ones every 500 ms (kPeerKeepaliveMinRecvMs).
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                              kPeerKeepaliveTimeMs * 4 / 5);
+                              kPeerKeepaliveMinRecvMs);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 10);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
@@ -351,7 +353,7 @@ void PeerManager::ConnectNow(const std::string& address,
                           return;
                         }
                         Install(call->link, *snapshot, version,
-                                RefreshCost{call->reply.ByteSizeLong(), 0, false});
+                                RefreshCost{call->reply.ByteSizeLong(), 0, false}, call->reply);
                         OpenWatch((*snapshot)->name);
                         absl::MutexLock lock(&mu_);
                         done(InfoLocked(peers_.at((*snapshot)->name)));
@@ -620,9 +622,11 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
 
 void PeerManager::Install(std::shared_ptr<PeerLink> link,
                           std::shared_ptr<const PeerSnapshot> snapshot, uint64_t version,
-                          const RefreshCost& cost) {
+                          const RefreshCost& cost, const v1::AgentMetadata& view) {
   std::optional<PeerLoss> restarted;
   std::shared_ptr<MetadataWatch> stale;
+  std::shared_ptr<PeerLink> installed_link;
+  std::shared_ptr<const PeerSnapshot> installed;
   {
     absl::MutexLock lock(&mu_);
     const std::string name = snapshot->name;
@@ -634,9 +638,28 @@ void PeerManager::Install(std::shared_ptr<PeerLink> link,
                        peer.watch->incarnation() != peer.snapshot->incarnation)) {
       stale = std::move(peer.watch);
     }
+    if (peer.snapshot->incarnation == view.incarnation()) {
+      peer.liveness_address = view.liveness_address();
+      installed_link = peer.link;
+      installed = peer.snapshot;
+    }
   }
   if (stale) stale->Cancel();
+  if (installed) WatchLiveness(*installed_link, *installed, view.liveness_address());
   if (restarted) NotifyLoss(*restarted);
+}
+
+void PeerManager::WatchLiveness(const PeerLink& link, const PeerSnapshot& snapshot,
+                                const std::string& announced) {
+  if (!prober_) return;
+  absl::StatusOr<LivenessTarget> target = ResolveLivenessTarget(announced, link.address);
+  if (!target.ok()) {
+    // Polled for liveness instead (MonitorLoop says so once).
+    kLog.Debug("peer '{}': no liveness pings: {}", snapshot.name, target.status().message());
+    prober_->Unwatch(snapshot.name);
+    return;
+  }
+  prober_->Watch(snapshot.name, snapshot.incarnation, *target, snapshot.notify_secret);
 }
 
 namespace {
@@ -803,7 +826,7 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
                           return;
                         }
                         Install(call->link, *snapshot, version,
-                                RefreshCost{call->reply.ByteSizeLong(), 0, false});
+                                RefreshCost{call->reply.ByteSizeLong(), 0, false}, call->reply);
                         done(absl::OkStatus());
                       });
       });
@@ -881,6 +904,7 @@ absl::Status PeerManager::Disconnect(const std::string& name) {
     gone = std::move(it->second);
     peers_.erase(it);
   }
+  if (prober_) prober_->Unwatch(name);
   if (gone.watch) gone.watch->Cancel();
   kLog.Info("peer '{}' at {} disconnected", name, gone.snapshot->address);
   return absl::OkStatus();  // `gone` lets go of the endpoint (on the worker) and the link
@@ -892,6 +916,29 @@ size_t PeerManager::size() const {
 }
 
 void PeerManager::StartMonitor() {
+  if (options_.metadata_push && options_.liveness) {
+    LivenessProberOptions liveness;
+    liveness.period_ms = options_.liveness_period_ms;
+    liveness.timeout_ms = options_.liveness_timeout_ms;
+    liveness.answer_grace_ms = std::min(options_.liveness_timeout_ms / 2, 500u);
+    auto prober = LivenessProber::Start(
+        liveness, [this](const std::string& name, uint64_t incarnation, const std::string& why,
+                         bool ever_answered) {
+          // A door that never answered proves nothing about the peer (UDP may be
+          // blocked): it is polled for liveness from now on (MonitorLoop).
+          if (ever_answered) {
+            MarkUnreachable(name, incarnation, why, /*endpoint_failed=*/false);
+          } else {
+            KickMonitor();
+          }
+        });
+    if (prober.ok()) {
+      prober_ = *std::move(prober);
+    } else {
+      kLog.Warn("{}; watched peers are polled every {} ms for liveness instead",
+                prober.status().message(), options_.refresh_ms);
+    }
+  }
   for (int i = 0; i < kPollThreads; ++i) pool_.emplace_back([this] { PoolLoop(); });
   monitor_ = std::thread([this] { MonitorLoop(); });
 }
@@ -901,6 +948,7 @@ void PeerManager::Stop() {
     absl::MutexLock lock(&guard_->mu);
     guard_->manager = nullptr;
   }
+  prober_.reset();  // no loss reported after this
   if (!stopping_.exchange(true)) {
     {
       absl::MutexLock lock(&monitor_mu_);
@@ -1130,7 +1178,8 @@ void PeerManager::ApplyPushed(const std::shared_ptr<MetadataWatch>& watch,
                                   std::chrono::duration_cast<std::chrono::microseconds>(
                                       std::chrono::steady_clock::now() - started)
                                       .count()),
-                              is_delta});
+                              is_delta},
+                  reply);
           installed = *snapshot;
         } else {
           MarkUnreachable(name, previous->incarnation, std::string(snapshot.status().message()),
@@ -1183,7 +1232,22 @@ void PeerManager::MonitorLoop() {
         }
         if (options_.metadata_push && !peer.push_unsupported && peer.state == "connected") {
           if (!peer.watch) to_watch.push_back(name);
-          continue;
+          // Its liveness is its door's; without one that answers, a known-version poll
+          // each period (as before the door: an older peer, UDP blocked).
+          const bool silent = prober_ == nullptr || !prober_->Answering(name);
+          if (silent != peer.liveness_polled) {
+            peer.liveness_polled = silent;
+            kLog.Info("peer '{}': {}", name,
+                      !silent ? std::string("its liveness door answers; no more liveness polls")
+                      : peer.liveness_address.empty()
+                          ? fmt::format("it announces no liveness door (an older kvagentd or "
+                                        "--liveness off); polled every {} ms for liveness",
+                                        options_.refresh_ms)
+                          : fmt::format("its liveness door ({}) does not answer (UDP blocked "
+                                        "on the way?); polled every {} ms for liveness",
+                                        peer.liveness_address, options_.refresh_ms));
+          }
+          if (!silent) continue;
         }
         QueuePoll(name);
         polled = true;
@@ -1363,7 +1427,8 @@ bool PeerManager::RefreshOne(const std::string& name) {
                                   std::chrono::duration_cast<std::chrono::microseconds>(
                                       std::chrono::steady_clock::now() - started)
                                       .count()),
-                              is_delta});
+                              is_delta},
+                  reply);
           installed = true;
         } else {
           MarkUnreachable(name, previous->incarnation, std::string(snapshot.status().message()),

@@ -3,9 +3,8 @@
 // certificate), fetches their metadata over gRPC (untrusted: validated by
 // registry::RemoteCatalog), and only then opens a UCX endpoint and unpacks their
 // rkeys. It then watches each peer over a WatchMetadata stream (changes pushed, acked
-// once installed; the stream's end and HTTP/2 keepalive on the channel carry
-// liveness), or polls it every refresh period (--metadata-push off, or a peer without
-// the stream). The transfer engine reads immutable PeerSnapshots from it.
+// once installed; the stream's end and the peer's liveness door carry liveness), or
+// polls it every refresh period (--metadata-push off, or a peer without the stream). The transfer engine reads immutable PeerSnapshots from it.
 #pragma once
 
 #include <atomic>
@@ -24,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "agent/liveness.h"
 #include "agent/peer_snapshot.h"
 #include "agent/tls.h"
 #include "client/local_session.h"
@@ -40,17 +40,22 @@ class ServerBuilder;
 
 namespace kvagent::agent {
 
-// Peer liveness by HTTP/2 keepalive (metadata push on): every peer channel pings each
-// kPeerKeepaliveTimeMs and drops a connection whose ping is not answered within
-// kPeerKeepaliveTimeoutMs, which ends its WatchMetadata stream: a hung peer, a dead
-// host or a cut link is seen 1-1.5 s after it stops (the 2 s bound, with room for a
-// loaded host: at 700+800 ms a cut link was seen in 2.26 s under CI load). gRPC 1.51
-// sends these pings about 1 s apart, not 500 ms (counted: an agent with 1,000 watching
-// peers answers ~1,000 a second). Each answer costs it 30-95 us on these shared cores,
-// mostly the kernel's context switches: 3-10 % of a core at 1,000 peers
+// Peer liveness (metadata push on) is the liveness door's (agent/liveness.h): signed
+// datagrams every kLivenessPeriodMs, a peer none of whose pings was answered for
+// kLivenessTimeoutMs is marked unreachable (0.7-1 s after it stops; the bound is 2 s).
+// A peer that announces no door (an older kvagentd, --liveness off), or whose door
+// does not answer, is polled with a known-version GetMetadata every refresh period.
+// HTTP/2 keepalive stays, slow: it still ends the stream of a connection that died
+// without a reset. Before the door, these pings carried liveness at 500 + 500 ms and
+// cost the watched agent a thread wake-up each: 3-10 % of a core at 1,000 peers
 // (docs/BENCHMARKS.md, "Peers at scale").
-inline constexpr int kPeerKeepaliveTimeMs = 500;
-inline constexpr int kPeerKeepaliveTimeoutMs = 500;
+inline constexpr int kLivenessPeriodMs = 300;
+inline constexpr int kLivenessTimeoutMs = 1000;
+inline constexpr int kPeerKeepaliveTimeMs = 20000;
+inline constexpr int kPeerKeepaliveTimeoutMs = 5000;
+// Pings closer than this are strikes at a door. It stays at what older agents send
+// (500 ms keepalive) so that a rolling upgrade does not drop their connections.
+inline constexpr int kPeerKeepaliveMinRecvMs = 400;
 // A door lets peers ping that often without calls in progress, and pings its own
 // clients every 10 s so a vanished watcher's stream ends (it then stops counting).
 void AllowPeerKeepalive(grpc::ServerBuilder* builder);
@@ -111,6 +116,10 @@ struct PeerManagerOptions {
   // Map a same-host peer's shared memory and copy directly (see DirectMappings).
   bool shm_direct = true;
   PeerLinkOptions link;
+  // Ping watched peers' liveness doors (metadata push on): LivenessProber.
+  bool liveness = true;
+  uint32_t liveness_period_ms = kLivenessPeriodMs;
+  uint32_t liveness_timeout_ms = kLivenessTimeoutMs;
 };
 
 class PeerManager {
@@ -150,6 +159,9 @@ class PeerManager {
   // call back into PeerManager while holding one that PeerManager callers hold).
   void SetLossListener(PeerLossListener listener) { loss_listener_ = std::move(listener); }
 
+  // Liveness datagrams the prober dropped (forged, replayed, malformed).
+  uint64_t liveness_dropped() const { return prober_ ? prober_->dropped() : 0; }
+
   void StartMonitor();
   // Stops the monitor and drops every peer (endpoints close on the worker).
   void Stop();
@@ -182,6 +194,10 @@ class PeerManager {
     bool push_unsupported = false;
     // A poll of it is queued or running in the pool (one at a time per peer).
     bool polling = false;
+    // Its liveness door as it announced it (AgentMetadata.liveness_address), and
+    // whether it is polled for liveness instead (no door, or the door is silent).
+    std::string liveness_address;
+    bool liveness_polled = false;
   };
 
   // Validates metadata and builds a snapshot on the worker thread, reusing the
@@ -203,8 +219,12 @@ class PeerManager {
   };
   // Installs `snapshot`; tells the loss listener (after unlocking) when it replaces
   // another incarnation.
+  // `view` is the metadata it was built from (its liveness door).
   void Install(std::shared_ptr<PeerLink> link, std::shared_ptr<const PeerSnapshot> snapshot,
-               uint64_t version, const RefreshCost& cost);
+               uint64_t version, const RefreshCost& cost, const v1::AgentMetadata& view);
+  // Has the prober ping `snapshot`'s peer at its announced door (or stop pinging it).
+  void WatchLiveness(const PeerLink& link, const PeerSnapshot& snapshot,
+                     const std::string& announced);
   std::optional<PeerLoss> InstallLocked(std::shared_ptr<PeerLink> link,
                                         std::shared_ptr<const PeerSnapshot> snapshot,
                                         uint64_t version, const RefreshCost& cost)
@@ -254,6 +274,7 @@ class PeerManager {
 
   transport::UcxWorker* worker_;
   PeerManagerOptions options_;
+  std::unique_ptr<LivenessProber> prober_;  // null: metadata push or liveness off
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
   PeerLossListener loss_listener_;

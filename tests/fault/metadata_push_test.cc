@@ -3,7 +3,7 @@
 // region registered on decode reaches prefill's view over the WatchMetadata stream,
 // decode's DeregisterRegions returns once prefill acknowledged the new version over
 // that stream, and a killed or hung decode is seen by prefill within 2 s (the stream
-// ends: connection reset, or HTTP/2 keepalive unanswered). A peer without the stream
+// ends: connection reset; or its liveness door stops answering). A peer without the stream
 // (--metadata-push off answers UNIMPLEMENTED) is polled instead.
 #include <signal.h>
 
@@ -129,7 +129,7 @@ TEST_CASE("pushed: a killed peer is unreachable within 2 s with polls a minute a
   pair.decode_process().Kill();
 }
 
-TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by keepalive") {
+TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by its liveness door") {
   AgentPair pair(LongPolls());
   REQUIRE(MillisUntil(pair.prefill(), "decode", 2000, [](const v1::PeerInfo& p) {
             return p.metadata_source() == "push";
@@ -142,7 +142,7 @@ TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by keepalive"
   std::printf("pushed: SIGSTOP seen after %lld ms\n", static_cast<long long>(ms));
   CHECK(ms >= 0);
   CHECK(ms <= 2000);
-  CHECK_THAT(PeerView(pair.prefill(), "decode").last_error(), Catch::Contains("keepalive"));
+  CHECK_THAT(PeerView(pair.prefill(), "decode").last_error(), Catch::Contains("liveness door"));
   ::kill(decode, SIGCONT);
   pair.decode_process().Kill();
 }

@@ -1,0 +1,245 @@
+// The liveness door and prober over real sockets: the door answers a signed ping on
+// UDP (127.0.0.1, port 0) and on its Unix datagram socket, answers nothing else and
+// counts what it dropped; a prober watching a door sees it answer, and reports the
+// peer lost once the door is gone (and as never answered when nothing was there).
+// Waits are for states, with generous deadlines; nothing here is timed.
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "agent/liveness.h"
+#include "agent/liveness_wire.h"
+#include "base/unique_fd.h"
+#include "catch2/catch.hpp"
+
+namespace kvagent::agent {
+namespace {
+
+constexpr uint64_t kIncarnation = 0xfeed;
+constexpr char kSecret[] = "issued-to-the-watcher";
+
+// A short folder of its own: Bazel's TEST_TMPDIR can be longer than a Unix socket path
+// may be.
+std::string TempPath(const std::string& name) {
+  static const std::string dir = [] {
+    char pattern[] = "/tmp/kvlive-XXXXXX";
+    REQUIRE(mkdtemp(pattern) != nullptr);
+    return std::string(pattern);
+  }();
+  return dir + "/" + name;
+}
+
+bool WaitFor(const std::function<bool()>& done, int limit_ms = 20000) {
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(limit_ms)) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return done();
+}
+
+// A UDP client socket aimed at 127.0.0.1:port.
+// A door on 127.0.0.1 (any free UDP port) holding the watcher's key.
+absl::StatusOr<std::unique_ptr<LivenessDoor>> StartUdpDoor() {
+  LivenessDoorOptions options;
+  options.udp_host = "127.0.0.1";
+  options.incarnation = kIncarnation;
+  auto door = LivenessDoor::Start(options);
+  REQUIRE(door.ok());
+  (*door)->Admit(kSecret);
+  return door;
+}
+
+struct UdpClient {
+  UniqueFd fd{socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0)};
+  sockaddr_in to{};
+  explicit UdpClient(uint32_t port) {
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(port));
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  }
+  void Send(const void* data, size_t n) {
+    REQUIRE(sendto(fd.get(), data, n, 0, reinterpret_cast<const sockaddr*>(&to), sizeof to) ==
+            static_cast<ssize_t>(n));
+  }
+  // The next datagram (up to 20 s: a loaded machine), its length; -1 when none came.
+  ssize_t Receive(uint8_t* out, size_t room) {
+    pollfd p{fd.get(), POLLIN, 0};
+    if (poll(&p, 1, 20000) != 1) return -1;
+    return recv(fd.get(), out, room, 0);
+  }
+};
+
+TEST_CASE("the door answers a signed ping over UDP, and junk only raises its drop count") {
+  auto door = StartUdpDoor();
+  REQUIRE((*door)->udp_port() != 0);
+  CHECK((*door)->AnnounceFor(false) == "udp:" + std::to_string((*door)->udp_port()));
+  CHECK((*door)->AnnounceFor(true).empty());  // no Unix socket asked for
+
+  LivenessKey key(kSecret);
+  LivenessKey stranger("never-issued");
+  UdpClient client((*door)->udp_port());
+  uint8_t d[kLivenessDatagramBytes];
+  // Junk first: short, long, unknown key, bad MAC, wrong incarnation, an answer.
+  client.Send("x", 1);
+  uint8_t big[200] = {};
+  client.Send(big, sizeof big);
+  stranger.Encode({LivenessKind::kPing, stranger.id(), kIncarnation, 1, 1}, d);
+  client.Send(d, sizeof d);
+  key.Encode({LivenessKind::kPing, key.id(), kIncarnation, 1, 2}, d);
+  d[20] ^= 1;
+  client.Send(d, sizeof d);
+  key.Encode({LivenessKind::kPing, key.id(), kIncarnation + 1, 1, 3}, d);
+  client.Send(d, sizeof d);
+  key.Encode({LivenessKind::kAnswer, key.id(), kIncarnation, 1, 4}, d);
+  client.Send(d, sizeof d);
+  // Then a good ping: its answer is the first datagram back (loopback keeps order, so
+  // nothing was answered before it).
+  key.Encode({LivenessKind::kPing, key.id(), kIncarnation, 42, 9}, d);
+  client.Send(d, sizeof d);
+  uint8_t back[256];
+  const ssize_t n = client.Receive(back, sizeof back);
+  REQUIRE(n == static_cast<ssize_t>(kLivenessDatagramBytes));
+  LivenessExpectation expect{&key, kIncarnation, 0, 9, 16};
+  LivenessMessage answer;
+  CHECK(CheckAnswer(back, static_cast<size_t>(n),
+                    [&](uint64_t nonce) { return nonce == 42 ? &expect : nullptr; },
+                    &answer) == LivenessVerdict::kOk);
+  CHECK(answer.seq == 9);
+  CHECK(WaitFor([&] { return (*door)->dropped() == 6; }));
+  CHECK((*door)->dropped() == 6);
+  CHECK((*door)->answered() == 1);
+}
+
+TEST_CASE("a flood is read in bounded batches, a wake-up each window, not one per datagram") {
+  auto door = StartUdpDoor();
+  LivenessKey key(kSecret);
+  UdpClient client((*door)->udp_port());
+  uint8_t d[kLivenessDatagramBytes];
+  constexpr int kPings = 2000;
+  for (int i = 1; i <= kPings; ++i) {
+    key.Encode({LivenessKind::kPing, key.id(), kIncarnation, 5, static_cast<uint64_t>(i)}, d);
+    client.Send(d, sizeof d);
+  }
+  // Some may overflow the socket's buffer (a flood is allowed to lose pings).
+  CHECK(WaitFor([&] {
+    uint8_t back[128];
+    while (recv(client.fd.get(), back, sizeof back, MSG_DONTWAIT) > 0) {
+    }
+    return (*door)->answered() + (*door)->dropped() > 0 &&
+           (*door)->wakeups() > 0;
+  }));
+  WaitFor([&] { return (*door)->answered() >= kPings / 2; }, 5000);
+  INFO("answered " << (*door)->answered() << " in " << (*door)->wakeups() << " wake-ups");
+  CHECK((*door)->answered() > 0);
+  // Each wake-up reads up to max_per_wake (512): far fewer wake-ups than datagrams.
+  CHECK((*door)->wakeups() * 10 < (*door)->answered() + 10);
+}
+
+TEST_CASE("the door answers on its Unix datagram socket") {
+  const std::string path = TempPath("door.sock.live");
+  LivenessDoorOptions options;
+  options.unix_path = path;
+  options.incarnation = kIncarnation;
+  auto door = LivenessDoor::Start(options);
+  INFO(door.status().ToString());
+  REQUIRE(door.ok());
+  (*door)->Admit(kSecret);
+  CHECK((*door)->AnnounceFor(true) == "unix:" + path);
+  CHECK((*door)->AnnounceFor(false).empty());
+
+  auto target = ResolveLivenessTarget("unix:" + path, "unix:" + TempPath("door.sock"));
+  REQUIRE(target.ok());
+  // A peer reached at one path cannot send this agent's pings to another socket.
+  CHECK(ResolveLivenessTarget("unix:/tmp/elsewhere", "unix:" + TempPath("door.sock")).status().code() ==
+        absl::StatusCode::kPermissionDenied);
+  CHECK(ResolveLivenessTarget("", "unix:" + TempPath("door.sock")).status().code() ==
+        absl::StatusCode::kNotFound);
+  CHECK(ResolveLivenessTarget("udp:0", "127.0.0.1:5").status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(ResolveLivenessTarget("tcp:5", "127.0.0.1:5").status().code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  sa_family_t family = AF_UNIX;
+  REQUIRE(bind(fd.get(), reinterpret_cast<const sockaddr*>(&family), sizeof family) == 0);
+  LivenessKey key(kSecret);
+  uint8_t d[kLivenessDatagramBytes];
+  key.Encode({LivenessKind::kPing, key.id(), kIncarnation, 8, 1}, d);
+  REQUIRE(sendto(fd.get(), d, sizeof d, 0, reinterpret_cast<const sockaddr*>(&target->address),
+                 target->length) == static_cast<ssize_t>(sizeof d));
+  pollfd p{fd.get(), POLLIN, 0};
+  REQUIRE(poll(&p, 1, 20000) == 1);
+  uint8_t back[128];
+  CHECK(recv(fd.get(), back, sizeof back, 0) == static_cast<ssize_t>(kLivenessDatagramBytes));
+  CHECK((*door)->answered() == 1);
+  door->reset();
+  CHECK(access(path.c_str(), F_OK) != 0);  // removed at stop
+  rmdir(TempPath("").c_str());
+}
+
+struct Losses {
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, bool>> seen;  // why, ever answered
+  size_t size() {
+    absl::MutexLock lock(&mu);
+    return seen.size();
+  }
+};
+
+TEST_CASE("the prober sees a door answer, then reports it lost once it is gone") {
+  auto door = StartUdpDoor();
+  const uint32_t port = (*door)->udp_port();
+
+  Losses losses;
+  LivenessProberOptions probing;
+  probing.period_ms = 50;
+  probing.timeout_ms = 400;
+  probing.answer_grace_ms = 200;
+  auto prober = LivenessProber::Start(
+      probing, [&](const std::string& name, uint64_t incarnation, const std::string& why,
+                   bool ever_answered) {
+        CHECK(name == "decode");
+        CHECK(incarnation == kIncarnation);
+        absl::MutexLock lock(&losses.mu);
+        losses.seen.emplace_back(why, ever_answered);
+      });
+  REQUIRE(prober.ok());
+  auto target = ResolveLivenessTarget("udp:" + std::to_string(port), "127.0.0.1:1");
+  REQUIRE(target.ok());
+  (*prober)->Watch("decode", kIncarnation, *target, kSecret);
+  CHECK(WaitFor([&] { return (*door)->answered() >= 5; }));
+  CHECK((*prober)->Answering("decode"));
+  CHECK(losses.size() == 0);
+  CHECK((*prober)->dropped() == 0);
+
+  door->reset();  // the peer stops answering
+  REQUIRE(WaitFor([&] { return losses.size() == 1; }));
+  CHECK_FALSE((*prober)->Answering("decode"));
+  {
+    absl::MutexLock lock(&losses.mu);
+    CHECK(losses.seen[0].second);  // it had answered
+    CHECK_THAT(losses.seen[0].first, Catch::Contains("liveness door at udp 127.0.0.1:"));
+  }
+
+  // Watching a port where nothing answers: reported as never answered.
+  (*prober)->Unwatch("decode");
+  (*prober)->Watch("decode", kIncarnation, *target, kSecret);
+  REQUIRE(WaitFor([&] { return losses.size() == 2; }));
+  absl::MutexLock lock(&losses.mu);
+  CHECK_FALSE(losses.seen[1].second);
+  CHECK_THAT(losses.seen[1].first, Catch::Contains("never answered"));
+}
+
+}  // namespace
+}  // namespace kvagent::agent
