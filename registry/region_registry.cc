@@ -740,10 +740,13 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   uint64_t bytes = 0;
   for (Candidate& c : candidates) {
     auto region = std::make_shared<Region>();
-    region->spec = std::move(c.spec);
-    if (!region->spec.group().empty()) region->group_position = group_sizes[region->spec.group()]++;
+    // Before the spec moves: a VMM region's pointer is the mapping plus its offset in
+    // the spec (read from a moved-from spec, every region of an allocation got offset
+    // 0; found by tests/gpu/vram_test on the stand-in driver).
     region->base_address =
         c.vram() ? c.DevicePointer() : reinterpret_cast<uint64_t>(c.mapping.data());
+    region->spec = std::move(c.spec);
+    if (!region->spec.group().empty()) region->group_position = group_sizes[region->spec.group()]++;
     region->memory_path = std::move(c.memory_path);
     region->owner = context.owner;
     region->mapping = std::move(c.mapping);

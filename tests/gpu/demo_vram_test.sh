@@ -8,6 +8,10 @@ ctl="$TEST_SRCDIR/kvagent/cli/kvagentctl"
 out="$TEST_TMPDIR/vram.out"
 err="$TEST_TMPDIR/vram.err"
 
+# demo_vram_standin_test names the stand-in driver by its runfiles path.
+if [[ -n "${KVAGENT_CUDA_DRIVER:-}" && "$KVAGENT_CUDA_DRIVER" != /* ]]; then
+  export KVAGENT_CUDA_DRIVER="$PWD/$KVAGENT_CUDA_DRIVER"
+fi
 driver=""
 for lib in "${KVAGENT_CUDA_DRIVER:-}" /usr/lib/x86_64-linux-gnu/libcuda.so.1 /usr/lib64/libcuda.so.1 \
     /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/wsl/lib/libcuda.so.1; do
@@ -20,7 +24,7 @@ echo "exit $rc; stdout:"; cat "$out"; echo "stderr:"; cat "$err"
 last=$(tail -n 1 "$out")
 
 if [[ -n "$driver" ]]; then
-  echo "NVIDIA driver at $driver: the VRAM demo must verify"
+  echo "CUDA driver at $driver: the VRAM demo must verify"
   [[ $rc -eq 0 && "$last" == *'"verified": true'* && "$last" == *'"memory": "vram"'* ]] || {
     echo "FAIL: expected a verified VRAM demo"; exit 1; }
   exit 0

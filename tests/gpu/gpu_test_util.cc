@@ -1,11 +1,34 @@
 #include "tests/gpu/gpu_test_util.h"
 
+#include <unistd.h>
+
+#include <cstdlib>
+
 #include "catch2/catch.hpp"
 #include "cuda/driver.h"
 
 namespace kvagent::testing {
 
 using cuda::CudaDriver;
+
+namespace {
+// The *_standin targets name the stand-in driver by its runfiles path; the agents these
+// tests start run elsewhere, so make it absolute before anything loads it.
+const bool kDriverPathAbsolute = [] {
+  const char* path = std::getenv(CudaDriver::kLibraryEnv);
+  if (path == nullptr || path[0] == '\0' || path[0] == '/') return true;
+  char cwd[4096];
+  if (getcwd(cwd, sizeof cwd) == nullptr) return false;
+  setenv(CudaDriver::kLibraryEnv, (std::string(cwd) + "/" + path).c_str(), 1);
+  return true;
+}();
+}  // namespace
+
+bool StandinDriver() {
+  const char* path = std::getenv(CudaDriver::kLibraryEnv);
+  return kDriverPathAbsolute && path != nullptr &&
+         std::string(path).find("libcuda_standin") != std::string::npos;
+}
 
 std::string GpuMissing() {
   auto driver = CudaDriver::Load();

@@ -9,6 +9,9 @@
 
 namespace kvagent::testing {
 
+// True when KVAGENT_CUDA_DRIVER names the stand-in driver (tests/unit/gpu/standin_cuda.cc:
+// host memory as device memory), as the *_standin targets do.
+bool StandinDriver();
 // Why GPU tests cannot run here (no libcuda, a driver error, no device), or "".
 std::string GpuMissing();
 // Synchronous copies through the driver; a failure fails the current test case.

@@ -3,6 +3,9 @@
 // (ShareDeviceMemory over each agent's session socket), registers it with the agents
 // and moves KV pages and a Mamba state slot VRAM to VRAM, host to VRAM and VRAM to
 // host, then compares every byte. Without a GPU and driver it skips with the reason.
+// tests/gpu:vram_standin_test runs it everywhere against the stand-in driver
+// (tests/unit/gpu/standin_cuda.cc), which found VMM regions at a nonzero offset all
+// mapped at their allocation's start.
 #include <chrono>
 #include <cstdlib>
 #include <cstring>

@@ -1,18 +1,31 @@
 // A stand-in for libcuda.so.1 on machines without a GPU, loaded by tests through
-// KVAGENT_CUDA_DRIVER: one "device" whose memory is host memory, streams that queue
-// their work and run it in order only when synchronized (so a copier that reads a
-// result, or reuses a buffer, before it waits sees the difference), cuMemcpyBatchAsync
-// and the gather kernel (cuLaunchKernel reads the GatherCopy descriptors from "device"
-// memory when its stream runs it). Everything else a driver has answers
-// CUDA_ERROR_NOT_SUPPORTED. Only the device copy path's code runs against it
-// (tests/unit/gpu:device_lanes_test); tests/gpu runs the same code on a real GPU.
+// KVAGENT_CUDA_DRIVER: one "device" whose memory is host memory (each cuMemAlloc a
+// memfd mapped shared, so another process can open it), legacy CUDA IPC handles (the
+// exporter's pid and descriptor: cuIpcOpenMemHandle maps /proc/PID/fd/FD), pointer
+// queries that know the device ranges, streams that queue their work and run it in
+// order only when synchronized (so a copier that reads a result, or reuses a buffer,
+// before it waits sees the difference), cuMemcpyBatchAsync and the gather kernel
+// (cuLaunchKernel reads the GatherCopy descriptors from "device" memory when its
+// stream runs it). CUDA VMM allocations are memfds too, mapped into reserved ranges and
+// exported as descriptors (cuMemExportToShareableHandle, below). What it cannot show: a
+// CPU access to device memory, which a real GPU faults on and this one allows. Used by
+// tests/unit/gpu:device_lanes_test and the stand-in runs of tests/gpu/vram_test;
+// tests/gpu runs the same code on a real GPU.
 //
 // Test hooks (extern "C", found with dlsym): the copies each stream ran, and a source
 // address range that makes queueing a copy from it fail with CUDA_ERROR_ILLEGAL_ADDRESS.
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "agent/gpu/gather_kernel.h"
@@ -25,6 +38,50 @@ constexpr int kInvalidValue = 1;
 constexpr int kNotSupported = 801;
 constexpr int kIllegalAddress = 700;
 constexpr int kNotFound = 500;
+constexpr int kInvalidHandle = 400;
+constexpr int kOutOfMemory = 2;
+
+// A device range of this process: allocated here (fd open), opened from a legacy
+// IPC handle, or a CUDA VMM allocation mapped into a reserved range.
+struct Range {
+  uint64_t size = 0;
+  int fd = -1;          // allocated here: the memfd a handle names
+  bool opened = false;  // mapped from another process's handle, or by cuMemMap
+};
+// CUDA VMM allocations (cuMemCreate, or imported from a descriptor), by handle.
+struct Allocation {
+  int fd = -1;
+  uint64_t size = 0;
+};
+std::map<uint64_t, Allocation>* allocations = new std::map<uint64_t, Allocation>;
+uint64_t next_allocation = 1;
+constexpr uint64_t kGranularity = 2 << 20;
+constexpr char kVmmName[] = "kvagent-standin-vmm";
+// By base address. Guarded by `mu`.
+std::map<uint64_t, Range>* ranges = new std::map<uint64_t, Range>;
+
+// The 64 bytes of a handle this stand-in makes.
+struct Handle {
+  char magic[8];  // "kvstandi"
+  int32_t pid;
+  int32_t fd;
+  uint64_t size;
+  uint64_t offset;  // of the exported pointer in its allocation
+  char unused[32];
+};
+static_assert(sizeof(Handle) == 64, "CU_IPC_HANDLE_SIZE");
+struct IpcHandleBytes {  // CUipcMemHandle, passed by value
+  char reserved[64];
+};
+constexpr char kMagic[8] = {'k', 'v', 's', 't', 'a', 'n', 'd', 'i'};
+
+// The range holding `address` (under mu), or ranges->end().
+std::map<uint64_t, Range>::iterator Find(uint64_t address) {
+  auto it = ranges->upper_bound(address);
+  if (it == ranges->begin()) return ranges->end();
+  --it;
+  return address < it->first + it->second.size ? it : ranges->end();
+}
 
 struct Work {
   bool kernel = false;
@@ -67,6 +124,8 @@ int cuGetErrorName(int error, const char** name) {
     case kIllegalAddress: *name = "CUDA_ERROR_ILLEGAL_ADDRESS"; return kSuccess;
     case kNotSupported: *name = "CUDA_ERROR_NOT_SUPPORTED"; return kSuccess;
     case kNotFound: *name = "CUDA_ERROR_NOT_FOUND"; return kSuccess;
+    case kInvalidHandle: *name = "CUDA_ERROR_INVALID_HANDLE"; return kSuccess;
+    case kOutOfMemory: *name = "CUDA_ERROR_OUT_OF_MEMORY"; return kSuccess;
   }
   return kInvalidValue;
 }
@@ -174,13 +233,86 @@ int cuMemcpyBatchAsync(uint64_t* dsts, uint64_t* srcs, size_t* sizes, size_t cou
 }
 
 int cuMemAlloc_v2(uint64_t* address, size_t bytes) {
-  void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-  if (p == nullptr) return kInvalidValue;
+  if (bytes == 0) return kInvalidValue;
+  const uint64_t size = (bytes + 4095) / 4096 * 4096;
+  const int fd = memfd_create("kvagent-standin-vram", MFD_CLOEXEC);
+  if (fd < 0) return kOutOfMemory;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return kOutOfMemory;
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return kOutOfMemory;
+  }
+  std::lock_guard<std::mutex> lock(mu);
   *address = reinterpret_cast<uint64_t>(p);
+  (*ranges)[*address] = Range{size, fd, false};
   return kSuccess;
 }
 int cuMemFree_v2(uint64_t address) {
-  std::free(reinterpret_cast<void*>(address));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = ranges->find(address);
+  if (it == ranges->end() || it->second.opened) return kInvalidValue;
+  munmap(reinterpret_cast<void*>(it->first), it->second.size);
+  close(it->second.fd);
+  ranges->erase(it);
+  return kSuccess;
+}
+int cuIpcGetMemHandle(IpcHandleBytes* out, uint64_t address) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = Find(address);
+  if (it == ranges->end() || it->second.opened) return kInvalidValue;
+  Handle h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.pid = getpid();
+  h.fd = it->second.fd;
+  h.size = it->second.size;
+  h.offset = address - it->first;
+  std::memcpy(out->reserved, &h, sizeof h);
+  return kSuccess;
+}
+int cuIpcOpenMemHandle_v2(uint64_t* address, IpcHandleBytes handle, unsigned) {
+  Handle h;
+  std::memcpy(&h, handle.reserved, sizeof h);
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0 || h.offset >= h.size) return kInvalidHandle;
+  if (h.pid == getpid()) return kInvalidValue;  // as CUDA: not one's own handles
+  const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return kInvalidHandle;  // the exporter is gone
+  void* p = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return kInvalidHandle;
+  std::lock_guard<std::mutex> lock(mu);
+  const uint64_t base = reinterpret_cast<uint64_t>(p);
+  (*ranges)[base] = Range{h.size, -1, true};
+  *address = base + h.offset;
+  return kSuccess;
+}
+int cuIpcCloseMemHandle(uint64_t address) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = Find(address);
+  if (it == ranges->end() || !it->second.opened) return kInvalidValue;
+  munmap(reinterpret_cast<void*>(it->first), it->second.size);
+  ranges->erase(it);
+  return kSuccess;
+}
+int cuMemGetAddressRange_v2(uint64_t* base, size_t* size, uint64_t address) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = Find(address);
+  if (it == ranges->end()) return kNotFound;
+  if (base != nullptr) *base = it->first;
+  if (size != nullptr) *size = it->second.size;
+  return kSuccess;
+}
+// CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2) only: CU_MEMORYTYPE_DEVICE (2) for device
+// ranges; memory CUDA does not know is CUDA_ERROR_INVALID_VALUE, as the driver says.
+int cuPointerGetAttribute(void* data, int attribute, uint64_t address) {
+  if (attribute != 2) return kNotSupported;
+  std::lock_guard<std::mutex> lock(mu);
+  if (Find(address) == ranges->end()) return kInvalidValue;
+  *static_cast<unsigned*>(data) = 2;
   return kSuccess;
 }
 int cuMemHostAlloc(void** address, size_t bytes, unsigned) {
@@ -216,28 +348,137 @@ int cuLaunchKernel(void* function, unsigned grid, unsigned, unsigned, unsigned, 
   return Queue(stream, Work{true, 0, descriptors, count});
 }
 
-// Not used by the copy path: present because the loader requires them.
-int cuIpcOpenMemHandle_v2(uint64_t*, const void*, unsigned) { return kNotSupported; }
-int cuIpcCloseMemHandle(uint64_t) { return kNotSupported; }
-int cuIpcGetMemHandle(void*, uint64_t) { return kNotSupported; }
-int cuMemGetAddressRange_v2(uint64_t*, size_t*, uint64_t) { return kNotSupported; }
-int cuMemHostRegister_v2(void*, size_t, unsigned) { return kNotSupported; }
-int cuMemHostUnregister(void*) { return kNotSupported; }
-int cuPointerGetAttribute(void*, int, uint64_t) { return kInvalidValue; }
-int cuMemImportFromShareableHandle(void*, void*, int) { return kNotSupported; }
-int cuMemGetAllocationPropertiesFromHandle(void*, uint64_t) { return kNotSupported; }
-int cuMemGetAllocationGranularity(size_t*, const void*, int) { return kNotSupported; }
-int cuMemAddressReserve(uint64_t*, size_t, size_t, uint64_t, unsigned long long) {
-  return kNotSupported;
+// CUDA VMM: POSIX descriptors only.
+// Host memory is always "pinned" here.
+int cuMemHostRegister_v2(void*, size_t, unsigned) { return kSuccess; }
+int cuMemHostUnregister(void*) { return kSuccess; }
+// The first fields of CUmemAllocationProp (the rest the caller zeroes).
+struct AllocationProp {
+  int type;                  // CU_MEM_ALLOCATION_TYPE_PINNED = 1
+  int requested_handle_types;  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+  int location_type;         // CU_MEM_LOCATION_TYPE_DEVICE = 1
+  int location_id;
+};
+int cuMemGetAllocationGranularity(size_t* granularity, const void*, int) {
+  *granularity = kGranularity;
+  return kSuccess;
 }
-int cuMemMap(uint64_t, size_t, size_t, uint64_t, unsigned long long) { return kNotSupported; }
-int cuMemSetAccess(uint64_t, size_t, const void*, size_t) { return kNotSupported; }
-int cuMemUnmap(uint64_t, size_t) { return kNotSupported; }
-int cuMemAddressFree(uint64_t, size_t) { return kNotSupported; }
-int cuMemRelease(uint64_t) { return kNotSupported; }
-int cuMemCreate(uint64_t*, size_t, const void*, unsigned long long) { return kNotSupported; }
-int cuMemExportToShareableHandle(void*, uint64_t, int, unsigned long long) {
-  return kNotSupported;
+int cuMemCreate(uint64_t* handle, size_t size, const AllocationProp* prop, unsigned long long) {
+  if (size == 0 || size % kGranularity != 0 || prop == nullptr || prop->location_id != 0) {
+    return kInvalidValue;
+  }
+  const int fd = memfd_create(kVmmName, MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    if (fd >= 0) close(fd);
+    return kOutOfMemory;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  *handle = next_allocation++;
+  (*allocations)[*handle] = Allocation{fd, size};
+  return kSuccess;
+}
+// The shareable handle: not the memfd itself (the agent rightly refuses a tmpfs file
+// as device memory) but an eventfd whose count names the exporter's pid and memfd
+// (pid << 32 | fd), which the importer reads from /proc/self/fdinfo and opens through
+// /proc/PID/fd. Unlike a real one it keeps the memory only while the exporter holds
+// the allocation.
+int cuMemExportToShareableHandle(void* out, uint64_t handle, int type, unsigned long long) {
+  if (type != 1) return kNotSupported;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = allocations->find(handle);
+  if (it == allocations->end()) return kInvalidValue;
+  const uint64_t name = (static_cast<uint64_t>(getpid()) << 32) | static_cast<uint32_t>(it->second.fd);
+  const int fd = eventfd(0, EFD_CLOEXEC);
+  if (fd < 0) return kOutOfMemory;
+  if (write(fd, &name, sizeof name) != sizeof name) {
+    close(fd);
+    return kOutOfMemory;
+  }
+  *static_cast<int*>(out) = fd;
+  return kSuccess;
+}
+// Only descriptors this stand-in exported are shareable handles.
+int cuMemImportFromShareableHandle(uint64_t* handle, void* os_handle, int type) {
+  if (type != 1) return kNotSupported;
+  const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
+  char link[256] = {};
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = readlink(path.c_str(), link, sizeof link - 1);
+  if (n <= 0 || std::string(link, static_cast<size_t>(n)) != "anon_inode:[eventfd]") {
+    return kInvalidHandle;
+  }
+  uint64_t name = 0;
+  {
+    std::ifstream info("/proc/self/fdinfo/" + std::to_string(fd));
+    std::string line;
+    while (std::getline(info, line)) {
+      if (line.rfind("eventfd-count:", 0) == 0) name = std::stoull(line.substr(14), nullptr, 16);
+    }
+  }
+  const std::string memory = "/proc/" + std::to_string(name >> 32) + "/fd/" +
+                             std::to_string(static_cast<uint32_t>(name));
+  const int own = name == 0 ? -1 : open(memory.c_str(), O_RDWR | O_CLOEXEC);
+  if (own < 0) return kInvalidHandle;
+  char target[256] = {};
+  const ssize_t m = readlink(("/proc/self/fd/" + std::to_string(own)).c_str(), target, sizeof target - 1);
+  const off_t size = lseek(own, 0, SEEK_END);
+  if (m <= 0 || std::string(target, static_cast<size_t>(m)).find(kVmmName) == std::string::npos ||
+      size <= 0) {
+    close(own);
+    return kInvalidHandle;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  *handle = next_allocation++;
+  (*allocations)[*handle] = Allocation{own, static_cast<uint64_t>(size)};
+  return kSuccess;
+}
+int cuMemGetAllocationPropertiesFromHandle(AllocationProp* prop, uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (allocations->count(handle) == 0) return kInvalidValue;
+  *prop = AllocationProp{1, 1, 1, 0};
+  return kSuccess;
+}
+int cuMemRelease(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = allocations->find(handle);
+  if (it == allocations->end()) return kInvalidValue;
+  close(it->second.fd);
+  allocations->erase(it);
+  return kSuccess;
+}
+int cuMemAddressReserve(uint64_t* address, size_t size, size_t, uint64_t, unsigned long long) {
+  void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return kOutOfMemory;
+  *address = reinterpret_cast<uint64_t>(p);
+  return kSuccess;
+}
+int cuMemAddressFree(uint64_t address, size_t size) {
+  return munmap(reinterpret_cast<void*>(address), size) == 0 ? kSuccess : kInvalidValue;
+}
+int cuMemMap(uint64_t address, size_t size, size_t offset, uint64_t handle, unsigned long long) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = allocations->find(handle);
+  if (it == allocations->end()) return kInvalidHandle;
+  if (offset + size > it->second.size) return kInvalidValue;
+  void* p = mmap(reinterpret_cast<void*>(address), size, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_FIXED, it->second.fd, static_cast<off_t>(offset));
+  if (p == MAP_FAILED) return kOutOfMemory;
+  (*ranges)[address] = Range{size, -1, true};
+  return kSuccess;
+}
+int cuMemSetAccess(uint64_t address, size_t, const void*, size_t count) {
+  std::lock_guard<std::mutex> lock(mu);
+  return count == 1 && ranges->count(address) == 1 ? kSuccess : kInvalidValue;
+}
+int cuMemUnmap(uint64_t address, size_t size) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = ranges->find(address);
+  if (it == ranges->end() || it->second.fd >= 0) return kInvalidValue;
+  // Back to a reservation (cuMemAddressFree releases it).
+  mmap(reinterpret_cast<void*>(address), size, PROT_NONE,
+       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  ranges->erase(it);
+  return kSuccess;
 }
 
 // Test hooks.
