@@ -7,12 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:?usage: make_bundle.sh DIR}
-bazel build //agent:kvagentd //cli:kvagentctl //tests/gpu:vram_test //tests/gpu:device_copy_test >/dev/null
+bazel build //agent:kvagentd //cli:kvagentctl //tests/gpu:vram_test //tests/gpu:vram_fault_test \
+  //tests/gpu:device_copy_test >/dev/null
 bin=$(bazel info bazel-bin 2>/dev/null)
 rm -rf "$out" && mkdir -p "$out/bin" "$out/lib/ucx"
 cp "$bin/agent/kvagentd" "$out/bin/"
 cp "$bin/cli/kvagentctl" "$out/bin/"
-cp "$bin/tests/gpu/vram_test" "$bin/tests/gpu/device_copy_test" "$out/bin/"
+cp "$bin/tests/gpu/vram_test" "$bin/tests/gpu/vram_fault_test" "$bin/tests/gpu/device_copy_test" "$out/bin/"
 for exe in "$out"/bin/*; do
   ldd "$exe" | awk '/=>/ {print $3} /ld-linux/ {print $1}' | while read -r lib; do
     [[ -f "$lib" ]] && cp -nL "$lib" "$out/lib/" || true
