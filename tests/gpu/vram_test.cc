@@ -299,6 +299,46 @@ TEST_CASE("VRAM by CUDA VMM descriptor on both sides") {
              Share::kVmm);
 }
 
+// What an engine sees when it shares VRAM wrongly: each refusal names the region, the
+// cause and the fix; nothing of a refused batch is registered; a good batch after works.
+TEST_CASE("VRAM registrations that cannot work are refused with the reason") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  Agents agents;
+  cli::AgentClient prefill(agents.prefill.address());
+  DevicePool pool;
+  AllocatePool(&pool);
+  auto refused = [&](v1::RegisterRegionsRequest request, const std::vector<std::string>& says) {
+    auto registered = prefill.Register(request);
+    INFO(registered.status().ToString());
+    REQUIRE_FALSE(registered.ok());
+    CHECK(registered.status().code() == absl::StatusCode::kInvalidArgument);
+    for (const auto& text : says) CHECK_THAT(std::string(registered.status().message()), Catch::Contains(text));
+    auto listed = prefill.Regions();
+    REQUIRE(listed.ok());
+    CHECK(listed->regions_size() == 0);  // nothing of the batch stayed
+  };
+  SECTION("bytes that are no CUDA IPC handle") {
+    auto request = VramRegions("p", pool, "kv");
+    request.mutable_regions(3)->mutable_cuda_ipc()->set_ipc_handle(std::string(64, '\x5a'));
+    refused(request, {"region 'p.kv3'", "cuIpcOpenMemHandle", "cudaIpcGetMemHandle"});
+  }
+  SECTION("a region past the end of the allocation") {
+    auto request = VramRegions("p", pool, "kv");
+    auto* last = request.mutable_regions(request.regions_size() - 1);
+    last->mutable_cuda_ipc()->set_offset(kPoolBytes - last->length() / 2);
+    refused(request, {"region '" + last->name() + "'", "the allocation behind the handle has",
+                      "fix offset/length"});
+  }
+  SECTION("a device this host does not have") {
+    auto request = VramRegions("p", pool, "kv");
+    request.mutable_regions(0)->mutable_cuda_ipc()->set_device(64);
+    refused(request, {"region 'p.kv0'", "64"});
+  }
+  auto good = prefill.Register(VramRegions("p", pool, "kv"));
+  INFO(good.status().ToString());
+  CHECK(good.ok());
+}
+
 TEST_CASE("host to VRAM and VRAM to host") {
   if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
   Agents agents;

@@ -66,7 +66,7 @@ struct Handle {
   int32_t pid;
   int32_t fd;
   uint64_t size;
-  uint64_t offset;  // of the exported pointer in its allocation
+  uint64_t offset;  // always 0 (a handle is taken at the allocation's base)
   char unused[32];
 };
 static_assert(sizeof(Handle) == 64, "CU_IPC_HANDLE_SIZE");
@@ -262,14 +262,15 @@ int cuMemFree_v2(uint64_t address) {
 }
 int cuIpcGetMemHandle(IpcHandleBytes* out, uint64_t address) {
   std::lock_guard<std::mutex> lock(mu);
-  auto it = Find(address);
+  // As CUDA: the handle is of an allocation, taken at its base.
+  auto it = ranges->find(address);
   if (it == ranges->end() || it->second.opened) return kInvalidValue;
   Handle h{};
   std::memcpy(h.magic, kMagic, sizeof kMagic);
   h.pid = getpid();
   h.fd = it->second.fd;
   h.size = it->second.size;
-  h.offset = address - it->first;
+  h.offset = 0;
   std::memcpy(out->reserved, &h, sizeof h);
   return kSuccess;
 }
