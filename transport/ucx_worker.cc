@@ -283,6 +283,12 @@ bool UcxWorker::Enqueue(std::function<void()> fn) {
     if (exited_) return false;
     queue_.push_back(std::move(fn));
   }
+  // The worker posting to itself (a completion scheduling the next step) needs no
+  // wake-up: its loop looks at the queue again before it sleeps (posted_here_).
+  if (OnWorkerThread()) {
+    posted_here_ = true;
+    return true;
+  }
   Wake();
   return true;
 }
@@ -295,13 +301,19 @@ void UcxWorker::Wake() {
 }
 
 bool UcxWorker::DrainQueue() {
-  std::deque<std::function<void()>> batch;
+  posted_here_ = false;
+  std::vector<std::function<void()>> batch;
   {
     absl::MutexLock lock(&mu_);
+    if (queue_.empty()) return false;
     batch.swap(queue_);
   }
   for (auto& fn : batch) fn();
-  return !batch.empty();
+  batch.clear();
+  // The storage goes back for the next closures (no allocation per burst).
+  absl::MutexLock lock(&mu_);
+  if (queue_.empty() && queue_.capacity() < batch.capacity()) queue_.swap(batch);
+  return true;
 }
 
 void UcxWorker::SetAmHandler(uint16_t id, AmHandler handler, uint64_t max_data_bytes) {
@@ -529,6 +541,10 @@ void UcxWorker::Loop() {
     WorkerPoller* poller = poller_;
     if (poller != nullptr && !poller->PrepareSleep()) {
       poller->Woke(/*rang=*/false);  // its work came meanwhile: take it now
+      continue;
+    }
+    if (posted_here_) {  // this thread posted a closure since its last look: no sleep
+      if (poller != nullptr) poller->Woke(/*rang=*/false);
       continue;
     }
     // Pending closes and a failed arm are polled; otherwise sleep until woken.
@@ -760,7 +776,7 @@ void Endpoint::Flush(Completion done) {
 void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view data,
                       Completion done, bool want_reply) {
   if (ep_ == nullptr || failed_) {
-    done(Unusable("sending an active message"));
+    if (done) done(Unusable("sending an active message"));
     return;
   }
   auto op = std::make_unique<SendOp>();
@@ -788,7 +804,7 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
 void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* data,
                             uint64_t length, Completion done) {
   if (ep_ == nullptr || failed_) {
-    done(Unusable("sending an active message"));
+    if (done) done(Unusable("sending an active message"));
     return;
   }
   auto op = std::make_unique<SendOp>();

@@ -174,10 +174,13 @@ class UcxWorker {
   std::thread::id thread_id_;
 
   absl::Mutex mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool exited_ ABSL_GUARDED_BY(mu_) = false;  // Post() after this is dropped
 
   // Worker-thread-only state.
+  // A closure was posted from this thread since DrainQueue last ran (Enqueue wrote no
+  // wake-up for it): the loop does not sleep before running it.
+  bool posted_here_ = false;
   struct AmSlot {
     UcxWorker* worker;
     uint16_t id;
@@ -254,9 +257,9 @@ class Endpoint {
   // (remotely, for puts). `done` runs on the worker thread, possibly before Flush
   // returns.
   void Flush(Completion done);
-  // Sends an active message; header and data are copied. `done` as for Flush. With
-  // `want_reply` the receiver gets a reply endpoint (UCP_AM_SEND_FLAG_REPLY;
-  // AmMessage::reply_ep there) to answer on.
+  // Sends an active message; header and data are copied. `done` as for Flush (may be
+  // empty: nothing runs). With `want_reply` the receiver gets a reply endpoint
+  // (UCP_AM_SEND_FLAG_REPLY; AmMessage::reply_ep there) to answer on.
   void SendAm(uint16_t id, std::string_view header, std::string_view data, Completion done,
               bool want_reply = false);
   // Sends an active message without copying `data`: it must stay valid and unchanged
