@@ -4,7 +4,7 @@ namespace kvagent::agent {
 
 bool TransferMetrics::Track(const std::string& transfer_id, const std::string& data_path) {
   absl::MutexLock lock(&mu_);
-  if (active_.count(transfer_id) != 0 || ended_.contains(transfer_id)) return false;
+  if (active_.contains(transfer_id) || ended_.contains(transfer_id)) return false;
   active_.emplace(transfer_id, data_path);
   return true;
 }
@@ -21,15 +21,20 @@ void TransferMetrics::Ended(const v1::TransferState& state) {
     ended_.erase(ended_order_.front());
     ended_order_.pop_front();
   }
-  const std::string op = v1::TransferOp_Name(state.op());
-  const std::string outcome = v1::TransferPhase_Name(state.phase());
-  Key key{op, data_path, state.peer(), outcome};
-  if (series_.count(key) == 0 && series_.size() >= kMaxSeries) std::get<2>(key) = "_other";
-  TransferSeries& series = series_[key];
+  const std::string& op = v1::TransferOp_Name(state.op());
+  const std::string& outcome = v1::TransferPhase_Name(state.phase());
+  using View = std::tuple<std::string_view, std::string_view, std::string_view, std::string_view>;
+  auto found = series_.find(View{op, data_path, state.peer(), outcome});
+  if (found == series_.end()) {
+    Key key{op, data_path, state.peer(), outcome};
+    if (series_.size() >= kMaxSeries) std::get<2>(key) = "_other";
+    found = series_.try_emplace(std::move(key)).first;
+  }
+  TransferSeries& series = found->second;
   if (series.transfers == 0) {
     series.op = op;
     series.data_path = data_path;
-    series.peer = std::get<2>(key);
+    series.peer = std::get<2>(found->first);
     series.outcome = outcome;
   }
   ++series.transfers;
@@ -38,44 +43,69 @@ void TransferMetrics::Ended(const v1::TransferState& state) {
     const int code = state.error_code();
     ++series.errors_by_code[code >= 0 && code < 17 ? code : 2 /* UNKNOWN */];
   }
-  LatencyHistogram& histogram = latency_[{op, outcome}];
-  if (histogram.count == 0) {
-    histogram.op = op;
-    histogram.outcome = outcome;
-  }
-  histogram.Observe(state.latency_us());
-  ObserveStages("outgoing", state);
+  LatencyOf(state.op(), state.phase()).Observe(state.latency_us());
+  ObserveStages(/*incoming=*/false, state);
 }
 
 void TransferMetrics::IncomingEnded(const v1::TransferState& state) {
   absl::MutexLock lock(&mu_);
-  const std::string op = v1::TransferOp_Name(state.op());
-  const std::string outcome = v1::TransferPhase_Name(state.phase());
-  std::tuple<std::string, std::string, std::string> key{op, state.peer(), outcome};
-  if (incoming_.count(key) == 0 && incoming_.size() >= kMaxSeries) std::get<1>(key) = "_other";
-  IncomingSeries& series = incoming_[key];
+  const std::string& op = v1::TransferOp_Name(state.op());
+  const std::string& outcome = v1::TransferPhase_Name(state.phase());
+  using View = std::tuple<std::string_view, std::string_view, std::string_view>;
+  auto found = incoming_.find(View{op, state.peer(), outcome});
+  if (found == incoming_.end()) {
+    IncomingKey key{op, state.peer(), outcome};
+    if (incoming_.size() >= kMaxSeries) std::get<1>(key) = "_other";
+    found = incoming_.try_emplace(std::move(key)).first;
+  }
+  IncomingSeries& series = found->second;
   if (series.transfers == 0) {
     series.op = op;
-    series.peer = std::get<1>(key);
+    series.peer = std::get<1>(found->first);
     series.outcome = outcome;
   }
   ++series.transfers;
   series.bytes += state.bytes_done();
-  ObserveStages("incoming", state);
+  ObserveStages(/*incoming=*/true, state);
 }
 
-void TransferMetrics::ObserveStages(const std::string& direction, const v1::TransferState& state) {
-  const std::string op = v1::TransferOp_Name(state.op());
+LatencyHistogram& TransferMetrics::LatencyOf(v1::TransferOp op, v1::TransferPhase phase) {
+  const bool indexed = op >= 0 && op < kOps && phase >= 0 && phase < kPhases;
+  if (indexed && latency_index_[op][phase] != nullptr) return *latency_index_[op][phase];
+  const std::string& op_name = v1::TransferOp_Name(op);
+  const std::string& outcome = v1::TransferPhase_Name(phase);
+  LatencyHistogram& histogram = latency_[{op_name, outcome}];
+  if (histogram.count == 0) {
+    histogram.op = op_name;
+    histogram.outcome = outcome;
+  }
+  if (indexed) latency_index_[op][phase] = &histogram;
+  return histogram;
+}
+
+StageHistogram& TransferMetrics::StageOf(bool incoming, v1::TransferOp op,
+                                         v1::TransferStage stage) {
+  const bool indexed = op >= 0 && op < kOps && stage >= 0 && stage < kStages;
+  if (indexed && stage_index_[incoming][op][stage] != nullptr) {
+    return *stage_index_[incoming][op][stage];
+  }
+  const std::string direction = incoming ? "incoming" : "outgoing";
+  const std::string& op_name = v1::TransferOp_Name(op);
+  const std::string& stage_name = v1::TransferStage_Name(stage);
+  StageHistogram& histogram = stages_[{direction, op_name, stage_name}];
+  if (histogram.count == 0) {
+    histogram.direction = direction;
+    histogram.op = op_name;
+    histogram.stage = stage_name;
+  }
+  if (indexed) stage_index_[incoming][op][stage] = &histogram;
+  return histogram;
+}
+
+void TransferMetrics::ObserveStages(bool incoming, const v1::TransferState& state) {
   for (int i = 1; i < state.timeline_size(); ++i) {
-    const std::string stage = v1::TransferStage_Name(state.timeline(i).stage());
-    StageHistogram& histogram = stages_[{direction, op, stage}];
-    if (histogram.count == 0) {
-      histogram.direction = direction;
-      histogram.op = op;
-      histogram.stage = stage;
-    }
     const uint64_t at = state.timeline(i).at_us(), before = state.timeline(i - 1).at_us();
-    histogram.Observe(at > before ? at - before : 0);
+    StageOf(incoming, state.op(), state.timeline(i).stage()).Observe(at > before ? at - before : 0);
   }
 }
 

@@ -11,12 +11,14 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -104,20 +106,34 @@ class TransferMetrics {
   uint64_t tracked() const;  // transfers registered and not yet ended
 
  private:
+  // Ordered by the label strings (the exposition's order); looked up with string_views
+  // (std::less<>), so counting an ended transfer builds no key strings.
   using Key = std::tuple<std::string, std::string, std::string, std::string>;
+  using IncomingKey = std::tuple<std::string, std::string, std::string>;
+  using StageKey = std::tuple<std::string, std::string, std::string>;
   mutable absl::Mutex mu_;
   // Active ids and the data path each was submitted over.
-  std::map<std::string, std::string> active_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> active_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> ended_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
-  std::map<Key, TransferSeries> series_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, TransferSeries, std::less<>> series_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, LatencyHistogram> latency_ ABSL_GUARDED_BY(mu_);
-  std::map<std::tuple<std::string, std::string, std::string>, IncomingSeries> incoming_
-      ABSL_GUARDED_BY(mu_);
-  std::map<std::tuple<std::string, std::string, std::string>, StageHistogram> stages_
-      ABSL_GUARDED_BY(mu_);
+  std::map<IncomingKey, IncomingSeries, std::less<>> incoming_ ABSL_GUARDED_BY(mu_);
+  std::map<StageKey, StageHistogram> stages_ ABSL_GUARDED_BY(mu_);
+  // The histograms by enum value (map nodes do not move): the per-transfer path
+  // indexes these instead of building label strings; null until first observed.
+  // Values outside the enums (a newer peer's) take the maps by name.
+  static constexpr int kOps = v1::TransferOp_ARRAYSIZE;
+  static constexpr int kPhases = v1::TransferPhase_ARRAYSIZE;
+  static constexpr int kStages = v1::TransferStage_ARRAYSIZE;
+  LatencyHistogram* latency_index_[kOps][kPhases] ABSL_GUARDED_BY(mu_) = {};
+  StageHistogram* stage_index_[2][kOps][kStages] ABSL_GUARDED_BY(mu_) = {};  // outgoing, incoming
+  LatencyHistogram& LatencyOf(v1::TransferOp op, v1::TransferPhase phase)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StageHistogram& StageOf(bool incoming, v1::TransferOp op, v1::TransferStage stage)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds each stage's time since the one before to stages_.
-  void ObserveStages(const std::string& direction, const v1::TransferState& state)
+  void ObserveStages(bool incoming, const v1::TransferState& state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ByCode submit_refusals_ ABSL_GUARDED_BY(mu_) = {};
   ByCode registration_failures_ ABSL_GUARDED_BY(mu_) = {};
