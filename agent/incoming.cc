@@ -3,6 +3,7 @@
 #include "registry/fault_guard.h"
 
 #include <algorithm>
+#include <charconv>
 #include <utility>
 
 #include "absl/strings/str_join.h"
@@ -30,8 +31,25 @@ IncomingTransfers::IncomingTransfers(IncomingOptions options,
       queue_(queue),
       send_ack_(std::move(send_ack)) {}
 
+void IncomingTransfers::KeyInto(const v1::Notification& n, Key* key) {
+  char hex[16];
+  const auto incarnation = std::to_chars(hex, hex + sizeof hex, n.sender_incarnation(), 16);
+  key->clear();
+  key->reserve(n.from_agent().size() + (incarnation.ptr - hex) + n.transfer_id().size() + 2);
+  key->append(n.from_agent()).push_back('\n');
+  key->append(hex, incarnation.ptr).push_back('\n');
+  key->append(n.transfer_id());
+}
+
 IncomingTransfers::Key IncomingTransfers::KeyOf(const v1::Notification& n) {
-  return fmt::format("{}\n{:x}\n{}", n.from_agent(), n.sender_incarnation(), n.transfer_id());
+  Key key;
+  KeyInto(n, &key);
+  return key;
+}
+
+const IncomingTransfers::Key& IncomingTransfers::LookupKey(const v1::Notification& n) {
+  KeyInto(n, &lookup_key_);
+  return lookup_key_;
 }
 
 std::vector<registry::RegionPtr> IncomingTransfers::RegionsOf(const std::string& target) const {
@@ -71,7 +89,7 @@ std::vector<std::string> IncomingTransfers::OwnersOf(const v1::Notification& n) 
 }
 
 IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification& n) {
-  const Key key = KeyOf(n);
+  const Key& key = LookupKey(n);
   auto it = records_.find(key);
   if (it != records_.end()) return &it->second;
   const bool outcome = n.kind() == v1::CANCELLED_BY_PEER || n.kind() == v1::TRANSFER_FAILED ||
@@ -135,11 +153,12 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       return;
     }
     case v1::PEER_DATA_COMMIT: {
-      auto it = records_.find(KeyOf(n));
+      auto it = records_.find(LookupKey(n));
       if (it == records_.end() || it->second.ended || it->second.held == nullptr) return;
       Record& r = it->second;
-      const v1::Notification held = *r.held;
-      EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, held, absl::OkStatus());
+      // Taken, not copied: the record lets go of it as it ends.
+      std::unique_ptr<v1::Notification> held = std::move(r.held);
+      EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, std::move(*held), absl::OkStatus());
       return;
     }
     case v1::CANCELLED_BY_PEER:
@@ -154,7 +173,7 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       if (phase == v1::CANCELLED && why.ok()) {
         why = absl::CancelledError(fmt::format("the sender '{}' cancelled it", n.from_agent()));
       }
-      EndLocked(KeyOf(n), *r, phase, n.kind(), n, why);
+      EndLocked(lookup_key_, *r, phase, n.kind(), n, why);  // FindOrMake's key
       return;
     }
     default:
@@ -168,7 +187,7 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
   wire::TransferAck ack;
   {
     absl::MutexLock lock(&mu_);
-    auto it = records_.find(KeyOf(n));
+    auto it = records_.find(LookupKey(n));
     if (it == records_.end() || it->second.reply_ep == nullptr) return;
     Record& r = it->second;
     reply_ep = std::exchange(r.reply_ep, nullptr);
@@ -214,7 +233,7 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
 }
 
 void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase phase,
-                                  v1::NotificationKind kind, const v1::Notification& from,
+                                  v1::NotificationKind kind, v1::Notification from,
                                   const absl::Status& status) {
   if (r.ended) return;
   r.ended = true;
@@ -238,9 +257,9 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   out.set_kind(kind);
   out.set_sender_incarnation(from.sender_incarnation());
   out.set_received_unix_us(UnixMicros());
-  *out.mutable_targets() = from.targets();
+  out.mutable_targets()->Swap(from.mutable_targets());
   if (kind == v1::DATA_READY) {
-    out.set_payload(from.payload());
+    out.set_payload(std::move(*from.mutable_payload()));
     out.set_bytes(from.bytes());
     out.set_staged_bytes(from.staged_bytes());
   } else {
@@ -272,7 +291,7 @@ void IncomingTransfers::Expire() {
     v1::Notification from;
     from.set_from_agent(r.state.peer());
     from.set_transfer_id(r.state.transfer_id());
-    EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, from,
+    EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, std::move(from),
               absl::DeadlineExceededError(fmt::format(
                   "transfer '{}' from '{}': no outcome came from the sender within its deadline "
                   "plus {} ms (the sender may have died or lost the link); the pages it targets "

@@ -84,7 +84,10 @@ class IncomingTransfers {
     bool ended = false;                      // its one outcome was delivered
   };
   using Key = std::string;  // sender, incarnation, transfer id
+  static void KeyInto(const v1::Notification& n, Key* key);
   static Key KeyOf(const v1::Notification& n);
+  // `n`'s key in lookup_key_ (reused: a lookup allocates nothing); valid until the next.
+  const Key& LookupKey(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The local regions a notification target names: a group's, else one region.
   std::vector<registry::RegionPtr> RegionsOf(const std::string& target) const;
   // DATA_LOSS naming the region when a region `n` targets was broken by a caught
@@ -95,8 +98,9 @@ class IncomingTransfers {
   Record* FindOrMake(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> OwnersOf(const v1::Notification& n) const;
   // Delivers `kind` to the record's owners, once, and ends the record.
+  // `from`'s payload and targets move into the notification delivered.
   void EndLocked(const Key& key, Record& r, v1::TransferPhase phase, v1::NotificationKind kind,
-                 const v1::Notification& from, const absl::Status& status)
+                 v1::Notification from, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Visible(const Record& r, const Caller& caller) const;
@@ -111,6 +115,7 @@ class IncomingTransfers {
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
   std::deque<Key> ended_order_ ABSL_GUARDED_BY(mu_);
+  Key lookup_key_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvagent::agent
