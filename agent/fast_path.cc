@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "google/protobuf/arena.h"
 #include "agent/limits.h"
 #include "base/log.h"
 #include "client/fast_ring.h"
@@ -36,6 +37,18 @@ absl::Status Errno(const char* what) {
                   what, std::strerror(errno)));
 }
 
+
+// A submit entry's request, parsed into an arena whose first block is inline: its
+// strings, segments and items take no allocations of their own (one for the whole,
+// under malloc's 1 KiB large-request threshold). Lives until the transfer's answer is
+// posted (the submit may keep referring to the request until then).
+struct ParsedSubmit {
+  static constexpr size_t kInlineBytes = 768;
+  alignas(16) char block[kInlineBytes];
+  google::protobuf::Arena arena{block, sizeof block};
+  v1::SubmitTransferRequest* request =
+      google::protobuf::Arena::CreateMessage<v1::SubmitTransferRequest>(&arena);
+};
 
 }  // namespace
 
@@ -340,21 +353,22 @@ bool FastPathServer::Drain(const std::shared_ptr<Ring>& ring) {
       return took;
     }
     if (!room) break;  // completions not reaped yet: the rest waits
-    // Copied out before it is parsed: the client may change the slots meanwhile.
-    std::string payload(ring->slot(index) + sizeof(header), header.length);
+    // Copied out before it is parsed: the client may change the slots meanwhile (into
+    // the taking thread's buffer, whose storage the next entries reuse).
+    payload_.assign(ring->slot(index) + sizeof(header), header.length);
     ring->sq_head += header.slots;
     available -= header.slots;
     ring->header->sq_head.value.store(ring->sq_head, std::memory_order_release);
     took = true;
     if (header.opcode == fr::kPad) continue;
     entries_.fetch_add(1, std::memory_order_relaxed);
-    Handle(ring, header.opcode, header.user_data, std::move(payload));
+    Handle(ring, header.opcode, header.user_data, payload_);
   }
   return took;
 }
 
 void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
-                            uint64_t user_data, std::string payload) {
+                            uint64_t user_data, std::string_view payload) {
   fr::CompletionHeader completion{};
   completion.user_data = user_data;
   completion.opcode = opcode;
@@ -363,11 +377,12 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
       ring->Post(completion, "");
       return;
     case fr::kCancel:
-      ring->Finish(completion, backend_.cancel(payload, ring->caller));
+      ring->Finish(completion, backend_.cancel(std::string(payload), ring->caller));
       return;
     case fr::kSubmit: {
-      auto request = std::make_shared<v1::SubmitTransferRequest>();
-      if (!request->ParseFromString(payload)) {
+      auto parsed = std::make_shared<ParsedSubmit>();
+      const v1::SubmitTransferRequest& ref = *parsed->request;
+      if (!parsed->request->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
         completion.code = static_cast<int32_t>(absl::StatusCode::kInvalidArgument);
         ring->Post(completion,
                    fmt::format("submit entry {}: the payload is not a SubmitTransferRequest: {}",
@@ -375,9 +390,8 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
                                client::DescribeParseFailure(payload, "SubmitTransferRequest")));
         return;
       }
-      const v1::SubmitTransferRequest& ref = *request;
       backend_.submit(ref, ring->caller,
-                      [ring, completion, request = std::move(request)](
+                      [ring, completion, parsed = std::move(parsed)](
                           absl::StatusOr<v1::TransferState> state) {
                         ring->Finish(completion, state);
                       });

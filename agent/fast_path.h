@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -94,7 +95,7 @@ class FastPathServer final : public transport::WorkerPoller {
   // Takes what `ring` has published; true when it took anything.
   bool Drain(const std::shared_ptr<Ring>& ring);
   void Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode, uint64_t user_data,
-              std::string payload);
+              std::string_view payload);
   // The client broke the ring protocol: closes the ring, logs why, counts it.
   void Break(Ring& ring, const absl::Status& why);
   std::vector<std::shared_ptr<Ring>> Snapshot();
@@ -107,6 +108,7 @@ class FastPathServer final : public transport::WorkerPoller {
   transport::UcxWorker* worker_ = nullptr;  // whose thread takes the entries, else null
   // The taking thread's: the rings as of generation seen_.
   std::vector<std::shared_ptr<Ring>> polled_;
+  std::string payload_;  // the entry being handled, copied out of its slots
   uint64_t seen_ = ~uint64_t{0};
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> entries_{0};

@@ -295,7 +295,7 @@ void Inbox::OnAck(std::string_view header) {
                    fmt::format("its {}-byte header does not parse or is too long", header.size())));
     return;
   }
-  engine_->OnAck(ack);
+  engine_->OnAck(std::move(ack));
 }
 
 void Inbox::OnAckBatch(std::string_view data) {

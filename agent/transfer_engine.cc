@@ -26,16 +26,30 @@ constexpr size_t kMaxTransferIdBytes = 256;
 // Notification.targets: distinct peer groups and regions one transfer names.
 constexpr size_t kMaxTargets = 256;
 
+// A DATA_READY's acknowledgement token: 8 bytes from the kernel's CSPRNG, drawn 64 at a
+// time (one getrandom() per 64 transfers, not one each; each thread its own pool).
 uint64_t RandomToken() {
+  constexpr size_t kPool = 64;
+  thread_local uint64_t pool[kPool];
+  thread_local size_t left = 0;
   uint64_t token = 0;
   while (token == 0) {
-    const std::string bytes = RandomBytes(sizeof token);
-    std::memcpy(&token, bytes.data(), sizeof token);
+    if (left == 0) {
+      const std::string bytes = RandomBytes(sizeof pool);
+      std::memcpy(pool, bytes.data(), sizeof pool);
+      left = kPool;
+    }
+    token = std::exchange(pool[--left], 0);
   }
   return token;
 }
 
 uint64_t Digest(const v1::SubmitTransferRequest& request) {
+  // Both fields unset (the usual case): the request serializes as the copy without
+  // them would, so it is hashed as it is, without copying it.
+  if (request.timeout_ms() == 0 && !request.wait()) {
+    return absl::Hash<std::string>{}(request.SerializeAsString());
+  }
   v1::SubmitTransferRequest copy = request;
   copy.clear_timeout_ms();  // a retry may carry a different deadline
   copy.clear_wait();        // or wait where the first try did not
@@ -499,11 +513,12 @@ void TransferEngine::PumpQueued() {
   }
   // One round: what the Pumps send to a peer goes as one message where it can, and
   // the data batches start after their transfers' opens went.
-  Outbox outbox;
+  Outbox outbox = TakeOutbox();
   outbox_ = &outbox;
   for (const TransferPtr& t : batch) Pump(t);
   outbox_ = nullptr;
   FlushOutbox(outbox);
+  GiveBackOutbox(std::move(outbox));
   batch.clear();
   // Hand the storage back (a later batch reuses it instead of allocating).
   absl::MutexLock lock(&pump_mu_);
@@ -524,11 +539,16 @@ void TransferEngine::Pump(const TransferPtr& t) {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
     op = t->state.op();
-    notice.set_from_agent(options_.self_name);
-    notice.set_transfer_id(t->state.transfer_id());
-    notice.set_sender_incarnation(options_.incarnation);
-    notice.set_request_id(t->state.request_id());
-    for (const auto& target : t->targets) notice.add_targets(target);
+    // What every notice about the transfer carries; filled only for one that is sent
+    // (most Pumps send none, or only the open).
+    auto address = [&](v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      n.set_from_agent(options_.self_name);
+      n.set_transfer_id(t->state.transfer_id());
+      n.set_sender_incarnation(options_.incarnation);
+      n.set_request_id(t->state.request_id());
+      n.mutable_targets()->Reserve(static_cast<int>(t->targets.size()));
+      for (const auto& target : t->targets) n.add_targets(target);
+    };
     if (Terminal(t->state.phase())) {
       if (!t->state.drained()) {
         SetDrained(*t);
@@ -539,6 +559,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
       // even of a transfer that ended before its first operation (they may wait for it).
       if (t->state.phase() != v1::COMPLETED && !t->outcome_sent && t->last_peer) {
         t->outcome_sent = true;
+        address(notice);
         notice.set_kind(t->state.phase() == v1::CANCELLED   ? v1::CANCELLED_BY_PEER
                         : t->state.phase() == v1::TIMED_OUT ? v1::TRANSFER_TIMED_OUT
                                                             : v1::TRANSFER_FAILED);
@@ -555,6 +576,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
       // Waiting for the ack from now on: it may come back before the send completes.
       t->awaiting_ack = true;
       t->ack_token = RandomToken();
+      address(notice);
       // Moved, not copied: the record stays for queries after the transfer ends
       // (max_finished of them), and its payload (up to max_notification_bytes) with it.
       notice.set_payload(std::move(t->notification));
@@ -610,7 +632,8 @@ void TransferEngine::Pump(const TransferPtr& t) {
         // The peer learns of the transfer before anything of it lands: it can list it,
         // and it ends it by its deadline if we never say more.
         t->opened = true;
-        open = notice;
+        open.emplace();
+        address(*open);
         open->set_kind(v1::PEER_TRANSFER_OPEN);
         open->set_op(op);
         open->set_bytes(t->state.bytes_total());
@@ -626,14 +649,14 @@ void TransferEngine::Pump(const TransferPtr& t) {
     case Action::kNone:
       return;
     case Action::kOutcomeNotice:
-      SendNotice(*peer, std::move(notice), [](absl::Status) {});
+      SendNotice(peer, std::move(notice), nullptr);
       return;
     case Action::kNotify:
       // COMPLETED comes with the peer's TransferAck (OnAck): the data is in place there
       // and the notification queued, so a peer lost before it gives FAILED, not a
       // COMPLETED nobody received.
       SendNotice(
-          *peer, std::move(notice),
+          peer, std::move(notice),
           [this, t](absl::Status status) {
             {
               absl::MutexLock lock(&mu_);
@@ -652,7 +675,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
           /*want_reply=*/true);
       return;
     case Action::kBatch:
-      if (open.has_value()) SendNotice(*peer, *std::move(open), [](absl::Status) {});
+      if (open.has_value()) SendNotice(peer, *std::move(open), nullptr);
       break;
   }
 
@@ -762,15 +785,15 @@ absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& c
   return absl::OkStatus();
 }
 
-void TransferEngine::SendNotice(const PeerSnapshot& peer, v1::Notification notice,
-                                transport::Completion done, bool want_reply) {
+void TransferEngine::SendNotice(const std::shared_ptr<const PeerSnapshot>& peer,
+                                v1::Notification notice, transport::Completion done,
+                                bool want_reply) {
   if (outbox_ != nullptr) {
-    outbox_->notices.push_back(HeldNotice{peer.endpoint, peer.notify_secret, peer.wire_features,
-                                          notice.SerializeAsString(), std::move(done),
-                                          want_reply});
+    outbox_->notices.push_back(
+        HeldNotice{peer, notice.SerializeAsString(), std::move(done), want_reply});
     return;
   }
-  SendAuthenticated(*peer.endpoint, options_.self_name, peer.notify_secret, AmId::kNotification,
+  SendAuthenticated(*peer->endpoint, options_.self_name, peer->notify_secret, AmId::kNotification,
                     notice.SerializeAsString(), std::move(done), want_reply);
 }
 
@@ -781,12 +804,12 @@ void TransferEngine::FlushOutbox(Outbox& outbox) {
   std::vector<HeldNotice*> batch;
   for (size_t first = 0; first < outbox.notices.size(); ++first) {
     if (sent[first]) continue;
-    const transport::Endpoint* endpoint = outbox.notices[first].endpoint.get();
-    const bool batches = (outbox.notices[first].wire_features & kWireBatches) != 0;
+    const transport::Endpoint* endpoint = outbox.notices[first].peer->endpoint.get();
+    const bool batches = (outbox.notices[first].peer->wire_features & kWireBatches) != 0;
     uint64_t bytes = 0;
     for (size_t i = first; i < outbox.notices.size(); ++i) {
       HeldNotice& held = outbox.notices[i];
-      if (sent[i] || held.endpoint.get() != endpoint) continue;
+      if (sent[i] || held.peer->endpoint.get() != endpoint) continue;
       sent[i] = true;
       const bool fits = batches && held.body.size() <= kMaxBatchedNoticeBytes;
       if (fits && (batch.size() == kMaxBatchEntries ||
@@ -815,8 +838,8 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
   if (notices.empty()) return;
   HeldNotice& front = *notices.front();
   if (notices.size() == 1) {
-    SendAuthenticated(*front.endpoint, options_.self_name, front.secret, AmId::kNotification,
-                      front.body, std::move(front.done), front.want_reply);
+    SendAuthenticated(*front.peer->endpoint, options_.self_name, front.peer->notify_secret,
+                      AmId::kNotification, front.body, std::move(front.done), front.want_reply);
     notices.clear();
     return;
   }
@@ -830,12 +853,14 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
     want_reply = want_reply || held->want_reply;
     if (held->done) dones.push_back(std::move(held->done));
   }
-  SendAuthenticated(*front.endpoint, options_.self_name, front.secret, AmId::kNoticeBatch,
-                    message.SerializeAsString(),
-                    [dones = std::move(dones)](absl::Status status) {
-                      for (const auto& done : dones) done(status);
-                    },
-                    want_reply);
+  transport::Completion all;  // none when no notice waits for its send (opens, commits)
+  if (!dones.empty()) {
+    all = [dones = std::move(dones)](absl::Status status) {
+      for (const auto& done : dones) done(status);
+    };
+  }
+  SendAuthenticated(*front.peer->endpoint, options_.self_name, front.peer->notify_secret,
+                    AmId::kNoticeBatch, message.SerializeAsString(), std::move(all), want_reply);
   notices.clear();
 }
 
@@ -874,7 +899,7 @@ void TransferEngine::StagedDataInPlace(v1::Notification n, absl::Status data) {
 
 void TransferEngine::OnAcks(std::vector<wire::TransferAck> acks) {
   // The commits go out together (one round), each after its COMPLETED is recorded.
-  Outbox outbox;
+  Outbox outbox = TakeOutbox();
   outbox_ = &outbox;
   for (const wire::TransferAck& ack : acks) {
     TransferPtr t;
@@ -884,10 +909,27 @@ void TransferEngine::OnAcks(std::vector<wire::TransferAck> acks) {
       commit = OnAckLocked(ack, &t);
     }
     // COMPLETED is recorded: only now may the peer's clients see DATA_READY.
-    if (commit.has_value()) SendNotice(*t->last_peer, *std::move(commit), [](absl::Status) {});
+    if (commit.has_value()) SendNotice(t->last_peer, *std::move(commit), nullptr);
   }
   outbox_ = nullptr;
   FlushOutbox(outbox);
+  GiveBackOutbox(std::move(outbox));
+}
+
+TransferEngine::Outbox TransferEngine::TakeOutbox() {
+  Outbox outbox;
+  outbox.notices.swap(spare_outbox_.notices);
+  outbox.runs.swap(spare_outbox_.runs);
+  return outbox;
+}
+
+void TransferEngine::GiveBackOutbox(Outbox outbox) {
+  // FlushOutbox emptied it; the storage stays for the next round (a round of 64
+  // transfers would otherwise grow both vectors from nothing, several KiB each time).
+  if (outbox.notices.capacity() > spare_outbox_.notices.capacity()) {
+    spare_outbox_.notices.swap(outbox.notices);
+  }
+  if (outbox.runs.capacity() > spare_outbox_.runs.capacity()) spare_outbox_.runs.swap(outbox.runs);
 }
 
 std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::TransferAck& ack,

@@ -121,7 +121,11 @@ class TransferEngine {
   // Receivers acknowledged DATA_READYs of ours (AmId::kTransferAck, one; kAckBatch,
   // several): each is matched on its own; the commits they lead to go out together.
   void OnAcks(std::vector<wire::TransferAck> acks);
-  void OnAck(const wire::TransferAck& ack) { OnAcks({ack}); }  // one (AmId::kTransferAck)
+  void OnAck(wire::TransferAck ack) {  // one (AmId::kTransferAck)
+    std::vector<wire::TransferAck> one(1);
+    one.front().Swap(&ack);
+    OnAcks(std::move(one));
+  }
   // The device copy path's mode on this host (DeviceCopyMode; loads the CUDA driver
   // once per process to know).
   static std::string device_copy_mode();
@@ -220,16 +224,16 @@ class TransferEngine {
   // Sends `notice` to `peer` with this agent's name and the secret the peer issued us
   // (`want_reply`: the peer gets a reply endpoint, for DATA_READY's TransferAck). Inside
   // a worker round (outbox_ set) it is held and goes out with the round's others.
-  void SendNotice(const PeerSnapshot& peer, v1::Notification notice,
+  // `done` may be empty (nothing to do when it is sent).
+  void SendNotice(const std::shared_ptr<const PeerSnapshot>& peer, v1::Notification notice,
                   transport::Completion done, bool want_reply = false);
   // What one worker round (PumpQueued, OnAcks) sends: notices are held until the round
   // ends, then each peer's go out in order, as few messages as its wire features allow
   // (NoticeBatch); the data batches the round started run after that, so a transfer's
   // PEER_TRANSFER_OPEN is still sent before its first operation is posted.
   struct HeldNotice {
-    std::shared_ptr<transport::Endpoint> endpoint;
-    std::string secret;
-    uint32_t wire_features = 0;
+    // Whose endpoint, secret and wire features it goes with (held, not copied).
+    std::shared_ptr<const PeerSnapshot> peer;
     std::string body;  // the serialized Notification
     transport::Completion done;
     bool want_reply = false;
@@ -240,6 +244,10 @@ class TransferEngine {
   };
   // Worker thread: sends what `outbox` holds (the notices, then the runs).
   void FlushOutbox(Outbox& outbox);
+  // Worker thread: an empty Outbox with the storage of earlier rounds, and back (a
+  // round inside a round gets fresh storage).
+  Outbox TakeOutbox();
+  void GiveBackOutbox(Outbox outbox);
   // Worker thread: sends `notices` (all to one endpoint) as one message.
   void SendBatch(std::vector<HeldNotice*>& notices);
   // OnAcks, for one acknowledgement (under mu_): the commit to send, if any.
@@ -320,8 +328,10 @@ class TransferEngine {
   // (SchedulePump runs under it), never before.
   absl::Mutex pump_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<TransferPtr> pump_queue_ ABSL_GUARDED_BY(pump_mu_);
-  // Worker thread only: the round in progress (SendNotice holds into it), else null.
+  // Worker thread only: the round in progress (SendNotice holds into it), else null;
+  // the storage rounds reuse (TakeOutbox).
   Outbox* outbox_ = nullptr;
+  Outbox spare_outbox_;
 
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;
