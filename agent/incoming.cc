@@ -203,9 +203,12 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
     // to its sender (its transfer fails with the reason), never accepted and dropped.
     if (outcome.ok() && r.held != nullptr && r.reserved_bytes == 0) {
       const uint64_t bytes = NotificationQueue::Size(*r.held);
-      outcome = queue_->Reserve(fmt::format("peer '{}': transfer '{}' into this agent",
-                                            options_.self_name, Printable(n.transfer_id(), 256)),
-                                bytes);
+      outcome = queue_->Reserve(
+          [&] {
+            return fmt::format("peer '{}': transfer '{}' into this agent", options_.self_name,
+                               Printable(n.transfer_id(), 256));
+          },
+          bytes);
       if (outcome.ok()) r.reserved_bytes = bytes;
     }
     if (!outcome.ok()) {

@@ -68,19 +68,24 @@ uint64_t NotificationQueue::Size(const v1::Notification& n) {
 }
 
 absl::Status NotificationQueue::Reserve(std::string_view what, uint64_t bytes) {
+  return Reserve([what] { return std::string(what); }, bytes);
+}
+
+absl::Status NotificationQueue::Reserve(absl::FunctionRef<std::string()> what, uint64_t bytes) {
   if (limits_ == nullptr) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   constexpr std::string_view kFix =
       "the clients of this agent's regions are not taking their notifications "
       "(PollNotifications or WatchNotifications)";
   MaybeExpireLocked();
-  absl::Status fits =
-      limits_->Check(Limit::kQueuedNotifications, what, HeldLocked() + reserved_, 1, kFix);
-  if (fits.ok()) {
-    fits = limits_->Check(Limit::kQueuedNotificationBytes, what, bytes_ + reserved_bytes_, bytes,
-                          kFix);
+  const uint64_t held = HeldLocked() + reserved_;
+  if (!limits_->Fits(Limit::kQueuedNotifications, held, 1)) {
+    return limits_->Refuse(Limit::kQueuedNotifications, what(), held, 1, kFix);
   }
-  if (!fits.ok()) return fits;
+  if (!limits_->Fits(Limit::kQueuedNotificationBytes, bytes_ + reserved_bytes_, bytes)) {
+    return limits_->Refuse(Limit::kQueuedNotificationBytes, what(), bytes_ + reserved_bytes_,
+                           bytes, kFix);
+  }
   ++reserved_;
   reserved_bytes_ += bytes;
   return absl::OkStatus();

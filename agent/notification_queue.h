@@ -20,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/status/status.h"
@@ -80,6 +81,8 @@ class NotificationQueue {
   // back to its sender (RESOURCE_EXHAUSTED naming the limit, counted), never
   // acknowledged and then dropped.
   absl::Status Reserve(std::string_view what, uint64_t bytes);
+  // The same, with `what` made only for a refusal (no text per reservation granted).
+  absl::Status Reserve(absl::FunctionRef<std::string()> what, uint64_t bytes);
   // What a notification costs the queue: its strings plus a fixed overhead.
   static uint64_t Size(const v1::Notification& n);
   // Takes up to `max` (0 = all) queued notifications matching `ids` (empty = any)

@@ -246,17 +246,23 @@ absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::strin
                                          bool is_new, uint64_t ops) {
   const Limits* limits = options_.limits;
   if (limits == nullptr) return absl::OkStatus();
-  const std::string what = fmt::format("transfer '{}' for {}", Printable(id, 256), owner);
+  // The text is made only for a refusal (not once per transfer admitted).
+  auto what = [&] { return fmt::format("transfer '{}' for {}", Printable(id, 256), owner); };
   if (is_new) {
     constexpr std::string_view kFix = "wait for transfers to end before submitting more";
-    RETURN_IF_ERROR(limits->Check(Limit::kActiveTransfers, what, active_.size(), 1, kFix));
+    if (!limits->Fits(Limit::kActiveTransfers, active_.size(), 1)) {
+      return limits->Refuse(Limit::kActiveTransfers, what(), active_.size(), 1, kFix);
+    }
     auto mine = active_by_owner_.find(owner);
-    RETURN_IF_ERROR(limits->Check(Limit::kActiveTransfersPerOwner, what,
-                                  mine == active_by_owner_.end() ? 0 : mine->second, 1, kFix));
+    const uint64_t owned = mine == active_by_owner_.end() ? 0 : mine->second;
+    if (!limits->Fits(Limit::kActiveTransfersPerOwner, owned, 1)) {
+      return limits->Refuse(Limit::kActiveTransfersPerOwner, what(), owned, 1, kFix);
+    }
   }
-  return limits->Check(Limit::kPlannedOps, what, planned_ops_, ops,
-                       "wait for transfers to end, or submit large transfers in chunks as "
-                       "earlier ones finish");
+  if (limits->Fits(Limit::kPlannedOps, planned_ops_, ops)) return absl::OkStatus();
+  return limits->Refuse(Limit::kPlannedOps, what(), planned_ops_, ops,
+                        "wait for transfers to end, or submit large transfers in chunks as "
+                        "earlier ones finish");
 }
 
 absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransferRequest& request,
