@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "agent/am_ids.h"
 #include "agent/doctor.h"
+#include "agent/gpu/device_batch.h"
 #include "agent/heap_trimmer.h"
 #include "agent/status_util.h"
 #include "agent/tls.h"
@@ -561,6 +562,10 @@ static void FillCopyPaths(const TransferCounters& counters, v1::AgentStatus* sta
   lanes->set_split_batches(counters.copy_lanes.split_batches);
   lanes->set_bytes(counters.copy_lanes.bytes);
   lanes->set_stolen_parts(counters.copy_lanes.stolen_parts);
+  const DeviceLaneCounters device = DeviceLaneTotals();
+  lanes->set_device_batches(device.batches);
+  lanes->set_device_split_batches(device.split_batches);
+  lanes->set_device_bytes(device.bytes);
   status->set_device_copy(TransferEngine::device_copy_mode());
 }
 

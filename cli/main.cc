@@ -205,11 +205,15 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.fast_path_protocol_errors()));
   const auto& lanes = s.copy_lanes();
   std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes, "
-              "%lu shares taken back by the worker thread), %lu bytes; device copy %s\n",
+              "%lu shares taken back by the worker thread), %lu bytes; device copy %s: %lu "
+              "batches (%lu split across streams), %lu bytes\n",
               lanes.lanes(), static_cast<unsigned long>(lanes.batches()),
               static_cast<unsigned long>(lanes.split_batches()),
               static_cast<unsigned long>(lanes.stolen_parts()),
-              static_cast<unsigned long>(lanes.bytes()), s.device_copy().c_str());
+              static_cast<unsigned long>(lanes.bytes()), s.device_copy().c_str(),
+              static_cast<unsigned long>(lanes.device_batches()),
+              static_cast<unsigned long>(lanes.device_split_batches()),
+              static_cast<unsigned long>(lanes.device_bytes()));
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
   std::printf("refused      %lu calls, %lu peer messages dropped\n",

@@ -1,6 +1,7 @@
 #include "agent/gpu/device_batch.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -285,6 +286,22 @@ void PlanDeviceCopies(const std::vector<DeviceCopy>& copies, const DeviceCopyLim
   const size_t per_call = std::max<size_t>(limits.max_copies_per_call, 1);
   for (size_t end = per_call; end < out.size(); end += per_call) plan->call_ends.push_back(end);
   if (!out.empty()) plan->call_ends.push_back(out.size());
+}
+
+namespace {
+std::atomic<uint64_t> total_batches{0}, total_split_batches{0}, total_bytes{0};
+}  // namespace
+
+DeviceLaneCounters DeviceLaneTotals() {
+  return DeviceLaneCounters{total_batches.load(std::memory_order_relaxed),
+                            total_split_batches.load(std::memory_order_relaxed),
+                            total_bytes.load(std::memory_order_relaxed)};
+}
+
+void CountDeviceBatch(uint64_t bytes, bool split) {
+  total_batches.fetch_add(1, std::memory_order_relaxed);
+  if (split) total_split_batches.fetch_add(1, std::memory_order_relaxed);
+  total_bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
 uint32_t DeviceLanesFor(uint64_t bytes, uint32_t lanes) {

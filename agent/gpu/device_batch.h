@@ -125,6 +125,15 @@ inline constexpr uint64_t kMinDeviceLaneBytes = 1 << 20;
 // empty when `copies` holds fewer bytes than parts); zero-byte copies are dropped.
 void SplitDeviceCopies(const std::vector<DeviceCopy>& copies, uint32_t parts,
                        std::vector<std::vector<DeviceCopy>>* out);
+// The device copy lanes' counters: per copier, and summed over the process
+// (DeviceLaneTotals: GetStatus.copy_lanes.device_*).
+struct DeviceLaneCounters {
+  uint64_t batches = 0;
+  uint64_t split_batches = 0;  // of which were split across more than one stream
+  uint64_t bytes = 0;
+};
+DeviceLaneCounters DeviceLaneTotals();
+void CountDeviceBatch(uint64_t bytes, bool split);  // adds to DeviceLaneTotals
 // How many lanes a batch of `bytes` uses out of `lanes`: one per kMinDeviceLaneBytes,
 // at least 1, at most `lanes`.
 uint32_t DeviceLanesFor(uint64_t bytes, uint32_t lanes);

@@ -53,6 +53,7 @@ absl::Status DeviceBatchCopier::Copy(const std::vector<DeviceCopy>& copies,
   ++counters_.batches;
   if (used > 1) ++counters_.split_batches;
   counters_.bytes += total;
+  CountDeviceBatch(total, used > 1);
   return queued.ok() ? synced : queued;
 }
 

@@ -18,12 +18,6 @@
 
 namespace kvagent::agent {
 
-struct DeviceLaneCounters {
-  uint64_t batches = 0;
-  uint64_t split_batches = 0;  // of which were split across more than one stream
-  uint64_t bytes = 0;
-};
-
 class DeviceBatchCopier {
  public:
   // `lanes` streams (at least 1), created on the first copy.

@@ -214,6 +214,7 @@ void VramToVram(const std::vector<std::string>& extra_args, const std::string& e
   auto submitted = prefill.Submit(request);
   INFO(submitted.status().ToString());
   REQUIRE(submitted.ok());
+  const uint64_t request_bytes = 2 * kLayers * 4 * kPageBytes + kConvBytes + kSsmBytes;
   auto done = prefill.WaitTransfer("vram-1", 30000);
   REQUIRE(done.ok());
   INFO(done->error_message());
@@ -221,7 +222,18 @@ void VramToVram(const std::vector<std::string>& extra_args, const std::string& e
 
   auto status = prefill.Status();
   REQUIRE(status.ok());
-  std::printf("device copy: %s\n", status->device_copy().c_str());
+  const v1::CopyLaneStatus& lanes = status->copy_lanes();
+  std::printf("device copy: %s; %lu batches (%lu split across %u streams), %lu bytes\n",
+              status->device_copy().c_str(), static_cast<unsigned long>(lanes.device_batches()),
+              static_cast<unsigned long>(lanes.device_split_batches()), lanes.lanes(),
+              static_cast<unsigned long>(lanes.device_bytes()));
+  if (expect_data_path == "shm-direct") {
+    // Every byte moved by the device copy path; the state slot alone (2.5 MiB) makes a
+    // batch that more than one stream copies when there are lanes to split it.
+    CHECK(lanes.device_bytes() == request_bytes);
+    CHECK(lanes.device_batches() >= 1);
+    if (lanes.lanes() > 1) CHECK(lanes.device_split_batches() >= 1);
+  }
   if (!expect_device_copy.empty()) {
     // A forced mechanism this driver lacks goes per page and says why (printed above).
     CHECK((status->device_copy().rfind(expect_device_copy, 0) == 0 ||
