@@ -4,12 +4,14 @@
 // stand-in driver (standin_cuda.cc, loaded through KVAGENT_CUDA_DRIVER): its "device"
 // memory is host memory and its streams run their work only when synchronized, so a
 // copy that was not waited for, or a descriptor buffer reused too early, shows here as
-// wrong bytes. tests/gpu/device_copy_test runs the same copier on a real GPU.
+// wrong bytes; and its device memory faults on host access, as a GPU's does (checked
+// last). tests/gpu/device_copy_test runs the same copier on a real GPU.
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <random>
@@ -221,6 +223,31 @@ TEST_CASE("A copy that fails names its op, lanes before it finish, lanes after i
   REQUIRE(copier.Copy(again.copies, mechanism, &failed_op).ok());
   for (size_t i = 0; i < again.copies.size(); ++i) REQUIRE(again.Landed(i));
   (void)TakeRan();
+}
+
+// The stand-in's own promise, on which the tests above and the *_standin tests rest:
+// its device memory is not host-accessible where the process sees it (a host access
+// faults, as on a GPU), yet the driver's copies reach it.
+TEST_CASE("The stand-in's device memory faults on host access; driver copies reach it") {
+  (void)Hooks();
+  cuda::CudaDriver* driver = *cuda::CudaDriver::Load();
+  auto dptr = driver->MemAlloc(3 * kPage);
+  REQUIRE(dptr.ok());
+  std::ifstream maps("/proc/self/maps");
+  std::string line, perms;
+  while (std::getline(maps, line)) {
+    const uint64_t begin = std::stoull(line.substr(0, line.find('-')), nullptr, 16);
+    if (begin == *dptr) perms = line.substr(line.find(' ') + 1, 4);
+  }
+  CHECK(perms == "---s");
+  std::vector<uint8_t> in(3 * kPage), out(3 * kPage, 0);
+  std::iota(in.begin(), in.end(), 0);
+  REQUIRE(driver->Copy(*dptr, reinterpret_cast<uint64_t>(in.data()), in.size()).ok());
+  REQUIRE(driver->Copy(reinterpret_cast<uint64_t>(out.data()), *dptr, out.size()).ok());
+  CHECK(in == out);
+  // A copy running past the allocation is an illegal address, not a host overrun.
+  CHECK_FALSE(driver->Copy(*dptr + 2 * kPage, reinterpret_cast<uint64_t>(in.data()), 2 * kPage).ok());
+  CHECK(driver->MemFree(*dptr).ok());
 }
 
 }  // namespace

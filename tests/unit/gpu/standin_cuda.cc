@@ -7,8 +7,9 @@
 // before it waits sees the difference), cuMemcpyBatchAsync and the gather kernel
 // (cuLaunchKernel reads the GatherCopy descriptors from "device" memory when its
 // stream runs it). CUDA VMM allocations are memfds too, mapped into reserved ranges and
-// exported as descriptors (cuMemExportToShareableHandle, below). What it cannot show: a
-// CPU access to device memory, which a real GPU faults on and this one allows. Used by
+// exported as descriptors (cuMemExportToShareableHandle, below). Device memory is mapped
+// PROT_NONE where the process sees it (the stand-in copies through a second mapping),
+// so a host access to it faults as on a GPU. Used by
 // tests/unit/gpu:device_lanes_test and the stand-in runs of tests/gpu/vram_test;
 // tests/gpu runs the same code on a real GPU.
 //
@@ -43,10 +44,14 @@ constexpr int kOutOfMemory = 2;
 
 // A device range of this process: allocated here (fd open), opened from a legacy
 // IPC handle, or a CUDA VMM allocation mapped into a reserved range.
+// The range the process sees (its pointers) is mapped PROT_NONE, as device memory is
+// to a CPU: a host access to it faults here as it would on a GPU. The stand-in copies
+// through `alias`, a second read-write mapping of the same memory only it knows.
 struct Range {
   uint64_t size = 0;
   int fd = -1;          // allocated here: the memfd a handle names
   bool opened = false;  // mapped from another process's handle, or by cuMemMap
+  uint64_t alias = 0;
 };
 // CUDA VMM allocations (cuMemCreate, or imported from a descriptor), by handle.
 struct Allocation {
@@ -83,6 +88,33 @@ std::map<uint64_t, Range>::iterator Find(uint64_t address) {
   return address < it->first + it->second.size ? it : ranges->end();
 }
 
+// Where the stand-in reads or writes `bytes` at `address` (under mu): the alias of a
+// device range, host memory as it is; null when a device access runs past its range.
+void* Host(uint64_t address, uint64_t bytes) {
+  auto it = Find(address);
+  if (it == ranges->end()) return reinterpret_cast<void*>(address);
+  if (address + bytes > it->first + it->second.size) return nullptr;
+  return reinterpret_cast<void*>(it->second.alias + (address - it->first));
+}
+
+// Maps `size` bytes of `fd` at `offset` as device memory (under mu): PROT_NONE where the
+// process sees it (at `fixed` when not 0), read-write at an alias. False on failure.
+bool MapDevice(int fd, uint64_t size, off_t offset, uint64_t fixed, uint64_t* visible) {
+  void* seen = mmap(reinterpret_cast<void*>(fixed), size, PROT_NONE,
+                    MAP_SHARED | (fixed != 0 ? MAP_FIXED : 0), fd, offset);
+  if (seen == MAP_FAILED) return false;
+  void* alias = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, offset);
+  if (alias == MAP_FAILED) {
+    munmap(seen, size);
+    return false;
+  }
+  *visible = reinterpret_cast<uint64_t>(seen);
+  Range& r = (*ranges)[*visible];
+  r.size = size;
+  r.alias = reinterpret_cast<uint64_t>(alias);
+  return true;
+}
+
 struct Work {
   bool kernel = false;
   uint64_t dst = 0, src = 0, bytes = 0;  // a copy; for a kernel: descriptors and count
@@ -109,6 +141,9 @@ int Queue(void* stream, Work work) {
   if (stream == nullptr) return kInvalidValue;
   std::lock_guard<std::mutex> lock(mu);
   if (!work.kernel && Fails(work.src, work.bytes)) return kIllegalAddress;
+  if (!work.kernel && (Host(work.src, work.bytes) == nullptr || Host(work.dst, work.bytes) == nullptr)) {
+    return kIllegalAddress;
+  }
   static_cast<Stream*>(stream)->queued.push_back(work);
   return kSuccess;
 }
@@ -196,25 +231,41 @@ int cuStreamSynchronize(void* stream) {
   if (stream == nullptr) return kInvalidValue;
   std::lock_guard<std::mutex> lock(mu);
   auto* s = static_cast<Stream*>(stream);
+  int result = kSuccess;
   for (const Work& w : s->queued) {
     if (!w.kernel) {
-      std::memcpy(reinterpret_cast<void*>(w.dst), reinterpret_cast<const void*>(w.src), w.bytes);
+      std::memcpy(Host(w.dst, w.bytes), Host(w.src, w.bytes), w.bytes);
       ran.emplace_back(s->id, w.bytes);
       continue;
     }
-    const auto* d = reinterpret_cast<const kvagent::agent::GatherCopy*>(w.src);
+    // The kernel reads its descriptors from device memory, and copies device memory.
+    const auto* d = static_cast<const kvagent::agent::GatherCopy*>(
+        Host(w.src, w.bytes * sizeof(kvagent::agent::GatherCopy)));
+    if (d == nullptr) {
+      result = kIllegalAddress;
+      continue;
+    }
     for (uint64_t i = 0; i < w.bytes; ++i) {
-      std::memcpy(reinterpret_cast<void*>(d[i].dst), reinterpret_cast<const void*>(d[i].src),
-                  d[i].bytes);
+      void* to = Host(d[i].dst, d[i].bytes);
+      const void* from = Host(d[i].src, d[i].bytes);
+      if (to == nullptr || from == nullptr) {
+        result = kIllegalAddress;
+        continue;
+      }
+      std::memcpy(to, from, d[i].bytes);
       ran.emplace_back(s->id, d[i].bytes);
     }
   }
   s->queued.clear();
-  return kSuccess;
+  return result;
 }
 
 int cuMemcpy(uint64_t dst, uint64_t src, size_t bytes) {
-  std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  std::lock_guard<std::mutex> lock(mu);
+  void* to = Host(dst, bytes);
+  const void* from = Host(src, bytes);
+  if (to == nullptr || from == nullptr) return kIllegalAddress;
+  std::memcpy(to, from, bytes);
   return kSuccess;
 }
 int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t bytes, void* stream) {
@@ -237,18 +288,12 @@ int cuMemAlloc_v2(uint64_t* address, size_t bytes) {
   const uint64_t size = (bytes + 4095) / 4096 * 4096;
   const int fd = memfd_create("kvagent-standin-vram", MFD_CLOEXEC);
   if (fd < 0) return kOutOfMemory;
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    close(fd);
-    return kOutOfMemory;
-  }
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    close(fd);
-    return kOutOfMemory;
-  }
   std::lock_guard<std::mutex> lock(mu);
-  *address = reinterpret_cast<uint64_t>(p);
-  (*ranges)[*address] = Range{size, fd, false};
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0 || !MapDevice(fd, size, 0, 0, address)) {
+    close(fd);
+    return kOutOfMemory;
+  }
+  (*ranges)[*address].fd = fd;
   return kSuccess;
 }
 int cuMemFree_v2(uint64_t address) {
@@ -256,6 +301,7 @@ int cuMemFree_v2(uint64_t address) {
   auto it = ranges->find(address);
   if (it == ranges->end() || it->second.opened) return kInvalidValue;
   munmap(reinterpret_cast<void*>(it->first), it->second.size);
+  munmap(reinterpret_cast<void*>(it->second.alias), it->second.size);
   close(it->second.fd);
   ranges->erase(it);
   return kSuccess;
@@ -282,12 +328,12 @@ int cuIpcOpenMemHandle_v2(uint64_t* address, IpcHandleBytes handle, unsigned) {
   const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
   const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return kInvalidHandle;  // the exporter is gone
-  void* p = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) return kInvalidHandle;
   std::lock_guard<std::mutex> lock(mu);
-  const uint64_t base = reinterpret_cast<uint64_t>(p);
-  (*ranges)[base] = Range{h.size, -1, true};
+  uint64_t base = 0;
+  const bool mapped = MapDevice(fd, h.size, 0, 0, &base);
+  close(fd);
+  if (!mapped) return kInvalidHandle;
+  (*ranges)[base].opened = true;
   *address = base + h.offset;
   return kSuccess;
 }
@@ -296,6 +342,7 @@ int cuIpcCloseMemHandle(uint64_t address) {
   auto it = Find(address);
   if (it == ranges->end() || !it->second.opened) return kInvalidValue;
   munmap(reinterpret_cast<void*>(it->first), it->second.size);
+  munmap(reinterpret_cast<void*>(it->second.alias), it->second.size);
   ranges->erase(it);
   return kSuccess;
 }
@@ -461,10 +508,11 @@ int cuMemMap(uint64_t address, size_t size, size_t offset, uint64_t handle, unsi
   auto it = allocations->find(handle);
   if (it == allocations->end()) return kInvalidHandle;
   if (offset + size > it->second.size) return kInvalidValue;
-  void* p = mmap(reinterpret_cast<void*>(address), size, PROT_READ | PROT_WRITE,
-                 MAP_SHARED | MAP_FIXED, it->second.fd, static_cast<off_t>(offset));
-  if (p == MAP_FAILED) return kOutOfMemory;
-  (*ranges)[address] = Range{size, -1, true};
+  uint64_t mapped = 0;
+  if (!MapDevice(it->second.fd, size, static_cast<off_t>(offset), address, &mapped)) {
+    return kOutOfMemory;
+  }
+  (*ranges)[mapped].opened = true;
   return kSuccess;
 }
 int cuMemSetAccess(uint64_t address, size_t, const void*, size_t count) {
@@ -478,6 +526,7 @@ int cuMemUnmap(uint64_t address, size_t size) {
   // Back to a reservation (cuMemAddressFree releases it).
   mmap(reinterpret_cast<void*>(address), size, PROT_NONE,
        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  munmap(reinterpret_cast<void*>(it->second.alias), it->second.size);
   ranges->erase(it);
   return kSuccess;
 }
