@@ -192,11 +192,13 @@ template absl::Status Inbox::ParseBatch(std::string_view, const InboxLimits&, wi
 template absl::Status Inbox::ParseBatch(std::string_view, const InboxLimits&,
                                         wire::TransferAckBatch*);
 
-bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth,
-                      std::string_view where, void* reply_ep, v1::Notification* n) {
+bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, int entry,
+                      int entries, void* reply_ep, v1::Notification* n) {
   const absl::Status checked = CheckBody(data, auth.from_agent(), limits_, n);
   if (checked.ok()) return true;
-  const std::string why = fmt::format("{}{}", where, checked.message());
+  const std::string why =
+      entry < 0 ? std::string(checked.message())
+                : fmt::format("entry {} of a batch of {}: {}", entry, entries, checked.message());
   DropNotification(why, auth.from_agent());
   // The sender is authenticated: a DATA_READY of its own that it waits on, refused
   // only for its size, is answered at once, so its transfer fails with the reason
@@ -221,7 +223,7 @@ void Inbox::OnNotification(std::string_view header, std::string_view data, void*
     return;
   }
   v1::Notification n;
-  if (!AdmitBody(data, auth, "", reply_ep, &n)) return;
+  if (!AdmitBody(data, auth, /*entry=*/-1, /*entries=*/0, reply_ep, &n)) return;
   engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
 }
 
@@ -237,8 +239,7 @@ void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* 
   holding_acks_ = true;
   for (int i = 0; i < batch.notices_size(); ++i) {
     v1::Notification n;
-    const std::string where = fmt::format("entry {} of a batch of {}: ", i, batch.notices_size());
-    if (!AdmitBody(batch.notices(i), auth, where, reply_ep, &n)) continue;
+    if (!AdmitBody(batch.notices(i), auth, i, batch.notices_size(), reply_ep, &n)) continue;
     engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
   }
   holding_acks_ = false;

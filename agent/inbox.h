@@ -89,10 +89,10 @@ class Inbox {
   // its DATA_READYs get meanwhile go back as one message.
   void OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep);
   // Parses one notification body and checks it against the header's sender and the
-  // limits; false (dropped, counted, logged with `where`) when it fails. A DATA_READY
-  // of the authenticated sender over the limits is refused over `reply_ep` (its
-  // transfer fails with the reason).
-  bool AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, std::string_view where,
+  // limits; false (dropped, counted, logged naming `entry` of `entries` when it came in
+  // a batch, entry >= 0) when it fails. A DATA_READY of the authenticated sender over
+  // the limits is refused over `reply_ep` (its transfer fails with the reason).
+  bool AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, int entry, int entries,
                  void* reply_ep, v1::Notification* n);
   // Bounds, parses and verifies a notification's header for `data_bytes` of body
   // (at most `max_data_bytes`); false (counted and logged) when the message is dropped.
