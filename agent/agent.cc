@@ -360,6 +360,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     if (!network.empty()) {
       liveness.udp_host = HostOf(network);
       liveness.udp_port = options.liveness_port;
+    } else if (options.liveness_port != 0) {
+      // No network door: a port given opens UDP on loopback (kvagentctl bench-peers'
+      // fake peers ping it; a Unix datagram socket queues only
+      // /proc/sys/net/unix/max_dgram_qlen pings, 10 by default, between two reads).
+      liveness.udp_host = "127.0.0.1";
+      liveness.udp_port = options.liveness_port;
     }
     liveness.unix_path = LivenessUnixPath(options.local_socket);
     if (liveness.unix_path.size() >= sizeof(sockaddr_un::sun_path)) {
@@ -372,6 +378,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     liveness.incarnation = agent->identity_.incarnation;
     ASSIGN_OR_RETURN(agent->liveness_, LivenessDoor::Start(liveness));
     agent->deps_.liveness = agent->liveness_.get();
+    // Who may write to it is who may use the local door: another user's junk could
+    // fill its small queue (max_dgram_qlen) and crowd out peers' pings.
+    if (!liveness.unix_path.empty()) {
+      RETURN_IF_ERROR(SetUnixSocketAccess(liveness.unix_path, options.local_socket_mode,
+                                          options.local_socket_group));
+    }
   }
 
   RETURN_IF_ERROR(agent->StartDoor(Door::kLocal, "unix:" + options.local_socket,

@@ -16,9 +16,11 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/liveness_wire.h"
@@ -77,6 +79,7 @@ class LivenessDoor {
   std::thread thread_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<LivenessKey>> keys_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> admitted_ ABSL_GUARDED_BY(mu_);  // their secrets
   std::atomic<uint64_t> answered_{0};
   std::atomic<uint64_t> dropped_{0};
   std::atomic<uint64_t> wakeups_{0};
@@ -111,11 +114,15 @@ struct LivenessProberOptions {
 using LivenessLostFn = std::function<void(const std::string& name, uint64_t incarnation,
                                           const std::string& why, bool ever_answered)>;
 
+// A lost peer's door answers again (name).
+using LivenessBackFn = std::function<void(const std::string& name)>;
+
 class LivenessProber {
  public:
-  // `lost` runs on the prober's thread, with no lock of the prober held.
+  // `lost` and `back` run on the prober's thread, with no lock of the prober held.
   static absl::StatusOr<std::unique_ptr<LivenessProber>> Start(LivenessProberOptions options,
-                                                               LivenessLostFn lost);
+                                                               LivenessLostFn lost,
+                                                               LivenessBackFn back = nullptr);
   ~LivenessProber();  // stops: no `lost` call after it returns
 
   // Pings `name` (incarnation `incarnation`) at `target` from now on, signed with the
@@ -131,13 +138,15 @@ class LivenessProber {
 
  private:
   struct Watched;
-  LivenessProber(LivenessProberOptions options, LivenessLostFn lost);
+  LivenessProber(LivenessProberOptions options, LivenessLostFn lost, LivenessBackFn back);
   void Loop();
-  void ReadAnswers(int fd);
+  // Reads and checks answers; adds to `back` the lost peers that answered.
+  void ReadAnswers(int fd, std::vector<std::string>* back);
   void Wake();
 
   const LivenessProberOptions options_;
   const LivenessLostFn lost_fn_;
+  const LivenessBackFn back_fn_;
   UniqueFd udp4_, udp6_, unix_, wake_;
   std::thread thread_;
   std::atomic<bool> stopping_{false};

@@ -119,7 +119,8 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               the local door) and ping the peers this agent watches;
                               off: peers poll this agent for liveness
   --liveness-port N           the liveness door's UDP port on the --listen host (default
-                              0: any free port, announced to peers); open it for UDP
+                              0: any free port, announced to peers); open it for UDP.
+                              Without a network door, N > 0 opens it on 127.0.0.1
   --ucx-error-mode MODE       auto|peer|none (default auto: none for same-host peers,
                               whose shared-memory transports UCX 1.13 disables under
                               peer error handling; peer otherwise)

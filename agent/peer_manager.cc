@@ -931,7 +931,9 @@ void PeerManager::StartMonitor() {
           } else {
             KickMonitor();
           }
-        });
+        },
+        // A lost peer answers again: poll it now rather than at the next retry.
+        [this](const std::string&) { KickMonitor(); });
     if (prober.ok()) {
       prober_ = *std::move(prober);
     } else {

@@ -1,6 +1,8 @@
 #include "cli/bench_peers.h"
 
 #include <signal.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,7 +18,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "agent/liveness.h"
+#include "agent/liveness_wire.h"
 #include "agent/peer_manager.h"
+#include "base/unique_fd.h"
 #include "base/status_macros.h"
 #include "cli/agent_client.h"
 #include "cli/child_process.h"
@@ -55,8 +60,18 @@ struct FakePeer {
   std::atomic<uint64_t> incarnation{0};
   std::atomic<bool> answered{false};
   std::atomic<bool> in_flight{false};  // polling: a GetMetadata outstanding
+  // The secret the hub issued it and its liveness door as announced (the first whole
+  // view; read by the pingers once every peer answered).
+  absl::Mutex mu;
+  std::string secret ABSL_GUARDED_BY(mu);
+  std::string liveness_address ABSL_GUARDED_BY(mu);
 
   void Received(const v1::AgentMetadata& m) {
+    if (!m.notify_secret().empty()) {
+      absl::MutexLock lock(&mu);
+      secret = m.notify_secret();
+      liveness_address = m.liveness_address();
+    }
     version.store(m.version());
     incarnation.store(m.incarnation());
     answered.store(true);
@@ -206,6 +221,144 @@ class FakePollers {
   std::thread thread_;
 };
 
+// Pushed: each fake peer pings the hub's liveness door as a watching agent's prober
+// does (a signed datagram every agent::kLivenessPeriodMs, its own key), the peers'
+// pings spread evenly over the period as independent watchers' are, not in bursts.
+// One thread and one UDP socket send them all; it checks every answer.
+class FakePingers {
+ public:
+  // Pings every peer that announced a door at the hub's UDP door `door` ("udp:PORT"
+  // on 127.0.0.1); UNAVAILABLE when none did (an older hub).
+  static absl::StatusOr<std::unique_ptr<FakePingers>> Start(
+      std::vector<std::unique_ptr<FakePeer>>* peers, const std::string& door) {
+    std::unique_ptr<FakePingers> p(new FakePingers());
+    ASSIGN_OR_RETURN(agent::LivenessTarget where,
+                     agent::ResolveLivenessTarget(door, "127.0.0.1:0"));
+    for (auto& peer : *peers) {
+      absl::MutexLock lock(&peer->mu);
+      if (peer->liveness_address.empty() || peer->secret.empty()) continue;
+      auto w = std::make_unique<Pinger>();
+      w->key = std::make_unique<agent::LivenessKey>(peer->secret);
+      w->target = where;
+      w->incarnation = peer->incarnation.load();
+      w->nonce = p->pingers_.size() + 1;
+      p->pingers_.push_back(std::move(w));
+    }
+    if (p->pingers_.empty()) {
+      return absl::UnavailableError("the hub announces no liveness door: nothing to ping");
+    }
+    p->fd_.reset(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!p->fd_) {
+      return absl::InternalError(fmt::format("liveness socket: {}", std::strerror(errno)));
+    }
+    p->thread_ = std::thread([raw = p.get()] { raw->Loop(); });
+    return p;
+  }
+  ~FakePingers() {
+    stop_.store(true);
+    thread_.join();
+  }
+  size_t size() const { return pingers_.size(); }
+  uint64_t sent() const { return sent_.load(); }
+  uint64_t answered() const { return answered_.load(); }
+
+ private:
+  struct Pinger {
+    std::unique_ptr<agent::LivenessKey> key;
+    agent::LivenessTarget target;
+    uint64_t incarnation = 0;
+    uint64_t nonce = 0;
+    uint64_t seq = 0;
+    uint64_t answered_seq = 0;
+  };
+  FakePingers() = default;
+
+  void Loop() {
+    const auto period = std::chrono::milliseconds(agent::kLivenessPeriodMs);
+    const size_t n = pingers_.size();
+    const auto start = Clock::now();
+    size_t next = 0;     // the next pinger due
+    uint64_t round = 0;  // rounds of all pingers sent
+    std::vector<uint8_t> buf(n * agent::kLivenessDatagramBytes);
+    std::vector<mmsghdr> msgs(n);
+    std::vector<iovec> iov(n);
+    while (!stop_.load()) {
+      // Pinger i is due at start + round * period + i * period / n.
+      const auto now = Clock::now();
+      size_t batch = 0;
+      while (!stop_.load()) {
+        const auto due = start + round * period + next * period / n;
+        if (due > now || batch == n) break;
+        Pinger& w = *pingers_[next];
+        uint8_t* d = buf.data() + batch * agent::kLivenessDatagramBytes;
+        w.key->Encode({agent::LivenessKind::kPing, w.key->id(), w.incarnation, w.nonce, ++w.seq}, d);
+        iov[batch] = {d, agent::kLivenessDatagramBytes};
+        msgs[batch] = {};
+        msgs[batch].msg_hdr.msg_name = &w.target.address;
+        msgs[batch].msg_hdr.msg_namelen = w.target.length;
+        msgs[batch].msg_hdr.msg_iov = &iov[batch];
+        msgs[batch].msg_hdr.msg_iovlen = 1;
+        ++batch;
+        if (++next == n) {
+          next = 0;
+          ++round;
+        }
+      }
+      for (size_t done = 0; done < batch;) {
+        int sent = sendmmsg(fd_.get(), msgs.data() + done, batch - done, 0);
+        if (sent <= 0) break;  // a full socket buffer: those pings are lost
+        done += static_cast<size_t>(sent);
+        sent_.fetch_add(static_cast<uint64_t>(sent));
+      }
+      ReadAnswers();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  void ReadAnswers() {
+    uint8_t d[agent::kLivenessDatagramBytes + 1];
+    for (;;) {
+      ssize_t got = recv(fd_.get(), d, sizeof d, MSG_DONTWAIT);
+      if (got < 0) return;
+      agent::LivenessMessage answer;
+      agent::LivenessExpectation expect;
+      const agent::LivenessVerdict verdict = agent::CheckAnswer(
+          d, static_cast<size_t>(got),
+          [&](uint64_t nonce) -> const agent::LivenessExpectation* {
+            if (nonce == 0 || nonce > pingers_.size()) return nullptr;
+            const Pinger& w = *pingers_[nonce - 1];
+            expect = {w.key.get(), w.incarnation, w.answered_seq, w.seq, 16};
+            return &expect;
+          },
+          &answer);
+      if (verdict != agent::LivenessVerdict::kOk) continue;
+      pingers_[answer.nonce - 1]->answered_seq = answer.seq;
+      answered_.fetch_add(1);
+    }
+  }
+
+  std::vector<std::unique_ptr<Pinger>> pingers_;
+  UniqueFd fd_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> sent_{0};
+  std::atomic<uint64_t> answered_{0};
+  std::thread thread_;
+};
+
+// A UDP port on 127.0.0.1 free a moment ago (for the hub's --liveness-port).
+absl::StatusOr<uint32_t> FreeUdpPort() {
+  UniqueFd fd(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof addr;
+  if (!fd || bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    return absl::InternalError(fmt::format("no free UDP port: {}", std::strerror(errno)));
+  }
+  return ntohs(addr.sin_port);
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<FakePeer>>> AttachFakePeers(const DaemonProcess& hub,
                                                                       uint32_t n, bool push) {
   std::vector<std::unique_ptr<FakePeer>> peers;
@@ -214,8 +367,8 @@ absl::StatusOr<std::vector<std::unique_ptr<FakePeer>>> AttachFakePeers(const Dae
     p->name = fmt::format("bench-peer-{}", i);
     ASSIGN_OR_RETURN(p->session,
                      client::LocalSession::Attach(hub.local_socket() + ".session", p->name));
-    // A connection of its own, with the keepalive pings a real watching agent sends
-    // (connected below).
+    // A connection of its own, with the (slow) keepalive pings a real watching agent
+    // sends (connected below); its liveness pings go to the hub's door (FakePingers).
     p->channel = grpc::CreateCustomChannel(hub.address(), grpc::InsecureChannelCredentials(),
                                            agent::PeerChannelArgs(push));
     p->stub = v1::Peer::NewStub(p->channel);
@@ -225,9 +378,7 @@ absl::StatusOr<std::vector<std::unique_ptr<FakePeer>>> AttachFakePeers(const Dae
   Progress(n, n, "attaching fake peers");
   // Connected one after another before any stream opens: a storm of 1,000 connects at
   // once left up to a quarter of them timed out before the hub's SETTINGS under load,
-  // and the run then measured fewer peers than asked. One at a time also spreads their
-  // keepalive pings over the period, as peers connecting at their own times do (a
-  // batch connected together pings together).
+  // and the run then measured fewer peers than asked.
   constexpr size_t kBatch = 1;
   for (size_t first = 0; first < peers.size(); first += kBatch) {
     const size_t end = std::min(peers.size(), first + kBatch);
@@ -312,6 +463,11 @@ struct ModeResult {
   std::string mode;
   double idle = 0, busy = 0, fanout_ms = -1, kill_ms = -1, stop_ms = -1;
   uint32_t connected = 0;
+  // Pushed: fake peers pinging the hub's liveness door, and the share of their pings
+  // answered (validly signed, not replayed) while the CPU was measured.
+  size_t pinging = 0;
+  double answered_pct = -1;
+  double pings_per_s = 0;
 };
 
 absl::StatusOr<ModeResult> RunMode(const BenchPeersOptions& options, const std::string& mode,
@@ -328,6 +484,14 @@ absl::StatusOr<ModeResult> RunMode(const BenchPeersOptions& options, const std::
   start.extra_args = {"--metadata-push", mode, "--peer-refresh-ms",
                       std::to_string(options.poll_ms), "--max-sessions",
                       std::to_string(options.peers + 64)};
+  // Pushed, the fake peers ping the hub's liveness door over UDP on loopback, as
+  // watchers on other hosts would (its Unix datagram socket, for same-host peers,
+  // queues only max_dgram_qlen, 10, pings between two reads).
+  uint32_t liveness_port = 0;
+  if (push) {
+    ASSIGN_OR_RETURN(liveness_port, FreeUdpPort());
+    start.first_args = {"--liveness-port", std::to_string(liveness_port)};
+  }
   RETURN_IF_ERROR(StartLocalAgents(start, agents));
   DaemonOptions c;
   c.binary = options.kvagentd.empty() ? *FindKvagentd(options.argv0) : options.kvagentd;
@@ -367,10 +531,30 @@ absl::StatusOr<ModeResult> RunMode(const BenchPeersOptions& options, const std::
     ASSIGN_OR_RETURN(v1::AgentStatus status, hub.Status());
     r.connected = std::min<uint32_t>(r.connected, status.metadata_streams());
   }
+  std::unique_ptr<FakePingers> pingers;
+  if (push) {
+    auto started = FakePingers::Start(&peers, fmt::format("udp:{}", liveness_port));
+    if (started.ok()) {
+      pingers = *std::move(started);
+      r.pinging = pingers->size();
+    } else {
+      std::fprintf(stderr, "%s: %s\n", r.mode.c_str(), std::string(started.status().message()).c_str());
+    }
+  }
   // Let the connection storm settle before measuring.
   std::this_thread::sleep_for(std::chrono::seconds(2));
   Progress(0, 1, fmt::format("{}: CPU with {} peers", r.mode, options.peers));
+  const uint64_t sent_before = pingers ? pingers->sent() : 0;
+  const uint64_t answered_before = pingers ? pingers->answered() : 0;
+  const auto window_start = Clock::now();
   ASSIGN_OR_RETURN(r.busy, CpuPercent(hub_pid, options.window_s));
+  if (pingers && pingers->sent() > sent_before) {
+    r.pings_per_s = static_cast<double>(pingers->sent() - sent_before) /
+                    Seconds(Clock::now() - window_start);
+    // Answers lag their pings by up to the door's window: a little under 100 % is normal.
+    r.answered_pct = 100.0 * static_cast<double>(pingers->answered() - answered_before) /
+                     static_cast<double>(pingers->sent() - sent_before);
+  }
 
   // One change (a region registered on the hub) until every fake peer holds it.
   KvPoolShape shape;
@@ -393,6 +577,7 @@ absl::StatusOr<ModeResult> RunMode(const BenchPeersOptions& options, const std::
   ASSIGN_OR_RETURN(r.kill_ms, DetectionMs(hub, "peer-b", agents->second->pid(), SIGKILL));
   ASSIGN_OR_RETURN(r.stop_ms, DetectionMs(hub, "peer-c", (*third)->pid(), SIGSTOP));
   ::kill((*third)->pid(), SIGCONT);
+  pingers.reset();
 
   for (auto& w : fakes.watches) w->Cancel();
   WaitFor([&] { return fakes.AllEnded(); }, std::chrono::seconds(30));
@@ -438,13 +623,18 @@ int RunBenchPeers(const BenchPeersOptions& options) {
               "over %.0f s, with peers over %.0f s); %u fake peers, one session and "
               "connection each; load average %s\n",
               options.idle_s, options.window_s, options.peers, load.c_str());
-  std::printf("%-16s %10s %12s %14s %12s %14s %12s %12s\n", "metadata", "idle %",
+  std::printf("%-16s %10s %12s %14s %12s %14s %12s %12s %28s\n", "metadata", "idle %",
               "connected", "with peers %", "per peer %", "change to all", "SIGKILL seen",
-              "SIGSTOP seen");
+              "SIGSTOP seen", "liveness pings (window)");
   for (const auto& r : results) {
     const double per_peer = r.connected ? (r.busy - r.idle) / r.connected : 0;
-    std::printf("%-16s %10.3f %12u %14.2f %12.5f %11.0f ms %9.0f ms %9.0f ms\n", r.mode.c_str(),
-                r.idle, r.connected, r.busy, per_peer, r.fanout_ms, r.kill_ms, r.stop_ms);
+    const std::string pings =
+        r.pinging == 0 ? std::string("none")
+                       : fmt::format("{} peers, {:.0f}/s, {:.1f} % answered", r.pinging,
+                                     r.pings_per_s, r.answered_pct);
+    std::printf("%-16s %10.3f %12u %14.2f %12.5f %11.0f ms %9.0f ms %9.0f ms %28s\n",
+                r.mode.c_str(), r.idle, r.connected, r.busy, per_peer, r.fanout_ms, r.kill_ms,
+                r.stop_ms, pings.c_str());
   }
   return 0;
 }

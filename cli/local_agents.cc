@@ -47,6 +47,10 @@ absl::Status StartLocalAgents(const LocalAgentsOptions& options, LocalAgents* ag
     d.name = *name;
     d.work_dir = agents->work_dir;
     d.extra_args = options.extra_args;
+    if (slot == &agents->first) {
+      d.extra_args.insert(d.extra_args.end(), options.first_args.begin(),
+                          options.first_args.end());
+    }
     auto started = DaemonProcess::Start(d);
     // DaemonProcess's errors name the agent already.
     if (!started.ok()) return started.status();

@@ -20,6 +20,7 @@ struct LocalAgentsOptions {
   std::string label;                    // work folder "<label>.<pid>" / "kvagent-<label>.XXXXXX"
   std::string first_name, second_name;  // agent names
   std::vector<std::string> extra_args;  // for both agents
+  std::vector<std::string> first_args;  // for the first only, after extra_args
 };
 
 struct LocalAgents {

@@ -17,40 +17,13 @@
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
+#include "tests/fault/peer_view.h"
 #include "tests/integration/agent_pair.h"
 
 namespace kvagent::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-AgentPairOptions LongPolls() {
-  AgentPairOptions options;
-  options.extra_args = {"--peer-refresh-ms", "60000"};
-  return options;
-}
-
-// Prefill's view of `peer` (fails the test when prefill lists no such peer).
-v1::PeerInfo PeerView(cli::AgentClient& agent, const std::string& peer) {
-  auto peers = agent.Peers();
-  REQUIRE(peers.ok());
-  for (const auto& p : peers->peers()) {
-    if (p.name() == peer) return p;
-  }
-  FAIL("peer " << peer << " not listed");
-  return {};
-}
-
-// Milliseconds until `done(view of peer)` holds, or -1 after `limit_ms`.
-int64_t MillisUntil(cli::AgentClient& agent, const std::string& peer, int64_t limit_ms,
-                    const std::function<bool(const v1::PeerInfo&)>& done) {
-  const auto start = Clock::now();
-  while (MillisSince(start) < limit_ms) {
-    if (done(PeerView(agent, peer))) return MillisSince(start);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return -1;
-}
 
 // One more layer of the pair's shape (a group's regions all have as many pages).
 cli::KvPoolShape SmallShape() {
@@ -135,13 +108,7 @@ TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by its livene
             return p.metadata_source() == "push";
           }) >= 0);
   const pid_t decode = pair.decode_process().pid();
-  REQUIRE(SuspendAgent(decode) == "");
-  const int64_t ms = MillisUntil(pair.prefill(), "decode", 5000, [](const v1::PeerInfo& p) {
-    return p.state() == "unreachable";
-  });
-  std::printf("pushed: SIGSTOP seen after %lld ms\n", static_cast<long long>(ms));
-  CHECK(ms >= 0);
-  CHECK(ms <= 2000);
+  HangDecode(pair, "pushed");
   CHECK_THAT(PeerView(pair.prefill(), "decode").last_error(), Catch::Contains("liveness door"));
   ::kill(decode, SIGCONT);
   pair.decode_process().Kill();
@@ -149,15 +116,8 @@ TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by its livene
 
 TEST_CASE("a peer without WatchMetadata (--metadata-push off) is polled, and changes arrive") {
   AgentPair pair;  // polls every 200 ms
-  cli::DaemonOptions d;
-  d.binary = *cli::FindKvagentd("");
-  d.name = "oldpeer";
-  d.work_dir = pair.work_dir();
-  d.extra_args = {"--metadata-push", "off"};
-  auto old = cli::DaemonProcess::Start(d);
-  REQUIRE(old.ok());
-  cli::AgentClient old_client(old->address());
-  REQUIRE(pair.prefill().Connect(old->address()).ok());
+  cli::DaemonProcess old = StartOldPeer(pair, {"--metadata-push", "off"});
+  cli::AgentClient old_client(old.address());
   REQUIRE(MillisUntil(pair.prefill(), "oldpeer", 2000, [](const v1::PeerInfo& p) {
             return p.metadata_source() == "poll";
           }) >= 0);

@@ -126,20 +126,20 @@ TEST_CASE("a flood is read in bounded batches, a wake-up each window, not one pe
   LivenessKey key(kSecret);
   UdpClient client((*door)->udp_port());
   uint8_t d[kLivenessDatagramBytes];
+  // 2,000 pings in bursts of 100, faster than the door's window: some may overflow
+  // its socket's buffer (a flood is allowed to lose pings), the rest come in batches.
   constexpr int kPings = 2000;
+  uint8_t back[128];
   for (int i = 1; i <= kPings; ++i) {
     key.Encode({LivenessKind::kPing, key.id(), kIncarnation, 5, static_cast<uint64_t>(i)}, d);
     client.Send(d, sizeof d);
-  }
-  // Some may overflow the socket's buffer (a flood is allowed to lose pings).
-  CHECK(WaitFor([&] {
-    uint8_t back[128];
-    while (recv(client.fd.get(), back, sizeof back, MSG_DONTWAIT) > 0) {
+    if (i % 100 == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      while (recv(client.fd.get(), back, sizeof back, MSG_DONTWAIT) > 0) {
+      }
     }
-    return (*door)->answered() + (*door)->dropped() > 0 &&
-           (*door)->wakeups() > 0;
-  }));
-  WaitFor([&] { return (*door)->answered() >= kPings / 2; }, 5000);
+  }
+  CHECK(WaitFor([&] { return (*door)->answered() > 0 && (*door)->wakeups() > 0; }));
   INFO("answered " << (*door)->answered() << " in " << (*door)->wakeups() << " wake-ups");
   CHECK((*door)->answered() > 0);
   // Each wake-up reads up to max_per_wake (512): far fewer wake-ups than datagrams.
