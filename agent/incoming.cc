@@ -129,29 +129,9 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       next_expiry_us_ = std::min(next_expiry_us_, r->expires_us);
       return;
     }
-    case v1::DATA_READY: {
-      Record* r = FindOrMake(n);
-      if (r == nullptr) {
-        // Untracked (no room): acknowledge and deliver at once; the commit finds nothing.
-        Record lone;
-        lone.owners = OwnersOf(n);
-        lone.held = std::make_unique<v1::Notification>(n);
-        lone.reply_ep = reply_ep;
-        lone.ack_token = n.ack_token();
-        Key key = KeyOf(n);
-        records_.emplace(key, std::move(lone));
-        ++active_;
-        return;
-      }
-      // Ended already (its deadline passed here): no ack, so the sender fails too.
-      if (r->ended) return;
-      r->reply_ep = reply_ep;
-      r->ack_token = n.ack_token();
-      r->held = std::make_unique<v1::Notification>(n);
-      r->state.set_bytes_total(n.bytes());
-      MarkStage(r->state, v1::STAGE_NOTIFICATION_RECEIVED, r->start_us, MonotonicMicros());
+    case v1::DATA_READY:
+      HoldLocked(v1::Notification(n), reply_ep);
       return;
-    }
     case v1::PEER_DATA_COMMIT: {
       auto it = records_.find(LookupKey(n));
       if (it == records_.end() || it->second.ended || it->second.held == nullptr) return;
@@ -182,6 +162,43 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
   }
 }
 
+void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
+  Record* r = FindOrMake(n);
+  if (r == nullptr) {
+    // Untracked (no room): acknowledge and deliver at once; the commit finds nothing.
+    Record lone;
+    lone.owners = OwnersOf(n);
+    lone.reply_ep = reply_ep;
+    lone.ack_token = n.ack_token();
+    Key key = KeyOf(n);
+    lone.held = std::make_unique<v1::Notification>(std::move(n));
+    records_.emplace(std::move(key), std::move(lone));
+    ++active_;
+    return;
+  }
+  // Ended already (its deadline passed here): no ack, so the sender fails too.
+  if (r->ended) return;
+  r->reply_ep = reply_ep;
+  r->ack_token = n.ack_token();
+  r->state.set_bytes_total(n.bytes());
+  MarkStage(r->state, v1::STAGE_NOTIFICATION_RECEIVED, r->start_us, MonotonicMicros());
+  r->held = std::make_unique<v1::Notification>(std::move(n));
+}
+
+void IncomingTransfers::OnDataReady(v1::Notification n, void* reply_ep, const absl::Status& data) {
+  void* ack_ep = nullptr;
+  wire::TransferAck ack;
+  {
+    absl::MutexLock lock(&mu_);
+    HoldLocked(std::move(n), reply_ep);
+    // HoldLocked's lookup left the key in lookup_key_; what was held stands for `n`.
+    auto it = records_.find(lookup_key_);
+    if (it == records_.end() || it->second.reply_ep == nullptr) return;
+    ack_ep = AcknowledgeLocked(it, *it->second.held, data, &ack);
+  }
+  send_ack_(ack_ep, ack);
+}
+
 void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Status& status) {
   void* reply_ep = nullptr;
   wire::TransferAck ack;
@@ -189,50 +206,58 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
     absl::MutexLock lock(&mu_);
     auto it = records_.find(LookupKey(n));
     if (it == records_.end() || it->second.reply_ep == nullptr) return;
-    Record& r = it->second;
-    reply_ep = std::exchange(r.reply_ep, nullptr);
-    ack.set_from_agent(options_.self_name);
-    ack.set_transfer_id(n.transfer_id());
-    ack.set_sender_incarnation(n.sender_incarnation());
-    ack.set_ack_token(r.ack_token);
-    absl::Status outcome = status;
-    // Memory that vanished under a write (caught by the fault guard) makes the data
-    // invalid: the sender's transfer fails instead of being acknowledged.
-    if (outcome.ok() && r.held != nullptr) outcome = CheckTargetsIntact(*r.held);
-    // Push-back: a success whose notification this agent could not keep is refused
-    // to its sender (its transfer fails with the reason), never accepted and dropped.
-    if (outcome.ok() && r.held != nullptr && r.reserved_bytes == 0) {
-      const uint64_t bytes = NotificationQueue::Size(*r.held);
-      outcome = queue_->Reserve(
-          [&] {
-            return fmt::format("peer '{}': transfer '{}' into this agent", options_.self_name,
-                               Printable(n.transfer_id(), 256));
-          },
-          bytes);
-      if (outcome.ok()) r.reserved_bytes = bytes;
-    }
-    if (!outcome.ok()) {
-      ack.set_error_code(static_cast<int32_t>(outcome.code()));
-      ack.set_error_message(std::string(outcome.message()));
-      if (r.state.direction() != v1::INCOMING) {
-        records_.erase(it);  // untracked: only its sender learns of it
-        --active_;
-      } else if (!r.ended) {
-        EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, outcome);
-      }
-    } else if (r.state.direction() == v1::INCOMING) {
-      MarkStage(r.state, v1::STAGE_ACKNOWLEDGED, r.start_us, MonotonicMicros());
-    } else {
-      // Untracked: nobody will look it up, so deliver now.
-      v1::Notification out = *r.held;
-      out.clear_ack_token();
-      out.set_received_unix_us(UnixMicros());
-      queue_->Push(QueuedNotification{std::move(out), r.owners}, r.reserved_bytes);
-      records_.erase(it);
-      --active_;
-    }
+    reply_ep = AcknowledgeLocked(it, n, status, &ack);
   }
   send_ack_(reply_ep, ack);
+}
+
+void* IncomingTransfers::AcknowledgeLocked(absl::flat_hash_map<Key, Record>::iterator it, const v1::Notification& n,
+                                           const absl::Status& status,
+                                           wire::TransferAck* ack_out) {
+  wire::TransferAck& ack = *ack_out;
+  Record& r = it->second;
+  void* reply_ep = std::exchange(r.reply_ep, nullptr);
+  ack.set_from_agent(options_.self_name);
+  ack.set_transfer_id(n.transfer_id());
+  ack.set_sender_incarnation(n.sender_incarnation());
+  ack.set_ack_token(r.ack_token);
+  absl::Status outcome = status;
+  // Memory that vanished under a write (caught by the fault guard) makes the data
+  // invalid: the sender's transfer fails instead of being acknowledged.
+  if (outcome.ok() && r.held != nullptr) outcome = CheckTargetsIntact(*r.held);
+  // Push-back: a success whose notification this agent could not keep is refused
+  // to its sender (its transfer fails with the reason), never accepted and dropped.
+  if (outcome.ok() && r.held != nullptr && r.reserved_bytes == 0) {
+    const uint64_t bytes = NotificationQueue::Size(*r.held);
+    outcome = queue_->Reserve(
+        [&] {
+          return fmt::format("peer '{}': transfer '{}' into this agent", options_.self_name,
+                             Printable(n.transfer_id(), 256));
+        },
+        bytes);
+    if (outcome.ok()) r.reserved_bytes = bytes;
+  }
+  if (!outcome.ok()) {
+    ack.set_error_code(static_cast<int32_t>(outcome.code()));
+    ack.set_error_message(std::string(outcome.message()));
+    if (r.state.direction() != v1::INCOMING) {
+      records_.erase(it);  // untracked: only its sender learns of it
+      --active_;
+    } else if (!r.ended) {
+      EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, outcome);
+    }
+  } else if (r.state.direction() == v1::INCOMING) {
+    MarkStage(r.state, v1::STAGE_ACKNOWLEDGED, r.start_us, MonotonicMicros());
+  } else {
+    // Untracked: nobody will look it up, so deliver now.
+    v1::Notification out = *r.held;
+    out.clear_ack_token();
+    out.set_received_unix_us(UnixMicros());
+    queue_->Push(QueuedNotification{std::move(out), r.owners}, r.reserved_bytes);
+    records_.erase(it);
+    --active_;
+  }
+  return reply_ep;
 }
 
 void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase phase,

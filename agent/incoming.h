@@ -54,6 +54,9 @@ class IncomingTransfers {
   // Worker thread: the data of DATA_READY `notice` is in place (`status` OK), or never
   // will be (the status says why: the sender's transfer fails with it). Acknowledges.
   void DataInPlace(const v1::Notification& notice, const absl::Status& status);
+  // Worker thread: OnNotice then DataInPlace for a DATA_READY with nothing staged,
+  // under one lock, the record keeping `notice` itself (not a copy).
+  void OnDataReady(v1::Notification notice, void* reply_ep, const absl::Status& status);
   // Ends incoming transfers whose deadline plus grace passed without an outcome
   // (TRANSFER_TIMED_OUT to their owners). Any thread; call it by NextExpiry.
   void Expire();
@@ -103,6 +106,14 @@ class IncomingTransfers {
                  v1::Notification from, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A DATA_READY's record (made when missing; untracked when there is no room) holds
+  // `n` and its reply endpoint, unless the record ended already.
+  void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // DataInPlace for the record at `it`, which holds a reply endpoint (`n` is its
+  // DATA_READY): fills `ack` and returns the endpoint to send it on.
+  void* AcknowledgeLocked(absl::flat_hash_map<Key, Record>::iterator it,
+                          const v1::Notification& n, const absl::Status& status,
+                          wire::TransferAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Visible(const Record& r, const Caller& caller) const;
 
   const IncomingOptions options_;

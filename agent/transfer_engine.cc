@@ -875,13 +875,14 @@ void TransferEngine::OnAuthenticatedNotice(v1::Notification n, void* reply_ep) {
   IncomingTransfers& incoming = *options_.incoming;
   switch (n.kind()) {
     case v1::DATA_READY:
-      incoming.OnNotice(n, reply_ep);
       if (n.staged_bytes() > 0 && options_.stager != nullptr) {
+        incoming.OnNotice(n, reply_ep);
         // Acknowledged once its staged bytes are in place (the Stager runs on this thread).
         options_.stager->Hold(std::move(n));
       } else {
-        incoming.DataInPlace(n, n.staged_bytes() > 0
-                                    ? absl::FailedPreconditionError(
+        const bool staged = n.staged_bytes() > 0;
+        incoming.OnDataReady(std::move(n), reply_ep,
+                             staged ? absl::FailedPreconditionError(
                                           "staged bytes were announced, but this agent stages "
                                           "nothing")
                                     : absl::OkStatus());
