@@ -354,6 +354,7 @@ struct LivenessProber::Watched {
   static constexpr size_t kRing = 16;
   std::array<uint64_t, kRing> sent_us{};  // by seq % kRing
   uint64_t alive_us = 0;  // when the newest answered ping was sent (or watching began)
+  uint64_t last_sent_us = 0;
   bool answering = true;
   bool ever_answered = false;
 };
@@ -498,6 +499,7 @@ void LivenessProber::Loop() {
   const uint64_t period_us = uint64_t{options_.period_ms} * 1000;
   const uint64_t timeout_us = uint64_t{options_.timeout_ms} * 1000;
   const uint64_t grace_us = uint64_t{options_.answer_grace_ms} * 1000;
+  const uint64_t retry_us = uint64_t{options_.retry_ms} * 1000;
   uint64_t next_ping_us = 0;
   Batch out4, out6, outu;
   struct Loss {
@@ -514,11 +516,15 @@ void LivenessProber::Loop() {
     {
       absl::MutexLock lock(&mu_);
       any = !peers_.empty();
-      const bool ping = any && now >= next_ping_us;
-      if (ping) next_ping_us = now + period_us;
+      const bool ping_all = any && now >= next_ping_us;
+      if (ping_all) next_ping_us = now + period_us;
       size_t n4 = 0, n6 = 0, nu = 0;
       for (auto& [name, wp] : peers_) {
         Watched& w = *wp;
+        // Every period; and, while a ping of an answering peer is overdue, again each
+        // retry interval (a lost datagram costs a retry, not the peer).
+        const bool overdue = w.answering && w.seq > w.answered_seq;
+        const bool ping = ping_all || (overdue && now >= w.last_sent_us + retry_us);
         if (ping) {
           Batch* out = nullptr;
           size_t* n = nullptr;
@@ -529,6 +535,7 @@ void LivenessProber::Loop() {
           if (out != nullptr && *n < kBatch) {
             ++w.seq;
             w.sent_us[w.seq % Watched::kRing] = now;
+            w.last_sent_us = now;
             w.key->Encode({LivenessKind::kPing, w.key->id(), w.incarnation, w.nonce, w.seq},
                           out->data[*n].data());
             out->ForSend(*n, w.target.address, w.target.length);
@@ -545,6 +552,7 @@ void LivenessProber::Loop() {
         // Lost: nothing sent in the last timeout was answered, and the oldest
         // unanswered ping has had its grace.
         if (w.answered_seq >= w.seq) continue;  // all answered: checked after the next ping
+        wake_at = std::min(wake_at, w.last_sent_us + retry_us);
         // The oldest unanswered ping whose send time the ring still holds.
         const uint64_t first = std::max(
             w.answered_seq + 1, w.seq >= Watched::kRing ? w.seq - Watched::kRing + 1 : 1);
@@ -555,8 +563,9 @@ void LivenessProber::Loop() {
           losses.push_back(
               {w.name, w.incarnation,
                fmt::format("its liveness door at {} answered no ping for {} ms (pings every {} "
-                           "ms, {} unanswered{})",
+                           "ms, retried after {} ms; {} unanswered{})",
                            w.target.text, (now - w.alive_us) / 1000, options_.period_ms,
+                           options_.retry_ms,
                            w.seq - w.answered_seq,
                            w.ever_answered ? "" : "; it never answered: check that UDP reaches it"),
                w.ever_answered});

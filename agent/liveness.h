@@ -100,12 +100,16 @@ absl::StatusOr<LivenessTarget> ResolveLivenessTarget(const std::string& announce
 std::string LivenessUnixPath(const std::string& local_socket);
 
 struct LivenessProberOptions {
-  uint32_t period_ms = 300;
+  // A ping to every peer each period; to a peer whose last ping is unanswered after
+  // retry_ms, another (one each retry_ms while it is overdue): a lost datagram costs a
+  // retry, while an answering peer costs one ping a period.
+  uint32_t period_ms = 600;
+  uint32_t retry_ms = 150;
   // A peer is lost when none of the pings sent over this span was answered, and the
-  // newest of them had answer_grace_ms to be (so a prober that was itself held up,
-  // and sent no pings, reports nobody).
+  // oldest unanswered one had answer_grace_ms to be (so a prober that was itself held
+  // up, and sent no pings, reports nobody).
   uint32_t timeout_ms = 1000;
-  uint32_t answer_grace_ms = 500;
+  uint32_t answer_grace_ms = 400;
 };
 
 // name, incarnation, why (names the peer's door and how long it was silent), and

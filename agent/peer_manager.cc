@@ -920,7 +920,8 @@ void PeerManager::StartMonitor() {
     LivenessProberOptions liveness;
     liveness.period_ms = options_.liveness_period_ms;
     liveness.timeout_ms = options_.liveness_timeout_ms;
-    liveness.answer_grace_ms = std::min(options_.liveness_timeout_ms / 2, 500u);
+    liveness.retry_ms = kLivenessRetryMs;
+    liveness.answer_grace_ms = std::min(options_.liveness_timeout_ms * 2 / 5, 400u);
     auto prober = LivenessProber::Start(
         liveness, [this](const std::string& name, uint64_t incarnation, const std::string& why,
                          bool ever_answered) {

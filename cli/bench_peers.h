@@ -2,7 +2,7 @@
 // Starts a hub agent and two real peers here, measures the hub's CPU idle (no peers)
 // and with N lightweight fake peers watching it (one process: N local-door sessions
 // with distinct peer names, N gRPC connections, each a WatchMetadata stream with
-// slow HTTP/2 keepalive and a signed liveness ping to the hub's door every 300 ms,
+// slow HTTP/2 keepalive and a signed liveness ping to the hub's door every 600 ms,
 // spread over the period; or, with --metadata-push off, a GetMetadata poll every
 // 200 ms as a polling agent sends), how long one change takes to reach all N, and how long
 // the hub takes to see a real peer killed (SIGKILL) and hung (SIGSTOP).

@@ -204,6 +204,7 @@ TEST_CASE("the prober sees a door answer, then reports it lost once it is gone")
   Losses losses;
   LivenessProberOptions probing;
   probing.period_ms = 50;
+  probing.retry_ms = 20;
   probing.timeout_ms = 400;
   probing.answer_grace_ms = 200;
   auto prober = LivenessProber::Start(
