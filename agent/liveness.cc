@@ -1,5 +1,6 @@
 #include "agent/liveness.h"
 
+#include <pthread.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -224,6 +225,7 @@ std::string LivenessDoor::AnnounceFor(bool local) const {
 }
 
 void LivenessDoor::Loop() {
+  pthread_setname_np(pthread_self(), "liveness-door");
   std::vector<pollfd> fds;
   fds.push_back({stop_.get(), POLLIN, 0});
   if (udp_) fds.push_back({udp_.get(), POLLIN, 0});
@@ -496,6 +498,7 @@ void LivenessProber::ReadAnswers(int fd, std::vector<std::string>* back) {
 }
 
 void LivenessProber::Loop() {
+  pthread_setname_np(pthread_self(), "liveness-probe");
   const uint64_t period_us = uint64_t{options_.period_ms} * 1000;
   const uint64_t timeout_us = uint64_t{options_.timeout_ms} * 1000;
   const uint64_t grace_us = uint64_t{options_.answer_grace_ms} * 1000;
