@@ -239,6 +239,13 @@ std::string RenderMetrics(const MetricsSources& sources) {
   Family(&out, "kvagent_dropped_peer_messages_total", "counter",
          "UCX messages dropped: no or wrong secret, oversized.")
       .Sample(static_cast<double>(status.dropped_peer_messages()));
+  Family(&out, "kvagent_liveness_answered_total", "counter",
+         "Liveness pings from watching peers answered by this agent's liveness door.")
+      .Sample(static_cast<double>(status.liveness_answered()));
+  Family(&out, "kvagent_liveness_dropped_total", "counter",
+         "Datagrams the liveness door dropped: malformed, unknown key, bad MAC, wrong "
+         "incarnation, replayed.")
+      .Sample(static_cast<double>(status.liveness_dropped()));
   Family(&out, "kvagent_memory_faults_total", "counter",
          "SIGBUS faults caught in registered or peer memory that vanished.")
       .Sample(static_cast<double>(status.memory_faults()));

@@ -219,6 +219,10 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
   std::printf("refused      %lu calls, %lu peer messages dropped\n",
               static_cast<unsigned long>(s.refused_calls()),
               static_cast<unsigned long>(s.dropped_peer_messages()));
+  std::printf("liveness     %lu pings answered, %lu datagrams dropped (malformed, unknown key, "
+              "bad MAC, wrong incarnation, replayed)\n",
+              static_cast<unsigned long>(s.liveness_answered()),
+              static_cast<unsigned long>(s.liveness_dropped()));
   std::printf("limits       %-28s %14s %14s %8s  %s\n", "name", "in use", "limit", "refused",
               "flag");
   for (const auto& l : s.limits()) {

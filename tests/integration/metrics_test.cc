@@ -113,6 +113,18 @@ TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]")
   CHECK(Value(receiver, "kvagent_transfers_total") == 0);
   CHECK(Value(receiver, "kvagent_registered_bytes") ==
         static_cast<double>(pair.decode_pool().bytes()));
+  // Prefill watches decode: decode's liveness door answers its pings (one every 600 ms
+  // at least), each counted as GetStatus counts it, and nothing here is dropped.
+  double answered = Value(receiver, "kvagent_liveness_answered_total");
+  for (int i = 0; i < 100 && answered < 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    answered = Value(Scrape(decode), "kvagent_liveness_answered_total");
+  }
+  CHECK(answered >= 1);
+  auto status = pair.decode().Status();
+  REQUIRE(status.ok());
+  CHECK(static_cast<double>(status->liveness_answered()) >= answered);
+  CHECK(Value(Scrape(decode), "kvagent_liveness_dropped_total") == 0);
 }
 
 TEST_CASE("The metrics endpoint refuses what it must and survives many connections",
