@@ -654,9 +654,12 @@ void PeerManager::WatchLiveness(const PeerLink& link, const PeerSnapshot& snapsh
   if (!prober_) return;
   absl::StatusOr<LivenessTarget> target = ResolveLivenessTarget(announced, link.address);
   if (!target.ok()) {
-    // Polled for liveness instead (MonitorLoop says so once).
+    // Polled for liveness instead (MonitorLoop says so once). The monitor may be asleep
+    // (every peer it knew was answering): wake it, or this peer would never be polled
+    // and a hang of it would go unseen (ASan's CI run of liveness_test found it).
     kLog.Debug("peer '{}': no liveness pings: {}", snapshot.name, target.status().message());
     prober_->Unwatch(snapshot.name);
+    KickMonitor();
     return;
   }
   prober_->Watch(snapshot.name, snapshot.incarnation, *target, snapshot.notify_secret);

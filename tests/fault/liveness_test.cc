@@ -147,6 +147,10 @@ TEST_CASE("junk sprayed at a liveness door is dropped and counted; the pair stay
 TEST_CASE("a peer without a liveness door (--liveness off) is polled, and a hung one is still "
           "seen within 2 s") {
   AgentPair pair;  // polls every 200 ms
+  // decode's door answers, so prefill's monitor has nothing to poll and sleeps: the
+  // peer without a door must wake it (it once did not, and was never polled).
+  RequireAnswering(pair);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
   cli::DaemonProcess old = StartOldPeer(pair, {"--liveness", "off"});
   REQUIRE(MillisUntil(pair.prefill(), "oldpeer", 5000, Pushed) >= 0);
   REQUIRE(SuspendAgent(old.pid()) == "");
