@@ -43,6 +43,15 @@ check(container.get("livenessProbe", {}).get("grpc", {}).get("service") == "kvag
 check(container.get("readinessProbe", {}).get("grpc", {}).get("service", "") == "",
       "readinessProbe does not ask for the overall service \"\"")
 
+# The liveness door (UDP) at a fixed port, declared as a UDP container port: peers
+# ping it, and a hung agent is seen only by it.
+liveness_port = flags.get("--liveness-port", "")
+check(liveness_port.isdigit() and int(liveness_port) > 0,
+      "--liveness-port is not a fixed port (watching peers must reach the UDP door through firewalls)")
+udp_ports = [p for p in container.get("ports", []) if p.get("protocol") == "UDP"]
+check(any(str(p.get("containerPort")) == liveness_port for p in udp_ports),
+      "no UDP container port for --liveness-port")
+
 # Prometheus annotations name --metrics-listen's port and path.
 metrics_port = flags.get("--metrics-listen", ":").rsplit(":", 1)[1]
 annotations = meta.get("annotations", {})
