@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "agent/split_runs.h"
 #include "fmt/format.h"
 
 namespace kvagent::agent {
@@ -23,8 +24,8 @@ absl::Status ValidateCopyLanes(uint32_t lanes) {
   if (lanes >= 1 && lanes <= kMaxCopyLanes) return absl::OkStatus();
   return absl::InvalidArgumentError(fmt::format(
       "--copy-lanes {}: give 1 to {} (lanes that copy one batch of same-host memory side by "
-      "side: threads for host memory, CUDA streams for VRAM); leave it out for the default, the cores this agent may use up to 4 "
-      "(here {})",
+      "side: threads for host memory, CUDA streams for VRAM); leave it out for the default, "
+      "the cores this agent may use up to 4 (here {})",
       lanes, kMaxCopyLanes, DefaultCopyLanes()));
 }
 
@@ -54,30 +55,8 @@ void CopyLanes::CopyAll(const std::vector<CopyPiece>& pieces) {
 
 std::vector<std::vector<CopyPiece>> CopyLanes::Split(const std::vector<CopyPiece>& pieces,
                                                      uint32_t parts) {
-  uint64_t total = 0;
-  for (const auto& p : pieces) total += p.bytes;
-  parts = std::max<uint32_t>(parts, 1);
-  std::vector<std::vector<CopyPiece>> out(parts);
-  // Lane k takes bytes [k * share, (k + 1) * share) of the batch, in order: a lane's
-  // work is one run, and the last lane takes what rounding leaves.
-  const uint64_t share = (total + parts - 1) / parts;
-  uint32_t lane = 0;
-  uint64_t room = share;
-  for (const auto& piece : pieces) {
-    CopyPiece rest = piece;
-    while (rest.bytes > 0) {
-      if (room == 0 && lane + 1 < parts) {
-        ++lane;
-        room = share;
-      }
-      const uint64_t take = lane + 1 < parts ? std::min(rest.bytes, room) : rest.bytes;
-      out[lane].push_back(CopyPiece{rest.dst, rest.src, take});
-      rest.dst += take;
-      rest.src += take;
-      rest.bytes -= take;
-      room -= std::min(room, take);
-    }
-  }
+  std::vector<std::vector<CopyPiece>> out;
+  SplitRuns(pieces, parts, &out);
   return out;
 }
 

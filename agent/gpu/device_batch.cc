@@ -309,30 +309,4 @@ uint32_t DeviceLanesFor(uint64_t bytes, uint32_t lanes) {
   return static_cast<uint32_t>(std::min<uint64_t>(std::max<uint32_t>(lanes, 1), wanted));
 }
 
-void SplitDeviceCopies(const std::vector<DeviceCopy>& copies, uint32_t parts,
-                       std::vector<std::vector<DeviceCopy>>* out) {
-  parts = std::max<uint32_t>(parts, 1);
-  out->resize(parts);
-  for (auto& lane : *out) lane.clear();
-  uint64_t total = 0;
-  for (const DeviceCopy& c : copies) total += c.bytes;
-  const uint64_t share = (total + parts - 1) / parts;
-  uint32_t lane = 0;
-  uint64_t room = share;
-  for (const DeviceCopy& c : copies) {
-    uint64_t at = 0;
-    while (at < c.bytes) {
-      if (room == 0 && lane + 1 < parts) {
-        ++lane;
-        room = share;
-      }
-      const uint64_t left = c.bytes - at;
-      const uint64_t take = lane + 1 < parts ? std::min(left, room) : left;
-      (*out)[lane].push_back(DeviceCopy{c.dst + at, c.src + at, take, c.op});
-      at += take;
-      room -= std::min(room, take);
-    }
-  }
-}
-
 }  // namespace kvagent::agent

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "agent/split_runs.h"
 
 namespace kvagent::agent {
 
@@ -119,12 +120,12 @@ void PlanDeviceCopies(const std::vector<DeviceCopy>& copies, const DeviceCopyLim
 // lanes only when each lane gets at least this much (a stream's calls and its sync
 // cost more than a smaller share saves).
 inline constexpr uint64_t kMinDeviceLaneBytes = 1 << 20;
-// The lanes' shares of `copies` (in batch order): `parts` runs of about equal bytes,
-// lane k taking bytes [k * share, (k + 1) * share) of the batch, so a copy may be cut
-// at a share's edge (both halves keep its `op`). `out` gets `parts` lists (some may be
-// empty when `copies` holds fewer bytes than parts); zero-byte copies are dropped.
-void SplitDeviceCopies(const std::vector<DeviceCopy>& copies, uint32_t parts,
-                       std::vector<std::vector<DeviceCopy>>* out);
+// The lanes' shares of `copies` (in batch order): SplitRuns (agent/split_runs.h), the
+// host lanes' split, so a copy cut at a share's edge keeps its `op` in both halves.
+inline void SplitDeviceCopies(const std::vector<DeviceCopy>& copies, uint32_t parts,
+                              std::vector<std::vector<DeviceCopy>>* out) {
+  SplitRuns(copies, parts, out);
+}
 // The device copy lanes' counters: per copier, and summed over the process
 // (DeviceLaneTotals: GetStatus.copy_lanes.device_*).
 struct DeviceLaneCounters {
