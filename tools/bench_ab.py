@@ -34,8 +34,9 @@ import sys
 # kind -> (fields that name the figure, [(metric, True when higher is better), ...]).
 FIGURES = {
     "cell": (("op", "pattern", "block_bytes", "batch"),
-             [("gbps", True), ("gbps_inflight4", True), ("p50_us", False),
-              ("fast_gbps", True), ("fast_gbps_inflight4", True), ("fast_p50_us", False)]),
+             [("gbps", True), ("gbps_inflight4", True), ("p50_us", False), ("p99_us", False),
+              ("fast_gbps", True), ("fast_gbps_inflight4", True), ("fast_p50_us", False),
+              ("fast_p99_us", False)]),
     "rate": (("mode", "clients", "transfers_per_call"),
              [("transfers_per_s", True), ("call_p50_us", False)]),
     "fast_latency": (("path",),
