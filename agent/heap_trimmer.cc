@@ -88,11 +88,20 @@ void HeapTrimmer::Loop() {
   while (SleepUntilActivity()) {
     absl::Duration wait = options_.delay;
     int left = options_.follow_ups + 1;
+    absl::Time last_look = absl::Now();  // the busy period's start, for max_defer
     while (left > 0) {
       a.noted.store(false);  // what comes after this is seen at the next look
       if (!SleepFor(wait)) return;
+      const bool busy = a.noted.load();
+      if (busy && absl::Now() - last_look < options_.max_defer) {
+        deferred_.fetch_add(1);  // still busy: look once a wait passes quietly
+        wait = options_.delay;
+        left = options_.follow_ups + 1;
+        continue;
+      }
       Look();
-      if (a.noted.load()) {
+      last_look = absl::Now();
+      if (busy) {
         wait = options_.delay;  // still busy: look again soon
         left = options_.follow_ups + 1;
       } else {

@@ -27,6 +27,12 @@ class HeapTrimmer {
     // awake starts the series again.
     absl::Duration delay = absl::Seconds(2);
     int follow_ups = 4;
+    // A look waits for a wait with no activity in it: malloc_trim holds each arena's
+    // lock in turn while it madvises that arena's free pages (a call took 48-66 ms in
+    // an agent under the bench here), so a thread that allocates meanwhile (the UCX
+    // worker, a gRPC handler) can stall. While the agent stays busy, looks are put off, but never for
+    // longer than this, so memory freed under constant traffic still goes back.
+    absl::Duration max_defer = absl::Seconds(30);
     // malloc_trim runs only when glibc holds at least this much free, and the amount
     // changed since the last trim (mallinfo2 is cheap; malloc_trim madvises every
     // free page).
@@ -42,6 +48,7 @@ class HeapTrimmer {
 
   uint64_t looks() const { return looks_.load(); }  // rounds that read mallinfo2
   uint64_t trims() const { return trims_.load(); }  // of which called malloc_trim
+  uint64_t deferred() const { return deferred_.load(); }  // looks put off: still busy
 
  private:
   void Loop();
@@ -54,6 +61,7 @@ class HeapTrimmer {
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> looks_{0};
   std::atomic<uint64_t> trims_{0};
+  std::atomic<uint64_t> deferred_{0};
   size_t trimmed_at_ = 0;  // free bytes after the last trim: nothing new while equal
   std::thread thread_;
 };

@@ -67,6 +67,32 @@ TEST_CASE("The heap trimmer sleeps until activity, looks a few times, sleeps aga
   CHECK(trimmer.looks() == looks);
 }
 
+TEST_CASE("A busy agent's trimmer waits for a quiet moment, but not longer than max_defer",
+          "[heap]") {
+  HeapTrimmer::Options options;
+  options.delay = absl::Milliseconds(200);
+  options.follow_ups = 1;
+  options.max_defer = absl::Milliseconds(800);
+  HeapTrimmer trimmer(options);
+  // Activity every 2 ms for 2 s: without the quiet rule, a look each 200 ms (about 10).
+  const absl::Time end = absl::Now() + absl::Seconds(2);
+  NoteHeapActivity();
+  while (absl::Now() < end) {
+    NoteHeapActivity();
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  const uint64_t busy_looks = trimmer.looks();
+  INFO(busy_looks << " looks and " << trimmer.deferred() << " put off while busy");
+  // At about 0.8 and 1.6 s (max_defer); a gap of 200 ms in this thread on a loaded
+  // machine would add one.
+  CHECK(busy_looks >= 1);
+  CHECK(busy_looks <= 5);
+  CHECK(trimmer.deferred() >= 4);
+  // Quiet again: the next look comes one quiet wait later, then the series ends.
+  REQUIRE(Eventually([&] { return trimmer.looks() > busy_looks; }));
+  REQUIRE(Eventually([&] { return trimmer.looks() >= busy_looks + 2; }));
+}
+
 TEST_CASE("Heap freed before activity goes back to the kernel", "[heap]") {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   // The sanitizers replace malloc with their own allocator: glibc's heap, mallinfo2 and
