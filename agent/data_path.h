@@ -26,7 +26,7 @@ namespace kvagent::agent {
 enum class Route : uint8_t {
   kHostCopy = 0,      // same host, host memory on both sides: memcpy into the peer's
                       // memory mapped here, split across copy lanes
-  kDeviceCopy = 1,    // same host, VRAM on either side mapped here (CUDA IPC): one
+  kDeviceCopy = 1,    // same host, VRAM on either side mapped here (CUDA IPC or VMM): one
                       // cuMemcpyBatchAsync, gather kernel launch or cuMemcpyAsync per
                       // page on one stream (agent/gpu/device_batch.h), one sync per batch
   kUcxRma = 2,        // UCX put/get, one flush per batch

@@ -355,10 +355,11 @@ absl::Status LocalDoor::PeerMemory(uint64_t session_id, const v1::PeerMemoryRequ
         "--peer-uids",
         caller.principal));
   }
-  if (request.memory_ids_size() > kMaxPeerMemoryIds) {
+  if (request.memory_ids_size() + request.device_memory_ids_size() > kMaxPeerMemoryIds) {
     return absl::InvalidArgumentError(fmt::format(
-        "peer_memory: {} ids asked; ask for at most {} per request",
-        request.memory_ids_size(), kMaxPeerMemoryIds));
+        "peer_memory: {} memory ids and {} device memory ids asked; ask for at most {} in "
+        "all per request",
+        request.memory_ids_size(), request.device_memory_ids_size(), kMaxPeerMemoryIds));
   }
   v1::PeerMemoryReply* out = reply->mutable_peer_memory();
   for (uint64_t id : request.memory_ids()) {
@@ -372,6 +373,22 @@ absl::Status LocalDoor::PeerMemory(uint64_t session_id, const v1::PeerMemoryRequ
     ASSIGN_OR_RETURN(UniqueFd copy, Dup(object->fd()));
     out->add_memory_ids(id);
     out->add_bytes(object->size());
+    reply_fds->push_back(std::move(copy));
+  }
+  // CUDA VMM allocations: only those a registered region was imported from (and so
+  // announced to same-host peers by ExportedRegion.cuda_vmm_id).
+  for (uint64_t id : request.device_memory_ids()) {
+    auto object = registry_->FindDeviceMemory(id);
+    if (object == nullptr) {
+      return absl::NotFoundError(fmt::format(
+          "peer_memory: device memory {} is not exported by any registered region "
+          "(deregistered meanwhile?); fetch the metadata again",
+          id));
+    }
+    ASSIGN_OR_RETURN(UniqueFd copy, Dup(object->fd()));
+    out->add_device_memory_ids(id);
+    out->add_device_bytes(object->bytes());
+    out->add_devices(object->device());
     reply_fds->push_back(std::move(copy));
   }
   return absl::OkStatus();

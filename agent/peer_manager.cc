@@ -12,6 +12,8 @@
 #include "base/log.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
+#include "registry/cuda_vmm_mapping.h"
+#include "registry/device_memory_object.h"
 
 namespace kvagent::agent {
 namespace {
@@ -398,8 +400,11 @@ void PeerManager::BuildSnapshot(
   snapshot->catalog = std::make_shared<registry::RemoteCatalog>(*std::move(catalog));
   if (snapshot->same_host && options_.shm_direct) {
     const bool same_process = previous && previous->incarnation == snapshot->incarnation;
-    snapshot->direct =
+    std::shared_ptr<const DirectMappings> direct =
         MapDirect(*snapshot->catalog, *link, same_process ? previous->direct.get() : nullptr);
+    snapshot->direct_fallbacks = direct->fallbacks;
+    snapshot->vmm_import_failures = direct->vmm_import_failures;
+    if (direct->mapped > 0) snapshot->direct = std::move(direct);
   }
   // The packed rkey of each slot; with a delta, only the slots it brought have one
   // here (the others take previous's unpacked key, see base_slots).
@@ -556,9 +561,21 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
   }
   direct->cuda_mappings.resize(regions.size());
   direct->handles.resize(regions.size());
+  auto fallback = [&](const registry::RemoteRegion& r, std::string why) {
+    kLog.Warn("peer '{}' region '{}': {}", catalog.peer(), r.name, why);
+    if (direct->fallbacks.size() < DirectMappings::kMaxFallbacks) {
+      direct->fallbacks.push_back(fmt::format("region '{}': {}", r.name, why));
+    }
+  };
+  MapVmm(catalog, link, previous, direct.get(), fallback);
   size_t mapped = 0;
   for (size_t i = 0; i < regions.size(); ++i) {
     const registry::RemoteRegion& r = regions[i];
+    if (direct->vmm_mappings[i] != nullptr) {
+      ++mapped;
+      continue;
+    }
+    if (r.cuda_vmm_id != 0) continue;  // MapVmm said why
     if (r.memory == v1::VRAM && !r.cuda_ipc_handle.empty()) {
       std::shared_ptr<registry::CudaIpcMapping> cuda;
       const std::string key = fmt::format("{}:{}:{}:{}", r.cuda_ipc_handle, r.cuda_device,
@@ -574,9 +591,9 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
         auto opened = registry::CudaIpcMapping::Open(
             source, r.length, fmt::format("peer '{}' region '{}'", catalog.peer(), r.name));
         if (!opened.ok()) {
-          kLog.Warn("peer '{}' region '{}': cannot open its CUDA IPC handle here ({}); that "
-                    "region moves through UCX",
-                    catalog.peer(), r.name, opened.status().message());
+          fallback(r, fmt::format("cannot open its CUDA IPC handle here ({}); moves through "
+                                  "UCX or host staging",
+                                  opened.status().message()));
           continue;
         }
         cuda = std::make_shared<registry::CudaIpcMapping>(*std::move(opened));
@@ -603,9 +620,8 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
           object->second, r.memory_offset, r.length,
           fmt::format("peer '{}' region '{}'", catalog.peer(), r.name));
       if (!mapped_now.ok()) {
-        kLog.Warn("peer '{}' region '{}': cannot map its memory here ({}); that region moves "
-                  "through UCX",
-                  catalog.peer(), r.name, mapped_now.status().message());
+        fallback(r, fmt::format("cannot map its memory here ({}); moves through UCX",
+                                mapped_now.status().message()));
         continue;
       }
       mapping = std::make_shared<registry::ShmMapping>(*std::move(mapped_now));
@@ -616,8 +632,116 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
     ++mapped;
   }
   direct->complete = mapped == regions.size();
-  if (mapped == 0) return nullptr;
+  direct->mapped = mapped;
   return direct;
+}
+
+void PeerManager::MapVmm(const registry::RemoteCatalog& catalog, PeerLink& link,
+                         const DirectMappings* previous, DirectMappings* direct,
+                         const std::function<void(const registry::RemoteRegion&, std::string)>&
+                             fallback) const {
+  const auto& regions = catalog.regions();
+  direct->vmm_mappings.resize(regions.size());
+  direct->vmm_keys.resize(regions.size());
+  // An import's identity: the peer process's allocation id with the size and device it
+  // announced (a view of the same incarnation reuses the import).
+  auto key_of = [](const registry::RemoteRegion& r) {
+    return fmt::format("{}:{}:{}", r.cuda_vmm_id, r.cuda_vmm_bytes, r.cuda_device);
+  };
+  absl::flat_hash_map<std::string, std::shared_ptr<const registry::CudaVmmMapping>> imports;
+  for (size_t j = 0; previous != nullptr && j < previous->vmm_keys.size(); ++j) {
+    if (previous->vmm_mappings[j]) {
+      imports.try_emplace(previous->vmm_keys[j], previous->vmm_mappings[j]);
+    }
+  }
+  // Announcements that cannot be right are refused before anything is fetched.
+  std::vector<uint64_t> wanted;
+  absl::flat_hash_map<uint64_t, std::string> refused;  // by allocation id: why
+  auto in_bounds = [](const registry::RemoteRegion& r) {
+    uint64_t end = 0;
+    return !__builtin_add_overflow(r.cuda_vmm_offset, r.length, &end) && end <= r.cuda_vmm_bytes;
+  };
+  for (const auto& r : regions) {
+    if (r.cuda_vmm_id == 0) continue;
+    if (!in_bounds(r)) {
+      fallback(r, fmt::format("announced at CUDA VMM offset {} + length {}, past its "
+                              "allocation's {} bytes; moves through host staging (the peer's "
+                              "registry should have refused it: report this)",
+                              r.cuda_vmm_offset, r.length, r.cuda_vmm_bytes));
+      continue;
+    }
+    const std::string key = key_of(r);
+    if (imports.contains(key) || refused.contains(r.cuda_vmm_id)) continue;
+    if (std::find(wanted.begin(), wanted.end(), r.cuda_vmm_id) == wanted.end()) {
+      wanted.push_back(r.cuda_vmm_id);
+    }
+  }
+  if (!wanted.empty()) {
+    absl::StatusOr<std::vector<client::LocalSession::PeerDeviceMemory>> fetched =
+        link.session == nullptr
+            ? absl::FailedPreconditionError("no session with it on its local door")
+            : link.session->PeerDeviceMemories(wanted);
+    if (!fetched.ok()) {
+      for (uint64_t id : wanted) {
+        refused[id] = fmt::format("cannot get the descriptor of its CUDA VMM memory {} ({})", id,
+                                  fetched.status().message());
+      }
+    } else {
+      // The first region of each allocation says what was announced.
+      absl::flat_hash_map<uint64_t, const registry::RemoteRegion*> announced;
+      for (const auto& r : regions) {
+        if (r.cuda_vmm_id != 0) announced.try_emplace(r.cuda_vmm_id, &r);
+      }
+      for (auto& memory : *fetched) {
+        const registry::RemoteRegion& r = *announced.at(memory.id);
+        const std::string label =
+            fmt::format("peer '{}' CUDA VMM memory {}", catalog.peer(), memory.id);
+        if (memory.bytes != r.cuda_vmm_bytes || memory.device != r.cuda_device) {
+          refused[memory.id] = fmt::format(
+              "its CUDA VMM memory {} was announced as {} bytes on device {}, but its "
+              "descriptor came as {} bytes on device {}",
+              memory.id, r.cuda_vmm_bytes, r.cuda_device, memory.bytes, memory.device);
+          continue;
+        }
+        auto object = registry::DeviceMemoryObject::FromDescriptor(
+            std::move(memory.fd), r.cuda_device, r.cuda_vmm_bytes, label);
+        // Driver errors say "region '<entry>'": the first region in it.
+        const std::string entry = fmt::format("{}' of peer '{}", r.name, catalog.peer());
+        absl::StatusOr<std::shared_ptr<const registry::CudaVmmMapping>> imported =
+            object.ok() ? registry::CudaVmmMapping::Import(*std::move(object), entry)
+                        : absl::StatusOr<std::shared_ptr<const registry::CudaVmmMapping>>(
+                              object.status());
+        if (!imported.ok()) {
+          refused[memory.id] = fmt::format("cannot import its CUDA VMM memory {} here ({})",
+                                           memory.id, imported.status().message());
+          continue;
+        }
+        imports[key_of(r)] = *std::move(imported);
+      }
+    }
+    direct->vmm_import_failures += refused.size();
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const registry::RemoteRegion& r = regions[i];
+    if (r.cuda_vmm_id == 0 || !in_bounds(r)) continue;  // !in_bounds: said above
+    if (auto why = refused.find(r.cuda_vmm_id); why != refused.end()) {
+      fallback(r, why->second + "; moves through host staging");
+      continue;
+    }
+    auto found = imports.find(key_of(r));
+    if (found == imports.end()) {
+      fallback(r, fmt::format("its CUDA VMM memory {} was announced as {} bytes on device {} "
+                              "here, otherwise for other regions; moves through host staging",
+                              r.cuda_vmm_id, r.cuda_vmm_bytes, r.cuda_device));
+      continue;
+    }
+    // Checked above: offset + length within the announced size, which the import
+    // mapped whole (rounded up to the granularity).
+    direct->base_by_slot[i] =
+        reinterpret_cast<uint8_t*>(found->second->address() + r.cuda_vmm_offset);
+    direct->vmm_mappings[i] = found->second;
+    direct->vmm_keys[i] = found->first;
+  }
 }
 
 void PeerManager::Install(std::shared_ptr<PeerLink> link,
@@ -880,6 +1004,8 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_data_path(s.direct == nullptr    ? "ucx"
                      : s.direct->complete ? "shm-direct"
                                           : "shm-direct+ucx");
+  for (const std::string& why : s.direct_fallbacks) info.add_direct_fallbacks(why);
+  info.set_vmm_import_failures(s.vmm_import_failures);
   return info;
 }
 

@@ -242,10 +242,19 @@ class PeerManager {
   void MarkUnreachable(const std::string& name, uint64_t incarnation, const std::string& error,
                        bool endpoint_failed);
   void NotifyLoss(const PeerLoss& loss) const;
-  // Maps the peer's shm-backed regions, reusing `previous` mappings that match.
+  // Maps the peer's shm-backed regions, reusing `previous` mappings that match. Never
+  // null; the caller installs it only when `mapped` > 0.
   std::shared_ptr<const DirectMappings> MapDirect(const registry::RemoteCatalog& catalog,
                                                   PeerLink& link,
                                                   const DirectMappings* previous) const;
+  // MapDirect's part for VRAM by CUDA VMM: fetches the descriptors of the peer's
+  // allocations over its session socket, checks them against what it announced and
+  // imports each once (reusing `previous`'s), filling direct's vmm_* and base_by_slot;
+  // each region it cannot map goes to `fallback` with the reason (host staging).
+  void MapVmm(const registry::RemoteCatalog& catalog, PeerLink& link,
+              const DirectMappings* previous, DirectMappings* direct,
+              const std::function<void(const registry::RemoteRegion&, std::string)>& fallback)
+      const;
   void MonitorLoop();
   // Waits (up to `timeout`) until every operation posted to the peer through
   // `snapshot`'s endpoint before this call has completed or failed: direct copies run

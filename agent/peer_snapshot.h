@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "registry/cuda_ipc_mapping.h"
+#include "registry/cuda_vmm_mapping.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
 #include "transport/ucx_worker.h"
@@ -45,15 +46,25 @@ struct RkeyTable {
 
 // The peer's memory mapped into this process (same-host peers), indexed by rkey
 // slot: host memory by mapping the descriptor the peer passed over its session
-// socket, VRAM regions by opening the peer's CUDA IPC handle. A null base means that
-// region goes through UCX.
+// socket, VRAM regions by opening the peer's CUDA IPC handle or importing its CUDA VMM
+// allocation (one import per allocation, shared by its regions and by the next
+// views of the same peer process). A null base means that region goes through UCX or
+// host staging.
 struct DirectMappings {
   std::vector<uint8_t*> base_by_slot;
   std::vector<std::shared_ptr<registry::ShmMapping>> mappings;
   std::vector<std::string> memory_keys;  // identity of each shm mapping, for reuse
   std::vector<std::shared_ptr<registry::CudaIpcMapping>> cuda_mappings;
   std::vector<std::string> handles;  // identity of each cuda mapping, for reuse
+  std::vector<std::shared_ptr<const registry::CudaVmmMapping>> vmm_mappings;
+  std::vector<std::string> vmm_keys;  // identity of each VMM import, for reuse
+  // Regions that could not be mapped here, "region 'NAME': why" (at most
+  // kMaxFallbacks), and how many CUDA VMM imports failed building this view.
+  static constexpr size_t kMaxFallbacks = 16;
+  std::vector<std::string> fallbacks;
+  uint64_t vmm_import_failures = 0;
   bool complete = false;  // every region is mapped
+  size_t mapped = 0;
 };
 
 // One consistent view of a peer: catalog, endpoint and keys of the same version.
@@ -69,6 +80,10 @@ struct PeerSnapshot {
   std::shared_ptr<transport::Endpoint> endpoint;  // worker thread only
   std::shared_ptr<RkeyTable> keys;                // worker thread only
   std::shared_ptr<const DirectMappings> direct;   // null unless same-host shm-direct
+  // Same host, shm-direct: DirectMappings::fallbacks and vmm_import_failures of the
+  // mapping attempt (kept when nothing could be mapped, so direct is null).
+  std::vector<std::string> direct_fallbacks;
+  uint64_t vmm_import_failures = 0;
   // The secret the peer issued us (AgentMetadata.notify_secret): every UCX message we
   // send it carries it.
   std::string notify_secret;

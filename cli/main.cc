@@ -273,6 +273,15 @@ void PrintAgents(const kvagent::v1::ListAgentsResponse& r) {
   }
 }
 
+// The peer's regions that shm-direct could not map here, and why (PeerInfo).
+void PrintDirectFallbacks(const kvagent::v1::PeerInfo& p) {
+  if (p.vmm_import_failures() > 0) {
+    std::printf("  %lu CUDA VMM import(s) failed\n",
+                static_cast<unsigned long>(p.vmm_import_failures()));
+  }
+  for (const auto& why : p.direct_fallbacks()) std::printf("  not direct: %s\n", why.c_str());
+}
+
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
   std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %-9s %s\n", "name", "address", "state",
               "data_path", "ucx_transports", "mode", "regions", "same_host",
@@ -288,6 +297,7 @@ void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
                 p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
                 static_cast<unsigned long>(p.full_fetches()),
                 p.device_copy().empty() ? "" : "; device copy ", p.device_copy().c_str());
+    PrintDirectFallbacks(p);
   }
 }
 
@@ -295,6 +305,7 @@ void PrintPeer(const kvagent::v1::PeerInfo& p) {
   std::printf("connected to '%s' at %s: %u regions, data path %s, UCX transports %s, error mode %s\n",
               p.name().c_str(), p.address().c_str(), p.regions(), p.data_path().c_str(),
               p.transports().c_str(), p.error_mode().c_str());
+  PrintDirectFallbacks(p);
 }
 
 void PrintTransfer(const kvagent::v1::TransferState& t) {

@@ -333,4 +333,41 @@ absl::StatusOr<std::vector<std::pair<uint64_t, UniqueFd>>> LocalSession::PeerMem
   return result;
 }
 
+absl::StatusOr<std::vector<LocalSession::PeerDeviceMemory>> LocalSession::PeerDeviceMemories(
+    const std::vector<uint64_t>& device_memory_ids) {
+  std::vector<PeerDeviceMemory> result;
+  result.reserve(device_memory_ids.size());
+  for (size_t begin = 0; begin < device_memory_ids.size(); begin += kMaxSessionFds) {
+    const size_t end = std::min(device_memory_ids.size(), begin + kMaxSessionFds);
+    v1::SessionRequest request;
+    for (size_t i = begin; i < end; ++i) {
+      request.mutable_peer_memory()->add_device_memory_ids(device_memory_ids[i]);
+    }
+    std::vector<UniqueFd> reply_fds;
+    ASSIGN_OR_RETURN(v1::SessionReply reply, Call(std::move(request), {}, &reply_fds));
+    const size_t asked = end - begin;
+    const v1::PeerMemoryReply& out = reply.peer_memory();
+    const auto n = static_cast<int>(asked);
+    bool in_order = reply.has_peer_memory() && out.memory_ids_size() == 0 &&
+                    out.device_memory_ids_size() == n && out.device_bytes_size() == n &&
+                    out.devices_size() == n && reply_fds.size() == asked;
+    for (size_t i = 0; in_order && i < asked; ++i) {
+      in_order = out.device_memory_ids(static_cast<int>(i)) == device_memory_ids[begin + i];
+    }
+    if (!in_order) {
+      return absl::InternalError(fmt::format(
+          "the agent at {} answered peer_memory for {} device memory ids with {} ids and {} "
+          "descriptors, not one per id in the order asked; use an agent that shares CUDA VMM "
+          "memory with same-host peers (or one that matches this agent)",
+          path_, asked, out.device_memory_ids_size(), reply_fds.size()));
+    }
+    for (size_t i = 0; i < asked; ++i) {
+      const int j = static_cast<int>(i);
+      result.push_back(PeerDeviceMemory{device_memory_ids[begin + i], std::move(reply_fds[i]),
+                                        out.device_bytes(j), out.devices(j)});
+    }
+  }
+  return result;
+}
+
 }  // namespace kvagent::client

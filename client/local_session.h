@@ -61,6 +61,17 @@ class LocalSession {
   // in the order asked. Lists longer than kMaxSessionFds go as several requests.
   absl::StatusOr<std::vector<std::pair<uint64_t, UniqueFd>>> PeerMemory(
       const std::vector<uint64_t>& memory_ids);
+  // Same-host peer agents: descriptors of exported CUDA VMM allocations
+  // (ExportedRegion.cuda_vmm_id), in the order asked, each with the size and device
+  // the exporting agent holds for it (the importer compares them with the catalog).
+  struct PeerDeviceMemory {
+    uint64_t id = 0;
+    UniqueFd fd;
+    uint64_t bytes = 0;
+    int device = 0;
+  };
+  absl::StatusOr<std::vector<PeerDeviceMemory>> PeerDeviceMemories(
+      const std::vector<uint64_t>& device_memory_ids);
 
   // Opens the session's local fast path (proto OpenFastPathRequest): the ring info and
   // its three descriptors (ring file, submission doorbell, completion doorbell).

@@ -987,9 +987,15 @@ void RegionRegistry::ExportRegion(const Region& region, bool same_host,
     out->set_cuda_device(region.spec.cuda_ipc().device());
     out->set_cuda_offset(region.spec.cuda_ipc().offset());
   }
-  // VRAM by cuda_vmm: nothing more yet. Handing a same-host peer the VMM descriptor
-  // (as PeerMemory does for host memory) is not built, so such a peer reaches these
-  // regions as a remote one does: zero-copy with a CUDA UCX, else host staging.
+  // VRAM by cuda_vmm: the allocation's id (the peer fetches its descriptor over the
+  // session socket, FindDeviceMemory), its size and device, and the region's offset.
+  if (region.vmm != nullptr) {
+    const DeviceMemoryObject& memory = *region.vmm->memory();
+    out->set_cuda_vmm_id(memory.id());
+    out->set_cuda_vmm_bytes(memory.bytes());
+    out->set_cuda_vmm_offset(region.spec.cuda_vmm().offset());
+    out->set_cuda_device(memory.device());
+  }
 }
 
 void RegionRegistry::Export(v1::AgentMetadata* metadata, bool same_host) const {
@@ -1075,6 +1081,17 @@ std::shared_ptr<const MemoryObject> RegionRegistry::FindMemory(uint64_t memory_i
   for (const auto& [name, entry] : regions_) {
     const std::shared_ptr<const MemoryObject>& memory = entry.region->mapping.memory();
     if (memory != nullptr && memory->id() == memory_id) return memory;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<const DeviceMemoryObject> RegionRegistry::FindDeviceMemory(
+    uint64_t device_memory_id) const {
+  if (device_memory_id == 0) return nullptr;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, entry] : regions_) {
+    const std::shared_ptr<const CudaVmmMapping>& vmm = entry.region->vmm;
+    if (vmm != nullptr && vmm->memory()->id() == device_memory_id) return vmm->memory();
   }
   return nullptr;
 }

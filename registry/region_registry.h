@@ -207,8 +207,9 @@ class RegionRegistry {
   // on the same host (`same_host`: reached through its local door) also where the
   // memory is: memory_id/memory_offset of DRAM regions (the peer fetches the
   // descriptor by id, see FindMemory) and the CUDA IPC fields of VRAM ones by
-  // cuda_ipc. VRAM by cuda_vmm exports nothing more (for now a same-host peer reaches
-  // it like a remote one: zero-copy or host staging). Never names of files.
+  // cuda_ipc, and of VRAM by cuda_vmm the allocation's id, size and device and the
+  // region's offset (the peer fetches the descriptor by id, see FindDeviceMemory).
+  // Never names of files.
   void Export(v1::AgentMetadata* metadata, bool same_host) const;
   // What changed since `known_version`, as a delta (AgentMetadata.delta: the regions
   // added, replaced or renumbered in their group, and the names removed), exported as
@@ -220,6 +221,9 @@ class RegionRegistry {
   // The memory object with this id (MemoryObject::id) when a registered region uses
   // it, else null: what a same-host peer may ask for by ExportedRegion.memory_id.
   std::shared_ptr<const MemoryObject> FindMemory(uint64_t memory_id) const;
+  // The CUDA VMM allocation a registered region was imported from, by its id, else
+  // null: what a same-host peer may ask for by ExportedRegion.cuda_vmm_id.
+  std::shared_ptr<const DeviceMemoryObject> FindDeviceMemory(uint64_t device_memory_id) const;
 
  private:
   const transport::UcxContext* context_;

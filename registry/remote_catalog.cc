@@ -91,6 +91,11 @@ absl::StatusOr<RemoteRegion> ParseRegion(const v1::ExportedRegion& in, uint32_t 
   region.cuda_offset = in.cuda_offset();
   region.memory_id = in.memory_id();
   region.memory_offset = in.memory_offset();
+  if (region.memory == v1::VRAM) {
+    region.cuda_vmm_id = in.cuda_vmm_id();
+    region.cuda_vmm_bytes = in.cuda_vmm_bytes();
+    region.cuda_vmm_offset = in.cuda_vmm_offset();
+  }
   region.staged = in.memory_path() == "staged" ||
                   (region.memory == v1::VRAM && in.rkey().empty());
   return region;

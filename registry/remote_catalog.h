@@ -34,6 +34,13 @@ struct RemoteRegion {
   // over the peer's session socket) and the region's offset inside it. 0 when none.
   uint64_t memory_id = 0;
   uint64_t memory_offset = 0;
+  // Same-host peers only, VRAM by CUDA VMM: the shared allocation (fetch its descriptor
+  // by this id over the peer's session socket), its size as shared, and the region's
+  // offset in it (on cuda_device). 0 when none. Not checked here: the importer checks
+  // offset + length against the size before it maps anything (else host staging).
+  uint64_t cuda_vmm_id = 0;
+  uint64_t cuda_vmm_bytes = 0;
+  uint64_t cuda_vmm_offset = 0;
   // The peer moves this region's bytes through host staging: data goes to it as
   // staged chunks (active messages), never by RMA. Its memory_path "staged", or VRAM
   // without an rkey from a peer that does not say.

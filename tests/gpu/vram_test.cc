@@ -9,6 +9,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
 #include <thread>
 #include <string>
 #include <vector>
@@ -135,7 +139,9 @@ struct Agents {
     return std::string(tmp ? tmp : "/tmp");
   }();
   cli::DaemonProcess prefill, decode;
-  explicit Agents(const std::vector<std::string>& extra_args = {}) {
+  // `prefill_env`: added to the prefill agent's environment only.
+  explicit Agents(const std::vector<std::string>& extra_args = {},
+                  const std::map<std::string, std::string>& prefill_env = {}) {
     auto binary = cli::FindKvagentd("");
     REQUIRE(binary.ok());
     for (auto [name, process] : {std::pair{"gpu-prefill", &prefill}, {"gpu-decode", &decode}}) {
@@ -144,6 +150,7 @@ struct Agents {
       d.name = name;
       d.work_dir = work;
       d.extra_args = extra_args;
+      if (process == &prefill) d.env = prefill_env;
       auto started = cli::DaemonProcess::Start(d);
       INFO(started.status().ToString());
       REQUIRE(started.ok());
@@ -303,12 +310,20 @@ TEST_CASE("VRAM by CUDA VMM descriptor to VRAM by CUDA IPC handle") {
   VramToVram({}, "shm-direct", Share::kVmm, Share::kIpc);
 }
 
-// Both pools by VMM: same-host peers get no VMM descriptor (not built yet), so with
-// Debian's UCX every byte goes through host staging between the agents.
+// Both pools by VMM: the decode agent announces its allocation to the same-host
+// prefill agent, which fetches the descriptor over decode's session socket, imports it
+// and copies device to device (before, such regions always went through host staging:
+// data path "ucx", no device bytes).
 TEST_CASE("VRAM by CUDA VMM descriptor on both sides") {
   if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
-  VramToVram({"--staging-chunk-bytes", "1048576", "--staging-buffers", "4"}, "ucx", Share::kVmm,
-             Share::kVmm);
+  VramToVram({"--staging-chunk-bytes", "1048576", "--staging-buffers", "4"}, "shm-direct",
+             Share::kVmm, Share::kVmm);
+}
+
+// The peer's pool by VMM, ours by a legacy IPC handle: imported from the peer.
+TEST_CASE("VRAM by CUDA IPC handle to VRAM by CUDA VMM descriptor") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  VramToVram({}, "shm-direct", Share::kIpc, Share::kVmm);
 }
 
 // What an engine sees when it shares VRAM wrongly: each refusal names the region, the
@@ -400,6 +415,200 @@ TEST_CASE("host to VRAM and VRAM to host") {
     CHECK(std::memcmp(host_dst->Page(r, 1), pattern.data() + (r * kPages + 4) * kPageBytes, kPageBytes) == 0);
     CHECK(std::memcmp(host_dst->Page(r, 3), pattern.data() + (r * kPages + 8) * kPageBytes, kPageBytes) == 0);
     CHECK(host_dst->Page(r, 0)[0] == 0xEE);
+  }
+}
+
+// The stand-in driver's VMM imports held by process `pid`: each keeps the exporter's
+// memfd open (tests/unit/gpu/standin_cuda.cc) until cuMemRelease.
+int StandinVmmImports(pid_t pid) {
+  int n = 0;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    std::error_code error;
+    const auto target = std::filesystem::read_symlink(entry.path(), error);
+    if (!error && target.string().find("kvagent-standin-vmm") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// Waits (up to 20 s) until `ready` holds; false if it never did.
+bool WaitFor(const std::function<bool()>& ready) {
+  for (int i = 0; i < 2000; ++i) {
+    if (ready()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return ready();
+}
+
+cli::KvPoolShape HostShape() {
+  cli::KvPoolShape shape;
+  shape.group = "kvh";
+  shape.layers = kLayers;
+  shape.pages = kPages;
+  shape.page_bytes = kPageBytes;
+  return shape;
+}
+
+// Host memory on the prefill agent, a CUDA VMM pool on the decode agent: a WRITE into
+// it and a READ out of it, scattered pages of regions at nonzero offsets of the
+// allocation, every byte compared. Directly (the prefill agent imports decode's
+// allocation: shm-direct, every byte by the device copy path), or with `refuse` the
+// prefill agent's driver refuses the import (the stand-in's
+// KVAGENT_STANDIN_REFUSE_VMM_IMPORT): the regions fall back to host staging, `peers`
+// says why and counts the failed import, and the bytes still arrive.
+void HostAndPeerVmm(bool refuse) {
+  std::map<std::string, std::string> env;
+  if (refuse) env["KVAGENT_STANDIN_REFUSE_VMM_IMPORT"] = "1";
+  Agents agents({"--staging-chunk-bytes", "1048576", "--staging-buffers", "4"}, env);
+  cli::AgentClient prefill(agents.prefill.address()), decode(agents.decode.address());
+  auto host = cli::CreateKvPool(prefill, "ph", HostShape());
+  REQUIRE(host.ok());
+  for (uint32_t r = 0; r < host->regions(); ++r) {
+    for (uint64_t p = 0; p < kPages; ++p) cli::FillPage(host->Page(r, p), kPageBytes, 5, r, p);
+  }
+  DevicePool pool;
+  AllocatePool(&pool, Share::kVmm, &decode);
+  const auto pattern = PatternPool(17);
+  ToDevice(pool.dptr, pattern);
+  auto registered = decode.Register(VramRegions("d", pool, "kvd"));
+  INFO(registered.status().ToString());
+  REQUIRE(registered.ok());
+  auto peer = prefill.Connect(agents.decode.address());
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  for (const auto& why : peer->direct_fallbacks()) std::printf("fallback: %s\n", why.c_str());
+  if (refuse) {
+    CHECK(peer->data_path() == "ucx");  // nothing of decode's could be mapped
+    CHECK(peer->vmm_import_failures() == 1);  // one allocation
+    REQUIRE(peer->direct_fallbacks_size() == 2 * kLayers + 2);
+    CHECK_THAT(peer->direct_fallbacks(0),
+               Catch::Contains("region 'd.kv0'") &&
+                   Catch::Contains("cannot import its CUDA VMM memory") &&
+                   Catch::Contains("cuMemImportFromShareableHandle") &&
+                   Catch::Contains("moves through host staging"));
+  } else {
+    CHECK(peer->data_path() == "shm-direct");
+    CHECK(peer->direct_fallbacks_size() == 0);
+    CHECK(peer->vmm_import_failures() == 0);
+    if (StandinDriver()) CHECK(StandinVmmImports(agents.prefill.pid()) == 1);  // one for 10 regions
+  }
+
+  // host (prefill) -> VMM (decode)
+  REQUIRE(prefill.Submit(Write("h2v", "kvh", "kvd", {0, 5, 6}, {6, 2, 13})).ok());
+  auto written = prefill.WaitTransfer("h2v", 30000);
+  REQUIRE(written.ok());
+  INFO(written->error_message());
+  REQUIRE(written->phase() == v1::COMPLETED);
+  const auto got = FromDevice(pool.dptr, kPoolBytes);
+  auto page = [](uint32_t r, uint64_t p) { return (r * kPages + p) * kPageBytes; };
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    for (auto [s, d] : std::vector<std::pair<uint64_t, uint64_t>>{{0, 6}, {5, 2}, {6, 13}}) {
+      CHECK(std::memcmp(got.data() + page(r, d), host->Page(r, s), kPageBytes) == 0);
+    }
+    CHECK(std::memcmp(got.data() + page(r, 1), pattern.data() + page(r, 1), kPageBytes) == 0);
+  }
+
+  // VMM (decode) -> host (prefill), by READ
+  v1::SubmitTransferRequest read = Write("v2h", "kvh", "kvd", {1, 3}, {4, 8});
+  read.set_op(v1::READ);
+  REQUIRE(prefill.Submit(read).ok());
+  auto read_done = prefill.WaitTransfer("v2h", 30000);
+  REQUIRE(read_done.ok());
+  INFO(read_done->error_message());
+  REQUIRE(read_done->phase() == v1::COMPLETED);
+  std::vector<uint8_t> untouched(kPageBytes);
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    CHECK(std::memcmp(host->Page(r, 1), pattern.data() + page(r, 4), kPageBytes) == 0);
+    CHECK(std::memcmp(host->Page(r, 3), pattern.data() + page(r, 8), kPageBytes) == 0);
+    cli::FillPage(untouched.data(), kPageBytes, 5, r, 2);
+    CHECK(std::memcmp(host->Page(r, 2), untouched.data(), kPageBytes) == 0);
+  }
+
+  auto status = prefill.Status();
+  REQUIRE(status.ok());
+  // Directly, every byte of both went by the device copy path; staged, none.
+  const uint64_t moved = 2 * kLayers * (3 + 2) * kPageBytes;
+  CHECK(status->copy_lanes().device_bytes() == (refuse ? 0 : moved));
+}
+
+TEST_CASE("host memory to and from a same-host peer's VRAM by CUDA VMM, directly") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  HostAndPeerVmm(false);
+}
+
+TEST_CASE("a CUDA VMM import the driver refuses falls back to host staging with the reason") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  if (!StandinDriver()) KVAGENT_SKIP("the refusal is the stand-in driver's test hook");
+  HostAndPeerVmm(true);
+}
+
+// The decode engine's session ends (its VMM regions are deregistered) while the prefill
+// agent writes into them: each transfer ends COMPLETED or FAILED, both agents stay up,
+// the prefill agent releases its import of the allocation once its view of decode has
+// no region left (the stand-in's open descriptors of it), and a new pool works.
+TEST_CASE("a same-host peer's CUDA VMM pool going away during transfers") {
+  if (auto why = GpuMissing(); !why.empty()) KVAGENT_SKIP("needs an NVIDIA GPU and driver: " + why);
+  Agents agents;
+  cli::AgentClient prefill(agents.prefill.address());
+  auto decode = std::make_unique<cli::AgentClient>(agents.decode.address());
+  auto host = cli::CreateKvPool(prefill, "ph", HostShape());
+  REQUIRE(host.ok());
+  for (uint32_t r = 0; r < host->regions(); ++r) {
+    for (uint64_t p = 0; p < kPages; ++p) cli::FillPage(host->Page(r, p), kPageBytes, 7, r, p);
+  }
+  DevicePool pool;
+  AllocatePool(&pool, Share::kVmm, decode.get());
+  REQUIRE(decode->Register(VramRegions("d", pool, "kvd")).ok());
+  auto peer = prefill.Connect(agents.decode.address());
+  REQUIRE(peer.ok());
+  REQUIRE(peer->data_path() == "shm-direct");
+  if (StandinDriver()) CHECK(StandinVmmImports(agents.prefill.pid()) == 1);
+  // One page of each region per transfer (transfers may not write the same pages).
+  constexpr int kTransfers = kPages;
+  for (int i = 0; i < kTransfers; ++i) {
+    const uint64_t p = static_cast<uint64_t>(i);
+    auto submitted = prefill.Submit(Write("gone-" + std::to_string(i), "kvh", "kvd", {p}, {p}));
+    INFO(submitted.status().ToString());
+    REQUIRE(submitted.ok());
+  }
+  decode.reset();  // the session's end deregisters its regions
+  int completed = 0, failed = 0;
+  for (int i = 0; i < kTransfers; ++i) {
+    auto done = prefill.WaitTransfer("gone-" + std::to_string(i), 30000);
+    REQUIRE(done.ok());
+    INFO(done->error_message());
+    REQUIRE((done->phase() == v1::COMPLETED || done->phase() == v1::FAILED));
+    if (done->phase() == v1::FAILED) CHECK_FALSE(done->error_message().empty());
+    ++(done->phase() == v1::COMPLETED ? completed : failed);
+  }
+  std::printf("%d transfers completed, %d failed\n", completed, failed);
+  CHECK(WaitFor([&] {
+    auto peers = prefill.Peers();
+    return peers.ok() && peers->peers_size() == 1 && peers->peers(0).regions() == 0;
+  }));
+  if (StandinDriver()) {
+    CHECK(WaitFor([&] { return StandinVmmImports(agents.prefill.pid()) == 0; }));
+  }
+  // Both agents up; a new session's pool moves bytes directly again.
+  cli::AgentClient again(agents.decode.address());
+  DevicePool fresh;
+  AllocatePool(&fresh, Share::kVmm, &again);
+  ToDevice(fresh.dptr, std::vector<uint8_t>(kPoolBytes, 0xEE));
+  REQUIRE(again.Register(VramRegions("e", fresh, "kve")).ok());
+  CHECK(WaitFor([&] {
+    auto peers = prefill.Peers();
+    return peers.ok() && peers->peers(0).regions() == 2 * kLayers + 2 &&
+           peers->peers(0).data_path() == "shm-direct";
+  }));
+  REQUIRE(prefill.Submit(Write("fresh", "kvh", "kve", {3}, {11})).ok());
+  auto fresh_done = prefill.WaitTransfer("fresh", 30000);
+  REQUIRE(fresh_done.ok());
+  INFO(fresh_done->error_message());
+  REQUIRE(fresh_done->phase() == v1::COMPLETED);
+  const auto got = FromDevice(fresh.dptr, kKvBytes);
+  for (uint32_t r = 0; r < 2 * kLayers; ++r) {
+    CHECK(std::memcmp(got.data() + (r * kPages + 11) * kPageBytes, host->Page(r, 3),
+                      kPageBytes) == 0);
   }
 }
 

@@ -14,7 +14,8 @@
 // tests/gpu runs the same code on a real GPU.
 //
 // Test hooks (extern "C", found with dlsym): the copies each stream ran, and a source
-// address range that makes queueing a copy from it fail with CUDA_ERROR_ILLEGAL_ADDRESS.
+// address range that makes queueing a copy from it fail with CUDA_ERROR_ILLEGAL_ADDRESS;
+// and, by environment, VMM imports refused (KVAGENT_STANDIN_REFUSE_VMM_IMPORT, below).
 #include <fcntl.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -445,9 +446,15 @@ int cuMemExportToShareableHandle(void* out, uint64_t handle, int type, unsigned 
   *static_cast<int*>(out) = fd;
   return kSuccess;
 }
-// Only descriptors this stand-in exported are shareable handles.
+// Only descriptors this stand-in exported are shareable handles. Test hook: with
+// KVAGENT_STANDIN_REFUSE_VMM_IMPORT=1 in its environment a process refuses every
+// import as the driver does a handle it cannot use (CUDA_ERROR_NOT_SUPPORTED).
 int cuMemImportFromShareableHandle(uint64_t* handle, void* os_handle, int type) {
   if (type != 1) return kNotSupported;
+  if (const char* refuse = std::getenv("KVAGENT_STANDIN_REFUSE_VMM_IMPORT");
+      refuse != nullptr && std::strcmp(refuse, "1") == 0) {
+    return kNotSupported;
+  }
   const int fd = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
   char link[256] = {};
   const std::string path = "/proc/self/fd/" + std::to_string(fd);
