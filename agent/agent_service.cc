@@ -786,15 +786,20 @@ void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& re
     } else if (deps.transfer_metrics != nullptr) {
       deps.transfer_metrics->SubmitRefused(state.status().code());
     }
-    if (!state.ok() || !wait || TerminalPhase(state->phase())) {
-      done(std::move(state));
+    if (!state.ok()) {
+      done(state.status(), v1::TransferState::default_instance());
+      return;
+    }
+    if (!wait || TerminalPhase(state->phase())) {
+      done(absl::OkStatus(), *state);
       return;
     }
     auto shared = std::make_shared<SubmitDone>(std::move(done));
     absl::Status watched = engine->WhenTerminal(
-        request.transfer_id(), [shared](const v1::TransferState& s) { (*shared)(s); });
+        request.transfer_id(),
+        [shared](const v1::TransferState& s) { (*shared)(absl::OkStatus(), s); });
     // Only pruning could lose it, and that keeps the newest finished transfers.
-    if (!watched.ok()) (*shared)(watched);
+    if (!watched.ok()) (*shared)(watched, v1::TransferState::default_instance());
   };
   if (!engine->NamesUnknownRemote(request)) {
     submit(std::move(done));
@@ -812,9 +817,9 @@ void AgentService::HandleSubmitTransfer(grpc::CallbackServerContext* context,
   auto caller = Authorize(context, Need::kEngineOrScheduler, "SubmitTransfer");
   if (!caller.ok()) return reply(caller.status());
   agent::SubmitTransfer(deps_, *request, *caller, request->wait(),
-         [reply, response](absl::StatusOr<v1::TransferState> state) {
-           if (state.ok()) *response = *std::move(state);
-           reply(state.status());
+         [reply, response](const absl::Status& refused, const v1::TransferState& state) {
+           if (refused.ok()) *response = state;
+           reply(refused);
          });
 }
 
@@ -841,13 +846,13 @@ void AgentService::HandleSubmitTransfers(grpc::CallbackServerContext* context,
   for (int i = 0; i < n; ++i) {
     const v1::SubmitTransferRequest& entry = request->transfers(i);
     agent::SubmitTransfer(deps_, entry, *caller, request->wait() || entry.wait(),
-           [call, i](absl::StatusOr<v1::TransferState> state) {
+           [call, i](const absl::Status& refused, const v1::TransferState& state) {
              v1::SubmitResult* result = call->response->mutable_results(i);
-             if (state.ok()) {
-               *result->mutable_state() = *std::move(state);
+             if (refused.ok()) {
+               *result->mutable_state() = state;
              } else {
-               result->set_error_code(static_cast<int32_t>(state.status().code()));
-               result->set_error_message(std::string(state.status().message()));
+               result->set_error_code(static_cast<int32_t>(refused.code()));
+               result->set_error_message(std::string(refused.message()));
              }
              if (call->pending.fetch_sub(1) == 1) call->reply(absl::OkStatus());
            });

@@ -103,9 +103,13 @@ void DeregisterAndWait(const ServiceDeps& deps, const std::vector<std::string>& 
 
 // Submits `request` as `caller` (refreshing the peer first when it names a remote group
 // or region the peer's catalog lacks) and calls `done` once: with the accepted state,
-// or with the final state when `wait`. `request` must outlive the call of `done`. The
-// gRPC methods and the fast path (agent/fast_path) both submit through it.
-using SubmitDone = std::function<void(absl::StatusOr<v1::TransferState>)>;
+// or with the final state when `wait`; or with the refusal (`refused` not OK, `state`
+// empty). `request` must outlive the call of `done`. The gRPC methods and the fast path
+// (agent/fast_path) both submit through it. `state` is lent for the call only (the final
+// one is the engine's own, under its lock): `done` copies what it keeps, so the fast
+// path, which keeps five fields, copies no whole state.
+using SubmitDone =
+    std::function<void(const absl::Status& refused, const v1::TransferState& state)>;
 void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request,
                     const Caller& caller, bool wait, SubmitDone done);
 

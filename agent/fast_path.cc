@@ -117,18 +117,20 @@ struct FastPathServer::Ring {
     }
   }
 
-  // Posts a submit's or cancel's completion: the refusal, or the transfer's state.
-  void Finish(fr::CompletionHeader completion, const absl::StatusOr<v1::TransferState>& state) {
-    if (!state.ok()) {
-      completion.code = static_cast<int32_t>(state.status().code());
-      Post(completion, state.status().message());
+  // Posts a submit's or cancel's completion: the refusal, or the transfer's state (read
+  // in place: the five fields a completion holds).
+  void Finish(fr::CompletionHeader completion, const absl::Status& refused,
+              const v1::TransferState& state) {
+    if (!refused.ok()) {
+      completion.code = static_cast<int32_t>(refused.code());
+      Post(completion, refused.message());
       return;
     }
-    completion.code = state->error_code();
-    completion.phase = static_cast<uint32_t>(state->phase());
-    completion.bytes_done = state->bytes_done();
-    completion.latency_us = state->latency_us();
-    Post(completion, state->error_message());
+    completion.code = state.error_code();
+    completion.phase = static_cast<uint32_t>(state.phase());
+    completion.bytes_done = state.bytes_done();
+    completion.latency_us = state.latency_us();
+    Post(completion, state.error_message());
   }
 
   // Published slots not taken yet, and whether the next entry can be taken now.
@@ -377,8 +379,13 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
       ring->Post(completion, "");
       return;
     case fr::kCancel:
-      ring->Finish(completion, backend_.cancel(std::string(payload), ring->caller));
+    {
+      const absl::StatusOr<v1::TransferState> cancelled =
+          backend_.cancel(std::string(payload), ring->caller);
+      ring->Finish(completion, cancelled.status(),
+                   cancelled.ok() ? *cancelled : v1::TransferState::default_instance());
       return;
+    }
     case fr::kSubmit: {
       auto parsed = std::make_shared<ParsedSubmit>();
       const v1::SubmitTransferRequest& ref = *parsed->request;
@@ -392,8 +399,8 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
       }
       backend_.submit(ref, ring->caller,
                       [ring, completion, parsed = std::move(parsed)](
-                          absl::StatusOr<v1::TransferState> state) {
-                        ring->Finish(completion, state);
+                          const absl::Status& refused, const v1::TransferState& state) {
+                        ring->Finish(completion, refused, state);
                       });
       return;
     }

@@ -37,9 +37,10 @@ struct FastPathOptions {
 };
 
 // What the rings' entries become: the agent's submit (with wait: `done` gets the
-// final state, or the refusal) and cancel, exactly as gRPC's.
+// final state, or the refusal; the state is lent for the call, as SubmitTransfer's in
+// agent/agent_service.h) and cancel, exactly as gRPC's.
 struct FastPathBackend {
-  using Done = std::function<void(absl::StatusOr<v1::TransferState>)>;
+  using Done = std::function<void(const absl::Status& refused, const v1::TransferState& state)>;
   std::function<void(const v1::SubmitTransferRequest& request, const Caller& caller, Done done)>
       submit;
   std::function<absl::StatusOr<v1::TransferState>(const std::string& transfer_id,

@@ -112,6 +112,12 @@ absl::StatusOr<v1::TransferState> Outcome(const v1::SubmitTransferRequest& reque
   }
 }
 
+// Calls `done` with `outcome` (the refusal, or the state it lends).
+void Answer(const agent::FastPathBackend::Done& done,
+            const absl::StatusOr<v1::TransferState>& outcome) {
+  done(outcome.status(), outcome.ok() ? *outcome : v1::TransferState::default_instance());
+}
+
 // The FastPathBackend: submits answered at once (by the request's chunk number) or,
 // for `wait` requests, held until Release; cancels answered at once. Called on the
 // server's thread; Release runs on the fuzzer's.
@@ -129,7 +135,7 @@ class Backend {
           return;
         }
       }
-      done(Outcome(request, request.chunk()));
+      Answer(done, Outcome(request, request.chunk()));
     };
     backend.cancel = [this](const std::string& transfer_id,
                             const agent::Caller& caller) -> absl::StatusOr<v1::TransferState> {
@@ -150,7 +156,7 @@ class Backend {
         held_.pop_front();
       }
     }
-    for (Held& h : taken) h.done(Outcome(h.request, outcome));
+    for (Held& h : taken) Answer(h.done, Outcome(h.request, outcome));
   }
 
   // From now on every submit is answered at once.

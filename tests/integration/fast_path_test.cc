@@ -79,6 +79,24 @@ void WaitKnown(cli::AgentClient& client, const std::string& id) {
   FAIL("transfer " << id << " never appeared");
 }
 
+// A completion holds the transfer's final phase, error code and message, bytes and
+// latency: those the agent's state of it (GetTransfer) holds.
+void CheckCompletionIsState(cli::AgentClient& client, const std::string& id,
+                            const FastCompletion& c) {
+  auto state = client.Get(id);
+  REQUIRE(state.ok());
+  CHECK(c.phase == state->phase());
+  CHECK(static_cast<int32_t>(c.code) == state->error_code());
+  if (state->error_message().size() <= fr::kMaxMessage) {
+    CHECK(c.message == state->error_message());
+  } else {  // cut to fit the entry (it says where to read the rest)
+    CHECK(c.message.size() <= fr::kMaxMessage);
+    CHECK(c.message.substr(0, 40) == state->error_message().substr(0, 40));
+  }
+  CHECK(c.bytes_done == state->bytes_done());
+  CHECK(c.latency_us == state->latency_us());
+}
+
 void HonestFastWrite(AgentPair& pair, FastPath& fast, const std::string& id, uint64_t src,
                      uint64_t dst) {
   REQUIRE(fast.Submit(KvWrite(id, {src}, {dst}), 999).ok());
@@ -106,6 +124,7 @@ TEST_CASE("fast path: a WRITE moves pages byte-exact and the peer is notified") 
   CHECK(pair.PageEqual(4, 1));
   CHECK(pair.PageEqual(9, 17));
   CHECK(pair.PageUntouched(2));
+  CheckCompletionIsState(pair.prefill(), "fast-1", c);
   // The same transfer as gRPC sees it.
   auto state = pair.prefill().Get("fast-1");
   REQUIRE(state.ok());
@@ -313,6 +332,8 @@ TEST_CASE("fast path: a deadline ends a transfer whose peer stopped answering") 
   INFO(c.message << " after " << ms << " ms");
   CHECK(c.phase == v1::TIMED_OUT);
   CHECK(c.code == absl::StatusCode::kDeadlineExceeded);
+  CHECK_FALSE(c.message.empty());
+  CheckCompletionIsState(pair.prefill(), "to-time-out", c);
   CHECK(ms >= 250);
   HonestFastWrite(pair, *fast, "after-deadline", 10, 11);
 }
@@ -329,6 +350,7 @@ TEST_CASE("fast path: a peer that dies fails the transfers in flight on the ring
   INFO(c.message);
   CHECK(c.phase == v1::FAILED);
   CHECK(c.code == absl::StatusCode::kUnavailable);
+  CheckCompletionIsState(pair.prefill(), "doomed", c);
   auto status = pair.prefill().Status();
   CHECK(status.ok());
 }
