@@ -6,7 +6,6 @@
 #include <charconv>
 #include <utility>
 
-#include "absl/strings/str_join.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
 #include "base/format.h"
@@ -76,16 +75,33 @@ absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) co
   return absl::OkStatus();
 }
 
-std::vector<std::string> IncomingTransfers::OwnersOf(const v1::Notification& n) const {
-  std::vector<std::string> owners;
+void IncomingTransfers::OwnersOf(const v1::Notification& n,
+                                 std::vector<std::string>* owners) const {
+  owners->clear();
   for (const auto& target : n.targets()) {
     for (const auto& region : RegionsOf(target)) {
-      if (std::find(owners.begin(), owners.end(), region->owner) == owners.end()) {
-        owners.push_back(region->owner);
+      if (std::find(owners->begin(), owners->end(), region->owner) == owners->end()) {
+        owners->push_back(region->owner);
       }
     }
   }
-  return owners;
+}
+
+IncomingTransfers::Record& IncomingTransfers::AddRecordLocked(const Key& key) {
+  if (spare_.empty()) return records_[key];
+  auto node = std::move(spare_.back());
+  spare_.pop_back();
+  node.key().assign(key);
+  // A new record's values; the state's strings and timeline entries and the owners'
+  // vector keep their storage (Clear and clear keep it).
+  Record& old = node.mapped();
+  Record fresh;
+  fresh.state.Swap(&old.state);
+  fresh.state.Clear();
+  fresh.owners.swap(old.owners);
+  fresh.owners.clear();
+  old = std::move(fresh);
+  return records_.insert(std::move(node)).position->second;
 }
 
 IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification& n) {
@@ -102,7 +118,7 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
               TransferLabel(n.transfer_id(), n.request_id()), Printable(n.from_agent()), active_);
     return nullptr;
   }
-  Record& r = records_[key];
+  Record& r = AddRecordLocked(key);
   r.state.set_transfer_id(n.transfer_id());
   r.state.set_peer(n.from_agent());
   r.state.set_direction(v1::INCOMING);
@@ -112,8 +128,12 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   r.state.set_request_id(n.request_id());
   r.start_us = MonotonicMicros();
   MarkStage(r.state, v1::STAGE_SUBMITTED, r.start_us, r.start_us);
-  r.owners = OwnersOf(n);
-  r.state.set_owner(absl::StrJoin(r.owners, ","));
+  OwnersOf(n, &r.owners);
+  std::string* owner = r.state.mutable_owner();
+  for (const auto& principal : r.owners) {
+    if (!owner->empty()) owner->push_back(',');
+    owner->append(principal);
+  }
   ++active_;
   return &r;
 }
@@ -167,7 +187,7 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
   if (r == nullptr) {
     // Untracked (no room): acknowledge and deliver at once; the commit finds nothing.
     Record lone;
-    lone.owners = OwnersOf(n);
+    OwnersOf(n, &lone.owners);
     lone.reply_ep = reply_ep;
     lone.ack_token = n.ack_token();
     Key key = KeyOf(n);
@@ -297,10 +317,20 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   }
   // The owners as they were when the transfer began; the targets' owners now, when it
   // was never opened here.
-  std::vector<std::string> owners = r.owners.empty() ? OwnersOf(out) : r.owners;
+  std::vector<std::string> owners = r.owners;
+  if (owners.empty()) OwnersOf(out, &owners);
   queue_->Push(QueuedNotification{std::move(out), std::move(owners)},
                std::exchange(r.reserved_bytes, 0));
-  ended_order_.push_back(key);
+  // Into the ring of ended keys: the slot past the newest (its string reused), else a
+  // new slot while the ring is still growing (the oldest is then at the front).
+  if (ended_count_ < ended_keys_.size()) {
+    ended_keys_[(ended_head_ + ended_count_) % ended_keys_.size()].assign(key);
+  } else {
+    std::rotate(ended_keys_.begin(), ended_keys_.begin() + ended_head_, ended_keys_.end());
+    ended_head_ = 0;
+    ended_keys_.push_back(key);
+  }
+  ++ended_count_;
   PruneLocked();
 }
 
@@ -335,9 +365,16 @@ uint64_t IncomingTransfers::NextExpiry() const {
 }
 
 void IncomingTransfers::PruneLocked() {
-  while (ended_order_.size() > options_.max_finished) {
-    records_.erase(ended_order_.front());
-    ended_order_.pop_front();
+  while (ended_count_ > options_.max_finished) {
+    const Key& oldest = ended_keys_[ended_head_];
+    if (spare_.size() < kSpareRecords) {
+      auto node = records_.extract(oldest);
+      if (!node.empty()) spare_.push_back(std::move(node));
+    } else {
+      records_.erase(oldest);
+    }
+    ended_head_ = (ended_head_ + 1) % ended_keys_.size();
+    --ended_count_;
   }
 }
 

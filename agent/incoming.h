@@ -9,7 +9,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -99,7 +98,12 @@ class IncomingTransfers {
 
   // The record of `n` (made when missing and there is room; null otherwise).
   Record* FindOrMake(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::vector<std::string> OwnersOf(const v1::Notification& n) const;
+  // The principals owning the regions `n` targets, into `owners` (cleared first; its
+  // storage is kept).
+  void OwnersOf(const v1::Notification& n, std::vector<std::string>* owners) const;
+  // A new record under `key` (not in records_): a pruned one's node when one is spare,
+  // reset to a new record's values but keeping its storage, else a new one.
+  Record& AddRecordLocked(const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delivers `kind` to the record's owners, once, and ends the record.
   // `from`'s payload and targets move into the notification delivered.
   void EndLocked(const Key& key, Record& r, v1::TransferPhase phase, v1::NotificationKind kind,
@@ -125,7 +129,17 @@ class IncomingTransfers {
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
-  std::deque<Key> ended_order_ ABSL_GUARDED_BY(mu_);
+  // The ended records' keys, oldest first: a ring (ended_keys_[ended_head_] is the
+  // oldest of ended_count_) whose strings are reused as the newest replace the oldest,
+  // so ending one allocates no key once max_finished have ended.
+  std::vector<Key> ended_keys_ ABSL_GUARDED_BY(mu_);
+  size_t ended_head_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t ended_count_ ABSL_GUARDED_BY(mu_) = 0;
+  // Pruned records' nodes, for AddRecordLocked: a record's key, state (strings, timeline
+  // entries) and owners keep their storage, so a steady stream of transfers neither
+  // frees the oldest record nor allocates the new one. At most kSpareRecords.
+  static constexpr size_t kSpareRecords = 8;
+  std::vector<absl::flat_hash_map<Key, Record>::node_type> spare_ ABSL_GUARDED_BY(mu_);
   Key lookup_key_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,0 +1,217 @@
+// IncomingTransfers keeps the last max_finished ended incoming transfers for Get and
+// List, and prunes older ones as new ones end (a ring of ended keys; a pruned record's
+// node is reused for the next transfer). Without daemons: what Get and List show
+// through many ends is exactly what a fresh record would show (nothing left over from
+// the record whose node was reused: error text, timeline stages, owners), the count
+// stays bounded, the newest are kept in order, and an id a sender uses again (after
+// its record was pruned, or from a new incarnation while the old one is kept) is its
+// own record.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "agent/access.h"
+#include "agent/incoming.h"
+#include "agent/notification_queue.h"
+#include "agent/status_util.h"
+#include "catch2/catch.hpp"
+#include "fmt/format.h"
+#include "proto/kvagent.pb.h"
+#include "proto/wire.pb.h"
+#include "registry/region_registry.h"
+#include "tests/unit/registry/test_util.h"
+
+namespace kvagent::agent {
+namespace {
+
+constexpr uint32_t kKept = 3;
+
+v1::Notification Notice(const std::string& id, v1::NotificationKind kind, uint64_t incarnation,
+                        const std::string& target) {
+  v1::Notification n;
+  n.set_from_agent("sender");
+  n.set_sender_incarnation(incarnation);
+  n.set_transfer_id(id);
+  n.set_kind(kind);
+  n.set_op(v1::WRITE);
+  n.set_timeout_ms(60000);
+  n.set_bytes(4096);
+  n.add_targets(target);
+  return n;
+}
+
+struct Receiver {
+  registry::RegionRegistry regions{&registry::testing::Context()};
+  registry::ShmMapping shm = registry::testing::MakeShm(2 * 4096);
+  NotificationQueue queue;
+  IncomingTransfers incoming;
+  Caller scheduler;
+  Caller owner_a;
+  uint32_t acks = 0;
+
+  Receiver()
+      : incoming(
+            [] {
+              IncomingOptions options;
+              options.self_name = "receiver";
+              options.max_finished = kKept;
+              return options;
+            }(),
+            &regions, &queue, [this](void*, const wire::TransferAck&) { ++acks; }) {
+    REQUIRE(regions
+                .Register({registry::testing::Spec("ra", shm.name(), 0, 4096, 1, 4096)}, false,
+                          registry::testing::Registrant("owner-a-with-a-long-principal"))
+                .ok());
+    REQUIRE(regions
+                .Register({registry::testing::Spec("rb", shm.name(), 4096, 4096, 1, 4096)}, false,
+                          registry::testing::Registrant("owner-b"))
+                .ok());
+    scheduler.scheduler = true;
+    scheduler.principal = "cert:scheduler";
+    owner_a.principal = "owner-a-with-a-long-principal";
+  }
+
+  // Open, DATA_READY (acknowledged), commit: COMPLETED.
+  void Complete(const std::string& id, const std::string& target, uint64_t incarnation = 7) {
+    NextMicrosecond();
+    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target), nullptr);
+    static int endpoint;
+    incoming.OnDataReady(Notice(id, v1::DATA_READY, incarnation, target), &endpoint,
+                         absl::OkStatus());
+    incoming.OnNotice(Notice(id, v1::PEER_DATA_COMMIT, incarnation, target), nullptr);
+  }
+  // Open, then the sender's failure: FAILED with its message.
+  void Fail(const std::string& id, const std::string& target, uint64_t incarnation = 7) {
+    NextMicrosecond();
+    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target), nullptr);
+    v1::Notification failed = Notice(id, v1::TRANSFER_FAILED, incarnation, target);
+    failed.set_error_code(static_cast<int32_t>(absl::StatusCode::kInternal));
+    failed.set_error_message(fmt::format("the sender's copy of {} broke", id));
+    incoming.OnNotice(failed, nullptr);
+  }
+
+  // List orders by submission time (microseconds) and Get answers the newest: each
+  // transfer opens in a later microsecond than the one before, so the order is defined.
+  void NextMicrosecond() {
+    const uint64_t now = UnixMicros();
+    while (UnixMicros() == now) {
+    }
+  }
+
+  std::vector<std::string> Ids(const Caller& caller) {
+    std::vector<std::string> ids;
+    for (const auto& s : incoming.List(false, caller)) ids.push_back(s.transfer_id());
+    return ids;
+  }
+};
+
+// What a completed incoming record shows, whatever record its node held before.
+void CheckCompleted(const v1::TransferState& s, const std::string& id) {
+  CHECK(s.transfer_id() == id);
+  CHECK(s.peer() == "sender");
+  CHECK(s.direction() == v1::INCOMING);
+  CHECK(s.op() == v1::WRITE);
+  CHECK(s.phase() == v1::COMPLETED);
+  CHECK(s.error_code() == 0);
+  CHECK(s.error_message().empty());
+  CHECK(s.bytes_total() == 4096);
+  CHECK(s.bytes_done() == 4096);
+  CHECK(s.drained());
+  CHECK(s.failed_segment() == -1);
+  CHECK(s.owner() == "owner-a-with-a-long-principal");
+  // Its own stages once each: submitted, notification received, acknowledged, ended.
+  REQUIRE(s.timeline_size() == 4);
+  CHECK(s.timeline(0).stage() == v1::STAGE_SUBMITTED);
+  CHECK(s.timeline(1).stage() == v1::STAGE_NOTIFICATION_RECEIVED);
+  CHECK(s.timeline(2).stage() == v1::STAGE_ACKNOWLEDGED);
+  CHECK(s.timeline(3).stage() == v1::STAGE_ENDED);
+}
+
+TEST_CASE("ended incoming transfers: the last max_finished kept, in order, bounded") {
+  Receiver r;
+  for (int i = 0; i < 50; ++i) {
+    r.Complete(fmt::format("t{}", i), "ra");
+    std::vector<std::string> ids = r.Ids(r.scheduler);
+    REQUIRE(ids.size() == std::min<size_t>(i + 1, kKept));
+    // The newest, oldest first (List sorts by submission).
+    CHECK(ids.back() == fmt::format("t{}", i));
+    if (i >= 2) CHECK(ids.front() == fmt::format("t{}", i - 2));
+  }
+  CHECK(r.acks == 50);
+  CHECK(r.incoming.active() == 0);
+  CHECK(r.incoming.Get("", "t46", r.scheduler).status().code() == absl::StatusCode::kNotFound);
+  for (const char* id : {"t47", "t48", "t49"}) {
+    auto got = r.incoming.Get("sender", id, r.owner_a);
+    REQUIRE(got.ok());
+    CheckCompleted(*got, id);
+  }
+}
+
+TEST_CASE("a record made in a pruned one's place shows nothing of the old one") {
+  Receiver r;
+  // Failed ones owned by owner-b, then completed ones owned by owner-a take their
+  // places (their nodes): no error text, no extra stages, no old owner.
+  for (int i = 0; i < 10; ++i) r.Fail(fmt::format("failed-with-a-long-id-{}", i), "rb");
+  for (const auto& s : r.incoming.List(false, r.scheduler)) {
+    CHECK(s.phase() == v1::FAILED);
+    CHECK(s.owner() == "owner-b");
+    CHECK_FALSE(s.error_message().empty());
+  }
+  for (int i = 0; i < 10; ++i) r.Complete(fmt::format("ok{}", i), "ra");
+  std::vector<v1::TransferState> listed = r.incoming.List(false, r.scheduler);
+  REQUIRE(listed.size() == kKept);
+  for (size_t i = 0; i < listed.size(); ++i) CheckCompleted(listed[i], fmt::format("ok{}", 7 + i));
+  // owner-b sees none of them; owner-a sees all three.
+  Caller owner_b;
+  owner_b.principal = "owner-b";
+  CHECK(r.incoming.List(false, owner_b).empty());
+  CHECK(r.incoming.List(false, r.owner_a).size() == kKept);
+  // And back: a failure in a completed one's place has its own error and stages.
+  r.Fail("late-failure", "rb");
+  auto failed = r.incoming.Get("", "late-failure", owner_b);
+  REQUIRE(failed.ok());
+  CHECK(failed->phase() == v1::FAILED);
+  CHECK(failed->error_code() == static_cast<int32_t>(absl::StatusCode::kInternal));
+  CHECK(failed->error_message() == "the sender's copy of late-failure broke");
+  CHECK(failed->bytes_done() == 0);
+  CHECK_FALSE(failed->drained());
+  CHECK(failed->owner() == "owner-b");
+  REQUIRE(failed->timeline_size() == 2);  // submitted, ended
+  CHECK(failed->timeline(1).stage() == v1::STAGE_ENDED);
+}
+
+TEST_CASE("an id used again is its own record") {
+  Receiver r;
+  SECTION("after the first was pruned") {
+    r.Fail("again", "rb");
+    for (int i = 0; i < 5; ++i) r.Complete(fmt::format("filler{}", i), "ra");
+    CHECK(r.incoming.Get("", "again", r.scheduler).status().code() ==
+          absl::StatusCode::kNotFound);
+    r.Complete("again", "ra");
+    auto got = r.incoming.Get("sender", "again", r.owner_a);
+    REQUIRE(got.ok());
+    CheckCompleted(*got, "again");
+  }
+  SECTION("by the sender's next incarnation while the first is kept") {
+    r.Fail("again", "rb", /*incarnation=*/7);
+    r.Complete("again", "ra", /*incarnation=*/8);
+    std::vector<v1::TransferState> listed = r.incoming.List(false, r.scheduler);
+    REQUIRE(listed.size() == 2);
+    CHECK(listed[0].phase() == v1::FAILED);
+    CHECK(listed[1].phase() == v1::COMPLETED);
+    // Get answers the newer.
+    auto got = r.incoming.Get("sender", "again", r.scheduler);
+    REQUIRE(got.ok());
+    CheckCompleted(*got, "again");
+    // Both end and are pruned in turn like any other.
+    for (int i = 0; i < 5; ++i) r.Complete(fmt::format("filler{}", i), "ra");
+    CHECK(r.incoming.Get("", "again", r.scheduler).status().code() ==
+          absl::StatusCode::kNotFound);
+    CHECK(r.Ids(r.scheduler) == std::vector<std::string>{"filler2", "filler3", "filler4"});
+  }
+}
+
+}  // namespace
+}  // namespace kvagent::agent
