@@ -491,6 +491,14 @@ void HostAndPeerVmm(bool refuse) {
     CHECK(peer->direct_fallbacks_size() == 0);
     CHECK(peer->vmm_import_failures() == 0);
     if (StandinDriver()) CHECK(StandinVmmImports(agents.prefill.pid()) == 1);  // one for 10 regions
+    // Only allocations a registered region announced are handed out.
+    auto session = decode.Session();
+    REQUIRE(session.ok());
+    auto unknown = (*session)->PeerDeviceMemories({9999});
+    REQUIRE_FALSE(unknown.ok());
+    CHECK(unknown.status().code() == absl::StatusCode::kNotFound);
+    CHECK_THAT(std::string(unknown.status().message()),
+               Catch::Contains("device memory 9999 is not exported by any registered region"));
   }
 
   // host (prefill) -> VMM (decode)
