@@ -35,16 +35,6 @@ v1::AgentStatus StatusOf(cli::AgentClient& agent) {
 
 bool Pushed(const v1::PeerInfo& p) { return p.metadata_source() == "push"; }
 
-// Decode's door is answering prefill's pings (its count moves).
-void RequireAnswering(AgentPair& pair) {
-  const uint64_t before = StatusOf(pair.decode()).liveness_answered();
-  const auto start = std::chrono::steady_clock::now();
-  while (StatusOf(pair.decode()).liveness_answered() <= before && MillisSince(start) < 20000) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  REQUIRE(StatusOf(pair.decode()).liveness_answered() > before);
-}
-
 void RequireTransferWorks(AgentPair& pair, const std::string& id) {
   pair.ResetContents();
   auto write = pair.prefill().Submit(KvWrite(id, {0, 1}, {5, 6}));
@@ -60,7 +50,7 @@ TEST_CASE("a hung peer is seen by its liveness door within 2 s, and is connected
           "it resumes") {
   AgentPair pair(LongPolls());
   REQUIRE(MillisUntil(pair.prefill(), "decode", 5000, Pushed) >= 0);
-  RequireAnswering(pair);
+  RequireDoorAnswering(pair);
   CHECK(StatusOf(pair.decode()).metadata_streams() == 1);
 
   const pid_t decode = pair.decode_process().pid();
@@ -78,14 +68,14 @@ TEST_CASE("a hung peer is seen by its liveness door within 2 s, and is connected
   });
   std::printf("liveness: connected again %lld ms after SIGCONT\n", static_cast<long long>(back));
   REQUIRE(back >= 0);
-  RequireAnswering(pair);
+  RequireDoorAnswering(pair);
   RequireTransferWorks(pair, "after-resume");
 }
 
 TEST_CASE("junk sprayed at a liveness door is dropped and counted; the pair stays connected") {
   AgentPair pair(LongPolls());
   REQUIRE(MillisUntil(pair.prefill(), "decode", 5000, Pushed) >= 0);
-  RequireAnswering(pair);
+  RequireDoorAnswering(pair);
   const v1::AgentStatus before = StatusOf(pair.decode());
 
   UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
@@ -140,7 +130,7 @@ TEST_CASE("junk sprayed at a liveness door is dropped and counted; the pair stay
   CHECK(recv(fd.get(), answer, sizeof answer, MSG_DONTWAIT) < 0);
   CHECK(stayed);
   CHECK(PeerView(pair.prefill(), "decode").state() == "connected");
-  RequireAnswering(pair);
+  RequireDoorAnswering(pair);
   RequireTransferWorks(pair, "after-junk");
 }
 
@@ -149,7 +139,7 @@ TEST_CASE("a peer without a liveness door (--liveness off) is polled, and a hung
   AgentPair pair;  // polls every 200 ms
   // decode's door answers, so prefill's monitor has nothing to poll and sleeps: the
   // peer without a door must wake it (it once did not, and was never polled).
-  RequireAnswering(pair);
+  RequireDoorAnswering(pair);
   std::this_thread::sleep_for(std::chrono::milliseconds(600));
   cli::DaemonProcess old = StartOldPeer(pair, {"--liveness", "off"});
   REQUIRE(MillisUntil(pair.prefill(), "oldpeer", 5000, Pushed) >= 0);

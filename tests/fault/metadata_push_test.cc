@@ -107,6 +107,9 @@ TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by its livene
   REQUIRE(MillisUntil(pair.prefill(), "decode", 2000, [](const v1::PeerInfo& p) {
             return p.metadata_source() == "push";
           }) >= 0);
+  // Under load the hang could otherwise come before prefill's prober had any answer
+  // from decode's door (CI failed this way at load 9: unseen for 5 s).
+  RequireDoorAnswering(pair);
   const pid_t decode = pair.decode_process().pid();
   HangDecode(pair, "pushed");
   CHECK_THAT(PeerView(pair.prefill(), "decode").last_error(), Catch::Contains("liveness door"));

@@ -60,6 +60,23 @@ inline cli::DaemonProcess StartOldPeer(AgentPair& pair, std::vector<std::string>
   return *std::move(old);
 }
 
+// Decode's liveness door has answered prefill's pings twice since this was called, so
+// prefill's prober has had an answer (a door that never answered proves nothing, and
+// its peer is judged by slow polls instead): call it before hanging decode.
+inline void RequireDoorAnswering(AgentPair& pair) {
+  auto answered = [&] {
+    auto status = pair.decode().Status();
+    REQUIRE(status.ok());
+    return status->liveness_answered();
+  };
+  const uint64_t before = answered();
+  const auto start = std::chrono::steady_clock::now();
+  while (answered() < before + 2 && MillisSince(start) < 20000) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  REQUIRE(answered() >= before + 2);
+}
+
 // Hangs decode (SIGSTOP, every thread stopped) and returns the milliseconds until
 // prefill lists it unreachable, printed after `label` and checked against the 2 s bound.
 inline int64_t HangDecode(AgentPair& pair, const char* label) {
