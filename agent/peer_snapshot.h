@@ -90,6 +90,11 @@ struct PeerSnapshot {
   // AgentMetadata.wire_features: the active messages beyond 1-5 the peer takes
   // (agent/am_ids.h kWire*).
   uint32_t wire_features = 0;
+  // The same view without `direct` (set when direct is), made once per view: a
+  // finished transfer's record keeps this one (its outcome and commit notices need only
+  // the endpoint), so it neither holds the peer's mapped memory nor copies a view per
+  // transfer.
+  std::shared_ptr<const PeerSnapshot> without_direct;
 };
 
 }  // namespace kvagent::agent

@@ -192,9 +192,13 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   // memory mapped here (shm, CUDA IPC, CUDA VMM imports), or memory the peer freed (its
   // VRAM too) stays held until the record goes. Batches in flight hold their own view.
   if (t.last_peer != nullptr && t.last_peer->direct != nullptr) {
-    auto endpoint_only = std::make_shared<PeerSnapshot>(*t.last_peer);
-    endpoint_only->direct = nullptr;
-    t.last_peer = std::move(endpoint_only);
+    if (t.last_peer->without_direct != nullptr) {
+      t.last_peer = t.last_peer->without_direct;  // the peer manager's views have one
+    } else {
+      auto endpoint_only = std::make_shared<PeerSnapshot>(*t.last_peer);
+      endpoint_only->direct = nullptr;
+      t.last_peer = std::move(endpoint_only);
+    }
   }
   std::string().swap(t.notification);  // ended before DATA_READY: never sent
   planned_ops_ -= std::min(planned_ops_, t.planned_ops);
