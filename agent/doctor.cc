@@ -307,6 +307,51 @@ v1::DoctorCheck CheckRdma(const std::vector<RdmaDevice>& devices,
               fmt::format("{}; UCX RDMA transports {}", found, List(rdma_transports)));
 }
 
+namespace {
+
+// A connected same-host peer with regions that are not mapped here (PeerInfo
+// direct_fallbacks, vmm_import_failures): what they cost and what to check.
+v1::DoctorCheck CheckDirectFallbacks(const v1::PeerInfo& p, const std::string& name,
+                                     const std::string& path) {
+  // PeerInfo lists at most kListedFallbacks regions; more may have fallen back.
+  constexpr int kListedFallbacks = 16;
+  const int listed = p.direct_fallbacks_size();
+  std::vector<std::string> found;
+  if (listed > 0) {
+    found.push_back(fmt::format(
+        "{}{} of its regions are not mapped here (shm-direct) and move through host staging "
+        "(VRAM) or UCX (host memory) instead",
+        listed >= kListedFallbacks ? "at least " : "", listed));
+  }
+  if (p.vmm_import_failures() > 0) {
+    found.push_back(fmt::format("{} of its CUDA VMM allocations could not be imported",
+                                p.vmm_import_failures()));
+  }
+  if (listed > 0) found.push_back(fmt::format("first: {}", p.direct_fallbacks(0)));
+  std::string detail = fmt::format("'{}' at {} connected; {}: {}", p.name(), p.address(), path,
+                                   absl::StrJoin(found, "; "));
+  std::string fix =
+      "each such page costs a copy through pinned host buffers (VRAM: host staging, two "
+      "copies and a chunk message instead of one device-to-device copy) or a UCX transfer "
+      "(host memory: cma, far slower than memcpy); `kvagentctl peers` lists every region and "
+      "why. Check: ";
+  if (p.vmm_import_failures() > 0) {
+    fix +=
+        "the exporting engine creates its CUDA VMM allocations with the POSIX file descriptor "
+        "handle type (cuMemCreate with requestedHandleTypes "
+        "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; one without it cannot be imported "
+        "elsewhere), both agents load the same NVIDIA driver (doctor's cuda-driver on each), ";
+  }
+  fix += fmt::format(
+      "both agents run as the same uid (or this agent's uid is in the --peer-uids of '{}') "
+      "and see the same /dev/shm, and both run with --shm-direct auto (the default; off "
+      "sends every region through UCX or host staging)",
+      p.name());
+  return Make(name, Check::WARN, std::move(detail), std::move(fix));
+}
+
+}  // namespace
+
 std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers) {
   std::vector<v1::DoctorCheck> checks;
   if (peers.empty()) {
@@ -320,7 +365,9 @@ std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers) 
                     p.transports().empty() ? "none" : p.transports(), p.error_mode(), p.regions(),
                     p.same_host() ? "same host" : "other host");
     if (p.state() == "connected") {
-      if (p.data_path() == "shm-direct+ucx") {
+      if (p.direct_fallbacks_size() > 0 || p.vmm_import_failures() > 0) {
+        checks.push_back(CheckDirectFallbacks(p, name, path));
+      } else if (p.data_path() == "shm-direct+ucx") {
         checks.push_back(Make(
             name, Check::WARN,
             fmt::format("'{}' at {} connected; {}: some of its regions could not be mapped "

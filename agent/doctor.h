@@ -88,7 +88,9 @@ v1::DoctorCheck CheckRdma(const std::vector<RdmaDevice>& devices,
 // "privileges": WARN when the agent runs as root (euid 0). It needs no more than
 // CAP_IPC_LOCK (to pin memory) as its own user; as root, a flaw in it is a flaw in root.
 v1::DoctorCheck CheckPrivileges(uid_t euid, bool has_ipc_lock);
-// One check per peer ("peer:<name>"), or one "peers" check when there are none.
+// One check per peer ("peer:<name>"), or one "peers" check when there are none. A
+// connected same-host peer with regions not mapped here (direct_fallbacks, VMM import
+// failures) is a WARN naming the count and the first reason, with what to check.
 std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers);
 
 // Live facts. Each reads one thing and never fails: what it cannot read it says in

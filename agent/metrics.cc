@@ -303,6 +303,28 @@ std::string RenderMetrics(const MetricsSources& sources) {
   for (const auto& p : peers) {
     peer_seen.Sample({{"peer", p.name()}}, static_cast<double>(p.last_seen_ms_ago()) / 1000);
   }
+  // Same-host peers whose memory is not all mapped here: what `peers` lists per peer
+  // (PeerInfo.direct_fallbacks, vmm_import_failures of the views in use), summed. Both
+  // are of the current views, so gauges: a peer re-registering or leaving lowers them.
+  uint64_t fallbacks = 0, vmm_failures = 0;
+  for (const auto& p : peers) {
+    fallbacks += static_cast<uint64_t>(p.direct_fallbacks_size());
+    vmm_failures += p.vmm_import_failures();
+  }
+  Family(&out, "kvagent_peer_direct_fallbacks", "gauge",
+         "Regions of same-host peers that could not be mapped here (shm-direct) and move "
+         "through host staging (VRAM) or UCX (host memory) instead, summed over peers (each "
+         "peer lists at most 16). Nonzero: `kvagentctl peers` names each region and why, "
+         "`kvagentctl doctor` says what to check.")
+      .Sample(static_cast<double>(fallbacks));
+  Family(&out, "kvagent_peer_vmm_import_failures", "gauge",
+         "CUDA VMM allocations of same-host peers that this agent's driver could not import "
+         "for the views in use (their regions move through host staging), summed over peers. "
+         "Nonzero: check that the exporting engine created them with the POSIX file "
+         "descriptor handle type (cuMemCreate requestedHandleTypes), that both agents load the "
+         "same NVIDIA driver and run as the same uid (or one in --peer-uids); `kvagentctl "
+         "peers` gives the driver's error.")
+      .Sample(static_cast<double>(vmm_failures));
 
   if (sources.stager != nullptr) {
     Family staged(&out, "kvagent_staging_total", "counter",

@@ -23,6 +23,7 @@
 #include "cli/kv_pool.h"
 #include "cuda/driver.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/unit/catch_main.h"
 
 namespace kvagent::testing {
@@ -455,11 +456,14 @@ cli::KvPoolShape HostShape() {
 // allocation: shm-direct, every byte by the device copy path), or with `refuse` the
 // prefill agent's driver refuses the import (the stand-in's
 // KVAGENT_STANDIN_REFUSE_VMM_IMPORT): the regions fall back to host staging, `peers`
-// says why and counts the failed import, and the bytes still arrive.
+// says why and counts the failed import, so do the metrics and doctor, and the bytes
+// still arrive.
 void HostAndPeerVmm(bool refuse) {
   std::map<std::string, std::string> env;
   if (refuse) env["KVAGENT_STANDIN_REFUSE_VMM_IMPORT"] = "1";
-  Agents agents({"--staging-chunk-bytes", "1048576", "--staging-buffers", "4"}, env);
+  Agents agents({"--staging-chunk-bytes", "1048576", "--staging-buffers", "4",
+                 "--metrics-listen", "127.0.0.1:0"},
+                env);
   cli::AgentClient prefill(agents.prefill.address()), decode(agents.decode.address());
   auto host = cli::CreateKvPool(prefill, "ph", HostShape());
   REQUIRE(host.ok());
@@ -477,6 +481,36 @@ void HostAndPeerVmm(bool refuse) {
   INFO(peer.status().ToString());
   REQUIRE(peer.ok());
   for (const auto& why : peer->direct_fallbacks()) std::printf("fallback: %s\n", why.c_str());
+  // The prefill agent's totals over its peers, and doctor's check of the peer.
+  const std::string metrics = Scrape(MetricsAddress(prefill));
+  CHECK_THAT(metrics, Catch::Contains("# TYPE kvagent_peer_direct_fallbacks gauge") &&
+                          Catch::Contains("# TYPE kvagent_peer_vmm_import_failures gauge"));
+  CHECK(Value(metrics, "kvagent_peer_direct_fallbacks") == (refuse ? 2 * kLayers + 2 : 0));
+  CHECK(Value(metrics, "kvagent_peer_vmm_import_failures") == (refuse ? 1 : 0));
+  auto report = prefill.Doctor();
+  INFO(report.status().ToString());
+  REQUIRE(report.ok());
+  const v1::DoctorCheck* check = nullptr;
+  for (const auto& c : report->checks()) {
+    if (c.name() == "peer:gpu-decode") check = &c;
+  }
+  REQUIRE(check != nullptr);
+  std::printf("doctor: %s %s\n  fix: %s\n", v1::DoctorCheck::Result_Name(check->result()).c_str(),
+              check->detail().c_str(), check->fix().c_str());
+  if (refuse) {
+    CHECK(check->result() == v1::DoctorCheck::WARN);
+    CHECK_THAT(check->detail(),
+               Catch::Contains(std::to_string(2 * kLayers + 2) +
+                               " of its regions are not mapped here") &&
+                   Catch::Contains("1 of its CUDA VMM allocations could not be imported") &&
+                   Catch::Contains("first: region 'd.kv0': cannot import its CUDA VMM memory"));
+    CHECK_THAT(check->fix(), Catch::Contains("host staging") &&
+                                 Catch::Contains("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR") &&
+                                 Catch::Contains("same NVIDIA driver") &&
+                                 Catch::Contains("same uid") && Catch::Contains("--shm-direct"));
+  } else {
+    CHECK(check->result() == v1::DoctorCheck::PASS);
+  }
   if (refuse) {
     CHECK(peer->data_path() == "ucx");  // nothing of decode's could be mapped
     CHECK(peer->vmm_import_failures() == 1);  // one allocation

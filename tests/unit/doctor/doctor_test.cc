@@ -360,6 +360,65 @@ TEST_CASE("peers: connected passes, unreachable fails with its error, none passe
   CHECK(Has(checks[2].detail(), "could not be mapped"));
 }
 
+TEST_CASE("peers: a same-host peer's regions not mapped here are a WARN with the count, the "
+          "first reason and what to check") {
+  v1::PeerInfo vmm;
+  vmm.set_name("decode");
+  vmm.set_address("unix:/run/kvagent/decode.sock");
+  vmm.set_state("connected");
+  vmm.set_same_host(true);
+  vmm.set_data_path("ucx");  // nothing of it could be mapped
+  vmm.set_error_mode("none");
+  vmm.set_regions(10);
+  vmm.add_direct_fallbacks(
+      "region 'd.kv0': cannot import its CUDA VMM memory 1 here (cuMemImportFromShareableHandle "
+      "failed); moves through host staging");
+  vmm.add_direct_fallbacks("region 'd.kv1': the same");
+  vmm.set_vmm_import_failures(1);
+  // Host memory that did not map: no VMM advice.
+  v1::PeerInfo shm = vmm;
+  shm.set_name("shm");
+  shm.set_data_path("shm-direct+ucx");
+  shm.clear_direct_fallbacks();
+  shm.set_vmm_import_failures(0);
+  shm.add_direct_fallbacks("region 's.kv3': cannot map its memory here (Permission denied); "
+                           "moves through UCX");
+  // Only the count of failed imports (no region listed): still a WARN.
+  v1::PeerInfo count_only = vmm;
+  count_only.set_name("counted");
+  count_only.clear_direct_fallbacks();
+  // More than PeerInfo lists.
+  v1::PeerInfo many = shm;
+  many.set_name("many");
+  for (int i = 0; i < 15; ++i) many.add_direct_fallbacks("region 'x': why");
+
+  auto checks = CheckPeers({vmm, shm, count_only, many});
+  REQUIRE(checks.size() == 4);
+  for (const auto& c : checks) CHECK(c.result() == Result::WARN);
+  CHECK(checks[0].name() == "peer:decode");
+  CHECK(checks[0].detail() ==
+        "'decode' at unix:/run/kvagent/decode.sock connected; data path ucx, UCX transports "
+        "none, error mode none, 10 regions, same host: 2 of its regions are not mapped here "
+        "(shm-direct) and move through host staging (VRAM) or UCX (host memory) instead; 1 of "
+        "its CUDA VMM allocations could not be imported; first: region 'd.kv0': cannot import "
+        "its CUDA VMM memory 1 here (cuMemImportFromShareableHandle failed); moves through host "
+        "staging");
+  for (const char* part : {"host staging", "UCX", "kvagentctl peers",
+                           "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", "same NVIDIA driver",
+                           "same uid", "--peer-uids of 'decode'", "--shm-direct"}) {
+    CHECK(Has(checks[0].fix(), part));
+  }
+  CHECK(Has(checks[1].detail(), "1 of its regions are not mapped here"));
+  CHECK(Has(checks[1].detail(), "first: region 's.kv3': cannot map its memory here"));
+  CHECK_FALSE(Has(checks[1].detail(), "CUDA VMM"));
+  CHECK_FALSE(Has(checks[1].fix(), "CUDA VMM"));
+  CHECK(Has(checks[1].fix(), "same uid"));
+  CHECK(Has(checks[2].detail(), "same host: 1 of its CUDA VMM allocations could not be imported"));
+  CHECK_FALSE(Has(checks[2].detail(), "of its regions"));
+  CHECK_FALSE(Has(checks[2].detail(), "first:"));
+  CHECK(Has(checks[3].detail(), "at least 16 of its regions"));
+}
+
 TEST_CASE("InspectShm creates a file to prove the directory writable") {
   const std::string dir = TempDir("shm");
   auto facts = InspectShm(dir);
