@@ -5,6 +5,7 @@
 //   security_probe unix:SOCKET status               the caller's principal and roles
 //   security_probe unix:SOCKET metadata             Peer.GetMetadata (needs the peer role)
 //   security_probe unix:SOCKET peer-memory ID       a peer agent's descriptor request
+//   security_probe unix:SOCKET peer-device-memory ID  the same for a CUDA VMM allocation
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -68,13 +69,15 @@ int main(int argc, char** argv) {
     return Print(kvagent::agent::FromGrpcStatus(status),
                  std::to_string(reply.regions_size()) + " regions");
   }
-  if (command == "peer-memory" && argc == 4) {
+  if ((command == "peer-memory" || command == "peer-device-memory") && argc == 4) {
     uint64_t id = 0;
     if (!absl::SimpleAtoi(argv[3], &id)) return 2;
     auto session = client.Session();
     if (!session.ok()) return Print(session.status());
-    auto fds = (*session)->PeerMemory({id});
-    return Print(fds.status(), "descriptor received");
+    const absl::Status asked = command == "peer-memory"
+                                   ? (*session)->PeerMemory({id}).status()
+                                   : (*session)->PeerDeviceMemories({id}).status();
+    return Print(asked, "descriptor received");
   }
   std::fprintf(stderr, "security_probe: unknown command '%s'\n", command.c_str());
   return 2;

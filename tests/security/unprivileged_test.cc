@@ -22,56 +22,13 @@
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
+#include "tests/security/run_as.h"
 #include "tests/unit/catch_main.h"
 
 namespace kvagent::testing {
 namespace {
 
 using Catch::Matchers::Contains;
-
-struct Outcome {
-  std::string code;
-  std::string message;
-};
-
-// A directory under /tmp that uid 65534 can traverse (the sockets and the probe live
-// there; $TEST_TMPDIR sits under root's home, which it cannot).
-class OpenDir {
- public:
-  OpenDir() {
-    char tmpl[] = "/tmp/kvsec.XXXXXX";
-    path_ = mkdtemp(tmpl);
-    chmod(path_.c_str(), 0755);
-  }
-  ~OpenDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-std::string ProbeSource() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  return fmt::format("{}/kvagent/tests/security/security_probe", srcdir ? srcdir : ".");
-}
-
-// Runs the probe as `uid`:`gid` with no supplementary groups.
-Outcome RunAs(uid_t uid, gid_t gid, const std::string& probe, const std::string& address,
-              const std::string& command, const std::string& arg = "") {
-  const std::string line = fmt::format(
-      "setpriv --reuid={} --regid={} --clear-groups -- {} {} {} '{}' 2>&1", uid, gid, probe,
-      address, command, arg);
-  FILE* pipe = popen(line.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string out;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
-  pclose(pipe);
-  INFO(line << "\n -> " << out);
-  const size_t tab = out.find('\t');
-  REQUIRE(tab != std::string::npos);
-  return Outcome{out.substr(0, tab), out.substr(tab + 1)};
-}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -84,9 +41,7 @@ TEST_CASE("an unprivileged user gets no file it does not own, and no peer's righ
   if (geteuid() != 0) KVAGENT_SKIP("needs root: the test runs the attacker as uid 65534");
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
   OpenDir dir;
-  const std::string probe = dir.path() + "/security_probe";
-  std::filesystem::copy_file(ProbeSource(), probe);
-  chmod(probe.c_str(), 0755);
+  const std::string probe = CopyProbe(dir);
 
   const std::string tag = std::to_string(getpid());
   const std::string root_file = "/dev/shm/kvsec-root-" + tag;
