@@ -323,6 +323,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   backend.cancel = [self](const std::string& transfer_id, const Caller& caller) {
     return self->engine_->Cancel(transfer_id, caller);
   };
+  backend.notifications = agent->notifications_.get();
   agent->fast_path_ = std::make_unique<FastPathServer>(fast_options, std::move(backend));
   agent->fast_path_->Start(agent->worker_.get());  // entries taken on the UCX thread
   agent->deps_.fast_path = agent->fast_path_.get();

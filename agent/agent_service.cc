@@ -622,6 +622,8 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
     status->set_fast_path_rings(fast.rings);
     status->set_fast_path_entries(fast.entries);
     status->set_fast_path_protocol_errors(fast.protocol_errors);
+    status->set_fast_path_notifications(fast.notifications);
+    status->set_fast_path_notifications_too_large(fast.notifications_too_large);
   }
   if (deps.health != nullptr) status->set_health(deps.health->Describe());
   status->set_health_address(id.health_address);

@@ -15,6 +15,7 @@
 #include "google/protobuf/arena.h"
 #include "agent/limits.h"
 #include "base/log.h"
+#include "base/text.h"
 #include "client/fast_ring.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
@@ -65,10 +66,24 @@ struct FastPathServer::Ring {
   uint32_t sq_head = 0;
   std::atomic<bool> closed{false};
 
+  // kWatchNotifications: the taking thread's (one watch per ring).
+  bool watching = false;
+  uint64_t watch_user_data = 0;
+  // Set when a notification was refused for room (room_wanted), cleared when the
+  // taking thread offers the queued ones again: read without cq_mu on each look.
+  std::atomic<bool> refused_for_room{false};
+  std::atomic<bool> too_large_logged{false};
+
   absl::Mutex cq_mu;
   uint32_t cq_tail ABSL_GUARDED_BY(cq_mu) = 0;
   // Entries taken whose completion is not posted yet: each has its completion slot.
   uint32_t reserved ABSL_GUARDED_BY(cq_mu) = 0;
+  // The queue's token for this ring's watch; 0 while none (or once it ended).
+  uint64_t watch_token ABSL_GUARDED_BY(cq_mu) = 0;
+  // Entries (pad and span) the notification refused for room needed; 0: none refused.
+  // While set, the ring refuses every notification, so that those it takes keep the
+  // queue's order.
+  uint32_t room_wanted ABSL_GUARDED_BY(cq_mu) = 0;
 
   ~Ring() {
     if (base != nullptr) munmap(base, geometry.ring_bytes);
@@ -90,20 +105,13 @@ struct FastPathServer::Ring {
     return unreaped + reserved < geometry.completion_entries;
   }
 
-  // Posts the completion of a taken entry (its reservation is given back).
-  void Post(const fr::CompletionHeader& completion, absl::string_view message) {
-    absl::MutexLock lock(&cq_mu);
-    --reserved;
-    if (closed.load(std::memory_order_acquire)) return;
-    char* at = base + geometry.completion_offset +
-               uint64_t{cq_tail & (geometry.completion_entries - 1)} * fr::kCompletionBytes;
-    fr::CompletionHeader h = completion;
-    const std::string text = BoundedErrorText(std::string_view(message.data(), message.size()),
-                                              fr::kMaxMessage, "GetTransfer");
-    h.message_length = static_cast<uint32_t>(text.size());
-    std::memcpy(at, &h, sizeof(h));
-    std::memcpy(at + sizeof(h), text.data(), text.size());
-    ++cq_tail;
+  char* completion(uint32_t counter) const {
+    return base + geometry.completion_offset +
+           uint64_t{counter & (geometry.completion_entries - 1)} * fr::kCompletionBytes;
+  }
+
+  // Publishes cq_tail and wakes a waiting client.
+  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
     // seq_cst store, then seq_cst load (no fence: GCC's TSan does not support
     // atomic_thread_fence): the client, which stores its flag before it reads cq_tail,
     // sees this completion or is woken. One ring per sleep: the flag is taken back
@@ -115,6 +123,34 @@ struct FastPathServer::Ring {
         (flags.fetch_and(~fr::kWaiting, std::memory_order_seq_cst) & fr::kWaiting)) {
       fr::RingDoorbell(complete_fd.get());
     }
+  }
+
+  // Whether the notifications refused for room fit now. False also when the client's
+  // cq_head is impossible (set in *bad).
+  bool RoomForRefused(bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
+    const uint32_t unreaped = cq_tail - header->cq_head.value.load(std::memory_order_seq_cst);
+    if (unreaped > geometry.completion_entries) {
+      *bad = true;
+      return false;
+    }
+    return uint64_t{unreaped} + reserved + room_wanted <= geometry.completion_entries;
+  }
+
+  // Posts the completion of a taken entry (its reservation is given back).
+  void Post(const fr::CompletionHeader& completion, absl::string_view message) {
+    absl::MutexLock lock(&cq_mu);
+    --reserved;
+    if (closed.load(std::memory_order_acquire)) return;
+    char* at = this->completion(cq_tail);
+    fr::CompletionHeader h = completion;
+    h.span = 1;
+    const std::string text = BoundedErrorText(std::string_view(message.data(), message.size()),
+                                              fr::kMaxMessage, "GetTransfer");
+    h.message_length = static_cast<uint32_t>(text.size());
+    std::memcpy(at, &h, sizeof(h));
+    std::memcpy(at + sizeof(h), text.data(), text.size());
+    ++cq_tail;
+    PublishLocked();
   }
 
   // Posts a submit's or cancel's completion: the refusal, or the transfer's state (read
@@ -143,6 +179,21 @@ struct FastPathServer::Ring {
   }
 };
 
+namespace {
+
+// kRoomWanted is set while a ring holds notifications back for room: a client that
+// reaps then rings the submission doorbell of a sleeping agent.
+void MarkRoomWanted(FastPathServer::Ring& ring, bool wanted) {
+  std::atomic<uint32_t>& flags = ring.header->agent_flags.value;
+  if (wanted) {
+    flags.fetch_or(fr::kRoomWanted, std::memory_order_seq_cst);
+  } else {
+    flags.fetch_and(~fr::kRoomWanted, std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace
+
 FastPathServer::FastPathServer(FastPathOptions options, FastPathBackend backend)
     : options_(options), backend_(std::move(backend)) {
   epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
@@ -153,7 +204,11 @@ FastPathServer::FastPathServer(FastPathOptions options, FastPathBackend backend)
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &event);
 }
 
-FastPathServer::~FastPathServer() { Stop(); }
+FastPathServer::~FastPathServer() {
+  Stop();
+  // The queue outlives the server: no subscriber may call into it after this.
+  for (const auto& ring : Snapshot()) Unwatch(*ring);
+}
 
 void FastPathServer::Start(transport::UcxWorker* worker) {
   if (worker != nullptr) {
@@ -179,6 +234,8 @@ FastPathCounters FastPathServer::counters() const {
   }
   c.entries = entries_.load(std::memory_order_relaxed);
   c.protocol_errors = protocol_errors_.load(std::memory_order_relaxed);
+  c.notifications = notifications_.load(std::memory_order_relaxed);
+  c.notifications_too_large = notifications_too_large_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -290,9 +347,156 @@ void FastPathServer::Close(uint64_t session_id) {
     absl::MutexLock lock(&ring->cq_mu);
     ring->closed.store(true, std::memory_order_release);
   }
+  Unwatch(*ring);
   ring->header->agent_flags.value.fetch_or(fr::kClosed);
   generation_.fetch_add(1);
   fr::RingDoorbell(wake_fd_.get());
+}
+
+void FastPathServer::Unwatch(Ring& ring) {
+  uint64_t token = 0;
+  {
+    absl::MutexLock lock(&ring.cq_mu);
+    std::swap(token, ring.watch_token);
+  }
+  if (token != 0) backend_.notifications->Unsubscribe(token);
+}
+
+void FastPathServer::Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data,
+                           std::string_view payload) {
+  fr::CompletionHeader completion{};
+  completion.user_data = user_data;
+  completion.opcode = fr::kWatchNotifications;
+  auto refuse = [&](const absl::Status& why) {
+    completion.code = static_cast<int32_t>(why.code());
+    ring->Post(completion, why.message());
+  };
+  if (backend_.notifications == nullptr) {
+    return refuse(absl::UnimplementedError(fmt::format(
+        "watch-notifications entry {}: this agent's fast path delivers no notifications; "
+        "take them with gRPC WatchNotifications or PollNotifications",
+        user_data)));
+  }
+  v1::WatchNotificationsRequest request;
+  if (!request.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return refuse(absl::InvalidArgumentError(fmt::format(
+        "watch-notifications entry {}: the payload is not a WatchNotificationsRequest: {}",
+        user_data, client::DescribeParseFailure(payload, "WatchNotificationsRequest"))));
+  }
+  if (!request.subscription().empty()) {
+    return refuse(absl::InvalidArgumentError(fmt::format(
+        "watch-notifications entry {}: WatchNotificationsRequest.subscription is set ('{}'); "
+        "durable subscriptions are gRPC-only for now: leave it empty on the fast path, or use "
+        "WatchNotifications/PollNotifications with a subscription",
+        user_data, Printable(request.subscription(), 80))));
+  }
+  if (absl::Status role = CheckRole(ring->caller, Need::kAny, "WatchNotifications"); !role.ok()) {
+    return refuse(role);
+  }
+  if (ring->watching) {
+    return refuse(absl::FailedPreconditionError(fmt::format(
+        "watch-notifications entry {}: this ring already watches notifications (entry "
+        "user_data {}); a ring has one watch: filter on the completions' transfer ids, or "
+        "open another session's ring for another watch",
+        user_data, ring->watch_user_data)));
+  }
+  ring->watching = true;
+  ring->watch_user_data = user_data;
+  // In place before the first notification is posted: the answer comes first.
+  ring->Post(completion, "");
+  NotificationFilter filter{NotificationReader{ring->caller.principal, ring->caller.scheduler},
+                            {request.transfer_ids().begin(), request.transfer_ids().end()}};
+  const uint64_t token = backend_.notifications->Subscribe(
+      [this, ring, filter = std::move(filter), user_data](const QueuedNotification& n) {
+        return filter.Matches(n) && OfferNotification(*ring, n, user_data);
+      });
+  bool closed = false;
+  {
+    absl::MutexLock lock(&ring->cq_mu);
+    closed = ring->closed.load(std::memory_order_acquire);
+    if (!closed) ring->watch_token = token;
+  }
+  // Closed meanwhile: Close found no token to end.
+  if (closed) backend_.notifications->Unsubscribe(token);
+}
+
+bool FastPathServer::OfferNotification(Ring& ring, const QueuedNotification& n,
+                                       uint64_t user_data) {
+  const v1::Notification& note = n.notification;
+  const size_t bytes = note.ByteSizeLong();
+  const uint32_t span = fr::SpanFor(bytes);
+  const uint32_t entries = ring.geometry.completion_entries;
+  if (span > fr::MaxSpan(entries)) {
+    notifications_too_large_.fetch_add(1, std::memory_order_relaxed);
+    if (!ring.too_large_logged.exchange(true)) {
+      kLog.Warn(
+          "{}: a notification of {} bytes spans {} completion entries, more than half of this "
+          "fast path's {}: left to gRPC WatchNotifications/PollNotifications (logged once per "
+          "ring; open the ring with more completion_entries, or take large notifications "
+          "through gRPC)",
+          ring.caller.principal, bytes, span, entries);
+    }
+    return false;
+  }
+  absl::MutexLock lock(&ring.cq_mu);
+  if (ring.closed.load(std::memory_order_acquire) || ring.room_wanted != 0) return false;
+  const uint32_t unreaped = ring.cq_tail - ring.header->cq_head.value.load(std::memory_order_seq_cst);
+  const uint32_t to_end = entries - (ring.cq_tail & (entries - 1));
+  const uint32_t pad = to_end < span ? to_end : 0;
+  if (unreaped > entries || uint64_t{unreaped} + ring.reserved + pad + span > entries) {
+    // Waits in the queue (for this ring once the client reaps, or another taker). An
+    // impossible cq_head is found by the taking thread, which closes the ring.
+    ring.room_wanted = pad + span;
+    ring.refused_for_room.store(true, std::memory_order_release);
+    MarkRoomWanted(ring, true);
+    return false;
+  }
+  if (pad != 0) {
+    fr::CompletionHeader h{};
+    h.opcode = fr::kPad;
+    h.span = static_cast<uint16_t>(pad);
+    std::memcpy(ring.completion(ring.cq_tail), &h, sizeof(h));
+    ring.cq_tail += pad;
+  }
+  char* at = ring.completion(ring.cq_tail);
+  fr::CompletionHeader h{};
+  h.user_data = user_data;
+  h.opcode = fr::kNotification;
+  h.span = static_cast<uint16_t>(span);
+  h.phase = static_cast<uint32_t>(note.kind());
+  h.bytes_done = note.bytes();
+  h.message_length = static_cast<uint32_t>(bytes);
+  std::memcpy(at, &h, sizeof(h));
+  note.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(at + sizeof(h)));
+  ring.cq_tail += span;
+  ring.PublishLocked();
+  notifications_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+bool FastPathServer::OfferAgain(Ring& ring) {
+  bool room = false, bad = false;
+  uint64_t token = 0;
+  {
+    absl::MutexLock lock(&ring.cq_mu);
+    room = ring.RoomForRefused(&bad);
+    if (room) {
+      ring.room_wanted = 0;
+      ring.refused_for_room.store(false, std::memory_order_release);
+      token = ring.watch_token;
+    }
+  }
+  if (bad) {
+    Break(ring, absl::InvalidArgumentError(
+                    "cq_head is past cq_tail (more completions reaped than posted); store in "
+                    "cq_head only the count of completion entries read"));
+    return false;
+  }
+  if (!room) return false;
+  MarkRoomWanted(ring, false);
+  // Refused again (not reaped enough yet): marked again, in order.
+  if (token != 0) backend_.notifications->OfferQueued(token);
+  return true;
 }
 
 void FastPathServer::Break(Ring& ring, const absl::Status& why) {
@@ -378,6 +582,9 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
     case fr::kPing:
       ring->Post(completion, "");
       return;
+    case fr::kWatchNotifications:
+      Watch(ring, user_data, payload);
+      return;
     case fr::kCancel:
     {
       const absl::StatusOr<v1::TransferState> cancelled =
@@ -415,7 +622,9 @@ bool FastPathServer::Poll() {
   }
   bool took = false;
   for (const auto& ring : polled_) {
-    if (!ring->closed.load(std::memory_order_acquire)) took |= Drain(ring);
+    if (ring->closed.load(std::memory_order_acquire)) continue;
+    took |= Drain(ring);
+    if (ring->refused_for_room.load(std::memory_order_acquire)) took |= OfferAgain(*ring);
   }
   return took;
 }
@@ -430,7 +639,13 @@ bool FastPathServer::PrepareSleep() {
     ring->header->agent_flags.value.fetch_or(fr::kSleeping, std::memory_order_seq_cst);
   }
   for (const auto& ring : polled_) {
-    if (!ring->closed.load(std::memory_order_acquire) && ring->Ready()) return false;
+    if (ring->closed.load(std::memory_order_acquire)) continue;
+    if (ring->Ready()) return false;
+    if (ring->refused_for_room.load(std::memory_order_acquire)) {
+      absl::MutexLock lock(&ring->cq_mu);
+      bool bad = false;
+      if (ring->RoomForRefused(&bad) || bad) return false;
+    }
   }
   return true;
 }

@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/notification_queue.h"
 #include "base/unique_fd.h"
 #include "proto/kvagent.pb.h"
 #include "transport/ucx_worker.h"
@@ -46,12 +47,19 @@ struct FastPathBackend {
   std::function<absl::StatusOr<v1::TransferState>(const std::string& transfer_id,
                                                   const Caller& caller)>
       cancel;
+  // Where kWatchNotifications entries take notifications from (the agent's queue, which
+  // must outlive the server); null: those entries are refused (UNIMPLEMENTED).
+  NotificationQueue* notifications = nullptr;
 };
 
 struct FastPathCounters {
   uint64_t rings = 0;            // open now
   uint64_t entries = 0;          // submission entries taken (pads not counted)
   uint64_t protocol_errors = 0;  // rings closed because their client broke the protocol
+  uint64_t notifications = 0;    // notifications posted on watching rings
+  // Notifications a watching ring could take but that span more than half its
+  // completion ring: left to gRPC's takers.
+  uint64_t notifications_too_large = 0;
 };
 
 class FastPathServer final : public transport::WorkerPoller {
@@ -84,7 +92,10 @@ class FastPathServer final : public transport::WorkerPoller {
                                         const v1::OpenFastPathRequest& request,
                                         std::vector<UniqueFd>* fds);
   // The session ended: its ring takes nothing more; its transfers go on (their
-  // completions are dropped) and the ring's memory goes with the last of them.
+  // completions are dropped) and the ring's memory goes with the last of them. Its
+  // notification watch ends: notifications posted on the ring and not reaped are gone
+  // with it (each is taken once, as by a gRPC watch stream whose client died); those
+  // still queued go to other takers.
   void Close(uint64_t session_id);
 
   FastPathCounters counters() const;
@@ -97,6 +108,16 @@ class FastPathServer final : public transport::WorkerPoller {
   bool Drain(const std::shared_ptr<Ring>& ring);
   void Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode, uint64_t user_data,
               std::string_view payload);
+  // A kWatchNotifications entry: subscribes `ring` to the notification queue.
+  void Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data, std::string_view payload);
+  // The subscriber of a watching ring (under the queue's lock, on the pushing thread):
+  // posts `n` if the ring's session may take it and it has room.
+  bool OfferNotification(Ring& ring, const QueuedNotification& n, uint64_t user_data);
+  // The ring refused notifications for room: once the client has reaped enough, offers
+  // it the queued ones again (the taking thread, outside every lock). True when it did.
+  bool OfferAgain(Ring& ring);
+  // Ends `ring`'s watch, if any (outside its cq_mu and the queue's lock).
+  void Unwatch(Ring& ring);
   // The client broke the ring protocol: closes the ring, logs why, counts it.
   void Break(Ring& ring, const absl::Status& why);
   std::vector<std::shared_ptr<Ring>> Snapshot();
@@ -114,6 +135,8 @@ class FastPathServer final : public transport::WorkerPoller {
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> entries_{0};
   std::atomic<uint64_t> protocol_errors_{0};
+  std::atomic<uint64_t> notifications_{0};
+  std::atomic<uint64_t> notifications_too_large_{0};
   std::atomic<uint64_t> generation_{0};  // bumped when rings come and go
 
   mutable absl::Mutex mu_;

@@ -140,14 +140,19 @@ absl::Status FastPath::Put(uint16_t opcode, uint64_t user_data, size_t length,
   return absl::OkStatus();
 }
 
+absl::Status FastPath::PutMessage(uint16_t opcode, const google::protobuf::MessageLite& message,
+                                  uint64_t user_data, bool publish) {
+  absl::MutexLock lock(&submit_mu_);
+  const size_t length = message.ByteSizeLong();
+  return Put(
+      opcode, user_data, length,
+      [&](char* out) { message.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out)); },
+      publish);
+}
+
 absl::Status FastPath::Submit(const v1::SubmitTransferRequest& request, uint64_t user_data,
                               bool publish) {
-  absl::MutexLock lock(&submit_mu_);
-  const size_t length = request.ByteSizeLong();
-  return Put(
-      fr::kSubmit, user_data, length,
-      [&](char* out) { request.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out)); },
-      publish);
+  return PutMessage(fr::kSubmit, request, user_data, publish);
 }
 
 absl::Status FastPath::SubmitOrReap(const v1::SubmitTransferRequest& request, uint64_t user_data,
@@ -178,6 +183,13 @@ absl::Status FastPath::Cancel(std::string_view transfer_id, uint64_t user_data, 
 absl::Status FastPath::Ping(uint64_t user_data, bool publish) {
   absl::MutexLock lock(&submit_mu_);
   return Put(fr::kPing, user_data, 0, [](char*) {}, publish);
+}
+
+absl::Status FastPath::WatchNotifications(const std::vector<std::string>& transfer_ids,
+                                          uint64_t user_data, bool publish) {
+  v1::WatchNotificationsRequest request;
+  for (const std::string& id : transfer_ids) request.add_transfer_ids(id);
+  return PutMessage(fr::kWatchNotifications, request, user_data, publish);
 }
 
 void FastPath::Publish() {
@@ -212,11 +224,22 @@ void FastPath::NudgeAgent() {
 size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
   const uint32_t tail = header()->cq_tail.value.load(std::memory_order_seq_cst);
   size_t n = 0;
+  uint64_t answered = 0;  // completions of submitted entries
+  const uint32_t start = cq_head_;
   const char* entries = base_ + info_.completion_offset();
   while (cq_head_ != tail && n < max) {
-    const char* at = entries + uint64_t{cq_head_ & (completions_ - 1)} * fr::kCompletionBytes;
+    const uint32_t index = cq_head_ & (completions_ - 1);
+    const char* at = entries + uint64_t{index} * fr::kCompletionBytes;
     fr::CompletionHeader h;
     std::memcpy(&h, at, sizeof(h));
+    // A completion never wraps nor runs past what is published (a span out of range
+    // is the agent's bug: taken as 1, so the ring is still read).
+    uint32_t span = h.span;
+    if (span == 0 || span > completions_ - index || span > tail - cq_head_) span = 1;
+    if (h.opcode == fr::kPad) {
+      cq_head_ += span;
+      continue;
+    }
     FastCompletion c;
     c.user_data = h.user_data;
     c.opcode = h.opcode;
@@ -224,14 +247,33 @@ size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
     c.phase = static_cast<v1::TransferPhase>(h.phase);
     c.bytes_done = h.bytes_done;
     c.latency_us = h.latency_us;
-    c.message.assign(at + sizeof(h), std::min<uint32_t>(h.message_length, fr::kMaxMessage));
+    if (h.opcode == fr::kNotification) {
+      c.phase = v1::TRANSFER_PHASE_UNSPECIFIED;  // the wire's phase is the kind
+      const uint64_t room = uint64_t{span} * fr::kCompletionBytes - sizeof(h);
+      c.notification.emplace();
+      if (h.message_length > room ||
+          !c.notification->ParseFromArray(at + sizeof(h), static_cast<int>(h.message_length))) {
+        c.notification.reset();
+        c.code = absl::StatusCode::kInternal;
+        c.message = fmt::format(
+            "a notification completion of {} bytes in {} entries does not parse as a "
+            "Notification; the agent and this client disagree on the ring (version {})",
+            h.message_length, span, fr::kVersion);
+      }
+    } else {
+      c.message.assign(at + sizeof(h), std::min<uint32_t>(h.message_length, fr::kMaxMessage));
+      ++answered;
+    }
     out->push_back(std::move(c));
-    ++cq_head_;
+    cq_head_ += span;
     ++n;
   }
-  if (n != 0) {
+  if (cq_head_ != start) {
     header()->cq_head.value.store(cq_head_, std::memory_order_seq_cst);
-    reaped_.fetch_add(n, std::memory_order_relaxed);
+    reaped_.fetch_add(answered, std::memory_order_relaxed);
+    // Notifications wait for the room just made: wake the agent if it sleeps.
+    const uint32_t flags = header()->agent_flags.value.load(std::memory_order_seq_cst);
+    if ((flags & fr::kRoomWanted) && (flags & fr::kSleeping)) fr::RingDoorbell(submit_fd_.get());
   }
   return n;
 }

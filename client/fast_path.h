@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,6 +47,10 @@ struct FastCompletion {
   uint64_t bytes_done = 0;
   uint64_t latency_us = 0;
   std::string message;
+  // opcode kNotification (the watch's user_data; phase unset: the kind is the
+  // notification's; bytes_done its bytes): the notification. A
+  // completion whose bytes do not parse has code INTERNAL and says why in message.
+  std::optional<v1::Notification> notification;
 
   absl::Status status() const { return absl::Status(code, message); }
 };
@@ -77,16 +82,26 @@ class FastPath {
                             std::vector<FastCompletion>* reaped, absl::Duration timeout);
   absl::Status Cancel(std::string_view transfer_id, uint64_t user_data, bool publish = true);
   absl::Status Ping(uint64_t user_data, bool publish = true);
+  // Asks the agent to post this session's notifications (of `transfer_ids`, empty: any;
+  // those its principal owns, or all for a scheduler) on the completion ring, as
+  // kNotification completions carrying `user_data`. The entry itself completes OK once
+  // the watch is in place (FAILED_PRECONDITION for a second watch on this ring). Each
+  // notification is taken once: one posted here goes to no other taker, and those
+  // posted and not reaped when the session ends are lost. A notification spanning more
+  // than half the completion ring stays with gRPC's takers.
+  absl::Status WatchNotifications(const std::vector<std::string>& transfer_ids,
+                                  uint64_t user_data, bool publish = true);
   void Publish();
 
-  // Appends up to `max` completions to `out`; waits up to `timeout` for the first one
+  // Appends up to `max` completions (notifications included; pads skipped) to `out`; waits up to `timeout` for the first one
   // (polling spin_us, then sleeping on the doorbell). Returns how many it appended (0
   // when none came in time). UNAVAILABLE when the agent closed the session;
   // FAILED_PRECONDITION when it closed the ring (with its reason) and none are left.
   absl::StatusOr<size_t> Reap(std::vector<FastCompletion>* out, size_t max,
                               absl::Duration timeout);
 
-  // Entries submitted whose completion has not been reaped (pads not counted).
+  // Entries submitted whose completion has not been reaped (pads and notifications not
+  // counted).
   uint64_t outstanding() const;
   // Why the agent closed this ring; empty while it is open.
   std::string closed_reason() const;
@@ -98,6 +113,9 @@ class FastPath {
   absl::Status Put(uint16_t opcode, uint64_t user_data, size_t length,
                    const std::function<void(char*)>& fill, bool publish)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(submit_mu_);
+  // Put of a serialized message as the payload.
+  absl::Status PutMessage(uint16_t opcode, const google::protobuf::MessageLite& message,
+                          uint64_t user_data, bool publish) ABSL_LOCKS_EXCLUDED(submit_mu_);
   void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(submit_mu_);
   // Rings the submission doorbell if the agent sleeps and entries wait.
   void NudgeAgent();

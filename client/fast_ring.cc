@@ -52,6 +52,8 @@ const char* OpcodeName(uint16_t opcode) {
     case kSubmit: return "submit";
     case kCancel: return "cancel";
     case kPing: return "ping";
+    case kWatchNotifications: return "watch-notifications";
+    case kNotification: return "notification";
   }
   return "unknown";
 }
@@ -76,10 +78,12 @@ absl::Status CheckEntry(const SubmissionHeader& header, uint32_t index, uint32_t
       return absl::InvalidArgumentError(fmt::format(
           "pad entry at slot {} has a {}-byte payload; a pad carries none", index, header.length));
     }
-  } else if (header.opcode != kSubmit && header.opcode != kCancel && header.opcode != kPing) {
+  } else if (header.opcode != kSubmit && header.opcode != kCancel && header.opcode != kPing &&
+             header.opcode != kWatchNotifications) {
     return absl::InvalidArgumentError(fmt::format(
-        "entry at slot {} has opcode {}, which this agent does not know (pad 0, submit 1, "
-        "cancel 2, ping 3); use a client that matches the agent (ring version {})",
+        "entry at slot {} has opcode {}, which this agent does not take in a submission (pad "
+        "0, submit 1, cancel 2, ping 3, watch-notifications 4; notification 5 only comes in "
+        "completions); use a client that matches the agent (ring version {})",
         index, header.opcode, kVersion));
   } else if (header.slots != SlotsFor(header.length) || header.length > MaxPayload(slots)) {
     return absl::InvalidArgumentError(fmt::format(

@@ -21,6 +21,13 @@
 // doorbell: one ring per sleep, however many completions follow, so a client sets
 // kWaiting again (then looks at cq_tail) before each sleep.
 //
+// Notifications (opt-in: a kWatchNotifications entry): the agent also posts each
+// notification the session may take as a kNotification completion, which spans
+// `span` consecutive completion entries (its serialized v1::Notification follows the
+// header). A completion never wraps: with fewer entries left before the ring's end,
+// the agent first posts a kPad completion spanning them. Every other completion spans
+// 1, so a ring that does not watch never sees a pad. cq_tail and cq_head count entries.
+//
 // Trust: the client can write every byte of the file at any time. The agent keeps its
 // own copies of the sizes and of the counters it owns (sq_head, cq_tail), reads only
 // sq_tail, cq_head and client_flags from the file (and only clears kWaiting in the
@@ -55,6 +62,16 @@ enum Opcode : uint16_t {
   kSubmit = 1,
   kCancel = 2,  // payload: the transfer id; completes with the state after the cancel
   kPing = 3,    // no payload; completes at once (round-trip probes, tests)
+  // payload: a serialized v1::WatchNotificationsRequest (transfer_ids: empty = any; no
+  // subscription: those are gRPC's). Completes at once (OK) once the watch is in place;
+  // from then on the session's notifications come as kNotification completions carrying
+  // this entry's user_data. One per ring.
+  kWatchNotifications = 4,
+  // Completions only (a submission entry with it is refused as unknown): one
+  // notification. phase: its v1::NotificationKind; bytes_done: notification.bytes();
+  // message_length: the serialized v1::Notification's size, its bytes running from
+  // after the header through the completion's `span` entries.
+  kNotification = 5,
 };
 
 // Flags of a submission entry.
@@ -74,16 +91,31 @@ inline constexpr uint32_t kSubmissionHeaderBytes = sizeof(SubmissionHeader);
 // What a completion reports.
 struct CompletionHeader {
   uint64_t user_data;       // the entry's
-  uint16_t opcode;          // the entry's
-  uint16_t reserved;
+  uint16_t opcode;          // the entry's; kNotification, or kPad (spans to the end)
+  // Consecutive completion entries this completion occupies, this one included (>= 1):
+  // more only for a kNotification (and a kPad); cq_head moves on by span.
+  uint16_t span;
   int32_t code;             // absl::StatusCode: the refusal, or the transfer's error
-  uint32_t phase;           // v1::TransferPhase (kSubmit, kCancel); 0 otherwise
-  uint32_t message_length;  // bytes of message that follow (cut at kMaxMessage)
+  uint32_t phase;           // v1::TransferPhase (kSubmit, kCancel), v1::NotificationKind
+                            // (kNotification); 0 otherwise
+  // Bytes of message that follow: cut at kMaxMessage, except a kNotification's
+  // serialized Notification, which runs on through its span.
+  uint32_t message_length;
   uint64_t bytes_done;
   uint64_t latency_us;      // the transfer's first submit to its end
 };
 static_assert(sizeof(CompletionHeader) == 40);
 inline constexpr uint32_t kMaxMessage = kCompletionBytes - sizeof(CompletionHeader);
+
+// Completion entries a kNotification carrying `bytes` of serialized Notification spans.
+inline uint32_t SpanFor(uint64_t bytes) {
+  return static_cast<uint32_t>((sizeof(CompletionHeader) + bytes + kCompletionBytes - 1) /
+                               kCompletionBytes);
+}
+// The largest span the agent posts on a ring of `entries` completion entries: half the
+// ring, so that one always fits an emptied ring after at most one pad. Larger
+// notifications are left to gRPC's takers.
+inline uint32_t MaxSpan(uint32_t entries) { return entries / 2; }
 
 struct alignas(64) Counter {
   std::atomic<uint32_t> value{0};
@@ -95,6 +127,9 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 inline constexpr uint32_t kSleeping = 1;  // agent: ring the submission doorbell
 inline constexpr uint32_t kWaiting = 1;   // client: ring the completion doorbell (once)
 inline constexpr uint32_t kClosed = 2;    // agent: this ring is closed (reason in the log)
+// agent: notifications wait for room on the completion ring: a client that reaps while
+// the agent sleeps (kSleeping) rings the submission doorbell.
+inline constexpr uint32_t kRoomWanted = 4;
 
 struct alignas(64) RingHeader {
   uint32_t magic;

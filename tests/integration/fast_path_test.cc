@@ -70,6 +70,14 @@ AgentPairOptions StoppablePeer(std::vector<std::string> extra = {}) {
   return options;
 }
 
+// Another client of `agent`: its sessions own nothing of the pairs' pools (with
+// --scheduler-uids none, nor may they use what others own).
+std::unique_ptr<cli::AgentClient> Stranger(cli::DaemonProcess& agent) {
+  cli::AgentClientOptions options;
+  options.client_name = "stranger";
+  return std::make_unique<cli::AgentClient>(agent.address(), options);
+}
+
 // The fast path submits asynchronously: waits until the agent took `id`.
 void WaitKnown(cli::AgentClient& client, const std::string& id) {
   for (int i = 0; i < 2000; ++i) {
@@ -252,10 +260,8 @@ TEST_CASE("fast path: bad requests come back with gRPC's code and message; a sec
 
 TEST_CASE("fast path: a stranger session can neither move nor cancel another engine's pages") {
   AgentPair pair(StoppablePeer({"--scheduler-uids", "none"}));
-  cli::AgentClientOptions options;
-  options.client_name = "stranger";
-  cli::AgentClient stranger(pair.prefill_process().address(), options);
-  auto fast = OpenFast(stranger);
+  auto stranger = Stranger(pair.prefill_process());
+  auto fast = OpenFast(*stranger);
   REQUIRE(fast->Submit(KvWrite("steal", {1}, {2}), 1).ok());
   FastCompletion c = ReapOne(*fast);
   CHECK(c.code == absl::StatusCode::kPermissionDenied);
@@ -725,6 +731,298 @@ TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck tra
   CHECK(active == 0);
   auto fast = OpenFast(pair.prefill());
   HonestFastWrite(pair, *fast, "after-kill", 20, 21);
+}
+
+
+// ---- Notifications on the completion ring (kWatchNotifications) ----
+
+constexpr uint64_t kWatchData = 77;
+
+// Opens a ring on `client`'s session that watches its notifications (of `ids`).
+std::unique_ptr<FastPath> OpenWatching(cli::AgentClient& client,
+                                       const std::vector<std::string>& ids = {},
+                                       client::FastPathOptions options = {}) {
+  auto fast = OpenFast(client, options);
+  REQUIRE(fast->WatchNotifications(ids, kWatchData).ok());
+  FastCompletion c = ReapOne(*fast);
+  INFO(c.message);
+  REQUIRE(c.opcode == fr::kWatchNotifications);
+  REQUIRE(c.user_data == kWatchData);
+  REQUIRE(c.code == absl::StatusCode::kOk);
+  return fast;
+}
+
+// Reaps until `count` notification completions came or `timeout_ms` passed; other
+// completions go to `others`.
+std::vector<FastCompletion> ReapNotes(FastPath& fast, size_t count, uint32_t timeout_ms = 20000,
+                                      std::vector<FastCompletion>* others = nullptr) {
+  std::vector<FastCompletion> notes;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (notes.size() < count && std::chrono::steady_clock::now() < until) {
+    std::vector<FastCompletion> got;
+    auto n = fast.Reap(&got, 64, absl::Milliseconds(50));
+    INFO(n.status().ToString());
+    REQUIRE(n.ok());
+    for (auto& c : got) {
+      if (c.opcode == fr::kNotification) {
+        INFO(c.message);
+        REQUIRE(c.code == absl::StatusCode::kOk);
+        REQUIRE(c.notification.has_value());
+        CHECK(c.user_data == kWatchData);
+        CHECK(c.phase == v1::TRANSFER_PHASE_UNSPECIFIED);
+        CHECK(c.bytes_done == c.notification->bytes());
+        notes.push_back(std::move(c));
+      } else if (others != nullptr) {
+        others->push_back(std::move(c));
+      }
+    }
+  }
+  return notes;
+}
+
+// A WRITE submitted through gRPC, waited for.
+void GrpcWrite(AgentPair& pair, const std::string& id, uint64_t src, uint64_t dst,
+               const std::string& payload) {
+  REQUIRE(pair.prefill().Submit(KvWrite(id, {src}, {dst}, payload)).ok());
+  auto done = pair.prefill().WaitTransfer(id, 20000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+}
+
+size_t PollCount(cli::AgentClient& client, std::vector<v1::Notification>* out = nullptr) {
+  auto polled = client.Poll(0);
+  REQUIRE(polled.ok());
+  if (out != nullptr) {
+    for (const auto& n : polled->notifications()) out->push_back(n);
+  }
+  return polled->notifications_size();
+}
+
+TEST_CASE("fast path: a watching ring gets the session's notifications, each taken once") {
+  AgentPair pair;
+  auto watch = OpenWatching(pair.decode());
+  auto fast = OpenFast(pair.prefill());
+  REQUIRE(fast->Submit(KvWrite("note-1", {3, 4}, {30, 1}, "first-token:7"), 1).ok());
+  FastCompletion done = ReapOne(*fast);
+  INFO(done.message);
+  REQUIRE(done.phase == v1::COMPLETED);
+  auto notes = ReapNotes(*watch, 1);
+  REQUIRE(notes.size() == 1);
+  const v1::Notification& n = *notes[0].notification;
+  CHECK(n.kind() == v1::DATA_READY);
+  CHECK(n.transfer_id() == "note-1");
+  CHECK(n.payload() == "first-token:7");
+  CHECK(n.from_agent() == "prefill");
+  CHECK(n.bytes() == 2 * 8 * 4096);
+  CHECK(notes[0].bytes_done == 2 * 8 * 4096);
+  CHECK(pair.PageEqual(3, 30));
+  CHECK(pair.PageEqual(4, 1));
+  // A gRPC submission's notification comes the same way.
+  GrpcWrite(pair, "note-2", 5, 6, "second");
+  notes = ReapNotes(*watch, 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].notification->transfer_id() == "note-2");
+  CHECK(notes[0].notification->payload() == "second");
+  CHECK(pair.PageEqual(5, 6));
+  // Taken once: gRPC finds nothing; notifications are no entries of the ring.
+  CHECK(PollCount(pair.decode()) == 0);
+  CHECK(watch->outstanding() == 0);
+  auto status = pair.decode().Status();
+  REQUIRE(status.ok());
+  CHECK(status->fast_path_notifications() == 2);
+  CHECK(status->fast_path_notifications_too_large() == 0);
+}
+
+TEST_CASE("fast path: a ring watches only the notifications its session may take") {
+  AgentPair pair(StoppablePeer({"--scheduler-uids", "none"}));
+  auto stranger = Stranger(pair.decode_process());
+  auto stranger_watch = OpenWatching(*stranger);
+  auto owner_watch = OpenWatching(pair.decode());
+  for (int i = 0; i < 3; ++i) {
+    const std::string id = fmt::format("owned-{}", i);
+    GrpcWrite(pair, id, i, 10 + i, "for the owner");
+    auto notes = ReapNotes(*owner_watch, 1);
+    REQUIRE(notes.size() == 1);
+    CHECK(notes[0].notification->transfer_id() == id);
+  }
+  std::vector<FastCompletion> none;
+  auto got = stranger_watch->Reap(&none, 16, absl::Milliseconds(300));
+  REQUIRE(got.ok());
+  CHECK(*got == 0);
+}
+
+TEST_CASE("fast path: large notifications span entries, and pads keep them whole at the ring's end") {
+  AgentPair pair;
+  {
+    // 16 KiB of payload: one completion of 33 entries.
+    cli::AgentClient big_client(pair.decode_process().address());
+    auto watch = OpenWatching(big_client);
+    std::string payload(16 << 10, '\0');
+    for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i * 7 + 3);
+    GrpcWrite(pair, "large", 1, 2, payload);
+    auto notes = ReapNotes(*watch, 1);
+    REQUIRE(notes.size() == 1);
+    CHECK(notes[0].notification->transfer_id() == "large");
+    CHECK(notes[0].notification->payload() == payload);
+  }
+  // The session ended: its watch is gone (the next ring must be the only taker).
+  for (int i = 0; i < 500; ++i) {
+    auto status = pair.decode().Status();
+    REQUIRE(status.ok());
+    if (status->fast_path_rings() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  cli::AgentClient small_client(pair.decode_process().address());
+  client::FastPathOptions small;
+  small.submission_slots = 16;
+  small.completion_entries = 16;
+  auto watch = OpenWatching(small_client, {}, small);
+  // ~1.9 KB each: 4 entries. After the watch's answer (entry 0) they start at 1, 5, 9;
+  // the fourth finds 3 entries left: a pad, then it starts over at 0, and so on.
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = fmt::format("padded-{}", i);
+    const std::string payload(1800, static_cast<char>('a' + i));
+    GrpcWrite(pair, id, i, i + 1, payload);
+    auto notes = ReapNotes(*watch, 1);
+    REQUIRE(notes.size() == 1);
+    CHECK(fr::SpanFor(notes[0].notification->ByteSizeLong()) == 4);
+    CHECK(notes[0].notification->transfer_id() == id);
+    CHECK(notes[0].notification->payload() == payload);
+  }
+  // Several at once, reaped only after they all came: in order, whole.
+  for (int i = 0; i < 6; ++i) {
+    GrpcWrite(pair, fmt::format("burst-{}", i), i, i + 2, std::string(1800, static_cast<char>('A' + i)));
+  }
+  auto notes = ReapNotes(*watch, 6);
+  REQUIRE(notes.size() == 6);
+  for (int i = 0; i < 6; ++i) {
+    CHECK(notes[i].notification->transfer_id() == fmt::format("burst-{}", i));
+    CHECK(notes[i].notification->payload() == std::string(1800, static_cast<char>('A' + i)));
+  }
+  // Larger than half this ring (8 entries): left to gRPC, counted.
+  GrpcWrite(pair, "too-large", 3, 4, std::string(8000, 'x'));
+  std::vector<FastCompletion> none;
+  auto got = watch->Reap(&none, 16, absl::Milliseconds(300));
+  REQUIRE(got.ok());
+  CHECK(*got == 0);
+  std::vector<v1::Notification> polled;
+  CHECK(PollCount(pair.decode(), &polled) == 1);
+  REQUIRE(polled.size() == 1);
+  CHECK(polled[0].transfer_id() == "too-large");
+  auto status = pair.decode().Status();
+  REQUIRE(status.ok());
+  CHECK(status->fast_path_notifications_too_large() >= 1);
+  CHECK(status->fast_path_notifications() == 17);
+}
+
+TEST_CASE("fast path: a ring that does not reap keeps its notifications waiting, and its entries") {
+  AgentPair pair;
+  client::FastPathOptions small;
+  small.submission_slots = 8;
+  small.completion_entries = 8;
+  auto watch = OpenWatching(pair.decode(), {}, small);
+  // 8 fill the completion ring; 4 more wait in the queue.
+  for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("wait-{}", i), i, i, "w");
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto status = pair.decode().Status();
+  REQUIRE(status.ok());
+  CHECK(status->fast_path_notifications() == 8);
+  CHECK(status->notifications_queued() == 4);
+  // Entries cannot be taken (no room for their completions); the submission ring fills
+  // and refuses more, as without notifications.
+  int pinged = 0;
+  absl::Status put;
+  while ((put = watch->Ping(100 + pinged)).ok()) ++pinged;
+  CHECK(pinged == 8);
+  CHECK(put.code() == absl::StatusCode::kResourceExhausted);
+  // Reaping makes room: everything arrives, each once, the notifications in order.
+  std::vector<FastCompletion> pings;
+  auto notes = ReapNotes(*watch, 12, 20000, &pings);
+  while (pings.size() < 8) {
+    auto more = ReapN(*watch, 8 - pings.size());
+    REQUIRE_FALSE(more.empty());
+    for (auto& c : more) pings.push_back(std::move(c));
+  }
+  REQUIRE(notes.size() == 12);
+  for (int i = 0; i < 12; ++i) {
+    CHECK(notes[i].notification->transfer_id() == fmt::format("wait-{}", i));
+  }
+  REQUIRE(pings.size() == 8);
+  for (const auto& c : pings) CHECK(c.opcode == fr::kPing);
+  CHECK(watch->outstanding() == 0);
+  CHECK(PollCount(pair.decode()) == 0);
+}
+
+TEST_CASE("fast path: a watch filters by transfer id; a second watch, a subscription and opcode 5 are refused") {
+  AgentPair pair;
+  auto watch = OpenWatching(pair.decode(), {"wanted"});
+  GrpcWrite(pair, "unwanted", 1, 2, "no");
+  GrpcWrite(pair, "wanted", 3, 4, "yes");
+  auto notes = ReapNotes(*watch, 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].notification->transfer_id() == "wanted");
+  std::vector<v1::Notification> polled;
+  CHECK(PollCount(pair.decode(), &polled) == 1);
+  REQUIRE(polled.size() == 1);
+  CHECK(polled[0].transfer_id() == "unwanted");
+  // One watch per ring.
+  REQUIRE(watch->WatchNotifications({}, 5).ok());
+  FastCompletion second = ReapOne(*watch);
+  CHECK(second.user_data == 5);
+  CHECK(second.code == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(second.message,
+             Contains("this ring already watches notifications (entry user_data 77)"));
+  // Durable subscriptions are gRPC's.
+  cli::AgentClient raw_client(pair.decode_process().address());
+  RawRing ring(raw_client);
+  v1::WatchNotificationsRequest request;
+  request.set_subscription("durable");
+  const std::string bytes = request.SerializeAsString();
+  ring.Write(0, Header(fr::kWatchNotifications, bytes.size(), 9), bytes);
+  ring.Publish(1);
+  std::string message;
+  fr::CompletionHeader c = ring.WaitCompletion(1, 0, &message);
+  CHECK(c.user_data == 9);
+  CHECK(c.span == 1);
+  CHECK(c.code == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  CHECK_THAT(message, Contains("WatchNotificationsRequest.subscription is set"));
+  CHECK_THAT(message, Contains("gRPC-only"));
+  // A completion's opcode in a submission breaks the protocol: the ring is closed.
+  ring.Write(1, Header(fr::kNotification, 0, 10), "");
+  ring.Publish(2);
+  REQUIRE(ring.Closed());
+  CHECK_THAT(ring.Reason(), Contains("opcode 5"));
+}
+
+TEST_CASE("fast path: notifications a ring never took go to gRPC once its session ends") {
+  AgentPair pair;
+  size_t on_ring = 0;
+  {
+    cli::AgentClient watcher(pair.decode_process().address());
+    client::FastPathOptions small;
+    small.submission_slots = 8;
+    small.completion_entries = 8;
+    auto watch = OpenWatching(watcher, {}, small);
+    for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("left-{}", i), i, i, "l");
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    auto status = pair.decode().Status();
+    REQUIRE(status.ok());
+    on_ring = status->fast_path_notifications();
+    CHECK(on_ring == 8);
+  }  // the session ends with 8 on its ring unreaped (gone with it) and 4 queued
+  for (int i = 0; i < 500; ++i) {
+    auto status = pair.decode().Status();
+    REQUIRE(status.ok());
+    if (status->fast_path_rings() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::vector<v1::Notification> polled;
+  PollCount(pair.decode(), &polled);
+  REQUIRE(polled.size() == 12 - on_ring);
+  for (size_t i = 0; i < polled.size(); ++i) {
+    CHECK(polled[i].transfer_id() == fmt::format("left-{}", on_ring + i));
+  }
 }
 
 }  // namespace

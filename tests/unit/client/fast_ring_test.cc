@@ -1,5 +1,6 @@
 #include "client/fast_ring.h"
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/status.h"
@@ -152,20 +153,45 @@ TEST_CASE("CheckEntry: a pad carries no payload") {
 }
 
 TEST_CASE("CheckEntry: only opcodes this agent knows") {
-  for (uint16_t opcode : {uint16_t{4}, uint16_t{0x100}, uint16_t{0xffff}}) {
+  // kNotification (5) is a completion's opcode: in a submission it is as unknown.
+  for (uint16_t opcode : {uint16_t{kNotification}, uint16_t{6}, uint16_t{0x100}, uint16_t{0xffff}}) {
     INFO("opcode " << opcode);
     auto unknown = CheckEntry(Entry(opcode, 0, 1), 1, 4, 8);
     CHECK(unknown.code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(unknown),
                Catch::StartsWith("entry at slot 1 has opcode " + std::to_string(opcode) +
-                                 ", which this agent does not know (pad 0, submit 1, cancel 2, "
-                                 "ping 3)"));
+                                 ", which this agent does not take in a submission (pad 0, "
+                                 "submit 1, cancel 2, ping 3, watch-notifications 4; "
+                                 "notification 5 only comes in completions)"));
   }
+  CHECK(CheckEntry(Honest(kWatchNotifications, 0), 1, 4, 8).ok());
+  CHECK(CheckEntry(Honest(kWatchNotifications, 40), 1, 4, 8).ok());
   CHECK(std::string(OpcodeName(kPad)) == "pad");
   CHECK(std::string(OpcodeName(kSubmit)) == "submit");
   CHECK(std::string(OpcodeName(kCancel)) == "cancel");
   CHECK(std::string(OpcodeName(kPing)) == "ping");
-  CHECK(std::string(OpcodeName(4)) == "unknown");
+  CHECK(std::string(OpcodeName(kWatchNotifications)) == "watch-notifications");
+  CHECK(std::string(OpcodeName(kNotification)) == "notification");
+  CHECK(std::string(OpcodeName(6)) == "unknown");
+}
+
+TEST_CASE("SpanFor counts the completion header; MaxSpan is half the completion ring") {
+  CHECK(sizeof(CompletionHeader) == 40);
+  CHECK(offsetof(CompletionHeader, span) == 10);  // the old reserved field: 0 never sent
+  CHECK(SpanFor(0) == 1);
+  CHECK(SpanFor(kMaxMessage) == 1);
+  CHECK(SpanFor(kMaxMessage + 1) == 2);
+  CHECK(SpanFor(kCompletionBytes + kMaxMessage) == 2);
+  CHECK(SpanFor(16 << 10) == 33);
+  CHECK(MaxSpan(8) == 4);
+  CHECK(MaxSpan(16) == 8);
+  CHECK(MaxSpan(4096) == 2048);
+  // A completion of MaxSpan entries and its pad (fewer entries than its span) fit an
+  // emptied ring with one completion reserved.
+  for (uint32_t entries = kMinEntries; entries <= kMaxEntries; entries *= 2) {
+    const uint32_t span = MaxSpan(entries);
+    CHECK((span - 1) + span + 1 <= entries);
+  }
 }
 
 TEST_CASE("CheckEntry: the payload fills exactly its slots and at most half the ring") {
