@@ -782,20 +782,24 @@ void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& re
   TransferEngine* engine = deps.engine;
   // Submits and, when asked to wait, answers with the final state instead.
   auto submit = [engine, &request, caller, wait, &deps](SubmitDone done) {
-    auto state = engine->Submit(request, caller);
-    if (state.ok()) {
+    // With wait the accepted state is not wanted (the answer is the final one), so it
+    // is not copied (issue 15: the fast path's last chunk).
+    v1::TransferState accepted;
+    absl::Status submitted = engine->Submit(request, caller, wait ? nullptr : &accepted);
+    if (submitted.ok()) {
       CountTransfer(deps, request);
     } else if (deps.transfer_metrics != nullptr) {
-      deps.transfer_metrics->SubmitRefused(state.status().code());
+      deps.transfer_metrics->SubmitRefused(submitted.code());
     }
-    if (!state.ok()) {
-      done(state.status(), v1::TransferState::default_instance());
+    if (!submitted.ok()) {
+      done(submitted, v1::TransferState::default_instance());
       return;
     }
-    if (!wait || TerminalPhase(state->phase())) {
-      done(absl::OkStatus(), *state);
+    if (!wait) {
+      done(absl::OkStatus(), accepted);
       return;
     }
+    // Called at once (under the engine's lock, as when it ends later) if it has ended.
     auto shared = std::make_shared<SubmitDone>(std::move(done));
     absl::Status watched = engine->WhenTerminal(
         request.transfer_id(),

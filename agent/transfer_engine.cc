@@ -278,8 +278,14 @@ absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::strin
                         "earlier ones finish");
 }
 
-absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransferRequest& request,
-                                                         const Caller& caller) {
+// The accepted chunk's answer: a copy of the state when the caller wants one.
+static absl::Status Accept(const v1::TransferState& state, v1::TransferState* accepted) {
+  if (accepted != nullptr) *accepted = state;
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
+                                    const Caller& caller, v1::TransferState* accepted) {
   const std::string& id = request.transfer_id();
   if (id.empty() || id.size() > kMaxTransferIdBytes) {
     return absl::InvalidArgumentError(fmt::format(
@@ -338,7 +344,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
             Printable(id, 256)));
       }
       if (request.chunk() < t.chunk_digests.size()) {
-        if (t.chunk_digests[request.chunk()] == digest) return t.state;
+        if (t.chunk_digests[request.chunk()] == digest) return Accept(t.state, accepted);
         return absl::AlreadyExistsError(fmt::format(
             "transfer '{}' chunk {} was already submitted with different content; a retry must "
             "repeat the request exactly, a new transfer needs a new transfer_id",
@@ -430,7 +436,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
       if (it != transfers_.end()) {
         // Lost a race with an identical or conflicting first chunk.
         if (it->second->chunk_digests.size() > 0 && it->second->chunk_digests[0] == digest) {
-          return it->second->state;
+          return Accept(it->second->state, accepted);
         }
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
@@ -507,7 +513,7 @@ absl::StatusOr<v1::TransferState> TransferEngine::Submit(const v1::SubmitTransfe
     if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0, std::move(routes), nullptr});
     Publish(*t);
     SchedulePump(t);
-    return t->state;
+    return Accept(t->state, accepted);
   }
 }
 

@@ -102,9 +102,12 @@ class TransferEngine {
 
   // `caller` must own every local region the request names, unless it is a
   // scheduler (PERMISSION_DENIED naming the region and its owner otherwise); the
-  // transfer is then owned by the caller.
-  absl::StatusOr<v1::TransferState> Submit(const v1::SubmitTransferRequest& request,
-                                           const Caller& caller);
+  // transfer is then owned by the caller. The accepted state is copied into `*accepted`
+  // only when it is not null: a caller that answers with the final state later
+  // (SubmitTransfer with wait, the fast path's last chunk) passes null and pays for no
+  // copy of the state's strings and timeline (issue 15).
+  absl::Status Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
+                      v1::TransferState* accepted);
   // True when the request names a remote group or region that the peer's current
   // catalog lacks: the caller refreshes the peer once before submitting, so a region
   // the peer registered a moment ago is found.
