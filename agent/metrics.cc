@@ -325,6 +325,12 @@ std::string RenderMetrics(const MetricsSources& sources) {
          "same NVIDIA driver and run as the same uid (or one in --peer-uids); `kvagentctl "
          "peers` gives the driver's error.")
       .Sample(static_cast<double>(vmm_failures));
+  Family(&out, "kvagent_vmm_import_failures_total", "counter",
+         "Failed attempts to import a same-host peer's CUDA VMM allocation here, since this "
+         "agent started. Each rebuild of a peer's view (each change of its metadata) retries "
+         "the allocations that failed, so it rises with every metadata change of a peer whose "
+         "imports keep failing; kvagent_peer_vmm_import_failures is the current views' count.")
+      .Sample(static_cast<double>(deps.peers->vmm_import_failures_total()));
 
   if (sources.stager != nullptr) {
     Family staged(&out, "kvagent_staging_total", "counter",

@@ -725,6 +725,7 @@ void PeerManager::MapVmm(const registry::RemoteCatalog& catalog, PeerLink& link,
       }
     }
     direct->vmm_import_failures += refused.size();
+    vmm_import_failures_total_.fetch_add(refused.size(), std::memory_order_relaxed);
   }
   for (size_t i = 0; i < regions.size(); ++i) {
     const registry::RemoteRegion& r = regions[i];

@@ -164,6 +164,13 @@ class PeerManager {
 
   // Liveness datagrams the prober dropped (forged, replayed, malformed).
   uint64_t liveness_dropped() const { return prober_ ? prober_->dropped() : 0; }
+  // Same-host peers' CUDA VMM allocations this agent failed to import, over its life:
+  // each view rebuild retries the ones that failed, so a peer whose imports keep
+  // failing adds them again with each metadata change (PeerInfo.vmm_import_failures
+  // is the current view's).
+  uint64_t vmm_import_failures_total() const {
+    return vmm_import_failures_total_.load(std::memory_order_relaxed);
+  }
 
   void StartMonitor();
   // Stops the monitor and drops every peer (endpoints close on the worker).
@@ -298,6 +305,7 @@ class PeerManager {
   };
   std::shared_ptr<CallbackGuard> guard_ = std::make_shared<CallbackGuard>();
   std::atomic<bool> stopping_{false};
+  mutable std::atomic<uint64_t> vmm_import_failures_total_{0};  // MapVmm (const) counts
   // Connector threads (Connect), joined when finished or at Stop.
   struct Connector {
     std::thread thread;

@@ -487,6 +487,8 @@ void HostAndPeerVmm(bool refuse) {
                           Catch::Contains("# TYPE kvagent_peer_vmm_import_failures gauge"));
   CHECK(Value(metrics, "kvagent_peer_direct_fallbacks") == (refuse ? 2 * kLayers + 2 : 0));
   CHECK(Value(metrics, "kvagent_peer_vmm_import_failures") == (refuse ? 1 : 0));
+  CHECK_THAT(metrics, Catch::Contains("# TYPE kvagent_vmm_import_failures_total counter"));
+  CHECK(Value(metrics, "kvagent_vmm_import_failures_total") == (refuse ? 1 : 0));
   auto report = prefill.Doctor();
   INFO(report.status().ToString());
   REQUIRE(report.ok());
@@ -571,6 +573,30 @@ void HostAndPeerVmm(bool refuse) {
   // Directly, every byte of both went by the device copy path; staged, none.
   const uint64_t moved = 2 * kLayers * (3 + 2) * kPageBytes;
   CHECK(status->copy_lanes().device_bytes() == (refuse ? 0 : moved));
+
+  // A metadata change of decode (a host pool registered) rebuilds prefill's view of it,
+  // which retries the import that failed: the counter of failed attempts rises by one,
+  // the gauge (the view in use) stays 1. A direct import is reused: both stay 0.
+  cli::KvPoolShape more = HostShape();
+  more.group = "kvx";
+  auto added = cli::CreateKvPool(decode, "dx", more);
+  REQUIRE(added.ok());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  uint32_t seen = peer->regions();
+  while (seen <= peer->regions() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    auto peers = prefill.Peers();
+    REQUIRE(peers.ok());
+    for (const auto& p : peers->peers()) {
+      if (p.name() == peer->name()) seen = p.regions();
+    }
+  }
+  INFO("decode's regions in prefill's view: " << peer->regions() << " before, " << seen
+                                              << " after registering " << added->regions());
+  REQUIRE(seen == peer->regions() + added->regions());
+  const std::string rebuilt = Scrape(MetricsAddress(prefill));
+  CHECK(Value(rebuilt, "kvagent_vmm_import_failures_total") == (refuse ? 2 : 0));
+  CHECK(Value(rebuilt, "kvagent_peer_vmm_import_failures") == (refuse ? 1 : 0));
 }
 
 TEST_CASE("host memory to and from a same-host peer's VRAM by CUDA VMM, directly") {
