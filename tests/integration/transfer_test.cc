@@ -277,6 +277,13 @@ TEST_CASE("wait answers with the final state; a batch submits each entry on its 
   // Answered at the end: the bytes are already in place.
   CHECK(pair.PageEqual(2, 12));
   CHECK(pair.PageEqual(7, 3));
+  // The same chunk again (a client retrying after a lost answer): the transfer has
+  // ended, so the wait is answered at once with the same final state.
+  auto again = SubmitThrough(pair.prefill(), one);
+  REQUIRE(again.ok());
+  CHECK(again->phase() == v1::COMPLETED);
+  CHECK(again->bytes_done() == done->bytes_done());
+  CHECK(again->timeline_size() == done->timeline_size());
 
   // A chunked transfer waits on its last chunk only.
   auto open = KvWrite("req-wait-chunks", {4}, {14});
