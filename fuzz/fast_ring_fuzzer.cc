@@ -4,21 +4,27 @@
 // as the client: entries honest or not, any bytes anywhere in the slots, any sq_tail,
 // cq_head or client_flags, publishes with or without the doorbell, reaps. The backend
 // parses nothing: it answers a submit at once, or holds its Done (a `wait` request)
-// until a Release step or the end, so reservations of completion room stay taken.
+// until a Release step or the end, so reservations of completion room stay taken. Its
+// NotificationQueue is real: Notify steps push notifications (the session's or a
+// stranger's, up to past half the largest ring) that a watching ring takes.
 //
 // Whatever the input, the agent never crashes, and:
 //   - with an honest cq_head, cq_tail is never more than completion_entries past it,
 //     counting the completions the backend still holds (their room is reserved);
 //   - every completion the agent wrote is well formed (message_length <= kMaxMessage,
-//     a known opcode, reserved 0, codes and phases the backend can give);
+//     a known opcode, span 1, codes and phases the backend can give); a notification
+//     spans SpanFor(its bytes) <= MaxSpan entries without wrapping, parses, is the
+//     session's (never a stranger's), carries its kind and bytes and a watch entry's
+//     user_data; a pad runs exactly to the ring's end, on a ring that watches;
 //   - once kClosed is set, the reason at kReasonOffset is NUL-terminated within
 //     kReasonBytes and names the protocol break, protocol_errors is 1, and the agent
 //     writes nothing more (cq_tail and sq_head stay where they were);
 //   - an open ring never stalls: once the client reaps everything and the backend
 //     answers, every published entry is taken and every taken entry completed
-//     (cq_tail + completions still held == entries taken);
+//     (completions of entries + completions still held == entries taken, and every
+//     notification posted was read, when the client was honest throughout);
 //   - Close(1), a second Open of the session, and the server's destruction succeed,
-//     and completions given after them write nothing.
+//     and completions given and notifications pushed after them write nothing.
 // Each input runs in milliseconds: the server polls every millisecond (idle_poll_ms 1,
 // spin_us 5) and the harness waits only until the agent settles.
 
@@ -44,6 +50,7 @@
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
 #include "agent/fast_path.h"
+#include "agent/notification_queue.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
 #include "client/fast_ring.h"
@@ -60,6 +67,9 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kSession = 1;
 constexpr char kPrincipal[] = "session:1 uid:1000 pid:4242";
+constexpr char kStranger[] = "session:2 uid:1001 pid:4343";
+// Notifications' payloads: up to 24 KiB (49 entries: past half of even 64).
+constexpr uint32_t kMaxNotifyPayload = 24 << 10;
 // Ring sizes the input picks from: the default, powers of two, and refused sizes.
 constexpr uint32_t kSizes[] = {0, 8, 16, 32, 64, 1024, 4096, 4, 12, 8192};
 constexpr int kMaxSteps = 256;
@@ -137,6 +147,7 @@ class Backend {
       }
       Answer(done, Outcome(request, request.chunk()));
     };
+    backend.notifications = &queue_;
     backend.cancel = [this](const std::string& transfer_id,
                             const agent::Caller& caller) -> absl::StatusOr<v1::TransferState> {
       CheckCaller(caller, "cancel");
@@ -170,6 +181,22 @@ class Backend {
     return held_.size();
   }
 
+  // Pushes notifications as peers' transfers do; from_agent says whose they are.
+  void Push(const Notify& n) {
+    const uint32_t count = n.count() % 8 == 0 ? 1 : n.count() % 8;
+    for (uint32_t i = 0; i < count; ++i) {
+      agent::QueuedNotification q;
+      q.notification.set_from_agent(n.stranger() ? "stranger" : "mine");
+      q.notification.set_transfer_id(n.transfer_id().substr(0, 64));
+      q.notification.set_kind(static_cast<v1::NotificationKind>(n.kind() % 8));
+      q.notification.set_payload(std::string(n.payload_bytes() % kMaxNotifyPayload,
+                                             static_cast<char>('a' + pushed_ % 26)));
+      q.notification.set_bytes(pushed_++);
+      q.owners.push_back(n.stranger() ? kStranger : kPrincipal);
+      queue_.Push(std::move(q));
+    }
+  }
+
  private:
   struct Held {
     v1::SubmitTransferRequest request;
@@ -185,6 +212,9 @@ class Backend {
   absl::Mutex mu_;
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);
   bool answer_all_ ABSL_GUARDED_BY(mu_) = false;
+  // Declared last: the server (made after the backend) is gone before it.
+  agent::NotificationQueue queue_;
+  uint64_t pushed_ = 0;  // the fuzzer's thread's
 };
 
 // The client's side of one ring: its own mapping of the ring file.
@@ -235,7 +265,7 @@ class Client {
         break;
       case Step::kCqHead:
         cq_head_ = Apply(step.cq_head(), cq_head_);
-        honest_ = false;
+        honest_ = always_honest_ = false;
         header_->cq_head.value.store(cq_head_, std::memory_order_release);
         break;
       case Step::kClientFlags:
@@ -261,6 +291,9 @@ class Client {
       case Step::kRelease:
         backend_->Release(step.release().count(), step.release().outcome());
         break;
+      case Step::kNotify:
+        backend_->Push(step.notify());
+        break;
       case Step::STEP_NOT_SET:
         break;
     }
@@ -283,7 +316,9 @@ class Client {
       const uint32_t cq_tail = header_->cq_tail.value.load(std::memory_order_acquire);
       const uint64_t entries = server_->counters().entries;
       const size_t held = backend_->held();
-      if (sq_head == sq_tail && cq_tail + held == entries && (flags & fr::kSleeping)) break;
+      if (sq_head == sq_tail && Answered(cq_tail, held, entries) && (flags & fr::kSleeping)) {
+        break;
+      }
       FUZZ_CHECK(Clock::now() < deadline,
                  "the ring stalled: sq_head {} sq_tail {} cq_tail {} cq_head {}, {} entries taken, "
                  "{} completions held, agent_flags {:#x}, protocol_errors {}",
@@ -300,9 +335,16 @@ class Client {
       FUZZ_CHECK(counters.protocol_errors == 0 && counters.rings == 1,
                  "open ring, {} protocol errors, {} rings", counters.protocol_errors,
                  counters.rings);
-      FUZZ_CHECK(header_->cq_tail.value.load() + backend_->held() == counters.entries,
-                 "{} entries taken, {} completions posted, {} held", counters.entries,
-                 header_->cq_tail.value.load(), backend_->held());
+      FUZZ_CHECK(Answered(header_->cq_tail.value.load(), backend_->held(), counters.entries),
+                 "{} entries taken, {} completion entries posted ({} read of entries, {} "
+                 "notifications, {} posted), {} held",
+                 counters.entries, header_->cq_tail.value.load(), entry_completions_,
+                 notifications_read_, counters.notifications, backend_->held());
+      if (always_honest_) {
+        FUZZ_CHECK(notifications_read_ == counters.notifications,
+                   "{} notifications posted, {} read by an honest client", counters.notifications,
+                   notifications_read_);
+      }
     }
     CheckAllCompletions();
   }
@@ -317,6 +359,12 @@ class Client {
     frozen_ = true;
   }
 
+  // The server is about to be destroyed.
+  void ServerGone() {
+    notifications_posted_ = server_->counters().notifications;
+    server_ = nullptr;
+  }
+
   // What the run came to (KVAGENT_FUZZ_TRACE=1): for writing seeds that reach what
   // they mean to.
   void Trace(int steps) {
@@ -325,10 +373,14 @@ class Client {
     std::fprintf(
         stderr,
         "fast_ring: %u slots, %u completions, %d steps: sq_tail %u sq_head %u cq_tail %u "
-        "cq_head %u, %llu entries, %zu held, %llu protocol errors%s%s\n",
+        "cq_head %u, %llu entries, %zu held, %llu protocol errors, %llu notifications (%llu "
+        "read, %llu too large)%s%s\n",
         slots_, completions_, steps, header_->sq_tail.value.load(), header_->sq_head.value.load(),
         header_->cq_tail.value.load(), cq_head_, static_cast<unsigned long long>(c.entries),
         backend_->held(), static_cast<unsigned long long>(c.protocol_errors),
+        static_cast<unsigned long long>(c.notifications),
+        static_cast<unsigned long long>(notifications_read_),
+        static_cast<unsigned long long>(c.notifications_too_large),
         (flags & fr::kClosed) ? ": " : "", (flags & fr::kClosed) ? base_ + fr::kReasonOffset : "");
   }
 
@@ -358,8 +410,25 @@ class Client {
     std::memcpy(slots_base() + offset, bytes, n);
   }
 
+  uint64_t NotificationsPosted() const {
+    return server_ != nullptr ? server_->counters().notifications : notifications_posted_;
+  }
+
+  // Every taken entry answered: without notifications each completion is one entry's;
+  // with them, an honest client counted the completions of entries it read.
+  bool Answered(uint32_t cq_tail, size_t held, uint64_t entries) {
+    if (server_->counters().notifications == 0) return cq_tail + held == entries;
+    if (always_honest_) return entry_completions_ + held == entries;
+    return uint64_t{cq_tail} + held >= entries;
+  }
+
   void WriteEntry(const Entry& e) {
-    std::string payload = e.has_request() ? e.request().SerializeAsString() : e.raw();
+    std::string payload = e.has_request() ? e.request().SerializeAsString()
+                          : e.has_watch() ? e.watch().SerializeAsString()
+                                          : e.raw();
+    if (static_cast<uint16_t>(e.opcode()) == fr::kWatchNotifications) {
+      watches_.push_back(e.user_data());
+    }
     if (payload.size() > area() - fr::kSubmissionHeaderBytes) {
       payload.resize(area() - fr::kSubmissionHeaderBytes);
     }
@@ -387,13 +456,34 @@ class Client {
 
   void WriteBytes(const RawBytes& b) { Put(b.offset() % area(), b.data().data(), b.data().size()); }
 
+  // Reads the completions from cq_head_ to `tail` an honest client reads, each by its
+  // span; stops after `max` (0: all). Returns the entries they took.
+  uint32_t Walk(uint32_t tail, uint32_t max) {
+    const uint32_t n = tail - cq_head_;
+    FUZZ_CHECK(n <= completions_, "cq_tail {} is {} past an honest cq_head {}", tail, n, cq_head_);
+    uint32_t done = 0, count = 0;
+    while (done < n && (max == 0 || count < max)) {
+      const uint32_t index = (cq_head_ + done) & (completions_ - 1);
+      const uint32_t span = CheckCompletion(index, true);
+      FUZZ_CHECK(done + span <= n, "completion {} spans {} entries, {} are posted", index, span,
+                 n - done);
+      done += span;
+      ++count;
+    }
+    return done;
+  }
+
   void Reap(uint32_t max) {
     const uint32_t tail = header_->cq_tail.value.load(std::memory_order_acquire);
     uint32_t n = tail - cq_head_;
-    if (n > completions_) n = completions_;  // after a dishonest cq_head
-    if (max != 0 && n > max) n = max;
-    // After a dishonest cq_head the slots read may never have been posted.
-    for (uint32_t i = 0; i < n; ++i) CheckCompletion((cq_head_ + i) & (completions_ - 1), honest_);
+    if (honest_) {
+      n = Walk(tail, max);
+    } else {
+      if (n > completions_) n = completions_;  // after a dishonest cq_head
+      if (max != 0 && n > max) n = max;
+      // After a dishonest cq_head the slots read may never have been posted.
+      for (uint32_t i = 0; i < n; ++i) CheckCompletion((cq_head_ + i) & (completions_ - 1), false);
+    }
     cq_head_ += n;
     header_->cq_head.value.store(cq_head_, std::memory_order_release);
     uint64_t rung;  // the completion doorbell (non-blocking), as a client that waited
@@ -406,25 +496,44 @@ class Client {
   void ResyncHead() {
     const uint32_t tail = header_->cq_tail.value.load(std::memory_order_acquire);
     uint32_t n = tail - cq_head_;
-    if (n <= completions_) {
-      for (uint32_t i = 0; i < n; ++i) {
-        CheckCompletion((cq_head_ + i) & (completions_ - 1), honest_);
-      }
+    if (honest_) {
+      Walk(tail, 0);
+    } else if (n <= completions_) {
+      for (uint32_t i = 0; i < n; ++i) CheckCompletion((cq_head_ + i) & (completions_ - 1), false);
     }
     cq_head_ = tail;
     honest_ = true;
     header_->cq_head.value.store(cq_head_, std::memory_order_release);
   }
 
-  void CheckCompletion(uint32_t index, bool posted) {
+  // Checks the completion at `index` (`posted`: an honest client reads it as the next
+  // completion; else any entry, maybe never posted, maybe inside a notification);
+  // returns the entries it spans.
+  uint32_t CheckCompletion(uint32_t index, bool posted) {
     const char* at = base_ + info_.completion_offset() + uint64_t{index} * fr::kCompletionBytes;
     fr::CompletionHeader c;
     std::memcpy(&c, at, sizeof(c));
+    // Entries inside a notification hold its bytes: only completions read in order can
+    // be told from them.
+    if (!posted && NotificationsPosted() != 0) return 1;
+    if (!posted && c.opcode == 0 && c.user_data == 0 && c.message_length == 0) return 1;  // unused
+    if (c.opcode == fr::kNotification) {
+      CheckNotification(index, c, at);
+      return c.span;
+    }
+    if (c.opcode == fr::kPad) {
+      FUZZ_CHECK(!watches_.empty() && c.span >= 1 && index + c.span == completions_ &&
+                     c.message_length == 0 && c.code == 0,
+                 "pad completion {}: span {} of {} entries, message {} bytes, code {} ({} watch "
+                 "entries written)",
+                 index, c.span, completions_, c.message_length, c.code, watches_.size());
+      return c.span;
+    }
     FUZZ_CHECK(c.message_length <= fr::kMaxMessage,
                "completion {} has a {}-byte message (at most {})", index, c.message_length,
                fr::kMaxMessage);
-    if (!posted && c.opcode == 0 && c.user_data == 0 && c.message_length == 0) return;  // unused
     FUZZ_CHECK(c.span == 1, "completion {} spans {} entries", index, c.span);
+    if (posted) ++entry_completions_;
     switch (c.opcode) {
       case fr::kPing:
         FUZZ_CHECK(c.code == 0 && c.phase == 0 && c.message_length == 0 && c.bytes_done == 0,
@@ -447,12 +556,44 @@ class Client {
                        : (c.phase == v1::FAILED || c.phase == v1::CANCELLED) && c.code != 0,
                    "submit completion {}: code {} phase {}", index, c.code, c.phase);
         break;
+      case fr::kWatchNotifications:
+        FUZZ_CHECK(c.phase == 0 && c.bytes_done == 0 &&
+                       (c.code == 0 ? c.message_length == 0
+                                    : (c.code == static_cast<int32_t>(
+                                                     absl::StatusCode::kInvalidArgument) ||
+                                       c.code == static_cast<int32_t>(
+                                                     absl::StatusCode::kFailedPrecondition)) &&
+                                          c.message_length > 0),
+                   "watch completion {}: code {} phase {} message {} bytes", index, c.code,
+                   c.phase, c.message_length);
+        break;
       default:
         Fail(__FILE__, __LINE__, "known opcode",
              fmt::format("completion {} has opcode {}: the agent completed a pad or an unknown "
                          "entry",
                          index, c.opcode));
     }
+    return 1;
+  }
+
+  void CheckNotification(uint32_t index, const fr::CompletionHeader& c, const char* at) {
+    FUZZ_CHECK(c.span >= 1 && c.span <= fr::MaxSpan(completions_) &&
+                   index + c.span <= completions_ && c.span == fr::SpanFor(c.message_length),
+               "notification completion {}: {} bytes in {} entries (ring of {}, at most {})",
+               index, c.message_length, c.span, completions_, fr::MaxSpan(completions_));
+    v1::Notification n;
+    FUZZ_CHECK(n.ParseFromArray(at + sizeof(c), static_cast<int>(c.message_length)),
+               "notification completion {} ({} bytes) does not parse", index, c.message_length);
+    FUZZ_CHECK(n.from_agent() == "mine", "notification completion {} is {}'s", index,
+               n.from_agent());
+    FUZZ_CHECK(c.code == 0 && c.phase == static_cast<uint32_t>(n.kind()) &&
+                   c.bytes_done == n.bytes() && c.latency_us == 0,
+               "notification completion {}: code {} phase {} (kind {}) bytes {} ({})", index,
+               c.code, c.phase, static_cast<int>(n.kind()), c.bytes_done, n.bytes());
+    FUZZ_CHECK(std::find(watches_.begin(), watches_.end(), c.user_data) != watches_.end(),
+               "notification completion {} carries user_data {}, no watch entry's", index,
+               c.user_data);
+    ++notifications_read_;
   }
 
   void CheckAllCompletions() {
@@ -527,7 +668,8 @@ class Client {
     }
   }
 
-  agent::FastPathServer* const server_;
+  agent::FastPathServer* server_;  // null once destroyed
+  uint64_t notifications_posted_ = 0;  // its count when it went
   Backend* const backend_;
   const v1::FastPathInfo info_;
   UniqueFd memfd_;
@@ -541,6 +683,10 @@ class Client {
   uint32_t cursor_ = 0;   // where the next entry goes (the client's own sq_tail)
   uint32_t cq_head_ = 0;  // what the client stored last
   bool honest_ = true;    // cq_head was only ever moved by reaping
+  bool always_honest_ = true;  // ... from the start (then every completion was read)
+  std::vector<uint64_t> watches_;  // user_data of the watch entries written
+  uint64_t entry_completions_ = 0;   // read in order: completions of entries
+  uint64_t notifications_read_ = 0;  // read in order: notifications
   bool closed_seen_ = false;
   bool frozen_ = false;  // closed: cq_tail and sq_head must stay as they were
   uint32_t frozen_cq_tail_ = 0;
@@ -600,6 +746,9 @@ void Run(const FastRingInput& input) {
   server->Close(kSession);  // idempotent
   FUZZ_CHECK(server->counters().rings == 0, "Close left {} rings", server->counters().rings);
   if (held_until == 1) backend.Release(0, 1);
+  Notify late;
+  late.set_count(3);
+  backend.Push(late);  // the watch ended with the session
   client.CheckFrozen();
   {
     // The session's ring is gone: it may open another.
@@ -608,8 +757,10 @@ void Run(const FastRingInput& input) {
     FUZZ_CHECK(reopened.ok(), "Open after Close: {}", reopened.status().ToString());
     server->Close(kSession);
   }
+  client.ServerGone();
   server.reset();
   backend.Release(0, 2);  // completions after the server is gone write nothing
+  backend.Push(late);     // nor notifications (no subscriber is left)
   client.CheckFrozen();
 }
 

@@ -2,7 +2,9 @@
 a completion ring in a memfd the agent creates for the session, mapped here, with two
 eventfd doorbells. Transfers go in as serialized SubmitTransferRequests, many per
 doorbell, and their outcomes come back in batches: the same checks, states and
-errors as gRPC's SubmitTransfer, without a round trip per transfer.
+errors as gRPC's SubmitTransfer, without a round trip per transfer. A ring that
+watches (watch_notifications) also gets the session's notifications as completions,
+each taken once (not by gRPC's WatchNotifications/PollNotifications too).
 
 Memory order: the ring's counters are 32-bit words written and read through a
 memoryview (single aligned loads and stores). x86-64 keeps stores in order (an entry's
@@ -23,9 +25,10 @@ from . import errors
 from ._proto import kvagent_pb2 as pb
 
 VERSION, MAGIC, SLOT_BYTES, COMPLETION_BYTES = 1, 0x5246564B, 256, 512
-PAD, SUBMIT, CANCEL, PING = 0, 1, 2, 3
+PAD, SUBMIT, CANCEL, PING, WATCH_NOTIFICATIONS, NOTIFICATION = 0, 1, 2, 3, 4, 5
 SLEEPING = WAITING = 1
 CLOSED = 2
+ROOM_WANTED = 4  # agent: notifications wait for room (ring the doorbell after reaping)
 REASON_OFFSET, REASON_BYTES = 1024, 3072
 HEADER = struct.Struct("<IHHIIQ")        # SubmissionHeader: 24 bytes
 COMPLETION = struct.Struct("<QHHiIIQQ")  # CompletionHeader: 40 bytes
@@ -35,13 +38,16 @@ SQ_TAIL, SQ_HEAD, CQ_TAIL, CQ_HEAD, AGENT_FLAGS, CLIENT_FLAGS = (16, 32, 48, 64,
 
 class Completion:
     """One entry's outcome: user_data, opcode, code (a gRPC code number; 0 OK), phase
-    (TransferPhase name for submit/cancel), bytes_done, latency_us, message."""
+    (TransferPhase name for submit/cancel), bytes_done, latency_us, message. A
+    notification (opcode NOTIFICATION, the watch entry's user_data) has it in
+    `notification` (a pb Notification; its kind there, phase empty), else None."""
 
-    def __init__(self, data, message):
+    def __init__(self, data, message, notification=None):
         (self.user_data, self.opcode, _, self.code, phase, _, self.bytes_done,
          self.latency_us) = data
-        self.phase = pb.TransferPhase.Name(phase) if phase else ""
+        self.phase = pb.TransferPhase.Name(phase) if phase and notification is None else ""
         self.message = message
+        self.notification = notification
 
     @property
     def ok(self):
@@ -144,6 +150,15 @@ class FastPath:
     def ping(self, user_data):
         self._put(PING, user_data, b"")
 
+    def watch_notifications(self, transfer_ids=(), user_data=0):
+        """Asks the agent to post this session's notifications (of transfer_ids; empty:
+        any) on the completion ring, as NOTIFICATION completions carrying user_data. The
+        entry completes OK once the watch is in place (one per ring). Notifications on
+        the ring and not reaped when the session ends are lost; one spanning more than
+        half the completion ring stays with gRPC's takers."""
+        request = pb.WatchNotificationsRequest(transfer_ids=list(transfer_ids))
+        self._put(WATCH_NOTIFICATIONS, user_data, request.SerializeToString())
+
     def reap(self, max_count=64, timeout=1.0):
         """Up to max_count completions; waits up to `timeout` s for the first."""
         deadline = time.monotonic() + timeout
@@ -166,21 +181,50 @@ class FastPath:
 
     def _take(self, max_count):
         tail = self._words[CQ_TAIL]
+        start_head = self._cq_head
         out = []
         while self._cq_head != tail and len(out) < max_count:
-            at = self.info.completion_offset + (self._cq_head & (self.entries - 1)) * COMPLETION_BYTES
+            index = self._cq_head & (self.entries - 1)
+            at = self.info.completion_offset + index * COMPLETION_BYTES
             data = COMPLETION.unpack_from(self._mmap, at)
-            length = min(data[5], COMPLETION_BYTES - COMPLETION.size)
+            # A completion spans data[2] entries (never wrapping, never past cq_tail; an
+            # impossible span is read as 1).
+            span = data[2]
+            if span == 0 or span > self.entries - index or span > ((tail - self._cq_head)
+                                                                   & 0xFFFFFFFF):
+                span = 1
             start = at + COMPLETION.size
-            out.append(Completion(data, bytes(self._mmap[start:start + length]).decode(
-                errors="replace")))
-            self._cq_head = (self._cq_head + 1) & 0xFFFFFFFF
-        if out:
+            if data[1] == PAD:
+                pass
+            elif data[1] == NOTIFICATION:
+                out.append(self._notification(data, span, start))
+            else:
+                length = min(data[5], COMPLETION_BYTES - COMPLETION.size)
+                out.append(Completion(data, bytes(self._mmap[start:start + length]).decode(
+                    errors="replace")))
+            self._cq_head = (self._cq_head + span) & 0xFFFFFFFF
+        if self._cq_head != start_head:
             self._words[CQ_HEAD] = self._cq_head
             self._fence()
-            if self._tail != self._words[SQ_HEAD] and self._words[AGENT_FLAGS] & SLEEPING:
-                os.write(self.submit_fd, (1).to_bytes(8, "little"))  # entries waited for room
+            flags = self._words[AGENT_FLAGS]
+            if flags & SLEEPING and (self._tail != self._words[SQ_HEAD] or flags & ROOM_WANTED):
+                # entries or notifications waited for room
+                os.write(self.submit_fd, (1).to_bytes(8, "little"))
         return out
+
+    def _notification(self, data, span, start):
+        length = data[5]
+        note = pb.Notification()
+        try:
+            if length > span * COMPLETION_BYTES - COMPLETION.size:
+                raise ValueError("longer than its entries")
+            note.ParseFromString(bytes(self._mmap[start:start + length]))
+        except Exception as e:  # a ring this client does not read as the agent wrote it
+            data = (data[0], data[1], data[2], 13, 0, 0, data[6], data[7])  # INTERNAL
+            return Completion(data, f"a notification completion of {length} bytes in {span} "
+                              f"entries does not parse as a Notification ({e}); the agent and "
+                              f"this client disagree on the ring (version {VERSION})")
+        return Completion(data, "", note)
 
     def close(self):
         self._words.release()

@@ -1,12 +1,14 @@
 """The fast path from Python (kvagent.fast_path) against two real agents: many
 transfers behind the ring's doorbells, completions reaped in batches, bytes compared;
-a refusal and a ping come back on the completion ring with the agent's message."""
+a refusal and a ping come back on the completion ring with the agent's message;
+notifications come on a watching ring, whole across entries and pads, taken once."""
 import torch
 
 import kvagent
 from client_test import connected_kv
 from harness import PairTestCase, main
-from kvagent.fast_path import FastPath
+from kvagent.fast_path import NOTIFICATION, WATCH_NOTIFICATIONS, FastPath
+from kvagent._proto import kvagent_pb2 as pb
 
 
 class FastPathTest(PairTestCase):
@@ -39,6 +41,31 @@ class FastPathTest(PairTestCase):
         bad = done[101].error()
         self.assertEqual(bad.code.name, "INVALID_ARGUMENT")
         self.assertIn("remote index 99 at position 0 is out of range", bad.message)
+
+    def test_notifications_on_a_watching_ring(self):
+        pre, dec, src, dst = connected_kv(self, "notes", 5)
+        ring = FastPath(dec, submission_slots=8, completion_entries=8)
+        self.addCleanup(ring.close)
+        ring.watch_notifications(user_data=7)
+        answer = ring.reap(timeout=5)
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in answer],
+                         [(7, WATCH_NOTIFICATIONS, 0)], answer and answer[0].message)
+        # 1 to 4 entries each on an 8-entry ring: some start over at entry 0 after a pad.
+        for i in range(10):
+            payload = bytes([65 + i]) * (i * 190)
+            t = pre.transfer("decode", f"note-{i}", pages=([i], [i]), notification=payload,
+                             wait=True)
+            got = ring.reap(timeout=5)
+            self.assertEqual(len(got), 1, f"notification {i}: {got}")
+            c = got[0]
+            self.assertEqual((c.opcode, c.user_data, c.code, c.phase), (NOTIFICATION, 7, 0, ""),
+                             c.message)
+            n = c.notification
+            self.assertEqual((n.transfer_id, n.payload, n.kind), (t.id, payload, pb.DATA_READY))
+            self.assertEqual(c.bytes_done, n.bytes)
+            for s, d in zip(src, dst):
+                self.assertTrue(torch.equal(s[i], d[i]))
+        self.assertEqual(dec.poll_notifications(), [])  # taken once: on the ring
 
 
 if __name__ == "__main__":
