@@ -57,8 +57,8 @@ struct FastPathCounters {
   uint64_t entries = 0;          // submission entries taken (pads not counted)
   uint64_t protocol_errors = 0;  // rings closed because their client broke the protocol
   uint64_t notifications = 0;    // notifications posted on watching rings
-  // Notifications a watching ring could take but that span more than half its
-  // completion ring: left to gRPC's takers.
+  // Offers to a watching ring of notifications it could take but that span more than
+  // half its completion ring: left to gRPC's takers (one offered again counts again).
   uint64_t notifications_too_large = 0;
 };
 

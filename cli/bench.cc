@@ -308,6 +308,7 @@ int RunBench(const BenchOptions& options) {
         return OnePageWrite(options, peer->name(), layout, i, notify ? "fast" : "");
       };
       fast_phase.pages = layout.items;
+      fast_phase.target_owner = &target;
       if (local.started()) {
         fast_phase.initiator_pid = local.first->pid();
         fast_phase.target_pid = local.second->pid();

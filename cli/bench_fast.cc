@@ -127,7 +127,8 @@ std::optional<double> Ratio(double num, const std::optional<double>& den) {
 }
 
 struct Latency {
-  std::string path;  // grpc, fast, fast_no_notification, fast_ping, fast_ping_idle
+  std::string path;  // grpc, fast, fast_ring_notification, fast_no_notification, fast_ping,
+                     // fast_ping_idle
   std::string what;
   std::vector<double> us;
   std::vector<double> agent_us;  // the agent's own part (TransferState.latency_us)
@@ -410,6 +411,52 @@ std::optional<double> LoadAverage() {
   return one;
 }
 
+// Submit -> the notification on the target's own ring: the session that owns the
+// target's pool watches its ring (for these transfers' ids only, so no other phase's
+// notification is taken), one page WRITE at a time through `ring`. Timed from the fast
+// Submit until the target's Reap returns the notification; the initiator's completion
+// is reaped first (DATA_READY follows the sender's COMPLETED anyway).
+absl::StatusOr<Latency> RingNotificationLatency(const FastPhaseOptions& options, FastRing& ring,
+                                                const std::string& prefix, uint64_t count) {
+  Latency latency{"fast_ring_notification", "fast Submit -> target's ring notification", {}, {}};
+  constexpr uint64_t kWarm = 50;
+  ASSIGN_OR_RETURN(client::LocalSession * session, options.target_owner->Session());
+  client::FastPathOptions ring_options;
+  if (options.spin_us != 0) ring_options.spin_us = options.spin_us;
+  ASSIGN_OR_RETURN(std::unique_ptr<client::FastPath> watch,
+                   client::FastPath::Open(session, ring_options));
+  std::vector<std::string> ids;
+  for (uint64_t i = 0; i < count + kWarm; ++i) ids.push_back(fmt::format("{}rn.{}", prefix, i));
+  RETURN_IF_ERROR(watch->WatchNotifications(ids, 0));
+  const absl::Duration timeout = absl::Milliseconds(options.timeout_ms);
+  std::vector<client::FastCompletion> got;
+  ASSIGN_OR_RETURN(size_t n, watch->Reap(&got, 1, timeout));
+  if (n != 1 || !got[0].status().ok()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "the target's ring did not take the notification watch: {}",
+        n == 1 ? got[0].status().ToString() : "no answer"));
+  }
+  for (uint64_t i = 0; i < ids.size(); ++i) {
+    v1::SubmitTransferRequest request = options.one_page(i, true);
+    request.set_transfer_id(ids[i]);
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(ring.Transfer(request));
+    for (bool seen = false; !seen;) {
+      got.clear();
+      ASSIGN_OR_RETURN(n, watch->Reap(&got, 1, timeout));
+      if (n == 0) {
+        return absl::DeadlineExceededError(fmt::format(
+            "the notification of '{}' did not come on the target's ring within {} ms (the "
+            "ring's session must own the target's pool or be a scheduler's)",
+            ids[i], options.timeout_ms));
+      }
+      seen = got[0].notification && got[0].notification->transfer_id() == ids[i];
+    }
+    if (i >= kWarm) latency.us.push_back(Micros(Clock::now() - t0));
+  }
+  return latency;
+}
+
 absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiator,
                           std::unique_ptr<FastRing>* ring) {
   const std::string prefix = fmt::format("bench{}.fast.", getpid());
@@ -525,6 +572,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       if (auto s = initiator.Get(id); s.ok()) stages[0].push_back(*std::move(s));
       if (auto s = target.Get(id); s.ok()) stages[1].push_back(*std::move(s));
     }
+  }
+  if (options.target_owner != nullptr) {
+    // Beside "fast Submit + Reap, with notification": the same transfer, until the
+    // target's engine holds its notification.
+    ASSIGN_OR_RETURN(Latency notified, RingNotificationLatency(options, **ring, prefix, per_round));
+    latency.insert(latency.begin() + 2, std::move(notified));
   }
   const std::optional<double> load_latency = LoadAverage();
   if (!json) {

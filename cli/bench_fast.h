@@ -128,6 +128,10 @@ struct FastPhaseOptions {
   std::optional<double> grpc_rate_single, grpc_rate_batch64;
   // The agents' pids when started here (idle CPU is read from /proc); 0: not here.
   pid_t initiator_pid = 0, target_pid = 0;
+  // The client whose session registered the target's pool (it may take their
+  // notifications): its ring watches them for the "submit -> the target's ring
+  // notification" line. Null: that line is left out.
+  AgentClient* target_owner = nullptr;
 };
 
 // Runs and prints the phase. `ring` is the grid's ring; the phase closes it (for the
