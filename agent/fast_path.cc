@@ -500,17 +500,20 @@ bool FastPathServer::OfferAgain(Ring& ring) {
 }
 
 void FastPathServer::Break(Ring& ring, const absl::Status& why) {
-  protocol_errors_.fetch_add(1, std::memory_order_relaxed);
   const std::string reason = fmt::format(
       "the agent closed this fast path: the client broke the ring protocol: {}", why.message());
-  kLog.Warn("{}: {}", ring.caller.principal, reason);
   {
     absl::MutexLock lock(&ring.cq_mu);
+    // Once: a second look may find the same break (the entries' and the notifications'
+    // room checks both read cq_head), and a ring the session closed is not broken.
+    if (ring.closed.load(std::memory_order_acquire)) return;
     ring.closed.store(true, std::memory_order_release);
     // The reason, for the client to read (the bytes between the header and the slots).
     const std::string text = BoundedErrorText(reason, fr::kReasonBytes - 1);
     std::memcpy(ring.base + fr::kReasonOffset, text.c_str(), text.size() + 1);
   }
+  protocol_errors_.fetch_add(1, std::memory_order_relaxed);
+  kLog.Warn("{}: {}", ring.caller.principal, reason);
   Close(ring.session_id);  // sets kClosed
   fr::RingDoorbell(ring.complete_fd.get());  // a waiting client reads the reason
 }
@@ -624,7 +627,10 @@ bool FastPathServer::Poll() {
   for (const auto& ring : polled_) {
     if (ring->closed.load(std::memory_order_acquire)) continue;
     took |= Drain(ring);
-    if (ring->refused_for_room.load(std::memory_order_acquire)) took |= OfferAgain(*ring);
+    if (ring->refused_for_room.load(std::memory_order_acquire) &&
+        !ring->closed.load(std::memory_order_acquire)) {
+      took |= OfferAgain(*ring);
+    }
   }
   return took;
 }

@@ -7,7 +7,11 @@
 // then run on the thread that sends them, with no wake-up between), else its own. It
 // polls for spin_us after the last entry it took, then sleeps on the rings' doorbells
 // (and wakes every idle_poll_ms regardless, so a lost doorbell costs at most that).
-// Everything the client can write is untrusted (see client/fast_ring.h). Used by
+// A ring that watches notifications (kWatchNotifications) is a subscriber of the
+// agent's NotificationQueue: the thread that pushes a notification the session may take
+// posts it on the completion ring, when it fits beside the room every taken entry keeps;
+// otherwise it waits in the queue, and the taking thread offers it again once the client
+// reaped. Everything the client can write is untrusted (see client/fast_ring.h). Used by
 // agent/agent (LocalDoor opens and closes rings for sessions).
 #pragma once
 
