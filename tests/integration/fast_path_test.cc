@@ -799,6 +799,30 @@ size_t PollCount(cli::AgentClient& client, std::vector<v1::Notification>* out = 
   return polled->notifications_size();
 }
 
+// Polls `client` until `count` notifications came or 10 s passed (a notification is
+// pushed on the receiver a moment after the sender's transfer completed).
+std::vector<v1::Notification> PollFor(cli::AgentClient& client, size_t count) {
+  std::vector<v1::Notification> polled;
+  for (int i = 0; i < 1000 && polled.size() < count; ++i) {
+    if (PollCount(client, &polled) == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return polled;
+}
+
+// Waits until `agent`'s status has `done`, up to 10 s; returns the last one.
+v1::AgentStatus WaitStatus(cli::AgentClient& agent,
+                           const std::function<bool(const v1::AgentStatus&)>& done) {
+  v1::AgentStatus last;
+  for (int i = 0; i < 1000; ++i) {
+    auto status = agent.Status();
+    REQUIRE(status.ok());
+    last = *std::move(status);
+    if (done(last)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return last;
+}
+
 TEST_CASE("fast path: a watching ring gets the session's notifications, each taken once") {
   AgentPair pair;
   auto watch = OpenWatching(pair.decode());
@@ -867,12 +891,8 @@ TEST_CASE("fast path: large notifications span entries, and pads keep them whole
     CHECK(notes[0].notification->payload() == payload);
   }
   // The session ended: its watch is gone (the next ring must be the only taker).
-  for (int i = 0; i < 500; ++i) {
-    auto status = pair.decode().Status();
-    REQUIRE(status.ok());
-    if (status->fast_path_rings() == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; })
+            .fast_path_rings() == 0);
   cli::AgentClient small_client(pair.decode_process().address());
   client::FastPathOptions small;
   small.submission_slots = 16;
@@ -906,8 +926,7 @@ TEST_CASE("fast path: large notifications span entries, and pads keep them whole
   auto got = watch->Reap(&none, 16, absl::Milliseconds(300));
   REQUIRE(got.ok());
   CHECK(*got == 0);
-  std::vector<v1::Notification> polled;
-  CHECK(PollCount(pair.decode(), &polled) == 1);
+  std::vector<v1::Notification> polled = PollFor(pair.decode(), 1);
   REQUIRE(polled.size() == 1);
   CHECK(polled[0].transfer_id() == "too-large");
   auto status = pair.decode().Status();
@@ -924,11 +943,11 @@ TEST_CASE("fast path: a ring that does not reap keeps its notifications waiting,
   auto watch = OpenWatching(pair.decode(), {}, small);
   // 8 fill the completion ring; 4 more wait in the queue.
   for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("wait-{}", i), i, i, "w");
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  auto status = pair.decode().Status();
-  REQUIRE(status.ok());
-  CHECK(status->fast_path_notifications() == 8);
-  CHECK(status->notifications_queued() == 4);
+  const v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_notifications() + s.notifications_queued() == 12;
+  });
+  CHECK(status.fast_path_notifications() == 8);
+  CHECK(status.notifications_queued() == 4);
   // Entries cannot be taken (no room for their completions); the submission ring fills
   // and refuses more, as without notifications.
   int pinged = 0;
@@ -962,8 +981,7 @@ TEST_CASE("fast path: a watch filters by transfer id; a second watch, a subscrip
   auto notes = ReapNotes(*watch, 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].notification->transfer_id() == "wanted");
-  std::vector<v1::Notification> polled;
-  CHECK(PollCount(pair.decode(), &polled) == 1);
+  std::vector<v1::Notification> polled = PollFor(pair.decode(), 1);
   REQUIRE(polled.size() == 1);
   CHECK(polled[0].transfer_id() == "unwanted");
   // One watch per ring.
@@ -1005,21 +1023,17 @@ TEST_CASE("fast path: notifications a ring never took go to gRPC once its sessio
     small.completion_entries = 8;
     auto watch = OpenWatching(watcher, {}, small);
     for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("left-{}", i), i, i, "l");
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    auto status = pair.decode().Status();
-    REQUIRE(status.ok());
-    on_ring = status->fast_path_notifications();
+    const v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
+      return s.fast_path_notifications() + s.notifications_queued() == 12;
+    });
+    on_ring = status.fast_path_notifications();
     CHECK(on_ring == 8);
   }  // the session ends with 8 on its ring unreaped (gone with it) and 4 queued
-  for (int i = 0; i < 500; ++i) {
-    auto status = pair.decode().Status();
-    REQUIRE(status.ok());
-    if (status->fast_path_rings() == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  std::vector<v1::Notification> polled;
-  PollCount(pair.decode(), &polled);
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; })
+            .fast_path_rings() == 0);
+  std::vector<v1::Notification> polled = PollFor(pair.decode(), 12 - on_ring);
   REQUIRE(polled.size() == 12 - on_ring);
+  CHECK(PollCount(pair.decode()) == 0);
   for (size_t i = 0; i < polled.size(); ++i) {
     CHECK(polled[i].transfer_id() == fmt::format("left-{}", on_ring + i));
   }
