@@ -253,6 +253,13 @@ std::string RenderMetrics(const MetricsSources& sources) {
       .Sample(static_cast<double>(status.fast_path_rings()));
   Family(&out, "kvagent_fast_path_entries_total", "counter", "Fast path entries taken.")
       .Sample(static_cast<double>(status.fast_path_entries()));
+  Family(&out, "kvagent_fast_path_notifications_total", "counter",
+         "Notifications posted on fast path rings that watch them.")
+      .Sample(static_cast<double>(status.fast_path_notifications()));
+  Family(&out, "kvagent_fast_path_notifications_too_large_total", "counter",
+         "Offers to a watching fast path ring of a notification spanning more than half its "
+         "completion ring (left to gRPC; open the ring with more completion_entries).")
+      .Sample(static_cast<double>(status.fast_path_notifications_too_large()));
 
   // Limits: value, use and refusals of each (docs/LIMITS.md).
   Family limit_value(&out, "kvagent_limit", "gauge", "Each limit's value (its --max-* flag).");

@@ -23,6 +23,7 @@
 #include "client/fast_ring.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/integration/metrics_scrape.h"
 
 namespace kvagent::testing {
 namespace {
@@ -824,7 +825,9 @@ v1::AgentStatus WaitStatus(cli::AgentClient& agent,
 }
 
 TEST_CASE("fast path: a watching ring gets the session's notifications, each taken once") {
-  AgentPair pair;
+  AgentPairOptions metrics;
+  metrics.extra_args = {"--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(metrics);
   auto watch = OpenWatching(pair.decode());
   auto fast = OpenFast(pair.prefill());
   REQUIRE(fast->Submit(KvWrite("note-1", {3, 4}, {30, 1}, "first-token:7"), 1).ok());
@@ -856,6 +859,9 @@ TEST_CASE("fast path: a watching ring gets the session's notifications, each tak
   REQUIRE(status.ok());
   CHECK(status->fast_path_notifications() == 2);
   CHECK(status->fast_path_notifications_too_large() == 0);
+  const std::string scraped = Scrape(MetricsAddress(pair.decode()));
+  CHECK(Value(scraped, "kvagent_fast_path_notifications_total") == 2);
+  CHECK(Value(scraped, "kvagent_fast_path_notifications_too_large_total") == 0);
 }
 
 TEST_CASE("fast path: a ring watches only the notifications its session may take") {
