@@ -327,6 +327,7 @@ absl::StatusOr<v1::FastPathInfo> FastPathServer::Open(uint64_t session_id, const
   info.set_submission_offset(geometry->submission_offset);
   info.set_completion_offset(geometry->completion_offset);
   info.set_spin_us(options_.spin_us);
+  info.set_features(fr::kFeatures);
   kLog.Info("{}: fast path open ({} submission slots, {} completions, {} bytes)",
             caller.principal, geometry->submission_slots, geometry->completion_entries,
             geometry->ring_bytes);

@@ -187,6 +187,8 @@ absl::Status FastPath::Ping(uint64_t user_data, bool publish) {
 
 absl::Status FastPath::WatchNotifications(const std::vector<std::string>& transfer_ids,
                                           uint64_t user_data, bool publish) {
+  // An older agent closes the whole ring on an opcode it does not know.
+  if (absl::Status s = fr::CheckNotifications(info_.features()); !s.ok()) return s;
   v1::WatchNotificationsRequest request;
   for (const std::string& id : transfer_ids) request.add_transfer_ids(id);
   return PutMessage(fr::kWatchNotifications, request, user_data, publish);

@@ -88,7 +88,9 @@ class FastPath {
   // the watch is in place (FAILED_PRECONDITION for a second watch on this ring). Each
   // notification is taken once: one posted here goes to no other taker, and those
   // posted and not reaped when the session ends are lost. A notification spanning more
-  // than half the completion ring stays with gRPC's takers.
+  // than half the completion ring stays with gRPC's takers. FAILED_PRECONDITION, with
+  // nothing written, when the agent is older than notifications on the ring
+  // (delivers_notifications() is false): take them with gRPC WatchNotifications.
   absl::Status WatchNotifications(const std::vector<std::string>& transfer_ids,
                                   uint64_t user_data, bool publish = true);
   void Publish();
@@ -106,6 +108,10 @@ class FastPath {
   // Why the agent closed this ring; empty while it is open.
   std::string closed_reason() const;
   const v1::FastPathInfo& info() const { return info_; }
+  // Whether the agent takes WatchNotifications on this ring (FastPathInfo.features).
+  bool delivers_notifications() const {
+    return (info_.features() & fastring::kFeatureNotifications) != 0;
+  }
 
  private:
   FastPath(LocalSession* session, v1::FastPathInfo info, UniqueFd memfd, UniqueFd submit_fd,

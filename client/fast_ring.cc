@@ -36,6 +36,14 @@ absl::StatusOr<Geometry> Layout(uint32_t submission_slots, uint32_t completion_e
   return g;
 }
 
+absl::Status CheckNotifications(uint32_t features) {
+  if ((features & kFeatureNotifications) != 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      "this agent's fast path does not deliver notifications (it is older than this client: "
+      "FastPathInfo.features lacks notifications); take them with gRPC WatchNotifications, "
+      "or upgrade the agent");
+}
+
 void RingDoorbell(int fd) {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof(one));

@@ -74,6 +74,18 @@ enum Opcode : uint16_t {
   kNotification = 5,
 };
 
+// Bits of FastPathInfo.features: what the agent's ring takes beyond version 1's
+// kSubmit, kCancel and kPing. An agent older than a feature lacks its bit, and closes
+// the whole ring on an entry with an opcode it does not know, so a client checks the
+// bit before it writes such an entry.
+// The agent takes kWatchNotifications and posts kNotification completions.
+inline constexpr uint32_t kFeatureNotifications = 1;
+inline constexpr uint32_t kFeatures = kFeatureNotifications;  // all this build offers
+
+// OK when `features` (FastPathInfo.features) has kFeatureNotifications; else
+// FAILED_PRECONDITION saying the agent is older and what to use instead.
+absl::Status CheckNotifications(uint32_t features);
+
 // Flags of a submission entry.
 inline constexpr uint32_t kFlagNone = 0;
 

@@ -29,6 +29,7 @@ PAD, SUBMIT, CANCEL, PING, WATCH_NOTIFICATIONS, NOTIFICATION = 0, 1, 2, 3, 4, 5
 SLEEPING = WAITING = 1
 CLOSED = 2
 ROOM_WANTED = 4  # agent: notifications wait for room (ring the doorbell after reaping)
+FEATURE_NOTIFICATIONS = 1  # FastPathInfo.features: the ring takes WATCH_NOTIFICATIONS
 REASON_OFFSET, REASON_BYTES = 1024, 3072
 HEADER = struct.Struct("<IHHIIQ")        # SubmissionHeader: 24 bytes
 COMPLETION = struct.Struct("<QHHiIIQQ")  # CompletionHeader: 40 bytes
@@ -150,12 +151,23 @@ class FastPath:
     def ping(self, user_data):
         self._put(PING, user_data, b"")
 
+    def delivers_notifications(self):
+        """Whether the agent takes watch_notifications on this ring (FastPathInfo.features)."""
+        return bool(self.info.features & FEATURE_NOTIFICATIONS)
+
     def watch_notifications(self, transfer_ids=(), user_data=0):
         """Asks the agent to post this session's notifications (of transfer_ids; empty:
         any) on the completion ring, as NOTIFICATION completions carrying user_data. The
         entry completes OK once the watch is in place (one per ring). Notifications on
         the ring and not reaped when the session ends are lost; one spanning more than
-        half the completion ring stays with gRPC's takers."""
+        half the completion ring stays with gRPC's takers. FailedPrecondition, with
+        nothing written, when the agent is older than notifications on the ring (an older
+        agent closes the whole ring on an entry it does not know)."""
+        if not self.delivers_notifications():
+            raise errors.error(
+                9, "this agent's fast path does not deliver notifications (it is older than this "
+                "client: FastPathInfo.features lacks notifications); take them with gRPC "
+                "WatchNotifications, or upgrade the agent", where="watch_notifications")
         request = pb.WatchNotificationsRequest(transfer_ids=list(transfer_ids))
         self._put(WATCH_NOTIFICATIONS, user_data, request.SerializeToString())
 

@@ -120,6 +120,10 @@ TEST_CASE("fast path: a WRITE moves pages byte-exact and the peer is notified") 
   AgentPair pair;
   auto fast = OpenFast(pair.prefill());
   CHECK(fast->info().submission_slots() == fr::kDefaultEntries);
+  // This agent takes watches: a client checks the bit before it sends one (an older
+  // agent, without it, closes the whole ring on opcode 4).
+  CHECK(fast->info().features() == fr::kFeatures);
+  CHECK(fast->delivers_notifications());
   REQUIRE(fast->Submit(KvWrite("fast-1", {3, 4, 9}, {30, 1, 17}, "first-token:7"), 42).ok());
   FastCompletion c = ReapOne(*fast);
   INFO(c.message);

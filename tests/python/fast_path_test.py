@@ -7,7 +7,7 @@ import torch
 import kvagent
 from client_test import connected_kv
 from harness import PairTestCase, main
-from kvagent.fast_path import NOTIFICATION, WATCH_NOTIFICATIONS, FastPath
+from kvagent.fast_path import NOTIFICATION, PING, SQ_TAIL, WATCH_NOTIFICATIONS, FastPath
 from kvagent._proto import kvagent_pb2 as pb
 
 
@@ -66,6 +66,24 @@ class FastPathTest(PairTestCase):
             for s, d in zip(src, dst):
                 self.assertTrue(torch.equal(s[i], d[i]))
         self.assertEqual(dec.poll_notifications(), [])  # taken once: on the ring
+
+    def test_an_older_agent_is_not_asked_to_watch(self):
+        # An agent older than notifications on the ring lacks the feature bit and would
+        # close the whole ring on the watch entry: the client refuses, writing nothing.
+        pre, dec, src, dst = connected_kv(self, "older", 2)
+        ring = FastPath(dec, submission_slots=8)
+        self.addCleanup(ring.close)
+        self.assertTrue(ring.delivers_notifications())  # this agent announces the bit
+        ring.info.ClearField("features")
+        self.assertFalse(ring.delivers_notifications())
+        with self.assertRaises(kvagent.FailedPrecondition) as e:
+            ring.watch_notifications(user_data=7)
+        self.assertIn("this agent's fast path does not deliver notifications", e.exception.message)
+        self.assertIn("take them with gRPC WatchNotifications", e.exception.message)
+        self.assertEqual((ring._tail, ring._words[SQ_TAIL]), (0, 0))  # nothing written
+        ring.ping(8)  # the ring is still open and answers
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in ring.reap(timeout=5)],
+                         [(8, PING, 0)])
 
 
 if __name__ == "__main__":

@@ -175,6 +175,22 @@ TEST_CASE("CheckEntry: only opcodes this agent knows") {
   CHECK(std::string(OpcodeName(6)) == "unknown");
 }
 
+TEST_CASE("CheckNotifications: an agent without the feature bit is not sent a watch") {
+  CHECK(kFeatureNotifications == 1);  // FastPathInfo.features' wire value: never changes
+  CHECK((kFeatures & kFeatureNotifications) != 0);
+  CHECK(CheckNotifications(kFeatureNotifications).ok());
+  CHECK(CheckNotifications(kFeatureNotifications | 0x80).ok());  // unknown bits ignored
+  for (uint32_t features : {0u, 2u, 0x80000000u}) {
+    INFO(features);
+    const absl::Status older = CheckNotifications(features);
+    CHECK(older.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(Message(older) ==
+          "this agent's fast path does not deliver notifications (it is older than this "
+          "client: FastPathInfo.features lacks notifications); take them with gRPC "
+          "WatchNotifications, or upgrade the agent");
+  }
+}
+
 TEST_CASE("SpanFor counts the completion header; MaxSpan is half the completion ring") {
   CHECK(sizeof(CompletionHeader) == 40);
   CHECK(offsetof(CompletionHeader, span) == 10);  // the old reserved field: 0 never sent
