@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -127,14 +128,30 @@ std::optional<double> Ratio(double num, const std::optional<double>& den) {
 }
 
 struct Latency {
-  std::string path;  // grpc, fast, fast_ring_notification, fast_no_notification, fast_ping,
-                     // fast_ping_idle
+  std::string path;  // grpc, fast, fast_ring_notification, fast_grpc_notification,
+                     // fast_no_notification, fast_ping, fast_ping_idle
   std::string what;
   std::vector<double> us;
   std::vector<double> agent_us;  // the agent's own part (TransferState.latency_us)
+  // Why the line was not measured (printed as "-" with it; no JSON line); empty: it was.
+  std::string absent = {};
 };
 
+const Latency& ByPath(const std::vector<Latency>& latency, const std::string& path) {
+  for (const Latency& l : latency) {
+    if (l.path == path) return l;
+  }
+  std::abort();  // the paths are this file's own
+}
+
 void PrintLatency(const Latency& l, bool json, const std::optional<double>& load) {
+  if (!l.absent.empty()) {
+    if (!json) {
+      std::printf("  %-48s %6s %9s %9s %9s  (%s)\n", l.what.c_str(), "-", "-", "-", "-",
+                  l.absent.c_str());
+    }
+    return;
+  }
   const double p50 = Percentile(l.us, 50), p99 = Percentile(l.us, 99), p999 = Percentile(l.us, 99.9);
   std::optional<double> a50, a99, a999;
   if (!l.agent_us.empty()) {
@@ -149,9 +166,9 @@ void PrintLatency(const Latency& l, bool json, const std::optional<double>& load
                 l.path.c_str(), l.us.size(), p50, p99, p999, Opt(a50, "{:.1f}").c_str(),
                 Opt(a99, "{:.1f}").c_str(), Opt(a999, "{:.1f}").c_str(), Opt(load, "{:.2f}").c_str());
   } else {
-    std::printf("  %-44s %6zu %9.1f %9.1f %9.1f\n", l.what.c_str(), l.us.size(), p50, p99, p999);
+    std::printf("  %-48s %6zu %9.1f %9.1f %9.1f\n", l.what.c_str(), l.us.size(), p50, p99, p999);
     if (a50) {
-      std::printf("  %-44s %6s %9.1f %9.1f %9.1f\n", "  of which the agent's (accepted -> ended)", "",
+      std::printf("  %-48s %6s %9.1f %9.1f %9.1f\n", "  of which the agent's (accepted -> ended)", "",
                   *a50, *a99, *a999);
     }
   }
@@ -425,6 +442,10 @@ absl::StatusOr<Latency> RingNotificationLatency(const FastPhaseOptions& options,
   if (options.spin_us != 0) ring_options.spin_us = options.spin_us;
   ASSIGN_OR_RETURN(std::unique_ptr<client::FastPath> watch,
                    client::FastPath::Open(session, ring_options));
+  if (!watch->delivers_notifications()) {  // an agent older than them: the bench goes on
+    latency.absent = "the agent delivers no notifications on the ring";
+    return latency;
+  }
   std::vector<std::string> ids;
   for (uint64_t i = 0; i < count + kWarm; ++i) ids.push_back(fmt::format("{}rn.{}", prefix, i));
   RETURN_IF_ERROR(watch->WatchNotifications(ids, 0));
@@ -454,6 +475,39 @@ absl::StatusOr<Latency> RingNotificationLatency(const FastPhaseOptions& options,
     }
     if (i >= kWarm) latency.us.push_back(Micros(Clock::now() - t0));
   }
+  return latency;
+}
+
+// The ring line's comparison: the same one-page WRITE at a time through `ring`, the
+// target's notification taken by a gRPC WatchNotifications stream asking for these
+// transfers' ids only. Timed from the fast Submit until the stream's thread holds it.
+absl::StatusOr<Latency> GrpcNotificationLatency(const FastPhaseOptions& options, FastRing& ring,
+                                                const std::string& prefix, uint64_t count) {
+  Latency latency{"fast_grpc_notification", "fast Submit -> target's gRPC WatchNotifications",
+                  {}, {}};
+  constexpr uint64_t kWarm = 50;
+  NotificationWaiterOptions stream;
+  stream.address = options.target_address;
+  for (uint64_t i = 0; i < count + kWarm; ++i) stream.ids.push_back(fmt::format("{}gn.{}", prefix, i));
+  stream.stop_after = stream.ids.size();
+  const std::vector<std::string> ids = stream.ids;
+  NotificationWaiter waiter(std::move(stream));
+  const absl::Duration timeout = absl::Milliseconds(options.timeout_ms);
+  for (uint64_t i = 0; i < ids.size(); ++i) {
+    v1::SubmitTransferRequest request = options.one_page(i, true);
+    request.set_transfer_id(ids[i]);
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(ring.Transfer(request));
+    if (absl::Status s = waiter.WaitForId(ids[i], timeout); !s.ok()) {
+      return absl::Status(s.code(), fmt::format(
+          "the notification of '{}' did not come on the target's gRPC WatchNotifications "
+          "stream within {} ms: {}", ids[i], options.timeout_ms, std::string(s.message())));
+    }
+    if (i < kWarm) continue;
+    const auto kept = waiter.Kept();
+    latency.us.push_back(Micros(kept.at(ids[i]) - t0));
+  }
+  waiter.Finish(absl::Seconds(5));
   return latency;
 }
 
@@ -575,15 +629,18 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
   }
   if (options.target_owner != nullptr) {
     // Beside "fast Submit + Reap, with notification": the same transfer, until the
-    // target's engine holds its notification.
-    ASSIGN_OR_RETURN(Latency notified, RingNotificationLatency(options, **ring, prefix, per_round));
+    // target's engine holds its notification, from its ring and from a gRPC stream.
+    const uint64_t count = std::min<uint64_t>(per_round, 500);
+    ASSIGN_OR_RETURN(Latency notified, RingNotificationLatency(options, **ring, prefix, count));
+    ASSIGN_OR_RETURN(Latency streamed, GrpcNotificationLatency(options, **ring, prefix, count));
     latency.insert(latency.begin() + 2, std::move(notified));
+    latency.insert(latency.begin() + 3, std::move(streamed));
   }
   const std::optional<double> load_latency = LoadAverage();
   if (!json) {
     std::printf("latency, one 4 KiB page WRITE at a time, one client (us; load average %s):\n",
                 Cellf(load_latency, "{:.2f}").c_str());
-    std::printf("  %-44s %6s %9s %9s %9s\n", "", "n", "p50", "p99", "p999");
+    std::printf("  %-48s %6s %9s %9s %9s\n", "", "n", "p50", "p99", "p999");
   }
   for (const auto& l : latency) PrintLatency(l, json, load_latency);
   double am_initiator = 0, am_target = 0;
@@ -762,8 +819,9 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
 
   // 4. The issue's targets, as measured in this run.
   if (!json) {
-    const double p50 = Percentile(latency[1].us, 50), p99 = Percentile(latency[1].us, 99);
-    const double p50_quiet = Percentile(latency[2].us, 50);
+    const std::vector<double>& notified = ByPath(latency, "fast").us;
+    const double p50 = Percentile(notified, 50), p99 = Percentile(notified, 99);
+    const double p50_quiet = Percentile(ByPath(latency, "fast_no_notification").us, 50);
     const std::optional<double> load_end = LoadAverage();
     std::printf("targets (issue 15; load average %s now, %s at the start):\n",
                 Cellf(load_end, "{:.2f}").c_str(), Cellf(load_start, "{:.2f}").c_str());

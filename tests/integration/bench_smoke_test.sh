@@ -73,9 +73,9 @@ while IFS= read -r line; do
   fi
 done < <(grep -E '^\{"kind": "(rate|fast_rate)"' "$out")
 # The fast path phase's latency: gRPC, fast (with and without notification, and until
-# the target's ring holds the notification) and ring pings (back to back, and after an
+# the target's ring, or a gRPC stream of it, holds the notification) and ring pings (back to back, and after an
 # idle pause), with the load average; and both agents' idle CPU with a ring open.
-for path in grpc fast fast_ring_notification fast_no_notification fast_ping fast_ping_idle; do
+for path in grpc fast fast_ring_notification fast_grpc_notification fast_no_notification fast_ping fast_ping_idle; do
   line=$(grep "^{\"kind\": \"fast_latency\", \"path\": \"$path\"" "$out" || true)
   p50=$(sed -n 's/.*"p50_us": \([0-9.eE+-]*\),.*/\1/p' <<<"$line")
   if [[ -z "$p50" ]] || ! awk -v g="$p50" 'BEGIN { exit !(g > 0) }'; then

@@ -66,6 +66,37 @@ class VerdictTest(unittest.TestCase):
         self.assertIn("about 0.2 of these 2 verdicts by chance (10.0 % per figure)",
                       out.getvalue())
 
+    def test_a_figure_only_one_build_prints_is_shown_without_a_verdict(self):
+        # An older agent prints no ring-notification line (its ring delivers none); a newer
+        # build adds a line the other lacks: either way the report goes on.
+        def lat(path, p50):
+            return {"kind": "fast_latency", "path": path, "n": 500, "p50_us": p50,
+                    "p99_us": p50 * 2, "p999_us": p50 * 3, "agent_p50_us": None}
+
+        runs = []
+        for r in range(3):
+            runs.append(("old", [lat("fast", 90.0 + r), lat("fast_grpc_notification", 300.0)]))
+            runs.append(("new", [lat("fast", 91.0 + r), lat("fast_ring_notification", 170.0),
+                                 lat("fast_grpc_notification", 310.0 + r)]))
+        table, order = bench_ab.collect(runs)
+        rows = bench_ab.compare(table, ["fast_latency fast_ring_notification"] + [
+            o for o in order if o != "fast_latency fast_ring_notification"], ["old", "new"])
+        # The base build lacks the ring line: nothing to compare it with.
+        self.assertNotIn("fast_latency fast_ring_notification", [r[0] for r in rows])
+        out = io.StringIO()
+        bench_ab.report(rows, ["old", "new"], out)
+        # The other way round, the base has it and the other build does not: '-'.
+        rows = bench_ab.compare(table, order, ["new", "old"])
+        ring = [r for r in rows if r[0] == "fast_latency fast_ring_notification"]
+        self.assertEqual([(m, vd) for _, m, _, vd in ring], [("p50_us", {}), ("p99_us", {})])
+        out = io.StringIO()
+        counts = bench_ab.report(rows, ["new", "old"], out)
+        line = [l for l in out.getvalue().splitlines()
+                if l.startswith("fast_latency fast_ring_notification  p50_us")][0]
+        self.assertEqual(line.split()[-3:], ["-", "-", "-"], line)  # old: median, ratio, verdict
+        # fast overlaps (p50, p99); fast_grpc_notification does not (300 against 310-312).
+        self.assertEqual(counts["old"], {"slower": 0, "faster": 2, "~": 2, "?": 0})
+
     def test_a_cell_with_unverified_bytes_names_build_round_and_cell(self):
         with self.assertRaises(bench_ab.RunFailed) as e:
             bench_ab.check_run([cell("READ", 1.0, 1.0, verified=False)], "new", 2)
