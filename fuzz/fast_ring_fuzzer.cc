@@ -517,8 +517,10 @@ class Client {
     fr::CompletionHeader c;
     std::memcpy(&c, at, sizeof(c));
     // Entries inside a notification hold its bytes: only completions read in order can
-    // be told from them.
-    if (!posted && NotificationsPosted() != 0) return 1;
+    // be told from them. Once a watch entry was written, the taking thread may be
+    // writing a notification into any free entry at this moment (one offered again after
+    // a reap), before the count says so: such an entry is read only in order either.
+    if (!posted && (NotificationsPosted() != 0 || !watches_.empty())) return 1;
     if (!posted && c.opcode == 0 && c.user_data == 0 && c.message_length == 0) return 1;  // unused
     if (c.opcode == fr::kNotification) {
       CheckNotification(index, c, at);
