@@ -93,17 +93,20 @@ struct FastPathServer::Ring {
     return base + geometry.submission_offset + uint64_t{index} * fr::kSlotBytes;
   }
 
-  // Room on the completion ring for one more entry's completion. False also when the
-  // client's cq_head is impossible (set in *bad).
-  bool HasRoom(bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
-    const uint32_t head = header->cq_head.value.load(std::memory_order_seq_cst);
-    const uint32_t unreaped = cq_tail - head;
+  // Whether `more` completion entries fit beside the unreaped ones and the reserved
+  // room of the entries taken. False also when the client's cq_head is impossible (set
+  // in *bad).
+  bool Fits(uint64_t more, bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
+    const uint32_t unreaped = cq_tail - header->cq_head.value.load(std::memory_order_seq_cst);
     if (unreaped > geometry.completion_entries) {
       *bad = true;
       return false;
     }
-    return unreaped + reserved < geometry.completion_entries;
+    return uint64_t{unreaped} + reserved + more <= geometry.completion_entries;
   }
+
+  // Room on the completion ring for one more entry's completion.
+  bool HasRoom(bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) { return Fits(1, bad); }
 
   char* completion(uint32_t counter) const {
     return base + geometry.completion_offset +
@@ -128,12 +131,7 @@ struct FastPathServer::Ring {
   // Whether the notifications refused for room fit now. False also when the client's
   // cq_head is impossible (set in *bad).
   bool RoomForRefused(bool* bad) ABSL_EXCLUSIVE_LOCKS_REQUIRED(cq_mu) {
-    const uint32_t unreaped = cq_tail - header->cq_head.value.load(std::memory_order_seq_cst);
-    if (unreaped > geometry.completion_entries) {
-      *bad = true;
-      return false;
-    }
-    return uint64_t{unreaped} + reserved + room_wanted <= geometry.completion_entries;
+    return Fits(room_wanted, bad);
   }
 
   // Posts the completion of a taken entry (its reservation is given back).
@@ -441,10 +439,10 @@ bool FastPathServer::OfferNotification(Ring& ring, const QueuedNotification& n,
   }
   absl::MutexLock lock(&ring.cq_mu);
   if (ring.closed.load(std::memory_order_acquire) || ring.room_wanted != 0) return false;
-  const uint32_t unreaped = ring.cq_tail - ring.header->cq_head.value.load(std::memory_order_seq_cst);
   const uint32_t to_end = entries - (ring.cq_tail & (entries - 1));
   const uint32_t pad = to_end < span ? to_end : 0;
-  if (unreaped > entries || uint64_t{unreaped} + ring.reserved + pad + span > entries) {
+  bool bad = false;
+  if (!ring.Fits(pad + span, &bad)) {
     // Waits in the queue (for this ring once the client reaps, or another taker). An
     // impossible cq_head is found by the taking thread, which closes the ring.
     ring.room_wanted = pad + span;
