@@ -550,6 +550,12 @@ void TransferEngine::PumpQueued() {
   if (pump_queue_.empty() && pump_queue_.capacity() < batch.capacity()) pump_queue_.swap(batch);
 }
 
+void TransferEngine::LateOpen::Send() {
+  if (notice == nullptr) return;
+  engine.SendNotice(peer, std::move(*notice), nullptr);
+  notice.reset();
+}
+
 void TransferEngine::Pump(const TransferPtr& t) {
   enum class Action { kNone, kOutcomeNotice, kNotify, kBatch };
   Action action = Action::kNone;
@@ -560,9 +566,21 @@ void TransferEngine::Pump(const TransferPtr& t) {
   std::optional<v1::Notification> open;  // sent before the first batch
   v1::TransferOp op;
   Route route = Route::kUcxRma;
+  // A same-host copy's open, held back while its first batch copied: it goes before
+  // whatever this Pump sends, and also when this Pump sends nothing (a chunked
+  // transfer waiting for its next chunk), on every way out of it below.
+  LateOpen late(*this);
   {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
+    if (t->late_open != nullptr && t->last_peer != nullptr) {
+      const uint64_t now = MonotonicMicros();
+      t->late_open->set_timeout_ms(
+          static_cast<uint32_t>(t->deadline_us > now ? (t->deadline_us - now) / 1000 : 0));
+      late.peer = t->last_peer;
+      late.notice = std::move(t->late_open);
+    }
+    t->late_open.reset();
     op = t->state.op();
     // What every notice about the transfer carries; filled only for one that is sent
     // (most Pumps send none, or only the open).
@@ -654,8 +672,15 @@ void TransferEngine::Pump(const TransferPtr& t) {
         Publish(*t);
       }
       if (!t->opened) {
-        // The peer learns of the transfer before anything of it lands: it can list it,
-        // and it ends it by its deadline if we never say more.
+        // The peer learns of the transfer before anything of it lands (it can list it,
+        // and it ends it by its deadline if we never say more), except on a same-host
+        // copy: there this process copies the batch itself, and the open waits for the
+        // next Pump, which sends it right after the copy (with DATA_READY when this is
+        // the only batch). Sent first, it would wake the peer's worker during the copy
+        // and again for DATA_READY. What that costs the contract: a sender that dies
+        // during its first copy leaves the peer without word of the transfer, as one
+        // that dies before its first operation does (ARCHITECTURE.md, the transfer
+        // contract).
         t->opened = true;
         open.emplace();
         address(*open);
@@ -665,10 +690,15 @@ void TransferEngine::Pump(const TransferPtr& t) {
         const uint64_t now = MonotonicMicros();
         open->set_timeout_ms(
             static_cast<uint32_t>(t->deadline_us > now ? (t->deadline_us - now) / 1000 : 0));
+        if (route == Route::kHostCopy || route == Route::kDeviceCopy) {
+          t->late_open = std::make_unique<v1::Notification>(*std::move(open));
+          open.reset();
+        }
       }
       action = Action::kBatch;
     }
   }
+  late.Send();
 
   switch (action) {
     case Action::kNone:

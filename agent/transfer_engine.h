@@ -189,7 +189,11 @@ class TransferEngine {
     bool inflight = false;     // a batch or the notification is posted
     int32_t inflight_segment = -1;  // first segment of the batch posted last
     bool notified = false;      // DATA_READY posted (cancel no longer possible)
-    bool opened = false;        // PEER_TRANSFER_OPEN sent: the peer knows the transfer
+    bool opened = false;        // PEER_TRANSFER_OPEN made (sent, or held in late_open)
+    // A same-host copy's PEER_TRANSFER_OPEN, made before its first batch and sent by the
+    // Pump after it (with DATA_READY, for a one-batch transfer: one message, one wake-up
+    // of the peer, instead of two). Sent by the transfer's next Pump, whatever it does.
+    std::unique_ptr<v1::Notification> late_open;
     bool awaiting_ack = false;  // DATA_READY sent, its TransferAck not yet here
     uint64_t ack_token = 0;
     bool outcome_sent = false;  // the peer was told how it ended (cancel, failure)
@@ -215,6 +219,18 @@ class TransferEngine {
   static int32_t SegmentInProgress(const Transfer& t);
   // Worker thread: posts the next batch, the notification, or records the drain.
   void Pump(const TransferPtr& t);
+  // Pump's taken Transfer::late_open: sent by Send(), else as Pump returns (after its
+  // lock is released), so no way out of Pump loses it.
+  struct LateOpen {
+    explicit LateOpen(TransferEngine& e) : engine(e) {}
+    LateOpen(const LateOpen&) = delete;
+    LateOpen& operator=(const LateOpen&) = delete;
+    ~LateOpen() { Send(); }
+    void Send();
+    TransferEngine& engine;
+    std::shared_ptr<const PeerSnapshot> peer;
+    std::unique_ptr<v1::Notification> notice;
+  };
   // Any thread: has the worker Pump `t` soon, in the order scheduled (one posted
   // closure for all the Pumps scheduled before the worker takes them).
   void SchedulePump(const TransferPtr& t);
