@@ -2,6 +2,7 @@
 class, engines only (--scheduler-uids none, so ownership is enforced as for engines),
 and a runner that writes one JUnit <testcase> per test method to $XML_OUTPUT_FILE, so
 .ci/count_tests.py counts every case (a skip with its reason)."""
+import collections
 import os
 import sys
 import time
@@ -35,6 +36,59 @@ class PairTestCase(unittest.TestCase):
         self.addCleanup(pre.close)
         self.addCleanup(dec.close)
         return pre, dec
+
+
+def count_calls(client):
+    """Counts the gRPC calls `client` makes from now on, by method (the calls still go
+    to the agent): a Counter."""
+    counts = collections.Counter()
+    real = client.call
+
+    def call(method, *args, **kwargs):
+        counts[method] += 1
+        return real(method, *args, **kwargs)
+
+    client.call = call
+    return counts
+
+
+def agent_status(agent):
+    """GetStatus of a kvagent.daemon.Agent, from a short session of its own."""
+    import kvagent
+    with kvagent.connect(agent.socket, name=f"status-{time.monotonic_ns()}") as c:
+        return c.status()
+
+
+def ring_use(pair):
+    """A function giving, for each agent of `pair`, (fast path entries taken,
+    notifications posted on rings) since ring_use was called (GetStatus counters)."""
+    agents = {"prefill": pair.prefill, "decode": pair.decode}
+    before = {name: agent_status(agent) for name, agent in agents.items()}
+
+    def since():
+        now = {name: agent_status(agent) for name, agent in agents.items()}
+        return {name: (now[name].fast_path_entries - before[name].fast_path_entries,
+                       now[name].fast_path_notifications - before[name].fast_path_notifications)
+                for name in agents}
+    return since
+
+
+TRANSFER_RPCS = ("SubmitTransfer", "GetTransfer", "WatchTransfer", "PollNotifications")
+
+
+def transfer_rpcs(*counters):
+    """The gRPC transfer and notification calls count_calls counted: {method: calls}."""
+    return {m: sum(c[m] for c in counters) for m in TRANSFER_RPCS if any(c[m] for c in counters)}
+
+
+def wait_status(agent, check, seconds=5.0):
+    """The agent's status once check(status) holds (or the last one after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        status = agent_status(agent)
+        if check(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)
 
 
 class _Recorder(unittest.TextTestResult):

@@ -2,14 +2,15 @@
 SGLang's prefill and decode schedulers make (manager per worker, sender on prefill,
 receiver on decode, bootstrap pairing them by room), with real torch pools in memory
 the agents map, two real agents, bytes compared; a hybrid model's Mamba state rides in
-the same transfer."""
+the same transfer. Each scenario runs on both routes: the sessions' fast path rings
+(the default) and gRPC (fast_path "off")."""
 import time
 
 import torch
 
 import kvagent
 from client_test import fill
-from harness import PairTestCase, main
+from harness import PairTestCase, count_calls, main, ring_use, transfer_rpcs
 from kvagent.connectors.bootstrap import BootstrapServer
 from kvagent.connectors.sglang import (KVArgs, KVPoll, KvAgentConfig, KvAgentManager,
                                        KvAgentReceiver, KvAgentSender)
@@ -24,7 +25,7 @@ def nbytes(t):
 class Worker:
     """One SGLang worker's pools (as its memory pool classes shape them) and manager."""
 
-    def __init__(self, socket, name, mode, bootstrap):
+    def __init__(self, socket, name, mode, bootstrap, fast_path="auto"):
         self.client = kvagent.connect(socket, name=name)
         c = self.client
         self.k = [c.empty((PAGES, 16, 2, 32), torch.bfloat16) for _ in range(LAYERS)]
@@ -47,7 +48,8 @@ class Worker:
             state_data_ptrs=[[t.data_ptr() for t in state]],
             state_data_lens=[[nbytes(t) for t in state]],
             state_item_lens=[[nbytes(t[0]) for t in state]])
-        self.mgr = KvAgentManager(args, mode, KvAgentConfig(bootstrap, client=c))
+        self.mgr = KvAgentManager(args, mode, KvAgentConfig(bootstrap, client=c,
+                                                            fast_path=fast_path))
 
     def tensors(self):
         return self.k + self.v
@@ -62,16 +64,25 @@ def poll_until(obj, wanted, seconds=10):
         time.sleep(0.002)
 
 
-class SglangConnectorTest(PairTestCase):
+class Scenarios:
+    """SGLang's call sequences; each class runs them on one route."""
+
+    fast_path = "auto"  # KvAgentConfig's knob
+    route = "fast_path"  # the route the managers must have taken
+
     def setUp(self):
         self.boot = BootstrapServer()
         self.addCleanup(self.boot.close)
 
     def workers(self, tag):
-        pre = Worker(self.pair.prefill.socket, f"{tag}-p", "prefill", self.boot.address)
-        dec = Worker(self.pair.decode.socket, f"{tag}-d", "decode", self.boot.address)
-        self.addCleanup(pre.client.close)
-        self.addCleanup(dec.client.close)
+        pre = Worker(self.pair.prefill.socket, f"{tag}-p", "prefill", self.boot.address,
+                     self.fast_path)
+        dec = Worker(self.pair.decode.socket, f"{tag}-d", "decode", self.boot.address,
+                     self.fast_path)
+        for w in (pre, dec):
+            self.addCleanup(w.client.close)
+            self.addCleanup(w.mgr.close)
+            self.assertEqual(w.mgr.route.kind, self.route, w.mgr.route.describe())
         return pre, dec
 
     def test_chunked_prefill_with_mamba_state_and_aux(self):
@@ -130,11 +141,68 @@ class SglangConnectorTest(PairTestCase):
                                                             state_indices=[0])
         poll_until(sender, {KVPoll.WaitingForInput})
         sender.send([0], state_indices=[0])
-        self.assertEqual(sender.poll(), KVPoll.Failed)
+        # gRPC refuses in send(); the ring's refusal comes with a later poll's reap.
+        self.assertEqual(poll_until(sender, {KVPoll.Success, KVPoll.Failed}), KVPoll.Failed)
         with self.assertRaises(kvagent.InvalidArgument) as caught:
             sender.failure_exception()
         self.assertIn(f"remote index {PAGES + 3} at position 0 is out of range",
                       caught.exception.message)
+
+
+class SglangConnectorTest(Scenarios, PairTestCase):
+    """On the fast path rings (fast_path "auto" against agents that serve them)."""
+
+    def test_chunks_and_the_notification_go_through_the_rings(self):
+        used = ring_use(self.pair)
+        pre, dec = self.workers("sgring")
+        self.assertTrue(pre.mgr.route.watching and dec.mgr.route.watching)
+        pre_calls, dec_calls = count_calls(pre.client), count_calls(dec.client)
+        fill(pre.tensors() + [pre.conv, pre.ssm], 14)
+        sender = KvAgentSender(pre.mgr, self.boot.address, 77)
+        sender.init(3, aux_index=0)
+        receiver = KvAgentReceiver(dec.mgr, self.boot.address, 77)
+        receiver.init([8, 6, 7], aux_index=1, state_indices=[2])
+        self.assertEqual(poll_until(sender, {KVPoll.WaitingForInput}), KVPoll.WaitingForInput)
+        sender.send([1])
+        sender.send([2, 3], state_indices=[0])
+        self.assertEqual(poll_until(sender, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+        self.assertEqual(poll_until(receiver, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+        for s, d in zip(pre.tensors(), dec.tensors()):
+            self.assertTrue(torch.equal(s[[1, 2, 3]], d[[8, 6, 7]]))
+        self.assertTrue(torch.equal(pre.ssm[:, 0], dec.ssm[:, 2]))
+        # Prefill's ring took its watch and the two chunks; decode's its watch, and it got
+        # the room's notification. No gRPC submit, transfer or notification poll.
+        self.assertEqual(used(), {"prefill": (3, 0), "decode": (1, 1)})
+        self.assertEqual(transfer_rpcs(pre_calls, dec_calls), {})
+
+    def test_cancel_and_a_refused_chunk_on_the_ring(self):
+        # The route's chunked transfer: a chunk is taken, cancel() goes through the ring
+        # (after that chunk's entry) and answers CANCELLED; the next chunk's refusal
+        # comes back with the agent's message and type.
+        pre, dec = self.workers("sgcancel")
+        peer = pre.mgr.peer(dec.client.address)
+        calls = count_calls(pre.client)
+        chunks = pre.mgr.route.open_transfer(peer, "sgcancel-1",
+                                             remote_groups=pre.mgr.remote_groups(
+                                                 {"groups": dec.mgr.groups}))
+        first = chunks.send(pages=([0], [0]))
+        self.assertEqual(first.result(timeout=5).phase, kvagent.pb.PENDING)
+        state = first.cancel()
+        self.assertEqual((state.phase, state.error_message), (kvagent.pb.CANCELLED,
+                                                             "transfer 'sgcancel-1' was cancelled"))
+        last = chunks.finish(pages=([1], [1]))
+        with self.assertRaises(kvagent.FailedPrecondition) as caught:
+            last.result(timeout=5)
+        self.assertIn("transfer 'sgcancel-1' is already CANCELLED", caught.exception.message)
+        self.assertIn("chunk 1 cannot be added; submit a new transfer_id", caught.exception.message)
+        self.assertEqual(sum(calls.values()), 0, calls)  # all of it on the ring
+
+
+class SglangConnectorGrpcTest(Scenarios, PairTestCase):
+    """fast_path "off": gRPC, as before the ring."""
+
+    fast_path = "off"
+    route = "grpc"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The vLLM-shaped connector (kvagent.connectors.vllm) driven through the calls vLLM's
 v1 scheduler and model runner make on a prefill instance and a decode instance (the
 NIXL connector's pull flow), with vLLM-layout torch caches ([2, blocks, block_size,
-heads, head_dim] per layer) and two real agents, bytes compared."""
+heads, head_dim] per layer) and two real agents, bytes compared. Each scenario runs on
+both routes: the sessions' fast path rings (the default) and gRPC (fast_path "off", and
+"auto" against agents started with --fast-path off)."""
+import os
 import time
 from types import SimpleNamespace
 
@@ -9,8 +12,10 @@ import torch
 
 import kvagent
 from client_test import fill
-from harness import PairTestCase, main
+from harness import (ENGINES_ONLY, PairTestCase, agent_status, count_calls, main, ring_use,
+                     transfer_rpcs, wait_status)
 from kvagent.connectors.vllm import KvAgentConnector
+from kvagent.fast_path import SQ_TAIL
 
 LAYERS, BLOCKS, BLOCK = 3, 24, 16
 
@@ -23,7 +28,7 @@ def config(socket, **extra):
 class Instance:
     """One vLLM instance: its scheduler-side and worker-side connectors and caches."""
 
-    def __init__(self, socket, name, group):
+    def __init__(self, socket, name, group, **route):
         self.client = kvagent.connect(socket, name=name)
         self.caches = {f"model.layers.{i}.self_attn.attn":
                        self.client.empty((2, BLOCKS, BLOCK, 2, 32), torch.float16)
@@ -32,7 +37,7 @@ class Instance:
             t.zero_()
         self.scheduler = KvAgentConnector(config(socket, kvagent_group=group), "scheduler")
         self.worker = KvAgentConnector(config(socket, kvagent_group=group,
-                                              kvagent_client=self.client), "WORKER")
+                                              kvagent_client=self.client, **route), "WORKER")
         self.worker.register_kv_caches(self.caches)
 
     def step(self, meta):
@@ -56,13 +61,38 @@ def until_finished(worker, rid, sending, seconds=10):
     return False
 
 
-class VllmConnectorTest(PairTestCase):
-    def instances(self, tag):
+def finished(worker, rids, sending, seconds=10):
+    """The subset of `rids` get_finished reports within `seconds`."""
+    rids, seen = set(rids), set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not rids <= seen:
+        seen |= worker.get_finished(set())[0 if sending else 1] or set()
+        time.sleep(0.002)
+    return seen & rids
+
+
+def pull_params(pair, group, rid, blocks):
+    """kv_transfer_params as prefill's request_finished gives them (decode pulls)."""
+    return {"do_remote_prefill": True, "remote_block_ids": list(blocks),
+            "remote_agent": pair.prefill.address, "remote_request_id": rid,
+            "remote_group": group}
+
+
+class Scenarios:
+    """The connector's call sequences; each class runs them on one route."""
+
+    fast_path = "auto"  # the connectors' knob
+    route = "fast_path"  # the route the workers must have taken
+
+    def instances(self, tag, **route):
         # Different group names on the two sides: kv_transfer_params carry prefill's.
-        p = Instance(self.pair.prefill.socket, f"{tag}-p", f"{tag}-prefill-kv")
-        d = Instance(self.pair.decode.socket, f"{tag}-d", "kv")
-        self.addCleanup(p.client.close)
-        self.addCleanup(d.client.close)
+        route.setdefault("fast_path", self.fast_path)
+        p = Instance(self.pair.prefill.socket, f"{tag}-p", f"{tag}-prefill-kv", **route)
+        d = Instance(self.pair.decode.socket, f"{tag}-d", "kv", **route)
+        for i in (p, d):
+            self.addCleanup(i.client.close)
+            self.addCleanup(i.worker.close)
+            self.assertEqual(i.worker.route.kind, self.route, i.worker.route.describe())
         return p, d
 
     def test_decode_pulls_prefill_blocks(self):
@@ -114,6 +144,113 @@ class VllmConnectorTest(PairTestCase):
         error = d.worker.load_errors["bad-1"]
         self.assertIsInstance(error, kvagent.InvalidArgument)
         self.assertIn(f"remote index {BLOCKS + 1}", error.message)
+
+
+class VllmConnectorTest(Scenarios, PairTestCase):
+    """On the fast path rings (fast_path "auto" against agents that serve them)."""
+
+    def pull(self, p, d, tag, blocks):
+        """One decode step pulling a one-block request per (prefill, decode) block pair:
+        every READ ended without error, bytes compared. Returns the request ids."""
+        rids = [f"{tag}-{i}" for i in range(len(blocks))]
+        for rid, (src, dst) in zip(rids, blocks):
+            dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
+                                   kv_transfer_params=pull_params(self.pair, f"{tag}-prefill-kv",
+                                                                  f"p-{rid}", [src]))
+            d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
+        d.step(d.scheduler.build_connector_meta(None))  # every READ in one step
+        self.assertEqual(finished(d.worker, rids, sending=False), set(rids))
+        self.assertEqual(d.worker.load_errors, {})
+        src, dst = [b[0] for b in blocks], [b[1] for b in blocks]
+        for name in p.caches:
+            self.assertTrue(torch.equal(p.caches[name][:, src], d.caches[name][:, dst]))
+        return rids
+
+    def test_reads_and_notifications_go_through_the_rings(self):
+        used = ring_use(self.pair)
+        p, d = self.instances("vlring")
+        self.assertTrue(p.worker.route.watching and d.worker.route.watching)
+        p_calls, d_calls = count_calls(p.client), count_calls(d.client)
+        fill(list(p.caches.values()), 23)
+        rids = self.pull(p, d, "vlring", [(0, 10), (1, 11), (2, 12)])
+        self.assertEqual(finished(p.worker, [f"p-{r}" for r in rids], sending=True),
+                         {f"p-{r}" for r in rids})
+        # Decode's ring took its watch and the three READs; prefill's its watch, and it
+        # got the three notifications. No gRPC submit, transfer or notification poll.
+        self.assertEqual(used(), {"prefill": (1, 3), "decode": (4, 0)})
+        self.assertEqual(transfer_rpcs(p_calls, d_calls), {})
+
+    def test_a_full_ring_loses_nothing(self):
+        # An 8-slot ring and 12 READs in one step: a full ring is reaped and tried again,
+        # then that READ goes through gRPC; every READ ends, bytes in place.
+        used = ring_use(self.pair)
+        p, d = self.instances("vlfull", fast_path_slots=8)
+        fill(list(p.caches.values()), 24)
+        self.pull(p, d, "vlfull", [(i, 23 - i) for i in range(12)])
+        ring = used()["decode"][0] - 1  # its watch
+        fallbacks = d.worker.route.grpc_fallbacks
+        self.assertEqual(ring + fallbacks, 12, f"{ring} READs on the ring, {fallbacks} by gRPC")
+        print(f"full ring: {ring} READs on the ring, {fallbacks} by gRPC")
+
+    def test_a_ring_the_agent_closed_gives_way_to_grpc(self):
+        # A ring broken on the client's side (an impossible sq_tail) is closed by the
+        # agent; the worker says so and its READs and notifications go through gRPC.
+        p, d = self.instances("vlbroken")
+        errors_before = agent_status(self.pair.decode).fast_path_protocol_errors
+        ring = d.worker.route.ring
+        ring._words[SQ_TAIL] = (ring._tail + (1 << 20)) & 0xFFFFFFFF
+        os.write(ring.submit_fd, (1).to_bytes(8, "little"))
+        wait_status(self.pair.decode, lambda s: s.fast_path_protocol_errors > errors_before)
+        fill(list(p.caches.values()), 25)
+        rids = self.pull(p, d, "vlbroken", [(3, 4), (5, 6)])
+        self.assertEqual(d.worker.route.kind, "grpc")
+        self.assertIn("the fast path ring closed", d.worker.route.describe())
+        self.assertEqual(finished(p.worker, [f"p-{r}" for r in rids], sending=True),
+                         {f"p-{r}" for r in rids})
+
+    def test_close_closes_the_ring(self):
+        worker = KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlclose",
+                                         kvagent_name="vlclose"), "worker")
+        self.assertEqual(worker.route.kind, "fast_path")
+        rings = wait_status(self.pair.decode, lambda s: s.fast_path_rings >= 1).fast_path_rings
+        worker.close()
+        self.assertEqual(worker.route.kind, "grpc")
+        self.assertEqual(wait_status(self.pair.decode,
+                                     lambda s: s.fast_path_rings < rings).fast_path_rings,
+                         rings - 1)
+
+    def test_a_bad_fast_path_knob_names_the_fix(self):
+        with self.assertRaises(kvagent.InvalidArgument) as caught:
+            KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlknob",
+                                    kvagent_client=self.clients("vlknob")[1]), "worker",
+                             fast_path="fast")
+        self.assertIn("fast_path is 'fast'", caught.exception.message)
+        self.assertIn("use 'auto'", caught.exception.message)
+
+
+class VllmConnectorGrpcTest(Scenarios, PairTestCase):
+    """fast_path "off": gRPC, as before the ring."""
+
+    fast_path = "off"
+    route = "grpc"
+
+
+class VllmConnectorAgentWithoutRingTest(Scenarios, PairTestCase):
+    """fast_path "auto" against agents started with --fast-path off: gRPC, and why."""
+
+    agent_args = ENGINES_ONLY + ("--fast-path", "off")
+    route = "grpc"
+
+    def test_auto_says_why_and_on_refuses(self):
+        client = self.clients("vlnoring")[1]
+        worker = KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlnoring",
+                                         kvagent_client=client), "worker")
+        self.assertIn("this agent serves no fast path", worker.route.describe())
+        with self.assertRaises(kvagent.KvAgentError) as caught:
+            KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlnoring2",
+                                    kvagent_client=client, fast_path="on"), "worker")
+        self.assertEqual(caught.exception.code.name, "UNIMPLEMENTED")
+        self.assertIn("this agent serves no fast path", caught.exception.message)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ class BootstrapServer(socketserver.ThreadingTCPServer):
         self._lock = threading.Lock()
         self.prefill = {}  # engine rank -> {"agent", "agent_name"}
         self.rooms = {}    # room -> decode's info
-        self._thread = threading.Thread(target=self.serve_forever, name="kvagent-bootstrap",
-                                        daemon=True)
+        # close() waits for the loop's next look (0.5 s at socketserver's default).
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="kvagent-bootstrap", daemon=True)
         self._thread.start()
 
     @property

@@ -17,6 +17,10 @@ One request is one agent transfer whose id is the bootstrap room: each send() is
 chunk (WRITE, prefill pages into the decode pages at the same positions of the
 receiver's list); the last one also carries the state slots and aux records and the
 notification, so decode sees Success only when KV, state and aux are all in place.
+
+Chunks and notifications go through the worker session's fast path ring when it opens
+one (KvAgentConfig.fast_path "auto", the default; "on": the ring or an error; "off":
+gRPC), reaped inside poll(); the manager's `route` says which it took.
 """
 import json
 
@@ -24,6 +28,7 @@ from .. import errors
 from .._core import items_segment
 from .._proto import kvagent_pb2 as pb
 from ..client import connect
+from ..fast_route import Route
 from ..memory import Raw
 from .bootstrap import ask
 
@@ -50,13 +55,17 @@ class KVArgs:
 
 class KvAgentConfig:
     """What SGLang's server_args carries for this backend: the local agent's socket (or
-    an attached kvagent.Client, whose memory holds the pools) and the bootstrap server."""
+    an attached kvagent.Client, whose memory holds the pools), the bootstrap server, and
+    the route: fast_path "auto" | "on" | "off", fast_path_slots (0: the agent's default)."""
 
-    def __init__(self, bootstrap, client=None, local_socket=None, name=None):
+    def __init__(self, bootstrap, client=None, local_socket=None, name=None, fast_path="auto",
+                 fast_path_slots=0):
         self.bootstrap = bootstrap
         self.client = client
         self.local_socket = local_socket
         self.name = name
+        self.fast_path = fast_path
+        self.fast_path_slots = fast_path_slots
 
 
 def _raw_regions(prefix, ptrs, lens, item_lens):
@@ -73,6 +82,7 @@ class KvAgentManager:
         self.mode = str(getattr(disaggregation_mode, "value", disaggregation_mode)).lower()
         self.config = server_args
         self.is_mla = is_mla_backend
+        self._own_client = server_args.client is None
         self.client = server_args.client or connect(server_args.local_socket,
                                                     name=server_args.name)
         self.bootstrap = server_args.bootstrap
@@ -96,6 +106,9 @@ class KvAgentManager:
                 "S", ptrs, args.state_data_lens[t], args.state_item_lens[t])))
         self._peers = {}
         self._notes = {}
+        self.route = Route(self.client, getattr(server_args, "fast_path", "auto"),
+                           int(getattr(server_args, "fast_path_slots", 0) or 0),
+                           owner=f"SGLang {self.mode} manager '{self.client.name}'")
         if self.mode == "prefill":
             self.register_to_bootstrap()
 
@@ -121,10 +134,19 @@ class KvAgentManager:
         return self._peers[address]
 
     def notification(self, room):
-        """Decode: the notification of `room` if it has come (polls the agent)."""
-        for n in self.client.poll_notifications():
+        """Decode: the notification of `room` if it has come (reaps the ring, or polls
+        the agent)."""
+        for n in self.route.notifications():
             self._notes[n.request_id] = n
         return self._notes.pop(str(room), None)
+
+    def close(self):
+        """Closes the ring, and the client when the manager opened it (which ends the
+        session: the agent closes the ring's side with it)."""
+        self.route.close()
+        if self._own_client:
+            self.client.close()
+            self._own_client = False
 
     def state_segments(self, src, dst, remote_groups):
         """Item segments for state slots: one list for every state group, or one list
@@ -199,7 +221,7 @@ class KvAgentSender:
             dst = self.dst["kv_indices"][self.sent:self.sent + len(src)]
             self.sent += len(src)
             if self.chunks is None:
-                self.chunks = self.mgr.client.open_transfer(
+                self.chunks = self.mgr.route.open_transfer(
                     self.mgr.peer(self.dst["agent"]), str(self.room),
                     remote_groups=self.mgr.remote_groups(self.dst))
             pages = (src, dst) if src else None

@@ -14,10 +14,15 @@ Configuration: vllm_config.kv_transfer_config.kv_connector_extra_config["kvagent
 (the local agent's --local-socket; its "unix:" address is what kv_transfer_params give
 the decode side on this host), "kvagent_group" (default "kv"; group names are
 agent-wide, so instances sharing an agent need their own) and, for a worker, optionally a kvagent.Client whose
-memory holds the caches ("kvagent_client"; CPU tensors must live in it).
+memory holds the caches ("kvagent_client"; CPU tensors must live in it), "fast_path"
+("auto", the default: READs and notifications through the session's fast path ring when
+it opens one, else gRPC; "on": the ring or an error; "off": gRPC) and "fast_path_slots"
+(the ring's size; 0: the agent's default). A worker's `route` says which it took (kind
+"fast_path" or "grpc"; logged once on kvagent.connectors).
 """
 from .. import errors
 from ..client import connect
+from ..fast_route import Route
 
 SCHEDULER, WORKER = "scheduler", "worker"
 
@@ -55,7 +60,8 @@ def _block_ids(blocks):
 
 
 class KvAgentConnector:
-    def __init__(self, vllm_config, role):
+    def __init__(self, vllm_config, role, fast_path=None):
+        """fast_path ("auto", "on", "off") overrides kv_connector_extra_config's."""
         self.role = str(getattr(role, "name", role)).lower()
         extra = _extra(vllm_config)
         socket = extra.get("kvagent_socket")
@@ -64,10 +70,18 @@ class KvAgentConnector:
         # their own kvagent_group; kv_transfer_params carry it to the other side.
         self.group = extra.get("kvagent_group", "kv")
         self.client = None
+        self.route = None  # worker: how it reaches the agent (fast_route.Route)
+        self._own_client = False
         if self.role == WORKER:
-            self.client = extra.get("kvagent_client") or connect(socket,
-                                                                 name=extra.get("kvagent_name"))
+            self.client = extra.get("kvagent_client")
+            if self.client is None:
+                self.client = connect(socket, name=extra.get("kvagent_name"))
+                self._own_client = True
             self.agent_address = self.agent_address or self.client.address
+            self.route = Route(
+                self.client, fast_path if fast_path is not None else extra.get("fast_path"),
+                int(extra.get("fast_path_slots") or 0),
+                owner=f"vLLM worker connector '{self.client.name}' (group '{self.group}')")
         # scheduler side
         self._recv = {}       # request id -> (params, local block ids), until the next meta
         # worker side
@@ -137,7 +151,7 @@ class KvAgentConnector:
             try:
                 if req.remote_agent not in self._peers:
                     self._peers[req.remote_agent] = self.client.connect_peer(req.remote_agent).name
-                self._loading[rid] = (self.client.transfer(
+                self._loading[rid] = (self.route.transfer(
                     self._peers[req.remote_agent], req.remote_request_id,
                     pages=(req.remote_block_ids, req.local_block_ids), op="read",
                     remote_groups={self.group: req.remote_group}),
@@ -159,7 +173,7 @@ class KvAgentConnector:
         """(finished sending, finished receiving): prefill requests whose blocks the
         decode side has read (the agent's notification of the READ), and decode requests
         whose READ ended (a failure is in load_errors and get_block_ids_with_load_errors)."""
-        sending = {n.request_id for n in self.client.poll_notifications() if n.ok}
+        sending = {n.request_id for n in self.route.notifications() if n.ok}
         receiving = set()
         for rid, (transfer, blocks) in list(self._loading.items()):
             if not transfer.done():
@@ -187,3 +201,14 @@ class KvAgentConnector:
     def load_errors(self):
         """request id -> KvAgentError of loads that failed (the agent's message intact)."""
         return self._load_errors
+
+    def close(self):
+        """Closes the worker's ring, and its client when the connector opened it (which
+        ends the session: the agent closes the ring's side with it)."""
+        if self.route is not None:
+            self.route.close()
+        if self._own_client:
+            self.client.close()
+            self._own_client = False
+
+    shutdown = close  # KVConnectorBase_V1's name in newer vLLM
