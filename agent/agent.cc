@@ -312,6 +312,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // The fast path submits and cancels exactly as the gRPC methods do.
   FastPathOptions fast_options;
   fast_options.spin_us = options.fast_path_spin_us;
+  fast_options.features = options.fast_path_features;
   FastPathBackend backend;
   backend.submit = [self](const v1::SubmitTransferRequest& request, const Caller& caller,
                           FastPathBackend::Done done) {

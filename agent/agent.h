@@ -92,6 +92,7 @@ struct AgentOptions {
   // The local fast path (--fast-path, --fast-path-spin-us; agent/fast_path.h).
   bool fast_path = true;
   uint32_t fast_path_spin_us = 50;
+  uint32_t fast_path_features = ~0u;  // --fast-path-features (FastPathOptions::features)
   // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
   uint32_t ucx_spin_us = 0;
   // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the

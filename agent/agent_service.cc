@@ -624,6 +624,8 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
     status->set_fast_path_protocol_errors(fast.protocol_errors);
     status->set_fast_path_notifications(fast.notifications);
     status->set_fast_path_notifications_too_large(fast.notifications_too_large);
+    status->set_fast_path_acks(fast.acks);
+    status->set_fast_path_pending_dropped(fast.pending_dropped);
   }
   if (deps.health != nullptr) status->set_health(deps.health->Describe());
   status->set_health_address(id.health_address);
@@ -957,6 +959,10 @@ void AgentService::HandlePollNotifications(grpc::CallbackServerContext* context,
     const v1::PollNotificationsRequest* request, v1::PollNotificationsResponse* response, Reply reply) {
   auto caller = Authorize(context, Need::kAny, "PollNotifications");
   if (!caller.ok()) return reply(caller.status());
+  if (absl::Status ids = CheckFilterTransferIds("PollNotifications", request->transfer_ids_size());
+      !ids.ok()) {
+    return reply(ids);
+  }
   absl::flat_hash_set<std::string> ids(request->transfer_ids().begin(),
                                        request->transfer_ids().end());
   NotificationReader reader{caller->principal, caller->scheduler};
@@ -979,12 +985,9 @@ void AgentService::HandleAckNotifications(grpc::CallbackServerContext* context,
     Reply reply) {
   auto caller = Authorize(context, Need::kAny, "AckNotifications");
   if (!caller.ok()) return reply(caller.status());
-  constexpr int kMaxListed = 65536;
-  if (request->sequences_size() > kMaxListed) {
-    return reply(absl::InvalidArgumentError(fmt::format(
-        "AckNotifications: {} sequences listed, at most {}; acknowledge a prefix with "
-        "through_sequence",
-        request->sequences_size(), kMaxListed)));
+  if (absl::Status listed = CheckAckSequences("AckNotifications", request->sequences_size());
+      !listed.ok()) {
+    return reply(listed);
   }
   // Only the caller's own subscription is found: the key is its durable identity.
   auto released = deps_.notifications->Ack(
@@ -1003,6 +1006,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AgentService::WatchNotifications(
     return new RefusedStream(parsed);
   }
   auto caller = Authorize(context, Need::kAny, "WatchNotifications");
+  if (absl::Status ids =
+          CheckFilterTransferIds("WatchNotifications", request.transfer_ids_size());
+      caller.ok() && !ids.ok()) {
+    return new RefusedStream(ids);
+  }
   auto lease = OpenStream(caller, "WatchNotifications");
   if (!lease.ok()) return new RefusedStream(lease.status());
   return new NotificationWatchReactor(deps_.notifications, request, deps_.open_streams, caller,

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "google/protobuf/arena.h"
 #include "agent/limits.h"
@@ -69,6 +71,7 @@ struct FastPathServer::Ring {
   // kWatchNotifications: the taking thread's (one watch per ring).
   bool watching = false;
   uint64_t watch_user_data = 0;
+  std::string subscription;  // a durable watch's; empty: taken-once (or none)
   // Set when a notification was refused for room (room_wanted), cleared when the
   // taking thread offers the queued ones again: read without cq_mu on each look.
   std::atomic<bool> refused_for_room{false};
@@ -84,6 +87,24 @@ struct FastPathServer::Ring {
   // While set, the ring refuses every notification, so that those it takes keep the
   // queue's order.
   uint32_t room_wanted ABSL_GUARDED_BY(cq_mu) = 0;
+
+  // A durable watch: what the subscription delivered (under the queue's lock, which
+  // needs every one taken) and the completion ring had no room for yet, in order,
+  // serialized, written as the client reaps. Bounded by in_flight_per_subscription:
+  // the subscription holds no more than that unacknowledged, and hands each to this
+  // attachment once (see DeliverDurable for acknowledgements of unwritten ones). Dropped
+  // when the ring closes: the subscription still holds those notifications, so the
+  // next attachment (ring or gRPC) gets them again.
+  struct Pending {
+    fr::CompletionHeader header{};  // span and message_length set
+    std::string body;             // the serialized Notification, or the refusal's text
+    uint64_t sequence = 0;
+  };
+  bool durable ABSL_GUARDED_BY(cq_mu) = false;
+  uint64_t pending_cap ABSL_GUARDED_BY(cq_mu) = 0;  // in_flight_per_subscription
+  // Set while the watch's own answer is not posted yet: deliveries only queue up.
+  bool holding ABSL_GUARDED_BY(cq_mu) = false;
+  std::deque<Pending> pending ABSL_GUARDED_BY(cq_mu);
 
   ~Ring() {
     if (base != nullptr) munmap(base, geometry.ring_bytes);
@@ -151,15 +172,17 @@ struct FastPathServer::Ring {
     PublishLocked();
   }
 
+  // Posts the refusal `why` of the entry `completion` answers.
+  void Refuse(fr::CompletionHeader completion, const absl::Status& why) {
+    completion.code = static_cast<int32_t>(why.code());
+    Post(completion, why.message());
+  }
+
   // Posts a submit's or cancel's completion: the refusal, or the transfer's state (read
   // in place: the five fields a completion holds).
   void Finish(fr::CompletionHeader completion, const absl::Status& refused,
               const v1::TransferState& state) {
-    if (!refused.ok()) {
-      completion.code = static_cast<int32_t>(refused.code());
-      Post(completion, refused.message());
-      return;
-    }
+    if (!refused.ok()) return Refuse(completion, refused);
     completion.code = state.error_code();
     completion.phase = static_cast<uint32_t>(state.phase());
     completion.bytes_done = state.bytes_done();
@@ -190,10 +213,112 @@ void MarkRoomWanted(FastPathServer::Ring& ring, bool wanted) {
   }
 }
 
+// Where a completion of `span` entries goes: after `*pad` entries of kPad when fewer
+// than `span` are left before the ring's end. True when both fit beside the unreaped
+// completions and the reserved room (false also for an impossible cq_head: *bad).
+bool PlaceLocked(FastPathServer::Ring& ring, uint32_t span, uint32_t* pad, bool* bad)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(ring.cq_mu) {
+  const uint32_t entries = ring.geometry.completion_entries;
+  const uint32_t to_end = entries - (ring.cq_tail & (entries - 1));
+  *pad = to_end < span ? to_end : 0;
+  return ring.Fits(uint64_t{*pad} + span, bad);
+}
+
+// The ring refuses notifications until `need` entries are free: the taking thread
+// offers them again once the client reaped (an impossible cq_head is found there, and
+// the ring closed).
+void WantRoomLocked(FastPathServer::Ring& ring, uint32_t need)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(ring.cq_mu) {
+  ring.room_wanted = need;
+  ring.refused_for_room.store(true, std::memory_order_release);
+  MarkRoomWanted(ring, true);
+}
+
+// Writes `pad` entries of kPad, then `h` (its span and message_length set) with its
+// body written by `fill` after the header. Publishing is the caller's.
+void WriteSpanLocked(FastPathServer::Ring& ring, const fr::CompletionHeader& h, uint32_t pad,
+                     absl::FunctionRef<void(char*)> fill) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ring.cq_mu) {
+  if (pad != 0) {
+    fr::CompletionHeader p{};
+    p.opcode = fr::kPad;
+    p.span = static_cast<uint16_t>(pad);
+    std::memcpy(ring.completion(ring.cq_tail), &p, sizeof(p));
+    ring.cq_tail += pad;
+  }
+  char* at = ring.completion(ring.cq_tail);
+  std::memcpy(at, &h, sizeof(h));
+  fill(at + sizeof(h));
+  ring.cq_tail += h.span;
+}
+
+// Writes a durable watch's pending notifications while they fit, in order; returns how
+// many notifications it wrote (refusals of too large ones not counted).
+uint64_t FlushPendingLocked(FastPathServer::Ring& ring) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ring.cq_mu) {
+  uint64_t notes = 0;
+  bool wrote = false;
+  while (!ring.pending.empty() && !ring.holding && ring.room_wanted == 0) {
+    const FastPathServer::Ring::Pending& p = ring.pending.front();
+    uint32_t pad = 0;
+    bool bad = false;
+    if (!PlaceLocked(ring, p.header.span, &pad, &bad)) {
+      WantRoomLocked(ring, pad + p.header.span);
+      break;
+    }
+    WriteSpanLocked(ring, p.header, pad,
+                    [&](char* at) { std::memcpy(at, p.body.data(), p.body.size()); });
+    if (p.header.code == 0) ++notes;
+    wrote = true;
+    ring.pending.pop_front();
+  }
+  if (wrote) ring.PublishLocked();
+  return notes;
+}
+
+// The header of a kNotification completion of `note`, serialized in `bytes`.
+fr::CompletionHeader NotificationHeader(const v1::Notification& note, uint64_t user_data,
+                                        size_t bytes) {
+  fr::CompletionHeader h{};
+  h.user_data = user_data;
+  h.opcode = fr::kNotification;
+  h.span = static_cast<uint16_t>(fr::SpanFor(bytes));
+  h.phase = static_cast<uint32_t>(note.kind());
+  h.bytes_done = note.bytes();
+  h.message_length = static_cast<uint32_t>(bytes);
+  return h;
+}
+
+// Parses an entry's payload into `out`; INVALID_ARGUMENT "<what>: the payload is not
+// <a_type>: <why>" when it does not parse.
+absl::Status ParseEntry(std::string_view payload, std::string_view what, std::string_view a_type,
+                        google::protobuf::MessageLite* out) {
+  if (out->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::OkStatus();
+  }
+  const std::string_view type = a_type.substr(a_type.find(' ') + 1);
+  return absl::InvalidArgumentError(
+      fmt::format("{}: the payload is not {}: {}", what, a_type,
+                  client::DescribeParseFailure(payload, std::string(type))));
+}
+
+// A notification spanning more than half the ring: counted, logged once per ring.
+void NoteTooLarge(FastPathServer::Ring& ring, std::atomic<uint64_t>& counter, size_t bytes,
+                  uint32_t span, std::string_view fate) {
+  counter.fetch_add(1, std::memory_order_relaxed);
+  if (!ring.too_large_logged.exchange(true)) {
+    kLog.Warn(
+        "{}: a notification of {} bytes spans {} completion entries, more than half of this "
+        "fast path's {}: {} (logged once per ring; open the ring with more completion_entries, "
+        "or take large notifications through gRPC)",
+        ring.caller.principal, bytes, span, ring.geometry.completion_entries, fate);
+  }
+}
+
 }  // namespace
 
 FastPathServer::FastPathServer(FastPathOptions options, FastPathBackend backend)
-    : options_(options), backend_(std::move(backend)) {
+    : options_(options),
+      backend_(std::move(backend)),
+      features_(options.features & fr::kFeatures) {
   epoll_fd_.reset(epoll_create1(EPOLL_CLOEXEC));
   wake_fd_.reset(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   epoll_event event{};
@@ -234,6 +359,8 @@ FastPathCounters FastPathServer::counters() const {
   c.protocol_errors = protocol_errors_.load(std::memory_order_relaxed);
   c.notifications = notifications_.load(std::memory_order_relaxed);
   c.notifications_too_large = notifications_too_large_.load(std::memory_order_relaxed);
+  c.acks = acks_.load(std::memory_order_relaxed);
+  c.pending_dropped = pending_dropped_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -325,7 +452,7 @@ absl::StatusOr<v1::FastPathInfo> FastPathServer::Open(uint64_t session_id, const
   info.set_submission_offset(geometry->submission_offset);
   info.set_completion_offset(geometry->completion_offset);
   info.set_spin_us(options_.spin_us);
-  info.set_features(fr::kFeatures);
+  info.set_features(features_);
   kLog.Info("{}: fast path open ({} submission slots, {} completions, {} bytes)",
             caller.principal, geometry->submission_slots, geometry->completion_entries,
             geometry->ring_bytes);
@@ -359,6 +486,9 @@ void FastPathServer::Unwatch(Ring& ring) {
     std::swap(token, ring.watch_token);
   }
   if (token != 0) backend_.notifications->Unsubscribe(token);
+  // No more deliveries: what waited for room is still held by the subscription.
+  absl::MutexLock lock(&ring.cq_mu);
+  ring.pending.clear();
 }
 
 void FastPathServer::Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data,
@@ -366,28 +496,34 @@ void FastPathServer::Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data
   fr::CompletionHeader completion{};
   completion.user_data = user_data;
   completion.opcode = fr::kWatchNotifications;
-  auto refuse = [&](const absl::Status& why) {
-    completion.code = static_cast<int32_t>(why.code());
-    ring->Post(completion, why.message());
-  };
+  auto refuse = [&](const absl::Status& why) { ring->Refuse(completion, why); };
   if (backend_.notifications == nullptr) {
     return refuse(absl::UnimplementedError(fmt::format(
         "watch-notifications entry {}: this agent's fast path delivers no notifications; "
         "take them with gRPC WatchNotifications or PollNotifications",
         user_data)));
   }
+  const std::string what = fmt::format("watch-notifications entry {}", user_data);
   v1::WatchNotificationsRequest request;
-  if (!request.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    return refuse(absl::InvalidArgumentError(fmt::format(
-        "watch-notifications entry {}: the payload is not a WatchNotificationsRequest: {}",
-        user_data, client::DescribeParseFailure(payload, "WatchNotificationsRequest"))));
+  if (absl::Status parsed = ParseEntry(payload, what, "a WatchNotificationsRequest", &request);
+      !parsed.ok()) {
+    return refuse(parsed);
   }
-  if (!request.subscription().empty()) {
+  const bool durable = !request.subscription().empty();
+  if (durable && (features_ & fr::kFeatureDurableNotifications) == 0) {
     return refuse(absl::InvalidArgumentError(fmt::format(
-        "watch-notifications entry {}: WatchNotificationsRequest.subscription is set ('{}'); "
-        "durable subscriptions are gRPC-only for now: leave it empty on the fast path, or use "
-        "WatchNotifications/PollNotifications with a subscription",
-        user_data, Printable(request.subscription(), 80))));
+        "{}: WatchNotificationsRequest.subscription is set ('{}'); this agent's fast path has "
+        "no durable subscriptions (FastPathInfo.features lacks them): leave it empty on the "
+        "fast path, or use WatchNotifications/PollNotifications with a subscription",
+        what, Printable(request.subscription(), 80))));
+  }
+  if (durable) {
+    if (absl::Status named = CheckSubscriptionName(request.subscription()); !named.ok()) {
+      return refuse(absl::InvalidArgumentError(fmt::format("{}: {}", what, named.message())));
+    }
+  }
+  if (absl::Status ids = CheckFilterTransferIds(what, request.transfer_ids_size()); !ids.ok()) {
+    return refuse(ids);
   }
   if (absl::Status role = CheckRole(ring->caller, Need::kAny, "WatchNotifications"); !role.ok()) {
     return refuse(role);
@@ -399,12 +535,20 @@ void FastPathServer::Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data
         "open another session's ring for another watch",
         user_data, ring->watch_user_data)));
   }
+  NotificationFilter filter{NotificationReader{ring->caller.principal, ring->caller.scheduler},
+                            {request.transfer_ids().begin(), request.transfer_ids().end()}};
+  if (durable) {
+    absl::Status attached =
+        AttachDurable(ring, user_data, request.subscription(), std::move(filter));
+    if (!attached.ok()) {
+      return refuse(absl::Status(attached.code(), fmt::format("{}: {}", what, attached.message())));
+    }
+    return;
+  }
   ring->watching = true;
   ring->watch_user_data = user_data;
   // In place before the first notification is posted: the answer comes first.
   ring->Post(completion, "");
-  NotificationFilter filter{NotificationReader{ring->caller.principal, ring->caller.scheduler},
-                            {request.transfer_ids().begin(), request.transfer_ids().end()}};
   const uint64_t token = backend_.notifications->Subscribe(
       [this, ring, filter = std::move(filter), user_data](const QueuedNotification& n) {
         return filter.Matches(n) && OfferNotification(*ring, n, user_data);
@@ -419,6 +563,158 @@ void FastPathServer::Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data
   if (closed) backend_.notifications->Unsubscribe(token);
 }
 
+absl::Status FastPathServer::AttachDurable(const std::shared_ptr<Ring>& ring, uint64_t user_data,
+                                          const std::string& subscription,
+                                          NotificationFilter filter) {
+  {
+    // Until the watch's answer is posted (it comes first), deliveries only queue up.
+    absl::MutexLock lock(&ring->cq_mu);
+    ring->durable = true;
+    ring->holding = true;
+    ring->pending_cap = backend_.notifications->in_flight_per_subscription();
+  }
+  ring->subscription = subscription;  // read by deliveries, which the Attach orders after
+  // gRPC WatchNotifications' rules: the caller's durable identity owns the subscription,
+  // the subscriptions limit, the held ones again first, a newer attachment replaces this.
+  absl::StatusOr<uint64_t> token = backend_.notifications->Attach(
+      SubscriptionKey{ring->caller.durable_identity, subscription}, std::move(filter),
+      [this, ring, user_data](const QueuedNotification& n) {
+        DeliverDurable(*ring, n, user_data);
+        return true;  // taken: the subscription holds it until acknowledged
+      });
+  if (!token.ok()) {
+    absl::MutexLock lock(&ring->cq_mu);
+    ring->durable = false;
+    ring->holding = false;
+    ring->pending.clear();
+    return token.status();
+  }
+  ring->watching = true;
+  ring->watch_user_data = user_data;
+  fr::CompletionHeader completion{};
+  completion.user_data = user_data;
+  completion.opcode = fr::kWatchNotifications;
+  ring->Post(completion, "");
+  bool closed = false;
+  uint64_t written = 0;
+  {
+    absl::MutexLock lock(&ring->cq_mu);
+    ring->holding = false;
+    closed = ring->closed.load(std::memory_order_acquire);
+    if (!closed) {
+      ring->watch_token = *token;
+      written = FlushPendingLocked(*ring);
+    }
+  }
+  notifications_.fetch_add(written, std::memory_order_relaxed);
+  // Closed meanwhile: Close found no token to end (Unwatch dropped the pending ones).
+  if (closed) {
+    backend_.notifications->Unsubscribe(*token);
+    absl::MutexLock lock(&ring->cq_mu);
+    ring->pending.clear();
+  }
+  return absl::OkStatus();
+}
+
+void FastPathServer::DeliverDurable(Ring& ring, const QueuedNotification& n, uint64_t user_data) {
+  const v1::Notification& note = n.notification;
+  const size_t bytes = note.ByteSizeLong();
+  Ring::Pending p;
+  p.sequence = note.sequence();
+  p.header = NotificationHeader(note, user_data, bytes);
+  const uint32_t span = fr::SpanFor(bytes);
+  const uint32_t entries = ring.geometry.completion_entries;
+  if (span > fr::MaxSpan(entries)) {
+    // It cannot come on this ring, and the subscription holds it: the client learns of it
+    // in its place, and takes it through gRPC.
+    NoteTooLarge(ring, notifications_too_large_, bytes, span,
+                 "held by the subscription; the ring says so in its place");
+    p.header.code = static_cast<int32_t>(absl::StatusCode::kResourceExhausted);
+    p.header.phase = 0;  // no notification follows
+    p.header.span = 1;
+    p.body = BoundedErrorText(
+        fmt::format("notification sequence {} (transfer {}, {} bytes serialized) spans {} "
+                    "completion entries, more than half of this ring's {}: subscription '{}' "
+                    "holds it unacknowledged; take it with gRPC PollNotifications on the "
+                    "subscription (acknowledge it there or here), or open the ring with more "
+                    "completion_entries",
+                    note.sequence(), Printable(note.transfer_id(), 80), bytes, span, entries,
+                    ring.subscription),
+        fr::kMaxMessage);
+    p.header.message_length = static_cast<uint32_t>(p.body.size());
+  } else {
+    p.body.resize(bytes);
+    note.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(p.body.data()));
+  }
+  uint64_t written = 0;
+  {
+    absl::MutexLock lock(&ring.cq_mu);
+    if (ring.closed.load(std::memory_order_acquire) || !ring.durable) return;
+    // The subscription hands this attachment each held notification once, and holds at
+    // most pending_cap: the list reaches it only when sequences not written yet were
+    // acknowledged (gRPC AckNotifications of the same identity; this ring's own acks
+    // prune the list). The oldest then goes (acknowledged, most likely; if not, still
+    // held for the next attachment).
+    if (ring.pending.size() >= ring.pending_cap) {
+      ring.pending.pop_front();
+      pending_dropped_.fetch_add(1, std::memory_order_relaxed);
+    }
+    ring.pending.push_back(std::move(p));
+    written = FlushPendingLocked(ring);
+  }
+  notifications_.fetch_add(written, std::memory_order_relaxed);
+}
+
+void FastPathServer::Ack(const std::shared_ptr<Ring>& ring, uint64_t user_data,
+                         std::string_view payload) {
+  fr::CompletionHeader completion{};
+  completion.user_data = user_data;
+  completion.opcode = fr::kAckNotifications;
+  auto refuse = [&](const absl::Status& why) { ring->Refuse(completion, why); };
+  const std::string what = fmt::format("ack-notifications entry {}", user_data);
+  if (backend_.notifications == nullptr) {
+    return refuse(absl::UnimplementedError(fmt::format(
+        "{}: this agent's fast path delivers no notifications; acknowledge with gRPC "
+        "AckNotifications",
+        what)));
+  }
+  v1::AckNotificationsRequest request;
+  if (absl::Status parsed = ParseEntry(payload, what, "an AckNotificationsRequest", &request);
+      !parsed.ok()) {
+    return refuse(parsed);
+  }
+  if (absl::Status listed = CheckAckSequences(what, request.sequences_size()); !listed.ok()) {
+    return refuse(listed);
+  }
+  if (absl::Status role = CheckRole(ring->caller, Need::kAny, "AckNotifications"); !role.ok()) {
+    return refuse(role);
+  }
+  const std::vector<uint64_t> sequences(request.sequences().begin(), request.sequences().end());
+  // Only the caller's own subscription is found: the key is its durable identity.
+  absl::StatusOr<uint64_t> released = backend_.notifications->Ack(
+      SubscriptionKey{ring->caller.durable_identity, request.subscription()},
+      request.through_sequence(), sequences);
+  if (!released.ok()) {
+    return refuse(
+        absl::Status(released.status().code(),
+                     fmt::format("{}: {}", what, released.status().message())));
+  }
+  if (*released > 0 && request.subscription() == ring->subscription) {
+    // Acknowledged before this ring wrote them: they need not come any more.
+    const absl::flat_hash_set<uint64_t> listed(sequences.begin(), sequences.end());
+    absl::MutexLock lock(&ring->cq_mu);
+    ring->pending.erase(std::remove_if(ring->pending.begin(), ring->pending.end(),
+                                       [&](const Ring::Pending& p) {
+                                         return p.sequence <= request.through_sequence() ||
+                                                listed.contains(p.sequence);
+                                       }),
+                        ring->pending.end());
+  }
+  acks_.fetch_add(1, std::memory_order_relaxed);
+  completion.bytes_done = *released;
+  ring->Post(completion, "");
+}
+
 bool FastPathServer::OfferNotification(Ring& ring, const QueuedNotification& n,
                                        uint64_t user_data) {
   const v1::Notification& note = n.notification;
@@ -426,56 +722,31 @@ bool FastPathServer::OfferNotification(Ring& ring, const QueuedNotification& n,
   const uint32_t span = fr::SpanFor(bytes);
   const uint32_t entries = ring.geometry.completion_entries;
   if (span > fr::MaxSpan(entries)) {
-    notifications_too_large_.fetch_add(1, std::memory_order_relaxed);
-    if (!ring.too_large_logged.exchange(true)) {
-      kLog.Warn(
-          "{}: a notification of {} bytes spans {} completion entries, more than half of this "
-          "fast path's {}: left to gRPC WatchNotifications/PollNotifications (logged once per "
-          "ring; open the ring with more completion_entries, or take large notifications "
-          "through gRPC)",
-          ring.caller.principal, bytes, span, entries);
-    }
+    NoteTooLarge(ring, notifications_too_large_, bytes, span,
+                 "left to gRPC WatchNotifications/PollNotifications");
     return false;
   }
   absl::MutexLock lock(&ring.cq_mu);
   if (ring.closed.load(std::memory_order_acquire) || ring.room_wanted != 0) return false;
-  const uint32_t to_end = entries - (ring.cq_tail & (entries - 1));
-  const uint32_t pad = to_end < span ? to_end : 0;
+  uint32_t pad = 0;
   bool bad = false;
-  if (!ring.Fits(pad + span, &bad)) {
-    // Waits in the queue (for this ring once the client reaps, or another taker). An
-    // impossible cq_head is found by the taking thread, which closes the ring.
-    ring.room_wanted = pad + span;
-    ring.refused_for_room.store(true, std::memory_order_release);
-    MarkRoomWanted(ring, true);
+  if (!PlaceLocked(ring, span, &pad, &bad)) {
+    // Waits in the queue (for this ring once the client reaps, or another taker).
+    WantRoomLocked(ring, pad + span);
     return false;
   }
-  if (pad != 0) {
-    fr::CompletionHeader h{};
-    h.opcode = fr::kPad;
-    h.span = static_cast<uint16_t>(pad);
-    std::memcpy(ring.completion(ring.cq_tail), &h, sizeof(h));
-    ring.cq_tail += pad;
-  }
-  char* at = ring.completion(ring.cq_tail);
-  fr::CompletionHeader h{};
-  h.user_data = user_data;
-  h.opcode = fr::kNotification;
-  h.span = static_cast<uint16_t>(span);
-  h.phase = static_cast<uint32_t>(note.kind());
-  h.bytes_done = note.bytes();
-  h.message_length = static_cast<uint32_t>(bytes);
-  std::memcpy(at, &h, sizeof(h));
-  note.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(at + sizeof(h)));
-  ring.cq_tail += span;
+  WriteSpanLocked(ring, NotificationHeader(note, user_data, bytes), pad, [&](char* at) {
+    note.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(at));
+  });
   ring.PublishLocked();
   notifications_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 bool FastPathServer::OfferAgain(Ring& ring) {
-  bool room = false, bad = false;
+  bool room = false, bad = false, durable = false;
   uint64_t token = 0;
+  uint64_t written = 0;
   {
     absl::MutexLock lock(&ring.cq_mu);
     room = ring.RoomForRefused(&bad);
@@ -483,8 +754,16 @@ bool FastPathServer::OfferAgain(Ring& ring) {
       ring.room_wanted = 0;
       ring.refused_for_room.store(false, std::memory_order_release);
       token = ring.watch_token;
+      durable = ring.durable;
+      if (durable) {
+        // The ring holds what waits: written now, in order, as far as it fits (marked
+        // again for the rest).
+        MarkRoomWanted(ring, false);
+        written = FlushPendingLocked(ring);
+      }
     }
   }
+  notifications_.fetch_add(written, std::memory_order_relaxed);
   if (bad) {
     Break(ring, absl::InvalidArgumentError(
                     "cq_head is past cq_tail (more completions reaped than posted); store in "
@@ -492,6 +771,7 @@ bool FastPathServer::OfferAgain(Ring& ring) {
     return false;
   }
   if (!room) return false;
+  if (durable) return true;
   MarkRoomWanted(ring, false);
   // Refused again (not reaped enough yet): marked again, in order.
   if (token != 0) backend_.notifications->OfferQueued(token);
@@ -543,7 +823,7 @@ bool FastPathServer::Drain(const std::shared_ptr<Ring>& ring) {
     const uint32_t index = ring->sq_head & (slots - 1);
     fr::SubmissionHeader header;
     std::memcpy(&header, ring->slot(index), sizeof(header));
-    if (absl::Status ok = fr::CheckEntry(header, index, available, slots); !ok.ok()) {
+    if (absl::Status ok = fr::CheckEntry(header, index, available, slots, features_); !ok.ok()) {
       Break(*ring, ok);
       return took;
     }
@@ -586,6 +866,9 @@ void FastPathServer::Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode,
       return;
     case fr::kWatchNotifications:
       Watch(ring, user_data, payload);
+      return;
+    case fr::kAckNotifications:
+      Ack(ring, user_data, payload);
       return;
     case fr::kCancel:
     {

@@ -11,7 +11,10 @@
 // agent's NotificationQueue: the thread that pushes a notification the session may take
 // posts it on the completion ring, when it fits beside the room every taken entry keeps;
 // otherwise it waits in the queue, and the taking thread offers it again once the client
-// reaped. Everything the client can write is untrusted (see client/fast_ring.h). Used by
+// reaped. A watch naming a subscription attaches the ring to that durable subscription
+// instead (as gRPC WatchNotifications): the queue hands it every notification, which
+// the ring writes at once or keeps, serialized, in its pending list until the client
+// reaps; kAckNotifications entries acknowledge them. Everything the client can write is untrusted (see client/fast_ring.h). Used by
 // agent/agent (LocalDoor opens and closes rings for sessions).
 #pragma once
 
@@ -39,6 +42,11 @@ namespace kvagent::agent {
 struct FastPathOptions {
   uint32_t spin_us = 50;         // --fast-path-spin-us: poll this long after work
   uint32_t idle_poll_ms = 100;   // look at every ring this often while asleep
+  // --fast-path-features: FastPathInfo.features this agent announces and takes, masked
+  // with what the build offers (client/fast_ring.h kFeatures). Fewer make the rings
+  // behave as an older agent's (an opcode of a missing feature closes the ring): for
+  // testing clients against older agents.
+  uint32_t features = ~0u;
 };
 
 // What the rings' entries become: the agent's submit (with wait: `done` gets the
@@ -64,6 +72,11 @@ struct FastPathCounters {
   // Offers to a watching ring of notifications it could take but that span more than
   // half its completion ring: left to gRPC's takers (one offered again counts again).
   uint64_t notifications_too_large = 0;
+  uint64_t acks = 0;             // kAckNotifications entries answered OK
+  // Notifications a ring attached to a subscription dropped from its pending list at
+  // in_flight_per_subscription (possible only when sequences it had not written yet were
+  // acknowledged, e.g. through gRPC).
+  uint64_t pending_dropped = 0;
 };
 
 class FastPathServer final : public transport::WorkerPoller {
@@ -112,8 +125,18 @@ class FastPathServer final : public transport::WorkerPoller {
   bool Drain(const std::shared_ptr<Ring>& ring);
   void Handle(const std::shared_ptr<Ring>& ring, uint16_t opcode, uint64_t user_data,
               std::string_view payload);
-  // A kWatchNotifications entry: subscribes `ring` to the notification queue.
+  // A kWatchNotifications entry: subscribes `ring` to the notification queue, or
+  // attaches it to a durable subscription.
   void Watch(const std::shared_ptr<Ring>& ring, uint64_t user_data, std::string_view payload);
+  // Watch's durable half: attaches `ring` to `subscription`; the refusal, else OK once
+  // the watch's answer is posted.
+  absl::Status AttachDurable(const std::shared_ptr<Ring>& ring, uint64_t user_data,
+                             const std::string& subscription, NotificationFilter filter);
+  // The deliver of a durable watch (under the queue's lock, on the pushing thread):
+  // takes `n`, writes it if it fits, else keeps it in the ring's pending list.
+  void DeliverDurable(Ring& ring, const QueuedNotification& n, uint64_t user_data);
+  // A kAckNotifications entry.
+  void Ack(const std::shared_ptr<Ring>& ring, uint64_t user_data, std::string_view payload);
   // The subscriber of a watching ring (under the queue's lock, on the pushing thread):
   // posts `n` if the ring's session may take it and it has room.
   bool OfferNotification(Ring& ring, const QueuedNotification& n, uint64_t user_data);
@@ -128,6 +151,7 @@ class FastPathServer final : public transport::WorkerPoller {
 
   const FastPathOptions options_;
   const FastPathBackend backend_;
+  const uint32_t features_;  // FastPathInfo.features: options' mask of the build's
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;  // eventfd: Stop() and Open() wake the thread
   std::thread thread_;        // without a worker
@@ -141,6 +165,8 @@ class FastPathServer final : public transport::WorkerPoller {
   std::atomic<uint64_t> protocol_errors_{0};
   std::atomic<uint64_t> notifications_{0};
   std::atomic<uint64_t> notifications_too_large_{0};
+  std::atomic<uint64_t> acks_{0};
+  std::atomic<uint64_t> pending_dropped_{0};
   std::atomic<uint64_t> generation_{0};  // bumped when rings come and go
 
   mutable absl::Mutex mu_;

@@ -149,6 +149,10 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --fast-path-spin-us N       how long the UCX thread, which takes the rings' entries,
                               keeps polling them after the last one before it sleeps on
                               their doorbells and UCX's events (default 50)
+  --fast-path-features N      FastPathInfo.features the rings announce and take (a mask
+                              of client/fast_ring.h kFeature*: 1 notifications, 2 durable
+                              subscriptions; default all): fewer make the rings behave
+                              as an older agent's, for testing clients against one
   --ucx-spin-us N             how long the UCX progress thread polls after work before
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page
@@ -243,6 +247,8 @@ KVAGENT_FLAG(Count<uint32_t>, grpc_max_threads, "grpc-max-threads",
 KVAGENT_FLAG(OnOff, fast_path, "fast-path", OnOff{Defaults().fast_path}, "");
 KVAGENT_FLAG(Count<uint32_t>, fast_path_spin_us, "fast-path-spin-us",
              {Defaults().fast_path_spin_us}, "");
+KVAGENT_FLAG(Count<uint32_t>, fast_path_features, "fast-path-features",
+             {Defaults().fast_path_features}, "");
 KVAGENT_FLAG(Count<uint32_t>, ucx_spin_us, "ucx-spin-us", {Defaults().ucx_spin_us}, "");
 KVAGENT_FLAG(Count<uint32_t>, copy_lanes, "copy-lanes", {Defaults().copy_lanes}, "");
 KVAGENT_FLAG(DeviceCopyFlag, device_copy, "device-copy", {}, "");
@@ -374,6 +380,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->grpc_max_threads = GetFlag(FLAGS_grpc_max_threads).value;
   options->fast_path = GetFlag(FLAGS_fast_path).on;
   options->fast_path_spin_us = GetFlag(FLAGS_fast_path_spin_us).value;
+  options->fast_path_features = GetFlag(FLAGS_fast_path_features).value;
   options->ucx_spin_us = GetFlag(FLAGS_ucx_spin_us).value;
   options->copy_lanes = GetFlag(FLAGS_copy_lanes).value;
   *grace_ms = GetFlag(FLAGS_shutdown_grace_ms).value;

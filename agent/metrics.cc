@@ -251,15 +251,30 @@ std::string RenderMetrics(const MetricsSources& sources) {
       .Sample(static_cast<double>(status.memory_faults()));
   Family(&out, "kvagent_fast_path_rings", "gauge", "Fast path rings open.")
       .Sample(static_cast<double>(status.fast_path_rings()));
-  Family(&out, "kvagent_fast_path_entries_total", "counter", "Fast path entries taken.")
-      .Sample(static_cast<double>(status.fast_path_entries()));
-  Family(&out, "kvagent_fast_path_notifications_total", "counter",
-         "Notifications posted on fast path rings that watch them.")
-      .Sample(static_cast<double>(status.fast_path_notifications()));
-  Family(&out, "kvagent_fast_path_notifications_too_large_total", "counter",
-         "Offers to a watching fast path ring of a notification spanning more than half its "
-         "completion ring (left to gRPC; open the ring with more completion_entries).")
-      .Sample(static_cast<double>(status.fast_path_notifications_too_large()));
+  const struct {
+    const char* name;
+    const char* help;
+    uint64_t value;
+  } fast_counters[] = {
+      {"kvagent_fast_path_entries_total", "Fast path entries taken.", status.fast_path_entries()},
+      {"kvagent_fast_path_notifications_total",
+       "Notifications posted on fast path rings that watch them.",
+       status.fast_path_notifications()},
+      {"kvagent_fast_path_notifications_too_large_total",
+       "Offers to a watching fast path ring of a notification spanning more than half its "
+       "completion ring (left to gRPC; open the ring with more completion_entries).",
+       status.fast_path_notifications_too_large()},
+      {"kvagent_fast_path_acks_total",
+       "Fast path kAckNotifications entries answered OK (durable subscriptions on the ring).",
+       status.fast_path_acks()},
+      {"kvagent_fast_path_pending_dropped_total",
+       "Notifications a ring attached to a subscription dropped from its list waiting for "
+       "room (sequences acknowledged before the ring wrote them).",
+       status.fast_path_pending_dropped()},
+  };
+  for (const auto& c : fast_counters) {
+    Family(&out, c.name, "counter", c.help).Sample(static_cast<double>(c.value));
+  }
 
   // Limits: value, use and refusals of each (docs/LIMITS.md).
   Family limit_value(&out, "kvagent_limit", "gauge", "Each limit's value (its --max-* flag).");

@@ -29,6 +29,22 @@ absl::Status CheckSubscriptionName(std::string_view name) {
       Printable(name, 80), name.size(), kMaxSubscriptionName));
 }
 
+absl::Status CheckFilterTransferIds(std::string_view what, int count) {
+  if (count <= kMaxFilterTransferIds) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format(
+      "{}: {} transfer_ids to filter on, at most {}; watch the transfers in flight only, or "
+      "leave transfer_ids empty (every notification this caller may take) and filter on the "
+      "notifications' transfer_id",
+      what, count, kMaxFilterTransferIds));
+}
+
+absl::Status CheckAckSequences(std::string_view what, int count) {
+  if (count <= kMaxAckSequences) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format(
+      "{}: {} sequences listed, at most {}; acknowledge a prefix with through_sequence", what,
+      count, kMaxAckSequences));
+}
+
 bool NotificationReader::Takes(const QueuedNotification& q) const {
   if (any) return true;
   for (const auto& owner : q.owners) {
@@ -399,6 +415,10 @@ uint64_t NotificationQueue::ExpireLocked(uint64_t now) {
     }
   }
   return dropped;
+}
+
+uint64_t NotificationQueue::in_flight_per_subscription() const {
+  return limits_ != nullptr ? limits_->value(Limit::kInFlightPerSubscription) : ~uint64_t{0};
 }
 
 uint64_t NotificationQueue::queued() const {

@@ -62,6 +62,18 @@ struct SubscriptionKey {
 // INVALID_ARGUMENT unless `name` is 1..64 bytes of [A-Za-z0-9._:-].
 absl::Status CheckSubscriptionName(std::string_view name);
 
+// Transfer ids one watch or poll may filter on (gRPC WatchNotifications and
+// PollNotifications, the fast path's watch entry): the transfers one engine waits for
+// at once; the filter is a hash set the agent keeps for the watch's life.
+inline constexpr int kMaxFilterTransferIds = 4096;
+// Sequences one AckNotifications may list (gRPC's and the fast path's).
+inline constexpr int kMaxAckSequences = 65536;
+// INVALID_ARGUMENT, "<what>: <count> transfer_ids, at most <limit>; ...", past
+// kMaxFilterTransferIds.
+absl::Status CheckFilterTransferIds(std::string_view what, int count);
+// The same for an acknowledgement's listed sequences.
+absl::Status CheckAckSequences(std::string_view what, int count);
+
 class NotificationQueue {
  public:
   // `limits` (may be null: unbounded, for tests) bounds what waits in the queue:
@@ -135,6 +147,9 @@ class NotificationQueue {
   // Drops the subscriptions idle past the TTL now; returns how many.
   uint64_t ExpireIdle();
 
+  // The most one subscription holds unacknowledged (in_flight_per_subscription; no
+  // limits: unbounded).
+  uint64_t in_flight_per_subscription() const;
   uint64_t queued() const;        // waiting for a taker (not in flight)
   uint64_t in_flight() const;     // held by subscriptions, not yet acknowledged
   uint64_t subscriptions() const;

@@ -194,6 +194,31 @@ absl::Status FastPath::WatchNotifications(const std::vector<std::string>& transf
   return PutMessage(fr::kWatchNotifications, request, user_data, publish);
 }
 
+absl::Status FastPath::WatchNotifications(const std::vector<std::string>& transfer_ids,
+                                          const std::string& subscription, uint64_t user_data,
+                                          bool publish) {
+  if (subscription.empty()) return WatchNotifications(transfer_ids, user_data, publish);
+  RETURN_IF_ERROR(fr::CheckDurableNotifications(
+      info_.features(), fmt::format("WatchNotifications with subscription '{}'", subscription)));
+  v1::WatchNotificationsRequest request;
+  for (const std::string& id : transfer_ids) request.add_transfer_ids(id);
+  request.set_subscription(subscription);
+  return PutMessage(fr::kWatchNotifications, request, user_data, publish);
+}
+
+absl::Status FastPath::AckNotifications(const std::string& subscription, uint64_t through,
+                                        const std::vector<uint64_t>& sequences,
+                                        uint64_t user_data, bool publish) {
+  // An older agent closes the whole ring on an opcode it does not know.
+  RETURN_IF_ERROR(fr::CheckDurableNotifications(
+      info_.features(), fmt::format("AckNotifications of subscription '{}'", subscription)));
+  v1::AckNotificationsRequest request;
+  request.set_subscription(subscription);
+  request.set_through_sequence(through);
+  for (uint64_t sequence : sequences) request.add_sequences(sequence);
+  return PutMessage(fr::kAckNotifications, request, user_data, publish);
+}
+
 void FastPath::Publish() {
   absl::MutexLock lock(&submit_mu_);
   PublishLocked();
@@ -249,7 +274,11 @@ size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
     c.phase = static_cast<v1::TransferPhase>(h.phase);
     c.bytes_done = h.bytes_done;
     c.latency_us = h.latency_us;
-    if (h.opcode == fr::kNotification) {
+    if (h.opcode == fr::kNotification && h.code != 0) {
+      // One the agent could not fit (durable watch): its text says which.
+      c.phase = v1::TRANSFER_PHASE_UNSPECIFIED;
+      c.message.assign(at + sizeof(h), std::min<uint32_t>(h.message_length, fr::kMaxMessage));
+    } else if (h.opcode == fr::kNotification) {
       c.phase = v1::TRANSFER_PHASE_UNSPECIFIED;  // the wire's phase is the kind
       const uint64_t room = uint64_t{span} * fr::kCompletionBytes - sizeof(h);
       c.notification.emplace();

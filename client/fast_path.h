@@ -48,8 +48,11 @@ struct FastCompletion {
   uint64_t latency_us = 0;
   std::string message;
   // opcode kNotification (the watch's user_data; phase unset: the kind is the
-  // notification's; bytes_done its bytes): the notification. A
-  // completion whose bytes do not parse has code INTERNAL and says why in message.
+  // notification's; bytes_done its bytes): the notification (with its `sequence` on a
+  // durable watch). A completion whose bytes do not parse has code INTERNAL and says
+  // why in message; one the agent could not fit (durable watch) has code
+  // RESOURCE_EXHAUSTED, no notification, and names its sequence in message.
+  // opcode kAckNotifications: bytes_done is how many were released.
   std::optional<v1::Notification> notification;
 
   absl::Status status() const { return absl::Status(code, message); }
@@ -93,6 +96,28 @@ class FastPath {
   // (delivers_notifications() is false): take them with gRPC WatchNotifications.
   absl::Status WatchNotifications(const std::vector<std::string>& transfer_ids,
                                   uint64_t user_data, bool publish = true);
+  // The same through durable `subscription` (1 to 64 of A-Z a-z 0-9 . _ : -), as gRPC
+  // WatchNotifications with one: the subscription belongs to the session's durable
+  // identity (uid and client name), the ones it holds unacknowledged come first, in
+  // order, each notification carries its `sequence`, and the agent holds each until it
+  // is acknowledged (AckNotifications here, or gRPC's), so those posted and not reaped
+  // when the session ends come again to the next attachment (ring or gRPC). The entry
+  // completes with gRPC's refusals (a bad name, the subscriptions limit). A
+  // notification spanning more than half the completion ring comes as a kNotification
+  // completion with code RESOURCE_EXHAUSTED naming its sequence (take it with gRPC
+  // PollNotifications). FAILED_PRECONDITION, with nothing written, when the agent lacks
+  // durable subscriptions on the ring (delivers_durable_notifications()).
+  absl::Status WatchNotifications(const std::vector<std::string>& transfer_ids,
+                                  const std::string& subscription, uint64_t user_data,
+                                  bool publish = true);
+  // Acknowledges `subscription`'s notifications with a sequence up to `through` (0:
+  // none) and those in `sequences`, as gRPC AckNotifications. Completes with gRPC's code
+  // and message (NOT_FOUND for a subscription this identity does not have) and
+  // bytes_done = how many were released. FAILED_PRECONDITION, with nothing written, as
+  // for the durable watch.
+  absl::Status AckNotifications(const std::string& subscription, uint64_t through,
+                                const std::vector<uint64_t>& sequences, uint64_t user_data,
+                                bool publish = true);
   void Publish();
 
   // Appends up to `max` completions (notifications included; pads skipped) to `out`; waits up to `timeout` for the first one
@@ -111,6 +136,10 @@ class FastPath {
   // Whether the agent takes WatchNotifications on this ring (FastPathInfo.features).
   bool delivers_notifications() const {
     return (info_.features() & fastring::kFeatureNotifications) != 0;
+  }
+  // Whether it takes a watch with a subscription, and acknowledgements.
+  bool delivers_durable_notifications() const {
+    return (info_.features() & fastring::kFeatureDurableNotifications) != 0;
   }
 
  private:

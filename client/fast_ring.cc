@@ -44,6 +44,15 @@ absl::Status CheckNotifications(uint32_t features) {
       "or upgrade the agent");
 }
 
+absl::Status CheckDurableNotifications(uint32_t features, std::string_view what) {
+  if ((features & kFeatureDurableNotifications) != 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format(
+      "{}: this agent's fast path has no durable subscriptions (it is older than this client: "
+      "FastPathInfo.features lacks durable notifications); use gRPC WatchNotifications / "
+      "AckNotifications with the subscription, or upgrade the agent",
+      what));
+}
+
 void RingDoorbell(int fd) {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(fd, &one, sizeof(one));
@@ -62,12 +71,13 @@ const char* OpcodeName(uint16_t opcode) {
     case kPing: return "ping";
     case kWatchNotifications: return "watch-notifications";
     case kNotification: return "notification";
+    case kAckNotifications: return "ack-notifications";
   }
   return "unknown";
 }
 
 absl::Status CheckEntry(const SubmissionHeader& header, uint32_t index, uint32_t available,
-                        uint32_t slots) {
+                        uint32_t slots, uint32_t features) {
   const char* name = OpcodeName(header.opcode);
   if (header.slots == 0 || header.slots > available) {
     return absl::InvalidArgumentError(fmt::format(
@@ -87,12 +97,18 @@ absl::Status CheckEntry(const SubmissionHeader& header, uint32_t index, uint32_t
           "pad entry at slot {} has a {}-byte payload; a pad carries none", index, header.length));
     }
   } else if (header.opcode != kSubmit && header.opcode != kCancel && header.opcode != kPing &&
-             header.opcode != kWatchNotifications) {
+             !(header.opcode == kWatchNotifications && (features & kFeatureNotifications)) &&
+             !(header.opcode == kAckNotifications &&
+               (features & kFeatureDurableNotifications))) {
     return absl::InvalidArgumentError(fmt::format(
         "entry at slot {} has opcode {}, which this agent does not take in a submission (pad "
-        "0, submit 1, cancel 2, ping 3, watch-notifications 4; notification 5 only comes in "
-        "completions); use a client that matches the agent (ring version {})",
-        index, header.opcode, kVersion));
+        "0, submit 1, cancel 2, ping 3{}{}; notification 5 only comes in completions); use a "
+        "client that checks FastPathInfo.features (this ring's: {:#x}) and matches the agent "
+        "(ring version {})",
+        index, header.opcode,
+        (features & kFeatureNotifications) ? ", watch-notifications 4" : "",
+        (features & kFeatureDurableNotifications) ? ", ack-notifications 6" : "", features,
+        kVersion));
   } else if (header.slots != SlotsFor(header.length) || header.length > MaxPayload(slots)) {
     return absl::InvalidArgumentError(fmt::format(
         "{} entry at slot {} carries {} payload bytes in {} slots (it needs exactly {}, and "

@@ -40,6 +40,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 
@@ -62,16 +63,28 @@ enum Opcode : uint16_t {
   kSubmit = 1,
   kCancel = 2,  // payload: the transfer id; completes with the state after the cancel
   kPing = 3,    // no payload; completes at once (round-trip probes, tests)
-  // payload: a serialized v1::WatchNotificationsRequest (transfer_ids: empty = any; no
-  // subscription: those are gRPC's). Completes at once (OK) once the watch is in place;
-  // from then on the session's notifications come as kNotification completions carrying
-  // this entry's user_data. One per ring.
+  // payload: a serialized v1::WatchNotificationsRequest (transfer_ids: empty = any, at
+  // most agent/notification_queue.h kMaxFilterTransferIds). Completes at once (OK) once
+  // the watch is in place; from then on the session's notifications come as
+  // kNotification completions carrying this entry's user_data. One per ring. With
+  // `subscription` (kFeatureDurableNotifications): the ring attaches to that durable
+  // subscription of the session's durable identity, as gRPC WatchNotifications does:
+  // the unacknowledged ones first, in order, then new ones, each with its `sequence`;
+  // acknowledge them with kAckNotifications (or gRPC AckNotifications).
   kWatchNotifications = 4,
   // Completions only (a submission entry with it is refused as unknown): one
   // notification. phase: its v1::NotificationKind; bytes_done: notification.bytes();
   // message_length: the serialized v1::Notification's size, its bytes running from
-  // after the header through the completion's `span` entries.
+  // after the header through the completion's `span` entries. On a durable watch, one
+  // spanning more than half the ring comes as a 1-entry kNotification with code
+  // RESOURCE_EXHAUSTED and a message naming its sequence (it stays held: take it with
+  // gRPC PollNotifications on the subscription).
   kNotification = 5,
+  // payload: a serialized v1::AckNotificationsRequest (kFeatureDurableNotifications).
+  // Acknowledges as gRPC AckNotifications does, as the session's durable identity;
+  // completes at once: code and message as gRPC's (NOT_FOUND for an unknown
+  // subscription), bytes_done reused for AckNotificationsResponse.released.
+  kAckNotifications = 6,
 };
 
 // Bits of FastPathInfo.features: what the agent's ring takes beyond version 1's
@@ -80,11 +93,16 @@ enum Opcode : uint16_t {
 // bit before it writes such an entry.
 // The agent takes kWatchNotifications and posts kNotification completions.
 inline constexpr uint32_t kFeatureNotifications = 1;
-inline constexpr uint32_t kFeatures = kFeatureNotifications;  // all this build offers
+// The agent takes kWatchNotifications with a subscription, and kAckNotifications.
+inline constexpr uint32_t kFeatureDurableNotifications = 2;
+// All this build offers.
+inline constexpr uint32_t kFeatures = kFeatureNotifications | kFeatureDurableNotifications;
 
 // OK when `features` (FastPathInfo.features) has kFeatureNotifications; else
 // FAILED_PRECONDITION saying the agent is older and what to use instead.
 absl::Status CheckNotifications(uint32_t features);
+// The same for kFeatureDurableNotifications (`what`: the call refused, for the text).
+absl::Status CheckDurableNotifications(uint32_t features, std::string_view what);
 
 // Flags of a submission entry.
 inline constexpr uint32_t kFlagNone = 0;
@@ -194,11 +212,12 @@ inline uint64_t MaxPayload(uint32_t slots) {
 // The agent's check of the entry at slot `index` (head modulo slots), given a copy of
 // its header and `available` published slots from there: the entry must span 1 to
 // `available` slots, end at or before the ring's end, carry a payload that fits its
-// slots and stay under MaxPayload, use a known opcode, and set flags and reserved to 0.
-// A violation is INVALID_ARGUMENT naming it: the agent cannot find the next entry
+// slots and stay under MaxPayload, use a known opcode (of those `features` offers: an
+// agent run with fewer behaves as one built before them), and set flags and reserved
+// to 0. A violation is INVALID_ARGUMENT naming it: the agent cannot find the next entry
 // after a bad header, so it closes the ring.
 absl::Status CheckEntry(const SubmissionHeader& header, uint32_t index, uint32_t available,
-                        uint32_t slots);
+                        uint32_t slots, uint32_t features = kFeatures);
 
 const char* OpcodeName(uint16_t opcode);
 

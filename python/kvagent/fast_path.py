@@ -4,7 +4,8 @@ eventfd doorbells. Transfers go in as serialized SubmitTransferRequests, many pe
 doorbell, and their outcomes come back in batches: the same checks, states and
 errors as gRPC's SubmitTransfer, without a round trip per transfer. A ring that
 watches (watch_notifications) also gets the session's notifications as completions,
-each taken once (not by gRPC's WatchNotifications/PollNotifications too).
+each taken once (not by gRPC's WatchNotifications/PollNotifications too), or, through a
+durable subscription, held by the agent until ack_notifications (at-least-once).
 
 Memory order: the ring's counters are 32-bit words written and read through a
 memoryview (single aligned loads and stores). x86-64 keeps stores in order (an entry's
@@ -26,10 +27,13 @@ from ._proto import kvagent_pb2 as pb
 
 VERSION, MAGIC, SLOT_BYTES, COMPLETION_BYTES = 1, 0x5246564B, 256, 512
 PAD, SUBMIT, CANCEL, PING, WATCH_NOTIFICATIONS, NOTIFICATION = 0, 1, 2, 3, 4, 5
+ACK_NOTIFICATIONS = 6
 SLEEPING = WAITING = 1
 CLOSED = 2
 ROOM_WANTED = 4  # agent: notifications wait for room (ring the doorbell after reaping)
 FEATURE_NOTIFICATIONS = 1  # FastPathInfo.features: the ring takes WATCH_NOTIFICATIONS
+# ... a watch with a subscription, and ACK_NOTIFICATIONS
+FEATURE_DURABLE_NOTIFICATIONS = 2
 REASON_OFFSET, REASON_BYTES = 1024, 3072
 HEADER = struct.Struct("<IHHIIQ")        # SubmissionHeader: 24 bytes
 COMPLETION = struct.Struct("<QHHiIIQQ")  # CompletionHeader: 40 bytes
@@ -41,7 +45,11 @@ class Completion:
     """One entry's outcome: user_data, opcode, code (a gRPC code number; 0 OK), phase
     (TransferPhase name for submit/cancel), bytes_done, latency_us, message. A
     notification (opcode NOTIFICATION, the watch entry's user_data) has it in
-    `notification` (a pb Notification; its kind there, phase empty), else None."""
+    `notification` (a pb Notification; its kind there, phase empty; its `sequence` on a
+    durable watch), else None; a notification the agent could not fit on the ring
+    (durable watch) has code 8 (RESOURCE_EXHAUSTED), no notification, and names its
+    sequence in message. An ACK_NOTIFICATIONS completion's bytes_done is how many were
+    released."""
 
     def __init__(self, data, message, notification=None):
         (self.user_data, self.opcode, _, self.code, phase, _, self.bytes_done,
@@ -155,21 +163,53 @@ class FastPath:
         """Whether the agent takes watch_notifications on this ring (FastPathInfo.features)."""
         return bool(self.info.features & FEATURE_NOTIFICATIONS)
 
-    def watch_notifications(self, transfer_ids=(), user_data=0):
+    def delivers_durable_notifications(self):
+        """Whether the agent takes a watch with a subscription, and ack_notifications."""
+        return bool(self.info.features & FEATURE_DURABLE_NOTIFICATIONS)
+
+    def _require_durable(self, what):
+        if not self.delivers_durable_notifications():
+            raise errors.error(
+                9, f"{what}: this agent's fast path has no durable subscriptions (it is older "
+                "than this client: FastPathInfo.features lacks durable notifications); use gRPC "
+                "WatchNotifications / AckNotifications with the subscription, or upgrade the "
+                "agent", where=what)
+
+    def watch_notifications(self, transfer_ids=(), user_data=0, subscription=""):
         """Asks the agent to post this session's notifications (of transfer_ids; empty:
         any) on the completion ring, as NOTIFICATION completions carrying user_data. The
         entry completes OK once the watch is in place (one per ring). Notifications on
         the ring and not reaped when the session ends are lost; one spanning more than
         half the completion ring stays with gRPC's takers. FailedPrecondition, with
         nothing written, when the agent is older than notifications on the ring (an older
-        agent closes the whole ring on an entry it does not know)."""
+        agent closes the whole ring on an entry it does not know).
+
+        With `subscription` (1 to 64 of A-Z a-z 0-9 . _ : -): the ring attaches to that
+        durable subscription of this session's uid and client name, as gRPC
+        WatchNotifications does: the unacknowledged ones first, in order, each with its
+        `sequence`, held by the agent until ack_notifications (so those not reaped when
+        the session ends come again to the next attachment)."""
+        if subscription:
+            self._require_durable(f"watch_notifications with subscription '{subscription}'")
         if not self.delivers_notifications():
             raise errors.error(
                 9, "this agent's fast path does not deliver notifications (it is older than this "
                 "client: FastPathInfo.features lacks notifications); take them with gRPC "
                 "WatchNotifications, or upgrade the agent", where="watch_notifications")
-        request = pb.WatchNotificationsRequest(transfer_ids=list(transfer_ids))
+        request = pb.WatchNotificationsRequest(transfer_ids=list(transfer_ids),
+                                               subscription=subscription)
         self._put(WATCH_NOTIFICATIONS, user_data, request.SerializeToString())
+
+    def ack_notifications(self, subscription, through=0, sequences=(), user_data=0):
+        """Acknowledges `subscription`'s notifications up to sequence `through` (0: none)
+        and those in `sequences`, as gRPC AckNotifications; completes with its code and
+        message (5 NOT_FOUND for a subscription this identity does not have) and
+        bytes_done = how many were released. FailedPrecondition, with nothing written,
+        against an agent without durable subscriptions on the ring."""
+        self._require_durable(f"ack_notifications of subscription '{subscription}'")
+        request = pb.AckNotificationsRequest(subscription=subscription, through_sequence=through,
+                                             sequences=list(sequences))
+        self._put(ACK_NOTIFICATIONS, user_data, request.SerializeToString())
 
     def reap(self, max_count=64, timeout=1.0):
         """Up to max_count completions; waits up to `timeout` s for the first."""
@@ -208,7 +248,7 @@ class FastPath:
             start = at + COMPLETION.size
             if data[1] == PAD:
                 pass
-            elif data[1] == NOTIFICATION:
+            elif data[1] == NOTIFICATION and data[3] == 0:
                 out.append(self._notification(data, span, start))
             else:
                 length = min(data[5], COMPLETION_BYTES - COMPLETION.size)

@@ -685,32 +685,49 @@ TEST_CASE("fast path: an entry published without its doorbell is still taken") {
   CHECK(ms < 1000);
 }
 
-TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck transfer") {
-  AgentPair pair(StoppablePeer());
-  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
-  const std::string session_path = pair.prefill_process().address().substr(5) + ".session";
+// Forks a child that runs `setup` (it must use no gRPC: the parent's threads are not in
+// the child) and then waits to be killed; returns its pid once `setup` returned 0 (a
+// non-zero value is the child's exit status, and fails the test).
+pid_t ForkReady(const std::function<int()>& setup) {
   int ready[2];
   REQUIRE(pipe(ready) == 0);
   const pid_t child = fork();
   REQUIRE(child >= 0);
   if (child == 0) {
-    // The child uses no gRPC: a session, a ring, eight transfers, then it waits to die.
     close(ready[0]);
-    auto session = client::LocalSession::Attach(session_path, "doomed-engine");
-    if (!session.ok()) _exit(3);
-    auto fast = FastPath::Open(session->get());
-    if (!fast.ok()) _exit(4);
-    for (uint64_t i = 0; i < 8; ++i) {
-      if (!(*fast)->Submit(KvWrite(fmt::format("orphan-{}", i), {i}, {i}), i).ok()) _exit(5);
-    }
+    if (const int failed = setup(); failed != 0) _exit(failed);
     char byte = 1;
-    if (::write(ready[1], &byte, 1) != 1) _exit(6);
+    if (::write(ready[1], &byte, 1) != 1) _exit(100);
     for (;;) pause();
   }
   close(ready[1]);
   char byte = 0;
-  REQUIRE(::read(ready[0], &byte, 1) == 1);
+  const ssize_t got = ::read(ready[0], &byte, 1);
   close(ready[0]);
+  if (got != 1) {
+    int wstatus = 0;
+    waitpid(child, &wstatus, 0);
+    FAIL("the child failed its setup: exit status " << WEXITSTATUS(wstatus));
+  }
+  return child;
+}
+
+TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck transfer") {
+  AgentPair pair(StoppablePeer());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
+  const std::string session_path = pair.prefill_process().address().substr(5) + ".session";
+  // A session, a ring, eight transfers, then it waits to die.
+  const pid_t child = ForkReady([&] {
+    auto session = client::LocalSession::Attach(session_path, "doomed-engine");
+    if (!session.ok()) return 3;
+    static auto fast = FastPath::Open(session->get());  // kept until the child dies
+    if (!fast.ok()) return 4;
+    for (uint64_t i = 0; i < 8; ++i) {
+      if (!(*fast)->Submit(KvWrite(fmt::format("orphan-{}", i), {i}, {i}), i).ok()) return 5;
+    }
+    static auto keep = std::move(session);
+    return 0;
+  });
   // The agent took the entries before the child said so? Give it a moment, then kill.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   REQUIRE(kill(child, SIGKILL) == 0);
@@ -983,7 +1000,7 @@ TEST_CASE("fast path: a ring that does not reap keeps its notifications waiting,
   CHECK(PollCount(pair.decode()) == 0);
 }
 
-TEST_CASE("fast path: a watch filters by transfer id; a second watch, a subscription and opcode 5 are refused") {
+TEST_CASE("fast path: a watch filters by transfer id; a second watch, a bad subscription name and opcode 5 are refused") {
   AgentPair pair;
   auto watch = OpenWatching(pair.decode(), {"wanted"});
   GrpcWrite(pair, "unwanted", 1, 2, "no");
@@ -1001,11 +1018,11 @@ TEST_CASE("fast path: a watch filters by transfer id; a second watch, a subscrip
   CHECK(second.code == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(second.message,
              Contains("this ring already watches notifications (entry user_data 77)"));
-  // Durable subscriptions are gRPC's.
+  // A subscription named against gRPC's rule is refused as gRPC refuses it.
   cli::AgentClient raw_client(pair.decode_process().address());
   RawRing ring(raw_client);
   v1::WatchNotificationsRequest request;
-  request.set_subscription("durable");
+  request.set_subscription("bad name!");
   const std::string bytes = request.SerializeAsString();
   ring.Write(0, Header(fr::kWatchNotifications, bytes.size(), 9), bytes);
   ring.Publish(1);
@@ -1014,8 +1031,9 @@ TEST_CASE("fast path: a watch filters by transfer id; a second watch, a subscrip
   CHECK(c.user_data == 9);
   CHECK(c.span == 1);
   CHECK(c.code == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-  CHECK_THAT(message, Contains("WatchNotificationsRequest.subscription is set"));
-  CHECK_THAT(message, Contains("gRPC-only"));
+  CHECK(message ==
+        "watch-notifications entry 9: subscription 'bad name!' (9 bytes): name it with 1 to "
+        "64 of A-Z a-z 0-9 . _ : -");
   // A completion's opcode in a submission breaks the protocol: the ring is closed.
   ring.Write(1, Header(fr::kNotification, 0, 10), "");
   ring.Publish(2);
@@ -1046,6 +1064,355 @@ TEST_CASE("fast path: notifications a ring never took go to gRPC once its sessio
   CHECK(PollCount(pair.decode()) == 0);
   for (size_t i = 0; i < polled.size(); ++i) {
     CHECK(polled[i].transfer_id() == fmt::format("left-{}", on_ring + i));
+  }
+}
+
+// ---- Durable subscriptions on the ring (kFeatureDurableNotifications) ----
+
+// Reaps `count` notifications of a durable watch: each with its sequence, increasing.
+std::vector<v1::Notification> ReapDurable(FastPath& fast, size_t count,
+                                          std::vector<FastCompletion>* others = nullptr) {
+  std::vector<v1::Notification> out;
+  for (auto& c : ReapNotes(fast, count, 20000, others)) out.push_back(*c.notification);
+  for (size_t i = 1; i < out.size(); ++i) CHECK(out[i].sequence() > out[i - 1].sequence());
+  return out;
+}
+
+// Puts one ack entry on the ring and reaps its completion.
+FastCompletion AckOnRing(FastPath& fast, const std::string& subscription, uint64_t through,
+                         const std::vector<uint64_t>& sequences, uint64_t user_data) {
+  REQUIRE(fast.AckNotifications(subscription, through, sequences, user_data).ok());
+  std::vector<FastCompletion> others;
+  for (int i = 0; i < 200; ++i) {
+    auto got = ReapN(fast, 1, 100);
+    for (auto& c : got) {
+      if (c.opcode == fr::kAckNotifications && c.user_data == user_data) return c;
+    }
+  }
+  FAIL("no completion for ack entry " << user_data);
+  return {};
+}
+
+std::unique_ptr<cli::AgentClient> Named(cli::DaemonProcess& agent, const std::string& name) {
+  cli::AgentClientOptions options;
+  options.client_name = name;
+  return std::make_unique<cli::AgentClient>(agent.address(), options);
+}
+
+TEST_CASE("fast path: a durable watch survives its session's death: what was written and not acknowledged comes again, same sequences") {
+  AgentPair pair;
+  const std::string session_path = pair.decode_process().address().substr(5) + ".session";
+  // A session named decode-7, a ring attached to the subscription; the child never reaps
+  // a notification nor acknowledges one, and is killed.
+  const pid_t child = ForkReady([&] {
+    auto session = client::LocalSession::Attach(session_path, "decode-7");
+    if (!session.ok()) return 3;
+    static auto fast = FastPath::Open(session->get());  // kept until the child dies
+    if (!fast.ok()) return 4;
+    if (!(*fast)->WatchNotifications({}, "kv-ready", kWatchData).ok()) return 5;
+    std::vector<FastCompletion> answer;
+    while (answer.empty()) {
+      if (!(*fast)->Reap(&answer, 1, absl::Seconds(10)).ok()) return 6;
+    }
+    static auto keep = std::move(session);
+    return answer[0].opcode == fr::kWatchNotifications && answer[0].status().ok() ? 0 : 7;
+  });
+  for (int i = 0; i < 3; ++i) GrpcWrite(pair, fmt::format("durable-{}", i), i, i, "d");
+  // Written on the child's ring (not reaped), held by the subscription.
+  v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_notifications() == 3 && s.notifications_in_flight() == 3;
+  });
+  CHECK(status.fast_path_notifications() == 3);
+  CHECK(status.notifications_in_flight() == 3);
+  CHECK(status.subscriptions() == 1);
+  REQUIRE(kill(child, SIGKILL) == 0);
+  int wstatus = 0;
+  REQUIRE(waitpid(child, &wstatus, 0) == child);
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; })
+            .fast_path_rings() == 0);
+  // Still held: not taken once by a gRPC poll.
+  CHECK(PollCount(pair.decode()) == 0);
+
+  // Another uid-and-name gets another subscription of the same name: none of these.
+  auto other = Named(pair.decode_process(), "decode-8");
+  auto other_ring = OpenFast(*other);
+  REQUIRE(other_ring->WatchNotifications({}, "kv-ready", kWatchData).ok());
+  CHECK(ReapOne(*other_ring).code == absl::StatusCode::kOk);
+
+  // The restarted engine (same uid, same client name) attaches again: the three the dead
+  // ring held come first, in order, with the sequences they had (the agent's first: 1..3).
+  auto again = Named(pair.decode_process(), "decode-7");
+  auto fast = OpenFast(*again);
+  REQUIRE(fast->delivers_durable_notifications());
+  REQUIRE(fast->WatchNotifications({}, "kv-ready", kWatchData).ok());
+  FastCompletion answer = ReapOne(*fast);
+  INFO(answer.message);
+  REQUIRE(answer.opcode == fr::kWatchNotifications);
+  REQUIRE(answer.code == absl::StatusCode::kOk);
+  std::vector<v1::Notification> notes = ReapDurable(*fast, 3);
+  REQUIRE(notes.size() == 3);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(notes[i].transfer_id() == fmt::format("durable-{}", i));
+    CHECK(notes[i].sequence() == static_cast<uint64_t>(i + 1));
+    CHECK(pair.PageEqual(i, i));
+  }
+  std::vector<FastCompletion> none;
+  auto got = other_ring->Reap(&none, 16, absl::Milliseconds(200));
+  REQUIRE(got.ok());
+  CHECK(*got == 0);
+  // (Both subscriptions may take new ones, each once: the other one leaves first.)
+  other_ring.reset();
+  other.reset();
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 1; })
+            .fast_path_rings() == 1);
+  // A new one continues above them.
+  GrpcWrite(pair, "durable-3", 3, 3, "d");
+  notes = ReapDurable(*fast, 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "durable-3");
+  CHECK(notes[0].sequence() == 4);
+
+  // Acknowledged on the ring: through 2, then 3 and 4 by list; again: nothing left.
+  FastCompletion ack = AckOnRing(*fast, "kv-ready", 2, {}, 500);
+  INFO(ack.message);
+  CHECK(ack.code == absl::StatusCode::kOk);
+  CHECK(ack.bytes_done == 2);
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.notifications_in_flight() == 2; })
+            .notifications_in_flight() == 2);
+  ack = AckOnRing(*fast, "kv-ready", 0, {3, 4, 99}, 501);
+  CHECK(ack.code == absl::StatusCode::kOk);
+  CHECK(ack.bytes_done == 2);
+  ack = AckOnRing(*fast, "kv-ready", 4, {}, 502);
+  CHECK(ack.code == absl::StatusCode::kOk);
+  CHECK(ack.bytes_done == 0);
+  // A subscription this identity never made is not found, with gRPC's text.
+  ack = AckOnRing(*fast, "never-made", 1, {}, 503);
+  CHECK(ack.code == absl::StatusCode::kNotFound);
+  CHECK_THAT(ack.message, Catch::StartsWith("ack-notifications entry 503: AckNotifications: no "
+                                            "subscription 'never-made' for uid:"));
+  status = WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_acks() == 3; });
+  CHECK(status.fast_path_acks() == 3);
+  CHECK(status.notifications_in_flight() == 0);
+  CHECK(status.fast_path_protocol_errors() == 0);
+  // The session ends with nothing unacknowledged: a third attachment gets nothing old.
+  fast.reset();
+  again.reset();
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; })
+            .fast_path_rings() == 0);
+  auto third = Named(pair.decode_process(), "decode-7");
+  auto third_ring = OpenFast(*third);
+  REQUIRE(third_ring->WatchNotifications({}, "kv-ready", kWatchData).ok());
+  CHECK(ReapOne(*third_ring).code == absl::StatusCode::kOk);
+  got = third_ring->Reap(&none, 16, absl::Milliseconds(200));
+  REQUIRE(got.ok());
+  CHECK(*got == 0);
+}
+
+TEST_CASE("fast path: a durable watch keeps what the ring has no room for, in order, and says so for one too large") {
+  AgentPairOptions options;
+  options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(options);
+  auto engine = Named(pair.decode_process(), "decode-small");
+  client::FastPathOptions small;
+  small.submission_slots = 8;
+  small.completion_entries = 8;
+  auto fast = OpenFast(*engine, small);
+  REQUIRE(fast->WatchNotifications({}, "small", kWatchData).ok());
+  REQUIRE(ReapOne(*fast).code == absl::StatusCode::kOk);
+  // 8 fill the completion ring; 4 more wait in the ring's pending list (the queue handed
+  // them over: the subscription holds all 12).
+  for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("room-{}", i), i, i, "r");
+  v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_notifications() == 8 && s.notifications_in_flight() == 12;
+  });
+  CHECK(status.fast_path_notifications() == 8);
+  CHECK(status.notifications_in_flight() == 12);
+  CHECK(status.notifications_queued() == 0);
+  std::vector<v1::Notification> notes = ReapDurable(*fast, 12);
+  REQUIRE(notes.size() == 12);
+  for (int i = 0; i < 12; ++i) CHECK(notes[i].transfer_id() == fmt::format("room-{}", i));
+  // Acknowledged by list, one entry.
+  std::vector<uint64_t> sequences;
+  for (const auto& n : notes) sequences.push_back(n.sequence());
+  FastCompletion ack = AckOnRing(*fast, "small", 0, sequences, 600);
+  CHECK(ack.bytes_done == 12);
+  // Larger than half this ring: in its place, a completion naming its sequence; it
+  // stays held, for gRPC to take through the subscription.
+  GrpcWrite(pair, "too-large", 3, 4, std::string(8000, 'x'));
+  GrpcWrite(pair, "after-large", 5, 6, "a");
+  std::vector<FastCompletion> got;
+  while (got.size() < 2) {
+    auto more = ReapN(*fast, 2 - got.size());
+    REQUIRE_FALSE(more.empty());
+    for (auto& c : more) got.push_back(std::move(c));
+  }
+  CHECK(got[0].opcode == fr::kNotification);
+  CHECK(got[0].code == absl::StatusCode::kResourceExhausted);
+  CHECK_FALSE(got[0].notification.has_value());
+  CHECK_THAT(got[0].message, Contains("notification sequence 13 (transfer too-large"));
+  CHECK_THAT(got[0].message, Contains("subscription 'small' holds it unacknowledged"));
+  REQUIRE(got[1].notification.has_value());
+  CHECK(got[1].notification->transfer_id() == "after-large");
+  CHECK(got[1].notification->sequence() == 14);
+  auto polled = engine->Poll(0, {}, "small");
+  REQUIRE(polled.ok());
+  REQUIRE(polled->notifications_size() == 2);
+  CHECK(polled->notifications(0).transfer_id() == "too-large");
+  CHECK(polled->notifications(0).payload() == std::string(8000, 'x'));
+  CHECK(AckOnRing(*fast, "small", 14, {}, 601).bytes_done == 2);
+  status = WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_acks() == 2; });
+  CHECK(status.fast_path_acks() == 2);
+  CHECK(status.fast_path_notifications_too_large() == 1);
+  CHECK(status.fast_path_pending_dropped() == 0);
+  CHECK(status.notifications_in_flight() == 0);
+  const std::string scraped = Scrape(MetricsAddress(pair.decode()));
+  CHECK(Value(scraped, "kvagent_fast_path_acks_total") == 2);
+  CHECK(Value(scraped, "kvagent_fast_path_pending_dropped_total") == 0);
+}
+
+// Writes an entry of `opcode` whose payload is no protobuf at slot 0 of a fresh `ring`;
+// checks that its completion refuses it (INVALID_ARGUMENT) and returns the message.
+std::string RefusedGarbage(RawRing& ring, uint16_t opcode, uint64_t user_data) {
+  const std::string garbage = "\xff\xff\xff\xff this is no protobuf";
+  ring.Write(0, Header(opcode, garbage.size(), user_data), garbage);
+  ring.Publish(1);
+  std::string message;
+  fr::CompletionHeader c = ring.WaitCompletion(1, 0, &message);
+  CHECK(c.user_data == user_data);
+  CHECK(c.opcode == opcode);
+  CHECK(c.span == 1);
+  CHECK(c.code == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  return message;
+}
+
+TEST_CASE("fast path: an ack entry that does not parse, or lists too many, is that entry's refusal") {
+  AgentPair pair;
+  RawRing ring(pair.decode());
+  CHECK_THAT(RefusedGarbage(ring, fr::kAckNotifications, 21),
+             Catch::StartsWith("ack-notifications entry 21: the payload is not an "
+                               "AckNotificationsRequest"));
+  CHECK_FALSE(ring.Closed(100));
+  // Too many sequences listed: gRPC's bound, naming the entry.
+  v1::AckNotificationsRequest many;
+  many.set_subscription("s");
+  for (uint64_t i = 0; i <= 65536; ++i) many.add_sequences(i + 1);
+  const std::string bytes = many.SerializeAsString();
+  RawRing large(pair.prefill(), 4096);
+  large.Write(0, Header(fr::kAckNotifications, bytes.size(), 22), bytes);
+  large.Publish(fr::SlotsFor(bytes.size()));
+  std::string message;
+  fr::CompletionHeader c = large.WaitCompletion(1, 0, &message);
+  CHECK(c.user_data == 22);
+  CHECK(c.code == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  CHECK(message == "ack-notifications entry 22: 65537 sequences listed, at most 65536; "
+                   "acknowledge a prefix with through_sequence");
+}
+
+TEST_CASE("fast path: a watch entry that does not parse is refused, naming it; the ring goes on and a later watch works") {
+  AgentPair pair;
+  cli::AgentClient raw_client(pair.decode_process().address());
+  RawRing ring(raw_client);
+  CHECK_THAT(RefusedGarbage(ring, fr::kWatchNotifications, 31),
+             Catch::StartsWith("watch-notifications entry 31: the payload is not a "
+                               "WatchNotificationsRequest"));
+  REQUIRE_FALSE(ring.Closed(100));
+  std::string message;
+  fr::CompletionHeader c;
+  // A valid watch after it is in place, and gets the next notification.
+  const std::string watch = v1::WatchNotificationsRequest().SerializeAsString();
+  ring.Write(1, Header(fr::kWatchNotifications, watch.size(), 32), watch);
+  ring.Publish(2);
+  c = ring.WaitCompletion(2, 1, &message);
+  CHECK(c.user_data == 32);
+  CHECK(c.code == 0);
+  GrpcWrite(pair, "after-garbage", 1, 2, "g");
+  c = ring.WaitCompletion(3, 2, &message);
+  CHECK(c.opcode == fr::kNotification);
+  CHECK(c.user_data == 32);
+  v1::Notification n;
+  const char* at = ring.base + ring.info.completion_offset() + 2 * fr::kCompletionBytes;
+  REQUIRE(n.ParseFromArray(at + sizeof(fr::CompletionHeader), static_cast<int>(c.message_length)));
+  CHECK(n.transfer_id() == "after-garbage");
+  CHECK(PollCount(pair.decode()) == 0);
+}
+
+TEST_CASE("fast path: a watch filters on at most 4096 transfer ids, on the ring as through gRPC") {
+  AgentPair pair;
+  std::vector<std::string> ids;
+  for (int i = 0; i <= 4096; ++i) ids.push_back(fmt::format("t{}", i));
+  auto fast = OpenFast(pair.decode());
+  REQUIRE(fast->WatchNotifications(ids, 41).ok());
+  FastCompletion c = ReapOne(*fast);
+  CHECK(c.user_data == 41);
+  CHECK(c.code == absl::StatusCode::kInvalidArgument);
+  CHECK(c.message ==
+        "watch-notifications entry 41: 4097 transfer_ids to filter on, at most 4096; watch the "
+        "transfers in flight only, or leave transfer_ids empty (every notification this caller "
+        "may take) and filter on the notifications' transfer_id");
+  auto polled = pair.decode().Poll(0, ids);
+  CHECK(polled.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(polled.status().message()),
+             Contains("PollNotifications: 4097 transfer_ids to filter on, at most 4096"));
+  absl::Status watched =
+      pair.decode().WatchNotifications(ids, 2000, [](const v1::Notification&) { return false; });
+  CHECK(watched.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(watched.message()),
+             Contains("WatchNotifications: 4097 transfer_ids to filter on, at most 4096"));
+  // 4096 is fine (the ring's watch is in place, and filters).
+  ids.pop_back();
+  ids.back() = "wanted";
+  REQUIRE(fast->WatchNotifications(ids, kWatchData).ok());
+  CHECK(ReapOne(*fast).code == absl::StatusCode::kOk);
+  GrpcWrite(pair, "unwanted", 3, 4, "u");
+  GrpcWrite(pair, "wanted", 1, 2, "w");
+  auto notes = ReapNotes(*fast, 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].notification->transfer_id() == "wanted");
+}
+
+TEST_CASE("fast path: against an agent without the feature bits the client writes nothing and says so") {
+  for (const char* features : {"0", "1"}) {
+    DYNAMIC_SECTION("--fast-path-features " << features) {
+      AgentPairOptions options;
+      options.extra_args = {"--fast-path-features", features};
+      AgentPair pair(options);
+      auto fast = OpenFast(pair.decode());
+      CHECK(fast->info().features() == static_cast<uint32_t>(std::stoi(features)));
+      CHECK_FALSE(fast->delivers_durable_notifications());
+      absl::Status durable = fast->WatchNotifications({}, "sub", 1);
+      CHECK(durable.code() == absl::StatusCode::kFailedPrecondition);
+      CHECK_THAT(std::string(durable.message()),
+                 Contains("WatchNotifications with subscription 'sub': this agent's fast path "
+                          "has no durable subscriptions"));
+      absl::Status ack = fast->AckNotifications("sub", 1, {}, 2);
+      CHECK(ack.code() == absl::StatusCode::kFailedPrecondition);
+      CHECK_THAT(std::string(ack.message()),
+                 Contains("AckNotifications of subscription 'sub': this agent's fast path has "
+                          "no durable subscriptions"));
+      if (std::string(features) == "0") {
+        CHECK_FALSE(fast->delivers_notifications());
+        absl::Status watch = fast->WatchNotifications({}, 3);
+        CHECK(watch.code() == absl::StatusCode::kFailedPrecondition);
+        CHECK_THAT(std::string(watch.message()),
+                   Contains("this agent's fast path does not deliver notifications"));
+      }
+      // Nothing was written: such an agent closes the ring on an entry it does not
+      // take, and this one answers the ping, first.
+      CHECK(fast->outstanding() == 0);
+      REQUIRE(fast->Ping(4).ok());
+      FastCompletion c = ReapOne(*fast);
+      CHECK(c.opcode == fr::kPing);
+      CHECK(c.user_data == 4);
+      CHECK(fast->closed_reason().empty());
+      // And it is such an agent: the entry a careless client writes closes the ring.
+      cli::AgentClient raw_client(pair.decode_process().address());
+      RawRing ring(raw_client);
+      const std::string bytes = v1::AckNotificationsRequest().SerializeAsString();
+      ring.Write(0, Header(fr::kAckNotifications, bytes.size(), 5), bytes);
+      ring.Publish(1);
+      REQUIRE(ring.Closed());
+      CHECK_THAT(ring.Reason(), Contains("opcode 6"));
+    }
   }
 }
 

@@ -1,13 +1,15 @@
 """The fast path from Python (kvagent.fast_path) against two real agents: many
 transfers behind the ring's doorbells, completions reaped in batches, bytes compared;
 a refusal and a ping come back on the completion ring with the agent's message;
-notifications come on a watching ring, whole across entries and pads, taken once."""
+notifications come on a watching ring, whole across entries and pads, taken once, or
+through a durable subscription with sequences, acknowledged on the ring."""
 import torch
 
 import kvagent
 from client_test import connected_kv
 from harness import PairTestCase, main
-from kvagent.fast_path import NOTIFICATION, PING, SQ_TAIL, WATCH_NOTIFICATIONS, FastPath
+from kvagent.fast_path import (ACK_NOTIFICATIONS, NOTIFICATION, PING, SQ_TAIL,
+                               WATCH_NOTIFICATIONS, FastPath)
 from kvagent._proto import kvagent_pb2 as pb
 
 
@@ -84,6 +86,64 @@ class FastPathTest(PairTestCase):
         ring.ping(8)  # the ring is still open and answers
         self.assertEqual([(c.user_data, c.opcode, c.code) for c in ring.reap(timeout=5)],
                          [(8, PING, 0)])
+
+    def test_a_durable_subscription_on_the_ring(self):
+        pre, dec, src, dst = connected_kv(self, "durable", 9)
+        ring = FastPath(dec, submission_slots=8)
+        self.addCleanup(ring.close)
+        self.assertTrue(ring.delivers_durable_notifications())
+        ring.watch_notifications(user_data=7, subscription="py-sub")
+        answer = ring.reap(timeout=5)
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in answer],
+                         [(7, WATCH_NOTIFICATIONS, 0)], answer and answer[0].message)
+        ids = [pre.transfer("decode", f"durable-{i}", pages=([i], [i]), notification=b"n",
+                            wait=True).id for i in range(3)]
+        got = []
+        while len(got) < 3:
+            more = ring.reap(timeout=5)
+            self.assertTrue(more, f"no notification in 5 s; have {len(got)}")
+            got += more
+        self.assertEqual([(c.opcode, c.user_data, c.code) for c in got], [(NOTIFICATION, 7, 0)] * 3)
+        self.assertEqual([c.notification.transfer_id for c in got], ids)
+        sequences = [c.notification.sequence for c in got]
+        self.assertEqual(sorted(set(sequences)), sequences)  # increasing
+        self.assertTrue(sequences[0] > 0)
+        for s, d in zip(src, dst):
+            self.assertTrue(torch.equal(s[:3], d[:3]))
+
+        def ack(user_data, subscription="py-sub", **kwargs):
+            ring.ack_notifications(subscription, user_data=user_data, **kwargs)
+            (c,) = ring.reap(timeout=5)
+            self.assertEqual((c.user_data, c.opcode), (user_data, ACK_NOTIFICATIONS))
+            return c
+
+        c = ack(8, through=sequences[1])
+        self.assertEqual((c.code, c.bytes_done), (0, 2), c.message)
+        c = ack(9, sequences=[sequences[2]])
+        self.assertEqual((c.code, c.bytes_done), (0, 1), c.message)
+        c = ack(10, subscription="never-made", through=1)
+        self.assertEqual(c.error().code.name, "NOT_FOUND")
+        self.assertIn("ack-notifications entry 10: AckNotifications: no subscription 'never-made'",
+                      c.message)
+        self.assertEqual(dec.poll_notifications(), [])
+
+    def test_an_older_agent_is_not_asked_for_durable_subscriptions(self):
+        pre, dec, src, dst = connected_kv(self, "older-durable", 3)
+        ring = FastPath(dec, submission_slots=8)
+        self.addCleanup(ring.close)
+        ring.info.features &= ~2  # as an agent with notifications but no durable ones
+        self.assertTrue(ring.delivers_notifications())
+        self.assertFalse(ring.delivers_durable_notifications())
+        for call in (lambda: ring.watch_notifications(user_data=7, subscription="s"),
+                     lambda: ring.ack_notifications("s", through=1, user_data=8)):
+            with self.assertRaises(kvagent.FailedPrecondition) as e:
+                call()
+            self.assertIn("this agent's fast path has no durable subscriptions",
+                          e.exception.message)
+        self.assertEqual((ring._tail, ring._words[SQ_TAIL]), (0, 0))  # nothing written
+        ring.watch_notifications((), 9)  # the existing call, positional, still works
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in ring.reap(timeout=5)],
+                         [(9, WATCH_NOTIFICATIONS, 0)])
 
 
 if __name__ == "__main__":

@@ -154,25 +154,44 @@ TEST_CASE("CheckEntry: a pad carries no payload") {
 
 TEST_CASE("CheckEntry: only opcodes this agent knows") {
   // kNotification (5) is a completion's opcode: in a submission it is as unknown.
-  for (uint16_t opcode : {uint16_t{kNotification}, uint16_t{6}, uint16_t{0x100}, uint16_t{0xffff}}) {
+  for (uint16_t opcode : {uint16_t{kNotification}, uint16_t{7}, uint16_t{0x100}, uint16_t{0xffff}}) {
     INFO("opcode " << opcode);
     auto unknown = CheckEntry(Entry(opcode, 0, 1), 1, 4, 8);
     CHECK(unknown.code() == absl::StatusCode::kInvalidArgument);
     CHECK_THAT(Message(unknown),
                Catch::StartsWith("entry at slot 1 has opcode " + std::to_string(opcode) +
                                  ", which this agent does not take in a submission (pad 0, "
-                                 "submit 1, cancel 2, ping 3, watch-notifications 4; "
-                                 "notification 5 only comes in completions)"));
+                                 "submit 1, cancel 2, ping 3, watch-notifications 4, "
+                                 "ack-notifications 6; notification 5 only comes in "
+                                 "completions)"));
   }
   CHECK(CheckEntry(Honest(kWatchNotifications, 0), 1, 4, 8).ok());
   CHECK(CheckEntry(Honest(kWatchNotifications, 40), 1, 4, 8).ok());
+  CHECK(CheckEntry(Honest(kAckNotifications, 0), 1, 4, 8).ok());
+  CHECK(CheckEntry(Honest(kAckNotifications, 40), 1, 4, 8).ok());
+  // An agent run with fewer features takes their opcodes as an older agent does: as
+  // unknown (the ring closes), saying which it takes.
+  auto old_ack = CheckEntry(Honest(kAckNotifications, 0), 1, 4, 8, kFeatureNotifications);
+  CHECK(old_ack.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(Message(old_ack), Catch::StartsWith(
+                                   "entry at slot 1 has opcode 6, which this agent does not "
+                                   "take in a submission (pad 0, submit 1, cancel 2, ping 3, "
+                                   "watch-notifications 4; notification 5"));
+  CHECK_THAT(Message(old_ack), Catch::Contains("FastPathInfo.features (this ring's: 0x1)"));
+  auto old_watch = CheckEntry(Honest(kWatchNotifications, 0), 1, 4, 8, 0);
+  CHECK_THAT(Message(old_watch), Catch::StartsWith(
+                                     "entry at slot 1 has opcode 4, which this agent does not "
+                                     "take in a submission (pad 0, submit 1, cancel 2, ping 3; "
+                                     "notification 5"));
+  CHECK(CheckEntry(Honest(kPing, 0), 1, 4, 8, 0).ok());
   CHECK(std::string(OpcodeName(kPad)) == "pad");
   CHECK(std::string(OpcodeName(kSubmit)) == "submit");
   CHECK(std::string(OpcodeName(kCancel)) == "cancel");
   CHECK(std::string(OpcodeName(kPing)) == "ping");
   CHECK(std::string(OpcodeName(kWatchNotifications)) == "watch-notifications");
   CHECK(std::string(OpcodeName(kNotification)) == "notification");
-  CHECK(std::string(OpcodeName(6)) == "unknown");
+  CHECK(std::string(OpcodeName(kAckNotifications)) == "ack-notifications");
+  CHECK(std::string(OpcodeName(7)) == "unknown");
 }
 
 TEST_CASE("CheckNotifications: an agent without the feature bit is not sent a watch") {
@@ -180,7 +199,7 @@ TEST_CASE("CheckNotifications: an agent without the feature bit is not sent a wa
   CHECK((kFeatures & kFeatureNotifications) != 0);
   CHECK(CheckNotifications(kFeatureNotifications).ok());
   CHECK(CheckNotifications(kFeatureNotifications | 0x80).ok());  // unknown bits ignored
-  for (uint32_t features : {0u, 2u, 0x80000000u}) {
+  for (uint32_t features : {0u, 4u, 0x80000000u}) {
     INFO(features);
     const absl::Status older = CheckNotifications(features);
     CHECK(older.code() == absl::StatusCode::kFailedPrecondition);
@@ -188,6 +207,22 @@ TEST_CASE("CheckNotifications: an agent without the feature bit is not sent a wa
           "this agent's fast path does not deliver notifications (it is older than this "
           "client: FastPathInfo.features lacks notifications); take them with gRPC "
           "WatchNotifications, or upgrade the agent");
+  }
+}
+
+TEST_CASE("CheckDurableNotifications: an agent without the bit is sent no subscription watch nor ack") {
+  CHECK(kFeatureDurableNotifications == 2);  // FastPathInfo.features' wire value: never changes
+  CHECK((kFeatures & kFeatureDurableNotifications) != 0);
+  CHECK(CheckDurableNotifications(kFeatureDurableNotifications, "x").ok());
+  CHECK(CheckDurableNotifications(kFeatures | 0x80, "x").ok());
+  for (uint32_t features : {0u, 1u, 0x80000000u}) {
+    INFO(features);
+    const absl::Status older = CheckDurableNotifications(features, "AckNotifications");
+    CHECK(older.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(Message(older) ==
+          "AckNotifications: this agent's fast path has no durable subscriptions (it is older "
+          "than this client: FastPathInfo.features lacks durable notifications); use gRPC "
+          "WatchNotifications / AckNotifications with the subscription, or upgrade the agent");
   }
 }
 
