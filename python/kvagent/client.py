@@ -197,6 +197,10 @@ class ChunkedTransfer:
         return self._submit(False, pages=pages, slots=slots, aux=aux, segments=segments,
                             notification=notification)
 
+    def check(self):
+        """Raises a refusal of a chunk sent so far: none here, gRPC raised it in send()
+        (the fast path's RingChunkedTransfer learns of it later)."""
+
 
 class Notification:
     """One notification: request_id, kind ("DATA_READY", ...), payload, from_agent."""

@@ -357,3 +357,11 @@ class RingChunkedTransfer:
     def finish(self, pages=None, slots=None, aux=None, segments=(), notification=b""):
         return self._submit(False, pages=pages, slots=slots, aux=aux, segments=segments,
                             notification=notification)
+
+    def check(self):
+        """Raises the agent's refusal of a chunk sent so far, if one came (reaps without
+        waiting): what ChunkedTransfer.send() raises at once."""
+        if self._sent:
+            self.route.progress()
+        for chunk in self._sent:
+            chunk._raise_refusal()

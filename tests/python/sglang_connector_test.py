@@ -85,6 +85,16 @@ class Scenarios:
             self.assertEqual(w.mgr.route.kind, self.route, w.mgr.route.describe())
         return pre, dec
 
+    def sender_to(self, pre, dec, room, dst_pages):
+        """A sender of len(dst_pages) pages for `room` whose receiver posted its pages
+        (aux 0, state slot 0), polled until WaitingForInput."""
+        sender = KvAgentSender(pre.mgr, self.boot.address, room)
+        sender.init(len(dst_pages), aux_index=0)
+        KvAgentReceiver(dec.mgr, self.boot.address, room).init(dst_pages, aux_index=0,
+                                                               state_indices=[0])
+        self.assertEqual(poll_until(sender, {KVPoll.WaitingForInput}), KVPoll.WaitingForInput)
+        return sender
+
     def test_chunked_prefill_with_mamba_state_and_aux(self):
         pre, dec = self.workers("sg")
         fill(pre.tensors() + [pre.conv, pre.ssm], 11)
@@ -133,20 +143,40 @@ class Scenarios:
             for s, d in zip(pre.tensors(), dec.tensors()):
                 self.assertTrue(torch.equal(s[[10 + room, 13]], d[[room * 2, room * 2 + 1]]))
 
-    def test_bad_destination_fails_with_the_agents_message(self):
-        pre, dec = self.workers("sgbad")
-        sender = KvAgentSender(pre.mgr, self.boot.address, 7)
-        sender.init(1, aux_index=0)
-        KvAgentReceiver(dec.mgr, self.boot.address, 7).init([PAGES + 3], aux_index=0,
-                                                            state_indices=[0])
-        poll_until(sender, {KVPoll.WaitingForInput})
-        sender.send([0], state_indices=[0])
-        # gRPC refuses in send(); the ring's refusal comes with a later poll's reap.
+    def assert_refused_page(self, sender, page):
+        """poll() says Failed, failure_exception() the agent's refusal of `page` (gRPC
+        refuses in send(); the ring's refusal comes with a later poll's reap)."""
         self.assertEqual(poll_until(sender, {KVPoll.Success, KVPoll.Failed}), KVPoll.Failed)
         with self.assertRaises(kvagent.InvalidArgument) as caught:
             sender.failure_exception()
-        self.assertIn(f"remote index {PAGES + 3} at position 0 is out of range",
+        self.assertIn(f"remote index {page} at position 0 is out of range",
                       caught.exception.message)
+
+    def test_bad_destination_fails_with_the_agents_message(self):
+        pre, dec = self.workers("sgbad")
+        sender = self.sender_to(pre, dec, 7, [PAGES + 3])
+        sender.send([0], state_indices=[0])
+        self.assert_refused_page(sender, PAGES + 3)
+
+    def test_a_refused_chunk_fails_the_sender_before_the_last(self):
+        pre, dec = self.workers("sgchunk")
+        sender = self.sender_to(pre, dec, 9, [PAGES + 5, 1])
+        sender.send([0])  # the first of two chunks: its destination page does not exist
+        self.assert_refused_page(sender, PAGES + 5)
+        self.assertIsNone(sender.transfer)  # failed before the last chunk
+
+    def test_abort_between_chunks_cancels_the_transfer(self):
+        pre, dec = self.workers("sgabort")
+        sender = self.sender_to(pre, dec, 11, [1, 2])
+        sender.send([0])
+        sender.abort()
+        self.assertEqual(sender.poll(), KVPoll.Failed)
+        with self.assertRaises(kvagent.KvAgentError) as caught:
+            sender.failure_exception()
+        self.assertIn("room 11: aborted by the engine", caught.exception.message)
+        state = pre.client.call("GetTransfer", kvagent.pb.GetTransferRequest(transfer_id="11"),
+                                "test")
+        self.assertEqual(kvagent.pb.TransferPhase.Name(state.phase), "CANCELLED")
 
 
 class SglangConnectorTest(Scenarios, PairTestCase):

@@ -174,6 +174,7 @@ class KvAgentSender:
         self.aux_index = None
         self.chunks = None
         self.transfer = None
+        self.sent_chunk = None  # the last chunk's future, until the last chunk
         self.error = None
 
     def init(self, num_kv_indices, aux_index=None):
@@ -201,6 +202,8 @@ class KvAgentSender:
                 self.error = e
                 return KVPoll.Failed
         try:
+            if self.chunks is not None:
+                self.chunks.check()  # a chunk the ring refused (gRPC refuses in send())
             if not self._paired():
                 return KVPoll.Bootstrapping
         except errors.KvAgentError as e:
@@ -227,7 +230,7 @@ class KvAgentSender:
             pages = (src, dst) if src else None
             if self.sent < self.num_kv_indices:
                 if pages:
-                    self.chunks.send(pages=pages)
+                    self.sent_chunk = self.chunks.send(pages=pages)
                 return
             aux = None
             if self.mgr.aux_group and self.aux_index is not None and self.dst["aux_index"] is not None:
@@ -244,8 +247,16 @@ class KvAgentSender:
         raise self.error or errors.error(2, f"room {self.room}: the transfer failed")
 
     def abort(self):
-        if self.transfer is not None:
-            self.transfer.cancel()
+        """Cancels the room's transfer (also one whose last chunk was not sent); poll()
+        says Failed from then on, failure_exception() why (as SGLang's backends do)."""
+        target = self.transfer or self.sent_chunk
+        self.error = self.error or errors.error(1, f"room {self.room}: aborted by the engine "
+                                                "(KvAgentSender.abort)")
+        if target is not None:
+            try:
+                target.cancel()
+            except errors.KvAgentError as e:  # it had ended, or the agent refused: say why
+                self.error = e
 
 
 class KvAgentReceiver:
