@@ -101,6 +101,10 @@ commands:
                              cell again through the local fast path (the f*
                              columns; a unix: initiator); then one 4 KiB page
                              gRPC vs fast path p50/p99/p999 and ring pings,
+                             one fast path WRITE to the target's notification
+                             on its ring (fast_ring_notification; '-' when the
+                             target's ring has no notifications) and through
+                             a gRPC WatchNotifications (fast_grpc_notification),
                              fast path WRITEs/s (64 in flight, 1 and 2
                              clients) and the agents' idle CPU with a ring
                              open, with the load average (--fast-spin-us:
