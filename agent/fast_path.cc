@@ -251,10 +251,11 @@ void WriteSpanLocked(FastPathServer::Ring& ring, const fr::CompletionHeader& h, 
   ring.cq_tail += h.span;
 }
 
-// Writes a durable watch's pending notifications while they fit, in order; returns how
-// many notifications it wrote (refusals of too large ones not counted).
-uint64_t FlushPendingLocked(FastPathServer::Ring& ring) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ring.cq_mu) {
-  uint64_t notes = 0;
+// Writes a durable watch's pending notifications while they fit, in order, counting
+// each in `posted` (refusals of too large ones not) before the lock is let go: Close
+// (under the same lock) then finds every written one counted.
+void FlushPendingLocked(FastPathServer::Ring& ring, std::atomic<uint64_t>& posted)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(ring.cq_mu) {
   bool wrote = false;
   while (!ring.pending.empty() && !ring.holding && ring.room_wanted == 0) {
     const FastPathServer::Ring::Pending& p = ring.pending.front();
@@ -266,12 +267,11 @@ uint64_t FlushPendingLocked(FastPathServer::Ring& ring) ABSL_EXCLUSIVE_LOCKS_REQ
     }
     WriteSpanLocked(ring, p.header, pad,
                     [&](char* at) { std::memcpy(at, p.body.data(), p.body.size()); });
-    if (p.header.code == 0) ++notes;
+    if (p.header.code == 0) posted.fetch_add(1, std::memory_order_relaxed);
     wrote = true;
     ring.pending.pop_front();
   }
   if (wrote) ring.PublishLocked();
-  return notes;
 }
 
 // The header of a kNotification completion of `note`, serialized in `bytes`.
@@ -596,17 +596,15 @@ absl::Status FastPathServer::AttachDurable(const std::shared_ptr<Ring>& ring, ui
   completion.opcode = fr::kWatchNotifications;
   ring->Post(completion, "");
   bool closed = false;
-  uint64_t written = 0;
   {
     absl::MutexLock lock(&ring->cq_mu);
     ring->holding = false;
     closed = ring->closed.load(std::memory_order_acquire);
     if (!closed) {
       ring->watch_token = *token;
-      written = FlushPendingLocked(*ring);
+      FlushPendingLocked(*ring, notifications_);
     }
   }
-  notifications_.fetch_add(written, std::memory_order_relaxed);
   // Closed meanwhile: Close found no token to end (Unwatch dropped the pending ones).
   if (closed) {
     backend_.notifications->Unsubscribe(*token);
@@ -646,7 +644,6 @@ void FastPathServer::DeliverDurable(Ring& ring, const QueuedNotification& n, uin
     p.body.resize(bytes);
     note.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(p.body.data()));
   }
-  uint64_t written = 0;
   {
     absl::MutexLock lock(&ring.cq_mu);
     if (ring.closed.load(std::memory_order_acquire) || !ring.durable) return;
@@ -660,9 +657,8 @@ void FastPathServer::DeliverDurable(Ring& ring, const QueuedNotification& n, uin
       pending_dropped_.fetch_add(1, std::memory_order_relaxed);
     }
     ring.pending.push_back(std::move(p));
-    written = FlushPendingLocked(ring);
+    FlushPendingLocked(ring, notifications_);
   }
-  notifications_.fetch_add(written, std::memory_order_relaxed);
 }
 
 void FastPathServer::Ack(const std::shared_ptr<Ring>& ring, uint64_t user_data,
@@ -746,7 +742,6 @@ bool FastPathServer::OfferNotification(Ring& ring, const QueuedNotification& n,
 bool FastPathServer::OfferAgain(Ring& ring) {
   bool room = false, bad = false, durable = false;
   uint64_t token = 0;
-  uint64_t written = 0;
   {
     absl::MutexLock lock(&ring.cq_mu);
     room = ring.RoomForRefused(&bad);
@@ -759,11 +754,10 @@ bool FastPathServer::OfferAgain(Ring& ring) {
         // The ring holds what waits: written now, in order, as far as it fits (marked
         // again for the rest).
         MarkRoomWanted(ring, false);
-        written = FlushPendingLocked(ring);
+        FlushPendingLocked(ring, notifications_);
       }
     }
   }
-  notifications_.fetch_add(written, std::memory_order_relaxed);
   if (bad) {
     Break(ring, absl::InvalidArgumentError(
                     "cq_head is past cq_tail (more completions reaped than posted); store in "

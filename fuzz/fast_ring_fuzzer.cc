@@ -5,8 +5,10 @@
 // cq_head or client_flags, publishes with or without the doorbell, reaps. The backend
 // parses nothing: it answers a submit at once, or holds its Done (a `wait` request)
 // until a Release step or the end, so reservations of completion room stay taken. Its
-// NotificationQueue is real: Notify steps push notifications (the session's or a
-// stranger's, up to past half the largest ring) that a watching ring takes.
+// NotificationQueue is real (with a small in_flight_per_subscription and subscriptions
+// limit): Notify steps push notifications (the session's or a stranger's, up to past
+// half the largest ring) that a watching ring takes, once or through a durable
+// subscription (a watch entry naming one; ack entries acknowledge).
 //
 // Whatever the input, the agent never crashes, and:
 //   - with an honest cq_head, cq_tail is never more than completion_entries past it,
@@ -15,7 +17,11 @@
 //     a known opcode, span 1, codes and phases the backend can give); a notification
 //     spans SpanFor(its bytes) <= MaxSpan entries without wrapping, parses, is the
 //     session's (never a stranger's), carries its kind and bytes and a watch entry's
-//     user_data; a pad runs exactly to the ring's end, on a ring that watches;
+//     user_data, and a sequence only when a durable watch was written; on a durable
+//     watch, one too large is a 1-entry RESOURCE_EXHAUSTED notification completion with
+//     a message; an ack entry completes OK (released at most what was pushed),
+//     NOT_FOUND or INVALID_ARGUMENT; a pad runs exactly to the ring's end, on a ring
+//     that watches;
 //   - once kClosed is set, the reason at kReasonOffset is NUL-terminated within
 //     kReasonBytes and names the protocol break, protocol_errors is 1, and the agent
 //     writes nothing more (cq_tail and sq_head stay where they were);
@@ -133,6 +139,13 @@ void Answer(const agent::FastPathBackend::Done& done,
 // server's thread; Release runs on the fuzzer's.
 class Backend {
  public:
+  Backend() {
+    // Small, so that durable subscriptions hit their cap (the ring's pending list with
+    // them) and the subscriptions limit.
+    limits_.set(agent::Limit::kInFlightPerSubscription, 8);
+    limits_.set(agent::Limit::kSubscriptions, 2);
+  }
+
   agent::FastPathBackend Make() {
     agent::FastPathBackend backend;
     backend.submit = [this](const v1::SubmitTransferRequest& request, const agent::Caller& caller,
@@ -181,6 +194,8 @@ class Backend {
     return held_.size();
   }
 
+  uint64_t pushed() const { return pushed_; }
+
   // Pushes notifications as peers' transfers do; from_agent says whose they are.
   void Push(const Notify& n) {
     const uint32_t count = n.count() % 8 == 0 ? 1 : n.count() % 8;
@@ -213,7 +228,8 @@ class Backend {
   std::deque<Held> held_ ABSL_GUARDED_BY(mu_);
   bool answer_all_ ABSL_GUARDED_BY(mu_) = false;
   // Declared last: the server (made after the backend) is gone before it.
-  agent::NotificationQueue queue_;
+  agent::Limits limits_;
+  agent::NotificationQueue queue_{&limits_};
   uint64_t pushed_ = 0;  // the fuzzer's thread's
 };
 
@@ -420,7 +436,10 @@ class Client {
   // Every taken entry answered: without notifications each completion is one entry's;
   // with them, an honest client counted the completions of entries it read.
   bool Answered(uint32_t cq_tail, size_t held, uint64_t entries) {
-    if (server_->counters().notifications == 0) return cq_tail + held == entries;
+    const agent::FastPathCounters counters = server_->counters();
+    if (counters.notifications == 0 && counters.notifications_too_large == 0) {
+      return cq_tail + held == entries;
+    }
     if (always_honest_) return entry_completions_ + held == entries;
     return uint64_t{cq_tail} + held >= entries;
   }
@@ -428,9 +447,13 @@ class Client {
   void WriteEntry(const Entry& e) {
     std::string payload = e.has_request() ? e.request().SerializeAsString()
                           : e.has_watch() ? e.watch().SerializeAsString()
+                          : e.has_ack()   ? e.ack().SerializeAsString()
                                           : e.raw();
     if (static_cast<uint16_t>(e.opcode()) == fr::kWatchNotifications) {
       watches_.push_back(e.user_data());
+      // (Raw bytes may parse as a watch naming a subscription too.)
+      v1::WatchNotificationsRequest watch;
+      if (watch.ParseFromString(payload) && !watch.subscription().empty()) durable_ = true;
     }
     if (payload.size() > area() - fr::kSubmissionHeaderBytes) {
       payload.resize(area() - fr::kSubmissionHeaderBytes);
@@ -567,10 +590,25 @@ class Client {
                                     : (c.code == static_cast<int32_t>(
                                                      absl::StatusCode::kInvalidArgument) ||
                                        c.code == static_cast<int32_t>(
-                                                     absl::StatusCode::kFailedPrecondition)) &&
+                                                     absl::StatusCode::kFailedPrecondition) ||
+                                       c.code == static_cast<int32_t>(
+                                                     absl::StatusCode::kResourceExhausted)) &&
                                           c.message_length > 0),
                    "watch completion {}: code {} phase {} message {} bytes", index, c.code,
                    c.phase, c.message_length);
+        break;
+      case fr::kAckNotifications:
+        // Released: at most every notification pushed (a subscription holds no more).
+        FUZZ_CHECK(c.phase == 0 &&
+                       (c.code == 0 ? c.message_length == 0 && c.bytes_done <= backend_->pushed()
+                                    : (c.code == static_cast<int32_t>(
+                                                     absl::StatusCode::kInvalidArgument) ||
+                                       c.code == static_cast<int32_t>(
+                                                     absl::StatusCode::kNotFound)) &&
+                                          c.message_length > 0 && c.bytes_done == 0),
+                   "ack completion {}: code {} phase {} message {} bytes, {} released ({} "
+                   "pushed)",
+                   index, c.code, c.phase, c.message_length, c.bytes_done, backend_->pushed());
         break;
       default:
         Fail(__FILE__, __LINE__, "known opcode",
@@ -582,6 +620,21 @@ class Client {
   }
 
   void CheckNotification(uint32_t index, const fr::CompletionHeader& c, const char* at) {
+    FUZZ_CHECK(std::find(watches_.begin(), watches_.end(), c.user_data) != watches_.end(),
+               "notification completion {} carries user_data {}, no watch entry's", index,
+               c.user_data);
+    if (c.code != 0) {
+      // A durable watch's notification too large for the ring: a message in its place.
+      FUZZ_CHECK(durable_ && c.code == static_cast<int32_t>(absl::StatusCode::kResourceExhausted) &&
+                     c.span == 1 && c.phase == 0 && c.message_length > 0 &&
+                     c.message_length <= fr::kMaxMessage &&
+                     absl::StartsWith(absl::string_view(at + sizeof(c), c.message_length),
+                                      "notification sequence "),
+                 "notification completion {}: code {} span {} phase {} message {} bytes "
+                 "(durable watch written: {})",
+                 index, c.code, c.span, c.phase, c.message_length, durable_);
+      return;
+    }
     FUZZ_CHECK(c.span >= 1 && c.span <= fr::MaxSpan(completions_) &&
                    index + c.span <= completions_ && c.span == fr::SpanFor(c.message_length),
                "notification completion {}: {} bytes in {} entries (ring of {}, at most {})",
@@ -595,9 +648,9 @@ class Client {
                    c.bytes_done == n.bytes() && c.latency_us == 0,
                "notification completion {}: code {} phase {} (kind {}) bytes {} ({})", index,
                c.code, c.phase, static_cast<int>(n.kind()), c.bytes_done, n.bytes());
-    FUZZ_CHECK(std::find(watches_.begin(), watches_.end(), c.user_data) != watches_.end(),
-               "notification completion {} carries user_data {}, no watch entry's", index,
-               c.user_data);
+    FUZZ_CHECK(n.sequence() == 0 || durable_,
+               "notification completion {} has sequence {}, and no durable watch was written",
+               index, n.sequence());
     ++notifications_read_;
   }
 
@@ -690,6 +743,7 @@ class Client {
   bool honest_ = true;    // cq_head was only ever moved by reaping
   bool always_honest_ = true;  // ... from the start (then every completion was read)
   std::vector<uint64_t> watches_;  // user_data of the watch entries written
+  bool durable_ = false;           // one of them named a subscription
   uint64_t entry_completions_ = 0;   // read in order: completions of entries
   uint64_t notifications_read_ = 0;  // read in order: notifications
   bool closed_seen_ = false;
