@@ -1208,6 +1208,36 @@ TEST_CASE("fast path: a durable watch survives its session's death: what was wri
   CHECK(*got == 0);
 }
 
+TEST_CASE("fast path: a newer attachment of the subscription replaces an older ring's, which gets no more") {
+  AgentPair pair;
+  auto first_client = Named(pair.decode_process(), "decode-9");
+  auto first = OpenFast(*first_client);
+  REQUIRE(first->WatchNotifications({}, "shared", kWatchData).ok());
+  REQUIRE(ReapOne(*first).code == absl::StatusCode::kOk);
+  GrpcWrite(pair, "before", 1, 1, "b");
+  std::vector<v1::Notification> notes = ReapDurable(*first, 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "before");
+  // The same engine again (another session, same uid and name), the first still open:
+  // the new ring gets the unacknowledged one again, then the new ones; the old nothing.
+  auto second_client = Named(pair.decode_process(), "decode-9");
+  auto second = OpenFast(*second_client);
+  REQUIRE(second->WatchNotifications({}, "shared", kWatchData).ok());
+  REQUIRE(ReapOne(*second).code == absl::StatusCode::kOk);
+  GrpcWrite(pair, "after", 2, 2, "a");
+  std::vector<v1::Notification> again = ReapDurable(*second, 2);
+  REQUIRE(again.size() == 2);
+  CHECK(again[0].transfer_id() == "before");
+  CHECK(again[0].sequence() == notes[0].sequence());
+  CHECK(again[1].transfer_id() == "after");
+  std::vector<FastCompletion> none;
+  auto got = first->Reap(&none, 16, absl::Milliseconds(200));
+  REQUIRE(got.ok());
+  CHECK(*got == 0);
+  // Either ring may acknowledge (the identity's subscription, not the ring's).
+  CHECK(AckOnRing(*first, "shared", again[1].sequence(), {}, 700).bytes_done == 2);
+}
+
 TEST_CASE("fast path: a durable watch keeps what the ring has no room for, in order, and says so for one too large") {
   AgentPairOptions options;
   options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
