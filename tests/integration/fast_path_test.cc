@@ -1099,6 +1099,19 @@ std::unique_ptr<cli::AgentClient> Named(cli::DaemonProcess& agent, const std::st
   return std::make_unique<cli::AgentClient>(agent.address(), options);
 }
 
+// Opens a ring on `client`'s session attached to durable `subscription`.
+std::unique_ptr<FastPath> OpenDurable(cli::AgentClient& client, const std::string& subscription,
+                                      client::FastPathOptions options = {}) {
+  auto fast = OpenFast(client, options);
+  REQUIRE(fast->delivers_durable_notifications());
+  REQUIRE(fast->WatchNotifications({}, subscription, kWatchData).ok());
+  FastCompletion c = ReapOne(*fast);
+  INFO(c.message);
+  REQUIRE(c.opcode == fr::kWatchNotifications);
+  REQUIRE(c.code == absl::StatusCode::kOk);
+  return fast;
+}
+
 TEST_CASE("fast path: a durable watch survives its session's death: what was written and not acknowledged comes again, same sequences") {
   AgentPair pair;
   const std::string session_path = pair.decode_process().address().substr(5) + ".session";
@@ -1135,20 +1148,12 @@ TEST_CASE("fast path: a durable watch survives its session's death: what was wri
 
   // Another uid-and-name gets another subscription of the same name: none of these.
   auto other = Named(pair.decode_process(), "decode-8");
-  auto other_ring = OpenFast(*other);
-  REQUIRE(other_ring->WatchNotifications({}, "kv-ready", kWatchData).ok());
-  CHECK(ReapOne(*other_ring).code == absl::StatusCode::kOk);
+  auto other_ring = OpenDurable(*other, "kv-ready");
 
   // The restarted engine (same uid, same client name) attaches again: the three the dead
   // ring held come first, in order, with the sequences they had (the agent's first: 1..3).
   auto again = Named(pair.decode_process(), "decode-7");
-  auto fast = OpenFast(*again);
-  REQUIRE(fast->delivers_durable_notifications());
-  REQUIRE(fast->WatchNotifications({}, "kv-ready", kWatchData).ok());
-  FastCompletion answer = ReapOne(*fast);
-  INFO(answer.message);
-  REQUIRE(answer.opcode == fr::kWatchNotifications);
-  REQUIRE(answer.code == absl::StatusCode::kOk);
+  auto fast = OpenDurable(*again, "kv-ready");
   std::vector<v1::Notification> notes = ReapDurable(*fast, 3);
   REQUIRE(notes.size() == 3);
   for (int i = 0; i < 3; ++i) {
@@ -1200,9 +1205,7 @@ TEST_CASE("fast path: a durable watch survives its session's death: what was wri
   CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; })
             .fast_path_rings() == 0);
   auto third = Named(pair.decode_process(), "decode-7");
-  auto third_ring = OpenFast(*third);
-  REQUIRE(third_ring->WatchNotifications({}, "kv-ready", kWatchData).ok());
-  CHECK(ReapOne(*third_ring).code == absl::StatusCode::kOk);
+  auto third_ring = OpenDurable(*third, "kv-ready");
   got = third_ring->Reap(&none, 16, absl::Milliseconds(200));
   REQUIRE(got.ok());
   CHECK(*got == 0);
@@ -1211,9 +1214,7 @@ TEST_CASE("fast path: a durable watch survives its session's death: what was wri
 TEST_CASE("fast path: a newer attachment of the subscription replaces an older ring's, which gets no more") {
   AgentPair pair;
   auto first_client = Named(pair.decode_process(), "decode-9");
-  auto first = OpenFast(*first_client);
-  REQUIRE(first->WatchNotifications({}, "shared", kWatchData).ok());
-  REQUIRE(ReapOne(*first).code == absl::StatusCode::kOk);
+  auto first = OpenDurable(*first_client, "shared");
   GrpcWrite(pair, "before", 1, 1, "b");
   std::vector<v1::Notification> notes = ReapDurable(*first, 1);
   REQUIRE(notes.size() == 1);
@@ -1221,9 +1222,7 @@ TEST_CASE("fast path: a newer attachment of the subscription replaces an older r
   // The same engine again (another session, same uid and name), the first still open:
   // the new ring gets the unacknowledged one again, then the new ones; the old nothing.
   auto second_client = Named(pair.decode_process(), "decode-9");
-  auto second = OpenFast(*second_client);
-  REQUIRE(second->WatchNotifications({}, "shared", kWatchData).ok());
-  REQUIRE(ReapOne(*second).code == absl::StatusCode::kOk);
+  auto second = OpenDurable(*second_client, "shared");
   GrpcWrite(pair, "after", 2, 2, "a");
   std::vector<v1::Notification> again = ReapDurable(*second, 2);
   REQUIRE(again.size() == 2);
@@ -1246,9 +1245,7 @@ TEST_CASE("fast path: a durable watch keeps what the ring has no room for, in or
   client::FastPathOptions small;
   small.submission_slots = 8;
   small.completion_entries = 8;
-  auto fast = OpenFast(*engine, small);
-  REQUIRE(fast->WatchNotifications({}, "small", kWatchData).ok());
-  REQUIRE(ReapOne(*fast).code == absl::StatusCode::kOk);
+  auto fast = OpenDurable(*engine, "small", small);
   // 8 fill the completion ring; 4 more wait in the ring's pending list (the queue handed
   // them over: the subscription holds all 12).
   for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("room-{}", i), i, i, "r");
