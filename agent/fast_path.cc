@@ -638,7 +638,7 @@ void FastPathServer::DeliverDurable(Ring& ring, const QueuedNotification& n, uin
                     "completion_entries",
                     note.sequence(), Printable(note.transfer_id(), 80), bytes, span, entries,
                     ring.subscription),
-        fr::kMaxMessage);
+        fr::kMaxMessage, "gRPC PollNotifications of the subscription (the notification)");
     p.header.message_length = static_cast<uint32_t>(p.body.size());
   } else {
     p.body.resize(bytes);
