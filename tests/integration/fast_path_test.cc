@@ -1312,6 +1312,44 @@ std::string RefusedGarbage(RawRing& ring, uint16_t opcode, uint64_t user_data) {
   return message;
 }
 
+TEST_CASE("fast path: a durable ring's pending list stays within in_flight_per_subscription when gRPC acknowledges what it has not written") {
+  AgentPairOptions options;
+  options.extra_args = {"--max-in-flight-per-subscription", "12"};
+  AgentPair pair(options);
+  auto engine = Named(pair.decode_process(), "decode-cap");
+  client::FastPathOptions small;
+  small.submission_slots = 8;
+  small.completion_entries = 8;
+  auto fast = OpenDurable(*engine, "cap", small);
+  // 8 written (the ring is full, nothing reaped), 4 pending, 12 more queued at the cap.
+  for (int i = 0; i < 24; ++i) GrpcWrite(pair, fmt::format("cap-{}", i), i % 32, i % 32, "c");
+  v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_notifications() == 8 && s.notifications_in_flight() == 12 &&
+           s.notifications_queued() == 12;
+  });
+  REQUIRE(status.notifications_queued() == 12);
+  // Acknowledged through gRPC before the ring wrote 9..12: the queue hands the ring 12
+  // more, and its list keeps at most 12, dropping the oldest (acknowledged) ones.
+  auto released = engine->Ack("cap", 12);
+  REQUIRE(released.ok());
+  CHECK(*released == 12);
+  status = WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_pending_dropped() == 4 && s.notifications_in_flight() == 12;
+  });
+  CHECK(status.fast_path_pending_dropped() == 4);
+  CHECK(status.notifications_in_flight() == 12);
+  CHECK(status.notifications_queued() == 0);
+  // The client reads what was written, then what is unacknowledged, in order.
+  std::vector<v1::Notification> notes = ReapDurable(*fast, 20);
+  REQUIRE(notes.size() == 20);
+  for (int i = 0; i < 20; ++i) {
+    const int n = i < 8 ? i : i + 4;
+    CHECK(notes[i].transfer_id() == fmt::format("cap-{}", n));
+    CHECK(notes[i].sequence() == static_cast<uint64_t>(n + 1));
+  }
+  CHECK(AckOnRing(*fast, "cap", 24, {}, 800).bytes_done == 12);
+}
+
 TEST_CASE("fast path: an ack entry that does not parse, or lists too many, is that entry's refusal") {
   AgentPair pair;
   RawRing ring(pair.decode());
