@@ -1099,6 +1099,14 @@ std::unique_ptr<cli::AgentClient> Named(cli::DaemonProcess& agent, const std::st
   return std::make_unique<cli::AgentClient>(agent.address(), options);
 }
 
+// A ring of `n` submission slots and `n` completion entries.
+client::FastPathOptions RingOf(uint32_t n) {
+  client::FastPathOptions options;
+  options.submission_slots = n;
+  options.completion_entries = n;
+  return options;
+}
+
 // Opens a ring on `client`'s session attached to durable `subscription`.
 std::unique_ptr<FastPath> OpenDurable(cli::AgentClient& client, const std::string& subscription,
                                       client::FastPathOptions options = {}) {
@@ -1242,10 +1250,7 @@ TEST_CASE("fast path: a durable watch keeps what the ring has no room for, in or
   options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
   AgentPair pair(options);
   auto engine = Named(pair.decode_process(), "decode-small");
-  client::FastPathOptions small;
-  small.submission_slots = 8;
-  small.completion_entries = 8;
-  auto fast = OpenDurable(*engine, "small", small);
+  auto fast = OpenDurable(*engine, "small", RingOf(8));
   // 8 fill the completion ring; 4 more wait in the ring's pending list (the queue handed
   // them over: the subscription holds all 12).
   for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("room-{}", i), i, i, "r");
@@ -1317,10 +1322,7 @@ TEST_CASE("fast path: a durable ring's pending list stays within in_flight_per_s
   options.extra_args = {"--max-in-flight-per-subscription", "12"};
   AgentPair pair(options);
   auto engine = Named(pair.decode_process(), "decode-cap");
-  client::FastPathOptions small;
-  small.submission_slots = 8;
-  small.completion_entries = 8;
-  auto fast = OpenDurable(*engine, "cap", small);
+  auto fast = OpenDurable(*engine, "cap", RingOf(8));
   // 8 written (the ring is full, nothing reaped), 4 pending, 12 more queued at the cap.
   for (int i = 0; i < 24; ++i) GrpcWrite(pair, fmt::format("cap-{}", i), i % 32, i % 32, "c");
   v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
