@@ -313,15 +313,16 @@ namespace {
 // direct_fallbacks, vmm_import_failures): what they cost and what to check.
 v1::DoctorCheck CheckDirectFallbacks(const v1::PeerInfo& p, const std::string& name,
                                      const std::string& path) {
-  // PeerInfo lists at most kListedFallbacks regions; more may have fallen back.
-  constexpr int kListedFallbacks = 16;
+  // PeerInfo lists the first 16 regions and counts them all.
   const int listed = p.direct_fallbacks_size();
+  const uint64_t regions =
+      std::max<uint64_t>(p.direct_fallback_regions(), static_cast<uint64_t>(listed));
   std::vector<std::string> found;
-  if (listed > 0) {
+  if (regions > 0) {
     found.push_back(fmt::format(
-        "{}{} of its regions are not mapped here (shm-direct) and move through host staging "
+        "{} of its regions are not mapped here (shm-direct) and move through host staging "
         "(VRAM) or UCX (host memory) instead",
-        listed >= kListedFallbacks ? "at least " : "", listed));
+        regions));
   }
   if (p.vmm_import_failures() > 0) {
     found.push_back(fmt::format("{} of its CUDA VMM allocations could not be imported",
@@ -365,7 +366,8 @@ std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers) 
                     p.transports().empty() ? "none" : p.transports(), p.error_mode(), p.regions(),
                     p.same_host() ? "same host" : "other host");
     if (p.state() == "connected") {
-      if (p.direct_fallbacks_size() > 0 || p.vmm_import_failures() > 0) {
+      if (p.direct_fallbacks_size() > 0 || p.direct_fallback_regions() > 0 ||
+          p.vmm_import_failures() > 0) {
         checks.push_back(CheckDirectFallbacks(p, name, path));
       } else if (p.data_path() == "shm-direct+ucx") {
         checks.push_back(Make(

@@ -271,6 +271,9 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "Notifications a ring attached to a subscription dropped from its list waiting for "
        "room (sequences acknowledged before the ring wrote them).",
        status.fast_path_pending_dropped()},
+      {"kvagent_fast_path_closed_by_request_total",
+       "Fast path rings closed by their session's close_fast_path request (the session stayed).",
+       status.fast_path_closed_by_request()},
   };
   for (const auto& c : fast_counters) {
     Family(&out, c.name, "counter", c.help).Sample(static_cast<double>(c.value));
@@ -330,13 +333,15 @@ std::string RenderMetrics(const MetricsSources& sources) {
   // are of the current views, so gauges: a peer re-registering or leaving lowers them.
   uint64_t fallbacks = 0, vmm_failures = 0;
   for (const auto& p : peers) {
-    fallbacks += static_cast<uint64_t>(p.direct_fallbacks_size());
+    // An older peer manager sent no count: its list is the count, up to its cap.
+    fallbacks += std::max<uint64_t>(p.direct_fallback_regions(),
+                                    static_cast<uint64_t>(p.direct_fallbacks_size()));
     vmm_failures += p.vmm_import_failures();
   }
   Family(&out, "kvagent_peer_direct_fallbacks", "gauge",
          "Regions of same-host peers that could not be mapped here (shm-direct) and move "
-         "through host staging (VRAM) or UCX (host memory) instead, summed over peers (each "
-         "peer lists at most 16). Nonzero: `kvagentctl peers` names each region and why, "
+         "through host staging (VRAM) or UCX (host memory) instead, summed over peers. "
+         "Nonzero: `kvagentctl peers` names each region and why, "
          "`kvagentctl doctor` says what to check.")
       .Sample(static_cast<double>(fallbacks));
   Family(&out, "kvagent_peer_vmm_import_failures", "gauge",

@@ -403,6 +403,7 @@ void PeerManager::BuildSnapshot(
     std::shared_ptr<const DirectMappings> direct =
         MapDirect(*snapshot->catalog, *link, same_process ? previous->direct.get() : nullptr);
     snapshot->direct_fallbacks = direct->fallbacks;
+    snapshot->direct_fallback_regions = direct->fallback_regions;
     snapshot->vmm_import_failures = direct->vmm_import_failures;
     if (direct->mapped > 0) snapshot->direct = std::move(direct);
   }
@@ -568,6 +569,7 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
   direct->handles.resize(regions.size());
   auto fallback = [&](const registry::RemoteRegion& r, std::string why) {
     kLog.Warn("peer '{}' region '{}': {}", catalog.peer(), r.name, why);
+    ++direct->fallback_regions;
     if (direct->fallbacks.size() < DirectMappings::kMaxFallbacks) {
       direct->fallbacks.push_back(fmt::format("region '{}': {}", r.name, why));
     }
@@ -1011,6 +1013,7 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
                      : s.direct->complete ? "shm-direct"
                                           : "shm-direct+ucx");
   for (const std::string& why : s.direct_fallbacks) info.add_direct_fallbacks(why);
+  info.set_direct_fallback_regions(s.direct_fallback_regions);
   info.set_vmm_import_failures(s.vmm_import_failures);
   return info;
 }

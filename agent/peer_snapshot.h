@@ -58,10 +58,12 @@ struct DirectMappings {
   std::vector<std::string> handles;  // identity of each cuda mapping, for reuse
   std::vector<std::shared_ptr<const registry::CudaVmmMapping>> vmm_mappings;
   std::vector<std::string> vmm_keys;  // identity of each VMM import, for reuse
-  // Regions that could not be mapped here, "region 'NAME': why" (at most
-  // kMaxFallbacks), and how many CUDA VMM imports failed building this view.
+  // Regions that could not be mapped here, "region 'NAME': why" (the first
+  // kMaxFallbacks), how many there were in all, and how many CUDA VMM imports failed
+  // building this view.
   static constexpr size_t kMaxFallbacks = 16;
   std::vector<std::string> fallbacks;
+  uint64_t fallback_regions = 0;
   uint64_t vmm_import_failures = 0;
   bool complete = false;  // every region is mapped
   size_t mapped = 0;
@@ -80,9 +82,11 @@ struct PeerSnapshot {
   std::shared_ptr<transport::Endpoint> endpoint;  // worker thread only
   std::shared_ptr<RkeyTable> keys;                // worker thread only
   std::shared_ptr<const DirectMappings> direct;   // null unless same-host shm-direct
-  // Same host, shm-direct: DirectMappings::fallbacks and vmm_import_failures of the
-  // mapping attempt (kept when nothing could be mapped, so direct is null).
+  // Same host, shm-direct: DirectMappings::fallbacks, fallback_regions and
+  // vmm_import_failures of the mapping attempt (kept when nothing could be mapped, so
+  // direct is null).
   std::vector<std::string> direct_fallbacks;
+  uint64_t direct_fallback_regions = 0;
   uint64_t vmm_import_failures = 0;
   // The secret the peer issued us (AgentMetadata.notify_secret): every UCX message we
   // send it carries it.

@@ -284,6 +284,13 @@ void PrintDirectFallbacks(const kvagent::v1::PeerInfo& p) {
                 static_cast<unsigned long>(p.vmm_import_failures()));
   }
   for (const auto& why : p.direct_fallbacks()) std::printf("  not direct: %s\n", why.c_str());
+  const uint64_t listed = static_cast<uint64_t>(p.direct_fallbacks_size());
+  if (p.direct_fallback_regions() > listed) {
+    std::printf("  not direct: %lu more region(s) (the agent lists the first %lu; its log names "
+                "each)\n",
+                static_cast<unsigned long>(p.direct_fallback_regions() - listed),
+                static_cast<unsigned long>(listed));
+  }
 }
 
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {

@@ -517,6 +517,7 @@ void HostAndPeerVmm(bool refuse) {
     CHECK(peer->data_path() == "ucx");  // nothing of decode's could be mapped
     CHECK(peer->vmm_import_failures() == 1);  // one allocation
     REQUIRE(peer->direct_fallbacks_size() == 2 * kLayers + 2);
+    CHECK(peer->direct_fallback_regions() == 2 * kLayers + 2);
     CHECK_THAT(peer->direct_fallbacks(0),
                Catch::Contains("region 'd.kv0'") &&
                    Catch::Contains("cannot import its CUDA VMM memory") &&
@@ -525,6 +526,7 @@ void HostAndPeerVmm(bool refuse) {
   } else {
     CHECK(peer->data_path() == "shm-direct");
     CHECK(peer->direct_fallbacks_size() == 0);
+    CHECK(peer->direct_fallback_regions() == 0);
     CHECK(peer->vmm_import_failures() == 0);
     if (StandinDriver()) CHECK(StandinVmmImports(agents.prefill.pid()) == 1);  // one for 10 regions
     // Only allocations a registered region announced are handed out.

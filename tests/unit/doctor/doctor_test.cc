@@ -387,10 +387,11 @@ TEST_CASE("peers: a same-host peer's regions not mapped here are a WARN with the
   v1::PeerInfo count_only = vmm;
   count_only.set_name("counted");
   count_only.clear_direct_fallbacks();
-  // More than PeerInfo lists.
+  // More than PeerInfo lists: the count says how many.
   v1::PeerInfo many = shm;
   many.set_name("many");
   for (int i = 0; i < 15; ++i) many.add_direct_fallbacks("region 'x': why");
+  many.set_direct_fallback_regions(40);
 
   auto checks = CheckPeers({vmm, shm, count_only, many});
   REQUIRE(checks.size() == 4);
@@ -416,7 +417,7 @@ TEST_CASE("peers: a same-host peer's regions not mapped here are a WARN with the
   CHECK(Has(checks[2].detail(), "same host: 1 of its CUDA VMM allocations could not be imported"));
   CHECK_FALSE(Has(checks[2].detail(), "of its regions"));
   CHECK_FALSE(Has(checks[2].detail(), "first:"));
-  CHECK(Has(checks[3].detail(), "at least 16 of its regions"));
+  CHECK(Has(checks[3].detail(), "same host: 40 of its regions are not mapped here"));
 }
 
 TEST_CASE("InspectShm creates a file to prove the directory writable") {
