@@ -626,6 +626,7 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
     status->set_fast_path_notifications_too_large(fast.notifications_too_large);
     status->set_fast_path_acks(fast.acks);
     status->set_fast_path_pending_dropped(fast.pending_dropped);
+    status->set_fast_path_closed_by_request(fast.closed_by_request);
   }
   if (deps.health != nullptr) status->set_health(deps.health->Describe());
   status->set_health_address(id.health_address);

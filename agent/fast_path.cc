@@ -53,6 +53,10 @@ struct ParsedSubmit {
       google::protobuf::Arena::CreateMessage<v1::SubmitTransferRequest>(&arena);
 };
 
+// The reason a ring closed by close_fast_path gives in its file.
+constexpr char kClosedByRequest[] =
+    "the agent closed this fast path: closed by the session's close_fast_path request";
+
 }  // namespace
 
 struct FastPathServer::Ring {
@@ -361,6 +365,7 @@ FastPathCounters FastPathServer::counters() const {
   c.notifications_too_large = notifications_too_large_.load(std::memory_order_relaxed);
   c.acks = acks_.load(std::memory_order_relaxed);
   c.pending_dropped = pending_dropped_.load(std::memory_order_relaxed);
+  c.closed_by_request = closed_by_request_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -477,6 +482,49 @@ void FastPathServer::Close(uint64_t session_id) {
   ring->header->agent_flags.value.fetch_or(fr::kClosed);
   generation_.fetch_add(1);
   fr::RingDoorbell(wake_fd_.get());
+}
+
+absl::StatusOr<v1::FastPathClosed> FastPathServer::CloseOnRequest(uint64_t session_id) {
+  std::shared_ptr<Ring> ring;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = rings_.find(session_id);
+    if (it != rings_.end()) ring = it->second;
+  }
+  if (ring == nullptr) {
+    return absl::FailedPreconditionError(fmt::format(
+        "close_fast_path: session {} has no fast path open (never opened, already closed, or "
+        "closed by the agent); nothing to close: open one with open_fast_path",
+        session_id));
+  }
+  // The watch ends before the ring closes, so that nothing more is written on a ring the
+  // client is about to unmap: notifications not yet written stay with the queue (or the
+  // subscription). A watch put in place meanwhile is ended by Close below.
+  Unwatch(*ring);
+  v1::FastPathClosed closed;
+  {
+    absl::MutexLock lock(&ring->cq_mu);
+    if (ring->closed.load(std::memory_order_acquire)) {
+      // Broken by the client meanwhile: that close stands, with its reason.
+      return absl::FailedPreconditionError(fmt::format(
+          "close_fast_path: session {}'s fast path was closed by the agent meanwhile (see the "
+          "reason in the ring file); nothing to close: open a new one with open_fast_path",
+          session_id));
+    }
+    ring->closed.store(true, std::memory_order_release);
+    static_assert(sizeof(kClosedByRequest) <= fr::kReasonBytes);
+    std::memcpy(ring->base + fr::kReasonOffset, kClosedByRequest, sizeof(kClosedByRequest));
+    // Posts check `closed` under cq_mu: cq_tail is final from here on.
+    closed.set_transfers_running(ring->reserved);
+    closed.set_completion_tail(ring->cq_tail);
+  }
+  closed_by_request_.fetch_add(1, std::memory_order_relaxed);
+  Close(session_id);  // sets kClosed; the transfers keep the ring's memory until they end
+  fr::RingDoorbell(ring->complete_fd.get());  // a waiting client reads the reason
+  kLog.Info("{}: fast path closed by the session's request ({} transfers still running, "
+            "their completions dropped)",
+            ring->caller.principal, closed.transfers_running());
+  return closed;
 }
 
 void FastPathServer::Unwatch(Ring& ring) {

@@ -77,6 +77,7 @@ struct FastPathCounters {
   // in_flight_per_subscription (possible only when sequences it had not written yet were
   // acknowledged, e.g. through gRPC).
   uint64_t pending_dropped = 0;
+  uint64_t closed_by_request = 0;  // rings closed by their session's close_fast_path
 };
 
 class FastPathServer final : public transport::WorkerPoller {
@@ -114,6 +115,13 @@ class FastPathServer final : public transport::WorkerPoller {
   // with it (each is taken once, as by a gRPC watch stream whose client died); those
   // still queued go to other takers.
   void Close(uint64_t session_id);
+  // The session's close_fast_path request: ends the ring's notification watch first
+  // (notifications not yet written stay queued for other takers, or held by the durable
+  // subscription for its next attachment), then closes the ring as Close does, with the
+  // reason in the ring file. The session stays and may open a new ring. What the ring
+  // holds up to the answer's completion_tail stays for the client to reap.
+  // FAILED_PRECONDITION when the session has no ring.
+  absl::StatusOr<v1::FastPathClosed> CloseOnRequest(uint64_t session_id);
 
   FastPathCounters counters() const;
 
@@ -167,6 +175,7 @@ class FastPathServer final : public transport::WorkerPoller {
   std::atomic<uint64_t> notifications_too_large_{0};
   std::atomic<uint64_t> acks_{0};
   std::atomic<uint64_t> pending_dropped_{0};
+  std::atomic<uint64_t> closed_by_request_{0};
   std::atomic<uint64_t> generation_{0};  // bumped when rings come and go
 
   mutable absl::Mutex mu_;

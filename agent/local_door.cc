@@ -112,10 +112,13 @@ void LocalDoor::OnRequest(uint64_t session_id, const v1::SessionRequest& request
     case v1::SessionRequest::kOpenFastPath:
       status = OpenFastPath(session_id, request.open_fast_path(), reply, reply_fds);
       break;
+    case v1::SessionRequest::kCloseFastPath:
+      status = CloseFastPath(session_id, reply);
+      break;
     default:
       status = absl::InvalidArgumentError(fmt::format(
           "session request has no known body (field {}); this agent takes share, "
-          "share_device, allocate, free, peer_memory and open_fast_path",
+          "share_device, allocate, free, peer_memory, open_fast_path and close_fast_path",
           static_cast<int>(request.body_case())));
   }
   if (!status.ok()) {
@@ -154,6 +157,17 @@ absl::Status LocalDoor::OpenFastPath(uint64_t session_id, const v1::OpenFastPath
     return info.status();
   }
   *reply->mutable_fast_path() = *std::move(info);
+  return absl::OkStatus();
+}
+
+absl::Status LocalDoor::CloseFastPath(uint64_t session_id, v1::SessionReply* reply) {
+  if (options_.fast_path == nullptr) {
+    return absl::UnimplementedError(
+        "close_fast_path: this agent serves no fast path, so the session has none to close");
+  }
+  RETURN_IF_ERROR(CallerOf(session_id).status());  // the session is open
+  ASSIGN_OR_RETURN(*reply->mutable_fast_path_closed(),
+                   options_.fast_path->CloseOnRequest(session_id));
   return absl::OkStatus();
 }
 

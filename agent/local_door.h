@@ -107,6 +107,8 @@ class LocalDoor final : public SessionHandler {
   absl::Status Free(uint64_t session_id, const v1::FreeMemoryRequest& request);
   absl::Status OpenFastPath(uint64_t session_id, const v1::OpenFastPathRequest& request,
                             v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
+  // close_fast_path: the session's ring closes, the session stays.
+  absl::Status CloseFastPath(uint64_t session_id, v1::SessionReply* reply);
   absl::Status PeerMemory(uint64_t session_id, const v1::PeerMemoryRequest& request,
                           v1::SessionReply* reply, std::vector<UniqueFd>* reply_fds);
   // Records `object` as a new handle of the session; fills `reply`.

@@ -358,6 +358,23 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
   return n;
 }
 
+absl::StatusOr<FastPathClose> FastPath::Close() {
+  FastPathClose result;
+  absl::StatusOr<v1::FastPathClosed> closed = session_->CloseFastPath();
+  if (absl::IsUnimplemented(closed.status()) || absl::IsInvalidArgument(closed.status())) {
+    // An older agent: the ring stays open on its side until the session ends.
+    return result;
+  }
+  if (!closed.ok()) return closed.status();
+  result.closed_by_agent = true;
+  result.transfers_running = closed->transfers_running();
+  absl::MutexLock lock(&reap_mu_);
+  // The agent wrote nothing after completion_tail: this takes all that is left.
+  while (TakeCompletions(&result.left, SIZE_MAX) != 0) {
+  }
+  return result;
+}
+
 uint64_t FastPath::outstanding() const {
   return submitted_.load(std::memory_order_relaxed) - reaped_.load(std::memory_order_relaxed);
 }

@@ -58,6 +58,19 @@ struct FastCompletion {
   absl::Status status() const { return absl::Status(code, message); }
 };
 
+// What FastPath::Close did.
+struct FastPathClose {
+  // False when the agent is older than close_fast_path (it answered UNIMPLEMENTED or
+  // INVALID_ARGUMENT): its ring stays open until the session ends, as before, and
+  // notifications it writes there meanwhile are lost once this object is gone.
+  bool closed_by_agent = false;
+  // Transfers still running at the close: they run to their end, their completions
+  // dropped (look them up with gRPC GetTransfer).
+  uint32_t transfers_running = 0;
+  // Completions written before the close and not reaped yet (notifications included).
+  std::vector<FastCompletion> left;
+};
+
 class FastPath {
  public:
   // Asks the agent for a ring pair over `session` (which must outlive this object) and
@@ -126,6 +139,17 @@ class FastPath {
   // FAILED_PRECONDITION when it closed the ring (with its reason) and none are left.
   absl::StatusOr<size_t> Reap(std::vector<FastCompletion>* out, size_t max,
                               absl::Duration timeout);
+
+  // Closes the ring and keeps the session (proto CloseFastPathRequest): the agent ends
+  // the ring's notification watch first (those not yet written stay queued for other
+  // takers, e.g. gRPC PollNotifications, or with the durable subscription), takes no
+  // more entries, and lets the ring's transfers run to their end, their completions
+  // dropped. Returns the completions written before the close and not reaped yet. The
+  // session may then open a new FastPath; this one is only good for closed_reason()
+  // and for its destructor, which unmaps the ring. Call it with no Reap running.
+  // FAILED_PRECONDITION when the agent had closed the ring already (its reason);
+  // UNAVAILABLE when the session is gone.
+  absl::StatusOr<FastPathClose> Close();
 
   // Entries submitted whose completion has not been reaped (pads and notifications not
   // counted).

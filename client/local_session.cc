@@ -294,6 +294,21 @@ absl::StatusOr<std::pair<v1::FastPathInfo, std::vector<UniqueFd>>> LocalSession:
   return std::make_pair(std::move(*reply.mutable_fast_path()), std::move(reply_fds));
 }
 
+absl::StatusOr<v1::FastPathClosed> LocalSession::CloseFastPath() {
+  v1::SessionRequest request;
+  request.mutable_close_fast_path();
+  std::vector<UniqueFd> reply_fds;
+  ASSIGN_OR_RETURN(v1::SessionReply reply, Call(std::move(request), {}, &reply_fds));
+  if (!reply.has_fast_path_closed()) {
+    // An agent that parsed the request as an unknown field answers an error, not this.
+    return absl::InternalError(fmt::format(
+        "the agent at {} answered close_fast_path without FastPathClosed; use a client "
+        "library that matches the agent",
+        path_));
+  }
+  return std::move(*reply.mutable_fast_path_closed());
+}
+
 absl::Status LocalSession::FreeMemory(uint64_t handle) {
   v1::SessionRequest request;
   request.mutable_free()->set_handle(handle);

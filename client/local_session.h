@@ -79,6 +79,10 @@ class LocalSession {
   absl::StatusOr<std::pair<v1::FastPathInfo, std::vector<UniqueFd>>> OpenFastPath(
       const v1::OpenFastPathRequest& request);
 
+  // Closes the session's fast path ring, keeping the session (proto CloseFastPathRequest).
+  // FastPath::Close calls it. UNIMPLEMENTED from an agent that does not know the request.
+  absl::StatusOr<v1::FastPathClosed> CloseFastPath();
+
   // The session socket, to watch for the agent going away (POLLHUP, or POLLIN with a
   // read at end of stream). Do not read or write it.
   int fd() const { return fd_.get(); }

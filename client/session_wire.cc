@@ -114,6 +114,7 @@ const char* SessionRequestName(const v1::SessionRequest& request) {
     case v1::SessionRequest::kFree: return "free";
     case v1::SessionRequest::kPeerMemory: return "peer_memory";
     case v1::SessionRequest::kOpenFastPath: return "open_fast_path";
+    case v1::SessionRequest::kCloseFastPath: return "close_fast_path";
     case v1::SessionRequest::BODY_NOT_SET: break;
   }
   return "request";

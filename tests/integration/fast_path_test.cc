@@ -1437,6 +1437,127 @@ TEST_CASE("fast path: a watch filters on at most 4096 transfer ids, on the ring 
   CHECK(notes[0].notification->transfer_id() == "wanted");
 }
 
+// ---- close_fast_path: the ring closes, the session stays ----
+
+TEST_CASE("fast path: a session closes its ring: its transfer runs to its end, later notifications go to gRPC, a new ring works") {
+  AgentPair pair(StoppablePeer({"--metrics-listen", "127.0.0.1:0"}));
+  // The decode session's watching ring holds one notification written and not reaped.
+  auto watch = OpenWatching(pair.decode());
+  GrpcWrite(pair, "before-close", 1, 1, "b");
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_notifications() == 1; })
+            .fast_path_notifications() == 1);
+  absl::StatusOr<client::FastPathClose> closed = watch->Close();
+  INFO(closed.status().ToString());
+  REQUIRE(closed.ok());
+  CHECK(closed->closed_by_agent);
+  CHECK(closed->transfers_running == 0);
+  // What the ring held before the close is the client's to read.
+  REQUIRE(closed->left.size() == 1);
+  CHECK(closed->left[0].opcode == fr::kNotification);
+  REQUIRE(closed->left[0].notification.has_value());
+  CHECK(closed->left[0].notification->transfer_id() == "before-close");
+  CHECK_THAT(watch->closed_reason(), Contains("closed by the session's close_fast_path request"));
+  CHECK(watch->Ping(1).code() == absl::StatusCode::kFailedPrecondition);
+  v1::AgentStatus status =
+      WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; });
+  CHECK(status.fast_path_rings() == 0);
+  CHECK(status.fast_path_closed_by_request() == 1);
+  CHECK(status.fast_path_protocol_errors() == 0);
+  // A notification pushed after the close stays queued for gRPC (the session is up).
+  GrpcWrite(pair, "after-close", 2, 2, "a");
+  std::vector<v1::Notification> polled = PollFor(pair.decode(), 1);
+  REQUIRE(polled.size() == 1);
+  CHECK(polled[0].transfer_id() == "after-close");
+  CHECK(pair.PageEqual(2, 2));
+  // A second close finds no ring.
+  absl::StatusOr<client::FastPathClose> again = watch->Close();
+  CHECK(again.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(again.status().message()),
+             Contains("has no fast path open") && Contains("open one with open_fast_path"));
+  // The same session opens a new ring, which watches again.
+  watch = OpenWatching(pair.decode());
+  GrpcWrite(pair, "reopened", 3, 3, "r");
+  auto notes = ReapNotes(*watch, 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].notification->transfer_id() == "reopened");
+
+  // The prefill session's watching ring closes with a transfer in flight (its peer stopped).
+  auto fast = OpenWatching(pair.prefill());
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
+  REQUIRE(fast->Submit(KvWrite("in-flight", {5}, {6}), 1).ok());
+  WaitKnown(pair.prefill(), "in-flight");
+  REQUIRE(WaitTransferring(pair.prefill(), "in-flight").ok());
+  closed = fast->Close();
+  INFO(closed.status().ToString());
+  REQUIRE(closed.ok());
+  CHECK(closed->transfers_running == 1);
+  CHECK(closed->left.empty());
+  REQUIRE(kill(pair.decode_process().pid(), SIGCONT) == 0);
+  // It runs to its end: the bytes arrive (its completion is dropped).
+  auto done = pair.prefill().WaitTransfer("in-flight", 20000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(5, 6));
+  status = WaitStatus(pair.prefill(), [](const auto& s) { return s.fast_path_rings() == 0; });
+  CHECK(status.fast_path_rings() == 0);
+  CHECK(status.fast_path_closed_by_request() == 1);
+  CHECK(Value(Scrape(MetricsAddress(pair.prefill())), "kvagent_fast_path_closed_by_request_total") ==
+        1);
+  // A new ring on the same session transfers.
+  fast = OpenFast(pair.prefill());
+  HonestFastWrite(pair, *fast, "after-reopen", 7, 8);
+}
+
+TEST_CASE("fast path: close_fast_path without a ring is FAILED_PRECONDITION, naming the fix") {
+  AgentPair pair;
+  auto session = pair.prefill().Session();
+  REQUIRE(session.ok());
+  absl::StatusOr<v1::FastPathClosed> closed = (*session)->CloseFastPath();
+  CHECK(closed.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(closed.status().message()),
+             Contains("close_fast_path: session") && Contains("has no fast path open") &&
+                 Contains("open one with open_fast_path"));
+  // The session goes on.
+  auto fast = OpenFast(pair.prefill());
+  HonestFastWrite(pair, *fast, "still-up", 1, 2);
+  CHECK(pair.prefill().Status()->fast_path_closed_by_request() == 0);
+}
+
+TEST_CASE("fast path: a durable ring closed by its session: what it held unacknowledged comes again to the next attachment") {
+  AgentPair pair;
+  auto engine = Named(pair.decode_process(), "decode-5");
+  auto fast = OpenDurable(*engine, "kv-close", RingOf(8));
+  for (int i = 0; i < 2; ++i) GrpcWrite(pair, fmt::format("held-{}", i), i, i, "h");
+  CHECK(WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_notifications() == 2; })
+            .fast_path_notifications() == 2);
+  absl::StatusOr<client::FastPathClose> closed = fast->Close();
+  INFO(closed.status().ToString());
+  REQUIRE(closed.ok());
+  REQUIRE(closed->left.size() == 2);  // read, not acknowledged
+  CHECK(closed->left[0].notification->sequence() == 1);
+  CHECK(closed->left[1].notification->sequence() == 2);
+  // One more after the close: queued (a detached subscription takes no new ones), not
+  // written on the closed ring; the two stay held by the subscription.
+  GrpcWrite(pair, "held-2", 2, 2, "h");
+  v1::AgentStatus status =
+      WaitStatus(pair.decode(), [](const auto& s) { return s.notifications_queued() == 1; });
+  CHECK(status.notifications_queued() == 1);
+  CHECK(status.notifications_in_flight() == 2);
+  CHECK(status.fast_path_notifications() == 2);
+  CHECK(status.fast_path_rings() == 0);
+  CHECK(status.subscriptions() == 1);
+  // The same session attaches again: the two held come again, same sequences, then the
+  // queued one.
+  fast = OpenDurable(*engine, "kv-close", RingOf(8));
+  std::vector<v1::Notification> notes = ReapDurable(*fast, 3);
+  REQUIRE(notes.size() == 3);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(notes[i].transfer_id() == fmt::format("held-{}", i));
+    CHECK(notes[i].sequence() == static_cast<uint64_t>(i + 1));
+  }
+}
+
 TEST_CASE("fast path: against an agent without the feature bits the client writes nothing and says so") {
   for (const char* features : {"0", "1"}) {
     DYNAMIC_SECTION("--fast-path-features " << features) {
