@@ -14,6 +14,7 @@ doorbell handshake needs a full fence, which an uncontended lock's atomic exchan
 gives there. Other architectures are refused. Waits also wake every millisecond, so a
 missed doorbell costs at most that.
 """
+import logging
 import mmap
 import os
 import platform
@@ -24,6 +25,8 @@ import time
 
 from . import errors
 from ._proto import kvagent_pb2 as pb
+
+log = logging.getLogger("kvagent.fast_path")
 
 VERSION, MAGIC, SLOT_BYTES, COMPLETION_BYTES = 1, 0x5246564B, 256, 512
 PAD, SUBMIT, CANCEL, PING, WATCH_NOTIFICATIONS, NOTIFICATION = 0, 1, 2, 3, 4, 5
@@ -103,6 +106,7 @@ class FastPath:
         self._tail = self._words[SQ_TAIL]
         self._cq_head = self._words[CQ_HEAD]
         self._fence_lock = threading.Lock()
+        self.transfers_running = 0  # set by close(): transfers the ring's close left running
 
     def _fence(self):
         with self._fence_lock:  # an atomic exchange: a full barrier on x86-64
@@ -279,7 +283,43 @@ class FastPath:
         return Completion(data, "", note)
 
     def close(self):
-        self._words.release()
-        self._mmap.close()
-        os.close(self.submit_fd)
-        os.close(self.complete_fd)
+        """Closes the ring and keeps the session (SessionRequest close_fast_path): the
+        agent ends the ring's notification watch first (those not yet written stay queued
+        for other takers, e.g. client.poll_notifications(), or with the durable
+        subscription), takes no more entries, and lets the ring's transfers run to their
+        end, their completions dropped (`transfers_running` says how many). Returns the
+        completions written before the close and not reaped yet (notifications included),
+        then unmaps. Against an agent older than the request the ring is only unmapped (the
+        agent keeps it until the session ends), as is one the agent closed already.
+        Idempotent: a second call returns []."""
+        if self._mmap.closed:
+            return []
+        try:
+            if not self.closed_reason():
+                self._close_on_agent()
+            left = self._take(1 << 32)  # what the agent wrote before it closed the ring
+        finally:
+            self._words.release()
+            self._mmap.close()
+            os.close(self.submit_fd)
+            os.close(self.complete_fd)
+        return left
+
+    def _close_on_agent(self):
+        request = pb.SessionRequest()
+        request.close_fast_path.SetInParent()
+        try:
+            reply, fds = self.client.session.call(request, what="closing the fast path")
+        except errors.KvAgentError as e:
+            if e.code.name in ("UNIMPLEMENTED", "INVALID_ARGUMENT"):
+                log.debug("the agent does not know close_fast_path (%s); the ring is only "
+                          "unmapped: the agent keeps it until the session ends", e.message)
+            elif e.code.name in ("FAILED_PRECONDITION", "UNAVAILABLE"):
+                # Closed by the agent meanwhile, or the session is gone: nothing to close.
+                log.debug("closing the fast path: %s", e.message)
+            else:
+                raise
+            return
+        for fd in fds:
+            os.close(fd)
+        self.transfers_running = reply.fast_path_closed.transfers_running

@@ -195,7 +195,8 @@ class Route:
         with self._lock:
             self.progress()
             out, self._notes = self._notes, []
-            if self.watching:
+            if self.watching or (out and self.why == "closed"):
+                # (Closed: those the ring held come alone, the client may be gone.)
                 return out
         return out + self.client.poll_notifications()
 
@@ -208,26 +209,33 @@ class Route:
                     "through gRPC from now on", self.owner, reason)
         self.why = f"the fast path ring closed: {reason}"
         ring, self.ring, self.watching = self.ring, None, False
+        for c in ring.close():  # what the agent wrote before it closed the ring
+            self._dispatch(c)
         for transfer in self._entries.values():
             transfer._grpc = Transfer(self.client, transfer.id,
                                       pb.TransferState(transfer_id=transfer.id, phase=pb.PENDING))
         self._entries.clear()
-        ring.close()
 
     def close(self):
-        """Unmaps the ring. The agent closes its side when the session ends (the
-        connectors close the client they opened; a client given to them closes with
-        its owner): notifications the ring watched until then are not polled."""
+        """Closes the ring and keeps the session (a client given to the connector stays
+        its owner's): the agent stops writing on the ring, so notifications after this
+        stay with gRPC (client.poll_notifications()). What the ring held is reaped: its
+        notifications are kept for the next notifications() call, completions reach their
+        transfers; transfers still waiting are followed through gRPC."""
         with self._lock:
             if self.ring is not None:
                 self.progress()
                 ring, self.ring, self.watching = self.ring, None, False
+                for c in ring.close():
+                    self._dispatch(c)
                 for transfer in self._entries.values():
                     transfer._grpc = Transfer(self.client, transfer.id, pb.TransferState(
                         transfer_id=transfer.id, phase=pb.PENDING))
                 self._entries.clear()
-                ring.close()
                 self.why = "closed"
+                if self._notes:
+                    log.info("%s: %d notifications reaped while closing the ring, kept for "
+                             "the next notifications() call", self.owner, len(self._notes))
 
 
 class RingTransfer:

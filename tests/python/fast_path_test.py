@@ -3,14 +3,25 @@ transfers behind the ring's doorbells, completions reaped in batches, bytes comp
 a refusal and a ping come back on the completion ring with the agent's message;
 notifications come on a watching ring, whole across entries and pads, taken once, or
 through a durable subscription with sequences, acknowledged on the ring."""
+import time
+
 import torch
 
 import kvagent
 from client_test import connected_kv
-from harness import PairTestCase, main
+from harness import PairTestCase, agent_status, main, wait_status
 from kvagent.fast_path import (ACK_NOTIFICATIONS, NOTIFICATION, PING, SQ_TAIL,
                                WATCH_NOTIFICATIONS, FastPath)
 from kvagent._proto import kvagent_pb2 as pb
+
+
+def poll_for(client, count, seconds=10.0):
+    """client.poll_notifications() until `count` came or `seconds` passed."""
+    out, deadline = [], time.monotonic() + seconds
+    while len(out) < count and time.monotonic() < deadline:
+        out += client.poll_notifications()
+        time.sleep(0.01)
+    return out
 
 
 class FastPathTest(PairTestCase):
@@ -144,6 +155,65 @@ class FastPathTest(PairTestCase):
         ring.watch_notifications((), 9)  # the existing call, positional, still works
         self.assertEqual([(c.user_data, c.opcode, c.code) for c in ring.reap(timeout=5)],
                          [(9, WATCH_NOTIFICATIONS, 0)])
+
+    def test_close_keeps_the_session_and_hands_back_what_the_ring_held(self):
+        pre, dec, src, dst = connected_kv(self, "close", 4)
+        # Earlier tests' rings go with their sessions, a moment after.
+        before = wait_status(self.pair.decode, lambda s: s.fast_path_rings == 0)
+        self.assertEqual(before.fast_path_rings, 0)
+        ring = FastPath(dec, submission_slots=8)
+        self.addCleanup(ring.close)
+        ring.watch_notifications(user_data=7)
+        self.assertEqual([(c.opcode, c.code) for c in ring.reap(timeout=5)],
+                         [(WATCH_NOTIFICATIONS, 0)])
+        t = pre.transfer("decode", "close-0", pages=([0], [0]), notification=b"held", wait=True)
+        wait_status(self.pair.decode, lambda s: s.fast_path_notifications
+                    > before.fast_path_notifications)
+        left = ring.close()  # written on the ring, not reaped: handed back, not lost
+        self.assertEqual([(c.opcode, c.notification.transfer_id, c.notification.payload)
+                          for c in left], [(NOTIFICATION, t.id, b"held")])
+        self.assertEqual(ring.transfers_running, 0)
+        self.assertEqual(ring.close(), [])  # once
+        status = agent_status(self.pair.decode)  # closed when the answer came
+        self.assertEqual(status.fast_path_rings, 0)  # while dec's session stays up
+        self.assertEqual(status.fast_path_closed_by_request,
+                         before.fast_path_closed_by_request + 1)
+        # The session stays: a later notification waits for gRPC, and a new ring opens.
+        t = pre.transfer("decode", "close-1", pages=([1], [1]), notification=b"later", wait=True)
+        polled = poll_for(dec, 1)
+        self.assertEqual([(n.request_id, n.payload) for n in polled], [(t.id, b"later")])
+        for s, d in zip(src, dst):
+            self.assertTrue(torch.equal(s[:2], d[:2]))
+        again = FastPath(dec, submission_slots=8)
+        self.addCleanup(again.close)
+        again.ping(3)
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in again.reap(timeout=5)],
+                         [(3, PING, 0)])
+
+    def test_close_against_an_agent_without_close_fast_path_only_unmaps(self):
+        pre, dec, src, dst = connected_kv(self, "close-older", 5)
+        # How an older agent sees close_fast_path: a body it does not know. This agent's
+        # answer to such a body is what an older one gives.
+        unknown = pb.SessionRequest.FromString(b"\xca\x06\x00")  # field 105, empty
+        with self.assertRaises(kvagent.KvAgentError) as e:
+            dec.session.call(unknown)
+        self.assertEqual(e.exception.code.name, "UNIMPLEMENTED")
+        before = wait_status(self.pair.decode, lambda s: s.fast_path_rings == 0)
+        self.assertEqual(before.fast_path_rings, 0)
+        ring = FastPath(dec, submission_slots=8)
+        real = dec.session.call
+
+        def older(request, fds=(), what=None):
+            if request.HasField("close_fast_path"):
+                request = pb.SessionRequest.FromString(b"\xca\x06\x00")
+            return real(request, fds, what)
+
+        dec.session.call = older
+        self.addCleanup(setattr, dec.session, "call", real)
+        self.assertEqual(ring.close(), [])
+        status = agent_status(self.pair.decode)  # the agent keeps the ring with the session
+        self.assertEqual(status.fast_path_rings, 1)
+        self.assertEqual(status.fast_path_closed_by_request, before.fast_path_closed_by_request)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,26 @@ class VllmConnectorTest(Scenarios, PairTestCase):
                                      lambda s: s.fast_path_rings < rings).fast_path_rings,
                          rings - 1)
 
+    def test_close_with_a_callers_client_keeps_its_session(self):
+        # The prefill worker was given its instance's client: close() closes the ring on
+        # the agent (close_fast_path), the session stays, and the notification of a READ
+        # after the close is the client's to poll through gRPC, not lost on a dead ring.
+        p, d = self.instances("vlkeep")
+        self.assertTrue(p.worker.route.watching)
+        before = agent_status(self.pair.prefill)
+        p.worker.close()
+        self.assertEqual(p.worker.route.kind, "grpc")
+        status = wait_status(self.pair.prefill, lambda s: s.fast_path_rings == 0)
+        self.assertEqual(status.fast_path_rings, 0)
+        self.assertEqual(status.fast_path_closed_by_request, before.fast_path_closed_by_request + 1)
+        fill(list(p.caches.values()), 26)
+        (rid,) = self.pull(p, d, "vlkeep", [(7, 8)])
+        notes, deadline = [], time.monotonic() + 10
+        while not notes and time.monotonic() < deadline:
+            notes += p.client.poll_notifications()  # the session is still up
+            time.sleep(0.01)
+        self.assertEqual([n.request_id for n in notes], [f"p-{rid}"])
+
     def test_a_bad_fast_path_knob_names_the_fix(self):
         with self.assertRaises(kvagent.InvalidArgument) as caught:
             KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlknob",
