@@ -29,8 +29,11 @@
 //     answers, every published entry is taken and every taken entry completed
 //     (completions of entries + completions still held == entries taken), and, when
 //     the client was honest throughout, it read every notification posted by Close;
-//   - Close(1), a second Open of the session, and the server's destruction succeed,
-//     and completions given and notifications pushed after them write nothing.
+//   - Close(1) (or, when the input says so, CloseOnRequest(1): OK with the backend's
+//     held completions as transfers_running, cq_tail as completion_tail and its reason
+//     in the ring, or FAILED_PRECONDITION for a ring the client broke; a second one is
+//     FAILED_PRECONDITION), a second Open of the session, and the server's destruction
+//     succeed, and completions given and notifications pushed after them write nothing.
 // Each input runs in milliseconds: the server polls every millisecond (idle_poll_ms 1,
 // spin_us 5) and the harness waits only until the agent settles.
 
@@ -376,6 +379,22 @@ class Client {
     frozen_cq_tail_ = header_->cq_tail.value.load(std::memory_order_acquire);
     frozen_sq_head_ = header_->sq_head.value.load(std::memory_order_acquire);
     frozen_ = true;
+  }
+
+  // The session's close_fast_path request answered `closed`: the ring says why, and
+  // the answer's completion_tail is where the agent stopped writing.
+  void ClosedByRequest(const v1::FastPathClosed& closed) {
+    const uint32_t cq_tail = header_->cq_tail.value.load(std::memory_order_acquire);
+    FUZZ_CHECK(closed.completion_tail() == cq_tail,
+               "close_fast_path answered completion_tail {}, the ring's cq_tail is {}",
+               closed.completion_tail(), cq_tail);
+    const char* reason = base_ + fr::kReasonOffset;
+    FUZZ_CHECK(std::memchr(reason, '\0', fr::kReasonBytes) != nullptr &&
+                   std::string(reason) ==
+                       "the agent closed this fast path: closed by the session's "
+                       "close_fast_path request",
+               "the close reason after close_fast_path is '{}'",
+               std::string(reason, strnlen(reason, fr::kReasonBytes)));
   }
 
   // The server is about to be destroyed.
@@ -800,7 +819,31 @@ void Run(const FastRingInput& input) {
   client.Finish(/*release_held=*/held_until == 0);
   if (std::getenv("KVAGENT_FUZZ_TRACE") != nullptr) client.Trace(steps);
 
-  server->Close(kSession);
+  if (input.close_by_request()) {
+    // Entries taken and not answered are the backend's held ones (the agent settled).
+    const size_t held = backend.held();
+    const absl::StatusOr<v1::FastPathClosed> closed = server->CloseOnRequest(kSession);
+    const agent::FastPathCounters c = server->counters();
+    if (closed.ok()) {
+      FUZZ_CHECK(c.protocol_errors == 0 && c.closed_by_request == 1 && c.rings == 0,
+                 "close_fast_path answered OK: {} protocol errors, {} closed by request, {} "
+                 "rings", c.protocol_errors, c.closed_by_request, c.rings);
+      FUZZ_CHECK(closed->transfers_running() == held,
+                 "close_fast_path: {} transfers running, the backend holds {}",
+                 closed->transfers_running(), held);
+      client.ClosedByRequest(*closed);
+    } else {  // the client broke the ring first: that close stands
+      FUZZ_CHECK(closed.status().code() == absl::StatusCode::kFailedPrecondition &&
+                     c.protocol_errors == 1 && c.closed_by_request == 0,
+                 "close_fast_path of a ring with {} protocol errors: {}", c.protocol_errors,
+                 closed.status().ToString());
+    }
+    const auto again = server->CloseOnRequest(kSession);
+    FUZZ_CHECK(again.status().code() == absl::StatusCode::kFailedPrecondition,
+               "a second close_fast_path: {}", again.status().ToString());
+  } else {
+    server->Close(kSession);
+  }
   client.AfterClose();
   server->Close(kSession);  // idempotent
   FUZZ_CHECK(server->counters().rings == 0, "Close left {} rings", server->counters().rings);
