@@ -10,7 +10,8 @@ import torch
 
 import kvagent
 from client_test import fill
-from harness import PairTestCase, count_calls, main, ring_use, transfer_rpcs
+from harness import (PairTestCase, agent_status, count_calls, main, ring_use, transfer_rpcs,
+                     wait_status)
 from kvagent.connectors.bootstrap import BootstrapServer
 from kvagent.connectors.sglang import (KVArgs, KVPoll, KvAgentConfig, KvAgentManager,
                                        KvAgentReceiver, KvAgentSender)
@@ -204,6 +205,30 @@ class SglangConnectorTest(Scenarios, PairTestCase):
         # the room's notification. No gRPC submit, transfer or notification poll.
         self.assertEqual(used(), {"prefill": (3, 0), "decode": (1, 1)})
         self.assertEqual(transfer_rpcs(pre_calls, dec_calls), {})
+
+    def test_close_with_a_callers_client_keeps_its_session(self):
+        # The decode manager was given its worker's client: close() closes the ring on
+        # the agent (close_fast_path), the session stays, and the room's notification
+        # after the close is the client's to poll through gRPC, not lost on a dead ring.
+        pre, dec = self.workers("sgkeep")
+        self.assertTrue(dec.mgr.route.watching)
+        before = agent_status(self.pair.decode)
+        sender = self.sender_to(pre, dec, 79, [4])
+        dec.mgr.close()
+        self.assertEqual(dec.mgr.route.kind, "grpc")
+        status = wait_status(self.pair.decode, lambda s: s.fast_path_rings == 0)
+        self.assertEqual(status.fast_path_rings, 0)
+        self.assertEqual(status.fast_path_closed_by_request, before.fast_path_closed_by_request + 1)
+        fill(pre.tensors() + [pre.conv, pre.ssm], 15)
+        sender.send([1], state_indices=[0])
+        self.assertEqual(poll_until(sender, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success)
+        notes, deadline = [], time.monotonic() + 10
+        while not notes and time.monotonic() < deadline:
+            notes += dec.client.poll_notifications()  # the session is still up
+            time.sleep(0.01)
+        self.assertEqual([n.ok for n in notes], [True])
+        for s, d in zip(pre.tensors(), dec.tensors()):
+            self.assertTrue(torch.equal(s[1], d[4]))
 
     def test_cancel_and_a_refused_chunk_on_the_ring(self):
         # The route's chunked transfer: a chunk is taken, cancel() goes through the ring
