@@ -97,8 +97,9 @@ struct FastPathServer::Ring {
   // serialized, written as the client reaps. Bounded by in_flight_per_subscription:
   // the subscription holds no more than that unacknowledged, and hands each to this
   // attachment once (see DeliverDurable for acknowledgements of unwritten ones). Dropped
-  // when the ring closes: the subscription still holds those notifications, so the
-  // next attachment (ring or gRPC) gets them again.
+  // when the ring closes, or when a newer attachment replaces this one: the
+  // subscription still holds those notifications, so the next attachment (ring or
+  // gRPC) gets them again.
   struct Pending {
     fr::CompletionHeader header{};  // span and message_length set
     std::string body;             // the serialized Notification, or the refusal's text
@@ -629,6 +630,20 @@ absl::Status FastPathServer::AttachDurable(const std::shared_ptr<Ring>& ring, ui
       [this, ring, user_data](const QueuedNotification& n) {
         DeliverDurable(*ring, n, user_data);
         return true;  // taken: the subscription holds it until acknowledged
+      },
+      [ring] {
+        // A newer attachment (ring or gRPC stream) took the subscription over, which
+        // hands it every notification held unacknowledged: written here too, the ones
+        // not written yet would come twice. (Under the queue's lock, as deliveries.)
+        absl::MutexLock lock(&ring->cq_mu);
+        if (!ring->pending.empty()) {
+          kLog.Info("{}: subscription '{}' was attached again; this fast path ring drops "
+                    "the {} notifications it had not written yet (the newer attachment gets "
+                    "them)",
+                    ring->caller.principal, Printable(ring->subscription, 80),
+                    ring->pending.size());
+        }
+        ring->pending.clear();
       });
   if (!token.ok()) {
     absl::MutexLock lock(&ring->cq_mu);

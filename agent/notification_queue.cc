@@ -175,7 +175,7 @@ uint64_t NotificationQueue::Subscribe(Subscriber subscriber) {
   absl::MutexLock lock(&mu_);
   const uint64_t token = next_token_++;
   HandOverLocked(subscriber);
-  subscribers_.push_back(Entry{token, std::move(subscriber), ""});
+  subscribers_.push_back(Entry{token, std::move(subscriber), "", nullptr});
   return token;
 }
 
@@ -284,7 +284,8 @@ absl::StatusOr<NotificationQueue::Subscription*> NotificationQueue::FindOrMakeLo
 
 absl::StatusOr<uint64_t> NotificationQueue::Attach(const SubscriptionKey& key,
                                                    NotificationFilter filter,
-                                                   Subscriber deliver) {
+                                                   Subscriber deliver,
+                                                   std::function<void()> on_replaced) {
   absl::MutexLock lock(&mu_);
   MaybeExpireLocked();
   auto sub = FindOrMakeLocked(key, "WatchNotifications");
@@ -292,9 +293,12 @@ absl::StatusOr<uint64_t> NotificationQueue::Attach(const SubscriptionKey& key,
   Subscription& s = **sub;
   if (s.attached != 0) {
     // The newer attachment wins (the older client is most likely gone, unnoticed yet).
-    subscribers_.erase(std::remove_if(subscribers_.begin(), subscribers_.end(),
-                                      [&](const Entry& e) { return e.token == s.attached; }),
-                       subscribers_.end());
+    auto replaced = std::find_if(subscribers_.begin(), subscribers_.end(),
+                                 [&](const Entry& e) { return e.token == s.attached; });
+    if (replaced != subscribers_.end()) {
+      if (replaced->on_replaced) replaced->on_replaced();
+      subscribers_.erase(replaced);
+    }
     next_subscriber_ = 0;
   }
   const uint64_t token = next_token_++;
@@ -302,7 +306,7 @@ absl::StatusOr<uint64_t> NotificationQueue::Attach(const SubscriptionKey& key,
   s.filter = std::move(filter);
   for (const Held& held : s.held) deliver(held.notification);  // again, in order
   HandOverToSubscriptionLocked(s, s.filter, &deliver, 0);
-  subscribers_.push_back(Entry{token, std::move(deliver), KeyOf(key)});
+  subscribers_.push_back(Entry{token, std::move(deliver), KeyOf(key), std::move(on_replaced)});
   return token;
 }
 

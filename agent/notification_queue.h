@@ -123,9 +123,13 @@ class NotificationQueue {
   // Attaches a watch stream: `deliver` gets (under the queue's lock; it must accept
   // every one and not call back) first every held notification, in order, then each
   // new one `filter` matches. A newer attachment replaces an older one, which gets no
-  // more. Makes the subscription if new (RESOURCE_EXHAUSTED at the subscriptions limit).
+  // more: its `on_replaced` (if set) runs then, under the queue's lock (it must not call
+  // back), so that it drops what it was handed and has not delivered yet (the
+  // subscription still holds those, and hands them to the newer attachment). Makes the
+  // subscription if new (RESOURCE_EXHAUSTED at the subscriptions limit).
   absl::StatusOr<uint64_t> Attach(const SubscriptionKey& key, NotificationFilter filter,
-                                  Subscriber deliver);
+                                  Subscriber deliver,
+                                  std::function<void()> on_replaced = nullptr);
   // A poll through a subscription: the held ones first (up to `max`, 0 = all), then
   // queued ones `filter` matches, which become held. Makes the subscription if new.
   absl::StatusOr<std::vector<v1::Notification>> PollSubscription(const SubscriptionKey& key,
@@ -174,6 +178,7 @@ class NotificationQueue {
     uint64_t token;
     Subscriber subscriber;
     std::string subscription;  // empty: a plain subscriber
+    std::function<void()> on_replaced;  // an attachment's (Attach)
   };
   static std::string KeyOf(const SubscriptionKey& key);
   // Hands `n` to a plain subscriber, or (when `may_hold`: it fits the limits) to an

@@ -203,10 +203,18 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.open_streams()),
               static_cast<unsigned long>(s.metadata_streams()));
   std::printf("sessions     %lu attached\n", static_cast<unsigned long>(s.sessions()));
-  std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors\n",
+  std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors, "
+              "%lu closed by their session's request\n",
               static_cast<unsigned long>(s.fast_path_rings()),
               static_cast<unsigned long>(s.fast_path_entries()),
-              static_cast<unsigned long>(s.fast_path_protocol_errors()));
+              static_cast<unsigned long>(s.fast_path_protocol_errors()),
+              static_cast<unsigned long>(s.fast_path_closed_by_request()));
+  std::printf("             notifications on rings: %lu posted, %lu too large for their ring "
+              "(left to gRPC), %lu acks, %lu dropped from a ring's pending list\n",
+              static_cast<unsigned long>(s.fast_path_notifications()),
+              static_cast<unsigned long>(s.fast_path_notifications_too_large()),
+              static_cast<unsigned long>(s.fast_path_acks()),
+              static_cast<unsigned long>(s.fast_path_pending_dropped()));
   const auto& lanes = s.copy_lanes();
   std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes, "
               "%lu shares taken back by the worker thread), %lu bytes; device copy %s: %lu "

@@ -5,10 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
 #include "base/format.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "fmt/format.h"
 
@@ -17,7 +19,9 @@ namespace {
 
 namespace fr = fastring;
 using Clock = std::chrono::steady_clock;
-
+constexpr log::Logger kLog("fast-path-client");
+// The most the destructor waits for close_fast_path's answer.
+constexpr uint32_t kCloseOnDestroyMs = 1000;
 
 absl::Status Mismatch(const std::string& what) {
   return absl::FailedPreconditionError(fmt::format(
@@ -81,7 +85,31 @@ FastPath::FastPath(LocalSession* session, v1::FastPathInfo info, UniqueFd memfd,
       slots_(info_.submission_slots()),
       completions_(info_.completion_entries()) {}
 
-FastPath::~FastPath() { munmap(base_, info_.ring_bytes()); }
+FastPath::~FastPath() {
+  // A ring left open keeps its notification watch, which takes notifications no one
+  // reads, until the session ends: close it, best effort and briefly. Not when Close()
+  // was called (the agent answered, or it is older, or the session is gone) or the
+  // agent closed the ring itself (a newer ring of the session may be open by now).
+  const bool agent_closed =
+      (header()->agent_flags.value.load(std::memory_order_acquire) & fr::kClosed) != 0;
+  if (!close_sent_.load(std::memory_order_relaxed) && !agent_closed) {
+    const uint32_t timeout_ms = std::min(session_->timeout_ms(), kCloseOnDestroyMs);
+    absl::StatusOr<v1::FastPathClosed> closed = session_->CloseFastPath(timeout_ms);
+    if (closed.ok()) {
+      kLog.Debug("fast path of session {} closed by its destructor ({} transfers still "
+                 "running; completions not reaped were dropped: call Close() to get them)",
+                 session_->path(), closed->transfers_running());
+    } else if (absl::IsDeadlineExceeded(closed.status())) {
+      kLog.Warn("fast path destructor: {}; the agent closes the ring if it still reads the "
+                "request, else when the session ends",
+                closed.status().message());
+    } else {
+      // The session is gone (its end closed the ring), or the agent is older.
+      kLog.Debug("fast path destructor: close_fast_path: {}", closed.status().ToString());
+    }
+  }
+  munmap(base_, info_.ring_bytes());
+}
 
 std::string FastPath::closed_reason() const {
   if ((header()->agent_flags.value.load(std::memory_order_acquire) & fr::kClosed) == 0) return "";
@@ -360,6 +388,7 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
 
 absl::StatusOr<FastPathClose> FastPath::Close() {
   FastPathClose result;
+  close_sent_.store(true, std::memory_order_relaxed);
   absl::StatusOr<v1::FastPathClosed> closed = session_->CloseFastPath();
   if (absl::IsUnimplemented(closed.status()) || absl::IsInvalidArgument(closed.status())) {
     // An older agent: the ring stays open on its side until the session ends.

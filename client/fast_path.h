@@ -9,6 +9,7 @@
 // Reap from one thread at a time (the two sides have separate locks).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -79,6 +80,12 @@ class FastPath {
   // client (FAILED_PRECONDITION).
   static absl::StatusOr<std::unique_ptr<FastPath>> Open(LocalSession* session,
                                                         FastPathOptions options = {});
+  // Unmaps the ring. A ring neither Close()d nor closed by the agent is closed first, as
+  // Close() does, best effort: close_fast_path with at most a second's wait (the
+  // session's timeout if shorter), nothing thrown, nothing returned; the completions
+  // left on the ring are dropped (call Close() to get them). An agent gone or slow only
+  // costs that wait (a slow one keeps the ring until the session ends). It waits for
+  // another thread's call on the session to finish first.
   ~FastPath();
   FastPath(const FastPath&) = delete;
   FastPath& operator=(const FastPath&) = delete;
@@ -146,7 +153,8 @@ class FastPath {
   // more entries, and lets the ring's transfers run to their end, their completions
   // dropped. Returns the completions written before the close and not reaped yet. The
   // session may then open a new FastPath; this one is only good for closed_reason()
-  // and for its destructor, which unmaps the ring. Call it with no Reap running.
+  // and for its destructor, which then only unmaps the ring (it does not retry the
+  // close, whatever Close() returned). Call it with no Reap running.
   // FAILED_PRECONDITION when the agent had closed the ring already (its reason);
   // UNAVAILABLE when the session is gone.
   absl::StatusOr<FastPathClose> Close();
@@ -202,6 +210,8 @@ class FastPath {
   absl::Mutex reap_mu_;
   uint32_t cq_head_ ABSL_GUARDED_BY(reap_mu_) = 0;
   std::atomic<uint64_t> reaped_{0};
+  // Close() was called: the destructor only unmaps.
+  std::atomic<bool> close_sent_{false};
 };
 
 }  // namespace kvagent::client

@@ -140,9 +140,10 @@ absl::StatusOr<std::unique_ptr<LocalSession>> LocalSession::Attach(
 
 absl::StatusOr<v1::SessionReply> LocalSession::Call(v1::SessionRequest request,
                                                     const std::vector<int>& fds,
-                                                    std::vector<UniqueFd>* reply_fds) {
+                                                    std::vector<UniqueFd>* reply_fds,
+                                                    uint32_t timeout_ms) {
   absl::MutexLock lock(&mu_);
-  return CallLocked(std::move(request), fds, reply_fds);
+  return CallLocked(std::move(request), fds, reply_fds, timeout_ms);
 }
 
 absl::Status LocalSession::Broken(const absl::Status& cause) {
@@ -154,8 +155,10 @@ absl::Status LocalSession::Broken(const absl::Status& cause) {
 
 absl::StatusOr<v1::SessionReply> LocalSession::CallLocked(v1::SessionRequest request,
                                                           const std::vector<int>& fds,
-                                                          std::vector<UniqueFd>* reply_fds) {
+                                                          std::vector<UniqueFd>* reply_fds,
+                                                          uint32_t timeout_ms) {
   reply_fds->clear();
+  const uint32_t timeout = timeout_ms == 0 ? timeout_ms_ : timeout_ms;
   if (!broken_.ok()) {
     return absl::UnavailableError(fmt::format(
         "the session with the agent at {} is broken ({}); attach again (LocalSession::Attach)",
@@ -164,16 +167,16 @@ absl::StatusOr<v1::SessionReply> LocalSession::CallLocked(v1::SessionRequest req
   const uint64_t seq = next_seq_++;
   request.set_seq(seq);
   const char* what = SessionRequestName(request);
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout);
 
-  absl::Status sent = SendMessage(fd_.get(), request, fds, static_cast<int>(timeout_ms_));
+  absl::Status sent = SendMessage(fd_.get(), request, fds, static_cast<int>(timeout));
   if (!sent.ok()) {
     if (absl::IsInvalidArgument(sent)) return sent;  // nothing was sent; still usable
     if (absl::IsDeadlineExceeded(sent)) {
       return absl::DeadlineExceededError(fmt::format(
           "the agent at {} did not take the {} request within {} ms (it is not reading: "
           "overloaded or hung)",
-          path_, what, timeout_ms_));
+          path_, what, timeout));
     }
     // The agent may have closed after saying why (a refused connection): read it.
     v1::SessionReply last;
@@ -198,7 +201,7 @@ absl::StatusOr<v1::SessionReply> LocalSession::CallLocked(v1::SessionRequest req
       return absl::DeadlineExceededError(fmt::format(
           "no reply from the agent at {} to the {} request within {} ms; it may be overloaded "
           "or hung (a late reply is discarded)",
-          path_, what, timeout_ms_));
+          path_, what, timeout));
     }
     if (!received.ok()) return Broken(received);
     if (reply.seq() != 0 && reply.seq() < seq) continue;  // late reply to a timed-out call
@@ -294,11 +297,12 @@ absl::StatusOr<std::pair<v1::FastPathInfo, std::vector<UniqueFd>>> LocalSession:
   return std::make_pair(std::move(*reply.mutable_fast_path()), std::move(reply_fds));
 }
 
-absl::StatusOr<v1::FastPathClosed> LocalSession::CloseFastPath() {
+absl::StatusOr<v1::FastPathClosed> LocalSession::CloseFastPath(uint32_t timeout_ms) {
   v1::SessionRequest request;
   request.mutable_close_fast_path();
   std::vector<UniqueFd> reply_fds;
-  ASSIGN_OR_RETURN(v1::SessionReply reply, Call(std::move(request), {}, &reply_fds));
+  ASSIGN_OR_RETURN(v1::SessionReply reply,
+                   Call(std::move(request), {}, &reply_fds, timeout_ms));
   if (!reply.has_fast_path_closed()) {
     // An agent that parsed the request as an unknown field answers an error, not this.
     return absl::InternalError(fmt::format(

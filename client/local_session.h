@@ -81,7 +81,11 @@ class LocalSession {
 
   // Closes the session's fast path ring, keeping the session (proto CloseFastPathRequest).
   // FastPath::Close calls it. UNIMPLEMENTED from an agent that does not know the request.
-  absl::StatusOr<v1::FastPathClosed> CloseFastPath();
+  // `timeout_ms` (0: the session's) bounds this call alone: FastPath's destructor sends it
+  // with a short one.
+  absl::StatusOr<v1::FastPathClosed> CloseFastPath(uint32_t timeout_ms = 0);
+  // The session's per-call timeout (Attach's timeout_ms).
+  uint32_t timeout_ms() const { return timeout_ms_; }
 
   // The session socket, to watch for the agent going away (POLLHUP, or POLLIN with a
   // read at end of stream). Do not read or write it.
@@ -90,13 +94,16 @@ class LocalSession {
  private:
   LocalSession(std::string path, UniqueFd fd, uint32_t timeout_ms);
 
-  // Sends `request` (seq filled in) with `fds` and waits for its reply. A reply with an
-  // error becomes that status; a connection error breaks the session.
+  // Sends `request` (seq filled in) with `fds` and waits for its reply, up to
+  // `timeout_ms` (0: the session's). A reply with an error becomes that status; a
+  // connection error breaks the session.
   absl::StatusOr<v1::SessionReply> Call(v1::SessionRequest request, const std::vector<int>& fds,
-                                        std::vector<UniqueFd>* reply_fds);
+                                        std::vector<UniqueFd>* reply_fds,
+                                        uint32_t timeout_ms = 0);
   absl::StatusOr<v1::SessionReply> CallLocked(v1::SessionRequest request,
                                               const std::vector<int>& fds,
-                                              std::vector<UniqueFd>* reply_fds)
+                                              std::vector<UniqueFd>* reply_fds,
+                                              uint32_t timeout_ms = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Broken(const absl::Status& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

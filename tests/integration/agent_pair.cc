@@ -2,17 +2,22 @@
 
 #include <fcntl.h>
 #include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "base/format.h"
+#include "base/status_macros.h"
 #include "cli/child_process.h"
 #include "client/fast_path.h"
 #include "fmt/format.h"
@@ -102,6 +107,22 @@ absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
     return absl::InternalError(fmt::format("posix_spawn {}: {}", ctl, std::strerror(rc)));
   }
   return pid;
+}
+
+absl::StatusOr<std::string> KvagentctlOutput(const std::vector<std::string>& args,
+                                             const std::string& stdout_path) {
+  ASSIGN_OR_RETURN(const pid_t pid, SpawnKvagentctl(args, stdout_path));
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) {
+    return absl::InternalError(fmt::format("waitpid kvagentctl: {}", std::strerror(errno)));
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::InternalError(fmt::format(
+        "kvagentctl {} ended with status {:#x} (its stderr is the test's)",
+        args.empty() ? "" : args.back(), status));
+  }
+  std::ifstream in(stdout_path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 AgentPair::AgentPair(const AgentPairOptions& options) : work_dir_(MakeWorkDir()) {

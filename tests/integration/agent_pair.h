@@ -76,6 +76,10 @@ const char* SubmitPath();
 // as data) as a child process, its stdout to `stdout_path` (created, truncated).
 absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
                                       const std::string& stdout_path = "/dev/null");
+// Runs `kvagentctl ARGS` to its end, its stdout to `stdout_path`; returns what it
+// printed, or why not (it did not start, or did not exit 0: its status).
+absl::StatusOr<std::string> KvagentctlOutput(const std::vector<std::string>& args,
+                                             const std::string& stdout_path);
 
 // Hangs agent process `pid`: SIGSTOP, then waits until every one of its threads is
 // stopped (cli::SuspendChild). Returns "" once they are, else why not, so a test writes

@@ -1,10 +1,6 @@
 // The same-host copy paths as an operator sees them, against two real kvagentd
 // processes: GetStatus counts what the host copy lanes copied (and `kvagentctl status`
 // prints it), and GetStatus, ListPeers and Doctor name the device copy mode.
-#include <sys/wait.h>
-
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -15,16 +11,11 @@
 namespace kvagent::testing {
 namespace {
 
-std::string KvagentctlOutput(const std::vector<std::string>& args, const std::string& path) {
-  auto pid = SpawnKvagentctl(args, path);
-  INFO(pid.status().ToString());
-  REQUIRE(pid.ok());
-  int status = 0;
-  REQUIRE(waitpid(*pid, &status, 0) == *pid);
-  REQUIRE(WIFEXITED(status));
-  REQUIRE(WEXITSTATUS(status) == 0);
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+std::string Kvagentctl(const std::vector<std::string>& args, const std::string& path) {
+  absl::StatusOr<std::string> out = KvagentctlOutput(args, path);
+  INFO(out.status().ToString());
+  REQUIRE(out.ok());
+  return *std::move(out);
 }
 
 TEST_CASE("GetStatus counts the copy lanes' batches; status, peers and doctor name the modes") {
@@ -98,12 +89,12 @@ TEST_CASE("GetStatus counts the copy lanes' batches; status, peers and doctor na
 
   const std::string address = pair.prefill_process().address();
   const std::string status =
-      KvagentctlOutput({"--agent", address, "status"}, pair.work_dir() + "/status.txt");
+      Kvagentctl({"--agent", address, "status"}, pair.work_dir() + "/status.txt");
   INFO(status);
   CHECK(status.find("copy lanes   2: ") != std::string::npos);
   CHECK(status.find(std::to_string(bytes) + " bytes; device copy " + mode) != std::string::npos);
   const std::string listed =
-      KvagentctlOutput({"--agent", address, "peers"}, pair.work_dir() + "/peers.txt");
+      Kvagentctl({"--agent", address, "peers"}, pair.work_dir() + "/peers.txt");
   INFO(listed);
   CHECK(listed.find("; device copy " + mode) != std::string::npos);
 }

@@ -1071,9 +1071,10 @@ TEST_CASE("fast path: notifications a ring never took go to gRPC once its sessio
 
 // Reaps `count` notifications of a durable watch: each with its sequence, increasing.
 std::vector<v1::Notification> ReapDurable(FastPath& fast, size_t count,
-                                          std::vector<FastCompletion>* others = nullptr) {
+                                          std::vector<FastCompletion>* others = nullptr,
+                                          uint32_t timeout_ms = 20000) {
   std::vector<v1::Notification> out;
-  for (auto& c : ReapNotes(fast, count, 20000, others)) out.push_back(*c.notification);
+  for (auto& c : ReapNotes(fast, count, timeout_ms, others)) out.push_back(*c.notification);
   for (size_t i = 1; i < out.size(); ++i) CHECK(out[i].sequence() > out[i - 1].sequence());
   return out;
 }
@@ -1245,6 +1246,63 @@ TEST_CASE("fast path: a newer attachment of the subscription replaces an older r
   CHECK(AckOnRing(*first, "shared", again[1].sequence(), {}, 700).bytes_done == 2);
 }
 
+// What `kvagentctl status` prints for the decode agent.
+std::string DecodeStatusText(AgentPair& pair) {
+  absl::StatusOr<std::string> printed = KvagentctlOutput(
+      {"--agent", pair.decode_process().address(), "status"}, pair.work_dir() + "/status.txt");
+  INFO(printed.status().ToString());
+  REQUIRE(printed.ok());
+  return *std::move(printed);
+}
+
+// Sends 12 notifications (transfers "<prefix>-0" to "-11", pages i to i) to the decode
+// agent, whose durable ring of 8 entries (RingOf(8), not reaped) writes 8 and keeps 4
+// in its pending list; waits for that and returns the status.
+v1::AgentStatus OverfillRingOf8(AgentPair& pair, const std::string& prefix) {
+  for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("{}-{}", prefix, i), i, i, "r");
+  return WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_notifications() == 8 && s.notifications_in_flight() == 12;
+  });
+}
+
+TEST_CASE("fast path: a ring replaced by a newer attachment drops what it had not written; the newer one gets all, in order, once") {
+  AgentPair pair;
+  auto first_client = Named(pair.decode_process(), "decode-11");
+  auto first = OpenDurable(*first_client, "replace", RingOf(8));
+  // 8 written on the first ring (not reaped), 4 in its pending list.
+  v1::AgentStatus status = OverfillRingOf8(pair, "rep");
+  REQUIRE(status.fast_path_notifications() == 8);
+  REQUIRE(status.notifications_in_flight() == 12);
+  // The same identity attaches again (another session, the first ring still open).
+  auto second_client = Named(pair.decode_process(), "decode-11");
+  auto second = OpenDurable(*second_client, "replace");
+  std::vector<v1::Notification> notes = ReapDurable(*second, 12);
+  REQUIRE(notes.size() == 12);
+  for (int i = 0; i < 12; ++i) {
+    CHECK(notes[i].transfer_id() == fmt::format("rep-{}", i));
+    CHECK(notes[i].sequence() == static_cast<uint64_t>(i + 1));
+  }
+  // The first ring, reaped to the end: the 8 it wrote before, none of its pending 4.
+  std::vector<v1::Notification> old = ReapDurable(*first, 12, nullptr, 1000);
+  REQUIRE(old.size() == 8);
+  for (int i = 0; i < 8; ++i) CHECK(old[i].transfer_id() == fmt::format("rep-{}", i));
+  std::vector<FastCompletion> none;
+  auto got = first->Reap(&none, 16, absl::Milliseconds(300));
+  REQUIRE(got.ok());
+  CHECK(*got == 0);
+  REQUIRE(AckOnRing(*second, "replace", 12, {}, 800).bytes_done == 12);
+  status = pair.decode().Status().value();
+  CHECK(status.fast_path_notifications() == 20);
+  CHECK(status.fast_path_acks() == 1);
+  CHECK(status.fast_path_pending_dropped() == 0);
+  CHECK(status.fast_path_protocol_errors() == 0);
+  CHECK(status.notifications_in_flight() == 0);
+  // `kvagentctl status` prints the ring's notification counters.
+  CHECK_THAT(DecodeStatusText(pair),
+             Contains("\n             notifications on rings: 20 posted, 0 too large for their "
+                      "ring (left to gRPC), 1 acks, 0 dropped from a ring's pending list\n"));
+}
+
 TEST_CASE("fast path: a durable watch keeps what the ring has no room for, in order, and says so for one too large") {
   AgentPairOptions options;
   options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
@@ -1253,10 +1311,7 @@ TEST_CASE("fast path: a durable watch keeps what the ring has no room for, in or
   auto fast = OpenDurable(*engine, "small", RingOf(8));
   // 8 fill the completion ring; 4 more wait in the ring's pending list (the queue handed
   // them over: the subscription holds all 12).
-  for (int i = 0; i < 12; ++i) GrpcWrite(pair, fmt::format("room-{}", i), i, i, "r");
-  v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
-    return s.fast_path_notifications() == 8 && s.notifications_in_flight() == 12;
-  });
+  v1::AgentStatus status = OverfillRingOf8(pair, "room");
   CHECK(status.fast_path_notifications() == 8);
   CHECK(status.notifications_in_flight() == 12);
   CHECK(status.notifications_queued() == 0);
@@ -1522,6 +1577,78 @@ TEST_CASE("fast path: close_fast_path without a ring is FAILED_PRECONDITION, nam
   auto fast = OpenFast(pair.prefill());
   HonestFastWrite(pair, *fast, "still-up", 1, 2);
   CHECK(pair.prefill().Status()->fast_path_closed_by_request() == 0);
+}
+
+TEST_CASE("fast path: a ring destroyed without Close() is closed by its destructor; the session stays, later notifications go to gRPC") {
+  AgentPair pair;
+  auto watch = OpenWatching(pair.decode());
+  CHECK(pair.decode().Status()->fast_path_rings() == 1);
+  watch.reset();  // no Close()
+  v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
+    return s.fast_path_rings() == 0 && s.fast_path_closed_by_request() == 1;
+  });
+  CHECK(status.fast_path_rings() == 0);
+  CHECK(status.fast_path_closed_by_request() == 1);
+  CHECK(status.fast_path_protocol_errors() == 0);
+  // `kvagentctl status` prints the count.
+  CHECK_THAT(DecodeStatusText(pair),
+             Contains("fast path    0 rings, ") &&
+                 Contains(" entries taken, 0 rings closed for protocol errors, 1 closed by their "
+                          "session's request\n"));
+  // No watch swallows it: a gRPC poll of the same session takes it.
+  GrpcWrite(pair, "after-destroy", 1, 1, "a");
+  std::vector<v1::Notification> polled = PollFor(pair.decode(), 1);
+  REQUIRE(polled.size() == 1);
+  CHECK(polled[0].transfer_id() == "after-destroy");
+  CHECK(pair.PageEqual(1, 1));
+  // The session is the same one: it opens a new ring, which transfers; one Close()d
+  // first is not closed again by its destructor.
+  auto fast = OpenFast(pair.prefill());
+  HonestFastWrite(pair, *fast, "after-destroy-ring", 2, 3);
+  REQUIRE(fast->Close().ok());
+  fast.reset();
+  CHECK(pair.prefill().Status()->fast_path_closed_by_request() == 1);
+  CHECK(pair.decode().Status()->fast_path_closed_by_request() == 1);
+}
+
+// Destroys `fast`; returns how long that took.
+std::chrono::milliseconds DestroyTimed(std::unique_ptr<FastPath>& fast) {
+  const auto start = std::chrono::steady_clock::now();
+  fast.reset();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                               start);
+}
+
+TEST_CASE("fast path: a ring's destructor does not hang on an agent that is gone, stopped or shut down") {
+  AgentPair pair(StoppablePeer());
+  // The decode agent killed: the close finds the session gone.
+  auto killed = OpenFast(pair.decode());
+  pair.decode_process().Kill();
+  // Hang guards only (a generous bound; the session's own timeout is 10 s).
+  CHECK(DestroyTimed(killed) < std::chrono::milliseconds(5000));
+
+  // The prefill agent stopped: the destructor waits about a second, not the session's
+  // 10 s; the agent, resumed, reads the late close and closes the ring.
+  auto stopped = OpenFast(pair.prefill());
+  REQUIRE(SuspendAgent(pair.prefill_process().pid()) == "");
+  const std::chrono::milliseconds waited = DestroyTimed(stopped);
+  REQUIRE(kill(pair.prefill_process().pid(), SIGCONT) == 0);
+  CHECK(waited < std::chrono::milliseconds(5000));
+  v1::AgentStatus status =
+      WaitStatus(pair.prefill(), [](const auto& s) { return s.fast_path_rings() == 0; });
+  CHECK(status.fast_path_rings() == 0);
+  CHECK(status.fast_path_closed_by_request() == 1);
+  // The session survived the timed-out call: a new ring transfers (to itself: the decode
+  // agent is gone).
+  auto fast = OpenFast(pair.prefill());
+  REQUIRE(fast->Ping(5).ok());
+  FastCompletion pong = ReapOne(*fast);
+  CHECK(pong.user_data == 5);
+  CHECK(pong.code == absl::StatusCode::kOk);
+
+  // The prefill agent shut down (SIGTERM): its sessions end, then the ring goes.
+  REQUIRE(pair.prefill_process().Stop().ok());
+  CHECK(DestroyTimed(fast) < std::chrono::milliseconds(5000));
 }
 
 TEST_CASE("fast path: a durable ring closed by its session: what it held unacknowledged comes again to the next attachment") {

@@ -1,7 +1,7 @@
 // Durable notification subscriptions in the queue, without daemons: sequences, holding
-// until acknowledged, redelivery in order to a new attachment, owners kept apart, the
-// per-subscription cap, the subscriptions limit, and idle expiry returning what was
-// held to the queue. tests/limits/notification_ack_test runs them end to end.
+// until acknowledged, redelivery in order to a new attachment (the replaced one told),
+// owners kept apart, the per-subscription cap, the subscriptions limit, and idle expiry
+// returning what was held to the queue. tests/limits/notification_ack_test runs them end to end.
 #include <string>
 #include <vector>
 
@@ -103,6 +103,40 @@ TEST_CASE("a new attachment gets the unacknowledged ones again, in order, then n
   queue.Push(Note("5"));
   CHECK(got2.size() == 3);
   CHECK(Ids(got3) == std::vector<std::string>{"2", "3", "4", "5"});
+}
+
+TEST_CASE("a replaced attachment is told, once, before the newer one gets anything; an ended one is not") {
+  NotificationQueue queue;
+  std::vector<std::string> events;
+  auto attach = [&](const std::string& who) {
+    return queue.Attach(
+        kKey, Engine(),
+        [&events, who](const QueuedNotification& n) {
+          events.push_back(who + " got " + n.notification.transfer_id());
+          return true;
+        },
+        [&events, who] { events.push_back(who + " replaced"); });
+  };
+  auto first = attach("first");
+  REQUIRE(first.ok());
+  queue.Push(Note("1"));
+  auto second = attach("second");
+  REQUIRE(second.ok());
+  queue.Push(Note("2"));
+  CHECK(events == std::vector<std::string>{"first got 1", "first replaced", "second got 1",
+                                           "second got 2"});
+  // The first's late end tells no one; the second's end is no replacement, nor is a
+  // later attachment one of an ended attachment.
+  events.clear();
+  queue.Unsubscribe(*first);
+  queue.Unsubscribe(*second);
+  auto third = attach("third");
+  REQUIRE(third.ok());
+  CHECK(events == std::vector<std::string>{"third got 1", "third got 2"});
+  // Without a hook, replacing works as before.
+  auto fourth = queue.Attach(kKey, Engine(), [](const QueuedNotification&) { return true; });
+  REQUIRE(fourth.ok());
+  CHECK(events.back() == "third replaced");
 }
 
 TEST_CASE("another owner's subscription of the same name is another subscription") {
