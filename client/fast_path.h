@@ -121,7 +121,10 @@ class FastPath {
   // identity (uid and client name), the ones it holds unacknowledged come first, in
   // order, each notification carries its `sequence`, and the agent holds each until it
   // is acknowledged (AckNotifications here, or gRPC's), so those posted and not reaped
-  // when the session ends come again to the next attachment (ring or gRPC). The entry
+  // when the session ends come again to the next attachment (ring or gRPC). A newer
+  // attachment of the subscription (another ring, a gRPC stream) replaces this one: this
+  // ring then gets nothing more, not even those the agent had not written yet for want
+  // of room (the newer attachment gets them). The entry
   // completes with gRPC's refusals (a bad name, the subscriptions limit). A
   // notification spanning more than half the completion ring comes as a kNotification
   // completion with code RESOURCE_EXHAUSTED naming its sequence (take it with gRPC
