@@ -326,7 +326,7 @@ class RingTransfer:
         return self._grpc.cancel()
 
 
-class RingChunkedTransfer:
+class RingChunkedTransfer(ChunkedTransfer):
     """client.ChunkedTransfer through the ring: send() each chunk, finish() the last;
     finish() returns the transfer's RingTransfer. The first chunk chooses the route:
     when the ring is gone or stays full, every chunk of this transfer goes through
@@ -334,11 +334,8 @@ class RingChunkedTransfer:
     gRPC could overtake one still on the ring."""
 
     def __init__(self, route, peer, request_id, op, timeout_ms, remote_groups):
+        super().__init__(route.client, peer, request_id, op, timeout_ms, remote_groups)
         self.route = route
-        self.client = route.client
-        self.args = dict(peer=peer, request_id=request_id, op=op, timeout_ms=timeout_ms,
-                         remote_groups=remote_groups)
-        self.chunk = 0
         self._sent = []
         self._grpc = None
 
@@ -358,13 +355,6 @@ class RingChunkedTransfer:
             self._grpc = ChunkedTransfer(self.client, **self.args)
             self._grpc.chunk = self.chunk
         return self._grpc._submit(more, **terms)
-
-    def send(self, pages=None, slots=None, aux=None, segments=()):
-        return self._submit(True, pages=pages, slots=slots, aux=aux, segments=segments)
-
-    def finish(self, pages=None, slots=None, aux=None, segments=(), notification=b""):
-        return self._submit(False, pages=pages, slots=slots, aux=aux, segments=segments,
-                            notification=notification)
 
     def check(self):
         """Raises the agent's refusal of a chunk sent so far, if one came (reaps without
