@@ -305,6 +305,15 @@ class FastPath:
             os.close(self.complete_fd)
         return left
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """`with FastPath(client) as ring:` closes the ring on the agent at the block's
+        end (close(); the completions left are dropped: call close() inside the block to
+        get them)."""
+        self.close()
+
     def _close_on_agent(self):
         request = pb.SessionRequest()
         request.close_fast_path.SetInParent()

@@ -190,6 +190,21 @@ class FastPathTest(PairTestCase):
         self.assertEqual([(c.user_data, c.opcode, c.code) for c in again.reap(timeout=5)],
                          [(3, PING, 0)])
 
+    def test_a_with_block_closes_the_ring_on_the_agent(self):
+        pre, dec, src, dst = connected_kv(self, "with", 6)
+        before = wait_status(self.pair.decode, lambda s: s.fast_path_rings == 0)
+        self.assertEqual(before.fast_path_rings, 0)
+        with FastPath(dec, submission_slots=8) as ring:
+            ring.ping(4)
+            self.assertEqual([(c.user_data, c.opcode, c.code) for c in ring.reap(timeout=5)],
+                             [(4, PING, 0)])
+            self.assertEqual(agent_status(self.pair.decode).fast_path_rings, 1)
+        status = agent_status(self.pair.decode)  # closed as the block ended, session kept
+        self.assertEqual(status.fast_path_rings, 0)
+        self.assertEqual(status.fast_path_closed_by_request,
+                         before.fast_path_closed_by_request + 1)
+        self.assertEqual(ring.close(), [])  # already closed
+
     def test_close_against_an_agent_without_close_fast_path_only_unmaps(self):
         pre, dec, src, dst = connected_kv(self, "close-older", 5)
         # How an older agent sees close_fast_path: a body it does not know. This agent's
