@@ -550,6 +550,16 @@ void TransferEngine::PumpQueued() {
   if (pump_queue_.empty() && pump_queue_.capacity() < batch.capacity()) pump_queue_.swap(batch);
 }
 
+namespace {
+
+// A PEER_TRANSFER_OPEN's timeout_ms: what is left of the transfer's deadline now.
+uint32_t MsLeft(uint64_t deadline_us) {
+  const uint64_t now = MonotonicMicros();
+  return static_cast<uint32_t>(deadline_us > now ? (deadline_us - now) / 1000 : 0);
+}
+
+}  // namespace
+
 void TransferEngine::LateOpen::Send() {
   if (notice == nullptr) return;
   engine.SendNotice(peer, std::move(*notice), nullptr);
@@ -574,9 +584,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
     if (t->late_open != nullptr && t->last_peer != nullptr) {
-      const uint64_t now = MonotonicMicros();
-      t->late_open->set_timeout_ms(
-          static_cast<uint32_t>(t->deadline_us > now ? (t->deadline_us - now) / 1000 : 0));
+      t->late_open->set_timeout_ms(MsLeft(t->deadline_us));  // from when it is sent
       late.peer = t->last_peer;
       late.notice = std::move(t->late_open);
     }
@@ -687,12 +695,11 @@ void TransferEngine::Pump(const TransferPtr& t) {
         open->set_kind(v1::PEER_TRANSFER_OPEN);
         open->set_op(op);
         open->set_bytes(t->state.bytes_total());
-        const uint64_t now = MonotonicMicros();
-        open->set_timeout_ms(
-            static_cast<uint32_t>(t->deadline_us > now ? (t->deadline_us - now) / 1000 : 0));
         if (route == Route::kHostCopy || route == Route::kDeviceCopy) {
           t->late_open = std::make_unique<v1::Notification>(*std::move(open));
           open.reset();
+        } else {
+          open->set_timeout_ms(MsLeft(t->deadline_us));
         }
       }
       action = Action::kBatch;
