@@ -1,6 +1,7 @@
 #include "cli/bench_layout.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 
 #include "base/status_macros.h"
@@ -65,14 +66,59 @@ absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t byt
   pools->initiator = static_cast<uint8_t*>(pools->initiator_mapping.data());
   pools->target = static_cast<uint8_t*>(pools->target_mapping.data());
   pools->shared = true;
+  FillPools(pools);
+  return absl::OkStatus();
+}
+
+void FillPools(Pools* pools) {
+  if (pools->vram || !pools->shared) return;
   // Distinct contents on the two sides, so a copy that did not happen shows.
   auto* wi = reinterpret_cast<uint64_t*>(pools->initiator);
   auto* wt = reinterpret_cast<uint64_t*>(pools->target);
-  for (uint64_t w = 0; w < bytes / 8; ++w) {
+  for (uint64_t w = 0; w < pools->bytes / 8; ++w) {
     wi[w] = w * 0x9E3779B97F4A7C15ull;
     wt[w] = ~w * 0xBF58476D1CE4E5B9ull;
   }
-  return absl::OkStatus();
+}
+
+absl::StatusOr<Warmup> WarmMappings(AgentClient& initiator, const std::string& peer,
+                                    const Layout& layout, uint32_t timeout_ms, Pools* pools) {
+  // At most 4,096 items and 64 MiB a transfer.
+  const uint64_t per = std::max<uint64_t>(
+      1, std::min<uint64_t>(4096, (uint64_t{64} << 20) / std::max<uint64_t>(1, layout.block)));
+  Warmup warm;
+  warm.pages = layout.items * layout.block / 4096;
+  const auto start = std::chrono::steady_clock::now();
+  for (v1::TransferOp op : {v1::READ, v1::WRITE}) {
+    for (uint64_t first = 0; first < layout.items; first += per) {
+      v1::SubmitTransferRequest request;
+      request.set_transfer_id(fmt::format("{}.warm.{}.{}", layout.group,
+                                          op == v1::READ ? "r" : "w", first));
+      request.set_peer(peer);
+      request.set_op(op);
+      request.set_timeout_ms(timeout_ms);
+      request.set_wait(true);
+      auto* segment = request.add_segments()->mutable_items();
+      segment->set_local_group(layout.group);
+      segment->set_remote_group(layout.group);
+      for (uint64_t i = first; i < std::min(layout.items, first + per); ++i) {
+        segment->add_local_indices(i);
+        segment->add_remote_indices(i);
+      }
+      auto state = initiator.Submit(request);
+      if (!state.ok()) return state.status();
+      if (state->phase() != v1::COMPLETED) {
+        return absl::InternalError(fmt::format(
+            "warming the mappings: transfer '{}' ended {}: {}", request.transfer_id(),
+            v1::TransferPhase_Name(state->phase()), state->error_message()));
+      }
+      ++warm.transfers;
+    }
+  }
+  warm.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  FillPools(pools);
+  return warm;
 }
 
 absl::Status MakeVramPools(cuda::CudaDriver* cuda, int device, uint64_t bytes,

@@ -79,6 +79,28 @@ absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t byt
 absl::Status MakeVramPools(cuda::CudaDriver* cuda, int device, uint64_t bytes,
                            const std::string& label, VramMemory* memory, Pools* pools);
 
+// Writes the two pools' distinct contents through this process's mappings (DRAM pools
+// shared with the agents; a no-op otherwise).
+void FillPools(Pools* pools);
+
+// What warming a layout's pages took (WarmMappings).
+struct Warmup {
+  uint64_t pages = 0;      // 4 KiB pages of one pool
+  uint32_t transfers = 0;  // READs and WRITEs it took
+  double seconds = 0;
+};
+
+// Moves every item of `layout` once each way (READs, then WRITEs; untimed, no
+// notification) so each agent has touched every page of both pools through the
+// mappings the timed transfers use, then refills the pools (FillPools). An agent maps
+// a pool when its region is registered, but a page costs its first access through
+// each mapping: 7-18 us per 4 KiB page here (a page-table fault, and on this VM type
+// the hypervisor's), 35-90x a cached copy of it. A running engine's pool has been
+// touched long before; a pool registered a moment ago has not, so without this the
+// first cells of each block size would time page faults, not transfers.
+absl::StatusOr<Warmup> WarmMappings(AgentClient& initiator, const std::string& peer,
+                                    const Layout& layout, uint32_t timeout_ms, Pools* pools);
+
 // The pool as items of `block` bytes, one region in group `group`, with the random
 // item orders the scattered pattern walks.
 Layout MakeLayout(uint64_t block, uint64_t pool_bytes, std::string group, std::mt19937_64& rng);

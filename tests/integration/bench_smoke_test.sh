@@ -18,6 +18,12 @@ lines=$(grep -c '^{"kind": "cell"' "$out" || true)
 if [[ "$lines" != 24 ]]; then
   echo "expected 24 JSON lines, got $lines"; cat "$err"; exit 1
 fi
+# Each layout's pages warmed in the agents' mappings before it is timed: the 3 block
+# sizes and the rate phase's 4 KiB layout, each 64 MiB = 16,384 pages of a pool.
+warm=$(grep -c '^{"kind": "warmup", "block_bytes": [0-9]*, "pages_per_pool": 16384, "transfers": [1-9]' "$out" || true)
+if [[ "$warm" != 4 ]]; then
+  echo "expected 4 warmup lines (16,384 pages each), got $warm"; exit 1
+fi
 bad=0
 while IFS= read -r line; do
   gbps=$(sed -n 's/.*"gbps": \([0-9.eE+-]*\),.*/\1/p' <<<"$line")
