@@ -1,12 +1,14 @@
 #include "agent/doctor.h"
 
 #include <dirent.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -237,6 +239,31 @@ v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages) {
   return Make("hugepages", Check::PASS,
               fmt::format("{} ({} free in huge pages)", counts,
                           Bytes(hugepages.free * hugepages.page_bytes)));
+}
+
+v1::DoctorCheck CheckFirstTouch(const FirstTouchFacts& facts) {
+  if (!facts.measured) {
+    return Make("first-touch", Check::WARN,
+                fmt::format("not measured ({})", facts.error),
+                "optional: a page's first access through the agent's mapping of a pool is "
+                "a page fault, paid once per page; check that memfd_create and mmap work "
+                "for the agent's user");
+  }
+  const double gib_s = facts.first_us * (1 << 18) / 1e6;  // 4 KiB pages per GiB
+  const std::string figures = fmt::format(
+      "first write to a page through a new mapping: {:.2f} us per 4 KiB page, {:.2f} us "
+      "once mapped ({} pages probed); a freshly registered pool pays it once per page and "
+      "mapping on its first transfers ({:.1f} s per GiB)",
+      facts.first_us, facts.mapped_us, facts.pages, gib_s);
+  if (facts.first_us < kFirstTouchWarnUs) return Make("first-touch", Check::PASS, figures);
+  return Make("first-touch", Check::WARN,
+              figures + std::string("; copying a mapped page takes ~0.2 us, so until every "
+                                    "page has been touched once, transfers run at a "
+                                    "fraction of their speed (costs this high usually "
+                                    "come from a virtual machine's paging)"),
+              "warm each pool after registering it: transfers covering every page once "
+              "before the engine serves (docs/OPERATIONS.md, \"A slow transfer\"); the "
+              "agent keeps a mapping for as long as a region of that memory is registered");
 }
 
 v1::DoctorCheck CheckPtraceScope(std::optional<int> scope) {
@@ -496,6 +523,48 @@ HugepageFacts ParseMeminfo(std::string_view meminfo) {
   return facts;
 }
 
+FirstTouchFacts ProbeFirstTouch(uint32_t pages) {
+  FirstTouchFacts facts;
+  facts.pages = pages;
+  const size_t bytes = size_t{pages} * 4096;
+  const int fd = memfd_create("kvagent-doctor-first-touch", MFD_CLOEXEC);
+  if (fd < 0) {
+    facts.error = fmt::format("memfd_create: {}", std::strerror(errno));
+    return facts;
+  }
+  auto map = [&]() -> void* {
+    void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (at == MAP_FAILED) facts.error = fmt::format("mmap: {}", std::strerror(errno));
+    return at;
+  };
+  void* first = MAP_FAILED;
+  void* second = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    facts.error = fmt::format("ftruncate: {}", std::strerror(errno));
+  } else if ((first = map()) != MAP_FAILED) {
+    std::memset(first, 1, bytes);  // the pages exist, as an engine's pool's do
+    if ((second = map()) != MAP_FAILED) {
+      volatile uint8_t* page = static_cast<volatile uint8_t*>(second);
+      double us[2];
+      for (double& pass : us) {
+        const auto start = std::chrono::steady_clock::now();
+        for (size_t i = 0; i < pages; ++i) page[i * 4096] = 2;
+        pass = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() -
+                                                         start)
+                   .count() /
+               std::max<uint32_t>(1, pages);
+      }
+      facts.first_us = us[0];
+      facts.mapped_us = us[1];
+      facts.measured = true;
+    }
+  }
+  if (second != MAP_FAILED) munmap(second, bytes);
+  if (first != MAP_FAILED) munmap(first, bytes);
+  close(fd);
+  return facts;
+}
+
 std::optional<int> ReadPtraceScope(const std::string& path) {
   auto text = ReadSmallFile(path);
   if (!text.has_value()) return std::nullopt;
@@ -572,6 +641,7 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   *report.add_checks() = CheckDevShm(InspectShm(inputs.shm_path));
   *report.add_checks() =
       CheckHugepages(ParseMeminfo(ReadSmallFile(inputs.meminfo_path).value_or("")));
+  *report.add_checks() = CheckFirstTouch(ProbeFirstTouch());
   *report.add_checks() = CheckPtraceScope(ReadPtraceScope(inputs.ptrace_scope_path));
   *report.add_checks() = CheckRdma(ListRdmaDevices(inputs.rdma_dir), ucx);
   *report.add_checks() = CheckPrivileges(inputs.euid, inputs.has_ipc_lock);

@@ -1,6 +1,7 @@
 // Doctor: the agent's check of what moving KV pages needs from this host (UCX, the
-// CUDA driver, locked memory, /dev/shm, hugepages, ptrace scope, RDMA) and from its
-// peers. Used by AgentService::Doctor, the agent's start-up log and `kvagentctl doctor`.
+// CUDA driver, locked memory, /dev/shm, hugepages, the first-touch cost of a new
+// mapping, ptrace scope, RDMA) and from its peers. Used by AgentService::Doctor, the
+// agent's start-up log and `kvagentctl doctor`.
 #pragma once
 
 #include <sys/types.h>
@@ -59,6 +60,17 @@ struct HugepageFacts {
   uint64_t page_bytes = 0;
 };
 
+// What a page's first access through a new mapping costs here (ProbeFirstTouch): the
+// agent maps every pool anew when it is registered (and a peer's, for a same-host copy
+// route), and each page pays this once per mapping, on the first transfer that touches it.
+struct FirstTouchFacts {
+  bool measured = false;
+  std::string error;         // why not
+  uint32_t pages = 0;        // 4 KiB pages probed
+  double first_us = 0;       // per page: one byte written through a new mapping of them
+  double mapped_us = 0;      // per page: the same again, now mapped
+};
+
 struct RdmaDevice {
   std::string name;                      // "mlx5_0"
   std::vector<std::string> port_states;  // "1: ACTIVE", one per port
@@ -80,6 +92,11 @@ v1::DoctorCheck CheckDeviceCopy(std::string_view mode, const CudaFacts& cuda);
 v1::DoctorCheck CheckMemlock(const MemlockFacts& memlock);
 v1::DoctorCheck CheckDevShm(const ShmFacts& shm);
 v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages);
+// "first-touch": WARN from kFirstTouchWarnUs per page (a freshly registered pool's first
+// transfers then run at a fraction of their speed), with what it costs per GiB and the
+// remedy; PASS below it, with the figures.
+constexpr double kFirstTouchWarnUs = 2.0;
+v1::DoctorCheck CheckFirstTouch(const FirstTouchFacts& facts);
 // `scope` is the content of /proc/sys/kernel/yama/ptrace_scope; nullopt when Yama is
 // not there.
 v1::DoctorCheck CheckPtraceScope(std::optional<int> scope);
@@ -99,6 +116,10 @@ CudaFacts ProbeCuda();  // CudaDriver loads once per process; later calls reuse 
 MemlockFacts ReadMemlock();
 ShmFacts InspectShm(const std::string& path);
 HugepageFacts ParseMeminfo(std::string_view meminfo);
+// Writes `pages` pages of a memfd through one mapping (allocating them), maps them
+// again, and times one byte written per page through the new mapping, then again.
+// About pages x 2 page faults (256 pages: ~1-10 ms).
+FirstTouchFacts ProbeFirstTouch(uint32_t pages = 256);
 std::optional<int> ReadPtraceScope(const std::string& path);
 std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir);
 

@@ -91,7 +91,8 @@ TEST_CASE("Doctor reports this host's UCX and CUDA and the connected peer") {
   CHECK(Has(peer.detail(), "data path shm-direct"));  // same host, the default path
   CHECK(peer.fix().empty());
 
-  for (const char* name : {"memlock", "dev-shm", "hugepages", "ptrace-scope", "rdma"}) {
+  for (const char* name :
+       {"memlock", "dev-shm", "hugepages", "first-touch", "ptrace-scope", "rdma"}) {
     const auto& c = Find(report, name);
     CHECK(c.result() != Result::RESULT_UNSPECIFIED);
     CHECK_FALSE(c.detail().empty());
