@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -30,12 +31,11 @@ absl::Status ValidateCopyLanes(uint32_t lanes) {
 }
 
 CopyLanes::CopyLanes(uint32_t lanes) : lanes_(std::clamp<uint32_t>(lanes, 1, kMaxCopyLanes)) {
-  work_.resize(lanes_);
   for (uint32_t lane = 1; lane < lanes_; ++lane) {
     threads_.emplace_back([this, lane] {
       const std::string name = fmt::format("copy-lane-{}", lane);
       pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
-      LaneLoop(lane);
+      LaneLoop();
     });
   }
 }
@@ -60,70 +60,106 @@ std::vector<std::vector<CopyPiece>> CopyLanes::Split(const std::vector<CopyPiece
   return out;
 }
 
+namespace {
+
+// The caller waits this long for lanes still copying their last chunk before it
+// sleeps: a chunk takes about 10 us (64 KiB) to a few hundred, and a futex sleep and
+// wake-up costs 5-50 us on a busy host, more than the wait. It yields while it waits:
+// on a host with more threads than cores the lane it waits for may need this core.
+constexpr auto kFinishSpin = std::chrono::microseconds(30);
+
+}  // namespace
+
 void CopyLanes::Copy(const std::vector<CopyPiece>& pieces) {
   uint64_t total = 0;
   for (const auto& p : pieces) total += p.bytes;
-  const uint32_t parts =
-      static_cast<uint32_t>(std::min<uint64_t>(lanes_, std::max<uint64_t>(1, total / kMinLaneBytes)));
-  if (parts <= 1) {
+  // One more lane per kMinLaneBytes beyond the first.
+  const uint64_t share_count = total / kMinLaneBytes;
+  const uint32_t helpers =
+      share_count < 2 ? 0 : static_cast<uint32_t>(std::min<uint64_t>(lanes_ - 1, share_count - 1));
+  if (helpers == 0) {
     CopyAll(pieces);
     absl::MutexLock lock(&mu_);
     ++counters_.batches;
     counters_.bytes += total;
     return;
   }
-  std::vector<std::vector<CopyPiece>> split = Split(pieces, parts);
+  const uint64_t chunk_count = std::clamp<uint64_t>(
+      uint64_t{helpers + 1} * kChunksPerLane, 1, std::max<uint64_t>(1, total / kMinChunkBytes));
+  // No lane is inside the last batch (active_ was 0 when it closed): the chunks are ours.
+  SplitRuns(pieces, static_cast<uint32_t>(chunk_count), &chunks_);
+  next_chunk_.store(0, std::memory_order_relaxed);
   {
     absl::MutexLock lock(&mu_);
-    pending_ = 0;
-    for (uint32_t lane = 1; lane < lanes_; ++lane) {
-      work_[lane] = lane < parts ? std::move(split[lane]) : std::vector<CopyPiece>{};
-      if (!work_[lane].empty()) ++pending_;
-    }
     ++generation_;
-    work_cv_.SignalAll();
-  }
-  CopyAll(split[0]);  // lane 0 is this thread
-  // Lanes that have not woken up yet (a busy host can take milliseconds to schedule
-  // one, longer than the copy) lose their share to this thread instead of being waited
-  // for: a split batch never takes much longer than one lane would.
-  for (;;) {
-    std::vector<CopyPiece> stolen;
-    {
-      absl::MutexLock lock(&mu_);
-      for (uint32_t lane = 1; lane < lanes_ && stolen.empty(); ++lane) {
-        if (!work_[lane].empty()) {
-          stolen.swap(work_[lane]);
-          --pending_;
-          ++counters_.stolen_parts;
-        }
-      }
+    wanted_ = helpers;
+    open_ = true;
+    if (helpers + 1 == lanes_) {
+      work_cv_.SignalAll();
+    } else {
+      for (uint32_t i = 0; i < helpers; ++i) work_cv_.Signal();
     }
-    if (stolen.empty()) break;
-    CopyAll(stolen);
+  }
+  // This thread takes chunks from the first on; a lane that wakes in time takes the
+  // next free one. One that wakes after every chunk is taken finds the batch closed:
+  // a split batch never waits for a lane to be scheduled (a busy host can take
+  // milliseconds), only for a chunk a lane is copying.
+  TakeChunks();
+  uint32_t missing = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    open_ = false;
+    missing = wanted_;
+    wanted_ = 0;
+  }
+  if (active_.load(std::memory_order_acquire) != 0) {
+    const auto spin_until = std::chrono::steady_clock::now() + kFinishSpin;
+    while (active_.load(std::memory_order_acquire) != 0 &&
+           std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
   }
   absl::MutexLock lock(&mu_);
-  while (pending_ > 0) done_cv_.Wait(&mu_);
+  if (active_.load(std::memory_order_acquire) != 0) {
+    caller_waiting_ = true;
+    while (active_.load(std::memory_order_acquire) != 0) done_cv_.Wait(&mu_);
+    caller_waiting_ = false;
+  }
   ++counters_.batches;
   ++counters_.split_batches;
   counters_.bytes += total;
+  counters_.stolen_parts += missing;
 }
 
-void CopyLanes::LaneLoop(uint32_t lane) {
+uint64_t CopyLanes::TakeChunks() {
+  const size_t count = chunks_.size();
+  uint64_t copied = 0;
+  for (;;) {
+    const size_t i = next_chunk_.fetch_add(1, std::memory_order_relaxed);
+    if (i >= count) return copied;
+    CopyAll(chunks_[i]);
+    ++copied;
+  }
+}
+
+void CopyLanes::LaneLoop() {
   uint64_t seen = 0;
   for (;;) {
-    std::vector<CopyPiece> mine;
     {
       absl::MutexLock lock(&mu_);
-      while (!stopping_ && generation_ == seen) work_cv_.Wait(&mu_);
+      while (!stopping_ && !(open_ && wanted_ > 0 && generation_ != seen)) work_cv_.Wait(&mu_);
       if (stopping_) return;
       seen = generation_;
-      mine.swap(work_[lane]);
+      --wanted_;
+      // Under mu_: the caller, closing the batch under mu_, then sees this lane inside.
+      active_.fetch_add(1, std::memory_order_relaxed);
     }
-    if (mine.empty()) continue;  // this batch needed fewer lanes
-    CopyAll(mine);
+    const uint64_t copied = TakeChunks();
+    // Release: our copies are visible to the caller once it sees the count drop.
+    const bool last = active_.fetch_sub(1, std::memory_order_acq_rel) == 1;
     absl::MutexLock lock(&mu_);
-    if (--pending_ == 0) done_cv_.Signal();
+    counters_.lane_chunks += copied;
+    if (last && caller_waiting_) done_cv_.Signal();
   }
 }
 

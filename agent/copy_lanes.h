@@ -4,6 +4,7 @@
 // thread; the batch is done when every lane is.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -23,10 +24,16 @@ struct CopyPiece {
 
 // --copy-lanes: at most this many (more would only share the same cores).
 inline constexpr uint32_t kMaxCopyLanes = 64;
-// A lane gets at least this much of a batch: below it, waking a lane costs more than
-// the copy it takes over (a thread wake-up is 5-50 us on a busy host; 256 KiB copy
-// in 25-40 us here).
+// A lane is asked to help for each kMinLaneBytes of a batch beyond the first: below
+// it, waking a lane costs more than the copy it could take over (a thread wake-up is
+// 5-50 us on a busy host; 256 KiB copy in 25-40 us here).
 inline constexpr uint64_t kMinLaneBytes = 256 << 10;
+// A split batch is cut into chunks the lanes take one at a time (about kChunksPerLane
+// per lane, none under kMinChunkBytes): a lane that wakes late takes what is left, and
+// the caller, once every chunk is taken, waits at most for the chunks lanes are
+// copying, never for a lane that has not started.
+inline constexpr uint32_t kChunksPerLane = 8;
+inline constexpr uint64_t kMinChunkBytes = 64 << 10;
 
 // The default: the cores this process may run on (sched_getaffinity), at most 4.
 uint32_t DefaultCopyLanes();
@@ -35,11 +42,12 @@ absl::Status ValidateCopyLanes(uint32_t lanes);
 
 struct CopyLaneCounters {
   uint64_t batches = 0;        // Copy calls
-  uint64_t split_batches = 0;  // of which were split across lanes
+  uint64_t split_batches = 0;  // of which were offered to other lanes (>= 2 x kMinLaneBytes)
   uint64_t bytes = 0;
-  // Lane shares the calling thread copied itself because their lane had not started
-  // them when it finished its own.
+  // Lanes asked to help with a split batch that had not started when the calling
+  // thread had taken every chunk (their share was copied by the caller).
   uint64_t stolen_parts = 0;
+  uint64_t lane_chunks = 0;  // chunks of split batches the other lanes copied
 };
 
 class CopyLanes {
@@ -51,28 +59,39 @@ class CopyLanes {
   CopyLanes& operator=(const CopyLanes&) = delete;
 
   uint32_t lanes() const { return lanes_; }
-  // Copies every piece and returns when all are done. Splits the batch into as many
-  // lanes as it has kMinLaneBytes (at most lanes()), each lane one run of consecutive
-  // bytes (small pieces gathered, a large one cut). One caller at a time.
+  // Copies every piece and returns when all are done. A batch of at least
+  // 2 x kMinLaneBytes asks up to lanes() - 1 lanes to help (one per kMinLaneBytes
+  // beyond the first) and is cut into chunks of consecutive bytes (small pieces
+  // gathered, a large one cut) that the caller and the lanes take in order until none
+  // is left. One caller at a time.
   void Copy(const std::vector<CopyPiece>& pieces);
   CopyLaneCounters counters() const;
 
-  // The lanes' shares of `pieces`: `parts` runs of about equal bytes, in order.
+  // `pieces` cut into `parts` runs of about equal bytes, in order (agent/split_runs.h).
   static std::vector<std::vector<CopyPiece>> Split(const std::vector<CopyPiece>& pieces,
                                                    uint32_t parts);
 
  private:
-  void LaneLoop(uint32_t lane);
+  void LaneLoop();
+  // Takes chunks of the open batch until none is left; returns how many it copied.
+  uint64_t TakeChunks();
   static void CopyAll(const std::vector<CopyPiece>& pieces);
 
   const uint32_t lanes_;
   std::vector<std::thread> threads_;
+  // The open batch's chunks: written by the caller before it opens the batch, read by
+  // the lanes that joined it; the caller changes them only after every lane that
+  // joined has left (active_ == 0 after the batch closed).
+  std::vector<std::vector<CopyPiece>> chunks_;
+  std::atomic<uint32_t> next_chunk_{0};  // the next chunk to take
+  std::atomic<uint32_t> active_{0};      // lanes (not the caller) inside TakeChunks
   mutable absl::Mutex mu_;
   absl::CondVar work_cv_;
   absl::CondVar done_cv_;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;  // one per split batch
-  std::vector<std::vector<CopyPiece>> work_ ABSL_GUARDED_BY(mu_);  // by lane, this batch
-  uint32_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // lanes of this batch not yet done
+  uint32_t wanted_ ABSL_GUARDED_BY(mu_) = 0;      // lanes this batch may still take in
+  bool open_ ABSL_GUARDED_BY(mu_) = false;        // lanes may join this batch
+  bool caller_waiting_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   CopyLaneCounters counters_ ABSL_GUARDED_BY(mu_);
 };
