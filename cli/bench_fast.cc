@@ -33,28 +33,77 @@ absl::Status Unfinished(const client::FastCompletion& c, const std::string& id) 
                                          v1::TransferPhase_Name(c.phase), c.message));
 }
 
-// Takes the target agent's notifications by PollNotifications in batches while a
-// measurement runs, counting those whose transfer id starts with `prefix`: a ring
-// moving 100,000s of WRITEs a second would otherwise fill the target's queue (65,536
-// by default), and one stream message per notification costs the target more than the
-// transfers. Started once no stream is open on the target any more: a watch stream that
-// is closing (the gRPC column's) would take notifications meant for this one's count.
-std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::string prefix,
-                                               uint32_t timeout_ms) {
+// Waits (up to 3 s) until no notification stream is open on `address`: a watch stream
+// that is closing (the gRPC column's) would take notifications meant for a drain's count.
+void WaitForNoStreams(const std::string& address, uint32_t timeout_ms) {
   AgentClient target(address, timeout_ms);
   for (int i = 0; i < 300; ++i) {
     auto status = target.Status();
     if (!status.ok() || status->open_streams() == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+}
+
+// Keeps the notifications whose transfer id starts with `prefix`.
+std::function<bool(const v1::Notification&)> KeepPrefix(std::string prefix) {
+  return [prefix = std::move(prefix)](const v1::Notification& n) {
+    return n.transfer_id().rfind(prefix, 0) == 0;
+  };
+}
+
+// Takes the target agent's notifications by PollNotifications in batches while a
+// measurement runs, counting those whose transfer id starts with `prefix`: a ring
+// moving 100,000s of WRITEs a second would otherwise fill the target's queue (65,536
+// by default), and one stream message per notification costs the target more than the
+// transfers.
+std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::string prefix,
+                                               uint32_t timeout_ms) {
+  WaitForNoStreams(address, timeout_ms);
   NotificationWaiterOptions drain;
   drain.address = address;
   drain.timeout_ms = timeout_ms;
   drain.poll = true;
   drain.poll_max = 8192;
-  drain.keep = [prefix = std::move(prefix)](const v1::Notification& n) {
-    return n.transfer_id().rfind(prefix, 0) == 0;
-  };
+  drain.keep = KeepPrefix(std::move(prefix));
+  return std::make_unique<NotificationWaiter>(std::move(drain));
+}
+
+// The rate phase's drain: a ring of the session that owns the target's pool, watching
+// every notification it may take, as a decode engine on the node takes them (no gRPC
+// message or thread per notification), when the target announces notifications on the
+// ring; else (an older agent, or no owner session here) StartDrain's gRPC polls.
+// `how` says which: "ring" or "grpc".
+absl::StatusOr<std::unique_ptr<NotificationWaiter>> StartRateDrain(const FastPhaseOptions& options,
+                                                                   std::string prefix,
+                                                                   std::string* how) {
+  *how = "grpc";
+  if (options.target_owner == nullptr) {
+    return StartDrain(options.target_address, std::move(prefix), options.timeout_ms);
+  }
+  WaitForNoStreams(options.target_address, options.timeout_ms);
+  ASSIGN_OR_RETURN(client::LocalSession * session, options.target_owner->Session());
+  client::FastPathOptions ring_options;
+  ring_options.submission_slots = 8;        // the watch entry only
+  ring_options.completion_entries = 4096;   // the most: room for bursts of notifications
+  if (options.spin_us != 0) ring_options.spin_us = options.spin_us;
+  ASSIGN_OR_RETURN(std::unique_ptr<client::FastPath> ring,
+                   client::FastPath::Open(session, ring_options));
+  if (!ring->delivers_notifications()) {
+    ring.reset();  // closes it: the session's one ring
+    return StartDrain(options.target_address, std::move(prefix), options.timeout_ms);
+  }
+  RETURN_IF_ERROR(ring->WatchNotifications({}, 0));
+  std::vector<client::FastCompletion> got;
+  ASSIGN_OR_RETURN(size_t n, ring->Reap(&got, 1, absl::Milliseconds(options.timeout_ms)));
+  if (n != 1 || got[0].opcode != client::fastring::kWatchNotifications || !got[0].status().ok()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "the target's ring did not take the rate phase's notification watch: {}",
+        n == 1 ? got[0].status().ToString() : "no answer in time"));
+  }
+  NotificationWaiterOptions drain;
+  drain.ring = std::move(ring);
+  drain.keep = KeepPrefix(std::move(prefix));
+  *how = "ring";
   return std::make_unique<NotificationWaiter>(std::move(drain));
 }
 
@@ -681,6 +730,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     uint64_t transfers = 0;
     double per_s = 0, p50_us = 0, p99_us = 0;
     std::optional<AgentCpu> cpu[2];  // initiator, target (agents started here)
+    std::string drain;               // how the target's notifications were taken: ring, grpc
   };
   std::vector<Rate> rates;
   std::unique_ptr<FastRing> second;
@@ -691,8 +741,10 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                                               "kvagentctl-bench-fast-2", options.spin_us));
     }
     const std::string run_prefix = fmt::format("{}r{}.", prefix, clients);
-    std::unique_ptr<NotificationWaiter> drain =
-        StartDrain(options.target_address, run_prefix, options.timeout_ms);
+    Rate rate;
+    rate.clients = clients;
+    ASSIGN_OR_RETURN(std::unique_ptr<NotificationWaiter> drain,
+                     StartRateDrain(options, run_prefix, &rate.drain));
     std::vector<FastRing*> rings = {ring->get(), second.get()};
     std::vector<absl::StatusOr<FastRun>> runs(clients, absl::UnknownError("not run"));
     const uint64_t span = clients * kDepth;
@@ -715,8 +767,6 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     }
     for (auto& t : threads) t.join();
     const double elapsed = Seconds(Clock::now() - start);
-    Rate rate;
-    rate.clients = clients;
     std::vector<double> all;
     for (auto& run : runs) {
       if (!run.ok()) return run.status();
@@ -736,8 +786,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     if (missing > 0) {
       return absl::DataLossError(fmt::format(
           "fast rate, {} client(s): {} transfers completed but the target's client saw {} "
-          "notifications for them",
-          clients, rate.transfers, rate.transfers - missing));
+          "notifications for them (taken by {})",
+          clients, rate.transfers, rate.transfers - missing, rate.drain));
     }
     rates.push_back(rate);
   }
@@ -757,19 +807,21 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   "\"transfers_per_s\": %.1f, \"p50_us\": %.1f, \"p99_us\": %.1f, "
                   "\"notifications\": %lu, \"grpc_transfers_per_s\": %s, "
                   "\"grpc_batch64_transfers_per_s\": %s, \"initiator_cpu_us_per_transfer\": %s, "
-                  "\"target_cpu_us_per_transfer\": %s, \"loadavg_1m\": %s}\n",
+                  "\"target_cpu_us_per_transfer\": %s, \"drain\": \"%s\", \"loadavg_1m\": %s}\n",
                   r.clients, kDepth, static_cast<unsigned long>(r.transfers), r.per_s, r.p50_us,
                   r.p99_us, static_cast<unsigned long>(r.transfers),
                   Opt(options.grpc_rate_single, "{:.1f}").c_str(),
                   Opt(options.grpc_rate_batch64, "{:.1f}").c_str(),
                   r.cpu[0] ? fmt::format("{:.1f}", r.cpu[0]->us_per_transfer).c_str() : "null",
                   r.cpu[1] ? fmt::format("{:.1f}", r.cpu[1]->us_per_transfer).c_str() : "null",
-                  Opt(load_rate, "{:.2f}").c_str());
+                  r.drain.c_str(), Opt(load_rate, "{:.2f}").c_str());
     } else {
       std::printf("  fast, %u client%s x %u in flight: %9lu transfers, %8.0f /s, submit -> "
-                  "completion p50 %.0f us, p99 %.0f us, notifications all\n",
+                  "completion p50 %.0f us, p99 %.0f us, notifications all (taken on the "
+                  "target's %s)\n",
                   r.clients, r.clients == 1 ? " " : "s", kDepth,
-                  static_cast<unsigned long>(r.transfers), r.per_s, r.p50_us, r.p99_us);
+                  static_cast<unsigned long>(r.transfers), r.per_s, r.p50_us, r.p99_us,
+                  r.drain == "ring" ? "ring" : "gRPC PollNotifications");
       const char* names[] = {"initiator", "target"};
       for (int k = 0; k < 2; ++k) {
         if (!r.cpu[k]) continue;

@@ -7,8 +7,10 @@
 //   flight); bench.cc prints it beside the cell's gRPC figures (FastCellColumns,
 //   FastCellJson) with the same perftest and memcpy ratios.
 // - RunFastPhase: one 4 KiB page, gRPC vs fast path vs a ring ping (p50/p99/p999), the
-//   one-page WRITE rate (64 in flight, 1 and 2 clients) and the agents' idle CPU with a
-//   ring open, with the load average.
+//   one-page WRITE rate (64 in flight, 1 and 2 clients; the target's notifications
+//   taken on a ring of its pool owner's session when the target delivers them there,
+//   as a decode engine would, else by gRPC polls: "drain") and the agents' idle CPU
+//   with a ring open, with the load average.
 // docs/BENCHMARKS.md ("Fast path") shows its output.
 #pragma once
 
@@ -130,7 +132,8 @@ struct FastPhaseOptions {
   pid_t initiator_pid = 0, target_pid = 0;
   // The client whose session registered the target's pool (it may take their
   // notifications): its ring watches them for the "submit -> the target's ring
-  // notification" line. Null: that line is left out.
+  // notification" line and drains them in the rate part. Null: that line is left out
+  // and the rate part drains by gRPC.
   AgentClient* target_owner = nullptr;
 };
 

@@ -2,6 +2,9 @@
 
 #include <atomic>
 
+#include "client/fast_ring.h"
+#include "fmt/format.h"
+
 #include "absl/synchronization/mutex.h"
 #include "cli/agent_client.h"
 
@@ -16,6 +19,9 @@ struct NotificationWaiter::State {
   bool ended ABSL_GUARDED_BY(mu) = false;
   absl::Status status ABSL_GUARDED_BY(mu);
 
+  // A poller and a ring only count what they keep.
+  bool Counting() const { return options.poll || options.ring != nullptr; }
+
   // Keeps `n` when it is of interest; false once the stream has what it waits for.
   bool Take(const v1::Notification& n) {
     if (!options.end_id.empty() && n.transfer_id() == options.end_id) return false;
@@ -25,7 +31,7 @@ struct NotificationWaiter::State {
       absl::MutexLock lock(&mu);
       // A stream's notification is kept once per transfer id, with its time; a poller
       // only counts (at 100,000s a second the map would cost the run).
-      if (!options.poll && !kept.emplace(n.transfer_id(), Clock::now()).second) return true;
+      if (!Counting() && !kept.emplace(n.transfer_id(), Clock::now()).second) return true;
       now_kept = ++count;
     }
     if (options.on_kept) options.on_kept(now_kept);
@@ -49,6 +55,23 @@ struct NotificationWaiter::State {
     }
     return absl::OkStatus();
   }
+
+  absl::Status Ring() {
+    std::vector<client::FastCompletion> got;
+    while (!stop.load()) {
+      got.clear();
+      auto reaped = options.ring->Reap(&got, 1024, absl::Milliseconds(5));
+      if (!reaped.ok()) return reaped.status();
+      for (const auto& c : got) {
+        if (c.opcode != client::fastring::kNotification) continue;
+        if (!c.notification) {
+          return absl::Status(c.code, fmt::format("a notification on the ring: {}", c.message));
+        }
+        Take(*c.notification);
+      }
+    }
+    return absl::OkStatus();
+  }
 };
 
 NotificationWaiterOptions StreamUntil(std::string address, std::string prefix,
@@ -66,7 +89,9 @@ NotificationWaiter::NotificationWaiter(NotificationWaiterOptions options)
     : state_(std::make_shared<State>()) {
   state_->options = std::move(options);
   thread_ = std::thread([state = state_] {
-    absl::Status status = state->options.poll ? state->Poll() : state->Stream();
+    absl::Status status = state->options.ring ? state->Ring()
+                          : state->options.poll ? state->Poll()
+                                                : state->Stream();
     absl::MutexLock lock(&state->mu);
     state->ended = true;
     state->status = std::move(status);
@@ -101,8 +126,8 @@ void NotificationWaiter::Finish(absl::Duration timeout) {
   bool ended;
   {
     absl::MutexLock lock(&state_->mu);
-    // A poller stops within one poll: always waited for.
-    if (state_->options.poll) timeout = absl::InfiniteDuration();
+    // A poller (a ring) stops within one poll (reap): always waited for.
+    if (state_->Counting()) timeout = absl::InfiniteDuration();
     state_->mu.AwaitWithTimeout(absl::Condition(&state_->ended), timeout);
     ended = state_->ended;
   }

@@ -2,8 +2,10 @@
 // decode worker would, and keeps those of interest: how many, and when each came.
 // Either on one WatchNotifications stream, until an end notification, a count or its
 // deadline, or by PollNotifications in batches (a run of 100,000s of WRITEs a second
-// would fill the agent's queue behind one stream message per notification). Its owner
-// waits for one transfer id or for a count. kvagentctl's demo, bench (grid cells, rate
+// would fill the agent's queue behind one stream message per notification), or on a
+// fast path ring whose notification watch is in place (no gRPC thread per
+// notification, as a decode engine on the node takes them). Its owner waits for one
+// transfer id or for a count. kvagentctl's demo, bench (grid cells, rate
 // phase, fast path phase) and the agent-memory phase all take notifications this way.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/fast_path.h"
 #include "proto/kvagent.pb.h"
 
 namespace kvagent::cli {
@@ -32,6 +35,11 @@ struct NotificationWaiterOptions {
   // small, after 5 ms when none came.
   bool poll = false;
   uint32_t poll_max = 0;
+  // Instead of gRPC (`address` unused): reap this ring, whose WatchNotifications entry
+  // has completed, in batches, until Finish; a notification completion with an error
+  // ends taking with it. Counted only, as a poller. The waiter owns the ring (its
+  // session must outlive the waiter) and closes it when destroyed.
+  std::shared_ptr<client::FastPath> ring;
   // Which notifications are kept (null: every one); called on the waiter's thread. A
   // stream keeps one per transfer id.
   std::function<bool(const v1::Notification&)> keep;

@@ -78,6 +78,12 @@ while IFS= read -r line; do
     echo "rate line without transfers, or notifications != transfers: $line"; bad=1
   fi
 done < <(grep -E '^\{"kind": "(rate|fast_rate)"' "$out")
+# This build's target delivers notifications on the ring: the fast rate part drains
+# them there (the pool owner's session), not by gRPC.
+ring_drains=$(grep -c '^{"kind": "fast_rate".*"drain": "ring"' "$out" || true)
+if [[ "$ring_drains" != 2 ]]; then
+  echo "expected 2 fast_rate lines drained on the target's ring, got $ring_drains"; bad=1
+fi
 # The fast path phase's latency: gRPC, fast (with and without notification, and until
 # the target's ring, or a gRPC stream of it, holds the notification) and ring pings (back to back, and after an
 # idle pause), with the load average; and both agents' idle CPU with a ring open.
