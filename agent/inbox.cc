@@ -14,6 +14,8 @@
 namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("inbox");
+// The most notification-batch bytes whose parsed storage is kept for the next batch.
+constexpr size_t kKeptBatchBytes = 64 << 10;
 }  // namespace
 
 Inbox::Inbox(transport::UcxWorker* worker, const PeerSecrets* secrets, SecurityCounters* counters,
@@ -230,8 +232,15 @@ void Inbox::OnNotification(std::string_view header, std::string_view data, void*
 void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep) {
   wire::PeerMessageAuth auth;
   if (!AdmitNotification(header, data.size(), limits_.max_batch_bytes, &auth)) return;
-  wire::NoticeBatch batch;
+  // Parsed into batch_, whose entries' strings keep their storage from batch to batch
+  // (parsing a batch then allocates nothing for them); into a batch of its own when
+  // one is handled inside another (a send that progressed the worker).
+  const bool nested = batch_busy_;
+  wire::NoticeBatch own;
+  wire::NoticeBatch& batch = nested ? own : batch_;
+  batch_busy_ = true;
   if (absl::Status parsed = ParseBatch(data, limits_, &batch); !parsed.ok()) {
+    batch_busy_ = nested;
     DropNotification(fmt::format("a notification batch: {}", parsed.message()),
                      auth.from_agent());
     return;
@@ -243,15 +252,26 @@ void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* 
     engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
   }
   holding_acks_ = false;
+  // A large batch's storage is not kept (a rendezvous batch may hold up to
+  // max_batch_bytes).
+  if (!nested && data.size() > kKeptBatchBytes) batch_ = wire::NoticeBatch();
+  batch_busy_ = nested;
   FlushAcks();
 }
 
 void Inbox::SendAck(void* reply_ep, const wire::TransferAck& ack) {
-  if (holding_acks_) {
-    held_acks_.emplace_back(reply_ep, ack);
+  if (!holding_acks_) {
+    SendAckBytes(reply_ep, ack.SerializeAsString());
     return;
   }
-  worker_->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack.SerializeAsString(), nullptr, 0,
+  if (held_count_ == held_acks_.size()) held_acks_.emplace_back();
+  HeldAck& held = held_acks_[held_count_++];
+  held.reply_ep = reply_ep;
+  ack.SerializeToString(&held.bytes);  // reuses the string's storage
+}
+
+void Inbox::SendAckBytes(void* reply_ep, std::string_view ack) {
+  worker_->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack, nullptr, 0,
                        [](absl::Status sent) {
                          if (!sent.ok()) {
                            kLog.Warn("a transfer acknowledgement was not sent: {}", sent.message());
@@ -259,32 +279,56 @@ void Inbox::SendAck(void* reply_ep, const wire::TransferAck& ack) {
                        });
 }
 
+namespace {
+// Appends `value` as a protobuf varint.
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>(value | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+}  // namespace
+
 void Inbox::FlushAcks() {
-  // A batch came on one reply endpoint; group by endpoint anyway, in order.
-  std::vector<std::pair<void*, wire::TransferAck>> acks;
+  // Taken out first: a send may progress the worker into another batch, which holds
+  // its own. The storage comes back afterwards unless that happened.
+  std::vector<HeldAck> acks;
   acks.swap(held_acks_);
-  for (size_t i = 0; i < acks.size();) {
-    void* reply_ep = acks[i].first;
+  const size_t count = std::exchange(held_count_, 0);
+  // A batch came on one reply endpoint; group by endpoint anyway, in order.
+  for (size_t i = 0; i < count;) {
+    void* reply_ep = acks[i].reply_ep;
     size_t end = i;
-    while (end < acks.size() && acks[end].first == reply_ep) ++end;
+    size_t bytes_total = 0;
+    for (; end < count && acks[end].reply_ep == reply_ep; ++end) {
+      bytes_total += acks[end].bytes.size() + 6;
+    }
     if (end - i == 1) {
-      SendAck(reply_ep, acks[i].second);
+      SendAckBytes(reply_ep, acks[i].bytes);
       i = end;
       continue;
     }
-    wire::TransferAckBatch batch;
-    for (; i < end; ++i) *batch.add_acks() = std::move(acks[i].second);
+    // TransferAckBatch's encoding, written directly (each entry is field 1, a
+    // length-delimited TransferAck: the bytes SerializeAsString gives for the batch).
     // The reply's data is referenced, not copied: it lives until the send completes.
-    auto bytes = std::make_shared<std::string>(batch.SerializeAsString());
-    const size_t count = static_cast<size_t>(batch.acks_size());
+    auto bytes = std::make_shared<std::string>();
+    bytes->reserve(bytes_total);
+    const size_t entries = end - i;
+    for (; i < end; ++i) {
+      bytes->push_back(static_cast<char>((1 << 3) | 2));  // field 1, length-delimited
+      AppendVarint(acks[i].bytes.size(), bytes.get());
+      bytes->append(acks[i].bytes);
+    }
     worker_->SendAmReply(reply_ep, Wire(AmId::kAckBatch), "", bytes->data(), bytes->size(),
-                         [bytes, count](absl::Status sent) {
+                         [bytes, entries](absl::Status sent) {
                            if (!sent.ok()) {
                              kLog.Warn("a batch of {} transfer acknowledgements was not sent: {}",
-                                       count, sent.message());
+                                       entries, sent.message());
                            }
                          });
   }
+  if (held_acks_.empty()) held_acks_.swap(acks);
 }
 
 void Inbox::OnAck(std::string_view header) {

@@ -104,6 +104,8 @@ class Inbox {
   // Sends the acknowledgements held while a batch was handled (one message per reply
   // endpoint, or a single acknowledgement when there is one).
   void FlushAcks();
+  // Sends one serialized TransferAck (5) over `reply_ep`.
+  void SendAckBytes(void* reply_ep, std::string_view ack);
   // Registers a staged id whose header is `Header` (parsed here, then `handler`).
   template <typename Header>
   void InstallStaged(AmId id,
@@ -116,9 +118,21 @@ class Inbox {
   const InboxLimits limits_;
   TransferEngine* engine_ = nullptr;
   Stager* stager_ = nullptr;
-  // Worker thread only: acknowledgements held while a notification batch is handled.
+  // Worker thread only: acknowledgements held while a notification batch is handled,
+  // serialized as they come: the first held_count_ entries of held_acks_, whose strings
+  // keep their storage from batch to batch (a held acknowledgement allocates nothing
+  // once the batches have reached their size).
+  struct HeldAck {
+    void* reply_ep = nullptr;
+    std::string bytes;  // a serialized TransferAck
+  };
   bool holding_acks_ = false;
-  std::vector<std::pair<void*, wire::TransferAck>> held_acks_;
+  std::vector<HeldAck> held_acks_;
+  // Worker thread only: the notification batch being handled (OnNoticeBatch), kept
+  // with its storage; busy while one is.
+  wire::NoticeBatch batch_;
+  bool batch_busy_ = false;
+  size_t held_count_ = 0;
 };
 
 }  // namespace kvagent::agent

@@ -78,11 +78,19 @@ absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) co
 void IncomingTransfers::OwnersOf(const v1::Notification& n,
                                  std::vector<std::string>* owners) const {
   owners->clear();
+  auto add = [owners](const registry::RegionPtr& region) {
+    if (std::find(owners->begin(), owners->end(), region->owner) == owners->end()) {
+      owners->push_back(region->owner);
+    }
+  };
   for (const auto& target : n.targets()) {
-    for (const auto& region : RegionsOf(target)) {
-      if (std::find(owners->begin(), owners->end(), region->owner) == owners->end()) {
-        owners->push_back(region->owner);
-      }
+    // RegionsOf without its vector for a lone region (the common target): one
+    // allocation less per transfer.
+    std::vector<registry::RegionPtr> group = registry_->FindGroup(target);
+    if (!group.empty()) {
+      for (const auto& region : group) add(region);
+    } else if (auto region = registry_->Find(target)) {
+      add(region);
     }
   }
 }
@@ -207,7 +215,7 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
 
 void IncomingTransfers::OnDataReady(v1::Notification n, void* reply_ep, const absl::Status& data) {
   void* ack_ep = nullptr;
-  wire::TransferAck ack;
+  wire::TransferAck& ack = ack_;
   {
     absl::MutexLock lock(&mu_);
     HoldLocked(std::move(n), reply_ep);
@@ -221,7 +229,7 @@ void IncomingTransfers::OnDataReady(v1::Notification n, void* reply_ep, const ab
 
 void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Status& status) {
   void* reply_ep = nullptr;
-  wire::TransferAck ack;
+  wire::TransferAck& ack = ack_;
   {
     absl::MutexLock lock(&mu_);
     auto it = records_.find(LookupKey(n));
@@ -235,6 +243,7 @@ void* IncomingTransfers::AcknowledgeLocked(absl::flat_hash_map<Key, Record>::ite
                                            const absl::Status& status,
                                            wire::TransferAck* ack_out) {
   wire::TransferAck& ack = *ack_out;
+  ack.Clear();  // ack_, reused: its strings keep their storage
   Record& r = it->second;
   void* reply_ep = std::exchange(r.reply_ep, nullptr);
   ack.set_from_agent(options_.self_name);
@@ -299,9 +308,13 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
     r.state.set_drained(true);
   }
   if (options_.on_ended) options_.on_ended(r.state);
-  v1::Notification out;
-  out.set_from_agent(from.from_agent());
-  out.set_transfer_id(from.transfer_id());
+  // Built in end_out_, whose storage a ring or stream taking it at once leaves here
+  // for the next one (PushOrKeep).
+  v1::Notification& out = end_out_.notification;
+  out.Clear();
+  // `from` is this function's own: its strings move, not copied.
+  out.set_from_agent(std::move(*from.mutable_from_agent()));
+  out.set_transfer_id(std::move(*from.mutable_transfer_id()));
   out.set_kind(kind);
   out.set_sender_incarnation(from.sender_incarnation());
   out.set_received_unix_us(UnixMicros());
@@ -317,10 +330,9 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   }
   // The owners as they were when the transfer began; the targets' owners now, when it
   // was never opened here.
-  std::vector<std::string> owners = r.owners;
-  if (owners.empty()) OwnersOf(out, &owners);
-  queue_->Push(QueuedNotification{std::move(out), std::move(owners)},
-               std::exchange(r.reserved_bytes, 0));
+  end_out_.owners = r.owners;
+  if (end_out_.owners.empty()) OwnersOf(out, &end_out_.owners);
+  queue_->PushOrKeep(end_out_, std::exchange(r.reserved_bytes, 0));
   // Into the ring of ended keys: the slot past the newest (its string reused), else a
   // new slot while the ring is still growing (the oldest is then at the front).
   if (ended_count_ < ended_keys_.size()) {

@@ -141,6 +141,11 @@ class IncomingTransfers {
   static constexpr size_t kSpareRecords = 8;
   std::vector<absl::flat_hash_map<Key, Record>::node_type> spare_ ABSL_GUARDED_BY(mu_);
   Key lookup_key_ ABSL_GUARDED_BY(mu_);
+  // EndLocked's notification, reused (NotificationQueue::PushOrKeep).
+  QueuedNotification end_out_ ABSL_GUARDED_BY(mu_);
+  // OnDataReady's and DataInPlace's acknowledgement (worker thread only), reused: its
+  // strings keep their storage. Filled under mu_, sent after it.
+  wire::TransferAck ack_;
 };
 
 }  // namespace kvagent::agent

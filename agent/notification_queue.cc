@@ -108,6 +108,10 @@ absl::Status NotificationQueue::Reserve(absl::FunctionRef<std::string()> what, u
 }
 
 bool NotificationQueue::Push(QueuedNotification notification, uint64_t reserved_bytes) {
+  return PushOrKeep(notification, reserved_bytes);
+}
+
+bool NotificationQueue::PushOrKeep(QueuedNotification& notification, uint64_t reserved_bytes) {
   absl::MutexLock lock(&mu_);
   const bool reserved = reserved_bytes > 0 && reserved_ > 0;
   if (reserved) {

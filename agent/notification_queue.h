@@ -88,6 +88,11 @@ class NotificationQueue {
   // queue at its limits keeps nothing more: the notification is counted in
   // overflowed() and false returned (the transfer's record still holds its outcome).
   bool Push(QueuedNotification notification, uint64_t reserved_bytes = 0);
+  // Push that moves from `notification` only when it is queued: when a subscriber
+  // (a fast path ring, a stream) takes it at once, the caller keeps it, and its storage
+  // serves the next one (the receiver's one notification per transfer allocates
+  // nothing then).
+  bool PushOrKeep(QueuedNotification& notification, uint64_t reserved_bytes = 0);
   // Reserves room for one notification of `bytes` (Size), counted with what is queued:
   // the receiver reserves before it acknowledges a transfer, so a success is refused
   // back to its sender (RESOURCE_EXHAUSTED naming the limit, counted), never

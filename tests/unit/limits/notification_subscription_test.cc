@@ -209,3 +209,43 @@ TEST_CASE("an idle subscription expires and what it held goes back to the queue"
 
 }  // namespace
 }  // namespace kvagent::agent
+
+namespace kvagent::agent {
+namespace {
+
+// The receiver reuses one QueuedNotification per ended transfer (IncomingTransfers'
+// end_out_): PushOrKeep must hand a subscriber exactly what it holds, leave it with the
+// caller then, and queue it whole (moved) when no one takes it.
+TEST_CASE("PushOrKeep keeps what a subscriber took with the caller and queues the rest whole") {
+  NotificationQueue queue;
+  std::vector<std::string> taken;
+  bool take = true;
+  const uint64_t token = queue.Subscribe([&](const QueuedNotification& q) {
+    if (!take) return false;
+    taken.push_back(q.notification.transfer_id() + "/" + q.notification.payload());
+    return true;
+  });
+  QueuedNotification q = Note("a");
+  REQUIRE(queue.PushOrKeep(q));
+  CHECK(taken == std::vector<std::string>{"a/p"});
+  CHECK(q.notification.transfer_id() == "a");  // still the caller's
+  CHECK(q.owners == std::vector<std::string>{"engine"});
+  CHECK(queue.queued() == 0);
+
+  // Reused for the next one, which nobody takes: queued with its own contents.
+  take = false;
+  q.notification.Clear();
+  q.notification.set_transfer_id("b");
+  q.notification.set_payload("second");
+  REQUIRE(queue.PushOrKeep(q));
+  CHECK(queue.queued() == 1);
+  queue.Unsubscribe(token);
+  auto polled = queue.Poll(0, {}, NotificationReader{"engine", false});
+  REQUIRE(polled.size() == 1);
+  CHECK(polled[0].transfer_id() == "b");
+  CHECK(polled[0].payload() == "second");
+  CHECK(taken.size() == 1);
+}
+
+}  // namespace
+}  // namespace kvagent::agent
