@@ -25,6 +25,7 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "fmt/format.h"
+#include "registry/shm_mapping.h"
 
 namespace {
 
@@ -126,6 +127,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               peer error handling; peer otherwise)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
+  --warm-mappings on|off      on (default): after mapping host memory (a region, a
+                              peer's region for a same-host copy), a background thread
+                              reads one byte per page of it, so the first transfers do
+                              not pay each page's first-access fault (5-18 us per page
+                              on some VMs; doctor's first-touch check measures it)
   --vram-staging auto|off     VRAM when UCX lacks CUDA: auto (default) registers it for
                               same-host CUDA IPC copies ("staged" path); off refuses it
   --staging-buffers N         host staging: bounce buffers per direction (default 8)
@@ -228,6 +234,7 @@ KVAGENT_FLAG(OnOff, liveness, "liveness", OnOff{Defaults().liveness}, "");
 KVAGENT_FLAG(Count<uint32_t>, liveness_port, "liveness-port", {Defaults().liveness_port}, "");
 KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error_mode, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
+KVAGENT_FLAG(OnOff, warm_mappings, "warm-mappings", OnOff{true}, "");
 KVAGENT_FLAG(AutoOff, vram_staging, "vram-staging", AutoOff{Defaults().vram_staging}, "");
 KVAGENT_FLAG(Count<uint32_t>, staging_buffers, "staging-buffers",
              {Defaults().staging.buffers}, "");
@@ -481,6 +488,7 @@ int main(int argc, char** argv) {
   if (absl::Status flags = ReadFlags(&options, &grace_ms); !flags.ok()) {
     return Fail(std::string(flags.message()));
   }
+  kvagent::registry::ShmMapping::SetWarming(absl::GetFlag(FLAGS_warm_mappings).on);
   if (absl::GetFlag(FLAGS_check_flags)) {
     std::printf("kvagentd: flags accepted; agent '%s' not started (--check-flags)\n",
                 options.name.c_str());

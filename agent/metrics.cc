@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "base/log.h"
 #include "fmt/format.h"
+#include "registry/shm_mapping.h"
 
 namespace kvagent::agent {
 namespace {
@@ -278,6 +279,15 @@ std::string RenderMetrics(const MetricsSources& sources) {
   for (const auto& c : fast_counters) {
     Family(&out, c.name, "counter", c.help).Sample(static_cast<double>(c.value));
   }
+
+  // Background first touch of mapped host memory (--warm-mappings).
+  const registry::ShmMapping::WarmingStats warming = registry::ShmMapping::warming();
+  Family(&out, "kvagent_mapping_pages_warmed_total", "counter",
+         "Pages of mapped host memory the map-warm thread has read once (--warm-mappings).")
+      .Sample(static_cast<double>(warming.pages_touched));
+  Family(&out, "kvagent_mapping_pages_to_warm", "gauge",
+         "Pages of mapped host memory waiting for the map-warm thread now.")
+      .Sample(static_cast<double>(warming.pages_queued));
 
   // Limits: value, use and refusals of each (docs/LIMITS.md).
   Family limit_value(&out, "kvagent_limit", "gauge", "Each limit's value (its --max-* flag).");

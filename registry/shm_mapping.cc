@@ -1,7 +1,9 @@
 #include "registry/shm_mapping.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -10,6 +12,8 @@
 #include <cstring>
 #include <algorithm>
 #include <atomic>
+#include <deque>
+#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -55,6 +59,87 @@ SegmentTable& Segments() {
 
 std::atomic<size_t> segments_alive{0};
 
+// Background first touch (ShmMapping::SetWarming).
+struct WarmJob {
+  std::weak_ptr<ShmMapping::Segment> segment;
+  uint64_t first = 0, end = 0, page = 4096;  // offsets in the segment
+};
+struct Warmer {
+  absl::Mutex mu;
+  std::deque<WarmJob> jobs ABSL_GUARDED_BY(mu);
+  bool started ABSL_GUARDED_BY(mu) = false;
+  bool held ABSL_GUARDED_BY(mu) = false;  // HoldWarmingForTest
+  std::atomic<uint64_t> touched{0}, queued{0}, skipped{0};
+};
+Warmer& TheWarmer() {
+  static auto* warmer = new Warmer();  // never destroyed: its thread is detached
+  return *warmer;
+}
+std::atomic<bool> warming_on{false};
+
+// One byte read per page. The engine or a transfer may write these bytes meanwhile
+// (other mappings, other processes): the value read is not used, so that is no race
+// that matters, and ThreadSanitizer is told so.
+__attribute__((no_sanitize("thread"), noinline)) uint8_t TouchPages(const uint8_t* at,
+                                                                    uint64_t bytes,
+                                                                    uint64_t page) {
+  uint8_t sum = 0;
+  for (uint64_t o = 0; o < bytes; o += page) {
+    sum ^= *reinterpret_cast<const volatile uint8_t*>(at + o);
+  }
+  return sum;
+}
+
+void WarmLoop() {
+  pthread_setname_np(pthread_self(), "map-warm");
+  // Lowest priority: the pages it touches first cost a transfer no more than before,
+  // so it takes only CPU that nothing else wants.
+  (void)setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19);
+  Warmer& w = TheWarmer();
+  constexpr uint64_t kStep = uint64_t{1} << 20;  // the segment is held one MiB at a time
+  for (;;) {
+    WarmJob job;
+    {
+      absl::MutexLock lock(&w.mu);
+      w.mu.Await(absl::Condition(
+          +[](Warmer* warmer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(warmer->mu) {
+            return !warmer->jobs.empty() && !warmer->held;
+          },
+          &w));
+      job = std::move(w.jobs.front());
+      w.jobs.pop_front();
+    }
+    uint64_t at = job.first;
+    while (at < job.end) {
+      std::shared_ptr<ShmMapping::Segment> segment = job.segment.lock();
+      if (segment == nullptr || segment->guard.broken()) break;
+      const uint64_t n = std::min(kStep, job.end - at);
+      (void)TouchPages(static_cast<const uint8_t*>(segment->base) + at, n, job.page);
+      const uint64_t pages = (n + job.page - 1) / job.page;
+      w.touched.fetch_add(pages);
+      w.queued.fetch_sub(pages);
+      at += n;
+    }
+    if (at < job.end) {
+      w.queued.fetch_sub((job.end - at + job.page - 1) / job.page);
+      w.skipped.fetch_add(1);
+    }
+  }
+}
+
+void QueueWarm(const std::shared_ptr<ShmMapping::Segment>& segment, uint64_t first,
+               uint64_t end, uint64_t page) {
+  if (!warming_on.load(std::memory_order_relaxed) || end <= first) return;
+  Warmer& w = TheWarmer();
+  w.queued.fetch_add((end - first + page - 1) / page);
+  absl::MutexLock lock(&w.mu);
+  w.jobs.push_back(WarmJob{segment, first, end, page});
+  if (!w.started) {
+    w.started = true;
+    std::thread(WarmLoop).detach();
+  }
+}
+
 uint64_t AlignUp(uint64_t value, uint64_t alignment) {
   return AlignDown(value + alignment - 1, alignment);
 }
@@ -74,6 +159,19 @@ ShmMapping::Segment::~Segment() {
 }
 
 size_t ShmMapping::shared_mappings() { return segments_alive.load(); }
+
+void ShmMapping::SetWarming(bool on) { warming_on.store(on); }
+
+void ShmMapping::HoldWarmingForTest(bool hold) {
+  Warmer& w = TheWarmer();
+  absl::MutexLock lock(&w.mu);
+  w.held = hold;
+}
+
+ShmMapping::WarmingStats ShmMapping::warming() {
+  Warmer& w = TheWarmer();
+  return WarmingStats{w.touched.load(), w.queued.load(), w.skipped.load()};
+}
 
 bool ShmMapping::broken() const { return segment_ != nullptr && segment_->guard.broken(); }
 
@@ -163,9 +261,11 @@ absl::StatusOr<ShmMapping> ShmMapping::Map(std::shared_ptr<const MemoryObject> o
   // the range alone; failures are left to the transfer path (and the fault guard).
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t first = AlignDown(offset, page);
-  (void)madvise(static_cast<char*>(mapping.segment_->base) + first,
-                std::min(AlignUp(end, page), mapping.segment_->length) - first,
+  const uint64_t last = std::min(AlignUp(end, page), mapping.segment_->length);
+  (void)madvise(static_cast<char*>(mapping.segment_->base) + first, last - first,
                 MADV_POPULATE_WRITE);
+  QueueWarm(mapping.segment_, first, last,
+            std::max<uint64_t>(page, mapping.memory_->page_alignment()));
   return mapping;
 }
 

@@ -71,6 +71,26 @@ class ShmMapping {
   // mmaps alive now (each shared by the ShmMappings of one object, or one Create).
   static size_t shared_mappings();
 
+  // First touch in the background. MADV_POPULATE_WRITE (Map) fills the page tables,
+  // but on some VMs a page's first CPU access through a new mapping still costs a
+  // fault below Linux (5-18 us per 4 KiB page measured here, docs/BENCHMARKS.md), which
+  // the first transfer touching it would pay. With warming on, each Map queues its
+  // range, and one thread ("map-warm", at nice 19: it takes only CPU nothing else
+  // wants) reads one byte per page of it (under the fault guard; a mapping released or
+  // broken meanwhile is skipped), so the first transfers find the pages mapped. Where
+  // populating sufficed a pass costs ~0.02 us per page.
+  // Off by default (kvagentd turns it on: --warm-mappings).
+  static void SetWarming(bool on);
+  struct WarmingStats {
+    uint64_t pages_touched = 0;  // since the process started
+    uint64_t pages_queued = 0;   // waiting now (includes the range being touched)
+    uint64_t ranges_skipped = 0; // released or broken before they were touched through
+  };
+  static WarmingStats warming();
+  // Tests: while held, the map-warm thread takes no new range (it finishes the one it
+  // is in), so a test can release or truncate a mapping before it is touched.
+  static void HoldWarmingForTest(bool hold);
+
   struct Segment;  // one mmap of a whole object, guarded; unmapped with its last user
 
  private:

@@ -205,4 +205,42 @@ TEST_CASE("The metrics endpoint refuses what it must and survives many connectio
   }
 }
 
+TEST_CASE("Host memory an agent maps is read once per page in the background, unless "
+          "--warm-mappings off", "[metrics]") {
+  for (const bool on : {true, false}) {
+    CAPTURE(on);
+    AgentPairOptions options;
+    options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
+    if (!on) options.extra_args.insert(options.extra_args.end(), {"--warm-mappings", "off"});
+    AgentPair pair(options);
+    const std::string prefill = MetricsAddress(pair.prefill());
+    // Prefill maps its engine's pool (registered) and, for its same-host copy route,
+    // decode's pool: both are read through once.
+    const double pages =
+        static_cast<double>(pair.prefill_pool().bytes() + pair.decode_pool().bytes()) / 4096;
+    double warmed = 0, waiting = -1;
+    for (int i = 0; i < 200; ++i) {
+      const std::string body = Scrape(prefill);
+      warmed = Value(body, "kvagent_mapping_pages_warmed_total");
+      waiting = Value(body, "kvagent_mapping_pages_to_warm");
+      if (!on || (warmed >= pages && waiting == 0)) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    CHECK(waiting == 0);
+    if (on) {
+      CHECK(warmed >= pages);
+    } else {
+      CHECK(warmed == 0);
+    }
+    // Either way the bytes move and arrive (the warm thread only reads).
+    pair.ResetContents();
+    auto request = KvWrite(on ? "warm-on" : "warm-off", {3}, {5});
+    REQUIRE(SubmitThrough(pair.prefill(), request).ok());
+    auto state = pair.prefill().WaitTransfer(request.transfer_id(), 20000);
+    REQUIRE(state.ok());
+    CHECK(state->phase() == v1::COMPLETED);
+    CHECK(pair.PageEqual(3, 5));
+  }
+}
+
 }  // namespace kvagent::testing

@@ -282,6 +282,7 @@ TEST_CASE("first-touch: the probe measures; slow first access warns with the cos
   CHECK(Has(warn.detail(), "8.00 us per 4 KiB page"));
   CHECK(Has(warn.detail(), "(2.1 s per GiB)"));
   CHECK(Has(warn.detail(), "a virtual machine's paging"));
+  CHECK(Has(warn.fix(), "--warm-mappings on"));
   CHECK(Has(warn.fix(), "warm each pool after registering it"));
   CHECK(Has(warn.fix(), "A slow transfer"));
 

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -213,6 +214,95 @@ TEST_CASE("mappings of one object share one whole-object mapping until it breaks
   *grown = ShmMapping();
   *fresh = ShmMapping();
   CHECK(ShmMapping::shared_mappings() == before);
+}
+
+}  // namespace
+}  // namespace kvagent::registry
+
+namespace kvagent::registry {
+namespace {
+
+// Waits up to 20 s for the map-warm thread to have nothing queued.
+bool WarmingDrained() {
+  for (int i = 0; i < 2000; ++i) {
+    if (ShmMapping::warming().pages_queued == 0) return true;
+    usleep(10000);
+  }
+  return false;
+}
+
+std::shared_ptr<const MemoryObject> Memfd(uint64_t bytes, const char* label) {
+  UniqueFd fd(memfd_create(label, MFD_CLOEXEC));
+  REQUIRE(fd.valid());
+  REQUIRE(ftruncate(fd.get(), static_cast<off_t>(bytes)) == 0);
+  auto object = MemoryObject::FromDescriptor(std::move(fd), label);
+  REQUIRE(object.ok());
+  return *object;
+}
+
+TEST_CASE("warming: off by default; on, each mapped range is read once per page in the background") {
+  constexpr uint64_t kPage = 4096;
+  REQUIRE(WarmingDrained());
+  const auto before = ShmMapping::warming();
+  auto object = Memfd(64 * kPage, "warm-off");
+  {
+    auto cold = ShmMapping::Map(object, 0, 64 * kPage, "cold");
+    REQUIRE(cold.ok());
+    CHECK(ShmMapping::warming().pages_touched == before.pages_touched);
+    CHECK(ShmMapping::warming().pages_queued == 0);
+  }
+
+  ShmMapping::SetWarming(true);
+  // 1,000 pages at an unaligned offset: pages 3..1003 of the object's 1,100.
+  auto pool = Memfd(1100 * kPage, "warm-on");
+  auto mapping = ShmMapping::Map(pool, 3 * kPage + 100, 1000 * kPage, "warm");
+  REQUIRE(mapping.ok());
+  REQUIRE(WarmingDrained());
+  const auto after = ShmMapping::warming();
+  CHECK(after.pages_touched - before.pages_touched == 1001);
+  CHECK(after.ranges_skipped == before.ranges_skipped);
+  // Nothing the warmer did changed a byte.
+  const auto* bytes = static_cast<const unsigned char*>(mapping->data());
+  CHECK(std::all_of(bytes, bytes + 1000 * kPage, [](unsigned char b) { return b == 0; }));
+  CHECK_FALSE(mapping->broken());
+  ShmMapping::SetWarming(false);
+}
+
+TEST_CASE("warming: a range released, or truncated under it, before its turn is skipped and nothing crashes") {
+  constexpr uint64_t kPage = 4096;
+  REQUIRE(WarmingDrained());
+  ShmMapping::SetWarming(true);
+  ShmMapping::HoldWarmingForTest(true);
+  const auto before = ShmMapping::warming();
+
+  // Released: the job holds only a weak reference, so the memory is unmapped now.
+  const size_t mappings = ShmMapping::shared_mappings();
+  {
+    auto gone = ShmMapping::Map(Memfd(512 * kPage, "warm-gone"), 0, 512 * kPage, "gone");
+    REQUIRE(gone.ok());
+    CHECK(ShmMapping::warming().pages_queued == before.pages_queued + 512);
+  }
+  CHECK(ShmMapping::shared_mappings() == mappings);
+
+  // Truncated (an unsealed object an engine shrinks): 4 MiB mapped, then cut to one page.
+  UniqueFd fd(memfd_create("warm-cut", MFD_CLOEXEC));
+  REQUIRE(fd.valid());
+  REQUIRE(ftruncate(fd.get(), 1024 * kPage) == 0);
+  auto object = MemoryObject::FromDescriptor(UniqueFd(dup(fd.get())), "warm-cut");
+  REQUIRE(object.ok());
+  auto cut = ShmMapping::Map(*object, 0, 1024 * kPage, "cut");
+  REQUIRE(cut.ok());
+  REQUIRE(ftruncate(fd.get(), kPage) == 0);
+
+  ShmMapping::HoldWarmingForTest(false);
+  REQUIRE(WarmingDrained());
+  const auto after = ShmMapping::warming();
+  // The released range: skipped whole. The cut one: its first MiB read (the SIGBUS past
+  // the first page caught by the fault guard), then skipped as broken.
+  CHECK(after.ranges_skipped - before.ranges_skipped == 2);
+  CHECK(after.pages_touched - before.pages_touched == 256);
+  CHECK(cut->broken());
+  ShmMapping::SetWarming(false);
 }
 
 }  // namespace
