@@ -764,60 +764,67 @@ void AgentService::HandleListPeers(grpc::CallbackServerContext* context,
 }
 
 // A transfer accepted for the first time is counted by its outcome (agent/metrics)
-// when it ends; its data path is the peer's when it was submitted.
-static void CountTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request) {
+// when it ends; its data path is the peer's when it was submitted. Returns the metrics
+// that want the transfer's final state (TransferMetrics::Ended), or null when it is
+// not counted (no metrics, or a retry of a transfer already tracked).
+static TransferMetrics* TrackTransfer(const ServiceDeps& deps,
+                                      const v1::SubmitTransferRequest& request) {
   TransferMetrics* metrics = deps.transfer_metrics;
-  if (metrics == nullptr) return;
+  if (metrics == nullptr) return nullptr;
   std::string path = "unknown";
   if (auto peer = deps.peers->Get(request.peer()); peer.ok()) {
     const auto& direct = (*peer)->direct;
     path = direct == nullptr ? "ucx" : direct->complete ? "shm-direct" : "shm-direct+ucx";
   }
-  if (!metrics->Track(request.transfer_id(), path)) return;
-  absl::Status watched = deps.engine->WhenTerminal(
-      request.transfer_id(), [metrics](const v1::TransferState& s) { metrics->Ended(s); });
-  // Only pruning could lose it; then it is not counted.
-  (void)watched;
+  return metrics->Track(request.transfer_id(), path) ? metrics : nullptr;
 }
 
 void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request,
                     const Caller& caller, bool wait, SubmitDone done) {
   TransferEngine* engine = deps.engine;
-  // Submits and, when asked to wait, answers with the final state instead.
-  auto submit = [engine, &request, caller, wait, &deps](SubmitDone done) {
+  // Submits and, when asked to wait, answers with the final state instead. Called at
+  // once (the usual case: the caller is borrowed, not copied) or after a refresh
+  // (with a copy the refresh's callback owns).
+  auto submit = [engine, &request, wait, &deps](const Caller& caller, SubmitDone done) {
     // With wait the accepted state is not wanted (the answer is the final one), so it
     // is not copied (issue 15: the fast path's last chunk).
     v1::TransferState accepted;
     absl::Status submitted = engine->Submit(request, caller, wait ? nullptr : &accepted);
-    if (submitted.ok()) {
-      CountTransfer(deps, request);
-    } else if (deps.transfer_metrics != nullptr) {
-      deps.transfer_metrics->SubmitRefused(submitted.code());
-    }
     if (!submitted.ok()) {
+      if (deps.transfer_metrics != nullptr) deps.transfer_metrics->SubmitRefused(submitted.code());
       done(submitted, v1::TransferState::default_instance());
       return;
     }
+    TransferMetrics* count = TrackTransfer(deps, request);
     if (!wait) {
+      if (count != nullptr) {
+        absl::Status watched = engine->WhenTerminal(
+            request.transfer_id(), [count](const v1::TransferState& s) { count->Ended(s); });
+        // Only pruning could lose it; then it is not counted.
+        (void)watched;
+      }
       done(absl::OkStatus(), accepted);
       return;
     }
-    // Called at once (under the engine's lock, as when it ends later) if it has ended.
+    // One callback counts the outcome (first, as the metrics always were) and answers:
+    // called at once (under the engine's lock, as when it ends later) if it has ended.
     auto shared = std::make_shared<SubmitDone>(std::move(done));
     absl::Status watched = engine->WhenTerminal(
-        request.transfer_id(),
-        [shared](const v1::TransferState& s) { (*shared)(absl::OkStatus(), s); });
+        request.transfer_id(), [shared, count](const v1::TransferState& s) {
+          if (count != nullptr) count->Ended(s);
+          (*shared)(absl::OkStatus(), s);
+        });
     // Only pruning could lose it, and that keeps the newest finished transfers.
     if (!watched.ok()) (*shared)(watched, v1::TransferState::default_instance());
   };
   if (!engine->NamesUnknownRemote(request)) {
-    submit(std::move(done));
+    submit(caller, std::move(done));
     return;
   }
   // The peer may have registered it after our last poll: look again, then submit.
   deps.peers->RefreshAsync(request.peer(),
-                           [submit, done = std::move(done)](absl::Status) mutable {
-                             submit(std::move(done));
+                           [submit, caller, done = std::move(done)](absl::Status) mutable {
+                             submit(caller, std::move(done));
                            });
 }
 

@@ -45,15 +45,30 @@ uint64_t RandomToken() {
 }
 
 uint64_t Digest(const v1::SubmitTransferRequest& request) {
+  // The serialization and the copy without timeout_ms and wait go into this thread's
+  // scratch, whose storage the next submits reuse (a protobuf message keeps its
+  // cleared fields' allocations): no allocation per submit once warm. A large
+  // request's storage is let go after use, so a thread holds at most kKeep bytes.
+  constexpr size_t kKeep = 64 << 10;
+  thread_local std::string bytes;
+  thread_local v1::SubmitTransferRequest copy;
+  const v1::SubmitTransferRequest* hashed = &request;
   // Both fields unset (the usual case): the request serializes as the copy without
   // them would, so it is hashed as it is, without copying it.
-  if (request.timeout_ms() == 0 && !request.wait()) {
-    return absl::Hash<std::string>{}(request.SerializeAsString());
+  if (request.timeout_ms() != 0 || request.wait()) {
+    copy.CopyFrom(request);
+    copy.clear_timeout_ms();  // a retry may carry a different deadline
+    copy.clear_wait();        // or wait where the first try did not
+    hashed = &copy;
   }
-  v1::SubmitTransferRequest copy = request;
-  copy.clear_timeout_ms();  // a retry may carry a different deadline
-  copy.clear_wait();        // or wait where the first try did not
-  return absl::Hash<std::string>{}(copy.SerializeAsString());
+  bytes.clear();
+  hashed->AppendToString(&bytes);
+  const uint64_t digest = absl::Hash<std::string_view>{}(bytes);
+  if (bytes.size() > kKeep) {  // the copy, if made, holds about as much
+    std::string().swap(bytes);
+    if (hashed == &copy) copy = v1::SubmitTransferRequest();
+  }
+  return digest;
 }
 
 std::string_view OpName(v1::TransferOp op) { return op == v1::READ ? "READ" : "WRITE"; }
@@ -414,10 +429,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
   // transfers at once, nor twice by this one. The peer's incarnation is part of the
   // key: a restarted peer's memory is new.
   const std::string destination_key =
-      request.op() == v1::WRITE
-          ? fmt::format("{}#{:x}", planning::DestinationKey(request.op(), request.peer()),
-                        (*peer)->incarnation)
-          : planning::DestinationKey(request.op(), request.peer());
+      planning::DestinationKey(request.op(), request.peer(), (*peer)->incarnation);
   const std::vector<planning::DestinationRange> destinations =
       planning::DestinationRanges(*plan, request.op(), *(*peer)->catalog);
 
@@ -462,6 +474,9 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       t->state.set_direction(v1::OUTGOING);
       t->state.set_request_id(request.request_id());
       t->start_us = MonotonicMicros();
+      // Room for every stage a transfer reaches (7 on success): one allocation of the
+      // timeline's array instead of its growth by doubling.
+      t->state.mutable_timeline()->Reserve(8);
       MarkStage(t->state, v1::STAGE_SUBMITTED, t->start_us, t->start_us);
       const uint32_t timeout_ms =
           request.timeout_ms() ? request.timeout_ms() : options_.default_timeout_ms;
@@ -862,8 +877,11 @@ void TransferEngine::SendNotice(const std::shared_ptr<const PeerSnapshot>& peer,
 void TransferEngine::FlushOutbox(Outbox& outbox) {
   // Each endpoint's notices in the order they were made: runs of small ones as one
   // NoticeBatch (when the peer takes batches), a large one alone between them.
-  std::vector<bool> sent(outbox.notices.size(), false);
-  std::vector<HeldNotice*> batch;
+  // Scratch kept with the outbox's storage (TakeOutbox): no allocation per round.
+  std::vector<bool>& sent = outbox.sent;
+  sent.assign(outbox.notices.size(), false);
+  std::vector<HeldNotice*>& batch = outbox.batch;
+  batch.clear();
   for (size_t first = 0; first < outbox.notices.size(); ++first) {
     if (sent[first]) continue;
     const transport::Endpoint* endpoint = outbox.notices[first].peer->endpoint.get();
@@ -983,6 +1001,8 @@ TransferEngine::Outbox TransferEngine::TakeOutbox() {
   Outbox outbox;
   outbox.notices.swap(spare_outbox_.notices);
   outbox.runs.swap(spare_outbox_.runs);
+  outbox.sent.swap(spare_outbox_.sent);
+  outbox.batch.swap(spare_outbox_.batch);
   return outbox;
 }
 
@@ -993,6 +1013,10 @@ void TransferEngine::GiveBackOutbox(Outbox outbox) {
     spare_outbox_.notices.swap(outbox.notices);
   }
   if (outbox.runs.capacity() > spare_outbox_.runs.capacity()) spare_outbox_.runs.swap(outbox.runs);
+  if (outbox.sent.capacity() > spare_outbox_.sent.capacity()) spare_outbox_.sent.swap(outbox.sent);
+  if (outbox.batch.capacity() > spare_outbox_.batch.capacity()) {
+    spare_outbox_.batch.swap(outbox.batch);
+  }
 }
 
 std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::TransferAck& ack,

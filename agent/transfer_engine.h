@@ -260,6 +260,10 @@ class TransferEngine {
   struct Outbox {
     std::vector<HeldNotice> notices;
     std::vector<std::function<void()>> runs;  // data batches, started after the notices
+    // FlushOutbox's scratch (which notices went, the batch being filled), kept with
+    // the storage rounds reuse.
+    std::vector<bool> sent;
+    std::vector<HeldNotice*> batch;
   };
   // Worker thread: sends what `outbox` holds (the notices, then the runs).
   void FlushOutbox(Outbox& outbox);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "base/text.h"
 #include "fmt/format.h"
 
@@ -22,7 +23,7 @@ using Range = std::pair<uint64_t, uint64_t>;  // [begin, end)
 // Sorts by begin: an LSD radix sort on 11-bit digits of the begin offsets (as many
 // digits as the largest offset needs), since a plan of scattered pages gives a region
 // up to millions of ranges; std::sort for small slices.
-void SortByBegin(std::vector<Range>::iterator first, std::vector<Range>::iterator last) {
+void SortByBegin(Range* first, Range* last) {
   const size_t n = static_cast<size_t>(last - first);
   if (n < 1024) {
     std::sort(first, last);
@@ -33,7 +34,7 @@ void SortByBegin(std::vector<Range>::iterator first, std::vector<Range>::iterato
   constexpr int kBits = 11;
   constexpr size_t kBuckets = size_t{1} << kBits;
   std::vector<Range> buffer(n);
-  Range* from = &*first;
+  Range* from = first;
   Range* to = buffer.data();
   bool in_buffer = false;
   for (int shift = 0; shift < 64 && (max >> shift) != 0; shift += kBits) {
@@ -57,7 +58,7 @@ std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::Tr
   // address among the plan's pinned local regions; `known` stands for an op outside
   // every region, which PlanTransfer never makes (claimed by address, so it still
   // conflicts with itself).
-  std::vector<const Region*> locals;
+  absl::InlinedVector<const Region*, 4> locals;
   if (read) {
     for (const RegionPtr& region : plan.local_regions) locals.push_back(region.get());
     std::sort(locals.begin(), locals.end(),
@@ -85,11 +86,14 @@ std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::Tr
   };
 
   // 1. Each op's region, numbered densely in order of first use (ops come region-major,
-  //    so the last lookup is nearly always the answer).
-  std::vector<size_t> dense_regions;  // dense id -> region index
-  absl::flat_hash_map<size_t, uint32_t> dense_ids;
-  std::vector<uint32_t> ids(plan.ops.size());
-  std::vector<uint64_t> offsets(plan.ops.size());
+  //    so the last lookup is nearly always the answer). A plan of a few ops (the usual
+  //    one-page transfer) keeps these in inline storage and finds a region among the
+  //    first few seen without a map: it allocates only its result.
+  constexpr size_t kInline = 8;
+  absl::InlinedVector<size_t, kInline> dense_regions;  // dense id -> region index
+  absl::flat_hash_map<size_t, uint32_t> dense_ids;     // used past kInline regions
+  absl::InlinedVector<uint32_t, kInline> ids(plan.ops.size());
+  absl::InlinedVector<uint64_t, kInline> offsets(plan.ops.size());
   size_t last_region = SIZE_MAX;
   uint32_t last_id = 0;
   for (size_t i = 0; i < plan.ops.size(); ++i) {
@@ -97,27 +101,40 @@ std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::Tr
     const uint64_t address = read ? o.local_address : o.remote_address;
     const auto [region, base] = region_of(o, address);
     if (region != last_region) {
-      auto [it, inserted] =
-          dense_ids.try_emplace(region, static_cast<uint32_t>(dense_regions.size()));
-      if (inserted) dense_regions.push_back(region);
+      const uint32_t next_id = static_cast<uint32_t>(dense_regions.size());
+      uint32_t id = UINT32_MAX;
+      if (dense_ids.empty()) {
+        for (uint32_t d = 0; d < dense_regions.size() && id == UINT32_MAX; ++d) {
+          if (dense_regions[d] == region) id = d;
+        }
+        if (id == UINT32_MAX && dense_regions.size() == kInline) {
+          // A new region past kInline: from here on a map, given the ones seen so far.
+          for (uint32_t d = 0; d < dense_regions.size(); ++d) dense_ids.emplace(dense_regions[d], d);
+        }
+      }
+      if (id == UINT32_MAX && !dense_ids.empty()) {
+        id = dense_ids.try_emplace(region, next_id).first->second;
+      }
+      if (id == UINT32_MAX) id = next_id;
+      if (id == next_id) dense_regions.push_back(region);
       last_region = region;
-      last_id = it->second;
+      last_id = id;
     }
     ids[i] = last_id;
     offsets[i] = address - base;
   }
   // 2. Ranges grouped by region (a counting sort), then by offset within each.
-  std::vector<size_t> starts(dense_regions.size() + 1, 0);
+  absl::InlinedVector<size_t, kInline + 1> starts(dense_regions.size() + 1, 0);
   for (uint32_t id : ids) ++starts[id + 1];
   for (size_t d = 1; d < starts.size(); ++d) starts[d] += starts[d - 1];
-  std::vector<std::pair<uint64_t, uint64_t>> ranges(plan.ops.size());
+  absl::InlinedVector<std::pair<uint64_t, uint64_t>, kInline> ranges(plan.ops.size());
   {
-    std::vector<size_t> next(starts.begin(), starts.end() - 1);
+    absl::InlinedVector<size_t, kInline> next(starts.begin(), starts.end() - 1);
     for (size_t i = 0; i < plan.ops.size(); ++i) {
       ranges[next[ids[i]]++] = {offsets[i], offsets[i] + plan.ops[i].length};
     }
   }
-  std::vector<size_t> order(dense_regions.size());
+  absl::InlinedVector<size_t, kInline> order(dense_regions.size());
   for (size_t d = 0; d < order.size(); ++d) order[d] = d;
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return dense_regions[a] < dense_regions[b]; });
@@ -148,9 +165,18 @@ std::string DestinationKey(v1::TransferOp op, const std::string& peer) {
   return op == v1::READ ? std::string("local") : "peer:" + peer;
 }
 
+std::string DestinationKey(v1::TransferOp op, const std::string& peer, uint64_t incarnation) {
+  if (op == v1::READ) return DestinationKey(op, peer);
+  std::string key;
+  key.reserve(5 + peer.size() + 1 + 16);
+  key.append("peer:").append(peer).push_back('#');
+  fmt::format_to(std::back_inserter(key), "{:x}", incarnation);
+  return key;
+}
+
 absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std::string& key,
                                       const std::vector<DestinationRange>& ranges) {
-  std::vector<const DestinationRange*> sorted;
+  absl::InlinedVector<const DestinationRange*, 4> sorted;
   sorted.reserve(ranges.size());
   for (const DestinationRange& range : ranges) {
     if (range.end < range.begin) {
@@ -195,7 +221,7 @@ absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std:
         "{} that transfer '{}' is still writing; two transfers may not write the same "
         "destination at once: wait until transfer '{}' has ended (or cancel it), then submit "
         "again",
-        where, Printable(other->transfer_id), Printable(other->transfer_id)));
+        where, Printable(*other->transfer_id), Printable(*other->transfer_id)));
   };
 
   const Intervals* intervals = nullptr;
@@ -229,20 +255,23 @@ absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std:
   }
   if (sorted.empty()) return absl::OkStatus();
 
-  Holder& holder = holders_[transfer_id];
-  holder.transfer_id = transfer_id;
-  Regions& key_regions = keys_[key];
+  auto holder_it = holders_.try_emplace(transfer_id).first;
+  Holder& holder = holder_it->second;
+  holder.transfer_id = &holder_it->first;
+  auto key_it = keys_.try_emplace(key).first;
+  Regions& key_regions = key_it->second;
   Held* held = nullptr;
   for (size_t i = 0; i < sorted.size(); ++i) {
     const DestinationRange& range = *sorted[i];
     if (i == 0 || range.region != sorted[i - 1]->region) {
-      Intervals* target = &key_regions[range.region];
+      auto region_it = key_regions.try_emplace(range.region).first;
+      Intervals* target = &region_it->second;
       held = nullptr;
       for (Held& h : holder.held) {
         if (h.intervals == target) held = &h;
       }
       if (held == nullptr) {
-        holder.held.push_back(Held{key, range.region, target, {}});
+        holder.held.push_back(Held{&key_it->first, &region_it->first, target, {}});
         held = &holder.held.back();
       }
     }
@@ -261,8 +290,10 @@ void DestinationLedger::Release(const std::string& transfer_id) {
     for (uint64_t begin : held.begins) claimed_ -= held.intervals->erase(begin);
     if (!held.intervals->empty()) continue;
     // No transfer holds anything there: drop the region (and the key) from the map.
-    auto key = keys_.find(held.key);
-    key->second.erase(held.region);
+    // (held.key and held.region point at the keys of the nodes erased here: each is used
+    // only to find its node, before that node goes.)
+    auto key = keys_.find(*held.key);
+    key->second.erase(key->second.find(*held.region));
     if (key->second.empty()) keys_.erase(key);
   }
   holders_.erase(it);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -39,6 +40,10 @@ std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::Tr
 // The ledger key of a transfer's destination: "peer:<name>" for WRITE (the peer's
 // memory), "local" for READ (this agent's memory, whichever peer it is read from).
 std::string DestinationKey(v1::TransferOp op, const std::string& peer);
+// The same, for WRITE with the peer's incarnation: "peer:<name>#<incarnation in hex>" (a
+// restarted peer's memory is new); READ's is "local". Built in one allocation (it is
+// on every submit's path).
+std::string DestinationKey(v1::TransferOp op, const std::string& peer, uint64_t incarnation);
 
 // How the transfer engine uses it:
 //  - Claim(transfer_id, DestinationKey(op, peer), DestinationRanges(plan, op, catalog))
@@ -82,16 +87,19 @@ class DestinationLedger {
   // By begin; the ranges of one region never overlap.
   using Intervals = std::map<uint64_t, Claimed>;
   using Regions = absl::node_hash_map<std::string, Intervals>;
-  // What one transfer holds in one region, to release it without a search.
+  // What one transfer holds in one region, to release it without a search. The key
+  // and the region point at keys_' node keys (node maps: stable while the region
+  // holds a range, as `intervals` is), so a claim copies no strings; a transfer
+  // usually holds one region and a few ranges, kept inline.
   struct Held {
-    std::string key;
-    std::string region;
+    const std::string* key = nullptr;
+    const std::string* region = nullptr;
     Intervals* intervals = nullptr;
-    std::vector<uint64_t> begins;
+    absl::InlinedVector<uint64_t, 2> begins;
   };
   struct Holder {
-    std::string transfer_id;
-    std::vector<Held> held;
+    const std::string* transfer_id = nullptr;  // holders_' node key
+    absl::InlinedVector<Held, 1> held;
   };
 
   mutable absl::Mutex mu_;

@@ -9,6 +9,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "base/text.h"
 #include "fmt/format.h"
@@ -123,7 +124,10 @@ class Planner {
   const RegionRegistry& local_;
   const RemoteCatalog& remote_;
   // Refuses, before building them, operations past max_ops_ (RESOURCE_EXHAUSTED).
-  absl::Status Room(uint64_t more, uint32_t number, std::string_view how) const;
+  // `how` says what expands to `more` operations; called only when refusing (the
+  // success path formats nothing).
+  absl::Status Room(uint64_t more, uint32_t number,
+                    absl::FunctionRef<std::string()> how) const;
 
   const bool read_;  // READ: the local side is written; WRITE: the peer's
   const uint64_t max_ops_;
@@ -152,21 +156,19 @@ absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
         "on the peer",
         Printable(remote_.peer()), Printable(remote_group), QuotedList(remote_.GroupNames())));
   }
-  const std::string lname = fmt::format("local group '{}'", Printable(local_group));
-  const std::string rname =
-      fmt::format("peer '{}' group '{}'", Printable(remote_.peer()), Printable(remote_group));
-  std::vector<std::string> local_unroled;
-  std::vector<std::string> remote_unroled;
-  for (const RegionPtr& l : lgroup) {
-    if (l->spec.role().empty()) local_unroled.push_back(l->spec.name());
-  }
-  for (const RemoteRegion* r : rgroup) {
-    if (r->role.empty()) remote_unroled.push_back(r->name);
-  }
-  const bool local_roles = local_unroled.empty();
-  const bool remote_roles = remote_unroled.empty();
-  const bool no_roles =
-      local_unroled.size() == lgroup.size() && remote_unroled.size() == rgroup.size();
+  // The groups' names and the regions without a role are formatted only for an error
+  // (PairGroups runs for every transfer).
+  auto lname = [&] { return fmt::format("local group '{}'", Printable(local_group)); };
+  auto rname = [&] {
+    return fmt::format("peer '{}' group '{}'", Printable(remote_.peer()), Printable(remote_group));
+  };
+  size_t local_unroled = 0;
+  size_t remote_unroled = 0;
+  for (const RegionPtr& l : lgroup) local_unroled += l->spec.role().empty() ? 1 : 0;
+  for (const RemoteRegion* r : rgroup) remote_unroled += r->role.empty() ? 1 : 0;
+  const bool local_roles = local_unroled == 0;
+  const bool remote_roles = remote_unroled == 0;
+  const bool no_roles = local_unroled == lgroup.size() && remote_unroled == rgroup.size();
 
   GroupPairing pairing;
   pairing.pairs.reserve(lgroup.size());
@@ -177,7 +179,7 @@ absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
           "{} has {} regions but {} has {}; groups without roles pair position by "
           "position, so register the same regions on both sides (or set RegionSpec.role on "
           "every region of both to pair them by role)",
-          lname, lgroup.size(), rname, rgroup.size()));
+          lname(), lgroup.size(), rname(), rgroup.size()));
     }
     for (size_t p = 0; p < lgroup.size(); ++p) pairing.pairs.push_back({lgroup[p], rgroup[p]});
   } else if (local_roles && remote_roles) {
@@ -192,7 +194,8 @@ absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
         return absl::InvalidArgumentError(fmt::format(
             "{} declares role '{}' on regions '{}' and '{}'; deregister one and register it "
             "with its own role",
-            lname, Printable(role), Printable(it->second->spec.name()), Printable(l->spec.name())));
+            lname(), Printable(role), Printable(it->second->spec.name()),
+            Printable(l->spec.name())));
       }
       auto it = by_role.find(role);
       if (it == by_role.end()) {
@@ -209,24 +212,32 @@ absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
       return absl::InvalidArgumentError(
           fmt::format("{} and {} declare different roles (only local: {}; only on the peer: {}); "
                       "regions pair by role, so register the same roles on both sides",
-                      lname, rname, QuotedList(only_local), QuotedList(only_remote)));
+                      lname(), rname(), QuotedList(only_local), QuotedList(only_remote)));
     }
   } else {
     // Some regions say what they hold and others do not: pairing by position could
     // silently swap layers, pairing by role cannot name them all.
+    std::vector<std::string> local_names;
+    std::vector<std::string> remote_names;
+    for (const RegionPtr& l : lgroup) {
+      if (l->spec.role().empty()) local_names.push_back(l->spec.name());
+    }
+    for (const RemoteRegion* r : rgroup) {
+      if (r->role.empty()) remote_names.push_back(r->name);
+    }
     std::vector<std::string> lacking;
     if (!local_roles) {
-      lacking.push_back(fmt::format("{} (no role on {})", lname, QuotedList(local_unroled)));
+      lacking.push_back(fmt::format("{} (no role on {})", lname(), QuotedList(local_names)));
     }
     if (!remote_roles) {
-      lacking.push_back(fmt::format("{} (no role on {})", rname, QuotedList(remote_unroled)));
+      lacking.push_back(fmt::format("{} (no role on {})", rname(), QuotedList(remote_names)));
     }
     return absl::InvalidArgumentError(fmt::format(
         "{} declares a role on {} of its {} regions and {} on {} of {}; both sides must "
         "declare roles to pair regions by role: set RegionSpec.role on every region of {}, "
         "or on no region of either group to pair them by position",
-        lname, lgroup.size() - local_unroled.size(), lgroup.size(), rname,
-        rgroup.size() - remote_unroled.size(), rgroup.size(), fmt::join(lacking, " and of ")));
+        lname(), lgroup.size() - local_unroled, lgroup.size(), rname(),
+        rgroup.size() - remote_unroled, rgroup.size(), fmt::join(lacking, " and of ")));
   }
 
   for (size_t p = 0; p < pairing.pairs.size(); ++p) {
@@ -305,8 +316,10 @@ absl::Status Planner::Items(const v1::ItemSegment& seg, uint32_t number) {
   // and Coalesce can merge them.
   const uint64_t more = static_cast<uint64_t>(pairing.pairs.size()) * li.size();
   if (absl::Status room = Room(more, number,
-                               fmt::format("{} regions x {} indices", pairing.pairs.size(),
-                                           li.size()));
+                               [&] {
+                                 return fmt::format("{} regions x {} indices",
+                                                    pairing.pairs.size(), li.size());
+                               });
       !room.ok()) {
     return room;
   }
@@ -327,17 +340,21 @@ absl::Status Planner::Items(const v1::ItemSegment& seg, uint32_t number) {
   return absl::OkStatus();
 }
 
-absl::Status Planner::Room(uint64_t more, uint32_t number, std::string_view how) const {
+absl::Status Planner::Room(uint64_t more, uint32_t number,
+                           absl::FunctionRef<std::string()> how) const {
   if (plan_.ops.size() <= max_ops_ && more <= max_ops_ - plan_.ops.size()) return absl::OkStatus();
   return absl::ResourceExhaustedError(fmt::format(
       "segment {}: the chunk expands to {} operations ({} in the segments before it, {} "
       "here: {}), over the limit ops_per_chunk ({} operations); split the transfer into "
       "chunks (more_chunks) or raise --max-ops-per-chunk on the agent (docs/LIMITS.md)",
-      number, plan_.ops.size() + more, plan_.ops.size(), more, how, max_ops_));
+      number, plan_.ops.size() + more, plan_.ops.size(), more, how(), max_ops_));
 }
 
 absl::Status Planner::Bytes(const v1::ByteSegment& seg, uint32_t number) {
-  if (absl::Status room = Room(1, number, "a byte segment"); !room.ok()) return room;
+  if (absl::Status room = Room(1, number, [] { return std::string("a byte segment"); });
+      !room.ok()) {
+    return room;
+  }
   RegionPtr l = local_.Find(seg.local_region());
   if (l == nullptr) {
     std::vector<std::string> names;

@@ -137,6 +137,17 @@ TEST_CASE("Concurrent claims and releases keep every range with one writer") {
   CHECK(ledger.claimed_ranges() == 0);
 }
 
+// The catalog that a peer named "decode" with `registry`'s regions exports.
+auto DecodeCatalog(RegionRegistry& registry) {
+  v1::AgentMetadata md;
+  registry.Export(&md, false);
+  md.set_name("decode");
+  md.set_worker_address("w");
+  auto remote = RemoteCatalog::FromMetadata(md);
+  REQUIRE(remote.ok());
+  return remote;
+}
+
 std::vector<std::string> Text(const std::vector<DestinationRange>& ranges) {
   std::vector<std::string> text;
   for (const DestinationRange& r : ranges) {
@@ -163,12 +174,7 @@ TEST_CASE("DestinationRanges names a plan's destination regions and merges runs"
                          Spec("raux", remote_shm.name(), 8192, 100, 1, 100)},
                         false, Registrant())
               .ok());
-  v1::AgentMetadata md;
-  remote_registry.Export(&md, false);
-  md.set_name("decode");
-  md.set_worker_address("w");
-  auto remote = RemoteCatalog::FromMetadata(md);
-  REQUIRE(remote.ok());
+  auto remote = DecodeCatalog(remote_registry);
 
   google::protobuf::RepeatedPtrField<v1::Segment> segments;
   v1::ItemSegment* items = segments.Add()->mutable_items();
@@ -219,6 +225,52 @@ TEST_CASE("DestinationRanges names a plan's destination regions and merges runs"
   CHECK_THAT(m, Catch::Contains("an earlier chunk of this transfer"));
 }
 
+TEST_CASE("DestinationRanges keeps regions apart past the few it numbers without a map") {
+  // 12 destination regions (more than DestinationRanges numbers inline), each written
+  // twice, the second time after all the others: every region's two runs must still
+  // meet as one range, whichever way its number was found.
+  constexpr int kRegions = 12;
+  ShmMapping local_shm = MakeShm(kRegions * 100);
+  ShmMapping remote_shm = MakeShm(kRegions * 100);
+  RegionRegistry local{&Context()};
+  RegionRegistry remote_registry{&Context()};
+  std::vector<v1::RegionSpec> local_specs;
+  std::vector<v1::RegionSpec> remote_specs;
+  for (int i = 0; i < kRegions; ++i) {
+    local_specs.push_back(Spec(fmt::format("l{:02}", i), local_shm.name(), i * 100, 100, 1, 100));
+    remote_specs.push_back(Spec(fmt::format("r{:02}", i), remote_shm.name(), i * 100, 100, 1, 100));
+  }
+  REQUIRE(local.Register(local_specs, false, Registrant()).ok());
+  REQUIRE(remote_registry.Register(remote_specs, false, Registrant()).ok());
+  auto remote = DecodeCatalog(remote_registry);
+  google::protobuf::RepeatedPtrField<v1::Segment> segments;
+  for (int half = 0; half < 2; ++half) {
+    for (int i = 0; i < kRegions; ++i) {
+      v1::ByteSegment* bytes = segments.Add()->mutable_bytes();
+      bytes->set_local_region(fmt::format("l{:02}", i));
+      bytes->set_local_offset(half * 10);
+      bytes->set_remote_region(fmt::format("r{:02}", i));
+      bytes->set_remote_offset(half * 10);
+      bytes->set_length(10);
+    }
+  }
+  std::vector<std::string> expect_remote;
+  std::vector<std::string> expect_local;
+  for (int i = 0; i < kRegions; ++i) {
+    expect_remote.push_back(fmt::format("r{:02} [0, 20)", i));
+    expect_local.push_back(fmt::format("l{:02} [0, 20)", i));
+  }
+  for (const v1::TransferOp op : {v1::WRITE, v1::READ}) {
+    auto plan = PlanTransfer(local, *remote, segments, 0, op);
+    REQUIRE(plan.ok());
+    std::vector<std::string> text = Text(DestinationRanges(*plan, op, *remote));
+    std::sort(text.begin(), text.end());
+    CHECK(text == (op == v1::WRITE ? expect_remote : expect_local));
+  }
+  CHECK(DestinationKey(v1::WRITE, "decode", 0xab12) == "peer:decode#ab12");
+  CHECK(DestinationKey(v1::READ, "decode", 0xab12) == "local");
+}
+
 TEST_CASE("DestinationRanges sorts thousands of scattered pages per region") {
   // 8192 pages of 16 bytes, and 2048 of 1 byte (offsets that fit one radix digit).
   const auto [kItems, kBytes] = GENERATE(table<uint64_t, uint64_t>({{8192, 16}, {2048, 1}}));
@@ -234,12 +286,7 @@ TEST_CASE("DestinationRanges sorts thousands of scattered pages per region") {
                            false, Registrant())
                 .ok());
   }
-  v1::AgentMetadata md;
-  remote_registry.Export(&md, false);
-  md.set_name("decode");
-  md.set_worker_address("w");
-  auto remote = RemoteCatalog::FromMetadata(md);
-  REQUIRE(remote.ok());
+  auto remote = DecodeCatalog(remote_registry);
   // Every other page (so no two touch), in a scrambled order, from pages 0.. locally.
   std::vector<uint64_t> pages;
   for (uint64_t i = 0; i < kItems / 2; ++i) pages.push_back(2 * ((i * 1237) % (kItems / 2)));
