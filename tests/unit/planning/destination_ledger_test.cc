@@ -8,6 +8,7 @@
 
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
+#include "tests/unit/planning/catalog_util.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace kvagent::planning {
@@ -20,6 +21,7 @@ using registry::testing::Context;
 using registry::testing::MakeShm;
 using registry::testing::Registrant;
 using registry::testing::Spec;
+using testing::DecodeCatalog;
 
 std::string Refused(const absl::Status& status,
                     absl::StatusCode code = absl::StatusCode::kFailedPrecondition) {
@@ -135,17 +137,6 @@ TEST_CASE("Concurrent claims and releases keep every range with one writer") {
   CHECK_FALSE(broken);
   CHECK(wins > 0);
   CHECK(ledger.claimed_ranges() == 0);
-}
-
-// The catalog that a peer named "decode" with `registry`'s regions exports.
-auto DecodeCatalog(RegionRegistry& registry) {
-  v1::AgentMetadata md;
-  registry.Export(&md, false);
-  md.set_name("decode");
-  md.set_worker_address("w");
-  auto remote = RemoteCatalog::FromMetadata(md);
-  REQUIRE(remote.ok());
-  return remote;
 }
 
 std::vector<std::string> Text(const std::vector<DestinationRange>& ranges) {

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "catch2/catch.hpp"
+#include "tests/unit/planning/catalog_util.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace kvagent::planning {
@@ -17,6 +18,7 @@ using registry::RemoteRegion;
 using registry::ShmMapping;
 using registry::testing::Context;
 using registry::testing::MakeShm;
+using testing::DecodeCatalog;
 using registry::testing::Registrant;
 using registry::testing::Spec;
 
@@ -51,13 +53,7 @@ struct Fixture {
                            Spec("s", r, 32768, 4096, 16, 256, "single")},
                           false, Registrant())
                 .ok());
-    v1::AgentMetadata md;
-    remote_registry.Export(&md, /*same_host=*/false);
-    md.set_name("decode");
-    md.set_worker_address("w");
-    auto catalog = RemoteCatalog::FromMetadata(md);
-    REQUIRE(catalog.ok());
-    remote = std::move(catalog).value();
+    remote = DecodeCatalog(remote_registry).value();
   }
 
   absl::StatusOr<TransferPlan> Plan(const std::vector<v1::Segment>& segments,
@@ -273,13 +269,7 @@ struct RoleFixture {
                            WithRole(Spec("k5", r, 28672, 8192, 16, 512, "kv5"), "L0.K")},
                           false, Registrant())
                 .ok());
-    v1::AgentMetadata md;
-    remote_registry.Export(&md, /*same_host=*/false);
-    md.set_name("decode");
-    md.set_worker_address("w");
-    auto catalog = RemoteCatalog::FromMetadata(md);
-    REQUIRE(catalog.ok());
-    remote = std::move(catalog).value();
+    remote = DecodeCatalog(remote_registry).value();
   }
 
   absl::StatusOr<TransferPlan> Plan(const std::vector<v1::Segment>& segments,
@@ -461,12 +451,7 @@ TEST_CASE("A plan with many distinct destination pages is accepted") {
                            false, Registrant())
                 .ok());
   }
-  v1::AgentMetadata md;
-  remote_registry.Export(&md, false);
-  md.set_name("decode");
-  md.set_worker_address("w");
-  auto remote = RemoteCatalog::FromMetadata(md);
-  REQUIRE(remote.ok());
+  auto remote = DecodeCatalog(remote_registry);
   // Every page once: half scattered in one segment, the other half one page per segment.
   google::protobuf::RepeatedPtrField<v1::Segment> segments;
   v1::ItemSegment* items = segments.Add()->mutable_items();
