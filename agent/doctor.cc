@@ -261,8 +261,8 @@ v1::DoctorCheck CheckFirstTouch(const FirstTouchFacts& facts) {
                                     "page has been touched once, transfers run at a "
                                     "fraction of their speed (costs this high usually "
                                     "come from a virtual machine's paging)"),
-              "keep --warm-mappings on (the default: the agent reads every page it maps "
-              "in the background; kvagent_mapping_pages_to_warm reaches 0 when done), or "
+              "start kvagentd with --warm-mappings on (it reads every page it maps in the "
+              "background; kvagent_mapping_pages_to_warm reaches 0 when done), or "
               "warm each pool after registering it with transfers covering every page "
               "(docs/OPERATIONS.md, \"A slow transfer\"); the agent keeps a mapping for as "
               "long as a region of that memory is registered");

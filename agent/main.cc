@@ -127,11 +127,12 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               peer error handling; peer otherwise)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
-  --warm-mappings on|off      on (default): after mapping host memory (a region, a
-                              peer's region for a same-host copy), a background thread
-                              reads one byte per page of it, so the first transfers do
-                              not pay each page's first-access fault (5-18 us per page
-                              on some VMs; doctor's first-touch check measures it)
+  --warm-mappings on|off      on: after mapping host memory (a region, a peer's region
+                              for a same-host copy), a background thread reads one byte
+                              per page of it, so the first transfers do not pay each
+                              page's first-access fault (5-18 us per page on some VMs;
+                              doctor's first-touch check measures it); while it runs it
+                              competes with transfers there. off (default)
   --vram-staging auto|off     VRAM when UCX lacks CUDA: auto (default) registers it for
                               same-host CUDA IPC copies ("staged" path); off refuses it
   --staging-buffers N         host staging: bounce buffers per direction (default 8)
@@ -234,7 +235,7 @@ KVAGENT_FLAG(OnOff, liveness, "liveness", OnOff{Defaults().liveness}, "");
 KVAGENT_FLAG(Count<uint32_t>, liveness_port, "liveness-port", {Defaults().liveness_port}, "");
 KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error_mode, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
-KVAGENT_FLAG(OnOff, warm_mappings, "warm-mappings", OnOff{true}, "");
+KVAGENT_FLAG(OnOff, warm_mappings, "warm-mappings", OnOff{false}, "");
 KVAGENT_FLAG(AutoOff, vram_staging, "vram-staging", AutoOff{Defaults().vram_staging}, "");
 KVAGENT_FLAG(Count<uint32_t>, staging_buffers, "staging-buffers",
              {Defaults().staging.buffers}, "");

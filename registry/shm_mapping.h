@@ -79,7 +79,7 @@ class ShmMapping {
   // wants) reads one byte per page of it (under the fault guard; a mapping released or
   // broken meanwhile is skipped), so the first transfers find the pages mapped. Where
   // populating sufficed a pass costs ~0.02 us per page.
-  // Off by default (kvagentd turns it on: --warm-mappings).
+  // Off by default (kvagentd --warm-mappings on turns it on).
   static void SetWarming(bool on);
   struct WarmingStats {
     uint64_t pages_touched = 0;  // since the process started

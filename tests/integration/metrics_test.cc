@@ -206,12 +206,12 @@ TEST_CASE("The metrics endpoint refuses what it must and survives many connectio
 }
 
 TEST_CASE("Host memory an agent maps is read once per page in the background, unless "
-          "--warm-mappings off", "[metrics]") {
+          "--warm-mappings on; not by default", "[metrics]") {
   for (const bool on : {true, false}) {
     CAPTURE(on);
     AgentPairOptions options;
     options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
-    if (!on) options.extra_args.insert(options.extra_args.end(), {"--warm-mappings", "off"});
+    if (on) options.extra_args.insert(options.extra_args.end(), {"--warm-mappings", "on"});
     AgentPair pair(options);
     const std::string prefill = MetricsAddress(pair.prefill());
     // Prefill maps its engine's pool (registered) and, for its same-host copy route,
