@@ -52,6 +52,22 @@ void Indices(const Layout& layout, const Cell& cell, uint64_t i, std::vector<uin
   }
 }
 
+v1::SubmitTransferRequest LayoutRequest(const Layout& layout, v1::TransferOp op,
+                                        const std::string& peer, uint32_t timeout_ms,
+                                        absl::Span<const uint64_t> local,
+                                        absl::Span<const uint64_t> remote) {
+  v1::SubmitTransferRequest request;
+  request.set_peer(peer);
+  request.set_op(op);
+  request.set_timeout_ms(timeout_ms);
+  auto* segment = request.add_segments()->mutable_items();
+  segment->set_local_group(layout.group);
+  segment->set_remote_group(layout.group);
+  for (uint64_t i : local) segment->add_local_indices(i);
+  for (uint64_t i : remote) segment->add_remote_indices(i);
+  return request;
+}
+
 absl::Status MakePools(AgentClient& initiator, AgentClient& target, uint64_t bytes,
                        const std::string& label, Pools* pools) {
   pools->bytes = bytes;
@@ -91,20 +107,13 @@ absl::StatusOr<Warmup> WarmMappings(AgentClient& initiator, const std::string& p
   const auto start = std::chrono::steady_clock::now();
   for (v1::TransferOp op : {v1::READ, v1::WRITE}) {
     for (uint64_t first = 0; first < layout.items; first += per) {
-      v1::SubmitTransferRequest request;
+      std::vector<uint64_t> items(std::min(layout.items, first + per) - first);
+      std::iota(items.begin(), items.end(), first);
+      v1::SubmitTransferRequest request =
+          LayoutRequest(layout, op, peer, timeout_ms, items, items);
       request.set_transfer_id(fmt::format("{}.warm.{}.{}", layout.group,
                                           op == v1::READ ? "r" : "w", first));
-      request.set_peer(peer);
-      request.set_op(op);
-      request.set_timeout_ms(timeout_ms);
       request.set_wait(true);
-      auto* segment = request.add_segments()->mutable_items();
-      segment->set_local_group(layout.group);
-      segment->set_remote_group(layout.group);
-      for (uint64_t i = first; i < std::min(layout.items, first + per); ++i) {
-        segment->add_local_indices(i);
-        segment->add_remote_indices(i);
-      }
       auto state = initiator.Submit(request);
       if (!state.ok()) return state.status();
       if (state->phase() != v1::COMPLETED) {

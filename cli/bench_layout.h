@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "cli/agent_client.h"
 #include "cli/kv_pool.h"
 #include "cuda/driver.h"
@@ -45,6 +46,15 @@ struct Layout {
 // both sides, or `batch` consecutive entries of the two permutations.
 void Indices(const Layout& layout, const Cell& cell, uint64_t i, std::vector<uint64_t>* local,
              std::vector<uint64_t>* remote);
+
+// One items request over `layout`: `op` to `peer` with these local and remote indices
+// (both in the layout's group) and the per-transfer timeout; no transfer id, wait or
+// notification (each caller sets its own). The bench's cells, rate phase and warm-up
+// all build their requests here.
+v1::SubmitTransferRequest LayoutRequest(const Layout& layout, v1::TransferOp op,
+                                        const std::string& peer, uint32_t timeout_ms,
+                                        absl::Span<const uint64_t> local,
+                                        absl::Span<const uint64_t> remote);
 
 // Memory of both pools as this process sees it: the agents' shm objects mapped here
 // when on this host, else private buffers (the memcpy baseline only; nothing verified).

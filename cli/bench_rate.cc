@@ -19,16 +19,11 @@ using Clock = std::chrono::steady_clock;
 v1::SubmitTransferRequest OnePageWrite(const BenchOptions& options, const std::string& peer,
                                        const Layout& layout, uint64_t i,
                                        const std::string& notification) {
-  v1::SubmitTransferRequest request;
-  request.set_peer(peer);
-  request.set_op(v1::WRITE);
-  request.set_timeout_ms(options.timeout_ms);
+  const uint64_t local = layout.local_order[i % layout.items];
+  const uint64_t remote = layout.remote_order[i % layout.items];
+  v1::SubmitTransferRequest request =
+      LayoutRequest(layout, v1::WRITE, peer, options.timeout_ms, {&local, 1}, {&remote, 1});
   if (!notification.empty()) request.set_notification(notification);
-  auto* segment = request.add_segments()->mutable_items();
-  segment->set_local_group(layout.group);
-  segment->set_remote_group(layout.group);
-  segment->add_local_indices(layout.local_order[i % layout.items]);
-  segment->add_remote_indices(layout.remote_order[i % layout.items]);
   return request;
 }
 

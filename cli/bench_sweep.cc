@@ -235,17 +235,10 @@ class CellBench::Impl {
   v1::SubmitTransferRequest Request(const Layout& layout, const Cell& cell, const std::string& id,
                                     const std::vector<uint64_t>& local,
                                     const std::vector<uint64_t>& remote, bool notify) const {
-    v1::SubmitTransferRequest request;
+    v1::SubmitTransferRequest request =
+        LayoutRequest(layout, cell.op, peer_, options_.timeout_ms, local, remote);
     request.set_transfer_id(id);
-    request.set_peer(peer_);
-    request.set_op(cell.op);
-    request.set_timeout_ms(options_.timeout_ms);
     if (notify) request.set_notification("bench");
-    auto* segment = request.add_segments()->mutable_items();
-    segment->set_local_group(layout.group);
-    segment->set_remote_group(layout.group);
-    for (uint64_t i : local) segment->add_local_indices(i);
-    for (uint64_t i : remote) segment->add_remote_indices(i);
     // The agent answers when the transfer has ended: one round trip per transfer.
     request.set_wait(true);
     return request;
