@@ -68,6 +68,33 @@ std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::
   return std::make_unique<NotificationWaiter>(std::move(drain));
 }
 
+// A ring of the session that owns the target's pool (options.target_owner, not null),
+// watching the notifications of `ids` (empty: every one the session may take), the
+// watch taken and answered on the ring; null when the agent delivers no notifications
+// on the ring (an agent older than them: the caller falls back to gRPC). `what` names
+// the watch in errors.
+absl::StatusOr<std::unique_ptr<client::FastPath>> WatchTargetRing(
+    const FastPhaseOptions& options, client::FastPathOptions ring_options,
+    const std::vector<std::string>& ids, const std::string& what) {
+  ASSIGN_OR_RETURN(client::LocalSession * session, options.target_owner->Session());
+  if (options.spin_us != 0) ring_options.spin_us = options.spin_us;
+  ASSIGN_OR_RETURN(std::unique_ptr<client::FastPath> ring,
+                   client::FastPath::Open(session, ring_options));
+  if (!ring->delivers_notifications()) return nullptr;  // closes it: the session's one ring
+  RETURN_IF_ERROR(ring->WatchNotifications(ids, 0));
+  std::vector<client::FastCompletion> got;
+  ASSIGN_OR_RETURN(size_t n, ring->Reap(&got, 1, absl::Milliseconds(options.timeout_ms)));
+  if (n != 1 || got[0].opcode != client::fastring::kWatchNotifications || !got[0].status().ok()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "the target's ring did not take {}: {}", what,
+        n != 1 ? "no answer in time"
+               : got[0].opcode != client::fastring::kWatchNotifications
+                     ? fmt::format("an unexpected completion (opcode {})", got[0].opcode)
+                     : got[0].status().ToString()));
+  }
+  return ring;
+}
+
 // The rate phase's drain: a ring of the session that owns the target's pool, watching
 // every notification it may take, as a decode engine on the node takes them (no gRPC
 // message or thread per notification), when the target announces notifications on the
@@ -81,24 +108,13 @@ absl::StatusOr<std::unique_ptr<NotificationWaiter>> StartRateDrain(const FastPha
     return StartDrain(options.target_address, std::move(prefix), options.timeout_ms);
   }
   WaitForNoStreams(options.target_address, options.timeout_ms);
-  ASSIGN_OR_RETURN(client::LocalSession * session, options.target_owner->Session());
   client::FastPathOptions ring_options;
   ring_options.submission_slots = 8;        // the watch entry only
   ring_options.completion_entries = 4096;   // the most: room for bursts of notifications
-  if (options.spin_us != 0) ring_options.spin_us = options.spin_us;
   ASSIGN_OR_RETURN(std::unique_ptr<client::FastPath> ring,
-                   client::FastPath::Open(session, ring_options));
-  if (!ring->delivers_notifications()) {
-    ring.reset();  // closes it: the session's one ring
+                   WatchTargetRing(options, ring_options, {}, "the rate phase's notification watch"));
+  if (ring == nullptr) {
     return StartDrain(options.target_address, std::move(prefix), options.timeout_ms);
-  }
-  RETURN_IF_ERROR(ring->WatchNotifications({}, 0));
-  std::vector<client::FastCompletion> got;
-  ASSIGN_OR_RETURN(size_t n, ring->Reap(&got, 1, absl::Milliseconds(options.timeout_ms)));
-  if (n != 1 || got[0].opcode != client::fastring::kWatchNotifications || !got[0].status().ok()) {
-    return absl::FailedPreconditionError(fmt::format(
-        "the target's ring did not take the rate phase's notification watch: {}",
-        n == 1 ? got[0].status().ToString() : "no answer in time"));
   }
   NotificationWaiterOptions drain;
   drain.ring = std::move(ring);
@@ -486,26 +502,17 @@ absl::StatusOr<Latency> RingNotificationLatency(const FastPhaseOptions& options,
                                                 const std::string& prefix, uint64_t count) {
   Latency latency{"fast_ring_notification", "fast Submit -> target's ring notification", {}, {}};
   constexpr uint64_t kWarm = 50;
-  ASSIGN_OR_RETURN(client::LocalSession * session, options.target_owner->Session());
-  client::FastPathOptions ring_options;
-  if (options.spin_us != 0) ring_options.spin_us = options.spin_us;
+  std::vector<std::string> ids;
+  for (uint64_t i = 0; i < count + kWarm; ++i) ids.push_back(fmt::format("{}rn.{}", prefix, i));
   ASSIGN_OR_RETURN(std::unique_ptr<client::FastPath> watch,
-                   client::FastPath::Open(session, ring_options));
-  if (!watch->delivers_notifications()) {  // an agent older than them: the bench goes on
+                   WatchTargetRing(options, {}, ids, "the notification watch"));
+  if (watch == nullptr) {  // an agent older than them: the bench goes on
     latency.absent = "the agent delivers no notifications on the ring";
     return latency;
   }
-  std::vector<std::string> ids;
-  for (uint64_t i = 0; i < count + kWarm; ++i) ids.push_back(fmt::format("{}rn.{}", prefix, i));
-  RETURN_IF_ERROR(watch->WatchNotifications(ids, 0));
   const absl::Duration timeout = absl::Milliseconds(options.timeout_ms);
   std::vector<client::FastCompletion> got;
-  ASSIGN_OR_RETURN(size_t n, watch->Reap(&got, 1, timeout));
-  if (n != 1 || !got[0].status().ok()) {
-    return absl::FailedPreconditionError(fmt::format(
-        "the target's ring did not take the notification watch: {}",
-        n == 1 ? got[0].status().ToString() : "no answer"));
-  }
+  size_t n = 0;
   for (uint64_t i = 0; i < ids.size(); ++i) {
     v1::SubmitTransferRequest request = options.one_page(i, true);
     request.set_transfer_id(ids[i]);
