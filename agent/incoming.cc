@@ -51,26 +51,30 @@ const IncomingTransfers::Key& IncomingTransfers::LookupKey(const v1::Notificatio
   return lookup_key_;
 }
 
-std::vector<registry::RegionPtr> IncomingTransfers::RegionsOf(const std::string& target) const {
-  std::vector<registry::RegionPtr> regions = registry_->FindGroup(target);
-  if (regions.empty()) {
-    if (auto region = registry_->Find(target)) regions.push_back(std::move(region));
+void IncomingTransfers::ForEachRegionOf(
+    const std::string& target, absl::FunctionRef<void(const registry::RegionPtr&)> visit) const {
+  std::vector<registry::RegionPtr> group = registry_->FindGroup(target);
+  if (!group.empty()) {
+    for (const auto& region : group) visit(region);
+  } else if (auto region = registry_->Find(target)) {
+    visit(region);
   }
-  return regions;
 }
 
 absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) const {
   // Nothing to look at while no fault was ever caught (the common case).
   if (registry::FaultGuard::faults_caught() == 0) return absl::OkStatus();
+  registry::RegionPtr broken;
   for (const auto& target : n.targets()) {
-    for (const auto& region : RegionsOf(target)) {
-      if (!region->mapping.broken()) continue;
-      return absl::DataLossError(fmt::format(
-          "transfer '{}' from '{}': region '{}' of this agent ('{}') is broken: {}; the bytes "
-          "written there are not valid. Fix: {}",
-          Printable(n.transfer_id(), 256), Printable(n.from_agent()), region->spec.name(),
-          options_.self_name, registry::kLostMemoryCause, registry::kLostMemoryFix));
-    }
+    ForEachRegionOf(target, [&broken](const registry::RegionPtr& region) {
+      if (broken == nullptr && region->mapping.broken()) broken = region;
+    });
+    if (broken == nullptr) continue;
+    return absl::DataLossError(fmt::format(
+        "transfer '{}' from '{}': region '{}' of this agent ('{}') is broken: {}; the bytes "
+        "written there are not valid. Fix: {}",
+        Printable(n.transfer_id(), 256), Printable(n.from_agent()), broken->spec.name(),
+        options_.self_name, registry::kLostMemoryCause, registry::kLostMemoryFix));
   }
   return absl::OkStatus();
 }
@@ -78,20 +82,12 @@ absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) co
 void IncomingTransfers::OwnersOf(const v1::Notification& n,
                                  std::vector<std::string>* owners) const {
   owners->clear();
-  auto add = [owners](const registry::RegionPtr& region) {
-    if (std::find(owners->begin(), owners->end(), region->owner) == owners->end()) {
-      owners->push_back(region->owner);
-    }
-  };
   for (const auto& target : n.targets()) {
-    // RegionsOf without its vector for a lone region (the common target): one
-    // allocation less per transfer.
-    std::vector<registry::RegionPtr> group = registry_->FindGroup(target);
-    if (!group.empty()) {
-      for (const auto& region : group) add(region);
-    } else if (auto region = registry_->Find(target)) {
-      add(region);
-    }
+    ForEachRegionOf(target, [owners](const registry::RegionPtr& region) {
+      if (std::find(owners->begin(), owners->end(), region->owner) == owners->end()) {
+        owners->push_back(region->owner);
+      }
+    });
   }
 }
 

@@ -16,6 +16,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
@@ -90,8 +91,10 @@ class IncomingTransfers {
   static Key KeyOf(const v1::Notification& n);
   // `n`'s key in lookup_key_ (reused: a lookup allocates nothing); valid until the next.
   const Key& LookupKey(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The local regions a notification target names: a group's, else one region.
-  std::vector<registry::RegionPtr> RegionsOf(const std::string& target) const;
+  // Calls `visit` with each local region a notification target names: a group's, else
+  // the one region (no vector made for a lone region, the common target).
+  void ForEachRegionOf(const std::string& target,
+                       absl::FunctionRef<void(const registry::RegionPtr&)> visit) const;
   // DATA_LOSS naming the region when a region `n` targets was broken by a caught
   // fault (registry/fault_guard.h).
   absl::Status CheckTargetsIntact(const v1::Notification& n) const;
