@@ -22,6 +22,7 @@ import select
 import struct
 import threading
 import time
+import weakref
 
 from . import errors
 from ._proto import kvagent_pb2 as pb
@@ -38,6 +39,9 @@ FEATURE_NOTIFICATIONS = 1  # FastPathInfo.features: the ring takes WATCH_NOTIFIC
 # ... a watch with a subscription, and ACK_NOTIFICATIONS
 FEATURE_DURABLE_NOTIFICATIONS = 2
 REASON_OFFSET, REASON_BYTES = 1024, 3072
+# How long a FastPath dropped without close() waits for the agent's answer to its close
+# (the session's timeout if shorter), as C++ ~FastPath does.
+CLOSE_ON_DROP_S = 1.0
 HEADER = struct.Struct("<IHHIIQ")        # SubmissionHeader: 24 bytes
 COMPLETION = struct.Struct("<QHHiIIQQ")  # CompletionHeader: 40 bytes
 # Word indices of the counters (one cache line each after the 64-byte header).
@@ -107,6 +111,11 @@ class FastPath:
         self._cq_head = self._words[CQ_HEAD]
         self._fence_lock = threading.Lock()
         self.transfers_running = 0  # set by close(): transfers the ring's close left running
+        # A ring dropped without close() is closed at garbage collection. The finalizer
+        # holds the session weakly: it never keeps a session alive (a session collected
+        # with its ring ends, and its end closes the ring).
+        self._finalizer = weakref.finalize(self, _close_dropped, weakref.ref(client.session),
+                                           self._mmap, self.submit_fd, self.complete_fd)
 
     def _fence(self):
         with self._fence_lock:  # an atomic exchange: a full barrier on x86-64
@@ -294,6 +303,7 @@ class FastPath:
         Idempotent: a second call returns []."""
         if self._mmap.closed:
             return []
+        self._finalizer.detach()
         try:
             if not self.closed_reason():
                 self._close_on_agent()
@@ -332,3 +342,52 @@ class FastPath:
         for fd in fds:
             os.close(fd)
         self.transfers_running = reply.fast_path_closed.transfers_running
+
+
+def _close_dropped(session_ref, ring, submit_fd, complete_fd):
+    """A FastPath's finalizer (it was dropped without close()): closes a ring the agent
+    has not closed, as close() does, best effort: close_fast_path waiting at most
+    CLOSE_ON_DROP_S (the session's timeout if shorter), a warning naming what was
+    dropped; raises nothing. An agent gone answers at once; a slow one only costs that
+    wait (it then closes the ring when it reads the request, else when the session
+    ends). Does nothing when the session is gone or closed (its end closed the ring)."""
+    try:
+        session = session_ref()
+        if session is None or session.fileno() == -1:
+            return
+        if struct.unpack_from("<I", ring, AGENT_FLAGS * 4)[0] & CLOSED:
+            return
+        request = pb.SessionRequest()
+        request.close_fast_path.SetInParent()
+        try:
+            reply, fds = session.call(request, what="closing a fast path dropped without "
+                                      "close()", timeout=min(CLOSE_ON_DROP_S, session.timeout))
+        except errors.KvAgentError as e:
+            if e.code.name == "DEADLINE_EXCEEDED":
+                log.warning("a fast path of the session with %s was dropped without close(), "
+                            "and closing it failed: %s; the agent closes the ring if it still "
+                            "reads the request, else when the session ends", session.path,
+                            e.message)
+            else:  # the session ended (its end closed the ring), or the agent is older
+                log.debug("a fast path dropped without close(): close_fast_path: %s", e)
+            return
+        for fd in fds:
+            os.close(fd)
+        # The agent wrote nothing after the close's answer: what is on the ring now is
+        # what the finalizer drops.
+        cq_tail, cq_head = (struct.unpack_from("<I", ring, word * 4)[0]
+                            for word in (CQ_TAIL, CQ_HEAD))
+        log.warning("a fast path of the session with %s was dropped without close(); the "
+                    "agent closed its ring, dropping %d completion-ring entries not reaped; %d "
+                    "of its transfers still run (look them up with gRPC GetTransfer); call "
+                    "close() or use `with FastPath(...)` to get the completions",
+                    session.path, (cq_tail - cq_head) & 0xFFFFFFFF,
+                    reply.fast_path_closed.transfers_running)
+    except Exception as e:  # a finalizer never raises
+        log.debug("closing a fast path dropped without close(): %r", e)
+    finally:
+        for fd in (submit_fd, complete_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -7,6 +7,7 @@ the process dying) ends it, and the agent frees what it held for it.
 import os
 import socket
 import threading
+import time
 
 from . import errors
 from ._proto import kvagent_pb2 as pb
@@ -26,6 +27,7 @@ class Session:
 
     def __init__(self, path, client_name, timeout=10.0):
         self.path = path
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._seq = 1
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -67,48 +69,74 @@ class Session:
     def fileno(self):
         return self._sock.fileno()
 
-    def call(self, request, fds=(), what=None):
-        """Sends `request` with `fds` and returns (reply, [descriptors received])."""
+    def call(self, request, fds=(), what=None, timeout=None):
+        """Sends `request` with `fds` and returns (reply, [descriptors received]).
+        `timeout` (seconds; default the session's) bounds the whole call, the wait for
+        another thread's call included (DeadlineExceeded)."""
         what = what or request.WhichOneof("body")
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
-            request.seq = seq
-            data = request.SerializeToString()
+        if timeout is None:
+            with self._lock:
+                return self._call_locked(request, fds, what)
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=timeout):
+            raise errors.error(4, f"another call on the session with the agent at {self.path} "
+                               f"held it for {timeout} s", where=what)
+        try:
+            saved = self._sock.gettimeout()
             try:
-                if fds:
-                    socket.send_fds(self._sock, [data], list(fds))
-                else:
-                    self._sock.send(data)
-            except OSError as e:
+                self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+            except OSError as e:  # closed
                 raise errors.error(14, f"the session with the agent at {self.path} ended ({e}); "
                                    "connect again", where=what) from None
-            while True:
+            try:
+                return self._call_locked(request, fds, what)
+            finally:
                 try:
-                    data, got, flags, _ = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, MAX_FDS)
-                except socket.timeout:
-                    raise errors.error(4, f"no reply from the agent at {self.path} in time; it "
-                                       "may be overloaded or hung", where=what) from None
-                if not data:
-                    raise errors.error(14, f"the agent at {self.path} closed the session; "
-                                       "connect again", where=what)
-                if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-                    for fd in got:
-                        os.close(fd)
-                    raise errors.error(13, f"a reply from the agent at {self.path} was truncated; "
-                                       "use a client that matches the agent", where=what)
-                reply = pb.SessionReply.FromString(data)
-                if reply.seq != 0 and reply.seq < seq:  # late reply to a call that timed out
-                    for fd in got:
-                        os.close(fd)
-                    continue
-                if reply.error_code != 0:
-                    for fd in got:
-                        os.close(fd)
-                    raise errors.error(reply.error_code,
-                                       reply.error_message or "the agent gave no reason",
-                                       where=what)
-                return reply, got
+                    self._sock.settimeout(saved)
+                except OSError:
+                    pass
+        finally:
+            self._lock.release()
+
+    def _call_locked(self, request, fds, what):
+        seq = self._seq
+        self._seq += 1
+        request.seq = seq
+        data = request.SerializeToString()
+        try:
+            if fds:
+                socket.send_fds(self._sock, [data], list(fds))
+            else:
+                self._sock.send(data)
+        except OSError as e:
+            raise errors.error(14, f"the session with the agent at {self.path} ended ({e}); "
+                               "connect again", where=what) from None
+        while True:
+            try:
+                data, got, flags, _ = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES, MAX_FDS)
+            except socket.timeout:
+                raise errors.error(4, f"no reply from the agent at {self.path} in time; it "
+                                   "may be overloaded or hung", where=what) from None
+            if not data:
+                raise errors.error(14, f"the agent at {self.path} closed the session; "
+                                   "connect again", where=what)
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                for fd in got:
+                    os.close(fd)
+                raise errors.error(13, f"a reply from the agent at {self.path} was truncated; "
+                                   "use a client that matches the agent", where=what)
+            reply = pb.SessionReply.FromString(data)
+            if reply.seq != 0 and reply.seq < seq:  # late reply to a call that timed out
+                for fd in got:
+                    os.close(fd)
+                continue
+            if reply.error_code != 0:
+                for fd in got:
+                    os.close(fd)
+                raise errors.error(reply.error_code,
+                                   reply.error_message or "the agent gave no reason",
+                                   where=what)
+            return reply, got
 
     def allocate(self, label, nbytes):
         """AllocateMemory: (MemoryHandleInfo, descriptor of a sealed memfd)."""

@@ -3,6 +3,7 @@ transfers behind the ring's doorbells, completions reaped in batches, bytes comp
 a refusal and a ping come back on the completion ring with the agent's message;
 notifications come on a watching ring, whole across entries and pads, taken once, or
 through a durable subscription with sequences, acknowledged on the ring."""
+import gc
 import time
 
 import torch
@@ -10,8 +11,9 @@ import torch
 import kvagent
 from client_test import connected_kv
 from harness import PairTestCase, agent_status, main, wait_status
-from kvagent.fast_path import (ACK_NOTIFICATIONS, NOTIFICATION, PING, SQ_TAIL,
+from kvagent.fast_path import (ACK_NOTIFICATIONS, CQ_TAIL, NOTIFICATION, PING, SQ_TAIL,
                                WATCH_NOTIFICATIONS, FastPath)
+from kvagent.session import Session
 from kvagent._proto import kvagent_pb2 as pb
 
 
@@ -204,6 +206,53 @@ class FastPathTest(PairTestCase):
         self.assertEqual(status.fast_path_closed_by_request,
                          before.fast_path_closed_by_request + 1)
         self.assertEqual(ring.close(), [])  # already closed
+
+    def test_a_ring_dropped_without_close_is_closed_at_garbage_collection(self):
+        pre, dec, src, dst = connected_kv(self, "dropped", 7)
+        before = wait_status(self.pair.decode, lambda s: s.fast_path_rings == 0)
+        self.assertEqual(before.fast_path_rings, 0)
+        ring = FastPath(dec, submission_slots=8)
+        # The finalizer holds the session weakly: it keeps no session alive by itself.
+        _, _, args, _ = ring._finalizer.peek()
+        self.assertFalse([a for a in args if isinstance(a, (Session, kvagent.Client))])
+        ring.ping(5)  # its completion stays on the ring, not reaped
+        deadline = time.monotonic() + 5
+        while ring._words[CQ_TAIL] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.assertEqual(ring._words[CQ_TAIL], 1)
+        self.assertEqual(agent_status(self.pair.decode).fast_path_rings, 1)
+        with self.assertLogs("kvagent.fast_path", "WARNING") as logs:
+            del ring
+            gc.collect()
+        self.assertEqual(len(logs.output), 1, logs.output)
+        self.assertIn("was dropped without close(); the agent closed its ring, dropping 1 "
+                      "completion-ring entries not reaped; 0 of its transfers still run",
+                      logs.output[0])
+        self.assertIn("call close() or use `with FastPath(...)`", logs.output[0])
+        status = agent_status(self.pair.decode)  # closed when the answer came
+        self.assertEqual(status.fast_path_rings, 0)  # while dec's session stays up
+        self.assertEqual(status.fast_path_closed_by_request,
+                         before.fast_path_closed_by_request + 1)
+        again = FastPath(dec, submission_slots=8)  # the session may open a new ring
+        again.ping(6)
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in again.reap(timeout=5)],
+                         [(6, PING, 0)])
+        # After close() the finalizer does nothing: no second close_fast_path, no warning.
+        self.assertEqual(again.close(), [])
+        self.assertFalse(again._finalizer.alive)
+        closed = agent_status(self.pair.decode).fast_path_closed_by_request
+        self.assertEqual(closed, before.fast_path_closed_by_request + 2)
+        with self.assertNoLogs("kvagent.fast_path", "DEBUG"):
+            del again
+            gc.collect()
+        self.assertEqual(agent_status(self.pair.decode).fast_path_closed_by_request, closed)
+        # Dropped with its client closed (the session's end closed the ring): nothing sent.
+        third = FastPath(dec, submission_slots=8)
+        dec.close()
+        with self.assertNoLogs("kvagent.fast_path", "WARNING"):
+            del third
+            gc.collect()
+        self.assertEqual(agent_status(self.pair.decode).fast_path_closed_by_request, closed)
 
     def test_close_against_an_agent_without_close_fast_path_only_unmaps(self):
         pre, dec, src, dst = connected_kv(self, "close-older", 5)
