@@ -5,22 +5,30 @@
 // file, a lost doorbell, a full ring, a client killed mid-flight). The agent stays up
 // and an honest transfer is byte-exact after each.
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "catch2/catch.hpp"
 #include "client/fast_path.h"
 #include "client/fast_ring.h"
+#include "client/local_session.h"
+#include "client/session_wire.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/integration/metrics_scrape.h"
@@ -1649,6 +1657,131 @@ TEST_CASE("fast path: a ring's destructor does not hang on an agent that is gone
   // The prefill agent shut down (SIGTERM): its sessions end, then the ring goes.
   REQUIRE(pair.prefill_process().Stop().ok());
   CHECK(DestroyTimed(fast) < std::chrono::milliseconds(5000));
+}
+
+// A session socket in front of `agent`'s that forwards every datagram, descriptors
+// included, both ways, but hands the agent each close_fast_path request as a body it
+// does not know (field 105), which it answers UNIMPLEMENTED: how an agent older than
+// close_fast_path sees the request. Counts the requests it rewrote.
+class OlderAgentDoor {
+ public:
+  OlderAgentDoor(const std::string& path, cli::DaemonProcess& agent) : path_(path) {
+    auto address = client::MakeUnixAddress(path);
+    REQUIRE(address.ok());
+    unlink(path.c_str());
+    REQUIRE(bind(listener_.get(), reinterpret_cast<const sockaddr*>(&address->address),
+                 address->length) == 0);
+    REQUIRE(listen(listener_.get(), 1) == 0);
+    REQUIRE(stop_);
+    thread_ = std::thread([this, agent_path = agent.local_socket() + ".session"] {
+      Forward(agent_path);
+    });
+  }
+  ~OlderAgentDoor() {
+    const uint64_t one = 1;
+    CHECK(write(stop_.get(), &one, sizeof(one)) == sizeof(one));
+    thread_.join();
+    unlink(path_.c_str());
+  }
+  int closes_rewritten() const { return closes_rewritten_.load(); }
+
+ private:
+  // Forwards one message from `from` to `to`; false when either side is gone.
+  template <typename Message>
+  bool Pass(int from, int to) {
+    Message message;
+    std::vector<UniqueFd> fds;
+    if (!client::ReceiveMessage(from, &message, &fds, 0).ok()) return false;
+    if constexpr (std::is_same_v<Message, v1::SessionRequest>) {
+      if (message.has_close_fast_path()) {
+        message.clear_close_fast_path();
+        const std::string unknown_body("\xca\x06\x00", 3);
+        if (!message.ParseFromString(message.SerializeAsString() + unknown_body)) return false;
+        ++closes_rewritten_;
+      }
+    }
+    std::vector<int> raw;
+    for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+    return client::SendMessage(to, message, raw).ok();
+  }
+
+  void Forward(const std::string& agent_path) {
+    pollfd accepting[2] = {{listener_.get(), POLLIN, 0}, {stop_.get(), POLLIN, 0}};
+    if (poll(accepting, 2, -1) <= 0 || (accepting[0].revents & POLLIN) == 0) return;
+    UniqueFd engine(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    UniqueFd agent(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    auto address = client::MakeUnixAddress(agent_path);
+    if (!engine || !address.ok() ||
+        connect(agent.get(), reinterpret_cast<const sockaddr*>(&address->address),
+                address->length) != 0) {
+      return;
+    }
+    for (;;) {
+      pollfd fds[3] = {
+          {engine.get(), POLLIN, 0}, {agent.get(), POLLIN, 0}, {stop_.get(), POLLIN, 0}};
+      if (poll(fds, 3, -1) <= 0 || fds[2].revents != 0) return;
+      if (fds[0].revents != 0 && !Pass<v1::SessionRequest>(engine.get(), agent.get())) return;
+      if (fds[1].revents != 0 && !Pass<v1::SessionReply>(agent.get(), engine.get())) return;
+    }
+  }
+
+  const std::string path_;
+  UniqueFd listener_{socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0)};
+  UniqueFd stop_{eventfd(0, EFD_CLOEXEC)};
+  std::atomic<int> closes_rewritten_{0};
+  std::thread thread_;
+};
+
+// Mappings of fast path ring files in this process.
+int RingMappings() {
+  std::ifstream maps("/proc/self/maps");
+  int count = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/memfd:kvagent-fast-path") != std::string::npos) ++count;
+  }
+  return count;
+}
+
+TEST_CASE("fast path: Close() against an agent older than close_fast_path says so, unmaps and does not hang") {
+  AgentPair pair;
+  // Beside the agent's own socket (whose path fits a Unix address with ".session").
+  const std::string door_path = pair.decode_process().local_socket() + ".older";
+  OlderAgentDoor door(door_path, pair.decode_process());
+  auto session = client::LocalSession::Attach(door_path, "older-door");
+  INFO(session.status().ToString());
+  REQUIRE(session.ok());
+  const int mapped_before = RingMappings();
+  auto opened = FastPath::Open(session->get());
+  INFO(opened.status().ToString());
+  REQUIRE(opened.ok());
+  std::unique_ptr<FastPath> fast = *std::move(opened);
+  CHECK(RingMappings() == mapped_before + 1);
+  REQUIRE(fast->Ping(1).ok());
+  CHECK(ReapOne(*fast).code == absl::StatusCode::kOk);
+  CHECK(pair.decode().Status()->fast_path_rings() == 1);
+
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<client::FastPathClose> closed = fast->Close();
+  const auto took = std::chrono::steady_clock::now() - start;
+  INFO(closed.status().ToString());
+  REQUIRE(closed.ok());
+  CHECK_FALSE(closed->closed_by_agent);  // the agent is older: it keeps the ring
+  CHECK(closed->transfers_running == 0);
+  CHECK(closed->left.empty());
+  CHECK(took < std::chrono::seconds(5));  // a hang guard (the session's timeout is 10 s)
+  CHECK(door.closes_rewritten() == 1);
+  v1::AgentStatus status = *pair.decode().Status();
+  CHECK(status.fast_path_rings() == 1);  // until the session ends, as before
+  CHECK(status.fast_path_closed_by_request() == 0);
+  // The destructor only unmaps: it does not ask again.
+  CHECK(DestroyTimed(fast) < std::chrono::milliseconds(5000));
+  CHECK(RingMappings() == mapped_before);
+  CHECK(door.closes_rewritten() == 1);
+  // The session's end closes the ring.
+  session->reset();
+  status = WaitStatus(pair.decode(), [](const auto& s) { return s.fast_path_rings() == 0; });
+  CHECK(status.fast_path_rings() == 0);
+  CHECK(status.fast_path_closed_by_request() == 0);
 }
 
 TEST_CASE("fast path: a durable ring closed by its session: what it held unacknowledged comes again to the next attachment") {
