@@ -562,6 +562,7 @@ static void FillCopyPaths(const TransferCounters& counters, v1::AgentStatus* sta
   lanes->set_split_batches(counters.copy_lanes.split_batches);
   lanes->set_bytes(counters.copy_lanes.bytes);
   lanes->set_stolen_parts(counters.copy_lanes.stolen_parts);
+  lanes->set_lane_chunks(counters.copy_lanes.lane_chunks);
   const DeviceLaneCounters device = DeviceLaneTotals();
   lanes->set_device_batches(device.batches);
   lanes->set_device_split_batches(device.split_batches);

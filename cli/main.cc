@@ -217,10 +217,12 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.fast_path_pending_dropped()));
   const auto& lanes = s.copy_lanes();
   std::printf("copy lanes   %u: %lu same-host host copy batches (%lu split across lanes, "
-              "%lu shares taken back by the worker thread), %lu bytes; device copy %s: %lu "
-              "batches (%lu split across streams), %lu bytes\n",
+              "%lu chunks copied by the other lanes, %lu shares taken back by the worker "
+              "thread), %lu bytes; device copy %s: %lu batches (%lu split across streams), "
+              "%lu bytes\n",
               lanes.lanes(), static_cast<unsigned long>(lanes.batches()),
               static_cast<unsigned long>(lanes.split_batches()),
+              static_cast<unsigned long>(lanes.lane_chunks()),
               static_cast<unsigned long>(lanes.stolen_parts()),
               static_cast<unsigned long>(lanes.bytes()), s.device_copy().c_str(),
               static_cast<unsigned long>(lanes.device_batches()),

@@ -6,6 +6,7 @@
 
 #include "catch2/catch.hpp"
 #include "cuda/driver.h"
+#include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
 
 namespace kvagent::testing {
@@ -97,6 +98,32 @@ TEST_CASE("GetStatus counts the copy lanes' batches; status, peers and doctor na
       Kvagentctl({"--agent", address, "peers"}, pair.work_dir() + "/peers.txt");
   INFO(listed);
   CHECK(listed.find("; device copy " + mode) != std::string::npos);
+
+  // The other lane's chunks: none from a batch whose share it never started, at most
+  // 2 lanes x 8 chunks (agent/copy_lanes.h kChunksPerLane) from one it did. Whether it
+  // wakes in time for a given batch depends on the host's load: more batches until it
+  // has copied some.
+  v1::AgentStatus last = *after;
+  for (int i = 0; i < 200 && last.copy_lanes().lane_chunks() == 0; ++i) {
+    v1::SubmitTransferRequest more = KvWrite(fmt::format("lanes-more-{}", i), src, dst);
+    more.set_wait(true);
+    auto again = pair.prefill().Submit(more);
+    REQUIRE(again.ok());
+    REQUIRE(again->phase() == v1::COMPLETED);
+    auto now = pair.prefill().Status();
+    REQUIRE(now.ok());
+    last = *std::move(now);
+  }
+  const v1::CopyLaneStatus& lanes = last.copy_lanes();
+  CHECK(lanes.lane_chunks() > 0);
+  CHECK(lanes.lane_chunks() <= (lanes.split_batches() - lanes.stolen_parts()) * 2 * 8);
+  const std::string later =
+      Kvagentctl({"--agent", address, "status"}, pair.work_dir() + "/status-later.txt");
+  INFO(later);
+  CHECK(later.find(fmt::format("({} split across lanes, {} chunks copied by the other lanes, {} "
+                               "shares taken back by the worker thread), {} bytes",
+                               lanes.split_batches(), lanes.lane_chunks(), lanes.stolen_parts(),
+                               lanes.bytes())) != std::string::npos);
 }
 
 TEST_CASE("One copy lane copies every batch on the worker thread") {
@@ -116,6 +143,7 @@ TEST_CASE("One copy lane copies every batch on the worker thread") {
   CHECK(status->copy_lanes().lanes() == 1);
   CHECK(status->copy_lanes().batches() >= 1);
   CHECK(status->copy_lanes().split_batches() == 0);
+  CHECK(status->copy_lanes().lane_chunks() == 0);
   CHECK(status->copy_lanes().bytes() == done->bytes_total());
 }
 
