@@ -284,6 +284,20 @@ TEST_CASE("wait answers with the final state; a batch submits each entry on its 
   CHECK(again->phase() == v1::COMPLETED);
   CHECK(again->bytes_done() == done->bytes_done());
   CHECK(again->timeline_size() == done->timeline_size());
+  // A retry may carry another deadline, or no wait: still the same chunk. Anything else
+  // that differs is another request under a used id.
+  auto later = one;
+  later.set_wait(false);
+  later.set_timeout_ms(one.timeout_ms() + 1234);
+  auto same = SubmitThrough(pair.prefill(), later);
+  REQUIRE(same.ok());
+  CHECK(same->phase() == v1::COMPLETED);
+  auto other = one;
+  other.set_notification("waited, twice");
+  auto clash = SubmitThrough(pair.prefill(), other);
+  REQUIRE_FALSE(clash.ok());
+  CHECK(clash.status().code() == absl::StatusCode::kAlreadyExists);
+  CHECK_THAT(std::string(clash.status().message()), Catch::Contains("different content"));
 
   // A chunked transfer waits on its last chunk only.
   auto open = KvWrite("req-wait-chunks", {4}, {14});
