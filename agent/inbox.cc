@@ -220,18 +220,20 @@ bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, 
 }
 
 void Inbox::OnNotification(std::string_view header, std::string_view data, void* reply_ep) {
-  wire::PeerMessageAuth auth;
-  if (!AdmitNotification(header, data.size(), limits_.max_notification_message_bytes, &auth)) {
+  const auto auth = auths_.Take();
+  if (!AdmitNotification(header, data.size(), limits_.max_notification_message_bytes,
+                         auth.get())) {
     return;
   }
-  v1::Notification n;
-  if (!AdmitBody(data, auth, /*entry=*/-1, /*entries=*/0, reply_ep, &n)) return;
-  engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
+  const auto n = notices_.Take();
+  if (!AdmitBody(data, *auth, /*entry=*/-1, /*entries=*/0, reply_ep, n.get())) return;
+  engine_->OnAuthenticatedNotice(*n, reply_ep);
 }
 
 void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep) {
-  wire::PeerMessageAuth auth;
-  if (!AdmitNotification(header, data.size(), limits_.max_batch_bytes, &auth)) return;
+  const auto kept_auth = auths_.Take();
+  const wire::PeerMessageAuth& auth = *kept_auth;
+  if (!AdmitNotification(header, data.size(), limits_.max_batch_bytes, kept_auth.get())) return;
   // Parsed into batch_, whose entries' strings keep their storage from batch to batch
   // (parsing a batch then allocates nothing for them); into a batch of its own when
   // one is handled inside another (a send that progressed the worker).
@@ -246,10 +248,10 @@ void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* 
     return;
   }
   holding_acks_ = true;
+  const auto n = notices_.Take();
   for (int i = 0; i < batch.notices_size(); ++i) {
-    v1::Notification n;
-    if (!AdmitBody(batch.notices(i), auth, i, batch.notices_size(), reply_ep, &n)) continue;
-    engine_->OnAuthenticatedNotice(std::move(n), reply_ep);
+    if (!AdmitBody(batch.notices(i), auth, i, batch.notices_size(), reply_ep, n.get())) continue;
+    engine_->OnAuthenticatedNotice(*n, reply_ep);
   }
   holding_acks_ = false;
   // A large batch's storage is not kept (a rendezvous batch may hold up to
@@ -332,28 +334,26 @@ void Inbox::FlushAcks() {
 }
 
 void Inbox::OnAck(std::string_view header) {
-  wire::TransferAck ack;
-  if (!ParseHeader(header, limits_.max_auth_header_bytes, &ack)) {
+  const auto ack = acks_.Take();
+  if (!ParseHeader(header, limits_.max_auth_header_bytes, ack.get())) {
     counters_->dropped_peer_messages.fetch_add(1);
     LogRefusal("? (UCX active message)", "a transfer acknowledgement",
                absl::InvalidArgumentError(
                    fmt::format("its {}-byte header does not parse or is too long", header.size())));
     return;
   }
-  engine_->OnAck(std::move(ack));
+  engine_->OnAck(*ack);
 }
 
 void Inbox::OnAckBatch(std::string_view data) {
-  wire::TransferAckBatch batch;
-  if (absl::Status parsed = ParseBatch(data, limits_, &batch); !parsed.ok()) {
+  const auto batch = ack_batches_.Take();
+  if (absl::Status parsed = ParseBatch(data, limits_, batch.get()); !parsed.ok()) {
     counters_->dropped_peer_messages.fetch_add(1);
     LogRefusal("? (UCX active message)", "a batch of transfer acknowledgements", parsed);
     return;
   }
   // Matched one by one; the commits they lead to go out together.
-  std::vector<wire::TransferAck> acks(std::make_move_iterator(batch.mutable_acks()->begin()),
-                                      std::make_move_iterator(batch.mutable_acks()->end()));
-  engine_->OnAcks(std::move(acks));
+  engine_->OnAcks(absl::MakeConstSpan(batch->acks().data(), batch->acks_size()));
 }
 
 }  // namespace kvagent::agent

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "absl/status/status.h"
 #include "agent/access.h"
 #include "agent/am_ids.h"
+#include "agent/kept_messages.h"
 #include "agent/peer_secrets.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
@@ -132,6 +134,11 @@ class Inbox {
   // with its storage; busy while one is.
   wire::NoticeBatch batch_;
   bool batch_busy_ = false;
+  // Worker thread only: the headers, notifications and acknowledgements parsed here.
+  KeptMessages<wire::PeerMessageAuth> auths_;
+  KeptMessages<v1::Notification> notices_;
+  KeptMessages<wire::TransferAck> acks_;
+  KeptMessages<wire::TransferAckBatch> ack_batches_;
   size_t held_count_ = 0;
 };
 

@@ -966,7 +966,7 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
   notices.clear();
 }
 
-void TransferEngine::OnAuthenticatedNotice(v1::Notification n, void* reply_ep) {
+void TransferEngine::OnAuthenticatedNotice(v1::Notification& n, void* reply_ep) {
   notifications_received_.fetch_add(1);
   IncomingTransfers& incoming = *options_.incoming;
   switch (n.kind()) {
@@ -1000,11 +1000,12 @@ void TransferEngine::StagedDataInPlace(v1::Notification n, absl::Status data) {
   options_.incoming->DataInPlace(n, data);
 }
 
-void TransferEngine::OnAcks(std::vector<wire::TransferAck> acks) {
+void TransferEngine::OnAcks(absl::Span<const wire::TransferAck* const> acks) {
   // The commits go out together (one round), each after its COMPLETED is recorded.
   Outbox outbox = TakeOutbox();
   outbox_ = &outbox;
-  for (const wire::TransferAck& ack : acks) {
+  for (const wire::TransferAck* each : acks) {
+    const wire::TransferAck& ack = *each;
     TransferPtr t;
     std::optional<v1::Notification> commit;
     {

@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "agent/access.h"
 #include "agent/am_ids.h"
 #include "agent/copy_lanes.h"
@@ -120,14 +121,15 @@ class TransferEngine {
   TransferCounters counters() const;
   // The Inbox's handlers (worker thread). A notice from a peer that passed
   // authentication and the bounds (agent/inbox): the receiving side takes it.
-  void OnAuthenticatedNotice(v1::Notification n, void* reply_ep);
+  // `n` is the Inbox's kept storage: what is read stays there, and only what is held
+  // (a DATA_READY, until its commit) is moved out.
+  void OnAuthenticatedNotice(v1::Notification& n, void* reply_ep);
   // Receivers acknowledged DATA_READYs of ours (AmId::kTransferAck, one; kAckBatch,
   // several): each is matched on its own; the commits they lead to go out together.
-  void OnAcks(std::vector<wire::TransferAck> acks);
-  void OnAck(wire::TransferAck ack) {  // one (AmId::kTransferAck)
-    std::vector<wire::TransferAck> one(1);
-    one.front().Swap(&ack);
-    OnAcks(std::move(one));
+  void OnAcks(absl::Span<const wire::TransferAck* const> acks);
+  void OnAck(const wire::TransferAck& ack) {  // one (AmId::kTransferAck)
+    const wire::TransferAck* one = &ack;
+    OnAcks(absl::MakeConstSpan(&one, 1));
   }
   // The device copy path's mode on this host (DeviceCopyMode; loads the CUDA driver
   // once per process to know).

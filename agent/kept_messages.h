@@ -1,0 +1,58 @@
+// KeptMessages: protobuf messages that one thread parses into or builds, handed back
+// after use with their storage, so that the next message's strings and repeated fields
+// reuse it. The Inbox (what it parses) and the TransferEngine (the notices it builds)
+// keep theirs.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace kvagent::agent {
+
+// One thread only: messages to fill, handed back after use, so that their
+// strings and repeated fields keep their storage from message to message (a parse into
+// one allocates nothing for them once warm; a fresh message allocates each). A use
+// inside another (a send that progressed the worker into the next message) takes a
+// second one. What a user moved out of its message is simply not kept.
+template <typename Message>
+class KeptMessages {
+ public:
+  class Lease {
+   public:
+    Lease(KeptMessages* pool, std::unique_ptr<Message> message)
+        : pool_(pool), message_(std::move(message)) {}
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() { pool_->GiveBack(std::move(message_)); }
+    Message& operator*() const { return *message_; }
+    Message* operator->() const { return message_.get(); }
+    Message* get() const { return message_.get(); }
+
+   private:
+    KeptMessages* pool_;
+    std::unique_ptr<Message> message_;
+  };
+
+  Lease Take() {
+    if (free_.empty()) return Lease(this, std::make_unique<Message>());
+    std::unique_ptr<Message> message = std::move(free_.back());
+    free_.pop_back();
+    return Lease(this, std::move(message));
+  }
+
+ private:
+  // A few (nesting is rare and shallow), of bounded size: a large message's storage
+  // (a notification's payload may be 64 KiB) is let go.
+  static constexpr size_t kKeep = 4;
+  static constexpr size_t kKeepBytes = 16 << 10;
+  void GiveBack(std::unique_ptr<Message> message) {
+    if (free_.size() < kKeep && message->ByteSizeLong() <= kKeepBytes) {
+      free_.push_back(std::move(message));
+    }
+  }
+  std::vector<std::unique_ptr<Message>> free_;
+};
+
+}  // namespace kvagent::agent
