@@ -51,11 +51,8 @@ std::function<bool(const v1::Notification&)> KeepPrefix(std::string prefix) {
   };
 }
 
-// Takes the target agent's notifications by PollNotifications in batches while a
-// measurement runs, counting those whose transfer id starts with `prefix`: a ring
-// moving 100,000s of WRITEs a second would otherwise fill the target's queue (65,536
-// by default), and one stream message per notification costs the target more than the
-// transfers.
+}  // namespace
+
 std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::string prefix,
                                                uint32_t timeout_ms) {
   WaitForNoStreams(address, timeout_ms);
@@ -67,6 +64,13 @@ std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::
   drain.keep = KeepPrefix(std::move(prefix));
   return std::make_unique<NotificationWaiter>(std::move(drain));
 }
+
+absl::StatusOr<uint64_t> Missing(NotificationWaiter& drain, uint64_t expected) {
+  ASSIGN_OR_RETURN(uint64_t seen, drain.WaitForCount(expected, absl::Seconds(30)));
+  return seen >= expected ? 0 : expected - seen;
+}
+
+namespace {
 
 // A ring of the session that owns the target's pool (options.target_owner, not null),
 // watching the notifications of `ids` (empty: every one the session may take), the
@@ -121,12 +125,6 @@ absl::StatusOr<std::unique_ptr<NotificationWaiter>> StartRateDrain(const FastPha
   drain.keep = KeepPrefix(std::move(prefix));
   *how = "ring";
   return std::make_unique<NotificationWaiter>(std::move(drain));
-}
-
-// Notifications of `expected` transfers not taken by `drain` within 30 s.
-absl::StatusOr<uint64_t> Missing(NotificationWaiter& drain, uint64_t expected) {
-  ASSIGN_OR_RETURN(uint64_t seen, drain.WaitForCount(expected, absl::Seconds(30)));
-  return seen >= expected ? 0 : expected - seen;
 }
 
 // What an agent's threads spent between two ThreadTicks readings over `wall` seconds:

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "cli/agent_client.h"
+#include "cli/notification_waiter.h"
 #include "client/fast_path.h"
 #include "proto/kvagent.pb.h"
 
@@ -81,6 +82,16 @@ class FastRing {
 };
 
 // ---- grid cells ----
+
+// Takes the target agent's (`address`) notifications by PollNotifications in batches
+// while a measurement runs, counting those whose transfer id starts with `prefix`: a
+// ring moving 100,000s of WRITEs a second would otherwise fill the target's queue
+// (65,536 by default), and one stream message per notification costs the target more
+// than the transfers. Waits first until no notification stream is open there.
+std::unique_ptr<NotificationWaiter> StartDrain(const std::string& address, std::string prefix,
+                                               uint32_t timeout_ms);
+// Notifications of `expected` transfers not taken by `drain` within 30 s.
+absl::StatusOr<uint64_t> Missing(NotificationWaiter& drain, uint64_t expected);
 
 struct FastCellSpec {
   std::string prefix;            // transfer ids

@@ -1,6 +1,8 @@
 #include "cli/bench_report.h"
 
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "base/format.h"
 #include "cli/bench_fast.h"
@@ -26,7 +28,115 @@ std::string Cellf(const std::optional<double>& v, const char* format) {
   return v ? fmt::format(fmt::runtime(format), *v) : "-";
 }
 
+// The cell's paired fields (", \"paired_rounds\": ..."), null without paired rounds.
+std::string PairedJson(const std::optional<PairedCell>& p) {
+  if (!p) {
+    return ", \"paired_rounds\": 0, \"paired_memcpy_p50_us\": null, "
+           "\"paired_contiguous_p50_us\": null, \"paired_scattered_p50_us\": null, "
+           "\"paired_fast_over_memcpy\": null, \"paired_fast_over_memcpy_q1\": null, "
+           "\"paired_fast_over_memcpy_q3\": null, \"paired_scattered_over_contiguous\": null, "
+           "\"paired_scattered_over_contiguous_q1\": null, "
+           "\"paired_scattered_over_contiguous_q3\": null";
+  }
+  return fmt::format(
+      ", \"paired_rounds\": {}, \"paired_memcpy_p50_us\": {:.1f}, "
+      "\"paired_contiguous_p50_us\": {:.1f}, \"paired_scattered_p50_us\": {:.1f}, "
+      "\"paired_fast_over_memcpy\": {:.3f}, \"paired_fast_over_memcpy_q1\": {:.3f}, "
+      "\"paired_fast_over_memcpy_q3\": {:.3f}, \"paired_scattered_over_contiguous\": {:.3f}, "
+      "\"paired_scattered_over_contiguous_q1\": {:.3f}, "
+      "\"paired_scattered_over_contiguous_q3\": {:.3f}",
+      p->rounds, p->memcpy_p50_us, p->contiguous_p50_us, p->scattered_p50_us,
+      p->fast_over_memcpy.of_medians, p->fast_over_memcpy.q1, p->fast_over_memcpy.q3,
+      p->scattered_over_contiguous.of_medians, p->scattered_over_contiguous.q1,
+      p->scattered_over_contiguous.q3);
+}
+
+std::string RatioText(const PairedRatio& r) {
+  return fmt::format("{:.2f} [{:.2f}-{:.2f}]", r.of_medians, r.q1, r.q3);
+}
+
+std::string CellName(const Cell& c) {
+  return fmt::format("{} {} x {}", v1::TransferOp_Name(c.op), SizeName(c.block), c.batch);
+}
+
 }  // namespace
+
+bool FastOverMemcpyTarget(uint64_t block, uint32_t batch) {
+  return block >= (64 << 10) && batch >= 16;
+}
+
+bool ScatteredTarget(uint64_t block, uint32_t batch) {
+  return block >= (64 << 10) && batch >= 64;
+}
+
+std::string PairedLine(const PairedCell& p) {
+  return fmt::format(
+      "      paired, {}, {} rounds from a cold cache: fast/memcpy {}, scattered/contiguous "
+      "{} (p50 us: memcpy {:.0f}, contiguous {:.0f}, scattered {:.0f})",
+      CellName(p.cell), p.rounds, RatioText(p.fast_over_memcpy),
+      RatioText(p.scattered_over_contiguous), p.memcpy_p50_us, p.contiguous_p50_us,
+      p.scattered_p50_us);
+}
+
+std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
+                         std::optional<double> load_start, std::optional<double> load_now) {
+  struct Target {
+    const char* key;
+    const char* text;
+    double threshold;
+    bool (*applies)(uint64_t, uint32_t);
+    PairedRatio PairedCell::*ratio;
+  };
+  const Target targets[] = {
+      {"fast_over_memcpy", "fast path >= cold memcpy of the same pages, from 64K x 16 up", 1.0,
+       FastOverMemcpyTarget, &PairedCell::fast_over_memcpy},
+      {"scattered_over_contiguous",
+       "scattered within 10 % of contiguous (fast path), from 64K x 64 up", 0.9, ScatteredTarget,
+       &PairedCell::scattered_over_contiguous},
+  };
+  std::string out;
+  if (!json) {
+    out += fmt::format(
+        "targets (issue 14; paired rounds: ratio of medians as speeds [interquartile range of "
+        "the rounds' ratios]; load average {} at the sweep's start, {} now):\n",
+        Cellf(load_start, "{:.2f}"), Cellf(load_now, "{:.2f}"));
+  }
+  for (const Target& t : targets) {
+    std::string lines;
+    uint64_t cells = 0, met = 0;
+    for (const PairedCell& p : pairs) {
+      if (!t.applies(p.cell.block, p.cell.batch)) continue;
+      const PairedRatio& r = p.*t.ratio;
+      const bool ok = r.of_medians >= t.threshold;
+      ++cells;
+      met += ok ? 1 : 0;
+      if (json) {
+        lines += fmt::format(
+            "{{\"kind\": \"target\", \"issue\": 14, \"target\": \"{}\", \"op\": \"{}\", "
+            "\"block_bytes\": {}, \"batch\": {}, \"rounds\": {}, \"ratio\": {:.3f}, "
+            "\"q1\": {:.3f}, \"q3\": {:.3f}, \"threshold\": {:.2f}, \"met\": {}, "
+            "\"loadavg_1m\": {}}}\n",
+            t.key, v1::TransferOp_Name(p.cell.op), p.cell.block, p.cell.batch, p.rounds,
+            r.of_medians, r.q1, r.q3, t.threshold, ok ? "true" : "false", Opt(load_now, "{:.2f}"));
+      } else {
+        lines += fmt::format("    {:<16} {}, {} rounds: {}\n", CellName(p.cell), RatioText(r),
+                             p.rounds, ok ? "met" : "NOT met");
+      }
+    }
+    if (json) {
+      out += lines + fmt::format(
+          "{{\"kind\": \"targets\", \"issue\": 14, \"target\": \"{}\", \"threshold\": {:.2f}, "
+          "\"cells\": {}, \"met\": {}, \"loadavg_1m_start\": {}, \"loadavg_1m\": {}}}\n",
+          t.key, t.threshold, cells, met, Opt(load_start, "{:.2f}"), Opt(load_now, "{:.2f}"));
+    } else if (cells == 0) {
+      out += fmt::format("  {} (>= {:.2f}): no paired cell in this run\n", t.text, t.threshold);
+    } else {
+      out += fmt::format("  {} (>= {:.2f}): met in {} of {} cells\n", t.text, t.threshold, met,
+                         cells) + lines;
+    }
+  }
+  return out;
+}
 
 std::string TableHeader() {
   return fmt::format(fmt::runtime(kHeader), "op", "pattern", "block", "batch", "xfers", "GB/s",
@@ -66,7 +176,8 @@ std::string JsonLine(const CellResult& r) {
       Opt(r.memcpy_gbps), Opt(Ratio(r.gbps, r.perftest_gbps)), Opt(Ratio(r.gbps, r.memcpy_gbps)),
       r.gbps_inflight, Opt(Ratio(r.gbps_inflight, r.perftest_gbps)),
       Opt(Ratio(r.gbps_inflight, r.memcpy_gbps)), r.data_path, r.runs,
-      r.verified ? "true" : "false", FastCellJson(r.fast, r.perftest_gbps, r.memcpy_gbps));
+      r.verified ? "true" : "false",
+      FastCellJson(r.fast, r.perftest_gbps, r.memcpy_gbps) + PairedJson(r.paired));
 }
 
 }  // namespace kvagent::cli

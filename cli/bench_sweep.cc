@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <thread>
 #include <utility>
@@ -36,6 +37,22 @@ class CacheEvictor {
   std::vector<uint8_t> buffer_;
   uint64_t round_ = 0;
 };
+
+// The speed of the second against the first (the first's times over the second's, per
+// round): the ratio of the medians, and the interquartile range of the rounds' ratios.
+PairedRatio Paired(const std::vector<double>& first_us, const std::vector<double>& second_us) {
+  PairedRatio ratio;
+  const double second = Percentile(second_us, 50);
+  if (second <= 0) return ratio;
+  ratio.of_medians = Percentile(first_us, 50) / second;
+  std::vector<double> rounds;
+  for (size_t k = 0; k < first_us.size() && k < second_us.size(); ++k) {
+    if (second_us[k] > 0) rounds.push_back(first_us[k] / second_us[k]);
+  }
+  ratio.q1 = Percentile(rounds, 25);
+  ratio.q3 = Percentile(rounds, 75);
+  return ratio;
+}
 
 class CellBench::Impl {
  public:
@@ -89,7 +106,7 @@ class CellBench::Impl {
     }
 
     const double target_s = options_.quick ? 0.1 : 0.3;
-    const uint64_t min_transfers = options_.quick ? 5 : 20;
+    const uint64_t min_transfers = MinTransfers(cell);
     const uint64_t max_transfers = 100000;
     std::vector<double> latencies;
     std::vector<std::pair<std::string, Clock::time_point>> submitted;
@@ -198,7 +215,83 @@ class CellBench::Impl {
     return result;
   }
 
+  absl::StatusOr<std::optional<PairedCell>> Pair(const Layout& layout, const Cell& shape) {
+    if (fast_ == nullptr) return std::optional<PairedCell>();
+    const Cell contiguous{shape.op, false, shape.block, shape.batch};
+    const Cell scattered{shape.op, true, shape.block, shape.batch};
+    const bool write = shape.op == v1::WRITE;
+    std::optional<Copier> copier = MakeCopier(layout, contiguous);
+    if (!copier) return std::optional<PairedCell>();
+    const std::string prefix = fmt::format("{}{}.pair.", prefix_, cell_number_++);
+    // WRITE: notified as the fast column's transfers are, the target's taken meanwhile.
+    std::unique_ptr<NotificationWaiter> drain;
+    if (write) drain = StartDrain(target_address_, prefix, options_.timeout_ms);
+    // At least `min_rounds`, then until `seconds` have passed (at most `max_rounds`).
+    const uint64_t min_rounds = options_.quick ? 5 : 9;
+    const uint64_t max_rounds = options_.quick ? 20 : 40;
+    const double seconds = options_.quick ? 0.05 : 0.3;
+    std::vector<double> memcpy_us, contiguous_us, scattered_us;
+    std::vector<uint64_t> local, remote;
+    uint64_t transfers = 0;
+    // Transfer `i` of `cell` through the ring from a cold cache, the agent awake.
+    auto timed_transfer = [&](const Cell& cell, uint64_t i) -> absl::StatusOr<double> {
+      Indices(layout, cell, i, &local, &remote);
+      v1::SubmitTransferRequest request =
+          Request(layout, cell, fmt::format("{}{}.{}", prefix, cell.scattered ? "s" : "c", i),
+                  local, remote, write);
+      request.clear_wait();
+      copier->before();
+      RETURN_IF_ERROR(fast_->Pings(1).status());
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(fast_->Transfer(request));
+      ++transfers;
+      return Micros(Clock::now() - t0);
+    };
+    const auto start = Clock::now();
+    for (uint64_t r = 0; r < max_rounds; ++r) {
+      if (r >= min_rounds && Seconds(Clock::now() - start) >= seconds) break;
+      Indices(layout, contiguous, r, &local, &remote);
+      copier->before();
+      const auto t0 = Clock::now();
+      if (!copier->copy(write ? local : remote, write ? remote : local)) {
+        return std::optional<PairedCell>();
+      }
+      memcpy_us.push_back(Micros(Clock::now() - t0));
+      for (int k = 0; k < 2; ++k) {
+        const bool second_is_scattered = r % 2 == 0;
+        const bool s = k == 1 ? second_is_scattered : !second_is_scattered;
+        ASSIGN_OR_RETURN(double us, timed_transfer(s ? scattered : contiguous, r));
+        (s ? scattered_us : contiguous_us).push_back(us);
+      }
+    }
+    if (drain) {
+      ASSIGN_OR_RETURN(uint64_t missing, Missing(*drain, transfers));
+      if (missing > 0) {
+        return absl::DataLossError(fmt::format(
+            "paired rounds, WRITE {} x {}: {} of {} notifications did not reach the target's "
+            "client", SizeName(shape.block), shape.batch, missing, transfers));
+      }
+    }
+    PairedCell paired;
+    paired.cell = contiguous;
+    paired.rounds = memcpy_us.size();
+    paired.memcpy_p50_us = Percentile(memcpy_us, 50);
+    paired.contiguous_p50_us = Percentile(contiguous_us, 50);
+    paired.scattered_p50_us = Percentile(scattered_us, 50);
+    paired.fast_over_memcpy = Paired(memcpy_us, contiguous_us);
+    paired.scattered_over_contiguous = Paired(contiguous_us, scattered_us);
+    return std::optional<PairedCell>(paired);
+  }
+
  private:
+  // Transfers each timed window of a cell takes at least (then until its time is up):
+  // 20, and 10 from 256 MiB a transfer up, where 20 took seconds a window and the
+  // paired rounds needed the time.
+  uint64_t MinTransfers(const Cell& cell) const {
+    if (options_.quick) return 5;
+    return cell.block * cell.batch >= (256ull << 20) ? 10 : 20;
+  }
+
   // The cell through the fast path ring: transfer i has the gRPC column's indices;
   // then one more into scribbled destination pages, checked byte for byte.
   absl::StatusOr<FastCell> RunFast(const Layout& layout, const Cell& cell, const std::string& prefix) {
@@ -214,7 +307,7 @@ class CellBench::Impl {
     };
     if (write) spec.notify_address = target_address_;
     spec.seconds = options_.quick ? 0.1 : 0.3;
-    spec.min_transfers = options_.quick ? 5 : 20;
+    spec.min_transfers = MinTransfers(cell);
     ASSIGN_OR_RETURN(FastCell fast, RunFastCell(*fast_, spec));
     std::vector<uint64_t> local, remote;
     Indices(layout, cell, fast.transfers + 1, &local, &remote);
@@ -357,26 +450,30 @@ class CellBench::Impl {
     return bytes / seconds / 1e9;
   }
 
-  // One thread copies the same page lists the agents moved, from a cold cache each
-  // time (the eviction is not timed); the one-host ceiling.
-  std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
-    if (pools_.vram) return DeviceMemcpy(layout, cell, transfers);
-    auto [src, dst] = Ends(cell);
-    if (src == nullptr || dst == nullptr) return std::nullopt;
-    return TimedCopies(
-        layout, cell, transfers, [this] { evictor_.Evict(); },
-        [&](const std::vector<uint64_t>& src_idx, const std::vector<uint64_t>& dst_idx) {
-          for (size_t k = 0; k < src_idx.size(); ++k) {
-            std::memcpy(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
-                        layout.block);
-          }
-          return true;
-        });
-  }
-
-  // VRAM: the same page lists as device-to-device cuMemcpyAsync on one stream, then a
-  // stream sync per transfer (what one engine-side copy loop reaches on this GPU).
-  std::optional<double> DeviceMemcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+  // The memcpy column's copy of one transfer's pages (source and destination item
+  // lists) and what runs untimed before each: one thread's memcpy from a cold cache,
+  // or (VRAM) device-to-device cuMemcpyAsync of each page on one stream, then a sync
+  // (what one engine-side copy loop reaches on that GPU). Null: nothing to copy with
+  // (the agents' pools are not mapped here, or no stream).
+  using CopyFn = std::function<bool(const std::vector<uint64_t>&, const std::vector<uint64_t>&)>;
+  struct Copier {
+    std::function<void()> before;
+    CopyFn copy;
+  };
+  std::optional<Copier> MakeCopier(const Layout& layout, const Cell& cell) {
+    if (!pools_.vram) {
+      auto [src, dst] = Ends(cell);
+      if (src == nullptr || dst == nullptr) return std::nullopt;
+      return Copier{[this] { evictor_.Evict(); },
+                    [&layout, src = src, dst = dst](const std::vector<uint64_t>& src_idx,
+                                                    const std::vector<uint64_t>& dst_idx) {
+                      for (size_t k = 0; k < src_idx.size(); ++k) {
+                        std::memcpy(dst + dst_idx[k] * layout.block,
+                                    src + src_idx[k] * layout.block, layout.block);
+                      }
+                      return true;
+                    }};
+    }
     cuda::CudaDriver* cuda = pools_.initiator_device->driver();
     if (stream_ == nullptr) {
       auto stream = cuda->CreateStream(pools_.initiator_device->device());
@@ -388,21 +485,29 @@ class CellBench::Impl {
       stream_ = *stream;
     }
     auto [src, dst] = DeviceEnds(cell);
-    return TimedCopies(
-        layout, cell, transfers, [] {},
-        [&](const std::vector<uint64_t>& src_idx, const std::vector<uint64_t>& dst_idx) {
-          absl::Status s;
-          for (size_t k = 0; k < src_idx.size() && s.ok(); ++k) {
-            s = cuda->CopyAsync(dst + dst_idx[k] * layout.block, src + src_idx[k] * layout.block,
-                                layout.block, stream_);
-          }
-          if (s.ok()) s = cuda->SynchronizeStream(stream_);
-          if (!s.ok()) {
-            std::fprintf(stderr, "bench: device copy baseline: %s\n",
-                         std::string(s.message()).c_str());
-          }
-          return s.ok();
-        });
+    return Copier{[] {}, [this, cuda, &layout, src = src, dst = dst](
+                             const std::vector<uint64_t>& src_idx,
+                             const std::vector<uint64_t>& dst_idx) {
+                    absl::Status s;
+                    for (size_t k = 0; k < src_idx.size() && s.ok(); ++k) {
+                      s = cuda->CopyAsync(dst + dst_idx[k] * layout.block,
+                                          src + src_idx[k] * layout.block, layout.block, stream_);
+                    }
+                    if (s.ok()) s = cuda->SynchronizeStream(stream_);
+                    if (!s.ok()) {
+                      std::fprintf(stderr, "bench: device copy baseline: %s\n",
+                                   std::string(s.message()).c_str());
+                    }
+                    return s.ok();
+                  }};
+  }
+
+  // The copies of the page lists the agents moved, each from a cold cache (the
+  // eviction is not timed); the one-host ceiling.
+  std::optional<double> Memcpy(const Layout& layout, const Cell& cell, uint64_t transfers) {
+    std::optional<Copier> copier = MakeCopier(layout, cell);
+    if (!copier) return std::nullopt;
+    return TimedCopies(layout, cell, transfers, copier->before, copier->copy);
   }
 
  public:
@@ -434,6 +539,10 @@ CellBench::~CellBench() = default;
 
 absl::StatusOr<CellResult> CellBench::Run(const Layout& layout, const Cell& cell) {
   return impl_->Run(layout, cell);
+}
+
+absl::StatusOr<std::optional<PairedCell>> CellBench::Pair(const Layout& layout, const Cell& cell) {
+  return impl_->Pair(layout, cell);
 }
 
 }  // namespace kvagent::cli

@@ -2,7 +2,7 @@
 // gRPC API: latency one at a time and throughput with 4 in flight, the target client's
 // notification latency (WRITE), the last transfer's bytes checked, the same cell
 // through the fast path ring, and the memcpy and ucx_perftest baselines of the same
-// pages.
+// pages; and issue 14's ratios in paired rounds (CellBench::Pair).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,30 @@
 
 namespace kvagent::cli {
 
+// A ratio of two medians of paired rounds, with the interquartile range of the
+// rounds' own ratios (how far load moved it).
+struct PairedRatio {
+  double of_medians = 0, q1 = 0, q3 = 0;
+};
+
+// Issue 14's two ratios for one op x block x batch, measured in paired rounds: the
+// sweep's columns are each timed in their own window, and on a shared machine load
+// moves one window 2-10x against another, so their ratios swing as much. Each round
+// times, one after another and each from a cold cache as the memcpy column's copies
+// (64 MiB written first, untimed): (a) one thread's memcpy of one contiguous
+// transfer's pages, (b) that transfer through the fast path ring, (c) the scattered
+// transfer of the same shape (b and c in turn first); before (b) and (c) an untimed
+// ring ping wakes the agent, asleep after the pause. Load then hits all three alike.
+struct PairedCell {
+  Cell cell;  // its op, block and batch (pattern: both)
+  uint64_t rounds = 0;
+  double memcpy_p50_us = 0, contiguous_p50_us = 0, scattered_p50_us = 0;
+  // As speeds (the reference's time over the measured one's): > 1 means the first
+  // named is the faster.
+  PairedRatio fast_over_memcpy;           // (b) against (a): the `fx_mc` of the pair
+  PairedRatio scattered_over_contiguous;  // (c) against (b)
+};
+
 struct CellResult {
   Cell cell;
   uint64_t transfers = 0;
@@ -31,6 +55,7 @@ struct CellResult {
   std::string data_path;  // the initiator's path to the target when the cell ran
   bool verified = false;
   std::optional<FastCell> fast;  // the same cell through the fast path ring
+  std::optional<PairedCell> paired;  // this op x block x batch's paired rounds, if run
 };
 
 class CellBench {
@@ -42,6 +67,9 @@ class CellBench {
   CellBench& operator=(const CellBench&) = delete;
 
   absl::StatusOr<CellResult> Run(const Layout& layout, const Cell& cell);
+  // The paired rounds of `cell`'s op, block and batch (its pattern is ignored);
+  // nullopt without a fast path ring.
+  absl::StatusOr<std::optional<PairedCell>> Pair(const Layout& layout, const Cell& cell);
 
  private:
   class Impl;

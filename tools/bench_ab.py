@@ -4,8 +4,8 @@
 On a shared machine two runs of one build differ by up to 2-3x, so one run of each build
 says little. This runs `kvagentctl bench --json --kvagentd PATH [BENCH ARGS]` for every
 build in every round, rotating which build goes first, and reads the JSON lines back.
-For each figure the bench prints (each cell's GB/s and p50, the fast path's, the rate
-and fast path phases), it prints every build's median, its range over the rounds and
+For each figure the bench prints (each cell's GB/s and p50, the fast path's, issue 14's
+paired ratios, the rate and fast path phases), it prints every build's median, its range over the rounds and
 the ratio to the first build (the baseline). A figure is called slower or faster only
 when the rounds do not overlap: every round of the build is worse (or better) than
 every round of the baseline. Otherwise it is "~": within the spread the rounds
@@ -37,6 +37,8 @@ FIGURES = {
              [("gbps", True), ("gbps_inflight4", True), ("p50_us", False), ("p99_us", False),
               ("fast_gbps", True), ("fast_gbps_inflight4", True), ("fast_p50_us", False),
               ("fast_p99_us", False)]),
+    # Issue 14's targets, measured in paired rounds within each run (the ratio of medians).
+    "target": (("target", "op", "block_bytes", "batch"), [("ratio", True)]),
     "rate": (("mode", "clients", "transfers_per_call"),
              [("transfers_per_s", True), ("call_p50_us", False)]),
     "fast_latency": (("path",),

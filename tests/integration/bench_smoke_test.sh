@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs `kvagentctl bench --quick --json` with a small pool (two real kvagentd) and
 # checks that every cell printed one JSON line with gbps > 0 and verified bytes, for the
-# gRPC column and the fast path's, and that the fast path phase (latency, rate, idle CPU)
-# printed its lines.
+# gRPC column and the fast path's, that issue 14's cells carry their paired rounds'
+# ratios and the sweep ends with the targets block, and that the fast path phase
+# (latency, rate, idle CPU) printed its lines.
 # Figures are not judged here (speed targets live in docs/BENCHMARKS.md).
 set -euo pipefail
 ctl="$TEST_SRCDIR/kvagent/cli/kvagentctl"
@@ -25,6 +26,8 @@ if [[ "$warm" != 4 ]]; then
   echo "expected 4 warmup lines (16,384 pages each), got $warm"; exit 1
 fi
 bad=0
+# A positive, finite number (fmt writes inf and nan as letters: no match).
+positive() { [[ "$1" =~ ^[0-9.eE+-]+$ ]] && awk -v g="$1" 'BEGIN { exit !(g > 0 && g < 1e300) }'; }
 while IFS= read -r line; do
   gbps=$(sed -n 's/.*"gbps": \([0-9.eE+-]*\),.*/\1/p' <<<"$line")
   if [[ -z "$gbps" ]] || ! awk -v g="$gbps" 'BEGIN { exit !(g > 0) }'; then
@@ -48,6 +51,25 @@ while IFS= read -r line; do
              fast_gbps_inflight4 ratio_perftest_fast_inflight4 ratio_memcpy_fast_inflight4; do
     if [[ "$line" != *"\"$key\": "* ]]; then echo "key $key missing in: $line"; bad=1; fi
   done
+  # Issue 14's cells (from 64K x 16 up; here 64K x 64 and 1M x 64) carry their paired
+  # rounds' ratios, the others null.
+  block=$(sed -n 's/.*"block_bytes": \([0-9]*\),.*/\1/p' <<<"$line")
+  batch=$(sed -n 's/.*"batch": \([0-9]*\),.*/\1/p' <<<"$line")
+  rounds=$(sed -n 's/.*"paired_rounds": \([0-9]*\),.*/\1/p' <<<"$line")
+  if (( block >= 65536 && batch >= 16 )); then
+    if [[ -z "$rounds" ]] || (( rounds < 5 )); then
+      echo "an issue 14 cell without 5+ paired rounds: $line"; bad=1
+    fi
+    for key in paired_memcpy_p50_us paired_contiguous_p50_us paired_scattered_p50_us \
+               paired_fast_over_memcpy paired_fast_over_memcpy_q1 paired_fast_over_memcpy_q3 \
+               paired_scattered_over_contiguous paired_scattered_over_contiguous_q1 \
+               paired_scattered_over_contiguous_q3; do
+      v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
+      if ! positive "$v"; then echo "$key is not a positive finite number in: $line"; bad=1; fi
+    done
+  elif [[ "$rounds" != 0 || "$line" != *'"paired_fast_over_memcpy": null'* ]]; then
+    echo "a cell outside issue 14's targets with paired figures: $line"; bad=1
+  fi
   # Contiguous indices coalesce into one operation; a scattered batch cannot.
   batch=$(sed -n 's/.*"batch": \([0-9]*\),.*/\1/p' <<<"$line")
   runs=$(sed -n 's/.*"runs": \([0-9]*\),.*/\1/p' <<<"$line")
@@ -61,6 +83,27 @@ while IFS= read -r line; do
     echo "WRITE cell without notification latency: $line"; bad=1
   fi
 done < <(grep '^{"kind": "cell"' "$out")
+# The sweep's targets block (issue 14): per target, one line per paired cell (64K x 64
+# and 1M x 64, WRITE and READ: 4) with a positive finite ratio and its quartiles, and a
+# summary with the cells met and the load average.
+for target in fast_over_memcpy scattered_over_contiguous; do
+  summary=$(grep "^{\"kind\": \"targets\", \"issue\": 14, \"target\": \"$target\"" "$out" || true)
+  if [[ "$summary" != *'"cells": 4, "met": '[0-4]','* || "$summary" != *'"loadavg_1m": '[0-9]* ]]; then
+    echo "no targets summary for $target over 4 cells with a load average: '$summary'"; bad=1
+  fi
+  n=0
+  while IFS= read -r line; do
+    n=$((n + 1))
+    for key in ratio q1 q3; do
+      v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
+      if ! positive "$v"; then echo "$key is not a positive finite number in: $line"; bad=1; fi
+    done
+    if [[ "$line" != *'"met": true'* && "$line" != *'"met": false'* ]]; then
+      echo "no verdict in: $line"; bad=1
+    fi
+  done < <(grep "^{\"kind\": \"target\", \"issue\": 14, \"target\": \"$target\"" "$out")
+  if [[ "$n" != 4 ]]; then echo "expected 4 $target target lines, got $n"; bad=1; fi
+done
 # The rate phase: 4 client shapes through gRPC, then the fast path phase's 1 and 2
 # clients; each with transfers done and every notification seen.
 rates=$(grep -c '^{"kind": "rate"' "$out" || true)

@@ -1,0 +1,72 @@
+// Issue 14's targets block (cli/bench_report): which cells each target judges, the
+// verdict at its threshold, and the JSON lines the smoke test and bench_ab read.
+#include <string>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cli/bench_report.h"
+
+namespace kvagent::cli {
+namespace {
+
+PairedCell Pair(v1::TransferOp op, uint64_t block, uint32_t batch, double fast, double scattered) {
+  PairedCell p;
+  p.cell = Cell{op, false, block, batch};
+  p.rounds = 9;
+  p.fast_over_memcpy = {fast, fast * 0.9, fast * 1.1};
+  p.scattered_over_contiguous = {scattered, scattered * 0.9, scattered * 1.1};
+  return p;
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST_CASE("targets block: each target judges its own cells at its threshold") {
+  const std::vector<PairedCell> pairs = {
+      Pair(v1::WRITE, 64 << 10, 16, 1.0, 0.5),     // fast target only: met at exactly 1.0
+      Pair(v1::READ, 64 << 10, 64, 0.999, 0.9),    // fast not met; scattered met at 0.90
+      Pair(v1::WRITE, 1 << 20, 256, 2.0, 0.899),   // fast met; scattered not met
+  };
+  const std::string table = TargetsBlock(pairs, false, 1.5, 2.25);
+  INFO(table);
+  CHECK(table.find("load average 1.50 at the sweep's start, 2.25 now") != std::string::npos);
+  CHECK(table.find("from 64K x 16 up (>= 1.00): met in 2 of 3 cells") != std::string::npos);
+  CHECK(table.find("from 64K x 64 up (>= 0.90): met in 1 of 2 cells") != std::string::npos);
+  CHECK(table.find("READ 64K x 64    1.00 [0.90-1.10], 9 rounds: NOT met") != std::string::npos);
+  CHECK(Count(table, "NOT met") == 2);
+
+  const std::string json = TargetsBlock(pairs, true, 1.5, std::nullopt);
+  INFO(json);
+  CHECK(Count(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_over_memcpy\"") == 3);
+  CHECK(Count(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"scattered_over_contiguous\"") == 2);
+  CHECK(json.find("\"target\": \"fast_over_memcpy\", \"threshold\": 1.00, \"cells\": 3, \"met\": 2, "
+                  "\"loadavg_1m_start\": 1.50, \"loadavg_1m\": null}") != std::string::npos);
+  CHECK(json.find("\"block_bytes\": 1048576, \"batch\": 256, \"rounds\": 9, \"ratio\": 0.899, "
+                  "\"q1\": 0.809, \"q3\": 0.989, \"threshold\": 0.90, \"met\": false") !=
+        std::string::npos);
+  CHECK(Count(json, "\n") == 7);  // 5 cell lines, 2 summaries
+}
+
+TEST_CASE("targets block: a run without paired cells says so") {
+  const std::string table = TargetsBlock({}, false, std::nullopt, std::nullopt);
+  INFO(table);
+  CHECK(Count(table, "no paired cell in this run") == 2);
+  CHECK(table.find("load average - at the sweep's start, - now") != std::string::npos);
+  CHECK(Count(TargetsBlock({}, true, std::nullopt, std::nullopt), "\"cells\": 0, \"met\": 0") == 2);
+}
+
+TEST_CASE("issue 14's cells: fast from 64K x 16 up, scattered from 64K x 64 up") {
+  CHECK(FastOverMemcpyTarget(64 << 10, 16));
+  CHECK_FALSE(FastOverMemcpyTarget(4 << 10, 256));
+  CHECK_FALSE(FastOverMemcpyTarget(4 << 20, 1));
+  CHECK(ScatteredTarget(64 << 10, 64));
+  CHECK_FALSE(ScatteredTarget(64 << 10, 16));
+  CHECK(PairedCellWanted(1 << 20, 16));
+  CHECK_FALSE(PairedCellWanted(4 << 10, 64));
+}
+
+}  // namespace
+}  // namespace kvagent::cli
