@@ -599,7 +599,7 @@ uint32_t MsLeft(uint64_t deadline_us) {
 
 void TransferEngine::LateOpen::Send() {
   if (notice == nullptr) return;
-  engine.SendNotice(peer, std::move(*notice), nullptr);
+  engine.SendNotice(peer, *notice, nullptr);
   notice.reset();
 }
 
@@ -609,8 +609,12 @@ void TransferEngine::Pump(const TransferPtr& t) {
   std::shared_ptr<const PeerSnapshot> peer;
   std::vector<planning::PlanOp> ops;
   uint64_t bytes = 0;
-  v1::Notification notice;
-  std::optional<v1::Notification> open;  // sent before the first batch
+  // Built in kept storage: a notice's strings allocate nothing once warm.
+  const auto notice_lease = notices_.Take();
+  v1::Notification& notice = *notice_lease;
+  notice.Clear();
+  const auto open_lease = notices_.Take();
+  v1::Notification* open = nullptr;  // sent before the first batch
   v1::TransferOp op;
   Route route = Route::kUcxRma;
   // A same-host copy's open, held back while its first batch copied: it goes before
@@ -727,14 +731,16 @@ void TransferEngine::Pump(const TransferPtr& t) {
         // that dies before its first operation does (ARCHITECTURE.md, the transfer
         // contract).
         t->opened = true;
-        open.emplace();
+        open = open_lease.get();
+        open->Clear();
         address(*open);
         open->set_kind(v1::PEER_TRANSFER_OPEN);
         open->set_op(op);
         open->set_bytes(t->state.bytes_total());
         if (route == Route::kHostCopy || route == Route::kDeviceCopy) {
-          t->late_open = std::make_unique<v1::Notification>(*std::move(open));
-          open.reset();
+          t->late_open = std::make_unique<v1::Notification>();
+          t->late_open->Swap(open);
+          open = nullptr;
         } else {
           open->set_timeout_ms(MsLeft(t->deadline_us));
         }
@@ -748,14 +754,14 @@ void TransferEngine::Pump(const TransferPtr& t) {
     case Action::kNone:
       return;
     case Action::kOutcomeNotice:
-      SendNotice(peer, std::move(notice), nullptr);
+      SendNotice(peer, notice, nullptr);
       return;
     case Action::kNotify:
       // COMPLETED comes with the peer's TransferAck (OnAck): the data is in place there
       // and the notification queued, so a peer lost before it gives FAILED, not a
       // COMPLETED nobody received.
       SendNotice(
-          peer, std::move(notice),
+          peer, notice,
           [this, t](absl::Status status) {
             {
               absl::MutexLock lock(&mu_);
@@ -774,7 +780,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
           /*want_reply=*/true);
       return;
     case Action::kBatch:
-      if (open.has_value()) SendNotice(peer, *std::move(open), nullptr);
+      if (open != nullptr) SendNotice(peer, *open, nullptr);
       break;
   }
 
@@ -885,7 +891,7 @@ absl::Status TransferEngine::CheckRegionsCurrent(const std::string& id, Chunk& c
 }
 
 void TransferEngine::SendNotice(const std::shared_ptr<const PeerSnapshot>& peer,
-                                v1::Notification notice, transport::Completion done,
+                                const v1::Notification& notice, transport::Completion done,
                                 bool want_reply) {
   if (outbox_ != nullptr) {
     outbox_->notices.push_back(
@@ -1004,16 +1010,17 @@ void TransferEngine::OnAcks(absl::Span<const wire::TransferAck* const> acks) {
   // The commits go out together (one round), each after its COMPLETED is recorded.
   Outbox outbox = TakeOutbox();
   outbox_ = &outbox;
+  const auto commit = notices_.Take();  // each serialized as it is held
   for (const wire::TransferAck* each : acks) {
     const wire::TransferAck& ack = *each;
     TransferPtr t;
-    std::optional<v1::Notification> commit;
+    bool committed = false;
     {
       absl::MutexLock lock(&mu_);
-      commit = OnAckLocked(ack, &t);
+      committed = OnAckLocked(ack, &t, commit.get());
     }
     // COMPLETED is recorded: only now may the peer's clients see DATA_READY.
-    if (commit.has_value()) SendNotice(t->last_peer, *std::move(commit), nullptr);
+    if (committed) SendNotice(t->last_peer, *commit, nullptr);
   }
   outbox_ = nullptr;
   FlushOutbox(outbox);
@@ -1042,8 +1049,8 @@ void TransferEngine::GiveBackOutbox(Outbox outbox) {
   }
 }
 
-std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::TransferAck& ack,
-                                                            TransferPtr* found) {
+bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* found,
+                                 v1::Notification* commit_out) {
   auto it = transfers_.find(ack.transfer_id());
   // Only the receiver of our DATA_READY knows its token.
   const bool ours = it != transfers_.end() && ack.ack_token() != 0 &&
@@ -1057,12 +1064,12 @@ std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::Transfer
                absl::PermissionDeniedError(fmt::format(
                    "it matches no DATA_READY of ours (transfer '{}')",
                    Printable(ack.transfer_id()))));
-    return std::nullopt;
+    return false;
   }
   const TransferPtr& t = it->second;
   *found = t;
   // A late one: the transfer ended meanwhile (deadline, lost peer) and told the peer so.
-  if (!t->awaiting_ack) return std::nullopt;
+  if (!t->awaiting_ack) return false;
   t->awaiting_ack = false;
   MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
   if (ack.error_code() != 0) {
@@ -1073,16 +1080,17 @@ std::optional<v1::Notification> TransferEngine::OnAckLocked(const wire::Transfer
                                     Printable(ack.error_message(), 1024))),
            -1);
     t->outcome_sent = true;  // the peer ended it on its side already
-    return std::nullopt;
+    return false;
   }
   Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
-  v1::Notification commit;
+  v1::Notification& commit = *commit_out;
+  commit.Clear();  // kept storage: its strings are reused
   commit.set_from_agent(options_.self_name);
   commit.set_transfer_id(t->state.transfer_id());
   commit.set_sender_incarnation(options_.incarnation);
   commit.set_kind(v1::PEER_DATA_COMMIT);
   for (const auto& target : t->targets) commit.add_targets(target);
-  return commit;
+  return true;
 }
 
 absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op,

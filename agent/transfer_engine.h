@@ -28,6 +28,7 @@
 #include "agent/copy_lanes.h"
 #include "agent/data_path.h"
 #include "agent/incoming.h"
+#include "agent/kept_messages.h"
 #include "agent/limits.h"
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
@@ -246,7 +247,7 @@ class TransferEngine {
   // (`want_reply`: the peer gets a reply endpoint, for DATA_READY's TransferAck). Inside
   // a worker round (outbox_ set) it is held and goes out with the round's others.
   // `done` may be empty (nothing to do when it is sent).
-  void SendNotice(const std::shared_ptr<const PeerSnapshot>& peer, v1::Notification notice,
+  void SendNotice(const std::shared_ptr<const PeerSnapshot>& peer, const v1::Notification& notice,
                   transport::Completion done, bool want_reply = false);
   // What one worker round (PumpQueued, OnAcks) sends: notices are held until the round
   // ends, then each peer's go out in order, as few messages as its wire features allow
@@ -275,8 +276,9 @@ class TransferEngine {
   void GiveBackOutbox(Outbox outbox);
   // Worker thread: sends `notices` (all to one endpoint) as one message.
   void SendBatch(std::vector<HeldNotice*>& notices);
-  // OnAcks, for one acknowledgement (under mu_): the commit to send, if any.
-  std::optional<v1::Notification> OnAckLocked(const wire::TransferAck& ack, TransferPtr* t)
+  // OnAcks, for one acknowledgement (under mu_): true when `commit` was filled with the
+  // commit to send.
+  bool OnAckLocked(const wire::TransferAck& ack, TransferPtr* t, v1::Notification* commit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the transfers that ended with operations posted longer than the drain
   // timeout ago as drain_unknown (deadline thread).
@@ -357,6 +359,9 @@ class TransferEngine {
   // the storage rounds reuse (TakeOutbox).
   Outbox* outbox_ = nullptr;
   Outbox spare_outbox_;
+  // Worker thread only: the notices Pump and OnAcks build (serialized as they are sent),
+  // with their strings' storage kept from notice to notice.
+  KeptMessages<v1::Notification> notices_;
 
   std::atomic<bool> stopping_{false};
   absl::Mutex deadline_mu_;
