@@ -18,6 +18,7 @@
 #include "cuda/driver.h"
 #include "fmt/format.h"
 #include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "registry/fault_guard.h"
 
@@ -124,10 +125,14 @@ std::string BrokenMemory(const std::vector<registry::RegionPtr>& regions, const 
 void SendAuthenticated(transport::Endpoint& endpoint, const std::string& from,
                        const std::string& secret, AmId id, std::string_view body,
                        transport::Completion done, bool want_reply) {
-  wire::PeerMessageAuth auth;
+  // Built in this thread's kept storage (SendAm copies the header into its send before
+  // anything it calls can come back here): no allocation per message once warm.
+  thread_local wire::PeerMessageAuth auth;
+  thread_local std::string header;
   auth.set_from_agent(from);
   auth.set_secret(secret);
-  endpoint.SendAm(Wire(id), auth.SerializeAsString(), body, std::move(done), want_reply);
+  auth.SerializeToString(&header);
+  endpoint.SendAm(Wire(id), header, body, std::move(done), want_reply);
 }
 
 }  // namespace
@@ -951,16 +956,27 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
     notices.clear();
     return;
   }
-  wire::NoticeBatch message;
-  message.mutable_notices()->Reserve(static_cast<int>(notices.size()));
+  // NoticeBatch's encoding (each entry field 1, a length-delimited serialized
+  // Notification: the bytes a NoticeBatch of these bodies serializes to), written into
+  // this thread's kept scratch instead of a message of moved bodies serialized into a
+  // new string. SendAm copies it before anything it calls can come back here.
+  thread_local std::string message;
+  message.clear();
   bool want_reply = false;
   std::vector<transport::Completion> dones;
-  dones.reserve(notices.size());
-  for (HeldNotice* held : notices) {
-    message.add_notices(std::move(held->body));
-    want_reply = want_reply || held->want_reply;
-    if (held->done) dones.push_back(std::move(held->done));
-  }
+  {
+    using google::protobuf::internal::WireFormatLite;
+    google::protobuf::io::StringOutputStream raw(&message);
+    google::protobuf::io::CodedOutputStream out(&raw);
+    for (HeldNotice* held : notices) {
+      out.WriteTag(WireFormatLite::MakeTag(wire::NoticeBatch::kNoticesFieldNumber,
+                                           WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+      out.WriteVarint32(static_cast<uint32_t>(held->body.size()));
+      out.WriteRaw(held->body.data(), static_cast<int>(held->body.size()));
+      want_reply = want_reply || held->want_reply;
+      if (held->done) dones.push_back(std::move(held->done));
+    }
+  }  // `out` gives back what it did not write
   transport::Completion all;  // none when no notice waits for its send (opens, commits)
   if (!dones.empty()) {
     all = [dones = std::move(dones)](absl::Status status) {
@@ -968,7 +984,9 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
     };
   }
   SendAuthenticated(*front.peer->endpoint, options_.self_name, front.peer->notify_secret,
-                    AmId::kNoticeBatch, message.SerializeAsString(), std::move(all), want_reply);
+                    AmId::kNoticeBatch, message, std::move(all), want_reply);
+  constexpr size_t kKeepBytes = 64 << 10;  // a rare larger batch's storage is let go
+  if (message.capacity() > kKeepBytes) std::string().swap(message);
   notices.clear();
 }
 
