@@ -963,7 +963,10 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
   thread_local std::string message;
   message.clear();
   bool want_reply = false;
-  std::vector<transport::Completion> dones;
+  std::vector<transport::Completion> dones;  // one allocation, only when some wait
+  const size_t waiting = static_cast<size_t>(std::count_if(
+      notices.begin(), notices.end(), [](const HeldNotice* held) { return bool(held->done); }));
+  if (waiting > 0) dones.reserve(waiting);
   {
     using google::protobuf::internal::WireFormatLite;
     google::protobuf::io::StringOutputStream raw(&message);
