@@ -577,6 +577,9 @@ void TransferEngine::PumpQueued() {
   {
     absl::MutexLock lock(&pump_mu_);
     batch.swap(pump_queue_);
+    // The Pumps scheduled meanwhile (a batch that completes inline, a submit) go into
+    // storage an earlier round gave back, not into a vector grown from nothing.
+    pump_queue_.swap(pump_spare_);
   }
   // One round: what the Pumps send to a peer goes as one message where it can, and
   // the data batches start after their transfers' opens went.
@@ -587,9 +590,9 @@ void TransferEngine::PumpQueued() {
   FlushOutbox(outbox);
   GiveBackOutbox(std::move(outbox));
   batch.clear();
-  // Hand the storage back (a later batch reuses it instead of allocating).
+  // Hand the storage back (a later round reuses it instead of allocating).
   absl::MutexLock lock(&pump_mu_);
-  if (pump_queue_.empty() && pump_queue_.capacity() < batch.capacity()) pump_queue_.swap(batch);
+  if (pump_spare_.capacity() < batch.capacity()) pump_spare_.swap(batch);
 }
 
 namespace {

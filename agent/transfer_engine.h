@@ -355,6 +355,8 @@ class TransferEngine {
   // (SchedulePump runs under it), never before.
   absl::Mutex pump_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<TransferPtr> pump_queue_ ABSL_GUARDED_BY(pump_mu_);
+  // Empty, with the storage of an earlier round's batch: the next round's queue.
+  std::vector<TransferPtr> pump_spare_ ABSL_GUARDED_BY(pump_mu_);
   // Worker thread only: the round in progress (SendNotice holds into it), else null;
   // the storage rounds reuse (TakeOutbox).
   Outbox* outbox_ = nullptr;
