@@ -589,6 +589,8 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   const TransferCounters counters = deps.engine->counters();
   status->set_transfers_active(counters.active);
   status->set_transfers_completed(counters.completed);
+  status->set_completed_when_placed(counters.completed_when_placed);
+  status->set_placed_not_taken(counters.placed_not_taken);
   status->set_transfers_failed(counters.failed);
   status->set_notifications_queued(deps.notifications->queued());
   status->set_uptime_ms((MonotonicMicros() - id.start_us) / 1000);

@@ -210,6 +210,13 @@ std::string RenderMetrics(const MetricsSources& sources) {
       .Sample(static_cast<double>(status.transfers_active()));
   Family(&out, "kvagent_transfers_completed_total", "counter", "Outgoing transfers completed.")
       .Sample(static_cast<double>(status.transfers_completed()));
+  Family(&out, "kvagent_transfers_completed_when_placed_total", "counter",
+         "Outgoing transfers completed when placed (complete_when), before the peer's "
+         "acknowledgement.")
+      .Sample(static_cast<double>(status.completed_when_placed()));
+  Family(&out, "kvagent_transfers_placed_not_taken_total", "counter",
+         "Transfers completed when placed whose peer then did not take the notification.")
+      .Sample(static_cast<double>(status.placed_not_taken()));
   Family(&out, "kvagent_transfers_failed_total", "counter",
          "Outgoing transfers failed, cancelled or timed out.")
       .Sample(static_cast<double>(status.transfers_failed()));

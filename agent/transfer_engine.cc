@@ -361,6 +361,12 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         "cannot end before its last chunk, so set wait only on the last chunk",
         id, request.chunk()));
   }
+  if (!v1::CompletionPoint_IsValid(request.complete_when())) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': complete_when {} is not a completion point; use "
+        "COMPLETE_WHEN_ACKNOWLEDGED (0, the default) or COMPLETE_WHEN_PLACED (1)",
+        Printable(id), static_cast<int>(request.complete_when())));
+  }
   if (request.segments_size() == 0 && (request.chunk() == 0 || request.more_chunks())) {
     return absl::InvalidArgumentError(fmt::format(
         "transfer '{}' chunk {}: no segments; only a closing chunk (more_chunks=false after "
@@ -398,6 +404,15 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
             "use a new transfer_id",
             id, t.state.peer(), OpName(t.state.op()), request.chunk(), request.peer(),
             OpName(request.op())));
+      }
+      if (request.complete_when() != v1::COMPLETE_WHEN_ACKNOWLEDGED &&
+          request.complete_when() != t.requested_completion) {
+        return absl::InvalidArgumentError(fmt::format(
+            "transfer '{}' chunk {}: complete_when {} differs from chunk 0's ({}); the "
+            "completion point is the transfer's, set on chunk 0: leave it unset on later "
+            "chunks or repeat it",
+            id, request.chunk(), v1::CompletionPoint_Name(request.complete_when()),
+            v1::CompletionPoint_Name(t.requested_completion)));
       }
       if (Terminal(t.state.phase())) {
         return absl::FailedPreconditionError(fmt::format(
@@ -500,6 +515,8 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       t->state.set_owner(caller.principal);
       t->state.set_direction(v1::OUTGOING);
       t->state.set_request_id(request.request_id());
+      t->state.set_complete_when(request.complete_when());
+      t->requested_completion = request.complete_when();
       t->start_us = MonotonicMicros();
       // Room for every stage a transfer reaches (7 on success): one allocation of the
       // timeline's array instead of its growth by doubling.
@@ -612,7 +629,7 @@ void TransferEngine::LateOpen::Send() {
 }
 
 void TransferEngine::Pump(const TransferPtr& t) {
-  enum class Action { kNone, kOutcomeNotice, kNotify, kBatch };
+  enum class Action { kNone, kOutcomeNotice, kNotify, kNotifyPlaced, kBatch };
   Action action = Action::kNone;
   std::shared_ptr<const PeerSnapshot> peer;
   std::vector<planning::PlanOp> ops;
@@ -672,9 +689,6 @@ void TransferEngine::Pump(const TransferPtr& t) {
     } else if (t->chunks.empty()) {
       if (!t->state.last_chunk_received() || t->notified) return;
       t->notified = true;
-      t->inflight = true;
-      // Waiting for the ack from now on: it may come back before the send completes.
-      t->awaiting_ack = true;
       t->ack_token = RandomToken();
       address(notice);
       // Moved, not copied: the record stays for queries after the transfer ends
@@ -692,6 +706,27 @@ void TransferEngine::Pump(const TransferPtr& t) {
       if (t->staged_bytes > 0) notice.set_staged_bytes(t->staged_bytes);
       peer = t->last_peer;
       action = Action::kNotify;
+      if (t->state.complete_when() == v1::COMPLETE_WHEN_PLACED) {
+        if (t->staged_bytes > 0) {
+          // The peer still copies staged bytes in: only its acknowledgement says they
+          // are in place, so this transfer completes by it.
+          t->state.set_complete_when(v1::COMPLETE_WHEN_ACKNOWLEDGED);
+        } else {
+          // Every byte is in place in the peer's memory (our copy returned, or UCX's
+          // flush completed): COMPLETED now, and DATA_READY goes with its commit, so
+          // the peer hands it to its owners as it takes it. Its acknowledgement is only
+          // recorded (OnAckLocked): peer_acknowledged, or peer_note.
+          Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
+          t->completed_placed = true;
+          ++completed_when_placed_;
+          open = open_lease.get();  // not an open here: the kept notice holds the commit
+          MakeCommit(*t, open);
+          action = Action::kNotifyPlaced;
+        }
+      }
+      t->inflight = true;
+      // Waiting for the ack from now on: it may come back before the send completes.
+      t->awaiting_ack = true;
     } else {
       Chunk& chunk = t->chunks.front();
       // Only a batch needs the peer's current view (a chunk planned earlier may name a
@@ -786,6 +821,22 @@ void TransferEngine::Pump(const TransferPtr& t) {
             SchedulePump(t);
           },
           /*want_reply=*/true);
+      return;
+    case Action::kNotifyPlaced:
+      // COMPLETED is recorded: DATA_READY and its commit go together (one message to
+      // the peer within a round), the acknowledgement still asked for and recorded.
+      SendNotice(
+          peer, notice,
+          [this, t](absl::Status status) {
+            absl::MutexLock lock(&mu_);
+            t->inflight = false;
+            if (!status.ok() && t->awaiting_ack) {
+              t->awaiting_ack = false;
+              NotTakenLocked(*t, fmt::format("DATA_READY could not be sent: {}", status.message()));
+            }
+          },
+          /*want_reply=*/true);
+      SendNotice(peer, *open, nullptr);
       return;
     case Action::kBatch:
       if (open != nullptr) SendNotice(peer, *open, nullptr);
@@ -1096,6 +1147,17 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
   if (!t->awaiting_ack) return false;
   t->awaiting_ack = false;
   MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
+  if (t->completed_placed) {
+    // COMPLETED already, its commit sent with DATA_READY: the answer is only recorded.
+    if (ack.error_code() != 0) {
+      NotTakenLocked(*t, fmt::format("it refused the notification: {}",
+                                     Printable(ack.error_message(), 1024)));
+    } else {
+      t->state.set_peer_acknowledged(true);
+      Publish(*t);
+    }
+    return false;
+  }
   if (ack.error_code() != 0) {
     Finish(*t, v1::FAILED,
            absl::Status(static_cast<absl::StatusCode>(ack.error_code()),
@@ -1107,14 +1169,25 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
     return false;
   }
   Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
-  v1::Notification& commit = *commit_out;
-  commit.Clear();  // kept storage: its strings are reused
-  commit.set_from_agent(options_.self_name);
-  commit.set_transfer_id(t->state.transfer_id());
-  commit.set_sender_incarnation(options_.incarnation);
-  commit.set_kind(v1::PEER_DATA_COMMIT);
-  for (const auto& target : t->targets) commit.add_targets(target);
+  MakeCommit(*t, commit_out);
   return true;
+}
+
+void TransferEngine::MakeCommit(const Transfer& t, v1::Notification* commit) const {
+  commit->Clear();  // kept storage: its strings are reused
+  commit->set_from_agent(options_.self_name);
+  commit->set_transfer_id(t.state.transfer_id());
+  commit->set_sender_incarnation(options_.incarnation);
+  commit->set_kind(v1::PEER_DATA_COMMIT);
+  for (const auto& target : t.targets) commit->add_targets(target);
+}
+
+void TransferEngine::NotTakenLocked(Transfer& t, const std::string& why) {
+  ++placed_not_taken_;
+  t.state.set_peer_note(why);
+  kLog.Warn("{} COMPLETED when placed, but peer '{}' did not take its notification: {}",
+            TransferLabel(t.state), Printable(t.state.peer()), Printable(why, 1024));
+  Publish(t);
 }
 
 absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op,
@@ -1228,6 +1301,8 @@ TransferCounters TransferEngine::counters() const {
     c.largest_owner_active = std::max(c.largest_owner_active, n);
   }
   c.completed = completed_;
+  c.completed_when_placed = completed_when_placed_;
+  c.placed_not_taken = placed_not_taken_;
   c.failed = failed_;
   c.notifications_received = notifications_received_.load();
   c.copy_lanes = lanes_.counters();

@@ -77,6 +77,10 @@ struct TransferCounters {
   uint64_t planned_ops = 0;  // operations planned and not yet posted or dropped
   uint64_t largest_owner_active = 0;  // the most active transfers one owner has
   uint64_t completed = 0;
+  // Of those, completed when placed (complete_when), and of these the ones whose peer
+  // then did not take the notification.
+  uint64_t completed_when_placed = 0;
+  uint64_t placed_not_taken = 0;
   uint64_t failed = 0;  // failed, cancelled or timed out
   uint64_t notifications_received = 0;
   CopyLaneCounters copy_lanes;  // the host copy path's
@@ -200,6 +204,10 @@ class TransferEngine {
     bool awaiting_ack = false;  // DATA_READY sent, its TransferAck not yet here
     uint64_t ack_token = 0;
     bool outcome_sent = false;  // the peer was told how it ended (cancel, failure)
+    // Chunk 0's complete_when (state.complete_when may turn to ACKNOWLEDGED: staged).
+    v1::CompletionPoint requested_completion = v1::COMPLETE_WHEN_ACKNOWLEDGED;
+    // COMPLETED when placed: its DATA_READY's acknowledgement is only recorded.
+    bool completed_placed = false;
     uint64_t stopped_us = 0;    // when it ended with operations still posted
     uint64_t staged_bytes = 0;  // bytes sent as staged chunks (the peer waits for them)
     uint64_t start_us = 0;     // monotonic
@@ -280,6 +288,11 @@ class TransferEngine {
   // commit to send.
   bool OnAckLocked(const wire::TransferAck& ack, TransferPtr* t, v1::Notification* commit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `t`'s PEER_DATA_COMMIT (the peer hands DATA_READY to its owners when it takes it).
+  void MakeCommit(const Transfer& t, v1::Notification* commit) const;
+  // A transfer COMPLETED when placed whose peer did not take the notification: `why`
+  // goes to its peer_note, counted and logged.
+  void NotTakenLocked(Transfer& t, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the transfers that ended with operations posted longer than the drain
   // timeout ago as drain_unknown (deadline thread).
   void ExpireDrains() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -346,6 +359,8 @@ class TransferEngine {
   std::vector<std::shared_ptr<DrainWait>> drain_waits_ ABSL_GUARDED_BY(mu_);
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t completed_when_placed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t placed_not_taken_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
   // The incarnation of each peer that FailPeer last saw restart: a chunk planned
   // against an older one (a submit racing the restart) is refused.
