@@ -291,6 +291,7 @@ void TransferEngine::PruneLocked() {
     auto it = transfers_.find(finished_order_.front());
     // Keep entries whose operations still drain; they are pruned on a later pass.
     if (it != transfers_.end() && !it->second->inflight && it->second->watchers.empty()) {
+      if (it->second->completed_placed) placed_unacked_.erase(it->first);
       transfers_.erase(it);
     }
     finished_order_.pop_front();
@@ -719,6 +720,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
           Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
           t->completed_placed = true;
           ++completed_when_placed_;
+          placed_unacked_.insert(t->state.transfer_id());
           open = open_lease.get();  // not an open here: the kept notice holds the commit
           MakeCommit(*t, open);
           action = Action::kNotifyPlaced;
@@ -832,6 +834,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
             t->inflight = false;
             if (!status.ok() && t->awaiting_ack) {
               t->awaiting_ack = false;
+              placed_unacked_.erase(t->state.transfer_id());
               NotTakenLocked(*t, fmt::format("DATA_READY could not be sent: {}", status.message()));
             }
           },
@@ -1149,6 +1152,7 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
   MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
   if (t->completed_placed) {
     // COMPLETED already, its commit sent with DATA_READY: the answer is only recorded.
+    placed_unacked_.erase(t->state.transfer_id());
     if (ack.error_code() != 0) {
       NotTakenLocked(*t, fmt::format("it refused the notification: {}",
                                      Printable(ack.error_message(), 1024)));
@@ -1278,6 +1282,26 @@ void TransferEngine::FailPeer(const PeerLoss& loss) {
       continue;
     }
     lost.push_back(t);
+  }
+  // Completed when placed, not yet answered: whether the peer took the notification
+  // before it was lost is not known here.
+  for (auto id = placed_unacked_.begin(); id != placed_unacked_.end();) {
+    auto it = transfers_.find(*id);
+    if (it == transfers_.end()) {
+      placed_unacked_.erase(id++);
+      continue;
+    }
+    Transfer& t = *it->second;
+    if (t.state.peer() != loss.name || (loss.current_incarnation != 0 && t.last_peer &&
+                                        t.last_peer->incarnation == loss.current_incarnation)) {
+      ++id;
+      continue;
+    }
+    t.awaiting_ack = false;
+    placed_unacked_.erase(id++);
+    NotTakenLocked(t, fmt::format("the peer was lost before it answered, so whether its owners "
+                                  "got the notification is unknown: {}",
+                                  loss.cause.message()));
   }
   for (const auto& t : lost) {
     Finish(*t, v1::FAILED,

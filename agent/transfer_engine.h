@@ -361,6 +361,9 @@ class TransferEngine {
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completed_when_placed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t placed_not_taken_ ABSL_GUARDED_BY(mu_) = 0;
+  // Transfers COMPLETED when placed whose peer has not answered yet (FailPeer notes
+  // them); their records are kept (max_finished), so this set is bounded by it.
+  absl::flat_hash_set<std::string> placed_unacked_ ABSL_GUARDED_BY(mu_);
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
   // The incarnation of each peer that FailPeer last saw restart: a chunk planned
   // against an older one (a submit racing the restart) is refused.

@@ -172,6 +172,34 @@ TEST_CASE("staged WRITE: scattered pages larger than a chunk and a state slot ar
   CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 3, 3));
 }
 
+TEST_CASE("a staged WRITE that asks to complete when placed completes when acknowledged: the "
+          "peer still copies the staged bytes in, and only its answer says they are there") {
+  StagedPair pair(true, true, 80 << 10);
+  auto request = Request("staged-placed", "decode", v1::WRITE, {1, 5}, {2, 9});
+  request.set_notification("placed?");
+  request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
+  auto submitted = pair.prefill_client->Submit(request);
+  REQUIRE(submitted.ok());
+  CHECK(submitted->complete_when() == v1::COMPLETE_WHEN_PLACED);  // as asked, so far
+  auto done = WaitDone(*pair.prefill_client, "staged-placed");
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(done.complete_when() == v1::COMPLETE_WHEN_ACKNOWLEDGED);
+  CHECK_FALSE(done.peer_acknowledged());  // only for transfers completed when placed
+  // The acknowledgement came before the end, as for any acknowledged transfer.
+  int acked = -1, ended = -1;
+  for (int i = 0; i < done.timeline_size(); ++i) {
+    if (done.timeline(i).stage() == v1::STAGE_ACKNOWLEDGED) acked = i;
+    if (done.timeline(i).stage() == v1::STAGE_ENDED) ended = i;
+  }
+  CHECK(acked >= 0);
+  CHECK(acked < ended);
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 1, 2));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 5, 9));
+  auto status = Require(pair.prefill_client->Status(), "prefill status");
+  CHECK(status.completed_when_placed() == 0);
+  CHECK(status.transfers_completed() == 1);
+}
+
 TEST_CASE("staged WRITE packs many small pages into shared chunks") {
   StagedPair pair(true, true, 4096);  // 16 pages of 4 KiB fill one 64 KiB chunk
   std::vector<uint64_t> src, dst;

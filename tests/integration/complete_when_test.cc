@@ -1,0 +1,324 @@
+// complete_when (issue 15): a transfer that asks for COMPLETE_WHEN_PLACED is COMPLETED as
+// soon as its bytes are in place, before the peer's acknowledgement, which is recorded
+// afterwards. Two real kvagentd processes, the bytes compared, the peer's notifications
+// counted; each case runs through gRPC and through the fast path (submit_paths_test).
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "fmt/format.h"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+v1::SubmitTransferRequest Placed(v1::SubmitTransferRequest request) {
+  request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
+  return request;
+}
+
+v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
+  auto state = client.WaitTransfer(id, 20000);
+  INFO(id << ": " << state.status().ToString());
+  REQUIRE(state.ok());
+  return *state;
+}
+
+// Polls GetTransfer until `ready` holds for the state (at most 10 s); returns the last.
+template <typename Ready>
+v1::TransferState WaitFor(cli::AgentClient& client, const std::string& id, Ready ready,
+                          const std::string& peer = "") {
+  v1::TransferState last;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < until) {
+    auto state = client.Get(id, peer);
+    INFO(id << ": " << state.status().ToString());
+    REQUIRE(state.ok());
+    last = *std::move(state);
+    if (ready(last)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return last;
+}
+
+std::vector<v1::Notification> PollUntil(cli::AgentClient& client, size_t count,
+                                        uint32_t timeout_ms = 10000) {
+  std::vector<v1::Notification> out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (out.size() < count && std::chrono::steady_clock::now() < until) {
+    auto polled = client.Poll(0);
+    REQUIRE(polled.ok());
+    for (const auto& n : polled->notifications()) out.push_back(n);
+    if (out.size() < count) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return out;
+}
+
+// Where `stage` is in the state's timeline; -1 when absent.
+int StageIndex(const v1::TransferState& state, v1::TransferStage stage) {
+  for (int i = 0; i < state.timeline_size(); ++i) {
+    if (state.timeline(i).stage() == stage) return i;
+  }
+  return -1;
+}
+
+v1::AgentStatus Status(cli::AgentClient& client) {
+  auto status = client.Status();
+  REQUIRE(status.ok());
+  return *std::move(status);
+}
+
+// The checks every successful placed transfer passes, once it ended on the sender:
+// COMPLETED with the completion point it asked for, then the peer's acknowledgement
+// recorded after ENDED.
+void CheckPlacedAndAcknowledged(cli::AgentClient& sender, const std::string& id) {
+  const v1::TransferState done = WaitDone(sender, id);
+  INFO(id << ": " << done.error_message());
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(done.complete_when() == v1::COMPLETE_WHEN_PLACED);
+  CHECK(done.drained());
+  const v1::TransferState later =
+      WaitFor(sender, id, [](const v1::TransferState& s) { return s.peer_acknowledged(); });
+  CHECK(later.peer_acknowledged());
+  CHECK(later.peer_note().empty());
+  CHECK(later.phase() == v1::COMPLETED);  // the end is final as first reported
+  const int ended = StageIndex(later, v1::STAGE_ENDED);
+  const int acked = StageIndex(later, v1::STAGE_ACKNOWLEDGED);
+  CHECK(ended >= 0);
+  CHECK(acked > ended);  // recorded after COMPLETED, not waited for
+}
+
+TEST_CASE("a WRITE that completes when placed: COMPLETED before the peer's acknowledgement, "
+          "which is recorded after; the bytes and exactly one DATA_READY reach the peer") {
+  AgentPair pair;
+  pair.ResetContents();
+  auto submitted = SubmitThrough(pair.prefill(), Placed(KvWrite("placed-w", {1, 2, 3}, {7, 5, 9},
+                                                                "first-token:1")));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  CHECK(submitted->complete_when() == v1::COMPLETE_WHEN_PLACED);
+  CheckPlacedAndAcknowledged(pair.prefill(), "placed-w");
+  CHECK(pair.PageEqual(1, 7));
+  CHECK(pair.PageEqual(2, 5));
+  CHECK(pair.PageEqual(3, 9));
+  CHECK(pair.PageUntouched(8));
+
+  // The peer's view: one DATA_READY with the payload, and its incoming record COMPLETED.
+  auto notes = PollUntil(pair.decode(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].kind() == v1::DATA_READY);
+  CHECK(notes[0].transfer_id() == "placed-w");
+  CHECK(notes[0].payload() == "first-token:1");
+  const v1::TransferState incoming = WaitFor(
+      pair.decode(), "placed-w", [](const v1::TransferState& s) { return s.phase() == v1::COMPLETED; },
+      "prefill");
+  CHECK(incoming.phase() == v1::COMPLETED);
+  CHECK(incoming.direction() == v1::INCOMING);
+
+  // Many in a row, each through its own submit (distinct destinations: two transfers
+  // may not write one page at once): every one notifies exactly once and every byte
+  // lands; none waits for the one before's acknowledgement.
+  constexpr int kMany = 32;
+  for (int i = 0; i < kMany; ++i) {
+    const uint64_t src = static_cast<uint64_t>(i % 32), dst = static_cast<uint64_t>((i * 7 + 3) % 32);
+    auto state = SubmitThrough(
+        pair.prefill(), Placed(KvWrite(fmt::format("placed-many{}", i), {src}, {dst}, "m")));
+    INFO(state.status().ToString());
+    REQUIRE(state.ok());
+  }
+  for (int i = 0; i < kMany; ++i) {
+    CheckPlacedAndAcknowledged(pair.prefill(), fmt::format("placed-many{}", i));
+  }
+  for (int i = 0; i < kMany; ++i) {
+    CHECK(pair.PageEqual(static_cast<uint64_t>(i % 32), static_cast<uint64_t>((i * 7 + 3) % 32)));
+  }
+  notes = PollUntil(pair.decode(), kMany);
+  CHECK(notes.size() == kMany);
+  std::vector<std::string> ids;
+  for (const auto& n : notes) ids.push_back(n.transfer_id());
+  std::sort(ids.begin(), ids.end());
+  CHECK(std::unique(ids.begin(), ids.end()) == ids.end());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto polled = pair.decode().Poll(0);
+  REQUIRE(polled.ok());
+  CHECK(polled->notifications_size() == 0);  // no duplicate came later
+
+  const v1::AgentStatus status = Status(pair.prefill());
+  CHECK(status.completed_when_placed() == kMany + 1);
+  CHECK(status.placed_not_taken() == 0);
+  CHECK(status.transfers_completed() == kMany + 1);
+}
+
+TEST_CASE("a READ that completes when placed: our pages hold the peer's bytes at COMPLETED") {
+  AgentPair pair;
+  pair.ResetContents();
+  // Decode page 6 gets prefill page 4's bytes, then prefill page 11 reads them back.
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("seed", {4}, {6})).ok());
+  REQUIRE(WaitDone(pair.prefill(), "seed").phase() == v1::COMPLETED);
+  REQUIRE(PollUntil(pair.decode(), 1).size() == 1);
+  v1::SubmitTransferRequest read = Placed(KvWrite("placed-r", {11}, {6}, "read-done"));
+  read.set_op(v1::READ);
+  auto submitted = SubmitThrough(pair.prefill(), read);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  CheckPlacedAndAcknowledged(pair.prefill(), "placed-r");
+  CHECK(pair.PageEqual(4, 6));
+  for (uint32_t r = 0; r < pair.prefill_pool().regions(); ++r) {
+    INFO("region " << r);
+    CHECK(std::equal(pair.prefill_pool().Page(r, 11),
+                     pair.prefill_pool().Page(r, 11) + pair.prefill_pool().shape.page_bytes,
+                     pair.prefill_pool().Page(r, 4)));
+  }
+  auto notes = PollUntil(pair.decode(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "placed-r");
+  CHECK(notes[0].payload() == "read-done");
+}
+
+TEST_CASE("completing when placed over UCX (tcp, no same-host mapping): COMPLETED after the "
+          "flush, the acknowledgement recorded after") {
+  AgentPairOptions options;
+  options.env["UCX_TLS"] = "tcp,self";
+  options.extra_args = {"--shm-direct", "off"};
+  AgentPair pair(options);
+  pair.ResetContents();
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  REQUIRE(peers->peers_size() == 1);
+  REQUIRE(peers->peers(0).data_path() == "ucx");
+  REQUIRE(SubmitThrough(pair.prefill(),
+                        Placed(KvWrite("placed-tcp", {1, 2, 3}, {9, 4, 5}, "tcp")))
+              .ok());
+  CheckPlacedAndAcknowledged(pair.prefill(), "placed-tcp");
+  CHECK(pair.PageEqual(1, 9));
+  CHECK(pair.PageEqual(2, 4));
+  CHECK(pair.PageEqual(3, 5));
+  auto notes = PollUntil(pair.decode(), 1);
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "placed-tcp");
+}
+
+TEST_CASE("a peer that refuses the notification of a transfer completed when placed: the "
+          "COMPLETED stands, peer_note says why, it is counted, and the peer's owners hear "
+          "of a failure, not of DATA_READY") {
+  AgentPairOptions options;
+  options.extra_args = {"--max-queued-notifications", "2"};
+  AgentPair pair(options);
+  pair.ResetContents();
+  // Two notifications the decode engine does not take fill its queue.
+  for (const char* id : {"fill-a", "fill-b"}) {
+    REQUIRE(SubmitThrough(pair.prefill(), KvWrite(id, {1}, {1}, id)).ok());
+    REQUIRE(WaitDone(pair.prefill(), id).phase() == v1::COMPLETED);
+  }
+  // Acknowledged (the default), the third is refused to its sender: FAILED, naming why.
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("refused-ack", {2}, {2}, "x")).ok());
+  const v1::TransferState refused = WaitDone(pair.prefill(), "refused-ack");
+  CHECK(refused.phase() == v1::FAILED);
+  CHECK_THAT(refused.error_message(), Catch::Contains("queued_notifications"));
+  // Placed, the sender reported COMPLETED before the peer answered: that stands, and
+  // the refusal is recorded beside it.
+  REQUIRE(SubmitThrough(pair.prefill(), Placed(KvWrite("refused-placed", {3}, {3}, "y"))).ok());
+  const v1::TransferState done = WaitDone(pair.prefill(), "refused-placed");
+  CHECK(done.phase() == v1::COMPLETED);
+  const v1::TransferState noted = WaitFor(pair.prefill(), "refused-placed",
+                                          [](const v1::TransferState& s) { return !s.peer_note().empty(); });
+  CHECK(noted.phase() == v1::COMPLETED);
+  CHECK_FALSE(noted.peer_acknowledged());
+  CHECK_THAT(noted.peer_note(), Catch::Contains("refused the notification"));
+  CHECK_THAT(noted.peer_note(), Catch::Contains("queued_notifications"));
+  CHECK(pair.PageEqual(3, 3));  // the bytes are there all the same
+  const v1::AgentStatus status = Status(pair.prefill());
+  CHECK(status.completed_when_placed() == 1);
+  CHECK(status.placed_not_taken() == 1);
+  // The peer's record says FAILED: its owners never see a DATA_READY for it.
+  const v1::TransferState incoming = WaitFor(
+      pair.decode(), "refused-placed",
+      [](const v1::TransferState& s) { return s.phase() != v1::TRANSFERRING; }, "prefill");
+  CHECK(incoming.phase() == v1::FAILED);
+  auto notes = PollUntil(pair.decode(), 2);
+  for (const auto& n : notes) {
+    INFO(n.transfer_id());
+    CHECK_FALSE((n.transfer_id() == "refused-placed" && n.kind() == v1::DATA_READY));
+  }
+}
+
+TEST_CASE("a WRITE completed when placed to a hung peer: COMPLETED at once (the bytes are in "
+          "its memory), and once the peer is lost peer_note says its notification's fate "
+          "is unknown") {
+  AgentPair pair;
+  pair.ResetContents();
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("warm", {1}, {1})).ok());  // maps its pool
+  REQUIRE(WaitDone(pair.prefill(), "warm").phase() == v1::COMPLETED);
+  const pid_t decode = pair.decode_process().pid();
+  REQUIRE(SuspendAgent(decode) == "");
+  struct Resume {
+    pid_t pid;
+    ~Resume() { ::kill(pid, SIGCONT); }
+  } resume{decode};
+  REQUIRE(SubmitThrough(pair.prefill(), Placed(KvWrite("hung-placed", {5}, {6}, "z"))).ok());
+  const v1::TransferState done = WaitDone(pair.prefill(), "hung-placed");
+  CHECK(done.phase() == v1::COMPLETED);
+  CHECK_FALSE(done.peer_acknowledged());
+  CHECK(pair.PageEqual(5, 6));  // written while the peer's every thread was stopped
+  const v1::TransferState noted = WaitFor(
+      pair.prefill(), "hung-placed", [](const v1::TransferState& s) { return !s.peer_note().empty(); });
+  CHECK(noted.phase() == v1::COMPLETED);
+  CHECK_FALSE(noted.peer_acknowledged());
+  CHECK_THAT(noted.peer_note(), Catch::Contains("lost before it answered"));
+  CHECK(Status(pair.prefill()).placed_not_taken() == 1);
+}
+
+TEST_CASE("complete_when: an unknown value is refused naming it, and a later chunk may leave "
+          "it unset or repeat it but not change it") {
+  AgentPair pair;
+  pair.ResetContents();
+  v1::SubmitTransferRequest bad = KvWrite("bad-point", {1}, {1});
+  bad.set_complete_when(static_cast<v1::CompletionPoint>(7));
+  auto refused = SubmitThrough(pair.prefill(), bad);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("complete_when 7 is not a completion point"));
+  CHECK(pair.PageUntouched(1));
+
+  // Chunk 0 acknowledged (unset), chunk 1 asks for placed: refused; the transfer goes
+  // on with a correct chunk 1 and completes when acknowledged.
+  v1::SubmitTransferRequest first = KvWrite("chunks-ack", {1}, {1});
+  first.set_more_chunks(true);
+  REQUIRE(SubmitThrough(pair.prefill(), first).ok());
+  v1::SubmitTransferRequest second = KvWrite("chunks-ack", {2}, {2}, "c");
+  second.set_chunk(1);
+  auto changed = SubmitThrough(pair.prefill(), Placed(second));
+  REQUIRE_FALSE(changed.ok());
+  CHECK(changed.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(changed.status().message()),
+             Catch::Contains("differs from chunk 0's (COMPLETE_WHEN_ACKNOWLEDGED)"));
+  REQUIRE(SubmitThrough(pair.prefill(), second).ok());
+  const v1::TransferState acked = WaitDone(pair.prefill(), "chunks-ack");
+  CHECK(acked.phase() == v1::COMPLETED);
+  CHECK(acked.complete_when() == v1::COMPLETE_WHEN_ACKNOWLEDGED);
+  CHECK(StageIndex(acked, v1::STAGE_ACKNOWLEDGED) < StageIndex(acked, v1::STAGE_ENDED));
+  CHECK(pair.PageEqual(1, 1));
+  CHECK(pair.PageEqual(2, 2));
+
+  // Chunk 0 placed, chunk 1 unset: placed.
+  first = Placed(KvWrite("chunks-placed", {3}, {3}));
+  first.set_more_chunks(true);
+  REQUIRE(SubmitThrough(pair.prefill(), first).ok());
+  second = KvWrite("chunks-placed", {4}, {4}, "d");
+  second.set_chunk(1);
+  REQUIRE(SubmitThrough(pair.prefill(), second).ok());
+  CheckPlacedAndAcknowledged(pair.prefill(), "chunks-placed");
+  CHECK(pair.PageEqual(3, 3));
+  CHECK(pair.PageEqual(4, 4));
+  auto notes = PollUntil(pair.decode(), 2);
+  CHECK(notes.size() == 2);
+}
+
+}  // namespace
+}  // namespace kvagent::testing
