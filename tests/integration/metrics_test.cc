@@ -62,6 +62,8 @@ TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]")
     const uint64_t page = static_cast<uint64_t>(i);
     auto request = KvWrite("m-" + std::to_string(i), {page}, {page});
     if (read) request.set_op(v1::READ);
+    // Every third completes when placed (kvagent_transfers_completed_when_placed_total).
+    if (i % 3 == 0) request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
     REQUIRE(SubmitThrough(pair.prefill(), request).ok());
     auto state = pair.prefill().WaitTransfer(request.transfer_id(), 20000);
     REQUIRE(state.ok());
@@ -98,6 +100,8 @@ TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]")
   CHECK(Value(after, "kvagent_transfers_total") == kWrites + kReads);  // nothing else
   CHECK(Value(after, "kvagent_transfer_errors_total") == 0);
   CHECK(Value(after, "kvagent_transfers_completed_total") == kWrites + kReads);
+  CHECK(Value(after, "kvagent_transfers_completed_when_placed_total") == (kWrites + kReads) / 3);
+  CHECK(Value(after, "kvagent_transfers_placed_not_taken_total") == 0);
   CHECK(Value(after, "kvagent_transfers_active") == 0);
   CHECK(Value(after, "kvagent_transfer_latency_seconds_count", {"op=\"WRITE\""}) == kWrites);
   CHECK(Value(after, "kvagent_transfer_latency_seconds_bucket", {"op=\"WRITE\"", "le=\"+Inf\""}) ==
