@@ -208,18 +208,26 @@ std::string RenderMetrics(const MetricsSources& sources) {
   // GetStatus's totals and queue depths.
   Family(&out, "kvagent_transfers_active", "gauge", "Outgoing transfers not yet ended.")
       .Sample(static_cast<double>(status.transfers_active()));
-  Family(&out, "kvagent_transfers_completed_total", "counter", "Outgoing transfers completed.")
-      .Sample(static_cast<double>(status.transfers_completed()));
-  Family(&out, "kvagent_transfers_completed_when_placed_total", "counter",
-         "Outgoing transfers completed when placed (complete_when), before the peer's "
-         "acknowledgement.")
-      .Sample(static_cast<double>(status.completed_when_placed()));
-  Family(&out, "kvagent_transfers_placed_not_taken_total", "counter",
-         "Transfers completed when placed whose peer then did not take the notification.")
-      .Sample(static_cast<double>(status.placed_not_taken()));
-  Family(&out, "kvagent_transfers_failed_total", "counter",
-         "Outgoing transfers failed, cancelled or timed out.")
-      .Sample(static_cast<double>(status.transfers_failed()));
+  const struct {
+    const char* name;
+    const char* help;
+    uint64_t value;
+  } transfer_counters[] = {
+      {"kvagent_transfers_completed_total", "Outgoing transfers completed.",
+       status.transfers_completed()},
+      {"kvagent_transfers_completed_when_placed_total",
+       "Outgoing transfers completed when placed (complete_when), before the peer's "
+       "acknowledgement.",
+       status.completed_when_placed()},
+      {"kvagent_transfers_placed_not_taken_total",
+       "Transfers completed when placed whose peer then did not take the notification.",
+       status.placed_not_taken()},
+      {"kvagent_transfers_failed_total", "Outgoing transfers failed, cancelled or timed out.",
+       status.transfers_failed()},
+  };
+  for (const auto& c : transfer_counters) {
+    Family(&out, c.name, "counter", c.help).Sample(static_cast<double>(c.value));
+  }
   Family queues(&out, "kvagent_queue_depth", "gauge",
                 "Work waiting, by queue (the limits' use; see kvagent_limit).");
   for (const auto& limit : status.limits()) {

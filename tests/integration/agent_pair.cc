@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -202,6 +203,22 @@ absl::Status WaitTransferring(cli::AgentClient& client, const std::string& id,
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+std::vector<v1::Notification> PollNotifications(cli::AgentClient& client, size_t count,
+                                                uint32_t timeout_ms) {
+  std::vector<v1::Notification> out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (out.size() < count && std::chrono::steady_clock::now() < until) {
+    auto polled = client.Poll(0);
+    if (!polled.ok()) {
+      std::fprintf(stderr, "PollNotifications: %s\n", polled.status().ToString().c_str());
+      break;
+    }
+    for (const auto& n : polled->notifications()) out.push_back(n);
+    if (out.size() < count) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return out;
 }
 
 std::string SuspendAgent(pid_t pid) {

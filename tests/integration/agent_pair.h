@@ -81,6 +81,12 @@ absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
 absl::StatusOr<std::string> KvagentctlOutput(const std::vector<std::string>& args,
                                              const std::string& stdout_path);
 
+// Polls `client`'s notifications until `count` came or `timeout_ms` passed; returns
+// those that came (fewer on a timeout; a failed poll is printed to stderr and ends it,
+// so the caller's count check fails).
+std::vector<v1::Notification> PollNotifications(cli::AgentClient& client, size_t count,
+                                                uint32_t timeout_ms = 10000);
+
 // Hangs agent process `pid`: SIGSTOP, then waits until every one of its threads is
 // stopped (cli::SuspendChild). Returns "" once they are, else why not, so a test writes
 // REQUIRE(SuspendAgent(pid) == "") and Catch shows the reason. kill() alone returns

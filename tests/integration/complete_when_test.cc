@@ -46,19 +46,6 @@ v1::TransferState WaitFor(cli::AgentClient& client, const std::string& id, Ready
   return last;
 }
 
-std::vector<v1::Notification> PollUntil(cli::AgentClient& client, size_t count,
-                                        uint32_t timeout_ms = 10000) {
-  std::vector<v1::Notification> out;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  while (out.size() < count && std::chrono::steady_clock::now() < until) {
-    auto polled = client.Poll(0);
-    REQUIRE(polled.ok());
-    for (const auto& n : polled->notifications()) out.push_back(n);
-    if (out.size() < count) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return out;
-}
-
 // Where `stage` is in the state's timeline; -1 when absent.
 int StageIndex(const v1::TransferState& state, v1::TransferStage stage) {
   for (int i = 0; i < state.timeline_size(); ++i) {
@@ -109,7 +96,7 @@ TEST_CASE("a WRITE that completes when placed: COMPLETED before the peer's ackno
   CHECK(pair.PageUntouched(8));
 
   // The peer's view: one DATA_READY with the payload, and its incoming record COMPLETED.
-  auto notes = PollUntil(pair.decode(), 1);
+  auto notes = PollNotifications(pair.decode(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].kind() == v1::DATA_READY);
   CHECK(notes[0].transfer_id() == "placed-w");
@@ -137,7 +124,7 @@ TEST_CASE("a WRITE that completes when placed: COMPLETED before the peer's ackno
   for (int i = 0; i < kMany; ++i) {
     CHECK(pair.PageEqual(static_cast<uint64_t>(i % 32), static_cast<uint64_t>((i * 7 + 3) % 32)));
   }
-  notes = PollUntil(pair.decode(), kMany);
+  notes = PollNotifications(pair.decode(), kMany);
   CHECK(notes.size() == kMany);
   std::vector<std::string> ids;
   for (const auto& n : notes) ids.push_back(n.transfer_id());
@@ -160,7 +147,7 @@ TEST_CASE("a READ that completes when placed: our pages hold the peer's bytes at
   // Decode page 6 gets prefill page 4's bytes, then prefill page 11 reads them back.
   REQUIRE(SubmitThrough(pair.prefill(), KvWrite("seed", {4}, {6})).ok());
   REQUIRE(WaitDone(pair.prefill(), "seed").phase() == v1::COMPLETED);
-  REQUIRE(PollUntil(pair.decode(), 1).size() == 1);
+  REQUIRE(PollNotifications(pair.decode(), 1).size() == 1);
   v1::SubmitTransferRequest read = Placed(KvWrite("placed-r", {11}, {6}, "read-done"));
   read.set_op(v1::READ);
   auto submitted = SubmitThrough(pair.prefill(), read);
@@ -174,7 +161,7 @@ TEST_CASE("a READ that completes when placed: our pages hold the peer's bytes at
                      pair.prefill_pool().Page(r, 11) + pair.prefill_pool().shape.page_bytes,
                      pair.prefill_pool().Page(r, 4)));
   }
-  auto notes = PollUntil(pair.decode(), 1);
+  auto notes = PollNotifications(pair.decode(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].transfer_id() == "placed-r");
   CHECK(notes[0].payload() == "read-done");
@@ -198,7 +185,7 @@ TEST_CASE("completing when placed over UCX (tcp, no same-host mapping): COMPLETE
   CHECK(pair.PageEqual(1, 9));
   CHECK(pair.PageEqual(2, 4));
   CHECK(pair.PageEqual(3, 5));
-  auto notes = PollUntil(pair.decode(), 1);
+  auto notes = PollNotifications(pair.decode(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].transfer_id() == "placed-tcp");
 }
@@ -240,7 +227,7 @@ TEST_CASE("a peer that refuses the notification of a transfer completed when pla
       pair.decode(), "refused-placed",
       [](const v1::TransferState& s) { return s.phase() != v1::TRANSFERRING; }, "prefill");
   CHECK(incoming.phase() == v1::FAILED);
-  auto notes = PollUntil(pair.decode(), 2);
+  auto notes = PollNotifications(pair.decode(), 2);
   for (const auto& n : notes) {
     INFO(n.transfer_id());
     CHECK_FALSE((n.transfer_id() == "refused-placed" && n.kind() == v1::DATA_READY));
@@ -316,7 +303,7 @@ TEST_CASE("complete_when: an unknown value is refused naming it, and a later chu
   CheckPlacedAndAcknowledged(pair.prefill(), "chunks-placed");
   CHECK(pair.PageEqual(3, 3));
   CHECK(pair.PageEqual(4, 4));
-  auto notes = PollUntil(pair.decode(), 2);
+  auto notes = PollNotifications(pair.decode(), 2);
   CHECK(notes.size() == 2);
 }
 

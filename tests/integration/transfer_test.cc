@@ -21,19 +21,6 @@ v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
   return *state;
 }
 
-std::vector<v1::Notification> PollUntil(cli::AgentClient& client, size_t count,
-                                        uint32_t timeout_ms = 10000) {
-  std::vector<v1::Notification> out;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  while (out.size() < count && std::chrono::steady_clock::now() < until) {
-    auto polled = client.Poll(0);
-    REQUIRE(polled.ok());
-    for (const auto& n : polled->notifications()) out.push_back(n);
-    if (out.size() < count) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return out;
-}
-
 TEST_CASE("WRITE pushes scattered pages of every layer and notifies after the data") {
   AgentPair pair;
   const std::vector<uint64_t> src = {3, 4, 9, 10, 11, 20};
@@ -51,7 +38,7 @@ TEST_CASE("WRITE pushes scattered pages of every layer and notifies after the da
   // {3}, {4}, {9,10,11}, {20} = 4, times 8 regions.
   CHECK(done.runs() == 32);
 
-  auto notes = PollUntil(pair.decode(), 1);
+  auto notes = PollNotifications(pair.decode(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].transfer_id() == "req-write");
   CHECK(notes[0].from_agent() == "prefill");
@@ -82,7 +69,7 @@ TEST_CASE("READ pulls the peer's pages and tells the peer when done") {
   REQUIRE(done.phase() == v1::COMPLETED);
   CHECK(pair.PageEqual(2, 7));
   CHECK(pair.PageEqual(29, 8));
-  auto notes = PollUntil(pair.prefill(), 1);
+  auto notes = PollNotifications(pair.prefill(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].payload() == "pulled");
   CHECK(notes[0].from_agent() == "decode");
@@ -130,7 +117,7 @@ TEST_CASE("chunked transfer notifies once, after its last chunk") {
   REQUIRE(done.phase() == v1::COMPLETED);
   CHECK(done.chunks() == 3);
   CHECK(done.items() == 5);
-  auto notes = PollUntil(pair.decode(), 1);
+  auto notes = PollNotifications(pair.decode(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].payload() == "all-chunks");
   for (uint64_t i = 0; i < 5; ++i) CHECK(pair.PageEqual(i, 10 + i));
@@ -183,7 +170,7 @@ TEST_CASE("byte segments move AUX data next to KV pages in one transfer") {
   CHECK(static_cast<char*>(dst.data())[1999] == 0);
   CHECK(static_cast<char*>(dst.data())[2016] == 0);
   CHECK(pair.PageEqual(5, 6));
-  REQUIRE(PollUntil(pair.decode(), 1).size() == 1);
+  REQUIRE(PollNotifications(pair.decode(), 1).size() == 1);
 }
 
 TEST_CASE("notifications stream to a watcher as they arrive") {
@@ -207,7 +194,7 @@ TEST_CASE("notifications stream to a watcher as they arrive") {
   CHECK(seen[0] == "w-1:a");
   CHECK(seen[1] == "w-2:b");
   // The one nobody watched waits in the queue.
-  auto rest = PollUntil(pair.decode(), 1);
+  auto rest = PollNotifications(pair.decode(), 1);
   REQUIRE(rest.size() == 1);
   CHECK(rest[0].transfer_id() == "w-other");
 }
@@ -228,7 +215,7 @@ TEST_CASE("cancel stops a transfer, reports drained, and tells the peer") {
     done = *pair.prefill().Get("req-cancel");
   }
   CHECK(done.drained());
-  auto notes = PollUntil(pair.decode(), 1);
+  auto notes = PollNotifications(pair.decode(), 1);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].kind() == v1::CANCELLED_BY_PEER);
   auto more = KvWrite("req-cancel", {1}, {1});
@@ -251,7 +238,7 @@ TEST_CASE("a transfer that misses its deadline times out with the reason") {
              Catch::Contains("req-late") && Catch::Contains("300 ms") &&
                  Catch::Contains("last chunk never submitted"));
   // The decode side hears the outcome too, once: its pages hold no reliable data.
-  auto notes = PollUntil(pair.decode(), 1, 5000);
+  auto notes = PollNotifications(pair.decode(), 1, 5000);
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].kind() == v1::TRANSFER_TIMED_OUT);
   CHECK(notes[0].transfer_id() == "req-late");
@@ -340,7 +327,7 @@ TEST_CASE("wait answers with the final state; a batch submits each entry on its 
   CHECK(pair.PageEqual(8, 20));
   CHECK(pair.PageEqual(10, 22));
   CHECK(pair.PageUntouched(21));
-  auto notes = PollUntil(pair.decode(), 4);
+  auto notes = PollNotifications(pair.decode(), 4);
   std::set<std::string> ids;
   for (const auto& n : notes) ids.insert(n.transfer_id());
   CHECK(ids == std::set<std::string>{"req-wait", "req-wait-chunks", "req-batch-a", "req-batch-c"});
