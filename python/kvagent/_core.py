@@ -17,6 +17,34 @@ CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1),
 DEFAULT_SOCKET = "/run/kvagent/kvagent.sock"
 TERMINAL = {pb.COMPLETED, pb.FAILED, pb.CANCELLED, pb.TIMED_OUT}
 OPS = {"write": pb.WRITE, "read": pb.READ}
+# complete_when: when the sending agent reports COMPLETED (SubmitTransferRequest.complete_when).
+COMPLETION_POINTS = {"acknowledged": pb.COMPLETE_WHEN_ACKNOWLEDGED,
+                     "placed": pb.COMPLETE_WHEN_PLACED}
+
+
+class InvalidCompletionPoint(errors.InvalidArgument, ValueError):
+    """A complete_when that is neither "acknowledged" nor "placed" (nor their pb values),
+    found before anything was sent: an InvalidArgument, and a ValueError."""
+
+
+def completion_point(value, entry="complete_when"):
+    """The pb CompletionPoint of `value`: "acknowledged" or "placed", or a pb value
+    (kvagent.pb.COMPLETE_WHEN_ACKNOWLEDGED / COMPLETE_WHEN_PLACED, or their names).
+    Anything else raises InvalidCompletionPoint (a ValueError) naming the value."""
+    if isinstance(value, str):
+        if value in COMPLETION_POINTS:
+            return COMPLETION_POINTS[value]
+        if value in pb.CompletionPoint.keys():
+            return pb.CompletionPoint.Value(value)
+    elif (isinstance(value, int) and not isinstance(value, bool)
+          and value in COMPLETION_POINTS.values()):
+        return int(value)
+    entry = f"{entry} {value!r}"
+    fix = ("use complete_when='acknowledged' (the default: COMPLETED once the peer "
+           "acknowledged the data) or 'placed' (COMPLETED as soon as every byte is in place), "
+           "or kvagent.pb.COMPLETE_WHEN_ACKNOWLEDGED / COMPLETE_WHEN_PLACED")
+    raise InvalidCompletionPoint(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{entry}: is not a completion point; {fix}", entry=entry, fix=fix)
 
 
 class Group:
@@ -218,14 +246,16 @@ class Base:
 
     def _transfer_request(self, peer, request_id, pages=None, slots=None, aux=None,
                           segments=(), notification=b"", op="write", timeout_ms=0,
-                          remote_groups=None, chunk=0, more_chunks=False):
+                          remote_groups=None, chunk=0, more_chunks=False,
+                          complete_when="acknowledged"):
         if isinstance(op, str):
             if op not in OPS:
                 raise errors.invalid(f"op '{op}'", "is not a transfer op", "use 'write' or 'read'")
             op = OPS[op]
+        point = completion_point(complete_when, f"transfer '{request_id}': complete_when")
         request = pb.SubmitTransferRequest(
             transfer_id=str(request_id), peer=getattr(peer, "name", peer), op=op,
-            chunk=chunk, more_chunks=more_chunks, timeout_ms=timeout_ms,
+            chunk=chunk, more_chunks=more_chunks, timeout_ms=timeout_ms, complete_when=point,
             notification=notification.encode() if isinstance(notification, str) else notification)
         self._segments(request, op, pb.KV, pages, remote_groups, "pages")
         self._segments(request, op, pb.STATE, slots, remote_groups, "state slots")

@@ -69,9 +69,12 @@ class AsyncClient(Base):
 
     async def transfer(self, peer, request_id, pages=None, slots=None, aux=None, segments=(),
                        notification=b"", op="write", timeout_ms=0, remote_groups=None,
-                       wait=False):
+                       wait=False, complete_when="acknowledged"):
+        """kvagent.Client.transfer's coroutine (complete_when="placed" too); the
+        AsyncTransfer is awaitable."""
         request = self._transfer_request(peer, request_id, pages, slots, aux, segments,
-                                         notification, op, timeout_ms, remote_groups)
+                                         notification, op, timeout_ms, remote_groups,
+                                         complete_when=complete_when)
         request.wait = wait  # one round trip: the answer is the final state
         state = await self.call("SubmitTransfer", request, f"transfer '{request.transfer_id}'",
                           timeout=self.timeout + (timeout_ms / 1000 or 60) if wait else None)

@@ -6,7 +6,7 @@ import time
 import grpc
 
 from . import errors
-from ._core import CHANNEL_OPTIONS, TERMINAL, Base, TransferBase
+from ._core import CHANNEL_OPTIONS, TERMINAL, Base, TransferBase, completion_point
 from ._proto import kvagent_pb2 as pb
 from ._proto import kvagent_pb2_grpc as pb_grpc
 
@@ -90,7 +90,7 @@ class Client(Base):
     # ---- transfers ------------------------------------------------------------------
     def transfer(self, peer, request_id, pages=None, slots=None, aux=None, segments=(),
                  notification=b"", op="write", timeout_ms=0, remote_groups=None,
-                 wait=False):
+                 wait=False, complete_when="acknowledged"):
         """Submits one transfer in engine terms and returns its Transfer future.
         pages=(src_page_ids, dst_page_ids) covers every KV group this client registered,
         slots=(src_slots, dst_slots) every STATE group, aux=(src_ids, dst_ids) every AUX
@@ -98,18 +98,26 @@ class Client(Base):
         `notification` reaches the peer's owner after every byte is in place. Refusals
         (bad ids, unknown peer, ...) raise at once with the agent's message. With
         wait=True the call returns once the transfer ended (one round trip instead of
-        submit + watch: the future is already done)."""
+        submit + watch: the future is already done). complete_when="placed" (or
+        kvagent.pb.COMPLETE_WHEN_PLACED) has it COMPLETED as soon as every byte is in
+        place, without waiting for the peer's acknowledgement, which the state records
+        later (state().peer_acknowledged, or peer_note); "acknowledged" is the default.
+        Another value raises ValueError (an InvalidArgument) before anything is sent."""
         request = self._transfer_request(peer, request_id, pages, slots, aux, segments,
-                                         notification, op, timeout_ms, remote_groups)
+                                         notification, op, timeout_ms, remote_groups,
+                                         complete_when=complete_when)
         request.wait = wait  # one round trip: the answer is the final state
         state = self.call("SubmitTransfer", request, f"transfer '{request.transfer_id}'",
                           timeout=self.timeout + (timeout_ms / 1000 or 60) if wait else None)
         return Transfer(self, request.transfer_id, state)
 
-    def open_transfer(self, peer, request_id, op="write", timeout_ms=0, remote_groups=None):
+    def open_transfer(self, peer, request_id, op="write", timeout_ms=0, remote_groups=None,
+                      complete_when="acknowledged"):
         """A chunked transfer: send() each chunk's pages as they are ready, finish() with
-        the last (state slots, aux, notification); finish() returns the Transfer."""
-        return ChunkedTransfer(self, peer, request_id, op, timeout_ms, remote_groups)
+        the last (state slots, aux, notification); finish() returns the Transfer.
+        complete_when (as in transfer(), checked here) goes on chunk 0, the transfer's."""
+        return ChunkedTransfer(self, peer, request_id, op, timeout_ms, remote_groups,
+                               complete_when)
 
     # ---- notifications --------------------------------------------------------------
     def notifications(self, request_ids=(), subscription="", timeout=None):
@@ -144,7 +152,9 @@ class Client(Base):
 
 
 class Transfer(TransferBase):
-    """The future of one transfer: done(), state(), result(timeout), cancel()."""
+    """The future of one transfer: done(), state(), result(timeout), cancel(). States are
+    the agent's TransferState messages (complete_when, and with COMPLETE_WHEN_PLACED
+    peer_acknowledged / peer_note, which may change after COMPLETED: read state())."""
 
     def state(self):
         self.last_state = self.client.call("GetTransfer",
@@ -174,17 +184,29 @@ class Transfer(TransferBase):
 
 class ChunkedTransfer:
     """A transfer whose segments arrive in chunks (SGLang sends page ids as prefill
-    produces them): send() opens it and adds chunks, finish() closes it."""
+    produces them): send() opens it and adds chunks, finish() closes it. complete_when
+    is the transfer's: chunk 0 carries it, later chunks leave it unset (the agent keeps
+    chunk 0's)."""
 
-    def __init__(self, client, peer, request_id, op, timeout_ms, remote_groups):
+    def __init__(self, client, peer, request_id, op, timeout_ms, remote_groups,
+                 complete_when="acknowledged"):
         self.client = client
         self.args = dict(peer=peer, request_id=request_id, op=op, timeout_ms=timeout_ms,
                          remote_groups=remote_groups)
+        # Checked now, before any chunk is sent.
+        self.complete_when = completion_point(complete_when,
+                                              f"transfer '{request_id}': complete_when")
         self.chunk = 0
+
+    def _chunk_completion(self):
+        """What this chunk's request carries: chunk 0 the transfer's completion point,
+        later chunks none (COMPLETE_WHEN_ACKNOWLEDGED, the unset value)."""
+        return self.complete_when if self.chunk == 0 else pb.COMPLETE_WHEN_ACKNOWLEDGED
 
     def _submit(self, more, **kw):
         request = self.client._transfer_request(**self.args, **kw, chunk=self.chunk,
-                                                more_chunks=more)
+                                                more_chunks=more,
+                                                complete_when=self._chunk_completion())
         state = self.client.call("SubmitTransfer", request,
                                  f"transfer '{request.transfer_id}' chunk {self.chunk}")
         self.chunk += 1

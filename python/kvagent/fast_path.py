@@ -163,7 +163,10 @@ class FastPath:
         self._put(SUBMIT, user_data, request.SerializeToString())
 
     def transfer(self, user_data, peer, request_id, **engine_terms):
-        """submit() of the request client.transfer would send (pages, slots, aux, ...)."""
+        """submit() of the request client.transfer would send (pages, slots, aux, ...,
+        complete_when="acknowledged"|"placed"; a bad value raises ValueError, nothing
+        written). A completion's phase is the transfer's end: with "placed" it comes as
+        soon as every byte is in place; gRPC GetTransfer tells peer_acknowledged later."""
         self.submit(self.client._transfer_request(peer, request_id, **engine_terms), user_data)
 
     def cancel(self, transfer_id, user_data):

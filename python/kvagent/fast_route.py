@@ -89,9 +89,12 @@ class Route:
                     return t
         return self.client.transfer(peer, request_id, **terms)
 
-    def open_transfer(self, peer, request_id, op="write", timeout_ms=0, remote_groups=None):
-        """client.open_transfer's chunked transfer, its chunks through the ring."""
-        return RingChunkedTransfer(self, peer, request_id, op, timeout_ms, remote_groups)
+    def open_transfer(self, peer, request_id, op="write", timeout_ms=0, remote_groups=None,
+                      complete_when="acknowledged"):
+        """client.open_transfer's chunked transfer, its chunks through the ring
+        (complete_when checked here, sent on chunk 0)."""
+        return RingChunkedTransfer(self, peer, request_id, op, timeout_ms, remote_groups,
+                                   complete_when)
 
     def _put(self, transfer, put, wait):
         """Puts one entry for `transfer`. A full ring is reaped and tried again: once
@@ -245,8 +248,9 @@ class RingTransfer:
     CANCELLED or TIMED_OUT raises TransferFailed with its whole TransferState (read with
     GetTransfer then: the failed segment, a message the ring cut). A completed one's
     state holds what a completion carries (phase, bytes_done, latency_us), not the whole
-    TransferState gRPC returns. A chunk's entry (more_chunks) is done once the agent
-    took it."""
+    TransferState gRPC returns; state() reads that one (GetTransfer): complete_when,
+    and with complete_when="placed" peer_acknowledged / peer_note, which the agent sets
+    after COMPLETED. A chunk's entry (more_chunks) is done once the agent took it."""
 
     def __init__(self, route, transfer_id, chunks=()):
         self.route = route
@@ -265,6 +269,16 @@ class RingTransfer:
         if self._grpc is not None:
             return self._grpc.done()
         return self._completion is not None
+
+    def state(self):
+        """The agent's whole TransferState, read with gRPC GetTransfer (the ring carries
+        outcomes only), as client.Transfer.state()."""
+        if self._grpc is not None:
+            return self._grpc.state()
+        self.last_state = self.client.call("GetTransfer",
+                                           pb.GetTransferRequest(transfer_id=self.id),
+                                           f"transfer '{self.id}'")
+        return self.last_state
 
     def _wait(self, timeout, doing):
         """This entry's completion within `timeout` s; None when the ring went (then
@@ -333,8 +347,10 @@ class RingChunkedTransfer(ChunkedTransfer):
     gRPC; later chunks wait for room (up to the client's timeout), since a chunk through
     gRPC could overtake one still on the ring."""
 
-    def __init__(self, route, peer, request_id, op, timeout_ms, remote_groups):
-        super().__init__(route.client, peer, request_id, op, timeout_ms, remote_groups)
+    def __init__(self, route, peer, request_id, op, timeout_ms, remote_groups,
+                 complete_when="acknowledged"):
+        super().__init__(route.client, peer, request_id, op, timeout_ms, remote_groups,
+                         complete_when)
         self.route = route
         self._sent = []
         self._grpc = None
@@ -343,8 +359,9 @@ class RingChunkedTransfer(ChunkedTransfer):
         if self._grpc is None:
             with self.route._lock:
                 if self.route.ring is not None:
-                    request = self.client._transfer_request(**self.args, **terms,
-                                                            chunk=self.chunk, more_chunks=more)
+                    request = self.client._transfer_request(
+                        **self.args, **terms, chunk=self.chunk, more_chunks=more,
+                        complete_when=self._chunk_completion())
                     t = RingTransfer(self.route, request.transfer_id,
                                      chunks=() if more else self._sent)
                     if self.route._put(t, lambda u: self.route.ring.submit(request, u),
@@ -352,7 +369,8 @@ class RingChunkedTransfer(ChunkedTransfer):
                         self.chunk += 1
                         self._sent.append(t)
                         return t
-            self._grpc = ChunkedTransfer(self.client, **self.args)
+            self._grpc = ChunkedTransfer(self.client, **self.args,
+                                         complete_when=self.complete_when)
             self._grpc.chunk = self.chunk
         return self._grpc._submit(more, **terms)
 
