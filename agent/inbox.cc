@@ -7,6 +7,7 @@
 
 #include "agent/staging.h"
 #include "agent/transfer_engine.h"
+#include "agent/wire_encoding.h"
 #include "base/format.h"
 #include "base/log.h"
 #include "fmt/format.h"
@@ -14,8 +15,6 @@
 namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("inbox");
-// The most notification-batch bytes whose parsed storage is kept for the next batch.
-constexpr size_t kKeptBatchBytes = 64 << 10;
 }  // namespace
 
 Inbox::Inbox(transport::UcxWorker* worker, const PeerSecrets* secrets, SecurityCounters* counters,
@@ -234,15 +233,12 @@ void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* 
   const auto kept_auth = auths_.Take();
   const wire::PeerMessageAuth& auth = *kept_auth;
   if (!AdmitNotification(header, data.size(), limits_.max_batch_bytes, kept_auth.get())) return;
-  // Parsed into batch_, whose entries' strings keep their storage from batch to batch
-  // (parsing a batch then allocates nothing for them); into a batch of its own when
-  // one is handled inside another (a send that progressed the worker).
-  const bool nested = batch_busy_;
-  wire::NoticeBatch own;
-  wire::NoticeBatch& batch = nested ? own : batch_;
-  batch_busy_ = true;
+  // Parsed into a kept batch, whose entries' strings keep their storage from batch to
+  // batch (parsing a batch then allocates nothing for them); a batch handled inside
+  // another (a send that progressed the worker) takes a second one.
+  const auto kept_batch = batches_.Take();
+  wire::NoticeBatch& batch = *kept_batch;
   if (absl::Status parsed = ParseBatch(data, limits_, &batch); !parsed.ok()) {
-    batch_busy_ = nested;
     DropNotification(fmt::format("a notification batch: {}", parsed.message()),
                      auth.from_agent());
     return;
@@ -254,10 +250,6 @@ void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* 
     engine_->OnAuthenticatedNotice(*n, reply_ep);
   }
   holding_acks_ = false;
-  // A large batch's storage is not kept (a rendezvous batch may hold up to
-  // max_batch_bytes).
-  if (!nested && data.size() > kKeptBatchBytes) batch_ = wire::NoticeBatch();
-  batch_busy_ = nested;
   FlushAcks();
 }
 
@@ -280,17 +272,6 @@ void Inbox::SendAckBytes(void* reply_ep, std::string_view ack) {
                          }
                        });
 }
-
-namespace {
-// Appends `value` as a protobuf varint.
-void AppendVarint(uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>(value | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
-}  // namespace
 
 void Inbox::FlushAcks() {
   // Taken out first: a send may progress the worker into another batch, which holds
@@ -318,9 +299,7 @@ void Inbox::FlushAcks() {
     bytes->reserve(bytes_total);
     const size_t entries = end - i;
     for (; i < end; ++i) {
-      bytes->push_back(static_cast<char>((1 << 3) | 2));  // field 1, length-delimited
-      AppendVarint(acks[i].bytes.size(), bytes.get());
-      bytes->append(acks[i].bytes);
+      AppendLengthDelimited(wire::TransferAckBatch::kAcksFieldNumber, acks[i].bytes, bytes.get());
     }
     worker_->SendAmReply(reply_ep, Wire(AmId::kAckBatch), "", bytes->data(), bytes->size(),
                          [bytes, entries](absl::Status sent) {

@@ -130,11 +130,10 @@ class Inbox {
   };
   bool holding_acks_ = false;
   std::vector<HeldAck> held_acks_;
-  // Worker thread only: the notification batch being handled (OnNoticeBatch), kept
-  // with its storage; busy while one is.
-  wire::NoticeBatch batch_;
-  bool batch_busy_ = false;
-  // Worker thread only: the headers, notifications and acknowledgements parsed here.
+  // Worker thread only: the notification batches (OnNoticeBatch), the headers,
+  // notifications and acknowledgements parsed here. A batch's storage is kept up to
+  // 64 KiB (a rendezvous batch may hold up to max_batch_bytes).
+  KeptMessages<wire::NoticeBatch, (64 << 10)> batches_;
   KeptMessages<wire::PeerMessageAuth> auths_;
   KeptMessages<v1::Notification> notices_;
   KeptMessages<wire::TransferAck> acks_;

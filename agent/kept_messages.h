@@ -16,7 +16,8 @@ namespace kvagent::agent {
 // one allocates nothing for them once warm; a fresh message allocates each). A use
 // inside another (a send that progressed the worker into the next message) takes a
 // second one. What a user moved out of its message is simply not kept.
-template <typename Message>
+// A message whose serialized size is over `KeepBytes` when handed back is let go.
+template <typename Message, size_t KeepBytes = (16 << 10)>
 class KeptMessages {
  public:
   class Lease {
@@ -46,9 +47,8 @@ class KeptMessages {
   // A few (nesting is rare and shallow), of bounded size: a large message's storage
   // (a notification's payload may be 64 KiB) is let go.
   static constexpr size_t kKeep = 4;
-  static constexpr size_t kKeepBytes = 16 << 10;
   void GiveBack(std::unique_ptr<Message> message) {
-    if (free_.size() < kKeep && message->ByteSizeLong() <= kKeepBytes) {
+    if (free_.size() < kKeep && message->ByteSizeLong() <= KeepBytes) {
       free_.push_back(std::move(message));
     }
   }

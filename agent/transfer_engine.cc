@@ -12,6 +12,7 @@
 #include "agent/peer_secrets.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
+#include "agent/wire_encoding.h"
 #include "base/format.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -1024,19 +1025,11 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
   const size_t waiting = static_cast<size_t>(std::count_if(
       notices.begin(), notices.end(), [](const HeldNotice* held) { return bool(held->done); }));
   if (waiting > 0) dones.reserve(waiting);
-  {
-    using google::protobuf::internal::WireFormatLite;
-    google::protobuf::io::StringOutputStream raw(&message);
-    google::protobuf::io::CodedOutputStream out(&raw);
-    for (HeldNotice* held : notices) {
-      out.WriteTag(WireFormatLite::MakeTag(wire::NoticeBatch::kNoticesFieldNumber,
-                                           WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-      out.WriteVarint32(static_cast<uint32_t>(held->body.size()));
-      out.WriteRaw(held->body.data(), static_cast<int>(held->body.size()));
-      want_reply = want_reply || held->want_reply;
-      if (held->done) dones.push_back(std::move(held->done));
-    }
-  }  // `out` gives back what it did not write
+  for (HeldNotice* held : notices) {
+    AppendLengthDelimited(wire::NoticeBatch::kNoticesFieldNumber, held->body, &message);
+    want_reply = want_reply || held->want_reply;
+    if (held->done) dones.push_back(std::move(held->done));
+  }
   transport::Completion all;  // none when no notice waits for its send (opens, commits)
   if (!dones.empty()) {
     all = [dones = std::move(dones)](absl::Status status) {
