@@ -3,7 +3,8 @@
 # checks that every cell printed one JSON line with gbps > 0 and verified bytes, for the
 # gRPC column and the fast path's, that issue 14's cells carry their paired rounds'
 # ratios and the sweep ends with the targets block, and that the fast path phase
-# (latency, rate, idle CPU) printed its lines.
+# (latency, rate, idle CPU, issue 15's targets) printed its lines, each for both
+# completion points (complete_when: acknowledged, the default, and PLACED).
 # Figures are not judged here (speed targets live in docs/BENCHMARKS.md).
 set -euo pipefail
 ctl="$TEST_SRCDIR/kvagent/cli/kvagentctl"
@@ -110,9 +111,15 @@ rates=$(grep -c '^{"kind": "rate"' "$out" || true)
 if [[ "$rates" != 4 ]]; then
   echo "expected 4 rate lines, got $rates"; cat "$err"; exit 1
 fi
-fast_rates=$(grep -c '^{"kind": "fast_rate"' "$out" || true)
+# The fast rate lines: 1 and 2 clients completing when acknowledged (kind fast_rate)
+# and when placed (kind fast_rate_placed), each naming its completion point.
+fast_rates=$(grep -c '^{"kind": "fast_rate", "complete_when": "acknowledged"' "$out" || true)
 if [[ "$fast_rates" != 2 ]]; then
-  echo "expected 2 fast_rate lines, got $fast_rates"; bad=1
+  echo "expected 2 fast_rate lines completing when acknowledged, got $fast_rates"; bad=1
+fi
+placed_rates=$(grep -c '^{"kind": "fast_rate_placed", "complete_when": "placed"' "$out" || true)
+if [[ "$placed_rates" != 2 ]]; then
+  echo "expected 2 fast_rate_placed lines (complete_when PLACED), got $placed_rates"; bad=1
 fi
 while IFS= read -r line; do
   n=$(sed -n 's/.*"transfers": \([0-9]*\),.*/\1/p' <<<"$line")
@@ -120,22 +127,71 @@ while IFS= read -r line; do
   if [[ -z "$n" || "$n" == 0 || "$n" != "$seen" ]]; then
     echo "rate line without transfers, or notifications != transfers: $line"; bad=1
   fi
-done < <(grep -E '^\{"kind": "(rate|fast_rate)"' "$out")
+done < <(grep -E '^\{"kind": "(rate|fast_rate|fast_rate_placed)"' "$out")
+# Placed: the bench counted every notification at the target before it printed the line
+# (it fails itself, exit != 0 above, when one is missing), the initiator's
+# AgentStatus says each of these transfers completed when placed, and the target took
+# every notification (placed_not_taken 0). The acknowledged lines complete none placed.
+while IFS= read -r line; do
+  n=$(sed -n 's/.*"transfers": \([0-9]*\),.*/\1/p' <<<"$line")
+  placed=$(sed -n 's/.*"completed_when_placed": \([0-9]*\),.*/\1/p' <<<"$line")
+  not_taken=$(sed -n 's/.*"placed_not_taken": \([0-9]*\),.*/\1/p' <<<"$line")
+  if [[ -z "$placed" || -z "$not_taken" || "$not_taken" != 0 ]]; then
+    echo "fast rate line without completed_when_placed, or with notifications not taken: $line"
+    bad=1
+  elif [[ "$line" == *'"complete_when": "placed"'* ]] && (( placed < n )); then
+    echo "placed rate line: $placed of $n transfers completed when placed: $line"; bad=1
+  elif [[ "$line" == *'"complete_when": "acknowledged"'* && "$placed" != 0 ]]; then
+    echo "acknowledged rate line with transfers completed when placed: $line"; bad=1
+  fi
+done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
 # This build's target delivers notifications on the ring: the fast rate part drains
 # them there (the pool owner's session), not by gRPC.
-ring_drains=$(grep -c '^{"kind": "fast_rate".*"drain": "ring"' "$out" || true)
-if [[ "$ring_drains" != 2 ]]; then
-  echo "expected 2 fast_rate lines drained on the target's ring, got $ring_drains"; bad=1
+ring_drains=$(grep -cE '^\{"kind": "(fast_rate|fast_rate_placed)".*"drain": "ring"' "$out" || true)
+if [[ "$ring_drains" != 4 ]]; then
+  echo "expected 4 fast rate lines drained on the target's ring, got $ring_drains"; bad=1
 fi
 # The fast path phase's latency: gRPC, fast (with and without notification, and until
 # the target's ring, or a gRPC stream of it, holds the notification) and ring pings (back to back, and after an
 # idle pause), with the load average; and both agents' idle CPU with a ring open.
-for path in grpc fast fast_ring_notification fast_grpc_notification fast_no_notification fast_ping fast_ping_idle; do
+for path in grpc fast fast_ring_notification fast_grpc_notification fast_no_notification \
+            fast_placed fast_placed_ring_notification fast_placed_no_notification fast_ping \
+            fast_ping_idle; do
   line=$(grep "^{\"kind\": \"fast_latency\", \"path\": \"$path\"" "$out" || true)
   p50=$(sed -n 's/.*"p50_us": \([0-9.eE+-]*\),.*/\1/p' <<<"$line")
   if [[ -z "$p50" ]] || ! awk -v g="$p50" 'BEGIN { exit !(g > 0) }'; then
     echo "no fast_latency line for $path with p50_us > 0: '$line'"; bad=1
   fi
+  if [[ "$line" != *'"loadavg_1m": '[0-9]* ]]; then echo "no load average in: '$line'"; bad=1; fi
+done
+# A lone notified transfer's active messages and stages, for each completion point;
+# placed: the peer's acknowledgements recorded after COMPLETED in the sample, no notes.
+for point in acknowledged placed; do
+  line=$(grep "^{\"kind\": \"fast_lone_transfer\", \"complete_when\": \"$point\"" "$out" || true)
+  if [[ "$line" != *'"active_messages_per_transfer": '[0-9]* ]]; then
+    echo "no fast_lone_transfer line for $point: '$line'"; bad=1
+  fi
+done
+lone=$(grep '^{"kind": "fast_lone_transfer", "complete_when": "placed"' "$out" || true)
+sampled=$(sed -n 's/.*"sampled": \([0-9]*\),.*/\1/p' <<<"$lone")
+acked=$(sed -n 's/.*"peer_acknowledged": \([0-9]*\),.*/\1/p' <<<"$lone")
+if [[ -z "$sampled" || "$sampled" == 0 || -z "$acked" || "$acked" == 0 || \
+      "$lone" != *'"peer_notes": 0}'* ]]; then
+  echo "placed lone transfers: none sampled, none acknowledged by the peer, or a peer note: '$lone'"
+  bad=1
+fi
+# Issue 15's targets: one line per completion point, with the figures and verdicts.
+for point in acknowledged placed; do
+  line=$(grep "^{\"kind\": \"fast_targets\", \"issue\": 15, \"complete_when\": \"$point\", \"measured\": true" "$out" || true)
+  for key in p50_us p99_us transfers_per_s transfers_per_s_2_clients; do
+    v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
+    if ! positive "$v"; then echo "$key is not a positive finite number in: '$line'"; bad=1; fi
+  done
+  for key in p50_met p99_met rate_met; do
+    if [[ "$line" != *"\"$key\": true"* && "$line" != *"\"$key\": false"* ]]; then
+      echo "no $key verdict in: '$line'"; bad=1
+    fi
+  done
   if [[ "$line" != *'"loadavg_1m": '[0-9]* ]]; then echo "no load average in: '$line'"; bad=1; fi
 done
 idle=$(grep -c '^{"kind": "fast_idle".*"cpu_percent_ring_open": [0-9]' "$out" || true)
