@@ -39,7 +39,9 @@ commands:
                              name, doors, incarnation, age, whether it is a peer here
   transfers [--active] [--incoming]
                              this agent's transfers and their states (or, with
-                             --incoming, peers' transfers into its regions)
+                             --incoming, peers' transfers into its regions);
+                             one completing when placed says whether its
+                             peer took the notification
   transfers --timeline TRANSFER_ID [--peer NAME]
                              where one transfer's time went: each stage it
                              reached (submitted, planned, first posted, data
@@ -107,7 +109,13 @@ commands:
                              a gRPC WatchNotifications (fast_grpc_notification),
                              fast path WRITEs/s (64 in flight, 1 and 2
                              clients) and the agents' idle CPU with a ring
-                             open, with the load average (--fast-spin-us:
+                             open, with the load average; the fast path's
+                             latency and rate again with complete_when
+                             PLACED (fast_placed*: COMPLETED once the bytes
+                             are in place, the target's acknowledgement
+                             recorded after; every notification still
+                             counted), and issue 15's targets for both
+                             completion points (--fast-spin-us:
                              how long the bench's Reap polls before it
                              sleeps, default 20); --json
                              prints one JSON object per cell; --quick runs a
@@ -188,10 +196,17 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.registered_bytes()),
               static_cast<unsigned long>(s.metadata_version()));
   std::printf("peers        %u\n", s.peers());
-  std::printf("transfers    %lu active, %lu completed, %lu failed\n",
+  // Completed when placed (complete_when) only once some were: of those, the
+  // notifications the peer did not take (their owners never heard of the transfer).
+  const std::string placed =
+      s.completed_when_placed() == 0
+          ? ""
+          : fmt::format(" ({} completed when placed, {} of them not taken by the peer)",
+                        s.completed_when_placed(), s.placed_not_taken());
+  std::printf("transfers    %lu active, %lu completed, %lu failed%s\n",
               static_cast<unsigned long>(s.transfers_active()),
               static_cast<unsigned long>(s.transfers_completed()),
-              static_cast<unsigned long>(s.transfers_failed()));
+              static_cast<unsigned long>(s.transfers_failed()), placed.c_str());
   std::printf("notifications %lu queued, %lu in flight in %lu subscriptions (%lu bytes), "
               "%lu not queued: queue full\n",
               static_cast<unsigned long>(s.notifications_queued()),
@@ -329,16 +344,32 @@ void PrintPeer(const kvagent::v1::PeerInfo& p) {
   PrintDirectFallbacks(p);
 }
 
+// An outgoing transfer that completes when placed (complete_when): whether its peer
+// took the notification, which it answers after COMPLETED. Empty for one completing
+// when acknowledged (COMPLETED already says the peer took it).
+std::string PlacedNote(const kvagent::v1::TransferState& t) {
+  if (t.direction() == kvagent::v1::INCOMING ||
+      t.complete_when() != kvagent::v1::COMPLETE_WHEN_PLACED) {
+    return "";
+  }
+  if (!t.peer_note().empty()) return "placed, NOT taken by the peer: " + t.peer_note();
+  if (t.peer_acknowledged()) return "placed, peer acknowledged";
+  return t.phase() == kvagent::v1::COMPLETED ? "placed, peer not answered yet" : "placed";
+}
+
 void PrintTransfer(const kvagent::v1::TransferState& t) {
   const char* drain = t.drained()         ? "drained"
                       : t.drain_unknown() ? "drain-unknown"
                                           : "draining";
-  std::printf("%-24s %-3s %-12s %-6s %-12s %12lu/%-12lu %8.3f ms %-13s %s\n",
+  const std::string placed = PlacedNote(t);
+  std::printf("%-24s %-3s %-12s %-6s %-12s %12lu/%-12lu %8.3f ms %-13s %s%s%s%s\n",
               t.transfer_id().c_str(), t.direction() == kvagent::v1::INCOMING ? "in" : "out",
               t.peer().c_str(), kvagent::v1::TransferOp_Name(t.op()).c_str(),
               kvagent::v1::TransferPhase_Name(t.phase()).c_str(),
               static_cast<unsigned long>(t.bytes_done()), static_cast<unsigned long>(t.bytes_total()),
-              t.latency_us() / 1000.0, drain, t.error_message().c_str());
+              t.latency_us() / 1000.0, drain, t.error_message().c_str(),
+              placed.empty() || t.error_message().empty() ? "" : " ",
+              placed.empty() ? "" : "[", placed.empty() ? "" : (placed + "]").c_str());
 }
 
 void PrintTimeline(const kvagent::v1::TransferState& t) {
@@ -350,6 +381,11 @@ void PrintTimeline(const kvagent::v1::TransferState& t) {
               kvagent::v1::TransferPhase_Name(t.phase()).c_str(),
               static_cast<unsigned long>(t.bytes_done()), static_cast<unsigned long>(t.bytes_total()),
               t.error_message().empty() ? "" : ": ", t.error_message().c_str());
+  if (const std::string placed = PlacedNote(t); !placed.empty()) {
+    // COMPLETED came before the peer's answer: the timeline's ACKNOWLEDGED (if any)
+    // follows ENDED.
+    std::printf("complete_when COMPLETE_WHEN_PLACED: %s\n", placed.c_str());
+  }
   const absl::Time submitted = absl::FromUnixMicros(static_cast<int64_t>(t.submitted_unix_us()));
   std::printf("submitted %s\n",
               absl::FormatTime("%Y-%m-%d %H:%M:%E6S UTC", submitted, absl::UTCTimeZone()).c_str());
