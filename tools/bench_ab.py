@@ -46,6 +46,9 @@ FIGURES = {
     "fast_rate": (("clients",),
                   [("transfers_per_s", True), ("initiator_cpu_us_per_transfer", False),
                    ("target_cpu_us_per_transfer", False)]),
+    "fast_rate_placed": (("clients",),
+                         [("transfers_per_s", True), ("initiator_cpu_us_per_transfer", False),
+                          ("target_cpu_us_per_transfer", False)]),
     "memory": ((), [("transfers_per_second", True)]),
 }
 

@@ -205,6 +205,29 @@ absl::Status WaitTransferring(cli::AgentClient& client, const std::string& id,
   }
 }
 
+v1::SubmitTransferRequest Placed(v1::SubmitTransferRequest request) {
+  request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
+  return request;
+}
+
+v1::TransferState WaitForState(cli::AgentClient& client, const std::string& id,
+                               const std::function<bool(const v1::TransferState&)>& ready,
+                               const std::string& peer, uint32_t timeout_ms) {
+  v1::TransferState last;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < until) {
+    auto state = client.Get(id, peer);
+    if (!state.ok()) {
+      std::fprintf(stderr, "WaitForState '%s': %s\n", id.c_str(), state.status().ToString().c_str());
+      break;
+    }
+    last = *std::move(state);
+    if (ready(last)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return last;
+}
+
 std::vector<v1::Notification> PollNotifications(cli::AgentClient& client, size_t count,
                                                 uint32_t timeout_ms) {
   std::vector<v1::Notification> out;

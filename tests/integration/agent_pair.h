@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -80,6 +81,16 @@ absl::StatusOr<pid_t> SpawnKvagentctl(const std::vector<std::string>& args,
 // printed, or why not (it did not start, or did not exit 0: its status).
 absl::StatusOr<std::string> KvagentctlOutput(const std::vector<std::string>& args,
                                              const std::string& stdout_path);
+
+// `request` asking to complete when placed (complete_when, issue 15).
+v1::SubmitTransferRequest Placed(v1::SubmitTransferRequest request);
+
+// Polls GetTransfer of `id` (an incoming one from `peer` when set) every 5 ms until
+// `ready` holds for its state or `timeout_ms` passed; returns the last state read (a
+// failed GetTransfer is printed to stderr and ends it, returning the last good one).
+v1::TransferState WaitForState(cli::AgentClient& client, const std::string& id,
+                               const std::function<bool(const v1::TransferState&)>& ready,
+                               const std::string& peer = "", uint32_t timeout_ms = 10000);
 
 // Polls `client`'s notifications until `count` came or `timeout_ms` passed; returns
 // those that came (fewer on a timeout; a failed poll is printed to stderr and ends it,

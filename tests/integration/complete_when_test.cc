@@ -17,33 +17,11 @@
 namespace kvagent::testing {
 namespace {
 
-v1::SubmitTransferRequest Placed(v1::SubmitTransferRequest request) {
-  request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
-  return request;
-}
-
 v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
   auto state = client.WaitTransfer(id, 20000);
   INFO(id << ": " << state.status().ToString());
   REQUIRE(state.ok());
   return *state;
-}
-
-// Polls GetTransfer until `ready` holds for the state (at most 10 s); returns the last.
-template <typename Ready>
-v1::TransferState WaitFor(cli::AgentClient& client, const std::string& id, Ready ready,
-                          const std::string& peer = "") {
-  v1::TransferState last;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < until) {
-    auto state = client.Get(id, peer);
-    INFO(id << ": " << state.status().ToString());
-    REQUIRE(state.ok());
-    last = *std::move(state);
-    if (ready(last)) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return last;
 }
 
 // Where `stage` is in the state's timeline; -1 when absent.
@@ -70,7 +48,7 @@ void CheckPlacedAndAcknowledged(cli::AgentClient& sender, const std::string& id)
   CHECK(done.complete_when() == v1::COMPLETE_WHEN_PLACED);
   CHECK(done.drained());
   const v1::TransferState later =
-      WaitFor(sender, id, [](const v1::TransferState& s) { return s.peer_acknowledged(); });
+      WaitForState(sender, id, [](const v1::TransferState& s) { return s.peer_acknowledged(); });
   CHECK(later.peer_acknowledged());
   CHECK(later.peer_note().empty());
   CHECK(later.phase() == v1::COMPLETED);  // the end is final as first reported
@@ -101,7 +79,7 @@ TEST_CASE("a WRITE that completes when placed: COMPLETED before the peer's ackno
   CHECK(notes[0].kind() == v1::DATA_READY);
   CHECK(notes[0].transfer_id() == "placed-w");
   CHECK(notes[0].payload() == "first-token:1");
-  const v1::TransferState incoming = WaitFor(
+  const v1::TransferState incoming = WaitForState(
       pair.decode(), "placed-w", [](const v1::TransferState& s) { return s.phase() == v1::COMPLETED; },
       "prefill");
   CHECK(incoming.phase() == v1::COMPLETED);
@@ -212,7 +190,7 @@ TEST_CASE("a peer that refuses the notification of a transfer completed when pla
   REQUIRE(SubmitThrough(pair.prefill(), Placed(KvWrite("refused-placed", {3}, {3}, "y"))).ok());
   const v1::TransferState done = WaitDone(pair.prefill(), "refused-placed");
   CHECK(done.phase() == v1::COMPLETED);
-  const v1::TransferState noted = WaitFor(pair.prefill(), "refused-placed",
+  const v1::TransferState noted = WaitForState(pair.prefill(), "refused-placed",
                                           [](const v1::TransferState& s) { return !s.peer_note().empty(); });
   CHECK(noted.phase() == v1::COMPLETED);
   CHECK_FALSE(noted.peer_acknowledged());
@@ -223,7 +201,7 @@ TEST_CASE("a peer that refuses the notification of a transfer completed when pla
   CHECK(status.completed_when_placed() == 1);
   CHECK(status.placed_not_taken() == 1);
   // The peer's record says FAILED: its owners never see a DATA_READY for it.
-  const v1::TransferState incoming = WaitFor(
+  const v1::TransferState incoming = WaitForState(
       pair.decode(), "refused-placed",
       [](const v1::TransferState& s) { return s.phase() != v1::TRANSFERRING; }, "prefill");
   CHECK(incoming.phase() == v1::FAILED);
@@ -252,7 +230,7 @@ TEST_CASE("a WRITE completed when placed to a hung peer: COMPLETED at once (the 
   CHECK(done.phase() == v1::COMPLETED);
   CHECK_FALSE(done.peer_acknowledged());
   CHECK(pair.PageEqual(5, 6));  // written while the peer's every thread was stopped
-  const v1::TransferState noted = WaitFor(
+  const v1::TransferState noted = WaitForState(
       pair.prefill(), "hung-placed", [](const v1::TransferState& s) { return !s.peer_note().empty(); });
   CHECK(noted.phase() == v1::COMPLETED);
   CHECK_FALSE(noted.peer_acknowledged());

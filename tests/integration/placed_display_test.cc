@@ -13,27 +13,6 @@
 namespace kvagent::testing {
 namespace {
 
-v1::SubmitTransferRequest Placed(v1::SubmitTransferRequest request) {
-  request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
-  return request;
-}
-
-// Polls GetTransfer until `ready` holds for the state (at most 10 s); returns the last.
-template <typename Ready>
-v1::TransferState WaitFor(cli::AgentClient& client, const std::string& id, Ready ready) {
-  v1::TransferState last;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < until) {
-    auto state = client.Get(id);
-    INFO(id << ": " << state.status().ToString());
-    REQUIRE(state.ok());
-    last = *std::move(state);
-    if (ready(last)) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return last;
-}
-
 // `kvagentctl --agent ADDRESS ARGS...`'s output; the test fails when it did not exit 0.
 std::string Ctl(AgentPair& pair, std::vector<std::string> args, const std::string& name) {
   args.insert(args.begin(), {"--agent", pair.prefill_process().address()});
@@ -61,13 +40,13 @@ TEST_CASE("kvagentctl shows a transfer completed when placed, and whether its pe
   pair.ResetContents();
   REQUIRE(SubmitThrough(pair.prefill(), KvWrite("shown-acked", {1}, {1}, "a")).ok());
   REQUIRE(SubmitThrough(pair.prefill(), Placed(KvWrite("shown-placed", {2}, {2}, "b"))).ok());
-  const v1::TransferState placed = WaitFor(pair.prefill(), "shown-placed",
+  const v1::TransferState placed = WaitForState(pair.prefill(), "shown-placed",
                                            [](const v1::TransferState& s) {
                                              return s.peer_acknowledged();
                                            });
   REQUIRE(placed.phase() == v1::COMPLETED);
   REQUIRE(placed.peer_acknowledged());
-  REQUIRE(WaitFor(pair.prefill(), "shown-acked", [](const v1::TransferState& s) {
+  REQUIRE(WaitForState(pair.prefill(), "shown-acked", [](const v1::TransferState& s) {
             return s.phase() == v1::COMPLETED;
           }).phase() == v1::COMPLETED);
   CHECK(pair.PageEqual(2, 2));
@@ -99,11 +78,11 @@ TEST_CASE("kvagentctl shows the peer's refusal of a transfer completed when plac
   pair.ResetContents();
   // A notification the decode engine does not take fills its queue; the next is refused.
   REQUIRE(SubmitThrough(pair.prefill(), KvWrite("fill", {1}, {1}, "f")).ok());
-  REQUIRE(WaitFor(pair.prefill(), "fill", [](const v1::TransferState& s) {
+  REQUIRE(WaitForState(pair.prefill(), "fill", [](const v1::TransferState& s) {
             return s.phase() == v1::COMPLETED;
           }).phase() == v1::COMPLETED);
   REQUIRE(SubmitThrough(pair.prefill(), Placed(KvWrite("shown-refused", {2}, {2}, "r"))).ok());
-  const v1::TransferState refused = WaitFor(pair.prefill(), "shown-refused",
+  const v1::TransferState refused = WaitForState(pair.prefill(), "shown-refused",
                                             [](const v1::TransferState& s) {
                                               return !s.peer_note().empty();
                                             });
