@@ -3,7 +3,9 @@ SGLang's prefill and decode schedulers make (manager per worker, sender on prefi
 receiver on decode, bootstrap pairing them by room), with real torch pools in memory
 the agents map, two real agents, bytes compared; a hybrid model's Mamba state rides in
 the same transfer. Each scenario runs on both routes: the sessions' fast path rings
-(the default) and gRPC (fast_path "off")."""
+(the default) and gRPC (fast_path "off"). complete_when "placed" (issue 15): the sender
+says Success once every byte is in decode's memory, decode is told once, and decode's
+acknowledgement is recorded after; a bad value stops the manager."""
 import time
 
 import torch
@@ -12,6 +14,7 @@ import kvagent
 from client_test import fill
 from harness import (PairTestCase, agent_status, count_calls, main, ring_use, transfer_rpcs,
                      wait_status)
+from kvagent._proto import kvagent_pb2 as pb
 from kvagent.connectors.bootstrap import BootstrapServer
 from kvagent.connectors.sglang import (KVArgs, KVPoll, KvAgentConfig, KvAgentManager,
                                        KvAgentReceiver, KvAgentSender)
@@ -26,7 +29,9 @@ def nbytes(t):
 class Worker:
     """One SGLang worker's pools (as its memory pool classes shape them) and manager."""
 
-    def __init__(self, socket, name, mode, bootstrap, fast_path="auto"):
+    def __init__(self, socket, name, mode, bootstrap, fast_path="auto",
+                 complete_when="acknowledged", manager=True):
+        """manager=False: the pools and self.args only (no KvAgentManager)."""
         self.client = kvagent.connect(socket, name=name)
         c = self.client
         self.k = [c.empty((PAGES, 16, 2, 32), torch.bfloat16) for _ in range(LAYERS)]
@@ -49,11 +54,52 @@ class Worker:
             state_data_ptrs=[[t.data_ptr() for t in state]],
             state_data_lens=[[nbytes(t) for t in state]],
             state_item_lens=[[nbytes(t[0]) for t in state]])
-        self.mgr = KvAgentManager(args, mode, KvAgentConfig(bootstrap, client=c,
-                                                            fast_path=fast_path))
+        self.args = args
+        if manager:
+            self.mgr = KvAgentManager(args, mode, KvAgentConfig(
+                bootstrap, client=c, fast_path=fast_path, complete_when=complete_when))
 
     def tensors(self):
         return self.k + self.v
+
+
+def record_notifications(route):
+    """A list that gets every notification `route` hands out from now on (the manager
+    still gets them): its per-room dict would hide a second one."""
+    got, real = [], route.notifications
+
+    def notifications():
+        notes = real()
+        got.extend(notes)
+        return notes
+
+    route.notifications = notifications
+    return got
+
+
+def stages(state):
+    return [pb.TransferStage.Name(e.stage) for e in state.timeline]
+
+
+def peer_acknowledged(case, transfer, seconds=5.0):
+    """transfer.state() (GetTransfer) once its peer's acknowledgement was recorded; fails
+    naming the last state after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        state = transfer.state()
+        if (state.peer_acknowledged or state.complete_when != pb.COMPLETE_WHEN_PLACED
+                or time.monotonic() > deadline):
+            break
+        time.sleep(0.01)
+    case.assertEqual(pb.CompletionPoint.Name(state.complete_when), "COMPLETE_WHEN_PLACED",
+                     f"transfer '{transfer.id}': the connector did not submit it with "
+                     "complete_when placed")
+    case.assertTrue(state.peer_acknowledged,
+                    f"transfer '{transfer.id}': peer_acknowledged still false {seconds} s after "
+                    f"{pb.TransferPhase.Name(state.phase)} (complete_when "
+                    f"{pb.CompletionPoint.Name(state.complete_when)}, peer_note "
+                    f"{state.peer_note!r}, timeline {stages(state)})")
+    return state
 
 
 def poll_until(obj, wanted, seconds=10):
@@ -75,11 +121,11 @@ class Scenarios:
         self.boot = BootstrapServer()
         self.addCleanup(self.boot.close)
 
-    def workers(self, tag):
+    def workers(self, tag, complete_when="acknowledged"):
         pre = Worker(self.pair.prefill.socket, f"{tag}-p", "prefill", self.boot.address,
-                     self.fast_path)
+                     self.fast_path, complete_when)
         dec = Worker(self.pair.decode.socket, f"{tag}-d", "decode", self.boot.address,
-                     self.fast_path)
+                     self.fast_path, complete_when)
         for w in (pre, dec):
             self.addCleanup(w.client.close)
             self.addCleanup(w.mgr.close)
@@ -123,6 +169,91 @@ class Scenarios:
         self.assertTrue(torch.equal(pre.ssm[:, 1], dec.ssm[:, 3]))
         self.assertTrue(torch.equal(pre.aux[1], dec.aux[2]))
         self.assertTrue(bool((dec.ssm[:, [0, 1, 2]] == 0).all()))
+        # The default: Success once decode's agent acknowledged the room.
+        self.assertEqual(pre.mgr.complete_when, "acknowledged")
+        state = sender.transfer.state()
+        self.assertEqual((pb.TransferPhase.Name(state.phase),
+                          pb.CompletionPoint.Name(state.complete_when)),
+                         ("COMPLETED", "COMPLETE_WHEN_ACKNOWLEDGED"))
+
+    def test_placed_push_completes_and_decode_is_told_once(self):
+        # complete_when "placed": the sender says Success as soon as pages, state and aux
+        # are in decode's memory; the receiver still gets its room's DATA_READY, once (the
+        # commit goes with it), and decode's acknowledgement is recorded after.
+        pre, dec = self.workers("sgplaced", complete_when="placed")
+        self.assertEqual(pre.mgr.complete_when, "placed")
+        before = agent_status(self.pair.prefill)
+        told = record_notifications(dec.mgr.route)
+        fill(pre.tensors() + [pre.conv, pre.ssm], 16)
+        pre.aux[1] = torch.arange(16, dtype=torch.int32) + 100
+        # Room 81: two chunks, the last with a state slot and aux; room 82: one chunk.
+        rooms = {81: ([0, 4, 6], [5, 9, 2], 2, 1, 1, 3), 82: ([7], [11], 3, 2, 0, 0)}
+        pairs = {}
+        for room, (src, dst, s_slot, d_slot, s_aux, d_aux) in rooms.items():
+            sender = KvAgentSender(pre.mgr, self.boot.address, room)
+            sender.init(len(src), aux_index=s_aux)
+            receiver = KvAgentReceiver(dec.mgr, self.boot.address, room)
+            receiver.init(dst, aux_index=d_aux, state_indices=[d_slot])
+            self.assertEqual(poll_until(sender, {KVPoll.WaitingForInput}), KVPoll.WaitingForInput)
+            pairs[room] = (sender, receiver)
+        pairs[81][0].send([0])
+        pairs[81][0].send([4, 6], state_indices=[2])
+        pairs[82][0].send([7], state_indices=[3])
+        for room, (sender, receiver) in pairs.items():
+            self.assertEqual(poll_until(sender, {KVPoll.Success, KVPoll.Failed}), KVPoll.Success,
+                             f"room {room}: {sender.error}")
+            self.assertEqual(poll_until(receiver, {KVPoll.Success, KVPoll.Failed}),
+                             KVPoll.Success, f"room {room}: {receiver.error}")
+        for room, (src, dst, s_slot, d_slot, s_aux, d_aux) in rooms.items():
+            for s, d in zip(pre.tensors(), dec.tensors()):
+                self.assertTrue(torch.equal(s[src], d[dst]), f"room {room}'s pages")
+            self.assertTrue(torch.equal(pre.conv[:, s_slot], dec.conv[:, d_slot]))
+            self.assertTrue(torch.equal(pre.ssm[:, s_slot], dec.ssm[:, d_slot]))
+            self.assertTrue(torch.equal(pre.aux[s_aux], dec.aux[d_aux]))
+        time.sleep(0.3)  # a second notification of either room would have come by now
+        dec.mgr.notification(0)
+        self.assertEqual(sorted((n.request_id, n.kind) for n in told),
+                         [("81", "DATA_READY"), ("82", "DATA_READY")],
+                         "decode's notifications of the placed rooms")
+        for room, chunks in ((81, 2), (82, 1)):
+            state = peer_acknowledged(self, pairs[room][0].transfer)
+            self.assertEqual((pb.TransferPhase.Name(state.phase), pb.TransferOp.Name(state.op),
+                              pb.CompletionPoint.Name(state.complete_when), state.peer_note,
+                              state.chunks),
+                             ("COMPLETED", "WRITE", "COMPLETE_WHEN_PLACED", "", chunks))
+            order = stages(state)
+            self.assertLess(order.index("STAGE_ENDED"), order.index("STAGE_ACKNOWLEDGED"),
+                            f"room {room} completed when placed must end before decode's "
+                            f"ack: {order}")
+        status = agent_status(self.pair.prefill)
+        self.assertEqual((status.completed_when_placed - before.completed_when_placed,
+                          status.placed_not_taken - before.placed_not_taken), (2, 0),
+                         "prefill agent's (completed_when_placed, placed_not_taken) rise")
+
+    def test_a_bad_complete_when_refuses_to_build_the_manager(self):
+        w = Worker(self.pair.prefill.socket, "sgcw-p", "prefill", self.boot.address,
+                   manager=False)
+        self.addCleanup(w.client.close)
+        for value in ("soon", "PLACED", "", 2, -1, True):
+            with self.subTest(value=value):
+                with self.assertRaises(ValueError) as caught:
+                    KvAgentManager(w.args, "prefill", KvAgentConfig(
+                        self.boot.address, client=w.client, fast_path=self.fast_path,
+                        complete_when=value))
+                self.assertIsInstance(caught.exception, kvagent.InvalidArgument)
+                text = str(caught.exception)
+                self.assertIn(f"KvAgentConfig.complete_when {value!r}", text)
+                self.assertIn("'acknowledged'", text)
+                self.assertIn("'placed'", text)
+        # Refused before anything was registered: a good manager with the same client
+        # and pools builds (the pb value is taken).
+        self.assertEqual(w.client.groups, {})
+        mgr = KvAgentManager(w.args, "prefill", KvAgentConfig(
+            self.boot.address, client=w.client, fast_path=self.fast_path,
+            complete_when=pb.COMPLETE_WHEN_PLACED))
+        self.addCleanup(mgr.close)
+        self.assertEqual((mgr.complete_when, mgr.route.kind), ("placed", self.route),
+                         mgr.route.describe())
 
     def test_many_rooms_interleaved(self):
         pre, dec = self.workers("rooms")

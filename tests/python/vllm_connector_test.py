@@ -3,7 +3,11 @@ v1 scheduler and model runner make on a prefill instance and a decode instance (
 NIXL connector's pull flow), with vLLM-layout torch caches ([2, blocks, block_size,
 heads, head_dim] per layer) and two real agents, bytes compared. Each scenario runs on
 both routes: the sessions' fast path rings (the default) and gRPC (fast_path "off", and
-"auto" against agents started with --fast-path off)."""
+"auto" against agents started with --fast-path off). complete_when "placed" (issue 15):
+READs complete once the blocks are in decode's memory, prefill is told once, and the
+prefill agent's acknowledgement is recorded after, a READ whose notification the prefill
+agent refuses still completes (an acknowledged one fails); a bad value stops the
+connector."""
 import os
 import time
 from types import SimpleNamespace
@@ -14,6 +18,7 @@ import kvagent
 from client_test import fill
 from harness import (ENGINES_ONLY, PairTestCase, agent_status, count_calls, main, ring_use,
                      transfer_rpcs, wait_status)
+from kvagent._proto import kvagent_pb2 as pb
 from kvagent.connectors.vllm import KvAgentConnector
 from kvagent.fast_path import SQ_TAIL
 
@@ -71,6 +76,46 @@ def finished(worker, rids, sending, seconds=10):
     return seen & rids
 
 
+def record_notifications(route):
+    """A list that gets every notification `route` hands out from now on (the connector
+    still gets them): get_finished's sets would hide a second one."""
+    got, real = [], route.notifications
+
+    def notifications():
+        notes = real()
+        got.extend(notes)
+        return notes
+
+    route.notifications = notifications
+    return got
+
+
+def stages(state):
+    return [pb.TransferStage.Name(e.stage) for e in state.timeline]
+
+
+def peer_acknowledged(case, client, transfer_id, seconds=5.0):
+    """The transfer's state (GetTransfer) once its peer's acknowledgement was recorded;
+    fails naming the last state after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        state = client.call("GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id),
+                            "peer_acknowledged")
+        if (state.peer_acknowledged or state.complete_when != pb.COMPLETE_WHEN_PLACED
+                or time.monotonic() > deadline):
+            break
+        time.sleep(0.01)
+    case.assertEqual(pb.CompletionPoint.Name(state.complete_when), "COMPLETE_WHEN_PLACED",
+                     f"transfer '{transfer_id}': the connector did not submit it with "
+                     "complete_when placed")
+    case.assertTrue(state.peer_acknowledged,
+                    f"transfer '{transfer_id}': peer_acknowledged still false {seconds} s after "
+                    f"{pb.TransferPhase.Name(state.phase)} (complete_when "
+                    f"{pb.CompletionPoint.Name(state.complete_when)}, peer_note "
+                    f"{state.peer_note!r}, timeline {stages(state)})")
+    return state
+
+
 def pull_params(pair, group, rid, blocks):
     """kv_transfer_params as prefill's request_finished gives them (decode pulls)."""
     return {"do_remote_prefill": True, "remote_block_ids": list(blocks),
@@ -94,6 +139,23 @@ class Scenarios:
             self.addCleanup(i.worker.close)
             self.assertEqual(i.worker.route.kind, self.route, i.worker.route.describe())
         return p, d
+
+    def pull(self, p, d, tag, blocks):
+        """One decode step pulling a one-block request per (prefill, decode) block pair:
+        every READ ended without error, bytes compared. Returns the request ids."""
+        rids = [f"{tag}-{i}" for i in range(len(blocks))]
+        for rid, (src, dst) in zip(rids, blocks):
+            dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
+                                   kv_transfer_params=pull_params(self.pair, f"{tag}-prefill-kv",
+                                                                  f"p-{rid}", [src]))
+            d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
+        d.step(d.scheduler.build_connector_meta(None))  # every READ in one step
+        self.assertEqual(finished(d.worker, rids, sending=False), set(rids))
+        self.assertEqual(d.worker.load_errors, {})
+        src, dst = [b[0] for b in blocks], [b[1] for b in blocks]
+        for name in p.caches:
+            self.assertTrue(torch.equal(p.caches[name][:, src], d.caches[name][:, dst]))
+        return rids
 
     def test_decode_pulls_prefill_blocks(self):
         p, d = self.instances("vl")
@@ -129,6 +191,42 @@ class Scenarios:
             self.assertTrue(bool((d.caches[name][:, others] == 0).all()))
         # The prefill side learns its blocks were read and may free them.
         self.assertTrue(until_finished(p.worker, "cmpl-7", sending=True))
+        # The default: the READ completed once prefill's agent acknowledged it.
+        self.assertEqual(d.worker.complete_when, "acknowledged")
+        state = kvagent.Transfer(d.client, "cmpl-7", pb.TransferState()).state()
+        self.assertEqual((pb.TransferPhase.Name(state.phase),
+                          pb.CompletionPoint.Name(state.complete_when)),
+                         ("COMPLETED", "COMPLETE_WHEN_ACKNOWLEDGED"))
+
+    def test_placed_pulls_complete_and_prefill_is_told_once(self):
+        # complete_when "placed": each READ completes as soon as the prefill blocks are in
+        # decode's memory (get_finished reports it loaded), the prefill side is told once
+        # (the commit goes with DATA_READY), and prefill's acknowledgement is recorded after.
+        p, d = self.instances("vlplaced", complete_when="placed")
+        self.assertEqual((d.worker.complete_when, p.worker.complete_when), ("placed", "placed"))
+        before = agent_status(self.pair.decode)
+        told = record_notifications(p.worker.route)
+        fill(list(p.caches.values()), 27)
+        ids = [f"p-{rid}" for rid in self.pull(p, d, "vlplaced", [(0, 5), (1, 6), (2, 7)])]
+        self.assertEqual(finished(p.worker, ids, sending=True), set(ids))
+        time.sleep(0.3)  # a second notification of any of them would have come by now
+        p.worker.get_finished(set())
+        self.assertEqual(sorted((n.request_id, n.kind) for n in told if n.request_id in ids),
+                         [(i, "DATA_READY") for i in sorted(ids)],
+                         "prefill's notifications of the placed READs")
+        for transfer_id in ids:
+            state = peer_acknowledged(self, d.client, transfer_id)
+            self.assertEqual((pb.TransferPhase.Name(state.phase), pb.TransferOp.Name(state.op),
+                              pb.CompletionPoint.Name(state.complete_when), state.peer_note),
+                             ("COMPLETED", "READ", "COMPLETE_WHEN_PLACED", ""))
+            order = stages(state)
+            self.assertLess(order.index("STAGE_ENDED"), order.index("STAGE_ACKNOWLEDGED"),
+                            f"'{transfer_id}' completed when placed must end before the "
+                            f"prefill agent's ack: {order}")
+        status = agent_status(self.pair.decode)
+        self.assertEqual((status.completed_when_placed - before.completed_when_placed,
+                          status.placed_not_taken - before.placed_not_taken), (3, 0),
+                         "decode agent's (completed_when_placed, placed_not_taken) rise")
 
     def test_failed_load_is_reported_with_the_agents_message(self):
         p, d = self.instances("vlbad")
@@ -148,23 +246,6 @@ class Scenarios:
 
 class VllmConnectorTest(Scenarios, PairTestCase):
     """On the fast path rings (fast_path "auto" against agents that serve them)."""
-
-    def pull(self, p, d, tag, blocks):
-        """One decode step pulling a one-block request per (prefill, decode) block pair:
-        every READ ended without error, bytes compared. Returns the request ids."""
-        rids = [f"{tag}-{i}" for i in range(len(blocks))]
-        for rid, (src, dst) in zip(rids, blocks):
-            dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
-                                   kv_transfer_params=pull_params(self.pair, f"{tag}-prefill-kv",
-                                                                  f"p-{rid}", [src]))
-            d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
-        d.step(d.scheduler.build_connector_meta(None))  # every READ in one step
-        self.assertEqual(finished(d.worker, rids, sending=False), set(rids))
-        self.assertEqual(d.worker.load_errors, {})
-        src, dst = [b[0] for b in blocks], [b[1] for b in blocks]
-        for name in p.caches:
-            self.assertTrue(torch.equal(p.caches[name][:, src], d.caches[name][:, dst]))
-        return rids
 
     def test_reads_and_notifications_go_through_the_rings(self):
         used = ring_use(self.pair)
@@ -239,6 +320,36 @@ class VllmConnectorTest(Scenarios, PairTestCase):
             time.sleep(0.01)
         self.assertEqual([n.request_id for n in notes], [f"p-{rid}"])
 
+    def test_a_bad_complete_when_refuses_to_build_the_connector(self):
+        socket = self.pair.decode.socket
+        client = self.clients("vlcw")[1]
+        for value in ("soon", "PLACED", "", 2, -1, True):
+            for role in ("scheduler", "worker"):
+                with self.subTest(value=value, role=role):
+                    with self.assertRaises(ValueError) as caught:
+                        KvAgentConnector(config(socket, kvagent_group="vlcw",
+                                                kvagent_client=client, complete_when=value), role)
+                    self.assertIsInstance(caught.exception, kvagent.InvalidArgument)
+                    text = str(caught.exception)
+                    self.assertIn(f"kv_connector_extra_config['complete_when'] {value!r}", text)
+                    self.assertIn("'acknowledged'", text)
+                    self.assertIn("'placed'", text)
+        with self.assertRaises(ValueError) as caught:  # the constructor's override
+            KvAgentConnector(config(socket, kvagent_group="vlcw", kvagent_client=client,
+                                    complete_when="placed"), "worker", complete_when="later")
+        self.assertIn("complete_when 'later'", str(caught.exception))
+        # None of them opened the session's ring (one per session): a good one still can.
+        # The pb value and name are taken; unset is the default.
+        worker = KvAgentConnector(config(socket, kvagent_group="vlcw", kvagent_client=client,
+                                         complete_when=pb.COMPLETE_WHEN_PLACED), "worker")
+        self.addCleanup(worker.close)
+        self.assertEqual((worker.route.kind, worker.complete_when), ("fast_path", "placed"),
+                         worker.route.describe())
+        self.assertEqual(KvAgentConnector(config(socket, complete_when="COMPLETE_WHEN_PLACED"),
+                                          "scheduler").complete_when, "placed")
+        self.assertEqual(KvAgentConnector(config(socket), "scheduler").complete_when,
+                         "acknowledged")
+
     def test_a_bad_fast_path_knob_names_the_fix(self):
         with self.assertRaises(kvagent.InvalidArgument) as caught:
             KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlknob",
@@ -253,6 +364,62 @@ class VllmConnectorGrpcTest(Scenarios, PairTestCase):
 
     fast_path = "off"
     route = "grpc"
+
+
+class VllmConnectorPrefillRefusesTest(PairTestCase):
+    """The prefill agent refuses the notification of a READ (its queue holds one at most,
+    and the prefill worker does not take it): a placed READ has still completed on
+    decode, bytes in place, its state says the prefill agent did not take it; an
+    acknowledged one fails that load, naming the limit. gRPC, so the notifications wait
+    in the agent's queue."""
+
+    agent_args = ENGINES_ONLY + ("--max-queued-notifications", "1")
+
+    def load(self, p, d, rid, src, dst):
+        """One decode step pulling prefill block `src` into decode block `dst`; the
+        request ends (loaded or failed) within 10 s."""
+        dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
+                               kv_transfer_params=pull_params(self.pair, "vlref-prefill-kv",
+                                                              f"p-{rid}", [src]))
+        d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
+        d.step(d.scheduler.build_connector_meta(None))
+        self.assertEqual(finished(d.worker, [rid], sending=False), {rid})
+
+    def test_a_placed_read_completes_when_prefill_refuses_its_notification(self):
+        p = Instance(self.pair.prefill.socket, "vlref-p", "vlref-prefill-kv", fast_path="off")
+        placed = Instance(self.pair.decode.socket, "vlref-d", "kv", fast_path="off",
+                          complete_when="placed")
+        acked = Instance(self.pair.decode.socket, "vlref-d2", "kv2", fast_path="off")
+        for i in (p, placed, acked):
+            self.addCleanup(i.client.close)
+            self.addCleanup(i.worker.close)
+        fill(list(p.caches.values()), 28)
+        before = agent_status(self.pair.decode)
+        # The first READ's notification fills the prefill agent's queue (nobody takes it).
+        self.load(p, placed, "ref-1", 1, 2)
+        self.load(p, placed, "ref-2", 3, 4)
+        self.assertEqual(placed.worker.load_errors, {})
+        for name in p.caches:
+            self.assertTrue(torch.equal(p.caches[name][:, [1, 3]], placed.caches[name][:, [2, 4]]))
+        deadline = time.monotonic() + 5
+        while True:
+            state = placed.client.call("GetTransfer", pb.GetTransferRequest(transfer_id="p-ref-2"),
+                                       "peer_note")
+            if state.peer_note or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        self.assertEqual((pb.TransferPhase.Name(state.phase),
+                          pb.CompletionPoint.Name(state.complete_when), state.peer_acknowledged),
+                         ("COMPLETED", "COMPLETE_WHEN_PLACED", False))
+        self.assertIn("refused the notification", state.peer_note)
+        status = wait_status(self.pair.decode,
+                             lambda s: s.placed_not_taken > before.placed_not_taken)
+        self.assertEqual((status.completed_when_placed - before.completed_when_placed,
+                          status.placed_not_taken - before.placed_not_taken), (2, 1))
+        # The same refusal fails an acknowledged READ: decode loads that request again.
+        self.load(p, acked, "ref-3", 5, 6)
+        self.assertEqual(acked.worker.get_block_ids_with_load_errors(), {6})
+        self.assertIn("queued_notifications", acked.worker.load_errors["ref-3"].message)
 
 
 class VllmConnectorAgentWithoutRingTest(Scenarios, PairTestCase):

@@ -21,6 +21,20 @@ notification, so decode sees Success only when KV, state and aux are all in plac
 Chunks and notifications go through the worker session's fast path ring when it opens
 one (KvAgentConfig.fast_path "auto", the default; "on": the ring or an error; "off":
 gRPC), reaped inside poll(); the manager's `route` says which it took.
+
+KvAgentConfig.complete_when ("acknowledged", the default, or "placed"; checked when the
+manager is built, before it registers anything: anything else raises a ValueError naming
+the setting, the value and both choices) is when the sender's poll() says Success; every
+room's transfer is submitted with it (`mgr.complete_when` says which). With
+"acknowledged", Success means decode's agent took the room's notification, so the
+receiver's poll() will say Success. With "placed", Success means the pages, state slots
+and aux records are in decode's memory, and nothing more: the sender does not wait for
+decode's agent to answer, so decode's engine may not have its notification yet, and may
+never get it (its agent refused it, its notification queue full: the receiver's poll()
+says Failed; or decode's agent was lost). Safe when prefill only needs its pages back
+(the bytes have left them) and anything that needs decode to hold the request waits for
+the receiver's Success, not the sender's; the sender's `transfer.state()` (GetTransfer)
+says later whether decode's agent took it (peer_acknowledged, peer_note).
 """
 import json
 
@@ -30,6 +44,7 @@ from .._proto import kvagent_pb2 as pb
 from ..client import connect
 from ..fast_route import Route
 from ..memory import Raw
+from . import completion_setting
 from .bootstrap import ask
 
 
@@ -55,17 +70,20 @@ class KVArgs:
 
 class KvAgentConfig:
     """What SGLang's server_args carries for this backend: the local agent's socket (or
-    an attached kvagent.Client, whose memory holds the pools), the bootstrap server, and
-    the route: fast_path "auto" | "on" | "off", fast_path_slots (0: the agent's default)."""
+    an attached kvagent.Client, whose memory holds the pools), the bootstrap server, the
+    route: fast_path "auto" | "on" | "off", fast_path_slots (0: the agent's default), and
+    complete_when "acknowledged" | "placed" (see the module's docstring; checked by
+    KvAgentManager)."""
 
     def __init__(self, bootstrap, client=None, local_socket=None, name=None, fast_path="auto",
-                 fast_path_slots=0):
+                 fast_path_slots=0, complete_when="acknowledged"):
         self.bootstrap = bootstrap
         self.client = client
         self.local_socket = local_socket
         self.name = name
         self.fast_path = fast_path
         self.fast_path_slots = fast_path_slots
+        self.complete_when = complete_when
 
 
 def _raw_regions(prefix, ptrs, lens, item_lens):
@@ -82,6 +100,9 @@ class KvAgentManager:
         self.mode = str(getattr(disaggregation_mode, "value", disaggregation_mode)).lower()
         self.config = server_args
         self.is_mla = is_mla_backend
+        # Checked first, so a bad value stops the manager before it connects or registers.
+        self.complete_when = completion_setting(getattr(server_args, "complete_when", None),
+                                                "KvAgentConfig.complete_when")
         self._own_client = server_args.client is None
         self.client = server_args.client or connect(server_args.local_socket,
                                                     name=server_args.name)
@@ -226,7 +247,8 @@ class KvAgentSender:
             if self.chunks is None:
                 self.chunks = self.mgr.route.open_transfer(
                     self.mgr.peer(self.dst["agent"]), str(self.room),
-                    remote_groups=self.mgr.remote_groups(self.dst))
+                    remote_groups=self.mgr.remote_groups(self.dst),
+                    complete_when=self.mgr.complete_when)
             pages = (src, dst) if src else None
             if self.sent < self.num_kv_indices:
                 if pages:

@@ -19,10 +19,26 @@ memory holds the caches ("kvagent_client"; CPU tensors must live in it), "fast_p
 it opens one, else gRPC; "on": the ring or an error; "off": gRPC) and "fast_path_slots"
 (the ring's size; 0: the agent's default). A worker's `route` says which it took (kind
 "fast_path" or "grpc"; logged once on kvagent.connectors).
+
+"complete_when" ("acknowledged", the default, or "placed"; the constructor's
+complete_when overrides it) is when a decode worker's READ counts as done; it is checked
+when the connector is built (either role: anything else raises a ValueError naming the
+setting, the value and both choices) and sent with every READ (`.complete_when` says
+which). "placed" is safe for this pull: the READ's COMPLETED means the prefill blocks are
+in this worker's own memory, so get_finished reports the request loaded and decode goes
+on; the prefill side still gets its notification (its blocks were read: free them) from
+the commit the decode agent sends at once, without waiting for the prefill agent's
+answer. Decode does not need that answer: when the prefill agent refuses the
+notification (its queue full: its owners get TRANSFER_FAILED instead) or is lost before
+it takes it, a placed READ has still completed, its bytes in place (the READ's state()
+says so later: peer_acknowledged, peer_note), where "acknowledged" fails the load and
+decode computes the request again. "acknowledged" costs one more round trip between the
+agents per READ.
 """
 from .. import errors
 from ..client import connect
 from ..fast_route import Route
+from . import completion_setting
 
 SCHEDULER, WORKER = "scheduler", "worker"
 
@@ -60,10 +76,17 @@ def _block_ids(blocks):
 
 
 class KvAgentConnector:
-    def __init__(self, vllm_config, role, fast_path=None):
-        """fast_path ("auto", "on", "off") overrides kv_connector_extra_config's."""
+    def __init__(self, vllm_config, role, fast_path=None, complete_when=None):
+        """fast_path ("auto", "on", "off") and complete_when ("acknowledged", "placed")
+        override kv_connector_extra_config's."""
         self.role = str(getattr(role, "name", role)).lower()
         extra = _extra(vllm_config)
+        # Checked first, so a bad value stops the connector before it connects.
+        if complete_when is not None:
+            self.complete_when = completion_setting(complete_when, "complete_when")
+        else:
+            self.complete_when = completion_setting(
+                extra.get("complete_when"), "kv_connector_extra_config['complete_when']")
         socket = extra.get("kvagent_socket")
         self.agent_address = extra.get("kvagent_address") or (f"unix:{socket}" if socket else None)
         # Group names are agent-wide: instances (or TP ranks) sharing an agent each set
@@ -146,7 +169,8 @@ class KvAgentConnector:
 
     def start_load_kv(self, forward_context=None, **kwargs):
         """Pulls every request of this step's metadata: one READ per request (the
-        prefill agent's blocks into this worker's), named by the prefill request id."""
+        prefill agent's blocks into this worker's), named by the prefill request id,
+        completing when complete_when says."""
         for rid, req in (self._metadata.reqs_to_recv.items() if self._metadata else []):
             try:
                 if req.remote_agent not in self._peers:
@@ -154,7 +178,8 @@ class KvAgentConnector:
                 self._loading[rid] = (self.route.transfer(
                     self._peers[req.remote_agent], req.remote_request_id,
                     pages=(req.remote_block_ids, req.local_block_ids), op="read",
-                    remote_groups={self.group: req.remote_group}),
+                    remote_groups={self.group: req.remote_group},
+                    complete_when=self.complete_when),
                     req.local_block_ids)
             except errors.KvAgentError as e:
                 self._fail(rid, e, req.local_block_ids)
