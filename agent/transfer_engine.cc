@@ -250,7 +250,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
     auto owner = active_by_owner_.find(t.state.owner());
     if (owner != active_by_owner_.end() && --owner->second == 0) active_by_owner_.erase(owner);
   }
-  finished_order_.push_back(t.state.transfer_id());
+  finished_order_.Add(t.state.transfer_id());
   if (phase == v1::COMPLETED) {
     ++completed_;
   } else {
@@ -288,15 +288,16 @@ absl::StatusOr<TransferEngine::TransferPtr> TransferEngine::FindVisible(const st
 }
 
 void TransferEngine::PruneLocked() {
-  while (finished_order_.size() > options_.max_finished) {
-    auto it = transfers_.find(finished_order_.front());
-    // Keep entries whose operations still drain; they are pruned on a later pass.
-    if (it != transfers_.end() && !it->second->inflight && it->second->watchers.empty()) {
-      if (it->second->completed_placed) placed_unacked_.erase(it->first);
-      transfers_.erase(it);
-    }
-    finished_order_.pop_front();
-  }
+  finished_order_.Prune(options_.max_finished, [this](const std::string& id)
+                                                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = transfers_.find(id);
+    if (it == transfers_.end()) return true;
+    // Entries whose operations still drain, or that a watcher holds, stay for now.
+    if (it->second->inflight || !it->second->watchers.empty()) return false;
+    if (it->second->completed_placed) placed_unacked_.erase(it->first);
+    transfers_.erase(it);
+    return true;
+  });
 }
 
 absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::string& owner,

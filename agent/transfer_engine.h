@@ -27,6 +27,7 @@
 #include "agent/am_ids.h"
 #include "agent/copy_lanes.h"
 #include "agent/data_path.h"
+#include "agent/finished_order.h"
 #include "agent/incoming.h"
 #include "agent/kept_messages.h"
 #include "agent/limits.h"
@@ -343,7 +344,7 @@ class TransferEngine {
   // Active transfers per owner and operations planned in all (the limits).
   absl::flat_hash_map<std::string, uint64_t> active_by_owner_ ABSL_GUARDED_BY(mu_);
   uint64_t planned_ops_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<std::string> finished_order_ ABSL_GUARDED_BY(mu_);
+  FinishedOrder finished_order_ ABSL_GUARDED_BY(mu_);
   // Destination bytes each active transfer writes, per peer incarnation (WRITE) or here
   // (READ): overlapping writes, by two transfers or two chunks, are refused at submit.
   // Released when the transfer drained.
