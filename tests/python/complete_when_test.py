@@ -13,7 +13,8 @@ import torch
 import kvagent
 import kvagent.aio
 from client_test import connected_kv, fill, kv_cache
-from harness import PairTestCase, agent_status, count_calls, main
+from harness import (PairTestCase, agent_status, count_calls, main, placed_and_acknowledged,
+                     stages)
 from kvagent._proto import kvagent_pb2 as pb
 from kvagent.fast_path import FastPath
 from kvagent.fast_route import Route
@@ -21,25 +22,9 @@ from kvagent.fast_route import Route
 PLACED, ACKNOWLEDGED = pb.COMPLETE_WHEN_PLACED, pb.COMPLETE_WHEN_ACKNOWLEDGED
 
 
-def stages(state):
-    return [pb.TransferStage.Name(e.stage) for e in state.timeline]
-
-
 class CompleteWhenTest(PairTestCase):
     def wait_peer_acknowledged(self, transfer, seconds=5.0):
-        """transfer.state() (GetTransfer) until peer_acknowledged, or fails naming the
-        last state after `seconds`."""
-        deadline = time.monotonic() + seconds
-        while True:
-            state = transfer.state()
-            if state.peer_acknowledged or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        self.assertTrue(state.peer_acknowledged,
-                        f"transfer '{transfer.id}': peer_acknowledged still false {seconds} s "
-                        f"after COMPLETED (peer_note {state.peer_note!r}, timeline "
-                        f"{stages(state)})")
-        return state
+        return placed_and_acknowledged(self, transfer.state, transfer.id, seconds)
 
     def check_placed(self, state):
         """A placed transfer's whole state once its peer acknowledged."""

@@ -9,6 +9,7 @@ import time
 import unittest
 import xml.etree.ElementTree as ET
 
+from kvagent._proto import kvagent_pb2 as pb
 from kvagent.daemon import AgentPair
 
 ENGINES_ONLY = ("--scheduler-uids", "none")
@@ -119,6 +120,46 @@ class _Recorder(unittest.TextTestResult):
     def addSkip(self, test, reason):
         super().addSkip(test, reason)
         self._record(test, "skipped", reason)
+
+
+
+def stages(state):
+    """A TransferState's timeline as stage names, in order."""
+    return [pb.TransferStage.Name(e.stage) for e in state.timeline]
+
+
+def record_notifications(route):
+    """A list that gets every notification `route` hands out from now on (its owner
+    still gets them): a connector's per-request sets would hide a second one."""
+    got, real = [], route.notifications
+
+    def notifications():
+        notes = real()
+        got.extend(notes)
+        return notes
+
+    route.notifications = notifications
+    return got
+
+
+def placed_and_acknowledged(case, read_state, transfer_id, seconds=5.0):
+    """read_state() (a GetTransfer) until the transfer, submitted with complete_when
+    placed, has its peer's acknowledgement recorded; fails naming the last state after
+    `seconds`, or at once when it was not submitted as placed."""
+    deadline = time.monotonic() + seconds
+    while True:
+        state = read_state()
+        if (state.peer_acknowledged or state.complete_when != pb.COMPLETE_WHEN_PLACED
+                or time.monotonic() > deadline):
+            break
+        time.sleep(0.01)
+    case.assertEqual(pb.CompletionPoint.Name(state.complete_when), "COMPLETE_WHEN_PLACED",
+                     f"transfer '{transfer_id}': not submitted with complete_when placed")
+    case.assertTrue(state.peer_acknowledged,
+                    f"transfer '{transfer_id}': peer_acknowledged still false {seconds} s after "
+                    f"{pb.TransferPhase.Name(state.phase)} (peer_note {state.peer_note!r}, "
+                    f"timeline {stages(state)})")
+    return state
 
 
 def main():

@@ -12,8 +12,8 @@ import torch
 
 import kvagent
 from client_test import fill
-from harness import (PairTestCase, agent_status, count_calls, main, ring_use, transfer_rpcs,
-                     wait_status)
+from harness import (PairTestCase, agent_status, count_calls, main, placed_and_acknowledged,
+                     record_notifications, ring_use, stages, transfer_rpcs, wait_status)
 from kvagent._proto import kvagent_pb2 as pb
 from kvagent.connectors.bootstrap import BootstrapServer
 from kvagent.connectors.sglang import (KVArgs, KVPoll, KvAgentConfig, KvAgentManager,
@@ -61,45 +61,6 @@ class Worker:
 
     def tensors(self):
         return self.k + self.v
-
-
-def record_notifications(route):
-    """A list that gets every notification `route` hands out from now on (the manager
-    still gets them): its per-room dict would hide a second one."""
-    got, real = [], route.notifications
-
-    def notifications():
-        notes = real()
-        got.extend(notes)
-        return notes
-
-    route.notifications = notifications
-    return got
-
-
-def stages(state):
-    return [pb.TransferStage.Name(e.stage) for e in state.timeline]
-
-
-def peer_acknowledged(case, transfer, seconds=5.0):
-    """transfer.state() (GetTransfer) once its peer's acknowledgement was recorded; fails
-    naming the last state after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while True:
-        state = transfer.state()
-        if (state.peer_acknowledged or state.complete_when != pb.COMPLETE_WHEN_PLACED
-                or time.monotonic() > deadline):
-            break
-        time.sleep(0.01)
-    case.assertEqual(pb.CompletionPoint.Name(state.complete_when), "COMPLETE_WHEN_PLACED",
-                     f"transfer '{transfer.id}': the connector did not submit it with "
-                     "complete_when placed")
-    case.assertTrue(state.peer_acknowledged,
-                    f"transfer '{transfer.id}': peer_acknowledged still false {seconds} s after "
-                    f"{pb.TransferPhase.Name(state.phase)} (complete_when "
-                    f"{pb.CompletionPoint.Name(state.complete_when)}, peer_note "
-                    f"{state.peer_note!r}, timeline {stages(state)})")
-    return state
 
 
 def poll_until(obj, wanted, seconds=10):
@@ -216,7 +177,8 @@ class Scenarios:
                          [("81", "DATA_READY"), ("82", "DATA_READY")],
                          "decode's notifications of the placed rooms")
         for room, chunks in ((81, 2), (82, 1)):
-            state = peer_acknowledged(self, pairs[room][0].transfer)
+            transfer = pairs[room][0].transfer
+            state = placed_and_acknowledged(self, transfer.state, transfer.id)
             self.assertEqual((pb.TransferPhase.Name(state.phase), pb.TransferOp.Name(state.op),
                               pb.CompletionPoint.Name(state.complete_when), state.peer_note,
                               state.chunks),

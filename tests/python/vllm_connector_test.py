@@ -16,7 +16,8 @@ import torch
 
 import kvagent
 from client_test import fill
-from harness import (ENGINES_ONLY, PairTestCase, agent_status, count_calls, main, ring_use,
+from harness import (ENGINES_ONLY, PairTestCase, agent_status, count_calls, main,
+                     placed_and_acknowledged, record_notifications, ring_use, stages,
                      transfer_rpcs, wait_status)
 from kvagent._proto import kvagent_pb2 as pb
 from kvagent.connectors.vllm import KvAgentConnector
@@ -74,46 +75,6 @@ def finished(worker, rids, sending, seconds=10):
         seen |= worker.get_finished(set())[0 if sending else 1] or set()
         time.sleep(0.002)
     return seen & rids
-
-
-def record_notifications(route):
-    """A list that gets every notification `route` hands out from now on (the connector
-    still gets them): get_finished's sets would hide a second one."""
-    got, real = [], route.notifications
-
-    def notifications():
-        notes = real()
-        got.extend(notes)
-        return notes
-
-    route.notifications = notifications
-    return got
-
-
-def stages(state):
-    return [pb.TransferStage.Name(e.stage) for e in state.timeline]
-
-
-def peer_acknowledged(case, client, transfer_id, seconds=5.0):
-    """The transfer's state (GetTransfer) once its peer's acknowledgement was recorded;
-    fails naming the last state after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while True:
-        state = client.call("GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id),
-                            "peer_acknowledged")
-        if (state.peer_acknowledged or state.complete_when != pb.COMPLETE_WHEN_PLACED
-                or time.monotonic() > deadline):
-            break
-        time.sleep(0.01)
-    case.assertEqual(pb.CompletionPoint.Name(state.complete_when), "COMPLETE_WHEN_PLACED",
-                     f"transfer '{transfer_id}': the connector did not submit it with "
-                     "complete_when placed")
-    case.assertTrue(state.peer_acknowledged,
-                    f"transfer '{transfer_id}': peer_acknowledged still false {seconds} s after "
-                    f"{pb.TransferPhase.Name(state.phase)} (complete_when "
-                    f"{pb.CompletionPoint.Name(state.complete_when)}, peer_note "
-                    f"{state.peer_note!r}, timeline {stages(state)})")
-    return state
 
 
 def pull_params(pair, group, rid, blocks):
@@ -215,7 +176,9 @@ class Scenarios:
                          [(i, "DATA_READY") for i in sorted(ids)],
                          "prefill's notifications of the placed READs")
         for transfer_id in ids:
-            state = peer_acknowledged(self, d.client, transfer_id)
+            state = placed_and_acknowledged(
+                self, lambda: d.client.call("GetTransfer", pb.GetTransferRequest(
+                    transfer_id=transfer_id), "peer_acknowledged"), transfer_id)
             self.assertEqual((pb.TransferPhase.Name(state.phase), pb.TransferOp.Name(state.op),
                               pb.CompletionPoint.Name(state.complete_when), state.peer_note),
                              ("COMPLETED", "READ", "COMPLETE_WHEN_PLACED", ""))
