@@ -144,8 +144,9 @@ def record_notifications(route):
 
 def placed_and_acknowledged(case, read_state, transfer_id, seconds=5.0):
     """read_state() (a GetTransfer) until the transfer, submitted with complete_when
-    placed, has its peer's acknowledgement recorded; fails naming the last state after
-    `seconds`, or at once when it was not submitted as placed."""
+    placed, has its peer's acknowledgement recorded, after its end in the timeline;
+    fails naming the last state after `seconds`, or at once when it was not submitted
+    as placed."""
     deadline = time.monotonic() + seconds
     while True:
         state = read_state()
@@ -159,6 +160,10 @@ def placed_and_acknowledged(case, read_state, transfer_id, seconds=5.0):
                     f"transfer '{transfer_id}': peer_acknowledged still false {seconds} s after "
                     f"{pb.TransferPhase.Name(state.phase)} (peer_note {state.peer_note!r}, "
                     f"timeline {stages(state)})")
+    order = stages(state)
+    case.assertLess(order.index("STAGE_ENDED"), order.index("STAGE_ACKNOWLEDGED"),
+                    f"transfer '{transfer_id}' completed when placed must end before its "
+                    f"peer's acknowledgement: {order}")
     return state
 
 
