@@ -7,7 +7,13 @@ both routes: the sessions' fast path rings (the default) and gRPC (fast_path "of
 READs complete once the blocks are in decode's memory, prefill is told once, and the
 prefill agent's acknowledgement is recorded after, a READ whose notification the prefill
 agent refuses still completes (an acknowledged one fails); a bad value stops the
-connector."""
+connector. Prefill's held blocks are released once (get_finished's finished sending) when
+the decode side's READ ends in any outcome (DATA_READY, or TRANSFER_FAILED,
+CANCELLED_BY_PEER, TRANSFER_TIMED_OUT, logged), or when abort_request_timeout_s passes
+with no notification (nobody reads, or prefill's agent refuses it); a late notification
+reports nothing again; a bad timeout stops the connector."""
+import logging
+import math
 import os
 import time
 from types import SimpleNamespace
@@ -20,7 +26,7 @@ from harness import (ENGINES_ONLY, PairTestCase, agent_status, count_calls, main
                      placed_and_acknowledged, record_notifications, ring_use, transfer_rpcs,
                      wait_status)
 from kvagent._proto import kvagent_pb2 as pb
-from kvagent.connectors.vllm import KvAgentConnector
+from kvagent.connectors.vllm import InvalidAbortTimeout, KvAgentConnector
 from kvagent.fast_path import SQ_TAIL
 
 LAYERS, BLOCKS, BLOCK = 3, 24, 16
@@ -34,16 +40,21 @@ def config(socket, **extra):
 class Instance:
     """One vLLM instance: its scheduler-side and worker-side connectors and caches."""
 
-    def __init__(self, socket, name, group, **route):
+    def __init__(self, socket, name, group, abort=None, **route):
+        """abort: both roles' abort_request_timeout_s (unset: the default); route: the
+        worker's other settings."""
         self.client = kvagent.connect(socket, name=name)
         self.caches = {f"model.layers.{i}.self_attn.attn":
                        self.client.empty((2, BLOCKS, BLOCK, 2, 32), torch.float16)
                        for i in range(LAYERS)}
         for t in self.caches.values():
             t.zero_()
-        self.scheduler = KvAgentConnector(config(socket, kvagent_group=group), "scheduler")
+        both = {} if abort is None else {"abort_request_timeout_s": abort}
+        self.scheduler = KvAgentConnector(config(socket, kvagent_group=group, **both),
+                                          "scheduler")
         self.worker = KvAgentConnector(config(socket, kvagent_group=group,
-                                              kvagent_client=self.client, **route), "WORKER")
+                                              kvagent_client=self.client, **both, **route),
+                                       "WORKER")
         self.worker.register_kv_caches(self.caches)
 
     def step(self, meta):
@@ -77,6 +88,33 @@ def finished(worker, rids, sending, seconds=10):
     return seen & rids
 
 
+def hold(p, blocks):
+    """Prefill's scheduler finishes each request of {request id: block ids} for remote
+    decode (blocks held) and the next step hands the workers the holds; returns each
+    request's kv_transfer_params (what the decode side pulls with)."""
+    params = {}
+    for rid, ids in blocks.items():
+        held, params[rid] = p.scheduler.request_finished(SimpleNamespace(
+            request_id=rid, prompt_token_ids=[1] * BLOCK,
+            kv_transfer_params={"do_remote_decode": True}), list(ids))
+        assert held, rid
+    p.step(p.scheduler.build_connector_meta(None))
+    return params
+
+
+def sending_over(worker, seconds, until=(), then=0.3):
+    """[(monotonic time, request id)] of every finished sending get_finished reports
+    while it is called for `seconds`, or, once every request of `until` was reported,
+    for `then` seconds more (a second report of one would come by then)."""
+    got, deadline, until = [], time.monotonic() + seconds, set(until)
+    while time.monotonic() < deadline:
+        got += [(time.monotonic(), r) for r in worker.get_finished(set())[0] or ()]
+        if until and until <= {r for _, r in got}:
+            deadline, until = min(deadline, time.monotonic() + then), set()
+        time.sleep(0.002)
+    return got
+
+
 def pull_params(pair, group, rid, blocks):
     """kv_transfer_params as prefill's request_finished gives them (decode pulls)."""
     return {"do_remote_prefill": True, "remote_block_ids": list(blocks),
@@ -105,10 +143,10 @@ class Scenarios:
         """One decode step pulling a one-block request per (prefill, decode) block pair:
         every READ ended without error, bytes compared. Returns the request ids."""
         rids = [f"{tag}-{i}" for i in range(len(blocks))]
+        params = hold(p, {f"p-{rid}": [src] for rid, (src, _) in zip(rids, blocks)})
         for rid, (src, dst) in zip(rids, blocks):
             dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
-                                   kv_transfer_params=pull_params(self.pair, f"{tag}-prefill-kv",
-                                                                  f"p-{rid}", [src]))
+                                   kv_transfer_params=params[f"p-{rid}"])
             d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
         d.step(d.scheduler.build_connector_meta(None))  # every READ in one step
         self.assertEqual(finished(d.worker, rids, sending=False), set(rids))
@@ -130,9 +168,10 @@ class Scenarios:
             get_block_ids=lambda: ([5, 2, 17],)), 0)
         p.step(p.scheduler.build_connector_meta(None))
         fill(list(p.caches.values()), 21)  # the forward pass writes the blocks
-        hold, params = p.scheduler.request_finished(preq, p_blocks)
-        self.assertTrue(hold)
+        held, params = p.scheduler.request_finished(preq, p_blocks)
+        self.assertTrue(held)
         self.assertEqual(params["remote_block_ids"], p_blocks)
+        p.step(p.scheduler.build_connector_meta(None))  # the workers get the hold
         # Decode instance: the same request arrives with the prefill side's params.
         dreq = SimpleNamespace(request_id="cmpl-7-d", prompt_token_ids=prompt,
                                kv_transfer_params=params)
@@ -201,6 +240,95 @@ class Scenarios:
         error = d.worker.load_errors["bad-1"]
         self.assertIsInstance(error, kvagent.InvalidArgument)
         self.assertIn(f"remote index {BLOCKS + 1}", error.message)
+
+    def test_a_read_that_ends_badly_releases_the_prefill_blocks(self):
+        # Decode's READ of held prefill blocks opens (chunk 0 moves), then ends otherwise:
+        # cancelled, past its deadline with its last chunk never sent, or failed (the
+        # decode instance goes, its regions with it). Prefill's agent hands the outcome;
+        # get_finished reports the request once, not before, with a warning.
+        p, d = self.instances("vlend")
+        gone = Instance(self.pair.decode.socket, "vlend-gone", "vlend-gone-kv")
+        self.addCleanup(gone.client.close)
+        self.addCleanup(gone.worker.close)
+        told = record_notifications(p.worker.route)
+        fill(list(p.caches.values()), 29)
+
+        def cancel(first):
+            first.cancel()
+
+        def never_finish(first):
+            pass
+
+        def leave(first):
+            gone.worker.close()
+            gone.client.close()  # the session ends: its regions go, the READ fails
+        cases = [("cancelled", d, 0, cancel, "CANCELLED_BY_PEER", "was cancelled"),
+                 ("timed-out", d, 1000, never_finish, "TRANSFER_TIMED_OUT",
+                  "passed its deadline of 1000 ms"),
+                 ("failed", gone, 0, leave, "TRANSFER_FAILED", "was deregistered")]
+        for i, (what, reader, timeout_ms, end, kind, text) in enumerate(cases):
+            with self.subTest(what):
+                rid = f"p-vlend-{what}"
+                params = hold(p, {rid: [2 * i, 2 * i + 1]})[rid]
+                peer = reader.client.connect_peer(params["remote_agent"]).name
+                read = reader.client.open_transfer(
+                    peer, params["remote_request_id"], op="read", timeout_ms=timeout_ms,
+                    remote_groups={reader.worker.group: params["remote_group"]})
+                first = read.send(pages=(params["remote_block_ids"][:1], [10 + i]))
+                deadline = time.monotonic() + 5
+                while first.state().bytes_done == 0 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                self.assertGreater(first.state().bytes_done, 0, f"{rid}: chunk 0 never moved")
+                self.assertEqual([r for _, r in sending_over(p.worker, 0.2) if r == rid], [],
+                                 f"{rid} reported before its READ ended")
+                with self.assertLogs("kvagent.connectors", logging.WARNING) as logs:
+                    end(first)
+                    self.assertEqual(finished(p.worker, [rid], sending=True), {rid},
+                                     f"{rid} not reported after its READ ended {kind}")
+                self.assertEqual([r for _, r in sending_over(p.worker, 0.3) if r == rid], [],
+                                 f"{rid} reported a second time")
+                self.assertEqual([n.kind for n in told if n.request_id == rid], [kind])
+                warning = [m for m in logs.output if rid in m]
+                self.assertEqual(len(warning), 1, logs.output)
+                self.assertIn(kind, warning[0])
+                self.assertIn(text, warning[0])
+
+    def test_an_unread_hold_expires_once(self):
+        # abort_request_timeout_s 1 and nobody reads: the request is reported finished
+        # sending 1 s after request_finished (not before), once, with a warning; the
+        # decode side's READ that comes after brings a DATA_READY that reports nothing.
+        p, d = self.instances("vlexp", abort=1)
+        told = record_notifications(p.worker.route)
+        fill(list(p.caches.values()), 30)
+        rid = "p-vlexp-1"
+        before = time.monotonic()  # request_finished's expiry is at least 1 s after this
+        params = hold(p, {rid: [6, 7]})[rid]
+        with self.assertLogs("kvagent.connectors", logging.WARNING) as logs:
+            got = sending_over(p.worker, 3, until=[rid])
+        self.assertEqual([r for _, r in got], [rid], "finished sending in 3 s")
+        at = got[0][0] - before
+        self.assertGreaterEqual(at, 1.0, f"{rid} reported {at:.3f} s after request_finished")
+        self.assertLess(at, 2.0, f"{rid} reported {at:.3f} s after request_finished")
+        self.assertEqual(len(logs.output), 1, logs.output)
+        self.assertIn(f"prefill request '{rid}'", logs.output[0])
+        self.assertRegex(logs.output[0], r"after 1\.\d s held")
+        self.assertIn("abort_request_timeout_s", logs.output[0])
+        # A late read: its DATA_READY reaches prefill's worker, which ignores it.
+        dreq = SimpleNamespace(request_id="vlexp-d", prompt_token_ids=[1] * 2 * BLOCK,
+                               kv_transfer_params=params)
+        d.scheduler.update_state_after_alloc(dreq, [1, 2], 2 * BLOCK)
+        with self.assertLogs("kvagent.connectors", logging.DEBUG) as logs:
+            d.step(d.scheduler.build_connector_meta(None))
+            self.assertEqual(finished(d.worker, ["vlexp-d"], sending=False), {"vlexp-d"})
+            deadline = time.monotonic() + 5
+            late = []
+            while not any(n.request_id == rid for n in told) and time.monotonic() < deadline:
+                late += [r for _, r in sending_over(p.worker, 0.05)]
+            late += [r for _, r in sending_over(p.worker, 0.2)]
+        self.assertEqual(d.worker.load_errors, {})
+        self.assertEqual([n.kind for n in told if n.request_id == rid], ["DATA_READY"])
+        self.assertEqual(late, [], "a notification after the expiry reported it again")
+        self.assertTrue(any(rid in m and "ignored" in m for m in logs.output), logs.output)
 
 
 class VllmConnectorTest(Scenarios, PairTestCase):
@@ -309,6 +437,64 @@ class VllmConnectorTest(Scenarios, PairTestCase):
         self.assertEqual(KvAgentConnector(config(socket), "scheduler").complete_when,
                          "acknowledged")
 
+    def test_a_bad_abort_timeout_refuses_to_build_the_connector(self):
+        socket = self.pair.decode.socket
+        client = self.clients("vlabort")[1]
+        for value in (0, -1, -0.5, "30", "", True, math.nan, math.inf, [5]):
+            for role in ("scheduler", "worker"):
+                with self.subTest(value=value, role=role):
+                    with self.assertRaises(ValueError) as caught:
+                        KvAgentConnector(config(socket, kvagent_group="vlabort",
+                                                kvagent_client=client,
+                                                abort_request_timeout_s=value), role)
+                    self.assertIsInstance(caught.exception, InvalidAbortTimeout)
+                    self.assertIsInstance(caught.exception, kvagent.InvalidArgument)
+                    text = str(caught.exception)
+                    self.assertIn(f"kv_connector_extra_config['abort_request_timeout_s'] "
+                                  f"{value!r}", text)
+                    self.assertIn("a number of seconds above 0", text)
+        # None of them opened the session's ring (one per session): a good one still can.
+        worker = KvAgentConnector(config(socket, kvagent_group="vlabort", kvagent_client=client,
+                                         abort_request_timeout_s=0.25), "worker")
+        self.addCleanup(worker.close)
+        self.assertEqual((worker.route.kind, worker.abort_timeout), ("fast_path", 0.25))
+        self.assertEqual(KvAgentConnector(config(socket, abort_request_timeout_s=30),
+                                          "scheduler").abort_timeout, 30.0)
+        self.assertEqual(KvAgentConnector(config(socket), "scheduler").abort_timeout, 120.0)
+
+    def test_a_notification_before_its_hold_waits_for_it(self):
+        # The decode side reads before prefill's workers have the request's hold (the
+        # metadata still on its way): the DATA_READY is kept, and the request reported
+        # once the hold comes, not before, once. A DATA_READY for a request never held is
+        # not reported at all (vLLM frees only what its scheduler held).
+        p, d = self.instances("vlearly")
+        fill(list(p.caches.values()), 32)
+        held, params = p.scheduler.request_finished(SimpleNamespace(
+            request_id="p-early-1", prompt_token_ids=[1] * BLOCK,
+            kv_transfer_params={"do_remote_decode": True}), [4])
+        self.assertTrue(held)
+        stray = pull_params(self.pair, "vlearly-prefill-kv", "p-stray-1", [5])
+        for rid, dst, kv in (("early-1", 3, params), ("stray-1", 6, stray)):
+            dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
+                                   kv_transfer_params=kv)
+            d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
+        told = record_notifications(p.worker.route)
+        d.step(d.scheduler.build_connector_meta(None))
+        self.assertEqual(finished(d.worker, ["early-1", "stray-1"], sending=False),
+                         {"early-1", "stray-1"})
+        self.assertEqual(d.worker.load_errors, {})
+        deadline = time.monotonic() + 5
+        before = []
+        while len(told) < 2 and time.monotonic() < deadline:
+            before += [r for _, r in sending_over(p.worker, 0.05)]
+        before += [r for _, r in sending_over(p.worker, 0.2)]
+        self.assertEqual(sorted((n.request_id, n.kind) for n in told),
+                         [("p-early-1", "DATA_READY"), ("p-stray-1", "DATA_READY")])
+        self.assertEqual(before, [], "reported before its hold came")
+        p.step(p.scheduler.build_connector_meta(None))  # the hold comes
+        self.assertEqual([r for _, r in sending_over(p.worker, 3, until=["p-early-1"])],
+                         ["p-early-1"])
+
     def test_a_bad_fast_path_knob_names_the_fix(self):
         with self.assertRaises(kvagent.InvalidArgument) as caught:
             KvAgentConnector(config(self.pair.decode.socket, kvagent_group="vlknob",
@@ -379,6 +565,41 @@ class VllmConnectorPrefillRefusesTest(PairTestCase):
         self.load(p, acked, "ref-3", 5, 6)
         self.assertEqual(acked.worker.get_block_ids_with_load_errors(), {6})
         self.assertIn("queued_notifications", acked.worker.load_errors["ref-3"].message)
+
+    def test_a_hold_whose_notification_prefill_refuses_expires(self):
+        # Two held requests, both read (acknowledged) while prefill's worker takes
+        # nothing: the first READ's DATA_READY fills prefill's queue, the second is
+        # refused (that load fails on decode). Prefill reports the first from its
+        # notification, the second once its 1 s hold expires, not before, once.
+        p = Instance(self.pair.prefill.socket, "vlexq-p", "vlexq-prefill-kv", abort=1,
+                     fast_path="off")
+        d = Instance(self.pair.decode.socket, "vlexq-d", "kv", fast_path="off")
+        for i in (p, d):
+            self.addCleanup(i.client.close)
+            self.addCleanup(i.worker.close)
+        told = record_notifications(p.worker.route)
+        fill(list(p.caches.values()), 31)
+        before = time.monotonic()
+        params = hold(p, {"p-exq-1": [8], "p-exq-2": [9]})
+        for rid, dst in (("exq-1", 10), ("exq-2", 11)):
+            dreq = SimpleNamespace(request_id=rid, prompt_token_ids=[1] * BLOCK,
+                                   kv_transfer_params=params[f"p-{rid}"])
+            d.scheduler.update_state_after_alloc(dreq, [dst], BLOCK)
+            d.step(d.scheduler.build_connector_meta(None))
+            self.assertEqual(finished(d.worker, [rid], sending=False), {rid})
+        self.assertNotIn("exq-1", d.worker.load_errors)
+        self.assertIn("queued_notifications", d.worker.load_errors["exq-2"].message)
+        with self.assertLogs("kvagent.connectors", logging.WARNING) as logs:
+            got = sending_over(p.worker, 3, until=["p-exq-1", "p-exq-2"])
+        self.assertEqual(sorted(r for _, r in got), ["p-exq-1", "p-exq-2"], got)
+        at = dict((r, t - before) for t, r in got)
+        self.assertGreaterEqual(at["p-exq-2"], 1.0, f"p-exq-2 reported {at['p-exq-2']:.3f} s "
+                                "after request_finished")
+        self.assertLess(at["p-exq-2"], 2.0)
+        self.assertEqual([(n.request_id, n.kind) for n in told],
+                         [("p-exq-1", "DATA_READY")], "prefill's notifications")
+        self.assertEqual(len(logs.output), 1, logs.output)
+        self.assertIn("prefill request 'p-exq-2'", logs.output[0])
 
 
 class VllmConnectorAgentWithoutRingTest(Scenarios, PairTestCase):
