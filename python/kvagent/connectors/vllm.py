@@ -29,8 +29,9 @@ in this worker's own memory, so get_finished reports the request loaded and deco
 on; the prefill side still gets its notification (its blocks were read: free them) from
 the commit the decode agent sends at once, without waiting for the prefill agent's
 answer. Decode does not need that answer: when the prefill agent refuses the
-notification (its queue full: its owners get TRANSFER_FAILED instead) or is lost before
-it takes it, a placed READ has still completed, its bytes in place (the READ's state()
+notification (its queue full: its owners get no notification of that READ at all, so
+the prefill worker releases the blocks at abort_request_timeout_s, below) or is lost
+before it takes it, a placed READ has still completed, its bytes in place (the READ's state()
 says so later: peer_acknowledged, peer_note), where "acknowledged" fails the load and
 decode computes the request again. "acknowledged" costs one more round trip between the
 agents per READ.
