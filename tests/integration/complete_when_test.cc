@@ -169,8 +169,8 @@ TEST_CASE("completing when placed over UCX (tcp, no same-host mapping): COMPLETE
 }
 
 TEST_CASE("a peer that refuses the notification of a transfer completed when placed: the "
-          "COMPLETED stands, peer_note says why, it is counted, and the peer's owners hear "
-          "of a failure, not of DATA_READY") {
+          "COMPLETED stands, peer_note says why, it is counted, and the peer's record says "
+          "FAILED: its owners get no DATA_READY") {
   AgentPairOptions options;
   options.extra_args = {"--max-queued-notifications", "2"};
   AgentPair pair(options);
