@@ -294,7 +294,6 @@ void TransferEngine::PruneLocked() {
     if (it == transfers_.end()) return true;
     // Entries whose operations still drain, or that a watcher holds, stay for now.
     if (it->second->inflight || !it->second->watchers.empty()) return false;
-    if (it->second->completed_placed) placed_unacked_.erase(it->first);
     transfers_.erase(it);
     return true;
   });
@@ -408,15 +407,6 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
             id, t.state.peer(), OpName(t.state.op()), request.chunk(), request.peer(),
             OpName(request.op())));
       }
-      if (request.complete_when() != v1::COMPLETE_WHEN_ACKNOWLEDGED &&
-          request.complete_when() != t.requested_completion) {
-        return absl::InvalidArgumentError(fmt::format(
-            "transfer '{}' chunk {}: complete_when {} differs from chunk 0's ({}); the "
-            "completion point is the transfer's, set on chunk 0: leave it unset on later "
-            "chunks or repeat it",
-            id, request.chunk(), v1::CompletionPoint_Name(request.complete_when()),
-            v1::CompletionPoint_Name(t.requested_completion)));
-      }
       if (Terminal(t.state.phase())) {
         return absl::FailedPreconditionError(fmt::format(
             "transfer '{}' is already {} ; chunk {} cannot be added; submit a new transfer_id",
@@ -431,6 +421,16 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         return absl::FailedPreconditionError(fmt::format(
             "transfer '{}': chunk {} arrived but chunk {} is next; submit chunks in order",
             id, request.chunk(), t.chunk_digests.size()));
+      }
+      // Still chunk 0's: it changes (a staged transfer's) only after the last chunk.
+      if (request.complete_when() != v1::COMPLETE_WHEN_ACKNOWLEDGED &&
+          request.complete_when() != t.state.complete_when()) {
+        return absl::InvalidArgumentError(fmt::format(
+            "transfer '{}' chunk {}: complete_when {} differs from chunk 0's ({}); the "
+            "completion point is the transfer's, set on chunk 0: leave it unset on later "
+            "chunks or repeat it",
+            id, request.chunk(), v1::CompletionPoint_Name(request.complete_when()),
+            v1::CompletionPoint_Name(t.state.complete_when())));
       }
       first_segment = t.segments;
     } else if (request.chunk() != 0) {
@@ -519,7 +519,6 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       t->state.set_direction(v1::OUTGOING);
       t->state.set_request_id(request.request_id());
       t->state.set_complete_when(request.complete_when());
-      t->requested_completion = request.complete_when();
       t->start_us = MonotonicMicros();
       // Room for every stage a transfer reaches (7 on success): one allocation of the
       // timeline's array instead of its growth by doubling.
@@ -643,6 +642,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
   notice.Clear();
   const auto open_lease = notices_.Take();
   v1::Notification* open = nullptr;  // sent before the first batch
+  v1::Notification* commit = nullptr;  // a transfer completed when placed: with DATA_READY
   v1::TransferOp op;
   Route route = Route::kUcxRma;
   // A same-host copy's open, held back while its first batch copied: it goes before
@@ -720,11 +720,9 @@ void TransferEngine::Pump(const TransferPtr& t) {
           // the peer hands it to its owners as it takes it. Its acknowledgement is only
           // recorded (OnAckLocked): peer_acknowledged, or peer_note.
           Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
-          t->completed_placed = true;
           ++completed_when_placed_;
-          placed_unacked_.insert(t->state.transfer_id());
-          open = open_lease.get();  // not an open here: the kept notice holds the commit
-          MakeCommit(*t, open);
+          commit = open_lease.get();  // no open goes with DATA_READY: its storage is free
+          MakeCommit(*t, commit);
           action = Action::kNotifyPlaced;
         }
       }
@@ -836,12 +834,11 @@ void TransferEngine::Pump(const TransferPtr& t) {
             t->inflight = false;
             if (!status.ok() && t->awaiting_ack) {
               t->awaiting_ack = false;
-              placed_unacked_.erase(t->state.transfer_id());
               NotTakenLocked(*t, fmt::format("DATA_READY could not be sent: {}", status.message()));
             }
           },
           /*want_reply=*/true);
-      SendNotice(peer, *open, nullptr);
+      SendNotice(peer, *commit, nullptr);
       return;
     case Action::kBatch:
       if (open != nullptr) SendNotice(peer, *open, nullptr);
@@ -1144,9 +1141,8 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
   if (!t->awaiting_ack) return false;
   t->awaiting_ack = false;
   MarkStage(t->state, v1::STAGE_ACKNOWLEDGED, t->start_us, MonotonicMicros());
-  if (t->completed_placed) {
+  if (CompletedPlaced(*t)) {
     // COMPLETED already, its commit sent with DATA_READY: the answer is only recorded.
-    placed_unacked_.erase(t->state.transfer_id());
     if (ack.error_code() != 0) {
       NotTakenLocked(*t, fmt::format("it refused the notification: {}",
                                      Printable(ack.error_message(), 1024)));
@@ -1267,35 +1263,26 @@ int32_t TransferEngine::SegmentInProgress(const Transfer& t) {
 void TransferEngine::FailPeer(const PeerLoss& loss) {
   absl::MutexLock lock(&mu_);
   if (loss.current_incarnation != 0) peer_incarnation_[loss.name] = loss.current_incarnation;
+  // Planned against the incarnation that was lost (any, when the peer stopped answering).
+  auto lost_with_peer = [&](const Transfer& t) {
+    return t.state.peer() == loss.name &&
+           !(loss.current_incarnation != 0 && t.last_peer &&
+             t.last_peer->incarnation == loss.current_incarnation);
+  };
   std::vector<TransferPtr> lost;
   for (const auto& id : active_) {
     const TransferPtr& t = transfers_.at(id);
-    if (t->state.peer() != loss.name) continue;
-    if (loss.current_incarnation != 0 && t->last_peer &&
-        t->last_peer->incarnation == loss.current_incarnation) {
-      continue;
-    }
-    lost.push_back(t);
+    if (lost_with_peer(*t)) lost.push_back(t);
   }
   // Completed when placed, not yet answered: whether the peer took the notification
-  // before it was lost is not known here.
-  for (auto id = placed_unacked_.begin(); id != placed_unacked_.end();) {
-    auto it = transfers_.find(*id);
-    if (it == transfers_.end()) {
-      placed_unacked_.erase(id++);
-      continue;
-    }
-    Transfer& t = *it->second;
-    if (t.state.peer() != loss.name || (loss.current_incarnation != 0 && t.last_peer &&
-                                        t.last_peer->incarnation == loss.current_incarnation)) {
-      ++id;
-      continue;
-    }
-    t.awaiting_ack = false;
-    placed_unacked_.erase(id++);
-    NotTakenLocked(t, fmt::format("the peer was lost before it answered, so whether its owners "
-                                  "got the notification is unknown: {}",
-                                  loss.cause.message()));
+  // before it was lost is not known here. Found among the records kept (a peer's loss
+  // is rare; an index of them would cost every placed transfer an insert and an erase).
+  for (auto& [id, t] : transfers_) {
+    if (!CompletedPlaced(*t) || !t->awaiting_ack || !lost_with_peer(*t)) continue;
+    t->awaiting_ack = false;
+    NotTakenLocked(*t, fmt::format("the peer was lost before it answered, so whether its owners "
+                                   "got the notification is unknown: {}",
+                                   loss.cause.message()));
   }
   for (const auto& t : lost) {
     Finish(*t, v1::FAILED,

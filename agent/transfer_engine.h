@@ -205,10 +205,6 @@ class TransferEngine {
     bool awaiting_ack = false;  // DATA_READY sent, its TransferAck not yet here
     uint64_t ack_token = 0;
     bool outcome_sent = false;  // the peer was told how it ended (cancel, failure)
-    // Chunk 0's complete_when (state.complete_when may turn to ACKNOWLEDGED: staged).
-    v1::CompletionPoint requested_completion = v1::COMPLETE_WHEN_ACKNOWLEDGED;
-    // COMPLETED when placed: its DATA_READY's acknowledgement is only recorded.
-    bool completed_placed = false;
     uint64_t stopped_us = 0;    // when it ended with operations still posted
     uint64_t staged_bytes = 0;  // bytes sent as staged chunks (the peer waits for them)
     uint64_t start_us = 0;     // monotonic
@@ -219,6 +215,12 @@ class TransferEngine {
   using TransferPtr = std::shared_ptr<Transfer>;
 
   static bool Terminal(v1::TransferPhase phase);
+  // COMPLETED when placed (complete_when): its DATA_READY's acknowledgement, while
+  // awaiting_ack, is only recorded. (A staged transfer's complete_when turned to
+  // ACKNOWLEDGED before it completed.)
+  static bool CompletedPlaced(const Transfer& t) {
+    return t.state.phase() == v1::COMPLETED && t.state.complete_when() == v1::COMPLETE_WHEN_PLACED;
+  }
   // The limits a new transfer (`is_new`) or chunk of `ops` operations must fit:
   // RESOURCE_EXHAUSTED naming the one it does not.
   absl::Status AdmitLocked(const std::string& id, const std::string& owner, bool is_new,
@@ -362,9 +364,6 @@ class TransferEngine {
   uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t completed_when_placed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t placed_not_taken_ ABSL_GUARDED_BY(mu_) = 0;
-  // Transfers COMPLETED when placed whose peer has not answered yet (FailPeer notes
-  // them); their records are kept (max_finished), so this set is bounded by it.
-  absl::flat_hash_set<std::string> placed_unacked_ ABSL_GUARDED_BY(mu_);
   uint64_t failed_ ABSL_GUARDED_BY(mu_) = 0;
   // The incarnation of each peer that FailPeer last saw restart: a chunk planned
   // against an older one (a submit racing the restart) is refused.
