@@ -275,9 +275,7 @@ class RingTransfer:
         outcomes only), as client.Transfer.state()."""
         if self._grpc is not None:
             return self._grpc.state()
-        self.last_state = self.client.call("GetTransfer",
-                                           pb.GetTransferRequest(transfer_id=self.id),
-                                           f"transfer '{self.id}'")
+        self.last_state = Transfer(self.client, self.id, self.last_state).state()
         return self.last_state
 
     def _wait(self, timeout, doing):
