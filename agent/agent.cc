@@ -428,6 +428,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     agent->directory_->Start(std::move(record));
   }
   agent->heap_trimmer_ = std::make_unique<HeapTrimmer>();
+  kLog.Info("heap allocator: {}", HeapAllocatorName());
   if (!options.port_file.empty()) RETURN_IF_ERROR(WritePortFile(options.port_file, agent->port_));
   kLog.Info("agent '{}' serving: local door {} (sessions {}.session), network door {} (pid {}, "
             "incarnation {:x})",

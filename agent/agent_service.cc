@@ -582,6 +582,8 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   status->set_listen_address(id.listen_address);
   status->set_ucx_version(caps.version);
   for (const auto& t : caps.transports) status->add_ucx_transports(t);
+  static const std::string* const heap_allocator = new std::string(HeapAllocatorName());
+  status->set_heap_allocator(*heap_allocator);
   const registry::RegistryUsage registered = deps.registry->Usage();
   status->set_regions(static_cast<uint32_t>(registered.regions));
   status->set_registered_bytes(registered.bytes);

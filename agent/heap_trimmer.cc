@@ -3,10 +3,26 @@
 #include <malloc.h>
 #include <pthread.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+
+#if KVAGENT_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
 
 namespace kvagent::agent {
 namespace {
+
+#if KVAGENT_JEMALLOC
+// "stats.arenas.<MALLCTL_ARENAS_ALL>...": every arena's figures summed.
+#define KVAGENT_ALL_ARENAS "4096"
+static_assert(MALLCTL_ARENAS_ALL == 4096, "KVAGENT_ALL_ARENAS names MALLCTL_ARENAS_ALL");
+
+size_t JemallocSize(const char* name) {
+  size_t value = 0, size = sizeof(value);
+  return mallctl(name, &value, &size, nullptr, 0) == 0 ? value : 0;
+}
+#endif
 
 // Process-wide, never destroyed: NoteHeapActivity may run on any thread at any time,
 // also while an agent is being torn down.
@@ -35,6 +51,40 @@ void NoteHeapActivity() {
     absl::MutexLock lock(&a.mu);
     a.cv.SignalAll();
   }
+}
+
+std::string HeapAllocatorName() {
+#if KVAGENT_JEMALLOC
+  const char* version = nullptr;
+  size_t size = sizeof(version);
+  if (mallctl("version", &version, &size, nullptr, 0) == 0 && version != nullptr) {
+    return absl::StrCat("jemalloc ", version);
+  }
+  return "jemalloc";
+#else
+  return "glibc malloc";
+#endif
+}
+
+size_t HeapUnusedBytes() {
+#if KVAGENT_JEMALLOC
+  // jemalloc's statistics are a snapshot taken when "epoch" is written.
+  uint64_t epoch = 1;
+  mallctl("epoch", nullptr, nullptr, &epoch, sizeof(epoch));
+  const size_t pages = JemallocSize("stats.arenas." KVAGENT_ALL_ARENAS ".pdirty") +
+                       JemallocSize("stats.arenas." KVAGENT_ALL_ARENAS ".pmuzzy");
+  return pages * JemallocSize("arenas.page");
+#else
+  return mallinfo2().fordblks;
+#endif
+}
+
+void TrimHeap() {
+#if KVAGENT_JEMALLOC
+  mallctl("arena." KVAGENT_ALL_ARENAS ".purge", nullptr, nullptr, nullptr, 0);
+#else
+  malloc_trim(0);
+#endif
 }
 
 HeapTrimmer::HeapTrimmer(Options options) : options_(options) {
@@ -73,13 +123,13 @@ bool HeapTrimmer::SleepFor(absl::Duration d) {
 
 void HeapTrimmer::Look() {
   looks_.fetch_add(1);
-  // mallinfo2 walks the arenas' bins: cheap next to malloc_trim, which runs only when
-  // the free memory changed and is worth it.
-  const size_t free_bytes = mallinfo2().fordblks;
-  if (free_bytes < options_.min_free_bytes || free_bytes == trimmed_at_) return;
-  malloc_trim(0);
+  // Reading the unused amount is cheap next to a trim, which runs only when that
+  // amount changed and is worth it.
+  const size_t unused = HeapUnusedBytes();
+  if (unused < options_.min_free_bytes || unused == trimmed_at_) return;
+  TrimHeap();
   trims_.fetch_add(1);
-  trimmed_at_ = mallinfo2().fordblks;
+  trimmed_at_ = HeapUnusedBytes();
 }
 
 void HeapTrimmer::Loop() {

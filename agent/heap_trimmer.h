@@ -1,12 +1,14 @@
-// Gives the heap's free pages back to the kernel (malloc_trim) after activity, and
-// sleeps while there is none: the agent's HeapTrimmer thread, woken by
-// NoteHeapActivity from the places that start or end work (gRPC calls, streams,
-// sessions, transfers that arrive, peers that go).
+// Gives the heap's free pages back to the kernel after activity, and sleeps while
+// there is none: the agent's HeapTrimmer thread, woken by NoteHeapActivity from the
+// places that start or end work (gRPC calls, streams, sessions, transfers that arrive,
+// peers that go). The heap is jemalloc's (//third_party:malloc; its unused dirty pages
+// are purged), or glibc's in sanitizer builds (malloc_trim).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <thread>
 
 #include "absl/time/time.h"
@@ -17,7 +19,17 @@ namespace kvagent::agent {
 // thread; while the trimmer is already awake this is one relaxed load.
 void NoteHeapActivity();
 
-// One per process (glibc's heap is the process's): the Agent owns it.
+// The heap allocator this process was built with, for logs and status: "jemalloc
+// 5.3.0-0-g..." or "glibc malloc".
+std::string HeapAllocatorName();
+// Heap memory the allocator holds resident but unused, which a trim would give back
+// (jemalloc: its arenas' dirty and muzzy pages; glibc: mallinfo2's fordblks).
+size_t HeapUnusedBytes();
+// Gives that memory back to the kernel now (jemalloc: purges every arena; glibc:
+// malloc_trim). Holds the allocator's arena locks while it runs.
+void TrimHeap();
+
+// One per process (the heap is the process's): the Agent owns it.
 class HeapTrimmer {
  public:
   struct Options {
@@ -27,15 +39,16 @@ class HeapTrimmer {
     // awake starts the series again.
     absl::Duration delay = absl::Seconds(2);
     int follow_ups = 4;
-    // A look waits for a wait with no activity in it: malloc_trim holds each arena's
-    // lock in turn while it madvises that arena's free pages (a call took 48-66 ms in
-    // an agent under the bench here), so a thread that allocates meanwhile (the UCX
-    // worker, a gRPC handler) can stall. While the agent stays busy, looks are put off, but never for
-    // longer than this, so memory freed under constant traffic still goes back.
+    // A look waits for a wait with no activity in it: a trim holds each arena's lock
+    // in turn while it madvises that arena's unused pages (glibc's malloc_trim took
+    // 48-66 ms in an agent under the bench here), so a thread that allocates meanwhile
+    // (the UCX worker, a gRPC handler) can stall. While the agent stays busy, looks are
+    // put off, but never for longer than this, so memory freed under constant traffic
+    // still goes back.
     absl::Duration max_defer = absl::Seconds(30);
-    // malloc_trim runs only when glibc holds at least this much free, and the amount
-    // changed since the last trim (mallinfo2 is cheap; malloc_trim madvises every
-    // free page).
+    // A trim runs only when the heap holds at least this much unused
+    // (HeapUnusedBytes, cheap), and the amount changed since the last trim (a trim
+    // madvises every unused page).
     size_t min_free_bytes = size_t{4} << 20;
   };
   explicit HeapTrimmer(Options options);  // starts the thread, asleep
@@ -46,8 +59,8 @@ class HeapTrimmer {
 
   void Stop();  // idempotent
 
-  uint64_t looks() const { return looks_.load(); }  // rounds that read mallinfo2
-  uint64_t trims() const { return trims_.load(); }  // of which called malloc_trim
+  uint64_t looks() const { return looks_.load(); }  // rounds that read HeapUnusedBytes
+  uint64_t trims() const { return trims_.load(); }  // of which called TrimHeap
   uint64_t deferred() const { return deferred_.load(); }  // looks put off: still busy
 
  private:

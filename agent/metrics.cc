@@ -120,10 +120,12 @@ std::string RenderMetrics(const MetricsSources& sources) {
   std::string out;
   out.reserve(16 << 10);
 
-  Family(&out, "kvagent_info", "gauge", "This agent: name, incarnation, UCX version (always 1).")
+  Family(&out, "kvagent_info", "gauge",
+         "This agent: name, incarnation, UCX version, heap allocator (always 1).")
       .Sample({{"name", status.name()},
                {"incarnation", fmt::format("{:x}", status.incarnation())},
-               {"ucx_version", status.ucx_version()}},
+               {"ucx_version", status.ucx_version()},
+               {"heap_allocator", status.heap_allocator()}},
               1);
   Family(&out, "kvagent_uptime_seconds", "gauge", "Seconds since the agent started.")
       .Sample(static_cast<double>(status.uptime_ms()) / 1000);

@@ -192,6 +192,7 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
   std::string transports;
   for (const auto& t : s.ucx_transports()) transports += (transports.empty() ? "" : ",") + t;
   std::printf("ucx          %s [%s]\n", s.ucx_version().c_str(), transports.c_str());
+  if (!s.heap_allocator().empty()) std::printf("heap         %s\n", s.heap_allocator().c_str());
   std::printf("regions      %u (%lu bytes, metadata version %lu)\n", s.regions(),
               static_cast<unsigned long>(s.registered_bytes()),
               static_cast<unsigned long>(s.metadata_version()));

@@ -12,6 +12,7 @@ export DEBIAN_FRONTEND=noninteractive
 #   protobuf-compiler-grpc libgrpc++-dev libgrpc-dev   gRPC stubs and runtime
 #   libre2-dev libc-ares-dev libssl-dev zlib1g-dev     what third_party/system.BUILD links for gRPC
 #   libabsl-dev libfmt-dev           Status/StatusOr, Mutex, fmt-style logging
+#   libjemalloc-dev                  the agent's heap allocator (//third_party:malloc)
 #   libucx-dev ucx-utils             the transport; ucx_info / ucx_perftest for doctor and bench
 #   catch2                           unit and integration tests
 #   libbenchmark-dev                 the benchmark
@@ -40,6 +41,7 @@ PACKAGES=(
   zlib1g-dev
   libabsl-dev
   libfmt-dev
+  libjemalloc-dev
   libucx-dev
   ucx-utils
   catch2

@@ -34,6 +34,13 @@ TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]")
   CHECK(Value(before, "kvagent_registered_bytes", {"kind=\"KV\""}) ==
         static_cast<double>(pair.prefill_pool().bytes()));
   CHECK(Value(before, "kvagent_limit", {"limit=\"regions\""}) > 0);
+  // The kvagentd under test serves malloc from jemalloc (glibc's in sanitizer builds,
+  // which link none).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  CHECK(Value(before, "kvagent_info", {"heap_allocator=\"glibc malloc\""}) == 1);
+#else
+  CHECK(Value(before, "kvagent_info", {"heap_allocator=\"jemalloc 5."}) == 1);
+#endif
 
   // Scraped all through the transfers: every scrape answers, and no counter goes back.
   std::atomic<bool> moving{true};
