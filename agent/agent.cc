@@ -243,6 +243,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   engine_options.incoming = agent->incoming_.get();
   engine_options.drain_timeout_ms = options.drain_timeout_ms;
   engine_options.limits = &agent->limits_;
+  engine_options.metrics = agent->transfer_metrics_.get();
   engine_options.copy_lanes =
       options.copy_lanes != 0 ? options.copy_lanes : DefaultCopyLanes();
   kLog.Info("same-host host copies: {} copy lane(s)", engine_options.copy_lanes);

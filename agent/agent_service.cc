@@ -768,22 +768,6 @@ void AgentService::HandleListPeers(grpc::CallbackServerContext* context,
   return reply(absl::OkStatus());
 }
 
-// A transfer accepted for the first time is counted by its outcome (agent/metrics)
-// when it ends; its data path is the peer's when it was submitted. Returns the metrics
-// that want the transfer's final state (TransferMetrics::Ended), or null when it is
-// not counted (no metrics, or a retry of a transfer already tracked).
-static TransferMetrics* TrackTransfer(const ServiceDeps& deps,
-                                      const v1::SubmitTransferRequest& request) {
-  TransferMetrics* metrics = deps.transfer_metrics;
-  if (metrics == nullptr) return nullptr;
-  std::string path = "unknown";
-  if (auto peer = deps.peers->Get(request.peer()); peer.ok()) {
-    const auto& direct = (*peer)->direct;
-    path = direct == nullptr ? "ucx" : direct->complete ? "shm-direct" : "shm-direct+ucx";
-  }
-  return metrics->Track(request.transfer_id(), path) ? metrics : nullptr;
-}
-
 void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& request,
                     const Caller& caller, bool wait, SubmitDone done) {
   TransferEngine* engine = deps.engine;
@@ -800,25 +784,17 @@ void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& re
       done(submitted, v1::TransferState::default_instance());
       return;
     }
-    TransferMetrics* count = TrackTransfer(deps, request);
+    // The engine counts its outcome in the metrics when it ends.
     if (!wait) {
-      if (count != nullptr) {
-        absl::Status watched = engine->WhenTerminal(
-            request.transfer_id(), [count](const v1::TransferState& s) { count->Ended(s); });
-        // Only pruning could lose it; then it is not counted.
-        (void)watched;
-      }
       done(absl::OkStatus(), accepted);
       return;
     }
-    // One callback counts the outcome (first, as the metrics always were) and answers:
-    // called at once (under the engine's lock, as when it ends later) if it has ended.
+    // Answers with the final state: called at once (under the engine's lock, as when
+    // it ends later) if it has ended.
     auto shared = std::make_shared<SubmitDone>(std::move(done));
     absl::Status watched = engine->WhenTerminal(
-        request.transfer_id(), [shared, count](const v1::TransferState& s) {
-          if (count != nullptr) count->Ended(s);
-          (*shared)(absl::OkStatus(), s);
-        });
+        request.transfer_id(),
+        [shared](const v1::TransferState& s) { (*shared)(absl::OkStatus(), s); });
     // Only pruning could lose it, and that keeps the newest finished transfers.
     if (!watched.ok()) (*shared)(watched, v1::TransferState::default_instance());
   };

@@ -259,6 +259,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
               status.message());
   }
   Publish(t);
+  if (t.metrics_path != nullptr) options_.metrics->Ended(t.state, t.metrics_path);
   std::vector<Watcher> done;
   done.swap(t.on_terminal);
   for (auto& fn : done) fn(t.state);
@@ -519,6 +520,12 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       t->state.set_direction(v1::OUTGOING);
       t->state.set_request_id(request.request_id());
       t->state.set_complete_when(request.complete_when());
+      if (options_.metrics != nullptr) {
+        const auto& direct = (*peer)->direct;
+        t->metrics_path = direct == nullptr ? "ucx"
+                          : direct->complete ? "shm-direct"
+                                             : "shm-direct+ucx";
+      }
       t->start_us = MonotonicMicros();
       // Room for every stage a transfer reaches (7 on success): one allocation of the
       // timeline's array instead of its growth by doubling.

@@ -35,6 +35,7 @@
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
 #include "agent/staging.h"
+#include "agent/transfer_metrics.h"
 #include "planning/transfer_plan.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
@@ -71,6 +72,10 @@ struct TransferEngineOptions {
   // Active transfers (total, per owner), operations per chunk and planned in all.
   // Owned by the Agent; null: unbounded (tests).
   const Limits* limits = nullptr;
+  // Counts each transfer once, when it ends (Finish; its data path as the peer's was at
+  // chunk 0). A retry of an accepted chunk, or a later one, finds the transfer's record
+  // and is not a new transfer. Owned by the Agent; null: not counted (tests).
+  TransferMetrics* metrics = nullptr;
 };
 
 struct TransferCounters {
@@ -211,6 +216,9 @@ class TransferEngine {
     uint64_t deadline_us = 0;  // monotonic
     std::vector<std::pair<uint64_t, Watcher>> watchers;
     std::vector<Watcher> on_terminal;  // WhenTerminal callbacks, run once by Finish
+    // The peer's data path at chunk 0, for the metrics (a static string); null when
+    // there are none.
+    const char* metrics_path = nullptr;
   };
   using TransferPtr = std::shared_ptr<Transfer>;
 

@@ -2,38 +2,21 @@
 
 namespace kvagent::agent {
 
-bool TransferMetrics::Track(const std::string& transfer_id, const std::string& data_path) {
+void TransferMetrics::Ended(const v1::TransferState& state, std::string_view data_path) {
   absl::MutexLock lock(&mu_);
-  if (active_.contains(transfer_id) || ended_.contains(transfer_id)) return false;
-  active_.emplace(transfer_id, data_path);
-  return true;
-}
-
-void TransferMetrics::Ended(const v1::TransferState& state) {
-  absl::MutexLock lock(&mu_);
-  auto it = active_.find(state.transfer_id());
-  if (it == active_.end()) return;
-  const std::string data_path = std::move(it->second);
-  active_.erase(it);
-  ended_.insert(state.transfer_id());
-  ended_order_.push_back(state.transfer_id());
-  if (ended_order_.size() > kRememberEnded) {
-    ended_.erase(ended_order_.front());
-    ended_order_.pop_front();
-  }
   const std::string& op = v1::TransferOp_Name(state.op());
   const std::string& outcome = v1::TransferPhase_Name(state.phase());
   using View = std::tuple<std::string_view, std::string_view, std::string_view, std::string_view>;
   auto found = series_.find(View{op, data_path, state.peer(), outcome});
   if (found == series_.end()) {
-    Key key{op, data_path, state.peer(), outcome};
+    Key key{op, std::string(data_path), state.peer(), outcome};
     if (series_.size() >= kMaxSeries) std::get<2>(key) = "_other";
     found = series_.try_emplace(std::move(key)).first;
   }
   TransferSeries& series = found->second;
   if (series.transfers == 0) {
     series.op = op;
-    series.data_path = data_path;
+    series.data_path = std::string(data_path);
     series.peer = std::get<2>(found->first);
     series.outcome = outcome;
   }
@@ -173,11 +156,6 @@ TransferMetrics::ByCode TransferMetrics::submit_refusals() const {
 TransferMetrics::ByCode TransferMetrics::registration_failures() const {
   absl::MutexLock lock(&mu_);
   return registration_failures_;
-}
-
-uint64_t TransferMetrics::tracked() const {
-  absl::MutexLock lock(&mu_);
-  return active_.size();
 }
 
 }  // namespace kvagent::agent

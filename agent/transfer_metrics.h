@@ -2,24 +2,22 @@
 // (agent/metrics): transfers and bytes by op, data path, peer and outcome, the
 // submit-to-outcome latency and each timeline stage's share of it as histograms, the
 // receiver's side (peers' transfers into or out of this agent, by op, peer and
-// outcome); also submits and registrations refused, by cause. The submit path (SubmitTransfer, gRPC and
-// fast path alike) registers each new transfer once; the engine's WhenTerminal hands
-// its final state here. Label sets are bounded: past kMaxSeries, new peers count under
-// peer="_other".
+// outcome); also submits and registrations refused, by cause. The transfer engine
+// hands each transfer's final state here once, when it ends (gRPC and fast path
+// submits alike; a retried or later chunk is the same transfer). Label sets are
+// bounded: past kMaxSeries, new peers count under peer="_other".
 #pragma once
 
 #include <array>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/kvagent.pb.h"
@@ -76,16 +74,11 @@ struct IncomingSeries {
 class TransferMetrics {
  public:
   static constexpr size_t kMaxSeries = 4096;
-  // Ended transfer ids remembered so that resubmitting one (idempotent) does not
-  // count it again; as many as the engine keeps for queries.
-  static constexpr size_t kRememberEnded = 10000;
 
-  // True the first time `transfer_id` is seen (the caller then registers the end
-  // callback); false for a chunk or a resubmission of a transfer already counted.
-  bool Track(const std::string& transfer_id, const std::string& data_path);
-  // The transfer ended with `state` (called once per tracked id, under the engine's
-  // lock: takes only this object's lock).
-  void Ended(const v1::TransferState& state);
+  // A transfer ended with `state`; it was submitted over `data_path` ("ucx",
+  // "shm-direct", "shm-direct+ucx"). Called once per transfer, under the engine's
+  // lock: takes only this object's lock.
+  void Ended(const v1::TransferState& state, std::string_view data_path);
 
   // A peer's transfer into or out of this agent's regions ended with `state` (the
   // receiver's record; called once per record, under IncomingTransfers' lock).
@@ -103,7 +96,6 @@ class TransferMetrics {
   std::vector<LatencyHistogram> Latency() const;
   std::vector<IncomingSeries> Incoming() const;
   std::vector<StageHistogram> Stages() const;
-  uint64_t tracked() const;  // transfers registered and not yet ended
 
  private:
   // Ordered by the label strings (the exposition's order); looked up with string_views
@@ -112,10 +104,6 @@ class TransferMetrics {
   using IncomingKey = std::tuple<std::string, std::string, std::string>;
   using StageKey = std::tuple<std::string, std::string, std::string>;
   mutable absl::Mutex mu_;
-  // Active ids and the data path each was submitted over.
-  absl::flat_hash_map<std::string, std::string> active_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> ended_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> ended_order_ ABSL_GUARDED_BY(mu_);
   std::map<Key, TransferSeries, std::less<>> series_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, std::string>, LatencyHistogram> latency_ ABSL_GUARDED_BY(mu_);
   std::map<IncomingKey, IncomingSeries, std::less<>> incoming_ ABSL_GUARDED_BY(mu_);

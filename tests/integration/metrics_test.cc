@@ -136,6 +136,27 @@ TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]")
   REQUIRE(status.ok());
   CHECK(static_cast<double>(status->liveness_answered()) >= answered);
   CHECK(Value(Scrape(decode), "kvagent_liveness_dropped_total") == 0);
+
+  // One transfer is counted once: sent in two chunks, its first chunk retried while it
+  // runs and again after it ended (both accepted as the same transfer).
+  auto first = KvWrite("m-chunked", {30}, {30});
+  first.set_more_chunks(true);
+  auto second = KvWrite("m-chunked", {31}, {31});
+  second.set_chunk(1);
+  auto submitted = pair.prefill().Submit(first);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  REQUIRE(pair.prefill().Submit(first).ok());
+  REQUIRE(pair.prefill().Submit(second).ok());
+  auto chunked = pair.prefill().WaitTransfer("m-chunked", 20000);
+  REQUIRE(chunked.ok());
+  REQUIRE(chunked->phase() == v1::COMPLETED);
+  REQUIRE(pair.prefill().Submit(first).ok());
+  const std::string last = Scrape(prefill);
+  CHECK(Value(last, "kvagent_transfers_total") == kWrites + kReads + 1);
+  CHECK(Value(last, "kvagent_transfer_bytes_total", writes) ==
+        static_cast<double>(write_bytes + chunked->bytes_done()));
+  CHECK(chunked->bytes_done() == 2 * page_bytes);
 }
 
 TEST_CASE("The metrics endpoint refuses what it must and survives many connections",
