@@ -1009,9 +1009,7 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_refresh_us_last(peer.refresh_us_last);
   info.set_deltas_applied(peer.deltas_applied);
   info.set_full_fetches(peer.full_fetches);
-  info.set_data_path(s.direct == nullptr    ? "ucx"
-                     : s.direct->complete ? "shm-direct"
-                                          : "shm-direct+ucx");
+  info.set_data_path(s.data_path());
   for (const std::string& why : s.direct_fallbacks) info.add_direct_fallbacks(why);
   info.set_direct_fallback_regions(s.direct_fallback_regions);
   info.set_vmm_import_failures(s.vmm_import_failures);

@@ -99,6 +99,12 @@ struct PeerSnapshot {
   // the endpoint), so it neither holds the peer's mapped memory nor copies a view per
   // transfer.
   std::shared_ptr<const PeerSnapshot> without_direct;
+
+  // The data path to this peer, as PeerInfo.data_path and the transfer metrics name
+  // it: "ucx", "shm-direct" (every region mapped) or "shm-direct+ucx".
+  const char* data_path() const {
+    return direct == nullptr ? "ucx" : direct->complete ? "shm-direct" : "shm-direct+ucx";
+  }
 };
 
 }  // namespace kvagent::agent

@@ -520,12 +520,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       t->state.set_direction(v1::OUTGOING);
       t->state.set_request_id(request.request_id());
       t->state.set_complete_when(request.complete_when());
-      if (options_.metrics != nullptr) {
-        const auto& direct = (*peer)->direct;
-        t->metrics_path = direct == nullptr ? "ucx"
-                          : direct->complete ? "shm-direct"
-                                             : "shm-direct+ucx";
-      }
+      if (options_.metrics != nullptr) t->metrics_path = (*peer)->data_path();
       t->start_us = MonotonicMicros();
       // Room for every stage a transfer reaches (7 on success): one allocation of the
       // timeline's array instead of its growth by doubling.
