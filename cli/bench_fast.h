@@ -68,6 +68,9 @@ class FastRing {
   // pause before each, so that the agent's ring thread and this client are asleep.
   absl::StatusOr<std::vector<double>> Pings(uint64_t count,
                                             absl::Duration idle = absl::ZeroDuration());
+  // The ring's session's gRPC client (its transfers' states: GetTransfer answers only
+  // the session's client name).
+  AgentClient& agent() { return *client_; }
 
  private:
   FastRing(std::unique_ptr<AgentClient> client, std::unique_ptr<client::FastPath> path,

@@ -36,19 +36,34 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
            "\"paired_fast_over_memcpy\": null, \"paired_fast_over_memcpy_q1\": null, "
            "\"paired_fast_over_memcpy_q3\": null, \"paired_scattered_over_contiguous\": null, "
            "\"paired_scattered_over_contiguous_q1\": null, "
-           "\"paired_scattered_over_contiguous_q3\": null";
+           "\"paired_scattered_over_contiguous_q3\": null, \"paired_placed_rounds\": 0, "
+           "\"paired_placed_p50_us\": null, \"paired_placed_over_memcpy\": null, "
+           "\"paired_timelines\": 0, \"paired_agent_p50_us\": null, "
+           "\"paired_copy_p50_us\": null, \"paired_receiver_p50_us\": null, "
+           "\"paired_ring_p50_us\": null";
   }
+  auto or_null = [](bool known, double v, const char* format) {
+    return known ? fmt::format(fmt::runtime(format), v) : std::string("null");
+  };
+  const bool placed = p->placed_rounds > 0, timed = p->timelines > 0;
   return fmt::format(
       ", \"paired_rounds\": {}, \"paired_memcpy_p50_us\": {:.1f}, "
       "\"paired_contiguous_p50_us\": {:.1f}, \"paired_scattered_p50_us\": {:.1f}, "
       "\"paired_fast_over_memcpy\": {:.3f}, \"paired_fast_over_memcpy_q1\": {:.3f}, "
       "\"paired_fast_over_memcpy_q3\": {:.3f}, \"paired_scattered_over_contiguous\": {:.3f}, "
       "\"paired_scattered_over_contiguous_q1\": {:.3f}, "
-      "\"paired_scattered_over_contiguous_q3\": {:.3f}",
+      "\"paired_scattered_over_contiguous_q3\": {:.3f}, \"paired_placed_rounds\": {}, "
+      "\"paired_placed_p50_us\": {}, \"paired_placed_over_memcpy\": {}, "
+      "\"paired_timelines\": {}, \"paired_agent_p50_us\": {}, \"paired_copy_p50_us\": {}, "
+      "\"paired_receiver_p50_us\": {}, \"paired_ring_p50_us\": {}",
       p->rounds, p->memcpy_p50_us, p->contiguous_p50_us, p->scattered_p50_us,
       p->fast_over_memcpy.of_medians, p->fast_over_memcpy.q1, p->fast_over_memcpy.q3,
       p->scattered_over_contiguous.of_medians, p->scattered_over_contiguous.q1,
-      p->scattered_over_contiguous.q3);
+      p->scattered_over_contiguous.q3, p->placed_rounds,
+      or_null(placed, p->placed_p50_us, "{:.1f}"),
+      or_null(placed, p->placed_over_memcpy.of_medians, "{:.3f}"), p->timelines,
+      or_null(timed, p->agent_p50_us, "{:.1f}"), or_null(timed, p->copy_p50_us, "{:.1f}"),
+      or_null(timed, p->receiver_p50_us, "{:.1f}"), or_null(timed, p->ring_p50_us, "{:.1f}"));
 }
 
 std::string RatioText(const PairedRatio& r) {
@@ -70,12 +85,26 @@ bool ScatteredTarget(uint64_t block, uint32_t batch) {
 }
 
 std::string PairedLine(const PairedCell& p) {
-  return fmt::format(
+  std::string out = fmt::format(
       "      paired, {}, {} rounds from a cold cache: fast/memcpy {}, scattered/contiguous "
       "{} (p50 us: memcpy {:.0f}, contiguous {:.0f}, scattered {:.0f})",
       CellName(p.cell), p.rounds, RatioText(p.fast_over_memcpy),
       RatioText(p.scattered_over_contiguous), p.memcpy_p50_us, p.contiguous_p50_us,
       p.scattered_p50_us);
+  if (p.placed_rounds > 0) {
+    out += fmt::format("\n        completing when placed: fast/memcpy {} (p50 {:.0f} us)",
+                       RatioText(p.placed_over_memcpy), p.placed_p50_us);
+  } else {
+    out += "\n        completing when placed: - (the agent is older than complete_when)";
+  }
+  if (p.timelines > 0) {
+    out += fmt::format(
+        "\n        contiguous, where its time went (p50 us, {} timelines): in the agent {:.0f} "
+        "(the copy {:.0f}, the receiver's acknowledgement {:.0f}), between client and agent "
+        "{:.0f} (the ring's pick-up and completion, with their wake-ups)",
+        p.timelines, p.agent_p50_us, p.copy_p50_us, p.receiver_p50_us, p.ring_p50_us);
+  }
+  return out;
 }
 
 std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
@@ -86,6 +115,7 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
     double threshold;
     bool (*applies)(uint64_t, uint32_t);
     PairedRatio PairedCell::*ratio;
+    bool placed = false;  // judged only on cells whose placed rounds ran
   };
   const Target targets[] = {
       {"fast_over_memcpy", "fast path >= cold memcpy of the same pages, from 64K x 16 up", 1.0,
@@ -93,6 +123,9 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
       {"scattered_over_contiguous",
        "scattered within 10 % of contiguous (fast path), from 64K x 64 up", 0.9, ScatteredTarget,
        &PairedCell::scattered_over_contiguous},
+      {"fast_placed_over_memcpy",
+       "the same completing when placed (COMPLETE_WHEN_PLACED), from 64K x 16 up", 1.0,
+       FastOverMemcpyTarget, &PairedCell::placed_over_memcpy, true},
   };
   std::string out;
   if (!json) {
@@ -106,6 +139,8 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
     uint64_t cells = 0, met = 0;
     for (const PairedCell& p : pairs) {
       if (!t.applies(p.cell.block, p.cell.batch)) continue;
+      if (t.placed && p.placed_rounds == 0) continue;
+      const uint64_t rounds = t.placed ? p.placed_rounds : p.rounds;
       const PairedRatio& r = p.*t.ratio;
       const bool ok = r.of_medians >= t.threshold;
       ++cells;
@@ -116,11 +151,11 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
             "\"block_bytes\": {}, \"batch\": {}, \"rounds\": {}, \"ratio\": {:.3f}, "
             "\"q1\": {:.3f}, \"q3\": {:.3f}, \"threshold\": {:.2f}, \"met\": {}, "
             "\"loadavg_1m\": {}}}\n",
-            t.key, v1::TransferOp_Name(p.cell.op), p.cell.block, p.cell.batch, p.rounds,
+            t.key, v1::TransferOp_Name(p.cell.op), p.cell.block, p.cell.batch, rounds,
             r.of_medians, r.q1, r.q3, t.threshold, ok ? "true" : "false", Opt(load_now, "{:.2f}"));
       } else {
         lines += fmt::format("    {:<16} {}, {} rounds: {}\n", CellName(p.cell), RatioText(r),
-                             p.rounds, ok ? "met" : "NOT met");
+                             rounds, ok ? "met" : "NOT met");
       }
     }
     if (json) {

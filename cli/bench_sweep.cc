@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -247,6 +248,28 @@ class CellBench::Impl {
       ++transfers;
       return Micros(Clock::now() - t0);
     };
+    // (d), completing when placed: measured once the first one shows the agent honours
+    // complete_when (an older one completes it when acknowledged).
+    std::vector<double> placed_us;
+    bool placed = true;
+    auto timed_placed = [&](uint64_t i) -> absl::StatusOr<double> {
+      Indices(layout, contiguous, i, &local, &remote);
+      v1::SubmitTransferRequest request =
+          Request(layout, contiguous, fmt::format("{}p.{}", prefix, i), local, remote, write);
+      request.clear_wait();
+      request.set_complete_when(v1::COMPLETE_WHEN_PLACED);
+      copier->before();
+      RETURN_IF_ERROR(fast_->Pings(1).status());
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(fast_->Transfer(request));
+      const double us = Micros(Clock::now() - t0);
+      ++transfers;
+      if (i == 0) {
+        ASSIGN_OR_RETURN(v1::TransferState state, fast_->agent().Get(request.transfer_id()));
+        placed = state.complete_when() == v1::COMPLETE_WHEN_PLACED;
+      }
+      return us;
+    };
     const auto start = Clock::now();
     for (uint64_t r = 0; r < max_rounds; ++r) {
       if (r >= min_rounds && Seconds(Clock::now() - start) >= seconds) break;
@@ -257,9 +280,16 @@ class CellBench::Impl {
         return std::optional<PairedCell>();
       }
       memcpy_us.push_back(Micros(Clock::now() - t0));
-      for (int k = 0; k < 2; ++k) {
-        const bool second_is_scattered = r % 2 == 0;
-        const bool s = k == 1 ? second_is_scattered : !second_is_scattered;
+      // (b), (c) and (d) in turn first.
+      for (int k = 0; k < 3; ++k) {
+        const int which = static_cast<int>((r + k) % 3);
+        if (which == 2) {
+          if (!placed) continue;
+          ASSIGN_OR_RETURN(double us, timed_placed(r));
+          if (placed) placed_us.push_back(us);
+          continue;
+        }
+        const bool s = which == 1;
         ASSIGN_OR_RETURN(double us, timed_transfer(s ? scattered : contiguous, r));
         (s ? scattered_us : contiguous_us).push_back(us);
       }
@@ -280,6 +310,39 @@ class CellBench::Impl {
     paired.scattered_p50_us = Percentile(scattered_us, 50);
     paired.fast_over_memcpy = Paired(memcpy_us, contiguous_us);
     paired.scattered_over_contiguous = Paired(contiguous_us, scattered_us);
+    if (placed && !placed_us.empty()) {
+      // Round r's (d) pairs with round r's (a): both vectors have one entry a round.
+      paired.placed_rounds = placed_us.size();
+      paired.placed_p50_us = Percentile(placed_us, 50);
+      paired.placed_over_memcpy = Paired(memcpy_us, placed_us);
+    }
+    // (b)'s stages, from the initiator's timelines (read after the timing).
+    std::vector<double> agent, copy, receiver, ring;
+    for (size_t r = 0; r < contiguous_us.size(); ++r) {
+      auto state = fast_->agent().Get(fmt::format("{}c.{}", prefix, r));
+      if (!state.ok()) continue;
+      std::optional<uint64_t> at[v1::TransferStage_ARRAYSIZE];
+      for (const auto& e : state->timeline()) {
+        if (e.stage() > 0 && e.stage() < v1::TransferStage_ARRAYSIZE) at[e.stage()] = e.at_us();
+      }
+      if (!at[v1::STAGE_ENDED]) continue;
+      const double in_agent = static_cast<double>(*at[v1::STAGE_ENDED]);
+      agent.push_back(in_agent);
+      ring.push_back(std::max(0.0, contiguous_us[r] - in_agent));
+      if (at[v1::STAGE_FIRST_POSTED] && at[v1::STAGE_DATA_FLUSHED]) {
+        copy.push_back(static_cast<double>(*at[v1::STAGE_DATA_FLUSHED]) -
+                       static_cast<double>(*at[v1::STAGE_FIRST_POSTED]));
+      }
+      if (at[v1::STAGE_NOTIFICATION_SENT] && at[v1::STAGE_ACKNOWLEDGED]) {
+        receiver.push_back(static_cast<double>(*at[v1::STAGE_ACKNOWLEDGED]) -
+                           static_cast<double>(*at[v1::STAGE_NOTIFICATION_SENT]));
+      }
+    }
+    paired.timelines = agent.size();
+    paired.agent_p50_us = Percentile(agent, 50);
+    paired.ring_p50_us = Percentile(ring, 50);
+    paired.copy_p50_us = Percentile(copy, 50);
+    paired.receiver_p50_us = Percentile(receiver, 50);
     return std::optional<PairedCell>(paired);
   }
 

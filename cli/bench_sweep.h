@@ -33,6 +33,10 @@ struct PairedRatio {
 // transfer's pages, (b) that transfer through the fast path ring, (c) the scattered
 // transfer of the same shape (b and c in turn first); before (b) and (c) an untimed
 // ring ping wakes the agent, asleep after the pause. Load then hits all three alike.
+// Each round also times (d): (b)'s transfer completing when placed
+// (COMPLETE_WHEN_PLACED: the sender's COMPLETED does not wait for the receiver's
+// acknowledgement), unless the agent is older than complete_when; (b), (c) and (d)
+// take turns going first.
 struct PairedCell {
   Cell cell;  // its op, block and batch (pattern: both)
   uint64_t rounds = 0;
@@ -41,6 +45,19 @@ struct PairedCell {
   // named is the faster.
   PairedRatio fast_over_memcpy;           // (b) against (a): the `fx_mc` of the pair
   PairedRatio scattered_over_contiguous;  // (c) against (b)
+  // (d): rounds (0: not measured, the agent completed it when acknowledged), p50, and
+  // against (a).
+  uint64_t placed_rounds = 0;
+  double placed_p50_us = 0;
+  PairedRatio placed_over_memcpy;
+  // Where (b)'s time went: medians over the rounds whose initiator timeline was read
+  // (`timelines` of them, 0: none). In the agent, accepted to ended; of that, the copy
+  // (first batch posted to data flushed) and the wait for the receiver (notification
+  // sent to acknowledged); the rest of the client's time (`ring`) lies between the
+  // client and the agent: the ring's pick-up of the entry and its completion, with the
+  // thread wake-ups between them.
+  uint64_t timelines = 0;
+  double agent_p50_us = 0, copy_p50_us = 0, receiver_p50_us = 0, ring_p50_us = 0;
 };
 
 struct CellResult {

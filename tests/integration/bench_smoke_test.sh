@@ -68,6 +68,24 @@ while IFS= read -r line; do
       v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
       if ! positive "$v"; then echo "$key is not a positive finite number in: $line"; bad=1; fi
     done
+    # Each round also timed the contiguous transfer completing when placed (these
+    # agents have complete_when), and the contiguous transfers' timelines were read:
+    # where their time went.
+    placed=$(sed -n 's/.*"paired_placed_rounds": \([0-9]*\),.*/\1/p' <<<"$line")
+    timelines=$(sed -n 's/.*"paired_timelines": \([0-9]*\),.*/\1/p' <<<"$line")
+    if [[ "$placed" != "$rounds" ]]; then
+      echo "paired_placed_rounds '$placed' is not the $rounds rounds in: $line"; bad=1
+    fi
+    if [[ -z "$timelines" ]] || (( timelines < 1 || timelines > rounds )); then
+      echo "paired_timelines '$timelines' not within 1..$rounds in: $line"; bad=1
+    fi
+    for key in paired_placed_p50_us paired_placed_over_memcpy paired_agent_p50_us \
+               paired_copy_p50_us paired_receiver_p50_us; do
+      v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
+      if ! positive "$v"; then echo "$key is not a positive finite number in: $line"; bad=1; fi
+    done
+    v=$(sed -n 's/.*"paired_ring_p50_us": \([^,}]*\).*/\1/p' <<<"$line")
+    if [[ ! "$v" =~ ^[0-9.]+$ ]]; then echo "paired_ring_p50_us is not a number in: $line"; bad=1; fi
   elif [[ "$rounds" != 0 || "$line" != *'"paired_fast_over_memcpy": null'* ]]; then
     echo "a cell outside issue 14's targets with paired figures: $line"; bad=1
   fi
@@ -87,7 +105,7 @@ done < <(grep '^{"kind": "cell"' "$out")
 # The sweep's targets block (issue 14): per target, one line per paired cell (64K x 64
 # and 1M x 64, WRITE and READ: 4) with a positive finite ratio and its quartiles, and a
 # summary with the cells met and the load average.
-for target in fast_over_memcpy scattered_over_contiguous; do
+for target in fast_over_memcpy scattered_over_contiguous fast_placed_over_memcpy; do
   summary=$(grep "^{\"kind\": \"targets\", \"issue\": 14, \"target\": \"$target\"" "$out" || true)
   if [[ "$summary" != *'"cells": 4, "met": '[0-4]','* || "$summary" != *'"loadavg_1m": '[0-9]* ]]; then
     echo "no targets summary for $target over 4 cells with a load average: '$summary'"; bad=1

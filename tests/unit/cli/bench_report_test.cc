@@ -18,6 +18,14 @@ PairedCell Pair(v1::TransferOp op, uint64_t block, uint32_t batch, double fast, 
   return p;
 }
 
+// The same with its placed rounds (7 of them) at `placed`.
+PairedCell WithPlaced(PairedCell p, double placed) {
+  p.placed_rounds = 7;
+  p.placed_p50_us = 100;
+  p.placed_over_memcpy = {placed, placed * 0.9, placed * 1.1};
+  return p;
+}
+
 size_t Count(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -26,9 +34,11 @@ size_t Count(const std::string& text, const std::string& what) {
 
 TEST_CASE("targets block: each target judges its own cells at its threshold") {
   const std::vector<PairedCell> pairs = {
-      Pair(v1::WRITE, 64 << 10, 16, 1.0, 0.5),     // fast target only: met at exactly 1.0
-      Pair(v1::READ, 64 << 10, 64, 0.999, 0.9),    // fast not met; scattered met at 0.90
-      Pair(v1::WRITE, 1 << 20, 256, 2.0, 0.899),   // fast met; scattered not met
+      // fast target only: met at exactly 1.0; placed met
+      WithPlaced(Pair(v1::WRITE, 64 << 10, 16, 1.0, 0.5), 1.2),
+      // fast not met; scattered met at 0.90; placed not met
+      WithPlaced(Pair(v1::READ, 64 << 10, 64, 0.999, 0.9), 0.5),
+      Pair(v1::WRITE, 1 << 20, 256, 2.0, 0.899),   // fast met; scattered not met; no placed
   };
   const std::string table = TargetsBlock(pairs, false, 1.5, 2.25);
   INFO(table);
@@ -36,7 +46,10 @@ TEST_CASE("targets block: each target judges its own cells at its threshold") {
   CHECK(table.find("from 64K x 16 up (>= 1.00): met in 2 of 3 cells") != std::string::npos);
   CHECK(table.find("from 64K x 64 up (>= 0.90): met in 1 of 2 cells") != std::string::npos);
   CHECK(table.find("READ 64K x 64    1.00 [0.90-1.10], 9 rounds: NOT met") != std::string::npos);
-  CHECK(Count(table, "NOT met") == 2);
+  CHECK(table.find("placed (COMPLETE_WHEN_PLACED), from 64K x 16 up (>= 1.00): met in 1 of 2 "
+                   "cells") != std::string::npos);
+  CHECK(table.find("READ 64K x 64    0.50 [0.45-0.55], 7 rounds: NOT met") != std::string::npos);
+  CHECK(Count(table, "NOT met") == 3);
 
   const std::string json = TargetsBlock(pairs, true, 1.5, std::nullopt);
   INFO(json);
@@ -47,15 +60,36 @@ TEST_CASE("targets block: each target judges its own cells at its threshold") {
   CHECK(json.find("\"block_bytes\": 1048576, \"batch\": 256, \"rounds\": 9, \"ratio\": 0.899, "
                   "\"q1\": 0.809, \"q3\": 0.989, \"threshold\": 0.90, \"met\": false") !=
         std::string::npos);
-  CHECK(Count(json, "\n") == 7);  // 5 cell lines, 2 summaries
+  CHECK(Count(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_placed_over_memcpy\"") == 2);
+  CHECK(json.find("\"target\": \"fast_placed_over_memcpy\", \"threshold\": 1.00, \"cells\": 2, "
+                  "\"met\": 1,") != std::string::npos);
+  CHECK(Count(json, "\n") == 10);  // 7 cell lines, 3 summaries
 }
 
 TEST_CASE("targets block: a run without paired cells says so") {
   const std::string table = TargetsBlock({}, false, std::nullopt, std::nullopt);
   INFO(table);
-  CHECK(Count(table, "no paired cell in this run") == 2);
+  CHECK(Count(table, "no paired cell in this run") == 3);
   CHECK(table.find("load average - at the sweep's start, - now") != std::string::npos);
-  CHECK(Count(TargetsBlock({}, true, std::nullopt, std::nullopt), "\"cells\": 0, \"met\": 0") == 2);
+  CHECK(Count(TargetsBlock({}, true, std::nullopt, std::nullopt), "\"cells\": 0, \"met\": 0") == 3);
+}
+
+TEST_CASE("paired line: the placed rounds and where the contiguous transfer's time went") {
+  PairedCell p = WithPlaced(Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9), 0.5);
+  p.timelines = 9;
+  p.agent_p50_us = 300, p.copy_p50_us = 120, p.receiver_p50_us = 150, p.ring_p50_us = 200;
+  const std::string line = PairedLine(p);
+  INFO(line);
+  CHECK(line.find("completing when placed: fast/memcpy 0.50 [0.45-0.55] (p50 100 us)") !=
+        std::string::npos);
+  CHECK(line.find("(p50 us, 9 timelines): in the agent 300 (the copy 120, the receiver's "
+                  "acknowledgement 150), between client and agent 200") != std::string::npos);
+  // An agent older than complete_when, timelines not read: said so, nothing made up.
+  const std::string old = PairedLine(Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9));
+  INFO(old);
+  CHECK(old.find("completing when placed: - (the agent is older than complete_when)") !=
+        std::string::npos);
+  CHECK(old.find("where its time went") == std::string::npos);
 }
 
 TEST_CASE("issue 14's cells: fast from 64K x 16 up, scattered from 64K x 64 up") {
