@@ -1,6 +1,10 @@
 #include "agent/doctor.h"
 
 #include <dirent.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -8,13 +12,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -567,12 +574,147 @@ FirstTouchFacts ProbeFirstTouch(uint32_t pages) {
   return facts;
 }
 
+namespace {
+
+// Two CPUs this thread may run on (the second on another CPU when it may use more than
+// one), for ProbeWakeup's two threads.
+std::pair<int, int> TwoCpus(bool* distinct) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  int first = -1, second = -1;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    for (int c = 0; c < CPU_SETSIZE && second < 0; ++c) {
+      if (!CPU_ISSET(c, &allowed)) continue;
+      (first < 0 ? first : second) = c;
+    }
+  }
+  *distinct = first >= 0 && second >= 0;
+  return {first, second >= 0 ? second : first};
+}
+
+void PinTo(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  pthread_setaffinity_np(pthread_self(), sizeof(one), &one);  // best effort
+}
+
+}  // namespace
+
+WakeupFacts ProbeWakeup(uint32_t rounds, uint32_t pause_us) {
+  using Clock = std::chrono::steady_clock;
+  WakeupFacts facts;
+  const int fd = eventfd(0, EFD_CLOEXEC);
+  if (fd < 0) {
+    facts.error = fmt::format("eventfd: {}", std::strerror(errno));
+    return facts;
+  }
+  // The sleeper and the waker on two different CPUs where the process may use two:
+  // a wake-up on the waker's own CPU costs little anywhere; one that must reach another
+  // CPU (an engine's thread and the agent's, each busy on its own) is the one measured.
+  bool distinct = false;
+  const auto [waker_cpu, sleeper_cpu] = TwoCpus(&distinct);
+  std::vector<Clock::time_point> written(rounds), woke(rounds);
+  std::atomic<uint32_t> done{0};
+  std::string helper_error, write_error;  // each written by one thread
+  std::thread helper([&, sleeper_cpu = sleeper_cpu] {
+    PinTo(sleeper_cpu);
+    for (uint32_t i = 0; i < rounds; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      const int ready = poll(&p, 1, 1000);
+      uint64_t value = 0;
+      if (ready != 1 || read(fd, &value, sizeof(value)) != sizeof(value)) {
+        helper_error = ready == 0 ? "a sleeping thread was not woken within 1 s"
+                                  : fmt::format("poll/read of the eventfd: {}",
+                                                std::strerror(errno));
+        return;
+      }
+      woke[i] = Clock::now();
+      done.store(i + 1, std::memory_order_release);
+    }
+  });
+  std::thread waker([&, waker_cpu = waker_cpu] {
+    PinTo(waker_cpu);
+    for (uint32_t i = 0; i < rounds; ++i) {
+      std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+      if (done.load(std::memory_order_acquire) != i) break;  // the helper gave up
+      written[i] = Clock::now();
+      const uint64_t one = 1;
+      if (write(fd, &one, sizeof(one)) != sizeof(one)) {
+        write_error = fmt::format("write to the eventfd: {}", std::strerror(errno));
+        break;
+      }
+      // The next pause starts once the helper ran (or gave up: at most its 1 s).
+      const auto deadline = Clock::now() + std::chrono::milliseconds(1100);
+      while (done.load(std::memory_order_acquire) == i && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  });
+  waker.join();
+  if (done.load(std::memory_order_acquire) != rounds) {
+    // Unblock a helper still waiting (it reads this and ends, or has ended).
+    const uint64_t one = 1;
+    for (uint32_t i = 0; i < rounds; ++i) (void)!write(fd, &one, sizeof(one));
+  }
+  helper.join();
+  close(fd);
+  const uint32_t n = done.load(std::memory_order_acquire);
+  if (n != rounds || rounds == 0) {
+    facts.error = rounds == 0              ? "no rounds asked"
+                  : !write_error.empty()   ? write_error
+                  : !helper_error.empty()  ? helper_error
+                                           : "the probe ended early";
+    return facts;
+  }
+  std::vector<double> us(rounds);
+  for (uint32_t i = 0; i < rounds; ++i) {
+    us[i] = std::max(0.0, std::chrono::duration<double, std::micro>(woke[i] - written[i]).count());
+  }
+  std::sort(us.begin(), us.end());
+  auto at = [&](double q) {
+    return us[std::min<size_t>(us.size() - 1, static_cast<size_t>(q * (us.size() - 1) + 0.5))];
+  };
+  facts.rounds = rounds;
+  facts.other_cpu = distinct;
+  facts.p50_us = at(0.5);
+  facts.p90_us = at(0.9);
+  facts.max_us = us.back();
+  facts.measured = true;
+  return facts;
+}
+
 std::optional<int> ReadPtraceScope(const std::string& path) {
   auto text = ReadSmallFile(path);
   if (!text.has_value()) return std::nullopt;
   int scope = 0;
   if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &scope)) return -1;
   return scope;
+}
+
+v1::DoctorCheck CheckWakeup(const WakeupFacts& facts) {
+  if (!facts.measured) {
+    return Make("wake-up", Check::WARN, fmt::format("not measured ({})", facts.error),
+                "optional: check that eventfd and threads work for the agent's user");
+  }
+  const std::string figures = fmt::format(
+      "a thread asleep on an eventfd runs {:.0f} us after a thread on {} wakes it (p50; "
+      "p90 {:.0f}, max {:.0f}; {} rounds)",
+      facts.p50_us, facts.other_cpu ? "another CPU" : "its CPU (the only one allowed)",
+      facts.p90_us, facts.max_us, facts.rounds);
+  if (facts.p50_us < kWakeupWarnUs) return Make("wake-up", Check::PASS, figures);
+  return Make("wake-up", Check::WARN,
+              figures + "; a small transfer pays two to four of these whenever its client "
+                        "or an agent has gone to sleep (the client on its completion, the "
+                        "receiving agent for the acknowledgement), so they, not the copy, "
+                        "set its latency (costs this high usually come from a virtual "
+                        "machine's halted idle vCPUs, or from more busy threads than cores)",
+              "complete_when PLACED takes the receiver's acknowledgement off the sender's "
+              "path; where cores are spare, poll longer before sleeping (kvagentd "
+              "--fast-path-spin-us, an engine's FastPathOptions.spin_us); on a virtual "
+              "machine, an idle driver that polls before halting (cpuidle-haltpoll) or "
+              "dedicated vCPUs (docs/OPERATIONS.md, \"A slow transfer\")");
 }
 
 std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir) {
@@ -644,6 +786,7 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   *report.add_checks() =
       CheckHugepages(ParseMeminfo(ReadSmallFile(inputs.meminfo_path).value_or("")));
   *report.add_checks() = CheckFirstTouch(ProbeFirstTouch());
+  *report.add_checks() = CheckWakeup(ProbeWakeup());
   *report.add_checks() = CheckPtraceScope(ReadPtraceScope(inputs.ptrace_scope_path));
   *report.add_checks() = CheckRdma(ListRdmaDevices(inputs.rdma_dir), ucx);
   *report.add_checks() = CheckPrivileges(inputs.euid, inputs.has_ipc_lock);

@@ -71,6 +71,19 @@ struct FirstTouchFacts {
   double mapped_us = 0;      // per page: the same again, now mapped
 };
 
+// How long a thread asleep on an eventfd takes to run once another thread writes it
+// (ProbeWakeup). Whenever a side of a transfer has gone to sleep (the client on its
+// completion doorbell, an agent's UCX thread on its event fd), the transfer pays one.
+struct WakeupFacts {
+  bool measured = false;
+  std::string error;  // why not
+  uint32_t rounds = 0;
+  bool other_cpu = false;  // woken from another CPU (false: only one CPU is allowed)
+  double p50_us = 0;
+  double p90_us = 0;
+  double max_us = 0;
+};
+
 struct RdmaDevice {
   std::string name;                      // "mlx5_0"
   std::vector<std::string> port_states;  // "1: ACTIVE", one per port
@@ -97,6 +110,11 @@ v1::DoctorCheck CheckHugepages(const HugepageFacts& hugepages);
 // remedy; PASS below it, with the figures.
 constexpr double kFirstTouchWarnUs = 2.0;
 v1::DoctorCheck CheckFirstTouch(const FirstTouchFacts& facts);
+// "wake-up": WARN from kWakeupWarnUs (p50): a one-page transfer crosses two to four
+// wake-ups whenever its client or an agent has gone to sleep, so they set the floor of
+// small transfers' latency; PASS below it, with the figures.
+constexpr double kWakeupWarnUs = 30.0;
+v1::DoctorCheck CheckWakeup(const WakeupFacts& facts);
 // `scope` is the content of /proc/sys/kernel/yama/ptrace_scope; nullopt when Yama is
 // not there.
 v1::DoctorCheck CheckPtraceScope(std::optional<int> scope);
@@ -120,6 +138,12 @@ HugepageFacts ParseMeminfo(std::string_view meminfo);
 // again, and times one byte written per page through the new mapping, then again.
 // About pages x 2 page faults (256 pages: ~1-10 ms).
 FirstTouchFacts ProbeFirstTouch(uint32_t pages = 256);
+// `rounds` times: a thread sleeps in a blocking read of an eventfd, another, pinned to
+// a different CPU where two are allowed, waits `pause_us` (so that the sleeper, and an
+// idle CPU, are asleep), notes the time and writes the eventfd; the sleeper notes when it
+// runs. About rounds x pause_us (32 x 500 µs: ~20 ms). A sleeper not woken within a
+// second ends the probe (not measured).
+WakeupFacts ProbeWakeup(uint32_t rounds = 32, uint32_t pause_us = 500);
 std::optional<int> ReadPtraceScope(const std::string& path);
 std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir);
 

@@ -1,5 +1,6 @@
 // Each Doctor check's PASS/WARN/FAIL decision and its message, from hand-made facts;
 // the fact readers against files written under TEST_TMPDIR; RunDoctor's order.
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -294,6 +295,56 @@ TEST_CASE("first-touch: the probe measures; slow first access warns with the cos
   CHECK_FALSE(unknown.fix().empty());
 }
 
+TEST_CASE("wake-up: the probe measures a sleeper woken from another CPU; slow wake-ups warn with the remedies") {
+  const WakeupFacts live = ProbeWakeup(8, 200);
+  REQUIRE(live.measured);  // eventfd and threads work in the test's sandbox
+  CHECK(live.error.empty());
+  CHECK(live.rounds == 8);
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  REQUIRE(sched_getaffinity(0, sizeof(allowed), &allowed) == 0);
+  CHECK(live.other_cpu == (CPU_COUNT(&allowed) > 1));
+  CHECK(live.p50_us > 0);
+  CHECK(live.p50_us <= live.p90_us);
+  CHECK(live.p90_us <= live.max_us);
+  CHECK(live.max_us < 1e6);  // a sleeper not woken within 1 s ends the probe instead
+
+  WakeupFacts fast;
+  fast.measured = true;
+  fast.rounds = 32;
+  fast.other_cpu = true;
+  fast.p50_us = 6, fast.p90_us = 18, fast.max_us = 27;
+  const auto pass = CheckWakeup(fast);
+  CHECK(pass.result() == Result::PASS);
+  CHECK(pass.detail() ==
+        "a thread asleep on an eventfd runs 6 us after a thread on another CPU wakes it (p50; "
+        "p90 18, max 27; 32 rounds)");
+  CHECK(pass.fix().empty());
+
+  WakeupFacts slow = fast;
+  slow.p50_us = 91, slow.p90_us = 108, slow.max_us = 160;  // this project's VMs
+  slow.other_cpu = false;
+  const auto warn = CheckWakeup(slow);
+  CHECK(warn.result() == Result::WARN);
+  CHECK(Has(warn.detail(), "runs 91 us after a thread on its CPU (the only one allowed)"));
+  CHECK(Has(warn.detail(), "not the copy, set its latency"));
+  CHECK(Has(warn.fix(), "complete_when PLACED"));
+  CHECK(Has(warn.fix(), "--fast-path-spin-us"));
+  CHECK(Has(warn.fix(), "cpuidle-haltpoll"));
+  CHECK(Has(warn.fix(), "A slow transfer"));
+  // The threshold itself warns.
+  slow.p50_us = kWakeupWarnUs;
+  CHECK(CheckWakeup(slow).result() == Result::WARN);
+
+  WakeupFacts failed;
+  failed.error = "eventfd: Too many open files";
+  const auto unknown = CheckWakeup(failed);
+  CHECK(unknown.result() == Result::WARN);
+  CHECK(unknown.detail() == "not measured (eventfd: Too many open files)");
+  CHECK_FALSE(unknown.fix().empty());
+  CHECK(ProbeWakeup(0, 1).error == "no rounds asked");
+}
+
 TEST_CASE("ptrace-scope: absent and 0 pass, 1-3 warn with what to do") {
   auto absent = CheckPtraceScope(std::nullopt);
   CHECK(absent.result() == Result::PASS);
@@ -506,25 +557,27 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   for (const auto& c : report.checks()) names.push_back(c.name());
   CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "device-copy",
                                           "memlock", "dev-shm", "hugepages", "first-touch",
-                                          "ptrace-scope", "rdma", "privileges",
+                                          "wake-up", "ptrace-scope", "rdma", "privileges",
                                           "peer:decode"});
   CHECK(report.checks(6).result() == Result::PASS);  // from the meminfo written above
   CHECK(report.checks(7).detail().rfind("first write to a page through a new mapping", 0) == 0);
-  CHECK(report.checks(8).result() == Result::WARN);  // scope 1
-  CHECK(report.checks(9).result() == Result::PASS);  // no devices
-  CHECK(report.checks(10).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
+  CHECK(report.checks(8).detail().rfind("a thread asleep on an eventfd runs ", 0) == 0);
+  CHECK(report.checks(9).result() == Result::WARN);  // scope 1
+  CHECK(report.checks(10).result() == Result::PASS);  // no devices
+  CHECK(report.checks(11).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
   CHECK(HasFailure(report));                         // the unreachable peer
 
   auto lines = SummaryLines(report);
-  REQUIRE(lines.size() == 12);
+  REQUIRE(lines.size() == 13);
   CHECK(lines[0] == "ucx PASS UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
   CHECK(lines[3].rfind("device-copy PASS cuMemcpyAsync per page", 0) == 0);
-  CHECK(lines[8].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
+  CHECK(lines[8].rfind("wake-up ", 0) == 0);
+  CHECK(lines[9].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
 
   inputs.peers.clear();
   CHECK_FALSE(HasFailure(RunDoctor(inputs)));
   inputs.device_copy.clear();  // not given: no device-copy check
-  CHECK(RunDoctor(inputs).checks_size() == 11);  // 10 host checks and "peers"
+  CHECK(RunDoctor(inputs).checks_size() == 12);  // 11 host checks and "peers"
 }
 
 }  // namespace
