@@ -663,9 +663,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
   };
   Lone lone[2];
   const bool here = options.initiator_pid != 0 && options.target_pid != 0;
+  std::string latency_drain;  // how the target's notifications were taken: ring, grpc
   {
-    std::unique_ptr<NotificationWaiter> drain =
-        StartDrain(options.target_address, prefix + "l", options.timeout_ms);
+    // The target's notifications taken as the rate phase takes them: on the ring of the
+    // session that owns its pool where it can (an engine on the node), else by gRPC polls.
+    ASSIGN_OR_RETURN(std::unique_ptr<NotificationWaiter> drain,
+                     StartRateDrain(options, prefix + "l", &latency_drain));
     uint64_t notified = 0;
     AgentClient target(options.target_address, options.timeout_ms);
     uint64_t page = 0;
@@ -779,8 +782,10 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
   }
   const std::optional<double> load_latency = LoadAverage();
   if (!json) {
-    std::printf("latency, one 4 KiB page WRITE at a time, one client (us; load average %s):\n",
-                Cellf(load_latency, "{:.2f}").c_str());
+    std::printf("latency, one 4 KiB page WRITE at a time, one client (us; load average %s; the "
+                "target's notifications taken %s):\n",
+                Cellf(load_latency, "{:.2f}").c_str(),
+                latency_drain == "ring" ? "on its ring" : "by gRPC polls");
     std::printf("  %-60s %6s %9s %9s %9s\n", "", "n", "p50", "p99", "p999");
   }
   for (const auto& l : latency) PrintLatency(l, json, load_latency);
