@@ -42,10 +42,11 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
            "\"paired_copy_p50_us\": null, \"paired_receiver_p50_us\": null, "
            "\"paired_ring_p50_us\": null";
   }
-  auto or_null = [](bool known, double v, const char* format) {
-    return known ? fmt::format(fmt::runtime(format), v) : std::string("null");
-  };
+  // The placed and timeline figures: null where the paired rounds did not measure them.
   const bool placed = p->placed_rounds > 0, timed = p->timelines > 0;
+  auto known = [](bool measured, double v) {
+    return measured ? std::optional<double>(v) : std::nullopt;
+  };
   return fmt::format(
       ", \"paired_rounds\": {}, \"paired_memcpy_p50_us\": {:.1f}, "
       "\"paired_contiguous_p50_us\": {:.1f}, \"paired_scattered_p50_us\": {:.1f}, "
@@ -60,10 +61,10 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
       p->fast_over_memcpy.of_medians, p->fast_over_memcpy.q1, p->fast_over_memcpy.q3,
       p->scattered_over_contiguous.of_medians, p->scattered_over_contiguous.q1,
       p->scattered_over_contiguous.q3, p->placed_rounds,
-      or_null(placed, p->placed_p50_us, "{:.1f}"),
-      or_null(placed, p->placed_over_memcpy.of_medians, "{:.3f}"), p->timelines,
-      or_null(timed, p->agent_p50_us, "{:.1f}"), or_null(timed, p->copy_p50_us, "{:.1f}"),
-      or_null(timed, p->receiver_p50_us, "{:.1f}"), or_null(timed, p->ring_p50_us, "{:.1f}"));
+      Opt(known(placed, p->placed_p50_us), "{:.1f}"),
+      Opt(known(placed, p->placed_over_memcpy.of_medians), "{:.3f}"), p->timelines,
+      Opt(known(timed, p->agent_p50_us), "{:.1f}"), Opt(known(timed, p->copy_p50_us), "{:.1f}"),
+      Opt(known(timed, p->receiver_p50_us), "{:.1f}"), Opt(known(timed, p->ring_p50_us), "{:.1f}"));
 }
 
 std::string RatioText(const PairedRatio& r) {
