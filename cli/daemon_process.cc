@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "base/format.h"
 #include "cli/child_process.h"
 #include "fmt/format.h"
@@ -35,6 +38,21 @@ absl::StatusOr<std::string> DefaultSocketPath(const std::string& work_dir, const
         fmt::format("cannot create {} for agent sockets: {}", dir, std::strerror(errno)));
   }
   return fmt::format("{}/{}.sock", dir, name);
+}
+
+// Unlinks the Unix socket at `path` when nothing listens on it any more: a connect
+// is refused (a live socket of another type answers EPROTOTYPE, and stays).
+void UnlinkIfStale(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  const bool refused =
+      ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 && errno == ECONNREFUSED;
+  ::close(fd);
+  if (refused) ::unlink(path.c_str());
 }
 
 std::string Tail(const std::string& path, size_t bytes) {
@@ -86,10 +104,14 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
         options.name, options.command_prefix[0]));
   }
   std::string local_socket = options.local_socket;
+  std::string socket_dir;
   if (local_socket.empty()) {
     auto derived = DefaultSocketPath(options.work_dir, options.name);
     if (!derived.ok()) return derived.status();
     local_socket = *std::move(derived);
+    if (absl::StartsWith(local_socket, "/tmp/kva-")) {
+      socket_dir = local_socket.substr(0, local_socket.rfind('/'));
+    }
   }
   std::vector<std::string> args = options.command_prefix;
   for (std::string a : {options.binary, std::string("--name"), options.name,
@@ -135,6 +157,7 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
   process.log_path_ = log_path;
   process.host_ = options.connect_host.empty() ? options.listen_host : options.connect_host;
   process.local_socket_ = local_socket;
+  process.socket_dir_ = socket_dir;
   const bool want_port = options.network != NetworkDoor::kNone;
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(options.start_timeout_ms);
   while (std::chrono::steady_clock::now() < until) {
@@ -148,6 +171,7 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
     int status = 0;
     if (waitpid(*pid, &status, WNOHANG) == *pid) {
       process.pid_ = -1;
+      process.CleanUpSocketDir();
       return absl::UnavailableError(fmt::format("agent '{}' exited during start-up: {}",
                                                 options.name, Tail(log_path, 2000)));
     }
@@ -163,9 +187,11 @@ DaemonProcess::DaemonProcess(DaemonProcess&& other) noexcept
     : pid_(other.pid_),
       port_(other.port_),
       local_socket_(std::move(other.local_socket_)),
+      socket_dir_(std::move(other.socket_dir_)),
       host_(std::move(other.host_)),
       log_path_(std::move(other.log_path_)) {
   other.pid_ = -1;
+  other.socket_dir_.clear();
 }
 
 DaemonProcess& DaemonProcess::operator=(DaemonProcess&& other) noexcept {
@@ -174,9 +200,11 @@ DaemonProcess& DaemonProcess::operator=(DaemonProcess&& other) noexcept {
     pid_ = other.pid_;
     port_ = other.port_;
     local_socket_ = std::move(other.local_socket_);
+    socket_dir_ = std::move(other.socket_dir_);
     host_ = std::move(other.host_);
     log_path_ = std::move(other.log_path_);
     other.pid_ = -1;
+    other.socket_dir_.clear();
   }
   return *this;
 }
@@ -198,6 +226,7 @@ absl::StatusOr<int> DaemonProcess::Stop(uint32_t timeout_ms) {
     int status = 0;
     if (waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;
+      CleanUpSocketDir();
       if (WIFEXITED(status)) return WEXITSTATUS(status);
       return 128 + WTERMSIG(status);
     }
@@ -214,6 +243,15 @@ void DaemonProcess::Kill() {
   int status = 0;
   waitpid(pid_, &status, 0);
   pid_ = -1;
+  CleanUpSocketDir();
+}
+
+void DaemonProcess::CleanUpSocketDir() {
+  if (socket_dir_.empty()) return;
+  // The agent's doors beside its local socket (sessions, liveness); a restarted agent
+  // of the same name that already listens keeps them.
+  for (const char* suffix : {"", ".session", ".live"}) UnlinkIfStale(local_socket_ + suffix);
+  ::rmdir(socket_dir_.c_str());  // only when empty: the other agents' sockets stay
 }
 
 }  // namespace kvagent::cli

@@ -28,6 +28,9 @@ struct DaemonOptions {
   uint32_t start_timeout_ms = 15000;
   // The local door's socket; empty: WORK_DIR/NAME.sock, or, when that path is too long
   // for a Unix socket, /tmp/kva-<hash of WORK_DIR>/NAME.sock (the same on a restart).
+  // Once the agent has exited (Stop, Kill), what it left there goes: its sockets that
+  // nothing listens on any more (a killed agent does not unlink them), and the folder
+  // when nothing else is in it.
   std::string local_socket;
   // A network door on LISTEN_HOST:0: kTls needs `tls` (this agent's certificate).
   NetworkDoor network = NetworkDoor::kNone;
@@ -65,9 +68,13 @@ class DaemonProcess {
   void Kill();
 
  private:
+  // After the agent exited: removes the /tmp/kva-* socket folder's leftovers of it.
+  void CleanUpSocketDir();
+
   pid_t pid_ = -1;
   int port_ = 0;
   std::string local_socket_;
+  std::string socket_dir_;  // the /tmp/kva-* folder the socket was put in; else empty
   std::string host_ = "127.0.0.1";
   std::string log_path_;
 };

@@ -5,6 +5,7 @@ import hashlib
 import os
 import shutil
 import signal
+import socket as socketlib
 import subprocess
 import tempfile
 import time
@@ -41,11 +42,13 @@ class Agent:
         self.name = name
         binary = binary or find_kvagentd()
         self.socket = os.path.join(work_dir, f"{name}.sock")
+        self.socket_dir = None  # a folder made for the socket, cleaned up by stop()
         if len(self.socket) > SOCKET_PATH_MAX:  # Unix socket paths are short
             short = os.path.join(tempfile.gettempdir(),
                                  "kva-" + hashlib.sha1(work_dir.encode()).hexdigest()[:10])
             os.makedirs(short, exist_ok=True)
             self.socket = os.path.join(short, f"{name}.sock")
+            self.socket_dir = short
         port_file = os.path.join(work_dir, f"{name}.port")
         self.log_path = os.path.join(work_dir, f"{name}.log")
         if os.path.exists(port_file):
@@ -85,7 +88,29 @@ class Agent:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._clean_up_socket_dir()
         return self.process.returncode
+
+    def _clean_up_socket_dir(self):
+        """Once the agent exited: its sockets in the folder made for them that nothing
+        listens on (a killed agent leaves them), then the folder if it is empty (the
+        other agents' sockets stay)."""
+        if self.socket_dir is None:
+            return
+        for path in (self.socket, self.socket + ".session", self.socket + ".live"):
+            probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)  # nothing listens: stale
+            except OSError:
+                pass  # gone already, or a live socket of another type
+            finally:
+                probe.close()
+        try:
+            os.rmdir(self.socket_dir)
+        except OSError:
+            pass
 
 
 class AgentPair:

@@ -2,12 +2,14 @@
 MLA), Mamba state with its slot dimension, aux records, chunks, READ, an engine's own
 memfd and numpy arrays, subscriptions; every byte compared."""
 import os
+import tempfile
 import unittest
 
 import numpy as np
 import torch
 
 import kvagent
+import kvagent.daemon
 from harness import PairTestCase, main
 
 LAYERS, PAGES, PAGE = 4, 32, (16, 2, 64)  # 16 tokens x 2 KV heads x 64, bf16: 4 KiB/page
@@ -183,6 +185,27 @@ class ClientTest(PairTestCase):
         pre.transfer("decode", "cuda-1", pages=([1, 2], [3, 4])).result(timeout=30)
         for s, d in zip(src, dst):
             self.assertTrue(torch.equal(s[[1, 2]].cpu(), d[[3, 4]].cpu()))
+
+
+class SocketFolderTest(unittest.TestCase):
+    """kvagent.daemon puts the sockets of an agent whose work folder is too deep in
+    /tmp/kva-<hash>/; once the agent exited, even killed, nothing of it stays there."""
+
+    def test_killed_and_stopped_agents_leave_no_socket_folder(self):
+        base = tempfile.mkdtemp(prefix="kva-deep.", dir=os.environ.get("TEST_TMPDIR"))
+        work = os.path.join(base, "w" * 100)
+        os.mkdir(work)
+        pair = kvagent.daemon.AgentPair(work_dir=work)
+        folder = os.path.dirname(pair.decode.socket)
+        self.assertTrue(folder.startswith(os.path.join(tempfile.gettempdir(), "kva-")), folder)
+        self.assertEqual(folder, os.path.dirname(pair.prefill.socket))
+        pair.decode.process.kill()  # SIGKILL: the agent unlinks nothing itself
+        pair.decode.stop()
+        self.assertFalse(os.path.exists(pair.decode.socket))
+        self.assertFalse(os.path.exists(pair.decode.socket + ".session"))
+        self.assertTrue(os.path.exists(pair.prefill.socket))  # alive: kept
+        pair.prefill.stop()
+        self.assertFalse(os.path.exists(folder))
 
 
 if __name__ == "__main__":
