@@ -295,9 +295,28 @@ void TransferEngine::PruneLocked() {
     if (it == transfers_.end()) return true;
     // Entries whose operations still drain, or that a watcher holds, stay for now.
     if (it->second->inflight || !it->second->watchers.empty()) return false;
+    // Only the table holds it (every other holder copied its pointer from here, under
+    // this lock, or from a holder): nothing can reach it once it is erased.
+    if (spare_records_.size() < kSpareRecords && it->second.use_count() == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);  // the last other holder's writes
+      Transfer& t = *it->second;
+      v1::TransferState kept;
+      kept.Swap(&t.state);
+      t = Transfer{};  // lets go of what it held (its peer's view, callbacks, buffers)
+      kept.Clear();    // keeps its strings' capacity and its timeline's events
+      t.state.Swap(&kept);
+      spare_records_.push_back(std::move(it->second));
+    }
     transfers_.erase(it);
     return true;
   });
+}
+
+TransferEngine::TransferPtr TransferEngine::NewRecordLocked() {
+  if (spare_records_.empty()) return std::make_shared<Transfer>();
+  TransferPtr t = std::move(spare_records_.back());
+  spare_records_.pop_back();
+  return t;
 }
 
 absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::string& owner,
@@ -509,7 +528,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         return claimed;
       }
       ++active_by_owner_[caller.principal];
-      t = std::make_shared<Transfer>();
+      t = NewRecordLocked();
       t->state.set_transfer_id(id);
       t->state.set_peer(request.peer());
       t->state.set_op(request.op());

@@ -237,6 +237,9 @@ class TransferEngine {
   void Finish(Transfer& t, v1::TransferPhase phase, absl::Status status, int32_t segment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A record for a new transfer: a pruned one whose state keeps its strings' and
+  // timeline's storage (reset to a new Transfer's values), else a new one.
+  TransferPtr NewRecordLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The segment being moved: the posted batch's, else the next to post; -1 if none.
   static int32_t SegmentInProgress(const Transfer& t);
   // Worker thread: posts the next batch, the notification, or records the drain.
@@ -355,6 +358,11 @@ class TransferEngine {
   absl::flat_hash_map<std::string, uint64_t> active_by_owner_ ABSL_GUARDED_BY(mu_);
   uint64_t planned_ops_ ABSL_GUARDED_BY(mu_) = 0;
   FinishedOrder finished_order_ ABSL_GUARDED_BY(mu_);
+  // Pruned records nothing else held, reset, for NewRecordLocked: a transfer ending and
+  // one starting then free and allocate no record, state strings or timeline events
+  // (issue 15). At most kSpareRecords; each holds a few hundred bytes.
+  static constexpr size_t kSpareRecords = 64;
+  std::vector<TransferPtr> spare_records_ ABSL_GUARDED_BY(mu_);
   // Destination bytes each active transfer writes, per peer incarnation (WRITE) or here
   // (READ): overlapping writes, by two transfers or two chunks, are refused at submit.
   // Released when the transfer drained.

@@ -1,25 +1,57 @@
 #include "agent/transfer_metrics.h"
 
+#include <algorithm>
+
 namespace kvagent::agent {
+
+namespace {
+// An enum value's name, from a table made once: the generated *_Name looks the value up
+// in the descriptor each time, and this runs for every transfer that ends.
+template <int kSize, typename Enum>
+const std::string& CachedName(Enum value, const std::string& (*name)(Enum)) {
+  static const std::array<const std::string*, kSize> names = [name] {
+    std::array<const std::string*, kSize> table{};
+    for (int i = 0; i < kSize; ++i) table[i] = &name(static_cast<Enum>(i));
+    return table;
+  }();
+  return value >= 0 && value < kSize ? *names[value] : name(value);
+}
+const std::string& OpLabel(v1::TransferOp op) {
+  return CachedName<v1::TransferOp_ARRAYSIZE>(op, &v1::TransferOp_Name<v1::TransferOp>);
+}
+const std::string& PhaseLabel(v1::TransferPhase phase) {
+  return CachedName<v1::TransferPhase_ARRAYSIZE>(phase, &v1::TransferPhase_Name<v1::TransferPhase>);
+}
+}  // namespace
 
 void TransferMetrics::Ended(const v1::TransferState& state, std::string_view data_path) {
   absl::MutexLock lock(&mu_);
-  const std::string& op = v1::TransferOp_Name(state.op());
-  const std::string& outcome = v1::TransferPhase_Name(state.phase());
-  using View = std::tuple<std::string_view, std::string_view, std::string_view, std::string_view>;
-  auto found = series_.find(View{op, data_path, state.peer(), outcome});
-  if (found == series_.end()) {
-    Key key{op, std::string(data_path), state.peer(), outcome};
-    if (series_.size() >= kMaxSeries) std::get<2>(key) = "_other";
-    found = series_.try_emplace(std::move(key)).first;
+  // Most transfers end like the one before (same op, outcome, path and peer): that
+  // series is kept at hand, and the map searched only when they differ.
+  TransferSeries* last = last_series_;
+  if (last == nullptr || last_op_ != state.op() || last_phase_ != state.phase() ||
+      last->data_path != data_path || last->peer != state.peer()) {
+    const std::string& op = OpLabel(state.op());
+    const std::string& outcome = PhaseLabel(state.phase());
+    using View = std::tuple<std::string_view, std::string_view, std::string_view, std::string_view>;
+    auto found = series_.find(View{op, data_path, state.peer(), outcome});
+    if (found == series_.end()) {
+      Key key{op, std::string(data_path), state.peer(), outcome};
+      if (series_.size() >= kMaxSeries) std::get<2>(key) = "_other";
+      found = series_.try_emplace(std::move(key)).first;
+    }
+    last = &found->second;
+    if (last->transfers == 0) {
+      last->op = op;
+      last->data_path = std::string(data_path);
+      last->peer = std::get<2>(found->first);
+      last->outcome = outcome;
+    }
+    last_series_ = last;  // map nodes do not move
+    last_op_ = state.op();
+    last_phase_ = state.phase();
   }
-  TransferSeries& series = found->second;
-  if (series.transfers == 0) {
-    series.op = op;
-    series.data_path = std::string(data_path);
-    series.peer = std::get<2>(found->first);
-    series.outcome = outcome;
-  }
+  TransferSeries& series = *last;
   ++series.transfers;
   series.bytes += state.bytes_done();
   if (state.phase() != v1::COMPLETED) {
@@ -93,8 +125,10 @@ void TransferMetrics::ObserveStages(bool incoming, const v1::TransferState& stat
 }
 
 void Histogram::Observe(uint64_t us) {
-  size_t bucket = 0;
-  while (bucket < kLatencyBucketsUs.size() && us > kLatencyBucketsUs[bucket]) ++bucket;
+  // The first bucket whose bound is >= us; past the last bound, +Inf.
+  const size_t bucket = static_cast<size_t>(
+      std::lower_bound(kLatencyBucketsUs.begin(), kLatencyBucketsUs.end(), us) -
+      kLatencyBucketsUs.begin());
   ++buckets[bucket];
   ++count;
   sum_us += us;

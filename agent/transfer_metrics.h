@@ -123,6 +123,10 @@ class TransferMetrics {
   // Adds each stage's time since the one before to stages_.
   void ObserveStages(bool incoming, const v1::TransferState& state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The series the last Ended counted, with its op and outcome (Ended's shortcut).
+  TransferSeries* last_series_ ABSL_GUARDED_BY(mu_) = nullptr;
+  v1::TransferOp last_op_ ABSL_GUARDED_BY(mu_) = v1::TRANSFER_OP_UNSPECIFIED;
+  v1::TransferPhase last_phase_ ABSL_GUARDED_BY(mu_) = v1::TransferPhase(0);
   ByCode submit_refusals_ ABSL_GUARDED_BY(mu_) = {};
   ByCode registration_failures_ ABSL_GUARDED_BY(mu_) = {};
 };

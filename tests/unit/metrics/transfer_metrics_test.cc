@@ -103,5 +103,62 @@ TEST_CASE("incoming series are bounded: past the bound new peers count as _other
   CHECK(total == TransferMetrics::kMaxSeries + 3);
 }
 
+TEST_CASE("outgoing series: each ended transfer counts under its own labels, in any order") {
+  // Ended keeps the last series at hand: transfers that alternate between peers,
+  // outcomes, ops and data paths must still each land in their own series.
+  TransferMetrics m;
+  struct Case {
+    const char* peer;
+    v1::TransferOp op;
+    v1::TransferPhase phase;
+    const char* path;
+  };
+  const Case cases[] = {{"a", v1::WRITE, v1::COMPLETED, "ucx"},
+                        {"a", v1::WRITE, v1::COMPLETED, "ucx"},
+                        {"b", v1::WRITE, v1::COMPLETED, "ucx"},
+                        {"a", v1::WRITE, v1::FAILED, "ucx"},
+                        {"a", v1::READ, v1::COMPLETED, "ucx"},
+                        {"a", v1::WRITE, v1::COMPLETED, "shm-direct"},
+                        {"a", v1::WRITE, v1::COMPLETED, "ucx"},
+                        {"ab", v1::WRITE, v1::COMPLETED, "ucx"}};
+  for (const Case& c : cases) {
+    v1::TransferState s = Ended("t", c.peer, c.phase, 10, {{v1::STAGE_SUBMITTED, 0}, {v1::STAGE_ENDED, 300}});
+    s.set_op(c.op);
+    if (c.phase != v1::COMPLETED) s.set_error_code(14);
+    m.Ended(s, c.path);
+  }
+  std::vector<std::string> got;
+  for (const auto& s : m.Series()) {
+    got.push_back(s.op + "," + s.data_path + "," + s.peer + "," + s.outcome + "=" +
+                  std::to_string(s.transfers) + "/" + std::to_string(s.bytes) + "/" +
+                  std::to_string(s.errors_by_code[14]));
+  }
+  CHECK(got == std::vector<std::string>{
+                   "READ,ucx,a,COMPLETED=1/10/0", "WRITE,shm-direct,a,COMPLETED=1/10/0",
+                   "WRITE,ucx,a,COMPLETED=3/30/0", "WRITE,ucx,a,FAILED=1/10/1",
+                   "WRITE,ucx,ab,COMPLETED=1/10/0", "WRITE,ucx,b,COMPLETED=1/10/0"});
+  // The latency histograms by op and outcome, with the bucket bounds inclusive.
+  uint64_t observed = 0;
+  for (const auto& h : m.Latency()) {
+    observed += h.count;
+    CHECK(h.buckets[2] == h.count);  // 300 us: the (250, 500] bucket
+  }
+  CHECK(observed == 8);
+}
+
+TEST_CASE("latency buckets: a bound belongs to its own bucket, past the last is +Inf") {
+  Histogram h;
+  h.Observe(0);
+  h.Observe(100);
+  h.Observe(101);
+  h.Observe(60000000);
+  h.Observe(60000001);
+  CHECK(h.buckets[0] == 2);
+  CHECK(h.buckets[1] == 1);
+  CHECK(h.buckets[kLatencyBucketsUs.size() - 1] == 1);
+  CHECK(h.buckets[kLatencyBucketsUs.size()] == 1);
+  CHECK(h.count == 5);
+}
+
 }  // namespace
 }  // namespace kvagent::agent

@@ -260,6 +260,12 @@ TEST_CASE("DestinationRanges keeps regions apart past the few it numbers without
   }
   CHECK(DestinationKey(v1::WRITE, "decode", 0xab12) == "peer:decode#ab12");
   CHECK(DestinationKey(v1::READ, "decode", 0xab12) == "local");
+  // The hex digits at the ends of the range (no leading zeros, lower case).
+  CHECK(DestinationKey(v1::WRITE, "decode", 0) == "peer:decode#0");
+  CHECK(DestinationKey(v1::WRITE, "d", 0xf) == "peer:d#f");
+  CHECK(DestinationKey(v1::WRITE, "d", 0x10) == "peer:d#10");
+  CHECK(DestinationKey(v1::WRITE, "d", UINT64_MAX) == "peer:d#ffffffffffffffff");
+  CHECK(DestinationKey(v1::WRITE, "d", 0x0123456789abcdefULL) == "peer:d#123456789abcdef");
 }
 
 TEST_CASE("DestinationRanges sorts thousands of scattered pages per region") {
