@@ -13,6 +13,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "base/status_macros.h"
 #include "cli/local_agents.h"
 #include "cli/notification_waiter.h"
@@ -852,12 +853,29 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     uint64_t transfers = 0;
     double per_s = 0, p50_us = 0, p99_us = 0;
     std::optional<AgentCpu> cpu[2];  // initiator, target (agents started here)
+    // The bench's own threads over the run, per transfer: the submitting client(s)
+    // and the target's notification taker (as a decode engine's thread takes them).
+    double client_cpu_us = 0, taker_cpu_us = 0;
     std::string drain;               // how the target's notifications were taken: ring, grpc
     // The initiator's AgentStatus counters over the run (agent-wide: its other
     // clients' transfers count too).
     uint64_t completed_when_placed = 0, placed_not_taken = 0;
   };
   std::vector<Rate> rates;
+  // A transfer's CPU in all four (initiator, target, the bench's client and
+  // notification taker), and the rate that would use every CPU here for it: an upper
+  // bound, whatever the waits; nullopt unless both agents ran here.
+  auto TotalCpuUs = [](const Rate& r) -> std::optional<double> {
+    if (!r.cpu[0] || !r.cpu[1]) return std::nullopt;
+    return r.cpu[0]->us_per_transfer + r.cpu[1]->us_per_transfer + r.client_cpu_us +
+           r.taker_cpu_us;
+  };
+  auto CpuBoundRate = [&TotalCpuUs](const Rate& r) -> std::optional<double> {
+    const std::optional<double> total = TotalCpuUs(r);
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (!total || *total <= 0 || cpus <= 0) return std::nullopt;
+    return static_cast<double>(cpus) * 1e6 / *total;
+  };
   std::unique_ptr<FastRing> second;
   std::vector<std::pair<uint32_t, bool>> shapes;  // clients, placed
   for (uint32_t clients : {1u, 2u}) {
@@ -890,8 +908,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     }
     const auto start = Clock::now();
     std::vector<std::thread> threads;
+    std::vector<double> client_cpu_s(clients, 0.0);
     for (uint32_t c = 0; c < clients; ++c) {
       threads.emplace_back([&, c] {
+        const double cpu_start = ThreadCpuSeconds();
+        auto cpu_end = absl::MakeCleanup(
+            [&, c, cpu_start] { client_cpu_s[c] = ThreadCpuSeconds() - cpu_start; });
         runs[c] = rings[c]->Run(fmt::format("{}{}.", run_prefix, c), kDepth, 0, seconds,
                                 uint64_t{1} << 40, [&, c](uint32_t lane, uint64_t n) {
                                   v1::SubmitTransferRequest request = options.one_page(
@@ -918,6 +940,13 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     rate.p50_us = Percentile(all, 50);
     rate.p99_us = Percentile(all, 99);
     ASSIGN_OR_RETURN(uint64_t missing, Missing(*drain, rate.transfers));
+    drain->Finish(absl::Seconds(5));  // a ring's taker stops within one reap
+    if (rate.transfers > 0) {
+      double client_s = 0;
+      for (double c : client_cpu_s) client_s += c;
+      rate.client_cpu_us = client_s * 1e6 / static_cast<double>(rate.transfers);
+      rate.taker_cpu_us = drain->cpu_seconds() * 1e6 / static_cast<double>(rate.transfers);
+    }
     if (missing > 0) {
       return absl::DataLossError(fmt::format(
           "fast rate, {} client(s), complete when {}: {} transfers completed but the target's "
@@ -974,7 +1003,10 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   "\"notifications\": %lu, \"completed_when_placed\": %lu, "
                   "\"placed_not_taken\": %lu, \"grpc_transfers_per_s\": %s, "
                   "\"grpc_batch64_transfers_per_s\": %s, \"initiator_cpu_us_per_transfer\": %s, "
-                  "\"target_cpu_us_per_transfer\": %s, \"drain\": \"%s\", \"loadavg_1m\": %s}\n",
+                  "\"target_cpu_us_per_transfer\": %s, \"client_cpu_us_per_transfer\": %.1f, "
+                  "\"notification_taker_cpu_us_per_transfer\": %.1f, "
+                  "\"total_cpu_us_per_transfer\": %s, \"cpu_bound_transfers_per_s\": %s, "
+                  "\"drain\": \"%s\", \"loadavg_1m\": %s}\n",
                   r.placed ? "fast_rate_placed" : "fast_rate", CompletionName(r.placed),
                   r.clients, kDepth, static_cast<unsigned long>(r.transfers), r.per_s, r.p50_us,
                   r.p99_us, static_cast<unsigned long>(r.transfers),
@@ -984,7 +1016,9 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   Opt(options.grpc_rate_batch64, "{:.1f}").c_str(),
                   r.cpu[0] ? fmt::format("{:.1f}", r.cpu[0]->us_per_transfer).c_str() : "null",
                   r.cpu[1] ? fmt::format("{:.1f}", r.cpu[1]->us_per_transfer).c_str() : "null",
-                  r.drain.c_str(), Opt(load_rate, "{:.2f}").c_str());
+                  r.client_cpu_us, r.taker_cpu_us, Opt(TotalCpuUs(r), "{:.1f}").c_str(),
+                  Opt(CpuBoundRate(r), "{:.0f}").c_str(), r.drain.c_str(),
+                  Opt(load_rate, "{:.2f}").c_str());
     } else {
       std::printf("  fast, %u client%s x %u in flight, complete when %-13s %9lu transfers, "
                   "%8.0f /s, submit -> completion p50 %.0f us, p99 %.0f us, notifications all "
@@ -999,6 +1033,15 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
         std::printf("    %-9s CPU %3.0f%% of one core, %5.1f us per transfer; threads: %s\n",
                     names[k], r.cpu[k]->percent, r.cpu[k]->us_per_transfer,
                     r.cpu[k]->threads.c_str());
+      }
+      std::printf("    bench     CPU %5.1f us per transfer submitting and reaping (%u thread%s), "
+                  "%5.1f us taking the target's notifications (as a decode engine's thread "
+                  "would)\n",
+                  r.client_cpu_us, r.clients, r.clients == 1 ? "" : "s", r.taker_cpu_us);
+      if (const auto total = TotalCpuUs(r)) {
+        std::printf("    together  %5.1f us of CPU per transfer: at most %.0f /s on the %ld CPUs "
+                    "here\n",
+                    *total, CpuBoundRate(r).value_or(0), sysconf(_SC_NPROCESSORS_ONLN));
       }
     }
   }

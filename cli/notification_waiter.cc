@@ -1,5 +1,7 @@
 #include "cli/notification_waiter.h"
 
+#include <time.h>
+
 #include <atomic>
 
 #include "client/fast_ring.h"
@@ -17,6 +19,7 @@ struct NotificationWaiter::State {
   std::map<std::string, Clock::time_point> kept ABSL_GUARDED_BY(mu);
   uint64_t count ABSL_GUARDED_BY(mu) = 0;
   bool ended ABSL_GUARDED_BY(mu) = false;
+  double cpu_seconds ABSL_GUARDED_BY(mu) = 0;  // the thread's, when it ended
   absl::Status status ABSL_GUARDED_BY(mu);
 
   // A poller and a ring only count what they keep.
@@ -92,9 +95,11 @@ NotificationWaiter::NotificationWaiter(NotificationWaiterOptions options)
     absl::Status status = state->options.ring ? state->Ring()
                           : state->options.poll ? state->Poll()
                                                 : state->Stream();
+    const double cpu = ThreadCpuSeconds();
     absl::MutexLock lock(&state->mu);
     state->ended = true;
     state->status = std::move(status);
+    state->cpu_seconds = cpu;
   });
 }
 
@@ -151,6 +156,17 @@ uint64_t NotificationWaiter::kept() const {
 absl::Status NotificationWaiter::status() const {
   absl::MutexLock lock(&state_->mu);
   return state_->status;
+}
+
+double NotificationWaiter::cpu_seconds() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->cpu_seconds;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 }  // namespace kvagent::cli

@@ -81,11 +81,18 @@ class NotificationWaiter {
   uint64_t kept() const;
   // How taking ended: the stream's status or a poll's failure; OK while it runs.
   absl::Status status() const;
+  // The CPU time the taking thread used, user and system, once it ended (after a
+  // Finish that joined it); 0 before.
+  double cpu_seconds() const;
 
  private:
   struct State;
   std::shared_ptr<State> state_;
   std::thread thread_;
 };
+
+// The calling thread's CPU time so far, user and system (CLOCK_THREAD_CPUTIME_ID), in
+// seconds; 0 when the clock cannot be read.
+double ThreadCpuSeconds();
 
 }  // namespace kvagent::cli

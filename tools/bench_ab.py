@@ -45,10 +45,15 @@ FIGURES = {
                      [("p50_us", False), ("p99_us", False), ("agent_p50_us", False)]),
     "fast_rate": (("clients",),
                   [("transfers_per_s", True), ("initiator_cpu_us_per_transfer", False),
-                   ("target_cpu_us_per_transfer", False)]),
+                   ("target_cpu_us_per_transfer", False), ("client_cpu_us_per_transfer", False),
+                   ("notification_taker_cpu_us_per_transfer", False),
+                   ("total_cpu_us_per_transfer", False)]),
     "fast_rate_placed": (("clients",),
                          [("transfers_per_s", True), ("initiator_cpu_us_per_transfer", False),
-                          ("target_cpu_us_per_transfer", False)]),
+                          ("target_cpu_us_per_transfer", False),
+                          ("client_cpu_us_per_transfer", False),
+                          ("notification_taker_cpu_us_per_transfer", False),
+                          ("total_cpu_us_per_transfer", False)]),
     "memory": ((), [("transfers_per_second", True)]),
 }
 

@@ -163,6 +163,22 @@ while IFS= read -r line; do
     echo "acknowledged rate line with transfers completed when placed: $line"; bad=1
   fi
 done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
+# Where each fast rate transfer's CPU went: both agents (started here) and the bench's
+# own client and notification taker, positive, and their sum with the rate it bounds.
+while IFS= read -r line; do
+  for f in initiator_cpu_us_per_transfer target_cpu_us_per_transfer client_cpu_us_per_transfer \
+           notification_taker_cpu_us_per_transfer total_cpu_us_per_transfer \
+           cpu_bound_transfers_per_s; do
+    v=$(sed -n "s/.*\"$f\": \([0-9.]*\)[,}].*/\1/p" <<<"$line")
+    if [[ -z "$v" ]] || ! awk -v v="$v" 'BEGIN { exit !(v > 0) }'; then
+      echo "fast rate line without a positive $f: $line"; bad=1
+    fi
+  done
+  sum=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(abs(r["initiator_cpu_us_per_transfer"] + r["target_cpu_us_per_transfer"] + r["client_cpu_us_per_transfer"] + r["notification_taker_cpu_us_per_transfer"] - r["total_cpu_us_per_transfer"]) < 0.5)' "$line")
+  if [[ "$sum" != True ]]; then
+    echo "fast rate line: total_cpu_us_per_transfer is not the sum of its four parts: $line"; bad=1
+  fi
+done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
 # This build's target delivers notifications on the ring: the fast rate part drains
 # them there (the pool owner's session), not by gRPC.
 ring_drains=$(grep -cE '^\{"kind": "(fast_rate|fast_rate_placed)".*"drain": "ring"' "$out" || true)
