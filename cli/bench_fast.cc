@@ -1112,9 +1112,15 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
         Percentile(ByPath(latency, placed ? "fast_placed_no_notification" : "fast_no_notification").us,
                    50);
     double rate1 = 0, rate2 = 0;
+    std::optional<double> cpu1;  // all four's CPU per transfer, 1 client
     for (const Rate& r : rates) {
       if (r.placed == placed) (r.clients == 1 ? rate1 : rate2) = r.per_s;
+      if (r.placed == placed && r.clients == 1) cpu1 = TotalCpuUs(r);
     }
+    // The CPU a transfer may take, in all four together, for 200,000 /s on this host's
+    // CPUs (were nothing ever waited for).
+    const double budget_us = static_cast<double>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN))) *
+                             1e6 / 200000;
     const bool p50_met = p50 <= 20, p99_met = p99 <= 100, rate_met = rate1 >= 200000;
     if (json) {
       std::printf("{\"kind\": \"fast_targets\", \"issue\": 15, \"complete_when\": \"%s\", "
@@ -1122,10 +1128,13 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   "\"p50_target_us\": 20, \"p50_met\": %s, \"p99_us\": %.1f, "
                   "\"p99_target_us\": 100, \"p99_met\": %s, \"transfers_per_s\": %.1f, "
                   "\"transfers_per_s_2_clients\": %.1f, \"transfers_per_s_target\": 200000, "
-                  "\"rate_met\": %s, \"loadavg_1m_start\": %s, \"loadavg_1m\": %s}\n",
+                  "\"rate_met\": %s, \"total_cpu_us_per_transfer\": %s, "
+                  "\"cpu_us_per_transfer_for_target\": %.1f, \"loadavg_1m_start\": %s, "
+                  "\"loadavg_1m\": %s}\n",
                   CompletionName(placed), p50, p50_quiet, p50_met ? "true" : "false", p99,
                   p99_met ? "true" : "false", rate1, rate2, rate_met ? "true" : "false",
-                  Opt(load_start, "{:.2f}").c_str(), Opt(load_end, "{:.2f}").c_str());
+                  Opt(cpu1, "{:.1f}").c_str(), budget_us, Opt(load_start, "{:.2f}").c_str(),
+                  Opt(load_end, "{:.2f}").c_str());
     } else {
       std::printf("  %s:\n", what);
       std::printf("    one 4 KiB page p50 <= 20 us: %.1f us (%.1f us without notification): %s\n",
@@ -1134,6 +1143,11 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       std::printf("    >= 200,000 one-page WRITEs/s from one client: %.0f /s: %s (2 clients: "
                   "%.0f /s)\n",
                   rate1, Verdict(rate_met).c_str(), rate2);
+      if (cpu1) {
+        std::printf("      CPU per transfer, agents and bench together: %.1f us; 200,000 /s on "
+                    "the %ld CPUs here allows %.1f us\n",
+                    *cpu1, sysconf(_SC_NPROCESSORS_ONLN), budget_us);
+      }
     }
   }
   if (idle_open && !json) {

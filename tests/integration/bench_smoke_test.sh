@@ -179,6 +179,12 @@ while IFS= read -r line; do
     echo "fast rate line: total_cpu_us_per_transfer is not the sum of its four parts: $line"; bad=1
   fi
 done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
+# The rate targets set that CPU beside what 200,000 /s would allow on this host.
+while IFS= read -r line; do
+  if ! python3 -c 'import json,os,sys; r=json.loads(sys.argv[1]); c=r["total_cpu_us_per_transfer"]; b=r["cpu_us_per_transfer_for_target"]; sys.exit(0 if c > 0 and abs(b - os.cpu_count() * 5.0) < 0.05 else 1)' "$line"; then
+    echo "fast_targets line without the CPU per transfer, or a budget other than 5 us per CPU: $line"; bad=1
+  fi
+done < <(grep -E '^\{"kind": "fast_targets".*"measured": true' "$out")
 # This build's target delivers notifications on the ring: the fast rate part drains
 # them there (the pool owner's session), not by gRPC.
 ring_drains=$(grep -cE '^\{"kind": "(fast_rate|fast_rate_placed)".*"drain": "ring"' "$out" || true)
