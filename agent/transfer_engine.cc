@@ -296,9 +296,10 @@ void TransferEngine::PruneLocked() {
     // Entries whose operations still drain, or that a watcher holds, stay for now.
     if (it->second->inflight || !it->second->watchers.empty()) return false;
     // Only the table holds it (every other holder copied its pointer from here, under
-    // this lock, or from a holder): nothing can reach it once it is erased.
+    // this lock, or from a holder): nothing can reach it once it is erased. Every other
+    // holder read and wrote it under this lock, which orders those accesses before the
+    // reset below (no fence: GCC's TSan does not support atomic_thread_fence).
     if (spare_records_.size() < kSpareRecords && it->second.use_count() == 1) {
-      std::atomic_thread_fence(std::memory_order_acquire);  // the last other holder's writes
       Transfer& t = *it->second;
       v1::TransferState kept;
       kept.Swap(&t.state);
