@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import stat
 import tempfile
 import unittest
@@ -108,7 +109,8 @@ class VerdictTest(unittest.TestCase):
 
 class RealRunsTest(unittest.TestCase):
     def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="bench-ab-")
+        self.tmp = tempfile.mkdtemp(prefix="bench-ab-", dir=os.environ.get("TEST_TMPDIR"))
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
 
     def script(self, name, body):
         path = os.path.join(self.tmp, name)
