@@ -126,12 +126,8 @@ absl::StatusOr<gid_t> LookUpGroup(const std::string& group) {
   }
 }
 
-}  // namespace
-
-absl::Status PrepareUnixSocketPath(const std::string& path) {
-  ASSIGN_OR_RETURN(const client::UnixAddress address, client::MakeUnixAddress(path));
-  RETURN_IF_ERROR(MakeDirectories(ParentOf(path), path));
-
+// RemoveStaleUnixSocket with `path`'s address made.
+absl::Status RemoveStale(const std::string& path, const client::UnixAddress& address) {
   struct stat st {};
   if (lstat(path.c_str(), &st) != 0) {
     const int err = errno;
@@ -164,6 +160,19 @@ absl::Status PrepareUnixSocketPath(const std::string& path) {
         path, ErrnoText(err)));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status PrepareUnixSocketPath(const std::string& path) {
+  ASSIGN_OR_RETURN(const client::UnixAddress address, client::MakeUnixAddress(path));
+  RETURN_IF_ERROR(MakeDirectories(ParentOf(path), path));
+  return RemoveStale(path, address);
+}
+
+absl::Status RemoveStaleUnixSocket(const std::string& path) {
+  ASSIGN_OR_RETURN(const client::UnixAddress address, client::MakeUnixAddress(path));
+  return RemoveStale(path, address);
 }
 
 absl::Status SetUnixSocketAccess(const std::string& path, mode_t mode, const std::string& group) {

@@ -21,6 +21,12 @@ namespace kvagent::agent {
 // and left alone.
 absl::Status PrepareUnixSocketPath(const std::string& path);
 
+// The path check and stale-socket removal of PrepareUnixSocketPath alone (no directory
+// is made): OK when nothing is at `path` or a stale socket was removed; the same
+// FAILED_PRECONDITION for a live socket or anything else, which stays. Also used by
+// cli/daemon_process to clear a reaped agent's sockets.
+absl::Status RemoveStaleUnixSocket(const std::string& path);
+
 // Gives the socket file at `path` its mode and, when `group` is not empty, its group
 // (a group name or a numeric gid). Errors name --local-socket-group and the fix.
 absl::Status SetUnixSocketAccess(const std::string& path, mode_t mode, const std::string& group);

@@ -2,9 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "agent/unix_listener.h"
 #include "base/format.h"
 #include "cli/child_process.h"
 #include "fmt/format.h"
@@ -38,21 +37,6 @@ absl::StatusOr<std::string> DefaultSocketPath(const std::string& work_dir, const
         fmt::format("cannot create {} for agent sockets: {}", dir, std::strerror(errno)));
   }
   return fmt::format("{}/{}.sock", dir, name);
-}
-
-// Unlinks the Unix socket at `path` when nothing listens on it any more: a connect
-// is refused (a live socket of another type answers EPROTOTYPE, and stays).
-void UnlinkIfStale(const std::string& path) {
-  sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) return;
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return;
-  const bool refused =
-      ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 && errno == ECONNREFUSED;
-  ::close(fd);
-  if (refused) ::unlink(path.c_str());
 }
 
 std::string Tail(const std::string& path, size_t bytes) {
@@ -250,7 +234,11 @@ void DaemonProcess::CleanUpSocketDir() {
   if (socket_dir_.empty()) return;
   // The agent's doors beside its local socket (sessions, liveness); a restarted agent
   // of the same name that already listens keeps them.
-  for (const char* suffix : {"", ".session", ".live"}) UnlinkIfStale(local_socket_ + suffix);
+  for (const char* suffix : {"", ".session", ".live"}) {
+    // Only a socket nobody answers on goes; a live one or anything else is left (the
+    // refusal is not this harness's to report).
+    (void)agent::RemoveStaleUnixSocket(local_socket_ + suffix);
+  }
   ::rmdir(socket_dir_.c_str());  // only when empty: the other agents' sockets stay
 }
 
