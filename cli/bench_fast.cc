@@ -870,10 +870,10 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     return r.cpu[0]->us_per_transfer + r.cpu[1]->us_per_transfer + r.client_cpu_us +
            r.taker_cpu_us;
   };
-  auto CpuBoundRate = [&TotalCpuUs](const Rate& r) -> std::optional<double> {
+  const long cpus = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));  // online here
+  auto CpuBoundRate = [&TotalCpuUs, cpus](const Rate& r) -> std::optional<double> {
     const std::optional<double> total = TotalCpuUs(r);
-    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    if (!total || *total <= 0 || cpus <= 0) return std::nullopt;
+    if (!total || *total <= 0) return std::nullopt;
     return static_cast<double>(cpus) * 1e6 / *total;
   };
   std::unique_ptr<FastRing> second;
@@ -1041,7 +1041,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       if (const auto total = TotalCpuUs(r)) {
         std::printf("    together  %5.1f us of CPU per transfer: at most %.0f /s on the %ld CPUs "
                     "here\n",
-                    *total, CpuBoundRate(r).value_or(0), sysconf(_SC_NPROCESSORS_ONLN));
+                    *total, CpuBoundRate(r).value_or(0), cpus);
       }
     }
   }
@@ -1119,8 +1119,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     }
     // The CPU a transfer may take, in all four together, for 200,000 /s on this host's
     // CPUs (were nothing ever waited for).
-    const double budget_us = static_cast<double>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN))) *
-                             1e6 / 200000;
+    const double budget_us = static_cast<double>(cpus) * 1e6 / 200000;
     const bool p50_met = p50 <= 20, p99_met = p99 <= 100, rate_met = rate1 >= 200000;
     if (json) {
       std::printf("{\"kind\": \"fast_targets\", \"issue\": 15, \"complete_when\": \"%s\", "
@@ -1146,7 +1145,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       if (cpu1) {
         std::printf("      CPU per transfer, agents and bench together: %.1f us; 200,000 /s on "
                     "the %ld CPUs here allows %.1f us\n",
-                    *cpu1, sysconf(_SC_NPROCESSORS_ONLN), budget_us);
+                    *cpu1, cpus, budget_us);
       }
     }
   }

@@ -1,7 +1,5 @@
 #include "cli/notification_waiter.h"
 
-#include <time.h>
-
 #include <atomic>
 
 #include "client/fast_ring.h"
@@ -9,6 +7,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "cli/agent_client.h"
+#include "cli/process_cpu.h"
 
 namespace kvagent::cli {
 
@@ -161,12 +160,6 @@ absl::Status NotificationWaiter::status() const {
 double NotificationWaiter::cpu_seconds() const {
   absl::MutexLock lock(&state_->mu);
   return state_->cpu_seconds;
-}
-
-double ThreadCpuSeconds() {
-  timespec ts{};
-  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 }  // namespace kvagent::cli

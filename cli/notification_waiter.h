@@ -91,8 +91,4 @@ class NotificationWaiter {
   std::thread thread_;
 };
 
-// The calling thread's CPU time so far, user and system (CLOCK_THREAD_CPUTIME_ID), in
-// seconds; 0 when the clock cannot be read.
-double ThreadCpuSeconds();
-
 }  // namespace kvagent::cli

@@ -1,5 +1,6 @@
 #include "cli/process_cpu.h"
 
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -64,6 +65,12 @@ std::map<std::string, uint64_t> ThreadWakeups(pid_t pid) {
     if (!name.empty()) out[name] += switches;
   }
   return out;
+}
+
+double ThreadCpuSeconds() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 }  // namespace kvagent::cli

@@ -39,4 +39,9 @@ std::map<std::string, uint64_t> ThreadWakeups(pid_t pid);
 // The whole process's utime + stime in seconds.
 absl::StatusOr<double> ProcessCpuSeconds(pid_t pid);
 
+// The calling thread's CPU time so far, user and system (CLOCK_THREAD_CPUTIME_ID), in
+// seconds; 0 when the clock cannot be read. The bench's own threads (its clients, its
+// notification taker) measure themselves so.
+double ThreadCpuSeconds();
+
 }  // namespace kvagent::cli
