@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "base/text.h"
@@ -52,7 +55,7 @@ struct RegionPair {
 // How the regions of one local group pair with those of one remote group; the same
 // for every segment that names both, so planned once per transfer chunk.
 struct GroupPairing {
-  std::vector<RegionPair> pairs;  // in the local group's order
+  absl::InlinedVector<RegionPair, 2> pairs;  // in the local group's order
   // The region with the fewest items on each side: indices are checked against it.
   const Region* local_bound = nullptr;
   const RemoteRegion* remote_bound = nullptr;
@@ -73,18 +76,21 @@ struct ByteWrite {
 };
 
 // Byte segments' writes into one destination region, with its layout, so they can
-// be checked against the items that item segments write into it.
+// be checked against the items that item segments write into it. (The names here and
+// in the planner's keys view the request's, the registry's and the catalog's strings,
+// which outlive the planner: planning copies no name.)
 struct RegionWrites {
-  std::string group;
+  std::string_view group;
   uint64_t item_bytes = 0;
   uint64_t item_stride = 0;
   std::vector<ByteWrite> writes;
 };
 
-// The first region of a destination group (named in messages) and the group.
+// The first region of a destination group (named in messages) and the group. A
+// one-page segment's writes fit inline (no allocation).
 struct GroupWrites {
-  std::string first_region;
-  std::vector<ItemWrite> writes;
+  std::string_view first_region;
+  absl::InlinedVector<ItemWrite, 4> writes;
 };
 
 constexpr char kItemFix[] =
@@ -111,11 +117,26 @@ class Planner {
   absl::StatusOr<GroupPairing> PairGroups(const std::string& local_group,
                                           const std::string& remote_group) const;
   void Pin(RegionPtr region) {
+    // A few regions (the usual plan) are looked up in the plan's list, without a set.
+    if (pinned_.empty()) {
+      for (const RegionPtr& held : plan_.local_regions) {
+        if (held == region) return;
+      }
+      if (plan_.local_regions.size() < kPinnedListed) {
+        plan_.local_regions.push_back(std::move(region));
+        return;
+      }
+      for (const RegionPtr& held : plan_.local_regions) pinned_.insert(held.get());
+    }
     if (pinned_.insert(region.get()).second) plan_.local_regions.push_back(std::move(region));
   }
+  // The pairing of a (local group, remote group), made once per plan: the first pair
+  // inline (a request usually names one), the others in pairings_.
+  const absl::StatusOr<GroupPairing>& Pairing(const std::string& local_group,
+                                              const std::string& remote_group);
   // How messages name the destination side's index and region.
   const char* DestinationIndex() const { return read_ ? "local index" : "remote index"; }
-  std::string DestinationRegion(const std::string& region) const {
+  std::string DestinationRegion(std::string_view region) const {
     return read_
                ? fmt::format("local region '{}'", Printable(region))
                : fmt::format("peer '{}' region '{}'", Printable(remote_.peer()), Printable(region));
@@ -132,13 +153,39 @@ class Planner {
   const bool read_;  // READ: the local side is written; WRITE: the peer's
   const uint64_t max_ops_;
   TransferPlan plan_;
+  // Past kPinnedListed regions, the ones in plan_.local_regions (else empty).
+  static constexpr size_t kPinnedListed = 8;
   absl::flat_hash_set<const Region*> pinned_;
-  absl::flat_hash_map<std::pair<std::string, std::string>, absl::StatusOr<GroupPairing>> pairings_;
+  struct FirstPairing {
+    std::string_view local_group;
+    std::string_view remote_group;
+    absl::StatusOr<GroupPairing> pairing;
+  };
+  std::optional<FirstPairing> first_pairing_;
+  absl::flat_hash_map<std::pair<std::string_view, std::string_view>, absl::StatusOr<GroupPairing>>
+      pairings_;
   // Destinations written, by group (item segments) and by region (byte segments);
   // ordered maps so that the reported duplicate does not depend on hashing.
-  std::map<std::string, GroupWrites> item_writes_;
-  std::map<std::string, RegionWrites> byte_writes_;
+  std::map<std::string_view, GroupWrites> item_writes_;
+  std::map<std::string_view, RegionWrites> byte_writes_;
 };
+
+const absl::StatusOr<GroupPairing>& Planner::Pairing(const std::string& local_group,
+                                                     const std::string& remote_group) {
+  if (!first_pairing_) {
+    first_pairing_.emplace(FirstPairing{local_group, remote_group,
+                                        PairGroups(local_group, remote_group)});
+    return first_pairing_->pairing;
+  }
+  if (first_pairing_->local_group == local_group && first_pairing_->remote_group == remote_group) {
+    return first_pairing_->pairing;
+  }
+  auto [cached, inserted] = pairings_.try_emplace(
+      std::pair<std::string_view, std::string_view>(local_group, remote_group),
+      absl::UnknownError(""));
+  if (inserted) cached->second = PairGroups(local_group, remote_group);
+  return cached->second;
+}
 
 absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
                                                  const std::string& remote_group) const {
@@ -149,7 +196,8 @@ absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
                     "local_group",
                     Printable(local_group), QuotedList(local_.GroupNames())));
   }
-  const std::vector<const RemoteRegion*> rgroup = remote_.FindGroup(remote_group);
+  absl::InlinedVector<const RemoteRegion*, 8> rgroup;
+  for (uint32_t slot : remote_.GroupSlots(remote_group)) rgroup.push_back(&remote_.regions()[slot]);
   if (rgroup.empty()) {
     return absl::NotFoundError(fmt::format(
         "peer '{}' exports no group '{}' (known groups: {}); fix remote_group or register it "
@@ -263,15 +311,13 @@ absl::StatusOr<GroupPairing> Planner::PairGroups(const std::string& local_group,
 }
 
 absl::Status Planner::Items(const v1::ItemSegment& seg, uint32_t number) {
-  auto [cached, inserted] = pairings_.try_emplace(std::pair(seg.local_group(), seg.remote_group()),
-                                                  absl::UnknownError(""));
-  if (inserted) cached->second = PairGroups(seg.local_group(), seg.remote_group());
-  if (!cached->second.ok()) {
-    const absl::Status& status = cached->second.status();
+  const absl::StatusOr<GroupPairing>& cached = Pairing(seg.local_group(), seg.remote_group());
+  if (!cached.ok()) {
+    const absl::Status& status = cached.status();
     return absl::Status(status.code(),
                         fmt::format("segment {}: {}", number, std::string(status.message())));
   }
-  const GroupPairing& pairing = *cached->second;
+  const GroupPairing& pairing = *cached;
   const auto& li = seg.local_indices();
   const auto& ri = seg.remote_indices();
   if (li.empty() || li.size() != ri.size()) {
@@ -422,7 +468,7 @@ absl::Status Planner::CheckDestinations() {
   };
   // Items: every region of the destination group receives each index it names.
   for (auto& entry : item_writes_) {
-    const std::string& group = entry.first;
+    const std::string_view group = entry.first;
     GroupWrites& writes = entry.second;
     std::sort(writes.writes.begin(), writes.writes.end(),
               [](const ItemWrite& a, const ItemWrite& b) {
@@ -433,7 +479,7 @@ absl::Status Planner::CheckDestinations() {
       const ItemWrite& earlier = writes.writes[i - 1];
       const ItemWrite& later = writes.writes[i];
       if (earlier.index != later.index) continue;
-      found(later.segment, later.position, [this, &group, &writes, earlier, later] {
+      found(later.segment, later.position, [this, group, &writes, earlier, later] {
         const std::string where =
             later.segment == earlier.segment
                 ? fmt::format("appears at positions {} and {}", earlier.position, later.position)
@@ -450,7 +496,7 @@ absl::Status Planner::CheckDestinations() {
   }
 
   for (auto& entry : byte_writes_) {
-    const std::string& region = entry.first;
+    const std::string_view region = entry.first;
     RegionWrites& writes = entry.second;
     std::sort(writes.writes.begin(), writes.writes.end(),
               [](const ByteWrite& a, const ByteWrite& b) {
@@ -464,7 +510,7 @@ absl::Status Planner::CheckDestinations() {
         const ByteWrite& earlier = widest->segment < write.segment ? *widest : write;
         const ByteWrite& later = widest->segment < write.segment ? write : *widest;
         const uint64_t end = std::min(widest->end, write.end);
-        found(later.segment, 0, [this, &region, earlier, later, begin = write.begin, end] {
+        found(later.segment, 0, [this, region, earlier, later, begin = write.begin, end] {
           return fmt::format(
               "segment {}: bytes [{}, {}) of {} overlap bytes [{}, {}) that segment {} writes: "
               "bytes [{}, {}) would be written twice in one transfer, and which write lands is "
@@ -479,7 +525,7 @@ absl::Status Planner::CheckDestinations() {
     if (writes.group.empty()) continue;
     auto group = item_writes_.find(writes.group);
     if (group == item_writes_.end()) continue;
-    const std::vector<ItemWrite>& items = group->second.writes;  // sorted by index above
+    const auto& items = group->second.writes;  // sorted by index above
     const uint64_t stride = writes.item_stride;
     const uint64_t item_bytes = writes.item_bytes;
     for (const ByteWrite& write : writes.writes) {
@@ -499,7 +545,7 @@ absl::Status Planner::CheckDestinations() {
       const uint64_t end = std::min(item_end, write.end);
       const bool item_later = item.segment > write.segment;
       found(item_later ? item.segment : write.segment, item_later ? item.position : 0,
-            [this, &region, item, write, item_begin, item_end, begin, end, item_later] {
+            [this, region, item, write, item_begin, item_end, begin, end, item_later] {
               const std::string item_text =
                   fmt::format("item {} (bytes [{}, {}), {} {} at position {})", item.index,
                               item_begin, item_end, DestinationIndex(), item.index, item.position);

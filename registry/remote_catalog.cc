@@ -284,6 +284,12 @@ std::vector<const RemoteRegion*> RemoteCatalog::FindGroup(const std::string& gro
   return out;
 }
 
+absl::Span<const uint32_t> RemoteCatalog::GroupSlots(const std::string& group) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) return {};
+  return it->second;
+}
+
 std::vector<std::string> RemoteCatalog::GroupNames() const {
   std::vector<std::string> names;
   names.reserve(groups_.size());

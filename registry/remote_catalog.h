@@ -9,6 +9,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "proto/kvagent.pb.h"
 
 namespace kvagent::registry {
@@ -90,6 +91,9 @@ class RemoteCatalog {
   const RemoteRegion* Find(const std::string& name) const;
   // By position; empty when the peer has no such group.
   std::vector<const RemoteRegion*> FindGroup(const std::string& group) const;
+  // The same members as indices into regions(), without copying them (the planner's
+  // per-transfer lookup); empty when the peer has no such group.
+  absl::Span<const uint32_t> GroupSlots(const std::string& group) const;
   std::vector<std::string> GroupNames() const;
 
  private:

@@ -478,5 +478,81 @@ TEST_CASE("A plan with many distinct destination pages is accepted") {
   CHECK_THAT(std::string(plan.status().message()), Catch::Contains("local index"));
 }
 
+// The planner looks a few regions up in the plan's own list and more in a set, and
+// keeps the first group pair's pairing inline and the others in a map: every way
+// through those gives the same plan.
+TEST_CASE("Pinning and pairing past the first few regions and the first pair") {
+  Fixture f;
+  ShmMapping wide_local = MakeShm(65536);
+  ShmMapping wide_remote = MakeShm(65536);
+  std::vector<v1::RegionSpec> local_specs;
+  std::vector<v1::RegionSpec> remote_specs;
+  for (int i = 0; i < 12; ++i) {
+    const std::string n = "w" + std::to_string(i);
+    local_specs.push_back(Spec(n, wide_local.name(), i * 4096, 4096, 16, 256, "wide"));
+    remote_specs.push_back(Spec(n, wide_remote.name(), i * 4096, 4096, 16, 256, "wide"));
+  }
+  REQUIRE(f.local.Register(local_specs, false, Registrant()).ok());
+  REQUIRE(f.remote_registry.Register(remote_specs, false, Registrant()).ok());
+  f.remote = DecodeCatalog(f.remote_registry).value();
+
+  // kv (2 regions), wide (12: past the listed few), kv again, wide again, a byte
+  // segment into a region already pinned: each region pinned once, in first-use order.
+  auto plan = f.Plan({Items("kv", "kv", {0}, {0}), Items("wide", "wide", {1}, {2}),
+                      Items("kv", "kv", {3}, {3}), Items("wide", "wide", {4}, {5}),
+                      Bytes("w7", 0, "w7", 4096 - 256, 256), Bytes("aux", 0, "aux", 0, 100)});
+  REQUIRE(plan.ok());
+  REQUIRE(plan->local_regions.size() == 15);  // k, v, w0..w11, aux
+  CHECK(plan->local_regions[0]->spec.name() == "k");
+  CHECK(plan->local_regions[1]->spec.name() == "v");
+  for (int i = 0; i < 12; ++i) {
+    CHECK(plan->local_regions[2 + i]->spec.name() == "w" + std::to_string(i));
+  }
+  CHECK(plan->local_regions[14]->spec.name() == "aux");
+  CHECK(plan->ops.size() == 2 + 12 + 2 + 12 + 1 + 1);
+  CHECK(plan->items == 4);
+  // Segment 3 pairs wide with wide again (from the map): remote index 5 of w0.
+  const RegionPtr w0 = f.local.Find("w0");
+  const auto& remote_w0 = *f.remote.Find("w0");
+  bool found = false;
+  for (const PlanOp& op : plan->ops) {
+    if (op.segment != 3 || op.local_address != w0->ItemAddress(4)) continue;
+    found = true;
+    CHECK(op.remote_address == remote_w0.ItemAddress(5));
+  }
+  CHECK(found);
+
+  // A pair that does not pair, named second and fourth: each refusal names its own
+  // segment, whether the pairing was made for it or found made.
+  CHECK_THAT(Error(f.Plan({Items("kv", "kv", {0}, {0}), Items("kv", "kv3", {0}, {0})}),
+                   absl::StatusCode::kInvalidArgument),
+             Catch::StartsWith("segment 1: local group 'kv' has 2 regions but peer"));
+  CHECK_THAT(Error(f.Plan({Items("kv", "kv", {0}, {0}), Items("wide", "wide", {0}, {0}),
+                           Items("kv", "kv", {1}, {1}), Items("kv", "kv3", {0}, {0})},
+                          7),
+                   absl::StatusCode::kInvalidArgument),
+             Catch::StartsWith("segment 10: local group 'kv' has 2 regions but peer"));
+  // The first pair failing: refused at its first segment.
+  CHECK_THAT(Error(f.Plan({Items("kv", "nope", {0}, {0}), Items("kv", "kv", {0}, {0})}),
+                   absl::StatusCode::kNotFound),
+             Catch::StartsWith("segment 0: peer 'decode' exports no group 'nope'"));
+}
+
+// GroupSlots is FindGroup's members as indices, without copying them.
+TEST_CASE("A catalog's group slots name the same regions as FindGroup") {
+  Fixture f;
+  for (const std::string group : {"kv", "kv512", "kv3", "single", "nope", ""}) {
+    const std::vector<const RemoteRegion*> members = f.remote.FindGroup(group);
+    const absl::Span<const uint32_t> slots = f.remote.GroupSlots(group);
+    REQUIRE(slots.size() == members.size());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      REQUIRE(slots[i] < f.remote.regions().size());
+      CHECK(&f.remote.regions()[slots[i]] == members[i]);
+    }
+  }
+  CHECK(f.remote.GroupSlots("kv3").size() == 3);
+  CHECK(f.remote.GroupSlots("nope").empty());
+}
+
 }  // namespace
 }  // namespace kvagent::planning
