@@ -777,26 +777,31 @@ void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& re
   auto submit = [engine, &request, wait, &deps](const Caller& caller, SubmitDone done) {
     // With wait the accepted state is not wanted (the answer is the final one), so it
     // is not copied (issue 15: the fast path's last chunk).
-    v1::TransferState accepted;
-    absl::Status submitted = engine->Submit(request, caller, wait ? nullptr : &accepted);
-    if (!submitted.ok()) {
-      if (deps.transfer_metrics != nullptr) deps.transfer_metrics->SubmitRefused(submitted.code());
-      done(submitted, v1::TransferState::default_instance());
-      return;
-    }
-    // The engine counts its outcome in the metrics when it ends.
     if (!wait) {
+      v1::TransferState accepted;
+      absl::Status submitted = engine->Submit(request, caller, &accepted);
+      if (!submitted.ok()) {
+        if (deps.transfer_metrics != nullptr) deps.transfer_metrics->SubmitRefused(submitted.code());
+        done(submitted, v1::TransferState::default_instance());
+        return;
+      }
+      // The engine counts its outcome in the metrics when it ends.
       done(absl::OkStatus(), accepted);
       return;
     }
-    // Answers with the final state: called at once (under the engine's lock, as when
-    // it ends later) if it has ended.
-    auto shared = std::make_shared<SubmitDone>(std::move(done));
-    absl::Status watched = engine->WhenTerminal(
-        request.transfer_id(),
-        [shared](const v1::TransferState& s) { (*shared)(absl::OkStatus(), s); });
-    // Only pruning could lose it, and that keeps the newest finished transfers.
-    if (!watched.ok()) (*shared)(watched, v1::TransferState::default_instance());
+    // Answers with the final state: the engine takes the watcher as it accepts the
+    // chunk, and calls it when the transfer ends (at once, under its lock, if it has:
+    // a retry of a finished transfer). A refused chunk leaves it here, unmoved.
+    struct AnswerAtEnd {
+      SubmitDone done;
+      void operator()(const v1::TransferState& s) const { done(absl::OkStatus(), s); }
+    };
+    TransferEngine::Watcher at_end = AnswerAtEnd{std::move(done)};
+    absl::Status submitted = engine->Submit(request, caller, nullptr, &at_end);
+    if (!submitted.ok()) {
+      if (deps.transfer_metrics != nullptr) deps.transfer_metrics->SubmitRefused(submitted.code());
+      at_end.target<AnswerAtEnd>()->done(submitted, v1::TransferState::default_instance());
+    }
   };
   if (!engine->NamesUnknownRemote(request)) {
     submit(caller, std::move(done));

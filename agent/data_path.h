@@ -55,7 +55,9 @@ struct DataBatch {
   uint64_t bytes = 0;
   std::shared_ptr<const PeerSnapshot> peer;  // the view the ops were planned against
   // True once the transfer stopped (cancel, deadline, lost peer); polled by paths that
-  // run a batch in steps (staging): no new step starts after it turns true.
+  // run a batch in steps (staging): no new step starts after it turns true. A path that
+  // is not staging may call it only until the batch's done (what it reads may be gone
+  // after); staging's may be called later (it holds the transfer).
   std::function<bool()> stopped;
 };
 

@@ -36,22 +36,30 @@ class KeptMessages {
     std::unique_ptr<Message> message_;
   };
 
-  Lease Take() {
-    if (free_.empty()) return Lease(this, std::make_unique<Message>());
+  Lease Take() { return Lease(this, TakeMessage()); }
+
+  // Without a lease, for a message that outlives the scope that takes it (the engine's
+  // late open, sent by a later Pump): handed back with GiveBack, as a lease would.
+  // Cleared by the user, as a leased one is.
+  std::unique_ptr<Message> TakeMessage() {
+    if (free_.empty()) return std::make_unique<Message>();
     std::unique_ptr<Message> message = std::move(free_.back());
     free_.pop_back();
-    return Lease(this, std::move(message));
+    return message;
   }
 
- private:
   // A few (nesting is rare and shallow), of bounded size: a large message's storage
   // (a notification's payload may be 64 KiB) is let go.
-  static constexpr size_t kKeep = 4;
   void GiveBack(std::unique_ptr<Message> message) {
-    if (free_.size() < kKeep && message->ByteSizeLong() <= KeepBytes) {
+    if (message != nullptr && free_.size() < kKeep && message->ByteSizeLong() <= KeepBytes) {
       free_.push_back(std::move(message));
     }
   }
+
+  size_t kept() const { return free_.size(); }
+
+ private:
+  static constexpr size_t kKeep = 4;
   std::vector<std::unique_ptr<Message>> free_;
 };
 

@@ -263,6 +263,8 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   std::vector<Watcher> done;
   done.swap(t.on_terminal);
   for (auto& fn : done) fn(t.state);
+  done.clear();
+  if (t.on_terminal.empty()) t.on_terminal.swap(done);  // its storage, for a reused record
   PruneLocked();
 }
 
@@ -300,17 +302,43 @@ void TransferEngine::PruneLocked() {
     // holder read and wrote it under this lock, which orders those accesses before the
     // reset below (no fence: GCC's TSan does not support atomic_thread_fence).
     if (spare_records_.size() < kSpareRecords && it->second.use_count() == 1) {
-      Transfer& t = *it->second;
-      v1::TransferState kept;
-      kept.Swap(&t.state);
-      t = Transfer{};  // lets go of what it held (its peer's view, callbacks, buffers)
-      kept.Clear();    // keeps its strings' capacity and its timeline's events
-      t.state.Swap(&kept);
+      it->second->Reset();
       spare_records_.push_back(std::move(it->second));
     }
     transfers_.erase(it);
     return true;
   });
+}
+
+void TransferEngine::Transfer::Reset() {
+  // Every field of Transfer, in order; the size check catches one added without a line
+  // here (x86-64 libstdc++, the build's only target).
+  static_assert(sizeof(Transfer) == 472, "a field was added to Transfer: reset it here too");
+  state.Clear();  // keeps its strings' capacity and its timeline's events
+  chunk_digests.clear();
+  notification.clear();
+  chunks.clear();
+  planned_ops = 0;
+  last_peer.reset();  // lets go of the peer's view (its mappings, its endpoint)
+  pinned.clear();     // and of the regions
+  targets.clear();
+  segments = 0;
+  inflight = false;
+  inflight_segment = -1;
+  notified = false;
+  opened = false;
+  late_open = false;
+  late_open_bytes = 0;
+  awaiting_ack = false;
+  ack_token = 0;
+  outcome_sent = false;
+  stopped_us = 0;
+  staged_bytes = 0;
+  start_us = 0;
+  deadline_us = 0;
+  watchers.clear();
+  on_terminal.clear();  // the callbacks' captures go now, their vector's storage stays
+  metrics_path = nullptr;
 }
 
 TransferEngine::TransferPtr TransferEngine::NewRecordLocked() {
@@ -343,14 +371,22 @@ absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::strin
                         "earlier ones finish");
 }
 
-// The accepted chunk's answer: a copy of the state when the caller wants one.
-static absl::Status Accept(const v1::TransferState& state, v1::TransferState* accepted) {
-  if (accepted != nullptr) *accepted = state;
-  return absl::OkStatus();
-}
-
 absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
-                                    const Caller& caller, v1::TransferState* accepted) {
+                                    const Caller& caller, v1::TransferState* accepted,
+                                    Watcher* when_terminal) {
+  // The accepted chunk's answer, under mu_: a copy of the state when the caller wants
+  // one, and its watcher of the end taken (run now if it has ended: a retry).
+  auto Accept = [accepted, when_terminal](Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (accepted != nullptr) *accepted = t.state;
+    if (when_terminal != nullptr && *when_terminal) {
+      if (Terminal(t.state.phase())) {
+        (*when_terminal)(t.state);
+      } else {
+        t.on_terminal.push_back(std::move(*when_terminal));
+      }
+    }
+    return absl::OkStatus();
+  };
   const std::string& id = request.transfer_id();
   if (id.empty() || id.size() > kMaxTransferIdBytes) {
     return absl::InvalidArgumentError(fmt::format(
@@ -415,7 +451,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
             Printable(id, 256)));
       }
       if (request.chunk() < t.chunk_digests.size()) {
-        if (t.chunk_digests[request.chunk()] == digest) return Accept(t.state, accepted);
+        if (t.chunk_digests[request.chunk()] == digest) return Accept(t);
         return absl::AlreadyExistsError(fmt::format(
             "transfer '{}' chunk {} was already submitted with different content; a retry must "
             "repeat the request exactly, a new transfer needs a new transfer_id",
@@ -514,7 +550,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       if (it != transfers_.end()) {
         // Lost a race with an identical or conflicting first chunk.
         if (it->second->chunk_digests.size() > 0 && it->second->chunk_digests[0] == digest) {
-          return Accept(it->second->state, accepted);
+          return Accept(*it->second);
         }
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
@@ -596,7 +632,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
     if (!plan->ops.empty()) t->chunks.push_back(Chunk{*std::move(plan), *peer, 0, std::move(routes), nullptr});
     Publish(*t);
     SchedulePump(t);
-    return Accept(t->state, accepted);
+    return Accept(*t);
   }
 }
 
@@ -649,7 +685,7 @@ uint32_t MsLeft(uint64_t deadline_us) {
 void TransferEngine::LateOpen::Send() {
   if (notice == nullptr) return;
   engine.SendNotice(peer, *notice, nullptr);
-  notice.reset();
+  engine.notices_.GiveBack(std::move(notice));
 }
 
 void TransferEngine::Pump(const TransferPtr& t) {
@@ -674,12 +710,6 @@ void TransferEngine::Pump(const TransferPtr& t) {
   {
     absl::MutexLock lock(&mu_);
     if (t->inflight) return;  // the pending flush pumps again
-    if (t->late_open != nullptr && t->last_peer != nullptr) {
-      t->late_open->set_timeout_ms(MsLeft(t->deadline_us));  // from when it is sent
-      late.peer = t->last_peer;
-      late.notice = std::move(t->late_open);
-    }
-    t->late_open.reset();
     op = t->state.op();
     // What every notice about the transfer carries; filled only for one that is sent
     // (most Pumps send none, or only the open).
@@ -691,6 +721,22 @@ void TransferEngine::Pump(const TransferPtr& t) {
       n.mutable_targets()->Reserve(static_cast<int>(t->targets.size()));
       for (const auto& target : t->targets) n.add_targets(target);
     };
+    // The open an earlier Pump's same-host copy left due, as it would have been made
+    // then (its bytes then), its timeout from now (when it is sent).
+    auto make_open = [&](v1::Notification& n, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      n.Clear();
+      address(n);
+      n.set_kind(v1::PEER_TRANSFER_OPEN);
+      n.set_op(op);
+      n.set_bytes(bytes);
+    };
+    if (t->late_open && t->last_peer != nullptr) {
+      late.peer = t->last_peer;
+      late.notice = notices_.TakeMessage();
+      make_open(*late.notice, t->late_open_bytes);
+      late.notice->set_timeout_ms(MsLeft(t->deadline_us));
+    }
+    t->late_open = false;
     if (Terminal(t->state.phase())) {
       if (!t->state.drained()) {
         SetDrained(*t);
@@ -766,19 +812,28 @@ void TransferEngine::Pump(const TransferPtr& t) {
         }
       }
       peer = chunk.peer;
-      const auto& planned = chunk.plan.ops;
+      std::vector<planning::PlanOp>& planned = chunk.plan.ops;
+      const size_t planned_count = planned.size();
       // A batch takes consecutive ops of one route (chosen at submit), for one path.
-      route = chunk.routes[chunk.next_op];
-      while (chunk.next_op < planned.size() && ops.size() < options_.batch_ops &&
-             bytes < options_.batch_bytes && chunk.routes[chunk.next_op] == route) {
-        bytes += planned[chunk.next_op].length;
-        ops.push_back(planned[chunk.next_op++]);
+      const size_t first = chunk.next_op;
+      route = chunk.routes[first];
+      size_t end = first;
+      while (end < planned_count && end - first < options_.batch_ops &&
+             bytes < options_.batch_bytes && chunk.routes[end] == route) {
+        bytes += planned[end++].length;
       }
+      if (first == 0 && end == planned_count) {
+        ops = std::move(planned);  // the whole chunk in one batch (a small transfer): no copy
+      } else {
+        ops.assign(planned.begin() + static_cast<std::ptrdiff_t>(first),
+                   planned.begin() + static_cast<std::ptrdiff_t>(end));
+      }
+      chunk.next_op = end;
       if (route == Route::kStagedChunks) t->staged_bytes += bytes;
       t->inflight_segment = static_cast<int32_t>(ops.front().segment);
-      if (chunk.next_op == planned.size()) {
-        t->planned_ops -= std::min<uint64_t>(t->planned_ops, planned.size());
-        planned_ops_ -= std::min<uint64_t>(planned_ops_, planned.size());
+      if (end == planned_count) {  // (its ops may have moved into the batch: not read again)
+        t->planned_ops -= std::min<uint64_t>(t->planned_ops, planned_count);
+        planned_ops_ -= std::min<uint64_t>(planned_ops_, planned_count);
         t->chunks.pop_front();
       }
       t->inflight = true;
@@ -798,17 +853,12 @@ void TransferEngine::Pump(const TransferPtr& t) {
         // that dies before its first operation does (ARCHITECTURE.md, the transfer
         // contract).
         t->opened = true;
-        open = open_lease.get();
-        open->Clear();
-        address(*open);
-        open->set_kind(v1::PEER_TRANSFER_OPEN);
-        open->set_op(op);
-        open->set_bytes(t->state.bytes_total());
         if (route == Route::kHostCopy || route == Route::kDeviceCopy) {
-          t->late_open = std::make_unique<v1::Notification>();
-          t->late_open->Swap(open);
-          open = nullptr;
+          t->late_open = true;  // built and sent by the next Pump
+          t->late_open_bytes = t->state.bytes_total();
         } else {
+          open = open_lease.get();
+          make_open(*open, t->state.bytes_total());
           open->set_timeout_ms(MsLeft(t->deadline_us));
         }
       }
@@ -876,10 +926,20 @@ void TransferEngine::Pump(const TransferPtr& t) {
   batch->ops = std::move(ops);
   batch->bytes = bytes;
   batch->peer = std::move(peer);
-  batch->stopped = [this, t] {
-    absl::MutexLock lock(&mu_);
-    return Terminal(t->state.phase());
-  };
+  if (IsStaged(route)) {
+    // Staging keeps its own copy of `stopped` in its job: it holds the record.
+    batch->stopped = [this, t] {
+      absl::MutexLock lock(&mu_);
+      return Terminal(t->state.phase());
+    };
+  } else {
+    // The other paths poll it only before the batch's done, and the run and its done
+    // hold `t` until then: a raw pointer, so the callable needs no allocation.
+    batch->stopped = [this, record = t.get()] {
+      absl::MutexLock lock(&mu_);
+      return Terminal(record->state.phase());
+    };
+  }
   auto run = [this, t, batch, route] {
     paths_[static_cast<size_t>(route)]->Run(*batch, [this, t, batch](BatchOutcome outcome) {
       const int32_t first = static_cast<int32_t>(batch->ops.front().segment);
@@ -977,8 +1037,14 @@ void TransferEngine::SendNotice(const std::shared_ptr<const PeerSnapshot>& peer,
                                 const v1::Notification& notice, transport::Completion done,
                                 bool want_reply) {
   if (outbox_ != nullptr) {
-    outbox_->notices.push_back(
-        HeldNotice{peer, notice.SerializeAsString(), std::move(done), want_reply});
+    // Into a kept body's storage (SerializeToString clears it, keeping its capacity).
+    std::string body;
+    if (!outbox_->bodies.empty()) {
+      body = std::move(outbox_->bodies.back());
+      outbox_->bodies.pop_back();
+    }
+    notice.SerializeToString(&body);
+    outbox_->notices.push_back(HeldNotice{peer, std::move(body), std::move(done), want_reply});
     return;
   }
   SendAuthenticated(*peer->endpoint, options_.self_name, peer->notify_secret, AmId::kNotification,
@@ -1019,6 +1085,10 @@ void TransferEngine::FlushOutbox(Outbox& outbox) {
       SendBatch(batch);
     }
     SendBatch(batch);
+  }
+  for (HeldNotice& held : outbox.notices) {
+    if (outbox.bodies.size() >= kKeptBodies) break;
+    if (held.body.capacity() <= kKeptBodyBytes) outbox.bodies.push_back(std::move(held.body));
   }
   outbox.notices.clear();
   for (auto& run : outbox.runs) run();
@@ -1124,6 +1194,7 @@ TransferEngine::Outbox TransferEngine::TakeOutbox() {
   outbox.runs.swap(spare_outbox_.runs);
   outbox.sent.swap(spare_outbox_.sent);
   outbox.batch.swap(spare_outbox_.batch);
+  outbox.bodies.swap(spare_outbox_.bodies);
   return outbox;
 }
 
@@ -1138,6 +1209,7 @@ void TransferEngine::GiveBackOutbox(Outbox outbox) {
   if (outbox.batch.capacity() > spare_outbox_.batch.capacity()) {
     spare_outbox_.batch.swap(outbox.batch);
   }
+  if (outbox.bodies.size() > spare_outbox_.bodies.size()) spare_outbox_.bodies.swap(outbox.bodies);
 }
 
 bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* found,
@@ -1227,7 +1299,7 @@ bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request
   if (!peer.ok()) return false;
   const registry::RemoteCatalog& catalog = *(*peer)->catalog;
   for (const auto& segment : request.segments()) {
-    if (segment.has_items() && catalog.FindGroup(segment.items().remote_group()).empty()) return true;
+    if (segment.has_items() && catalog.GroupSlots(segment.items().remote_group()).empty()) return true;
     if (segment.has_bytes() && catalog.Find(segment.bytes().remote_region()) == nullptr) return true;
   }
   return false;

@@ -118,8 +118,11 @@ class TransferEngine {
   // only when it is not null: a caller that answers with the final state later
   // (SubmitTransfer with wait, the fast path's last chunk) passes null and pays for no
   // copy of the state's strings and timeline (issue 15).
+  // `when_terminal`, when not null and the chunk is accepted, is taken as WhenTerminal
+  // would take it, under the same lock as the acceptance (no second lookup, and no
+  // window in which pruning could lose the transfer); on a refusal it is left as it was.
   absl::Status Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
-                      v1::TransferState* accepted);
+                      v1::TransferState* accepted, Watcher* when_terminal = nullptr);
   // True when the request names a remote group or region that the peer's current
   // catalog lacks: the caller refreshes the peer once before submitting, so a region
   // the peer registered a moment ago is found.
@@ -202,11 +205,14 @@ class TransferEngine {
     bool inflight = false;     // a batch or the notification is posted
     int32_t inflight_segment = -1;  // first segment of the batch posted last
     bool notified = false;      // DATA_READY posted (cancel no longer possible)
-    bool opened = false;        // PEER_TRANSFER_OPEN made (sent, or held in late_open)
-    // A same-host copy's PEER_TRANSFER_OPEN, made before its first batch and sent by the
+    bool opened = false;        // PEER_TRANSFER_OPEN made (sent, or due as late_open)
+    // A same-host copy's PEER_TRANSFER_OPEN, due since its first batch and sent by the
     // Pump after it (with DATA_READY, for a one-batch transfer: one message, one wake-up
-    // of the peer, instead of two). Sent by the transfer's next Pump, whatever it does.
-    std::unique_ptr<v1::Notification> late_open;
+    // of the peer, instead of two). Sent by the transfer's next Pump, whatever it does,
+    // which builds it then (from the record, and late_open_bytes: bytes_total when its
+    // first batch was posted), so no message waits in the record meanwhile.
+    bool late_open = false;
+    uint64_t late_open_bytes = 0;
     bool awaiting_ack = false;  // DATA_READY sent, its TransferAck not yet here
     uint64_t ack_token = 0;
     bool outcome_sent = false;  // the peer was told how it ended (cancel, failure)
@@ -219,6 +225,12 @@ class TransferEngine {
     // The peer's data path at chunk 0, for the metrics (a static string); null when
     // there are none.
     const char* metrics_path = nullptr;
+
+    // Back to a new record's values for a pruned record that NewRecordLocked hands out
+    // again, keeping the storage its state's strings, timeline, vectors and notification
+    // grew (a reused record's submit then allocates none of it). A field added above
+    // must be reset here: a static_assert on the struct's size says so.
+    void Reset();
   };
   using TransferPtr = std::shared_ptr<Transfer>;
 
@@ -244,8 +256,9 @@ class TransferEngine {
   static int32_t SegmentInProgress(const Transfer& t);
   // Worker thread: posts the next batch, the notification, or records the drain.
   void Pump(const TransferPtr& t);
-  // Pump's taken Transfer::late_open: sent by Send(), else as Pump returns (after its
-  // lock is released), so no way out of Pump loses it.
+  // Pump's Transfer::late_open, built from the record: sent by Send(), else as Pump
+  // returns (after its lock is released), so no way out of Pump loses it. Its message
+  // comes from, and goes back to, the engine's kept notices.
   struct LateOpen {
     explicit LateOpen(TransferEngine& e) : engine(e) {}
     LateOpen(const LateOpen&) = delete;
@@ -284,6 +297,10 @@ class TransferEngine {
   };
   struct Outbox {
     std::vector<HeldNotice> notices;
+    // Sent notices' serialized bodies, kept for the next ones (SendNotice serializes
+    // into one: no allocation per notice once warm); at most kKeptBodies, of at most
+    // kKeptBodyBytes each.
+    std::vector<std::string> bodies;
     std::vector<std::function<void()>> runs;  // data batches, started after the notices
     // FlushOutbox's scratch (which notices went, the batch being filled), kept with
     // the storage rounds reuse.
@@ -362,6 +379,8 @@ class TransferEngine {
   // one starting then free and allocate no record, state strings or timeline events
   // (issue 15). At most kSpareRecords; each holds a few hundred bytes.
   static constexpr size_t kSpareRecords = 64;
+  static constexpr size_t kKeptBodies = 256;
+  static constexpr size_t kKeptBodyBytes = 1024;
   std::vector<TransferPtr> spare_records_ ABSL_GUARDED_BY(mu_);
   // Destination bytes each active transfer writes, per peer incarnation (WRITE) or here
   // (READ): overlapping writes, by two transfers or two chunks, are refused at submit.
