@@ -52,28 +52,24 @@ const IncomingTransfers::Key& IncomingTransfers::LookupKey(const v1::Notificatio
 }
 
 void IncomingTransfers::ForEachRegionOf(
-    const std::string& target, absl::FunctionRef<void(const registry::RegionPtr&)> visit) const {
-  std::vector<registry::RegionPtr> group = registry_->FindGroup(target);
-  if (!group.empty()) {
-    for (const auto& region : group) visit(region);
-  } else if (auto region = registry_->Find(target)) {
-    visit(region);
-  }
+    const std::string& target, absl::FunctionRef<void(const registry::Region&)> visit) const {
+  if (registry_->VisitGroup(target, visit)) return;
+  if (auto region = registry_->Find(target)) visit(*region);
 }
 
 absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) const {
   // Nothing to look at while no fault was ever caught (the common case).
   if (registry::FaultGuard::faults_caught() == 0) return absl::OkStatus();
-  registry::RegionPtr broken;
+  std::string broken;
   for (const auto& target : n.targets()) {
-    ForEachRegionOf(target, [&broken](const registry::RegionPtr& region) {
-      if (broken == nullptr && region->mapping.broken()) broken = region;
+    ForEachRegionOf(target, [&broken](const registry::Region& region) {
+      if (broken.empty() && region.mapping.broken()) broken = region.spec.name();
     });
-    if (broken == nullptr) continue;
+    if (broken.empty()) continue;
     return absl::DataLossError(fmt::format(
         "transfer '{}' from '{}': region '{}' of this agent ('{}') is broken: {}; the bytes "
         "written there are not valid. Fix: {}",
-        Printable(n.transfer_id(), 256), Printable(n.from_agent()), broken->spec.name(),
+        Printable(n.transfer_id(), 256), Printable(n.from_agent()), broken,
         options_.self_name, registry::kLostMemoryCause, registry::kLostMemoryFix));
   }
   return absl::OkStatus();
@@ -81,14 +77,22 @@ absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) co
 
 void IncomingTransfers::OwnersOf(const v1::Notification& n,
                                  std::vector<std::string>* owners) const {
-  owners->clear();
+  // The vector's strings are overwritten in place, not cleared and copied again: a
+  // steady stream of transfers into the same pools allocates nothing here.
+  size_t count = 0;
   for (const auto& target : n.targets()) {
-    ForEachRegionOf(target, [owners](const registry::RegionPtr& region) {
-      if (std::find(owners->begin(), owners->end(), region->owner) == owners->end()) {
-        owners->push_back(region->owner);
+    ForEachRegionOf(target, [owners, &count](const registry::Region& region) {
+      const auto end = owners->begin() + static_cast<std::ptrdiff_t>(count);
+      if (std::find(owners->begin(), end, region.owner) != end) return;
+      if (count < owners->size()) {
+        (*owners)[count].assign(region.owner);
+      } else {
+        owners->push_back(region.owner);
       }
+      ++count;
     });
   }
+  owners->resize(count);
 }
 
 IncomingTransfers::Record& IncomingTransfers::AddRecordLocked(const Key& key) {
@@ -102,8 +106,7 @@ IncomingTransfers::Record& IncomingTransfers::AddRecordLocked(const Key& key) {
   Record fresh;
   fresh.state.Swap(&old.state);
   fresh.state.Clear();
-  fresh.owners.swap(old.owners);
-  fresh.owners.clear();
+  fresh.owners.swap(old.owners);  // not cleared: FindOrMake's OwnersOf overwrites it
   old = std::move(fresh);
   return records_.insert(std::move(node)).position->second;
 }
@@ -160,9 +163,8 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       auto it = records_.find(LookupKey(n));
       if (it == records_.end() || it->second.ended || it->second.held == nullptr) return;
       Record& r = it->second;
-      // Taken, not copied: the record lets go of it as it ends.
-      std::unique_ptr<v1::Notification> held = std::move(r.held);
-      EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, std::move(*held), absl::OkStatus());
+      // Its strings go to the notification delivered, not copied (EndLocked).
+      EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, r.held.get(), absl::OkStatus());
       return;
     }
     case v1::CANCELLED_BY_PEER:
@@ -177,7 +179,8 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       if (phase == v1::CANCELLED && why.ok()) {
         why = absl::CancelledError(fmt::format("the sender '{}' cancelled it", n.from_agent()));
       }
-      EndLocked(lookup_key_, *r, phase, n.kind(), n, why);  // FindOrMake's key
+      v1::Notification from(n);  // an outcome from the sender: rare, copied
+      EndLocked(lookup_key_, *r, phase, n.kind(), &from, why);  // FindOrMake's key
       return;
     }
     default:
@@ -195,7 +198,8 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
     lone.reply_ep = reply_ep;
     lone.ack_token = n.ack_token();
     Key key = KeyOf(n);
-    lone.held = std::make_unique<v1::Notification>(std::move(n));
+    lone.held = TakeHeldLocked();
+    lone.held->Swap(&n);
     records_.emplace(std::move(key), std::move(lone));
     ++active_;
     return;
@@ -206,10 +210,25 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
   r->ack_token = n.ack_token();
   r->state.set_bytes_total(n.bytes());
   MarkStage(r->state, v1::STAGE_NOTIFICATION_RECEIVED, r->start_us, MonotonicMicros());
-  r->held = std::make_unique<v1::Notification>(std::move(n));
+  // Swapped, not moved: `n` (the inbox's kept notice) gets the spare's strings, whose
+  // storage the next parse reuses.
+  if (r->held == nullptr) r->held = TakeHeldLocked();
+  r->held->Swap(&n);
 }
 
-void IncomingTransfers::OnDataReady(v1::Notification n, void* reply_ep, const absl::Status& data) {
+std::unique_ptr<v1::Notification> IncomingTransfers::TakeHeldLocked() {
+  if (spare_held_.empty()) return std::make_unique<v1::Notification>();
+  std::unique_ptr<v1::Notification> held = std::move(spare_held_.back());
+  spare_held_.pop_back();
+  return held;
+}
+
+void IncomingTransfers::GiveBackHeldLocked(std::unique_ptr<v1::Notification> held) {
+  if (held != nullptr && spare_held_.size() < kSpareHeld) spare_held_.push_back(std::move(held));
+}
+
+void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
+                                    const absl::Status& data) {
   void* ack_ep = nullptr;
   wire::TransferAck& ack = ack_;
   {
@@ -235,7 +254,7 @@ void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Statu
   send_ack_(reply_ep, ack);
 }
 
-void* IncomingTransfers::AcknowledgeLocked(absl::flat_hash_map<Key, Record>::iterator it, const v1::Notification& n,
+void* IncomingTransfers::AcknowledgeLocked(Records::iterator it, const v1::Notification& n,
                                            const absl::Status& status,
                                            wire::TransferAck* ack_out) {
   wire::TransferAck& ack = *ack_out;
@@ -269,7 +288,8 @@ void* IncomingTransfers::AcknowledgeLocked(absl::flat_hash_map<Key, Record>::ite
       records_.erase(it);  // untracked: only its sender learns of it
       --active_;
     } else if (!r.ended) {
-      EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, n, outcome);
+      v1::Notification from(n);  // a refused success: rare, copied
+      EndLocked(it->first, r, v1::FAILED, v1::TRANSFER_FAILED, &from, outcome);
     }
   } else if (r.state.direction() == v1::INCOMING) {
     MarkStage(r.state, v1::STAGE_ACKNOWLEDGED, r.start_us, MonotonicMicros());
@@ -286,12 +306,13 @@ void* IncomingTransfers::AcknowledgeLocked(absl::flat_hash_map<Key, Record>::ite
 }
 
 void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase phase,
-                                  v1::NotificationKind kind, v1::Notification from,
+                                  v1::NotificationKind kind, v1::Notification* from,
                                   const absl::Status& status) {
   if (r.ended) return;
   r.ended = true;
   --active_;
-  r.held.reset();
+  // Kept alive until the end (`from` may be it), then spare for the next DATA_READY.
+  std::unique_ptr<v1::Notification> held = std::move(r.held);
   r.reply_ep = nullptr;
   r.state.set_phase(phase);
   r.state.set_error_code(static_cast<int32_t>(status.code()));
@@ -308,19 +329,20 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   // for the next one (PushOrKeep).
   v1::Notification& out = end_out_.notification;
   out.Clear();
-  // `from` is this function's own: its strings move, not copied.
-  out.set_from_agent(std::move(*from.mutable_from_agent()));
-  out.set_transfer_id(std::move(*from.mutable_transfer_id()));
+  // `from`'s strings are swapped in, not copied or moved: both sides keep their string
+  // objects and the buffers go round between them (no allocation once warm).
+  out.mutable_from_agent()->swap(*from->mutable_from_agent());
+  out.mutable_transfer_id()->swap(*from->mutable_transfer_id());
   out.set_kind(kind);
-  out.set_sender_incarnation(from.sender_incarnation());
+  out.set_sender_incarnation(from->sender_incarnation());
   out.set_received_unix_us(UnixMicros());
-  out.mutable_targets()->Swap(from.mutable_targets());
+  out.mutable_targets()->Swap(from->mutable_targets());
   if (kind == v1::DATA_READY) {
-    out.set_payload(std::move(*from.mutable_payload()));
-    out.set_bytes(from.bytes());
-    out.set_staged_bytes(from.staged_bytes());
+    if (!from->payload().empty()) out.mutable_payload()->swap(*from->mutable_payload());
+    out.set_bytes(from->bytes());
+    out.set_staged_bytes(from->staged_bytes());
   } else {
-    out.set_bytes(from.bytes());
+    out.set_bytes(from->bytes());
     out.set_error_code(static_cast<int32_t>(status.code()));
     out.set_error_message(std::string(status.message()));
   }
@@ -340,6 +362,7 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   }
   ++ended_count_;
   PruneLocked();
+  GiveBackHeldLocked(std::move(held));
 }
 
 void IncomingTransfers::Expire() {
@@ -357,7 +380,7 @@ void IncomingTransfers::Expire() {
     v1::Notification from;
     from.set_from_agent(r.state.peer());
     from.set_transfer_id(r.state.transfer_id());
-    EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, std::move(from),
+    EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, &from,
               absl::DeadlineExceededError(fmt::format(
                   "transfer '{}' from '{}': no outcome came from the sender within its deadline "
                   "plus {} ms (the sender may have died or lost the link); the pages it targets "

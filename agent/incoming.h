@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -55,8 +55,9 @@ class IncomingTransfers {
   // will be (the status says why: the sender's transfer fails with it). Acknowledges.
   void DataInPlace(const v1::Notification& notice, const absl::Status& status);
   // Worker thread: OnNotice then DataInPlace for a DATA_READY with nothing staged,
-  // under one lock, the record keeping `notice` itself (not a copy).
-  void OnDataReady(v1::Notification notice, void* reply_ep, const absl::Status& status);
+  // under one lock, the record keeping `notice`'s contents (swapped out of it, not
+  // copied: `notice` is left holding other strings' storage, for the next parse).
+  void OnDataReady(v1::Notification&& notice, void* reply_ep, const absl::Status& status);
   // Ends incoming transfers whose deadline plus grace passed without an outcome
   // (TRANSFER_TIMED_OUT to their owners). Any thread; call it by NextExpiry.
   void Expire();
@@ -87,30 +88,39 @@ class IncomingTransfers {
     bool ended = false;                      // its one outcome was delivered
   };
   using Key = std::string;  // sender, incarnation, transfer id
+  // Node-based: a record never moves, and a pruned record's node (key and record)
+  // goes to spare_ and back into the map without its key being copied (a flat map
+  // copies a string key when it moves a slot holding a record).
+  using Records = absl::node_hash_map<Key, Record>;
   static void KeyInto(const v1::Notification& n, Key* key);
   static Key KeyOf(const v1::Notification& n);
   // `n`'s key in lookup_key_ (reused: a lookup allocates nothing); valid until the next.
   const Key& LookupKey(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Calls `visit` with each local region a notification target names: a group's, else
-  // the one region (no vector made for a lone region, the common target).
+  // Calls `visit` with each local region a notification target names: a group's (under
+  // the registry's lock, without copying the group), else the one region.
   void ForEachRegionOf(const std::string& target,
-                       absl::FunctionRef<void(const registry::RegionPtr&)> visit) const;
+                       absl::FunctionRef<void(const registry::Region&)> visit) const;
   // DATA_LOSS naming the region when a region `n` targets was broken by a caught
   // fault (registry/fault_guard.h).
   absl::Status CheckTargetsIntact(const v1::Notification& n) const;
 
   // The record of `n` (made when missing and there is room; null otherwise).
   Record* FindOrMake(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The principals owning the regions `n` targets, into `owners` (cleared first; its
-  // storage is kept).
+  // The principals owning the regions `n` targets, into `owners` (replacing what it
+  // held; its strings' storage is kept).
   void OwnersOf(const v1::Notification& n, std::vector<std::string>* owners) const;
   // A new record under `key` (not in records_): a pruned one's node when one is spare,
   // reset to a new record's values but keeping its storage, else a new one.
   Record& AddRecordLocked(const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delivers `kind` to the record's owners, once, and ends the record.
-  // `from`'s payload and targets move into the notification delivered.
+  // `from`'s names, payload and targets are swapped into the notification delivered
+  // (`from` may be the record's held DATA_READY, which goes to spare_held_ after).
   void EndLocked(const Key& key, Record& r, v1::TransferPhase phase, v1::NotificationKind kind,
-                 v1::Notification from, const absl::Status& status)
+                 v1::Notification* from, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A notification for a record to hold: a spare one (its strings' storage kept) or new.
+  std::unique_ptr<v1::Notification> TakeHeldLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void GiveBackHeldLocked(std::unique_ptr<v1::Notification> held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
@@ -118,7 +128,7 @@ class IncomingTransfers {
   void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // DataInPlace for the record at `it`, which holds a reply endpoint (`n` is its
   // DATA_READY): fills `ack` and returns the endpoint to send it on.
-  void* AcknowledgeLocked(absl::flat_hash_map<Key, Record>::iterator it,
+  void* AcknowledgeLocked(Records::iterator it,
                           const v1::Notification& n, const absl::Status& status,
                           wire::TransferAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Visible(const Record& r, const Caller& caller) const;
@@ -128,7 +138,7 @@ class IncomingTransfers {
   NotificationQueue* queue_;
   SendAck send_ack_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<Key, Record> records_ ABSL_GUARDED_BY(mu_);
+  Records records_ ABSL_GUARDED_BY(mu_);
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
@@ -142,7 +152,11 @@ class IncomingTransfers {
   // entries) and owners keep their storage, so a steady stream of transfers neither
   // frees the oldest record nor allocates the new one. At most kSpareRecords.
   static constexpr size_t kSpareRecords = 8;
-  std::vector<absl::flat_hash_map<Key, Record>::node_type> spare_ ABSL_GUARDED_BY(mu_);
+  std::vector<Records::node_type> spare_ ABSL_GUARDED_BY(mu_);
+  // Held DATA_READYs of ended records, for the next ones to be swapped into. At most
+  // kSpareHeld.
+  static constexpr size_t kSpareHeld = 8;
+  std::vector<std::unique_ptr<v1::Notification>> spare_held_ ABSL_GUARDED_BY(mu_);
   Key lookup_key_ ABSL_GUARDED_BY(mu_);
   // EndLocked's notification, reused (NotificationQueue::PushOrKeep).
   QueuedNotification end_out_ ABSL_GUARDED_BY(mu_);

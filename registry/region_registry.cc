@@ -870,12 +870,19 @@ std::vector<RegionPtr> RegionRegistry::FindGroup(const std::string& group) const
     absl::ReaderMutexLock lock(&mu_);
     auto it = groups_.find(group);
     if (it == groups_.end()) return out;
-    out = it->second;
+    out = it->second;  // in position order (see groups_)
   }
-  std::sort(out.begin(), out.end(), [](const RegionPtr& a, const RegionPtr& b) {
-    return a->group_position < b->group_position;
-  });
   return out;
+}
+
+bool RegionRegistry::VisitGroup(const std::string& group,
+                                absl::FunctionRef<void(const Region&)> visit) const {
+  if (group.empty()) return false;
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = groups_.find(group);
+  if (it == groups_.end()) return false;
+  for (const RegionPtr& region : it->second) visit(*region);
+  return true;
 }
 
 std::vector<std::string> RegionRegistry::GroupNames() const {

@@ -16,6 +16,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/kvagent.pb.h"
@@ -194,6 +195,11 @@ class RegionRegistry {
   RegionPtr Find(const std::string& name) const;
   // Regions of `group` by position; empty when there is none.
   std::vector<RegionPtr> FindGroup(const std::string& group) const;
+  // Calls `visit` with each region of `group` by position, under the registry's
+  // reader lock: no vector is made and no reference count touched (the receiving
+  // side's owners lookup, once per incoming transfer). `visit` must not call into the
+  // registry. False when the group has no region.
+  bool VisitGroup(const std::string& group, absl::FunctionRef<void(const Region&)> visit) const;
   std::vector<std::string> GroupNames() const;
   std::vector<RegionPtr> List() const;  // by registration order
   uint64_t version() const;
@@ -246,6 +252,10 @@ class RegionRegistry {
   };
   void CountLocked(const RegionPtr& region, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Regions by group (FindGroup is on every transfer's path: O(group), not O(regions)).
+  // Each vector is in position order, so readers need not sort: a commit numbers new
+  // members in the order it appends them, a removal keeps the others' order, and a
+  // renumbering numbers them by registration sequence, which is the order they were
+  // appended in.
   absl::flat_hash_map<std::string, std::vector<RegionPtr>> groups_ ABSL_GUARDED_BY(mu_);
   RegistryUsage usage_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, OwnerUsage> by_owner_ ABSL_GUARDED_BY(mu_);

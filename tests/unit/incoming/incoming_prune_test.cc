@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_join.h"
 #include "agent/access.h"
 #include "agent/incoming.h"
 #include "agent/notification_queue.h"
@@ -210,6 +211,97 @@ TEST_CASE("an id used again is its own record") {
     CHECK(r.incoming.Get("", "again", r.scheduler).status().code() ==
           absl::StatusCode::kNotFound);
     CHECK(r.Ids(r.scheduler) == std::vector<std::string>{"filler2", "filler3", "filler4"});
+  }
+}
+
+// The receiver keeps the notices it parses and the DATA_READYs its records hold, and
+// swaps strings between them instead of copying (the inbox's kept notice, a spare held
+// one, the notification delivered). Delivered one by one to a taker that takes each at
+// once, as a fast path ring does: every notification carries its own names, payload,
+// targets and owners, nothing of the transfer whose storage it reuses, whatever the
+// order of long and short ids, payloads present and absent, and failures between.
+TEST_CASE("each delivered notification carries its own names, payload, targets and owners") {
+  Receiver r;
+  std::vector<QueuedNotification> taken;
+  r.queue.Subscribe([&taken](const QueuedNotification& q) {
+    taken.push_back(q);
+    return true;
+  });
+  struct Expected {
+    std::string id;
+    v1::NotificationKind kind;
+    std::string payload;
+    std::vector<std::string> targets;
+    std::vector<std::string> owners;
+  };
+  std::vector<Expected> expected;
+  // One notice object parsed into again and again, as the inbox's kept one is.
+  v1::Notification kept;
+  static int endpoint;
+  for (int i = 0; i < 40; ++i) {
+    const bool long_id = i % 3 == 0;
+    const std::string id =
+        long_id ? fmt::format("a-transfer-id-long-enough-to-need-its-own-buffer-{}", i)
+                : fmt::format("t{}", i);
+    std::vector<std::string> targets;
+    std::vector<std::string> owners;
+    if (i % 4 != 1) {
+      targets.push_back("ra");
+      owners.push_back("owner-a-with-a-long-principal");
+    }
+    if (i % 4 != 0) {
+      targets.push_back("rb");
+      owners.push_back("owner-b");
+    }
+    if (i % 7 == 5) {
+      r.Fail(id, targets[0]);
+      expected.push_back({id, v1::TRANSFER_FAILED, "", {targets[0]}, {owners[0]}});
+      continue;
+    }
+    const std::string payload =
+        i % 5 == 0 ? std::string() : std::string(static_cast<size_t>(20 + 37 * (i % 4)), 'a' + i % 26);
+    // The open names the targets too: the owners are those when it began.
+    v1::Notification open = Notice(id, v1::PEER_TRANSFER_OPEN, 7, targets[0]);
+    v1::Notification ready = Notice(id, v1::DATA_READY, 7, targets[0]);
+    for (size_t t = 1; t < targets.size(); ++t) {
+      open.add_targets(targets[t]);
+      ready.add_targets(targets[t]);
+    }
+    ready.set_payload(payload);
+    ready.set_ack_token(100 + i);
+    r.NextMicrosecond();
+    kept.ParseFromString(open.SerializeAsString());
+    r.incoming.OnNotice(kept, nullptr);
+    kept.ParseFromString(ready.SerializeAsString());
+    r.incoming.OnDataReady(std::move(kept), &endpoint, absl::OkStatus());
+    kept.ParseFromString(Notice(id, v1::PEER_DATA_COMMIT, 7, targets[0]).SerializeAsString());
+    r.incoming.OnNotice(kept, nullptr);
+    expected.push_back({id, v1::DATA_READY, payload, targets, owners});
+  }
+  REQUIRE(taken.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    INFO("notification " << i << ", transfer " << expected[i].id);
+    const v1::Notification& n = taken[i].notification;
+    CHECK(n.from_agent() == "sender");
+    CHECK(n.transfer_id() == expected[i].id);
+    CHECK(n.kind() == expected[i].kind);
+    CHECK(n.sender_incarnation() == 7);
+    CHECK(n.payload() == expected[i].payload);
+    CHECK(std::vector<std::string>(n.targets().begin(), n.targets().end()) == expected[i].targets);
+    CHECK(n.bytes() == 4096);
+    CHECK(n.ack_token() == 0);  // the sender's token is not handed to clients
+    CHECK(taken[i].owners == expected[i].owners);
+    if (expected[i].kind == v1::DATA_READY) {
+      CHECK(n.error_code() == 0);
+      CHECK(n.error_message().empty());
+    } else {
+      CHECK(n.error_message() == fmt::format("the sender's copy of {} broke", expected[i].id));
+    }
+    auto state = r.incoming.Get("sender", expected[i].id, r.scheduler);
+    if (i + kKept >= expected.size()) {
+      REQUIRE(state.ok());
+      CHECK(state->owner() == absl::StrJoin(expected[i].owners, ","));
+    }
   }
 }
 

@@ -144,6 +144,43 @@ TEST_CASE("Group positions follow registration order across batches and deregist
   CHECK(static_cast<char*>(shm.data())[0] == 42);
 }
 
+// FindGroup no longer sorts and VisitGroup reads the group in place: both rely on the
+// registry keeping each group's members in position order through every change.
+TEST_CASE("A group is read in position order after removals from its middle and new members") {
+  ShmMapping shm = MakeShm(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry
+              .Register({Spec("a", shm.name(), 0, 4096, 4, 1024, "g"),
+                         Spec("b", shm.name(), 4096, 4096, 4, 1024, "g"),
+                         Spec("c", shm.name(), 8192, 4096, 4, 1024, "g"),
+                         Spec("d", shm.name(), 12288, 4096, 4, 1024, "g")},
+                        false, Registrant())
+              .ok());
+  REQUIRE(registry.Deregister({"c", "a"}, nullptr, "test-owner", false).ok());
+  REQUIRE(registry
+              .Register({Spec("e", shm.name(), 16384, 4096, 4, 1024, "g"),
+                         Spec("f", shm.name(), 20480, 4096, 4, 1024, "g")},
+                        false, Registrant())
+              .ok());
+  REQUIRE(registry.Deregister({"e"}, nullptr, "test-owner", false).ok());
+  REQUIRE(registry.Register({Spec("a", shm.name(), 0, 4096, 4, 1024, "g")}, false, Registrant())
+              .ok());
+  const std::vector<std::string> expected{"b", "d", "f", "a"};
+  auto group = registry.FindGroup("g");
+  CHECK(Names(group) == expected);
+  for (size_t i = 0; i < group.size(); ++i) CHECK(group[i]->Info().group_position() == i);
+  std::vector<std::string> visited;
+  std::vector<uint32_t> positions;
+  CHECK(registry.VisitGroup("g", [&](const Region& region) {
+    visited.push_back(region.spec.name());
+    positions.push_back(region.Info().group_position());
+  }));
+  CHECK(visited == expected);
+  CHECK(positions == std::vector<uint32_t>{0, 1, 2, 3});
+  CHECK_FALSE(registry.VisitGroup("none", [](const Region&) { FAIL("visited an unknown group"); }));
+  CHECK_FALSE(registry.VisitGroup("", [](const Region&) { FAIL("visited the empty group"); }));
+}
+
 struct Rejected {
   absl::Status status;
   std::string message;
