@@ -198,7 +198,7 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
     lone.reply_ep = reply_ep;
     lone.ack_token = n.ack_token();
     Key key = KeyOf(n);
-    lone.held = TakeHeldLocked();
+    lone.held = spare_held_.TakeMessage();
     lone.held->Swap(&n);
     records_.emplace(std::move(key), std::move(lone));
     ++active_;
@@ -212,19 +212,8 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
   MarkStage(r->state, v1::STAGE_NOTIFICATION_RECEIVED, r->start_us, MonotonicMicros());
   // Swapped, not moved: `n` (the inbox's kept notice) gets the spare's strings, whose
   // storage the next parse reuses.
-  if (r->held == nullptr) r->held = TakeHeldLocked();
+  if (r->held == nullptr) r->held = spare_held_.TakeMessage();
   r->held->Swap(&n);
-}
-
-std::unique_ptr<v1::Notification> IncomingTransfers::TakeHeldLocked() {
-  if (spare_held_.empty()) return std::make_unique<v1::Notification>();
-  std::unique_ptr<v1::Notification> held = std::move(spare_held_.back());
-  spare_held_.pop_back();
-  return held;
-}
-
-void IncomingTransfers::GiveBackHeldLocked(std::unique_ptr<v1::Notification> held) {
-  if (held != nullptr && spare_held_.size() < kSpareHeld) spare_held_.push_back(std::move(held));
 }
 
 void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
@@ -362,7 +351,7 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   }
   ++ended_count_;
   PruneLocked();
-  GiveBackHeldLocked(std::move(held));
+  spare_held_.GiveBack(std::move(held));
 }
 
 void IncomingTransfers::Expire() {

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/kept_messages.h"
 #include "agent/notification_queue.h"
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
@@ -114,13 +115,9 @@ class IncomingTransfers {
   Record& AddRecordLocked(const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delivers `kind` to the record's owners, once, and ends the record.
   // `from`'s names, payload and targets are swapped into the notification delivered
-  // (`from` may be the record's held DATA_READY, which goes to spare_held_ after).
+  // (`from` may be the record's held DATA_READY, which goes back to spare_held_ after).
   void EndLocked(const Key& key, Record& r, v1::TransferPhase phase, v1::NotificationKind kind,
                  v1::Notification* from, const absl::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A notification for a record to hold: a spare one (its strings' storage kept) or new.
-  std::unique_ptr<v1::Notification> TakeHeldLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void GiveBackHeldLocked(std::unique_ptr<v1::Notification> held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
@@ -153,10 +150,9 @@ class IncomingTransfers {
   // frees the oldest record nor allocates the new one. At most kSpareRecords.
   static constexpr size_t kSpareRecords = 8;
   std::vector<Records::node_type> spare_ ABSL_GUARDED_BY(mu_);
-  // Held DATA_READYs of ended records, for the next ones to be swapped into. At most
-  // kSpareHeld.
-  static constexpr size_t kSpareHeld = 8;
-  std::vector<std::unique_ptr<v1::Notification>> spare_held_ ABSL_GUARDED_BY(mu_);
+  // Held DATA_READYs of ended records, for the next ones to be swapped into (a few, of
+  // bounded size: KeptMessages' policy; used under mu_ only, so by one thread at a time).
+  KeptMessages<v1::Notification> spare_held_ ABSL_GUARDED_BY(mu_);
   Key lookup_key_ ABSL_GUARDED_BY(mu_);
   // EndLocked's notification, reused (NotificationQueue::PushOrKeep).
   QueuedNotification end_out_ ABSL_GUARDED_BY(mu_);
