@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bitset>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -63,20 +64,28 @@ struct Batch {
 };
 
 // Sends msgs[0..n) (best effort: a datagram the kernel will not take now is a ping
-// or an answer lost, which the protocol tolerates).
-void SendAll(int fd, Batch& batch, size_t n) {
+// or an answer lost, which the protocol tolerates). Those refused because a queue was
+// full (EAGAIN: a Unix datagram socket's receiver holds net.unix.max_dgram_qlen, 10 by
+// default, whoever sent them) are marked in `full` when given.
+void SendAll(int fd, Batch& batch, size_t n, std::bitset<kBatch>* full = nullptr) {
   size_t done = 0;
   while (done < n) {
     int sent = sendmmsg(fd, batch.msgs.data() + done, static_cast<unsigned>(n - done),
                         MSG_DONTWAIT);
     if (sent < 0) {
       if (errno == EINTR) continue;
+      if (full != nullptr && (errno == EAGAIN || errno == EWOULDBLOCK)) full->set(done);
       ++done;  // that one failed (unreachable, buffer full): go on with the rest
       continue;
     }
     done += static_cast<size_t>(sent);
   }
 }
+
+// A ping refused by a full queue is tried again this soon, not after retry_ms: the
+// door empties its queue each window (15 ms), and junk sprayed at it must not make
+// the retries miss every gap for a whole timeout.
+constexpr uint64_t kRefusedRetryUs = 5000;
 
 absl::StatusOr<UniqueFd> MakeEventFd() {
   UniqueFd fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -357,6 +366,13 @@ struct LivenessProber::Watched {
   std::array<uint64_t, kRing> sent_us{};  // by seq % kRing
   uint64_t alive_us = 0;  // when the newest answered ping was sent (or watching began)
   uint64_t last_sent_us = 0;
+  // Pings the kernel refused because the door's queue was full: they never left, so
+  // they take no seq; the peer is tried again at retry_at_us. refused_since_us: the
+  // first refusal since a ping last left (0: none), which the loss check counts as an
+  // unanswered ping; refused: how many since the last answer (for the loss's why).
+  uint64_t refused_since_us = 0;
+  uint64_t retry_at_us = 0;
+  uint64_t refused = 0;
   bool answering = true;
   bool ever_answered = false;
 };
@@ -484,6 +500,7 @@ void LivenessProber::ReadAnswers(int fd, std::vector<std::string>* back) {
         }
         w->answered_seq = answer.seq;
         w->alive_us = std::max(w->alive_us, w->sent_us[answer.seq % Watched::kRing]);
+        w->refused = 0;
         if (!w->answering) {
           kLog.Info("peer '{}' answers liveness pings again at {}", w->name, w->target.text);
           back->push_back(w->name);
@@ -504,7 +521,19 @@ void LivenessProber::Loop() {
   const uint64_t grace_us = uint64_t{options_.answer_grace_ms} * 1000;
   const uint64_t retry_us = uint64_t{options_.retry_ms} * 1000;
   uint64_t next_ping_us = 0;
-  Batch out4, out6, outu;
+  // A batch of pings, and for each the peer it is to and what sending it changed
+  // there, so that one the kernel refuses can be taken back.
+  struct Pings {
+    Batch batch;
+    struct Sent {
+      Watched* to;
+      uint64_t slot_us;  // what sent_us[seq % kRing] held before
+      uint64_t last_sent_us;
+    };
+    std::array<Sent, kBatch> sent;
+    size_t n = 0;
+  };
+  Pings out4, out6, outu;
   struct Loss {
     std::string name;
     uint64_t incarnation;
@@ -521,64 +550,97 @@ void LivenessProber::Loop() {
       any = !peers_.empty();
       const bool ping_all = any && now >= next_ping_us;
       if (ping_all) next_ping_us = now + period_us;
-      size_t n4 = 0, n6 = 0, nu = 0;
+      // Sends a batch; a ping the kernel refused for a full queue is taken back (its
+      // seq, send time and ring slot restored) and tried again in kRefusedRetryUs.
+      auto flush = [&](int fd, Pings& out) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        std::bitset<kBatch> full;
+        SendAll(fd, out.batch, out.n, &full);
+        for (size_t i = 0; i < out.n; ++i) {
+          Watched& w = *out.sent[i].to;
+          if (!full.test(i)) {
+            w.refused_since_us = 0;
+            continue;
+          }
+          w.sent_us[w.seq % Watched::kRing] = out.sent[i].slot_us;
+          w.last_sent_us = out.sent[i].last_sent_us;
+          --w.seq;
+          if (w.refused_since_us == 0) w.refused_since_us = now;
+          w.retry_at_us = now + kRefusedRetryUs;
+          ++w.refused;
+          refused_.fetch_add(1, std::memory_order_relaxed);
+          if (w.answering) wake_at = std::min(wake_at, w.retry_at_us);
+        }
+        out.n = 0;
+      };
       for (auto& [name, wp] : peers_) {
         Watched& w = *wp;
         // Every period; and, while a ping of an answering peer is overdue, again each
-        // retry interval (a lost datagram costs a retry, not the peer).
+        // retry interval (a lost datagram costs a retry, not the peer); and soon after
+        // the kernel refused one (the door's queue was full).
         const bool overdue = w.answering && w.seq > w.answered_seq;
-        const bool ping = ping_all || (overdue && now >= w.last_sent_us + retry_us);
+        const bool refused = w.answering && w.refused_since_us != 0;
+        const bool ping = ping_all || (overdue && now >= w.last_sent_us + retry_us) ||
+                          (refused && now >= w.retry_at_us);
         if (ping) {
-          Batch* out = nullptr;
-          size_t* n = nullptr;
+          Pings* out = nullptr;
+          int fd = -1;
           const int family = w.target.address.ss_family;
-          if (family == AF_INET && udp4_) out = &out4, n = &n4;
-          if (family == AF_INET6 && udp6_) out = &out6, n = &n6;
-          if (family == AF_UNIX && unix_) out = &outu, n = &nu;
-          if (out != nullptr && *n < kBatch) {
+          if (family == AF_INET && udp4_) out = &out4, fd = udp4_.get();
+          if (family == AF_INET6 && udp6_) out = &out6, fd = udp6_.get();
+          if (family == AF_UNIX && unix_) out = &outu, fd = unix_.get();
+          if (out != nullptr) {
             ++w.seq;
+            out->sent[out->n] = {&w, w.sent_us[w.seq % Watched::kRing], w.last_sent_us};
             w.sent_us[w.seq % Watched::kRing] = now;
             w.last_sent_us = now;
             w.key->Encode({LivenessKind::kPing, w.key->id(), w.incarnation, w.nonce, w.seq},
-                          out->data[*n].data());
-            out->ForSend(*n, w.target.address, w.target.length);
-            ++*n;
-          }
-          // A batch is full: send it and go on (1 sendmmsg per 64 peers).
-          if (n != nullptr && *n == kBatch) {
-            SendAll(out == &out4 ? udp4_.get() : out == &out6 ? udp6_.get() : unix_.get(), *out,
-                    *n);
-            *n = 0;
+                          out->batch.data[out->n].data());
+            out->batch.ForSend(out->n, w.target.address, w.target.length);
+            // A batch is full: send it and go on (1 sendmmsg per 64 peers).
+            if (++out->n == kBatch) flush(fd, *out);
           }
         }
         if (!w.answering) continue;
         // Lost: nothing sent in the last timeout was answered, and the oldest
-        // unanswered ping has had its grace.
-        if (w.answered_seq >= w.seq) continue;  // all answered: checked after the next ping
-        wake_at = std::min(wake_at, w.last_sent_us + retry_us);
-        // The oldest unanswered ping whose send time the ring still holds.
-        const uint64_t first = std::max(
-            w.answered_seq + 1, w.seq >= Watched::kRing ? w.seq - Watched::kRing + 1 : 1);
-        const uint64_t first_unanswered = w.sent_us[first % Watched::kRing];
+        // unanswered ping (or the first one refused since a ping last left) has had
+        // its grace.
+        const bool unanswered = w.answered_seq < w.seq;
+        if (!unanswered && w.refused_since_us == 0) continue;  // checked after the next ping
+        uint64_t first_unanswered = UINT64_MAX;
+        if (unanswered) {
+          wake_at = std::min(wake_at, w.last_sent_us + retry_us);
+          // The oldest unanswered ping whose send time the ring still holds.
+          const uint64_t first = std::max(
+              w.answered_seq + 1, w.seq >= Watched::kRing ? w.seq - Watched::kRing + 1 : 1);
+          first_unanswered = w.sent_us[first % Watched::kRing];
+        }
+        if (w.refused_since_us != 0) {
+          wake_at = std::min(wake_at, w.retry_at_us);
+          first_unanswered = std::min(first_unanswered, w.refused_since_us);
+        }
         const uint64_t due = std::max(w.alive_us + timeout_us, first_unanswered + grace_us);
         if (now >= due) {
           w.answering = false;
           losses.push_back(
               {w.name, w.incarnation,
                fmt::format("its liveness door at {} answered no ping for {} ms (pings every {} "
-                           "ms, retried after {} ms; {} unanswered{})",
+                           "ms, retried after {} ms; {} unanswered{}{})",
                            w.target.text, (now - w.alive_us) / 1000, options_.period_ms,
-                           options_.retry_ms,
-                           w.seq - w.answered_seq,
+                           options_.retry_ms, w.seq - w.answered_seq,
+                           w.refused == 0
+                               ? ""
+                               : fmt::format("; {} more refused by its full queue: a door that "
+                                             "stopped reading, or one flooded with datagrams",
+                                             w.refused),
                            w.ever_answered ? "" : "; it never answered: check that UDP reaches it"),
                w.ever_answered});
         } else {
           wake_at = std::min(wake_at, due);
         }
       }
-      if (n4 != 0) SendAll(udp4_.get(), out4, n4);
-      if (n6 != 0) SendAll(udp6_.get(), out6, n6);
-      if (nu != 0) SendAll(unix_.get(), outu, nu);
+      if (out4.n != 0) flush(udp4_.get(), out4);
+      if (out6.n != 0) flush(udp6_.get(), out6);
+      if (outu.n != 0) flush(unix_.get(), outu);
     }
     for (const auto& loss : losses) {
       lost_count_.fetch_add(1, std::memory_order_relaxed);

@@ -139,6 +139,9 @@ class LivenessProber {
   bool Answering(const std::string& name) const;
   uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
   uint64_t lost() const { return lost_count_.load(std::memory_order_relaxed); }
+  // Pings the kernel refused because the door's queue was full (each tried again
+  // within 5 ms; a peer refusing every one for the timeout is lost).
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
   struct Watched;
@@ -159,6 +162,7 @@ class LivenessProber {
   absl::flat_hash_map<uint64_t, Watched*> by_nonce_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> dropped_{0};
   std::atomic<uint64_t> lost_count_{0};
+  std::atomic<uint64_t> refused_{0};
 };
 
 }  // namespace kvagent::agent

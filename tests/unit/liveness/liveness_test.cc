@@ -1,11 +1,14 @@
 // The liveness door and prober over real sockets: the door answers a signed ping on
 // UDP (127.0.0.1, port 0) and on its Unix datagram socket, answers nothing else and
 // counts what it dropped; a prober watching a door sees it answer, and reports the
-// peer lost once the door is gone (and as never answered when nothing was there).
+// peer lost once the door is gone (and as never answered when nothing was there), and
+// keeps a Unix door whose queue junk keeps full answering, trying a refused ping again
+// at once rather than after its retry interval.
 // Waits are for states, with generous deadlines; nothing here is timed.
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -13,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <atomic>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -242,6 +247,108 @@ TEST_CASE("the prober sees a door answer, then reports it lost once it is gone")
   absl::MutexLock lock(&losses.mu);
   CHECK_FALSE(losses.seen[1].second);
   CHECK_THAT(losses.seen[1].first, Catch::Contains("never answered"));
+}
+
+TEST_CASE("junk that keeps a Unix door's queue full does not make its prober lose the peer") {
+  // The kernel holds 10 datagrams (net.unix.max_dgram_qlen) for a Unix datagram socket,
+  // whoever sent them, and refuses more with EAGAIN; the door empties it once a window
+  // (15 ms). A sprayer refilling it every 2 ms leaves a ping a gap of a few ms in each
+  // window: one retried after retry_ms (150) would miss every gap for a timeout within
+  // seconds; one retried at once after a refusal finds one.
+  mkdir(TempPath("").c_str(), 0700);  // an earlier case may have removed it
+  const std::string path = TempPath("flooded.sock.live");
+  LivenessDoorOptions options;
+  options.unix_path = path;
+  options.incarnation = kIncarnation;
+  auto door = LivenessDoor::Start(options);
+  REQUIRE(door.ok());
+  (*door)->Admit(kSecret);
+  auto target = ResolveLivenessTarget("unix:" + path, "unix:" + TempPath("flooded.sock"));
+  REQUIRE(target.ok());
+
+  Losses losses;
+  auto prober = LivenessProber::Start(
+      LivenessProberOptions{},  // the agent's: pings every 600 ms, lost after 1 s
+      [&](const std::string&, uint64_t, const std::string& why, bool ever_answered) {
+        absl::MutexLock lock(&losses.mu);
+        losses.seen.emplace_back(why, ever_answered);
+      });
+  REQUIRE(prober.ok());
+  (*prober)->Watch("decode", kIncarnation, *target, kSecret);
+  REQUIRE(WaitFor([&] { return (*door)->answered() >= 1; }));
+
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> sprayed{0};
+  std::thread sprayer([&] {
+    UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    sa_family_t family = AF_UNIX;
+    if (!fd.valid() ||
+        bind(fd.get(), reinterpret_cast<const sockaddr*>(&family), sizeof family) != 0) {
+      return;  // sprayed stays 0: checked below
+    }
+    std::mt19937_64 random(5);
+    while (!stop.load()) {
+      for (int i = 0; i < 40; ++i) {
+        uint8_t d[kLivenessDatagramBytes];
+        for (auto& b : d) b = static_cast<uint8_t>(random());
+        if (sendto(fd.get(), d, sizeof d, MSG_DONTWAIT,
+                   reinterpret_cast<const sockaddr*>(&target->address),
+                   target->length) == static_cast<ssize_t>(sizeof d)) {
+          sprayed.fetch_add(1);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  // At least 4 s (four timeouts), and until the flood has refused the prober a ping.
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - start < std::chrono::seconds(4) ||
+         ((*prober)->refused() < 3 &&
+          std::chrono::steady_clock::now() - start < std::chrono::seconds(30))) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const uint64_t answered_during = (*door)->answered();
+  stop.store(true);
+  sprayer.join();
+  INFO("sprayed " << sprayed.load() << ", door dropped " << (*door)->dropped() << ", answered "
+                  << answered_during << "; prober refused " << (*prober)->refused());
+  CHECK(sprayed.load() > 0);
+  CHECK((*prober)->refused() >= 3);  // the flood did fill the queue when pings came
+  CHECK((*prober)->Answering("decode"));
+  {
+    absl::MutexLock lock(&losses.mu);
+    for (const auto& [why, ever] : losses.seen) UNSCOPED_INFO(why);
+    CHECK(losses.seen.empty());
+  }
+
+  // A door that stops reading (its process stopped) with a full queue is still lost,
+  // and the why says its queue refused the pings: a socket nobody reads takes the
+  // door's place, filled until the kernel refuses more.
+  door->reset();
+  UniqueFd squatter(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  sockaddr_un at{};
+  at.sun_family = AF_UNIX;
+  std::memcpy(at.sun_path, path.data(), path.size());
+  REQUIRE(bind(squatter.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0);
+  {
+    UniqueFd filler(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    uint8_t d[kLivenessDatagramBytes] = {};
+    int queued = 0;
+    while (queued < 1000 && sendto(filler.get(), d, sizeof d, MSG_DONTWAIT,
+                                   reinterpret_cast<const sockaddr*>(&at), sizeof at) > 0) {
+      ++queued;
+    }
+    CHECK(errno == EAGAIN);
+  }
+  REQUIRE(WaitFor([&] { return losses.size() == 1; }));
+  CHECK_FALSE((*prober)->Answering("decode"));
+  {
+    absl::MutexLock lock(&losses.mu);
+    CHECK(losses.seen[0].second);
+    CHECK_THAT(losses.seen[0].first, Catch::Contains("refused by its full queue"));
+  }
+  unlink(path.c_str());
+  rmdir(TempPath("").c_str());
 }
 
 }  // namespace
