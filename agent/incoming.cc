@@ -6,6 +6,7 @@
 #include <charconv>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
 #include "base/format.h"
@@ -127,6 +128,7 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   }
   Record& r = AddRecordLocked(key);
   r.state.set_transfer_id(n.transfer_id());
+  IndexLocked(r);
   r.state.set_peer(n.from_agent());
   r.state.set_direction(v1::INCOMING);
   r.state.set_phase(v1::TRANSFERRING);
@@ -387,11 +389,13 @@ uint64_t IncomingTransfers::NextExpiry() const {
 void IncomingTransfers::PruneLocked() {
   while (ended_count_ > options_.max_finished) {
     const Key& oldest = ended_keys_[ended_head_];
-    if (spare_.size() < kSpareRecords) {
-      auto node = records_.extract(oldest);
-      if (!node.empty()) spare_.push_back(std::move(node));
-    } else {
-      records_.erase(oldest);
+    if (auto it = records_.find(oldest); it != records_.end()) {
+      UnindexLocked(it->second);
+      if (spare_.size() < kSpareRecords) {
+        spare_.push_back(records_.extract(it));
+      } else {
+        records_.erase(it);
+      }
     }
     ended_head_ = (ended_head_ + 1) % ended_keys_.size();
     --ended_count_;
@@ -403,18 +407,34 @@ bool IncomingTransfers::Visible(const Record& r, const Caller& caller) const {
   return std::find(r.owners.begin(), r.owners.end(), caller.principal) != r.owners.end();
 }
 
+uint64_t IncomingTransfers::IdHash(std::string_view id) { return absl::HashOf(id); }
+
+void IncomingTransfers::IndexLocked(const Record& r) {
+  by_id_[IdHash(r.state.transfer_id())].push_back(&r);
+}
+
+void IncomingTransfers::UnindexLocked(const Record& r) {
+  auto bucket = by_id_.find(IdHash(r.state.transfer_id()));
+  if (bucket == by_id_.end()) return;  // untracked: never indexed
+  auto& records = bucket->second;
+  records.erase(std::remove(records.begin(), records.end(), &r), records.end());
+  if (records.empty()) by_id_.erase(bucket);
+}
+
 absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer,
                                                          const std::string& id,
                                                          const Caller& caller) const {
   absl::MutexLock lock(&mu_);
   const v1::TransferState* found = nullptr;
-  for (const auto& [key, r] : records_) {
-    if (r.state.direction() != v1::INCOMING || r.state.transfer_id() != id) continue;
-    if (!peer.empty() && r.state.peer() != peer) continue;
-    if (!Visible(r, caller)) continue;
-    // The newest when a peer reused the id across restarts.
-    if (found == nullptr || r.state.submitted_unix_us() > found->submitted_unix_us()) {
-      found = &r.state;
+  if (auto bucket = by_id_.find(IdHash(id)); bucket != by_id_.end()) {
+    for (const Record* r : bucket->second) {
+      if (r->state.direction() != v1::INCOMING || r->state.transfer_id() != id) continue;
+      if (!peer.empty() && r->state.peer() != peer) continue;
+      if (!Visible(*r, caller)) continue;
+      // The newest when a peer reused the id across restarts.
+      if (found == nullptr || r->state.submitted_unix_us() > found->submitted_unix_us()) {
+        found = &r->state;
+      }
     }
   }
   if (found == nullptr) {

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -68,7 +70,9 @@ class IncomingTransfers {
   uint64_t NextExpiry() const;
 
   // An incoming transfer by id (and sending agent, when not empty) that `caller` may
-  // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise.
+  // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise. Found
+  // through an index by id: it reads only the records with that id (not every kept
+  // one), so a scheduler polling it does not hold up the receiving path.
   absl::StatusOr<v1::TransferState> Get(const std::string& peer, const std::string& id,
                                         const Caller& caller) const;
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
@@ -120,6 +124,10 @@ class IncomingTransfers {
                  v1::Notification* from, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // by_id_'s bucket for `id`; adds a tracked record to it, removes one from it.
+  static uint64_t IdHash(std::string_view id);
+  void IndexLocked(const Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnindexLocked(const Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
   void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -136,6 +144,14 @@ class IncomingTransfers {
   SendAck send_ack_;
   mutable absl::Mutex mu_;
   Records records_ ABSL_GUARDED_BY(mu_);
+  // The tracked records (direction INCOMING: the ones Get may answer) by a hash of
+  // their transfer id: a record is added when made and removed when pruned (its id
+  // never changes meanwhile; records never move). A bucket holds every record whose
+  // id hashes to it (the same id from several senders or incarnations, or a
+  // collision): Get compares the ids. No allocation per transfer once the table has
+  // grown (one record per bucket is inline).
+  absl::flat_hash_map<uint64_t, absl::InlinedVector<const Record*, 1>> by_id_
+      ABSL_GUARDED_BY(mu_);
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;

@@ -5,7 +5,7 @@
 // the record whose node was reused: error text, timeline stages, owners), the count
 // stays bounded, the newest are kept in order, and an id a sender uses again (after
 // its record was pruned, or from a new incarnation while the old one is kept) is its
-// own record.
+// own record; Get, which finds records through an index by id, answers what List holds.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -30,9 +30,9 @@ namespace {
 constexpr uint32_t kKept = 3;
 
 v1::Notification Notice(const std::string& id, v1::NotificationKind kind, uint64_t incarnation,
-                        const std::string& target) {
+                        const std::string& target, const std::string& from = "sender") {
   v1::Notification n;
-  n.set_from_agent("sender");
+  n.set_from_agent(from);
   n.set_sender_incarnation(incarnation);
   n.set_transfer_id(id);
   n.set_kind(kind);
@@ -52,12 +52,12 @@ struct Receiver {
   Caller owner_a;
   uint32_t acks = 0;
 
-  Receiver()
+  explicit Receiver(uint32_t kept = kKept)
       : incoming(
-            [] {
+            [kept] {
               IncomingOptions options;
               options.self_name = "receiver";
-              options.max_finished = kKept;
+              options.max_finished = kept;
               return options;
             }(),
             &regions, &queue, [this](void*, const wire::TransferAck&) { ++acks; }) {
@@ -75,19 +75,21 @@ struct Receiver {
   }
 
   // Open, DATA_READY (acknowledged), commit: COMPLETED.
-  void Complete(const std::string& id, const std::string& target, uint64_t incarnation = 7) {
+  void Complete(const std::string& id, const std::string& target, uint64_t incarnation = 7,
+                const std::string& from = "sender") {
     NextMicrosecond();
-    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target), nullptr);
+    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target, from), nullptr);
     static int endpoint;
-    incoming.OnDataReady(Notice(id, v1::DATA_READY, incarnation, target), &endpoint,
+    incoming.OnDataReady(Notice(id, v1::DATA_READY, incarnation, target, from), &endpoint,
                          absl::OkStatus());
-    incoming.OnNotice(Notice(id, v1::PEER_DATA_COMMIT, incarnation, target), nullptr);
+    incoming.OnNotice(Notice(id, v1::PEER_DATA_COMMIT, incarnation, target, from), nullptr);
   }
   // Open, then the sender's failure: FAILED with its message.
-  void Fail(const std::string& id, const std::string& target, uint64_t incarnation = 7) {
+  void Fail(const std::string& id, const std::string& target, uint64_t incarnation = 7,
+            const std::string& from = "sender") {
     NextMicrosecond();
-    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target), nullptr);
-    v1::Notification failed = Notice(id, v1::TRANSFER_FAILED, incarnation, target);
+    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target, from), nullptr);
+    v1::Notification failed = Notice(id, v1::TRANSFER_FAILED, incarnation, target, from);
     failed.set_error_code(static_cast<int32_t>(absl::StatusCode::kInternal));
     failed.set_error_message(fmt::format("the sender's copy of {} broke", id));
     incoming.OnNotice(failed, nullptr);
@@ -212,6 +214,79 @@ TEST_CASE("an id used again is its own record") {
           absl::StatusCode::kNotFound);
     CHECK(r.Ids(r.scheduler) == std::vector<std::string>{"filler2", "filler3", "filler4"});
   }
+}
+
+// Get finds a record through an index by transfer id, kept as records are made and
+// pruned (and their nodes reused). Checked against List, which reads every record:
+// through a random mix of senders, incarnations, ids used again, completions (owner a)
+// and failures (owner b), open ones among them, with pruning all along, Get answers
+// for every id, with and without a sender, for each caller, exactly what the newest
+// matching record in List is (or NOT_FOUND when List has none).
+TEST_CASE("Get answers what List holds: the newest record of the id, through pruning") {
+  Receiver r(/*kept=*/24);
+  Caller owner_b;
+  owner_b.principal = "owner-b";
+  const std::vector<std::string> senders = {"s0", "s1", "prefill-node-with-a-long-name"};
+  std::vector<std::string> ids;
+  for (int i = 0; i < 12; ++i) ids.push_back(fmt::format("req-{}-layer-with-a-long-suffix", i));
+  uint64_t state = 88172645463325252ull;  // xorshift: the same mix every run
+  auto next = [&state](uint64_t n) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state % n;
+  };
+  size_t checked = 0, found = 0;
+  for (int step = 0; step < 400; ++step) {
+    const std::string& id = ids[next(ids.size())];
+    const std::string& from = senders[next(senders.size())];
+    const uint64_t incarnation = 7 + next(2);
+    switch (next(3)) {
+      case 0:
+        r.Complete(id, "ra", incarnation, from);
+        break;
+      case 1:
+        r.Fail(id, "rb", incarnation, from);
+        break;
+      default:  // left open (until a later step ends the same key)
+        r.NextMicrosecond();
+        r.incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, "ra", from),
+                            nullptr);
+    }
+    if (step % 7 != 0 && step < 390) continue;
+    for (const Caller* caller : std::vector<const Caller*>{&r.scheduler, &r.owner_a, &owner_b}) {
+      const std::vector<v1::TransferState> listed = r.incoming.List(false, *caller);
+      for (const std::string& want : ids) {
+        for (const std::string& peer : {std::string(), senders[0], senders[1], senders[2]}) {
+          const v1::TransferState* newest = nullptr;
+          for (const auto& s : listed) {
+            if (s.transfer_id() != want || (!peer.empty() && s.peer() != peer)) continue;
+            if (newest == nullptr || s.submitted_unix_us() > newest->submitted_unix_us()) {
+              newest = &s;
+            }
+          }
+          auto got = r.incoming.Get(peer, want, *caller);
+          INFO("step " << step << ", caller " << caller->principal << ", id " << want
+                       << ", sender '" << peer << "'");
+          ++checked;
+          if (newest == nullptr) {
+            CHECK(got.status().code() == absl::StatusCode::kNotFound);
+            continue;
+          }
+          REQUIRE(got.ok());
+          ++found;
+          CHECK(got->peer() == newest->peer());
+          CHECK(got->submitted_unix_us() == newest->submitted_unix_us());
+          CHECK(got->phase() == newest->phase());
+        }
+      }
+    }
+  }
+  INFO(checked << " lookups, " << found << " found");
+  CHECK(found > checked / 4);  // the mix keeps many ids found, and many not
+  CHECK(found < checked);
+  CHECK(r.incoming.Get("", "never-sent", r.scheduler).status().code() ==
+        absl::StatusCode::kNotFound);
 }
 
 // The receiver keeps the notices it parses and the DATA_READYs its records hold, and
