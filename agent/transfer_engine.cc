@@ -530,9 +530,12 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
   // The last check that may refuse the chunk: no destination byte is written by two
   // transfers at once, nor twice by this one. The peer's incarnation is part of the
   // key: a restarted peer's memory is new.
-  const std::string destination_key =
-      planning::DestinationKey(request.op(), request.peer(), (*peer)->incarnation);
-  const std::vector<planning::DestinationRange> destinations =
+  // The key in this thread's string, which keeps its storage from submit to submit;
+  // the ranges (views of the catalog's names) inline: no allocation for either.
+  thread_local std::string destination_key;
+  planning::DestinationKeyInto(request.op(), request.peer(), (*peer)->incarnation,
+                               &destination_key);
+  const planning::DestinationRangeList destinations =
       planning::DestinationRanges(*plan, request.op(), *(*peer)->catalog);
 
   TransferPtr t;

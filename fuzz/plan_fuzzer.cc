@@ -230,17 +230,17 @@ void Run(const v1::SubmitTransferRequest& request) {
   }
   // What the engine would claim covers the same bytes, by region name, and a ledger
   // holding nothing else accepts it.
-  const std::vector<planning::DestinationRange> ranges =
+  const planning::DestinationRangeList ranges =
       planning::DestinationRanges(*plan, op, *f.catalog);
   uint64_t claimed = 0;
   for (const planning::DestinationRange& range : ranges) {
     uint64_t region_length = 0;
     if (op == v1::READ) {
-      const RegionPtr region = f.registry->Find(range.region);
+      const RegionPtr region = f.registry->Find(std::string(range.region));
       FUZZ_CHECK(region != nullptr, "destination range names no local region '{}'", range.region);
       region_length = region->spec.length();
     } else {
-      const RemoteRegion* region = f.catalog->Find(range.region);
+      const RemoteRegion* region = f.catalog->Find(std::string(range.region));
       FUZZ_CHECK(region != nullptr, "destination range names no peer region '{}'", range.region);
       region_length = region->length;
     }

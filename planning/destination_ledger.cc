@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
+#include "absl/strings/string_view.h"
 #include "base/text.h"
 #include "fmt/format.h"
 
@@ -19,6 +20,9 @@ using registry::RemoteCatalog;
 namespace {
 
 using Range = std::pair<uint64_t, uint64_t>;  // [begin, end)
+
+// Debian's Abseil has its own string_view (not std's): what its maps look strings up by.
+absl::string_view Lookup(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // Sorts by begin: an LSD radix sort on 11-bit digits of the begin offsets (as many
 // digits as the largest offset needs), since a plan of scattered pages gives a region
@@ -51,8 +55,8 @@ void SortByBegin(Range* first, Range* last) {
 
 }  // namespace
 
-std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::TransferOp op,
-                                                const RemoteCatalog& remote) {
+DestinationRangeList DestinationRanges(const TransferPlan& plan, v1::TransferOp op,
+                                       const RemoteCatalog& remote) {
   const bool read = op == v1::READ;
   // Regions are numbered: WRITE by rkey slot (the catalog's order), READ by base
   // address among the plan's pinned local regions; `known` stands for an op outside
@@ -139,12 +143,13 @@ std::vector<DestinationRange> DestinationRanges(const TransferPlan& plan, v1::Tr
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return dense_regions[a] < dense_regions[b]; });
   // 3. Touching ranges merge.
-  std::vector<DestinationRange> out;
+  DestinationRangeList out;
   for (size_t d : order) {
     const size_t region = dense_regions[d];
-    const std::string name =
-        region < known ? (read ? locals[region]->spec.name() : remote.regions()[region].name)
-                       : std::string(read ? "local@address" : "remote@address");
+    const std::string_view name =
+        region < known
+            ? std::string_view(read ? locals[region]->spec.name() : remote.regions()[region].name)
+            : std::string_view(read ? "local@address" : "remote@address");
     auto first = ranges.begin() + static_cast<std::ptrdiff_t>(starts[d]);
     auto last = ranges.begin() + static_cast<std::ptrdiff_t>(starts[d + 1]);
     if (!std::is_sorted(first, last)) SortByBegin(first, last);
@@ -165,11 +170,15 @@ std::string DestinationKey(v1::TransferOp op, const std::string& peer) {
   return op == v1::READ ? std::string("local") : "peer:" + peer;
 }
 
-std::string DestinationKey(v1::TransferOp op, const std::string& peer, uint64_t incarnation) {
-  if (op == v1::READ) return DestinationKey(op, peer);
-  std::string key;
-  key.reserve(5 + peer.size() + 1 + 16);
-  key.append("peer:").append(peer).push_back('#');
+void DestinationKeyInto(v1::TransferOp op, const std::string& peer, uint64_t incarnation,
+                        std::string* key) {
+  if (op == v1::READ) {
+    key->assign("local");
+    return;
+  }
+  key->clear();
+  key->reserve(5 + peer.size() + 1 + 16);
+  key->append("peer:").append(peer).push_back('#');
   // Lower-case hex without leading zeros ("{:x}"), written by hand: fmt's formatting
   // through a back inserter cost several times this on every submit.
   char digits[16];
@@ -178,12 +187,17 @@ std::string DestinationKey(v1::TransferOp op, const std::string& peer, uint64_t 
     digits[n++] = "0123456789abcdef"[incarnation & 0xf];
     incarnation >>= 4;
   } while (incarnation != 0);
-  while (n > 0) key.push_back(digits[--n]);
+  while (n > 0) key->push_back(digits[--n]);
+}
+
+std::string DestinationKey(v1::TransferOp op, const std::string& peer, uint64_t incarnation) {
+  std::string key;
+  DestinationKeyInto(op, peer, incarnation, &key);
   return key;
 }
 
-absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std::string& key,
-                                      const std::vector<DestinationRange>& ranges) {
+absl::Status DestinationLedger::Claim(const std::string& transfer_id, std::string_view key,
+                                      absl::Span<const DestinationRange> ranges) {
   absl::InlinedVector<const DestinationRange*, 4> sorted;
   sorted.reserve(ranges.size());
   for (const DestinationRange& range : ranges) {
@@ -200,10 +214,10 @@ absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std:
   });
 
   absl::MutexLock lock(&mu_);
-  const Holder* self = nullptr;
-  if (auto it = holders_.find(transfer_id); it != holders_.end()) self = &it->second;
-  Regions* regions = nullptr;
-  if (auto it = keys_.find(key); it != keys_.end()) regions = &it->second;
+  auto self_it = holders_.find(transfer_id);
+  const Holder* self = self_it != holders_.end() ? &self_it->second : nullptr;
+  auto key_it = keys_.find(Lookup(key));
+  Regions* regions = key_it != keys_.end() ? &key_it->second : nullptr;
 
   auto refuse = [&](const DestinationRange& range, uint64_t other_begin, uint64_t other_end,
                     const Holder* other) {
@@ -240,7 +254,9 @@ absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std:
       widest = nullptr;
       intervals = nullptr;
       if (regions != nullptr) {
-        if (auto it = regions->find(range.region); it != regions->end()) intervals = &it->second;
+        if (auto it = regions->find(Lookup(range.region)); it != regions->end()) {
+          intervals = &it->second;
+        }
       }
     }
     if (widest != nullptr && range.begin < widest->end) {
@@ -263,27 +279,54 @@ absl::Status DestinationLedger::Claim(const std::string& transfer_id, const std:
   }
   if (sorted.empty()) return absl::OkStatus();
 
-  auto holder_it = holders_.try_emplace(transfer_id).first;
+  // Entries are found before any is made, and made from spare nodes where there are
+  // some (a released transfer's holder, released ranges' map nodes).
+  auto holder_it = self_it;
+  if (holder_it == holders_.end()) {
+    if (!spare_holders_.empty()) {
+      Holders::node_type node = std::move(spare_holders_.back());
+      spare_holders_.pop_back();
+      node.key().assign(transfer_id);
+      node.mapped().held.clear();
+      holder_it = holders_.insert(std::move(node)).position;
+    } else {
+      holder_it = holders_.try_emplace(transfer_id).first;
+    }
+  }
   Holder& holder = holder_it->second;
   holder.transfer_id = &holder_it->first;
-  auto key_it = keys_.try_emplace(key).first;
+  if (key_it == keys_.end()) key_it = keys_.emplace(std::string(key), Regions()).first;
   Regions& key_regions = key_it->second;
   Held* held = nullptr;
   for (size_t i = 0; i < sorted.size(); ++i) {
     const DestinationRange& range = *sorted[i];
     if (i == 0 || range.region != sorted[i - 1]->region) {
-      auto region_it = key_regions.try_emplace(range.region).first;
+      auto region_it = key_regions.find(Lookup(range.region));
+      if (region_it == key_regions.end()) {
+        region_it = key_regions.emplace(std::string(range.region), Intervals()).first;
+        ++regions_;
+      } else if (region_it->second.empty()) {
+        --empty_regions_;  // a kept one, used again
+      }
       Intervals* target = &region_it->second;
       held = nullptr;
       for (Held& h : holder.held) {
         if (h.intervals == target) held = &h;
       }
       if (held == nullptr) {
-        holder.held.push_back(Held{&key_it->first, &region_it->first, target, {}});
+        holder.held.push_back(Held{target, {}});
         held = &holder.held.back();
       }
     }
-    held->intervals->emplace(range.begin, Claimed{range.end, &holder});
+    if (!spare_ranges_.empty()) {
+      Intervals::node_type node = std::move(spare_ranges_.back());
+      spare_ranges_.pop_back();
+      node.key() = range.begin;
+      node.mapped() = Claimed{range.end, &holder};
+      held->intervals->insert(std::move(node));
+    } else {
+      held->intervals->emplace(range.begin, Claimed{range.end, &holder});
+    }
     held->begins.push_back(range.begin);
     ++claimed_;
   }
@@ -295,21 +338,56 @@ void DestinationLedger::Release(const std::string& transfer_id) {
   auto it = holders_.find(transfer_id);
   if (it == holders_.end()) return;
   for (Held& held : it->second.held) {
-    for (uint64_t begin : held.begins) claimed_ -= held.intervals->erase(begin);
+    for (uint64_t begin : held.begins) {
+      Intervals::node_type node = held.intervals->extract(begin);
+      if (node.empty()) continue;
+      --claimed_;
+      if (spare_ranges_.size() < kSpare) spare_ranges_.push_back(std::move(node));
+    }
     if (!held.intervals->empty()) continue;
-    // No transfer holds anything there: drop the region (and the key) from the map.
-    // (held.key and held.region point at the keys of the nodes erased here: each is used
-    // only to find its node, before that node goes.)
-    auto key = keys_.find(*held.key);
-    key->second.erase(key->second.find(*held.region));
-    if (key->second.empty()) keys_.erase(key);
+    // No transfer holds anything there: the region's entry is kept for the next claim
+    // while fewer than kKeptEmptyRegions are; past that, every other empty one goes
+    // (those of destinations no longer written, such as a restarted peer's old
+    // incarnation), and this one is kept.
+    if (empty_regions_ == kKeptEmptyRegions) DropEmptyRegionsLocked(held.intervals);
+    ++empty_regions_;
   }
-  holders_.erase(it);
+  if (spare_holders_.size() < kSpare) {
+    spare_holders_.push_back(holders_.extract(it));
+  } else {
+    holders_.erase(it);
+  }
+}
+
+void DestinationLedger::DropEmptyRegionsLocked(const Intervals* keep) {
+  // Only regions no transfer holds are empty: no Held points at what goes here.
+  for (auto key = keys_.begin(); key != keys_.end();) {
+    Regions& regions = key->second;
+    for (auto region = regions.begin(); region != regions.end();) {
+      if (region->second.empty() && &region->second != keep) {
+        regions.erase(region++);
+        --regions_;
+        --empty_regions_;
+      } else {
+        ++region;
+      }
+    }
+    if (regions.empty()) {
+      keys_.erase(key++);
+    } else {
+      ++key;
+    }
+  }
 }
 
 size_t DestinationLedger::claimed_ranges() const {
   absl::MutexLock lock(&mu_);
   return claimed_;
+}
+
+size_t DestinationLedger::region_entries() const {
+  absl::MutexLock lock(&mu_);
+  return regions_;
 }
 
 }  // namespace kvagent::planning

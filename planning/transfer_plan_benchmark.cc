@@ -157,9 +157,11 @@ void BM_DestinationClaim(benchmark::State& state) {
   // The plan writes items [0, 16384) of every region: the other transfer's ranges lie
   // past the end of a region (as if regions were longer), so none overlap.
   DestinationLedger ledger;
+  std::vector<std::string> names;  // the ranges view them
+  for (uint32_t r = 0; r < kRegions; ++r) names.push_back(fmt::format("L{}", r));
   std::vector<DestinationRange> other;
   for (uint32_t r = 0; r < kRegions; ++r) {
-    other.push_back({fmt::format("L{}", r), kItems * kItemBytes, kItems * kItemBytes + 4096});
+    other.push_back({names[r], kItems * kItemBytes, kItems * kItemBytes + 4096});
   }
   if (absl::Status s = ledger.Claim("other", "peer:decode", other); !s.ok()) {
     state.SkipWithError(std::string(s.message()).c_str());
@@ -167,8 +169,7 @@ void BM_DestinationClaim(benchmark::State& state) {
   }
   size_t ranges = 0;
   for (auto _ : state) {
-    const std::vector<DestinationRange> claimed =
-        DestinationRanges(*plan, v1::WRITE, agents.remote);
+    const DestinationRangeList claimed = DestinationRanges(*plan, v1::WRITE, agents.remote);
     if (absl::Status s = ledger.Claim("bench", "peer:decode", claimed); !s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());
       break;

@@ -139,7 +139,108 @@ TEST_CASE("Concurrent claims and releases keep every range with one writer") {
   CHECK(ledger.claimed_ranges() == 0);
 }
 
-std::vector<std::string> Text(const std::vector<DestinationRange>& ranges) {
+TEST_CASE("The ledger keeps its own copies of the names a claim views") {
+  DestinationLedger ledger;
+  std::string key = "peer:decode#1";
+  std::string region = "k.L0-with-a-name-longer-than-inline";
+  REQUIRE(ledger.Claim("a", key, {{region, 0, 100}}).ok());
+  // The caller's strings change (as a catalog's storage may once the claim returned).
+  key.assign("peer:elsewhere#2");
+  region.assign("something-else-entirely-and-long");
+  std::string m = Refused(ledger.Claim("b", "peer:decode#1",
+                                       {{"k.L0-with-a-name-longer-than-inline", 50, 60}}));
+  CHECK_THAT(m, Catch::Contains("transfer 'a' is still writing"));
+  CHECK(ledger.Claim("b", key, {{region, 50, 60}}).ok());  // another destination
+}
+
+// Against a model that keeps every claimed range in a list: a long random mix of
+// claims (several chunks per transfer, ranges that overlap or touch, keys of restarted
+// peers, ~300 regions: more than the ledger keeps empty, so it drops them in sweeps)
+// and releases, with transfer ids used again. Each claim is accepted or refused as
+// the model says, the claimed count matches, and the entries the ledger keeps stay
+// within the regions holding a range plus kKeptEmptyRegions.
+TEST_CASE("Claims and releases through kept and reused entries answer as a list of ranges") {
+  struct Held {
+    std::string transfer, key, region;
+    uint64_t begin, end;
+  };
+  std::vector<Held> model;
+  DestinationLedger ledger;
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&state](uint64_t n) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state % n;
+  };
+  std::vector<std::string> regions;
+  for (int r = 0; r < 300; ++r) regions.push_back(fmt::format("layer-{}-kv-cache-region", r));
+  size_t accepted = 0, refused = 0, sweeps_possible = 0;
+  for (int step = 0; step < 20000; ++step) {
+    const std::string transfer = fmt::format("transfer-with-a-long-id-{}", next(40));
+    if (next(10) < 4) {
+      ledger.Release(transfer);
+      model.erase(std::remove_if(model.begin(), model.end(),
+                                 [&](const Held& h) { return h.transfer == transfer; }),
+                  model.end());
+    } else {
+      const std::string key = fmt::format("peer:decode#{}", 1 + next(6));
+      // Mostly a few hot regions, sometimes any of the 300.
+      std::vector<std::string> names;
+      std::vector<DestinationRange> ranges;
+      const size_t n = 1 + next(3);
+      for (size_t i = 0; i < n; ++i) names.push_back(regions[next(4) == 0 ? next(300) : next(8)]);
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t begin = next(64) * 16;
+        ranges.push_back({names[i], begin, begin + 16 * (1 + next(3))});
+      }
+      bool ok = true;
+      for (size_t i = 0; i < n && ok; ++i) {
+        for (size_t j = 0; j < i && ok; ++j) {
+          if (names[i] == names[j] && ranges[i].begin < ranges[j].end &&
+              ranges[j].begin < ranges[i].end) {
+            ok = false;
+          }
+        }
+        for (const Held& h : model) {
+          if (h.key == key && h.region == names[i] && ranges[i].begin < h.end &&
+              h.begin < ranges[i].end) {
+            ok = false;
+          }
+        }
+      }
+      const absl::Status claimed = ledger.Claim(transfer, key, ranges);
+      INFO("step " << step << ": " << claimed.ToString());
+      REQUIRE(claimed.ok() == ok);
+      if (ok) {
+        ++accepted;
+        for (size_t i = 0; i < n; ++i) {
+          model.push_back({transfer, key, names[i], ranges[i].begin, ranges[i].end});
+        }
+      } else {
+        ++refused;
+        CHECK(claimed.code() == absl::StatusCode::kFailedPrecondition);
+      }
+    }
+    REQUIRE(ledger.claimed_ranges() == model.size());
+    std::vector<std::pair<std::string, std::string>> live;
+    for (const Held& h : model) live.emplace_back(h.key, h.region);
+    std::sort(live.begin(), live.end());
+    live.erase(std::unique(live.begin(), live.end()), live.end());
+    REQUIRE(ledger.region_entries() >= live.size());
+    REQUIRE(ledger.region_entries() <= live.size() + DestinationLedger::kKeptEmptyRegions);
+    if (ledger.region_entries() > DestinationLedger::kKeptEmptyRegions) ++sweeps_possible;
+  }
+  INFO(accepted << " accepted, " << refused << " refused");
+  CHECK(accepted > 5000);
+  CHECK(refused > 1000);
+  CHECK(sweeps_possible > 0);  // more entries than are kept empty were made: sweeps ran
+  for (int t = 0; t < 40; ++t) ledger.Release(fmt::format("transfer-with-a-long-id-{}", t));
+  CHECK(ledger.claimed_ranges() == 0);
+  CHECK(ledger.region_entries() <= DestinationLedger::kKeptEmptyRegions);
+}
+
+std::vector<std::string> Text(const DestinationRangeList& ranges) {
   std::vector<std::string> text;
   for (const DestinationRange& r : ranges) {
     text.push_back(fmt::format("{} [{}, {})", r.region, r.begin, r.end));
@@ -297,7 +398,7 @@ TEST_CASE("DestinationRanges sorts thousands of scattered pages per region") {
   }
   auto plan = PlanTransfer(local, *remote, segments, 0, v1::WRITE);
   REQUIRE(plan.ok());
-  const std::vector<DestinationRange> ranges = DestinationRanges(*plan, v1::WRITE, *remote);
+  const DestinationRangeList ranges = DestinationRanges(*plan, v1::WRITE, *remote);
   REQUIRE(ranges.size() == kItems);  // kItems / 2 in each of k and v
   bool ordered = true;
   for (size_t i = 0; i < ranges.size(); ++i) {
