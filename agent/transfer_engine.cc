@@ -8,8 +8,8 @@
 #include <optional>
 #include <utility>
 
-#include "absl/hash/hash.h"
 #include "agent/peer_secrets.h"
+#include "agent/request_digest.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
 #include "agent/wire_encoding.h"
@@ -18,9 +18,6 @@
 #include "base/status_macros.h"
 #include "cuda/driver.h"
 #include "fmt/format.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
-#include "google/protobuf/wire_format_lite.h"
 #include "registry/fault_guard.h"
 
 namespace kvagent::agent {
@@ -48,52 +45,6 @@ uint64_t RandomToken() {
   return token;
 }
 
-// Appends to `out` the top-level fields of the serialized message `in` except those
-// numbered `skip_a` and `skip_b`, in order: the bytes the message serializes to with
-// those two fields cleared (fields serialize in field-number order, unknown ones last).
-void AppendWithout(std::string_view in, int skip_a, int skip_b, std::string* out) {
-  using google::protobuf::internal::WireFormatLite;
-  google::protobuf::io::CodedInputStream stream(reinterpret_cast<const uint8_t*>(in.data()),
-                                                static_cast<int>(in.size()));
-  for (;;) {
-    const int start = stream.CurrentPosition();
-    const uint32_t tag = stream.ReadTag();
-    // Our own serialization: it ends cleanly and every field skips.
-    if (tag == 0 || !WireFormatLite::SkipField(&stream, tag)) break;
-    const int field = WireFormatLite::GetTagFieldNumber(tag);
-    if (field != skip_a && field != skip_b) {
-      out->append(in.data() + start, static_cast<size_t>(stream.CurrentPosition() - start));
-    }
-  }
-}
-
-uint64_t Digest(const v1::SubmitTransferRequest& request) {
-  // The serialization, without timeout_ms and wait when either is set (a retry may carry
-  // a different deadline, or wait where the first try did not), goes into this thread's
-  // scratch, whose storage the next submits reuse: no allocation per submit once warm.
-  // Cut from the bytes rather than serialized from a copy without them: copying the
-  // request allocated each segment's items (a oneof member is freed when cleared),
-  // about 6 allocations per one-page submit. A large request's storage is let go after
-  // use, so a thread holds at most 2 x kKeep bytes.
-  constexpr size_t kKeep = 64 << 10;
-  thread_local std::string bytes;
-  thread_local std::string without;
-  bytes.clear();
-  request.AppendToString(&bytes);
-  std::string_view hashed = bytes;
-  if (request.timeout_ms() != 0 || request.wait()) {
-    without.clear();
-    AppendWithout(bytes, v1::SubmitTransferRequest::kTimeoutMsFieldNumber,
-                  v1::SubmitTransferRequest::kWaitFieldNumber, &without);
-    hashed = without;
-  }
-  const uint64_t digest = absl::Hash<std::string_view>{}(hashed);
-  if (bytes.size() > kKeep) {
-    std::string().swap(bytes);
-    std::string().swap(without);
-  }
-  return digest;
-}
 
 std::string_view OpName(v1::TransferOp op) { return op == v1::READ ? "READ" : "WRITE"; }
 
@@ -432,7 +383,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         "chunk 0) may be empty",
         id, request.chunk()));
   }
-  const uint64_t digest = Digest(request);
+  const uint64_t digest = RequestDigest(request);
 
   // Idempotency and chunk order are checked before planning, so a retry of a chunk
   // that was accepted returns the state even if the peer changed since.
