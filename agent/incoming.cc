@@ -409,12 +409,15 @@ bool IncomingTransfers::Visible(const Record& r, const Caller& caller) const {
 
 uint64_t IncomingTransfers::IdHash(std::string_view id) { return absl::HashOf(id); }
 
-void IncomingTransfers::IndexLocked(const Record& r) {
-  by_id_[IdHash(r.state.transfer_id())].push_back(&r);
+void IncomingTransfers::IndexLocked(const Record& r) const {
+  if (!indexed_) return;
+  r.id_hash = IdHash(r.state.transfer_id());
+  by_id_[r.id_hash].push_back(&r);
 }
 
-void IncomingTransfers::UnindexLocked(const Record& r) {
-  auto bucket = by_id_.find(IdHash(r.state.transfer_id()));
+void IncomingTransfers::UnindexLocked(const Record& r) const {
+  if (!indexed_) return;
+  auto bucket = by_id_.find(r.id_hash);
   if (bucket == by_id_.end()) return;  // untracked: never indexed
   auto& records = bucket->second;
   records.erase(std::remove(records.begin(), records.end(), &r), records.end());
@@ -425,6 +428,13 @@ absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer
                                                          const std::string& id,
                                                          const Caller& caller) const {
   absl::MutexLock lock(&mu_);
+  if (!indexed_) {
+    // The first Get: the index is made from every tracked record, and kept from here on.
+    indexed_ = true;
+    for (const auto& [key, r] : records_) {
+      if (r.state.direction() == v1::INCOMING) IndexLocked(r);
+    }
+  }
   const v1::TransferState* found = nullptr;
   if (auto bucket = by_id_.find(IdHash(id)); bucket != by_id_.end()) {
     for (const Record* r : bucket->second) {

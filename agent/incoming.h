@@ -71,8 +71,9 @@ class IncomingTransfers {
 
   // An incoming transfer by id (and sending agent, when not empty) that `caller` may
   // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise. Found
-  // through an index by id: it reads only the records with that id (not every kept
-  // one), so a scheduler polling it does not hold up the receiving path.
+  // through an index by id, made by the first Get (an agent nobody asks pays nothing
+  // for it): it reads only the records with that id (not every kept one), so a
+  // scheduler polling it does not hold up the receiving path.
   absl::StatusOr<v1::TransferState> Get(const std::string& peer, const std::string& id,
                                         const Caller& caller) const;
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
@@ -91,6 +92,9 @@ class IncomingTransfers {
     // one outcome is always kept.
     uint64_t reserved_bytes = 0;
     bool ended = false;                      // its one outcome was delivered
+    // IdHash(state.transfer_id()), once by_id_ holds the record (set by the first Get,
+    // which is const: mutable).
+    mutable uint64_t id_hash = 0;
   };
   using Key = std::string;  // sender, incarnation, transfer id
   // Node-based: a record never moves, and a pruned record's node (key and record)
@@ -124,10 +128,12 @@ class IncomingTransfers {
                  v1::Notification* from, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // by_id_'s bucket for `id`; adds a tracked record to it, removes one from it.
+  // by_id_'s bucket for `id`. Once the index is made: adds a tracked record to it
+  // (setting its id_hash), removes one from it (by its id_hash: the record, pruned
+  // 10,000 transfers later, is not read).
   static uint64_t IdHash(std::string_view id);
-  void IndexLocked(const Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UnindexLocked(const Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void IndexLocked(const Record& r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnindexLocked(const Record& r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
   void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -145,12 +151,15 @@ class IncomingTransfers {
   mutable absl::Mutex mu_;
   Records records_ ABSL_GUARDED_BY(mu_);
   // The tracked records (direction INCOMING: the ones Get may answer) by a hash of
-  // their transfer id: a record is added when made and removed when pruned (its id
-  // never changes meanwhile; records never move). A bucket holds every record whose
-  // id hashes to it (the same id from several senders or incarnations, or a
-  // collision): Get compares the ids. No allocation per transfer once the table has
-  // grown (one record per bucket is inline).
-  absl::flat_hash_map<uint64_t, absl::InlinedVector<const Record*, 1>> by_id_
+  // their transfer id, from the first Get on (which makes it from every record; until
+  // then nothing is kept: a random slot of a 10,000-entry table on every transfer
+  // costs cache misses that an agent nobody asks should not pay). A record is added
+  // when made and removed when pruned (its id never changes meanwhile; records never
+  // move). A bucket holds every record whose id hashes to it (the same id from
+  // several senders or incarnations, or a collision): Get compares the ids. No
+  // allocation per transfer once the table has grown (one record per bucket is inline).
+  mutable bool indexed_ ABSL_GUARDED_BY(mu_) = false;
+  mutable absl::flat_hash_map<uint64_t, absl::InlinedVector<const Record*, 1>> by_id_
       ABSL_GUARDED_BY(mu_);
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
