@@ -314,8 +314,10 @@ absl::Status DestinationLedger::Claim(const std::string& transfer_id, std::strin
         if (h.intervals == target) held = &h;
       }
       if (held == nullptr) {
-        holder.held.push_back(Held{target, {}});
-        held = &holder.held.back();
+        // Made in place: moving a temporary in copied its empty inline `begins`, which
+        // GCC 12 warned about (maybe-uninitialized).
+        held = &holder.held.emplace_back();
+        held->intervals = target;
       }
     }
     if (!spare_ranges_.empty()) {
