@@ -437,8 +437,8 @@ absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer
   }
   const v1::TransferState* found = nullptr;
   if (auto bucket = by_id_.find(IdHash(id)); bucket != by_id_.end()) {
-    for (const Record* r : bucket->second) {
-      if (r->state.direction() != v1::INCOMING || r->state.transfer_id() != id) continue;
+    for (const Record* r : bucket->second) {  // tracked ones only (IndexLocked's callers)
+      if (r->state.transfer_id() != id) continue;
       if (!peer.empty() && r->state.peer() != peer) continue;
       if (!Visible(*r, caller)) continue;
       // The newest when a peer reused the id across restarts.

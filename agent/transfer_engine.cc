@@ -45,7 +45,6 @@ uint64_t RandomToken() {
   return token;
 }
 
-
 std::string_view OpName(v1::TransferOp op) { return op == v1::READ ? "READ" : "WRITE"; }
 
 // The first memory that a caught SIGBUS broke (registry/fault_guard.h) among the local
