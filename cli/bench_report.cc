@@ -28,6 +28,19 @@ std::string Cellf(const std::optional<double>& v, const char* format) {
   return v ? fmt::format(fmt::runtime(format), *v) : "-";
 }
 
+// A TimeSplit's fields (", \"paired_<kind>timelines\": ..."), null where no timeline was
+// read.
+std::string SplitJson(const char* kind, const TimeSplit& t) {
+  auto known = [&t](double v) { return t.timelines > 0 ? std::optional<double>(v) : std::nullopt; };
+  return fmt::format(
+      ", \"paired_{0}timelines\": {1}, \"paired_{0}agent_p50_us\": {2}, "
+      "\"paired_{0}before_copy_p50_us\": {3}, \"paired_{0}copy_p50_us\": {4}, "
+      "\"paired_{0}receiver_p50_us\": {5}, \"paired_{0}ring_p50_us\": {6}",
+      kind, t.timelines, Opt(known(t.agent_p50_us), "{:.1f}"),
+      Opt(known(t.before_copy_p50_us), "{:.1f}"), Opt(known(t.copy_p50_us), "{:.1f}"),
+      Opt(known(t.receiver_p50_us), "{:.1f}"), Opt(known(t.ring_p50_us), "{:.1f}"));
+}
+
 // The cell's paired fields (", \"paired_rounds\": ..."), null without paired rounds.
 std::string PairedJson(const std::optional<PairedCell>& p) {
   if (!p) {
@@ -37,13 +50,11 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
            "\"paired_fast_over_memcpy_q3\": null, \"paired_scattered_over_contiguous\": null, "
            "\"paired_scattered_over_contiguous_q1\": null, "
            "\"paired_scattered_over_contiguous_q3\": null, \"paired_placed_rounds\": 0, "
-           "\"paired_placed_p50_us\": null, \"paired_placed_over_memcpy\": null, "
-           "\"paired_timelines\": 0, \"paired_agent_p50_us\": null, "
-           "\"paired_copy_p50_us\": null, \"paired_receiver_p50_us\": null, "
-           "\"paired_ring_p50_us\": null";
+           "\"paired_placed_p50_us\": null, \"paired_placed_over_memcpy\": null" +
+           SplitJson("", TimeSplit{}) + SplitJson("scattered_", TimeSplit{});
   }
   // The placed and timeline figures: null where the paired rounds did not measure them.
-  const bool placed = p->placed_rounds > 0, timed = p->timelines > 0;
+  const bool placed = p->placed_rounds > 0;
   auto known = [](bool measured, double v) {
     return measured ? std::optional<double>(v) : std::nullopt;
   };
@@ -54,17 +65,14 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
       "\"paired_fast_over_memcpy_q3\": {:.3f}, \"paired_scattered_over_contiguous\": {:.3f}, "
       "\"paired_scattered_over_contiguous_q1\": {:.3f}, "
       "\"paired_scattered_over_contiguous_q3\": {:.3f}, \"paired_placed_rounds\": {}, "
-      "\"paired_placed_p50_us\": {}, \"paired_placed_over_memcpy\": {}, "
-      "\"paired_timelines\": {}, \"paired_agent_p50_us\": {}, \"paired_copy_p50_us\": {}, "
-      "\"paired_receiver_p50_us\": {}, \"paired_ring_p50_us\": {}",
+      "\"paired_placed_p50_us\": {}, \"paired_placed_over_memcpy\": {}{}{}",
       p->rounds, p->memcpy_p50_us, p->contiguous_p50_us, p->scattered_p50_us,
       p->fast_over_memcpy.of_medians, p->fast_over_memcpy.q1, p->fast_over_memcpy.q3,
       p->scattered_over_contiguous.of_medians, p->scattered_over_contiguous.q1,
       p->scattered_over_contiguous.q3, p->placed_rounds,
       Opt(known(placed, p->placed_p50_us), "{:.1f}"),
-      Opt(known(placed, p->placed_over_memcpy.of_medians), "{:.3f}"), p->timelines,
-      Opt(known(timed, p->agent_p50_us), "{:.1f}"), Opt(known(timed, p->copy_p50_us), "{:.1f}"),
-      Opt(known(timed, p->receiver_p50_us), "{:.1f}"), Opt(known(timed, p->ring_p50_us), "{:.1f}"));
+      Opt(known(placed, p->placed_over_memcpy.of_medians), "{:.3f}"),
+      SplitJson("", p->contiguous_split), SplitJson("scattered_", p->scattered_split));
 }
 
 std::string RatioText(const PairedRatio& r) {
@@ -98,12 +106,15 @@ std::string PairedLine(const PairedCell& p) {
   } else {
     out += "\n        completing when placed: - (the agent is older than complete_when)";
   }
-  if (p.timelines > 0) {
+  for (const auto& [name, t] : {std::pair{"contiguous", &p.contiguous_split},
+                                 std::pair{"scattered", &p.scattered_split}}) {
+    if (t->timelines == 0) continue;
     out += fmt::format(
-        "\n        contiguous, where its time went (p50 us, {} timelines): in the agent {:.0f} "
-        "(the copy {:.0f}, the receiver's acknowledgement {:.0f}), between client and agent "
-        "{:.0f} (the ring's pick-up and completion, with their wake-ups)",
-        p.timelines, p.agent_p50_us, p.copy_p50_us, p.receiver_p50_us, p.ring_p50_us);
+        "\n        {}, where its time went (p50 us, {} timelines): in the agent {:.0f} (before "
+        "the copy {:.0f}, the copy {:.0f}, the receiver's acknowledgement {:.0f}), between "
+        "client and agent {:.0f} (the ring's pick-up and completion, with their wake-ups)",
+        name, t->timelines, t->agent_p50_us, t->before_copy_p50_us, t->copy_p50_us,
+        t->receiver_p50_us, t->ring_p50_us);
   }
   return out;
 }

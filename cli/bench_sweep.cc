@@ -316,10 +316,18 @@ class CellBench::Impl {
       paired.placed_p50_us = Percentile(placed_us, 50);
       paired.placed_over_memcpy = Paired(memcpy_us, placed_us);
     }
-    // (b)'s stages, from the initiator's timelines (read after the timing).
-    std::vector<double> agent, copy, receiver, ring;
-    for (size_t r = 0; r < contiguous_us.size(); ++r) {
-      auto state = fast_->agent().Get(fmt::format("{}c.{}", prefix, r));
+    // (b)'s and (c)'s stages, from the initiator's timelines (read after the timing).
+    paired.contiguous_split = Split(prefix + "c.", contiguous_us);
+    paired.scattered_split = Split(prefix + "s.", scattered_us);
+    return std::optional<PairedCell>(paired);
+  }
+
+ private:
+  // Where the transfers `prefix` + round went: round r's client time is `client_us[r]`.
+  TimeSplit Split(const std::string& prefix, const std::vector<double>& client_us) {
+    std::vector<double> agent, before_copy, copy, receiver, ring;
+    for (size_t r = 0; r < client_us.size(); ++r) {
+      auto state = fast_->agent().Get(fmt::format("{}{}", prefix, r));
       if (!state.ok()) continue;
       std::optional<uint64_t> at[v1::TransferStage_ARRAYSIZE];
       for (const auto& e : state->timeline()) {
@@ -328,25 +336,29 @@ class CellBench::Impl {
       if (!at[v1::STAGE_ENDED]) continue;
       const double in_agent = static_cast<double>(*at[v1::STAGE_ENDED]);
       agent.push_back(in_agent);
-      ring.push_back(std::max(0.0, contiguous_us[r] - in_agent));
-      if (at[v1::STAGE_FIRST_POSTED] && at[v1::STAGE_DATA_FLUSHED]) {
-        copy.push_back(static_cast<double>(*at[v1::STAGE_DATA_FLUSHED]) -
-                       static_cast<double>(*at[v1::STAGE_FIRST_POSTED]));
+      ring.push_back(std::max(0.0, client_us[r] - in_agent));
+      if (at[v1::STAGE_FIRST_POSTED]) {
+        before_copy.push_back(static_cast<double>(*at[v1::STAGE_FIRST_POSTED]));
+        if (at[v1::STAGE_DATA_FLUSHED]) {
+          copy.push_back(static_cast<double>(*at[v1::STAGE_DATA_FLUSHED]) -
+                         static_cast<double>(*at[v1::STAGE_FIRST_POSTED]));
+        }
       }
       if (at[v1::STAGE_NOTIFICATION_SENT] && at[v1::STAGE_ACKNOWLEDGED]) {
         receiver.push_back(static_cast<double>(*at[v1::STAGE_ACKNOWLEDGED]) -
                            static_cast<double>(*at[v1::STAGE_NOTIFICATION_SENT]));
       }
     }
-    paired.timelines = agent.size();
-    paired.agent_p50_us = Percentile(agent, 50);
-    paired.ring_p50_us = Percentile(ring, 50);
-    paired.copy_p50_us = Percentile(copy, 50);
-    paired.receiver_p50_us = Percentile(receiver, 50);
-    return std::optional<PairedCell>(paired);
+    TimeSplit split;
+    split.timelines = agent.size();
+    split.agent_p50_us = Percentile(agent, 50);
+    split.ring_p50_us = Percentile(ring, 50);
+    split.before_copy_p50_us = Percentile(before_copy, 50);
+    split.copy_p50_us = Percentile(copy, 50);
+    split.receiver_p50_us = Percentile(receiver, 50);
+    return split;
   }
 
- private:
   // Transfers each timed window of a cell takes at least (then until its time is up):
   // 20, and 10 from 256 MiB a transfer up, where 20 took seconds a window and the
   // paired rounds needed the time.

@@ -37,6 +37,19 @@ struct PairedRatio {
 // (COMPLETE_WHEN_PLACED: the sender's COMPLETED does not wait for the receiver's
 // acknowledgement), unless the agent is older than complete_when; (b), (c) and (d)
 // take turns going first.
+// Where a paired transfer's time went: medians over the rounds whose initiator
+// timeline was read (`timelines` of them, 0: none). In the agent, accepted to ended; of
+// that, before the copy (accepted to the first batch posted: planning, the ledger,
+// the posting of the operations), the copy (first batch posted to data flushed) and
+// the wait for the receiver (notification sent to acknowledged); the rest of the
+// client's time (`ring`) lies between the client and the agent: the ring's pick-up of
+// the entry and its completion, with the thread wake-ups between them.
+struct TimeSplit {
+  uint64_t timelines = 0;
+  double agent_p50_us = 0, before_copy_p50_us = 0, copy_p50_us = 0, receiver_p50_us = 0,
+         ring_p50_us = 0;
+};
+
 struct PairedCell {
   Cell cell;  // its op, block and batch (pattern: both)
   uint64_t rounds = 0;
@@ -50,14 +63,9 @@ struct PairedCell {
   uint64_t placed_rounds = 0;
   double placed_p50_us = 0;
   PairedRatio placed_over_memcpy;
-  // Where (b)'s time went: medians over the rounds whose initiator timeline was read
-  // (`timelines` of them, 0: none). In the agent, accepted to ended; of that, the copy
-  // (first batch posted to data flushed) and the wait for the receiver (notification
-  // sent to acknowledged); the rest of the client's time (`ring`) lies between the
-  // client and the agent: the ring's pick-up of the entry and its completion, with the
-  // thread wake-ups between them.
-  uint64_t timelines = 0;
-  double agent_p50_us = 0, copy_p50_us = 0, receiver_p50_us = 0, ring_p50_us = 0;
+  // Where (b)'s and (c)'s time went, from the initiator's timelines (read after the
+  // rounds).
+  TimeSplit contiguous_split, scattered_split;
 };
 
 struct CellResult {

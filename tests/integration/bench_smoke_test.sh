@@ -72,20 +72,31 @@ while IFS= read -r line; do
     # agents have complete_when), and the contiguous transfers' timelines were read:
     # where their time went.
     placed=$(sed -n 's/.*"paired_placed_rounds": \([0-9]*\),.*/\1/p' <<<"$line")
-    timelines=$(sed -n 's/.*"paired_timelines": \([0-9]*\),.*/\1/p' <<<"$line")
     if [[ "$placed" != "$rounds" ]]; then
       echo "paired_placed_rounds '$placed' is not the $rounds rounds in: $line"; bad=1
     fi
-    if [[ -z "$timelines" ]] || (( timelines < 1 || timelines > rounds )); then
-      echo "paired_timelines '$timelines' not within 1..$rounds in: $line"; bad=1
-    fi
-    for key in paired_placed_p50_us paired_placed_over_memcpy paired_agent_p50_us \
-               paired_copy_p50_us paired_receiver_p50_us; do
+    for key in paired_placed_p50_us paired_placed_over_memcpy; do
       v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
       if ! positive "$v"; then echo "$key is not a positive finite number in: $line"; bad=1; fi
     done
-    v=$(sed -n 's/.*"paired_ring_p50_us": \([^,}]*\).*/\1/p' <<<"$line")
-    if [[ ! "$v" =~ ^[0-9.]+$ ]]; then echo "paired_ring_p50_us is not a number in: $line"; bad=1; fi
+    # The contiguous and the scattered transfers' timelines were read: where their
+    # time went.
+    for kind in "" scattered_; do
+      timelines=$(sed -n "s/.*\"paired_${kind}timelines\": \([0-9]*\),.*/\1/p" <<<"$line")
+      if [[ -z "$timelines" ]] || (( timelines < 1 || timelines > rounds )); then
+        echo "paired_${kind}timelines '$timelines' not within 1..$rounds in: $line"; bad=1
+      fi
+      for key in agent_p50_us copy_p50_us receiver_p50_us; do
+        v=$(sed -n "s/.*\"paired_$kind$key\": \([^,}]*\).*/\1/p" <<<"$line")
+        if ! positive "$v"; then
+          echo "paired_$kind$key is not a positive finite number in: $line"; bad=1
+        fi
+      done
+      for key in before_copy_p50_us ring_p50_us; do
+        v=$(sed -n "s/.*\"paired_$kind$key\": \([^,}]*\).*/\1/p" <<<"$line")
+        if [[ ! "$v" =~ ^[0-9.]+$ ]]; then echo "paired_$kind$key is not a number in: $line"; bad=1; fi
+      done
+    done
   elif [[ "$rounds" != 0 || "$line" != *'"paired_fast_over_memcpy": null'* ]]; then
     echo "a cell outside issue 14's targets with paired figures: $line"; bad=1
   fi

@@ -76,14 +76,36 @@ TEST_CASE("targets block: a run without paired cells says so") {
 
 TEST_CASE("paired line: the placed rounds and where the contiguous transfer's time went") {
   PairedCell p = WithPlaced(Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9), 0.5);
-  p.timelines = 9;
-  p.agent_p50_us = 300, p.copy_p50_us = 120, p.receiver_p50_us = 150, p.ring_p50_us = 200;
+  p.contiguous_split.timelines = 9;
+  p.contiguous_split.agent_p50_us = 300, p.contiguous_split.before_copy_p50_us = 12;
+  p.contiguous_split.copy_p50_us = 120, p.contiguous_split.receiver_p50_us = 150;
+  p.contiguous_split.ring_p50_us = 200;
+  p.scattered_split = p.contiguous_split;
+  p.scattered_split.timelines = 8, p.scattered_split.before_copy_p50_us = 95;
   const std::string line = PairedLine(p);
   INFO(line);
   CHECK(line.find("completing when placed: fast/memcpy 0.50 [0.45-0.55] (p50 100 us)") !=
         std::string::npos);
-  CHECK(line.find("(p50 us, 9 timelines): in the agent 300 (the copy 120, the receiver's "
-                  "acknowledgement 150), between client and agent 200") != std::string::npos);
+  CHECK(line.find("contiguous, where its time went (p50 us, 9 timelines): in the agent 300 "
+                  "(before the copy 12, the copy 120, the receiver's acknowledgement 150), "
+                  "between client and agent 200") != std::string::npos);
+  CHECK(line.find("scattered, where its time went (p50 us, 8 timelines): in the agent 300 "
+                  "(before the copy 95,") != std::string::npos);
+  CellResult cell;
+  cell.cell = p.cell;
+  cell.paired = p;
+  const std::string json = JsonLine(cell);
+  INFO(json);
+  CHECK(json.find("\"paired_timelines\": 9, \"paired_agent_p50_us\": 300.0, "
+                  "\"paired_before_copy_p50_us\": 12.0, \"paired_copy_p50_us\": 120.0") !=
+        std::string::npos);
+  CHECK(json.find("\"paired_scattered_timelines\": 8, \"paired_scattered_agent_p50_us\": "
+                  "300.0, \"paired_scattered_before_copy_p50_us\": 95.0") != std::string::npos);
+  // No timeline read: the figures are null, not zero.
+  cell.paired = Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9);
+  const std::string none = JsonLine(cell);
+  CHECK(none.find("\"paired_scattered_timelines\": 0, \"paired_scattered_agent_p50_us\": null") !=
+        std::string::npos);
   // An agent older than complete_when, timelines not read: said so, nothing made up.
   const std::string old = PairedLine(Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9));
   INFO(old);

@@ -93,6 +93,37 @@ TEST_CASE("every byte is copied whatever the lanes and shapes") {
   }
 }
 
+TEST_CASE("pieces of mixed sizes, empty ones among them, each copied whole and alone") {
+  // Sizes below, at and past a page and a chunk, a run of small pieces that a chunk
+  // gathers, a piece cut across chunks, and empty ones, in one batch. Bytes between the
+  // pieces must stay untouched.
+  const std::vector<uint64_t> sizes = {0,         1,       4095,    4096, 4097, 65536, 0,
+                                       (1 << 20) + 3, 3000, 3000, 3000, 70000, 0,  200000};
+  uint64_t span = 0;
+  for (uint64_t bytes : sizes) span += bytes + 4096;  // a gap after each
+  std::vector<uint8_t> src(span), dst(span, 0xEE);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 13 + i / 4096);
+  std::vector<CopyPiece> pieces;
+  uint64_t at = 0;
+  for (uint64_t bytes : sizes) {
+    pieces.push_back(CopyPiece{dst.data() + at, src.data() + at, bytes});
+    at += bytes + 4096;
+  }
+  for (uint32_t lanes : {1u, 2u}) {
+    std::fill(dst.begin(), dst.end(), 0xEE);
+    CopyLanes copier(lanes);
+    copier.Copy(pieces);
+    INFO("lanes " << lanes);
+    uint64_t offset = 0;
+    for (uint64_t bytes : sizes) {
+      CHECK(std::memcmp(dst.data() + offset, src.data() + offset, bytes) == 0);
+      const std::vector<uint8_t> gap(4096, 0xEE);
+      CHECK(std::memcmp(dst.data() + offset + bytes, gap.data(), gap.size()) == 0);
+      offset += bytes + 4096;
+    }
+  }
+}
+
 TEST_CASE("back-to-back batches: each lane share is copied once, by its lane or the caller") {
   // Whether a lane wakes in time or the caller takes its share is up to the scheduler;
   // either way every byte lands, every batch ends, and the counts agree.
