@@ -6,7 +6,6 @@
 #include <charconv>
 #include <utility>
 
-#include "absl/hash/hash.h"
 #include "agent/status_util.h"
 #include "agent/timeline.h"
 #include "base/format.h"
@@ -128,7 +127,7 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   }
   Record& r = AddRecordLocked(key);
   r.state.set_transfer_id(n.transfer_id());
-  IndexLocked(r);
+  CountLocked(r, key, n.transfer_id().size());
   r.state.set_peer(n.from_agent());
   r.state.set_direction(v1::INCOMING);
   r.state.set_phase(v1::TRANSFERRING);
@@ -390,7 +389,7 @@ void IncomingTransfers::PruneLocked() {
   while (ended_count_ > options_.max_finished) {
     const Key& oldest = ended_keys_[ended_head_];
     if (auto it = records_.find(oldest); it != records_.end()) {
-      UnindexLocked(it->second);
+      UncountLocked(it->second);
       if (spare_.size() < kSpareRecords) {
         spare_.push_back(records_.extract(it));
       } else {
@@ -407,44 +406,48 @@ bool IncomingTransfers::Visible(const Record& r, const Caller& caller) const {
   return std::find(r.owners.begin(), r.owners.end(), caller.principal) != r.owners.end();
 }
 
-uint64_t IncomingTransfers::IdHash(std::string_view id) { return absl::HashOf(id); }
-
-void IncomingTransfers::IndexLocked(const Record& r) const {
-  if (!indexed_) return;
-  r.id_hash = IdHash(r.state.transfer_id());
-  by_id_[r.id_hash].push_back(&r);
+void IncomingTransfers::CountLocked(Record& r, const Key& key, size_t id_size) {
+  const absl::string_view prefix(key.data(), key.size() - id_size);
+  if (last_source_ == nullptr || last_source_->first != prefix) {
+    auto it = sources_.find(prefix);
+    if (it == sources_.end()) it = sources_.emplace(std::string(prefix), 0).first;
+    last_source_ = &*it;
+  }
+  ++last_source_->second;
+  r.source = last_source_;
 }
 
-void IncomingTransfers::UnindexLocked(const Record& r) const {
-  if (!indexed_) return;
-  auto bucket = by_id_.find(r.id_hash);
-  if (bucket == by_id_.end()) return;  // untracked: never indexed
-  auto& records = bucket->second;
-  records.erase(std::remove(records.begin(), records.end(), &r), records.end());
-  if (records.empty()) by_id_.erase(bucket);
+void IncomingTransfers::UncountLocked(Record& r) {
+  if (r.source == nullptr) return;  // untracked
+  if (--r.source->second == 0) {
+    if (last_source_ == r.source) last_source_ = nullptr;
+    sources_.erase(sources_.find(r.source->first));
+  }
+  r.source = nullptr;
 }
 
 absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer,
                                                          const std::string& id,
                                                          const Caller& caller) const {
   absl::MutexLock lock(&mu_);
-  if (!indexed_) {
-    // The first Get: the index is made from every tracked record, and kept from here on.
-    indexed_ = true;
-    for (const auto& [key, r] : records_) {
-      if (r.state.direction() == v1::INCOMING) IndexLocked(r);
-    }
-  }
   const v1::TransferState* found = nullptr;
-  if (auto bucket = by_id_.find(IdHash(id)); bucket != by_id_.end()) {
-    for (const Record* r : bucket->second) {  // tracked ones only (IndexLocked's callers)
-      if (r->state.transfer_id() != id) continue;
-      if (!peer.empty() && r->state.peer() != peer) continue;
-      if (!Visible(*r, caller)) continue;
-      // The newest when a peer reused the id across restarts.
-      if (found == nullptr || r->state.submitted_unix_us() > found->submitted_unix_us()) {
-        found = &r->state;
-      }
+  Key key;
+  for (const auto& source : sources_) {
+    // The prefix is "sender\nincarnation\n" (KeyInto): another sender's are skipped.
+    const std::string& prefix = source.first;
+    if (!peer.empty() && (prefix.size() <= peer.size() + 1 ||
+                          prefix.compare(0, peer.size(), peer) != 0 || prefix[peer.size()] != '\n')) {
+      continue;
+    }
+    key.assign(prefix).append(id);
+    auto it = records_.find(key);
+    if (it == records_.end()) continue;
+    const Record& r = it->second;
+    if (r.state.direction() != v1::INCOMING || !Visible(r, caller)) continue;
+    if (!peer.empty() && r.state.peer() != peer) continue;
+    // The newest when a peer reused the id across restarts.
+    if (found == nullptr || r.state.submitted_unix_us() > found->submitted_unix_us()) {
+      found = &r.state;
     }
   }
   if (found == nullptr) {
@@ -469,6 +472,11 @@ std::vector<v1::TransferState> IncomingTransfers::List(bool active_only, const C
     return a.submitted_unix_us() < b.submitted_unix_us();
   });
   return out;
+}
+
+size_t IncomingTransfers::sources() const {
+  absl::MutexLock lock(&mu_);
+  return sources_.size();
 }
 
 uint64_t IncomingTransfers::active() const {

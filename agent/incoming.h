@@ -15,8 +15,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/inlined_vector.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -70,14 +68,17 @@ class IncomingTransfers {
   uint64_t NextExpiry() const;
 
   // An incoming transfer by id (and sending agent, when not empty) that `caller` may
-  // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise. Found
-  // through an index by id, made by the first Get (an agent nobody asks pays nothing
-  // for it): it reads only the records with that id (not every kept one), so a
-  // scheduler polling it does not hold up the receiving path.
+  // see (it owns regions it targets, or is a scheduler); NOT_FOUND otherwise. It looks
+  // up the record's key once per (sender, incarnation) that has records here (a few),
+  // not every kept record, so a scheduler polling it does not hold up the receiving
+  // path.
   absl::StatusOr<v1::TransferState> Get(const std::string& peer, const std::string& id,
                                         const Caller& caller) const;
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
   uint64_t active() const;
+  // The (sender, incarnation) pairs with tracked records here: Get looks up an id once
+  // per pair.
+  size_t sources() const;
 
  private:
   struct Record {
@@ -92,9 +93,8 @@ class IncomingTransfers {
     // one outcome is always kept.
     uint64_t reserved_bytes = 0;
     bool ended = false;                      // its one outcome was delivered
-    // IdHash(state.transfer_id()), once by_id_ holds the record (set by the first Get,
-    // which is const: mutable).
-    mutable uint64_t id_hash = 0;
+    // Its (sender, incarnation) in sources_, which counts it; null: untracked.
+    std::pair<const std::string, uint64_t>* source = nullptr;
   };
   using Key = std::string;  // sender, incarnation, transfer id
   // Node-based: a record never moves, and a pruned record's node (key and record)
@@ -128,12 +128,10 @@ class IncomingTransfers {
                  v1::Notification* from, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // by_id_'s bucket for `id`. Once the index is made: adds a tracked record to it
-  // (setting its id_hash), removes one from it (by its id_hash: the record, pruned
-  // 10,000 transfers later, is not read).
-  static uint64_t IdHash(std::string_view id);
-  void IndexLocked(const Record& r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UnindexLocked(const Record& r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts tracked record `r`, whose key is `key`, under its (sender, incarnation);
+  // Uncount takes it off when it is pruned.
+  void CountLocked(Record& r, const Key& key, size_t id_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UncountLocked(Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
   void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -150,17 +148,14 @@ class IncomingTransfers {
   SendAck send_ack_;
   mutable absl::Mutex mu_;
   Records records_ ABSL_GUARDED_BY(mu_);
-  // The tracked records (direction INCOMING: the ones Get may answer) by a hash of
-  // their transfer id, from the first Get on (which makes it from every record; until
-  // then nothing is kept: a random slot of a 10,000-entry table on every transfer
-  // costs cache misses that an agent nobody asks should not pay). A record is added
-  // when made and removed when pruned (its id never changes meanwhile; records never
-  // move). A bucket holds every record whose id hashes to it (the same id from
-  // several senders or incarnations, or a collision): Get compares the ids. No
-  // allocation per transfer once the table has grown (one record per bucket is inline).
-  mutable bool indexed_ ABSL_GUARDED_BY(mu_) = false;
-  mutable absl::flat_hash_map<uint64_t, absl::InlinedVector<const Record*, 1>> by_id_
-      ABSL_GUARDED_BY(mu_);
+  // How many tracked records (direction INCOMING: the ones Get may answer) each
+  // sender's incarnation has, by the key prefix "sender\nincarnation\n": Get looks up
+  // prefix + id for each, so it reads a few records, not every kept one. Node-based:
+  // a record points at its entry. An entry goes with its last record, so there are at
+  // most as many as tracked records, and usually a handful. Per transfer: one compare
+  // with the last entry used (a steady stream comes from few senders), no allocation.
+  absl::node_hash_map<std::string, uint64_t> sources_ ABSL_GUARDED_BY(mu_);
+  std::pair<const std::string, uint64_t>* last_source_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;

@@ -227,7 +227,8 @@ TEST_CASE("Get answers what List holds: the newest record of the id, through pru
   Receiver r(/*kept=*/24);
   Caller owner_b;
   owner_b.principal = "owner-b";
-  const std::vector<std::string> senders = {"s0", "s1", "prefill-node-with-a-long-name"};
+  // "s" is the start of "s0" and "s1": asked for by name, only its own records count.
+  const std::vector<std::string> senders = {"s0", "s1", "prefill-node-with-a-long-name", "s"};
   std::vector<std::string> ids;
   for (int i = 0; i < 12; ++i) ids.push_back(fmt::format("req-{}-layer-with-a-long-suffix", i));
   uint64_t state = 88172645463325252ull;  // xorshift: the same mix every run
@@ -254,12 +255,13 @@ TEST_CASE("Get answers what List holds: the newest record of the id, through pru
         r.incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, "ra", from),
                             nullptr);
     }
-    // The first Get (at step 105) makes the index from the records there are then.
+    // Asked from step 105 on, when records have been made and pruned.
     if (step < 105 || (step % 7 != 0 && step < 390)) continue;
     for (const Caller* caller : std::vector<const Caller*>{&r.scheduler, &r.owner_a, &owner_b}) {
       const std::vector<v1::TransferState> listed = r.incoming.List(false, *caller);
       for (const std::string& want : ids) {
-        for (const std::string& peer : {std::string(), senders[0], senders[1], senders[2]}) {
+        for (const std::string& peer :
+             {std::string(), senders[0], senders[1], senders[2], senders[3]}) {
           const v1::TransferState* newest = nullptr;
           for (const auto& s : listed) {
             if (s.transfer_id() != want || (!peer.empty() && s.peer() != peer)) continue;
@@ -288,6 +290,32 @@ TEST_CASE("Get answers what List holds: the newest record of the id, through pru
   CHECK(found > checked / 4);  // the mix keeps many ids found, and many not
   CHECK(found < checked);
   CHECK(r.incoming.Get("", "never-sent", r.scheduler).status().code() ==
+        absl::StatusCode::kNotFound);
+  // Get looks up the id once per sender's incarnation with records here: at most the
+  // 4 senders x 2 incarnations, never more.
+  CHECK(r.incoming.sources() <= senders.size() * 2);
+  CHECK(r.incoming.sources() >= 2);
+}
+
+TEST_CASE("a sender's incarnation is forgotten with its last record") {
+  // A sender restarting again and again (a new incarnation each time) leaves nothing
+  // behind once its records are pruned: Get's per-incarnation lookups stay bounded.
+  Receiver r(/*kept=*/24);
+  for (uint64_t incarnation = 1; incarnation <= 200; ++incarnation) {
+    r.Complete(fmt::format("t{}", incarnation), "ra", incarnation, "restarting");
+    r.Complete(fmt::format("u{}", incarnation), "ra", 1000, "steady");
+  }
+  // The 24 kept: 12 of "restarting" (one incarnation each) and 12 of "steady" (one).
+  CHECK(r.incoming.sources() == 13);
+  for (uint64_t incarnation = 189; incarnation <= 200; ++incarnation) {
+    auto got = r.incoming.Get("restarting", fmt::format("t{}", incarnation), r.scheduler);
+    REQUIRE(got.ok());
+    CHECK(got->phase() == v1::COMPLETED);
+  }
+  CHECK(r.incoming.Get("restarting", "t188", r.scheduler).status().code() ==
+        absl::StatusCode::kNotFound);
+  CHECK(r.incoming.Get("", "u200", r.scheduler)->peer() == "steady");
+  CHECK(r.incoming.Get("restarting", "u200", r.scheduler).status().code() ==
         absl::StatusCode::kNotFound);
 }
 
