@@ -127,7 +127,7 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   }
   Record& r = AddRecordLocked(key);
   r.state.set_transfer_id(n.transfer_id());
-  CountLocked(r, key, n.transfer_id().size());
+  CountLocked(r, key);
   r.state.set_peer(n.from_agent());
   r.state.set_direction(v1::INCOMING);
   r.state.set_phase(v1::TRANSFERRING);
@@ -406,8 +406,8 @@ bool IncomingTransfers::Visible(const Record& r, const Caller& caller) const {
   return std::find(r.owners.begin(), r.owners.end(), caller.principal) != r.owners.end();
 }
 
-void IncomingTransfers::CountLocked(Record& r, const Key& key, size_t id_size) {
-  const absl::string_view prefix(key.data(), key.size() - id_size);
+void IncomingTransfers::CountLocked(Record& r, const Key& key) {
+  const absl::string_view prefix(key.data(), key.size() - r.state.transfer_id().size());
   if (last_source_ == nullptr || last_source_->first != prefix) {
     auto it = sources_.find(prefix);
     if (it == sources_.end()) it = sources_.emplace(std::string(prefix), 0).first;

@@ -81,6 +81,8 @@ class IncomingTransfers {
   size_t sources() const;
 
  private:
+  // Tracked records per (sender, incarnation), by their key prefix (sources_).
+  using Sources = absl::node_hash_map<std::string, uint64_t>;
   struct Record {
     v1::TransferState state;
     std::vector<std::string> owners;  // principals owning its targets
@@ -94,7 +96,7 @@ class IncomingTransfers {
     uint64_t reserved_bytes = 0;
     bool ended = false;                      // its one outcome was delivered
     // Its (sender, incarnation) in sources_, which counts it; null: untracked.
-    std::pair<const std::string, uint64_t>* source = nullptr;
+    Sources::value_type* source = nullptr;
   };
   using Key = std::string;  // sender, incarnation, transfer id
   // Node-based: a record never moves, and a pruned record's node (key and record)
@@ -128,9 +130,9 @@ class IncomingTransfers {
                  v1::Notification* from, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Counts tracked record `r`, whose key is `key`, under its (sender, incarnation);
-  // Uncount takes it off when it is pruned.
-  void CountLocked(Record& r, const Key& key, size_t id_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts tracked record `r` (its transfer id set), whose key is `key`, under its
+  // (sender, incarnation); Uncount takes it off when it is pruned.
+  void CountLocked(Record& r, const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UncountLocked(Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
@@ -154,8 +156,8 @@ class IncomingTransfers {
   // a record points at its entry. An entry goes with its last record, so there are at
   // most as many as tracked records, and usually a handful. Per transfer: one compare
   // with the last entry used (a steady stream comes from few senders), no allocation.
-  absl::node_hash_map<std::string, uint64_t> sources_ ABSL_GUARDED_BY(mu_);
-  std::pair<const std::string, uint64_t>* last_source_ ABSL_GUARDED_BY(mu_) = nullptr;
+  Sources sources_ ABSL_GUARDED_BY(mu_);
+  Sources::value_type* last_source_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;

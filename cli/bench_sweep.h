@@ -25,18 +25,6 @@ struct PairedRatio {
   double of_medians = 0, q1 = 0, q3 = 0;
 };
 
-// Issue 14's two ratios for one op x block x batch, measured in paired rounds: the
-// sweep's columns are each timed in their own window, and on a shared machine load
-// moves one window 2-10x against another, so their ratios swing as much. Each round
-// times, one after another and each from a cold cache as the memcpy column's copies
-// (64 MiB written first, untimed): (a) one thread's memcpy of one contiguous
-// transfer's pages, (b) that transfer through the fast path ring, (c) the scattered
-// transfer of the same shape (b and c in turn first); before (b) and (c) an untimed
-// ring ping wakes the agent, asleep after the pause. Load then hits all three alike.
-// Each round also times (d): (b)'s transfer completing when placed
-// (COMPLETE_WHEN_PLACED: the sender's COMPLETED does not wait for the receiver's
-// acknowledgement), unless the agent is older than complete_when; (b), (c) and (d)
-// take turns going first.
 // Where a paired transfer's time went: medians over the rounds whose initiator
 // timeline was read (`timelines` of them, 0: none). In the agent, accepted to ended; of
 // that, before the copy (accepted to the first batch posted: planning, the ledger,
@@ -50,6 +38,18 @@ struct TimeSplit {
          ring_p50_us = 0;
 };
 
+// Issue 14's two ratios for one op x block x batch, measured in paired rounds: the
+// sweep's columns are each timed in their own window, and on a shared machine load
+// moves one window 2-10x against another, so their ratios swing as much. Each round
+// times, one after another and each from a cold cache as the memcpy column's copies
+// (64 MiB written first, untimed): (a) one thread's memcpy of one contiguous
+// transfer's pages, (b) that transfer through the fast path ring, (c) the scattered
+// transfer of the same shape (b and c in turn first); before (b) and (c) an untimed
+// ring ping wakes the agent, asleep after the pause. Load then hits all three alike.
+// Each round also times (d): (b)'s transfer completing when placed
+// (COMPLETE_WHEN_PLACED: the sender's COMPLETED does not wait for the receiver's
+// acknowledgement), unless the agent is older than complete_when; (b), (c) and (d)
+// take turns going first.
 struct PairedCell {
   Cell cell;  // its op, block and batch (pattern: both)
   uint64_t rounds = 0;

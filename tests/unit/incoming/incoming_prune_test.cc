@@ -216,9 +216,9 @@ TEST_CASE("an id used again is its own record") {
   }
 }
 
-// Get finds a record through an index by transfer id, made by the first Get from the
-// records there are then, and kept as records are made and pruned (and their nodes
-// reused). Checked against List, which reads every record:
+// Get looks up the id under each (sender, incarnation) that has records, counted as
+// records are made and pruned (and their nodes reused). Checked against List, which
+// reads every record:
 // through a random mix of senders, incarnations, ids used again, completions (owner a)
 // and failures (owner b), open ones among them, with pruning all along, Get answers
 // for every id, with and without a sender, for each caller, exactly what the newest
