@@ -19,6 +19,18 @@
 #include "fmt/format.h"
 
 namespace kvagent::transport {
+
+// Shared by an endpoint and its operations in flight (which may complete after the
+// endpoint is gone). Worker thread only.
+struct EndpointHealth {
+  UcxWorker* worker = nullptr;
+  const std::string* worker_name = nullptr;  // the worker's (outlives its operations)
+  std::function<void(absl::Status)> on_error;
+  bool failed = false;    // UCX failed the endpoint: no operation is started on it
+  bool reported = false;  // on_error ran or is posted
+  bool closed = false;    // we closed it: its failures are no one's news
+};
+
 namespace {
 
 constexpr log::Logger kLog("transport");
@@ -32,6 +44,22 @@ constexpr size_t kMaxAddressBytes = 64 * 1024;
 constexpr uint8_t kMaxAddressVersion = 1;
 
 constexpr auto kShutdownBudget = std::chrono::seconds(2);
+
+// Statuses UCX completes an endpoint's requests with when it failed the endpoint for
+// the peer's loss (UCP_ERR_HANDLING_MODE_PEER), as its error handler reports it.
+// Not UCS_ERR_CANCELED: that is our own close.
+bool PeerLost(ucs_status_t status) {
+  switch (status) {
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR:
+      return true;
+    default:
+      return false;
+  }
+}
 
 absl::Status UcxError(ucs_status_t status, std::string message) {
   message += fmt::format(" ({})", UcsStatusText(status));
@@ -127,6 +155,9 @@ struct SendOp {
   uint16_t id = 0;
   uint64_t header_bytes = 0;
   uint64_t data_bytes = 0;
+  // The endpoint's, for operations on a kPeer endpoint: a failure that says the peer
+  // was lost is reported (on_error) before `done` runs.
+  std::shared_ptr<EndpointHealth> health;
 };
 
 std::string Describe(const SendOp& op) {
@@ -146,8 +177,35 @@ std::string Describe(const SendOp& op) {
                      *op.worker, op.id, op.header_bytes, op.data_bytes);
 }
 
-void FinishSend(SendOp* op, ucs_status_t status) {
+// Marks the endpoint failed and reports it, once, unless we closed it. `defer`: inside
+// a call of ours (the caller may hold locks on_error takes), so on_error is posted.
+void ReportPeerLost(const std::shared_ptr<EndpointHealth>& health, ucs_status_t status,
+                    bool defer) {
+  if (health->closed) return;
+  health->failed = true;
+  if (health->reported) return;
+  health->reported = true;
+  kLog.Warn("UCX worker '{}': endpoint failed ({})", *health->worker_name,
+            UcsStatusText(status));
+  if (!health->on_error) return;
+  absl::Status error = absl::UnavailableError(fmt::format(
+      "UCX worker '{}': the peer of this endpoint failed ({}); the peer process died or the "
+      "network between us broke; reconnect once the peer is back",
+      *health->worker_name, UcsStatusText(status)));
+  if (defer) {
+    health->worker->Post([health, error = std::move(error)] { health->on_error(error); });
+  } else {
+    health->on_error(std::move(error));
+  }
+}
+
+// `inside_call`: completed at once, inside the call that started it (else from
+// progress, where UCX calls the endpoint's error handler too).
+void FinishSend(SendOp* op, ucs_status_t status, bool inside_call) {
   std::unique_ptr<SendOp> owned(op);
+  if (owned->health != nullptr && PeerLost(status)) {
+    ReportPeerLost(owned->health, status, inside_call);
+  }
   if (!owned->done) return;
   if (status == UCS_OK) {
     owned->done(absl::OkStatus());
@@ -158,7 +216,7 @@ void FinishSend(SendOp* op, ucs_status_t status) {
 
 void SendCallback(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
-  FinishSend(static_cast<SendOp*>(user_data), status);
+  FinishSend(static_cast<SendOp*>(user_data), status, /*inside_call=*/false);
 }
 
 // Starts a send-like operation; `start` gets the request params. Runs `op->done`
@@ -174,7 +232,7 @@ void StartSend(std::unique_ptr<SendOp> op, StartFn start) {
     op.release();  // SendCallback owns it now
     return;
   }
-  FinishSend(op.release(), UCS_PTR_STATUS(request));
+  FinishSend(op.release(), UCS_PTR_STATUS(request), /*inside_call=*/true);
 }
 
 }  // namespace
@@ -643,7 +701,10 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
   padded.resize(remote_address.size() + kAddressPadding, '\0');
 
   std::unique_ptr<Endpoint> endpoint(new Endpoint(worker, mode));
-  endpoint->on_error_ = std::move(on_error);
+  endpoint->health_ = std::make_shared<EndpointHealth>();
+  endpoint->health_->worker = &worker;
+  endpoint->health_->worker_name = &worker.name_;
+  endpoint->health_->on_error = std::move(on_error);
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   params.address = reinterpret_cast<const ucp_address_t*>(padded.data());
@@ -677,7 +738,8 @@ Endpoint::~Endpoint() {
 void Endpoint::Close() {
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = failed_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  param.flags = health_->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  health_->closed = true;
   ucs_status_ptr_t request = ucp_ep_close_nbx(ep_, &param);
   ep_ = nullptr;
   if (UCS_PTR_IS_PTR(request)) {
@@ -689,16 +751,9 @@ void Endpoint::Close() {
 }
 
 void Endpoint::ErrorCallback(void* arg, ucp_ep_h, ucs_status_t status) {
-  auto* endpoint = static_cast<Endpoint*>(arg);
-  endpoint->failed_ = true;
-  kLog.Warn("UCX worker '{}': endpoint failed ({})", endpoint->worker_.name_,
-            UcsStatusText(status));
-  if (endpoint->on_error_) {
-    endpoint->on_error_(absl::UnavailableError(fmt::format(
-        "UCX worker '{}': the peer of this endpoint failed ({}); the peer process died or the "
-        "network between us broke; reconnect once the peer is back",
-        endpoint->worker_.name_, UcsStatusText(status))));
-  }
+  // Called from progress; an operation UCX failed with the endpoint may have reported
+  // it already.
+  ReportPeerLost(static_cast<Endpoint*>(arg)->health_, status, /*defer=*/false);
 }
 
 absl::Status Endpoint::Unusable(std::string_view op) const {
@@ -713,7 +768,7 @@ std::string Endpoint::Transports() const {
 }
 
 absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
-  if (ep_ == nullptr || failed_) return Unusable("unpacking a remote key");
+  if (ep_ == nullptr || health_->failed) return Unusable("unpacking a remote key");
   if (packed.empty()) {
     return absl::InvalidArgumentError(fmt::format(
         "UCX worker '{}': the peer's packed remote key is empty; the peer must send the "
@@ -733,10 +788,13 @@ absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
 
 absl::Status Endpoint::Put(const void* local, uint64_t length, uint64_t remote_address,
                            const RemoteKey& rkey) {
-  if (ep_ == nullptr || failed_) return Unusable("put");
+  if (ep_ == nullptr || health_->failed) return Unusable("put");
   ucp_request_param_t param{};
   ucs_status_ptr_t request = ucp_put_nbx(ep_, local, length, remote_address, rkey.get(), &param);
   if (UCS_PTR_IS_ERR(request)) {
+    if (mode_ == ErrorMode::kPeer && PeerLost(UCS_PTR_STATUS(request))) {
+      ReportPeerLost(health_, UCS_PTR_STATUS(request), /*defer=*/true);
+    }
     return UcxError(UCS_PTR_STATUS(request),
                     fmt::format("UCX worker '{}': put of {} bytes to remote 0x{:x} failed",
                                 worker_.name_, length, remote_address));
@@ -747,10 +805,13 @@ absl::Status Endpoint::Put(const void* local, uint64_t length, uint64_t remote_a
 
 absl::Status Endpoint::Get(void* local, uint64_t length, uint64_t remote_address,
                            const RemoteKey& rkey) {
-  if (ep_ == nullptr || failed_) return Unusable("get");
+  if (ep_ == nullptr || health_->failed) return Unusable("get");
   ucp_request_param_t param{};
   ucs_status_ptr_t request = ucp_get_nbx(ep_, local, length, remote_address, rkey.get(), &param);
   if (UCS_PTR_IS_ERR(request)) {
+    if (mode_ == ErrorMode::kPeer && PeerLost(UCS_PTR_STATUS(request))) {
+      ReportPeerLost(health_, UCS_PTR_STATUS(request), /*defer=*/true);
+    }
     return UcxError(UCS_PTR_STATUS(request),
                     fmt::format("UCX worker '{}': get of {} bytes from remote 0x{:x} failed",
                                 worker_.name_, length, remote_address));
@@ -760,7 +821,7 @@ absl::Status Endpoint::Get(void* local, uint64_t length, uint64_t remote_address
 }
 
 void Endpoint::Flush(Completion done) {
-  if (ep_ == nullptr || failed_) {
+  if (ep_ == nullptr || health_->failed) {
     done(Unusable("flush"));
     return;
   }
@@ -768,6 +829,7 @@ void Endpoint::Flush(Completion done) {
   op->done = std::move(done);
   op->kind = SendOp::Kind::kFlush;
   op->worker = &worker_.name_;
+  if (mode_ == ErrorMode::kPeer) op->health = health_;
   StartSend(std::move(op), [this](SendOp*, const ucp_request_param_t& param) {
     return ucp_ep_flush_nbx(ep_, &param);
   });
@@ -775,7 +837,7 @@ void Endpoint::Flush(Completion done) {
 
 void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view data,
                       Completion done, bool want_reply) {
-  if (ep_ == nullptr || failed_) {
+  if (ep_ == nullptr || health_->failed) {
     if (done) done(Unusable("sending an active message"));
     return;
   }
@@ -783,6 +845,7 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
   op->done = std::move(done);
   op->worker = &worker_.name_;
   op->id = id;
+  if (mode_ == ErrorMode::kPeer) op->health = health_;
   op->header_bytes = header.size();
   op->data_bytes = data.size();
   worker_.CountSent(id);
@@ -803,7 +866,7 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
 
 void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* data,
                             uint64_t length, Completion done) {
-  if (ep_ == nullptr || failed_) {
+  if (ep_ == nullptr || health_->failed) {
     if (done) done(Unusable("sending an active message"));
     return;
   }
@@ -811,6 +874,7 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
   op->done = std::move(done);
   op->worker = &worker_.name_;
   op->id = id;
+  if (mode_ == ErrorMode::kPeer) op->health = health_;
   op->header_bytes = header.size();
   op->data_bytes = length;
   worker_.CountSent(id);

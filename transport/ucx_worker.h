@@ -229,10 +229,21 @@ std::string_view ErrorModeName(ErrorMode mode);
 
 using Completion = std::function<void(absl::Status)>;
 
+// What an endpoint shares with its operations in flight: whether UCX failed it, and
+// the one report of that failure (transport/ucx_worker.cc).
+struct EndpointHealth;
+
 // A connection to one remote worker; worker thread only (create, use, destroy).
 class Endpoint {
  public:
-  // `on_error` runs on the worker thread if UCX reports the peer failed (kPeer mode).
+  // `on_error` runs on the worker thread, once, when UCX reports the peer failed
+  // (kPeer mode): through the endpoint's error handler, or through an operation that
+  // UCX failed for the peer's loss, whichever comes first. An operation's completion
+  // runs on_error before its own `done` (UCX 1.13 completes a failed endpoint's
+  // requests before it calls the error handler): whoever sees the failed operation
+  // can rely on on_error having run. (An operation that fails at once, inside the
+  // call, has on_error posted to run after the current closure instead: the caller
+  // may hold locks that on_error takes.)
   static absl::StatusOr<std::unique_ptr<Endpoint>> Connect(
       UcxWorker& worker, std::string_view remote_address, ErrorMode mode,
       std::function<void(absl::Status)> on_error);
@@ -283,8 +294,7 @@ class Endpoint {
   UcxWorker& worker_;
   ErrorMode mode_;
   ucp_ep_h ep_ = nullptr;
-  std::function<void(absl::Status)> on_error_;
-  bool failed_ = false;
+  std::shared_ptr<EndpointHealth> health_;
 };
 
 // "ucx status <name>: <ucs_status_string>" for messages.

@@ -4,6 +4,7 @@
 #include "transport/ucx_worker.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -421,6 +422,86 @@ TEST_CASE("peer mode reports a dead peer through on_error and fails later ops") 
         absl::StatusCode::kUnavailable);
   a.worker->RunSync([&] { rkey = RemoteKey(); });
   Destroy(*a.worker, ep);  // force close of a failed endpoint
+}
+
+// The agent fails a batch when its flush fails and marks the peer lost when on_error
+// runs; a submit sent once the failed transfer is seen must find the peer lost. UCX
+// 1.13 completes the requests of a failed endpoint before it calls the endpoint's
+// error handler, so the flush failed by the peer's death must run on_error first,
+// and on_error must still run once.
+TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, once") {
+  Agent a = Agent::Make("purge-a");
+  Agent b = Agent::Make("purge-b");
+  auto reported = std::make_shared<std::atomic<int>>(0);
+  std::unique_ptr<Endpoint> ep;
+  absl::Status connected;
+  a.worker->RunSync([&] {
+    auto result = Endpoint::Connect(*a.worker, b.worker->address(), ErrorMode::kPeer,
+                                    [reported](absl::Status) { reported->fetch_add(1); });
+    connected = result.status();
+    if (result.ok()) ep = std::move(*result);
+  });
+  REQUIRE(connected.ok());
+  // Over tcp (peer mode on UCX 1.13) 128 MiB take 100 ms or more: the peer dies first.
+  constexpr size_t kSize = 128 << 20;
+  constexpr size_t kPiece = 1 << 20;
+  std::vector<char> target(kSize, 0);
+  auto target_reg = MemoryRegistration::Map(*b.context, target.data(), target.size(),
+                                            MemoryType::kHost, "b.target");
+  REQUIRE(target_reg.ok());
+  std::vector<char> source(kSize, 5);
+  auto source_reg = MemoryRegistration::Map(*a.context, source.data(), source.size(),
+                                            MemoryType::kHost, "a.source");
+  REQUIRE(source_reg.ok());
+  RemoteKey rkey = Unpack(*a.worker, *ep, target_reg->packed_rkey());
+  const uint64_t remote = reinterpret_cast<uint64_t>(target.data());
+  REQUIRE(Await(*a.worker, [&](Completion done) { ep->Flush(std::move(done)); }).ok());
+
+  struct Flushed {
+    absl::Notification done;
+    absl::Status status;
+    int reported_before = -1;  // on_error calls when the flush's done ran
+  };
+  auto flushed = std::make_shared<Flushed>();
+  absl::Status posted;
+  a.worker->RunSync([&] {
+    for (size_t off = 0; off < kSize && posted.ok(); off += kPiece) {
+      posted = ep->Put(source.data() + off, kPiece, remote + off, rkey);
+    }
+    ep->Flush([flushed, reported](absl::Status status) {
+      flushed->reported_before = reported->load();
+      flushed->status = std::move(status);
+      flushed->done.Notify();
+    });
+  });
+  REQUIRE(posted.ok());
+  // The peer goes away with the puts in flight. A's thread is held meanwhile: the
+  // peer's shutdown progresses until nothing arrives, and with A sending it would take
+  // all 128 MiB first (it does under TSan).
+  absl::Notification held;
+  absl::Notification release;
+  a.worker->Post([&] {
+    held.Notify();
+    release.WaitForNotification();
+  });
+  held.WaitForNotification();
+  b.worker.reset();
+  release.Notify();
+  REQUIRE(flushed->done.WaitForNotificationWithTimeout(kWait));
+  INFO(flushed->status.ToString());
+  REQUIRE_FALSE(flushed->status.ok());  // else: make kSize bigger
+  CHECK(flushed->status.code() == absl::StatusCode::kUnavailable);
+  CHECK(flushed->reported_before == 1);
+  // UCX's own error callback comes too, later: it must not report the failure again.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  a.worker->RunSync([] {});
+  CHECK(reported->load() == 1);
+  const char byte = 1;
+  absl::Status put;
+  a.worker->RunSync([&] { put = ep->Put(&byte, 1, remote, rkey); });
+  CHECK(put.code() == absl::StatusCode::kUnavailable);
+  a.worker->RunSync([&] { rkey = RemoteKey(); });
+  Destroy(*a.worker, ep);
 }
 
 TEST_CASE("a worker destroyed with endpoints still open shuts down cleanly") {
