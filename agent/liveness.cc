@@ -375,7 +375,36 @@ struct LivenessProber::Watched {
   uint64_t refused = 0;
   bool answering = true;
   bool ever_answered = false;
+  // A Unix door's own socket, connected to it (invalid: the shared one is used).
+  UniqueFd own;
 };
+
+namespace {
+
+// A socket for one Unix door: autobound (the door answers to its address) and
+// connected to the door, so that the kernel takes datagrams for it from the door
+// alone. Invalid (with the cause logged) when it cannot be made.
+UniqueFd ConnectedUnixSocket(const LivenessTarget& target) {
+  UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  sa_family_t family = AF_UNIX;
+  const char* step = "socket";
+  if (fd) {
+    step = "bind";
+    if (bind(fd.get(), reinterpret_cast<const sockaddr*>(&family), sizeof family) == 0) {
+      step = "connect";
+      if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&target.address),
+                  target.length) == 0) {
+        return fd;
+      }
+    }
+  }
+  kLog.Warn("liveness prober: no socket of its own for the door at {} ({}: {}); pinging it "
+            "from the shared socket, where junk sent to the prober can crowd out its answers",
+            target.text, step, strerror(errno));
+  return UniqueFd();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<LivenessProber>> LivenessProber::Start(
     LivenessProberOptions options, LivenessLostFn lost, LivenessBackFn back) {
@@ -430,9 +459,11 @@ void LivenessProber::Watch(const std::string& name, uint64_t incarnation,
         return;
       }
       by_nonce_.erase(w.nonce);
+      retired_.push_back(std::move(it->second));
       peers_.erase(it);
     }
     auto w = std::make_unique<Watched>();
+    if (target.address.ss_family == AF_UNIX) w->own = ConnectedUnixSocket(target);
     w->name = name;
     w->incarnation = incarnation;
     w->target = target;
@@ -453,7 +484,9 @@ void LivenessProber::Unwatch(const std::string& name) {
   auto it = peers_.find(name);
   if (it == peers_.end()) return;
   by_nonce_.erase(it->second->nonce);
+  retired_.push_back(std::move(it->second));
   peers_.erase(it);
+  Wake();  // the loop lets the retired socket go
 }
 
 bool LivenessProber::Answering(const std::string& name) const {
@@ -534,6 +567,12 @@ void LivenessProber::Loop() {
     size_t n = 0;
   };
   Pings out4, out6, outu;
+  Pings single;  // one ping on a door's own socket
+  std::vector<int> own_fds;  // peers' own sockets, polled this pass
+  std::vector<pollfd> poll_fds;
+  // Some Unix door is pinged from the shared socket: it is read. (Else it is not: what
+  // comes to it is only junk, which then waits in its queue, refused once that is full.)
+  bool shared_unix_used = false;
   struct Loss {
     std::string name;
     uint64_t incarnation;
@@ -547,6 +586,9 @@ void LivenessProber::Loop() {
     bool any = false;
     {
       absl::MutexLock lock(&mu_);
+      retired_.clear();  // the last pass's poll and reads are over
+      own_fds.clear();
+      shared_unix_used = false;
       any = !peers_.empty();
       const bool ping_all = any && now >= next_ping_us;
       if (ping_all) next_ping_us = now + period_us;
@@ -574,6 +616,11 @@ void LivenessProber::Loop() {
       };
       for (auto& [name, wp] : peers_) {
         Watched& w = *wp;
+        if (w.own) {
+          own_fds.push_back(w.own.get());
+        } else if (w.target.address.ss_family == AF_UNIX) {
+          shared_unix_used = true;
+        }
         // Every period; and, while a ping of an answering peer is overdue, again each
         // retry interval (a lost datagram costs a retry, not the peer); and soon after
         // the kernel refused one (the door's queue was full).
@@ -588,6 +635,7 @@ void LivenessProber::Loop() {
           if (family == AF_INET && udp4_) out = &out4, fd = udp4_.get();
           if (family == AF_INET6 && udp6_) out = &out6, fd = udp6_.get();
           if (family == AF_UNIX && unix_) out = &outu, fd = unix_.get();
+          if (family == AF_UNIX && w.own) out = &single, fd = w.own.get();
           if (out != nullptr) {
             ++w.seq;
             out->sent[out->n] = {&w, w.sent_us[w.seq % Watched::kRing], w.last_sent_us};
@@ -597,7 +645,7 @@ void LivenessProber::Loop() {
                           out->batch.data[out->n].data());
             out->batch.ForSend(out->n, w.target.address, w.target.length);
             // A batch is full: send it and go on (1 sendmmsg per 64 peers).
-            if (++out->n == kBatch) flush(fd, *out);
+            if (++out->n == kBatch || out == &single) flush(fd, *out);
           }
         }
         if (!w.answering) continue;
@@ -648,12 +696,15 @@ void LivenessProber::Loop() {
       lost_fn_(loss.name, loss.incarnation, loss.why, loss.ever_answered);
     }
     if (any) wake_at = std::min(wake_at, next_ping_us);
-    std::array<pollfd, 4> fds{};
-    size_t nfds = 0;
-    fds[nfds++] = {wake_.get(), POLLIN, 0};
-    for (int fd : {udp4_.get(), udp6_.get(), unix_.get()}) {
-      if (fd >= 0) fds[nfds++] = {fd, POLLIN, 0};
+    // Each fd collected under the lock stays open until the next pass (retired_).
+    std::vector<pollfd>& fds = poll_fds;
+    fds.clear();
+    fds.push_back({wake_.get(), POLLIN, 0});
+    for (int fd : {udp4_.get(), udp6_.get(), shared_unix_used ? unix_.get() : -1}) {
+      if (fd >= 0) fds.push_back({fd, POLLIN, 0});
     }
+    for (int fd : own_fds) fds.push_back({fd, POLLIN, 0});
+    const size_t nfds = fds.size();
     now = MonotonicMicros();
     const int timeout_ms =
         wake_at == UINT64_MAX ? -1

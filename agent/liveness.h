@@ -132,6 +132,10 @@ class LivenessProber {
   // Pings `name` (incarnation `incarnation`) at `target` from now on, signed with the
   // key from `secret`. The same name, incarnation, target and secret again: nothing
   // changes; anything else starts afresh (a grace of one timeout before it can be lost).
+  // A Unix door gets a socket of its own, connected to it: the kernel then refuses
+  // datagrams to it from any other socket (EPERM), so junk sprayed at the prober's
+  // abstract address, which no file mode guards, cannot fill the queue its answers
+  // need. (If that socket cannot be made, the shared one is used.)
   void Watch(const std::string& name, uint64_t incarnation, const LivenessTarget& target,
              std::string_view secret);
   void Unwatch(const std::string& name);
@@ -160,6 +164,9 @@ class LivenessProber {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Watched>> peers_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Watched*> by_nonce_ ABSL_GUARDED_BY(mu_);
+  // Replaced or unwatched peers, kept until the loop's next pass: their sockets may be
+  // in the poll it is in.
+  std::vector<std::unique_ptr<Watched>> retired_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> dropped_{0};
   std::atomic<uint64_t> lost_count_{0};
   std::atomic<uint64_t> refused_{0};

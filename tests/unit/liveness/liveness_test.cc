@@ -3,7 +3,8 @@
 // counts what it dropped; a prober watching a door sees it answer, and reports the
 // peer lost once the door is gone (and as never answered when nothing was there), and
 // keeps a Unix door whose queue junk keeps full answering, trying a refused ping again
-// at once rather than after its retry interval.
+// at once rather than after its retry interval, and keeps a Unix door answering while
+// junk is sprayed at the prober's own sockets (connected to the door: refused).
 // Waits are for states, with generous deadlines; nothing here is timed.
 #include <netinet/in.h>
 #include <poll.h>
@@ -15,7 +16,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <set>
+#include <sstream>
 #include <atomic>
 #include <random>
 #include <string>
@@ -247,6 +252,118 @@ TEST_CASE("the prober sees a door answer, then reports it lost once it is gone")
   absl::MutexLock lock(&losses.mu);
   CHECK_FALSE(losses.seen[1].second);
   CHECK_THAT(losses.seen[1].first, Catch::Contains("never answered"));
+}
+
+// The abstract Unix addresses this process's sockets are bound to, found as anyone on
+// the host finds them: /proc/net/unix lists every socket with its name ("@xxxxx" for
+// an autobound one); the inodes of our own fds pick ours out.
+std::vector<std::string> OwnAbstractUnixAddresses() {
+  std::set<std::string> inodes;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    char link[128];
+    const ssize_t n = readlink(entry.path().c_str(), link, sizeof link - 1);
+    if (n <= 0) continue;
+    const std::string text(link, static_cast<size_t>(n));
+    if (text.rfind("socket:[", 0) == 0) inodes.insert(text.substr(8, text.size() - 9));
+  }
+  std::ifstream table("/proc/net/unix");
+  std::string line;
+  std::getline(table, line);  // Num RefCount Protocol Flags Type St Inode Path
+  std::vector<std::string> found;
+  while (std::getline(table, line)) {
+    std::istringstream fields(line);
+    std::string num, refs, protocol, flags, type, state, inode, path;
+    fields >> num >> refs >> protocol >> flags >> type >> state >> inode >> path;
+    if (path.size() > 1 && path[0] == '@' && inodes.count(inode) > 0) {
+      found.push_back(path.substr(1));
+    }
+  }
+  return found;
+}
+
+TEST_CASE("junk sprayed at the prober's own Unix socket does not make it lose a peer") {
+  // A prober's Unix socket has an abstract address, which no file mode guards: any
+  // process on the host may find it (/proc/net/unix) and spray it. Its queue holds
+  // 10 datagrams; a door's answer that finds it full is refused and lost. A sprayer
+  // that keeps it full (one thread sending as fast as it can) must not make the
+  // prober lose a live same-host peer: it did at the first timeout, every run, before
+  // the prober had a socket of its own per Unix door.
+  mkdir(TempPath("").c_str(), 0700);
+  const std::string path = TempPath("sprayed.sock.live");
+  LivenessDoorOptions options;
+  options.unix_path = path;
+  options.incarnation = kIncarnation;
+  auto door = LivenessDoor::Start(options);
+  REQUIRE(door.ok());
+  (*door)->Admit(kSecret);
+  auto target = ResolveLivenessTarget("unix:" + path, "unix:" + TempPath("sprayed.sock"));
+  REQUIRE(target.ok());
+
+  Losses losses;
+  auto prober = LivenessProber::Start(
+      LivenessProberOptions{},  // the agent's: pings every 600 ms, lost after 1 s
+      [&](const std::string&, uint64_t, const std::string& why, bool ever_answered) {
+        absl::MutexLock lock(&losses.mu);
+        losses.seen.emplace_back(why, ever_answered);
+      });
+  REQUIRE(prober.ok());
+  (*prober)->Watch("decode", kIncarnation, *target, kSecret);
+  REQUIRE(WaitFor([&] { return (*door)->answered() >= 1; }));
+  const std::vector<std::string> targets = OwnAbstractUnixAddresses();
+  REQUIRE_FALSE(targets.empty());  // the prober's, at least
+
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> sprayed{0};
+  std::atomic<uint64_t> refused_full{0};
+  std::atomic<uint64_t> refused_foreign{0};  // EPERM: the socket is connected to another
+  std::atomic<uint64_t> refused_other{0};
+  std::thread sprayer([&] {
+    UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) return;  // sprayed stays 0: checked below
+    std::mt19937_64 random(7);
+    while (!stop.load()) {
+      for (const std::string& name : targets) {
+        sockaddr_un to{};
+        to.sun_family = AF_UNIX;
+        std::memcpy(to.sun_path + 1, name.data(), name.size());
+        const socklen_t length =
+            static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+        for (int i = 0; i < 20; ++i) {
+          uint8_t d[kLivenessDatagramBytes];
+          for (auto& b : d) b = static_cast<uint8_t>(random());
+          if (sendto(fd.get(), d, sizeof d, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&to),
+                     length) == static_cast<ssize_t>(sizeof d)) {
+            sprayed.fetch_add(1);
+          } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            refused_full.fetch_add(1);
+          } else if (errno == EPERM) {
+            refused_foreign.fetch_add(1);
+          } else {
+            refused_other.fetch_add(1);
+          }
+        }
+      }
+      std::this_thread::yield();  // others on a loaded machine (CI) get their turn
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // three loss timeouts
+  stop.store(true);
+  sprayer.join();
+  INFO("sprayed " << sprayed.load() << ", refused for a full queue " << refused_full.load()
+                  << ", refused as not the connected peer " << refused_foreign.load()
+                  << ", refused otherwise " << refused_other.load() << "; door answered "
+                  << (*door)->answered() << "; prober dropped " << (*prober)->dropped());
+  // The socket the door's answers come to took none of it.
+  CHECK(refused_foreign.load() > 0);
+  CHECK(refused_other.load() == 0);
+  CHECK((*prober)->Answering("decode"));
+  {
+    absl::MutexLock lock(&losses.mu);
+    for (const auto& [why, ever] : losses.seen) UNSCOPED_INFO(why);
+    CHECK(losses.seen.empty());
+  }
+  door->reset();
+  rmdir(TempPath("").c_str());
 }
 
 TEST_CASE("junk that keeps a Unix door's queue full does not make its prober lose the peer") {
