@@ -254,6 +254,38 @@ TEST_CASE("the prober sees a door answer, then reports it lost once it is gone")
   CHECK_THAT(losses.seen[1].first, Catch::Contains("never answered"));
 }
 
+// A Unix door at TempPath(name + ".sock.live") and a prober with the agent's settings
+// watching it as "decode", once the door has answered; losses recorded.
+struct WatchedUnixDoor {
+  std::string path;
+  absl::StatusOr<std::unique_ptr<LivenessDoor>> door;
+  absl::StatusOr<LivenessTarget> target;
+  Losses losses;
+  absl::StatusOr<std::unique_ptr<LivenessProber>> prober;  // last: goes first
+
+  explicit WatchedUnixDoor(const std::string& name) {
+    mkdir(TempPath("").c_str(), 0700);  // an earlier case may have removed it
+    path = TempPath(name + ".sock.live");
+    LivenessDoorOptions options;
+    options.unix_path = path;
+    options.incarnation = kIncarnation;
+    door = LivenessDoor::Start(options);
+    REQUIRE(door.ok());
+    (*door)->Admit(kSecret);
+    target = ResolveLivenessTarget("unix:" + path, "unix:" + TempPath(name + ".sock"));
+    REQUIRE(target.ok());
+    prober = LivenessProber::Start(
+        LivenessProberOptions{},  // the agent's: pings every 600 ms, lost after 1 s
+        [this](const std::string&, uint64_t, const std::string& why, bool ever_answered) {
+          absl::MutexLock lock(&losses.mu);
+          losses.seen.emplace_back(why, ever_answered);
+        });
+    REQUIRE(prober.ok());
+    (*prober)->Watch("decode", kIncarnation, *target, kSecret);
+    REQUIRE(WaitFor([&] { return (*door)->answered() >= 1; }));
+  }
+};
+
 // The abstract Unix addresses this process's sockets are bound to, found as anyone on
 // the host finds them: /proc/net/unix lists every socket with its name ("@xxxxx" for
 // an autobound one); the inodes of our own fds pick ours out.
@@ -288,27 +320,7 @@ TEST_CASE("junk sprayed at the prober's own Unix socket does not make it lose a 
   // that keeps it full (one thread sending as fast as it can) must not make the
   // prober lose a live same-host peer: it did at the first timeout, every run, before
   // the prober had a socket of its own per Unix door.
-  mkdir(TempPath("").c_str(), 0700);
-  const std::string path = TempPath("sprayed.sock.live");
-  LivenessDoorOptions options;
-  options.unix_path = path;
-  options.incarnation = kIncarnation;
-  auto door = LivenessDoor::Start(options);
-  REQUIRE(door.ok());
-  (*door)->Admit(kSecret);
-  auto target = ResolveLivenessTarget("unix:" + path, "unix:" + TempPath("sprayed.sock"));
-  REQUIRE(target.ok());
-
-  Losses losses;
-  auto prober = LivenessProber::Start(
-      LivenessProberOptions{},  // the agent's: pings every 600 ms, lost after 1 s
-      [&](const std::string&, uint64_t, const std::string& why, bool ever_answered) {
-        absl::MutexLock lock(&losses.mu);
-        losses.seen.emplace_back(why, ever_answered);
-      });
-  REQUIRE(prober.ok());
-  (*prober)->Watch("decode", kIncarnation, *target, kSecret);
-  REQUIRE(WaitFor([&] { return (*door)->answered() >= 1; }));
+  WatchedUnixDoor watched("sprayed");
   const std::vector<std::string> targets = OwnAbstractUnixAddresses();
   REQUIRE_FALSE(targets.empty());  // the prober's, at least
 
@@ -352,17 +364,17 @@ TEST_CASE("junk sprayed at the prober's own Unix socket does not make it lose a 
   INFO("sprayed " << sprayed.load() << ", refused for a full queue " << refused_full.load()
                   << ", refused as not the connected peer " << refused_foreign.load()
                   << ", refused otherwise " << refused_other.load() << "; door answered "
-                  << (*door)->answered() << "; prober dropped " << (*prober)->dropped());
+                  << (*watched.door)->answered() << "; prober dropped " << (*watched.prober)->dropped());
   // The socket the door's answers come to took none of it.
   CHECK(refused_foreign.load() > 0);
   CHECK(refused_other.load() == 0);
-  CHECK((*prober)->Answering("decode"));
+  CHECK((*watched.prober)->Answering("decode"));
   {
-    absl::MutexLock lock(&losses.mu);
-    for (const auto& [why, ever] : losses.seen) UNSCOPED_INFO(why);
-    CHECK(losses.seen.empty());
+    absl::MutexLock lock(&watched.losses.mu);
+    for (const auto& [why, ever] : watched.losses.seen) UNSCOPED_INFO(why);
+    CHECK(watched.losses.seen.empty());
   }
-  door->reset();
+  watched.door->reset();
   rmdir(TempPath("").c_str());
 }
 
@@ -372,27 +384,12 @@ TEST_CASE("junk that keeps a Unix door's queue full does not make its prober los
   // (15 ms). A sprayer refilling it every 2 ms leaves a ping a gap of a few ms in each
   // window: one retried after retry_ms (150) would miss every gap for a timeout within
   // seconds; one retried at once after a refusal finds one.
-  mkdir(TempPath("").c_str(), 0700);  // an earlier case may have removed it
-  const std::string path = TempPath("flooded.sock.live");
-  LivenessDoorOptions options;
-  options.unix_path = path;
-  options.incarnation = kIncarnation;
-  auto door = LivenessDoor::Start(options);
-  REQUIRE(door.ok());
-  (*door)->Admit(kSecret);
-  auto target = ResolveLivenessTarget("unix:" + path, "unix:" + TempPath("flooded.sock"));
-  REQUIRE(target.ok());
-
-  Losses losses;
-  auto prober = LivenessProber::Start(
-      LivenessProberOptions{},  // the agent's: pings every 600 ms, lost after 1 s
-      [&](const std::string&, uint64_t, const std::string& why, bool ever_answered) {
-        absl::MutexLock lock(&losses.mu);
-        losses.seen.emplace_back(why, ever_answered);
-      });
-  REQUIRE(prober.ok());
-  (*prober)->Watch("decode", kIncarnation, *target, kSecret);
-  REQUIRE(WaitFor([&] { return (*door)->answered() >= 1; }));
+  WatchedUnixDoor watched("flooded");
+  const std::string& path = watched.path;
+  auto& door = watched.door;
+  auto& target = watched.target;
+  auto& prober = watched.prober;
+  Losses& losses = watched.losses;
 
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> sprayed{0};
