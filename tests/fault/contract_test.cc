@@ -13,7 +13,6 @@
 //   H. ListTransfers pages.
 // Every wait is bounded. The measured numbers are printed.
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -68,15 +67,6 @@ std::string Describe(const v1::TransferState& s) {
   return fmt::format("'{}' {} code {} drained {} drain_unknown {} bytes {}/{}: {}", s.transfer_id(),
                      v1::TransferPhase_Name(s.phase()), s.error_code(), s.drained(),
                      s.drain_unknown(), s.bytes_done(), s.bytes_total(), s.error_message());
-}
-
-// True while `pid` (our child) runs: a crashed child is a zombie until reaped, which
-// kill(pid, 0) would still call alive. WNOWAIT leaves it for DaemonProcess to reap.
-bool Alive(pid_t pid) {
-  siginfo_t info;
-  std::memset(&info, 0, sizeof info);
-  if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) return false;
-  return info.si_pid == 0;
 }
 
 // Polls the transfer (every `step_us`) until `done(state)` or `limit_ms` pass; returns

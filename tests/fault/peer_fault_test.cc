@@ -5,7 +5,6 @@
 // `peer` UCX error mode the endpoint's error callback alone must catch a SIGKILL.
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
@@ -236,15 +235,6 @@ TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, n
   CHECK(later.drained());
   CheckSubmitFailsFast(pair, "SIGKILL under a WRITE (peer error mode)");
   pair.decode_process().Kill();
-}
-
-// True while `pid` (our child) runs: a crashed child is a zombie until reaped, which
-// kill(pid, 0) would still call alive. WNOWAIT leaves it for DaemonProcess to reap.
-bool Alive(pid_t pid) {
-  siginfo_t info;
-  std::memset(&info, 0, sizeof info);
-  if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) return false;
-  return info.si_pid == 0;
 }
 
 // The receiving side of a WRITE in flight loses its sender (SIGKILL) with UCX still

@@ -249,4 +249,11 @@ std::string SuspendAgent(pid_t pid) {
   return stopped.ok() ? "" : stopped.ToString();
 }
 
+bool Alive(pid_t pid) {
+  siginfo_t info;
+  std::memset(&info, 0, sizeof info);
+  if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) return false;
+  return info.si_pid == 0;
+}
+
 }  // namespace kvagent::testing

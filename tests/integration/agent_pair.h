@@ -105,6 +105,10 @@ std::vector<v1::Notification> PollNotifications(cli::AgentClient& client, size_t
 // transfer the test expects to hang (directory_test failed so in CI).
 std::string SuspendAgent(pid_t pid);
 
+// True while child process `pid` runs: a crashed child is a zombie until reaped, which
+// kill(pid, 0) would still call alive. WNOWAIT leaves it for DaemonProcess to reap.
+bool Alive(pid_t pid);
+
 // Milliseconds from `start` (steady clock) to now: the fault tests' measured times.
 inline int64_t MillisSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
