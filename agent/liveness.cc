@@ -235,7 +235,7 @@ std::string LivenessDoor::AnnounceFor(bool local) const {
 
 void LivenessDoor::Loop() {
   pthread_setname_np(pthread_self(), "liveness-door");
-  std::vector<pollfd> fds;
+  std::vector<pollfd> fds;  // what each pass polls (kept: no allocation a pass)
   fds.push_back({stop_.get(), POLLIN, 0});
   if (udp_) fds.push_back({udp_.get(), POLLIN, 0});
   if (unix_) fds.push_back({unix_.get(), POLLIN, 0});
@@ -381,21 +381,28 @@ struct LivenessProber::Watched {
 
 namespace {
 
+// A Unix datagram socket with an abstract address of its own (autobind), for the
+// answers to come back to; invalid (errno says why) when it cannot be made.
+UniqueFd AutoboundUnixSocket() {
+  UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  sa_family_t family = AF_UNIX;
+  if (fd && bind(fd.get(), reinterpret_cast<const sockaddr*>(&family), sizeof family) != 0) {
+    fd.reset();
+  }
+  return fd;
+}
+
 // A socket for one Unix door: autobound (the door answers to its address) and
 // connected to the door, so that the kernel takes datagrams for it from the door
 // alone. Invalid (with the cause logged) when it cannot be made.
 UniqueFd ConnectedUnixSocket(const LivenessTarget& target) {
-  UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  sa_family_t family = AF_UNIX;
-  const char* step = "socket";
+  UniqueFd fd = AutoboundUnixSocket();
+  const char* step = "an autobound socket";
   if (fd) {
-    step = "bind";
-    if (bind(fd.get(), reinterpret_cast<const sockaddr*>(&family), sizeof family) == 0) {
-      step = "connect";
-      if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&target.address),
-                  target.length) == 0) {
-        return fd;
-      }
+    step = "connect";
+    if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) ==
+        0) {
+      return fd;
     }
   }
   kLog.Warn("liveness prober: no socket of its own for the door at {} ({}: {}); pinging it "
@@ -417,14 +424,7 @@ absl::StatusOr<std::unique_ptr<LivenessProber>> LivenessProber::Start(
   // targets unanswered, and so polled instead.
   prober->udp4_.reset(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   prober->udp6_.reset(socket(AF_INET6, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  prober->unix_.reset(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (prober->unix_) {
-    // Autobind: an abstract address of its own, for the answers to come back to.
-    sa_family_t family = AF_UNIX;
-    if (bind(prober->unix_.get(), reinterpret_cast<const sockaddr*>(&family), sizeof family) != 0) {
-      prober->unix_.reset();
-    }
-  }
+  prober->unix_ = AutoboundUnixSocket();
   if (!prober->udp4_ && !prober->udp6_ && !prober->unix_) {
     return absl::UnavailableError(
         fmt::format("liveness prober: no datagram socket: {}", strerror(errno)));
@@ -569,7 +569,7 @@ void LivenessProber::Loop() {
   Pings out4, out6, outu;
   Pings single;  // one ping on a door's own socket
   std::vector<int> own_fds;  // peers' own sockets, polled this pass
-  std::vector<pollfd> poll_fds;
+  std::vector<pollfd> fds;  // what each pass polls (kept: no allocation a pass)
   // Some Unix door is pinged from the shared socket: it is read. (Else it is not: what
   // comes to it is only junk, which then waits in its queue, refused once that is full.)
   bool shared_unix_used = false;
@@ -697,7 +697,6 @@ void LivenessProber::Loop() {
     }
     if (any) wake_at = std::min(wake_at, next_ping_us);
     // Each fd collected under the lock stays open until the next pass (retired_).
-    std::vector<pollfd>& fds = poll_fds;
     fds.clear();
     fds.push_back({wake_.get(), POLLIN, 0});
     for (int fd : {udp4_.get(), udp6_.get(), shared_unix_used ? unix_.get() : -1}) {
