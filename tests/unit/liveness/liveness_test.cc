@@ -207,16 +207,22 @@ struct Losses {
   }
 };
 
-TEST_CASE("the prober sees a door answer, then reports it lost once it is gone") {
-  auto door = StartUdpDoor();
-  const uint32_t port = (*door)->udp_port();
-
-  Losses losses;
+// A prober that pings often and gives up soon, so a loss shows within half a second.
+LivenessProberOptions QuickProbing() {
   LivenessProberOptions probing;
   probing.period_ms = 50;
   probing.retry_ms = 20;
   probing.timeout_ms = 400;
   probing.answer_grace_ms = 200;
+  return probing;
+}
+
+TEST_CASE("the prober sees a door answer, then reports it lost once it is gone") {
+  auto door = StartUdpDoor();
+  const uint32_t port = (*door)->udp_port();
+
+  Losses losses;
+  const LivenessProberOptions probing = QuickProbing();
   auto prober = LivenessProber::Start(
       probing, [&](const std::string& name, uint64_t incarnation, const std::string& why,
                    bool ever_answered) {
@@ -252,6 +258,40 @@ TEST_CASE("the prober sees a door answer, then reports it lost once it is gone")
   absl::MutexLock lock(&losses.mu);
   CHECK_FALSE(losses.seen[1].second);
   CHECK_THAT(losses.seen[1].first, Catch::Contains("never answered"));
+}
+
+TEST_CASE("a Unix door that is not there: its own socket cannot connect, the peer is lost") {
+  // The prober's socket for the door cannot be connected (no socket at the path): it
+  // pings from the shared socket instead, nothing answers, and the peer is reported as
+  // never answered, the prober still serving its other peers.
+  Losses losses;
+  const LivenessProberOptions probing = QuickProbing();
+  auto prober = LivenessProber::Start(
+      probing, [&](const std::string& name, uint64_t, const std::string& why, bool ever) {
+        absl::MutexLock lock(&losses.mu);
+        losses.seen.emplace_back(name + ": " + why, ever);
+      });
+  REQUIRE(prober.ok());
+  mkdir(TempPath("").c_str(), 0700);
+  const std::string missing = TempPath("missing.sock.live");
+  auto target = ResolveLivenessTarget("unix:" + missing, "unix:" + TempPath("missing.sock"));
+  REQUIRE(target.ok());
+  (*prober)->Watch("absent", kIncarnation, *target, kSecret);
+  REQUIRE(WaitFor([&] { return losses.size() == 1; }));
+  {
+    absl::MutexLock lock(&losses.mu);
+    CHECK_FALSE(losses.seen[0].second);
+    CHECK_THAT(losses.seen[0].first,
+               Catch::StartsWith("absent: ") && Catch::Contains("never answered"));
+  }
+  // A live door watched beside it still answers.
+  auto door = StartUdpDoor();
+  auto live = ResolveLivenessTarget("udp:" + std::to_string((*door)->udp_port()), "127.0.0.1:1");
+  REQUIRE(live.ok());
+  (*prober)->Watch("decode", kIncarnation, *live, kSecret);
+  CHECK(WaitFor([&] { return (*door)->answered() >= 3; }));
+  CHECK((*prober)->Answering("decode"));
+  rmdir(TempPath("").c_str());
 }
 
 // A Unix door at TempPath(name + ".sock.live") and a prober with the agent's settings
