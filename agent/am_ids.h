@@ -37,7 +37,11 @@ inline std::string_view AmName(AmId id) {
 // uses a feature only with a peer whose metadata announces it, so agents of different
 // builds still meet (an older one announces nothing and gets single messages).
 inline constexpr uint32_t kWireBatches = 1u << 0;  // ids 6 and 7
-inline constexpr uint32_t kWireFeatures = kWireBatches;
+// Staged chunks (id 2) and read requests (id 3) for any region of this agent, not only
+// its staged ones, and read replies sent eager when the request asks: the data path
+// over active messages for endpoints without native RMA (Route::kAmWrite, kAmRead).
+inline constexpr uint32_t kWireAmData = 1u << 1;
+inline constexpr uint32_t kWireFeatures = kWireBatches | kWireAmData;
 // The bounds of a batch (both the sender's and the receiver's): entries, and bytes of
 // the NoticeBatch. A notification larger than kMaxBatchedNoticeBytes goes alone (id 1).
 inline constexpr uint32_t kMaxBatchEntries = 1024;

@@ -20,19 +20,27 @@ std::string_view RouteName(Route route) {
       return "staged-bounce";
     case Route::kStagedRemoteRead:
       return "staged-remote-read";
+    case Route::kAmWrite:
+      return "am-write";
+    case Route::kAmRead:
+      return "am-read";
   }
   return "?";
 }
 
 bool IsStaged(Route route) {
   return route == Route::kStagedChunks || route == Route::kStagedBounce ||
-         route == Route::kStagedRemoteRead;
+         route == Route::kStagedRemoteRead || route == Route::kAmWrite ||
+         route == Route::kAmRead;
 }
 
 // The route table, per op, first row that applies:
-//   the Stager routes it (a side is `staged` VRAM UCX cannot reach) -> its staged route
+//   the peer's region is `staged` (VRAM UCX cannot reach)               -> staged chunks
+//                                                                           or remote read
 //   the peer's region is mapped here (same host, shm-direct), a side VRAM -> device copy
 //   the peer's region is mapped here, both sides host memory            -> host copy
+//   the endpoint has no native RMA and the peer takes our messages      -> am write/read
+//   our region is `staged`                                              -> staged bounce
 //   a side is VRAM and the running UCX cannot move CUDA memory          -> refused
 //   otherwise                                                           -> UCX RMA
 absl::StatusOr<std::vector<Route>> RouteOps(const std::string& transfer_id, v1::TransferOp op,
@@ -42,6 +50,7 @@ absl::StatusOr<std::vector<Route>> RouteOps(const std::string& transfer_id, v1::
   if (stager) {
     ASSIGN_OR_RETURN(staged, Stager::Route(transfer_id, op, plan, peer));
   }
+  const bool am = stager && peer.am_data;
   std::vector<Route> routes(plan.ops.size(), Route::kUcxRma);
   for (size_t i = 0; i < plan.ops.size(); ++i) {
     const auto& o = plan.ops[i];
@@ -49,12 +58,14 @@ absl::StatusOr<std::vector<Route>> RouteOps(const std::string& transfer_id, v1::
     const bool device = o.local_device || o.remote_device;
     if (s == StagedRoute::kChunks) {
       routes[i] = Route::kStagedChunks;
-    } else if (s == StagedRoute::kBounce) {
-      routes[i] = Route::kStagedBounce;
     } else if (s == StagedRoute::kRemoteRead) {
       routes[i] = Route::kStagedRemoteRead;
     } else if (peer.direct != nullptr && peer.direct->base_by_slot[o.rkey_slot] != nullptr) {
       routes[i] = device ? Route::kDeviceCopy : Route::kHostCopy;
+    } else if (am) {
+      routes[i] = op == v1::READ ? Route::kAmRead : Route::kAmWrite;
+    } else if (s == StagedRoute::kBounce) {
+      routes[i] = Route::kStagedBounce;
     } else if (device && !ucx_cuda) {
       const auto& r = peer.catalog->regions()[o.rkey_slot];
       return absl::FailedPreconditionError(fmt::format(

@@ -33,14 +33,20 @@ enum class Route : uint8_t {
   kStagedChunks = 3,  // host staging (agent/staging): WRITE into the peer's staged memory
   kStagedBounce = 4,  //   our memory is staged, the peer's is RMA-reachable
   kStagedRemoteRead = 5,  // READ of the peer's staged memory
+  // The endpoint has no native RMA (tcp: UCX would emulate put and get with messages
+  // whose failure aborts the process, Endpoint::NativeRma) and the peer takes our own
+  // (PeerSnapshot::am_data): the Stager's protocol for every op, eager messages only.
+  kAmWrite = 6,  // chunks through a bounce buffer; the peer checks and copies them in
+  kAmRead = 7,   // read requests; the peer checks, copies out and replies
 };
-inline constexpr size_t kRouteCount = 6;
+inline constexpr size_t kRouteCount = 8;
 std::string_view RouteName(Route route);
 bool IsStaged(Route route);
 
 // The route table: how each op of `plan` moves (RouteOps's comment in data_path.cc has
 // the rows). FAILED_PRECONDITION, naming the op's segment and the peer's region, when
-// an op touches VRAM that nothing here can reach. `stager`: host staging is there.
+// an op touches VRAM that nothing here can reach. `stager`: host staging is there (the
+// active-message routes need it too).
 absl::StatusOr<std::vector<Route>> RouteOps(const std::string& transfer_id, v1::TransferOp op,
                                             const planning::TransferPlan& plan,
                                             const PeerSnapshot& peer, bool stager, bool ucx_cuda);

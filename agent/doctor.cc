@@ -405,6 +405,18 @@ std::vector<v1::DoctorCheck> CheckPeers(const std::vector<v1::PeerInfo>& peers) 
       if (p.direct_fallbacks_size() > 0 || p.direct_fallback_regions() > 0 ||
           p.vmm_import_failures() > 0) {
         checks.push_back(CheckDirectFallbacks(p, name, path));
+      } else if (p.data_path() == "ucx" && p.transports() == "tcp") {
+        // A peer that does not take the agents' own data messages (an older kvagent):
+        // UCX 1.13 emulates RMA over tcp, and a side that dies mid-transfer can make it
+        // abort the other (ARCHITECTURE.md, "Losing a peer").
+        checks.push_back(Make(
+            name, Check::WARN,
+            fmt::format("'{}' at {} connected; {}: over tcp the data moves as UCX's emulated "
+                        "RMA, since the peer does not take this agent's data messages; if it "
+                        "dies mid-transfer, UCX 1.13 can abort this agent",
+                        p.name(), p.address(), path),
+            "upgrade the peer's kvagent (its data path then reads ucx-am), or give both hosts "
+            "an RDMA transport"));
       } else if (p.data_path() == "shm-direct+ucx") {
         checks.push_back(Make(
             name, Check::WARN,

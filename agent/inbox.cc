@@ -307,7 +307,10 @@ void Inbox::FlushAcks() {
                              kLog.Warn("a batch of {} transfer acknowledgements was not sent: {}",
                                        entries, sent.message());
                            }
-                         });
+                         },
+                         // Never rendezvous: the sender may be a peer without native
+                         // RMA (Endpoint::NativeRma), and a batch is bounded anyway.
+                         /*eager=*/true);
   }
   if (held_acks_.empty()) held_acks_.swap(acks);
 }

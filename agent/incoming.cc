@@ -372,11 +372,14 @@ void IncomingTransfers::Expire() {
     from.set_transfer_id(r.state.transfer_id());
     EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, &from,
               absl::DeadlineExceededError(fmt::format(
-                  "transfer '{}' from '{}': no outcome came from the sender within its deadline "
-                  "plus {} ms (the sender may have died or lost the link); the pages it targets "
-                  "hold no reliable data",
+                  "transfer '{}' from '{}': no outcome came from the {} within its deadline "
+                  "plus {} ms (it may have died or lost the link); {}",
                   Printable(r.state.transfer_id()), Printable(r.state.peer()),
-                  options_.grace_ms)));
+                  r.state.op() == v1::READ ? "agent reading our memory" : "sender",
+                  options_.grace_ms,
+                  r.state.op() == v1::READ
+                      ? "our pages were only read, not changed"
+                      : "the pages it targets hold no reliable data")));
   }
 }
 

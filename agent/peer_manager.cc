@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "agent/access.h"
+#include "agent/am_ids.h"
 #include "agent/status_util.h"
 #include "base/format.h"
 #include "base/log.h"
@@ -463,7 +464,9 @@ void PeerManager::BuildSnapshot(
     auto finish = [this, snapshot, previous, rkeys = std::move(rkeys),
                    base_slots = std::move(base_slots), done, reused]() {
       // After wireup the lanes are final.
-      if (!reused) snapshot->transports = snapshot->endpoint->Transports();
+      if (!reused) snapshot->transports = snapshot->endpoint->ReadLanes();
+      snapshot->am_data =
+          !snapshot->endpoint->NativeRma() && (snapshot->wire_features & kWireAmData) != 0;
       auto table = std::make_unique<RkeyTable>();
       table->endpoint = snapshot->endpoint;
       const auto& regions = snapshot->catalog->regions();

@@ -94,6 +94,10 @@ struct PeerSnapshot {
   // AgentMetadata.wire_features: the active messages beyond 1-5 the peer takes
   // (agent/am_ids.h kWire*).
   uint32_t wire_features = 0;
+  // The data moves as this agent's own eager active messages (Route::kAmWrite and
+  // kAmRead) instead of UCX RMA: the endpoint has no native RMA (Endpoint::NativeRma,
+  // tcp) and the peer takes such messages (kWireAmData). Set with the endpoint.
+  bool am_data = false;
   // The same view without `direct` (set when direct is), made once per view: a
   // finished transfer's record keeps this one (its outcome and commit notices need only
   // the endpoint), so it neither holds the peer's mapped memory nor copies a view per
@@ -101,9 +105,11 @@ struct PeerSnapshot {
   std::shared_ptr<const PeerSnapshot> without_direct;
 
   // The data path to this peer, as PeerInfo.data_path and the transfer metrics name
-  // it: "ucx", "shm-direct" (every region mapped) or "shm-direct+ucx".
+  // it: "ucx", "ucx-am" (am_data), "shm-direct" (every region mapped) or
+  // "shm-direct+ucx".
   const char* data_path() const {
-    return direct == nullptr ? "ucx" : direct->complete ? "shm-direct" : "shm-direct+ucx";
+    if (direct == nullptr) return am_data ? "ucx-am" : "ucx";
+    return direct->complete ? "shm-direct" : "shm-direct+ucx";
   }
 };
 

@@ -558,29 +558,24 @@ void Stager::StartChunk(const std::shared_ptr<Job>& job, size_t index,
 // ---------------------------------------------------------------------------
 // Stager: receiving side
 
-const std::vector<Stager::StagedRegion>& Stager::StagedRegions() {
+const std::vector<Stager::StagedRegion>& Stager::Regions() {
   const uint64_t version = registry_->version();
-  if (version == regions_version_) return staged_regions_;
+  if (version == regions_version_) return regions_;
   regions_version_ = version;
-  staged_regions_.clear();
-  local_regions_.clear();
+  regions_.clear();
   for (registry::RegionPtr& r : registry_->List()) {
-    if (r->memory_path == "staged") {
-      staged_regions_.push_back(StagedRegion{r->base_address, r->spec.length(), r});
-    }
-    local_regions_.push_back(StagedRegion{r->base_address, r->spec.length(), std::move(r)});
+    regions_.push_back(StagedRegion{r->base_address, r->spec.length(), std::move(r)});
   }
-  auto by_base = [](const StagedRegion& a, const StagedRegion& b) { return a.base < b.base; };
-  std::sort(staged_regions_.begin(), staged_regions_.end(), by_base);
-  std::sort(local_regions_.begin(), local_regions_.end(), by_base);
-  return staged_regions_;
+  std::sort(regions_.begin(), regions_.end(),
+            [](const StagedRegion& a, const StagedRegion& b) { return a.base < b.base; });
+  return regions_;
 }
 
 const Stager::StagedRegion* Stager::LocalRegionOf(uint64_t address, uint64_t length) {
-  StagedRegions();  // refreshes local_regions_ too
-  auto it = std::upper_bound(local_regions_.begin(), local_regions_.end(), address,
+  const auto& regions = Regions();
+  auto it = std::upper_bound(regions.begin(), regions.end(), address,
                              [](uint64_t x, const StagedRegion& r) { return x < r.base; });
-  if (it == local_regions_.begin()) return nullptr;
+  if (it == regions.begin()) return nullptr;
   const StagedRegion& r = *(it - 1);
   if (address - r.base >= r.length || length > r.length - (address - r.base)) return nullptr;
   return &r;
@@ -619,7 +614,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   arrival.touched_us = MonotonicMicros();
   NoteArrival();
 
-  // Untrusted: every piece must lie inside one staged region of ours, and the pieces
+  // Untrusted: every piece must lie inside one region of ours, and the pieces
   // must add up to the data that came.
   auto reject = [&](std::string why) {
     chunks_rejected_.fetch_add(1);
@@ -642,7 +637,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
                               "--staging-chunk-bytes",
                               message.length, options_.max_chunk_message));
   }
-  const auto& regions = StagedRegions();
+  const auto& regions = Regions();
   std::vector<const StagedRegion*> targets;
   targets.reserve(header.pieces_size());
   uint64_t total = 0;
@@ -653,7 +648,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
     const StagedRegion* r = it == regions.begin() ? nullptr : &*(it - 1);
     if (n == 0 || r == nullptr || a - r->base >= r->length || n > r->length - (a - r->base)) {
       return reject(fmt::format(
-          "piece [{:#x}, +{}) is not inside one staged region of agent '{}' (regions "
+          "piece [{:#x}, +{}) is not inside one region of agent '{}' (regions "
           "deregistered meanwhile, or a bad peer); the transfer's notification will be dropped",
           a, n, options_.self_name));
     }
@@ -867,6 +862,7 @@ void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
   header.set_incarnation(options_.incarnation);
   header.set_transfer_id(job->transfer_id);
   header.set_request_id(id);
+  if (!job->peer->endpoint->NativeRma()) header.set_eager_replies(true);
   for (const auto& p : chunk.pieces) {
     wire::StagedPiece* piece = header.add_pieces();
     piece->set_remote_address(p.remote_address);
@@ -1024,16 +1020,16 @@ bool Stager::OnReadReply(const wire::StagedReadReply& header, const transport::A
 }
 
 // ---------------------------------------------------------------------------
-// Stager: READ of our staged memory, serving side
+// Stager: READ of our memory (staged, or over active messages), serving side
 //
-// The request is untrusted: every piece must lie inside one of OUR staged regions
+// The request is untrusted: every piece must lie inside one of OUR regions
 // (CheckReadPieces) before a byte is read. The bytes go back in parts of one receive
 // buffer each (device to host into it, then one reply without a copy); the receive
 // pool, not the sending one, so two agents reading from each other never wait on
 // buffers that their own reads hold.
 
 void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
-                        absl::StatusCode code) {
+                        absl::StatusCode code, bool eager) {
   reads_refused_.fetch_add(1);
   wire::StagedReadReply header;
   header.set_from_agent(options_.self_name);
@@ -1043,7 +1039,8 @@ void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& 
   worker_->SendAmReply(reply_ep, Wire(AmId::kStagedReadReply), header.SerializeAsString(), nullptr, 0,
                        [](absl::Status s) {
                          if (!s.ok()) kLog.Warn("refusing a staged read: {}", s.message());
-                       });
+                       },
+                       eager);
 }
 
 bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transport::AmMessage& message) {
@@ -1067,7 +1064,8 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
   auto refuse = [&](const absl::Status& why) {
     kLog.Warn("refused staged read request of transfer '{}' from agent '{}': {}",
               header.transfer_id(), header.from_agent(), why.message());
-    RefuseRead(message.reply_ep, header.request_id(), std::string(why.message()), why.code());
+    RefuseRead(message.reply_ep, header.request_id(), std::string(why.message()), why.code(),
+               header.eager_replies());
     return false;
   };
   if (message.length > 0) {
@@ -1076,7 +1074,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
         "none; the requesting agent runs an incompatible version",
         options_.self_name, message.length)));
   }
-  const auto& regions = StagedRegions();
+  const auto& regions = Regions();
   std::vector<planning::StagedRange> ranges;
   ranges.reserve(regions.size());
   for (const auto& r : regions) {
@@ -1152,7 +1150,8 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
     --serving_;
     kLog.Warn("staged read of transfer '{}' from agent '{}': {}", request->transfer_id(),
               request->from_agent(), s.message());
-    RefuseRead(reply_ep, request->request_id(), std::string(s.message()), s.code());
+    RefuseRead(reply_ep, request->request_id(), std::string(s.message()), s.code(),
+               request->eager_replies());
     return;
   }
   wire::StagedReadReply header;
@@ -1169,7 +1168,8 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
                            kLog.Warn("staged read reply of transfer '{}' to agent '{}': {}",
                                      request->transfer_id(), request->from_agent(), sent.message());
                          }
-                       });
+                       },
+                       request->eager_replies());
 }
 
 }  // namespace kvagent::agent

@@ -186,10 +186,10 @@ class Stager {
 
   // The Inbox's handlers (worker thread), each with a header that parsed (agent/inbox);
   // true when it kept the rendezvous descriptor. A staged chunk (AmId::kStagedChunk):
-  // checked against our staged regions, then copied in and credited.
+  // checked against our regions (Regions), then copied in and credited.
   bool OnChunk(const wire::StagedChunkHeader& header, const transport::AmMessage& message);
   // Serving side of a READ (kStagedReadRequest): checks the request and answers it from
-  // our staged regions.
+  // our regions.
   bool OnReadRequest(const wire::StagedReadRequest& header, const transport::AmMessage& message);
   // Initiator side (kStagedReadReply): places a reply's bytes.
   bool OnReadReply(const wire::StagedReadReply& header, const transport::AmMessage& message);
@@ -252,9 +252,12 @@ class Stager {
                  std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
                  uint64_t offset, uint64_t length, std::shared_ptr<StagingPool::Lease> lease);
   void RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
-                  absl::StatusCode code);
-  // Our staged regions by base address, rebuilt when the registry version changes.
-  const std::vector<StagedRegion>& StagedRegions();
+                  absl::StatusCode code, bool eager);
+  // Every region of ours by base address, rebuilt when the registry version changes:
+  // where a peer's chunks may land and its reads may come from. Every region is in the
+  // catalog each authenticated peer fetches, with its rkey, so this reaches no further
+  // than RMA does; staged regions are those RMA cannot reach.
+  const std::vector<StagedRegion>& Regions();
   // The registered region of ours that holds [address, +length), or null.
   const StagedRegion* LocalRegionOf(uint64_t address, uint64_t length);
 
@@ -273,8 +276,7 @@ class Stager {
   std::atomic<bool> arrivals_full_logged_{false};       // one warning per full spell
   std::deque<std::string> held_order_;
   uint64_t regions_version_ = UINT64_MAX;
-  std::vector<StagedRegion> staged_regions_;
-  std::vector<StagedRegion> local_regions_;  // every region of ours, by base (same version)
+  std::vector<StagedRegion> regions_;  // every region of ours, by base
   absl::flat_hash_map<uint64_t, std::shared_ptr<ReadRequest>> reads_;  // by request id
   uint64_t next_request_id_ = 0;  // random start, so ids are not guessable across agents
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer

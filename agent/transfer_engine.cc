@@ -102,7 +102,8 @@ TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionReg
   paths_[static_cast<size_t>(Route::kUcxRma)] = MakeUcxRmaPath();
   if (options_.stager != nullptr) {
     std::shared_ptr<DataPath> staging = MakeStagingPath(options_.stager);
-    for (Route r : {Route::kStagedChunks, Route::kStagedBounce, Route::kStagedRemoteRead}) {
+    for (Route r : {Route::kStagedChunks, Route::kStagedBounce, Route::kStagedRemoteRead,
+                    Route::kAmWrite, Route::kAmRead}) {
       paths_[static_cast<size_t>(r)] = staging;
     }
   }
@@ -782,7 +783,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
                    planned.begin() + static_cast<std::ptrdiff_t>(end));
       }
       chunk.next_op = end;
-      if (route == Route::kStagedChunks) t->staged_bytes += bytes;
+      if (route == Route::kStagedChunks || route == Route::kAmWrite) t->staged_bytes += bytes;
       t->inflight_segment = static_cast<int32_t>(ops.front().segment);
       if (end == planned_count) {  // (its ops may have moved into the batch: not read again)
         t->planned_ops -= std::min<uint64_t>(t->planned_ops, planned_count);

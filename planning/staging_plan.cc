@@ -89,7 +89,7 @@ absl::StatusOr<std::vector<size_t>> CheckReadPieces(const std::vector<ReadPiece>
     const StagedRange* r = it == sorted.begin() ? nullptr : &*(it - 1);
     if (n == 0 || r == nullptr || a - r->base >= r->length || n > r->length - (a - r->base)) {
       return absl::OutOfRangeError(fmt::format(
-          "staged read from agent '{}': piece {} [{:#x}, +{}) is not inside one staged region "
+          "staged read from agent '{}': piece {} [{:#x}, +{}) is not inside one region "
           "of '{}'{}; the requester's view of its regions is stale (it must refetch them) or "
           "the requester is faulty",
           agent, i, a, n, agent,

@@ -50,7 +50,7 @@ struct ReadPiece {
   uint64_t length = 0;
 };
 
-// A registered range of the serving agent (a staged region), sorted by base and not
+// A registered range of the serving agent (one of its regions), sorted by base and not
 // overlapping.
 struct StagedRange {
   uint64_t base = 0;
@@ -65,7 +65,7 @@ struct ReadRequestLimits {
 
 // Checks an untrusted read request before any byte is read: at least one piece, at
 // most `max_pieces`, at most `max_bytes` in all, every piece non-empty and inside ONE
-// of `sorted` (so a peer can never make us read outside our staged regions).
+// of `sorted` (so a peer can never make us read outside our registered regions).
 // Returns, per piece, the index of its range; INVALID_ARGUMENT or OUT_OF_RANGE naming
 // the piece, `agent` (the serving agent) and the fix otherwise.
 absl::StatusOr<std::vector<size_t>> CheckReadPieces(const std::vector<ReadPiece>& pieces,

@@ -92,17 +92,24 @@ std::string CaptureEpInfo(ucp_ep_h ep) {
   return text;
 }
 
-// Lane lines of ucp_ep_print_info look like
+// The lane lines of ucp_ep_print_info, each from "lane[" to its end, like
 //   "#   lane[0]:  3:sysv/memory.0 md[2]  -> md[2]/sysv/sysdev[255] am am_bw#0"
-// The transport is the name between "<resource index>:" and "/".
-std::vector<std::string> ParseLaneTransports(const std::string& info) {
-  std::vector<std::string> names;
+std::vector<std::string_view> LaneLines(const std::string& info) {
+  std::vector<std::string_view> lines;
   size_t pos = 0;
   while ((pos = info.find("lane[", pos)) != std::string::npos) {
     size_t line_end = info.find('\n', pos);
     if (line_end == std::string::npos) line_end = info.size();
-    std::string_view line(info.data() + pos, line_end - pos);
+    lines.emplace_back(info.data() + pos, line_end - pos);
     pos = line_end;
+  }
+  return lines;
+}
+
+// The transports of the lanes: the name between "<resource index>:" and "/".
+std::vector<std::string> ParseLaneTransports(const std::string& info) {
+  std::vector<std::string> names;
+  for (std::string_view line : LaneLines(info)) {
     size_t colon = line.find("]:");
     if (colon == std::string_view::npos) continue;
     std::string_view rest = line.substr(colon + 2);
@@ -121,6 +128,19 @@ std::vector<std::string> ParseLaneTransports(const std::string& info) {
     }
   }
   return names;
+}
+
+// True when a lane carries an RMA role ("rma#N" or "rma_bw#N"): UCX moves puts and
+// gets natively. Without one (tcp in UCX 1.13) it emulates them with active messages
+// that the remote worker answers itself.
+bool ParseHasRmaLane(const std::string& info) {
+  for (std::string_view line : LaneLines(info)) {
+    if (line.find(" rma#") != std::string_view::npos ||
+        line.find(" rma_bw#") != std::string_view::npos) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // Receive state of one rendezvous active message, owned until its data arrives.
@@ -233,6 +253,60 @@ void StartSend(std::unique_ptr<SendOp> op, StartFn start) {
     return;
   }
   FinishSend(op.release(), UCS_PTR_STATUS(request), /*inside_call=*/true);
+}
+
+// Plain bytes as a UCX generic datatype: UCX packs them into its own send buffers
+// (bcopy), never zero-copy. The state is the buffer's start and length.
+struct CopiedBytes {
+  const uint8_t* data;
+  size_t length;
+};
+void* CopiedBytesStartPack(void*, const void* buffer, size_t count) {
+  return new CopiedBytes{static_cast<const uint8_t*>(buffer), count};
+}
+void* CopiedBytesStartUnpack(void*, void*, size_t) { return nullptr; }  // sends only
+size_t CopiedBytesSize(void* state) { return static_cast<CopiedBytes*>(state)->length; }
+size_t CopiedBytesPack(void* state, size_t offset, void* dest, size_t max_length) {
+  const auto* bytes = static_cast<CopiedBytes*>(state);
+  const size_t n = std::min(max_length, bytes->length - offset);
+  std::memcpy(dest, bytes->data + offset, n);
+  return n;
+}
+ucs_status_t CopiedBytesUnpack(void*, size_t, const void*, size_t) { return UCS_ERR_UNSUPPORTED; }
+void CopiedBytesFinish(void* state) { delete static_cast<CopiedBytes*>(state); }
+
+// The datatype, made once per process (contiguous bytes if UCX refuses it).
+ucp_datatype_t CopiedBytesType() {
+  static const ucp_datatype_t type = [] {
+    ucp_generic_dt_ops_t ops{};
+    ops.start_pack = CopiedBytesStartPack;
+    ops.start_unpack = CopiedBytesStartUnpack;
+    ops.packed_size = CopiedBytesSize;
+    ops.pack = CopiedBytesPack;
+    ops.unpack = CopiedBytesUnpack;
+    ops.finish = CopiedBytesFinish;
+    ucp_datatype_t made = 0;
+    if (ucp_dt_create_generic(&ops, nullptr, &made) != UCS_OK) {
+      kLog.Warn("UCX refused a generic datatype: eager messages may go zero-copy");
+      return ucp_dt_make_contig(1);
+    }
+    return made;
+  }();
+  return type;
+}
+
+// Eager and copied, for a peer without native RMA (Endpoint::NativeRma): no rendezvous
+// (the receiver gets the whole message in its handler and never sends UCX protocol
+// messages back for it), and no zero-copy fragments (UCX 1.13's tcp transport fails an
+// assertion, uct_iface.h "comp->count > 0", when the peer dies with zero-copy sends in
+// flight: seen in peer_fault_test). `length`: bytes of data (0: none).
+void ForceEagerCopy(ucp_request_param_t& param, uint64_t length) {
+  param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags |= UCP_AM_SEND_FLAG_EAGER;
+  if (length > 0) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = CopiedBytesType();
+  }
 }
 
 }  // namespace
@@ -510,7 +584,7 @@ void UcxWorker::ReleaseAmData(void* descriptor) { ucp_am_data_release(worker_, d
 
 void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header,
                             const void* data, uint64_t length,
-                            std::function<void(absl::Status)> done) {
+                            std::function<void(absl::Status)> done, bool eager) {
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
   op->kind = SendOp::Kind::kReply;
@@ -521,7 +595,8 @@ void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header
   CountSent(id);
   op->payload.assign(header.data(), header.size());
   auto* ep = static_cast<ucp_ep_h>(reply_ep);
-  StartSend(std::move(op), [ep, id, data, length](SendOp* send, ucp_request_param_t& param) {
+  StartSend(std::move(op), [ep, id, data, length, eager](SendOp* send, ucp_request_param_t& param) {
+    if (eager) ForceEagerCopy(param, length);
     return ucp_am_send_nbx(ep, id, send->payload.empty() ? nullptr : send->payload.data(),
                            send->payload.size(), data, length, &param);
   });
@@ -725,6 +800,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
                                 "a transport with us (UCX_TLS on both sides)",
                                 worker.name_, remote_address.size(), ErrorModeName(mode)));
   }
+  endpoint->native_rma_ = ParseHasRmaLane(CaptureEpInfo(endpoint->ep_));
   worker.endpoints_.insert(endpoint.get());
   return endpoint;
 }
@@ -762,9 +838,11 @@ absl::Status Endpoint::Unusable(std::string_view op) const {
       op, ep_ == nullptr ? "closed (worker shut down)" : "failed (peer died)"));
 }
 
-std::string Endpoint::Transports() const {
+std::string Endpoint::ReadLanes() {
   if (ep_ == nullptr) return "";
-  return absl::StrJoin(ParseLaneTransports(CaptureEpInfo(ep_)), ",");
+  const std::string info = CaptureEpInfo(ep_);
+  native_rma_ = ParseHasRmaLane(info);
+  return absl::StrJoin(ParseLaneTransports(info), ",");
 }
 
 absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
@@ -856,8 +934,9 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
                                                                 ucp_request_param_t& param) {
     if (want_reply) {
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_AM_SEND_FLAG_REPLY;
+      param.flags |= UCP_AM_SEND_FLAG_REPLY;
     }
+    if (!native_rma_) ForceEagerCopy(param, send->payload.size() - header_size);
     const char* bytes = send->payload.data();
     return ucp_am_send_nbx(ep_, id, header_size > 0 ? bytes : nullptr, header_size,
                            bytes + header_size, send->payload.size() - header_size, &param);
@@ -880,6 +959,7 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
   worker_.CountSent(id);
   op->payload.assign(header.data(), header.size());  // the header only; data is referenced
   StartSend(std::move(op), [this, id, data, length](SendOp* send, ucp_request_param_t& param) {
+    if (!native_rma_) ForceEagerCopy(param, length);
     return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),
                            send->payload.size(), data, length, &param);
   });

@@ -137,9 +137,11 @@ class UcxWorker {
   // Worker thread: answers a message that came with `reply_ep` (AmMessage), without
   // copying `data` (valid and unchanged until `done`). UCX keeps the reply endpoint
   // while its connection lives; a send on one whose peer failed completes with an
-  // error.
+  // error. `eager`: no rendezvous and no zero-copy (answering a peer whose endpoint
+  // lacks native RMA, Endpoint::NativeRma).
   void SendAmReply(void* reply_ep, uint16_t id, std::string_view header, const void* data,
-                   uint64_t length, std::function<void(absl::Status)> done);
+                   uint64_t length, std::function<void(absl::Status)> done,
+                   bool eager = false);
 
   ucp_worker_h get() const { return worker_; }
 
@@ -252,9 +254,21 @@ class Endpoint {
   Endpoint& operator=(const Endpoint&) = delete;
 
   ErrorMode error_mode() const { return mode_; }
-  // Which transports UCX picked for this endpoint's lanes, e.g. "posix,sysv,cma" or
-  // "tcp" (parsed from ucp_ep_print_info).
-  std::string Transports() const;
+  // Worker thread: reads the lanes UCX picked for this endpoint again (final once
+  // wireup is done: after a first Flush) and returns their transports, e.g.
+  // "posix,sysv,cma" or "tcp" (parsed from ucp_ep_print_info); settles NativeRma from
+  // the same lanes.
+  std::string ReadLanes();
+  // Whether UCX moves Put and Get natively on this endpoint (a lane with an RMA role;
+  // shared memory, cma, RDMA). Without (tcp in UCX 1.13) UCX emulates them with active
+  // messages that the peer's worker acknowledges itself, and UCX aborts the process
+  // when such an acknowledgement, or a rendezvous reply, fails because the peer died
+  // meanwhile; agents then move data as their own eager active messages instead, and
+  // every active message sent here is forced eager (no rendezvous, so the receiver
+  // never answers at the UCX level) and copied into UCX's buffers (no zero-copy, whose
+  // completion UCX 1.13's tcp miscounts when the peer dies). Read at Connect and by
+  // ReadLanes.
+  bool NativeRma() const { return native_rma_; }
 
   absl::StatusOr<RemoteKey> UnpackRkey(std::string_view packed) const;
 
@@ -293,6 +307,7 @@ class Endpoint {
   static void ErrorCallback(void* arg, ucp_ep_h ep, ucs_status_t status);
   UcxWorker& worker_;
   ErrorMode mode_;
+  bool native_rma_ = true;
   ucp_ep_h ep_ = nullptr;
   std::shared_ptr<EndpointHealth> health_;
 };

@@ -1,7 +1,8 @@
 // Routes kStagedChunks, kStagedBounce and kStagedRemoteRead: VRAM that the running UCX
 // cannot reach moves through host bounce buffers, run chunk by chunk by the Stager
 // (agent/staging.h, "Host staging" in docs/ARCHITECTURE.md); the batch is done once no
-// chunk of it is in flight.
+// chunk of it is in flight. kAmWrite and kAmRead (an endpoint without native RMA) run
+// the same protocol for any memory.
 #include "agent/data_path.h"
 #include "base/format.h"
 #include "fmt/format.h"
@@ -12,10 +13,12 @@ namespace {
 StagedRoute StagedRouteOf(Route route) {
   switch (route) {
     case Route::kStagedChunks:
+    case Route::kAmWrite:
       return StagedRoute::kChunks;
     case Route::kStagedBounce:
       return StagedRoute::kBounce;
     case Route::kStagedRemoteRead:
+    case Route::kAmRead:
       return StagedRoute::kRemoteRead;
     default:
       return StagedRoute::kNone;
@@ -35,10 +38,14 @@ class StagingPath final : public DataPath {
                    const int32_t segment = failed >= 0 ? failed : first;
                    done(BatchOutcome{
                        absl::Status(status.code(),
-                                    fmt::format("transfer '{}' segment {}: staging through host "
-                                                "buffers to peer '{}' failed: {}",
-                                                batch.transfer_id, segment, batch.peer_name,
-                                                status.message())),
+                                    fmt::format("transfer '{}' segment {}: {} to peer '{}' "
+                                                "failed: {}",
+                                                batch.transfer_id, segment,
+                                                batch.route == Route::kAmWrite ||
+                                                        batch.route == Route::kAmRead
+                                                    ? "moving data as active messages"
+                                                    : "staging through host buffers",
+                                                batch.peer_name, status.message())),
                        segment});
                  });
   }

@@ -321,7 +321,7 @@ std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& 
   auto peer = Require(pair->prefill->Connect(decode_data_address), "connecting prefill to decode");
   INFO(peer.DebugString());
   REQUIRE(peer.address() == decode_data_address);
-  REQUIRE(peer.data_path() == "ucx");
+  REQUIRE(peer.data_path() == "ucx-am");  // tcp: no native RMA
   REQUIRE_THAT(peer.transports(), Catch::Contains("tcp"));
   REQUIRE(peer.error_mode() == expected_mode);
   std::printf("netns pair (%s error mode): prefill in %s, decode in %s, data link %s, "

@@ -22,7 +22,6 @@
 #include "cli/daemon_process.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
-#include "tests/unit/catch_main.h"
 
 namespace kvagent::testing {
 namespace {
@@ -155,7 +154,8 @@ TEST_CASE("peer error mode: a killed peer fails the open transfer through the UC
   REQUIRE(peers->peers_size() == 1);
   INFO(peers->peers(0).DebugString());
   REQUIRE(peers->peers(0).error_mode() == "peer");
-  REQUIRE(peers->peers(0).data_path() == "ucx");
+  // tcp has no native RMA: the data moves as the agents' own active messages.
+  REQUIRE(peers->peers(0).data_path() == "ucx-am");
   REQUIRE_THAT(peers->peers(0).transports(), Catch::Contains("tcp"));
   OpenTransfer(pair, "open-ep");
 
@@ -237,83 +237,109 @@ TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, n
   pair.decode_process().Kill();
 }
 
-// The receiving side of a WRITE in flight loses its sender (SIGKILL) with UCX still
-// moving the data: the receiving agent must stay up, keep answering, and end the
-// incoming transfer (at the sender's deadline plus the grace, no outcome coming).
-void ReceiverSurvivesSenderDeath(const std::string& mode) {
-  INFO("--ucx-error-mode " << mode);
+// The other side of a transfer in flight loses the agent that started it (SIGKILL)
+// with the data still moving: the receiver of a WRITE (decode), or the agent whose
+// memory a READ reads (prefill). It must stay up, keep answering, and end the incoming
+// transfer (at the initiator's deadline plus the grace, no outcome coming).
+void OtherSideSurvivesInitiatorDeath(const std::string& mode, v1::TransferOp op) {
+  const bool read = op == v1::READ;
+  INFO("--ucx-error-mode " << mode << ", " << v1::TransferOp_Name(op));
   AgentPairOptions options;
   options.shape.layers = 8;
   options.shape.pages = 128;
   options.shape.page_bytes = 64 << 10;
   options.extra_args = {"--ucx-error-mode", mode, "--shm-direct", "off"};
   AgentPair pair(options);
+  if (read) {
+    auto connected = pair.decode().Connect(pair.prefill_process().address());
+    INFO(connected.status().ToString());
+    REQUIRE(connected.ok());
+  }
+  cli::AgentClient& initiator = read ? pair.decode() : pair.prefill();
+  cli::DaemonProcess& initiator_process = read ? pair.decode_process() : pair.prefill_process();
+  cli::AgentClient& other = read ? pair.prefill() : pair.decode();
+  cli::DaemonProcess& other_process = read ? pair.prefill_process() : pair.decode_process();
+  const std::string initiator_name = read ? "decode" : "prefill";
+  const std::string other_name = read ? "prefill" : "decode";
+
   std::vector<uint64_t> all;
   for (uint64_t p = 0; p < options.shape.pages; ++p) all.push_back(p);
-  auto write = KvWrite("orphaned-" + mode, all, all);
-  write.set_timeout_ms(1500);
-  auto submitted = pair.prefill().Submit(write);
+  auto request = KvWrite(fmt::format("orphaned-{}-{}", read ? "read" : "write", mode), all, all);
+  if (read) {
+    request.set_op(v1::READ);
+    request.set_peer("prefill");
+  }
+  request.set_timeout_ms(1500);
+  auto submitted = initiator.Submit(request);
   INFO(submitted.status().ToString());
   REQUIRE(submitted.ok());
   {
-    absl::Status moving = WaitTransferring(pair.prefill(), write.transfer_id());
+    absl::Status moving = WaitTransferring(initiator, request.transfer_id());
     INFO(moving.ToString());
     REQUIRE(moving.ok());
   }
-  auto before = pair.prefill().Get(write.transfer_id());
+  auto before = initiator.Get(request.transfer_id());
   REQUIRE(before.ok());
   REQUIRE(before->phase() != v1::COMPLETED);  // else: make the transfer bigger
-  REQUIRE(::kill(pair.prefill_process().pid(), SIGKILL) == 0);
+  REQUIRE(::kill(initiator_process.pid(), SIGKILL) == 0);
   const auto killed = Clock::now();
-  // Decode answers, and its incoming record ends, for 5 s after the kill.
+  // The other side answers, and its incoming record ends, for 5 s after the kill.
   v1::TransferState incoming;
   bool ended = false;
   while (MillisSince(killed) < 5000) {
-    if (!Alive(pair.decode_process().pid())) {
-      const std::string log = ReadFile(pair.decode_process().log_path());
-      FAIL("decode died " << MillisSince(killed) << " ms after its sender was killed; the end "
-                          "of its log:\n"
-                          << log.substr(log.size() > 3000 ? log.size() - 3000 : 0));
+    if (!Alive(other_process.pid())) {
+      const std::string log = ReadFile(other_process.log_path());
+      FAIL(other_name << " died " << MillisSince(killed) << " ms after " << initiator_name
+                      << " was killed; the end of its log:\n"
+                      << log.substr(log.size() > 3000 ? log.size() - 3000 : 0));
     }
-    auto status = pair.decode().Status();
+    auto status = other.Status();
     INFO(status.status().ToString());
     REQUIRE(status.ok());
-    auto got = pair.decode().Get(write.transfer_id(), "prefill");
+    auto got = other.Get(request.transfer_id(), initiator_name);
     if (got.ok()) {
       incoming = *got;
       ended = incoming.phase() != v1::PENDING && incoming.phase() != v1::TRANSFERRING;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  std::printf("sender SIGKILLed under a 128 MiB WRITE (error mode %s): decode alive and "
-              "answering 5 s later; its incoming record: %s %s\n",
-              mode.c_str(), v1::TransferPhase_Name(incoming.phase()).c_str(),
+  std::printf("%s SIGKILLed under a 128 MiB %s (error mode %s): %s alive and answering 5 s "
+              "later; its incoming record: %s %s\n",
+              initiator_name.c_str(), v1::TransferOp_Name(op).c_str(), mode.c_str(),
+              other_name.c_str(), v1::TransferPhase_Name(incoming.phase()).c_str(),
               incoming.error_message().c_str());
   CHECK(ended);
-  pair.prefill_process().Kill();
+  CHECK_THAT(incoming.error_message(),
+             Catch::Contains(read ? "our pages were only read" : "hold no reliable data"));
+  initiator_process.Kill();
 }
 
 // Same host, UCX without error handling: shared memory and cma, UCX's own RMA.
 TEST_CASE("the receiver of a WRITE in flight survives its sender's death (UCX shared memory)") {
-  ReceiverSurvivesSenderDeath("none");
+  OtherSideSurvivesInitiatorDeath("none", v1::WRITE);
 }
 
 // `peer` mode: tcp, where UCX 1.13 emulates a put with active messages and the
-// receiving worker answers each with an acknowledgement. When the sender dies while
-// the receiver is handling its puts, that answer fails and UCX aborts the receiving
+// receiving worker answers each with an acknowledgement; when the sender died while
+// the receiver handled its puts, that answer failed and UCX aborted the receiving
 // process (ucp_request.inl "Fatal: unexpected error: Endpoint timeout", from
-// ucp_put_handler): 3 runs of 62 here, all on a loaded machine. No error handling in our hands
-// reaches it; what avoids it is a data path over active messages for endpoints
-// without native RMA (docs/ARCHITECTURE.md, "Losing a peer"). Run it with
-// KVAGENT_TEST_UCX_TCP_PUT_ABORT=1.
+// ucp_put_handler): 3 runs of 62 on a loaded machine before the agents moved data over
+// tcp as their own eager active messages (Route::kAmWrite), which nothing answers at
+// the UCX level.
 TEST_CASE("the receiver of a WRITE in flight survives its sender's death (UCX tcp, peer mode)") {
-  if (std::getenv("KVAGENT_TEST_UCX_TCP_PUT_ABORT") == nullptr) {
-    KVAGENT_SKIP(
-        "UCX 1.13 aborts the receiver of a software (tcp) put whose sender died mid-put "
-        "(ucp_put_handler: Fatal: unexpected error), in about 1 run of 20 under load; set "
-        "KVAGENT_TEST_UCX_TCP_PUT_ABORT=1 to run it");
-  }
-  ReceiverSurvivesSenderDeath("peer");
+  OtherSideSurvivesInitiatorDeath("peer", v1::WRITE);
+}
+
+// The mirror: the agent whose memory a READ reads, when the reader dies. Over UCX's
+// emulated get its worker answered each get itself (ucp_get_req_handler, 1 abort in 30
+// runs); over the agents' read requests it replies eagerly, and a reply to a dead
+// peer fails like any send.
+TEST_CASE("the agent read by a READ in flight survives its reader's death (UCX tcp, peer mode)") {
+  OtherSideSurvivesInitiatorDeath("peer", v1::READ);
+}
+
+TEST_CASE("the agent read by a READ in flight survives its reader's death (UCX shared memory)") {
+  OtherSideSurvivesInitiatorDeath("none", v1::READ);
 }
 
 bool PagesEqual(const cli::KvPool& src, uint64_t src_page, const cli::KvPool& dst,

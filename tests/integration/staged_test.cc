@@ -22,6 +22,7 @@
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/integration/metrics_scrape.h"
 
 namespace kvagent::testing {
 namespace {
@@ -46,7 +47,8 @@ struct StagedPair {
   std::unique_ptr<cli::AgentClient> prefill_client, decode_client;
   cli::Pool prefill_pool, decode_pool;
 
-  StagedPair(bool stage_prefill, bool stage_decode, uint64_t page_bytes) {
+  StagedPair(bool stage_prefill, bool stage_decode, uint64_t page_bytes,
+             const std::vector<std::string>& extra_args = {}) {
     static int counter = 0;
     const char* tmp = std::getenv("TEST_TMPDIR");
     work_dir = fmt::format("{}/staged.{}.{}", tmp ? tmp : "/tmp", getpid(), counter++);
@@ -59,6 +61,7 @@ struct StagedPair {
       d.name = name;
       d.work_dir = work_dir;
       d.extra_args = kStagingArgs;
+      d.extra_args.insert(d.extra_args.end(), extra_args.begin(), extra_args.end());
       if (staged) d.extra_args.push_back("--stage-host-regions");
       *process = Require(cli::DaemonProcess::Start(d), fmt::format("starting {}", name));
     }
@@ -123,6 +126,28 @@ v1::TransferState WaitDone(cli::AgentClient& client, const std::string& id) {
   return *state;
 }
 
+// Polls `client` as fast as it can until a notification is there (30 s at most).
+v1::Notification FirstNotification(cli::AgentClient& client) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < until) {
+    auto polled = client.Poll(0);
+    REQUIRE(polled.ok());
+    if (polled->notifications_size() > 0) return polled->notifications(0);
+  }
+  FAIL("no notification within 30 s");
+  return {};
+}
+
+// The scattered WRITE both WRITE cases send (kv items 1, 5, 6, 11 to 2, 9, 3, 14 and
+// ssm slot 2 to 0) is in place on decode.
+void CheckScatteredWrite(const StagedPair& pair) {
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 1, 2));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 5, 9));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 6, 3));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 11, 14));
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 2, 0));
+}
+
 TEST_CASE("staged WRITE: scattered pages larger than a chunk and a state slot arrive intact, "
           "and the notification comes only after the data") {
   StagedPair pair(true, true, 80 << 10);  // pages of 80 KiB: each splits over two chunks
@@ -141,23 +166,8 @@ TEST_CASE("staged WRITE: scattered pages larger than a chunk and a state slot ar
 
   // Poll as fast as we can: the moment the notification is visible, every byte must
   // already be in place.
-  v1::Notification note;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  bool got = false;
-  while (!got && std::chrono::steady_clock::now() < until) {
-    auto polled = pair.decode_client->Poll(0);
-    REQUIRE(polled.ok());
-    if (polled->notifications_size() > 0) {
-      note = polled->notifications(0);
-      got = true;
-    }
-  }
-  REQUIRE(got);
-  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 1, 2));
-  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 5, 9));
-  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 6, 3));
-  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 11, 14));
-  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 2, 0));
+  const v1::Notification note = FirstNotification(*pair.decode_client);
+  CheckScatteredWrite(pair);
   CHECK(note.kind() == v1::DATA_READY);
   CHECK(note.payload() == "first-token:7");
   const uint64_t expected = 4 * 4 * (80 << 10) + 2 * 150000;
@@ -443,6 +453,71 @@ TEST_CASE("a READ of staged memory cancelled mid-way drains, and reading works a
   REQUIRE(pair.decode_client->Submit(Request("read-after-cancel", "prefill", v1::READ, {3}, {4})).ok());
   CHECK(WaitDone(*pair.decode_client, "read-after-cancel").phase() == v1::COMPLETED);
   CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 4, 3));
+}
+
+// An endpoint without native RMA: --ucx-error-mode peer puts it on tcp, where UCX 1.13
+// emulates put and get with messages that the receiving worker answers itself, and
+// aborts the process when that answer fails because the other side died. The agents
+// move host memory as their own eager messages instead (data path "ucx-am"), with the
+// staged-chunk and read-request protocol, checked on arrival against the receiver's
+// registered regions. Nothing here is staged.
+TEST_CASE("host memory over an endpoint without native RMA (tcp) moves as the agents' own "
+          "messages: WRITE and READ byte-exact, DATA_READY only after the data") {
+  StagedPair pair(false, false, 80 << 10,
+                  {"--ucx-error-mode", "peer", "--metrics-listen", "127.0.0.1:0"});
+  for (auto* client : {pair.prefill_client.get(), pair.decode_client.get()}) {
+    auto regions = Require(client->Regions(), "listing regions");
+    for (const auto& r : regions.regions()) CHECK(r.memory_path() != "staged");
+    auto peers = Require(client->Peers(), "listing peers");
+    REQUIRE(peers.peers_size() == 1);
+    INFO(peers.peers(0).DebugString());
+    CHECK(peers.peers(0).data_path() == "ucx-am");
+    CHECK(peers.peers(0).transports() == "tcp");
+  }
+
+  auto write = Request("am-write", "decode", v1::WRITE, {1, 5, 6, 11}, {2, 9, 3, 14});
+  AddSlot(write, 2, 0);
+  write.set_notification("am:1");
+  REQUIRE(pair.prefill_client->Submit(write).ok());
+  // The moment DATA_READY is visible, every byte must be in place.
+  const v1::Notification note = FirstNotification(*pair.decode_client);
+  CheckScatteredWrite(pair);
+  const uint64_t expected = 4 * 4 * (80 << 10) + 2 * 150000;
+  CHECK(note.payload() == "am:1");
+  CHECK(note.staged_bytes() == expected);
+  auto written = WaitDone(*pair.prefill_client, "am-write");
+  INFO(written.error_message());
+  CHECK(written.phase() == v1::COMPLETED);
+  CHECK(written.bytes_done() == expected);
+  CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 0, 0));
+
+  // READ: decode reads prefill's items 3, 8, 10, 12 and state slot 3 into its own.
+  auto read = Request("am-read", "prefill", v1::READ, {0, 4, 7, 15}, {3, 8, 10, 12});
+  AddSlot(read, 1, 3);
+  REQUIRE(pair.decode_client->Submit(read).ok());
+  auto done = WaitDone(*pair.decode_client, "am-read");
+  INFO(done.error_message());
+  REQUIRE(done.phase() == v1::COMPLETED);
+  CHECK(done.bytes_done() == expected);
+  const std::vector<uint64_t> remote = {3, 8, 10, 12}, local = {0, 4, 7, 15};
+  for (size_t i = 0; i < remote.size(); ++i) {
+    CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, remote[i], local[i]));
+  }
+  CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 3, 1));
+  CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 13, 13));
+
+  // The bytes went as the agents' messages: decode took WRITE chunks (80 KiB pages
+  // over 64 KiB chunks, and the slot), prefill served READ requests.
+  const std::string decode_metrics = Scrape(MetricsAddress(*pair.decode_client));
+  const std::string prefill_metrics = Scrape(MetricsAddress(*pair.prefill_client));
+  const double chunks = Value(decode_metrics, "kvagent_staging_total", {"event=\"chunks_received\""});
+  const double served = Value(prefill_metrics, "kvagent_staging_total", {"event=\"reads_served\""});
+  std::printf("over tcp as active messages: %.0f chunks received by decode, %.0f read replies "
+              "served by prefill\n", chunks, served);
+  CHECK(chunks >= static_cast<double>(expected / kChunkBytes));
+  CHECK(served >= static_cast<double>(expected / kChunkBytes));
+  CHECK(Value(decode_metrics, "kvagent_staging_total", {"event=\"chunks_rejected\""}) == 0);
+  CHECK(Value(prefill_metrics, "kvagent_staging_total", {"event=\"reads_refused\""}) == 0);
 }
 
 }  // namespace

@@ -203,7 +203,7 @@ struct Cluster {
     REQUIRE(link.name() == "decode");
     REQUIRE(link.address() == decode.network_address());
     REQUIRE_FALSE(link.same_host());
-    REQUIRE(link.data_path() == "ucx");
+    REQUIRE(link.data_path() == "ucx-am");  // tcp: no native RMA
     REQUIRE(link.error_mode() == "peer");
   }
 

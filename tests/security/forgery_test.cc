@@ -35,6 +35,7 @@
 #include "proto/kvagent.grpc.pb.h"
 #include "proto/wire.pb.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/integration/metrics_scrape.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -48,6 +49,7 @@ constexpr uint32_t kTimeoutMs = 5000;
 constexpr uint16_t kNotificationAm = 1;   // TransferEngine: PeerMessageAuth + Notification
 constexpr uint16_t kStagedChunkAm = 2;    // Stager: StagedChunkHeader + bytes
 constexpr uint16_t kStagedReadAm = 3;     // Stager: StagedReadRequest
+constexpr uint16_t kStagedReadReplyAm = 4;  // StagedReadReply + bytes, on the reply endpoint
 constexpr uint16_t kAckAm = 5;            // TransferAck, on a request's reply endpoint
 constexpr uint16_t kNoticeBatchAm = 6;    // PeerMessageAuth + NoticeBatch
 constexpr uint16_t kAckBatchAm = 7;       // TransferAckBatch, on a batch's reply endpoint
@@ -80,6 +82,16 @@ class PeerCaller {
                           status.error_message());
     }
     return reply;
+  }
+
+  // GetMetadata as `caller`; fails the test unless it answers.
+  v1::AgentMetadata Metadata(const std::string& caller) {
+    v1::GetMetadataRequest ask;
+    ask.set_caller(caller);
+    auto metadata = GetMetadata(ask);
+    INFO(metadata.status().ToString());
+    REQUIRE(metadata.ok());
+    return *std::move(metadata);
   }
 
   const v1::SessionWelcome& welcome() const { return session_->welcome(); }
@@ -536,17 +548,142 @@ class Spoofer {
   std::thread thread_;
 };
 
+// An authenticated peer's own data messages: what agents send each other instead of
+// RMA over an endpoint without native RMA (tcp). Every region is in the catalog the
+// peer fetched, rkeys included, so they reach as far as RMA would and no further: a
+// chunk lands only inside one of decode's registered regions, a read request reads
+// only from one; a piece outside, or running past a region's end, is refused whole
+// before any byte moves, counted, and a refused read is answered with the reason.
+TEST_CASE("an authenticated peer's chunks and read requests reach the agent's regions and "
+          "nothing else") {
+  AgentPairOptions options;
+  options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(options);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const std::string secret = metadata.notify_secret();
+  REQUIRE(metadata.regions_size() > 0);
+  const v1::ExportedRegion& region = metadata.regions(0);
+  const auto& names = pair.decode_pool().region_names;
+  const auto named = std::find(names.begin(), names.end(), region.name());
+  REQUIRE(named != names.end());
+  const uint32_t r = static_cast<uint32_t>(named - names.begin());
+  uint64_t above_all = 0;
+  for (const auto& x : metadata.regions()) {
+    above_all = std::max(above_all, x.base_address() + x.length());
+  }
+  const std::string metrics = MetricsAddress(pair.decode());
+  auto counter = [&](const char* event) {
+    return Value(Scrape(metrics), "kvagent_staging_total", {fmt::format("event=\"{}\"", event)});
+  };
+  const double received_before = counter("chunks_received");
+  const double rejected_before = counter("chunks_rejected");
+
+  UcxAttacker attacker(metadata.worker_address(), "auto");
+  auto chunk = [&](const std::string& id, uint64_t address, uint64_t length, char fill) {
+    wire::StagedChunkHeader header;
+    header.set_from_agent("eve");
+    header.set_secret(secret);
+    header.set_transfer_id(id);
+    header.set_incarnation(1);
+    auto* piece = header.add_pieces();
+    piece->set_remote_address(address);
+    piece->set_length(length);
+    absl::Status sent = attacker.Send(kStagedChunkAm, header.SerializeAsString(),
+                                      std::string(length, fill));
+    INFO(id << ": " << sent.ToString());
+    CHECK(sent.ok());
+  };
+  const uint64_t end = region.base_address() + region.length();
+  chunk("past-the-end", end - 32, 64, 'x');  // 32 bytes inside, 32 past the end
+  chunk("above-all", above_all + (1 << 20), 64, 'x');
+  chunk("inside", region.base_address() + 128, 64, 'e');
+  double received = received_before, rejected = rejected_before;
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while ((received < received_before + 1 || rejected < rejected_before + 2) && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    received = counter("chunks_received");
+    rejected = counter("chunks_rejected");
+  }
+  CHECK(received - received_before == 1);
+  CHECK(rejected - rejected_before == 2);
+  // The accepted chunk landed; the refused one wrote nothing, not even its part inside.
+  const uint8_t* first = pair.decode_pool().Page(r, 0);
+  CHECK(std::string(reinterpret_cast<const char*>(first) + 128, 64) == std::string(64, 'e'));
+  CHECK(first[127] == 0xEE);
+  CHECK(first[192] == 0xEE);
+  const uint64_t last_page = pair.decode_pool().shape.pages - 1;
+  const uint8_t* last = pair.decode_pool().Page(r, last_page);
+  const uint64_t page_bytes = pair.decode_pool().shape.page_bytes;
+  CHECK(std::all_of(last + page_bytes - 32, last + page_bytes, [](uint8_t b) { return b == 0xEE; }));
+
+  // Reads: one past the region's end is refused with the reason; one inside is answered
+  // with the region's bytes (eagerly, as asked).
+  struct Reply {
+    wire::StagedReadReply header;
+    std::string data;
+  };
+  absl::Mutex mu;
+  std::vector<Reply> replies;
+  attacker.Listen(kStagedReadReplyAm, [&](std::string_view h, std::string_view d) {
+    Reply reply;
+    if (!reply.header.ParseFromArray(h.data(), static_cast<int>(h.size()))) return;
+    reply.data.assign(d);
+    absl::MutexLock lock(&mu);
+    replies.push_back(std::move(reply));
+  });
+  auto read = [&](uint64_t request_id, uint64_t address, uint64_t length) {
+    wire::StagedReadRequest request;
+    request.set_from_agent("eve");
+    request.set_secret(secret);
+    request.set_incarnation(1);
+    request.set_transfer_id(fmt::format("eve-read-{}", request_id));
+    request.set_request_id(request_id);
+    request.set_eager_replies(true);
+    auto* piece = request.add_pieces();
+    piece->set_remote_address(address);
+    piece->set_length(length);
+    absl::Status sent =
+        attacker.Send(kStagedReadAm, request.SerializeAsString(), "", /*request=*/true);
+    INFO(sent.ToString());
+    CHECK(sent.ok());
+  };
+  read(7, end - 32, 64);
+  read(8, region.base_address(), 4096);
+  const auto reads_until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (Clock::now() < reads_until) {
+    {
+      absl::MutexLock lock(&mu);
+      if (replies.size() >= 2) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  absl::MutexLock lock(&mu);
+  REQUIRE(replies.size() == 2);
+  for (const Reply& reply : replies) {
+    INFO("request " << reply.header.request_id() << ": " << reply.header.error());
+    if (reply.header.request_id() == 7) {
+      CHECK(reply.data.empty());
+      CHECK_THAT(reply.header.error(), Contains("not inside one region of 'decode'"));
+    } else {
+      REQUIRE(reply.header.request_id() == 8);
+      CHECK(reply.header.error().empty());
+      CHECK(reply.data == std::string(reinterpret_cast<const char*>(first), 4096));
+    }
+  }
+  std::printf("eve's chunks: 1 landed, 2 refused (past a region's end, above every region); "
+              "her reads: 1 answered with the region's bytes, 1 refused: %s\n",
+              replies[0].header.request_id() == 7 ? replies[0].header.error().c_str()
+                                                  : replies[1].header.error().c_str());
+}
+
 TEST_CASE("a notification batch loses only its bad entries: the others arrive once, and a "
           "DATA_READY over the limits is refused to its sender with the reason") {
   AgentPair pair;
   cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
   auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
-  v1::GetMetadataRequest ask;
-  ask.set_caller("eve");
-  auto metadata = eve->GetMetadata(ask);
-  INFO(metadata.status().ToString());
-  REQUIRE(metadata.ok());
-  const std::string eve_secret = metadata->notify_secret();
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const std::string eve_secret = metadata.notify_secret();
   // Declared before the attacker, whose worker thread calls `take` until it goes.
   absl::Mutex mu;
   std::vector<wire::TransferAck> acks;
@@ -564,7 +701,7 @@ TEST_CASE("a notification batch loses only its bad entries: the others arrive on
     for (const auto& ack : many.acks()) acks.push_back(ack);
   };
   // Eager up to 1 MiB: the batch arrives in one piece (rendezvous takes the same checks).
-  UcxAttacker attacker(metadata->worker_address(), "1048576");
+  UcxAttacker attacker(metadata.worker_address(), "1048576");
   attacker.Listen(kAckAm, [&](std::string_view h, std::string_view d) { take(h, d, false); });
   attacker.Listen(kAckBatchAm, [&](std::string_view h, std::string_view d) { take(h, d, true); });
   const uint64_t dropped_before = Dropped(decode_status);

@@ -436,6 +436,23 @@ TEST_CASE("peers: connected passes, unreachable fails with its error, none passe
   partial.set_same_host(true);
   partial.set_data_path("shm-direct+ucx");
 
+  // Over tcp: the agents' own messages (ucx-am) pass; UCX's emulated RMA (a peer of an
+  // older version) is a WARN naming the abort and the fix.
+  v1::PeerInfo over_tcp = up;
+  over_tcp.set_name("far");
+  over_tcp.set_transports("tcp");
+  over_tcp.set_data_path("ucx-am");
+  v1::PeerInfo old_tcp = over_tcp;
+  old_tcp.set_name("old");
+  old_tcp.set_data_path("ucx");
+  auto tcp = CheckPeers({over_tcp, old_tcp});
+  REQUIRE(tcp.size() == 2);
+  CHECK(tcp[0].result() == Result::PASS);
+  CHECK(tcp[1].result() == Result::WARN);
+  CHECK(Has(tcp[1].detail(), "emulated RMA"));
+  CHECK(Has(tcp[1].detail(), "can abort this agent"));
+  CHECK(Has(tcp[1].fix(), "upgrade the peer"));
+
   auto checks = CheckPeers({up, down, partial});
   REQUIRE(checks.size() == 3);
   CHECK(checks[0].name() == "peer:decode");

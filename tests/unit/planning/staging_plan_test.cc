@@ -190,14 +190,14 @@ namespace {
 
 const std::vector<StagedRange> kRanges = {{0x10000, 0x1000, "a.L0.K"}, {0x20000, 0x2000, "a.L0.V"}};
 
-TEST_CASE("CheckReadPieces accepts pieces inside one staged region each and names their ranges") {
+TEST_CASE("CheckReadPieces accepts pieces inside one region each and names their ranges") {
   auto checked = CheckReadPieces({{0x10000, 0x1000}, {0x21000, 0x800}, {0x20fff, 1}}, kRanges,
                                  ReadRequestLimits{}, "prefill");
   REQUIRE(checked.ok());
   CHECK(*checked == std::vector<size_t>{0, 1, 1});
 }
 
-TEST_CASE("CheckReadPieces refuses a piece outside our staged regions, naming it and the fix") {
+TEST_CASE("CheckReadPieces refuses a piece outside our regions, naming it and the fix") {
   struct Case {
     ReadPiece piece;
     const char* why;
@@ -215,7 +215,7 @@ TEST_CASE("CheckReadPieces refuses a piece outside our staged regions, naming it
     CHECK(checked.status().code() == absl::StatusCode::kOutOfRange);
     const std::string message(checked.status().message());
     CHECK_THAT(message, Catch::Contains("piece 1"));
-    CHECK_THAT(message, Catch::Contains("not inside one staged region of 'prefill'"));
+    CHECK_THAT(message, Catch::Contains("not inside one region of 'prefill'"));
     CHECK_THAT(message, Catch::Contains("refetch"));
   }
   // No regions at all (everything deregistered).

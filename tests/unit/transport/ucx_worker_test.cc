@@ -108,12 +108,19 @@ void PutGetRoundTrip(ErrorMode mode) {
   std::unique_ptr<Endpoint> b_to_a = Connect(*b.worker, a.worker->address(), mode);
   CHECK(a_to_b->error_mode() == mode);
   std::string transports;
-  a.worker->RunSync([&] { transports = a_to_b->Transports(); });
+  a.worker->RunSync([&] { transports = a_to_b->ReadLanes(); });
   std::cout << "UCX_TLS=" << (tls ? tls : "(unset)") << " mode " << ErrorModeName(mode)
             << ": transports " << transports << "\n";
   CHECK_FALSE(transports.empty());
   CHECK(transports.find('/') == std::string::npos);
   if (tls != nullptr && std::string(tls) == "tcp,self") CHECK(transports == "tcp");
+  // UCX 1.13's tcp lanes carry no RMA role (puts and gets are emulated over active
+  // messages); shared memory's cma lane does.
+  bool native_rma = false;
+  a.worker->RunSync([&] { native_rma = a_to_b->NativeRma(); });
+  std::cout << "  native RMA: " << (native_rma ? "yes" : "no") << "\n";
+  if (transports == "tcp") CHECK_FALSE(native_rma);
+  if (transports.find("cma") != std::string::npos) CHECK(native_rma);
 
   constexpr size_t kSize = 1 << 20;
   std::vector<char> target(kSize, 0);
