@@ -618,8 +618,9 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     ASSIGN_OR_RETURN(v1::TransferState state, initiator.Get(probe.transfer_id()));
     if (state.complete_when() != v1::COMPLETE_WHEN_PLACED) {
       placed_absent = fmt::format(
-          "the initiator completed '{}' {} when asked for COMPLETE_WHEN_PLACED: an agent older "
-          "than complete_when",
+          "the initiator completed '{}' {} when asked for COMPLETE_WHEN_PLACED: its data path "
+          "confirms placement only by the peer's acknowledgement (ucx-am, host staging), or "
+          "the agent is older than complete_when",
           probe.transfer_id(), v1::CompletionPoint_Name(state.complete_when()));
     }
   }

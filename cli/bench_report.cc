@@ -104,7 +104,9 @@ std::string PairedLine(const PairedCell& p) {
     out += fmt::format("\n        completing when placed: fast/memcpy {} (p50 {:.0f} us)",
                        RatioText(p.placed_over_memcpy), p.placed_p50_us);
   } else {
-    out += "\n        completing when placed: - (the agent is older than complete_when)";
+    out += "\n        completing when placed: - (completed when acknowledged: the data path "
+           "confirms placement only by the peer's acknowledgement, ucx-am or host staging, or "
+           "the agent is older than complete_when)";
   }
   for (const auto& [name, t] : {std::pair{"contiguous", &p.contiguous_split},
                                  std::pair{"scattered", &p.scattered_split}}) {

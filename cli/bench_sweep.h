@@ -48,7 +48,9 @@ struct TimeSplit {
 // ring ping wakes the agent, asleep after the pause. Load then hits all three alike.
 // Each round also times (d): (b)'s transfer completing when placed
 // (COMPLETE_WHEN_PLACED: the sender's COMPLETED does not wait for the receiver's
-// acknowledgement), unless the agent is older than complete_when; (b), (c) and (d)
+// acknowledgement), unless the transfer completes when acknowledged anyway (a data
+// path that confirms placement only by the peer, ucx-am or staging, or an agent older
+// than complete_when); (b), (c) and (d)
 // take turns going first.
 struct PairedCell {
   Cell cell;  // its op, block and batch (pattern: both)

@@ -106,11 +106,13 @@ TEST_CASE("paired line: the placed rounds and where the contiguous transfer's ti
   const std::string none = JsonLine(cell);
   CHECK(none.find("\"paired_scattered_timelines\": 0, \"paired_scattered_agent_p50_us\": null") !=
         std::string::npos);
-  // An agent older than complete_when, timelines not read: said so, nothing made up.
+  // Completed when acknowledged (a data path that confirms placement only by the
+  // peer's acknowledgement, or an agent older than complete_when), timelines not read:
+  // said so, nothing made up.
   const std::string old = PairedLine(Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9));
   INFO(old);
-  CHECK(old.find("completing when placed: - (the agent is older than complete_when)") !=
-        std::string::npos);
+  CHECK(old.find("completing when placed: - (completed when acknowledged: the data path "
+                 "confirms placement only by the peer's acknowledgement") != std::string::npos);
   CHECK(old.find("where its time went") == std::string::npos);
 }
 
