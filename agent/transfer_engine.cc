@@ -1339,7 +1339,9 @@ void TransferEngine::FailPeer(const PeerLoss& loss) {
                t->state.bytes_done(), t->state.bytes_total(),
                t->awaiting_ack ? "; the peer never confirmed it received them: delivery unknown"
                : t->inflight   ? ", a batch still posted"
-                               : "",
+               : t->state.bytes_done() == t->state.bytes_total()
+                   ? "; its DATA_READY was not sent yet, so the peer's owners were not told"
+                   : "",
                loss.cause.message())),
            SegmentInProgress(*t));
   }
