@@ -66,6 +66,33 @@ v1::TransferState WaitEnd(cli::AgentClient& client, const std::string& id) {
   return state;
 }
 
+// Polls the ended transfer every 10 ms until it reports drained (or 5 s pass), from
+// its state at the end; returns the last state.
+v1::TransferState WaitDrained(cli::AgentClient& client, const std::string& id,
+                              v1::TransferState state) {
+  const auto until = Clock::now() + std::chrono::seconds(5);
+  while (!state.drained() && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    auto got = client.Get(id);
+    REQUIRE(got.ok());
+    state = *got;
+  }
+  return state;
+}
+
+// 16 regions x 128 pages x 64 KiB (128 MiB), `--ucx-error-mode peer` (tcp), no
+// same-host mapping, polls 60 s apart and no metadata stream: within a test, only the
+// UCX endpoint notices a peer's death.
+AgentPairOptions EndpointOnlyLargePair() {
+  AgentPairOptions options;
+  options.shape.layers = 8;
+  options.shape.pages = 128;
+  options.shape.page_bytes = 64 << 10;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--peer-refresh-ms",
+                        "60000", "--metadata-push", "off"};
+  return options;
+}
+
 // The transfer failed for the lost peer: UNAVAILABLE, the peer named, drained.
 void CheckFailedForPeer(const v1::TransferState& state, const std::string& id) {
   INFO(state.DebugString());
@@ -180,12 +207,7 @@ TEST_CASE("peer error mode: a killed peer fails the open transfer through the UC
 // The same with a 128 MiB WRITE still moving (posted puts and their flush pending):
 // UCX fails them, and the transfer ends through that, not through a poll.
 TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, not the poll") {
-  AgentPairOptions options;
-  options.shape.layers = 8;
-  options.shape.pages = 128;
-  options.shape.page_bytes = 64 << 10;
-  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--peer-refresh-ms",
-                        "60000", "--metadata-push", "off"};
+  const AgentPairOptions options = EndpointOnlyLargePair();
   AgentPair pair(options);
   std::vector<uint64_t> all;
   for (uint64_t p = 0; p < options.shape.pages; ++p) all.push_back(p);
@@ -222,19 +244,60 @@ TEST_CASE("peer error mode: a killed peer fails a WRITE in flight through UCX, n
                                         Catch::Contains("stopped answering"));
   CHECK(ms <= 2000);
   // drained once the posted batch's flush has completed (with its error).
-  v1::TransferState later = state;
-  const auto until = Clock::now() + std::chrono::seconds(5);
-  while (!later.drained() && Clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    auto got = pair.prefill().Get("inflight-ep");
-    REQUIRE(got.ok());
-    later = *got;
-  }
+  const v1::TransferState later = WaitDrained(pair.prefill(), "inflight-ep", state);
   std::printf("SIGKILL under a WRITE (peer error mode): drained %d, %lld ms after the kill\n",
               later.drained(), static_cast<long long>(MillisSince(killed)));
   CHECK(later.drained());
   CheckSubmitFailsFast(pair, "SIGKILL under a WRITE (peer error mode)");
   pair.decode_process().Kill();
+}
+
+// The other way round for a READ over tcp (data as the agents' messages): the agent
+// whose memory is being read dies mid-READ. The reader's transfer fails through the UCX
+// endpoint (not a poll), names the peer, drains once no read request can still land,
+// its pages outside the READ are untouched, and the reader keeps answering.
+TEST_CASE("peer error mode: a READ whose data owner dies mid-read fails through UCX and drains") {
+  const AgentPairOptions options = EndpointOnlyLargePair();
+  AgentPair pair(options);
+  auto connected = pair.decode().Connect(pair.prefill_process().address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  REQUIRE(connected->data_path() == "ucx-am");
+  std::vector<uint64_t> pages;
+  for (uint64_t p = 0; p + 1 < options.shape.pages; ++p) pages.push_back(p);  // not the last
+  auto read = KvWrite("read-owner-dies", pages, pages);
+  read.set_op(v1::READ);
+  read.set_peer("prefill");
+  REQUIRE(pair.decode().Submit(read).ok());
+  {
+    absl::Status moving = WaitTransferring(pair.decode(), "read-owner-dies");
+    INFO(moving.ToString());
+    REQUIRE(moving.ok());
+  }
+  const auto killed = Clock::now();
+  REQUIRE(::kill(pair.prefill_process().pid(), SIGKILL) == 0);
+  const v1::TransferState state = WaitEnd(pair.decode(), "read-owner-dies");
+  const int64_t ms = MillisSince(killed);
+  INFO(state.DebugString());
+  REQUIRE(state.phase() != v1::COMPLETED);  // else: make the transfer bigger
+  REQUIRE(state.phase() == v1::FAILED);
+  CHECK(state.error_code() == kUnavailable);
+  CHECK_THAT(state.error_message(), Catch::Contains("peer 'prefill'") &&
+                                        Catch::Contains("its UCX endpoint failed"));
+  CHECK(ms <= 2000);
+  const v1::TransferState later = WaitDrained(pair.decode(), "read-owner-dies", state);
+  std::printf("data owner SIGKILLed under a 127-page READ over tcp (ucx-am): FAILED in %lld ms, "
+              "%llu of %llu bytes, drained %d %lld ms after the kill\n",
+              static_cast<long long>(ms), static_cast<unsigned long long>(state.bytes_done()),
+              static_cast<unsigned long long>(state.bytes_total()), later.drained(),
+              static_cast<long long>(MillisSince(killed)));
+  CHECK(later.drained());
+  // The page outside the READ kept decode's own bytes; decode still answers.
+  CHECK(pair.PageUntouched(options.shape.pages - 1));
+  auto status = pair.decode().Status();
+  INFO(status.status().ToString());
+  CHECK(status.ok());
+  pair.prefill_process().Kill();
 }
 
 // The other side of a transfer in flight loses the agent that started it (SIGKILL)
