@@ -568,6 +568,11 @@ const std::vector<Stager::StagedRegion>& Stager::Regions() {
   }
   std::sort(regions_.begin(), regions_.end(),
             [](const StagedRegion& a, const StagedRegion& b) { return a.base < b.base; });
+  ranges_.clear();
+  ranges_.reserve(regions_.size());
+  for (const StagedRegion& r : regions_) {
+    ranges_.push_back(planning::StagedRange{r.base, r.length, r.region->spec.name()});
+  }
   return regions_;
 }
 
@@ -1074,12 +1079,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
         "none; the requesting agent runs an incompatible version",
         options_.self_name, message.length)));
   }
-  const auto& regions = Regions();
-  std::vector<planning::StagedRange> ranges;
-  ranges.reserve(regions.size());
-  for (const auto& r : regions) {
-    ranges.push_back(planning::StagedRange{r.base, r.length, r.region->spec.name()});
-  }
+  const auto& regions = Regions();  // and ranges_, index for index
   std::vector<planning::ReadPiece> pieces;
   pieces.reserve(std::min(header.pieces_size(), 65537));
   for (const auto& p : header.pieces()) {
@@ -1088,7 +1088,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
   }
   planning::ReadRequestLimits limits;
   limits.max_bytes = std::max(options_.max_chunk_message, options_.pool.chunk_bytes);
-  auto checked = planning::CheckReadPieces(pieces, ranges, limits, options_.self_name);
+  auto checked = planning::CheckReadPieces(pieces, ranges_, limits, options_.self_name);
   if (!checked.ok()) return refuse(checked.status());
   if (absl::Status s = EnsurePool(); !s.ok()) return refuse(s);
 

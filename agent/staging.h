@@ -277,6 +277,9 @@ class Stager {
   std::deque<std::string> held_order_;
   uint64_t regions_version_ = UINT64_MAX;
   std::vector<StagedRegion> regions_;  // every region of ours, by base
+  // The same as CheckReadPieces takes them (index for index), rebuilt with regions_:
+  // a read request checks against every region, so it must not copy them each time.
+  std::vector<planning::StagedRange> ranges_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<ReadRequest>> reads_;  // by request id
   uint64_t next_request_id_ = 0;  // random start, so ids are not guessable across agents
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
