@@ -57,7 +57,8 @@ void IncomingTransfers::ForEachRegionOf(
   if (auto region = registry_->Find(target)) visit(*region);
 }
 
-absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) const {
+absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n,
+                                                   v1::TransferOp op) const {
   // Nothing to look at while no fault was ever caught (the common case).
   if (registry::FaultGuard::faults_caught() == 0) return absl::OkStatus();
   std::string broken;
@@ -68,9 +69,10 @@ absl::Status IncomingTransfers::CheckTargetsIntact(const v1::Notification& n) co
     if (broken.empty()) continue;
     return absl::DataLossError(fmt::format(
         "transfer '{}' from '{}': region '{}' of this agent ('{}') is broken: {}; the bytes "
-        "written there are not valid. Fix: {}",
-        Printable(n.transfer_id(), 256), Printable(n.from_agent()), broken,
-        options_.self_name, registry::kLostMemoryCause, registry::kLostMemoryFix));
+        "{} there are not valid. Fix: {}",
+        Printable(n.transfer_id(), 256), Printable(n.from_agent()), broken, options_.self_name,
+        registry::kLostMemoryCause, op == v1::READ ? "read from" : "written",
+        registry::kLostMemoryFix));
   }
   return absl::OkStatus();
 }
@@ -258,7 +260,7 @@ void* IncomingTransfers::AcknowledgeLocked(Records::iterator it, const v1::Notif
   absl::Status outcome = status;
   // Memory that vanished under a write (caught by the fault guard) makes the data
   // invalid: the sender's transfer fails instead of being acknowledged.
-  if (outcome.ok() && r.held != nullptr) outcome = CheckTargetsIntact(*r.held);
+  if (outcome.ok() && r.held != nullptr) outcome = CheckTargetsIntact(*r.held, r.state.op());
   // Push-back: a success whose notification this agent could not keep is refused
   // to its sender (its transfer fails with the reason), never accepted and dropped.
   if (outcome.ok() && r.held != nullptr && r.reserved_bytes == 0) {

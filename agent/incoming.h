@@ -112,8 +112,9 @@ class IncomingTransfers {
   void ForEachRegionOf(const std::string& target,
                        absl::FunctionRef<void(const registry::Region&)> visit) const;
   // DATA_LOSS naming the region when a region `n` targets was broken by a caught
-  // fault (registry/fault_guard.h).
-  absl::Status CheckTargetsIntact(const v1::Notification& n) const;
+  // fault (registry/fault_guard.h); `op` (the transfer's, from its open) says whether
+  // the bytes were written there or read from there.
+  absl::Status CheckTargetsIntact(const v1::Notification& n, v1::TransferOp op) const;
 
   // The record of `n` (made when missing and there is room; null otherwise).
   Record* FindOrMake(const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

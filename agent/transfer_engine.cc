@@ -1203,8 +1203,10 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
   if (ack.error_code() != 0) {
     Finish(*t, v1::FAILED,
            absl::Status(static_cast<absl::StatusCode>(ack.error_code()),
-                        fmt::format("transfer '{}': peer '{}' did not take the data: {}",
-                                    t->state.transfer_id(), t->state.peer(),
+                        fmt::format("transfer '{}': peer '{}' {}: {}", t->state.transfer_id(),
+                                    t->state.peer(),
+                                    t->state.op() == v1::READ ? "refused the data it served"
+                                                              : "did not take the data",
                                     Printable(ack.error_message(), 1024))),
            -1);
     t->outcome_sent = true;  // the peer ended it on its side already

@@ -74,13 +74,22 @@ void RegisterRegion(cli::AgentClient& agent, const std::string& name, const Engi
   REQUIRE(registered.ok());
 }
 
-v1::SubmitTransferRequest ByteWrite(const std::string& id, const std::string& local,
-                                    const std::string& remote, uint64_t bytes, bool wait,
-                                    uint32_t pieces) {
+std::unique_ptr<EngineMemory> SharedRegion(cli::AgentClient& agent, const std::string& name,
+                                           uint64_t bytes, uint8_t fill) {
+  auto memory = ShareEngineMemory(agent, name, bytes, fill);
+  RegisterRegion(agent, name, *memory);
+  return memory;
+}
+
+namespace {
+
+v1::SubmitTransferRequest ByteTransfer(v1::TransferOp op, const std::string& id,
+                                       const std::string& local, const std::string& remote,
+                                       uint64_t bytes, bool wait, uint32_t pieces) {
   v1::SubmitTransferRequest request;
   request.set_transfer_id(id);
   request.set_peer("decode");
-  request.set_op(v1::WRITE);
+  request.set_op(op);
   request.set_wait(wait);
   request.set_timeout_ms(20000);
   const uint64_t piece = bytes / pieces;
@@ -95,6 +104,20 @@ v1::SubmitTransferRequest ByteWrite(const std::string& id, const std::string& lo
   return request;
 }
 
+}  // namespace
+
+v1::SubmitTransferRequest ByteWrite(const std::string& id, const std::string& local,
+                                    const std::string& remote, uint64_t bytes, bool wait,
+                                    uint32_t pieces) {
+  return ByteTransfer(v1::WRITE, id, local, remote, bytes, wait, pieces);
+}
+
+v1::SubmitTransferRequest ByteRead(const std::string& id, const std::string& local,
+                                   const std::string& remote, uint64_t bytes, bool wait,
+                                   uint32_t pieces) {
+  return ByteTransfer(v1::READ, id, local, remote, bytes, wait, pieces);
+}
+
 uint32_t Pid(cli::AgentClient& agent) {
   auto status = agent.Status();
   INFO(status.status().ToString());
@@ -102,12 +125,12 @@ uint32_t Pid(cli::AgentClient& agent) {
   return status->pid();
 }
 
-void RequireShmDirect(cli::AgentClient& sender) {
+void RequireDataPath(cli::AgentClient& sender, const std::string& data_path) {
   auto peers = sender.Peers();
   REQUIRE(peers.ok());
   REQUIRE(peers->peers_size() == 1);
-  // Otherwise the bytes would move by UCX and the case would test something else.
-  REQUIRE(peers->peers(0).data_path() == "shm-direct");
+  // Otherwise the bytes would move another way and the case would test something else.
+  REQUIRE(peers->peers(0).data_path() == data_path);
 }
 
 void RequireBrokenFailure(const v1::TransferState& state, const std::string& names) {

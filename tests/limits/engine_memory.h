@@ -48,19 +48,26 @@ std::unique_ptr<EngineMemory> ShareEngineMemory(cli::AgentClient& agent, const s
 // A request for `memory` whole as one one-item AUX region; RegisterRegion registers it.
 v1::RegisterRegionsRequest WholeRegion(const std::string& name, const EngineMemory& memory);
 void RegisterRegion(cli::AgentClient& agent, const std::string& name, const EngineMemory& memory);
+// ShareEngineMemory (labelled `name`), then RegisterRegion as `name`.
+std::unique_ptr<EngineMemory> SharedRegion(cli::AgentClient& agent, const std::string& name,
+                                           uint64_t bytes, uint8_t fill);
 
 // A WRITE of `local` to the peer "decode"'s `remote` in `pieces` byte segments (so, as
 // many operations: several batches for a big transfer), the remote pieces in reverse
-// order.
+// order. ByteRead is the same READ (the peer's `remote` into our `local`).
 v1::SubmitTransferRequest ByteWrite(const std::string& id, const std::string& local,
                                     const std::string& remote, uint64_t bytes, bool wait,
                                     uint32_t pieces = 1);
+v1::SubmitTransferRequest ByteRead(const std::string& id, const std::string& local,
+                                   const std::string& remote, uint64_t bytes, bool wait,
+                                   uint32_t pieces = 1);
 
 // The agent's pid (GetStatus), to tell an agent that lived from a restarted one.
 uint32_t Pid(cli::AgentClient& agent);
 
-// The sender has exactly one peer and moves bytes to it shm-direct.
-void RequireShmDirect(cli::AgentClient& sender);
+// The sender has exactly one peer and moves bytes to it by `data_path` (its peers
+// entry: "shm-direct", "ucx-am", ...).
+void RequireDataPath(cli::AgentClient& sender, const std::string& data_path);
 
 // A transfer that touched memory a caught fault broke: FAILED, DATA_LOSS, naming
 // `names` (the region), the cause and the fix.
@@ -70,15 +77,21 @@ void RequireBrokenFailure(const v1::TransferState& state, const std::string& nam
 void RequireRefused(cli::AgentClient& agent, const v1::SubmitTransferRequest& request,
                     const std::string& names);
 
-// Two agents on one host (data shm-direct), GetStatus sampled on the sender while the
-// case runs, and both pids, to tell a restarted agent from one that lived.
+// Two agents on one host, GetStatus sampled on the sender while the case runs, and
+// both pids, to tell a restarted agent from one that lived. By default data moves
+// shm-direct; TcpFaultScene() makes a pair whose data moves as the agents' own active
+// messages over tcp (`--ucx-error-mode peer`, no same-host mapping: data path ucx-am,
+// as between hosts without RDMA).
 struct FaultScene {
   AgentPair pair;
   StatusProbe sampler{{pair.prefill_process().address()}, 2};
   const uint32_t prefill_pid = Pid(pair.prefill());
   const uint32_t decode_pid = Pid(pair.decode());
 
-  FaultScene() { RequireShmDirect(pair.prefill()); }
+  FaultScene() { RequireDataPath(pair.prefill(), "shm-direct"); }
+  FaultScene(const AgentPairOptions& options, const std::string& data_path) : pair(options) {
+    RequireDataPath(pair.prefill(), data_path);
+  }
   // Both agents answer GetStatus, with the pids they started with.
   void RequireAlive();
 };

@@ -3,9 +3,16 @@
 // must turn it into a failed transfer that names the region, never a dead agent.
 // Two real kvagentd processes on one host: data moves shm-direct (the sender maps
 // the receiver's memory), so the SENDER catches a fault in the receiver's memory too.
+// The tcp cases move it as the agents' own active messages (data path ucx-am, as
+// between hosts without RDMA): there the RECEIVER copies each chunk in, and the agent
+// whose memory a READ reads copies it out, so each side catches its own faults.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
 
 #include "base/format.h"
 #include "catch2/catch.hpp"
@@ -95,11 +102,12 @@ TEST_CASE("the receiver's region truncated: the sender catches it and names the 
   scene.sampler.Report("receiver's region truncated");
 }
 
-TEST_CASE("truncation under a big transfer in flight: FAILED or COMPLETED, never a crash") {
-  constexpr uint64_t kBig = 128ull << 20;  // 256 pieces of 512 KiB: two 64 MiB batches
-  FaultScene scene;
+// A big WRITE (256 pieces of 512 KiB: several batches) whose source (then whose
+// destination) is truncated once it moves: FAILED naming the region, or COMPLETED if it
+// won the race, never a crash.
+void TruncateInFlight(FaultScene& scene, const std::string& label) {
+  constexpr uint64_t kBig = 128ull << 20;
   AgentPair& pair = scene.pair;
-
   for (const bool sender_side : {true, false}) {
     const std::string tag = sender_side ? "src" : "dst";
     auto src = ShareEngineMemory(pair.prefill(), tag + "-big-src", kBig, 5);
@@ -115,8 +123,8 @@ TEST_CASE("truncation under a big transfer in flight: FAILED or COMPLETED, never
     auto state = pair.prefill().WaitTransfer(id, 30000);
     REQUIRE(state.ok());
     const std::string message =
-        fmt::format("truncated the {} {} TRANSFERRING was seen ({}); it ended {}: {}", tag,
-                    moving.ok() ? "once" : "without", moving.message(),
+        fmt::format("{}: truncated the {} {} TRANSFERRING was seen ({}); it ended {}: {}", label,
+                    tag, moving.ok() ? "once" : "without", moving.message(),
                     v1::TransferPhase_Name(state->phase()), state->error_message());
     fmt::print("{}\n", message);
     INFO(message);
@@ -127,7 +135,137 @@ TEST_CASE("truncation under a big transfer in flight: FAILED or COMPLETED, never
     }
     scene.RequireAlive();
   }
-  scene.sampler.Report("truncation in flight");
+  scene.sampler.Report(label);
+}
+
+TEST_CASE("truncation under a big transfer in flight: FAILED or COMPLETED, never a crash") {
+  FaultScene scene;
+  TruncateInFlight(scene, "truncation in flight");
+}
+
+// Peer error mode: UCX serves the endpoint over tcp, which has no RMA of its own, so
+// data moves as the agents' eager messages; no same-host mapping.
+AgentPairOptions TcpPair() {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off"};
+  return options;
+}
+
+// The incoming record on the receiver of transfer `id`: it ended as the sender says.
+void RequireIncomingFailed(AgentPair& pair, const std::string& id) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto incoming = pair.decode().Get(id, "prefill");
+  while (incoming.ok() && incoming->phase() == v1::TRANSFERRING &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    incoming = pair.decode().Get(id, "prefill");
+  }
+  INFO(id << ": " << incoming.status().ToString());
+  REQUIRE(incoming.ok());
+  INFO(incoming->DebugString());
+  CHECK(incoming->phase() == v1::FAILED);
+}
+
+// `dst` holds the four quarters of `src` in reverse order (ByteWrite with 4 pieces).
+void CheckReversed(const EngineMemory& src, const EngineMemory& dst) {
+  const uint64_t q = kSmall / 4;
+  for (uint64_t i = 0; i < 4; ++i) {
+    INFO("quarter " << i);
+    CHECK(std::memcmp(src.data + i * q, dst.data + (3 - i) * q, q) == 0);
+  }
+}
+
+TEST_CASE("over tcp (ucx-am): a region truncated on either side fails its WRITE or READ naming "
+          "it, both agents live") {
+  FaultScene scene(TcpPair(), "ucx-am");
+  AgentPair& pair = scene.pair;
+
+  // prefill: src.ok, src.w (WRITE from it), src.r (READ into it); decode: dst.ok, dst.w
+  // (WRITE into it), dst.r (READ from it).
+  auto src_ok = SharedRegion(pair.prefill(), "src.ok", kSmall, 11);
+  auto src_w = SharedRegion(pair.prefill(), "src.w", kSmall, 12);
+  auto src_r = SharedRegion(pair.prefill(), "src.r", kSmall, 0);
+  auto dst_ok = SharedRegion(pair.decode(), "dst.ok", kSmall, 0);
+  auto dst_w = SharedRegion(pair.decode(), "dst.w", kSmall, 0);
+  auto dst_r = SharedRegion(pair.decode(), "dst.r", kSmall, 13);
+
+  // Every one of these regions moves bytes over tcp before anything is truncated.
+  for (const auto& [id, local, remote] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"warm-w", "src.w", "dst.w"}, {"warm-ok", "src.ok", "dst.ok"}}) {
+    auto warm = pair.prefill().Submit(ByteWrite(id, local, remote, kSmall, true, 4));
+    REQUIRE(warm.ok());
+    INFO(warm->DebugString());
+    REQUIRE(warm->phase() == v1::COMPLETED);
+  }
+  auto warm_read = pair.prefill().Submit(ByteRead("warm-r", "src.r", "dst.r", kSmall, true, 4));
+  REQUIRE(warm_read.ok());
+  INFO(warm_read->DebugString());
+  REQUIRE(warm_read->phase() == v1::COMPLETED);
+  CheckReversed(*src_ok, *dst_ok);
+
+  src_w->Truncate();
+  src_r->Truncate();
+  dst_w->Truncate();
+  dst_r->Truncate();
+
+  // The sender's own source: caught copying it into the bounce buffer.
+  auto from = pair.prefill().Submit(ByteWrite("from-truncated", "src.w", "dst.ok", kSmall, true, 4));
+  REQUIRE(from.ok());
+  fmt::print("WRITE from a truncated region over tcp: {}\n", from->error_message());
+  RequireBrokenFailure(*from, "local region 'src.w'");
+  RequireIncomingFailed(pair, "from-truncated");
+
+  // The receiver's destination: caught by the receiver copying the chunk in; it refuses
+  // DATA_READY and the sender's transfer fails with its reason.
+  auto into = pair.prefill().Submit(ByteWrite("into-truncated", "src.ok", "dst.w", kSmall, true, 4));
+  REQUIRE(into.ok());
+  fmt::print("WRITE into a truncated region over tcp: {}\n", into->error_message());
+  RequireBrokenFailure(*into, "dst.w");
+  CHECK_THAT(into->error_message(), Catch::Contains("did not take the data"));
+  RequireIncomingFailed(pair, "into-truncated");
+
+  // A READ of the peer's truncated memory: caught by the peer copying it out.
+  auto read_from = pair.prefill().Submit(ByteRead("read-truncated", "src.ok", "dst.r", kSmall, true, 4));
+  REQUIRE(read_from.ok());
+  fmt::print("READ from a truncated region over tcp: {}\n", read_from->error_message());
+  RequireBrokenFailure(*read_from, "dst.r");
+  CHECK_THAT(read_from->error_message(),
+             Catch::Contains("refused the data it served") && Catch::Contains("read from there"));
+  RequireIncomingFailed(pair, "read-truncated");
+
+  // A READ into our own truncated memory: caught placing the replies.
+  auto read_into = pair.prefill().Submit(ByteRead("read-into-truncated", "src.r", "dst.ok", kSmall, true, 4));
+  REQUIRE(read_into.ok());
+  fmt::print("READ into a truncated region over tcp: {}\n", read_into->error_message());
+  RequireBrokenFailure(*read_into, "local region 'src.r'");
+  RequireIncomingFailed(pair, "read-into-truncated");
+  scene.RequireAlive();
+
+  // Intact memory still moves every byte both ways.
+  std::memset(dst_ok->data, 0x5A, kSmall);
+  auto honest = pair.prefill().Submit(ByteWrite("honest-w", "src.ok", "dst.ok", kSmall, true, 4));
+  REQUIRE(honest.ok());
+  INFO(honest->DebugString());
+  REQUIRE(honest->phase() == v1::COMPLETED);
+  CheckReversed(*src_ok, *dst_ok);
+  auto back = SharedRegion(pair.prefill(), "src.back", kSmall, 0);
+  auto honest_read = pair.prefill().Submit(ByteRead("honest-r", "src.back", "dst.ok", kSmall, true, 4));
+  REQUIRE(honest_read.ok());
+  INFO(honest_read->DebugString());
+  REQUIRE(honest_read->phase() == v1::COMPLETED);
+  CHECK(std::memcmp(back->data, src_ok->data, kSmall) == 0);  // reversed twice
+
+  // Later transfers naming the broken regions are refused (or fail naming them).
+  RequireRefused(pair.prefill(), ByteWrite("from-again", "src.w", "dst.ok", kSmall, true), "src.w");
+  RequireRefused(pair.prefill(), ByteWrite("into-again", "src.ok", "dst.w", kSmall, true), "dst.w");
+  scene.RequireAlive();
+  scene.sampler.Report("over tcp: regions truncated on either side");
+}
+
+TEST_CASE("over tcp (ucx-am): truncation under a big transfer in flight, never a crash") {
+  FaultScene scene(TcpPair(), "ucx-am");
+  TruncateInFlight(scene, "over tcp: truncation in flight");
 }
 
 }  // namespace
