@@ -28,6 +28,14 @@ void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
 // gRPC's default reconnect backoff grows to 120 s; a peer restarted on the same
 // address would then look dead for minutes. A poll fails fast while the channel
 // backs off, so keep the backoff near the poll period.
+constexpr int kReconnectBackoffInitialMs = 200;
+constexpr int kReconnectBackoffMaxMs = 1000;
+// gRPC takes GRPC_ARG_MIN_RECONNECT_BACKOFF_MS as the least time one connection attempt
+// gets, its HTTP/2 handshake included (not as a backoff). At 200 ms, a peer too busy to
+// answer that handshake within 200 ms (eight senders streaming into it on two cores)
+// failed ConnectPeer and polls with UNAVAILABLE although it was up; a refused
+// connection still fails at once and is retried after the backoff above.
+constexpr int kConnectAttemptMs = 5000;
 }  // namespace
 
 grpc::ChannelArguments PeerChannelArgs(bool keepalive) {
@@ -47,9 +55,9 @@ grpc::ChannelArguments PeerChannelArgs(bool keepalive) {
   // the broken connection of an old one to the same address (an agent restarted on
   // the same socket path), and its first call would fail.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectBackoffInitialMs);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kConnectAttemptMs);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectBackoffMaxMs);
   args.SetMaxReceiveMessageSize(64 << 20);
   return args;
 }

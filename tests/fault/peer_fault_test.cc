@@ -123,6 +123,26 @@ void CheckSubmitFailsFast(AgentPair& pair, const std::string& label) {
   CHECK(ms < 500);
 }
 
+// One more kvagentd named `name`, its files in the pair's work dir under `subdir`, its
+// local door at `socket` (empty: the default there).
+cli::DaemonProcess StartAnother(AgentPair& pair, const std::string& name,
+                                const std::string& subdir, const std::string& socket = "",
+                                cli::NetworkDoor network = cli::NetworkDoor::kNone) {
+  cli::DaemonOptions d;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  d.binary = *binary;
+  d.name = name;
+  d.work_dir = pair.work_dir() + "/" + subdir;
+  d.local_socket = socket;
+  d.network = network;
+  std::filesystem::create_directories(d.work_dir);
+  auto started = cli::DaemonProcess::Start(d);
+  INFO(started.status().ToString());
+  REQUIRE(started.ok());
+  return *std::move(started);
+}
+
 TEST_CASE("a killed peer fails the open transfer within 2 s, and new submits at once") {
   AgentPair pair;
   OpenTransfer(pair, "open-kill");
@@ -426,17 +446,7 @@ TEST_CASE("a peer restarted under the same name: the old transfer failed, new on
   pair.decode_process().Kill();
 
   // A new process under the same name, on a new port.
-  cli::DaemonOptions d;
-  auto binary = cli::FindKvagentd("");
-  REQUIRE(binary.ok());
-  d.binary = *binary;
-  d.name = "decode";
-  d.work_dir = pair.work_dir() + "/restarted";
-  std::filesystem::create_directories(d.work_dir);
-  auto started = cli::DaemonProcess::Start(d);
-  INFO(started.status().ToString());
-  REQUIRE(started.ok());
-  cli::DaemonProcess decode2 = *std::move(started);
+  cli::DaemonProcess decode2 = StartAnother(pair, "decode", "restarted");
   cli::AgentClient client2(decode2.address());
   auto status2 = client2.Status();
   REQUIRE(status2.ok());
@@ -498,18 +508,7 @@ TEST_CASE("a same-host peer restarted on the same socket is picked up by the pol
   // The new process takes over the stale socket at the same path; nobody calls
   // ConnectPeer: the poll finds the agent there does not know its session, attaches
   // again and installs the new incarnation.
-  cli::DaemonOptions d;
-  auto binary = cli::FindKvagentd("");
-  REQUIRE(binary.ok());
-  d.binary = *binary;
-  d.name = "decode";
-  d.work_dir = pair.work_dir() + "/same-socket";
-  d.local_socket = socket;
-  std::filesystem::create_directories(d.work_dir);
-  auto started = cli::DaemonProcess::Start(d);
-  INFO(started.status().ToString());
-  REQUIRE(started.ok());
-  cli::DaemonProcess decode2 = *std::move(started);
+  cli::DaemonProcess decode2 = StartAnother(pair, "decode", "same-socket", socket);
   cli::AgentClient client2(decode2.address());
   auto pool = cli::CreateKvPool(client2, "decode", pair.decode_pool().shape);
   INFO(pool.status().ToString());
@@ -542,6 +541,36 @@ TEST_CASE("a same-host peer restarted on the same socket is picked up by the pol
   INFO(done->error_message());
   REQUIRE(done->phase() == v1::COMPLETED);
   for (size_t i = 0; i < src.size(); ++i) CHECK(PagesEqual(pair.prefill_pool(), src[i], *pool, dst[i]));
+}
+
+// A peer that is up but slow to answer the first handshake (a loaded node: here it is
+// stopped for 800 ms while ConnectPeer dials it) is connected once it answers, within
+// the connect deadline. gRPC gives one connection attempt only its "min reconnect
+// backoff" (it was 200 ms): the handshake timed out and ConnectPeer failed UNAVAILABLE.
+TEST_CASE("a peer slow to answer its first handshake is connected once it answers") {
+  AgentPairOptions options;
+  options.extra_args = {"--insecure-listen", "127.0.0.1:0"};  // dials plain TCP peers
+  AgentPair pair(options);
+  // Its network door (plain TCP here): dialled by gRPC alone. (A unix: address first
+  // attaches a session, which waits for the stopped agent by itself.)
+  cli::DaemonProcess late = StartAnother(pair, "late", "late", "", cli::NetworkDoor::kInsecure);
+  REQUIRE(::kill(late.pid(), SIGSTOP) == 0);
+  const auto start = Clock::now();
+  absl::StatusOr<v1::PeerInfo> connected = absl::UnknownError("not called");
+  std::thread dial([&] { connected = pair.prefill().Connect(late.network_address()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  REQUIRE(::kill(late.pid(), SIGCONT) == 0);
+  dial.join();
+  std::printf("ConnectPeer to an agent stopped for its first 800 ms: %s after %lld ms\n",
+              connected.status().ToString().c_str(), static_cast<long long>(MillisSince(start)));
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  CHECK(connected->name() == "late");
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  bool found = false;
+  for (const auto& p : peers->peers()) found |= p.name() == "late" && p.state() == "connected";
+  CHECK(found);
 }
 
 }  // namespace
