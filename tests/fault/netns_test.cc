@@ -500,7 +500,9 @@ void LinkCutCase(const std::string& error_mode, const std::string& expected_mode
               label.c_str(), static_cast<long long>(MillisSince(up)),
               static_cast<unsigned long long>(landed_at_drained),
               static_cast<unsigned long long>(landed_at_failure));
-  CHECK(landed_at_drained * shape.page_bytes <= kBatchBytes);
+  // At most the batches confirmed when it failed and the one still posted (the cut may
+  // come after the first batch completed when the ip command is slow).
+  CHECK(landed_at_drained * shape.page_bytes <= failed.bytes_done() + kBatchBytes);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   CHECK(Unchanged(at_drained, pair->decode_pool));
   for (uint32_t r = 0; r < pair->decode_pool.regions(); ++r) {
