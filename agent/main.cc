@@ -138,6 +138,10 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --staging-buffers N         host staging: bounce buffers per direction (default 8)
   --staging-chunk-bytes N     host staging: bytes of one bounce buffer, the chunk size
                               (default 4194304)
+  --am-message-bytes N        data as messages (data path ucx-am: tcp, no native RMA):
+                              bytes of one message, at most --staging-chunk-bytes. A
+                              receiver's UCX assembles each message whole, so this is
+                              what it buffers per sender at a time (default 524288)
   --deregister-wait-ms N      how long DeregisterRegions waits for polling peers to see
                               the change, and for this agent's transfers that use the
                               regions to drain (default 2000)
@@ -241,6 +245,8 @@ KVAGENT_FLAG(Count<uint32_t>, staging_buffers, "staging-buffers",
              {Defaults().staging.buffers}, "");
 KVAGENT_FLAG(Count<uint64_t>, staging_chunk_bytes, "staging-chunk-bytes",
              {Defaults().staging.chunk_bytes}, "");
+KVAGENT_FLAG(Count<uint64_t>, am_message_bytes, "am-message-bytes",
+             {Defaults().staging.am_message_bytes}, "");
 KVAGENT_FLAG(Count<uint32_t>, deregister_wait_ms, "deregister-wait-ms",
              {Defaults().deregister_wait_ms}, "");
 KVAGENT_FLAG(Count<uint32_t>, drain_timeout_ms, "drain-timeout-ms",
@@ -380,6 +386,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->vram_staging = GetFlag(FLAGS_vram_staging).on;
   options->staging.buffers = GetFlag(FLAGS_staging_buffers).value;
   options->staging.chunk_bytes = GetFlag(FLAGS_staging_chunk_bytes).value;
+  options->staging.am_message_bytes = GetFlag(FLAGS_am_message_bytes).value;
   options->stage_host_regions = GetFlag(FLAGS_stage_host_regions);
   options->deregister_wait_ms = GetFlag(FLAGS_deregister_wait_ms).value;
   options->drain_timeout_ms = GetFlag(FLAGS_drain_timeout_ms).value;

@@ -33,6 +33,11 @@ absl::Status ValidateStagingOptions(const StagingPoolOptions& options) {
         "--staging-chunk-bytes 0: a bounce buffer needs at least 1 byte; use a size such as "
         "4194304 (4 MiB, the default)");
   }
+  if (options.am_message_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "--am-message-bytes 0: data sent as messages needs at least 1 byte per message; use "
+        "a size such as 524288 (512 KiB, the default)");
+  }
   if (options.buffers == 0) {
     return absl::InvalidArgumentError(
         "--staging-buffers 0: staging needs at least one bounce buffer; use 2 or more (8 is "
@@ -415,7 +420,10 @@ void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute 
     return;
   }
   planning::StagingPlanOptions plan_options;
-  plan_options.chunk_bytes = pool_->chunk_bytes();
+  // Over an endpoint without native RMA the chunks travel as eager messages, which the
+  // peer's UCX assembles whole: smaller ones bound what it holds for us.
+  plan_options.chunk_bytes =
+      job->peer->endpoint->NativeRma() ? pool_->chunk_bytes() : options_.pool.AmMessageBytes();
   plan_options.buffers = pool_->buffers();
   plan_options.max_pieces = options_.max_pieces;
   auto chunks = planning::PlanStaging(job->ops, plan_options);
@@ -1098,7 +1106,11 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
     sources->push_back(regions[(*checked)[i]]);  // holds the region until the copy is done
     total += pieces[i].length;
   }
-  const uint64_t part = recv_pool_->chunk_bytes();
+  // Eager replies (an endpoint without native RMA) are assembled whole by the
+  // reader's UCX: they go in parts of the smaller message size.
+  const uint64_t part = header.eager_replies()
+                            ? std::min(options_.pool.AmMessageBytes(), recv_pool_->chunk_bytes())
+                            : recv_pool_->chunk_bytes();
   const uint64_t parts = (total + part - 1) / part;
   if (serving_ + parts > options_.max_serving) {
     return refuse(absl::ResourceExhaustedError(fmt::format(

@@ -6,6 +6,7 @@
 // Used by the transfer engine; the protocol is in docs/ARCHITECTURE.md.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -38,6 +39,13 @@ namespace kvagent::agent {
 struct StagingPoolOptions {
   uint64_t chunk_bytes = 4ull << 20;  // bytes of one bounce buffer
   uint32_t buffers = 8;               // never more are allocated
+  // The chunk (and read reply part) on an endpoint without native RMA (ucx-am: the data
+  // as eager messages), at most chunk_bytes. The receiving UCX assembles each such
+  // message whole before handing it over, so this is what a receiver buffers for each
+  // sender at a time; smaller than a bounce buffer, so many senders at once cost it
+  // little (docs/BENCHMARKS.md, "Many senders over tcp").
+  uint64_t am_message_bytes = 512ull << 10;
+  uint64_t AmMessageBytes() const { return std::min(am_message_bytes, chunk_bytes); }
 };
 
 // INVALID_ARGUMENT naming the flag when a value is 0 or the pool would be huge.

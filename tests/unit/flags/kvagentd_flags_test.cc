@@ -170,6 +170,7 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--copy-lanes=65"}, {"--copy-lanes 65", "give 1 to 64"});
   ExpectRefused({"--copy-lanes=0"}, {"--copy-lanes 0", "give 1 to 64"});
   ExpectRefused({"--staging-buffers=0"}, {"staging"});
+  ExpectRefused({"--am-message-bytes=0"}, {"--am-message-bytes 0", "524288"});
   ExpectRefused({"--device-copy=gpu"},
                 {"'device-copy'", "'gpu'", "use auto (the best this host has), batch", "per-page"});
   ExpectRefused({"--device-copy"}, {"device-copy"});  // no value at all

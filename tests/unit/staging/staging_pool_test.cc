@@ -100,6 +100,22 @@ TEST_CASE("buffers registered with UCX stay usable and a bad size is refused wit
   auto none = StagingPool::Create(options, nullptr, nullptr);
   REQUIRE(none.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(std::string(none.status().message()).find("--staging-buffers 0") != std::string::npos);
+  options.buffers = 2;
+  options.am_message_bytes = 0;
+  auto no_message = StagingPool::Create(options, nullptr, nullptr);
+  REQUIRE(no_message.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(no_message.status().message()).find("--am-message-bytes 0") !=
+        std::string::npos);
+}
+
+TEST_CASE("the message size on an endpoint without native RMA is at most a bounce buffer") {
+  StagingPoolOptions options;
+  CHECK(options.AmMessageBytes() == 512u << 10);
+  options.chunk_bytes = 256 << 10;  // smaller buffers: the messages follow them
+  CHECK(options.AmMessageBytes() == 256u << 10);
+  options.am_message_bytes = 64 << 10;
+  CHECK(options.AmMessageBytes() == 64u << 10);
+  CHECK(ValidateStagingOptions(options).ok());
 }
 
 }  // namespace
