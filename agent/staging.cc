@@ -22,8 +22,11 @@ constexpr log::Logger kLog("staging");
 constexpr uint64_t kPageBytes = 4096;
 constexpr uint64_t kMaxPoolBytes = 64ull << 30;
 
+// The sender's name goes in with its length: names and transfer ids may hold '/', and
+// peer "a/1/x" (incarnation 5, transfer "t") must not share a key with peer "a"
+// (incarnation 1, transfer "x/5/t").
 std::string ArrivalKey(const std::string& from, uint64_t incarnation, const std::string& id) {
-  return fmt::format("{}/{:x}/{}", from, incarnation, id);
+  return fmt::format("{}:{}/{:x}/{}", from.size(), from, incarnation, id);
 }
 }  // namespace
 
@@ -292,11 +295,16 @@ Stager::Stager(transport::UcxWorker* worker, const transport::UcxContext* contex
       context_(context),
       registry_(registry),
       options_(std::move(options)),
-      deliver_(std::move(deliver)) {
-  // Request ids start at a random point: a reply from another agent (or an earlier
-  // incarnation of the peer) does not name one of ours by accident.
-  std::random_device random;
-  next_request_id_ = (uint64_t{random()} << 32 | random()) & ~(uint64_t{1} << 63);
+      deliver_(std::move(deliver)) {}
+
+uint64_t Stager::NewRequestId() {
+  // Random, not counted: ids in a row would let a peer we read from guess the ids of
+  // our requests to another peer (the gap between two of its own) and answer them with
+  // bytes of its choosing; the replies name the sending agent, which is not secret.
+  for (;;) {
+    const uint64_t id = uint64_t{request_ids_()} << 32 | request_ids_();
+    if (id != 0 && reads_.find(id) == reads_.end()) return id;
+  }
 }
 
 Stager::~Stager() { Stop(); }
@@ -312,6 +320,9 @@ void Stager::Start() {
     while (!stopping_.load()) {
       {
         absl::MutexLock lock(&sweep_mu_);
+        // Checked under the lock that Stop signals under: a Stop between the loop's
+        // check and this lock would otherwise signal nobody, and Wait() never return.
+        if (stopping_.load()) break;
         if (reads_outstanding_.load() > 0) {
           sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(10));
         } else if (arrivals_held_.load()) {
@@ -584,6 +595,13 @@ const std::vector<Stager::StagedRegion>& Stager::Regions() {
   return regions_;
 }
 
+void Stager::DropStaleRegions() {
+  if (registry_->version() == regions_version_) return;
+  regions_.clear();
+  ranges_.clear();
+  regions_version_ = UINT64_MAX;
+}
+
 const Stager::StagedRegion* Stager::LocalRegionOf(uint64_t address, uint64_t length) {
   const auto& regions = Regions();
   auto it = std::upper_bound(regions.begin(), regions.end(), address,
@@ -672,6 +690,39 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
     return reject(fmt::format("its pieces add up to {} bytes but {} bytes came", total,
                               message.length));
   }
+  // A chunk sent by rendezvous waits for a receive buffer with its header kept:
+  // bounded per sender and in all; one bigger than our buffers lands in heap memory,
+  // bounded in all.
+  const uint64_t length = message.length;
+  const bool heap =
+      message.rendezvous && (!EnsurePool().ok() || length > recv_pool_->chunk_bytes());
+  if (message.rendezvous) {
+    const uint64_t max_pieces = 8ull * options_.max_pieces;
+    if (static_cast<uint64_t>(header.pieces_size()) > max_pieces) {
+      return reject(fmt::format("{} pieces in one chunk sent by rendezvous, over the {} a "
+                                "waiting chunk may hold; the sender runs an incompatible "
+                                "version or is faulty",
+                                header.pieces_size(), max_pieces));
+    }
+    auto waiting = receiving_by_peer_.find(header.from_agent());
+    const uint32_t theirs = waiting == receiving_by_peer_.end() ? 0 : waiting->second;
+    if (theirs >= options_.max_receiving_per_peer || receiving_ >= options_.max_receiving) {
+      return reject(fmt::format(
+          "agent '{}' is receiving {} staged chunks already ({} of them from '{}'; limits {} "
+          "in all, {} per sender): the sender sends faster than this agent copies in, or is "
+          "faulty",
+          options_.self_name, receiving_, theirs, Printable(header.from_agent()),
+          options_.max_receiving, options_.max_receiving_per_peer));
+    }
+    if (heap && heap_receiving_ + length > options_.max_chunk_message) {
+      return reject(fmt::format(
+          "{} bytes in one chunk, over this agent's bounce buffers of {}, and {} bytes of "
+          "such chunks are being received already (at most {}); give both agents the same "
+          "--staging-chunk-bytes",
+          length, EnsurePool().ok() ? recv_pool_->chunk_bytes() : 0, heap_receiving_,
+          options_.max_chunk_message));
+    }
+  }
   chunks_received_.fetch_add(1);
   if (!message.rendezvous) {
     absl::Status s = CopyIn(header, reinterpret_cast<const uint8_t*>(message.data.data()), targets);
@@ -681,6 +732,16 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
 
   // Rendezvous: fetch into a bounce buffer (the data waits on the sender until one is
   // free), then copy into place. The regions stay referenced until the copy is done.
+  ++receiving_;
+  const std::string from = header.from_agent();
+  ++receiving_by_peer_[from];
+  if (heap) heap_receiving_ += length;
+  auto received = [this, from, heap, length] {
+    --receiving_;
+    if (heap) heap_receiving_ -= length;
+    auto it = receiving_by_peer_.find(from);
+    if (it != receiving_by_peer_.end() && --it->second == 0) receiving_by_peer_.erase(it);
+  };
   ++arrival.in_flight;
   auto header_ptr = std::make_shared<wire::StagedChunkHeader>(std::move(header));
   std::vector<registry::RegionPtr> held;
@@ -688,8 +749,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   auto copies = std::make_shared<std::vector<StagedRegion>>();
   for (const auto* t : targets) copies->push_back(*t);
   void* descriptor = message.descriptor;
-  const uint64_t length = message.length;
-  auto receive = [this, key, header_ptr, copies, descriptor, length, total](
+  auto receive = [this, key, header_ptr, copies, descriptor, length, total, received](
                      std::shared_ptr<StagingPool::Lease> lease) {
     // A chunk bigger than our buffers (the sender's --staging-chunk-bytes is larger)
     // is received into heap memory, bounded by max_chunk_message above.
@@ -703,7 +763,9 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
       target = reinterpret_cast<uint8_t*>(heap->data());
     }
     worker_->ReceiveAmData(descriptor, target, length,
-                           [this, key, header_ptr, copies, lease, heap, target, total](absl::Status s) {
+                           [this, key, header_ptr, copies, lease, heap, target, total,
+                            received](absl::Status s) {
+                             received();
                              if (s.ok()) {
                                std::vector<const StagedRegion*> targets;
                                for (const auto& r : *copies) targets.push_back(&r);
@@ -714,7 +776,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
                              Credit(key, s.ok() ? total : 0, s.ok() ? "" : std::string(s.message()));
                            });
   };
-  if (absl::Status s = EnsurePool(); !s.ok() || length > recv_pool_->chunk_bytes()) {
+  if (heap) {
     receive(nullptr);
     return true;
   }
@@ -859,7 +921,7 @@ void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
                              std::shared_ptr<StagingPool::Lease> lease) {
   const planning::StagingChunk& chunk = job->chunks[index];
   ++job->in_flight;
-  const uint64_t id = next_request_id_++;
+  const uint64_t id = NewRequestId();
   auto request = std::make_shared<ReadRequest>();
   request->job = job;
   request->chunk = index;
@@ -1016,6 +1078,16 @@ bool Stager::OnReadReply(const wire::StagedReadReply& header, const transport::A
                       length));
     return false;
   }
+  if (!job.peer->endpoint->NativeRma()) {
+    // We asked for eager replies: fetching a rendezvous over tcp would make UCX answer
+    // the peer by itself, and abort this process if that fails because the peer died.
+    EndRead(id, absl::DataLossError(fmt::format(
+                    "peer '{}' answered a staged read over an endpoint without native RMA "
+                    "(tcp) with a rendezvous, though eager replies were asked; the bytes were "
+                    "not fetched. The peer runs an incompatible version or is faulty",
+                    peer)));
+    return false;  // UCX drops the data unfetched
+  }
   // Rendezvous: fetched into the request's buffer at its offset, then copied into place
   // unless the request ended meanwhile (abandoned: the bytes stay in our buffer).
   ++request->receiving;
@@ -1074,11 +1146,15 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
               header.request_id(), header.transfer_id(), header.from_agent());
     return false;
   }
+  // Eager replies when the asker asks, and whatever it asks when the endpoint we answer
+  // on has no native RMA (tcp): a rendezvous there makes UCX answer by itself, and it
+  // aborts this process when that answer fails because the asker died.
+  const bool eager = header.eager_replies() || !worker_->ReplyEndpointNativeRma(message.reply_ep);
   auto refuse = [&](const absl::Status& why) {
     kLog.Warn("refused staged read request of transfer '{}' from agent '{}': {}",
               header.transfer_id(), header.from_agent(), why.message());
     RefuseRead(message.reply_ep, header.request_id(), std::string(why.message()), why.code(),
-               header.eager_replies());
+               eager);
     return false;
   };
   if (message.length > 0) {
@@ -1108,7 +1184,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
   }
   // Eager replies (an endpoint without native RMA) are assembled whole by the
   // reader's UCX: they go in parts of the smaller message size.
-  const uint64_t part = header.eager_replies()
+  const uint64_t part = eager
                             ? std::min(options_.pool.AmMessageBytes(), recv_pool_->chunk_bytes())
                             : recv_pool_->chunk_bytes();
   const uint64_t parts = (total + part - 1) / part;
@@ -1118,7 +1194,9 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
         "falling behind: retry later, or give it more --staging-buffers",
         options_.self_name, serving_)));
   }
-  auto request = std::make_shared<const wire::StagedReadRequest>(std::move(header));
+  auto asked = std::make_shared<wire::StagedReadRequest>(header);
+  asked->set_eager_replies(eager);  // what ServePart sends with, decided above
+  std::shared_ptr<const wire::StagedReadRequest> request = std::move(asked);
   void* reply_ep = message.reply_ep;
   for (uint64_t offset = 0; offset < total; offset += part) {
     const uint64_t length = std::min(part, total - offset);

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -141,6 +142,10 @@ struct StagerOptions {
   uint32_t max_arrivals = 8192;           // transfers whose staged chunks are being received
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
+  // Staged chunks sent by rendezvous, waiting for a buffer or being fetched: in all,
+  // and from one sender (which has at most its --staging-buffers in flight).
+  uint32_t max_receiving = 512;
+  uint32_t max_receiving_per_peer = 64;
   // True when `secret` is the one this agent issued to agent `from` (PeerSecrets):
   // staged chunks and read requests without it are dropped before anything else is
   // looked at. Required; `on_dropped` counts each drop.
@@ -201,6 +206,10 @@ class Stager {
   bool OnReadRequest(const wire::StagedReadRequest& header, const transport::AmMessage& message);
   // Initiator side (kStagedReadReply): places a reply's bytes.
   bool OnReadReply(const wire::StagedReadReply& header, const transport::AmMessage& message);
+  // Worker thread: drops the index of our regions (Regions) if the registry changed
+  // since it was built, so that it no longer holds deregistered regions (their memory
+  // stays mapped while anything holds them); the next staged message rebuilds it.
+  void DropStaleRegions();
   // A staged message whose header did not parse (the Inbox logged it): counted.
   void CountUnparsed(AmId id);
 
@@ -289,8 +298,15 @@ class Stager {
   // a read request checks against every region, so it must not copy them each time.
   std::vector<planning::StagedRange> ranges_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<ReadRequest>> reads_;  // by request id
-  uint64_t next_request_id_ = 0;  // random start, so ids are not guessable across agents
+  // Unguessable ids for reads_ (see NewRequestId); worker thread only.
+  std::random_device request_ids_;
+  uint64_t NewRequestId();
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
+  // Rendezvous chunks waiting for or being received (StagerOptions::max_receiving), by
+  // sender, and the bytes of those received into heap memory (bigger than our buffers).
+  uint32_t receiving_ = 0;
+  absl::flat_hash_map<std::string, uint32_t> receiving_by_peer_;
+  uint64_t heap_receiving_ = 0;
   std::atomic<uint32_t> reads_outstanding_{0};  // reads_.size(), for the sweep thread
   // arrivals_ held something at the last insert or sweep (worker thread writes it): the
   // sweep thread sweeps every 500 ms only then; with nothing to sweep it sleeps.

@@ -1587,6 +1587,12 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
     }
   }
   for (const auto& t : stopped) SchedulePump(t);
+  // The Stager's index of our regions holds them too: let it go now, not at the next
+  // staged message (which may never come), so the memory is released with the call.
+  if (options_.stager != nullptr) {
+    Stager* stager = options_.stager;
+    worker_->Post([stager] { stager->DropStaleRegions(); });
+  }
   if (nothing_to_wait_for) done({});
 }
 

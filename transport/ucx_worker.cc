@@ -602,6 +602,10 @@ void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header
   });
 }
 
+bool UcxWorker::ReplyEndpointNativeRma(void* reply_ep) const {
+  return ParseHasRmaLane(CaptureEpInfo(static_cast<ucp_ep_h>(reply_ep)));
+}
+
 void UcxWorker::TrackRequest(void* request) { pending_requests_.push_back(request); }
 
 void UcxWorker::ReapRequests() {

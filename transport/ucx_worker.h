@@ -134,6 +134,10 @@ class UcxWorker {
                      std::function<void(absl::Status)> done);
   // Worker thread: drops a kept rendezvous message without fetching it.
   void ReleaseAmData(void* descriptor);
+  // Worker thread: whether `reply_ep` (AmMessage) has a lane with UCX's RMA role, as
+  // Endpoint::NativeRma for our own endpoints (read from ucp_ep_print_info, some tens
+  // of µs). Without one (tcp), a reply must be `eager` whatever the asker asked for.
+  bool ReplyEndpointNativeRma(void* reply_ep) const;
   // Worker thread: answers a message that came with `reply_ep` (AmMessage), without
   // copying `data` (valid and unchanged until `done`). UCX keeps the reply endpoint
   // while its connection lives; a send on one whose peer failed completes with an

@@ -8,10 +8,11 @@
 // whose memory a READ reads copies it out, so each side catches its own faults.
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "base/format.h"
@@ -175,6 +176,15 @@ void CheckReversed(const EngineMemory& src, const EngineMemory& dst) {
   }
 }
 
+// A 4-piece WRITE of kSmall bytes, waited for: it must complete.
+void RequireWritten(AgentPair& pair, const std::string& id, const std::string& local,
+                    const std::string& remote) {
+  auto written = pair.prefill().Submit(ByteWrite(id, local, remote, kSmall, true, 4));
+  REQUIRE(written.ok());
+  INFO(written->DebugString());
+  REQUIRE(written->phase() == v1::COMPLETED);
+}
+
 TEST_CASE("over tcp (ucx-am): a region truncated on either side fails its WRITE or READ naming "
           "it, both agents live") {
   FaultScene scene(TcpPair(), "ucx-am");
@@ -190,14 +200,8 @@ TEST_CASE("over tcp (ucx-am): a region truncated on either side fails its WRITE 
   auto dst_r = SharedRegion(pair.decode(), "dst.r", kSmall, 13);
 
   // Every one of these regions moves bytes over tcp before anything is truncated.
-  for (const auto& [id, local, remote] :
-       std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"warm-w", "src.w", "dst.w"}, {"warm-ok", "src.ok", "dst.ok"}}) {
-    auto warm = pair.prefill().Submit(ByteWrite(id, local, remote, kSmall, true, 4));
-    REQUIRE(warm.ok());
-    INFO(warm->DebugString());
-    REQUIRE(warm->phase() == v1::COMPLETED);
-  }
+  RequireWritten(pair, "warm-w", "src.w", "dst.w");
+  RequireWritten(pair, "warm-ok", "src.ok", "dst.ok");
   auto warm_read = pair.prefill().Submit(ByteRead("warm-r", "src.r", "dst.r", kSmall, true, 4));
   REQUIRE(warm_read.ok());
   INFO(warm_read->DebugString());
@@ -244,10 +248,7 @@ TEST_CASE("over tcp (ucx-am): a region truncated on either side fails its WRITE 
 
   // Intact memory still moves every byte both ways.
   std::memset(dst_ok->data, 0x5A, kSmall);
-  auto honest = pair.prefill().Submit(ByteWrite("honest-w", "src.ok", "dst.ok", kSmall, true, 4));
-  REQUIRE(honest.ok());
-  INFO(honest->DebugString());
-  REQUIRE(honest->phase() == v1::COMPLETED);
+  RequireWritten(pair, "honest-w", "src.ok", "dst.ok");
   CheckReversed(*src_ok, *dst_ok);
   auto back = SharedRegion(pair.prefill(), "src.back", kSmall, 0);
   auto honest_read = pair.prefill().Submit(ByteRead("honest-r", "src.back", "dst.ok", kSmall, true, 4));
@@ -266,6 +267,45 @@ TEST_CASE("over tcp (ucx-am): a region truncated on either side fails its WRITE 
 TEST_CASE("over tcp (ucx-am): truncation under a big transfer in flight, never a crash") {
   FaultScene scene(TcpPair(), "ucx-am");
   TruncateInFlight(scene, "over tcp: truncation in flight");
+}
+
+// True when the address space of process `pid` maps `address` (/proc/PID/maps).
+bool Maps(uint32_t pid, uint64_t address) {
+  std::ifstream maps(fmt::format("/proc/{}/maps", pid));
+  std::string line;
+  while (std::getline(maps, line)) {
+    uint64_t start = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &start, &end) == 2 && start <= address &&
+        address < end) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Engine memory is the engine's again once DeregisterRegions answers: the receiver of
+// chunks over tcp looks each one up in an index of its regions, which must not keep a
+// deregistered one (and its mapping) alive until the next chunk comes.
+TEST_CASE("over tcp (ucx-am): once DeregisterRegions answers, the receiver maps the region no "
+          "more") {
+  FaultScene scene(TcpPair(), "ucx-am");
+  AgentPair& pair = scene.pair;
+  auto src = SharedRegion(pair.prefill(), "src.d", kSmall, 21);
+  auto dst = SharedRegion(pair.decode(), "dst.d", kSmall, 0);
+  RequireWritten(pair, "into-dst-d", "src.d", "dst.d");
+  CheckReversed(*src, *dst);
+
+  auto regions = pair.decode().Regions();
+  REQUIRE(regions.ok());
+  uint64_t base = 0;
+  for (const auto& r : regions->regions()) {
+    if (r.spec().name() == "dst.d") base = r.base_address();
+  }
+  REQUIRE(base != 0);
+  REQUIRE(Maps(scene.decode_pid, base));
+  REQUIRE(pair.decode().Deregister({"dst.d"}).ok());
+  CHECK_FALSE(Maps(scene.decode_pid, base));
+  scene.RequireAlive();
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -107,7 +108,8 @@ class UcxAttacker {
  public:
   // `rndv_thresh`: UCX_RNDV_THRESH for this process's context only (set around its
   // creation, so agents started later do not inherit it).
-  UcxAttacker(const std::string& remote_address, const std::string& rndv_thresh) {
+  UcxAttacker(const std::string& remote_address, const std::string& rndv_thresh,
+              transport::ErrorMode mode = transport::ErrorMode::kNone) {
     ::setenv("UCX_RNDV_THRESH", rndv_thresh.c_str(), 1);
     auto context = transport::UcxContext::Create();
     ::unsetenv("UCX_RNDV_THRESH");
@@ -120,8 +122,7 @@ class UcxAttacker {
     worker_ = *std::move(worker);
     absl::Status connected;
     worker_->RunSync([&] {
-      auto endpoint = transport::Endpoint::Connect(*worker_, remote_address,
-                                                   transport::ErrorMode::kNone, nullptr);
+      auto endpoint = transport::Endpoint::Connect(*worker_, remote_address, mode, nullptr);
       if (endpoint.ok()) {
         endpoint_ = *std::move(endpoint);
       } else {
@@ -158,6 +159,42 @@ class UcxAttacker {
   // a request), on the attacker's worker thread.
   void Listen(uint16_t id, transport::AmHandler handler) {
     worker_->SetAmHandler(id, std::move(handler), 1 << 20);
+  }
+
+  // The same, seeing each message as UCX hands it over (eager or rendezvous); a
+  // rendezvous is dropped unfetched.
+  void ListenRaw(uint16_t id, std::function<void(const transport::AmMessage&)> handler) {
+    worker_->SetAmDataHandler(id, [handler = std::move(handler)](const transport::AmMessage& m) {
+      handler(m);
+      return false;
+    });
+  }
+
+  // Posts one active message per header at once, each with the same `data` (not
+  // copied: it must stay mapped until the attacker is destroyed), and waits up to
+  // kTimeoutMs for UCX to complete them all; returns how many completed OK.
+  size_t SendAllNoCopy(uint16_t id, std::vector<std::string> headers, const void* data,
+                       uint64_t length) {
+    struct Count {
+      absl::Mutex mu;
+      size_t total = 0, done = 0, ok = 0;
+    };
+    auto count = std::make_shared<Count>();
+    count->total = headers.size();
+    worker_->Post([this, id, headers = std::move(headers), data, length, count] {
+      for (const std::string& header : headers) {
+        endpoint_->SendAmNoCopy(id, header, data, length, [count](absl::Status s) {
+          absl::MutexLock lock(&count->mu);
+          ++count->done;
+          if (s.ok()) ++count->ok;
+        });
+      }
+    });
+    absl::MutexLock lock(&count->mu);
+    count->mu.AwaitWithTimeout(absl::Condition(
+                                   +[](Count* c) { return c->done >= c->total; }, count.get()),
+                               absl::Milliseconds(kTimeoutMs));
+    return count->ok;
   }
 
   // The same without copying `data` (it must stay mapped until this returns or, after
@@ -862,6 +899,158 @@ TEST_CASE("a session naming itself prefill in GetMetadata cannot acknowledge a d
   // An honest transfer into regions that still exist is byte-exact.
   WaitPrefillCurrent(pair, version + 2);
   HonestWrite(pair, "honest-after-spoof", {1, 2, 7}, {5, 6, 20});
+}
+
+// A peer whose endpoint to us is tcp (peer error mode) asks for replies that are not
+// eager. A rendezvous there makes our UCX answer the peer by itself, and UCX 1.13
+// aborts this process when that answer fails because the peer died: so the agent
+// decides from its own endpoint, and every reply comes eager, in parts of
+// --am-message-bytes, with the region's bytes.
+TEST_CASE("a peer on tcp asking for rendezvous read replies gets eager ones") {
+  AgentPairOptions options;
+  options.shape.layers = 2;
+  options.shape.pages = 256;  // 1 MiB regions
+  AgentPair pair(options);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const auto& names = pair.decode_pool().region_names;
+  const v1::ExportedRegion* region = nullptr;
+  uint32_t r = 0;
+  for (const auto& x : metadata.regions()) {
+    const auto named = std::find(names.begin(), names.end(), x.name());
+    if (named == names.end() || x.length() < (1u << 20)) continue;
+    region = &x;
+    r = static_cast<uint32_t>(named - names.begin());
+    break;
+  }
+  REQUIRE(region != nullptr);
+  constexpr uint64_t kBytes = 1 << 20;
+
+  UcxAttacker attacker(metadata.worker_address(), "auto", transport::ErrorMode::kPeer);
+  struct Part {
+    wire::StagedReadReply header;
+    bool rendezvous = false;
+    uint64_t length = 0;
+    std::string data;
+  };
+  absl::Mutex mu;
+  std::vector<Part> parts;
+  attacker.ListenRaw(kStagedReadReplyAm, [&](const transport::AmMessage& m) {
+    Part part;
+    if (!part.header.ParseFromArray(m.header.data(), static_cast<int>(m.header.size()))) return;
+    part.rendezvous = m.rendezvous;
+    part.length = m.length;
+    if (!m.rendezvous) part.data.assign(m.data);
+    absl::MutexLock lock(&mu);
+    parts.push_back(std::move(part));
+  });
+  wire::StagedReadRequest request;
+  request.set_from_agent("eve");
+  request.set_secret(metadata.notify_secret());
+  request.set_incarnation(1);
+  request.set_transfer_id("eve-rendezvous");
+  request.set_request_id(99);
+  request.set_eager_replies(false);  // what an older or hostile peer may send
+  auto* piece = request.add_pieces();
+  piece->set_remote_address(region->base_address());
+  piece->set_length(kBytes);
+  absl::Status sent = attacker.Send(kStagedReadAm, request.SerializeAsString(), "", true);
+  INFO(sent.ToString());
+  REQUIRE(sent.ok());
+
+  uint64_t got = 0;
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (got < kBytes && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    absl::MutexLock lock(&mu);
+    got = 0;
+    for (const Part& p : parts) got += p.length;
+  }
+  absl::MutexLock lock(&mu);
+  std::printf("a rendezvous asked over tcp: %zu replies, %llu bytes, %s\n", parts.size(),
+              static_cast<unsigned long long>(got),
+              std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.rendezvous; })
+                  ? "some rendezvous"
+                  : "all eager");
+  REQUIRE(got == kBytes);
+  CHECK(parts.size() == kBytes / (512 << 10));  // parts of --am-message-bytes
+  const auto* bytes = reinterpret_cast<const char*>(pair.decode_pool().Page(r, 0));
+  for (const Part& p : parts) {
+    INFO("reply at offset " << p.header.offset() << ": " << p.header.error());
+    CHECK(p.header.request_id() == 99);
+    CHECK(p.header.error().empty());
+    REQUIRE_FALSE(p.rendezvous);
+    REQUIRE(p.header.offset() + p.length <= kBytes);
+    CHECK(p.data == std::string(bytes + p.header.offset(), p.length));
+  }
+}
+
+// A peer that floods staged chunks sent by rendezvous: each one that waits for a
+// receive buffer keeps its header, so they are bounded per sender (64) and in all. Here
+// decode has one receive buffer and eve posts 400 chunks at once: those past the bound
+// are rejected (counted, eve's transfer's DATA_READY would fail), every other one lands,
+// and decode stays up and moves an honest transfer after.
+TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up") {
+  AgentPairOptions options;
+  options.extra_args = {"--metrics-listen", "127.0.0.1:0", "--staging-buffers", "1"};
+  AgentPair pair(options);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  REQUIRE(metadata.regions_size() > 0);
+  const v1::ExportedRegion& region = metadata.regions(0);
+  const std::string metrics = MetricsAddress(pair.decode());
+  auto counter = [&](const char* event) {
+    return Value(Scrape(metrics), "kvagent_staging_total", {fmt::format("event=\"{}\"", event)});
+  };
+  const double received_before = counter("chunks_received");
+  const double rejected_before = counter("chunks_rejected");
+
+  UcxAttacker attacker(metadata.worker_address(), "1024");  // 4 KiB chunks go rendezvous
+  constexpr size_t kChunks = 400;
+  constexpr uint64_t kBytes = 4096;
+  static const std::string payload(kBytes, 'f');
+  std::vector<std::string> headers;
+  for (size_t i = 0; i < kChunks; ++i) {
+    wire::StagedChunkHeader header;
+    header.set_from_agent("eve");
+    header.set_secret(metadata.notify_secret());
+    header.set_transfer_id(fmt::format("flood-{}", i % 4));
+    header.set_incarnation(1);
+    auto* piece = header.add_pieces();
+    piece->set_remote_address(region.base_address() + (i % 8) * kBytes);
+    piece->set_length(kBytes);
+    headers.push_back(header.SerializeAsString());
+  }
+  attacker.SendAllNoCopy(kStagedChunkAm, std::move(headers), payload.data(), kBytes);
+  double received = received_before, rejected = rejected_before;
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (received + rejected < received_before + rejected_before + kChunks &&
+         Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    received = counter("chunks_received");
+    rejected = counter("chunks_rejected");
+  }
+  std::printf("400 rendezvous chunks posted at once by one peer into one receive buffer: "
+              "%.0f taken, %.0f rejected\n",
+              received - received_before, rejected - rejected_before);
+  CHECK(received + rejected == received_before + rejected_before + kChunks);
+  CHECK(rejected - rejected_before > 0);
+  // Not all were rejected: the bound, not a refusal of everything.
+  CHECK(received - received_before >= 64);
+  const auto& names = pair.decode_pool().region_names;
+  const auto named = std::find(names.begin(), names.end(), region.name());
+  REQUIRE(named != names.end());
+  const uint8_t* first = pair.decode_pool().Page(static_cast<uint32_t>(named - names.begin()), 0);
+  CHECK(std::all_of(first, first + kBytes, [](uint8_t b) { return b == 'f'; }));
+
+  // Decode is up, and an honest transfer still moves its bytes.
+  auto honest = pair.prefill().Submit(KvWrite("after-flood", {3}, {20}));
+  INFO(honest.status().ToString());
+  REQUIRE(honest.ok());
+  auto done = pair.prefill().WaitTransfer("after-flood", kTimeoutMs);
+  REQUIRE(done.ok());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(3, 20));
 }
 
 }  // namespace
