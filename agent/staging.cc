@@ -631,17 +631,25 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   // Bounded: a peer that opens ever more transfers' chunks (rejected ones included)
   // cannot grow this table; a chunk past the bound is dropped (its transfer's
   // DATA_READY then fails for the missing bytes).
-  if (!arrivals_.contains(key) && arrivals_.size() >= options_.max_arrivals) {
-    chunks_rejected_.fetch_add(1);
-    if (arrivals_full_logged_.exchange(true) == false) {
-      kLog.Warn("dropping staged chunks of new transfers from '{}' and others: {} transfers' "
-                "chunks are being received already (the bound); counted in chunks_rejected",
-                Printable(header.from_agent()), arrivals_.size());
+  // One sender has a share of it, so that one peer opening transfers without end
+  // cannot keep every other peer's new transfers out.
+  if (!arrivals_.contains(key)) {
+    auto counted = arrivals_by_sender_.find(header.from_agent());
+    const uint32_t theirs = counted == arrivals_by_sender_.end() ? 0 : counted->second;
+    if (arrivals_.size() >= options_.max_arrivals || theirs >= options_.max_arrivals_per_peer) {
+      chunks_rejected_.fetch_add(1);
+      if (arrivals_full_logged_.exchange(true) == false) {
+        kLog.Warn("dropping staged chunks of new transfers from '{}': {} transfers' chunks are "
+                  "being received already, {} of them from it (bounds {} in all, {} per "
+                  "sender); counted in chunks_rejected",
+                  Printable(header.from_agent()), arrivals_.size(), theirs,
+                  options_.max_arrivals, options_.max_arrivals_per_peer);
+      }
+      return false;
     }
-    return false;
   }
   arrivals_full_logged_ = false;
-  Arrival& arrival = arrivals_[key];
+  Arrival& arrival = ArrivalFor(key, header.from_agent());
   arrival.touched_us = MonotonicMicros();
   NoteArrival();
 
@@ -841,7 +849,7 @@ void Stager::MaybeDeliver(const std::string& key) {
   if (!a.failure.empty()) {
     v1::Notification n = *std::move(a.held);
     const std::string failure = a.failure;
-    arrivals_.erase(it);
+    EraseArrival(it);
     deliver_(std::move(n), absl::DataLossError(fmt::format(
                                "a staged chunk of it was rejected by the receiving agent ({}); its "
                                "data is incomplete: submit it again",
@@ -850,12 +858,30 @@ void Stager::MaybeDeliver(const std::string& key) {
   }
   if (a.bytes < a.held->staged_bytes()) return;
   v1::Notification out = *std::move(a.held);
-  arrivals_.erase(it);
+  EraseArrival(it);
   deliver_(std::move(out), absl::OkStatus());
 }
 
 void Stager::Forget(const v1::Notification& n) {
-  arrivals_.erase(ArrivalKey(n.from_agent(), n.sender_incarnation(), n.transfer_id()));
+  auto it = arrivals_.find(ArrivalKey(n.from_agent(), n.sender_incarnation(), n.transfer_id()));
+  if (it != arrivals_.end()) EraseArrival(it);
+}
+
+Stager::Arrival& Stager::ArrivalFor(const std::string& key, const std::string& from) {
+  auto [it, added] = arrivals_.try_emplace(key);
+  if (added) {
+    it->second.from = from;
+    ++arrivals_by_sender_[from];
+  }
+  return it->second;
+}
+
+void Stager::EraseArrival(absl::flat_hash_map<std::string, Arrival>::iterator it) {
+  auto counted = arrivals_by_sender_.find(it->second.from);
+  if (counted != arrivals_by_sender_.end() && --counted->second == 0) {
+    arrivals_by_sender_.erase(counted);
+  }
+  arrivals_.erase(it);
 }
 
 void Stager::Hold(v1::Notification n) {
@@ -870,14 +896,14 @@ void Stager::Hold(v1::Notification n) {
     held_order_ = std::move(live);
   }
   if (held_order_.size() >= options_.max_held) {
-    arrivals_.erase(key);
+    if (auto it = arrivals_.find(key); it != arrivals_.end()) EraseArrival(it);
     deliver_(std::move(n), absl::ResourceExhaustedError(fmt::format(
                                "{} notifications already wait for their staged data here; the "
                                "receiving agent is falling behind: submit it again later",
                                held_order_.size())));
     return;
   }
-  Arrival& a = arrivals_[key];
+  Arrival& a = ArrivalFor(key, n.from_agent());
   a.touched_us = MonotonicMicros();
   a.held = std::move(n);
   held_order_.push_back(key);
@@ -896,11 +922,11 @@ void Stager::Sweep() {
         const std::string why = fmt::format(
             "only {} of {} staged bytes arrived within {} ms; the sender stopped sending them",
             a.bytes, n.staged_bytes(), options_.hold_timeout_ms);
-        arrivals_.erase(it++);
+        EraseArrival(it++);
         deliver_(std::move(n), absl::DeadlineExceededError(why));
         continue;
       }
-      arrivals_.erase(it++);
+      EraseArrival(it++);
     } else {
       ++it;
     }

@@ -140,6 +140,7 @@ struct StagerOptions {
   uint64_t max_chunk_message = 64 << 20;  // bytes of one incoming chunk, over the pool's too
   uint32_t max_held = 4096;               // notifications held for their data
   uint32_t max_arrivals = 8192;           // transfers whose staged chunks are being received
+  uint32_t max_arrivals_per_peer = 2048;  // ... from one sender
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
   // Staged chunks sent by rendezvous, waiting for a buffer or being fetched: in all,
@@ -226,6 +227,7 @@ class Stager {
     std::string failure;         // why a chunk was rejected; empty if none
     uint64_t touched_us = 0;     // monotonic, last progress
     std::optional<v1::Notification> held;
+    std::string from;            // the sending agent (arrivals_by_sender_ counts it)
   };
   struct StagedRegion {
     uint64_t base = 0;
@@ -290,6 +292,10 @@ class Stager {
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
   absl::flat_hash_map<std::string, Arrival> arrivals_;  // by from/incarnation/transfer
+  absl::flat_hash_map<std::string, uint32_t> arrivals_by_sender_;  // arrivals_ per `from`
+  // Every insert into and erase from arrivals_ goes through these (they keep the count).
+  Arrival& ArrivalFor(const std::string& key, const std::string& from);
+  void EraseArrival(absl::flat_hash_map<std::string, Arrival>::iterator it);
   std::atomic<bool> arrivals_full_logged_{false};       // one warning per full spell
   std::deque<std::string> held_order_;
   uint64_t regions_version_ = UINT64_MAX;

@@ -133,7 +133,12 @@ class UcxAttacker {
     REQUIRE(connected.ok());
   }
   ~UcxAttacker() {
-    if (worker_ != nullptr) worker_->RunSync([this] { endpoint_.reset(); });
+    if (worker_ == nullptr) return;
+    worker_->RunSync([this] {
+      for (void* descriptor : kept_) worker_->ReleaseAmData(descriptor);
+      kept_.clear();
+      endpoint_.reset();
+    });
   }
   UcxAttacker(const UcxAttacker&) = delete;
   UcxAttacker& operator=(const UcxAttacker&) = delete;
@@ -171,10 +176,11 @@ class UcxAttacker {
   }
 
   // Posts one active message per header at once, each with the same `data` (not
-  // copied: it must stay mapped until the attacker is destroyed), and waits up to
-  // kTimeoutMs for UCX to complete them all; returns how many completed OK.
+  // copied: it must stay mapped until the attacker is destroyed), and with `wait`
+  // waits up to kTimeoutMs for UCX to complete them all; returns how many completed OK
+  // (0 without `wait`).
   size_t SendAllNoCopy(uint16_t id, std::vector<std::string> headers, const void* data,
-                       uint64_t length) {
+                       uint64_t length, bool wait = true) {
     struct Count {
       absl::Mutex mu;
       size_t total = 0, done = 0, ok = 0;
@@ -190,11 +196,31 @@ class UcxAttacker {
         });
       }
     });
+    if (!wait) return 0;
     absl::MutexLock lock(&count->mu);
     count->mu.AwaitWithTimeout(absl::Condition(
                                    +[](Count* c) { return c->done >= c->total; }, count.get()),
                                absl::Milliseconds(kTimeoutMs));
     return count->ok;
+  }
+
+  // Keeps every rendezvous message `id` brings without fetching it (its sender's send
+  // stays open, and whatever buffer it sends from stays held), counted in `kept`;
+  // ReleaseKept lets them go.
+  void ListenKeep(uint16_t id) {
+    worker_->SetAmDataHandler(id, [this](const transport::AmMessage& m) {
+      if (!m.rendezvous) return false;
+      kept_.push_back(m.descriptor);
+      kept_count_.fetch_add(1);
+      return true;
+    });
+  }
+  size_t kept() const { return kept_count_.load(); }
+  void ReleaseKept() {
+    worker_->RunSync([this] {
+      for (void* descriptor : kept_) worker_->ReleaseAmData(descriptor);
+      kept_.clear();
+    });
   }
 
   // The same without copying `data` (it must stay mapped until this returns or, after
@@ -226,7 +252,23 @@ class UcxAttacker {
   std::unique_ptr<transport::UcxContext> context_;
   std::unique_ptr<transport::UcxWorker> worker_;
   std::unique_ptr<transport::Endpoint> endpoint_;
+  std::vector<void*> kept_;  // worker thread
+  std::atomic<size_t> kept_count_{0};
 };
+
+// The serialized header of eve's staged chunk of transfer `id`: one piece.
+std::string EveChunk(const std::string& secret, const std::string& id, uint64_t address,
+                     uint64_t length) {
+  wire::StagedChunkHeader header;
+  header.set_from_agent("eve");
+  header.set_secret(secret);
+  header.set_transfer_id(id);
+  header.set_incarnation(1);
+  auto* piece = header.add_pieces();
+  piece->set_remote_address(address);
+  piece->set_length(length);
+  return header.SerializeAsString();
+}
 
 std::string AuthHeader(const std::string& from_agent, const std::string& secret) {
   wire::PeerMessageAuth auth;
@@ -618,15 +660,7 @@ TEST_CASE("an authenticated peer's chunks and read requests reach the agent's re
 
   UcxAttacker attacker(metadata.worker_address(), "auto");
   auto chunk = [&](const std::string& id, uint64_t address, uint64_t length, char fill) {
-    wire::StagedChunkHeader header;
-    header.set_from_agent("eve");
-    header.set_secret(secret);
-    header.set_transfer_id(id);
-    header.set_incarnation(1);
-    auto* piece = header.add_pieces();
-    piece->set_remote_address(address);
-    piece->set_length(length);
-    absl::Status sent = attacker.Send(kStagedChunkAm, header.SerializeAsString(),
+    absl::Status sent = attacker.Send(kStagedChunkAm, EveChunk(secret, id, address, length),
                                       std::string(length, fill));
     INFO(id << ": " << sent.ToString());
     CHECK(sent.ok());
@@ -987,12 +1021,15 @@ TEST_CASE("a peer on tcp asking for rendezvous read replies gets eager ones") {
 
 // A peer that floods staged chunks sent by rendezvous: each one that waits for a
 // receive buffer keeps its header, so they are bounded per sender (64) and in all. Here
-// decode has one receive buffer and eve posts 400 chunks at once: those past the bound
-// are rejected (counted, eve's transfer's DATA_READY would fail), every other one lands,
-// and decode stays up and moves an honest transfer after.
+// decode has one receive buffer, and eve holds it: she asks for a read and never fetches
+// the rendezvous reply, whose send holds the buffer. Then she posts 400 chunks: 64 wait,
+// the rest are rejected (counted; eve's transfers' DATA_READY would fail). Once she lets
+// the reply go, the waiting ones land, and decode moves an honest transfer.
 TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up") {
   AgentPairOptions options;
   options.extra_args = {"--metrics-listen", "127.0.0.1:0", "--staging-buffers", "1"};
+  options.shape.pages = 64;
+  options.shape.page_bytes = 64 << 10;  // 4 MiB regions
   AgentPair pair(options);
   auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
   const v1::AgentMetadata metadata = eve->Metadata("eve");
@@ -1002,46 +1039,64 @@ TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up"
   auto counter = [&](const char* event) {
     return Value(Scrape(metrics), "kvagent_staging_total", {fmt::format("event=\"{}\"", event)});
   };
-  const double received_before = counter("chunks_received");
-  const double rejected_before = counter("chunks_rejected");
 
   UcxAttacker attacker(metadata.worker_address(), "1024");  // 4 KiB chunks go rendezvous
+  attacker.ListenKeep(kStagedReadReplyAm);
+  wire::StagedReadRequest read;
+  read.set_from_agent("eve");
+  read.set_secret(metadata.notify_secret());
+  read.set_incarnation(1);
+  read.set_transfer_id("hold-the-buffer");
+  read.set_request_id(1);
+  read.set_eager_replies(false);  // shared memory: decode may answer by rendezvous
+  auto* piece = read.add_pieces();
+  piece->set_remote_address(region.base_address());
+  piece->set_length(1 << 20);
+  REQUIRE(attacker.Send(kStagedReadAm, read.SerializeAsString(), "", true).ok());
+  const auto held_until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (attacker.kept() == 0 && Clock::now() < held_until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  REQUIRE(attacker.kept() == 1);  // decode's only receive buffer is held by the reply
+
+  const double received_before = counter("chunks_received");
+  const double rejected_before = counter("chunks_rejected");
   constexpr size_t kChunks = 400;
   constexpr uint64_t kBytes = 4096;
   static const std::string payload(kBytes, 'f');
   std::vector<std::string> headers;
   for (size_t i = 0; i < kChunks; ++i) {
-    wire::StagedChunkHeader header;
-    header.set_from_agent("eve");
-    header.set_secret(metadata.notify_secret());
-    header.set_transfer_id(fmt::format("flood-{}", i % 4));
-    header.set_incarnation(1);
-    auto* piece = header.add_pieces();
-    piece->set_remote_address(region.base_address() + (i % 8) * kBytes);
-    piece->set_length(kBytes);
-    headers.push_back(header.SerializeAsString());
+    headers.push_back(EveChunk(metadata.notify_secret(), fmt::format("flood-{}", i % 4),
+                               region.base_address() + (i % 8) * kBytes, kBytes));
   }
-  attacker.SendAllNoCopy(kStagedChunkAm, std::move(headers), payload.data(), kBytes);
+  attacker.SendAllNoCopy(kStagedChunkAm, std::move(headers), payload.data(), kBytes,
+                         /*wait=*/false);
   double received = received_before, rejected = rejected_before;
-  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
   while (received + rejected < received_before + rejected_before + kChunks &&
          Clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     received = counter("chunks_received");
     rejected = counter("chunks_rejected");
   }
-  std::printf("400 rendezvous chunks posted at once by one peer into one receive buffer: "
+  std::printf("400 rendezvous chunks from one peer while decode's one receive buffer is held: "
               "%.0f taken, %.0f rejected\n",
               received - received_before, rejected - rejected_before);
-  CHECK(received + rejected == received_before + rejected_before + kChunks);
-  CHECK(rejected - rejected_before > 0);
-  // Not all were rejected: the bound, not a refusal of everything.
-  CHECK(received - received_before >= 64);
+  CHECK(received - received_before == 64);
+  CHECK(rejected - rejected_before == kChunks - 64);
+
+  // Eve lets the reply go: the buffer frees, the 64 waiting chunks land.
+  attacker.ReleaseKept();
   const auto& names = pair.decode_pool().region_names;
   const auto named = std::find(names.begin(), names.end(), region.name());
   REQUIRE(named != names.end());
   const uint8_t* first = pair.decode_pool().Page(static_cast<uint32_t>(named - names.begin()), 0);
-  CHECK(std::all_of(first, first + kBytes, [](uint8_t b) { return b == 'f'; }));
+  const auto landed_until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  auto landed = [&] { return std::all_of(first, first + 8 * kBytes, [](uint8_t b) { return b == 'f'; }); };
+  while (!landed() && Clock::now() < landed_until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(landed());
 
   // Decode is up, and an honest transfer still moves its bytes.
   auto honest = pair.prefill().Submit(KvWrite("after-flood", {3}, {20}));
@@ -1051,6 +1106,46 @@ TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up"
   REQUIRE(done.ok());
   CHECK(done->phase() == v1::COMPLETED);
   CHECK(pair.PageEqual(3, 20));
+}
+
+// One peer opening staged transfers without end (each chunk names a new transfer; its
+// piece is outside every region, so nothing is written, but the receiver keeps the
+// transfer's state to fail its DATA_READY) fills at most its share of the table
+// (2,048 of 8,192): another peer's new transfers still get in. Over tcp, where every
+// transfer's data travels as such chunks.
+TEST_CASE("a peer opening staged transfers without end leaves room for the others") {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off"};
+  AgentPair pair(options);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  uint64_t above_all = 0;
+  for (const auto& x : metadata.regions()) {
+    above_all = std::max(above_all, x.base_address() + x.length());
+  }
+  UcxAttacker attacker(metadata.worker_address(), "auto");
+  constexpr size_t kTransfers = 8300;  // past the table's 8,192
+  std::vector<std::string> headers;
+  for (size_t i = 0; i < kTransfers; ++i) {
+    headers.push_back(EveChunk(metadata.notify_secret(), fmt::format("open-{}", i),
+                               above_all + 4096, 64));
+  }
+  static const std::string payload(64, 'e');
+  const size_t sent =
+      attacker.SendAllNoCopy(kStagedChunkAm, std::move(headers), payload.data(), payload.size());
+  std::printf("eve opened %zu staged transfers' chunks\n", sent);
+  CHECK(sent == kTransfers);
+
+  // prefill's WRITE over tcp travels as staged chunks of a new transfer.
+  auto honest = pair.prefill().Submit(KvWrite("after-eve", {2, 3}, {7, 8}));
+  INFO(honest.status().ToString());
+  REQUIRE(honest.ok());
+  auto done = pair.prefill().WaitTransfer("after-eve", kTimeoutMs);
+  REQUIRE(done.ok());
+  INFO(done->DebugString());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(2, 7));
+  CHECK(pair.PageEqual(3, 8));
 }
 
 }  // namespace
