@@ -213,6 +213,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     NoteHeapActivity();
     self->counters_.dropped_peer_messages.fetch_add(1);
   };
+  stager_options.eager_only_from = [self](std::string_view from) {
+    return self->peers_->EndpointLacksNativeRma(from);
+  };
   agent->stager_ = std::make_unique<Stager>(
       agent->worker_.get(), agent->context_.get(), agent->registry_.get(), stager_options,
       [self](v1::Notification n, absl::Status data) {

@@ -997,6 +997,14 @@ absl::StatusOr<std::shared_ptr<const PeerSnapshot>> PeerManager::Get(const std::
   return it->second.snapshot;
 }
 
+bool PeerManager::EndpointLacksNativeRma(std::string_view name) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = peers_.find(absl::string_view(name.data(), name.size()));
+  if (it == peers_.end() || it->second.snapshot == nullptr) return false;
+  const auto& endpoint = it->second.snapshot->endpoint;
+  return endpoint != nullptr && !endpoint->NativeRma();
+}
+
 v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   v1::PeerInfo info;
   const PeerSnapshot& s = *peer.snapshot;

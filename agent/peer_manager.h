@@ -143,6 +143,10 @@ class PeerManager {
   // Fetches `name`'s metadata now instead of at the next poll (a region the peer
   // registered a moment ago); `done` runs on a gRPC or worker thread.
   void RefreshAsync(const std::string& name, std::function<void(absl::Status)> done);
+  // True when this agent has an endpoint to peer `name` (any state) and it has no
+  // native RMA (tcp); false otherwise. Worker thread (a snapshot's endpoint is the
+  // worker's); no allocation.
+  bool EndpointLacksNativeRma(std::string_view name) const;
   std::vector<v1::PeerInfo> List() const;
   size_t size() const;
   // Forgets peer `name`: no more polls, its endpoint and mappings close once nothing

@@ -712,6 +712,12 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
                                 "version or is faulty",
                                 header.pieces_size(), max_pieces));
     }
+    if (options_.eager_only_from && options_.eager_only_from(header.from_agent())) {
+      return reject(fmt::format(
+          "it came by rendezvous, but this agent's endpoint to '{}' has no native RMA (tcp), "
+          "where its chunks come eager; the sender runs an incompatible version or is faulty",
+          Printable(header.from_agent())));
+    }
     auto waiting = receiving_by_peer_.find(header.from_agent());
     const uint32_t theirs = waiting == receiving_by_peer_.end() ? 0 : waiting->second;
     if (theirs >= options_.max_receiving_per_peer || receiving_ >= options_.max_receiving) {

@@ -152,6 +152,10 @@ struct StagerOptions {
   // looked at. Required; `on_dropped` counts each drop.
   std::function<bool(std::string_view from, std::string_view secret)> verify_peer;
   std::function<void()> on_dropped;
+  // Worker thread: true when this agent's own endpoint to agent `from` has no native
+  // RMA (tcp): its chunks come eager there, and a rendezvous one is refused, since
+  // fetching it over tcp could make UCX answer by itself (and abort us if that fails).
+  std::function<bool(std::string_view from)> eager_only_from;
 };
 
 class Stager {

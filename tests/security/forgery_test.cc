@@ -1148,5 +1148,57 @@ TEST_CASE("a peer opening staged transfers without end leaves room for the other
   CHECK(pair.PageEqual(3, 8));
 }
 
+// Over tcp our peers send their chunks eager. A chunk naming such a peer that comes by
+// rendezvous (here from a process of the agents' uid that attached as "prefill", so it
+// holds prefill's secret) is refused unfetched: fetching a rendezvous over tcp can make
+// UCX answer the sender by itself, and abort the agent when that answer fails.
+TEST_CASE("a rendezvous chunk naming a peer whose endpoint is tcp is refused unfetched") {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off",
+                        "--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(options);
+  REQUIRE(pair.decode().Connect(pair.prefill_process().address()).ok());  // tcp both ways
+  auto mallory = PeerCaller::Attach(pair.decode_process(), "prefill");
+  const v1::AgentMetadata metadata = mallory->Metadata("prefill");
+  REQUIRE(metadata.regions_size() > 0);
+  const v1::ExportedRegion& region = metadata.regions(0);
+  const std::string metrics = MetricsAddress(pair.decode());
+  auto counter = [&](const char* event) {
+    return Value(Scrape(metrics), "kvagent_staging_total", {fmt::format("event=\"{}\"", event)});
+  };
+  const double received_before = counter("chunks_received");
+  const double rejected_before = counter("chunks_rejected");
+
+  UcxAttacker attacker(metadata.worker_address(), "1024");  // shared memory, rendezvous
+  wire::StagedChunkHeader header;
+  header.ParseFromString(EveChunk(metadata.notify_secret(), "by-rendezvous",
+                                  region.base_address(), 8192));
+  header.set_from_agent("prefill");
+  static const std::string payload(8192, 'm');
+  absl::Status sent = attacker.SendNoCopy(kStagedChunkAm, header.SerializeAsString(),
+                                          payload.data(), payload.size());
+  INFO(sent.ToString());
+  double rejected = rejected_before;
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (rejected < rejected_before + 1 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    rejected = counter("chunks_rejected");
+  }
+  CHECK(rejected - rejected_before == 1);
+  CHECK(counter("chunks_received") == received_before);
+  const auto& names = pair.decode_pool().region_names;
+  const auto named = std::find(names.begin(), names.end(), region.name());
+  REQUIRE(named != names.end());
+  const uint8_t* first = pair.decode_pool().Page(static_cast<uint32_t>(named - names.begin()), 0);
+  CHECK(first[0] == 0xEE);  // nothing of it landed
+  // prefill's own WRITE (eager chunks over tcp) still moves.
+  auto honest = pair.prefill().Submit(KvWrite("honest-eager", {1}, {2}));
+  REQUIRE(honest.ok());
+  auto done = pair.prefill().WaitTransfer("honest-eager", kTimeoutMs);
+  REQUIRE(done.ok());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(1, 2));
+}
+
 }  // namespace
 }  // namespace kvagent::testing
