@@ -715,7 +715,8 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
     if (options_.eager_only_from && options_.eager_only_from(header.from_agent())) {
       return reject(fmt::format(
           "it came by rendezvous, but this agent's endpoint to '{}' has no native RMA (tcp), "
-          "where its chunks come eager; the sender runs an incompatible version or is faulty",
+          "where its chunks come eager; the sender runs an incompatible version, or another "
+          "--ucx-error-mode than this agent (give both the same), or is faulty",
           Printable(header.from_agent())));
     }
     auto waiting = receiving_by_peer_.find(header.from_agent());
