@@ -1221,11 +1221,15 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
                             ? std::min(options_.pool.AmMessageBytes(), recv_pool_->chunk_bytes())
                             : recv_pool_->chunk_bytes();
   const uint64_t parts = (total + part - 1) / part;
-  if (serving_ + parts > options_.max_serving) {
+  auto counted = serving_by_peer_.find(header.from_agent());
+  const uint32_t theirs = counted == serving_by_peer_.end() ? 0 : counted->second;
+  if (serving_ + parts > options_.max_serving || theirs + parts > options_.max_serving_per_peer) {
     return refuse(absl::ResourceExhaustedError(fmt::format(
-        "agent '{}' already has {} staged read replies waiting for a bounce buffer; it is "
-        "falling behind: retry later, or give it more --staging-buffers",
-        options_.self_name, serving_)));
+        "agent '{}' already has {} staged read replies waiting for a bounce buffer, {} of them "
+        "for '{}' (bounds {} in all, {} per reader); it is falling behind: retry later, or "
+        "give it more --staging-buffers",
+        options_.self_name, serving_, theirs, Printable(header.from_agent()),
+        options_.max_serving, options_.max_serving_per_peer)));
   }
   auto asked = std::make_shared<wire::StagedReadRequest>(header);
   asked->set_eager_replies(eager);  // what ServePart sends with, decided above
@@ -1234,6 +1238,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
   for (uint64_t offset = 0; offset < total; offset += part) {
     const uint64_t length = std::min(part, total - offset);
     ++serving_;
+    ++serving_by_peer_[header.from_agent()];
     recv_pool_->Acquire([this, request, sources, reply_ep, offset, length](StagingPool::Lease l) {
       auto lease = std::make_shared<StagingPool::Lease>(std::move(l));
       worker_->Post([this, request, sources, reply_ep, offset, length, lease] {
@@ -1242,6 +1247,12 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
     });
   }
   return false;
+}
+
+void Stager::PartServed(const std::string& reader) {
+  --serving_;
+  auto it = serving_by_peer_.find(reader);
+  if (it != serving_by_peer_.end() && --it->second == 0) serving_by_peer_.erase(it);
 }
 
 void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
@@ -1270,7 +1281,7 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
   }
   if (s.ok() && used_device) s = CopierFor(true).Sync();
   if (!s.ok()) {
-    --serving_;
+    PartServed(request->from_agent());
     kLog.Warn("staged read of transfer '{}' from agent '{}': {}", request->transfer_id(),
               request->from_agent(), s.message());
     RefuseRead(reply_ep, request->request_id(), std::string(s.message()), s.code(),
@@ -1284,7 +1295,7 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
   // The buffer stays leased until the reply is sent: only then may it be reused.
   worker_->SendAmReply(reply_ep, Wire(AmId::kStagedReadReply), header.SerializeAsString(), lease->data(),
                        length, [this, lease, request](absl::Status sent) {
-                         --serving_;
+                         PartServed(request->from_agent());
                          if (sent.ok()) {
                            reads_served_.fetch_add(1);
                          } else {

@@ -143,6 +143,7 @@ struct StagerOptions {
   uint32_t max_arrivals_per_peer = 2048;  // ... from one sender
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
+  uint32_t max_serving_per_peer = 1024;   // ... for one reader
   // Staged chunks sent by rendezvous, waiting for a buffer or being fetched: in all,
   // and from one sender (which has at most its --staging-buffers in flight).
   uint32_t max_receiving = 512;
@@ -312,6 +313,8 @@ class Stager {
   std::random_device request_ids_;
   uint64_t NewRequestId();
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
+  absl::flat_hash_map<std::string, uint32_t> serving_by_peer_;  // serving_ per reader
+  void PartServed(const std::string& reader);  // one of serving_ is done
   // Rendezvous chunks waiting for or being received (StagerOptions::max_receiving), by
   // sender, and the bytes of those received into heap memory (bigger than our buffers).
   uint32_t receiving_ = 0;

@@ -204,12 +204,21 @@ class UcxAttacker {
     return count->ok;
   }
 
+  // Posts one header-only request (with a reply endpoint) per header at once.
+  void PostRequests(uint16_t id, std::vector<std::string> headers) {
+    worker_->Post([this, id, headers = std::move(headers)] {
+      for (const std::string& header : headers) {
+        endpoint_->SendAm(id, header, "", [](absl::Status) {}, /*want_reply=*/true);
+      }
+    });
+  }
+
   // Keeps every rendezvous message `id` brings without fetching it (its sender's send
   // stays open, and whatever buffer it sends from stays held), counted in `kept`;
   // ReleaseKept lets them go.
   void ListenKeep(uint16_t id) {
     worker_->SetAmDataHandler(id, [this](const transport::AmMessage& m) {
-      if (!m.rendezvous) return false;
+      if (!m.rendezvous || !keeping_) return false;
       kept_.push_back(m.descriptor);
       kept_count_.fetch_add(1);
       return true;
@@ -218,6 +227,7 @@ class UcxAttacker {
   size_t kept() const { return kept_count_.load(); }
   void ReleaseKept() {
     worker_->RunSync([this] {
+      keeping_ = false;  // later ones are dropped
       for (void* descriptor : kept_) worker_->ReleaseAmData(descriptor);
       kept_.clear();
     });
@@ -253,6 +263,7 @@ class UcxAttacker {
   std::unique_ptr<transport::UcxWorker> worker_;
   std::unique_ptr<transport::Endpoint> endpoint_;
   std::vector<void*> kept_;  // worker thread
+  bool keeping_ = true;      // worker thread
   std::atomic<size_t> kept_count_{0};
 };
 
@@ -268,6 +279,22 @@ std::string EveChunk(const std::string& secret, const std::string& id, uint64_t 
   piece->set_remote_address(address);
   piece->set_length(length);
   return header.SerializeAsString();
+}
+
+// The serialized read request `id` of eve: `length` bytes at `address`.
+std::string EveRead(const std::string& secret, uint64_t id, uint64_t address, uint64_t length,
+                    bool eager_replies) {
+  wire::StagedReadRequest read;
+  read.set_from_agent("eve");
+  read.set_secret(secret);
+  read.set_incarnation(1);
+  read.set_transfer_id(fmt::format("eve-read-{}", id));
+  read.set_request_id(id);
+  read.set_eager_replies(eager_replies);
+  auto* piece = read.add_pieces();
+  piece->set_remote_address(address);
+  piece->set_length(length);
+  return read.SerializeAsString();
 }
 
 std::string AuthHeader(const std::string& from_agent, const std::string& secret) {
@@ -704,18 +731,9 @@ TEST_CASE("an authenticated peer's chunks and read requests reach the agent's re
     replies.push_back(std::move(reply));
   });
   auto read = [&](uint64_t request_id, uint64_t address, uint64_t length) {
-    wire::StagedReadRequest request;
-    request.set_from_agent("eve");
-    request.set_secret(secret);
-    request.set_incarnation(1);
-    request.set_transfer_id(fmt::format("eve-read-{}", request_id));
-    request.set_request_id(request_id);
-    request.set_eager_replies(true);
-    auto* piece = request.add_pieces();
-    piece->set_remote_address(address);
-    piece->set_length(length);
-    absl::Status sent =
-        attacker.Send(kStagedReadAm, request.SerializeAsString(), "", /*request=*/true);
+    absl::Status sent = attacker.Send(kStagedReadAm,
+                                      EveRead(secret, request_id, address, length, true), "",
+                                      /*request=*/true);
     INFO(sent.ToString());
     CHECK(sent.ok());
   };
@@ -1019,6 +1037,37 @@ TEST_CASE("a peer on tcp asking for rendezvous read replies gets eager ones") {
   }
 }
 
+// Eve (over shared memory) holds the target's receive buffer: she asks for 1 MiB at
+// `address` with a rendezvous reply and never fetches it, so its send, and the buffer
+// it is sent from, stay open until she calls ReleaseKept.
+void HoldReceiveBuffer(UcxAttacker& attacker, const std::string& secret, uint64_t address) {
+  attacker.ListenKeep(kStagedReadReplyAm);
+  REQUIRE(attacker.Send(kStagedReadAm, EveRead(secret, 1, address, 1 << 20, false), "", true).ok());
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (attacker.kept() == 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  REQUIRE(attacker.kept() == 1);
+}
+
+// Eve, attached to decode as a peer of the agents' uid, with its catalog, and decode's
+// staging counters (it must run with --metrics-listen).
+struct EveOnDecode {
+  explicit EveOnDecode(AgentPair& pair)
+      : caller(PeerCaller::Attach(pair.decode_process(), "eve")),
+        metadata(caller->Metadata("eve")),
+        metrics(MetricsAddress(pair.decode())) {
+    REQUIRE(metadata.regions_size() > 0);
+  }
+  const v1::ExportedRegion& region() const { return metadata.regions(0); }
+  double Staging(const char* event) const {
+    return Value(Scrape(metrics), "kvagent_staging_total", {fmt::format("event=\"{}\"", event)});
+  }
+  std::unique_ptr<PeerCaller> caller;
+  v1::AgentMetadata metadata;
+  std::string metrics;
+};
+
 // A peer that floods staged chunks sent by rendezvous: each one that waits for a
 // receive buffer keeps its header, so they are bounded per sender (64) and in all. Here
 // decode has one receive buffer, and eve holds it: she asks for a read and never fetches
@@ -1031,33 +1080,13 @@ TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up"
   options.shape.pages = 64;
   options.shape.page_bytes = 64 << 10;  // 4 MiB regions
   AgentPair pair(options);
-  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
-  const v1::AgentMetadata metadata = eve->Metadata("eve");
-  REQUIRE(metadata.regions_size() > 0);
-  const v1::ExportedRegion& region = metadata.regions(0);
-  const std::string metrics = MetricsAddress(pair.decode());
-  auto counter = [&](const char* event) {
-    return Value(Scrape(metrics), "kvagent_staging_total", {fmt::format("event=\"{}\"", event)});
-  };
+  EveOnDecode eve(pair);
+  const v1::AgentMetadata& metadata = eve.metadata;
+  const v1::ExportedRegion& region = eve.region();
+  auto counter = [&](const char* event) { return eve.Staging(event); };
 
   UcxAttacker attacker(metadata.worker_address(), "1024");  // 4 KiB chunks go rendezvous
-  attacker.ListenKeep(kStagedReadReplyAm);
-  wire::StagedReadRequest read;
-  read.set_from_agent("eve");
-  read.set_secret(metadata.notify_secret());
-  read.set_incarnation(1);
-  read.set_transfer_id("hold-the-buffer");
-  read.set_request_id(1);
-  read.set_eager_replies(false);  // shared memory: decode may answer by rendezvous
-  auto* piece = read.add_pieces();
-  piece->set_remote_address(region.base_address());
-  piece->set_length(1 << 20);
-  REQUIRE(attacker.Send(kStagedReadAm, read.SerializeAsString(), "", true).ok());
-  const auto held_until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
-  while (attacker.kept() == 0 && Clock::now() < held_until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  REQUIRE(attacker.kept() == 1);  // decode's only receive buffer is held by the reply
+  HoldReceiveBuffer(attacker, metadata.notify_secret(), region.base_address());
 
   const double received_before = counter("chunks_received");
   const double rejected_before = counter("chunks_rejected");
@@ -1198,6 +1227,62 @@ TEST_CASE("a rendezvous chunk naming a peer whose endpoint is tcp is refused unf
   REQUIRE(done.ok());
   CHECK(done->phase() == v1::COMPLETED);
   CHECK(pair.PageEqual(1, 2));
+}
+
+// A reader flooding an agent with read requests fills at most its share of the replies
+// waiting for a receive buffer (1,024 of 4,096): another reader's READ still gets in.
+// Eve holds decode's one receive buffer (a rendezvous reply she never fetches), then
+// asks for 4,100 small reads; prefill's READ over tcp (read requests too) is queued
+// behind hers, not refused, and completes once she lets the buffer go.
+TEST_CASE("a reader flooding read requests gets its share, and another reader's READ moves") {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--metrics-listen",
+                        "127.0.0.1:0", "--staging-buffers", "1"};
+  options.shape.pages = 64;
+  options.shape.page_bytes = 64 << 10;  // 4 MiB regions
+  AgentPair pair(options);
+  REQUIRE(pair.decode().Connect(pair.prefill_process().address()).ok());
+  EveOnDecode eve(pair);
+  const v1::AgentMetadata& metadata = eve.metadata;
+  const v1::ExportedRegion& region = eve.region();
+  auto counter = [&](const char* event) { return eve.Staging(event); };
+  UcxAttacker attacker(metadata.worker_address(), "auto");  // shared memory
+  HoldReceiveBuffer(attacker, metadata.notify_secret(), region.base_address());
+
+  const double refused_before = counter("reads_refused");
+  constexpr size_t kReads = 4100;  // past the 4,096 of all readers
+  std::vector<std::string> headers;
+  for (size_t i = 0; i < kReads; ++i) {
+    headers.push_back(EveRead(metadata.notify_secret(), 100 + i, region.base_address(), 4096, true));
+  }
+  attacker.PostRequests(kStagedReadAm, std::move(headers));
+  // 1,023 wait beside the held one; the rest are refused.
+  double refused = refused_before;
+  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
+  while (refused < refused_before + (kReads - 1023) && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    refused = counter("reads_refused");
+  }
+  std::printf("4,100 read requests from one reader while the buffer is held: %.0f refused\n",
+              refused - refused_before);
+  CHECK(refused - refused_before == kReads - 1023);
+
+  // prefill reads decode's pages 5 and 6 into its 9 and 10 (over tcp: read requests).
+  auto read = KvWrite("read-behind-eve", {9, 10}, {5, 6});
+  read.set_op(v1::READ);
+  auto submitted = pair.prefill().Submit(read);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its requests are queued
+  attacker.ReleaseKept();
+  auto done = pair.prefill().WaitTransfer("read-behind-eve", 3 * kTimeoutMs);
+  REQUIRE(done.ok());
+  INFO(done->DebugString());
+  CHECK(done->phase() == v1::COMPLETED);
+  for (uint32_t r = 0; r < pair.decode_pool().regions(); ++r) {
+    CHECK(std::memcmp(pair.prefill_pool().Page(r, 9), pair.decode_pool().Page(r, 5),
+                      options.shape.page_bytes) == 0);
+  }
 }
 
 }  // namespace
