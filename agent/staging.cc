@@ -634,8 +634,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   // One sender has a share of it, so that one peer opening transfers without end
   // cannot keep every other peer's new transfers out.
   if (!arrivals_.contains(key)) {
-    auto counted = arrivals_by_sender_.find(header.from_agent());
-    const uint32_t theirs = counted == arrivals_by_sender_.end() ? 0 : counted->second;
+    const uint32_t theirs = arrivals_by_sender_.of(header.from_agent());
     if (arrivals_.size() >= options_.max_arrivals || theirs >= options_.max_arrivals_per_peer) {
       chunks_rejected_.fetch_add(1);
       if (arrivals_full_logged_.exchange(true) == false) {
@@ -702,8 +701,8 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   // bounded per sender and in all; one bigger than our buffers lands in heap memory,
   // bounded in all.
   const uint64_t length = message.length;
-  const bool heap =
-      message.rendezvous && (!EnsurePool().ok() || length > recv_pool_->chunk_bytes());
+  const bool pooled = message.rendezvous && EnsurePool().ok();
+  const bool heap = message.rendezvous && (!pooled || length > recv_pool_->chunk_bytes());
   if (message.rendezvous) {
     const uint64_t max_pieces = 8ull * options_.max_pieces;
     if (static_cast<uint64_t>(header.pieces_size()) > max_pieces) {
@@ -719,8 +718,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
           "--ucx-error-mode than this agent (give both the same), or is faulty",
           Printable(header.from_agent())));
     }
-    auto waiting = receiving_by_peer_.find(header.from_agent());
-    const uint32_t theirs = waiting == receiving_by_peer_.end() ? 0 : waiting->second;
+    const uint32_t theirs = receiving_by_peer_.of(header.from_agent());
     if (theirs >= options_.max_receiving_per_peer || receiving_ >= options_.max_receiving) {
       return reject(fmt::format(
           "agent '{}' is receiving {} staged chunks already ({} of them from '{}'; limits {} "
@@ -734,7 +732,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
           "{} bytes in one chunk, over this agent's bounce buffers of {}, and {} bytes of "
           "such chunks are being received already (at most {}); give both agents the same "
           "--staging-chunk-bytes",
-          length, EnsurePool().ok() ? recv_pool_->chunk_bytes() : 0, heap_receiving_,
+          length, pooled ? recv_pool_->chunk_bytes() : 0, heap_receiving_,
           options_.max_chunk_message));
     }
   }
@@ -749,13 +747,12 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   // free), then copy into place. The regions stay referenced until the copy is done.
   ++receiving_;
   const std::string from = header.from_agent();
-  ++receiving_by_peer_[from];
+  receiving_by_peer_.Add(from);
   if (heap) heap_receiving_ += length;
   auto received = [this, from, heap, length] {
     --receiving_;
     if (heap) heap_receiving_ -= length;
-    auto it = receiving_by_peer_.find(from);
-    if (it != receiving_by_peer_.end() && --it->second == 0) receiving_by_peer_.erase(it);
+    receiving_by_peer_.Remove(from);
   };
   ++arrival.in_flight;
   auto header_ptr = std::make_shared<wire::StagedChunkHeader>(std::move(header));
@@ -878,16 +875,13 @@ Stager::Arrival& Stager::ArrivalFor(const std::string& key, const std::string& f
   auto [it, added] = arrivals_.try_emplace(key);
   if (added) {
     it->second.from = from;
-    ++arrivals_by_sender_[from];
+    arrivals_by_sender_.Add(from);
   }
   return it->second;
 }
 
 void Stager::EraseArrival(absl::flat_hash_map<std::string, Arrival>::iterator it) {
-  auto counted = arrivals_by_sender_.find(it->second.from);
-  if (counted != arrivals_by_sender_.end() && --counted->second == 0) {
-    arrivals_by_sender_.erase(counted);
-  }
+  arrivals_by_sender_.Remove(it->second.from);
   arrivals_.erase(it);
 }
 
@@ -1221,8 +1215,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
                             ? std::min(options_.pool.AmMessageBytes(), recv_pool_->chunk_bytes())
                             : recv_pool_->chunk_bytes();
   const uint64_t parts = (total + part - 1) / part;
-  auto counted = serving_by_peer_.find(header.from_agent());
-  const uint32_t theirs = counted == serving_by_peer_.end() ? 0 : counted->second;
+  const uint32_t theirs = serving_by_peer_.of(header.from_agent());
   if (serving_ + parts > options_.max_serving || theirs + parts > options_.max_serving_per_peer) {
     return refuse(absl::ResourceExhaustedError(fmt::format(
         "agent '{}' already has {} staged read replies waiting for a bounce buffer, {} of them "
@@ -1238,7 +1231,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
   for (uint64_t offset = 0; offset < total; offset += part) {
     const uint64_t length = std::min(part, total - offset);
     ++serving_;
-    ++serving_by_peer_[header.from_agent()];
+    serving_by_peer_.Add(header.from_agent());
     recv_pool_->Acquire([this, request, sources, reply_ep, offset, length](StagingPool::Lease l) {
       auto lease = std::make_shared<StagingPool::Lease>(std::move(l));
       worker_->Post([this, request, sources, reply_ep, offset, length, lease] {
@@ -1251,8 +1244,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
 
 void Stager::PartServed(const std::string& reader) {
   --serving_;
-  auto it = serving_by_peer_.find(reader);
-  if (it != serving_by_peer_.end() && --it->second == 0) serving_by_peer_.erase(it);
+  serving_by_peer_.Remove(reader);
 }
 
 void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,

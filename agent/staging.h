@@ -159,6 +159,24 @@ struct StagerOptions {
   std::function<bool(std::string_view from)> eager_only_from;
 };
 
+// How many of something each peer holds, by its name (a name with none is dropped):
+// the per-peer shares of the Stager's bounds. Worker thread only.
+class PerPeer {
+ public:
+  uint32_t of(std::string_view name) const {
+    auto it = counts_.find(absl::string_view(name.data(), name.size()));
+    return it == counts_.end() ? 0 : it->second;
+  }
+  void Add(const std::string& name) { ++counts_[name]; }
+  void Remove(const std::string& name) {
+    auto it = counts_.find(name);
+    if (it != counts_.end() && --it->second == 0) counts_.erase(it);
+  }
+
+ private:
+  absl::flat_hash_map<std::string, uint32_t> counts_;
+};
+
 class Stager {
  public:
   // A held DATA_READY whose staged data is all in place (`data` OK), or never will be
@@ -297,7 +315,7 @@ class Stager {
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
   absl::flat_hash_map<std::string, Arrival> arrivals_;  // by from/incarnation/transfer
-  absl::flat_hash_map<std::string, uint32_t> arrivals_by_sender_;  // arrivals_ per `from`
+  PerPeer arrivals_by_sender_;  // arrivals_ per `from`
   // Every insert into and erase from arrivals_ goes through these (they keep the count).
   Arrival& ArrivalFor(const std::string& key, const std::string& from);
   void EraseArrival(absl::flat_hash_map<std::string, Arrival>::iterator it);
@@ -313,12 +331,12 @@ class Stager {
   std::random_device request_ids_;
   uint64_t NewRequestId();
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
-  absl::flat_hash_map<std::string, uint32_t> serving_by_peer_;  // serving_ per reader
+  PerPeer serving_by_peer_;  // serving_ per reader
   void PartServed(const std::string& reader);  // one of serving_ is done
   // Rendezvous chunks waiting for or being received (StagerOptions::max_receiving), by
   // sender, and the bytes of those received into heap memory (bigger than our buffers).
   uint32_t receiving_ = 0;
-  absl::flat_hash_map<std::string, uint32_t> receiving_by_peer_;
+  PerPeer receiving_by_peer_;
   uint64_t heap_receiving_ = 0;
   std::atomic<uint32_t> reads_outstanding_{0};  // reads_.size(), for the sweep thread
   // arrivals_ held something at the last insert or sweep (worker thread writes it): the

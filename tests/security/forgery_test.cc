@@ -297,6 +297,28 @@ std::string EveRead(const std::string& secret, uint64_t id, uint64_t address, ui
   return read.SerializeAsString();
 }
 
+// Page `page` of decode's pool region named `name` (a region of its catalog).
+uint8_t* DecodePage(AgentPair& pair, const std::string& name, uint64_t page) {
+  const auto& names = pair.decode_pool().region_names;
+  const auto named = std::find(names.begin(), names.end(), name);
+  REQUIRE(named != names.end());
+  return pair.decode_pool().Page(static_cast<uint32_t>(named - names.begin()), page);
+}
+
+// prefill's WRITE of its pages `local` to decode's `remote` completes, bytes in place:
+// the agent still serves honest peers after an attack.
+void RequireHonestWrite(AgentPair& pair, const std::string& id, const std::vector<uint64_t>& local,
+                        const std::vector<uint64_t>& remote) {
+  auto honest = pair.prefill().Submit(KvWrite(id, local, remote));
+  INFO(honest.status().ToString());
+  REQUIRE(honest.ok());
+  auto done = pair.prefill().WaitTransfer(id, kTimeoutMs);
+  REQUIRE(done.ok());
+  INFO(done->DebugString());
+  CHECK(done->phase() == v1::COMPLETED);
+  for (size_t i = 0; i < local.size(); ++i) CHECK(pair.PageEqual(local[i], remote[i]));
+}
+
 std::string AuthHeader(const std::string& from_agent, const std::string& secret) {
   wire::PeerMessageAuth auth;
   auth.set_from_agent(from_agent);
@@ -1116,10 +1138,7 @@ TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up"
 
   // Eve lets the reply go: the buffer frees, the 64 waiting chunks land.
   attacker.ReleaseKept();
-  const auto& names = pair.decode_pool().region_names;
-  const auto named = std::find(names.begin(), names.end(), region.name());
-  REQUIRE(named != names.end());
-  const uint8_t* first = pair.decode_pool().Page(static_cast<uint32_t>(named - names.begin()), 0);
+  const uint8_t* first = DecodePage(pair, region.name(), 0);
   const auto landed_until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
   auto landed = [&] { return std::all_of(first, first + 8 * kBytes, [](uint8_t b) { return b == 'f'; }); };
   while (!landed() && Clock::now() < landed_until) {
@@ -1128,13 +1147,7 @@ TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up"
   CHECK(landed());
 
   // Decode is up, and an honest transfer still moves its bytes.
-  auto honest = pair.prefill().Submit(KvWrite("after-flood", {3}, {20}));
-  INFO(honest.status().ToString());
-  REQUIRE(honest.ok());
-  auto done = pair.prefill().WaitTransfer("after-flood", kTimeoutMs);
-  REQUIRE(done.ok());
-  CHECK(done->phase() == v1::COMPLETED);
-  CHECK(pair.PageEqual(3, 20));
+  RequireHonestWrite(pair, "after-flood", {3}, {20});
 }
 
 // One peer opening staged transfers without end (each chunk names a new transfer; its
@@ -1166,15 +1179,7 @@ TEST_CASE("a peer opening staged transfers without end leaves room for the other
   CHECK(sent == kTransfers);
 
   // prefill's WRITE over tcp travels as staged chunks of a new transfer.
-  auto honest = pair.prefill().Submit(KvWrite("after-eve", {2, 3}, {7, 8}));
-  INFO(honest.status().ToString());
-  REQUIRE(honest.ok());
-  auto done = pair.prefill().WaitTransfer("after-eve", kTimeoutMs);
-  REQUIRE(done.ok());
-  INFO(done->DebugString());
-  CHECK(done->phase() == v1::COMPLETED);
-  CHECK(pair.PageEqual(2, 7));
-  CHECK(pair.PageEqual(3, 8));
+  RequireHonestWrite(pair, "after-eve", {2, 3}, {7, 8});
 }
 
 // Over tcp our peers send their chunks eager. A chunk naming such a peer that comes by
@@ -1215,18 +1220,10 @@ TEST_CASE("a rendezvous chunk naming a peer whose endpoint is tcp is refused unf
   }
   CHECK(rejected - rejected_before == 1);
   CHECK(counter("chunks_received") == received_before);
-  const auto& names = pair.decode_pool().region_names;
-  const auto named = std::find(names.begin(), names.end(), region.name());
-  REQUIRE(named != names.end());
-  const uint8_t* first = pair.decode_pool().Page(static_cast<uint32_t>(named - names.begin()), 0);
+  const uint8_t* first = DecodePage(pair, region.name(), 0);
   CHECK(first[0] == 0xEE);  // nothing of it landed
   // prefill's own WRITE (eager chunks over tcp) still moves.
-  auto honest = pair.prefill().Submit(KvWrite("honest-eager", {1}, {2}));
-  REQUIRE(honest.ok());
-  auto done = pair.prefill().WaitTransfer("honest-eager", kTimeoutMs);
-  REQUIRE(done.ok());
-  CHECK(done->phase() == v1::COMPLETED);
-  CHECK(pair.PageEqual(1, 2));
+  RequireHonestWrite(pair, "honest-eager", {1}, {2});
 }
 
 // A reader flooding an agent with read requests fills at most its share of the replies
