@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <utility>
 
@@ -881,33 +882,38 @@ Stager::Arrival& Stager::ArrivalFor(const std::string& key, const std::string& f
 }
 
 void Stager::EraseArrival(absl::flat_hash_map<std::string, Arrival>::iterator it) {
+  if (it->second.held.has_value()) {
+    --held_;
+    held_by_sender_.Remove(it->second.from);
+  }
   arrivals_by_sender_.Remove(it->second.from);
   arrivals_.erase(it);
 }
 
 void Stager::Hold(v1::Notification n) {
   const std::string key = ArrivalKey(n.from_agent(), n.sender_incarnation(), n.transfer_id());
-  if (held_order_.size() >= options_.max_held) {
-    // Forget keys already delivered or swept before counting the bound.
-    std::deque<std::string> live;
-    for (auto& k : held_order_) {
-      auto it = arrivals_.find(k);
-      if (it != arrivals_.end() && it->second.held.has_value()) live.push_back(std::move(k));
-    }
-    held_order_ = std::move(live);
-  }
-  if (held_order_.size() >= options_.max_held) {
-    if (auto it = arrivals_.find(key); it != arrivals_.end()) EraseArrival(it);
-    deliver_(std::move(n), absl::ResourceExhaustedError(fmt::format(
-                               "{} notifications already wait for their staged data here; the "
-                               "receiving agent is falling behind: submit it again later",
-                               held_order_.size())));
+  auto it = arrivals_.find(key);
+  const bool again = it != arrivals_.end() && it->second.held.has_value();
+  // Bounded in all, and one sender has a share: a peer announcing staged transfers whose
+  // data it never sends (each held until the sweep) cannot refuse every other peer's.
+  const uint32_t theirs = held_by_sender_.of(n.from_agent());
+  if (!again && (held_ >= options_.max_held || theirs >= options_.max_held_per_peer)) {
+    const std::string why = fmt::format(
+        "{} notifications already wait for their staged data here, {} of them from '{}' "
+        "(bounds {} in all, {} per sender); the receiving agent is falling behind: submit "
+        "it again later",
+        held_, theirs, Printable(n.from_agent()), options_.max_held, options_.max_held_per_peer);
+    if (it != arrivals_.end()) EraseArrival(it);
+    deliver_(std::move(n), absl::ResourceExhaustedError(why));
     return;
   }
   Arrival& a = ArrivalFor(key, n.from_agent());
   a.touched_us = MonotonicMicros();
-  a.held = std::move(n);
-  held_order_.push_back(key);
+  if (!again) {
+    ++held_;
+    held_by_sender_.Add(n.from_agent());
+  }
+  a.held = std::move(n);  // a repeated DATA_READY replaces the one held
   NoteArrival();
   MaybeDeliver(key);
 }

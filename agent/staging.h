@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -139,6 +138,7 @@ struct StagerOptions {
   uint32_t max_pieces = 1024;             // pieces per chunk
   uint64_t max_chunk_message = 64 << 20;  // bytes of one incoming chunk, over the pool's too
   uint32_t max_held = 4096;               // notifications held for their data
+  uint32_t max_held_per_peer = 1024;      // ... from one sender
   uint32_t max_arrivals = 8192;           // transfers whose staged chunks are being received
   uint32_t max_arrivals_per_peer = 2048;  // ... from one sender
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
@@ -320,7 +320,10 @@ class Stager {
   Arrival& ArrivalFor(const std::string& key, const std::string& from);
   void EraseArrival(absl::flat_hash_map<std::string, Arrival>::iterator it);
   std::atomic<bool> arrivals_full_logged_{false};       // one warning per full spell
-  std::deque<std::string> held_order_;
+  // Arrivals holding their DATA_READY (Hold), in all and by sender; EraseArrival
+  // counts them out.
+  uint32_t held_ = 0;
+  PerPeer held_by_sender_;
   uint64_t regions_version_ = UINT64_MAX;
   std::vector<StagedRegion> regions_;  // every region of ours, by base
   // The same as CheckReadPieces takes them (index for index), rebuilt with regions_:

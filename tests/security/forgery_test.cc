@@ -267,6 +267,49 @@ class UcxAttacker {
   std::atomic<size_t> kept_count_{0};
 };
 
+// The acknowledgements an agent sends the attacker (single and batched), as they come.
+// Declared before the attacker, whose worker thread delivers them until it goes.
+class AckCollector {
+ public:
+  void ListenOn(UcxAttacker& attacker) {
+    attacker.Listen(kAckAm, [this](std::string_view h, std::string_view d) { Take(h, d, false); });
+    attacker.Listen(kAckBatchAm, [this](std::string_view h, std::string_view d) { Take(h, d, true); });
+  }
+  // Waits up to `limit_ms` until `done` holds for what came, then returns it.
+  std::vector<wire::TransferAck> Await(
+      const std::function<bool(const std::vector<wire::TransferAck>&)>& done, uint32_t limit_ms) {
+    const auto until = Clock::now() + std::chrono::milliseconds(limit_ms);
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (done(acks_) || Clock::now() >= until) return acks_;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  int messages() {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
+
+ private:
+  void Take(std::string_view header, std::string_view data, bool batch) {
+    absl::MutexLock lock(&mu_);
+    ++messages_;
+    if (!batch) {
+      wire::TransferAck ack;
+      if (ack.ParseFromArray(header.data(), static_cast<int>(header.size()))) acks_.push_back(ack);
+      return;
+    }
+    wire::TransferAckBatch many;
+    if (!many.ParseFromArray(data.data(), static_cast<int>(data.size()))) return;
+    for (const auto& ack : many.acks()) acks_.push_back(ack);
+  }
+  absl::Mutex mu_;
+  std::vector<wire::TransferAck> acks_;
+  int messages_ = 0;
+};
+
 // The serialized header of eve's staged chunk of transfer `id`: one piece.
 std::string EveChunk(const std::string& secret, const std::string& id, uint64_t address,
                      uint64_t length) {
@@ -795,26 +838,10 @@ TEST_CASE("a notification batch loses only its bad entries: the others arrive on
   auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
   const v1::AgentMetadata metadata = eve->Metadata("eve");
   const std::string eve_secret = metadata.notify_secret();
-  // Declared before the attacker, whose worker thread calls `take` until it goes.
-  absl::Mutex mu;
-  std::vector<wire::TransferAck> acks;
-  int ack_messages = 0;
-  auto take = [&](std::string_view header, std::string_view data, bool batch) {
-    absl::MutexLock lock(&mu);
-    ++ack_messages;
-    if (!batch) {
-      wire::TransferAck ack;
-      if (ack.ParseFromArray(header.data(), static_cast<int>(header.size()))) acks.push_back(ack);
-      return;
-    }
-    wire::TransferAckBatch many;
-    if (!many.ParseFromArray(data.data(), static_cast<int>(data.size()))) return;
-    for (const auto& ack : many.acks()) acks.push_back(ack);
-  };
+  AckCollector acks;
   // Eager up to 1 MiB: the batch arrives in one piece (rendezvous takes the same checks).
   UcxAttacker attacker(metadata.worker_address(), "1048576");
-  attacker.Listen(kAckAm, [&](std::string_view h, std::string_view d) { take(h, d, false); });
-  attacker.Listen(kAckBatchAm, [&](std::string_view h, std::string_view d) { take(h, d, true); });
+  acks.ListenOn(attacker);
   const uint64_t dropped_before = Dropped(decode_status);
 
   v1::Notification big;
@@ -845,24 +872,15 @@ TEST_CASE("a notification batch loses only its bad entries: the others arrive on
   CHECK(notes[1].kind() == v1::CANCELLED_BY_PEER);
   CHECK(Dropped(decode_status) == dropped_before + 3);
   // The oversized DATA_READY's sender hears why, naming the entry, at once.
-  for (int i = 0; i < 200; ++i) {
-    {
-      absl::MutexLock lock(&mu);
-      if (!acks.empty()) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  {
-    absl::MutexLock lock(&mu);
-    REQUIRE(acks.size() == 1);
-    CHECK(ack_messages == 1);
-    CHECK(acks[0].transfer_id() == "batch-big");
-    CHECK(acks[0].ack_token() == 77);
-    CHECK(acks[0].error_code() == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-    CHECK_THAT(acks[0].error_message(), Contains("entry 3 of a batch of 5") &&
-                                            Contains("70000 payload bytes") &&
-                                            Contains("limits of 65536"));
-  }
+  const auto refused = acks.Await([](const auto& a) { return !a.empty(); }, 2000);
+  REQUIRE(refused.size() == 1);
+  CHECK(acks.messages() == 1);
+  CHECK(refused[0].transfer_id() == "batch-big");
+  CHECK(refused[0].ack_token() == 77);
+  CHECK(refused[0].error_code() == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  CHECK_THAT(refused[0].error_message(), Contains("entry 3 of a batch of 5") &&
+                                             Contains("70000 payload bytes") &&
+                                             Contains("limits of 65536"));
 
   // A batch over the entry limit is dropped whole, before any entry is looked at.
   wire::NoticeBatch huge;
@@ -1280,6 +1298,58 @@ TEST_CASE("a reader flooding read requests gets its share, and another reader's 
     CHECK(std::memcmp(pair.prefill_pool().Page(r, 9), pair.decode_pool().Page(r, 5),
                       options.shape.page_bytes) == 0);
   }
+}
+
+// A peer announcing staged transfers whose data never comes: each DATA_READY is held
+// for its bytes until the sweep (60 s), 4,096 at most, and one sender gets 1,024 of
+// them. Eve sends 4,100; the 3,076 past her share are refused to her at once, with the
+// reason, and prefill's WRITE over tcp (its DATA_READY held for its staged chunks)
+// still completes.
+TEST_CASE("a peer announcing staged data it never sends gets its share of held notifications") {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off"};
+  AgentPair pair(options);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const std::string secret = metadata.notify_secret();
+  AckCollector acks;
+  UcxAttacker attacker(metadata.worker_address(), "auto");
+  acks.ListenOn(attacker);
+
+  constexpr int kNotices = 4100;  // past the 4,096 of all senders
+  constexpr int kPerBatch = 1000;
+  for (int first = 0; first < kNotices; first += kPerBatch) {
+    wire::NoticeBatch batch;
+    for (int i = first; i < std::min(kNotices, first + kPerBatch); ++i) {
+      v1::Notification n;
+      n.set_from_agent("eve");
+      n.set_transfer_id(fmt::format("never-{}", i));
+      n.set_kind(v1::DATA_READY);
+      n.set_staged_bytes(4096);
+      n.set_ack_token(1000 + i);
+      n.add_targets("kv");
+      batch.add_notices(n.SerializeAsString());
+    }
+    REQUIRE(attacker
+                .Send(kNoticeBatchAm, AuthHeader("eve", secret), batch.SerializeAsString(),
+                      /*request=*/true)
+                .ok());
+  }
+  constexpr size_t kRefused = kNotices - 1024;
+  auto exhausted = [](const std::vector<wire::TransferAck>& all) {
+    return static_cast<size_t>(std::count_if(all.begin(), all.end(), [](const auto& ack) {
+      return ack.error_code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted);
+    }));
+  };
+  const auto came = acks.Await([&](const auto& all) { return exhausted(all) >= kRefused; },
+                               kTimeoutMs);
+  const std::string sample = came.empty() ? "" : came.back().error_message();
+  std::printf("4,100 DATA_READY announcing staged data that never comes: %zu refused to eve "
+              "(%s)\n", exhausted(came), sample.c_str());
+  CHECK(exhausted(came) == kRefused);
+  CHECK(came.size() == kRefused);  // the held ones wait; none is acknowledged as landed
+  CHECK_THAT(sample, Contains("1024 of them from 'eve'") && Contains("1024 per sender"));
+  RequireHonestWrite(pair, "beside-eve", {2, 3}, {7, 8});
 }
 
 }  // namespace
