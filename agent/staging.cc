@@ -438,6 +438,21 @@ void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute 
       job->peer->endpoint->NativeRma() ? pool_->chunk_bytes() : options_.pool.AmMessageBytes();
   plan_options.buffers = pool_->buffers();
   plan_options.max_pieces = options_.max_pieces;
+  // A chunk's header (or a read request, which names the same pieces) must fit one
+  // active-message header: UCX 1.13 aborts the sender of a rendezvous whose header does
+  // not fit its transport's buffer ("RTS is too big"). The pieces get what the rest of
+  // the larger of the two leaves.
+  if (const size_t max_header = worker_->max_am_header(); max_header > 0) {
+    wire::StagedReadRequest widest;
+    widest.set_from_agent(options_.self_name);
+    widest.set_incarnation(UINT64_MAX);
+    widest.set_transfer_id(job->transfer_id);
+    widest.set_request_id(UINT64_MAX);
+    widest.set_secret(job->peer->notify_secret);
+    widest.set_eager_replies(true);
+    const size_t fixed = std::max(widest.ByteSizeLong(), size_t{64});
+    plan_options.max_piece_bytes = max_header > fixed ? max_header - fixed : 1;
+  }
   auto chunks = planning::PlanStaging(job->ops, plan_options);
   if (!chunks.ok()) {
     job->done(chunks.status(), first_segment);

@@ -7,6 +7,26 @@
 
 namespace kvagent::planning {
 
+namespace {
+
+uint64_t VarintBytes(uint64_t value) {
+  uint64_t bytes = 1;
+  while (value >= 0x80) {
+    value >>= 7;
+    ++bytes;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+uint64_t EncodedPieceBytes(uint64_t remote_address, uint64_t length) {
+  // proto3 leaves out a field that is 0.
+  const uint64_t inner = (remote_address != 0 ? 1 + VarintBytes(remote_address) : 0) +
+                         (length != 0 ? 1 + VarintBytes(length) : 0);
+  return 1 + VarintBytes(inner) + inner;  // the repeated field's tag (fields 4, 5) and length
+}
+
 absl::StatusOr<std::vector<StagingChunk>> PlanStaging(const std::vector<PlanOp>& ops,
                                                        const StagingPlanOptions& options) {
   if (options.chunk_bytes == 0 || options.buffers == 0 || options.max_pieces == 0) {
@@ -15,6 +35,12 @@ absl::StatusOr<std::vector<StagingChunk>> PlanStaging(const std::vector<PlanOp>&
         "set --staging-chunk-bytes and --staging-buffers to positive values (defaults 4 MiB "
         "and 8)",
         options.chunk_bytes, options.buffers, options.max_pieces));
+  }
+  if (options.max_piece_bytes != 0 && options.max_piece_bytes < kMaxEncodedPieceBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "staging: {} bytes for the pieces of a chunk header, under the {} one piece may take; "
+        "the transport's active-message header is too small for staged chunks",
+        options.max_piece_bytes, kMaxEncodedPieceBytes));
   }
   constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -46,7 +72,13 @@ absl::StatusOr<std::vector<StagingChunk>> PlanStaging(const std::vector<PlanOp>&
       if (current.bytes == options.chunk_bytes || current.pieces.size() == options.max_pieces) {
         close();
       }
-      const uint64_t take = std::min(o.length - done, options.chunk_bytes - current.bytes);
+      uint64_t take = std::min(o.length - done, options.chunk_bytes - current.bytes);
+      uint64_t encoded = EncodedPieceBytes(o.remote_address + done, take);
+      if (options.max_piece_bytes != 0 && current.piece_bytes + encoded > options.max_piece_bytes) {
+        close();  // not empty: one piece alone always fits
+        take = std::min(o.length - done, options.chunk_bytes);
+        encoded = EncodedPieceBytes(o.remote_address + done, take);
+      }
       StagingPiece piece;
       piece.op_index = static_cast<uint32_t>(i);
       piece.local_address = o.local_address + done;
@@ -56,6 +88,7 @@ absl::StatusOr<std::vector<StagingChunk>> PlanStaging(const std::vector<PlanOp>&
       piece.segment = o.segment;
       current.pieces.push_back(piece);
       current.bytes += take;
+      current.piece_bytes += encoded;
       done += take;
     }
   }

@@ -26,17 +26,29 @@ struct StagingPiece {
 struct StagingChunk {
   std::vector<StagingPiece> pieces;
   uint64_t bytes = 0;
+  uint64_t piece_bytes = 0;  // the pieces as a header carries them (EncodedPieceBytes)
 };
+
+// The bytes one piece takes in a chunk header or read request (a repeated StagedPiece
+// of proto/wire.proto: its field tag, its length, and the two varint fields), at most
+// kMaxEncodedPieceBytes.
+uint64_t EncodedPieceBytes(uint64_t remote_address, uint64_t length);
+inline constexpr uint64_t kMaxEncodedPieceBytes = 24;
 
 struct StagingPlanOptions {
   uint64_t chunk_bytes = 4ull << 20;  // one bounce buffer
   uint32_t buffers = 8;               // bounce buffers in the pool (checked, not used)
   // Pieces per chunk, so a chunk's header stays small (the receiver bounds it too).
   uint32_t max_pieces = 1024;
+  // When not 0: the pieces of one chunk take at most this many bytes in its header
+  // (EncodedPieceBytes), at least kMaxEncodedPieceBytes. The header of an active
+  // message must fit one transport buffer (UcxWorker::max_am_header).
+  uint64_t max_piece_bytes = 0;
 };
 
-// INVALID_ARGUMENT for chunk_bytes, buffers or max_pieces of 0, a zero-length
-// operation (naming its index and segment) or an address range that wraps.
+// INVALID_ARGUMENT for chunk_bytes, buffers or max_pieces of 0, max_piece_bytes under
+// kMaxEncodedPieceBytes (but not 0), a zero-length operation (naming its index and
+// segment) or an address range that wraps.
 // Every byte of every operation lands in exactly one piece, in order.
 absl::StatusOr<std::vector<StagingChunk>> PlanStaging(const std::vector<PlanOp>& ops,
                                                        const StagingPlanOptions& options);

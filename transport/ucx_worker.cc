@@ -344,6 +344,9 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
   }
   worker->address_.assign(reinterpret_cast<const char*>(address), address_length);
   ucp_worker_release_address(worker->worker_, address);
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+  if (ucp_worker_query(worker->worker_, &attr) == UCS_OK) worker->max_am_header_ = attr.max_am_header;
 
   status = ucp_worker_get_efd(worker->worker_, &worker->worker_fd_);
   if (status != UCS_OK) {

@@ -91,6 +91,11 @@ class UcxWorker {
 
   // This worker's address, what peers connect to (ucp_worker_get_address bytes).
   const std::string& address() const { return address_; }
+  // The largest header an active message may carry on any of this worker's transports
+  // (ucp_worker_query, UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER): UCX 1.13 aborts the
+  // process ("RTS is too big") when a rendezvous send's header does not fit its
+  // transport's buffer. 0 when UCX did not say.
+  size_t max_am_header() const { return max_am_header_; }
 
   // Runs `fn` on the worker thread, soon. Safe from any thread, including the worker
   // thread itself (then it runs after the current closure). Never blocks on UCX.
@@ -171,6 +176,7 @@ class UcxWorker {
   ucp_worker_h worker_ = nullptr;
   std::string name_;
   std::string address_;
+  size_t max_am_header_ = 0;
   int event_fd_ = -1;   // wakes the thread for Post() and shutdown
   int worker_fd_ = -1;  // ucp_worker_get_efd
   int epoll_fd_ = -1;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "catch2/catch.hpp"
+#include "proto/wire.pb.h"
 
 namespace kvagent::planning {
 namespace {
@@ -39,6 +40,7 @@ void CheckCoverage(const std::vector<PlanOp>& ops, const std::vector<StagingChun
     REQUIRE(chunk.bytes <= options.chunk_bytes);
     REQUIRE(!chunk.pieces.empty());
     REQUIRE(chunk.pieces.size() <= options.max_pieces);
+    if (options.max_piece_bytes != 0) REQUIRE(chunk.piece_bytes <= options.max_piece_bytes);
     uint64_t offset = 0;
     for (const StagingPiece& p : chunk.pieces) {
       REQUIRE(p.buffer_offset == offset);
@@ -129,6 +131,52 @@ TEST_CASE("the pieces per chunk are bounded") {
   CheckCoverage(ops, *chunks, Buffers(1 << 20, 4));
 }
 
+TEST_CASE("a piece's header bytes are what protobuf encodes") {
+  for (uint64_t address : {uint64_t{0}, uint64_t{1}, uint64_t{127}, uint64_t{128},
+                           uint64_t{0x7f12345678ab}, ~uint64_t{0}}) {
+    for (uint64_t length : {uint64_t{0}, uint64_t{1}, uint64_t{4096}, uint64_t{4} << 20,
+                            ~uint64_t{0}}) {
+      wire::StagedChunkHeader header;
+      auto* piece = header.add_pieces();
+      piece->set_remote_address(address);
+      piece->set_length(length);
+      INFO(address << " " << length);
+      CHECK(EncodedPieceBytes(address, length) == header.ByteSizeLong());
+      CHECK(EncodedPieceBytes(address, length) <= kMaxEncodedPieceBytes);
+      wire::StagedReadRequest read;
+      *read.add_pieces() = *piece;
+      CHECK(EncodedPieceBytes(address, length) == read.ByteSizeLong());
+    }
+  }
+}
+
+// UCX aborts a sender whose active-message header does not fit its transport's buffer
+// (about 8 KiB): a chunk of many small scattered pages stops where its pieces reach the
+// header budget, and never exceeds it.
+TEST_CASE("the pieces of one chunk fit a header byte budget") {
+  std::vector<PlanOp> ops;
+  for (uint64_t i = 0; i < 2000; ++i) {
+    ops.push_back(Op(0x7f0000000000 + i * 8192, 0x7e0000000000 + (1999 - i) * 8192, 256));
+  }
+  StagingPlanOptions options = Buffers(4 << 20);
+  options.max_piece_bytes = 8000;
+  auto chunks = PlanStaging(ops, options);
+  REQUIRE(chunks.ok());
+  CheckCoverage(ops, *chunks, options);
+  const uint64_t each = EncodedPieceBytes(0x7e0000000000, 256);  // 12 here
+  REQUIRE(chunks->size() == (2000 + 8000 / each - 1) / (8000 / each));
+  for (const StagingChunk& chunk : *chunks) {
+    uint64_t bytes = 0;
+    for (const StagingPiece& p : chunk.pieces) bytes += EncodedPieceBytes(p.remote_address, p.length);
+    CHECK(bytes == chunk.piece_bytes);
+    CHECK(bytes <= 8000);
+  }
+  options.max_piece_bytes = kMaxEncodedPieceBytes - 1;
+  auto refused = PlanStaging(ops, options);
+  REQUIRE(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(refused.status().message()).find("header") != std::string::npos);
+}
+
 TEST_CASE("no operations plan no chunks") {
   auto chunks = PlanStaging({}, Buffers(1024));
   REQUIRE(chunks.ok());
@@ -175,6 +223,7 @@ TEST_CASE("randomized batches are covered byte by byte") {
       remote += length + rng() % 100;
     }
     StagingPlanOptions options = Buffers(chunk_bytes, max_pieces);
+    if (round % 2 == 1) options.max_piece_bytes = kMaxEncodedPieceBytes + rng() % 64;
     auto chunks = PlanStaging(ops, options);
     REQUIRE(chunks.ok());
     CheckCoverage(ops, *chunks, options);

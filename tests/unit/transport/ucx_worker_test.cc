@@ -78,6 +78,9 @@ struct Agent {
     REQUIRE(worker.ok());
     agent.worker = std::move(*worker);
     CHECK_FALSE(agent.worker->address().empty());
+    // What a header may hold on every transport (about 8 KiB on UCX 1.13's shared
+    // memory and tcp): the stager sizes chunk headers by it.
+    CHECK(agent.worker->max_am_header() >= 1024);
     return agent;
   }
 };
