@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
@@ -39,6 +40,43 @@ constexpr log::Logger kLog("transport");
 // say; padding our copy with zeros keeps a truncated address from reading past it.
 constexpr size_t kAddressPadding = 4096;
 constexpr size_t kMaxAddressBytes = 64 * 1024;
+// A packed remote key is read the same way, by its own layout: a 64-bit map of memory
+// domains and a memory type byte, then for each domain in the map a size byte and that
+// many bytes, which the domain's component reads as its own key (as many bytes as it
+// expects). A key from a peer is walked first (every entry inside its length), then
+// UCX reads a copy followed by zeros, so a short entry cannot take it past the copy.
+constexpr size_t kRkeyPadding = 256;
+constexpr size_t kMaxRkeyBytes = 64 * 1024;
+
+// Why `packed` is not a whole UCX 1.13 packed remote key; empty if it is.
+std::string RkeyLayoutError(std::string_view packed) {
+  constexpr size_t kFixed = sizeof(uint64_t) + 1;  // the domain map, the memory type
+  if (packed.size() < kFixed) {
+    return fmt::format("{} bytes, under the {} of its domain map and memory type",
+                       packed.size(), kFixed);
+  }
+  uint64_t map = 0;
+  std::memcpy(&map, packed.data(), sizeof(map));
+  if (static_cast<uint8_t>(packed[8]) >= UCS_MEMORY_TYPE_LAST) {
+    return fmt::format("memory type {} is not one UCX knows", static_cast<uint8_t>(packed[8]));
+  }
+  size_t at = kFixed;
+  int entry = 0;
+  for (; map != 0; map &= map - 1, ++entry) {
+    if (at >= packed.size()) {
+      return fmt::format("its map names {} memory domains, but it ends after {}",
+                         entry + __builtin_popcountll(map), entry);
+    }
+    const size_t size = static_cast<uint8_t>(packed[at]);
+    if (packed.size() - at - 1 < size) {
+      return fmt::format("entry {} of {} bytes runs past its end ({} bytes)", entry, size,
+                         packed.size());
+    }
+    at += 1 + size;
+  }
+  return {};
+}
+
 // UCX 1.13 addresses start with a header byte whose low nibble is the format
 // version (0 = v1, 1 = v2); other values trip an assertion inside UCX.
 constexpr uint8_t kMaxAddressVersion = 1;
@@ -860,8 +898,25 @@ absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
         "ucp_rkey_pack bytes of its region (GetMetadata)",
         worker_.name_));
   }
+  if (packed.size() > kMaxRkeyBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "UCX worker '{}': the peer's packed remote key is {} bytes, over {}; the peer must "
+        "send the ucp_rkey_pack bytes of its region (GetMetadata)",
+        worker_.name_, packed.size(), kMaxRkeyBytes));
+  }
+  if (const std::string why = RkeyLayoutError(packed); !why.empty()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "UCX worker '{}': the peer's packed remote key is not one: {}; the peer must send "
+        "the ucp_rkey_pack bytes of its region (GetMetadata)",
+        worker_.name_, why));
+  }
+  // Kept zero past the key between calls (worker thread): each call copies its key in
+  // and zeroes it after.
+  thread_local std::vector<char> padded(kMaxRkeyBytes + kRkeyPadding, '\0');
+  std::memcpy(padded.data(), packed.data(), packed.size());
   ucp_rkey_h rkey = nullptr;
-  ucs_status_t status = ucp_ep_rkey_unpack(ep_, packed.data(), &rkey);
+  ucs_status_t status = ucp_ep_rkey_unpack(ep_, padded.data(), &rkey);
+  std::memset(padded.data(), 0, packed.size());
   if (status != UCS_OK) {
     return UcxError(status, fmt::format("UCX worker '{}': unpacking a {}-byte remote key "
                                         "failed; the key is corrupt or from a UCX with "

@@ -3,6 +3,9 @@
 // UCX_TLS=tcp,self.
 #include "transport/ucx_worker.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -367,6 +370,43 @@ TEST_CASE("Post keeps per-thread order and RunSync sees every earlier Post") {
   });
   REQUIRE(done.WaitForNotificationWithTimeout(kWait));
   CHECK(order == std::vector<int>{1, 2});
+}
+
+// A peer's packed remote key is untrusted: UCX reads it by its own layout, not its
+// length. A 9-byte key whose map names all 64 memory domains, placed right before an
+// inaccessible page, made UCX read past it (SIGSEGV). Now a key is walked entry by
+// entry first, and one that does not hold what its map says is refused with the reason.
+TEST_CASE("a short remote key from a peer is read no further than its bytes") {
+  Agent a = Agent::Make("test-a");
+  Agent b = Agent::Make("test-b");
+  std::unique_ptr<Endpoint> a_to_b = Connect(*a.worker, b.worker->address(), ErrorMode::kNone);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  void* mapped = ::mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(mapped != MAP_FAILED);
+  char* guard = static_cast<char*>(mapped) + page;
+  REQUIRE(::mprotect(guard, page, PROT_NONE) == 0);
+  const std::vector<std::pair<std::string, std::string>> keys = {
+      {std::string(8, '\xff') + '\0', "it ends after 0"},
+      {std::string(8, '\xff'), "under the 9"},
+      {std::string("\x01\0\0\0\0\0\0\0\0\xff", 10), "entry 0 of 255 bytes runs past"},
+      {std::string("\x01\0\0\0\0\0\0\0\x7f\0", 10), "memory type 127"},
+      {std::string(65 * 1024, '\0'), "over 65536"},
+  };
+  for (const auto& [key, why] : keys) {
+    std::string_view bytes = key;
+    if (key.size() < static_cast<size_t>(page)) {  // right before the guard page
+      char* at = guard - key.size();
+      std::memcpy(at, key.data(), key.size());
+      bytes = std::string_view(at, key.size());
+    }
+    absl::Status status;
+    a.worker->RunSync([&] { status = a_to_b->UnpackRkey(bytes).status(); });
+    INFO(key.size() << "-byte key: " << status);
+    CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(std::string(status.message()).find(why) != std::string::npos);
+  }
+  ::munmap(mapped, 2 * page);
+  Destroy(*a.worker, a_to_b);
 }
 
 TEST_CASE("bad worker addresses are rejected, not fatal") {
