@@ -82,6 +82,10 @@ void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalo
     FUZZ_CHECK(r.role == in.role() && r.role.size() <= limits.max_role_bytes &&
                    !HasControlCharacter(r.role),
                "region '{}': role of {} bytes accepted", r.name, r.role.size());
+    FUZZ_CHECK(!HasControlCharacter(r.name) && !HasControlCharacter(r.group),
+               "region {}: a name or group with a control character accepted", i);
+    FUZZ_CHECK(r.memory != v1::VRAM || r.memory_id == 0,
+               "region '{}': VRAM naming host memory object {} accepted", r.name, r.memory_id);
     FUZZ_CHECK(catalog.Find(r.name) == &r, "Find('{}') is not region {}", r.name, i);
     if (!r.group.empty()) ++grouped;
   }

@@ -36,6 +36,19 @@ absl::StatusOr<RemoteRegion> ParseRegion(const v1::ExportedRegion& in, uint32_t 
   if (HasControlCharacter(in.role())) {
     return bad(fmt::format("role '{}' holds a NUL or control character", Printable(in.role())));
   }
+  // As this agent's own registry refuses them: a name is logged and shown to operators.
+  if (HasControlCharacter(in.name()) || HasControlCharacter(in.group())) {
+    return bad(fmt::format("name or group '{}' holds a NUL or control character",
+                           Printable(in.name() + "' / '" + in.group())));
+  }
+  // Host memory of a same-host peer is mapped by its memory object's id, device memory
+  // by its CUDA IPC or VMM handle; a VRAM region naming a host object would have the
+  // GPU copy from a host pointer as if it were device memory.
+  if (in.memory() == v1::VRAM && in.memory_id() != 0) {
+    return bad(fmt::format("a VRAM region names host memory object {} (memory_id); device "
+                           "memory travels by CUDA IPC or VMM handle, host memory as DRAM",
+                           in.memory_id()));
+  }
   // VRAM that the peer moves through host staging has no UCX registration, so no
   // rkey; every other region must have one.
   const bool rkey_optional = in.memory() == v1::VRAM;

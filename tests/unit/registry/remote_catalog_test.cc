@@ -137,6 +137,24 @@ TEST_CASE("Malformed metadata is rejected naming the field") {
     md.mutable_regions(0)->set_memory(v1::VRAM);
     CHECK_THAT(Error(md), Catch::Contains("rkey is 5000 bytes (allowed 0..4096)"));
   }
+  SECTION("control characters in a name or group") {
+    v1::AgentMetadata md = Valid();
+    md.mutable_regions(2)->set_name("aux\nFAKE LOG LINE");
+    CHECK_THAT(Error(md), Catch::Contains("NUL or control character"));
+    md.mutable_regions(2)->set_name("aux");
+    md.mutable_regions(2)->set_group(std::string("g\0", 2));
+    CHECK_THAT(Error(md), Catch::Contains("NUL or control character"));
+  }
+  SECTION("a VRAM region naming a host memory object") {
+    v1::AgentMetadata md = Valid();
+    md.mutable_regions(2)->set_memory(v1::VRAM);
+    md.mutable_regions(2)->set_memory_id(42);
+    std::string message = Error(md);
+    CHECK_THAT(message, Catch::Contains("region 'aux'"));
+    CHECK_THAT(message, Catch::Contains("host memory object 42"));
+    md.mutable_regions(2)->set_memory(v1::DRAM);  // the same object as DRAM is fine
+    CHECK(RemoteCatalog::FromMetadata(md, {}).ok());
+  }
   SECTION("base + length overflow") {
     v1::AgentMetadata md = Valid();
     md.mutable_regions(0)->set_base_address(UINT64_MAX - 100);
