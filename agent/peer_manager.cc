@@ -501,11 +501,7 @@ void PeerManager::BuildSnapshot(
         table->keys.push_back(std::make_shared<const transport::RemoteKey>(*std::move(key)));
       }
       snapshot->keys = OwnedByWorker(worker_, std::move(table));
-      if (snapshot->direct != nullptr) {
-        auto stripped = std::make_shared<PeerSnapshot>(*snapshot);
-        stripped->direct = nullptr;
-        snapshot->without_direct = std::move(stripped);
-      }
+      snapshot->endpoint_only = EndpointOnly(*snapshot);
       done(std::shared_ptr<const PeerSnapshot>(snapshot));
     };
     if (reused) {

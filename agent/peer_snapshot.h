@@ -98,11 +98,13 @@ struct PeerSnapshot {
   // kAmRead) instead of UCX RMA: the endpoint has no native RMA (Endpoint::NativeRma,
   // tcp) and the peer takes such messages (kWireAmData). Set with the endpoint.
   bool am_data = false;
-  // The same view without `direct` (set when direct is), made once per view: a
-  // finished transfer's record keeps this one (its outcome and commit notices need only
-  // the endpoint), so it neither holds the peer's mapped memory nor copies a view per
-  // transfer.
-  std::shared_ptr<const PeerSnapshot> without_direct;
+  // The same view with only what a finished transfer's outcome and commit notices need
+  // (name, incarnation, endpoint, secret, wire features): no catalog, no keys, no
+  // mapped memory. Made once per view; an ended record keeps this one, so 10,000 ended
+  // records of a peer whose catalog changed between them (a copy per version, 40-50 MB
+  // at 100,000 regions) hold neither those catalogs nor the peer's memory, and no
+  // record copies a view.
+  std::shared_ptr<const PeerSnapshot> endpoint_only;
 
   // The data path to this peer, as PeerInfo.data_path and the transfer metrics name
   // it: "ucx", "ucx-am" (am_data), "shm-direct" (every region mapped) or
@@ -112,5 +114,21 @@ struct PeerSnapshot {
     return direct->complete ? "shm-direct" : "shm-direct+ucx";
   }
 };
+
+// `view` without its catalog, keys and mapped memory (PeerSnapshot::endpoint_only).
+inline std::shared_ptr<const PeerSnapshot> EndpointOnly(const PeerSnapshot& view) {
+  auto out = std::make_shared<PeerSnapshot>();
+  out->name = view.name;
+  out->address = view.address;
+  out->incarnation = view.incarnation;
+  out->same_host = view.same_host;
+  out->error_mode = view.error_mode;
+  out->transports = view.transports;
+  out->endpoint = view.endpoint;
+  out->notify_secret = view.notify_secret;
+  out->wire_features = view.wire_features;
+  out->am_data = view.am_data;
+  return out;
+}
 
 }  // namespace kvagent::agent

@@ -181,18 +181,14 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   }
   t.awaiting_ack = false;
   t.chunks.clear();
-  // The record stays for queries (max_finished) with its last view of the peer, which
-  // the outcome and commit notices need only for the endpoint: without the peer's
-  // memory mapped here (shm, CUDA IPC, CUDA VMM imports), or memory the peer freed (its
-  // VRAM too) stays held until the record goes. Batches in flight hold their own view.
-  if (t.last_peer != nullptr && t.last_peer->direct != nullptr) {
-    if (t.last_peer->without_direct != nullptr) {
-      t.last_peer = t.last_peer->without_direct;  // the peer manager's views have one
-    } else {
-      auto endpoint_only = std::make_shared<PeerSnapshot>(*t.last_peer);
-      endpoint_only->direct = nullptr;
-      t.last_peer = std::move(endpoint_only);
-    }
+  // The record stays for queries (max_finished) with only the endpoint of its last view
+  // of the peer, which its outcome and commit notices need: without the peer's catalog
+  // and keys, or its memory mapped here (shm, CUDA IPC, CUDA VMM imports), or memory
+  // the peer freed (its VRAM too) stays held until the record goes. Batches in flight
+  // hold their own view.
+  if (t.last_peer != nullptr && t.last_peer->catalog != nullptr) {
+    t.last_peer = t.last_peer->endpoint_only != nullptr ? t.last_peer->endpoint_only
+                                                        : EndpointOnly(*t.last_peer);
   }
   std::string().swap(t.notification);  // ended before DATA_READY: never sent
   planned_ops_ -= std::min(planned_ops_, t.planned_ops);
