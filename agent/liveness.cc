@@ -375,7 +375,7 @@ struct LivenessProber::Watched {
   uint64_t refused = 0;
   bool answering = true;
   bool ever_answered = false;
-  // A Unix door's own socket, connected to it (invalid: the shared one is used).
+  // The door's own socket, connected to it (invalid: the shared one is used).
   UniqueFd own;
 };
 
@@ -392,12 +392,18 @@ UniqueFd AutoboundUnixSocket() {
   return fd;
 }
 
-// A socket for one Unix door: autobound (the door answers to its address) and
-// connected to the door, so that the kernel takes datagrams for it from the door
-// alone. Invalid (with the cause logged) when it cannot be made.
-UniqueFd ConnectedUnixSocket(const LivenessTarget& target) {
-  UniqueFd fd = AutoboundUnixSocket();
-  const char* step = "an autobound socket";
+// A socket for one door, connected to it, so that the kernel takes datagrams for it
+// from that door alone: a Unix one autobound (the door answers to its address; other
+// senders are refused, EPERM), a UDP one on a port of its own (datagrams from any other
+// address are dropped before its queue, so a watched peer that learned the port from a
+// ping cannot crowd out another door's answers). Invalid (with the cause logged) when
+// it cannot be made.
+UniqueFd ConnectedSocket(const LivenessTarget& target) {
+  const bool unix_door = target.address.ss_family == AF_UNIX;
+  UniqueFd fd = unix_door ? AutoboundUnixSocket()
+                          : UniqueFd(socket(target.address.ss_family,
+                                            SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  const char* step = unix_door ? "an autobound socket" : "a socket";
   if (fd) {
     step = "connect";
     if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) ==
@@ -406,7 +412,8 @@ UniqueFd ConnectedUnixSocket(const LivenessTarget& target) {
     }
   }
   kLog.Warn("liveness prober: no socket of its own for the door at {} ({}: {}); pinging it "
-            "from the shared socket, where junk sent to the prober can crowd out its answers",
+            "from the shared socket, where datagrams others send the prober can crowd out "
+            "its answers",
             target.text, step, strerror(errno));
   return UniqueFd();
 }
@@ -463,7 +470,7 @@ void LivenessProber::Watch(const std::string& name, uint64_t incarnation,
       peers_.erase(it);
     }
     auto w = std::make_unique<Watched>();
-    if (target.address.ss_family == AF_UNIX) w->own = ConnectedUnixSocket(target);
+    w->own = ConnectedSocket(target);
     w->name = name;
     w->incarnation = incarnation;
     w->target = target;
@@ -635,7 +642,7 @@ void LivenessProber::Loop() {
           if (family == AF_INET && udp4_) out = &out4, fd = udp4_.get();
           if (family == AF_INET6 && udp6_) out = &out6, fd = udp6_.get();
           if (family == AF_UNIX && unix_) out = &outu, fd = unix_.get();
-          if (family == AF_UNIX && w.own) out = &single, fd = w.own.get();
+          if (w.own) out = &single, fd = w.own.get();
           if (out != nullptr) {
             ++w.seq;
             out->sent[out->n] = {&w, w.sent_us[w.seq % Watched::kRing], w.last_sent_us};

@@ -132,10 +132,13 @@ class LivenessProber {
   // Pings `name` (incarnation `incarnation`) at `target` from now on, signed with the
   // key from `secret`. The same name, incarnation, target and secret again: nothing
   // changes; anything else starts afresh (a grace of one timeout before it can be lost).
-  // A Unix door gets a socket of its own, connected to it: the kernel then refuses
-  // datagrams to it from any other socket (EPERM), so junk sprayed at the prober's
-  // abstract address, which no file mode guards, cannot fill the queue its answers
-  // need. (If that socket cannot be made, the shared one is used.)
+  // Each door gets a socket of its own, connected to it. A Unix one: the kernel then
+  // refuses datagrams to it from any other socket (EPERM), so junk sprayed at the
+  // prober's abstract address, which no file mode guards, cannot fill the queue its
+  // answers need. A UDP one: datagrams from any other address are dropped before its
+  // queue, so a peer that floods the port its pings come from (it sees it in every
+  // ping) crowds out no other door's answers. (If that socket cannot be made, the
+  // shared one is used.)
   void Watch(const std::string& name, uint64_t incarnation, const LivenessTarget& target,
              std::string_view secret);
   void Unwatch(const std::string& name);

@@ -4,7 +4,9 @@
 // peer lost once the door is gone (and as never answered when nothing was there), and
 // keeps a Unix door whose queue junk keeps full answering, trying a refused ping again
 // at once rather than after its retry interval, and keeps a Unix door answering while
-// junk is sprayed at the prober's own sockets (connected to the door: refused).
+// junk is sprayed at the prober's own sockets (connected to the door: refused), and
+// keeps a UDP door answering while another watched peer floods the prober with
+// datagrams (each door has its own connected socket).
 // Waits are for states, with generous deadlines; nothing here is timed.
 #include <netinet/in.h>
 #include <poll.h>
@@ -416,6 +418,124 @@ TEST_CASE("junk sprayed at the prober's own Unix socket does not make it lose a 
   }
   watched.door->reset();
   rmdir(TempPath("").c_str());
+}
+
+// A door on another host, played on 127.0.0.1: a UDP socket that answers each signed
+// ping after `delay` (the round trip between hosts, during which the prober waits
+// for answers to gather); counts what it answered.
+// A UDP socket bound to 127.0.0.1 on a free port, and the port.
+UniqueFd LoopbackUdp(uint32_t* port) {
+  UniqueFd fd(socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0);
+  socklen_t length = sizeof at;
+  REQUIRE(getsockname(fd.get(), reinterpret_cast<sockaddr*>(&at), &length) == 0);
+  *port = ntohs(at.sin_port);
+  return fd;
+}
+
+struct RemoteUdpDoor {
+  uint32_t port = 0;
+  UniqueFd fd = LoopbackUdp(&port);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> answered{0};
+  std::thread thread;
+
+  explicit RemoteUdpDoor(std::chrono::milliseconds delay) {
+    thread = std::thread([this, delay] {
+      LivenessKey key(kSecret);
+      while (!stop.load()) {
+        pollfd p{fd.get(), POLLIN, 0};
+        if (poll(&p, 1, 50) != 1) continue;
+        uint8_t d[kLivenessDatagramBytes + 1];
+        sockaddr_storage from{};
+        socklen_t from_length = sizeof from;
+        const ssize_t n =
+            recvfrom(fd.get(), d, sizeof d, 0, reinterpret_cast<sockaddr*>(&from), &from_length);
+        LivenessMessage ping;
+        if (n != static_cast<ssize_t>(kLivenessDatagramBytes) ||
+            ParseLivenessDatagram(d, kLivenessDatagramBytes, &ping) != LivenessVerdict::kOk ||
+            !key.Verify(d)) {
+          continue;
+        }
+        std::this_thread::sleep_for(delay);
+        key.Encode({LivenessKind::kAnswer, key.id(), kIncarnation, ping.nonce, ping.seq}, d);
+        if (sendto(fd.get(), d, kLivenessDatagramBytes, 0, reinterpret_cast<const sockaddr*>(&from),
+                   from_length) == static_cast<ssize_t>(kLivenessDatagramBytes)) {
+          answered.fetch_add(1);
+        }
+      }
+    });
+  }
+  ~RemoteUdpDoor() {
+    stop.store(true);
+    thread.join();
+  }
+};
+
+TEST_CASE("a watched peer flooding the prober's UDP port does not make it lose another peer") {
+  // Every ping shows its door the address it came from. A watched peer (mallory, a
+  // plain UDP socket) reads one, then floods that address with empty datagrams. With
+  // one socket shared by every UDP door, the flood kept its queue full while the
+  // prober let answers gather, and the answers of a door 3 ms away were dropped: the
+  // prober lost a live peer. Each door's own connected socket takes datagrams from
+  // that door alone.
+  RemoteUdpDoor door(std::chrono::milliseconds(5));
+  Losses losses;
+  auto prober = LivenessProber::Start(
+      LivenessProberOptions{},  // the agent's: pings every 600 ms, lost after 1 s
+      [&](const std::string& name, uint64_t, const std::string& why, bool ever_answered) {
+        absl::MutexLock lock(&losses.mu);
+        losses.seen.emplace_back(name + ": " + why, ever_answered);
+      });
+  REQUIRE(prober.ok());
+  auto good = ResolveLivenessTarget("udp:" + std::to_string(door.port), "127.0.0.1:1");
+  REQUIRE(good.ok());
+  (*prober)->Watch("decode", kIncarnation, *good, kSecret);
+  REQUIRE(WaitFor([&] { return door.answered.load() >= 1; }));
+
+  uint32_t fake_port = 0;
+  UniqueFd fake = LoopbackUdp(&fake_port);
+  auto bad = ResolveLivenessTarget("udp:" + std::to_string(fake_port), "127.0.0.1:1");
+  REQUIRE(bad.ok());
+  (*prober)->Watch("mallory", kIncarnation, *bad, "mallory's own secret");
+  sockaddr_storage prober_address{};
+  socklen_t prober_length = sizeof prober_address;
+  uint8_t ping[128];
+  pollfd p{fake.get(), POLLIN, 0};
+  REQUIRE(poll(&p, 1, 20000) == 1);
+  REQUIRE(recvfrom(fake.get(), ping, sizeof ping, 0, reinterpret_cast<sockaddr*>(&prober_address),
+                   &prober_length) > 0);
+
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> flooded{0};
+  auto flood = [&] {
+    while (!stop.load()) {
+      for (int i = 0; i < 256; ++i) {
+        if (sendto(fake.get(), "", 0, MSG_DONTWAIT,
+                   reinterpret_cast<const sockaddr*>(&prober_address), prober_length) == 0) {
+          flooded.fetch_add(1);
+        }
+      }
+    }
+  };
+  std::thread flooder(flood), flooder2(flood);
+  std::this_thread::sleep_for(std::chrono::seconds(4));  // four loss timeouts
+  const uint64_t answered = door.answered.load();
+  stop.store(true);
+  flooder.join();
+  flooder2.join();
+  INFO("flooded " << flooded.load() << " datagrams; the door answered " << answered
+                  << "; the prober dropped " << (*prober)->dropped());
+  CHECK(flooded.load() > 0);
+  CHECK((*prober)->Answering("decode"));
+  absl::MutexLock lock(&losses.mu);
+  for (const auto& [why, ever] : losses.seen) {
+    UNSCOPED_INFO(why);
+    CHECK(why.rfind("mallory: ", 0) == 0);  // it never answers: lost, alone
+  }
 }
 
 TEST_CASE("junk that keeps a Unix door's queue full does not make its prober lose the peer") {
