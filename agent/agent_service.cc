@@ -575,6 +575,8 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   if (deps.liveness != nullptr) status->set_liveness_answered(deps.liveness->answered());
   status->set_liveness_dropped((deps.liveness != nullptr ? deps.liveness->dropped() : 0) +
                                deps.peers->liveness_dropped());
+  status->set_liveness_peers_lost(deps.peers->liveness_lost());
+  status->set_liveness_pings_refused(deps.peers->liveness_refused());
   const auto& id = *deps.identity;
   const auto& caps = deps.context->capabilities();
   status->set_name(id.name);

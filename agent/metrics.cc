@@ -264,6 +264,14 @@ std::string RenderMetrics(const MetricsSources& sources) {
          "Datagrams the liveness door dropped: malformed, unknown key, bad MAC, wrong "
          "incarnation, replayed.")
       .Sample(static_cast<double>(status.liveness_dropped()));
+  Family(&out, "kvagent_liveness_peers_lost_total", "counter",
+         "Peers this agent's liveness prober found silent past the timeout (their transfers "
+         "failed).")
+      .Sample(static_cast<double>(status.liveness_peers_lost()));
+  Family(&out, "kvagent_liveness_pings_refused_total", "counter",
+         "Liveness pings the kernel refused for a full queue at a peer's door: a door that "
+         "stopped reading, or one flooded with datagrams.")
+      .Sample(static_cast<double>(status.liveness_pings_refused()));
   Family(&out, "kvagent_memory_faults_total", "counter",
          "SIGBUS faults caught in registered or peer memory that vanished.")
       .Sample(static_cast<double>(status.memory_faults()));

@@ -168,6 +168,8 @@ class PeerManager {
 
   // Liveness datagrams the prober dropped (forged, replayed, malformed).
   uint64_t liveness_dropped() const { return prober_ ? prober_->dropped() : 0; }
+  uint64_t liveness_lost() const { return prober_ ? prober_->lost() : 0; }
+  uint64_t liveness_refused() const { return prober_ ? prober_->refused() : 0; }
   // Same-host peers' CUDA VMM allocations this agent failed to import, over its life:
   // each view rebuild retries the ones that failed, so a peer whose imports keep
   // failing adds them again with each metadata change (PeerInfo.vmm_import_failures

@@ -250,9 +250,12 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(s.refused_calls()),
               static_cast<unsigned long>(s.dropped_peer_messages()));
   std::printf("liveness     %lu pings answered, %lu datagrams dropped (malformed, unknown key, "
-              "bad MAC, wrong incarnation, replayed)\n",
+              "bad MAC, wrong incarnation, replayed); %lu peers lost, %lu pings refused by a "
+              "full door\n",
               static_cast<unsigned long>(s.liveness_answered()),
-              static_cast<unsigned long>(s.liveness_dropped()));
+              static_cast<unsigned long>(s.liveness_dropped()),
+              static_cast<unsigned long>(s.liveness_peers_lost()),
+              static_cast<unsigned long>(s.liveness_pings_refused()));
   std::printf("limits       %-28s %14s %14s %8s  %s\n", "name", "in use", "limit", "refused",
               "flag");
   for (const auto& l : s.limits()) {

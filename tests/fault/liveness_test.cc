@@ -54,7 +54,9 @@ TEST_CASE("a hung peer is seen by its liveness door within 2 s, and is connected
   CHECK(StatusOf(pair.decode()).metadata_streams() == 1);
 
   const pid_t decode = pair.decode_process().pid();
+  const uint64_t lost_before = StatusOf(pair.prefill()).liveness_peers_lost();
   HangDecode(pair, "liveness");
+  CHECK(StatusOf(pair.prefill()).liveness_peers_lost() == lost_before + 1);
   const std::string why = PeerView(pair.prefill(), "decode").last_error();
   CHECK_THAT(why, Catch::Contains("liveness door at unix " + pair.decode_process().local_socket() +
                                   ".live"));

@@ -136,6 +136,8 @@ TEST_CASE("Metrics account for every transfer and byte that moved", "[metrics]")
   REQUIRE(status.ok());
   CHECK(static_cast<double>(status->liveness_answered()) >= answered);
   CHECK(Value(Scrape(decode), "kvagent_liveness_dropped_total") == 0);
+  CHECK(Value(Scrape(decode), "kvagent_liveness_peers_lost_total") == 0);
+  CHECK(Value(Scrape(decode), "kvagent_liveness_pings_refused_total") == 0);
 
   // One transfer is counted once: sent in two chunks, its first chunk retried while it
   // runs and again after it ended (both accepted as the same transfer).
