@@ -2,7 +2,10 @@
 // manager applies before using anything in it (RemoteCatalog::FromMetadata), with the
 // default limits and with tight ones. Accepted catalogs must satisfy every invariant
 // the planner relies on (bounded printable roles, unique within a group, among them);
-// rejections must be INVALID_ARGUMENT naming the peer.
+// rejections must be INVALID_ARGUMENT naming the peer. A message marked as a delta is
+// also applied to a valid view of its sender at its base version (ApplyDelta, what a
+// pushed change goes through), with the same checks on the result.
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -31,6 +34,9 @@ void CheckRejection(const absl::Status& status) {
              "rejection does not name the peer: {}", status.message());
 }
 
+void CheckRegions(const RemoteCatalog& catalog, const CatalogLimits& limits,
+                  const std::function<const v1::ExportedRegion&(size_t)>& exported);
+
 void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalog,
                   const CatalogLimits& limits) {
   FUZZ_CHECK(catalog.peer() == metadata.name(), "peer '{}' vs metadata name", catalog.peer());
@@ -42,13 +48,28 @@ void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalo
   const std::vector<RemoteRegion>& regions = catalog.regions();
   FUZZ_CHECK(static_cast<int>(regions.size()) == metadata.regions_size(),
              "{} regions from {} exported", regions.size(), metadata.regions_size());
-  FUZZ_CHECK(regions.size() <= limits.max_regions, "{} regions accepted", regions.size());
-  size_t grouped = 0;
   for (size_t i = 0; i < regions.size(); ++i) {
     const RemoteRegion& r = regions[i];
     const v1::ExportedRegion& in = metadata.regions(static_cast<int>(i));
     FUZZ_CHECK(r.name == in.name() && r.rkey_slot == i, "region {} is '{}' slot {}", i, r.name,
                r.rkey_slot);
+  }
+  CheckRegions(catalog, limits, [&](size_t i) -> const v1::ExportedRegion& {
+    return metadata.regions(static_cast<int>(i));
+  });
+}
+
+// What every accepted catalog must hold, whole catalog or delta result: `exported(i)`
+// is what region i was parsed from.
+void CheckRegions(const RemoteCatalog& catalog, const CatalogLimits& limits,
+                  const std::function<const v1::ExportedRegion&(size_t)>& exported) {
+  const std::vector<RemoteRegion>& regions = catalog.regions();
+  FUZZ_CHECK(regions.size() <= limits.max_regions, "{} regions accepted", regions.size());
+  size_t grouped = 0;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const RemoteRegion& r = regions[i];
+    const v1::ExportedRegion& in = exported(i);
+    FUZZ_CHECK(r.name == in.name(), "region {} is '{}', parsed from '{}'", i, r.name, in.name());
     FUZZ_CHECK(!r.name.empty() && r.name.size() <= limits.max_name_bytes &&
                    r.group.size() <= limits.max_name_bytes,
                "region {}: name/group sizes {}/{}", i, r.name.size(), r.group.size());
@@ -108,7 +129,73 @@ void CheckCatalog(const v1::AgentMetadata& metadata, const RemoteCatalog& catalo
   FUZZ_CHECK(catalog.FindGroup("").empty(), "the empty group name finds regions");
 }
 
+// The view a delta applies to: a valid catalog of the delta's sender at its base
+// version (two KV regions in group kv, one AUX), as the peer manager would hold it.
+v1::AgentMetadata Base(const v1::AgentMetadata& delta) {
+  v1::AgentMetadata base;
+  base.set_name(delta.name());
+  base.set_version(delta.base_version());
+  base.set_worker_address("w");
+  const char* names[] = {"k.L0", "v.L0", "aux"};
+  for (int i = 0; i < 3; ++i) {
+    v1::ExportedRegion* r = base.add_regions();
+    r->set_name(names[i]);
+    if (i < 2) {
+      r->set_group("kv");
+      r->set_group_position(static_cast<uint32_t>(i));
+    }
+    r->set_base_address(0x10000 * (i + 1));
+    r->set_length(4096);
+    r->mutable_layout()->set_num_items(16);
+    r->mutable_layout()->set_item_bytes(256);
+    r->set_rkey("k");
+  }
+  return base;
+}
+
+// A pushed delta against Base: refused with the reason, or a catalog that holds every
+// invariant, whose base_slots name each kept region's slot in the base (same region)
+// and mark the delta's own, in its order.
+void RunDelta(const v1::AgentMetadata& delta, const CatalogLimits& limits) {
+  const v1::AgentMetadata base_metadata = Base(delta);
+  auto base = RemoteCatalog::FromMetadata(base_metadata, CatalogLimits{});
+  if (!base.ok()) return;  // a sender name no catalog may have
+  auto applied = base->ApplyDelta(delta, limits);
+  if (!applied.ok()) {
+    CheckRejection(applied.status());
+    return;
+  }
+  const RemoteCatalog& result = applied->catalog;
+  FUZZ_CHECK(result.version() == delta.version() && delta.version() > delta.base_version(),
+             "delta to version {} from {} gave version {}", delta.version(), delta.base_version(),
+             result.version());
+  FUZZ_CHECK(applied->base_slots.size() == result.regions().size(), "{} base slots for {} regions",
+             applied->base_slots.size(), result.regions().size());
+  int added = 0;
+  for (size_t i = 0; i < applied->base_slots.size(); ++i) {
+    const uint32_t slot = applied->base_slots[i];
+    if (slot == registry::AppliedDelta::kNew) {
+      FUZZ_CHECK(added < delta.regions_size() &&
+                     result.regions()[i].name == delta.regions(added).name(),
+                 "region {} is not the delta's region {}", i, added);
+      ++added;
+      continue;
+    }
+    FUZZ_CHECK(added == 0 && slot < base->regions().size() &&
+                   result.regions()[i].name == base->regions()[slot].name,
+               "region {} claims base slot {} after {} new ones", i, slot, added);
+  }
+  FUZZ_CHECK(added == delta.regions_size(), "{} of the delta's {} regions kept", added,
+             delta.regions_size());
+  CheckRegions(result, limits, [&](size_t i) -> const v1::ExportedRegion& {
+    const uint32_t slot = applied->base_slots[i];
+    if (slot != registry::AppliedDelta::kNew) return base_metadata.regions(static_cast<int>(slot));
+    return delta.regions(static_cast<int>(i - (applied->base_slots.size() - delta.regions_size())));
+  });
+}
+
 void Run(const v1::AgentMetadata& metadata, const CatalogLimits& limits) {
+  if (metadata.delta()) RunDelta(metadata, limits);
   auto catalog = RemoteCatalog::FromMetadata(metadata, limits);
   if (!catalog.ok()) {
     CheckRejection(catalog.status());

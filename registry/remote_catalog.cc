@@ -230,14 +230,16 @@ absl::StatusOr<AppliedDelta> RemoteCatalog::ApplyDelta(const v1::AgentMetadata& 
   }
   // Removed names must be ones we hold; replaced ones (added under a name we hold)
   // drop out too and come back from the delta.
-  std::vector<bool> dropped(regions_.size(), false);
+  // Why each base region drops out: not, removed, or replaced by one the delta adds.
+  enum class Dropped : uint8_t { kNo, kRemoved, kReplaced };
+  std::vector<Dropped> dropped(regions_.size(), Dropped::kNo);
   for (const std::string& name : delta.removed_regions()) {
     auto it = by_name_.find(name);
-    if (it == by_name_.end() || dropped[it->second]) {
+    if (it == by_name_.end() || dropped[it->second] != Dropped::kNo) {
       return refuse(fmt::format("it removes region '{}', which this view {}", Printable(name),
                                 it == by_name_.end() ? "does not hold" : "already dropped"));
     }
-    dropped[it->second] = true;
+    dropped[it->second] = Dropped::kRemoved;
   }
   std::vector<RemoteRegion> added;
   added.reserve(delta.regions_size());
@@ -245,16 +247,17 @@ absl::StatusOr<AppliedDelta> RemoteCatalog::ApplyDelta(const v1::AgentMetadata& 
     auto region = ParseRegion(delta.regions(i), static_cast<uint32_t>(i), peer, limits);
     if (!region.ok()) return refuse(std::string(region.status().message()));
     if (auto it = by_name_.find(region->name); it != by_name_.end()) {
-      if (dropped[it->second]) {
-        return refuse(fmt::format("region '{}' is both removed and added",
-                                  Printable(region->name)));
+      if (dropped[it->second] != Dropped::kNo) {
+        return refuse(fmt::format("region '{}' is {}", Printable(region->name),
+                                  dropped[it->second] == Dropped::kRemoved
+                                      ? "both removed and added"
+                                      : "added twice"));
       }
-      dropped[it->second] = true;
+      dropped[it->second] = Dropped::kReplaced;
     }
     added.push_back(*std::move(region));
   }
-  const size_t kept = regions_.size() - static_cast<size_t>(
-                                            std::count(dropped.begin(), dropped.end(), true));
+  const size_t kept = static_cast<size_t>(std::count(dropped.begin(), dropped.end(), Dropped::kNo));
   if (kept + added.size() > limits.max_regions) {
     return refuse(fmt::format("the result has {} regions (at most {})", kept + added.size(),
                               limits.max_regions));
@@ -267,7 +270,7 @@ absl::StatusOr<AppliedDelta> RemoteCatalog::ApplyDelta(const v1::AgentMetadata& 
   catalog.regions_.reserve(kept + added.size());
   out.base_slots.reserve(kept + added.size());
   for (size_t i = 0; i < regions_.size(); ++i) {
-    if (dropped[i]) continue;
+    if (dropped[i] != Dropped::kNo) continue;
     catalog.regions_.push_back(regions_[i]);
     out.base_slots.push_back(static_cast<uint32_t>(i));
   }

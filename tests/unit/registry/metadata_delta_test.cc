@@ -207,6 +207,13 @@ TEST_CASE("Bad deltas are refused, naming why") {
     bad.add_removed_regions("a");
     refused(bad, "region 'a' is both removed and added");
   }
+  SECTION("a name this view holds added twice") {
+    v1::AgentMetadata bad = good;
+    *bad.add_regions() = bad.regions(0);
+    bad.mutable_regions(0)->set_name("a");
+    bad.mutable_regions(1)->set_name("a");
+    refused(bad, "region 'a' is added twice");
+  }
   SECTION("an added region that FromMetadata would refuse") {
     v1::AgentMetadata bad = good;
     bad.mutable_regions(0)->mutable_layout()->set_item_bytes(0);
