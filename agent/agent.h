@@ -71,6 +71,8 @@ struct AgentOptions {
   uint32_t liveness_port = 0;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
   bool shm_direct = true;
+  // Memory objects of one same-host peer mapped here (--max-peer-memory-objects).
+  uint32_t max_peer_memory_objects = 4096;
   uint32_t deregister_wait_ms = 2000;
   // How long a transfer that ended with operations posted waits for them before it
   // reports drain_unknown (--drain-timeout-ms).

@@ -127,6 +127,10 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               peer error handling; peer otherwise)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
+  --max-peer-memory-objects N shm-direct: memory objects of one same-host peer mapped
+                              here (default 4096); regions in objects past them move
+                              through UCX (each mapped object takes one of the 65,536
+                              guarded mappings this process shares with its engines)
   --warm-mappings on|off      on: after mapping host memory (a region, a peer's region
                               for a same-host copy), a background thread reads one byte
                               per page of it, so the first transfers do not pay each
@@ -239,6 +243,8 @@ KVAGENT_FLAG(OnOff, liveness, "liveness", OnOff{Defaults().liveness}, "");
 KVAGENT_FLAG(Count<uint32_t>, liveness_port, "liveness-port", {Defaults().liveness_port}, "");
 KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error_mode, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
+KVAGENT_FLAG(Count<uint32_t>, max_peer_memory_objects, "max-peer-memory-objects",
+             {Defaults().max_peer_memory_objects}, "");
 KVAGENT_FLAG(OnOff, warm_mappings, "warm-mappings", OnOff{false}, "");
 KVAGENT_FLAG(AutoOff, vram_staging, "vram-staging", AutoOff{Defaults().vram_staging}, "");
 KVAGENT_FLAG(Count<uint32_t>, staging_buffers, "staging-buffers",
@@ -383,6 +389,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->liveness_port = GetFlag(FLAGS_liveness_port).value;
   options->error_mode = GetFlag(FLAGS_ucx_error_mode);
   options->shm_direct = GetFlag(FLAGS_shm_direct).on;
+  options->max_peer_memory_objects = GetFlag(FLAGS_max_peer_memory_objects).value;
   options->vram_staging = GetFlag(FLAGS_vram_staging).on;
   options->staging.buffers = GetFlag(FLAGS_staging_buffers).value;
   options->staging.chunk_bytes = GetFlag(FLAGS_staging_chunk_bytes).value;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "agent/access.h"
@@ -542,10 +543,19 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
   // The descriptors of the peer's memory objects this view needs and the previous
   // view did not map, fetched over the peer's session socket (never opened by name).
   absl::flat_hash_map<uint64_t, std::shared_ptr<const registry::MemoryObject>> objects;
+  // The peer's objects this view may map: the first max_memory_objects, in catalog order.
+  absl::flat_hash_set<uint64_t> allowed;
+  for (const auto& r : regions) {
+    if (r.memory_id != 0 && allowed.size() < options_.max_memory_objects) {
+      allowed.insert(r.memory_id);
+    }
+  }
   {
     std::vector<uint64_t> wanted;
     for (const auto& r : regions) {
-      if (r.memory_id == 0 || objects.contains(r.memory_id)) continue;
+      if (r.memory_id == 0 || objects.contains(r.memory_id) || !allowed.contains(r.memory_id)) {
+        continue;
+      }
       const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
       auto found = previous_memory.find(key);
       if (found != previous_memory.end() && !previous->mappings[found->second]->broken()) continue;
@@ -619,6 +629,12 @@ std::shared_ptr<const DirectMappings> PeerManager::MapDirect(
       continue;
     }
     if (r.memory_id == 0) continue;
+    if (!allowed.contains(r.memory_id)) {
+      fallback(r, fmt::format("its memory object {} is past the {} of this peer mapped here "
+                              "(--max-peer-memory-objects); moves through UCX",
+                              r.memory_id, options_.max_memory_objects));
+      continue;
+    }
     const std::string key = fmt::format("{}:{}:{}", r.memory_id, r.memory_offset, r.length);
     std::shared_ptr<registry::ShmMapping> mapping;
     // A mapping a caught fault broke (FaultGuard) is not reused: the peer

@@ -118,6 +118,11 @@ struct PeerManagerOptions {
   uint32_t connect_timeout_ms = 5000;
   // Map a same-host peer's shared memory and copy directly (see DirectMappings).
   bool shm_direct = true;
+  // Host memory objects of one peer mapped at once: each takes one of the process's
+  // guarded mappings (FaultGuard, 65,536, shared with our own engines' regions), so one
+  // peer exporting ever more objects cannot take them all. Regions in objects past the
+  // first this many (in catalog order) move through UCX, each named in fallbacks.
+  uint32_t max_memory_objects = 4096;
   PeerLinkOptions link;
   // Ping watched peers' liveness doors (metadata push on): LivenessProber.
   bool liveness = true;
