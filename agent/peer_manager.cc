@@ -368,7 +368,16 @@ void PeerManager::ConnectNow(const std::string& address,
                                 RefreshCost{call->reply.ByteSizeLong(), 0, false}, call->reply);
                         OpenWatch((*snapshot)->name);
                         absl::MutexLock lock(&mu_);
-                        done(InfoLocked(peers_.at((*snapshot)->name)));
+                        // DisconnectPeer may have removed it since Install.
+                        auto it = peers_.find((*snapshot)->name);
+                        if (it == peers_.end()) {
+                          done(absl::AbortedError(fmt::format(
+                              "peer '{}' was disconnected while it was being connected; "
+                              "connect it again",
+                              (*snapshot)->name)));
+                          return;
+                        }
+                        done(InfoLocked(it->second));
                       });
       });
 }
