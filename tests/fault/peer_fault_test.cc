@@ -361,6 +361,16 @@ void OtherSideSurvivesInitiatorDeath(const std::string& mode, v1::TransferOp op)
     INFO(moving.ToString());
     REQUIRE(moving.ok());
   }
+  // The other side knows the transfer (its open arrived): the initiator is TRANSFERRING
+  // once it posted its first operations, and its open may still be on the way (seen
+  // once under ASan: the record never came, and nothing was there to end).
+  {
+    const auto until = Clock::now() + std::chrono::milliseconds(5000);
+    while (!other.Get(request.transfer_id(), initiator_name).ok() && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    REQUIRE(other.Get(request.transfer_id(), initiator_name).ok());
+  }
   auto before = initiator.Get(request.transfer_id());
   REQUIRE(before.ok());
   REQUIRE(before->phase() != v1::COMPLETED);  // else: make the transfer bigger
