@@ -443,13 +443,17 @@ void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute 
   // not fit its transport's buffer ("RTS is too big"). The pieces get what the rest of
   // the larger of the two leaves.
   if (const size_t max_header = worker_->max_am_header(); max_header > 0) {
-    wire::StagedReadRequest widest;
-    widest.set_from_agent(options_.self_name);
-    widest.set_incarnation(UINT64_MAX);
+    // Kept (worker thread): only the transfer and the secret change from job to job,
+    // and their strings keep their storage.
+    wire::StagedReadRequest& widest = header_probe_;
+    if (widest.from_agent().empty()) {
+      widest.set_from_agent(options_.self_name);
+      widest.set_incarnation(UINT64_MAX);
+      widest.set_request_id(UINT64_MAX);
+      widest.set_eager_replies(true);
+    }
     widest.set_transfer_id(job->transfer_id);
-    widest.set_request_id(UINT64_MAX);
     widest.set_secret(job->peer->notify_secret);
-    widest.set_eager_replies(true);
     const size_t fixed = std::max(widest.ByteSizeLong(), size_t{64});
     plan_options.max_piece_bytes = max_header > fixed ? max_header - fixed : 1;
   }

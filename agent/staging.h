@@ -314,6 +314,9 @@ class Stager {
   std::unique_ptr<StagingPool> recv_pool_;  // receiving
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
+  // The fixed fields of the largest header a job's chunks travel with (Run sizes the
+  // pieces' share of a UCX active-message header from it).
+  wire::StagedReadRequest header_probe_;
   absl::flat_hash_map<std::string, Arrival> arrivals_;  // by from/incarnation/transfer
   PerPeer arrivals_by_sender_;  // arrivals_ per `from`
   // Every insert into and erase from arrivals_ goes through these (they keep the count).
