@@ -190,6 +190,52 @@ v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint6
   return request;
 }
 
+v1::RegionSpec AuxRegion(const std::string& name, uint64_t handle, uint64_t offset,
+                         uint64_t length) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::AUX);
+  spec.set_memory(v1::DRAM);
+  spec.mutable_shm()->set_memory_handle(handle);
+  spec.mutable_shm()->set_offset(offset);
+  spec.set_length(length);
+  return spec;
+}
+
+v1::SubmitTransferRequest BytesWrite(const std::string& id, const std::string& local,
+                                     const std::string& remote, uint64_t length) {
+  v1::SubmitTransferRequest write;
+  write.set_transfer_id(id);
+  write.set_peer("decode");
+  write.set_op(v1::WRITE);
+  write.set_wait(true);
+  auto* segment = write.add_segments()->mutable_bytes();
+  segment->set_local_region(local);
+  segment->set_remote_region(remote);
+  segment->set_length(length);
+  return write;
+}
+
+absl::StatusOr<v1::PeerInfo> WaitPeerVersion(cli::AgentClient& client, uint64_t version,
+                                             uint32_t limit_ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
+  while (true) {
+    auto peers = client.Peers();
+    if (!peers.ok()) return peers.status();
+    if (peers->peers_size() != 1) {
+      return absl::FailedPreconditionError(
+          fmt::format("{} peers, not one: {}", peers->peers_size(), peers->DebugString()));
+    }
+    if (peers->peers(0).metadata_version() >= version) return peers->peers(0);
+    if (std::chrono::steady_clock::now() >= until) {
+      return absl::DeadlineExceededError(fmt::format(
+          "the peer is not at metadata version {} after {} ms: {}", version, limit_ms,
+          peers->peers(0).DebugString()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
 absl::Status WaitTransferring(cli::AgentClient& client, const std::string& id,
                               uint32_t limit_ms) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);

@@ -63,6 +63,21 @@ v1::SubmitTransferRequest KvWrite(const std::string& id, const std::vector<uint6
                                   const std::vector<uint64_t>& remote,
                                   const std::string& notification = "");
 
+// A host region `name` of `length` bytes at `offset` in AllocateMemory object `handle`
+// (kind AUX, one item).
+v1::RegionSpec AuxRegion(const std::string& name, uint64_t handle, uint64_t offset,
+                         uint64_t length);
+
+// A WRITE to decode of `length` bytes from our region `local` to its region `remote`,
+// answered when it ends (wait).
+v1::SubmitTransferRequest BytesWrite(const std::string& id, const std::string& local,
+                                     const std::string& remote, uint64_t length);
+
+// Waits until `client`'s one peer is seen at metadata version `version` or later (up to
+// `limit_ms`); returns what it says of it, or why not (with the last view).
+absl::StatusOr<v1::PeerInfo> WaitPeerVersion(cli::AgentClient& client, uint64_t version,
+                                             uint32_t limit_ms);
+
 // Submits `request` as the tests' submissions go: through gRPC's SubmitTransfer, or,
 // when KVAGENT_TEST_SUBMIT=fast, through the local fast path of `client`'s session
 // (one ring per session, opened on first use): then it answers once the entry

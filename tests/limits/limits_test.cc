@@ -343,46 +343,25 @@ TEST_CASE("a same-host peer's memory objects mapped here are bounded; the rest m
   for (uint64_t i = 0; i < kBytes; ++i) bytes[i] = static_cast<uint8_t>(i * 13 + 1);
   auto aux = [](const std::string& name, uint64_t handle) {
     v1::RegisterRegionsRequest request;
-    v1::RegionSpec* spec = request.add_regions();
-    spec->set_name(name);
-    spec->set_kind(v1::AUX);
-    spec->set_memory(v1::DRAM);
-    spec->mutable_shm()->set_memory_handle(handle);
-    spec->set_length(kBytes);
+    *request.add_regions() = AuxRegion(name, handle, 0, kBytes);
     return request;
   };
   auto added = pair.decode().Register(aux("extra.0", extra->info.handle()));
   REQUIRE(added.ok());
   REQUIRE(pair.prefill().Register(aux("source", source->info.handle())).ok());
   // prefill's view of decode: the pool maps, extra.0 falls back with the reason.
-  v1::PeerInfo seen;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (std::chrono::steady_clock::now() < until) {
-    auto peers = pair.prefill().Peers();
-    REQUIRE(peers.ok());
-    REQUIRE(peers->peers_size() == 1);
-    seen = peers->peers(0);
-    if (seen.metadata_version() >= added->version()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  auto view = WaitPeerVersion(pair.prefill(), added->version(), 20000);
+  INFO(view.status().ToString());
+  REQUIRE(view.ok());
+  const v1::PeerInfo& seen = *view;
   INFO(seen.DebugString());
-  REQUIRE(seen.metadata_version() >= added->version());
   CHECK(seen.data_path() == "shm-direct+ucx");
   CHECK(seen.direct_fallback_regions() == 1);
   REQUIRE(seen.direct_fallbacks_size() == 1);
   CHECK_THAT(seen.direct_fallbacks(0), Contains("region 'extra.0'") &&
                                            Contains("past the 1 of this peer mapped here") &&
                                            Contains("--max-peer-memory-objects"));
-  v1::SubmitTransferRequest write;
-  write.set_transfer_id("to-extra");
-  write.set_peer("decode");
-  write.set_op(v1::WRITE);
-  write.set_wait(true);
-  auto* segment = write.add_segments()->mutable_bytes();
-  segment->set_local_region("source");
-  segment->set_remote_region("extra.0");
-  segment->set_length(kBytes);
-  auto done = pair.prefill().Submit(write);
+  auto done = pair.prefill().Submit(BytesWrite("to-extra", "source", "extra.0", kBytes));
   REQUIRE(done.ok());
   INFO(done->error_message());
   CHECK(done->phase() == v1::COMPLETED);

@@ -41,14 +41,7 @@ constexpr uint64_t kItem = 4096;
 using Clock = std::chrono::steady_clock;
 
 v1::RegionSpec Aux(const std::string& name, uint64_t handle, uint64_t offset) {
-  v1::RegionSpec spec;
-  spec.set_name(name);
-  spec.set_kind(v1::AUX);
-  spec.set_memory(v1::DRAM);
-  spec.mutable_shm()->set_memory_handle(handle);
-  spec.mutable_shm()->set_offset(offset);
-  spec.set_length(kItem);
-  return spec;
+  return AuxRegion(name, handle, offset, kItem);
 }
 
 // Registers regions block.0 .. block.{count-1} (one item each of the object `handle`)
@@ -65,21 +58,6 @@ void RegisterBlocks(cli::AgentClient& client, uint64_t handle, int count) {
   }
 }
 
-// A WRITE of one item from prefill's region "source" to decode's region `remote`,
-// answered when it ends.
-v1::SubmitTransferRequest WriteItem(const std::string& id, const std::string& remote) {
-  v1::SubmitTransferRequest write;
-  write.set_transfer_id(id);
-  write.set_peer("decode");
-  write.set_op(v1::WRITE);
-  write.set_wait(true);
-  auto* segment = write.add_segments()->mutable_bytes();
-  segment->set_local_region("source");
-  segment->set_remote_region(remote);
-  segment->set_length(kItem);
-  return write;
-}
-
 v1::PeerInfo DecodeSeenFromPrefill(AgentPair& pair) {
   auto peers = pair.prefill().Peers();
   REQUIRE(peers.ok());
@@ -88,15 +66,11 @@ v1::PeerInfo DecodeSeenFromPrefill(AgentPair& pair) {
 }
 
 // Waits until prefill holds decode's metadata version `version`; returns what it says.
-v1::PeerInfo WaitVersion(AgentPair& pair, uint64_t version, int64_t limit_ms) {
-  const auto start = Clock::now();
-  while (true) {
-    v1::PeerInfo info = DecodeSeenFromPrefill(pair);
-    if (info.metadata_version() >= version) return info;
-    INFO(info.DebugString());
-    REQUIRE(MillisSince(start) < limit_ms);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+v1::PeerInfo WaitVersion(AgentPair& pair, uint64_t version, uint32_t limit_ms) {
+  auto info = WaitPeerVersion(pair.prefill(), version, limit_ms);
+  INFO(info.status().ToString());
+  REQUIRE(info.ok());
+  return *std::move(info);
 }
 
 void PrintMemory(AgentPair& pair, const char* when) {
@@ -183,7 +157,7 @@ TEST_CASE("a one-region change to a large catalog reaches the peer as a delta") 
   v1::RegisterRegionsRequest src;
   *src.add_regions() = Aux("source", source->info.handle(), 0);
   REQUIRE(pair.prefill().Register(src).ok());
-  auto done = pair.prefill().Submit(WriteItem("to-new", "block.new"));
+  auto done = pair.prefill().Submit(BytesWrite("to-new", "source", "block.new", kItem));
   INFO(done.status().ToString());
   REQUIRE(done.ok());
   INFO(done->error_message());
@@ -242,7 +216,7 @@ TEST_CASE("ended transfers do not keep their peer's catalog") {
     auto added = pair.decode().Register(one);
     REQUIRE(added.ok());
     WaitVersion(pair, added->version(), 20000);
-    auto done = pair.prefill().Submit(WriteItem(name, name));
+    auto done = pair.prefill().Submit(BytesWrite(name, "source", name, kItem));
     REQUIRE(done.ok());
     INFO(done->error_message());
     REQUIRE(done->phase() == v1::COMPLETED);
