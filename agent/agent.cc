@@ -189,6 +189,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.metadata_push = options.metadata_push;
   peer_options.shm_direct = options.shm_direct;
   peer_options.max_memory_objects = options.max_peer_memory_objects;
+  peer_options.metadata_share_percent = options.peer_metadata_share_percent;
+  peer_options.metadata_burst_ms = options.peer_metadata_burst_ms;
   peer_options.liveness = options.liveness;
   peer_options.link.tls = options.tls;
   peer_options.link.insecure = !options.insecure_listen.empty();

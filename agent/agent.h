@@ -73,6 +73,10 @@ struct AgentOptions {
   bool shm_direct = true;
   // Memory objects of one same-host peer mapped here (--max-peer-memory-objects).
   uint32_t max_peer_memory_objects = 4096;
+  // One peer's pushed metadata views: their share of this agent's time and burst
+  // (--peer-metadata-share, --peer-metadata-burst-ms; PeerManagerOptions).
+  uint32_t peer_metadata_share_percent = 25;
+  uint32_t peer_metadata_burst_ms = 2000;
   uint32_t deregister_wait_ms = 2000;
   // How long a transfer that ended with operations posted waits for them before it
   // reports drain_unknown (--drain-timeout-ms).

@@ -131,6 +131,13 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               here (default 4096); regions in objects past them move
                               through UCX (each mapped object takes one of the 65,536
                               guarded mappings this process shares with its engines)
+  --peer-metadata-share PCT   the share of this agent's time one peer's pushed metadata
+                              views may take to apply (checked, catalog built, keys
+                              unpacked; default 25); past it (and past the burst below)
+                              its next view is read later: a peer pushing large catalogs
+                              without end cannot hold the worker. 100: no pacing
+  --peer-metadata-burst-ms MS what one peer's views may take at once before the share
+                              applies (default 2000: a whole catalog of ~100,000 regions)
   --warm-mappings on|off      on: after mapping host memory (a region, a peer's region
                               for a same-host copy), a background thread reads one byte
                               per page of it, so the first transfers do not pay each
@@ -245,6 +252,10 @@ KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
 KVAGENT_FLAG(Count<uint32_t>, max_peer_memory_objects, "max-peer-memory-objects",
              {Defaults().max_peer_memory_objects}, "");
+KVAGENT_FLAG(Count<uint32_t>, peer_metadata_share, "peer-metadata-share",
+             {Defaults().peer_metadata_share_percent}, "");
+KVAGENT_FLAG(Count<uint32_t>, peer_metadata_burst_ms, "peer-metadata-burst-ms",
+             {Defaults().peer_metadata_burst_ms}, "");
 KVAGENT_FLAG(OnOff, warm_mappings, "warm-mappings", OnOff{false}, "");
 KVAGENT_FLAG(AutoOff, vram_staging, "vram-staging", AutoOff{Defaults().vram_staging}, "");
 KVAGENT_FLAG(Count<uint32_t>, staging_buffers, "staging-buffers",
@@ -390,6 +401,8 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->error_mode = GetFlag(FLAGS_ucx_error_mode);
   options->shm_direct = GetFlag(FLAGS_shm_direct).on;
   options->max_peer_memory_objects = GetFlag(FLAGS_max_peer_memory_objects).value;
+  options->peer_metadata_share_percent = GetFlag(FLAGS_peer_metadata_share).value;
+  options->peer_metadata_burst_ms = GetFlag(FLAGS_peer_metadata_burst_ms).value;
   options->vram_staging = GetFlag(FLAGS_vram_staging).on;
   options->staging.buffers = GetFlag(FLAGS_staging_buffers).value;
   options->staging.chunk_bytes = GetFlag(FLAGS_staging_chunk_bytes).value;
@@ -411,6 +424,12 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
     return absl::InvalidArgumentError(
         "--grpc-memory-bytes: '0' is not a positive integer; give the bytes of gRPC's memory "
         "quota for calls in progress");
+  }
+  if (options->peer_metadata_share_percent == 0 || options->peer_metadata_share_percent > 100) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--peer-metadata-share: {} is not a percentage from 1 to 100; give the share of this "
+        "agent's time one peer's metadata may take (100: no pacing)",
+        options->peer_metadata_share_percent));
   }
   if (options->grpc_max_threads == 0) {
     return absl::InvalidArgumentError("--grpc-max-threads: give at least 1");

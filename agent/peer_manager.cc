@@ -137,7 +137,10 @@ class PeerManager::MetadataWatch final
     // fails on a cancelled call and lets the reactor finish.
     std::shared_ptr<void> turn(nullptr, [self](void*) { self->StartRead(&self->read_); });
     guard_->manager->Enqueue([manager = guard_->manager, self, reply = std::move(read_), turn] {
-      manager->ApplyPushed(self, reply);
+      const absl::Duration wait = manager->ApplyPushed(self, reply);
+      // Past its budget: the next read waits (the peer's pushes meanwhile wait in
+      // HTTP/2 flow control); the delayed job holds the turn.
+      if (wait > absl::ZeroDuration()) manager->EnqueueAfter(wait, [turn] {});
     });
   }
 
@@ -1049,6 +1052,9 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_refresh_us_last(peer.refresh_us_last);
   info.set_deltas_applied(peer.deltas_applied);
   info.set_full_fetches(peer.full_fetches);
+  info.set_metadata_views_ignored(peer.views_ignored);
+  info.set_metadata_apply_us_total(peer.apply_us_total);
+  info.set_metadata_paced_us_total(peer.paced_us_total);
   info.set_data_path(s.data_path());
   for (const std::string& why : s.direct_fallbacks) info.add_direct_fallbacks(why);
   info.set_direct_fallback_regions(s.direct_fallback_regions);
@@ -1150,11 +1156,14 @@ void PeerManager::Stop() {
   for (auto& t : pool_) t.join();
   pool_.clear();
   std::deque<std::function<void()>> dropped;
+  std::multimap<absl::Time, std::function<void()>> dropped_later;
   {
     absl::MutexLock lock(&pool_mu_);
     dropped.swap(jobs_);
+    dropped_later.swap(delayed_);
   }
   dropped.clear();  // a dropped view lets its (cancelled) stream finish
+  dropped_later.clear();  // a paced read's turn too
   {
     absl::MutexLock lock(&watches_mu_);
     auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watches_mu_) { return live_watches_ == 0; };
@@ -1179,18 +1188,37 @@ void PeerManager::Enqueue(std::function<void()> job) {
   jobs_.push_back(std::move(job));
 }
 
+void PeerManager::EnqueueAfter(absl::Duration delay, std::function<void()> job) {
+  absl::MutexLock lock(&pool_mu_);
+  if (pool_stopping_) return;  // dropped: `job` dies once the lock is released
+  delayed_.emplace(absl::Now() + delay, std::move(job));
+}
+
 void PeerManager::PoolLoop() {
   for (;;) {
     std::function<void()> job;
     {
       absl::MutexLock lock(&pool_mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_) {
-        return pool_stopping_ || !jobs_.empty();
-      };
-      pool_mu_.Await(absl::Condition(&ready));
-      if (pool_stopping_) return;
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      for (;;) {
+        // Woken by a job, by Stop, or by a delayed job due sooner than the one waited for.
+        const absl::Time due = delayed_.empty() ? absl::InfiniteFuture() : delayed_.begin()->first;
+        auto ready = [this, due]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_mu_) {
+          return pool_stopping_ || !jobs_.empty() ||
+                 (!delayed_.empty() && delayed_.begin()->first < due);
+        };
+        pool_mu_.AwaitWithDeadline(absl::Condition(&ready), due);
+        if (pool_stopping_) return;
+        if (!jobs_.empty()) {
+          job = std::move(jobs_.front());
+          jobs_.pop_front();
+          break;
+        }
+        if (!delayed_.empty() && delayed_.begin()->first <= absl::Now()) {
+          job = std::move(delayed_.begin()->second);
+          delayed_.erase(delayed_.begin());
+          break;
+        }
+      }
     }
     job();
   }
@@ -1199,6 +1227,9 @@ void PeerManager::PoolLoop() {
 void PeerManager::QueuePoll(const std::string& name) {
   auto it = peers_.find(name);
   if (it == peers_.end() || it->second.polling) return;
+  // Past its metadata budget: polled once it is back (the monitor polls it in a later
+  // round, each refresh period, until then).
+  if (it->second.paced_until_us > MonotonicMicros()) return;
   it->second.polling = true;
   Enqueue([this, name] {
     // After a change, poll again at once: that poll tells the peer we hold the new
@@ -1271,8 +1302,60 @@ void PeerManager::WatchEnded(MetadataWatch* watch, const grpc::Status& status) {
   QueuePoll(name);
 }
 
-void PeerManager::ApplyPushed(const std::shared_ptr<MetadataWatch>& watch,
-                              const v1::AgentMetadata& reply) {
+absl::Duration PeerManager::ApplyPushed(const std::shared_ptr<MetadataWatch>& watch,
+                                        const v1::AgentMetadata& reply) {
+  const uint64_t started = MonotonicMicros();
+  ApplyPushedView(watch, reply);
+  return ChargeMetadata(watch->name(), MonotonicMicros() - started);
+}
+
+absl::Duration PeerManager::ChargeMetadata(const std::string& name, uint64_t cost_us) {
+  const uint64_t share = options_.metadata_share_percent;
+  const int64_t burst = int64_t{options_.metadata_burst_ms} * 1000;
+  int64_t wait_us = 0;
+  int64_t budget = 0;
+  bool say = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return absl::ZeroDuration();
+    Peer& peer = it->second;
+    peer.apply_us_total += cost_us;
+    if (share >= 100) return absl::ZeroDuration();
+    const uint64_t now = MonotonicMicros();
+    if (!peer.budget_started) {
+      peer.budget_started = true;
+      peer.budget_us = burst;
+    } else {
+      const int64_t refill = static_cast<int64_t>((now - peer.budget_at_us) * share / 100);
+      peer.budget_us = std::min(burst, peer.budget_us + refill);
+    }
+    peer.budget_at_us = now;
+    peer.budget_us -= static_cast<int64_t>(cost_us);
+    if (peer.budget_us >= 0) {
+      peer.pacing_logged = false;
+      return absl::ZeroDuration();
+    }
+    // Refilled to zero after this long; the refill above counts the wait.
+    wait_us = -peer.budget_us * 100 / static_cast<int64_t>(share);
+    peer.paced_us_total += static_cast<uint64_t>(wait_us);
+    peer.paced_until_us = now + static_cast<uint64_t>(wait_us);
+    budget = peer.budget_us;
+    say = !peer.pacing_logged;
+    peer.pacing_logged = true;
+  }
+  if (say) {
+    kLog.Warn("peer '{}': applying its metadata views took {:.1f} ms past its budget here "
+              "({} ms, refilled at {}% of the time: --peer-metadata-burst-ms, "
+              "--peer-metadata-share); its next view is taken in {:.1f} ms, and so on while "
+              "it sends this much (PeerInfo.metadata_paced_us_total)",
+              name, -budget / 1000.0, options_.metadata_burst_ms, share, wait_us / 1000.0);
+  }
+  return absl::Microseconds(wait_us);
+}
+
+void PeerManager::ApplyPushedView(const std::shared_ptr<MetadataWatch>& watch,
+                                  const v1::AgentMetadata& reply) {
   const std::string& name = watch->name();
   const auto started = std::chrono::steady_clock::now();
   std::shared_ptr<const PeerSnapshot> previous;
@@ -1327,6 +1410,21 @@ void PeerManager::ApplyPushed(const std::shared_ptr<MetadataWatch>& watch,
       it->second.state = "connected";
       it->second.last_error.clear();
       it->second.last_seen_us = MonotonicMicros();
+    }
+    return;
+  }
+  if (same_incarnation && !reply.delta() && !endpoint_failed && reply.version() <= held) {
+    // A whole view at a version we hold (or an older one): the same catalog, or an
+    // outdated one. Building it would unpack every key on the worker thread for
+    // nothing; an honest peer sends the unchanged form above instead.
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it != peers_.end() && it->second.watch == watch) {
+      if (it->second.views_ignored++ == 0) {
+        kLog.Warn("peer '{}' pushed its whole catalog at version {}, which this agent holds "
+                  "(it holds {}); not rebuilt (PeerInfo.metadata_views_ignored counts them)",
+                  name, reply.version(), held);
+      }
     }
     return;
   }
@@ -1591,8 +1689,18 @@ bool PeerManager::RefreshOne(const std::string& name) {
     it->second.last_seen_us = MonotonicMicros();
     return false;
   }
+  if (reply.incarnation() == previous->incarnation && !reply.delta() &&
+      reply.version() < request.known_version() && !endpoint_failed) {
+    // An older whole catalog than the one we hold: not built (see ApplyPushedView).
+    absl::MutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it != peers_.end() && it->second.snapshot == previous) ++it->second.views_ignored;
+    return false;
+  }
   // Changed (or the endpoint failed and needs replacing): rebuild the snapshot, and
-  // wait for it so refreshes stay in order.
+  // wait for it so refreshes stay in order. Its cost is charged to the peer's budget:
+  // past it, the peer's next poll waits (QueuePoll).
+  const uint64_t building = MonotonicMicros();
   absl::Notification built;
   bool installed = false;
   const uint64_t version = reply.version();
@@ -1617,6 +1725,7 @@ bool PeerManager::RefreshOne(const std::string& name) {
       },
       /*reuse_endpoint=*/!endpoint_failed, std::move(applied));
   built.WaitForNotification();
+  ChargeMetadata(name, MonotonicMicros() - building);
   return installed;
 }
 

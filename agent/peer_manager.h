@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -23,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "agent/liveness.h"
 #include "agent/peer_snapshot.h"
 #include "agent/tls.h"
@@ -123,6 +125,14 @@ struct PeerManagerOptions {
   // peer exporting ever more objects cannot take them all. Regions in objects past the
   // first this many (in catalog order) move through UCX, each named in fallbacks.
   uint32_t max_memory_objects = 4096;
+  // The time one peer's pushed views may take to apply here (checked, catalog built,
+  // keys unpacked on the worker thread): a budget of metadata_burst_ms, refilled at
+  // metadata_share_percent of the time. A peer past it has its next view read once
+  // the budget is back (HTTP/2 flow control holds its pushes meanwhile), so a peer
+  // pushing large catalogs without end takes at most that share of a pool thread and
+  // of the worker's time. 100: never paced.
+  uint32_t metadata_share_percent = 25;
+  uint32_t metadata_burst_ms = 2000;
   PeerLinkOptions link;
   // Ping watched peers' liveness doors (metadata push on): LivenessProber.
   bool liveness = true;
@@ -209,6 +219,17 @@ class PeerManager {
     uint64_t refresh_us_last = 0;
     uint64_t deltas_applied = 0;
     uint64_t full_fetches = 0;
+    // Its pushed views: whole views at a version already held here (dropped unbuilt),
+    // the time spent applying them, and the time its next view waited for the budget
+    // (ChargeMetadata). The budget: microseconds left, and when it was last refilled.
+    uint64_t views_ignored = 0;
+    uint64_t apply_us_total = 0;
+    uint64_t paced_us_total = 0;
+    int64_t budget_us = 0;
+    uint64_t budget_at_us = 0;
+    bool budget_started = false;
+    uint64_t paced_until_us = 0;  // its polls wait until then (QueuePoll)
+    bool pacing_logged = false;  // said once per stretch of pacing
     // Its open WatchMetadata stream (null: none open; polled).
     std::shared_ptr<MetadataWatch> watch;
     // It answered WatchMetadata with UNIMPLEMENTED: polled from then on.
@@ -291,11 +312,21 @@ class PeerManager {
   void OpenWatch(const std::string& name);
   // A pushed view from `watch`, on a pool thread: verified, applied, installed, then
   // acknowledged once drained.
-  void ApplyPushed(const std::shared_ptr<MetadataWatch>& watch, const v1::AgentMetadata& reply);
+  // Applies one pushed view; returns how long to wait before reading the next one
+  // (ChargeMetadata: 0 unless the peer is past its budget).
+  absl::Duration ApplyPushed(const std::shared_ptr<MetadataWatch>& watch,
+                             const v1::AgentMetadata& reply);
+  void ApplyPushedView(const std::shared_ptr<MetadataWatch>& watch,
+                       const v1::AgentMetadata& reply);
+  // Charges `cost_us` of applying a view to peer `name`'s budget (PeerManagerOptions::
+  // metadata_share_percent); returns how long its next view must wait.
+  absl::Duration ChargeMetadata(const std::string& name, uint64_t cost_us);
   // `watch` ended with `status` (not by this agent's own cancel).
   void WatchEnded(MetadataWatch* watch, const grpc::Status& status);
   // Runs `job` on the pool (kPollThreads threads); dropped, not run, at Stop.
   void Enqueue(std::function<void()> job);
+  // Runs `job` on the pool once `delay` has passed (dropped, like queued jobs, at Stop).
+  void EnqueueAfter(absl::Duration delay, std::function<void()> job);
   // Queues a poll of `name` (RefreshOne), then a stream if push is on and it answers.
   void QueuePoll(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PoolLoop();
@@ -332,6 +363,8 @@ class PeerManager {
   static constexpr int kPollThreads = 4;
   absl::Mutex pool_mu_;
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(pool_mu_);
+  // EnqueueAfter's jobs by when they are due (absl::Now() based).
+  std::multimap<absl::Time, std::function<void()>> delayed_ ABSL_GUARDED_BY(pool_mu_);
   bool pool_stopping_ ABSL_GUARDED_BY(pool_mu_) = false;
   std::vector<std::thread> pool_;
   // WatchMetadata streams whose reactor has not finished (Stop waits for none).

@@ -337,6 +337,13 @@ void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
                 p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
                 static_cast<unsigned long>(p.full_fetches()),
                 p.device_copy().empty() ? "" : "; device copy ", p.device_copy().c_str());
+    if (p.metadata_views_ignored() > 0 || p.metadata_paced_us_total() > 0) {
+      std::printf("  its metadata: %lu whole catalogs at a version held here ignored; applying "
+                  "its views took %.1f ms, and its next views waited %.1f ms for their share "
+                  "(--peer-metadata-share)\n",
+                  static_cast<unsigned long>(p.metadata_views_ignored()),
+                  p.metadata_apply_us_total() / 1000.0, p.metadata_paced_us_total() / 1000.0);
+    }
     PrintDirectFallbacks(p);
   }
 }

@@ -170,6 +170,8 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--copy-lanes=65"}, {"--copy-lanes 65", "give 1 to 64"});
   ExpectRefused({"--copy-lanes=0"}, {"--copy-lanes 0", "give 1 to 64"});
   ExpectRefused({"--staging-buffers=0"}, {"staging"});
+  ExpectRefused({"--peer-metadata-share=0"}, {"--peer-metadata-share", "0 is not a percentage"});
+  ExpectRefused({"--peer-metadata-share=101"}, {"--peer-metadata-share", "from 1 to 100"});
   ExpectRefused({"--am-message-bytes=0"}, {"--am-message-bytes 0", "524288"});
   ExpectRefused({"--device-copy=gpu"},
                 {"'device-copy'", "'gpu'", "use auto (the best this host has), batch", "per-page"});

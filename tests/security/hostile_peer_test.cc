@@ -1,0 +1,278 @@
+// A hostile peer agent's metadata, played by the test process: a gRPC Peer service on
+// 127.0.0.1 that prefill connects to as a network peer (plain TCP, --insecure-listen).
+// Its catalog is real: decode's 12,000 regions as decode serves them to a peer (real
+// rkeys of decode's worker), renamed "mallory". What it pushes over WatchMetadata:
+// (1) its whole catalog again and again at the version prefill holds: not rebuilt
+// (every key unpacked on prefill's worker thread, for nothing); (2) a new whole
+// catalog, at a new version, as fast as prefill reads them: prefill applies them
+// within its --peer-metadata-share of the time (after --peer-metadata-burst-ms), and
+// its transfers to decode keep moving meanwhile.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "client/local_session.h"
+#include "fmt/format.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/kvagent.grpc.pb.h"
+#include "tests/integration/agent_pair.h"
+
+namespace kvagent::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kRegions = 12000;
+constexpr int kBatch = 4000;
+constexpr uint64_t kItem = 4096;
+constexpr uint32_t kBurstMs = 300;
+constexpr uint32_t kSharePercent = 25;
+
+// Decode's whole catalog as a peer gets it, fetched through a session of this process.
+v1::AgentMetadata DecodeCatalog(AgentPair& pair) {
+  auto session = client::LocalSession::Attach(pair.decode_process().local_socket() + ".session",
+                                              "catalog-reader", 5000);
+  INFO(session.status().ToString());
+  REQUIRE(session.ok());
+  auto stub = v1::Peer::NewStub(grpc::CreateChannel(pair.decode_process().address(),
+                                                     grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  context.AddMetadata("kvagent-session", (*session)->token());
+  v1::GetMetadataRequest request;
+  request.set_caller("catalog-reader");
+  v1::AgentMetadata reply;
+  grpc::Status status = stub->GetMetadata(&context, request, &reply);
+  INFO(status.error_message());
+  REQUIRE(status.ok());
+  REQUIRE(reply.regions_size() >= kRegions);
+  return reply;
+}
+
+// The hostile peer. GetMetadata answers honestly (the unchanged form when the caller
+// holds the current version, else the whole catalog at it); WatchMetadata runs the
+// scenario once, then holds the stream open until the caller or Stop ends it.
+class HostilePeer final : public v1::Peer::Service {
+ public:
+  enum class Push { kSameVersion, kNewVersions };
+
+  HostilePeer(v1::AgentMetadata catalog, Push push, int count)
+      : view_(std::move(catalog)), push_(push), count_(count) {
+    view_.set_name("mallory");
+    view_.set_liveness_address("");  // none: polled for liveness, as an older agent is
+    view_.set_version(1);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+    REQUIRE(server_ != nullptr);
+    REQUIRE(port_ > 0);
+  }
+  ~HostilePeer() override { Stop(); }
+
+  std::string address() const { return fmt::format("127.0.0.1:{}", port_); }
+  // Pushes end; the stream stays open.
+  void Quiet() { quiet_.store(true); }
+  void Stop() {
+    quiet_.store(true);
+    if (server_) {
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      server_.reset();
+    }
+  }
+  int pushed() const { return pushed_.load(); }
+  Clock::time_point first_push() {
+    absl::MutexLock lock(&mu_);
+    return first_push_;
+  }
+
+  grpc::Status GetMetadata(grpc::ServerContext*, const v1::GetMetadataRequest* request,
+                           v1::AgentMetadata* reply) override {
+    absl::MutexLock lock(&mu_);
+    if (request->known_version() == view_.version() &&
+        request->known_incarnation() == view_.incarnation()) {
+      reply->set_name(view_.name());
+      reply->set_incarnation(view_.incarnation());
+      reply->set_version(view_.version());
+    } else {
+      *reply = view_;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status WatchMetadata(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::AgentMetadata, v1::GetMetadataRequest>* stream) override {
+    v1::GetMetadataRequest first;
+    if (!stream->Read(&first)) return grpc::Status::OK;
+    if (!started_.exchange(true)) {
+      {
+        absl::MutexLock lock(&mu_);
+        first_push_ = Clock::now();
+      }
+      for (int i = 0; i < count_ && !quiet_.load() && !context->IsCancelled(); ++i) {
+        v1::AgentMetadata view;
+        {
+          absl::MutexLock lock(&mu_);
+          if (push_ == Push::kNewVersions) view_.set_version(view_.version() + 1);
+          view = view_;
+        }
+        if (!stream->Write(view)) break;
+        pushed_.fetch_add(1);
+      }
+    }
+    v1::GetMetadataRequest ack;
+    while (stream->Read(&ack)) {
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  absl::Mutex mu_;
+  v1::AgentMetadata view_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point first_push_ ABSL_GUARDED_BY(mu_);
+  const Push push_;
+  const int count_;
+  std::atomic<bool> started_{false};
+  std::atomic<bool> quiet_{false};
+  std::atomic<int> pushed_{0};
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+AgentPairOptions HostileOptions() {
+  AgentPairOptions options;
+  options.extra_args = {"--insecure-listen",           "127.0.0.1:0",
+                        "--peer-metadata-burst-ms",    std::to_string(kBurstMs),
+                        "--peer-metadata-share",       std::to_string(kSharePercent)};
+  return options;
+}
+
+// Decode exports kRegions one-item regions of one AllocateMemory object.
+void ExportRegions(AgentPair& pair) {
+  auto memory = pair.decode().AllocateMemory("many", kRegions * kItem);
+  INFO(memory.status().ToString());
+  REQUIRE(memory.ok());
+  for (int first = 0; first < kRegions; first += kBatch) {
+    v1::RegisterRegionsRequest request;
+    for (int i = first; i < std::min(kRegions, first + kBatch); ++i) {
+      *request.add_regions() =
+          AuxRegion(fmt::format("block.{}", i), memory->info.handle(), i * kItem, kItem);
+    }
+    auto registered = pair.decode().Register(request);
+    INFO(registered.status().ToString());
+    REQUIRE(registered.ok());
+  }
+}
+
+absl::StatusOr<v1::PeerInfo> Mallory(AgentPair& pair) {
+  auto peers = pair.prefill().Peers();
+  if (!peers.ok()) return peers.status();
+  for (const auto& p : peers->peers()) {
+    if (p.name() == "mallory") return p;
+  }
+  return absl::NotFoundError("prefill has no peer 'mallory'");
+}
+
+void ConnectMallory(AgentPair& pair, HostilePeer& mallory) {
+  auto connected = pair.prefill().Connect(mallory.address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  REQUIRE(connected->name() == "mallory");
+  REQUIRE(connected->regions() >= kRegions);
+}
+
+void PrintMallory(const v1::PeerInfo& p, const char* when) {
+  std::printf("%s: state %s, full fetches %llu, deltas %llu, views ignored %llu, applying "
+              "%.1f ms, paced %.1f ms, last view %.1f ms\n",
+              when, p.state().c_str(), static_cast<unsigned long long>(p.full_fetches()),
+              static_cast<unsigned long long>(p.deltas_applied()),
+              static_cast<unsigned long long>(p.metadata_views_ignored()),
+              p.metadata_apply_us_total() / 1000.0, p.metadata_paced_us_total() / 1000.0,
+              p.refresh_us_last() / 1000.0);
+}
+
+TEST_CASE("a peer pushing its whole catalog again at the version held is not rebuilt") {
+  constexpr int kPushes = 30;
+  AgentPair pair(HostileOptions());
+  ExportRegions(pair);
+  HostilePeer mallory(DecodeCatalog(pair), HostilePeer::Push::kSameVersion, kPushes);
+  ConnectMallory(pair, mallory);
+  // Every push is either ignored or (the old way) rebuilt and installed as a full fetch.
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  v1::PeerInfo seen;
+  for (;;) {
+    auto info = Mallory(pair);
+    INFO(info.status().ToString());
+    REQUIRE(info.ok());
+    seen = *info;
+    if (seen.metadata_views_ignored() + seen.full_fetches() >= kPushes + 1) break;
+    REQUIRE(Clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  PrintMallory(seen, "after the pushes");
+  CHECK(mallory.pushed() == kPushes);
+  CHECK(seen.metadata_views_ignored() == kPushes);
+  CHECK(seen.full_fetches() == 1);  // ConnectPeer's
+  CHECK(seen.state() == "connected");
+}
+
+TEST_CASE("a peer pushing new whole catalogs without end gets its share of the agent's time") {
+  constexpr auto kFlood = std::chrono::seconds(5);
+  AgentPair pair(HostileOptions());
+  ExportRegions(pair);
+  HostilePeer mallory(DecodeCatalog(pair), HostilePeer::Push::kNewVersions, 1 << 30);
+  const auto connecting = Clock::now();
+  ConnectMallory(pair, mallory);
+  // Meanwhile prefill's WRITEs to decode keep completing, bytes checked.
+  pair.ResetContents();
+  int writes = 0;
+  while (Clock::now() - connecting < kFlood) {
+    const uint64_t page = writes % 32;
+    auto state = SubmitThrough(pair.prefill(), KvWrite(fmt::format("w{}", writes), {page}, {page}));
+    INFO(state.status().ToString());
+    REQUIRE(state.ok());
+    auto done = pair.prefill().WaitTransfer(fmt::format("w{}", writes), 20000);
+    INFO(done.status().ToString());
+    REQUIRE(done.ok());
+    INFO(done->error_message());
+    REQUIRE(done->phase() == v1::COMPLETED);
+    REQUIRE(pair.PageEqual(page, page));
+    ++writes;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  auto info = Mallory(pair);
+  const auto elapsed_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - connecting).count();
+  mallory.Quiet();
+  INFO(info.status().ToString());
+  REQUIRE(info.ok());
+  PrintMallory(*info, "after the flood");
+  std::printf("%d views pushed in %.1f s; %d WRITEs completed meanwhile\n", mallory.pushed(),
+              elapsed_us / 1e6, writes);
+  // The budget: the burst, the share of the time since, and the view that went past it
+  // (charged once applied); ConnectPeer's own fetch is not charged. Pacing holds the
+  // total near that; 10 points more leave room for when each side reads its clock.
+  const double bound_us = kBurstMs * 1000.0 + elapsed_us * (kSharePercent + 10) / 100.0 +
+                          2.0 * static_cast<double>(info->refresh_us_last());
+  INFO("applying " << info->metadata_apply_us_total() << " us, bound " << bound_us << " us of "
+                   << elapsed_us);
+  CHECK(info->metadata_apply_us_total() <= bound_us);
+  CHECK(info->metadata_paced_us_total() > 0);
+  // Paced, not starved: its views still arrive.
+  CHECK(info->full_fetches() >= 3);
+  CHECK(info->state() == "connected");
+}
+
+}  // namespace
+}  // namespace kvagent::testing
