@@ -526,6 +526,8 @@ static void FillLimits(const ServiceDeps& deps, const TransferCounters& counters
   if (deps.local_door != nullptr) {
     use(Limit::kAllocatedBytes) = deps.local_door->allocated_bytes();
     use(Limit::kAllocatedBytesPerOwner) = deps.local_door->largest_allocation_owner();
+    use(Limit::kMemoryHandles) = deps.local_door->memory_handles();
+    use(Limit::kMemoryHandlesPerSession) = deps.local_door->largest_session_handles();
   }
   use(Limit::kActiveTransfers) = counters.active;
   use(Limit::kActiveTransfersPerOwner) = counters.largest_owner_active;

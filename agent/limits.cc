@@ -54,6 +54,10 @@ constexpr std::array<LimitInfo, kLimitCount> kInfo = {{
      "durable notification subscriptions (idle ones expire: --subscription-ttl-ms)"},
     {"in_flight_per_subscription", "--max-in-flight-per-subscription", "notifications", 4096,
      "notifications one subscription holds unacknowledged (more wait in the queue)"},
+    {"memory_handles", "--max-memory-handles", "handles", 65536,
+     "memory handles (share, share_device, allocate) held, all sessions; each holds a descriptor"},
+    {"memory_handles_per_session", "--max-memory-handles-per-session", "handles", 4096,
+     "memory handles one session holds"},
 }};
 
 uint64_t HalfOfMemTotal() {

@@ -38,6 +38,8 @@ enum class Limit : int {
   kPeerCallers,              // peer identities tracked (metadata watchers, secrets)
   kSubscriptions,            // durable notification subscriptions
   kInFlightPerSubscription,  // notifications one subscription holds unacknowledged
+  kMemoryHandles,            // memory handles (shared, allocated) held, all sessions
+  kMemoryHandlesPerSession,  // ... by one session
   kCount,
 };
 

@@ -177,11 +177,42 @@ absl::StatusOr<Caller> LocalDoor::CallerOf(uint64_t session_id) const {
   return session->caller;
 }
 
+uint64_t LocalDoor::memory_handles() const {
+  absl::MutexLock lock(&mu_);
+  return handles_;
+}
+
+uint64_t LocalDoor::largest_session_handles() const {
+  absl::MutexLock lock(&mu_);
+  uint64_t most = 0;
+  for (const auto& [id, session] : sessions_) {
+    most = std::max<uint64_t>(most, session.memory.size() + session.device_memory.size());
+  }
+  return most;
+}
+
+absl::Status LocalDoor::AdmitHandleLocked(uint64_t session_id, const Session& session,
+                                          std::string_view what) const {
+  if (options_.limits == nullptr) return absl::OkStatus();
+  const std::string asking =
+      fmt::format("{} for session {} ({})", what, session_id, session.caller.principal);
+  constexpr std::string_view kFix =
+      "free handles no longer needed (free), and share a pool's descriptor once: its "
+      "regions are registered from that one handle";
+  RETURN_IF_ERROR(options_.limits->Check(Limit::kMemoryHandlesPerSession, asking,
+                                         session.memory.size() + session.device_memory.size(),
+                                         1, kFix));
+  return options_.limits->Check(Limit::kMemoryHandles, asking, handles_, 1, kFix);
+}
+
 absl::Status LocalDoor::Keep(uint64_t session_id,
                              std::shared_ptr<const registry::MemoryObject> object,
                              v1::SessionReply* reply) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Session* session, SessionLocked(session_id));
+  RETURN_IF_ERROR(AdmitHandleLocked(session_id, *session,
+                                    fmt::format("memory '{}'", Printable(object->label(), 128))));
+  ++handles_;
   const uint64_t handle = session->next_handle++;
   v1::MemoryHandleInfo* info = reply->mutable_memory();
   info->set_handle(handle);
@@ -198,6 +229,9 @@ absl::Status LocalDoor::Keep(uint64_t session_id,
                              v1::SessionReply* reply) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Session* session, SessionLocked(session_id));
+  RETURN_IF_ERROR(AdmitHandleLocked(
+      session_id, *session, fmt::format("device memory '{}'", Printable(object->label(), 128))));
+  ++handles_;
   const uint64_t handle = session->next_handle++;
   v1::MemoryHandleInfo* info = reply->mutable_memory();
   info->set_handle(handle);
@@ -354,6 +388,7 @@ absl::Status LocalDoor::Free(uint64_t session_id, const v1::FreeMemoryRequest& r
         "share_device or allocate returned",
         request.handle()));
   }
+  --handles_;
   // Regions registered from it keep their own mapping until they are deregistered.
   return absl::OkStatus();
 }
@@ -416,6 +451,7 @@ void LocalDoor::OnClose(uint64_t session_id) {
     if (it == sessions_.end()) return;
     caller = it->second.caller;
     by_token_.erase(it->second.token);
+    handles_ -= it->second.memory.size() + it->second.device_memory.size();
     sessions_.erase(it);
   }
   if (options_.fast_path != nullptr) options_.fast_path->Close(session_id);

@@ -78,6 +78,9 @@ class LocalDoor final : public SessionHandler {
   // AllocateMemory bytes held now (AllocationLedger).
   uint64_t allocated_bytes() const { return allocations_->total(); }
   uint64_t largest_allocation_owner() const { return allocations_->largest_owner(); }
+  // Memory handles held, all sessions, and by the session holding most (status).
+  uint64_t memory_handles() const;
+  uint64_t largest_session_handles() const;
 
   absl::StatusOr<v1::SessionWelcome> OnHello(uint64_t session_id,
                                              const PeerCredentials& credentials,
@@ -122,6 +125,9 @@ class LocalDoor final : public SessionHandler {
   absl::StatusOr<const Session*> SessionLocked(uint64_t session_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Session*> SessionLocked(uint64_t session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when `session` may hold one more memory handle (counted in handles_ once kept).
+  absl::Status AdmitHandleLocked(uint64_t session_id, const Session& session,
+                                 std::string_view what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const LocalDoorOptions options_;
   const registry::RegionRegistry* registry_;
@@ -132,6 +138,9 @@ class LocalDoor final : public SessionHandler {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint64_t> by_token_ ABSL_GUARDED_BY(mu_);
+  // Memory handles held by all sessions (each holds one descriptor); limits
+  // memory_handles and memory_handles_per_session.
+  uint64_t handles_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The gRPC metadata key that carries a local session's token.

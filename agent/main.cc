@@ -313,6 +313,9 @@ KVAGENT_FLAG(std::string, max_peer_callers, "max-peer-callers", "", "");
 KVAGENT_FLAG(std::string, max_subscriptions, "max-subscriptions", "", "");
 KVAGENT_FLAG(std::string, max_in_flight_per_subscription, "max-in-flight-per-subscription", "",
              "");
+KVAGENT_FLAG(std::string, max_memory_handles, "max-memory-handles", "", "");
+KVAGENT_FLAG(std::string, max_memory_handles_per_session, "max-memory-handles-per-session", "",
+             "");
 
 namespace {
 

@@ -8,6 +8,7 @@
 // counts the refusals; after a load, the agent's RssAnon comes back within a stated
 // bound (printed; checked in the normal build).
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -326,6 +327,63 @@ TEST_CASE("allocations are counted across calls and given back by FreeMemory") {
   REQUIRE(now.ok());
   CHECK(FindLimit(*now, "allocated_bytes")->in_use() == held + (80u << 20));
   HonestWrite(pair, "after-allocations", 7, 8);
+}
+
+// Every memory handle holds a descriptor in the agent: a session sharing one memfd
+// again and again would fill the agent's descriptor table, and every engine's calls,
+// UCX and the rings would then fail. Bounded per session and in all; freed handles and
+// a session's end give them back.
+TEST_CASE("memory handles are bounded per session and in all; free and a session's end give them back") {
+  AgentPair pair(WithArgs({"--max-memory-handles-per-session", "8", "--max-memory-handles", "14"}));
+  const int fd = memfd_create("handles", MFD_CLOEXEC);
+  REQUIRE(fd >= 0);
+  REQUIRE(ftruncate(fd, 1 << 20) == 0);
+  auto share = [fd](cli::AgentClient& client, int i) {
+    return client.ShareMemory(fd, fmt::format("again.{}", i));
+  };
+  // Each agent's pool is one handle of its client's session already.
+  std::vector<uint64_t> handles;
+  for (int i = 0; i < 7; ++i) {
+    auto shared = share(pair.prefill(), i);
+    INFO(shared.status().ToString());
+    REQUIRE(shared.ok());
+    handles.push_back(shared->handle());
+  }
+  CheckRefusal(share(pair.prefill(), 7).status(), "memory_handles_per_session",
+               "--max-memory-handles-per-session");
+  // Another engine's session still shares, up to the agent's bound (8 held + 6).
+  auto other = std::make_unique<cli::AgentClient>(pair.prefill_process().address());
+  for (int i = 0; i < 6; ++i) {
+    auto shared = share(*other, i);
+    INFO(shared.status().ToString());
+    REQUIRE(shared.ok());
+  }
+  CheckRefusal(share(*other, 6).status(), "memory_handles", "--max-memory-handles");
+  auto status = pair.prefill().Status();
+  REQUIRE(status.ok());
+  CHECK(FindLimit(*status, "memory_handles")->in_use() == 14);
+  CHECK(FindLimit(*status, "memory_handles_per_session")->in_use() == 8);
+  CHECK(FindLimit(*status, "memory_handles")->refused() == 1);
+  CHECK(FindLimit(*status, "memory_handles_per_session")->refused() == 1);
+  // Free gives one back; so does the end of the other session (all six).
+  auto session = pair.prefill().Session();
+  REQUIRE(session.ok());
+  REQUIRE((*session)->FreeMemory(handles[0]).ok());
+  CHECK(share(*other, 7).ok());
+  CheckRefusal(share(pair.prefill(), 8).status(), "memory_handles", "--max-memory-handles");
+  other.reset();
+  // Its end reaches the agent a moment after its socket closes.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  absl::StatusOr<v1::MemoryHandleInfo> shared;
+  do {
+    shared = share(pair.prefill(), 100);
+  } while (!shared.ok() && std::chrono::steady_clock::now() < deadline);
+  INFO(shared.status().ToString());
+  REQUIRE(shared.ok());
+  CheckRefusal(share(pair.prefill(), 101).status(), "memory_handles_per_session",
+               "--max-memory-handles-per-session");
+  close(fd);
+  HonestWrite(pair, "after-handles", 7, 8);
 }
 
 // A same-host peer's memory objects mapped here are bounded per peer: each takes one of
