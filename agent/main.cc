@@ -138,6 +138,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               without end cannot hold the worker. 100: no pacing
   --peer-metadata-burst-ms MS what one peer's views may take at once before the share
                               applies (default 2000: a whole catalog of ~100,000 regions)
+  --max-mapped-bytes N        address space the host memory objects mapped here may take
+                              in all (engines' objects and same-host peers'; each is
+                              mapped whole; default 17592186044416, 16 TiB of the
+                              process's 128 TiB): past it a region is refused, a peer's
+                              moves through UCX
   --warm-mappings on|off      on: after mapping host memory (a region, a peer's region
                               for a same-host copy), a background thread reads one byte
                               per page of it, so the first transfers do not pay each
@@ -257,6 +262,8 @@ KVAGENT_FLAG(Count<uint32_t>, peer_metadata_share, "peer-metadata-share",
 KVAGENT_FLAG(Count<uint32_t>, peer_metadata_burst_ms, "peer-metadata-burst-ms",
              {Defaults().peer_metadata_burst_ms}, "");
 KVAGENT_FLAG(OnOff, warm_mappings, "warm-mappings", OnOff{false}, "");
+KVAGENT_FLAG(Count<uint64_t>, max_mapped_bytes, "max-mapped-bytes",
+             {kvagent::registry::ShmMapping::kDefaultMappedBytesBound}, "");
 KVAGENT_FLAG(AutoOff, vram_staging, "vram-staging", AutoOff{Defaults().vram_staging}, "");
 KVAGENT_FLAG(Count<uint32_t>, staging_buffers, "staging-buffers",
              {Defaults().staging.buffers}, "");
@@ -526,6 +533,7 @@ int main(int argc, char** argv) {
     return Fail(std::string(flags.message()));
   }
   kvagent::registry::ShmMapping::SetWarming(absl::GetFlag(FLAGS_warm_mappings).on);
+  kvagent::registry::ShmMapping::SetMappedBytesBound(absl::GetFlag(FLAGS_max_mapped_bytes).value);
   if (absl::GetFlag(FLAGS_check_flags)) {
     std::printf("kvagentd: flags accepted; agent '%s' not started (--check-flags)\n",
                 options.name.c_str());

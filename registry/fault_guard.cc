@@ -80,8 +80,16 @@ bool Absorb(uintptr_t address) {
     const uintptr_t first = begin + (address - begin) / page * page;
     // Zero pages from the faulting page to the end of the range: the interrupted copy
     // runs on (reads zeros, writes into memory nobody reads) without faulting again.
-    const long mapped = syscall(SYS_mmap, first, end - first, PROT_READ | PROT_WRITE,
-                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    // Not charged as committed memory (the range may be a sparse object's whole
+    // mapping, larger than RAM: charged, the heuristic overcommit check refuses it).
+    // Where even that is charged (vm.overcommit_memory 2), a window of it: a fault past
+    // the window comes back here and maps the next one.
+    constexpr int kFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE;
+    long mapped = syscall(SYS_mmap, first, end - first, PROT_READ | PROT_WRITE, kFlags, -1, 0);
+    if (mapped == -1) {
+      const uintptr_t window = end - first < (uintptr_t{64} << 20) ? end - first : uintptr_t{64} << 20;
+      mapped = syscall(SYS_mmap, first, window, PROT_READ | PROT_WRITE, kFlags, -1, 0);
+    }
     if (mapped == -1) return false;
     slot.broken.store(true, std::memory_order_release);
     g_faults.fetch_add(1, std::memory_order_acq_rel);

@@ -58,6 +58,9 @@ SegmentTable& Segments() {
 }
 
 std::atomic<size_t> segments_alive{0};
+std::atomic<uint64_t> mapped_total{0};
+std::atomic<uint64_t> mapped_refused{0};
+std::atomic<uint64_t> mapped_bound{ShmMapping::kDefaultMappedBytesBound};
 
 // Background first touch (ShmMapping::SetWarming).
 struct WarmJob {
@@ -147,7 +150,10 @@ uint64_t AlignUp(uint64_t value, uint64_t alignment) {
 }  // namespace
 
 ShmMapping::Segment::~Segment() {
-  if (base != nullptr) segments_alive.fetch_sub(1);
+  if (base != nullptr) {
+    segments_alive.fetch_sub(1);
+    mapped_total.fetch_sub(length);
+  }
   guard.Reset();  // first: nothing may touch the range once it is unmapped
   if (base != nullptr) munmap(base, length);
   if (key != std::pair<uint64_t, uint64_t>{0, 0}) {
@@ -159,6 +165,9 @@ ShmMapping::Segment::~Segment() {
 }
 
 size_t ShmMapping::shared_mappings() { return segments_alive.load(); }
+uint64_t ShmMapping::mapped_bytes() { return mapped_total.load(); }
+uint64_t ShmMapping::mapped_refusals() { return mapped_refused.load(); }
+void ShmMapping::SetMappedBytesBound(uint64_t bytes) { mapped_bound.store(bytes); }
 
 void ShmMapping::SetWarming(bool on) { warming_on.store(on); }
 
@@ -177,8 +186,22 @@ bool ShmMapping::broken() const { return segment_ != nullptr && segment_->guard.
 
 absl::StatusOr<std::shared_ptr<ShmMapping::Segment>> ShmMapping::MapSegment(
     const std::shared_ptr<const MemoryObject>& object, uint64_t length, std::string_view entry) {
+  // Counted before the mmap, given back when it fails or the segment goes.
+  const uint64_t before = mapped_total.fetch_add(length);
+  const uint64_t bound = mapped_bound.load();
+  if (before + length > bound || before + length < before) {
+    mapped_total.fetch_sub(length);
+    mapped_refused.fetch_add(1);
+    return absl::ResourceExhaustedError(fmt::format(
+        "region '{}': memory '{}' is {} bytes and is mapped whole; with the {} bytes this "
+        "agent maps already that passes --max-mapped-bytes ({} bytes); share memory objects "
+        "no larger than the pool they hold (a sparse file of that size costs the engine "
+        "nothing and the agent its address space), or raise the flag",
+        entry, object->label(), length, before, bound));
+  }
   void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, object->fd(), 0);
   if (base == MAP_FAILED) {
+    mapped_total.fetch_sub(length);
     const int err = errno;
     if (err == EACCES || err == EPERM) {
       return absl::FailedPreconditionError(fmt::format(
@@ -194,6 +217,7 @@ absl::StatusOr<std::shared_ptr<ShmMapping::Segment>> ShmMapping::MapSegment(
   auto guard = FaultGuard::Guard(base, length, object->page_alignment(), entry);
   if (!guard.ok()) {
     munmap(base, length);
+    mapped_total.fetch_sub(length);
     return guard.status();
   }
   auto segment = std::make_shared<Segment>();

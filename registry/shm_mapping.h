@@ -70,6 +70,15 @@ class ShmMapping {
   bool broken() const;
   // mmaps alive now (each shared by the ShmMappings of one object, or one Create).
   static size_t shared_mappings();
+  // Address space those mmaps take, and its bound (kvagentd --max-mapped-bytes,
+  // default 16 TiB of the 128 TiB a process has). An object is mapped whole, and an
+  // engine can share a sparse memfd of tens of TiB that costs it nothing: past the
+  // bound a mapping is refused (RESOURCE_EXHAUSTED, counted) instead of leaving the
+  // process no address space for its heap and threads.
+  static uint64_t mapped_bytes();
+  static uint64_t mapped_refusals();
+  static void SetMappedBytesBound(uint64_t bytes);
+  static constexpr uint64_t kDefaultMappedBytesBound = uint64_t{16} << 40;
 
   // First touch in the background. MADV_POPULATE_WRITE (Map) fills the page tables,
   // but on some VMs a page's first CPU access through a new mapping still costs a

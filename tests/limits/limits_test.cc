@@ -386,6 +386,57 @@ TEST_CASE("memory handles are bounded per session and in all; free and a session
   HonestWrite(pair, "after-handles", 7, 8);
 }
 
+uint64_t VmSizeKib(uint32_t pid) {
+  std::ifstream status(fmt::format("/proc/{}/status", pid));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7));
+  }
+  FAIL("no VmSize in /proc/" << pid << "/status");
+  return 0;
+}
+
+// An object is mapped whole. A sparse memfd of 768 GiB costs an engine nothing; two or
+// three such objects with one 4 KiB region each took the agent's address space (128
+// TiB) before --max-mapped-bytes bounded what it maps.
+TEST_CASE("sparse objects past --max-mapped-bytes are refused; the agent's address space stays bounded") {
+  constexpr uint64_t kBound = uint64_t{1} << 40;
+  constexpr uint64_t kObject = uint64_t{768} << 30;
+  AgentPair pair(WithArgs({"--max-mapped-bytes", std::to_string(kBound)}));
+  auto status = pair.prefill().Status();
+  REQUIRE(status.ok());
+  const uint32_t pid = status->pid();
+  const uint64_t before_kib = VmSizeKib(pid);
+  std::vector<int> fds;
+  std::vector<absl::Status> results;
+  for (int i = 0; i < 3; ++i) {
+    const int fd = memfd_create("sparse", MFD_CLOEXEC);
+    REQUIRE(fd >= 0);
+    fds.push_back(fd);
+    REQUIRE(ftruncate(fd, static_cast<off_t>(kObject)) == 0);
+    auto shared = pair.prefill().ShareMemory(fd, fmt::format("sparse.{}", i));
+    INFO(shared.status().ToString());
+    REQUIRE(shared.ok());
+    v1::RegisterRegionsRequest request;
+    *request.add_regions() = AuxRegion(fmt::format("sparse.{}", i), shared->handle(), 0, 4096);
+    results.push_back(pair.prefill().Register(request).status());
+  }
+  INFO(results[0].ToString());
+  CHECK(results[0].ok());
+  for (int i = 1; i < 3; ++i) {
+    INFO(results[i].ToString());
+    CHECK(results[i].code() == absl::StatusCode::kResourceExhausted);
+    CHECK_THAT(Message(results[i]), Contains("sparse." + std::to_string(i)) &&
+                                        Contains("--max-mapped-bytes") && Contains("mapped whole"));
+  }
+  const uint64_t grown_kib = VmSizeKib(pid) - before_kib;
+  std::printf("prefill's VmSize grew %.1f GiB (bound %.0f GiB)\n", grown_kib / 1048576.0,
+              kBound / 1073741824.0);
+  CHECK(grown_kib * 1024 < kBound);
+  for (int fd : fds) close(fd);
+  HonestWrite(pair, "after-sparse", 7, 8);
+}
+
 // A same-host peer's memory objects mapped here are bounded per peer: each takes one of
 // this process's 65,536 guarded mappings, which our own engines' regions need too.
 // With --max-peer-memory-objects 1, decode's pool object maps and a second object's

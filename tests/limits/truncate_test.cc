@@ -6,6 +6,10 @@
 // The tcp cases move it as the agents' own active messages (data path ucx-am, as
 // between hosts without RDMA): there the RECEIVER copies each chunk in, and the agent
 // whose memory a READ reads copies it out, so each side catches its own faults.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -68,6 +72,54 @@ TEST_CASE("the sender's own region truncated: the transfer fails naming it, the 
   CHECK(std::memcmp(fresh->data, dst_a->data, kSmall) == 0);
   scene.RequireAlive();
   scene.sampler.Report("sender's region truncated");
+}
+
+// The agent maps an engine's object whole. A sparse memfd larger than RAM costs the
+// engine nothing; truncated under a copy, the guard replaces the rest of that mapping
+// with zero pages, and such a mapping (tens of GiB) would be refused if it counted as
+// committed memory: the SIGBUS would then kill the agent.
+uint64_t LargerThanMemory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0, total = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemTotal:" || key == "SwapTotal:") total += kib * 1024;
+  }
+  REQUIRE(total > 0);
+  return std::max<uint64_t>(uint64_t{64} << 30, (2 * total + (1 << 30)) & ~uint64_t{(1 << 30) - 1});
+}
+
+TEST_CASE("a sparse object larger than memory truncated under the agent: the transfer fails, the agent lives") {
+  FaultScene scene;
+  AgentPair& pair = scene.pair;
+  const uint64_t size = LargerThanMemory();
+  UniqueFd fd(memfd_create("sparse", MFD_CLOEXEC));
+  REQUIRE(fd.valid());
+  REQUIRE(ftruncate(fd.get(), static_cast<off_t>(size)) == 0);
+  auto sparse = ShareDescriptor(pair.prefill(), std::move(fd), "sparse", size, -1);
+  for (uint64_t i = 0; i < kSmall; ++i) sparse->data[i] = static_cast<uint8_t>(i * 13);
+  v1::RegisterRegionsRequest request = WholeRegion("src.sparse", *sparse);
+  request.mutable_regions(0)->set_length(kSmall);
+  request.mutable_regions(0)->mutable_layout()->set_item_bytes(kSmall);
+  auto registered = pair.prefill().Register(request);
+  INFO(registered.status().ToString());
+  REQUIRE(registered.ok());
+  auto dst = SharedRegion(pair.decode(), "dst.sparse", kSmall, 0);
+  auto before = pair.prefill().Submit(ByteWrite("sparse-before", "src.sparse", "dst.sparse", kSmall, true));
+  REQUIRE(before.ok());
+  REQUIRE(before->phase() == v1::COMPLETED);
+  CHECK(std::memcmp(sparse->data, dst->data, kSmall) == 0);
+  std::printf("sparse object of %llu GiB, a 1 MiB region of it\n",
+              static_cast<unsigned long long>(size >> 30));
+
+  sparse->Truncate();
+  auto failed = pair.prefill().Submit(ByteWrite("sparse-after", "src.sparse", "dst.sparse", kSmall, true));
+  INFO(failed.status().ToString());
+  REQUIRE(failed.ok());
+  RequireBrokenFailure(*failed, "local region 'src.sparse'");
+  scene.RequireAlive();
+  scene.sampler.Report("sparse object truncated");
 }
 
 TEST_CASE("the receiver's region truncated: the sender catches it and names the peer's region") {
