@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include "agent/unix_listener.h"
@@ -32,6 +34,12 @@ constexpr uint32_t kSessionProtocol = 1;
 constexpr int kMaxRequestsPerWakeup = 16;
 // Datagrams read from a refused connection to find its hello's seq.
 constexpr int kMaxDrainedOnRefusal = 4;
+// Connections whose hello falls due this soon are closed with the overdue ones, so
+// that a burst of them is closed (and logged) in one go.
+constexpr std::chrono::milliseconds kOverdueSlack{100};
+// Floods of connections are logged at most once in this long; the lines between are
+// summed into the next one (and counted in hello_timeouts, waiting_refusals).
+constexpr std::chrono::seconds kFloodLogInterval{1};
 
 std::string ErrnoText(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
 
@@ -54,10 +62,17 @@ std::string Describe(const PeerCredentials& c) {
 
 }  // namespace
 
+static_assert(kWaitingShareDivisor == 4, "RefuseOverWaitingShare's message says 'a quarter'");
+
+uint32_t MaxWaitingPerUid(uint32_t max_sessions) {
+  return std::max<uint32_t>(1, max_sessions / kWaitingShareDivisor);
+}
 
 struct SessionServer::Connection {
   UniqueFd fd;
   PeerCredentials credentials;
+  std::chrono::steady_clock::time_point accepted_at;
+  bool waiting = false;     // for its hello: counted in waiting_ and waiting_per_uid_
   uint64_t session_id = 0;  // 0 until welcomed
   std::string client_name;  // escaped, for logs
 };
@@ -102,9 +117,12 @@ absl::StatusOr<std::unique_ptr<SessionServer>> SessionServer::Start(
     }
   }
   server->thread_ = std::thread([s = server.get()] { s->Run(); });
-  kLog.Info("session socket listening at {} (mode {:04o}{}{}, at most {} sessions)",
-            options.path, static_cast<unsigned>(options.mode),
-            options.group.empty() ? "" : ", group ", options.group, options.max_sessions);
+  kLog.Info(
+      "session socket listening at {} (mode {:04o}{}{}, at most {} sessions; a connection "
+      "says hello within {} s, at most {} per uid wait for theirs)",
+      options.path, static_cast<unsigned>(options.mode), options.group.empty() ? "" : ", group ",
+      options.group, options.max_sessions, kHelloDeadline.count(),
+      MaxWaitingPerUid(options.max_sessions));
   return server;
 }
 
@@ -135,7 +153,8 @@ void SessionServer::Run() {
   epoll_event events[64];
   bool stopping = false;
   while (!stopping) {
-    const int n = epoll_wait(epoll_fd_.get(), events, 64, -1);
+    const int timeout_ms = CloseOverdueHellos();
+    const int n = epoll_wait(epoll_fd_.get(), events, 64, timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       kLog.Error("session server at {}: epoll_wait failed: {}; no more sessions are served",
@@ -198,9 +217,13 @@ void SessionServer::AcceptAll() {
     if (connections_.size() >= options_.max_sessions) {
       Refuse(std::move(connection_fd), *credentials,
              absl::ResourceExhaustedError(fmt::format(
-                 "{} sessions attached, the limit of --max-sessions ({}); detach unused "
+                 "{} sessions attached{}, the limit of --max-sessions ({}); detach unused "
                  "engines or raise --max-sessions",
-                 connections_.size(), options_.max_sessions)));
+                 connections_.size() - waiting_.size(),
+                 waiting_.empty() ? std::string()
+                                  : fmt::format(" and {} connections waiting for their hello",
+                                                waiting_.size()),
+                 options_.max_sessions)));
       continue;
     }
     epoll_event event{};
@@ -214,8 +237,101 @@ void SessionServer::AcceptAll() {
     auto connection = std::make_unique<Connection>();
     connection->fd = std::move(connection_fd);
     connection->credentials = *credentials;
+    connection->accepted_at = std::chrono::steady_clock::now();
+    connection->waiting = true;
+    Connection& added = *connection;
     connections_.emplace(fd, std::move(connection));
+    waiting_.emplace(added.accepted_at, fd);
+    if (++waiting_per_uid_[added.credentials.uid] <= MaxWaitingPerUid(options_.max_sessions)) {
+      continue;
+    }
+    // Over its uid's share. A client whose hello came with its connect() is served now
+    // (and waits no more); one that sent nothing yet is refused.
+    if (!ServeReadable(added)) continue;  // closed
+    if (added.waiting) RefuseOverWaitingShare(added);
   }
+}
+
+void SessionServer::StopWaitingForHello(Connection& connection) {
+  if (!connection.waiting) return;
+  connection.waiting = false;
+  waiting_.erase({connection.accepted_at, connection.fd.get()});
+  auto it = waiting_per_uid_.find(connection.credentials.uid);
+  if (it != waiting_per_uid_.end() && --it->second == 0) waiting_per_uid_.erase(it);
+}
+
+void SessionServer::RefuseOverWaitingShare(Connection& connection) {
+  const uint32_t bound = MaxWaitingPerUid(options_.max_sessions);
+  const absl::Status reason = absl::ResourceExhaustedError(fmt::format(
+      "uid {} already has {} connections waiting for their hello on {}, the bound per uid "
+      "({}: a quarter of --max-sessions {}); a client sends its hello as soon as it connects "
+      "(LocalSession::Attach does), and a connection without one is closed {} s after it "
+      "connected",
+      connection.credentials.uid, waiting_per_uid_[connection.credentials.uid] - 1,
+      options_.path, bound, options_.max_sessions, kHelloDeadline.count()));
+  const uint64_t total = waiting_refusals_.fetch_add(1, std::memory_order_relaxed) + 1;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_refusal_log_ >= kFloodLogInterval) {
+    kLog.Warn("refused a connection from {}: {} ({} refused over the per-uid bound in all{})",
+              Describe(connection.credentials), reason.message(), total,
+              refusals_not_logged_ == 0
+                  ? std::string()
+                  : fmt::format(", {} of them not logged", refusals_not_logged_));
+    last_refusal_log_ = now;
+    refusals_not_logged_ = 0;
+  } else {
+    ++refusals_not_logged_;
+  }
+  v1::SessionReply reply;
+  SetError(&reply, reason);
+  (void)client::SendMessage(connection.fd.get(), reply, {});  // best effort: closing anyway
+  Close(connection, std::string(reason.message()), /*refused=*/true, /*logged=*/true);
+}
+
+int SessionServer::CloseOverdueHellos() {
+  if (waiting_.empty()) return -1;
+  const auto now = std::chrono::steady_clock::now();
+  auto due = waiting_.begin()->first + kHelloDeadline;
+  if (due > now + kOverdueSlack) {
+    return static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(due - now).count());
+  }
+  size_t closed = 0;
+  std::set<uid_t> uids;
+  const std::string why = fmt::format(
+      "no hello within {} s of connecting; a client sends its hello as soon as it connects "
+      "(LocalSession::Attach does): attach again",
+      kHelloDeadline.count());
+  while (!waiting_.empty() && waiting_.begin()->first + kHelloDeadline <= now + kOverdueSlack) {
+    Connection& connection = *connections_.at(waiting_.begin()->second);
+    uids.insert(connection.credentials.uid);
+    v1::SessionReply reply;
+    SetError(&reply, absl::DeadlineExceededError(why));
+    (void)client::SendMessage(connection.fd.get(), reply, {});  // best effort: closing anyway
+    Close(connection, why, /*refused=*/true, /*logged=*/true);  // no longer in waiting_
+    ++closed;
+  }
+  if (closed > 0) {
+    const uint64_t total = hello_timeouts_.fetch_add(closed, std::memory_order_relaxed) + closed;
+    if (now - last_timeout_log_ >= kFloodLogInterval) {
+      std::string from;
+      for (uid_t uid : uids) from += fmt::format("{}{}", from.empty() ? "" : ", ", uid);
+      kLog.Warn(
+          "closed {} connection(s) on {} from uid {} that sent no hello within {} s ({} in all{}); "
+          "if these are engines, they do not send their hello on connecting",
+          closed, options_.path, from, kHelloDeadline.count(), total,
+          timeouts_not_logged_ == 0
+              ? std::string()
+              : fmt::format(", {} of them not logged", timeouts_not_logged_));
+      last_timeout_log_ = now;
+      timeouts_not_logged_ = 0;
+    } else {
+      timeouts_not_logged_ += closed;
+    }
+  }
+  if (waiting_.empty()) return -1;
+  due = waiting_.begin()->first + kHelloDeadline;
+  return static_cast<int>(
+      std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(due - now).count()));
 }
 
 void SessionServer::Refuse(UniqueFd fd, const PeerCredentials& credentials,
@@ -292,6 +408,7 @@ bool SessionServer::ServeReadable(Connection& connection) {
       out->set_gid(connection.credentials.gid);
       out->set_pid(static_cast<uint32_t>(connection.credentials.pid));
       connection.session_id = session_id;
+      StopWaitingForHello(connection);
       sessions_.fetch_add(1, std::memory_order_relaxed);
       kLog.Info("session {} opened: {} client '{}'", session_id,
                 Describe(connection.credentials), connection.client_name);
@@ -359,11 +476,15 @@ void SessionServer::SendErrorAndClose(Connection& connection, uint64_t seq,
   Close(connection, std::string(error.message()));
 }
 
-void SessionServer::Close(Connection& connection, std::string_view reason, bool refused) {
+void SessionServer::Close(Connection& connection, std::string_view reason, bool refused,
+                          bool logged) {
   const int fd = connection.fd.get();
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  StopWaitingForHello(connection);
   const uint64_t session_id = connection.session_id;
-  if (session_id != 0) {
+  if (logged) {
+    // The caller logged it (rate-limited: floods of connections without a hello).
+  } else if (session_id != 0) {
     const bool warn = reason.find("not reading") != std::string_view::npos;
     kLog.Log(warn ? log::Level::kWarn : log::Level::kInfo, "session {} closed ({}): {} client '{}'",
              session_id, reason, Describe(connection.credentials), connection.client_name);

@@ -7,12 +7,15 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -56,8 +59,20 @@ struct SessionServerOptions {
   std::string path;         // the session socket: <local gRPC socket path>.session
   mode_t mode = 0660;       // the socket file's mode
   std::string group;        // --local-socket-group: name or numeric gid; empty: leave it
-  uint32_t max_sessions = 1024;  // connections open at once, welcomed or not
+  // Connections open at once, welcomed or not. Those still waiting for their hello
+  // are bounded too: per uid (MaxWaitingPerUid) and in time (kHelloDeadline).
+  uint32_t max_sessions = 1024;
 };
+
+// A connection must send its hello within this long or it is closed: connections
+// that never say hello would otherwise hold --max-sessions slots for ever.
+inline constexpr std::chrono::seconds kHelloDeadline{5};
+// Connections waiting for their hello, per uid, are bounded to max_sessions divided by
+// this (at least 1), so one uid cannot take every slot with connections that never
+// say hello (the rest stay for others' engines). Honest clients hold one such
+// connection for the moment between connect() and their hello.
+inline constexpr uint32_t kWaitingShareDivisor = 4;
+uint32_t MaxWaitingPerUid(uint32_t max_sessions);
 
 class SessionServer {
  public:
@@ -77,6 +92,11 @@ class SessionServer {
 
   // Welcomed sessions open now.
   size_t sessions() const { return sessions_.load(std::memory_order_relaxed); }
+  // Connections closed because no hello came within kHelloDeadline, since the start.
+  uint64_t hello_timeouts() const { return hello_timeouts_.load(std::memory_order_relaxed); }
+  // Connections refused because their uid already had MaxWaitingPerUid() connections
+  // waiting for their hello, since the start.
+  uint64_t waiting_refusals() const { return waiting_refusals_.load(std::memory_order_relaxed); }
   const std::string& path() const { return options_.path; }
 
  private:
@@ -86,6 +106,14 @@ class SessionServer {
   void Run();
   void AcceptAll();
   void Refuse(UniqueFd fd, const PeerCredentials& credentials, const absl::Status& reason);
+  // The connection's hello came, or it closed: it no longer waits for one.
+  void StopWaitingForHello(Connection& connection);
+  // Refuses a connection whose uid has too many waiting for their hello (logged once
+  // per burst).
+  void RefuseOverWaitingShare(Connection& connection);
+  // Closes the connections whose hello is overdue (logged once per burst) and returns
+  // how long epoll may wait until the next one is due (-1: none waits).
+  int CloseOverdueHellos();
   // Handles up to a few queued datagrams; false when the connection was closed.
   bool ServeReadable(Connection& connection);
   // Sends a reply; false (after logging why) when the connection must be closed.
@@ -93,7 +121,9 @@ class SessionServer {
   void SendErrorAndClose(Connection& connection, uint64_t seq, const absl::Status& error);
   // Closes and forgets the connection (OnClose for a session). `refused`: the agent
   // turned the caller away, as opposed to the caller leaving before its hello.
-  void Close(Connection& connection, std::string_view reason, bool refused = true);
+  // `logged`: the caller logged it already.
+  void Close(Connection& connection, std::string_view reason, bool refused = true,
+             bool logged = false);
 
   const SessionServerOptions options_;
   SessionHandler* const handler_;
@@ -106,10 +136,21 @@ class SessionServer {
   std::thread thread_;
   std::atomic<bool> stopped_{false};
   std::atomic<size_t> sessions_{0};
+  std::atomic<uint64_t> hello_timeouts_{0};
+  std::atomic<uint64_t> waiting_refusals_{0};
 
   // Touched by the server's thread only (and by Stop after it joined).
   std::unordered_map<int, std::unique_ptr<Connection>> connections_;
   uint64_t next_session_id_ = 1;
+  // Connections waiting for their hello: by accept time (the oldest is due first) and
+  // how many per uid.
+  std::set<std::pair<std::chrono::steady_clock::time_point, int>> waiting_;
+  std::unordered_map<uid_t, uint32_t> waiting_per_uid_;
+  // Floods come in bursts: their log lines are rate-limited, the rest summed.
+  std::chrono::steady_clock::time_point last_timeout_log_{};
+  uint64_t timeouts_not_logged_ = 0;
+  std::chrono::steady_clock::time_point last_refusal_log_{};
+  uint64_t refusals_not_logged_ = 0;
 };
 
 

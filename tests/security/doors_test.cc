@@ -2,12 +2,16 @@
 // cluster CA under TEST_TMPDIR: callers of the network door without a cluster
 // certificate or without a role, a stranger agent from another CA, fake peers served
 // by this process (plain TCP, another CA, a name their certificate does not hold, a
-// claimed host id), where UCX listens, and the insecure door. Each attack must be
-// refused with an error that names its cause, the victim must still serve, and an
-// honest WRITE between two agents over mutual TLS must still move the right bytes.
+// claimed host id), where UCX listens, the insecure door, and floods of session-socket
+// connections that never say hello. Each attack must be refused with an error that
+// names its cause, the victim must still serve, and an honest WRITE between two
+// agents over mutual TLS must still move the right bytes.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,12 +34,14 @@
 #include <vector>
 
 #include "agent/tls.h"
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/cert_authority.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "client/fast_path.h"
+#include "client/session_wire.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
@@ -886,6 +892,218 @@ TEST_CASE("a session without the engine or scheduler role cannot open a fast pat
   const std::string log = ReadFile(agent.log_path());
   CHECK_THAT(log, Contains("open_fast_path"));
   ExpectServing(*local, "peer-only");
+}
+
+// ---------------------------------------------------------------------------------
+// 6. The session socket: connections that never say hello.
+
+// The agent's bounds (agent/session_server.h), as this test starts it.
+constexpr uint32_t kMaxSessions = 8;
+constexpr uint32_t kWaitingPerUid = kMaxSessions / 4;
+constexpr int kHelloDeadlineMs = 5000;
+
+// `n` raw SOCK_SEQPACKET connections to `path` that send nothing: what anyone who may
+// connect() to the session socket can make.
+std::vector<UniqueFd> Flood(const std::string& path, uint32_t n) {
+  auto address = Require(client::MakeUnixAddress(path), "the session socket's address");
+  std::vector<UniqueFd> fds;
+  for (uint32_t i = 0; i < n; ++i) {
+    UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    REQUIRE(fd);
+    INFO("connect #" << i << " to " << path << ": " << std::strerror(errno));
+    REQUIRE(connect(fd.get(), reinterpret_cast<const sockaddr*>(&address.address),
+                    address.length) == 0);
+    fds.push_back(std::move(fd));
+  }
+  return fds;
+}
+
+// The same from uid `uid` (root only): a thread of this process takes that effective
+// uid for its connect()s, which is what SO_PEERCRED reports. Raw syscalls change the
+// calling thread only (glibc's wrappers would change every thread). Its saved and
+// file-system uid stay 0 so that it can reach the socket under TEST_TMPDIR: the uid
+// stands for one that the socket's group lets in but that holds no role.
+// FAILED_PRECONDITION when the thread cannot take the uid (not root, or a user
+// namespace, such as Bazel's sandbox, that does not map it).
+absl::StatusOr<std::vector<UniqueFd>> FloodAs(uid_t uid, const std::string& path, uint32_t n) {
+  std::vector<UniqueFd> fds;
+  absl::Status cannot;
+  std::string error;
+  std::thread([&] {
+    if (syscall(SYS_setresuid, uid, uid, 0) != 0) {
+      cannot = absl::FailedPreconditionError(
+          fmt::format("this process cannot take uid {}: setresuid: {}", uid, std::strerror(errno)));
+      return;
+    }
+    syscall(SYS_setfsuid, 0);
+    auto address = client::MakeUnixAddress(path);
+    for (uint32_t i = 0; i < n && address.ok(); ++i) {
+      UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+      if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&address->address),
+                  address->length) != 0) {
+        error = fmt::format("connect #{} as uid {}: {}", i, uid, std::strerror(errno));
+        return;
+      }
+      fds.push_back(std::move(fd));
+    }
+  }).join();
+  if (!cannot.ok()) return cannot;
+  INFO(error);
+  REQUIRE(error.empty());
+  REQUIRE(fds.size() == n);
+  return fds;
+}
+
+// What the agent said on the flood's connections within `ms`: those it refused at once
+// (a reply, then the end of the stream) and those it holds, waiting for their hello.
+struct Sorted {
+  std::vector<v1::SessionReply> refusals;
+  std::vector<UniqueFd> held;
+};
+
+Sorted SortFlood(std::vector<UniqueFd> flood, size_t expected_refusals, int ms) {
+  Sorted out;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (out.refusals.size() < expected_refusals && std::chrono::steady_clock::now() < until) {
+    std::vector<pollfd> polled;
+    for (const UniqueFd& fd : flood) {
+      if (fd) polled.push_back({fd.get(), POLLIN, 0});
+    }
+    if (poll(polled.data(), polled.size(), 50) <= 0) continue;
+    for (UniqueFd& fd : flood) {
+      if (!fd) continue;
+      v1::SessionReply reply;
+      std::vector<UniqueFd> fds;
+      if (!client::ReceiveMessage(fd.get(), &reply, &fds, 0).ok()) continue;
+      v1::SessionReply more;
+      CHECK(absl::IsUnavailable(client::ReceiveMessage(fd.get(), &more, &fds, 1000)));
+      out.refusals.push_back(reply);
+      fd.reset();
+    }
+  }
+  for (UniqueFd& fd : flood) {
+    if (fd) out.held.push_back(std::move(fd));
+  }
+  return out;
+}
+
+// Waits for the agent to close each held connection for want of a hello: a
+// DEADLINE_EXCEEDED reply, then the end of the stream. Returns when the last one ended.
+std::chrono::steady_clock::time_point ExpectClosedForNoHello(const std::vector<UniqueFd>& held) {
+  for (const UniqueFd& fd : held) {
+    v1::SessionReply reply;
+    std::vector<UniqueFd> fds;
+    absl::Status got = client::ReceiveMessage(fd.get(), &reply, &fds, kHelloDeadlineMs + 5000);
+    INFO("a connection that sent nothing: " << got << " " << reply.DebugString());
+    REQUIRE(got.ok());
+    CHECK(reply.error_code() == static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+    CHECK_THAT(reply.error_message(), Contains("no hello within 5 s"));
+    CHECK(absl::IsUnavailable(client::ReceiveMessage(fd.get(), &reply, &fds, 2000)));
+  }
+  return std::chrono::steady_clock::now();
+}
+
+long MsSince(std::chrono::steady_clock::time_point start,
+             std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now()) {
+  return static_cast<long>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(end - start).count());
+}
+
+TEST_CASE("connections that never say hello cannot lock engines out of the session socket") {
+  const std::string dir = MakeWorkDir("nohello");
+  // Only this test's uid is an engine: uid 65534 below can connect but holds no role.
+  cli::DaemonProcess agent =
+      StartAgent(dir, "guarded", cli::NetworkDoor::kNone, {},
+                 {"--max-sessions", std::to_string(kMaxSessions), "--engine-uids",
+                  std::to_string(getuid())});
+  const std::string session_path = agent.local_socket() + ".session";
+  // An engine attached before the floods keeps its session through them.
+  auto engine = Client(agent.address(), kLocalMs);
+  auto pool = Require(cli::CreateKvPool(*engine, "guarded", SmallShape()), "registering a pool");
+  REQUIRE(Require(engine->Status(), "status before").sessions() == 1);
+
+  // A uid without a role opens --max-sessions connections and says nothing: it holds
+  // its share, the rest are refused at once naming it, and an engine attaches while
+  // the held ones still wait (well within their deadline).
+  auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<std::vector<UniqueFd>> stranger = FloodAs(65534, session_path, kMaxSessions);
+  if (stranger.ok()) {
+    Sorted flood =
+        SortFlood(*std::move(stranger), kMaxSessions - kWaitingPerUid, 2000);
+    std::printf("uid 65534 opened %u connections sending nothing: %zu refused at once, %zu held\n",
+                kMaxSessions, flood.refusals.size(), flood.held.size());
+    CHECK(flood.held.size() == kWaitingPerUid);
+    CHECK(flood.refusals.size() == kMaxSessions - kWaitingPerUid);
+    for (const auto& refusal : flood.refusals) {
+      CHECK(refusal.error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
+      CHECK_THAT(refusal.error_message(),
+                 Contains("uid 65534 already has 2 connections waiting for their hello") &&
+                     Contains("the bound per uid (2: a quarter of --max-sessions 8)"));
+    }
+    if (!flood.refusals.empty()) {
+      std::printf("refusal: %s\n", flood.refusals[0].error_message().c_str());
+    }
+    auto newcomer = Client(agent.address(), kLocalMs);
+    auto during = newcomer->Status();
+    const long attached_ms = MsSince(start);
+    INFO("a new engine during the flood: " << during.status());
+    REQUIRE(during.ok());
+    CHECK(during->sessions() == 2);
+    CHECK(attached_ms < kHelloDeadlineMs);
+    std::printf("a new engine attached %ld ms after the flood began (sessions: %lu)\n", attached_ms,
+                static_cast<unsigned long>(during->sessions()));
+    const long closed_ms = MsSince(start, ExpectClosedForNoHello(flood.held));
+    std::printf("uid 65534's held connections closed %ld ms after they opened\n", closed_ms);
+    CHECK(closed_ms >= kHelloDeadlineMs - 500);
+    ExpectServing(*newcomer, "guarded");
+  } else {
+    std::printf("note: the flood from another uid is skipped: %s\n",
+                stranger.status().ToString().c_str());
+  }
+
+  // The same from an engine's own uid: again only its share is held. Once those are
+  // closed for want of a hello, every slot is free for engines again.
+  start = std::chrono::steady_clock::now();
+  Sorted flood =
+      SortFlood(Flood(session_path, kMaxSessions), kMaxSessions - kWaitingPerUid, 2000);
+  std::printf("uid %u opened %u connections sending nothing: %zu refused at once, %zu held\n",
+              static_cast<unsigned>(getuid()), kMaxSessions, flood.refusals.size(),
+              flood.held.size());
+  CHECK(flood.held.size() == kWaitingPerUid);
+  CHECK(flood.refusals.size() == kMaxSessions - kWaitingPerUid);
+  const long closed_ms = MsSince(start, ExpectClosedForNoHello(flood.held));
+  std::printf("uid %u's held connections closed %ld ms after they opened\n",
+              static_cast<unsigned>(getuid()), closed_ms);
+  std::vector<std::unique_ptr<cli::AgentClient>> engines;
+  for (uint32_t i = 1; i < kMaxSessions; ++i) {
+    engines.push_back(Client(agent.address(), kLocalMs));
+    INFO("engine #" << i << " after the flood");
+    REQUIRE(engines.back()->Status().ok());
+  }
+  auto full = Require(engine->Status(), "status with every slot taken");
+  CHECK(full.sessions() == kMaxSessions);
+  std::printf("after the flood: %lu sessions attached (--max-sessions %u)\n",
+              static_cast<unsigned long>(full.sessions()), kMaxSessions);
+
+  // The first engine's session and its regions were never touched.
+  auto regions = Require(engine->Regions(), "the first engine's regions");
+  CHECK(static_cast<size_t>(regions.regions_size()) == pool.region_names.size());
+  // Logged once per burst, each line naming the uid, the count and the bound.
+  const std::string log = ReadFile(agent.log_path());
+  const size_t refusal_lines = CountOf(log, "already has 2 connections waiting for their hello");
+  const size_t timeout_lines = CountOf(log, "that sent no hello within 5 s");
+  std::printf("agent's log: %zu refusal line(s), %zu timeout line(s)\n", refusal_lines,
+              timeout_lines);
+  const size_t floods = stranger.ok() ? 2 : 1;
+  CHECK(refusal_lines == floods);
+  CHECK(timeout_lines == floods);
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("waiting for their hello") != std::string::npos ||
+        line.find("sent no hello") != std::string::npos) {
+      std::printf("guarded's log: %s\n", line.c_str());
+    }
+  }
 }
 
 }  // namespace
