@@ -149,6 +149,14 @@ bool Inbox::AdmitNotification(std::string_view header, uint64_t data_bytes,
 
 absl::Status Inbox::CheckBody(std::string_view data, std::string_view from_agent,
                               const InboxLimits& limits, v1::Notification* n) {
+  // A batch entry is bounded as a notification alone (a single one was, before its
+  // body was fetched): a batch may carry 1 MiB, one notification no more than this.
+  if (data.size() > limits.max_notification_message_bytes) {
+    n->Clear();  // nothing of it is used, not even to answer
+    return absl::InvalidArgumentError(
+        fmt::format("its {} bytes are over the {}-byte bound of one notification", data.size(),
+                    limits.max_notification_message_bytes));
+  }
   if (!n->ParseFromArray(data.data(), static_cast<int>(data.size()))) {
     n->Clear();  // nothing of it is used, not even to answer
     return absl::InvalidArgumentError(fmt::format("its {} bytes do not parse", data.size()));
@@ -165,6 +173,38 @@ absl::Status Inbox::CheckBody(std::string_view data, std::string_view from_agent
         "segment) and fewer targets",
         Printable(n->transfer_id(), 256), n->payload().size(), n->targets_size(),
         limits.max_notification_payload_bytes, limits.max_notification_targets));
+  }
+  // Every string it carries is bounded as this agent bounds its own: each is kept with
+  // the transfer's record and in the notification its owners take.
+  auto over = [&](std::string_view field, uint64_t bytes, uint64_t bound) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': its notification's {} is {} bytes, over this agent's limit of {}",
+        Printable(n->transfer_id(), 64), field, bytes, bound));
+  };
+  if (n->transfer_id().size() > limits.max_notification_id_bytes) {
+    return over("transfer_id", n->transfer_id().size(), limits.max_notification_id_bytes);
+  }
+  if (n->request_id().size() > limits.max_notification_id_bytes) {
+    return over("request_id", n->request_id().size(), limits.max_notification_id_bytes);
+  }
+  for (int i = 0; i < n->targets_size(); ++i) {
+    if (n->targets(i).size() > limits.max_notification_target_bytes) {
+      return over(fmt::format("target {} of {}", i, n->targets_size()), n->targets(i).size(),
+                  limits.max_notification_target_bytes);
+    }
+  }
+  if (n->error_message().size() > limits.max_notification_error_bytes) {
+    const std::string marker =
+        fmt::format(" [cut by the receiving agent: {} bytes, at most {} kept]",
+                    n->error_message().size(), limits.max_notification_error_bytes);
+    std::string& text = *n->mutable_error_message();
+    size_t keep = limits.max_notification_error_bytes > marker.size()
+                      ? limits.max_notification_error_bytes - marker.size()
+                      : 0;
+    // Not inside a UTF-8 sequence (the field is a proto3 string: it stays valid).
+    while (keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0) == 0x80) --keep;
+    text.resize(keep);
+    text.append(marker);
   }
   return absl::OkStatus();
 }
@@ -204,8 +244,11 @@ bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, 
   // The sender is authenticated: a DATA_READY of its own that it waits on, refused
   // only for its size, is answered at once, so its transfer fails with the reason
   // instead of at its deadline.
+  // Not when its transfer_id is itself over the bound: no sender of ours waits on
+  // such an id, and the acknowledgement would carry it back.
   if (checked.code() == absl::StatusCode::kInvalidArgument && n->from_agent() == auth.from_agent() &&
-      n->kind() == v1::DATA_READY && n->ack_token() != 0 && reply_ep != nullptr) {
+      n->kind() == v1::DATA_READY && n->ack_token() != 0 && reply_ep != nullptr &&
+      n->transfer_id().size() <= limits_.max_notification_id_bytes) {
     wire::TransferAck refusal;
     refusal.set_from_agent(self_name_);
     refusal.set_transfer_id(n->transfer_id());

@@ -36,6 +36,16 @@ struct InboxLimits {
   uint64_t max_notification_message_bytes = 256 << 10;
   uint64_t max_notification_payload_bytes = 64 << 10;  // as TransferEngineOptions bounds ours
   uint32_t max_notification_targets = 256;              // as the engine bounds ours
+  // Its strings, as this agent bounds its own: transfer_id and request_id as
+  // SubmitTransfer does (kMaxTransferIdBytes, agent/transfer_engine.cc), each target as
+  // a region or group name (registry::CatalogLimits::max_name_bytes, which the
+  // registry applies to our names and peers to our catalog). One over is refused.
+  uint64_t max_notification_id_bytes = 256;
+  uint64_t max_notification_target_bytes = 256;
+  // A longer error_message is cut to this many bytes (at a UTF-8 boundary), the cut
+  // marked at its end: the text is only shown, and an honest sender's long reason
+  // (a list of regions) is still an outcome the owners must hear.
+  uint64_t max_notification_error_bytes = 4 << 10;
   // A notification batch (6) or acknowledgement batch (7): entries and bytes.
   uint32_t max_batch_entries = kMaxBatchEntries;
   uint64_t max_batch_bytes = kMaxBatchBytes;
@@ -63,9 +73,13 @@ class Inbox {
   void SendAck(void* reply_ep, const wire::TransferAck& ack);
 
   // The checks each notification body takes (message 1, and each entry of a batch):
-  // it parses, names `from_agent` (the authenticated header's), and its payload and
-  // targets are within `limits`. INVALID_ARGUMENT or PERMISSION_DENIED (another
-  // sender) with the reason otherwise; `n` holds what parsed. Pure: fuzz/inbox_fuzzer.
+  // it is within max_notification_message_bytes (a batch entry as a notification
+  // alone), parses, names `from_agent` (the authenticated header's), and its payload,
+  // targets (count and each name), transfer_id and request_id are within `limits`.
+  // INVALID_ARGUMENT (naming the field, its size and the bound) or PERMISSION_DENIED
+  // (another sender) otherwise; `n` holds what parsed (cleared when nothing did). An
+  // error_message over max_notification_error_bytes is cut there, marked, not refused.
+  // Pure: fuzz/inbox_fuzzer.
   static absl::Status CheckBody(std::string_view data, std::string_view from_agent,
                                 const InboxLimits& limits, v1::Notification* n);
   // A batch's own checks (6's data as NoticeBatch, 7's as TransferAckBatch): within

@@ -119,15 +119,37 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   if (it != records_.end()) return &it->second;
   const bool outcome = n.kind() == v1::CANCELLED_BY_PEER || n.kind() == v1::TRANSFER_FAILED ||
                        n.kind() == v1::TRANSFER_TIMED_OUT;
+  // Its sender's count of open records (made at zero the first time; kept at zero).
+  auto sender = senders_.find(n.from_agent());
+  if (sender == senders_.end()) {
+    if (senders_.size() >= kSenderEntries) {
+      for (auto s = senders_.begin(); s != senders_.end();) {
+        if (s->second == 0) {
+          senders_.erase(s++);
+        } else {
+          ++s;
+        }
+      }
+    }
+    sender = senders_.emplace(n.from_agent(), 0).first;
+  }
   // An outcome always gets its record (it ends at once); a new transfer only while
-  // there is room.
-  if (!outcome && active_ >= options_.max_active) {
-    kLog.Warn("not tracking incoming {} from '{}': {} incoming transfers are open "
-              "already; its outcome still reaches its owners",
-              TransferLabel(n.transfer_id(), n.request_id()), Printable(n.from_agent()), active_);
+  // there is room, in all and in its sender's share.
+  if (!outcome && (active_ >= options_.max_active ||
+                   sender->second >= options_.max_active_per_sender)) {
+    if (untracked_++ % 1024 == 0) {
+      kLog.Warn("not tracking incoming {} from '{}': {} incoming transfers are open already, "
+                "{} of them from '{}' (limits {} in all, {} per sender); its outcome still "
+                "reaches its owners ({} not tracked so far)",
+                TransferLabel(n.transfer_id(), n.request_id()), Printable(n.from_agent()), active_,
+                sender->second, Printable(n.from_agent()), options_.max_active,
+                options_.max_active_per_sender, untracked_);
+    }
     return nullptr;
   }
   Record& r = AddRecordLocked(key);
+  ++sender->second;
+  r.sender_open = &sender->second;
   r.state.set_transfer_id(n.transfer_id());
   CountLocked(r, key);
   r.state.set_peer(n.from_agent());
@@ -137,6 +159,12 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   r.state.set_submitted_unix_us(UnixMicros());
   r.state.set_request_id(n.request_id());
   r.start_us = MonotonicMicros();
+  // A deadline from the start: an open replaces it with its sender's; a record that no
+  // open ever comes for (a DATA_READY alone, then no commit) still ends, and gives back
+  // its slot and its room in the notification queue.
+  r.deadline_ms = options_.unopened_timeout_ms;
+  r.expires_us = r.start_us + (uint64_t{r.deadline_ms} + options_.grace_ms) * 1000;
+  if (!outcome) next_expiry_us_ = std::min(next_expiry_us_, r.expires_us);
   MarkStage(r.state, v1::STAGE_SUBMITTED, r.start_us, r.start_us);
   OwnersOf(n, &r.owners);
   std::string* owner = r.state.mutable_owner();
@@ -155,7 +183,18 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       Record* r = FindOrMake(n);
       if (r == nullptr || r->ended) return;
       if (n.op() == v1::WRITE || n.op() == v1::READ) r->state.set_op(n.op());
-      r->expires_us = MonotonicMicros() + (uint64_t{n.timeout_ms()} + options_.grace_ms) * 1000;
+      // The sender's deadline, up to max_peer_timeout_ms (a peer's UINT32_MAX would
+      // hold the record, its slot and its reservation for 49 days), and no later than
+      // that from when the transfer was first heard of (an open sent again does not
+      // push it further).
+      const uint64_t now = MonotonicMicros();
+      const uint64_t most_us = uint64_t{options_.max_peer_timeout_ms} * 1000;
+      const uint64_t asked_us = uint64_t{n.timeout_ms()} * 1000;
+      const uint64_t until = std::min(now + asked_us, r->start_us + most_us);
+      r->opened = true;
+      r->capped = until < now + asked_us;
+      r->deadline_ms = static_cast<uint32_t>((until > now ? until - now : 0) / 1000);
+      r->expires_us = until + uint64_t{options_.grace_ms} * 1000;
       next_expiry_us_ = std::min(next_expiry_us_, r->expires_us);
       return;
     }
@@ -303,6 +342,7 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   if (r.ended) return;
   r.ended = true;
   --active_;
+  if (r.sender_open != nullptr) --*std::exchange(r.sender_open, nullptr);
   // Kept alive until the end (`from` may be it), then spare for the next DATA_READY.
   std::unique_ptr<v1::Notification> held = std::move(r.held);
   r.reply_ep = nullptr;
@@ -372,12 +412,21 @@ void IncomingTransfers::Expire() {
     v1::Notification from;
     from.set_from_agent(r.state.peer());
     from.set_transfer_id(r.state.transfer_id());
+    const std::string deadline =
+        r.opened ? fmt::format("its deadline ({} ms{})", r.deadline_ms,
+                               r.capped ? fmt::format(", cut to the {} ms from its first "
+                                                      "notice this agent allows a peer",
+                                                      options_.max_peer_timeout_ms)
+                                        : "")
+                 : fmt::format("{} ms (it never opened the transfer here, so no deadline of "
+                               "its own was known)",
+                               r.deadline_ms);
     EndLocked(key, r, v1::TIMED_OUT, v1::TRANSFER_TIMED_OUT, &from,
               absl::DeadlineExceededError(fmt::format(
-                  "transfer '{}' from '{}': no outcome came from the {} within its deadline "
-                  "plus {} ms (it may have died or lost the link); {}",
+                  "transfer '{}' from '{}': no outcome came from the {} within {} plus {} ms "
+                  "(it may have died or lost the link); {}",
                   Printable(r.state.transfer_id()), Printable(r.state.peer()),
-                  r.state.op() == v1::READ ? "agent reading our memory" : "sender",
+                  r.state.op() == v1::READ ? "agent reading our memory" : "sender", deadline,
                   options_.grace_ms,
                   r.state.op() == v1::READ
                       ? "our pages were only read, not changed"
@@ -487,6 +536,11 @@ size_t IncomingTransfers::sources() const {
 uint64_t IncomingTransfers::active() const {
   absl::MutexLock lock(&mu_);
   return active_;
+}
+
+uint64_t IncomingTransfers::untracked() const {
+  absl::MutexLock lock(&mu_);
+  return untracked_;
 }
 
 }  // namespace kvagent::agent

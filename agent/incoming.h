@@ -35,6 +35,19 @@ struct IncomingOptions {
   uint32_t grace_ms = 2000;
   uint32_t max_finished = 10000;  // ended incoming transfers kept for queries
   uint32_t max_active = 65536;    // open incoming transfers tracked at once
+  // Of them, from one sending agent (all its incarnations): a quarter, so that one
+  // peer cannot take every slot. Past it (or max_active) a transfer is not tracked:
+  // its DATA_READY is delivered once its data is in place, without waiting for the
+  // commit, and it is not listed.
+  uint32_t max_active_per_sender = 16384;
+  // A peer's PEER_TRANSFER_OPEN timeout_ms is taken up to this (10 minutes), counted
+  // from the transfer's first notice here: a record waits no longer than this plus
+  // grace for its sender's outcome, however often it is opened.
+  uint32_t max_peer_timeout_ms = 600000;
+  // A transfer whose first notice here is not an open (a DATA_READY) has no deadline
+  // from its sender: it gets this one from when it was first heard of (plus grace),
+  // twice the sender's default (--transfer-timeout-ms, 30 s) and the Stager's hold.
+  uint32_t unopened_timeout_ms = 60000;
   // Called once with each tracked record's final state (its outcome, bytes and
   // timeline), under this object's lock: the metrics count it. Null: nothing.
   std::function<void(const v1::TransferState&)> on_ended;
@@ -76,6 +89,8 @@ class IncomingTransfers {
                                         const Caller& caller) const;
   std::vector<v1::TransferState> List(bool active_only, const Caller& caller) const;
   uint64_t active() const;
+  // Transfers not tracked because max_active or their sender's share was reached.
+  uint64_t untracked() const;
   // The (sender, incarnation) pairs with tracked records here: Get looks up an id once
   // per pair.
   size_t sources() const;
@@ -87,7 +102,13 @@ class IncomingTransfers {
     v1::TransferState state;
     std::vector<std::string> owners;  // principals owning its targets
     uint64_t start_us = 0;            // monotonic, when first heard of
-    uint64_t expires_us = 0;          // monotonic; 0: no deadline known
+    // Monotonic: its sender's deadline (PEER_TRANSFER_OPEN's, capped), or
+    // unopened_timeout_ms from start_us, plus grace. 0 only for untracked records
+    // (they end when acknowledged; the Stager bounds the wait of a staged one).
+    uint64_t expires_us = 0;
+    uint32_t deadline_ms = 0;         // what expires_us was set from (without grace)
+    bool opened = false;              // by a PEER_TRANSFER_OPEN
+    bool capped = false;              // its open asked for more than max_peer_timeout_ms
     void* reply_ep = nullptr;         // of DATA_READY, until acknowledged
     uint64_t ack_token = 0;
     std::unique_ptr<v1::Notification> held;  // DATA_READY, until the commit
@@ -97,6 +118,8 @@ class IncomingTransfers {
     bool ended = false;                      // its one outcome was delivered
     // Its (sender, incarnation) in sources_, which counts it; null: untracked.
     Sources::value_type* source = nullptr;
+    // Its sender's count of open records (senders_) while it is open; null otherwise.
+    uint32_t* sender_open = nullptr;
   };
   using Key = std::string;  // sender, incarnation, transfer id
   // Node-based: a record never moves, and a pruned record's node (key and record)
@@ -160,6 +183,14 @@ class IncomingTransfers {
   Sources sources_ ABSL_GUARDED_BY(mu_);
   Sources::value_type* last_source_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t active_ ABSL_GUARDED_BY(mu_) = 0;
+  // Open tracked records per sending agent (max_active_per_sender). Node-based: a
+  // record points at its count. An entry at zero stays (a sender's next transfer then
+  // allocates nothing) until there are more than kSenderEntries, when they go.
+  static constexpr size_t kSenderEntries = 1024;
+  absl::node_hash_map<std::string, uint32_t> senders_ ABSL_GUARDED_BY(mu_);
+  // Transfers not tracked for want of room (max_active or the sender's share): the
+  // first and every 1,024th after are logged.
+  uint64_t untracked_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
   // The ended records' keys, oldest first: a ring (ended_keys_[ended_head_] is the

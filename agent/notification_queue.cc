@@ -79,8 +79,10 @@ bool NotificationQueue::OfferLocked(const QueuedNotification& n, bool may_hold) 
 }
 
 uint64_t NotificationQueue::Size(const v1::Notification& n) {
-  return n.payload().size() + n.error_message().size() + n.transfer_id().size() +
-         n.from_agent().size() + 128;
+  uint64_t bytes = n.payload().size() + n.error_message().size() + n.transfer_id().size() +
+                   n.from_agent().size() + n.request_id().size() + kNotificationOverhead;
+  for (const auto& target : n.targets()) bytes += target.size() + kTargetOverhead;
+  return bytes;
 }
 
 absl::Status NotificationQueue::Reserve(std::string_view what, uint64_t bytes) {

@@ -100,7 +100,11 @@ class NotificationQueue {
   absl::Status Reserve(std::string_view what, uint64_t bytes);
   // The same, with `what` made only for a refusal (no text per reservation granted).
   absl::Status Reserve(absl::FunctionRef<std::string()> what, uint64_t bytes);
-  // What a notification costs the queue: its strings plus a fixed overhead.
+  // What a notification costs the queue: every string it holds (payload, ids, names,
+  // error text, each target) plus a fixed overhead, and each target's own (a string
+  // object and its pointer in the repeated field: 256 empty targets still cost).
+  static constexpr uint64_t kNotificationOverhead = 128;
+  static constexpr uint64_t kTargetOverhead = sizeof(std::string) + sizeof(void*);
   static uint64_t Size(const v1::Notification& n);
   // Takes up to `max` (0 = all) queued notifications matching `ids` (empty = any)
   // that `reader` may take.

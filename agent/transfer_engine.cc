@@ -1100,6 +1100,8 @@ void TransferEngine::OnAuthenticatedNotice(v1::Notification& n, void* reply_ep) 
                                           "nothing")
                                     : absl::OkStatus());
       }
+      // A DATA_READY without an open made its record here, with a deadline of its own.
+      WakeDeadlinesBy(incoming.NextExpiry());
       return;
     case v1::CANCELLED_BY_PEER:
     case v1::TRANSFER_FAILED:

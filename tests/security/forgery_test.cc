@@ -905,6 +905,128 @@ TEST_CASE("a notification batch loses only its bad entries: the others arrive on
   HonestWrite(pair, "after-batches", {1}, {2});
 }
 
+// Eve, authenticated, sends notifications whose strings are within the 256 KiB of one
+// notification but past what this agent allows its own (ids 256 bytes as SubmitTransfer,
+// target names 256 as the registry): each kept with a record and queued for the owner
+// while counted at ~128 bytes, so 65,536 of them once held ~64 GiB under a 64 MiB bound.
+// Each is refused and counted (a DATA_READY answered with the reason), a batch entry is
+// bounded as one notification, a 200 KiB error text reaches the owner cut to 4 KiB, and
+// eve's honest notification and prefill's WRITE still arrive. (The 64 KiB id once
+// crashed decode: its acknowledgement echoed the id in its header, and UCX aborted the
+// process, "RTS is too big 65601, max 8256".)
+TEST_CASE("a peer notification with oversized ids or target names is refused and a long error "
+          "text is cut") {
+  AgentPair pair;
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const std::string secret = metadata.notify_secret();
+  AckCollector acks;
+  UcxAttacker attacker(metadata.worker_address(), "1048576");  // eager: one piece each
+  acks.ListenOn(attacker);
+  const uint64_t dropped_before = Dropped(decode_status);
+  auto send = [&](uint16_t id, const std::string& body) {
+    absl::Status sent = attacker.Send(id, AuthHeader("eve", secret), body, /*request=*/true);
+    INFO(sent.ToString());
+    REQUIRE(sent.ok());
+  };
+  auto notice = [](const std::string& id, v1::NotificationKind kind) {
+    v1::Notification n;
+    n.set_from_agent("eve");
+    n.set_transfer_id(id);
+    n.set_kind(kind);
+    if (kind == v1::DATA_READY) {
+      n.set_ack_token(4242);
+      n.set_payload("eve's");
+    }
+    n.add_targets("kv");
+    return n;
+  };
+
+  // A 64 KiB transfer id, then its commit.
+  const std::string long_id(64 << 10, 'i');
+  send(kNotificationAm, notice(long_id, v1::DATA_READY).SerializeAsString());
+  send(kNotificationAm, notice(long_id, v1::PEER_DATA_COMMIT).SerializeAsString());
+  // 256 targets of 1,000 bytes (251 KiB in all, under the 256 KiB of one notification),
+  // then its commit (a plain one, which alone would be taken).
+  v1::Notification wide = notice("eve-wide", v1::DATA_READY);
+  wide.clear_targets();
+  for (int i = 0; i < 256; ++i) wide.add_targets(std::string(1000, 't'));
+  REQUIRE(wide.ByteSizeLong() < (256u << 10));
+  send(kNotificationAm, wide.SerializeAsString());
+  send(kNotificationAm, notice("eve-wide", v1::PEER_DATA_COMMIT).SerializeAsString());
+  // A 200 KiB error text on her own failure: cut, not refused (an honest long reason is
+  // still an outcome).
+  v1::Notification failed = notice("eve-long-error", v1::TRANSFER_FAILED);
+  failed.set_error_code(static_cast<int32_t>(absl::StatusCode::kInternal));
+  failed.set_error_message(std::string(200 << 10, 'e'));
+  send(kNotificationAm, failed.SerializeAsString());
+  // A batch: a 300 KiB entry (a batch may hold 1 MiB, one notification 256 KiB), a
+  // DATA_READY with a 1 KiB request id, and a good entry.
+  wire::NoticeBatch batch;
+  v1::Notification huge = notice("eve-huge-entry", v1::TRANSFER_FAILED);
+  huge.set_error_message(std::string(300 << 10, 'h'));
+  batch.add_notices(huge.SerializeAsString());
+  v1::Notification long_request = notice("eve-long-request", v1::DATA_READY);
+  long_request.set_request_id(std::string(1024, 'r'));
+  batch.add_notices(long_request.SerializeAsString());
+  batch.add_notices(NotificationBytes("eve", "batch-good", "", v1::TRANSFER_FAILED));
+  send(kNoticeBatchAm, batch.SerializeAsString());
+
+  // The cut failure and the good entry reach the owner, nothing else.
+  auto notes = PollNotifications(pair.decode(), 2, kTimeoutMs, 500);
+  INFO(Describe(notes));
+  REQUIRE(notes.size() == 2);
+  CHECK(notes[0].transfer_id() == "eve-long-error");
+  CHECK(notes[0].kind() == v1::TRANSFER_FAILED);
+  CHECK(notes[0].error_message().size() <= 4096);
+  CHECK_THAT(notes[0].error_message(), Contains("cut by the receiving agent: 204800 bytes"));
+  CHECK(notes[1].transfer_id() == "batch-good");
+  // Five refused and counted: the long id's DATA_READY and commit, the wide DATA_READY,
+  // the two bad batch entries.
+  const uint64_t dropped = Dropped(decode_status);
+  std::printf("oversized notification fields: dropped_peer_messages %lu -> %lu, %zu delivered "
+              "(%s)\n",
+              static_cast<unsigned long>(dropped_before), static_cast<unsigned long>(dropped),
+              notes.size(), Describe(notes).c_str());
+  CHECK(dropped - dropped_before == 5);
+  // Each DATA_READY eve waits on with an id within the bound hears why at once.
+  const auto refused = acks.Await([](const auto& a) { return a.size() >= 2; }, 2000);
+  REQUIRE(refused.size() == 2);
+  for (const auto& ack : refused) {
+    CHECK(ack.ack_token() == 4242);
+    CHECK(ack.error_code() == static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  }
+  CHECK(refused[0].transfer_id() == "eve-wide");
+  CHECK_THAT(refused[0].error_message(),
+             Contains("target 0 of 256 is 1000 bytes") && Contains("limit of 256"));
+  CHECK(refused[1].transfer_id() == "eve-long-request");
+  CHECK_THAT(refused[1].error_message(),
+             Contains("entry 1 of a batch of 3") && Contains("request_id is 1024 bytes"));
+  {
+    std::ifstream log(pair.decode_process().log_path());
+    std::string line, refusals;
+    while (std::getline(log, line)) {
+      if (line.find("audit: refused") != std::string::npos) refusals += line + "\n";
+    }
+    CHECK_THAT(refusals, Contains("transfer_id is 65536 bytes") &&
+                             Contains("target 0 of 256 is 1000 bytes") &&
+                             Contains("bound of one notification") &&
+                             Contains("request_id is 1024 bytes"));
+  }
+
+  // Eve's honest notification still arrives, once, and so does prefill's WRITE.
+  send(kNotificationAm, NotificationBytes("eve", "eve-honest", "hello"));
+  send(kNotificationAm, NotificationBytes("eve", "eve-honest", "", v1::PEER_DATA_COMMIT));
+  notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
+  INFO(Describe(notes));
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].transfer_id() == "eve-honest");
+  CHECK(notes[0].payload() == "hello");
+  CHECK(Dropped(decode_status) == dropped);
+  HonestWrite(pair, "after-oversized", {1}, {2});
+}
+
 TEST_CASE("a session naming itself prefill in GetMetadata cannot acknowledge a deregistration") {
   constexpr int64_t kWaitMs = 1500;
   AgentPairOptions options;

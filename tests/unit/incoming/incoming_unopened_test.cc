@@ -1,0 +1,237 @@
+// What a hostile peer can hold on the receiving side, without daemons. A DATA_READY
+// that no PEER_TRANSFER_OPEN came before, and no commit after, once had no deadline:
+// its record kept an active slot and its room reserved in the notification queue for
+// the agent's life. Now it ends TIMED_OUT after unopened_timeout_ms plus grace, like an
+// opened transfer after its deadline: its owners hear it once, the slot and the
+// reservation come back. A peer's open may not ask for more than max_peer_timeout_ms
+// from the transfer's first notice, however often it is sent.
+// One sender holds at most max_active_per_sender of the open records; past it its
+// transfers go untracked, and another sender's are still tracked.
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "agent/incoming.h"
+#include "agent/limits.h"
+#include "agent/notification_queue.h"
+#include "agent/status_util.h"
+#include "catch2/catch.hpp"
+#include "fmt/format.h"
+#include "proto/kvagent.pb.h"
+#include "proto/wire.pb.h"
+#include "registry/region_registry.h"
+#include "tests/unit/registry/test_util.h"
+
+namespace kvagent::agent {
+namespace {
+
+using Catch::Matchers::Contains;
+
+constexpr uint64_t kNever = UINT64_MAX;
+constexpr uint64_t kMaxWaitUs = 5 * 1000 * 1000;  // no step of these tests waits longer
+
+v1::Notification Notice(const std::string& id, v1::NotificationKind kind,
+                        const std::string& from = "eve") {
+  v1::Notification n;
+  n.set_from_agent(from);
+  n.set_sender_incarnation(1);
+  n.set_transfer_id(id);
+  n.set_kind(kind);
+  n.set_bytes(4096);
+  n.add_targets("dst");  // the decode region
+  return n;
+}
+
+// Eve's DATA_READY: an ack token, a payload, a region of ours as target. No open before.
+v1::Notification DataReady(const std::string& id, const std::string& from = "eve") {
+  v1::Notification n = Notice(id, v1::DATA_READY, from);
+  n.set_ack_token(1000 + id.size());
+  n.set_payload(std::string(512, 'e'));
+  return n;
+}
+
+std::vector<v1::Notification> Delivered(NotificationQueue& queue) {
+  NotificationReader everyone;
+  everyone.any = true;
+  return queue.Poll(0, {}, everyone);
+}
+
+void SleepUntil(uint64_t monotonic_us) {
+  const uint64_t now = MonotonicMicros();
+  if (monotonic_us > now) {
+    std::this_thread::sleep_for(std::chrono::microseconds(monotonic_us - now));
+  }
+}
+
+// The receiver: one region "dst" owned by "decode-engine", a queue with room for
+// `queue_slots` notifications (reserved or queued), and every acknowledgement kept.
+struct Receiver {
+  registry::RegionRegistry regions{&registry::testing::Context()};
+  registry::ShmMapping shm = registry::testing::MakeShm(4096);
+  Limits limits;
+  NotificationQueue queue{&limits};
+  std::vector<wire::TransferAck> acks;
+  IncomingTransfers incoming;
+
+  Receiver(IncomingOptions options, uint64_t queue_slots)
+      : incoming(options, &regions, &queue,
+                 [this](void*, const wire::TransferAck& ack) { acks.push_back(ack); }) {
+    limits.set(Limit::kQueuedNotifications, queue_slots);
+    REQUIRE(regions
+                .Register({registry::testing::Spec("dst", shm.name(), 0, 4096, 1, 4096)}, false,
+                          registry::testing::Registrant("decode-engine"))
+                .ok());
+  }
+
+  // A DATA_READY with nothing staged (its data "in place" at once), as the engine hands
+  // it over; returns its acknowledgement's status.
+  absl::Status Ready(v1::Notification n) {
+    static int endpoint;
+    const size_t before = acks.size();
+    incoming.OnDataReady(std::move(n), &endpoint, absl::OkStatus());
+    REQUIRE(acks.size() == before + 1);
+    const wire::TransferAck& ack = acks.back();
+    return absl::Status(static_cast<absl::StatusCode>(ack.error_code()), ack.error_message());
+  }
+};
+
+IncomingOptions Options() {
+  IncomingOptions options;
+  options.self_name = "decode";
+  options.grace_ms = 20;
+  options.unopened_timeout_ms = 150;
+  return options;
+}
+
+TEST_CASE("a DATA_READY never opened nor committed ends by a deadline and gives back its room") {
+  Receiver r(Options(), /*queue_slots=*/2);
+  const uint64_t first_heard = MonotonicMicros();
+  // Two fill the queue's room: each is acknowledged (its data is in place) and waits,
+  // holding its reservation, for a commit that never comes.
+  CHECK(r.Ready(DataReady("held-1")).ok());
+  CHECK(r.Ready(DataReady("held-2")).ok());
+  CHECK(r.incoming.active() == 2);
+  // A third finds no room: refused back to eve (its transfer fails), not held.
+  const absl::Status full = r.Ready(DataReady("held-3"));
+  CHECK(full.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(r.incoming.active() == 2);
+  CHECK(Delivered(r.queue).empty());  // nothing reaches the owner before a commit
+
+  // They are due: unopened_timeout_ms plus grace after they were first heard of.
+  const uint64_t due = r.incoming.NextExpiry();
+  std::printf("unopened DATA_READY: NextExpiry %s\n",
+              due == kNever ? "never" : fmt::format("in {} us", due - first_heard).c_str());
+  REQUIRE(due != kNever);
+  CHECK(due >= first_heard + (150 + 20) * 1000);
+  CHECK(due <= MonotonicMicros() + (150 + 20) * 1000);
+  r.incoming.Expire();  // not yet
+  CHECK(r.incoming.active() == 2);
+  REQUIRE(due < MonotonicMicros() + kMaxWaitUs);
+  SleepUntil(due);
+  r.incoming.Expire();
+
+  // Ended as an opened transfer ends at its deadline: the owner hears TIMED_OUT once
+  // each, through the reservation each held; the slots are free.
+  CHECK(r.incoming.active() == 0);
+  std::vector<v1::Notification> out = Delivered(r.queue);
+  REQUIRE(out.size() == 2);
+  for (const auto& n : out) {
+    CHECK(n.kind() == v1::TRANSFER_TIMED_OUT);
+    CHECK(n.from_agent() == "eve");
+    CHECK(n.error_code() == static_cast<int32_t>(absl::StatusCode::kDeadlineExceeded));
+    CHECK_THAT(n.error_message(), Contains("never opened the transfer here") &&
+                                      Contains("150 ms"));
+  }
+  CHECK(r.incoming.NextExpiry() == kNever);
+  // The room is back: a new transfer's DATA_READY is acknowledged again, and a late
+  // commit of an expired one delivers nothing more.
+  r.incoming.OnNotice(Notice("held-1", v1::PEER_DATA_COMMIT), nullptr);
+  CHECK(r.Ready(DataReady("after", "prefill")).ok());
+  r.incoming.OnNotice(Notice("after", v1::PEER_DATA_COMMIT, "prefill"), nullptr);
+  out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "after");
+  CHECK(out[0].kind() == v1::DATA_READY);
+  Caller owner;
+  owner.principal = "decode-engine";
+  auto state = r.incoming.Get("eve", "held-2", owner);
+  REQUIRE(state.ok());
+  CHECK(state->phase() == v1::TIMED_OUT);
+}
+
+TEST_CASE("a peer's open may not hold its record past max_peer_timeout_ms") {
+  IncomingOptions options = Options();
+  options.max_peer_timeout_ms = 100;
+  Receiver r(options, /*queue_slots=*/8);
+  v1::Notification open = Notice("forever", v1::PEER_TRANSFER_OPEN);
+  open.set_op(v1::WRITE);
+  open.set_timeout_ms(UINT32_MAX);  // 49.7 days
+  const uint64_t opened = MonotonicMicros();
+  r.incoming.OnNotice(open, nullptr);
+  CHECK(r.Ready(DataReady("forever")).ok());
+  const uint64_t due = r.incoming.NextExpiry();
+  std::printf("open with timeout_ms UINT32_MAX: due in %.1f s\n",
+              static_cast<double>(due - opened) / 1e6);
+  REQUIRE(due <= MonotonicMicros() + (100 + 20) * 1000);
+  // Opened again halfway: its deadline stays counted from its first notice.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  r.incoming.OnNotice(open, nullptr);
+  SleepUntil(due);
+  r.incoming.Expire();
+  CHECK(r.incoming.active() == 0);
+  std::vector<v1::Notification> out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].kind() == v1::TRANSFER_TIMED_OUT);
+  CHECK_THAT(out[0].error_message(),
+             Contains("cut to the 100 ms from its first notice this agent allows a peer"));
+  // An open within the bound keeps its own deadline.
+  open.set_transfer_id("short");
+  open.set_timeout_ms(40);
+  const uint64_t short_opened = MonotonicMicros();
+  r.incoming.OnNotice(open, nullptr);
+  CHECK(r.incoming.NextExpiry() <= MonotonicMicros() + (40 + 20) * 1000);
+  CHECK(r.incoming.NextExpiry() >= short_opened + (40 + 20) * 1000);
+}
+
+TEST_CASE("one sender holds at most its share of the open incoming records") {
+  IncomingOptions options = Options();
+  options.max_active = 8;
+  options.max_active_per_sender = 2;
+  options.unopened_timeout_ms = 60000;  // nothing expires here
+  Receiver r(options, /*queue_slots=*/64);
+  for (int i = 0; i < 5; ++i) {
+    v1::Notification open = Notice(fmt::format("eve-{}", i), v1::PEER_TRANSFER_OPEN);
+    open.set_timeout_ms(30000);
+    r.incoming.OnNotice(open, nullptr);
+  }
+  CHECK(r.incoming.active() == 2);
+  CHECK(r.incoming.untracked() == 3);
+  // Another sender's transfer is still tracked (held until its commit).
+  v1::Notification open = Notice("honest", v1::PEER_TRANSFER_OPEN, "prefill");
+  open.set_timeout_ms(30000);
+  r.incoming.OnNotice(open, nullptr);
+  CHECK(r.incoming.active() == 3);
+  CHECK(r.Ready(DataReady("honest", "prefill")).ok());
+  CHECK(Delivered(r.queue).empty());  // held for the commit
+  r.incoming.OnNotice(Notice("honest", v1::PEER_DATA_COMMIT, "prefill"), nullptr);
+  CHECK(Delivered(r.queue).size() == 1);
+  // Eve's untracked one still reaches the owner, once its data is in place.
+  CHECK(r.Ready(DataReady("eve-4")).ok());
+  std::vector<v1::Notification> out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "eve-4");
+  // Once one of hers ends, her next is tracked again.
+  r.incoming.OnNotice(Notice("eve-0", v1::CANCELLED_BY_PEER), nullptr);
+  CHECK(r.incoming.active() == 1);
+  open = Notice("eve-5", v1::PEER_TRANSFER_OPEN);
+  open.set_timeout_ms(30000);
+  r.incoming.OnNotice(open, nullptr);
+  CHECK(r.incoming.active() == 2);
+  CHECK(r.incoming.untracked() == 4);  // eve-2, 3 and 4's opens, eve-4's DATA_READY
+}
+
+}  // namespace
+}  // namespace kvagent::agent
