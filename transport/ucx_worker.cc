@@ -623,9 +623,23 @@ void UcxWorker::ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
 
 void UcxWorker::ReleaseAmData(void* descriptor) { ucp_am_data_release(worker_, descriptor); }
 
+absl::Status UcxWorker::CheckAmHeader(uint16_t id, size_t bytes) const {
+  if (max_am_header_ == 0 || bytes <= max_am_header_) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format(
+      "active message {}: its header of {} bytes is over the {} bytes this worker's UCX sends "
+      "in one (ucp_worker_query max_am_header); not sent (UCX 1.13 aborts the process on "
+      "such a header); keep what the header carries bounded",
+      id, bytes, max_am_header_));
+}
+
 void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header,
                             const void* data, uint64_t length,
                             std::function<void(absl::Status)> done, bool eager) {
+  if (absl::Status fits = CheckAmHeader(id, header.size()); !fits.ok()) {
+    kLog.Warn("{}: {}", name_, fits.message());
+    if (done) done(std::move(fits));
+    return;
+  }
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
   op->kind = SendOp::Kind::kReply;
@@ -981,6 +995,11 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
     if (done) done(Unusable("sending an active message"));
     return;
   }
+  if (absl::Status fits = worker_.CheckAmHeader(id, header.size()); !fits.ok()) {
+    kLog.Warn("{}: {}", worker_.name_, fits.message());
+    if (done) done(std::move(fits));
+    return;
+  }
   auto op = std::make_unique<SendOp>();
   op->done = std::move(done);
   op->worker = &worker_.name_;
@@ -1009,6 +1028,11 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
                             uint64_t length, Completion done) {
   if (ep_ == nullptr || health_->failed) {
     if (done) done(Unusable("sending an active message"));
+    return;
+  }
+  if (absl::Status fits = worker_.CheckAmHeader(id, header.size()); !fits.ok()) {
+    kLog.Warn("{}: {}", worker_.name_, fits.message());
+    if (done) done(std::move(fits));
     return;
   }
   auto op = std::make_unique<SendOp>();

@@ -96,6 +96,9 @@ class UcxWorker {
   // process ("RTS is too big") when a rendezvous send's header does not fit its
   // transport's buffer. 0 when UCX did not say.
   size_t max_am_header() const { return max_am_header_; }
+  // INVALID_ARGUMENT when a header of `bytes` is over max_am_header (the Send* calls
+  // then complete with it instead of sending: UCX 1.13 aborts the process on one).
+  absl::Status CheckAmHeader(uint16_t id, size_t bytes) const;
 
   // Runs `fn` on the worker thread, soon. Safe from any thread, including the worker
   // thread itself (then it runs after the current closure). Never blocks on UCX.

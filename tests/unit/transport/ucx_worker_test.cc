@@ -283,6 +283,49 @@ TEST_CASE("an active message over its handler's limit is dropped unread, eager o
   Destroy(*a.worker, ep);
 }
 
+// UCX 1.13 aborts the sending process ("RTS is too big") on a header larger than one
+// transport buffer; a header that could carry a peer's strings (an acknowledgement
+// echoing a transfer id) must fail its send instead.
+TEST_CASE("an active message header over max_am_header fails its send; the process lives") {
+  Agent a = Agent::Make("header-a");
+  Agent b = Agent::Make("header-b");
+  constexpr uint16_t kId = 11;
+  absl::Mutex mu;
+  std::vector<std::string> received;
+  b.worker->SetAmHandler(
+      kId,
+      [&](std::string_view header, std::string_view) {
+        absl::MutexLock lock(&mu);
+        received.emplace_back(header);
+      },
+      /*max_data_bytes=*/1 << 20);
+  REQUIRE(a.worker->max_am_header() > 0);
+  const std::string huge(64 << 10, 'h');
+  for (ErrorMode mode : {ErrorMode::kNone, ErrorMode::kPeer}) {
+    std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), mode);
+    for (const std::string& data : {std::string(), std::string(1 << 20, 'd')}) {
+      absl::Status sent = Await(*a.worker, [&](Completion done) {
+        ep->SendAm(kId, huge, data, std::move(done));
+      });
+      INFO(sent.ToString());
+      CHECK(sent.code() == absl::StatusCode::kInvalidArgument);
+      CHECK_THAT(std::string(sent.message()), Catch::Contains("max_am_header"));
+      sent = Await(*a.worker, [&](Completion done) {
+        ep->SendAmNoCopy(kId, huge, data.data(), data.size(), std::move(done));
+      });
+      CHECK(sent.code() == absl::StatusCode::kInvalidArgument);
+    }
+    REQUIRE(Await(*a.worker, [&](Completion done) {
+              ep->SendAm(kId, "after", "", std::move(done));
+            }).ok());
+    Destroy(*a.worker, ep);
+  }
+  absl::MutexLock lock(&mu);
+  auto arrived = [&] { return received.size() >= 2; };
+  REQUIRE(mu.AwaitWithTimeout(absl::Condition(&arrived), kWait));
+  CHECK(received == std::vector<std::string>{"after", "after"});
+}
+
 TEST_CASE("silenced handlers never run: later messages are dropped and counted") {
   Agent a = Agent::Make("silence-a");
   Agent b = Agent::Make("silence-b");
