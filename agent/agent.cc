@@ -20,6 +20,7 @@
 #include "base/format.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "base/text.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 
@@ -261,6 +262,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // Everything peers send arrives through the Inbox (agent/inbox.cc has the table).
   agent->inbox_ = std::make_unique<Inbox>(agent->worker_.get(), &agent->secrets_,
                                           &agent->counters_, options.name);
+  agent->inbox_->SetEagerOnlyFrom(
+      [self](std::string_view from) { return self->peers_->EndpointLacksNativeRma(from); });
   agent->inbox_->Install(agent->engine_.get(), agent->stager_.get());
   // A lost peer fails its transfers at once instead of at their deadline. The engine
   // outlives the peer manager's callers: peers stop in Shutdown, before the engine
@@ -549,13 +552,18 @@ void Agent::OnDirectoryChange(const std::string& name, const directory::AgentRec
   }
   absl::StatusOr<std::string> address = DialAddress(*now, identity_.host_id);
   if (!address.ok()) {
-    kLog.Warn("peer '{}' is back but cannot be reconnected: {}", name, address.status().message());
+    kLog.Warn("peer '{}' is back but cannot be reconnected: {}", Printable(name),
+              address.status().message());
     return;
   }
-  kLog.Info("peer '{}' {} (incarnation {:x}); reconnecting at {}", name,
-            before == nullptr ? "is listed again" : "restarted", now->incarnation(), *address);
+  // Both come from the directory (etcd): escaped where they are logged.
+  kLog.Info("peer '{}' {} (incarnation {:x}); reconnecting at {}", Printable(name),
+            before == nullptr ? "is listed again" : "restarted", now->incarnation(),
+            Printable(*address, 256));
   peers_->Connect(*address, [name](absl::StatusOr<v1::PeerInfo> info) {
-    if (!info.ok()) kLog.Warn("reconnecting peer '{}': {}", name, info.status().message());
+    if (!info.ok()) {
+      kLog.Warn("reconnecting peer '{}': {}", Printable(name), info.status().message());
+    }
   });
 }
 

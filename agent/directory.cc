@@ -336,7 +336,7 @@ absl::StatusOr<directory::AgentRecord> Directory::Lookup(const std::string& name
   auto it = view_.find(name);
   if (it == view_.end()) {
     std::vector<std::string> names;
-    for (const auto& [n, r] : view_) names.push_back(n);
+    for (const auto& [n, r] : view_) names.push_back(Printable(n, 128));
     std::sort(names.begin(), names.end());
     if (names.size() > 20) names.resize(20);
     return absl::NotFoundError(fmt::format(

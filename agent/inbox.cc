@@ -104,17 +104,50 @@ bool Inbox::OnNotificationMessage(const transport::AmMessage& message, bool batc
   const uint64_t max_data =
       batch ? limits_.max_batch_bytes : limits_.max_notification_message_bytes;
   if (!AdmitNotification(message.header, message.length, max_data, &auth)) return false;
+  const std::string& from = auth.from_agent();
+  if (eager_only_from_ && eager_only_from_(from)) {
+    DropNotification(fmt::format("a {} of {} bytes sent by rendezvous over an endpoint without "
+                                 "native RMA (tcp), where this agent fetches nothing: an agent "
+                                 "sends its notifications eager there",
+                                 batch ? "notification batch" : "notification", message.length),
+                     from);
+    return false;
+  }
+  // Bounded before anything is allocated: in all and per sender (a sender that lets
+  // its fetches hang cannot pile up bodies here).
+  uint64_t& mine = rendezvous_by_sender_[from];
+  if (rendezvous_bytes_ + message.length > limits_.max_rendezvous_bytes ||
+      mine + message.length > limits_.max_rendezvous_bytes_per_sender) {
+    const uint64_t held_by_sender = mine;
+    if (mine == 0) rendezvous_by_sender_.erase(from);
+    DropNotification(fmt::format("a {} of {} bytes by rendezvous while {} bytes of this sender's "
+                                 "and {} in all are being fetched (bounds {} and {})",
+                                 batch ? "notification batch" : "notification", message.length,
+                                 held_by_sender, rendezvous_bytes_,
+                                 limits_.max_rendezvous_bytes_per_sender,
+                                 limits_.max_rendezvous_bytes),
+                     from);
+    return false;
+  }
+  mine += message.length;
+  rendezvous_bytes_ += message.length;
   auto header = std::make_shared<std::string>(message.header);
   auto data = std::make_shared<std::string>(message.length, '\0');
   void* reply_ep = message.reply_ep;
-  worker_->ReceiveAmData(message.descriptor, data->data(), data->size(),
-                         [header, data, reply_ep, handle](absl::Status received) {
-                           if (!received.ok()) {
-                             kLog.Warn("dropped a notification: {}", received.message());
-                             return;
-                           }
-                           handle(*header, *data, reply_ep);
-                         });
+  worker_->ReceiveAmData(
+      message.descriptor, data->data(), data->size(),
+      [this, from = std::string(from), header, data, reply_ep, handle](absl::Status received) {
+        rendezvous_bytes_ -= data->size();
+        auto it = rendezvous_by_sender_.find(from);
+        if (it != rendezvous_by_sender_.end() && (it->second -= data->size()) == 0) {
+          rendezvous_by_sender_.erase(it);
+        }
+        if (!received.ok()) {
+          kLog.Warn("dropped a notification: {}", received.message());
+          return;
+        }
+        handle(*header, *data, reply_ep);
+      });
   return true;
 }
 

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "agent/access.h"
 #include "agent/am_ids.h"
@@ -49,6 +50,10 @@ struct InboxLimits {
   // A notification batch (6) or acknowledgement batch (7): entries and bytes.
   uint32_t max_batch_entries = kMaxBatchEntries;
   uint64_t max_batch_bytes = kMaxBatchBytes;
+  // Notifications and batches sent by rendezvous whose bodies are being fetched: each
+  // one has its body's bytes allocated here until it arrives. In all, and per sender.
+  uint64_t max_rendezvous_bytes = 64 << 20;
+  uint64_t max_rendezvous_bytes_per_sender = 16 << 20;
 };
 
 class Inbox {
@@ -64,6 +69,15 @@ class Inbox {
   // Registers every id with the worker (before peers can reach us), each handled by
   // `engine` or `stager` (null: staged messages stay unanswered). Once.
   void Install(TransferEngine* engine, Stager* stager);
+  // True for a sender whose endpoint here lacks native RMA (tcp): its notifications
+  // are refused unfetched when they come by rendezvous (an honest sender sends eager
+  // there; fetching one over tcp from a sender that dies aborts UCX 1.13). Set before
+  // Install; unset, every sender's are fetched.
+  void SetEagerOnlyFrom(std::function<bool(std::string_view from)> eager_only_from) {
+    eager_only_from_ = std::move(eager_only_from);
+  }
+  // Rendezvous notification bytes being fetched now (worker thread).
+  uint64_t rendezvous_bytes() const { return rendezvous_bytes_; }
   // Shutdown: every handler inert (UcxWorker::SilenceAmHandlers); nothing installed
   // here runs again.
   void Silence();
@@ -134,6 +148,10 @@ class Inbox {
   const InboxLimits limits_;
   TransferEngine* engine_ = nullptr;
   Stager* stager_ = nullptr;
+  std::function<bool(std::string_view)> eager_only_from_;
+  // Worker thread only: rendezvous bodies being fetched, in all and by sender.
+  uint64_t rendezvous_bytes_ = 0;
+  absl::flat_hash_map<std::string, uint64_t> rendezvous_by_sender_;
   // Worker thread only: acknowledgements held while a notification batch is handled,
   // serialized as they come: the first held_count_ entries of held_acks_, whose strings
   // keep their storage from batch to batch (a held acknowledgement allocates nothing

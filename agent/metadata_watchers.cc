@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "agent/status_util.h"
+#include "base/text.h"
 
 namespace kvagent::agent {
 
@@ -37,7 +38,7 @@ absl::StatusOr<MetadataWatchers::Watcher*> MetadataWatchers::FindOrAddLocked(
                    [&](const auto& entry) { return !CountsLocked(entry.second, now); });
     if (!limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
       return limits->Refuse(Limit::kPeerCallers,
-                            std::string(what) + " from new peer '" + caller + "'",
+                            std::string(what) + " from new peer '" + Printable(caller) + "'",
                             watchers_.size(), 1,
                             "peers that watch this agent (a stream open, or a poll in the last "
                             "seconds) fill the table");

@@ -1369,6 +1369,51 @@ TEST_CASE("a rendezvous chunk naming a peer whose endpoint is tcp is refused unf
   RequireHonestWrite(pair, "honest-eager", {1}, {2});
 }
 
+// The same for notifications: an agent sends its notices eager over tcp, and fetching
+// a rendezvous body over tcp from a sender that dies aborts UCX 1.13; one that comes
+// by rendezvous over an endpoint without native RMA is refused unfetched, counted, and
+// delivered to nobody (decode's endpoint to "prefill" is tcp here). The same notice
+// sent eager is taken.
+TEST_CASE("a rendezvous notification naming a peer whose endpoint is tcp is refused unfetched") {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off"};
+  AgentPair pair(options);
+  REQUIRE(pair.decode().Connect(pair.prefill_process().address()).ok());  // tcp both ways
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  auto mallory = PeerCaller::Attach(pair.decode_process(), "prefill");
+  const v1::AgentMetadata metadata = mallory->Metadata("prefill");
+  const std::string secret = metadata.notify_secret();
+  const uint64_t dropped_before = Dropped(decode_status);
+  const std::string payload(8192, 'r');
+  {
+    UcxAttacker attacker(metadata.worker_address(), "1024");  // shared memory, rendezvous
+    absl::Status sent =
+        attacker.Send(kNotificationAm, AuthHeader("prefill", secret),
+                      NotificationBytes("prefill", "by-rendezvous", payload, v1::TRANSFER_FAILED));
+    INFO(sent.ToString());
+    CHECK(sent.ok());  // refused unfetched, the send still completes
+    const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+    while (Dropped(decode_status) == dropped_before && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHECK(Dropped(decode_status) == dropped_before + 1);
+    CHECK(PollNotifications(pair.decode(), 0, 0, 300).empty());
+  }
+  {
+    UcxAttacker attacker(metadata.worker_address(), "1048576");  // eager
+    absl::Status sent =
+        attacker.Send(kNotificationAm, AuthHeader("prefill", secret),
+                      NotificationBytes("prefill", "eager", payload, v1::TRANSFER_FAILED));
+    REQUIRE(sent.ok());
+    auto notes = PollNotifications(pair.decode(), 1, kTimeoutMs, 300);
+    INFO(Describe(notes));
+    REQUIRE(notes.size() == 1);
+    CHECK(notes[0].transfer_id() == "eager");
+    CHECK(Dropped(decode_status) == dropped_before + 1);
+  }
+  RequireHonestWrite(pair, "honest-after", {1}, {2});
+}
+
 // A reader flooding an agent with read requests fills at most its share of the replies
 // waiting for a receive buffer (1,024 of 4,096): another reader's READ still gets in.
 // Eve holds decode's one receive buffer (a rendezvous reply she never fetches), then
