@@ -1041,14 +1041,31 @@ absl::StatusOr<Caller> PeerService::AuthorizePeer(grpc::CallbackServerContext* c
 namespace {
 // Who polls or watches is who authenticated; on the insecure door, whoever it claims
 // to be (bounded as the agent names peers are).
+// The name is bound to who proved it the first time (PeerSecrets::Claim): a local
+// session's uid, the certificate, or the insecure door.
 absl::StatusOr<std::string> PeerIdentity(Door door, const Caller& caller,
                                          const v1::GetMetadataRequest& request,
-                                         std::string_view call) {
+                                         std::string_view call, PeerSecrets* secrets) {
   std::string identity = door == Door::kInsecure ? request.caller() : caller.peer_name;
   if (identity.size() > registry::CatalogLimits{}.max_name_bytes) {
     return absl::InvalidArgumentError(
         fmt::format("{}: caller name is {} bytes; agent names are at most {}", call,
                     identity.size(), registry::CatalogLimits{}.max_name_bytes));
+  }
+  if (identity.empty()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{}: the caller names no agent; a peer agent's session carries its name (the "
+        "session's client name, or on the insecure door GetMetadataRequest.caller)",
+        call));
+  }
+  using Holder = PeerSecrets::Holder;
+  const Holder holder = door == Door::kNetwork    ? Holder::kCertificate
+                        : door == Door::kInsecure ? Holder::kInsecure
+                        : caller.uid == geteuid() ? Holder::kOwnUid
+                                                  : Holder::kOtherUid;
+  absl::Status claimed = secrets->Claim(identity, holder, caller.uid);
+  if (!claimed.ok()) {
+    return absl::Status(claimed.code(), fmt::format("{}: {}", call, claimed.message()));
   }
   return identity;
 }
@@ -1114,7 +1131,7 @@ void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
     const v1::GetMetadataRequest* request, v1::AgentMetadata* response, Reply reply) {
   auto caller = AuthorizePeer(context, "GetMetadata");
   if (!caller.ok()) return reply(caller.status());
-  auto identity = PeerIdentity(door_, *caller, *request, "GetMetadata");
+  auto identity = PeerIdentity(door_, *caller, *request, "GetMetadata", deps_.secrets);
   if (!identity.ok()) return reply(identity.status());
   if (absl::Status tracked = deps_.watchers->Polled(
           *identity, request->known_version(),
@@ -1235,7 +1252,7 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
   // the door, or from `first` on the insecure door). Refused: counted and logged, the
   // stream finished with the reason, false.
   bool Open(const v1::GetMetadataRequest& first) {
-    auto identity = PeerIdentity(door_, caller_, first, "WatchMetadata");
+    auto identity = PeerIdentity(door_, caller_, first, "WatchMetadata", deps_.secrets);
     absl::Status opened =
         identity.ok() ? deps_.watchers->StreamOpened(*identity, deps_.limits) : identity.status();
     if (!opened.ok()) {

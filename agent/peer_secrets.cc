@@ -4,6 +4,9 @@
 
 #include <cstdlib>
 
+#include "base/text.h"
+#include "fmt/format.h"
+
 namespace kvagent::agent {
 
 std::string RandomBytes(size_t n) {
@@ -28,6 +31,53 @@ std::string PeerSecrets::Issue(const std::string& identity) {
   std::string secret = RandomBytes(kSecretBytes);
   secrets_.emplace(identity, secret);
   return secret;
+}
+
+namespace {
+std::string HolderText(PeerSecrets::Holder holder, uint32_t uid) {
+  switch (holder) {
+    case PeerSecrets::Holder::kOtherUid: return fmt::format("a local session of uid {}", uid);
+    case PeerSecrets::Holder::kOwnUid: return fmt::format("a local session of this agent's uid {}", uid);
+    case PeerSecrets::Holder::kCertificate: return "a certificate naming it";
+    case PeerSecrets::Holder::kInsecure: return "the insecure door";
+  }
+  return "?";
+}
+}  // namespace
+
+absl::Status PeerSecrets::Claim(const std::string& identity, Holder holder, uint32_t uid) {
+  absl::MutexLock lock(&mu_);
+  auto it = holders_.find(identity);
+  if (it == holders_.end()) {
+    if (holders_.size() >= kMaxIdentities) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "this agent has bound {} peer names already, its most; peer '{}' is not served",
+          holders_.size(), Printable(identity)));
+    }
+    holders_.emplace(identity, Bound{holder, uid});
+    return absl::OkStatus();
+  }
+  Bound& bound = it->second;
+  if (bound.holder == holder && bound.uid == uid) return absl::OkStatus();
+  switch (holder) {
+    case Holder::kOwnUid:
+    case Holder::kInsecure:
+      return absl::OkStatus();  // trusted as it is; the name stays with its holder
+    case Holder::kCertificate:
+      if (bound.holder == Holder::kOtherUid) {
+        // The CA vouches for the name: it leaves the uid that claimed it, with a new
+        // secret (what that uid was given no longer verifies).
+        bound = Bound{holder, uid};
+        secrets_.erase(identity);
+      }
+      return absl::OkStatus();
+    case Holder::kOtherUid:
+      break;
+  }
+  return absl::PermissionDeniedError(fmt::format(
+      "the peer name '{}' belongs to {} here, not to {}; every agent needs a name of its own "
+      "(--name)",
+      Printable(identity), HolderText(bound.holder, bound.uid), HolderText(holder, uid)));
 }
 
 bool PeerSecrets::Verify(std::string_view identity, std::string_view secret) const {

@@ -11,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace kvagent::agent {
@@ -23,6 +24,17 @@ class PeerSecrets {
   // The secret for `identity`, the same on every call while this agent runs (empty
   // when kMaxIdentities identities hold one already).
   std::string Issue(const std::string& identity);
+  // Who proved a peer name: a local session of another uid than this agent's (listed
+  // in --peer-uids), one of this agent's own uid (trusted: it could read our memory),
+  // the network door's certificate (the CA vouches for the name), the insecure door
+  // (anyone, by the operator's choice).
+  enum class Holder { kOtherUid, kOwnUid, kCertificate, kInsecure };
+  // Binds `identity` to who first proved it. A local session of another uid may use
+  // a name only while no one else holds it (else PERMISSION_DENIED naming both): a
+  // process of another peer uid cannot name itself an agent that fetched our metadata
+  // and so get that agent's secret. A certificate naming it takes it over from such a
+  // uid, and its secret is issued anew. `uid` names a local holder in messages.
+  absl::Status Claim(const std::string& identity, Holder holder, uint32_t uid);
   // True when `secret` is the one issued to `identity` (constant-time compare).
   bool Verify(std::string_view identity, std::string_view secret) const;
   size_t size() const;
@@ -30,6 +42,11 @@ class PeerSecrets {
  private:
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::string> secrets_ ABSL_GUARDED_BY(mu_);
+  struct Bound {
+    Holder holder;
+    uint32_t uid;
+  };
+  absl::flat_hash_map<std::string, Bound> holders_ ABSL_GUARDED_BY(mu_);
 };
 
 // kSecretBytes random bytes from the kernel (getrandom).

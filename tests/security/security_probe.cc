@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "fmt/format.h"
 #include "agent/status_util.h"
 #include "cli/agent_client.h"
 #include "grpcpp/grpcpp.h"
@@ -35,7 +36,9 @@ int main(int argc, char** argv) {
   const std::string address = argv[1];
   const std::string command = argv[2];
   kvagent::cli::AgentClientOptions options;
-  options.client_name = "probe";
+  // metadata-as NAME: a session named NAME (a peer agent names itself so).
+  const bool named = command == "metadata-as" && argc == 4;
+  options.client_name = named ? argv[3] : "probe";
   options.timeout_ms = 5000;
   kvagent::cli::AgentClient client(address, options);
   if (command == "register-path" && argc == 4) {
@@ -54,7 +57,7 @@ int main(int argc, char** argv) {
     return Print(absl::OkStatus(), status->caller() + " [" +
                                        absl::StrJoin(status->caller_roles(), ",") + "]");
   }
-  if (command == "metadata") {
+  if (command == "metadata" || named) {
     auto session = client.Session();
     if (!session.ok()) return Print(session.status());
     auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
@@ -63,11 +66,14 @@ int main(int argc, char** argv) {
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     context.AddMetadata("kvagent-session", (*session)->token());
     kvagent::v1::GetMetadataRequest request;
-    request.set_caller("probe");
+    request.set_caller(options.client_name);
     kvagent::v1::AgentMetadata reply;
     grpc::Status status = stub->GetMetadata(&context, request, &reply);
+    std::string secret;
+    for (unsigned char c : reply.notify_secret()) secret += fmt::format("{:02x}", c);
     return Print(kvagent::agent::FromGrpcStatus(status),
-                 std::to_string(reply.regions_size()) + " regions");
+                 std::to_string(reply.regions_size()) + " regions" +
+                     (named ? ", secret " + secret : std::string()));
   }
   if ((command == "peer-memory" || command == "peer-device-memory") && argc == 4) {
     uint64_t id = 0;

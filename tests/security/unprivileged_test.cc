@@ -120,6 +120,51 @@ TEST_CASE("an unprivileged user gets no file it does not own, and no peer's righ
   CHECK(status->refused_calls() >= 2);
 }
 
+// A peer's name is bound to who proved it first. With another uid listed in
+// --peer-uids (a second agent user on this host), a process of that uid names its
+// session "prefill", an agent of the victim's own uid that fetched its metadata
+// already: refused, so it gets neither prefill's secret (with which it could forge
+// prefill's notifications, commits and cancels) nor its shares. Its own name works.
+TEST_CASE("a process of another peer uid cannot take a peer name another agent holds") {
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the test runs the other peer uid as 65534");
+  if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
+  OpenDir dir;
+  const std::string probe = CopyProbe(dir);
+  cli::DaemonOptions options;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  options.binary = *binary;
+  options.name = "victim";
+  options.work_dir = dir.path();
+  options.local_socket = dir.path() + "/victim.sock";
+  options.extra_args = {"--local-socket-group", "65534", "--peer-uids",
+                        fmt::format("{},65534", geteuid())};
+  auto agent = cli::DaemonProcess::Start(options);
+  REQUIRE(agent.ok());
+  const std::string address = agent->address();
+
+  // "prefill" (the victim's own uid) fetches first; the same name again keeps its secret.
+  Outcome prefill = RunAs(geteuid(), getegid(), probe, address, "metadata-as", "prefill");
+  INFO(prefill.message);
+  REQUIRE(prefill.code == "OK");
+  REQUIRE_THAT(prefill.message, Contains("secret "));
+  Outcome again = RunAs(geteuid(), getegid(), probe, address, "metadata-as", "prefill");
+  CHECK(again.message == prefill.message);
+
+  Outcome stolen = RunAs(65534, 65534, probe, address, "metadata-as", "prefill");
+  INFO(stolen.message);
+  CHECK(stolen.code == "PERMISSION_DENIED");
+  CHECK_THAT(stolen.message, Contains("'prefill' belongs to a local session of this agent's uid") &&
+                                 Contains("not to a local session of uid 65534") &&
+                                 Contains("--name"));
+  CHECK_THAT(stolen.message, !Contains(prefill.message.substr(prefill.message.find("secret "))));
+  Outcome own = RunAs(65534, 65534, probe, address, "metadata-as", "nobody-agent");
+  INFO(own.message);
+  CHECK(own.code == "OK");
+  Outcome unnamed = RunAs(65534, 65534, probe, address, "metadata-as", "");
+  CHECK(unnamed.code == "INVALID_ARGUMENT");
+}
+
 // Least privilege: two agents running as an unprivileged uid (65534) serve engines
 // and move pages between each other; doctor does not flag them. (Root, the test's
 // client, may use their sockets as any local caller; here it is an engine, not a
