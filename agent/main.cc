@@ -441,6 +441,12 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
         "agent's time one peer's metadata may take (100: no pacing)",
         options->peer_metadata_share_percent));
   }
+  if (options->transfer_timeout_ms == 0 || options->transfer_timeout_ms > 600000) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--transfer-timeout-ms: {} is not from 1 to 600000 (10 minutes, the longest deadline "
+        "a transfer may have)",
+        options->transfer_timeout_ms));
+  }
   if (options->grpc_max_threads == 0) {
     return absl::InvalidArgumentError("--grpc-max-threads: give at least 1");
   }

@@ -24,6 +24,10 @@ namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("transfers");
 constexpr size_t kMaxTransferIdBytes = 256;
+// A transfer's deadline, at most: a receiving agent holds an incoming transfer's
+// record no longer than this either (IncomingOptions::max_peer_timeout_ms), and a
+// transfer holds its slots, ledger claims and pinned regions until it ends.
+constexpr uint32_t kMaxTimeoutMs = 600000;
 // Notification.targets: distinct peer groups and regions one transfer names.
 constexpr size_t kMaxTargets = 256;
 
@@ -347,6 +351,13 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         "request id (or leave it empty)",
         Printable(id), Printable(request.request_id()), request.request_id().size(),
         kMaxTransferIdBytes));
+  }
+  if (request.timeout_ms() > kMaxTimeoutMs) {
+    return absl::InvalidArgumentError(fmt::format(
+        "transfer '{}': timeout_ms {} is over the limit of {} (10 minutes, what a receiving "
+        "agent waits for an open transfer); send a long stream in chunks or as several "
+        "transfers",
+        Printable(id), request.timeout_ms(), kMaxTimeoutMs));
   }
   if (request.op() != v1::WRITE && request.op() != v1::READ) {
     return absl::InvalidArgumentError(fmt::format(

@@ -343,7 +343,7 @@ TEST_CASE("a transfer_id reused with different content is ALREADY_EXISTS; an exa
   baseline.Check();
 }
 
-TEST_CASE("an empty transfer_id, an unset op and an oversized notification are INVALID_ARGUMENT") {
+TEST_CASE("an empty transfer_id, an unset op, a deadline past 10 minutes and an oversized notification are INVALID_ARGUMENT") {
   AgentPair pair;
   Baseline baseline(pair);
   SECTION("empty transfer_id") {
@@ -373,6 +373,24 @@ TEST_CASE("an empty transfer_id, an unset op and an oversized notification are I
     CHECK_THAT(Message(refused.status()),
                Contains("'op-7'") && Contains("op 7 is not an operation") && Contains("WRITE"));
     CheckNotRecorded(pair, "op-7");
+  }
+  SECTION("a deadline past 10 minutes") {
+    // A transfer holds its slots, ledger claims and pinned regions until it ends, and a
+    // receiver holds an open transfer no longer than 10 minutes.
+    auto request = KvWrite("forever", {3}, {3});
+    request.set_timeout_ms(600001);
+    auto refused = SubmitThrough(pair.prefill(), request);
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(Message(refused.status()), Contains("'forever'") &&
+                                              Contains("timeout_ms 600001") &&
+                                              Contains("limit of 600000"));
+    CheckNotRecorded(pair, "forever");
+    request = KvWrite("ten-minutes", {9}, {9});
+    request.set_timeout_ms(600000);
+    REQUIRE(SubmitThrough(pair.prefill(), request).ok());
+    REQUIRE(WaitDone(pair.prefill(), "ten-minutes").phase() == v1::COMPLETED);
+    CHECK(pair.PageEqual(9, 9));
   }
   SECTION("notification over 64 KiB") {
     auto refused =
