@@ -213,6 +213,13 @@ void NotificationQueue::Unsubscribe(uint64_t token) {
   next_subscriber_ = 0;
 }
 
+std::string_view NotificationQueue::HolderOf(std::string_view owner) {
+  // "uid:1000 client:NAME" (a local session: its uid is what the kernel vouches for);
+  // anything else ("cert:NAME", "insecure") is its own holder.
+  if (owner.substr(0, 4) == "uid:") return owner.substr(0, owner.find(' '));
+  return owner;
+}
+
 std::string NotificationQueue::KeyOf(const SubscriptionKey& key) {
   // The owner never holds a newline (escaped by Printable), so the key is unambiguous.
   return key.owner + "\n" + key.name;
@@ -280,6 +287,25 @@ absl::StatusOr<NotificationQueue::Subscription*> NotificationQueue::FindOrMakeLo
         "reuse subscription names (one per decode worker), or shorten --subscription-ttl-ms so "
         "abandoned ones expire sooner");
     if (!fits.ok()) return fits;
+    // One holder (a local uid, whatever client names its sessions take; a certificate)
+    // may make a quarter of them: any identified caller may subscribe, and one must not
+    // take every decode engine's room.
+    const std::string_view holder = HolderOf(key.owner);
+    uint64_t held = 0;
+    for (const auto& [other, s] : subscriptions_) {
+      held += HolderOf(std::string_view(other).substr(0, other.find('\n'))) == holder;
+    }
+    const uint64_t share = std::max<uint64_t>(1, limits_->value(Limit::kSubscriptions) / 4);
+    if (held >= share) {
+      return limits_->Refuse(
+          Limit::kSubscriptions,
+          fmt::format("{}: new subscription '{}' for {}, whose {} holds {} already (a quarter "
+                      "of the limit may be one holder's)",
+                      call, key.name, key.owner, holder, held),
+          held, 1,
+          "reuse subscription names (one per decode worker), or shorten --subscription-ttl-ms "
+          "so abandoned ones expire sooner");
+    }
   }
   auto sub = std::make_unique<Subscription>();
   sub->idle_since_ms = NowMs();

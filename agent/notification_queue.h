@@ -189,6 +189,9 @@ class NotificationQueue {
     std::string subscription;  // empty: a plain subscriber
     std::function<void()> on_replaced;  // an attachment's (Attach)
   };
+  // Who holds a subscription of `owner` for the per-holder share: a local uid
+  // ("uid:N"), else the owner itself.
+  static std::string_view HolderOf(std::string_view owner);
   static std::string KeyOf(const SubscriptionKey& key);
   // Hands `n` to a plain subscriber, or (when `may_hold`: it fits the limits) to an
   // attached subscription that then holds it.

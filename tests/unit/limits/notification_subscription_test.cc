@@ -163,8 +163,8 @@ TEST_CASE("subscriptions are bounded in number and in what each holds") {
   REQUIRE(limits.SetFromFlag("--max-in-flight-per-subscription", "2").ok());
   NotificationQueue queue(&limits);
   REQUIRE(queue.PollSubscription({"o", "a"}, 0, Engine()).ok());
-  REQUIRE(queue.PollSubscription({"o", "b"}, 0, Engine()).ok());
-  auto third = queue.PollSubscription({"o", "c"}, 0, Engine());
+  REQUIRE(queue.PollSubscription({"p", "b"}, 0, Engine()).ok());
+  auto third = queue.PollSubscription({"q", "c"}, 0, Engine());
   CHECK(third.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(third.status().message()),
              Contains("limit subscriptions") && Contains("--max-subscriptions"));
@@ -174,6 +174,31 @@ TEST_CASE("subscriptions are bounded in number and in what each holds") {
   CHECK(queue.queued() == 1);
   REQUIRE(queue.Ack({"o", "a"}, (*held)[1].sequence(), {}).ok());
   CHECK(Ids(*queue.PollSubscription({"o", "a"}, 0, Engine())) == std::vector<std::string>{"3"});
+}
+
+// Any identified caller may subscribe: one uid, whatever client names its sessions
+// take, may hold a quarter of the subscriptions, so it cannot take every decode
+// engine's room.
+TEST_CASE("one uid or certificate holds at most a quarter of the subscriptions") {
+  Limits limits;
+  REQUIRE(limits.SetFromFlag("--max-subscriptions", "8").ok());
+  NotificationQueue queue(&limits);
+  REQUIRE(queue.PollSubscription({"uid:5 client:a", "s1"}, 0, Engine()).ok());
+  REQUIRE(queue.PollSubscription({"uid:5 client:b", "s2"}, 0, Engine()).ok());
+  auto third = queue.PollSubscription({"uid:5 client:c", "s3"}, 0, Engine());
+  CHECK(third.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(third.status().message()),
+             Contains("uid:5 holds 2 already") && Contains("a quarter") &&
+                 Contains("--max-subscriptions"));
+  CHECK(limits.refused(Limit::kSubscriptions) == 1);
+  // Its own again is no new one; another uid and a certificate have their shares.
+  CHECK(queue.PollSubscription({"uid:5 client:a", "s1"}, 0, Engine()).ok());
+  CHECK(queue.PollSubscription({"uid:6 client:a", "s1"}, 0, Engine()).ok());
+  CHECK(queue.PollSubscription({"cert:decode-7", "s1"}, 0, Engine()).ok());
+  CHECK(queue.PollSubscription({"cert:decode-7", "s2"}, 0, Engine()).ok());
+  CHECK(queue.PollSubscription({"cert:decode-7", "s3"}, 0, Engine()).status().code() ==
+        absl::StatusCode::kResourceExhausted);
+  CHECK(queue.subscriptions() == 5);
 }
 
 TEST_CASE("an idle subscription expires and what it held goes back to the queue") {
