@@ -351,6 +351,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
       // A session that ends takes its regions with it (after peers let go of them).
       [self](const Caller& caller) { self->ReleaseSession(caller); });
   agent->deps_.local_door = agent->local_door_.get();
+  // A registration whose session closed before it committed fails instead of leaving
+  // regions nobody owns (ReleaseSession may already have run).
+  agent->registry_->SetOwnerCheck([door = agent->local_door_.get()](const std::string& owner) {
+    return door->Ended(owner);
+  });
   SessionServerOptions session_options;
   session_options.path = options.local_socket + ".session";
   session_options.mode = options.local_socket_mode;
@@ -504,20 +509,39 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
 
 void Agent::ReleaseSession(const Caller& caller) {
   NoteHeapActivity();  // a session's calls and streams ended with it
-  std::vector<std::string> names;
-  for (const auto& region : registry_->List()) {
-    if (region->owner == caller.principal) names.push_back(region->spec.name());
-  }
-  if (names.empty()) return;
-  kLog.Info("{} ended: deregistering its {} regions", caller.principal, names.size());
-  DeregisterAndWait(deps_, names, caller,
-                    [principal = caller.principal](absl::StatusOr<uint64_t> version,
-                                                   std::vector<std::string> unconfirmed) {
-                      if (!version.ok()) {
-                        kLog.Warn("releasing the regions of {} failed: {}", principal,
-                                  version.status().message());
-                      }
-                    });
+  // Everything the session holds, gathered under the registry's writer lock: a
+  // registration of it still running either committed before (and goes now) or fails
+  // (SetOwnerCheck: the door closed the session before calling here), and a region
+  // of it deregistered meanwhile (its own DeregisterRegions in flight, a scheduler's)
+  // does not stop the rest. A list taken first and deregistered by name missed both.
+  // Then as DeregisterAndWait: the memory stays mapped until our transfers using it
+  // drained and polling peers hold the new version, or the waits end.
+  auto retired = std::make_shared<std::vector<registry::RegionPtr>>();
+  const uint64_t version = registry_->DeregisterOwner(caller.principal, retired.get());
+  if (retired->empty()) return;
+  kLog.Info("{} ended: deregistered its {} regions (version {}); releasing them once peers "
+            "let go",
+            caller.principal, retired->size(), version);
+  if (deps_.push != nullptr) deps_.push->Changed();  // watching peers drain and acknowledge
+  const ServiceDeps* d = &deps_;
+  deps_.engine->StopUsersOf(
+      *retired, caller.principal, absl::Milliseconds(deps_.deregister_wait_ms),
+      [d, version, retired, principal = caller.principal](std::vector<std::string> draining) {
+        for (const auto& id : draining) {
+          kLog.Warn("transfer '{}' using a region of ended {} had not drained within the "
+                    "wait; its memory stays mapped until it does",
+                    id, principal);
+        }
+        d->watchers->WaitForVersion(
+            version, d->deregister_wait_ms, [retired](std::vector<std::string> unconfirmed) {
+              for (const auto& name : unconfirmed) {
+                kLog.Warn("peer '{}' had not picked up the deregistration within the wait; "
+                          "its late writes, if any, may reach released memory",
+                          name);
+              }
+              retired->clear();
+            });
+      });
 }
 
 void Agent::WarnInsecure() {

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "agent/peer_secrets.h"
 #include "base/format.h"
@@ -82,6 +83,7 @@ absl::StatusOr<v1::SessionWelcome> LocalDoor::OnHello(uint64_t session_id,
   for (const auto& role : caller.Roles()) welcome.add_roles(role);
   absl::MutexLock lock(&mu_);
   Session& session = sessions_[session_id];
+  open_principals_.insert(caller.principal);
   session.caller = std::move(caller);
   session.token = token;
   session.client_name = hello.client_name();
@@ -451,6 +453,7 @@ void LocalDoor::OnClose(uint64_t session_id) {
     if (it == sessions_.end()) return;
     caller = it->second.caller;
     by_token_.erase(it->second.token);
+    open_principals_.erase(caller.principal);  // before on_end_ (see Ended)
     handles_ -= it->second.memory.size() + it->second.device_memory.size();
     sessions_.erase(it);
   }
@@ -508,6 +511,12 @@ LocalDoor::ResolveDeviceHandle(uint64_t session_id, uint64_t handle) const {
         handle));
   }
   return m->second;
+}
+
+bool LocalDoor::Ended(const std::string& principal) const {
+  if (!absl::StartsWith(principal, "session:")) return false;  // not a local session's
+  absl::MutexLock lock(&mu_);
+  return !open_principals_.contains(principal);
 }
 
 size_t LocalDoor::sessions() const {

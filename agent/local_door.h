@@ -14,6 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
@@ -75,6 +76,13 @@ class LocalDoor final : public SessionHandler {
   absl::StatusOr<std::shared_ptr<const registry::DeviceMemoryObject>> ResolveDeviceHandle(
       uint64_t session_id, uint64_t handle) const;
   size_t sessions() const;
+  // True when `principal` is a local session's (AccessPolicy::LocalCaller's
+  // "session:N uid:U pid:P") and that session is no longer open; false for an open one
+  // and for other doors' principals. The registry asks it before committing a
+  // registration (RegionRegistry::SetOwnerCheck): a session is closed here before the
+  // agent is told it ended, so a registration racing the end either commits first
+  // (and the end takes it) or fails.
+  bool Ended(const std::string& principal) const;
   // AllocateMemory bytes held now (AllocationLedger).
   uint64_t allocated_bytes() const { return allocations_->total(); }
   uint64_t largest_allocation_owner() const { return allocations_->largest_owner(); }
@@ -138,6 +146,8 @@ class LocalDoor final : public SessionHandler {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint64_t> by_token_ ABSL_GUARDED_BY(mu_);
+  // Principals of the open sessions (each names its session id, so one per session).
+  absl::flat_hash_set<std::string> open_principals_ ABSL_GUARDED_BY(mu_);
   // Memory handles held by all sessions (each holds one descriptor); limits
   // memory_handles and memory_handles_per_session.
   uint64_t handles_ ABSL_GUARDED_BY(mu_) = 0;

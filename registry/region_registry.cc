@@ -270,6 +270,23 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
                                                         bool skip_empty,
                                                         const RegisterContext& context) {
   absl::MutexLock write_lock(&write_mu_);
+  // The owner ended (its local session closed) before this call could commit: its
+  // regions would outlive it, owned by a principal nobody can act as any more, since
+  // the session's end already took (DeregisterOwner) what it held. Asked before the
+  // imports (a call that waited behind other writers) and again right before the
+  // commit, under write_mu_, which DeregisterOwner takes too.
+  const OwnerEnded& ended = owner_ended_;
+  auto check_owner = [&]() -> absl::Status {
+    if (!ended || !ended(context.owner)) return absl::OkStatus();
+    kLog.Info("refused registering {} regions for {}: it ended during the call", specs.size(),
+              Printable(context.owner));
+    return absl::UnauthenticatedError(fmt::format(
+        "{} ended while its RegisterRegions ran, and a session's regions end with it, so "
+        "nothing was registered; keep the session open until the call returns, or attach "
+        "again and register from the new session",
+        Printable(context.owner)));
+  };
+  if (absl::Status live = check_owner(); !live.ok()) return live;
   // Writers are serialized by write_mu_, so this snapshot stays current until commit.
   const std::vector<RegionPtr> existing = List();
   absl::flat_hash_set<std::string> existing_names;
@@ -712,6 +729,8 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
   }
   if (!errors.empty()) return errors.ToStatus();
 
+  if (absl::Status live = check_owner(); !live.ok()) return live;  // before pinning
+
   // 6. Register with UCX (staged VRAM is not registered: UCX cannot touch device
   // memory, transfers copy it through host buffers). On any failure the whole batch
   // unwinds through RAII.
@@ -733,7 +752,9 @@ absl::StatusOr<RegisterResult> RegionRegistry::Register(const std::vector<v1::Re
     if (absl::Status admitted = admit(/*packed=*/true); !admitted.ok()) return admitted;
   }
 
-  // 7. Commit.
+  // 7. Commit, unless the owner ended meanwhile (the imports and pinning take long for
+  // large regions: a session closing then must not leave them behind).
+  if (absl::Status live = check_owner(); !live.ok()) return live;
   absl::MutexLock lock(&mu_);
   absl::flat_hash_map<std::string, uint32_t> group_sizes;
   for (const auto& [group, members] : groups_) group_sizes[group] = members.size();
@@ -812,41 +833,7 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
           fmt::format("{}, so nothing was deregistered; {}", absl::StrJoin(causes, "; and "),
                       absl::StrJoin(fixes, "; ")));
     }
-    absl::flat_hash_set<std::string> groups;
-    Change change;
-    for (const std::string& name : names) {
-      auto it = regions_.find(name);
-      if (it == regions_.end()) continue;  // named twice
-      if (!it->second.region->spec.group().empty()) groups.insert(it->second.region->spec.group());
-      change.removed.push_back(name);
-      CountLocked(it->second.region, -1);
-      removed.push_back(std::move(it->second.region));
-      regions_.erase(it);
-    }
-    // Renumber the remaining regions of touched groups 0..n-1 in registration order
-    // (one pass over the catalog for all of them).
-    if (!groups.empty()) {
-      absl::flat_hash_map<std::string, std::vector<const Entry*>> members;
-      for (const auto& [name, entry] : regions_) {
-        if (groups.contains(entry.region->spec.group())) {
-          members[entry.region->spec.group()].push_back(&entry);
-        }
-      }
-      for (auto& [group, entries] : members) {
-        std::sort(entries.begin(), entries.end(),
-                  [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
-        for (size_t p = 0; p < entries.size(); ++p) {
-          StorePosition(entries[p]->region, static_cast<uint32_t>(p));
-          // Peers get every region of a touched group again (positions changed).
-          change.renumbered.push_back(entries[p]->region->spec.name());
-        }
-      }
-    }
-    if (!removed.empty()) {
-      ++version_;
-      change.version = version_;
-      LogChange(std::move(change));
-    }
+    removed = RemoveLocked(names);  // a name given twice goes once
     version = version_;
   }
   kLog.Info("deregistered {} regions for {}; version {}", removed.size(), Printable(owner),
@@ -855,6 +842,88 @@ absl::StatusOr<uint64_t> RegionRegistry::Deregister(const std::vector<std::strin
     for (auto& region : removed) retired->push_back(std::move(region));
   }
   return version;
+}
+
+uint64_t RegionRegistry::DeregisterOwner(const std::string& owner,
+                                         std::vector<RegionPtr>* retired,
+                                         std::vector<std::string>* removed_names) {
+  // Under the writer lock: no registration is between its checks and its commit, so
+  // what the owner holds is exactly what regions_ says (a registration of it that
+  // runs later fails the owner check, see SetOwnerCheck).
+  absl::MutexLock write_lock(&write_mu_);
+  std::vector<RegionPtr> removed;  // released after mu_ is dropped (munmap, ucp_mem_unmap)
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::pair<uint64_t, std::string>> mine;
+    if (by_owner_.contains(owner)) {
+      for (const auto& [name, entry] : regions_) {
+        if (entry.region->owner == owner) mine.emplace_back(entry.sequence, name);
+      }
+    }
+    std::sort(mine.begin(), mine.end());
+    std::vector<std::string> names;
+    names.reserve(mine.size());
+    for (auto& [sequence, name] : mine) names.push_back(std::move(name));
+    removed = RemoveLocked(names);
+    version = version_;
+    if (removed_names != nullptr) {
+      for (auto& name : names) removed_names->push_back(std::move(name));
+    }
+  }
+  if (!removed.empty()) {
+    kLog.Info("deregistered the {} regions of {} (it ended); version {}", removed.size(),
+              Printable(owner), version);
+  }
+  if (retired != nullptr) {
+    for (auto& region : removed) retired->push_back(std::move(region));
+  }
+  return version;
+}
+
+void RegionRegistry::SetOwnerCheck(OwnerEnded ended) {
+  absl::MutexLock write_lock(&write_mu_);
+  owner_ended_ = std::move(ended);
+}
+
+std::vector<RegionPtr> RegionRegistry::RemoveLocked(const std::vector<std::string>& names) {
+  std::vector<RegionPtr> removed;
+  absl::flat_hash_set<std::string> groups;
+  Change change;
+  for (const std::string& name : names) {
+    auto it = regions_.find(name);
+    if (it == regions_.end()) continue;  // named twice
+    if (!it->second.region->spec.group().empty()) groups.insert(it->second.region->spec.group());
+    change.removed.push_back(name);
+    CountLocked(it->second.region, -1);
+    removed.push_back(std::move(it->second.region));
+    regions_.erase(it);
+  }
+  // Renumber the remaining regions of touched groups 0..n-1 in registration order
+  // (one pass over the catalog for all of them).
+  if (!groups.empty()) {
+    absl::flat_hash_map<std::string, std::vector<const Entry*>> members;
+    for (const auto& [name, entry] : regions_) {
+      if (groups.contains(entry.region->spec.group())) {
+        members[entry.region->spec.group()].push_back(&entry);
+      }
+    }
+    for (auto& [group, entries] : members) {
+      std::sort(entries.begin(), entries.end(),
+                [](const Entry* a, const Entry* b) { return a->sequence < b->sequence; });
+      for (size_t p = 0; p < entries.size(); ++p) {
+        StorePosition(entries[p]->region, static_cast<uint32_t>(p));
+        // Peers get every region of a touched group again (positions changed).
+        change.renumbered.push_back(entries[p]->region->spec.name());
+      }
+    }
+  }
+  if (!removed.empty()) {
+    ++version_;
+    change.version = version_;
+    LogChange(std::move(change));
+  }
+  return removed;
 }
 
 RegionPtr RegionRegistry::Find(const std::string& name) const {

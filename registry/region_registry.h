@@ -178,7 +178,8 @@ class RegionRegistry {
   // imported once per object (CudaVmmMapping: the device ordinal and the allocation
   // checked by the driver); no CUDA driver, UCX
   // without CUDA and staging off, or RLIMIT_MEMLOCK too low for memory RDMA pins
-  // (FAILED_PRECONDITION). Nothing registered before is touched.
+  // (FAILED_PRECONDITION); the owner ended before the commit (SetOwnerCheck:
+  // UNAUTHENTICATED). Nothing registered before is touched.
   absl::StatusOr<RegisterResult> Register(const std::vector<v1::RegionSpec>& specs, bool skip_empty,
                                           const RegisterContext& context);
   // Removes `names` on behalf of `owner`. All-or-nothing: NOT_FOUND naming every
@@ -191,6 +192,22 @@ class RegionRegistry {
   absl::StatusOr<uint64_t> Deregister(const std::vector<std::string>& names,
                                       std::vector<RegionPtr>* retired, const std::string& owner,
                                       bool any_owner);
+  // Removes every region `owner` holds (its local session ended), gathered under the
+  // writer lock: a registration of `owner` still running when it is called either
+  // committed before (and goes now) or fails (see SetOwnerCheck), and a region of it
+  // deregistered meanwhile is simply no longer there (it does not stop the rest). The
+  // names removed go to `removed` (may be null), the regions to `retired` as with
+  // Deregister. Returns the new version (unchanged when the owner held nothing).
+  uint64_t DeregisterOwner(const std::string& owner, std::vector<RegionPtr>* retired,
+                           std::vector<std::string>* removed = nullptr);
+  // Whether an owner may still gain regions: `ended(owner)` true means its principal
+  // has ended (a local session closed), and a registration for it fails
+  // UNAUTHENTICATED instead of committing. Asked under the writer lock right before a
+  // registration commits (and before its memory is imported), so an owner that ends
+  // and then has DeregisterOwner called leaves nothing behind. Set once, before
+  // registrations; null (the default): no owner ends.
+  using OwnerEnded = std::function<bool(const std::string& owner)>;
+  void SetOwnerCheck(OwnerEnded ended);
 
   RegionPtr Find(const std::string& name) const;
   // Regions of `group` by position; empty when there is none.
@@ -237,6 +254,7 @@ class RegionRegistry {
   // Serializes Register/Deregister so that validation, import and UCX registration
   // run without holding mu_ (lookups by transfers never wait on memory pinning).
   absl::Mutex write_mu_;
+  OwnerEnded owner_ended_ ABSL_GUARDED_BY(write_mu_);
   mutable absl::Mutex mu_;
   uint64_t version_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
@@ -251,6 +269,10 @@ class RegionRegistry {
     uint64_t bytes = 0;
   };
   void CountLocked(const RegionPtr& region, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `names` (one not registered, or named again, is skipped): counts, groups
+  // renumbered, the change logged. Returns the regions removed.
+  std::vector<RegionPtr> RemoveLocked(const std::vector<std::string>& names)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_, mu_);
   // Regions by group (FindGroup is on every transfer's path: O(group), not O(regions)).
   // Each vector is in position order, so readers need not sort: a commit numbers new
   // members in the order it appends them, a removal keeps the others' order, and a

@@ -4,8 +4,11 @@
 // pools, a "stranger" session of the same uid tries to use them. Every refusal is
 // checked for its code and its message, the agents keep serving, and an honest
 // transfer is byte-exact afterwards.
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -253,6 +256,152 @@ TEST_CASE("a call without a session token is refused, and a session's end takes 
   REQUIRE(counted.ok());
   CHECK(counted->refused_calls() >= 2);
   HonestWrite(pair, "after-session", 11, 12);
+}
+
+// Regions registered on the agent, all owners (GetStatus counts them all).
+uint32_t RegionsOn(cli::AgentClient& observer) {
+  auto status = observer.Status();
+  REQUIRE(status.ok());
+  return status->regions();
+}
+
+// Waits up to `ms` for the agent to hold `expected` regions; returns what it holds.
+uint32_t WaitRegions(cli::AgentClient& observer, uint32_t expected, uint32_t ms) {
+  uint32_t regions = RegionsOn(observer);
+  for (uint32_t waited = 0; regions != expected && waited < ms; waited += 10) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    regions = RegionsOn(observer);
+  }
+  return regions;
+}
+
+v1::RegionSpec AuxRegion(const std::string& name, uint64_t handle, uint64_t offset,
+                         uint64_t length) {
+  v1::RegionSpec spec;
+  spec.set_name(name);
+  spec.set_kind(v1::AUX);
+  spec.set_length(length);
+  spec.mutable_shm()->set_memory_handle(handle);
+  spec.mutable_shm()->set_offset(offset);
+  return spec;
+}
+
+// Ends `client`'s session as its process exiting would (the agent sees the session
+// socket hang up), while another thread may still be inside a gRPC call of it.
+void EndSession(cli::AgentClient& client) {
+  auto session = client.Session();
+  REQUIRE(session.ok());
+  REQUIRE(shutdown((*session)->fd(), SHUT_RDWR) == 0);
+}
+
+TEST_CASE("a session's end takes all its regions though its own deregistration races it") {
+  AgentPair pair(EnginesOnly());
+  const uint32_t before = RegionsOn(pair.prefill());
+  // Another engine's registration of this much memory holds the registry's writer
+  // lock while it is faulted in (a few hundred ms), so that the engine's
+  // DeregisterRegions([A]) and its session's end both reach the agent, in that order,
+  // before either runs. Without it the two met within the same microseconds in none
+  // of 90 rounds.
+  constexpr uint64_t kBlockerBytes = 512ull << 20;
+  constexpr int kRounds = 30;
+  int leaked_rounds = 0;
+  int raced = 0;  // rounds whose DeregisterRegions([A]) was answered OK
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string prefix = "leaving." + std::to_string(round);
+    // Counted from what the agent holds now, so that every round is measured (what an
+    // earlier round left behind, if anything, stays).
+    const uint32_t base = RegionsOn(pair.prefill());
+    cli::AgentClient leaving = Stranger(pair.prefill_process());
+    auto memory = leaving.AllocateMemory("leaving", 3 * 4096);
+    REQUIRE(memory.ok());
+    v1::RegisterRegionsRequest request;
+    *request.add_regions() = AuxRegion(prefix + ".a", memory->info.handle(), 0, 4096);
+    *request.add_regions() = AuxRegion(prefix + ".b", memory->info.handle(), 4096, 4096);
+    *request.add_regions() = AuxRegion(prefix + ".c", memory->info.handle(), 8192, 4096);
+    REQUIRE(leaving.Register(request).ok());
+    REQUIRE(RegionsOn(pair.prefill()) == base + 3);
+
+    cli::AgentClient other = Stranger(pair.prefill_process());
+    auto big = other.AllocateMemory("blocker", kBlockerBytes);
+    REQUIRE(big.ok());
+    v1::RegisterRegionsRequest blocker;
+    *blocker.add_regions() =
+        AuxRegion("blocker." + std::to_string(round), big->info.handle(), 0, kBlockerBytes);
+    absl::Status blocked;
+    std::thread registering([&] { blocked = other.Register(blocker).status(); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // The engine deregisters A and exits at once.
+    absl::Status deregistered;
+    std::thread engine([&] { deregistered = leaving.Deregister({prefix + ".a"}).status(); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EndSession(leaving);
+    engine.join();
+    registering.join();
+    REQUIRE(blocked.ok());
+    if (deregistered.ok()) ++raced;
+    // Only the other engine's region is left.
+    const uint32_t left = WaitRegions(pair.prefill(), base + 1, 3000);
+    if (left != base + 1) {
+      ++leaked_rounds;
+      UNSCOPED_INFO("round " << round << ": " << left - base - 1 << " regions of the ended "
+                    "session left (its DeregisterRegions: " << deregistered.ToString() << ")");
+    }
+    REQUIRE(other.Deregister({"blocker." + std::to_string(round)}).ok());
+    auto listed = other.Regions();
+    REQUIRE(listed.ok());
+    CHECK(listed->regions_size() == 0);
+  }
+  std::printf("session end racing DeregisterRegions: %d of %d rounds left regions behind "
+              "(%d rounds' DeregisterRegions([A]) succeeded)\n",
+              leaked_rounds, kRounds, raced);
+  CHECK(leaked_rounds == 0);
+  CHECK(raced > 0);  // else the deregistration never came before the end
+  CHECK(WaitRegions(pair.prefill(), before, 3000) == before);
+  HonestWrite(pair, "after-racing-ends", 13, 14);
+}
+
+TEST_CASE("a session that ends during its registration leaves no region behind") {
+  AgentPair pair(EnginesOnly());
+  const uint32_t before = RegionsOn(pair.prefill());
+  constexpr uint64_t kBytes = 1ull << 30;  // faulted in and registered: a long call
+  int hits = 0;
+  int leaked_rounds = 0;
+  // Until the session ended during the call twice (a loaded machine may not have
+  // authenticated the call yet, or may have finished it, when the session ends).
+  constexpr int kRounds = 8;
+  for (int round = 0; round < kRounds && hits < 2; ++round) {
+    cli::AgentClient leaving = Stranger(pair.prefill_process());
+    auto memory = leaving.AllocateMemory("big", kBytes);
+    REQUIRE(memory.ok());
+    v1::RegisterRegionsRequest request;
+    *request.add_regions() =
+        AuxRegion("big." + std::to_string(round), memory->info.handle(), 0, kBytes);
+    absl::Status registered;
+    const auto start = std::chrono::steady_clock::now();
+    std::thread engine([&] { registered = leaving.Register(request).status(); });
+    // Inside the call (it takes 220-370 ms here): the memory is being faulted in.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 + 50 * (round % 3)));
+    EndSession(leaving);
+    engine.join();
+    const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+    // Refused because the session ended during the call: the window was hit.
+    const bool hit = absl::IsUnauthenticated(registered) &&
+                     Message(registered).find("ended while its RegisterRegions ran") !=
+                         std::string::npos;
+    if (hit) ++hits;
+    const uint32_t left = WaitRegions(pair.prefill(), before, 5000);
+    if (left != before) ++leaked_rounds;
+    std::printf("round %d: RegisterRegions of 1 GiB took %lld ms, answered %s; %u regions "
+                "left\n",
+                round, static_cast<long long>(took), registered.ToString().c_str(),
+                left - before);
+    CHECK(left == before);
+  }
+  CHECK(leaked_rounds == 0);
+  CHECK(hits > 0);  // else the session ended outside the call, and nothing was shown
+  HonestWrite(pair, "after-ended-registration", 15, 16);
 }
 
 }  // namespace

@@ -4,9 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "catch2/catch.hpp"
@@ -556,6 +559,108 @@ TEST_CASE("Only a region's owner, or a caller allowed any owner, deregisters it"
   REQUIRE(admin.ok());
   CHECK(Names(registry.List()) == std::vector<std::string>{"a.v"});
   CHECK(registry.FindGroup("kv")[0]->Info().group_position() == 0);
+}
+
+TEST_CASE("DeregisterOwner removes exactly the owner's regions, some already gone") {
+  auto memory = Memfd(65536);
+  auto other = Memfd(65536);
+  RegionRegistry registry(&Context());
+  REQUIRE(registry
+              .Register({HandleSpec("a.k", memory->id(), 0, 4096, 1, 4096, "kv"),
+                         HandleSpec("a.v", memory->id(), 4096, 4096, 1, 4096, "kv"),
+                         HandleSpec("a.x", memory->id(), 8192, 4096, 1, 4096)},
+                        false, Registrant("engine-a", {memory}))
+              .ok());
+  REQUIRE(registry
+              .Register({HandleSpec("b.k", other->id(), 0, 4096, 1, 4096, "kv-b")}, false,
+                        Registrant("engine-b", {other}))
+              .ok());
+  // The owner's own deregistration of one of them ran first: the rest still go (a
+  // list taken before it, deregistered by name, was refused whole as NOT_FOUND).
+  REQUIRE(registry.Deregister({"a.k"}, nullptr, "engine-a", false).ok());
+  const uint64_t version = registry.version();
+  std::vector<RegionPtr> retired;
+  std::vector<std::string> removed;
+  CHECK(registry.DeregisterOwner("engine-a", &retired, &removed) == version + 1);
+  CHECK(removed == std::vector<std::string>{"a.v", "a.x"});
+  CHECK(Names(retired) == removed);
+  CHECK(Names(registry.List()) == std::vector<std::string>{"b.k"});
+  CHECK(registry.Usage().regions == 1);
+  CHECK(registry.FindGroup("kv").empty());
+  CHECK(registry.FindGroup("kv-b").size() == 1);
+  // Peers get the removal as a delta.
+  v1::AgentMetadata delta;
+  REQUIRE(registry.ExportDelta(version, &delta, false));
+  CHECK(std::vector<std::string>(delta.removed_regions().begin(), delta.removed_regions().end()) ==
+        std::vector<std::string>{"a.v", "a.x"});
+  // Nothing left: the version stays.
+  removed.clear();
+  CHECK(registry.DeregisterOwner("engine-a", nullptr, &removed) == version + 1);
+  CHECK(removed.empty());
+  CHECK(registry.DeregisterOwner("nobody", nullptr) == version + 1);
+  // The owner's group name is free again, for anyone.
+  CHECK(registry
+            .Register({HandleSpec("b.v", other->id(), 4096, 4096, 1, 4096, "kv")}, false,
+                      Registrant("engine-b", {other}))
+            .ok());
+}
+
+TEST_CASE("A registration whose owner ended before it committed fails and leaves nothing") {
+  auto memory = Memfd(65536);
+  auto other = Memfd(65536);
+  RegionRegistry registry(&Context());
+  std::atomic<bool> a_ended{false};
+  registry.SetOwnerCheck([&](const std::string& owner) { return owner == "engine-a" && a_ended; });
+  REQUIRE(registry
+              .Register({HandleSpec("a.k", memory->id(), 0, 4096, 1, 4096, "kv")}, false,
+                        Registrant("engine-a", {memory}))
+              .ok());
+  REQUIRE(registry
+              .Register({HandleSpec("b.k", other->id(), 0, 4096, 1, 4096)}, false,
+                        Registrant("engine-b", {other}))
+              .ok());
+
+  // The session ends while its next batch is being imported (the handle resolved, the
+  // memory mapped next): the door marks it ended, then the agent releases what it
+  // holds, which waits for the registration's writer lock.
+  std::thread release;
+  uint64_t released_at = 0;
+  std::vector<std::string> released;
+  RegisterContext context = Registrant("engine-a", {memory});
+  auto resolve = context.resolve_handle;
+  context.resolve_handle = [&, resolve](uint64_t handle) {
+    if (!release.joinable()) {
+      a_ended = true;
+      release = std::thread(
+          [&] { released_at = registry.DeregisterOwner("engine-a", nullptr, &released); });
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it waits for us
+    }
+    return resolve(handle);
+  };
+  auto late = registry.Register({HandleSpec("a.v", memory->id(), 4096, 4096, 1, 4096, "kv"),
+                                 HandleSpec("a.x", memory->id(), 8192, 4096, 1, 4096)},
+                                false, context);
+  REQUIRE(release.joinable());
+  release.join();
+  REQUIRE(late.status().code() == absl::StatusCode::kUnauthenticated);
+  CHECK_THAT(Message(late.status()),
+             Catch::Contains("engine-a ended while its RegisterRegions ran") &&
+                 Catch::Contains("nothing was registered"));
+  CHECK(released == std::vector<std::string>{"a.k"});
+  CHECK(released_at == registry.version());
+  CHECK(Names(registry.List()) == std::vector<std::string>{"b.k"});
+  CHECK(registry.Usage().regions == 1);
+
+  // A call that reaches the registry after the end fails at once.
+  auto after = registry.Register({HandleSpec("a.y", memory->id(), 0, 4096, 1, 4096)}, false,
+                                 Registrant("engine-a", {memory}));
+  CHECK(after.status().code() == absl::StatusCode::kUnauthenticated);
+  // Other owners are not affected.
+  CHECK(registry
+            .Register({HandleSpec("b.v", other->id(), 4096, 4096, 1, 4096)}, false,
+                      Registrant("engine-b", {other}))
+            .ok());
+  CHECK(registry.List().size() == 2);
 }
 
 TEST_CASE("Export tells where memory is only to a peer on the same host") {
