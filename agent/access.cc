@@ -23,27 +23,26 @@ namespace {
 constexpr log::Logger kAudit("audit");
 }  // namespace
 
-void LogRefusal(std::string_view who, std::string_view what, const absl::Status& why) {
-  constexpr int kBurst = 20;
-  static absl::Mutex mu(absl::kConstInit);
-  static int64_t second ABSL_GUARDED_BY(mu) = 0;
-  static int written ABSL_GUARDED_BY(mu) = 0;
-  static uint64_t suppressed ABSL_GUARDED_BY(mu) = 0;
-  uint64_t skipped = 0;
-  {
-    absl::MutexLock lock(&mu);
-    const int64_t now = absl::ToUnixSeconds(absl::Now());
-    if (now != second) {
-      second = now;
-      written = 0;
-    }
-    if (written >= kBurst) {
-      ++suppressed;
-      return;
-    }
-    ++written;
-    skipped = std::exchange(suppressed, 0);
+bool LogBudget::Take(uint64_t* skipped) {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = absl::ToUnixSeconds(absl::Now());
+  if (now != second_) {
+    second_ = now;
+    written_ = 0;
   }
+  if (written_ >= burst_) {
+    ++suppressed_;
+    return false;
+  }
+  ++written_;
+  *skipped = std::exchange(suppressed_, 0);
+  return true;
+}
+
+void LogRefusal(std::string_view who, std::string_view what, const absl::Status& why) {
+  static LogBudget budget(20);
+  uint64_t skipped = 0;
+  if (!budget.Take(&skipped)) return;
   kAudit.Warn("refused {} from {}: {}{}", what, who, Printable(std::string(why.message()), 512),
               skipped ? fmt::format(" ({} more refusals not logged)", skipped) : std::string());
 }

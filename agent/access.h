@@ -13,7 +13,9 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "base/text.h"
 
 namespace kvagent::agent {
@@ -94,6 +96,24 @@ struct SecurityCounters {
 // Logs (component "audit") a refused call or message: who, what it tried and why.
 // At most 20 lines a second are written; the rest are counted into the next line.
 void LogRefusal(std::string_view who, std::string_view what, const absl::Status& why);
+
+// A budget of log lines: at most `burst` a second (wall clock); the lines past it are
+// counted and reported by the next line allowed. One per place that logs what a
+// caller or a peer can make happen at will.
+class LogBudget {
+ public:
+  explicit constexpr LogBudget(int burst) : burst_(burst) {}
+  // True when a line may be written now; `skipped` then gets how many were not
+  // written since the last one that was.
+  bool Take(uint64_t* skipped);
+
+ private:
+  const int burst_;
+  absl::Mutex mu_{absl::kConstInit};
+  int64_t second_ ABSL_GUARDED_BY(mu_) = 0;
+  int written_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t suppressed_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 
 

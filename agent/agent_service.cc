@@ -1099,25 +1099,9 @@ void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& id
   if (!delta) deps.registry->Export(response, same_host);
   // At most 20 lines a second (a peer polling for the whole catalog in a loop would
   // otherwise write one per call); the rest are counted into the next line.
-  static absl::Mutex log_mu(absl::kConstInit);
-  static int64_t log_second ABSL_GUARDED_BY(log_mu) = 0;
-  static int log_written ABSL_GUARDED_BY(log_mu) = 0;
-  static uint64_t log_skipped ABSL_GUARDED_BY(log_mu) = 0;
+  static LogBudget budget(20);
   uint64_t skipped = 0;
-  {
-    absl::MutexLock lock(&log_mu);
-    const int64_t now = absl::ToUnixSeconds(absl::Now());
-    if (now != log_second) {
-      log_second = now;
-      log_written = 0;
-    }
-    if (log_written >= 20) {
-      ++log_skipped;
-      return;
-    }
-    ++log_written;
-    skipped = std::exchange(log_skipped, 0);
-  }
+  if (!budget.Take(&skipped)) return;
   kAudit.Info("metadata version {} ({}{} regions{}) sent to peer '{}' ({}, {} door){}",
               response->version(), response->regions_size(), delta ? " changed" : "",
               delta ? fmt::format(", {} removed, delta from {}", response->removed_regions_size(),

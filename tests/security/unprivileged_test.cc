@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -35,6 +36,23 @@ std::string ReadFile(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// The agent "victim" (root) with its sockets in `dir`, where uid 65534 can reach them.
+std::unique_ptr<cli::DaemonProcess> StartVictim(const OpenDir& dir,
+                                                std::vector<std::string> extra_args) {
+  cli::DaemonOptions options;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  options.binary = *binary;
+  options.name = "victim";
+  options.work_dir = dir.path();
+  options.local_socket = dir.path() + "/victim.sock";
+  options.extra_args = std::move(extra_args);
+  auto agent = cli::DaemonProcess::Start(options);
+  INFO(agent.status().ToString());
+  REQUIRE(agent.ok());
+  return std::make_unique<cli::DaemonProcess>(*std::move(agent));
 }
 
 TEST_CASE("an unprivileged user gets no file it does not own, and no peer's rights") {
@@ -64,16 +82,7 @@ TEST_CASE("an unprivileged user gets no file it does not own, and no peer's righ
     }
   } cleanup{{root_file, own_file, link, link_to_root}};
 
-  cli::DaemonOptions options;
-  auto binary = cli::FindKvagentd("");
-  REQUIRE(binary.ok());
-  options.binary = *binary;
-  options.name = "victim";
-  options.work_dir = dir.path();
-  options.local_socket = dir.path() + "/victim.sock";
-  options.extra_args = {"--local-socket-group", "65534"};
-  auto agent = cli::DaemonProcess::Start(options);
-  REQUIRE(agent.ok());
+  auto agent = StartVictim(dir, {"--local-socket-group", "65534"});
   const std::string address = agent->address();
 
   Outcome who = RunAs(65534, 65534, probe, address, "status");
@@ -130,17 +139,8 @@ TEST_CASE("a process of another peer uid cannot take a peer name another agent h
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
   OpenDir dir;
   const std::string probe = CopyProbe(dir);
-  cli::DaemonOptions options;
-  auto binary = cli::FindKvagentd("");
-  REQUIRE(binary.ok());
-  options.binary = *binary;
-  options.name = "victim";
-  options.work_dir = dir.path();
-  options.local_socket = dir.path() + "/victim.sock";
-  options.extra_args = {"--local-socket-group", "65534", "--peer-uids",
-                        fmt::format("{},65534", geteuid())};
-  auto agent = cli::DaemonProcess::Start(options);
-  REQUIRE(agent.ok());
+  auto agent = StartVictim(
+      dir, {"--local-socket-group", "65534", "--peer-uids", fmt::format("{},65534", geteuid())});
   const std::string address = agent->address();
 
   // "prefill" (the victim's own uid) fetches first; the same name again keeps its secret.

@@ -16,6 +16,7 @@
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
 #include "registry/region_registry.h"
+#include "tests/unit/incoming/incoming_util.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace kvagent::agent {
@@ -34,18 +35,8 @@ v1::Notification Notice(const std::string& id, v1::NotificationKind kind, uint32
   return n;
 }
 
-std::vector<v1::Notification> Delivered(NotificationQueue& queue) {
-  NotificationReader everyone;
-  everyone.any = true;
-  return queue.Poll(0, {}, everyone);
-}
-
-void SleepUntil(uint64_t monotonic_us) {
-  const uint64_t now = MonotonicMicros();
-  if (monotonic_us > now) {
-    std::this_thread::sleep_for(std::chrono::microseconds(monotonic_us - now));
-  }
-}
+using testing::Delivered;
+using testing::SleepUntil;
 
 TEST_CASE("an incoming transfer expires at its deadline plus grace, and NextExpiry says when") {
   registry::RegionRegistry regions(&registry::testing::Context());

@@ -23,6 +23,7 @@
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
 #include "registry/region_registry.h"
+#include "tests/unit/incoming/incoming_util.h"
 #include "tests/unit/registry/test_util.h"
 
 namespace kvagent::agent {
@@ -53,18 +54,8 @@ v1::Notification DataReady(const std::string& id, const std::string& from = "eve
   return n;
 }
 
-std::vector<v1::Notification> Delivered(NotificationQueue& queue) {
-  NotificationReader everyone;
-  everyone.any = true;
-  return queue.Poll(0, {}, everyone);
-}
-
-void SleepUntil(uint64_t monotonic_us) {
-  const uint64_t now = MonotonicMicros();
-  if (monotonic_us > now) {
-    std::this_thread::sleep_for(std::chrono::microseconds(monotonic_us - now));
-  }
-}
+using testing::Delivered;
+using testing::SleepUntil;
 
 // The receiver: one region "dst" owned by "decode-engine", a queue with room for
 // `queue_slots` notifications (reserved or queued), and every acknowledgement kept.
