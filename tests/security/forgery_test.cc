@@ -181,12 +181,9 @@ class UcxAttacker {
   // (0 without `wait`).
   size_t SendAllNoCopy(uint16_t id, std::vector<std::string> headers, const void* data,
                        uint64_t length, bool wait = true) {
-    struct Count {
-      absl::Mutex mu;
-      size_t total = 0, done = 0, ok = 0;
-    };
-    auto count = std::make_shared<Count>();
+    auto count = std::make_shared<SendCount>();
     count->total = headers.size();
+    last_sends_ = count;
     worker_->Post([this, id, headers = std::move(headers), data, length, count] {
       for (const std::string& header : headers) {
         endpoint_->SendAmNoCopy(id, header, data, length, [count](absl::Status s) {
@@ -199,7 +196,7 @@ class UcxAttacker {
     if (!wait) return 0;
     absl::MutexLock lock(&count->mu);
     count->mu.AwaitWithTimeout(absl::Condition(
-                                   +[](Count* c) { return c->done >= c->total; }, count.get()),
+                                   +[](SendCount* c) { return c->done >= c->total; }, count.get()),
                                absl::Milliseconds(kTimeoutMs));
     return count->ok;
   }
@@ -225,6 +222,17 @@ class UcxAttacker {
     });
   }
   size_t kept() const { return kept_count_.load(); }
+  // Waits up to `ms` until every send of the last SendAllNoCopy completed (a test that
+  // posted them without waiting must, before the attacker goes: UCX still holds the
+  // requests of the sends in flight then); true when they did.
+  bool WaitLastSends(uint32_t ms) {
+    if (last_sends_ == nullptr) return true;
+    absl::MutexLock lock(&last_sends_->mu);
+    return last_sends_->mu.AwaitWithTimeout(
+        absl::Condition(+[](SendCount* c) { return c->done >= c->total; }, last_sends_.get()),
+        absl::Milliseconds(ms));
+  }
+
   void ReleaseKept() {
     worker_->RunSync([this] {
       keeping_ = false;  // later ones are dropped
@@ -265,6 +273,11 @@ class UcxAttacker {
   std::vector<void*> kept_;  // worker thread
   bool keeping_ = true;      // worker thread
   std::atomic<size_t> kept_count_{0};
+  struct SendCount {
+    absl::Mutex mu;
+    size_t total = 0, done = 0, ok = 0;
+  };
+  std::shared_ptr<SendCount> last_sends_;  // of the last SendAllNoCopy
 };
 
 // The acknowledgements an agent sends the attacker (single and batched), as they come.
@@ -1285,6 +1298,9 @@ TEST_CASE("a peer flooding rendezvous chunks is bounded, and the agent stays up"
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   CHECK(landed());
+  // Every flooding send ends: the refused ones were acknowledged unfetched, the waiting
+  // ones fetched (the first pages' bytes can land before the last of them is).
+  CHECK(attacker.WaitLastSends(kTimeoutMs));
 
   // Decode is up, and an honest transfer still moves its bytes.
   RequireHonestWrite(pair, "after-flood", {3}, {20});
