@@ -1598,9 +1598,24 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
   for (const auto& t : stopped) SchedulePump(t);
   // The Stager's index of our regions holds them too: let it go now, not at the next
   // staged message (which may never come), so the memory is released with the call.
+  // With nothing to drain, `done` runs after the index let go, on the worker thread:
+  // run here, it raced the worker, and the caller's reply (whose memory is then the
+  // engine's again) could come while the index still kept the region mapped.
   if (options_.stager != nullptr) {
     Stager* stager = options_.stager;
-    worker_->Post([stager] { stager->DropStaleRegions(); });
+    if (!nothing_to_wait_for) {
+      worker_->Post([stager] { stager->DropStaleRegions(); });
+      return;
+    }
+    auto finish = std::make_shared<std::function<void(std::vector<std::string>)>>(std::move(done));
+    if (worker_->TryPost([stager, finish] {
+          stager->DropStaleRegions();
+          (*finish)({});
+        })) {
+      return;
+    }
+    (*finish)({});  // the worker stopped: nothing stages any more
+    return;
   }
   if (nothing_to_wait_for) done({});
 }

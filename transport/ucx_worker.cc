@@ -432,6 +432,8 @@ void UcxWorker::Post(std::function<void()> fn) {
   }
 }
 
+bool UcxWorker::TryPost(std::function<void()> fn) { return Enqueue(std::move(fn)); }
+
 void UcxWorker::RunSync(std::function<void()> fn) {
   if (OnWorkerThread()) {
     fn();  // waiting on ourselves would never finish

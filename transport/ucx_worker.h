@@ -103,6 +103,9 @@ class UcxWorker {
   // Runs `fn` on the worker thread, soon. Safe from any thread, including the worker
   // thread itself (then it runs after the current closure). Never blocks on UCX.
   void Post(std::function<void()> fn);
+  // Post, telling whether `fn` will run: false (and `fn` dropped, not run) once the
+  // thread stopped taking closures. One accepted runs, even during shutdown.
+  bool TryPost(std::function<void()> fn);
   // Runs `fn` on the worker thread and waits for it (for setup and tests; never
   // call from the worker thread or a gRPC handler on a hot path).
   void RunSync(std::function<void()> fn);

@@ -557,7 +557,13 @@ TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, on
   };
   auto flushed = std::make_shared<Flushed>();
   absl::Status posted;
-  a.worker->RunSync([&] {
+  // The peer goes away with the puts in flight. A's thread is held from the moment it
+  // posted them: the peer's shutdown progresses until nothing arrives, and with A
+  // sending it would take all 128 MiB first (it did under TSan, also when A was held
+  // only after the posting closure returned: A progressed the sends in between).
+  absl::Notification held;
+  absl::Notification release;
+  a.worker->Post([&] {
     for (size_t off = 0; off < kSize && posted.ok(); off += kPiece) {
       posted = ep->Put(source.data() + off, kPiece, remote + off, rkey);
     }
@@ -566,20 +572,13 @@ TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, on
       flushed->status = std::move(status);
       flushed->done.Notify();
     });
-  });
-  REQUIRE(posted.ok());
-  // The peer goes away with the puts in flight. A's thread is held meanwhile: the
-  // peer's shutdown progresses until nothing arrives, and with A sending it would take
-  // all 128 MiB first (it does under TSan).
-  absl::Notification held;
-  absl::Notification release;
-  a.worker->Post([&] {
     held.Notify();
     release.WaitForNotification();
   });
   held.WaitForNotification();
   b.worker.reset();
   release.Notify();
+  REQUIRE(posted.ok());
   REQUIRE(flushed->done.WaitForNotificationWithTimeout(kWait));
   INFO(flushed->status.ToString());
   REQUIRE_FALSE(flushed->status.ok());  // else: make kSize bigger
