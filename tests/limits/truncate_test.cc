@@ -206,10 +206,14 @@ AgentPairOptions TcpPair() {
 }
 
 // The incoming record on the receiver of transfer `id`: it ended as the sender says.
+// The sender's outcome reaches the receiver by message, after the sender answered its
+// client: the record may not be there yet (NOT_FOUND, when the sender failed before
+// anything of it was sent) or not ended yet (TRANSFERRING).
 void RequireIncomingFailed(AgentPair& pair, const std::string& id) {
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   auto incoming = pair.decode().Get(id, "prefill");
-  while (incoming.ok() && incoming->phase() == v1::TRANSFERRING &&
+  while (((!incoming.ok() && incoming.status().code() == absl::StatusCode::kNotFound) ||
+          (incoming.ok() && incoming->phase() == v1::TRANSFERRING)) &&
          std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     incoming = pair.decode().Get(id, "prefill");
