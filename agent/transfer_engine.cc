@@ -1560,6 +1560,22 @@ void TransferEngine::ExpireDrains() {
 void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions,
                                  const std::string& who, absl::Duration timeout,
                                  std::function<void(std::vector<std::string>)> done) {
+  // The Stager's index of our regions holds them too. It lets go on the worker thread
+  // (the index's only user), and `done` runs there after it, however the wait ends: run
+  // elsewhere, `done` raced the worker, and the caller's reply (after which the memory
+  // is the engine's again) could come while the index still kept a region mapped.
+  if (options_.stager != nullptr) {
+    done = [worker = worker_, stager = options_.stager,
+            inner = std::make_shared<std::function<void(std::vector<std::string>)>>(
+                std::move(done))](std::vector<std::string> draining) {
+      auto let_go = [stager, inner, draining] {
+        stager->DropStaleRegions();
+        (*inner)(draining);
+      };
+      // The worker stopped: nothing stages any more.
+      if (!worker->TryPost(let_go)) (*inner)(std::move(draining));
+    };
+  }
   auto wait = std::make_shared<DrainWait>();
   std::vector<TransferPtr> stopped;
   // Decided under mu_: once the wait is queued, the deadline loop owns it (it erases
@@ -1596,27 +1612,6 @@ void TransferEngine::StopUsersOf(const std::vector<registry::RegionPtr>& regions
     }
   }
   for (const auto& t : stopped) SchedulePump(t);
-  // The Stager's index of our regions holds them too: let it go now, not at the next
-  // staged message (which may never come), so the memory is released with the call.
-  // With nothing to drain, `done` runs after the index let go, on the worker thread:
-  // run here, it raced the worker, and the caller's reply (whose memory is then the
-  // engine's again) could come while the index still kept the region mapped.
-  if (options_.stager != nullptr) {
-    Stager* stager = options_.stager;
-    if (!nothing_to_wait_for) {
-      worker_->Post([stager] { stager->DropStaleRegions(); });
-      return;
-    }
-    auto finish = std::make_shared<std::function<void(std::vector<std::string>)>>(std::move(done));
-    if (worker_->TryPost([stager, finish] {
-          stager->DropStaleRegions();
-          (*finish)({});
-        })) {
-      return;
-    }
-    (*finish)({});  // the worker stopped: nothing stages any more
-    return;
-  }
   if (nothing_to_wait_for) done({});
 }
 

@@ -152,8 +152,8 @@ class TransferEngine {
   // Local regions are being deregistered: fails (ABORTED, naming the region and
   // `who`) every active transfer that uses one of them, and calls `done` once each of
   // them drained (or reports drain_unknown), or after `timeout`; `done` gets the ids
-  // still draining then. `done` may run at once, on this thread, or (with a Stager,
-  // nothing to drain) on the worker thread once the Stager's index let go of them.
+  // still draining then. With a Stager, `done` runs on the worker thread once the
+  // Stager's index let go of them; without one it may run at once, on this thread.
   void StopUsersOf(const std::vector<registry::RegionPtr>& regions, const std::string& who,
                    absl::Duration timeout, std::function<void(std::vector<std::string>)> done);
   // Fails every active transfer to peer `name` with `cause` (DisconnectPeer); returns

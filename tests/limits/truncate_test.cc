@@ -333,11 +333,8 @@ bool MapsFile(uint32_t pid, uint64_t address, uint64_t inode) {
   std::ifstream maps(fmt::format("/proc/{}/maps", pid));
   std::string line;
   while (std::getline(maps, line)) {
-    unsigned long start = 0, end = 0, offset = 0, ino = 0;
-    unsigned major = 0, minor = 0;
-    char perms[8] = {};
-    if (std::sscanf(line.c_str(), "%lx-%lx %7s %lx %x:%x %lu", &start, &end, perms, &offset,
-                    &major, &minor, &ino) == 7 &&
+    unsigned long start = 0, end = 0, ino = 0;  // perms, offset and device skipped
+    if (std::sscanf(line.c_str(), "%lx-%lx %*s %*x %*x:%*x %lu", &start, &end, &ino) == 3 &&
         start <= address && address < end && ino == inode) {
       return true;
     }
