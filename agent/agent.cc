@@ -1,6 +1,7 @@
 #include "agent/agent.h"
 
 #include <ifaddrs.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <sys/socket.h>
@@ -346,6 +347,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   door_options.agent_name = options.name;
   door_options.incarnation = agent->identity_.incarnation;
   door_options.limits = &agent->limits_;
+  agent->releaser_ = std::thread([self] { self->RunReleaser(); });
   agent->local_door_ = std::make_unique<LocalDoor>(
       door_options, agent->registry_.get(), &agent->counters_,
       // A session that ends takes its regions with it (after peers let go of them).
@@ -508,6 +510,32 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
 }
 
 void Agent::ReleaseSession(const Caller& caller) {
+  absl::MutexLock lock(&release_mu_);
+  // After Shutdown stopped the releaser, what the session held goes with the agent.
+  if (release_stop_) return;
+  releases_.emplace_back(caller.principal, absl::Now());
+  release_cv_.Signal();
+}
+
+void Agent::RunReleaser() {
+  pthread_setname_np(pthread_self(), "releaser");
+  absl::MutexLock lock(&release_mu_);
+  while (true) {
+    while (!release_stop_ && releases_.empty()) release_cv_.Wait(&release_mu_);
+    if (release_stop_) break;
+    auto [principal, ended] = std::move(releases_.front());
+    releases_.pop_front();
+    release_mu_.Unlock();
+    ReleaseNow(principal, ended);
+    release_mu_.Lock();
+  }
+  if (!releases_.empty()) {
+    kLog.Info("{} ended sessions' regions go with the agent (it is stopping)", releases_.size());
+    releases_.clear();
+  }
+}
+
+void Agent::ReleaseNow(const std::string& principal, absl::Time ended) {
   NoteHeapActivity();  // a session's calls and streams ended with it
   // Everything the session holds, gathered under the registry's writer lock: a
   // registration of it still running either committed before (and goes now) or fails
@@ -517,16 +545,23 @@ void Agent::ReleaseSession(const Caller& caller) {
   // Then as DeregisterAndWait: the memory stays mapped until our transfers using it
   // drained and polling peers hold the new version, or the waits end.
   auto retired = std::make_shared<std::vector<registry::RegionPtr>>();
-  const uint64_t version = registry_->DeregisterOwner(caller.principal, retired.get());
+  const uint64_t version = registry_->DeregisterOwner(principal, retired.get());
+  const absl::Duration waited = absl::Now() - ended;
+  if (waited >= absl::Seconds(1)) {
+    // Behind a registration holding the registry (or earlier releases): the sessions
+    // thread went on serving meanwhile.
+    kLog.Info("{} ended {} ms ago; its release waited for the registry until now",
+              principal, absl::ToInt64Milliseconds(waited));
+  }
   if (retired->empty()) return;
   kLog.Info("{} ended: deregistered its {} regions (version {}); releasing them once peers "
             "let go",
-            caller.principal, retired->size(), version);
+            principal, retired->size(), version);
   if (deps_.push != nullptr) deps_.push->Changed();  // watching peers drain and acknowledge
   const ServiceDeps* d = &deps_;
   deps_.engine->StopUsersOf(
-      *retired, caller.principal, absl::Milliseconds(deps_.deregister_wait_ms),
-      [d, version, retired, principal = caller.principal](std::vector<std::string> draining) {
+      *retired, principal, absl::Milliseconds(deps_.deregister_wait_ms),
+      [d, version, retired, principal](std::vector<std::string> draining) {
         for (const auto& id : draining) {
           kLog.Warn("transfer '{}' using a region of ended {} had not drained within the "
                     "wait; its memory stays mapped until it does",
@@ -613,6 +648,13 @@ void Agent::Shutdown(absl::Duration grace) {
   if (stager_) stager_->Stop();
   // No new sessions; the ones open end without releasing regions (all go below).
   if (session_server_) session_server_->Stop();
+  // A release running finishes; queued ones are dropped (their regions go below).
+  {
+    absl::MutexLock lock(&release_mu_);
+    release_stop_ = true;
+    release_cv_.Signal();
+  }
+  if (releaser_.joinable()) releaser_.join();
   // Transfers had their grace above and handlers never block: 100 ms lets answers in
   // flight go out, then calls still open (watch streams) are cancelled. With 1 s, a
   // SIGTERM during a transfer measured grace + 1.0 s to exit; with 100 ms, grace + 0.12 s.

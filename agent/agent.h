@@ -7,9 +7,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -130,8 +132,15 @@ class Agent {
   Agent() = default;
   absl::Status StartDoor(Door door, const std::string& address,
                          std::shared_ptr<grpc::ServerCredentials> credentials);
-  // A local session ended: its regions are deregistered (after peers let go).
+  // A local session ended: queues its release for the releaser thread and returns (it
+  // runs on the session socket's thread, which every hello and session request needs).
   void ReleaseSession(const Caller& caller);
+  // The releaser thread: runs the queued releases in order until Shutdown.
+  void RunReleaser();
+  // Deregisters every region `principal` holds (after peers let go). Waits for the
+  // registry's writer lock, which a registration holds while it maps and faults in its
+  // memory: seconds for a large pool.
+  void ReleaseNow(const std::string& principal, absl::Time ended);
   void WarnInsecure();
   // The directory saw agent `name` leave, restart or (re)appear: when it is a peer here
   // whose installed incarnation is not `now`'s, fails its transfers at once and
@@ -192,6 +201,15 @@ class Agent {
   // activity, and sleeps while there is none: 6 MiB after.
   // Pages that still hold a live object stay (docs/LIMITS.md, Tested by).
   std::unique_ptr<HeapTrimmer> heap_trimmer_;
+  // Sessions that ended and whose regions are not released yet: one entry per session
+  // (its principal names its session id, never reused), added by ReleaseSession, taken
+  // by `releaser_` in order. Bounded by how fast sessions can be opened and closed
+  // while one release waits; each entry is a principal and a time.
+  absl::Mutex release_mu_;
+  absl::CondVar release_cv_;
+  std::deque<std::pair<std::string, absl::Time>> releases_ ABSL_GUARDED_BY(release_mu_);
+  bool release_stop_ ABSL_GUARDED_BY(release_mu_) = false;
+  std::thread releaser_;
   absl::Mutex stop_mu_;
   absl::CondVar stop_cv_;
   bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
