@@ -619,10 +619,43 @@ void Agent::OnDirectoryChange(const std::string& name, const directory::AgentRec
   kLog.Info("peer '{}' {} (incarnation {:x}); reconnecting at {}", Printable(name),
             before == nullptr ? "is listed again" : "restarted", now->incarnation(),
             Printable(*address, 256));
-  peers_->Connect(*address, [name](absl::StatusOr<v1::PeerInfo> info) {
+  Reconnect(name, *address);
+}
+
+void Agent::Reconnect(const std::string& name, const std::string& address) {
+  {
+    absl::MutexLock lock(&reconnect_mu_);
+    auto [it, first] = reconnects_.try_emplace(name);
+    if (!first) {
+      // An attempt runs: it is followed by one at this, the newest, address.
+      it->second = address;
+      return;
+    }
+  }
+  ReconnectNow(name, address);
+}
+
+void Agent::ReconnectNow(const std::string& name, const std::string& address) {
+  peers_->Connect(address, [this, name](absl::StatusOr<v1::PeerInfo> info) {
     if (!info.ok()) {
       kLog.Warn("reconnecting peer '{}': {}", Printable(name), info.status().message());
     }
+    std::string next;
+    {
+      absl::MutexLock lock(&reconnect_mu_);
+      auto it = reconnects_.find(name);
+      if (it == reconnects_.end()) return;
+      next = std::move(it->second);
+      if (next.empty()) {
+        reconnects_.erase(it);
+        return;
+      }
+      it->second.clear();
+    }
+    kLog.Info("peer '{}' changed in the directory while it was being reconnected; "
+              "reconnecting at its newest address {}",
+              Printable(name), Printable(next, 256));
+    ReconnectNow(name, next);
   });
 }
 

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "agent/access.h"
@@ -147,6 +148,11 @@ class Agent {
   // reconnects it at its new record's address.
   void OnDirectoryChange(const std::string& name, const directory::AgentRecord* before,
                          const directory::AgentRecord* now);
+  // Reconnects peer `name` at `address`: one connection attempt per name at a time; a
+  // record that changes meanwhile is followed once that attempt ends, at its newest
+  // address (a record flapping in etcd started a connector thread per change).
+  void Reconnect(const std::string& name, const std::string& address);
+  void ReconnectNow(const std::string& name, const std::string& address);
 
   AgentOptions options_;
   AgentIdentity identity_;
@@ -205,6 +211,10 @@ class Agent {
   // (its principal names its session id, never reused), added by ReleaseSession, taken
   // by `releaser_` in order. Bounded by how fast sessions can be opened and closed
   // while one release waits; each entry is a principal and a time.
+  // Peers being reconnected after a directory change: name -> the address of a change
+  // that came while the attempt ran ("" when none). Bounded by the peers known.
+  absl::Mutex reconnect_mu_;
+  absl::flat_hash_map<std::string, std::string> reconnects_ ABSL_GUARDED_BY(reconnect_mu_);
   absl::Mutex release_mu_;
   absl::CondVar release_cv_;
   std::deque<std::pair<std::string, absl::Time>> releases_ ABSL_GUARDED_BY(release_mu_);

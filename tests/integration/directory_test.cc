@@ -2,24 +2,33 @@
 // on free loopback ports: agents publish themselves and list the fleet, ConnectPeer
 // "agent:NAME" resolves through etcd, a peer that dies or restarts is failed and
 // reconnected by what etcd says (the agents' own polls are slowed to a minute, so only
-// the directory can be what noticed), etcd going away leaves established peers
+// the directory can be what noticed), a record rewritten in etcd 100 times costs one
+// reconnect at a time, etcd going away leaves established peers
 // working and lookups failing clearly, and a 3-member cluster survives losing the
 // member the agents talk to.
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "agent/etcd_client.h"
+#include "base/unique_fd.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/directory.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/integration/etcd_fixture.h"
@@ -332,6 +341,106 @@ TEST_CASE("directory: bad flags are refused at start, naming the flag") {
   auto by_name = pair.prefill().Connect("agent:decode");
   REQUIRE_FALSE(by_name.ok());
   CHECK_THAT(std::string(by_name.status().message()), Contains("without a directory"));
+}
+
+// The number of threads of process `pid` (its /proc/PID/task entries).
+int Threads(pid_t pid) {
+  int count = 0;
+  std::error_code ignored;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ignored)) {
+    (void)entry;
+    ++count;
+  }
+  return count;
+}
+
+// Whoever can write the directory's prefix in etcd can rewrite a peer's record as fast
+// as etcd takes puts. Each change of incarnation makes the agent reconnect; each
+// reconnect that hangs (an address that accepts and never answers) must not hold a
+// thread of its own: one attempt per peer at a time, the newest record followed after.
+TEST_CASE("directory: a peer's record flapping in etcd costs one reconnect at a time") {
+  NEEDS_ETCD();
+  Etcd etcd(1);
+  Fleet fleet(etcd.url(), "flap");
+  FleetAgent& prefill = fleet.prefill;
+  WriteAndCheck(prefill, *fleet.decode, "before", 1);
+
+  // A local door that takes connections into its backlog and never answers them: its
+  // gRPC socket and its session socket.
+  // (Under /tmp: a Unix socket's path has 108 bytes, fewer than Bazel's TEST_TMPDIR.)
+  char short_dir[] = "/tmp/kvagent-hole.XXXXXX";
+  REQUIRE(mkdtemp(short_dir) != nullptr);
+  const std::string hole = std::string(short_dir) + "/hole.sock";
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } cleanup{short_dir};
+  std::vector<UniqueFd> listeners;
+  for (const std::string& path : {hole, hole + ".session"}) {
+    const int type = path == hole ? SOCK_STREAM : SOCK_SEQPACKET;  // as the agent's
+    UniqueFd listener(socket(AF_UNIX, type | SOCK_CLOEXEC, 0));
+    REQUIRE(listener.get() >= 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    REQUIRE(path.size() < sizeof(address.sun_path));
+    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+    REQUIRE(bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+    REQUIRE(listen(listener.get(), 4096) == 0);
+    listeners.push_back(std::move(listener));
+  }
+
+  // decode's record as etcd holds it.
+  agent::EtcdClient etcd_client(Require(agent::ParseEtcdUrl(etcd.url()), "the etcd URL"),
+                                absl::Seconds(5));
+  const std::string key = "/kvagent/agents/decode";
+  directory::EtcdRangeRequest range;
+  range.set_key(key);
+  directory::EtcdRangeResponse listed;
+  REQUIRE(etcd_client.Call("/v3/kv/range", range, &listed).ok());
+  REQUIRE(listed.kvs_size() == 1);
+  directory::AgentRecord record;
+  REQUIRE(agent::ParseEtcdJson(listed.kvs(0).value(), &record).ok());
+  const std::string real_socket = record.local_socket();
+  auto put = [&](const std::string& socket_address, uint64_t incarnation) {
+    directory::AgentRecord forged = record;
+    forged.set_local_socket(socket_address);
+    forged.set_incarnation(incarnation);
+    directory::EtcdPutRequest request;
+    request.set_key(key);
+    request.set_value(agent::EtcdJson(forged));
+    directory::EtcdHeader ignored;
+    REQUIRE(etcd_client.Call("/v3/kv/put", request, &ignored).ok());
+  };
+
+  // 100 changes, each to a new incarnation at the silent socket, as fast as etcd takes
+  // them; prefill's threads sampled all along.
+  const pid_t pid = prefill.process.pid();
+  const int threads_before = Threads(pid);
+  int most = threads_before;
+  constexpr int kChanges = 100;
+  const uint64_t base = record.incarnation() + 1;
+  for (int i = 0; i < kChanges; ++i) {
+    put("unix:" + hole, base + i);
+    most = std::max(most, Threads(pid));
+  }
+  for (int i = 0; i < 40; ++i) {  // 2 s: longer than the watch's delivery of the puts
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    most = std::max(most, Threads(pid));
+  }
+  // The real record again, as a new incarnation: prefill follows it once the attempt
+  // at the silent socket has ended.
+  put(real_socket, base + kChanges);
+  std::printf("prefill's threads: %d before %d changes of decode's record, at most %d during\n",
+              threads_before, kChanges, most);
+  CHECK(most <= threads_before + 4);
+  REQUIRE(WaitFor([&] {
+    return PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0;
+  }, 20000));
+  WriteAndCheck(prefill, *fleet.decode, "after-flaps", 2);
 }
 
 }  // namespace
