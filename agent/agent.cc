@@ -28,6 +28,7 @@
 namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("agent");
+constexpr log::Logger kAudit("audit");
 
 std::string ReadBootId() {
   std::ifstream in("/proc/sys/kernel/random/boot_id");
@@ -593,70 +594,131 @@ void Agent::WarnInsecure() {
 
 void Agent::OnDirectoryChange(const std::string& name, const directory::AgentRecord* before,
                               const directory::AgentRecord* now) {
+  if (absl::IsNotFound(peers_->Get(name).status())) return;  // not a peer of ours
+  DirectoryEvent event;
+  event.listed = now != nullptr;
+  if (now != nullptr) {
+    event.again = before == nullptr;
+    event.incarnation = now->incarnation();
+    absl::StatusOr<std::string> address = DialAddress(*now, identity_.host_id);
+    if (address.ok()) {
+      event.address = *std::move(address);
+    } else {
+      event.address_error = std::string(address.status().message());
+    }
+  }
+  FollowDirectory(name, std::move(event));
+}
+
+void Agent::FollowDirectory(const std::string& name, DirectoryEvent event) {
+  {
+    absl::MutexLock lock(&directory_events_mu_);
+    auto [it, first] = directory_events_.try_emplace(name);
+    if (!first) {
+      it->second = std::move(event);  // handled once the running one ends
+      return;
+    }
+  }
+  HandleDirectoryEvent(name, event);
+}
+
+void Agent::HandleDirectoryEvent(const std::string& name, const DirectoryEvent& event) {
   auto known = peers_->Get(name);
-  if (absl::IsNotFound(known.status())) return;  // not a peer of ours
-  const uint64_t installed = known.ok() ? (*known)->incarnation : 0;
-  if (now == nullptr) {
-    peers_->MarkGone(name, installed,
-                     "its record left the directory (its etcd lease expired: the agent "
-                     "stopped, or lost etcd for longer than its TTL)");
+  if (absl::IsNotFound(known.status())) {  // disconnected meanwhile
+    DirectoryEventDone(name);
     return;
   }
-  if (known.ok() && installed == now->incarnation()) return;
-  if (known.ok()) {
-    peers_->MarkGone(name, installed,
-                     fmt::format("it restarted (the directory lists incarnation {:x} instead of "
-                                 "{:x})",
-                                 now->incarnation(), installed));
+  const uint64_t installed = known.ok() ? (*known)->incarnation : 0;
+  if (event.listed && known.ok() && installed == event.incarnation) {
+    DirectoryEventDone(name);
+    return;
   }
-  absl::StatusOr<std::string> address = DialAddress(*now, identity_.host_id);
-  if (!address.ok()) {
+  std::string why =
+      event.listed
+          ? fmt::format("it restarted (the directory lists incarnation {:x} instead of {:x})",
+                        event.incarnation, installed)
+          : "its record left the directory (its etcd lease expired: the agent stopped, or "
+            "lost etcd for longer than its TTL)";
+  if (!known.ok()) {  // already unreachable: nothing to ask
+    peers_->MarkGone(name, installed, why);
+    ReconnectFromDirectory(name, event);
+    return;
+  }
+  // A peer that died refuses at once; one that is stopped or hung does not answer
+  // within the deadline. Either way it is failed as before, a little later.
+  constexpr uint32_t kAskMs = 2000;
+  peers_->AskIncarnation(
+      name, kAskMs,
+      [this, name, event, installed, why = std::move(why)](absl::StatusOr<uint64_t> answer) {
+        if (absl::IsNotFound(answer.status())) {  // disconnected meanwhile
+          DirectoryEventDone(name);
+          return;
+        }
+        if (answer.ok() && *answer == installed) {
+          static LogBudget budget(4);
+          uint64_t skipped = 0;
+          if (budget.Take(&skipped)) {
+            kAudit.Warn("the directory says of peer '{}' that {}, but incarnation {:x} still "
+                        "answers at its address: it stays connected (whoever can write the "
+                        "directory's prefix in etcd can write such a record){}",
+                        Printable(name), why, installed,
+                        skipped > 0 ? fmt::format(" ({} such lines skipped)", skipped) : "");
+          }
+          DirectoryEventDone(name);
+          return;
+        }
+        peers_->MarkGone(name, installed,
+                         answer.ok() ? fmt::format("{}, and incarnation {:x} answers at its "
+                                                   "address",
+                                                   why, *answer)
+                                     : fmt::format("{}, and {}", why, answer.status().message()));
+        ReconnectFromDirectory(name, event);
+      });
+}
+
+void Agent::ReconnectFromDirectory(const std::string& name, const DirectoryEvent& event) {
+  if (!event.listed) {
+    DirectoryEventDone(name);
+    return;
+  }
+  if (event.address.empty()) {
     kLog.Warn("peer '{}' is back but cannot be reconnected: {}", Printable(name),
-              address.status().message());
+              event.address_error);
+    DirectoryEventDone(name);
     return;
   }
   // Both come from the directory (etcd): escaped where they are logged.
   kLog.Info("peer '{}' {} (incarnation {:x}); reconnecting at {}", Printable(name),
-            before == nullptr ? "is listed again" : "restarted", now->incarnation(),
-            Printable(*address, 256));
-  Reconnect(name, *address);
-}
-
-void Agent::Reconnect(const std::string& name, const std::string& address) {
-  {
-    absl::MutexLock lock(&reconnect_mu_);
-    auto [it, first] = reconnects_.try_emplace(name);
-    if (!first) {
-      // An attempt runs: it is followed by one at this, the newest, address.
-      it->second = address;
-      return;
-    }
-  }
-  ReconnectNow(name, address);
-}
-
-void Agent::ReconnectNow(const std::string& name, const std::string& address) {
-  peers_->Connect(address, [this, name](absl::StatusOr<v1::PeerInfo> info) {
+            event.again ? "is listed again" : "restarted", event.incarnation,
+            Printable(event.address, 256));
+  peers_->Connect(event.address, [this, name](absl::StatusOr<v1::PeerInfo> info) {
     if (!info.ok()) {
       kLog.Warn("reconnecting peer '{}': {}", Printable(name), info.status().message());
     }
-    std::string next;
-    {
-      absl::MutexLock lock(&reconnect_mu_);
-      auto it = reconnects_.find(name);
-      if (it == reconnects_.end()) return;
-      next = std::move(it->second);
-      if (next.empty()) {
-        reconnects_.erase(it);
-        return;
-      }
-      it->second.clear();
-    }
-    kLog.Info("peer '{}' changed in the directory while it was being reconnected; "
-              "reconnecting at its newest address {}",
-              Printable(name), Printable(next, 256));
-    ReconnectNow(name, next);
+    DirectoryEventDone(name);
   });
+}
+
+void Agent::DirectoryEventDone(const std::string& name) {
+  bool stopping;
+  {
+    absl::MutexLock lock(&stop_mu_);
+    stopping = stopping_;
+  }
+  DirectoryEvent next;
+  {
+    absl::MutexLock lock(&directory_events_mu_);
+    auto it = directory_events_.find(name);
+    if (it == directory_events_.end()) return;
+    // While stopping, PeerManager answers at once (under its own locks): nothing more.
+    if (stopping || !it->second.has_value()) {
+      directory_events_.erase(it);
+      return;
+    }
+    next = *std::move(it->second);
+    it->second.reset();
+  }
+  HandleDirectoryEvent(name, next);
 }
 
 void Agent::Shutdown(absl::Duration grace) {

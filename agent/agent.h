@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -148,11 +149,24 @@ class Agent {
   // reconnects it at its new record's address.
   void OnDirectoryChange(const std::string& name, const directory::AgentRecord* before,
                          const directory::AgentRecord* now);
-  // Reconnects peer `name` at `address`: one connection attempt per name at a time; a
-  // record that changes meanwhile is followed once that attempt ends, at its newest
-  // address (a record flapping in etcd started a connector thread per change).
-  void Reconnect(const std::string& name, const std::string& address);
-  void ReconnectNow(const std::string& name, const std::string& address);
+  // What the directory said of a peer connected here.
+  struct DirectoryEvent {
+    bool listed = false;       // a record is there (else the record left)
+    bool again = false;        // listed after it had left (for the log)
+    uint64_t incarnation = 0;  // the record's
+    std::string address;       // where to reach it, or empty with...
+    std::string address_error;  // ...why it cannot be reached from here
+  };
+  // One event per peer is handled at a time (a record rewritten in etcd again and again
+  // started a connector thread per change); one that comes meanwhile replaces any
+  // other waiting and is handled once the running one ends.
+  void FollowDirectory(const std::string& name, DirectoryEvent event);
+  // Before failing the installed incarnation's transfers, asks it (whoever can write
+  // the directory's prefix can write any record): one that still answers as itself
+  // stays connected. Then reconnects at the record's address.
+  void HandleDirectoryEvent(const std::string& name, const DirectoryEvent& event);
+  void ReconnectFromDirectory(const std::string& name, const DirectoryEvent& event);
+  void DirectoryEventDone(const std::string& name);
 
   AgentOptions options_;
   AgentIdentity identity_;
@@ -211,10 +225,11 @@ class Agent {
   // (its principal names its session id, never reused), added by ReleaseSession, taken
   // by `releaser_` in order. Bounded by how fast sessions can be opened and closed
   // while one release waits; each entry is a principal and a time.
-  // Peers being reconnected after a directory change: name -> the address of a change
-  // that came while the attempt ran ("" when none). Bounded by the peers known.
-  absl::Mutex reconnect_mu_;
-  absl::flat_hash_map<std::string, std::string> reconnects_ ABSL_GUARDED_BY(reconnect_mu_);
+  // Peers whose directory event is being handled -> the newest event that came
+  // meanwhile, if any. Bounded by the peers connected.
+  absl::Mutex directory_events_mu_;
+  absl::flat_hash_map<std::string, std::optional<DirectoryEvent>> directory_events_
+      ABSL_GUARDED_BY(directory_events_mu_);
   absl::Mutex release_mu_;
   absl::CondVar release_cv_;
   std::deque<std::pair<std::string, absl::Time>> releases_ ABSL_GUARDED_BY(release_mu_);

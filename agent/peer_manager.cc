@@ -22,6 +22,14 @@ namespace {
 constexpr log::Logger kLog("peers");
 constexpr log::Logger kAudit("audit");
 
+// One GetMetadata call to a peer, kept alive until its callback ran.
+struct MetadataCall {
+  grpc::ClientContext context;
+  v1::GetMetadataRequest request;
+  v1::AgentMetadata reply;
+  std::shared_ptr<PeerLink> link;
+};
+
 void SetDeadline(grpc::ClientContext* context, uint32_t ms) {
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
 }
@@ -310,13 +318,7 @@ void PeerManager::ConnectNow(const std::string& address,
     done(link.status());
     return;
   }
-  struct Call {
-    grpc::ClientContext context;
-    v1::GetMetadataRequest request;
-    v1::AgentMetadata reply;
-    std::shared_ptr<PeerLink> link;
-  };
-  auto call = std::make_shared<Call>();
+  auto call = std::make_shared<MetadataCall>();
   call->link = *std::move(link);
   call->request.set_caller(options_.self_name);
   call->link->Prepare(&call->context);
@@ -934,12 +936,8 @@ void PeerManager::NotifyLoss(const PeerLoss& loss) const {
 }
 
 void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl::Status)> done) {
-  struct Call {
-    grpc::ClientContext context;
-    v1::GetMetadataRequest request;
-    v1::AgentMetadata reply;
+  struct Call : MetadataCall {
     std::shared_ptr<const PeerSnapshot> previous;
-    std::shared_ptr<PeerLink> link;
   };
   auto call = std::make_shared<Call>();
   {
@@ -999,6 +997,46 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
                                 RefreshCost{call->reply.ByteSizeLong(), 0, false}, call->reply);
                         done(absl::OkStatus());
                       });
+      });
+}
+
+void PeerManager::AskIncarnation(const std::string& name, uint32_t timeout_ms,
+                                 std::function<void(absl::StatusOr<uint64_t>)> done) {
+  auto call = std::make_shared<MetadataCall>();
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end() || it->second.link == nullptr || it->second.snapshot == nullptr) {
+      done(absl::NotFoundError(fmt::format("peer '{}' is not connected", Printable(name))));
+      return;
+    }
+    call->link = it->second.link;
+    call->request.set_known_version(it->second.version);
+    call->request.set_known_incarnation(it->second.snapshot->incarnation);
+  }
+  call->request.set_caller(options_.self_name);
+  call->link->Prepare(&call->context);
+  SetDeadline(&call->context, timeout_ms);
+  call->link->stub->async()->GetMetadata(
+      &call->context, &call->request, &call->reply,
+      [call, name, done = std::move(done)](grpc::Status status) {
+        if (!status.ok()) {
+          done(absl::UnavailableError(fmt::format("it did not answer GetMetadata at {}: {}",
+                                                  Printable(call->link->address, 256),
+                                                  status.error_message())));
+          return;
+        }
+        absl::Status who = call->link->Verify(call->context, call->reply);
+        if (who.ok() && call->reply.name() != name) {
+          who = absl::PermissionDeniedError(
+              fmt::format("the agent at {} now calls itself '{}'",
+                          Printable(call->link->address, 256), Printable(call->reply.name())));
+        }
+        if (!who.ok()) {
+          done(who);
+          return;
+        }
+        done(call->reply.incarnation());
       });
 }
 

@@ -158,6 +158,13 @@ class PeerManager {
   // Fetches `name`'s metadata now instead of at the next poll (a region the peer
   // registered a moment ago); `done` runs on a gRPC or worker thread.
   void RefreshAsync(const std::string& name, std::function<void(absl::Status)> done);
+  // Asks connected peer `name` which incarnation answers at its address now (one
+  // GetMetadata naming the installed version, so an unchanged peer answers briefly;
+  // nothing is installed from the answer), within `timeout_ms`. `done` runs on a gRPC
+  // thread, or at once: NOT_FOUND when `name` is not connected, UNAVAILABLE when it did
+  // not answer, PERMISSION_DENIED when another agent answered there.
+  void AskIncarnation(const std::string& name, uint32_t timeout_ms,
+                      std::function<void(absl::StatusOr<uint64_t>)> done);
   // True when this agent has an endpoint to peer `name` (any state) and it has no
   // native RMA (tcp); false otherwise. Worker thread (a snapshot's endpoint is the
   // worker's); no allocation.

@@ -2,8 +2,8 @@
 // on free loopback ports: agents publish themselves and list the fleet, ConnectPeer
 // "agent:NAME" resolves through etcd, a peer that dies or restarts is failed and
 // reconnected by what etcd says (the agents' own polls are slowed to a minute, so only
-// the directory can be what noticed), a record rewritten in etcd 100 times costs one
-// reconnect at a time, etcd going away leaves established peers
+// the directory can be what noticed), a peer that still answers is not failed for a forged
+// record, a record rewritten in etcd 100 times costs one reconnect at a time, etcd going away leaves established peers
 // working and lookups failing clearly, and a 3-member cluster survives losing the
 // member the agents talk to.
 #include <signal.h>
@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -343,6 +345,11 @@ TEST_CASE("directory: bad flags are refused at start, naming the flag") {
   CHECK_THAT(std::string(by_name.status().message()), Contains("without a directory"));
 }
 
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 // The number of threads of process `pid` (its /proc/PID/task entries).
 int Threads(pid_t pid) {
   int count = 0;
@@ -356,10 +363,11 @@ int Threads(pid_t pid) {
 }
 
 // Whoever can write the directory's prefix in etcd can rewrite a peer's record as fast
-// as etcd takes puts. Each change of incarnation makes the agent reconnect; each
-// reconnect that hangs (an address that accepts and never answers) must not hold a
-// thread of its own: one attempt per peer at a time, the newest record followed after.
-TEST_CASE("directory: a peer's record flapping in etcd costs one reconnect at a time") {
+// as etcd takes puts. A peer that still answers as itself must not be failed for it,
+// and while one that does not answer is reconnected (at an address that accepts and
+// never answers), the changes that keep coming must not each hold a thread: one
+// attempt per peer at a time, the newest record followed after.
+TEST_CASE("directory: forged or flapping records of a peer: asked first, one reconnect at a time") {
   NEEDS_ETCD();
   Etcd etcd(1);
   Fleet fleet(etcd.url(), "flap");
@@ -416,31 +424,64 @@ TEST_CASE("directory: a peer's record flapping in etcd costs one reconnect at a 
     REQUIRE(etcd_client.Call("/v3/kv/put", request, &ignored).ok());
   };
 
-  // 100 changes, each to a new incarnation at the silent socket, as fast as etcd takes
-  // them; prefill's threads sampled all along.
   const pid_t pid = prefill.process.pid();
-  const int threads_before = Threads(pid);
-  int most = threads_before;
   constexpr int kChanges = 100;
-  const uint64_t base = record.incarnation() + 1;
-  for (int i = 0; i < kChanges; ++i) {
-    put("unix:" + hole, base + i);
-    most = std::max(most, Threads(pid));
-  }
-  for (int i = 0; i < 40; ++i) {  // 2 s: longer than the watch's delivery of the puts
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    most = std::max(most, Threads(pid));
-  }
+  uint64_t next_incarnation = record.incarnation() + 1;
+  // Puts kChanges records, each a new incarnation at the silent socket, as fast as etcd
+  // takes them, then waits 2 s (longer than the watch takes to deliver them); returns
+  // the most threads prefill had meanwhile.
+  auto flap = [&] {
+    int most = Threads(pid);
+    for (int i = 0; i < kChanges; ++i) {
+      put("unix:" + hole, next_incarnation++);
+      most = std::max(most, Threads(pid));
+    }
+    for (int i = 0; i < 40; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      most = std::max(most, Threads(pid));
+    }
+    return most;
+  };
+
+  // 1. Forged: decode still answers as the incarnation prefill holds, so prefill asks it
+  // and stays connected through 100 false restarts and a false departure.
+  const std::string connected = PeerState(*prefill.client, "decode", nullptr);
+  REQUIRE(connected.rfind("connected", 0) == 0);
+  int threads_before = Threads(pid);
+  int most = flap();
+  directory::EtcdDeleteRangeRequest remove;
+  remove.set_key(key);
+  directory::EtcdHeader removed;
+  REQUIRE(etcd_client.Call("/v3/kv/deleterange", remove, &removed).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::printf("forged: prefill's threads %d before %d false restarts of decode, at most %d "
+              "during; decode is %s\n",
+              threads_before, kChanges, most,
+              PeerState(*prefill.client, "decode", nullptr).c_str());
+  CHECK(PeerState(*prefill.client, "decode", nullptr) == connected);
+  CHECK(most <= threads_before + 4);
+  WriteAndCheck(prefill, *fleet.decode, "after-forgeries", 2);
+  const std::string log = ReadText(prefill.process.log_path());
+  CHECK_THAT(log, Contains("still answers at its address: it stays connected"));
+
+  // 2. decode stopped (it does not answer), its record flapping: prefill asks, gives up
+  // after 2 s, fails it and reconnects at the silent socket; the changes that come
+  // meanwhile wait behind that one attempt instead of each taking a connector thread.
+  REQUIRE(SuspendAgent(fleet.decode->process.pid()) == "");
+  threads_before = Threads(pid);
+  most = flap();
+  kill(fleet.decode->process.pid(), SIGCONT);
   // The real record again, as a new incarnation: prefill follows it once the attempt
   // at the silent socket has ended.
-  put(real_socket, base + kChanges);
-  std::printf("prefill's threads: %d before %d changes of decode's record, at most %d during\n",
+  put(real_socket, next_incarnation++);
+  std::printf("stopped: prefill's threads %d before %d changes of decode's record, at most %d "
+              "during\n",
               threads_before, kChanges, most);
   CHECK(most <= threads_before + 4);
   REQUIRE(WaitFor([&] {
     return PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0;
   }, 20000));
-  WriteAndCheck(prefill, *fleet.decode, "after-flaps", 2);
+  WriteAndCheck(prefill, *fleet.decode, "after-flaps", 3);
 }
 
 }  // namespace
