@@ -249,6 +249,11 @@ class RegionRegistry {
   std::shared_ptr<const DeviceMemoryObject> FindDeviceMemory(uint64_t device_memory_id) const;
 
  private:
+  // Register without faulting the host pages in (Register does that after the writer
+  // lock is let go).
+  absl::StatusOr<RegisterResult> RegisterUnpopulated(const std::vector<v1::RegionSpec>& specs,
+                                                     bool skip_empty,
+                                                     const RegisterContext& context);
   const transport::UcxContext* context_;
   const RegistryOptions options_;
   // Serializes Register/Deregister so that validation, import and UCX registration

@@ -231,7 +231,7 @@ absl::StatusOr<std::shared_ptr<ShmMapping::Segment>> ShmMapping::MapSegment(
 
 absl::StatusOr<ShmMapping> ShmMapping::Map(std::shared_ptr<const MemoryObject> object,
                                            uint64_t offset, uint64_t length,
-                                           std::string_view entry) {
+                                           std::string_view entry, Populate populate) {
   if (object == nullptr) {
     return absl::InvalidArgumentError(
         fmt::format("region '{}': no memory object to map; share the memory first", entry));
@@ -282,27 +282,34 @@ absl::StatusOr<ShmMapping> ShmMapping::Map(std::shared_ptr<const MemoryObject> o
   mapping.length_ = length;
   mapping.offset_ = offset;
   // Fault the range's pages in now, writable, as MAP_POPULATE did for a mapping of
-  // the range alone; failures are left to the transfer path (and the fault guard).
+  // the range alone (or the caller does, with kLater).
+  if (populate == Populate::kNow) mapping.FaultIn();
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  const uint64_t first = AlignDown(offset, page);
-  const uint64_t last = std::min(AlignUp(end, page), mapping.segment_->length);
-  (void)madvise(static_cast<char*>(mapping.segment_->base) + first, last - first,
-                MADV_POPULATE_WRITE);
-  QueueWarm(mapping.segment_, first, last,
+  QueueWarm(mapping.segment_, AlignDown(offset, page),
+            std::min(AlignUp(end, page), mapping.segment_->length),
             std::max<uint64_t>(page, mapping.memory_->page_alignment()));
   return mapping;
 }
 
+void ShmMapping::FaultIn() const {
+  if (segment_ == nullptr || length_ == 0) return;
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t first = AlignDown(offset_, page);
+  const uint64_t last = std::min(AlignUp(offset_ + length_, page), segment_->length);
+  if (last <= first) return;
+  (void)madvise(static_cast<char*>(segment_->base) + first, last - first, MADV_POPULATE_WRITE);
+}
+
 absl::StatusOr<ShmMapping> ShmMapping::OpenPath(const std::string& name, uint64_t offset,
                                                 uint64_t length, std::string_view entry,
-                                                const PathPolicy& policy) {
+                                                const PathPolicy& policy, Populate populate) {
   if (length == 0) {
     return absl::InvalidArgumentError(
         fmt::format("region '{}': length is 0; give the region's size in bytes", entry));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const MemoryObject> object,
                    MemoryObject::OpenPath(name, policy, entry));
-  return Map(std::move(object), offset, length, entry);
+  return Map(std::move(object), offset, length, entry, populate);
 }
 
 absl::StatusOr<ShmMapping> ShmMapping::Create(const std::string& name, uint64_t bytes) {

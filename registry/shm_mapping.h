@@ -33,13 +33,18 @@ class ShmMapping {
   // both sizes; an overflowing sum is refused, not wrapped); RESOURCE_EXHAUSTED or
   // FAILED_PRECONDITION when mmap fails; RESOURCE_EXHAUSTED when FaultGuard's table
   // of guarded mappings is full.
+  // With Populate::kLater the pages are left for the caller's Populate() (the registry
+  // faults them in after it let go of its writer lock).
+  enum class Populate { kNow, kLater };
   static absl::StatusOr<ShmMapping> Map(std::shared_ptr<const MemoryObject> object, uint64_t offset,
-                                        uint64_t length, std::string_view entry);
+                                        uint64_t length, std::string_view entry,
+                                        Populate populate = Populate::kNow);
   // Compatibility: MemoryObject::OpenPath(name, policy, entry) (see its refusals),
   // then Map.
   static absl::StatusOr<ShmMapping> OpenPath(const std::string& name, uint64_t offset,
                                              uint64_t length, std::string_view entry,
-                                             const PathPolicy& policy);
+                                             const PathPolicy& policy,
+                                             Populate populate = Populate::kNow);
   // Creates a new POSIX shm object of `bytes` (O_EXCL, mode 0600), maps it whole, and
   // unlinks the name when this mapping is destroyed. RESOURCE_EXHAUSTED when /dev/shm
   // has no room (the message gives free bytes).
@@ -51,6 +56,11 @@ class ShmMapping {
   ShmMapping(const ShmMapping&) = delete;
   ShmMapping& operator=(const ShmMapping&) = delete;
   ~ShmMapping();
+
+  // Faults the range's pages in, writable (MADV_POPULATE_WRITE: contents untouched);
+  // failures are left to the transfer path and the fault guard. Safe while others
+  // read and write the range.
+  void FaultIn() const;
 
   // First byte of the requested range (offset applied).
   void* data() const { return data_; }

@@ -16,6 +16,7 @@
 #include "agent/status_util.h"
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
+#include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "tests/integration/agent_pair.h"
@@ -363,38 +364,50 @@ TEST_CASE("a session's end takes all its regions though its own deregistration r
 TEST_CASE("a session that ends during its registration leaves no region behind") {
   AgentPair pair(EnginesOnly());
   const uint32_t before = RegionsOn(pair.prefill());
-  constexpr uint64_t kBytes = 1ull << 30;  // faulted in and registered: a long call
+  // 1 GiB in 16,384 regions (--max-regions-per-owner): each checked, mapped and
+  // registered with UCX before the commit, a long call (its pages are faulted in after
+  // the commit).
+  constexpr uint64_t kBytes = 1ull << 30;
+  constexpr uint64_t kRegions = 16384;
+  constexpr uint64_t kRegionBytes = kBytes / kRegions;
   int hits = 0;
   int leaked_rounds = 0;
   // Until the session ended during the call twice (a loaded machine may not have
   // authenticated the call yet, or may have finished it, when the session ends).
-  constexpr int kRounds = 8;
+  constexpr int kRounds = 24;
   for (int round = 0; round < kRounds && hits < 2; ++round) {
     cli::AgentClient leaving = Stranger(pair.prefill_process());
     auto memory = leaving.AllocateMemory("big", kBytes);
     REQUIRE(memory.ok());
     v1::RegisterRegionsRequest request;
-    *request.add_regions() =
-        AuxRegion("big." + std::to_string(round), memory->info.handle(), 0, kBytes);
+    for (uint64_t r = 0; r < kRegions; ++r) {
+      *request.add_regions() =
+          AuxRegion(fmt::format("big.{}.{}", round, r), memory->info.handle(), r * kRegionBytes,
+                    kRegionBytes);
+    }
     absl::Status registered;
     const auto start = std::chrono::steady_clock::now();
     std::thread engine([&] { registered = leaving.Register(request).status(); });
-    // Inside the call (it takes 220-370 ms here): the memory is being faulted in.
-    std::this_thread::sleep_for(std::chrono::milliseconds(50 + 50 * (round % 3)));
+    // Inside the call, before its commit: 0-184 ms after it left, a step further each
+    // round (the window is 30-70 ms after, unloaded; later under ASan or load).
+    std::this_thread::sleep_for(std::chrono::milliseconds(8 * round));
     EndSession(leaving);
     engine.join();
     const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::steady_clock::now() - start)
                           .count();
-    // Refused because the session ended during the call: the window was hit.
-    const bool hit = absl::IsUnauthenticated(registered) &&
-                     Message(registered).find("ended while its RegisterRegions ran") !=
-                         std::string::npos;
+    // Refused because the session ended during the call (after it was authenticated):
+    // before the imports, its memory handles went with it ("session N is not open");
+    // after, the check before the commit refused it.
+    const bool hit =
+        absl::IsUnauthenticated(registered) &&
+        (Message(registered).find("ended while its RegisterRegions ran") != std::string::npos ||
+         Message(registered).find("is not open") != std::string::npos);
     if (hit) ++hits;
     const uint32_t left = WaitRegions(pair.prefill(), before, 5000);
     if (left != before) ++leaked_rounds;
-    std::printf("round %d: RegisterRegions of 1 GiB took %lld ms, answered %s; %u regions "
-                "left\n",
+    std::printf("round %d: RegisterRegions of 1 GiB in 16,384 regions took %lld ms, answered "
+                "%s; %u regions left\n",
                 round, static_cast<long long>(took), registered.ToString().c_str(),
                 left - before);
     CHECK(left == before);
