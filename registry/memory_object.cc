@@ -145,7 +145,8 @@ std::string JoinPath(const std::vector<std::string>& components, size_t count) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const MemoryObject>> MemoryObject::Inspect(
-    UniqueFd fd, std::string label, const std::string& subject, std::string_view fix) {
+    UniqueFd fd, std::string label, const std::string& subject, std::string_view fix,
+    bool allocated) {
   auto refuse = [&](absl::StatusCode code, const std::string& cause, std::string_view how) {
     return absl::Status(code, fmt::format("{}: {}; {}", subject, cause, how));
   };
@@ -211,6 +212,7 @@ absl::StatusOr<std::shared_ptr<const MemoryObject>> MemoryObject::Inspect(
   object->size_ = static_cast<uint64_t>(st.st_size);
   object->kind_ = memfd ? "memfd" : fs_type == HUGETLBFS_MAGIC ? "hugetlbfs" : "tmpfs";
   object->sealed_ = seals > 0 && (seals & F_SEAL_SHRINK) != 0;
+  object->allocated_ = allocated;
   object->device_ = st.st_dev;
   object->inode_ = st.st_ino;
   object->label_ = std::move(label);
@@ -444,7 +446,8 @@ absl::StatusOr<std::shared_ptr<const MemoryObject>> MemoryObject::CreateMemfd(
                     "(Linux 3.17+)",
                     shown, std::strerror(errno)));
   }
-  return Inspect(std::move(fd), shown, fmt::format("memory '{}'", shown), kDescriptorFix);
+  return Inspect(std::move(fd), shown, fmt::format("memory '{}'", shown), kDescriptorFix,
+                 /*allocated=*/true);
 }
 
 absl::StatusOr<uint64_t> MemoryObject::CurrentSize(std::string_view entry) const {

@@ -53,8 +53,8 @@ class MemoryObject {
                                                                       const PathPolicy& policy,
                                                                       std::string_view entry);
 
-  // Allocates `bytes` of memory in a new memfd, reserved (fallocate) and sealed so that
-  // nobody can shrink or grow it (F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL).
+  // Allocates `bytes` of memory in a new memfd (its pages come on first touch) and
+  // seals it so that nobody can shrink or grow it (F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL).
   // INVALID_ARGUMENT for 0 bytes; RESOURCE_EXHAUSTED when `bytes` is above the
   // memory available (MemAvailable) or cannot be reserved: tmpfs would accept a sparse
   // size and SIGBUS on first touch, so it is checked first.
@@ -74,6 +74,9 @@ class MemoryObject {
   std::string_view kind() const { return kind_; }
   // It cannot shrink (F_SEAL_SHRINK), so a mapping of it never SIGBUSes.
   bool sealed() const { return sealed_; }
+  // Made by CreateMemfd (AllocateMemory): the agent's own memory, whose pages it may
+  // fault in (bounded by --max-allocated-bytes); not an engine's.
+  bool allocated() const { return allocated_; }
   dev_t device() const { return device_; }
   ino_t inode() const { return inode_; }
   // The caller's label (or the name it was opened by), escaped and bounded.
@@ -90,13 +93,15 @@ class MemoryObject {
   // ones about what kind of object it is.
   static absl::StatusOr<std::shared_ptr<const MemoryObject>> Inspect(UniqueFd fd, std::string label,
                                                                      const std::string& subject,
-                                                                     std::string_view fix);
+                                                                     std::string_view fix,
+                                                                     bool allocated = false);
 
   UniqueFd fd_;
   uint64_t id_ = 0;
   uint64_t size_ = 0;
   std::string_view kind_;
   bool sealed_ = false;
+  bool allocated_ = false;
   dev_t device_ = 0;
   ino_t inode_ = 0;
   std::string label_;

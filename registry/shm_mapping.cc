@@ -15,6 +15,7 @@
 #include <deque>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -100,6 +101,8 @@ void WarmLoop() {
   (void)setpriority(PRIO_PROCESS, static_cast<id_t>(gettid()), 19);
   Warmer& w = TheWarmer();
   constexpr uint64_t kStep = uint64_t{1} << 20;  // the segment is held one MiB at a time
+  const uint64_t kSmallPage = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident(kStep / kSmallPage + 1);
   for (;;) {
     WarmJob job;
     {
@@ -117,7 +120,16 @@ void WarmLoop() {
       std::shared_ptr<ShmMapping::Segment> segment = job.segment.lock();
       if (segment == nullptr || segment->guard.broken()) break;
       const uint64_t n = std::min(kStep, job.end - at);
-      (void)TouchPages(static_cast<const uint8_t*>(segment->base) + at, n, job.page);
+      const uint8_t* const start = static_cast<const uint8_t*>(segment->base) + at;
+      // Pages the object holds only (see FaultIn): a read of a hole would allocate it,
+      // charged to this process's memory cgroup. hugetlbfs pages are reserved already.
+      if (job.page == kSmallPage && mincore(const_cast<uint8_t*>(start), n, resident.data()) == 0) {
+        for (uint64_t i = 0; i < (n + job.page - 1) / job.page; ++i) {
+          if ((resident[i] & 1) != 0) (void)TouchPages(start + i * job.page, 1, job.page);
+        }
+      } else {
+        (void)TouchPages(start, n, job.page);
+      }
       const uint64_t pages = (n + job.page - 1) / job.page;
       w.touched.fetch_add(pages);
       w.queued.fetch_sub(pages);
@@ -297,7 +309,39 @@ void ShmMapping::FaultIn() const {
   const uint64_t first = AlignDown(offset_, page);
   const uint64_t last = std::min(AlignUp(offset_ + length_, page), segment_->length);
   if (last <= first) return;
-  (void)madvise(static_cast<char*>(segment_->base) + first, last - first, MADV_POPULATE_WRITE);
+  char* const base = static_cast<char*>(segment_->base);
+  // hugetlbfs pages come from the huge page pool, reserved when the object was mapped;
+  // memory the agent allocated (AllocateMemory) is its own, bounded by
+  // --max-allocated-bytes.
+  if (memory_->kind() == "hugetlbfs" || memory_->allocated()) {
+    (void)madvise(base + first, last - first, MADV_POPULATE_WRITE);
+    return;
+  }
+  // Only pages the object already holds (mincore: in its page cache). A page is charged
+  // to the memory cgroup of the process that first touches it: faulting in an engine's
+  // holes here made the agent pay for memory the engine never used (2 GiB shared, 1 MiB
+  // written: the agent's 512 MiB cgroup was killed, tests/limits:memcg_test). A hole
+  // is left to the first transfer that writes there.
+  constexpr uint64_t kWindowPages = 16384;  // 64 MiB of 4 KiB pages per mincore call
+  std::vector<unsigned char> resident(kWindowPages);
+  for (uint64_t window = first; window < last; window += kWindowPages * page) {
+    const uint64_t end = std::min(last, window + kWindowPages * page);
+    const uint64_t pages = (end - window) / page;
+    if (mincore(base + window, end - window, resident.data()) != 0) {
+      (void)madvise(base + window, end - window, MADV_POPULATE_WRITE);  // as before
+      continue;
+    }
+    for (uint64_t i = 0; i < pages;) {
+      if ((resident[i] & 1) == 0) {
+        ++i;
+        continue;
+      }
+      uint64_t j = i + 1;
+      while (j < pages && (resident[j] & 1) != 0) ++j;
+      (void)madvise(base + window + i * page, (j - i) * page, MADV_POPULATE_WRITE);
+      i = j;
+    }
+  }
 }
 
 absl::StatusOr<ShmMapping> ShmMapping::OpenPath(const std::string& name, uint64_t offset,

@@ -57,9 +57,12 @@ class ShmMapping {
   ShmMapping& operator=(const ShmMapping&) = delete;
   ~ShmMapping();
 
-  // Faults the range's pages in, writable (MADV_POPULATE_WRITE: contents untouched);
-  // failures are left to the transfer path and the fault guard. Safe while others
-  // read and write the range.
+  // Faults in, writable, the range's pages that the object already holds
+  // (MADV_POPULATE_WRITE: contents untouched; every page of hugetlbfs and of memory the
+  // agent allocated); an engine's holes are left
+  // to whoever writes there first, since a page is charged to the memory cgroup of the
+  // process that first touches it. Failures are left to the transfer path and the fault
+  // guard. Safe while others read and write the range.
   void FaultIn() const;
 
   // First byte of the requested range (offset applied).

@@ -5,9 +5,11 @@
 // otherwise), filled to ENOSPC by another file.
 //
 // What really happens, and what the test holds the agents to:
-// - Registration faults the region's pages in (registry/shm_mapping: MADV_POPULATE_WRITE),
-//   so a populated region needs nothing more from the full filesystem: a transfer into
-//   it completes byte-exact.
+// - Registration faults in the pages the region's file holds (registry/shm_mapping:
+//   MADV_POPULATE_WRITE of the pages mincore finds), not its holes; the first transfer
+//   into a sparse region takes their pages while the filesystem has room. A populated
+//   region needs nothing more from the full filesystem: a transfer into it completes
+//   byte-exact.
 // - An engine that punches a hole in its region gives pages back; once the filesystem
 //   is full again, the next touch of the hole has no page to get (tmpfs answers the
 //   fault with SIGBUS, reads as well as writes). registry::FaultGuard catches it: the
@@ -199,15 +201,17 @@ TEST_CASE("tmpfs full after registration: populated regions move bytes; a hole f
   RegisterRegion(pair.decode(), "dst", *dst);
   RegisterRegion(pair.prefill(), "src.spare", *src_spare);
   RegisterRegion(pair.decode(), "dst.spare", *dst_spare);
-  // Registration faulted the receiver's pages in: the full filesystem cannot take
-  // them away later.
-  const uint64_t populated = dst->AllocatedBytes();
+  // Registration faults in only the pages the receiver's file holds: none (a page is
+  // charged to whoever touches it first, memcg_test).
   std::printf("receiver's sparse 8 MiB region: %.1f MiB allocated once registered\n",
-              populated / 1048576.0);
-  CHECK(populated == kRegion);
+              dst->AllocatedBytes() / 1048576.0);
+  CHECK(dst->AllocatedBytes() == 0);
 
-  // A hole alone is harmless while the filesystem has room: the next touch gets a
-  // new page.
+  // Holes are harmless while the filesystem has room: the first transfer into the
+  // region takes their pages, and then the full filesystem cannot take them away.
+  RequireCompleted(pair.prefill(), ByteWrite("into-sparse-with-room", "src", "dst", kRegion, true));
+  CHECK(std::memcmp(src->data, dst->data, kRegion) == 0);
+  CHECK(dst->AllocatedBytes() == kRegion);
   dst->PunchHole(6u << 20, kHole);
   RequireCompleted(pair.prefill(), ByteWrite("into-hole-with-room", "src", "dst", kRegion, true));
   CHECK(std::memcmp(src->data, dst->data, kRegion) == 0);
