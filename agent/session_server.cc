@@ -68,6 +68,8 @@ uint32_t MaxWaitingPerUid(uint32_t max_sessions) {
   return std::max<uint32_t>(1, max_sessions / kWaitingShareDivisor);
 }
 
+uint32_t MaxWaitingInAll(uint32_t max_sessions) { return std::max<uint32_t>(1, max_sessions / 2); }
+
 struct SessionServer::Connection {
   UniqueFd fd;
   PeerCredentials credentials;
@@ -242,13 +244,35 @@ void SessionServer::AcceptAll() {
     Connection& added = *connection;
     connections_.emplace(fd, std::move(connection));
     waiting_.emplace(added.accepted_at, fd);
-    if (++waiting_per_uid_[added.credentials.uid] <= MaxWaitingPerUid(options_.max_sessions)) {
-      continue;
-    }
-    // Over its uid's share. A client whose hello came with its connect() is served now
-    // (and waits no more); one that sent nothing yet is refused.
+    const bool uid_over =
+        ++waiting_per_uid_[added.credentials.uid] > MaxWaitingPerUid(options_.max_sessions);
+    const bool all_over = waiting_.size() > MaxWaitingInAll(options_.max_sessions);
+    if (!uid_over && !all_over) continue;
+    // Over its uid's share, or all uids' together. A client whose hello came with its
+    // connect() is served now (and waits no more).
     if (!ServeReadable(added)) continue;  // closed
-    if (added.waiting) RefuseOverWaitingShare(added);
+    if (!added.waiting) continue;
+    // One that sent nothing yet is refused when its own uid has its share waiting. Over
+    // the bound for all uids, the connection waiting longest is closed instead: an
+    // honest client waits for the moment between connect() and its hello, one that
+    // never says hello waits longest, and refusing the newcomer would refuse an engine
+    // whose hello merely had not arrived yet.
+    if (uid_over) {
+      RefuseOverWaitingShare(added);
+    } else {
+      Connection& longest = *connections_.at(waiting_.begin()->second);
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - longest.accepted_at);
+      CloseOverWaitingBound(
+          longest,
+          absl::ResourceExhaustedError(fmt::format(
+              "{} connections of all uids were waiting for their hello on {}, over the bound "
+              "for all together ({}: half of --max-sessions {}), and this one, of uid {}, had "
+              "waited longest ({} ms): it is closed to make room; a client sends its hello as "
+              "soon as it connects (LocalSession::Attach does)",
+              waiting_.size(), options_.path, MaxWaitingInAll(options_.max_sessions),
+              options_.max_sessions, longest.credentials.uid, waited.count())));
+    }
   }
 }
 
@@ -261,18 +285,24 @@ void SessionServer::StopWaitingForHello(Connection& connection) {
 }
 
 void SessionServer::RefuseOverWaitingShare(Connection& connection) {
-  const uint32_t bound = MaxWaitingPerUid(options_.max_sessions);
-  const absl::Status reason = absl::ResourceExhaustedError(fmt::format(
-      "uid {} already has {} connections waiting for their hello on {}, the bound per uid "
-      "({}: a quarter of --max-sessions {}); a client sends its hello as soon as it connects "
-      "(LocalSession::Attach does), and a connection without one is closed {} s after it "
-      "connected",
-      connection.credentials.uid, waiting_per_uid_[connection.credentials.uid] - 1,
-      options_.path, bound, options_.max_sessions, kHelloDeadline.count()));
+  CloseOverWaitingBound(
+      connection,
+      absl::ResourceExhaustedError(fmt::format(
+          "uid {} already has {} connections waiting for their hello on {}, the bound per uid "
+          "({}: a quarter of --max-sessions {}); a client sends its hello as soon as it "
+          "connects (LocalSession::Attach does), and a connection without one is closed {} s "
+          "after it connected",
+          connection.credentials.uid, waiting_per_uid_[connection.credentials.uid] - 1,
+          options_.path, MaxWaitingPerUid(options_.max_sessions), options_.max_sessions,
+          kHelloDeadline.count())));
+}
+
+void SessionServer::CloseOverWaitingBound(Connection& connection, const absl::Status& reason) {
   const uint64_t total = waiting_refusals_.fetch_add(1, std::memory_order_relaxed) + 1;
   const auto now = std::chrono::steady_clock::now();
   if (now - last_refusal_log_ >= kFloodLogInterval) {
-    kLog.Warn("refused a connection from {}: {} ({} refused over the per-uid bound in all{})",
+    kLog.Warn("closed a connection from {} that sent no hello: {} ({} closed over these "
+              "bounds in all{})",
               Describe(connection.credentials), reason.message(), total,
               refusals_not_logged_ == 0
                   ? std::string()

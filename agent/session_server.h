@@ -60,7 +60,8 @@ struct SessionServerOptions {
   mode_t mode = 0660;       // the socket file's mode
   std::string group;        // --local-socket-group: name or numeric gid; empty: leave it
   // Connections open at once, welcomed or not. Those still waiting for their hello
-  // are bounded too: per uid (MaxWaitingPerUid) and in time (kHelloDeadline).
+  // are bounded too: per uid (MaxWaitingPerUid), all uids together (MaxWaitingInAll)
+  // and in time (kHelloDeadline).
   uint32_t max_sessions = 1024;
 };
 
@@ -73,6 +74,11 @@ inline constexpr std::chrono::seconds kHelloDeadline{5};
 // connection for the moment between connect() and their hello.
 inline constexpr uint32_t kWaitingShareDivisor = 4;
 uint32_t MaxWaitingPerUid(uint32_t max_sessions);
+// And all uids together to half of max_sessions (at least 1): several uids, each within
+// its share, could otherwise still hold every slot between them. Past it, the
+// connection waiting longest is closed (not the newcomer, which may be an engine whose
+// hello is on its way).
+uint32_t MaxWaitingInAll(uint32_t max_sessions);
 
 class SessionServer {
  public:
@@ -95,7 +101,8 @@ class SessionServer {
   // Connections closed because no hello came within kHelloDeadline, since the start.
   uint64_t hello_timeouts() const { return hello_timeouts_.load(std::memory_order_relaxed); }
   // Connections refused because their uid already had MaxWaitingPerUid() connections
-  // waiting for their hello, since the start.
+  // waiting for their hello, or closed because all uids had MaxWaitingInAll() and they
+  // had waited longest, since the start.
   uint64_t waiting_refusals() const { return waiting_refusals_.load(std::memory_order_relaxed); }
   const std::string& path() const { return options_.path; }
 
@@ -108,9 +115,11 @@ class SessionServer {
   void Refuse(UniqueFd fd, const PeerCredentials& credentials, const absl::Status& reason);
   // The connection's hello came, or it closed: it no longer waits for one.
   void StopWaitingForHello(Connection& connection);
-  // Refuses a connection whose uid has too many waiting for their hello (logged once
-  // per burst).
+  // Refuses a connection whose uid has too many waiting for their hello.
   void RefuseOverWaitingShare(Connection& connection);
+  // Closes a connection waiting for its hello for `reason` (counted in
+  // waiting_refusals, logged once per burst).
+  void CloseOverWaitingBound(Connection& connection, const absl::Status& reason);
   // Closes the connections whose hello is overdue (logged once per burst) and returns
   // how long epoll may wait until the next one is due (-1: none waits).
   int CloseOverdueHellos();

@@ -46,6 +46,7 @@
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
+#include "tests/unit/catch_main.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -1105,6 +1106,68 @@ TEST_CASE("connections that never say hello cannot lock engines out of the sessi
       std::printf("guarded's log: %s\n", line.c_str());
     }
   }
+}
+
+// Each uid within its share (a quarter of --max-sessions), four uids together would
+// still hold every slot: all uids' waiting connections are bounded to half, and past it
+// the one waiting longest is closed (an engine whose hello is on its way is not refused).
+TEST_CASE("connections of several uids that never say hello cannot lock engines out together") {
+  const std::string dir = MakeWorkDir("uids");
+  cli::DaemonProcess agent =
+      StartAgent(dir, "shared", cli::NetworkDoor::kNone, {},
+                 {"--max-sessions", std::to_string(kMaxSessions), "--engine-uids",
+                  std::to_string(getuid())});
+  const std::string session_path = agent.local_socket() + ".session";
+  constexpr uint32_t kWaitingInAll = kMaxSessions / 2;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<UniqueFd> flood;
+  for (uid_t uid = 65531; uid <= 65534; ++uid) {
+    absl::StatusOr<std::vector<UniqueFd>> share = FloodAs(uid, session_path, kWaitingPerUid);
+    if (!share.ok()) KVAGENT_SKIP(share.status().ToString());
+    for (UniqueFd& fd : *share) flood.push_back(std::move(fd));
+  }
+  // The first four wait; each later one closes the one waiting longest.
+  Sorted sorted = SortFlood(std::move(flood), kMaxSessions - kWaitingInAll, 2000);
+  std::printf("uids 65531-65534 opened %u connections each (their share), %u in all, sending "
+              "nothing: %zu closed, %zu held\n",
+              kWaitingPerUid, kMaxSessions, sorted.refusals.size(), sorted.held.size());
+  CHECK(sorted.held.size() == kWaitingInAll);
+  CHECK(sorted.refusals.size() == kMaxSessions - kWaitingInAll);
+  for (const auto& refusal : sorted.refusals) {
+    CHECK(refusal.error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
+    CHECK_THAT(refusal.error_message(),
+               Contains("5 connections of all uids were waiting for their hello") &&
+                   Contains("over the bound for all together (4: half of --max-sessions 8)") &&
+                   Contains("had waited longest"));
+  }
+  if (!sorted.refusals.empty()) {
+    std::printf("closed: %s\n", sorted.refusals[0].error_message().c_str());
+  }
+  // Engines attach while those still wait (closing them as they come, when their hello
+  // is not there yet at accept).
+  std::vector<std::unique_ptr<cli::AgentClient>> engines;
+  for (uint32_t i = 0; i < kMaxSessions - kWaitingInAll; ++i) {
+    engines.push_back(Client(agent.address(), kLocalMs));
+    auto status = engines.back()->Status();
+    INFO("engine #" << i << " during the flood: " << status.status());
+    REQUIRE(status.ok());
+  }
+  const long attached_ms = MsSince(start);
+  std::printf("%u engines attached %ld ms after the flood began\n",
+              kMaxSessions - kWaitingInAll, attached_ms);
+  CHECK(attached_ms < kHelloDeadlineMs);
+  // Each held connection ends: closed for want of a hello, or to make room for an engine.
+  for (const UniqueFd& fd : sorted.held) {
+    v1::SessionReply reply;
+    std::vector<UniqueFd> fds;
+    absl::Status got = client::ReceiveMessage(fd.get(), &reply, &fds, kHelloDeadlineMs + 5000);
+    INFO("a connection that sent nothing: " << got << " " << reply.DebugString());
+    REQUIRE(got.ok());
+    CHECK((reply.error_code() == static_cast<int>(absl::StatusCode::kDeadlineExceeded) ||
+           reply.error_message().find("had waited longest") != std::string::npos));
+    CHECK(absl::IsUnavailable(client::ReceiveMessage(fd.get(), &reply, &fds, 2000)));
+  }
+  ExpectServing(*engines.front(), "shared");
 }
 
 // A session's end deregisters its regions, which waits for the registry's writer lock,
