@@ -719,6 +719,7 @@ void AgentService::HandleListAgents(grpc::CallbackServerContext* context,
   response->set_watching(state.watching);
   response->set_last_error(state.last_error);
   response->set_publishes(state.publishes);
+  response->set_ignored_records(state.ignored);
   std::map<std::string, std::string> peer_states;
   for (const auto& peer : deps_.peers->List()) peer_states[peer.name()] = peer.state();
   for (const auto& record : state.agents) {

@@ -273,24 +273,55 @@ void Directory::WatchLoop() {
 }
 
 absl::StatusOr<int64_t> Directory::Resync() {
-  directory::EtcdRangeRequest range;
-  range.set_key(Key(""));
-  range.set_range_end(PrefixEnd(Key("")));
-  directory::EtcdRangeResponse answer;
-  RETURN_IF_ERROR(etcd_.Call("/v3/kv/range", range, &answer));
+  // In pages, all read as of the first page's revision: the prefix is whatever anyone
+  // who can write it put there, and one answer is bounded (EtcdClient::kMaxBodyBytes),
+  // so a prefix holding more than that in one range kept the directory from ever
+  // watching. A page too large for one answer is asked again with half the keys.
+  constexpr int64_t kPageKeys = 512;
+  const std::string end = PrefixEnd(Key(""));
+  std::string from = Key("");
+  int64_t limit = kPageKeys;
+  int64_t revision = 0;
+  // Names in the view that etcd still has (bounded by the view, not by the prefix).
   absl::flat_hash_set<std::string> found;
-  for (const auto& kv : answer.kvs()) found.insert(kv.key());
+  for (;;) {
+    directory::EtcdRangeRequest range;
+    range.set_key(from);
+    range.set_range_end(end);
+    range.set_limit(limit);
+    range.set_revision(revision);
+    directory::EtcdRangeResponse answer;
+    absl::Status read = etcd_.Call("/v3/kv/range", range, &answer);
+    if (absl::IsResourceExhausted(read) && limit > 1) {
+      limit = std::max<int64_t>(1, limit / 2);
+      continue;
+    }
+    RETURN_IF_ERROR(read);
+    if (revision == 0) revision = answer.header().revision();
+    for (const auto& kv : answer.kvs()) {
+      Apply(kv.key(), &kv.value());
+      const std::string& key = kv.key();
+      if (absl::StartsWith(key, Key(""))) {
+        const std::string name = key.substr(Key("").size());
+        absl::MutexLock lock(&mu_);
+        if (view_.contains(name)) found.insert(name);
+      }
+    }
+    if (!answer.more() || answer.kvs_size() == 0) break;
+    from = answer.kvs(answer.kvs_size() - 1).key();
+    from.push_back('\0');  // the next key after the last one read
+    limit = kPageKeys;
+  }
   // Whatever the view held that etcd no longer has went while we were not watching.
   std::vector<std::string> gone;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, record] : view_) {
-      if (!found.contains(Key(name))) gone.push_back(Key(name));
+      if (!found.contains(name)) gone.push_back(Key(name));
     }
   }
   for (const auto& key : gone) Apply(key, nullptr);
-  for (const auto& kv : answer.kvs()) Apply(kv.key(), &kv.value());
-  return answer.header().revision();
+  return revision;
 }
 
 void Directory::Apply(const std::string& key, const std::string* value) {

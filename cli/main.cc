@@ -288,12 +288,17 @@ void PrintRegions(const kvagent::v1::ListRegionsResponse& r) {
 }
 
 void PrintAgents(const kvagent::v1::ListAgentsResponse& r) {
-  std::printf("directory etcd://%s prefix %s: this agent %s, list %s (%lu publishes)%s%s\n",
+  std::printf("directory etcd://%s prefix %s: this agent %s, list %s (%lu publishes%s)%s%s\n",
               r.directory().c_str(), r.prefix().c_str(),
               r.published() ? "published" : "NOT published",
               r.watching() ? "live" : "STALE (etcd not answering)",
-              static_cast<unsigned long>(r.publishes()), r.last_error().empty() ? "" : "; last error: ",
-              r.last_error().c_str());
+              static_cast<unsigned long>(r.publishes()),
+              r.ignored_records() == 0
+                  ? ""
+                  : fmt::format(", {} records under the prefix ignored: not agents' records",
+                                r.ignored_records())
+                        .c_str(),
+              r.last_error().empty() ? "" : "; last error: ", r.last_error().c_str());
   std::printf("%-16s %-22s %-40s %-16s %-9s %s\n", "name", "address", "local_socket",
               "incarnation", "age_s", "here");
   const int64_t now_ms = absl::ToUnixMillis(absl::Now());

@@ -3,7 +3,8 @@
 // "agent:NAME" resolves through etcd, a peer that dies or restarts is failed and
 // reconnected by what etcd says (the agents' own polls are slowed to a minute, so only
 // the directory can be what noticed), a peer that still answers is not failed for a forged
-// record, a record rewritten in etcd 100 times costs one reconnect at a time, etcd going away leaves established peers
+// record, a record rewritten in etcd 100 times costs one reconnect at a time, a
+// prefix over one answer's bound is read in pages, etcd going away leaves established peers
 // working and lookups failing clearly, and a 3-member cluster survives losing the
 // member the agents talk to.
 #include <signal.h>
@@ -95,8 +96,9 @@ std::string PeerState(cli::AgentClient& client, const std::string& name, std::st
 
 void PrintFleet(const char* when, cli::AgentClient& client) {
   auto r = Agents(client);
-  std::printf("%s: published %d, watching %d, %d agents:", when, r.published(), r.watching(),
-              r.agents_size());
+  std::printf("%s: published %d, watching %d, %d agents (%llu records ignored):", when,
+              r.published(), r.watching(), r.agents_size(),
+              static_cast<unsigned long long>(r.ignored_records()));
   for (const auto& a : r.agents()) std::printf(" %s(%s)", a.name().c_str(), a.peer_state().c_str());
   std::printf("%s%s\n", r.last_error().empty() ? "" : "; last error: ", r.last_error().c_str());
 }
@@ -482,6 +484,38 @@ TEST_CASE("directory: forged or flapping records of a peer: asked first, one rec
     return PeerState(*prefill.client, "decode", nullptr).rfind("connected", 0) == 0;
   }, 20000));
   WriteAndCheck(prefill, *fleet.decode, "after-flaps", 3);
+}
+
+// Whoever can write the prefix can fill it: 300 values of 64 KiB that are no agent's
+// record, about 26 MB as etcd's JSON answer, over the 16 MiB one answer may hold. The
+// agents read the prefix in pages (halved while a page is too large), list each other,
+// count the rest as ignored, and connect by name.
+TEST_CASE("directory: a prefix over one answer's bound is read in pages") {
+  NEEDS_ETCD();
+  Etcd etcd(1);
+  agent::EtcdClient etcd_client(Require(agent::ParseEtcdUrl(etcd.url()), "the etcd URL"),
+                                absl::Seconds(10));
+  const std::string junk(64 << 10, 'j');
+  constexpr int kJunk = 300;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kJunk; ++i) {
+    directory::EtcdPutRequest put;
+    put.set_key(fmt::format("/kvagent/agents/junk-{:04}", i));
+    put.set_value(junk);
+    directory::EtcdHeader ignored;
+    REQUIRE(etcd_client.Call("/v3/kv/put", put, &ignored).ok());
+  }
+  std::printf("%d values of 64 KiB put under /kvagent/agents/ in %lld ms\n", kJunk,
+              static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         std::chrono::steady_clock::now() - start)
+                                         .count()));
+  Fleet fleet(etcd.url(), "junk");  // both listed, prefill connected to decode by name
+  auto listed = Agents(*fleet.prefill.client);
+  PrintFleet("with the junk", *fleet.prefill.client);
+  CHECK(listed.watching());
+  CHECK(listed.agents_size() == 2);
+  CHECK(listed.ignored_records() >= static_cast<uint64_t>(kJunk));
+  WriteAndCheck(fleet.prefill, *fleet.decode, "through-the-junk", 1);
 }
 
 }  // namespace
