@@ -3,6 +3,7 @@ MLA), Mamba state with its slot dimension, aux records, chunks, READ, an engine'
 memfd and numpy arrays, subscriptions; every byte compared."""
 import os
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -165,7 +166,14 @@ class ClientTest(PairTestCase):
     def test_subscription_holds_until_ack(self):
         pre, dec, _, _ = connected_kv(self, "sub", 0)
         pre.transfer("decode", "sub-1", pages=([1], [1]), notification=b"x").result(timeout=10)
-        first = dec.poll_notifications(subscription="decode-worker")
+        # Delivered at the sender's commit, which follows the acknowledgement that
+        # completed the transfer: a poll right after result() may come first.
+        first = []
+        deadline = time.monotonic() + 10
+        while not first and time.monotonic() < deadline:
+            first = dec.poll_notifications(subscription="decode-worker")
+            if not first:
+                time.sleep(0.01)
         self.assertEqual([n.request_id for n in first], ["sub-1"])
         again = dec.poll_notifications(subscription="decode-worker")
         self.assertEqual([n.sequence for n in again], [first[0].sequence])  # not acked yet
