@@ -619,20 +619,14 @@ void Agent::FollowDirectory(const std::string& name, DirectoryEvent event) {
       return;
     }
   }
-  HandleDirectoryEvent(name, event);
+  if (HandleDirectoryEvent(name, event)) DirectoryEventDone(name);
 }
 
-void Agent::HandleDirectoryEvent(const std::string& name, const DirectoryEvent& event) {
+bool Agent::HandleDirectoryEvent(const std::string& name, const DirectoryEvent& event) {
   auto known = peers_->Get(name);
-  if (absl::IsNotFound(known.status())) {  // disconnected meanwhile
-    DirectoryEventDone(name);
-    return;
-  }
+  if (absl::IsNotFound(known.status())) return true;  // disconnected meanwhile
   const uint64_t installed = known.ok() ? (*known)->incarnation : 0;
-  if (event.listed && known.ok() && installed == event.incarnation) {
-    DirectoryEventDone(name);
-    return;
-  }
+  if (event.listed && known.ok() && installed == event.incarnation) return true;
   std::string why =
       event.listed
           ? fmt::format("it restarted (the directory lists incarnation {:x} instead of {:x})",
@@ -641,8 +635,7 @@ void Agent::HandleDirectoryEvent(const std::string& name, const DirectoryEvent& 
             "lost etcd for longer than its TTL)";
   if (!known.ok()) {  // already unreachable: nothing to ask
     peers_->MarkGone(name, installed, why);
-    ReconnectFromDirectory(name, event);
-    return;
+    return ReconnectFromDirectory(name, event);
   }
   // A peer that died refuses at once; one that is stopped or hung does not answer
   // within the deadline. Either way it is failed as before, a little later.
@@ -672,20 +665,17 @@ void Agent::HandleDirectoryEvent(const std::string& name, const DirectoryEvent& 
                                                    "address",
                                                    why, *answer)
                                      : fmt::format("{}, and {}", why, answer.status().message()));
-        ReconnectFromDirectory(name, event);
+        if (ReconnectFromDirectory(name, event)) DirectoryEventDone(name);
       });
+  return false;
 }
 
-void Agent::ReconnectFromDirectory(const std::string& name, const DirectoryEvent& event) {
-  if (!event.listed) {
-    DirectoryEventDone(name);
-    return;
-  }
+bool Agent::ReconnectFromDirectory(const std::string& name, const DirectoryEvent& event) {
+  if (!event.listed) return true;
   if (event.address.empty()) {
     kLog.Warn("peer '{}' is back but cannot be reconnected: {}", Printable(name),
               event.address_error);
-    DirectoryEventDone(name);
-    return;
+    return true;
   }
   // Both come from the directory (etcd): escaped where they are logged.
   kLog.Info("peer '{}' {} (incarnation {:x}); reconnecting at {}", Printable(name),
@@ -697,28 +687,32 @@ void Agent::ReconnectFromDirectory(const std::string& name, const DirectoryEvent
     }
     DirectoryEventDone(name);
   });
+  return false;
 }
 
 void Agent::DirectoryEventDone(const std::string& name) {
-  bool stopping;
-  {
-    absl::MutexLock lock(&stop_mu_);
-    stopping = stopping_;
-  }
-  DirectoryEvent next;
-  {
-    absl::MutexLock lock(&directory_events_mu_);
-    auto it = directory_events_.find(name);
-    if (it == directory_events_.end()) return;
-    // While stopping, PeerManager answers at once (under its own locks): nothing more.
-    if (stopping || !it->second.has_value()) {
-      directory_events_.erase(it);
-      return;
+  // A loop, not a recursion: events handled at once follow one another here.
+  for (;;) {
+    bool stopping;
+    {
+      absl::MutexLock lock(&stop_mu_);
+      stopping = stopping_;
     }
-    next = *std::move(it->second);
-    it->second.reset();
+    DirectoryEvent next;
+    {
+      absl::MutexLock lock(&directory_events_mu_);
+      auto it = directory_events_.find(name);
+      if (it == directory_events_.end()) return;
+      // While stopping, PeerManager answers at once (under its own locks): nothing more.
+      if (stopping || !it->second.has_value()) {
+        directory_events_.erase(it);
+        return;
+      }
+      next = *std::move(it->second);
+      it->second.reset();
+    }
+    if (!HandleDirectoryEvent(name, next)) return;  // its callback goes on from there
   }
-  HandleDirectoryEvent(name, next);
 }
 
 void Agent::Shutdown(absl::Duration grace) {

@@ -163,9 +163,11 @@ class Agent {
   void FollowDirectory(const std::string& name, DirectoryEvent event);
   // Before failing the installed incarnation's transfers, asks it (whoever can write
   // the directory's prefix can write any record): one that still answers as itself
-  // stays connected. Then reconnects at the record's address.
-  void HandleDirectoryEvent(const std::string& name, const DirectoryEvent& event);
-  void ReconnectFromDirectory(const std::string& name, const DirectoryEvent& event);
+  // stays connected. Then reconnects at the record's address. Both return true when
+  // the event is handled already, false when a callback calls DirectoryEventDone.
+  bool HandleDirectoryEvent(const std::string& name, const DirectoryEvent& event);
+  bool ReconnectFromDirectory(const std::string& name, const DirectoryEvent& event);
+  // The running event of `name` ended: handles the one waiting, if any.
   void DirectoryEventDone(const std::string& name);
 
   AgentOptions options_;
