@@ -323,7 +323,9 @@ void ShmMapping::FaultIn() const {
   // written: the agent's 512 MiB cgroup was killed, tests/limits:memcg_test). A hole
   // is left to the first transfer that writes there.
   constexpr uint64_t kWindowPages = 16384;  // 64 MiB of 4 KiB pages per mincore call
-  std::vector<unsigned char> resident(kWindowPages);
+  // Sized to the range (a pool's regions are often a few pages each: 1,000 of them took
+  // 16 MiB of short-lived vectors, which ASan's quarantine kept).
+  std::vector<unsigned char> resident(std::min(kWindowPages, (last - first) / page));
   for (uint64_t window = first; window < last; window += kWindowPages * page) {
     const uint64_t end = std::min(last, window + kWindowPages * page);
     const uint64_t pages = (end - window) / page;
