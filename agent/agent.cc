@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "absl/strings/str_join.h"
+#include "agent/cpu_list.h"
 #include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "agent/unix_listener.h"
@@ -166,8 +167,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   const auto& caps = agent->context_->capabilities();
   kLog.Info("UCX {}: transports [{}], memory types [{}]", caps.version,
             absl::StrJoin(caps.transports, ","), absl::StrJoin(caps.memory_types, ","));
-  ASSIGN_OR_RETURN(agent->worker_, transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name,
-                                                                options.ucx_spin_us));
+  ASSIGN_OR_RETURN(agent->worker_,
+                   transport::UcxWorker::Create(*agent->context_, "ucx-" + options.name,
+                                                options.ucx_spin_us, options.worker_cpus));
+  if (!options.worker_cpus.empty()) {
+    kLog.Info("UCX progress thread kept on CPUs {} (--worker-cpus)",
+              FormatCpuList(options.worker_cpus));
+  }
   registry::RegistryOptions registry_options;
   registry_options.vram_staging = options.vram_staging;
   registry_options.stage_host_regions = options.stage_host_regions;

@@ -105,6 +105,9 @@ struct AgentOptions {
   uint32_t fast_path_features = ~0u;  // --fast-path-features (FastPathOptions::features)
   // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
   uint32_t ucx_spin_us = 0;
+  // CPUs the UCX progress thread (which also takes the fast path's rings) runs on
+  // (--worker-cpus); empty: wherever the kernel places it.
+  std::vector<int> worker_cpus;
   // Threads that copy one batch of same-host host memory (--copy-lanes); 0: the
   // default, the cores this agent may use up to 4 (DefaultCopyLanes).
   uint32_t copy_lanes = 0;

@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "agent/am_ids.h"
+#include "agent/cpu_list.h"
 #include "agent/doctor.h"
 #include "agent/gpu/device_batch.h"
 #include "agent/heap_trimmer.h"
@@ -588,6 +589,7 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   for (const auto& t : caps.transports) status->add_ucx_transports(t);
   static const std::string* const heap_allocator = new std::string(HeapAllocatorName());
   status->set_heap_allocator(*heap_allocator);
+  if (deps.worker != nullptr) status->set_worker_cpus(FormatCpuList(deps.worker->cpus()));
   const registry::RegistryUsage registered = deps.registry->Usage();
   status->set_regions(static_cast<uint32_t>(registered.regions));
   status->set_registered_bytes(registered.bytes);

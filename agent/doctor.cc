@@ -723,8 +723,11 @@ v1::DoctorCheck CheckWakeup(const WakeupFacts& facts) {
                         "set its latency (costs this high usually come from a virtual "
                         "machine's halted idle vCPUs, or from more busy threads than cores)",
               "complete_when PLACED takes the receiver's acknowledgement off the sender's "
-              "path; where cores are spare, poll longer before sleeping (kvagentd "
-              "--fast-path-spin-us, an engine's FastPathOptions.spin_us); on a virtual "
+              "path; keep the agent's progress thread on a CPU of its own, away from "
+              "the engines' threads (kvagentd --worker-cpus), so that neither waits for "
+              "the other to yield the core; where cores are spare, poll longer before "
+              "sleeping (kvagentd --fast-path-spin-us, an engine's FastPathOptions.spin_us); "
+              "on a virtual "
               "machine, an idle driver that polls before halting (cpuidle-haltpoll) or "
               "dedicated vCPUs (docs/OPERATIONS.md, \"A slow transfer\")");
 }

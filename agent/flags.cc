@@ -21,6 +21,18 @@ bool ParseTwoWords(absl::string_view text, absl::string_view yes, absl::string_v
 
 }  // namespace
 
+bool AbslParseFlag(absl::string_view text, CpuList* out, std::string* error) {
+  absl::StatusOr<std::vector<int>> cpus = ParseCpuList(std::string_view(text.data(), text.size()));
+  if (!cpus.ok()) {
+    *error = std::string(cpus.status().message());  // Abseil names the flag and the value
+    return false;
+  }
+  out->cpus = *std::move(cpus);
+  return true;
+}
+
+std::string AbslUnparseFlag(const CpuList& value) { return FormatCpuList(value.cpus); }
+
 bool AbslParseFlag(absl::string_view text, OnOff* out, std::string* error) {
   return ParseTwoWords(text, "on", "off", &out->on, error);
 }

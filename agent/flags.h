@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
+#include "agent/cpu_list.h"
 #include "agent/gpu/device_batch.h"
 #include "agent/peer_manager.h"
 
@@ -49,6 +51,13 @@ std::string AbslUnparseFlag(AutoOff value);
 // auto|peer|none (--ucx-error-mode).
 bool AbslParseFlag(absl::string_view text, ErrorModeChoice* out, std::string* error);
 std::string AbslUnparseFlag(ErrorModeChoice value);
+
+// A CPU list (--worker-cpus; agent/cpu_list.h).
+struct CpuList {
+  std::vector<int> cpus;
+};
+bool AbslParseFlag(absl::string_view text, CpuList* out, std::string* error);
+std::string AbslUnparseFlag(const CpuList& value);
 
 // auto|batch|kernel|per-page (--device-copy); `given` because the flag, when given,
 // wins over KVAGENT_DEVICE_COPY and the default does not.

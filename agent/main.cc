@@ -184,6 +184,12 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page
                               transfers 30 % slower)
+  --worker-cpus LIST          CPUs the UCX progress thread runs on (e.g. 3, or 2-3): it
+                              moves the data, answers peers and takes the fast path's
+                              rings, and polls after work; on a CPU of its own it does
+                              not take turns with the engines' threads it answers
+                              (default: none given, the kernel places it; GetStatus
+                              worker_cpus shows where it may run)
   --copy-lanes N              lanes that copy one batch of same-host memory side by
                               side: threads for host memory, CUDA streams for VRAM
                               (1-64; default: the cores this agent may use, at most 4)
@@ -289,6 +295,7 @@ KVAGENT_FLAG(Count<uint32_t>, fast_path_features, "fast-path-features",
              {Defaults().fast_path_features}, "");
 KVAGENT_FLAG(Count<uint32_t>, ucx_spin_us, "ucx-spin-us", {Defaults().ucx_spin_us}, "");
 KVAGENT_FLAG(Count<uint32_t>, copy_lanes, "copy-lanes", {Defaults().copy_lanes}, "");
+KVAGENT_FLAG(kvagent::agent::CpuList, worker_cpus, "worker-cpus", {}, "");
 KVAGENT_FLAG(DeviceCopyFlag, device_copy, "device-copy", {}, "");
 KVAGENT_FLAG(bool, check_flags, "check-flags", false, "");
 // Hidden, for tests only: host regions take the staged path (memcpy stands in for the
@@ -428,6 +435,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->fast_path_features = GetFlag(FLAGS_fast_path_features).value;
   options->ucx_spin_us = GetFlag(FLAGS_ucx_spin_us).value;
   options->copy_lanes = GetFlag(FLAGS_copy_lanes).value;
+  options->worker_cpus = GetFlag(FLAGS_worker_cpus).cpus;
   *grace_ms = GetFlag(FLAGS_shutdown_grace_ms).value;
 
   if (options->grpc_memory_bytes == 0) {
@@ -450,6 +458,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   if (options->grpc_max_threads == 0) {
     return absl::InvalidArgumentError("--grpc-max-threads: give at least 1");
   }
+  RETURN_IF_ERROR(kvagent::agent::CheckCpusAllowed(options->worker_cpus, "--worker-cpus"));
   if (GetFlag(FLAGS_copy_lanes).given) {
     RETURN_IF_ERROR(kvagent::agent::ValidateCopyLanes(options->copy_lanes));
   }

@@ -144,6 +144,10 @@ int RunBench(const BenchOptions& options) {
       start.extra_args.push_back("--copy-lanes");
       start.extra_args.push_back(std::to_string(options.copy_lanes));
     }
+    if (!options.worker_cpus.empty()) {
+      start.extra_args.push_back("--worker-cpus");
+      start.extra_args.push_back(options.worker_cpus);
+    }
     absl::Status started = StartLocalAgents(start, &local);
     g_agent_logs = local.log_paths;
     if (!started.ok()) return Fail("starting the agents", started);

@@ -1,5 +1,6 @@
 #include "cli/bench_fast.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -427,6 +428,26 @@ absl::StatusOr<std::vector<double>> FastRing::Pings(uint64_t count, absl::Durati
     us.push_back(Micros(Clock::now() - t0));
   }
   return us;
+}
+
+// The CPUs this process may run on, as the kernel writes a list ("0-1").
+static std::string ProcessCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return "?";
+  std::string text;
+  for (int cpu = 0; cpu < CPU_SETSIZE;) {
+    if (!CPU_ISSET(cpu, &set)) {
+      ++cpu;
+      continue;
+    }
+    int last = cpu;
+    while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+    if (!text.empty()) text += ',';
+    text += last == cpu ? std::to_string(cpu) : fmt::format("{}-{}", cpu, last);
+    cpu = last + 1;
+  }
+  return text;
 }
 
 // ---- grid cells ----
@@ -1090,9 +1111,28 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
   // 4. The issue's targets, as measured in this run, for each completion point: when
   // acknowledged (the transfer contract's default) and when placed (complete_when).
   const std::optional<double> load_end = LoadAverage();
-  if (!json) {
-    std::printf("targets (issue 15; load average %s now, %s at the start):\n",
-                Cellf(load_end, "{:.2f}").c_str(), Cellf(load_start, "{:.2f}").c_str());
+  // Where the agents' UCX progress threads (which take the rings and move the data) may
+  // run, as they report it: on 2 shared cores, whether they take turns with this
+  // client's thread decides most of a lone transfer's latency (docs/BENCHMARKS.md).
+  std::string worker_cpus[2];
+  {
+    AgentClient target(options.target_address, options.timeout_ms);
+    AgentClient* agents[2] = {&initiator, &target};
+    for (int k = 0; k < 2; ++k) {
+      absl::StatusOr<v1::AgentStatus> status = agents[k]->Status();
+      worker_cpus[k] = status.ok() && !status->worker_cpus().empty() ? status->worker_cpus() : "?";
+    }
+  }
+  const std::string here_cpus = ProcessCpus();
+  if (json) {
+    std::printf("{\"kind\": \"fast_cpus\", \"initiator_worker_cpus\": \"%s\", "
+                "\"target_worker_cpus\": \"%s\", \"bench_cpus\": \"%s\"}\n",
+                worker_cpus[0].c_str(), worker_cpus[1].c_str(), here_cpus.c_str());
+  } else {
+    std::printf("targets (issue 15; load average %s now, %s at the start; UCX progress threads "
+                "on CPUs %s (initiator) and %s (target), this client on %s):\n",
+                Cellf(load_end, "{:.2f}").c_str(), Cellf(load_start, "{:.2f}").c_str(),
+                worker_cpus[0].c_str(), worker_cpus[1].c_str(), here_cpus.c_str());
   }
   for (const bool placed : {false, true}) {
     const char* what = placed ? "complete_when PLACED (COMPLETED once the bytes are in place)"

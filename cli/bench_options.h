@@ -41,6 +41,9 @@ struct BenchOptions {
   std::vector<std::pair<uint64_t, uint32_t>> cells;
   // --copy-lanes N for agents started here (0: their default); printed either way.
   uint32_t copy_lanes = 0;
+  // --worker-cpus LIST for agents started here: the CPUs of their UCX progress threads
+  // ("" : the kernel places them).
+  std::string worker_cpus;
 };
 
 }  // namespace kvagent::cli

@@ -93,6 +93,7 @@ commands:
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
         [--memory dram|vram] [--device N] [--memory-regions N]
         [--fast-spin-us N] [--cells BLOCK:BATCH,...] [--copy-lanes N]
+        [--worker-cpus LIST]
         [--fast-only]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
@@ -125,6 +126,9 @@ commands:
                              the fast path phase (quick sizes; its gRPC
                              rate lines print -); --copy-lanes N starts
                              the agents with that many copy lanes;
+                             --worker-cpus LIST starts them with their
+                             UCX progress threads on those CPUs (the
+                             fast path's targets line says where they ran);
                              --memory-regions N: the agent-memory phase
                              registers N regions per agent (default 1000;
                              100000 is issue 13's scale line)
@@ -191,7 +195,10 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
   std::printf("you          %s [%s]\n", s.caller().c_str(), roles.c_str());
   std::string transports;
   for (const auto& t : s.ucx_transports()) transports += (transports.empty() ? "" : ",") + t;
-  std::printf("ucx          %s [%s]\n", s.ucx_version().c_str(), transports.c_str());
+  std::printf("ucx          %s [%s]%s\n", s.ucx_version().c_str(), transports.c_str(),
+              s.worker_cpus().empty()
+                  ? ""
+                  : (", progress thread on CPUs " + s.worker_cpus()).c_str());
   if (!s.heap_allocator().empty()) std::printf("heap         %s\n", s.heap_allocator().c_str());
   std::printf("regions      %u (%lu bytes, metadata version %lu)\n", s.regions(),
               static_cast<unsigned long>(s.registered_bytes()),
@@ -638,6 +645,8 @@ int main(int argc, char** argv) {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n == 0 || n > 64) return Usage("--copy-lanes takes 1 to 64");
         options.copy_lanes = static_cast<uint32_t>(n);
+      } else if (a == "--worker-cpus") {
+        options.worker_cpus = v;  // the agents check it and refuse a bad one
       } else {
         return Usage("unknown bench flag " + a);
       }

@@ -80,15 +80,22 @@ class UcxWorker {
   // and log lines. After work (a closure run, or UCX progress), the thread keeps
   // polling for `spin_us` before it arms the worker and sleeps: a message or closure
   // that comes meanwhile is taken without a wake-up (tens of µs on a busy host).
+  // `cpus` not empty: the thread runs on those CPUs only (pthread_setaffinity_np; an
+  // error when the kernel refuses them), so that it keeps a core of its own instead
+  // of taking turns with the engines' threads it answers.
   static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const UcxContext& context,
                                                            std::string name,
-                                                           uint32_t spin_us = 0);
+                                                           uint32_t spin_us = 0,
+                                                           const std::vector<int>& cpus = {});
   // Stops the thread: runs queued closures, closes endpoints still open, then
   // destroys the worker.
   ~UcxWorker();
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
 
+  // The CPUs the kernel lets the progress thread run on now (its affinity, sorted);
+  // empty when it cannot be read.
+  std::vector<int> cpus() const;
   // This worker's address, what peers connect to (ucp_worker_get_address bytes).
   const std::string& address() const { return address_; }
   // The largest header an active message may carry on any of this worker's transports

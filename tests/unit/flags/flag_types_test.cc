@@ -2,8 +2,13 @@
 // for what it refuses, and that unparsing gives back a value it accepts.
 #include "agent/flags.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "absl/flags/marshalling.h"
 #include "catch2/catch.hpp"
+#include "fmt/format.h"
 
 namespace kvagent::agent {
 namespace {
@@ -93,6 +98,56 @@ TEST_CASE("a list flag remembers that it was given, even empty or none", "[flags
   CHECK(none.text == "none");
   CHECK(Parsed<GivenList>("").given);
   CHECK(Parsed<GivenList>("1000,alice").text == "1000,alice");
+}
+
+TEST_CASE("--worker-cpus takes a CPU list as the kernel writes one", "[flags]") {
+  using Cpus = std::vector<int>;
+  CHECK(Parsed<CpuList>("").cpus.empty());
+  CHECK(Parsed<CpuList>("3").cpus == Cpus{3});
+  CHECK(Parsed<CpuList>("0,2").cpus == Cpus{0, 2});
+  CHECK(Parsed<CpuList>("4-7,12").cpus == Cpus{4, 5, 6, 7, 12});
+  // Sorted, each CPU once, written back as ranges.
+  CHECK(Parsed<CpuList>("5,1-3,2").cpus == Cpus{1, 2, 3, 5});
+  CHECK(absl::UnparseFlag(Parsed<CpuList>("5,1-3,2,4")) == "1-5");
+  CHECK(absl::UnparseFlag(Parsed<CpuList>("0,2-3,7")) == "0,2-3,7");
+  CHECK(Parsed<CpuList>("1023").cpus == Cpus{1023});
+  // Each refusal names the item and says what to give, with the CPUs this process has.
+  const std::string here = FormatCpuList(AllowedCpus());
+  REQUIRE(!here.empty());
+  for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
+           {"x", "'x' is not a CPU number or range"},
+           {"1,", "'' is not a CPU number or range"},
+           {"-1", "'-1' is not a CPU number or range"},
+           {"1-", "'1-' is not a CPU number or range"},
+           {"1-2-3", "'1-2-3' is not a CPU number or range"},
+           {" 1", "' 1' is not a CPU number or range"},
+           {"3-1", "the range '3-1' runs backwards"},
+           {"1024", "CPU 1024 is past the last one a CPU set can name (1023)"},
+           {"0-99999", "CPU 99999 is past the last one"},
+           {"123456", "'123456' is not a CPU number or range"},
+       }) {
+    INFO(text);
+    const std::string error = Refusal<CpuList>(text);
+    CHECK(error.find(why) != std::string::npos);
+    CHECK(error.find("e.g. 3, 2,3 or 4-7 (this process may use " + here + ")") !=
+          std::string::npos);
+  }
+}
+
+TEST_CASE("--worker-cpus names only CPUs this process may use", "[flags]") {
+  const std::vector<int> allowed = AllowedCpus();
+  REQUIRE(!allowed.empty());
+  CHECK(CheckCpusAllowed(allowed, "--worker-cpus").ok());
+  CHECK(CheckCpusAllowed({allowed.back()}, "--worker-cpus").ok());
+  CHECK(CheckCpusAllowed({}, "--worker-cpus").ok());
+  const int outside = allowed.back() + 1;  // past the last allowed: not allowed
+  const absl::Status refused = CheckCpusAllowed({allowed.front(), outside}, "--worker-cpus");
+  CHECK(refused.code() == absl::StatusCode::kInvalidArgument);
+  const std::string message(refused.message());
+  INFO(message);
+  CHECK(message.find(fmt::format("CPU {} is not among those this process may use ({}", outside,
+                                 FormatCpuList(allowed))) != std::string::npos);
+  CHECK(message.find("leave --worker-cpus out") != std::string::npos);
 }
 
 }  // namespace

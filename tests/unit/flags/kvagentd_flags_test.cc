@@ -4,6 +4,7 @@
 // by a --flagfile alone comes up and reports those settings in GetStatus (--device-copy
 // over KVAGENT_DEVICE_COPY among them).
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -61,6 +62,38 @@ std::string ReadFile(const std::string& path) {
 void WriteFile(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
+}
+
+// The CPUs this process may run on.
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+// Cpus_allowed_list of /proc/PID/task/TID/status for each thread of `pid` named `comm`
+// (or of the process's first thread, for an empty `comm`).
+std::vector<std::string> ThreadCpus(pid_t pid, const std::string& comm) {
+  std::vector<std::string> out;
+  auto field = [](const std::string& status) {
+    const std::string key = "Cpus_allowed_list:";
+    const size_t at = status.find(key);
+    if (at == std::string::npos) return std::string();
+    size_t begin = status.find_first_not_of(" \t", at + key.size());
+    return status.substr(begin, status.find('\n', begin) - begin);
+  };
+  if (comm.empty()) return {field(ReadFile(fmt::format("/proc/{}/status", pid)))};
+  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid))) {
+    std::string name = ReadFile(task.path().string() + "/comm");
+    if (!name.empty() && name.back() == '\n') name.pop_back();
+    if (name == comm) out.push_back(field(ReadFile(task.path().string() + "/status")));
+  }
+  return out;
 }
 
 std::string Kvagentd() {
@@ -177,6 +210,17 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--device-copy=gpu"},
                 {"'device-copy'", "'gpu'", "use auto (the best this host has), batch", "per-page"});
   ExpectRefused({"--device-copy"}, {"device-copy"});  // no value at all
+  ExpectRefused({"--worker-cpus=one"},
+                {"'worker-cpus'", "'one' is not a CPU number or range", "e.g. 3, 2,3 or 4-7"});
+  ExpectRefused({"--worker-cpus=3-1"}, {"'worker-cpus'", "the range '3-1' runs backwards"});
+  // A CPU this process may not use (the one after the last it may): refused once parsed,
+  // naming the ones it may.
+  const std::vector<int> allowed = AllowedCpus();
+  REQUIRE(!allowed.empty());
+  ExpectRefused({"--worker-cpus=" + std::to_string(allowed.back() + 1)},
+                {fmt::format("--worker-cpus {0}: CPU {0} is not among those this process may use",
+                             allowed.back() + 1),
+                 "leave --worker-cpus out"});
 }
 
 TEST_CASE("kvagentd refuses a bad HOST:PORT as it opens that door, naming the flag", "[flags]") {
@@ -225,6 +269,7 @@ TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[fl
                    "--max-metadata-bytes=2M\n"
                    "--copy-lanes=2\n"
                    "--device-copy=per-page\n"
+                   "--worker-cpus=" + std::to_string(AllowedCpus().back()) + "\n"
                    "--log-level=warn\n");
   // --check-flags accepts the file and starts nothing.
   const Run check = RunKvagentd({"--flagfile=" + flags, "--check-flags"});
@@ -257,6 +302,13 @@ TEST_CASE("kvagentd configured by a --flagfile alone reports its settings", "[fl
   CHECK(status->network_door() == "none");
   CHECK(status->health_address().rfind("127.0.0.1:", 0) == 0);
   CHECK(status->copy_lanes().lanes() == 2);
+  // The UCX progress thread ("ucx-" and the name, cut to the kernel's 15 bytes) runs on
+  // the CPU given, as the kernel says, and GetStatus says so; the process's first thread
+  // keeps every CPU it had.
+  const std::string last = std::to_string(AllowedCpus().back());
+  CHECK(status->worker_cpus() == last);
+  CHECK(ThreadCpus(pid, "ucx-from-flagfi") == std::vector<std::string>{last});
+  if (AllowedCpus().size() > 1) CHECK(ThreadCpus(pid, "") != std::vector<std::string>{last});
   // The flag's choice, whether or not this host has a GPU to apply it to.
   CHECK(status->device_copy().find("--device-copy=per-page") != std::string::npos);
   CHECK(status->device_copy().find("KVAGENT_DEVICE_COPY") == std::string::npos);
