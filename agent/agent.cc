@@ -15,10 +15,10 @@
 #include <sstream>
 
 #include "absl/strings/str_join.h"
-#include "agent/cpu_list.h"
 #include "agent/doctor.h"
 #include "agent/status_util.h"
 #include "agent/unix_listener.h"
+#include "base/cpu_list.h"
 #include "base/format.h"
 #include "base/log.h"
 #include "base/status_macros.h"

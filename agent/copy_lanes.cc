@@ -1,7 +1,6 @@
 #include "agent/copy_lanes.h"
 
 #include <pthread.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,16 +8,14 @@
 #include <string>
 
 #include "agent/split_runs.h"
+#include "base/cpu_list.h"
 #include "fmt/format.h"
 
 namespace kvagent::agent {
 
 uint32_t DefaultCopyLanes() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  int cores = 1;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) cores = std::max(1, CPU_COUNT(&set));
-  return static_cast<uint32_t>(std::min(cores, 4));
+  const size_t cores = std::max<size_t>(1, AllowedCpus().size());
+  return static_cast<uint32_t>(std::min<size_t>(cores, 4));
 }
 
 absl::Status ValidateCopyLanes(uint32_t lanes) {

@@ -3,7 +3,6 @@
 #include <dirent.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -28,6 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/cpu_list.h"
 #include "base/format.h"
 #include "base/log.h"
 #include "cuda/driver.h"
@@ -591,25 +591,15 @@ namespace {
 // Two CPUs this thread may run on (the second on another CPU when it may use more than
 // one), for ProbeWakeup's two threads.
 std::pair<int, int> TwoCpus(bool* distinct) {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  int first = -1, second = -1;
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
-    for (int c = 0; c < CPU_SETSIZE && second < 0; ++c) {
-      if (!CPU_ISSET(c, &allowed)) continue;
-      (first < 0 ? first : second) = c;
-    }
-  }
-  *distinct = first >= 0 && second >= 0;
+  const std::vector<int> allowed = AllowedCpus();
+  const int first = allowed.empty() ? -1 : allowed[0];
+  const int second = allowed.size() > 1 ? allowed[1] : -1;
+  *distinct = second >= 0;
   return {first, second >= 0 ? second : first};
 }
 
 void PinTo(int cpu) {
-  if (cpu < 0) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpu, &one);
-  pthread_setaffinity_np(pthread_self(), sizeof(one), &one);  // best effort
+  if (cpu >= 0) PinThread(pthread_self(), {cpu});  // best effort
 }
 
 }  // namespace

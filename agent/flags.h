@@ -12,9 +12,9 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
-#include "agent/cpu_list.h"
 #include "agent/gpu/device_batch.h"
 #include "agent/peer_manager.h"
+#include "base/cpu_list.h"
 
 // ABSL_FLAG names a flag after its C++ identifier, so it cannot spell kvagentd's dashed
 // names. KVAGENT_FLAG(Type, ident, "dashed-name", default, help) defines FLAGS_ident
@@ -52,7 +52,7 @@ std::string AbslUnparseFlag(AutoOff value);
 bool AbslParseFlag(absl::string_view text, ErrorModeChoice* out, std::string* error);
 std::string AbslUnparseFlag(ErrorModeChoice value);
 
-// A CPU list (--worker-cpus; agent/cpu_list.h).
+// A CPU list (--worker-cpus; base/cpu_list.h).
 struct CpuList {
   std::vector<int> cpus;
 };

@@ -458,7 +458,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   if (options->grpc_max_threads == 0) {
     return absl::InvalidArgumentError("--grpc-max-threads: give at least 1");
   }
-  RETURN_IF_ERROR(kvagent::agent::CheckCpusAllowed(options->worker_cpus, "--worker-cpus"));
+  RETURN_IF_ERROR(kvagent::CheckCpusAllowed(options->worker_cpus, "--worker-cpus"));
   if (GetFlag(FLAGS_copy_lanes).given) {
     RETURN_IF_ERROR(kvagent::agent::ValidateCopyLanes(options->copy_lanes));
   }

@@ -1,6 +1,5 @@
 #include "cli/bench_fast.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +14,7 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "base/cpu_list.h"
 #include "base/status_macros.h"
 #include "cli/local_agents.h"
 #include "cli/notification_waiter.h"
@@ -428,26 +428,6 @@ absl::StatusOr<std::vector<double>> FastRing::Pings(uint64_t count, absl::Durati
     us.push_back(Micros(Clock::now() - t0));
   }
   return us;
-}
-
-// The CPUs this process may run on, as the kernel writes a list ("0-1").
-static std::string ProcessCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return "?";
-  std::string text;
-  for (int cpu = 0; cpu < CPU_SETSIZE;) {
-    if (!CPU_ISSET(cpu, &set)) {
-      ++cpu;
-      continue;
-    }
-    int last = cpu;
-    while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
-    if (!text.empty()) text += ',';
-    text += last == cpu ? std::to_string(cpu) : fmt::format("{}-{}", cpu, last);
-    cpu = last + 1;
-  }
-  return text;
 }
 
 // ---- grid cells ----
@@ -1123,7 +1103,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       worker_cpus[k] = status.ok() && !status->worker_cpus().empty() ? status->worker_cpus() : "?";
     }
   }
-  const std::string here_cpus = ProcessCpus();
+  std::string here_cpus = FormatCpuList(AllowedCpus());
+  if (here_cpus.empty()) here_cpus = "?";
   if (json) {
     std::printf("{\"kind\": \"fast_cpus\", \"initiator_worker_cpus\": \"%s\", "
                 "\"target_worker_cpus\": \"%s\", \"bench_cpus\": \"%s\"}\n",

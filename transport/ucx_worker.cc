@@ -1,7 +1,6 @@
 #include "transport/ucx_worker.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "base/cpu_list.h"
 #include "base/log.h"
 #include "fmt/format.h"
 
@@ -414,36 +414,20 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
   worker->thread_ = std::thread([w = worker.get()] { w->Loop(); });
   worker->thread_id_ = worker->thread_.get_id();
   if (!cpus.empty()) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int cpu : cpus) {
-      if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
-    }
-    const int rc = pthread_setaffinity_np(worker->thread_.native_handle(), sizeof set, &set);
-    if (rc != 0) {
+    if (const int rc = PinThread(worker->thread_.native_handle(), cpus); rc != 0) {
       return absl::InvalidArgumentError(fmt::format(
           "UCX worker '{}': the kernel refused to keep its thread on CPUs {}: {}; name CPUs "
           "this process may use (taskset -p, the cgroup's cpuset)",
-          label, absl::StrJoin(cpus, ","), std::strerror(rc)));
+          label, FormatCpuList(cpus), std::strerror(rc)));
     }
   }
   return worker;
 }
 
 std::vector<int> UcxWorker::cpus() const {
-  std::vector<int> cpus;
-  cpu_set_t set;
-  CPU_ZERO(&set);
   // const_cast: std::thread::native_handle is not const; reading the affinity changes
   // nothing.
-  if (pthread_getaffinity_np(const_cast<std::thread&>(thread_).native_handle(), sizeof set,
-                             &set) != 0) {
-    return cpus;
-  }
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-  }
-  return cpus;
+  return ThreadCpus(const_cast<std::thread&>(thread_).native_handle());
 }
 
 UcxWorker::~UcxWorker() {

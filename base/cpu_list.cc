@@ -1,4 +1,4 @@
-#include "agent/cpu_list.h"
+#include "base/cpu_list.h"
 
 #include <sched.h>
 
@@ -7,7 +7,7 @@
 
 #include "fmt/format.h"
 
-namespace kvagent::agent {
+namespace kvagent {
 
 absl::StatusOr<std::vector<int>> ParseCpuList(std::string_view text) {
   std::vector<int> cpus;
@@ -66,15 +66,39 @@ std::string FormatCpuList(const std::vector<int>& cpus) {
   return text;
 }
 
-std::vector<int> AllowedCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
+namespace {
+
+std::vector<int> CpusIn(const cpu_set_t& set) {
   std::vector<int> cpus;
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
   for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
     if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
   }
   return cpus;
+}
+
+}  // namespace
+
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return {};
+  return CpusIn(set);
+}
+
+std::vector<int> ThreadCpus(pthread_t thread) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (pthread_getaffinity_np(thread, sizeof set, &set) != 0) return {};
+  return CpusIn(set);
+}
+
+int PinThread(pthread_t thread, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int cpu : cpus) {
+    if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+  }
+  return pthread_setaffinity_np(thread, sizeof set, &set);
 }
 
 absl::Status CheckCpusAllowed(const std::vector<int>& cpus, std::string_view flag) {
@@ -92,4 +116,4 @@ absl::Status CheckCpusAllowed(const std::vector<int>& cpus, std::string_view fla
       FormatCpuList(allowed), flag));
 }
 
-}  // namespace kvagent::agent
+}  // namespace kvagent
