@@ -303,6 +303,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                              options.deregister_wait_ms};
   agent->deps_.directory = agent->directory_.get();
   agent->deps_.push = agent->push_.get();
+  agent->deps_.releases = &agent->releases_;
 
   // Before the first door: each door's server gets gRPC's health service, which the
   // monitor keeps NOT_SERVING until UCX answers (Start below).
@@ -517,28 +518,15 @@ absl::Status Agent::StartDoor(Door door, const std::string& address,
 }
 
 void Agent::ReleaseSession(const Caller& caller) {
-  absl::MutexLock lock(&release_mu_);
   // After Shutdown stopped the releaser, what the session held goes with the agent.
-  if (release_stop_) return;
-  releases_.emplace_back(caller.principal, absl::Now());
-  release_cv_.Signal();
+  releases_.Add(caller.principal, absl::Now());
 }
 
 void Agent::RunReleaser() {
   pthread_setname_np(pthread_self(), "releaser");
-  absl::MutexLock lock(&release_mu_);
-  while (true) {
-    while (!release_stop_ && releases_.empty()) release_cv_.Wait(&release_mu_);
-    if (release_stop_) break;
-    auto [principal, ended] = std::move(releases_.front());
-    releases_.pop_front();
-    release_mu_.Unlock();
-    ReleaseNow(principal, ended);
-    release_mu_.Lock();
-  }
-  if (!releases_.empty()) {
-    kLog.Info("{} ended sessions' regions go with the agent (it is stopping)", releases_.size());
-    releases_.clear();
+  while (std::optional<SessionReleases::Ended> next = releases_.Take()) {
+    ReleaseNow(next->principal, next->ended);
+    releases_.Done();
   }
 }
 
@@ -744,10 +732,8 @@ void Agent::Shutdown(absl::Duration grace) {
   // No new sessions; the ones open end without releasing regions (all go below).
   if (session_server_) session_server_->Stop();
   // A release running finishes; queued ones are dropped (their regions go below).
-  {
-    absl::MutexLock lock(&release_mu_);
-    release_stop_ = true;
-    release_cv_.Signal();
+  if (const size_t dropped = releases_.Stop(); dropped > 0) {
+    kLog.Info("{} ended sessions' regions go with the agent (it is stopping)", dropped);
   }
   if (releaser_.joinable()) releaser_.join();
   // Transfers had their grace above and handlers never block: 100 ms lets answers in

@@ -7,7 +7,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,6 +32,7 @@
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
+#include "agent/session_releases.h"
 #include "agent/session_server.h"
 #include "agent/staging.h"
 #include "agent/tls.h"
@@ -143,8 +143,8 @@ class Agent {
   // The releaser thread: runs the queued releases in order until Shutdown.
   void RunReleaser();
   // Deregisters every region `principal` holds (after peers let go). Waits for the
-  // registry's writer lock, which a registration holds while it maps and faults in its
-  // memory: seconds for a large pool.
+  // registry's writer lock, which a registration holds while it maps and registers its
+  // memory (not while it faults the pages in): 0.3 s for 16,384 regions here.
   void ReleaseNow(const std::string& principal, absl::Time ended);
   void WarnInsecure();
   // The directory saw agent `name` leave, restart or (re)appear: when it is a peer here
@@ -226,19 +226,14 @@ class Agent {
   // activity, and sleeps while there is none: 6 MiB after.
   // Pages that still hold a live object stay (docs/LIMITS.md, Tested by).
   std::unique_ptr<HeapTrimmer> heap_trimmer_;
-  // Sessions that ended and whose regions are not released yet: one entry per session
-  // (its principal names its session id, never reused), added by ReleaseSession, taken
-  // by `releaser_` in order. Bounded by how fast sessions can be opened and closed
-  // while one release waits; each entry is a principal and a time.
   // Peers whose directory event is being handled -> the newest event that came
   // meanwhile, if any. Bounded by the peers connected.
   absl::Mutex directory_events_mu_;
   absl::flat_hash_map<std::string, std::optional<DirectoryEvent>> directory_events_
       ABSL_GUARDED_BY(directory_events_mu_);
-  absl::Mutex release_mu_;
-  absl::CondVar release_cv_;
-  std::deque<std::pair<std::string, absl::Time>> releases_ ABSL_GUARDED_BY(release_mu_);
-  bool release_stop_ ABSL_GUARDED_BY(release_mu_) = false;
+  // Sessions that ended and whose regions are not released yet, added by
+  // ReleaseSession, taken by `releaser_` in order (AgentStatus.sessions_releasing).
+  SessionReleases releases_;
   std::thread releaser_;
   absl::Mutex stop_mu_;
   absl::CondVar stop_cv_;

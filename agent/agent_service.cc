@@ -607,6 +607,12 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   status->set_open_streams(
       static_cast<uint64_t>(std::max<int64_t>(deps.open_streams->load(), 0)));
   status->set_sessions(deps.local_door ? deps.local_door->sessions() : 0);
+  if (deps.releases != nullptr) {
+    const SessionReleases::Backlog releasing = deps.releases->backlog(absl::Now());
+    status->set_sessions_releasing(releasing.sessions);
+    status->set_oldest_release_wait_ms(
+        static_cast<uint64_t>(absl::ToInt64Milliseconds(releasing.oldest_wait)));
+  }
   status->set_refused_calls(deps.counters->refused_calls.load());
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load());
   for (uint16_t am = 1; am <= kMaxAmId; ++am) {

@@ -25,6 +25,7 @@
 #include "agent/notification_queue.h"
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
+#include "agent/session_releases.h"
 #include "agent/transfer_engine.h"
 #include "agent/transfer_metrics.h"
 #include "proto/kvagent.grpc.pb.h"
@@ -82,6 +83,9 @@ struct ServiceDeps {
   // Announced in AgentMetadata.liveness_address, its keys admitted as secrets are
   // issued; null: none (--liveness off).
   LivenessDoor* liveness = nullptr;
+  // Local sessions ended and not released yet (AgentStatus.sessions_releasing,
+  // oldest_release_wait_ms); null: not reported.
+  const SessionReleases* releases = nullptr;
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it

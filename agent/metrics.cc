@@ -241,6 +241,11 @@ std::string RenderMetrics(const MetricsSources& sources) {
   queues.Sample({{"queue", "notifications_queued"}}, static_cast<double>(status.notifications_queued()));
   queues.Sample({{"queue", "notifications_in_flight"}},
                 static_cast<double>(status.notifications_in_flight()));
+  queues.Sample({{"queue", "sessions_releasing"}},
+                static_cast<double>(status.sessions_releasing()));
+  Family(&out, "kvagent_oldest_release_wait_seconds", "gauge",
+         "Since the oldest ended session whose regions are not released yet ended.")
+      .Sample(status.oldest_release_wait_ms() / 1000.0);
   Family(&out, "kvagent_queued_notification_bytes", "gauge",
          "Bytes of the notifications waiting for a client.")
       .Sample(static_cast<double>(status.queued_notification_bytes()));

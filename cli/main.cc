@@ -225,7 +225,14 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
   std::printf("streams      %lu open; %lu metadata streams of peers watching this agent\n",
               static_cast<unsigned long>(s.open_streams()),
               static_cast<unsigned long>(s.metadata_streams()));
-  std::printf("sessions     %lu attached\n", static_cast<unsigned long>(s.sessions()));
+  // Ended sessions waiting for their regions' release only when there are some.
+  const std::string releasing =
+      s.sessions_releasing() == 0
+          ? ""
+          : fmt::format(", {} ended and not released yet (the oldest ended {} ms ago)",
+                        s.sessions_releasing(), s.oldest_release_wait_ms());
+  std::printf("sessions     %lu attached%s\n", static_cast<unsigned long>(s.sessions()),
+              releasing.c_str());
   std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors, "
               "%lu closed by their session's request\n",
               static_cast<unsigned long>(s.fast_path_rings()),

@@ -1293,5 +1293,157 @@ TEST_CASE("a session that ends while another engine registers a large pool holds
   CHECK(regions == kRegions);
 }
 
+// GetStatus counts the sessions that ended and whose regions are not released yet
+// (sessions_releasing) and the oldest one's wait, and answers while the releases wait:
+// it reads neither the registry's writer lock nor the releaser's progress. Registrations
+// of many regions, back to back from two engines, hold the writer lock most of the time
+// (it covers each region's mapping and UCX registration), so a session that ends
+// meanwhile waits in the releaser's queue.
+TEST_CASE("GetStatus counts ended sessions whose release waits behind registrations") {
+  const std::string dir = MakeWorkDir("releasing");
+  cli::DaemonProcess agent = StartAgent(dir, "releasing", cli::NetworkDoor::kNone, {});
+  auto watcher = Client(agent.address(), kLocalMs);
+  const v1::AgentStatus idle = Require(watcher->Status(), "status before");
+  CHECK(idle.sessions_releasing() == 0);
+  CHECK(idle.oldest_release_wait_ms() == 0);
+
+  // Each registrar registers 16,384 regions of 4 KiB (--max-regions-per-owner) of one
+  // allocation in one call, then deregisters them, until told to stop.
+  constexpr int kRegistrars = 2;
+  constexpr uint64_t kRegionBytes = 4096;
+  constexpr int kRegions = 16384;
+  std::atomic<bool> stop{false};
+  std::atomic<int> registrations{0};
+  std::vector<absl::Status> failures(kRegistrars);
+  std::vector<std::unique_ptr<cli::AgentClient>> registrars;
+  std::vector<v1::RegisterRegionsRequest> batches(kRegistrars);
+  std::vector<std::vector<std::string>> names(kRegistrars);
+  for (int k = 0; k < kRegistrars; ++k) {
+    registrars.push_back(Client(agent.address(), 120000));
+    auto memory = Require(registrars[k]->AllocateMemory(fmt::format("many{}", k),
+                                                        kRegions * kRegionBytes),
+                          "allocating a registrar's memory");
+    for (int r = 0; r < kRegions; ++r) {
+      auto* spec = batches[k].add_regions();
+      spec->set_name(fmt::format("many{}.{}", k, r));
+      spec->set_kind(v1::KV);
+      spec->set_memory(v1::DRAM);
+      spec->set_length(kRegionBytes);
+      spec->mutable_layout()->set_num_items(1);
+      spec->mutable_layout()->set_item_bytes(kRegionBytes);
+      spec->mutable_shm()->set_memory_handle(memory.info.handle());
+      spec->mutable_shm()->set_offset(r * kRegionBytes);
+      names[k].push_back(spec->name());
+    }
+  }
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kRegistrars; ++k) {
+    threads.emplace_back([&, k] {
+      while (!stop && failures[k].ok()) {
+        failures[k] = registrars[k]->Register(batches[k]).status();
+        if (failures[k].ok()) failures[k] = registrars[k]->Deregister(names[k]).status();
+        ++registrations;
+      }
+    });
+  }
+  struct Joiner {
+    std::vector<std::thread>& threads;
+    std::atomic<bool>& stop;
+    ~Joiner() {
+      stop = true;
+      for (std::thread& t : threads) t.join();
+    }
+  } joiner{threads, stop};
+
+  // Sessions end while they run, two at a time (short-lived clients, as `kvagentctl
+  // status` is), each with a small pool of its own: the releaser takes the first and
+  // waits for the lock, the second waits in its queue. Each pair starts from none
+  // waiting, as the registry says too (its pools gone), and GetStatus is asked meanwhile.
+  using Clock = std::chrono::steady_clock;
+  struct Sample {
+    uint64_t releasing = 0, oldest_ms = 0;
+  };
+  std::vector<Sample> samples;
+  constexpr int kPair = 2;
+  const int pool_regions = static_cast<int>(SmallShape().layers * SmallShape().tensors_per_layer);
+  int ended = 0;
+  bool seen_pair = false, seen_growing = false;
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (!(seen_pair && seen_growing) && Clock::now() < deadline) {
+    // Every earlier pair released: the gauge at 0 and their pools gone (the registrars
+    // hold whole batches of kRegions).
+    v1::AgentStatus settled;
+    for (int i = 0; i < 400; ++i) {
+      settled = Require(watcher->Status(), "status between pairs");
+      if (settled.sessions_releasing() == 0 && settled.regions() % kRegions == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    REQUIRE(settled.sessions_releasing() == 0);
+    REQUIRE(settled.regions() % kRegions == 0);
+    CHECK(settled.oldest_release_wait_ms() == 0);
+    std::vector<std::unique_ptr<cli::AgentClient>> brief;
+    for (int b = 0; b < kPair; ++b) {
+      brief.push_back(Client(agent.address(), kLocalMs));
+      cli::KvPoolShape shape = SmallShape();
+      shape.group = fmt::format("brief{}", ended + b);
+      auto pool = cli::CreateKvPool(*brief.back(), shape.group, shape);
+      INFO("a brief session's pool: " << pool.status());
+      REQUIRE(pool.ok());
+      REQUIRE(static_cast<int>(pool->region_names.size()) == pool_regions);
+    }
+    // Their registrations just had the lock: close at another moment of a batch's.
+    std::this_thread::sleep_for(std::chrono::milliseconds(40 * (1 + ended / kPair % 4)));
+    const auto closed = Clock::now();  // before they close
+    brief.clear();  // their sessions close here
+    ended += kPair;
+    std::optional<Sample> previous;
+    for (int i = 0; i < 200; ++i) {
+      const v1::AgentStatus status = Require(watcher->Status(), "status meanwhile");
+      const Sample sample{status.sessions_releasing(), status.oldest_release_wait_ms()};
+      // At most this pair, waiting no longer than since it closed.
+      CHECK(sample.releasing <= kPair);
+      CHECK(sample.oldest_ms <= static_cast<uint64_t>(MsSince(closed, Clock::now())) + 1);
+      if (sample.releasing == 0) CHECK(sample.oldest_ms == 0);
+      if (sample.releasing == kPair) seen_pair = true;
+      if (previous && previous->releasing > 0 && sample.releasing > 0 &&
+          sample.oldest_ms > previous->oldest_ms) {
+        seen_growing = true;
+      }
+      samples.push_back(sample);
+      previous = sample;
+      if (sample.releasing == 0 && i > 0) break;  // both released: the next pair
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  stop = true;
+  for (std::thread& t : threads) t.join();
+  threads.clear();
+  for (int k = 0; k < kRegistrars; ++k) {
+    INFO("registrar " << k << ": " << failures[k]);
+    CHECK(failures[k].ok());
+  }
+  uint64_t most = 0, longest = 0;
+  for (const Sample& sample : samples) {
+    most = std::max(most, sample.releasing);
+    longest = std::max(longest, sample.oldest_ms);
+  }
+  std::printf("%d sessions ended while %d registrations of %d regions ran; GetStatus asked %zu "
+              "times: at most %lu ended sessions not released yet, the oldest waiting %lu ms\n",
+              ended, registrations.load(), kRegions, samples.size(),
+              static_cast<unsigned long>(most), static_cast<unsigned long>(longest));
+  CHECK(seen_pair);
+  CHECK(seen_growing);
+
+  // Once the registrations stopped, every release ends and the gauge is back to 0.
+  v1::AgentStatus after;
+  for (int i = 0; i < 200; ++i) {
+    after = Require(watcher->Status(), "status after");
+    if (after.sessions_releasing() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  CHECK(after.sessions_releasing() == 0);
+  CHECK(after.oldest_release_wait_ms() == 0);
+}
+
 }  // namespace
 }  // namespace kvagent::testing
