@@ -78,10 +78,12 @@ std::vector<int> CpusIn(const cpu_set_t& set) {
 
 }  // namespace
 
-std::vector<int> AllowedCpus() {
+std::vector<int> AllowedCpus() { return ProcessCpus(0); }
+
+std::vector<int> ProcessCpus(pid_t pid) {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return {};
+  if (sched_getaffinity(pid, sizeof set, &set) != 0) return {};
   return CpusIn(set);
 }
 

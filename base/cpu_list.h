@@ -1,10 +1,12 @@
 // CPU lists as the kernel writes them ("3", "2,3", "4-7,12"), and the CPUs a process
-// or thread may run on: parsed for --worker-cpus, checked against the CPUs this process
-// may use, applied to a thread, and written back for logs, GetStatus and the bench.
-// Used by agent/ (flags, main, agent, doctor, copy lanes), transport/ucx_worker and cli/.
+// or thread may run on: parsed for --worker-cpus and the bench's --agent-cpus, checked
+// against the CPUs this process may use, applied to a thread, and written back for logs,
+// GetStatus and the bench. Used by agent/ (flags, main, agent, doctor, copy lanes),
+// transport/ucx_worker and cli/ (the bench, child processes).
 #pragma once
 
 #include <pthread.h>
+#include <sys/types.h>
 
 #include <string>
 #include <string_view>
@@ -24,6 +26,9 @@ std::string FormatCpuList(const std::vector<int>& cpus);
 // The CPUs this process may run on (sched_getaffinity: taskset, the cgroup's cpuset);
 // empty when they cannot be read.
 std::vector<int> AllowedCpus();
+// The CPUs process `pid`'s main thread may run on (sched_getaffinity); empty when they
+// cannot be read (no such process, or not ours to look at).
+std::vector<int> ProcessCpus(pid_t pid);
 // The CPUs `thread` may run on now (pthread_getaffinity_np); empty when they cannot be
 // read.
 std::vector<int> ThreadCpus(pthread_t thread);

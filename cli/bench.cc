@@ -148,6 +148,7 @@ int RunBench(const BenchOptions& options) {
       start.extra_args.push_back("--worker-cpus");
       start.extra_args.push_back(options.worker_cpus);
     }
+    start.cpus = options.agent_cpus;
     absl::Status started = StartLocalAgents(start, &local);
     g_agent_logs = local.log_paths;
     if (!started.ok()) return Fail("starting the agents", started);

@@ -1105,15 +1105,26 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
   }
   std::string here_cpus = FormatCpuList(AllowedCpus());
   if (here_cpus.empty()) here_cpus = "?";
+  // The agents' other threads (started here: read from the kernel; else unknown).
+  std::string agent_cpus[2];
+  for (int k = 0; k < 2; ++k) {
+    const pid_t pid = k == 0 ? options.initiator_pid : options.target_pid;
+    agent_cpus[k] = pid > 0 ? FormatCpuList(ProcessCpus(pid)) : "";
+    if (agent_cpus[k].empty()) agent_cpus[k] = "?";
+  }
   if (json) {
     std::printf("{\"kind\": \"fast_cpus\", \"initiator_worker_cpus\": \"%s\", "
-                "\"target_worker_cpus\": \"%s\", \"bench_cpus\": \"%s\"}\n",
-                worker_cpus[0].c_str(), worker_cpus[1].c_str(), here_cpus.c_str());
+                "\"target_worker_cpus\": \"%s\", \"initiator_cpus\": \"%s\", "
+                "\"target_cpus\": \"%s\", \"bench_cpus\": \"%s\"}\n",
+                worker_cpus[0].c_str(), worker_cpus[1].c_str(), agent_cpus[0].c_str(),
+                agent_cpus[1].c_str(), here_cpus.c_str());
   } else {
     std::printf("targets (issue 15; load average %s now, %s at the start; UCX progress threads "
-                "on CPUs %s (initiator) and %s (target), this client on %s):\n",
+                "on CPUs %s (initiator) and %s (target), the agents' processes on %s and %s, "
+                "this client on %s):\n",
                 Cellf(load_end, "{:.2f}").c_str(), Cellf(load_start, "{:.2f}").c_str(),
-                worker_cpus[0].c_str(), worker_cpus[1].c_str(), here_cpus.c_str());
+                worker_cpus[0].c_str(), worker_cpus[1].c_str(), agent_cpus[0].c_str(),
+                agent_cpus[1].c_str(), here_cpus.c_str());
   }
   for (const bool placed : {false, true}) {
     const char* what = placed ? "complete_when PLACED (COMPLETED once the bytes are in place)"

@@ -44,6 +44,9 @@ struct BenchOptions {
   // --worker-cpus LIST for agents started here: the CPUs of their UCX progress threads
   // ("" : the kernel places them).
   std::string worker_cpus;
+  // --agent-cpus LIST for agents started here: the CPUs every thread of theirs may run
+  // on (as `taskset -c LIST kvagentd`); empty: this process's.
+  std::vector<int> agent_cpus;
 };
 
 }  // namespace kvagent::cli

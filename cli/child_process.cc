@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "base/cpu_list.h"
 #include "base/format.h"
 #include "cli/process_cpu.h"
 #include "fmt/format.h"
@@ -38,7 +39,26 @@ std::string FindOnPath(const std::string& binary) {
 }
 
 absl::StatusOr<pid_t> SpawnChild(const std::vector<std::string>& args, int out_fd,
-                                 const std::map<std::string, std::string>& env) {
+                                 const std::map<std::string, std::string>& env,
+                                 const std::vector<int>& cpus) {
+  // A child inherits the affinity of the thread that forks it, and its threads inherit
+  // the child's: this thread takes `cpus` for the spawn.
+  std::vector<int> own_cpus;
+  if (!cpus.empty()) {
+    if (absl::Status allowed = CheckCpusAllowed(cpus, "the child's CPUs"); !allowed.ok()) {
+      return absl::InvalidArgumentError(fmt::format("starting {}: {}", args[0], allowed.message()));
+    }
+    own_cpus = ThreadCpus(pthread_self());
+    if (own_cpus.empty()) {
+      return absl::InternalError(fmt::format(
+          "starting {} on CPUs {}: cannot read this thread's own CPUs (to restore them after)",
+          args[0], FormatCpuList(cpus)));
+    }
+    if (const int err = PinThread(pthread_self(), cpus); err != 0) {
+      return absl::InternalError(fmt::format("starting {} on CPUs {}: {}", args[0],
+                                             FormatCpuList(cpus), std::strerror(err)));
+    }
+  }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   if (out_fd >= 0) {
@@ -71,6 +91,7 @@ absl::StatusOr<pid_t> SpawnChild(const std::vector<std::string>& args, int out_f
   const int rc = posix_spawn(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
   posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
+  if (!own_cpus.empty()) (void)PinThread(pthread_self(), own_cpus);
   if (rc != 0) {
     return absl::InternalError(fmt::format("starting {}: {}", args[0], std::strerror(rc)));
   }

@@ -19,8 +19,13 @@ std::string FindOnPath(const std::string& binary);
 
 // Starts `args` (args[0] a path) with stdout+stderr into `out_fd` (or /dev/null when
 // -1), this process's environment with `env` added or replaced, and no signal blocked.
+// With `cpus`, the child and every thread it starts may run only on those CPUs (as
+// under `taskset -c`): the calling thread takes them for the spawn, which the child
+// inherits, and gets its own back after. INVALID_ARGUMENT when one is not a CPU this
+// process may use (CheckCpusAllowed's text).
 absl::StatusOr<pid_t> SpawnChild(const std::vector<std::string>& args, int out_fd,
-                                 const std::map<std::string, std::string>& env = {});
+                                 const std::map<std::string, std::string>& env = {},
+                                 const std::vector<int>& cpus = {});
 
 // Waits for `pid` up to `timeout_ms`, then SIGKILLs it. Returns the wait status.
 int ReapChild(pid_t pid, int timeout_ms);

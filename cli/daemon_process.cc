@@ -129,7 +129,7 @@ absl::StatusOr<DaemonProcess> DaemonProcess::Start(const DaemonOptions& options)
     return absl::FailedPreconditionError(
         fmt::format("cannot create {} for agent '{}'; check the work directory", log_path, options.name));
   }
-  auto pid = SpawnChild(args, log_fd, options.env);
+  auto pid = SpawnChild(args, log_fd, options.env, options.cpus);
   if (!pid.ok()) {
     ::close(log_fd);
     return absl::Status(pid.status().code(),

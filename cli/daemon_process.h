@@ -43,6 +43,9 @@ struct DaemonOptions {
   // path. It must exec kvagentd in place (as `ip netns exec NAME` does), so pid() and
   // the signals stay the daemon's.
   std::vector<std::string> command_prefix;
+  // The CPUs the agent, every thread of it, may run on (as under `taskset -c`; its
+  // --worker-cpus must be among them); empty: those of the thread that starts it.
+  std::vector<int> cpus;
 };
 
 class DaemonProcess {

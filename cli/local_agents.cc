@@ -47,6 +47,7 @@ absl::Status StartLocalAgents(const LocalAgentsOptions& options, LocalAgents* ag
     d.name = *name;
     d.work_dir = agents->work_dir;
     d.extra_args = options.extra_args;
+    d.cpus = options.cpus;
     if (slot == &agents->first) {
       d.extra_args.insert(d.extra_args.end(), options.first_args.begin(),
                           options.first_args.end());

@@ -21,6 +21,7 @@ struct LocalAgentsOptions {
   std::string first_name, second_name;  // agent names
   std::vector<std::string> extra_args;  // for both agents
   std::vector<std::string> first_args;  // for the first only, after extra_args
+  std::vector<int> cpus;                // both agents' CPUs (DaemonOptions::cpus)
 };
 
 struct LocalAgents {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
+#include "base/cpu_list.h"
 #include "base/format.h"
 #include "cli/agent_client.h"
 #include "cli/bench.h"
@@ -93,7 +94,7 @@ commands:
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
         [--memory dram|vram] [--device N] [--memory-regions N]
         [--fast-spin-us N] [--cells BLOCK:BATCH,...] [--copy-lanes N]
-        [--worker-cpus LIST]
+        [--worker-cpus LIST] [--agent-cpus LIST]
         [--fast-only]
                              two agents (started here when no addresses are
                              given) move blocks through the gRPC API: block
@@ -129,6 +130,9 @@ commands:
                              --worker-cpus LIST starts them with their
                              UCX progress threads on those CPUs (the
                              fast path's targets line says where they ran);
+                             --agent-cpus LIST starts them with every
+                             thread on those CPUs (as taskset -c), to keep
+                             them off this client's CPU;
                              --memory-regions N: the agent-memory phase
                              registers N regions per agent (default 1000;
                              100000 is issue 13's scale line)
@@ -654,9 +658,27 @@ int main(int argc, char** argv) {
         options.copy_lanes = static_cast<uint32_t>(n);
       } else if (a == "--worker-cpus") {
         options.worker_cpus = v;  // the agents check it and refuse a bad one
+      } else if (a == "--agent-cpus") {
+        // Applied here, as the agents start: checked here.
+        auto cpus = kvagent::ParseCpuList(v);
+        if (cpus.ok() && cpus->empty()) {
+          cpus = absl::InvalidArgumentError("the list is empty; give CPUs such as 1 or 2-3");
+        }
+        if (cpus.ok()) {
+          if (absl::Status allowed = kvagent::CheckCpusAllowed(*cpus, "--agent-cpus"); !allowed.ok()) {
+            return Usage(std::string(allowed.message()));
+          }
+        } else {
+          return Usage(fmt::format("--agent-cpus '{}': {}", v, cpus.status().message()));
+        }
+        options.agent_cpus = *std::move(cpus);
       } else {
         return Usage("unknown bench flag " + a);
       }
+    }
+    if (!options.agent_cpus.empty() && !options.initiator_address.empty()) {
+      return Usage("--agent-cpus places the agents the bench starts; agents given by --initiator "
+                   "and --target run where they were started (start them under taskset -c)");
     }
     return kvagent::cli::RunBench(options);
   }

@@ -5,17 +5,35 @@
 # ratios and the sweep ends with the targets block, and that the fast path phase
 # (latency, rate, idle CPU, issue 15's targets) printed its lines, each for both
 # completion points (complete_when: acknowledged, the default, and PLACED), with the
-# agents' progress threads kept on one CPU (--worker-cpus) and reported there.
+# agents kept on one CPU (--agent-cpus: every thread; --worker-cpus: the progress
+# thread) and reported there.
 # Figures are not judged here (speed targets live in docs/BENCHMARKS.md).
 set -euo pipefail
 ctl="$TEST_SRCDIR/kvagent/cli/kvagentctl"
 out="$TEST_TMPDIR/bench.out"
 err="$TEST_TMPDIR/bench.err"
 start=$(date +%s)
-# Both agents' UCX progress threads on this process's last CPU (--worker-cpus): every
-# phase runs with them there, and the fast path phase reports where they ran.
+# Both agents on this process's last CPU, every thread of theirs (--agent-cpus) and so
+# their UCX progress threads (--worker-cpus): every phase runs with them there, and the
+# fast path phase reports where they ran.
 last_cpu=$(python3 -c 'import os; print(max(os.sched_getaffinity(0)))')
-"$ctl" bench --quick --json --pool-mib 64 --worker-cpus "$last_cpu" >"$out" 2>"$err" || {
+# A CPU list the bench cannot apply is refused before any agent starts (usage, exit 2),
+# naming the flag and the CPUs there are.
+for bad_list in "99999" "1-0" "x" ""; do
+  rc=0
+  "$ctl" bench --quick --agent-cpus "$bad_list" >"$out" 2>"$err" || rc=$?
+  if [[ "$rc" != 2 ]] || ! grep -q -- "--agent-cpus" "$err"; then
+    echo "--agent-cpus '$bad_list': expected exit 2 naming the flag, got $rc:"; cat "$err"; exit 1
+  fi
+done
+rc=0
+"$ctl" bench --quick --agent-cpus "$last_cpu" --initiator unix:/nonexistent --target unix:/nonexistent \
+  >"$out" 2>"$err" || rc=$?
+if [[ "$rc" != 2 ]] || ! grep -q "taskset" "$err"; then
+  echo "--agent-cpus with --initiator: expected exit 2 saying to use taskset, got $rc:"; cat "$err"; exit 1
+fi
+"$ctl" bench --quick --json --pool-mib 64 --agent-cpus "$last_cpu" --worker-cpus "$last_cpu" \
+  >"$out" 2>"$err" || {
   echo "bench exited with $?"; cat "$err" "$out"; exit 1; }
 echo "bench took $(( $(date +%s) - start )) s"
 cat "$out"
@@ -249,10 +267,14 @@ for point in acknowledged placed; do
   done
   if [[ "$line" != *'"loadavg_1m": '[0-9]* ]]; then echo "no load average in: '$line'"; bad=1; fi
 done
-# Where the agents' progress threads may run, as the agents report it (GetStatus).
+# Where the agents' progress threads may run, as the agents report it (GetStatus), and
+# their processes, as the kernel reports it.
 cpus_line=$(grep '^{"kind": "fast_cpus"' "$out" || true)
 if [[ "$cpus_line" != *"\"initiator_worker_cpus\": \"$last_cpu\", \"target_worker_cpus\": \"$last_cpu\""* ]]; then
   echo "fast_cpus line does not show both progress threads on CPU $last_cpu: '$cpus_line'"; bad=1
+fi
+if [[ "$cpus_line" != *"\"initiator_cpus\": \"$last_cpu\", \"target_cpus\": \"$last_cpu\""* ]]; then
+  echo "fast_cpus line does not show both agents' processes on CPU $last_cpu: '$cpus_line'"; bad=1
 fi
 idle=$(grep -c '^{"kind": "fast_idle".*"cpu_percent_ring_open": [0-9]' "$out" || true)
 if [[ "$idle" != 2 ]]; then

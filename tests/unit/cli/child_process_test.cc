@@ -1,9 +1,10 @@
 // kvagentctl's child processes and the /proc readers of the benches, on real
 // processes: RunChild keeps the output and refuses a failing or hung child, SpawnChild
-// passes the environment it is given and starts the child with no signal blocked,
-// CPU ticks are read for this process and its threads (a name with spaces and
-// parentheses included), and ucx_perftest's Final line is parsed.
+// passes the environment it is given, starts the child with no signal blocked and on
+// the CPUs it is given, CPU ticks are read for this process and its threads (a name
+// with spaces and parentheses included), and ucx_perftest's Final line is parsed.
 #include <fcntl.h>
+#include <sched.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -14,11 +15,13 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/unit/catch_main.h"
+#include "base/cpu_list.h"
 #include "cli/bench_perftest.h"
 #include "cli/child_process.h"
 #include "cli/process_cpu.h"
@@ -62,6 +65,19 @@ TEST_CASE("RunChild returns the output, and refuses a failed or hung child") {
   CHECK(std::string(missing.status().message()).find("/no/such/binary") != std::string::npos);
 }
 
+// Waits for child `pid`, which must exit 0, and returns the first two lines it wrote
+// to `path`.
+std::pair<std::string, std::string> ReapAndReadTwoLines(pid_t pid, const std::string& path) {
+  const int status = ReapChild(pid, 20000);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(path);
+  std::pair<std::string, std::string> lines;
+  std::getline(in, lines.first);
+  std::getline(in, lines.second);
+  return lines;
+}
+
 TEST_CASE("SpawnChild adds the environment given and blocks no signal in the child") {
   const std::string sh = FindOnPath("sh");
   const std::string path = TempDir() + "/spawn_out.txt";
@@ -77,15 +93,50 @@ TEST_CASE("SpawnChild adds the environment given and blocks no signal in the chi
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   ::close(fd);
   REQUIRE(pid.ok());
-  const int status = ReapChild(*pid, 10000);
-  REQUIRE(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
-  std::ifstream in(path);
-  std::string value, blocked;
-  std::getline(in, value);
-  std::getline(in, blocked);
+  const auto [value, blocked] = ReapAndReadTwoLines(*pid, path);
   CHECK(value == "given value");
   CHECK(blocked.find("0000000000000000") != std::string::npos);
+}
+
+TEST_CASE("SpawnChild with CPUs starts the child and its threads on them, and this thread keeps its own") {
+  const std::string python = FindOnPath("python3");
+  if (python.empty()) KVAGENT_SKIP("python3 is not on PATH (deploy/bootstrap.sh installs it)");
+  const std::vector<int> allowed = AllowedCpus();
+  REQUIRE(!allowed.empty());
+  const std::vector<int> mine = ThreadCpus(pthread_self());
+  REQUIRE(!mine.empty());
+  // The last CPU this process may use: on a machine with more than one, a strict
+  // subset of this thread's.
+  const std::vector<int> last = {allowed.back()};
+  const std::string path = TempDir() + "/spawn_cpus.txt";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(fd >= 0);
+  // The child's main thread, then a thread it starts (sched_getaffinity(0): the
+  // calling thread's CPUs).
+  auto pid = SpawnChild({python, "-c",
+                         "import os, threading\n"
+                         "print(sorted(os.sched_getaffinity(0)), flush=True)\n"
+                         "t = threading.Thread(target=lambda: print(sorted(os.sched_getaffinity(0)), "
+                         "flush=True))\n"
+                         "t.start(); t.join()\n"},
+                        fd, {}, last);
+  ::close(fd);
+  INFO(pid.status().ToString());
+  REQUIRE(pid.ok());
+  CHECK(ThreadCpus(pthread_self()) == mine);
+  const auto [main_thread, started_thread] = ReapAndReadTwoLines(*pid, path);
+  const std::string want = fmt::format("[{}]", last[0]);
+  CHECK(main_thread == want);
+  CHECK(started_thread == want);
+
+  // A CPU this process may not use: refused before anything starts, naming it, and
+  // this thread keeps its CPUs.
+  auto refused = SpawnChild({python, "-c", "pass"}, -1, {}, {CPU_SETSIZE - 1});
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(refused.status().message()).find(std::to_string(CPU_SETSIZE - 1)) !=
+        std::string::npos);
+  CHECK(ThreadCpus(pthread_self()) == mine);
 }
 
 TEST_CASE("CPU ticks of this process and its threads; a name with spaces and parentheses") {
