@@ -655,11 +655,16 @@ void TransferEngine::Pump(const TransferPtr& t) {
   std::shared_ptr<const PeerSnapshot> peer;
   std::vector<planning::PlanOp> ops;
   uint64_t bytes = 0;
-  // Built in kept storage: a notice's strings allocate nothing once warm.
-  const auto notice_lease = notices_.Take();
-  v1::Notification& notice = *notice_lease;
-  notice.Clear();
-  const auto open_lease = notices_.Take();
+  // Built in kept storage: a notice's strings allocate nothing once warm. Taken when
+  // one is built (most Pumps build none, or one), cleared, and handed back as Pump
+  // returns, after it was sent.
+  std::optional<KeptMessages<v1::Notification>::Lease> notice_lease, open_lease;
+  auto lease = [this](std::optional<KeptMessages<v1::Notification>::Lease>& slot) {
+    slot.emplace(&notices_, notices_.TakeMessage());
+    slot->get()->Clear();
+    return slot->get();
+  };
+  v1::Notification* notice = nullptr;  // the outcome, or DATA_READY
   v1::Notification* open = nullptr;  // sent before the first batch
   v1::Notification* commit = nullptr;  // a transfer completed when placed: with DATA_READY
   v1::TransferOp op;
@@ -708,13 +713,14 @@ void TransferEngine::Pump(const TransferPtr& t) {
       // even of a transfer that ended before its first operation (they may wait for it).
       if (t->state.phase() != v1::COMPLETED && !t->outcome_sent && t->last_peer) {
         t->outcome_sent = true;
-        address(notice);
-        notice.set_kind(t->state.phase() == v1::CANCELLED   ? v1::CANCELLED_BY_PEER
+        notice = lease(notice_lease);
+        address(*notice);
+        notice->set_kind(t->state.phase() == v1::CANCELLED   ? v1::CANCELLED_BY_PEER
                         : t->state.phase() == v1::TIMED_OUT ? v1::TRANSFER_TIMED_OUT
                                                             : v1::TRANSFER_FAILED);
-        notice.set_bytes(t->state.bytes_done());
-        notice.set_error_code(t->state.error_code());
-        notice.set_error_message(t->state.error_message());
+        notice->set_bytes(t->state.bytes_done());
+        notice->set_error_code(t->state.error_code());
+        notice->set_error_message(t->state.error_message());
         peer = t->last_peer;
         action = Action::kOutcomeNotice;
       }
@@ -722,20 +728,21 @@ void TransferEngine::Pump(const TransferPtr& t) {
       if (!t->state.last_chunk_received() || t->notified) return;
       t->notified = true;
       t->ack_token = RandomToken();
-      address(notice);
+      notice = lease(notice_lease);
+      address(*notice);
       // Moved, not copied: the record stays for queries after the transfer ends
       // (max_finished of them), and its payload (up to max_notification_bytes) with it.
-      notice.set_payload(std::move(t->notification));
-      notice.set_kind(v1::DATA_READY);
-      notice.set_bytes(t->state.bytes_total());
-      notice.set_ack_token(t->ack_token);
+      notice->set_payload(std::move(t->notification));
+      notice->set_kind(v1::DATA_READY);
+      notice->set_bytes(t->state.bytes_total());
+      notice->set_ack_token(t->ack_token);
       // Every byte is in place by now; a transfer whose data was flushed before its
       // (empty) closing chunk came records the flush here.
       const uint64_t now = MonotonicMicros();
       MarkStage(t->state, v1::STAGE_DATA_FLUSHED, t->start_us, now);
       MarkStage(t->state, v1::STAGE_NOTIFICATION_SENT, t->start_us, now);
       // The peer holds this notification until it has copied these bytes in.
-      if (t->staged_bytes > 0) notice.set_staged_bytes(t->staged_bytes);
+      if (t->staged_bytes > 0) notice->set_staged_bytes(t->staged_bytes);
       peer = t->last_peer;
       action = Action::kNotify;
       if (t->state.complete_when() == v1::COMPLETE_WHEN_PLACED) {
@@ -750,7 +757,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
           // recorded (OnAckLocked): peer_acknowledged, or peer_note.
           Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
           ++completed_when_placed_;
-          commit = open_lease.get();  // no open goes with DATA_READY: its storage is free
+          commit = lease(open_lease);  // no open goes with DATA_READY
           MakeCommit(*t, commit);
           action = Action::kNotifyPlaced;
         }
@@ -818,7 +825,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
           t->late_open = true;  // built and sent by the next Pump
           t->late_open_bytes = t->state.bytes_total();
         } else {
-          open = open_lease.get();
+          open = lease(open_lease);
           make_open(*open, t->state.bytes_total());
           open->set_timeout_ms(MsLeft(t->deadline_us));
         }
@@ -832,14 +839,14 @@ void TransferEngine::Pump(const TransferPtr& t) {
     case Action::kNone:
       return;
     case Action::kOutcomeNotice:
-      SendNotice(peer, notice, nullptr);
+      SendNotice(peer, *notice, nullptr);
       return;
     case Action::kNotify:
       // COMPLETED comes with the peer's TransferAck (OnAck): the data is in place there
       // and the notification queued, so a peer lost before it gives FAILED, not a
       // COMPLETED nobody received.
       SendNotice(
-          peer, notice,
+          peer, *notice,
           [this, t](absl::Status status) {
             {
               absl::MutexLock lock(&mu_);
@@ -861,7 +868,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
       // COMPLETED is recorded: DATA_READY and its commit go together (one message to
       // the peer within a round), the acknowledgement still asked for and recorded.
       SendNotice(
-          peer, notice,
+          peer, *notice,
           [this, t](absl::Status status) {
             absl::MutexLock lock(&mu_);
             t->inflight = false;
