@@ -94,6 +94,31 @@ __attribute__((no_sanitize("thread"), noinline)) uint8_t TouchPages(const uint8_
   return sum;
 }
 
+// Calls fn(offset, bytes) for each run of consecutive pages of [start, start + length)
+// (`page` bytes each) that the object already holds (mincore: in its page cache), or
+// once for the whole range when mincore cannot tell. `resident` has room for every
+// page of the range. Reading or populating a hole would allocate it, charged to this
+// process's memory cgroup (see FaultIn).
+template <typename Fn>
+void ForEachResidentRun(const uint8_t* start, uint64_t length, uint64_t page,
+                        std::vector<unsigned char>& resident, Fn fn) {
+  if (mincore(const_cast<uint8_t*>(start), length, resident.data()) != 0) {
+    fn(0, length);
+    return;
+  }
+  const uint64_t pages = (length + page - 1) / page;
+  for (uint64_t i = 0; i < pages;) {
+    if ((resident[i] & 1) == 0) {
+      ++i;
+      continue;
+    }
+    uint64_t j = i + 1;
+    while (j < pages && (resident[j] & 1) != 0) ++j;
+    fn(i * page, std::min(j * page, length) - i * page);
+    i = j;
+  }
+}
+
 void WarmLoop() {
   pthread_setname_np(pthread_self(), "map-warm");
   // Lowest priority: the pages it touches first cost a transfer no more than before,
@@ -123,10 +148,10 @@ void WarmLoop() {
       const uint8_t* const start = static_cast<const uint8_t*>(segment->base) + at;
       // Pages the object holds only (see FaultIn): a read of a hole would allocate it,
       // charged to this process's memory cgroup. hugetlbfs pages are reserved already.
-      if (job.page == kSmallPage && mincore(const_cast<uint8_t*>(start), n, resident.data()) == 0) {
-        for (uint64_t i = 0; i < (n + job.page - 1) / job.page; ++i) {
-          if ((resident[i] & 1) != 0) (void)TouchPages(start + i * job.page, 1, job.page);
-        }
+      if (job.page == kSmallPage) {
+        ForEachResidentRun(start, n, job.page, resident, [&](uint64_t offset, uint64_t bytes) {
+          (void)TouchPages(start + offset, bytes, job.page);
+        });
       } else {
         (void)TouchPages(start, n, job.page);
       }
@@ -328,21 +353,11 @@ void ShmMapping::FaultIn() const {
   std::vector<unsigned char> resident(std::min(kWindowPages, (last - first) / page));
   for (uint64_t window = first; window < last; window += kWindowPages * page) {
     const uint64_t end = std::min(last, window + kWindowPages * page);
-    const uint64_t pages = (end - window) / page;
-    if (mincore(base + window, end - window, resident.data()) != 0) {
-      (void)madvise(base + window, end - window, MADV_POPULATE_WRITE);  // as before
-      continue;
-    }
-    for (uint64_t i = 0; i < pages;) {
-      if ((resident[i] & 1) == 0) {
-        ++i;
-        continue;
-      }
-      uint64_t j = i + 1;
-      while (j < pages && (resident[j] & 1) != 0) ++j;
-      (void)madvise(base + window + i * page, (j - i) * page, MADV_POPULATE_WRITE);
-      i = j;
-    }
+    char* const at = base + window;
+    ForEachResidentRun(reinterpret_cast<const uint8_t*>(at), end - window, page, resident,
+                       [&](uint64_t offset, uint64_t bytes) {
+                         (void)madvise(at + offset, bytes, MADV_POPULATE_WRITE);
+                       });
   }
 }
 
