@@ -613,6 +613,9 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
     status->set_oldest_release_wait_ms(
         static_cast<uint64_t>(absl::ToInt64Milliseconds(releasing.oldest_wait)));
   }
+  if (deps.session_server != nullptr) {
+    status->set_sessions_refused_releasing(deps.session_server->releasing_refusals());
+  }
   status->set_refused_calls(deps.counters->refused_calls.load());
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load());
   for (uint16_t am = 1; am <= kMaxAmId; ++am) {

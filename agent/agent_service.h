@@ -26,6 +26,7 @@
 #include "agent/peer_manager.h"
 #include "agent/peer_secrets.h"
 #include "agent/session_releases.h"
+#include "agent/session_server.h"
 #include "agent/transfer_engine.h"
 #include "agent/transfer_metrics.h"
 #include "proto/kvagent.grpc.pb.h"
@@ -86,6 +87,8 @@ struct ServiceDeps {
   // Local sessions ended and not released yet (AgentStatus.sessions_releasing,
   // oldest_release_wait_ms); null: not reported.
   const SessionReleases* releases = nullptr;
+  // The session socket (AgentStatus.sessions_refused_releasing); null: not reported.
+  const SessionServer* session_server = nullptr;
 };
 
 // Identifies the caller of a call that came through `door`: UNAUTHENTICATED when it

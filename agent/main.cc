@@ -52,7 +52,8 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --local-socket-group GROUP  group of both sockets (name or gid); with mode 0660 its
                               members may attach
   --local-socket-mode OCTAL   mode of both sockets (default 0660)
-  --max-sessions N            local sessions attached at once (default 1024)
+  --max-sessions N            local sessions attached at once (default 1024); those
+                              ended whose regions are not released yet count too
   --listen HOST:PORT          the network door, mutual TLS only (needs --tls-cert,
                               --tls-key, --tls-ca); port 0 picks one. Default: none
   --tls-cert PATH             this agent's certificate (PEM); its DNS name or CN must be

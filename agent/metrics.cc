@@ -246,6 +246,10 @@ std::string RenderMetrics(const MetricsSources& sources) {
   Family(&out, "kvagent_oldest_release_wait_seconds", "gauge",
          "Since the oldest ended session whose regions are not released yet ended.")
       .Sample(status.oldest_release_wait_ms() / 1000.0);
+  Family(&out, "kvagent_sessions_refused_releasing_total", "counter",
+         "Sessions refused because those attached and those ended whose regions are not "
+         "released yet reached --max-sessions.")
+      .Sample(static_cast<double>(status.sessions_refused_releasing()));
   Family(&out, "kvagent_queued_notification_bytes", "gauge",
          "Bytes of the notifications waiting for a client.")
       .Sample(static_cast<double>(status.queued_notification_bytes()));

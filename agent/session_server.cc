@@ -216,16 +216,31 @@ void SessionServer::AcceptAll() {
       kLog.Warn("refused a connection on {}: {}", options_.path, credentials.status());
       continue;
     }
-    if (connections_.size() >= options_.max_sessions) {
-      Refuse(std::move(connection_fd), *credentials,
-             absl::ResourceExhaustedError(fmt::format(
-                 "{} sessions attached{}, the limit of --max-sessions ({}); detach unused "
-                 "engines or raise --max-sessions",
-                 connections_.size() - waiting_.size(),
-                 waiting_.empty() ? std::string()
-                                  : fmt::format(" and {} connections waiting for their hello",
-                                                waiting_.size()),
-                 options_.max_sessions)));
+    // Ended sessions not released yet still hold their regions: they count too.
+    const uint64_t releasing = options_.releasing ? options_.releasing() : 0;
+    if (connections_.size() + releasing >= options_.max_sessions) {
+      const size_t attached = connections_.size() - waiting_.size();
+      const std::string waiting =
+          waiting_.empty()
+              ? std::string()
+              : fmt::format(" and {} connections waiting for their hello", waiting_.size());
+      if (connections_.size() >= options_.max_sessions) {
+        Refuse(std::move(connection_fd), *credentials,
+               absl::ResourceExhaustedError(fmt::format(
+                   "{} sessions attached{}, the limit of --max-sessions ({}); detach unused "
+                   "engines or raise --max-sessions",
+                   attached, waiting, options_.max_sessions)));
+      } else {
+        releasing_refusals_.fetch_add(1, std::memory_order_relaxed);
+        Refuse(std::move(connection_fd), *credentials,
+               absl::ResourceExhaustedError(fmt::format(
+                   "{} sessions attached{} and {} ended sessions whose regions are not "
+                   "released yet reach the limit of --max-sessions ({}): an ended session "
+                   "holds its regions until the agent releases them, and releases wait "
+                   "behind registrations holding the registry (while they map and register "
+                   "memory); retry shortly, or raise --max-sessions",
+                   attached, waiting, releasing, options_.max_sessions)));
+      }
       continue;
     }
     epoll_event event{};

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -63,6 +64,11 @@ struct SessionServerOptions {
   // are bounded too: per uid (MaxWaitingPerUid), all uids together (MaxWaitingInAll)
   // and in time (kHelloDeadline).
   uint32_t max_sessions = 1024;
+  // Sessions that ended and whose regions are not released yet (the agent's
+  // SessionReleases): they count against max_sessions too, since each still holds its
+  // regions. Called on the server's thread for each connection; must not block (it
+  // takes only the release queue's own mutex). Empty: none are counted.
+  std::function<uint64_t()> releasing;
 };
 
 // A connection must send its hello within this long or it is closed: connections
@@ -104,6 +110,12 @@ class SessionServer {
   // waiting for their hello, or closed because all uids had MaxWaitingInAll() and they
   // had waited longest, since the start.
   uint64_t waiting_refusals() const { return waiting_refusals_.load(std::memory_order_relaxed); }
+  // Connections refused because the sessions attached (and connections waiting for
+  // their hello) and the ended sessions not released yet reached max_sessions, while
+  // the attached alone had not, since the start.
+  uint64_t releasing_refusals() const {
+    return releasing_refusals_.load(std::memory_order_relaxed);
+  }
   const std::string& path() const { return options_.path; }
 
  private:
@@ -147,6 +159,7 @@ class SessionServer {
   std::atomic<size_t> sessions_{0};
   std::atomic<uint64_t> hello_timeouts_{0};
   std::atomic<uint64_t> waiting_refusals_{0};
+  std::atomic<uint64_t> releasing_refusals_{0};
 
   // Touched by the server's thread only (and by Stop after it joined).
   std::unordered_map<int, std::unique_ptr<Connection>> connections_;

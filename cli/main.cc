@@ -235,8 +235,14 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
           ? ""
           : fmt::format(", {} ended and not released yet (the oldest ended {} ms ago)",
                         s.sessions_releasing(), s.oldest_release_wait_ms());
-  std::printf("sessions     %lu attached%s\n", static_cast<unsigned long>(s.sessions()),
-              releasing.c_str());
+  // And new ones refused while those counted against --max-sessions, when some were.
+  const std::string refused =
+      s.sessions_refused_releasing() == 0
+          ? ""
+          : fmt::format(", {} refused while ended ones counted against --max-sessions",
+                        s.sessions_refused_releasing());
+  std::printf("sessions     %lu attached%s%s\n", static_cast<unsigned long>(s.sessions()),
+              releasing.c_str(), refused.c_str());
   std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors, "
               "%lu closed by their session's request\n",
               static_cast<unsigned long>(s.fast_path_rings()),

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -1293,6 +1294,89 @@ TEST_CASE("a session that ends while another engine registers a large pool holds
   CHECK(regions == kRegions);
 }
 
+// Engines that keep the registry's writer lock busy: each registers 16,384 regions of
+// 4 KiB (--max-regions-per-owner) of one allocation in one call, then deregisters them,
+// back to back until Stop. The lock covers each region's mapping and UCX registration
+// (about 0.3 s a batch here), so a session that ends meanwhile waits in the releaser's
+// queue. Each registrar is an attached session of its own.
+class BusyRegistry {
+ public:
+  static constexpr int kRegistrars = 2;
+  static constexpr uint64_t kRegionBytes = 4096;
+  static constexpr int kRegions = 16384;
+
+  explicit BusyRegistry(const std::string& address) {
+    for (int k = 0; k < kRegistrars; ++k) {
+      registrars_.push_back(Client(address, 120000));
+      auto memory = Require(registrars_[k]->AllocateMemory(fmt::format("many{}", k),
+                                                           kRegions * kRegionBytes),
+                            "allocating a registrar's memory");
+      for (int r = 0; r < kRegions; ++r) {
+        auto* spec = batches_[k].add_regions();
+        spec->set_name(fmt::format("many{}.{}", k, r));
+        spec->set_kind(v1::KV);
+        spec->set_memory(v1::DRAM);
+        spec->set_length(kRegionBytes);
+        spec->mutable_layout()->set_num_items(1);
+        spec->mutable_layout()->set_item_bytes(kRegionBytes);
+        spec->mutable_shm()->set_memory_handle(memory.info.handle());
+        spec->mutable_shm()->set_offset(r * kRegionBytes);
+        names_[k].push_back(spec->name());
+      }
+    }
+    for (int k = 0; k < kRegistrars; ++k) {
+      threads_.emplace_back([this, k] {
+        while (!stop_ && failures_[k].ok()) {
+          failures_[k] = registrars_[k]->Register(batches_[k]).status();
+          if (failures_[k].ok()) failures_[k] = registrars_[k]->Deregister(names_[k]).status();
+          ++registrations_;
+        }
+      });
+    }
+  }
+  ~BusyRegistry() { Join(); }
+
+  // Stops the registrars once their batch in progress is done, and checks that none
+  // failed. Their sessions stay attached until this is destroyed.
+  void Stop() {
+    Join();
+    for (int k = 0; k < kRegistrars; ++k) {
+      INFO("registrar " << k << ": " << failures_[k]);
+      CHECK(failures_[k].ok());
+    }
+  }
+  int registrations() const { return registrations_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> registrations_{0};
+  std::vector<absl::Status> failures_ = std::vector<absl::Status>(kRegistrars);
+  std::vector<std::unique_ptr<cli::AgentClient>> registrars_;
+  std::vector<v1::RegisterRegionsRequest> batches_ =
+      std::vector<v1::RegisterRegionsRequest>(kRegistrars);
+  std::vector<std::vector<std::string>> names_ =
+      std::vector<std::vector<std::string>>(kRegistrars);
+  void Join() {
+    stop_ = true;
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  std::vector<std::thread> threads_;
+};
+
+// GetStatus through `watcher` once no ended session waits for its release (or after
+// 10 s, for the caller to check).
+v1::AgentStatus AwaitReleased(cli::AgentClient& watcher) {
+  v1::AgentStatus status;
+  for (int i = 0; i < 400; ++i) {
+    status = Require(watcher.Status(), "status while releases finish");
+    if (status.sessions_releasing() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return status;
+}
+
 // GetStatus counts the sessions that ended and whose regions are not released yet
 // (sessions_releasing) and the oldest one's wait, and answers while the releases wait:
 // it reads neither the registry's writer lock nor the releaser's progress. Registrations
@@ -1307,53 +1391,8 @@ TEST_CASE("GetStatus counts ended sessions whose release waits behind registrati
   CHECK(idle.sessions_releasing() == 0);
   CHECK(idle.oldest_release_wait_ms() == 0);
 
-  // Each registrar registers 16,384 regions of 4 KiB (--max-regions-per-owner) of one
-  // allocation in one call, then deregisters them, until told to stop.
-  constexpr int kRegistrars = 2;
-  constexpr uint64_t kRegionBytes = 4096;
-  constexpr int kRegions = 16384;
-  std::atomic<bool> stop{false};
-  std::atomic<int> registrations{0};
-  std::vector<absl::Status> failures(kRegistrars);
-  std::vector<std::unique_ptr<cli::AgentClient>> registrars;
-  std::vector<v1::RegisterRegionsRequest> batches(kRegistrars);
-  std::vector<std::vector<std::string>> names(kRegistrars);
-  for (int k = 0; k < kRegistrars; ++k) {
-    registrars.push_back(Client(agent.address(), 120000));
-    auto memory = Require(registrars[k]->AllocateMemory(fmt::format("many{}", k),
-                                                        kRegions * kRegionBytes),
-                          "allocating a registrar's memory");
-    for (int r = 0; r < kRegions; ++r) {
-      auto* spec = batches[k].add_regions();
-      spec->set_name(fmt::format("many{}.{}", k, r));
-      spec->set_kind(v1::KV);
-      spec->set_memory(v1::DRAM);
-      spec->set_length(kRegionBytes);
-      spec->mutable_layout()->set_num_items(1);
-      spec->mutable_layout()->set_item_bytes(kRegionBytes);
-      spec->mutable_shm()->set_memory_handle(memory.info.handle());
-      spec->mutable_shm()->set_offset(r * kRegionBytes);
-      names[k].push_back(spec->name());
-    }
-  }
-  std::vector<std::thread> threads;
-  for (int k = 0; k < kRegistrars; ++k) {
-    threads.emplace_back([&, k] {
-      while (!stop && failures[k].ok()) {
-        failures[k] = registrars[k]->Register(batches[k]).status();
-        if (failures[k].ok()) failures[k] = registrars[k]->Deregister(names[k]).status();
-        ++registrations;
-      }
-    });
-  }
-  struct Joiner {
-    std::vector<std::thread>& threads;
-    std::atomic<bool>& stop;
-    ~Joiner() {
-      stop = true;
-      for (std::thread& t : threads) t.join();
-    }
-  } joiner{threads, stop};
+  BusyRegistry busy(agent.address());
+  constexpr int kRegions = BusyRegistry::kRegions;
 
   // Sessions end while they run, two at a time (short-lived clients, as `kvagentctl
   // status` is), each with a small pool of its own: the releaser takes the first and
@@ -1415,13 +1454,7 @@ TEST_CASE("GetStatus counts ended sessions whose release waits behind registrati
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
-  stop = true;
-  for (std::thread& t : threads) t.join();
-  threads.clear();
-  for (int k = 0; k < kRegistrars; ++k) {
-    INFO("registrar " << k << ": " << failures[k]);
-    CHECK(failures[k].ok());
-  }
+  busy.Stop();
   uint64_t most = 0, longest = 0;
   for (const Sample& sample : samples) {
     most = std::max(most, sample.releasing);
@@ -1429,20 +1462,100 @@ TEST_CASE("GetStatus counts ended sessions whose release waits behind registrati
   }
   std::printf("%d sessions ended while %d registrations of %d regions ran; GetStatus asked %zu "
               "times: at most %lu ended sessions not released yet, the oldest waiting %lu ms\n",
-              ended, registrations.load(), kRegions, samples.size(),
+              ended, busy.registrations(), kRegions, samples.size(),
               static_cast<unsigned long>(most), static_cast<unsigned long>(longest));
   CHECK(seen_pair);
   CHECK(seen_growing);
 
   // Once the registrations stopped, every release ends and the gauge is back to 0.
-  v1::AgentStatus after;
-  for (int i = 0; i < 200; ++i) {
-    after = Require(watcher->Status(), "status after");
-    if (after.sessions_releasing() == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  const v1::AgentStatus after = AwaitReleased(*watcher);
   CHECK(after.sessions_releasing() == 0);
   CHECK(after.oldest_release_wait_ms() == 0);
+}
+
+// Sessions that ended and whose regions are not released yet count against
+// --max-sessions with those attached: each still holds its regions (registered and
+// mapped) until the releaser, waiting behind registrations that hold the registry,
+// deregisters them. Opening and closing sessions meanwhile fills the slots; the next
+// one is refused naming both counts and the flag, counted in GetStatus, the sessions
+// attached go on working, and once the releases finished sessions are accepted again.
+TEST_CASE("sessions ended and not released yet count against --max-sessions") {
+  using Clock = std::chrono::steady_clock;
+  constexpr uint64_t kLimit = 5;
+  const std::string dir = MakeWorkDir("fullreleasing");
+  cli::DaemonProcess agent = StartAgent(dir, "fullreleasing", cli::NetworkDoor::kNone, {},
+                                        {"--max-sessions", std::to_string(kLimit)});
+  auto watcher = Client(agent.address(), kLocalMs);
+  REQUIRE(Require(watcher->Status(), "status before").sessions() == 1);
+  BusyRegistry busy(agent.address());
+  constexpr uint64_t kAttached = 1 + BusyRegistry::kRegistrars;  // the watcher, registrars
+  REQUIRE(Require(watcher->Status(), "status with the registrars").sessions() == kAttached);
+
+  // Brief sessions (a GetStatus each, as `kvagentctl status`) open and close one after
+  // another, each once the last one's close was seen, until one is refused: the
+  // attached ones leave kLimit - kAttached slots, and each ended session takes one
+  // until its release (behind the registrations) finished.
+  std::optional<absl::Status> refused;
+  int accepted = 0;
+  uint64_t most_releasing = 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (!refused.has_value() && Clock::now() < deadline) {
+    auto brief = Client(agent.address(), kLocalMs);
+    absl::StatusOr<v1::AgentStatus> seen = brief->Status();
+    if (!seen.ok()) {
+      refused = seen.status();
+      break;
+    }
+    ++accepted;
+    // It was let in only with a slot free; none opened since.
+    CHECK(seen->sessions() + seen->sessions_releasing() <= kLimit);
+    brief.reset();  // its session closes here
+    for (int i = 0; i < 400; ++i) {
+      const v1::AgentStatus status = Require(watcher->Status(), "status after a brief session");
+      most_releasing = std::max(most_releasing, status.sessions_releasing());
+      if (status.sessions() == kAttached) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  INFO(accepted << " brief sessions accepted, at most " << most_releasing
+                << " ended ones not released at once");
+  REQUIRE(refused.has_value());
+  std::printf("after %d brief sessions (at most %lu ended and not released at once), one "
+              "refused: %s\n",
+              accepted, static_cast<unsigned long>(most_releasing), refused->ToString().c_str());
+  CHECK(refused->code() == absl::StatusCode::kResourceExhausted);
+  const std::string text = Text(*refused);
+  CHECK_THAT(text, Contains("ended sessions whose regions are not released yet reach the limit "
+                            "of --max-sessions (5)") &&
+                       Contains("releases wait behind registrations holding the registry") &&
+                       Contains("retry shortly, or raise --max-sessions"));
+  std::smatch counts;
+  REQUIRE(std::regex_search(text, counts,
+                            std::regex("([0-9]+) sessions attached and ([0-9]+) ended sessions")));
+  const uint64_t attached = std::stoull(counts[1]);
+  const uint64_t releasing = std::stoull(counts[2]);
+  CHECK(attached < kLimit);
+  CHECK(releasing >= 1);
+  CHECK(attached + releasing == kLimit);
+
+  // The sessions attached are untouched: the watcher's (and the registrars', checked
+  // when they stop) calls go on; the refusal is counted.
+  const v1::AgentStatus during = Require(watcher->Status(), "status after the refusal");
+  CHECK(during.sessions() == kAttached);
+  CHECK(during.sessions_refused_releasing() == 1);
+  const int registrations = busy.registrations();
+  for (int i = 0; i < 400 && busy.registrations() < registrations + 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  CHECK(busy.registrations() >= registrations + 2);
+
+  // Once the registrations stopped, every release ends and sessions are accepted again.
+  busy.Stop();
+  REQUIRE(AwaitReleased(*watcher).sessions_releasing() == 0);
+  auto newcomer = Client(agent.address(), kLocalMs);
+  const v1::AgentStatus accepted_again = Require(newcomer->Status(), "a new session after");
+  CHECK(accepted_again.sessions() == kAttached + 1);
+  CHECK(accepted_again.sessions_refused_releasing() == 1);
 }
 
 }  // namespace

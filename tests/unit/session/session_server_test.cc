@@ -348,6 +348,29 @@ TEST_CASE("A refused hello is the handler's status; no session, no OnClose") {
   CHECK(f.Attach("welcome")->welcome().session_id() == 2);
 }
 
+TEST_CASE("Sessions ended and not released yet count against --max-sessions") {
+  std::atomic<uint64_t> releasing{2};
+  SessionServerOptions options;
+  options.max_sessions = 3;
+  options.releasing = [&releasing] { return releasing.load(); };
+  Fixture f(options);
+  auto a = f.Attach("a");
+  auto refused = LocalSession::Attach(f.path(), "b");
+  REQUIRE(refused.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(Message(refused.status()),
+             Catch::Contains("1 sessions attached and 2 ended sessions whose regions are not "
+                             "released yet reach the limit of --max-sessions (3)") &&
+                 Catch::Contains("retry shortly, or raise --max-sessions"));
+  CHECK(f.server->releasing_refusals() == 1);
+  CHECK(f.server->sessions() == 1);
+  // One released: room again; the attached one was never touched.
+  releasing = 1;
+  auto c = f.Attach("c");
+  CHECK(c->welcome().agent() == "test-agent");
+  CHECK(f.server->sessions() == 2);
+  CHECK(f.server->releasing_refusals() == 1);
+}
+
 TEST_CASE("Connections over --max-sessions are refused with RESOURCE_EXHAUSTED") {
   SessionServerOptions options;
   options.max_sessions = 2;
