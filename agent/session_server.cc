@@ -394,8 +394,15 @@ void SessionServer::Refuse(UniqueFd fd, const PeerCredentials& credentials,
   reply.set_seq(seq);
   SetError(&reply, reason);
   (void)client::SendMessage(fd.get(), reply, {});  // best effort: it is closed either way
-  kLog.Warn("refused a connection on {} from {}: {}", options_.path, Describe(credentials),
-            reason.message());
+  // A client retrying in a loop is refused as often as it connects: a few lines a
+  // second, the rest counted into the next one written.
+  const uint64_t total = ++accept_refusals_;
+  uint64_t skipped = 0;
+  if (!refusal_log_budget_.Take(&skipped)) return;
+  kLog.Warn("refused a connection on {} from {}: {} ({} refused as they connected in all{})",
+            options_.path, Describe(credentials), reason.message(), total,
+            skipped == 0 ? std::string()
+                         : fmt::format(", {} since the last such line not logged", skipped));
 }
 
 bool SessionServer::ServeReadable(Connection& connection) {

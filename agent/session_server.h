@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "agent/access.h"
 #include "base/unique_fd.h"
 #include "client/session_wire.h"
 #include "proto/kvagent.pb.h"
@@ -88,6 +89,9 @@ uint32_t MaxWaitingInAll(uint32_t max_sessions);
 
 class SessionServer {
  public:
+  // Lines a second logged for connections refused as they connect (the rest are
+  // counted into the next line).
+  static constexpr int kRefusalLinesPerSecond = 5;
   // Creates the socket (see agent/unix_listener.h: stale sockets are replaced, live
   // ones and other files refused) and starts the thread. `handler` must outlive the
   // server.
@@ -173,6 +177,9 @@ class SessionServer {
   uint64_t timeouts_not_logged_ = 0;
   std::chrono::steady_clock::time_point last_refusal_log_{};
   uint64_t refusals_not_logged_ = 0;
+  // Connections refused as they were accepted (Refuse), and the budget of their lines.
+  uint64_t accept_refusals_ = 0;
+  LogBudget refusal_log_budget_{kRefusalLinesPerSecond};
 };
 
 

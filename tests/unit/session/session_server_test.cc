@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -396,6 +397,76 @@ TEST_CASE("Connections over --max-sessions are refused with RESOURCE_EXHAUSTED")
   CHECK(f.Attach("d")->welcome().agent() == "test-agent");
 }
 
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// This process's stderr (the agent's log) goes to a file while it lives.
+class StderrToFile {
+ public:
+  explicit StderrToFile(const std::string& path) : saved_(dup(STDERR_FILENO)) {
+    std::fflush(stderr);
+    UniqueFd file(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    REQUIRE(file.valid());
+    REQUIRE(dup2(file.get(), STDERR_FILENO) == STDERR_FILENO);
+  }
+  ~StderrToFile() {
+    std::fflush(stderr);
+    dup2(saved_.get(), STDERR_FILENO);
+  }
+
+ private:
+  UniqueFd saved_;
+};
+
+size_t Occurrences(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+TEST_CASE("A client refused in a loop gets a few log lines a second, the rest counted") {
+  SessionServerOptions options;
+  options.max_sessions = 1;
+  Fixture f(options);
+  auto attached = f.Attach("a");
+  TempDir dir;
+  const std::string log_path = dir.path() + "/refusals.log";
+  constexpr int kFlood = 300;
+  {
+    StderrToFile capture(log_path);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kFlood; ++i) {
+      UniqueFd raw = RawConnect(f.path());
+      Transcript t = ReadUntilClosed(raw.get());
+      REQUIRE(t.replies.size() == 1);
+      REQUIRE(t.replies[0].error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // The next second: one more refusal's line says how many were not logged.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+    UniqueFd raw = RawConnect(f.path());
+    CHECK(ReadUntilClosed(raw.get()).closed);
+    const std::string log = ReadFile(log_path);
+    const size_t lines = Occurrences(log, "refused a connection on");
+    INFO("log:\n" << log << "\n" << kFlood << " refused in " << seconds << " s");
+    // At most kRefusalLinesPerSecond in each wall-clock second the flood touched, and
+    // the one after.
+    CHECK(lines <= static_cast<size_t>(SessionServer::kRefusalLinesPerSecond) *
+                       (static_cast<size_t>(seconds) + 3));
+    CHECK(lines >= 2);
+    CHECK(Occurrences(log, fmt::format("({} refused as they connected in all, ", kFlood + 1)) == 1);
+    CHECK(Occurrences(log, "since the last such line not logged") >= 1);
+  }
+  // The attached session was never touched.
+  CHECK(f.server->sessions() == 1);
+  CHECK(attached->welcome().agent() == "test-agent");
+}
 
 TEST_CASE("What is already at the socket path: stale sockets go, live ones and files stay") {
   TempDir dir;
