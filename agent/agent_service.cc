@@ -615,6 +615,9 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   }
   if (deps.session_server != nullptr) {
     status->set_sessions_refused_releasing(deps.session_server->releasing_refusals());
+    status->set_sessions_hello_timeouts(deps.session_server->hello_timeouts());
+    status->set_sessions_refused_waiting(deps.session_server->waiting_refusals());
+    status->set_sessions_refused_connecting(deps.session_server->accept_refusals());
   }
   status->set_refused_calls(deps.counters->refused_calls.load());
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load());

@@ -87,7 +87,8 @@ struct ServiceDeps {
   // Local sessions ended and not released yet (AgentStatus.sessions_releasing,
   // oldest_release_wait_ms); null: not reported.
   const SessionReleases* releases = nullptr;
-  // The session socket (AgentStatus.sessions_refused_releasing); null: not reported.
+  // The session socket (AgentStatus.sessions_refused_releasing, sessions_hello_timeouts,
+  // sessions_refused_waiting, sessions_refused_connecting); null: not reported.
   const SessionServer* session_server = nullptr;
 };
 

@@ -246,10 +246,31 @@ std::string RenderMetrics(const MetricsSources& sources) {
   Family(&out, "kvagent_oldest_release_wait_seconds", "gauge",
          "Since the oldest ended session whose regions are not released yet ended.")
       .Sample(status.oldest_release_wait_ms() / 1000.0);
-  Family(&out, "kvagent_sessions_refused_releasing_total", "counter",
-         "Sessions refused because those attached and those ended whose regions are not "
-         "released yet reached --max-sessions.")
-      .Sample(static_cast<double>(status.sessions_refused_releasing()));
+  // The session socket's refusals.
+  const struct {
+    const char* name;
+    const char* help;
+    uint64_t value;
+  } session_counters[] = {
+      {"kvagent_sessions_refused_releasing_total",
+       "Sessions refused because those attached and those ended whose regions are not "
+       "released yet reached --max-sessions.",
+       status.sessions_refused_releasing()},
+      {"kvagent_sessions_hello_timeouts_total",
+       "Session socket connections closed because they sent no hello within 5 s.",
+       status.sessions_hello_timeouts()},
+      {"kvagent_sessions_refused_waiting_total",
+       "Session socket connections closed over the bounds of connections waiting for their "
+       "hello (per uid, all uids together).",
+       status.sessions_refused_waiting()},
+      {"kvagent_sessions_refused_connecting_total",
+       "Session socket connections refused as they connected: over --max-sessions, out of "
+       "descriptors, or epoll failed.",
+       status.sessions_refused_connecting()},
+  };
+  for (const auto& c : session_counters) {
+    Family(&out, c.name, "counter", c.help).Sample(static_cast<double>(c.value));
+  }
   Family(&out, "kvagent_queued_notification_bytes", "gauge",
          "Bytes of the notifications waiting for a client.")
       .Sample(static_cast<double>(status.queued_notification_bytes()));

@@ -396,7 +396,7 @@ void SessionServer::Refuse(UniqueFd fd, const PeerCredentials& credentials,
   (void)client::SendMessage(fd.get(), reply, {});  // best effort: it is closed either way
   // A client retrying in a loop is refused as often as it connects: a few lines a
   // second, the rest counted into the next one written.
-  const uint64_t total = ++accept_refusals_;
+  const uint64_t total = accept_refusals_.fetch_add(1, std::memory_order_relaxed) + 1;
   uint64_t skipped = 0;
   if (!refusal_log_budget_.Take(&skipped)) return;
   kLog.Warn("refused a connection on {} from {}: {} ({} refused as they connected in all{})",

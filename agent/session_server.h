@@ -120,6 +120,10 @@ class SessionServer {
   uint64_t releasing_refusals() const {
     return releasing_refusals_.load(std::memory_order_relaxed);
   }
+  // Connections refused as they connected, since the start: over max_sessions with the
+  // sessions attached alone or with the ended ones not released yet (releasing_refusals
+  // counts those too), out of descriptors, or epoll failed.
+  uint64_t accept_refusals() const { return accept_refusals_.load(std::memory_order_relaxed); }
   const std::string& path() const { return options_.path; }
 
  private:
@@ -164,6 +168,7 @@ class SessionServer {
   std::atomic<uint64_t> hello_timeouts_{0};
   std::atomic<uint64_t> waiting_refusals_{0};
   std::atomic<uint64_t> releasing_refusals_{0};
+  std::atomic<uint64_t> accept_refusals_{0};  // written by Refuse, on the server's thread
 
   // Touched by the server's thread only (and by Stop after it joined).
   std::unordered_map<int, std::unique_ptr<Connection>> connections_;
@@ -177,8 +182,7 @@ class SessionServer {
   uint64_t timeouts_not_logged_ = 0;
   std::chrono::steady_clock::time_point last_refusal_log_{};
   uint64_t refusals_not_logged_ = 0;
-  // Connections refused as they were accepted (Refuse), and the budget of their lines.
-  uint64_t accept_refusals_ = 0;
+  // The budget of the lines for connections refused as they were accepted (Refuse).
   LogBudget refusal_log_budget_{kRefusalLinesPerSecond};
 };
 

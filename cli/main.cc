@@ -235,12 +235,23 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
           ? ""
           : fmt::format(", {} ended and not released yet (the oldest ended {} ms ago)",
                         s.sessions_releasing(), s.oldest_release_wait_ms());
-  // And new ones refused while those counted against --max-sessions, when some were.
-  const std::string refused =
-      s.sessions_refused_releasing() == 0
-          ? ""
-          : fmt::format(", {} refused while ended ones counted against --max-sessions",
-                        s.sessions_refused_releasing());
+  // And the session socket's refusals, each when there were some: new sessions refused
+  // while ended ones counted against --max-sessions, connections that sent no hello in
+  // time or were over the bounds of those waiting for it, and all refused as they
+  // connected (the first among them).
+  const struct {
+    uint64_t count;
+    const char* what;
+  } refusals[] = {
+      {s.sessions_refused_releasing(), "refused while ended ones counted against --max-sessions"},
+      {s.sessions_hello_timeouts(), "closed for no hello in time"},
+      {s.sessions_refused_waiting(), "closed over the bounds of connections waiting for a hello"},
+      {s.sessions_refused_connecting(), "refused as they connected"},
+  };
+  std::string refused;
+  for (const auto& r : refusals) {
+    if (r.count != 0) refused += fmt::format(", {} {}", r.count, r.what);
+  }
   std::printf("sessions     %lu attached%s%s\n", static_cast<unsigned long>(s.sessions()),
               releasing.c_str(), refused.c_str());
   std::printf("fast path    %lu rings, %lu entries taken, %lu rings closed for protocol errors, "

@@ -47,6 +47,8 @@
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
+#include "tests/integration/agent_pair.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/unit/catch_main.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -1018,7 +1020,7 @@ TEST_CASE("connections that never say hello cannot lock engines out of the sessi
   cli::DaemonProcess agent =
       StartAgent(dir, "guarded", cli::NetworkDoor::kNone, {},
                  {"--max-sessions", std::to_string(kMaxSessions), "--engine-uids",
-                  std::to_string(getuid())});
+                  std::to_string(getuid()), "--metrics-listen", "127.0.0.1:0"});
   const std::string session_path = agent.local_socket() + ".session";
   // An engine attached before the floods keeps its session through them.
   auto engine = Client(agent.address(), kLocalMs);
@@ -1087,6 +1089,46 @@ TEST_CASE("connections that never say hello cannot lock engines out of the sessi
   CHECK(full.sessions() == kMaxSessions);
   std::printf("after the flood: %lu sessions attached (--max-sessions %u)\n",
               static_cast<unsigned long>(full.sessions()), kMaxSessions);
+  // One more is refused as it connects: every slot is taken.
+  auto over = Client(agent.address(), kLocalMs);
+  CHECK(over->Status().status().code() == absl::StatusCode::kResourceExhausted);
+  over.reset();
+
+  // GetStatus counts each refusal of the session socket: per flood, those over the
+  // uid's share refused at once and its held ones closed for want of a hello; and the
+  // one refused as it connected.
+  const size_t floods = stranger.ok() ? 2 : 1;
+  const v1::AgentStatus counted = Require(engine->Status(), "status after the refusals");
+  CHECK(counted.sessions_refused_waiting() == floods * (kMaxSessions - kWaitingPerUid));
+  CHECK(counted.sessions_hello_timeouts() == floods * kWaitingPerUid);
+  CHECK(counted.sessions_refused_connecting() == 1);
+  CHECK(counted.sessions_refused_releasing() == 0);
+  // And so do the metrics.
+  const std::string metrics = Scrape(MetricsAddress(*engine));
+  CHECK(Value(metrics, "kvagent_sessions_refused_waiting_total") ==
+        floods * (kMaxSessions - kWaitingPerUid));
+  CHECK(Value(metrics, "kvagent_sessions_hello_timeouts_total") == floods * kWaitingPerUid);
+  CHECK(Value(metrics, "kvagent_sessions_refused_connecting_total") == 1);
+  CHECK(Value(metrics, "kvagent_sessions_refused_releasing_total") == 0);
+  // `kvagentctl status` prints them on its sessions line (it needs a slot: one engine
+  // detaches, and its release ends first).
+  engines.pop_back();
+  for (int i = 0; i < 400; ++i) {
+    const v1::AgentStatus status = Require(engine->Status(), "status after a detach");
+    if (status.sessions() < kMaxSessions && status.sessions_releasing() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  const absl::StatusOr<std::string> printed =
+      KvagentctlOutput({"--agent", agent.address(), "status"}, dir + "/status.txt");
+  INFO(printed.status() << "\n" << printed.value_or(""));
+  REQUIRE(printed.ok());
+  CHECK_THAT(*printed,
+             Contains(fmt::format(", {} closed for no hello in time", floods * kWaitingPerUid)) &&
+                 Contains(fmt::format(", {} closed over the bounds of connections waiting for "
+                                      "a hello",
+                                      floods * (kMaxSessions - kWaitingPerUid))) &&
+                 Contains(", 1 refused as they connected"));
+  CHECK_THAT(*printed, !Contains("refused while ended ones counted"));
 
   // The first engine's session and its regions were never touched.
   auto regions = Require(engine->Regions(), "the first engine's regions");
@@ -1097,7 +1139,6 @@ TEST_CASE("connections that never say hello cannot lock engines out of the sessi
   const size_t timeout_lines = CountOf(log, "that sent no hello within 5 s");
   std::printf("agent's log: %zu refusal line(s), %zu timeout line(s)\n", refusal_lines,
               timeout_lines);
-  const size_t floods = stranger.ok() ? 2 : 1;
   CHECK(refusal_lines == floods);
   CHECK(timeout_lines == floods);
   std::istringstream lines(log);

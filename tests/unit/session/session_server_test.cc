@@ -363,6 +363,7 @@ TEST_CASE("Sessions ended and not released yet count against --max-sessions") {
                              "released yet reach the limit of --max-sessions (3)") &&
                  Catch::Contains("retry shortly, or raise --max-sessions"));
   CHECK(f.server->releasing_refusals() == 1);
+  CHECK(f.server->accept_refusals() == 1);  // refused as it connected, too
   CHECK(f.server->sessions() == 1);
   // One released: room again; the attached one was never touched.
   releasing = 1;
@@ -370,6 +371,7 @@ TEST_CASE("Sessions ended and not released yet count against --max-sessions") {
   CHECK(c->welcome().agent() == "test-agent");
   CHECK(f.server->sessions() == 2);
   CHECK(f.server->releasing_refusals() == 1);
+  CHECK(f.server->accept_refusals() == 1);
 }
 
 TEST_CASE("Connections over --max-sessions are refused with RESOURCE_EXHAUSTED") {
@@ -382,6 +384,8 @@ TEST_CASE("Connections over --max-sessions are refused with RESOURCE_EXHAUSTED")
   REQUIRE(c.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(Message(c.status()), Catch::Contains("2 sessions attached"));
   CHECK_THAT(Message(c.status()), Catch::Contains("--max-sessions (2)"));
+  CHECK(f.server->accept_refusals() == 1);
+  CHECK(f.server->releasing_refusals() == 0);
 
   // A raw client gets the refusal too, then the end of the stream.
   UniqueFd raw = RawConnect(f.path());
@@ -390,11 +394,31 @@ TEST_CASE("Connections over --max-sessions are refused with RESOURCE_EXHAUSTED")
   CHECK(t.closed);
   REQUIRE(t.replies.size() == 1);
   CHECK(t.replies[0].error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
+  CHECK(f.server->accept_refusals() == 2);
 
   const uint64_t a_id = a->welcome().session_id();
   a.reset();
   REQUIRE(WaitFor([&] { return f.handler.closed(a_id); }));
   CHECK(f.Attach("d")->welcome().agent() == "test-agent");
+  CHECK(f.server->accept_refusals() == 2);
+}
+
+TEST_CASE("A connection over its uid's share of those waiting for a hello is counted apart") {
+  SessionServerOptions options;
+  options.max_sessions = 4;  // one connection waiting for its hello per uid
+  Fixture f(options);
+  UniqueFd waiting = RawConnect(f.path());  // accepted first: the backlog is in order
+  // The second one that sends nothing is refused at once, counted with the bounds of
+  // those waiting for their hello, not with those refused as they connected.
+  UniqueFd over = RawConnect(f.path());
+  Transcript t = ReadUntilClosed(over.get());
+  CHECK(t.closed);
+  REQUIRE(t.replies.size() == 1);
+  CHECK(t.replies[0].error_code() == static_cast<int>(absl::StatusCode::kResourceExhausted));
+  CHECK_THAT(t.replies[0].error_message(), Catch::Contains("the bound per uid (1"));
+  CHECK(f.server->waiting_refusals() == 1);
+  CHECK(f.server->accept_refusals() == 0);
+  CHECK(f.server->hello_timeouts() == 0);
 }
 
 
@@ -463,7 +487,8 @@ TEST_CASE("A client refused in a loop gets a few log lines a second, the rest co
     CHECK(Occurrences(log, fmt::format("({} refused as they connected in all, ", kFlood + 1)) == 1);
     CHECK(Occurrences(log, "since the last such line not logged") >= 1);
   }
-  // The attached session was never touched.
+  // Each was counted. The attached session was never touched.
+  CHECK(f.server->accept_refusals() == kFlood + 1);
   CHECK(f.server->sessions() == 1);
   CHECK(attached->welcome().agent() == "test-agent");
 }
