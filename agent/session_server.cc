@@ -349,6 +349,8 @@ int SessionServer::CloseOverdueHellos() {
   while (!waiting_.empty() && waiting_.begin()->first + kHelloDeadline <= now + kOverdueSlack) {
     Connection& connection = *connections_.at(waiting_.begin()->second);
     uids.insert(connection.credentials.uid);
+    // Counted before the client hears of it.
+    hello_timeouts_.fetch_add(1, std::memory_order_relaxed);
     v1::SessionReply reply;
     SetError(&reply, absl::DeadlineExceededError(why));
     (void)client::SendMessage(connection.fd.get(), reply, {});  // best effort: closing anyway
@@ -356,7 +358,7 @@ int SessionServer::CloseOverdueHellos() {
     ++closed;
   }
   if (closed > 0) {
-    const uint64_t total = hello_timeouts_.fetch_add(closed, std::memory_order_relaxed) + closed;
+    const uint64_t total = hello_timeouts_.load(std::memory_order_relaxed);
     if (now - last_timeout_log_ >= kFloodLogInterval) {
       std::string from;
       for (uid_t uid : uids) from += fmt::format("{}{}", from.empty() ? "" : ", ", uid);
@@ -390,13 +392,15 @@ void SessionServer::Refuse(UniqueFd fd, const PeerCredentials& credentials,
     if (!client::ReceiveMessage(fd.get(), &request, &fds, 0).ok()) break;
     if (request.has_hello()) seq = request.seq();
   }
+  // Counted before the client hears of it: one that reads the count after its refusal
+  // sees it.
+  const uint64_t total = accept_refusals_.fetch_add(1, std::memory_order_relaxed) + 1;
   v1::SessionReply reply;
   reply.set_seq(seq);
   SetError(&reply, reason);
   (void)client::SendMessage(fd.get(), reply, {});  // best effort: it is closed either way
   // A client retrying in a loop is refused as often as it connects: a few lines a
   // second, the rest counted into the next one written.
-  const uint64_t total = accept_refusals_.fetch_add(1, std::memory_order_relaxed) + 1;
   uint64_t skipped = 0;
   if (!refusal_log_budget_.Take(&skipped)) return;
   kLog.Warn("refused a connection on {} from {}: {} ({} refused as they connected in all{})",
