@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -793,20 +794,25 @@ void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& re
   // Submits and, when asked to wait, answers with the final state instead. Called at
   // once (the usual case: the caller is borrowed, not copied) or after a refresh
   // (with a copy the refresh's callback owns).
-  auto submit = [engine, &request, wait, &deps](const Caller& caller, SubmitDone done) {
+  // Submits and answers `done`, unless `unknown_remote` is given and the chunk was
+  // refused for naming a remote group or region the peer's catalog lacks: then `done`
+  // comes back unanswered (the refusal was not counted), for a submit after a refresh.
+  auto submit = [engine, &request, wait, &deps](const Caller& caller, SubmitDone done,
+                                                bool* unknown_remote) -> std::optional<SubmitDone> {
     // With wait the accepted state is not wanted (the answer is the final one), so it
     // is not copied (issue 15: the fast path's last chunk).
     if (!wait) {
       v1::TransferState accepted;
-      absl::Status submitted = engine->Submit(request, caller, &accepted);
+      absl::Status submitted = engine->Submit(request, caller, &accepted, nullptr, unknown_remote);
       if (!submitted.ok()) {
+        if (unknown_remote != nullptr && *unknown_remote) return done;
         if (deps.transfer_metrics != nullptr) deps.transfer_metrics->SubmitRefused(submitted.code());
         done(submitted, v1::TransferState::default_instance());
-        return;
+        return std::nullopt;
       }
       // The engine counts its outcome in the metrics when it ends.
       done(absl::OkStatus(), accepted);
-      return;
+      return std::nullopt;
     }
     // Answers with the final state: the engine takes the watcher as it accepts the
     // chunk, and calls it when the transfer ends (at once, under its lock, if it has:
@@ -816,20 +822,23 @@ void SubmitTransfer(const ServiceDeps& deps, const v1::SubmitTransferRequest& re
       void operator()(const v1::TransferState& s) const { done(absl::OkStatus(), s); }
     };
     TransferEngine::Watcher at_end = AnswerAtEnd{std::move(done)};
-    absl::Status submitted = engine->Submit(request, caller, nullptr, &at_end);
+    absl::Status submitted = engine->Submit(request, caller, nullptr, &at_end, unknown_remote);
     if (!submitted.ok()) {
+      SubmitDone& unanswered = at_end.target<AnswerAtEnd>()->done;
+      if (unknown_remote != nullptr && *unknown_remote) return std::move(unanswered);
       if (deps.transfer_metrics != nullptr) deps.transfer_metrics->SubmitRefused(submitted.code());
-      at_end.target<AnswerAtEnd>()->done(submitted, v1::TransferState::default_instance());
+      unanswered(submitted, v1::TransferState::default_instance());
     }
+    return std::nullopt;
   };
-  if (!engine->NamesUnknownRemote(request)) {
-    submit(caller, std::move(done));
-    return;
-  }
-  // The peer may have registered it after our last poll: look again, then submit.
+  bool unknown_remote = false;
+  std::optional<SubmitDone> again = submit(caller, std::move(done), &unknown_remote);
+  if (!again.has_value()) return;
+  // The peer may have registered it after our last poll: look again, then submit (and
+  // answer whatever that gives).
   deps.peers->RefreshAsync(request.peer(),
-                           [submit, caller, done = std::move(done)](absl::Status) mutable {
-                             submit(caller, std::move(done));
+                           [submit, caller, done = std::move(*again)](absl::Status) mutable {
+                             submit(caller, std::move(done), nullptr);
                            });
 }
 

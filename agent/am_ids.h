@@ -41,7 +41,15 @@ inline constexpr uint32_t kWireBatches = 1u << 0;  // ids 6 and 7
 // its staged ones, and read replies sent eager when the request asks: the data path
 // over active messages for endpoints without native RMA (Route::kAmWrite, kAmRead).
 inline constexpr uint32_t kWireAmData = 1u << 1;
-inline constexpr uint32_t kWireFeatures = kWireBatches | kWireAmData;
+// A DATA_READY carrying timeout_ms (and op) also opens its transfer, as the
+// PEER_TRANSFER_OPEN it replaces would: a same-host copy's open, due after the copy, goes
+// inside the DATA_READY that follows it in the same round (one notice fewer).
+inline constexpr uint32_t kWireOpenInDataReady = 1u << 2;
+// A DATA_READY with `committed` (a transfer completed when placed) is delivered once it is
+// acknowledged, without the PEER_DATA_COMMIT that went beside it (one notice fewer).
+inline constexpr uint32_t kWireCommitInDataReady = 1u << 3;
+inline constexpr uint32_t kWireFeatures =
+    kWireBatches | kWireAmData | kWireOpenInDataReady | kWireCommitInDataReady;
 // The bounds of a batch (both the sender's and the receiver's): entries, and bytes of
 // the NoticeBatch. A notification larger than kMaxBatchedNoticeBytes goes alone (id 1).
 inline constexpr uint32_t kMaxBatchEntries = 1024;

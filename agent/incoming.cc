@@ -176,26 +176,29 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   return &r;
 }
 
+void IncomingTransfers::OpenLocked(Record& r, const v1::Notification& n) {
+  if (n.op() == v1::WRITE || n.op() == v1::READ) r.state.set_op(n.op());
+  // The sender's deadline, up to max_peer_timeout_ms (a peer's UINT32_MAX would hold
+  // the record, its slot and its reservation for 49 days), and no later than that from
+  // when the transfer was first heard of (an open sent again does not push it further).
+  const uint64_t now = MonotonicMicros();
+  const uint64_t most_us = uint64_t{options_.max_peer_timeout_ms} * 1000;
+  const uint64_t asked_us = uint64_t{n.timeout_ms()} * 1000;
+  const uint64_t until = std::min(now + asked_us, r.start_us + most_us);
+  r.opened = true;
+  r.capped = until < now + asked_us;
+  r.deadline_ms = static_cast<uint32_t>((until > now ? until - now : 0) / 1000);
+  r.expires_us = until + uint64_t{options_.grace_ms} * 1000;
+  next_expiry_us_ = std::min(next_expiry_us_, r.expires_us);
+}
+
 void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
   absl::MutexLock lock(&mu_);
   switch (n.kind()) {
     case v1::PEER_TRANSFER_OPEN: {
       Record* r = FindOrMake(n);
       if (r == nullptr || r->ended) return;
-      if (n.op() == v1::WRITE || n.op() == v1::READ) r->state.set_op(n.op());
-      // The sender's deadline, up to max_peer_timeout_ms (a peer's UINT32_MAX would
-      // hold the record, its slot and its reservation for 49 days), and no later than
-      // that from when the transfer was first heard of (an open sent again does not
-      // push it further).
-      const uint64_t now = MonotonicMicros();
-      const uint64_t most_us = uint64_t{options_.max_peer_timeout_ms} * 1000;
-      const uint64_t asked_us = uint64_t{n.timeout_ms()} * 1000;
-      const uint64_t until = std::min(now + asked_us, r->start_us + most_us);
-      r->opened = true;
-      r->capped = until < now + asked_us;
-      r->deadline_ms = static_cast<uint32_t>((until > now ? until - now : 0) / 1000);
-      r->expires_us = until + uint64_t{options_.grace_ms} * 1000;
-      next_expiry_us_ = std::min(next_expiry_us_, r->expires_us);
+      OpenLocked(*r, n);
       return;
     }
     case v1::DATA_READY:
@@ -239,6 +242,9 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
     OwnersOf(n, &lone.owners);
     lone.reply_ep = reply_ep;
     lone.ack_token = n.ack_token();
+    n.clear_timeout_ms();  // an open inside it (kWireOpenInDataReady) has no record to set
+    n.clear_op();
+    n.clear_committed();  // delivered once acknowledged, committed or not
     Key key = KeyOf(n);
     lone.held = spare_held_.TakeMessage();
     lone.held->Swap(&n);
@@ -248,6 +254,15 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
   }
   // Ended already (its deadline passed here): no ack, so the sender fails too.
   if (r->ended) return;
+  // A DATA_READY that also opens the transfer (kWireOpenInDataReady: a same-host copy
+  // whose open was due with it): the open's op and deadline, then held as a plain
+  // DATA_READY (its owners get what they got when the open came apart).
+  if (n.timeout_ms() > 0) {
+    OpenLocked(*r, n);
+    n.clear_timeout_ms();
+    n.clear_op();
+  }
+  n.clear_committed();  // OnDataReady read it; never delivered
   r->reply_ep = reply_ep;
   r->ack_token = n.ack_token();
   r->state.set_bytes_total(n.bytes());
@@ -264,11 +279,23 @@ void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
   wire::TransferAck& ack = ack_;
   {
     absl::MutexLock lock(&mu_);
+    const bool committed = n.committed();
     HoldLocked(std::move(n), reply_ep);
     // HoldLocked's lookup left the key in lookup_key_; what was held stands for `n`.
     auto it = records_.find(lookup_key_);
     if (it == records_.end() || it->second.reply_ep == nullptr) return;
+    // An untracked record is delivered (and erased) by its acknowledgement.
+    const bool tracked = it->second.state.direction() == v1::INCOMING;
     ack_ep = AcknowledgeLocked(it, *it->second.held, data, &ack);
+    // Its sender recorded COMPLETED before it sent it (kWireCommitInDataReady): delivered
+    // now, as the PEER_DATA_COMMIT it replaces would be; refused (no room, memory gone),
+    // it ended FAILED above, as it does with the commit beside it.
+    if (committed && tracked && ack.error_code() == 0) {
+      Record& r = it->second;
+      if (!r.ended && r.held != nullptr) {
+        EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, r.held.get(), absl::OkStatus());
+      }
+    }
   }
   send_ack_(ack_ep, ack);
 }

@@ -70,7 +70,9 @@ class IncomingTransfers {
   void DataInPlace(const v1::Notification& notice, const absl::Status& status);
   // Worker thread: OnNotice then DataInPlace for a DATA_READY with nothing staged,
   // under one lock, the record keeping `notice`'s contents (swapped out of it, not
-  // copied: `notice` is left holding other strings' storage, for the next parse).
+  // copied: `notice` is left holding other strings' storage, for the next parse). One
+  // with `committed` (kWireCommitInDataReady) is then delivered, once acknowledged, as
+  // its PEER_DATA_COMMIT would deliver it.
   void OnDataReady(v1::Notification&& notice, void* reply_ep, const absl::Status& status);
   // Ends incoming transfers whose deadline plus grace passed without an outcome
   // (TRANSFER_TIMED_OUT to their owners). Any thread; call it by NextExpiry.
@@ -158,6 +160,10 @@ class IncomingTransfers {
   // (sender, incarnation); Uncount takes it off when it is pruned.
   void CountLocked(Record& r, const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UncountLocked(Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a PEER_TRANSFER_OPEN does to the record of its transfer (also done by a
+  // DATA_READY carrying timeout_ms, kWireOpenInDataReady): the op, and the sender's
+  // deadline within max_peer_timeout_ms.
+  void OpenLocked(Record& r, const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
   void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

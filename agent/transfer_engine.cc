@@ -324,7 +324,7 @@ absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::strin
 
 absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
                                     const Caller& caller, v1::TransferState* accepted,
-                                    Watcher* when_terminal) {
+                                    Watcher* when_terminal, bool* unknown_remote) {
   // The accepted chunk's answer, under mu_: a copy of the state when the caller wants
   // one, and its watcher of the end taken (run now if it has ended: a retry).
   auto Accept = [accepted, when_terminal](Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -465,6 +465,10 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
   auto plan = planning::PlanTransfer(*registry_, *(*peer)->catalog, request.segments(),
                                      first_segment, request.op(), max_ops);
   if (!plan.ok()) {
+    if (unknown_remote != nullptr && NamesUnknownRemote(request, *(*peer)->catalog)) {
+      *unknown_remote = true;  // the caller looks again and submits again
+      return plan.status();
+    }
     if (plan.status().code() == absl::StatusCode::kResourceExhausted && options_.limits) {
       options_.limits->Count(Limit::kOpsPerChunk);
     }
@@ -646,7 +650,11 @@ uint32_t MsLeft(uint64_t deadline_us) {
 void TransferEngine::LateOpen::Send() {
   if (notice == nullptr) return;
   engine.SendNotice(peer, *notice, nullptr);
-  engine.notices_.GiveBack(std::move(notice));
+  Drop();
+}
+
+void TransferEngine::LateOpen::Drop() {
+  if (notice != nullptr) engine.notices_.GiveBack(std::move(notice));
 }
 
 void TransferEngine::Pump(const TransferPtr& t) {
@@ -757,8 +765,12 @@ void TransferEngine::Pump(const TransferPtr& t) {
           // recorded (OnAckLocked): peer_acknowledged, or peer_note.
           Finish(*t, v1::COMPLETED, absl::OkStatus(), -1);
           ++completed_when_placed_;
-          commit = lease(open_lease);  // no open goes with DATA_READY
-          MakeCommit(*t, commit);
+          if (peer != nullptr && (peer->wire_features & kWireCommitInDataReady) != 0) {
+            notice->set_committed(true);  // the peer delivers it once acknowledged
+          } else {
+            commit = lease(open_lease);  // no open goes with DATA_READY
+            MakeCommit(*t, commit);
+          }
           action = Action::kNotifyPlaced;
         }
       }
@@ -833,6 +845,17 @@ void TransferEngine::Pump(const TransferPtr& t) {
       action = Action::kBatch;
     }
   }
+  // An open left due by the copy, going out with this DATA_READY to a peer that takes it
+  // inside (kWireOpenInDataReady): one notice fewer for every same-host transfer. Not
+  // with no time left (an open with timeout_ms 0 ends the transfer at once there; a
+  // DATA_READY with 0 would not open it), nor to another view of the peer.
+  if (late.notice != nullptr && (action == Action::kNotify || action == Action::kNotifyPlaced) &&
+      late.peer == peer && peer != nullptr && (peer->wire_features & kWireOpenInDataReady) != 0 &&
+      late.notice->timeout_ms() > 0) {
+    notice->set_op(op);
+    notice->set_timeout_ms(late.notice->timeout_ms());
+    late.Drop();
+  }
   late.Send();
 
   switch (action) {
@@ -878,7 +901,7 @@ void TransferEngine::Pump(const TransferPtr& t) {
             }
           },
           /*want_reply=*/true);
-      SendNotice(peer, *commit, nullptr);
+      if (commit != nullptr) SendNotice(peer, *commit, nullptr);
       return;
     case Action::kBatch:
       if (open != nullptr) SendNotice(peer, *open, nullptr);
@@ -1266,10 +1289,8 @@ absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op
   return absl::OkStatus();
 }
 
-bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request) const {
-  auto peer = peers_->Get(request.peer());
-  if (!peer.ok()) return false;
-  const registry::RemoteCatalog& catalog = *(*peer)->catalog;
+bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request,
+                                        const registry::RemoteCatalog& catalog) {
   for (const auto& segment : request.segments()) {
     if (segment.has_items() && catalog.GroupSlots(segment.items().remote_group()).empty()) return true;
     if (segment.has_bytes() && catalog.Find(segment.bytes().remote_region()) == nullptr) return true;

@@ -121,12 +121,17 @@ class TransferEngine {
   // `when_terminal`, when not null and the chunk is accepted, is taken as WhenTerminal
   // would take it, under the same lock as the acceptance (no second lookup, and no
   // window in which pruning could lose the transfer); on a refusal it is left as it was.
+  // `unknown_remote`, when not null: set when the chunk is refused because it names a
+  // remote group or region that the peer's current catalog lacks (checked only once its
+  // plan failed: an accepted chunk pays nothing for it). The caller then refreshes the
+  // peer once and submits again, so a region the peer registered a moment ago is found;
+  // the refusal it got is not the answer, and was not counted.
   absl::Status Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
-                      v1::TransferState* accepted, Watcher* when_terminal = nullptr);
-  // True when the request names a remote group or region that the peer's current
-  // catalog lacks: the caller refreshes the peer once before submitting, so a region
-  // the peer registered a moment ago is found.
-  bool NamesUnknownRemote(const v1::SubmitTransferRequest& request) const;
+                      v1::TransferState* accepted, Watcher* when_terminal = nullptr,
+                      bool* unknown_remote = nullptr);
+  // True when the request names a remote group or region that `catalog` lacks.
+  static bool NamesUnknownRemote(const v1::SubmitTransferRequest& request,
+                                 const registry::RemoteCatalog& catalog);
   // Get, Cancel, List and Watch see only the caller's own transfers (a scheduler's:
   // all); another's transfer reads as NOT_FOUND, as one that does not exist.
   absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id, const Caller& caller) const;
@@ -266,6 +271,7 @@ class TransferEngine {
     LateOpen& operator=(const LateOpen&) = delete;
     ~LateOpen() { Send(); }
     void Send();
+    void Drop();  // not sent (it went inside the DATA_READY)
     TransferEngine& engine;
     std::shared_ptr<const PeerSnapshot> peer;
     std::unique_ptr<v1::Notification> notice;

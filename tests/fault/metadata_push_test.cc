@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -115,6 +116,53 @@ TEST_CASE("pushed: a hung peer (SIGSTOP) is unreachable within 2 s by its livene
   CHECK_THAT(PeerView(pair.prefill(), "decode").last_error(), Catch::Contains("liveness door"));
   ::kill(decode, SIGCONT);
   pair.decode_process().Kill();
+}
+
+TEST_CASE("a region registered a moment ago is found at submit, with no poll or push due") {
+  // Polls a minute apart and no metadata stream: prefill's view of decode changes only
+  // when a submit names what its view lacks (the agent looks again once, then plans).
+  AgentPairOptions options = LongPolls();
+  options.extra_args.push_back("--metadata-push");
+  options.extra_args.push_back("off");
+  AgentPair pair(options);
+  const uint32_t regions_before = PeerView(pair.prefill(), "decode").regions();
+  auto extra = cli::CreateKvPool(pair.decode(), "extra", SmallShape());
+  INFO(extra.status().ToString());
+  REQUIRE(extra.ok());
+  CHECK(PeerView(pair.prefill(), "decode").regions() == regions_before);
+
+  pair.ResetContents();
+  v1::SubmitTransferRequest write;
+  write.set_transfer_id("fresh");
+  write.set_peer("decode");
+  write.set_op(v1::WRITE);
+  v1::ByteSegment* bytes = write.add_segments()->mutable_bytes();
+  bytes->set_local_region(pair.prefill_pool().region_names[0]);
+  bytes->set_remote_region(extra->region_names[0]);
+  bytes->set_remote_offset(4096);
+  bytes->set_length(4096);
+  std::memset(extra->Page(0, 1), 0xEE, 4096);
+  auto accepted = pair.prefill().Submit(write);
+  INFO(accepted.status().ToString());
+  REQUIRE(accepted.ok());
+  auto done = pair.prefill().WaitTransfer("fresh", 20000);
+  REQUIRE(done.ok());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(std::memcmp(pair.prefill_pool().Page(0, 0), extra->Page(0, 1), 4096) == 0);
+  CHECK(PeerView(pair.prefill(), "decode").regions() ==
+        regions_before + extra->region_names.size());
+
+  // A name the peer lacks after the look too: refused, naming it and what it has.
+  write.set_transfer_id("never");
+  write.mutable_segments(0)->mutable_bytes()->set_remote_region("extra.L9.K");
+  auto refused = pair.prefill().Submit(write);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == absl::StatusCode::kNotFound);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("exports no region 'extra.L9.K'") &&
+                 Catch::Contains(extra->region_names[0]));
+  auto missing = pair.prefill().Get("never");
+  CHECK_FALSE(missing.ok());
 }
 
 TEST_CASE("a peer without WatchMetadata (--metadata-push off) is polled, and changes arrive") {

@@ -196,6 +196,142 @@ TEST_CASE("a peer's open may not hold its record past max_peer_timeout_ms") {
   CHECK(r.incoming.NextExpiry() >= short_opened + (40 + 20) * 1000);
 }
 
+TEST_CASE("a DATA_READY carrying the open (kWireOpenInDataReady) opens as the open would") {
+  IncomingOptions options = Options();
+  options.max_peer_timeout_ms = 100;
+  options.max_active = 1;  // the second transfer below goes untracked
+  Receiver r(options, /*queue_slots=*/8);
+  Caller owner;
+  owner.principal = "decode-engine";
+  // A same-host copy's DATA_READY with its open inside: the sender's op and deadline.
+  v1::Notification folded = DataReady("folded");
+  folded.set_op(v1::WRITE);
+  folded.set_timeout_ms(40);
+  const uint64_t heard = MonotonicMicros();
+  CHECK(r.Ready(folded).ok());
+  auto state = r.incoming.Get("eve", "folded", owner);
+  REQUIRE(state.ok());
+  CHECK(state->op() == v1::WRITE);  // a DATA_READY alone leaves it unset
+  // Its deadline is the sender's 40 ms (plus grace), not the unopened 150 ms.
+  const uint64_t due = r.incoming.NextExpiry();
+  REQUIRE(due != kNever);
+  CHECK(due >= heard + (40 + 20) * 1000);
+  CHECK(due <= MonotonicMicros() + (40 + 20) * 1000);
+  CHECK(Delivered(r.queue).empty());  // held for the commit, as before
+  // Committed: the owner gets a plain DATA_READY, without the open's fields.
+  r.incoming.OnNotice(Notice("folded", v1::PEER_DATA_COMMIT), nullptr);
+  std::vector<v1::Notification> out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].kind() == v1::DATA_READY);
+  CHECK(out[0].payload() == std::string(512, 'e'));
+  CHECK(out[0].timeout_ms() == 0);
+  CHECK(out[0].op() == v1::TRANSFER_OP_UNSPECIFIED);
+  // A folded open asks no more than an open may: cut to max_peer_timeout_ms.
+  v1::Notification greedy = DataReady("greedy");
+  greedy.set_op(v1::WRITE);
+  greedy.set_timeout_ms(UINT32_MAX);
+  const uint64_t greedy_heard = MonotonicMicros();
+  CHECK(r.Ready(greedy).ok());
+  state = r.incoming.Get("eve", "greedy", owner);
+  REQUIRE(state.ok());
+  CHECK(state->op() == v1::WRITE);
+  // Untracked (no room: max_active 1, "greedy" holds it): acknowledged and delivered at
+  // once, also without the open's fields.
+  v1::Notification lone = DataReady("lone");
+  lone.set_op(v1::WRITE);
+  lone.set_timeout_ms(40);
+  CHECK(r.Ready(lone).ok());
+  CHECK(r.incoming.untracked() == 1);
+  out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "lone");
+  CHECK(out[0].timeout_ms() == 0);
+  CHECK(out[0].op() == v1::TRANSFER_OP_UNSPECIFIED);
+  // "greedy" ends by the bound, not in 49.7 days (nor by the unopened 150 ms: opened).
+  while (r.incoming.active() > 0) {
+    const uint64_t next = r.incoming.NextExpiry();
+    REQUIRE(next != kNever);
+    REQUIRE(next < MonotonicMicros() + kMaxWaitUs);
+    SleepUntil(next);
+    r.incoming.Expire();
+  }
+  CHECK(MonotonicMicros() >= greedy_heard + (100 + 20) * 1000);
+  out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "greedy");
+  CHECK(out[0].kind() == v1::TRANSFER_TIMED_OUT);
+  CHECK_THAT(out[0].error_message(),
+             Contains("cut to the 100 ms from its first notice this agent allows a peer"));
+}
+
+TEST_CASE("a committed DATA_READY (kWireCommitInDataReady) is delivered once acknowledged") {
+  IncomingOptions options = Options();
+  Receiver r(options, /*queue_slots=*/2);
+  // Completed when placed, its open inside too: delivered at once, exactly once, as a
+  // plain DATA_READY; a commit that still comes (a retry, a forgery) adds nothing.
+  v1::Notification placed = DataReady("placed");
+  placed.set_op(v1::WRITE);
+  placed.set_timeout_ms(30000);
+  placed.set_committed(true);
+  CHECK(r.Ready(placed).ok());
+  std::vector<v1::Notification> out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "placed");
+  CHECK(out[0].kind() == v1::DATA_READY);
+  CHECK(out[0].payload() == std::string(512, 'e'));
+  CHECK_FALSE(out[0].committed());
+  CHECK(out[0].timeout_ms() == 0);
+  CHECK(out[0].ack_token() == 0);
+  CHECK(r.incoming.active() == 0);
+  Caller owner;
+  owner.principal = "decode-engine";
+  auto state = r.incoming.Get("eve", "placed", owner);
+  REQUIRE(state.ok());
+  CHECK(state->phase() == v1::COMPLETED);
+  CHECK(state->op() == v1::WRITE);
+  r.incoming.OnNotice(Notice("placed", v1::PEER_DATA_COMMIT), nullptr);
+  CHECK(Delivered(r.queue).empty());
+  // Without the flag it still waits for its commit.
+  CHECK(r.Ready(DataReady("acked")).ok());
+  CHECK(Delivered(r.queue).empty());
+  CHECK(r.incoming.active() == 1);
+  // Refused: the queue's 2 slots are reserved by "acked" and "filler" ("placed" was
+  // read). A committed one that finds no room is refused to its sender and ends FAILED
+  // here, never delivered as DATA_READY.
+  CHECK(r.Ready(DataReady("filler")).ok());
+  v1::Notification no_room = DataReady("no-room");
+  no_room.set_committed(true);
+  CHECK(r.Ready(no_room).code() == absl::StatusCode::kResourceExhausted);
+  for (const auto& n : Delivered(r.queue)) {
+    INFO(n.transfer_id());
+    CHECK(n.kind() != v1::DATA_READY);
+  }
+  state = r.incoming.Get("eve", "no-room", owner);
+  REQUIRE(state.ok());
+  CHECK(state->phase() == v1::FAILED);
+  r.incoming.OnNotice(Notice("acked", v1::PEER_DATA_COMMIT), nullptr);
+  out = Delivered(r.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "acked");
+
+  // Untracked (max_active 1, held by an open transfer): delivered once, by its
+  // acknowledgement, as any untracked one is.
+  options.max_active = 1;
+  Receiver full(options, /*queue_slots=*/8);
+  v1::Notification open = Notice("holder", v1::PEER_TRANSFER_OPEN);
+  open.set_timeout_ms(30000);
+  full.incoming.OnNotice(open, nullptr);
+  v1::Notification untracked = DataReady("untracked");
+  untracked.set_committed(true);
+  CHECK(full.Ready(untracked).ok());
+  CHECK(full.incoming.untracked() == 1);
+  out = Delivered(full.queue);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].transfer_id() == "untracked");
+  CHECK_FALSE(out[0].committed());
+  CHECK(Delivered(full.queue).empty());
+}
+
 TEST_CASE("one sender holds at most its share of the open incoming records") {
   IncomingOptions options = Options();
   options.max_active = 8;
