@@ -372,7 +372,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   session_options.group = options.local_socket_group;
   session_options.max_sessions = options.max_sessions;
   // Ended sessions hold their regions until released: they count against the limit.
-  session_options.releasing = [self] { return self->releases_.backlog(absl::Now()).sessions; };
+  session_options.releasing = [self] { return self->releases_.sessions(); };
   ASSIGN_OR_RETURN(agent->session_server_,
                    SessionServer::Start(session_options, agent->local_door_.get()));
   agent->deps_.session_server = agent->session_server_.get();

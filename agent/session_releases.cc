@@ -37,6 +37,11 @@ size_t SessionReleases::Stop() {
   return dropped;
 }
 
+uint64_t SessionReleases::sessions() const {
+  absl::MutexLock lock(&mu_);
+  return queued_.size() + (running_.has_value() ? 1 : 0);
+}
+
 SessionReleases::Backlog SessionReleases::backlog(absl::Time now) const {
   absl::MutexLock lock(&mu_);
   Backlog backlog;

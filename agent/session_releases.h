@@ -40,6 +40,9 @@ class SessionReleases {
   size_t Stop();
 
   Backlog backlog(absl::Time now) const;
+  // backlog().sessions alone (no clock read): what the session socket counts against
+  // --max-sessions at each connection.
+  uint64_t sessions() const;
 
  private:
   mutable absl::Mutex mu_;

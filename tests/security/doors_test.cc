@@ -50,6 +50,7 @@
 #include "tests/integration/agent_pair.h"
 #include "tests/integration/metrics_scrape.h"
 #include "tests/unit/catch_main.h"
+#include "tests/unit/text_count.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -283,12 +284,6 @@ struct Cluster {
 // ---------------------------------------------------------------------------------
 // 1. The network door.
 
-size_t CountOf(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
-
 // A caller that must not get through the TLS handshake: every Agent and Peer call (each
 // on a fresh channel) fails UNAVAILABLE at once, naming the door, before any handler
 // runs. gRPC tells the client only that the socket closed; the victim's log holds the
@@ -340,16 +335,16 @@ void ExpectShutOut(const std::string& who, const std::string& door, const agent:
   // The victim logged why (gRPC's own log line, written as the handshake fails).
   std::string after;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while ((after = ReadFile(cluster.prefill.log_path()), CountOf(after, reason)) <=
-             CountOf(before, reason) &&
+  while ((after = ReadFile(cluster.prefill.log_path()), Occurrences(after, reason)) <=
+             Occurrences(before, reason) &&
          std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   INFO("victim's log:\n" << after.substr(before.size()));
-  CHECK(CountOf(after, handshake_failed) > CountOf(before, handshake_failed));
-  CHECK(CountOf(after, reason) > CountOf(before, reason));
+  CHECK(Occurrences(after, handshake_failed) > Occurrences(before, handshake_failed));
+  CHECK(Occurrences(after, reason) > Occurrences(before, reason));
   // ... and nothing reached kvagent's handlers: no refusal was audited, none counted.
-  CHECK(CountOf(after, "refused ") == CountOf(before, "refused "));
+  CHECK(Occurrences(after, "refused ") == Occurrences(before, "refused "));
 }
 
 TEST_CASE("the network door refuses callers without a cluster certificate or a role") {
@@ -1135,8 +1130,8 @@ TEST_CASE("connections that never say hello cannot lock engines out of the sessi
   CHECK(static_cast<size_t>(regions.regions_size()) == pool.region_names.size());
   // Logged once per burst, each line naming the uid, the count and the bound.
   const std::string log = ReadFile(agent.log_path());
-  const size_t refusal_lines = CountOf(log, "already has 2 connections waiting for their hello");
-  const size_t timeout_lines = CountOf(log, "that sent no hello within 5 s");
+  const size_t refusal_lines = Occurrences(log, "already has 2 connections waiting for their hello");
+  const size_t timeout_lines = Occurrences(log, "that sent no hello within 5 s");
   std::printf("agent's log: %zu refusal line(s), %zu timeout line(s)\n", refusal_lines,
               timeout_lines);
   CHECK(refusal_lines == floods);

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "catch2/catch.hpp"
+#include "tests/unit/text_count.h"
 
 namespace kvagent {
 namespace {
@@ -26,6 +27,16 @@ TEST_CASE("Printable bounds its output and says how long the input was") {
   CHECK(Printable("ab\ncd", 4) == "ab...(5 bytes)");
   const std::string controls(10000, '\n');
   CHECK(Printable(controls).size() < 128 + 20);
+}
+
+TEST_CASE("Occurrences (tests' line counter) counts overlapping matches, none for empty") {
+  using testing::Occurrences;
+  CHECK(Occurrences("refused; refused; ok", "refused") == 2);
+  CHECK(Occurrences("aaa", "aa") == 2);
+  CHECK(Occurrences("abc", "x") == 0);
+  CHECK(Occurrences("", "x") == 0);
+  CHECK(Occurrences("abc", "") == 0);
+  CHECK(Occurrences(std::string("a\0a\0", 4), std::string("\0", 1)) == 2);
 }
 
 TEST_CASE("HasControlCharacter finds NUL, control bytes and DEL only") {

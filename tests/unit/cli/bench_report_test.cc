@@ -5,9 +5,12 @@
 
 #include "catch2/catch.hpp"
 #include "cli/bench_report.h"
+#include "tests/unit/text_count.h"
 
 namespace kvagent::cli {
 namespace {
+
+using kvagent::testing::Occurrences;
 
 PairedCell Pair(v1::TransferOp op, uint64_t block, uint32_t batch, double fast, double scattered) {
   PairedCell p;
@@ -24,12 +27,6 @@ PairedCell WithPlaced(PairedCell p, double placed) {
   p.placed_p50_us = 100;
   p.placed_over_memcpy = {placed, placed * 0.9, placed * 1.1};
   return p;
-}
-
-size_t Count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
 }
 
 TEST_CASE("targets block: each target judges its own cells at its threshold") {
@@ -49,29 +46,29 @@ TEST_CASE("targets block: each target judges its own cells at its threshold") {
   CHECK(table.find("placed (COMPLETE_WHEN_PLACED), from 64K x 16 up (>= 1.00): met in 1 of 2 "
                    "cells") != std::string::npos);
   CHECK(table.find("READ 64K x 64    0.50 [0.45-0.55], 7 rounds: NOT met") != std::string::npos);
-  CHECK(Count(table, "NOT met") == 3);
+  CHECK(Occurrences(table, "NOT met") == 3);
 
   const std::string json = TargetsBlock(pairs, true, 1.5, std::nullopt);
   INFO(json);
-  CHECK(Count(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_over_memcpy\"") == 3);
-  CHECK(Count(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"scattered_over_contiguous\"") == 2);
+  CHECK(Occurrences(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_over_memcpy\"") == 3);
+  CHECK(Occurrences(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"scattered_over_contiguous\"") == 2);
   CHECK(json.find("\"target\": \"fast_over_memcpy\", \"threshold\": 1.00, \"cells\": 3, \"met\": 2, "
                   "\"loadavg_1m_start\": 1.50, \"loadavg_1m\": null}") != std::string::npos);
   CHECK(json.find("\"block_bytes\": 1048576, \"batch\": 256, \"rounds\": 9, \"ratio\": 0.899, "
                   "\"q1\": 0.809, \"q3\": 0.989, \"threshold\": 0.90, \"met\": false") !=
         std::string::npos);
-  CHECK(Count(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_placed_over_memcpy\"") == 2);
+  CHECK(Occurrences(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_placed_over_memcpy\"") == 2);
   CHECK(json.find("\"target\": \"fast_placed_over_memcpy\", \"threshold\": 1.00, \"cells\": 2, "
                   "\"met\": 1,") != std::string::npos);
-  CHECK(Count(json, "\n") == 10);  // 7 cell lines, 3 summaries
+  CHECK(Occurrences(json, "\n") == 10);  // 7 cell lines, 3 summaries
 }
 
 TEST_CASE("targets block: a run without paired cells says so") {
   const std::string table = TargetsBlock({}, false, std::nullopt, std::nullopt);
   INFO(table);
-  CHECK(Count(table, "no paired cell in this run") == 3);
+  CHECK(Occurrences(table, "no paired cell in this run") == 3);
   CHECK(table.find("load average - at the sweep's start, - now") != std::string::npos);
-  CHECK(Count(TargetsBlock({}, true, std::nullopt, std::nullopt), "\"cells\": 0, \"met\": 0") == 3);
+  CHECK(Occurrences(TargetsBlock({}, true, std::nullopt, std::nullopt), "\"cells\": 0, \"met\": 0") == 3);
 }
 
 TEST_CASE("paired line: the placed rounds and where the contiguous transfer's time went") {

@@ -29,6 +29,7 @@
 #include "fmt/format.h"
 #include "tests/unit/session/session_fixture.h"
 #include "tests/unit/session/test_util.h"
+#include "tests/unit/text_count.h"
 
 namespace kvagent::agent {
 namespace {
@@ -36,6 +37,7 @@ namespace {
 using client::LocalSession;
 using testing::CountOpenFds;
 using testing::MakeMemfd;
+using testing::Occurrences;
 using testing::Mapping;
 using testing::SendRaw;
 using testing::TempDir;
@@ -446,12 +448,6 @@ class StderrToFile {
  private:
   UniqueFd saved_;
 };
-
-size_t Occurrences(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
 
 TEST_CASE("A client refused in a loop gets a few log lines a second, the rest counted") {
   SessionServerOptions options;
