@@ -304,6 +304,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->deps_.directory = agent->directory_.get();
   agent->deps_.push = agent->push_.get();
   agent->deps_.releases = &agent->releases_;
+  agent->deps_.wire_features = kWireFeatures & options.wire_features;
 
   // Before the first door: each door's server gets gRPC's health service, which the
   // monitor keeps NOT_SERVING until UCX answers (Start below).

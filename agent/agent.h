@@ -103,6 +103,10 @@ struct AgentOptions {
   bool fast_path = true;
   uint32_t fast_path_spin_us = 50;
   uint32_t fast_path_features = ~0u;  // --fast-path-features (FastPathOptions::features)
+  // --wire-features: AgentMetadata.wire_features announced to peers, masked with what
+  // this build takes (agent/am_ids.h kWire*); fewer make peers talk to this agent as to
+  // an older one (for testing the fallbacks).
+  uint32_t wire_features = ~0u;
   // How long the UCX progress thread polls after work before it sleeps (--ucx-spin-us).
   uint32_t ucx_spin_us = 0;
   // CPUs the UCX progress thread (which also takes the fast path's rings) runs on

@@ -1114,7 +1114,7 @@ void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& id
     deps.liveness->Admit(response->notify_secret());
     response->set_liveness_address(deps.liveness->AnnounceFor(door == Door::kLocal));
   }
-  response->set_wire_features(kWireFeatures);
+  response->set_wire_features(deps.wire_features);
   const bool same_host = door == Door::kLocal;
   // A caller that holds a version of this incarnation gets what changed since, when
   // the registry's change log still reaches back to it; any other the whole catalog.

@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/am_ids.h"
 #include "agent/directory.h"
 #include "agent/fast_path.h"
 #include "agent/health.h"
@@ -73,6 +74,8 @@ struct ServiceDeps {
   StreamTable* streams;
   std::atomic<uint64_t>* pending_connects;  // ConnectPeer calls in progress
   uint32_t deregister_wait_ms = 2000;
+  // AgentMetadata.wire_features announced (kWireFeatures, masked by --wire-features).
+  uint32_t wire_features = kWireFeatures;
   FastPathServer* fast_path = nullptr;  // AgentStatus.fast_path_*; null: none
   const HealthMonitor* health = nullptr;  // AgentStatus.health; null: not reported
   // Ended transfers by op, data path, peer and outcome (Prometheus); null: not counted.

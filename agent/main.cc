@@ -181,6 +181,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               of client/fast_ring.h kFeature*: 1 notifications, 2 durable
                               subscriptions; default all): fewer make the rings behave
                               as an older agent's, for testing clients against one
+  --wire-features N           AgentMetadata.wire_features announced to peers (a mask of
+                              agent/am_ids.h kWire*: 1 notice batches, 2 data over active
+                              messages, 4 an open inside DATA_READY, 8 a committed
+                              DATA_READY; default all): fewer make peers talk to this
+                              agent as to an older one, for testing
   --ucx-spin-us N             how long the UCX progress thread polls after work before
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page
@@ -294,6 +299,7 @@ KVAGENT_FLAG(Count<uint32_t>, fast_path_spin_us, "fast-path-spin-us",
              {Defaults().fast_path_spin_us}, "");
 KVAGENT_FLAG(Count<uint32_t>, fast_path_features, "fast-path-features",
              {Defaults().fast_path_features}, "");
+KVAGENT_FLAG(Count<uint32_t>, wire_features, "wire-features", {Defaults().wire_features}, "");
 KVAGENT_FLAG(Count<uint32_t>, ucx_spin_us, "ucx-spin-us", {Defaults().ucx_spin_us}, "");
 KVAGENT_FLAG(Count<uint32_t>, copy_lanes, "copy-lanes", {Defaults().copy_lanes}, "");
 KVAGENT_FLAG(kvagent::agent::CpuList, worker_cpus, "worker-cpus", {}, "");
@@ -434,6 +440,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->fast_path = GetFlag(FLAGS_fast_path).on;
   options->fast_path_spin_us = GetFlag(FLAGS_fast_path_spin_us).value;
   options->fast_path_features = GetFlag(FLAGS_fast_path_features).value;
+  options->wire_features = GetFlag(FLAGS_wire_features).value;
   options->ucx_spin_us = GetFlag(FLAGS_ucx_spin_us).value;
   options->copy_lanes = GetFlag(FLAGS_copy_lanes).value;
   options->worker_cpus = GetFlag(FLAGS_worker_cpus).cpus;

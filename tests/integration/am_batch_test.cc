@@ -164,6 +164,99 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: three ac
   CHECK(per_transfer < 2.6);
 }
 
+TEST_CASE("to a peer that announces fewer wire features (an older agent), the open and "
+          "the commit go as notices of their own, with the same outcome") {
+  // 3: notice batches and data over active messages, neither the open inside DATA_READY
+  // (4) nor a committed DATA_READY (8). Both agents announce the same.
+  for (const char* features : {"3", "15"}) {
+    DYNAMIC_SECTION("--wire-features " << features) {
+      const bool folded = std::string(features) == "15";
+      AgentPairOptions options = ThousandPages();
+      options.extra_args = {"--wire-features", features};
+      AgentPair pair(options);
+      pair.ResetContents();
+      auto session = pair.prefill().Session();
+      REQUIRE(session.ok());
+      auto fast = FastPath::Open(*session);
+      INFO(fast.status().ToString());
+      REQUIRE(fast.ok());
+      auto one = [&](uint64_t i, bool placed) {
+        v1::SubmitTransferRequest write =
+            KvWrite(fmt::format("t{}", i), {i}, {1023 - i}, fmt::format("token:{}", i));
+        if (placed) write.set_complete_when(v1::COMPLETE_WHEN_PLACED);
+        REQUIRE((*fast)->Submit(write, i).ok());
+        std::vector<FastCompletion> done;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (done.empty() && std::chrono::steady_clock::now() < until) {
+          auto got = (*fast)->Reap(&done, 1, absl::Milliseconds(100));
+          INFO(got.status().ToString());
+          REQUIRE(got.ok());
+        }
+        REQUIRE(done.size() == 1);
+        INFO("transfer t" << i << ": " << done[0].message);
+        REQUIRE(done[0].phase == v1::COMPLETED);
+      };
+      one(0, false);  // warm-up: connections, first mappings
+      one(1, true);
+      constexpr uint64_t kEach = 50;
+      const auto am_before = AmCounts(pair.prefill());
+      for (uint64_t i = 2; i < 2 + kEach; ++i) one(i, false);
+      for (uint64_t i = 2 + kEach; i < 2 + 2 * kEach; ++i) one(i, true);
+      // Every notification reaches the decode side once, as a plain DATA_READY (none of
+      // the open's or the commit's fields), and every byte.
+      std::map<std::string, std::string> payloads;
+      for (int round = 0; round < 200 && payloads.size() < 2 + 2 * kEach; ++round) {
+        auto polled = pair.decode().Poll(0);
+        REQUIRE(polled.ok());
+        for (const auto& n : polled->notifications()) {
+          INFO(n.transfer_id());
+          CHECK(n.kind() == v1::DATA_READY);
+          CHECK(n.timeout_ms() == 0);
+          CHECK(n.op() == v1::TRANSFER_OP_UNSPECIFIED);
+          CHECK_FALSE(n.committed());
+          CHECK(payloads.emplace(n.transfer_id(), n.payload()).second);
+        }
+        if (payloads.size() < 2 + 2 * kEach) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+      }
+      REQUIRE(payloads.size() == 2 + 2 * kEach);
+      for (uint64_t i = 0; i < 2 + 2 * kEach; ++i) {
+        INFO("transfer t" << i);
+        CHECK(payloads[fmt::format("t{}", i)] == fmt::format("token:{}", i));
+        REQUIRE(pair.PageEqual(i, 1023 - i));
+        // The receiver learned the op from the open, apart or inside DATA_READY.
+        auto incoming = pair.decode().Get(fmt::format("t{}", i), "prefill");
+        REQUIRE(incoming.ok());
+        CHECK(incoming->op() == v1::WRITE);
+        CHECK(incoming->phase() == v1::COMPLETED);
+      }
+      const auto am_after = AmCounts(pair.prefill());
+      auto sent_of = [&](const std::string& kind) {
+        auto after = am_after.find(kind);
+        auto before = am_before.find(kind);
+        return (after == am_after.end() ? 0 : after->second.first) -
+               (before == am_before.end() ? 0 : before->second.first);
+      };
+      INFO("notification " << sent_of("notification") << ", notification batch "
+                           << sent_of("notification batch"));
+      if (folded) {
+        // Acknowledged: DATA_READY (open inside), then the commit; placed: DATA_READY,
+        // committed. Each alone.
+        CHECK(sent_of("notification batch") == 0);
+        CHECK(sent_of("notification") + 1 >= 3 * kEach);
+        CHECK(sent_of("notification") <= 3 * kEach + 1);
+      } else {
+        // Acknowledged: the open and DATA_READY in one batch, then the commit alone;
+        // placed: the open, DATA_READY and the commit in one batch.
+        CHECK(sent_of("notification batch") == 2 * kEach);
+        CHECK(sent_of("notification") + 1 >= kEach);
+        CHECK(sent_of("notification") <= kEach + 1);
+      }
+    }
+  }
+}
+
 TEST_CASE("a burst of 1,000 notified one-page WRITEs goes in batches: each completion, "
           "notification and byte exactly once, fewer than 3 active messages per transfer") {
   AgentPair pair(ThousandPages());
