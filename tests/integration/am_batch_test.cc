@@ -57,6 +57,31 @@ uint64_t Total(const std::map<std::string, uint64_t>& m) {
   return total;
 }
 
+using AmTable = std::map<std::string, std::pair<uint64_t, uint64_t>>;
+
+// Active messages of `kind` sent between two AmCounts readings.
+uint64_t SentBetween(const AmTable& before, const AmTable& after, const std::string& kind) {
+  auto a = after.find(kind);
+  auto b = before.find(kind);
+  return (a == after.end() ? 0 : a->second.first) - (b == before.end() ? 0 : b->second.first);
+}
+
+// Submits `request` on `fast` and waits (up to 30 s) for its completion: COMPLETED.
+void SubmitAndComplete(FastPath& fast, const v1::SubmitTransferRequest& request,
+                       uint64_t user_data) {
+  REQUIRE(fast.Submit(request, user_data).ok());
+  std::vector<FastCompletion> done;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (done.empty() && std::chrono::steady_clock::now() < until) {
+    auto got = fast.Reap(&done, 1, absl::Milliseconds(100));
+    INFO(got.status().ToString());
+    REQUIRE(got.ok());
+  }
+  REQUIRE(done.size() == 1);
+  INFO("transfer " << request.transfer_id() << ": " << done[0].message);
+  REQUIRE(done[0].phase == v1::COMPLETED);
+}
+
 TEST_CASE("one notified one-page WRITE at a time through the fast path: three active "
           "messages (the open goes with DATA_READY after a same-host copy), and the "
           "initiator's threads wake about twice per transfer (the ring entry is taken on "
@@ -69,20 +94,10 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: three ac
   INFO(fast.status().ToString());
   REQUIRE(fast.ok());
   auto one = [&](uint64_t i) {
-    REQUIRE((*fast)->Submit(KvWrite(fmt::format("lone{}", i), {i % 1024}, {1023 - i % 1024},
-                                    fmt::format("token:{}", i)),
-                            i)
-                .ok());
-    std::vector<FastCompletion> done;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (done.empty() && std::chrono::steady_clock::now() < until) {
-      auto got = (*fast)->Reap(&done, 1, absl::Milliseconds(100));
-      INFO(got.status().ToString());
-      REQUIRE(got.ok());
-    }
-    REQUIRE(done.size() == 1);
-    INFO("transfer lone" << i << ": " << done[0].message);
-    REQUIRE(done[0].phase == v1::COMPLETED);
+    SubmitAndComplete(**fast,
+                      KvWrite(fmt::format("lone{}", i), {i % 1024}, {1023 - i % 1024},
+                              fmt::format("token:{}", i)),
+                      i);
   };
   for (uint64_t i = 0; i < 20; ++i) one(i);  // warm-up: connections, first mappings
   // Nothing else talks to the agents while the transfers run (no gRPC call between the
@@ -123,12 +138,7 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: three ac
   // one NoticeBatch of two notices, each built, serialized and parsed.
   const uint64_t sent = TotalSent(am_after) - TotalSent(am_before);
   const uint64_t acks = TotalSent(decode_am_after) - TotalSent(decode_am_before);
-  auto sent_of = [&](const std::string& kind) {
-    auto after = am_after.find(kind);
-    auto before = am_before.find(kind);
-    return (after == am_after.end() ? 0 : after->second.first) -
-           (before == am_before.end() ? 0 : before->second.first);
-  };
+  auto sent_of = [&](const std::string& kind) { return SentBetween(am_before, am_after, kind); };
   std::string kinds;
   for (const auto& [kind, n] : am_after) kinds += fmt::format(" {} {}", kind, sent_of(kind));
   INFO("initiator's active messages sent, by kind:" << kinds);
@@ -184,17 +194,7 @@ TEST_CASE("to a peer that announces fewer wire features (an older agent), the op
         v1::SubmitTransferRequest write =
             KvWrite(fmt::format("t{}", i), {i}, {1023 - i}, fmt::format("token:{}", i));
         if (placed) write.set_complete_when(v1::COMPLETE_WHEN_PLACED);
-        REQUIRE((*fast)->Submit(write, i).ok());
-        std::vector<FastCompletion> done;
-        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-        while (done.empty() && std::chrono::steady_clock::now() < until) {
-          auto got = (*fast)->Reap(&done, 1, absl::Milliseconds(100));
-          INFO(got.status().ToString());
-          REQUIRE(got.ok());
-        }
-        REQUIRE(done.size() == 1);
-        INFO("transfer t" << i << ": " << done[0].message);
-        REQUIRE(done[0].phase == v1::COMPLETED);
+        SubmitAndComplete(**fast, write, i);
       };
       one(0, false);  // warm-up: connections, first mappings
       one(1, true);
@@ -233,10 +233,7 @@ TEST_CASE("to a peer that announces fewer wire features (an older agent), the op
       }
       const auto am_after = AmCounts(pair.prefill());
       auto sent_of = [&](const std::string& kind) {
-        auto after = am_after.find(kind);
-        auto before = am_before.find(kind);
-        return (after == am_after.end() ? 0 : after->second.first) -
-               (before == am_before.end() ? 0 : before->second.first);
+        return SentBetween(am_before, am_after, kind);
       };
       INFO("notification " << sent_of("notification") << ", notification batch "
                            << sent_of("notification batch"));
