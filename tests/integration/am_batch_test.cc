@@ -245,8 +245,10 @@ TEST_CASE("to a peer that announces fewer wire features (an older agent), the op
         CHECK(sent_of("notification") <= 3 * kEach + 1);
       } else {
         // Acknowledged: the open and DATA_READY in one batch, then the commit alone;
-        // placed: the open, DATA_READY and the commit in one batch.
-        CHECK(sent_of("notification batch") == 2 * kEach);
+        // placed: the open, DATA_READY and the commit in one batch. The warm-up's placed
+        // batch may be counted too: its completion is posted before the batch is sent.
+        CHECK(sent_of("notification batch") >= 2 * kEach);
+        CHECK(sent_of("notification batch") <= 2 * kEach + 1);
         CHECK(sent_of("notification") + 1 >= kEach);
         CHECK(sent_of("notification") <= kEach + 1);
       }
