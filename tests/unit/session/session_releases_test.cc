@@ -50,9 +50,11 @@ TEST_CASE("SessionReleases counts the queued and the running release, oldest wai
 
 TEST_CASE("SessionReleases::Stop wakes a waiting Take, drops the queued, refuses new ones") {
   SessionReleases releases;
+  // The releaser thread only records (Catch's assertions are for the test's thread).
   std::atomic<bool> woke{false};
+  std::atomic<bool> took{true};
   std::thread releaser([&] {
-    CHECK_FALSE(releases.Take().has_value());  // waits: nothing queued, then stopped
+    took = releases.Take().has_value();  // waits: nothing queued, then stopped
     woke = true;
   });
   absl::SleepFor(absl::Milliseconds(50));
@@ -60,6 +62,7 @@ TEST_CASE("SessionReleases::Stop wakes a waiting Take, drops the queued, refuses
   CHECK(releases.Stop() == 0);
   releaser.join();
   CHECK(woke.load());
+  CHECK_FALSE(took.load());
 
   SessionReleases queued;
   REQUIRE(queued.Add("a", absl::Now()));
