@@ -192,6 +192,19 @@ void IncomingTransfers::OpenLocked(Record& r, const v1::Notification& n) {
   next_expiry_us_ = std::min(next_expiry_us_, r.expires_us);
 }
 
+void IncomingTransfers::CommitLocked(Records::iterator it) {
+  Record& r = it->second;
+  if (r.ended || r.held == nullptr) return;
+  // Its strings go to the notification delivered, not copied (EndLocked).
+  EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, r.held.get(), absl::OkStatus());
+}
+
+void IncomingTransfers::ClearBetweenAgents(v1::Notification& n) {
+  n.clear_timeout_ms();
+  n.clear_op();
+  n.clear_committed();
+}
+
 void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
   absl::MutexLock lock(&mu_);
   switch (n.kind()) {
@@ -206,10 +219,7 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
       return;
     case v1::PEER_DATA_COMMIT: {
       auto it = records_.find(LookupKey(n));
-      if (it == records_.end() || it->second.ended || it->second.held == nullptr) return;
-      Record& r = it->second;
-      // Its strings go to the notification delivered, not copied (EndLocked).
-      EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, r.held.get(), absl::OkStatus());
+      if (it != records_.end()) CommitLocked(it);
       return;
     }
     case v1::CANCELLED_BY_PEER:
@@ -242,9 +252,8 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
     OwnersOf(n, &lone.owners);
     lone.reply_ep = reply_ep;
     lone.ack_token = n.ack_token();
-    n.clear_timeout_ms();  // an open inside it (kWireOpenInDataReady) has no record to set
-    n.clear_op();
-    n.clear_committed();  // delivered once acknowledged, committed or not
+    // An open inside it has no record to set; delivered once acknowledged, committed or not.
+    ClearBetweenAgents(n);
     Key key = KeyOf(n);
     lone.held = spare_held_.TakeMessage();
     lone.held->Swap(&n);
@@ -257,12 +266,8 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
   // A DATA_READY that also opens the transfer (kWireOpenInDataReady: a same-host copy
   // whose open was due with it): the open's op and deadline, then held as a plain
   // DATA_READY (its owners get what they got when the open came apart).
-  if (n.timeout_ms() > 0) {
-    OpenLocked(*r, n);
-    n.clear_timeout_ms();
-    n.clear_op();
-  }
-  n.clear_committed();  // OnDataReady read it; never delivered
+  if (n.timeout_ms() > 0) OpenLocked(*r, n);
+  ClearBetweenAgents(n);  // OnDataReady read `committed`
   r->reply_ep = reply_ep;
   r->ack_token = n.ack_token();
   r->state.set_bytes_total(n.bytes());
@@ -290,12 +295,7 @@ void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
     // Its sender recorded COMPLETED before it sent it (kWireCommitInDataReady): delivered
     // now, as the PEER_DATA_COMMIT it replaces would be; refused (no room, memory gone),
     // it ended FAILED above, as it does with the commit beside it.
-    if (committed && tracked && ack.error_code() == 0) {
-      Record& r = it->second;
-      if (!r.ended && r.held != nullptr) {
-        EndLocked(it->first, r, v1::COMPLETED, v1::DATA_READY, r.held.get(), absl::OkStatus());
-      }
-    }
+    if (committed && tracked && ack.error_code() == 0) CommitLocked(it);
   }
   send_ack_(ack_ep, ack);
 }

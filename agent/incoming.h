@@ -164,6 +164,13 @@ class IncomingTransfers {
   // DATA_READY carrying timeout_ms, kWireOpenInDataReady): the op, and the sender's
   // deadline within max_peer_timeout_ms.
   void OpenLocked(Record& r, const v1::Notification& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What PEER_DATA_COMMIT does (also a committed DATA_READY once acknowledged,
+  // kWireCommitInDataReady): the held DATA_READY goes to the owners and the record ends
+  // COMPLETED, unless it ended already or holds none.
+  void CommitLocked(Records::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Clears what a DATA_READY carries between agents only (an open's timeout_ms and op,
+  // committed) before it is held for delivery to clients.
+  static void ClearBetweenAgents(v1::Notification& n);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
   void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

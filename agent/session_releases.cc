@@ -37,15 +37,19 @@ size_t SessionReleases::Stop() {
   return dropped;
 }
 
+uint64_t SessionReleases::CountLocked() const {
+  return queued_.size() + (running_.has_value() ? 1 : 0);
+}
+
 uint64_t SessionReleases::sessions() const {
   absl::MutexLock lock(&mu_);
-  return queued_.size() + (running_.has_value() ? 1 : 0);
+  return CountLocked();
 }
 
 SessionReleases::Backlog SessionReleases::backlog(absl::Time now) const {
   absl::MutexLock lock(&mu_);
   Backlog backlog;
-  backlog.sessions = queued_.size() + (running_.has_value() ? 1 : 0);
+  backlog.sessions = CountLocked();
   // Taken in order, so the one being released ended before every queued one.
   if (running_.has_value()) {
     backlog.oldest_wait = now - *running_;

@@ -45,6 +45,9 @@ class SessionReleases {
   uint64_t sessions() const;
 
  private:
+  // Those queued and the one being released.
+  uint64_t CountLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
   // Bounded by how fast sessions can be opened and closed while one release waits for

@@ -322,6 +322,20 @@ absl::Status TransferEngine::AdmitLocked(const std::string& id, const std::strin
                         "earlier ones finish");
 }
 
+namespace {
+
+// True when the request names a remote group or region that `catalog` lacks.
+bool NamesUnknownRemote(const v1::SubmitTransferRequest& request,
+                        const registry::RemoteCatalog& catalog) {
+  for (const auto& segment : request.segments()) {
+    if (segment.has_items() && catalog.GroupSlots(segment.items().remote_group()).empty()) return true;
+    if (segment.has_bytes() && catalog.Find(segment.bytes().remote_region()) == nullptr) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
                                     const Caller& caller, v1::TransferState* accepted,
                                     Watcher* when_terminal, bool* unknown_remote) {
@@ -1287,15 +1301,6 @@ absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op
   ASSIGN_OR_RETURN(*routes, RouteOps(id, op, plan, peer, options_.stager != nullptr,
                                      options_.ucx_cuda));
   return absl::OkStatus();
-}
-
-bool TransferEngine::NamesUnknownRemote(const v1::SubmitTransferRequest& request,
-                                        const registry::RemoteCatalog& catalog) {
-  for (const auto& segment : request.segments()) {
-    if (segment.has_items() && catalog.GroupSlots(segment.items().remote_group()).empty()) return true;
-    if (segment.has_bytes() && catalog.Find(segment.bytes().remote_region()) == nullptr) return true;
-  }
-  return false;
 }
 
 absl::StatusOr<v1::TransferState> TransferEngine::Get(const std::string& transfer_id,

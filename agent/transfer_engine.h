@@ -129,9 +129,6 @@ class TransferEngine {
   absl::Status Submit(const v1::SubmitTransferRequest& request, const Caller& caller,
                       v1::TransferState* accepted, Watcher* when_terminal = nullptr,
                       bool* unknown_remote = nullptr);
-  // True when the request names a remote group or region that `catalog` lacks.
-  static bool NamesUnknownRemote(const v1::SubmitTransferRequest& request,
-                                 const registry::RemoteCatalog& catalog);
   // Get, Cancel, List and Watch see only the caller's own transfers (a scheduler's:
   // all); another's transfer reads as NOT_FOUND, as one that does not exist.
   absl::StatusOr<v1::TransferState> Get(const std::string& transfer_id, const Caller& caller) const;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,6 +67,16 @@ uint64_t SentBetween(const AmTable& before, const AmTable& after, const std::str
   return (a == after.end() ? 0 : a->second.first) - (b == before.end() ? 0 : b->second.first);
 }
 
+// A fast path ring on prefill's session (its client keeps the session).
+std::unique_ptr<FastPath> OpenPrefillRing(AgentPair& pair) {
+  auto session = pair.prefill().Session();
+  REQUIRE(session.ok());
+  auto fast = FastPath::Open(*session);
+  INFO(fast.status().ToString());
+  REQUIRE(fast.ok());
+  return std::move(*fast);
+}
+
 // Submits `request` on `fast` and waits (up to 30 s) for its completion: COMPLETED.
 void SubmitAndComplete(FastPath& fast, const v1::SubmitTransferRequest& request,
                        uint64_t user_data) {
@@ -88,13 +99,9 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: three ac
           "the UCX thread), not three times") {
   AgentPair pair(ThousandPages());
   pair.ResetContents();
-  auto session = pair.prefill().Session();
-  REQUIRE(session.ok());
-  auto fast = FastPath::Open(*session);
-  INFO(fast.status().ToString());
-  REQUIRE(fast.ok());
+  std::unique_ptr<FastPath> fast = OpenPrefillRing(pair);
   auto one = [&](uint64_t i) {
-    SubmitAndComplete(**fast,
+    SubmitAndComplete(*fast,
                       KvWrite(fmt::format("lone{}", i), {i % 1024}, {1023 - i % 1024},
                               fmt::format("token:{}", i)),
                       i);
@@ -185,16 +192,12 @@ TEST_CASE("to a peer that announces fewer wire features (an older agent), the op
       options.extra_args = {"--wire-features", features};
       AgentPair pair(options);
       pair.ResetContents();
-      auto session = pair.prefill().Session();
-      REQUIRE(session.ok());
-      auto fast = FastPath::Open(*session);
-      INFO(fast.status().ToString());
-      REQUIRE(fast.ok());
+      std::unique_ptr<FastPath> fast = OpenPrefillRing(pair);
       auto one = [&](uint64_t i, bool placed) {
         v1::SubmitTransferRequest write =
             KvWrite(fmt::format("t{}", i), {i}, {1023 - i}, fmt::format("token:{}", i));
         if (placed) write.set_complete_when(v1::COMPLETE_WHEN_PLACED);
-        SubmitAndComplete(**fast, write, i);
+        SubmitAndComplete(*fast, write, i);
       };
       one(0, false);  // warm-up: connections, first mappings
       one(1, true);
@@ -263,25 +266,21 @@ TEST_CASE("a burst of 1,000 notified one-page WRITEs goes in batches: each compl
   const auto prefill_before = AmCounts(pair.prefill());
   const auto decode_before = AmCounts(pair.decode());
 
-  auto session = pair.prefill().Session();
-  REQUIRE(session.ok());
-  auto fast = FastPath::Open(*session);
-  INFO(fast.status().ToString());
-  REQUIRE(fast.ok());
+  std::unique_ptr<FastPath> fast = OpenPrefillRing(pair);
   // One burst: every entry behind one doorbell, page i to page 1023 - i.
   for (uint64_t i = 0; i < kTransfers; ++i) {
-    REQUIRE((*fast)
+    REQUIRE(fast
                 ->Submit(KvWrite(fmt::format("burst{}", i), {i}, {1023 - i},
                                  fmt::format("token:{}", i)),
                          i, /*publish=*/false)
                 .ok());
   }
-  (*fast)->Publish();
+  fast->Publish();
 
   std::vector<FastCompletion> done;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (done.size() < kTransfers && std::chrono::steady_clock::now() < until) {
-    auto got = (*fast)->Reap(&done, kTransfers - done.size(), absl::Milliseconds(100));
+    auto got = fast->Reap(&done, kTransfers - done.size(), absl::Milliseconds(100));
     INFO(got.status().ToString());
     REQUIRE(got.ok());
   }
