@@ -68,6 +68,9 @@ struct FastPathServer::Ring {
   UniqueFd complete_fd;  // the agent rings it
   char* base = nullptr;
   fr::RingHeader* header = nullptr;
+  // Whether this agent honours a client's kWaitCount (kFeatureWakeCount among its
+  // features); set at Open.
+  bool wake_count = false;
   // The poller thread's own.
   uint32_t sq_head = 0;
   std::atomic<bool> closed{false};
@@ -146,10 +149,19 @@ struct FastPathServer::Ring {
     // sees this completion or is woken. One ring per sleep: the flag is taken back
     // before the ring (the client sets it again before it sleeps again), so the
     // completions posted while it wakes up ring no more doorbells.
+    // A client waiting for a count (kWaitCount, kFeatureWakeCount) stored wake_at before
+    // its flags: seeing the flags, this sees that wake_at. Until cq_tail reaches it the
+    // flag stays, and a later completion rings.
     header->cq_tail.value.store(cq_tail, std::memory_order_seq_cst);
     std::atomic<uint32_t>& flags = header->client_flags.value;
-    if ((flags.load(std::memory_order_seq_cst) & fr::kWaiting) &&
-        (flags.fetch_and(~fr::kWaiting, std::memory_order_seq_cst) & fr::kWaiting)) {
+    const uint32_t seen = flags.load(std::memory_order_seq_cst);
+    if ((seen & fr::kWaiting) == 0) return;
+    if ((seen & fr::kWaitCount) != 0 && wake_count &&
+        static_cast<int32_t>(cq_tail - header->wake_at.value.load(std::memory_order_relaxed)) <
+            0) {
+      return;
+    }
+    if (flags.fetch_and(~fr::kWaiting, std::memory_order_seq_cst) & fr::kWaiting) {
       fr::RingDoorbell(complete_fd.get());
     }
   }
@@ -397,6 +409,7 @@ absl::StatusOr<v1::FastPathInfo> FastPathServer::Open(uint64_t session_id, const
   ring->session_id = session_id;
   ring->caller = caller;
   ring->geometry = *geometry;
+  ring->wake_count = (features_ & fr::kFeatureWakeCount) != 0;
   ring->memfd.reset(memfd_create("kvagent-fast-path", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!ring->memfd) return Errno("memfd_create");
   if (ftruncate(ring->memfd.get(), static_cast<off_t>(geometry->ring_bytes)) != 0) {

@@ -179,7 +179,8 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               their doorbells and UCX's events (default 50)
   --fast-path-features N      FastPathInfo.features the rings announce and take (a mask
                               of client/fast_ring.h kFeature*: 1 notifications, 2 durable
-                              subscriptions; default all): fewer make the rings behave
+                              subscriptions, 4 a wake-up per count of completions;
+                              default all): fewer make the rings behave
                               as an older agent's, for testing clients against one
   --wire-features N           AgentMetadata.wire_features announced to peers (a mask of
                               agent/am_ids.h kWire*: 1 notice batches, 2 data over active

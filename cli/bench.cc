@@ -367,6 +367,7 @@ int RunBench(const BenchOptions& options) {
       fast_phase.target_address = target_address;
       fast_phase.timeout_ms = options.timeout_ms;
       fast_phase.spin_us = options.fast_spin_us;
+      fast_phase.reap_batch = options.fast_reap_batch;
       fast_phase.quick = options.quick;
       fast_phase.json = options.json;
       fast_phase.one_page = [&](uint64_t i, bool notify) {

@@ -108,7 +108,8 @@ absl::StatusOr<std::unique_ptr<client::FastPath>> WatchTargetRing(
 // `how` says which: "ring" or "grpc".
 absl::StatusOr<std::unique_ptr<NotificationWaiter>> StartRateDrain(const FastPhaseOptions& options,
                                                                    std::string prefix,
-                                                                   std::string* how) {
+                                                                   std::string* how,
+                                                                   uint32_t reap_batch = 1) {
   *how = "grpc";
   if (options.target_owner == nullptr) {
     return StartDrain(options.target_address, std::move(prefix), options.timeout_ms);
@@ -125,6 +126,7 @@ absl::StatusOr<std::unique_ptr<NotificationWaiter>> StartRateDrain(const FastPha
   NotificationWaiterOptions drain;
   drain.ring = std::move(ring);
   drain.keep = KeepPrefix(std::move(prefix));
+  drain.ring_batch = reap_batch;
   *how = "ring";
   return std::make_unique<NotificationWaiter>(std::move(drain));
 }
@@ -343,9 +345,10 @@ absl::StatusOr<std::unique_ptr<FastRing>> FastRing::Open(const std::string& addr
   return std::unique_ptr<FastRing>(new FastRing(std::move(agent), std::move(path), timeout_ms));
 }
 
-absl::Status FastRing::ReapSome(std::vector<client::FastCompletion>* out, size_t max) {
+absl::Status FastRing::ReapSome(std::vector<client::FastCompletion>* out, size_t max,
+                                size_t min) {
   out->clear();
-  ASSIGN_OR_RETURN(size_t n, path_->Reap(out, max, absl::Milliseconds(timeout_ms_)));
+  ASSIGN_OR_RETURN(size_t n, path_->Reap(out, max, absl::Milliseconds(timeout_ms_), min));
   if (n == 0) {
     return absl::DeadlineExceededError(fmt::format(
         "no fast path completion within {} ms ({} entries outstanding)", timeout_ms_,
@@ -356,7 +359,8 @@ absl::Status FastRing::ReapSome(std::vector<client::FastCompletion>* out, size_t
 
 absl::StatusOr<FastRun> FastRing::Run(const std::string& prefix, uint32_t depth,
                                       uint64_t min_transfers, double seconds,
-                                      uint64_t max_transfers, const LaneRequest& make) {
+                                      uint64_t max_transfers, const LaneRequest& make,
+                                      uint32_t reap_batch) {
   FastRun run;
   run.latencies_us.reserve(std::min<uint64_t>(max_transfers, 1 << 20));
   std::vector<Clock::time_point> started(depth);
@@ -383,7 +387,7 @@ absl::StatusOr<FastRun> FastRing::Run(const std::string& prefix, uint32_t depth,
   path_->Publish();
   std::vector<client::FastCompletion> done;
   while (inflight > 0) {
-    RETURN_IF_ERROR(ReapSome(&done, depth));
+    RETURN_IF_ERROR(ReapSome(&done, depth, std::min<uint64_t>(inflight, reap_batch)));
     const auto now = Clock::now();
     for (const auto& c : done) {
       const uint32_t lane = static_cast<uint32_t>(c.user_data);
@@ -858,6 +862,9 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     // The bench's own threads over the run, per transfer: the submitting client(s)
     // and the target's notification taker (as a decode engine's thread takes them).
     double client_cpu_us = 0, taker_cpu_us = 0;
+    // The clients' sleeps on their completion doorbells, per transfer (Reap waits for
+    // options.reap_batch at a time).
+    double client_sleeps = 0;
     std::string drain;               // how the target's notifications were taken: ring, grpc
     // The initiator's AgentStatus counters over the run (agent-wide: its other
     // clients' transfers count too).
@@ -897,7 +904,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     rate.clients = clients;
     rate.placed = placed;
     ASSIGN_OR_RETURN(std::unique_ptr<NotificationWaiter> drain,
-                     StartRateDrain(options, run_prefix, &rate.drain));
+                     StartRateDrain(options, run_prefix, &rate.drain, options.reap_batch));
     ASSIGN_OR_RETURN(v1::AgentStatus status_before, initiator.Status());
     std::vector<FastRing*> rings = {ring->get(), second.get()};
     std::vector<absl::StatusOr<FastRun>> runs(clients, absl::UnknownError("not run"));
@@ -908,6 +915,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       cpu_before[0] = ThreadCpuTicks(options.initiator_pid);
       cpu_before[1] = ThreadCpuTicks(options.target_pid);
     }
+    uint64_t sleeps_before = 0;
+    for (uint32_t c = 0; c < clients; ++c) sleeps_before += rings[c]->sleeps();
     const auto start = Clock::now();
     std::vector<std::thread> threads;
     std::vector<double> client_cpu_s(clients, 0.0);
@@ -921,7 +930,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                                   v1::SubmitTransferRequest request = options.one_page(
                                       c * kDepth + lane + span * (n % per_lane), true);
                                   return placed ? Placed(std::move(request)) : request;
-                                });
+                                }, options.reap_batch);
       });
     }
     for (auto& t : threads) t.join();
@@ -948,6 +957,10 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       for (double c : client_cpu_s) client_s += c;
       rate.client_cpu_us = client_s * 1e6 / static_cast<double>(rate.transfers);
       rate.taker_cpu_us = drain->cpu_seconds() * 1e6 / static_cast<double>(rate.transfers);
+      uint64_t sleeps = 0;
+      for (uint32_t c = 0; c < clients; ++c) sleeps += rings[c]->sleeps();
+      rate.client_sleeps =
+          static_cast<double>(sleeps - sleeps_before) / static_cast<double>(rate.transfers);
     }
     if (missing > 0) {
       return absl::DataLossError(fmt::format(
@@ -1006,7 +1019,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   "\"placed_not_taken\": %lu, \"grpc_transfers_per_s\": %s, "
                   "\"grpc_batch64_transfers_per_s\": %s, \"initiator_cpu_us_per_transfer\": %s, "
                   "\"target_cpu_us_per_transfer\": %s, \"client_cpu_us_per_transfer\": %.1f, "
-                  "\"notification_taker_cpu_us_per_transfer\": %.1f, "
+                  "\"notification_taker_cpu_us_per_transfer\": %.1f, \"reap_batch\": %u, "
+                  "\"client_sleeps_per_transfer\": %.3f, "
                   "\"total_cpu_us_per_transfer\": %s, \"cpu_bound_transfers_per_s\": %s, "
                   "\"drain\": \"%s\", \"loadavg_1m\": %s}\n",
                   r.placed ? "fast_rate_placed" : "fast_rate", CompletionName(r.placed),
@@ -1018,7 +1032,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   Opt(options.grpc_rate_batch64, "{:.1f}").c_str(),
                   r.cpu[0] ? fmt::format("{:.1f}", r.cpu[0]->us_per_transfer).c_str() : "null",
                   r.cpu[1] ? fmt::format("{:.1f}", r.cpu[1]->us_per_transfer).c_str() : "null",
-                  r.client_cpu_us, r.taker_cpu_us, Opt(TotalCpuUs(r), "{:.1f}").c_str(),
+                  r.client_cpu_us, r.taker_cpu_us, options.reap_batch, r.client_sleeps,
+                  Opt(TotalCpuUs(r), "{:.1f}").c_str(),
                   Opt(CpuBoundRate(r), "{:.0f}").c_str(), r.drain.c_str(),
                   Opt(load_rate, "{:.2f}").c_str());
     } else {
@@ -1036,10 +1051,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                     names[k], r.cpu[k]->percent, r.cpu[k]->us_per_transfer,
                     r.cpu[k]->threads.c_str());
       }
-      std::printf("    bench     CPU %5.1f us per transfer submitting and reaping (%u thread%s), "
+      std::printf("    bench     CPU %5.1f us per transfer submitting and reaping (%u thread%s, "
+                  "waiting for %u completions per wake-up, %.3f sleeps per transfer), "
                   "%5.1f us taking the target's notifications (as a decode engine's thread "
                   "would)\n",
-                  r.client_cpu_us, r.clients, r.clients == 1 ? "" : "s", r.taker_cpu_us);
+                  r.client_cpu_us, r.clients, r.clients == 1 ? "" : "s", options.reap_batch,
+                  r.client_sleeps, r.taker_cpu_us);
       if (const auto total = TotalCpuUs(r)) {
         std::printf("    together  %5.1f us of CPU per transfer: at most %.0f /s on the %ld CPUs "
                     "here\n",

@@ -59,15 +59,19 @@ class FastRing {
 
   // Keeps up to `depth` transfers in flight, ids "<prefix><lane>.<n>", until at least
   // `min_transfers` completed and `seconds` passed (or `max_transfers` were
-  // submitted); completions are reaped in batches and each must be COMPLETED.
+  // submitted); completions are reaped in batches and each must be COMPLETED. With
+  // `reap_batch` > 1 each reap sleeps until that many have come (at most those in flight).
   absl::StatusOr<FastRun> Run(const std::string& prefix, uint32_t depth, uint64_t min_transfers,
-                              double seconds, uint64_t max_transfers, const LaneRequest& make);
+                              double seconds, uint64_t max_transfers, const LaneRequest& make,
+                              uint32_t reap_batch = 1);
   // One transfer (its id set), submit -> completion; an error unless COMPLETED.
   absl::Status Transfer(const v1::SubmitTransferRequest& request);
   // `count` pings one after another, each submit -> completion (us); with `idle`, a
   // pause before each, so that the agent's ring thread and this client are asleep.
   absl::StatusOr<std::vector<double>> Pings(uint64_t count,
                                             absl::Duration idle = absl::ZeroDuration());
+  // How many times this ring's Reap slept on its completion doorbell.
+  uint64_t sleeps() const { return path_->sleeps(); }
   // The ring's session's gRPC client (its transfers' states: GetTransfer answers only
   // the session's client name).
   AgentClient& agent() { return *client_; }
@@ -76,8 +80,9 @@ class FastRing {
   FastRing(std::unique_ptr<AgentClient> client, std::unique_ptr<client::FastPath> path,
            uint32_t timeout_ms)
       : client_(std::move(client)), path_(std::move(path)), timeout_ms_(timeout_ms) {}
-  // Reaps at least one completion into `out` (cleared first) or fails.
-  absl::Status ReapSome(std::vector<client::FastCompletion>* out, size_t max);
+  // Reaps at least `min` completions into `out` (cleared first), or at least one when
+  // the timeout passes first, or fails.
+  absl::Status ReapSome(std::vector<client::FastCompletion>* out, size_t max, size_t min = 1);
 
   std::unique_ptr<AgentClient> client_;  // holds the session; outlives path_
   std::unique_ptr<client::FastPath> path_;
@@ -134,6 +139,8 @@ struct FastPhaseOptions {
   std::string initiator_address, target_address;
   uint32_t timeout_ms = 60000;
   uint32_t spin_us = 0;          // the rings' Reap spin (0: the library's default)
+  // Completions the rate phase's clients and notification taker wait for per wake-up.
+  uint32_t reap_batch = 16;
   bool quick = false;
   bool json = false;
   // One 4 KiB page WRITE of transfer i (its pool items are i's, modulo the pool),

@@ -25,6 +25,9 @@ struct BenchOptions {
   // How long the fast path rings' Reap polls before sleeping on the doorbell
   // (--fast-spin-us; 0: the client library's default, 20 us).
   uint32_t fast_spin_us = 0;
+  // How many completions the rate phase's clients (and its notification taker) wait for
+  // per wake-up (--fast-reap-batch; 1: wake for each, as before kFeatureWakeCount).
+  uint32_t fast_reap_batch = 16;
   uint64_t pool_mib = 1024;       // per agent; every block size reuses the whole pool
   bool shm_direct = true;         // agents started here copy same-host data directly
   uint32_t timeout_ms = 60000;    // per transfer

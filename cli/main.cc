@@ -93,7 +93,8 @@ commands:
   bench [--quick] [--pool-mib N] [--initiator ADDR --target ADDR]
         [--shm-direct auto|off] [--kvagentd PATH] [--perftest PATH]
         [--memory dram|vram] [--device N] [--memory-regions N]
-        [--fast-spin-us N] [--cells BLOCK:BATCH,...] [--copy-lanes N]
+        [--fast-spin-us N] [--fast-reap-batch N] [--cells BLOCK:BATCH,...]
+        [--copy-lanes N]
         [--worker-cpus LIST] [--agent-cpus LIST]
         [--fast-only]
                              two agents (started here when no addresses are
@@ -119,7 +120,10 @@ commands:
                              counted), and issue 15's targets for both
                              completion points (--fast-spin-us:
                              how long the bench's Reap polls before it
-                             sleeps, default 20); --json
+                             sleeps, default 20; --fast-reap-batch N:
+                             the rate phase's clients and notification
+                             taker sleep until N completions have come,
+                             default 16, 1: wake for each); --json
                              prints one JSON object per cell; --quick runs a
                              smaller sweep in well under a minute;
                              --cells 64K:16,4M:64 runs only those cells
@@ -661,6 +665,10 @@ int main(int argc, char** argv) {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n > 1000000) return Usage("--fast-spin-us takes 0 to 1000000");
         options.fast_spin_us = static_cast<uint32_t>(n);
+      } else if (a == "--fast-reap-batch") {
+        if (!ParseNumber(a, v, &n)) return 2;
+        if (n < 1 || n > 64) return Usage("--fast-reap-batch takes 1 to 64");
+        options.fast_reap_batch = static_cast<uint32_t>(n);
       } else if (a == "--device") {
         if (!ParseNumber(a, v, &n)) return 2;
         if (n > 1024) return Usage("--device takes a CUDA device ordinal");

@@ -62,7 +62,7 @@ struct NotificationWaiter::State {
     std::vector<client::FastCompletion> got;
     while (!stop.load()) {
       got.clear();
-      auto reaped = options.ring->Reap(&got, 1024, absl::Milliseconds(5));
+      auto reaped = options.ring->Reap(&got, 1024, absl::Milliseconds(5), options.ring_batch);
       if (!reaped.ok()) return reaped.status();
       for (const auto& c : got) {
         if (c.opcode != client::fastring::kNotification) continue;

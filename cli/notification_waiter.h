@@ -40,6 +40,9 @@ struct NotificationWaiterOptions {
   // ends taking with it. Counted only, as a poller. The waiter owns the ring (its
   // session must outlive the waiter) and closes it when destroyed.
   std::shared_ptr<client::FastPath> ring;
+  // With `ring`: each reap sleeps until this many notifications have come (bounded by
+  // its 5 ms wait, so the last ones of a run are taken too); 1: wakes for each.
+  uint32_t ring_batch = 1;
   // Which notifications are kept (null: every one); called on the waiter's thread. A
   // stream keeps one per transfer id.
   std::function<bool(const v1::Notification&)> keep;

@@ -338,29 +338,50 @@ size_t FastPath::TakeCompletions(std::vector<FastCompletion>* out, size_t max) {
 }
 
 absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t max,
-                                      absl::Duration timeout) {
+                                      absl::Duration timeout, size_t min) {
   absl::MutexLock lock(&reap_mu_);
+  min = std::clamp<size_t>(min, 1, std::max<size_t>(max, 1));
   size_t n = TakeCompletions(out, max);
-  if (n != 0) {
-    NudgeAgent();  // entries may wait for the room just made
-    return n;
-  }
+  if (n != 0) NudgeAgent();  // entries may wait for the room just made
+  if (n >= min) return n;
   const auto start = Clock::now();
   const auto limit = start + absl::ToChronoNanoseconds(timeout);
-  const auto spin_end = start + std::chrono::microseconds(options_.spin_us);
   fr::RingHeader* h = header();
-  while (Clock::now() < std::min(spin_end, limit)) {
-    if ((n = TakeCompletions(out, max)) != 0) return n;
-    fr::CpuRelax();
+  const bool counts = (info_.features() & fr::kFeatureWakeCount) != 0;
+  if (min == 1 || !counts) {
+    // Poll a while (the next one is likely near) before sleeping. A wait for several
+    // sleeps at once where the agent rings for the count: holding a CPU for them is
+    // what it is meant to avoid. An older agent would ring at the first, so there the
+    // wait polls as for one.
+    const auto spin_end = start + std::chrono::microseconds(options_.spin_us);
+    while (Clock::now() < std::min(spin_end, limit)) {
+      const size_t took = TakeCompletions(out, max - n);
+      n += took;
+      if (took != 0) NudgeAgent();
+      if (n >= min) return n;
+      fr::CpuRelax();
+    }
   }
   for (;;) {
-    // seq_cst store, then TakeCompletions' seq_cst load of cq_tail: the agent's
-    // completion is seen, or the agent sees the flag and rings.
-    h->client_flags.value.store(fr::kWaiting, std::memory_order_seq_cst);
-    n = TakeCompletions(out, max);
-    if (n != 0) break;
+    // Ring when `want` more have come (an agent without kFeatureWakeCount rings at the
+    // first, and this waits again). wake_at is stored before the flags (the agent reads
+    // it after them).
+    const size_t want = min - n;
+    if (counts && want > 1) {
+      h->wake_at.value.store(cq_head_ + static_cast<uint32_t>(want), std::memory_order_relaxed);
+      h->client_flags.value.store(fr::kWaiting | fr::kWaitCount, std::memory_order_seq_cst);
+    } else {
+      // seq_cst store, then TakeCompletions' seq_cst load of cq_tail: the agent's
+      // completion is seen, or the agent sees the flag and rings.
+      h->client_flags.value.store(fr::kWaiting, std::memory_order_seq_cst);
+    }
+    const size_t took = TakeCompletions(out, max - n);
+    n += took;
+    if (took != 0) NudgeAgent();
+    if (n >= min) break;
     if (std::string reason = closed_reason(); !reason.empty()) {
       h->client_flags.value.store(0, std::memory_order_relaxed);
+      if (n != 0) return n;
       return absl::FailedPreconditionError(reason);
     }
     const auto now = Clock::now();
@@ -370,10 +391,11 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
     const auto wait = std::chrono::duration_cast<std::chrono::nanoseconds>(limit - now);
     timespec ts{static_cast<time_t>(wait.count() / 1000000000),
                 static_cast<long>(wait.count() % 1000000000)};
+    sleeps_.fetch_add(1, std::memory_order_relaxed);
     const int ready = ppoll(fds, 2, &ts, nullptr);
     if (ready > 0 && (fds[0].revents & POLLIN)) fr::DrainDoorbell(complete_fd_.get());
     if (ready > 0 && (fds[1].revents & (POLLHUP | POLLRDHUP | POLLERR))) {
-      n = TakeCompletions(out, max);
+      n += TakeCompletions(out, max - n);
       h->client_flags.value.store(0, std::memory_order_relaxed);
       if (n != 0) return n;
       return absl::UnavailableError(fmt::format(
@@ -382,7 +404,6 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
     }
   }
   h->client_flags.value.store(0, std::memory_order_relaxed);
-  if (n != 0) NudgeAgent();
   return n;
 }
 

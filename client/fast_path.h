@@ -143,12 +143,20 @@ class FastPath {
                                 bool publish = true);
   void Publish();
 
-  // Appends up to `max` completions (notifications included; pads skipped) to `out`; waits up to `timeout` for the first one
-  // (polling spin_us, then sleeping on the doorbell). Returns how many it appended (0
-  // when none came in time). UNAVAILABLE when the agent closed the session;
-  // FAILED_PRECONDITION when it closed the ring (with its reason) and none are left.
+  // Appends up to `max` completions (notifications included; pads skipped) to `out`;
+  // waits up to `timeout` until it has `min` of them (1 to max; polling spin_us, then
+  // sleeping on the doorbell, when one is wanted or the agent lacks kFeatureWakeCount;
+  // sleeping at once when several are).
+  // With several wanted, an agent with kFeatureWakeCount rings the doorbell only once
+  // they have all come, so a client with many transfers in flight wakes once per batch
+  // (an older agent rings at the first; this then waits again). Returns how many it
+  // appended: at least `min`, or what had come when `timeout` passed (possibly 0).
+  // UNAVAILABLE when the agent closed the session; FAILED_PRECONDITION when it closed
+  // the ring (with its reason) and none are left.
   absl::StatusOr<size_t> Reap(std::vector<FastCompletion>* out, size_t max,
-                              absl::Duration timeout);
+                              absl::Duration timeout, size_t min = 1);
+  // How many times Reap slept on the completion doorbell, since the ring opened.
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
 
   // Closes the ring and keeps the session (proto CloseFastPathRequest): the agent ends
   // the ring's notification watch first (those not yet written stay queued for other
@@ -213,6 +221,7 @@ class FastPath {
   absl::Mutex reap_mu_;
   uint32_t cq_head_ ABSL_GUARDED_BY(reap_mu_) = 0;
   std::atomic<uint64_t> reaped_{0};
+  std::atomic<uint64_t> sleeps_{0};
   // Close() was called: the destructor only unmaps.
   std::atomic<bool> close_sent_{false};
 };

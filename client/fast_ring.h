@@ -6,7 +6,7 @@
 //
 // Layout of the file:
 //   [0, 64)                 RingHeader: sizes and offsets, written once by the agent
-//   [64, 64 * 7)            six counters, one cache line each (see RingHeader)
+//   [64, 64 * 8)            seven counters, one cache line each (see RingHeader)
 //   [1024, 4096)            why the agent closed the ring, when it did (kReasonOffset)
 //   [submission_offset, +)  submission_slots slots of kSlotBytes
 //   [completion_offset, +)  completion_entries entries of kCompletionBytes
@@ -19,7 +19,11 @@
 // submission doorbell; the agent publishes completions by storing cq_tail and, when
 // the client says it waits (kWaiting), clears that flag and rings the completion
 // doorbell: one ring per sleep, however many completions follow, so a client sets
-// kWaiting again (then looks at cq_tail) before each sleep.
+// kWaiting again (then looks at cq_tail) before each sleep. A client that wants several
+// completions per wake-up (kFeatureWakeCount) also stores wake_at, the cq_tail it waits
+// for, and sets kWaitCount beside kWaiting: the agent then rings only once cq_tail has
+// reached wake_at (or when it closes the ring), so a client with many transfers in
+// flight sleeps once per batch of completions instead of once per completion.
 //
 // Notifications (opt-in: a kWatchNotifications entry): the agent also posts each
 // notification the session may take as a kNotification completion, which spans
@@ -30,7 +34,7 @@
 //
 // Trust: the client can write every byte of the file at any time. The agent keeps its
 // own copies of the sizes and of the counters it owns (sq_head, cq_tail), reads only
-// sq_tail, cq_head and client_flags from the file (and only clears kWaiting in the
+// sq_tail, cq_head, client_flags and wake_at from the file (and only clears kWaiting in the
 // latter, which a client may set again at any time), copies an entry out before it
 // looks at it, and closes the ring (counted, logged) when the client breaks these
 // rules; the client's damage stays in its own ring.
@@ -95,8 +99,13 @@ enum Opcode : uint16_t {
 inline constexpr uint32_t kFeatureNotifications = 1;
 // The agent takes kWatchNotifications with a subscription, and kAckNotifications.
 inline constexpr uint32_t kFeatureDurableNotifications = 2;
+// The agent honours kWaitCount and wake_at: it rings the completion doorbell of a
+// client waiting for a count only once cq_tail reaches wake_at. An agent without it
+// rings at the first completion (the client finds too few, and waits again).
+inline constexpr uint32_t kFeatureWakeCount = 4;
 // All this build offers.
-inline constexpr uint32_t kFeatures = kFeatureNotifications | kFeatureDurableNotifications;
+inline constexpr uint32_t kFeatures =
+    kFeatureNotifications | kFeatureDurableNotifications | kFeatureWakeCount;
 
 // OK when `features` (FastPathInfo.features) has kFeatureNotifications; else
 // FAILED_PRECONDITION saying the agent is older and what to use instead.
@@ -156,6 +165,8 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 // Bits of agent_flags and client_flags.
 inline constexpr uint32_t kSleeping = 1;  // agent: ring the submission doorbell
 inline constexpr uint32_t kWaiting = 1;   // client: ring the completion doorbell (once)
+// client, with kWaiting: ring it only once cq_tail reaches wake_at (kFeatureWakeCount)
+inline constexpr uint32_t kWaitCount = 2;
 inline constexpr uint32_t kClosed = 2;    // agent: this ring is closed (reason in the log)
 // agent: notifications wait for room on the completion ring: a client that reaps while
 // the agent sleeps (kSleeping) rings the submission doorbell.
@@ -176,9 +187,14 @@ struct alignas(64) RingHeader {
   Counter cq_tail;       // agent: completions published
   Counter cq_head;       // client: completions reaped
   Counter agent_flags;   // agent: kSleeping, kClosed
-  Counter client_flags;  // client: kWaiting
+  Counter client_flags;  // client: kWaiting, kWaitCount
+  // client: with kWaitCount, the cq_tail to ring the completion doorbell at (a
+  // free-running count like the others: reached when cq_tail - wake_at, as int32, is
+  // not negative). The agent only reads it; a wrong value only delays the client's
+  // own wake-up (its wait's timeout still ends it).
+  Counter wake_at;
 };
-static_assert(sizeof(RingHeader) == 64 * 7);
+static_assert(sizeof(RingHeader) == 64 * 8);
 
 // Where the agent writes why it closed a ring (NUL-terminated), between the header's
 // counters and the first slot.

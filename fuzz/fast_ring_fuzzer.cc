@@ -292,6 +292,10 @@ class Client {
             Apply(step.client_flags(), header_->client_flags.value.load()),
             std::memory_order_release);
         break;
+      case Step::kWakeAt:
+        header_->wake_at.value.store(Apply(step.wake_at(), header_->wake_at.value.load()),
+                                     std::memory_order_release);
+        break;
       case Step::kCursor:
         cursor_ = Apply(step.cursor(), cursor_);
         break;

@@ -47,13 +47,14 @@ FIGURES = {
                   [("transfers_per_s", True), ("initiator_cpu_us_per_transfer", False),
                    ("target_cpu_us_per_transfer", False), ("client_cpu_us_per_transfer", False),
                    ("notification_taker_cpu_us_per_transfer", False),
-                   ("total_cpu_us_per_transfer", False)]),
+                   ("total_cpu_us_per_transfer", False), ("client_sleeps_per_transfer", False)]),
     "fast_rate_placed": (("clients",),
                          [("transfers_per_s", True), ("initiator_cpu_us_per_transfer", False),
                           ("target_cpu_us_per_transfer", False),
                           ("client_cpu_us_per_transfer", False),
                           ("notification_taker_cpu_us_per_transfer", False),
-                          ("total_cpu_us_per_transfer", False)]),
+                          ("total_cpu_us_per_transfer", False),
+                          ("client_sleeps_per_transfer", False)]),
     "memory": ((), [("transfers_per_second", True)]),
 }
 

@@ -33,11 +33,13 @@ VERSION, MAGIC, SLOT_BYTES, COMPLETION_BYTES = 1, 0x5246564B, 256, 512
 PAD, SUBMIT, CANCEL, PING, WATCH_NOTIFICATIONS, NOTIFICATION = 0, 1, 2, 3, 4, 5
 ACK_NOTIFICATIONS = 6
 SLEEPING = WAITING = 1
+WAIT_COUNT = 2  # client, with WAITING: ring only once cq_tail reaches WAKE_AT
 CLOSED = 2
 ROOM_WANTED = 4  # agent: notifications wait for room (ring the doorbell after reaping)
 FEATURE_NOTIFICATIONS = 1  # FastPathInfo.features: the ring takes WATCH_NOTIFICATIONS
 # ... a watch with a subscription, and ACK_NOTIFICATIONS
 FEATURE_DURABLE_NOTIFICATIONS = 2
+FEATURE_WAKE_COUNT = 4  # ... and rings a client waiting for a count only once it came
 REASON_OFFSET, REASON_BYTES = 1024, 3072
 # How long a FastPath dropped without close() waits for the agent's answer to its close
 # (the session's timeout if shorter), as C++ ~FastPath does.
@@ -45,7 +47,8 @@ CLOSE_ON_DROP_S = 1.0
 HEADER = struct.Struct("<IHHIIQ")        # SubmissionHeader: 24 bytes
 COMPLETION = struct.Struct("<QHHiIIQQ")  # CompletionHeader: 40 bytes
 # Word indices of the counters (one cache line each after the 64-byte header).
-SQ_TAIL, SQ_HEAD, CQ_TAIL, CQ_HEAD, AGENT_FLAGS, CLIENT_FLAGS = (16, 32, 48, 64, 80, 96)
+SQ_TAIL, SQ_HEAD, CQ_TAIL, CQ_HEAD, AGENT_FLAGS, CLIENT_FLAGS, WAKE_AT = (
+    16, 32, 48, 64, 80, 96, 112)
 
 
 class Completion:
@@ -227,14 +230,26 @@ class FastPath:
                                              sequences=list(sequences))
         self._put(ACK_NOTIFICATIONS, user_data, request.SerializeToString())
 
-    def reap(self, max_count=64, timeout=1.0):
-        """Up to max_count completions; waits up to `timeout` s for the first."""
+    def reap(self, max_count=64, timeout=1.0, min_count=1):
+        """Up to max_count completions; waits up to `timeout` s until min_count (1 to
+        max_count) have come, and returns what came by then. With several wanted, an
+        agent with FEATURE_WAKE_COUNT rings the doorbell once they all have (one wake-up
+        per batch); an older one at the first, and this waits again."""
         deadline = time.monotonic() + timeout
+        min_count = max(1, min(min_count, max_count))
+        counts = bool(self.info.features & FEATURE_WAKE_COUNT)
+        out = []
         while True:
-            out = self._take(max_count)
-            if out or time.monotonic() >= deadline:
+            out += self._take(max_count - len(out))
+            if len(out) >= min_count or time.monotonic() >= deadline:
                 return out
-            self._words[CLIENT_FLAGS] = WAITING
+            want = min_count - len(out)
+            if counts and want > 1:
+                # wake_at before the flags: the agent reads it after them
+                self._words[WAKE_AT] = (self._cq_head + want) & 0xFFFFFFFF
+                self._words[CLIENT_FLAGS] = WAITING | WAIT_COUNT
+            else:
+                self._words[CLIENT_FLAGS] = WAITING
             self._fence()
             if self._words[CQ_TAIL] == self._cq_head:
                 left = max(0.0, min(0.001, deadline - time.monotonic()))
@@ -245,6 +260,8 @@ class FastPath:
                         pass
             self._words[CLIENT_FLAGS] = 0
             if self.closed_reason() and self._words[CQ_TAIL] == self._cq_head:
+                if out:
+                    return out
                 raise errors.error(9, self.closed_reason(), where="fast path")
 
     def _take(self, max_count):

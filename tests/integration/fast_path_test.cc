@@ -212,6 +212,81 @@ TEST_CASE("fast path: 64 transfers behind one doorbell, completions reaped in a 
   CHECK(fast->outstanding() == 0);
 }
 
+// Reap(min 8) on its own thread while 8 pings are published 20 ms apart: returns the
+// 8, and how many times it slept.
+struct CountedReap {
+  absl::StatusOr<size_t> got = size_t{0};
+  std::vector<FastCompletion> out;
+  uint64_t sleeps = 0;
+  absl::Status pinged;  // the first ping refused, if any
+};
+CountedReap ReapEightPingsSpaced(FastPath& fast, uint64_t first_user_data) {
+  CountedReap r;
+  const uint64_t sleeps_before = fast.sleeps();
+  std::thread reaper([&] { r.got = fast.Reap(&r.out, 64, absl::Seconds(20), 8); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // asleep by now
+  for (uint64_t i = 0; i < 8; ++i) {
+    // Asserted by the caller, after the join (a throw here would leave the thread).
+    if (absl::Status pinged = fast.Ping(first_user_data + i); !pinged.ok() && r.pinged.ok()) {
+      r.pinged = pinged;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  reaper.join();
+  r.sleeps = fast.sleeps() - sleeps_before;
+  return r;
+}
+
+TEST_CASE("fast path: a Reap waiting for 8 completions sleeps once; the agent rings when the 8th comes") {
+  for (const bool wake_count : {true, false}) {
+    DYNAMIC_SECTION((wake_count ? "an agent with kFeatureWakeCount" : "--fast-path-features 3")) {
+      AgentPairOptions options;
+      if (!wake_count) options.extra_args = {"--fast-path-features", "3"};
+      AgentPair pair(options);
+      auto fast = OpenFast(pair.prefill());
+      CHECK(((fast->info().features() & fr::kFeatureWakeCount) != 0) == wake_count);
+      CountedReap r = ReapEightPingsSpaced(*fast, 100);
+      REQUIRE(r.pinged.ok());
+      INFO(r.got.status().ToString());
+      REQUIRE(r.got.ok());
+      CHECK(*r.got == 8);
+      REQUIRE(r.out.size() == 8);
+      for (uint64_t i = 0; i < 8; ++i) {
+        CHECK(r.out[i].opcode == fr::kPing);
+        CHECK(r.out[i].user_data == 100 + i);
+      }
+      INFO("slept " << r.sleeps << " times");
+      if (wake_count) {
+        // One sleep, one doorbell: the agent left the 7 before unrung.
+        CHECK(r.sleeps == 1);
+      } else {
+        // The older agent rings at the first: the client takes it and sleeps again.
+        CHECK(r.sleeps >= 2);
+      }
+      // Fewer than wanted come before the timeout: those are returned then.
+      for (uint64_t i = 0; i < 3; ++i) REQUIRE(fast->Ping(200 + i).ok());
+      std::vector<FastCompletion> out;
+      const auto start = std::chrono::steady_clock::now();
+      auto got = fast->Reap(&out, 64, absl::Milliseconds(300), 8);
+      REQUIRE(got.ok());
+      CHECK(*got == 3);
+      CHECK(std::chrono::steady_clock::now() - start >= std::chrono::milliseconds(250));
+      // A min above max waits for max.
+      for (uint64_t i = 0; i < 3; ++i) REQUIRE(fast->Ping(300 + i).ok());
+      out.clear();
+      got = fast->Reap(&out, 2, absl::Seconds(20), 8);
+      REQUIRE(got.ok());
+      CHECK(*got == 2);
+      out.clear();
+      got = fast->Reap(&out, 64, absl::Seconds(20), 1);
+      REQUIRE(got.ok());
+      CHECK(*got == 1);
+      // The pair still moves bytes.
+      HonestFastWrite(pair, *fast, "after-counted-reap", 3, 4);
+    }
+  }
+}
+
 TEST_CASE("fast path: bad requests come back with gRPC's code and message; a second ring is refused") {
   AgentPair pair;
   auto fast = OpenFast(pair.prefill());

@@ -4,6 +4,7 @@ a refusal and a ping come back on the completion ring with the agent's message;
 notifications come on a watching ring, whole across entries and pads, taken once, or
 through a durable subscription with sequences, acknowledged on the ring."""
 import gc
+import threading
 import time
 
 import torch
@@ -11,8 +12,8 @@ import torch
 import kvagent
 from client_test import connected_kv
 from harness import PairTestCase, agent_status, main, wait_status
-from kvagent.fast_path import (ACK_NOTIFICATIONS, CQ_TAIL, NOTIFICATION, PING, SQ_TAIL,
-                               WATCH_NOTIFICATIONS, FastPath)
+from kvagent.fast_path import (ACK_NOTIFICATIONS, CQ_TAIL, FEATURE_WAKE_COUNT, NOTIFICATION,
+                               PING, SQ_TAIL, WATCH_NOTIFICATIONS, FastPath)
 from kvagent.session import Session
 from kvagent._proto import kvagent_pb2 as pb
 
@@ -56,6 +57,41 @@ class FastPathTest(PairTestCase):
         bad = done[101].error()
         self.assertEqual(bad.code.name, "INVALID_ARGUMENT")
         self.assertIn("remote index 99 at position 0 is out of range", bad.message)
+
+    def test_reap_waits_for_a_count(self):
+        pre, dec, src, dst = connected_kv(self, "count", 4)
+        ring = FastPath(pre, submission_slots=16)
+        self.addCleanup(ring.close)
+        self.assertTrue(ring.info.features & FEATURE_WAKE_COUNT)
+
+        def pings(first):
+            for i in range(8):
+                ring.ping(first + i)
+                time.sleep(0.02)
+
+        pinger = threading.Thread(target=pings, args=(10,))
+        start = time.monotonic()
+        pinger.start()
+        got = ring.reap(max_count=64, timeout=20, min_count=8)
+        took = time.monotonic() - start
+        pinger.join()
+        self.assertEqual([(c.user_data, c.opcode, c.code) for c in got],
+                         [(10 + i, PING, 0) for i in range(8)])
+        self.assertGreaterEqual(took, 0.12)  # the 8th came ~140 ms after the first
+        # Fewer than wanted before the timeout: what came, when it passes.
+        for i in range(3):
+            ring.ping(30 + i)
+        start = time.monotonic()
+        got = ring.reap(max_count=64, timeout=0.3, min_count=8)
+        self.assertEqual([c.user_data for c in got], [30, 31, 32])
+        self.assertGreaterEqual(time.monotonic() - start, 0.25)
+        # And the ring still moves bytes.
+        ring.transfer(40, "decode", "count-after", pages=([1], [2]))
+        got = ring.reap(timeout=10)
+        self.assertEqual([(c.user_data, c.phase) for c in got], [(40, "COMPLETED")],
+                         got and got[0].message)
+        for s, d in zip(src, dst):
+            self.assertTrue(torch.equal(s[1], d[2]))
 
     def test_notifications_on_a_watching_ring(self):
         pre, dec, src, dst = connected_kv(self, "notes", 5)

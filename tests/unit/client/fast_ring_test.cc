@@ -226,6 +226,17 @@ TEST_CASE("CheckDurableNotifications: an agent without the bit is sent no subscr
   }
 }
 
+TEST_CASE("RingHeader: the counters where the Python client reads them, wake_at the last") {
+  // python/kvagent/fast_path.py's word indices (x4): SQ_TAIL 16 ... CLIENT_FLAGS 96,
+  // WAKE_AT 112; an older agent never touches wake_at's line (its header ended before).
+  CHECK(offsetof(RingHeader, sq_tail) == 64);
+  CHECK(offsetof(RingHeader, client_flags) == 384);
+  CHECK(offsetof(RingHeader, wake_at) == 448);
+  CHECK(sizeof(RingHeader) <= kReasonOffset);
+  CHECK((kFeatures & kFeatureWakeCount) != 0);
+  CHECK((kWaitCount & kWaiting) == 0);
+}
+
 TEST_CASE("SpanFor counts the completion header; MaxSpan is half the completion ring") {
   CHECK(sizeof(CompletionHeader) == 40);
   CHECK(offsetof(CompletionHeader, span) == 10);  // the old reserved field: 0 never sent
