@@ -149,7 +149,9 @@ class FastPath {
   // sleeping at once when several are).
   // With several wanted, an agent with kFeatureWakeCount rings the doorbell only once
   // they have all come, so a client with many transfers in flight wakes once per batch
-  // (an older agent rings at the first; this then waits again). Returns how many it
+  // (an older agent rings at the first; this then waits again). The first ones wait
+  // for the rest (or the timeout): for throughput, e.g. a stream of many transfers, not
+  // where one completion's latency counts (wait for 1 there). Returns how many it
   // appended: at least `min`, or what had come when `timeout` passed (possibly 0).
   // UNAVAILABLE when the agent closed the session; FAILED_PRECONDITION when it closed
   // the ring (with its reason) and none are left.

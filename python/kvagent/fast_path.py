@@ -234,7 +234,8 @@ class FastPath:
         """Up to max_count completions; waits up to `timeout` s until min_count (1 to
         max_count) have come, and returns what came by then. With several wanted, an
         agent with FEATURE_WAKE_COUNT rings the doorbell once they all have (one wake-up
-        per batch); an older one at the first, and this waits again."""
+        per batch); an older one at the first, and this waits again. The first ones wait
+        for the rest: for throughput, not where one completion's latency counts."""
         deadline = time.monotonic() + timeout
         min_count = max(1, min(min_count, max_count))
         counts = bool(self.info.features & FEATURE_WAKE_COUNT)
