@@ -365,8 +365,9 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
   for (;;) {
     // Ring when `want` more have come (an agent without kFeatureWakeCount rings at the
     // first, and this waits again). wake_at is stored before the flags (the agent reads
-    // it after them).
-    const size_t want = min - n;
+    // it after them). At most a completion ring's worth: the agent posts no more than
+    // fit before this side reaps, so a larger count would never be reached.
+    const size_t want = std::min<size_t>(min - n, completions_);
     if (counts && want > 1) {
       h->wake_at.value.store(cq_head_ + static_cast<uint32_t>(want), std::memory_order_relaxed);
       h->client_flags.value.store(fr::kWaiting | fr::kWaitCount, std::memory_order_seq_cst);

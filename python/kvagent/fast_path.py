@@ -244,7 +244,8 @@ class FastPath:
             out += self._take(max_count - len(out))
             if len(out) >= min_count or time.monotonic() >= deadline:
                 return out
-            want = min_count - len(out)
+            # at most a ring's worth: no more fit before this side reaps
+            want = min(min_count - len(out), self.entries)
             if counts and want > 1:
                 # wake_at before the flags: the agent reads it after them
                 self._words[WAKE_AT] = (self._cq_head + want) & 0xFFFFFFFF

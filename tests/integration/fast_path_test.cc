@@ -283,6 +283,22 @@ TEST_CASE("fast path: a Reap waiting for 8 completions sleeps once; the agent ri
       CHECK(*got == 1);
       // The pair still moves bytes.
       HonestFastWrite(pair, *fast, "after-counted-reap", 3, 4);
+      // More wanted than the completion ring holds: the agent takes the second half only
+      // once the first is reaped, so the wait is for a ring's worth at a time (else it
+      // would sleep to its timeout with 8 posted and 8 not taken).
+      cli::AgentClient small_client(pair.prefill_process().address());
+      client::FastPathOptions small;
+      small.submission_slots = 32;
+      small.completion_entries = 8;
+      auto ring = OpenFast(small_client, small);
+      for (uint64_t i = 0; i < 16; ++i) REQUIRE(ring->Ping(400 + i, /*publish=*/false).ok());
+      ring->Publish();
+      out.clear();
+      const auto wide = std::chrono::steady_clock::now();
+      got = ring->Reap(&out, 64, absl::Seconds(20), 16);
+      REQUIRE(got.ok());
+      CHECK(*got == 16);
+      CHECK(std::chrono::steady_clock::now() - wide < std::chrono::seconds(10));
     }
   }
 }

@@ -92,6 +92,18 @@ class FastPathTest(PairTestCase):
                          got and got[0].message)
         for s, d in zip(src, dst):
             self.assertTrue(torch.equal(s[1], d[2]))
+        # More wanted than an 8-entry completion ring holds: all 16 come, a ring's worth
+        # at a time (the agent takes the second 8 once the first are reaped). A new ring
+        # of the same session, the first one closed.
+        ring.close()
+        small = FastPath(pre, submission_slots=32, completion_entries=8)
+        self.addCleanup(small.close)
+        for i in range(16):
+            small.ping(50 + i)
+        start = time.monotonic()
+        got = small.reap(max_count=64, timeout=20, min_count=16)
+        self.assertEqual([c.user_data for c in got], list(range(50, 66)))
+        self.assertLess(time.monotonic() - start, 10)
 
     def test_notifications_on_a_watching_ring(self):
         pre, dec, src, dst = connected_kv(self, "notes", 5)
