@@ -915,8 +915,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       cpu_before[0] = ThreadCpuTicks(options.initiator_pid);
       cpu_before[1] = ThreadCpuTicks(options.target_pid);
     }
-    uint64_t sleeps_before = 0;
-    for (uint32_t c = 0; c < clients; ++c) sleeps_before += rings[c]->sleeps();
+    auto ClientSleeps = [&rings, clients = clients] {
+      uint64_t sleeps = 0;
+      for (uint32_t c = 0; c < clients; ++c) sleeps += rings[c]->sleeps();
+      return sleeps;
+    };
+    const uint64_t sleeps_before = ClientSleeps();
     const auto start = Clock::now();
     std::vector<std::thread> threads;
     std::vector<double> client_cpu_s(clients, 0.0);
@@ -957,10 +961,8 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       for (double c : client_cpu_s) client_s += c;
       rate.client_cpu_us = client_s * 1e6 / static_cast<double>(rate.transfers);
       rate.taker_cpu_us = drain->cpu_seconds() * 1e6 / static_cast<double>(rate.transfers);
-      uint64_t sleeps = 0;
-      for (uint32_t c = 0; c < clients; ++c) sleeps += rings[c]->sleeps();
-      rate.client_sleeps =
-          static_cast<double>(sleeps - sleeps_before) / static_cast<double>(rate.transfers);
+      rate.client_sleeps = static_cast<double>(ClientSleeps() - sleeps_before) /
+                           static_cast<double>(rate.transfers);
     }
     if (missing > 0) {
       return absl::DataLossError(fmt::format(

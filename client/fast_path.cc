@@ -341,9 +341,15 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
                                       absl::Duration timeout, size_t min) {
   absl::MutexLock lock(&reap_mu_);
   min = std::clamp<size_t>(min, 1, std::max<size_t>(max, 1));
-  size_t n = TakeCompletions(out, max);
-  if (n != 0) NudgeAgent();  // entries may wait for the room just made
-  if (n >= min) return n;
+  size_t n = 0;
+  // Takes what has come (up to max in all); true once `min` have.
+  auto take = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(reap_mu_) {
+    const size_t took = TakeCompletions(out, max - n);
+    n += took;
+    if (took != 0) NudgeAgent();  // entries may wait for the room just made
+    return n >= min;
+  };
+  if (take()) return n;
   const auto start = Clock::now();
   const auto limit = start + absl::ToChronoNanoseconds(timeout);
   fr::RingHeader* h = header();
@@ -355,10 +361,7 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
     // wait polls as for one.
     const auto spin_end = start + std::chrono::microseconds(options_.spin_us);
     while (Clock::now() < std::min(spin_end, limit)) {
-      const size_t took = TakeCompletions(out, max - n);
-      n += took;
-      if (took != 0) NudgeAgent();
-      if (n >= min) return n;
+      if (take()) return n;
       fr::CpuRelax();
     }
   }
@@ -376,10 +379,7 @@ absl::StatusOr<size_t> FastPath::Reap(std::vector<FastCompletion>* out, size_t m
       // completion is seen, or the agent sees the flag and rings.
       h->client_flags.value.store(fr::kWaiting, std::memory_order_seq_cst);
     }
-    const size_t took = TakeCompletions(out, max - n);
-    n += took;
-    if (took != 0) NudgeAgent();
-    if (n >= min) break;
+    if (take()) break;
     if (std::string reason = closed_reason(); !reason.empty()) {
       h->client_flags.value.store(0, std::memory_order_relaxed);
       if (n != 0) return n;
