@@ -26,6 +26,14 @@ for bad_list in "99999" "1-0" "x" ""; do
     echo "--agent-cpus '$bad_list': expected exit 2 naming the flag, got $rc:"; cat "$err"; exit 1
   fi
 done
+# So is a completion count per wake-up outside 1..64, naming the flag and the range.
+for bad_batch in 0 65 x; do
+  rc=0
+  "$ctl" bench --quick --fast-reap-batch "$bad_batch" >"$out" 2>"$err" || rc=$?
+  if [[ "$rc" != 2 ]] || ! grep -q -- "--fast-reap-batch" "$err"; then
+    echo "--fast-reap-batch '$bad_batch': expected exit 2 naming the flag, got $rc:"; cat "$err"; exit 1
+  fi
+done
 rc=0
 "$ctl" bench --quick --agent-cpus "$last_cpu" --initiator unix:/nonexistent --target unix:/nonexistent \
   >"$out" 2>"$err" || rc=$?
