@@ -132,12 +132,12 @@ void TransferEngine::Stop(absl::Duration grace) {
   // Let running transfers finish within the grace period, then fail the rest.
   auto all_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_.empty(); };
   mu_.AwaitWithDeadline(absl::Condition(&all_done), until);
-  std::vector<std::string> ids(active_.begin(), active_.end());
-  for (const auto& id : ids) {
-    Transfer& t = *transfers_.at(id);
-    Finish(t, v1::FAILED,
-           absl::UnavailableError(fmt::format(
-               "transfer '{}' was still running when agent '{}' shut down", id, options_.self_name)),
+  const std::vector<TransferPtr> running(active_.begin(), active_.end());
+  for (const auto& t : running) {
+    Finish(*t, v1::FAILED,
+           absl::UnavailableError(fmt::format("transfer '{}' was still running when agent '{}' "
+                                              "shut down",
+                                              t->state.transfer_id(), options_.self_name)),
            -1);
   }
   auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -197,7 +197,7 @@ void TransferEngine::Finish(Transfer& t, v1::TransferPhase phase, absl::Status s
   std::string().swap(t.notification);  // ended before DATA_READY: never sent
   planned_ops_ -= std::min(planned_ops_, t.planned_ops);
   t.planned_ops = 0;
-  if (active_.erase(t.state.transfer_id()) > 0) {
+  if (active_.erase(&t) > 0) {
     auto owner = active_by_owner_.find(t.state.owner());
     if (owner != active_by_owner_.end() && --owner->second == 0) active_by_owner_.erase(owner);
   }
@@ -225,7 +225,8 @@ void TransferEngine::SetDrained(Transfer& t) {
   t.state.set_drain_unknown(false);
   t.state.clear_drain_note();
   t.pinned.clear();
-  draining_.erase(t.state.transfer_id());
+  // Most transfers never drain late: no id hashed for an empty set.
+  if (!draining_.empty()) draining_.erase(t.state.transfer_id());
   if (!drain_waits_.empty()) WakeDeadlinesBy(0);  // a drain wait may be settled
 }
 
@@ -564,8 +565,8 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
       const uint32_t timeout_ms =
           request.timeout_ms() ? request.timeout_ms() : options_.default_timeout_ms;
       t->deadline_us = t->start_us + uint64_t{timeout_ms} * 1000;
-      transfers_[id] = t;
-      active_.insert(id);
+      transfers_.emplace(id, t);
+      active_.insert(t);
       WakeDeadlinesBy(t->deadline_us);
     } else {
       t = existing;
@@ -1362,8 +1363,7 @@ void TransferEngine::FailPeer(const PeerLoss& loss) {
              t.last_peer->incarnation == loss.current_incarnation);
   };
   std::vector<TransferPtr> lost;
-  for (const auto& id : active_) {
-    const TransferPtr& t = transfers_.at(id);
+  for (const auto& t : active_) {
     if (lost_with_peer(*t)) lost.push_back(t);
   }
   // Completed when placed, not yet answered: whether the peer took the notification
@@ -1479,8 +1479,7 @@ void TransferEngine::DeadlineLoop() {
       const uint64_t now = MonotonicMicros();
       // One pass over the active transfers: the expired ones, and the earliest deadline
       // of the rest (expiring them below removes none of the rest from active_).
-      for (const auto& id : active_) {
-        const TransferPtr& t = transfers_.at(id);
+      for (const auto& t : active_) {
         if (now >= t->deadline_us) {
           expired.push_back(t);
         } else {
@@ -1652,8 +1651,7 @@ uint32_t TransferEngine::FailTransfersTo(const std::string& name, const absl::St
   std::vector<TransferPtr> failed;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& id : active_) {
-      const TransferPtr& t = transfers_.at(id);
+    for (const auto& t : active_) {
       if (t->state.peer() == name) failed.push_back(t);
     }
     for (const auto& t : failed) {

@@ -374,7 +374,10 @@ class TransferEngine {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, TransferPtr> transfers_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> active_ ABSL_GUARDED_BY(mu_);
+  // The records of the transfers not ended yet, by address (Abseil hashes and finds a
+  // shared_ptr by its pointer): an insert and an erase per transfer hash no id string
+  // and copy none. Only ended records are pruned from transfers_, so each is there too.
+  absl::flat_hash_set<TransferPtr> active_ ABSL_GUARDED_BY(mu_);
   // Active transfers per owner and operations planned in all (the limits).
   absl::flat_hash_map<std::string, uint64_t> active_by_owner_ ABSL_GUARDED_BY(mu_);
   uint64_t planned_ops_ ABSL_GUARDED_BY(mu_) = 0;
