@@ -859,6 +859,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     uint64_t transfers = 0;
     double per_s = 0, p50_us = 0, p99_us = 0;
     std::optional<AgentCpu> cpu[2];  // initiator, target (agents started here)
+    // Each agent's threads' sleeps (voluntary context switches) over the run, per
+    // transfer, all threads summed, and "thread 0.05, ..." for the threads woken at least
+    // 0.05 times per transfer: on a VM each sleep and wake-up costs the waker and the
+    // woken several µs of CPU, a share of what the agents spend per transfer.
+    std::optional<double> wakeups[2];
+    std::string wakeup_threads[2];
     // The bench's own threads over the run, per transfer: the submitting client(s)
     // and the target's notification taker (as a decode engine's thread takes them).
     double client_cpu_us = 0, taker_cpu_us = 0;
@@ -911,9 +917,12 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     const uint64_t span = clients * kDepth;
     const uint64_t per_lane = std::max<uint64_t>(1, options.pages / span);
     std::map<std::string, CpuTicks> cpu_before[2];
+    std::map<std::string, uint64_t> wake_before[2];
     if (here) {
       cpu_before[0] = ThreadCpuTicks(options.initiator_pid);
       cpu_before[1] = ThreadCpuTicks(options.target_pid);
+      wake_before[0] = ThreadWakeups(options.initiator_pid);
+      wake_before[1] = ThreadWakeups(options.target_pid);
     }
     auto ClientSleeps = [&rings, clients = clients] {
       uint64_t sleeps = 0;
@@ -950,6 +959,15 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                                 rate.transfers, 0.03);
       rate.cpu[1] = DescribeCpu(cpu_before[1], ThreadCpuTicks(options.target_pid), elapsed,
                                 rate.transfers, 0.03);
+      const pid_t pids[2] = {options.initiator_pid, options.target_pid};
+      for (int k = 0; k < 2 && rate.transfers > 0; ++k) {
+        std::map<std::string, uint64_t> woken;
+        AddAmDelta(wake_before[k], ThreadWakeups(pids[k]), &woken);
+        uint64_t sum = 0;
+        for (const auto& [name, n] : woken) sum += n;
+        rate.wakeups[k] = static_cast<double>(sum) / static_cast<double>(rate.transfers);
+        rate.wakeup_threads[k] = WakeupsPerTransfer(woken, rate.transfers);
+      }
     }
     rate.per_s = rate.transfers / elapsed;
     rate.p50_us = Percentile(all, 50);
@@ -1023,6 +1041,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   "\"target_cpu_us_per_transfer\": %s, \"client_cpu_us_per_transfer\": %.1f, "
                   "\"notification_taker_cpu_us_per_transfer\": %.1f, \"reap_batch\": %u, "
                   "\"client_sleeps_per_transfer\": %.3f, "
+                  "\"initiator_wakeups_per_transfer\": %s, \"target_wakeups_per_transfer\": %s, "
                   "\"total_cpu_us_per_transfer\": %s, \"cpu_bound_transfers_per_s\": %s, "
                   "\"drain\": \"%s\", \"loadavg_1m\": %s}\n",
                   r.placed ? "fast_rate_placed" : "fast_rate", CompletionName(r.placed),
@@ -1035,6 +1054,7 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
                   r.cpu[0] ? fmt::format("{:.1f}", r.cpu[0]->us_per_transfer).c_str() : "null",
                   r.cpu[1] ? fmt::format("{:.1f}", r.cpu[1]->us_per_transfer).c_str() : "null",
                   r.client_cpu_us, r.taker_cpu_us, options.reap_batch, r.client_sleeps,
+                  Opt(r.wakeups[0], "{:.3f}").c_str(), Opt(r.wakeups[1], "{:.3f}").c_str(),
                   Opt(TotalCpuUs(r), "{:.1f}").c_str(),
                   Opt(CpuBoundRate(r), "{:.0f}").c_str(), r.drain.c_str(),
                   Opt(load_rate, "{:.2f}").c_str());
@@ -1049,9 +1069,13 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
       const char* names[] = {"initiator", "target"};
       for (int k = 0; k < 2; ++k) {
         if (!r.cpu[k]) continue;
-        std::printf("    %-9s CPU %3.0f%% of one core, %5.1f us per transfer; threads: %s\n",
+        // The threads that slept 0.05 times per transfer or more, when any did.
+        const std::string& woken = r.wakeup_threads[k];
+        std::printf("    %-9s CPU %3.0f%% of one core, %5.1f us per transfer; threads: %s; "
+                    "sleeps per transfer %s%s\n",
                     names[k], r.cpu[k]->percent, r.cpu[k]->us_per_transfer,
-                    r.cpu[k]->threads.c_str());
+                    r.cpu[k]->threads.c_str(), Cellf(r.wakeups[k], "{:.3f}").c_str(),
+                    woken.empty() || woken == "none" ? "" : (" (" + woken + ")").c_str());
       }
       std::printf("    bench     CPU %5.1f us per transfer submitting and reaping (%u thread%s, "
                   "waiting for %u completions per wake-up, %.3f sleeps per transfer), "

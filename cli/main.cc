@@ -111,14 +111,16 @@ commands:
                              target's ring has no notifications) and through
                              a gRPC WatchNotifications (fast_grpc_notification),
                              fast path WRITEs/s (64 in flight, 1 and 2
-                             clients) and the agents' idle CPU with a ring
-                             open, with the load average; the fast path's
-                             latency and rate again with complete_when
-                             PLACED (fast_placed*: COMPLETED once the bytes
-                             are in place, the target's acknowledgement
-                             recorded after; every notification still
-                             counted), and issue 15's targets for both
-                             completion points (--fast-spin-us:
+                             clients; each process's CPU and the agents'
+                             sleeps per transfer) and the agents' idle CPU
+                             with a ring open, with the load average; the
+                             fast path's latency and rate again with
+                             complete_when PLACED (fast_placed*: COMPLETED
+                             once the bytes are in place, the target's
+                             acknowledgement recorded after; every
+                             notification still counted), and issue 15's
+                             targets for both completion points
+                             (--fast-spin-us:
                              how long the bench's Reap polls before it
                              sleeps, default 20; --fast-reap-batch N:
                              the rate phase's clients and notification

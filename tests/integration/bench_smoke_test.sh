@@ -228,6 +228,16 @@ while IFS= read -r line; do
     echo "fast rate line without reap_batch 16, or with more than 0.12 client sleeps per transfer: $line"; bad=1
   fi
 done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
+# Each agent's sleeps per transfer (its threads' voluntary context switches over the
+# run): present for agents started here, and below one: the rings, the notice batches
+# and the counted completion doorbell put many transfers behind each wake-up (here the
+# agents sleep 0.03-0.1 times per transfer), so one or more would mean a wake-up per
+# transfer came back.
+while IFS= read -r line; do
+  if ! python3 -c 'import json,sys; r=json.loads(sys.argv[1]); v=[r["initiator_wakeups_per_transfer"], r["target_wakeups_per_transfer"]]; sys.exit(0 if all(isinstance(x, float) and 0 <= x < 1 for x in v) else 1)' "$line"; then
+    echo "fast rate line without both agents' wake-ups per transfer, or with one or more per transfer: $line"; bad=1
+  fi
+done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
 # The rate targets set that CPU beside what 200,000 /s would allow on this host.
 while IFS= read -r line; do
   if ! python3 -c 'import json,os,sys; r=json.loads(sys.argv[1]); c=r["total_cpu_us_per_transfer"]; b=r["cpu_us_per_transfer_for_target"]; sys.exit(0 if c > 0 and abs(b - os.cpu_count() * 5.0) < 0.05 else 1)' "$line"; then
