@@ -236,6 +236,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->transfer_metrics_ = std::make_unique<TransferMetrics>();
   IncomingOptions incoming_options;
   incoming_options.self_name = options.name;
+  incoming_options.max_finished = options.ended_transfers_kept;
   incoming_options.on_ended = [metrics = agent->transfer_metrics_.get()](
                                   const v1::TransferState& state) {
     // Transfers that arrive start no call here: their end is this agent's activity.
@@ -257,6 +258,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   engine_options.counters = &agent->counters_;
   engine_options.incoming = agent->incoming_.get();
   engine_options.drain_timeout_ms = options.drain_timeout_ms;
+  engine_options.max_finished = options.ended_transfers_kept;
   engine_options.limits = &agent->limits_;
   engine_options.metrics = agent->transfer_metrics_.get();
   engine_options.copy_lanes =

@@ -85,6 +85,9 @@ struct AgentOptions {
   // How long a transfer that ended with operations posted waits for them before it
   // reports drain_unknown (--drain-timeout-ms).
   uint32_t drain_timeout_ms = 5000;
+  // Ended transfers kept for queries, outgoing and incoming each (--ended-transfers-kept;
+  // TransferEngineOptions and IncomingOptions max_finished).
+  uint32_t ended_transfers_kept = 10000;
   // A notification subscription idle this long is dropped, its held ones requeued.
   uint32_t subscription_ttl_ms = 600000;
   bool vram_staging = true;

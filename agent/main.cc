@@ -165,6 +165,11 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --drain-timeout-ms N        a transfer that ended with operations posted to a peer
                               reports drain_unknown if they are not confirmed by then
                               (default 5000)
+  --ended-transfers-kept N    ended transfers kept for GetTransfer and ListTransfers,
+                              outgoing and incoming each, the oldest let go first (1 to
+                              1000000, default 10000); fewer keep each agent's working
+                              set small, which at high rates costs less CPU per transfer
+                              (docs/BENCHMARKS.md)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
   --subscription-ttl-ms N     a notification subscription with no watch, poll or ack for
                               this long is dropped; what it held unacknowledged goes
@@ -288,6 +293,8 @@ KVAGENT_FLAG(Count<uint32_t>, deregister_wait_ms, "deregister-wait-ms",
              {Defaults().deregister_wait_ms}, "");
 KVAGENT_FLAG(Count<uint32_t>, drain_timeout_ms, "drain-timeout-ms",
              {Defaults().drain_timeout_ms}, "");
+KVAGENT_FLAG(Count<uint32_t>, ended_transfers_kept, "ended-transfers-kept",
+             {Defaults().ended_transfers_kept}, "");
 KVAGENT_FLAG(Count<uint32_t>, shutdown_grace_ms, "shutdown-grace-ms", {5000}, "");
 KVAGENT_FLAG(Count<uint32_t>, subscription_ttl_ms, "subscription-ttl-ms",
              {Defaults().subscription_ttl_ms}, "");
@@ -435,6 +442,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->stage_host_regions = GetFlag(FLAGS_stage_host_regions);
   options->deregister_wait_ms = GetFlag(FLAGS_deregister_wait_ms).value;
   options->drain_timeout_ms = GetFlag(FLAGS_drain_timeout_ms).value;
+  options->ended_transfers_kept = GetFlag(FLAGS_ended_transfers_kept).value;
   options->subscription_ttl_ms = GetFlag(FLAGS_subscription_ttl_ms).value;
   options->grpc_memory_bytes = GetFlag(FLAGS_grpc_memory_bytes).value;
   options->grpc_max_threads = GetFlag(FLAGS_grpc_max_threads).value;
@@ -463,6 +471,12 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
         "--transfer-timeout-ms: {} is not from 1 to 600000 (10 minutes, the longest deadline "
         "a transfer may have)",
         options->transfer_timeout_ms));
+  }
+  if (options->ended_transfers_kept == 0 || options->ended_transfers_kept > 1000000) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--ended-transfers-kept: {} is not from 1 to 1000000 (ended transfers kept for "
+        "queries; default 10000)",
+        options->ended_transfers_kept));
   }
   if (options->grpc_max_threads == 0) {
     return absl::InvalidArgumentError("--grpc-max-threads: give at least 1");

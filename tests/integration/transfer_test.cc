@@ -251,6 +251,46 @@ TEST_CASE("a transfer that misses its deadline times out with the reason") {
   CHECK(incoming->peer() == "prefill");
 }
 
+TEST_CASE("--ended-transfers-kept bounds the ended transfers each agent keeps for queries") {
+  AgentPairOptions options;
+  options.extra_args = {"--ended-transfers-kept", "3"};
+  AgentPair pair(options);
+  for (uint64_t i = 0; i < 6; ++i) {
+    const std::string id = "kept-" + std::to_string(i);
+    REQUIRE(SubmitThrough(pair.prefill(), KvWrite(id, {i}, {i}, "n")).ok());
+    REQUIRE(WaitDone(pair.prefill(), id).phase() == v1::COMPLETED);
+    CHECK(pair.PageEqual(i, i));
+  }
+  // The sender keeps the newest 3 ended transfers and names its bound for the others.
+  for (uint64_t i = 3; i < 6; ++i) CHECK(pair.prefill().Get("kept-" + std::to_string(i)).ok());
+  for (const std::string id : {"kept-0", "kept-2"}) {
+    auto gone = pair.prefill().Get(id);
+    REQUIRE(!gone.ok());
+    CHECK(gone.status().code() == absl::StatusCode::kNotFound);
+    CHECK_THAT(std::string(gone.status().message()),
+               Catch::Contains(id) && Catch::Contains("kept for the last 3"));
+  }
+  auto outgoing = pair.prefill().Transfers(/*active_only=*/false);
+  REQUIRE(outgoing.ok());
+  CHECK(outgoing->transfers_size() == 3);
+  // The receiver likewise, once the newest has ended there: its 3 newest, no more.
+  std::set<std::string> incoming;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < until) {
+    auto listed = pair.decode().Transfers(/*active_only=*/false, /*incoming=*/true);
+    REQUIRE(listed.ok());
+    incoming.clear();
+    bool newest_ended = false;
+    for (const auto& t : listed->transfers()) {
+      incoming.insert(t.transfer_id());
+      if (t.transfer_id() == "kept-5" && t.phase() == v1::COMPLETED) newest_ended = true;
+    }
+    if (newest_ended) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(incoming == std::set<std::string>{"kept-3", "kept-4", "kept-5"});
+}
+
 TEST_CASE("wait answers with the final state; a batch submits each entry on its own") {
   AgentPair pair;
   pair.ResetContents();

@@ -204,6 +204,9 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--copy-lanes=0"}, {"--copy-lanes 0", "give 1 to 64"});
   ExpectRefused({"--staging-buffers=0"}, {"staging"});
   ExpectRefused({"--transfer-timeout-ms=600001"}, {"--transfer-timeout-ms", "from 1 to 600000"});
+  ExpectRefused({"--ended-transfers-kept=0"}, {"--ended-transfers-kept", "from 1 to 1000000"});
+  ExpectRefused({"--ended-transfers-kept=1000001"},
+                {"--ended-transfers-kept", "1000001 is not from 1 to 1000000"});
   ExpectRefused({"--peer-metadata-share=0"}, {"--peer-metadata-share", "0 is not a percentage"});
   ExpectRefused({"--peer-metadata-share=101"}, {"--peer-metadata-share", "from 1 to 100"});
   ExpectRefused({"--am-message-bytes=0"}, {"--am-message-bytes 0", "524288"});
