@@ -861,8 +861,9 @@ absl::Status RunFastPhase(const FastPhaseOptions& options, AgentClient& initiato
     std::optional<AgentCpu> cpu[2];  // initiator, target (agents started here)
     // Each agent's threads' sleeps (voluntary context switches) over the run, per
     // transfer, all threads summed, and "thread 0.05, ..." for the threads woken at least
-    // 0.05 times per transfer: on a VM each sleep and wake-up costs the waker and the
-    // woken several µs of CPU, a share of what the agents spend per transfer.
+    // 0.05 times per transfer: on a VM a sleep and its wake-up cost the waker and the
+    // woken several µs of CPU, so this says how much of an agent's CPU per transfer
+    // could be wake-ups rather than its own work.
     std::optional<double> wakeups[2];
     std::string wakeup_threads[2];
     // The bench's own threads over the run, per transfer: the submitting client(s)

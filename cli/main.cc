@@ -120,12 +120,12 @@ commands:
                              acknowledgement recorded after; every
                              notification still counted), and issue 15's
                              targets for both completion points
-                             (--fast-spin-us:
-                             how long the bench's Reap polls before it
-                             sleeps, default 20; --fast-reap-batch N:
-                             the rate phase's clients and notification
-                             taker sleep until N completions have come,
-                             default 16, 1: wake for each); --json
+                             (--fast-spin-us: how long the bench's Reap
+                             polls before it sleeps, default 20;
+                             --fast-reap-batch N: the rate phase's clients
+                             and notification taker sleep until N
+                             completions have come, default 16, 1: wake
+                             for each); --json
                              prints one JSON object per cell; --quick runs a
                              smaller sweep in well under a minute;
                              --cells 64K:16,4M:64 runs only those cells

@@ -231,7 +231,7 @@ done < <(grep -E '^\{"kind": "(fast_rate|fast_rate_placed)"' "$out")
 # Each agent's sleeps per transfer (its threads' voluntary context switches over the
 # run): present for agents started here, and below one: the rings, the notice batches
 # and the counted completion doorbell put many transfers behind each wake-up (here the
-# agents sleep 0.03-0.1 times per transfer), so one or more would mean a wake-up per
+# agents sleep 0.000-0.04 times per transfer), so one or more would mean a wake-up per
 # transfer came back.
 while IFS= read -r line; do
   if ! python3 -c 'import json,sys; r=json.loads(sys.argv[1]); v=[r["initiator_wakeups_per_transfer"], r["target_wakeups_per_transfer"]]; sys.exit(0 if all(isinstance(x, float) and 0 <= x < 1 for x in v) else 1)' "$line"; then
