@@ -41,6 +41,12 @@ case "$verb" in
       own_events=1
     fi
     rc=0
+    # Bazel's convenience link to its execroot is named after this folder
+    # (bazel-<folder>); .bazelignore can list only fixed names (bazel-main,
+    # bazel-kvagent), so in a clone named otherwise a second run's //... walked into
+    # it and failed to load Bazel's own packages. The link is remade by the build.
+    link="bazel-$(basename "$PWD")"
+    if [[ -L "$link" ]]; then rm -f "$link"; fi
     bazel test //... --keep_going --test_output=errors \
       --build_event_json_file="$events" "$@" || rc=$?
     echo
