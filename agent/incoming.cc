@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <utility>
 
 #include "agent/status_util.h"
@@ -28,7 +29,13 @@ IncomingTransfers::IncomingTransfers(IncomingOptions options,
     : options_(std::move(options)),
       registry_(registry),
       queue_(queue),
-      send_ack_(std::move(send_ack)) {}
+      send_ack_(std::move(send_ack)),
+      // Few: an ended incoming record takes no later change (a late notice finds it
+      // ended), so it needs to stay whole only while its node is warm for reuse.
+      live_ended_(std::min<size_t>(64, options_.max_finished)),
+      ended_(options_.max_finished - live_ended_) {
+  ended_here_.ended = true;
+}
 
 void IncomingTransfers::KeyInto(const v1::Notification& n, Key* key) {
   char hex[16];
@@ -117,6 +124,8 @@ IncomingTransfers::Record* IncomingTransfers::FindOrMake(const v1::Notification&
   const Key& key = LookupKey(n);
   auto it = records_.find(key);
   if (it != records_.end()) return &it->second;
+  // Ended here and kept compact: whatever comes now is late (no new record, no ack).
+  if (ended_.Contains(key)) return &ended_here_;
   const bool outcome = n.kind() == v1::CANCELLED_BY_PEER || n.kind() == v1::TRANSFER_FAILED ||
                        n.kind() == v1::TRANSFER_TIMED_OUT;
   // Its sender's count of open records (made at zero the first time; kept at zero).
@@ -467,10 +476,24 @@ uint64_t IncomingTransfers::NextExpiry() const {
 }
 
 void IncomingTransfers::PruneLocked() {
-  while (ended_count_ > options_.max_finished) {
+  while (ended_count_ > live_ended_) {
     const Key& oldest = ended_keys_[ended_head_];
     if (auto it = records_.find(oldest); it != records_.end()) {
-      UncountLocked(it->second);
+      // Into ended_, still counted under its source until it goes from there; uncounted
+      // now when ended_ keeps none (max_finished within live_ended_), or it is untracked.
+      EndedExtraInto(it->second, &ended_extra_);
+      const bool kept =
+          it->second.source != nullptr &&
+          ended_.Add(oldest, it->second.state, ended_extra_,
+                     [this](absl::string_view key, absl::string_view extra)
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                           UncountPrefixLocked(key.substr(0, EndedPrefixBytes(extra)));
+                         });
+      if (kept) {
+        it->second.source = nullptr;
+      } else {
+        UncountLocked(it->second);
+      }
       if (spare_.size() < kSpareRecords) {
         spare_.push_back(records_.extract(it));
       } else {
@@ -498,6 +521,41 @@ void IncomingTransfers::CountLocked(Record& r, const Key& key) {
   r.source = last_source_;
 }
 
+void IncomingTransfers::EndedExtraInto(const Record& r, std::string* extra) const {
+  const uint32_t prefix =
+      r.source != nullptr ? static_cast<uint32_t>(r.source->first.size()) : 0;
+  extra->assign(reinterpret_cast<const char*>(&prefix), sizeof prefix);
+  for (const auto& owner : r.owners) extra->append(owner).push_back('\0');
+}
+
+size_t IncomingTransfers::EndedPrefixBytes(absl::string_view extra) {
+  uint32_t prefix = 0;
+  if (extra.size() >= sizeof prefix) std::memcpy(&prefix, extra.data(), sizeof prefix);
+  return prefix;
+}
+
+bool IncomingTransfers::VisibleEnded(absl::string_view extra, const Caller& caller) {
+  if (caller.scheduler) return true;
+  if (extra.size() < sizeof(uint32_t)) return false;
+  extra.remove_prefix(sizeof(uint32_t));
+  while (!extra.empty()) {
+    const size_t end = extra.find('\0');
+    if (end == absl::string_view::npos) return false;
+    if (extra.substr(0, end) == caller.principal) return true;
+    extra.remove_prefix(end + 1);
+  }
+  return false;
+}
+
+void IncomingTransfers::UncountPrefixLocked(absl::string_view prefix) {
+  auto it = sources_.find(prefix);
+  if (it == sources_.end()) return;  // not reached: each entry of ended_ is counted
+  if (--it->second == 0) {
+    if (last_source_ == &*it) last_source_ = nullptr;
+    sources_.erase(it);
+  }
+}
+
 void IncomingTransfers::UncountLocked(Record& r) {
   if (r.source == nullptr) return;  // untracked
   if (--r.source->second == 0) {
@@ -512,6 +570,9 @@ absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer
                                                          const Caller& caller) const {
   absl::MutexLock lock(&mu_);
   const v1::TransferState* found = nullptr;
+  v1::TransferState compact;  // one from ended_, when it is the newest
+  v1::TransferState scratch;
+  std::string extra;
   Key key;
   for (const auto& source : sources_) {
     // The prefix is "sender\nincarnation\n" (KeyInto): another sender's are skipped.
@@ -522,7 +583,15 @@ absl::StatusOr<v1::TransferState> IncomingTransfers::Get(const std::string& peer
     }
     key.assign(prefix).append(id);
     auto it = records_.find(key);
-    if (it == records_.end()) continue;
+    if (it == records_.end()) {
+      if (!ended_.Find(key, &scratch, &extra) || !VisibleEnded(extra, caller)) continue;
+      if (!peer.empty() && scratch.peer() != peer) continue;
+      if (found == nullptr || scratch.submitted_unix_us() > found->submitted_unix_us()) {
+        compact.Swap(&scratch);
+        found = &compact;
+      }
+      continue;
+    }
     const Record& r = it->second;
     if (r.state.direction() != v1::INCOMING || !Visible(r, caller)) continue;
     if (!peer.empty() && r.state.peer() != peer) continue;
@@ -548,6 +617,11 @@ std::vector<v1::TransferState> IncomingTransfers::List(bool active_only, const C
     if (r.state.direction() != v1::INCOMING || !Visible(r, caller)) continue;
     if (active_only && Terminal(r.state.phase())) continue;
     out.push_back(r.state);
+  }
+  if (!active_only) {
+    ended_.ForEach([&](absl::string_view, const v1::TransferState& state, absl::string_view extra) {
+      if (VisibleEnded(extra, caller)) out.push_back(state);
+    });
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
     return a.submitted_unix_us() < b.submitted_unix_us();

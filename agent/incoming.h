@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "agent/access.h"
+#include "agent/ended_log.h"
 #include "agent/kept_messages.h"
 #include "agent/notification_queue.h"
 #include "proto/kvagent.pb.h"
@@ -160,6 +161,15 @@ class IncomingTransfers {
   // (sender, incarnation); Uncount takes it off when it is pruned.
   void CountLocked(Record& r, const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UncountLocked(Record& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes one off the count of the (sender, incarnation) whose key prefix is `prefix`
+  // (an entry of ended_ went).
+  void UncountPrefixLocked(absl::string_view prefix) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ended_'s extra bytes for record `r`: the length of its key's (sender, incarnation)
+  // prefix (4 bytes), then its owners, each ended by a NUL.
+  void EndedExtraInto(const Record& r, std::string* extra) const;
+  static size_t EndedPrefixBytes(absl::string_view extra);
+  // Whether `caller` may see an ended_ entry whose extra bytes are `extra`.
+  static bool VisibleEnded(absl::string_view extra, const Caller& caller);
   // What a PEER_TRANSFER_OPEN does to the record of its transfer (also done by a
   // DATA_READY carrying timeout_ms, kWireOpenInDataReady): the op, and the sender's
   // deadline within max_peer_timeout_ms.
@@ -206,12 +216,24 @@ class IncomingTransfers {
   uint64_t untracked_ ABSL_GUARDED_BY(mu_) = 0;
   // The earliest expires_us of an open record, or earlier (NextExpiry).
   uint64_t next_expiry_us_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
-  // The ended records' keys, oldest first: a ring (ended_keys_[ended_head_] is the
-  // oldest of ended_count_) whose strings are reused as the newest replace the oldest,
-  // so ending one allocates no key once max_finished have ended.
+  // The ended records kept whole in records_, by key, oldest first: a ring
+  // (ended_keys_[ended_head_] is the oldest of ended_count_) whose strings are reused
+  // as the newest replace the oldest, so ending one allocates no key once live_ended_
+  // have ended. Past live_ended_ (64, or max_finished when that is fewer), the oldest
+  // goes into ended_ and its node is reused while it is still in cache.
   std::vector<Key> ended_keys_ ABSL_GUARDED_BY(mu_);
   size_t ended_head_ ABSL_GUARDED_BY(mu_) = 0;
   size_t ended_count_ ABSL_GUARDED_BY(mu_) = 0;
+  const size_t live_ended_;
+  // The older ended records, up to max_finished - live_ended_, compact (a serialized
+  // state, the owners and the key's prefix length): Get and List look here too, and a
+  // late notice of a transfer found here is one of an ended transfer, as a whole
+  // record's would be. Its entries stay counted in sources_ until they go.
+  EndedLog ended_ ABSL_GUARDED_BY(mu_);
+  std::string ended_extra_ ABSL_GUARDED_BY(mu_);  // storage for PruneLocked's
+  // What FindOrMake returns for a transfer that ended here and is kept in ended_: ended,
+  // so every caller leaves it alone.
+  Record ended_here_ ABSL_GUARDED_BY(mu_);
   // Pruned records' nodes, for AddRecordLocked: a record's key, state (strings, timeline
   // entries) and owners keep their storage, so a steady stream of transfers neither
   // frees the oldest record nor allocates the new one. At most kSpareRecords.

@@ -167,9 +167,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               (default 5000)
   --ended-transfers-kept N    ended transfers kept for GetTransfer and ListTransfers,
                               outgoing and incoming each, the oldest let go first (1 to
-                              1000000, default 10000; each 1-2 KiB of heap); fewer keep
-                              each agent's working set small, which at high rates costs
-                              less CPU per transfer (docs/BENCHMARKS.md)
+                              1000000, default 10000); the newest 256 (64 incoming) are
+                              kept whole, 1-2 KiB of heap each, the rest compact, a few
+                              hundred bytes each (docs/LIMITS.md)
   --shutdown-grace-ms N       on SIGTERM, how long running transfers may finish (default 5000)
   --subscription-ttl-ms N     a notification subscription with no watch, poll or ack for
                               this long is dropped; what it held unacknowledged goes

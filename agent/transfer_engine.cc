@@ -100,7 +100,9 @@ TransferEngine::TransferEngine(transport::UcxWorker* worker, registry::RegionReg
       peers_(peers),
       notifications_(notifications),
       options_(std::move(options)),
-      lanes_(options_.copy_lanes) {
+      lanes_(options_.copy_lanes),
+      live_ended_(LiveEnded(options_.max_finished)),
+      ended_(options_.max_finished - live_ended_) {
   paths_[static_cast<size_t>(Route::kHostCopy)] = MakeHostCopyPath(&lanes_);
   paths_[static_cast<size_t>(Route::kDeviceCopy)] = MakeDeviceCopyPath(lanes_.lanes());
   paths_[static_cast<size_t>(Route::kUcxRma)] = MakeUcxRmaPath();
@@ -230,36 +232,101 @@ void TransferEngine::SetDrained(Transfer& t) {
   if (!drain_waits_.empty()) WakeDeadlinesBy(0);  // a drain wait may be settled
 }
 
+absl::Status TransferEngine::NotKnown(const std::string& id) const {
+  return absl::NotFoundError(fmt::format(
+      "transfer '{}' is not known here (or is another client's; finished transfers are kept "
+      "for the last {}); list yours with `kvagentctl transfers`",
+      Printable(id, 256), options_.max_finished));
+}
+
 absl::StatusOr<TransferEngine::TransferPtr> TransferEngine::FindVisible(const std::string& id,
                                                                         const Caller& caller) const {
   auto it = transfers_.find(id);
-  if (it == transfers_.end() || !caller.MayUse(it->second->state.owner())) {
-    return absl::NotFoundError(fmt::format(
-        "transfer '{}' is not known here (or is another client's; finished transfers are kept "
-        "for the last {}); list yours with `kvagentctl transfers`",
-        Printable(id, 256), options_.max_finished));
-  }
+  if (it == transfers_.end() || !caller.MayUse(it->second->state.owner())) return NotKnown(id);
   return it->second;
 }
 
+absl::StatusOr<v1::TransferState> TransferEngine::FindEndedVisible(const std::string& id,
+                                                                   const Caller& caller) const {
+  v1::TransferState state;
+  if (!ended_.Find(id, &state) || !caller.MayUse(state.owner())) return NotKnown(id);
+  return state;
+}
+
+size_t TransferEngine::LiveEnded(uint32_t max_finished) {
+  // Enough that a placed transfer's acknowledgement, a drain or a watcher's last look
+  // nearly always comes while its record is whole (64 transfers are in flight at once
+  // in the bench); few enough that they stay in cache (256 records, ~0.4 MiB).
+  constexpr size_t kLiveEnded = 256;
+  return std::min<size_t>(kLiveEnded, max_finished);
+}
+
 void TransferEngine::PruneLocked() {
-  finished_order_.Prune(options_.max_finished, [this](const std::string& id)
-                                                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  finished_order_.Prune(live_ended_, [this](const std::string& id)
+                                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = transfers_.find(id);
     if (it == transfers_.end()) return true;
+    Transfer& t = *it->second;
     // Entries whose operations still drain, or that a watcher holds, stay for now.
-    if (it->second->inflight || !it->second->watchers.empty()) return false;
-    // Only the table holds it (every other holder copied its pointer from here, under
-    // this lock, or from a holder): nothing can reach it once it is erased. Every other
-    // holder read and wrote it under this lock, which orders those accesses before the
-    // reset below (no fence: GCC's TSan does not support atomic_thread_fence).
-    if (spare_records_.size() < kSpareRecords && it->second.use_count() == 1) {
-      it->second->Reset();
-      spare_records_.push_back(std::move(it->second));
+    if (t.inflight || !t.watchers.empty()) return false;
+    if (!t.awaiting_ack) {
+      CompactLocked(it);
+      return true;
     }
-    transfers_.erase(it);
+    // A placed transfer whose peer has not answered yet stays whole, parked, so that
+    // its answer is recorded; the oldest parked one past the bound is kept compact.
+    t.parked = true;
+    parked_.push_back(id);
+    while (parked_.size() > live_ended_) {
+      auto oldest = transfers_.find(parked_.front());
+      parked_.pop_front();
+      if (oldest == transfers_.end() || !oldest->second->parked) continue;  // answered since
+      oldest->second->parked = false;
+      CompactLocked(oldest);
+    }
     return true;
   });
+}
+
+void TransferEngine::CompactLocked(Transfers::iterator it) {
+  Transfer& t = *it->second;
+  if (t.inflight || !t.watchers.empty()) {
+    finished_order_.Add(it->first);  // its state changes yet: a later pass takes it
+    return;
+  }
+  // Its state is final (drained, nothing attached; a holder still queued, a Pump, only
+  // sends notices), so its compact copy is its one truth from now on.
+  if (ended_.capacity() > 0) {
+    ended_words_.resize(kDigestsAt);
+    ended_words_[0] = t.ack_token;
+    ended_words_.insert(ended_words_.end(), t.chunk_digests.begin(), t.chunk_digests.end());
+    ended_.Add(it->first, t.state,
+               absl::string_view(reinterpret_cast<const char*>(ended_words_.data()),
+                                 ended_words_.size() * sizeof(uint64_t)));
+  }
+  // Only the table holds it (every other holder copied its pointer from here, under
+  // this lock, or from a holder): nothing can reach it once it is erased. Every other
+  // holder read and wrote it under this lock, which orders those accesses before the
+  // reset below (no fence: GCC's TSan does not support atomic_thread_fence).
+  if (spare_records_.size() < kSpareRecords && it->second.use_count() == 1) {
+    it->second->Reset();
+    spare_records_.push_back(std::move(it->second));
+  }
+  transfers_.erase(it);
+}
+
+bool TransferEngine::FindEndedLocked(const std::string& id, v1::TransferState* state) const {
+  if (!ended_.Find(id, state, &ended_extra_)) return false;
+  ended_words_.resize(ended_extra_.size() / sizeof(uint64_t));
+  if (!ended_words_.empty()) {
+    std::memcpy(ended_words_.data(), ended_extra_.data(), ended_words_.size() * sizeof(uint64_t));
+  }
+  return true;
+}
+
+void TransferEngine::UnparkLocked(Transfers::iterator it) {
+  it->second->parked = false;  // its id in parked_ is skipped when it comes to the front
+  CompactLocked(it);
 }
 
 void TransferEngine::Transfer::Reset() {
@@ -282,6 +349,7 @@ void TransferEngine::Transfer::Reset() {
   late_open = false;
   late_open_bytes = 0;
   awaiting_ack = false;
+  parked = false;
   ack_token = 0;
   outcome_sent = false;
   stopped_us = 0;
@@ -416,6 +484,16 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
     auto it = transfers_.find(id);
     if (it != transfers_.end()) {
       existing = it->second;
+    } else if (ended_.Contains(id)) {
+      // Ended and kept compact: a record of its own, for the checks below only (an
+      // ended transfer takes no chunk: each of them answers).
+      existing = std::make_shared<Transfer>();
+      FindEndedLocked(id, &existing->state);
+      if (ended_words_.size() > kDigestsAt) {
+        existing->chunk_digests.assign(ended_words_.begin() + kDigestsAt, ended_words_.end());
+      }
+    }
+    if (existing != nullptr) {
       Transfer& t = *existing;
       if (!caller.MayUse(t.state.owner())) {
         return absl::AlreadyExistsError(fmt::format(
@@ -531,6 +609,16 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         // Lost a race with an identical or conflicting first chunk.
         if (it->second->chunk_digests.size() > 0 && it->second->chunk_digests[0] == digest) {
           return Accept(*it->second);
+        }
+        return absl::AlreadyExistsError(
+            fmt::format("transfer '{}' was submitted concurrently with different content", id));
+      }
+      if (ended_.Contains(id)) {  // the same race, and the other submit ended since
+        Transfer ended;
+        FindEndedLocked(id, &ended.state);
+        if (ended_words_.size() > kDigestsAt && ended_words_[kDigestsAt] == digest &&
+            caller.MayUse(ended.state.owner())) {
+          return Accept(ended);
         }
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
@@ -1223,6 +1311,16 @@ void TransferEngine::GiveBackOutbox(Outbox outbox) {
 bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* found,
                                  v1::Notification* commit_out) {
   auto it = transfers_.find(ack.transfer_id());
+  if (it == transfers_.end() && ack.ack_token() != 0 &&
+      ack.sender_incarnation() == options_.incarnation) {
+    // A late answer for a transfer that ended meanwhile (a deadline, a lost peer) and is
+    // kept compact now: nothing to record, as for a whole record not awaiting it.
+    v1::TransferState ended;
+    if (FindEndedLocked(ack.transfer_id(), &ended) && !ended_words_.empty() &&
+        ended_words_[0] == ack.ack_token() && ended.peer() == ack.from_agent()) {
+      return false;
+    }
+  }
   // Only the receiver of our DATA_READY knows its token.
   const bool ours = it != transfers_.end() && ack.ack_token() != 0 &&
                     it->second->ack_token == ack.ack_token() &&
@@ -1252,6 +1350,7 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
       t->state.set_peer_acknowledged(true);
       Publish(*t);
     }
+    if (t->parked) UnparkLocked(it);  // `t` is not used after: `it` may go
     return false;
   }
   if (ack.error_code() != 0) {
@@ -1307,8 +1406,9 @@ absl::Status TransferEngine::RouteChunk(const std::string& id, v1::TransferOp op
 absl::StatusOr<v1::TransferState> TransferEngine::Get(const std::string& transfer_id,
                                                       const Caller& caller) const {
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(TransferPtr t, FindVisible(transfer_id, caller));
-  return t->state;
+  auto t = FindVisible(transfer_id, caller);
+  if (!t.ok()) return FindEndedVisible(transfer_id, caller);
+  return (*t)->state;
 }
 
 absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& transfer_id,
@@ -1316,7 +1416,9 @@ absl::StatusOr<v1::TransferState> TransferEngine::Cancel(const std::string& tran
   TransferPtr t;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(t, FindVisible(transfer_id, caller));
+    auto found = FindVisible(transfer_id, caller);
+    if (!found.ok()) return FindEndedVisible(transfer_id, caller);  // ended: its state
+    t = *std::move(found);
     if (Terminal(t->state.phase())) return t->state;
     // Every byte is in place and DATA_READY is on its way: the peer may already use
     // the pages, so the transfer completes rather than telling it both things.
@@ -1335,6 +1437,11 @@ std::vector<v1::TransferState> TransferEngine::List(bool active_only, const Call
   for (const auto& [id, t] : transfers_) {
     if (!caller.MayUse(t->state.owner())) continue;
     if (!active_only || !Terminal(t->state.phase())) out.push_back(t->state);
+  }
+  if (!active_only) {
+    ended_.ForEach([&](absl::string_view, const v1::TransferState& state, absl::string_view) {
+      if (caller.MayUse(state.owner())) out.push_back(state);
+    });
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
     return a.submitted_unix_us() < b.submitted_unix_us();
@@ -1367,14 +1474,20 @@ void TransferEngine::FailPeer(const PeerLoss& loss) {
     if (lost_with_peer(*t)) lost.push_back(t);
   }
   // Completed when placed, not yet answered: whether the peer took the notification
-  // before it was lost is not known here. Found among the records kept (a peer's loss
-  // is rare; an index of them would cost every placed transfer an insert and an erase).
+  // before it was lost is not known here. Found among the records kept whole, parked
+  // ones included (a peer's loss is rare; an index of them would cost every placed
+  // transfer an insert and an erase). A compact one awaits no answer any more.
+  std::vector<std::string> unparked;
   for (auto& [id, t] : transfers_) {
     if (!CompletedPlaced(*t) || !t->awaiting_ack || !lost_with_peer(*t)) continue;
     t->awaiting_ack = false;
     NotTakenLocked(*t, fmt::format("the peer was lost before it answered, so whether its owners "
                                    "got the notification is unknown: {}",
                                    loss.cause.message()));
+    if (t->parked) unparked.push_back(id);
+  }
+  for (const auto& id : unparked) {
+    if (auto it = transfers_.find(id); it != transfers_.end()) UnparkLocked(it);
   }
   for (const auto& t : lost) {
     Finish(*t, v1::FAILED,
@@ -1416,8 +1529,15 @@ std::string TransferEngine::device_copy_mode() {
 absl::StatusOr<uint64_t> TransferEngine::Watch(const std::string& transfer_id,
                                                const Caller& caller, Watcher watcher) {
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(TransferPtr t, FindVisible(transfer_id, caller));
+  auto found = FindVisible(transfer_id, caller);
   const uint64_t token = next_token_++;
+  if (!found.ok()) {
+    // Ended and kept compact: its state is final, so the first call is the last.
+    ASSIGN_OR_RETURN(v1::TransferState ended, FindEndedVisible(transfer_id, caller));
+    watcher(ended);
+    return token;
+  }
+  const TransferPtr& t = *found;
   watcher(t->state);
   t->watchers.emplace_back(token, std::move(watcher));
   return token;
@@ -1427,6 +1547,10 @@ absl::Status TransferEngine::WhenTerminal(const std::string& transfer_id, Watche
   absl::MutexLock lock(&mu_);
   auto it = transfers_.find(transfer_id);
   if (it == transfers_.end()) {
+    if (v1::TransferState ended; ended_.Find(transfer_id, &ended)) {
+      done(ended);
+      return absl::OkStatus();
+    }
     return absl::NotFoundError(fmt::format(
         "transfer '{}' is not known here (finished transfers are kept for the last {})",
         transfer_id, options_.max_finished));

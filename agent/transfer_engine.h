@@ -27,6 +27,7 @@
 #include "agent/am_ids.h"
 #include "agent/copy_lanes.h"
 #include "agent/data_path.h"
+#include "agent/ended_log.h"
 #include "agent/finished_order.h"
 #include "agent/incoming.h"
 #include "agent/kept_messages.h"
@@ -217,6 +218,9 @@ class TransferEngine {
     bool late_open = false;
     uint64_t late_open_bytes = 0;
     bool awaiting_ack = false;  // DATA_READY sent, its TransferAck not yet here
+    // Ended and awaiting_ack when its turn to leave the whole records came: in parked_,
+    // not finished_order_, until the answer (or the loss of its peer) is recorded.
+    bool parked = false;
     uint64_t ack_token = 0;
     bool outcome_sent = false;  // the peer was told how it ended (cancel, failure)
     uint64_t stopped_us = 0;    // when it ended with operations still posted
@@ -236,6 +240,7 @@ class TransferEngine {
     void Reset();
   };
   using TransferPtr = std::shared_ptr<Transfer>;
+  using Transfers = absl::flat_hash_map<std::string, TransferPtr>;
 
   static bool Terminal(v1::TransferPhase phase);
   // COMPLETED when placed (complete_when): its DATA_READY's acknowledgement, while
@@ -251,7 +256,23 @@ class TransferEngine {
   void Publish(Transfer& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish(Transfer& t, v1::TransferPhase phase, absl::Status status, int32_t segment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the oldest ended records past the newest live_ended_ into ended_ (or lets
+  // them go, past ended_'s share of max_finished), and reuses their records.
   void PruneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the ended record at `it` into ended_ (when it has room) and out of transfers_,
+  // keeping the record for reuse when nothing else holds it; one still draining or
+  // watched goes back into finished_order_ instead.
+  void CompactLocked(Transfers::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A parked record's answer was recorded (or will never come): it leaves parked_.
+  void UnparkLocked(Transfers::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The newest ended transfers kept whole, of max_finished: the rest are kept compact.
+  static size_t LiveEnded(uint32_t max_finished);
+  // Ended transfer `id` from ended_, when it is there and `caller` may see it;
+  // NOT_FOUND (NotKnown) otherwise.
+  absl::StatusOr<v1::TransferState> FindEndedVisible(const std::string& id,
+                                                     const Caller& caller) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NotKnown(const std::string& id) const;
   // A record for a new transfer: a pruned one whose state keeps its strings' and
   // timeline's storage (reset to a new Transfer's values), else a new one.
   TransferPtr NewRecordLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -373,7 +394,7 @@ class TransferEngine {
   std::array<std::shared_ptr<DataPath>, kRouteCount> paths_;
 
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, TransferPtr> transfers_ ABSL_GUARDED_BY(mu_);
+  Transfers transfers_ ABSL_GUARDED_BY(mu_);
   // The records of the transfers not ended yet, by address (Abseil hashes and finds a
   // shared_ptr by its pointer): an insert and an erase per transfer hash no id string
   // and copy none. Only ended records are pruned from transfers_, so each is there too.
@@ -381,7 +402,32 @@ class TransferEngine {
   // Active transfers per owner and operations planned in all (the limits).
   absl::flat_hash_map<std::string, uint64_t> active_by_owner_ ABSL_GUARDED_BY(mu_);
   uint64_t planned_ops_ ABSL_GUARDED_BY(mu_) = 0;
+  // The ended records still whole in transfers_, oldest first: the newest live_ended_
+  // (256, or max_finished when that is fewer) stay there, so a late change (an
+  // acknowledgement, a drain, a watcher) finds the record, and a submit reuses a pruned
+  // record while it is still in cache.
   FinishedOrder finished_order_ ABSL_GUARDED_BY(mu_);
+  const size_t live_ended_;
+  // Ended placed transfers still awaiting their peer's answer when their turn came, by
+  // id, oldest first (ids of ones answered since stay until they come to the front). At
+  // most live_ended_: past it, the oldest is kept compact without its answer (a late
+  // one is then dropped quietly, as for any ended transfer), so a peer that never
+  // answers costs no more than that.
+  std::deque<std::string> parked_ ABSL_GUARDED_BY(mu_);
+  // The older ended transfers, up to max_finished - live_ended_, compact: each its
+  // state serialized, then its acknowledgement token and chunk digests (kDigestsAt on:
+  // an idempotent retry's check). Queries and retries look here when transfers_ does
+  // not have the id. Kept this way, 10,000 ended cost a transfer no more CPU than 1,000
+  // (measured alike), and a few hundred bytes each (docs/BENCHMARKS.md).
+  static constexpr size_t kDigestsAt = 1;
+  EndedLog ended_ ABSL_GUARDED_BY(mu_);
+  // Ended transfer `id` from ended_: its state into `state`, its words (the token, then
+  // the digests) into ended_words_. False when ended_ does not have it.
+  bool FindEndedLocked(const std::string& id, v1::TransferState* state) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Their storage (rare: a retry, a late acknowledgement).
+  mutable std::string ended_extra_ ABSL_GUARDED_BY(mu_);
+  mutable std::vector<uint64_t> ended_words_ ABSL_GUARDED_BY(mu_);
   // Pruned records nothing else held, reset, for NewRecordLocked: a transfer ending and
   // one starting then free and allocate no record, state strings or timeline events
   // (issue 15). At most kSpareRecords; each holds a few hundred bytes.

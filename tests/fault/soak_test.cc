@@ -47,7 +47,8 @@ constexpr uint32_t kMaxPagesPerTransfer = 4;
 constexpr double kCancelFraction = 0.05;
 // The engine keeps the last 10,000 finished transfers for queries
 // (TransferEngineOptions::max_finished): by the end of the warm-up that table is
-// full, so what it holds (about 1.2 KiB a transfer, 12 MiB, measured) is not growth.
+// full, so what it holds (the newest 256 whole, 1-2 KiB each, the rest compact, a few
+// hundred bytes each: a few MiB) is not growth.
 constexpr uint64_t kWarmupTransfers = 10000;
 // RssAnon growth allowed between the warm-up and the end, per agent. After the
 // warm-up the engine's table of finished transfers is full (it keeps the last 10,000)

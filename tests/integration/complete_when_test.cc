@@ -225,19 +225,26 @@ TEST_CASE("a peer that refuses the notification of a transfer completed when pla
   }
 }
 
+// Prefill's first transfer maps decode's pool (contents reset before); then every
+// thread of decode is stopped (SIGSTOP) until this goes (SIGCONT).
+struct HungDecode {
+  explicit HungDecode(AgentPair& pair) : pid(pair.decode_process().pid()) {
+    pair.ResetContents();
+    REQUIRE(SubmitThrough(pair.prefill(), KvWrite("warm", {1}, {1})).ok());
+    REQUIRE(WaitDone(pair.prefill(), "warm").phase() == v1::COMPLETED);
+    REQUIRE(SuspendAgent(pid) == "");
+  }
+  HungDecode(const HungDecode&) = delete;
+  HungDecode& operator=(const HungDecode&) = delete;
+  ~HungDecode() { ::kill(pid, SIGCONT); }
+  const pid_t pid;
+};
+
 TEST_CASE("a WRITE completed when placed to a hung peer: COMPLETED at once (the bytes are in "
           "its memory), and once the peer is lost peer_note says its notification's fate "
           "is unknown") {
   AgentPair pair;
-  pair.ResetContents();
-  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("warm", {1}, {1})).ok());  // maps its pool
-  REQUIRE(WaitDone(pair.prefill(), "warm").phase() == v1::COMPLETED);
-  const pid_t decode = pair.decode_process().pid();
-  REQUIRE(SuspendAgent(decode) == "");
-  struct Resume {
-    pid_t pid;
-    ~Resume() { ::kill(pid, SIGCONT); }
-  } resume{decode};
+  const HungDecode hung(pair);
   REQUIRE(SubmitThrough(pair.prefill(), Placed(KvWrite("hung-placed", {5}, {6}, "z"))).ok());
   const v1::TransferState done = WaitDone(pair.prefill(), "hung-placed");
   CHECK(done.phase() == v1::COMPLETED);
@@ -249,6 +256,48 @@ TEST_CASE("a WRITE completed when placed to a hung peer: COMPLETED at once (the 
   CHECK_FALSE(noted.peer_acknowledged());
   CHECK_THAT(noted.peer_note(), Catch::Contains("lost before it answered"));
   CHECK(Status(pair.prefill()).placed_not_taken() == 1);
+}
+
+TEST_CASE("transfers completed when placed whose peer answers late stay whole until the "
+          "answer is recorded, then are kept compact with it") {
+  // The sender keeps its newest 256 ended transfers whole and older ones compact. With
+  // the peer hung, 260 placed WRITEs complete (their bytes are in its memory) and the
+  // oldest 4 reach their turn to be compacted still awaiting the peer's answer: they
+  // stay whole (parked) instead, and once the peer resumes and answers, each is
+  // compacted with its answer recorded.
+  AgentPairOptions options;
+  // 300 kept (256 whole, 44 compact); the peer is not declared lost while it is hung
+  // (a 5 s refresh: about 30 s).
+  options.extra_args = {"--ended-transfers-kept", "300", "--peer-refresh-ms", "5000"};
+  AgentPair pair(options);
+  const HungDecode hung(pair);
+  constexpr int kPlaced = 260;
+  for (int i = 0; i < kPlaced; ++i) {
+    const uint64_t page = static_cast<uint64_t>(i % 32);
+    auto done = SubmitThrough(pair.prefill(),
+                              Placed(KvWrite(fmt::format("late-{}", i), {page}, {page}, "n")));
+    INFO(i << ": " << done.status().ToString());
+    REQUIRE(done.ok());
+    REQUIRE(WaitDone(pair.prefill(), fmt::format("late-{}", i)).phase() == v1::COMPLETED);
+  }
+  auto early = pair.prefill().Get("late-0");
+  REQUIRE(early.ok());
+  CHECK_FALSE(early->peer_acknowledged());  // the peer is still hung
+  REQUIRE(::kill(hung.pid, SIGCONT) == 0);
+  // One more transfer ends after the answers: whatever passes it makes are done.
+  REQUIRE(SubmitThrough(pair.prefill(), KvWrite("after", {2}, {2})).ok());
+  REQUIRE(WaitDone(pair.prefill(), "after").phase() == v1::COMPLETED);
+  for (int i = 0; i < kPlaced; i += (i < 8 ? 1 : 37)) {
+    const std::string id = fmt::format("late-{}", i);
+    INFO(id);
+    const v1::TransferState later = WaitForState(
+        pair.prefill(), id, [](const v1::TransferState& s) { return s.peer_acknowledged(); });
+    CHECK(later.phase() == v1::COMPLETED);
+    CHECK(later.peer_acknowledged());
+    CHECK(later.peer_note().empty());
+    CHECK(StageIndex(later, v1::STAGE_ACKNOWLEDGED) > StageIndex(later, v1::STAGE_ENDED));
+  }
+  CHECK(Status(pair.prefill()).placed_not_taken() == 0);
 }
 
 TEST_CASE("complete_when: an unknown value is refused naming it, and a later chunk may leave "

@@ -6,6 +6,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "tests/integration/agent_pair.h"
@@ -264,6 +265,7 @@ TEST_CASE("--ended-transfers-kept bounds the ended transfers each agent keeps fo
   // The sender keeps the newest 3 ended transfers and names its bound for the others.
   for (uint64_t i = 3; i < 6; ++i) CHECK(pair.prefill().Get("kept-" + std::to_string(i)).ok());
   for (const std::string id : {"kept-0", "kept-2"}) {
+    INFO(id);
     auto gone = pair.prefill().Get(id);
     REQUIRE(!gone.ok());
     CHECK(gone.status().code() == absl::StatusCode::kNotFound);
@@ -289,6 +291,70 @@ TEST_CASE("--ended-transfers-kept bounds the ended transfers each agent keeps fo
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   CHECK(incoming == std::set<std::string>{"kept-3", "kept-4", "kept-5"});
+}
+
+TEST_CASE("ended transfers past the newest 256 are kept compact and answer as whole ones") {
+  // The engine keeps its newest 256 ended transfers whole and older ones, up to the
+  // bound, as a serialized state (agent/ended_log.h): with 300 kept and 310 ended, the
+  // oldest 10 are gone, the next 44 compact, the newest 256 whole.
+  AgentPairOptions options;
+  options.extra_args = {"--ended-transfers-kept", "300"};
+  AgentPair pair(options);
+  constexpr uint64_t kEnded = 310;
+  constexpr uint64_t kPages = 8;  // pages written in turn (the pool has more)
+  std::vector<v1::TransferState> ended;
+  for (uint64_t i = 0; i < kEnded; ++i) {
+    const std::string id = "many-" + std::to_string(i);
+    REQUIRE(SubmitThrough(pair.prefill(), KvWrite(id, {i % kPages}, {i % kPages}, "n")).ok());
+    ended.push_back(WaitDone(pair.prefill(), id));
+    REQUIRE(ended.back().phase() == v1::COMPLETED);
+  }
+  for (uint64_t i = 0; i < kEnded; ++i) {
+    const std::string id = "many-" + std::to_string(i);
+    INFO(id);
+    auto kept = pair.prefill().Get(id);
+    if (i < kEnded - 300) {
+      REQUIRE(!kept.ok());
+      CHECK(kept.status().code() == absl::StatusCode::kNotFound);
+      continue;
+    }
+    REQUIRE(kept.ok());
+    CHECK(kept->transfer_id() == id);
+    CHECK(kept->phase() == v1::COMPLETED);
+    CHECK(kept->drained());
+    CHECK(kept->bytes_total() == ended[i].bytes_total());
+    CHECK(kept->bytes_done() == ended[i].bytes_total());
+    CHECK(kept->owner() == ended[i].owner());
+    CHECK(kept->submitted_unix_us() == ended[i].submitted_unix_us());
+    CHECK(kept->timeline_size() >= ended[i].timeline_size());
+  }
+  auto listed = pair.prefill().Transfers(/*active_only=*/false);
+  REQUIRE(listed.ok());
+  REQUIRE(listed->transfers_size() == 300);
+  CHECK(listed->transfers(0).transfer_id() == "many-10");  // oldest first
+  CHECK(listed->transfers(299).transfer_id() == "many-309");
+  // A compact one (many-20) and a whole one (many-300) answer alike: an identical retry
+  // gets the state, a different chunk under the id is refused, a cancel gets the state.
+  for (const uint64_t i : {uint64_t{20}, uint64_t{300}}) {
+    const std::string id = "many-" + std::to_string(i);
+    INFO(id);
+    auto retry = SubmitThrough(pair.prefill(), KvWrite(id, {i % kPages}, {i % kPages}, "n"));
+    REQUIRE(retry.ok());
+    CHECK(retry->phase() == v1::COMPLETED);
+    CHECK(retry->submitted_unix_us() == ended[i].submitted_unix_us());
+    auto conflict = SubmitThrough(pair.prefill(), KvWrite(id, {0}, {1}, "other"));
+    REQUIRE(!conflict.ok());
+    CHECK(conflict.status().code() == absl::StatusCode::kAlreadyExists);
+    CHECK_THAT(std::string(conflict.status().message()), Catch::Contains("different content"));
+    auto cancelled = pair.prefill().Cancel(id);
+    REQUIRE(cancelled.ok());
+    CHECK(cancelled->phase() == v1::COMPLETED);
+    auto watched = pair.prefill().WaitTransfer(id, 5000);
+    REQUIRE(watched.ok());
+    CHECK(watched->phase() == v1::COMPLETED);
+  }
+  // Nothing was written again: each page holds what its last transfer wrote.
+  for (uint64_t p = 0; p < kPages; ++p) CHECK(pair.PageEqual(p, p));
 }
 
 TEST_CASE("wait answers with the final state; a batch submits each entry on its own") {

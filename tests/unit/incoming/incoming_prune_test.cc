@@ -133,23 +133,69 @@ void CheckCompleted(const v1::TransferState& s, const std::string& id) {
 }
 
 TEST_CASE("ended incoming transfers: the last max_finished kept, in order, bounded") {
-  Receiver r;
-  for (int i = 0; i < 50; ++i) {
+  // 3: every one kept whole. 100: the newest 64 whole, the 36 before them compact
+  // (agent/ended_log.h).
+  const uint32_t kept = GENERATE(3u, 100u);  // kKept, and more
+  INFO("kept " << kept);
+  Receiver r(kept);
+  const int ends = static_cast<int>(kept) * 2 + 10;
+  for (int i = 0; i < ends; ++i) {
     r.Complete(fmt::format("t{}", i), "ra");
     std::vector<std::string> ids = r.Ids(r.scheduler);
-    REQUIRE(ids.size() == std::min<size_t>(i + 1, kKept));
+    REQUIRE(ids.size() == std::min<size_t>(i + 1, kept));
     // The newest, oldest first (List sorts by submission).
     CHECK(ids.back() == fmt::format("t{}", i));
-    if (i >= 2) CHECK(ids.front() == fmt::format("t{}", i - 2));
+    CHECK(ids.front() == fmt::format("t{}", std::max(0, i + 1 - static_cast<int>(kept))));
   }
-  CHECK(r.acks == 50);
+  CHECK(r.acks == static_cast<uint32_t>(ends));
   CHECK(r.incoming.active() == 0);
-  CHECK(r.incoming.Get("", "t46", r.scheduler).status().code() == absl::StatusCode::kNotFound);
-  for (const char* id : {"t47", "t48", "t49"}) {
+  CHECK(r.incoming.sources() == 1);
+  const int oldest = ends - static_cast<int>(kept);
+  CHECK(r.incoming.Get("", fmt::format("t{}", oldest - 1), r.scheduler).status().code() ==
+        absl::StatusCode::kNotFound);
+  for (int i = oldest; i < ends; ++i) {
+    const std::string id = fmt::format("t{}", i);
+    INFO(id);
     auto got = r.incoming.Get("sender", id, r.owner_a);
     REQUIRE(got.ok());
     CheckCompleted(*got, id);
+    Caller owner_b;
+    owner_b.principal = "owner-b";
+    CHECK(r.incoming.Get("", id, owner_b).status().code() == absl::StatusCode::kNotFound);
   }
+}
+
+TEST_CASE("a late notice of an ended transfer kept compact makes nothing") {
+  // 100 kept: the first of 80 completed is kept compact by the end. Notices for it
+  // now (a repeated DATA_READY, open, commit, outcome) are late, as they are for a
+  // record kept whole: no new record, no acknowledgement, no notification.
+  Receiver r(100);
+  std::vector<QueuedNotification> taken;
+  r.queue.Subscribe([&taken](const QueuedNotification& q) {
+    taken.push_back(q);
+    return true;
+  });
+  for (int i = 0; i < 80; ++i) r.Complete(fmt::format("t{}", i), "ra");
+  REQUIRE(taken.size() == 80);
+  REQUIRE(r.acks == 80);
+  static int endpoint;
+  r.incoming.OnNotice(Notice("t0", v1::PEER_TRANSFER_OPEN, 7, "ra"), nullptr);
+  r.incoming.OnDataReady(Notice("t0", v1::DATA_READY, 7, "ra"), &endpoint, absl::OkStatus());
+  r.incoming.OnNotice(Notice("t0", v1::PEER_DATA_COMMIT, 7, "ra"), nullptr);
+  r.incoming.OnNotice(Notice("t0", v1::TRANSFER_FAILED, 7, "ra"), nullptr);
+  CHECK(taken.size() == 80);
+  CHECK(r.acks == 80);
+  CHECK(r.incoming.active() == 0);
+  CHECK(r.Ids(r.scheduler).size() == 80);
+  auto got = r.incoming.Get("sender", "t0", r.scheduler);
+  REQUIRE(got.ok());
+  CheckCompleted(*got, "t0");
+  // The same id from the sender's next incarnation is a new transfer.
+  r.Complete("t0", "ra", /*incarnation=*/8);
+  CHECK(taken.size() == 81);
+  CHECK(r.acks == 81);
+  CHECK(r.incoming.Get("sender", "t0", r.scheduler)->submitted_unix_us() >
+        got->submitted_unix_us());
 }
 
 TEST_CASE("a record made in a pruned one's place shows nothing of the old one") {
@@ -224,7 +270,10 @@ TEST_CASE("an id used again is its own record") {
 // for every id, with and without a sender, for each caller, exactly what the newest
 // matching record in List is (or NOT_FOUND when List has none).
 TEST_CASE("Get answers what List holds: the newest record of the id, through pruning") {
-  Receiver r(/*kept=*/24);
+  // 24: all kept whole; 96: the newest 64 whole, 32 compact.
+  const uint32_t kept = GENERATE(24u, 96u);
+  INFO("kept " << kept);
+  Receiver r(kept);
   Caller owner_b;
   owner_b.principal = "owner-b";
   // "s" is the start of "s0" and "s1": asked for by name, only its own records count.
@@ -257,6 +306,7 @@ TEST_CASE("Get answers what List holds: the newest record of the id, through pru
     }
     // Asked from step 105 on, when records have been made and pruned.
     if (step < 105 || (step % 7 != 0 && step < 390)) continue;
+    if (kept > 24 && step % 3 != 0 && step < 390) continue;  // fewer: List is longer
     for (const Caller* caller : std::vector<const Caller*>{&r.scheduler, &r.owner_a, &owner_b}) {
       const std::vector<v1::TransferState> listed = r.incoming.List(false, *caller);
       for (const std::string& want : ids) {
@@ -300,20 +350,24 @@ TEST_CASE("Get answers what List holds: the newest record of the id, through pru
 TEST_CASE("a sender's incarnation is forgotten with its last record") {
   // A sender restarting again and again (a new incarnation each time) leaves nothing
   // behind once its records are pruned: Get's per-incarnation lookups stay bounded.
-  Receiver r(/*kept=*/24);
+  // 24: all kept whole; 96: the newest 64 whole, 32 compact (counted alike).
+  const uint32_t kept = GENERATE(24u, 96u);
+  INFO("kept " << kept);
+  Receiver r(kept);
   for (uint64_t incarnation = 1; incarnation <= 200; ++incarnation) {
     r.Complete(fmt::format("t{}", incarnation), "ra", incarnation, "restarting");
     r.Complete(fmt::format("u{}", incarnation), "ra", 1000, "steady");
   }
-  // The 24 kept: 12 of "restarting" (one incarnation each) and 12 of "steady" (one).
-  CHECK(r.incoming.sources() == 13);
-  for (uint64_t incarnation = 189; incarnation <= 200; ++incarnation) {
+  // Those kept: half of "restarting" (one incarnation each), half of "steady" (one).
+  CHECK(r.incoming.sources() == kept / 2 + 1);
+  for (uint64_t incarnation = 201 - kept / 2; incarnation <= 200; ++incarnation) {
     auto got = r.incoming.Get("restarting", fmt::format("t{}", incarnation), r.scheduler);
     REQUIRE(got.ok());
     CHECK(got->phase() == v1::COMPLETED);
   }
-  CHECK(r.incoming.Get("restarting", "t188", r.scheduler).status().code() ==
-        absl::StatusCode::kNotFound);
+  CHECK(r.incoming.Get("restarting", fmt::format("t{}", 200 - kept / 2), r.scheduler)
+            .status()
+            .code() == absl::StatusCode::kNotFound);
   CHECK(r.incoming.Get("", "u200", r.scheduler)->peer() == "steady");
   CHECK(r.incoming.Get("restarting", "u200", r.scheduler).status().code() ==
         absl::StatusCode::kNotFound);
