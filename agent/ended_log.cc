@@ -16,9 +16,8 @@ EndedLog::EndedLog(size_t capacity) : slots_(capacity), hashes_(capacity) {
 
 uint64_t EndedLog::HashOf(absl::string_view key) { return absl::Hash<absl::string_view>{}(key); }
 
-uint32_t EndedLog::Lookup(absl::string_view key) const {
+uint32_t EndedLog::Lookup(absl::string_view key, uint64_t hash) const {
   if (index_.empty()) return kNone;
-  const uint64_t hash = HashOf(key);
   for (size_t p = hash & mask_; index_[p] != 0; p = (p + 1) & mask_) {
     const uint32_t i = index_[p] - 1;
     if (hashes_[i] == hash && KeyOf(slots_[i]) == key) return i;
@@ -57,8 +56,8 @@ size_t EndedLog::NextSlot() {
   return oldest;
 }
 
-void EndedLog::Fill(size_t i, absl::string_view key, const v1::TransferState& state,
-                    absl::string_view extra) {
+void EndedLog::Fill(size_t i, absl::string_view key, uint64_t hash,
+                    const v1::TransferState& state, absl::string_view extra) {
   Slot& slot = slots_[i];
   const size_t state_bytes = state.ByteSizeLong();
   // resize keeps the capacity the slot's earlier entries grew; every byte is written.
@@ -70,7 +69,7 @@ void EndedLog::Fill(size_t i, absl::string_view key, const v1::TransferState& st
   slot.key_bytes = static_cast<uint32_t>(key.size());
   slot.state_bytes = static_cast<uint32_t>(state_bytes);
   slot.live = true;
-  hashes_[i] = HashOf(key);
+  hashes_[i] = hash;
   size_t p = hashes_[i] & mask_;
   while (index_[p] != 0) p = (p + 1) & mask_;  // at most half full: there is room
   index_[p] = static_cast<uint32_t>(i) + 1;
@@ -83,7 +82,7 @@ bool EndedLog::Parse(const Slot& slot, v1::TransferState* state) {
 }
 
 bool EndedLog::Find(absl::string_view key, v1::TransferState* state, std::string* extra) const {
-  const uint32_t i = Lookup(key);
+  const uint32_t i = Lookup(key, HashOf(key));
   if (i == kNone) return false;
   const Slot& slot = slots_[i];
   if (!Parse(slot, state)) return false;

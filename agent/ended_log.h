@@ -42,7 +42,8 @@ class EndedLog {
   bool Add(absl::string_view key, const v1::TransferState& state, absl::string_view extra,
            OnLetGo on_let_go) {
     if (slots_.empty()) return false;
-    if (const uint32_t older = Lookup(key); older != kNone) {
+    const uint64_t hash = HashOf(key);  // once: the lookup below and the slot's
+    if (const uint32_t older = Lookup(key, hash); older != kNone) {
       on_let_go(key, ExtraOf(slots_[older]));
       EraseSlot(older);
     }
@@ -51,13 +52,13 @@ class EndedLog {
       on_let_go(KeyOf(slots_[i]), ExtraOf(slots_[i]));
       EraseSlot(i);
     }
-    Fill(i, key, state, extra);
+    Fill(i, key, hash, state, extra);
     return true;
   }
   bool Add(absl::string_view key, const v1::TransferState& state, absl::string_view extra = {}) {
     return Add(key, state, extra, [](absl::string_view, absl::string_view) {});
   }
-  bool Contains(absl::string_view key) const { return Lookup(key) != kNone; }
+  bool Contains(absl::string_view key) const { return Lookup(key, HashOf(key)) != kNone; }
   // The entry under `key`, parsed into `state` and, when not null, its extra bytes
   // into `extra` (replacing what they held); false when there is none.
   bool Find(absl::string_view key, v1::TransferState* state, std::string* extra = nullptr) const;
@@ -90,14 +91,14 @@ class EndedLog {
   static bool Parse(const Slot& slot, v1::TransferState* state);
   static constexpr uint32_t kNone = UINT32_MAX;
   static uint64_t HashOf(absl::string_view key);
-  // The slot holding `key`, or kNone.
-  uint32_t Lookup(absl::string_view key) const;
+  // The slot holding `key` (whose HashOf is `hash`), or kNone.
+  uint32_t Lookup(absl::string_view key, uint64_t hash) const;
   // index_'s position of slot `i` (which is in it).
   size_t PositionOf(uint32_t i) const;
   // The slot the next entry goes into: past the newest, or the oldest's when full
   // (then the oldest is the one after it).
   size_t NextSlot();
-  void Fill(size_t i, absl::string_view key, const v1::TransferState& state,
+  void Fill(size_t i, absl::string_view key, uint64_t hash, const v1::TransferState& state,
             absl::string_view extra);
   void EraseSlot(size_t i);
 
