@@ -297,12 +297,10 @@ void TransferEngine::CompactLocked(Transfers::iterator it) {
   // Its state is final (drained, nothing attached; a holder still queued, a Pump, only
   // sends notices), so its compact copy is its one truth from now on.
   if (ended_.capacity() > 0) {
-    ended_words_.resize(kDigestsAt);
-    ended_words_[0] = t.ack_token;
-    ended_words_.insert(ended_words_.end(), t.chunk_digests.begin(), t.chunk_digests.end());
-    ended_.Add(it->first, t.state,
-               absl::string_view(reinterpret_cast<const char*>(ended_words_.data()),
-                                 ended_words_.size() * sizeof(uint64_t)));
+    ended_extra_.assign(reinterpret_cast<const char*>(&t.ack_token), sizeof t.ack_token);
+    ended_extra_.append(reinterpret_cast<const char*>(t.chunk_digests.data()),
+                        t.chunk_digests.size() * sizeof(uint64_t));
+    ended_.Add(it->first, t.state, ended_extra_);
   }
   // Only the table holds it (every other holder copied its pointer from here, under
   // this lock, or from a holder): nothing can reach it once it is erased. Every other
@@ -315,13 +313,17 @@ void TransferEngine::CompactLocked(Transfers::iterator it) {
   transfers_.erase(it);
 }
 
-bool TransferEngine::FindEndedLocked(const std::string& id, v1::TransferState* state) const {
-  if (!ended_.Find(id, state, &ended_extra_)) return false;
-  ended_words_.resize(ended_extra_.size() / sizeof(uint64_t));
-  if (!ended_words_.empty()) {
-    std::memcpy(ended_words_.data(), ended_extra_.data(), ended_words_.size() * sizeof(uint64_t));
+TransferEngine::TransferPtr TransferEngine::EndedRecordLocked(const std::string& id) const {
+  auto t = std::make_shared<Transfer>();
+  std::string extra;
+  if (!ended_.Find(id, &t->state, &extra) || extra.size() < sizeof t->ack_token) return nullptr;
+  std::memcpy(&t->ack_token, extra.data(), sizeof t->ack_token);
+  t->chunk_digests.resize((extra.size() - sizeof t->ack_token) / sizeof(uint64_t));
+  if (!t->chunk_digests.empty()) {
+    std::memcpy(t->chunk_digests.data(), extra.data() + sizeof t->ack_token,
+                t->chunk_digests.size() * sizeof(uint64_t));
   }
-  return true;
+  return t;
 }
 
 void TransferEngine::UnparkLocked(Transfers::iterator it) {
@@ -487,11 +489,7 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
     } else if (ended_.Contains(id)) {
       // Ended and kept compact: a record of its own, for the checks below only (an
       // ended transfer takes no chunk: each of them answers).
-      existing = std::make_shared<Transfer>();
-      FindEndedLocked(id, &existing->state);
-      if (ended_words_.size() > kDigestsAt) {
-        existing->chunk_digests.assign(ended_words_.begin() + kDigestsAt, ended_words_.end());
-      }
+      existing = EndedRecordLocked(id);
     }
     if (existing != nullptr) {
       Transfer& t = *existing;
@@ -614,11 +612,10 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
       }
       if (ended_.Contains(id)) {  // the same race, and the other submit ended since
-        Transfer ended;
-        FindEndedLocked(id, &ended.state);
-        if (ended_words_.size() > kDigestsAt && ended_words_[kDigestsAt] == digest &&
-            caller.MayUse(ended.state.owner())) {
-          return Accept(ended);
+        TransferPtr ended = EndedRecordLocked(id);
+        if (ended != nullptr && !ended->chunk_digests.empty() &&
+            ended->chunk_digests[0] == digest && caller.MayUse(ended->state.owner())) {
+          return Accept(*ended);
         }
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
@@ -1315,9 +1312,9 @@ bool TransferEngine::OnAckLocked(const wire::TransferAck& ack, TransferPtr* foun
       ack.sender_incarnation() == options_.incarnation) {
     // A late answer for a transfer that ended meanwhile (a deadline, a lost peer) and is
     // kept compact now: nothing to record, as for a whole record not awaiting it.
-    v1::TransferState ended;
-    if (FindEndedLocked(ack.transfer_id(), &ended) && !ended_words_.empty() &&
-        ended_words_[0] == ack.ack_token() && ended.peer() == ack.from_agent()) {
+    if (TransferPtr ended = EndedRecordLocked(ack.transfer_id());
+        ended != nullptr && ended->ack_token == ack.ack_token() &&
+        ended->state.peer() == ack.from_agent()) {
       return false;
     }
   }

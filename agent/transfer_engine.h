@@ -415,19 +415,16 @@ class TransferEngine {
   // answers costs no more than that.
   std::deque<std::string> parked_ ABSL_GUARDED_BY(mu_);
   // The older ended transfers, up to max_finished - live_ended_, compact: each its
-  // state serialized, then its acknowledgement token and chunk digests (kDigestsAt on:
-  // an idempotent retry's check). Queries and retries look here when transfers_ does
+  // state serialized, then its acknowledgement token and chunk digests (an idempotent
+  // retry's check), 8 bytes each. Queries and retries look here when transfers_ does
   // not have the id. Kept this way, 10,000 ended cost a transfer no more CPU than 1,000
   // (measured alike), and a few hundred bytes each (docs/BENCHMARKS.md).
-  static constexpr size_t kDigestsAt = 1;
   EndedLog ended_ ABSL_GUARDED_BY(mu_);
-  // Ended transfer `id` from ended_: its state into `state`, its words (the token, then
-  // the digests) into ended_words_. False when ended_ does not have it.
-  bool FindEndedLocked(const std::string& id, v1::TransferState* state) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Their storage (rare: a retry, a late acknowledgement).
-  mutable std::string ended_extra_ ABSL_GUARDED_BY(mu_);
-  mutable std::vector<uint64_t> ended_words_ ABSL_GUARDED_BY(mu_);
+  std::string ended_extra_ ABSL_GUARDED_BY(mu_);  // CompactLocked's, reused
+  // Ended transfer `id` rebuilt from ended_ (its state, acknowledgement token and chunk
+  // digests; nothing else) for the checks of a retry or a late acknowledgement (rare),
+  // or null when ended_ does not have it.
+  TransferPtr EndedRecordLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pruned records nothing else held, reset, for NewRecordLocked: a transfer ending and
   // one starting then free and allocate no record, state strings or timeline events
   // (issue 15). At most kSpareRecords; each holds a few hundred bytes.
