@@ -103,11 +103,21 @@ void PrintFleet(const char* when, cli::AgentClient& client) {
   std::printf("%s%s\n", r.last_error().empty() ? "" : "; last error: ", r.last_error().c_str());
 }
 
+// Setup: both agents listed in the directory. Each publishes once it has started and
+// the other's watch then sees it, which takes well under a second alone but several
+// under ASan with the CI's other suites beside it: the wait is long, and a miss prints
+// what the directory held.
+void RequireBothListed(cli::AgentClient& client) {
+  const bool listed = WaitFor([&] { return Agents(client).agents_size() == 2; }, 30000);
+  if (!listed) PrintFleet("not both listed after 30 s", client);
+  REQUIRE(listed);
+}
+
 Fleet::Fleet(const std::string& url, const std::string& tag)
     : dir(FleetWorkDir(tag)),
       prefill(dir, "prefill", url, kSlowPolls),
       decode(std::make_unique<FleetAgent>(dir, "decode", url, kSlowPolls)) {
-  REQUIRE(WaitFor([&] { return Agents(*prefill.client).agents_size() == 2; }, 10000));
+  RequireBothListed(*prefill.client);
   REQUIRE(prefill.client->Connect("agent:decode").ok());
 }
 
@@ -133,7 +143,7 @@ TEST_CASE("directory: agents publish, list the fleet, and connect by name") {
   FleetAgent prefill(dir, "prefill", etcd.url(), kSlowPolls);
   FleetAgent decode(dir, "decode", etcd.url(), kSlowPolls);
 
-  REQUIRE(WaitFor([&] { return Agents(*prefill.client).agents_size() == 2; }, 10000));
+  RequireBothListed(*prefill.client);
   auto fleet = Agents(*prefill.client);
   CHECK(fleet.published());
   CHECK(fleet.watching());

@@ -177,6 +177,64 @@ TEST_CASE("a stranger session cannot deregister, list, see or cancel another's o
   CHECK(pair.PageEqual(7, 8));
 }
 
+TEST_CASE("a stranger can neither see nor reuse the owner's ended transfers, whole or compact") {
+  // The engine keeps its newest 256 ended transfers whole and older ones, up to
+  // --ended-transfers-kept, compact (agent/ended_log.h): each form keeps its owner.
+  // With 300 kept and 270 ended, ended-0 .. ended-13 are compact, the rest whole.
+  AgentPairOptions options = EnginesOnly();
+  options.extra_args.push_back("--ended-transfers-kept");
+  options.extra_args.push_back("300");
+  AgentPair pair(options);
+  cli::AgentClient stranger = Stranger(pair.prefill_process());
+  constexpr uint64_t kEnded = 270;
+  constexpr uint64_t kPages = 8;
+  std::vector<v1::TransferState> ended;
+  for (uint64_t i = 0; i < kEnded; ++i) {
+    const std::string id = "ended-" + std::to_string(i);
+    auto submitted = pair.prefill().Submit(KvWrite(id, {i % kPages}, {i % kPages}, "owned"));
+    INFO(id << ": " << submitted.status().ToString());
+    REQUIRE(submitted.ok());
+    ended.push_back(WaitDone(pair.prefill(), id));
+    REQUIRE(ended.back().phase() == v1::COMPLETED);
+  }
+  auto theirs = stranger.Transfers(/*active_only=*/false);
+  REQUIRE(theirs.ok());
+  CHECK(theirs->transfers_size() == 0);
+  for (const uint64_t i : {uint64_t{3}, uint64_t{260}}) {  // compact, whole
+    const std::string id = "ended-" + std::to_string(i);
+    INFO(id);
+    auto seen = stranger.Get(id);
+    REQUIRE_FALSE(seen.ok());
+    CHECK(seen.status().code() == absl::StatusCode::kNotFound);
+    auto cancel = stranger.Cancel(id);
+    REQUIRE_FALSE(cancel.ok());
+    CHECK(cancel.status().code() == absl::StatusCode::kNotFound);
+    auto watched = stranger.WaitTransfer(id, 2000);
+    REQUIRE_FALSE(watched.ok());
+    CHECK(watched.status().code() == absl::StatusCode::kNotFound);
+    // The identical request (a retry would get the owner's state) and another one
+    // under the id: both refused, neither reveals the state nor moves a byte.
+    for (const uint64_t page : {i % kPages, (i + 1) % kPages}) {
+      auto reuse = stranger.Submit(KvWrite(id, {page}, {page}, "owned"));
+      REQUIRE_FALSE(reuse.ok());
+      CHECK(reuse.status().code() == absl::StatusCode::kAlreadyExists);
+      CHECK_THAT(Message(reuse.status()), Contains("in use by another client"));
+    }
+    // The owner still sees its transfer as it ended.
+    auto kept = pair.prefill().Get(id);
+    INFO(kept.status().ToString());
+    REQUIRE(kept.ok());
+    CHECK(kept->phase() == v1::COMPLETED);
+    CHECK(kept->owner() == ended[i].owner());
+    CHECK(kept->submitted_unix_us() == ended[i].submitted_unix_us());
+  }
+  auto listed = pair.prefill().Transfers(/*active_only=*/false);
+  REQUIRE(listed.ok());
+  CHECK(listed->transfers_size() == static_cast<int>(kEnded));
+  for (uint64_t p = 0; p < kPages; ++p) CHECK(pair.PageEqual(p, p));
+  HonestWrite(pair, "after-stranger", 9, 10);
+}
+
 TEST_CASE("notifications go to the owner of the pages they are about, not to a stranger") {
   AgentPair pair(EnginesOnly());
   cli::AgentClient stranger = Stranger(pair.decode_process());
