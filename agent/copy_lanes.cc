@@ -76,9 +76,8 @@ void CopyLanes::Copy(const std::vector<CopyPiece>& pieces) {
       share_count < 2 ? 0 : static_cast<uint32_t>(std::min<uint64_t>(lanes_ - 1, share_count - 1));
   if (helpers == 0) {
     CopyAll(pieces);
-    absl::MutexLock lock(&mu_);
-    ++counters_.batches;
-    counters_.bytes += total;
+    batches_.fetch_add(1, std::memory_order_relaxed);
+    bytes_.fetch_add(total, std::memory_order_relaxed);
     return;
   }
   const uint64_t chunk_count = std::clamp<uint64_t>(
@@ -116,16 +115,18 @@ void CopyLanes::Copy(const std::vector<CopyPiece>& pieces) {
       std::this_thread::yield();
     }
   }
-  absl::MutexLock lock(&mu_);
-  if (active_.load(std::memory_order_acquire) != 0) {
-    caller_waiting_ = true;
-    while (active_.load(std::memory_order_acquire) != 0) done_cv_.Wait(&mu_);
-    caller_waiting_ = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (active_.load(std::memory_order_acquire) != 0) {
+      caller_waiting_ = true;
+      while (active_.load(std::memory_order_acquire) != 0) done_cv_.Wait(&mu_);
+      caller_waiting_ = false;
+    }
   }
-  ++counters_.batches;
-  ++counters_.split_batches;
-  counters_.bytes += total;
-  counters_.stolen_parts += missing;
+  batches_.fetch_add(1, std::memory_order_relaxed);
+  split_batches_.fetch_add(1, std::memory_order_relaxed);
+  bytes_.fetch_add(total, std::memory_order_relaxed);
+  stolen_parts_.fetch_add(missing, std::memory_order_relaxed);
 }
 
 uint64_t CopyLanes::TakeChunks() {
@@ -153,16 +154,21 @@ void CopyLanes::LaneLoop() {
     }
     const uint64_t copied = TakeChunks();
     // Release: our copies are visible to the caller once it sees the count drop.
+    lane_chunks_.fetch_add(copied, std::memory_order_relaxed);
     const bool last = active_.fetch_sub(1, std::memory_order_acq_rel) == 1;
     absl::MutexLock lock(&mu_);
-    counters_.lane_chunks += copied;
     if (last && caller_waiting_) done_cv_.Signal();
   }
 }
 
 CopyLaneCounters CopyLanes::counters() const {
-  absl::MutexLock lock(&mu_);
-  return counters_;
+  CopyLaneCounters out;
+  out.batches = batches_.load(std::memory_order_relaxed);
+  out.split_batches = split_batches_.load(std::memory_order_relaxed);
+  out.bytes = bytes_.load(std::memory_order_relaxed);
+  out.stolen_parts = stolen_parts_.load(std::memory_order_relaxed);
+  out.lane_chunks = lane_chunks_.load(std::memory_order_relaxed);
+  return out;
 }
 
 }  // namespace kvagent::agent

@@ -93,7 +93,13 @@ class CopyLanes {
   bool open_ ABSL_GUARDED_BY(mu_) = false;        // lanes may join this batch
   bool caller_waiting_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  CopyLaneCounters counters_ ABSL_GUARDED_BY(mu_);
+  // CopyLaneCounters' fields, counted without mu_: a batch too small to split (every
+  // one-page transfer) takes no lock at all.
+  std::atomic<uint64_t> batches_{0};
+  std::atomic<uint64_t> split_batches_{0};
+  std::atomic<uint64_t> bytes_{0};
+  std::atomic<uint64_t> stolen_parts_{0};
+  std::atomic<uint64_t> lane_chunks_{0};
 };
 
 }  // namespace kvagent::agent
