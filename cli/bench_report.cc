@@ -50,7 +50,11 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
            "\"paired_fast_over_memcpy_q3\": null, \"paired_scattered_over_contiguous\": null, "
            "\"paired_scattered_over_contiguous_q1\": null, "
            "\"paired_scattered_over_contiguous_q3\": null, \"paired_placed_rounds\": 0, "
-           "\"paired_placed_p50_us\": null, \"paired_placed_over_memcpy\": null" +
+           "\"paired_placed_p50_us\": null, \"paired_placed_over_memcpy\": null, "
+           "\"paired_memcpy_scattered_p50_us\": null, "
+           "\"paired_memcpy_scattered_over_contiguous\": null, "
+           "\"paired_memcpy_scattered_over_contiguous_q1\": null, "
+           "\"paired_memcpy_scattered_over_contiguous_q3\": null" +
            SplitJson("", TimeSplit{}) + SplitJson("scattered_", TimeSplit{});
   }
   // The placed and timeline figures: null where the paired rounds did not measure them.
@@ -65,13 +69,19 @@ std::string PairedJson(const std::optional<PairedCell>& p) {
       "\"paired_fast_over_memcpy_q3\": {:.3f}, \"paired_scattered_over_contiguous\": {:.3f}, "
       "\"paired_scattered_over_contiguous_q1\": {:.3f}, "
       "\"paired_scattered_over_contiguous_q3\": {:.3f}, \"paired_placed_rounds\": {}, "
-      "\"paired_placed_p50_us\": {}, \"paired_placed_over_memcpy\": {}{}{}",
+      "\"paired_placed_p50_us\": {}, \"paired_placed_over_memcpy\": {}, "
+      "\"paired_memcpy_scattered_p50_us\": {:.1f}, "
+      "\"paired_memcpy_scattered_over_contiguous\": {:.3f}, "
+      "\"paired_memcpy_scattered_over_contiguous_q1\": {:.3f}, "
+      "\"paired_memcpy_scattered_over_contiguous_q3\": {:.3f}{}{}",
       p->rounds, p->memcpy_p50_us, p->contiguous_p50_us, p->scattered_p50_us,
       p->fast_over_memcpy.of_medians, p->fast_over_memcpy.q1, p->fast_over_memcpy.q3,
       p->scattered_over_contiguous.of_medians, p->scattered_over_contiguous.q1,
       p->scattered_over_contiguous.q3, p->placed_rounds,
       Opt(known(placed, p->placed_p50_us), "{:.1f}"),
       Opt(known(placed, p->placed_over_memcpy.of_medians), "{:.3f}"),
+      p->memcpy_scattered_p50_us, p->memcpy_scattered_over_contiguous.of_medians,
+      p->memcpy_scattered_over_contiguous.q1, p->memcpy_scattered_over_contiguous.q3,
       SplitJson("", p->contiguous_split), SplitJson("scattered_", p->scattered_split));
 }
 
@@ -96,10 +106,11 @@ bool ScatteredTarget(uint64_t block, uint32_t batch) {
 std::string PairedLine(const PairedCell& p) {
   std::string out = fmt::format(
       "      paired, {}, {} rounds from a cold cache: fast/memcpy {}, scattered/contiguous "
-      "{} (p50 us: memcpy {:.0f}, contiguous {:.0f}, scattered {:.0f})",
+      "{} (memcpy of the same pieces {}) (p50 us: memcpy {:.0f}, of the scattered pieces "
+      "{:.0f}; contiguous {:.0f}, scattered {:.0f})",
       CellName(p.cell), p.rounds, RatioText(p.fast_over_memcpy),
-      RatioText(p.scattered_over_contiguous), p.memcpy_p50_us, p.contiguous_p50_us,
-      p.scattered_p50_us);
+      RatioText(p.scattered_over_contiguous), RatioText(p.memcpy_scattered_over_contiguous),
+      p.memcpy_p50_us, p.memcpy_scattered_p50_us, p.contiguous_p50_us, p.scattered_p50_us);
   if (p.placed_rounds > 0) {
     out += fmt::format("\n        completing when placed: fast/memcpy {} (p50 {:.0f} us)",
                        RatioText(p.placed_over_memcpy), p.placed_p50_us);
@@ -130,13 +141,17 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
     bool (*applies)(uint64_t, uint32_t);
     PairedRatio PairedCell::*ratio;
     bool placed = false;  // judged only on cells whose placed rounds ran
+    // What a plain memcpy of the same pieces gets on the same ratio, shown beside
+    // (not judged); null where there is none.
+    PairedRatio PairedCell::*memcpy_ratio = nullptr;
   };
   const Target targets[] = {
       {"fast_over_memcpy", "fast path >= cold memcpy of the same pages, from 64K x 16 up", 1.0,
        FastOverMemcpyTarget, &PairedCell::fast_over_memcpy},
       {"scattered_over_contiguous",
        "scattered within 10 % of contiguous (fast path), from 64K x 64 up", 0.9, ScatteredTarget,
-       &PairedCell::scattered_over_contiguous},
+       &PairedCell::scattered_over_contiguous, false,
+       &PairedCell::memcpy_scattered_over_contiguous},
       {"fast_placed_over_memcpy",
        "the same completing when placed (COMPLETE_WHEN_PLACED), from 64K x 16 up", 1.0,
        FastOverMemcpyTarget, &PairedCell::placed_over_memcpy, true},
@@ -164,12 +179,18 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
             "{{\"kind\": \"target\", \"issue\": 14, \"target\": \"{}\", \"op\": \"{}\", "
             "\"block_bytes\": {}, \"batch\": {}, \"rounds\": {}, \"ratio\": {:.3f}, "
             "\"q1\": {:.3f}, \"q3\": {:.3f}, \"threshold\": {:.2f}, \"met\": {}, "
-            "\"loadavg_1m\": {}}}\n",
+            "\"memcpy_ratio\": {}, \"loadavg_1m\": {}}}\n",
             t.key, v1::TransferOp_Name(p.cell.op), p.cell.block, p.cell.batch, rounds,
-            r.of_medians, r.q1, r.q3, t.threshold, ok ? "true" : "false", Opt(load_now, "{:.2f}"));
+            r.of_medians, r.q1, r.q3, t.threshold, ok ? "true" : "false",
+            t.memcpy_ratio ? fmt::format("{:.3f}", (p.*t.memcpy_ratio).of_medians) : "null",
+            Opt(load_now, "{:.2f}"));
       } else {
-        lines += fmt::format("    {:<16} {}, {} rounds: {}\n", CellName(p.cell), RatioText(r),
-                             rounds, ok ? "met" : "NOT met");
+        lines += fmt::format(
+            "    {:<16} {}, {} rounds: {}{}\n", CellName(p.cell), RatioText(r), rounds,
+            ok ? "met" : "NOT met",
+            t.memcpy_ratio
+                ? fmt::format(" (memcpy of the same pieces {})", RatioText(p.*t.memcpy_ratio))
+                : "");
       }
     }
     if (json) {

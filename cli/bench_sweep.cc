@@ -231,7 +231,7 @@ class CellBench::Impl {
     const uint64_t min_rounds = options_.quick ? 5 : 9;
     const uint64_t max_rounds = options_.quick ? 20 : 40;
     const double seconds = options_.quick ? 0.05 : 0.3;
-    std::vector<double> memcpy_us, contiguous_us, scattered_us;
+    std::vector<double> memcpy_us, memcpy_scattered_us, contiguous_us, scattered_us;
     std::vector<uint64_t> local, remote;
     uint64_t transfers = 0;
     // Transfer `i` of `cell` through the ring from a cold cache, the agent awake.
@@ -270,16 +270,23 @@ class CellBench::Impl {
       }
       return us;
     };
+    // (a) or (e): one thread's copy of transfer `i` of `cell`'s pages from a cold cache,
+    // into `out`; false when the copier failed.
+    auto timed_copy = [&](const Cell& cell, uint64_t i, std::vector<double>* out) {
+      Indices(layout, cell, i, &local, &remote);
+      copier->before();
+      const auto t0 = Clock::now();
+      if (!copier->copy(write ? local : remote, write ? remote : local)) return false;
+      out->push_back(Micros(Clock::now() - t0));
+      return true;
+    };
     const auto start = Clock::now();
     for (uint64_t r = 0; r < max_rounds; ++r) {
       if (r >= min_rounds && Seconds(Clock::now() - start) >= seconds) break;
-      Indices(layout, contiguous, r, &local, &remote);
-      copier->before();
-      const auto t0 = Clock::now();
-      if (!copier->copy(write ? local : remote, write ? remote : local)) {
+      if (!timed_copy(contiguous, r, &memcpy_us) ||
+          !timed_copy(scattered, r, &memcpy_scattered_us)) {
         return std::optional<PairedCell>();
       }
-      memcpy_us.push_back(Micros(Clock::now() - t0));
       // (b), (c) and (d) in turn first.
       for (int k = 0; k < 3; ++k) {
         const int which = static_cast<int>((r + k) % 3);
@@ -310,6 +317,8 @@ class CellBench::Impl {
     paired.scattered_p50_us = Percentile(scattered_us, 50);
     paired.fast_over_memcpy = Paired(memcpy_us, contiguous_us);
     paired.scattered_over_contiguous = Paired(contiguous_us, scattered_us);
+    paired.memcpy_scattered_p50_us = Percentile(memcpy_scattered_us, 50);
+    paired.memcpy_scattered_over_contiguous = Paired(memcpy_us, memcpy_scattered_us);
     if (placed && !placed_us.empty()) {
       // Round r's (d) pairs with round r's (a): both vectors have one entry a round.
       paired.placed_rounds = placed_us.size();

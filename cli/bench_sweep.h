@@ -51,7 +51,10 @@ struct TimeSplit {
 // acknowledgement), unless the transfer completes when acknowledged anyway (a data
 // path that confirms placement only by the peer, ucx-am or staging, or an agent older
 // than complete_when); (b), (c) and (d)
-// take turns going first.
+// take turns going first. After (a), each round also times (e): the same memcpy of
+// (c)'s scattered pieces, so that (c) against (b) can be read beside what scattering the
+// same pieces costs a plain copy on this host (TLB and prefetch misses are the memory
+// system's, not the agent's).
 struct PairedCell {
   Cell cell;  // its op, block and batch (pattern: both)
   uint64_t rounds = 0;
@@ -60,6 +63,9 @@ struct PairedCell {
   // named is the faster.
   PairedRatio fast_over_memcpy;           // (b) against (a): the `fx_mc` of the pair
   PairedRatio scattered_over_contiguous;  // (c) against (b)
+  // (e): its p50, and against (a): the memcpy's own scattered/contiguous.
+  double memcpy_scattered_p50_us = 0;
+  PairedRatio memcpy_scattered_over_contiguous;
   // (d): rounds (0: not measured, the agent completed it when acknowledged), p50, and
   // against (a).
   uint64_t placed_rounds = 0;

@@ -94,7 +94,10 @@ while IFS= read -r line; do
     for key in paired_memcpy_p50_us paired_contiguous_p50_us paired_scattered_p50_us \
                paired_fast_over_memcpy paired_fast_over_memcpy_q1 paired_fast_over_memcpy_q3 \
                paired_scattered_over_contiguous paired_scattered_over_contiguous_q1 \
-               paired_scattered_over_contiguous_q3; do
+               paired_scattered_over_contiguous_q3 paired_memcpy_scattered_p50_us \
+               paired_memcpy_scattered_over_contiguous \
+               paired_memcpy_scattered_over_contiguous_q1 \
+               paired_memcpy_scattered_over_contiguous_q3; do
       v=$(sed -n "s/.*\"$key\": \([^,}]*\).*/\1/p" <<<"$line")
       if ! positive "$v"; then echo "$key is not a positive finite number in: $line"; bad=1; fi
     done
@@ -160,6 +163,13 @@ for target in fast_over_memcpy scattered_over_contiguous fast_placed_over_memcpy
     done
     if [[ "$line" != *'"met": true'* && "$line" != *'"met": false'* ]]; then
       echo "no verdict in: $line"; bad=1
+    fi
+    # The scattered target shows the memcpy's own scattered/contiguous beside it.
+    v=$(sed -n 's/.*"memcpy_ratio": \([^,}]*\).*/\1/p' <<<"$line")
+    if [[ "$target" == scattered_over_contiguous ]]; then
+      if ! positive "$v"; then echo "memcpy_ratio is not a positive finite number in: $line"; bad=1; fi
+    elif [[ "$v" != null ]]; then
+      echo "memcpy_ratio should be null for $target in: $line"; bad=1
     fi
   done < <(grep "^{\"kind\": \"target\", \"issue\": 14, \"target\": \"$target\"" "$out")
   if [[ "$n" != 4 ]]; then echo "expected 4 $target target lines, got $n"; bad=1; fi

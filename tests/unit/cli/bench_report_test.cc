@@ -18,6 +18,8 @@ PairedCell Pair(v1::TransferOp op, uint64_t block, uint32_t batch, double fast, 
   p.rounds = 9;
   p.fast_over_memcpy = {fast, fast * 0.9, fast * 1.1};
   p.scattered_over_contiguous = {scattered, scattered * 0.9, scattered * 1.1};
+  p.memcpy_scattered_p50_us = 140;
+  p.memcpy_scattered_over_contiguous = {0.7, 0.63, 0.77};
   return p;
 }
 
@@ -47,6 +49,10 @@ TEST_CASE("targets block: each target judges its own cells at its threshold") {
                    "cells") != std::string::npos);
   CHECK(table.find("READ 64K x 64    0.50 [0.45-0.55], 7 rounds: NOT met") != std::string::npos);
   CHECK(Occurrences(table, "NOT met") == 3);
+  // The scattered target's lines, and only they, show the memcpy's own ratio beside.
+  CHECK(table.find("WRITE 1M x 256   0.90 [0.81-0.99], 9 rounds: NOT met (memcpy of the same "
+                   "pieces 0.70 [0.63-0.77])") != std::string::npos);
+  CHECK(Occurrences(table, "(memcpy of the same pieces") == 2);
 
   const std::string json = TargetsBlock(pairs, true, 1.5, std::nullopt);
   INFO(json);
@@ -60,6 +66,8 @@ TEST_CASE("targets block: each target judges its own cells at its threshold") {
   CHECK(Occurrences(json, "{\"kind\": \"target\", \"issue\": 14, \"target\": \"fast_placed_over_memcpy\"") == 2);
   CHECK(json.find("\"target\": \"fast_placed_over_memcpy\", \"threshold\": 1.00, \"cells\": 2, "
                   "\"met\": 1,") != std::string::npos);
+  CHECK(Occurrences(json, "\"memcpy_ratio\": 0.700,") == 2);
+  CHECK(Occurrences(json, "\"memcpy_ratio\": null,") == 5);
   CHECK(Occurrences(json, "\n") == 10);  // 7 cell lines, 3 summaries
 }
 
@@ -83,6 +91,8 @@ TEST_CASE("paired line: the placed rounds and where the contiguous transfer's ti
   INFO(line);
   CHECK(line.find("completing when placed: fast/memcpy 0.50 [0.45-0.55] (p50 100 us)") !=
         std::string::npos);
+  CHECK(line.find("scattered/contiguous 0.90 [0.81-0.99] (memcpy of the same pieces 0.70 "
+                  "[0.63-0.77])") != std::string::npos);
   CHECK(line.find("contiguous, where its time went (p50 us, 9 timelines): in the agent 300 "
                   "(before the copy 12, the copy 120, the receiver's acknowledgement 150), "
                   "between client and agent 200") != std::string::npos);
@@ -98,6 +108,10 @@ TEST_CASE("paired line: the placed rounds and where the contiguous transfer's ti
         std::string::npos);
   CHECK(json.find("\"paired_scattered_timelines\": 8, \"paired_scattered_agent_p50_us\": "
                   "300.0, \"paired_scattered_before_copy_p50_us\": 95.0") != std::string::npos);
+  CHECK(json.find("\"paired_memcpy_scattered_p50_us\": 140.0, "
+                  "\"paired_memcpy_scattered_over_contiguous\": 0.700, "
+                  "\"paired_memcpy_scattered_over_contiguous_q1\": 0.630, "
+                  "\"paired_memcpy_scattered_over_contiguous_q3\": 0.770") != std::string::npos);
   // No timeline read: the figures are null, not zero.
   cell.paired = Pair(v1::WRITE, 64 << 10, 16, 0.25, 0.9);
   const std::string none = JsonLine(cell);
