@@ -84,6 +84,19 @@ struct WakeupFacts {
   double max_us = 0;
 };
 
+// DAMON's kdamonds (/sys/kernel/mm/damon/admin): a kernel thread that samples pages'
+// accessed bits and may act on the pages it finds idle (its schemes: pageout, lru_prio,
+// ...). One entry per kdamond whose state is "on".
+struct DamonKdamond {
+  std::string name;                     // "kdamonds/0"
+  std::vector<std::string> operations;  // per context: "paddr", "vaddr", "fvaddr"
+  std::vector<std::string> actions;     // its schemes' actions: "pageout", "stat", ...
+};
+struct DamonFacts {
+  bool present = false;  // the admin directory exists (DAMON_SYSFS)
+  std::vector<DamonKdamond> running;
+};
+
 struct RdmaDevice {
   std::string name;                      // "mlx5_0"
   std::vector<std::string> port_states;  // "1: ACTIVE", one per port
@@ -115,6 +128,13 @@ v1::DoctorCheck CheckFirstTouch(const FirstTouchFacts& facts);
 // small transfers' latency; PASS below it, with the figures.
 constexpr double kWakeupWarnUs = 30.0;
 v1::DoctorCheck CheckWakeup(const WakeupFacts& facts);
+// "damon": WARN when a kdamond runs on physical memory (paddr): it samples every
+// page's accessed bit, host pools' pages included, and its schemes act on those it finds
+// idle, so memory a pool has not touched for seconds can be slower to touch again (on a
+// PVM guest measured here, up to ~1.3 µs more per 4 KiB page after 20 s idle:
+// docs/BENCHMARKS.md, "Scattered pieces, again") or paged out. PASS when none runs, or
+// only on named processes (vaddr), with what runs.
+v1::DoctorCheck CheckDamon(const DamonFacts& facts);
 // `scope` is the content of /proc/sys/kernel/yama/ptrace_scope; nullopt when Yama is
 // not there.
 v1::DoctorCheck CheckPtraceScope(std::optional<int> scope);
@@ -146,6 +166,8 @@ FirstTouchFacts ProbeFirstTouch(uint32_t pages = 256);
 WakeupFacts ProbeWakeup(uint32_t rounds = 32, uint32_t pause_us = 500);
 std::optional<int> ReadPtraceScope(const std::string& path);
 std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir);
+// `admin_dir`: /sys/kernel/mm/damon/admin (tests point it elsewhere).
+DamonFacts ReadDamon(const std::string& admin_dir);
 
 struct DoctorInputs {
   std::string agent;
@@ -159,6 +181,7 @@ struct DoctorInputs {
   std::string meminfo_path = "/proc/meminfo";
   std::string ptrace_scope_path = "/proc/sys/kernel/yama/ptrace_scope";
   std::string rdma_dir = "/sys/class/infiniband";
+  std::string damon_dir = "/sys/kernel/mm/damon/admin";
   // The process's effective uid and CAP_IPC_LOCK (tests set them).
   uid_t euid = geteuid();
   bool has_ipc_lock = registry::HasIpcLockCapability();

@@ -92,7 +92,8 @@ TEST_CASE("Doctor reports this host's UCX and CUDA and the connected peer") {
   CHECK(peer.fix().empty());
 
   for (const char* name :
-       {"memlock", "dev-shm", "hugepages", "first-touch", "wake-up", "ptrace-scope", "rdma"}) {
+       {"memlock", "dev-shm", "hugepages", "first-touch", "wake-up", "damon", "ptrace-scope",
+        "rdma"}) {
     const auto& c = Find(report, name);
     CHECK(c.result() != Result::RESULT_UNSPECIFIED);
     CHECK_FALSE(c.detail().empty());

@@ -373,6 +373,62 @@ TEST_CASE("ptrace-scope: absent and 0 pass, 1-3 warn with what to do") {
   CHECK_FALSE(ReadPtraceScope(dir + "/absent").has_value());
 }
 
+TEST_CASE("damon: a kdamond on physical memory is a warning, one on named processes is not") {
+  auto absent = CheckDamon(ReadDamon(TempDir("no-damon") + "/admin"));
+  CHECK(absent.result() == Result::PASS);
+  CHECK(absent.detail() == "DAMON not in this kernel's sysfs");
+
+  // The admin tree as the kernel lays it out: kdamond 0 on physical memory with a
+  // pageout scheme (as on this project's build VM), 1 stopped, 2 on one process.
+  const std::string dir = TempDir("damon") + "/admin";
+  for (const char* path :
+       {"", "/kdamonds", "/kdamonds/0", "/kdamonds/0/contexts", "/kdamonds/0/contexts/0",
+        "/kdamonds/0/contexts/0/schemes", "/kdamonds/0/contexts/0/schemes/0",
+        "/kdamonds/0/contexts/0/schemes/1", "/kdamonds/1", "/kdamonds/1/contexts",
+        "/kdamonds/1/contexts/0", "/kdamonds/2", "/kdamonds/2/contexts",
+        "/kdamonds/2/contexts/0"}) {
+    REQUIRE(mkdir((dir + path).c_str(), 0755) == 0);
+  }
+  auto none = CheckDamon(ReadDamon(dir));
+  CHECK(none.result() == Result::PASS);
+  CHECK(none.detail() == "no DAMON kdamond running");
+
+  // Count files beside the numbered directories, as the kernel has them.
+  WriteFile(dir + "/kdamonds/nr_kdamonds", "3\n");
+  WriteFile(dir + "/kdamonds/0/contexts/nr_contexts", "1\n");
+  WriteFile(dir + "/kdamonds/0/contexts/0/schemes/nr_schemes", "2\n");
+  WriteFile(dir + "/kdamonds/0/state", "on\n");
+  WriteFile(dir + "/kdamonds/0/contexts/0/operations", "paddr\n");
+  WriteFile(dir + "/kdamonds/0/contexts/0/schemes/0/action", "pageout\n");
+  WriteFile(dir + "/kdamonds/0/contexts/0/schemes/1/action", "stat\n");
+  WriteFile(dir + "/kdamonds/1/state", "off\n");
+  WriteFile(dir + "/kdamonds/1/contexts/0/operations", "paddr\n");
+  WriteFile(dir + "/kdamonds/2/state", "on\n");
+  WriteFile(dir + "/kdamonds/2/contexts/0/operations", "vaddr\n");
+  const DamonFacts facts = ReadDamon(dir);
+  CHECK(facts.present);
+  REQUIRE(facts.running.size() == 2);  // 1 is off
+  CHECK(facts.running[0].name == "kdamonds/0");
+  CHECK(facts.running[0].operations == std::vector<std::string>{"paddr"});
+  CHECK(facts.running[0].actions == std::vector<std::string>{"pageout", "stat"});
+  CHECK(facts.running[1].operations == std::vector<std::string>{"vaddr"});
+  CHECK(facts.running[1].actions.empty());
+
+  auto physical = CheckDamon(facts);
+  CHECK(physical.result() == Result::WARN);
+  CHECK(Has(physical.detail(), "kdamonds/0 on paddr, schemes: pageout, stat; kdamonds/2 on "
+                               "vaddr, schemes: none"));
+  CHECK(Has(physical.detail(), "slower to touch again"));
+  CHECK(Has(physical.fix(), "write off to the kdamond's state file"));
+
+  // Only the one on named processes: reported, not a warning.
+  DamonFacts processes = facts;
+  processes.running.erase(processes.running.begin());
+  auto named = CheckDamon(processes);
+  CHECK(named.result() == Result::PASS);
+  CHECK(Has(named.detail(), "DAMON runs on named processes only (kdamonds/2 on vaddr"));
+}
+
 TEST_CASE("rdma: none is TCP, devices need an active port and a UCX RDMA transport") {
   auto none = CheckRdma({}, HostUcx());
   CHECK(none.result() == Result::PASS);
@@ -562,6 +618,7 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   inputs.meminfo_path = dir + "/meminfo";
   inputs.ptrace_scope_path = dir + "/ptrace_scope";
   inputs.rdma_dir = dir + "/no-infiniband";
+  inputs.damon_dir = dir + "/no-damon";
   v1::PeerInfo peer;
   peer.set_name("decode");
   peer.set_state("unreachable");
@@ -574,27 +631,28 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   for (const auto& c : report.checks()) names.push_back(c.name());
   CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "device-copy",
                                           "memlock", "dev-shm", "hugepages", "first-touch",
-                                          "wake-up", "ptrace-scope", "rdma", "privileges",
-                                          "peer:decode"});
+                                          "wake-up", "damon", "ptrace-scope", "rdma",
+                                          "privileges", "peer:decode"});
   CHECK(report.checks(6).result() == Result::PASS);  // from the meminfo written above
   CHECK(report.checks(7).detail().rfind("first write to a page through a new mapping", 0) == 0);
   CHECK(report.checks(8).detail().rfind("a thread asleep on an eventfd runs ", 0) == 0);
-  CHECK(report.checks(9).result() == Result::WARN);  // scope 1
-  CHECK(report.checks(10).result() == Result::PASS);  // no devices
-  CHECK(report.checks(11).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
+  CHECK(report.checks(9).detail() == "DAMON not in this kernel's sysfs");
+  CHECK(report.checks(10).result() == Result::WARN);  // scope 1
+  CHECK(report.checks(11).result() == Result::PASS);  // no devices
+  CHECK(report.checks(12).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
   CHECK(HasFailure(report));                         // the unreachable peer
 
   auto lines = SummaryLines(report);
-  REQUIRE(lines.size() == 13);
+  REQUIRE(lines.size() == 14);
   CHECK(lines[0] == "ucx PASS UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
   CHECK(lines[3].rfind("device-copy PASS cuMemcpyAsync per page", 0) == 0);
   CHECK(lines[8].rfind("wake-up ", 0) == 0);
-  CHECK(lines[9].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
+  CHECK(lines[10].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
 
   inputs.peers.clear();
   CHECK_FALSE(HasFailure(RunDoctor(inputs)));
   inputs.device_copy.clear();  // not given: no device-copy check
-  CHECK(RunDoctor(inputs).checks_size() == 12);  // 11 host checks and "peers"
+  CHECK(RunDoctor(inputs).checks_size() == 13);  // 12 host checks and "peers"
 }
 
 }  // namespace
