@@ -153,8 +153,8 @@ void CopyLanes::LaneLoop() {
       active_.fetch_add(1, std::memory_order_relaxed);
     }
     const uint64_t copied = TakeChunks();
-    // Release: our copies are visible to the caller once it sees the count drop.
     lane_chunks_.fetch_add(copied, std::memory_order_relaxed);
+    // Release: our copies are visible to the caller once it sees the count drop.
     const bool last = active_.fetch_sub(1, std::memory_order_acq_rel) == 1;
     absl::MutexLock lock(&mu_);
     if (last && caller_waiting_) done_cv_.Signal();

@@ -141,8 +141,8 @@ std::string TargetsBlock(const std::vector<PairedCell>& pairs, bool json,
     bool (*applies)(uint64_t, uint32_t);
     PairedRatio PairedCell::*ratio;
     bool placed = false;  // judged only on cells whose placed rounds ran
-    // What a plain memcpy of the same pieces gets on the same ratio, shown beside
-    // (not judged); null where there is none.
+    // The bench's own memcpys on the same ratio, shown beside (not judged); null where
+    // there is none.
     PairedRatio PairedCell::*memcpy_ratio = nullptr;
   };
   const Target targets[] = {

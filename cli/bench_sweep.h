@@ -53,8 +53,9 @@ struct TimeSplit {
 // than complete_when); (b), (c) and (d)
 // take turns going first. After (a), each round also times (e): the same memcpy of
 // (c)'s scattered pieces, so that (c) against (b) can be read beside what scattering the
-// same pieces costs a plain copy on this host (TLB and prefetch misses are the memory
-// system's, not the agent's).
+// same pieces costs the bench's own copy in the same rounds (shown, not judged: on a
+// host where memory idle for seconds is slow to touch, which process touched the pages
+// last, and when, moves both; docs/BENCHMARKS.md, "Scattered pieces, again").
 struct PairedCell {
   Cell cell;  // its op, block and batch (pattern: both)
   uint64_t rounds = 0;
