@@ -314,9 +314,13 @@ void TransferEngine::CompactLocked(Transfers::iterator it) {
 }
 
 TransferEngine::TransferPtr TransferEngine::EndedRecordLocked(const std::string& id) const {
-  auto t = std::make_shared<Transfer>();
+  // One probe of the log, and a record allocated only for an entry found (a submit of a
+  // new id, or an acknowledgement naming no transfer, allocates nothing).
+  v1::TransferState state;
   std::string extra;
-  if (!ended_.Find(id, &t->state, &extra) || extra.size() < sizeof t->ack_token) return nullptr;
+  if (!ended_.Find(id, &state, &extra) || extra.size() < sizeof(uint64_t)) return nullptr;
+  auto t = std::make_shared<Transfer>();
+  t->state = std::move(state);
   std::memcpy(&t->ack_token, extra.data(), sizeof t->ack_token);
   t->chunk_digests.resize((extra.size() - sizeof t->ack_token) / sizeof(uint64_t));
   if (!t->chunk_digests.empty()) {
@@ -486,9 +490,9 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
     auto it = transfers_.find(id);
     if (it != transfers_.end()) {
       existing = it->second;
-    } else if (ended_.Contains(id)) {
-      // Ended and kept compact: a record of its own, for the checks below only (an
-      // ended transfer takes no chunk: each of them answers).
+    } else {
+      // Ended and kept compact, if at all: a record of its own, for the checks below
+      // only (an ended transfer takes no chunk: each of them answers).
       existing = EndedRecordLocked(id);
     }
     if (existing != nullptr) {
@@ -611,10 +615,10 @@ absl::Status TransferEngine::Submit(const v1::SubmitTransferRequest& request,
         return absl::AlreadyExistsError(
             fmt::format("transfer '{}' was submitted concurrently with different content", id));
       }
-      if (ended_.Contains(id)) {  // the same race, and the other submit ended since
-        TransferPtr ended = EndedRecordLocked(id);
-        if (ended != nullptr && !ended->chunk_digests.empty() &&
-            ended->chunk_digests[0] == digest && caller.MayUse(ended->state.owner())) {
+      // The same race, and the other submit ended since.
+      if (TransferPtr ended = EndedRecordLocked(id); ended != nullptr) {
+        if (!ended->chunk_digests.empty() && ended->chunk_digests[0] == digest &&
+            caller.MayUse(ended->state.owner())) {
           return Accept(*ended);
         }
         return absl::AlreadyExistsError(
