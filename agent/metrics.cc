@@ -426,11 +426,17 @@ std::string RenderMetrics(const MetricsSources& sources) {
 
   if (sources.stager != nullptr) {
     Family staged(&out, "kvagent_staging_total", "counter",
-                  "Host staging: chunks received and rejected, peer reads served and refused.");
+                  "Host staging: chunks received and rejected, peer reads served and refused, "
+                  "sending bounce buffers written off (held by sends a peer never confirmed; "
+                  "replaced) and those that could not be replaced.");
     staged.Sample({{"event", "chunks_received"}}, static_cast<double>(sources.stager->chunks_received()));
     staged.Sample({{"event", "chunks_rejected"}}, static_cast<double>(sources.stager->chunks_rejected()));
     staged.Sample({{"event", "reads_served"}}, static_cast<double>(sources.stager->reads_served()));
     staged.Sample({{"event", "reads_refused"}}, static_cast<double>(sources.stager->reads_refused()));
+    staged.Sample({{"event", "buffers_written_off"}},
+                  static_cast<double>(sources.stager->buffers_written_off()));
+    staged.Sample({{"event", "write_offs_refused"}},
+                  static_cast<double>(sources.stager->write_offs_refused()));
   }
   if (sources.server != nullptr) {
     const MetricsServerCounters c = sources.server->counters();

@@ -59,24 +59,70 @@ absl::Status ValidateStagingOptions(const StagingPoolOptions& options) {
 // ---------------------------------------------------------------------------
 // StagingPool
 
+// One bounce buffer: its memory and, with a UCX context, its registration.
+struct StagingBuffer {
+  uint8_t* data = nullptr;
+  transport::MemoryRegistration registration;
+};
+
 struct StagingPool::State {
   uint64_t chunk_bytes = 0;
+  uint64_t allocated_bytes = 0;  // chunk_bytes rounded up to whole pages
   cuda::CudaDriver* cuda = nullptr;  // set when the buffers are pinned by CUDA
-  std::vector<uint8_t*> buffers;
-  std::vector<transport::MemoryRegistration> registrations;
+  const transport::UcxContext* context = nullptr;
+  uint32_t max_written_off = 0;
+  uint32_t buffers = 0;  // slots.size(), fixed at Create
   absl::Mutex mu;
+  // By slot: the buffer a lease of that slot gets now.
+  std::vector<StagingBuffer> slots ABSL_GUARDED_BY(mu);
   std::vector<uint32_t> free ABSL_GUARDED_BY(mu);
   std::deque<Waiter> waiters ABSL_GUARDED_BY(mu);
+  // Buffers written off (WriteOff): still leased, by a send that may yet read them;
+  // freed when that lease is released.
+  std::vector<StagingBuffer> written_off ABSL_GUARDED_BY(mu);
+  uint64_t written_off_total ABSL_GUARDED_BY(mu) = 0;
+  uint64_t write_offs_refused ABSL_GUARDED_BY(mu) = 0;
 
-  ~State() {
-    registrations.clear();  // unmap from UCX before the memory goes
-    for (uint8_t* b : buffers) {
-      if (cuda != nullptr) {
-        (void)cuda->HostFree(b);
-      } else {
-        std::free(b);
+  absl::StatusOr<StagingBuffer> Allocate(const std::string& entry) {
+    StagingBuffer buffer;
+    if (cuda != nullptr) {
+      ASSIGN_OR_RETURN(void* pinned, cuda->HostAlloc(allocated_bytes, entry));
+      buffer.data = static_cast<uint8_t*>(pinned);
+    } else {
+      buffer.data = static_cast<uint8_t*>(std::aligned_alloc(kPageBytes, allocated_bytes));
+      if (buffer.data == nullptr) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "{}: allocating {} bytes failed; use fewer or smaller staging buffers "
+            "(--staging-buffers, --staging-chunk-bytes)",
+            entry, allocated_bytes));
       }
     }
+    if (context != nullptr) {
+      auto registration = transport::MemoryRegistration::Map(
+          *context, buffer.data, allocated_bytes, transport::MemoryType::kHost, entry);
+      if (!registration.ok()) {
+        Free(buffer);
+        return registration.status();
+      }
+      buffer.registration = *std::move(registration);
+    }
+    return buffer;
+  }
+  void Free(StagingBuffer& buffer) {
+    buffer.registration = transport::MemoryRegistration();  // unmap from UCX first
+    if (buffer.data == nullptr) return;
+    if (cuda != nullptr) {
+      (void)cuda->HostFree(buffer.data);
+    } else {
+      std::free(buffer.data);
+    }
+    buffer.data = nullptr;
+  }
+
+  ~State() {
+    absl::MutexLock lock(&mu);
+    for (StagingBuffer& b : slots) Free(b);
+    for (StagingBuffer& b : written_off) Free(b);
   }
 };
 
@@ -101,24 +147,36 @@ StagingPool::Lease::~Lease() { Release(); }
 
 void StagingPool::Lease::Release() {
   if (data_ == nullptr) return;
+  uint8_t* const data = data_;
   data_ = nullptr;
   std::shared_ptr<State> state = std::move(state_);
   Waiter waiter;
+  Lease next;
   {
     absl::MutexLock lock(&state->mu);
+    if (state->slots[index_].data != data) {
+      // Written off while this lease held it: its slot has another buffer now, and
+      // this one goes back to the system, not to the pool.
+      for (auto it = state->written_off.begin(); it != state->written_off.end(); ++it) {
+        if (it->data != data) continue;
+        state->Free(*it);
+        state->written_off.erase(it);
+        break;
+      }
+      return;
+    }
     if (state->waiters.empty()) {
       state->free.push_back(index_);
       return;
     }
     waiter = std::move(state->waiters.front());
     state->waiters.pop_front();
+    next.state_ = state;
+    next.index_ = index_;
+    next.data_ = data;
+    next.size_ = state->chunk_bytes;
   }
   // Hand the buffer straight to the oldest waiter, outside the lock.
-  Lease next;
-  next.state_ = state;
-  next.index_ = index_;
-  next.data_ = state->buffers[index_];
-  next.size_ = state->chunk_bytes;
   waiter(std::move(next));
 }
 
@@ -128,35 +186,18 @@ absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(
   RETURN_IF_ERROR(ValidateStagingOptions(options));
   auto state = std::make_shared<State>();
   state->chunk_bytes = options.chunk_bytes;
+  state->allocated_bytes = (options.chunk_bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
   state->cuda = cuda;
-  const uint64_t rounded = (options.chunk_bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
+  state->context = context;
+  state->max_written_off = options.buffers;
+  state->buffers = options.buffers;
+  absl::MutexLock lock(&state->mu);
   for (uint32_t i = 0; i < options.buffers; ++i) {
-    const std::string entry = fmt::format("staging buffer {} of {}", i, options.buffers);
-    uint8_t* buffer = nullptr;
-    if (cuda != nullptr) {
-      ASSIGN_OR_RETURN(void* pinned, cuda->HostAlloc(rounded, entry));
-      buffer = static_cast<uint8_t*>(pinned);
-    } else {
-      buffer = static_cast<uint8_t*>(std::aligned_alloc(kPageBytes, rounded));
-      if (buffer == nullptr) {
-        return absl::ResourceExhaustedError(fmt::format(
-            "{}: allocating {} bytes failed; use fewer or smaller staging buffers "
-            "(--staging-buffers, --staging-chunk-bytes)",
-            entry, rounded));
-      }
-    }
-    state->buffers.push_back(buffer);
-    if (context != nullptr) {
-      ASSIGN_OR_RETURN(auto registration,
-                       transport::MemoryRegistration::Map(*context, buffer, rounded,
-                                                          transport::MemoryType::kHost, entry));
-      state->registrations.push_back(std::move(registration));
-    }
+    ASSIGN_OR_RETURN(StagingBuffer buffer,
+                     state->Allocate(fmt::format("staging buffer {} of {}", i, options.buffers)));
+    state->slots.push_back(std::move(buffer));
   }
-  {
-    absl::MutexLock lock(&state->mu);
-    for (uint32_t i = options.buffers; i > 0; --i) state->free.push_back(i - 1);
-  }
+  for (uint32_t i = options.buffers; i > 0; --i) state->free.push_back(i - 1);
   return std::unique_ptr<StagingPool>(new StagingPool(std::move(state)));
 }
 
@@ -169,7 +210,7 @@ StagingPool::Lease StagingPool::TryAcquire() {
   lease.state_ = state_;
   lease.index_ = state_->free.back();
   state_->free.pop_back();
-  lease.data_ = state_->buffers[lease.index_];
+  lease.data_ = state_->slots[lease.index_].data;
   lease.size_ = state_->chunk_bytes;
   return lease;
 }
@@ -185,14 +226,58 @@ void StagingPool::Acquire(Waiter waiter) {
     lease.state_ = state_;
     lease.index_ = state_->free.back();
     state_->free.pop_back();
-    lease.data_ = state_->buffers[lease.index_];
+    lease.data_ = state_->slots[lease.index_].data;
     lease.size_ = state_->chunk_bytes;
   }
   waiter(std::move(lease));
 }
 
+bool StagingPool::WriteOff(const Lease& lease) {
+  if (lease.data_ == nullptr || lease.state_ != state_) return false;
+  State& state = *state_;
+  Waiter waiter;
+  Lease next;
+  {
+    absl::MutexLock lock(&state.mu);
+    StagingBuffer& slot = state.slots[lease.index_];
+    if (slot.data != lease.data_) return false;  // written off already
+    if (state.written_off.size() >= state.max_written_off) {
+      ++state.write_offs_refused;
+      return false;
+    }
+    auto fresh = state.Allocate(fmt::format("staging buffer {} (replacing one written off)",
+                                            lease.index_));
+    if (!fresh.ok()) {
+      ++state.write_offs_refused;
+      kLog.Warn("{}", fresh.status().message());
+      return false;
+    }
+    state.written_off.push_back(std::move(slot));
+    slot = *std::move(fresh);
+    ++state.written_off_total;
+    // The slot is free again, with its new buffer: to the oldest waiter, or the pool.
+    if (state.waiters.empty()) {
+      state.free.push_back(lease.index_);
+      return true;
+    }
+    waiter = std::move(state.waiters.front());
+    state.waiters.pop_front();
+    next.state_ = state_;
+    next.index_ = lease.index_;
+    next.data_ = slot.data;
+    next.size_ = state.chunk_bytes;
+  }
+  waiter(std::move(next));
+  return true;
+}
+
+StagingPoolWriteOffs StagingPool::write_offs() const {
+  absl::MutexLock lock(&state_->mu);
+  return {state_->written_off_total, state_->written_off.size(), state_->write_offs_refused};
+}
+
 uint64_t StagingPool::chunk_bytes() const { return state_->chunk_bytes; }
-uint32_t StagingPool::buffers() const { return static_cast<uint32_t>(state_->buffers.size()); }
+uint32_t StagingPool::buffers() const { return state_->buffers; }
 uint32_t StagingPool::free_buffers() const {
   absl::MutexLock lock(&state_->mu);
   return static_cast<uint32_t>(state_->free.size());
@@ -410,6 +495,8 @@ struct Stager::Job {
   uint32_t in_flight = 0;
   bool waiting = false;  // a pool waiter is registered
   std::shared_ptr<StagingPool::Lease> spare;  // handed over by the pool waiter
+  // The buffers its chunks took, for WriteOffTransfer (expired: given back).
+  std::vector<std::weak_ptr<StagingPool::Lease>> leases;
   absl::Status status;
   int32_t failed_segment = -1;
   bool finished = false;
@@ -463,7 +550,49 @@ void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute 
     return;
   }
   job->chunks = *std::move(chunks);
+  auto& jobs = jobs_[job->transfer_id];
+  jobs.erase(std::remove_if(jobs.begin(), jobs.end(),
+                            [](const std::weak_ptr<Job>& j) { return j.expired(); }),
+             jobs.end());
+  jobs.push_back(job);
   Advance(job);
+}
+
+uint32_t Stager::WriteOffTransfer(const std::string& transfer_id) {
+  auto found = jobs_.find(transfer_id);
+  if (found == jobs_.end()) return 0;
+  uint32_t written_off = 0, refused = 0;
+  for (const auto& weak : found->second) {
+    std::shared_ptr<Job> job = weak.lock();
+    if (job == nullptr || pool_ == nullptr) continue;
+    for (const auto& held : job->leases) {
+      std::shared_ptr<StagingPool::Lease> lease = held.lock();
+      if (lease == nullptr || !*lease) continue;
+      if (pool_->WriteOff(*lease)) {
+        ++written_off;
+      } else {
+        ++refused;
+      }
+    }
+    job->leases.clear();
+  }
+  jobs_.erase(found);
+  buffers_written_off_.fetch_add(written_off);
+  write_offs_refused_.fetch_add(refused);
+  if (written_off + refused > 0) {
+    const StagingPoolWriteOffs pool = pool_->write_offs();
+    kLog.Warn("transfer '{}': {} staging buffers held by sends its peer never confirmed were "
+              "written off and replaced{}; {} written off buffers are still held (at most {}), "
+              "freed if their sends ever complete",
+              Printable(transfer_id, 256), written_off,
+              refused == 0 ? std::string()
+                           : fmt::format(", {} not: the pool holds as many written off as it "
+                                         "has buffers, so staging may wait for them; restart "
+                                         "this agent to get them back",
+                                         refused),
+              pool.held, pool_->buffers());
+  }
+  return written_off;
 }
 
 void Stager::Advance(const std::shared_ptr<Job>& job) {
@@ -488,11 +617,29 @@ void Stager::Advance(const std::shared_ptr<Job>& job) {
       }
       return;
     }
+    // At most the pool's buffers are leased at once: the given-back ones go now and then.
+    if (job->leases.size() >= 2 * size_t{pool_->buffers()} + 8) {
+      job->leases.erase(std::remove_if(job->leases.begin(), job->leases.end(),
+                                       [](const auto& held) { return held.expired(); }),
+                        job->leases.end());
+    }
+    job->leases.push_back(lease);
     StartChunk(job, job->next++, std::move(lease));
   }
   if (job->in_flight == 0 && !job->waiting && !job->finished) {
     job->finished = true;
     job->spare.reset();
+    job->leases.clear();
+    if (auto found = jobs_.find(job->transfer_id); found != jobs_.end()) {
+      auto& jobs = found->second;
+      jobs.erase(std::remove_if(jobs.begin(), jobs.end(),
+                                [&](const std::weak_ptr<Job>& j) {
+                                  auto held = j.lock();
+                                  return held == nullptr || held == job;
+                                }),
+                 jobs.end());
+      if (jobs.empty()) jobs_.erase(found);
+    }
     job->done(job->status, job->status.ok() ? -1 : job->failed_segment);
   }
 }

@@ -51,6 +51,13 @@ struct StagingPoolOptions {
 // INVALID_ARGUMENT naming the flag when a value is 0 or the pool would be huge.
 absl::Status ValidateStagingOptions(const StagingPoolOptions& options);
 
+// Buffers a StagingPool wrote off (WriteOff), since it was made.
+struct StagingPoolWriteOffs {
+  uint64_t total = 0;     // written off and replaced
+  uint64_t held = 0;      // of those, still leased by the send that may read them
+  uint64_t refused = 0;   // not replaced: `held` was at its bound, or allocation failed
+};
+
 // N bounce buffers of chunk_bytes. Pinned with the CUDA driver when one is given,
 // else page-aligned host memory; registered with UCX (ucp_mem_map) when a context is
 // given, so rendezvous and RMA use them without registering per message. A chunk
@@ -96,6 +103,16 @@ class StagingPool {
   // Runs `waiter` with a buffer: now, on this thread, when one is free; otherwise on
   // the thread that releases the next one, in the order waiters came.
   void Acquire(Waiter waiter);
+
+  // Writes off the buffer `lease` holds: a send to a peer that stopped answering may
+  // hold it for good (UCX without peer error handling never completes or cancels it),
+  // and may still read it if the peer resumes, so it cannot be reused. Its slot gets a
+  // new buffer at once (to the oldest waiter, or free); the old one is freed when the
+  // lease is finally released. At most `buffers` are held written off at once (the
+  // pool's memory at most doubles); past that, and when allocating fails, nothing
+  // changes and false is returned. False too for a lease written off already or empty.
+  bool WriteOff(const Lease& lease);
+  StagingPoolWriteOffs write_offs() const;
 
   uint64_t chunk_bytes() const;
   uint32_t buffers() const;
@@ -213,6 +230,13 @@ class Stager {
            std::vector<planning::PlanOp> ops, std::shared_ptr<const PeerSnapshot> peer,
            std::function<bool()> stopped, Done done);
 
+  // Worker thread: the transfer's operations went unconfirmed past the drain timeout
+  // (drain_unknown: its peer stopped answering). Writes off the bounce buffers its
+  // chunks' sends still hold (StagingPool::WriteOff), so that staging goes on for every
+  // other transfer and peer instead of waiting for sends that may never complete; the
+  // sends keep their buffers, untouched, in case the peer resumes. Returns how many.
+  uint32_t WriteOffTransfer(const std::string& transfer_id);
+
   // Worker thread: holds DATA_READY `n` (staged_bytes > 0) until that many bytes of its
   // transfer arrived, then hands it to `deliver`, with the failure when a chunk of it
   // was rejected or its bytes stopped coming.
@@ -241,6 +265,10 @@ class Stager {
   uint64_t chunks_rejected() const { return chunks_rejected_.load(); }
   uint64_t reads_served() const { return reads_served_.load(); }
   uint64_t reads_refused() const { return reads_refused_.load(); }
+  // Sending bounce buffers written off (WriteOffTransfer), and those it could not
+  // replace (the pool held as many written off as it has buffers).
+  uint64_t buffers_written_off() const { return buffers_written_off_.load(); }
+  uint64_t write_offs_refused() const { return write_offs_refused_.load(); }
 
  private:
   struct Job;
@@ -312,6 +340,11 @@ class Stager {
   // Worker-thread-only state.
   std::unique_ptr<StagingPool> pool_;       // sending
   std::unique_ptr<StagingPool> recv_pool_;  // receiving
+  // Sending jobs not finished, by transfer id (several chunks of one transfer may each
+  // have one); worker thread only. For WriteOffTransfer.
+  absl::flat_hash_map<std::string, std::vector<std::weak_ptr<Job>>> jobs_;
+  std::atomic<uint64_t> buffers_written_off_{0};
+  std::atomic<uint64_t> write_offs_refused_{0};
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
   // The fixed fields of the largest header a job's chunks travel with (Run sizes the

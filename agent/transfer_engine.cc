@@ -1710,6 +1710,13 @@ void TransferEngine::ExpireDrains() {
         t.state.op() == v1::WRITE ? "in the peer's pages" : "in this agent's pages"));
     kLog.Warn("{}: {}", TransferLabel(t.state), t.state.drain_note());
     Publish(t);
+    // Bounce buffers its staged chunks' sends still hold are shared by every staged
+    // transfer: written off and replaced, or staging would wait on this peer for good.
+    if (options_.stager != nullptr) {
+      worker_->TryPost([stager = options_.stager, id = t.state.transfer_id()] {
+        stager->WriteOffTransfer(id);
+      });
+    }
     draining_.erase(it++);
   }
 }

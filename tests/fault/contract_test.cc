@@ -42,6 +42,7 @@
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/integration/metrics_scrape.h"
 
 namespace kvagent::testing {
 namespace {
@@ -617,11 +618,11 @@ struct DrainResult {
   int64_t settle_ms = 0;
 };
 
-// A 64 MiB WRITE over UCX; `fault` hits decode as soon as the submit is accepted, so
-// the transfer cannot complete: that needs decode's acknowledgement of its DATA_READY,
-// which follows all 64 MiB. (Hit 20 ms after it was seen moving, a fast cma copy had
-// been acknowledged already in two CI runs, the ASan stage and then the normal one:
-// COMPLETED.) Times from the fault.
+// A 64 MiB WRITE on the pair's data path; `fault` hits decode as soon as the submit is
+// accepted, so the transfer cannot complete: that needs decode's acknowledgement of its
+// DATA_READY, which follows all 64 MiB. (Hit 20 ms after it was seen moving, a fast cma
+// copy had been acknowledged already in two CI runs, the ASan stage and then the normal
+// one: COMPLETED.) Times from the fault.
 DrainResult DrainAfter(AgentPair& pair, const std::string& id,
                        const std::function<void(pid_t)>& fault) {
   const std::vector<uint64_t> all = Range(0, pair.prefill_pool().shape.pages);
@@ -638,53 +639,133 @@ DrainResult DrainAfter(AgentPair& pair, const std::string& id,
   return r;
 }
 
-AgentPairOptions DrainOptions() {
+// The three ways host bytes move between two agents on one host (docs/ARCHITECTURE.md,
+// "Data paths"): "shm-direct" (the sender copies into the peer's memory, mapped here),
+// "ucx" (UCX RMA) and "staging" (host staging: bounce buffers and staged chunks, 64 KiB
+// each, four at a time, so a 64 MiB WRITE is a thousand of them).
+AgentPairOptions DrainOptions(const std::string& path) {
   AgentPairOptions options;
   options.shape.layers = 8;  // 16 regions x 64 pages x 64 KiB = 64 MiB: ~0.2 s over cma
   options.shape.pages = 64;
   options.shape.page_bytes = 64 << 10;
-  options.extra_args = {"--shm-direct", "off", "--drain-timeout-ms", "1000"};
+  options.extra_args = {"--drain-timeout-ms", "1000"};
+  if (path == "ucx" || path == "staging") {
+    options.extra_args.insert(options.extra_args.end(), {"--shm-direct", "off"});
+  }
+  if (path == "staging") {
+    options.extra_args.insert(options.extra_args.end(),
+                              {"--stage-host-regions", "--staging-chunk-bytes", "65536",
+                               "--staging-buffers", "4", "--metrics-listen", "127.0.0.1:0"});
+  }
   return options;
 }
 
-void CheckSettled(const DrainResult& r, const char* what, int trial) {
-  INFO(Describe(r.settled));
+// The pair moves bytes the way `path` says, or the test would prove nothing about it.
+void RequirePath(AgentPair& pair, const std::string& path) {
+  const v1::ListPeersResponse peers = Require(pair.prefill().Peers(), "peers");
+  REQUIRE(peers.peers_size() == 1);
+  CHECK(peers.peers(0).data_path() == (path == "shm-direct" ? "shm-direct" : "ucx"));
+  const v1::ListRegionsResponse regions = Require(pair.decode().Regions(), "decode's regions");
+  REQUIRE(regions.regions_size() > 0);
+  for (const auto& region : regions.regions()) {
+    INFO(region.spec().name());
+    CHECK((region.memory_path() == "staged") == (path == "staging"));
+  }
+}
+
+void CheckSettled(const DrainResult& r, const std::string& what, int trial) {
+  INFO(what << " trial " << trial << ": " << Describe(r.settled));
   REQUIRE(r.end.phase() != v1::COMPLETED);  // else: make the transfer bigger
   CHECK((r.end.phase() == v1::FAILED || r.end.phase() == v1::TIMED_OUT));
+  CHECK_THAT(r.end.error_message(), Catch::Contains("peer 'decode'"));
   CHECK((r.settled.drained() || r.settled.drain_unknown()));
   if (r.settled.drain_unknown()) {
     CHECK_FALSE(r.settled.drained());
     CHECK_THAT(r.settled.drain_note(), Catch::Contains("peer 'decode'"));
   }
-  std::printf("D %s trial %d: %s %lld ms after the fault; %s %lld ms after it%s%s\n", what, trial,
-              v1::TransferPhase_Name(r.end.phase()).c_str(), static_cast<long long>(r.fail_ms),
+  std::printf("D %s trial %d: %s %lld ms after the fault, %llu of %llu bytes done; %s %lld ms "
+              "after it%s%s\n",
+              what.c_str(), trial, v1::TransferPhase_Name(r.end.phase()).c_str(),
+              static_cast<long long>(r.fail_ms),
+              static_cast<unsigned long long>(r.end.bytes_done()),
+              static_cast<unsigned long long>(r.end.bytes_total()),
               r.settled.drained() ? "drained" : r.settled.drain_unknown() ? "drain_unknown" : "NEITHER",
               static_cast<long long>(r.settle_ms), r.settled.drain_unknown() ? ": " : "",
               r.settled.drain_note().c_str());
 }
 
-TEST_CASE("D: drained or drain_unknown within a bound after the peer dies (UCX)", "[contract][D]") {
-  for (int trial = 0; trial < 3; ++trial) {
-    AgentPair pair(DrainOptions());
-    REQUIRE(Require(pair.prefill().Peers(), "peers").peers(0).data_path() == "ucx");
-    const DrainResult r = DrainAfter(pair, fmt::format("d-kill-{}", trial),
-                                     [](pid_t pid) { ::kill(pid, SIGKILL); });
-    CheckSettled(r, "SIGKILL", trial);
+// After a fault the prefill agent must still move bytes, to a new decode, on the same
+// path: nothing of the failed transfer (a bounce buffer, a staged chunk's slot, a claim
+// on its destination pages) may be left holding it up. Host staging: the sends of the
+// dead peer's chunks hold bounce buffers that UCX (without peer error handling) never
+// gives back; once the transfer is drain_unknown they are written off and replaced.
+void CheckMovesAfter(AgentPair& pair, const std::string& path, const std::string& id,
+                     const DrainResult& r) {
+  if (path == "staging" && r.settled.drain_unknown()) {
+    const double written_off =
+        Value(Scrape(MetricsAddress(pair.prefill())),
+                       "kvagent_staging_total", {"event=\"buffers_written_off\""});
+    std::printf("D %s: %.0f staging buffers written off after %s\n", path.c_str(), written_off,
+                id.c_str());
+    CHECK(written_off >= 1);
+  }
+  cli::DaemonProcess decode = StartAgent("decode", pair.work_dir() + "/after-" + id,
+                                         DrainOptions(path).extra_args);
+  cli::AgentClient client(decode.address());
+  cli::KvPool pool = Require(cli::CreateKvPool(client, "decode", pair.prefill_pool().shape),
+                             "the new decode's pool");
+  auto connected = pair.prefill().Connect(decode.address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  CHECK(connected->data_path() == (path == "shm-direct" ? "shm-direct" : "ucx"));
+  const std::vector<uint64_t> pages = {0, 5, 63};
+  for (uint32_t r = 0; r < pair.prefill_pool().regions(); ++r) {
+    for (uint64_t p : pages) {
+      cli::FillPage(pair.prefill_pool().Page(r, p), pair.prefill_pool().shape.page_bytes, 9, r, p);
+    }
+  }
+  const std::string after = id + "-after";
+  REQUIRE(pair.prefill().Submit(KvWrite(after, pages, pages)).ok());
+  const v1::TransferState done = WaitTerminal(pair.prefill(), after, 10000);
+  INFO(Describe(done));
+  REQUIRE(done.phase() == v1::COMPLETED);
+  for (uint64_t p : pages) {
+    INFO("page " << p);
+    CHECK(KvPageEqual(pair.prefill_pool(), p, pool, p));
+  }
+  decode.Kill();
+}
+
+TEST_CASE("D: drained or drain_unknown within a bound after the peer dies, on each data path",
+          "[contract][D]") {
+  const std::string path = GENERATE(as<std::string>{}, "shm-direct", "ucx", "staging");
+  const int trials = path == "ucx" ? 3 : 2;
+  for (int trial = 0; trial < trials; ++trial) {
+    AgentPair pair(DrainOptions(path));
+    RequirePath(pair, path);
+    const std::string id = fmt::format("d-kill-{}-{}", path, trial);
+    const DrainResult r = DrainAfter(pair, id, [](pid_t pid) { ::kill(pid, SIGKILL); });
+    CheckSettled(r, "SIGKILL " + path, trial);
     CHECK(r.fail_ms <= 2000);
     CHECK(r.settle_ms <= 5000);
     pair.decode_process().Kill();
+    if (trial == 0) CheckMovesAfter(pair, path, id, r);
   }
 }
 
-TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs (UCX)", "[contract][D]") {
-  for (int trial = 0; trial < 2; ++trial) {
-    AgentPair pair(DrainOptions());
+TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs, on each data path",
+          "[contract][D]") {
+  const std::string path = GENERATE(as<std::string>{}, "shm-direct", "ucx", "staging");
+  const int trials = path == "ucx" ? 2 : 1;
+  for (int trial = 0; trial < trials; ++trial) {
+    AgentPair pair(DrainOptions(path));
+    RequirePath(pair, path);
     ResumeOnExit resume{pair.decode_process().pid()};
-    const DrainResult r = DrainAfter(pair, fmt::format("d-stop-{}", trial),
-                                     [](pid_t pid) { REQUIRE(SuspendAgent(pid) == ""); });
-    CheckSettled(r, "SIGSTOP", trial);
+    const std::string id = fmt::format("d-stop-{}-{}", path, trial);
+    const DrainResult r =
+        DrainAfter(pair, id, [](pid_t pid) { REQUIRE(SuspendAgent(pid) == ""); });
+    CheckSettled(r, "SIGSTOP " + path, trial);
     CHECK(r.end.error_code() == kUnavailable);
-    CHECK_THAT(r.end.error_message(), Catch::Contains("peer 'decode'"));
     CHECK(r.fail_ms <= 2000);
     // --drain-timeout-ms 1000 after the failure, plus the deadline thread's step.
     CHECK(r.settle_ms <= r.fail_ms + 1500);
@@ -693,9 +774,9 @@ TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs (UCX)
     if (r.settled.drain_unknown()) {
       // The peer resumed: its operations complete or fail, and drained may turn true.
       const v1::TransferState later = PollUntil(
-          pair.prefill(), fmt::format("d-stop-{}", trial),
-          [](const v1::TransferState& s) { return s.drained(); }, 5000);
-      std::printf("D SIGSTOP trial %d: after SIGCONT, drained %d\n", trial, later.drained());
+          pair.prefill(), id, [](const v1::TransferState& s) { return s.drained(); }, 5000);
+      std::printf("D SIGSTOP %s trial %d: after SIGCONT, drained %d\n", path.c_str(), trial,
+                  later.drained());
     }
   }
 }

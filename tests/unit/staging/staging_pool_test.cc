@@ -81,6 +81,72 @@ TEST_CASE("a waiter on another thread gets a buffer released here") {
   CHECK((*pool)->free_buffers() == 1);
 }
 
+TEST_CASE("a written-off buffer stays with its lease; its slot gets a new one, within a bound") {
+  // With UCX registration, as the Stager's pools are: the replacement is mapped too.
+  auto context = transport::UcxContext::Create();
+  REQUIRE(context.ok());
+  StagingPoolOptions options;
+  options.chunk_bytes = 8192;
+  options.buffers = 2;
+  auto pool = StagingPool::Create(options, nullptr, context->get());
+  REQUIRE(pool.ok());
+  StagingPool& p = **pool;
+  auto stuck_a = p.TryAcquire();
+  auto stuck_b = p.TryAcquire();
+  REQUIRE(stuck_a);
+  REQUIRE(stuck_b);
+  std::memset(stuck_a.data(), 0x11, stuck_a.size());
+  std::memset(stuck_b.data(), 0x22, stuck_b.size());
+
+  // A waiter for a buffer (another transfer's chunk) gets the replacement at once.
+  StagingPool::Lease waited;
+  p.Acquire([&](StagingPool::Lease l) { waited = std::move(l); });
+  CHECK(p.waiters() == 1);
+  REQUIRE(p.WriteOff(stuck_a));
+  REQUIRE(waited);
+  CHECK(p.waiters() == 0);
+  CHECK(waited.data() != stuck_a.data());
+  CHECK(waited.data() != stuck_b.data());
+  CHECK(waited.size() == 8192);
+  // The written-off buffer is untouched and still the lease's (a send may still read it).
+  std::memset(waited.data(), 0x33, waited.size());
+  CHECK(stuck_a.data()[0] == 0x11);
+  CHECK(stuck_a.data()[8191] == 0x11);
+  CHECK_FALSE(p.WriteOff(stuck_a));  // once is enough
+  CHECK(p.write_offs().total == 1);
+  CHECK(p.write_offs().held == 1);
+
+  // The bound: as many held written off as the pool has buffers.
+  REQUIRE(p.WriteOff(stuck_b));
+  CHECK(p.free_buffers() == 1);  // stuck_b's slot, with its new buffer
+  auto fresh = p.TryAcquire();
+  REQUIRE(fresh);
+  CHECK(fresh.data() != stuck_b.data());
+  CHECK(stuck_b.data()[4096] == 0x22);
+  CHECK_FALSE(p.WriteOff(fresh));  // two held already
+  CHECK(p.write_offs().refused == 1);
+  CHECK(p.write_offs().held == 2);
+
+  // A written-off buffer released at last goes back to the system, not to the pool:
+  // the pool still hands out exactly its two slots.
+  stuck_a = StagingPool::Lease();
+  CHECK(p.write_offs().held == 1);
+  CHECK(p.free_buffers() == 0);
+  CHECK_FALSE(p.TryAcquire());
+  waited = StagingPool::Lease();
+  fresh = StagingPool::Lease();
+  CHECK(p.free_buffers() == 2);
+  stuck_b = StagingPool::Lease();
+  CHECK(p.write_offs().held == 0);
+  CHECK(p.write_offs().total == 2);
+  CHECK(p.free_buffers() == 2);
+  // And a buffer written off can be written off again later, within the bound.
+  auto again = p.TryAcquire();
+  REQUIRE(again);
+  CHECK(p.WriteOff(again));
+  CHECK_FALSE(p.WriteOff(StagingPool::Lease()));  // empty: nothing to write off
+}
+
 TEST_CASE("buffers registered with UCX stay usable and a bad size is refused with the flag") {
   auto context = transport::UcxContext::Create();
   REQUIRE(context.ok());
