@@ -218,6 +218,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   stager_options.self_name = options.name;
   stager_options.incarnation = agent->identity_.incarnation;
   stager_options.pool = options.staging;
+  stager_options.reply_timeout_ms = options.drain_timeout_ms;
   stager_options.verify_peer = [self](std::string_view from, std::string_view secret) {
     return self->secrets_.Verify(from, secret);
   };

@@ -164,7 +164,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               regions to drain (default 2000)
   --drain-timeout-ms N        a transfer that ended with operations posted to a peer
                               reports drain_unknown if they are not confirmed by then
-                              (default 5000)
+                              (default 5000); host staging then writes off the bounce
+                              buffers those sends hold, and those of read replies a
+                              reader has not taken by then, and replaces them
   --ended-transfers-kept N    ended transfers kept for GetTransfer and ListTransfers,
                               outgoing and incoming each, the oldest let go first (1 to
                               1000000, default 10000); the newest 256 (64 incoming) are

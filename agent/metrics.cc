@@ -427,8 +427,9 @@ std::string RenderMetrics(const MetricsSources& sources) {
   if (sources.stager != nullptr) {
     Family staged(&out, "kvagent_staging_total", "counter",
                   "Host staging: chunks received and rejected, peer reads served and refused, "
-                  "sending bounce buffers written off (held by sends a peer never confirmed; "
-                  "replaced) and those that could not be replaced.");
+                  "bounce buffers written off (held by sends a peer never confirmed, or by "
+                  "read replies a reader never took; replaced) and those that could not be "
+                  "replaced.");
     staged.Sample({{"event", "chunks_received"}}, static_cast<double>(sources.stager->chunks_received()));
     staged.Sample({{"event", "chunks_rejected"}}, static_cast<double>(sources.stager->chunks_rejected()));
     staged.Sample({{"event", "reads_served"}}, static_cast<double>(sources.stager->reads_served()));

@@ -398,7 +398,9 @@ Stager::~Stager() { Stop(); }
 void Stager::Start() {
   sweep_thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "stage-sweep");
-    // Every 500 ms while staged chunks are being received: sweep stale receive state.
+    // Every 500 ms while staged chunks are being received or read replies are out:
+  // sweep stale receive state, and write off the buffers of replies a reader never
+  // took.
     // Every 10 ms while READs of a peer's staged memory wait for replies: abandon those
     // whose transfer stopped, so a peer that never answers cannot hold a transfer (or a
     // bounce buffer) past its deadline. With neither, it sleeps until one starts.
@@ -411,7 +413,7 @@ void Stager::Start() {
         if (stopping_.load()) break;
         if (reads_outstanding_.load() > 0) {
           sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(10));
-        } else if (arrivals_held_.load()) {
+        } else if (arrivals_held_.load() || reply_sends_watched_.load() > 0) {
           sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(500));
         } else {
           sweep_cv_.Wait(&sweep_mu_);
@@ -421,9 +423,13 @@ void Stager::Start() {
       if (stopping_.load()) break;
       if (reads_outstanding_.load() > 0) worker_->Post([this] { CheckReads(); });
       const uint64_t now = MonotonicMicros();
-      if (arrivals_held_.load() && now - last_sweep_us >= 500000) {
+      if ((arrivals_held_.load() || reply_sends_watched_.load() > 0) &&
+          now - last_sweep_us >= 500000) {
         last_sweep_us = now;
-        worker_->Post([this] { Sweep(); });
+        worker_->Post([this] {
+          Sweep();
+          WriteOffStaleReplies();
+        });
       }
     }
   });
@@ -1456,7 +1462,14 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
   header.set_from_agent(options_.self_name);
   header.set_request_id(request->request_id());
   header.set_offset(offset);
-  // The buffer stays leased until the reply is sent: only then may it be reused.
+  // The buffer stays leased until the reply is sent: only then may it be reused. A
+  // reader that died or hangs may never take it: watched (WriteOffStaleReplies).
+  while (!reply_sends_.empty() && reply_sends_.front().lease.expired()) reply_sends_.pop_front();
+  reply_sends_.push_back({lease, MonotonicMicros(), request->from_agent(), request->transfer_id()});
+  if (reply_sends_watched_.exchange(reply_sends_.size()) == 0) {
+    absl::MutexLock lock(&sweep_mu_);
+    sweep_cv_.SignalAll();
+  }
   worker_->SendAmReply(reply_ep, Wire(AmId::kStagedReadReply), header.SerializeAsString(), lease->data(),
                        length, [this, lease, request](absl::Status sent) {
                          PartServed(request->from_agent());
@@ -1468,6 +1481,44 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
                          }
                        },
                        request->eager_replies());
+}
+
+void Stager::WriteOffStaleReplies() {
+  const uint64_t now = MonotonicMicros();
+  const uint64_t limit = uint64_t{options_.reply_timeout_ms} * 1000;
+  // Oldest first: stop at the first reply still out and not yet past the limit.
+  std::map<std::pair<std::string, std::string>, uint32_t> written_off;  // by reader, transfer
+  uint32_t refused = 0;
+  while (!reply_sends_.empty()) {
+    ReplySend& front = reply_sends_.front();
+    std::shared_ptr<StagingPool::Lease> lease = front.lease.lock();
+    if (lease != nullptr && *lease) {
+      if (now - front.sent_us < limit) break;
+      if (recv_pool_ != nullptr && recv_pool_->WriteOff(*lease)) {
+        ++written_off[{front.reader, front.transfer_id}];
+      } else {
+        ++refused;
+      }
+    }
+    reply_sends_.pop_front();
+  }
+  reply_sends_watched_.store(reply_sends_.size());
+  uint32_t total = 0;
+  for (const auto& [key, n] : written_off) {
+    total += n;
+    kLog.Warn("staged read of transfer '{}' by agent '{}': {} receive buffers held by replies "
+              "it did not take within {} ms written off and replaced (freed if they are ever "
+              "taken)",
+              Printable(key.second, 256), Printable(key.first), n, options_.reply_timeout_ms);
+  }
+  if (refused > 0) {
+    kLog.Warn("{} receive buffers held by read replies not taken within {} ms were not written "
+              "off: the pool holds as many written off as it has buffers, so staged reads and "
+              "chunks may wait for them; restart this agent to get them back",
+              refused, options_.reply_timeout_ms);
+  }
+  buffers_written_off_.fetch_add(total);
+  write_offs_refused_.fetch_add(refused);
 }
 
 }  // namespace kvagent::agent

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -159,6 +160,11 @@ struct StagerOptions {
   uint32_t max_arrivals = 8192;           // transfers whose staged chunks are being received
   uint32_t max_arrivals_per_peer = 2048;  // ... from one sender
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
+  // A read reply sent to a reader (the agent whose READ reads our staged memory) that has
+  // not completed after this long: the receive buffer it holds is written off
+  // (StagingPool::WriteOff) so that serving and receiving go on. The agent passes its
+  // --drain-timeout-ms.
+  uint32_t reply_timeout_ms = 5000;
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
   uint32_t max_serving_per_peer = 1024;   // ... for one reader
   // Staged chunks sent by rendezvous, waiting for a buffer or being fetched: in all,
@@ -265,8 +271,9 @@ class Stager {
   uint64_t chunks_rejected() const { return chunks_rejected_.load(); }
   uint64_t reads_served() const { return reads_served_.load(); }
   uint64_t reads_refused() const { return reads_refused_.load(); }
-  // Sending bounce buffers written off (WriteOffTransfer), and those it could not
-  // replace (the pool held as many written off as it has buffers).
+  // Bounce buffers written off: sending ones (WriteOffTransfer) and receive ones held
+  // by read replies past reply_timeout_ms; and those not replaced (the pool held as
+  // many written off as it has buffers).
   uint64_t buffers_written_off() const { return buffers_written_off_.load(); }
   uint64_t write_offs_refused() const { return write_offs_refused_.load(); }
 
@@ -345,6 +352,19 @@ class Stager {
   absl::flat_hash_map<std::string, std::vector<std::weak_ptr<Job>>> jobs_;
   std::atomic<uint64_t> buffers_written_off_{0};
   std::atomic<uint64_t> write_offs_refused_{0};
+  // Read replies sent and not yet completed, oldest first (worker thread); their count
+  // for the sweep thread, which checks them every 500 ms while there are any.
+  struct ReplySend {
+    std::weak_ptr<StagingPool::Lease> lease;
+    uint64_t sent_us = 0;
+    std::string reader;
+    std::string transfer_id;
+  };
+  std::deque<ReplySend> reply_sends_;
+  std::atomic<size_t> reply_sends_watched_{0};
+  // Worker thread: drops completed replies from reply_sends_ and writes off the buffers
+  // of those older than reply_timeout_ms.
+  void WriteOffStaleReplies();
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
   // The fixed fields of the largest header a job's chunks travel with (Run sizes the

@@ -781,6 +781,85 @@ TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs, on e
   }
 }
 
+// The agent whose staged memory a READ reads copies each part into a receive buffer
+// and sends it to the reader; the agent a staged WRITE writes takes each chunk into a
+// receive buffer (rendezvous) or from UCX's (eager). A peer that dies (or hangs) mid-
+// transfer leaves its sends or fetches unanswered: the agent must still serve and take
+// staged chunks from every other peer.
+TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies or hangs mid-transfer",
+          "[contract][D]") {
+  const std::string op = GENERATE(as<std::string>{}, "READ", "WRITE");
+  const std::string fault = GENERATE(as<std::string>{}, "SIGKILL", "SIGSTOP");
+  const std::string path = "staging";
+  AgentPair pair(DrainOptions(path));
+  RequirePath(pair, path);
+  const cli::KvPoolShape& shape = pair.decode_pool().shape;
+  const bool read = op == "READ";
+  cli::KvPool& source = read ? pair.decode_pool() : pair.prefill_pool();
+  for (uint32_t r = 0; r < source.regions(); ++r) {
+    for (uint64_t p = 0; p < shape.pages; ++p) {
+      cli::FillPage(source.Page(r, p), shape.page_bytes, 21, r, p);
+    }
+  }
+  const std::vector<uint64_t> all = Range(0, shape.pages);
+  v1::SubmitTransferRequest first = KvWrite("d-peer-dies", all, all);
+  if (read) first.set_op(v1::READ);
+  REQUIRE(pair.prefill().Submit(first).ok());
+  // Hit while parts are moving (64 MiB staged takes a few hundred ms here; bytes_done
+  // counts only at the end): decode has replies out, or chunks coming in, then.
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const v1::TransferState moving = Require(pair.prefill().Get("d-peer-dies"), "the transfer");
+  INFO(Describe(moving));
+  REQUIRE(moving.phase() == v1::TRANSFERRING);
+  const pid_t peer = pair.prefill_process().pid();
+  ResumeOnExit resume{peer};
+  const auto hit = Clock::now();
+  if (fault == "SIGKILL") {
+    ::kill(peer, SIGKILL);
+  } else {
+    REQUIRE(SuspendAgent(peer) == "");
+  }
+
+  // Another agent, on the same path, moves pages of the same memory, and gets them.
+  cli::DaemonProcess other =
+      StartAgent("other", pair.work_dir() + "/other", DrainOptions(path).extra_args);
+  cli::AgentClient client(other.address());
+  cli::KvPool pool = Require(cli::CreateKvPool(client, "other", shape), "the other agent's pool");
+  const std::vector<uint64_t> pages = {1, 30, 63};
+  if (!read) {
+    for (uint32_t r = 0; r < pool.regions(); ++r) {
+      for (uint64_t p : pages) cli::FillPage(pool.Page(r, p), shape.page_bytes, 22, r, p);
+    }
+  }
+  auto connected = client.Connect(pair.decode_process().address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  v1::SubmitTransferRequest again = KvWrite("d-after", pages, pages);
+  if (read) again.set_op(v1::READ);
+  REQUIRE(client.Submit(again).ok());
+  const v1::TransferState done = WaitTerminal(client, "d-after", 20000);
+  const int64_t ms = MillisSince(hit);
+  // Replies the first reader never took hold receive buffers on decode until they are
+  // written off, --drain-timeout-ms (1000) after they were sent.
+  const double written_off = Value(Scrape(MetricsAddress(pair.decode())),
+                                   "kvagent_staging_total", {"event=\"buffers_written_off\""});
+  std::printf("D staged %s: the peer hit by %s; another agent's %s %s %lld ms after it; decode "
+              "wrote off %.0f receive buffers\n",
+              op.c_str(), fault.c_str(), op.c_str(), v1::TransferPhase_Name(done.phase()).c_str(),
+              static_cast<long long>(ms), written_off);
+  INFO(Describe(done));
+  REQUIRE(done.phase() == v1::COMPLETED);
+  if (read && ms > 1000) CHECK(written_off >= 1);  // it waited for buffers: written off
+  for (uint64_t p : pages) {
+    INFO("page " << p);
+    CHECK(KvPageEqual(pool, p, pair.decode_pool(), p));
+  }
+  CHECK(Alive(pair.decode_process().pid()));
+  other.Kill();
+  ::kill(peer, SIGCONT);
+  pair.prefill_process().Kill();
+}
+
 // ---------------------------------------------------------------------------------
 // E. Both ends see the transfer; one outcome each for decode's owner.
 
