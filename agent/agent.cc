@@ -313,6 +313,19 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // monitor keeps NOT_SERVING until UCX answers (Start below).
   agent->health_ = std::make_unique<HealthMonitor>(agent->worker_.get());
   agent->deps_.health = agent->health_.get();
+  // A receive queue that never drains (transport::ReceiveStall): the worker answers
+  // heartbeats, but no peer's message reaches it. Not live: only a restart helps.
+  agent->health_->AddCondition("ucx-receive", [worker = agent->worker_.get()]() -> absl::Status {
+    const uint64_t since = worker->receive_stalled_since_us();
+    if (since == 0) return absl::OkStatus();
+    return absl::UnavailableError(fmt::format(
+        "the UCX receive queue has not drained for {} s: a same-host peer most likely died "
+        "or was stopped while writing into this agent's shared-memory receive queue, which "
+        "UCX 1.13 cannot recover from; no peer's message arrives until this agent restarts "
+        "(restart it; a stopped peer that resumes unblocks it)",
+        (MonotonicMicros() - since) / 1000000));
+  });
+  agent->worker_->SetReceiveStallListener([health = agent->health_.get()] { health->Recheck(); });
   if (agent->directory_) {
     // Not ready while peers cannot find this agent; still live (kvagent.liveness), so a
     // lost etcd does not get every agent of the fleet restarted.

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <random>
+#include <tuple>
 #include <utility>
 
 #include "agent/access.h"
@@ -189,7 +190,9 @@ absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(
   state->allocated_bytes = (options.chunk_bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
   state->cuda = cuda;
   state->context = context;
-  state->max_written_off = options.buffers;
+  state->max_written_off = static_cast<uint32_t>(std::max<uint64_t>(
+      options.buffers,
+      std::min<uint64_t>(options.max_written_off_bytes / state->allocated_bytes, UINT32_MAX)));
   state->buffers = options.buffers;
   absl::MutexLock lock(&state->mu);
   for (uint32_t i = 0; i < options.buffers; ++i) {
@@ -399,8 +402,8 @@ void Stager::Start() {
   sweep_thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "stage-sweep");
     // Every 500 ms while staged chunks are being received or read replies are out:
-  // sweep stale receive state, and write off the buffers of replies a reader never
-  // took.
+  // sweep stale receive state, and write off the receive buffers of replies a reader
+  // never took and of chunks a sender never finished sending.
     // Every 10 ms while READs of a peer's staged memory wait for replies: abandon those
     // whose transfer stopped, so a peer that never answers cannot hold a transfer (or a
     // bounce buffer) past its deadline. With neither, it sleeps until one starts.
@@ -413,7 +416,7 @@ void Stager::Start() {
         if (stopping_.load()) break;
         if (reads_outstanding_.load() > 0) {
           sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(10));
-        } else if (arrivals_held_.load() || reply_sends_watched_.load() > 0) {
+        } else if (arrivals_held_.load() || lent_watched_.load() > 0) {
           sweep_cv_.WaitWithTimeout(&sweep_mu_, absl::Milliseconds(500));
         } else {
           sweep_cv_.Wait(&sweep_mu_);
@@ -423,12 +426,12 @@ void Stager::Start() {
       if (stopping_.load()) break;
       if (reads_outstanding_.load() > 0) worker_->Post([this] { CheckReads(); });
       const uint64_t now = MonotonicMicros();
-      if ((arrivals_held_.load() || reply_sends_watched_.load() > 0) &&
+      if ((arrivals_held_.load() || lent_watched_.load() > 0) &&
           now - last_sweep_us >= 500000) {
         last_sweep_us = now;
         worker_->Post([this] {
           Sweep();
-          WriteOffStaleReplies();
+          WriteOffStaleLent();
         });
       }
     }
@@ -934,8 +937,27 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
   auto copies = std::make_shared<std::vector<StagedRegion>>();
   for (const auto* t : targets) copies->push_back(*t);
   void* descriptor = message.descriptor;
-  auto receive = [this, key, header_ptr, copies, descriptor, length, total, received](
-                     std::shared_ptr<StagingPool::Lease> lease) {
+  const uint64_t failures_at_arrival = RendezvousFailuresOf(from);
+  auto receive = [this, key, header_ptr, copies, descriptor, length, total, received, from,
+                  failures_at_arrival](std::shared_ptr<StagingPool::Lease> lease) {
+    if (RendezvousFailuresOf(from) != failures_at_arrival) {
+      // A rendezvous receive from this sender failed after this chunk arrived (it died
+      // or hung up mid-transfer). UCX 1.13 lets go of the sender's endpoint then, and
+      // receiving a descriptor that arrived over it asserts and aborts this process
+      // (ucp_rndv_receive: "(*ep_p)->worker == worker"); releasing it looks the same
+      // endpoint up. So it is neither received nor released: dropped here, left to
+      // UCX (a few hundred bytes, bounded by max_receiving_per_peer per failure).
+      lease.reset();
+      received();
+      auto it = arrivals_.find(key);
+      if (it != arrivals_.end() && it->second.in_flight > 0) --it->second.in_flight;
+      chunks_rejected_.fetch_add(1);
+      Credit(key, 0,
+             fmt::format("the sender's rendezvous data stopped arriving (an earlier chunk "
+                         "of '{}' failed), so this chunk was dropped unread",
+                         Printable(from)));
+      return;
+    }
     // A chunk bigger than our buffers (the sender's --staging-chunk-bytes is larger)
     // is received into heap memory, bounded by max_chunk_message above.
     std::shared_ptr<std::string> heap;
@@ -947,10 +969,14 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
       heap = std::make_shared<std::string>(length, '\0');
       target = reinterpret_cast<uint8_t*>(heap->data());
     }
+    // A sender that dies mid-chunk may leave the receive unfinished for good: watched
+    // (WriteOffStaleLent), so that other senders' chunks do not wait on its buffer.
+    if (lease != nullptr) Lend(lease, from, header_ptr->transfer_id(), /*reply=*/false);
     worker_->ReceiveAmData(descriptor, target, length,
                            [this, key, header_ptr, copies, lease, heap, target, total,
-                            received](absl::Status s) {
+                            received, from](absl::Status s) {
                              received();
+                             if (!s.ok()) ++rendezvous_failures_[from];
                              if (s.ok()) {
                                std::vector<const StagedRegion*> targets;
                                for (const auto& r : *copies) targets.push_back(&r);
@@ -1463,13 +1489,8 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
   header.set_request_id(request->request_id());
   header.set_offset(offset);
   // The buffer stays leased until the reply is sent: only then may it be reused. A
-  // reader that died or hangs may never take it: watched (WriteOffStaleReplies).
-  while (!reply_sends_.empty() && reply_sends_.front().lease.expired()) reply_sends_.pop_front();
-  reply_sends_.push_back({lease, MonotonicMicros(), request->from_agent(), request->transfer_id()});
-  if (reply_sends_watched_.exchange(reply_sends_.size()) == 0) {
-    absl::MutexLock lock(&sweep_mu_);
-    sweep_cv_.SignalAll();
-  }
+  // reader that died or hangs may never take it: watched (WriteOffStaleLent).
+  Lend(lease, request->from_agent(), request->transfer_id(), /*reply=*/true);
   worker_->SendAmReply(reply_ep, Wire(AmId::kStagedReadReply), header.SerializeAsString(), lease->data(),
                        length, [this, lease, request](absl::Status sent) {
                          PartServed(request->from_agent());
@@ -1483,38 +1504,57 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
                        request->eager_replies());
 }
 
-void Stager::WriteOffStaleReplies() {
+void Stager::Lend(std::shared_ptr<StagingPool::Lease> lease, const std::string& peer,
+                  const std::string& transfer_id, bool reply) {
+  while (!lent_.empty() && lent_.front().lease.expired()) lent_.pop_front();
+  lent_.push_back({lease, MonotonicMicros(), peer, transfer_id, reply});
+  if (lent_watched_.exchange(lent_.size()) == 0) {
+    absl::MutexLock lock(&sweep_mu_);
+    sweep_cv_.SignalAll();
+  }
+}
+
+void Stager::WriteOffStaleLent() {
   const uint64_t now = MonotonicMicros();
   const uint64_t limit = uint64_t{options_.reply_timeout_ms} * 1000;
-  // Oldest first: stop at the first reply still out and not yet past the limit.
-  std::map<std::pair<std::string, std::string>, uint32_t> written_off;  // by reader, transfer
+  // Oldest first: stop at the first buffer still lent and not yet past the limit.
+  struct Key {
+    std::string peer, transfer_id;
+    bool reply;
+    bool operator<(const Key& o) const {
+      return std::tie(peer, transfer_id, reply) < std::tie(o.peer, o.transfer_id, o.reply);
+    }
+  };
+  std::map<Key, uint32_t> written_off;
   uint32_t refused = 0;
-  while (!reply_sends_.empty()) {
-    ReplySend& front = reply_sends_.front();
+  while (!lent_.empty()) {
+    LentBuffer& front = lent_.front();
     std::shared_ptr<StagingPool::Lease> lease = front.lease.lock();
     if (lease != nullptr && *lease) {
-      if (now - front.sent_us < limit) break;
+      if (now - front.since_us < limit) break;
       if (recv_pool_ != nullptr && recv_pool_->WriteOff(*lease)) {
-        ++written_off[{front.reader, front.transfer_id}];
+        ++written_off[{front.peer, front.transfer_id, front.reply}];
       } else {
         ++refused;
       }
     }
-    reply_sends_.pop_front();
+    lent_.pop_front();
   }
-  reply_sends_watched_.store(reply_sends_.size());
+  lent_watched_.store(lent_.size());
   uint32_t total = 0;
   for (const auto& [key, n] : written_off) {
     total += n;
-    kLog.Warn("staged read of transfer '{}' by agent '{}': {} receive buffers held by replies "
-              "it did not take within {} ms written off and replaced (freed if they are ever "
-              "taken)",
-              Printable(key.second, 256), Printable(key.first), n, options_.reply_timeout_ms);
+    kLog.Warn("staged {} of transfer '{}' {} agent '{}': {} receive buffers held by {} not "
+              "done within {} ms written off and replaced (freed if they ever are)",
+              key.reply ? "read" : "chunks", Printable(key.transfer_id, 256),
+              key.reply ? "by" : "from", Printable(key.peer), n,
+              key.reply ? "replies it did not take" : "receives it did not finish sending",
+              options_.reply_timeout_ms);
   }
   if (refused > 0) {
-    kLog.Warn("{} receive buffers held by read replies not taken within {} ms were not written "
-              "off: the pool holds as many written off as it has buffers, so staged reads and "
-              "chunks may wait for them; restart this agent to get them back",
+    kLog.Warn("{} receive buffers lent to UCX for more than {} ms were not written off: the "
+              "pool holds as many written off as it has buffers, so staged reads and chunks "
+              "may wait for them; restart this agent to get them back",
               refused, options_.reply_timeout_ms);
   }
   buffers_written_off_.fetch_add(total);

@@ -47,6 +47,10 @@ struct StagingPoolOptions {
   // little (docs/BENCHMARKS.md, "Many senders over tcp").
   uint64_t am_message_bytes = 512ull << 10;
   uint64_t AmMessageBytes() const { return std::min(am_message_bytes, chunk_bytes); }
+  // Buffers written off (StagingPool::WriteOff) held at once, in bytes: at least the
+  // pool's own buffers' worth, else this much. Each peer that dies mid-transfer may
+  // leave up to a pool's worth held for good (UCX never completes those requests).
+  uint64_t max_written_off_bytes = 256ull << 20;
 };
 
 // INVALID_ARGUMENT naming the flag when a value is 0 or the pool would be huge.
@@ -109,9 +113,10 @@ class StagingPool {
   // hold it for good (UCX without peer error handling never completes or cancels it),
   // and may still read it if the peer resumes, so it cannot be reused. Its slot gets a
   // new buffer at once (to the oldest waiter, or free); the old one is freed when the
-  // lease is finally released. At most `buffers` are held written off at once (the
-  // pool's memory at most doubles); past that, and when allocating fails, nothing
-  // changes and false is returned. False too for a lease written off already or empty.
+  // lease is finally released. At most max_written_off_bytes' worth of buffers (and at
+  // least `buffers`) are held written off at once; past that, and when allocating
+  // fails, nothing changes and false is returned. False too for a lease written off
+  // already or empty.
   bool WriteOff(const Lease& lease);
   StagingPoolWriteOffs write_offs() const;
 
@@ -160,10 +165,10 @@ struct StagerOptions {
   uint32_t max_arrivals = 8192;           // transfers whose staged chunks are being received
   uint32_t max_arrivals_per_peer = 2048;  // ... from one sender
   uint32_t hold_timeout_ms = 60000;       // staged state without progress is dropped after
-  // A read reply sent to a reader (the agent whose READ reads our staged memory) that has
-  // not completed after this long: the receive buffer it holds is written off
-  // (StagingPool::WriteOff) so that serving and receiving go on. The agent passes its
-  // --drain-timeout-ms.
+  // A read reply sent to a reader (the agent whose READ reads our staged memory), or a
+  // rendezvous chunk being received, not completed after this long: the receive buffer
+  // it holds is written off (StagingPool::WriteOff) so that serving and receiving go
+  // on. The agent passes its --drain-timeout-ms.
   uint32_t reply_timeout_ms = 5000;
   uint32_t max_serving = 4096;            // read replies queued for a buffer, all peers
   uint32_t max_serving_per_peer = 1024;   // ... for one reader
@@ -272,8 +277,8 @@ class Stager {
   uint64_t reads_served() const { return reads_served_.load(); }
   uint64_t reads_refused() const { return reads_refused_.load(); }
   // Bounce buffers written off: sending ones (WriteOffTransfer) and receive ones held
-  // by read replies past reply_timeout_ms; and those not replaced (the pool held as
-  // many written off as it has buffers).
+  // by read replies or chunk receives past reply_timeout_ms; and those not replaced
+  // (the pool held as many written off as it has buffers).
   uint64_t buffers_written_off() const { return buffers_written_off_.load(); }
   uint64_t write_offs_refused() const { return write_offs_refused_.load(); }
 
@@ -352,19 +357,23 @@ class Stager {
   absl::flat_hash_map<std::string, std::vector<std::weak_ptr<Job>>> jobs_;
   std::atomic<uint64_t> buffers_written_off_{0};
   std::atomic<uint64_t> write_offs_refused_{0};
-  // Read replies sent and not yet completed, oldest first (worker thread); their count
-  // for the sweep thread, which checks them every 500 ms while there are any.
-  struct ReplySend {
+  // Receive buffers lent to UCX: read replies being sent and rendezvous chunks being
+  // received, oldest first (worker thread); their count for the sweep thread, which
+  // checks them every 500 ms while there are any.
+  struct LentBuffer {
     std::weak_ptr<StagingPool::Lease> lease;
-    uint64_t sent_us = 0;
-    std::string reader;
+    uint64_t since_us = 0;
+    std::string peer;  // the reader, or the sender
     std::string transfer_id;
+    bool reply = false;  // a read reply; else a chunk being received
   };
-  std::deque<ReplySend> reply_sends_;
-  std::atomic<size_t> reply_sends_watched_{0};
-  // Worker thread: drops completed replies from reply_sends_ and writes off the buffers
-  // of those older than reply_timeout_ms.
-  void WriteOffStaleReplies();
+  std::deque<LentBuffer> lent_;
+  std::atomic<size_t> lent_watched_{0};
+  void Lend(std::shared_ptr<StagingPool::Lease> lease, const std::string& peer,
+            const std::string& transfer_id, bool reply);
+  // Worker thread: drops given-back buffers from lent_ and writes off those lent for
+  // longer than reply_timeout_ms.
+  void WriteOffStaleLent();
   std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<DeviceCopier> host_copier_;
   // The fixed fields of the largest header a job's chunks travel with (Run sizes the
@@ -396,6 +405,14 @@ class Stager {
   // sender, and the bytes of those received into heap memory (bigger than our buffers).
   uint32_t receiving_ = 0;
   PerPeer receiving_by_peer_;
+  // Rendezvous receives that failed, by sender: a chunk that arrived before the
+  // sender's latest failure is dropped unread (see OnChunk). One entry per sender
+  // that ever failed one.
+  absl::flat_hash_map<std::string, uint64_t> rendezvous_failures_;
+  uint64_t RendezvousFailuresOf(const std::string& from) const {
+    auto it = rendezvous_failures_.find(from);
+    return it == rendezvous_failures_.end() ? 0 : it->second;
+  }
   uint64_t heap_receiving_ = 0;
   std::atomic<uint32_t> reads_outstanding_{0};  // reads_.size(), for the sweep thread
   // arrivals_ held something at the last insert or sweep (worker thread writes it): the

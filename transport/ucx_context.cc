@@ -171,8 +171,21 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
   return context;
 }
 
+std::atomic<int64_t>& RequestsInFlight() {
+  static std::atomic<int64_t> requests{0};
+  return requests;
+}
+
 UcxContext::~UcxContext() {
-  if (context_ != nullptr) ucp_cleanup(context_);
+  if (context_ == nullptr) return;
+  if (const int64_t left = RequestsInFlight().load(); left > 0) {
+    kLog.Warn("UCX context: {} requests with peers never completed (the peers died or "
+              "stopped answering); its cleanup is left to the process's exit, where UCX 1.13 "
+              "would abort on the memory they hold",
+              left);
+    return;
+  }
+  ucp_cleanup(context_);
 }
 
 absl::StatusOr<MemoryRegistration> MemoryRegistration::Map(const UcxContext& context,

@@ -3,6 +3,7 @@
 // range with its packed rkey. Used by registry/ (registration) and agent/ (status).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,6 +29,14 @@ struct UcxCapabilities {
   std::vector<std::string> memory_types;// ucs memory type names UCX supports, e.g. {"host"}
   bool cuda_memory = false;             // UCX can register/transfer CUDA memory
 };
+
+// Requests UCX took and has not completed yet (sends, flushes, rendezvous receives),
+// in this process, over every worker. One with a peer that died or stopped may never
+// complete (without peer error handling UCX neither finishes nor cancels it), and
+// UCX 1.13 aborts in ucp_cleanup on the memory such a request still holds ("rcache.c:
+// Assertion `region->refcount == 0'"): ~UcxContext skips ucp_cleanup while any is
+// left (the process is exiting; the kernel takes the rest back).
+std::atomic<int64_t>& RequestsInFlight();
 
 class UcxContext {
  public:

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
+#include "base/clock.h"
 #include "base/cpu_list.h"
 #include "base/log.h"
 #include "fmt/format.h"
@@ -274,6 +275,7 @@ void FinishSend(SendOp* op, ucs_status_t status, bool inside_call) {
 }
 
 void SendCallback(void* request, ucs_status_t status, void* user_data) {
+  RequestsInFlight().fetch_sub(1, std::memory_order_relaxed);
   ucp_request_free(request);
   FinishSend(static_cast<SendOp*>(user_data), status, /*inside_call=*/false);
 }
@@ -289,6 +291,7 @@ void StartSend(std::unique_ptr<SendOp> op, StartFn start) {
   ucs_status_ptr_t request = start(op.get(), param);
   if (UCS_PTR_IS_PTR(request)) {
     op.release();  // SendCallback owns it now
+    RequestsInFlight().fetch_add(1, std::memory_order_relaxed);
     return;
   }
   FinishSend(op.release(), UCS_PTR_STATUS(request), /*inside_call=*/true);
@@ -598,13 +601,17 @@ ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_
   ucp_request_param_t recv_param{};
   recv_param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   recv_param.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user_data) {
+    RequestsInFlight().fetch_sub(1, std::memory_order_relaxed);
     ucp_request_free(request);
     FinishRndv(static_cast<RndvReceive*>(user_data), status);
   };
   recv_param.user_data = receive;
   ucs_status_ptr_t request = ucp_am_recv_data_nbx(slot->worker->worker_, data,
                                                   receive->data.data(), length, &recv_param);
-  if (UCS_PTR_IS_PTR(request)) return UCS_INPROGRESS;
+  if (UCS_PTR_IS_PTR(request)) {
+    RequestsInFlight().fetch_add(1, std::memory_order_relaxed);
+    return UCS_INPROGRESS;
+  }
   FinishRndv(receive, UCS_PTR_STATUS(request));
   return UCS_OK;
 }
@@ -624,6 +631,7 @@ void UcxWorker::ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.recv_am = [](void* request, ucs_status_t status, size_t received, void* user_data) {
+    RequestsInFlight().fetch_sub(1, std::memory_order_relaxed);
     ucp_request_free(request);
     auto* state = static_cast<std::function<void(absl::Status)>*>(user_data);
     std::unique_ptr<std::function<void(absl::Status)>> owned(state);
@@ -635,7 +643,10 @@ void UcxWorker::ReceiveAmData(void* descriptor, void* buffer, uint64_t length,
   };
   param.user_data = state;
   ucs_status_ptr_t request = ucp_am_recv_data_nbx(worker_, descriptor, buffer, length, &param);
-  if (UCS_PTR_IS_PTR(request)) return;
+  if (UCS_PTR_IS_PTR(request)) {
+    RequestsInFlight().fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   finish(state, UCS_PTR_STATUS(request), length);
 }
 
@@ -729,7 +740,8 @@ void UcxWorker::Loop() {
     // The poller first: what it submits is posted here and runs in this same loop.
     bool polled = poller_ != nullptr && poller_->Poll();
     bool worked = DrainQueue();
-    while (ucp_worker_progress(worker_) != 0) worked = true;
+    bool progressed = false;
+    while (ucp_worker_progress(worker_) != 0) worked = progressed = true;
     ReapRequests();
     if (spin_us_ != 0 || poller_ != nullptr) {
       const auto now = std::chrono::steady_clock::now();
@@ -743,8 +755,11 @@ void UcxWorker::Loop() {
       }
     }
     ucs_status_t status = ucp_worker_arm(worker_);
-    if (status == UCS_ERR_BUSY) continue;  // events arrived since the last progress
-    if (status != UCS_OK) {
+    // Arm keeps reporting a message progress never takes (ReceiveStall): sleep 1 ms
+    // below instead of looping at once (spinning on it took a whole core).
+    const bool stalled = NoteReceiveStall(progressed, status == UCS_ERR_BUSY);
+    if (status == UCS_ERR_BUSY && !stalled) continue;  // events arrived since the last progress
+    if (status != UCS_OK && !stalled) {
       kLog.Error("UCX worker '{}': ucp_worker_arm failed ({}); polling", name_,
                  UcsStatusText(status));
     }
@@ -757,8 +772,13 @@ void UcxWorker::Loop() {
       if (poller != nullptr) poller->Woke(/*rang=*/false);
       continue;
     }
-    // Pending closes and a failed arm are polled; otherwise sleep until woken.
-    int timeout_ms = (status != UCS_OK || !pending_requests_.empty()) ? 10 : -1;
+    // Pending closes and a failed arm are polled; otherwise sleep until woken, or for a
+    // second at most: a same-host sender that dies between taking this worker's wake-up
+    // request and sending the signal leaves it asleep with messages waiting (UCX's
+    // shared-memory FIFO: the first sender after arm owns the wake-up), and every later
+    // sender sees none requested. The look a second later takes them, or finds the slot
+    // it left unfinished (ReceiveStall). One wake-up a second when idle.
+    int timeout_ms = stalled ? 1 : (status != UCS_OK || !pending_requests_.empty()) ? 10 : 1000;
     if (poller != nullptr) {
       const int limit = poller->SleepTimeoutMs();
       if (limit >= 0 && (timeout_ms < 0 || limit < timeout_ms)) timeout_ms = limit;
@@ -776,6 +796,31 @@ void UcxWorker::Loop() {
     if (poller != nullptr) poller->Woke(rang);
   }
   Shutdown();
+}
+
+bool UcxWorker::NoteReceiveStall(bool progressed, bool arm_busy) {
+  const uint64_t now_us = MonotonicMicros();
+  if (receive_stall_.Observe(progressed, arm_busy, now_us)) {
+    if (receive_stall_.stalled()) {
+      receive_stalled_since_us_.store(receive_stall_.busy_since_us());
+      kLog.Error("UCX worker '{}': its receive queue has not drained for {} ms: UCX reports a "
+                 "message waiting that progress never takes. A same-host peer most likely "
+                 "died (or was stopped) while writing into this worker's shared-memory "
+                 "receive queue (posix/sysv), which every same-host peer shares: nothing "
+                 "arrives over UCX until this agent restarts (a stopped peer that resumes "
+                 "unblocks it). Health says NOT_SERVING meanwhile",
+                 name_, (now_us - receive_stall_.busy_since_us()) / 1000);
+    } else {
+      receive_stalled_since_us_.store(0);
+      kLog.Warn("UCX worker '{}': its receive queue drains again", name_);
+    }
+    if (receive_stall_listener_) receive_stall_listener_();
+  }
+  return receive_stall_.stalled() && arm_busy;
+}
+
+void UcxWorker::SetReceiveStallListener(std::function<void()> listener) {
+  RunSync([this, &listener] { receive_stall_listener_ = std::move(listener); });
 }
 
 void UcxWorker::Shutdown() {

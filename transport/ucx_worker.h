@@ -52,6 +52,42 @@ using AmDataHandler = std::function<bool(const AmMessage& message)>;
 
 class Endpoint;
 
+// Watches the worker loop for a receive queue that never drains: ucp_worker_arm keeps
+// saying events are waiting (UCS_ERR_BUSY) while ucp_worker_progress takes none. UCX
+// 1.13's shared-memory transports (posix, sysv) give each worker one receive FIFO that
+// every same-host sender writes into: a sender claims the next slot, fills it, then
+// marks it ready. A sender killed (or stopped) between the claim and the mark leaves a
+// slot that is never ready, and the receiver reads its FIFO in order: nothing after it
+// arrives from any peer, and arm reports the claimed slot for ever. Found by
+// contract_test D (a peer SIGKILLed or SIGSTOPped mid-transfer, about 1 run in 10).
+// UCX cannot recover from it; a stopped sender that resumes finishes its slot.
+class ReceiveStall {
+ public:
+  explicit ReceiveStall(uint64_t after_us) : after_us_(after_us) {}
+  // One loop: whether progress took anything, whether arm then said BUSY. Returns true
+  // when this call changed stalled().
+  bool Observe(bool progressed, bool arm_busy, uint64_t now_us) {
+    if (progressed || !arm_busy) {
+      busy_since_us_ = 0;
+      if (!stalled_) return false;
+      stalled_ = false;
+      return true;
+    }
+    if (busy_since_us_ == 0) busy_since_us_ = now_us;
+    if (stalled_ || now_us - busy_since_us_ < after_us_) return false;
+    stalled_ = true;
+    return true;
+  }
+  bool stalled() const { return stalled_; }
+  // When arm first said BUSY with nothing taken, in this streak (0: not now).
+  uint64_t busy_since_us() const { return busy_since_us_; }
+
+ private:
+  uint64_t after_us_;
+  uint64_t busy_since_us_ = 0;
+  bool stalled_ = false;
+};
+
 // Work the worker thread takes beside UCX (the agent's fast path rings), so that a
 // submission and the messages it sends run on one thread with no hand-off (one
 // wake-up fewer per transfer). Every call is on the worker thread.
@@ -137,6 +173,14 @@ class UcxWorker {
   void SilenceAmHandlers();
   // Messages dropped because their handler was silenced.
   uint64_t silenced_messages() const { return silenced_messages_.load(); }
+  // Since when (monotonic µs) the worker's receive queue has not drained for at least
+  // a second (ReceiveStall: a same-host sender died mid-message); 0 while it drains.
+  // Any thread. The loop then sleeps 1 ms between looks instead of spinning on it.
+  uint64_t receive_stalled_since_us() const { return receive_stalled_since_us_.load(); }
+  // `listener` runs on the worker thread each time receive_stalled_since_us turns
+  // nonzero or back to 0 (the agent's health re-checks then). Set before it can
+  // matter: RunSync'd onto the worker thread.
+  void SetReceiveStallListener(std::function<void()> listener);
   // Active messages sent (begun: SendAm*, SendAmReply) and received (handler slot
   // reached, silenced or not), by id; ids at or above kAmCounters count under 0.
   static constexpr uint16_t kAmCounters = 16;
@@ -183,6 +227,9 @@ class UcxWorker {
   void ReapRequests();
   // Thread exit: finishes queued work and open endpoints, then destroys the worker.
   void Shutdown();
+  // Feeds receive_stall_ one loop; true while stalled and arm still says BUSY (the
+  // loop then waits 1 ms instead of spinning).
+  bool NoteReceiveStall(bool progressed, bool arm_busy);
   static ucs_status_t AmCallback(void* arg, const void* header, size_t header_length,
                                  void* data, size_t length, const ucp_am_recv_param_t* param);
 
@@ -217,6 +264,9 @@ class UcxWorker {
                      uint64_t max_data_bytes);
   absl::flat_hash_map<uint16_t, std::unique_ptr<AmSlot>> am_handlers_;
   std::atomic<uint64_t> silenced_messages_{0};
+  ReceiveStall receive_stall_{1000000};  // worker thread
+  std::function<void()> receive_stall_listener_;  // worker thread
+  std::atomic<uint64_t> receive_stalled_since_us_{0};
   std::array<std::atomic<uint64_t>, kAmCounters> am_sent_{};
   std::array<std::atomic<uint64_t>, kAmCounters> am_received_{};
   void CountSent(uint16_t id) {

@@ -88,6 +88,7 @@ TEST_CASE("a written-off buffer stays with its lease; its slot gets a new one, w
   StagingPoolOptions options;
   options.chunk_bytes = 8192;
   options.buffers = 2;
+  options.max_written_off_bytes = 16384;  // two buffers' worth
   auto pool = StagingPool::Create(options, nullptr, context->get());
   REQUIRE(pool.ok());
   StagingPool& p = **pool;
@@ -116,7 +117,7 @@ TEST_CASE("a written-off buffer stays with its lease; its slot gets a new one, w
   CHECK(p.write_offs().total == 1);
   CHECK(p.write_offs().held == 1);
 
-  // The bound: as many held written off as the pool has buffers.
+  // The bound: max_written_off_bytes' worth held written off.
   REQUIRE(p.WriteOff(stuck_b));
   CHECK(p.free_buffers() == 1);  // stuck_b's slot, with its new buffer
   auto fresh = p.TryAcquire();
@@ -145,6 +146,17 @@ TEST_CASE("a written-off buffer stays with its lease; its slot gets a new one, w
   REQUIRE(again);
   CHECK(p.WriteOff(again));
   CHECK_FALSE(p.WriteOff(StagingPool::Lease()));  // empty: nothing to write off
+
+  // Never fewer than the pool's own buffers, however small the byte bound.
+  options.max_written_off_bytes = 0;
+  auto small = StagingPool::Create(options, nullptr, nullptr);
+  REQUIRE(small.ok());
+  auto x = (*small)->TryAcquire();
+  auto y = (*small)->TryAcquire();
+  CHECK((*small)->WriteOff(x));
+  CHECK((*small)->WriteOff(y));
+  auto z = (*small)->TryAcquire();
+  CHECK_FALSE((*small)->WriteOff(z));
 }
 
 TEST_CASE("buffers registered with UCX stay usable and a bad size is refused with the flag") {

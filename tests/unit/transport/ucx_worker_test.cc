@@ -613,3 +613,33 @@ TEST_CASE("a worker destroyed with endpoints still open shuts down cleanly") {
 
 }  // namespace
 }  // namespace kvagent::transport
+
+// ReceiveStall: the loop's view of a receive queue that never drains (a same-host
+// sender killed between claiming a slot of UCX's shared-memory FIFO and marking it
+// ready). Only arm saying BUSY while progress takes nothing, for the whole delay,
+// counts; any progress, or an arm that does not say BUSY, ends the streak.
+TEST_CASE("ReceiveStall reports a queue that arm says is busy and progress never drains") {
+  kvagent::transport::ReceiveStall stall(/*after_us=*/1000);
+  CHECK_FALSE(stall.Observe(false, true, 100));  // the streak starts
+  CHECK(stall.busy_since_us() == 100);
+  CHECK_FALSE(stall.Observe(false, true, 1099));  // 999 µs: not yet
+  CHECK_FALSE(stall.stalled());
+  CHECK(stall.Observe(false, true, 1100));  // 1 ms with nothing taken: stalled
+  CHECK(stall.stalled());
+  CHECK(stall.busy_since_us() == 100);
+  CHECK_FALSE(stall.Observe(false, true, 5000));  // still stalled: no change to report
+  CHECK(stall.Observe(true, true, 5100));  // progress took something: drains again
+  CHECK_FALSE(stall.stalled());
+  CHECK(stall.busy_since_us() == 0);
+
+  // Progress in between ends a streak: a busy worker is not a stalled one.
+  for (uint64_t t = 10000; t < 20000; t += 500) {
+    CHECK_FALSE(stall.Observe(/*progressed=*/(t / 500) % 2 == 0, true, t));
+  }
+  CHECK_FALSE(stall.stalled());
+  // Neither is an idle one: arm not BUSY (it armed, the loop sleeps).
+  CHECK_FALSE(stall.Observe(false, false, 30000));
+  CHECK_FALSE(stall.Observe(false, false, 90000));
+  CHECK_FALSE(stall.stalled());
+  CHECK(stall.busy_since_us() == 0);
+}
