@@ -276,7 +276,8 @@ bool StagingPool::WriteOff(const Lease& lease) {
 
 StagingPoolWriteOffs StagingPool::write_offs() const {
   absl::MutexLock lock(&state_->mu);
-  return {state_->written_off_total, state_->written_off.size(), state_->write_offs_refused};
+  return {state_->written_off_total, state_->written_off.size(), state_->write_offs_refused,
+          state_->max_written_off};
 }
 
 uint64_t StagingPool::chunk_bytes() const { return state_->chunk_bytes; }
@@ -596,10 +597,10 @@ uint32_t Stager::WriteOffTransfer(const std::string& transfer_id) {
               Printable(transfer_id, 256), written_off,
               refused == 0 ? std::string()
                            : fmt::format(", {} not: the pool holds as many written off as it "
-                                         "has buffers, so staging may wait for them; restart "
-                                         "this agent to get them back",
+                                         "may, so staging may wait for them; restart this "
+                                         "agent to get them back",
                                          refused),
-              pool.held, pool_->buffers());
+              pool.held, pool.bound);
   }
   return written_off;
 }
@@ -1553,9 +1554,10 @@ void Stager::WriteOffStaleLent() {
   }
   if (refused > 0) {
     kLog.Warn("{} receive buffers lent to UCX for more than {} ms were not written off: the "
-              "pool holds as many written off as it has buffers, so staged reads and chunks "
-              "may wait for them; restart this agent to get them back",
-              refused, options_.reply_timeout_ms);
+              "pool holds as many written off as it may ({}), so staged reads and chunks may "
+              "wait for them; restart this agent to get them back",
+              refused, options_.reply_timeout_ms,
+              recv_pool_ != nullptr ? recv_pool_->write_offs().bound : 0);
   }
   buffers_written_off_.fetch_add(total);
   write_offs_refused_.fetch_add(refused);

@@ -61,6 +61,7 @@ struct StagingPoolWriteOffs {
   uint64_t total = 0;     // written off and replaced
   uint64_t held = 0;      // of those, still leased by the send that may read them
   uint64_t refused = 0;   // not replaced: `held` was at its bound, or allocation failed
+  uint64_t bound = 0;     // the most held at once (max_written_off_bytes' worth)
 };
 
 // N bounce buffers of chunk_bytes. Pinned with the CUDA driver when one is given,
@@ -278,7 +279,7 @@ class Stager {
   uint64_t reads_refused() const { return reads_refused_.load(); }
   // Bounce buffers written off: sending ones (WriteOffTransfer) and receive ones held
   // by read replies or chunk receives past reply_timeout_ms; and those not replaced
-  // (the pool held as many written off as it has buffers).
+  // (the pool held as many written off as it may, or allocating failed).
   uint64_t buffers_written_off() const { return buffers_written_off_.load(); }
   uint64_t write_offs_refused() const { return write_offs_refused_.load(); }
 
