@@ -1508,6 +1508,13 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
 void Stager::Lend(std::shared_ptr<StagingPool::Lease> lease, const std::string& peer,
                   const std::string& transfer_id, bool reply) {
   while (!lent_.empty() && lent_.front().lease.expired()) lent_.pop_front();
+  // At most the receive pool's buffers are lent at once: behind one still out, the
+  // given-back ones go now and then (order kept), so the deque stays small.
+  if (lent_.size() >= 64) {
+    lent_.erase(std::remove_if(lent_.begin(), lent_.end(),
+                               [](const LentBuffer& b) { return b.lease.expired(); }),
+                lent_.end());
+  }
   lent_.push_back({lease, MonotonicMicros(), peer, transfer_id, reply});
   if (lent_watched_.exchange(lent_.size()) == 0) {
     absl::MutexLock lock(&sweep_mu_);
