@@ -120,6 +120,22 @@ struct StagingPool::State {
     buffer.data = nullptr;
   }
 
+  // Slot `index` is free again (its buffer, or a new one): to the oldest waiter (set
+  // in *waiter and *next, to be run outside the lock), or to the free list.
+  void FreeSlotLocked(uint32_t index, const std::shared_ptr<State>& self, Waiter* waiter,
+                      Lease* next) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (waiters.empty()) {
+      free.push_back(index);
+      return;
+    }
+    *waiter = std::move(waiters.front());
+    waiters.pop_front();
+    next->state_ = self;
+    next->index_ = index;
+    next->data_ = slots[index].data;
+    next->size_ = chunk_bytes;
+  }
+
   ~State() {
     absl::MutexLock lock(&mu);
     for (StagingBuffer& b : slots) Free(b);
@@ -166,19 +182,10 @@ void StagingPool::Lease::Release() {
       }
       return;
     }
-    if (state->waiters.empty()) {
-      state->free.push_back(index_);
-      return;
-    }
-    waiter = std::move(state->waiters.front());
-    state->waiters.pop_front();
-    next.state_ = state;
-    next.index_ = index_;
-    next.data_ = data;
-    next.size_ = state->chunk_bytes;
+    state->FreeSlotLocked(index_, state, &waiter, &next);
   }
   // Hand the buffer straight to the oldest waiter, outside the lock.
-  waiter(std::move(next));
+  if (waiter) waiter(std::move(next));
 }
 
 absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(
@@ -259,18 +266,9 @@ bool StagingPool::WriteOff(const Lease& lease) {
     slot = *std::move(fresh);
     ++state.written_off_total;
     // The slot is free again, with its new buffer: to the oldest waiter, or the pool.
-    if (state.waiters.empty()) {
-      state.free.push_back(lease.index_);
-      return true;
-    }
-    waiter = std::move(state.waiters.front());
-    state.waiters.pop_front();
-    next.state_ = state_;
-    next.index_ = lease.index_;
-    next.data_ = slot.data;
-    next.size_ = state.chunk_bytes;
+    state.FreeSlotLocked(lease.index_, state_, &waiter, &next);
   }
-  waiter(std::move(next));
+  if (waiter) waiter(std::move(next));
   return true;
 }
 

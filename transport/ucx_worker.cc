@@ -799,7 +799,8 @@ void UcxWorker::Loop() {
 }
 
 bool UcxWorker::NoteReceiveStall(bool progressed, bool arm_busy) {
-  const uint64_t now_us = MonotonicMicros();
+  // The clock only while a streak may run (arm busy, nothing taken): not on every loop.
+  const uint64_t now_us = arm_busy && !progressed ? MonotonicMicros() : 0;
   if (receive_stall_.Observe(progressed, arm_busy, now_us)) {
     if (receive_stall_.stalled()) {
       receive_stalled_since_us_.store(receive_stall_.busy_since_us());
