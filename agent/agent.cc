@@ -197,6 +197,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.refresh_ms = options.peer_refresh_ms;
   peer_options.metadata_push = options.metadata_push;
   peer_options.shm_direct = options.shm_direct;
+  peer_options.allow_rendezvous = options.allow_rendezvous;
   peer_options.max_memory_objects = options.max_peer_memory_objects;
   peer_options.metadata_share_percent = options.peer_metadata_share_percent;
   peer_options.metadata_burst_ms = options.peer_metadata_burst_ms;

@@ -96,6 +96,9 @@ struct AgentOptions {
   // For tests only (--stage-host-regions): host regions take the staged path, so the
   // staging protocol runs end to end on machines without a GPU.
   bool stage_host_regions = false;
+  // For tests only (--allow-rendezvous): same-host endpoints send large active messages
+  // by rendezvous (Endpoint::AllowRendezvous), as agents of older versions did.
+  bool allow_rendezvous = false;
   // Every bound on what callers and peers can grow (--max-* flags; docs/LIMITS.md).
   Limits limits;
   // gRPC's resource quota for this agent's servers: memory for calls in progress

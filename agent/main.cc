@@ -318,6 +318,10 @@ KVAGENT_FLAG(bool, check_flags, "check-flags", false, "");
 // Hidden, for tests only: host regions take the staged path (memcpy stands in for the
 // device copy), so the staging protocol runs on machines without a GPU.
 KVAGENT_FLAG(bool, stage_host_regions, "stage-host-regions", false, "");
+// Hidden, for tests only: same-host endpoints send large active messages by rendezvous,
+// as an agent of an older version did (transport Endpoint::AllowRendezvous), so the
+// receiving side's rendezvous paths run with real agents on one machine.
+KVAGENT_FLAG(bool, allow_rendezvous, "allow-rendezvous", false, "");
 
 // The limits (agent/limits.h): "" keeps the limit's default; main() reads them by name
 // from Limits' table, and refuses to start if one of its flags is missing here.
@@ -442,6 +446,7 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->staging.chunk_bytes = GetFlag(FLAGS_staging_chunk_bytes).value;
   options->staging.am_message_bytes = GetFlag(FLAGS_am_message_bytes).value;
   options->stage_host_regions = GetFlag(FLAGS_stage_host_regions);
+  options->allow_rendezvous = GetFlag(FLAGS_allow_rendezvous);
   options->deregister_wait_ms = GetFlag(FLAGS_deregister_wait_ms).value;
   options->drain_timeout_ms = GetFlag(FLAGS_drain_timeout_ms).value;
   options->ended_transfers_kept = GetFlag(FLAGS_ended_transfers_kept).value;

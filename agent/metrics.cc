@@ -426,12 +426,15 @@ std::string RenderMetrics(const MetricsSources& sources) {
 
   if (sources.stager != nullptr) {
     Family staged(&out, "kvagent_staging_total", "counter",
-                  "Host staging: chunks received and rejected, peer reads served and refused, "
-                  "bounce buffers written off (held by sends a peer never confirmed, or by "
-                  "read replies a reader never took; replaced) and those that could not be "
-                  "replaced.");
+                  "Host staging: chunks received and rejected, chunks and read replies that "
+                  "came by rendezvous (from another host, or a same-host agent of an older "
+                  "version), peer reads served and refused, bounce buffers written off (held "
+                  "by sends a peer never confirmed, or by read replies a reader never took; "
+                  "replaced) and those that could not be replaced.");
     staged.Sample({{"event", "chunks_received"}}, static_cast<double>(sources.stager->chunks_received()));
     staged.Sample({{"event", "chunks_rejected"}}, static_cast<double>(sources.stager->chunks_rejected()));
+    staged.Sample({{"event", "received_by_rendezvous"}},
+                  static_cast<double>(sources.stager->rendezvous_received()));
     staged.Sample({{"event", "reads_served"}}, static_cast<double>(sources.stager->reads_served()));
     staged.Sample({{"event", "reads_refused"}}, static_cast<double>(sources.stager->reads_refused()));
     staged.Sample({{"event", "buffers_written_off"}},

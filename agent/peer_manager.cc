@@ -482,6 +482,7 @@ void PeerManager::BuildSnapshot(
                                       endpoint.status().message())));
         return;
       }
+      if (options_.allow_rendezvous) (*endpoint)->AllowRendezvous();
       snapshot->endpoint = OwnedByWorker(worker_, *std::move(endpoint));
     }
     auto finish = [this, snapshot, previous, rkeys = std::move(rkeys),

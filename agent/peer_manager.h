@@ -120,6 +120,8 @@ struct PeerManagerOptions {
   uint32_t connect_timeout_ms = 5000;
   // Map a same-host peer's shared memory and copy directly (see DirectMappings).
   bool shm_direct = true;
+  // Tests only (--allow-rendezvous): Endpoint::AllowRendezvous on every endpoint made.
+  bool allow_rendezvous = false;
   // Host memory objects of one peer mapped at once: each takes one of the process's
   // guarded mappings (FaultGuard, 65,536, shared with our own engines' regions), so one
   // peer exporting ever more objects cannot take them all. Regions in objects past the

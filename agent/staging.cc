@@ -527,10 +527,11 @@ void Stager::Run(const std::string& transfer_id, v1::TransferOp op, StagedRoute 
     return;
   }
   planning::StagingPlanOptions plan_options;
-  // Over an endpoint without native RMA the chunks travel as eager messages, which the
-  // peer's UCX assembles whole: smaller ones bound what it holds for us.
+  // Over an eager-only endpoint (no native RMA, or no peer error handling: the
+  // same-host default) the chunks travel as eager messages, which the peer's UCX
+  // assembles whole: smaller ones bound what it holds for us.
   plan_options.chunk_bytes =
-      job->peer->endpoint->NativeRma() ? pool_->chunk_bytes() : options_.pool.AmMessageBytes();
+      job->peer->endpoint->EagerOnly() ? options_.pool.AmMessageBytes() : pool_->chunk_bytes();
   plan_options.buffers = pool_->buffers();
   plan_options.max_pieces = options_.max_pieces;
   // A chunk's header (or a read request, which names the same pieces) must fit one
@@ -912,6 +913,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
     }
   }
   chunks_received_.fetch_add(1);
+  if (message.rendezvous) rendezvous_received_.fetch_add(1);
   if (!message.rendezvous) {
     absl::Status s = CopyIn(header, reinterpret_cast<const uint8_t*>(message.data.data()), targets);
     Credit(key, s.ok() ? total : 0, s.ok() ? "" : std::string(s.message()));
@@ -1167,7 +1169,7 @@ void Stager::StartRemoteRead(const std::shared_ptr<Job>& job, size_t index,
   header.set_incarnation(options_.incarnation);
   header.set_transfer_id(job->transfer_id);
   header.set_request_id(id);
-  if (!job->peer->endpoint->NativeRma()) header.set_eager_replies(true);
+  if (job->peer->endpoint->EagerOnly()) header.set_eager_replies(true);
   for (const auto& p : chunk.pieces) {
     wire::StagedPiece* piece = header.add_pieces();
     piece->set_remote_address(p.remote_address);
@@ -1308,18 +1310,23 @@ bool Stager::OnReadReply(const wire::StagedReadReply& header, const transport::A
                       length));
     return false;
   }
-  if (!job.peer->endpoint->NativeRma()) {
+  if (job.peer->endpoint->EagerOnly()) {
     // We asked for eager replies: fetching a rendezvous over tcp would make UCX answer
-    // the peer by itself, and abort this process if that fails because the peer died.
+    // the peer by itself, and abort this process if that fails because the peer died;
+    // over shared memory without peer error handling, a failed fetch lets UCX abort
+    // this process on the peer's next rendezvous (Endpoint::EagerOnly).
     EndRead(id, absl::DataLossError(fmt::format(
-                    "peer '{}' answered a staged read over an endpoint without native RMA "
-                    "(tcp) with a rendezvous, though eager replies were asked; the bytes were "
-                    "not fetched. The peer runs an incompatible version or is faulty",
-                    peer)));
+                    "peer '{}' answered a staged read with a rendezvous, though eager replies "
+                    "were asked (its endpoint has {}); the bytes were not fetched. The peer "
+                    "runs an incompatible version or is faulty",
+                    peer,
+                    job.peer->endpoint->NativeRma() ? "no peer error handling"
+                                                    : "no native RMA (tcp)")));
     return false;  // UCX drops the data unfetched
   }
   // Rendezvous: fetched into the request's buffer at its offset, then copied into place
   // unless the request ended meanwhile (abandoned: the bytes stay in our buffer).
+  rendezvous_received_.fetch_add(1);
   ++request->receiving;
   uint8_t* landing = request->lease->data() + offset;
   worker_->ReceiveAmData(message.descriptor, landing, length,

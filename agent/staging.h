@@ -275,6 +275,10 @@ class Stager {
 
   uint64_t chunks_received() const { return chunks_received_.load(); }
   uint64_t chunks_rejected() const { return chunks_rejected_.load(); }
+  // Chunks and read replies taken by rendezvous (fetched): from agents on other hosts
+  // with native RMA and peer error handling, or same-host agents of older versions;
+  // same-host agents of this version send eager (transport Endpoint::EagerOnly).
+  uint64_t rendezvous_received() const { return rendezvous_received_.load(); }
   uint64_t reads_served() const { return reads_served_.load(); }
   uint64_t reads_refused() const { return reads_refused_.load(); }
   // Bounce buffers written off: sending ones (WriteOffTransfer) and receive ones held
@@ -426,6 +430,7 @@ class Stager {
 
   std::atomic<uint64_t> chunks_received_{0};
   std::atomic<uint64_t> chunks_rejected_{0};
+  std::atomic<uint64_t> rendezvous_received_{0};
   std::atomic<bool> stopping_{false};
   absl::Mutex sweep_mu_;
   absl::CondVar sweep_cv_;

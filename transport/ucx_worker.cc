@@ -337,7 +337,7 @@ ucp_datatype_t CopiedBytesType() {
   return type;
 }
 
-// Eager and copied, for a peer without native RMA (Endpoint::NativeRma): no rendezvous
+// Eager and copied, for Endpoint::EagerOnly endpoints and eager replies: no rendezvous
 // (the receiver gets the whole message in its handler and never sends UCX protocol
 // messages back for it), and no zero-copy fragments (UCX 1.13's tcp transport fails an
 // assertion, uct_iface.h "comp->count > 0", when the peer dies with zero-copy sends in
@@ -1081,7 +1081,7 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       param.flags |= UCP_AM_SEND_FLAG_REPLY;
     }
-    if (!native_rma_) ForceEagerCopy(param, send->payload.size() - header_size);
+    if (EagerOnly()) ForceEagerCopy(param, send->payload.size() - header_size);
     const char* bytes = send->payload.data();
     return ucp_am_send_nbx(ep_, id, header_size > 0 ? bytes : nullptr, header_size,
                            bytes + header_size, send->payload.size() - header_size, &param);
@@ -1109,7 +1109,7 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
   worker_.CountSent(id);
   op->payload.assign(header.data(), header.size());  // the header only; data is referenced
   StartSend(std::move(op), [this, id, data, length](SendOp* send, ucp_request_param_t& param) {
-    if (!native_rma_) ForceEagerCopy(param, length);
+    if (EagerOnly()) ForceEagerCopy(param, length);
     return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),
                            send->payload.size(), data, length, &param);
   });

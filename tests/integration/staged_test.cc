@@ -148,9 +148,34 @@ void CheckScatteredWrite(const StagedPair& pair) {
   CHECK(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 2, 0));
 }
 
+// Same-host agents send chunks and read replies eager (transport Endpoint::EagerOnly);
+// --allow-rendezvous makes them send by rendezvous, as agents of older versions (and
+// agents on other hosts with RDMA) do, so the receiving side's rendezvous path (a
+// chunk waiting for a receive buffer, then fetched into it) runs too.
+const std::vector<std::string>& SendMode(const std::string& mode) {
+  static const std::vector<std::string> eager = {"--metrics-listen", "127.0.0.1:0"},
+                                        rendezvous = {"--metrics-listen", "127.0.0.1:0",
+                                                      "--allow-rendezvous"};
+  return mode == "rendezvous" ? rendezvous : eager;
+}
+
+// The agent that took chunks or read replies took them as `mode` says.
+void CheckSentAs(const std::string& mode, cli::AgentClient& receiver) {
+  const double by_rendezvous = Value(Scrape(MetricsAddress(receiver)), "kvagent_staging_total",
+                                     {"event=\"received_by_rendezvous\""});
+  if (mode == "rendezvous") {
+    CHECK(by_rendezvous > 0);
+  } else {
+    CHECK(by_rendezvous == 0);
+  }
+}
+
 TEST_CASE("staged WRITE: scattered pages larger than a chunk and a state slot arrive intact, "
           "and the notification comes only after the data") {
-  StagedPair pair(true, true, 80 << 10);  // pages of 80 KiB: each splits over two chunks
+  const std::string mode = GENERATE("eager", "rendezvous");
+  INFO("chunks sent " << mode);
+  // Pages of 80 KiB: each splits over two chunks.
+  StagedPair pair(true, true, 80 << 10, SendMode(mode));
   auto regions = Require(pair.decode_client->Regions(), "listing decode regions");
   for (const auto& r : regions.regions()) CHECK(r.memory_path() == "staged");
 
@@ -180,6 +205,7 @@ TEST_CASE("staged WRITE: scattered pages larger than a chunk and a state slot ar
   // Untouched items stayed as they were.
   CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 0, 0));
   CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 3, 3));
+  CheckSentAs(mode, *pair.decode_client);
 }
 
 TEST_CASE("a staged WRITE that asks to complete when placed completes when acknowledged: the "
@@ -215,12 +241,13 @@ TEST_CASE("a staged WRITE that asks to complete when placed completes when ackno
 // on the header bytes, 1,024 pieces made a 13 KiB chunk header, and UCX aborted the
 // sending agent ("RTS is too big 13405, max 8256": a rendezvous header must fit one
 // transport buffer). Chunks now end where their pieces fill the worker's largest
-// active-message header. Both ways, over shared memory (staged regions, rendezvous
-// chunks) and over tcp (the agents' own eager messages, read requests naming as many
-// pieces).
-void ManySmallPages(bool over_tcp) {
+// active-message header. Both ways, over shared memory (staged regions, chunks eager
+// and, as older agents sent them, by rendezvous) and over tcp (the agents' own eager
+// messages, read requests naming as many pieces).
+void ManySmallPages(bool over_tcp, const std::string& mode = "eager") {
   std::vector<std::string> args = {"--staging-chunk-bytes", "4194304"};
   if (over_tcp) args.insert(args.end(), {"--ucx-error-mode", "peer"});
+  args.insert(args.end(), SendMode(mode).begin(), SendMode(mode).end());
   StagedPair pair(!over_tcp, !over_tcp, 256, args, 2048);
   std::vector<uint64_t> src, dst;
   for (uint64_t i = 0; i < 1024; ++i) {
@@ -249,11 +276,16 @@ void ManySmallPages(bool over_tcp) {
   CHECK(wrong == 0);
   CHECK(written.bytes_done() == 1024 * 4 * 256);
   CHECK(read.bytes_done() == 1024 * 4 * 256);
+  if (!over_tcp) {
+    CheckSentAs(mode, *pair.decode_client);  // the WRITE's chunks and the READ's replies
+  }
 }
 
 TEST_CASE("staged WRITE and READ of a thousand small scattered pages: chunk headers fit the "
           "transport, over shared memory") {
-  ManySmallPages(false);
+  const std::string mode = GENERATE("eager", "rendezvous");
+  INFO("chunks sent " << mode);
+  ManySmallPages(false, mode);
 }
 
 TEST_CASE("WRITE and READ of a thousand small scattered pages over tcp: chunk headers and read "
@@ -371,9 +403,12 @@ void AddSlot(v1::SubmitTransferRequest& request, uint64_t local, uint64_t remote
 // Waits until the transfer reports drained (bounded), returning the last state.
 TEST_CASE("READ of the peer's staged memory: scattered pages split over chunks and a state "
           "slot arrive intact, into host or staged memory") {
+  const std::string mode = GENERATE("eager", "rendezvous");
+  INFO("replies sent " << mode);
   for (bool stage_decode : {false, true}) {
     INFO("decode's own memory staged: " << stage_decode);
-    StagedPair pair(true, stage_decode, 80 << 10);  // prefill stages; pages span 2 chunks
+    // prefill stages; pages span 2 chunks.
+    StagedPair pair(true, stage_decode, 80 << 10, SendMode(mode));
     auto request = Request("read-staged", "prefill", v1::READ, {2, 9, 3, 14}, {1, 5, 6, 11});
     AddSlot(request, 1, 3);
     auto submitted = pair.decode_client->Submit(request);
@@ -392,6 +427,7 @@ TEST_CASE("READ of the peer's staged memory: scattered pages split over chunks a
     CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 0, 0));
     CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 0, 2, 2));
     CHECK_FALSE(StagedPair::ItemEqual(pair.prefill_pool, pair.decode_pool, 1, 0, 0));
+    CheckSentAs(mode, *pair.decode_client);
     // The serving agent's pages are unchanged by being read.
     for (uint64_t i : {1, 5, 6, 11}) {
       for (uint32_t r = 0; r < 4; ++r) {

@@ -125,6 +125,9 @@ class UcxAttacker {
       auto endpoint = transport::Endpoint::Connect(*worker_, remote_address, mode, nullptr);
       if (endpoint.ok()) {
         endpoint_ = *std::move(endpoint);
+        // An attacker sends large messages by rendezvous where UCX picks it, though
+        // agents send everything eager over a same-host endpoint (EagerOnly).
+        endpoint_->AllowRendezvous();
       } else {
         connected = endpoint.status();
       }

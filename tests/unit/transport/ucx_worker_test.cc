@@ -209,6 +209,8 @@ TEST_CASE("active messages arrive intact, eager and rendezvous") {
 
   for (ErrorMode mode : {ErrorMode::kNone, ErrorMode::kPeer}) {
     std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), mode);
+    // The big one by rendezvous where the endpoint has native RMA.
+    a.worker->RunSync([&] { ep->AllowRendezvous(); });
     const std::vector<char> big = Pattern(1 << 20, 3);
     const std::string header = "transfer-42:done";
     const std::string small_data = "payload";
@@ -245,6 +247,77 @@ TEST_CASE("active messages arrive intact, eager and rendezvous") {
   CHECK_FALSE(off_thread.load());
 }
 
+// Without peer error handling (the same-host default) UCX never reports a peer that
+// died, and UCX 1.13 aborts a receiver that takes a rendezvous request from a sender
+// whose earlier fetch failed (ucp_am_rndv_process_rts): such an endpoint sends every
+// active message eager, however big; so does one without native RMA (tcp, here an
+// endpoint with peer error handling). AllowRendezvous (tests: an older or hostile
+// peer) lifts the first rule only.
+TEST_CASE("an endpoint without peer error handling sends every active message eager") {
+  Agent a = Agent::Make("eager-a");
+  Agent b = Agent::Make("eager-b");
+  constexpr uint16_t kId = 13;
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, bool>> received;  // header, came by rendezvous
+  b.worker->SetAmDataHandler(kId, [&](const transport::AmMessage& m) {
+    absl::MutexLock lock(&mu);
+    received.emplace_back(std::string(m.header), m.rendezvous);
+    return false;  // a rendezvous one is dropped unfetched: only its arrival counts
+  });
+  const std::string big(1 << 20, 'e');  // over every rendezvous threshold UCX picks here
+  for (const auto& [mode, allow_rendezvous] :
+       {std::pair{ErrorMode::kNone, false}, std::pair{ErrorMode::kNone, true},
+        std::pair{ErrorMode::kPeer, true}}) {
+    const std::string header =
+        std::string(ErrorModeName(mode)) + (allow_rendezvous ? "-rendezvous-allowed" : "");
+    std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), mode);
+    bool eager_only = false, native_rma = false;
+    std::string transports;
+    REQUIRE(Await(*a.worker, [&](Completion done) { ep->Flush(std::move(done)); }).ok());
+    a.worker->RunSync([&] {
+      transports = ep->ReadLanes();  // final after a flush; settles NativeRma
+      if (allow_rendezvous) ep->AllowRendezvous();
+      eager_only = ep->EagerOnly();
+      native_rma = ep->NativeRma();
+    });
+    INFO(header << " over " << transports << ", native RMA " << native_rma);
+    if (transports.find("cma") != std::string::npos) CHECK(native_rma);
+    if (mode == ErrorMode::kNone && !allow_rendezvous) CHECK(eager_only);
+    CHECK(eager_only == (!native_rma || (mode == ErrorMode::kNone && !allow_rendezvous)));
+    for (bool copy : {true, false}) {
+      a.worker->Post([&ep, &big, header, copy] {
+        if (copy) {
+          ep->SendAm(kId, header, big, [](absl::Status) {});
+        } else {
+          ep->SendAmNoCopy(kId, header, big.data(), big.size(), [](absl::Status) {});
+        }
+      });
+    }
+    {
+      absl::MutexLock lock(&mu);
+      auto arrived = [&] { return received.size() >= 2; };
+      REQUIRE(mu.AwaitWithTimeout(absl::Condition(&arrived), kWait));
+      for (const auto& [h, rendezvous] : received) {
+        CHECK(h == header);
+        CHECK(rendezvous == !eager_only);  // what UCX did, not what we said
+      }
+      received.clear();
+    }
+    // A dropped rendezvous send's completion is UCX's business: flush with the
+    // endpoint's last message instead of waiting for it.
+    REQUIRE(Await(*a.worker, [&](Completion done) {
+              ep->SendAm(kId, "last", "", std::move(done));
+            }).ok());
+    {
+      absl::MutexLock lock(&mu);
+      auto arrived = [&] { return !received.empty(); };
+      REQUIRE(mu.AwaitWithTimeout(absl::Condition(&arrived), kWait));
+      received.clear();
+    }
+    Destroy(*a.worker, ep);
+  }
+}
+
 TEST_CASE("an active message over its handler's limit is dropped unread, eager or rendezvous") {
   Agent a = Agent::Make("limit-a");
   Agent b = Agent::Make("limit-b");
@@ -259,6 +332,7 @@ TEST_CASE("an active message over its handler's limit is dropped unread, eager o
       },
       /*max_data_bytes=*/1024);
   std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), ErrorMode::kNone);
+  a.worker->RunSync([&] { ep->AllowRendezvous(); });
   const std::string big(1 << 20, 'x');     // rendezvous
   const std::string medium(4096, 'y');     // eager, still over the limit
   for (const auto* data : {&big, &medium}) {
@@ -340,6 +414,7 @@ TEST_CASE("silenced handlers never run: later messages are dropped and counted")
     return false;
   });
   std::unique_ptr<Endpoint> ep = Connect(*a.worker, b.worker->address(), ErrorMode::kNone);
+  a.worker->RunSync([&] { ep->AllowRendezvous(); });  // the big messages below by rendezvous
   // Before: the handler runs (so the messages below would reach it).
   REQUIRE(Await(*a.worker, [&](Completion done) { ep->SendAm(kPlain, "h", "d", std::move(done)); })
               .ok());
