@@ -337,15 +337,18 @@ ucp_datatype_t CopiedBytesType() {
   return type;
 }
 
-// Eager and copied, for Endpoint::EagerOnly endpoints and eager replies: no rendezvous
-// (the receiver gets the whole message in its handler and never sends UCX protocol
-// messages back for it), and no zero-copy fragments (UCX 1.13's tcp transport fails an
-// assertion, uct_iface.h "comp->count > 0", when the peer dies with zero-copy sends in
-// flight: seen in peer_fault_test). `length`: bytes of data (0: none).
-void ForceEagerCopy(ucp_request_param_t& param, uint64_t length) {
+// Eager, for Endpoint::EagerOnly endpoints and eager replies: no rendezvous (the
+// receiver gets the whole message in its handler and never sends UCX protocol messages
+// back for it). `copied` (an endpoint without native RMA, and replies): no zero-copy
+// fragments either (UCX 1.13's tcp transport fails an assertion, uct_iface.h
+// "comp->count > 0", when the peer dies with zero-copy sends in flight: seen in
+// peer_fault_test); the generic datatype that ensures it also rules out UCX's inline
+// short sends, so endpoints that do not need it keep contiguous bytes (shared memory
+// has no zero-copy active messages anyway). `length`: bytes of data (0: none).
+void ForceEager(ucp_request_param_t& param, uint64_t length, bool copied) {
   param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
   param.flags |= UCP_AM_SEND_FLAG_EAGER;
-  if (length > 0) {
+  if (copied && length > 0) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
     param.datatype = CopiedBytesType();
   }
@@ -680,7 +683,7 @@ void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header
   op->payload.assign(header.data(), header.size());
   auto* ep = static_cast<ucp_ep_h>(reply_ep);
   StartSend(std::move(op), [ep, id, data, length, eager](SendOp* send, ucp_request_param_t& param) {
-    if (eager) ForceEagerCopy(param, length);
+    if (eager) ForceEager(param, length, /*copied=*/true);
     return ucp_am_send_nbx(ep, id, send->payload.empty() ? nullptr : send->payload.data(),
                            send->payload.size(), data, length, &param);
   });
@@ -1081,7 +1084,7 @@ void Endpoint::SendAm(uint16_t id, std::string_view header, std::string_view dat
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       param.flags |= UCP_AM_SEND_FLAG_REPLY;
     }
-    if (EagerOnly()) ForceEagerCopy(param, send->payload.size() - header_size);
+    if (EagerOnly()) ForceEager(param, send->payload.size() - header_size, !native_rma_);
     const char* bytes = send->payload.data();
     return ucp_am_send_nbx(ep_, id, header_size > 0 ? bytes : nullptr, header_size,
                            bytes + header_size, send->payload.size() - header_size, &param);
@@ -1109,7 +1112,7 @@ void Endpoint::SendAmNoCopy(uint16_t id, std::string_view header, const void* da
   worker_.CountSent(id);
   op->payload.assign(header.data(), header.size());  // the header only; data is referenced
   StartSend(std::move(op), [this, id, data, length](SendOp* send, ucp_request_param_t& param) {
-    if (EagerOnly()) ForceEagerCopy(param, length);
+    if (EagerOnly()) ForceEager(param, length, !native_rma_);
     return ucp_am_send_nbx(ep_, id, send->payload.empty() ? nullptr : send->payload.data(),
                            send->payload.size(), data, length, &param);
   });

@@ -342,20 +342,22 @@ class Endpoint {
   // completion UCX 1.13's tcp miscounts when the peer dies). Read at Connect and by
   // ReadLanes.
   bool NativeRma() const { return native_rma_; }
-  // Whether every active message sent here goes eager and copied (ForceEagerCopy): on an
+  // Whether every active message sent here goes eager (ucx_worker.cc ForceEager): on an
   // endpoint without native RMA (above), and on one without peer error handling
   // (ErrorMode::kNone, the same-host default), where UCX never reports a peer that died.
   // There a rendezvous request from a sender killed mid-stream aborts the RECEIVING
   // process inside UCX 1.13 (ucp_am_rndv_process_rts: "Assertion `(*ep_p)->worker ==
   // worker'") once an earlier fetch from it failed; an eager message asks nothing of its
-  // receiver. Cost: large messages go in parts through the shared-memory FIFO, copied,
-  // instead of one zero-copy fetch (docs/ARCHITECTURE.md, "Host staging").
+  // receiver. Without native RMA they are also copied (no zero-copy fragments). Cost:
+  // large messages go in parts through the shared-memory FIFO instead of one zero-copy
+  // fetch (docs/ARCHITECTURE.md, "Host staging").
   bool EagerOnly() const {
     return !native_rma_ || (mode_ == ErrorMode::kNone && !rendezvous_allowed_);
   }
   // Lifts the no-peer-error-handling half of EagerOnly: large messages then go as UCX
   // picks (rendezvous), as an agent of an older version or a hostile peer may send
-  // them. For tests of the receiving side; agents never call it.
+  // them. For tests of the receiving side (an agent calls it only when started with
+  // the hidden test flag --allow-rendezvous).
   void AllowRendezvous() { rendezvous_allowed_ = true; }
 
   absl::StatusOr<RemoteKey> UnpackRkey(std::string_view packed) const;
