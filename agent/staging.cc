@@ -913,7 +913,6 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
     }
   }
   chunks_received_.fetch_add(1);
-  if (message.rendezvous) rendezvous_received_.fetch_add(1);
   if (!message.rendezvous) {
     absl::Status s = CopyIn(header, reinterpret_cast<const uint8_t*>(message.data.data()), targets);
     Credit(key, s.ok() ? total : 0, s.ok() ? "" : std::string(s.message()));
@@ -922,6 +921,7 @@ bool Stager::OnChunk(const wire::StagedChunkHeader& header, const transport::AmM
 
   // Rendezvous: fetch into a bounce buffer (the data waits on the sender until one is
   // free), then copy into place. The regions stay referenced until the copy is done.
+  rendezvous_received_.fetch_add(1);
   ++receiving_;
   const std::string from = header.from_agent();
   receiving_by_peer_.Add(from);
