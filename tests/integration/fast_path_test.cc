@@ -6,6 +6,7 @@
 // and an honest transfer is byte-exact after each.
 #include <fcntl.h>
 #include <poll.h>
+#include <spawn.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -784,31 +785,108 @@ TEST_CASE("fast path: an entry published without its doorbell is still taken") {
   CHECK(ms < 1000);
 }
 
-// Forks a child that runs `setup` (it must use no gRPC: the parent's threads are not in
-// the child) and then waits to be killed; returns its pid once `setup` returned 0 (a
-// non-zero value is the child's exit status, and fails the test).
-pid_t ForkReady(const std::function<int()>& setup) {
+// A client process that dies holding a session and a ring. It is this test binary again,
+// started fresh with posix_spawn and told its role by environment, never a fork() of this
+// process: a fork copies a process whose gRPC and sanitizer threads may hold locks the
+// child then waits on forever (seen once under ASan in CI, a child that never finished
+// its setup). The role runs in a hidden test case below, writes one byte to fd 3 when its
+// setup is done, and waits to be killed; a non-zero exit status names the step that
+// failed.
+constexpr char kChildRoleEnv[] = "KVAGENT_FAST_PATH_CHILD_ROLE";
+constexpr char kChildSessionEnv[] = "KVAGENT_FAST_PATH_CHILD_SESSION";
+constexpr char kChildCase[] = "fast path child role";
+constexpr int kChildReadyFd = 3;
+constexpr int kChildSetupMs = 60000;
+// The user data of a ring's notification watch.
+constexpr uint64_t kWatchData = 77;
+
+pid_t SpawnReady(const std::string& role, const std::string& session_path) {
   int ready[2];
-  REQUIRE(pipe(ready) == 0);
-  const pid_t child = fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    close(ready[0]);
-    if (const int failed = setup(); failed != 0) _exit(failed);
-    char byte = 1;
-    if (::write(ready[1], &byte, 1) != 1) _exit(100);
-    for (;;) pause();
+  REQUIRE(pipe2(ready, O_CLOEXEC) == 0);
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    // The child writes no JUnit XML over this run's, and takes no role of ours.
+    if (entry.rfind("XML_OUTPUT_FILE=", 0) == 0 || entry.rfind(kChildRoleEnv, 0) == 0 ||
+        entry.rfind(kChildSessionEnv, 0) == 0) {
+      continue;
+    }
+    env.push_back(entry);
   }
+  env.push_back(fmt::format("{}={}", kChildRoleEnv, role));
+  env.push_back(fmt::format("{}={}", kChildSessionEnv, session_path));
+  std::vector<std::string> args = {"/proc/self/exe", kChildCase};
+  std::vector<char*> argv, envp;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  REQUIRE(posix_spawn_file_actions_init(&actions) == 0);
+  REQUIRE(posix_spawn_file_actions_adddup2(&actions, ready[1], kChildReadyFd) == 0);
+  pid_t child = -1;
+  const int spawned = posix_spawn(&child, "/proc/self/exe", &actions, nullptr, argv.data(),
+                                  envp.data());
+  posix_spawn_file_actions_destroy(&actions);
   close(ready[1]);
+  INFO("posix_spawn of this test binary: " << std::strerror(spawned));
+  REQUIRE(spawned == 0);
+  pollfd p{ready[0], POLLIN, 0};
+  int polled;
+  do {
+    polled = poll(&p, 1, kChildSetupMs);
+  } while (polled < 0 && errno == EINTR);
   char byte = 0;
-  const ssize_t got = ::read(ready[0], &byte, 1);
+  const ssize_t got = polled == 1 ? ::read(ready[0], &byte, 1) : 0;
   close(ready[0]);
-  if (got != 1) {
-    int wstatus = 0;
-    waitpid(child, &wstatus, 0);
-    FAIL("the child failed its setup: exit status " << WEXITSTATUS(wstatus));
+  if (got == 1) return child;
+  if (polled == 0) kill(child, SIGKILL);
+  int wstatus = 0;
+  waitpid(child, &wstatus, 0);
+  if (polled == 0) {
+    FAIL("the child (" << role << ") did not finish its setup in " << kChildSetupMs
+                       << " ms; its output is above in this test's log");
   }
-  return child;
+  FAIL("the child (" << role << ") failed its setup: "
+                     << (WIFEXITED(wstatus) ? fmt::format("exit status {}", WEXITSTATUS(wstatus))
+                                            : fmt::format("signal {}", WTERMSIG(wstatus))));
+  return -1;
+}
+
+// Runs only in a process SpawnReady started (hidden: "[.]"). Exit statuses: 3 attach,
+// 4 open the ring, 5 submit or watch, 6 reap, 7 the watch was refused, 8 no answer to
+// the watch in 30 s, 9 no ready pipe, 10 unknown role.
+TEST_CASE("fast path child role", "[.]") {
+  const char* role_env = std::getenv(kChildRoleEnv);
+  const char* session_env = std::getenv(kChildSessionEnv);
+  if (role_env == nullptr || session_env == nullptr) return;  // run by hand: nothing to do
+  const std::string role = role_env;
+  auto session = client::LocalSession::Attach(session_env, role == "doomed-engine"
+                                                               ? "doomed-engine"
+                                                               : "decode-7");
+  if (!session.ok()) _exit(3);
+  auto fast = FastPath::Open(session->get());
+  if (!fast.ok()) _exit(4);
+  if (role == "doomed-engine") {
+    // Eight transfers, then it waits to die.
+    for (uint64_t i = 0; i < 8; ++i) {
+      if (!(*fast)->Submit(KvWrite(fmt::format("orphan-{}", i), {i}, {i}), i).ok()) _exit(5);
+    }
+  } else if (role == "durable-watcher") {
+    // Attached to the subscription; it never reaps a notification nor acknowledges one.
+    if (!(*fast)->WatchNotifications({}, "kv-ready", kWatchData).ok()) _exit(5);
+    std::vector<FastCompletion> answer;
+    for (int i = 0; i < 3 && answer.empty(); ++i) {
+      if (!(*fast)->Reap(&answer, 1, absl::Seconds(10)).ok()) _exit(6);
+    }
+    if (answer.empty()) _exit(8);
+    if (answer[0].opcode != fr::kWatchNotifications || !answer[0].status().ok()) _exit(7);
+  } else {
+    _exit(10);
+  }
+  char byte = 1;
+  if (::write(kChildReadyFd, &byte, 1) != 1) _exit(9);
+  for (;;) pause();
 }
 
 TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck transfer") {
@@ -816,17 +894,7 @@ TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck tra
   REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   const std::string session_path = pair.prefill_process().address().substr(5) + ".session";
   // A session, a ring, eight transfers, then it waits to die.
-  const pid_t child = ForkReady([&] {
-    auto session = client::LocalSession::Attach(session_path, "doomed-engine");
-    if (!session.ok()) return 3;
-    static auto fast = FastPath::Open(session->get());  // kept until the child dies
-    if (!fast.ok()) return 4;
-    for (uint64_t i = 0; i < 8; ++i) {
-      if (!(*fast)->Submit(KvWrite(fmt::format("orphan-{}", i), {i}, {i}), i).ok()) return 5;
-    }
-    static auto keep = std::move(session);
-    return 0;
-  });
+  const pid_t child = SpawnReady("doomed-engine", session_path);
   // The agent took the entries before the child said so? Give it a moment, then kill.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   REQUIRE(kill(child, SIGKILL) == 0);
@@ -857,7 +925,6 @@ TEST_CASE("fast path: a client killed mid-flight leaves no ring and no stuck tra
 
 // ---- Notifications on the completion ring (kWatchNotifications) ----
 
-constexpr uint64_t kWatchData = 77;
 
 // Opens a ring on `client`'s session that watches its notifications (of `ids`).
 std::unique_ptr<FastPath> OpenWatching(cli::AgentClient& client,
@@ -1225,19 +1292,7 @@ TEST_CASE("fast path: a durable watch survives its session's death: what was wri
   const std::string session_path = pair.decode_process().address().substr(5) + ".session";
   // A session named decode-7, a ring attached to the subscription; the child never reaps
   // a notification nor acknowledges one, and is killed.
-  const pid_t child = ForkReady([&] {
-    auto session = client::LocalSession::Attach(session_path, "decode-7");
-    if (!session.ok()) return 3;
-    static auto fast = FastPath::Open(session->get());  // kept until the child dies
-    if (!fast.ok()) return 4;
-    if (!(*fast)->WatchNotifications({}, "kv-ready", kWatchData).ok()) return 5;
-    std::vector<FastCompletion> answer;
-    while (answer.empty()) {
-      if (!(*fast)->Reap(&answer, 1, absl::Seconds(10)).ok()) return 6;
-    }
-    static auto keep = std::move(session);
-    return answer[0].opcode == fr::kWatchNotifications && answer[0].status().ok() ? 0 : 7;
-  });
+  const pid_t child = SpawnReady("durable-watcher", session_path);
   for (int i = 0; i < 3; ++i) GrpcWrite(pair, fmt::format("durable-{}", i), i, i, "d");
   // Written on the child's ring (not reaped), held by the subscription.
   v1::AgentStatus status = WaitStatus(pair.decode(), [](const auto& s) {
