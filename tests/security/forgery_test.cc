@@ -5,7 +5,9 @@
 // the owner, an honest notification from eve itself still arrives; one that announces
 // 1 TiB of rendezvous data is refused before anything is allocated. (2) A session
 // "mallory" that polls GetMetadata naming itself "prefill" cannot acknowledge a
-// deregistration on behalf of a hung prefill.
+// deregistration on behalf of a hung prefill. (3) A fake peer agent "eve" (its Peer
+// service and its own UCX worker) answers decode's READ by rendezvous where decode asked
+// for eager replies: refused unfetched, the READ fails with the reason.
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/types.h>
@@ -37,6 +39,7 @@
 #include "proto/wire.pb.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/integration/metrics_scrape.h"
+#include "tests/security/fake_peer.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -1539,6 +1542,137 @@ TEST_CASE("a peer announcing staged data it never sends gets its share of held n
   CHECK(came.size() == kRefused);  // the held ones wait; none is acknowledged as landed
   CHECK_THAT(sample, Contains("1024 of them from 'eve'") && Contains("1024 per sender"));
   RequireHonestWrite(pair, "beside-eve", {2, 3}, {7, 8});
+}
+
+// Eve as an agent that decode READs from: her metadata on a gRPC Peer service on
+// 127.0.0.1 (prefill's real catalog renamed "eve", every region "staged", her own
+// worker's address), and her own UCX worker, which answers each
+// staged read request with one reply of all its bytes, sent as UCX picks from 1 KiB
+// up (rendezvous), whatever the reader asked for.
+class RendezvousReplier final : public v1::Peer::Service {
+ public:
+  explicit RendezvousReplier(v1::AgentMetadata catalog) : bytes_(1 << 20, '\x5a') {
+    ::setenv("UCX_RNDV_THRESH", "1024", 1);
+    auto context = transport::UcxContext::Create();
+    ::unsetenv("UCX_RNDV_THRESH");
+    INFO(context.status().ToString());
+    REQUIRE(context.ok());
+    context_ = *std::move(context);
+    auto worker = transport::UcxWorker::Create(*context_, "eve");
+    INFO(worker.status().ToString());
+    REQUIRE(worker.ok());
+    worker_ = *std::move(worker);
+    worker_->SetAmDataHandler(kStagedReadAm, [this](const transport::AmMessage& m) {
+      Answer(m);
+      return false;
+    });
+    view_ = std::move(catalog);
+    view_.set_name("eve");
+    view_.set_incarnation(1);
+    view_.set_worker_address(worker_->address());
+    view_.set_notify_secret(RandomSecret());
+    view_.set_liveness_address("");  // polled for liveness, as an older agent is
+    view_.set_wire_features(0);
+    for (auto& region : *view_.mutable_regions()) {
+      region.set_memory_path("staged");  // (its rkey stays: it is prefill's, never used)
+      region.set_memory_id(0);
+      region.set_memory_offset(0);
+    }
+    server_ = StartFakePeer(this, &port_);
+  }
+  ~RendezvousReplier() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    worker_.reset();  // its thread finishes the replies in flight first
+  }
+
+  std::string address() const { return fmt::format("127.0.0.1:{}", port_); }
+  int requests() const { return requests_.load(); }
+  int asked_eager() const { return asked_eager_.load(); }
+
+  grpc::Status GetMetadata(grpc::ServerContext*, const v1::GetMetadataRequest* request,
+                           v1::AgentMetadata* reply) override {
+    AnswerMetadata(view_, *request, reply);
+    return grpc::Status::OK;
+  }
+
+ private:
+  // Worker thread.
+  void Answer(const transport::AmMessage& m) {
+    wire::StagedReadRequest request;
+    if (!request.ParseFromArray(m.header.data(), static_cast<int>(m.header.size()))) return;
+    requests_.fetch_add(1);
+    if (request.eager_replies()) asked_eager_.fetch_add(1);
+    uint64_t total = 0;
+    for (const auto& piece : request.pieces()) total += piece.length();
+    wire::StagedReadReply reply;
+    reply.set_from_agent("eve");
+    reply.set_request_id(request.request_id());
+    reply.set_offset(0);
+    worker_->SendAmReply(m.reply_ep, kStagedReadReplyAm, reply.SerializeAsString(),
+                         bytes_.data(), std::min<uint64_t>(total, bytes_.size()),
+                         [](absl::Status) {}, /*eager=*/false);
+  }
+
+  const std::string bytes_;  // what eve answers with; outlives the worker's sends
+  std::unique_ptr<transport::UcxContext> context_;
+  std::unique_ptr<transport::UcxWorker> worker_;
+  v1::AgentMetadata view_;  // set before the server starts, read only after
+  std::atomic<int> requests_{0};
+  std::atomic<int> asked_eager_{0};
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// A reader that asks for eager replies (every endpoint an agent opens here: tcp with
+// peer error handling, shared memory without) must not fetch a rendezvous reply: over
+// tcp UCX would answer the peer by itself and abort this process when that fails, over
+// shared memory a failed fetch lets UCX abort it on the peer's next rendezvous
+// (Endpoint::EagerOnly). Eve answers decode's READ by rendezvous anyway: the READ fails
+// with the reason, nothing of hers lands, and decode keeps taking prefill's WRITEs.
+TEST_CASE("a READ answered by rendezvous though eager replies were asked fails unfetched, and "
+          "the reader stays up") {
+  const std::string mode = GENERATE("peer", "none");
+  INFO("decode's endpoint to eve: --ucx-error-mode " << mode
+       << (mode == "peer" ? " (tcp)" : " (shared memory)"));
+  AgentPairOptions options;
+  options.extra_args = {"--insecure-listen", "127.0.0.1:0", "--ucx-error-mode", mode,
+                        "--shm-direct", "off"};
+  AgentPair pair(options);
+  RendezvousReplier eve(PeerCaller::Attach(pair.prefill_process(), "catalog-reader")
+                            ->Metadata("catalog-reader"));
+  auto connected = pair.decode().Connect(eve.address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  REQUIRE(connected->name() == "eve");
+
+  v1::SubmitTransferRequest read;
+  read.set_transfer_id("read-from-eve");
+  read.set_peer("eve");
+  read.set_op(v1::READ);
+  auto* items = read.add_segments()->mutable_items();
+  items->set_local_group("kv");
+  items->set_remote_group("kv");
+  items->add_local_indices(3);
+  items->add_remote_indices(3);
+  auto submitted = pair.decode().Submit(read);
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = pair.decode().WaitTransfer("read-from-eve", kTimeoutMs);
+  INFO(done.status().ToString());
+  REQUIRE(done.ok());
+  INFO(done->DebugString());
+  CHECK(eve.requests() >= 1);
+  CHECK(eve.asked_eager() == eve.requests());
+  REQUIRE(done->phase() == v1::FAILED);
+  CHECK_THAT(done->error_message(),
+             Contains("peer 'eve' answered a staged read with a rendezvous, though eager "
+                      "replies were asked") &&
+                 Contains("the bytes were not fetched"));
+  CHECK(pair.PageUntouched(3));  // nothing of eve's landed
+  auto status = pair.decode().Status();
+  REQUIRE(status.ok());
+  CHECK(status->dropped_peer_messages() == 0);
+  RequireHonestWrite(pair, "after-eve", {4, 5}, {4, 5});
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/security/fake_peer.h"
 
 namespace kvagent::testing {
 namespace {
@@ -71,12 +72,7 @@ class HostilePeer final : public v1::Peer::Service {
     view_.set_name("mallory");
     view_.set_liveness_address("");  // none: polled for liveness, as an older agent is
     view_.set_version(1);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(this);
-    server_ = builder.BuildAndStart();
-    REQUIRE(server_ != nullptr);
-    REQUIRE(port_ > 0);
+    server_ = StartFakePeer(this, &port_);
   }
   ~HostilePeer() override { Stop(); }
 
@@ -99,14 +95,7 @@ class HostilePeer final : public v1::Peer::Service {
   grpc::Status GetMetadata(grpc::ServerContext*, const v1::GetMetadataRequest* request,
                            v1::AgentMetadata* reply) override {
     absl::MutexLock lock(&mu_);
-    if (request->known_version() == view_.version() &&
-        request->known_incarnation() == view_.incarnation()) {
-      reply->set_name(view_.name());
-      reply->set_incarnation(view_.incarnation());
-      reply->set_version(view_.version());
-    } else {
-      *reply = view_;
-    }
+    AnswerMetadata(view_, *request, reply);
     return grpc::Status::OK;
   }
 
