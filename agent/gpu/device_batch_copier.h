@@ -6,7 +6,7 @@
 // than one copy engine or set of SMs busy. The device copy path
 // (agent/paths/device_copy.cc) runs one per engine on the worker thread;
 // tests/gpu/device_copy_test runs each mechanism on a GPU, and
-// tests/unit/data_path:device_lanes_test runs the lanes over a stand-in driver.
+// tests/unit/gpu:device_lanes_test runs the lanes over a stand-in driver.
 #pragma once
 
 #include <cstdint>
