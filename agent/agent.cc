@@ -454,6 +454,24 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     agent->identity_.health_address = agent->health_door_->address;
     agent->health_->Follow(agent->health_door_->server->GetHealthCheckService());
   }
+  // Under systemd (Type=notify): READY=1 once serving (below), STOPPING=1 at Shutdown,
+  // a STATUS= line as health changes, and with WatchdogSec= a WATCHDOG=1 from every
+  // health round while kvagent.liveness holds, rounds at most a third of it apart: a
+  // stalled worker or receive queue gets the agent restarted, as a liveness probe would.
+  agent->systemd_ = SystemdNotifier::FromEnvironment();
+  if (agent->systemd_) {
+    const absl::Duration watchdog = agent->systemd_->watchdog();
+    kLog.Info("systemd: notifying {}; {}", agent->systemd_->socket(),
+              watchdog > absl::ZeroDuration()
+                  ? fmt::format("watchdog {} (WATCHDOG=1 while kvagent.liveness holds)",
+                                absl::FormatDuration(watchdog))
+                  : std::string("no watchdog (WatchdogSec= not set)"));
+    agent->health_->SetWatchdog(
+        watchdog > absl::ZeroDuration() ? watchdog / 3 : absl::InfiniteDuration(),
+        [notifier = agent->systemd_.get()](bool live, const std::string& status) {
+          notifier->Health(live, status);
+        });
+  }
   agent->health_->Start();
   if (!options.metrics.listen.empty()) {
     ASSIGN_OR_RETURN(agent->metrics_, MetricsServer::Start(options.metrics, [self] {
@@ -487,6 +505,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   doctor.ucx = &caps;
   doctor.device_copy = TransferEngine::device_copy_mode();
   LogDoctorReport(RunDoctor(doctor));
+  if (agent->systemd_) (void)agent->systemd_->Notify("READY=1\n");
   return agent;
 }
 
@@ -739,6 +758,7 @@ void Agent::Shutdown(absl::Duration grace) {
     stopping_ = true;
     stop_cv_.SignalAll();
   }
+  if (systemd_) (void)systemd_->Notify("STOPPING=1\nSTATUS=shutting down\n");
   // Probes see NOT_SERVING at once, while transfers still drain.
   if (health_) health_->Stop();
   // Peers learn at once that this incarnation is leaving (the lease is revoked).

@@ -21,6 +21,7 @@
 #include "agent/agent_service.h"
 #include "agent/directory.h"
 #include "agent/health.h"
+#include "agent/systemd_notify.h"
 #include "agent/heap_trimmer.h"
 #include "agent/metrics.h"
 #include "agent/transfer_metrics.h"
@@ -213,6 +214,9 @@ class Agent {
   std::unique_ptr<LocalDoor> local_door_;
   std::unique_ptr<SessionServer> session_server_;
   ServiceDeps deps_{};
+  // Under systemd with Type=notify (agent/systemd_notify.h), else null; outlives the
+  // health monitor, whose rounds ping its watchdog.
+  std::unique_ptr<SystemdNotifier> systemd_;
   // grpc.health.v1 status of every door (agent/health.h) and the health-only door.
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<HealthDoor> health_door_;

@@ -139,6 +139,12 @@ void HealthMonitor::PostHeartbeat(uint64_t now) {
   worker_->Post([beat = heartbeat_] { beat->Answered(); });
 }
 
+void HealthMonitor::SetWatchdog(absl::Duration every,
+                                std::function<void(bool live, const std::string& status)> ping) {
+  options_.interval = std::min(options_.interval, every);
+  watchdog_ = std::move(ping);
+}
+
 void HealthMonitor::Start() {
   std::shared_ptr<Heartbeat> beat = heartbeat_;
   const uint64_t now = NowMicros();
@@ -226,8 +232,21 @@ HealthMonitor::Verdict HealthMonitor::Evaluate() {
 }
 
 void HealthMonitor::Apply(Verdict verdict) {
-  absl::MutexLock lock(&mu_);
-  if (stopping_) return;
+  bool live = false;
+  std::string status;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    ApplyLocked(std::move(verdict));
+    if (!watchdog_) return;
+    live = live_;
+    status = DescribeLocked();
+    if (!status_.ok() && live_) status += " (kvagent.liveness stays SERVING)";
+  }
+  watchdog_(live, status);  // outside mu_: it sends a datagram
+}
+
+void HealthMonitor::ApplyLocked(Verdict verdict) {
   const bool changed = verdict.ready.ok() != status_.ok() || verdict.live != live_;
   if (verdict.ready.ok() != status_.ok()) {
     if (verdict.ready.ok()) {
@@ -270,6 +289,10 @@ bool HealthMonitor::serving() const {
 std::string HealthMonitor::Describe() const {
   Ask();
   absl::MutexLock lock(&mu_);
+  return DescribeLocked();
+}
+
+std::string HealthMonitor::DescribeLocked() const {
   return status_.ok() ? "SERVING" : fmt::format("NOT_SERVING: {}", status_.message());
 }
 

@@ -72,6 +72,11 @@ class HealthMonitor {
   // A server's health service (grpc::Server::GetHealthCheckService) now follows this
   // monitor's status, starting with the current one (NOT_SERVING before Start).
   void Follow(grpc::HealthCheckServiceInterface* service);
+  // Before Start: `ping` runs on the monitor's thread after every verdict (each round,
+  // Recheck or ask, and at Start) with whether kvagent.liveness holds and Describe()'s
+  // text; rounds come at least every `every` (systemd's watchdog, SystemdNotifier:
+  // WATCHDOG=1 while live). Nothing after Stop.
+  void SetWatchdog(absl::Duration every, std::function<void(bool live, const std::string& status)> ping);
   // Waits for one UCX heartbeat, sets the status, and starts the monitor's thread.
   void Start();
   // NOT_SERVING for good on every followed service (shutdown: probes see it at once,
@@ -100,7 +105,10 @@ class HealthMonitor {
     bool readiness_only = false;
   };
   Verdict Evaluate();
+  // Sets the status (and the watchdog's ping, when set).
   void Apply(Verdict verdict);
+  void ApplyLocked(Verdict verdict) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string DescribeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetAll(grpc::HealthCheckServiceInterface* service, bool ready, bool live);
 
   transport::UcxWorker* worker_;
@@ -108,6 +116,7 @@ class HealthMonitor {
   // Shared with closures still queued on the worker; also what wakes the thread.
   std::shared_ptr<Heartbeat> heartbeat_;
   std::vector<Condition> conditions_;
+  std::function<void(bool, const std::string&)> watchdog_;  // set before Start
   mutable absl::Mutex mu_;
   std::vector<grpc::HealthCheckServiceInterface*> followed_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_) = absl::UnavailableError("starting");

@@ -5,7 +5,9 @@
 #include <sys/wait.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "fmt/format.h"
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "cli/process_cpu.h"
@@ -24,6 +27,7 @@
 #include "tests/integration/agent_pair.h"
 #include "tests/integration/reflection_client.grpc.pb.h"
 #include "tests/unit/catch_main.h"
+#include "tests/unit/health/notify_listener.h"
 
 namespace kvagent::testing {
 namespace {
@@ -288,6 +292,80 @@ TEST_CASE("A stalled UCX worker is reported NOT_SERVING within the stated bounds
     REQUIRE(after.ok());
     CHECK(after->health() == "SERVING");
   }
+  auto exit = agent.Stop();
+  REQUIRE(exit.ok());
+  CHECK(*exit == 0);
+}
+
+// kvagentd under systemd with Type=notify and WatchdogSec=, systemd played by a
+// datagram socket: READY=1 once it serves, WATCHDOG=1 from every health round (a third
+// of the watchdog apart), none while its UCX worker is stuck (so systemd would restart
+// it), again once the worker runs, STOPPING=1 at SIGTERM.
+TEST_CASE("Under systemd: READY=1, a watchdog fed only while the agent is live, STOPPING=1",
+          "[health]") {
+  NotifyListener systemd(fmt::format("/tmp/kvagent-notify-health.{}", getpid()));
+  cli::DaemonOptions d;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  d.binary = *binary;
+  d.name = "notified";
+  d.work_dir = WorkDir() + "/notified";
+  std::filesystem::create_directories(d.work_dir);
+  // Rounds every second; the heartbeat may go unanswered for 5 s before it is judged.
+  d.env = {{"NOTIFY_SOCKET", systemd.name()}, {"WATCHDOG_USEC", "3000000"}};
+  const auto started = std::chrono::steady_clock::now();
+  auto process = cli::DaemonProcess::Start(d);
+  INFO(process.status().ToString());
+  REQUIRE(process.ok());
+  cli::DaemonProcess& agent = *process;
+  const NotifyListener::Message ready = systemd.WaitFor("READY=1", 10000);
+  REQUIRE(ready.text == "READY=1\n");
+  std::printf("under systemd: READY=1 %.2f s after the start\n",
+              std::chrono::duration<double>(ready.at - started).count());
+  cli::AgentClient client(agent.address());
+  REQUIRE(client.Status().ok());  // READY came when it serves
+
+  // Fed: a ping every round, never the watchdog's 3 s apart.
+  auto fed = systemd.Receive(3500);
+  std::vector<std::chrono::steady_clock::time_point> pings;
+  for (const auto& m : fed) {
+    if (m.text.find("WATCHDOG=1") != std::string::npos) pings.push_back(m.at);
+  }
+  INFO(pings.size() << " pings in 3.5 s");
+  REQUIRE(pings.size() >= 3);
+  double widest = 0;
+  for (size_t i = 1; i < pings.size(); ++i) {
+    widest = std::max(widest, std::chrono::duration<double>(pings[i] - pings[i - 1]).count());
+  }
+  CHECK(widest < 3.0);  // within the watchdog
+
+  const pid_t ucx = FindThread(agent.pid(), "ucx-notified");
+  REQUIRE(ucx > 0);
+  {
+    FrozenThread frozen(ucx);
+    if (!frozen.error().empty()) {
+      KVAGENT_SKIP("cannot stop one thread of the agent here (" + frozen.error() +
+                   "); a stuck worker's verdicts are covered in-process by health_monitor_test");
+    }
+    // Not live within ucx_stall (5 s) and a round: the reason as STATUS, then no ping.
+    const auto stuck = std::chrono::steady_clock::now();
+    const NotifyListener::Message down = systemd.WaitFor("STATUS=NOT_SERVING", 10000);
+    INFO(down.text);
+    REQUIRE(down.text.find("STATUS=NOT_SERVING: ucx: the UCX progress thread has not run") == 0);
+    CHECK(down.text.find("WATCHDOG=1") == std::string::npos);
+    std::printf("under systemd: the worker stuck, the watchdog unfed after %.2f s\n",
+                std::chrono::duration<double>(down.at - stuck).count());
+    // Past the watchdog's 3 s: systemd would have restarted it.
+    auto unfed = systemd.Receive(3500);
+    for (const auto& m : unfed) CHECK(m.text.find("WATCHDOG=1") == std::string::npos);
+    frozen.Thaw();
+    const NotifyListener::Message back = systemd.WaitFor("WATCHDOG=1", 5000);
+    INFO(back.text);
+    CHECK(back.text == "STATUS=SERVING\nWATCHDOG=1\n");
+  }
+  REQUIRE(kill(agent.pid(), SIGTERM) == 0);
+  const NotifyListener::Message stopping = systemd.WaitFor("STOPPING=1", 10000);
+  CHECK(stopping.text == "STOPPING=1\nSTATUS=shutting down\n");
   auto exit = agent.Stop();
   REQUIRE(exit.ok());
   CHECK(*exit == 0);

@@ -1,6 +1,8 @@
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -184,6 +186,89 @@ TEST_CASE("HealthMonitor without rounds: Recheck and asking keep it true", "[hea
   monitor.Stop();
   monitor.Recheck();  // after Stop: nothing to wake, no harm
   CHECK(!monitor.serving());
+}
+
+// What systemd's watchdog gets (SystemdNotifier::Health): a verdict after every round,
+// rounds at the watchdog's pace though the monitor's own interval is an hour, live
+// while only a readiness condition fails, not live while the worker is stuck; nothing
+// after Stop.
+TEST_CASE("HealthMonitor::SetWatchdog: a verdict every round, live unless a liveness "
+          "condition fails", "[health]") {
+  auto context = transport::UcxContext::Create();
+  REQUIRE(context.ok());
+  auto worker = transport::UcxWorker::Create(**context, "health-watchdog");
+  REQUIRE(worker.ok());
+  HealthMonitor::Options options;
+  options.interval = absl::Hours(1);
+  options.ucx_stall = absl::Milliseconds(300);
+  HealthMonitor monitor(worker->get(), options);
+  std::atomic<bool> etcd_up{true};
+  monitor.AddCondition(
+      "directory",
+      [&etcd_up]() -> absl::Status {
+        return etcd_up.load() ? absl::OkStatus() : absl::UnavailableError("etcd down");
+      },
+      /*readiness_only=*/true);
+  struct Ping {
+    bool live;
+    std::string status;
+    absl::Time at;
+  };
+  absl::Mutex mu;
+  std::vector<Ping> pings;
+  monitor.SetWatchdog(absl::Milliseconds(50), [&](bool live, const std::string& status) {
+    absl::MutexLock lock(&mu);
+    pings.push_back(Ping{live, status, absl::Now()});
+  });
+  auto since = [&](size_t first) {
+    absl::MutexLock lock(&mu);
+    return std::vector<Ping>(pings.begin() + std::min(first, pings.size()), pings.end());
+  };
+  auto count = [&] {
+    absl::MutexLock lock(&mu);
+    return pings.size();
+  };
+  monitor.Start();
+  REQUIRE(count() >= 1);  // Start's verdict
+  CHECK(since(0)[0].live);
+  CHECK(since(0)[0].status == "SERVING");
+  REQUIRE(Eventually([&] { return count() >= 6; }));  // rounds every 50 ms, not every hour
+  for (const Ping& p : since(0)) CHECK(p.live);
+
+  etcd_up = false;
+  monitor.Recheck();
+  REQUIRE(Eventually([&] {
+    auto all = since(0);
+    return !all.empty() && all.back().status.find("etcd down") != std::string::npos;
+  }));
+  CHECK(since(0).back().live);  // only readiness: the watchdog is still fed
+  CHECK(since(0).back().status ==
+        "NOT_SERVING: directory: etcd down (kvagent.liveness stays SERVING)");
+  etcd_up = true;
+
+  absl::Notification release;
+  (*worker)->Post([&release] { release.WaitForNotification(); });
+  REQUIRE(Eventually([&] {
+    auto all = since(0);
+    return !all.empty() && !all.back().live;
+  }));
+  const size_t stuck_from = count();
+  absl::SleepFor(absl::Milliseconds(300));
+  const auto stuck = since(stuck_from - 1);
+  REQUIRE(stuck.size() >= 3);  // still rounds, every one not live
+  for (const Ping& p : stuck) {
+    CHECK_FALSE(p.live);
+    CHECK(p.status.find("NOT_SERVING: ucx: the UCX progress thread has not run") == 0);
+  }
+  release.Notify();
+  REQUIRE(Eventually([&] {
+    auto all = since(0);
+    return !all.empty() && all.back().live && all.back().status == "SERVING";
+  }));
+  monitor.Stop();
+  const size_t stopped = count();
+  absl::SleepFor(absl::Milliseconds(200));
+  CHECK(count() == stopped);
 }
 
 }  // namespace kvagent::agent
