@@ -621,7 +621,9 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
     status->set_sessions_refused_connecting(deps.session_server->accept_refusals());
   }
   status->set_refused_calls(deps.counters->refused_calls.load());
-  status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load());
+  // With the messages of ids no handler takes (the worker drops them itself).
+  status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load() +
+                                    deps.worker->unknown_messages());
   for (uint16_t am = 1; am <= kMaxAmId; ++am) {
     const uint64_t sent = deps.worker->am_sent(am);
     const uint64_t received = deps.worker->am_received(am);

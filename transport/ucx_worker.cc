@@ -394,6 +394,8 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
   attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
   if (ucp_worker_query(worker->worker_, &attr) == UCS_OK) worker->max_am_header_ = attr.max_am_header;
 
+  if (absl::Status guarded = worker->GuardEveryAmId(); !guarded.ok()) return guarded;
+
   status = ucp_worker_get_efd(worker->worker_, &worker->worker_fd_);
   if (status != UCS_OK) {
     return UcxError(status, fmt::format("UCX worker '{}': ucp_worker_get_efd failed; the "
@@ -552,6 +554,49 @@ void UcxWorker::InstallAmSlot(uint16_t id, AmHandler handler, AmDataHandler data
     kLog.Error("UCX worker '{}': registering active message {} failed ({})", name_, id,
                UcsStatusText(status));
   }
+}
+
+namespace {
+// The worker whose thread runs this code: UnknownAmCallback's, whose argument is only
+// the id (a table of 65,536 {worker, id} pairs would cost a MiB per worker).
+thread_local UcxWorker* tl_progressing = nullptr;
+}  // namespace
+
+absl::Status UcxWorker::GuardEveryAmId() {
+  ucp_am_handler_param_t param{};
+  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  param.flags = UCP_AM_FLAG_WHOLE_MSG;
+  param.cb = UnknownAmCallback;
+  for (uint32_t id = 0; id <= UINT16_MAX; ++id) {
+    param.id = id;
+    param.arg = reinterpret_cast<void*>(static_cast<uintptr_t>(id));
+    if (ucs_status_t status = ucp_worker_set_am_recv_handler(worker_, &param); status != UCS_OK) {
+      return UcxError(status, fmt::format("UCX worker '{}': registering the drop handler of "
+                                          "active message {} failed; this UCX does not take "
+                                          "a handler for every id",
+                                          name_, id));
+    }
+  }
+  return absl::OkStatus();
+}
+
+ucs_status_t UcxWorker::UnknownAmCallback(void* arg, const void*, size_t header_length, void*,
+                                          size_t length, const ucp_am_recv_param_t* param) {
+  UcxWorker* worker = tl_progressing;
+  if (worker == nullptr) return UCS_OK;
+  const auto id = static_cast<uint16_t>(reinterpret_cast<uintptr_t>(arg));
+  const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  const uint64_t count = worker->unknown_messages_.fetch_add(1) + 1;
+  // The first few and then every 1,024th: a flood does not flood the log.
+  if (count <= 4 || count % 1024 == 0) {
+    kLog.Warn("UCX worker '{}': dropped an active message of id {} ({} header bytes, {} data "
+              "bytes{}), which this agent does not take ({} such so far): the sender runs "
+              "another protocol version or is faulty",
+              worker->name_, id, header_length, length,
+              rendezvous ? " by rendezvous, not fetched" : "", count);
+  }
+  return UCS_OK;  // dropped; a rendezvous body is never fetched
 }
 
 void UcxWorker::SilenceAmHandlers() {
@@ -735,6 +780,7 @@ void UcxWorker::SetPoller(WorkerPoller* poller) {
 void UcxWorker::Loop() {
   std::string thread_name = name_.substr(0, 15);  // the kernel's limit
   pthread_setname_np(pthread_self(), thread_name.c_str());
+  tl_progressing = this;
   epoll_event events[3];
   const auto spin = std::chrono::microseconds(spin_us_);
   auto last_work = std::chrono::steady_clock::now();

@@ -7,7 +7,8 @@
 // "mallory" that polls GetMetadata naming itself "prefill" cannot acknowledge a
 // deregistration on behalf of a hung prefill. (3) A fake peer agent "eve" (its Peer
 // service and its own UCX worker) answers decode's READ by rendezvous where decode asked
-// for eager replies: refused unfetched, the READ fails with the reason.
+// for eager replies: refused unfetched, the READ fails with the reason. (4) Active
+// messages of ids the agent takes none of: dropped, counted, the agent stays up.
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/types.h>
@@ -1542,6 +1543,56 @@ TEST_CASE("a peer announcing staged data it never sends gets its share of held n
   CHECK(came.size() == kRefused);  // the held ones wait; none is acknowledged as landed
   CHECK_THAT(sample, Contains("1024 of them from 'eve'") && Contains("1024 per sender"));
   RequireHonestWrite(pair, "beside-eve", {2, 3}, {7, 8});
+}
+
+// UCX delivers an active message of an id nobody registered a handler for by a path of
+// its own (no callback to call); UCX 1.13 crashed a process there (the fake peer below
+// did, under ASan, taking an agent's notifications with no handler for them). An agent
+// registers a handler for every id a peer can name, so each of these is one more
+// dropped, counted message: small and large (rendezvous), with and without a reply
+// endpoint, over shared memory and over tcp. The agent stays up and moves bytes.
+TEST_CASE("active messages of ids the agent does not take are dropped and counted, and the "
+          "agent stays up") {
+  const std::string mode = GENERATE("none", "peer");
+  INFO("--ucx-error-mode " << mode);
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", mode, "--shm-direct", "off"};
+  AgentPair pair(options);
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  UcxAttacker attacker(metadata.worker_address(), "1024",
+                       mode == "peer" ? transport::ErrorMode::kPeer : transport::ErrorMode::kNone);
+  const uint64_t dropped_before = Dropped(decode_status);
+  const std::vector<uint16_t> ids = {0, 8, 9, 31, 63, 64, 255, 256, 4096, 65535};
+  const std::string large(64 << 10, 'u');
+  int sent = 0;
+  for (uint16_t id : ids) {
+    for (bool request : {false, true}) {
+      for (const std::string* data : {static_cast<const std::string*>(nullptr), &large}) {
+        INFO("id " << id << (request ? " with" : " without") << " a reply endpoint, "
+                   << (data != nullptr ? "64 KiB of data" : "header only"));
+        absl::Status s = attacker.Send(id, "unknown-header", data != nullptr ? *data : "",
+                                       request);
+        // Sent, or refused by UCX on our side; either way the agent must not fall.
+        if (s.ok()) ++sent;
+        REQUIRE(Alive(pair.decode_process().pid()));
+      }
+    }
+  }
+  std::printf("--ucx-error-mode %s: %d of %zu messages of unknown ids sent to decode\n",
+              mode.c_str(), sent, ids.size() * 4);
+  CHECK(sent > 0);
+  // Counted: every one that reached the agent (what UCX sent) is a dropped message.
+  uint64_t dropped = dropped_before;
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (dropped < dropped_before + sent && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    dropped = Dropped(decode_status);
+  }
+  CHECK(dropped - dropped_before == static_cast<uint64_t>(sent));
+  REQUIRE(Alive(pair.decode_process().pid()));
+  RequireHonestWrite(pair, "after-unknown-ids", {1, 2}, {1, 2});
 }
 
 // Eve as an agent that decode READs from: her metadata on a gRPC Peer service on
