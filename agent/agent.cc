@@ -458,7 +458,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   // a STATUS= line as health changes, and with WatchdogSec= a WATCHDOG=1 from every
   // health round while kvagent.liveness holds, rounds at most a third of it apart: a
   // stalled worker or receive queue gets the agent restarted, as a liveness probe would.
-  agent->systemd_ = SystemdNotifier::FromEnvironment();
+  agent->systemd_ = options.systemd;
   if (agent->systemd_) {
     const absl::Duration watchdog = agent->systemd_->watchdog();
     kLog.Info("systemd: notifying {}; {}", agent->systemd_->socket(),

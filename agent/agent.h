@@ -100,6 +100,9 @@ struct AgentOptions {
   // For tests only (--allow-rendezvous): same-host endpoints send large active messages
   // by rendezvous (Endpoint::AllowRendezvous), as agents of older versions did.
   bool allow_rendezvous = false;
+  // Under systemd with Type=notify: main takes it from the environment before any thread
+  // starts (SystemdNotifier::FromEnvironment unsets the variables); null otherwise.
+  std::shared_ptr<SystemdNotifier> systemd;
   // Every bound on what callers and peers can grow (--max-* flags; docs/LIMITS.md).
   Limits limits;
   // gRPC's resource quota for this agent's servers: memory for calls in progress
@@ -214,9 +217,9 @@ class Agent {
   std::unique_ptr<LocalDoor> local_door_;
   std::unique_ptr<SessionServer> session_server_;
   ServiceDeps deps_{};
-  // Under systemd with Type=notify (agent/systemd_notify.h), else null; outlives the
-  // health monitor, whose rounds ping its watchdog.
-  std::unique_ptr<SystemdNotifier> systemd_;
+  // AgentOptions::systemd (agent/systemd_notify.h), else null; outlives the health
+  // monitor, whose rounds ping its watchdog.
+  std::shared_ptr<SystemdNotifier> systemd_;
   // grpc.health.v1 status of every door (agent/health.h) and the health-only door.
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<HealthDoor> health_door_;

@@ -22,6 +22,7 @@
 #include "agent/agent.h"
 #include "agent/copy_lanes.h"
 #include "agent/flags.h"
+#include "agent/systemd_notify.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "fmt/format.h"
@@ -593,6 +594,9 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // Read (and unset) while this is the only thread: unsetenv beside threads that read
+  // the environment (UCX, gRPC) would race them.
+  options.systemd = kvagent::agent::SystemdNotifier::FromEnvironment();
   auto agent = kvagent::agent::Agent::Start(options);
   if (!agent.ok()) {
     std::fprintf(stderr, "kvagentd: cannot start: %s\n",
