@@ -871,9 +871,12 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
   REQUIRE(connected.ok());
   v1::SubmitTransferRequest again = KvWrite("d-after", pages, pages);
   if (read) again.set_op(v1::READ);
+  const auto submitted = Clock::now();
   REQUIRE(client.Submit(again).ok());
   const v1::TransferState done = WaitTerminal(client, "d-after", 5000);
   const int64_t ms = MillisSince(hit);
+  // From its own submit: the other agent's start (a second under ASan) is not waiting.
+  const int64_t waited_ms = MillisSince(submitted);
   // The peer may have been hit mid-message into decode's receive queue.
   if (done.phase() != v1::COMPLETED && ReportsReceiveStall(pair.decode(), "decode")) {
     other.Kill();
@@ -885,13 +888,13 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
   // written off, --drain-timeout-ms (1000) after they were sent.
   const double written_off = Value(Scrape(MetricsAddress(pair.decode())),
                                    "kvagent_staging_total", {"event=\"buffers_written_off\""});
-  std::printf("D staged %s: the peer hit by %s; another agent's %s %s %lld ms after it; decode "
-              "wrote off %.0f receive buffers\n",
+  std::printf("D staged %s: the peer hit by %s; another agent's %s %s %lld ms after it (%lld "
+              "after its submit); decode wrote off %.0f receive buffers\n",
               op.c_str(), fault.c_str(), op.c_str(), v1::TransferPhase_Name(done.phase()).c_str(),
-              static_cast<long long>(ms), written_off);
+              static_cast<long long>(ms), static_cast<long long>(waited_ms), written_off);
   INFO(Describe(done));
   REQUIRE(done.phase() == v1::COMPLETED);
-  if (read && ms > 1000) CHECK(written_off >= 1);  // it waited for buffers: written off
+  if (read && waited_ms > 1000) CHECK(written_off >= 1);  // it waited for buffers: written off
   for (uint64_t p : pages) {
     INFO("page " << p);
     CHECK(KvPageEqual(pool, p, pair.decode_pool(), p));
