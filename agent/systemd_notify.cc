@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "base/log.h"
+#include "client/session_wire.h"
 #include "fmt/format.h"
 
 namespace kvagent::agent {
@@ -18,27 +19,31 @@ namespace {
 
 constexpr log::Logger kLog("systemd");
 
-// $NOTIFY_SOCKET as a socket address; false with `error` when it cannot be one.
-bool NotifyAddress(const std::string& socket, sockaddr_un* address, socklen_t* length,
-                   std::string* error) {
-  std::memset(address, 0, sizeof(*address));
-  address->sun_family = AF_UNIX;
+// $NOTIFY_SOCKET as a socket address: a path (client::MakeUnixAddress), or "@name" in
+// the abstract namespace (a NUL first, no NUL at the end).
+absl::StatusOr<client::UnixAddress> NotifyAddress(const std::string& socket) {
   if (socket.empty() || (socket[0] != '/' && socket[0] != '@')) {
-    *error = fmt::format("NOTIFY_SOCKET='{}' is neither an absolute path nor @name (the "
-                         "abstract namespace)",
-                         socket);
-    return false;
+    return absl::InvalidArgumentError(fmt::format(
+        "NOTIFY_SOCKET='{}' is neither an absolute path nor @name (the abstract namespace)",
+        socket));
   }
-  if (socket.size() >= sizeof(address->sun_path)) {
-    *error = fmt::format("NOTIFY_SOCKET is {} bytes long; a socket address holds at most {}",
-                         socket.size(), sizeof(address->sun_path) - 1);
-    return false;
+  if (socket[0] == '/') {
+    absl::StatusOr<client::UnixAddress> path = client::MakeUnixAddress(socket);
+    if (!path.ok()) {
+      return absl::InvalidArgumentError(fmt::format("NOTIFY_SOCKET: {}", path.status().message()));
+    }
+    return path;
   }
-  std::memcpy(address->sun_path, socket.data(), socket.size());
-  if (socket[0] == '@') address->sun_path[0] = '\0';
-  *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket.size() +
-                                   (socket[0] == '@' ? 0 : 1));
-  return true;
+  client::UnixAddress abstract;
+  if (socket.size() > sizeof(abstract.address.sun_path)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "NOTIFY_SOCKET '{}' is {} bytes, over the {} an abstract socket name holds", socket,
+        socket.size(), sizeof(abstract.address.sun_path)));
+  }
+  abstract.address.sun_family = AF_UNIX;
+  std::memcpy(abstract.address.sun_path + 1, socket.data() + 1, socket.size() - 1);
+  abstract.length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket.size());
+  return abstract;
 }
 
 }  // namespace
@@ -85,25 +90,19 @@ std::unique_ptr<SystemdNotifier> SystemdNotifier::FromEnvironment() {
 
 absl::StatusOr<std::unique_ptr<SystemdNotifier>> SystemdNotifier::Open(const std::string& socket,
                                                                       absl::Duration watchdog) {
-  sockaddr_un address;
-  socklen_t length = 0;
-  std::string error;
-  if (!NotifyAddress(socket, &address, &length, &error)) {
-    return absl::InvalidArgumentError(error);
-  }
+  absl::StatusOr<client::UnixAddress> address = NotifyAddress(socket);
+  if (!address.ok()) return address.status();
   const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     return absl::ResourceExhaustedError(
         fmt::format("socket(AF_UNIX, SOCK_DGRAM): {}", std::strerror(errno)));
   }
-  return std::unique_ptr<SystemdNotifier>(
-      new SystemdNotifier(fd, socket, address, length, watchdog));
+  return std::unique_ptr<SystemdNotifier>(new SystemdNotifier(fd, socket, *address, watchdog));
 }
 
-SystemdNotifier::SystemdNotifier(int fd, std::string socket, const sockaddr_un& address,
-                                 socklen_t length, absl::Duration watchdog)
-    : fd_(fd), socket_(std::move(socket)), address_(address), length_(length),
-      watchdog_(watchdog) {}
+SystemdNotifier::SystemdNotifier(int fd, std::string socket, const client::UnixAddress& address,
+                                 absl::Duration watchdog)
+    : fd_(fd), socket_(std::move(socket)), address_(address), watchdog_(watchdog) {}
 
 SystemdNotifier::~SystemdNotifier() { ::close(fd_); }
 
@@ -113,7 +112,7 @@ absl::Status SystemdNotifier::Notify(std::string_view state) {
     // Sent to the address each time, not connected once: systemd re-creates its socket
     // when it re-executes itself (daemon-reexec).
     sent = ::sendto(fd_, state.data(), state.size(), MSG_NOSIGNAL,
-                    reinterpret_cast<const sockaddr*>(&address_), length_);
+                    reinterpret_cast<const sockaddr*>(&address_.address), address_.length);
   } while (sent < 0 && errno == EINTR);
   if (sent == static_cast<ssize_t>(state.size())) return absl::OkStatus();
   const std::string why = sent < 0 ? std::strerror(errno) : "a short send";

@@ -11,9 +11,6 @@
 // $WATCHDOG_PID is set, the request is for that process only.
 #pragma once
 
-#include <sys/socket.h>
-#include <sys/un.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -23,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/session_wire.h"
 
 namespace kvagent::agent {
 
@@ -59,13 +57,12 @@ class SystemdNotifier {
   void Health(bool live, const std::string& status);
 
  private:
-  SystemdNotifier(int fd, std::string socket, const sockaddr_un& address, socklen_t length,
+  SystemdNotifier(int fd, std::string socket, const client::UnixAddress& address,
                   absl::Duration watchdog);
 
   const int fd_;
   const std::string socket_;
-  const sockaddr_un address_;
-  const socklen_t length_;
+  const client::UnixAddress address_;
   const absl::Duration watchdog_;
   absl::Mutex mu_;
   std::string last_status_ ABSL_GUARDED_BY(mu_);

@@ -6,7 +6,6 @@
 // and an honest transfer is byte-exact after each.
 #include <fcntl.h>
 #include <poll.h>
-#include <spawn.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -26,6 +25,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "cli/child_process.h"
 #include "client/fast_path.h"
 #include "client/fast_ring.h"
 #include "client/local_session.h"
@@ -786,51 +786,36 @@ TEST_CASE("fast path: an entry published without its doorbell is still taken") {
 }
 
 // A client process that dies holding a session and a ring. It is this test binary again,
-// started fresh with posix_spawn and told its role by environment, never a fork() of this
-// process: a fork copies a process whose gRPC and sanitizer threads may hold locks the
-// child then waits on forever (seen once under ASan in CI, a child that never finished
-// its setup). The role runs in a hidden test case below, writes one byte to fd 3 when its
-// setup is done, and waits to be killed; a non-zero exit status names the step that
-// failed.
+// started fresh (cli::SpawnChild) and told its role by environment, never a fork() of
+// this process: a fork copies a process whose gRPC and sanitizer threads may hold locks
+// the child then waits on forever (seen once under ASan in CI, a child that never
+// finished its setup). The role runs in a hidden test case below, writes one byte to
+// the pipe its environment names when its setup is done, and waits to be killed; a
+// non-zero exit status names the step that failed.
 constexpr char kChildRoleEnv[] = "KVAGENT_FAST_PATH_CHILD_ROLE";
 constexpr char kChildSessionEnv[] = "KVAGENT_FAST_PATH_CHILD_SESSION";
 constexpr char kChildCase[] = "fast path child role";
-constexpr int kChildReadyFd = 3;
+constexpr char kChildReadyFdEnv[] = "KVAGENT_FAST_PATH_CHILD_READY_FD";
 constexpr int kChildSetupMs = 60000;
 // The user data of a ring's notification watch.
 constexpr uint64_t kWatchData = 77;
 
 pid_t SpawnReady(const std::string& role, const std::string& session_path) {
+  // The write end stays open across exec (no O_CLOEXEC), named to the child by number;
+  // nothing else is spawned meanwhile, and this process closes its copy at once.
   int ready[2];
-  REQUIRE(pipe2(ready, O_CLOEXEC) == 0);
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry = *e;
-    // The child writes no JUnit XML over this run's, and takes no role of ours.
-    if (entry.rfind("XML_OUTPUT_FILE=", 0) == 0 || entry.rfind(kChildRoleEnv, 0) == 0 ||
-        entry.rfind(kChildSessionEnv, 0) == 0) {
-      continue;
-    }
-    env.push_back(entry);
-  }
-  env.push_back(fmt::format("{}={}", kChildRoleEnv, role));
-  env.push_back(fmt::format("{}={}", kChildSessionEnv, session_path));
-  std::vector<std::string> args = {"/proc/self/exe", kChildCase};
-  std::vector<char*> argv, envp;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  REQUIRE(posix_spawn_file_actions_init(&actions) == 0);
-  REQUIRE(posix_spawn_file_actions_adddup2(&actions, ready[1], kChildReadyFd) == 0);
-  pid_t child = -1;
-  const int spawned = posix_spawn(&child, "/proc/self/exe", &actions, nullptr, argv.data(),
-                                  envp.data());
-  posix_spawn_file_actions_destroy(&actions);
+  REQUIRE(pipe(ready) == 0);
+  REQUIRE(fcntl(ready[0], F_SETFD, FD_CLOEXEC) == 0);
+  // The child's output goes to this test's log; it writes no JUnit XML over this run's.
+  auto spawned = cli::SpawnChild({"/proc/self/exe", kChildCase}, STDOUT_FILENO,
+                                 {{kChildRoleEnv, role},
+                                  {kChildSessionEnv, session_path},
+                                  {kChildReadyFdEnv, std::to_string(ready[1])},
+                                  {"XML_OUTPUT_FILE", ""}});
   close(ready[1]);
-  INFO("posix_spawn of this test binary: " << std::strerror(spawned));
-  REQUIRE(spawned == 0);
+  INFO(spawned.status().ToString());
+  REQUIRE(spawned.ok());
+  const pid_t child = *spawned;
   pollfd p{ready[0], POLLIN, 0};
   int polled;
   do {
@@ -885,7 +870,8 @@ TEST_CASE("fast path child role", "[.]") {
     _exit(10);
   }
   char byte = 1;
-  if (::write(kChildReadyFd, &byte, 1) != 1) _exit(9);
+  const char* ready_fd = std::getenv(kChildReadyFdEnv);
+  if (ready_fd == nullptr || ::write(std::atoi(ready_fd), &byte, 1) != 1) _exit(9);
   for (;;) pause();
 }
 

@@ -78,7 +78,12 @@ TEST_CASE("SystemdNotifier refuses an address it cannot use, and a lost socket f
              Contains("NOTIFY_SOCKET='run/notify'") && Contains("absolute path nor @name"));
   auto long_name = SystemdNotifier::Open("/" + std::string(200, 'x'), absl::ZeroDuration());
   REQUIRE_FALSE(long_name.ok());
-  CHECK_THAT(std::string(long_name.status().message()), Contains("NOTIFY_SOCKET is 201 bytes"));
+  CHECK_THAT(std::string(long_name.status().message()),
+             Contains("NOTIFY_SOCKET: ") && Contains("is 201 bytes, over the limit of 107"));
+  auto long_abstract = SystemdNotifier::Open("@" + std::string(200, 'x'), absl::ZeroDuration());
+  REQUIRE_FALSE(long_abstract.ok());
+  CHECK_THAT(std::string(long_abstract.status().message()),
+             Contains("is 201 bytes, over the 108 an abstract socket name holds"));
 
   const std::string path = SocketPath("gone");
   std::unique_ptr<SystemdNotifier> notifier;
