@@ -30,6 +30,7 @@
 #include "fmt/format.h"
 #include "registry/fault_guard.h"
 #include "registry/remote_catalog.h"
+#include "transport/ucx_hardening.h"
 
 namespace kvagent::agent {
 namespace {
@@ -621,9 +622,11 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
     status->set_sessions_refused_connecting(deps.session_server->accept_refusals());
   }
   status->set_refused_calls(deps.counters->refused_calls.load());
-  // With the messages of ids no handler takes (the worker drops them itself).
+  // With the messages of ids no handler takes and the tagged ones (the worker drops
+  // them itself), and those of UCX protocols the process refuses (ucx_hardening.h).
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load() +
-                                    deps.worker->unknown_messages());
+                                    deps.worker->unknown_messages() +
+                                    transport::UcxRefusedMessages());
   for (uint16_t am = 1; am <= kMaxAmId; ++am) {
     const uint64_t sent = deps.worker->am_sent(am);
     const uint64_t received = deps.worker->am_received(am);

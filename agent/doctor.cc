@@ -101,6 +101,21 @@ v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx) {
   return Make("ucx", Check::PASS, detail);
 }
 
+v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused) {
+  if (refused.empty()) {
+    return Make("ucx-hardening", Check::WARN,
+                "UCX is not hardened in this agent (started with KVAGENT_UCX_UNHARDENED=1): "
+                "any authenticated peer can read and write all of its memory through UCX's "
+                "software RMA, and hold tagged messages in its worker",
+                "run kvagentd with the UCX it was built for (its start-up error says what "
+                "differs) and without KVAGENT_UCX_UNHARDENED");
+  }
+  return Make("ucx-hardening", Check::PASS,
+              fmt::format("peers' UCX messages of {} are dropped; tagged messages are "
+                          "discarded",
+                          List(refused)));
+}
+
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
                              std::string_view ucx_tls) {
   if (ucx.cuda_memory) {
@@ -867,6 +882,7 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   const CudaFacts cuda = ProbeCuda();
   const char* tls = std::getenv("UCX_TLS");
   *report.add_checks() = CheckUcx(ucx);
+  *report.add_checks() = CheckUcxHardening(inputs.ucx_refused);
   *report.add_checks() = CheckUcxCuda(ucx, cuda, tls != nullptr ? tls : "");
   *report.add_checks() = CheckCudaDriver(cuda);
   if (!inputs.device_copy.empty()) {

@@ -16,6 +16,7 @@
 #include "proto/kvagent.pb.h"
 #include "registry/region_registry.h"
 #include "transport/ucx_context.h"
+#include "transport/ucx_hardening.h"
 
 namespace kvagent::agent {
 
@@ -106,6 +107,11 @@ constexpr uint64_t kMinMemlockBytes = 64ull << 20;
 constexpr uint64_t kMinShmFreeBytes = 1ull << 30;
 
 v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx);
+// "ucx-hardening": PASS naming the UCX protocols whose messages from peers are dropped
+// (`refused`: transport::UcxRefusedProtocols); WARN when there are none (kvagentd
+// started with KVAGENT_UCX_UNHARDENED=1): any authenticated peer can then read and
+// write the agent's memory through UCX's software RMA.
+v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused);
 // `ucx_tls` is the UCX_TLS environment variable (empty when unset): a CUDA-enabled
 // UCX loses its CUDA memory type when UCX_TLS leaves out the cuda transports.
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
@@ -172,6 +178,8 @@ DamonFacts ReadDamon(const std::string& admin_dir);
 struct DoctorInputs {
   std::string agent;
   const transport::UcxCapabilities* ucx = nullptr;  // required
+  // The UCX protocols this process refuses to peers (empty: not hardened).
+  std::vector<std::string> ucx_refused = transport::UcxRefusedProtocols();
   std::vector<v1::PeerInfo> peers;
   // The device copy path's mode (TransferEngine::device_copy_mode); "" leaves the
   // device-copy check out.

@@ -27,6 +27,7 @@
 #include "base/status_macros.h"
 #include "fmt/format.h"
 #include "registry/shm_mapping.h"
+#include "transport/ucx_hardening.h"
 
 namespace {
 
@@ -597,6 +598,18 @@ int main(int argc, char** argv) {
   // Read (and unset) while this is the only thread: unsetenv beside threads that read
   // the environment (UCX, gRPC) would race them.
   options.systemd = kvagent::agent::SystemdNotifier::FromEnvironment();
+  // Before any UCX context: what a peer holding the worker address may make UCX do
+  // here is cut down to what kvagent uses (transport/ucx_hardening.h).
+  if (absl::Status hardened = kvagent::transport::HardenUcxForPeers(); !hardened.ok()) {
+    const char* unhardened = std::getenv("KVAGENT_UCX_UNHARDENED");
+    if (unhardened == nullptr || std::string_view(unhardened) != "1") {
+      std::fprintf(stderr, "kvagentd: cannot start: %s\n",
+                   std::string(hardened.message()).c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "kvagentd: WARNING: running with UCX unhardened (KVAGENT_UCX_UNHARDENED=1): %s\n",
+                 std::string(hardened.message()).c_str());
+  }
   auto agent = kvagent::agent::Agent::Start(options);
   if (!agent.ok()) {
     std::fprintf(stderr, "kvagentd: cannot start: %s\n",

@@ -753,7 +753,7 @@ absl::StatusOr<RegisterResult> RegionRegistry::RegisterUnpopulated(
     auto registration = transport::MemoryRegistration::Map(
         *context_, vram ? reinterpret_cast<void*>(c.DevicePointer()) : c.mapping.data(),
         c.spec.length(), vram ? transport::MemoryType::kCuda : transport::MemoryType::kHost,
-        Label(c.spec));
+        Label(c.spec), transport::PeerAccess::kPeers);
     if (!registration.ok()) {
       errors.Add(c.entry, registration.status());
       continue;

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
 #include "base/log.h"
+#include "transport/ucx_hardening.h"
 #include "fmt/format.h"
 #include "ucs/memory/memory_type.h"
 
@@ -135,6 +136,12 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  // A hardened process takes a peer's tagged messages to discard them (its workers
+  // keep a receive for any tag posted): without the feature UCX 1.13 still keeps a
+  // tagged rendezvous in the worker's unexpected queue, for as long as its sender
+  // likes, and hands eager ones to UCT's stub handler.
+  const bool takes_tags = UcxHardenedForPeers();
+  if (takes_tags) params.features |= UCP_FEATURE_TAG;
   params.mt_workers_shared = 1;
   ucp_context_h handle = nullptr;
   status = ucp_init(&params, config, &handle);
@@ -146,6 +153,7 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
         UcsStatusText(status)));
   }
   std::unique_ptr<UcxContext> context(new UcxContext(handle));
+  context->takes_tags_ = takes_tags;
   UcxCapabilities& caps = context->capabilities_;
   caps.version = ucp_get_version_string();
 
@@ -191,7 +199,8 @@ UcxContext::~UcxContext() {
 absl::StatusOr<MemoryRegistration> MemoryRegistration::Map(const UcxContext& context,
                                                            void* address, uint64_t length,
                                                            MemoryType type,
-                                                           std::string_view entry) {
+                                                           std::string_view entry,
+                                                           PeerAccess access) {
   if (address == nullptr || length == 0) {
     return absl::InvalidArgumentError(fmt::format(
         "region '{}': cannot register address {} length {}: the range is {}; pass the "
@@ -265,6 +274,10 @@ absl::StatusOr<MemoryRegistration> MemoryRegistration::Map(const UcxContext& con
   }
   registration.packed_rkey_.assign(static_cast<const char*>(rkey_buffer), rkey_size);
   ucp_rkey_buffer_release(rkey_buffer);
+  if (access == PeerAccess::kPeers) {
+    AllowPeerRange(address, length);
+    registration.access_ = access;
+  }
   return registration;
 }
 
@@ -280,6 +293,7 @@ MemoryRegistration& MemoryRegistration::operator=(MemoryRegistration&& other) no
     address_ = std::exchange(other.address_, nullptr);
     length_ = std::exchange(other.length_, 0);
     type_ = other.type_;
+    access_ = std::exchange(other.access_, PeerAccess::kLocal);
     packed_rkey_ = std::move(other.packed_rkey_);
     other.packed_rkey_.clear();
   }
@@ -289,6 +303,9 @@ MemoryRegistration& MemoryRegistration::operator=(MemoryRegistration&& other) no
 MemoryRegistration::~MemoryRegistration() { Reset(); }
 
 void MemoryRegistration::Reset() {
+  // Out of peers' reach before UCX lets go of the memory.
+  if (access_ == PeerAccess::kPeers) ForbidPeerRange(address_, length_);
+  access_ = PeerAccess::kLocal;
   if (memh_ != nullptr) {
     ucs_status_t status = ucp_mem_unmap(context_, memh_);
     if (status != UCS_OK) {

@@ -40,7 +40,7 @@ std::atomic<int64_t>& RequestsInFlight();
 
 class UcxContext {
  public:
-  // Features: RMA, AM, WAKEUP; mt_workers_shared so memory can be mapped from any
+  // Features: RMA, AM, WAKEUP (and TAG once hardened); mt_workers_shared so memory can be mapped from any
   // thread while a worker progresses on its own thread.
   static absl::StatusOr<std::unique_ptr<UcxContext>> Create();
   ~UcxContext();
@@ -49,12 +49,22 @@ class UcxContext {
 
   ucp_context_h get() const { return context_; }
   const UcxCapabilities& capabilities() const { return capabilities_; }
+  // True when created after HardenUcxForPeers (transport/ucx_hardening.h): the context
+  // has UCP_FEATURE_TAG, and each worker discards every tagged message.
+  bool takes_tags() const { return takes_tags_; }
 
  private:
   explicit UcxContext(ucp_context_h context) : context_(context) {}
   ucp_context_h context_;
+  bool takes_tags_ = false;
   UcxCapabilities capabilities_;
 };
+
+// Who may reach a registered range by RMA. kPeers: memory whose key goes to peers (the
+// registry's regions); in a hardened process (ucx_hardening.h) UCX's software RMA is
+// served only inside such ranges. kLocal: this agent's own buffers, whose key never
+// leaves it.
+enum class PeerAccess { kLocal, kPeers };
 
 // One registered range. Move-only; unmaps on destruction. Thread-safe to create and
 // destroy from any thread (the context is created with mt_workers_shared).
@@ -67,7 +77,8 @@ class MemoryRegistration {
   //  is too low; INVALID_ARGUMENT for null/zero; INTERNAL otherwise.
   static absl::StatusOr<MemoryRegistration> Map(const UcxContext& context, void* address,
                                                 uint64_t length, MemoryType type,
-                                                std::string_view entry);
+                                                std::string_view entry,
+                                                PeerAccess access = PeerAccess::kLocal);
   MemoryRegistration() = default;
   MemoryRegistration(MemoryRegistration&& other) noexcept;
   MemoryRegistration& operator=(MemoryRegistration&& other) noexcept;
@@ -89,6 +100,7 @@ class MemoryRegistration {
   void* address_ = nullptr;
   uint64_t length_ = 0;
   MemoryType type_ = MemoryType::kHost;
+  PeerAccess access_ = PeerAccess::kLocal;
   std::string packed_rkey_;
 };
 

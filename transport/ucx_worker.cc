@@ -419,6 +419,8 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
                                              std::strerror(errno)));
     }
   }
+  worker->takes_tags_ = context.takes_tags();
+  worker->TendTagSink();  // before the thread: this thread still owns the worker
   worker->thread_ = std::thread([w = worker.get()] { w->Loop(); });
   worker->thread_id_ = worker->thread_.get_id();
   if (!cpus.empty()) {
@@ -597,6 +599,56 @@ ucs_status_t UcxWorker::UnknownAmCallback(void* arg, const void*, size_t header_
               rendezvous ? " by rendezvous, not fetched" : "", count);
   }
   return UCS_OK;  // dropped; a rendezvous body is never fetched
+}
+
+void UcxWorker::CountTagged() {
+  const uint64_t tagged = tagged_messages_.fetch_add(1) + 1;
+  const uint64_t count = unknown_messages_.fetch_add(1) + 1;
+  if (tagged <= 4 || tagged % 1024 == 0) {
+    kLog.Warn("UCX worker '{}': discarded a tagged message ({} tagged, {} unknown messages so "
+              "far): this agent does not use UCX's tag API, so the sender runs something "
+              "other than kvagent or is hostile",
+              name_, tagged, count);
+  }
+}
+
+void UcxWorker::TendTagSink() {
+  if (!takes_tags_ || tag_sink_failed_) return;
+  // Without a callback: UCX may complete a receive inside ucp_tag_recv_nbx (a message
+  // already waiting), and a callback freeing it there would leave the pointer returned
+  // dangling. Up to a batch per round; the rest on the next.
+  for (int round = 0; round < 64; ++round) {
+    if (tag_sink_ != nullptr) {
+      ucp_tag_recv_info_t info{};
+      if (ucp_tag_recv_request_test(tag_sink_, &info) == UCS_INPROGRESS) return;
+      ucp_request_free(tag_sink_);
+      tag_sink_ = nullptr;
+      CountTagged();
+      continue;
+    }
+    if (stopping_.load()) return;
+    ucp_tag_recv_info_t info{};  // filled on immediate completion (not used further)
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+    param.recv_info.tag_info = &info;
+    // Any tag (mask 0), into 0 bytes: UCX truncates what it matches, and answers a
+    // rendezvous without fetching its data.
+    ucs_status_ptr_t request =
+        ucp_tag_recv_nbx(worker_, &tag_sink_byte_, 0, /*tag=*/0, /*tag_mask=*/0, &param);
+    if (UCS_PTR_IS_PTR(request)) {
+      tag_sink_ = request;
+      continue;  // it may have completed already
+    }
+    const ucs_status_t status = UCS_PTR_STATUS(request);
+    if (status != UCS_OK && status != UCS_ERR_MESSAGE_TRUNCATED) {
+      tag_sink_failed_ = true;
+      kLog.Error("UCX worker '{}': posting the receive that discards tagged messages failed "
+                 "({}); a peer's tagged messages now wait in UCX's unexpected queue",
+                 name_, UcsStatusText(status));
+      return;
+    }
+    CountTagged();
+  }
 }
 
 void UcxWorker::SilenceAmHandlers() {
@@ -791,6 +843,7 @@ void UcxWorker::Loop() {
     bool worked = DrainQueue();
     bool progressed = false;
     while (ucp_worker_progress(worker_) != 0) worked = progressed = true;
+    TendTagSink();
     ReapRequests();
     if (spin_us_ != 0 || poller_ != nullptr) {
       const auto now = std::chrono::steady_clock::now();
@@ -875,6 +928,13 @@ void UcxWorker::SetReceiveStallListener(std::function<void()> listener) {
 
 void UcxWorker::Shutdown() {
   DrainQueue();
+  // The receive for any tag: canceled (none is posted again, stopping_ is set), and
+  // freed (UCX releases it once the cancel completes it).
+  if (tag_sink_ != nullptr) {
+    ucp_request_cancel(worker_, tag_sink_);
+    ucp_request_free(tag_sink_);
+    tag_sink_ = nullptr;
+  }
   // Endpoints their owners left open: close them so the worker can be destroyed.
   for (Endpoint* endpoint : endpoints_) endpoint->Close();
   endpoints_.clear();

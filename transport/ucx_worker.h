@@ -180,6 +180,11 @@ class UcxWorker {
   // id without a handler could make it call an address read from garbage (a peer
   // crashing this process with one message; forgery_test shows it under ASan).
   uint64_t unknown_messages() const { return unknown_messages_.load(); }
+  // Of those, tagged messages (UCX's tag API, which kvagent does not use): a worker of
+  // a context that takes tags (UcxContext::takes_tags) keeps one receive for any tag
+  // posted, which truncates what it matches to nothing; a rendezvous is answered
+  // without its data being fetched. 0 on other workers.
+  uint64_t tagged_messages() const { return tagged_messages_.load(); }
   // Since when (monotonic µs) the worker's receive queue has not drained for at least
   // a second (ReceiveStall: a same-host sender died mid-message); 0 while it drains.
   // Any thread. The loop then sleeps 1 ms between looks instead of spinning on it.
@@ -277,6 +282,16 @@ class UcxWorker {
   static ucs_status_t UnknownAmCallback(void* arg, const void* header, size_t header_length,
                                         void* data, size_t length,
                                         const ucp_am_recv_param_t* param);
+  // The receive for any tag (worker thread; Create posts the first): null while none
+  // is posted. Each loop round frees it once complete and posts the next
+  // (TendTagSink); Shutdown cancels it.
+  bool takes_tags_ = false;
+  bool tag_sink_failed_ = false;  // UCX refused the receive: logged once, not retried
+  void* tag_sink_ = nullptr;
+  char tag_sink_byte_ = 0;  // the receive's buffer (0 bytes of it are used)
+  std::atomic<uint64_t> tagged_messages_{0};
+  void TendTagSink();
+  void CountTagged();
   ReceiveStall receive_stall_{1000000};  // worker thread
   std::function<void()> receive_stall_listener_;  // worker thread
   std::atomic<uint64_t> receive_stalled_since_us_{0};

@@ -63,6 +63,11 @@ TEST_CASE("Doctor reports this host's UCX and CUDA and the connected peer") {
   const std::string types = ucx.detail().substr(ucx.detail().find("memory types ["));
   CHECK(Has(types, "host"));
 
+  // A real agent hardens UCX before any context (transport/ucx_hardening.h).
+  const auto& hardening = Find(report, "ucx-hardening");
+  CHECK(hardening.result() == Result::PASS);
+  CHECK(Has(hardening.detail(), "put (software RMA)"));
+
   const auto& ucx_cuda_check = Find(report, "ucx-cuda");
   if (!ucx_cuda) {
     // Debian's UCX: no CUDA memory type.

@@ -8,7 +8,10 @@
 // deregistration on behalf of a hung prefill. (3) A fake peer agent "eve" (its Peer
 // service and its own UCX worker) answers decode's READ by rendezvous where decode asked
 // for eager replies: refused unfetched, the READ fails with the reason. (4) Active
-// messages of ids the agent takes none of: dropped, counted, the agent stays up.
+// messages of ids the agent takes none of: dropped, counted, the agent stays up. (5)
+// eve's stock UCX using its other protocols on decode (software RMA and atomics over
+// tcp, stream, tagged eager and rendezvous): RMA reaches the region and nothing beside
+// it, nothing else is served or held, each refusal counted, the agent stays up.
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/types.h>
@@ -21,7 +24,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <iterator>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +45,7 @@
 #include "proto/wire.pb.h"
 #include "tests/integration/agent_pair.h"
 #include "tests/integration/metrics_scrape.h"
+#include "tests/integration/stock_ucx_peer.h"
 #include "tests/security/fake_peer.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -1726,6 +1732,139 @@ TEST_CASE("a READ answered by rendezvous though eager replies were asked fails u
   REQUIRE(status.ok());
   CHECK(status->dropped_peer_messages() == 0);
   RequireHonestWrite(pair, "after-eve", {4, 5}, {4, 5});
+}
+
+// Where `pid`'s executable is mapped from its first byte (its ELF header), from
+// /proc/PID/maps; 0 when not found.
+uint64_t ExecutableBase(pid_t pid) {
+  std::ifstream maps(fmt::format("/proc/{}/maps", pid));
+  std::string line;
+  while (std::getline(maps, line)) {
+    // "start-end perms offset dev inode path"
+    if (line.find("/kvagentd") == std::string::npos) continue;
+    std::istringstream fields(line);
+    std::string range, perms, offset;
+    fields >> range >> perms >> offset;
+    if (std::stoull(offset, nullptr, 16) != 0 || perms[0] != 'r') continue;
+    return std::stoull(range.substr(0, range.find('-')), nullptr, 16);
+  }
+  return 0;
+}
+
+TEST_CASE("a peer's UCX software RMA reaches only memory registered for peers, its atomics, "
+          "stream and tagged messages are dropped and hold nothing, and the agent stays up") {
+  AgentPair pair;
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const v1::ExportedRegion& region = metadata.regions(0);
+  REQUIRE(region.length() >= 4096);
+  REQUIRE(!region.rkey().empty());
+  // The region right after it in decode's memory: a put across the boundary is in
+  // registered memory on both sides, but in no one registration.
+  const v1::ExportedRegion* next = nullptr;
+  for (const auto& r : metadata.regions()) {
+    if (r.base_address() == region.base_address() + region.length()) next = &r;
+  }
+  REQUIRE(next != nullptr);
+  uint8_t* first = DecodePage(pair, region.name(), 0);
+  uint8_t* end = first + region.length();  // this test's view of the same memory
+  REQUIRE(end == DecodePage(pair, next->name(), 0));
+  const std::string first_before(reinterpret_cast<const char*>(first), 4096);
+  const std::string boundary_before(reinterpret_cast<const char*>(end) - 64, 128);
+  const uint64_t elf = ExecutableBase(pair.decode_process().pid());
+  REQUIRE(elf != 0);
+  const uint64_t dropped_before = Dropped(decode_status);
+
+  // What eve's UCX reads into and sends from: declared before her, so it outlives what
+  // she still has in flight when she goes.
+  char leaked[64] = {};
+  char region_bytes[64] = {};
+  const std::string scribble(64, 'E');
+  uint64_t one = 1;
+  const std::string small(64, 's');
+  const std::string large(256 << 10, 't');
+  // tcp: UCX 1.13 has no native RMA there, so eve's UCX emulates it with messages
+  // that decode's UCX serves by itself.
+  StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/true, "1024");
+  ucp_rkey_h rkey = stock.Unpack(region.rkey());
+  ucp_request_param_t plain{};
+  int refused = 0;  // messages decode must drop, each one active message there
+  // Reads: decode's own executable (outside every region; refused), and the region's
+  // first bytes (memory registered for peers: served, as native RMA would).
+  const size_t get_elf =
+      stock.Track(ucp_get_nbx(stock.ep(), leaked, sizeof leaked, elf, rkey, &plain));
+  ++refused;
+  const size_t get_region = stock.Track(ucp_get_nbx(stock.ep(), region_bytes,
+                                                    sizeof region_bytes, region.base_address(),
+                                                    rkey, &plain));
+  // Writes: one into the region (lands), one across its end (refused).
+  stock.Track(ucp_put_nbx(stock.ep(), scribble.data(), scribble.size(), region.base_address(),
+                          rkey, &plain));
+  stock.Track(ucp_put_nbx(stock.ep(), scribble.data(), scribble.size(),
+                          region.base_address() + region.length() - 32, rkey, &plain));
+  ++refused;
+  ucp_request_param_t atomic{};
+  atomic.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
+  atomic.datatype = ucp_dt_make_contig(sizeof one);
+  stock.Track(ucp_atomic_op_nbx(stock.ep(), UCP_ATOMIC_OP_ADD, &one, 1,
+                                region.base_address() + 2048, rkey, &atomic));
+  ++refused;
+  // Stream data, and tagged messages eager (64 B, 1000 B) and by rendezvous (256 KiB).
+  for (int i = 0; i < 8; ++i) {
+    stock.Track(ucp_stream_send_nbx(stock.ep(), small.data(), small.size(), &plain));
+    ++refused;
+  }
+  std::vector<size_t> tagged;
+  for (int i = 0; i < 8; ++i) {
+    tagged.push_back(
+        stock.Track(ucp_tag_send_nbx(stock.ep(), small.data(), small.size(), i, &plain)));
+    tagged.push_back(stock.Track(ucp_tag_send_nbx(stock.ep(), large.data(), 1000, i, &plain)));
+    tagged.push_back(
+        stock.Track(ucp_tag_send_nbx(stock.ep(), large.data(), large.size(), i, &plain)));
+    refused += 3;
+  }
+  stock.Progress(3000);  // what decode answers has come by then
+
+  INFO("decode's executable at " << fmt::format("{:#x}", elf) << ", region '" << region.name()
+                                 << "' at " << fmt::format("{:#x}", region.base_address()));
+  REQUIRE(Alive(pair.decode_process().pid()));
+  CHECK_FALSE(stock.failed());
+  // Read: the region, and nothing outside it (before, decode served its ELF header).
+  CHECK(stock.Status(get_region) == UCS_OK);
+  CHECK(std::string(region_bytes, sizeof region_bytes) == first_before.substr(0, 64));
+  CHECK(stock.Status(get_elf) != UCS_OK);
+  CHECK(std::string(leaked, 4) != "\x7f" "ELF");
+  // Nothing held: every tagged send completed, rendezvous ones included (before, those
+  // waited in decode's unexpected queue for as long as eve kept them).
+  for (size_t t : tagged) CHECK(stock.Status(t) != UCS_INPROGRESS);
+  stock.Forget();
+  // Written: the region's first bytes; not across its end, not by the atomic.
+  CHECK(std::string(reinterpret_cast<const char*>(first), 64) == scribble);
+  CHECK(std::string(reinterpret_cast<const char*>(first) + 64, 4096 - 64) ==
+        first_before.substr(64));
+  CHECK(std::string(reinterpret_cast<const char*>(end) - 64, 128) == boundary_before);
+  // Counted, each one (none reached UCT's stub handler, whose backtrace and hex dump
+  // cost some 60 µs and 15 log lines a message).
+  uint64_t dropped = Dropped(decode_status);
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (dropped < dropped_before + refused && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    dropped = Dropped(decode_status);
+  }
+  std::printf("eve's stock UCX: %d messages decode must refuse, %lu dropped\n", refused,
+              static_cast<unsigned long>(dropped - dropped_before));
+  CHECK(dropped - dropped_before == static_cast<uint64_t>(refused));
+  std::ifstream log(pair.decode_process().log_path());
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, !Contains("no handler installed"));
+  CHECK_THAT(text, Contains("discarded a tagged message"));
+  CHECK_THAT(text, Contains("dropped a peer's get request (software RMA) message") &&
+                       Contains(fmt::format("at {:#x}, outside the memory this agent "
+                                            "registered for peers",
+                                            elf)));
+  CHECK_THAT(text, Contains("dropped a peer's atomic request message"));
+  RequireHonestWrite(pair, "after-stock-ucx", {1, 2}, {1, 2});
 }
 
 }  // namespace

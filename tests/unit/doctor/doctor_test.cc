@@ -83,6 +83,21 @@ TEST_CASE("ucx lists version, transports and memory types") {
   CHECK(Has(failed.fix(), "UCX_TLS"));
 }
 
+TEST_CASE("ucx-hardening names the protocols refused to peers, and warns when there are none") {
+  auto hardened = CheckUcxHardening({"put (software RMA)", "stream data"});
+  CHECK(hardened.name() == "ucx-hardening");
+  CHECK(hardened.result() == Result::PASS);
+  CHECK(hardened.detail() == "peers' UCX messages of [put (software RMA),stream data] are "
+                             "dropped; tagged messages are discarded");
+  auto open = CheckUcxHardening({});
+  CHECK(open.result() == Result::WARN);
+  CHECK(Has(open.detail(), "KVAGENT_UCX_UNHARDENED=1"));
+  CHECK(Has(open.detail(), "read and write all of its memory"));
+  CHECK(Has(open.fix(), "without KVAGENT_UCX_UNHARDENED"));
+  // This test process never hardened UCX: what an agent started unhardened would say.
+  CHECK(DoctorInputs{}.ucx_refused.empty());
+}
+
 TEST_CASE("ucx-cuda warns without CUDA memory, says so plainly when a GPU is present") {
   auto no_gpu = CheckUcxCuda(HostUcx(), NoDriver(), "");
   CHECK(no_gpu.name() == "ucx-cuda");
@@ -624,35 +639,37 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   peer.set_state("unreachable");
   inputs.peers = {peer};
   inputs.device_copy = "cuMemcpyAsync per page";
+  inputs.ucx_refused = {"put (software RMA)"};
 
   auto report = RunDoctor(inputs);
   CHECK(report.agent() == "prefill");
   std::vector<std::string> names;
   for (const auto& c : report.checks()) names.push_back(c.name());
-  CHECK(names == std::vector<std::string>{"ucx", "ucx-cuda", "cuda-driver", "device-copy",
-                                          "memlock", "dev-shm", "hugepages", "first-touch",
-                                          "wake-up", "damon", "ptrace-scope", "rdma",
-                                          "privileges", "peer:decode"});
-  CHECK(report.checks(6).result() == Result::PASS);  // from the meminfo written above
-  CHECK(report.checks(7).detail().rfind("first write to a page through a new mapping", 0) == 0);
-  CHECK(report.checks(8).detail().rfind("a thread asleep on an eventfd runs ", 0) == 0);
-  CHECK(report.checks(9).detail() == "DAMON not in this kernel's sysfs");
-  CHECK(report.checks(10).result() == Result::WARN);  // scope 1
-  CHECK(report.checks(11).result() == Result::PASS);  // no devices
-  CHECK(report.checks(12).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
+  CHECK(names == std::vector<std::string>{"ucx", "ucx-hardening", "ucx-cuda", "cuda-driver",
+                                          "device-copy", "memlock", "dev-shm", "hugepages",
+                                          "first-touch", "wake-up", "damon", "ptrace-scope",
+                                          "rdma", "privileges", "peer:decode"});
+  CHECK(report.checks(1).result() == Result::PASS);  // hardened, as given
+  CHECK(report.checks(7).result() == Result::PASS);  // from the meminfo written above
+  CHECK(report.checks(8).detail().rfind("first write to a page through a new mapping", 0) == 0);
+  CHECK(report.checks(9).detail().rfind("a thread asleep on an eventfd runs ", 0) == 0);
+  CHECK(report.checks(10).detail() == "DAMON not in this kernel's sysfs");
+  CHECK(report.checks(11).result() == Result::WARN);  // scope 1
+  CHECK(report.checks(12).result() == Result::PASS);  // no devices
+  CHECK(report.checks(13).result() == (geteuid() == 0 ? Result::WARN : Result::PASS));
   CHECK(HasFailure(report));                         // the unreachable peer
 
   auto lines = SummaryLines(report);
-  REQUIRE(lines.size() == 14);
+  REQUIRE(lines.size() == 15);
   CHECK(lines[0] == "ucx PASS UCX 1.13.1; transports [self,tcp,sysv,posix,cma]; memory types [host]");
-  CHECK(lines[3].rfind("device-copy PASS cuMemcpyAsync per page", 0) == 0);
-  CHECK(lines[8].rfind("wake-up ", 0) == 0);
-  CHECK(lines[10].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
+  CHECK(lines[4].rfind("device-copy PASS cuMemcpyAsync per page", 0) == 0);
+  CHECK(lines[9].rfind("wake-up ", 0) == 0);
+  CHECK(lines[11].rfind("ptrace-scope WARN kernel.yama.ptrace_scope 1", 0) == 0);
 
   inputs.peers.clear();
   CHECK_FALSE(HasFailure(RunDoctor(inputs)));
   inputs.device_copy.clear();  // not given: no device-copy check
-  CHECK(RunDoctor(inputs).checks_size() == 13);  // 12 host checks and "peers"
+  CHECK(RunDoctor(inputs).checks_size() == 14);  // 13 host checks and "peers"
 }
 
 }  // namespace

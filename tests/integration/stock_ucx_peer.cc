@@ -1,0 +1,100 @@
+#include "tests/integration/stock_ucx_peer.h"
+
+#include <chrono>
+#include <cstdlib>
+
+#include "catch2/catch.hpp"
+
+namespace kvagent::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint32_t kCloseMs = 5000;
+
+}  // namespace
+
+StockUcxPeer::StockUcxPeer(const std::string& address, bool peer_errors,
+                           const std::string& rndv_thresh) {
+  // Set around this context's configuration only, so agents started later do not
+  // inherit it.
+  if (!rndv_thresh.empty()) ::setenv("UCX_RNDV_THRESH", rndv_thresh.c_str(), 1);
+  ucp_config_t* config = nullptr;
+  const ucs_status_t read = ucp_config_read(nullptr, nullptr, &config);
+  if (!rndv_thresh.empty()) ::unsetenv("UCX_RNDV_THRESH");
+  REQUIRE(read == UCS_OK);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_TAG | UCP_FEATURE_STREAM |
+                    UCP_FEATURE_AM;
+  const ucs_status_t init = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  REQUIRE(init == UCS_OK);
+  ucp_worker_params_t worker{};
+  worker.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker.thread_mode = UCS_THREAD_MODE_SINGLE;
+  REQUIRE(ucp_worker_create(context_, &worker, &worker_) == UCS_OK);
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  ep.err_handler.cb = [](void* self, ucp_ep_h, ucs_status_t) {
+    static_cast<StockUcxPeer*>(self)->failed_ = true;
+  };
+  ep.err_handler.arg = this;
+  REQUIRE(ucp_ep_create(worker_, &ep, &ep_) == UCS_OK);
+}
+
+StockUcxPeer::~StockUcxPeer() {
+  Forget();
+  for (ucp_rkey_h rkey : rkeys_) ucp_rkey_destroy(rkey);
+  ucp_request_param_t close{};
+  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t closing = ucp_ep_close_nbx(ep_, &close);
+  if (UCS_PTR_IS_PTR(closing)) {
+    const auto until = Clock::now() + std::chrono::milliseconds(kCloseMs);
+    while (ucp_request_check_status(closing) == UCS_INPROGRESS && Clock::now() < until) {
+      ucp_worker_progress(worker_);
+    }
+    ucp_request_free(closing);
+  }
+  ucp_worker_destroy(worker_);
+  ucp_cleanup(context_);
+}
+
+ucp_rkey_h StockUcxPeer::Unpack(const std::string& packed) {
+  ucp_rkey_h rkey = nullptr;
+  REQUIRE(ucp_ep_rkey_unpack(ep_, packed.data(), &rkey) == UCS_OK);
+  rkeys_.push_back(rkey);
+  return rkey;
+}
+
+size_t StockUcxPeer::Track(ucs_status_ptr_t request) {
+  tracked_.push_back(request);
+  return tracked_.size() - 1;
+}
+
+void StockUcxPeer::Progress(uint32_t ms) {
+  const auto until = Clock::now() + std::chrono::milliseconds(ms);
+  while (Clock::now() < until) {
+    ucp_worker_progress(worker_);
+    bool all = true;
+    for (size_t i = 0; i < tracked_.size() && all; ++i) all = Status(i) != UCS_INPROGRESS;
+    if (all) return;
+  }
+}
+
+ucs_status_t StockUcxPeer::Status(size_t i) const {
+  ucs_status_ptr_t request = tracked_[i];
+  return UCS_PTR_IS_PTR(request) ? ucp_request_check_status(request) : UCS_PTR_STATUS(request);
+}
+
+void StockUcxPeer::Forget() {
+  for (ucs_status_ptr_t request : tracked_) {
+    if (UCS_PTR_IS_PTR(request)) ucp_request_free(request);
+  }
+  tracked_.clear();
+}
+
+}  // namespace kvagent::testing

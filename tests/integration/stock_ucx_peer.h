@@ -1,0 +1,50 @@
+// A peer with stock UCX and every protocol UCX offers (RMA, 64-bit atomics, tag,
+// stream, active messages): what an authenticated peer can do to an agent's worker
+// with UCX's public API alone. Progress runs on the calling thread.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvagent::testing {
+
+class StockUcxPeer {
+ public:
+  // One endpoint to the worker at `address`. `peer_errors`: with UCX's peer error
+  // handling, which UCX 1.13 serves over tcp, where it emulates RMA and atomics with
+  // active messages that the target's UCX serves by itself, at whatever address the
+  // sender names. `rndv_thresh`: UCX_RNDV_THRESH for this context only (empty: UCX's).
+  // Fails the test when UCX refuses any step.
+  StockUcxPeer(const std::string& address, bool peer_errors, const std::string& rndv_thresh);
+  ~StockUcxPeer();
+  StockUcxPeer(const StockUcxPeer&) = delete;
+  StockUcxPeer& operator=(const StockUcxPeer&) = delete;
+
+  ucp_ep_h ep() const { return ep_; }
+  // True once UCX reported the endpoint failed.
+  bool failed() const { return failed_; }
+  // Unpacks a packed rkey for the endpoint (destroyed with the peer).
+  ucp_rkey_h Unpack(const std::string& packed);
+  // Keeps a request (or an immediate status) to look at with Status; returns its index.
+  size_t Track(ucs_status_ptr_t request);
+  // Progresses for up to `ms`, or until every tracked request completed.
+  void Progress(uint32_t ms);
+  // Tracked request `i`: UCS_INPROGRESS until it completes, then its status.
+  ucs_status_t Status(size_t i) const;
+  // Lets go of the tracked requests (UCX frees those still in flight when they end).
+  void Forget();
+
+ private:
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  bool failed_ = false;
+  std::vector<ucp_rkey_h> rkeys_;
+  std::vector<ucs_status_ptr_t> tracked_;
+};
+
+}  // namespace kvagent::testing

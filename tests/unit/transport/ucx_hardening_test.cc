@@ -1,0 +1,174 @@
+// HardenUcxForPeers in a process of its own (it changes UCP's handler table for the
+// whole process): its outcome, and what a worker created afterwards does with a stock
+// UCX peer's software RMA (inside and outside memory registered for peers) and tagged
+// messages. The same against a real agent, with
+// atomics and stream data too: tests/security:forgery_test.
+#include "transport/ucx_hardening.h"
+
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "tests/integration/stock_ucx_peer.h"
+#include "transport/ucx_context.h"
+#include "transport/ucx_worker.h"
+
+namespace kvagent::transport {
+namespace {
+
+using testing::StockUcxPeer;
+
+struct Hardened {
+  std::unique_ptr<UcxContext> context;
+  std::unique_ptr<UcxWorker> worker;
+  static Hardened Make() {
+    absl::Status hardened = HardenUcxForPeers();
+    INFO(hardened.ToString());
+    REQUIRE(hardened.ok());
+    Hardened h;
+    auto context = UcxContext::Create();
+    REQUIRE(context.ok());
+    h.context = std::move(*context);
+    CHECK(h.context->takes_tags());
+    auto worker = UcxWorker::Create(*h.context, "hardened");
+    REQUIRE(worker.ok());
+    h.worker = std::move(*worker);
+    return h;
+  }
+};
+
+// Waits up to 10 s for `done`.
+template <typename F>
+bool Eventually(F done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what it refuses") {
+  absl::Status first = HardenUcxForPeers();
+  INFO(first.ToString());
+  REQUIRE(first.ok());
+  CHECK(UcxHardenedForPeers());
+  CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
+  const std::vector<std::string> refused = UcxRefusedProtocols();
+  CHECK(refused.size() == 5);
+  for (const char* name : {"put (software RMA) outside peer memory",
+                           "get request (software RMA) outside peer memory", "atomic request",
+                           "atomic reply", "stream data"}) {
+    CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
+  }
+}
+
+TEST_CASE("a hardened worker discards a stock peer's tagged messages, eager and rendezvous, "
+          "and answers each") {
+  Hardened h = Hardened::Make();
+  const std::string small(64, 'a');
+  const std::string large(256 << 10, 'b');
+  for (bool peer_errors : {false, true}) {
+    INFO((peer_errors ? "peer error handling (tcp)" : "no error handling (shared memory)"));
+    const uint64_t before = h.worker->tagged_messages();
+    const uint64_t unknown_before = h.worker->unknown_messages();
+    StockUcxPeer peer(h.worker->address(), peer_errors, "1024");
+    ucp_request_param_t plain{};
+    constexpr int kEach = 50;
+    for (int i = 0; i < kEach; ++i) {
+      peer.Track(ucp_tag_send_nbx(peer.ep(), small.data(), small.size(), i, &plain));
+      peer.Track(ucp_tag_send_nbx(peer.ep(), large.data(), large.size(), i, &plain));
+    }
+    peer.Progress(10000);
+    // Every send completed: the rendezvous ones too, which UCX would otherwise keep
+    // waiting in the hardened worker's unexpected queue.
+    for (size_t i = 0; i < 2 * kEach; ++i) CHECK(peer.Status(i) != UCS_INPROGRESS);
+    CHECK(Eventually([&] { return h.worker->tagged_messages() - before == 2 * kEach; }));
+    CHECK(h.worker->tagged_messages() - before == 2 * kEach);
+    CHECK(h.worker->unknown_messages() - unknown_before == 2 * kEach);
+    CHECK_FALSE(peer.failed());
+  }
+}
+
+TEST_CASE("a hardened worker serves software puts and gets inside memory registered for "
+          "peers only, and counts the rest") {
+  Hardened h = Hardened::Make();
+  // Two buffers registered alike but for who may reach them: UCX's software RMA does
+  // not look at either key, the hardened handlers look at the ranges.
+  std::vector<char> shared(8192, 'p');
+  std::vector<char> local(4096, 'l');
+  auto peers = MemoryRegistration::Map(*h.context, shared.data(), 4096, MemoryType::kHost,
+                                       "shared", PeerAccess::kPeers);
+  REQUIRE(peers.ok());
+  auto own = MemoryRegistration::Map(*h.context, local.data(), local.size(), MemoryType::kHost,
+                                     "local", PeerAccess::kLocal);
+  REQUIRE(own.ok());
+  {
+    // Eve's buffers outlive her (a get she still has in flight writes into one).
+    const std::string scribble(64, 'E');
+    char inside[64] = {}, beyond[64] = {}, own_bytes[64] = {};
+    const uint64_t refused_before = UcxRefusedMessages();
+    // tcp: UCX 1.13 has no RMA lane there, so the stock peer's UCX emulates both.
+    StockUcxPeer eve(h.worker->address(), /*peer_errors=*/true, "");
+    ucp_rkey_h key = eve.Unpack(peers->packed_rkey());
+    ucp_request_param_t plain{};
+    const auto base = reinterpret_cast<uint64_t>(shared.data());
+    const auto mine = reinterpret_cast<uint64_t>(local.data());
+    // Served: inside the registration.
+    const size_t put_in =
+        eve.Track(ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), base + 128, key, &plain));
+    const size_t get_in = eve.Track(ucp_get_nbx(eve.ep(), inside, sizeof inside, base, key, &plain));
+    // Refused: past its end (the vector goes on: UCX would have written there), and
+    // memory registered only for this process.
+    eve.Track(ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), base + 4096 - 32, key, &plain));
+    const size_t get_beyond =
+        eve.Track(ucp_get_nbx(eve.ep(), beyond, sizeof beyond, base + 4096, key, &plain));
+    eve.Track(ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), mine, key, &plain));
+    const size_t get_own = eve.Track(ucp_get_nbx(eve.ep(), own_bytes, sizeof own_bytes, mine, key, &plain));
+    // Eve's UCX sends as it progresses (on this thread).
+    CHECK(Eventually([&] {
+      eve.Progress(20);
+      return UcxRefusedMessages() - refused_before >= 4 && eve.Status(get_in) != UCS_INPROGRESS;
+    }));
+    eve.Progress(500);  // a reply to a refused get, had there been one, would have come
+    CHECK(eve.Status(put_in) == UCS_OK);
+    CHECK(eve.Status(get_in) == UCS_OK);
+    CHECK(std::string(inside, sizeof inside) == std::string(64, 'p'));
+    CHECK(std::string(shared.data() + 128, 64) == scribble);
+    CHECK(eve.Status(get_beyond) != UCS_OK);
+    CHECK(eve.Status(get_own) != UCS_OK);
+    CHECK(std::string(own_bytes, 4) != "llll");
+    CHECK(std::count(shared.begin(), shared.end(), 'E') == 64);  // only the one inside
+    CHECK(std::all_of(local.begin(), local.end(), [](char c) { return c == 'l'; }));
+    CHECK(UcxRefusedMessages() - refused_before == 4);
+  }
+  // Once unregistered, the range is out of reach again.
+  peers = MemoryRegistration();
+  {
+    char got[64] = {};
+    const uint64_t refused_before = UcxRefusedMessages();
+    StockUcxPeer eve(h.worker->address(), /*peer_errors=*/true, "");
+    // The key of a registration that is gone: UCX's software get carries it unchecked.
+    auto again = MemoryRegistration::Map(*h.context, local.data(), local.size(),
+                                         MemoryType::kHost, "again", PeerAccess::kLocal);
+    REQUIRE(again.ok());
+    ucp_rkey_h key = eve.Unpack(again->packed_rkey());
+    ucp_request_param_t plain{};
+    const size_t get = eve.Track(ucp_get_nbx(eve.ep(), got, sizeof got,
+                                             reinterpret_cast<uint64_t>(shared.data()), key, &plain));
+    CHECK(Eventually([&] {
+      eve.Progress(20);
+      return UcxRefusedMessages() - refused_before >= 1;
+    }));
+    CHECK(eve.Status(get) != UCS_OK);
+  }
+}
+
+}  // namespace
+}  // namespace kvagent::transport

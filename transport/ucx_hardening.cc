@@ -1,0 +1,315 @@
+#include "transport/ucx_hardening.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <ucp/api/ucp.h>
+#include <uct/api/uct.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "base/log.h"
+#include "fmt/format.h"
+
+namespace kvagent::transport {
+namespace {
+
+constexpr log::Logger kLog("transport");
+
+// UCP's description of one of its protocols' active messages (ucp_am_handler_t in
+// UCX 1.13's ucp_context.h; its size is checked against the library's symbol).
+struct UcpAmHandler {
+  uint64_t features;           // UCP_FEATURE_* under which a worker installs it
+  uct_am_callback_t cb;        // what UCT calls with each message
+  void* tracer;
+  uint32_t flags;
+  uct_am_callback_t proxy_cb;  // the same behind a counting proxy (wakeup ifaces)
+};
+
+// The protocols whose receive side is changed. `checked`: UCP's software RMA, which
+// kvagent's own ucx data path uses where UCX has no native put or get for a region
+// (same-host shared memory with cma, tcp): each message is served only when the
+// range it names lies inside memory registered for peers (PeerAccess::kPeers), as
+// native RMA with that memory's key would reach; else dropped. The others kvagent
+// never uses: every message is dropped. `features`: what the library declares for it
+// (checked, so a table whose meaning changed is not patched).
+struct Protocol {
+  const char* symbol;  // ucp_am_handler_UCP_AM_ID_<symbol>
+  const char* name;
+  uint64_t features;
+  bool checked;
+};
+constexpr std::array<Protocol, 5> kProtocols = {{
+    {"PUT", "put (software RMA)", UCP_FEATURE_RMA, true},
+    {"GET_REQ", "get request (software RMA)", UCP_FEATURE_RMA, true},
+    {"ATOMIC_REQ", "atomic request", UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64, false},
+    {"ATOMIC_REP", "atomic reply", UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64, false},
+    {"STREAM_DATA", "stream data", UCP_FEATURE_STREAM, false},
+}};
+constexpr size_t kPut = 0;
+constexpr size_t kGetRequest = 1;
+
+// The headers of the two checked protocols (UCX 1.13's ucp_put_hdr_t and
+// ucp_get_req_hdr_t, packed): the address first, a get request's length second.
+constexpr size_t kPutHeaderBytes = 8 + 8 + 4;           // address, ep id, memory type
+constexpr size_t kGetRequestBytes = 8 + 8 + 8 + 8 + 4;  // address, length, request, type
+
+// The originals of the checked protocols, called for what passes.
+std::array<uct_am_callback_t, kProtocols.size()> g_original_cb{};
+std::array<uct_am_callback_t, kProtocols.size()> g_original_proxy{};
+
+// Memory registered for peers: begin -> length (several registrations may share a
+// begin). `g_longest` bounds how far back a lookup walks.
+absl::Mutex g_ranges_mu;
+std::multimap<uintptr_t, uint64_t>* g_ranges ABSL_GUARDED_BY(g_ranges_mu) =
+    new std::multimap<uintptr_t, uint64_t>();
+uint64_t g_longest ABSL_GUARDED_BY(g_ranges_mu) = 0;
+
+bool PeerReachable(uint64_t address, uint64_t length) {
+  if (length > UINT64_MAX - address) return false;
+  absl::ReaderMutexLock lock(&g_ranges_mu);
+  auto it = g_ranges->upper_bound(static_cast<uintptr_t>(address));
+  while (it != g_ranges->begin()) {
+    --it;
+    if (address - it->first > g_longest) break;  // none further back is long enough
+    if (address + length <= it->first + it->second) return true;
+  }
+  return false;
+}
+
+std::array<std::atomic<uint64_t>, kProtocols.size()> g_refused{};
+std::atomic<uint64_t> g_refused_total{0};
+std::atomic<bool> g_hardened{false};
+
+// Counts one dropped message of protocol `k`; logs the first few and then every
+// 1,024th (a flood does not flood the log). `bytes` at `address`: what a checked one
+// named (ignored for the others).
+void CountRefused(size_t k, size_t length, uint64_t address, uint64_t bytes) {
+  const uint64_t mine = g_refused[k].fetch_add(1, std::memory_order_relaxed) + 1;
+  g_refused_total.fetch_add(1, std::memory_order_relaxed);
+  if (mine > 4 && mine % 1024 != 0) return;
+  if (kProtocols[k].checked) {
+    kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): it names {} bytes at "
+              "{:#x}, outside the memory this agent registered for peers (UCX would have "
+              "served it at any address)",
+              kProtocols[k].name, length, mine, bytes, address);
+  } else {
+    kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): this agent does not "
+              "serve this UCX protocol, so the peer runs something other than kvagent or is "
+              "hostile",
+              kProtocols[k].name, length, mine);
+  }
+}
+
+// Drops one message of protocol K: nothing in it is read, nothing is answered (a
+// sender's get or atomic waits until its own error handling or timeout gives up).
+template <size_t K>
+ucs_status_t Refuse(void*, void*, size_t length, unsigned) {
+  CountRefused(K, length, 0, 0);
+  return UCS_OK;
+}
+
+// True when the put or get request in `data` names only memory registered for peers.
+template <size_t K>
+bool Admit(const void* data, size_t length) {
+  uint64_t address = 0, bytes = 0;
+  if (K == kPut) {
+    if (length < kPutHeaderBytes) return false;
+    std::memcpy(&address, data, 8);
+    bytes = length - kPutHeaderBytes;
+  } else {
+    if (length < kGetRequestBytes) return false;
+    std::memcpy(&address, data, 8);
+    std::memcpy(&bytes, static_cast<const char*>(data) + 8, 8);
+  }
+  if (PeerReachable(address, bytes)) return true;
+  CountRefused(K, length, address, bytes);
+  return false;
+}
+
+template <size_t K>
+ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
+  if (!Admit<K>(data, length)) return UCS_OK;
+  return g_original_cb[K](arg, data, length, flags);
+}
+
+template <size_t K>
+ucs_status_t CheckedProxy(void* arg, void* data, size_t length, unsigned flags) {
+  if (!Admit<K>(data, length)) return UCS_OK;
+  return g_original_proxy[K](arg, data, length, flags);
+}
+
+template <size_t K>
+constexpr uct_am_callback_t HandlerOf() {
+  if constexpr (K == kPut || K == kGetRequest) {
+    return &Checked<K>;
+  } else {
+    return &Refuse<K>;
+  }
+}
+template <size_t K>
+constexpr uct_am_callback_t ProxyOf() {
+  if constexpr (K == kPut || K == kGetRequest) {
+    return &CheckedProxy<K>;
+  } else {
+    return &Refuse<K>;
+  }
+}
+template <size_t... K>
+constexpr std::array<uct_am_callback_t, sizeof...(K)> HandlersOf(std::index_sequence<K...>) {
+  return {HandlerOf<K>()...};
+}
+template <size_t... K>
+constexpr std::array<uct_am_callback_t, sizeof...(K)> ProxiesOf(std::index_sequence<K...>) {
+  return {ProxyOf<K>()...};
+}
+constexpr auto kHandlers = HandlersOf(std::make_index_sequence<kProtocols.size()>());
+constexpr auto kProxies = ProxiesOf(std::make_index_sequence<kProtocols.size()>());
+
+// The size of the ELF symbol at `address` (0 when unknown).
+size_t SymbolSize(const void* address) {
+  Dl_info info{};
+  void* entry = nullptr;  // dladdr1 stores a const ElfW(Sym)* here
+  if (dladdr1(address, &info, &entry, RTLD_DL_SYMENT) == 0 || entry == nullptr) return 0;
+  return static_cast<const ElfW(Sym)*>(entry)->st_size;
+}
+
+// True when [address, address + length) lies in one writable mapping of this process.
+bool Writable(const void* address, size_t length) {
+  FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return false;
+  const auto begin = reinterpret_cast<uintptr_t>(address);
+  bool writable = false;
+  char line[512];
+  while (std::fgets(line, sizeof line, maps) != nullptr) {
+    uintptr_t low = 0, high = 0;
+    char perms[5] = {};
+    if (std::sscanf(line, "%" SCNxPTR "-%" SCNxPTR " %4s", &low, &high, perms) != 3) continue;
+    if (begin >= low && begin + length <= high) {
+      writable = perms[1] == 'w';
+      break;
+    }
+  }
+  std::fclose(maps);
+  return writable;
+}
+
+absl::Status Patch() {
+  const std::string fix =
+      "kvagent checks UCP's handler table before changing it and this library's differs: "
+      "run kvagentd with the UCX it was built for (Debian 12's libucx0 1.13), or set "
+      "KVAGENT_UCX_UNHARDENED=1 to serve peers without this (any authenticated peer can "
+      "then read and write all of the agent's memory through UCX's software RMA)";
+  // By name in the global scope (the only library that defines these is libucp; the
+  // address of one of its functions could be this executable's PLT entry instead).
+  auto* table = static_cast<UcpAmHandler**>(dlsym(RTLD_DEFAULT, "ucp_am_handlers"));
+  Dl_info where{};
+  const std::string library = table != nullptr && dladdr(table, &where) != 0 &&
+                                      where.dli_fname != nullptr
+                                  ? where.dli_fname
+                                  : "libucp";
+  const size_t table_size = table == nullptr ? 0 : SymbolSize(table) / sizeof(void*);
+  std::array<UcpAmHandler*, kProtocols.size()> handlers{};
+  absl::Status result = absl::OkStatus();
+  for (size_t k = 0; k < kProtocols.size() && result.ok(); ++k) {
+    const Protocol& p = kProtocols[k];
+    const std::string symbol = fmt::format("ucp_am_handler_UCP_AM_ID_{}", p.symbol);
+    auto* handler = static_cast<UcpAmHandler*>(dlsym(RTLD_DEFAULT, symbol.c_str()));
+    bool in_table = false;
+    for (size_t i = 0; i < table_size && handler != nullptr; ++i) in_table |= table[i] == handler;
+    if (table_size == 0) {
+      result = absl::FailedPreconditionError(fmt::format(
+          "UCX hardening: {} has no sized symbol ucp_am_handlers; {}", library, fix));
+    } else if (handler == nullptr) {
+      result = absl::FailedPreconditionError(
+          fmt::format("UCX hardening: {} lacks the symbol {}; {}", library, symbol, fix));
+    } else if (SymbolSize(handler) != sizeof(UcpAmHandler)) {
+      result = absl::FailedPreconditionError(fmt::format(
+          "UCX hardening: {} is {} bytes in {}, not the {} of UCX 1.13's ucp_am_handler_t; {}",
+          symbol, SymbolSize(handler), library, sizeof(UcpAmHandler), fix));
+    } else if (!in_table) {
+      result = absl::FailedPreconditionError(fmt::format(
+          "UCX hardening: {} is not in {}'s ucp_am_handlers table ({} entries); {}", symbol,
+          library, table_size, fix));
+    } else if (handler->features != p.features || handler->cb == nullptr) {
+      result = absl::FailedPreconditionError(fmt::format(
+          "UCX hardening: {} serves features {:#x} (expected {:#x}){}; {}", symbol,
+          handler->features, p.features, handler->cb == nullptr ? " with no callback" : "",
+          fix));
+    } else if (!Writable(handler, sizeof(UcpAmHandler))) {
+      result = absl::FailedPreconditionError(fmt::format(
+          "UCX hardening: {} lies in read-only memory; {}", symbol, fix));
+    }
+    handlers[k] = handler;
+  }
+  if (!result.ok()) return result;
+  // All checked: now change them. A worker installs each handler whose features meet
+  // its context's; RMA and AM are in every kvagent context, so every worker created
+  // from here on checks or drops these messages instead of serving them blindly or
+  // handing them to UCT's stub.
+  for (size_t k = 0; k < kProtocols.size(); ++k) {
+    g_original_cb[k] = handlers[k]->cb;
+    g_original_proxy[k] = handlers[k]->proxy_cb;
+    handlers[k]->cb = kHandlers[k];
+    if (handlers[k]->proxy_cb != nullptr) handlers[k]->proxy_cb = kProxies[k];
+    handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HardenUcxForPeers() {
+  static std::once_flag once;
+  static absl::Status outcome;
+  std::call_once(once, [] {
+    outcome = Patch();
+    if (outcome.ok()) {
+      g_hardened.store(true);
+      kLog.Info("UCX: peers' software RMA reaches only memory registered for them; their "
+                "atomic and stream messages are dropped, and tagged ones discarded");
+    }
+  });
+  return outcome;
+}
+
+bool UcxHardenedForPeers() { return g_hardened.load(); }
+
+std::vector<std::string> UcxRefusedProtocols() {
+  std::vector<std::string> names;
+  if (!UcxHardenedForPeers()) return names;
+  for (const Protocol& p : kProtocols) {
+    names.push_back(p.checked ? fmt::format("{} outside peer memory", p.name) : p.name);
+  }
+  return names;
+}
+
+void AllowPeerRange(const void* address, uint64_t length) {
+  absl::MutexLock lock(&g_ranges_mu);
+  g_ranges->emplace(reinterpret_cast<uintptr_t>(address), length);
+  g_longest = std::max(g_longest, length);
+}
+
+void ForbidPeerRange(const void* address, uint64_t length) {
+  absl::MutexLock lock(&g_ranges_mu);
+  auto [first, last] = g_ranges->equal_range(reinterpret_cast<uintptr_t>(address));
+  for (auto it = first; it != last; ++it) {
+    if (it->second == length) {
+      g_ranges->erase(it);
+      return;
+    }
+  }
+}
+
+uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_relaxed); }
+
+}  // namespace kvagent::transport

@@ -1,0 +1,55 @@
+// What a peer holding this process's UCX worker address may make UCX do here, cut down
+// to what kvagent uses. UCX trusts every peer that reaches a worker: its software
+// emulation of RMA (used where a transport lacks native put or get for a region, such
+// as tcp or same-host memory reached by cma, or where the sender chooses it) writes and
+// reads whatever address the peer names, with no memory key checked; a peer's atomics
+// and stream messages reach UCT's stub handler, which takes a backtrace (about 60 µs
+// here) and logs about 15 lines per message; its tagged rendezvous messages wait in the
+// worker's unexpected queue for as long as it likes.
+//
+// HardenUcxForPeers, called once by a service process (kvagentd's main) before any UCX
+// context exists, changes UCP's receive handlers in its handler table: a software put
+// or get request is served only when the whole range it names lies in memory
+// registered for peers (MemoryRegistration with PeerAccess::kPeers: what native RMA
+// with that memory's key reaches; kvagent's own ucx data path relies on this where UCX
+// emulates), else dropped; atomic requests and replies and stream data are dropped.
+// Contexts created afterwards take tagged messages (UcxContext adds UCP_FEATURE_TAG,
+// and each worker keeps a receive for any tag posted that truncates what it matches to
+// nothing). Every message dropped is counted and logged (the first few of each kind).
+//
+// Process-wide: test processes that play a peer do not call it, so they keep UCX's
+// stock behaviour and can try it against a real agent. The table is UCX 1.13's
+// internal layout, checked symbol by symbol (each handler's size from the ELF symbol
+// table, its place in ucp_am_handlers, the features it serves); a library whose layout
+// differs is refused with the reason instead of patched blindly.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace kvagent::transport {
+
+// Patches UCP's handler table (once; later calls return the first outcome). Call while
+// the process has one thread and no UCX context. An error names what did not match;
+// nothing was patched then.
+absl::Status HardenUcxForPeers();
+
+// True once HardenUcxForPeers succeeded in this process.
+bool UcxHardenedForPeers();
+
+// What peers' messages are dropped (for `doctor`): "put (software RMA) outside peer
+// memory", "atomic request", ... Empty until hardened.
+std::vector<std::string> UcxRefusedProtocols();
+
+// Messages dropped so far in this process (all workers).
+uint64_t UcxRefusedMessages();
+
+// The ranges a software put or get request may name (MemoryRegistration keeps them
+// for PeerAccess::kPeers). Any thread. A range allowed twice must be forbidden twice.
+void AllowPeerRange(const void* address, uint64_t length);
+void ForbidPeerRange(const void* address, uint64_t length);
+
+}  // namespace kvagent::transport
