@@ -607,7 +607,9 @@ int main(int argc, char** argv) {
                    std::string(hardened.message()).c_str());
       return 1;
     }
-    std::fprintf(stderr, "kvagentd: WARNING: running with UCX unhardened (KVAGENT_UCX_UNHARDENED=1): %s\n",
+    std::fprintf(stderr,
+                 "kvagentd: WARNING: running with UCX unhardened (KVAGENT_UCX_UNHARDENED=1): "
+                 "%s\n",
                  std::string(hardened.message()).c_str());
   }
   auto agent = kvagent::agent::Agent::Start(options);

@@ -11,8 +11,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_join.h"
 #include "base/log.h"
-#include "transport/ucx_hardening.h"
 #include "fmt/format.h"
+#include "transport/ucx_hardening.h"
 #include "ucs/memory/memory_type.h"
 
 namespace kvagent::transport {
@@ -275,7 +275,7 @@ absl::StatusOr<MemoryRegistration> MemoryRegistration::Map(const UcxContext& con
   registration.packed_rkey_.assign(static_cast<const char*>(rkey_buffer), rkey_size);
   ucp_rkey_buffer_release(rkey_buffer);
   if (access == PeerAccess::kPeers) {
-    AllowPeerRange(address, length);
+    AllowPeerRange(address, length, ToUcs(type));
     registration.access_ = access;
   }
   return registration;

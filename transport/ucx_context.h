@@ -40,8 +40,8 @@ std::atomic<int64_t>& RequestsInFlight();
 
 class UcxContext {
  public:
-  // Features: RMA, AM, WAKEUP (and TAG once hardened); mt_workers_shared so memory can be mapped from any
-  // thread while a worker progresses on its own thread.
+  // Features: RMA, AM, WAKEUP (and TAG once hardened); mt_workers_shared so memory can
+  // be mapped from any thread while a worker progresses on its own thread.
   static absl::StatusOr<std::unique_ptr<UcxContext>> Create();
   ~UcxContext();
   UcxContext(const UcxContext&) = delete;

@@ -9,6 +9,7 @@
 #include <array>
 #include <atomic>
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -28,18 +29,18 @@ constexpr log::Logger kLog("transport");
 // UCP's description of one of its protocols' active messages (ucp_am_handler_t in
 // UCX 1.13's ucp_context.h; its size is checked against the library's symbol).
 struct UcpAmHandler {
-  uint64_t features;           // UCP_FEATURE_* under which a worker installs it
-  uct_am_callback_t cb;        // what UCT calls with each message
+  uint64_t features;     // UCP_FEATURE_* under which a worker installs it
+  uct_am_callback_t cb;  // what UCT calls with each message
   void* tracer;
   uint32_t flags;
   uct_am_callback_t proxy_cb;  // the same behind a counting proxy (wakeup ifaces)
 };
 
 // The protocols whose receive side is changed. `checked`: UCP's software RMA, which
-// kvagent's own ucx data path uses where UCX has no native put or get for a region
-// (same-host shared memory with cma, tcp): each message is served only when the
-// range it names lies inside memory registered for peers (PeerAccess::kPeers), as
-// native RMA with that memory's key would reach; else dropped. The others kvagent
+// kvagent's own ucx data path uses where UCX emulates puts and gets (same-host agents
+// without shm-direct, in UCX 1.13): each message is served only when the range it
+// names lies inside memory registered for peers (PeerAccess::kPeers), as native RMA
+// with that memory's key would reach; else dropped. The others kvagent
 // never uses: every message is dropped. `features`: what the library declares for it
 // (checked, so a table whose meaning changed is not patched).
 struct Protocol {
@@ -59,7 +60,8 @@ constexpr size_t kPut = 0;
 constexpr size_t kGetRequest = 1;
 
 // The headers of the two checked protocols (UCX 1.13's ucp_put_hdr_t and
-// ucp_get_req_hdr_t, packed): the address first, a get request's length second.
+// ucp_get_req_hdr_t, packed): the address first, a get request's length second, the
+// memory type (a 4-byte ucs_memory_type_t) last.
 constexpr size_t kPutHeaderBytes = 8 + 8 + 4;           // address, ep id, memory type
 constexpr size_t kGetRequestBytes = 8 + 8 + 8 + 8 + 4;  // address, length, request, type
 
@@ -67,46 +69,46 @@ constexpr size_t kGetRequestBytes = 8 + 8 + 8 + 8 + 4;  // address, length, requ
 std::array<uct_am_callback_t, kProtocols.size()> g_original_cb{};
 std::array<uct_am_callback_t, kProtocols.size()> g_original_proxy{};
 
-// Memory registered for peers: begin -> length (several registrations may share a
-// begin). `g_longest` bounds how far back a lookup walks.
+// Memory registered for peers: begin -> its length and memory type (several
+// registrations may share a begin). `g_longest` bounds how far back a lookup walks.
+struct PeerRange {
+  uint64_t length;
+  uint32_t memory_type;  // ucs_memory_type_t
+};
 absl::Mutex g_ranges_mu;
-std::multimap<uintptr_t, uint64_t>* g_ranges ABSL_GUARDED_BY(g_ranges_mu) =
-    new std::multimap<uintptr_t, uint64_t>();
+std::multimap<uintptr_t, PeerRange>* g_ranges ABSL_GUARDED_BY(g_ranges_mu) =
+    new std::multimap<uintptr_t, PeerRange>();
 uint64_t g_longest ABSL_GUARDED_BY(g_ranges_mu) = 0;
-
-bool PeerReachable(uint64_t address, uint64_t length) {
-  if (length > UINT64_MAX - address) return false;
-  absl::ReaderMutexLock lock(&g_ranges_mu);
-  auto it = g_ranges->upper_bound(static_cast<uintptr_t>(address));
-  while (it != g_ranges->begin()) {
-    --it;
-    if (address - it->first > g_longest) break;  // none further back is long enough
-    if (address + length <= it->first + it->second) return true;
-  }
-  return false;
-}
 
 std::array<std::atomic<uint64_t>, kProtocols.size()> g_refused{};
 std::atomic<uint64_t> g_refused_total{0};
 std::atomic<bool> g_hardened{false};
 
 // Counts one dropped message of protocol `k`; logs the first few and then every
-// 1,024th (a flood does not flood the log). `bytes` at `address`: what a checked one
-// named (ignored for the others).
-void CountRefused(size_t k, size_t length, uint64_t address, uint64_t bytes) {
+// 1,024th (a flood does not flood the log). `bytes` of `memory_type` at `address`:
+// what a checked one named (ignored for the others); `short_header`: a checked one too
+// short to name anything.
+void CountRefused(size_t k, size_t length, uint64_t address = 0, uint64_t bytes = 0,
+                  uint32_t memory_type = 0, bool short_header = false) {
   const uint64_t mine = g_refused[k].fetch_add(1, std::memory_order_relaxed) + 1;
   g_refused_total.fetch_add(1, std::memory_order_relaxed);
   if (mine > 4 && mine % 1024 != 0) return;
-  if (kProtocols[k].checked) {
-    kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): it names {} bytes at "
-              "{:#x}, outside the memory this agent registered for peers (UCX would have "
-              "served it at any address)",
-              kProtocols[k].name, length, mine, bytes, address);
-  } else {
-    kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): this agent does not "
-              "serve this UCX protocol, so the peer runs something other than kvagent or is "
-              "hostile",
+  if (short_header) {
+    kLog.Warn("UCX: dropped a peer's {} message of {} bytes ({} so far): too short for its "
+              "header, so the sender is not UCX 1.13 or is hostile",
               kProtocols[k].name, length, mine);
+  } else if (kProtocols[k].checked) {
+    kLog.Warn(
+        "UCX: dropped a peer's {} message ({} bytes; {} so far): it names {} bytes of memory "
+        "type {} at {:#x}, outside the memory this agent registered for peers (UCX would "
+        "have served it at any address)",
+        kProtocols[k].name, length, mine, bytes, memory_type, address);
+  } else {
+    kLog.Warn(
+        "UCX: dropped a peer's {} message ({} bytes; {} so far): this agent does not "
+        "serve this UCX protocol, so the peer runs something other than kvagent or is "
+        "hostile",
+        kProtocols[k].name, length, mine);
   }
 }
 
@@ -114,25 +116,30 @@ void CountRefused(size_t k, size_t length, uint64_t address, uint64_t bytes) {
 // sender's get or atomic waits until its own error handling or timeout gives up).
 template <size_t K>
 ucs_status_t Refuse(void*, void*, size_t length, unsigned) {
-  CountRefused(K, length, 0, 0);
+  CountRefused(K, length);
   return UCS_OK;
 }
 
 // True when the put or get request in `data` names only memory registered for peers.
 template <size_t K>
 bool Admit(const void* data, size_t length) {
+  const auto* header = static_cast<const char*>(data);
   uint64_t address = 0, bytes = 0;
+  uint32_t memory_type = 0;
+  const size_t need = K == kPut ? kPutHeaderBytes : kGetRequestBytes;
+  if (length < need) {
+    CountRefused(K, length, 0, 0, 0, /*short_header=*/true);
+    return false;
+  }
+  std::memcpy(&address, header, 8);
+  std::memcpy(&memory_type, header + need - 4, 4);
   if (K == kPut) {
-    if (length < kPutHeaderBytes) return false;
-    std::memcpy(&address, data, 8);
     bytes = length - kPutHeaderBytes;
   } else {
-    if (length < kGetRequestBytes) return false;
-    std::memcpy(&address, data, 8);
-    std::memcpy(&bytes, static_cast<const char*>(data) + 8, 8);
+    std::memcpy(&bytes, header + 8, 8);
   }
-  if (PeerReachable(address, bytes)) return true;
-  CountRefused(K, length, address, bytes);
+  if (UcxPeerRangeAdmits(address, bytes, memory_type)) return true;
+  CountRefused(K, length, address, bytes, memory_type);
   return false;
 }
 
@@ -213,10 +220,9 @@ absl::Status Patch() {
   // address of one of its functions could be this executable's PLT entry instead).
   auto* table = static_cast<UcpAmHandler**>(dlsym(RTLD_DEFAULT, "ucp_am_handlers"));
   Dl_info where{};
-  const std::string library = table != nullptr && dladdr(table, &where) != 0 &&
-                                      where.dli_fname != nullptr
-                                  ? where.dli_fname
-                                  : "libucp";
+  const std::string library =
+      table != nullptr && dladdr(table, &where) != 0 && where.dli_fname != nullptr ? where.dli_fname
+                                                                                   : "libucp";
   const size_t table_size = table == nullptr ? 0 : SymbolSize(table) / sizeof(void*);
   std::array<UcpAmHandler*, kProtocols.size()> handlers{};
   absl::Status result = absl::OkStatus();
@@ -227,8 +233,8 @@ absl::Status Patch() {
     bool in_table = false;
     for (size_t i = 0; i < table_size && handler != nullptr; ++i) in_table |= table[i] == handler;
     if (table_size == 0) {
-      result = absl::FailedPreconditionError(fmt::format(
-          "UCX hardening: {} has no sized symbol ucp_am_handlers; {}", library, fix));
+      result = absl::FailedPreconditionError(
+          fmt::format("UCX hardening: {} has no sized symbol ucp_am_handlers; {}", library, fix));
     } else if (handler == nullptr) {
       result = absl::FailedPreconditionError(
           fmt::format("UCX hardening: {} lacks the symbol {}; {}", library, symbol, fix));
@@ -237,17 +243,16 @@ absl::Status Patch() {
           "UCX hardening: {} is {} bytes in {}, not the {} of UCX 1.13's ucp_am_handler_t; {}",
           symbol, SymbolSize(handler), library, sizeof(UcpAmHandler), fix));
     } else if (!in_table) {
-      result = absl::FailedPreconditionError(fmt::format(
-          "UCX hardening: {} is not in {}'s ucp_am_handlers table ({} entries); {}", symbol,
-          library, table_size, fix));
+      result = absl::FailedPreconditionError(
+          fmt::format("UCX hardening: {} is not in {}'s ucp_am_handlers table ({} entries); {}",
+                      symbol, library, table_size, fix));
     } else if (handler->features != p.features || handler->cb == nullptr) {
       result = absl::FailedPreconditionError(fmt::format(
           "UCX hardening: {} serves features {:#x} (expected {:#x}){}; {}", symbol,
-          handler->features, p.features, handler->cb == nullptr ? " with no callback" : "",
-          fix));
+          handler->features, p.features, handler->cb == nullptr ? " with no callback" : "", fix));
     } else if (!Writable(handler, sizeof(UcpAmHandler))) {
-      result = absl::FailedPreconditionError(fmt::format(
-          "UCX hardening: {} lies in read-only memory; {}", symbol, fix));
+      result = absl::FailedPreconditionError(
+          fmt::format("UCX hardening: {} lies in read-only memory; {}", symbol, fix));
     }
     handlers[k] = handler;
   }
@@ -275,8 +280,9 @@ absl::Status HardenUcxForPeers() {
     outcome = Patch();
     if (outcome.ok()) {
       g_hardened.store(true);
-      kLog.Info("UCX: peers' software RMA reaches only memory registered for them; their "
-                "atomic and stream messages are dropped, and tagged ones discarded");
+      kLog.Info(
+          "UCX: peers' software RMA reaches only memory registered for them; their "
+          "atomic and stream messages are dropped, and tagged ones discarded");
     }
   });
   return outcome;
@@ -293,9 +299,9 @@ std::vector<std::string> UcxRefusedProtocols() {
   return names;
 }
 
-void AllowPeerRange(const void* address, uint64_t length) {
+void AllowPeerRange(const void* address, uint64_t length, uint32_t memory_type) {
   absl::MutexLock lock(&g_ranges_mu);
-  g_ranges->emplace(reinterpret_cast<uintptr_t>(address), length);
+  g_ranges->emplace(reinterpret_cast<uintptr_t>(address), PeerRange{length, memory_type});
   g_longest = std::max(g_longest, length);
 }
 
@@ -303,11 +309,26 @@ void ForbidPeerRange(const void* address, uint64_t length) {
   absl::MutexLock lock(&g_ranges_mu);
   auto [first, last] = g_ranges->equal_range(reinterpret_cast<uintptr_t>(address));
   for (auto it = first; it != last; ++it) {
-    if (it->second == length) {
+    if (it->second.length == length) {
       g_ranges->erase(it);
       return;
     }
   }
+}
+
+bool UcxPeerRangeAdmits(uint64_t address, uint64_t length, uint32_t memory_type) {
+  if (length > UINT64_MAX - address) return false;
+  absl::ReaderMutexLock lock(&g_ranges_mu);
+  auto it = g_ranges->upper_bound(static_cast<uintptr_t>(address));
+  while (it != g_ranges->begin()) {
+    --it;
+    if (address - it->first > g_longest) break;  // none further back is long enough
+    if (address + length <= it->first + it->second.length &&
+        memory_type == it->second.memory_type) {
+      return true;
+    }
+  }
+  return false;
 }
 
 uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_relaxed); }

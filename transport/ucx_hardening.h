@@ -47,9 +47,14 @@ std::vector<std::string> UcxRefusedProtocols();
 // Messages dropped so far in this process (all workers).
 uint64_t UcxRefusedMessages();
 
-// The ranges a software put or get request may name (MemoryRegistration keeps them
-// for PeerAccess::kPeers). Any thread. A range allowed twice must be forbidden twice.
-void AllowPeerRange(const void* address, uint64_t length);
+// The ranges a software put or get request may name, with their memory type (a
+// ucs_memory_type_t: a request claiming host memory for a range of device memory would
+// make UCX memcpy to a device pointer). MemoryRegistration keeps them for
+// PeerAccess::kPeers. Any thread. A range allowed twice must be forbidden twice.
+void AllowPeerRange(const void* address, uint64_t length, uint32_t memory_type);
 void ForbidPeerRange(const void* address, uint64_t length);
+// True when [address, address + length) lies inside one allowed range of
+// `memory_type`: what the checked handlers serve.
+bool UcxPeerRangeAdmits(uint64_t address, uint64_t length, uint32_t memory_type);
 
 }  // namespace kvagent::transport

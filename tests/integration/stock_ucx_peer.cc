@@ -24,8 +24,8 @@ StockUcxPeer::StockUcxPeer(const std::string& address, bool peer_errors,
   REQUIRE(read == UCS_OK);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_TAG | UCP_FEATURE_STREAM |
-                    UCP_FEATURE_AM;
+  params.features =
+      UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_TAG | UCP_FEATURE_STREAM | UCP_FEATURE_AM;
   const ucs_status_t init = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   REQUIRE(init == UCS_OK);

@@ -62,15 +62,38 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
   CHECK(refused.size() == 5);
-  for (const char* name : {"put (software RMA) outside peer memory",
-                           "get request (software RMA) outside peer memory", "atomic request",
-                           "atomic reply", "stream data"}) {
+  for (const char* name :
+       {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
+        "atomic request", "atomic reply", "stream data"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
 }
 
-TEST_CASE("a hardened worker discards a stock peer's tagged messages, eager and rendezvous, "
-          "and answers each") {
+TEST_CASE("a range admits a request inside one allowed registration of its memory type only") {
+  std::vector<char> memory(8192);
+  const auto base = reinterpret_cast<uint64_t>(memory.data());
+  const uint32_t host = UCS_MEMORY_TYPE_HOST, cuda = UCS_MEMORY_TYPE_CUDA;
+  AllowPeerRange(memory.data(), 4096, host);
+  AllowPeerRange(memory.data() + 4096, 4096, host);  // its neighbour, registered apart
+  CHECK(UcxPeerRangeAdmits(base, 4096, host));
+  CHECK(UcxPeerRangeAdmits(base + 4000, 96, host));
+  CHECK(UcxPeerRangeAdmits(base + 4096, 0, host));
+  CHECK_FALSE(UcxPeerRangeAdmits(base + 4000, 200, host));  // across two registrations
+  CHECK_FALSE(UcxPeerRangeAdmits(base - 1, 2, host));
+  CHECK_FALSE(UcxPeerRangeAdmits(base + 8000, 500, host));
+  CHECK_FALSE(UcxPeerRangeAdmits(UINT64_MAX - 10, 100, host));  // wraps around
+  // Claiming device memory for host memory (UCX would copy as the request says).
+  CHECK_FALSE(UcxPeerRangeAdmits(base, 64, cuda));
+  ForbidPeerRange(memory.data(), 4096);
+  CHECK_FALSE(UcxPeerRangeAdmits(base, 64, host));
+  CHECK(UcxPeerRangeAdmits(base + 4096, 64, host));
+  ForbidPeerRange(memory.data() + 4096, 4096);
+  CHECK_FALSE(UcxPeerRangeAdmits(base + 4096, 64, host));
+}
+
+TEST_CASE(
+    "a hardened worker discards a stock peer's tagged messages, eager and rendezvous, "
+    "and answers each") {
   Hardened h = Hardened::Make();
   const std::string small(64, 'a');
   const std::string large(256 << 10, 'b');
@@ -96,15 +119,16 @@ TEST_CASE("a hardened worker discards a stock peer's tagged messages, eager and 
   }
 }
 
-TEST_CASE("a hardened worker serves software puts and gets inside memory registered for "
-          "peers only, and counts the rest") {
+TEST_CASE(
+    "a hardened worker serves software puts and gets inside memory registered for "
+    "peers only, and counts the rest") {
   Hardened h = Hardened::Make();
   // Two buffers registered alike but for who may reach them: UCX's software RMA does
   // not look at either key, the hardened handlers look at the ranges.
   std::vector<char> shared(8192, 'p');
   std::vector<char> local(4096, 'l');
-  auto peers = MemoryRegistration::Map(*h.context, shared.data(), 4096, MemoryType::kHost,
-                                       "shared", PeerAccess::kPeers);
+  auto peers = MemoryRegistration::Map(*h.context, shared.data(), 4096, MemoryType::kHost, "shared",
+                                       PeerAccess::kPeers);
   REQUIRE(peers.ok());
   auto own = MemoryRegistration::Map(*h.context, local.data(), local.size(), MemoryType::kHost,
                                      "local", PeerAccess::kLocal);
@@ -123,14 +147,17 @@ TEST_CASE("a hardened worker serves software puts and gets inside memory registe
     // Served: inside the registration.
     const size_t put_in =
         eve.Track(ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), base + 128, key, &plain));
-    const size_t get_in = eve.Track(ucp_get_nbx(eve.ep(), inside, sizeof inside, base, key, &plain));
+    const size_t get_in =
+        eve.Track(ucp_get_nbx(eve.ep(), inside, sizeof inside, base, key, &plain));
     // Refused: past its end (the vector goes on: UCX would have written there), and
     // memory registered only for this process.
-    eve.Track(ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), base + 4096 - 32, key, &plain));
+    eve.Track(
+        ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), base + 4096 - 32, key, &plain));
     const size_t get_beyond =
         eve.Track(ucp_get_nbx(eve.ep(), beyond, sizeof beyond, base + 4096, key, &plain));
     eve.Track(ucp_put_nbx(eve.ep(), scribble.data(), scribble.size(), mine, key, &plain));
-    const size_t get_own = eve.Track(ucp_get_nbx(eve.ep(), own_bytes, sizeof own_bytes, mine, key, &plain));
+    const size_t get_own =
+        eve.Track(ucp_get_nbx(eve.ep(), own_bytes, sizeof own_bytes, mine, key, &plain));
     // Eve's UCX sends as it progresses (on this thread).
     CHECK(Eventually([&] {
       eve.Progress(20);
@@ -155,13 +182,13 @@ TEST_CASE("a hardened worker serves software puts and gets inside memory registe
     const uint64_t refused_before = UcxRefusedMessages();
     StockUcxPeer eve(h.worker->address(), /*peer_errors=*/true, "");
     // The key of a registration that is gone: UCX's software get carries it unchecked.
-    auto again = MemoryRegistration::Map(*h.context, local.data(), local.size(),
-                                         MemoryType::kHost, "again", PeerAccess::kLocal);
+    auto again = MemoryRegistration::Map(*h.context, local.data(), local.size(), MemoryType::kHost,
+                                         "again", PeerAccess::kLocal);
     REQUIRE(again.ok());
     ucp_rkey_h key = eve.Unpack(again->packed_rkey());
     ucp_request_param_t plain{};
-    const size_t get = eve.Track(ucp_get_nbx(eve.ep(), got, sizeof got,
-                                             reinterpret_cast<uint64_t>(shared.data()), key, &plain));
+    const size_t get = eve.Track(ucp_get_nbx(
+        eve.ep(), got, sizeof got, reinterpret_cast<uint64_t>(shared.data()), key, &plain));
     CHECK(Eventually([&] {
       eve.Progress(20);
       return UcxRefusedMessages() - refused_before >= 1;
