@@ -56,8 +56,7 @@ constexpr std::array<Protocol, 5> kProtocols = {{
     {"ATOMIC_REP", "atomic reply", UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64, false},
     {"STREAM_DATA", "stream data", UCP_FEATURE_STREAM, false},
 }};
-constexpr size_t kPut = 0;
-constexpr size_t kGetRequest = 1;
+constexpr size_t kPut = 0;  // the other checked one is the get request
 
 // The headers of the two checked protocols (UCX 1.13's ucp_put_hdr_t and
 // ucp_get_req_hdr_t, packed): the address first, a get request's length second, the
@@ -143,44 +142,32 @@ bool Admit(const void* data, size_t length) {
   return false;
 }
 
-template <size_t K>
+// Serves one message of checked protocol K that Admit lets through, with UCP's own
+// handler or (`kProxy`) its counting proxy.
+template <size_t K, bool kProxy>
 ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
   if (!Admit<K>(data, length)) return UCS_OK;
-  return g_original_cb[K](arg, data, length, flags);
+  return (kProxy ? g_original_proxy[K] : g_original_cb[K])(arg, data, length, flags);
 }
 
-template <size_t K>
-ucs_status_t CheckedProxy(void* arg, void* data, size_t length, unsigned flags) {
-  if (!Admit<K>(data, length)) return UCS_OK;
-  return g_original_proxy[K](arg, data, length, flags);
-}
-
-template <size_t K>
-constexpr uct_am_callback_t HandlerOf() {
-  if constexpr (K == kPut || K == kGetRequest) {
-    return &Checked<K>;
+// What replaces protocol K's handler (or its proxy): Checked for the checked ones,
+// Refuse for the others.
+template <size_t K, bool kProxy>
+constexpr uct_am_callback_t ReplacementOf() {
+  if constexpr (kProtocols[K].checked) {
+    return &Checked<K, kProxy>;
   } else {
     return &Refuse<K>;
   }
 }
-template <size_t K>
-constexpr uct_am_callback_t ProxyOf() {
-  if constexpr (K == kPut || K == kGetRequest) {
-    return &CheckedProxy<K>;
-  } else {
-    return &Refuse<K>;
-  }
+template <bool kProxy, size_t... K>
+constexpr std::array<uct_am_callback_t, sizeof...(K)> ReplacementsOf(std::index_sequence<K...>) {
+  return {ReplacementOf<K, kProxy>()...};
 }
-template <size_t... K>
-constexpr std::array<uct_am_callback_t, sizeof...(K)> HandlersOf(std::index_sequence<K...>) {
-  return {HandlerOf<K>()...};
-}
-template <size_t... K>
-constexpr std::array<uct_am_callback_t, sizeof...(K)> ProxiesOf(std::index_sequence<K...>) {
-  return {ProxyOf<K>()...};
-}
-constexpr auto kHandlers = HandlersOf(std::make_index_sequence<kProtocols.size()>());
-constexpr auto kProxies = ProxiesOf(std::make_index_sequence<kProtocols.size()>());
+constexpr auto kHandlers =
+    ReplacementsOf</*kProxy=*/false>(std::make_index_sequence<kProtocols.size()>());
+constexpr auto kProxies =
+    ReplacementsOf</*kProxy=*/true>(std::make_index_sequence<kProtocols.size()>());
 
 // The size of the ELF symbol at `address` (0 when unknown).
 size_t SymbolSize(const void* address) {
