@@ -684,6 +684,15 @@ TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, on
   // posted them: the peer's shutdown progresses until nothing arrives, and with A
   // sending it would take all 128 MiB first (it did under TSan, also when A was held
   // only after the posting closure returned: A progressed the sends in between).
+  // B's thread is held while A posts: a B that drains the socket as A posts let all
+  // 128 MiB through in one CI run under TSan, and the flush succeeded.
+  absl::Notification b_held;
+  absl::Notification b_release;
+  b.worker->Post([&] {
+    b_held.Notify();
+    b_release.WaitForNotification();
+  });
+  b_held.WaitForNotification();
   absl::Notification held;
   absl::Notification release;
   a.worker->Post([&] {
@@ -699,6 +708,7 @@ TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, on
     release.WaitForNotification();
   });
   held.WaitForNotification();
+  b_release.Notify();
   b.worker.reset();
   release.Notify();
   REQUIRE(posted.ok());
