@@ -612,6 +612,9 @@ int main(int argc, char** argv) {
                  "%s\n",
                  std::string(hardened.message()).c_str());
   }
+  // Memory that held regions is retired, not unmapped at once: a peer's software get
+  // reply waiting in UCX may still read it (RetireMapping; a no-op when unhardened).
+  kvagent::registry::ShmMapping::SetRetire(&kvagent::transport::RetireMapping);
   auto agent = kvagent::agent::Agent::Start(options);
   if (!agent.ok()) {
     std::fprintf(stderr, "kvagentd: cannot start: %s\n",

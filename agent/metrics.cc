@@ -21,6 +21,7 @@
 #include "base/log.h"
 #include "fmt/format.h"
 #include "registry/shm_mapping.h"
+#include "transport/ucx_hardening.h"
 
 namespace kvagent::agent {
 namespace {
@@ -343,6 +344,30 @@ std::string RenderMetrics(const MetricsSources& sources) {
   Family(&out, "kvagent_mapping_pages_to_warm", "gauge",
          "Pages of mapped host memory waiting for the map-warm thread now.")
       .Sample(static_cast<double>(warming.pages_queued));
+
+  // Memory released while a peer's software get reply may still read it: mapped to
+  // zero pages until the UCX worker flushed (transport/ucx_hardening.h, RetireMapping).
+  const transport::RetiredMappings retired = transport::RetiredMappingsNow();
+  const struct {
+    const char* name;
+    const char* type;
+    const char* help;
+    uint64_t value;
+  } retired_families[] = {
+      {"kvagent_retired_mappings", "gauge",
+       "Released host memory kept as zero pages until every UCX worker flushed what a "
+       "peer's software get may still read from it; one that stays names a peer that "
+       "stopped taking a reply.",
+       retired.held},
+      {"kvagent_retired_mapping_bytes", "gauge",
+       "Address space of kvagent_retired_mappings (zero pages: no memory).",
+       retired.held_bytes},
+      {"kvagent_retired_mappings_released_total", "counter",
+       "Retired mappings unmapped once every UCX worker flushed.", retired.released},
+  };
+  for (const auto& f : retired_families) {
+    Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));
+  }
 
   // Limits: value, use and refusals of each (docs/LIMITS.md).
   Family limit_value(&out, "kvagent_limit", "gauge", "Each limit's value (its --max-* flag).");

@@ -62,6 +62,7 @@ std::atomic<size_t> segments_alive{0};
 std::atomic<uint64_t> mapped_total{0};
 std::atomic<uint64_t> mapped_refused{0};
 std::atomic<uint64_t> mapped_bound{ShmMapping::kDefaultMappedBytesBound};
+std::atomic<bool (*)(void*, uint64_t)> retire_hook{nullptr};  // ShmMapping::SetRetire
 
 // Background first touch (ShmMapping::SetWarming).
 struct WarmJob {
@@ -192,7 +193,8 @@ ShmMapping::Segment::~Segment() {
     mapped_total.fetch_sub(length);
   }
   guard.Reset();  // first: nothing may touch the range once it is unmapped
-  if (base != nullptr) munmap(base, length);
+  bool (*retire)(void*, uint64_t) = retire_hook.load();
+  if (base != nullptr && (retire == nullptr || !retire(base, length))) munmap(base, length);
   if (key != std::pair<uint64_t, uint64_t>{0, 0}) {
     SegmentTable& table = Segments();
     absl::MutexLock lock(&table.mu);
@@ -207,6 +209,8 @@ uint64_t ShmMapping::mapped_refusals() { return mapped_refused.load(); }
 void ShmMapping::SetMappedBytesBound(uint64_t bytes) { mapped_bound.store(bytes); }
 
 void ShmMapping::SetWarming(bool on) { warming_on.store(on); }
+
+void ShmMapping::SetRetire(bool (*retire)(void*, uint64_t)) { retire_hook.store(retire); }
 
 void ShmMapping::HoldWarmingForTest(bool hold) {
   Warmer& w = TheWarmer();

@@ -112,6 +112,12 @@ class ShmMapping {
   // Tests: while held, the map-warm thread takes no new range (it finishes the one it
   // is in), so a test can release or truncate a mapping before it is touched.
   static void HoldWarmingForTest(bool hold);
+  // What unmaps a mapping's memory when its last user goes: `retire(base, length)`
+  // is asked first, and a true answer means it took the range (the agent's UCX
+  // hardening: a peer's software get reply waiting in UCX may still read it, see
+  // transport/ucx_hardening.h, RetireMapping); false, or none set, and it is
+  // munmapped. Set once, before any mapping.
+  static void SetRetire(bool (*retire)(void* base, uint64_t length));
 
   struct Segment;  // one mmap of a whole object, guarded; unmapped with its last user
 

@@ -2,12 +2,14 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <sys/mman.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -15,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -79,6 +82,45 @@ std::multimap<uintptr_t, PeerRange>* g_ranges ABSL_GUARDED_BY(g_ranges_mu) =
     new std::multimap<uintptr_t, PeerRange>();
 uint64_t g_longest ABSL_GUARDED_BY(g_ranges_mu) = 0;
 
+// Retired mappings (RetireMapping): each waits for a flush of every joined worker
+// begun after it.
+struct Retired {
+  void* base;
+  uint64_t length;
+  uint64_t sequence;
+};
+struct Flusher {
+  void (*wake)(const void*);
+  uint64_t flushed_through;  // every retirement up to here is flushed by this worker
+};
+absl::Mutex g_retire_mu;
+std::vector<Retired>* g_retired ABSL_GUARDED_BY(g_retire_mu) = new std::vector<Retired>();
+std::map<const void*, Flusher>* g_flushers ABSL_GUARDED_BY(g_retire_mu) =
+    new std::map<const void*, Flusher>();
+uint64_t g_retire_sequence ABSL_GUARDED_BY(g_retire_mu) = 0;
+uint64_t g_retired_bytes ABSL_GUARDED_BY(g_retire_mu) = 0;
+uint64_t g_retired_released ABSL_GUARDED_BY(g_retire_mu) = 0;
+std::atomic<uint64_t> g_retire_sequence_now{0};  // g_retire_sequence, read without the lock
+
+// Unmaps the retired ranges every joined worker flushed past.
+void ReleaseFlushedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_retire_mu) {
+  uint64_t through = UINT64_MAX;
+  for (const auto& [worker, flusher] : *g_flushers) {
+    through = std::min(through, flusher.flushed_through);
+  }
+  auto kept = g_retired->begin();
+  for (auto it = g_retired->begin(); it != g_retired->end(); ++it) {
+    if (it->sequence > through) {
+      *kept++ = *it;
+      continue;
+    }
+    munmap(it->base, it->length);
+    g_retired_bytes -= it->length;
+    ++g_retired_released;
+  }
+  g_retired->erase(kept, g_retired->end());
+}
+
 std::array<std::atomic<uint64_t>, kProtocols.size()> g_refused{};
 std::atomic<uint64_t> g_refused_total{0};
 std::atomic<bool> g_hardened{false};
@@ -119,9 +161,24 @@ ucs_status_t Refuse(void*, void*, size_t length, unsigned) {
   return UCS_OK;
 }
 
+bool RangeAdmitsLocked(uint64_t address, uint64_t length, uint32_t memory_type)
+    ABSL_SHARED_LOCKS_REQUIRED(g_ranges_mu) {
+  if (length > UINT64_MAX - address) return false;
+  auto it = g_ranges->upper_bound(static_cast<uintptr_t>(address));
+  while (it != g_ranges->begin()) {
+    --it;
+    if (address - it->first > g_longest) break;  // none further back is long enough
+    if (address + length <= it->first + it->second.length &&
+        memory_type == it->second.memory_type) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // True when the put or get request in `data` names only memory registered for peers.
 template <size_t K>
-bool Admit(const void* data, size_t length) {
+bool Admit(const void* data, size_t length) ABSL_SHARED_LOCKS_REQUIRED(g_ranges_mu) {
   const auto* header = static_cast<const char*>(data);
   uint64_t address = 0, bytes = 0;
   uint32_t memory_type = 0;
@@ -137,15 +194,17 @@ bool Admit(const void* data, size_t length) {
   } else {
     std::memcpy(&bytes, header + 8, 8);
   }
-  if (UcxPeerRangeAdmits(address, bytes, memory_type)) return true;
+  if (RangeAdmitsLocked(address, bytes, memory_type)) return true;
   CountRefused(K, length, address, bytes, memory_type);
   return false;
 }
 
 // Serves one message of checked protocol K that Admit lets through, with UCP's own
-// handler or (`kProxy`) its counting proxy.
+// handler or (`kProxy`) its counting proxy, under the reader lock: a put is copied in
+// before ForbidPeerRange can return (a get's reply may outlive it: RetireMapping).
 template <size_t K, bool kProxy>
 ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
+  absl::ReaderMutexLock lock(&g_ranges_mu);
   if (!Admit<K>(data, length)) return UCS_OK;
   return (kProxy ? g_original_proxy[K] : g_original_cb[K])(arg, data, length, flags);
 }
@@ -304,18 +363,56 @@ void ForbidPeerRange(const void* address, uint64_t length) {
 }
 
 bool UcxPeerRangeAdmits(uint64_t address, uint64_t length, uint32_t memory_type) {
-  if (length > UINT64_MAX - address) return false;
   absl::ReaderMutexLock lock(&g_ranges_mu);
-  auto it = g_ranges->upper_bound(static_cast<uintptr_t>(address));
-  while (it != g_ranges->begin()) {
-    --it;
-    if (address - it->first > g_longest) break;  // none further back is long enough
-    if (address + length <= it->first + it->second.length &&
-        memory_type == it->second.memory_type) {
-      return true;
-    }
+  return RangeAdmitsLocked(address, length, memory_type);
+}
+
+bool RetireMapping(void* base, uint64_t length) {
+  if (!g_hardened.load() || base == nullptr || length == 0) return false;
+  absl::MutexLock lock(&g_retire_mu);
+  if (g_flushers->empty()) return false;  // no worker: no reply can be waiting
+  void* again = mmap(base, length, PROT_READ | PROT_WRITE,
+                     MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (again == MAP_FAILED) {
+    kLog.Error("UCX: mapping {} bytes at {} to zero pages for a peer's late software read "
+               "failed ({}); unmapping them now",
+               length, base, std::strerror(errno));
+    return false;
   }
-  return false;
+  const uint64_t sequence = ++g_retire_sequence;
+  g_retire_sequence_now.store(sequence, std::memory_order_release);
+  g_retired->push_back(Retired{base, length, sequence});
+  g_retired_bytes += length;
+  for (const auto& [worker, flusher] : *g_flushers) flusher.wake(worker);
+  return true;
+}
+
+RetiredMappings RetiredMappingsNow() {
+  absl::MutexLock lock(&g_retire_mu);
+  return RetiredMappings{g_retired->size(), g_retired_bytes, g_retired_released};
+}
+
+void JoinRetireFlushes(const void* worker, void (*wake)(const void*)) {
+  absl::MutexLock lock(&g_retire_mu);
+  // A worker made now holds no reply into memory retired before: the ranges were
+  // forbidden first, so no request naming them is served any more.
+  (*g_flushers)[worker] = Flusher{wake, g_retire_sequence};
+}
+
+uint64_t RetireSequence() { return g_retire_sequence_now.load(std::memory_order_acquire); }
+
+void RetireFlushCompleted(const void* worker, uint64_t sequence) {
+  absl::MutexLock lock(&g_retire_mu);
+  auto it = g_flushers->find(worker);
+  if (it == g_flushers->end()) return;
+  it->second.flushed_through = std::max(it->second.flushed_through, sequence);
+  ReleaseFlushedLocked();
+}
+
+void LeaveRetireFlushes(const void* worker) {
+  absl::MutexLock lock(&g_retire_mu);
+  g_flushers->erase(worker);
+  ReleaseFlushedLocked();
 }
 
 uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_relaxed); }

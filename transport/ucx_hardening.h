@@ -57,4 +57,36 @@ void ForbidPeerRange(const void* address, uint64_t length);
 // `memory_type`: what the checked handlers serve.
 bool UcxPeerRangeAdmits(uint64_t address, uint64_t length, uint32_t memory_type);
 
+// Memory unmapped while a peer's software get may still read it. UCX sends a get reply
+// from the memory the request named, and what the socket does not take at once waits
+// in UCX and is sent as the requester reads on (a requester that stops reading keeps
+// it waiting); nothing tells when it ends. Unmapped then, the agent would die of
+// SIGSEGV sending the rest, or send whatever is mapped at that address next: another
+// engine's bytes. So, once hardened, memory that held regions goes through
+// RetireMapping instead of munmap: the range is mapped again at once to fresh zero
+// pages (address space only; what a late reply reads, and no other mapping can take
+// the address), and unmapped once every worker that serves peers completed a flush
+// begun after it (UCX sends what waits before a flush completes; an endpoint that
+// fails drops it). A software put is done inside its handler, under the lock
+// ForbidPeerRange takes, so none writes once ForbidPeerRange returned.
+// True when the range was retired (the caller must not unmap it); false when nothing
+// can read it (not hardened, or no worker serves peers): the caller unmaps it. Any
+// thread.
+bool RetireMapping(void* base, uint64_t length);
+// Retired ranges: mapped to zero pages now (and their bytes), unmapped so far.
+struct RetiredMappings {
+  uint64_t held = 0;
+  uint64_t held_bytes = 0;
+  uint64_t released = 0;
+};
+RetiredMappings RetiredMappingsNow();
+// For each worker that serves peers (UcxWorker does this): joins with `wake` (called,
+// under a lock, when a range is retired: the worker should begin a flush soon), reads
+// the newest retirement with RetireSequence, reports each flush it completed that
+// began after retirement `sequence`, and leaves once its UCX worker is destroyed.
+void JoinRetireFlushes(const void* worker, void (*wake)(const void*));
+uint64_t RetireSequence();
+void RetireFlushCompleted(const void* worker, uint64_t sequence);
+void LeaveRetireFlushes(const void* worker);
+
 }  // namespace kvagent::transport

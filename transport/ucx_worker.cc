@@ -20,6 +20,7 @@
 #include "base/cpu_list.h"
 #include "base/log.h"
 #include "fmt/format.h"
+#include "transport/ucx_hardening.h"
 
 namespace kvagent::transport {
 
@@ -421,6 +422,10 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
   }
   worker->takes_tags_ = context.takes_tags();
   worker->TendTagSink();  // before the thread: this thread still owns the worker
+  // A hardened context's worker serves peers' software RMA: it holds back the unmapping
+  // of memory its queued get replies may read (left in Shutdown).
+  worker->serves_peers_ = context.takes_tags();
+  if (worker->serves_peers_) JoinRetireFlushes(worker.get(), &UcxWorker::WakeForRetire);
   worker->thread_ = std::thread([w = worker.get()] { w->Loop(); });
   worker->thread_id_ = worker->thread_.get_id();
   if (!cpus.empty()) {
@@ -651,6 +656,50 @@ void UcxWorker::TendTagSink() {
   }
 }
 
+void UcxWorker::WakeForRetire(const void* worker) {
+  const_cast<UcxWorker*>(static_cast<const UcxWorker*>(worker))->Wake();
+}
+
+void UcxWorker::TendRetireFlush() {
+  if (!serves_peers_) return;
+  if (retire_flush_ != nullptr) {
+    if (ucp_request_check_status(retire_flush_) == UCS_INPROGRESS) {
+      if (!retire_flush_warned_ && MonotonicMicros() - retire_flush_began_us_ > 10000000) {
+        retire_flush_warned_ = true;
+        const RetiredMappings retired = RetiredMappingsNow();
+        kLog.Warn("UCX worker '{}': its flush for released memory has not completed in 10 s, "
+                  "so {} ranges ({} bytes of address space, zero pages) stay mapped: a peer "
+                  "has stopped taking what this worker sends it, a software get reply "
+                  "perhaps. They are unmapped once it reads on or its endpoint fails",
+                  name_, retired.held, retired.held_bytes);
+      }
+      return;
+    }
+    ucp_request_free(retire_flush_);
+    retire_flush_ = nullptr;
+    RetireFlushCompleted(this, retire_flush_for_);
+  }
+  const uint64_t newest = RetireSequence();
+  if (newest == retire_flush_for_ || stopping_.load()) return;
+  // Every operation this worker has, a get reply UCX still sends included, completes
+  // (or fails with its endpoint) before this flush does.
+  retire_flush_for_ = newest;
+  retire_flush_began_us_ = MonotonicMicros();
+  retire_flush_warned_ = false;
+  ucp_request_param_t param{};
+  ucs_status_ptr_t request = ucp_worker_flush_nbx(worker_, &param);
+  if (UCS_PTR_IS_PTR(request)) {
+    retire_flush_ = request;
+    return;
+  }
+  if (UCS_PTR_STATUS(request) != UCS_OK) {
+    kLog.Warn("UCX worker '{}': its flush for retired memory returned {}; the memory is "
+              "unmapped now",
+              name_, UcsStatusText(UCS_PTR_STATUS(request)));
+  }
+  RetireFlushCompleted(this, newest);
+}
+
 void UcxWorker::SilenceAmHandlers() {
   RunSync([this] {
     for (auto& [id, slot] : am_handlers_) {
@@ -844,6 +893,7 @@ void UcxWorker::Loop() {
     bool progressed = false;
     while (ucp_worker_progress(worker_) != 0) worked = progressed = true;
     TendTagSink();
+    TendRetireFlush();
     ReapRequests();
     if (spin_us_ != 0 || poller_ != nullptr) {
       const auto now = std::chrono::steady_clock::now();
@@ -880,7 +930,13 @@ void UcxWorker::Loop() {
     // shared-memory FIFO: the first sender after arm owns the wake-up), and every later
     // sender sees none requested. The look a second later takes them, or finds the slot
     // it left unfinished (ReceiveStall). One wake-up a second when idle.
-    int timeout_ms = stalled ? 1 : (status != UCS_OK || !pending_requests_.empty()) ? 10 : 1000;
+    // A retirement's flush is polled too, for its first second (one a peer holds
+    // longer is looked at with the rest).
+    const bool flushing =
+        retire_flush_ != nullptr && MonotonicMicros() - retire_flush_began_us_ < 1000000;
+    int timeout_ms = stalled                                                      ? 1
+                     : (status != UCS_OK || !pending_requests_.empty() || flushing) ? 10
+                                                                                    : 1000;
     if (poller != nullptr) {
       const int limit = poller->SleepTimeoutMs();
       if (limit >= 0 && (timeout_ms < 0 || limit < timeout_ms)) timeout_ms = limit;
@@ -962,8 +1018,12 @@ void UcxWorker::Shutdown() {
   }
   for (void* request : pending_requests_) ucp_request_free(request);
   pending_requests_.clear();
+  if (retire_flush_ != nullptr) ucp_request_free(retire_flush_);
+  retire_flush_ = nullptr;
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
+  // Its endpoints and whatever they still had to send are gone with it.
+  if (serves_peers_) LeaveRetireFlushes(this);
 }
 
 // ---------------------------------------------------------------------------

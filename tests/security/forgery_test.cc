@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <iterator>
@@ -367,6 +368,14 @@ std::string EveRead(const std::string& secret, uint64_t id, uint64_t address, ui
 }
 
 // Page `page` of decode's pool region named `name` (a region of its catalog).
+// A client of decode's of its own, for scratch memory beside the pair's pools.
+cli::AgentClientOptions ScratchOwner() {
+  cli::AgentClientOptions options;
+  options.client_name = "scratch-owner";
+  options.timeout_ms = kTimeoutMs;
+  return options;
+}
+
 uint8_t* DecodePage(AgentPair& pair, const std::string& name, uint64_t page) {
   const auto& names = pair.decode_pool().region_names;
   const auto named = std::find(names.begin(), names.end(), name);
@@ -1060,10 +1069,7 @@ TEST_CASE("a session naming itself prefill in GetMetadata cannot acknowledge a d
   AgentPair pair(options);
 
   // Two scratch regions on decode, outside the kv group the honest transfer uses.
-  cli::AgentClientOptions owner_options;
-  owner_options.client_name = "scratch-owner";
-  owner_options.timeout_ms = kTimeoutMs;
-  cli::AgentClient owner(pair.decode_process().address(), owner_options);
+  cli::AgentClient owner(pair.decode_process().address(), ScratchOwner());
   cli::PoolGroupShape shape;
   shape.group = "scratch";
   shape.region_suffixes = {"A", "B"};
@@ -1865,6 +1871,113 @@ TEST_CASE("a peer's UCX software RMA reaches only memory registered for peers, i
                                             elf)));
   CHECK_THAT(text, Contains("dropped a peer's atomic request message"));
   RequireHonestWrite(pair, "after-stock-ucx", {1, 2}, {1, 2});
+}
+
+// UCX serves a software get by itself, and its reply is sent from the named memory
+// as the requester takes it: a requester that stops reading leaves the rest queued in
+// the agent's UCX, pointing into the region. A deregistration does not wait for a
+// peer that never confirms it; when it releases the memory, what the queued reply
+// still reads must be neither unmapped (the agent would die of SIGSEGV when eve reads
+// on) nor whatever is mapped at that address next (another engine's bytes).
+TEST_CASE("a peer's software get still queued when its region is released reads neither "
+          "freed memory nor what is mapped there next") {
+  AgentPairOptions options;
+  options.extra_args = {"--deregister-wait-ms", "300", "--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(options);
+  const std::string metrics = MetricsAddress(pair.decode());
+  cli::AgentClient owner(pair.decode_process().address(), ScratchOwner());
+  cli::KvPoolShape shape;
+  shape.group = "scratch";
+  shape.layers = 1;
+  shape.tensors_per_layer = 1;
+  shape.pages = 8192;
+  shape.page_bytes = 4096;  // one region of 32 MiB: far more than the sockets buffer
+  auto scratch = cli::CreateKvPool(owner, "scratch", shape);
+  INFO(scratch.status().ToString());
+  REQUIRE(scratch.ok());
+  std::memset(scratch->mapping.data(), 'a', scratch->bytes());
+  const std::string name = scratch->region_names.at(0);
+
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");  // eve now watches decode
+  const v1::ExportedRegion* region = nullptr;
+  for (const auto& r : metadata.regions()) {
+    if (r.name() == name) region = &r;
+  }
+  REQUIRE(region != nullptr);
+  REQUIRE(region->length() == scratch->bytes());
+
+  std::vector<char> got(region->length(), 0);  // outlives eve's requests
+  char first[64] = {};
+  StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/true, "");  // tcp
+  ucp_rkey_h rkey = stock.Unpack(region->rkey());
+  ucp_request_param_t plain{};
+  // A first small get connects eve's endpoint, so the large one goes out at once.
+  const size_t small =
+      stock.Track(ucp_get_nbx(stock.ep(), first, sizeof first, region->base_address(), rkey,
+                              &plain));
+  stock.Progress(kTimeoutMs);
+  REQUIRE(stock.Status(small) == UCS_OK);
+  REQUIRE(std::string(first, sizeof first) == std::string(sizeof first, 'a'));
+  stock.Forget();
+  const size_t large = stock.Track(
+      ucp_get_nbx(stock.ep(), got.data(), got.size(), region->base_address(), rkey, &plain));
+  // eve does not progress: decode's reply fills the sockets, the rest waits in its UCX.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  REQUIRE(stock.Status(large) == UCS_INPROGRESS);
+
+  // eve never confirms the new version: the deregistration answers after its wait and
+  // releases the memory, and an engine's next pool may be mapped at the same address.
+  auto dereg = owner.Deregister({name});
+  INFO(dereg.status().ToString());
+  REQUIRE(dereg.ok());
+  CHECK(std::find(dereg->unconfirmed_peers().begin(), dereg->unconfirmed_peers().end(),
+                  "eve") != dereg->unconfirmed_peers().end());
+  const std::string secret = "SECRET-of-another-engine";
+  shape.group = "secret";
+  auto next = cli::CreateKvPool(owner, "secret", shape);
+  INFO(next.status().ToString());
+  REQUIRE(next.ok());
+  for (uint64_t off = 0; off + secret.size() <= next->bytes(); off += secret.size()) {
+    std::memcpy(static_cast<char*>(next->mapping.data()) + off, secret.data(), secret.size());
+  }
+  uint64_t next_address = 0;
+  const v1::AgentMetadata after = eve->Metadata("eve");
+  for (const auto& r : after.regions()) {
+    if (r.name() == next->region_names.at(0)) next_address = r.base_address();
+  }
+  std::printf("released region at %#lx, the next pool's at %#lx\n",
+              static_cast<unsigned long>(region->base_address()),
+              static_cast<unsigned long>(next_address));
+  // Held as zero pages while the reply waits: the address is taken by nothing else.
+  CHECK(next_address != region->base_address());
+  const std::string held = Scrape(metrics);
+  CHECK(Value(held, "kvagent_retired_mappings") == 1);
+  CHECK(Value(held, "kvagent_retired_mapping_bytes") == static_cast<double>(region->length()));
+
+  stock.Progress(10 * kTimeoutMs);  // eve reads on
+  REQUIRE(Alive(pair.decode_process().pid()));
+  const std::string taken(got.data(), got.size());
+  CHECK(taken.find(secret.substr(0, 8)) == std::string::npos);
+  // What eve got is the region's bytes as long as they were there, then zeros.
+  const size_t bytes_a = taken.find_first_not_of('a');
+  const size_t zeros_from = bytes_a == std::string::npos ? taken.size() : bytes_a;
+  std::printf("eve's queued get: %s; %zu bytes of the region, then %zu of zeros\n",
+              ucs_status_string(stock.Status(large)), zeros_from,
+              taken.size() - zeros_from);
+  CHECK(taken.find_first_not_of('\0', zeros_from) == std::string::npos);
+  stock.Forget();
+  // The reply sent, decode's worker flush completes and the range is unmapped.
+  std::string after_reply = Scrape(metrics);
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (Value(after_reply, "kvagent_retired_mappings") != 0 && Clock::now() < until) {
+    stock.Progress(20);
+    after_reply = Scrape(metrics);
+  }
+  CHECK(Value(after_reply, "kvagent_retired_mappings") == 0);
+  CHECK(Value(after_reply, "kvagent_retired_mapping_bytes") == 0);
+  CHECK(Value(after_reply, "kvagent_retired_mappings_released_total") >= 1);
+  RequireHonestWrite(pair, "after-queued-get", {1, 2}, {1, 2});
 }
 
 }  // namespace

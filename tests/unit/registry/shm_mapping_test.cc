@@ -94,6 +94,44 @@ TEST_CASE("Create reports free bytes when /dev/shm has no room") {
         absl::StatusCode::kNotFound);
 }
 
+// What SetRetire's hook saw (this test's only).
+std::vector<std::pair<void*, uint64_t>> g_retired;
+bool g_retire_takes = false;
+bool RecordRetire(void* base, uint64_t length) {
+  g_retired.emplace_back(base, length);
+  return g_retire_takes;
+}
+
+TEST_CASE("the retire hook is asked before a mapping is unmapped, and what it takes stays mapped") {
+  ShmMapping::SetRetire(&RecordRetire);
+  g_retired.clear();
+  void* kept = nullptr;
+  void* freed = nullptr;
+  {
+    g_retire_takes = true;
+    ShmMapping taken = MakeShm(2 * 4096);
+    kept = taken.data();
+  }
+  REQUIRE(g_retired.size() == 1);
+  CHECK(g_retired[0] == std::make_pair(kept, uint64_t{2 * 4096}));
+  unsigned char page = 0;
+  CHECK(mincore(kept, 4096, &page) == 0);  // the hook owns it now
+  munmap(kept, 2 * 4096);
+  {
+    g_retire_takes = false;
+    ShmMapping refused = MakeShm(4096);
+    freed = refused.data();
+  }
+  REQUIRE(g_retired.size() == 2);
+  CHECK(g_retired[1].first == freed);
+  CHECK(mincore(freed, 4096, &page) != 0);  // unmapped as before
+  ShmMapping::SetRetire(nullptr);
+  {
+    ShmMapping plain = MakeShm(4096);
+  }
+  CHECK(g_retired.size() == 2);
+}
+
 TEST_CASE("Move transfers ownership") {
   ShmMapping a = MakeShm(4096);
   const std::string name = a.name();

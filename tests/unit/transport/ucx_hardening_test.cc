@@ -1,19 +1,22 @@
 // HardenUcxForPeers in a process of its own (it changes UCP's handler table for the
 // whole process): its outcome, and what a worker created afterwards does with a stock
-// UCX peer's software RMA (inside and outside memory registered for peers) and tagged
-// messages. The same against a real agent, with
-// atomics and stream data too: tests/security:forgery_test.
+// UCX peer's software RMA (inside and outside memory registered for peers), tagged
+// messages, and memory retired while a get reply may still read it. The same against a
+// real agent, with atomics and stream data too: tests/security:forgery_test.
 #include "transport/ucx_hardening.h"
 
+#include <sys/mman.h>
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "catch2/catch.hpp"
 #include "tests/integration/stock_ucx_peer.h"
 #include "transport/ucx_context.h"
@@ -195,6 +198,50 @@ TEST_CASE(
     }));
     CHECK(eve.Status(get) != UCS_OK);
   }
+}
+
+// True when [base, base + length) holds no mapping of this process (mincore refuses it).
+bool Unmapped(void* base, size_t length) {
+  std::vector<unsigned char> pages((length + 4095) / 4096);
+  return mincore(base, length, pages.data()) != 0 && errno == ENOMEM;
+}
+
+TEST_CASE("retired memory reads as zeros, and is unmapped once the worker flushed after it") {
+  constexpr size_t kLength = 1 << 20;
+  // Without a worker that serves peers nothing can read it: the caller unmaps.
+  void* alone = mmap(nullptr, kLength, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(alone != MAP_FAILED);
+  {
+    Hardened h = Hardened::Make();
+    const RetiredMappings before = RetiredMappingsNow();
+    // The worker is asleep (nothing to do): the retirement must wake it.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto* base = static_cast<char*>(
+        mmap(nullptr, kLength, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+    REQUIRE(base != MAP_FAILED);
+    std::memset(base, 's', kLength);
+    // Held while the worker does not progress (its thread runs this closure).
+    absl::Notification retired, release;
+    bool took = false;
+    h.worker->Post([&] {
+      took = RetireMapping(base, kLength);
+      retired.Notify();
+      release.WaitForNotification();
+    });
+    retired.WaitForNotification();
+    REQUIRE(took);
+    CHECK(std::all_of(base, base + kLength, [](char c) { return c == 0; }));
+    CHECK(RetiredMappingsNow().held == before.held + 1);
+    CHECK(RetiredMappingsNow().held_bytes == before.held_bytes + kLength);
+    release.Notify();
+    CHECK(Eventually([&] { return RetiredMappingsNow().released == before.released + 1; }));
+    CHECK(RetiredMappingsNow().held == before.held);
+    CHECK(Unmapped(base, kLength));
+  }
+  // The worker is gone: no reply of it can read memory any more.
+  CHECK_FALSE(RetireMapping(alone, kLength));
+  CHECK_FALSE(Unmapped(alone, kLength));
+  munmap(alone, kLength);
 }
 
 }  // namespace
