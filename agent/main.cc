@@ -612,8 +612,8 @@ int main(int argc, char** argv) {
                  "%s\n",
                  std::string(hardened.message()).c_str());
   }
-  // Memory that held regions is retired, not unmapped at once: a peer's software get
-  // reply waiting in UCX may still read it (RetireMapping; a no-op when unhardened).
+  // Memory a peer's software get was served from is retired, not unmapped, while the
+  // reply may still wait in UCX (RetireMapping; it unmaps nothing itself when unhardened).
   kvagent::registry::ShmMapping::SetRetire(&kvagent::transport::RetireMapping);
   auto agent = kvagent::agent::Agent::Start(options);
   if (!agent.ok()) {

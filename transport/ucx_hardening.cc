@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -74,16 +75,22 @@ std::array<uct_am_callback_t, kProtocols.size()> g_original_proxy{};
 // Memory registered for peers: begin -> its length and memory type (several
 // registrations may share a begin). `g_longest` bounds how far back a lookup walks.
 struct PeerRange {
+  PeerRange(uint64_t l, uint32_t t) : length(l), memory_type(t) {}
   uint64_t length;
   uint32_t memory_type;  // ucs_memory_type_t
+  // A software get was served from it: its reply may still be sent from it after the
+  // range is forbidden, until the workers flushed.
+  mutable std::atomic<bool> read{false};
 };
 absl::Mutex g_ranges_mu;
 std::multimap<uintptr_t, PeerRange>* g_ranges ABSL_GUARDED_BY(g_ranges_mu) =
     new std::multimap<uintptr_t, PeerRange>();
 uint64_t g_longest ABSL_GUARDED_BY(g_ranges_mu) = 0;
 
-// Retired mappings (RetireMapping): each waits for a flush of every joined worker
-// begun after it.
+// Ranges a get reply may still read: forbidden after a software get was served from
+// them (g_read), and those of them unmapped meanwhile and mapped to zero pages instead
+// (g_retired, RetireMapping). Each waits for a flush of every joined worker begun after
+// its sequence number.
 struct Retired {
   void* base;
   uint64_t length;
@@ -94,6 +101,7 @@ struct Flusher {
   uint64_t flushed_through;  // every retirement up to here is flushed by this worker
 };
 absl::Mutex g_retire_mu;
+std::vector<Retired>* g_read ABSL_GUARDED_BY(g_retire_mu) = new std::vector<Retired>();
 std::vector<Retired>* g_retired ABSL_GUARDED_BY(g_retire_mu) = new std::vector<Retired>();
 std::map<const void*, Flusher>* g_flushers ABSL_GUARDED_BY(g_retire_mu) =
     new std::map<const void*, Flusher>();
@@ -102,12 +110,23 @@ uint64_t g_retired_bytes ABSL_GUARDED_BY(g_retire_mu) = 0;
 uint64_t g_retired_released ABSL_GUARDED_BY(g_retire_mu) = 0;
 std::atomic<uint64_t> g_retire_sequence_now{0};  // g_retire_sequence, read without the lock
 
-// Unmaps the retired ranges every joined worker flushed past.
+// A new sequence number, which every joined worker is woken to flush past.
+uint64_t NextSequenceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_retire_mu) {
+  const uint64_t sequence = ++g_retire_sequence;
+  g_retire_sequence_now.store(sequence, std::memory_order_release);
+  for (const auto& [worker, flusher] : *g_flushers) flusher.wake(worker);
+  return sequence;
+}
+
+// Forgets the read ranges and unmaps the retired ones every joined worker flushed past.
 void ReleaseFlushedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_retire_mu) {
   uint64_t through = UINT64_MAX;
   for (const auto& [worker, flusher] : *g_flushers) {
     through = std::min(through, flusher.flushed_through);
   }
+  g_read->erase(std::remove_if(g_read->begin(), g_read->end(),
+                               [through](const Retired& r) { return r.sequence <= through; }),
+                g_read->end());
   auto kept = g_retired->begin();
   for (auto it = g_retired->begin(); it != g_retired->end(); ++it) {
     if (it->sequence > through) {
@@ -161,19 +180,20 @@ ucs_status_t Refuse(void*, void*, size_t length, unsigned) {
   return UCS_OK;
 }
 
-bool RangeAdmitsLocked(uint64_t address, uint64_t length, uint32_t memory_type)
+// The allowed range holding all of [address, address + length) of `memory_type`, or null.
+const PeerRange* RangeAdmitsLocked(uint64_t address, uint64_t length, uint32_t memory_type)
     ABSL_SHARED_LOCKS_REQUIRED(g_ranges_mu) {
-  if (length > UINT64_MAX - address) return false;
+  if (length > UINT64_MAX - address) return nullptr;
   auto it = g_ranges->upper_bound(static_cast<uintptr_t>(address));
   while (it != g_ranges->begin()) {
     --it;
     if (address - it->first > g_longest) break;  // none further back is long enough
     if (address + length <= it->first + it->second.length &&
         memory_type == it->second.memory_type) {
-      return true;
+      return &it->second;
     }
   }
-  return false;
+  return nullptr;
 }
 
 // True when the put or get request in `data` names only memory registered for peers.
@@ -194,7 +214,10 @@ bool Admit(const void* data, size_t length) ABSL_SHARED_LOCKS_REQUIRED(g_ranges_
   } else {
     std::memcpy(&bytes, header + 8, 8);
   }
-  if (RangeAdmitsLocked(address, bytes, memory_type)) return true;
+  if (const PeerRange* range = RangeAdmitsLocked(address, bytes, memory_type)) {
+    if (K != kPut) range->read.store(true, std::memory_order_relaxed);  // a get request
+    return true;
+  }
   CountRefused(K, length, address, bytes, memory_type);
   return false;
 }
@@ -347,30 +370,49 @@ std::vector<std::string> UcxRefusedProtocols() {
 
 void AllowPeerRange(const void* address, uint64_t length, uint32_t memory_type) {
   absl::MutexLock lock(&g_ranges_mu);
-  g_ranges->emplace(reinterpret_cast<uintptr_t>(address), PeerRange{length, memory_type});
+  g_ranges->emplace(std::piecewise_construct,
+                    std::forward_as_tuple(reinterpret_cast<uintptr_t>(address)),
+                    std::forward_as_tuple(length, memory_type));
   g_longest = std::max(g_longest, length);
 }
 
 void ForbidPeerRange(const void* address, uint64_t length) {
-  absl::MutexLock lock(&g_ranges_mu);
-  auto [first, last] = g_ranges->equal_range(reinterpret_cast<uintptr_t>(address));
-  for (auto it = first; it != last; ++it) {
-    if (it->second.length == length) {
-      g_ranges->erase(it);
-      return;
+  bool read = false;
+  {
+    absl::MutexLock lock(&g_ranges_mu);
+    auto [first, last] = g_ranges->equal_range(reinterpret_cast<uintptr_t>(address));
+    for (auto it = first; it != last; ++it) {
+      if (it->second.length == length) {
+        read = it->second.read.load(std::memory_order_relaxed);
+        g_ranges->erase(it);
+        break;
+      }
     }
   }
+  if (!read) return;
+  // A reply from it may wait in UCX: until the workers flushed, unmapping it retires it.
+  absl::MutexLock lock(&g_retire_mu);
+  if (g_flushers->empty()) return;
+  const uint64_t sequence = NextSequenceLocked();
+  g_read->push_back(Retired{const_cast<void*>(address), length, sequence});
 }
 
 bool UcxPeerRangeAdmits(uint64_t address, uint64_t length, uint32_t memory_type) {
   absl::ReaderMutexLock lock(&g_ranges_mu);
-  return RangeAdmitsLocked(address, length, memory_type);
+  return RangeAdmitsLocked(address, length, memory_type) != nullptr;
 }
 
 bool RetireMapping(void* base, uint64_t length) {
   if (!g_hardened.load() || base == nullptr || length == 0) return false;
   absl::MutexLock lock(&g_retire_mu);
-  if (g_flushers->empty()) return false;  // no worker: no reply can be waiting
+  // Only memory a reply may still read from: a range forbidden after a get was served
+  // from it, not yet flushed by every worker (none: nothing waits).
+  const auto begin = reinterpret_cast<uintptr_t>(base);
+  const bool read = std::any_of(g_read->begin(), g_read->end(), [&](const Retired& r) {
+    const auto from = reinterpret_cast<uintptr_t>(r.base);
+    return from < begin + length && begin < from + r.length;
+  });
+  if (!read) return false;
   void* again = mmap(base, length, PROT_READ | PROT_WRITE,
                      MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (again == MAP_FAILED) {
@@ -379,17 +421,15 @@ bool RetireMapping(void* base, uint64_t length) {
                length, base, std::strerror(errno));
     return false;
   }
-  const uint64_t sequence = ++g_retire_sequence;
-  g_retire_sequence_now.store(sequence, std::memory_order_release);
-  g_retired->push_back(Retired{base, length, sequence});
+  g_retired->push_back(Retired{base, length, NextSequenceLocked()});
   g_retired_bytes += length;
-  for (const auto& [worker, flusher] : *g_flushers) flusher.wake(worker);
   return true;
 }
 
 RetiredMappings RetiredMappingsNow() {
   absl::MutexLock lock(&g_retire_mu);
-  return RetiredMappings{g_retired->size(), g_retired_bytes, g_retired_released};
+  return RetiredMappings{g_retired->size(), g_retired_bytes, g_retired_released,
+                         g_read->size()};
 }
 
 void JoinRetireFlushes(const void* worker, void (*wake)(const void*)) {

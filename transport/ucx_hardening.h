@@ -62,22 +62,26 @@ bool UcxPeerRangeAdmits(uint64_t address, uint64_t length, uint32_t memory_type)
 // in UCX and is sent as the requester reads on (a requester that stops reading keeps
 // it waiting); nothing tells when it ends. Unmapped then, the agent would die of
 // SIGSEGV sending the rest, or send whatever is mapped at that address next: another
-// engine's bytes. So, once hardened, memory that held regions goes through
-// RetireMapping instead of munmap: the range is mapped again at once to fresh zero
-// pages (address space only; what a late reply reads, and no other mapping can take
-// the address), and unmapped once every worker that serves peers completed a flush
-// begun after it (UCX sends what waits before a flush completes; an endpoint that
-// fails drops it). A software put is done inside its handler, under the lock
+// engine's bytes. So a range a software get was served from is noted when
+// ForbidPeerRange removes it, and every worker that serves peers is woken to flush
+// (UCX sends what waits before a flush completes; an endpoint that fails drops it).
+// Memory that held regions goes through RetireMapping instead of munmap: if it
+// overlaps such a range that not every worker has flushed past yet, it is mapped again
+// at once to fresh zero pages (address space only; what a late reply reads, and no
+// other mapping can take the address), and unmapped once every worker completed a
+// flush begun after that. A software put is done inside its handler, under the lock
 // ForbidPeerRange takes, so none writes once ForbidPeerRange returned.
-// True when the range was retired (the caller must not unmap it); false when nothing
-// can read it (not hardened, or no worker serves peers): the caller unmaps it. Any
-// thread.
+// True when the range was retired (the caller must not unmap it); false when no reply
+// can read it (not hardened, no worker, no get served from it, or flushed since): the
+// caller unmaps it. Any thread.
 bool RetireMapping(void* base, uint64_t length);
-// Retired ranges: mapped to zero pages now (and their bytes), unmapped so far.
+// Retired ranges: mapped to zero pages now (and their bytes), unmapped so far; and the
+// ranges gets were served from that are forbidden but not yet flushed past.
 struct RetiredMappings {
   uint64_t held = 0;
   uint64_t held_bytes = 0;
   uint64_t released = 0;
+  uint64_t read_unflushed = 0;
 };
 RetiredMappings RetiredMappingsNow();
 // For each worker that serves peers (UcxWorker does this): joins with `wake` (called,

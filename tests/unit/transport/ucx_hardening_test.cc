@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -206,39 +207,81 @@ bool Unmapped(void* base, size_t length) {
   return mincore(base, length, pages.data()) != 0 && errno == ENOMEM;
 }
 
-TEST_CASE("retired memory reads as zeros, and is unmapped once the worker flushed after it") {
+TEST_CASE("memory a get was served from is retired to zeros until the worker flushed; "
+          "memory none was served from, or flushed since, is unmapped at once") {
   constexpr size_t kLength = 1 << 20;
-  // Without a worker that serves peers nothing can read it: the caller unmaps.
   void* alone = mmap(nullptr, kLength, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   REQUIRE(alone != MAP_FAILED);
   {
     Hardened h = Hardened::Make();
     const RetiredMappings before = RetiredMappingsNow();
-    // The worker is asleep (nothing to do): the retirement must wake it.
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    auto* base = static_cast<char*>(
-        mmap(nullptr, kLength, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-    REQUIRE(base != MAP_FAILED);
-    std::memset(base, 's', kLength);
-    // Held while the worker does not progress (its thread runs this closure).
-    absl::Notification retired, release;
-    bool took = false;
+    auto map = [] {
+      auto* p = static_cast<char*>(
+          mmap(nullptr, kLength, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+      REQUIRE(p != MAP_FAILED);
+      std::memset(p, 's', kLength);
+      return p;
+    };
+    char* read = map();
+    char* unread = map();
+    char* flushed = map();
+    auto register_for_peers = [&](char* p) {
+      auto r = MemoryRegistration::Map(*h.context, p, kLength, MemoryType::kHost, "pool",
+                                       PeerAccess::kPeers);
+      REQUIRE(r.ok());
+      return std::move(*r);
+    };
+    MemoryRegistration read_reg = register_for_peers(read);
+    MemoryRegistration unread_reg = register_for_peers(unread);
+    MemoryRegistration flushed_reg = register_for_peers(flushed);
+    {
+      // Eve reads from two of them (served, replies complete).
+      char got[2][64] = {};
+      StockUcxPeer eve(h.worker->address(), /*peer_errors=*/true, "");
+      ucp_request_param_t plain{};
+      std::vector<size_t> gets;
+      for (auto [p, reg, into] : {std::make_tuple(read, &read_reg, got[0]),
+                                  std::make_tuple(flushed, &flushed_reg, got[1])}) {
+        ucp_rkey_h key = eve.Unpack(reg->packed_rkey());
+        gets.push_back(eve.Track(
+            ucp_get_nbx(eve.ep(), into, 64, reinterpret_cast<uint64_t>(p), key, &plain)));
+      }
+      CHECK(Eventually([&] {
+        eve.Progress(20);
+        return eve.Status(gets[0]) != UCS_INPROGRESS && eve.Status(gets[1]) != UCS_INPROGRESS;
+      }));
+      CHECK(eve.Status(gets[0]) == UCS_OK);
+      CHECK(eve.Status(gets[1]) == UCS_OK);
+      CHECK(std::string(got[1], 64) == std::string(64, 's'));
+    }
+    // One read from, forbidden, and flushed past by the worker (it runs): unmapped at once.
+    flushed_reg = MemoryRegistration();
+    CHECK(Eventually([&] { return RetiredMappingsNow().read_unflushed == before.read_unflushed; }));
+    CHECK_FALSE(RetireMapping(flushed, kLength));
+    munmap(flushed, kLength);
+    // The worker held (its thread runs this closure), so it cannot flush.
+    absl::Notification held, release;
     h.worker->Post([&] {
-      took = RetireMapping(base, kLength);
-      retired.Notify();
+      held.Notify();
       release.WaitForNotification();
     });
-    retired.WaitForNotification();
-    REQUIRE(took);
-    CHECK(std::all_of(base, base + kLength, [](char c) { return c == 0; }));
+    held.WaitForNotification();
+    read_reg = MemoryRegistration();
+    unread_reg = MemoryRegistration();
+    CHECK(RetiredMappingsNow().read_unflushed == before.read_unflushed + 1);
+    CHECK_FALSE(RetireMapping(unread, kLength));  // no get was served from it
+    munmap(unread, kLength);
+    REQUIRE(RetireMapping(read, kLength));
+    CHECK(std::all_of(read, read + kLength, [](char c) { return c == 0; }));
     CHECK(RetiredMappingsNow().held == before.held + 1);
     CHECK(RetiredMappingsNow().held_bytes == before.held_bytes + kLength);
     release.Notify();
     CHECK(Eventually([&] { return RetiredMappingsNow().released == before.released + 1; }));
     CHECK(RetiredMappingsNow().held == before.held);
-    CHECK(Unmapped(base, kLength));
+    CHECK(RetiredMappingsNow().read_unflushed == before.read_unflushed);
+    CHECK(Unmapped(read, kLength));
   }
-  // The worker is gone: no reply of it can read memory any more.
+  // No worker: no reply can read memory.
   CHECK_FALSE(RetireMapping(alone, kLength));
   CHECK_FALSE(Unmapped(alone, kLength));
   munmap(alone, kLength);
