@@ -664,28 +664,48 @@ void UcxWorker::TendRetireFlush() {
   if (!serves_peers_) return;
   if (retire_flush_ != nullptr) {
     if (ucp_request_check_status(retire_flush_) == UCS_INPROGRESS) {
-      if (!retire_flush_warned_ && MonotonicMicros() - retire_flush_began_us_ > 10000000) {
+      const uint64_t now = MonotonicMicros();
+      if (!retire_flush_warned_ && now - flushing_since_us_ > 10000000) {
         retire_flush_warned_ = true;
         const RetiredMappings retired = RetiredMappingsNow();
-        kLog.Warn("UCX worker '{}': its flush for released memory has not completed in 10 s, "
-                  "so {} ranges ({} bytes of address space, zero pages) stay mapped: a peer "
-                  "has stopped taking what this worker sends it, a software get reply "
-                  "perhaps. They are unmapped once it reads on or its endpoint fails",
-                  name_, retired.held, retired.held_bytes);
+        kLog.Warn("UCX worker '{}': no flush has completed in 10 s, so {} ranges of released "
+                  "memory ({} bytes of address space, zero pages) stay mapped and up to {} "
+                  "software RMA replies stay held: a peer has stopped taking what this worker "
+                  "sends it. They are let go once it reads on or its endpoint fails",
+                  name_, retired.held, retired.held_bytes, kMaxUnflushedReplies);
       }
+      // UCX 1.13 can leave a worker flush begun behind a long queue of replies in flight
+      // after the queue drained (a peer that stopped reading and read on): one begun a
+      // second ago gives way to a new one.
+      if (now - retire_flush_began_us_ < 1000000) return;
+      ucp_request_free(retire_flush_);  // UCX releases it when it ends
+      retire_flush_ = nullptr;
+      BeginRetireFlush(now);
       return;
     }
     ucp_request_free(retire_flush_);
     retire_flush_ = nullptr;
-    RetireFlushCompleted(this, retire_flush_for_);
+    RetireFlushCompleted(this, retire_flush_for_, flush_served_);
+    flushing_since_us_ = 0;
   }
-  const uint64_t newest = RetireSequence();
-  if (newest == retire_flush_for_ || stopping_.load()) return;
-  // Every operation this worker has, a get reply UCX still sends included, completes
-  // (or fails with its endpoint) before this flush does.
-  retire_flush_for_ = newest;
-  retire_flush_began_us_ = MonotonicMicros();
-  retire_flush_warned_ = false;
+  if ((RetireSequence() == retire_flush_for_ &&
+       SoftwareRmaServed() - flush_served_ < kFlushEveryServed) ||
+      stopping_.load()) {
+    return;
+  }
+  BeginRetireFlush(MonotonicMicros());
+}
+
+void UcxWorker::BeginRetireFlush(uint64_t now_us) {
+  // Every operation this worker has, a reply UCX still sends included, completes (or
+  // fails with its endpoint) before this flush does.
+  retire_flush_for_ = RetireSequence();
+  flush_served_ = SoftwareRmaServed();
+  retire_flush_began_us_ = now_us;
+  if (flushing_since_us_ == 0) {
+    flushing_since_us_ = now_us;
+    retire_flush_warned_ = false;
+  }
   ucp_request_param_t param{};
   ucs_status_ptr_t request = ucp_worker_flush_nbx(worker_, &param);
   if (UCS_PTR_IS_PTR(request)) {
@@ -693,11 +713,11 @@ void UcxWorker::TendRetireFlush() {
     return;
   }
   if (UCS_PTR_STATUS(request) != UCS_OK) {
-    kLog.Warn("UCX worker '{}': its flush for retired memory returned {}; the memory is "
-              "unmapped now",
-              name_, UcsStatusText(UCS_PTR_STATUS(request)));
+    kLog.Warn("UCX worker '{}': its flush returned {}; taken as done", name_,
+              UcsStatusText(UCS_PTR_STATUS(request)));
   }
-  RetireFlushCompleted(this, newest);
+  RetireFlushCompleted(this, retire_flush_for_, flush_served_);
+  flushing_since_us_ = 0;
 }
 
 void UcxWorker::SilenceAmHandlers() {
@@ -930,10 +950,9 @@ void UcxWorker::Loop() {
     // shared-memory FIFO: the first sender after arm owns the wake-up), and every later
     // sender sees none requested. The look a second later takes them, or finds the slot
     // it left unfinished (ReceiveStall). One wake-up a second when idle.
-    // A retirement's flush is polled too, for its first second (one a peer holds
-    // longer is looked at with the rest).
-    const bool flushing =
-        retire_flush_ != nullptr && MonotonicMicros() - retire_flush_began_us_ < 1000000;
+    // A flush in flight is polled too: UCX sends what waits before it as the socket
+    // takes it, and does not always wake this thread for that.
+    const bool flushing = retire_flush_ != nullptr;
     int timeout_ms = stalled                                                      ? 1
                      : (status != UCS_OK || !pending_requests_.empty() || flushing) ? 10
                                                                                     : 1000;
