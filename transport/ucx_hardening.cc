@@ -99,7 +99,6 @@ struct Retired {
 struct Flusher {
   void (*wake)(const void*);
   uint64_t flushed_through;  // every retirement up to here is flushed by this worker
-  uint64_t served_flushed;   // every request served up to here (g_served) too
 };
 absl::Mutex g_retire_mu;
 std::vector<Retired>* g_read ABSL_GUARDED_BY(g_retire_mu) = new std::vector<Retired>();
@@ -110,15 +109,6 @@ uint64_t g_retire_sequence ABSL_GUARDED_BY(g_retire_mu) = 0;
 uint64_t g_retired_bytes ABSL_GUARDED_BY(g_retire_mu) = 0;
 uint64_t g_retired_released ABSL_GUARDED_BY(g_retire_mu) = 0;
 std::atomic<uint64_t> g_retire_sequence_now{0};  // g_retire_sequence, read without the lock
-
-// Software puts and gets served (each leaves a reply in UCX: a completion, or the data),
-// and how many of them every joined worker has flushed past: the difference bounds the
-// replies UCX may still hold for requesters that do not read (about 350 bytes each),
-// which are otherwise unbounded. `g_capped`: some worker is joined, so flushes come.
-std::atomic<uint64_t> g_served{0};
-std::atomic<uint64_t> g_served_flushed{0};
-std::atomic<bool> g_capped{false};
-std::atomic<uint64_t> g_over_cap{0};
 
 // A new sequence number, which every joined worker is woken to flush past.
 uint64_t NextSequenceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_retire_mu) {
@@ -131,13 +121,9 @@ uint64_t NextSequenceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_retire_mu) {
 // Forgets the read ranges and unmaps the retired ones every joined worker flushed past.
 void ReleaseFlushedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_retire_mu) {
   uint64_t through = UINT64_MAX;
-  uint64_t served = UINT64_MAX;
   for (const auto& [worker, flusher] : *g_flushers) {
     through = std::min(through, flusher.flushed_through);
-    served = std::min(served, flusher.served_flushed);
   }
-  g_capped.store(!g_flushers->empty());
-  if (!g_flushers->empty()) g_served_flushed.store(served);
   g_read->erase(std::remove_if(g_read->begin(), g_read->end(),
                                [through](const Retired& r) { return r.sequence <= through; }),
                 g_read->end());
@@ -186,20 +172,6 @@ void CountRefused(size_t k, size_t length, uint64_t address = 0, uint64_t bytes 
   }
 }
 
-// Counts one request refused because the replies not yet flushed past are at
-// kMaxUnflushedReplies; logs the first few and then every 1,024th.
-void CountOverCap(size_t k, size_t length) {
-  g_refused[k].fetch_add(1, std::memory_order_relaxed);
-  g_refused_total.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t over = g_over_cap.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (over > 4 && over % 1024 != 0) return;
-  kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): UCX still holds up to "
-            "{} replies to software puts and gets that its workers have not flushed past, "
-            "so a peer has stopped taking what this agent sends it. Its requests are "
-            "served again once it reads on or its endpoint fails",
-            kProtocols[k].name, length, over, kMaxUnflushedReplies);
-}
-
 // Drops one message of protocol K: nothing in it is read, nothing is answered (a
 // sender's get or atomic waits until its own error handling or timeout gives up).
 template <size_t K>
@@ -243,14 +215,6 @@ bool Admit(const void* data, size_t length) ABSL_SHARED_LOCKS_REQUIRED(g_ranges_
     std::memcpy(&bytes, header + 8, 8);
   }
   if (const PeerRange* range = RangeAdmitsLocked(address, bytes, memory_type)) {
-    if (g_capped.load(std::memory_order_relaxed) &&
-        g_served.load(std::memory_order_relaxed) -
-                g_served_flushed.load(std::memory_order_relaxed) >=
-            kMaxUnflushedReplies) {
-      CountOverCap(K, length);
-      return false;
-    }
-    g_served.fetch_add(1, std::memory_order_relaxed);
     if (K != kPut) range->read.store(true, std::memory_order_relaxed);  // a get request
     return true;
   }
@@ -472,20 +436,16 @@ void JoinRetireFlushes(const void* worker, void (*wake)(const void*)) {
   absl::MutexLock lock(&g_retire_mu);
   // A worker made now holds no reply into memory retired before: the ranges were
   // forbidden first, so no request naming them is served any more.
-  (*g_flushers)[worker] = Flusher{wake, g_retire_sequence, g_served.load()};
-  g_capped.store(true);
+  (*g_flushers)[worker] = Flusher{wake, g_retire_sequence};
 }
 
 uint64_t RetireSequence() { return g_retire_sequence_now.load(std::memory_order_acquire); }
 
-uint64_t SoftwareRmaServed() { return g_served.load(std::memory_order_relaxed); }
-
-void RetireFlushCompleted(const void* worker, uint64_t sequence, uint64_t served) {
+void RetireFlushCompleted(const void* worker, uint64_t sequence) {
   absl::MutexLock lock(&g_retire_mu);
   auto it = g_flushers->find(worker);
   if (it == g_flushers->end()) return;
   it->second.flushed_through = std::max(it->second.flushed_through, sequence);
-  it->second.served_flushed = std::max(it->second.served_flushed, served);
   ReleaseFlushedLocked();
 }
 

@@ -84,25 +84,14 @@ struct RetiredMappings {
   uint64_t read_unflushed = 0;
 };
 RetiredMappings RetiredMappingsNow();
-// Each software put or get served leaves a reply in UCX (its completion, or the data),
-// which waits there for as long as the requester does not read: about 350 bytes of the
-// agent's memory each, without bound (a peer posting 500,000 gets and reading none
-// grew an agent by 152 MiB). So once requests served since the last flush every worker
-// completed reach kMaxUnflushedReplies (65,536), further ones are dropped and counted,
-// until a flush completes; workers flush every kFlushEveryServed (1,024) served.
-constexpr uint64_t kMaxUnflushedReplies = 65536;  // about 22 MiB of UCX's requests
-constexpr uint64_t kFlushEveryServed = 1024;
-// Software puts and gets served so far in this process.
-uint64_t SoftwareRmaServed();
 // For each worker that serves peers (UcxWorker does this): joins with `wake` (called,
 // under a lock, when a range is noted or retired: the worker should begin a flush
 // soon), reads
-// the newest retirement with RetireSequence and the requests served with
-// SoftwareRmaServed when it begins a flush, reports each flush it completed with both
-// (`sequence`, `served`), and leaves once its UCX worker is destroyed.
+// the newest retirement with RetireSequence when it begins a flush, reports each flush
+// it completed with it (`sequence`), and leaves once its UCX worker is destroyed.
 void JoinRetireFlushes(const void* worker, void (*wake)(const void*));
 uint64_t RetireSequence();
-void RetireFlushCompleted(const void* worker, uint64_t sequence, uint64_t served);
+void RetireFlushCompleted(const void* worker, uint64_t sequence);
 void LeaveRetireFlushes(const void* worker);
 
 }  // namespace kvagent::transport

@@ -668,15 +668,15 @@ void UcxWorker::TendRetireFlush() {
       if (!retire_flush_warned_ && now - flushing_since_us_ > 10000000) {
         retire_flush_warned_ = true;
         const RetiredMappings retired = RetiredMappingsNow();
-        kLog.Warn("UCX worker '{}': no flush has completed in 10 s, so {} ranges of released "
-                  "memory ({} bytes of address space, zero pages) stay mapped and up to {} "
-                  "software RMA replies stay held: a peer has stopped taking what this worker "
-                  "sends it. They are let go once it reads on or its endpoint fails",
-                  name_, retired.held, retired.held_bytes, kMaxUnflushedReplies);
+        kLog.Warn("UCX worker '{}': its flush for released memory has not completed in 10 s, "
+                  "so {} ranges ({} bytes of address space, zero pages) stay mapped: a peer "
+                  "has stopped taking what this worker sends it, a software get reply "
+                  "perhaps. They are unmapped once it reads on or its endpoint fails",
+                  name_, retired.held, retired.held_bytes);
       }
       // UCX 1.13 can leave a worker flush begun behind a long queue of replies in flight
-      // after the queue drained (a peer that stopped reading and read on): one begun a
-      // second ago gives way to a new one.
+      // after the queue drained (seen when a peer that stopped reading 100,000 replies
+      // read on): one begun a second ago gives way to a new one.
       if (now - retire_flush_began_us_ < 1000000) return;
       ucp_request_free(retire_flush_);  // UCX releases it when it ends
       retire_flush_ = nullptr;
@@ -685,22 +685,17 @@ void UcxWorker::TendRetireFlush() {
     }
     ucp_request_free(retire_flush_);
     retire_flush_ = nullptr;
-    RetireFlushCompleted(this, retire_flush_for_, flush_served_);
+    RetireFlushCompleted(this, retire_flush_for_);
     flushing_since_us_ = 0;
   }
-  if ((RetireSequence() == retire_flush_for_ &&
-       SoftwareRmaServed() - flush_served_ < kFlushEveryServed) ||
-      stopping_.load()) {
-    return;
-  }
+  if (RetireSequence() == retire_flush_for_ || stopping_.load()) return;
   BeginRetireFlush(MonotonicMicros());
 }
 
 void UcxWorker::BeginRetireFlush(uint64_t now_us) {
-  // Every operation this worker has, a reply UCX still sends included, completes (or
-  // fails with its endpoint) before this flush does.
+  // Every operation this worker has, a get reply UCX still sends included, completes
+  // (or fails with its endpoint) before this flush does.
   retire_flush_for_ = RetireSequence();
-  flush_served_ = SoftwareRmaServed();
   retire_flush_began_us_ = now_us;
   if (flushing_since_us_ == 0) {
     flushing_since_us_ = now_us;
@@ -716,7 +711,7 @@ void UcxWorker::BeginRetireFlush(uint64_t now_us) {
     kLog.Warn("UCX worker '{}': its flush returned {}; taken as done", name_,
               UcsStatusText(UCS_PTR_STATUS(request)));
   }
-  RetireFlushCompleted(this, retire_flush_for_, flush_served_);
+  RetireFlushCompleted(this, retire_flush_for_);
   flushing_since_us_ = 0;
 }
 

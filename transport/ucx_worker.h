@@ -292,15 +292,12 @@ class UcxWorker {
   std::atomic<uint64_t> tagged_messages_{0};
   void TendTagSink();
   void CountTagged();
-  // Retired mappings and replies not flushed past (transport/ucx_hardening.h): a worker
-  // of a context that serves peers flushes itself after each retirement and every
-  // kFlushEveryServed software puts and gets served, and reports it, so the memory a
-  // peer's waiting software get reply may still read is unmapped only after the reply
-  // left, and the replies UCX holds stay bounded. Worker thread; the flush request is
-  // polled, without a callback.
+  // Retired mappings (transport/ucx_hardening.h, RetireMapping): a worker of a context
+  // that serves peers flushes itself after each retirement and reports it, so the
+  // memory a peer's waiting software get reply may still read is unmapped only after
+  // the reply left. Worker thread; the flush request is polled, without a callback.
   bool serves_peers_ = false;
   uint64_t retire_flush_for_ = 0;  // the retirement the last flush began after
-  uint64_t flush_served_ = 0;      // SoftwareRmaServed when it began
   void* retire_flush_ = nullptr;   // the flush in flight, or null
   uint64_t retire_flush_began_us_ = 0;
   uint64_t flushing_since_us_ = 0;    // the first flush since the last that completed
