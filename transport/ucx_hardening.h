@@ -86,9 +86,9 @@ struct RetiredMappings {
 RetiredMappings RetiredMappingsNow();
 // For each worker that serves peers (UcxWorker does this): joins with `wake` (called,
 // under a lock, when a range is noted or retired: the worker should begin a flush
-// soon), reads
-// the newest retirement with RetireSequence when it begins a flush, reports each flush
-// it completed with it (`sequence`), and leaves once its UCX worker is destroyed.
+// soon), reads the newest retirement with RetireSequence when it begins a flush,
+// reports each flush it completed with it (`sequence`), and leaves once its UCX worker
+// is destroyed.
 void JoinRetireFlushes(const void* worker, void (*wake)(const void*));
 uint64_t RetireSequence();
 void RetireFlushCompleted(const void* worker, uint64_t sequence);
