@@ -13,9 +13,11 @@
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -40,35 +42,74 @@ struct UcpAmHandler {
   uct_am_callback_t proxy_cb;  // the same behind a counting proxy (wakeup ifaces)
 };
 
-// The protocols whose receive side is changed. `checked`: UCP's software RMA, which
-// kvagent's own ucx data path uses where UCX emulates puts and gets (same-host agents
-// without shm-direct, in UCX 1.13): each message is served only when the range it
-// names lies inside memory registered for peers (PeerAccess::kPeers), as native RMA
-// with that memory's key would reach; else dropped. The others kvagent
-// never uses: every message is dropped. `features`: what the library declares for it
-// (checked, so a table whose meaning changed is not patched).
+// The protocols whose receive side is changed.
+// - kRange: UCP's software RMA, which kvagent's own ucx data path uses where UCX
+//   emulates puts and gets (same-host agents without shm-direct, in UCX 1.13): each
+//   message is served only when the range it names lies inside memory registered for
+//   peers (PeerAccess::kPeers), as native RMA with that memory's key would reach; else
+//   dropped.
+// - kId: messages that name one of this process's own endpoints or requests by id,
+//   which UCP looks up: replies, acknowledgements, rendezvous and synchronous tagged
+//   messages, fragments and replies of active messages, wireup (the range-checked ones
+//   carry one too). UCX 1.13 takes an id without its indirect bit (bit 0) as a pointer
+//   and dereferences it, whatever UCX_PROTO_INDIRECT_ID says, and asserts that an id is
+//   not 0 (Debian's build keeps assertions: the process aborts). HardenUcxForPeers sets
+//   UCX_PROTO_INDIRECT_ID=on, so every id this process gives out is indirect; a message
+//   naming any other is dropped unread. Where each id lies was found by feeding each
+//   handler a forged pointer at each place (transport/ucx_hardening_test feeds every
+//   one).
+// - kDrop: protocols kvagent never uses: every message is dropped.
+// `features`: what the library declares for it (checked, so a table whose meaning
+// changed is not patched).
+enum class Kind { kRange, kId, kDrop };
+struct IdPlace {
+  int at = -1;            // byte offset of the id UCP looks up (-1: none)
+  bool from_end = false;  // counted back from the message's end (a footer)
+  bool zero_ok = false;   // 0 means "none yet" there (a wireup request's)
+  int sender_at = -1;     // a sender's own request id, which UCP asserts is not 0
+};
 struct Protocol {
   const char* symbol;  // ucp_am_handler_UCP_AM_ID_<symbol>
   const char* name;
   uint64_t features;
-  bool checked;
+  Kind kind;
+  IdPlace id;
 };
-constexpr std::array<Protocol, 5> kProtocols = {{
-    {"PUT", "put (software RMA)", UCP_FEATURE_RMA, true},
-    {"GET_REQ", "get request (software RMA)", UCP_FEATURE_RMA, true},
-    {"ATOMIC_REQ", "atomic request", UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64, false},
-    {"ATOMIC_REP", "atomic reply", UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64, false},
-    {"STREAM_DATA", "stream data", UCP_FEATURE_STREAM, false},
+constexpr uint64_t kTagAm = UCP_FEATURE_TAG | UCP_FEATURE_AM;
+constexpr uint64_t kAmo = UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64;
+constexpr std::array<Protocol, 19> kProtocols = {{
+    {"PUT", "put (software RMA)", UCP_FEATURE_RMA, Kind::kRange, {8}},
+    {"GET_REQ", "get request (software RMA)", UCP_FEATURE_RMA, Kind::kRange, {16}},
+    {"GET_REP", "get reply (software RMA)", UCP_FEATURE_RMA, Kind::kId, {0}},
+    {"CMPL", "put completion (software RMA)", UCP_FEATURE_RMA | kAmo, Kind::kId, {0}},
+    {"EAGER_SYNC_ONLY", "synchronous tagged send", UCP_FEATURE_TAG, Kind::kId,
+     {8, false, false, 16}},
+    {"EAGER_SYNC_FIRST", "synchronous tagged send's first fragment", UCP_FEATURE_TAG, Kind::kId,
+     {24, false, false, 32}},
+    {"EAGER_SYNC_ACK", "synchronous tagged send acknowledgement", UCP_FEATURE_TAG, Kind::kId,
+     {0}},
+    {"RNDV_RTS", "rendezvous request", kTagAm, Kind::kId, {8}},
+    {"RNDV_ATS", "rendezvous acknowledgement", kTagAm, Kind::kId, {0}},
+    {"RNDV_ATP", "rendezvous put acknowledgement", kTagAm, Kind::kId, {0}},
+    {"RNDV_RTR", "rendezvous ready-to-receive", kTagAm, Kind::kId, {0}},
+    {"RNDV_DATA", "rendezvous data", kTagAm, Kind::kId, {0}},
+    {"AM_FIRST", "active message's first fragment", UCP_FEATURE_AM, Kind::kId, {16, true}},
+    {"AM_MIDDLE", "active message's later fragment", UCP_FEATURE_AM, Kind::kId, {8, true}},
+    {"AM_SINGLE_REPLY", "active message with reply", UCP_FEATURE_AM, Kind::kId, {8, true}},
+    {"WIREUP", "wireup", ~uint64_t{0}, Kind::kId, {12, false, true}},
+    {"ATOMIC_REQ", "atomic request", kAmo, Kind::kDrop, {}},
+    {"ATOMIC_REP", "atomic reply", kAmo, Kind::kDrop, {}},
+    {"STREAM_DATA", "stream data", UCP_FEATURE_STREAM, Kind::kDrop, {}},
 }};
-constexpr size_t kPut = 0;  // the other checked one is the get request
+constexpr size_t kPut = 0;  // the other range-checked one is the get request
 
-// The headers of the two checked protocols (UCX 1.13's ucp_put_hdr_t and
+// The headers of the two range-checked protocols (UCX 1.13's ucp_put_hdr_t and
 // ucp_get_req_hdr_t, packed): the address first, a get request's length second, the
 // memory type (a 4-byte ucs_memory_type_t) last.
 constexpr size_t kPutHeaderBytes = 8 + 8 + 4;           // address, ep id, memory type
 constexpr size_t kGetRequestBytes = 8 + 8 + 8 + 8 + 4;  // address, length, request, type
 
-// The originals of the checked protocols, called for what passes.
+// The originals of the checked protocols (kRange, kId), called for what passes.
 std::array<uct_am_callback_t, kProtocols.size()> g_original_cb{};
 std::array<uct_am_callback_t, kProtocols.size()> g_original_proxy{};
 
@@ -144,20 +185,27 @@ std::array<std::atomic<uint64_t>, kProtocols.size()> g_refused{};
 std::atomic<uint64_t> g_refused_total{0};
 std::atomic<bool> g_hardened{false};
 
-// Counts one dropped message of protocol `k`; logs the first few and then every
-// 1,024th (a flood does not flood the log). `bytes` of `memory_type` at `address`:
-// what a checked one named (ignored for the others); `short_header`: a checked one too
-// short to name anything.
+// Counts one dropped message of protocol `k` (the count of its kind so far in `*mine`);
+// true for the first few and then every 1,024th, the ones to log (a flood does not
+// flood the log).
+bool CountDropped(size_t k, uint64_t* mine) {
+  *mine = g_refused[k].fetch_add(1, std::memory_order_relaxed) + 1;
+  g_refused_total.fetch_add(1, std::memory_order_relaxed);
+  return *mine <= 4 || *mine % 1024 == 0;
+}
+
+// Counts one dropped message of protocol `k`, and logs it as CountDropped says. `bytes`
+// of `memory_type` at `address`: what a range-checked one named (ignored for the
+// others); `short_header`: a checked one too short to name anything.
 void CountRefused(size_t k, size_t length, uint64_t address = 0, uint64_t bytes = 0,
                   uint32_t memory_type = 0, bool short_header = false) {
-  const uint64_t mine = g_refused[k].fetch_add(1, std::memory_order_relaxed) + 1;
-  g_refused_total.fetch_add(1, std::memory_order_relaxed);
-  if (mine > 4 && mine % 1024 != 0) return;
+  uint64_t mine = 0;
+  if (!CountDropped(k, &mine)) return;
   if (short_header) {
     kLog.Warn("UCX: dropped a peer's {} message of {} bytes ({} so far): too short for its "
               "header, so the sender is not UCX 1.13 or is hostile",
               kProtocols[k].name, length, mine);
-  } else if (kProtocols[k].checked) {
+  } else if (kProtocols[k].kind == Kind::kRange) {
     kLog.Warn(
         "UCX: dropped a peer's {} message ({} bytes; {} so far): it names {} bytes of memory "
         "type {} at {:#x}, outside the memory this agent registered for peers (UCX would "
@@ -170,6 +218,25 @@ void CountRefused(size_t k, size_t length, uint64_t address = 0, uint64_t bytes 
         "hostile",
         kProtocols[k].name, length, mine);
   }
+}
+
+// Counts one dropped message of protocol `k` that names `id`, which this process did not
+// give out, or (`senders`) whose sender's own request id is 0; logs it as CountDropped
+// says.
+void CountRefusedId(size_t k, size_t length, uint64_t id, bool senders = false) {
+  uint64_t mine = 0;
+  if (!CountDropped(k, &mine)) return;
+  if (senders) {
+    kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): its own request id is "
+              "0, which UCX would have aborted on",
+              kProtocols[k].name, length, mine);
+    return;
+  }
+  kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): it names endpoint or "
+            "request id {:#x}, which this agent's UCX did not give out (its ids are "
+            "indirect, odd); UCX would have {}",
+            kProtocols[k].name, length, mine, id,
+            id == 0 ? "aborted on it" : "dereferenced it as a pointer");
 }
 
 // Drops one message of protocol K: nothing in it is read, nothing is answered (a
@@ -222,21 +289,59 @@ bool Admit(const void* data, size_t length) ABSL_SHARED_LOCKS_REQUIRED(g_ranges_
   return false;
 }
 
-// Serves one message of checked protocol K that Admit lets through, with UCP's own
-// handler or (`kProxy`) its counting proxy, under the reader lock: a put is copied in
-// before ForbidPeerRange can return (a get's reply may outlive it: RetireMapping).
+// True when the id in message `data` of protocol K is indirect (odd): one UCP looks up in
+// its table instead of dereferencing (and the sender's own id, where UCP asserts on
+// it, is not 0).
+template <size_t K>
+bool IdAdmits(const void* data, size_t length) {
+  constexpr IdPlace place = kProtocols[K].id;
+  constexpr size_t at = static_cast<size_t>(place.at);
+  constexpr size_t need =
+      place.from_end ? at : std::max(at, static_cast<size_t>(std::max(place.sender_at, 0))) + 8;
+  if (length < need) {
+    CountRefused(K, length, 0, 0, 0, /*short_header=*/true);
+    return false;
+  }
+  const auto* bytes = static_cast<const char*>(data);
+  uint64_t id = 0;
+  std::memcpy(&id, bytes + (place.from_end ? length - at : at), 8);
+  if ((id & 1) == 0 && !(id == 0 && place.zero_ok)) {
+    CountRefusedId(K, length, id);
+    return false;
+  }
+  if constexpr (place.sender_at >= 0) {
+    uint64_t sender = 0;
+    std::memcpy(&sender, bytes + place.sender_at, 8);
+    if (sender == 0) {
+      CountRefusedId(K, length, sender, /*senders=*/true);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Serves one message of checked protocol K that passes, with UCP's own handler or
+// (`kProxy`) its counting proxy. A range-checked one under the reader lock: a put is
+// copied in before ForbidPeerRange can return (a get's reply may outlive it:
+// RetireMapping).
 template <size_t K, bool kProxy>
 ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
-  absl::ReaderMutexLock lock(&g_ranges_mu);
-  if (!Admit<K>(data, length)) return UCS_OK;
-  return (kProxy ? g_original_proxy[K] : g_original_cb[K])(arg, data, length, flags);
+  if (!IdAdmits<K>(data, length)) return UCS_OK;
+  const uct_am_callback_t original = kProxy ? g_original_proxy[K] : g_original_cb[K];
+  if constexpr (kProtocols[K].kind == Kind::kRange) {
+    absl::ReaderMutexLock lock(&g_ranges_mu);
+    if (!Admit<K>(data, length)) return UCS_OK;
+    return original(arg, data, length, flags);
+  } else {
+    return original(arg, data, length, flags);
+  }
 }
 
 // What replaces protocol K's handler (or its proxy): Checked for the checked ones,
-// Refuse for the others.
+// Refuse for the dropped ones.
 template <size_t K, bool kProxy>
 constexpr uct_am_callback_t ReplacementOf() {
-  if constexpr (kProtocols[K].checked) {
+  if constexpr (kProtocols[K].kind != Kind::kDrop) {
     return &Checked<K, kProxy>;
   } else {
     return &Refuse<K>;
@@ -335,7 +440,8 @@ absl::Status Patch() {
     g_original_proxy[k] = handlers[k]->proxy_cb;
     handlers[k]->cb = kHandlers[k];
     if (handlers[k]->proxy_cb != nullptr) handlers[k]->proxy_cb = kProxies[k];
-    handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    // Installed in every kvagent context (RMA and AM): the dropped ones too.
+    if (kProtocols[k].kind != Kind::kId) handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
   }
   return absl::OkStatus();
 }
@@ -348,10 +454,21 @@ absl::Status HardenUcxForPeers() {
   std::call_once(once, [] {
     outcome = Patch();
     if (outcome.ok()) {
+      // Every endpoint and request id this process's UCX gives out indirect (odd), which
+      // the kId handlers rely on: contexts read this when they are created.
+      const char* was = std::getenv("UCX_PROTO_INDIRECT_ID");
+      if (was != nullptr && std::string_view(was) != "on") {
+        kLog.Warn("UCX: UCX_PROTO_INDIRECT_ID={} overridden with on: a hardened agent gives "
+                  "peers only indirect endpoint and request ids, and drops messages naming "
+                  "any other",
+                  was);
+      }
+      setenv("UCX_PROTO_INDIRECT_ID", "on", /*overwrite=*/1);
       g_hardened.store(true);
       kLog.Info(
           "UCX: peers' software RMA reaches only memory registered for them; their "
-          "atomic and stream messages are dropped, and tagged ones discarded");
+          "messages naming an endpoint or request id this agent did not give out, atomic "
+          "and stream messages are dropped, and tagged ones discarded");
     }
   });
   return outcome;
@@ -362,9 +479,14 @@ bool UcxHardenedForPeers() { return g_hardened.load(); }
 std::vector<std::string> UcxRefusedProtocols() {
   std::vector<std::string> names;
   if (!UcxHardenedForPeers()) return names;
+  size_t by_id = 0;
   for (const Protocol& p : kProtocols) {
-    names.push_back(p.checked ? fmt::format("{} outside peer memory", p.name) : p.name);
+    if (p.kind == Kind::kRange) names.push_back(fmt::format("{} outside peer memory", p.name));
+    if (p.kind == Kind::kDrop) names.push_back(p.name);
+    by_id += p.id.at >= 0 ? 1 : 0;
   }
+  names.push_back(fmt::format(
+      "any of {} protocols naming an endpoint or request id this agent did not give out", by_id));
   return names;
 }
 

@@ -13,6 +13,11 @@
 // registered for peers (MemoryRegistration with PeerAccess::kPeers: what native RMA
 // with that memory's key reaches; kvagent's own ucx data path relies on this where UCX
 // emulates), else dropped; atomic requests and replies and stream data are dropped.
+// Replies and acknowledgements that name one of this process's endpoints or requests
+// by id (software RMA's, tagged sends', rendezvous') are dropped unless the id is
+// indirect: UCX 1.13 dereferences any other as a pointer. HardenUcxForPeers sets
+// UCX_PROTO_INDIRECT_ID=on for the contexts created afterwards, so every id they give
+// out is.
 // Contexts created afterwards take tagged messages (UcxContext adds UCP_FEATURE_TAG,
 // and each worker keeps a receive for any tag posted that truncates what it matches to
 // nothing). Every message dropped is counted and logged (the first few of each kind).
@@ -41,7 +46,8 @@ absl::Status HardenUcxForPeers();
 bool UcxHardenedForPeers();
 
 // What peers' messages are dropped (for `doctor`): "put (software RMA) outside peer
-// memory", "atomic request", ... Empty until hardened.
+// memory", "atomic request", "any of 16 protocols naming an endpoint or request id this
+// agent did not give out", ... Empty until hardened.
 std::vector<std::string> UcxRefusedProtocols();
 
 // Messages dropped so far in this process (all workers).

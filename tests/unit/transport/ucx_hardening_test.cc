@@ -5,12 +5,14 @@
 // real agent, with atomics and stream data too: tests/security:forgery_test.
 #include "transport/ucx_hardening.h"
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -65,12 +67,128 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 5);
+  CHECK(refused.size() == 6);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
-        "atomic request", "atomic reply", "stream data"}) {
+        "atomic request", "atomic reply", "stream data",
+        "any of 16 protocols naming an endpoint or request id this agent did not give out"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
+  // Every endpoint and request id a context gives out from here on is indirect.
+  const char* indirect = std::getenv("UCX_PROTO_INDIRECT_ID");
+  REQUIRE(indirect != nullptr);
+  CHECK(std::string(indirect) == "on");
+}
+
+// UCP's entry for one of its protocols (ucp_am_handler_t's first two fields): its
+// callback is what UCT calls with each message of that id, the worker as `arg`.
+struct UcpProtocolEntry {
+  uint64_t features;
+  ucs_status_t (*cb)(void* arg, void* data, size_t length, unsigned flags);
+};
+
+TEST_CASE(
+    "a hardened worker drops a peer's message naming an endpoint or request id it did not "
+    "give out, instead of dereferencing it") {
+  Hardened h = Hardened::Make();
+  // A worker of the hardened context that nothing progresses: each message is fed to
+  // the callback UCT would call, on this thread, as a hostile peer could send it.
+  ucp_worker_params_t params{};
+  ucp_worker_h worker = nullptr;
+  REQUIRE(ucp_worker_create(h.context->get(), &params, &worker) == UCS_OK);
+  // The region a forged put or get names is registered for peers: only the id is wrong.
+  std::vector<char> region(4096, 'r');
+  AllowPeerRange(region.data(), region.size(), UCS_MEMORY_TYPE_HOST);
+  // Ids UCX 1.13 would take as pointers (0 it asserts against, which aborts): one to
+  // unmapped memory, one to memory of this process (a request it would complete).
+  void* gone = mmap(nullptr, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(gone != MAP_FAILED);
+  munmap(gone, 4096);
+  std::vector<uint64_t> fake_request(64, 0);
+  const uint64_t forged[] = {0, reinterpret_cast<uint64_t>(gone),
+                             reinterpret_cast<uint64_t>(fake_request.data())};
+  // Where UCX 1.13 looks each id up: bytes from the start, or back from the end (a
+  // footer); `sender_at`: the sender's own request id, which UCX asserts is not 0.
+  struct Case {
+    const char* symbol;
+    size_t id_at;
+    bool from_end;
+    size_t length;
+    int sender_at;
+  };
+  const Case cases[] = {
+      {"PUT", 8, false, 20 + 64, -1},
+      {"GET_REQ", 16, false, 36, -1},
+      {"GET_REP", 0, false, 8 + 64, -1},
+      {"CMPL", 0, false, 8, -1},
+      {"EAGER_SYNC_ONLY", 8, false, 24 + 64, 16},
+      {"EAGER_SYNC_FIRST", 24, false, 40 + 64, 32},
+      {"EAGER_SYNC_ACK", 0, false, 16, -1},
+      {"RNDV_RTS", 8, false, 96, -1},
+      {"RNDV_ATS", 0, false, 16, -1},
+      {"RNDV_ATP", 0, false, 16, -1},
+      {"RNDV_RTR", 0, false, 48, -1},
+      {"RNDV_DATA", 0, false, 16 + 64, -1},
+      {"AM_FIRST", 16, true, 64, -1},
+      {"AM_MIDDLE", 8, true, 64, -1},
+      {"AM_SINGLE_REPLY", 8, true, 64, -1},
+      {"WIREUP", 12, false, 128, -1},
+  };
+  for (const Case& c : cases) {
+    const std::string symbol = std::string("ucp_am_handler_UCP_AM_ID_") + c.symbol;
+    auto* entry = static_cast<UcpProtocolEntry*>(dlsym(RTLD_DEFAULT, symbol.c_str()));
+    REQUIRE(entry != nullptr);
+    const bool wireup = std::string(c.symbol) == "WIREUP";
+    std::vector<uint8_t> message(c.length, 0);
+    const auto address = reinterpret_cast<uint64_t>(region.data());
+    if (std::string(c.symbol) == "PUT" || std::string(c.symbol) == "GET_REQ") {
+      std::memcpy(message.data(), &address, 8);  // inside the region: only the id is wrong
+    }
+    if (std::string(c.symbol) == "GET_REQ") {
+      const uint64_t length = 64;
+      std::memcpy(message.data() + 8, &length, 8);
+      const uint64_t reply_to = 0x41;
+      std::memcpy(message.data() + 24, &reply_to, 8);
+    }
+    if (wireup) message[0] = 2;  // a reply: it names the endpoint it answers
+    const uint64_t sender = 0x1234;
+    if (c.sender_at >= 0) std::memcpy(message.data() + c.sender_at, &sender, 8);
+    const size_t id_at = c.from_end ? c.length - c.id_at : c.id_at;
+    for (uint64_t id : forged) {
+      if (id == 0 && wireup) continue;  // "none yet" there: below
+      INFO(c.symbol << " naming id " << std::hex << id);
+      std::memcpy(message.data() + id_at, &id, 8);
+      const uint64_t before = UcxRefusedMessages();
+      CHECK(entry->cb(worker, message.data(), message.size(), 0) == UCS_OK);
+      CHECK(UcxRefusedMessages() - before == 1);
+    }
+    const uint64_t before = UcxRefusedMessages();
+    {
+      // Too short to hold the id: dropped unread too.
+      INFO(c.symbol << " cut short");
+      const size_t short_length = c.from_end ? c.id_at - 1 : c.id_at + 7;
+      CHECK(entry->cb(worker, message.data(), short_length, 0) == UCS_OK);
+      CHECK(UcxRefusedMessages() - before == 1);
+    }
+    // An indirect id goes on to UCP, which looks it up, finds none, and drops it (as a
+    // wireup message naming none yet, whose worker address here is empty).
+    INFO(c.symbol << " naming an indirect id no endpoint or request has");
+    const uint64_t unknown = wireup ? 0 : 0x41;
+    std::memcpy(message.data() + id_at, &unknown, 8);
+    CHECK(entry->cb(worker, message.data(), message.size(), 0) == UCS_OK);
+    CHECK(UcxRefusedMessages() - before == 1);
+    if (c.sender_at >= 0) {
+      INFO(c.symbol << " whose sender's own request id is 0");
+      const uint64_t zero = 0;
+      std::memcpy(message.data() + c.sender_at, &zero, 8);
+      CHECK(entry->cb(worker, message.data(), message.size(), 0) == UCS_OK);
+      CHECK(UcxRefusedMessages() - before == 2);
+    }
+  }
+  CHECK(std::all_of(fake_request.begin(), fake_request.end(), [](uint64_t v) { return v == 0; }));
+  CHECK(std::all_of(region.begin(), region.end(), [](char v) { return v == 'r'; }));
+  ForbidPeerRange(region.data(), region.size());
+  ucp_worker_destroy(worker);
 }
 
 TEST_CASE("a range admits a request inside one allowed registration of its memory type only") {
