@@ -618,17 +618,21 @@ struct DrainResult {
   int64_t settle_ms = 0;
 };
 
-// A 64 MiB WRITE on the pair's data path; `fault` hits decode as soon as the submit is
-// accepted, so the transfer cannot complete: that needs decode's acknowledgement of its
-// DATA_READY, which follows all 64 MiB. (Hit 20 ms after it was seen moving, a fast cma
-// copy had been acknowledged already in two CI runs, the ASan stage and then the normal
-// one: COMPLETED.) Times from the fault.
-DrainResult DrainAfter(AgentPair& pair, const std::string& id,
-                       const std::function<void(pid_t)>& fault) {
+// A 64 MiB WRITE on the pair's data path to a decode that cannot answer: it is stopped
+// (SIGSTOP, waited for) before the submit, so the transfer cannot complete, which needs
+// decode's acknowledgement of its DATA_READY after all 64 MiB. `kill`: decode is then
+// killed as soon as the submit is accepted (it dies mid-transfer); else it stays
+// stopped (it hangs). Times from the submit's answer. (A fault sent only once the
+// submit was answered came too late: 20 ms after the transfer was seen moving, a fast
+// cma copy had been acknowledged already in two CI runs; sent at once, on a faster host
+// with the test thread waiting for a core, the 64 MiB shm-direct copy and its
+// acknowledgement had finished first: COMPLETED.)
+DrainResult DrainAfter(AgentPair& pair, const std::string& id, bool kill) {
   const std::vector<uint64_t> all = Range(0, pair.prefill_pool().shape.pages);
+  REQUIRE(SuspendAgent(pair.decode_process().pid()) == "");
   REQUIRE(pair.prefill().Submit(KvWrite(id, all, all)).ok());
   const auto hit = Clock::now();
-  fault(pair.decode_process().pid());
+  if (kill) ::kill(pair.decode_process().pid(), SIGKILL);
   DrainResult r;
   r.end = WaitTerminal(pair.prefill(), id, 10000);
   r.fail_ms = MillisSince(hit);
@@ -703,7 +707,7 @@ void CheckSettled(const DrainResult& r, const std::string& what, int trial) {
     CHECK_FALSE(r.settled.drained());
     CHECK_THAT(r.settled.drain_note(), Catch::Contains("peer 'decode'"));
   }
-  std::printf("D %s trial %d: %s %lld ms after the fault, %llu of %llu bytes done; %s %lld ms "
+  std::printf("D %s trial %d: %s %lld ms after the submit, %llu of %llu bytes done; %s %lld ms "
               "after it%s%s\n",
               what.c_str(), trial, v1::TransferPhase_Name(r.end.phase()).c_str(),
               static_cast<long long>(r.fail_ms),
@@ -769,7 +773,8 @@ TEST_CASE("D: drained or drain_unknown within a bound after the peer dies, on ea
     AgentPair pair(DrainOptions(path));
     RequirePath(pair, path);
     const std::string id = fmt::format("d-kill-{}-{}", path, trial);
-    const DrainResult r = DrainAfter(pair, id, [](pid_t pid) { ::kill(pid, SIGKILL); });
+    ResumeOnExit resume{pair.decode_process().pid()};
+    const DrainResult r = DrainAfter(pair, id, /*kill=*/true);
     CheckSettled(r, "SIGKILL " + path, trial);
     CHECK(r.fail_ms <= 2000);
     CHECK(r.settle_ms <= 5000);
@@ -787,8 +792,7 @@ TEST_CASE("D: drained or drain_unknown within a bound after the peer hangs, on e
     RequirePath(pair, path);
     ResumeOnExit resume{pair.decode_process().pid()};
     const std::string id = fmt::format("d-stop-{}-{}", path, trial);
-    const DrainResult r =
-        DrainAfter(pair, id, [](pid_t pid) { REQUIRE(SuspendAgent(pid) == ""); });
+    const DrainResult r = DrainAfter(pair, id, /*kill=*/false);
     CheckSettled(r, "SIGSTOP " + path, trial);
     CHECK(r.end.error_code() == kUnavailable);
     CHECK(r.fail_ms <= 2000);
@@ -837,13 +841,24 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
     }
   }
   const std::vector<uint64_t> all = Range(0, shape.pages);
-  v1::SubmitTransferRequest first = KvWrite("d-peer-dies", all, all);
-  if (read) first.set_op(v1::READ);
-  REQUIRE(pair.prefill().Submit(first).ok());
   // Hit while parts are moving (64 MiB staged takes a few hundred ms here; bytes_done
-  // counts only at the end): decode has replies out, or chunks coming in, then.
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  const v1::TransferState moving = Require(pair.prefill().Get("d-peer-dies"), "the transfer");
+  // counts only at the end): decode has replies out, or chunks coming in, then. A
+  // transfer already over when looked at (this thread waited for a core past the
+  // 5 ms) is followed by another, up to five.
+  v1::TransferState moving;
+  for (int attempt = 0; attempt < 5 && moving.phase() != v1::TRANSFERRING; ++attempt) {
+    const std::string id = fmt::format("d-peer-dies-{}", attempt);
+    v1::SubmitTransferRequest first = KvWrite(id, all, all);
+    if (read) first.set_op(v1::READ);
+    REQUIRE(pair.prefill().Submit(first).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    moving = Require(pair.prefill().Get(id), "the transfer");
+    if (moving.phase() != v1::TRANSFERRING) {
+      std::printf("D staged %s: attempt %d not caught moving (%s)\n", op.c_str(), attempt,
+                  Describe(moving).c_str());
+      WaitTerminal(pair.prefill(), id, 10000);
+    }
+  }
   INFO(Describe(moving));
   REQUIRE(moving.phase() == v1::TRANSFERRING);
   const pid_t peer = pair.prefill_process().pid();
