@@ -1822,7 +1822,9 @@ TEST_CASE("a peer's UCX software RMA reaches only memory registered for peers, i
   stock.Track(ucp_atomic_op_nbx(stock.ep(), UCP_ATOMIC_OP_ADD, &one, 1,
                                 region.base_address() + 2048, rkey, &atomic));
   ++refused;
-  // Stream data, and tagged messages eager (64 B, 1000 B) and by rendezvous (256 KiB).
+  // Stream data, and tagged messages eager (64 B, 1000 B), synchronous (64 B: decode
+  // answers it naming eve's request, which it finds by its own endpoint's id) and by
+  // rendezvous (256 KiB).
   for (int i = 0; i < 8; ++i) {
     stock.Track(ucp_stream_send_nbx(stock.ep(), small.data(), small.size(), &plain));
     ++refused;
@@ -1833,8 +1835,10 @@ TEST_CASE("a peer's UCX software RMA reaches only memory registered for peers, i
         stock.Track(ucp_tag_send_nbx(stock.ep(), small.data(), small.size(), i, &plain)));
     tagged.push_back(stock.Track(ucp_tag_send_nbx(stock.ep(), large.data(), 1000, i, &plain)));
     tagged.push_back(
+        stock.Track(ucp_tag_send_sync_nbx(stock.ep(), small.data(), small.size(), i, &plain)));
+    tagged.push_back(
         stock.Track(ucp_tag_send_nbx(stock.ep(), large.data(), large.size(), i, &plain)));
-    refused += 3;
+    refused += 4;
   }
   stock.Progress(3000);  // what decode answers has come by then
 
