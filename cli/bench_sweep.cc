@@ -213,7 +213,22 @@ class CellBench::Impl {
     result.memcpy_gbps = Memcpy(layout, cell, result.transfers);
     const uint64_t perftest_size = cell.scattered ? cell.block : cell.block * cell.batch;
     result.perftest_gbps = perftest_.Gbps(write ? "ucp_put_bw" : "ucp_get", perftest_size);
+    if (!write) RETURN_IF_ERROR(TakeReadNotices());
     return result;
+  }
+
+  // READ: the target agent keeps one notification per transfer for its own clients
+  // (their pages were read), which nothing takes during a READ cell (WRITE cells time
+  // theirs). Taken here, between cells and untimed, so that a whole run stays under
+  // the target's queued_notifications limit (65,536): on a host that ran the fast path
+  // at 25,000 one-page READs a second, the first 4 KiB READ cells of a full run
+  // filled it, and the target refused the next READ.
+  absl::Status TakeReadNotices() {
+    AgentClient target(target_address_, options_.timeout_ms);
+    while (true) {
+      ASSIGN_OR_RETURN(v1::PollNotificationsResponse taken, target.Poll(8192));
+      if (taken.notifications_size() == 0) return absl::OkStatus();
+    }
   }
 
   absl::StatusOr<std::optional<PairedCell>> Pair(const Layout& layout, const Cell& shape) {
@@ -308,6 +323,8 @@ class CellBench::Impl {
             "paired rounds, WRITE {} x {}: {} of {} notifications did not reach the target's "
             "client", SizeName(shape.block), shape.batch, missing, transfers));
       }
+    } else {
+      RETURN_IF_ERROR(TakeReadNotices());
     }
     PairedCell paired;
     paired.cell = contiguous;
