@@ -13,6 +13,7 @@
 #include <bitset>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -20,6 +21,7 @@
 #include "agent/peer_secrets.h"
 #include "base/clock.h"
 #include "base/log.h"
+#include "client/session_wire.h"
 #include "fmt/format.h"
 
 namespace kvagent::agent {
@@ -101,18 +103,15 @@ void Signal(int fd) {
   [[maybe_unused]] ssize_t n = write(fd, &one, sizeof one);
 }
 
-absl::StatusOr<sockaddr_un> UnixAddress(const std::string& path, socklen_t* length) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof addr.sun_path) {
-    return absl::InvalidArgumentError(fmt::format(
-        "liveness socket path '{}' is {} bytes; a Unix socket path holds at most {}: use a "
-        "shorter --local-socket",
-        path, path.size(), sizeof addr.sun_path - 1));
+// The address of a liveness door's Unix socket (client::MakeUnixAddress's checks), or why
+// `path` cannot be one; `whose` says where the path came from.
+absl::StatusOr<client::UnixAddress> DoorAddress(const std::string& path, std::string_view whose) {
+  absl::StatusOr<client::UnixAddress> address = client::MakeUnixAddress(path);
+  if (!address.ok()) {
+    return absl::InvalidArgumentError(
+        fmt::format("liveness door ({}): {}", whose, address.status().message()));
   }
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  *length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size() + 1);
-  return addr;
+  return address;
 }
 
 // Resolves HOST (a name or a numeric address, brackets allowed) and PORT for UDP.
@@ -183,12 +182,13 @@ absl::StatusOr<std::unique_ptr<LivenessDoor>> LivenessDoor::Start(LivenessDoorOp
                                 : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   }
   if (!options.unix_path.empty()) {
-    socklen_t length = 0;
-    auto addr = UnixAddress(options.unix_path, &length);
+    auto addr = DoorAddress(options.unix_path, "this agent's, beside --local-socket");
     if (!addr.ok()) return addr.status();
     door->unix_.reset(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     unlink(options.unix_path.c_str());  // a stale one from a process that died
-    if (!door->unix_ || bind(door->unix_.get(), reinterpret_cast<const sockaddr*>(&*addr), length) != 0) {
+    if (!door->unix_ ||
+        bind(door->unix_.get(), reinterpret_cast<const sockaddr*>(&addr->address),
+             addr->length) != 0) {
       return absl::UnavailableError(fmt::format(
           "liveness door: cannot bind Unix datagram socket {}: {}; the directory of "
           "--local-socket must be writable",
@@ -325,11 +325,10 @@ absl::StatusOr<LivenessTarget> ResolveLivenessTarget(const std::string& announce
           dialed, expected));
     }
     LivenessTarget target;
-    socklen_t length = 0;
-    auto addr = UnixAddress(expected.substr(5), &length);
+    auto addr = DoorAddress(expected.substr(5), "the peer's");
     if (!addr.ok()) return addr.status();
-    std::memcpy(&target.address, &*addr, sizeof *addr);
-    target.length = length;
+    std::memcpy(&target.address, &addr->address, sizeof addr->address);
+    target.length = addr->length;
     target.text = "unix " + expected.substr(5);
     return target;
   }

@@ -181,6 +181,27 @@ TEST_CASE("the door answers on its Unix datagram socket") {
         absl::StatusCode::kInvalidArgument);
   CHECK(ResolveLivenessTarget("tcp:5", "127.0.0.1:5").status().code() ==
         absl::StatusCode::kInvalidArgument);
+  // A peer's door path no Unix socket can hold (past sun_path, or with a NUL byte) is
+  // refused with the reason, before any address is built from it.
+  for (const std::string& dialed :
+       {"/tmp/" + std::string(200, 'd') + ".sock", std::string("/tmp/a\0b.sock", 14)}) {
+    const auto refused = ResolveLivenessTarget("unix:" + LivenessUnixPath(dialed), "unix:" + dialed);
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(refused.status().message()),
+               Catch::Contains("liveness door (the peer's)") &&
+                   (Catch::Contains("over the limit") || Catch::Contains("NUL byte")));
+  }
+  {
+    LivenessDoorOptions long_path;
+    long_path.unix_path = "/tmp/" + std::string(200, 'd') + ".sock.live";
+    long_path.incarnation = kIncarnation;
+    const auto refused = LivenessDoor::Start(long_path);
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(refused.status().message()),
+               Catch::Contains("--local-socket") && Catch::Contains("over the limit"));
+  }
 
   UniqueFd fd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   sa_family_t family = AF_UNIX;
