@@ -84,10 +84,24 @@ void SendAll(int fd, Batch& batch, size_t n, std::bitset<kBatch>* full = nullptr
   }
 }
 
-// A ping refused by a full queue is tried again this soon, not after retry_ms: the
-// door empties its queue each window (15 ms), and junk sprayed at it must not make
-// the retries miss every gap for a whole timeout.
-constexpr uint64_t kRefusedRetryUs = 5000;
+// A ping refused by a full queue is tried again soon, not after retry_ms: the door
+// empties its queue once a window (15 ms), and junk sprayed at it refills the queue
+// within a few ms, so a ping gets in only in the short gap after each drain. The
+// retry is 1-5 ms, drawn afresh each time: a fixed 5 ms divides the window, so its
+// retries fell on the same three points of each window and could miss the gap for a
+// whole timeout (a CI run: 79 refusals, none let in, the peer lost).
+constexpr uint64_t kRefusedRetryMinUs = 1000;
+constexpr uint64_t kRefusedRetrySpanUs = 4000;
+
+// The delay before the `n`th retry of the peer with `nonce` (random per peer): a
+// splitmix64 step, spread over [kRefusedRetryMinUs, +kRefusedRetrySpanUs).
+uint64_t RefusedRetryUs(uint64_t nonce, uint64_t n) {
+  uint64_t z = nonce + (n + 1) * 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return kRefusedRetryMinUs + z % kRefusedRetrySpanUs;
+}
 
 absl::StatusOr<UniqueFd> MakeEventFd() {
   UniqueFd fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -599,7 +613,7 @@ void LivenessProber::Loop() {
       const bool ping_all = any && now >= next_ping_us;
       if (ping_all) next_ping_us = now + period_us;
       // Sends a batch; a ping the kernel refused for a full queue is taken back (its
-      // seq, send time and ring slot restored) and tried again in kRefusedRetryUs.
+      // seq, send time and ring slot restored) and tried again in 1-5 ms (RefusedRetryUs).
       auto flush = [&](int fd, Pings& out) ABSL_NO_THREAD_SAFETY_ANALYSIS {
         std::bitset<kBatch> full;
         SendAll(fd, out.batch, out.n, &full);
@@ -613,7 +627,7 @@ void LivenessProber::Loop() {
           w.last_sent_us = out.sent[i].last_sent_us;
           --w.seq;
           if (w.refused_since_us == 0) w.refused_since_us = now;
-          w.retry_at_us = now + kRefusedRetryUs;
+          w.retry_at_us = now + RefusedRetryUs(w.nonce, w.refused);
           ++w.refused;
           refused_.fetch_add(1, std::memory_order_relaxed);
           if (w.answering) wake_at = std::min(wake_at, w.retry_at_us);

@@ -564,7 +564,9 @@ TEST_CASE("junk that keeps a Unix door's queue full does not make its prober los
   // whoever sent them, and refuses more with EAGAIN; the door empties it once a window
   // (15 ms). A sprayer refilling it every 2 ms leaves a ping a gap of a few ms in each
   // window: one retried after retry_ms (150) would miss every gap for a timeout within
-  // seconds; one retried at once after a refusal finds one.
+  // seconds; one retried at once after a refusal finds one. (Retried every 5 ms, which
+  // divides the window, the retries fell on the same points of each window and missed
+  // the gap for a whole second in a CI run: the delay is now drawn from 1-5 ms.)
   WatchedUnixDoor watched("flooded");
   const std::string& path = watched.path;
   auto& door = watched.door;
@@ -605,6 +607,11 @@ TEST_CASE("junk that keeps a Unix door's queue full does not make its prober los
   const uint64_t answered_during = (*door)->answered();
   stop.store(true);
   sprayer.join();
+  std::printf("flood: sprayed %llu, door dropped %llu, answered %llu; prober refused %llu\n",
+              static_cast<unsigned long long>(sprayed.load()),
+              static_cast<unsigned long long>((*door)->dropped()),
+              static_cast<unsigned long long>(answered_during),
+              static_cast<unsigned long long>((*prober)->refused()));
   INFO("sprayed " << sprayed.load() << ", door dropped " << (*door)->dropped() << ", answered "
                   << answered_during << "; prober refused " << (*prober)->refused());
   CHECK(sprayed.load() > 0);
