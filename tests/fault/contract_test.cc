@@ -460,11 +460,12 @@ TEST_CASE("B: decode killed under a large shm-direct WRITE: prefill never says C
   const std::vector<uint64_t> all = Range(0, options.shape.pages);
   int mid_data = 0, after_data = 0, missed = 0, trials = 0;
   int64_t worst_ms = 0;
-  // A dead peer fails its next poll at once. Polled every 20 ms, the death is seen
-  // while the first 64 MiB batch is still being copied (killed mid-data; the copy runs
-  // at about 0.3 GB/s here); polled every 1.5 s, the copy into the dead peer's
-  // still-mapped memory finishes and DATA_READY goes out first (after the data: only
-  // the acknowledgement is missing).
+  // A dead peer fails its next poll at once. Polled every 20 ms, the death can be seen
+  // while the first 64 MiB batch is still being copied (killed mid-data, where the
+  // copy runs at 0.3 GB/s; at 15 GB/s on a faster guest, 1 trial in 16 was); polled
+  // every 1.5 s, the copy into the dead peer's still-mapped memory finishes and
+  // DATA_READY goes out first (after the data: only the acknowledgement is missing).
+  // Either way prefill must not say COMPLETED.
   for (const char* refresh : {"20", "1500"}) {
     options.extra_args = {"--peer-refresh-ms", refresh};
     AgentPair pair(options);
@@ -481,15 +482,21 @@ TEST_CASE("B: decode killed under a large shm-direct WRITE: prefill never says C
         REQUIRE(connected->data_path() == "shm-direct");
       }
       const std::string id = fmt::format("b-{}-{}", refresh, trial);
+      // Decode is stopped (SIGSTOP, waited for) before the submit, so it cannot
+      // acknowledge DATA_READY before the kill lands: on a fast guest the whole 128 MiB
+      // copy and its acknowledgement had finished between the poll that saw the first
+      // batch and the kill (COMPLETED, a clean-clone CI run). Prefill copies into the
+      // stopped peer's mapped memory all the same.
+      REQUIRE(SuspendAgent(decode.pid()) == "");
       REQUIRE(pair.prefill().Submit(KvWrite(id, all, all, "b")).ok());
-      // Kill as soon as the first batch is being copied (nothing confirmed yet): at
-      // least 64 MiB of copying and the DATA_READY round trip are still ahead.
+      // Kill as soon as the transfer is moving: at least the rest of the copy and the
+      // DATA_READY round trip are still ahead.
       const v1::TransferState seen = PollUntil(
           pair.prefill(), id, [](const v1::TransferState& s) { return s.phase() != v1::PENDING; },
           5000, "", 50);
       const auto killed = Clock::now();
       ::kill(decode.pid(), SIGKILL);
-      if (seen.phase() != v1::TRANSFERRING || seen.bytes_done() != 0) {
+      if (seen.phase() != v1::TRANSFERRING) {
         ++missed;  // too late to call it in flight; not counted
         std::printf("B refresh %s trial %d: not caught in flight (%s)\n", refresh, trial,
                     Describe(seen).c_str());

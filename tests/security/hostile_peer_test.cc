@@ -205,7 +205,15 @@ TEST_CASE("a peer pushing its whole catalog again at the version held is not reb
     INFO(info.status().ToString());
     REQUIRE(info.ok());
     seen = *info;
-    if (seen.metadata_views_ignored() + seen.full_fetches() >= kPushes + 1) break;
+    // Mallory counts a push once its Write returned, which can be after prefill took
+    // that view (a CI run read 29 of 30 here): wait for both counts.
+    if (seen.metadata_views_ignored() + seen.full_fetches() >= kPushes + 1 &&
+        mallory.pushed() >= kPushes) {
+      break;
+    }
+    INFO("mallory pushed " << mallory.pushed() << "; ignored "
+                           << seen.metadata_views_ignored() << ", full fetches "
+                           << seen.full_fetches());
     REQUIRE(Clock::now() < deadline);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
