@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <random>
 #include <string>
 
 #include "catch2/catch.hpp"
@@ -87,8 +88,10 @@ TEST_CASE("two agents share the folder: the first to go leaves the other's live 
 
 TEST_CASE("a socket path given by the caller is left alone") {
   const std::string work = DeepWorkDir("given");
-  // Short enough for a Unix socket (TEST_TMPDIR is too deep).
-  const std::string socket = fmt::format("/tmp/kvagent-given-{}.sock", ::getpid());
+  // Short enough for a Unix socket (TEST_TMPDIR is too deep). The pid and a random
+  // part: two runs of this test at once have the same pid (a PID namespace each).
+  const std::string socket =
+      fmt::format("/tmp/kvagent-given-{}.{:08x}.sock", ::getpid(), std::random_device{}());
   DaemonOptions options;
   auto binary = FindKvagentd("");
   REQUIRE(binary.ok());

@@ -303,7 +303,7 @@ TEST_CASE("A stalled UCX worker is reported NOT_SERVING within the stated bounds
 // it), again once the worker runs, STOPPING=1 at SIGTERM.
 TEST_CASE("Under systemd: READY=1, a watchdog fed only while the agent is live, STOPPING=1",
           "[health]") {
-  NotifyListener systemd(fmt::format("/tmp/kvagent-notify-health.{}", getpid()));
+  NotifyListener systemd(testing::UniqueSocketName("/tmp/kvagent-notify-health"));
   cli::DaemonOptions d;
   auto binary = cli::FindKvagentd("");
   REQUIRE(binary.ok());

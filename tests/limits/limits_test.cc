@@ -22,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -586,7 +587,10 @@ TEST_CASE("ConnectPeer calls to peers that never answer are bounded; GetStatus s
   AgentPair pair;
   // An "agent" whose sockets (the session socket and the gRPC one) accept
   // connections and never speak: each call waits for the connect timeout (5 s).
-  const std::string silent = fmt::format("/tmp/kvagent-silent-{}.sock", getpid());
+  // The pid and a random part: two runs of this test at once (--runs_per_test) have
+  // the same pid, each in its own sandbox's PID namespace.
+  const std::string silent =
+      fmt::format("/tmp/kvagent-silent-{}.{:08x}.sock", getpid(), std::random_device{}());
   auto listen_on = [](const std::string& path, int type) {
     unlink(path.c_str());
     const int fd = socket(AF_UNIX, type, 0);

@@ -22,13 +22,13 @@ using testing::NotifyListener;
 
 // In /tmp: $TEST_TMPDIR under Bazel is longer than a socket address holds.
 std::string SocketPath(const char* name) {
-  return fmt::format("/tmp/kvagent-notify-{}.{}", name, getpid());
+  return testing::UniqueSocketName(fmt::format("/tmp/kvagent-notify-{}", name));
 }
 
 TEST_CASE("SystemdNotifier sends each state as one datagram, to a path or an abstract name") {
   const std::string name = GENERATE(std::string("path"), std::string("abstract"));
   NotifyListener systemd(name == "path" ? SocketPath("notify")
-                                        : fmt::format("@kvagent-notify-test-{}", getpid()));
+                                        : testing::UniqueSocketName("@kvagent-notify-test"));
   auto notifier = SystemdNotifier::Open(systemd.name(), absl::ZeroDuration());
   INFO(notifier.status().ToString());
   REQUIRE(notifier.ok());
