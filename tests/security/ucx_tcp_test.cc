@@ -1,0 +1,135 @@
+// UCX's TCP port against a local user. UCT's tcp transport takes a connection from
+// whoever reaches its port and serves a put request by copying the payload to the
+// address it names (UCX 1.13): tests/security/uct_put_probe, a stock UCT endpoint, put
+// 16 bytes into a root kvagentd's stack as uid 65534 before the agent guarded its
+// accept() (transport/ucx_tcp_guard.h). Needs root (the attacker runs under setpriv,
+// and the test reads the agent's memory through /proc) and runs outside Bazel's
+// sandbox, as unprivileged_test.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "fmt/format.h"
+#include "tests/security/run_as.h"
+#include "tests/unit/catch_main.h"
+
+namespace kvagent::testing {
+namespace {
+
+// The ports on which process `pid` listens for TCP (from /proc/net/tcp, matched to its
+// sockets' inodes in /proc/PID/fd).
+std::vector<int> ListeningPorts(pid_t pid) {
+  std::set<unsigned long long> inodes;
+  for (const auto& entry : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid))) {
+    std::error_code error;
+    const std::string target = std::filesystem::read_symlink(entry.path(), error).string();
+    unsigned long long inode = 0;
+    if (!error && std::sscanf(target.c_str(), "socket:[%llu]", &inode) == 1) inodes.insert(inode);
+  }
+  std::vector<int> ports;
+  std::ifstream table("/proc/net/tcp");
+  std::string line;
+  std::getline(table, line);  // the header
+  while (std::getline(table, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state, queues, timer, retransmits;
+    unsigned long long uid = 0, timeout = 0, inode = 0;
+    if (!(fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode)) {
+      continue;
+    }
+    if (state != "0A" || inodes.count(inode) == 0) continue;
+    ports.push_back(std::stoi(local.substr(local.find(':') + 1), nullptr, 16));
+  }
+  return ports;
+}
+
+// The lowest address of process `pid`'s main stack: the deepest the stack ever grew,
+// which the agent's main thread (waiting in sigwait) no longer uses.
+uint64_t StackBottom(pid_t pid) {
+  std::ifstream maps(fmt::format("/proc/{}/maps", pid));
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("[stack]") != std::string::npos) return std::stoull(line, nullptr, 16);
+  }
+  return 0;
+}
+
+std::string Peek(pid_t pid, uint64_t address, size_t bytes) {
+  const int fd = open(fmt::format("/proc/{}/mem", pid).c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  std::string out(bytes, '\0');
+  const ssize_t n = pread(fd, out.data(), bytes, static_cast<off_t>(address));
+  close(fd);
+  REQUIRE(n == static_cast<ssize_t>(bytes));
+  return out;
+}
+
+TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP port; a peer uid "
+          "still connects") {
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the attacker runs as uid 65534 under setpriv");
+  if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
+  OpenDir dir;
+  const std::string probe = CopyTool(dir, "uct_put_probe");
+  std::unique_ptr<cli::DaemonProcess> victim = StartVictim(dir, {});
+  cli::DaemonProcess& agent = *victim;
+  cli::AgentClient client(agent.address());
+
+  // Without a network door the agent's UCX uses loopback only: its one TCP listener is
+  // UCT's tcp interface.
+  const std::vector<int> ports = ListeningPorts(agent.pid());
+  INFO("the agent's TCP listeners: " << ports.size());
+  REQUIRE(ports.size() == 1);
+  const uint64_t target = StackBottom(agent.pid());
+  REQUIRE(target != 0);
+  const std::string before = Peek(agent.pid(), target, 16);
+  const std::string port = std::to_string(ports[0]);
+  const std::string address = fmt::format("{:#x}", target);
+  auto first = client.Status();
+  REQUIRE(first.ok());
+  const uint64_t dropped_before = first->dropped_peer_messages();
+
+  // uid 65534: the connection is closed before UCX reads from it; nothing lands.
+  const Outcome stranger = RunAs(65534, 65534, probe, port, address);
+  INFO("uid 65534: " << stranger.code << ": " << stranger.message);
+  CHECK(stranger.code == "refused");
+  usleep(200 * 1000);
+  CHECK(Peek(agent.pid(), target, 16) == before);
+  auto status = client.Status();
+  REQUIRE(status.ok());
+  CHECK(status->dropped_peer_messages() > dropped_before);  // each refused connection
+  std::printf("uid 65534 against UCX's TCP port %s: %s (%s); dropped_peer_messages %llu -> "
+              "%llu\n",
+              port.c_str(), stranger.code.c_str(), stranger.message.c_str(),
+              static_cast<unsigned long long>(dropped_before),
+              static_cast<unsigned long long>(status->dropped_peer_messages()));
+
+  // The agent's own uid (a same-host peer's, by default) still connects: and what it
+  // may do there is UCX's, which the same probe shows (the put lands), so the refusal
+  // above is the guard's and not a probe that cannot reach the agent.
+  const Outcome own = RunAs(0, 0, probe, port, address);
+  INFO("uid 0: " << own.code << ": " << own.message);
+  CHECK(own.code == "sent");
+  std::string landed;
+  for (int i = 0; i < 50; ++i) {
+    landed = Peek(agent.pid(), target, 16);
+    if (landed != before) break;
+    usleep(20 * 1000);
+  }
+  CHECK(landed == std::string("WRITTEN-BY-UCT!\0", 16));
+  CHECK(client.Status().ok());  // and the agent still serves
+}
+
+}  // namespace
+}  // namespace kvagent::testing

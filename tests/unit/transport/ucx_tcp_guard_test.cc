@@ -1,0 +1,149 @@
+// The UCX TCP guard's decision (transport/ucx_tcp_guard.h) on real loopback
+// connections, and its reading of /proc/net/tcp{,6}. The accept() stand-in itself is
+// linked only into kvagentd: tests/security:ucx_tcp_test runs it against a stock UCT
+// attacker.
+#include "transport/ucx_tcp_guard.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "catch2/catch.hpp"
+#include "tests/unit/catch_main.h"
+
+namespace kvagent::transport {
+namespace {
+
+sockaddr_storage V4(const char* ip, uint16_t port) {
+  sockaddr_storage out{};
+  auto& a = reinterpret_cast<sockaddr_in&>(out);
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  inet_pton(AF_INET, ip, &a.sin_addr);
+  return out;
+}
+
+sockaddr_storage V6(const char* ip, uint16_t port) {
+  sockaddr_storage out{};
+  auto& a = reinterpret_cast<sockaddr_in6&>(out);
+  a.sin6_family = AF_INET6;
+  a.sin6_port = htons(port);
+  inet_pton(AF_INET6, ip, &a.sin6_addr);
+  return out;
+}
+
+// Lines as the kernel prints them (a listener, the connecting socket of uid 65534, the
+// accepted one of uid 0, and a closed socket of the same four-tuple as another).
+constexpr const char* kTcp =
+    "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    "   0: 0100007F:DF35 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0\n"
+    "   1: 0100007F:9C40 0100007F:DF35 01 00000000:00000000 00:00000000 00000000 65534        0 777 1 0000000000000000 20 4 30 10 -1\n"
+    "   2: 0100007F:DF35 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 778 1 0000000000000000 20 4 30 10 -1\n"
+    "   3: 0100007F:9C41 0100007F:DF35 06 00000000:00000000 03:00001770 00000000     0        0 0 3 0000000000000000\n";
+
+constexpr const char* kTcp6 =
+    "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    "   0: 00000000000000000000000001000000:9C40 00000000000000000000000001000000:DF35 01 00000000:00000000 00:00000000 00000000  1000        0 991 1 0000000000000000 20 4 30 10 -1\n";
+
+TEST_CASE("the connecting socket's owner is read from /proc/net/tcp and tcp6") {
+  // 127.0.0.1:40000 connected to 127.0.0.1:57141 (0xDF35).
+  CHECK(internal::ConnectorUid(kTcp, V4("127.0.0.1", 40000), V4("127.0.0.1", 57141)) ==
+        std::optional<uid_t>(65534));
+  // The accepted end's line (uid 0) is not taken for the connector's.
+  CHECK(internal::ConnectorUid(kTcp, V4("127.0.0.1", 57141), V4("127.0.0.1", 40000)) ==
+        std::optional<uid_t>(0));
+  // Closed (TIME_WAIT, inode 0): its uid says nothing about who sent.
+  CHECK_FALSE(internal::ConnectorUid(kTcp, V4("127.0.0.1", 40001), V4("127.0.0.1", 57141)));
+  // Not listed: another host, or gone.
+  CHECK_FALSE(internal::ConnectorUid(kTcp, V4("127.0.0.1", 40002), V4("127.0.0.1", 57141)));
+  CHECK(internal::ConnectorUid(kTcp6, V6("::1", 40000), V6("::1", 57141)) ==
+        std::optional<uid_t>(1000));
+  CHECK_FALSE(internal::ConnectorUid(kTcp6, V6("::1", 40000), V6("::1", 57142)));
+  CHECK_FALSE(internal::ConnectorUid("", V4("127.0.0.1", 40000), V4("127.0.0.1", 57141)));
+}
+
+// A listener on 127.0.0.1 and one connection to it, made by a child process running
+// as `uid` (only root can change it). The child holds its end until the accepted one
+// is closed (it reads to EOF), so its socket is live while the guard looks.
+struct Accepted {
+  int fd = -1;
+  int listener = -1;
+  pid_t child = -1;
+  ~Accepted() {
+    if (fd >= 0) close(fd);
+    if (listener >= 0) close(listener);
+    if (child > 0) waitpid(child, nullptr, 0);
+  }
+};
+
+void AcceptFrom(uid_t uid, Accepted* out) {
+  out->listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(out->listener >= 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(out->listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(listen(out->listener, 4) == 0);
+  socklen_t length = sizeof at;
+  REQUIRE(getsockname(out->listener, reinterpret_cast<sockaddr*>(&at), &length) == 0);
+  int ready[2];
+  REQUIRE(pipe(ready) == 0);
+  out->child = fork();
+  REQUIRE(out->child >= 0);
+  if (out->child == 0) {
+    close(ready[0]);
+    if (uid != geteuid() && (setgid(uid) != 0 || setuid(uid) != 0)) _exit(2);
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0) _exit(3);
+    const char byte = 1;
+    if (write(ready[1], &byte, 1) != 1) _exit(4);
+    close(ready[1]);
+    char buffer[16];
+    while (read(fd, buffer, sizeof buffer) > 0) {
+    }
+    _exit(0);
+  }
+  close(ready[1]);
+  char byte = 0;
+  const ssize_t n = read(ready[0], &byte, 1);
+  close(ready[0]);
+  REQUIRE(n == 1);
+  out->fd = accept4(out->listener, nullptr, nullptr, SOCK_CLOEXEC);
+  REQUIRE(out->fd >= 0);
+}
+
+TEST_CASE("the guard keeps a loopback connection from an allowed uid and refuses another's") {
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the connecting process runs as uid 65534");
+  GuardUcxTcpAccepts({0});
+  const uint64_t refused_before = UcxTcpRefusedConnections();
+  {
+    Accepted from_root;
+    AcceptFrom(0, &from_root);
+    CHECK(UcxTcpAdmit(from_root.fd));
+  }
+  CHECK(UcxTcpRefusedConnections() == refused_before);
+  {
+    Accepted from_nobody;
+    AcceptFrom(65534, &from_nobody);
+    CHECK_FALSE(UcxTcpAdmit(from_nobody.fd));
+  }
+  CHECK(UcxTcpRefusedConnections() == refused_before + 1);
+  // Allowed by the list: 65534 as a peer uid.
+  GuardUcxTcpAccepts({0, 65534});
+  {
+    Accepted from_peer;
+    AcceptFrom(65534, &from_peer);
+    CHECK(UcxTcpAdmit(from_peer.fd));
+  }
+  CHECK(UcxTcpRefusedConnections() == refused_before + 1);
+  // Without the accept() stand-in linked (this test), the guard says it is not in place.
+  CHECK_FALSE(UcxTcpGuarded());
+}
+
+}  // namespace
+}  // namespace kvagent::transport

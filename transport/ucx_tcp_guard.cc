@@ -1,0 +1,196 @@
+#include "transport/ucx_tcp_guard.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "base/log.h"
+#include "fmt/format.h"
+
+namespace kvagent::transport {
+namespace {
+
+constexpr log::Logger kLog("transport");
+
+absl::Mutex g_mu;
+std::set<uid_t>* g_allowed ABSL_GUARDED_BY(g_mu) = new std::set<uid_t>();
+std::atomic<bool> g_on{false};
+std::atomic<uint64_t> g_refused{0};
+
+// An IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it maps: the
+// connecting socket of such a peer is listed in /proc/net/tcp, not tcp6.
+sockaddr_storage Unmapped(const sockaddr_storage& a) {
+  if (a.ss_family != AF_INET6) return a;
+  const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
+  if (!IN6_IS_ADDR_V4MAPPED(&six.sin6_addr)) return a;
+  sockaddr_storage out{};
+  auto& four = reinterpret_cast<sockaddr_in&>(out);
+  four.sin_family = AF_INET;
+  four.sin_port = six.sin6_port;
+  std::memcpy(&four.sin_addr, &six.sin6_addr.s6_addr[12], 4);
+  return out;
+}
+
+// The address as /proc/net/tcp{,6} prints it: each 32-bit word of the address as the
+// kernel holds it, in %08X, then ':' and the port in %04X.
+std::string ProcForm(const sockaddr_storage& a) {
+  std::string out;
+  uint16_t port = 0;
+  if (a.ss_family == AF_INET) {
+    const auto& four = reinterpret_cast<const sockaddr_in&>(a);
+    uint32_t word = 0;
+    std::memcpy(&word, &four.sin_addr, 4);
+    out = fmt::format("{:08X}", word);
+    port = ntohs(four.sin_port);
+  } else {
+    const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
+    for (int i = 0; i < 4; ++i) {
+      uint32_t word = 0;
+      std::memcpy(&word, &six.sin6_addr.s6_addr[4 * i], 4);
+      out += fmt::format("{:08X}", word);
+    }
+    port = ntohs(six.sin6_port);
+  }
+  return fmt::format("{}:{:04X}", out, port);
+}
+
+// Whether `a` (unmapped) is an address of this host: loopback, or one of its
+// interfaces' addresses.
+bool OfThisHost(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) {
+    const auto& four = reinterpret_cast<const sockaddr_in&>(a);
+    if ((ntohl(four.sin_addr.s_addr) >> 24) == 127) return true;
+  } else if (a.ss_family == AF_INET6) {
+    const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
+    if (IN6_IS_ADDR_LOOPBACK(&six.sin6_addr)) return true;
+  }
+  struct ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return true;  // cannot tell: treat as local (checked)
+  bool found = false;
+  for (struct ifaddrs* i = list; i != nullptr && !found; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a.ss_family) continue;
+    if (a.ss_family == AF_INET) {
+      found = std::memcmp(&reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr,
+                          &reinterpret_cast<const sockaddr_in&>(a).sin_addr, 4) == 0;
+    } else {
+      found = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                          &reinterpret_cast<const sockaddr_in6&>(a).sin6_addr, 16) == 0;
+    }
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+std::string Text(const sockaddr_storage& a) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (a.ss_family == AF_INET) {
+    const auto& four = reinterpret_cast<const sockaddr_in&>(a);
+    inet_ntop(AF_INET, &four.sin_addr, host, sizeof host);
+    port = ntohs(four.sin_port);
+    return fmt::format("{}:{}", host, port);
+  }
+  const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
+  inet_ntop(AF_INET6, &six.sin6_addr, host, sizeof host);
+  port = ntohs(six.sin6_port);
+  return fmt::format("[{}]:{}", host, port);
+}
+
+std::string ReadAll(const char* path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::atomic<bool> g_stand_in{false};
+
+}  // namespace
+
+namespace internal {
+
+std::optional<uid_t> ConnectorUid(std::string_view proc_net_tcp, const sockaddr_storage& peer,
+                                  const sockaddr_storage& local) {
+  const std::string want_local = ProcForm(peer);
+  const std::string want_remote = ProcForm(local);
+  size_t start = proc_net_tcp.find('\n');  // the header line
+  while (start != std::string_view::npos && start < proc_net_tcp.size()) {
+    const size_t end = proc_net_tcp.find('\n', start + 1);
+    const std::string line(proc_net_tcp.substr(
+        start + 1, end == std::string_view::npos ? std::string_view::npos : end - start - 1));
+    start = end;
+    std::istringstream fields(line);
+    std::string slot, local_address, remote_address, state, queues, timer, retransmits;
+    unsigned long long uid = 0, timeout = 0, inode = 0;
+    if (!(fields >> slot >> local_address >> remote_address >> state >> queues >> timer >>
+          retransmits >> uid >> timeout >> inode)) {
+      continue;
+    }
+    if (local_address != want_local || remote_address != want_remote) continue;
+    if (inode == 0) return std::nullopt;  // closed: its uid no longer says who sent
+    return static_cast<uid_t>(uid);
+  }
+  return std::nullopt;
+}
+
+}  // namespace internal
+
+void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids) {
+  {
+    absl::MutexLock lock(&g_mu);
+    *g_allowed = std::move(allowed_uids);
+  }
+  g_on.store(true);
+  if (!g_stand_in.load()) {
+    kLog.Warn("UCX TCP: this binary lacks the accept() guard (transport:ucx_tcp_guard_accept): "
+              "any local user who reaches UCX's TCP port can write this process's memory");
+  }
+}
+
+bool UcxTcpGuarded() { return g_on.load() && g_stand_in.load(); }
+
+uint64_t UcxTcpRefusedConnections() { return g_refused.load(std::memory_order_relaxed); }
+
+void NoteUcxTcpAcceptStandIn() { g_stand_in.store(true); }
+
+bool UcxTcpAdmit(int fd) {
+  if (!g_on.load(std::memory_order_relaxed)) return true;
+  sockaddr_storage peer{}, local{};
+  socklen_t peer_length = sizeof peer, local_length = sizeof local;
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_length) != 0) {
+    return true;  // not a connected socket: nothing to check (UCX fails it itself)
+  }
+  if (peer.ss_family != AF_INET && peer.ss_family != AF_INET6) return true;
+  const sockaddr_storage from = Unmapped(peer);
+  const sockaddr_storage to = Unmapped(local);
+  if (!OfThisHost(from)) return true;  // another host: the data network is trusted
+  const std::string table = ReadAll(from.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6");
+  const std::optional<uid_t> uid = internal::ConnectorUid(table, from, to);
+  bool allowed = false;
+  {
+    absl::MutexLock lock(&g_mu);
+    allowed = uid.has_value() && g_allowed->count(*uid) > 0;
+  }
+  if (allowed) return true;
+  const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (n <= 4 || n % 1024 == 0) {
+    kLog.Warn("UCX TCP: refused a connection from {} to {} ({} so far): {}; a local process "
+              "reaches UCX's TCP transport only as a peer uid (--peer-uids), since UCX lets "
+              "whoever connects write anywhere in this process",
+              Text(peer), Text(local), n,
+              uid.has_value() ? fmt::format("its socket belongs to uid {}", *uid)
+                              : std::string("no live socket on this host owns its end"));
+  }
+  return false;
+}
+
+}  // namespace kvagent::transport
