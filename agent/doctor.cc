@@ -101,7 +101,7 @@ v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx) {
   return Make("ucx", Check::PASS, detail);
 }
 
-v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused) {
+v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool tcp_guarded) {
   if (refused.empty()) {
     return Make("ucx-hardening", Check::WARN,
                 "UCX is not hardened in this agent (started with KVAGENT_UCX_UNHARDENED=1): "
@@ -110,10 +110,17 @@ v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused) {
                 "run kvagentd with the UCX it was built for (its start-up error says what "
                 "differs) and without KVAGENT_UCX_UNHARDENED");
   }
+  const std::string dropped = fmt::format(
+      "peers' UCX messages of {} are dropped; tagged messages are discarded", List(refused));
+  if (!tcp_guarded) {
+    return Make("ucx-hardening", Check::WARN,
+                dropped + "; but UCX's TCP port takes a connection from any local process, "
+                          "and UCT's put request on it writes anywhere in this process",
+                "run kvagentd itself: it links the accept() guard "
+                "(transport/ucx_tcp_guard.h) that keeps local connections to peer uids");
+  }
   return Make("ucx-hardening", Check::PASS,
-              fmt::format("peers' UCX messages of {} are dropped; tagged messages are "
-                          "discarded",
-                          List(refused)));
+              dropped + "; UCX's TCP port keeps a local connection only from a peer uid");
 }
 
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
@@ -882,7 +889,7 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   const CudaFacts cuda = ProbeCuda();
   const char* tls = std::getenv("UCX_TLS");
   *report.add_checks() = CheckUcx(ucx);
-  *report.add_checks() = CheckUcxHardening(inputs.ucx_refused);
+  *report.add_checks() = CheckUcxHardening(inputs.ucx_refused, inputs.ucx_tcp_guarded);
   *report.add_checks() = CheckUcxCuda(ucx, cuda, tls != nullptr ? tls : "");
   *report.add_checks() = CheckCudaDriver(cuda);
   if (!inputs.device_copy.empty()) {

@@ -17,6 +17,7 @@
 #include "registry/region_registry.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_hardening.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::agent {
 
@@ -110,8 +111,10 @@ v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx);
 // "ucx-hardening": PASS naming the UCX protocols whose messages from peers are dropped
 // (`refused`: transport::UcxRefusedProtocols); WARN when there are none (kvagentd
 // started with KVAGENT_UCX_UNHARDENED=1): any authenticated peer can then read and
-// write the agent's memory through UCX's software RMA.
-v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused);
+// write the agent's memory through UCX's software RMA. `tcp_guarded`
+// (transport::UcxTcpGuarded): local connections to UCX's TCP port are kept only from
+// peer uids; WARN when not, since UCT's put request writes anywhere in the process.
+v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool tcp_guarded);
 // `ucx_tls` is the UCX_TLS environment variable (empty when unset): a CUDA-enabled
 // UCX loses its CUDA memory type when UCX_TLS leaves out the cuda transports.
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
@@ -180,6 +183,8 @@ struct DoctorInputs {
   const transport::UcxCapabilities* ucx = nullptr;  // required
   // The UCX protocols this process refuses to peers (empty: not hardened).
   std::vector<std::string> ucx_refused = transport::UcxRefusedProtocols();
+  // Whether UCX's TCP port keeps local connections only from peer uids.
+  bool ucx_tcp_guarded = transport::UcxTcpGuarded();
   std::vector<v1::PeerInfo> peers;
   // The device copy path's mode (TransferEngine::device_copy_mode); "" leaves the
   // device-copy check out.

@@ -67,6 +67,8 @@ TEST_CASE("Doctor reports this host's UCX and CUDA and the connected peer") {
   const auto& hardening = Find(report, "ucx-hardening");
   CHECK(hardening.result() == Result::PASS);
   CHECK(Has(hardening.detail(), "put (software RMA)"));
+  // And guards the accept() of UCX's TCP port (transport/ucx_tcp_guard.h).
+  CHECK(Has(hardening.detail(), "UCX's TCP port keeps a local connection only from a peer uid"));
 
   const auto& ucx_cuda_check = Find(report, "ucx-cuda");
   if (!ucx_cuda) {

@@ -84,12 +84,20 @@ TEST_CASE("ucx lists version, transports and memory types") {
 }
 
 TEST_CASE("ucx-hardening names the protocols refused to peers, and warns when there are none") {
-  auto hardened = CheckUcxHardening({"put (software RMA)", "stream data"});
+  auto hardened = CheckUcxHardening({"put (software RMA)", "stream data"}, true);
   CHECK(hardened.name() == "ucx-hardening");
   CHECK(hardened.result() == Result::PASS);
   CHECK(hardened.detail() == "peers' UCX messages of [put (software RMA),stream data] are "
-                             "dropped; tagged messages are discarded");
-  auto open = CheckUcxHardening({});
+                             "dropped; tagged messages are discarded; UCX's TCP port keeps a "
+                             "local connection only from a peer uid");
+  // Hardened, but without the accept() guard (a binary other than kvagentd).
+  auto unguarded = CheckUcxHardening({"put (software RMA)"}, false);
+  CHECK(unguarded.result() == Result::WARN);
+  CHECK(Has(unguarded.detail(), "writes anywhere in this process"));
+  CHECK(Has(unguarded.fix(), "run kvagentd"));
+  // This test process links no accept() guard.
+  CHECK_FALSE(DoctorInputs{}.ucx_tcp_guarded);
+  auto open = CheckUcxHardening({}, false);
   CHECK(open.result() == Result::WARN);
   CHECK(Has(open.detail(), "KVAGENT_UCX_UNHARDENED=1"));
   CHECK(Has(open.detail(), "read and write all of its memory"));
@@ -640,6 +648,7 @@ TEST_CASE("RunDoctor runs every check in order and the report reads back as line
   inputs.peers = {peer};
   inputs.device_copy = "cuMemcpyAsync per page";
   inputs.ucx_refused = {"put (software RMA)"};
+  inputs.ucx_tcp_guarded = true;
 
   auto report = RunDoctor(inputs);
   CHECK(report.agent() == "prefill");

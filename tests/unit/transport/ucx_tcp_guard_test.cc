@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <string>
 
@@ -67,9 +68,9 @@ TEST_CASE("the connecting socket's owner is read from /proc/net/tcp and tcp6") {
   CHECK_FALSE(internal::ConnectorUid("", V4("127.0.0.1", 40000), V4("127.0.0.1", 57141)));
 }
 
-// A listener on 127.0.0.1 and one connection to it, made by a child process running
-// as `uid` (only root can change it). The child holds its end until the accepted one
-// is closed (it reads to EOF), so its socket is live while the guard looks.
+// A listener and one connection to it, made by a child process running as `uid` (only
+// root can change it). The child holds its end until the accepted one is closed (it
+// reads to EOF), so its socket is live while the guard looks.
 struct Accepted {
   int fd = -1;
   int listener = -1;
@@ -81,16 +82,47 @@ struct Accepted {
   }
 };
 
-void AcceptFrom(uid_t uid, Accepted* out) {
-  out->listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+// kV4: 127.0.0.1 to 127.0.0.1. kV6: ::1 to ::1. kMapped: a dual-stack listener on ::
+// and a client of 127.0.0.1, which the listener sees as ::ffff:127.0.0.1 and the
+// kernel lists in /proc/net/tcp, not tcp6.
+enum class Where { kV4, kV6, kMapped };
+
+// False (nothing made) when this host has no IPv6 loopback.
+bool AcceptFrom(uid_t uid, Where where, Accepted* out) {
+  const int family = where == Where::kV4 ? AF_INET : AF_INET6;
+  out->listener = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (out->listener < 0 && family == AF_INET6) return false;
   REQUIRE(out->listener >= 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(out->listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  sockaddr_storage at{};
+  socklen_t length = 0;
+  if (where == Where::kV4) {
+    auto& four = reinterpret_cast<sockaddr_in&>(at);
+    four.sin_family = AF_INET;
+    four.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    length = sizeof four;
+  } else {
+    auto& six = reinterpret_cast<sockaddr_in6&>(at);
+    six.sin6_family = AF_INET6;
+    six.sin6_addr = where == Where::kV6 ? in6addr_loopback : in6addr_any;
+    length = sizeof six;
+    const int v6_only = where == Where::kV6 ? 1 : 0;
+    REQUIRE(setsockopt(out->listener, IPPROTO_IPV6, IPV6_V6ONLY, &v6_only, sizeof v6_only) == 0);
+  }
+  if (bind(out->listener, reinterpret_cast<sockaddr*>(&at), length) != 0) {
+    if (family == AF_INET6 && errno == EADDRNOTAVAIL) return false;
+    FAIL("bind: " << std::strerror(errno));
+  }
   REQUIRE(listen(out->listener, 4) == 0);
-  socklen_t length = sizeof at;
   REQUIRE(getsockname(out->listener, reinterpret_cast<sockaddr*>(&at), &length) == 0);
+  if (where == Where::kMapped) {  // the client dials IPv4 at the listener's port
+    const uint16_t port = reinterpret_cast<sockaddr_in6&>(at).sin6_port;
+    at = {};
+    auto& four = reinterpret_cast<sockaddr_in&>(at);
+    four.sin_family = AF_INET;
+    four.sin_port = port;
+    four.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    length = sizeof four;
+  }
   int ready[2];
   REQUIRE(pipe(ready) == 0);
   out->child = fork();
@@ -98,8 +130,8 @@ void AcceptFrom(uid_t uid, Accepted* out) {
   if (out->child == 0) {
     close(ready[0]);
     if (uid != geteuid() && (setgid(uid) != 0 || setuid(uid) != 0)) _exit(2);
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0) _exit(3);
+    const int fd = socket(at.ss_family, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&at), length) != 0) _exit(3);
     const char byte = 1;
     if (write(ready[1], &byte, 1) != 1) _exit(4);
     close(ready[1]);
@@ -115,6 +147,7 @@ void AcceptFrom(uid_t uid, Accepted* out) {
   REQUIRE(n == 1);
   out->fd = accept4(out->listener, nullptr, nullptr, SOCK_CLOEXEC);
   REQUIRE(out->fd >= 0);
+  return true;
 }
 
 TEST_CASE("the guard keeps a loopback connection from an allowed uid and refuses another's") {
@@ -123,13 +156,13 @@ TEST_CASE("the guard keeps a loopback connection from an allowed uid and refuses
   const uint64_t refused_before = UcxTcpRefusedConnections();
   {
     Accepted from_root;
-    AcceptFrom(0, &from_root);
+    REQUIRE(AcceptFrom(0, Where::kV4, &from_root));
     CHECK(UcxTcpAdmit(from_root.fd));
   }
   CHECK(UcxTcpRefusedConnections() == refused_before);
   {
     Accepted from_nobody;
-    AcceptFrom(65534, &from_nobody);
+    REQUIRE(AcceptFrom(65534, Where::kV4, &from_nobody));
     CHECK_FALSE(UcxTcpAdmit(from_nobody.fd));
   }
   CHECK(UcxTcpRefusedConnections() == refused_before + 1);
@@ -137,12 +170,37 @@ TEST_CASE("the guard keeps a loopback connection from an allowed uid and refuses
   GuardUcxTcpAccepts({0, 65534});
   {
     Accepted from_peer;
-    AcceptFrom(65534, &from_peer);
+    REQUIRE(AcceptFrom(65534, Where::kV4, &from_peer));
     CHECK(UcxTcpAdmit(from_peer.fd));
   }
   CHECK(UcxTcpRefusedConnections() == refused_before + 1);
   // Without the accept() stand-in linked (this test), the guard says it is not in place.
   CHECK_FALSE(UcxTcpGuarded());
+}
+
+TEST_CASE("the guard finds the connecting socket over IPv6 loopback and from an IPv4 client "
+          "of a dual-stack listener") {
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the connecting process runs as uid 65534");
+  GuardUcxTcpAccepts({0});
+  for (const Where where : {Where::kV6, Where::kMapped}) {
+    const char* name = where == Where::kV6 ? "::1" : "::ffff:127.0.0.1";
+    INFO(name);
+    {
+      Accepted from_root;
+      if (!AcceptFrom(0, where, &from_root)) {
+        WARN("no IPv6 loopback on this host: " << name << " not tried");
+        continue;
+      }
+      CHECK(UcxTcpAdmit(from_root.fd));
+    }
+    const uint64_t refused_before = UcxTcpRefusedConnections();
+    {
+      Accepted from_nobody;
+      REQUIRE(AcceptFrom(65534, where, &from_nobody));
+      CHECK_FALSE(UcxTcpAdmit(from_nobody.fd));
+    }
+    CHECK(UcxTcpRefusedConnections() == refused_before + 1);
+  }
 }
 
 }  // namespace
