@@ -1,6 +1,5 @@
 #include "agent/agent.h"
 
-#include <ifaddrs.h>
 #include <pthread.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
@@ -20,6 +19,7 @@
 #include "agent/unix_listener.h"
 #include "base/cpu_list.h"
 #include "base/format.h"
+#include "base/interfaces.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "base/text.h"
@@ -70,18 +70,7 @@ std::string InterfaceOf(std::string host) {
   bool wildcard = true;
   for (size_t i = 0; i < size; ++i) wildcard = wildcard && want[i] == 0;
   if (wildcard) return "";
-  struct ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return "";
-  std::string found;
-  for (struct ifaddrs* i = list; i != nullptr && found.empty(); i = i->ifa_next) {
-    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != family) continue;
-    const void* addr = family == AF_INET
-                           ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr)
-                           : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr);
-    if (std::memcmp(addr, want, size) == 0) found = i->ifa_name;
-  }
-  freeifaddrs(list);
-  return found;
+  return InterfaceHolding(family, want).value_or("");
 }
 
 std::string HostOf(const std::string& address) {

@@ -1,7 +1,6 @@
 #include "transport/ucx_tcp_guard.h"
 
 #include <arpa/inet.h>
-#include <ifaddrs.h>
 #include <netinet/in.h>
 
 #include <atomic>
@@ -9,9 +8,9 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
-#include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "base/interfaces.h"
 #include "base/log.h"
 #include "fmt/format.h"
 
@@ -72,21 +71,12 @@ bool OfThisHost(const sockaddr_storage& a) {
     const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
     if (IN6_IS_ADDR_LOOPBACK(&six.sin6_addr)) return true;
   }
-  struct ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return true;  // cannot tell: treat as local (checked)
-  bool found = false;
-  for (struct ifaddrs* i = list; i != nullptr && !found; i = i->ifa_next) {
-    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a.ss_family) continue;
-    if (a.ss_family == AF_INET) {
-      found = std::memcmp(&reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr,
-                          &reinterpret_cast<const sockaddr_in&>(a).sin_addr, 4) == 0;
-    } else {
-      found = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
-                          &reinterpret_cast<const sockaddr_in6&>(a).sin6_addr, 16) == 0;
-    }
-  }
-  freeifaddrs(list);
-  return found;
+  const void* address =
+      a.ss_family == AF_INET
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in&>(a).sin_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr);
+  const std::optional<std::string> holder = InterfaceHolding(a.ss_family, address);
+  return !holder.has_value() || !holder->empty();  // cannot tell: treat as local (checked)
 }
 
 std::string Text(const sockaddr_storage& a) {
@@ -117,26 +107,36 @@ std::atomic<bool> g_stand_in{false};
 
 namespace internal {
 
+std::vector<ProcTcpEntry> ProcNetTcpEntries(std::string_view text) {
+  std::vector<ProcTcpEntry> entries;
+  size_t start = text.find('\n');  // the header line
+  while (start != std::string_view::npos && start < text.size()) {
+    const size_t end = text.find('\n', start + 1);
+    const std::string line(
+        text.substr(start + 1, end == std::string_view::npos ? std::string_view::npos
+                                                              : end - start - 1));
+    start = end;
+    std::istringstream fields(line);
+    ProcTcpEntry entry;
+    std::string slot, queues, timer, retransmits;
+    unsigned long long uid = 0, timeout = 0;
+    if (fields >> slot >> entry.local >> entry.remote >> entry.state >> queues >> timer >>
+        retransmits >> uid >> timeout >> entry.inode) {
+      entry.uid = static_cast<uid_t>(uid);
+      entries.push_back(std::move(entry));
+    }
+  }
+  return entries;
+}
+
 std::optional<uid_t> ConnectorUid(std::string_view proc_net_tcp, const sockaddr_storage& peer,
                                   const sockaddr_storage& local) {
   const std::string want_local = ProcForm(peer);
   const std::string want_remote = ProcForm(local);
-  size_t start = proc_net_tcp.find('\n');  // the header line
-  while (start != std::string_view::npos && start < proc_net_tcp.size()) {
-    const size_t end = proc_net_tcp.find('\n', start + 1);
-    const std::string line(proc_net_tcp.substr(
-        start + 1, end == std::string_view::npos ? std::string_view::npos : end - start - 1));
-    start = end;
-    std::istringstream fields(line);
-    std::string slot, local_address, remote_address, state, queues, timer, retransmits;
-    unsigned long long uid = 0, timeout = 0, inode = 0;
-    if (!(fields >> slot >> local_address >> remote_address >> state >> queues >> timer >>
-          retransmits >> uid >> timeout >> inode)) {
-      continue;
-    }
-    if (local_address != want_local || remote_address != want_remote) continue;
-    if (inode == 0) return std::nullopt;  // closed: its uid no longer says who sent
-    return static_cast<uid_t>(uid);
+  for (const ProcTcpEntry& entry : ProcNetTcpEntries(proc_net_tcp)) {
+    if (entry.local != want_local || entry.remote != want_remote) continue;
+    if (entry.inode == 0) return std::nullopt;  // closed: its uid no longer says who sent
+    return entry.uid;
   }
   return std::nullopt;
 }

@@ -24,6 +24,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace kvagent::transport {
 
@@ -49,6 +50,21 @@ bool UcxTcpAdmit(int fd);
 void NoteUcxTcpAcceptStandIn();
 
 namespace internal {
+
+// One socket as /proc/net/tcp or tcp6 lists it: addresses in the kernel's hex form
+// ("0100007F:DF35"), the state in hex ("0A": listening), the owner's uid and the
+// socket's inode (0 once no process holds it).
+struct ProcTcpEntry {
+  std::string local;
+  std::string remote;
+  std::string state;
+  uid_t uid = 0;
+  unsigned long long inode = 0;
+};
+
+// Every socket line of the text of /proc/net/tcp or tcp6 (the header skipped, lines
+// that do not parse left out).
+std::vector<ProcTcpEntry> ProcNetTcpEntries(std::string_view text);
 
 // The owner (uid) of the live socket on this host whose local address is `peer` and
 // whose remote address is `local`, from the text of /proc/net/tcp or /proc/net/tcp6;

@@ -7,12 +7,12 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <random>
 #include <string>
 
 #include "catch2/catch.hpp"
 #include "cli/daemon_process.h"
 #include "fmt/format.h"
+#include "tests/unit/catch_main.h"
 
 namespace kvagent::cli {
 namespace {
@@ -88,10 +88,7 @@ TEST_CASE("two agents share the folder: the first to go leaves the other's live 
 
 TEST_CASE("a socket path given by the caller is left alone") {
   const std::string work = DeepWorkDir("given");
-  // Short enough for a Unix socket (TEST_TMPDIR is too deep). The pid and a random
-  // part: two runs of this test at once have the same pid (a PID namespace each).
-  const std::string socket =
-      fmt::format("/tmp/kvagent-given-{}.{:08x}.sock", ::getpid(), std::random_device{}());
+  const std::string socket = kvagent::testing::UniqueSocketName("/tmp/kvagent-given") + ".sock";
   DaemonOptions options;
   auto binary = FindKvagentd("");
   REQUIRE(binary.ok());

@@ -22,7 +22,6 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
-#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -35,6 +34,7 @@
 #include "tests/integration/agent_pair.h"
 #include "tests/limits/pair_checks.h"
 #include "tests/limits/status_probe.h"
+#include "tests/unit/catch_main.h"
 
 namespace kvagent::testing {
 namespace {
@@ -587,10 +587,7 @@ TEST_CASE("ConnectPeer calls to peers that never answer are bounded; GetStatus s
   AgentPair pair;
   // An "agent" whose sockets (the session socket and the gRPC one) accept
   // connections and never speak: each call waits for the connect timeout (5 s).
-  // The pid and a random part: two runs of this test at once (--runs_per_test) have
-  // the same pid, each in its own sandbox's PID namespace.
-  const std::string silent =
-      fmt::format("/tmp/kvagent-silent-{}.{:08x}.sock", getpid(), std::random_device{}());
+  const std::string silent = UniqueSocketName("/tmp/kvagent-silent") + ".sock";
   auto listen_on = [](const std::string& path, int type) {
     unlink(path.c_str());
     const int fd = socket(AF_UNIX, type, 0);

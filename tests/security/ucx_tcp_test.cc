@@ -24,6 +24,7 @@
 #include "fmt/format.h"
 #include "tests/security/run_as.h"
 #include "tests/unit/catch_main.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::testing {
 namespace {
@@ -38,20 +39,14 @@ std::vector<int> ListeningPorts(pid_t pid) {
     unsigned long long inode = 0;
     if (!error && std::sscanf(target.c_str(), "socket:[%llu]", &inode) == 1) inodes.insert(inode);
   }
-  std::vector<int> ports;
   std::ifstream table("/proc/net/tcp");
-  std::string line;
-  std::getline(table, line);  // the header
-  while (std::getline(table, line)) {
-    std::istringstream fields(line);
-    std::string slot, local, remote, state, queues, timer, retransmits;
-    unsigned long long uid = 0, timeout = 0, inode = 0;
-    if (!(fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
-          timeout >> inode)) {
-      continue;
-    }
-    if (state != "0A" || inodes.count(inode) == 0) continue;
-    ports.push_back(std::stoi(local.substr(local.find(':') + 1), nullptr, 16));
+  std::stringstream text;
+  text << table.rdbuf();
+  std::vector<int> ports;
+  for (const transport::internal::ProcTcpEntry& entry :
+       transport::internal::ProcNetTcpEntries(text.str())) {
+    if (entry.state != "0A" || inodes.count(entry.inode) == 0) continue;
+    ports.push_back(std::stoi(entry.local.substr(entry.local.find(':') + 1), nullptr, 16));
   }
   return ports;
 }

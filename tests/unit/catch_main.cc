@@ -7,12 +7,15 @@
 #define CATCH_CONFIG_MAIN
 #include "tests/unit/catch_main.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -165,6 +168,13 @@ class JunitFileListener : public Catch::TestEventListenerBase {
 CATCH_REGISTER_LISTENER(JunitFileListener)
 
 }  // namespace
+
+std::string UniqueSocketName(const std::string& prefix) {
+  std::ostringstream name;
+  name << prefix << '.' << ::getpid() << '.' << std::hex << std::setw(8) << std::setfill('0')
+       << std::random_device{}();
+  return name.str();
+}
 
 void Skip(const std::string& reason) {
   SkipCalled() = true;

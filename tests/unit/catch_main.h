@@ -1,6 +1,7 @@
 // The Catch2 main every kvagent test links (//tests/unit:catch_main), plus the skip
 // convention: a test that cannot run here (no GPU, no CUDA driver) calls KVAGENT_SKIP
-// with its reason and is reported as skipped in JUnit XML, never as passed.
+// with its reason and is reported as skipped in JUnit XML, never as passed; and the
+// names of sockets a test puts outside $TEST_TMPDIR (UniqueSocketName).
 #pragma once
 
 #include <string>
@@ -12,6 +13,13 @@ namespace testing {
 // returns right after (KVAGENT_SKIP does). A skipped case with a failed assertion
 // still counts as failed.
 void Skip(const std::string& reason);
+
+// "<prefix>.<pid>.<random hex>": a socket name of this test process outside
+// $TEST_TMPDIR (which is longer than a Unix socket address holds), a path under /tmp
+// or an "@name" in the abstract namespace. The pid alone is not unique: Bazel's
+// sandbox gives each test its own PID namespace, so two runs of one test at once
+// (--runs_per_test) had the same pid and took each other's socket.
+std::string UniqueSocketName(const std::string& prefix);
 
 }  // namespace testing
 }  // namespace kvagent

@@ -10,25 +10,13 @@
 
 #include <chrono>
 #include <cstddef>
-#include <cstdio>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "catch2/catch.hpp"
 
 namespace kvagent::testing {
-
-// "<prefix>.<pid>.<random hex>": a socket name for one test process. The pid alone is
-// not unique: Bazel's sandbox gives each test its own PID namespace, so two runs of
-// one test at once (--runs_per_test) had the same pid and took each other's socket.
-inline std::string UniqueSocketName(const std::string& prefix) {
-  char suffix[32];
-  std::snprintf(suffix, sizeof suffix, ".%d.%08x", static_cast<int>(::getpid()),
-                static_cast<unsigned>(std::random_device{}()));
-  return prefix + suffix;
-}
 
 class NotifyListener {
  public:

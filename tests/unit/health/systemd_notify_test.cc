@@ -12,6 +12,7 @@
 
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
+#include "tests/unit/catch_main.h"
 #include "tests/unit/health/notify_listener.h"
 
 namespace kvagent::agent {
