@@ -103,6 +103,10 @@ class FastPath {
   // `timeout` passes (then DEADLINE_EXCEEDED). Publishes at once.
   absl::Status SubmitOrReap(const v1::SubmitTransferRequest& request, uint64_t user_data,
                             std::vector<FastCompletion>* reaped, absl::Duration timeout);
+  // A cancel entry waits for completion room as any entry does: while transfers in
+  // flight reserve every completion entry, the agent takes none until one ends (reaping
+  // frees nothing then). Keep fewer transfers in flight than completion_entries, or
+  // cancel through gRPC CancelTransfer.
   absl::Status Cancel(std::string_view transfer_id, uint64_t user_data, bool publish = true);
   absl::Status Ping(uint64_t user_data, bool publish = true);
   // Asks the agent to post this session's notifications (of `transfer_ids`, empty: any;

@@ -26,7 +26,8 @@
 //     kReasonBytes and names the protocol break, protocol_errors is 1, and the agent
 //     writes nothing more (cq_tail and sq_head stay where they were);
 //   - an open ring never stalls: once the client reaps everything and the backend
-//     answers, every published entry is taken and every taken entry completed
+//     answers, every published entry is taken (unless held completions reserve the
+//     whole completion ring) and every taken entry completed
 //     (completions of entries + completions still held == entries taken), and, when
 //     the client was honest throughout, it read every notification posted by Close;
 //   - Close(1) (or, when the input says so, CloseOnRequest(1): OK with the backend's
@@ -339,7 +340,12 @@ class Client {
       const uint32_t cq_tail = header_->cq_tail.value.load(std::memory_order_acquire);
       const uint64_t entries = server_->counters().entries;
       const size_t held = backend_->held();
-      if (sq_head == sq_tail && Answered(cq_tail, held, entries) && (flags & fr::kSleeping)) {
+      // Held transfers that reserve every completion entry (held_until 1 or 2 keeps
+      // them past this point) leave the rest of the published entries untaken: the
+      // agent takes an entry only when its completion has room.
+      const bool room_reserved = held >= completions_;
+      if ((sq_head == sq_tail || room_reserved) && Answered(cq_tail, held, entries) &&
+          (flags & fr::kSleeping)) {
         break;
       }
       FUZZ_CHECK(Clock::now() < deadline,
