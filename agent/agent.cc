@@ -25,6 +25,7 @@
 #include "base/text.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::agent {
 namespace {
@@ -141,6 +142,18 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
     RETURN_IF_ERROR(CheckTlsFiles(options.tls, "kvagentd"));
   }
   RestrictUcxInterfaces(options);
+  // Announced to peers, whose UCX TCP guard then keeps connections from them.
+  const char* ucx_devices = std::getenv("UCX_NET_DEVICES");
+  std::vector<std::string> data_addresses =
+      AddressesOfDevices(ucx_devices != nullptr ? ucx_devices : "");
+  if (data_addresses.size() > transport::kMaxHostsPerOwner) {
+    kLog.Warn("the data interface(s) {} hold {} addresses; peers take the first {} ({}) as "
+              "those this agent's UCX connects from: name the data interface with "
+              "--data-interface",
+              ucx_devices != nullptr ? ucx_devices : "(all)", data_addresses.size(),
+              transport::kMaxHostsPerOwner, absl::StrJoin(data_addresses, ","));
+    data_addresses.resize(transport::kMaxHostsPerOwner);
+  }
 
   std::unique_ptr<Agent> agent(new Agent());
   Agent* self = agent.get();
@@ -180,6 +193,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   if (options.metadata_push) agent->push_ = std::make_unique<MetadataPush>();
   PeerManagerOptions peer_options;
   peer_options.self_name = options.name;
+  peer_options.data_addresses = data_addresses;
   peer_options.incarnation = agent->identity_.incarnation;
   peer_options.host_id = agent->identity_.host_id;
   peer_options.error_mode = options.error_mode;
@@ -298,6 +312,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->deps_.push = agent->push_.get();
   agent->deps_.releases = &agent->releases_;
   agent->deps_.wire_features = kWireFeatures & options.wire_features;
+  agent->deps_.data_addresses = data_addresses;
 
   // Before the first door: each door's server gets gRPC's health service, which the
   // monitor keeps NOT_SERVING until UCX answers (Start below).

@@ -75,6 +75,10 @@ struct AgentOptions {
   bool liveness = true;
   uint32_t liveness_port = 0;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;
+  // --ucx-tcp-remote any: UCX's TCP port keeps connections from every other host, not
+  // only from authenticated peers' addresses (transport/ucx_tcp_guard.h; main sets the
+  // guard from it).
+  bool ucx_tcp_remote_any = false;
   bool shm_direct = true;
   // Memory objects of one same-host peer mapped here (--max-peer-memory-objects).
   uint32_t max_peer_memory_objects = 4096;

@@ -1123,6 +1123,7 @@ void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& id
     response->set_liveness_address(deps.liveness->AnnounceFor(door == Door::kLocal));
   }
   response->set_wire_features(deps.wire_features);
+  for (const std::string& address : deps.data_addresses) response->add_data_addresses(address);
   const bool same_host = door == Door::kLocal;
   // A caller that holds a version of this incarnation gets what changed since, when
   // the registry's change log still reaches back to it; any other the whole catalog.
@@ -1143,12 +1144,29 @@ void ExportMetadataFor(const ServiceDeps& deps, Door door, const std::string& id
               skipped ? fmt::format(" ({} more sent, not logged)", skipped) : std::string());
 }
 
+namespace {
+// The hosts an authorized peer's UCX may connect here from (transport/ucx_tcp_guard.h):
+// where its call came from and the data addresses it announced. A peer on the local
+// door is on this host, where the guard checks the connecting uid instead.
+void AllowPeerHosts(Door door, const std::string& identity, const std::string& grpc_peer,
+                    const v1::GetMetadataRequest& request) {
+  if (door == Door::kLocal) return;
+  std::vector<std::string> hosts;
+  if (std::string source = transport::HostOfGrpcPeer(grpc_peer); !source.empty()) {
+    hosts.push_back(std::move(source));
+  }
+  hosts.insert(hosts.end(), request.data_addresses().begin(), request.data_addresses().end());
+  transport::AllowUcxTcpHosts("caller " + identity, hosts);
+}
+}  // namespace
+
 void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
     const v1::GetMetadataRequest* request, v1::AgentMetadata* response, Reply reply) {
   auto caller = AuthorizePeer(context, "GetMetadata");
   if (!caller.ok()) return reply(caller.status());
   auto identity = PeerIdentity(door_, *caller, *request, "GetMetadata", deps_.secrets);
   if (!identity.ok()) return reply(identity.status());
+  AllowPeerHosts(door_, *identity, context->peer(), *request);
   if (absl::Status tracked = deps_.watchers->Polled(
           *identity, request->known_version(),
           request->known_incarnation() == deps_.identity->incarnation, deps_.limits);
@@ -1180,8 +1198,8 @@ class RefusedMetadataWatch final : public MetadataStreamReactor {
 // insecure door the identity comes in the first message, so it is counted then.
 class MetadataWatchReactor final : public MetadataStreamReactor, public MetadataPush::Stream {
  public:
-  MetadataWatchReactor(const ServiceDeps& deps, Door door, Caller caller)
-      : deps_(deps), door_(door), caller_(std::move(caller)) {
+  MetadataWatchReactor(const ServiceDeps& deps, Door door, Caller caller, std::string source)
+      : deps_(deps), door_(door), caller_(std::move(caller)), source_(std::move(source)) {
     if (door_ != Door::kInsecure && !Open(v1::GetMetadataRequest())) return;
     StartRead(&read_);
   }
@@ -1194,6 +1212,7 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
     }
     const v1::GetMetadataRequest request = read_;
     if (!opened_ && !Open(request)) return;
+    AllowPeerHosts(door_, identity_, source_, request);
     if (!pushed_) {
       pushed_ = true;
       deps_.push->Add(this);
@@ -1299,6 +1318,7 @@ class MetadataWatchReactor final : public MetadataStreamReactor, public Metadata
   const ServiceDeps deps_;
   const Door door_;
   const Caller caller_;
+  const std::string source_;  // the gRPC peer (its address)
   v1::GetMetadataRequest read_;  // reads are serial: only the read callback touches it
   // Counted in MetadataWatchers: at creation, or on the insecure door at the first
   // read. Both are set before any Push and only read afterwards (OnDone).
@@ -1326,7 +1346,7 @@ MetadataStreamReactor* PeerService::WatchMetadata(grpc::CallbackServerContext* c
   if (!caller.ok()) return new RefusedMetadataWatch(caller.status());
   // Bounded by MetadataWatchers (peer identities, and streams per identity), not by
   // the engines' Watch* stream limits.
-  return new MetadataWatchReactor(deps_, door_, *std::move(caller));
+  return new MetadataWatchReactor(deps_, door_, *std::move(caller), context->peer());
 }
 
 // The raw methods gRPC calls: each parses its request (an unparseable one is

@@ -76,6 +76,8 @@ struct ServiceDeps {
   uint32_t deregister_wait_ms = 2000;
   // AgentMetadata.wire_features announced (kWireFeatures, masked by --wire-features).
   uint32_t wire_features = kWireFeatures;
+  // AgentMetadata.data_addresses: this agent's data interface addresses.
+  std::vector<std::string> data_addresses = {};
   FastPathServer* fast_path = nullptr;  // AgentStatus.fast_path_*; null: none
   const HealthMonitor* health = nullptr;  // AgentStatus.health; null: not reported
   // Ended transfers by op, data path, peer and outcome (Prometheus); null: not counted.

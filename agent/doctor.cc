@@ -101,7 +101,8 @@ v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx) {
   return Make("ucx", Check::PASS, detail);
 }
 
-v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool tcp_guarded) {
+v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool tcp_guarded,
+                                  bool remote_checked, size_t allowed_hosts) {
   if (refused.empty()) {
     return Make("ucx-hardening", Check::WARN,
                 "UCX is not hardened in this agent (started with KVAGENT_UCX_UNHARDENED=1): "
@@ -119,8 +120,18 @@ v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool 
                 "run kvagentd itself: it links the accept() guard "
                 "(transport/ucx_tcp_guard.h) that keeps local connections to peer uids");
   }
+  const std::string local = dropped + "; UCX's TCP port keeps a local connection only from a peer uid";
+  if (!remote_checked) {
+    return Make("ucx-hardening", Check::WARN,
+                local + ", but one from any other host (--ucx-tcp-remote any): whoever reaches "
+                        "the port over the data network can write anywhere in this process",
+                "fence UCX's TCP ports to the fleet (UCX_TCP_PORT_RANGE and a firewall), or "
+                "run without --ucx-tcp-remote any");
+  }
   return Make("ucx-hardening", Check::PASS,
-              dropped + "; UCX's TCP port keeps a local connection only from a peer uid");
+              fmt::format("{}, and one from another host only from an authenticated peer's "
+                          "address ({} known now)",
+                          local, allowed_hosts));
 }
 
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
@@ -889,7 +900,9 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   const CudaFacts cuda = ProbeCuda();
   const char* tls = std::getenv("UCX_TLS");
   *report.add_checks() = CheckUcx(ucx);
-  *report.add_checks() = CheckUcxHardening(inputs.ucx_refused, inputs.ucx_tcp_guarded);
+  *report.add_checks() = CheckUcxHardening(inputs.ucx_refused, inputs.ucx_tcp_guarded,
+                                               inputs.ucx_tcp_remote_checked,
+                                               inputs.ucx_tcp_allowed_hosts);
   *report.add_checks() = CheckUcxCuda(ucx, cuda, tls != nullptr ? tls : "");
   *report.add_checks() = CheckCudaDriver(cuda);
   if (!inputs.device_copy.empty()) {

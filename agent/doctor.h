@@ -114,7 +114,11 @@ v1::DoctorCheck CheckUcx(const transport::UcxCapabilities& ucx);
 // write the agent's memory through UCX's software RMA. `tcp_guarded`
 // (transport::UcxTcpGuarded): local connections to UCX's TCP port are kept only from
 // peer uids; WARN when not, since UCT's put request writes anywhere in the process.
-v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool tcp_guarded);
+// `remote_checked` (transport::UcxTcpRemoteChecked): connections from other hosts are
+// kept only from authenticated peers' addresses (`allowed_hosts` of them now); WARN
+// when every host's are (--ucx-tcp-remote any).
+v1::DoctorCheck CheckUcxHardening(const std::vector<std::string>& refused, bool tcp_guarded,
+                                  bool remote_checked, size_t allowed_hosts);
 // `ucx_tls` is the UCX_TLS environment variable (empty when unset): a CUDA-enabled
 // UCX loses its CUDA memory type when UCX_TLS leaves out the cuda transports.
 v1::DoctorCheck CheckUcxCuda(const transport::UcxCapabilities& ucx, const CudaFacts& cuda,
@@ -185,6 +189,10 @@ struct DoctorInputs {
   std::vector<std::string> ucx_refused = transport::UcxRefusedProtocols();
   // Whether UCX's TCP port keeps local connections only from peer uids.
   bool ucx_tcp_guarded = transport::UcxTcpGuarded();
+  // Whether it keeps other hosts' connections only from authenticated peers' addresses
+  // (--ucx-tcp-remote peers), and how many hosts those are now.
+  bool ucx_tcp_remote_checked = transport::UcxTcpRemoteChecked();
+  size_t ucx_tcp_allowed_hosts = transport::UcxTcpAllowedHosts();
   std::vector<v1::PeerInfo> peers;
   // The device copy path's mode (TransferEngine::device_copy_mode); "" leaves the
   // device-copy check out.

@@ -129,6 +129,10 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --ucx-error-mode MODE       auto|peer|none (default auto: none for same-host peers,
                               whose shared-memory transports UCX 1.13 disables under
                               peer error handling; peer otherwise)
+  --ucx-tcp-remote peers|any  whom UCX's TCP port keeps connections from on other hosts:
+                              peers (default) only from addresses of authenticated peers
+                              (where their metadata calls came from, or data addresses
+                              they announced); any: every host (fence UCX's ports then)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
   --max-peer-memory-objects N shm-direct: memory objects of one same-host peer mapped
@@ -277,6 +281,7 @@ KVAGENT_FLAG(OnOff, metadata_push, "metadata-push", OnOff{Defaults().metadata_pu
 KVAGENT_FLAG(OnOff, liveness, "liveness", OnOff{Defaults().liveness}, "");
 KVAGENT_FLAG(Count<uint32_t>, liveness_port, "liveness-port", {Defaults().liveness_port}, "");
 KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error_mode, "");
+KVAGENT_FLAG(std::string, ucx_tcp_remote, "ucx-tcp-remote", "peers", "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
 KVAGENT_FLAG(Count<uint32_t>, max_peer_memory_objects, "max-peer-memory-objects",
              {Defaults().max_peer_memory_objects}, "");
@@ -440,6 +445,15 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   options->liveness = GetFlag(FLAGS_liveness).on;
   options->liveness_port = GetFlag(FLAGS_liveness_port).value;
   options->error_mode = GetFlag(FLAGS_ucx_error_mode);
+  const std::string ucx_tcp_remote = GetFlag(FLAGS_ucx_tcp_remote);
+  if (ucx_tcp_remote != "peers" && ucx_tcp_remote != "any") {
+    return absl::InvalidArgumentError(fmt::format(
+        "--ucx-tcp-remote: '{}' is neither peers nor any; peers (the default) keeps UCX "
+        "connections from other hosts only from authenticated peers' addresses, any keeps "
+        "them from every host (fence UCX's ports then)",
+        ucx_tcp_remote.substr(0, 64)));
+  }
+  options->ucx_tcp_remote_any = ucx_tcp_remote == "any";
   options->shm_direct = GetFlag(FLAGS_shm_direct).on;
   options->max_peer_memory_objects = GetFlag(FLAGS_max_peer_memory_objects).value;
   options->peer_metadata_share_percent = GetFlag(FLAGS_peer_metadata_share).value;
@@ -620,7 +634,10 @@ int main(int argc, char** argv) {
     std::set<uid_t> allowed = options.policy.peer_uids;
     allowed.insert(geteuid());
     allowed.insert(0);
-    kvagent::transport::GuardUcxTcpAccepts(std::move(allowed));
+    kvagent::transport::GuardUcxTcpAccepts(std::move(allowed),
+                                           options.ucx_tcp_remote_any
+                                               ? kvagent::transport::RemoteUcxTcp::kAny
+                                               : kvagent::transport::RemoteUcxTcp::kPeers);
   }
   // Memory a peer's software get was served from is retired, not unmapped, while the
   // reply may still wait in UCX (RetireMapping; it unmaps nothing itself when unhardened).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -14,6 +15,7 @@
 #include "base/log.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
+#include "transport/ucx_tcp_guard.h"
 #include "registry/cuda_vmm_mapping.h"
 #include "registry/device_memory_object.h"
 
@@ -21,6 +23,28 @@ namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("peers");
 constexpr log::Logger kAudit("audit");
+
+// The host part of a dialled address ("10.0.0.7:5000", "[fd00::7]:5000", "ipv4:..."):
+// an IP literal or a name (which the UCX TCP guard ignores).
+std::string HostOfDialled(std::string address) {
+  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
+    if (absl::StartsWith(address, scheme)) address = address.substr(std::strlen(scheme));
+  }
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+// Who asks (informational), and the data addresses this agent's UCX connects from, which
+// the peer then lets through its UCX TCP guard (transport/ucx_tcp_guard.h).
+void Stamp(const PeerManagerOptions& options, v1::GetMetadataRequest* request) {
+  request->set_caller(options.self_name);
+  request->clear_data_addresses();
+  for (const std::string& address : options.data_addresses) request->add_data_addresses(address);
+}
 
 // One GetMetadata call to a peer, kept alive until its callback ran.
 struct MetadataCall {
@@ -320,7 +344,7 @@ void PeerManager::ConnectNow(const std::string& address,
   }
   auto call = std::make_shared<MetadataCall>();
   call->link = *std::move(link);
-  call->request.set_caller(options_.self_name);
+  Stamp(options_, &call->request);
   call->link->Prepare(&call->context);
   SetDeadline(&call->context, options_.connect_timeout_ms);
   call->link->stub->async()->GetMetadata(
@@ -411,6 +435,14 @@ void PeerManager::BuildSnapshot(
   snapshot->same_host = link->local;
   snapshot->notify_secret = metadata.notify_secret();
   snapshot->wire_features = metadata.wire_features();
+  if (!link->local) {
+    // Its UCX may connect here (the guard keeps other hosts' connections only from
+    // peers): from the addresses it announced, or the one dialled.
+    std::vector<std::string> hosts(metadata.data_addresses().begin(),
+                                   metadata.data_addresses().end());
+    hosts.push_back(HostOfDialled(address));
+    transport::AllowUcxTcpHosts("dialled " + address, hosts);
+  }
   switch (options_.error_mode) {
     case ErrorModeChoice::kPeer: snapshot->error_mode = transport::ErrorMode::kPeer; break;
     case ErrorModeChoice::kNone: snapshot->error_mode = transport::ErrorMode::kNone; break;
@@ -957,7 +989,7 @@ void PeerManager::RefreshAsync(const std::string& name, std::function<void(absl:
                                         : it->second.drained_version);
     call->request.set_known_incarnation(call->previous->incarnation);
   }
-  call->request.set_caller(options_.self_name);
+  Stamp(options_, &call->request);
   call->link->Prepare(&call->context);
   SetDeadline(&call->context, options_.connect_timeout_ms);
   call->link->stub->async()->GetMetadata(
@@ -1015,7 +1047,7 @@ void PeerManager::AskIncarnation(const std::string& name, uint32_t timeout_ms,
     call->request.set_known_version(it->second.version);
     call->request.set_known_incarnation(it->second.snapshot->incarnation);
   }
-  call->request.set_caller(options_.self_name);
+  Stamp(options_, &call->request);
   call->link->Prepare(&call->context);
   SetDeadline(&call->context, timeout_ms);
   call->link->stub->async()->GetMetadata(
@@ -1296,7 +1328,7 @@ void PeerManager::OpenWatch(const std::string& name) {
     if (peer.watch || peer.push_unsupported || peer.state != "connected") return;
     watch = std::make_shared<MetadataWatch>(this, name, peer.link, peer.snapshot->incarnation);
     peer.watch = watch;
-    first->set_caller(options_.self_name);
+    Stamp(options_, first.get());
     first->set_known_incarnation(peer.snapshot->incarnation);
     // Only a drained version may be acknowledged (see RefreshOne); until it is, ask for
     // the whole catalog from the last drained one.
@@ -1412,7 +1444,7 @@ void PeerManager::ApplyPushedView(const std::shared_ptr<MetadataWatch>& watch,
   // What this agent holds (an acknowledgement), or a request for the whole catalog.
   auto send = [&](uint64_t known_version, uint64_t incarnation, bool accept_delta) {
     v1::GetMetadataRequest request;
-    request.set_caller(options_.self_name);
+    Stamp(options_, &request);
     request.set_known_version(known_version);
     request.set_known_incarnation(incarnation);
     request.set_accept_delta(accept_delta);
@@ -1617,7 +1649,7 @@ bool PeerManager::DrainPosted(const std::shared_ptr<const PeerSnapshot>& snapsho
 
 bool PeerManager::RefreshOne(const std::string& name) {
   v1::GetMetadataRequest request;
-  request.set_caller(options_.self_name);
+  Stamp(options_, &request);
   std::shared_ptr<const PeerSnapshot> previous;
   std::shared_ptr<PeerLink> link;
   bool endpoint_failed = false;

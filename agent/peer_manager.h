@@ -110,6 +110,8 @@ using PeerLossListener = std::function<void(const PeerLoss&)>;
 
 struct PeerManagerOptions {
   std::string self_name;
+  // GetMetadataRequest.data_addresses: this agent's data interface addresses.
+  std::vector<std::string> data_addresses;
   uint64_t incarnation = 0;  // ours: connecting to ourselves is refused
   std::string host_id;
   ErrorModeChoice error_mode = ErrorModeChoice::kAuto;

@@ -1,10 +1,14 @@
 #include "base/interfaces.h"
 
+#include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
+#include <sstream>
 
 namespace kvagent {
 
@@ -23,6 +27,35 @@ std::optional<std::string> InterfaceHolding(int family, const void* address) {
   }
   freeifaddrs(list);
   return found;
+}
+
+std::vector<std::string> AddressesOfDevices(const std::string& devices) {
+  std::vector<std::string> names;
+  std::istringstream list(devices);
+  for (std::string name; std::getline(list, name, ',');) {
+    name = name.substr(0, name.find(':'));
+    if (!name.empty()) names.push_back(name);
+  }
+  const bool all = names.empty() || std::find(names.begin(), names.end(), "all") != names.end();
+  std::vector<std::string> out;
+  struct ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) return out;
+  for (struct ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || (i->ifa_flags & IFF_LOOPBACK) != 0) continue;
+    const int family = i->ifa_addr->sa_family;
+    if (family != AF_INET && family != AF_INET6) continue;
+    if (!all && std::find(names.begin(), names.end(), i->ifa_name) == names.end()) continue;
+    const void* held =
+        family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr)
+            : static_cast<const void*>(
+                  &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr);
+    char text[INET6_ADDRSTRLEN] = {};
+    if (inet_ntop(family, held, text, sizeof text) == nullptr) continue;
+    if (std::find(out.begin(), out.end(), text) == out.end()) out.push_back(text);
+  }
+  freeifaddrs(interfaces);
+  return out;
 }
 
 }  // namespace kvagent

@@ -3,12 +3,16 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "base/interfaces.h"
 #include "base/log.h"
@@ -19,10 +23,60 @@ namespace {
 
 constexpr log::Logger kLog("transport");
 
+using Host = std::array<uint8_t, 16>;  // IPv6, or IPv4 as ::ffff:a.b.c.d
+
+// The hosts one owner vouched for, and when (a tick of AllowUcxTcpHosts calls).
+struct Allowed {
+  std::vector<Host> hosts;
+  uint64_t tick = 0;
+};
+
 absl::Mutex g_mu;
 std::set<uid_t>* g_allowed ABSL_GUARDED_BY(g_mu) = new std::set<uid_t>();
+std::map<std::string, Allowed>* g_hosts ABSL_GUARDED_BY(g_mu) =
+    new std::map<std::string, Allowed>();
+uint64_t g_tick ABSL_GUARDED_BY(g_mu) = 0;
 std::atomic<bool> g_on{false};
+std::atomic<bool> g_remote_checked{true};
 std::atomic<uint64_t> g_refused{0};
+
+// `a` (unmapped) as a Host.
+Host HostOf(const sockaddr_storage& a) {
+  Host host{};
+  if (a.ss_family == AF_INET) {
+    host[10] = host[11] = 0xff;
+    std::memcpy(&host[12], &reinterpret_cast<const sockaddr_in&>(a).sin_addr, 4);
+  } else {
+    std::memcpy(host.data(), &reinterpret_cast<const sockaddr_in6&>(a).sin6_addr, 16);
+  }
+  return host;
+}
+
+// An IP literal (IPv6 possibly in brackets) as a Host; nullopt for anything else.
+std::optional<Host> ParseHost(std::string text) {
+  if (text.size() >= 2 && text.front() == '[' && text.back() == ']') {
+    text = text.substr(1, text.size() - 2);
+  }
+  Host host{};
+  in_addr four{};
+  if (inet_pton(AF_INET, text.c_str(), &four) == 1) {
+    host[10] = host[11] = 0xff;
+    std::memcpy(&host[12], &four, 4);
+    return host;
+  }
+  if (inet_pton(AF_INET6, text.c_str(), host.data()) == 1) return host;
+  return std::nullopt;
+}
+
+bool HostAllowed(const Host& host) {
+  absl::MutexLock lock(&g_mu);
+  for (const auto& [owner, allowed] : *g_hosts) {
+    if (std::find(allowed.hosts.begin(), allowed.hosts.end(), host) != allowed.hosts.end()) {
+      return true;
+    }
+  }
+  return false;
+}
 
 // An IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it maps: the
 // connecting socket of such a peer is listed in /proc/net/tcp, not tcp6.
@@ -143,16 +197,71 @@ std::optional<uid_t> ConnectorUid(std::string_view proc_net_tcp, const sockaddr_
 
 }  // namespace internal
 
-void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids) {
+void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids, RemoteUcxTcp remote) {
   {
     absl::MutexLock lock(&g_mu);
     *g_allowed = std::move(allowed_uids);
   }
+  g_remote_checked.store(remote == RemoteUcxTcp::kPeers);
   g_on.store(true);
   if (!g_stand_in.load()) {
     kLog.Warn("UCX TCP: this binary lacks the accept() guard (transport:ucx_tcp_guard_accept): "
               "any local user who reaches UCX's TCP port can write this process's memory");
   }
+}
+
+size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>& addresses) {
+  std::vector<Host> hosts;
+  for (const std::string& address : addresses) {
+    if (hosts.size() == kMaxHostsPerOwner) break;
+    const std::optional<Host> host = ParseHost(address);
+    if (host && std::find(hosts.begin(), hosts.end(), *host) == hosts.end()) {
+      hosts.push_back(*host);
+    }
+  }
+  absl::MutexLock lock(&g_mu);
+  auto it = g_hosts->find(owner);
+  if (it == g_hosts->end()) {
+    if (g_hosts->size() >= kMaxOwners) {
+      auto oldest = std::min_element(g_hosts->begin(), g_hosts->end(), [](const auto& a, const auto& b) {
+        return a.second.tick < b.second.tick;
+      });
+      kLog.Warn("UCX TCP: {} peers vouch for hosts, the most kept: '{}', the one heard from "
+                "longest ago, no longer does (its hosts connect again once it fetches this "
+                "agent's metadata)",
+                kMaxOwners, oldest->first);
+      g_hosts->erase(oldest);
+    }
+    it = g_hosts->emplace(owner, Allowed{}).first;
+  }
+  it->second.hosts = std::move(hosts);
+  it->second.tick = ++g_tick;
+  return it->second.hosts.size();
+}
+
+bool UcxTcpRemoteChecked() { return g_remote_checked.load(); }
+
+size_t UcxTcpAllowedHosts() {
+  absl::MutexLock lock(&g_mu);
+  std::set<Host> distinct;
+  for (const auto& [owner, allowed] : *g_hosts) distinct.insert(allowed.hosts.begin(), allowed.hosts.end());
+  return distinct.size();
+}
+
+std::string HostOfGrpcPeer(std::string_view peer) {
+  const std::string_view scheme = peer.substr(0, 5);
+  if (scheme != "ipv4:" && scheme != "ipv6:") return "";
+  // gRPC percent-encodes an IPv6 address's brackets (and a zone's '%').
+  const std::string rest = absl::StrReplaceAll(
+      std::string(peer.substr(5)),
+      {{"%5B", "["}, {"%5D", "]"}, {"%5b", "["}, {"%5d", "]"}, {"%25", "%"}});
+  const size_t colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0) return "";
+  std::string host = rest.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return ParseHost(host) ? host : "";
 }
 
 bool UcxTcpGuarded() { return g_on.load() && g_stand_in.load(); }
@@ -172,7 +281,20 @@ bool UcxTcpAdmit(int fd) {
   if (peer.ss_family != AF_INET && peer.ss_family != AF_INET6) return true;
   const sockaddr_storage from = Unmapped(peer);
   const sockaddr_storage to = Unmapped(local);
-  if (!OfThisHost(from)) return true;  // another host: the data network is trusted
+  if (!OfThisHost(from)) {
+    if (!g_remote_checked.load(std::memory_order_relaxed) || HostAllowed(HostOf(from))) return true;
+    const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (n <= 4 || n % 1024 == 0) {
+      kLog.Warn("UCX TCP: refused a connection from {} to {} ({} so far): that host is no "
+                "authenticated peer's (none fetched this agent's metadata from it or announced "
+                "it as a data address), and UCX lets whoever connects write anywhere in this "
+                "process; a peer's UCX connects once it has fetched this agent's metadata, or "
+                "start kvagentd with --ucx-tcp-remote any where only the fleet reaches UCX's "
+                "ports",
+                Text(peer), Text(local), n);
+    }
+    return false;
+  }
   const std::string table = ReadAll(from.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6");
   const std::optional<uid_t> uid = internal::ConnectorUid(table, from, to);
   bool allowed = false;

@@ -12,8 +12,11 @@
 // loopback address or one of this host's) is kept only when the socket that made it
 // belongs to an allowed uid (the agent's own and --peer-uids, as for same-host peers
 // on the local door); any other is closed before UCX reads a byte of it, counted and
-// logged. Connections from other hosts pass: the data network is trusted
-// (docs/SECURITY.md, "Out of scope"; firewall UCX's ports to the fleet).
+// logged. A connection from another host is kept only when it comes from an address
+// of an authenticated peer: the source address of its metadata calls to this agent, or
+// a data address it announced (GetMetadataRequest/AgentMetadata.data_addresses), or
+// one this agent dialled; with RemoteUcxTcp::kAny (--ucx-tcp-remote any) every other
+// host passes, for a data network fenced by other means.
 #pragma once
 
 #include <sys/socket.h>
@@ -28,11 +31,33 @@
 
 namespace kvagent::transport {
 
+// Whom connections from other hosts are kept from.
+enum class RemoteUcxTcp {
+  kPeers,  // addresses of authenticated peers only (AllowUcxTcpHosts)
+  kAny,    // every host (the data network is fenced by other means)
+};
+
 // Turns the guard on for every later accept() in this process (UCX's libucs is the
 // only caller of accept() in kvagentd: gRPC and kvagent's own doors call accept4),
-// letting local connections only from `allowed_uids`. Call before any UCX worker.
-// Needs transport:ucx_tcp_guard_accept linked into the binary (kvagentd does).
-void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids);
+// letting local connections only from `allowed_uids`, and remote ones as `remote`
+// says. Call before any UCX worker. Needs transport:ucx_tcp_guard_accept linked into
+// the binary (kvagentd does).
+void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids,
+                        RemoteUcxTcp remote = RemoteUcxTcp::kPeers);
+
+// The hosts a peer's UCX may connect from, under `owner` (who vouched for them: the
+// peer's authenticated identity): IP literals ("10.0.0.7", "fd00::7", "[fd00::7]");
+// anything else is ignored. Replaces what `owner` had. At most kMaxHostsPerOwner are
+// kept (the first ones) and kMaxOwners owners are held: a new owner past that drops
+// the one allowed longest ago. Returns how many addresses it kept.
+inline constexpr size_t kMaxHostsPerOwner = 16;
+inline constexpr size_t kMaxOwners = 4096;
+size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>& addresses);
+
+// Whether connections from other hosts are checked (kPeers), and the distinct hosts
+// allowed now.
+bool UcxTcpRemoteChecked();
+size_t UcxTcpAllowedHosts();
 
 // Whether the guard is on and its accept() stands in front of UCX's (false when the
 // binary was linked without it: then nothing is checked).
@@ -48,6 +73,11 @@ bool UcxTcpAdmit(int fd);
 // Called once by the accept() stand-in (transport/ucx_tcp_guard_accept.cc) when the
 // binary holds it.
 void NoteUcxTcpAcceptStandIn();
+
+// The host of a gRPC peer string (grpc::ServerContext::peer(): "ipv4:10.0.0.7:5000",
+// "ipv6:[fd00::7]:5000", "ipv6:%5Bfd00::7%5D:5000"); "" for a Unix socket or a form
+// it does not know.
+std::string HostOfGrpcPeer(std::string_view peer);
 
 namespace internal {
 

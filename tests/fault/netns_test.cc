@@ -20,6 +20,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "base/format.h"
@@ -30,6 +31,7 @@
 #include "cli/kv_pool.h"
 #include "fmt/format.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/security/process_peek.h"
 #include "tests/unit/catch_main.h"
 
 namespace kvagent::testing {
@@ -136,6 +138,36 @@ class NetnsLab {
   }
   CommandResult ExecIn(int side, std::vector<std::string> argv) const {
     argv.insert(argv.begin(), {ip_, "netns", "exec", ns(side)});
+    return Run(argv);
+  }
+
+  // A third host, no agent's: namespace kvt<pid>m, linked to decode's namespace by
+  // kvt<pid>s (here, 10.78.0.1) <-> kvt<pid>t (decode's, 10.78.0.2), routed to decode's
+  // data address through it. Returns the failure text, empty on success.
+  std::string stranger_ns() const { return fmt::format("kvt{}m", pid_); }
+  std::string stranger_dev() const { return fmt::format("kvt{}s", pid_); }
+  std::string AddStranger() {
+    const std::string near = fmt::format("kvt{}t", pid_);
+    if (auto e = Check({ip_, "netns", "add", stranger_ns()}); !e.empty()) return e;
+    made_namespaces_.push_back(stranger_ns());
+    if (auto e = Check({ip_, "link", "add", stranger_dev(), "type", "veth", "peer", "name", near});
+        !e.empty()) {
+      return e;
+    }
+    made_root_links_.push_back(stranger_dev());
+    for (const auto& [dev, where, address] :
+         {std::tuple{stranger_dev(), stranger_ns(), std::string("10.78.0.1/24")},
+          std::tuple{near, ns(1), std::string("10.78.0.2/24")}}) {
+      if (auto e = Check({ip_, "link", "set", dev, "netns", where}); !e.empty()) return e;
+      if (auto e = Check({ip_, "-n", where, "addr", "add", address, "dev", dev}); !e.empty()) {
+        return e;
+      }
+      if (auto e = Check({ip_, "-n", where, "link", "set", dev, "up"}); !e.empty()) return e;
+    }
+    return Check({ip_, "-n", stranger_ns(), "route", "add", data_ip(1) + "/32", "via", "10.78.0.2"});
+  }
+  CommandResult ExecInStranger(std::vector<std::string> argv) const {
+    argv.insert(argv.begin(), {ip_, "netns", "exec", stranger_ns()});
     return Run(argv);
   }
 
@@ -276,7 +308,7 @@ struct NetnsPair {
 std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& shape,
                                      const std::string& error_mode,
                                      const std::string& expected_mode,
-                                     const std::function<std::string(const NetnsLab&)>& precheck = {}) {
+                                     const std::function<std::string(NetnsLab&)>& precheck = {}) {
   auto pair = std::make_unique<NetnsPair>();
   pair->lab = NetnsLab::Make(skip);
   if (!pair->lab) return nullptr;
@@ -578,6 +610,90 @@ TEST_CASE("netem delay and loss on the data link: a transfer completes with the 
               static_cast<unsigned long long>(done.bytes_total()),
               static_cast<long long>(MillisSince(start)));
   for (uint64_t p : all) CHECK(pair->PagesEqual(p, p));
+}
+
+// UCT's tcp transport takes a connection from whoever reaches UCX's port and serves a
+// put request by writing its payload wherever it names (tests/security/ucx_tcp_test).
+// Over the data network, decode's guard keeps a connection only from an authenticated
+// peer's host (transport/ucx_tcp_guard.h): the prefill agent's transfers still run, a
+// third host's stock UCT endpoint is closed before UCX reads it, and the same endpoint
+// from prefill's host (which the guard lets in) lands, so the refusal is the guard's.
+TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is refused, a "
+          "peer's host is not") {
+  cli::KvPoolShape shape;
+  shape.layers = 2;
+  shape.pages = 16;
+  shape.page_bytes = 16 << 10;
+  std::string skip;
+  auto pair = StartPair(&skip, shape, "auto", "peer", [](NetnsLab& lab) {
+    const std::string error = lab.AddStranger();
+    return error.empty() ? error : "cannot add a third host to the test network: " + error;
+  });
+  if (!pair) KVAGENT_SKIP(skip);
+  NetnsLab& lab = *pair->lab;
+  const auto all = Range(0, shape.pages);
+  auto submitted = pair->prefill->Submit(KvWrite("guarded", all, all, "guarded-done"));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = Require(pair->prefill->WaitTransfer("guarded", 30000), "waiting for guarded");
+  INFO(done.DebugString());
+  REQUIRE(done.phase() == v1::COMPLETED);
+  for (uint64_t p : all) CHECK(pair->PagesEqual(p, p));
+
+  // Decode's UCX port: its one TCP listener besides the gRPC door.
+  const pid_t decode = pair->decode_process.pid();
+  std::vector<int> ports;
+  for (int port : ListeningTcpPorts(decode)) {
+    if (port != pair->decode_process.port()) ports.push_back(port);
+  }
+  INFO("decode's other TCP listeners: " << ports.size());
+  REQUIRE(ports.size() == 1);
+  const std::string port = std::to_string(ports[0]);
+  const uint64_t target = StackBottom(decode);
+  REQUIRE(target != 0);
+  const std::string address = fmt::format("{:#x}", target);
+  const std::string before = PeekMemory(decode, target, 16);
+  const uint64_t dropped_before =
+      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const std::string probe =
+      fmt::format("{}/kvagent/tests/security/uct_put_probe", srcdir ? srcdir : ".");
+
+  // The third host: refused, nothing lands, counted.
+  CommandResult stranger =
+      lab.ExecInStranger({probe, port, address, lab.data_ip(1), lab.stranger_dev()});
+  INFO("from the third host: rc " << stranger.rc << ": " << stranger.output);
+  CHECK(stranger.rc == 3);
+  CHECK(stranger.output.rfind("refused\t", 0) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK(PeekMemory(decode, target, 16) == before);
+  const uint64_t dropped_after =
+      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
+  CHECK(dropped_after > dropped_before);
+  std::printf("a third host's UCT put to decode's UCX port %s: %s; dropped_peer_messages "
+              "%llu -> %llu\n",
+              port.c_str(), stranger.output.c_str(),
+              static_cast<unsigned long long>(dropped_before),
+              static_cast<unsigned long long>(dropped_after));
+
+  // The same endpoint from prefill's host, an authenticated peer's: kept, and UCX then
+  // writes where it is told (what a peer may still do, docs/SECURITY.md).
+  CommandResult peer_host =
+      lab.ExecIn(0, {probe, port, address, lab.data_ip(1), lab.data_dev(0)});
+  INFO("from prefill's host: rc " << peer_host.rc << ": " << peer_host.output);
+  CHECK(peer_host.rc == 0);
+  std::string landed;
+  for (int i = 0; i < 50; ++i) {
+    landed = PeekMemory(decode, target, 16);
+    if (landed != before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(landed == std::string("WRITTEN-BY-UCT!\0", 16));
+  // Decode still serves prefill.
+  auto again = pair->prefill->Submit(KvWrite("after", all, all, "after-done"));
+  REQUIRE(again.ok());
+  CHECK(Require(pair->prefill->WaitTransfer("after", 30000), "waiting for after").phase() ==
+        v1::COMPLETED);
 }
 
 }  // namespace

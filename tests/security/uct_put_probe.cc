@@ -3,7 +3,10 @@
 // ADDRESS, an address in the agent that the agent never registered or named. UCX
 // 1.13's tcp transport serves a put request by copying its payload to that address.
 //
-//   uct_put_probe PORT ADDRESS
+//   uct_put_probe PORT ADDRESS [HOST DEVICE]
+//
+// With HOST (an IPv4 address) and DEVICE (an interface of this host that reaches it),
+// it connects from DEVICE to HOST's PORT instead: an attacker on another host.
 //
 // Prints one line and exits 0 when the put completed from its side (the agent's UCX
 // took the connection), 3 when the connection never came up or failed (refused), 2 on
@@ -52,8 +55,15 @@ int main(int argc, char** argv) {
   }
   const int port = std::atoi(argv[1]);
   const uint64_t address = std::strtoull(argv[2], nullptr, 0);
-  // Loopback over tcp, and UCT's put switched on on this side (its own choice).
-  setenv("UCX_NET_DEVICES", "lo", 1);
+  const bool remote_host = argc >= 5 && argv[3][0] != '\0';
+  in_addr host{};
+  if (remote_host && inet_pton(AF_INET, argv[3], &host) != 1) {
+    Say(std::string("usage	HOST '") + argv[3] + "' is not an IPv4 address\n");
+    return 2;
+  }
+  const std::string device_name = remote_host ? argv[4] : "lo";
+  // Over tcp from that device, and UCT's put switched on on this side (its own choice).
+  setenv("UCX_NET_DEVICES", device_name.c_str(), 1);
   setenv("UCX_TCP_PUT_ENABLE", "y", 1);
   setenv("UCX_TCP_MAX_CONN_RETRIES", "2", 1);
 
@@ -94,7 +104,7 @@ int main(int argc, char** argv) {
   params.field_mask = UCT_IFACE_PARAM_FIELD_OPEN_MODE | UCT_IFACE_PARAM_FIELD_DEVICE;
   params.open_mode = UCT_IFACE_OPEN_MODE_DEVICE;
   params.mode.device.tl_name = "tcp";
-  params.mode.device.dev_name = "lo";
+  params.mode.device.dev_name = device_name.c_str();
   uct_iface_h iface = nullptr;
   if ((status = uct_iface_open(md, worker, &params, iface_config, &iface)) != UCS_OK) {
     return Fail("uct_iface_open", status);
@@ -106,11 +116,19 @@ int main(int argc, char** argv) {
       attr.device_addr_len > 64 || attr.iface_addr_len > 64) {
     return Fail("tcp iface without put or with unexpected addresses", UCS_ERR_UNSUPPORTED);
   }
-  // Both ends are on lo: the agent's device address is this one's, and a tcp iface's
+  // On lo both ends share a device address: the agent's is this one's. A tcp iface's
   // address is its listening port (network order).
   unsigned char device[64] = {};
   unsigned char remote[64] = {};
   uct_iface_get_device_address(iface, reinterpret_cast<uct_device_addr_t*>(device));
+  if (remote_host) {
+    // UCX 1.13's tcp device address of an IPv4 interface: a flags byte (0: not
+    // loopback), the family, then the in_addr. HOST's takes this device's place.
+    if (attr.device_addr_len != 2 + sizeof host || device[0] != 0 || device[1] != AF_INET) {
+      return Fail("the tcp device address is not UCX 1.13's IPv4 layout", UCS_ERR_UNSUPPORTED);
+    }
+    std::memcpy(device + 2, &host, sizeof host);
+  }
   uct_iface_get_address(iface, reinterpret_cast<uct_iface_addr_t*>(remote));
   const uint16_t network_port = htons(static_cast<uint16_t>(port));
   std::memcpy(remote, &network_port, sizeof network_port);

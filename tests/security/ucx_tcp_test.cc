@@ -5,16 +5,10 @@
 // accept() (transport/ucx_tcp_guard.h). Needs root (the attacker runs under setpriv,
 // and the test reads the agent's memory through /proc) and runs outside Bazel's
 // sandbox, as unprivileged_test.
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <memory>
-#include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,54 +16,12 @@
 #include "cli/agent_client.h"
 #include "cli/daemon_process.h"
 #include "fmt/format.h"
+#include "tests/security/process_peek.h"
 #include "tests/security/run_as.h"
 #include "tests/unit/catch_main.h"
-#include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::testing {
 namespace {
-
-// The ports on which process `pid` listens for TCP (from /proc/net/tcp, matched to its
-// sockets' inodes in /proc/PID/fd).
-std::vector<int> ListeningPorts(pid_t pid) {
-  std::set<unsigned long long> inodes;
-  for (const auto& entry : std::filesystem::directory_iterator(fmt::format("/proc/{}/fd", pid))) {
-    std::error_code error;
-    const std::string target = std::filesystem::read_symlink(entry.path(), error).string();
-    unsigned long long inode = 0;
-    if (!error && std::sscanf(target.c_str(), "socket:[%llu]", &inode) == 1) inodes.insert(inode);
-  }
-  std::ifstream table("/proc/net/tcp");
-  std::stringstream text;
-  text << table.rdbuf();
-  std::vector<int> ports;
-  for (const transport::internal::ProcTcpEntry& entry :
-       transport::internal::ProcNetTcpEntries(text.str())) {
-    if (entry.state != "0A" || inodes.count(entry.inode) == 0) continue;
-    ports.push_back(std::stoi(entry.local.substr(entry.local.find(':') + 1), nullptr, 16));
-  }
-  return ports;
-}
-
-// The lowest address of process `pid`'s main stack: the deepest the stack ever grew,
-// which the agent's main thread (waiting in sigwait) no longer uses.
-uint64_t StackBottom(pid_t pid) {
-  std::ifstream maps(fmt::format("/proc/{}/maps", pid));
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("[stack]") != std::string::npos) return std::stoull(line, nullptr, 16);
-  }
-  return 0;
-}
-
-std::string Peek(pid_t pid, uint64_t address, size_t bytes) {
-  const int fd = open(fmt::format("/proc/{}/mem", pid).c_str(), O_RDONLY | O_CLOEXEC);
-  REQUIRE(fd >= 0);
-  std::string out(bytes, '\0');
-  const ssize_t n = pread(fd, out.data(), bytes, static_cast<off_t>(address));
-  close(fd);
-  REQUIRE(n == static_cast<ssize_t>(bytes));
-  return out;
-}
 
 TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP port; a peer uid "
           "still connects") {
@@ -83,12 +35,12 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
 
   // Without a network door the agent's UCX uses loopback only: its one TCP listener is
   // UCT's tcp interface.
-  const std::vector<int> ports = ListeningPorts(agent.pid());
+  const std::vector<int> ports = ListeningTcpPorts(agent.pid());
   INFO("the agent's TCP listeners: " << ports.size());
   REQUIRE(ports.size() == 1);
   const uint64_t target = StackBottom(agent.pid());
   REQUIRE(target != 0);
-  const std::string before = Peek(agent.pid(), target, 16);
+  const std::string before = PeekMemory(agent.pid(), target, 16);
   const std::string port = std::to_string(ports[0]);
   const std::string address = fmt::format("{:#x}", target);
   auto first = client.Status();
@@ -100,7 +52,7 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
   INFO("uid 65534: " << stranger.code << ": " << stranger.message);
   CHECK(stranger.code == "refused");
   usleep(200 * 1000);
-  CHECK(Peek(agent.pid(), target, 16) == before);
+  CHECK(PeekMemory(agent.pid(), target, 16) == before);
   auto status = client.Status();
   REQUIRE(status.ok());
   CHECK(status->dropped_peer_messages() > dropped_before);  // each refused connection
@@ -118,7 +70,7 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
   CHECK(own.code == "sent");
   std::string landed;
   for (int i = 0; i < 50; ++i) {
-    landed = Peek(agent.pid(), target, 16);
+    landed = PeekMemory(agent.pid(), target, 16);
     if (landed != before) break;
     usleep(20 * 1000);
   }

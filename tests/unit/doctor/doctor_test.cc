@@ -84,20 +84,28 @@ TEST_CASE("ucx lists version, transports and memory types") {
 }
 
 TEST_CASE("ucx-hardening names the protocols refused to peers, and warns when there are none") {
-  auto hardened = CheckUcxHardening({"put (software RMA)", "stream data"}, true);
+  auto hardened = CheckUcxHardening({"put (software RMA)", "stream data"}, true, true, 3);
   CHECK(hardened.name() == "ucx-hardening");
   CHECK(hardened.result() == Result::PASS);
   CHECK(hardened.detail() == "peers' UCX messages of [put (software RMA),stream data] are "
                              "dropped; tagged messages are discarded; UCX's TCP port keeps a "
-                             "local connection only from a peer uid");
+                             "local connection only from a peer uid, and one from another "
+                             "host only from an authenticated peer's address (3 known now)");
+  // Other hosts let in whoever they are (--ucx-tcp-remote any).
+  auto any_host = CheckUcxHardening({"put (software RMA)"}, true, false, 0);
+  CHECK(any_host.result() == Result::WARN);
+  CHECK(Has(any_host.detail(), "--ucx-tcp-remote any"));
+  CHECK(Has(any_host.fix(), "UCX_TCP_PORT_RANGE"));
+  // The guard checks other hosts unless told otherwise.
+  CHECK(DoctorInputs{}.ucx_tcp_remote_checked);
   // Hardened, but without the accept() guard (a binary other than kvagentd).
-  auto unguarded = CheckUcxHardening({"put (software RMA)"}, false);
+  auto unguarded = CheckUcxHardening({"put (software RMA)"}, false, true, 0);
   CHECK(unguarded.result() == Result::WARN);
   CHECK(Has(unguarded.detail(), "writes anywhere in this process"));
   CHECK(Has(unguarded.fix(), "run kvagentd"));
   // This test process links no accept() guard.
   CHECK_FALSE(DoctorInputs{}.ucx_tcp_guarded);
-  auto open = CheckUcxHardening({}, false);
+  auto open = CheckUcxHardening({}, false, true, 0);
   CHECK(open.result() == Result::WARN);
   CHECK(Has(open.detail(), "KVAGENT_UCX_UNHARDENED=1"));
   CHECK(Has(open.detail(), "read and write all of its memory"));

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "tests/unit/catch_main.h"
@@ -201,6 +202,49 @@ TEST_CASE("the guard finds the connecting socket over IPv6 loopback and from an 
     }
     CHECK(UcxTcpRefusedConnections() == refused_before + 1);
   }
+}
+
+TEST_CASE("the host of a gRPC peer string, as ServerContext::peer() gives it") {
+  CHECK(HostOfGrpcPeer("ipv4:10.1.2.3:50051") == "10.1.2.3");
+  CHECK(HostOfGrpcPeer("ipv6:[fd00::7]:50051") == "fd00::7");
+  CHECK(HostOfGrpcPeer("ipv6:%5Bfd00::7%5D:50051") == "fd00::7");  // gRPC's encoding
+  CHECK(HostOfGrpcPeer("ipv6:%5B::ffff:10.1.2.3%5D:9") == "::ffff:10.1.2.3");
+  CHECK(HostOfGrpcPeer("unix:/run/kvagent/kvagent.sock").empty());
+  CHECK(HostOfGrpcPeer("ipv4:not-an-address:1").empty());
+  CHECK(HostOfGrpcPeer("ipv4:10.1.2.3").empty());  // no port: not gRPC's form
+  CHECK(HostOfGrpcPeer("").empty());
+}
+
+TEST_CASE("hosts vouched for by peers: IP literals only, at most 16 an owner, replaced, and "
+          "the owner heard from longest ago dropped past the cap") {
+  const size_t before = UcxTcpAllowedHosts();
+  // Names, junk and duplicates are not hosts; an IPv4 address and its mapped IPv6 form
+  // are one host.
+  CHECK(AllowUcxTcpHosts("test a", {"10.9.0.1", "[fd00::9]", "peer.example", "", "10.9.0.1",
+                                    "::ffff:10.9.0.1", "10.9.0.300"}) == 2);
+  CHECK(UcxTcpAllowedHosts() == before + 2);
+  // Replaced, not added to.
+  CHECK(AllowUcxTcpHosts("test a", {"10.9.0.2"}) == 1);
+  CHECK(UcxTcpAllowedHosts() == before + 1);
+  // Another owner naming the same host adds no distinct host.
+  CHECK(AllowUcxTcpHosts("test b", {"10.9.0.2"}) == 1);
+  CHECK(UcxTcpAllowedHosts() == before + 1);
+  // A peer announcing many: the first 16 kept.
+  std::vector<std::string> many;
+  for (int i = 0; i < 40; ++i) many.push_back("10.9.1." + std::to_string(i));
+  CHECK(AllowUcxTcpHosts("test c", many) == kMaxHostsPerOwner);
+  CHECK(UcxTcpAllowedHosts() == before + 1 + kMaxHostsPerOwner);
+  CHECK(AllowUcxTcpHosts("test c", {}) == 0);
+  // Owners past the cap: "test a" was heard from before "test b" and every filler, so
+  // it goes first (its host stays, "test b" names it too); then "test b" goes.
+  for (size_t i = 0; i < kMaxOwners; ++i) {
+    AllowUcxTcpHosts("filler " + std::to_string(i), {});
+  }
+  CHECK(UcxTcpAllowedHosts() == before);  // "test a" and "test b" both dropped
+  CHECK(AllowUcxTcpHosts("test a", {"10.9.0.3"}) == 1);  // a new owner again, one dropped
+  CHECK(UcxTcpAllowedHosts() == before + 1);
+  for (size_t i = 0; i < kMaxOwners; ++i) AllowUcxTcpHosts("filler " + std::to_string(i), {});
+  CHECK(UcxTcpAllowedHosts() == before);
 }
 
 }  // namespace
