@@ -308,7 +308,8 @@ struct NetnsPair {
 std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& shape,
                                      const std::string& error_mode,
                                      const std::string& expected_mode,
-                                     const std::function<std::string(NetnsLab&)>& precheck = {}) {
+                                     const std::function<std::string(NetnsLab&)>& precheck = {},
+                                     const std::string& connect_ip = "") {
   auto pair = std::make_unique<NetnsPair>();
   pair->lab = NetnsLab::Make(skip);
   if (!pair->lab) return nullptr;
@@ -348,8 +349,8 @@ std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& 
   pair->decode = std::make_unique<cli::AgentClient>(pair->decode_process.address());
   pair->prefill_pool = Require(cli::CreateKvPool(*pair->prefill, "prefill", shape), "prefill pool");
   pair->decode_pool = Require(cli::CreateKvPool(*pair->decode, "decode", shape), "decode pool");
-  const std::string decode_data_address =
-      fmt::format("{}:{}", lab.data_ip(1), pair->decode_process.port());
+  const std::string decode_data_address = fmt::format(
+      "{}:{}", connect_ip.empty() ? lab.data_ip(1) : connect_ip, pair->decode_process.port());
   auto peer = Require(pair->prefill->Connect(decode_data_address), "connecting prefill to decode");
   INFO(peer.DebugString());
   REQUIRE(peer.address() == decode_data_address);
@@ -615,22 +616,34 @@ TEST_CASE("netem delay and loss on the data link: a transfer completes with the 
 // UCT's tcp transport takes a connection from whoever reaches UCX's port and serves a
 // put request by writing its payload wherever it names (tests/security/ucx_tcp_test).
 // Over the data network, decode's guard keeps a connection only from an authenticated
-// peer's host (transport/ucx_tcp_guard.h): the prefill agent's transfers still run, a
-// third host's stock UCT endpoint is closed before UCX reads it, and the same endpoint
-// from prefill's host (which the guard lets in) lands, so the refusal is the guard's.
+// peer's host (transport/ucx_tcp_guard.h). Here the agents' gRPC runs between second
+// addresses of the data link (10.77.1.x), while UCX connects from each interface's
+// first (10.77.0.x): prefill's UCX gets in only as a data address it announced. Its
+// transfers run, decode refuses nothing of it, a third host's stock UCT endpoint is
+// closed before UCX reads it, and the same endpoint from prefill's host (which the
+// guard lets in) lands, so the refusal is the guard's.
 TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is refused, a "
-          "peer's host is not") {
+          "peer's announced data address is not") {
   cli::KvPoolShape shape;
   shape.layers = 2;
   shape.pages = 16;
   shape.page_bytes = 16 << 10;
   std::string skip;
-  auto pair = StartPair(&skip, shape, "auto", "peer", [](NetnsLab& lab) {
-    const std::string error = lab.AddStranger();
-    return error.empty() ? error : "cannot add a third host to the test network: " + error;
-  });
+  auto network = [](NetnsLab& lab) {
+    std::string error = lab.AddStranger();
+    for (int side : {0, 1}) {
+      if (error.empty()) {
+        error = lab.IpIn(side, {"addr", "add", side == 0 ? "10.77.1.1/24" : "10.77.1.2/24", "dev",
+                                lab.data_dev(side)});
+      }
+    }
+    return error.empty() ? error : "cannot add a third host and second addresses: " + error;
+  };
+  auto pair = StartPair(&skip, shape, "auto", "peer", network, "10.77.1.2");
   if (!pair) KVAGENT_SKIP(skip);
   NetnsLab& lab = *pair->lab;
+  const uint64_t dropped_at_start =
+      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
   const auto all = Range(0, shape.pages);
   auto submitted = pair->prefill->Submit(KvWrite("guarded", all, all, "guarded-done"));
   INFO(submitted.status().ToString());
@@ -639,6 +652,9 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
   INFO(done.DebugString());
   REQUIRE(done.phase() == v1::COMPLETED);
   for (uint64_t p : all) CHECK(pair->PagesEqual(p, p));
+  const uint64_t dropped_before =
+      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
+  CHECK(dropped_before == dropped_at_start);  // none of prefill's connections refused
 
   // Decode's UCX port: its one TCP listener besides the gRPC door.
   const pid_t decode = pair->decode_process.pid();
@@ -653,8 +669,6 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
   REQUIRE(target != 0);
   const std::string address = fmt::format("{:#x}", target);
   const std::string before = PeekMemory(decode, target, 16);
-  const uint64_t dropped_before =
-      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const std::string probe =
       fmt::format("{}/kvagent/tests/security/uct_put_probe", srcdir ? srcdir : ".");
