@@ -579,4 +579,43 @@ void LeaveRetireFlushes(const void* worker) {
 
 uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<uint64_t> g_unused_id_messages{0};
+std::atomic<bool> g_iface_open_stand_in{false};
+
+ucs_status_t DropUnusedUctId(void* arg, void*, size_t length, unsigned) {
+  const auto id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
+  const uint64_t n = g_unused_id_messages.fetch_add(1, std::memory_order_relaxed) + 1;
+  g_refused_total.fetch_add(1, std::memory_order_relaxed);
+  if (n <= 4 || n % 1024 == 0) {
+    kLog.Warn("UCX: dropped a message of UCT active message id {} ({} bytes), for which UCX "
+              "has no handler ({} such so far): the sender runs something other than "
+              "kvagent's UCX or is hostile",
+              id, length, n);
+  }
+  return UCS_OK;
+}
+}  // namespace
+
+void QuietUnusedUctIds(void* uct_iface) {
+  auto* iface = static_cast<uct_iface_h>(uct_iface);
+  for (unsigned id = 0; id < UCT_AM_ID_MAX; ++id) {
+    // Async-safe (a counter and the logger), as some transports require.
+    const ucs_status_t status = uct_iface_set_am_handler(
+        iface, static_cast<uint8_t>(id), &DropUnusedUctId,
+        reinterpret_cast<void*>(static_cast<uintptr_t>(id)), UCT_CB_FLAG_ASYNC);
+    if (status != UCS_OK) {
+      kLog.Warn("UCX: cannot give UCT active message id {} a dropping handler ({}): a peer's "
+                "message of that id reaches UCT's stub, which logs it with a backtrace",
+                id, ucs_status_string(status));
+    }
+  }
+}
+
+bool UnusedUctIdsQuieted() { return g_iface_open_stand_in.load(); }
+
+void NoteUctIfaceOpenStandIn() { g_iface_open_stand_in.store(true); }
+
+uint64_t UnusedUctIdMessages() { return g_unused_id_messages.load(std::memory_order_relaxed); }
+
 }  // namespace kvagent::transport

@@ -53,6 +53,20 @@ std::vector<std::string> UcxRefusedProtocols();
 // Messages dropped so far in this process (all workers).
 uint64_t UcxRefusedMessages();
 
+// UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
+// 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message
+// (a 13-byte message from a peer: about 2 KiB of log). QuietUnusedUctIds gives every id
+// of `iface` a handler that drops the message, counts it (UcxRefusedMessages) and logs
+// the first few and every 1,024th; UCP then installs its own over the ids it uses.
+// Called by the uct_iface_open stand-in (transport:uct_iface_open_stand_in, linked into
+// kvagentd only) for each interface UCP opens.
+void QuietUnusedUctIds(void* uct_iface);
+// Whether the stand-in is linked in this process (it notes itself at load).
+bool UnusedUctIdsQuieted();
+void NoteUctIfaceOpenStandIn();
+// Messages of those ids dropped so far (also in UcxRefusedMessages).
+uint64_t UnusedUctIdMessages();
+
 // The ranges a software put or get request may name, with their memory type (a
 // ucs_memory_type_t: a request claiming host memory for a range of device memory would
 // make UCX memcpy to a device pointer). MemoryRegistration keeps them for

@@ -38,6 +38,13 @@ int Fail(const char* what, ucs_status_t status) {
   return 2;
 }
 
+std::string fmt_sent(unsigned sent, unsigned id, ucs_status_t last) {
+  char line[160];
+  std::snprintf(line, sizeof line, "%s\t%u active messages of id %u (last: %s)\n",
+                sent == 0 ? "refused" : "sent", sent, id, ucs_status_string(last));
+  return line;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,6 +148,31 @@ int main(int argc, char** argv) {
   uct_ep_h ep = nullptr;
   if ((status = uct_ep_create(&ep_params, &ep)) != UCS_OK) return Fail("uct_ep_create", status);
 
+  // KVAGENT_PROBE_AM=ID:COUNT: COUNT active messages of UCT id ID instead of the put
+  // (what a peer's UCT may send that UCP registers no handler for).
+  if (const char* am = std::getenv("KVAGENT_PROBE_AM"); am != nullptr) {
+    unsigned id = 0, count = 0;
+    if (std::sscanf(am, "%u:%u", &id, &count) != 2 || id >= UCT_AM_ID_MAX) {
+      Say(std::string("usage\tKVAGENT_PROBE_AM='") + am + "' is not ID:COUNT with ID below 32\n");
+      return 2;
+    }
+    unsigned sent = 0;
+    for (int spins = 0; sent < count && spins < 2000000; ++spins) {
+      status = uct_ep_am_short(ep, static_cast<uint8_t>(id), 0x4b564147454e5421ull, "probe", 5);
+      if (status == UCS_OK) {
+        ++sent;
+      } else if (status != UCS_ERR_NO_RESOURCE) {
+        break;
+      }
+      uct_worker_progress(worker);
+    }
+    for (int i = 0; i < 2000; ++i) {  // let them go out
+      uct_worker_progress(worker);
+      usleep(200);
+    }
+    Say(fmt_sent(sent, id, status));
+    return sent == count ? 0 : 3;
+  }
   static char payload[16] = "WRITTEN-BY-UCT!";
   uct_iov_t iov{};
   iov.buffer = payload;

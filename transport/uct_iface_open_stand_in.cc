@@ -1,0 +1,38 @@
+// uct_iface_open() in front of libuct's, for kvagentd: every UCT interface UCP opens
+// gets a dropping handler on each active message id first (QuietUnusedUctIds,
+// ucx_hardening.h), and UCP then installs its own over the ids it uses, so a peer's
+// message of an id UCP never registers is counted instead of reaching UCT's stub
+// handler (19 log lines and a backtrace each). kvagentd links this object and exports
+// the symbol (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's call
+// binds to it; the next definition in the lookup order (libuct's) does the work.
+#include <dlfcn.h>
+#include <uct/api/uct.h>
+
+#include "transport/ucx_hardening.h"
+
+namespace {
+
+using OpenFn = ucs_status_t (*)(uct_md_h, uct_worker_h, const uct_iface_params_t*,
+                                const uct_iface_config_t*, uct_iface_h*);
+
+OpenFn NextOpen() {
+  static const OpenFn next = reinterpret_cast<OpenFn>(dlsym(RTLD_NEXT, "uct_iface_open"));
+  return next;
+}
+
+[[maybe_unused]] const bool kNoted = [] {
+  kvagent::transport::NoteUctIfaceOpenStandIn();
+  return true;
+}();
+
+}  // namespace
+
+extern "C" ucs_status_t uct_iface_open(uct_md_h md, uct_worker_h worker,
+                                       const uct_iface_params_t* params,
+                                       const uct_iface_config_t* config, uct_iface_h* iface) {
+  const OpenFn next = NextOpen();
+  if (next == nullptr) return UCS_ERR_UNSUPPORTED;
+  const ucs_status_t status = next(md, worker, params, config, iface);
+  if (status == UCS_OK) kvagent::transport::QuietUnusedUctIds(*iface);
+  return status;
+}
