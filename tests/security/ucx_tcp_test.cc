@@ -25,25 +25,34 @@
 namespace kvagent::testing {
 namespace {
 
+// A root agent with only its local door, the probe copied where setpriv's uids reach
+// it, and the agent's UCX TCP port: without a network door its UCX uses loopback only,
+// so its one TCP listener is UCT's tcp interface.
+struct Victim {
+  Victim() : probe(CopyTool(dir, "uct_put_probe")), process(StartVictim(dir, {})) {
+    const std::vector<int> ports = ListeningTcpPorts(process->pid());
+    INFO("the agent's TCP listeners: " << ports.size());
+    REQUIRE(ports.size() == 1);
+    port = std::to_string(ports[0]);
+  }
+  OpenDir dir;
+  std::string probe;
+  std::unique_ptr<cli::DaemonProcess> process;
+  std::string port;
+};
+
 TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP port; a peer uid "
           "still connects") {
   if (geteuid() != 0) KVAGENT_SKIP("needs root: the attacker runs as uid 65534 under setpriv");
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
-  OpenDir dir;
-  const std::string probe = CopyTool(dir, "uct_put_probe");
-  std::unique_ptr<cli::DaemonProcess> victim = StartVictim(dir, {});
-  cli::DaemonProcess& agent = *victim;
+  Victim victim;
+  cli::DaemonProcess& agent = *victim.process;
   cli::AgentClient client(agent.address());
-
-  // Without a network door the agent's UCX uses loopback only: its one TCP listener is
-  // UCT's tcp interface.
-  const std::vector<int> ports = ListeningTcpPorts(agent.pid());
-  INFO("the agent's TCP listeners: " << ports.size());
-  REQUIRE(ports.size() == 1);
+  const std::string& probe = victim.probe;
+  const std::string& port = victim.port;
   const uint64_t target = StackBottom(agent.pid());
   REQUIRE(target != 0);
   const std::string before = PeekMemory(agent.pid(), target, 16);
-  const std::string port = std::to_string(ports[0]);
   const std::string address = fmt::format("{:#x}", target);
   auto first = client.Status();
   REQUIRE(first.ok());
@@ -89,20 +98,16 @@ TEST_CASE("messages of UCT ids UCP has no handler for are dropped and counted, n
           "one by one with a backtrace") {
   if (geteuid() != 0) KVAGENT_SKIP("needs root: the sender runs as the agent's uid under setpriv");
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
-  OpenDir dir;
-  const std::string probe = CopyTool(dir, "uct_put_probe");
-  std::unique_ptr<cli::DaemonProcess> victim = StartVictim(dir, {});
-  cli::DaemonProcess& agent = *victim;
+  Victim victim;
+  cli::DaemonProcess& agent = *victim.process;
   cli::AgentClient client(agent.address());
-  const std::vector<int> ports = ListeningTcpPorts(agent.pid());
-  REQUIRE(ports.size() == 1);
   auto first = client.Status();
   REQUIRE(first.ok());
   constexpr int kEach = 300;
   const std::vector<int> ids = {0, 5, 13, 27, 31};
   for (int id : ids) {
     setenv("KVAGENT_PROBE_AM", fmt::format("{}:{}", id, kEach).c_str(), 1);
-    const Outcome sent = RunAs(0, 0, probe, std::to_string(ports[0]), "0");
+    const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
     INFO("id " << id << ": " << sent.code << ": " << sent.message);
     CHECK(sent.code == "sent");
   }
