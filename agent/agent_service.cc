@@ -626,6 +626,8 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   // With the messages of ids no handler takes and the tagged ones (the worker drops
   // them itself), those of UCX protocols the process refuses (ucx_hardening.h), and the
   // connections to UCX's TCP port it closed unread (ucx_tcp_guard.h).
+  status->set_ucx_tcp_refused_connections(transport::UcxTcpRefusedConnections());
+  status->set_ucx_tcp_allowed_hosts(transport::UcxTcpAllowedHosts());
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load() +
                                     deps.worker->unknown_messages() +
                                     transport::UcxRefusedMessages() +

@@ -288,6 +288,13 @@ std::string RenderMetrics(const MetricsSources& sources) {
   Family(&out, "kvagent_dropped_peer_messages_total", "counter",
          "UCX messages dropped: no or wrong secret, oversized.")
       .Sample(static_cast<double>(status.dropped_peer_messages()));
+  Family(&out, "kvagent_ucx_tcp_refused_connections_total", "counter",
+         "Connections to UCX's TCP port closed unread: a local uid not a peer's, or a host "
+         "no authenticated peer vouched for.")
+      .Sample(static_cast<double>(status.ucx_tcp_refused_connections()));
+  Family(&out, "kvagent_ucx_tcp_allowed_hosts", "gauge",
+         "Hosts authenticated peers vouched for, whose connections UCX's TCP port keeps.")
+      .Sample(static_cast<double>(status.ucx_tcp_allowed_hosts()));
   Family(&out, "kvagent_liveness_answered_total", "counter",
          "Liveness pings from watching peers answered by this agent's liveness door.")
       .Sample(static_cast<double>(status.liveness_answered()));

@@ -287,9 +287,12 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
               static_cast<unsigned long>(lanes.device_bytes()));
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
-  std::printf("refused      %lu calls, %lu peer messages dropped\n",
+  std::printf("refused      %lu calls, %lu peer messages dropped (%lu connections to UCX's "
+              "TCP port among them); UCX's TCP port keeps connections from %lu peer hosts\n",
               static_cast<unsigned long>(s.refused_calls()),
-              static_cast<unsigned long>(s.dropped_peer_messages()));
+              static_cast<unsigned long>(s.dropped_peer_messages()),
+              static_cast<unsigned long>(s.ucx_tcp_refused_connections()),
+              static_cast<unsigned long>(s.ucx_tcp_allowed_hosts()));
   std::printf("liveness     %lu pings answered, %lu datagrams dropped (malformed, unknown key, "
               "bad MAC, wrong incarnation, replayed); %lu peers lost, %lu pings refused by a "
               "full door\n",

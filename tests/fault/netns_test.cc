@@ -652,9 +652,13 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
   INFO(done.DebugString());
   REQUIRE(done.phase() == v1::COMPLETED);
   for (uint64_t p : all) CHECK(pair->PagesEqual(p, p));
-  const uint64_t dropped_before =
-      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
+  const v1::AgentStatus decode_status = Require(pair->decode->Status(), "decode's status");
+  const uint64_t dropped_before = decode_status.dropped_peer_messages();
   CHECK(dropped_before == dropped_at_start);  // none of prefill's connections refused
+  CHECK(decode_status.ucx_tcp_refused_connections() == 0);
+  // Prefill vouched for its gRPC source (10.77.1.1) and announced both addresses of its
+  // data interface (10.77.0.1 too).
+  CHECK(decode_status.ucx_tcp_allowed_hosts() >= 2);
 
   // Decode's UCX port: its one TCP listener besides the gRPC door.
   const pid_t decode = pair->decode_process.pid();
@@ -681,9 +685,10 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
   CHECK(stranger.output.rfind("refused\t", 0) == 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   CHECK(PeekMemory(decode, target, 16) == before);
-  const uint64_t dropped_after =
-      Require(pair->decode->Status(), "decode's status").dropped_peer_messages();
+  const v1::AgentStatus after_status = Require(pair->decode->Status(), "decode's status");
+  const uint64_t dropped_after = after_status.dropped_peer_messages();
   CHECK(dropped_after > dropped_before);
+  CHECK(after_status.ucx_tcp_refused_connections() == dropped_after - dropped_before);
   std::printf("a third host's UCT put to decode's UCX port %s: %s; dropped_peer_messages "
               "%llu -> %llu\n",
               port.c_str(), stranger.output.c_str(),

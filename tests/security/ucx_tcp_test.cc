@@ -67,6 +67,8 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
   auto status = client.Status();
   REQUIRE(status.ok());
   CHECK(status->dropped_peer_messages() > dropped_before);  // each refused connection
+  CHECK(status->ucx_tcp_refused_connections() ==
+        status->dropped_peer_messages() - dropped_before);
   std::printf("uid 65534 against UCX's TCP port %s: %s (%s); dropped_peer_messages %llu -> "
               "%llu\n",
               port.c_str(), stranger.code.c_str(), stranger.message.c_str(),
