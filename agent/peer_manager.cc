@@ -15,9 +15,9 @@
 #include "base/log.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
-#include "transport/ucx_tcp_guard.h"
 #include "registry/cuda_vmm_mapping.h"
 #include "registry/device_memory_object.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::agent {
 namespace {
@@ -438,9 +438,8 @@ void PeerManager::BuildSnapshot(
   if (!link->local) {
     // Its UCX may connect here (the guard keeps other hosts' connections only from
     // peers): from the addresses it announced, or the one dialled.
-    std::vector<std::string> hosts(metadata.data_addresses().begin(),
-                                   metadata.data_addresses().end());
-    hosts.push_back(HostOfDialled(address));
+    std::vector<std::string> hosts = {HostOfDialled(address)};  // first: never cut
+    hosts.insert(hosts.end(), metadata.data_addresses().begin(), metadata.data_addresses().end());
     transport::AllowUcxTcpHosts("dialled " + address, hosts);
   }
   switch (options_.error_mode) {

@@ -20,11 +20,6 @@ OpenFn NextOpen() {
   return next;
 }
 
-[[maybe_unused]] const bool kNoted = [] {
-  kvagent::transport::NoteUctIfaceOpenStandIn();
-  return true;
-}();
-
 }  // namespace
 
 extern "C" ucs_status_t uct_iface_open(uct_md_h md, uct_worker_h worker,

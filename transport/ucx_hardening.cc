@@ -581,7 +581,6 @@ uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_re
 
 namespace {
 std::atomic<uint64_t> g_unused_id_messages{0};
-std::atomic<bool> g_iface_open_stand_in{false};
 
 ucs_status_t DropUnusedUctId(void* arg, void*, size_t length, unsigned) {
   const auto id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
@@ -611,11 +610,5 @@ void QuietUnusedUctIds(void* uct_iface) {
     }
   }
 }
-
-bool UnusedUctIdsQuieted() { return g_iface_open_stand_in.load(); }
-
-void NoteUctIfaceOpenStandIn() { g_iface_open_stand_in.store(true); }
-
-uint64_t UnusedUctIdMessages() { return g_unused_id_messages.load(std::memory_order_relaxed); }
 
 }  // namespace kvagent::transport

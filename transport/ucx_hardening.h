@@ -61,11 +61,6 @@ uint64_t UcxRefusedMessages();
 // Called by the uct_iface_open stand-in (transport:uct_iface_open_stand_in, linked into
 // kvagentd only) for each interface UCP opens.
 void QuietUnusedUctIds(void* uct_iface);
-// Whether the stand-in is linked in this process (it notes itself at load).
-bool UnusedUctIdsQuieted();
-void NoteUctIfaceOpenStandIn();
-// Messages of those ids dropped so far (also in UcxRefusedMessages).
-uint64_t UnusedUctIdMessages();
 
 // The ranges a software put or get request may name, with their memory type (a
 // ucs_memory_type_t: a request claiming host memory for a range of device memory would

@@ -212,8 +212,10 @@ void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids, RemoteUcxTcp remote) {
 
 size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>& addresses) {
   std::vector<Host> hosts;
+  size_t looked = 0;
   for (const std::string& address : addresses) {
-    if (hosts.size() == kMaxHostsPerOwner) break;
+    // A peer's list is its own to fill: past a few times the cap, the rest is not read.
+    if (hosts.size() == kMaxHostsPerOwner || ++looked > 4 * kMaxHostsPerOwner) break;
     const std::optional<Host> host = ParseHost(address);
     if (host && std::find(hosts.begin(), hosts.end(), *host) == hosts.end()) {
       hosts.push_back(*host);
@@ -223,9 +225,9 @@ size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>
   auto it = g_hosts->find(owner);
   if (it == g_hosts->end()) {
     if (g_hosts->size() >= kMaxOwners) {
-      auto oldest = std::min_element(g_hosts->begin(), g_hosts->end(), [](const auto& a, const auto& b) {
-        return a.second.tick < b.second.tick;
-      });
+      auto oldest = std::min_element(
+          g_hosts->begin(), g_hosts->end(),
+          [](const auto& a, const auto& b) { return a.second.tick < b.second.tick; });
       kLog.Warn("UCX TCP: {} peers vouch for hosts, the most kept: '{}', the one heard from "
                 "longest ago, no longer does (its hosts connect again once it fetches this "
                 "agent's metadata)",
@@ -244,7 +246,9 @@ bool UcxTcpRemoteChecked() { return g_remote_checked.load(); }
 size_t UcxTcpAllowedHosts() {
   absl::MutexLock lock(&g_mu);
   std::set<Host> distinct;
-  for (const auto& [owner, allowed] : *g_hosts) distinct.insert(allowed.hosts.begin(), allowed.hosts.end());
+  for (const auto& [owner, allowed] : *g_hosts) {
+    distinct.insert(allowed.hosts.begin(), allowed.hosts.end());
+  }
   return distinct.size();
 }
 
@@ -282,7 +286,9 @@ bool UcxTcpAdmit(int fd) {
   const sockaddr_storage from = Unmapped(peer);
   const sockaddr_storage to = Unmapped(local);
   if (!OfThisHost(from)) {
-    if (!g_remote_checked.load(std::memory_order_relaxed) || HostAllowed(HostOf(from))) return true;
+    if (!g_remote_checked.load(std::memory_order_relaxed) || HostAllowed(HostOf(from))) {
+      return true;
+    }
     const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
     if (n <= 4 || n % 1024 == 0) {
       kLog.Warn("UCX TCP: refused a connection from {} to {} ({} so far): that host is no "

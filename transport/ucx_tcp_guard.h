@@ -48,7 +48,8 @@ void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids,
 // The hosts a peer's UCX may connect from, under `owner` (who vouched for them: the
 // peer's authenticated identity): IP literals ("10.0.0.7", "fd00::7", "[fd00::7]");
 // anything else is ignored. Replaces what `owner` had. At most kMaxHostsPerOwner are
-// kept (the first ones) and kMaxOwners owners are held: a new owner past that drops
+// kept (the first ones; no more than 4 x kMaxHostsPerOwner entries are read) and
+// kMaxOwners owners are held: a new owner past that drops
 // the one allowed longest ago. Returns how many addresses it kept.
 inline constexpr size_t kMaxHostsPerOwner = 16;
 inline constexpr size_t kMaxOwners = 4096;

@@ -234,6 +234,10 @@ TEST_CASE("hosts vouched for by peers: IP literals only, at most 16 an owner, re
   for (int i = 0; i < 40; ++i) many.push_back("10.9.1." + std::to_string(i));
   CHECK(AllowUcxTcpHosts("test c", many) == kMaxHostsPerOwner);
   CHECK(UcxTcpAllowedHosts() == before + 1 + kMaxHostsPerOwner);
+  // Junk first: only the first 64 entries are read.
+  std::vector<std::string> junk(4 * kMaxHostsPerOwner, "junk");
+  junk.push_back("10.9.2.1");
+  CHECK(AllowUcxTcpHosts("test c", junk) == 0);
   CHECK(AllowUcxTcpHosts("test c", {}) == 0);
   // Owners past the cap: "test a" was heard from before "test b" and every filler, so
   // it goes first (its host stays, "test b" names it too); then "test b" goes.
