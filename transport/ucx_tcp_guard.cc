@@ -35,7 +35,21 @@ absl::Mutex g_mu;
 std::set<uid_t>* g_allowed ABSL_GUARDED_BY(g_mu) = new std::set<uid_t>();
 std::map<std::string, Allowed>* g_hosts ABSL_GUARDED_BY(g_mu) =
     new std::map<std::string, Allowed>();
+// The owners by when they were last heard from (the oldest first), and how many owners
+// vouch for each host: both kept beside g_hosts, for a lookup and an eviction that do
+// not walk every owner.
+std::map<uint64_t, std::string>* g_by_tick ABSL_GUARDED_BY(g_mu) =
+    new std::map<uint64_t, std::string>();
+std::map<Host, uint32_t>* g_host_owners ABSL_GUARDED_BY(g_mu) = new std::map<Host, uint32_t>();
 uint64_t g_tick ABSL_GUARDED_BY(g_mu) = 0;
+
+// Forgets what `allowed` vouched for in g_host_owners.
+void ReleaseHostsLocked(const Allowed& allowed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
+  for (const Host& host : allowed.hosts) {
+    auto it = g_host_owners->find(host);
+    if (it != g_host_owners->end() && --it->second == 0) g_host_owners->erase(it);
+  }
+}
 std::atomic<bool> g_on{false};
 std::atomic<bool> g_remote_checked{true};
 std::atomic<uint64_t> g_refused{0};
@@ -70,12 +84,7 @@ std::optional<Host> ParseHost(std::string text) {
 
 bool HostAllowed(const Host& host) {
   absl::MutexLock lock(&g_mu);
-  for (const auto& [owner, allowed] : *g_hosts) {
-    if (std::find(allowed.hosts.begin(), allowed.hosts.end(), host) != allowed.hosts.end()) {
-      return true;
-    }
-  }
-  return false;
+  return g_host_owners->count(host) > 0;
 }
 
 // An IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it maps: the
@@ -225,19 +234,25 @@ size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>
   auto it = g_hosts->find(owner);
   if (it == g_hosts->end()) {
     if (g_hosts->size() >= kMaxOwners) {
-      auto oldest = std::min_element(
-          g_hosts->begin(), g_hosts->end(),
-          [](const auto& a, const auto& b) { return a.second.tick < b.second.tick; });
+      const auto oldest = g_by_tick->begin();
+      const auto gone = g_hosts->find(oldest->second);
       kLog.Warn("UCX TCP: {} peers vouch for hosts, the most kept: '{}', the one heard from "
                 "longest ago, no longer does (its hosts connect again once it fetches this "
                 "agent's metadata)",
-                kMaxOwners, oldest->first);
-      g_hosts->erase(oldest);
+                kMaxOwners, oldest->second);
+      ReleaseHostsLocked(gone->second);
+      g_hosts->erase(gone);
+      g_by_tick->erase(oldest);
     }
     it = g_hosts->emplace(owner, Allowed{}).first;
+  } else {
+    ReleaseHostsLocked(it->second);
+    g_by_tick->erase(it->second.tick);
   }
+  for (const Host& host : hosts) ++(*g_host_owners)[host];
   it->second.hosts = std::move(hosts);
   it->second.tick = ++g_tick;
+  g_by_tick->emplace(it->second.tick, owner);
   return it->second.hosts.size();
 }
 
@@ -245,11 +260,7 @@ bool UcxTcpRemoteChecked() { return g_remote_checked.load(); }
 
 size_t UcxTcpAllowedHosts() {
   absl::MutexLock lock(&g_mu);
-  std::set<Host> distinct;
-  for (const auto& [owner, allowed] : *g_hosts) {
-    distinct.insert(allowed.hosts.begin(), allowed.hosts.end());
-  }
-  return distinct.size();
+  return g_host_owners->size();
 }
 
 std::string HostOfGrpcPeer(std::string_view peer) {

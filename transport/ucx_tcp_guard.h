@@ -52,7 +52,7 @@ void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids,
 // kMaxOwners owners are held: a new owner past that drops
 // the one allowed longest ago. Returns how many addresses it kept.
 inline constexpr size_t kMaxHostsPerOwner = 16;
-inline constexpr size_t kMaxOwners = 4096;
+inline constexpr size_t kMaxOwners = 16384;  // two a peer: as caller and as dialled
 size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>& addresses);
 
 // Whether connections from other hosts are checked (kPeers), and the distinct hosts
