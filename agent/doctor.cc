@@ -16,8 +16,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -28,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/cpu_list.h"
+#include "base/file_text.h"
 #include "base/format.h"
 #include "base/log.h"
 #include "cuda/driver.h"
@@ -75,14 +74,6 @@ bool IsRdmaTransport(const std::string& name) {
 std::string DeviceText(const RdmaDevice& device) {
   return fmt::format("{} [{}]", device.name,
                      device.port_states.empty() ? "no ports" : absl::StrJoin(device.port_states, ", "));
-}
-
-std::optional<std::string> ReadSmallFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 constexpr const char* kCudaLibrary = cuda::CudaDriver::kLibraryName;
@@ -721,7 +712,7 @@ WakeupFacts ProbeWakeup(uint32_t rounds, uint32_t pause_us) {
 }
 
 std::optional<int> ReadPtraceScope(const std::string& path) {
-  auto text = ReadSmallFile(path);
+  auto text = ReadFileText(path);
   if (!text.has_value()) return std::nullopt;
   int scope = 0;
   if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &scope)) return -1;
@@ -787,7 +778,7 @@ std::vector<std::string> NumberedEntries(const std::string& dir) {
 
 // A sysfs file's first word ("" when it cannot be read).
 std::string ReadWord(const std::string& path) {
-  auto text = ReadSmallFile(path);
+  auto text = ReadFileText(path);
   if (!text.has_value()) return "";
   absl::string_view s = absl::StripAsciiWhitespace(*text);
   return std::string(s.substr(0, s.find_first_of(" \t\n")));
@@ -860,7 +851,7 @@ std::vector<RdmaDevice> ListRdmaDevices(const std::string& sysfs_dir) {
     const std::string ports = sysfs_dir + "/" + name + "/ports";
     for (const auto& port : SortedEntries(ports)) {
       // The file reads "4: ACTIVE"; keep the word.
-      auto state = ReadSmallFile(ports + "/" + port + "/state");
+      auto state = ReadFileText(ports + "/" + port + "/state");
       std::string word = "UNKNOWN";
       if (state.has_value()) {
         absl::string_view s = absl::StripAsciiWhitespace(*state);
@@ -911,7 +902,7 @@ v1::DoctorReport RunDoctor(const DoctorInputs& inputs) {
   *report.add_checks() = CheckMemlock(ReadMemlock());
   *report.add_checks() = CheckDevShm(InspectShm(inputs.shm_path));
   *report.add_checks() =
-      CheckHugepages(ParseMeminfo(ReadSmallFile(inputs.meminfo_path).value_or("")));
+      CheckHugepages(ParseMeminfo(ReadFileText(inputs.meminfo_path).value_or("")));
   *report.add_checks() = CheckFirstTouch(ProbeFirstTouch());
   *report.add_checks() = CheckWakeup(ProbeWakeup());
   *report.add_checks() = CheckDamon(ReadDamon(inputs.damon_dir));

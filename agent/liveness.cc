@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "agent/peer_secrets.h"
 #include "base/clock.h"
+#include "base/interfaces.h"
 #include "base/log.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
@@ -352,15 +353,12 @@ absl::StatusOr<LivenessTarget> ResolveLivenessTarget(const std::string& announce
     return absl::InvalidArgumentError(fmt::format(
         "its liveness door '{}' is not udp:PORT (a peer reached over the network)", announced));
   }
-  std::string host = dialed;
-  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
-    if (absl::StartsWith(host, scheme)) host = host.substr(std::strlen(scheme));
-  }
-  const size_t colon = host.rfind(':');
-  if (colon == std::string::npos) {
+  bool had_port = false;
+  const std::string host = HostOfDialled(dialed, &had_port);
+  if (!had_port) {
     return absl::InvalidArgumentError(fmt::format("cannot find the host in '{}'", dialed));
   }
-  return ResolveUdp(host.substr(0, colon), port, /*passive=*/false);
+  return ResolveUdp(host, port, /*passive=*/false);
 }
 
 // ---------------------------------------------------------------------------------

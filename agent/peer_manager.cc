@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -12,6 +11,7 @@
 #include "agent/am_ids.h"
 #include "agent/status_util.h"
 #include "base/format.h"
+#include "base/interfaces.h"
 #include "base/log.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
@@ -23,20 +23,6 @@ namespace kvagent::agent {
 namespace {
 constexpr log::Logger kLog("peers");
 constexpr log::Logger kAudit("audit");
-
-// The host part of a dialled address ("10.0.0.7:5000", "[fd00::7]:5000", "ipv4:..."):
-// an IP literal or a name (which the UCX TCP guard ignores).
-std::string HostOfDialled(std::string address) {
-  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
-    if (absl::StartsWith(address, scheme)) address = address.substr(std::strlen(scheme));
-  }
-  const size_t colon = address.rfind(':');
-  std::string host = colon == std::string::npos ? address : address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  return host;
-}
 
 // Who asks (informational), and the data addresses this agent's UCX connects from, which
 // the peer then lets through its UCX TCP guard (transport/ucx_tcp_guard.h).
@@ -438,7 +424,8 @@ void PeerManager::BuildSnapshot(
   if (!link->local) {
     // Its UCX may connect here (the guard keeps other hosts' connections only from
     // peers): from the addresses it announced, or the one dialled.
-    std::vector<std::string> hosts = {HostOfDialled(address)};  // first: never cut
+    // First, never cut; an IP literal or a name (which the guard ignores).
+    std::vector<std::string> hosts = {HostOfDialled(address)};
     hosts.insert(hosts.end(), metadata.data_addresses().begin(), metadata.data_addresses().end());
     transport::AllowUcxTcpHosts("dialled " + address, hosts);
   }

@@ -8,12 +8,12 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <sstream>
 
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
+#include "base/file_text.h"
 #include "base/interfaces.h"
 #include "base/log.h"
 #include "fmt/format.h"
@@ -50,6 +50,7 @@ void ReleaseHostsLocked(const Allowed& allowed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_
     if (it != g_host_owners->end() && --it->second == 0) g_host_owners->erase(it);
   }
 }
+
 std::atomic<bool> g_on{false};
 std::atomic<bool> g_remote_checked{true};
 std::atomic<uint64_t> g_refused{0};
@@ -57,11 +58,12 @@ std::atomic<uint64_t> g_refused{0};
 // `a` (unmapped) as a Host.
 Host HostOf(const sockaddr_storage& a) {
   Host host{};
+  const void* address = InAddressOf(reinterpret_cast<const sockaddr*>(&a));
   if (a.ss_family == AF_INET) {
     host[10] = host[11] = 0xff;
-    std::memcpy(&host[12], &reinterpret_cast<const sockaddr_in&>(a).sin_addr, 4);
+    std::memcpy(&host[12], address, 4);
   } else {
-    std::memcpy(host.data(), &reinterpret_cast<const sockaddr_in6&>(a).sin6_addr, 16);
+    std::memcpy(host.data(), address, 16);
   }
   return host;
 }
@@ -134,11 +136,8 @@ bool OfThisHost(const sockaddr_storage& a) {
     const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
     if (IN6_IS_ADDR_LOOPBACK(&six.sin6_addr)) return true;
   }
-  const void* address =
-      a.ss_family == AF_INET
-          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in&>(a).sin_addr)
-          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6&>(a).sin6_addr);
-  const std::optional<std::string> holder = InterfaceHolding(a.ss_family, address);
+  const std::optional<std::string> holder =
+      InterfaceHolding(a.ss_family, InAddressOf(reinterpret_cast<const sockaddr*>(&a)));
   return !holder.has_value() || !holder->empty();  // cannot tell: treat as local (checked)
 }
 
@@ -155,13 +154,6 @@ std::string Text(const sockaddr_storage& a) {
   inet_ntop(AF_INET6, &six.sin6_addr, host, sizeof host);
   port = ntohs(six.sin6_port);
   return fmt::format("[{}]:{}", host, port);
-}
-
-std::string ReadAll(const char* path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 std::atomic<bool> g_stand_in{false};
@@ -267,16 +259,12 @@ std::string HostOfGrpcPeer(std::string_view peer) {
   const std::string_view scheme = peer.substr(0, 5);
   if (scheme != "ipv4:" && scheme != "ipv6:") return "";
   // gRPC percent-encodes an IPv6 address's brackets (and a zone's '%').
-  const std::string rest = absl::StrReplaceAll(
-      std::string(peer.substr(5)),
-      {{"%5B", "["}, {"%5D", "]"}, {"%5b", "["}, {"%5d", "]"}, {"%25", "%"}});
-  const size_t colon = rest.rfind(':');
-  if (colon == std::string::npos || colon == 0) return "";
-  std::string host = rest.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  return ParseHost(host) ? host : "";
+  bool had_port = false;
+  const std::string host = HostOfDialled(
+      absl::StrReplaceAll(std::string(peer), {{"%5B", "["}, {"%5D", "]"}, {"%5b", "["},
+                                              {"%5d", "]"}, {"%25", "%"}}),
+      &had_port);
+  return had_port && ParseHost(host) ? host : "";
 }
 
 bool UcxTcpGuarded() { return g_on.load() && g_stand_in.load(); }
@@ -312,7 +300,8 @@ bool UcxTcpAdmit(int fd) {
     }
     return false;
   }
-  const std::string table = ReadAll(from.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6");
+  const std::string table =
+      ReadFileText(from.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6").value_or("");
   const std::optional<uid_t> uid = internal::ConnectorUid(table, from, to);
   bool allowed = false;
   {
