@@ -196,6 +196,8 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--engine-uids=no-such-user-here"},
                 {"--engine-uids", "'no-such-user-here'", "numeric uids"});
   ExpectRefused({"--log-level=loud"}, {"--log-level", "'loud'", "trace, debug"});
+  ExpectRefused({"--ucx-tcp-remote=nobody"},
+                {"--ucx-tcp-remote", "'nobody'", "neither peers nor any", "fence UCX's ports"});
   ExpectRefused({"--max-regions=lots"}, {"--max-regions", "'lots'", "non-negative integer"});
   ExpectRefused({"--max-metadata-bytes=1X"}, {"--max-metadata-bytes", "K, M, G or T"});
   ExpectRefused({"--grpc-max-threads=0"}, {"--grpc-max-threads", "at least 1"});
