@@ -188,7 +188,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   agent->streams_ = std::make_unique<StreamTable>(&agent->limits_);
   agent->notifications_ = std::make_unique<NotificationQueue>(&agent->limits_);
   agent->notifications_->set_subscription_ttl_ms(options.subscription_ttl_ms);
-  agent->watchers_ = std::make_unique<MetadataWatchers>();
+  // A caller dropped from the table (gone quiet) no longer vouches for hosts on UCX's
+  // TCP port.
+  agent->watchers_ = std::make_unique<MetadataWatchers>(
+      /*recent_ms=*/5000, options.ucx_tcp_host_ttl_ms, [](const std::string& caller) {
+        transport::ForgetUcxTcpHosts(transport::UcxTcpCallerOwner(caller));
+      });
   // Off, WatchMetadata answers UNIMPLEMENTED, so peers poll this agent as it polls them.
   if (options.metadata_push) agent->push_ = std::make_unique<MetadataPush>();
   PeerManagerOptions peer_options;

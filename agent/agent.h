@@ -79,6 +79,9 @@ struct AgentOptions {
   // only from authenticated peers' addresses (transport/ucx_tcp_guard.h; main sets the
   // guard from it).
   bool ucx_tcp_remote_any = false;
+  // How long a calling peer's addresses stay allowed there after it stopped watching
+  // and polling this agent (--ucx-tcp-host-ttl-ms; MetadataWatchers' forget_ms).
+  uint32_t ucx_tcp_host_ttl_ms = 60000;
   bool shm_direct = true;
   // Memory objects of one same-host peer mapped here (--max-peer-memory-objects).
   uint32_t max_peer_memory_objects = 4096;

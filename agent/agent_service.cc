@@ -1158,7 +1158,7 @@ void AllowPeerHosts(Door door, const std::string& identity, const std::string& g
     hosts.push_back(std::move(source));
   }
   hosts.insert(hosts.end(), request.data_addresses().begin(), request.data_addresses().end());
-  transport::AllowUcxTcpHosts("caller " + identity, hosts);
+  transport::AllowUcxTcpHosts(transport::UcxTcpCallerOwner(identity), hosts);
 }
 }  // namespace
 
@@ -1168,7 +1168,6 @@ void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
   if (!caller.ok()) return reply(caller.status());
   auto identity = PeerIdentity(door_, *caller, *request, "GetMetadata", deps_.secrets);
   if (!identity.ok()) return reply(identity.status());
-  AllowPeerHosts(door_, *identity, context->peer(), *request);
   if (absl::Status tracked = deps_.watchers->Polled(
           *identity, request->known_version(),
           request->known_incarnation() == deps_.identity->incarnation, deps_.limits);
@@ -1176,6 +1175,8 @@ void PeerService::HandleGetMetadata(grpc::CallbackServerContext* context,
     kLog.Warn("{}", tracked.message());
     return reply(tracked);
   }
+  // After Polled: its hosts are forgotten with its entry in the watcher table.
+  AllowPeerHosts(door_, *identity, context->peer(), *request);
   ExportMetadataFor(deps_, door_, *identity, caller->principal, *request, response);
   return reply(absl::OkStatus());
 }

@@ -133,6 +133,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               peers (default) only from addresses of authenticated peers
                               (where their metadata calls came from, or data addresses
                               they announced); any: every host (fence UCX's ports then)
+  --ucx-tcp-host-ttl-ms N     a calling peer's addresses stay allowed on UCX's TCP port
+                              this long after it stopped watching and polling this
+                              agent's metadata (default 60000; at least 100)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
   --max-peer-memory-objects N shm-direct: memory objects of one same-host peer mapped
@@ -282,6 +285,8 @@ KVAGENT_FLAG(OnOff, liveness, "liveness", OnOff{Defaults().liveness}, "");
 KVAGENT_FLAG(Count<uint32_t>, liveness_port, "liveness-port", {Defaults().liveness_port}, "");
 KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error_mode, "");
 KVAGENT_FLAG(std::string, ucx_tcp_remote, "ucx-tcp-remote", "peers", "");
+KVAGENT_FLAG(Count<uint32_t>, ucx_tcp_host_ttl_ms, "ucx-tcp-host-ttl-ms",
+             {Defaults().ucx_tcp_host_ttl_ms}, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
 KVAGENT_FLAG(Count<uint32_t>, max_peer_memory_objects, "max-peer-memory-objects",
              {Defaults().max_peer_memory_objects}, "");
@@ -454,6 +459,13 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
         ucx_tcp_remote.substr(0, 64)));
   }
   options->ucx_tcp_remote_any = ucx_tcp_remote == "any";
+  options->ucx_tcp_host_ttl_ms = GetFlag(FLAGS_ucx_tcp_host_ttl_ms).value;
+  if (options->ucx_tcp_host_ttl_ms < 100) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--ucx-tcp-host-ttl-ms: {} is below 100; a peer's addresses must outlast a watch "
+        "stream's reconnect (the default, 60000, does)",
+        options->ucx_tcp_host_ttl_ms));
+  }
   options->shm_direct = GetFlag(FLAGS_shm_direct).on;
   options->max_peer_memory_objects = GetFlag(FLAGS_max_peer_memory_objects).value;
   options->peer_metadata_share_percent = GetFlag(FLAGS_peer_metadata_share).value;

@@ -10,8 +10,11 @@
 
 namespace kvagent::agent {
 
-MetadataWatchers::MetadataWatchers(uint32_t recent_ms)
-    : recent_ms_(recent_ms), thread_([this] { Loop(); }) {}
+MetadataWatchers::MetadataWatchers(uint32_t recent_ms, uint32_t forget_ms, Forgotten forgotten)
+    : recent_ms_(recent_ms),
+      forget_ms_(forget_ms),
+      forgotten_(std::move(forgotten)),
+      thread_([this] { Loop(); }) {}
 
 MetadataWatchers::~MetadataWatchers() {
   std::vector<Waiter> left;
@@ -27,6 +30,18 @@ MetadataWatchers::~MetadataWatchers() {
   for (auto& w : left) w.done({});
 }
 
+template <typename Gone>
+void MetadataWatchers::DropLocked(Gone gone) {
+  for (auto it = watchers_.begin(); it != watchers_.end();) {
+    if (!gone(it->second)) {
+      ++it;
+      continue;
+    }
+    if (forgotten_) forgotten_(it->first);
+    watchers_.erase(it++);
+  }
+}
+
 absl::StatusOr<MetadataWatchers::Watcher*> MetadataWatchers::FindOrAddLocked(
     const std::string& caller, const Limits* limits, std::string_view what) {
   auto found = watchers_.find(caller);
@@ -34,8 +49,9 @@ absl::StatusOr<MetadataWatchers::Watcher*> MetadataWatchers::FindOrAddLocked(
   if (limits != nullptr && !limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
     // Those that stopped watching count for nothing: make room by dropping them.
     const uint64_t now = MonotonicMicros();
-    absl::erase_if(watchers_,
-                   [&](const auto& entry) { return !CountsLocked(entry.second, now); });
+    DropLocked([&](const Watcher& w) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return !CountsLocked(w, now);
+    });
     if (!limits->Fits(Limit::kPeerCallers, watchers_.size(), 1)) {
       return limits->Refuse(Limit::kPeerCallers,
                             std::string(what) + " from new peer '" + Printable(caller) + "'",
@@ -56,7 +72,7 @@ absl::Status MetadataWatchers::Polled(const std::string& caller, uint64_t known_
     if (!w.ok()) return w.status();
     // A caller that knows another incarnation holds none of our versions.
     (*w)->known_version = incarnation_match ? known_version : 0;
-    (*w)->last_poll_us = MonotonicMicros();
+    (*w)->last_poll_us = (*w)->last_seen_us = MonotonicMicros();
   }
   CheckWaiters();
   return absl::OkStatus();
@@ -74,8 +90,9 @@ absl::Status MetadataWatchers::StreamOpened(const std::string& caller, const Lim
         "needs one: close the others (streams opened and never used count too), and give "
         "each agent its own name and certificate");
   }
-  ++(*w)->streams;
+  if ((*w)->streams++ == 0) ++streaming_;
   ++streams_;
+  (*w)->last_seen_us = MonotonicMicros();
   return absl::OkStatus();
 }
 
@@ -86,7 +103,7 @@ void MetadataWatchers::StreamAcked(const std::string& caller, uint64_t known_ver
     auto found = watchers_.find(caller);
     if (found == watchers_.end()) return;
     found->second.known_version = incarnation_match ? known_version : 0;
-    found->second.last_poll_us = MonotonicMicros();
+    found->second.last_poll_us = found->second.last_seen_us = MonotonicMicros();
   }
   CheckWaiters();
 }
@@ -99,7 +116,11 @@ void MetadataWatchers::StreamClosed(const std::string& caller) {
     --streams_;
     // Its view may be stale from here on: it is not waited for (it polls, or opens
     // a stream, again before it plans anything new).
-    if (--found->second.streams == 0) found->second.last_poll_us = 0;
+    if (--found->second.streams == 0) {
+      found->second.last_poll_us = 0;
+      --streaming_;
+    }
+    found->second.last_seen_us = MonotonicMicros();
   }
   CheckWaiters();
 }
@@ -158,19 +179,33 @@ void MetadataWatchers::CheckWaiters() {
 void MetadataWatchers::Loop() {
   pthread_setname_np(pthread_self(), "meta-watchers");
   for (;;) {
+    bool check = false;
     {
       absl::MutexLock lock(&mu_);
-      // Idle (nobody waits for a version), the thread sleeps until a waiter comes.
-      auto has_waiters = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !waiters_.empty();
+      // Idle (nobody waits for a version, and every peer held has a stream open: none
+      // can be forgotten), the thread sleeps until that changes.
+      auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !waiters_.empty() || watchers_.size() > streaming_;
       };
-      mu_.Await(absl::Condition(&has_waiters));
-      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
-      mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(20));
+      mu_.Await(absl::Condition(&busy));
+      // Waiters are looked at every 20 ms (their deadlines), the table once a second.
+      const bool waiting = !waiters_.empty();
+      auto wake = [this, waiting]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || (!waiting && !waiters_.empty());
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&wake), absl::Milliseconds(waiting ? 20 : 1000));
       if (stopping_) return;
-      if (waiters_.empty()) continue;
+      const uint64_t now = MonotonicMicros();
+      if (now - swept_us_ >= 1000000) {
+        swept_us_ = now;
+        const uint64_t forget_us = uint64_t{forget_ms_} * 1000;
+        DropLocked([&](const Watcher& w) {
+          return w.streams == 0 && now - w.last_seen_us >= forget_us;
+        });
+      }
+      check = !waiters_.empty();
     }
-    CheckWaiters();
+    if (check) CheckWaiters();
   }
 }
 

@@ -27,8 +27,17 @@ class MetadataWatchers {
   // reconnect replaces it.
   static constexpr uint32_t kStreamsPerWatcher = 4;
 
+  // Called with a caller's name when it is dropped from the table (see
+  // MetadataWatchers()), with the table's lock held: it must not call back.
+  using Forgotten = std::function<void(const std::string& caller)>;
+
   // `recent_ms`: a peer that polled within this window counts as a watcher.
-  explicit MetadataWatchers(uint32_t recent_ms = 5000);
+  // `forget_ms`: a peer with no stream open that has neither polled nor closed a
+  // stream for this long is dropped from the table, and `forgotten` called with its
+  // name (so is one dropped to make room for a new caller when the table is full);
+  // while any such peer is held, a thread looks once a second.
+  explicit MetadataWatchers(uint32_t recent_ms = 5000, uint32_t forget_ms = 60000,
+                            Forgotten forgotten = {});
   ~MetadataWatchers();
 
   // Records a poll by `caller` that already holds `known_version`. A caller not seen
@@ -55,7 +64,8 @@ class MetadataWatchers {
   struct Watcher {
     uint64_t known_version = 0;
     uint64_t last_poll_us = 0;
-    uint32_t streams = 0;  // open WatchMetadata streams
+    uint64_t last_seen_us = 0;  // its last poll, acknowledgement, stream opened or closed
+    uint32_t streams = 0;       // open WatchMetadata streams
   };
   struct Waiter {
     uint64_t version;
@@ -71,12 +81,19 @@ class MetadataWatchers {
   bool CountsLocked(const Watcher& w, uint64_t now) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return w.streams > 0 || now - w.last_poll_us <= uint64_t{recent_ms_} * 1000;
   }
+  // Drops the entries `gone` picks, calling forgotten_ for each.
+  template <typename Gone>
+  void DropLocked(Gone gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckWaiters();
   void Loop();
 
   const uint32_t recent_ms_;
+  const uint32_t forget_ms_;
+  const Forgotten forgotten_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
+  size_t streaming_ ABSL_GUARDED_BY(mu_) = 0;  // entries with a stream open
+  uint64_t swept_us_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Waiter> waiters_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   size_t streams_ ABSL_GUARDED_BY(mu_) = 0;

@@ -427,7 +427,7 @@ void PeerManager::BuildSnapshot(
     // First, never cut; an IP literal or a name (which the guard ignores).
     std::vector<std::string> hosts = {HostOfDialled(address)};
     hosts.insert(hosts.end(), metadata.data_addresses().begin(), metadata.data_addresses().end());
-    transport::AllowUcxTcpHosts("dialled " + address, hosts);
+    transport::AllowUcxTcpHosts(transport::UcxTcpDialledOwner(snapshot->name), hosts);
   }
   switch (options_.error_mode) {
     case ErrorModeChoice::kPeer: snapshot->error_mode = transport::ErrorMode::kPeer; break;
@@ -1145,6 +1145,7 @@ absl::Status PeerManager::Disconnect(const std::string& name) {
   }
   if (prober_) prober_->Unwatch(name);
   if (gone.watch) gone.watch->Cancel();
+  transport::ForgetUcxTcpHosts(transport::UcxTcpDialledOwner(name));
   kLog.Info("peer '{}' at {} disconnected", name, gone.snapshot->address);
   return absl::OkStatus();  // `gone` lets go of the endpoint (on the worker) and the link
 }

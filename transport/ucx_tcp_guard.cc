@@ -248,6 +248,24 @@ size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>
   return it->second.hosts.size();
 }
 
+bool ForgetUcxTcpHosts(const std::string& owner) {
+  absl::MutexLock lock(&g_mu);
+  auto it = g_hosts->find(owner);
+  if (it == g_hosts->end()) return false;
+  ReleaseHostsLocked(it->second);
+  g_by_tick->erase(it->second.tick);
+  g_hosts->erase(it);
+  return true;
+}
+
+std::string UcxTcpCallerOwner(std::string_view identity) {
+  return fmt::format("caller {}", identity);
+}
+
+std::string UcxTcpDialledOwner(std::string_view peer_name) {
+  return fmt::format("dialled {}", peer_name);
+}
+
 bool UcxTcpRemoteChecked() { return g_remote_checked.load(); }
 
 size_t UcxTcpAllowedHosts() {

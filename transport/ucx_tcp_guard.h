@@ -55,6 +55,16 @@ inline constexpr size_t kMaxHostsPerOwner = 16;
 inline constexpr size_t kMaxOwners = 16384;  // two a peer: as caller and as dialled
 size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>& addresses);
 
+// Drops what `owner` vouched for (a peer that went: this agent disconnected from it, or
+// it stopped watching and polling this agent). Its hosts stay allowed only as long as
+// another owner vouches for them. True when `owner` had a list.
+bool ForgetUcxTcpHosts(const std::string& owner);
+
+// The owners kvagent's two sources use: a peer calling this agent's metadata door,
+// under its authenticated identity, and a peer this agent dialled, under its name.
+std::string UcxTcpCallerOwner(std::string_view identity);
+std::string UcxTcpDialledOwner(std::string_view peer_name);
+
 // Whether connections from other hosts are checked (kPeers), and the distinct hosts
 // allowed now.
 bool UcxTcpRemoteChecked();

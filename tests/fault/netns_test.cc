@@ -309,7 +309,8 @@ std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& 
                                      const std::string& error_mode,
                                      const std::string& expected_mode,
                                      const std::function<std::string(NetnsLab&)>& precheck = {},
-                                     const std::string& connect_ip = "") {
+                                     const std::string& connect_ip = "",
+                                     const std::vector<std::string>& more_args = {}) {
   auto pair = std::make_unique<NetnsPair>();
   pair->lab = NetnsLab::Make(skip);
   if (!pair->lab) return nullptr;
@@ -341,6 +342,7 @@ std::unique_ptr<NetnsPair> StartPair(std::string* skip, const cli::KvPoolShape& 
     // All data through UCX over tcp on the data link: no shared memory between the
     // namespaces (they share /dev/shm and the boot id, so the agents would see one host).
     d.extra_args = {"--shm-direct", "off", "--ucx-error-mode", error_mode};
+    d.extra_args.insert(d.extra_args.end(), more_args.begin(), more_args.end());
     d.env = {{"UCX_TLS", "tcp,self"}, {"UCX_NET_DEVICES", lab.data_dev(side)}};
     (side == 0 ? pair->prefill_process : pair->decode_process) =
         Require(cli::DaemonProcess::Start(d), "starting " + d.name);
@@ -623,7 +625,7 @@ TEST_CASE("netem delay and loss on the data link: a transfer completes with the 
 // closed before UCX reads it, and the same endpoint from prefill's host (which the
 // guard lets in) lands, so the refusal is the guard's.
 TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is refused, a "
-          "peer's announced data address is not") {
+          "peer's announced data address is not, and a peer that went is forgotten") {
   cli::KvPoolShape shape;
   shape.layers = 2;
   shape.pages = 16;
@@ -639,7 +641,9 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
     }
     return error.empty() ? error : "cannot add a third host and second addresses: " + error;
   };
-  auto pair = StartPair(&skip, shape, "auto", "peer", network, "10.77.1.2");
+  // A calling peer's addresses are forgotten 1 s after it stops watching (not 60).
+  auto pair = StartPair(&skip, shape, "auto", "peer", network, "10.77.1.2",
+                        {"--ucx-tcp-host-ttl-ms", "1000"});
   if (!pair) KVAGENT_SKIP(skip);
   NetnsLab& lab = *pair->lab;
   const uint64_t dropped_at_start =
@@ -713,6 +717,35 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
   REQUIRE(again.ok());
   CHECK(Require(pair->prefill->WaitTransfer("after", 30000), "waiting for after").phase() ==
         v1::COMPLETED);
+
+  // Prefill lets decode go: its own list for decode (the address it dialled, decode's
+  // announced ones) goes at once; decode forgets prefill's 1 s after its watch ended,
+  // and the same put from prefill's host is refused from then on.
+  CHECK(Require(pair->prefill->Status(), "prefill's status").ucx_tcp_allowed_hosts() >= 1);
+  REQUIRE(pair->prefill->Disconnect("decode").ok());
+  CHECK(Require(pair->prefill->Status(), "prefill's status").ucx_tcp_allowed_hosts() == 0);
+  const auto disconnected = Clock::now();
+  const auto forget_by = disconnected + std::chrono::seconds(15);
+  uint64_t still_allowed = 0;
+  do {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    still_allowed = Require(pair->decode->Status(), "decode's status").ucx_tcp_allowed_hosts();
+  } while (still_allowed != 0 && Clock::now() < forget_by);
+  CHECK(still_allowed == 0);
+  std::printf("decode forgot prefill's hosts %lld ms after prefill disconnected "
+              "(--ucx-tcp-host-ttl-ms 1000)\n",
+              static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         Clock::now() - disconnected)
+                                         .count()));
+  const uint64_t refused_before =
+      Require(pair->decode->Status(), "decode's status").ucx_tcp_refused_connections();
+  CommandResult gone_peer =
+      lab.ExecIn(0, {probe, port, address, lab.data_ip(1), lab.data_dev(0)});
+  INFO("from prefill's host after it went: rc " << gone_peer.rc << ": " << gone_peer.output);
+  CHECK(gone_peer.rc == 3);
+  CHECK(gone_peer.output.rfind("refused\t", 0) == 0);
+  CHECK(Require(pair->decode->Status(), "decode's status").ucx_tcp_refused_connections() >
+        refused_before);
 }
 
 }  // namespace

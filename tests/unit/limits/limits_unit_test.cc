@@ -1,9 +1,11 @@
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "agent/limits.h"
 #include "agent/local_door.h"
 #include "agent/metadata_watchers.h"
@@ -230,6 +232,50 @@ TEST_CASE("a metadata stream keeps its watcher counted; acks free a waiting dere
   // Its streams closed, it no longer counts: a new version waits for nobody.
   watchers.WaitForVersion(5, 5000, [&](std::vector<std::string>) { calls.fetch_add(1); });
   CHECK(calls.load() == 2);
+}
+
+TEST_CASE("a peer that stops watching and polling is forgotten after forget_ms, one with a "
+          "stream open is not, and one dropped to make room is forgotten too") {
+  Limits limits;
+  REQUIRE(limits.SetFromFlag("--max-peer-callers", "3").ok());
+  absl::Mutex mu;
+  std::vector<std::string> forgotten;
+  auto forgotten_now = [&] {
+    absl::MutexLock lock(&mu);
+    std::vector<std::string> sorted = forgotten;
+    std::sort(sorted.begin(), sorted.end());
+    return sorted;
+  };
+  MetadataWatchers watchers(/*recent_ms=*/50, /*forget_ms=*/300, [&](const std::string& caller) {
+    absl::MutexLock lock(&mu);
+    forgotten.push_back(caller);
+  });
+  CHECK(watchers.Polled("poller", 1, true, &limits).ok());
+  REQUIRE(watchers.StreamOpened("streamer", &limits).ok());
+  REQUIRE(watchers.StreamOpened("closer", &limits).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  CHECK(forgotten_now().empty());  // within forget_ms
+  watchers.StreamClosed("closer");  // its 300 ms start now
+  // The poller goes first (300 ms after its poll; the thread looks once a second), the
+  // closer next; the streamer never, however long it stays quiet.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (forgotten_now().size() < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(forgotten_now() == std::vector<std::string>{"closer", "poller"});
+  CHECK(watchers.size() == 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  CHECK(forgotten_now().size() == 2);
+  // A full table drops the quiet ones to make room, and forgets them too.
+  MetadataWatchers small(/*recent_ms=*/50, /*forget_ms=*/600000, [&](const std::string& caller) {
+    absl::MutexLock lock(&mu);
+    forgotten.push_back("small " + caller);
+  });
+  REQUIRE(limits.SetFromFlag("--max-peer-callers", "1").ok());
+  CHECK(small.Polled("a", 1, true, &limits).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // quiet past recent_ms
+  CHECK(small.Polled("b", 1, true, &limits).ok());
+  CHECK(forgotten_now() == std::vector<std::string>{"closer", "poller", "small a"});
 }
 
 TEST_CASE("MetadataPush calls every stream on a change, none once removed") {

@@ -251,5 +251,29 @@ TEST_CASE("hosts vouched for by peers: IP literals only, at most 16 an owner, re
   CHECK(UcxTcpAllowedHosts() == before);
 }
 
+TEST_CASE("a peer that goes is forgotten: its hosts stay only while another owner vouches") {
+  for (size_t i = 0; i < kMaxOwners; ++i) ForgetUcxTcpHosts("filler " + std::to_string(i));
+  const size_t before = UcxTcpAllowedHosts();
+  CHECK(UcxTcpCallerOwner("prefill") != UcxTcpDialledOwner("prefill"));
+  CHECK(AllowUcxTcpHosts(UcxTcpCallerOwner("prefill"), {"10.8.0.1", "10.8.0.2"}) == 2);
+  CHECK(AllowUcxTcpHosts(UcxTcpDialledOwner("prefill"), {"10.8.0.2"}) == 1);
+  CHECK(UcxTcpAllowedHosts() == before + 2);
+  CHECK(ForgetUcxTcpHosts(UcxTcpCallerOwner("prefill")));
+  CHECK(UcxTcpAllowedHosts() == before + 1);  // 10.8.0.2: still dialled
+  CHECK_FALSE(ForgetUcxTcpHosts(UcxTcpCallerOwner("prefill")));  // once
+  CHECK(ForgetUcxTcpHosts(UcxTcpDialledOwner("prefill")));
+  CHECK(UcxTcpAllowedHosts() == before);
+  // Forgotten owners leave no room taken: the cap counts only those held.
+  for (size_t i = 0; i < kMaxOwners; ++i) {
+    AllowUcxTcpHosts("filler " + std::to_string(i), {});
+    ForgetUcxTcpHosts("filler " + std::to_string(i));
+  }
+  CHECK(AllowUcxTcpHosts("kept", {"10.8.0.3"}) == 1);
+  CHECK(AllowUcxTcpHosts("kept too", {"10.8.0.4"}) == 1);
+  CHECK(UcxTcpAllowedHosts() == before + 2);  // neither pushed out the other
+  ForgetUcxTcpHosts("kept");
+  ForgetUcxTcpHosts("kept too");
+}
+
 }  // namespace
 }  // namespace kvagent::transport
