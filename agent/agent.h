@@ -82,6 +82,9 @@ struct AgentOptions {
   // How long a calling peer's addresses stay allowed there after it stopped watching
   // and polling this agent (--ucx-tcp-host-ttl-ms; MetadataWatchers' forget_ms).
   uint32_t ucx_tcp_host_ttl_ms = 60000;
+  // Replies to one peer endpoint that may wait unread in UCX (--ucx-held-replies; main
+  // sets transport::SetHeldRepliesPerEndpoint from it).
+  uint64_t ucx_held_replies = 65536;
   bool shm_direct = true;
   // Memory objects of one same-host peer mapped here (--max-peer-memory-objects).
   uint32_t max_peer_memory_objects = 4096;

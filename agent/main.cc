@@ -138,6 +138,10 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
                               agent's metadata (default 60000; at least 100)
   --shm-direct auto|off       auto (default): map a same-host peer's shared memory and
                               copy into it directly; off: move all data through UCX
+  --ucx-held-replies N        replies to one peer endpoint that may wait unread in UCX
+                              (a software put's completion or a get's data, about 350
+                              bytes each); past it that endpoint's software puts and
+                              gets are dropped (default 65536; at least 256)
   --max-peer-memory-objects N shm-direct: memory objects of one same-host peer mapped
                               here (default 4096); regions in objects past them move
                               through UCX (each mapped object takes one of the 65,536
@@ -287,6 +291,8 @@ KVAGENT_FLAG(ErrorModeChoice, ucx_error_mode, "ucx-error-mode", Defaults().error
 KVAGENT_FLAG(std::string, ucx_tcp_remote, "ucx-tcp-remote", "peers", "");
 KVAGENT_FLAG(Count<uint32_t>, ucx_tcp_host_ttl_ms, "ucx-tcp-host-ttl-ms",
              {Defaults().ucx_tcp_host_ttl_ms}, "");
+KVAGENT_FLAG(Count<uint64_t>, ucx_held_replies, "ucx-held-replies",
+             {Defaults().ucx_held_replies}, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
 KVAGENT_FLAG(Count<uint32_t>, max_peer_memory_objects, "max-peer-memory-objects",
              {Defaults().max_peer_memory_objects}, "");
@@ -460,6 +466,14 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
   }
   options->ucx_tcp_remote_any = ucx_tcp_remote == "any";
   options->ucx_tcp_host_ttl_ms = GetFlag(FLAGS_ucx_tcp_host_ttl_ms).value;
+  options->ucx_held_replies = GetFlag(FLAGS_ucx_held_replies).value;
+  if (options->ucx_held_replies < 256) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--ucx-held-replies: {} is below 256; an honest peer's software puts and gets may "
+        "have that many replies in flight (the default, 65536, holds at most about 22 MiB "
+        "per endpoint)",
+        options->ucx_held_replies));
+  }
   if (options->ucx_tcp_host_ttl_ms < 100) {
     return absl::InvalidArgumentError(fmt::format(
         "--ucx-tcp-host-ttl-ms: {} is below 100; a peer's addresses must outlast a watch "
@@ -651,6 +665,8 @@ int main(int argc, char** argv) {
                                                ? kvagent::transport::RemoteUcxTcp::kAny
                                                : kvagent::transport::RemoteUcxTcp::kPeers);
   }
+  // What a peer that posts software puts and gets without reading the replies may hold.
+  kvagent::transport::SetHeldRepliesPerEndpoint(options.ucx_held_replies);
   // Memory a peer's software get was served from is retired, not unmapped, while the
   // reply may still wait in UCX (RetireMapping; it unmaps nothing itself when unhardened).
   kvagent::registry::ShmMapping::SetRetire(&kvagent::transport::RetireMapping);

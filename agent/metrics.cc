@@ -375,6 +375,34 @@ std::string RenderMetrics(const MetricsSources& sources) {
   for (const auto& f : retired_families) {
     Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));
   }
+  // Replies to peers' software puts and gets waiting unread in UCX (HeldReplies).
+  const transport::HeldReplies held = transport::HeldRepliesNow();
+  const struct {
+    const char* name;
+    const char* type;
+    const char* help;
+    uint64_t value;
+  } held_families[] = {
+      {"kvagent_ucx_held_replies", "gauge",
+       "Replies to peers' software puts and gets waiting in UCX for the requester to read "
+       "them (about 350 bytes each).",
+       held.held},
+      {"kvagent_ucx_held_replies_most", "gauge",
+       "The most of them waiting for one endpoint; at --ucx-held-replies its requests are "
+       "dropped.",
+       held.most},
+      {"kvagent_ucx_held_replies_peak", "gauge",
+       "The most replies that ever waited for one endpoint: what honest peers need of "
+       "--ucx-held-replies.",
+       held.peak},
+      {"kvagent_ucx_held_replies_refused_total", "counter",
+       "Software puts and gets dropped because their endpoint had --ucx-held-replies "
+       "replies waiting unread (also in dropped_peer_messages).",
+       held.refused},
+  };
+  for (const auto& f : held_families) {
+    Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));
+  }
 
   // Limits: value, use and refusals of each (docs/LIMITS.md).
   Family limit_value(&out, "kvagent_limit", "gauge", "Each limit's value (its --max-* flag).");

@@ -2,7 +2,9 @@
 // gets a dropping handler on each active message id first (QuietUnusedUctIds,
 // ucx_hardening.h), and UCP then installs its own over the ids it uses, so a peer's
 // message of an id UCP never registers is counted instead of reaching UCT's stub
-// handler (19 log lines and a backtrace each). kvagentd links this object and exports
+// handler (19 log lines and a backtrace each); and its sends, pending queue and endpoint
+// teardown count the replies held for requesters that do not read (WatchHeldReplies).
+// kvagentd links this object and exports
 // the symbol (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's call
 // binds to it; the next definition in the lookup order (libuct's) does the work.
 #include <dlfcn.h>
@@ -28,6 +30,9 @@ extern "C" ucs_status_t uct_iface_open(uct_md_h md, uct_worker_h worker,
   const OpenFn next = NextOpen();
   if (next == nullptr) return UCS_ERR_UNSUPPORTED;
   const ucs_status_t status = next(md, worker, params, config, iface);
-  if (status == UCS_OK) kvagent::transport::QuietUnusedUctIds(*iface);
+  if (status == UCS_OK) {
+    kvagent::transport::QuietUnusedUctIds(*iface);
+    kvagent::transport::WatchHeldReplies(*iface);
+  }
   return status;
 }

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string_view>
@@ -320,10 +321,153 @@ bool IdAdmits(const void* data, size_t length) {
   return true;
 }
 
+// Replies held for requesters that do not read. Serving a software put or get leaves
+// one reply (the put's completion, the get's data) that UCP sends on the requester's
+// endpoint; what the socket or FIFO does not take waits in that UCT endpoint's pending
+// queue as a UCP request (about 350 bytes of this process's memory each) until the
+// requester reads on. Held counts them per UCT endpoint, through UCT's own operations
+// (WatchHeldReplies): a reply that went pending while a checked handler served its
+// request is added, with a get's bytes still to send; one is taken off when UCT sends
+// it (a completion, or a get's last bytes), and all when the endpoint's queue is purged
+// or the endpoint destroyed. Replies that went pending elsewhere (behind UCP's wireup)
+// are not counted, and a send of one takes the oldest counted of its kind off: the
+// count may run low, never high, so an honest requester is never refused by it.
+// The endpoint a request names (its id in this worker) is matched to its UCT endpoint
+// when its first reply goes pending.
+using EndpointKey = std::pair<const void*, uint64_t>;  // UCP worker, endpoint id
+struct HeldReply {
+  bool get;
+  uint64_t remaining;  // a get's bytes still to send
+};
+struct HeldQueue {
+  std::deque<HeldReply> replies;
+  std::vector<EndpointKey> keys;  // the endpoint ids that named it
+};
+absl::Mutex g_held_mu;
+std::map<const void*, HeldQueue>* g_held ABSL_GUARDED_BY(g_held_mu) =
+    new std::map<const void*, HeldQueue>();
+std::map<EndpointKey, const void*>* g_endpoint_of ABSL_GUARDED_BY(g_held_mu) =
+    new std::map<EndpointKey, const void*>();
+uint64_t g_held_total ABSL_GUARDED_BY(g_held_mu) = 0;
+uint64_t g_held_peak ABSL_GUARDED_BY(g_held_mu) = 0;  // the most one endpoint ever had
+std::atomic<uint64_t> g_held_cap{kDefaultHeldRepliesPerEndpoint};
+std::atomic<uint64_t> g_held_refused{0};
+// The UCT active message ids of a put's completion and a get's reply (their places in
+// ucp_am_handlers; -1 until hardened).
+std::atomic<int> g_cmpl_id{-1};
+std::atomic<int> g_get_reply_id{-1};
+
+// The request a checked handler serves on this thread, while UCP's handler runs.
+struct Serving {
+  bool active = false;
+  bool get = false;
+  uint64_t remaining = 0;  // a get's bytes not yet sent
+  bool added = false;      // its reply went pending (and was counted)
+  EndpointKey key;
+};
+thread_local Serving t_serving;
+
+// True when the replies held for the endpoint `key` names reach the cap, or (`*all`)
+// those held for every endpoint reach kHeldRepliesAllEndpoints times it (a peer may open
+// many endpoints).
+bool HeldFull(const EndpointKey& key, uint64_t* held, bool* all) {
+  absl::MutexLock lock(&g_held_mu);
+  const uint64_t cap = g_held_cap.load(std::memory_order_relaxed);
+  if (g_held_total >= kHeldRepliesAllEndpoints * cap) {
+    *held = g_held_total;
+    *all = true;
+    return true;
+  }
+  auto endpoint = g_endpoint_of->find(key);
+  if (endpoint == g_endpoint_of->end()) return false;
+  auto queue = g_held->find(endpoint->second);
+  *held = queue == g_held->end() ? 0 : queue->second.replies.size();
+  return *held >= cap;
+}
+
+// A reply of the request being served went pending on UCT endpoint `ep`.
+void NoteReplyHeld(const void* ep) {
+  t_serving.added = true;
+  absl::MutexLock lock(&g_held_mu);
+  HeldQueue& queue = (*g_held)[ep];
+  queue.replies.push_back(HeldReply{t_serving.get, t_serving.get ? t_serving.remaining : 0});
+  ++g_held_total;
+  g_held_peak = std::max<uint64_t>(g_held_peak, queue.replies.size());
+  auto [it, added] = g_endpoint_of->emplace(t_serving.key, ep);
+  if (added) {
+    queue.keys.push_back(t_serving.key);
+  } else if (it->second != ep) {  // the id's endpoint now sends on another UCT endpoint
+    auto was = g_held->find(it->second);
+    if (was != g_held->end()) {
+      auto& keys = was->second.keys;
+      keys.erase(std::remove(keys.begin(), keys.end(), t_serving.key), keys.end());
+    }
+    it->second = ep;
+    queue.keys.push_back(t_serving.key);
+  }
+}
+
+// UCT sent `packed` bytes of a reply (`get`: a get's data, after its 8-byte header) on
+// `ep`: while its request is served, of that reply; else of the oldest held one.
+void NoteReplySent(const void* ep, bool get, ssize_t packed) {
+  const uint64_t payload = get && packed > 8 ? static_cast<uint64_t>(packed) - 8 : 0;
+  if (t_serving.active) {
+    if (get) t_serving.remaining -= std::min(t_serving.remaining, payload);
+    return;
+  }
+  absl::MutexLock lock(&g_held_mu);
+  auto queue = g_held->find(ep);
+  if (queue == g_held->end()) return;
+  auto& replies = queue->second.replies;
+  auto reply = std::find_if(replies.begin(), replies.end(),
+                            [get](const HeldReply& r) { return r.get == get; });
+  if (reply == replies.end()) return;
+  if (get && reply->remaining > payload) {
+    reply->remaining -= payload;
+    return;
+  }
+  replies.erase(reply);
+  --g_held_total;
+}
+
+// `ep`'s pending queue was purged (`destroyed`: the endpoint is going).
+void ForgetHeld(const void* ep, bool destroyed) {
+  absl::MutexLock lock(&g_held_mu);
+  auto queue = g_held->find(ep);
+  if (queue == g_held->end()) return;
+  g_held_total -= queue->second.replies.size();
+  queue->second.replies.clear();
+  if (!destroyed) return;
+  for (const EndpointKey& key : queue->second.keys) {
+    auto it = g_endpoint_of->find(key);
+    if (it != g_endpoint_of->end() && it->second == ep) g_endpoint_of->erase(it);
+  }
+  g_held->erase(queue);
+}
+
+// Counts and logs a request of protocol K dropped because `held` replies to its
+// endpoint (`all`: to every endpoint) wait unread.
+void CountHeldRefused(size_t k, size_t length, uint64_t held, bool all) {
+  g_held_refused.fetch_add(1, std::memory_order_relaxed);
+  uint64_t mine = 0;
+  if (!CountDropped(k, &mine)) return;
+  if (all) {
+    kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): {} replies to peers' "
+              "software puts and gets wait unread, the most held for all endpoints ({} x "
+              "--ucx-held-replies); requesters do not read what this agent sends them",
+              kProtocols[k].name, length, mine, held, kHeldRepliesAllEndpoints);
+    return;
+  }
+  kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): {} replies to its "
+            "endpoint wait unread, the most held for one (--ucx-held-replies); the requester "
+            "does not read what this agent sends it",
+            kProtocols[k].name, length, mine, held);
+}
+
 // Serves one message of checked protocol K that passes, with UCP's own handler or
 // (`kProxy`) its counting proxy. A range-checked one under the reader lock: a put is
 // copied in before ForbidPeerRange can return (a get's reply may outlive it:
-// RetireMapping).
+// RetireMapping); and only while fewer than the cap of replies to its endpoint wait.
 template <size_t K, bool kProxy>
 ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
   if (!IdAdmits<K>(data, length)) return UCS_OK;
@@ -331,7 +475,22 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
   if constexpr (kProtocols[K].kind == Kind::kRange) {
     absl::ReaderMutexLock lock(&g_ranges_mu);
     if (!Admit<K>(data, length)) return UCS_OK;
-    return original(arg, data, length, flags);
+    Serving serving;
+    serving.active = true;
+    serving.get = K != kPut;
+    std::memcpy(&serving.key.second, static_cast<const char*>(data) + kProtocols[K].id.at, 8);
+    serving.key.first = arg;
+    if (serving.get) std::memcpy(&serving.remaining, static_cast<const char*>(data) + 8, 8);
+    uint64_t held = 0;
+    bool all = false;
+    if (HeldFull(serving.key, &held, &all)) {
+      CountHeldRefused(K, length, held, all);
+      return UCS_OK;
+    }
+    t_serving = serving;
+    const ucs_status_t status = original(arg, data, length, flags);
+    t_serving.active = false;
+    return status;
   } else {
     return original(arg, data, length, flags);
   }
@@ -399,13 +558,18 @@ absl::Status Patch() {
                                                                                    : "libucp";
   const size_t table_size = table == nullptr ? 0 : SymbolSize(table) / sizeof(void*);
   std::array<UcpAmHandler*, kProtocols.size()> handlers{};
+  std::array<int, kProtocols.size()> ids{};
   absl::Status result = absl::OkStatus();
   for (size_t k = 0; k < kProtocols.size() && result.ok(); ++k) {
     const Protocol& p = kProtocols[k];
     const std::string symbol = fmt::format("ucp_am_handler_UCP_AM_ID_{}", p.symbol);
     auto* handler = static_cast<UcpAmHandler*>(dlsym(RTLD_DEFAULT, symbol.c_str()));
     bool in_table = false;
-    for (size_t i = 0; i < table_size && handler != nullptr; ++i) in_table |= table[i] == handler;
+    for (size_t i = 0; i < table_size && handler != nullptr; ++i) {
+      if (table[i] != handler) continue;
+      in_table = true;
+      ids[k] = static_cast<int>(i);  // the table is indexed by active message id
+    }
     if (table_size == 0) {
       result = absl::FailedPreconditionError(
           fmt::format("UCX hardening: {} has no sized symbol ucp_am_handlers; {}", library, fix));
@@ -442,6 +606,8 @@ absl::Status Patch() {
     if (handlers[k]->proxy_cb != nullptr) handlers[k]->proxy_cb = kProxies[k];
     // Installed in every kvagent context (RMA and AM): the dropped ones too.
     if (kProtocols[k].kind != Kind::kId) handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    if (std::string_view(kProtocols[k].symbol) == "CMPL") g_cmpl_id.store(ids[k]);
+    if (std::string_view(kProtocols[k].symbol) == "GET_REP") g_get_reply_id.store(ids[k]);
   }
   return absl::OkStatus();
 }
@@ -609,6 +775,108 @@ void QuietUnusedUctIds(void* uct_iface) {
                 id, ucs_status_string(status));
     }
   }
+}
+
+namespace {
+// The UCT operations WatchHeldReplies stands in front of, one set per kind of interface
+// (every interface of one transport shares them): each class gets its own instance of
+// the stand-ins, which call that class's originals with no lookup.
+struct UctOps {
+  uct_ep_am_bcopy_func_t am_bcopy;
+  uct_ep_pending_add_func_t pending_add;
+  uct_ep_pending_purge_func_t pending_purge;
+  uct_ep_destroy_func_t destroy;
+  bool operator==(const UctOps& o) const {
+    return am_bcopy == o.am_bcopy && pending_add == o.pending_add &&
+           pending_purge == o.pending_purge && destroy == o.destroy;
+  }
+};
+constexpr size_t kOpsClasses = 16;
+absl::Mutex g_ops_mu;
+// Written under g_ops_mu before the first interface of the class is changed; read
+// without it after (the worker thread is handed the interface after its creation).
+std::array<UctOps, kOpsClasses> g_ops{};
+size_t g_ops_count ABSL_GUARDED_BY(g_ops_mu) = 0;
+
+template <size_t I>
+ssize_t HeldAmBcopy(uct_ep_h ep, uint8_t id, uct_pack_callback_t pack, void* arg,
+                    unsigned flags) {
+  const ssize_t packed = g_ops[I].am_bcopy(ep, id, pack, arg, flags);
+  if (packed > 0) {
+    const int get = g_get_reply_id.load(std::memory_order_relaxed);
+    if (id == get || id == g_cmpl_id.load(std::memory_order_relaxed)) {
+      NoteReplySent(ep, id == get, packed);
+    }
+  }
+  return packed;
+}
+template <size_t I>
+ucs_status_t HeldPendingAdd(uct_ep_h ep, uct_pending_req_t* request, unsigned flags) {
+  const ucs_status_t status = g_ops[I].pending_add(ep, request, flags);
+  if (status == UCS_OK && t_serving.active && !t_serving.added) NoteReplyHeld(ep);
+  return status;
+}
+template <size_t I>
+void HeldPendingPurge(uct_ep_h ep, uct_pending_purge_callback_t cb, void* arg) {
+  g_ops[I].pending_purge(ep, cb, arg);
+  ForgetHeld(ep, /*destroyed=*/false);
+}
+template <size_t I>
+void HeldDestroy(uct_ep_h ep) {
+  ForgetHeld(ep, /*destroyed=*/true);
+  g_ops[I].destroy(ep);
+}
+template <size_t... I>
+constexpr std::array<UctOps, sizeof...(I)> StandInsOf(std::index_sequence<I...>) {
+  return {UctOps{&HeldAmBcopy<I>, &HeldPendingAdd<I>, &HeldPendingPurge<I>, &HeldDestroy<I>}...};
+}
+constexpr auto kOpsStandIns = StandInsOf(std::make_index_sequence<kOpsClasses>());
+}  // namespace
+
+void WatchHeldReplies(void* uct_iface) {
+  if (!UcxHardenedForPeers()) return;  // no checked handler: nothing to count or bound
+  auto* iface = static_cast<uct_iface_h>(uct_iface);
+  const UctOps ops{iface->ops.ep_am_bcopy, iface->ops.ep_pending_add,
+                   iface->ops.ep_pending_purge, iface->ops.ep_destroy};
+  // A transport without these (no active messages, no pending queue) sends no reply.
+  if (ops.am_bcopy == nullptr || ops.pending_add == nullptr || ops.pending_purge == nullptr ||
+      ops.destroy == nullptr) {
+    return;
+  }
+  size_t k = 0;
+  {
+    absl::MutexLock lock(&g_ops_mu);
+    while (k < g_ops_count && !(g_ops[k] == ops)) ++k;
+    if (k == g_ops_count) {
+      if (k == kOpsClasses) {
+        kLog.Warn("UCX: more than {} kinds of UCT interface; replies held for requesters "
+                  "that do not read are not counted on this one",
+                  kOpsClasses);
+        return;
+      }
+      g_ops[k] = ops;
+      ++g_ops_count;
+    }
+  }
+  iface->ops.ep_am_bcopy = kOpsStandIns[k].am_bcopy;
+  iface->ops.ep_pending_add = kOpsStandIns[k].pending_add;
+  iface->ops.ep_pending_purge = kOpsStandIns[k].pending_purge;
+  iface->ops.ep_destroy = kOpsStandIns[k].destroy;
+}
+
+void SetHeldRepliesPerEndpoint(uint64_t cap) { g_held_cap.store(cap); }
+
+HeldReplies HeldRepliesNow() {
+  HeldReplies now;
+  now.cap = g_held_cap.load();
+  now.refused = g_held_refused.load(std::memory_order_relaxed);
+  absl::MutexLock lock(&g_held_mu);
+  now.held = g_held_total;
+  now.peak = g_held_peak;
+  for (const auto& [ep, queue] : *g_held) {
+    now.most = std::max<uint64_t>(now.most, queue.replies.size());
+  }
+  return now;
 }
 
 }  // namespace kvagent::transport

@@ -62,6 +62,30 @@ uint64_t UcxRefusedMessages();
 // kvagentd only) for each interface UCP opens.
 void QuietUnusedUctIds(void* uct_iface);
 
+// Replies held for requesters that do not read: each software put or get served leaves
+// one reply (a completion, or the data), and what the socket does not take waits in
+// the UCT endpoint's pending queue, about 350 bytes of memory each, until the requester
+// reads on. WatchHeldReplies stands in front of `uct_iface`'s sends, pending queue and
+// endpoint teardown to count them per UCT endpoint; a request whose endpoint has the
+// cap of them waiting, or that comes while kHeldRepliesAllEndpoints x cap wait for all
+// endpoints (a peer may open many), is dropped (counted in UcxRefusedMessages and
+// HeldReplies::refused, logged): a peer that posts without reading holds at most
+// cap x 350 bytes per endpoint, and all of them together 4 x that. Called by the
+// uct_iface_open stand-in for each interface UCP opens (after HardenUcxForPeers; a
+// no-op before).
+inline constexpr uint64_t kDefaultHeldRepliesPerEndpoint = 65536;
+inline constexpr uint64_t kHeldRepliesAllEndpoints = 4;
+void WatchHeldReplies(void* uct_iface);
+void SetHeldRepliesPerEndpoint(uint64_t cap);
+struct HeldReplies {
+  uint64_t held = 0;     // replies waiting now, all endpoints
+  uint64_t most = 0;     // on the endpoint with the most
+  uint64_t peak = 0;     // the most one endpoint ever had
+  uint64_t refused = 0;  // requests dropped at the cap so far
+  uint64_t cap = 0;
+};
+HeldReplies HeldRepliesNow();
+
 // The ranges a software put or get request may name, with their memory type (a
 // ucs_memory_type_t: a request claiming host memory for a range of device memory would
 // make UCX memcpy to a device pointer). MemoryRegistration keeps them for

@@ -39,6 +39,7 @@
 #include "catch2/catch.hpp"
 #include "cli/agent_client.h"
 #include "cli/kv_pool.h"
+#include "cli/process_memory.h"
 #include "client/local_session.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
@@ -1988,6 +1989,216 @@ TEST_CASE("a peer's software get still queued when its region is released reads 
   CHECK(Value(after_reply, "kvagent_retired_mapping_bytes") == 0);
   CHECK(Value(after_reply, "kvagent_retired_mappings_released_total") >= 1);
   RequireHonestWrite(pair, "after-queued-get", {1, 2}, {1, 2});
+}
+
+// Each software get (or put) served leaves its reply in the agent's UCX until the
+// requester reads it, about 350 bytes each. A peer that posts gets and reads none may
+// hold --ucx-held-replies of them for its endpoint; the rest are dropped and counted.
+// When it reads on, every get served completes and the held count goes back to 0:
+// the gets that complete and the ones refused add up to what it posted.
+TEST_CASE("a peer posting software gets and reading none holds at most --ucx-held-replies "
+          "replies in the agent; the rest are dropped and counted") {
+  constexpr uint64_t kCap = 1000;
+  constexpr size_t kGets = 20000;
+  constexpr size_t kGetBytes = 4096;  // 80 MiB of replies in all: far past the sockets
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-held-replies", std::to_string(kCap), "--metrics-listen",
+                        "127.0.0.1:0"};
+  AgentPair pair(options);
+  const std::string metrics = MetricsAddress(pair.decode());
+  cli::AgentClient owner(pair.decode_process().address(), ScratchOwner());
+  cli::KvPoolShape shape;
+  shape.group = "scratch";
+  shape.layers = 1;
+  shape.tensors_per_layer = 1;
+  shape.pages = 8192;
+  shape.page_bytes = kGetBytes;
+  auto scratch = cli::CreateKvPool(owner, "scratch", shape);
+  INFO(scratch.status().ToString());
+  REQUIRE(scratch.ok());
+  std::memset(scratch->mapping.data(), 'h', scratch->bytes());
+  const std::string name = scratch->region_names.at(0);
+
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const v1::ExportedRegion* region = nullptr;
+  for (const auto& r : metadata.regions()) {
+    if (r.name() == name) region = &r;
+  }
+  REQUIRE(region != nullptr);
+  StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/true, "");  // tcp
+  ucp_rkey_h rkey = stock.Unpack(region->rkey());
+  ucp_request_param_t plain{};
+  char first[64] = {};
+  const size_t small =
+      stock.Track(ucp_get_nbx(stock.ep(), first, sizeof first, region->base_address(), rkey,
+                              &plain));
+  stock.Progress(kTimeoutMs);
+  REQUIRE(stock.Status(small) == UCS_OK);
+  stock.Forget();
+  const auto before = cli::ReadProcessMemory(pair.decode_process().pid());
+  REQUIRE(before.ok());
+  const std::string at_start = Scrape(metrics);
+  const double refused_at_start = Value(at_start, "kvagent_ucx_held_replies_refused_total");
+  CHECK(Value(at_start, "kvagent_ucx_held_replies") == 0);
+
+  // eve posts every get and does not progress: it reads no reply.
+  std::vector<char> got(kGets * kGetBytes, 0);
+  for (size_t i = 0; i < kGets; ++i) {
+    stock.Track(ucp_get_nbx(stock.ep(), got.data() + i * kGetBytes, kGetBytes,
+                            region->base_address() + (i % shape.pages) * kGetBytes, rkey,
+                            &plain));
+  }
+  // Decode serves what reaches it until eve's endpoint has kCap replies waiting.
+  std::string held = Scrape(metrics);
+  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
+  double refused = 0;
+  double last = -1;
+  while (Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    held = Scrape(metrics);
+    refused = Value(held, "kvagent_ucx_held_replies_refused_total") - refused_at_start;
+    if (refused == last && refused > 0) break;  // nothing more arrives
+    last = refused;
+  }
+  const auto during = cli::ReadProcessMemory(pair.decode_process().pid());
+  REQUIRE(during.ok());
+  const double waiting = Value(held, "kvagent_ucx_held_replies");
+  std::printf("eve posted %zu gets of %zu bytes and read none: decode holds %.0f replies "
+              "(cap %llu), refused %.0f; decode's own memory %s\n",
+              kGets, kGetBytes, waiting, static_cast<unsigned long long>(kCap), refused,
+              cli::FormatDeltaMiB(before->beyond_pools(), during->beyond_pools()).c_str());
+  CHECK(Value(held, "kvagent_ucx_held_replies_most") == static_cast<double>(kCap));
+  CHECK(waiting == static_cast<double>(kCap));
+  CHECK(refused > 0);
+  REQUIRE(Alive(pair.decode_process().pid()));
+  std::ifstream log(pair.decode_process().log_path());
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Contains("replies to its endpoint wait unread"));
+  // Another peer's transfers still move.
+  RequireHonestWrite(pair, "beside-unread-replies", {1, 2}, {1, 2});
+
+  // eve reads on: every get decode served completes with the region's bytes, the ones
+  // it refused never do, and nothing stays held. (Progressed in short turns: a long
+  // busy loop here starves this process's gRPC channels of their keepalive replies.)
+  std::string after = Scrape(metrics);
+  const auto drained_by = Clock::now() + std::chrono::milliseconds(2 * kTimeoutMs);
+  while (Value(after, "kvagent_ucx_held_replies") != 0 && Clock::now() < drained_by) {
+    stock.Progress(20);
+    after = Scrape(metrics);
+  }
+  stock.Progress(200);  // the last replies in the sockets
+  size_t completed = 0, pending = 0;
+  for (size_t i = 0; i < kGets; ++i) {
+    const ucs_status_t status = stock.Status(i);
+    if (status == UCS_OK) {
+      ++completed;
+      CHECK(got[i * kGetBytes] == 'h');
+    } else if (status == UCS_INPROGRESS) {
+      ++pending;
+    }
+  }
+  std::printf("eve read on: %zu gets completed, %zu never answered\n", completed, pending);
+  CHECK(Value(after, "kvagent_ucx_held_replies") == 0);
+  const double refused_total =
+      Value(after, "kvagent_ucx_held_replies_refused_total") - refused_at_start;
+  CHECK(static_cast<double>(pending) == refused_total);
+  CHECK(completed + pending == kGets);
+  stock.Forget();
+}
+
+// The cap is per endpoint, and a peer may open many: all endpoints together hold at
+// most 4 x --ucx-held-replies.
+TEST_CASE("a peer opening many endpoints and reading none holds at most 4 x "
+          "--ucx-held-replies replies in all") {
+  constexpr uint64_t kCap = 500;
+  constexpr size_t kEndpoints = 6;
+  constexpr size_t kGets = 2000;  // per endpoint: 8 MiB of replies, past the sockets
+  constexpr size_t kGetBytes = 4096;
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-held-replies", std::to_string(kCap), "--metrics-listen",
+                        "127.0.0.1:0"};
+  AgentPair pair(options);
+  const std::string metrics = MetricsAddress(pair.decode());
+  cli::AgentClient owner(pair.decode_process().address(), ScratchOwner());
+  cli::KvPoolShape shape;
+  shape.group = "scratch";
+  shape.layers = 1;
+  shape.tensors_per_layer = 1;
+  shape.pages = 256;
+  shape.page_bytes = kGetBytes;
+  auto scratch = cli::CreateKvPool(owner, "scratch", shape);
+  INFO(scratch.status().ToString());
+  REQUIRE(scratch.ok());
+  const std::string name = scratch->region_names.at(0);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const v1::ExportedRegion* region = nullptr;
+  for (const auto& r : metadata.regions()) {
+    if (r.name() == name) region = &r;
+  }
+  REQUIRE(region != nullptr);
+  std::vector<std::unique_ptr<StockUcxPeer>> endpoints;
+  std::vector<char> got(kEndpoints * kGets * kGetBytes, 0);
+  ucp_request_param_t plain{};
+  std::vector<ucp_rkey_h> rkeys;
+  // Every endpoint connected first (a small get each), then the gets posted.
+  for (size_t e = 0; e < kEndpoints; ++e) {
+    endpoints.push_back(std::make_unique<StockUcxPeer>(metadata.worker_address(),
+                                                       /*peer_errors=*/true, ""));
+    StockUcxPeer& stock = *endpoints.back();
+    rkeys.push_back(stock.Unpack(region->rkey()));
+    char first[64] = {};
+    const size_t small = stock.Track(ucp_get_nbx(stock.ep(), first, sizeof first,
+                                                 region->base_address(), rkeys.back(), &plain));
+    stock.Progress(kTimeoutMs);
+    INFO("endpoint " << e);
+    REQUIRE(stock.Status(small) == UCS_OK);
+    stock.Forget();
+  }
+  for (size_t e = 0; e < kEndpoints; ++e) {
+    StockUcxPeer& stock = *endpoints[e];
+    const ucp_rkey_h rkey = rkeys[e];
+    for (size_t i = 0; i < kGets; ++i) {
+      stock.Track(ucp_get_nbx(stock.ep(), got.data() + (e * kGets + i) * kGetBytes, kGetBytes,
+                              region->base_address() + (i % shape.pages) * kGetBytes, rkey,
+                              &plain));
+    }
+  }
+  std::string held;
+  double last = -1, refused = 0;
+  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
+  while (Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    held = Scrape(metrics);
+    refused = Value(held, "kvagent_ucx_held_replies_refused_total");
+    if (refused == last && refused > 0) break;
+    last = refused;
+  }
+  std::printf("eve's %zu endpoints posted %zu gets each and read none: decode holds %.0f "
+              "replies in all (cap %llu an endpoint, %llu in all), at most %.0f for one; "
+              "refused %.0f\n",
+              kEndpoints, kGets, Value(held, "kvagent_ucx_held_replies"),
+              static_cast<unsigned long long>(kCap),
+              static_cast<unsigned long long>(4 * kCap), Value(held, "kvagent_ucx_held_replies_most"),
+              refused);
+  CHECK(Value(held, "kvagent_ucx_held_replies") == static_cast<double>(4 * kCap));
+  CHECK(Value(held, "kvagent_ucx_held_replies_most") <= static_cast<double>(kCap));
+  CHECK(refused > 0);
+  std::ifstream log(pair.decode_process().log_path());
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text, Contains("the most held for all endpoints"));
+  REQUIRE(Alive(pair.decode_process().pid()));
+  // Every endpoint reads on: the held replies go (in short turns, as above).
+  std::string after = Scrape(metrics);
+  const auto drained_by = Clock::now() + std::chrono::milliseconds(2 * kTimeoutMs);
+  while (Value(after, "kvagent_ucx_held_replies") != 0 && Clock::now() < drained_by) {
+    for (auto& stock : endpoints) stock->Progress(10);
+    after = Scrape(metrics);
+  }
+  CHECK(Value(after, "kvagent_ucx_held_replies") == 0);
+  for (auto& stock : endpoints) stock->Forget();
+  RequireHonestWrite(pair, "after-many-endpoints", {1, 2}, {1, 2});
 }
 
 }  // namespace

@@ -198,6 +198,7 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--log-level=loud"}, {"--log-level", "'loud'", "trace, debug"});
   ExpectRefused({"--ucx-tcp-remote=nobody"},
                 {"--ucx-tcp-remote", "'nobody'", "neither peers nor any", "fence UCX's ports"});
+  ExpectRefused({"--ucx-held-replies=100"}, {"--ucx-held-replies", "100 is below 256"});
   ExpectRefused({"--ucx-tcp-host-ttl-ms=50"},
                 {"--ucx-tcp-host-ttl-ms", "50 is below 100", "reconnect"});
   ExpectRefused({"--max-regions=lots"}, {"--max-regions", "'lots'", "non-negative integer"});
