@@ -367,21 +367,23 @@ struct Serving {
 };
 thread_local Serving t_serving;
 
-// True when the replies held for the endpoint `key` names reach the cap, or (`*all`)
-// those held for every endpoint reach kHeldRepliesAllEndpoints times it (a peer may open
-// many endpoints).
+// True when the replies held for the endpoint `key` names reach the cap; or (`*all`)
+// when those held for every endpoint reach kHeldRepliesAllEndpoints times it (a peer may
+// open many endpoints) and this endpoint has one waiting too: one with none is still
+// served, so a requester that reads is not refused for another's unread replies, and
+// all together hold at most that bound plus one per endpoint.
 bool HeldFull(const EndpointKey& key, uint64_t* held, bool* all) {
   absl::MutexLock lock(&g_held_mu);
   const uint64_t cap = g_held_cap.load(std::memory_order_relaxed);
-  if (g_held_total >= kHeldRepliesAllEndpoints * cap) {
-    *held = g_held_total;
-    *all = true;
-    return true;
-  }
   auto endpoint = g_endpoint_of->find(key);
   if (endpoint == g_endpoint_of->end()) return false;
   auto queue = g_held->find(endpoint->second);
   *held = queue == g_held->end() ? 0 : queue->second.replies.size();
+  if (*held > 0 && g_held_total >= kHeldRepliesAllEndpoints * cap) {
+    *held = g_held_total;
+    *all = true;
+    return true;
+  }
   return *held >= cap;
 }
 
@@ -454,7 +456,8 @@ void CountHeldRefused(size_t k, size_t length, uint64_t held, bool all) {
   if (all) {
     kLog.Warn("UCX: dropped a peer's {} message ({} bytes; {} so far): {} replies to peers' "
               "software puts and gets wait unread, the most held for all endpoints ({} x "
-              "--ucx-held-replies); requesters do not read what this agent sends them",
+              "--ucx-held-replies), and its endpoint has some too; requesters do not read "
+              "what this agent sends them (an endpoint with none waiting is still served)",
               kProtocols[k].name, length, mine, held, kHeldRepliesAllEndpoints);
     return;
   }

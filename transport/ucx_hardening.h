@@ -67,10 +67,11 @@ void QuietUnusedUctIds(void* uct_iface);
 // the UCT endpoint's pending queue, about 350 bytes of memory each, until the requester
 // reads on. WatchHeldReplies stands in front of `uct_iface`'s sends, pending queue and
 // endpoint teardown to count them per UCT endpoint; a request whose endpoint has the
-// cap of them waiting, or that comes while kHeldRepliesAllEndpoints x cap wait for all
+// cap of them waiting, or some while kHeldRepliesAllEndpoints x cap wait for all
 // endpoints (a peer may open many), is dropped (counted in UcxRefusedMessages and
 // HeldReplies::refused, logged): a peer that posts without reading holds at most
-// cap x 350 bytes per endpoint, and all of them together 4 x that. Called by the
+// cap x 350 bytes per endpoint, and all endpoints together 4 x that plus one reply
+// each, while an endpoint whose requester reads is still served. Called by the
 // uct_iface_open stand-in for each interface UCP opens (after HardenUcxForPeers; a
 // no-op before).
 inline constexpr uint64_t kDefaultHeldRepliesPerEndpoint = 65536;

@@ -1991,6 +1991,109 @@ TEST_CASE("a peer's software get still queued when its region is released reads 
   RequireHonestWrite(pair, "after-queued-get", {1, 2}, {1, 2});
 }
 
+// What the held-replies cases share: decode started with --ucx-held-replies `cap` and a
+// metrics door, a scratch region of `pages` 4 KiB pages filled with 'h' registered
+// there, and eve, a peer watching decode, with its view of the region.
+AgentPairOptions HeldRepliesOptions(uint64_t cap) {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-held-replies", std::to_string(cap), "--metrics-listen",
+                        "127.0.0.1:0"};
+  return options;
+}
+struct HeldRepliesStage {
+  static constexpr size_t kGetBytes = 4096;
+
+  HeldRepliesStage(uint64_t cap, uint64_t pages)
+      : pair(HeldRepliesOptions(cap)),
+        metrics(MetricsAddress(pair.decode())),
+        owner(pair.decode_process().address(), ScratchOwner()) {
+    cli::KvPoolShape shape;
+    shape.group = "scratch";
+    shape.layers = 1;
+    shape.tensors_per_layer = 1;
+    shape.pages = pages;
+    shape.page_bytes = kGetBytes;
+    auto made = cli::CreateKvPool(owner, "scratch", shape);
+    INFO(made.status().ToString());
+    REQUIRE(made.ok());
+    scratch = *std::move(made);
+    std::memset(scratch.mapping.data(), 'h', scratch.bytes());
+    eve = PeerCaller::Attach(pair.decode_process(), "eve");
+    metadata = eve->Metadata("eve");
+    for (const auto& r : metadata.regions()) {
+      if (r.name() == scratch.region_names.at(0)) region = r;
+    }
+    REQUIRE(region.length() == scratch.bytes());
+  }
+
+  // Connects `stock` with one small get, so the gets after it go out at once; its key.
+  ucp_rkey_h Connect(StockUcxPeer& stock) {
+    ucp_rkey_h rkey = stock.Unpack(region.rkey());
+    char first[64] = {};
+    ucp_request_param_t plain{};
+    const size_t small = stock.Track(
+        ucp_get_nbx(stock.ep(), first, sizeof first, region.base_address(), rkey, &plain));
+    stock.Progress(kTimeoutMs);
+    REQUIRE(stock.Status(small) == UCS_OK);
+    stock.Forget();
+    return rkey;
+  }
+
+  // Posts `count` gets of a page each into `into` (count pages) without progressing:
+  // the requester reads no reply.
+  void PostUnread(StockUcxPeer& stock, ucp_rkey_h rkey, char* into, size_t count) {
+    ucp_request_param_t plain{};
+    for (size_t i = 0; i < count; ++i) {
+      stock.Track(ucp_get_nbx(stock.ep(), into + i * kGetBytes, kGetBytes,
+                              region.base_address() + (i % scratch.shape.pages) * kGetBytes,
+                              rkey, &plain));
+    }
+  }
+
+  // Scrapes every 200 ms until the refused count stops rising (nothing more arrives);
+  // the last scrape.
+  std::string Settled() {
+    std::string scraped;
+    double last = -1;
+    const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
+    while (Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      scraped = Scrape(metrics);
+      const double refused = Value(scraped, "kvagent_ucx_held_replies_refused_total");
+      if (refused == last && refused > 0) break;
+      last = refused;
+    }
+    return scraped;
+  }
+
+  // The requesters read on, in short turns (a long busy loop here starves this
+  // process's gRPC channels of their keepalive replies), until decode holds no reply;
+  // the last scrape.
+  std::string Drained(const std::vector<StockUcxPeer*>& stocks) {
+    std::string scraped = Scrape(metrics);
+    const auto until = Clock::now() + std::chrono::milliseconds(2 * kTimeoutMs);
+    while (Value(scraped, "kvagent_ucx_held_replies") != 0 && Clock::now() < until) {
+      for (StockUcxPeer* stock : stocks) stock->Progress(10);
+      scraped = Scrape(metrics);
+    }
+    for (StockUcxPeer* stock : stocks) stock->Progress(200);  // the last in the sockets
+    return scraped;
+  }
+
+  std::string DecodeLog() {
+    std::ifstream log(pair.decode_process().log_path());
+    return std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  }
+
+  AgentPair pair;
+  std::string metrics;
+  cli::AgentClient owner;
+  cli::KvPool scratch;
+  std::unique_ptr<PeerCaller> eve;
+  v1::AgentMetadata metadata;
+  v1::ExportedRegion region;
+};
+
 // Each software get (or put) served leaves its reply in the agent's UCX until the
 // requester reads it, about 350 bytes each. A peer that posts gets and reads none may
 // hold --ucx-held-replies of them for its endpoint; the rest are dropped and counted.
@@ -1999,71 +2102,24 @@ TEST_CASE("a peer's software get still queued when its region is released reads 
 TEST_CASE("a peer posting software gets and reading none holds at most --ucx-held-replies "
           "replies in the agent; the rest are dropped and counted") {
   constexpr uint64_t kCap = 1000;
-  constexpr size_t kGets = 20000;
-  constexpr size_t kGetBytes = 4096;  // 80 MiB of replies in all: far past the sockets
-  AgentPairOptions options;
-  options.extra_args = {"--ucx-held-replies", std::to_string(kCap), "--metrics-listen",
-                        "127.0.0.1:0"};
-  AgentPair pair(options);
-  const std::string metrics = MetricsAddress(pair.decode());
-  cli::AgentClient owner(pair.decode_process().address(), ScratchOwner());
-  cli::KvPoolShape shape;
-  shape.group = "scratch";
-  shape.layers = 1;
-  shape.tensors_per_layer = 1;
-  shape.pages = 8192;
-  shape.page_bytes = kGetBytes;
-  auto scratch = cli::CreateKvPool(owner, "scratch", shape);
-  INFO(scratch.status().ToString());
-  REQUIRE(scratch.ok());
-  std::memset(scratch->mapping.data(), 'h', scratch->bytes());
-  const std::string name = scratch->region_names.at(0);
-
-  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
-  const v1::AgentMetadata metadata = eve->Metadata("eve");
-  const v1::ExportedRegion* region = nullptr;
-  for (const auto& r : metadata.regions()) {
-    if (r.name() == name) region = &r;
-  }
-  REQUIRE(region != nullptr);
-  StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/true, "");  // tcp
-  ucp_rkey_h rkey = stock.Unpack(region->rkey());
-  ucp_request_param_t plain{};
-  char first[64] = {};
-  const size_t small =
-      stock.Track(ucp_get_nbx(stock.ep(), first, sizeof first, region->base_address(), rkey,
-                              &plain));
-  stock.Progress(kTimeoutMs);
-  REQUIRE(stock.Status(small) == UCS_OK);
-  stock.Forget();
-  const auto before = cli::ReadProcessMemory(pair.decode_process().pid());
+  constexpr size_t kGets = 20000;  // 80 MiB of replies in all: far past the sockets
+  constexpr size_t kGetBytes = HeldRepliesStage::kGetBytes;
+  HeldRepliesStage stage(kCap, 8192);
+  StockUcxPeer stock(stage.metadata.worker_address(), /*peer_errors=*/true, "");  // tcp
+  const ucp_rkey_h rkey = stage.Connect(stock);
+  const auto before = cli::ReadProcessMemory(stage.pair.decode_process().pid());
   REQUIRE(before.ok());
-  const std::string at_start = Scrape(metrics);
-  const double refused_at_start = Value(at_start, "kvagent_ucx_held_replies_refused_total");
+  const std::string at_start = Scrape(stage.metrics);
   CHECK(Value(at_start, "kvagent_ucx_held_replies") == 0);
+  CHECK(Value(at_start, "kvagent_ucx_held_replies_refused_total") == 0);
 
-  // eve posts every get and does not progress: it reads no reply.
   std::vector<char> got(kGets * kGetBytes, 0);
-  for (size_t i = 0; i < kGets; ++i) {
-    stock.Track(ucp_get_nbx(stock.ep(), got.data() + i * kGetBytes, kGetBytes,
-                            region->base_address() + (i % shape.pages) * kGetBytes, rkey,
-                            &plain));
-  }
-  // Decode serves what reaches it until eve's endpoint has kCap replies waiting.
-  std::string held = Scrape(metrics);
-  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
-  double refused = 0;
-  double last = -1;
-  while (Clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    held = Scrape(metrics);
-    refused = Value(held, "kvagent_ucx_held_replies_refused_total") - refused_at_start;
-    if (refused == last && refused > 0) break;  // nothing more arrives
-    last = refused;
-  }
-  const auto during = cli::ReadProcessMemory(pair.decode_process().pid());
+  stage.PostUnread(stock, rkey, got.data(), kGets);
+  const std::string held = stage.Settled();
+  const auto during = cli::ReadProcessMemory(stage.pair.decode_process().pid());
   REQUIRE(during.ok());
   const double waiting = Value(held, "kvagent_ucx_held_replies");
+  const double refused = Value(held, "kvagent_ucx_held_replies_refused_total");
   std::printf("eve posted %zu gets of %zu bytes and read none: decode holds %.0f replies "
               "(cap %llu), refused %.0f; decode's own memory %s\n",
               kGets, kGetBytes, waiting, static_cast<unsigned long long>(kCap), refused,
@@ -2071,23 +2127,14 @@ TEST_CASE("a peer posting software gets and reading none holds at most --ucx-hel
   CHECK(Value(held, "kvagent_ucx_held_replies_most") == static_cast<double>(kCap));
   CHECK(waiting == static_cast<double>(kCap));
   CHECK(refused > 0);
-  REQUIRE(Alive(pair.decode_process().pid()));
-  std::ifstream log(pair.decode_process().log_path());
-  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  CHECK_THAT(text, Contains("replies to its endpoint wait unread"));
+  REQUIRE(Alive(stage.pair.decode_process().pid()));
+  CHECK_THAT(stage.DecodeLog(), Contains("replies to its endpoint wait unread"));
   // Another peer's transfers still move.
-  RequireHonestWrite(pair, "beside-unread-replies", {1, 2}, {1, 2});
+  RequireHonestWrite(stage.pair, "beside-unread-replies", {1, 2}, {1, 2});
 
   // eve reads on: every get decode served completes with the region's bytes, the ones
-  // it refused never do, and nothing stays held. (Progressed in short turns: a long
-  // busy loop here starves this process's gRPC channels of their keepalive replies.)
-  std::string after = Scrape(metrics);
-  const auto drained_by = Clock::now() + std::chrono::milliseconds(2 * kTimeoutMs);
-  while (Value(after, "kvagent_ucx_held_replies") != 0 && Clock::now() < drained_by) {
-    stock.Progress(20);
-    after = Scrape(metrics);
-  }
-  stock.Progress(200);  // the last replies in the sockets
+  // it refused never do, and nothing stays held.
+  const std::string after = stage.Drained({&stock});
   size_t completed = 0, pending = 0;
   for (size_t i = 0; i < kGets; ++i) {
     const ucs_status_t status = stock.Status(i);
@@ -2100,105 +2147,81 @@ TEST_CASE("a peer posting software gets and reading none holds at most --ucx-hel
   }
   std::printf("eve read on: %zu gets completed, %zu never answered\n", completed, pending);
   CHECK(Value(after, "kvagent_ucx_held_replies") == 0);
-  const double refused_total =
-      Value(after, "kvagent_ucx_held_replies_refused_total") - refused_at_start;
-  CHECK(static_cast<double>(pending) == refused_total);
+  CHECK(static_cast<double>(pending) == Value(after, "kvagent_ucx_held_replies_refused_total"));
   CHECK(completed + pending == kGets);
   stock.Forget();
 }
 
-// The cap is per endpoint, and a peer may open many: all endpoints together hold at
-// most 4 x --ucx-held-replies.
+// The cap is per endpoint, and a peer may open many: past 4 x --ucx-held-replies in all,
+// only an endpoint with no reply waiting is served, so a requester that reads still
+// is, and all hold at most that plus one reply an endpoint.
 TEST_CASE("a peer opening many endpoints and reading none holds at most 4 x "
-          "--ucx-held-replies replies in all") {
+          "--ucx-held-replies replies in all, and a requester that reads is still served") {
   constexpr uint64_t kCap = 500;
   constexpr size_t kEndpoints = 6;
   constexpr size_t kGets = 2000;  // per endpoint: 8 MiB of replies, past the sockets
-  constexpr size_t kGetBytes = 4096;
-  AgentPairOptions options;
-  options.extra_args = {"--ucx-held-replies", std::to_string(kCap), "--metrics-listen",
-                        "127.0.0.1:0"};
-  AgentPair pair(options);
-  const std::string metrics = MetricsAddress(pair.decode());
-  cli::AgentClient owner(pair.decode_process().address(), ScratchOwner());
-  cli::KvPoolShape shape;
-  shape.group = "scratch";
-  shape.layers = 1;
-  shape.tensors_per_layer = 1;
-  shape.pages = 256;
-  shape.page_bytes = kGetBytes;
-  auto scratch = cli::CreateKvPool(owner, "scratch", shape);
-  INFO(scratch.status().ToString());
-  REQUIRE(scratch.ok());
-  const std::string name = scratch->region_names.at(0);
-  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
-  const v1::AgentMetadata metadata = eve->Metadata("eve");
-  const v1::ExportedRegion* region = nullptr;
-  for (const auto& r : metadata.regions()) {
-    if (r.name() == name) region = &r;
-  }
-  REQUIRE(region != nullptr);
+  constexpr size_t kGetBytes = HeldRepliesStage::kGetBytes;
+  HeldRepliesStage stage(kCap, 256);
+  // A requester that once held its cap of replies, and then read them all: its
+  // endpoint is known to decode's count, with none waiting.
+  StockUcxPeer reader(stage.metadata.worker_address(), /*peer_errors=*/true, "");
+  const ucp_rkey_h reader_rkey = stage.Connect(reader);
+  std::vector<char> early(3 * kGets / 2 * kGetBytes, 0);
+  stage.PostUnread(reader, reader_rkey, early.data(), 3 * kGets / 2);
+  CHECK(Value(stage.Settled(), "kvagent_ucx_held_replies_most") == static_cast<double>(kCap));
+  CHECK(Value(stage.Drained({&reader}), "kvagent_ucx_held_replies") == 0);
+  reader.Forget();
+
   std::vector<std::unique_ptr<StockUcxPeer>> endpoints;
-  std::vector<char> got(kEndpoints * kGets * kGetBytes, 0);
-  ucp_request_param_t plain{};
+  std::vector<StockUcxPeer*> all;
   std::vector<ucp_rkey_h> rkeys;
-  // Every endpoint connected first (a small get each), then the gets posted.
+  // Every endpoint connected first, then the gets posted.
   for (size_t e = 0; e < kEndpoints; ++e) {
-    endpoints.push_back(std::make_unique<StockUcxPeer>(metadata.worker_address(),
+    endpoints.push_back(std::make_unique<StockUcxPeer>(stage.metadata.worker_address(),
                                                        /*peer_errors=*/true, ""));
-    StockUcxPeer& stock = *endpoints.back();
-    rkeys.push_back(stock.Unpack(region->rkey()));
-    char first[64] = {};
-    const size_t small = stock.Track(ucp_get_nbx(stock.ep(), first, sizeof first,
-                                                 region->base_address(), rkeys.back(), &plain));
-    stock.Progress(kTimeoutMs);
+    all.push_back(endpoints.back().get());
     INFO("endpoint " << e);
-    REQUIRE(stock.Status(small) == UCS_OK);
-    stock.Forget();
+    rkeys.push_back(stage.Connect(*endpoints.back()));
   }
+  std::vector<char> got(kEndpoints * kGets * kGetBytes, 0);
   for (size_t e = 0; e < kEndpoints; ++e) {
-    StockUcxPeer& stock = *endpoints[e];
-    const ucp_rkey_h rkey = rkeys[e];
-    for (size_t i = 0; i < kGets; ++i) {
-      stock.Track(ucp_get_nbx(stock.ep(), got.data() + (e * kGets + i) * kGetBytes, kGetBytes,
-                              region->base_address() + (i % shape.pages) * kGetBytes, rkey,
-                              &plain));
-    }
+    stage.PostUnread(*endpoints[e], rkeys[e], got.data() + e * kGets * kGetBytes, kGets);
   }
-  std::string held;
-  double last = -1, refused = 0;
-  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
-  while (Clock::now() < until) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    held = Scrape(metrics);
-    refused = Value(held, "kvagent_ucx_held_replies_refused_total");
-    if (refused == last && refused > 0) break;
-    last = refused;
-  }
+  const std::string held = stage.Settled();
+  const double waiting = Value(held, "kvagent_ucx_held_replies");
   std::printf("eve's %zu endpoints posted %zu gets each and read none: decode holds %.0f "
               "replies in all (cap %llu an endpoint, %llu in all), at most %.0f for one; "
               "refused %.0f\n",
-              kEndpoints, kGets, Value(held, "kvagent_ucx_held_replies"),
-              static_cast<unsigned long long>(kCap),
-              static_cast<unsigned long long>(4 * kCap), Value(held, "kvagent_ucx_held_replies_most"),
-              refused);
-  CHECK(Value(held, "kvagent_ucx_held_replies") == static_cast<double>(4 * kCap));
+              kEndpoints, kGets, waiting, static_cast<unsigned long long>(kCap),
+              static_cast<unsigned long long>(4 * kCap),
+              Value(held, "kvagent_ucx_held_replies_most"),
+              Value(held, "kvagent_ucx_held_replies_refused_total"));
+  CHECK(waiting >= static_cast<double>(4 * kCap));
+  CHECK(waiting <= static_cast<double>(4 * kCap + kEndpoints));
   CHECK(Value(held, "kvagent_ucx_held_replies_most") <= static_cast<double>(kCap));
-  CHECK(refused > 0);
-  std::ifstream log(pair.decode_process().log_path());
-  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  CHECK_THAT(text, Contains("the most held for all endpoints"));
-  REQUIRE(Alive(pair.decode_process().pid()));
-  // Every endpoint reads on: the held replies go (in short turns, as above).
-  std::string after = Scrape(metrics);
-  const auto drained_by = Clock::now() + std::chrono::milliseconds(2 * kTimeoutMs);
-  while (Value(after, "kvagent_ucx_held_replies") != 0 && Clock::now() < drained_by) {
-    for (auto& stock : endpoints) stock->Progress(10);
-    after = Scrape(metrics);
+  CHECK(Value(held, "kvagent_ucx_held_replies_refused_total") > 0);
+  CHECK_THAT(stage.DecodeLog(), Contains("the most held for all endpoints"));
+  REQUIRE(Alive(stage.pair.decode_process().pid()));
+
+  // The reader, at the bound: each of its gets is answered.
+  std::vector<char> read(64 * kGetBytes, 0);
+  ucp_request_param_t plain{};
+  for (size_t i = 0; i < 64; ++i) {
+    const size_t get = reader.Track(ucp_get_nbx(reader.ep(), read.data() + i * kGetBytes,
+                                                kGetBytes, stage.region.base_address(),
+                                                reader_rkey, &plain));
+    reader.Progress(kTimeoutMs);
+    INFO("the reader's get " << i << " at the bound");
+    REQUIRE(reader.Status(get) == UCS_OK);
+    CHECK(read[i * kGetBytes] == 'h');
   }
+  reader.Forget();
+
+  // Every endpoint reads on: the held replies go.
+  const std::string after = stage.Drained(all);
   CHECK(Value(after, "kvagent_ucx_held_replies") == 0);
-  for (auto& stock : endpoints) stock->Forget();
-  RequireHonestWrite(pair, "after-many-endpoints", {1, 2}, {1, 2});
+  for (StockUcxPeer* stock : all) stock->Forget();
+  RequireHonestWrite(stage.pair, "after-many-endpoints", {1, 2}, {1, 2});
 }
 
 }  // namespace
