@@ -628,6 +628,9 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   // connections to UCX's TCP port it closed unread (ucx_tcp_guard.h).
   status->set_ucx_tcp_refused_connections(transport::UcxTcpRefusedConnections());
   status->set_ucx_tcp_allowed_hosts(transport::UcxTcpAllowedHosts());
+  const transport::HeldReplies held = transport::HeldRepliesNow();
+  status->set_ucx_held_replies(held.held);
+  status->set_ucx_held_replies_refused(held.refused);
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load() +
                                     deps.worker->unknown_messages() +
                                     transport::UcxRefusedMessages() +

@@ -2129,6 +2129,12 @@ TEST_CASE("a peer posting software gets and reading none holds at most --ucx-hel
   CHECK(refused > 0);
   REQUIRE(Alive(stage.pair.decode_process().pid()));
   CHECK_THAT(stage.DecodeLog(), Contains("replies to its endpoint wait unread"));
+  // Status says the same (read after the scrape: nothing arrives any more).
+  const auto status = stage.pair.decode().Status();
+  REQUIRE(status.ok());
+  CHECK(status->ucx_held_replies() == kCap);
+  CHECK(static_cast<double>(status->ucx_held_replies_refused()) == refused);
+  CHECK(status->dropped_peer_messages() >= status->ucx_held_replies_refused());
   // Another peer's transfers still move.
   RequireHonestWrite(stage.pair, "beside-unread-replies", {1, 2}, {1, 2});
 
