@@ -330,18 +330,17 @@ bool IdAdmits(const void* data, size_t length) {
 // request is added, with a get's bytes still to send; one is taken off when UCT sends
 // it (a completion, or a get's last bytes), and all when the endpoint's queue is purged
 // or the endpoint destroyed. Replies that went pending elsewhere (behind UCP's wireup)
-// are not counted, and a send of one takes the oldest counted of its kind off: the
-// count may run low, never high, so an honest requester is never refused by it.
+// are not counted, and a send of one takes a counted one of its kind off (a get's, the
+// oldest: UCT sends its pending queue in order): the count may run low, never high, so
+// an honest requester is never refused by it.
 // The endpoint a request names (its id in this worker) is matched to its UCT endpoint
 // when its first reply goes pending.
 using EndpointKey = std::pair<const void*, uint64_t>;  // UCP worker, endpoint id
-struct HeldReply {
-  bool get;
-  uint64_t remaining;  // a get's bytes still to send
-};
 struct HeldQueue {
-  std::deque<HeldReply> replies;
+  uint64_t completions = 0;  // puts' completions
+  std::deque<uint64_t> gets;  // each get's bytes still to send, the oldest first
   std::vector<EndpointKey> keys;  // the endpoint ids that named it
+  uint64_t size() const { return completions + gets.size(); }
 };
 absl::Mutex g_held_mu;
 std::map<const void*, HeldQueue>* g_held ABSL_GUARDED_BY(g_held_mu) =
@@ -378,7 +377,7 @@ bool HeldFull(const EndpointKey& key, uint64_t* held, bool* all) {
   auto endpoint = g_endpoint_of->find(key);
   if (endpoint == g_endpoint_of->end()) return false;
   auto queue = g_held->find(endpoint->second);
-  *held = queue == g_held->end() ? 0 : queue->second.replies.size();
+  *held = queue == g_held->end() ? 0 : queue->second.size();
   if (*held > 0 && g_held_total >= kHeldRepliesAllEndpoints * cap) {
     *held = g_held_total;
     *all = true;
@@ -392,9 +391,13 @@ void NoteReplyHeld(const void* ep) {
   t_serving.added = true;
   absl::MutexLock lock(&g_held_mu);
   HeldQueue& queue = (*g_held)[ep];
-  queue.replies.push_back(HeldReply{t_serving.get, t_serving.get ? t_serving.remaining : 0});
+  if (t_serving.get) {
+    queue.gets.push_back(t_serving.remaining);
+  } else {
+    ++queue.completions;
+  }
   ++g_held_total;
-  g_held_peak = std::max<uint64_t>(g_held_peak, queue.replies.size());
+  g_held_peak = std::max<uint64_t>(g_held_peak, queue.size());
   auto [it, added] = g_endpoint_of->emplace(t_serving.key, ep);
   if (added) {
     queue.keys.push_back(t_serving.key);
@@ -420,15 +423,18 @@ void NoteReplySent(const void* ep, bool get, ssize_t packed) {
   absl::MutexLock lock(&g_held_mu);
   auto queue = g_held->find(ep);
   if (queue == g_held->end()) return;
-  auto& replies = queue->second.replies;
-  auto reply = std::find_if(replies.begin(), replies.end(),
-                            [get](const HeldReply& r) { return r.get == get; });
-  if (reply == replies.end()) return;
-  if (get && reply->remaining > payload) {
-    reply->remaining -= payload;
-    return;
+  if (!get) {
+    if (queue->second.completions == 0) return;
+    --queue->second.completions;
+  } else {
+    auto& gets = queue->second.gets;
+    if (gets.empty()) return;
+    if (gets.front() > payload) {
+      gets.front() -= payload;
+      return;
+    }
+    gets.pop_front();
   }
-  replies.erase(reply);
   --g_held_total;
 }
 
@@ -437,8 +443,9 @@ void ForgetHeld(const void* ep, bool destroyed) {
   absl::MutexLock lock(&g_held_mu);
   auto queue = g_held->find(ep);
   if (queue == g_held->end()) return;
-  g_held_total -= queue->second.replies.size();
-  queue->second.replies.clear();
+  g_held_total -= queue->second.size();
+  queue->second.completions = 0;
+  queue->second.gets.clear();
   if (!destroyed) return;
   for (const EndpointKey& key : queue->second.keys) {
     auto it = g_endpoint_of->find(key);
@@ -877,7 +884,7 @@ HeldReplies HeldRepliesNow() {
   now.held = g_held_total;
   now.peak = g_held_peak;
   for (const auto& [ep, queue] : *g_held) {
-    now.most = std::max<uint64_t>(now.most, queue.replies.size());
+    now.most = std::max<uint64_t>(now.most, queue.size());
   }
   return now;
 }
