@@ -663,6 +663,10 @@ std::vector<std::string> UcxRefusedProtocols() {
   }
   names.push_back(fmt::format(
       "any of {} protocols naming an endpoint or request id this agent did not give out", by_id));
+  names.push_back(fmt::format(
+      "put or get (software RMA) whose endpoint has {} replies waiting unread "
+      "(--ucx-held-replies)",
+      g_held_cap.load()));
   return names;
 }
 

@@ -47,7 +47,8 @@ bool UcxHardenedForPeers();
 
 // What peers' messages are dropped (for `doctor`): "put (software RMA) outside peer
 // memory", "atomic request", "any of 16 protocols naming an endpoint or request id this
-// agent did not give out", ... Empty until hardened.
+// agent did not give out", a put or get whose endpoint has the cap of replies waiting
+// (WatchHeldReplies), ... Empty until hardened.
 std::vector<std::string> UcxRefusedProtocols();
 
 // Messages dropped so far in this process (all workers).

@@ -71,11 +71,13 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 6);
+  CHECK(refused.size() == 7);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data",
-        "any of 16 protocols naming an endpoint or request id this agent did not give out"}) {
+        "any of 16 protocols naming an endpoint or request id this agent did not give out",
+        "put or get (software RMA) whose endpoint has 65536 replies waiting unread "
+        "(--ucx-held-replies)"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
   // Every endpoint and request id a context gives out from here on is indirect.
