@@ -548,8 +548,16 @@ void PeerManager::BuildSnapshot(
       if (!flushed.ok()) {
         done(absl::UnavailableError(fmt::format(
             "peer '{}': the new UCX endpoint did not finish connecting: {}; check that the "
-            "peer's transports are reachable from here (`kvagentctl doctor` on both)",
-            snapshot->name, flushed.message())));
+            "peer's transports are reachable from here (`kvagentctl doctor` on both){}",
+            snapshot->name, flushed.message(),
+            // Only the peer's log and status name a refusal by its UCX TCP guard.
+            snapshot->same_host
+                ? ""
+                : "; over tcp, the peer's guard may have refused this host's address: its "
+                  "log then says 'UCX TCP: refused a connection from HOST' and its "
+                  "ucx_tcp_refused_connections rises (this agent's UCX connects from an "
+                  "address it did not announce: check --data-interface or UCX_NET_DEVICES, "
+                  "and any NAT between the agents)")));
         return;
       }
       finish();
