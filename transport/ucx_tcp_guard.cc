@@ -2,6 +2,8 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
+#include <uct/api/uct_def.h>
 
 #include <algorithm>
 #include <array>
@@ -198,7 +200,10 @@ std::optional<uid_t> ConnectorUid(std::string_view proc_net_tcp, const sockaddr_
 
 }  // namespace internal
 
+void InstallStreamWatch();  // below
+
 void GuardUcxTcpAccepts(std::set<uid_t> allowed_uids, RemoteUcxTcp remote) {
+  InstallStreamWatch();
   {
     absl::MutexLock lock(&g_mu);
     *g_allowed = std::move(allowed_uids);
@@ -291,8 +296,18 @@ uint64_t UcxTcpRefusedConnections() { return g_refused.load(std::memory_order_re
 
 void NoteUcxTcpAcceptStandIn() { g_stand_in.store(true); }
 
+namespace {
+bool AdmitPeer(int fd);
+bool WatchStream(int fd);
+}  // namespace
+
 bool UcxTcpAdmit(int fd) {
   if (!g_on.load(std::memory_order_relaxed)) return true;
+  return AdmitPeer(fd) && WatchStream(fd);
+}
+
+namespace {
+bool AdmitPeer(int fd) {
   sockaddr_storage peer{}, local{};
   socklen_t peer_length = sizeof peer, local_length = sizeof local;
   if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) != 0 ||
@@ -337,6 +352,239 @@ bool UcxTcpAdmit(int fd) {
                               : std::string("no live socket on this host owns its end"));
   }
   return false;
+}
+
+}  // namespace
+
+// UCT 1.13's tcp frame ids past the active message ids (uct/tcp/tcp.h).
+namespace {
+constexpr uint8_t kConnectionManager = UCT_AM_ID_MAX;
+constexpr uint8_t kPutRequest = UCT_AM_ID_MAX + 1;  // address, length, sequence number
+constexpr uint8_t kPutAck = UCT_AM_ID_MAX + 2;      // sequence number
+constexpr uint32_t kPutRequestBytes = 8 + 8 + 4;
+constexpr uint32_t kPutAckBytes = 4;
+constexpr size_t kFrameHeaderBytes = 1 + 4;
+
+// Why a frame of `id` and `length` is refused ("" when it is not).
+std::string FrameRefusal(uint8_t id, uint32_t length, const internal::StreamRules& rules) {
+  if (length > rules.max_frame) {
+    return fmt::format("a frame of {} bytes (id {}), more than UCT's receive buffer takes "
+                       "({}; UCT aborts the process on it)",
+                       length, id, rules.max_frame);
+  }
+  if (id < UCT_AM_ID_MAX || id == kConnectionManager) return "";
+  if (id == kPutRequest) {
+    if (length != kPutRequestBytes) {
+      return fmt::format("a put request of {} bytes (UCT aborts on any but {})", length,
+                         kPutRequestBytes);
+    }
+    return "";
+  }
+  if (id == kPutAck) {
+    if (length != kPutAckBytes) {
+      return fmt::format("a put acknowledgement of {} bytes (UCT aborts on any but {})", length,
+                         kPutAckBytes);
+    }
+    return "";
+  }
+  return fmt::format("frame id {}, which UCT's tcp transport does not know (it aborts the "
+                     "process on it)",
+                     id);
+}
+}  // namespace
+
+namespace internal {
+
+std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
+                       const StreamRules& rules) {
+  auto collect = [&](size_t want) {
+    const size_t take = std::min(want - check->have, n);
+    std::memcpy(check->bytes + check->have, data, take);
+    check->have = static_cast<uint8_t>(check->have + take);
+    data += take;
+    n -= take;
+    return check->have == want;
+  };
+  while (n > 0) {
+    switch (check->phase) {
+      case StreamCheck::kRefused:
+        return "the stream was refused before";
+      case StreamCheck::kMagic:
+      case StreamCheck::kBody:
+      case StreamCheck::kPutData: {
+        const uint64_t take = std::min<uint64_t>(check->left, n);
+        data += take;
+        n -= take;
+        check->left -= take;
+        if (check->left == 0) {
+          check->phase = StreamCheck::kHeader;
+          check->have = 0;
+        }
+        break;
+      }
+      case StreamCheck::kHeader: {
+        if (!collect(kFrameHeaderBytes)) break;
+        const uint8_t id = check->bytes[0];
+        uint32_t length = 0;
+        std::memcpy(&length, check->bytes + 1, 4);
+        if (std::string why = FrameRefusal(id, length, rules); !why.empty()) {
+          check->phase = StreamCheck::kRefused;
+          return why;
+        }
+        check->have = 0;
+        if (id == kPutRequest) {
+          check->phase = StreamCheck::kPutHeader;
+        } else {
+          check->left = length;
+          check->phase = length == 0 ? StreamCheck::kHeader : StreamCheck::kBody;
+        }
+        break;
+      }
+      case StreamCheck::kPutHeader: {
+        // Its payload follows unframed. (Where it goes is not checked: UCP's rendezvous
+        // puts into receive buffers it registers by itself, which kvagent does not list.)
+        if (!collect(kPutRequestBytes)) break;
+        uint64_t length = 0;
+        std::memcpy(&length, check->bytes + 8, 8);
+        check->have = 0;
+        check->left = length;
+        check->phase = length == 0 ? StreamCheck::kHeader : StreamCheck::kPutData;
+        break;
+      }
+    }
+  }
+  return "";
+}
+
+std::optional<uint64_t> ParseUcxSize(std::string_view text) {
+  uint64_t value = 0;
+  size_t i = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (value > (UINT64_MAX - 9) / 10) return std::nullopt;
+    value = value * 10 + static_cast<uint64_t>(text[i] - '0');
+  }
+  if (i == 0) return std::nullopt;
+  std::string_view unit = text.substr(i);
+  if (!unit.empty() && (unit.back() == 'b' || unit.back() == 'B')) unit.remove_suffix(1);
+  int shift = 0;
+  if (unit.size() == 1) {
+    switch (unit[0]) {
+      case 'k': case 'K': shift = 10; break;
+      case 'm': case 'M': shift = 20; break;
+      case 'g': case 'G': shift = 30; break;
+      default: return std::nullopt;
+    }
+  } else if (!unit.empty()) {
+    return std::nullopt;
+  }
+  if (shift > 0 && value > (UINT64_MAX >> shift)) return std::nullopt;
+  return value << shift;
+}
+
+}  // namespace internal
+
+namespace {
+
+// One watched descriptor: on while the accepted connection it names is UCX's. The
+// table is mapped (zero pages until used) when the guard goes on; a descriptor's
+// reads come from one thread at a time (UCT's), its watch and forget from accept()
+// and close().
+constexpr int kStreamSlots = 1 << 16;
+struct StreamSlot {
+  std::atomic<bool> on;
+  internal::StreamCheck check;
+};
+std::atomic<StreamSlot*> g_streams{nullptr};
+internal::StreamRules g_rules;  // set before the guard goes on
+std::atomic<uint64_t> g_refused_streams{0};
+std::atomic<bool> g_recv_stand_in{false};
+
+// The rules from this process's environment, before UCX reads it.
+internal::StreamRules RulesFromEnvironment() {
+  internal::StreamRules rules;
+  if (const char* size = std::getenv("UCX_TCP_RX_SEG_SIZE")) {
+    const std::optional<uint64_t> bytes = internal::ParseUcxSize(size);
+    if (bytes && *bytes > kFrameHeaderBytes) {
+      rules.max_frame = *bytes - kFrameHeaderBytes;
+    } else {
+      rules.max_frame = UINT64_MAX;
+      kLog.Warn("UCX TCP: UCX_TCP_RX_SEG_SIZE={} is not a size this agent reads; frames "
+                "longer than UCT's receive buffer (on which UCT aborts) are not refused",
+                size);
+    }
+  }
+  return rules;
+}
+
+bool WatchStream(int fd) {
+  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
+  if (slots == nullptr || !g_recv_stand_in.load(std::memory_order_relaxed)) return true;
+  if (fd < 0 || fd >= kStreamSlots) {
+    const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+    kLog.Warn("UCX TCP: refused a connection on descriptor {} ({} so far): its stream cannot "
+              "be watched past descriptor {}; lower the agent's open-file limit or its load",
+              fd, n, kStreamSlots - 1);
+    return false;
+  }
+  StreamSlot& slot = slots[fd];
+  slot.check = internal::StreamCheck{};
+  slot.on.store(true, std::memory_order_release);
+  return true;
+}
+
+}  // namespace
+
+ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) {
+  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
+  if (slots == nullptr || fd < 0 || fd >= kStreamSlots ||
+      !slots[fd].on.load(std::memory_order_acquire)) {
+    return next(fd, buffer, length, flags);
+  }
+  StreamSlot& slot = slots[fd];
+  if (slot.check.phase == internal::StreamCheck::kRefused) return 0;
+  const ssize_t got = next(fd, buffer, length, flags);
+  if (got <= 0 || (flags & MSG_PEEK) != 0) return got;
+  const std::string why = internal::FeedStream(
+      &slot.check, static_cast<const uint8_t*>(buffer), static_cast<size_t>(got), g_rules);
+  if (why.empty()) return got;
+  shutdown(fd, SHUT_RDWR);
+  const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  const uint64_t mine = g_refused_streams.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (mine <= 4 || mine % 1024 == 0) {
+    sockaddr_storage peer{}, local{};
+    socklen_t peer_length = sizeof peer, local_length = sizeof local;
+    getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_length);
+    kLog.Warn("UCX TCP: closed a connection from {} to {} at {} ({} such so far, {} "
+              "connections refused in all): UCT would have served it before any check of "
+              "kvagent's",
+              Text(Unmapped(peer)), Text(Unmapped(local)), why, mine, n);
+  }
+  return 0;  // end of stream: UCT closes its endpoint
+}
+
+void ForgetUcxTcpStream(int fd) {
+  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
+  if (slots == nullptr || fd < 0 || fd >= kStreamSlots) return;
+  slots[fd].on.store(false, std::memory_order_release);
+}
+
+uint64_t UcxTcpRefusedStreams() { return g_refused_streams.load(std::memory_order_relaxed); }
+
+void NoteUcxTcpRecvStandIn() { g_recv_stand_in.store(true); }
+
+void InstallStreamWatch() {
+  if (g_streams.load() != nullptr) return;
+  g_rules = RulesFromEnvironment();
+  void* table = mmap(nullptr, sizeof(StreamSlot) * kStreamSlots, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (table == MAP_FAILED) {
+    kLog.Error("UCX TCP: cannot map the stream table ({}); streams on UCX's TCP port are not "
+               "checked",
+               std::strerror(errno));
+    return;
+  }
+  g_streams.store(static_cast<StreamSlot*>(table), std::memory_order_release);
 }
 
 }  // namespace kvagent::transport

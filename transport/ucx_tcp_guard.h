@@ -78,8 +78,32 @@ bool UcxTcpGuarded();
 uint64_t UcxTcpRefusedConnections();
 
 // What the guard decides for an accepted TCP connection `fd` (called by the accept()
-// stand-in; exposed for tests): true to keep it.
+// stand-in; exposed for tests): true to keep it. A kept connection's stream is watched
+// (below).
 bool UcxTcpAdmit(int fd);
+
+// What comes in on a connection the guard kept is checked as UCT reads it, before UCT
+// parses it: the recv() stand-in (transport/ucx_tcp_guard_accept.cc) hands each read
+// of a watched descriptor to UcxTcpRecv. UCT's tcp stream there is an 8-byte magic
+// number, then frames of a 1-byte id, a 4-byte length and that many bytes (a put
+// request's frame is followed by its payload, unframed). UCT 1.13 aborts the process
+// (a failed assertion) on a frame longer than its receive buffer (UCX_TCP_RX_SEG_SIZE),
+// on an id it does not know, and on a put request or acknowledgement of another length
+// than its own: any process that connects could end the agent with five bytes. The
+// connection is closed at such a frame instead (the read says end of stream, the
+// socket is shut down), before UCT sees it. A put request's address is not checked:
+// UCP's own rendezvous puts over tcp into receive buffers it registers by itself, so
+// put requests come from honest peers too (even with UCX_TCP_PUT_ENABLE=n).
+// Counted in UcxTcpRefusedConnections (and UcxTcpRefusedStreams) and logged. The
+// connections this process's UCX opened itself reach peers it chose, and are not
+// watched. Descriptors from 65,536 up cannot be watched: such a connection is refused.
+using RecvFn = ssize_t (*)(int, void*, size_t, int);
+ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next);
+// A watched descriptor is closed (the close() stand-in): no longer watched.
+void ForgetUcxTcpStream(int fd);
+uint64_t UcxTcpRefusedStreams();
+// Called once by the recv()/close() stand-ins when the binary holds them.
+void NoteUcxTcpRecvStandIn();
 
 // Called once by the accept() stand-in (transport/ucx_tcp_guard_accept.cc) when the
 // binary holds it.
@@ -91,6 +115,24 @@ void NoteUcxTcpAcceptStandIn();
 std::string HostOfGrpcPeer(std::string_view peer);
 
 namespace internal {
+
+// The checks UcxTcpRecv makes, and where it is in one stream.
+struct StreamRules {
+  uint64_t max_frame = 65536 - 5;  // UCX_TCP_RX_SEG_SIZE less the frame header
+};
+struct StreamCheck {
+  enum Phase : uint8_t { kMagic = 0, kHeader, kBody, kPutHeader, kPutData, kRefused };
+  Phase phase = kMagic;
+  uint8_t have = 0;       // bytes of a frame header or put request collected
+  uint8_t bytes[20] = {};
+  uint64_t left = 8;      // bytes of the magic number, a body or a put's payload to pass
+};
+// Feeds `n` bytes read from the stream: "" while it is fine, else why it is refused
+// (and it stays refused).
+std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
+                       const StreamRules& rules);
+// UCX_TCP_RX_SEG_SIZE's text ("64K", "65536", "1m") in bytes; nullopt for another form.
+std::optional<uint64_t> ParseUcxSize(std::string_view text);
 
 // One socket as /proc/net/tcp or tcp6 lists it: addresses in the kernel's hex form
 // ("0100007F:DF35"), the state in hex ("0A": listening), the owner's uid and the

@@ -1,12 +1,15 @@
-// accept() in front of libc's, for kvagentd: UCX's libucs takes connections to its TCP
-// transport with accept(), and each goes through UcxTcpAdmit first (ucx_tcp_guard.h).
-// A binary (kvagentd) links this object and exports the symbol
-// (-Wl,--export-dynamic-symbol=accept in BUILD), so libucs's call binds to it; the
-// next accept() in the lookup order (libc's, or a sanitizer's) does the work.
+// accept(), recv() and close() in front of libc's, for kvagentd: UCX's libucs takes
+// connections to its TCP transport with accept(), and each goes through UcxTcpAdmit
+// first (ucx_tcp_guard.h); it reads them with recv(), and what a kept connection
+// brings is checked before UCT parses it (UcxTcpRecv); close() ends the watch of a
+// descriptor. A binary (kvagentd) links this object and exports the symbols
+// (-Wl,--export-dynamic-symbol in BUILD), so libucs's calls bind to them; the next
+// definition in the lookup order (libc's, or a sanitizer's) does the work.
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "transport/ucx_tcp_guard.h"
@@ -14,14 +17,27 @@
 namespace {
 
 using AcceptFn = int (*)(int, sockaddr*, socklen_t*);
+using CloseFn = int (*)(int);
 
 AcceptFn NextAccept() {
   static const AcceptFn next = reinterpret_cast<AcceptFn>(dlsym(RTLD_NEXT, "accept"));
   return next;
 }
 
+kvagent::transport::RecvFn NextRecv() {
+  static const auto next =
+      reinterpret_cast<kvagent::transport::RecvFn>(dlsym(RTLD_NEXT, "recv"));
+  return next;
+}
+
+CloseFn NextClose() {
+  static const CloseFn next = reinterpret_cast<CloseFn>(dlsym(RTLD_NEXT, "close"));
+  return next;
+}
+
 [[maybe_unused]] const bool kNoted = [] {
   kvagent::transport::NoteUcxTcpAcceptStandIn();
+  kvagent::transport::NoteUcxTcpRecvStandIn();
   return true;
 }();
 
@@ -46,4 +62,20 @@ extern "C" int accept(int fd, sockaddr* address, socklen_t* length) {
       return -1;
     }
   }
+}
+
+extern "C" ssize_t recv(int fd, void* buffer, size_t length, int flags) {
+  const kvagent::transport::RecvFn next = NextRecv();
+  if (next == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  return kvagent::transport::UcxTcpRecv(fd, buffer, length, flags, next);
+}
+
+extern "C" int close(int fd) {
+  kvagent::transport::ForgetUcxTcpStream(fd);
+  const CloseFn next = NextClose();
+  if (next == nullptr) return static_cast<int>(syscall(SYS_close, fd));
+  return next(fd);
 }

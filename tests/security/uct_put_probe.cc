@@ -8,6 +8,10 @@
 // With HOST (an IPv4 address) and DEVICE (an interface of this host that reaches it),
 // it connects from DEVICE to HOST's PORT instead: an attacker on another host.
 //
+// KVAGENT_PROBE_AM=ID:COUNT sends COUNT active messages of UCT id ID instead of the put,
+// KVAGENT_PROBE_AM_BYTES=N each with N bytes (a frame longer than the agent's receive
+// buffer when N is past 64 KiB).
+//
 // Prints one line and exits 0 when the put completed from its side (the agent's UCX
 // took the connection), 3 when the connection never came up or failed (refused), 2 on
 // a setup failure here. Whether the bytes landed is for the caller to read.
@@ -73,6 +77,17 @@ int main(int argc, char** argv) {
   setenv("UCX_NET_DEVICES", device_name.c_str(), 1);
   setenv("UCX_TCP_PUT_ENABLE", "y", 1);
   setenv("UCX_TCP_MAX_CONN_RETRIES", "2", 1);
+  // KVAGENT_PROBE_AM_BYTES=N: each active message carries N bytes (bcopy), past the
+  // 8 KiB segment UCT sends by default when N asks for it (a frame longer than the
+  // agent's receive buffer).
+  size_t am_bytes = 0;
+  if (const char* bytes = std::getenv("KVAGENT_PROBE_AM_BYTES"); bytes != nullptr) {
+    am_bytes = std::strtoull(bytes, nullptr, 0);
+    if (am_bytes + 64 > (8u << 10)) {
+      setenv("UCX_TCP_TX_SEG_SIZE", std::to_string(am_bytes + 64).c_str(), 1);
+      setenv("UCX_TCP_RX_SEG_SIZE", std::to_string(am_bytes + 64).c_str(), 1);
+    }
+  }
 
   uct_component_h* components = nullptr;
   unsigned count = 0;
@@ -157,8 +172,22 @@ int main(int argc, char** argv) {
       return 2;
     }
     unsigned sent = 0;
+    std::string body(am_bytes, 'P');
     for (int spins = 0; sent < count && spins < 2000000; ++spins) {
-      status = uct_ep_am_short(ep, static_cast<uint8_t>(id), 0x4b564147454e5421ull, "probe", 5);
+      if (am_bytes == 0) {
+        status =
+            uct_ep_am_short(ep, static_cast<uint8_t>(id), 0x4b564147454e5421ull, "probe", 5);
+      } else {
+        const ssize_t packed = uct_ep_am_bcopy(
+            ep, static_cast<uint8_t>(id),
+            [](void* dest, void* arg) -> size_t {
+              const auto* text = static_cast<const std::string*>(arg);
+              std::memcpy(dest, text->data(), text->size());
+              return text->size();
+            },
+            &body, 0);
+        status = packed >= 0 ? UCS_OK : static_cast<ucs_status_t>(packed);
+      }
       if (status == UCS_OK) {
         ++sent;
       } else if (status != UCS_ERR_NO_RESOURCE) {

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,17 +30,37 @@ namespace {
 // it, and the agent's UCX TCP port: without a network door its UCX uses loopback only,
 // so its one TCP listener is UCT's tcp interface.
 struct Victim {
-  Victim() : probe(CopyTool(dir, "uct_put_probe")), process(StartVictim(dir, {})) {
+  Victim()
+      : probe(CopyTool(dir, "uct_put_probe")),
+        process(StartVictim(dir, {})),
+        client(process->address()) {
     const std::vector<int> ports = ListeningTcpPorts(process->pid());
     INFO("the agent's TCP listeners: " << ports.size());
     REQUIRE(ports.size() == 1);
     port = std::to_string(ports[0]);
   }
+  // The agent's status (it answers: the agent is up).
+  v1::AgentStatus Status() {
+    auto status = client.Status();
+    REQUIRE(status.ok());
+    return *status;
+  }
+  std::string Log() const {
+    std::ifstream log(process->log_path());
+    return std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  }
   OpenDir dir;
   std::string probe;
   std::unique_ptr<cli::DaemonProcess> process;
+  cli::AgentClient client;
   std::string port;
 };
+
+// The sender runs as the agent's uid under setpriv.
+#define KVAGENT_NEEDS_SETPRIV()                                                       \
+  if (geteuid() != 0) KVAGENT_SKIP("needs root: the sender runs as the agent's uid "   \
+                                   "under setpriv");                                  \
+  if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)")
 
 TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP port; a peer uid "
           "still connects") {
@@ -47,7 +68,7 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
   Victim victim;
   cli::DaemonProcess& agent = *victim.process;
-  cli::AgentClient client(agent.address());
+  cli::AgentClient& client = victim.client;
   const std::string& probe = victim.probe;
   const std::string& port = victim.port;
   const uint64_t target = StackBottom(agent.pid());
@@ -91,6 +112,38 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
   CHECK(client.Status().ok());  // and the agent still serves
 }
 
+// UCT 1.13's tcp transport aborts the process (a failed assertion) on a frame longer than
+// its receive buffer, as on an unknown frame id or a put request of the wrong length:
+// any process that connects could end the agent with five bytes. The stream check
+// closes such a connection first.
+TEST_CASE("a frame longer than UCT's receive buffer closes the connection, not the agent") {
+  KVAGENT_NEEDS_SETPRIV();
+  Victim victim;
+  const v1::AgentStatus first = victim.Status();
+  // One active message of 100,000 bytes (UCT's receive buffer is 64 KiB by default).
+  setenv("KVAGENT_PROBE_AM", "1:1", 1);
+  setenv("KVAGENT_PROBE_AM_BYTES", "100000", 1);
+  const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
+  unsetenv("KVAGENT_PROBE_AM");
+  unsetenv("KVAGENT_PROBE_AM_BYTES");
+  INFO("the long frame: " << sent.code << ": " << sent.message);
+  CHECK(sent.code == "sent");
+  uint64_t refused = 0;
+  for (int i = 0; i < 100 && refused == 0; ++i) {
+    usleep(20 * 1000);
+    refused = victim.Status().ucx_tcp_refused_connections() - first.ucx_tcp_refused_connections();
+  }
+  CHECK(refused == 1);
+  CHECK(victim.Log().find("at a frame of 100000 bytes (id 1), more than UCT's receive buffer takes") !=
+        std::string::npos);
+  // Short messages still reach UCX after it (the next connection is a new stream).
+  setenv("KVAGENT_PROBE_AM", "27:10", 1);
+  const Outcome after = RunAs(0, 0, victim.probe, victim.port, "0");
+  unsetenv("KVAGENT_PROBE_AM");
+  CHECK(after.code == "sent");
+  victim.Status();  // still up
+}
+
 // UCT ids UCP registers no handler for (0, 5, 13, 27-31 in UCX 1.13) reached UCT's stub
 // handler, which logged 19 lines with a backtrace for each message: 2,000 messages of
 // 13 bytes made 38,000 lines of this agent's log. kvagentd's uct_iface_open stand-in
@@ -98,11 +151,10 @@ TEST_CASE("a local user cannot write a root agent's memory through UCX's TCP por
 // counted in dropped_peer_messages and only the first few and every 1,024th logged.
 TEST_CASE("messages of UCT ids UCP has no handler for are dropped and counted, not logged "
           "one by one with a backtrace") {
-  if (geteuid() != 0) KVAGENT_SKIP("needs root: the sender runs as the agent's uid under setpriv");
-  if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
+  KVAGENT_NEEDS_SETPRIV();
   Victim victim;
   cli::DaemonProcess& agent = *victim.process;
-  cli::AgentClient client(agent.address());
+  cli::AgentClient& client = victim.client;
   auto first = client.Status();
   REQUIRE(first.ok());
   constexpr int kEach = 300;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "uct/api/uct_def.h"
 #include "tests/unit/catch_main.h"
 
 namespace kvagent::transport {
@@ -273,6 +274,87 @@ TEST_CASE("a peer that goes is forgotten: its hosts stay only while another owne
   CHECK(UcxTcpAllowedHosts() == before + 2);  // neither pushed out the other
   ForgetUcxTcpHosts("kept");
   ForgetUcxTcpHosts("kept too");
+}
+
+// UCT's tcp stream as UCT writes it: frames of a 1-byte id and a 4-byte length.
+std::string Frame(uint8_t id, const std::string& body) {
+  std::string out(1, static_cast<char>(id));
+  const uint32_t length = static_cast<uint32_t>(body.size());
+  out.append(reinterpret_cast<const char*>(&length), 4);
+  return out + body;
+}
+std::string PutRequest(uint64_t address, uint64_t length) {
+  std::string body(20, '\0');
+  std::memcpy(body.data(), &address, 8);
+  std::memcpy(body.data() + 8, &length, 8);
+  return Frame(UCT_AM_ID_MAX + 1, body);
+}
+// Feeds `stream` in pieces of `piece` bytes: "" or the first refusal.
+std::string FeedInPieces(const std::string& stream, size_t piece,
+                         const internal::StreamRules& rules) {
+  internal::StreamCheck check;
+  for (size_t at = 0; at < stream.size(); at += piece) {
+    const std::string part = stream.substr(at, piece);
+    std::string why = internal::FeedStream(
+        &check, reinterpret_cast<const uint8_t*>(part.data()), part.size(), rules);
+    if (!why.empty()) return why;
+  }
+  return "";
+}
+TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those UCT aborts "
+          "on") {
+  const std::string magic = "\x78\x56\x34\x12\xbe\xba\xfe\xca";
+  // A connection request, active messages up to the receive buffer, a put request with
+  // its payload unframed after it, a put acknowledgement.
+  const std::string honest = magic + Frame(UCT_AM_ID_MAX, std::string(23, 'c')) +
+                             Frame(3, std::string(9000, 'a')) + Frame(0, "") +
+                             Frame(31, std::string(65531, 'b')) + PutRequest(0x1800, 0x800) +
+                             std::string(0x800, '\x21') + Frame(UCT_AM_ID_MAX + 2, "abcd") +
+                             PutRequest(0x1000, 0) + Frame(2, "after");
+  const internal::StreamRules rules;  // frames up to 64 KiB less the header
+  for (size_t piece : {size_t{1}, size_t{3}, size_t{5}, size_t{4096}, honest.size()}) {
+    INFO("pieces of " << piece);
+    CHECK(FeedInPieces(honest, piece, rules).empty());
+  }
+  // What UCT 1.13 aborts on: a frame past its receive buffer, an unknown id, a put
+  // request or acknowledgement of another length than its own.
+  CHECK_THAT(FeedInPieces(magic + Frame(1, std::string(65532, 'z')), 4096, rules),
+             Catch::Contains("a frame of 65532 bytes (id 1), more than UCT's receive buffer"));
+  CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX + 3, ""), 1, rules),
+             Catch::Contains("frame id 35, which UCT's tcp transport does not know"));
+  CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX + 1, std::string(19, 'q')), 100, rules),
+             Catch::Contains("a put request of 19 bytes (UCT aborts on any but 20)"));
+  CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX + 2, "abc"), 100, rules),
+             Catch::Contains("a put acknowledgement of 3 bytes"));
+  // A put's payload is not read as frames: bytes that would be a bad frame pass there.
+  CHECK(FeedInPieces(magic + PutRequest(0x1000, 5) + Frame(200, ""), 2, rules).empty());
+  // Refused stays refused.
+  internal::StreamCheck check;
+  const std::string bad = magic + Frame(200, "");
+  CHECK_FALSE(internal::FeedStream(&check, reinterpret_cast<const uint8_t*>(bad.data()),
+                                   bad.size(), rules)
+                  .empty());
+  CHECK_FALSE(internal::FeedStream(&check, reinterpret_cast<const uint8_t*>(magic.data()), 1,
+                                   rules)
+                  .empty());
+  // A larger receive buffer (UCX_TCP_RX_SEG_SIZE) takes longer frames.
+  internal::StreamRules large;
+  large.max_frame = (1 << 20) - 5;
+  CHECK(FeedInPieces(magic + Frame(1, std::string(65532, 'z')), 4096, large).empty());
+}
+
+TEST_CASE("UCX's size settings as the stream check reads them") {
+  CHECK(internal::ParseUcxSize("65536") == 65536u);
+  CHECK(internal::ParseUcxSize("64K") == 65536u);
+  CHECK(internal::ParseUcxSize("64kb") == 65536u);
+  CHECK(internal::ParseUcxSize("1m") == (1u << 20));
+  CHECK(internal::ParseUcxSize("2G") == (2ull << 30));
+  CHECK_FALSE(internal::ParseUcxSize("").has_value());
+  CHECK_FALSE(internal::ParseUcxSize("K").has_value());
+  CHECK_FALSE(internal::ParseUcxSize("64 K").has_value());
+  CHECK_FALSE(internal::ParseUcxSize("inf").has_value());
+  CHECK_FALSE(internal::ParseUcxSize("99999999999999999999").has_value());
+  CHECK_FALSE(internal::ParseUcxSize("17179869184G").has_value());
 }
 
 }  // namespace
