@@ -441,8 +441,8 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
         break;
       }
       case StreamCheck::kPutHeader: {
-        // Its payload follows unframed. (Where it goes is not checked: UCP's rendezvous
-        // puts into receive buffers it registers by itself, which kvagent does not list.)
+        // Its payload follows unframed. (Where it goes is not checked: honest agents put
+        // too, into buffers kvagent does not list; ucx_tcp_guard.h.)
         if (!collect(kPutRequestBytes)) break;
         uint64_t length = 0;
         std::memcpy(&length, check->bytes + 8, 8);

@@ -92,8 +92,9 @@ bool UcxTcpAdmit(int fd);
 // than its own: any process that connects could end the agent with five bytes. The
 // connection is closed at such a frame instead (the read says end of stream, the
 // socket is shut down), before UCT sees it. A put request's address is not checked:
-// UCP's own rendezvous puts over tcp into receive buffers it registers by itself, so
-// put requests come from honest peers too (even with UCX_TCP_PUT_ENABLE=n).
+// kvagent's own agents send put requests over tcp (with a large staged chunk, most
+// likely UCP's rendezvous into a receive buffer UCP registered itself) although they
+// start UCX with UCX_TCP_PUT_ENABLE=n.
 // Counted in UcxTcpRefusedConnections (and UcxTcpRefusedStreams) and logged. The
 // connections this process's UCX opened itself reach peers it chose, and are not
 // watched. Descriptors from 65,536 up cannot be watched: such a connection is refused.
