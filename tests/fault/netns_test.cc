@@ -446,22 +446,42 @@ void LinkCutCase(const std::string& error_mode, const std::string& expected_mode
   }
 
   const auto all = Range(0, shape.pages);
-  auto submitted = pair->prefill->Submit(KvWrite("big", all, all));
-  INFO(submitted.status().ToString());
-  REQUIRE(submitted.ok());
-  // Once its first batch is posted (TRANSFERRING) and moving: no fixed sleep that a
-  // fast machine could outrun.
-  {
-    absl::Status moving = WaitTransferring(*pair->prefill, "big");
-    INFO(moving.ToString());
-    REQUIRE(moving.ok());
+  // The cut must land mid-transfer. The ip command usually takes a few ms, but on a
+  // loaded machine it took 183 ms, when the whole 128 MiB had moved: then the link
+  // comes back and another transfer is cut (at most three).
+  std::string big = "big";
+  v1::TransferState failed;
+  int64_t cut_ms = 0, fail_ms = 0;
+  for (int attempt = 1;; ++attempt) {
+    big = attempt == 1 ? "big" : fmt::format("big-{}", attempt);
+    std::memset(pair->decode_pool.mapping.data(), 0xEE, pair->decode_pool.bytes());
+    auto submitted = pair->prefill->Submit(KvWrite(big, all, all));
+    INFO(submitted.status().ToString());
+    REQUIRE(submitted.ok());
+    // Once its first batch is posted (TRANSFERRING) and moving: no fixed sleep that a
+    // fast machine could outrun.
+    {
+      absl::Status moving = WaitTransferring(*pair->prefill, big);
+      INFO(moving.ToString());
+      REQUIRE(moving.ok());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    const auto cut = Clock::now();
+    REQUIRE(lab.IpIn(0, {"link", "set", lab.data_dev(0), "down"}) == "");
+    cut_ms = MillisSince(cut);
+    failed = WaitEnd(*pair->prefill, big);
+    fail_ms = MillisSince(cut);
+    if (failed.phase() != v1::COMPLETED || attempt == 3) break;
+    std::printf("%s: the cut came after the whole transfer had moved (the ip command took "
+                "%lld ms); the link comes back and another transfer is cut\n",
+                label.c_str(), static_cast<long long>(cut_ms));
+    REQUIRE(lab.IpIn(0, {"link", "set", lab.data_dev(0), "up"}) == "");
+    const auto up = Clock::now();
+    while (pair->DecodePeerState() != "connected" && MillisSince(up) < 10000) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    REQUIRE(pair->DecodePeerState() == "connected");
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  const auto cut = Clock::now();
-  REQUIRE(lab.IpIn(0, {"link", "set", lab.data_dev(0), "down"}) == "");
-  const int64_t cut_ms = MillisSince(cut);
-  const v1::TransferState failed = WaitEnd(*pair->prefill, "big");
-  const int64_t fail_ms = MillisSince(cut);
   const uint64_t landed_at_failure = TouchedPages(pair->decode_pool);
   INFO(failed.DebugString());
   std::printf("%s: data link down (the ip command took %lld ms) -> transfer failed in %lld ms; "
@@ -472,10 +492,10 @@ void LinkCutCase(const std::string& error_mode, const std::string& expected_mode
               static_cast<unsigned long long>(landed_at_failure),
               static_cast<unsigned long long>(pair->decode_pool.regions() * shape.pages),
               failed.drained(), failed.error_message().c_str());
-  REQUIRE(failed.phase() != v1::COMPLETED);  // else: make the transfer bigger
+  REQUIRE(failed.phase() != v1::COMPLETED);  // three times: make the transfer bigger
   REQUIRE(failed.phase() == v1::FAILED);
   CHECK(failed.error_code() == kUnavailable);
-  CHECK_THAT(failed.error_message(), Catch::Contains("'big'") &&
+  CHECK_THAT(failed.error_message(), Catch::Contains("'" + big + "'") &&
                                          Catch::Contains("peer 'decode'") &&
                                          Catch::Contains("stopped answering"));
   CHECK(fail_ms <= 2000);
@@ -521,7 +541,7 @@ void LinkCutCase(const std::string& error_mode, const std::string& expected_mode
   v1::TransferState later;
   const auto drain_wait = Clock::now();
   while (MillisSince(drain_wait) < 10000) {
-    later = Require(pair->prefill->Get("big"), "getting big");
+    later = Require(pair->prefill->Get(big), "getting " + big);
     if (later.drained()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
