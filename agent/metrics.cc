@@ -353,14 +353,16 @@ std::string RenderMetrics(const MetricsSources& sources) {
       .Sample(static_cast<double>(warming.pages_queued));
 
   // Memory released while a peer's software get reply may still read it: mapped to
-  // zero pages until the UCX worker flushed (transport/ucx_hardening.h, RetireMapping).
+  // zero pages until the UCX worker flushed (transport/ucx_hardening.h, RetireMapping);
+  // and the replies to peers' software puts and gets waiting unread in UCX (HeldReplies).
   const transport::RetiredMappings retired = transport::RetiredMappingsNow();
+  const transport::HeldReplies held = transport::HeldRepliesNow();
   const struct {
     const char* name;
     const char* type;
     const char* help;
     uint64_t value;
-  } retired_families[] = {
+  } ucx_memory_families[] = {
       {"kvagent_retired_mappings", "gauge",
        "Released host memory kept as zero pages until every UCX worker flushed what a "
        "peer's software get may still read from it; one that stays names a peer that "
@@ -371,18 +373,6 @@ std::string RenderMetrics(const MetricsSources& sources) {
        retired.held_bytes},
       {"kvagent_retired_mappings_released_total", "counter",
        "Retired mappings unmapped once every UCX worker flushed.", retired.released},
-  };
-  for (const auto& f : retired_families) {
-    Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));
-  }
-  // Replies to peers' software puts and gets waiting unread in UCX (HeldReplies).
-  const transport::HeldReplies held = transport::HeldRepliesNow();
-  const struct {
-    const char* name;
-    const char* type;
-    const char* help;
-    uint64_t value;
-  } held_families[] = {
       {"kvagent_ucx_held_replies", "gauge",
        "Replies to peers' software puts and gets waiting in UCX for the requester to read "
        "them (about 350 bytes each).",
@@ -400,7 +390,7 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "replies waiting unread (also in dropped_peer_messages).",
        held.refused},
   };
-  for (const auto& f : held_families) {
+  for (const auto& f : ucx_memory_families) {
     Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));
   }
 

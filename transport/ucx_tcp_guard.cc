@@ -53,6 +53,14 @@ void ReleaseHostsLocked(const Allowed& allowed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_
   }
 }
 
+// Drops owner `it` from g_hosts and the tables kept beside it.
+void DropOwnerLocked(std::map<std::string, Allowed>::iterator it)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mu) {
+  ReleaseHostsLocked(it->second);
+  g_by_tick->erase(it->second.tick);
+  g_hosts->erase(it);
+}
+
 std::atomic<bool> g_on{false};
 std::atomic<bool> g_remote_checked{true};
 std::atomic<uint64_t> g_refused{0};
@@ -160,6 +168,13 @@ std::string Text(const sockaddr_storage& a) {
 
 std::atomic<bool> g_stand_in{false};
 
+// The two ends of socket `fd`: false when it has none (not connected).
+bool Ends(int fd, sockaddr_storage* peer, sockaddr_storage* local) {
+  socklen_t peer_length = sizeof *peer, local_length = sizeof *local;
+  return getpeername(fd, reinterpret_cast<sockaddr*>(peer), &peer_length) == 0 &&
+         getsockname(fd, reinterpret_cast<sockaddr*>(local), &local_length) == 0;
+}
+
 }  // namespace
 
 namespace internal {
@@ -231,15 +246,12 @@ size_t AllowUcxTcpHosts(const std::string& owner, const std::vector<std::string>
   auto it = g_hosts->find(owner);
   if (it == g_hosts->end()) {
     if (g_hosts->size() >= kMaxOwners) {
-      const auto oldest = g_by_tick->begin();
-      const auto gone = g_hosts->find(oldest->second);
+      const std::string& oldest = g_by_tick->begin()->second;
       kLog.Warn("UCX TCP: {} peers vouch for hosts, the most kept: '{}', the one heard from "
                 "longest ago, no longer does (its hosts connect again once it fetches this "
                 "agent's metadata)",
-                kMaxOwners, oldest->second);
-      ReleaseHostsLocked(gone->second);
-      g_hosts->erase(gone);
-      g_by_tick->erase(oldest);
+                kMaxOwners, oldest);
+      DropOwnerLocked(g_hosts->find(oldest));
     }
     it = g_hosts->emplace(owner, Allowed{}).first;
   } else {
@@ -257,9 +269,7 @@ bool ForgetUcxTcpHosts(const std::string& owner) {
   absl::MutexLock lock(&g_mu);
   auto it = g_hosts->find(owner);
   if (it == g_hosts->end()) return false;
-  ReleaseHostsLocked(it->second);
-  g_by_tick->erase(it->second.tick);
-  g_hosts->erase(it);
+  DropOwnerLocked(it);
   return true;
 }
 
@@ -309,9 +319,7 @@ bool UcxTcpAdmit(int fd) {
 namespace {
 bool AdmitPeer(int fd) {
   sockaddr_storage peer{}, local{};
-  socklen_t peer_length = sizeof peer, local_length = sizeof local;
-  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_length) != 0) {
+  if (!Ends(fd, &peer, &local)) {
     return true;  // not a connected socket: nothing to check (UCX fails it itself)
   }
   if (peer.ss_family != AF_INET && peer.ss_family != AF_INET6) return true;
@@ -499,6 +507,12 @@ internal::StreamRules g_rules;  // set before the guard goes on
 std::atomic<uint64_t> g_refused_streams{0};
 std::atomic<bool> g_recv_stand_in{false};
 
+// The slot of descriptor `fd`; null before the table is mapped or past it.
+StreamSlot* SlotOf(int fd) {
+  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
+  return slots == nullptr || fd < 0 || fd >= kStreamSlots ? nullptr : &slots[fd];
+}
+
 // The rules from this process's environment, before UCX reads it.
 internal::StreamRules RulesFromEnvironment() {
   internal::StreamRules rules;
@@ -517,30 +531,31 @@ internal::StreamRules RulesFromEnvironment() {
 }
 
 bool WatchStream(int fd) {
-  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
-  if (slots == nullptr || !g_recv_stand_in.load(std::memory_order_relaxed)) return true;
-  if (fd < 0 || fd >= kStreamSlots) {
+  if (g_streams.load(std::memory_order_acquire) == nullptr ||
+      !g_recv_stand_in.load(std::memory_order_relaxed)) {
+    return true;
+  }
+  StreamSlot* slot = SlotOf(fd);
+  if (slot == nullptr) {
     const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
     kLog.Warn("UCX TCP: refused a connection on descriptor {} ({} so far): its stream cannot "
               "be watched past descriptor {}; lower the agent's open-file limit or its load",
               fd, n, kStreamSlots - 1);
     return false;
   }
-  StreamSlot& slot = slots[fd];
-  slot.check = internal::StreamCheck{};
-  slot.on.store(true, std::memory_order_release);
+  slot->check = internal::StreamCheck{};
+  slot->on.store(true, std::memory_order_release);
   return true;
 }
 
 }  // namespace
 
 ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) {
-  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
-  if (slots == nullptr || fd < 0 || fd >= kStreamSlots ||
-      !slots[fd].on.load(std::memory_order_acquire)) {
+  StreamSlot* watched = SlotOf(fd);
+  if (watched == nullptr || !watched->on.load(std::memory_order_acquire)) {
     return next(fd, buffer, length, flags);
   }
-  StreamSlot& slot = slots[fd];
+  StreamSlot& slot = *watched;
   if (slot.check.phase == internal::StreamCheck::kRefused) return 0;
   const ssize_t got = next(fd, buffer, length, flags);
   if (got <= 0 || (flags & MSG_PEEK) != 0) return got;
@@ -552,9 +567,7 @@ ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) 
   const uint64_t mine = g_refused_streams.fetch_add(1, std::memory_order_relaxed) + 1;
   if (mine <= 4 || mine % 1024 == 0) {
     sockaddr_storage peer{}, local{};
-    socklen_t peer_length = sizeof peer, local_length = sizeof local;
-    getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_length);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_length);
+    Ends(fd, &peer, &local);
     kLog.Warn("UCX TCP: closed a connection from {} to {} at {} ({} such so far, {} "
               "connections refused in all): UCT would have served it before any check of "
               "kvagent's",
@@ -564,12 +577,8 @@ ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) 
 }
 
 void ForgetUcxTcpStream(int fd) {
-  StreamSlot* slots = g_streams.load(std::memory_order_acquire);
-  if (slots == nullptr || fd < 0 || fd >= kStreamSlots) return;
-  slots[fd].on.store(false, std::memory_order_release);
+  if (StreamSlot* slot = SlotOf(fd)) slot->on.store(false, std::memory_order_release);
 }
-
-uint64_t UcxTcpRefusedStreams() { return g_refused_streams.load(std::memory_order_relaxed); }
 
 void NoteUcxTcpRecvStandIn() { g_recv_stand_in.store(true); }
 

@@ -95,14 +95,13 @@ bool UcxTcpAdmit(int fd);
 // kvagent's own agents send put requests over tcp (with a large staged chunk, most
 // likely UCP's rendezvous into a receive buffer UCP registered itself) although they
 // start UCX with UCX_TCP_PUT_ENABLE=n.
-// Counted in UcxTcpRefusedConnections (and UcxTcpRefusedStreams) and logged. The
+// Counted in UcxTcpRefusedConnections and logged. The
 // connections this process's UCX opened itself reach peers it chose, and are not
 // watched. Descriptors from 65,536 up cannot be watched: such a connection is refused.
 using RecvFn = ssize_t (*)(int, void*, size_t, int);
 ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next);
 // A watched descriptor is closed (the close() stand-in): no longer watched.
 void ForgetUcxTcpStream(int fd);
-uint64_t UcxTcpRefusedStreams();
 // Called once by the recv()/close() stand-ins when the binary holds them.
 void NoteUcxTcpRecvStandIn();
 
