@@ -289,8 +289,9 @@ std::string RenderMetrics(const MetricsSources& sources) {
          "UCX messages dropped: no or wrong secret, oversized.")
       .Sample(static_cast<double>(status.dropped_peer_messages()));
   Family(&out, "kvagent_ucx_tcp_refused_connections_total", "counter",
-         "Connections to UCX's TCP port closed unread: a local uid not a peer's, or a host "
-         "no authenticated peer vouched for.")
+         "Connections to UCX's TCP port closed by the guard: unread, from a local uid not a "
+         "peer's or a host no authenticated peer vouched for, or at a frame UCT would abort "
+         "the agent on.")
       .Sample(static_cast<double>(status.ucx_tcp_refused_connections()));
   Family(&out, "kvagent_ucx_tcp_allowed_hosts", "gauge",
          "Hosts authenticated peers vouched for, whose connections UCX's TCP port keeps.")
