@@ -2,6 +2,7 @@
 // --log-level. Lines go to stderr as "LEVEL component: message".
 #pragma once
 
+#include <cstdint>
 #include <string_view>
 
 #include "absl/status/statusor.h"
@@ -17,6 +18,10 @@ Level GetLevel();
 // Parses "trace", "debug", "info", "warn", "error" or "off".
 absl::StatusOr<Level> ParseLevel(std::string_view text);
 void Write(Level level, std::string_view component, std::string_view message);
+
+// Whether the `n`-th (counted from 1) of an event that a peer can repeat at will is
+// logged: the first four and every 1,024th, so a flood does not flood the log.
+constexpr bool Sampled(uint64_t n) { return n <= 4 || n % 1024 == 0; }
 
 class Logger {
  public:

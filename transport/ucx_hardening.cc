@@ -192,7 +192,7 @@ std::atomic<bool> g_hardened{false};
 bool CountDropped(size_t k, uint64_t* mine) {
   *mine = g_refused[k].fetch_add(1, std::memory_order_relaxed) + 1;
   g_refused_total.fetch_add(1, std::memory_order_relaxed);
-  return *mine <= 4 || *mine % 1024 == 0;
+  return log::Sampled(*mine);
 }
 
 // Counts one dropped message of protocol `k`, and logs it as CountDropped says. `bytes`
@@ -766,7 +766,7 @@ ucs_status_t DropUnusedUctId(void* arg, void*, size_t length, unsigned) {
   const auto id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
   const uint64_t n = g_unused_id_messages.fetch_add(1, std::memory_order_relaxed) + 1;
   g_refused_total.fetch_add(1, std::memory_order_relaxed);
-  if (n <= 4 || n % 1024 == 0) {
+  if (log::Sampled(n)) {
     kLog.Warn("UCX: dropped a message of UCT active message id {} ({} bytes), for which UCX "
               "has no handler ({} such so far): the sender runs something other than "
               "kvagent's UCX or is hostile",

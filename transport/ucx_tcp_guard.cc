@@ -330,7 +330,7 @@ bool AdmitPeer(int fd) {
       return true;
     }
     const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
-    if (n <= 4 || n % 1024 == 0) {
+    if (log::Sampled(n)) {
       kLog.Warn("UCX TCP: refused a connection from {} to {} ({} so far): that host is no "
                 "authenticated peer's (none fetched this agent's metadata from it or announced "
                 "it as a data address), and UCX lets whoever connects write anywhere in this "
@@ -351,7 +351,7 @@ bool AdmitPeer(int fd) {
   }
   if (allowed) return true;
   const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (n <= 4 || n % 1024 == 0) {
+  if (log::Sampled(n)) {
     kLog.Warn("UCX TCP: refused a connection from {} to {} ({} so far): {}; a local process "
               "reaches UCX's TCP transport only as a peer uid (--peer-uids), since UCX lets "
               "whoever connects write anywhere in this process",
@@ -565,7 +565,7 @@ ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) 
   shutdown(fd, SHUT_RDWR);
   const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
   const uint64_t mine = g_refused_streams.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (mine <= 4 || mine % 1024 == 0) {
+  if (log::Sampled(mine)) {
     sockaddr_storage peer{}, local{};
     Ends(fd, &peer, &local);
     kLog.Warn("UCX TCP: closed a connection from {} to {} at {} ({} such so far, {} "

@@ -596,7 +596,7 @@ ucs_status_t UcxWorker::UnknownAmCallback(void* arg, const void*, size_t header_
   const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   const uint64_t count = worker->unknown_messages_.fetch_add(1) + 1;
   // The first few and then every 1,024th: a flood does not flood the log.
-  if (count <= 4 || count % 1024 == 0) {
+  if (log::Sampled(count)) {
     kLog.Warn("UCX worker '{}': dropped an active message of id {} ({} header bytes, {} data "
               "bytes{}), which this agent does not take ({} such so far): the sender runs "
               "another protocol version or is faulty",
@@ -609,7 +609,7 @@ ucs_status_t UcxWorker::UnknownAmCallback(void* arg, const void*, size_t header_
 void UcxWorker::CountTagged() {
   const uint64_t tagged = tagged_messages_.fetch_add(1) + 1;
   const uint64_t count = unknown_messages_.fetch_add(1) + 1;
-  if (tagged <= 4 || tagged % 1024 == 0) {
+  if (log::Sampled(tagged)) {
     kLog.Warn("UCX worker '{}': discarded a tagged message ({} tagged, {} unknown messages so "
               "far): this agent does not use UCX's tag API, so the sender runs something "
               "other than kvagent or is hostile",
