@@ -355,7 +355,8 @@ std::string RenderMetrics(const MetricsSources& sources) {
 
   // Memory released while a peer's software get reply may still read it: mapped to
   // zero pages until the UCX worker flushed (transport/ucx_hardening.h, RetireMapping);
-  // and the replies to peers' software puts and gets waiting unread in UCX (HeldReplies).
+  // the replies to peers' software puts and gets waiting unread in UCX (HeldReplies);
+  // and peers' remote key entries refused (UnpackRkeyEntry).
   const transport::RetiredMappings retired = transport::RetiredMappingsNow();
   const transport::HeldReplies held = transport::HeldRepliesNow();
   const struct {
@@ -390,6 +391,11 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "Software puts and gets dropped because their endpoint had --ucx-held-replies "
        "replies waiting unread (also in dropped_peer_messages).",
        held.refused},
+      {"kvagent_ucx_rkey_entries_refused_total", "counter",
+       "Entries of peers' remote keys refused: naming a shared memory segment to attach "
+       "(UCX's posix or sysv domain), or failing to unpack. A peer key holding one is "
+       "refused whole (the peer's view names the region).",
+       transport::UcxRefusedRkeyEntries()},
   };
   for (const auto& f : ucx_memory_families) {
     Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));

@@ -18,6 +18,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -667,6 +668,10 @@ std::vector<std::string> UcxRefusedProtocols() {
       "put or get (software RMA) whose endpoint has {} replies waiting unread "
       "(--ucx-held-replies)",
       g_held_cap.load()));
+  names.push_back(
+      "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
+      "domain)");
+  names.push_back("remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)");
   return names;
 }
 
@@ -758,6 +763,70 @@ void LeaveRetireFlushes(const void* worker) {
 }
 
 uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_relaxed); }
+
+namespace {
+std::atomic<uint64_t> g_rkey_entries_refused{0};
+// The first refusal since the calling thread last took it (Endpoint::UnpackRkey).
+thread_local std::string t_rkey_refusal;
+
+// A component's name as UCX reports it ("posix", "sysv", "tcp", ...). Components are
+// libuct's statics, a handful per process: each thread keeps the few it met.
+const std::string& ComponentName(uct_component_h component) {
+  thread_local std::vector<std::pair<uct_component_h, std::string>> known;
+  for (const auto& [c, name] : known) {
+    if (c == component) return name;
+  }
+  uct_component_attr_t attr{};
+  attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
+  std::string name = "unnamed";
+  if (uct_component_query(component, &attr) == UCS_OK) {
+    name.assign(attr.name, strnlen(attr.name, sizeof(attr.name)));
+  }
+  return known.emplace_back(component, std::move(name)).second;
+}
+
+// UCX's domains whose key entry names a shared memory segment to attach: they give one
+// only for memory UCX allocated (ucp_mem_map with UCP_MEM_MAP_ALLOCATE), never for
+// memory registered as kvagent registers its regions.
+bool AttachesSegment(std::string_view component) {
+  return component == "posix" || component == "sysv";
+}
+}  // namespace
+
+ucs_status_t UnpackRkeyEntry(uct_component_h component, const void* entry,
+                             uct_rkey_bundle_t* unpacked, RkeyUnpackFn next) {
+  if (!UcxHardenedForPeers()) return next(component, entry, unpacked);
+  const std::string& name = ComponentName(component);
+  std::string why;
+  if (AttachesSegment(name)) {
+    why = fmt::format(
+        "its entry for UCX's {} domain names a shared memory segment for this agent to "
+        "attach as the peer's memory (not attached); an honest agent's key has none, as "
+        "kvagent exports no memory UCX allocated",
+        name);
+  } else {
+    const ucs_status_t status = next(component, entry, unpacked);
+    if (status == UCS_OK || status == UCS_ERR_UNREACHABLE) return status;
+    why = fmt::format("UCX's {} domain could not unpack its entry ({})", name,
+                      ucs_status_string(status));
+  }
+  // UCX leaves a domain out of the key on "unreachable", and releases only those in it.
+  unpacked->rkey = UCT_INVALID_RKEY;
+  unpacked->handle = nullptr;
+  unpacked->type = nullptr;
+  const uint64_t n = g_rkey_entries_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (log::Sampled(n)) {
+    kLog.Warn("UCX: refused an entry of a peer's remote key: {} ({} such so far)", why, n);
+  }
+  if (t_rkey_refusal.empty()) t_rkey_refusal = std::move(why);
+  return UCS_ERR_UNREACHABLE;
+}
+
+std::string TakeRkeyRefusal() { return std::exchange(t_rkey_refusal, std::string()); }
+
+uint64_t UcxRefusedRkeyEntries() {
+  return g_rkey_entries_refused.load(std::memory_order_relaxed);
+}
 
 namespace {
 std::atomic<uint64_t> g_unused_id_messages{0};

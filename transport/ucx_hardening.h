@@ -29,6 +29,8 @@
 // differs is refused with the reason instead of patched blindly.
 #pragma once
 
+#include <uct/api/uct.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -53,6 +55,34 @@ std::vector<std::string> UcxRefusedProtocols();
 
 // Messages dropped so far in this process (all workers).
 uint64_t UcxRefusedMessages();
+
+// A peer's packed remote key holds one entry per UCX memory domain, whose bytes are
+// that domain's own. Two things there are not UCX's to trust:
+// - UCX's posix and sysv domains give an entry only for memory UCX allocated itself,
+//   and unpacking one attaches the shared memory segment it names (a file, a
+//   /proc/PID/fd link, a System V id) into this process, as the peer's memory. kvagent
+//   exports no memory UCX allocated, so in a peer's key such an entry can only name a
+//   segment that is not the peer's to give (another engine's, this agent's own).
+// - When a domain fails to unpack its entry (a segment that does not attach), UCX 1.13
+//   releases the entries not yet unpacked as if they had been: the process dies of
+//   SIGSEGV (one forged sysv or posix entry did it).
+// UnpackRkeyEntry, called by the uct_rkey_unpack stand-in (transport:
+// uct_rkey_unpack_stand_in, linked into kvagentd only) for each entry UCX unpacks,
+// refuses posix and sysv entries without attaching them, and turns any other domain's
+// failure into "unreachable", which UCX handles by leaving that domain out of the key.
+// Each refusal is counted (UcxRefusedRkeyEntries), logged (the first few and every
+// 1,024th) and noted for the calling thread; Endpoint::UnpackRkey then refuses the
+// whole key with the note (TakeRkeyRefusal). A key UCX unpacks for itself (a peer's
+// rendezvous) just goes without the entry. Before HardenUcxForPeers it only calls
+// `next`.
+using RkeyUnpackFn = ucs_status_t (*)(uct_component_h, const void*, uct_rkey_bundle_t*);
+ucs_status_t UnpackRkeyEntry(uct_component_h component, const void* entry,
+                             uct_rkey_bundle_t* unpacked, RkeyUnpackFn next);
+// What the calling thread's entries refused since the last call, in words (the first
+// refusal), or empty; clears it.
+std::string TakeRkeyRefusal();
+// Entries refused so far in this process.
+uint64_t UcxRefusedRkeyEntries();
 
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
 // 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message

@@ -1176,6 +1176,7 @@ absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
   thread_local std::vector<char> padded(kMaxRkeyBytes + kRkeyPadding, '\0');
   std::memcpy(padded.data(), packed.data(), packed.size());
   ucp_rkey_h rkey = nullptr;
+  TakeRkeyRefusal();  // one left by a key UCX unpacked for itself (a peer's rendezvous)
   ucs_status_t status = ucp_ep_rkey_unpack(ep_, padded.data(), &rkey);
   std::memset(padded.data(), 0, packed.size());
   if (status != UCS_OK) {
@@ -1183,6 +1184,14 @@ absl::StatusOr<RemoteKey> Endpoint::UnpackRkey(std::string_view packed) const {
                                         "failed; the key is corrupt or from a UCX with "
                                         "transports we lack",
                                         worker_.name_, packed.size()));
+  }
+  // An entry refused by UnpackRkeyEntry (kvagentd) left the key without its domain.
+  if (std::string refused = TakeRkeyRefusal(); !refused.empty()) {
+    ucp_rkey_destroy(rkey);
+    return absl::InvalidArgumentError(fmt::format(
+        "UCX worker '{}': the peer's {}-byte remote key was refused: {}; the peer must send "
+        "the ucp_rkey_pack bytes of its region (GetMetadata)",
+        worker_.name_, packed.size(), refused));
   }
   return RemoteKey(rkey);
 }

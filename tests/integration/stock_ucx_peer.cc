@@ -1,7 +1,10 @@
 #include "tests/integration/stock_ucx_peer.h"
 
+#include <sys/shm.h>
+
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 
 #include "catch2/catch.hpp"
 
@@ -95,6 +98,54 @@ void StockUcxPeer::Forget() {
     if (UCS_PTR_IS_PTR(request)) ucp_request_free(request);
   }
   tracked_.clear();
+}
+
+UcxSysvSegment::UcxSysvSegment() {
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA;
+  REQUIRE(ucp_init(&params, nullptr, &context_) == UCS_OK);
+  ucp_mem_map_params_t map{};
+  map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  map.length = 1 << 20;
+  map.flags = UCP_MEM_MAP_ALLOCATE;
+  REQUIRE(ucp_mem_map(context_, &map, &memory_) == UCS_OK);
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  REQUIRE(ucp_rkey_pack(context_, memory_, &packed, &packed_size) == UCS_OK);
+  key_.assign(static_cast<const char*>(packed), packed_size);
+  ucp_rkey_buffer_release(packed);
+  // The domain map, the memory type, then a size byte and the bytes of each entry.
+  uint64_t domains = 0;
+  std::memcpy(&domains, key_.data(), sizeof(domains));
+  for (size_t at = sizeof(domains) + 1; domains != 0 && at < key_.size();
+       domains &= domains - 1) {
+    const auto size = static_cast<uint8_t>(key_[at]);
+    if (size == sizeof(int32_t) + sizeof(uint64_t)) segment_at_ = at + 1;
+    at += 1 + size;
+  }
+  INFO("UCX's key of memory it allocated: " << key_.size() << " bytes");
+  REQUIRE(segment_at_ != 0);
+  std::memcpy(&segment_, key_.data() + segment_at_, sizeof(segment_));
+  REQUIRE(Attached() == 1);
+}
+
+UcxSysvSegment::~UcxSysvSegment() {
+  if (memory_ != nullptr) ucp_mem_unmap(context_, memory_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+std::string UcxSysvSegment::KeyNamingSegmentZero() const {
+  std::string key = key_;
+  std::memset(key.data() + segment_at_, 0, sizeof(segment_));
+  return key;
+}
+
+uint64_t UcxSysvSegment::Attached() const {
+  shmid_ds status{};
+  REQUIRE(::shmctl(segment_, IPC_STAT, &status) == 0);
+  return status.shm_nattch;
 }
 
 }  // namespace kvagent::testing

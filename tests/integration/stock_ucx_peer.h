@@ -47,4 +47,32 @@ class StockUcxPeer {
   std::vector<ucs_status_ptr_t> tracked_;
 };
 
+// Memory UCX allocated in this process (ucp_mem_map with UCP_MEM_MAP_ALLOCATE; UCX's
+// first choice of method is sysv): a stand-in for another engine's segment, or this
+// agent's own. Its packed remote key's sysv entry names the segment (a 4-byte id, then
+// the owner's address, in UCX 1.13): what a peer could forge into its region keys.
+// Fails the test when UCX did not allocate with sysv.
+class UcxSysvSegment {
+ public:
+  UcxSysvSegment();
+  ~UcxSysvSegment();
+  UcxSysvSegment(const UcxSysvSegment&) = delete;
+  UcxSysvSegment& operator=(const UcxSysvSegment&) = delete;
+
+  const std::string& key() const { return key_; }
+  // The key with its sysv entry naming segment 0, which does not attach.
+  std::string KeyNamingSegmentZero() const;
+  // How many attach the segment now (shm_nattch): 1 while only this process does.
+  uint64_t Attached() const;
+  // UCX's context (to register other memory in it).
+  ucp_context_h context() const { return context_; }
+
+ private:
+  ucp_context_h context_ = nullptr;
+  ucp_mem_h memory_ = nullptr;
+  std::string key_;
+  size_t segment_at_ = 0;  // where the sysv entry's id lies in key_
+  int32_t segment_ = 0;
+};
+
 }  // namespace kvagent::testing

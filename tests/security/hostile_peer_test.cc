@@ -6,7 +6,8 @@
 // (every key unpacked on prefill's worker thread, for nothing); (2) a new whole
 // catalog, at a new version, as fast as prefill reads them: prefill applies them
 // within its --peer-metadata-share of the time (after --peer-metadata-burst-ms), and
-// its transfers to decode keep moving meanwhile.
+// its transfers to decode keep moving meanwhile. (3) A region key naming a shared
+// memory segment to attach: refused, and prefill serves on.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -26,6 +27,8 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
 #include "tests/integration/agent_pair.h"
+#include "tests/integration/metrics_scrape.h"
+#include "tests/integration/stock_ucx_peer.h"
 #include "tests/security/fake_peer.h"
 
 namespace kvagent::testing {
@@ -40,7 +43,7 @@ constexpr uint32_t kBurstMs = 300;
 constexpr uint32_t kSharePercent = 25;
 
 // Decode's whole catalog as a peer gets it, fetched through a session of this process.
-v1::AgentMetadata DecodeCatalog(AgentPair& pair) {
+v1::AgentMetadata DecodeCatalog(AgentPair& pair, int at_least = kRegions) {
   auto session = client::LocalSession::Attach(pair.decode_process().local_socket() + ".session",
                                               "catalog-reader", 5000);
   INFO(session.status().ToString());
@@ -56,7 +59,7 @@ v1::AgentMetadata DecodeCatalog(AgentPair& pair) {
   grpc::Status status = stub->GetMetadata(&context, request, &reply);
   INFO(status.error_message());
   REQUIRE(status.ok());
-  REQUIRE(reply.regions_size() >= kRegions);
+  REQUIRE(reply.regions_size() >= at_least);
   return reply;
 }
 
@@ -269,6 +272,64 @@ TEST_CASE("a peer pushing new whole catalogs without end gets its share of the a
   // Paced, not starved: its views still arrive.
   CHECK(info->full_fetches() >= 3);
   CHECK(info->state() == "connected");
+}
+
+// A region key whose entry for UCX's sysv domain names a shared memory segment: UCX
+// 1.13 attaches whatever segment it names as the peer's memory (another engine's, one
+// of this agent's own), and when the segment does not attach (segment 0) it releases
+// the half-built key and dies of SIGSEGV. Against the build before, prefill died at the
+// second Connect. Now each view is refused naming the region and the entry, nothing is
+// attached, and prefill serves on.
+TEST_CASE("a peer's region key naming a shared memory segment to attach is refused, and the "
+          "agent serves on") {
+  AgentPairOptions options = HostileOptions();
+  options.extra_args.insert(options.extra_args.end(), {"--metrics-listen", "127.0.0.1:0"});
+  AgentPair pair(options);
+  auto memory = pair.decode().AllocateMemory("one", kItem);
+  INFO(memory.status().ToString());
+  REQUIRE(memory.ok());
+  v1::RegisterRegionsRequest request;
+  *request.add_regions() = AuxRegion("block.0", memory->info.handle(), 0, kItem);
+  REQUIRE(pair.decode().Register(request).ok());
+  const v1::AgentMetadata honest = DecodeCatalog(pair, 1);
+  int at = -1;
+  for (int i = 0; i < honest.regions_size(); ++i) {
+    if (honest.regions(i).name() == "block.0") at = i;
+  }
+  REQUIRE(at >= 0);
+
+  // The key of a segment UCX allocated in this process: its sysv entry names it.
+  UcxSysvSegment segment;
+  const std::string metrics = MetricsAddress(pair.prefill());
+  double refused = Value(Scrape(metrics), "kvagent_ucx_rkey_entries_refused_total");
+  CHECK(refused == 0);
+  for (const std::string& forged : {segment.key(), segment.KeyNamingSegmentZero()}) {
+    v1::AgentMetadata view = honest;
+    view.mutable_regions(at)->set_rkey(forged);
+    HostilePeer mallory(view, HostilePeer::Push::kSameVersion, 0);
+    auto connected = pair.prefill().Connect(mallory.address());
+    INFO(connected.status().ToString());
+    CHECK_FALSE(connected.ok());
+    CHECK_THAT(std::string(connected.status().message()),
+               Catch::Contains("region 'block.0'") &&
+                   Catch::Contains("remote key was refused: its entry for UCX's sysv domain "
+                                   "names a shared memory segment"));
+    CHECK(segment.Attached() == 1);  // this process's own mapping only
+    const double now = Value(Scrape(metrics), "kvagent_ucx_rkey_entries_refused_total");
+    CHECK(now == refused + 1);
+    refused = now;
+    // Prefill serves on: a WRITE to decode lands, bytes checked.
+    pair.ResetContents();
+    const std::string id = fmt::format("after-{}", refused);
+    auto state = SubmitThrough(pair.prefill(), KvWrite(id, {3}, {5}));
+    INFO(state.status().ToString());
+    REQUIRE(state.ok());
+    auto done = pair.prefill().WaitTransfer(id, 20000);
+    INFO(done.status().ToString());
+    REQUIRE(done.ok());
+    CHECK(done->phase() == v1::COMPLETED);
+    CHECK(pair.PageEqual(3, 5));
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <ucp/api/ucp.h>
+#include <uct/api/uct.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -71,13 +72,16 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 7);
+  CHECK(refused.size() == 9);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data",
         "any of 16 protocols naming an endpoint or request id this agent did not give out",
         "put or get (software RMA) whose endpoint has 65536 replies waiting unread "
-        "(--ucx-held-replies)"}) {
+        "(--ucx-held-replies)",
+        "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
+        "domain)",
+        "remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
   // Every endpoint and request id a context gives out from here on is indirect.
@@ -410,6 +414,113 @@ TEST_CASE("memory a get was served from is retired to zeros until the worker flu
   CHECK_FALSE(RetireMapping(alone, kLength));
   CHECK_FALSE(Unmapped(alone, kLength));
   munmap(alone, kLength);
+}
+
+// A remote key's entry for UCX's sysv or posix domain names a shared memory segment that
+// unpacking attaches into this process as the peer's memory; UCX gives one only for
+// memory it allocated, which kvagent never exports. And where a domain fails to unpack
+// its entry (sysv naming segment 0, say), UCX 1.13 releases the rest of the half-built
+// key as if unpacked and dies of SIGSEGV. This process links the uct_rkey_unpack
+// stand-in, as kvagentd does (against the build before, the segment was attached and
+// segment 0 killed the test).
+TEST_CASE("a hardened worker refuses a peer's key naming a shared memory segment to attach, "
+          "without attaching it") {
+  Hardened h = Hardened::Make();
+  auto other = UcxWorker::Create(*h.context, "other");
+  REQUIRE(other.ok());
+  // A segment of another UCX context (another engine, this agent's own): memory UCX
+  // allocated, so its key names the segment.
+  testing::UcxSysvSegment segment;
+  const std::string segment_zero = segment.KeyNamingSegmentZero();
+
+  for (ErrorMode mode : {ErrorMode::kNone, ErrorMode::kPeer}) {
+    INFO("error mode " << ErrorModeName(mode));
+    std::unique_ptr<Endpoint> endpoint;
+    h.worker->RunSync([&] {
+      auto connected = Endpoint::Connect(*h.worker, (*other)->address(), mode, nullptr);
+      INFO(connected.status().ToString());
+      REQUIRE(connected.ok());
+      endpoint = *std::move(connected);
+    });
+    for (const std::string& forged : {segment.key(), segment_zero}) {
+      const uint64_t before = UcxRefusedRkeyEntries();
+      absl::StatusOr<RemoteKey> unpacked = absl::UnknownError("not run");
+      h.worker->RunSync([&] { unpacked = endpoint->UnpackRkey(forged); });
+      INFO(unpacked.status().ToString());
+      CHECK(unpacked.status().code() == absl::StatusCode::kInvalidArgument);
+      CHECK_THAT(std::string(unpacked.status().message()),
+                 Catch::Contains("'hardened': the peer's 25-byte remote key was refused: its "
+                                 "entry for UCX's sysv domain names a shared memory segment") &&
+                     Catch::Contains("(not attached)"));
+      CHECK(UcxRefusedRkeyEntries() == before + 1);
+      CHECK(segment.Attached() == 1);
+    }
+    // A key of memory registered as kvagent registers its regions still unpacks.
+    std::vector<char> region(4096);
+    ucp_mem_map_params_t reg{};
+    reg.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    reg.address = region.data();
+    reg.length = region.size();
+    ucp_mem_h registered = nullptr;
+    REQUIRE(ucp_mem_map(segment.context(), &reg, &registered) == UCS_OK);
+    void* packed = nullptr;
+    size_t packed_size = 0;
+    REQUIRE(ucp_rkey_pack(segment.context(), registered, &packed, &packed_size) == UCS_OK);
+    const std::string honest(static_cast<const char*>(packed), packed_size);
+    ucp_rkey_buffer_release(packed);
+    absl::StatusOr<RemoteKey> unpacked = absl::UnknownError("not run");
+    const uint64_t before = UcxRefusedRkeyEntries();
+    h.worker->RunSync([&] {
+      unpacked = endpoint->UnpackRkey(honest);
+      if (unpacked.ok()) *unpacked = RemoteKey();  // released on the worker thread
+      endpoint.reset();
+    });
+    INFO(unpacked.status().ToString());
+    CHECK(unpacked.ok());
+    CHECK(UcxRefusedRkeyEntries() == before);
+    REQUIRE(ucp_mem_unmap(segment.context(), registered) == UCS_OK);
+  }
+}
+
+// Any other domain's failure is "unreachable" to UCX (the domain left out of the key),
+// noted for the thread, and counted.
+TEST_CASE("an entry a domain fails to unpack is left out of the key and noted") {
+  Hardened h = Hardened::Make();
+  uct_component_h* components = nullptr;
+  unsigned count = 0;
+  REQUIRE(uct_query_components(&components, &count) == UCS_OK);
+  uct_component_h tcp = nullptr;
+  for (unsigned i = 0; i < count; ++i) {
+    uct_component_attr_t attr{};
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
+    REQUIRE(uct_component_query(components[i], &attr) == UCS_OK);
+    if (std::string(attr.name) == "tcp") tcp = components[i];
+  }
+  REQUIRE(tcp != nullptr);
+  TakeRkeyRefusal();
+  const uint64_t before = UcxRefusedRkeyEntries();
+  RkeyUnpackFn fails = [](uct_component_h, const void*, uct_rkey_bundle_t* out) {
+    out->rkey = 0x1234;  // what UCX would release if it kept the entry
+    return UCS_ERR_SHMEM_SEGMENT;
+  };
+  uct_rkey_bundle_t bundle{};
+  CHECK(UnpackRkeyEntry(tcp, "x", &bundle, fails) == UCS_ERR_UNREACHABLE);
+  CHECK(bundle.rkey == UCT_INVALID_RKEY);
+  CHECK(bundle.handle == nullptr);
+  CHECK(UcxRefusedRkeyEntries() == before + 1);
+  CHECK(TakeRkeyRefusal() ==
+        "UCX's tcp domain could not unpack its entry (Shared memory error)");
+  CHECK(TakeRkeyRefusal().empty());
+  // Success and "unreachable" pass through untouched and unnoted.
+  RkeyUnpackFn unreachable = [](uct_component_h, const void*, uct_rkey_bundle_t* out) {
+    out->rkey = 7;
+    return UCS_ERR_UNREACHABLE;
+  };
+  CHECK(UnpackRkeyEntry(tcp, "x", &bundle, unreachable) == UCS_ERR_UNREACHABLE);
+  CHECK(bundle.rkey == 7);
+  CHECK(TakeRkeyRefusal().empty());
+  CHECK(UcxRefusedRkeyEntries() == before + 1);
+  uct_release_component_list(components);
 }
 
 }  // namespace
