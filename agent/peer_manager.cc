@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "agent/access.h"
 #include "agent/am_ids.h"
 #include "agent/status_util.h"
@@ -507,6 +508,20 @@ void PeerManager::BuildSnapshot(
                    base_slots = std::move(base_slots), done, reused]() {
       // After wireup the lanes are final.
       if (!reused) snapshot->transports = snapshot->endpoint->ReadLanes();
+      // UCX takes its self transport only to an address naming this very worker: every
+      // put and get "to that peer" would be a memcpy inside this process, to and from
+      // whatever addresses its catalog names.
+      const std::vector<absl::string_view> lanes = absl::StrSplit(snapshot->transports, ',');
+      if (std::find(lanes.begin(), lanes.end(), "self") != lanes.end()) {
+        kLog.Warn("peer '{}': refused: its UCX worker address is this agent's own",
+                  snapshot->name);
+        done(absl::PermissionDeniedError(fmt::format(
+            "peer '{}': its UCX worker address is this agent's own (UCX reaches it by its "
+            "self transport), so its catalog would direct transfers into this agent's own "
+            "memory; a peer agent gives its own worker's address (GetMetadata)",
+            snapshot->name)));
+        return;
+      }
       snapshot->am_data =
           !snapshot->endpoint->NativeRma() && (snapshot->wire_features & kWireAmData) != 0;
       auto table = std::make_unique<RkeyTable>();

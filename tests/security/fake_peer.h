@@ -23,7 +23,7 @@ inline std::unique_ptr<grpc::Server> StartFakePeer(grpc::Service* service, int* 
 }
 
 // GetMetadata's answer from a peer whose metadata is `view`: the unchanged form (name,
-// incarnation, version) when the caller holds that version, else the whole catalog.
+// incarnation, version, pid) when the caller holds that version, else the whole catalog.
 inline void AnswerMetadata(const v1::AgentMetadata& view, const v1::GetMetadataRequest& request,
                            v1::AgentMetadata* reply) {
   if (request.known_version() == view.version() &&
@@ -31,6 +31,7 @@ inline void AnswerMetadata(const v1::AgentMetadata& view, const v1::GetMetadataR
     reply->set_name(view.name());
     reply->set_incarnation(view.incarnation());
     reply->set_version(view.version());
+    reply->set_pid(view.pid());
   } else {
     *reply = view;
   }

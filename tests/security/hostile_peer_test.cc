@@ -8,11 +8,16 @@
 // within its --peer-metadata-share of the time (after --peer-metadata-burst-ms), and
 // its transfers to decode keep moving meanwhile. (3) A region key naming a shared
 // memory segment to attach: refused, and prefill serves on.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,8 +26,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "catch2/catch.hpp"
+#include "base/unique_fd.h"
 #include "cli/agent_client.h"
 #include "client/local_session.h"
+#include "client/session_wire.h"
 #include "fmt/format.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/kvagent.grpc.pb.h"
@@ -42,14 +49,14 @@ constexpr uint64_t kItem = 4096;
 constexpr uint32_t kBurstMs = 300;
 constexpr uint32_t kSharePercent = 25;
 
-// Decode's whole catalog as a peer gets it, fetched through a session of this process.
-v1::AgentMetadata DecodeCatalog(AgentPair& pair, int at_least = kRegions) {
-  auto session = client::LocalSession::Attach(pair.decode_process().local_socket() + ".session",
+// An agent's whole catalog as a peer gets it, fetched through a session of this process.
+v1::AgentMetadata CatalogOf(cli::DaemonProcess& agent, int at_least) {
+  auto session = client::LocalSession::Attach(agent.local_socket() + ".session",
                                               "catalog-reader", 5000);
   INFO(session.status().ToString());
   REQUIRE(session.ok());
-  auto stub = v1::Peer::NewStub(grpc::CreateChannel(pair.decode_process().address(),
-                                                     grpc::InsecureChannelCredentials()));
+  auto stub = v1::Peer::NewStub(
+      grpc::CreateChannel(agent.address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   context.AddMetadata("kvagent-session", (*session)->token());
@@ -63,6 +70,10 @@ v1::AgentMetadata DecodeCatalog(AgentPair& pair, int at_least = kRegions) {
   return reply;
 }
 
+v1::AgentMetadata DecodeCatalog(AgentPair& pair, int at_least = kRegions) {
+  return CatalogOf(pair.decode_process(), at_least);
+}
+
 // The hostile peer. GetMetadata answers honestly (the unchanged form when the caller
 // holds the current version, else the whole catalog at it); WatchMetadata runs the
 // scenario once, then holds the stream open until the caller or Stop ends it.
@@ -70,16 +81,28 @@ class HostilePeer final : public v1::Peer::Service {
  public:
   enum class Push { kSameVersion, kNewVersions };
 
-  HostilePeer(v1::AgentMetadata catalog, Push push, int count)
-      : view_(std::move(catalog)), push_(push), count_(count) {
+  // Served on 127.0.0.1 (a network peer), or on unix:`door` (a same-host peer's local
+  // door, with a LocalDoorSessions beside it).
+  HostilePeer(v1::AgentMetadata catalog, Push push, int count, const std::string& door = "")
+      : view_(std::move(catalog)), push_(push), count_(count), door_(door) {
     view_.set_name("mallory");
     view_.set_liveness_address("");  // none: polled for liveness, as an older agent is
     view_.set_version(1);
-    server_ = StartFakePeer(this, &port_);
+    if (door.empty()) {
+      server_ = StartFakePeer(this, &port_);
+    } else {
+      grpc::ServerBuilder builder;
+      builder.AddListeningPort("unix:" + door, grpc::InsecureServerCredentials());
+      builder.RegisterService(this);
+      server_ = builder.BuildAndStart();
+      REQUIRE(server_ != nullptr);
+    }
   }
   ~HostilePeer() override { Stop(); }
 
-  std::string address() const { return fmt::format("127.0.0.1:{}", port_); }
+  std::string address() const {
+    return door_.empty() ? fmt::format("127.0.0.1:{}", port_) : "unix:" + door_;
+  }
   // Pushes end; the stream stays open.
   void Quiet() { quiet_.store(true); }
   void Stop() {
@@ -135,11 +158,63 @@ class HostilePeer final : public v1::Peer::Service {
   Clock::time_point first_push_ ABSL_GUARDED_BY(mu_);
   const Push push_;
   const int count_;
+  const std::string door_;
   std::atomic<bool> started_{false};
   std::atomic<bool> quiet_{false};
   std::atomic<int> pushed_{0};
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
+};
+
+// The session socket of a same-host peer's local door (PATH.session), played by this
+// process: each hello is answered with a welcome naming "mallory" and granting the peer
+// role, and the session stays open while this lives. The kernel vouches for this
+// process (SO_PEERCRED), so a catalog served beside it names this process's pid.
+class LocalDoorSessions {
+ public:
+  static constexpr uint64_t kIncarnation = 0x6d616c6c6f7279;
+
+  explicit LocalDoorSessions(const std::string& door) {
+    listener_ = UniqueFd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    REQUIRE(listener_.valid());
+    auto address = client::MakeUnixAddress(door + ".session");
+    REQUIRE(address.ok());
+    REQUIRE(::bind(listener_.get(), reinterpret_cast<const sockaddr*>(&address->address),
+                   address->length) == 0);
+    REQUIRE(::listen(listener_.get(), 8) == 0);
+    serving_ = std::thread([this] { Serve(); });
+  }
+  ~LocalDoorSessions() {
+    stop_.store(true);
+    serving_.join();
+  }
+
+ private:
+  void Serve() {
+    std::vector<UniqueFd> sessions;
+    while (!stop_.load()) {
+      pollfd ready{listener_.get(), POLLIN, 0};
+      if (::poll(&ready, 1, 50) <= 0) continue;
+      UniqueFd session(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!session.valid()) continue;
+      v1::SessionRequest hello;
+      std::vector<UniqueFd> fds;
+      if (!client::ReceiveMessage(session.get(), &hello, &fds, 5000).ok()) continue;
+      v1::SessionReply reply;
+      reply.set_seq(hello.seq());
+      v1::SessionWelcome* welcome = reply.mutable_welcome();
+      welcome->set_agent("mallory");
+      welcome->set_incarnation(kIncarnation);
+      welcome->set_session_id(1);
+      welcome->set_token("00");
+      welcome->add_roles("peer");
+      if (client::SendMessage(session.get(), reply, {}).ok()) sessions.push_back(std::move(session));
+    }
+  }
+
+  UniqueFd listener_;
+  std::atomic<bool> stop_{false};
+  std::thread serving_;
 };
 
 AgentPairOptions HostileOptions() {
@@ -330,6 +405,79 @@ TEST_CASE("a peer's region key naming a shared memory segment to attach is refus
     CHECK(done->phase() == v1::COMPLETED);
     CHECK(pair.PageEqual(3, 5));
   }
+}
+
+// A same-host peer (its local door: a uid in --peer-uids, here this agent's own) whose
+// catalog gives prefill's own worker address and prefill's own regions as its own,
+// played by this process.
+struct OwnAddressPeer {
+  // Beside prefill's door, whose path fits a Unix socket's with ".session" appended
+  // (DaemonProcess picks a short directory when the work directory's does not).
+  static std::string DoorBeside(const std::string& socket) {
+    return socket.substr(0, socket.rfind('/')) + "/m.sock";
+  }
+  static v1::AgentMetadata View(AgentPair& pair) {
+    v1::AgentMetadata view = CatalogOf(pair.prefill_process(), 1);
+    view.set_incarnation(LocalDoorSessions::kIncarnation);
+    view.set_pid(static_cast<uint32_t>(::getpid()));
+    for (auto& region : *view.mutable_regions()) region.set_memory_id(0);  // UCX, not shm
+    return view;
+  }
+  explicit OwnAddressPeer(AgentPair& pair)
+      : door(DoorBeside(pair.prefill_process().local_socket())),
+        sessions(door),
+        mallory(View(pair), HostilePeer::Push::kSameVersion, 0, door) {}
+  const std::string door;
+  LocalDoorSessions sessions;
+  HostilePeer mallory;
+};
+
+// Prefill's page `dst` differs from its page `src` in every region.
+bool PrefillPagesDiffer(AgentPair& pair, uint64_t src, uint64_t dst) {
+  cli::KvPool& pool = pair.prefill_pool();
+  for (uint32_t r = 0; r < pool.regions(); ++r) {
+    if (std::memcmp(pool.Page(r, src), pool.Page(r, dst), pool.shape.page_bytes) == 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// After the peer: prefill's WRITE to decode lands.
+void WriteToDecode(AgentPair& pair, const std::string& id) {
+  pair.ResetContents();
+  auto state = SubmitThrough(pair.prefill(), KvWrite(id, {3}, {5}));
+  INFO(state.status().ToString());
+  REQUIRE(state.ok());
+  auto done = pair.prefill().WaitTransfer(id, 20000);
+  REQUIRE(done.ok());
+  CHECK(done->phase() == v1::COMPLETED);
+  CHECK(pair.PageEqual(3, 5));
+}
+
+// Connected without error handling, UCX reaches this agent's own address by its self
+// transport, and a WRITE "to mallory" was a memcpy inside prefill to wherever the
+// catalog said (the build before: connected, and prefill's page 3 landed on its own
+// page 5).
+TEST_CASE("a same-host peer giving this agent's own UCX worker address is refused") {
+  AgentPair pair;
+  OwnAddressPeer peer(pair);
+  pair.ResetContents();
+  auto connected = pair.prefill().Connect(peer.mallory.address());
+  INFO(connected.status().ToString());
+  if (connected.ok()) {
+    v1::SubmitTransferRequest relay = KvWrite("relay", {3}, {5});
+    relay.set_peer("mallory");
+    if (SubmitThrough(pair.prefill(), relay).ok()) {
+      pair.prefill().WaitTransfer("relay", 5000).IgnoreError();
+    }
+  }
+  CHECK_FALSE(connected.ok());
+  CHECK(connected.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(std::string(connected.status().message()),
+             Catch::Contains("peer 'mallory': its UCX worker address is this agent's own"));
+  CHECK(PrefillPagesDiffer(pair, 3, 5));
+  WriteToDecode(pair, "after");
 }
 
 }  // namespace
