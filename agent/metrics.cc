@@ -356,7 +356,8 @@ std::string RenderMetrics(const MetricsSources& sources) {
   // Memory released while a peer's software get reply may still read it: mapped to
   // zero pages until the UCX worker flushed (transport/ucx_hardening.h, RetireMapping);
   // the replies to peers' software puts and gets waiting unread in UCX (HeldReplies);
-  // and peers' remote key entries refused (UnpackRkeyEntry).
+  // peers' remote key entries refused (UnpackRkeyEntry); UCX's reach into other
+  // processes of this host refused (SameHostTargetAdmitted).
   const transport::RetiredMappings retired = transport::RetiredMappingsNow();
   const transport::HeldReplies held = transport::HeldRepliesNow();
   const struct {
@@ -396,6 +397,11 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "(UCX's posix or sysv domain), or failing to unpack. A peer key holding one is "
        "refused whole (the peer's view names the region).",
        transport::UcxRefusedRkeyEntries()},
+      {"kvagent_ucx_same_host_refused_total", "counter",
+       "Shared memory attaches and cma reads or writes of UCX refused: the process they "
+       "named is no peer a local door proved (or, for cma, this agent itself). A peer's "
+       "endpoint fails at the first; the log names the pid.",
+       transport::SameHostRefusals()},
   };
   for (const auto& f : ucx_memory_families) {
     Family(&out, f.name, f.type, f.help).Sample(static_cast<double>(f.value));

@@ -21,6 +21,7 @@
 #include "base/status_macros.h"
 #include "base/text.h"
 #include "fmt/format.h"
+#include "transport/ucx_hardening.h"
 
 namespace kvagent::agent {
 namespace {
@@ -77,6 +78,9 @@ struct SessionServer::Connection {
   bool waiting = false;     // for its hello: counted in waiting_ and waiting_per_uid_
   uint64_t session_id = 0;  // 0 until welcomed
   std::string client_name;  // escaped, for logs
+  // Welcomed with the peer role: its process's shared memory is within UCX's reach
+  // while the session lasts (transport::AllowSameHostPeer).
+  bool same_host_peer = false;
 };
 
 SessionServer::SessionServer(const SessionServerOptions& options, SessionHandler* handler)
@@ -464,6 +468,10 @@ bool SessionServer::ServeReadable(Connection& connection) {
       out->set_gid(connection.credentials.gid);
       out->set_pid(static_cast<uint32_t>(connection.credentials.pid));
       connection.session_id = session_id;
+      if (std::find(out->roles().begin(), out->roles().end(), "peer") != out->roles().end()) {
+        connection.same_host_peer = true;
+        transport::AllowSameHostPeer(connection.credentials.pid);
+      }
       StopWaitingForHello(connection);
       sessions_.fetch_add(1, std::memory_order_relaxed);
       kLog.Info("session {} opened: {} client '{}'", session_id,
@@ -538,6 +546,7 @@ void SessionServer::Close(Connection& connection, std::string_view reason, bool 
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
   StopWaitingForHello(connection);
   const uint64_t session_id = connection.session_id;
+  if (connection.same_host_peer) transport::ForgetSameHostPeer(connection.credentials.pid);
   if (logged) {
     // The caller logged it (rate-limited: floods of connections without a hello).
   } else if (session_id != 0) {

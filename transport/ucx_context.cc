@@ -146,6 +146,9 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
   ucp_context_h handle = nullptr;
   status = ucp_init(&params, config, &handle);
   ucp_config_release(config);
+  // ucp_init's cma probe wrote to this process; from here on a hardened process's UCX
+  // reaches only the same-host processes a local door proved (SameHostTargetAdmitted).
+  if (takes_tags) ArmSameHostGuard();
   if (status != UCS_OK) {
     return absl::FailedPreconditionError(fmt::format(
         "UCX context: ucp_init failed ({}); check UCX_TLS/UCX_NET_DEVICES name transports "

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
 
@@ -827,6 +828,54 @@ std::string TakeRkeyRefusal() { return std::exchange(t_rkey_refusal, std::string
 uint64_t UcxRefusedRkeyEntries() {
   return g_rkey_entries_refused.load(std::memory_order_relaxed);
 }
+
+namespace {
+std::atomic<bool> g_same_host_armed{false};
+absl::Mutex g_same_host_mu;
+std::map<int, int>* g_same_host_pids ABSL_GUARDED_BY(g_same_host_mu) = new std::map<int, int>();
+std::atomic<uint64_t> g_same_host_refused{0};
+thread_local std::string t_same_host_refusal;
+}  // namespace
+
+void ArmSameHostGuard() { g_same_host_armed.store(true); }
+
+void AllowSameHostPeer(int pid) {
+  absl::MutexLock lock(&g_same_host_mu);
+  ++(*g_same_host_pids)[pid];
+}
+
+void ForgetSameHostPeer(int pid) {
+  absl::MutexLock lock(&g_same_host_mu);
+  auto it = g_same_host_pids->find(pid);
+  if (it != g_same_host_pids->end() && --it->second <= 0) g_same_host_pids->erase(it);
+}
+
+bool SameHostTargetAdmitted(int pid, SameHostUse use) {
+  if (!g_same_host_armed.load(std::memory_order_relaxed)) return true;
+  const bool own = pid == ::getpid();
+  if (own && use == SameHostUse::kAttach) return true;
+  if (!own) {
+    absl::MutexLock lock(&g_same_host_mu);
+    if (g_same_host_pids->count(pid) != 0) return true;
+  }
+  std::string why =
+      use == SameHostUse::kCma
+          ? fmt::format("UCX's cma transport was to read or write the memory of pid {}, {}", pid,
+                        own ? "this agent itself" : "no peer proven on this host")
+          : fmt::format("UCX was to attach shared memory of pid {}, no peer proven on this host "
+                        "(a same-host peer's worker address names its own process)",
+                        pid);
+  const uint64_t n = g_same_host_refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (log::Sampled(n)) kLog.Warn("UCX: refused: {} ({} such so far)", why, n);
+  if (t_same_host_refusal.empty()) t_same_host_refusal = std::move(why);
+  return false;
+}
+
+std::string TakeSameHostRefusal() {
+  return std::exchange(t_same_host_refusal, std::string());
+}
+
+uint64_t SameHostRefusals() { return g_same_host_refused.load(std::memory_order_relaxed); }
 
 namespace {
 std::atomic<uint64_t> g_unused_id_messages{0};

@@ -84,6 +84,31 @@ std::string TakeRkeyRefusal();
 // Entries refused so far in this process.
 uint64_t UcxRefusedRkeyEntries();
 
+// Which processes of this host UCX may reach through shared memory. A same-host peer's
+// worker address names, for UCX alone to read, its receive FIFO (a System V segment id,
+// or a /proc/PID/fd/N link for posix) that creating an endpoint attaches, and the pid
+// its cma transport reads and writes with process_vm_readv/writev: a peer giving
+// another process's address would have this agent attach that process's memory and
+// talk UCX to it (a stock UCX process serves puts and gets anywhere in itself; another
+// agent serves its own peers' regions, to one it never authenticated). Once armed
+// (ArmSameHostGuard: UcxContext::Create, after ucp_init, in a hardened process),
+// kvagentd's stand-ins for shmat, open of /proc/PID/fd/... and process_vm_readv/writev
+// (transport:same_host_stand_in) ask SameHostTargetAdmitted: the pid must be one that
+// a local door proved, held with AllowSameHostPeer while a session of the peer role is
+// open on either side (this agent's PeerLink to the peer, the peer's to this agent),
+// or this process itself for its own segments (not for cma: kvagent never moves bytes
+// inside itself through UCX). A refusal is counted (SameHostRefusals), logged (the
+// first few and every 1,024th) and noted for the thread (TakeSameHostRefusal), and
+// the call fails with EPERM, so UCX fails the endpoint or the transfer.
+void ArmSameHostGuard();
+// Counted: a pid held twice is forgotten twice.
+void AllowSameHostPeer(int pid);
+void ForgetSameHostPeer(int pid);
+enum class SameHostUse { kAttach, kCma };
+bool SameHostTargetAdmitted(int pid, SameHostUse use);
+std::string TakeSameHostRefusal();
+uint64_t SameHostRefusals();
+
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
 // 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message
 // (a 13-byte message from a peer: about 2 KiB of log). QuietUnusedUctIds gives every id

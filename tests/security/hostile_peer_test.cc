@@ -28,6 +28,8 @@
 #include "catch2/catch.hpp"
 #include "base/unique_fd.h"
 #include "cli/agent_client.h"
+#include "cli/daemon_process.h"
+#include "cli/kv_pool.h"
 #include "client/local_session.h"
 #include "client/session_wire.h"
 #include "fmt/format.h"
@@ -407,26 +409,26 @@ TEST_CASE("a peer's region key naming a shared memory segment to attach is refus
   }
 }
 
-// A same-host peer (its local door: a uid in --peer-uids, here this agent's own) whose
-// catalog gives prefill's own worker address and prefill's own regions as its own,
-// played by this process.
-struct OwnAddressPeer {
-  // Beside prefill's door, whose path fits a Unix socket's with ".session" appended
-  // (DaemonProcess picks a short directory when the work directory's does not).
-  static std::string DoorBeside(const std::string& socket) {
-    return socket.substr(0, socket.rfind('/')) + "/m.sock";
-  }
-  static v1::AgentMetadata View(AgentPair& pair) {
-    v1::AgentMetadata view = CatalogOf(pair.prefill_process(), 1);
+// A same-host peer (its local door: a uid in --peer-uids, here this agent's own),
+// played by this process, whose catalog gives another agent's worker address and
+// regions (`whose`: prefill itself, or a third agent) as its own.
+struct RelayPeer {
+  static v1::AgentMetadata View(cli::DaemonProcess& whose) {
+    v1::AgentMetadata view = CatalogOf(whose, 1);
     view.set_incarnation(LocalDoorSessions::kIncarnation);
     view.set_pid(static_cast<uint32_t>(::getpid()));
     for (auto& region : *view.mutable_regions()) region.set_memory_id(0);  // UCX, not shm
     return view;
   }
-  explicit OwnAddressPeer(AgentPair& pair)
+  // Beside prefill's door, whose path fits a Unix socket's with ".session" appended
+  // (DaemonProcess picks a short directory when the work directory's does not).
+  static std::string DoorBeside(const std::string& socket) {
+    return socket.substr(0, socket.rfind('/')) + "/m.sock";
+  }
+  RelayPeer(AgentPair& pair, cli::DaemonProcess& whose)
       : door(DoorBeside(pair.prefill_process().local_socket())),
         sessions(door),
-        mallory(View(pair), HostilePeer::Push::kSameVersion, 0, door) {}
+        mallory(View(whose), HostilePeer::Push::kSameVersion, 0, door) {}
   const std::string door;
   LocalDoorSessions sessions;
   HostilePeer mallory;
@@ -455,16 +457,10 @@ void WriteToDecode(AgentPair& pair, const std::string& id) {
   CHECK(pair.PageEqual(3, 5));
 }
 
-// Connected without error handling, UCX reaches this agent's own address by its self
-// transport, and a WRITE "to mallory" was a memcpy inside prefill to wherever the
-// catalog said (the build before: connected, and prefill's page 3 landed on its own
-// page 5).
-TEST_CASE("a same-host peer giving this agent's own UCX worker address is refused") {
-  AgentPair pair;
-  OwnAddressPeer peer(pair);
-  pair.ResetContents();
+// Prefill connects to the relaying peer and, where that succeeds (the build before),
+// writes its page 3 to mallory's page 5; returns how the connect went.
+absl::StatusOr<v1::PeerInfo> ConnectAndRelay(AgentPair& pair, RelayPeer& peer) {
   auto connected = pair.prefill().Connect(peer.mallory.address());
-  INFO(connected.status().ToString());
   if (connected.ok()) {
     v1::SubmitTransferRequest relay = KvWrite("relay", {3}, {5});
     relay.set_peer("mallory");
@@ -472,11 +468,65 @@ TEST_CASE("a same-host peer giving this agent's own UCX worker address is refuse
       pair.prefill().WaitTransfer("relay", 5000).IgnoreError();
     }
   }
+  return connected;
+}
+
+// Connected without error handling, UCX reaches this agent's own address by its self
+// transport, and a WRITE "to mallory" was a memcpy inside prefill to wherever the
+// catalog said (the build before: connected, and prefill's page 3 landed on its own
+// page 5).
+TEST_CASE("a same-host peer giving this agent's own UCX worker address is refused") {
+  AgentPair pair;
+  RelayPeer peer(pair, pair.prefill_process());
+  pair.ResetContents();
+  const absl::StatusOr<v1::PeerInfo> connected = ConnectAndRelay(pair, peer);
+  INFO(connected.status().ToString());
   CHECK_FALSE(connected.ok());
   CHECK(connected.status().code() == absl::StatusCode::kPermissionDenied);
   CHECK_THAT(std::string(connected.status().message()),
              Catch::Contains("peer 'mallory': its UCX worker address is this agent's own"));
   CHECK(PrefillPagesDiffer(pair, 3, 5));
+  WriteToDecode(pair, "after");
+}
+
+// The same with a third agent's address: creating the endpoint attached the victim
+// agent's receive FIFO, and prefill's WRITE "to mallory" landed in the victim's pool
+// (the victim's UCX serves its peers' regions to whoever reaches its worker, and never
+// authenticated prefill). Now prefill's UCX reaches only processes a local door proved.
+TEST_CASE("a same-host peer giving another agent's UCX worker address is refused") {
+  AgentPair pair;
+  cli::DaemonOptions options;
+  auto binary = cli::FindKvagentd("");
+  REQUIRE(binary.ok());
+  options.binary = *binary;
+  options.name = "victim";
+  options.work_dir = pair.work_dir();
+  auto started = cli::DaemonProcess::Start(options);
+  INFO(started.status().ToString());
+  REQUIRE(started.ok());
+  cli::DaemonProcess victim = *std::move(started);
+  cli::AgentClient victim_client(victim.address());
+  auto created = cli::CreateKvPool(victim_client, "victim", pair.prefill_pool().shape);
+  INFO(created.status().ToString());
+  REQUIRE(created.ok());
+  cli::KvPool pool = *std::move(created);
+  std::memset(pool.mapping.data(), 0xEE, pool.bytes());
+  RelayPeer peer(pair, victim);
+  const absl::StatusOr<v1::PeerInfo> connected = ConnectAndRelay(pair, peer);
+  INFO(connected.status().ToString());
+  CHECK_FALSE(connected.ok());
+  CHECK(connected.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK_THAT(std::string(connected.status().message()),
+             Catch::Contains("peer 'mallory'") &&
+                 Catch::Contains(fmt::format("UCX was to attach shared memory of pid {}, no "
+                                             "peer proven on this host",
+                                             victim.pid())));
+  bool untouched = true;
+  for (uint32_t r = 0; r < pool.regions(); ++r) {
+    const uint8_t* page = pool.Page(r, 5);
+    for (uint64_t b = 0; b < pool.shape.page_bytes; ++b) untouched = untouched && page[b] == 0xEE;
+  }
+  CHECK(untouched);
   WriteToDecode(pair, "after");
 }
 

@@ -7,6 +7,7 @@
 
 #include <dlfcn.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
 
@@ -22,6 +23,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "catch2/catch.hpp"
+#include "fmt/format.h"
 #include "tests/integration/stock_ucx_peer.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
@@ -521,6 +523,38 @@ TEST_CASE("an entry a domain fails to unpack is left out of the key and noted") 
   CHECK(TakeRkeyRefusal().empty());
   CHECK(UcxRefusedRkeyEntries() == before + 1);
   uct_release_component_list(components);
+}
+
+// Which processes of this host UCX may reach (the stand-ins are kvagentd's; the
+// policy they ask is this): this process's own segments, never its own pid for cma,
+// and other pids only while a local door's session holds them.
+TEST_CASE("UCX reaches another process of this host only while a local door holds its pid") {
+  Hardened h = Hardened::Make();  // its context armed the guard
+  const int self = static_cast<int>(::getpid());
+  const int other = self + 100000;  // no process of this test
+  TakeSameHostRefusal();
+  const uint64_t before = SameHostRefusals();
+  CHECK(SameHostTargetAdmitted(self, SameHostUse::kAttach));
+  CHECK_FALSE(SameHostTargetAdmitted(self, SameHostUse::kCma));
+  CHECK(TakeSameHostRefusal() ==
+        fmt::format("UCX's cma transport was to read or write the memory of pid {}, this agent "
+                    "itself",
+                    self));
+  CHECK_FALSE(SameHostTargetAdmitted(other, SameHostUse::kAttach));
+  CHECK_THAT(TakeSameHostRefusal(),
+             Catch::StartsWith(fmt::format("UCX was to attach shared memory of pid {}, no peer "
+                                           "proven on this host",
+                                           other)));
+  AllowSameHostPeer(other);
+  AllowSameHostPeer(other);  // a second session of the same process
+  CHECK(SameHostTargetAdmitted(other, SameHostUse::kAttach));
+  CHECK(SameHostTargetAdmitted(other, SameHostUse::kCma));
+  ForgetSameHostPeer(other);
+  CHECK(SameHostTargetAdmitted(other, SameHostUse::kCma));  // one session still open
+  ForgetSameHostPeer(other);
+  CHECK_FALSE(SameHostTargetAdmitted(other, SameHostUse::kCma));
+  CHECK(SameHostRefusals() == before + 3);
+  TakeSameHostRefusal();
 }
 
 }  // namespace

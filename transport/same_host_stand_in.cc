@@ -1,0 +1,127 @@
+// shmat(), open() and process_vm_readv()/process_vm_writev() in front of libc's, for
+// kvagentd: the calls by which UCX reaches another process of this host (attaching its
+// System V or posix receive FIFO, reading and writing its memory with cma) go only to
+// the processes a local door proved (SameHostTargetAdmitted, ucx_hardening.h). open()
+// looks only at /proc/PID/fd/... paths opened by UCX's transport libraries, which is
+// how UCX's posix transport attaches another process's segment; every other open goes
+// straight to libc. kvagentd links
+// this object and exports the symbols (-Wl,--export-dynamic-symbol in BUILD), so
+// libucs's, libuct's and libuct_cma's calls bind to them; the next definitions (libc's)
+// do the work.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/shm.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstdarg>
+#include <cstdlib>
+#include <cstring>
+
+#include "transport/ucx_hardening.h"
+
+namespace {
+
+using kvagent::transport::SameHostTargetAdmitted;
+using kvagent::transport::SameHostUse;
+
+template <typename Fn>
+Fn Next(const char* name) {
+  return reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
+}
+
+// True when `code` lies in one of UCX's transport libraries (libuct and its modules):
+// the open() check is UCX's, not every library's (a CUDA driver opens descriptors of
+// the engines it imports memory from).
+bool CalledByUct(const void* code) {
+  Dl_info info{};
+  return dladdr(code, &info) != 0 && info.dli_fname != nullptr &&
+         std::strstr(info.dli_fname, "/libuct") != nullptr;
+}
+
+// The pid of a "/proc/PID/fd/..." path, or 0 for any other path.
+int ProcFdOwner(const char* path) {
+  constexpr char kProc[] = "/proc/";
+  if (path == nullptr || std::strncmp(path, kProc, sizeof(kProc) - 1) != 0) return 0;
+  const char* digits = path + sizeof(kProc) - 1;
+  char* end = nullptr;
+  const long pid = std::strtol(digits, &end, 10);
+  if (end == digits || pid <= 0 || std::strncmp(end, "/fd/", 4) != 0) return 0;
+  return static_cast<int>(pid);
+}
+
+using VmFn = ssize_t (*)(pid_t, const iovec*, unsigned long, const iovec*, unsigned long,
+                         unsigned long);
+
+template <const char* kName>
+ssize_t CmaAdmitted(pid_t pid, const iovec* local, unsigned long local_count,
+                    const iovec* remote, unsigned long remote_count, unsigned long flags) {
+  static const auto next = Next<VmFn>(kName);
+  if (next == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  if (!SameHostTargetAdmitted(pid, SameHostUse::kCma)) {
+    errno = EPERM;
+    return -1;
+  }
+  return next(pid, local, local_count, remote, remote_count, flags);
+}
+
+constexpr char kRead[] = "process_vm_readv";
+constexpr char kWrite[] = "process_vm_writev";
+
+}  // namespace
+
+extern "C" ssize_t process_vm_readv(pid_t pid, const iovec* local, unsigned long local_count,
+                                    const iovec* remote, unsigned long remote_count,
+                                    unsigned long flags) {
+  return CmaAdmitted<kRead>(pid, local, local_count, remote, remote_count, flags);
+}
+
+extern "C" ssize_t process_vm_writev(pid_t pid, const iovec* local, unsigned long local_count,
+                                     const iovec* remote, unsigned long remote_count,
+                                     unsigned long flags) {
+  return CmaAdmitted<kWrite>(pid, local, local_count, remote, remote_count, flags);
+}
+
+extern "C" void* shmat(int shmid, const void* address, int flags) {
+  using ShmatFn = void* (*)(int, const void*, int);
+  static const auto next = Next<ShmatFn>("shmat");
+  if (next == nullptr) {
+    errno = ENOSYS;
+    return reinterpret_cast<void*>(-1);
+  }
+  // The segment's creator: a FIFO or segment of UCX's is created by the process it
+  // belongs to. One that cannot be looked at is left to shmat to refuse.
+  shmid_ds segment{};
+  if (::shmctl(shmid, IPC_STAT, &segment) == 0 &&
+      !SameHostTargetAdmitted(segment.shm_cpid, SameHostUse::kAttach)) {
+    errno = EPERM;
+    return reinterpret_cast<void*>(-1);
+  }
+  return next(shmid, address, flags);
+}
+
+extern "C" int open(const char* path, int flags, ...) {
+  using OpenFn = int (*)(const char*, int, ...);
+  static const auto next = Next<OpenFn>("open");
+  mode_t mode = 0;
+  if ((flags & O_CREAT) != 0 || (flags & O_TMPFILE) == O_TMPFILE) {
+    va_list arguments;
+    va_start(arguments, flags);
+    mode = static_cast<mode_t>(va_arg(arguments, int));
+    va_end(arguments);
+  }
+  if (next == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  if (const int pid = ProcFdOwner(path);
+      pid != 0 && CalledByUct(__builtin_return_address(0)) &&
+      !SameHostTargetAdmitted(pid, SameHostUse::kAttach)) {
+    errno = EPERM;
+    return -1;
+  }
+  return next(path, flags, mode);
+}
