@@ -4,10 +4,9 @@
 // the processes a local door proved (SameHostTargetAdmitted, ucx_hardening.h). open()
 // looks only at /proc/PID/fd/... paths opened by UCX's transport libraries, which is
 // how UCX's posix transport attaches another process's segment; every other open goes
-// straight to libc. kvagentd links
-// this object and exports the symbols (-Wl,--export-dynamic-symbol in BUILD), so
-// libucs's, libuct's and libuct_cma's calls bind to them; the next definitions (libc's)
-// do the work.
+// straight to libc. kvagentd links this object and exports the symbols
+// (-Wl,--export-dynamic-symbol in BUILD), so libucs's, libuct's and libuct_cma's calls
+// bind to them; the next definitions (libc's) do the work.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/shm.h>

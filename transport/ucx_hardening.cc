@@ -3,9 +3,9 @@
 #include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
-#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -673,6 +673,9 @@ std::vector<std::string> UcxRefusedProtocols() {
       "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
       "domain)");
   names.push_back("remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)");
+  names.push_back(
+      "shared memory attach or cma read or write of a process no local door proved "
+      "(a same-host peer's worker address naming another process)");
   return names;
 }
 
@@ -771,9 +774,10 @@ std::atomic<uint64_t> g_rkey_entries_refused{0};
 thread_local std::string t_rkey_refusal;
 
 // A component's name as UCX reports it ("posix", "sysv", "tcp", ...). Components are
-// libuct's statics, a handful per process: each thread keeps the few it met.
+// libuct's statics, a handful per process: each thread keeps the few it met (a deque:
+// a name handed out stays where it is).
 const std::string& ComponentName(uct_component_h component) {
-  thread_local std::vector<std::pair<uct_component_h, std::string>> known;
+  thread_local std::deque<std::pair<uct_component_h, std::string>> known;
   for (const auto& [c, name] : known) {
     if (c == component) return name;
   }

@@ -74,7 +74,7 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 9);
+  CHECK(refused.size() == 10);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data",
@@ -83,7 +83,9 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
         "(--ucx-held-replies)",
         "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
         "domain)",
-        "remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)"}) {
+        "remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)",
+        "shared memory attach or cma read or write of a process no local door proved (a "
+        "same-host peer's worker address naming another process)"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
   // Every endpoint and request id a context gives out from here on is indirect.
