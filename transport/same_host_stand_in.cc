@@ -1,10 +1,10 @@
 // shmat(), open() and process_vm_readv()/process_vm_writev() in front of libc's, for
 // kvagentd: the calls by which UCX reaches another process of this host (attaching its
 // System V or posix receive FIFO, reading and writing its memory with cma) go only to
-// the processes a local door proved (SameHostTargetAdmitted, ucx_hardening.h). open()
-// looks only at /proc/PID/fd/... paths opened by UCX's transport libraries, which is
-// how UCX's posix transport attaches another process's segment; every other open goes
-// straight to libc. kvagentd links this object and exports the symbols
+// the processes a local door proved (SameHostTargetAdmitted, ucx_hardening.h). shmat()
+// and open() look only at UCX's own calls, and open() only at /proc/PID/fd/... paths,
+// which is how UCX's posix transport attaches another process's segment; every other
+// call goes straight to libc. kvagentd links this object and exports the symbols
 // (-Wl,--export-dynamic-symbol in BUILD), so libucs's, libuct's and libuct_cma's calls
 // bind to them; the next definitions (libc's) do the work.
 #include <dlfcn.h>
@@ -29,13 +29,14 @@ Fn Next(const char* name) {
   return reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
 }
 
-// True when `code` lies in one of UCX's transport libraries (libuct and its modules):
-// the open() check is UCX's, not every library's (a CUDA driver opens descriptors of
-// the engines it imports memory from).
-bool CalledByUct(const void* code) {
+// True when `code` lies in UCX's libucs or libuct (with libuct's modules): the checks
+// are UCX's, not every library's (a CUDA driver opens descriptors of the engines it
+// imports memory from).
+bool CalledByUcx(const void* code) {
   Dl_info info{};
   return dladdr(code, &info) != 0 && info.dli_fname != nullptr &&
-         std::strstr(info.dli_fname, "/libuct") != nullptr;
+         (std::strstr(info.dli_fname, "/libuct") != nullptr ||
+          std::strstr(info.dli_fname, "/libucs") != nullptr);
 }
 
 // The pid of a "/proc/PID/fd/..." path, or 0 for any other path.
@@ -94,7 +95,7 @@ extern "C" void* shmat(int shmid, const void* address, int flags) {
   // The segment's creator: a FIFO or segment of UCX's is created by the process it
   // belongs to. One that cannot be looked at is left to shmat to refuse.
   shmid_ds segment{};
-  if (::shmctl(shmid, IPC_STAT, &segment) == 0 &&
+  if (CalledByUcx(__builtin_return_address(0)) && ::shmctl(shmid, IPC_STAT, &segment) == 0 &&
       !SameHostTargetAdmitted(segment.shm_cpid, SameHostUse::kAttach)) {
     errno = EPERM;
     return reinterpret_cast<void*>(-1);
@@ -117,7 +118,7 @@ extern "C" int open(const char* path, int flags, ...) {
     return -1;
   }
   if (const int pid = ProcFdOwner(path);
-      pid != 0 && CalledByUct(__builtin_return_address(0)) &&
+      pid != 0 && CalledByUcx(__builtin_return_address(0)) &&
       !SameHostTargetAdmitted(pid, SameHostUse::kAttach)) {
     errno = EPERM;
     return -1;
