@@ -6,6 +6,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 
@@ -18,6 +20,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kGraceMs = 1000;
+
+// The end of an agent's log, its stderr included: what an exit code other than 0 says
+// (a sanitizer's report lands there; a CI run once saw exit code 1 and nothing more).
+std::string LogTail(const cli::DaemonProcess& agent) {
+  std::ifstream in(agent.log_path());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  constexpr size_t kTail = 6000;
+  return text.size() > kTail ? text.substr(text.size() - kTail) : text;
+}
 
 TEST_CASE("SIGTERM with an open transfer exits 0 after the grace period") {
   AgentPairOptions options;
@@ -39,6 +50,7 @@ TEST_CASE("SIGTERM with an open transfer exits 0 after the grace period") {
               static_cast<long long>(ms), kGraceMs);
   INFO(code.status().ToString());
   REQUIRE(code.ok());
+  INFO("prefill's log ends:\n" << (*code == 0 ? "" : LogTail(pair.prefill_process())));
   CHECK(*code == 0);
   // The grace period, then the teardown: measured here at about 0.12 s more (most of
   // it gRPC's server Shutdown deadline of 100 ms, agent.cc); the margin is for a
@@ -90,6 +102,7 @@ TEST_CASE("SIGTERM while a peer floods the agent with messages exits 0") {
     flood.join();
     INFO(code.status().ToString());
     REQUIRE(code.ok());
+    INFO("decode's log ends:\n" << (*code == 0 ? "" : LogTail(pair.decode_process())));
     CHECK(*code == 0);
     // The sender is unaffected.
     CHECK(pair.prefill().Status().ok());
