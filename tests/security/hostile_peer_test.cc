@@ -7,7 +7,10 @@
 // catalog, at a new version, as fast as prefill reads them: prefill applies them
 // within its --peer-metadata-share of the time (after --peer-metadata-burst-ms), and
 // its transfers to decode keep moving meanwhile. (3) A region key naming a shared
-// memory segment to attach: refused, and prefill serves on.
+// memory segment to attach: refused, and prefill serves on. And as a same-host peer on
+// a local door of its own (LocalDoorSessions), mallory gives another agent's worker
+// address and catalog as its own: (4) prefill's own, (5) a third agent's; both refused
+// when prefill connects, and no byte moves.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
