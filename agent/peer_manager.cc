@@ -18,7 +18,6 @@
 #include "grpcpp/grpcpp.h"
 #include "registry/cuda_vmm_mapping.h"
 #include "registry/device_memory_object.h"
-#include "transport/ucx_hardening.h"
 #include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::agent {
@@ -205,10 +204,6 @@ class PeerManager::MetadataWatch final
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-PeerLink::~PeerLink() {
-  if (allowed_pid != 0) transport::ForgetSameHostPeer(allowed_pid);
-}
-
 void PeerLink::Prepare(grpc::ClientContext* context) const {
   if (session) context->AddMetadata(kSessionTokenKey, session->token());
 }
@@ -269,8 +264,7 @@ absl::StatusOr<std::shared_ptr<PeerLink>> PeerManager::OpenLink(const std::strin
           address, Printable((*session)->welcome().agent()), geteuid()));
     }
     link->local = true;
-    link->allowed_pid = (*session)->agent_credentials().pid;
-    transport::AllowSameHostPeer(link->allowed_pid);
+    link->same_host = transport::SameHostPeerHold((*session)->agent_credentials().pid);
     link->session = *std::move(session);
     link->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
                                               PeerChannelArgs(options_.metadata_push));

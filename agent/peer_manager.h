@@ -33,6 +33,7 @@
 #include "registry/cuda_ipc_mapping.h"
 #include "registry/remote_catalog.h"
 #include "registry/shm_mapping.h"
+#include "transport/ucx_hardening.h"
 #include "transport/ucx_worker.h"
 
 namespace grpc {
@@ -72,17 +73,10 @@ grpc::ChannelArguments PeerChannelArgs(bool keepalive);
 // peer, the session on its local door (its token goes with every call; descriptors of
 // its memory come over it). Shared by the polls that use it.
 struct PeerLink {
-  PeerLink() = default;
-  PeerLink(const PeerLink&) = delete;
-  PeerLink& operator=(const PeerLink&) = delete;
-  // Forgets allowed_pid (transport::ForgetSameHostPeer).
-  ~PeerLink();
-
   std::string address;
   bool local = false;  // unix:PATH: the peer's local door, kernel-identified
-  // Local: the pid behind the door, whose shared memory UCX may reach while this lives
-  // (transport::AllowSameHostPeer); 0 otherwise.
-  int allowed_pid = 0;
+  // Local: the pid behind the door, whose shared memory UCX may reach while this lives.
+  transport::SameHostPeerHold same_host;
   bool tls = false;    // HOST:PORT with mutual TLS
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Peer::Stub> stub;

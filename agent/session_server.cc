@@ -79,8 +79,8 @@ struct SessionServer::Connection {
   uint64_t session_id = 0;  // 0 until welcomed
   std::string client_name;  // escaped, for logs
   // Welcomed with the peer role: its process's shared memory is within UCX's reach
-  // while the session lasts (transport::AllowSameHostPeer).
-  bool same_host_peer = false;
+  // while the session lasts.
+  transport::SameHostPeerHold same_host;
 };
 
 SessionServer::SessionServer(const SessionServerOptions& options, SessionHandler* handler)
@@ -469,8 +469,7 @@ bool SessionServer::ServeReadable(Connection& connection) {
       out->set_pid(static_cast<uint32_t>(connection.credentials.pid));
       connection.session_id = session_id;
       if (std::find(out->roles().begin(), out->roles().end(), "peer") != out->roles().end()) {
-        connection.same_host_peer = true;
-        transport::AllowSameHostPeer(connection.credentials.pid);
+        connection.same_host = transport::SameHostPeerHold(connection.credentials.pid);
       }
       StopWaitingForHello(connection);
       sessions_.fetch_add(1, std::memory_order_relaxed);
@@ -546,7 +545,6 @@ void SessionServer::Close(Connection& connection, std::string_view reason, bool 
   epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, fd, nullptr);
   StopWaitingForHello(connection);
   const uint64_t session_id = connection.session_id;
-  if (connection.same_host_peer) transport::ForgetSameHostPeer(connection.credentials.pid);
   if (logged) {
     // The caller logged it (rate-limited: floods of connections without a hello).
   } else if (session_id != 0) {

@@ -769,6 +769,16 @@ void LeaveRetireFlushes(const void* worker) {
 uint64_t UcxRefusedMessages() { return g_refused_total.load(std::memory_order_relaxed); }
 
 namespace {
+// One refusal of a kind: counted in `count`, logged (the first few and every 1,024th)
+// as "UCX: refused WHAT: WHY", and kept in the thread's `note` unless one is there
+// already (its caller takes it to say why an operation failed).
+void NoteRefusal(std::atomic<uint64_t>& count, std::string& note, std::string_view what,
+                 std::string why) {
+  const uint64_t n = count.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (log::Sampled(n)) kLog.Warn("UCX: refused {}: {} ({} such so far)", what, why, n);
+  if (note.empty()) note = std::move(why);
+}
+
 std::atomic<uint64_t> g_rkey_entries_refused{0};
 // The first refusal since the calling thread last took it (Endpoint::UnpackRkey).
 thread_local std::string t_rkey_refusal;
@@ -819,11 +829,8 @@ ucs_status_t UnpackRkeyEntry(uct_component_h component, const void* entry,
   unpacked->rkey = UCT_INVALID_RKEY;
   unpacked->handle = nullptr;
   unpacked->type = nullptr;
-  const uint64_t n = g_rkey_entries_refused.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (log::Sampled(n)) {
-    kLog.Warn("UCX: refused an entry of a peer's remote key: {} ({} such so far)", why, n);
-  }
-  if (t_rkey_refusal.empty()) t_rkey_refusal = std::move(why);
+  NoteRefusal(g_rkey_entries_refused, t_rkey_refusal, "an entry of a peer's remote key",
+              std::move(why));
   return UCS_ERR_UNREACHABLE;
 }
 
@@ -862,16 +869,15 @@ bool SameHostTargetAdmitted(int pid, SameHostUse use) {
     absl::MutexLock lock(&g_same_host_mu);
     if (g_same_host_pids->count(pid) != 0) return true;
   }
-  std::string why =
-      use == SameHostUse::kCma
-          ? fmt::format("UCX's cma transport was to read or write the memory of pid {}, {}", pid,
-                        own ? "this agent itself" : "no peer proven on this host")
-          : fmt::format("UCX was to attach shared memory of pid {}, no peer proven on this host "
-                        "(a same-host peer's worker address names its own process)",
-                        pid);
-  const uint64_t n = g_same_host_refused.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (log::Sampled(n)) kLog.Warn("UCX: refused: {} ({} such so far)", why, n);
-  if (t_same_host_refusal.empty()) t_same_host_refusal = std::move(why);
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, "a shared memory or cma reach",
+              use == SameHostUse::kCma
+                  ? fmt::format("UCX's cma transport was to read or write the memory of pid "
+                                "{}, {}",
+                                pid, own ? "this agent itself" : "no peer proven on this host")
+                  : fmt::format("UCX was to attach shared memory of pid {}, no peer proven on "
+                                "this host (a same-host peer's worker address names its own "
+                                "process)",
+                                pid));
   return false;
 }
 

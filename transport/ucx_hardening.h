@@ -104,6 +104,28 @@ void ArmSameHostGuard();
 // Counted: a pid held twice is forgotten twice.
 void AllowSameHostPeer(int pid);
 void ForgetSameHostPeer(int pid);
+// Holds a pid allowed (AllowSameHostPeer) for as long as it lives: what a local link to
+// a peer and a peer-role session keep. Empty (no pid) when default-made.
+class SameHostPeerHold {
+ public:
+  SameHostPeerHold() = default;
+  explicit SameHostPeerHold(int pid) : pid_(pid) { AllowSameHostPeer(pid); }
+  SameHostPeerHold(SameHostPeerHold&& other) noexcept : pid_(other.pid_) { other.pid_ = 0; }
+  SameHostPeerHold& operator=(SameHostPeerHold&& other) noexcept {
+    if (this != &other) {
+      if (pid_ != 0) ForgetSameHostPeer(pid_);
+      pid_ = other.pid_;
+      other.pid_ = 0;
+    }
+    return *this;
+  }
+  ~SameHostPeerHold() {
+    if (pid_ != 0) ForgetSameHostPeer(pid_);
+  }
+
+ private:
+  int pid_ = 0;
+};
 enum class SameHostUse { kAttach, kCma };
 bool SameHostTargetAdmitted(int pid, SameHostUse use);
 std::string TakeSameHostRefusal();
