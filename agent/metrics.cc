@@ -399,8 +399,10 @@ std::string RenderMetrics(const MetricsSources& sources) {
        transport::UcxRefusedRkeyEntries()},
       {"kvagent_ucx_same_host_refused_total", "counter",
        "Shared memory attaches and cma reads or writes of UCX refused: the process they "
-       "named is no peer a local door proved (or, for cma, this agent itself). A peer's "
-       "endpoint fails at the first; the log names the pid.",
+       "named is no peer a local door proved (or, for cma, this agent itself; for a FIFO "
+       "named by file, no such process maps it), or a peer's posix FIFO lies in a "
+       "directory UCX 1.13 cannot attach. A peer's endpoint fails at the first; the log "
+       "names the pid or file.",
        transport::SameHostRefusals()},
   };
   for (const auto& f : ucx_memory_families) {

@@ -1,26 +1,31 @@
-// shmat(), open() and process_vm_readv()/process_vm_writev() in front of libc's, for
-// kvagentd: the calls by which UCX reaches another process of this host (attaching its
-// System V or posix receive FIFO, reading and writing its memory with cma) go only to
-// the processes a local door proved (SameHostTargetAdmitted, ucx_hardening.h). shmat()
-// and open() look only at UCX's own calls, and open() only at /proc/PID/fd/... paths,
-// which is how UCX's posix transport attaches another process's segment; every other
-// call goes straight to libc. kvagentd links this object and exports the symbols
+// shmat(), open(), shm_open() and process_vm_readv()/process_vm_writev() in front of
+// libc's, for kvagentd: the calls by which UCX reaches another process of this host
+// (attaching its System V or posix receive FIFO, reading and writing its memory with
+// cma) go only to the processes a local door proved (SameHostTargetAdmitted,
+// ucx_hardening.h). shmat(), open() and shm_open() look only at UCX's own calls: open()
+// at /proc/PID/fd/... paths, how UCX's posix transport attaches another process's
+// segment by default, and with shm_open() at UCX's posix segments opened by name, which
+// must be mapped by such a process (SameHostFileAdmitted); every other call goes
+// straight to libc. kvagentd links this object and exports the symbols
 // (-Wl,--export-dynamic-symbol in BUILD), so libucs's, libuct's and libuct_cma's calls
 // bind to them; the next definitions (libc's) do the work.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/shm.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdarg>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "transport/ucx_hardening.h"
 
 namespace {
 
+using kvagent::transport::IsUcxPosixSegmentName;
 using kvagent::transport::SameHostTargetAdmitted;
 using kvagent::transport::SameHostUse;
 
@@ -66,6 +71,14 @@ ssize_t CmaAdmitted(pid_t pid, const iovec* local, unsigned long local_count,
     return -1;
   }
   return next(pid, local, local_count, remote, remote_count, flags);
+}
+
+// `fd` (an open's result) when SameHostFileAdmitted admits it; else -1 with EPERM.
+int AdmittedFile(int fd, const char* path) {
+  if (fd < 0 || kvagent::transport::SameHostFileAdmitted(fd, path)) return fd;
+  ::close(fd);
+  errno = EPERM;
+  return -1;
 }
 
 constexpr char kRead[] = "process_vm_readv";
@@ -117,11 +130,34 @@ extern "C" int open(const char* path, int flags, ...) {
     errno = ENOSYS;
     return -1;
   }
-  if (const int pid = ProcFdOwner(path);
-      pid != 0 && CalledByUcx(__builtin_return_address(0)) &&
-      !SameHostTargetAdmitted(pid, SameHostUse::kAttach)) {
-    errno = EPERM;
+  const int pid = ProcFdOwner(path);
+  const bool named = pid == 0 && (flags & O_CREAT) == 0 && IsUcxPosixSegmentName(path);
+  if ((pid == 0 && !named) || !CalledByUcx(__builtin_return_address(0))) {
+    return next(path, flags, mode);
+  }
+  if (pid != 0) {
+    if (!SameHostTargetAdmitted(pid, SameHostUse::kAttach)) {
+      errno = EPERM;
+      return -1;
+    }
+    return next(path, flags, mode);
+  }
+  // A segment by name, in a directory the peer's address names: no link followed, no
+  // wait on a special file, and opened before it is looked at, so that what is checked
+  // is what UCX maps.
+  return AdmittedFile(next(path, flags | O_NOFOLLOW | O_NONBLOCK, mode), path);
+}
+
+extern "C" int shm_open(const char* name, int flags, mode_t mode) {
+  using ShmOpenFn = int (*)(const char*, int, mode_t);
+  static const auto next = Next<ShmOpenFn>("shm_open");
+  if (next == nullptr) {
+    errno = ENOSYS;
     return -1;
   }
-  return next(path, flags, mode);
+  if ((flags & O_CREAT) != 0 || !CalledByUcx(__builtin_return_address(0))) {
+    return next(name, flags, mode);
+  }
+  const std::string path = std::string("/dev/shm") + (name[0] == '/' ? "" : "/") + name;
+  return AdmittedFile(next(name, flags, mode), path.c_str());
 }

@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
 #include <unistd.h>
@@ -846,6 +848,8 @@ absl::Mutex g_same_host_mu;
 std::map<int, int>* g_same_host_pids ABSL_GUARDED_BY(g_same_host_mu) = new std::map<int, int>();
 std::atomic<uint64_t> g_same_host_refused{0};
 thread_local std::string t_same_host_refusal;
+// Inside UCX's posix is_reachable (CheckedPosixReachable).
+thread_local bool t_probing = false;
 }  // namespace
 
 void ArmSameHostGuard() { g_same_host_armed.store(true); }
@@ -863,6 +867,7 @@ void ForgetSameHostPeer(int pid) {
 
 bool SameHostTargetAdmitted(int pid, SameHostUse use) {
   if (!g_same_host_armed.load(std::memory_order_relaxed)) return true;
+  if (t_probing && use == SameHostUse::kAttach) return true;
   const bool own = pid == ::getpid();
   if (own && use == SameHostUse::kAttach) return true;
   if (!own) {
@@ -886,6 +891,141 @@ std::string TakeSameHostRefusal() {
 }
 
 uint64_t SameHostRefusals() { return g_same_host_refused.load(std::memory_order_relaxed); }
+
+namespace {
+constexpr char kPosixSegmentPrefix[] = "ucx_shm_posix_";
+// The bits of a posix segment id (UCX's mm_posix.c) that say how it is named.
+constexpr uint64_t kPosixProcfs = uint64_t{1} << 63;   // a /proc/PID/fd/N link
+constexpr uint64_t kPosixShmOpen = uint64_t{1} << 62;  // /dev/shm, with shm_open
+
+// True when /proc/PID/maps lists a mapping of the file (device, inode); false when it
+// does not or cannot be read (the process is gone).
+bool MapsFile(int pid, dev_t device, ino_t inode) {
+  const std::string maps = fmt::format("/proc/{}/maps", pid);
+  std::FILE* file = std::fopen(maps.c_str(), "re");
+  if (file == nullptr) return false;
+  bool found = false;
+  char line[512];
+  while (!found && std::fgets(line, sizeof(line), file) != nullptr) {
+    unsigned major_id = 0, minor_id = 0;
+    unsigned long long mapped_inode = 0;
+    // "START-END PERMS OFFSET MAJOR:MINOR INODE [PATH]"
+    if (std::sscanf(line, "%*x-%*x %*s %*x %x:%x %llu", &major_id, &minor_id,
+                    &mapped_inode) == 3) {
+      found = mapped_inode == inode && makedev(major_id, minor_id) == device;
+    }
+    // A line longer than the buffer (a long path) continues in the next read.
+    while (std::strchr(line, '\n') == nullptr &&
+           std::fgets(line, sizeof(line), file) != nullptr) {
+    }
+  }
+  std::fclose(file);
+  return found;
+}
+}  // namespace
+
+bool IsUcxPosixSegmentName(const char* path) {
+  if (path == nullptr) return false;
+  const char* slash = std::strrchr(path, '/');
+  const char* name = slash == nullptr ? path : slash + 1;
+  return std::strncmp(name, kPosixSegmentPrefix, sizeof(kPosixSegmentPrefix) - 1) == 0;
+}
+
+bool SameHostFileAdmitted(int fd, const char* path) {
+  if (!g_same_host_armed.load(std::memory_order_relaxed) || t_probing) return true;
+  struct stat file {};
+  std::string why;
+  if (::fstat(fd, &file) != 0 || !S_ISREG(file.st_mode)) {
+    why = fmt::format("UCX was to open {} as a peer's shared memory, and it is not a regular "
+                      "file (a same-host peer's worker address names a file of its choice)",
+                      path);
+  } else {
+    std::vector<int> pids{::getpid()};
+    {
+      absl::MutexLock lock(&g_same_host_mu);
+      for (const auto& [pid, holds] : *g_same_host_pids) pids.push_back(pid);
+    }
+    for (const int pid : pids) {
+      if (MapsFile(pid, file.st_dev, file.st_ino)) return true;
+    }
+    why = fmt::format("UCX was to open the shared memory file {}, which neither this agent nor "
+                      "a peer proven on this host has mapped (a same-host peer's worker "
+                      "address names another process's segment)",
+                      path);
+  }
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, "a shared memory or cma reach",
+              std::move(why));
+  return false;
+}
+
+bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_bytes) {
+  if (peer_iface_address == nullptr) return true;
+  uint64_t id = 0;
+  std::memcpy(&id, peer_iface_address, sizeof(id));
+  if ((id & (kPosixProcfs | kPosixShmOpen)) != 0 || own_address_bytes > sizeof(id)) {
+    return true;
+  }
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, "a shared memory or cma reach",
+              "the peer's posix receive FIFO is a file in a directory its worker address "
+              "names (its UCX runs with UCX_POSIX_USE_PROC_LINK=n and UCX_POSIX_DIR), which "
+              "this agent's UCX 1.13 cannot attach: it would stop on an assertion; run every "
+              "agent of this host with UCX's default, UCX_POSIX_USE_PROC_LINK=y");
+  return false;
+}
+
+namespace {
+// The posix interface's own is_reachable and ep_create (every posix interface of the
+// process shares them), and the shortest interface address among those watched.
+std::atomic<uct_iface_is_reachable_func_t> g_posix_reachable{nullptr};
+std::atomic<uct_ep_create_func_t> g_posix_ep_create{nullptr};
+std::atomic<size_t> g_posix_own_address_bytes{0};
+
+// UCX's posix is_reachable opens a peer's FIFO to see that it exists, and closes it.
+// Nothing is refused there: UCP, answering a peer's wireup request, fails on an
+// endpoint it found no lane for (UCX 1.13 asserts on its missing configuration), while
+// a lane that fails to connect fails the endpoint cleanly. The FIFO is checked when the
+// endpoint attaches it (CheckedPosixEpCreate, and the stand-ins' checks there).
+int CheckedPosixReachable(const uct_iface_h iface, const uct_device_addr_t* device,
+                          const uct_iface_addr_t* address) {
+  t_probing = true;
+  const int reachable = g_posix_reachable.load()(iface, device, address);
+  t_probing = false;
+  return reachable;
+}
+
+ucs_status_t CheckedPosixEpCreate(const uct_ep_params_t* params, uct_ep_h* ep) {
+  if ((params->field_mask & UCT_EP_PARAM_FIELD_IFACE_ADDR) != 0 &&
+      !PosixPeerFifoAdmitted(params->iface_addr, g_posix_own_address_bytes.load())) {
+    return UCS_ERR_UNREACHABLE;
+  }
+  return g_posix_ep_create.load()(params, ep);
+}
+}  // namespace
+
+void WatchPosixInterface(void* uct_iface) {
+  auto* iface = static_cast<uct_iface_h>(uct_iface);
+  uct_iface_attr_t attr{};
+  if (uct_iface_query(iface, &attr) != UCS_OK) {
+    kLog.Warn("UCX: a posix interface could not be queried; its peers' FIFOs named in a "
+              "directory are not checked");
+    return;
+  }
+  // Where interfaces disagree, the shortest address decides: the check is then strictest.
+  size_t seen = g_posix_own_address_bytes.load();
+  while ((seen == 0 || attr.iface_addr_len < seen) &&
+         !g_posix_own_address_bytes.compare_exchange_weak(seen, attr.iface_addr_len)) {
+  }
+  uct_iface_is_reachable_func_t reachable = nullptr;
+  if (iface->ops.iface_is_reachable != &CheckedPosixReachable) {
+    g_posix_reachable.compare_exchange_strong(reachable, iface->ops.iface_is_reachable);
+    iface->ops.iface_is_reachable = &CheckedPosixReachable;
+  }
+  uct_ep_create_func_t create = nullptr;
+  if (iface->ops.ep_create != &CheckedPosixEpCreate) {
+    g_posix_ep_create.compare_exchange_strong(create, iface->ops.ep_create);
+    iface->ops.ep_create = &CheckedPosixEpCreate;
+  }
+}
 
 namespace {
 std::atomic<uint64_t> g_unused_id_messages{0};

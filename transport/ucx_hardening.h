@@ -131,6 +131,31 @@ bool SameHostTargetAdmitted(int pid, SameHostUse use);
 std::string TakeSameHostRefusal();
 uint64_t SameHostRefusals();
 
+// A posix FIFO named by a file. A peer's UCX run with UCX_POSIX_USE_PROC_LINK=n names
+// its receive FIFO by file, /dev/shm/ucx_shm_posix_ID (opened with shm_open) or
+// DIR/ucx_shm_posix_ID in a directory its address names, not by a /proc/PID/fd link: a
+// name says nothing of whose it is. SameHostFileAdmitted admits the open file `fd`
+// (`path` names it in the refusal) when it is a regular file that this process or a pid
+// SameHostTargetAdmitted admits has mapped (its device and inode in /proc/PID/maps);
+// kvagentd's stand-ins for shm_open and open ask it for UCX's opens of such names
+// (IsUcxPosixSegmentName) that create nothing. Refusals count, log and note as above.
+bool IsUcxPosixSegmentName(const char* path);
+bool SameHostFileAdmitted(int fd, const char* path);
+// UCX 1.13 attaches a peer's FIFO in a named directory with the directory its own
+// posix interface puts in its address, and with none there (UCX's default) it stops the
+// process on an assertion: one same-host peer run with UCX_POSIX_USE_PROC_LINK=n and
+// UCX_POSIX_DIR, honest or not, took down every agent that connected to it.
+// WatchPosixInterface (the uct_iface_open stand-in, for each posix interface) puts a
+// check in front of the interface's ep_create: PosixPeerFifoAdmitted, which refuses
+// such a FIFO (unreachable; counted, logged and noted as above) where this process's
+// posix interface has no directory (`own_address_bytes`, its interface address's
+// length, is the 8 bytes of the FIFO's id alone). Inside the interface's is_reachable,
+// which opens a peer's FIFO only to see that it exists, the checks above all admit: UCX
+// 1.13, answering a peer's wireup request, asserts on an endpoint it found no lane for,
+// while a lane that fails to connect fails that endpoint cleanly.
+void WatchPosixInterface(void* uct_iface);
+bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_bytes);
+
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
 // 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message
 // (a 13-byte message from a peer: about 2 KiB of log). QuietUnusedUctIds gives every id

@@ -1099,16 +1099,23 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
   }
   TakeSameHostRefusal();  // none left from an earlier call on this thread
   ucs_status_t status = ucp_ep_create(worker.get(), &params, &endpoint->ep_);
+  // A reach refused while UCX set the endpoint up names something that is not the
+  // peer's: the peer is refused, even should UCX have gone on without that lane.
+  if (std::string refused = TakeSameHostRefusal(); !refused.empty()) {
+    if (status == UCS_OK) {
+      endpoint->health_->failed = true;  // closed at once, by force
+    } else {
+      endpoint->ep_ = nullptr;
+    }
+    return absl::PermissionDeniedError(fmt::format(
+        "UCX worker '{}': connecting to the peer's worker address was refused: {}; a "
+        "same-host peer must give its own worker's address (GetMetadata), and be "
+        "connected through its local door (unix:PATH) to share memory (over its network "
+        "door, use --ucx-error-mode peer)",
+        worker.name_, refused));
+  }
   if (status != UCS_OK) {
     endpoint->ep_ = nullptr;
-    if (std::string refused = TakeSameHostRefusal(); !refused.empty()) {
-      return absl::PermissionDeniedError(fmt::format(
-          "UCX worker '{}': connecting to the peer's worker address was refused: {}; a "
-          "same-host peer must give its own worker's address (GetMetadata), and be "
-          "connected through its local door (unix:PATH) to share memory (over its network "
-          "door, use --ucx-error-mode peer)",
-          worker.name_, refused));
-    }
     return UcxError(status,
                     fmt::format("UCX worker '{}': connecting to peer worker address ({} bytes, "
                                 "error mode {}) failed; check the peer is running and shares "

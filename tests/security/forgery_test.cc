@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <iterator>
@@ -1890,6 +1891,46 @@ TEST_CASE("a peer's UCX software RMA reaches only memory registered for peers, i
 // peer that never confirms it; when it releases the memory, what the queued reply
 // still reads must be neither unmapped (the agent would die of SIGSEGV when eve reads
 // on) nor whatever is mapped at that address next (another engine's bytes).
+// A same-host peer whose UCX names its posix receive FIFO by a file in a directory
+// (UCX_POSIX_USE_PROC_LINK=n with UCX_POSIX_DIR): the agent's UCX, answering that
+// peer's endpoint, attached the FIFO with no directory (its own posix interface names
+// none) and stopped on an assertion: decode was gone (the build before). Now the FIFO
+// is unreachable to it, the refusal counted, and the agent serves on.
+TEST_CASE("a same-host peer whose posix FIFO lies in a directory its address names cannot "
+          "stop the agent") {
+  AgentPairOptions options;
+  options.extra_args = {"--metrics-listen", "127.0.0.1:0"};
+  AgentPair pair(options);
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const std::string metrics = MetricsAddress(decode_status);
+  const double refused_before = Value(Scrape(metrics), "kvagent_ucx_same_host_refused_total");
+  char directory[] = "/tmp/kvposix.XXXXXX";  // short: UCX packs it in 63 bytes
+  REQUIRE(::mkdtemp(directory) != nullptr);
+  {
+    // Around this context's configuration only (agents started later do not inherit it).
+    ::setenv("UCX_TLS", "posix", 1);
+    ::setenv("UCX_POSIX_USE_PROC_LINK", "n", 1);
+    ::setenv("UCX_POSIX_DIR", directory, 1);
+    StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/false, "");
+    for (const char* name : {"UCX_TLS", "UCX_POSIX_USE_PROC_LINK", "UCX_POSIX_DIR"}) {
+      ::unsetenv(name);
+    }
+    const std::string hello(64, 'h');
+    ucp_request_param_t plain{};
+    stock.Track(ucp_stream_send_nbx(stock.ep(), hello.data(), hello.size(), &plain));
+    stock.Progress(1000);
+    stock.Forget();
+  }
+  std::filesystem::remove_all(directory);
+  auto status = decode_status.Status();
+  INFO(status.status().ToString());
+  REQUIRE(status.ok());
+  CHECK(Value(Scrape(metrics), "kvagent_ucx_same_host_refused_total") > refused_before);
+  RequireHonestWrite(pair, "after-posix-directory", {3, 4}, {7, 8});
+}
+
 TEST_CASE("a peer's software get still queued when its region is released reads neither "
           "freed memory nor what is mapped there next") {
   AgentPairOptions options;

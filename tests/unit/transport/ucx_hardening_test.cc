@@ -6,7 +6,10 @@
 #include "transport/ucx_hardening.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
@@ -16,6 +19,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -474,6 +478,13 @@ TEST_CASE("a hardened worker refuses a peer's key naming a shared memory segment
     ucp_rkey_buffer_release(packed);
     absl::StatusOr<RemoteKey> unpacked = absl::UnknownError("not run");
     const uint64_t before = UcxRefusedRkeyEntries();
+    // Wireup done before the endpoint closes: UCX 1.13 asserts when a tcp endpoint
+    // closed mid-wireup purges the wireup reply still queued on it (seen under ASan).
+    auto flushed = std::make_shared<absl::Notification>();
+    h.worker->Post([&endpoint, flushed] {
+      endpoint->Flush([flushed](absl::Status) { flushed->Notify(); });
+    });
+    REQUIRE(flushed->WaitForNotificationWithTimeout(absl::Seconds(10)));
     h.worker->RunSync([&] {
       unpacked = endpoint->UnpackRkey(honest);
       if (unpacked.ok()) *unpacked = RemoteKey();  // released on the worker thread
@@ -557,6 +568,96 @@ TEST_CASE("UCX reaches another process of this host only while a local door hold
   CHECK_FALSE(SameHostTargetAdmitted(other, SameHostUse::kCma));
   CHECK(SameHostRefusals() == before + 3);
   TakeSameHostRefusal();
+}
+
+// A posix segment opened by name (a peer whose UCX runs with UCX_POSIX_USE_PROC_LINK=n)
+// names no process: the file must be mapped by this process or by a pid a local door
+// holds, and be a regular file.
+TEST_CASE("a posix segment opened by name is admitted only when a proven process maps it") {
+  Hardened h = Hardened::Make();
+  CHECK(IsUcxPosixSegmentName("/dev/shm/ucx_shm_posix_1a2b"));
+  CHECK(IsUcxPosixSegmentName("ucx_shm_posix_0"));
+  CHECK_FALSE(IsUcxPosixSegmentName("/dev/shm/ucx_shm_posix"));
+  CHECK_FALSE(IsUcxPosixSegmentName("/tmp/ucx_shm_posix_1/other"));
+  CHECK_FALSE(IsUcxPosixSegmentName(nullptr));
+
+  const std::string path = fmt::format("{}/ucx_shm_posix_{:x}", std::getenv("TEST_TMPDIR"),
+                                       static_cast<unsigned>(::getpid()));
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, 4096) == 0);
+  TakeSameHostRefusal();
+  const uint64_t before = SameHostRefusals();
+  CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));  // mapped by nobody
+  CHECK_THAT(TakeSameHostRefusal(),
+             Catch::StartsWith(fmt::format("UCX was to open the shared memory file {}, which "
+                                           "neither this agent nor a peer proven on this host "
+                                           "has mapped",
+                                           path)));
+  // Another process maps it: admitted only while a door holds that process's pid.
+  int ready[2], release[2];
+  REQUIRE(::pipe(ready) == 0);
+  REQUIRE(::pipe(release) == 0);
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    void* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    char byte = mapped == MAP_FAILED ? 'x' : 'm';
+    (void)!::write(ready[1], &byte, 1);
+    (void)!::read(release[0], &byte, 1);
+    ::_exit(0);
+  }
+  char mapped = 0;
+  REQUIRE(::read(ready[0], &mapped, 1) == 1);
+  REQUIRE(mapped == 'm');
+  CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));
+  AllowSameHostPeer(child);
+  CHECK(SameHostFileAdmitted(fd, path.c_str()));
+  ForgetSameHostPeer(child);
+  CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));
+  REQUIRE(::write(release[1], "x", 1) == 1);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  for (const int end : {ready[0], ready[1], release[0], release[1]}) ::close(end);
+  // This process maps it: its own segment.
+  void* own = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  REQUIRE(own != MAP_FAILED);
+  CHECK(SameHostFileAdmitted(fd, path.c_str()));
+  ::munmap(own, 4096);
+  ::close(fd);
+  ::unlink(path.c_str());
+  // A special file by that name is refused whoever holds it open.
+  const std::string fifo = path + "_fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const int fifo_fd = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK);
+  REQUIRE(fifo_fd >= 0);
+  TakeSameHostRefusal();  // the two above
+  CHECK_FALSE(SameHostFileAdmitted(fifo_fd, fifo.c_str()));
+  CHECK_THAT(TakeSameHostRefusal(), Catch::Contains("is not a regular file"));
+  ::close(fifo_fd);
+  ::unlink(fifo.c_str());
+  CHECK(SameHostRefusals() == before + 4);
+}
+
+// UCX 1.13 attaches a peer's posix FIFO in a named directory with its own interface's
+// directory, and with none (UCX's default) it stops on an assertion: such a FIFO is
+// refused where this process's interface address is the FIFO's 8-byte id alone.
+TEST_CASE("a peer's posix FIFO in a named directory is refused where UCX would stop on it") {
+  const uint64_t procfs = uint64_t{1} << 63, shm_open = uint64_t{1} << 62;
+  const uint64_t in_directory = 0x1a2b;
+  TakeSameHostRefusal();
+  const uint64_t before = SameHostRefusals();
+  CHECK(PosixPeerFifoAdmitted(nullptr, 8));
+  CHECK(PosixPeerFifoAdmitted(&procfs, 8));
+  CHECK(PosixPeerFifoAdmitted(&shm_open, 8));
+  CHECK(PosixPeerFifoAdmitted(&in_directory, 8 + 16));  // this side names a directory too
+  CHECK(TakeSameHostRefusal().empty());
+  CHECK_FALSE(PosixPeerFifoAdmitted(&in_directory, 8));
+  CHECK_THAT(TakeSameHostRefusal(),
+             Catch::StartsWith("the peer's posix receive FIFO is a file in a directory its "
+                               "worker address names") &&
+                 Catch::Contains("UCX_POSIX_USE_PROC_LINK=y"));
+  CHECK(SameHostRefusals() == before + 1);
 }
 
 }  // namespace
