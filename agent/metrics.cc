@@ -400,9 +400,10 @@ std::string RenderMetrics(const MetricsSources& sources) {
       {"kvagent_ucx_same_host_refused_total", "counter",
        "Shared memory attaches and cma reads or writes of UCX refused: the process they "
        "named is no peer a local door proved (or, for cma, this agent itself; for a FIFO "
-       "named by file, no such process maps it), or a peer's posix FIFO lies in a "
-       "directory UCX 1.13 cannot attach. A peer's endpoint fails at the first; the log "
-       "names the pid or file.",
+       "named by file, no such process maps it; for a local-door peer's TCP, none "
+       "listens on the port), or a peer's posix FIFO lies in a directory UCX 1.13 cannot "
+       "attach. A peer's endpoint fails at the first; the log names the pid, file or "
+       "port.",
        transport::SameHostRefusals()},
   };
   for (const auto& f : ucx_memory_families) {

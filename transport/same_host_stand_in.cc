@@ -1,17 +1,20 @@
-// shmat(), open(), shm_open() and process_vm_readv()/process_vm_writev() in front of
-// libc's, for kvagentd: the calls by which UCX reaches another process of this host
-// (attaching its System V or posix receive FIFO, reading and writing its memory with
-// cma) go only to the processes a local door proved (SameHostTargetAdmitted,
-// ucx_hardening.h). shmat(), open() and shm_open() look only at UCX's own calls: open()
-// at /proc/PID/fd/... paths, how UCX's posix transport attaches another process's
-// segment by default, and with shm_open() at UCX's posix segments opened by name, which
-// must be mapped by such a process (SameHostFileAdmitted); every other call goes
-// straight to libc. kvagentd links this object and exports the symbols
-// (-Wl,--export-dynamic-symbol in BUILD), so libucs's, libuct's and libuct_cma's calls
-// bind to them; the next definitions (libc's) do the work.
+// shmat(), open(), shm_open(), connect() and process_vm_readv()/process_vm_writev() in
+// front of libc's, for kvagentd: the calls by which UCX reaches another process of this
+// host (attaching its System V or posix receive FIFO, connecting to its TCP port,
+// reading and writing its memory with cma) go only to the processes a local door
+// proved (SameHostTargetAdmitted, ucx_hardening.h). Each looks only at UCX's own calls:
+// open() at /proc/PID/fd/... paths, how UCX's posix transport attaches another
+// process's segment by default, and with shm_open() at UCX's posix segments opened by
+// name, which must be mapped by such a process (SameHostFileAdmitted); connect() at
+// connections to this host while UCX connects an endpoint for a peer proven at the
+// local door (SameHostListenerAdmitted). Every other call goes straight to libc.
+// kvagentd links this object and exports the symbols (-Wl,--export-dynamic-symbol in
+// BUILD), so libucs's, libuct's and libuct_cma's calls bind to them; the next
+// definitions (libc's) do the work.
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/shm.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -22,6 +25,7 @@
 #include <string>
 
 #include "transport/ucx_hardening.h"
+#include "transport/ucx_tcp_guard.h"
 
 namespace {
 
@@ -146,6 +150,27 @@ extern "C" int open(const char* path, int flags, ...) {
   // wait on a special file, and opened before it is looked at, so that what is checked
   // is what UCX maps.
   return AdmittedFile(next(path, flags | O_NOFOLLOW | O_NONBLOCK, mode), path);
+}
+
+// UCX's TCP connections to this host, for an endpoint of a peer proven at the local door
+// (SameHostTcpChecked): the port must be one such a peer listens on.
+extern "C" int connect(int fd, const sockaddr* to, socklen_t length) {
+  using ConnectFn = int (*)(int, const sockaddr*, socklen_t);
+  static const auto next = Next<ConnectFn>("connect");
+  if (next == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  if (kvagent::transport::SameHostTcpChecked() && CalledByUcx(__builtin_return_address(0))) {
+    const auto listeners = kvagent::transport::UcxTcpLocalListeners(to, length);
+    if (listeners.has_value() &&
+        !kvagent::transport::SameHostListenerAdmitted(
+            *listeners, kvagent::transport::UcxTcpAddressText(to, length))) {
+      errno = EPERM;
+      return -1;
+    }
+  }
+  return next(fd, to, length);
 }
 
 extern "C" int shm_open(const char* name, int flags, mode_t mode) {

@@ -1,5 +1,6 @@
 #include "transport/ucx_hardening.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
@@ -850,6 +851,9 @@ std::atomic<uint64_t> g_same_host_refused{0};
 thread_local std::string t_same_host_refusal;
 // Inside UCX's posix is_reachable (CheckedPosixReachable).
 thread_local bool t_probing = false;
+// UCX connects an endpoint for a peer proven at the local door (SameHostTcpCheck).
+thread_local bool t_tcp_checked = false;
+constexpr std::string_view kSameHostReach = "a reach of another process of this host";
 }  // namespace
 
 void ArmSameHostGuard() { g_same_host_armed.store(true); }
@@ -874,7 +878,7 @@ bool SameHostTargetAdmitted(int pid, SameHostUse use) {
     absl::MutexLock lock(&g_same_host_mu);
     if (g_same_host_pids->count(pid) != 0) return true;
   }
-  NoteRefusal(g_same_host_refused, t_same_host_refusal, "a shared memory or cma reach",
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
               use == SameHostUse::kCma
                   ? fmt::format("UCX's cma transport was to read or write the memory of pid "
                                 "{}, {}",
@@ -953,8 +957,58 @@ bool SameHostFileAdmitted(int fd, const char* path) {
                       "address names another process's segment)",
                       path);
   }
-  NoteRefusal(g_same_host_refused, t_same_host_refusal, "a shared memory or cma reach",
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
               std::move(why));
+  return false;
+}
+
+SameHostTcpCheck::SameHostTcpCheck() : was_(t_tcp_checked) { t_tcp_checked = true; }
+SameHostTcpCheck::~SameHostTcpCheck() { t_tcp_checked = was_; }
+bool SameHostTcpChecked() { return t_tcp_checked; }
+
+namespace {
+// True when process `pid` holds a socket whose inode is in `inodes`.
+bool HoldsSocket(int pid, const std::vector<unsigned long long>& inodes) {
+  const std::string folder = fmt::format("/proc/{}/fd", pid);
+  DIR* fds = ::opendir(folder.c_str());
+  if (fds == nullptr) return false;
+  bool found = false;
+  while (!found) {
+    const dirent* entry = ::readdir(fds);
+    if (entry == nullptr) break;
+    char target[64];
+    const std::string link = folder + "/" + entry->d_name;
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    unsigned long long inode = 0;
+    if (std::sscanf(target, "socket:[%llu]", &inode) == 1) {
+      found = std::find(inodes.begin(), inodes.end(), inode) != inodes.end();
+    }
+  }
+  ::closedir(fds);
+  return found;
+}
+}  // namespace
+
+bool SameHostListenerAdmitted(const std::vector<unsigned long long>& inodes,
+                              const std::string& where) {
+  if (!g_same_host_armed.load(std::memory_order_relaxed) || inodes.empty()) return true;
+  std::vector<int> pids;
+  {
+    absl::MutexLock lock(&g_same_host_mu);
+    for (const auto& [pid, holds] : *g_same_host_pids) {
+      if (pid != ::getpid()) pids.push_back(pid);
+    }
+  }
+  for (const int pid : pids) {
+    if (HoldsSocket(pid, inodes)) return true;
+  }
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
+              fmt::format("UCX was to connect to {}, a TCP port on this host that no peer "
+                          "proven on this host listens on (a same-host peer's worker address "
+                          "names another process's port)",
+                          where));
   return false;
 }
 
@@ -965,7 +1019,7 @@ bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_by
   if ((id & (kPosixProcfs | kPosixShmOpen)) != 0 || own_address_bytes > sizeof(id)) {
     return true;
   }
-  NoteRefusal(g_same_host_refused, t_same_host_refusal, "a shared memory or cma reach",
+  NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
               "the peer's posix receive FIFO is a file in a directory its worker address "
               "names (its UCX runs with UCX_POSIX_USE_PROC_LINK=n and UCX_POSIX_DIR), which "
               "this agent's UCX 1.13 cannot attach: it would stop on an assertion; run every "

@@ -156,6 +156,31 @@ bool SameHostFileAdmitted(int fd, const char* path);
 void WatchPosixInterface(void* uct_iface);
 bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_bytes);
 
+// UCX's TCP transport between same-host processes. A peer proven at the local door gets
+// an endpoint without peer error handling, and where its worker address offers no
+// shared memory this agent reaches, UCX takes TCP on loopback; the address's port is
+// read by UCX alone, and another agent's port there keeps a connection from any process
+// of a peer uid (ucx_tcp_guard.h) and serves its peers' regions to it. While a
+// SameHostTcpCheck lives on the thread (Endpoint::Connect, for such endpoints),
+// kvagentd's connect() stand-in asks SameHostListenerAdmitted about UCX's connections to
+// this host: one of the listening sockets (`inodes`, UcxTcpLocalListeners) must be held
+// by a pid a local door proved (as SameHostTargetAdmitted, never this process itself);
+// `where` names the port in the refusal, counted, logged and noted as above. With no
+// listener the connection goes on (and fails by itself).
+class SameHostTcpCheck {
+ public:
+  SameHostTcpCheck();
+  ~SameHostTcpCheck();
+  SameHostTcpCheck(const SameHostTcpCheck&) = delete;
+  SameHostTcpCheck& operator=(const SameHostTcpCheck&) = delete;
+
+ private:
+  bool was_;
+};
+bool SameHostTcpChecked();
+bool SameHostListenerAdmitted(const std::vector<unsigned long long>& inodes,
+                              const std::string& where);
+
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
 // 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message
 // (a 13-byte message from a peer: about 2 KiB of log). QuietUnusedUctIds gives every id

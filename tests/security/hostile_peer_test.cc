@@ -518,14 +518,16 @@ class PosixDirectory {
 // sandbox) it finds them unreachable, so these cases run unsandboxed (BUILD).
 TEST_CASE("a same-host peer giving another agent's UCX worker address is refused") {
   // The victim's receive FIFO: System V (UCX's first choice), posix by /proc/PID/fd
-  // link, posix by name under /dev/shm, posix by name in a directory.
-  const int fifo = GENERATE(0, 1, 2, 3);
+  // link, posix by name under /dev/shm, posix by name in a directory; or none (4), so
+  // that prefill's UCX takes the victim's TCP port on loopback (and cma, whose RMA lane
+  // makes UCP emulate puts over TCP: the build before wrote the victim's page).
+  const int fifo = GENERATE(0, 1, 2, 3, 4);
   AgentPair pair;
   PosixDirectory directory;
   cli::DaemonOptions options;
-  if (fifo > 0) options.env["UCX_TLS"] = "^sysv";
-  if (fifo > 1) options.env["UCX_POSIX_USE_PROC_LINK"] = "n";
-  if (fifo > 2) options.env["UCX_POSIX_DIR"] = directory.path();
+  if (fifo > 0) options.env["UCX_TLS"] = fifo == 4 ? "tcp,cma,self" : "^sysv";
+  if (fifo == 2 || fifo == 3) options.env["UCX_POSIX_USE_PROC_LINK"] = "n";
+  if (fifo == 3) options.env["UCX_POSIX_DIR"] = directory.path();
   INFO("victim's FIFO " << fifo);
   auto binary = cli::FindKvagentd("");
   REQUIRE(binary.ok());
@@ -553,7 +555,8 @@ TEST_CASE("a same-host peer giving another agent's UCX worker address is refused
       fmt::format("UCX was to attach shared memory of pid {}, no peer proven on this host",
                   victim.pid()),
       "UCX was to open the shared memory file /dev/shm/ucx_shm_posix_",
-      "the peer's posix receive FIFO is a file in a directory its worker address names"};
+      "the peer's posix receive FIFO is a file in a directory its worker address names",
+      "a TCP port on this host that no peer proven on this host listens on"};
   CHECK_THAT(std::string(connected.status().message()),
              Catch::Contains("peer 'mallory'") && Catch::Contains(refusal[fifo]));
   bool untouched = true;

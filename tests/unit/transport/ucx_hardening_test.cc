@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -570,6 +572,40 @@ TEST_CASE("UCX reaches another process of this host only while a local door hold
   TakeSameHostRefusal();
 }
 
+// A child process that runs `hold` (what it keeps open, and a number it reports: an
+// inode, say) and waits, holding it, until this object goes.
+class HoldingChild {
+ public:
+  explicit HoldingChild(const std::function<unsigned long long()>& hold) {
+    REQUIRE(::pipe(ready_) == 0);
+    REQUIRE(::pipe(release_) == 0);
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      const unsigned long long reported = hold();
+      (void)!::write(ready_[1], &reported, sizeof reported);
+      char byte = 0;
+      (void)!::read(release_[0], &byte, 1);
+      ::_exit(0);
+    }
+    REQUIRE(::read(ready_[0], &reported_, sizeof reported_) == sizeof reported_);
+  }
+  ~HoldingChild() {
+    (void)!::write(release_[1], "x", 1);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    for (const int end : {ready_[0], ready_[1], release_[0], release_[1]}) ::close(end);
+  }
+  pid_t pid() const { return pid_; }
+  unsigned long long reported() const { return reported_; }
+
+ private:
+  int ready_[2] = {-1, -1};
+  int release_[2] = {-1, -1};
+  pid_t pid_ = -1;
+  unsigned long long reported_ = 0;
+};
+
 // A posix segment opened by name (a peer whose UCX runs with UCX_POSIX_USE_PROC_LINK=n)
 // names no process: the file must be mapped by this process or by a pid a local door
 // holds, and be a regular file.
@@ -594,31 +630,18 @@ TEST_CASE("a posix segment opened by name is admitted only when a proven process
                                            "neither this agent nor a peer proven on this host "
                                            "has mapped",
                                            path)));
-  // Another process maps it: admitted only while a door holds that process's pid.
-  int ready[2], release[2];
-  REQUIRE(::pipe(ready) == 0);
-  REQUIRE(::pipe(release) == 0);
-  const pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    void* mapped = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    char byte = mapped == MAP_FAILED ? 'x' : 'm';
-    (void)!::write(ready[1], &byte, 1);
-    (void)!::read(release[0], &byte, 1);
-    ::_exit(0);
+  {
+    // Another process maps it: admitted only while a door holds that process's pid.
+    HoldingChild child([fd] {
+      return ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) != MAP_FAILED;
+    });
+    REQUIRE(child.reported() == 1);
+    CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));
+    AllowSameHostPeer(child.pid());
+    CHECK(SameHostFileAdmitted(fd, path.c_str()));
+    ForgetSameHostPeer(child.pid());
+    CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));
   }
-  char mapped = 0;
-  REQUIRE(::read(ready[0], &mapped, 1) == 1);
-  REQUIRE(mapped == 'm');
-  CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));
-  AllowSameHostPeer(child);
-  CHECK(SameHostFileAdmitted(fd, path.c_str()));
-  ForgetSameHostPeer(child);
-  CHECK_FALSE(SameHostFileAdmitted(fd, path.c_str()));
-  REQUIRE(::write(release[1], "x", 1) == 1);
-  int status = 0;
-  REQUIRE(::waitpid(child, &status, 0) == child);
-  for (const int end : {ready[0], ready[1], release[0], release[1]}) ::close(end);
   // This process maps it: its own segment.
   void* own = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   REQUIRE(own != MAP_FAILED);
@@ -637,6 +660,57 @@ TEST_CASE("a posix segment opened by name is admitted only when a proven process
   ::close(fifo_fd);
   ::unlink(fifo.c_str());
   CHECK(SameHostRefusals() == before + 4);
+}
+
+// UCX's TCP connections to this host for a peer proven at the local door: the port
+// must be held by a process a door proved, never by this process itself.
+TEST_CASE("a TCP port on this host is admitted only when a proven process listens on it") {
+  Hardened h = Hardened::Make();
+  CHECK_FALSE(SameHostTcpChecked());
+  {
+    SameHostTcpCheck outer;
+    {
+      SameHostTcpCheck inner;
+      CHECK(SameHostTcpChecked());
+    }
+    CHECK(SameHostTcpChecked());
+  }
+  CHECK_FALSE(SameHostTcpChecked());
+
+  TakeSameHostRefusal();
+  const uint64_t before = SameHostRefusals();
+  {
+    HoldingChild child([] {
+      const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+      struct stat socket_file {};
+      return listener >= 0 && ::listen(listener, 1) == 0 && ::fstat(listener, &socket_file) == 0
+                 ? static_cast<unsigned long long>(socket_file.st_ino)
+                 : 0ULL;
+    });
+    const unsigned long long inode = child.reported();
+    REQUIRE(inode != 0);
+    CHECK(SameHostListenerAdmitted({}, "nobody"));  // none listens: the connect fails itself
+    CHECK_FALSE(SameHostListenerAdmitted({inode}, "127.0.0.1:1"));
+    CHECK_THAT(TakeSameHostRefusal(),
+               Catch::StartsWith("UCX was to connect to 127.0.0.1:1, a TCP port on this host "
+                                 "that no peer proven on this host listens on"));
+    AllowSameHostPeer(child.pid());
+    CHECK(SameHostListenerAdmitted({inode}, "127.0.0.1:1"));
+    ForgetSameHostPeer(child.pid());
+    CHECK_FALSE(SameHostListenerAdmitted({inode}, "127.0.0.1:1"));
+  }
+  // This process's own port: never, held or not.
+  const int own = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(own >= 0);
+  REQUIRE(::listen(own, 1) == 0);
+  struct stat own_file {};
+  REQUIRE(::fstat(own, &own_file) == 0);
+  AllowSameHostPeer(::getpid());
+  CHECK_FALSE(SameHostListenerAdmitted({own_file.st_ino}, "127.0.0.1:2"));
+  ForgetSameHostPeer(::getpid());
+  ::close(own);
+  CHECK(SameHostRefusals() == before + 3);
+  TakeSameHostRefusal();
 }
 
 // UCX 1.13 attaches a peer's posix FIFO in a named directory with its own interface's

@@ -152,6 +152,47 @@ bool AcceptFrom(uid_t uid, Where where, Accepted* out) {
   return true;
 }
 
+// Where a connection to an address of this host lands: the sockets listening on its
+// port at that address or a wildcard one, of either file (a dual-stack listener lists
+// an IPv4 address in its mapped form).
+TEST_CASE("the listeners a connection to this host would reach are read from /proc/net/tcp") {
+  constexpr const char* kListeners =
+      "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+      "   0: 0100007F:DF35 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0\n"
+      "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5151 1 0000000000000000 100 0 0 10 0\n"
+      "   2: 0100007F:DF36 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 778 1 0000000000000000 20 4 30 10 -1\n";
+  constexpr const char* kListeners6 =
+      "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+      "   0: 00000000000000000000000000000000:1F91 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 6161 1 0000000000000000 100 0 0 10 0\n"
+      "   1: 0000000000000000FFFF00000100007F:1F92 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 7171 1 0000000000000000 100 0 0 10 0\n";
+  using Inodes = std::vector<unsigned long long>;
+  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.1", 57141)) == Inodes{4242});
+  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.1", 8080)) == Inodes{5151});  // 0.0.0.0
+  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.1", 57142)).empty());  // connected, not listening
+  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.2", 57141)).empty());
+  CHECK(internal::ListenerInodes(kListeners6, V4("127.0.0.1", 8081)) == Inodes{6161});  // [::]
+  CHECK(internal::ListenerInodes(kListeners6, V4("127.0.0.1", 8082)) == Inodes{7171});  // mapped
+  CHECK(internal::ListenerInodes(kListeners6, V6("::1", 8081)) == Inodes{6161});
+  CHECK(internal::ListenerInodes(kListeners6, V6("::1", 8082)).empty());
+  // This host's: a real listener here is found; another host's address is not looked at.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(listener >= 0);
+  sockaddr_storage bound = V4("127.0.0.1", 0);
+  REQUIRE(::bind(listener, reinterpret_cast<sockaddr*>(&bound), sizeof(sockaddr_in)) == 0);
+  REQUIRE(::listen(listener, 1) == 0);
+  socklen_t length = sizeof bound;
+  REQUIRE(::getsockname(listener, reinterpret_cast<sockaddr*>(&bound), &length) == 0);
+  const auto here = UcxTcpLocalListeners(reinterpret_cast<sockaddr*>(&bound), length);
+  REQUIRE(here.has_value());
+  CHECK(here->size() == 1);
+  CHECK(UcxTcpAddressText(reinterpret_cast<sockaddr*>(&bound), length) ==
+        "127.0.0.1:" + std::to_string(ntohs(reinterpret_cast<sockaddr_in&>(bound).sin_port)));
+  ::close(listener);
+  sockaddr_storage elsewhere = V4("192.0.2.7", 80);  // TEST-NET-1: no interface has it
+  CHECK_FALSE(UcxTcpLocalListeners(reinterpret_cast<sockaddr*>(&elsewhere), sizeof(sockaddr_in))
+                  .has_value());
+}
+
 TEST_CASE("the guard keeps a loopback connection from an allowed uid and refuses another's") {
   if (geteuid() != 0) KVAGENT_SKIP("needs root: the connecting process runs as uid 65534");
   GuardUcxTcpAccepts({0});
