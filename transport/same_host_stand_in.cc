@@ -180,7 +180,7 @@ extern "C" int shm_open(const char* name, int flags, mode_t mode) {
     errno = ENOSYS;
     return -1;
   }
-  if ((flags & O_CREAT) != 0 || !CalledByUcx(__builtin_return_address(0))) {
+  if (name == nullptr || (flags & O_CREAT) != 0 || !CalledByUcx(__builtin_return_address(0))) {
     return next(name, flags, mode);
   }
   const std::string path = std::string("/dev/shm") + (name[0] == '/' ? "" : "/") + name;

@@ -22,6 +22,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -967,13 +968,15 @@ SameHostTcpCheck::~SameHostTcpCheck() { t_tcp_checked = was_; }
 bool SameHostTcpChecked() { return t_tcp_checked; }
 
 namespace {
-// True when process `pid` holds a socket whose inode is in `inodes`.
-bool HoldsSocket(int pid, const std::vector<unsigned long long>& inodes) {
+// Whether process `pid` holds one of `listeners` (by inode): kUnreadable where this
+// process may not read its descriptors (another uid's process).
+enum class Holds { kYes, kNo, kUnreadable };
+Holds HoldsSocket(int pid, const std::vector<std::pair<unsigned long long, uid_t>>& listeners) {
   const std::string folder = fmt::format("/proc/{}/fd", pid);
   DIR* fds = ::opendir(folder.c_str());
-  if (fds == nullptr) return false;
-  bool found = false;
-  while (!found) {
+  if (fds == nullptr) return errno == EACCES ? Holds::kUnreadable : Holds::kNo;
+  Holds holds = Holds::kNo;
+  while (holds == Holds::kNo) {
     const dirent* entry = ::readdir(fds);
     if (entry == nullptr) break;
     char target[64];
@@ -982,18 +985,26 @@ bool HoldsSocket(int pid, const std::vector<unsigned long long>& inodes) {
     if (n <= 0) continue;
     target[n] = '\0';
     unsigned long long inode = 0;
-    if (std::sscanf(target, "socket:[%llu]", &inode) == 1) {
-      found = std::find(inodes.begin(), inodes.end(), inode) != inodes.end();
+    if (std::sscanf(target, "socket:[%llu]", &inode) != 1) continue;
+    for (const auto& [listener, owner] : listeners) {
+      if (listener == inode) holds = Holds::kYes;
     }
   }
   ::closedir(fds);
-  return found;
+  return holds;
+}
+
+// The uid that owns process `pid`, when it can be read.
+std::optional<uid_t> ProcessUid(int pid) {
+  struct stat process {};
+  if (::stat(fmt::format("/proc/{}", pid).c_str(), &process) != 0) return std::nullopt;
+  return process.st_uid;
 }
 }  // namespace
 
-bool SameHostListenerAdmitted(const std::vector<unsigned long long>& inodes,
+bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, uid_t>>& listeners,
                               const std::string& where) {
-  if (!g_same_host_armed.load(std::memory_order_relaxed) || inodes.empty()) return true;
+  if (!g_same_host_armed.load(std::memory_order_relaxed) || listeners.empty()) return true;
   std::vector<int> pids;
   {
     absl::MutexLock lock(&g_same_host_mu);
@@ -1002,7 +1013,14 @@ bool SameHostListenerAdmitted(const std::vector<unsigned long long>& inodes,
     }
   }
   for (const int pid : pids) {
-    if (HoldsSocket(pid, inodes)) return true;
+    const Holds holds = HoldsSocket(pid, listeners);
+    if (holds == Holds::kYes) return true;
+    if (holds == Holds::kUnreadable) {
+      const std::optional<uid_t> uid = ProcessUid(pid);
+      for (const auto& [listener, owner] : listeners) {
+        if (uid.has_value() && owner == *uid) return true;
+      }
+    }
   }
   NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
               fmt::format("UCX was to connect to {}, a TCP port on this host that no peer "

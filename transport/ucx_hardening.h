@@ -29,10 +29,12 @@
 // differs is refused with the reason instead of patched blindly.
 #pragma once
 
+#include <sys/types.h>
 #include <uct/api/uct.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -163,8 +165,10 @@ bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_by
 // of a peer uid (ucx_tcp_guard.h) and serves its peers' regions to it. While a
 // SameHostTcpCheck lives on the thread (Endpoint::Connect, for such endpoints),
 // kvagentd's connect() stand-in asks SameHostListenerAdmitted about UCX's connections to
-// this host: one of the listening sockets (`inodes`, UcxTcpLocalListeners) must be held
-// by a pid a local door proved (as SameHostTargetAdmitted, never this process itself);
+// this host: one of the listening sockets (`listeners`, each an inode and its owner's
+// uid: UcxTcpLocalListeners) must be held by a pid a local door proved (as
+// SameHostTargetAdmitted, never this process itself). A proven pid whose descriptors
+// this process may not read (another uid's) passes where a listener is of its uid.
 // `where` names the port in the refusal, counted, logged and noted as above. With no
 // listener the connection goes on (and fails by itself).
 class SameHostTcpCheck {
@@ -178,7 +182,7 @@ class SameHostTcpCheck {
   bool was_;
 };
 bool SameHostTcpChecked();
-bool SameHostListenerAdmitted(const std::vector<unsigned long long>& inodes,
+bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, uid_t>>& listeners,
                               const std::string& where);
 
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX

@@ -213,8 +213,8 @@ std::optional<uid_t> ConnectorUid(std::string_view proc_net_tcp, const sockaddr_
   return std::nullopt;
 }
 
-std::vector<unsigned long long> ListenerInodes(std::string_view proc_net_tcp,
-                                               const sockaddr_storage& to) {
+std::vector<std::pair<unsigned long long, uid_t>> Listeners(std::string_view proc_net_tcp,
+                                                            const sockaddr_storage& to) {
   const std::string exact = ProcForm(to);
   const std::string port = exact.substr(exact.find(':'));
   std::vector<std::string> forms{exact, std::string(32, '0') + port};
@@ -223,20 +223,20 @@ std::vector<unsigned long long> ListenerInodes(std::string_view proc_net_tcp,
     // A dual-stack listener lists an IPv4 address as ::ffff:a.b.c.d (the kernel's words).
     forms.push_back("0000000000000000FFFF0000" + exact);
   }
-  std::vector<unsigned long long> inodes;
+  std::vector<std::pair<unsigned long long, uid_t>> listeners;
   for (const ProcTcpEntry& entry : ProcNetTcpEntries(proc_net_tcp)) {
     if (entry.state != "0A" || entry.inode == 0) continue;
     if (std::find(forms.begin(), forms.end(), entry.local) != forms.end()) {
-      inodes.push_back(entry.inode);
+      listeners.emplace_back(entry.inode, entry.uid);
     }
   }
-  return inodes;
+  return listeners;
 }
 
 }  // namespace internal
 
-std::optional<std::vector<unsigned long long>> UcxTcpLocalListeners(const sockaddr* to,
-                                                                    socklen_t length) {
+std::optional<std::vector<std::pair<unsigned long long, uid_t>>> UcxTcpLocalListeners(
+    const sockaddr* to, socklen_t length) {
   if (to == nullptr || (to->sa_family != AF_INET && to->sa_family != AF_INET6) ||
       length > sizeof(sockaddr_storage)) {
     return std::nullopt;
@@ -245,13 +245,12 @@ std::optional<std::vector<unsigned long long>> UcxTcpLocalListeners(const sockad
   std::memcpy(&address, to, length);
   address = Unmapped(address);
   if (!OfThisHost(address)) return std::nullopt;
-  std::vector<unsigned long long> inodes;
+  std::vector<std::pair<unsigned long long, uid_t>> listeners;
   for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    const std::vector<unsigned long long> found =
-        internal::ListenerInodes(ReadFileText(file).value_or(""), address);
-    inodes.insert(inodes.end(), found.begin(), found.end());
+    const auto found = internal::Listeners(ReadFileText(file).value_or(""), address);
+    listeners.insert(listeners.end(), found.begin(), found.end());
   }
-  return inodes;
+  return listeners;
 }
 
 std::string UcxTcpAddressText(const sockaddr* to, socklen_t length) {

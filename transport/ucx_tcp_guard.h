@@ -27,6 +27,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace kvagent::transport {
@@ -77,13 +78,13 @@ bool UcxTcpGuarded();
 // Connections the guard closed.
 uint64_t UcxTcpRefusedConnections();
 
-// Where a connection to `to` would land on this host: the inodes of the sockets
-// listening on its port at its address or a wildcard one (/proc/net/tcp and tcp6); an
-// empty list when none listens there, nullopt when `to` is not an address of this host
-// (nor loopback) or not IPv4 or IPv6. For the same-host guard (ucx_hardening.h), which
-// asks who holds them.
-std::optional<std::vector<unsigned long long>> UcxTcpLocalListeners(const sockaddr* to,
-                                                                    socklen_t length);
+// Where a connection to `to` would land on this host: the sockets listening on its port
+// at its address or a wildcard one (/proc/net/tcp and tcp6), each as its inode and its
+// owner's uid; an empty list when none listens there, nullopt when `to` is not an
+// address of this host (nor loopback) or not IPv4 or IPv6. For the same-host guard
+// (ucx_hardening.h), which asks who holds them.
+std::optional<std::vector<std::pair<unsigned long long, uid_t>>> UcxTcpLocalListeners(
+    const sockaddr* to, socklen_t length);
 // `to` as "host:port" ("[host]:port" for IPv6), for messages.
 std::string UcxTcpAddressText(const sockaddr* to, socklen_t length);
 
@@ -166,11 +167,11 @@ std::vector<ProcTcpEntry> ProcNetTcpEntries(std::string_view text);
 std::optional<uid_t> ConnectorUid(std::string_view proc_net_tcp, const sockaddr_storage& peer,
                                   const sockaddr_storage& local);
 
-// The inodes of the live sockets listening (state 0A) at `to`'s port on its address,
-// on the wildcard address of its family, or (for IPv4, in tcp6's text) on its
-// IPv4-mapped form, from the text of /proc/net/tcp or tcp6.
-std::vector<unsigned long long> ListenerInodes(std::string_view proc_net_tcp,
-                                               const sockaddr_storage& to);
+// The live sockets listening (state 0A) at `to`'s port on its address, on the wildcard
+// address of its family, or (for IPv4, in tcp6's text) on its IPv4-mapped form, from
+// the text of /proc/net/tcp or tcp6: each one's inode and owner's uid.
+std::vector<std::pair<unsigned long long, uid_t>> Listeners(std::string_view proc_net_tcp,
+                                                            const sockaddr_storage& to);
 
 }  // namespace internal
 }  // namespace kvagent::transport

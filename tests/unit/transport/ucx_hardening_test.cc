@@ -690,14 +690,14 @@ TEST_CASE("a TCP port on this host is admitted only when a proven process listen
     const unsigned long long inode = child.reported();
     REQUIRE(inode != 0);
     CHECK(SameHostListenerAdmitted({}, "nobody"));  // none listens: the connect fails itself
-    CHECK_FALSE(SameHostListenerAdmitted({inode}, "127.0.0.1:1"));
+    CHECK_FALSE(SameHostListenerAdmitted({{inode, ::getuid()}}, "127.0.0.1:1"));
     CHECK_THAT(TakeSameHostRefusal(),
                Catch::StartsWith("UCX was to connect to 127.0.0.1:1, a TCP port on this host "
                                  "that no peer proven on this host listens on"));
     AllowSameHostPeer(child.pid());
-    CHECK(SameHostListenerAdmitted({inode}, "127.0.0.1:1"));
+    CHECK(SameHostListenerAdmitted({{inode, ::getuid()}}, "127.0.0.1:1"));
     ForgetSameHostPeer(child.pid());
-    CHECK_FALSE(SameHostListenerAdmitted({inode}, "127.0.0.1:1"));
+    CHECK_FALSE(SameHostListenerAdmitted({{inode, ::getuid()}}, "127.0.0.1:1"));
   }
   // This process's own port: never, held or not.
   const int own = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -706,7 +706,7 @@ TEST_CASE("a TCP port on this host is admitted only when a proven process listen
   struct stat own_file {};
   REQUIRE(::fstat(own, &own_file) == 0);
   AllowSameHostPeer(::getpid());
-  CHECK_FALSE(SameHostListenerAdmitted({own_file.st_ino}, "127.0.0.1:2"));
+  CHECK_FALSE(SameHostListenerAdmitted({{own_file.st_ino, ::getuid()}}, "127.0.0.1:2"));
   ForgetSameHostPeer(::getpid());
   ::close(own);
   CHECK(SameHostRefusals() == before + 3);

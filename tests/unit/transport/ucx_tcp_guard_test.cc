@@ -159,21 +159,21 @@ TEST_CASE("the listeners a connection to this host would reach are read from /pr
   constexpr const char* kListeners =
       "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
       "   0: 0100007F:DF35 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0\n"
-      "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5151 1 0000000000000000 100 0 0 10 0\n"
+      "   1: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 5151 1 0000000000000000 100 0 0 10 0\n"
       "   2: 0100007F:DF36 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 778 1 0000000000000000 20 4 30 10 -1\n";
   constexpr const char* kListeners6 =
       "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
       "   0: 00000000000000000000000000000000:1F91 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 6161 1 0000000000000000 100 0 0 10 0\n"
       "   1: 0000000000000000FFFF00000100007F:1F92 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 7171 1 0000000000000000 100 0 0 10 0\n";
-  using Inodes = std::vector<unsigned long long>;
-  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.1", 57141)) == Inodes{4242});
-  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.1", 8080)) == Inodes{5151});  // 0.0.0.0
-  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.1", 57142)).empty());  // connected, not listening
-  CHECK(internal::ListenerInodes(kListeners, V4("127.0.0.2", 57141)).empty());
-  CHECK(internal::ListenerInodes(kListeners6, V4("127.0.0.1", 8081)) == Inodes{6161});  // [::]
-  CHECK(internal::ListenerInodes(kListeners6, V4("127.0.0.1", 8082)) == Inodes{7171});  // mapped
-  CHECK(internal::ListenerInodes(kListeners6, V6("::1", 8081)) == Inodes{6161});
-  CHECK(internal::ListenerInodes(kListeners6, V6("::1", 8082)).empty());
+  using Inodes = std::vector<std::pair<unsigned long long, uid_t>>;
+  CHECK(internal::Listeners(kListeners, V4("127.0.0.1", 57141)) == Inodes{{4242, 0}});
+  CHECK(internal::Listeners(kListeners, V4("127.0.0.1", 8080)) == Inodes{{5151, 1000}});  // 0.0.0.0
+  CHECK(internal::Listeners(kListeners, V4("127.0.0.1", 57142)).empty());  // connected, not listening
+  CHECK(internal::Listeners(kListeners, V4("127.0.0.2", 57141)).empty());
+  CHECK(internal::Listeners(kListeners6, V4("127.0.0.1", 8081)) == Inodes{{6161, 0}});  // [::]
+  CHECK(internal::Listeners(kListeners6, V4("127.0.0.1", 8082)) == Inodes{{7171, 0}});  // mapped
+  CHECK(internal::Listeners(kListeners6, V6("::1", 8081)) == Inodes{{6161, 0}});
+  CHECK(internal::Listeners(kListeners6, V6("::1", 8082)).empty());
   // This host's: a real listener here is found; another host's address is not looked at.
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   REQUIRE(listener >= 0);
