@@ -3,9 +3,12 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -99,6 +102,36 @@ ucs_memory_type_t ToUcs(MemoryType type) {
   return type == MemoryType::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
 }
 
+// UCX 1.13 run with UCX_POSIX_USE_PROC_LINK=n and a UCX_POSIX_DIR other than /dev/shm
+// puts the directory in its posix interface's address, after the segment id's 8 bytes,
+// and stops the process on an assertion when it packs a worker address whose interface
+// address passes 63 bytes (a 144-character directory: "value 153, max_value 63").
+// Refused before UCX starts, with the limit.
+absl::Status CheckPosixDirectory() {
+  const char* link = std::getenv("UCX_POSIX_USE_PROC_LINK");
+  const char* directory = std::getenv("UCX_POSIX_DIR");
+  if (link == nullptr || directory == nullptr) return absl::OkStatus();
+  std::string off(link);
+  std::transform(off.begin(), off.end(), off.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (off != "n" && off != "no" && off != "off" && off != "0" && off != "false") {
+    return absl::OkStatus();
+  }
+  constexpr size_t kMaxInterfaceAddress = 63, kSegmentId = 8;
+  const size_t length = std::strlen(directory);
+  if (std::string_view(directory) == "/dev/shm" ||
+      kSegmentId + length + 1 <= kMaxInterfaceAddress) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(fmt::format(
+      "UCX context: UCX_POSIX_DIR is {} characters ({}); with UCX_POSIX_USE_PROC_LINK={} "
+      "UCX 1.13 puts it in its posix interface's address, which holds 63 bytes (the "
+      "segment id's 8, the path and its end), and stops the agent on an assertion when it "
+      "packs the address; use a directory of at most {} characters, or leave "
+      "UCX_POSIX_USE_PROC_LINK at its default (y)",
+      length, directory, link, kMaxInterfaceAddress - kSegmentId - 1));
+}
+
 std::string MemlockText() {
   struct rlimit limit {};
   if (getrlimit(RLIMIT_MEMLOCK, &limit) != 0) return "RLIMIT_MEMLOCK unknown";
@@ -126,6 +159,7 @@ absl::StatusOr<std::unique_ptr<UcxContext>> UcxContext::Create() {
   // under load here; without it puts go as active messages, which also measured
   // faster (0.36 vs 0.25 GB/s). An explicit UCX_TCP_PUT_ENABLE still wins.
   setenv("UCX_TCP_PUT_ENABLE", "n", /*overwrite=*/0);
+  if (absl::Status posix = CheckPosixDirectory(); !posix.ok()) return posix;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) {
     return absl::FailedPreconditionError(fmt::format(

@@ -101,6 +101,32 @@ TEST_CASE("null or empty ranges are rejected naming the entry") {
   CHECK(null.status().message().find("aux.null") != std::string::npos);
 }
 
+// UCX 1.13 stops the process on an assertion when a posix directory named by
+// UCX_POSIX_DIR (with UCX_POSIX_USE_PROC_LINK=n) does not fit its 63-byte interface
+// address; the context refuses it first, with the limit. Within it, or with the link
+// on, UCX starts.
+TEST_CASE("a UCX_POSIX_DIR too long for UCX's interface address is refused before UCX starts") {
+  const std::string longest(54, 'd'), too_long(55, 'd');
+  ::setenv("UCX_POSIX_USE_PROC_LINK", "n", 1);
+  ::setenv("UCX_POSIX_DIR", ("/" + too_long.substr(1)).c_str(), 1);
+  auto refused = UcxContext::Create();
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(refused.status().message()),
+             Catch::Contains("UCX_POSIX_DIR is 55 characters") &&
+                 Catch::Contains("use a directory of at most 54 characters"));
+  ::setenv("UCX_POSIX_DIR", ("/" + longest.substr(1)).c_str(), 1);
+  auto fits = UcxContext::Create();
+  INFO(fits.status().ToString());
+  CHECK(fits.ok());
+  ::setenv("UCX_POSIX_DIR", ("/" + too_long.substr(1)).c_str(), 1);
+  ::setenv("UCX_POSIX_USE_PROC_LINK", "y", 1);  // the directory is not in the address
+  auto linked = UcxContext::Create();
+  INFO(linked.status().ToString());
+  CHECK(linked.ok());
+  ::unsetenv("UCX_POSIX_DIR");
+  ::unsetenv("UCX_POSIX_USE_PROC_LINK");
+}
+
 TEST_CASE("status and type names") {
   CHECK(MemoryTypeName(MemoryType::kHost) == "host");
   CHECK(MemoryTypeName(MemoryType::kCuda) == "cuda");
