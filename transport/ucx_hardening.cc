@@ -1052,11 +1052,12 @@ std::atomic<uct_iface_is_reachable_func_t> g_posix_reachable{nullptr};
 std::atomic<uct_ep_create_func_t> g_posix_ep_create{nullptr};
 std::atomic<size_t> g_posix_own_address_bytes{0};
 
-// UCX's posix is_reachable opens a peer's FIFO to see that it exists, and closes it.
-// Nothing is refused there: UCP, answering a peer's wireup request, fails on an
-// endpoint it found no lane for (UCX 1.13 asserts on its missing configuration), while
-// a lane that fails to connect fails the endpoint cleanly. The FIFO is checked when the
-// endpoint attaches it (CheckedPosixEpCreate, and the stand-ins' checks there).
+// Nothing is refused inside the posix interface's reachability probe (UCX releases after
+// 1.13 open a peer's FIFO there to see that it exists; 1.13 does not): UCP, answering a
+// peer's wireup request, fails on an endpoint it found no lane for (UCX 1.13 asserts on
+// its missing configuration), while a lane that fails to connect fails the endpoint
+// cleanly. The FIFO is checked when the endpoint attaches it (CheckedPosixEpCreate, and
+// the stand-ins' checks there).
 int CheckedPosixReachable(const uct_iface_h iface, const uct_device_addr_t* device,
                           const uct_iface_addr_t* address) {
   t_probing = true;
