@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -18,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "registry/cuda_vmm_mapping.h"
 #include "registry/device_memory_object.h"
+#include "transport/ucx_hardening.h"
 #include "transport/ucx_tcp_guard.h"
 
 namespace kvagent::agent {
@@ -485,6 +487,11 @@ void PeerManager::BuildSnapshot(
     } else {
       const std::string name = snapshot->name;
       const uint64_t incarnation = snapshot->incarnation;
+      // A peer proven at the local door: UCX's TCP connections to this host must reach
+      // a port that a proven peer's process listens on (its address offering no shared
+      // memory this agent reaches, UCX takes TCP on loopback).
+      std::optional<transport::SameHostTcpCheck> tcp_checked;
+      if (snapshot->same_host) tcp_checked.emplace();
       // kPeer mode only: UCX saw the peer fail (often before the next poll does).
       auto endpoint = transport::Endpoint::Connect(
           *worker_, snapshot->worker_address, snapshot->error_mode,
@@ -496,6 +503,7 @@ void PeerManager::BuildSnapshot(
                 name, incarnation, fmt::format("its UCX endpoint failed: {}", status.message()),
                 /*endpoint_failed=*/true);
           });
+      tcp_checked.reset();
       if (!endpoint.ok()) {
         done(absl::Status(endpoint.status().code(),
                           fmt::format("peer '{}': cannot open a UCX endpoint: {}", name,

@@ -158,19 +158,19 @@ bool SameHostFileAdmitted(int fd, const char* path);
 void WatchPosixInterface(void* uct_iface);
 bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_bytes);
 
-// UCX's TCP transport between same-host processes. A peer proven at the local door gets
-// an endpoint without peer error handling, and where its worker address offers no
-// shared memory this agent reaches, UCX takes TCP on loopback; the address's port is
-// read by UCX alone, and another agent's port there keeps a connection from any process
-// of a peer uid (ucx_tcp_guard.h) and serves its peers' regions to it. While a
-// SameHostTcpCheck lives on the thread (Endpoint::Connect, for such endpoints),
-// kvagentd's connect() stand-in asks SameHostListenerAdmitted about UCX's connections to
-// this host: one of the listening sockets (`listeners`, each an inode and its owner's
-// uid: UcxTcpLocalListeners) must be held by a pid a local door proved (as
-// SameHostTargetAdmitted, never this process itself). A proven pid whose descriptors
-// this process may not read (another uid's) passes where a listener is of its uid.
-// `where` names the port in the refusal, counted, logged and noted as above. With no
-// listener the connection goes on (and fails by itself).
+// UCX's TCP transport between same-host processes. Where the worker address of a peer
+// proven at the local door offers no shared memory this agent reaches (or the endpoint
+// has peer error handling), UCX takes TCP on loopback; the address's port is read by
+// UCX alone, and another agent's port there keeps a connection from any process of a
+// peer uid (ucx_tcp_guard.h) and serves its peers' regions to it. While a
+// SameHostTcpCheck lives on the thread (PeerManager, around Endpoint::Connect for such a
+// peer), kvagentd's connect() stand-in asks SameHostListenerAdmitted about UCX's
+// connections to this host: one of the listening sockets (`listeners`, each an inode
+// and its owner's uid: UcxTcpLocalListeners) must be held by a pid a local door proved
+// (as SameHostTargetAdmitted, never this process itself). A proven pid whose
+// descriptors this process may not read (another uid's) passes where a listener is of
+// its uid. `where` names the port in the refusal, counted, logged and noted as above.
+// With no listener the connection goes on (and fails by itself).
 class SameHostTcpCheck {
  public:
   SameHostTcpCheck();

@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -1099,14 +1098,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
     params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
   }
   TakeSameHostRefusal();  // none left from an earlier call on this thread
-  ucs_status_t status;
-  {
-    // Without error handling: a peer proven at the local door, whose TCP port UCX may
-    // take on loopback (its address offering no shared memory this agent reaches).
-    std::optional<SameHostTcpCheck> tcp_checked;
-    if (mode == ErrorMode::kNone) tcp_checked.emplace();
-    status = ucp_ep_create(worker.get(), &params, &endpoint->ep_);
-  }
+  ucs_status_t status = ucp_ep_create(worker.get(), &params, &endpoint->ep_);
   // A reach refused while UCX set the endpoint up names something that is not the
   // peer's: the peer is refused, even should UCX have gone on without that lane.
   if (std::string refused = TakeSameHostRefusal(); !refused.empty()) {

@@ -520,9 +520,12 @@ TEST_CASE("a same-host peer giving another agent's UCX worker address is refused
   // The victim's receive FIFO: System V (UCX's first choice), posix by /proc/PID/fd
   // link, posix by name under /dev/shm, posix by name in a directory; or none (4), so
   // that prefill's UCX takes the victim's TCP port on loopback (and cma, whose RMA lane
-  // makes UCP emulate puts over TCP: the build before wrote the victim's page).
-  const int fifo = GENERATE(0, 1, 2, 3, 4);
-  AgentPair pair;
+  // makes UCP emulate puts over TCP: the build before wrote the victim's page); or (5)
+  // prefill runs with peer error handling, which takes TCP alone.
+  const int fifo = GENERATE(0, 1, 2, 3, 4, 5);
+  AgentPairOptions pair_options;
+  if (fifo == 5) pair_options.extra_args = {"--ucx-error-mode", "peer"};
+  AgentPair pair(pair_options);
   PosixDirectory directory;
   cli::DaemonOptions options;
   if (fifo > 0) options.env["UCX_TLS"] = fifo == 4 ? "tcp,cma,self" : "^sysv";
@@ -556,6 +559,7 @@ TEST_CASE("a same-host peer giving another agent's UCX worker address is refused
                   victim.pid()),
       "UCX was to open the shared memory file /dev/shm/ucx_shm_posix_",
       "the peer's posix receive FIFO is a file in a directory its worker address names",
+      "a TCP port on this host that no peer proven on this host listens on",
       "a TCP port on this host that no peer proven on this host listens on"};
   CHECK_THAT(std::string(connected.status().message()),
              Catch::Contains("peer 'mallory'") && Catch::Contains(refusal[fifo]));
