@@ -1,5 +1,8 @@
 #include "agent/peer_manager.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <chrono>
 #include <optional>
@@ -240,6 +243,35 @@ absl::Status PeerLink::Verify(const grpc::ClientContext& context,
   return absl::OkStatus();
 }
 
+namespace {
+// Whether `address` (HOST:PORT as dialled) is a door of this host, and the process that
+// listens there when it can be found.
+struct DoorOnHost {
+  bool this_host = false;
+  std::optional<int> pid;
+};
+DoorOnHost FindDoorProcess(const std::string& address) {
+  bool had_port = false;
+  const std::string host = HostOfDialled(address, &had_port);
+  if (!had_port) return {};
+  const std::string port = address.substr(address.rfind(':') + 1);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &found) != 0) return {};
+  DoorOnHost door;
+  for (const addrinfo* a = found; a != nullptr && !door.pid.has_value(); a = a->ai_next) {
+    const auto listeners = transport::UcxTcpLocalListeners(a->ai_addr, a->ai_addrlen);
+    if (!listeners.has_value()) continue;
+    door.this_host = true;
+    door.pid = transport::ProcessListeningOn(*listeners);
+  }
+  ::freeaddrinfo(found);
+  return door;
+}
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<PeerLink>> PeerManager::OpenLink(const std::string& address) const {
   auto link = std::make_shared<PeerLink>();
   link->address = address;
@@ -285,6 +317,23 @@ absl::StatusOr<std::shared_ptr<PeerLink>> PeerManager::OpenLink(const std::strin
         "it with --tls-cert, --tls-key and --tls-ca (or, on a trusted network only, "
         "--insecure-listen), or connect a same-host peer as unix:PATH",
         Printable(address, 256)));
+  }
+  if (!link->local) {
+    // A network door of this host: its process is held as a local door's would be, so
+    // that its UCX port passes the same-host TCP check; one whose process is not found
+    // (another uid's) leaves that check out, as before it.
+    const DoorOnHost door = FindDoorProcess(address);
+    if (door.pid.has_value()) {
+      kLog.Info("peer at {}: a door of this host, served by pid {}", Printable(address, 256),
+                *door.pid);
+      link->same_host = transport::SameHostPeerHold(*door.pid);
+    } else if (door.this_host) {
+      kLog.Warn("peer at {}: a door of this host whose process this agent cannot see "
+                "(another uid's?): UCX's TCP connections to this host are not checked for "
+                "this peer",
+                Printable(address, 256));
+    }
+    link->tcp_checked = !door.this_host || door.pid.has_value();
   }
   link->stub = v1::Peer::NewStub(link->channel);
   return link;
@@ -469,8 +518,8 @@ void PeerManager::BuildSnapshot(
     for (const auto& region : metadata.regions()) rkeys.push_back(region.rkey());
   }
   worker_->Post([this, snapshot, previous, rkeys = std::move(rkeys),
-                 base_slots = std::move(base_slots), done = std::move(done),
-                 reuse_endpoint]() mutable {
+                 base_slots = std::move(base_slots), done = std::move(done), reuse_endpoint,
+                 tcp_check = link->tcp_checked]() mutable {
     const bool reused = reuse_endpoint && previous &&
                         previous->incarnation == snapshot->incarnation &&
                         previous->worker_address == snapshot->worker_address &&
@@ -487,11 +536,11 @@ void PeerManager::BuildSnapshot(
     } else {
       const std::string name = snapshot->name;
       const uint64_t incarnation = snapshot->incarnation;
-      // A peer proven at the local door: UCX's TCP connections to this host must reach
-      // a port that a proven peer's process listens on (its address offering no shared
-      // memory this agent reaches, UCX takes TCP on loopback).
+      // UCX's TCP connections to this host must reach a port a proven peer's process
+      // listens on: a same-host peer's address offering no shared memory this agent
+      // reaches takes TCP on loopback, and a network peer's address names no port here.
       std::optional<transport::SameHostTcpCheck> tcp_checked;
-      if (snapshot->same_host) tcp_checked.emplace();
+      if (tcp_check) tcp_checked.emplace();
       // kPeer mode only: UCX saw the peer fail (often before the next poll does).
       auto endpoint = transport::Endpoint::Connect(
           *worker_, snapshot->worker_address, snapshot->error_mode,

@@ -75,8 +75,12 @@ grpc::ChannelArguments PeerChannelArgs(bool keepalive);
 struct PeerLink {
   std::string address;
   bool local = false;  // unix:PATH: the peer's local door, kernel-identified
-  // Local: the pid behind the door, whose shared memory UCX may reach while this lives.
+  // The pid behind the door (local, or a network door of this host whose process was
+  // found), whose shared memory and TCP port UCX may reach while this lives.
   transport::SameHostPeerHold same_host;
+  // UCX's TCP connections to this host for this peer are checked (SameHostTcpCheck):
+  // false only for a network door of this host whose process was not found.
+  bool tcp_checked = true;
   bool tls = false;    // HOST:PORT with mutual TLS
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Peer::Stub> stub;

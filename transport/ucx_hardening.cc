@@ -1002,6 +1002,28 @@ std::optional<uid_t> ProcessUid(int pid) {
 }
 }  // namespace
 
+std::optional<int> ProcessListeningOn(
+    const std::vector<std::pair<unsigned long long, uid_t>>& listeners) {
+  DIR* processes = ::opendir("/proc");
+  if (processes == nullptr) return std::nullopt;
+  std::optional<int> found;
+  while (!found.has_value()) {
+    const dirent* entry = ::readdir(processes);
+    if (entry == nullptr) break;
+    char* end = nullptr;
+    const long pid = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0' || pid <= 0) continue;
+    const std::optional<uid_t> uid = ProcessUid(static_cast<int>(pid));
+    bool of_uid = false;
+    for (const auto& [listener, owner] : listeners) of_uid = of_uid || (uid && owner == *uid);
+    if (of_uid && HoldsSocket(static_cast<int>(pid), listeners) == Holds::kYes) {
+      found = static_cast<int>(pid);
+    }
+  }
+  ::closedir(processes);
+  return found;
+}
+
 bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, uid_t>>& listeners,
                               const std::string& where) {
   if (!g_same_host_armed.load(std::memory_order_relaxed) || listeners.empty()) return true;

@@ -33,6 +33,7 @@
 #include <uct/api/uct.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -106,8 +107,9 @@ void ArmSameHostGuard();
 // Counted: a pid held twice is forgotten twice.
 void AllowSameHostPeer(int pid);
 void ForgetSameHostPeer(int pid);
-// Holds a pid allowed (AllowSameHostPeer) for as long as it lives: what a local link to
-// a peer and a peer-role session keep. Empty (no pid) when default-made.
+// Holds a pid allowed (AllowSameHostPeer) for as long as it lives: what a link to a peer
+// of this host (its local door, or a network door whose process was found) and a
+// peer-role session keep. Empty (no pid) when default-made.
 class SameHostPeerHold {
  public:
   SameHostPeerHold() = default;
@@ -163,11 +165,13 @@ bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_by
 // has peer error handling), UCX takes TCP on loopback; the address's port is read by
 // UCX alone, and another agent's port there keeps a connection from any process of a
 // peer uid (ucx_tcp_guard.h) and serves its peers' regions to it. While a
-// SameHostTcpCheck lives on the thread (PeerManager, around Endpoint::Connect for such a
-// peer), kvagentd's connect() stand-in asks SameHostListenerAdmitted about UCX's
-// connections to this host: one of the listening sockets (`listeners`, each an inode
-// and its owner's uid: UcxTcpLocalListeners) must be held by a pid a local door proved
-// (as SameHostTargetAdmitted, never this process itself). A proven pid whose
+// SameHostTcpCheck lives on the thread (PeerManager, around Endpoint::Connect for a
+// peer: a network peer's address could name a port here too), kvagentd's connect()
+// stand-in asks SameHostListenerAdmitted about UCX's connections to this host: one of
+// the listening sockets (`listeners`, each an inode and its owner's uid:
+// UcxTcpLocalListeners) must be held by an allowed pid (as SameHostTargetAdmitted: a
+// local door's, or a network door's of this host, ProcessListeningOn; never this
+// process itself). A proven pid whose
 // descriptors this process may not read (another uid's) passes where a listener is of
 // its uid. `where` names the port in the refusal, counted, logged and noted as above.
 // With no listener the connection goes on (and fails by itself).
@@ -182,6 +186,13 @@ class SameHostTcpCheck {
   bool was_;
 };
 bool SameHostTcpChecked();
+// The process of this host holding one of `listeners` (the sockets listening at a
+// network door of this host: UcxTcpLocalListeners), looked for among the processes of
+// the listeners' uids whose descriptors this process may read; nullopt when none is
+// found. A peer at a network door of this host is then held (SameHostPeerHold) as one
+// at its local door is.
+std::optional<int> ProcessListeningOn(
+    const std::vector<std::pair<unsigned long long, uid_t>>& listeners);
 bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, uid_t>>& listeners,
                               const std::string& where);
 

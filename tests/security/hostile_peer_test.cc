@@ -430,12 +430,13 @@ struct RelayPeer {
   static std::string DoorBeside(const std::string& socket) {
     return socket.substr(0, socket.rfind('/')) + "/m.sock";
   }
-  RelayPeer(AgentPair& pair, cli::DaemonProcess& whose)
-      : door(DoorBeside(pair.prefill_process().local_socket())),
-        sessions(door),
+  // `network`: mallory is a network peer (127.0.0.1; prefill runs --insecure-listen).
+  RelayPeer(AgentPair& pair, cli::DaemonProcess& whose, bool network = false)
+      : door(network ? "" : DoorBeside(pair.prefill_process().local_socket())),
+        sessions(network ? nullptr : std::make_unique<LocalDoorSessions>(door)),
         mallory(View(whose), HostilePeer::Push::kSameVersion, 0, door) {}
   const std::string door;
-  LocalDoorSessions sessions;
+  std::unique_ptr<LocalDoorSessions> sessions;
   HostilePeer mallory;
 };
 
@@ -521,10 +522,12 @@ TEST_CASE("a same-host peer giving another agent's UCX worker address is refused
   // link, posix by name under /dev/shm, posix by name in a directory; or none (4), so
   // that prefill's UCX takes the victim's TCP port on loopback (and cma, whose RMA lane
   // makes UCP emulate puts over TCP: the build before wrote the victim's page); or (5)
-  // prefill runs with peer error handling, which takes TCP alone.
-  const int fifo = GENERATE(0, 1, 2, 3, 4, 5);
+  // prefill runs with peer error handling, which takes TCP alone; or (6) mallory is a
+  // network peer, whose endpoint takes TCP alone.
+  const int fifo = GENERATE(0, 1, 2, 3, 4, 5, 6);
   AgentPairOptions pair_options;
   if (fifo == 5) pair_options.extra_args = {"--ucx-error-mode", "peer"};
+  if (fifo == 6) pair_options.extra_args = {"--insecure-listen", "127.0.0.1:0"};
   AgentPair pair(pair_options);
   PosixDirectory directory;
   cli::DaemonOptions options;
@@ -547,7 +550,7 @@ TEST_CASE("a same-host peer giving another agent's UCX worker address is refused
   REQUIRE(created.ok());
   cli::KvPool pool = *std::move(created);
   std::memset(pool.mapping.data(), 0xEE, pool.bytes());
-  RelayPeer peer(pair, victim);
+  RelayPeer peer(pair, victim, /*network=*/fifo == 6);
   const absl::StatusOr<v1::PeerInfo> connected = ConnectAndRelay(pair, peer);
   INFO(connected.status().ToString());
   CHECK_FALSE(connected.ok());
@@ -559,6 +562,7 @@ TEST_CASE("a same-host peer giving another agent's UCX worker address is refused
                   victim.pid()),
       "UCX was to open the shared memory file /dev/shm/ucx_shm_posix_",
       "the peer's posix receive FIFO is a file in a directory its worker address names",
+      "a TCP port on this host that no peer proven on this host listens on",
       "a TCP port on this host that no peer proven on this host listens on",
       "a TCP port on this host that no peer proven on this host listens on"};
   CHECK_THAT(std::string(connected.status().message()),

@@ -689,6 +689,9 @@ TEST_CASE("a TCP port on this host is admitted only when a proven process listen
     });
     const unsigned long long inode = child.reported();
     REQUIRE(inode != 0);
+    // The process behind a listener is found (a network door of this host, say).
+    CHECK(ProcessListeningOn({{inode, ::getuid()}}) == std::optional<int>(child.pid()));
+    CHECK_FALSE(ProcessListeningOn({{inode, ::getuid() + 1}}).has_value());  // not its uid
     CHECK(SameHostListenerAdmitted({}, "nobody"));  // none listens: the connect fails itself
     CHECK_FALSE(SameHostListenerAdmitted({{inode, ::getuid()}}, "127.0.0.1:1"));
     CHECK_THAT(TakeSameHostRefusal(),
