@@ -6,8 +6,8 @@
 // open() at /proc/PID/fd/... paths, how UCX's posix transport attaches another
 // process's segment by default, and with shm_open() at UCX's posix segments opened by
 // name, which must be mapped by such a process (SameHostFileAdmitted); connect() at
-// connections to this host while UCX connects an endpoint for a peer proven at the
-// local door (SameHostListenerAdmitted). Every other call goes straight to libc.
+// connections to this host while UCX connects a peer's endpoint
+// (SameHostListenerAdmitted). Every other call goes straight to libc.
 // kvagentd links this object and exports the symbols (-Wl,--export-dynamic-symbol in
 // BUILD), so libucs's, libuct's and libuct_cma's calls bind to them; the next
 // definitions (libc's) do the work.
@@ -152,8 +152,8 @@ extern "C" int open(const char* path, int flags, ...) {
   return AdmittedFile(next(path, flags | O_NOFOLLOW | O_NONBLOCK, mode), path);
 }
 
-// UCX's TCP connections to this host, for an endpoint of a peer proven at the local door
-// (SameHostTcpChecked): the port must be one such a peer listens on.
+// UCX's TCP connections to this host, for a peer's endpoint (SameHostTcpChecked): the
+// port must be one a proven peer's process listens on.
 extern "C" int connect(int fd, const sockaddr* to, socklen_t length) {
   using ConnectFn = int (*)(int, const sockaddr*, socklen_t);
   static const auto next = Next<ConnectFn>("connect");
