@@ -245,10 +245,14 @@ std::optional<std::vector<std::pair<unsigned long long, uid_t>>> UcxTcpLocalList
   std::memcpy(&address, to, length);
   address = Unmapped(address);
   if (!OfThisHost(address)) return std::nullopt;
+  // Each file costs milliseconds to read (the kernel walks its whole table): an IPv4
+  // address is looked for in tcp6 (a dual-stack listener) only when tcp has none.
   std::vector<std::pair<unsigned long long, uid_t>> listeners;
-  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    const auto found = internal::Listeners(ReadFileText(file).value_or(""), address);
-    listeners.insert(listeners.end(), found.begin(), found.end());
+  if (address.ss_family == AF_INET) {
+    listeners = internal::Listeners(ReadFileText("/proc/net/tcp").value_or(""), address);
+  }
+  if (listeners.empty()) {
+    listeners = internal::Listeners(ReadFileText("/proc/net/tcp6").value_or(""), address);
   }
   return listeners;
 }
