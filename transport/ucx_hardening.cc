@@ -678,8 +678,11 @@ std::vector<std::string> UcxRefusedProtocols() {
       "domain)");
   names.push_back("remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)");
   names.push_back(
-      "shared memory attach or cma read or write of a process no local door proved "
-      "(a same-host peer's worker address naming another process)");
+      "shared memory attach, TCP connection or cma read or write to a process of this host "
+      "no door proved (a peer's worker address naming another process)");
+  names.push_back(
+      "peer's posix FIFO in a directory this agent's UCX cannot attach (UCX 1.13 would "
+      "abort)");
   return names;
 }
 

@@ -80,7 +80,7 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 10);
+  CHECK(refused.size() == 11);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data",
@@ -90,8 +90,10 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
         "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
         "domain)",
         "remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)",
-        "shared memory attach or cma read or write of a process no local door proved (a "
-        "same-host peer's worker address naming another process)"}) {
+        "shared memory attach, TCP connection or cma read or write to a process of this "
+        "host no door proved (a peer's worker address naming another process)",
+        "peer's posix FIFO in a directory this agent's UCX cannot attach (UCX 1.13 would "
+        "abort)"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
   // Every endpoint and request id a context gives out from here on is indirect.
