@@ -418,6 +418,9 @@ namespace {
 constexpr uint8_t kConnectionManager = UCT_AM_ID_MAX;
 constexpr uint8_t kPutRequest = UCT_AM_ID_MAX + 1;  // address, length, sequence number
 constexpr uint8_t kPutAck = UCT_AM_ID_MAX + 2;      // sequence number
+// uct_tcp_ep_check's keepalive (UCP checks each peer-error-handling endpoint with it,
+// every UCX_KEEPALIVE_INTERVAL, 20 s by default): UCT 1.13 skips its body, of any length.
+constexpr uint8_t kKeepalive = UCT_AM_ID_MAX + 3;
 constexpr uint32_t kPutRequestBytes = 8 + 8 + 4;
 constexpr uint32_t kPutAckBytes = 4;
 constexpr size_t kFrameHeaderBytes = 1 + 4;
@@ -429,7 +432,7 @@ std::string FrameRefusal(uint8_t id, uint32_t length, const internal::StreamRule
                        "({}; UCT aborts the process on it)",
                        length, id, rules.max_frame);
   }
-  if (id < UCT_AM_ID_MAX || id == kConnectionManager) return "";
+  if (id < UCT_AM_ID_MAX || id == kConnectionManager || id == kKeepalive) return "";
   if (id == kPutRequest) {
     if (length != kPutRequestBytes) {
       return fmt::format("a put request of {} bytes (UCT aborts on any but {})", length,

@@ -99,8 +99,10 @@ bool UcxTcpAdmit(int fd);
 // number, then frames of a 1-byte id, a 4-byte length and that many bytes (a put
 // request's frame is followed by its payload, unframed). UCT 1.13 aborts the process
 // (a failed assertion) on a frame longer than its receive buffer (UCX_TCP_RX_SEG_SIZE),
-// on an id it does not know, and on a put request or acknowledgement of another length
-// than its own: any process that connects could end the agent with five bytes. The
+// on an id it does not know (past the active messages': 32 connection manager, 33 put
+// request, 34 put acknowledgement, 35 keepalive, whose body UCT skips), and on a put
+// request or acknowledgement of another length than its own: any process that
+// connects could end the agent with five bytes. The
 // connection is closed at such a frame instead (the read says end of stream, the
 // socket is shut down), before UCT sees it. A put request's address is not checked:
 // kvagent's own agents send put requests over tcp (with a large staged chunk, most

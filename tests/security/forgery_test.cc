@@ -1931,6 +1931,28 @@ TEST_CASE("a same-host peer whose posix FIFO lies in a directory its address nam
   RequireHonestWrite(pair, "after-posix-directory", {3, 4}, {7, 8});
 }
 
+// Under peer error handling UCP checks its endpoints every UCX_KEEPALIVE_INTERVAL (20 s
+// by default) while its worker progresses, with UCT's keepalive frame: id 35 on tcp,
+// which UCT skips. kvagentd's stream check took it for an id UCT does not know and closed
+// the connection (the build before: the peer's endpoint failed at its first keepalive,
+// seen as 1 in 30 runs of the unknown-ids case above, whose sender progresses busily).
+TEST_CASE("a peer's UCX keepalives over TCP keep its connection to the agent") {
+  PairWithEve on;
+  auto& [pair, decode_status, eve, metadata] = on;
+  const uint64_t dropped_before = Dropped(decode_status);
+  ::setenv("UCX_KEEPALIVE_INTERVAL", "10ms", 1);  // this context only
+  StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/true, "");  // tcp
+  ::unsetenv("UCX_KEEPALIVE_INTERVAL");
+  // A worker that progresses busily for 1.5 s: about 150 keepalive rounds.
+  const auto until = Clock::now() + std::chrono::milliseconds(1500);
+  while (Clock::now() < until && !stock.failed()) stock.Progress(1);
+  CHECK_FALSE(stock.failed());
+  auto status = decode_status.Status();
+  REQUIRE(status.ok());
+  CHECK(status->ucx_tcp_refused_connections() == 0);
+  CHECK(Dropped(decode_status) == dropped_before);
+}
+
 TEST_CASE("a peer's software get still queued when its region is released reads neither "
           "freed memory nor what is mapped there next") {
   AgentPairOptions options;
