@@ -853,8 +853,6 @@ absl::Mutex g_same_host_mu;
 std::map<int, int>* g_same_host_pids ABSL_GUARDED_BY(g_same_host_mu) = new std::map<int, int>();
 std::atomic<uint64_t> g_same_host_refused{0};
 thread_local std::string t_same_host_refusal;
-// Inside UCX's posix is_reachable (CheckedPosixReachable).
-thread_local bool t_probing = false;
 // UCX connects an endpoint for a peer proven at the local door (SameHostTcpCheck).
 thread_local bool t_tcp_checked = false;
 constexpr std::string_view kSameHostReach = "a reach of another process of this host";
@@ -875,7 +873,6 @@ void ForgetSameHostPeer(int pid) {
 
 bool SameHostTargetAdmitted(int pid, SameHostUse use) {
   if (!g_same_host_armed.load(std::memory_order_relaxed)) return true;
-  if (t_probing && use == SameHostUse::kAttach) return true;
   const bool own = pid == ::getpid();
   if (own && use == SameHostUse::kAttach) return true;
   if (!own) {
@@ -899,6 +896,19 @@ std::string TakeSameHostRefusal() {
 }
 
 uint64_t SameHostRefusals() { return g_same_host_refused.load(std::memory_order_relaxed); }
+
+namespace {
+// The pids held now (AllowSameHostPeer), this process's own left out: a snapshot, so
+// that /proc is read without the lock.
+std::vector<int> HeldPeerPids() {
+  std::vector<int> pids;
+  absl::MutexLock lock(&g_same_host_mu);
+  for (const auto& [pid, holds] : *g_same_host_pids) {
+    if (pid != ::getpid()) pids.push_back(pid);
+  }
+  return pids;
+}
+}  // namespace
 
 namespace {
 constexpr char kPosixSegmentPrefix[] = "ucx_shm_posix_";
@@ -940,7 +950,7 @@ bool IsUcxPosixSegmentName(const char* path) {
 }
 
 bool SameHostFileAdmitted(int fd, const char* path) {
-  if (!g_same_host_armed.load(std::memory_order_relaxed) || t_probing) return true;
+  if (!g_same_host_armed.load(std::memory_order_relaxed)) return true;
   struct stat file {};
   std::string why;
   if (::fstat(fd, &file) != 0 || !S_ISREG(file.st_mode)) {
@@ -948,11 +958,8 @@ bool SameHostFileAdmitted(int fd, const char* path) {
                       "file (a same-host peer's worker address names a file of its choice)",
                       path);
   } else {
-    std::vector<int> pids{::getpid()};
-    {
-      absl::MutexLock lock(&g_same_host_mu);
-      for (const auto& [pid, holds] : *g_same_host_pids) pids.push_back(pid);
-    }
+    std::vector<int> pids = HeldPeerPids();
+    pids.insert(pids.begin(), ::getpid());  // its own segments
     for (const int pid : pids) {
       if (MapsFile(pid, file.st_dev, file.st_ino)) return true;
     }
@@ -1030,14 +1037,7 @@ std::optional<int> ProcessListeningOn(
 bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, uid_t>>& listeners,
                               const std::string& where) {
   if (!g_same_host_armed.load(std::memory_order_relaxed) || listeners.empty()) return true;
-  std::vector<int> pids;
-  {
-    absl::MutexLock lock(&g_same_host_mu);
-    for (const auto& [pid, holds] : *g_same_host_pids) {
-      if (pid != ::getpid()) pids.push_back(pid);
-    }
-  }
-  for (const int pid : pids) {
+  for (const int pid : HeldPeerPids()) {
     const Holds holds = HoldsSocket(pid, listeners);
     if (holds == Holds::kYes) return true;
     if (holds == Holds::kUnreadable) {
@@ -1071,26 +1071,15 @@ bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_by
 }
 
 namespace {
-// The posix interface's own is_reachable and ep_create (every posix interface of the
-// process shares them), and the shortest interface address among those watched.
-std::atomic<uct_iface_is_reachable_func_t> g_posix_reachable{nullptr};
+// The posix interface's own ep_create (every posix interface of the process shares it),
+// and the shortest interface address among those watched.
 std::atomic<uct_ep_create_func_t> g_posix_ep_create{nullptr};
 std::atomic<size_t> g_posix_own_address_bytes{0};
 
-// Nothing is refused inside the posix interface's reachability probe (UCX releases after
-// 1.13 open a peer's FIFO there to see that it exists; 1.13 does not): UCP, answering a
-// peer's wireup request, fails on an endpoint it found no lane for (UCX 1.13 asserts on
-// its missing configuration), while a lane that fails to connect fails the endpoint
-// cleanly. The FIFO is checked when the endpoint attaches it (CheckedPosixEpCreate, and
-// the stand-ins' checks there).
-int CheckedPosixReachable(const uct_iface_h iface, const uct_device_addr_t* device,
-                          const uct_iface_addr_t* address) {
-  t_probing = true;
-  const int reachable = g_posix_reachable.load()(iface, device, address);
-  t_probing = false;
-  return reachable;
-}
-
+// The check stands at ep_create, not in the interface's reachability probe: UCP,
+// answering a peer's wireup request, fails an endpoint it found no lane for, and UCX
+// 1.13 asserts on its missing configuration, while a lane that fails to connect fails
+// the endpoint cleanly.
 ucs_status_t CheckedPosixEpCreate(const uct_ep_params_t* params, uct_ep_h* ep) {
   if ((params->field_mask & UCT_EP_PARAM_FIELD_IFACE_ADDR) != 0 &&
       !PosixPeerFifoAdmitted(params->iface_addr, g_posix_own_address_bytes.load())) {
@@ -1112,11 +1101,6 @@ void WatchPosixInterface(void* uct_iface) {
   size_t seen = g_posix_own_address_bytes.load();
   while ((seen == 0 || attr.iface_addr_len < seen) &&
          !g_posix_own_address_bytes.compare_exchange_weak(seen, attr.iface_addr_len)) {
-  }
-  uct_iface_is_reachable_func_t reachable = nullptr;
-  if (iface->ops.iface_is_reachable != &CheckedPosixReachable) {
-    g_posix_reachable.compare_exchange_strong(reachable, iface->ops.iface_is_reachable);
-    iface->ops.iface_is_reachable = &CheckedPosixReachable;
   }
   uct_ep_create_func_t create = nullptr;
   if (iface->ops.ep_create != &CheckedPosixEpCreate) {

@@ -153,10 +153,10 @@ bool SameHostFileAdmitted(int fd, const char* path);
 // check in front of the interface's ep_create: PosixPeerFifoAdmitted, which refuses
 // such a FIFO (unreachable; counted, logged and noted as above) where this process's
 // posix interface has no directory (`own_address_bytes`, its interface address's
-// length, is the 8 bytes of the FIFO's id alone). Inside the interface's is_reachable
-// (where later UCX releases open a peer's FIFO to see that it exists) the checks above
-// all admit: UCX 1.13, answering a peer's wireup request, asserts on an endpoint it
-// found no lane for, while a lane that fails to connect fails that endpoint cleanly.
+// length, is the 8 bytes of the FIFO's id alone). None of these checks stands in the
+// interface's reachability probe (where UCX 1.13 opens no file): UCX 1.13, answering a
+// peer's wireup request, asserts on an endpoint it found no lane for, while a lane that
+// fails to connect fails that endpoint cleanly.
 void WatchPosixInterface(void* uct_iface);
 bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_bytes);
 
