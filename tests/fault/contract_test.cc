@@ -1263,6 +1263,12 @@ TEST_CASE("G: ConnectPeer to ourselves is refused; DisconnectPeer fails open tra
   CHECK(refused.status().code() == absl::StatusCode::kNotFound);
   // Decode's owner hears how it ended.
   auto note = watch.WaitFor("g-open", v1::NOTIFICATION_KIND_UNSPECIFIED, 5000);
+  if (!note.has_value()) {
+    // What decode knows of it (the agents' logs follow the failure).
+    auto incoming = pair.decode().Get("g-open", "prefill");
+    UNSCOPED_INFO("decode's record of 'g-open': "
+                  << (incoming.ok() ? Describe(*incoming) : incoming.status().ToString()));
+  }
   REQUIRE(note.has_value());
   CHECK(note->note.kind() == v1::TRANSFER_FAILED);
   CHECK(note->note.error_code() == kUnavailable);

@@ -22,6 +22,7 @@
 #include "cli/child_process.h"
 #include "client/fast_path.h"
 #include "fmt/format.h"
+#include "tests/unit/catch_main.h"
 
 extern char** environ;
 
@@ -136,6 +137,7 @@ AgentPair::AgentPair(const AgentPairOptions& options) : work_dir_(MakeWorkDir())
     d.env = options.env;
     d.extra_args = options.extra_args;
     *process = Require(cli::DaemonProcess::Start(d), fmt::format("starting {}", name));
+    ShowOnFailure(process->log_path(), fmt::format("agent '{}' log", name));
   }
   prefill_client_ = std::make_unique<cli::AgentClient>(prefill_.address());
   decode_client_ = std::make_unique<cli::AgentClient>(decode_.address());

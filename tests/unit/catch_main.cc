@@ -36,6 +36,38 @@ bool& SkipCalled() {
   return called;
 }
 
+struct ShownFile {
+  std::string path;
+  std::string label;
+  int lines;
+};
+std::vector<ShownFile>& ShownOnFailure() {
+  static std::vector<ShownFile> files;
+  return files;
+}
+
+// The last `lines` lines of `path`, each cut at 400 bytes (a log line can carry a
+// whole doctor report).
+void PrintTail(const ShownFile& f) {
+  std::ifstream in(f.path);
+  if (!in) {
+    std::cerr << "---- " << f.label << " (" << f.path << "): cannot be read\n";
+    return;
+  }
+  std::vector<std::string> tail;
+  std::string line;
+  size_t total = 0;
+  while (std::getline(in, line)) {
+    ++total;
+    if (line.size() > 400) line = line.substr(0, 400) + " [...]";
+    tail.push_back(std::move(line));
+    if (tail.size() > static_cast<size_t>(f.lines)) tail.erase(tail.begin());
+  }
+  std::cerr << "---- " << f.label << " (" << f.path << "), last " << tail.size() << " of "
+            << total << " lines:\n";
+  for (const std::string& l : tail) std::cerr << l << "\n";
+}
+
 std::string XmlEscape(const std::string& in) {
   std::string out;
   out.reserve(in.size());
@@ -75,6 +107,7 @@ class JunitFileListener : public Catch::TestEventListenerBase {
     TestEventListenerBase::testCaseStarting(info);
     SkipCalled() = false;
     SkipReason().clear();
+    ShownOnFailure().clear();
     current_ = CaseResult{};
     current_.name = info.name;
     started_ = std::chrono::steady_clock::now();
@@ -105,6 +138,10 @@ class JunitFileListener : public Catch::TestEventListenerBase {
     current_.skipped = !current_.failed && SkipCalled();
     current_.skip_reason = SkipReason();
     results_.push_back(current_);
+    if (current_.failed) {
+      for (const ShownFile& f : ShownOnFailure()) PrintTail(f);
+    }
+    ShownOnFailure().clear();
     TestEventListenerBase::testCaseEnded(stats);
   }
 
@@ -174,6 +211,10 @@ std::string UniqueSocketName(const std::string& prefix) {
   name << prefix << '.' << ::getpid() << '.' << std::hex << std::setw(8) << std::setfill('0')
        << std::random_device{}();
   return name.str();
+}
+
+void ShowOnFailure(const std::string& path, const std::string& label, int lines) {
+  ShownOnFailure().push_back(ShownFile{path, label, lines});
 }
 
 void Skip(const std::string& reason) {

@@ -1,7 +1,8 @@
 // The Catch2 main every kvagent test links (//tests/unit:catch_main), plus the skip
 // convention: a test that cannot run here (no GPU, no CUDA driver) calls KVAGENT_SKIP
 // with its reason and is reported as skipped in JUnit XML, never as passed; and the
-// names of sockets a test puts outside $TEST_TMPDIR (UniqueSocketName).
+// names of sockets a test puts outside $TEST_TMPDIR (UniqueSocketName), and the
+// logs a failed case prints (ShowOnFailure).
 #pragma once
 
 #include <string>
@@ -20,6 +21,11 @@ void Skip(const std::string& reason);
 // sandbox gives each test its own PID namespace, so two runs of one test at once
 // (--runs_per_test) had the same pid and took each other's socket.
 std::string UniqueSocketName(const std::string& prefix);
+
+// Has the running TEST_CASE, should it fail, print the last `lines` lines of the file
+// at `path` (an agent's log) under `label` once it ended: a failure in CI then shows
+// what the agents said, not only the assertion. Forgotten when the next case starts.
+void ShowOnFailure(const std::string& path, const std::string& label, int lines = 60);
 
 }  // namespace testing
 }  // namespace kvagent
