@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdint>
@@ -850,7 +851,21 @@ uint64_t UcxRefusedRkeyEntries() {
 namespace {
 std::atomic<bool> g_same_host_armed{false};
 absl::Mutex g_same_host_mu;
-std::map<int, int>* g_same_host_pids ABSL_GUARDED_BY(g_same_host_mu) = new std::map<int, int>();
+// A pid a door proved: how many holds keep it now, the process's start time (so that
+// another process given the same pid later is not taken for it), and, once no hold
+// is left, until when it stays admitted (SetSameHostGrace).
+struct HeldPid {
+  int holds = 0;
+  uint64_t start_ticks = 0;  // 0: unknown (its /proc/PID/stat was unreadable)
+  std::chrono::steady_clock::time_point until{};
+};
+std::map<int, HeldPid>* g_same_host_pids ABSL_GUARDED_BY(g_same_host_mu) =
+    new std::map<int, HeldPid>();
+std::chrono::steady_clock::duration g_same_host_grace ABSL_GUARDED_BY(g_same_host_mu) =
+    std::chrono::seconds(10);
+// Pids kept in their grace at most (each a peer-role session that closed within the
+// grace: more only from a flood of short sessions by as many processes).
+constexpr size_t kMaxGracePids = 1024;
 std::atomic<uint64_t> g_same_host_refused{0};
 thread_local std::string t_same_host_refusal;
 // UCX connects an endpoint for a peer proven at the local door (SameHostTcpCheck).
@@ -860,25 +875,101 @@ constexpr std::string_view kSameHostReach = "a reach of another process of this 
 
 void ArmSameHostGuard() { g_same_host_armed.store(true); }
 
-void AllowSameHostPeer(int pid) {
+namespace {
+// Field 22 of /proc/PID/stat: when the process started, in clock ticks after boot; 0
+// when it cannot be read (no such process).
+uint64_t ProcessStartTicks(int pid) {
+  const std::string path = fmt::format("/proc/{}/stat", pid);
+  std::FILE* file = std::fopen(path.c_str(), "re");
+  if (file == nullptr) return 0;
+  char line[1024];
+  const bool read = std::fgets(line, sizeof(line), file) != nullptr;
+  std::fclose(file);
+  if (!read) return 0;
+  // After the command name, which may hold spaces and parentheses: its last ')'.
+  const char* rest = std::strrchr(line, ')');
+  if (rest == nullptr) return 0;
+  unsigned long long ticks = 0;
+  // Fields 3 to 21 skipped, 22 read.
+  if (std::sscanf(rest + 1,
+                  " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d "
+                  "%*d %llu",
+                  &ticks) != 1) {
+    return 0;
+  }
+  return ticks;
+}
+
+// Drops the entries whose grace ended.
+void PruneHeldLocked(std::chrono::steady_clock::time_point now)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_same_host_mu) {
+  for (auto it = g_same_host_pids->begin(); it != g_same_host_pids->end();) {
+    if (it->second.holds <= 0 && it->second.until <= now) {
+      it = g_same_host_pids->erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// Whether `pid` is admitted now: held, or within its grace and still the process that
+// was proven. /proc is read without the lock.
+bool PidAdmitted(int pid) {
+  uint64_t start_ticks = 0;
+  {
+    absl::MutexLock lock(&g_same_host_mu);
+    auto it = g_same_host_pids->find(pid);
+    if (it == g_same_host_pids->end()) return false;
+    if (it->second.holds > 0) return true;
+    if (it->second.until <= std::chrono::steady_clock::now()) return false;
+    start_ticks = it->second.start_ticks;
+  }
+  return start_ticks != 0 && ProcessStartTicks(pid) == start_ticks;
+}
+}  // namespace
+
+void SetSameHostGrace(std::chrono::steady_clock::duration grace) {
   absl::MutexLock lock(&g_same_host_mu);
-  ++(*g_same_host_pids)[pid];
+  g_same_host_grace = grace;
+}
+
+void AllowSameHostPeer(int pid) {
+  const uint64_t start_ticks = ProcessStartTicks(pid);
+  absl::MutexLock lock(&g_same_host_mu);
+  PruneHeldLocked(std::chrono::steady_clock::now());
+  HeldPid& held = (*g_same_host_pids)[pid];
+  // New, or in its grace: the process proven now is the one admitted.
+  if (held.holds <= 0) {
+    held.holds = 0;
+    held.start_ticks = start_ticks;
+  }
+  ++held.holds;
 }
 
 void ForgetSameHostPeer(int pid) {
   absl::MutexLock lock(&g_same_host_mu);
   auto it = g_same_host_pids->find(pid);
-  if (it != g_same_host_pids->end() && --it->second <= 0) g_same_host_pids->erase(it);
+  if (it == g_same_host_pids->end() || --it->second.holds > 0) return;
+  it->second.holds = 0;
+  const auto now = std::chrono::steady_clock::now();
+  it->second.until = now + g_same_host_grace;
+  PruneHeldLocked(now);
+  // Bounded: past kMaxGracePids in their grace, the one whose grace ends first goes.
+  size_t in_grace = 0;
+  auto first = g_same_host_pids->end();
+  for (auto e = g_same_host_pids->begin(); e != g_same_host_pids->end(); ++e) {
+    if (e->second.holds > 0) continue;
+    ++in_grace;
+    if (first == g_same_host_pids->end() || e->second.until < first->second.until) first = e;
+  }
+  if (in_grace > kMaxGracePids) g_same_host_pids->erase(first);
 }
 
 bool SameHostTargetAdmitted(int pid, SameHostUse use) {
   if (!g_same_host_armed.load(std::memory_order_relaxed)) return true;
   const bool own = pid == ::getpid();
   if (own && use == SameHostUse::kAttach) return true;
-  if (!own) {
-    absl::MutexLock lock(&g_same_host_mu);
-    if (g_same_host_pids->count(pid) != 0) return true;
-  }
+  if (!own && PidAdmitted(pid)) return true;
   NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
               use == SameHostUse::kCma
                   ? fmt::format("UCX's cma transport was to read or write the memory of pid "
@@ -898,14 +989,19 @@ std::string TakeSameHostRefusal() {
 uint64_t SameHostRefusals() { return g_same_host_refused.load(std::memory_order_relaxed); }
 
 namespace {
-// The pids held now (AllowSameHostPeer), this process's own left out: a snapshot, so
-// that /proc is read without the lock.
+// The pids admitted now (held by AllowSameHostPeer, or in their grace and still the
+// same process), this process's own left out: a snapshot, so that /proc is read
+// without the lock.
 std::vector<int> HeldPeerPids() {
   std::vector<int> pids;
-  absl::MutexLock lock(&g_same_host_mu);
-  for (const auto& [pid, holds] : *g_same_host_pids) {
-    if (pid != ::getpid()) pids.push_back(pid);
+  {
+    absl::MutexLock lock(&g_same_host_mu);
+    for (const auto& [pid, held] : *g_same_host_pids) {
+      if (pid != ::getpid()) pids.push_back(pid);
+    }
   }
+  pids.erase(std::remove_if(pids.begin(), pids.end(), [](int pid) { return !PidAdmitted(pid); }),
+             pids.end());
   return pids;
 }
 }  // namespace

@@ -32,6 +32,7 @@
 #include <sys/types.h>
 #include <uct/api/uct.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -99,7 +100,8 @@ uint64_t UcxRefusedRkeyEntries();
 // (transport:same_host_stand_in) ask SameHostTargetAdmitted: the pid must be one that
 // a local door proved, held with AllowSameHostPeer while a session of the peer role is
 // open on either side (this agent's PeerLink to the peer, the peer's to this agent),
-// or this process itself for its own segments (not for cma: kvagent never moves bytes
+// and for a grace after the last of them closed (SetSameHostGrace) while the same
+// process (its start time) has that pid, or this process itself for its own segments (not for cma: kvagent never moves bytes
 // inside itself through UCX). A refusal is counted (SameHostRefusals), logged (the
 // first few and every 1,024th) and noted for the thread (TakeSameHostRefusal), and
 // the call fails with EPERM, so UCX fails the endpoint or the transfer.
@@ -107,6 +109,16 @@ void ArmSameHostGuard();
 // Counted: a pid held twice is forgotten twice.
 void AllowSameHostPeer(int pid);
 void ForgetSameHostPeer(int pid);
+// How long a pid stays admitted after its last hold went (10 s unless set): UCX
+// connects back to a peer when it takes the peer's wireup request, which waits in
+// this worker's shared-memory queue until the worker wakes (up to a second when the
+// peer's wake-up signal was lost, longer under load), and a peer that disconnects
+// right after connecting has closed its session by then: refused, that reverse
+// endpoint left the peer's endpoint unwired and everything it sent after (the
+// outcome notices of the transfers the disconnect failed) undelivered. Within the
+// grace the pid is admitted only while /proc/PID/stat gives the start time it had
+// when it was proven, so a process given the same pid later is not.
+void SetSameHostGrace(std::chrono::steady_clock::duration grace);
 // Holds a pid allowed (AllowSameHostPeer) for as long as it lives: what a link to a peer
 // of this host (its local door, or a network door whose process was found) and a
 // peer-role session keep. Empty (no pid) when default-made.

@@ -46,6 +46,9 @@ struct Hardened {
     absl::Status hardened = HardenUcxForPeers();
     INFO(hardened.ToString());
     REQUIRE(hardened.ok());
+    // No grace after a pid's last hold (SetSameHostGrace), but in the grace's own test:
+    // these cases check that forgetting a pid refuses it.
+    SetSameHostGrace(std::chrono::seconds(0));
     Hardened h;
     auto context = UcxContext::Create();
     REQUIRE(context.ok());
@@ -607,6 +610,66 @@ class HoldingChild {
   pid_t pid_ = -1;
   unsigned long long reported_ = 0;
 };
+
+// A pid stays admitted for a grace after its last hold went (UCX on this side may take
+// a peer's wireup only after the peer closed its session), and only while the process
+// that was proven has it: a process gone (or another given its pid) is refused, and so
+// is the pid once the grace ended.
+TEST_CASE("a proven pid stays admitted for a grace after its last hold, only as the same process") {
+  Hardened h = Hardened::Make();
+  TakeSameHostRefusal();
+  const uint64_t before = SameHostRefusals();
+  SetSameHostGrace(std::chrono::milliseconds(300));
+  {
+    HoldingChild child([] { return 1ULL; });
+    AllowSameHostPeer(child.pid());
+    ForgetSameHostPeer(child.pid());
+    CHECK(SameHostTargetAdmitted(child.pid(), SameHostUse::kAttach));  // in its grace
+    CHECK(SameHostTargetAdmitted(child.pid(), SameHostUse::kCma));
+    // Held again within the grace, and let go again: a new grace from then.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    AllowSameHostPeer(child.pid());
+    ForgetSameHostPeer(child.pid());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    CHECK(SameHostTargetAdmitted(child.pid(), SameHostUse::kAttach));
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    CHECK_FALSE(SameHostTargetAdmitted(child.pid(), SameHostUse::kAttach));  // grace over
+    CHECK_THAT(TakeSameHostRefusal(),
+               Catch::StartsWith(fmt::format("UCX was to attach shared memory of pid {}, no "
+                                             "peer proven on this host",
+                                             child.pid())));
+  }
+  SetSameHostGrace(std::chrono::seconds(10));
+  int gone = 0;
+  {
+    HoldingChild child([] { return 1ULL; });
+    gone = child.pid();
+    AllowSameHostPeer(gone);
+    ForgetSameHostPeer(gone);
+    CHECK(SameHostTargetAdmitted(gone, SameHostUse::kAttach));
+  }
+  // The process ended (reaped): its start time is gone with it, whatever the grace.
+  CHECK_FALSE(SameHostTargetAdmitted(gone, SameHostUse::kAttach));
+  // A pid never proven has no grace.
+  CHECK_FALSE(SameHostTargetAdmitted(gone + 100000, SameHostUse::kAttach));
+  {
+    // Bounded: 1,024 pids in their grace at most; the one whose grace ends first goes.
+    HoldingChild child([] { return 1ULL; });
+    AllowSameHostPeer(child.pid());
+    ForgetSameHostPeer(child.pid());
+    for (int i = 0; i < 1023; ++i) {
+      AllowSameHostPeer(10000000 + i);  // no such process (over any pid_max)
+      ForgetSameHostPeer(10000000 + i);
+    }
+    CHECK(SameHostTargetAdmitted(child.pid(), SameHostUse::kAttach));  // 1,024 in grace
+    AllowSameHostPeer(10000000 + 1023);
+    ForgetSameHostPeer(10000000 + 1023);
+    CHECK_FALSE(SameHostTargetAdmitted(child.pid(), SameHostUse::kAttach));
+  }
+  CHECK(SameHostRefusals() == before + 4);
+  TakeSameHostRefusal();
+  SetSameHostGrace(std::chrono::seconds(0));
+}
 
 // A posix segment opened by name (a peer whose UCX runs with UCX_POSIX_USE_PROC_LINK=n)
 // names no process: the file must be mapped by this process or by a pid a local door
