@@ -19,6 +19,7 @@
 #include "base/interfaces.h"
 #include "base/log.h"
 #include "fmt/format.h"
+#include "transport/tcp_diag.h"
 
 namespace kvagent::transport {
 namespace {
@@ -99,19 +100,6 @@ bool HostAllowed(const Host& host) {
   return g_host_owners->count(host) > 0;
 }
 
-// An IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it maps: the
-// connecting socket of such a peer is listed in /proc/net/tcp, not tcp6.
-sockaddr_storage Unmapped(const sockaddr_storage& a) {
-  if (a.ss_family != AF_INET6) return a;
-  const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
-  if (!IN6_IS_ADDR_V4MAPPED(&six.sin6_addr)) return a;
-  sockaddr_storage out{};
-  auto& four = reinterpret_cast<sockaddr_in&>(out);
-  four.sin_family = AF_INET;
-  four.sin_port = six.sin6_port;
-  std::memcpy(&four.sin_addr, &six.sin6_addr.s6_addr[12], 4);
-  return out;
-}
 
 // The address as /proc/net/tcp{,6} prints it: each 32-bit word of the address as the
 // kernel holds it, in %08X, then ':' and the port in %04X.
@@ -179,6 +167,18 @@ bool Ends(int fd, sockaddr_storage* peer, sockaddr_storage* local) {
 
 namespace internal {
 
+sockaddr_storage Unmapped(const sockaddr_storage& a) {
+  if (a.ss_family != AF_INET6) return a;
+  const auto& six = reinterpret_cast<const sockaddr_in6&>(a);
+  if (!IN6_IS_ADDR_V4MAPPED(&six.sin6_addr)) return a;
+  sockaddr_storage out{};
+  auto& four = reinterpret_cast<sockaddr_in&>(out);
+  four.sin_family = AF_INET;
+  four.sin_port = six.sin6_port;
+  std::memcpy(&four.sin_addr, &six.sin6_addr.s6_addr[12], 4);
+  return out;
+}
+
 std::vector<ProcTcpEntry> ProcNetTcpEntries(std::string_view text) {
   std::vector<ProcTcpEntry> entries;
   size_t start = text.find('\n');  // the header line
@@ -243,10 +243,13 @@ std::optional<std::vector<std::pair<unsigned long long, uid_t>>> UcxTcpLocalList
   }
   sockaddr_storage address{};
   std::memcpy(&address, to, length);
-  address = Unmapped(address);
+  address = internal::Unmapped(address);
   if (!OfThisHost(address)) return std::nullopt;
-  // Each file costs milliseconds to read (the kernel walks its whole table): an IPv4
-  // address is looked for in tcp6 (a dual-stack listener) only when tcp has none.
+  // Asked of the kernel's socket diagnostics: the listening sockets only.
+  if (auto asked = DiagListeners(address); asked.has_value()) return *std::move(asked);
+  // Without them, from /proc. Each file costs milliseconds to read (the kernel prints
+  // its whole table): an IPv4 address is looked for in tcp6 (a dual-stack listener)
+  // only when tcp has none.
   std::vector<std::pair<unsigned long long, uid_t>> listeners;
   if (address.ss_family == AF_INET) {
     listeners = internal::Listeners(ReadFileText("/proc/net/tcp").value_or(""), address);
@@ -372,8 +375,8 @@ bool AdmitPeer(int fd) {
     return true;  // not a connected socket: nothing to check (UCX fails it itself)
   }
   if (peer.ss_family != AF_INET && peer.ss_family != AF_INET6) return true;
-  const sockaddr_storage from = Unmapped(peer);
-  const sockaddr_storage to = Unmapped(local);
+  const sockaddr_storage from = internal::Unmapped(peer);
+  const sockaddr_storage to = internal::Unmapped(local);
   if (!OfThisHost(from)) {
     if (!g_remote_checked.load(std::memory_order_relaxed) || HostAllowed(HostOf(from))) {
       return true;
@@ -390,9 +393,17 @@ bool AdmitPeer(int fd) {
     }
     return false;
   }
-  const std::string table =
-      ReadFileText(from.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6").value_or("");
-  const std::optional<uid_t> uid = internal::ConnectorUid(table, from, to);
+  // The connecting socket, asked of the kernel by its two ends (one lookup); without
+  // socket diagnostics, found in /proc (the whole table printed).
+  std::optional<uid_t> uid;
+  if (std::optional<DiagOwner> owner = DiagSocketOwner(from, to); owner.has_value()) {
+    uid = owner->uid;
+  } else {
+    const std::string table =
+        ReadFileText(from.ss_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6")
+            .value_or("");
+    uid = internal::ConnectorUid(table, from, to);
+  }
   bool allowed = false;
   {
     absl::MutexLock lock(&g_mu);
@@ -623,7 +634,7 @@ ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) 
     kLog.Warn("UCX TCP: closed a connection from {} to {} at {} ({} such so far, {} "
               "connections refused in all): UCT would have served it before any check of "
               "kvagent's",
-              Text(Unmapped(peer)), Text(Unmapped(local)), why, mine, n);
+              Text(internal::Unmapped(peer)), Text(internal::Unmapped(local)), why, mine, n);
   }
   return 0;  // end of stream: UCT closes its endpoint
 }

@@ -79,7 +79,8 @@ bool UcxTcpGuarded();
 uint64_t UcxTcpRefusedConnections();
 
 // Where a connection to `to` would land on this host: the sockets listening on its port
-// at its address or a wildcard one (/proc/net/tcp and tcp6), each as its inode and its
+// at its address or a wildcard one (tcp_diag.h's DiagListeners; /proc/net/tcp and tcp6
+// where netlink cannot be asked), each as its inode and its
 // owner's uid; an empty list when none listens there, nullopt when `to` is not an
 // address of this host (nor loopback) or not IPv4 or IPv6. For the same-host guard
 // (ucx_hardening.h), which asks who holds them.
@@ -157,6 +158,10 @@ struct ProcTcpEntry {
   uid_t uid = 0;
   unsigned long long inode = 0;
 };
+
+// `a` with an IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it maps,
+// else `a`: the connecting socket of such a peer is an IPv4 one.
+sockaddr_storage Unmapped(const sockaddr_storage& a);
 
 // Every socket line of the text of /proc/net/tcp or tcp6 (the header skipped, lines
 // that do not parse left out).

@@ -6,18 +6,28 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "catch2/catch.hpp"
 #include "uct/api/uct_def.h"
 #include "tests/unit/catch_main.h"
+#include "transport/tcp_diag.h"
 
 namespace kvagent::transport {
 namespace {
@@ -150,6 +160,119 @@ bool AcceptFrom(uid_t uid, Where where, Accepted* out) {
   out->fd = accept4(out->listener, nullptr, nullptr, SOCK_CLOEXEC);
   REQUIRE(out->fd >= 0);
   return true;
+}
+
+std::string FileText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The guard asks the kernel's socket diagnostics (netlink) who holds a connection's
+// other end and who listens at a port, and reads /proc/net/tcp{,6} only when netlink
+// cannot be asked: both must name the same for real sockets of this host.
+TEST_CASE("socket diagnostics and /proc name the same connector and the same listeners") {
+  const uid_t uid = geteuid() == 0 ? 65534 : geteuid();
+  int made = 0;
+  for (const Where where : {Where::kV4, Where::kV6, Where::kMapped}) {
+    INFO("case " << static_cast<int>(where) << " (0: IPv4, 1: IPv6, 2: IPv4 to a dual-stack "
+                 "listener)");
+    Accepted accepted;
+    if (!AcceptFrom(uid, where, &accepted)) continue;  // no IPv6 loopback here
+    ++made;
+    sockaddr_storage from{}, to{};
+    socklen_t from_length = sizeof from, to_length = sizeof to;
+    REQUIRE(getpeername(accepted.fd, reinterpret_cast<sockaddr*>(&from), &from_length) == 0);
+    REQUIRE(getsockname(accepted.fd, reinterpret_cast<sockaddr*>(&to), &to_length) == 0);
+    from = internal::Unmapped(from);
+    to = internal::Unmapped(to);
+    const std::string table = FileText(from.ss_family == AF_INET ? "/proc/net/tcp"
+                                                                 : "/proc/net/tcp6");
+    const std::optional<DiagOwner> connector = DiagSocketOwner(from, to);
+    REQUIRE(connector.has_value());
+    CHECK(connector->uid == std::optional<uid_t>(uid));
+    CHECK(connector->uid == internal::ConnectorUid(table, from, to));
+    // The accepted end, by its own two ends: this process's.
+    const std::optional<DiagOwner> accepting = DiagSocketOwner(to, from);
+    REQUIRE(accepting.has_value());
+    CHECK(accepting->uid == std::optional<uid_t>(geteuid()));
+    // No connection has these ends (the listener's port as the connector's is not
+    // taken for one).
+    sockaddr_storage nobody = from;
+    reinterpret_cast<sockaddr_in&>(nobody).sin_port = reinterpret_cast<sockaddr_in&>(to).sin_port;
+    const std::optional<DiagOwner> none = DiagSocketOwner(nobody, to);
+    REQUIRE(none.has_value());
+    CHECK_FALSE(none->uid.has_value());
+    CHECK_FALSE(internal::ConnectorUid(table, nobody, to).has_value());
+
+    struct stat listener_file {};
+    REQUIRE(fstat(accepted.listener, &listener_file) == 0);
+    const auto listeners = DiagListeners(to);
+    REQUIRE(listeners.has_value());
+    using Inodes = std::vector<std::pair<unsigned long long, uid_t>>;
+    CHECK(*listeners == Inodes{{listener_file.st_ino, geteuid()}});
+    Inodes from_proc;
+    if (to.ss_family == AF_INET) from_proc = internal::Listeners(FileText("/proc/net/tcp"), to);
+    if (from_proc.empty()) from_proc = internal::Listeners(FileText("/proc/net/tcp6"), to);
+    CHECK(*listeners == from_proc);
+    // Nobody listens at the connector's port.
+    const auto at_connector = DiagListeners(from);
+    REQUIRE(at_connector.has_value());
+    CHECK(at_connector->empty());
+  }
+  CHECK(made >= 1);
+}
+
+// Where netlink cannot be asked (no sock_diag, or a seccomp filter like the one this
+// child installs, refusing AF_NETLINK sockets), the guard reads /proc and decides alike.
+TEST_CASE("without socket diagnostics the guard reads /proc and decides the same") {
+  const uid_t other = geteuid() == 0 ? 65534 : geteuid();
+  Accepted accepted;
+  REQUIRE(AcceptFrom(other, Where::kV4, &accepted));
+  sockaddr_storage at{};
+  socklen_t length = sizeof at;
+  REQUIRE(getsockname(accepted.listener, reinterpret_cast<sockaddr*>(&at), &length) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_socket, 0, 3),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, args[0])),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AF_NETLINK, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    sock_fprog program{static_cast<unsigned short>(sizeof filter / sizeof filter[0]), filter};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) != 0) {
+      _exit(10);
+    }
+    sockaddr_storage from{}, to{};
+    socklen_t from_length = sizeof from, to_length = sizeof to;
+    getpeername(accepted.fd, reinterpret_cast<sockaddr*>(&from), &from_length);
+    getsockname(accepted.fd, reinterpret_cast<sockaddr*>(&to), &to_length);
+    if (DiagSocketOwner(from, to).has_value() || DiagListeners(at).has_value()) _exit(11);
+    const auto listeners = UcxTcpLocalListeners(reinterpret_cast<sockaddr*>(&at), length);
+    if (!listeners.has_value() || listeners->size() != 1) _exit(12);
+    struct stat listener_file {};
+    if (fstat(accepted.listener, &listener_file) != 0 ||
+        listeners->front().first != listener_file.st_ino) {
+      _exit(13);
+    }
+    if (other != geteuid()) {
+      GuardUcxTcpAccepts({geteuid()});
+      if (UcxTcpAdmit(accepted.fd)) _exit(14);  // another uid's connection: refused
+    }
+    GuardUcxTcpAccepts({geteuid(), other});
+    if (!UcxTcpAdmit(accepted.fd)) _exit(15);
+    _exit(0);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  INFO("the child's exit status " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1)
+                                  << " (10: no seccomp filter, 11: netlink answered anyway, "
+                                     "12-13: listeners, 14-15: the guard's decisions)");
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
 }
 
 // Where a connection to an address of this host lands: the sockets listening on its
