@@ -24,7 +24,8 @@ std::string UniqueSocketName(const std::string& prefix);
 
 // Has the running TEST_CASE, should it fail, print the last `lines` lines of the file
 // at `path` (an agent's log) under `label` once it ended: a failure in CI then shows
-// what the agents said, not only the assertion. Forgotten when the next case starts.
+// what the agents said, not only the assertion. The file must outlive the case (a
+// folder the case removes takes it along). Forgotten when the next case starts.
 void ShowOnFailure(const std::string& path, const std::string& label, int lines = 60);
 
 }  // namespace testing
