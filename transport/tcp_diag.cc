@@ -114,6 +114,19 @@ void SetEnd(const sockaddr_storage& a, __be32 address[4], __be16* port) {
   }
 }
 
+// Whether the kernel answers inet_diag for TCP at all, asked once (a dump of the IPv4
+// listening sockets): a kernel without inet_diag or tcp_diag answers every request
+// ENOENT, which an exact lookup would take for "no such socket".
+bool DiagWorks() {
+  static const bool works = [] {
+    int error = 0;
+    return Ask(Request(AF_INET, 1u << kTcpListen, /*dump=*/true), [](const inet_diag_msg&) {},
+               &error) &&
+           error == 0;
+  }();
+  return works;
+}
+
 }  // namespace
 
 std::optional<DiagOwner> DiagSocketOwner(const sockaddr_storage& local_end,
@@ -122,6 +135,7 @@ std::optional<DiagOwner> DiagSocketOwner(const sockaddr_storage& local_end,
       remote_end.ss_family != local_end.ss_family) {
     return std::nullopt;
   }
+  if (!DiagWorks()) return std::nullopt;
   DiagRequest request =
       Request(static_cast<uint8_t>(local_end.ss_family), kAllStates, /*dump=*/false);
   SetEnd(local_end, request.body.id.idiag_src, &request.body.id.idiag_sport);
