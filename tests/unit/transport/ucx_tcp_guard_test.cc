@@ -9,6 +9,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
@@ -523,6 +524,39 @@ TEST_CASE("UCX's size settings as the stream check reads them") {
   CHECK_FALSE(internal::ParseUcxSize("inf").has_value());
   CHECK_FALSE(internal::ParseUcxSize("99999999999999999999").has_value());
   CHECK_FALSE(internal::ParseUcxSize("17179869184G").has_value());
+}
+
+// The stream check keeps its state in a table of 65,536 descriptors: a connection the
+// guard would keep but whose descriptor lies past it cannot be watched, so it is
+// refused (counted) rather than read unchecked; one below is kept and watched. (Last
+// case of this file: it tells the guard the recv() stand-in is present.)
+TEST_CASE("a UCX TCP connection on a descriptor past the stream check's table is refused") {
+  rlimit files{};
+  REQUIRE(getrlimit(RLIMIT_NOFILE, &files) == 0);
+  if (files.rlim_max <= 70000) {
+    rlimit raised{70001, 70001};
+    if (setrlimit(RLIMIT_NOFILE, &raised) != 0) {
+      KVAGENT_SKIP("needs an open-file limit over 70,000 (raising it needs root: "
+                   "CAP_SYS_RESOURCE)");
+    }
+  } else if (files.rlim_cur <= 70000) {
+    rlimit raised{files.rlim_max, files.rlim_max};
+    REQUIRE(setrlimit(RLIMIT_NOFILE, &raised) == 0);
+  }
+  GuardUcxTcpAccepts({geteuid()});
+  NoteUcxTcpRecvStandIn();
+  Accepted accepted;
+  REQUIRE(AcceptFrom(geteuid(), Where::kV4, &accepted));
+  const uint64_t before = UcxTcpRefusedConnections();
+  const int high = dup2(accepted.fd, 70000);
+  REQUIRE(high == 70000);
+  CHECK_FALSE(UcxTcpAdmit(high));
+  CHECK(UcxTcpRefusedConnections() == before + 1);
+  close(high);
+  CHECK(UcxTcpAdmit(accepted.fd));  // the same connection on a low descriptor
+  CHECK(UcxTcpRefusedConnections() == before + 1);
+  ForgetUcxTcpStream(accepted.fd);
+  REQUIRE(setrlimit(RLIMIT_NOFILE, &files) == 0);
 }
 
 }  // namespace
