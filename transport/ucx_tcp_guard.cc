@@ -100,7 +100,6 @@ bool HostAllowed(const Host& host) {
   return g_host_owners->count(host) > 0;
 }
 
-
 // The address as /proc/net/tcp{,6} prints it: each 32-bit word of the address as the
 // kernel holds it, in %08X, then ':' and the port in %04X.
 std::string ProcForm(const sockaddr_storage& a) {
@@ -561,6 +560,8 @@ namespace {
 // reads come from one thread at a time (UCT's), its watch and forget from accept()
 // and close().
 constexpr int kStreamSlots = 1 << 16;
+// The descriptors watched: kStreamSlots, fewer in a test (LimitStreamSlotsForTest).
+std::atomic<int> g_stream_limit{kStreamSlots};
 struct StreamSlot {
   std::atomic<bool> on;
   internal::StreamCheck check;
@@ -570,10 +571,21 @@ internal::StreamRules g_rules;  // set before the guard goes on
 std::atomic<uint64_t> g_refused_streams{0};
 std::atomic<bool> g_recv_stand_in{false};
 
+}  // namespace
+
+namespace internal {
+void LimitStreamSlotsForTest(int slots) {
+  g_stream_limit.store(std::min(slots, kStreamSlots), std::memory_order_relaxed);
+}
+}  // namespace internal
+
+namespace {
 // The slot of descriptor `fd`; null before the table is mapped or past it.
 StreamSlot* SlotOf(int fd) {
   StreamSlot* slots = g_streams.load(std::memory_order_acquire);
-  return slots == nullptr || fd < 0 || fd >= kStreamSlots ? nullptr : &slots[fd];
+  return slots == nullptr || fd < 0 || fd >= g_stream_limit.load(std::memory_order_relaxed)
+             ? nullptr
+             : &slots[fd];
 }
 
 // The rules from this process's environment, before UCX reads it.
@@ -603,7 +615,7 @@ bool WatchStream(int fd) {
     const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
     kLog.Warn("UCX TCP: refused a connection on descriptor {} ({} so far): its stream cannot "
               "be watched past descriptor {}; lower the agent's open-file limit or its load",
-              fd, n, kStreamSlots - 1);
+              fd, n, g_stream_limit.load(std::memory_order_relaxed) - 1);
     return false;
   }
   slot->check = internal::StreamCheck{};

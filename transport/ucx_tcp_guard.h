@@ -159,6 +159,10 @@ struct ProcTcpEntry {
   unsigned long long inode = 0;
 };
 
+// Watches descriptors below `slots` only (at most 65,536), so that a test reaches the
+// refusal past the table without an open-file limit over 65,536.
+void LimitStreamSlotsForTest(int slots);
+
 // `a` with an IPv4-mapped IPv6 address (::ffff:a.b.c.d) as the IPv4 address it maps,
 // else `a`: the connecting socket of such a peer is an IPv4 one.
 sockaddr_storage Unmapped(const sockaddr_storage& a);
