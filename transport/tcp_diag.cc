@@ -5,6 +5,7 @@
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -26,12 +27,16 @@ struct DiagRequest {
 };
 
 // Sends `request` to the kernel and calls `each` for every socket it answers. True
-// once the kernel answered (`*error` then holds its errno, 0 for none: ENOENT for an
-// exact socket it does not have); false when netlink could not be asked.
+// once the kernel answered in full (`*error` then holds its errno, 0 for none: ENOENT
+// for an exact socket it does not have); false when netlink could not be asked or its
+// answer broke off (a dump cut short would leave listeners out).
 bool Ask(DiagRequest request, absl::FunctionRef<void(const inet_diag_msg&)> each, int* error) {
   *error = 0;
   const int fd = ::socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
   if (fd < 0) return false;
+  // The kernel answers at once; a second is a bound, not a wait.
+  const timeval limit{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
   request.header.nlmsg_len = sizeof request;
   request.header.nlmsg_type = SOCK_DIAG_BY_FAMILY;
   request.header.nlmsg_seq = 1;
@@ -48,7 +53,7 @@ bool Ask(DiagRequest request, absl::FunctionRef<void(const inet_diag_msg&)> each
   }
   const bool dump = (request.header.nlmsg_flags & NLM_F_DUMP) != 0;
   alignas(nlmsghdr) char buffer[16384];
-  bool answered = false, done = false;
+  bool done = false;
   while (!done) {
     ssize_t n = 0;
     do {
@@ -59,8 +64,13 @@ bool Ask(DiagRequest request, absl::FunctionRef<void(const inet_diag_msg&)> each
     for (auto* message = reinterpret_cast<nlmsghdr*>(buffer); NLMSG_OK(message, left);
          message = NLMSG_NEXT(message, left)) {
       if (message->nlmsg_seq != request.header.nlmsg_seq) continue;
-      answered = true;
       if (message->nlmsg_type == NLMSG_DONE) {
+        // A dump's end carries its status: 0, or the error that ended it.
+        if (message->nlmsg_len >= NLMSG_LENGTH(sizeof(int))) {
+          int status = 0;
+          std::memcpy(&status, NLMSG_DATA(message), sizeof status);
+          if (status < 0) *error = -status;
+        }
         done = true;
         break;
       }
@@ -87,7 +97,7 @@ bool Ask(DiagRequest request, absl::FunctionRef<void(const inet_diag_msg&)> each
   ::close(fd);
   // A request the kernel does not take (no inet_diag for the family or protocol): the
   // caller reads /proc instead.
-  return answered && *error != EINVAL && *error != EOPNOTSUPP && *error != EPROTONOSUPPORT;
+  return done && *error != EINVAL && *error != EOPNOTSUPP && *error != EPROTONOSUPPORT;
 }
 
 DiagRequest Request(uint8_t family, uint32_t states, bool dump) {
