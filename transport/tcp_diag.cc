@@ -168,43 +168,39 @@ std::optional<DiagOwner> DiagSocketOwner(const sockaddr_storage& local_end,
 }
 
 std::optional<std::vector<std::pair<unsigned long long, uid_t>>> DiagListeners(
-    const sockaddr_storage& to) {
-  if (to.ss_family != AF_INET && to.ss_family != AF_INET6) return std::nullopt;
+    const sockaddr_storage& to, int family) {
+  if ((to.ss_family != AF_INET && to.ss_family != AF_INET6) ||
+      (family != AF_INET && family != AF_INET6) ||
+      (family == AF_INET && to.ss_family != AF_INET)) {
+    return std::nullopt;
+  }
   __be32 want[4] = {};
   __be16 port = 0;
   SetEnd(to, want, &port);
   std::vector<std::pair<unsigned long long, uid_t>> listeners;
-  auto take = [&](uint8_t family) {
-    int error = 0;
-    const bool asked = Ask(
-        Request(family, 1u << kTcpListen, /*dump=*/true),
-        [&](const inet_diag_msg& m) {
-          if (m.id.idiag_sport != port || m.idiag_inode == 0) return;
-          const __be32* at = m.id.idiag_src;
-          bool match = false;
-          if (family == AF_INET) {
-            match = at[0] == want[0] || at[0] == 0;
-          } else if (to.ss_family == AF_INET6) {
-            match = std::memcmp(at, want, 16) == 0 ||
-                    (at[0] == 0 && at[1] == 0 && at[2] == 0 && at[3] == 0);
-          } else {
-            // An IPv4 `to` on an IPv6 socket: the wildcard, or its IPv4-mapped form.
-            const bool wildcard = at[0] == 0 && at[1] == 0 && at[2] == 0 && at[3] == 0;
-            const bool mapped =
-                at[0] == 0 && at[1] == 0 && at[2] == htonl(0xFFFF) && at[3] == want[0];
-            match = wildcard || mapped;
-          }
-          if (match) listeners.emplace_back(m.idiag_inode, static_cast<uid_t>(m.idiag_uid));
-        },
-        &error);
-    return asked && error == 0;
-  };
-  if (to.ss_family == AF_INET) {
-    if (!take(AF_INET)) return std::nullopt;
-    if (listeners.empty() && !take(AF_INET6)) return std::nullopt;
-  } else if (!take(AF_INET6)) {
-    return std::nullopt;
-  }
+  int error = 0;
+  const bool asked = Ask(
+      Request(static_cast<uint8_t>(family), 1u << kTcpListen, /*dump=*/true),
+      [&](const inet_diag_msg& m) {
+        if (m.id.idiag_sport != port || m.idiag_inode == 0) return;
+        const __be32* at = m.id.idiag_src;
+        const bool wildcard = family == AF_INET
+                                  ? at[0] == 0
+                                  : at[0] == 0 && at[1] == 0 && at[2] == 0 && at[3] == 0;
+        bool match = false;
+        if (family == AF_INET) {
+          match = wildcard || at[0] == want[0];
+        } else if (to.ss_family == AF_INET6) {
+          match = wildcard || std::memcmp(at, want, 16) == 0;
+        } else {
+          // An IPv4 `to` on an IPv6 socket: the wildcard, or its IPv4-mapped form.
+          match = wildcard ||
+                  (at[0] == 0 && at[1] == 0 && at[2] == htonl(0xFFFF) && at[3] == want[0]);
+        }
+        if (match) listeners.emplace_back(m.idiag_inode, static_cast<uid_t>(m.idiag_uid));
+      },
+      &error);
+  if (!asked || error != 0) return std::nullopt;
   return listeners;
 }
 

@@ -27,12 +27,12 @@ struct DiagOwner {
 std::optional<DiagOwner> DiagSocketOwner(const sockaddr_storage& local_end,
                                          const sockaddr_storage& remote_end);
 
-// The live sockets listening at `to`'s port on its address or on the wildcard address
-// of its family, and for an IPv4 `to` that no IPv4 socket listens at, on an IPv6 socket
-// (dual-stack: the IPv6 wildcard, or `to`'s IPv4-mapped form): each one's inode and
-// owner's uid, as ucx_tcp_guard's internal::Listeners reads them from /proc. nullopt:
-// netlink could not be asked.
+// The live sockets of `family` (AF_INET or AF_INET6) listening at `to`'s port on its
+// address or on the family's wildcard address, and for an IPv4 `to` among IPv6 sockets,
+// on its IPv4-mapped form (dual-stack): each one's inode and owner's uid, as
+// ucx_tcp_guard's internal::Listeners reads them from /proc/net/tcp or tcp6. nullopt:
+// netlink could not be asked (or an IPv6 `to` among IPv4 sockets).
 std::optional<std::vector<std::pair<unsigned long long, uid_t>>> DiagListeners(
-    const sockaddr_storage& to);
+    const sockaddr_storage& to, int family);
 
 }  // namespace kvagent::transport

@@ -244,18 +244,19 @@ std::optional<std::vector<std::pair<unsigned long long, uid_t>>> UcxTcpLocalList
   std::memcpy(&address, to, length);
   address = internal::Unmapped(address);
   if (!OfThisHost(address)) return std::nullopt;
-  // Asked of the kernel's socket diagnostics: the listening sockets only.
-  if (auto asked = DiagListeners(address); asked.has_value()) return *std::move(asked);
-  // Without them, from /proc. Each file costs milliseconds to read (the kernel prints
-  // its whole table): an IPv4 address is looked for in tcp6 (a dual-stack listener)
-  // only when tcp has none.
+  // Each family's listening sockets, asked of the kernel's socket diagnostics, else
+  // read from /proc (each file costs milliseconds: the kernel prints its whole table).
+  auto of_family = [&address](int family) {
+    if (auto asked = DiagListeners(address, family); asked.has_value()) return *std::move(asked);
+    return internal::Listeners(
+        ReadFileText(family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6").value_or(""),
+        address);
+  };
+  // An IPv4 address is looked for among IPv6 sockets (a dual-stack listener) only when
+  // no IPv4 one listens there.
   std::vector<std::pair<unsigned long long, uid_t>> listeners;
-  if (address.ss_family == AF_INET) {
-    listeners = internal::Listeners(ReadFileText("/proc/net/tcp").value_or(""), address);
-  }
-  if (listeners.empty()) {
-    listeners = internal::Listeners(ReadFileText("/proc/net/tcp6").value_or(""), address);
-  }
+  if (address.ss_family == AF_INET) listeners = of_family(AF_INET);
+  if (listeners.empty()) listeners = of_family(AF_INET6);
   return listeners;
 }
 

@@ -207,18 +207,28 @@ TEST_CASE("socket diagnostics and /proc name the same connector and the same lis
 
     struct stat listener_file {};
     REQUIRE(fstat(accepted.listener, &listener_file) == 0);
-    const auto listeners = DiagListeners(to);
-    REQUIRE(listeners.has_value());
+    // Each family's listeners, as the guard looks (IPv6 for an IPv4 address only when
+    // no IPv4 socket listens), from netlink and from that family's /proc file.
     using Inodes = std::vector<std::pair<unsigned long long, uid_t>>;
-    CHECK(*listeners == Inodes{{listener_file.st_ino, geteuid()}});
-    Inodes from_proc;
-    if (to.ss_family == AF_INET) from_proc = internal::Listeners(FileText("/proc/net/tcp"), to);
-    if (from_proc.empty()) from_proc = internal::Listeners(FileText("/proc/net/tcp6"), to);
-    CHECK(*listeners == from_proc);
-    // Nobody listens at the connector's port.
-    const auto at_connector = DiagListeners(from);
-    REQUIRE(at_connector.has_value());
-    CHECK(at_connector->empty());
+    std::vector<int> families{AF_INET6};
+    if (to.ss_family == AF_INET) families.insert(families.begin(), AF_INET);
+    Inodes found;
+    for (const int family : families) {
+      INFO("family " << (family == AF_INET ? "IPv4" : "IPv6"));
+      const auto listeners = DiagListeners(to, family);
+      REQUIRE(listeners.has_value());
+      CHECK(*listeners ==
+            internal::Listeners(FileText(family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6"),
+                                to));
+      if (found.empty()) found = *listeners;
+      // Nobody listens at the connector's port.
+      const auto at_connector = DiagListeners(from, family);
+      REQUIRE(at_connector.has_value());
+      CHECK(at_connector->empty());
+    }
+    CHECK(found == Inodes{{listener_file.st_ino, geteuid()}});
+    CHECK(UcxTcpLocalListeners(reinterpret_cast<const sockaddr*>(&to), to_length) ==
+          std::optional<Inodes>(found));
   }
   CHECK(made >= 1);
 }
@@ -252,7 +262,7 @@ TEST_CASE("without socket diagnostics the guard reads /proc and decides the same
     socklen_t from_length = sizeof from, to_length = sizeof to;
     getpeername(accepted.fd, reinterpret_cast<sockaddr*>(&from), &from_length);
     getsockname(accepted.fd, reinterpret_cast<sockaddr*>(&to), &to_length);
-    if (DiagSocketOwner(from, to).has_value() || DiagListeners(at).has_value()) _exit(11);
+    if (DiagSocketOwner(from, to).has_value() || DiagListeners(at, AF_INET).has_value()) _exit(11);
     const auto listeners = UcxTcpLocalListeners(reinterpret_cast<sockaddr*>(&at), length);
     if (!listeners.has_value() || listeners->size() != 1) _exit(12);
     struct stat listener_file {};
