@@ -912,19 +912,24 @@ void PruneHeldLocked(std::chrono::steady_clock::time_point now)
   }
 }
 
-// Whether `pid` is admitted now: held, or within its grace and still the process that
-// was proven. /proc is read without the lock.
+// Whether `pid`, as `held` (a copy of its entry, taken under the lock) says, is admitted
+// now: held, or within its grace and still the process that was proven (its
+// /proc/PID/stat, read without the lock).
+bool Admitted(int pid, const HeldPid& held, std::chrono::steady_clock::time_point now) {
+  if (held.holds > 0) return true;
+  if (held.until <= now) return false;
+  return held.start_ticks != 0 && ProcessStartTicks(pid) == held.start_ticks;
+}
+
 bool PidAdmitted(int pid) {
-  uint64_t start_ticks = 0;
+  HeldPid held;
   {
     absl::MutexLock lock(&g_same_host_mu);
     auto it = g_same_host_pids->find(pid);
     if (it == g_same_host_pids->end()) return false;
-    if (it->second.holds > 0) return true;
-    if (it->second.until <= std::chrono::steady_clock::now()) return false;
-    start_ticks = it->second.start_ticks;
+    held = it->second;
   }
-  return start_ticks != 0 && ProcessStartTicks(pid) == start_ticks;
+  return Admitted(pid, held, std::chrono::steady_clock::now());
 }
 }  // namespace
 
@@ -993,15 +998,18 @@ namespace {
 // same process), this process's own left out: a snapshot, so that /proc is read
 // without the lock.
 std::vector<int> HeldPeerPids() {
-  std::vector<int> pids;
+  std::vector<std::pair<int, HeldPid>> entries;
   {
     absl::MutexLock lock(&g_same_host_mu);
     for (const auto& [pid, held] : *g_same_host_pids) {
-      if (pid != ::getpid()) pids.push_back(pid);
+      if (pid != ::getpid()) entries.emplace_back(pid, held);
     }
   }
-  pids.erase(std::remove_if(pids.begin(), pids.end(), [](int pid) { return !PidAdmitted(pid); }),
-             pids.end());
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<int> pids;
+  for (const auto& [pid, held] : entries) {
+    if (Admitted(pid, held, now)) pids.push_back(pid);
+  }
   return pids;
 }
 }  // namespace

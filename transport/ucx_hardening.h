@@ -101,10 +101,11 @@ uint64_t UcxRefusedRkeyEntries();
 // a local door proved, held with AllowSameHostPeer while a session of the peer role is
 // open on either side (this agent's PeerLink to the peer, the peer's to this agent),
 // and for a grace after the last of them closed (SetSameHostGrace) while the same
-// process (its start time) has that pid, or this process itself for its own segments (not for cma: kvagent never moves bytes
-// inside itself through UCX). A refusal is counted (SameHostRefusals), logged (the
-// first few and every 1,024th) and noted for the thread (TakeSameHostRefusal), and
-// the call fails with EPERM, so UCX fails the endpoint or the transfer.
+// process (its start time) has that pid, or this process itself for its own segments
+// (not for cma: kvagent never moves bytes inside itself through UCX). A refusal is
+// counted (SameHostRefusals), logged (the first few and every 1,024th) and noted for
+// the thread (TakeSameHostRefusal), and the call fails with EPERM, so UCX fails the
+// endpoint or the transfer.
 void ArmSameHostGuard();
 // Counted: a pid held twice is forgotten twice.
 void AllowSameHostPeer(int pid);
@@ -183,10 +184,10 @@ bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_by
 // the listening sockets (`listeners`, each an inode and its owner's uid:
 // UcxTcpLocalListeners) must be held by an allowed pid (as SameHostTargetAdmitted: a
 // local door's, or a network door's of this host, ProcessListeningOn; never this
-// process itself). A proven pid whose
-// descriptors this process may not read (another uid's) passes where a listener is of
-// its uid. `where` names the port in the refusal, counted, logged and noted as above.
-// With no listener the connection goes on (and fails by itself).
+// process itself). A proven pid whose descriptors this process may not read (another
+// uid's) passes where a listener is of its uid. `where` names the port in the refusal,
+// counted, logged and noted as above. With no listener the connection goes on (and
+// fails by itself).
 class SameHostTcpCheck {
  public:
   SameHostTcpCheck();

@@ -188,7 +188,9 @@ Pools MakePools(cli::AgentClient& prefill, cli::AgentClient& decode, uint64_t pa
   REQUIRE(src.ok());
   REQUIRE(dst.ok());
   for (uint32_t r = 0; r < src->regions(); ++r) {
-    for (uint64_t p = 0; p < shape.pages; ++p) cli::FillPage(src->Page(r, p), shape.page_bytes, seed, r, p);
+    for (uint64_t p = 0; p < shape.pages; ++p) {
+      cli::FillPage(src->Page(r, p), shape.page_bytes, seed, r, p);
+    }
   }
   std::memset(dst->mapping.data(), 0xEE, dst->bytes());
   return Pools{*std::move(src), *std::move(dst)};
