@@ -157,6 +157,17 @@ TEST_CASE("a process of another peer uid cannot take a peer name another agent h
 struct ForNobody {
   std::string home;
   std::string binary;
+  // Agent `name` run as uid 65534 (setpriv), writing in `home`, its local door there.
+  cli::DaemonOptions Agent(const std::string& name) const {
+    cli::DaemonOptions options;
+    options.binary = binary;
+    options.name = name;
+    options.work_dir = home;
+    options.local_socket = fmt::format("{}/{}.sock", home, name);
+    options.command_prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
+                              "--clear-groups", "--"};
+    return options;
+  }
 };
 ForNobody PrepareForNobody(const OpenDir& dir) {
   ForNobody out;
@@ -231,19 +242,10 @@ TEST_CASE("agents running as an unprivileged user serve and move pages") {
   OpenDir dir;
   // Everything the agents write goes in a directory of their own.
   const ForNobody nobody = PrepareForNobody(dir);
-  const std::string& home = nobody.home;
-  const std::string& binary = nobody.binary;
 
   std::vector<cli::DaemonProcess> agents;
   for (const char* name : {"prefill", "decode"}) {
-    cli::DaemonOptions options;
-    options.binary = binary;
-    options.name = name;
-    options.work_dir = home;
-    options.local_socket = fmt::format("{}/{}.sock", home, name);
-    options.command_prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
-                              "--clear-groups", "--"};
-    auto started = cli::DaemonProcess::Start(options);
+    auto started = cli::DaemonProcess::Start(nobody.Agent(name));
     INFO(started.status().ToString());
     REQUIRE(started.ok());
     agents.push_back(*std::move(started));
@@ -285,12 +287,10 @@ TEST_CASE("an agent that cannot see the process behind a door of this host warns
   if (access("/usr/bin/setpriv", X_OK) != 0) KVAGENT_SKIP("needs setpriv (util-linux)");
   OpenDir dir;
   const ForNobody nobody = PrepareForNobody(dir);
-  const std::string& home = nobody.home;
-  const std::string& binary = nobody.binary;
 
   // decode: root, a plain network door on 127.0.0.1, UCX TCP connections from uid 65534.
   cli::DaemonOptions root_options;
-  root_options.binary = binary;
+  root_options.binary = nobody.binary;
   root_options.name = "decode";
   root_options.work_dir = dir.path();
   root_options.network = cli::NetworkDoor::kInsecure;
@@ -299,14 +299,8 @@ TEST_CASE("an agent that cannot see the process behind a door of this host warns
   INFO(decode_started.status().ToString());
   REQUIRE(decode_started.ok());
   // prefill: uid 65534, dialling plain network doors (--insecure-listen).
-  cli::DaemonOptions options;
-  options.binary = binary;
-  options.name = "prefill";
-  options.work_dir = home;
-  options.local_socket = home + "/prefill.sock";
+  cli::DaemonOptions options = nobody.Agent("prefill");
   options.extra_args = {"--insecure-listen", "127.0.0.1:0"};
-  options.command_prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
-                            "--clear-groups", "--"};
   auto prefill_started = cli::DaemonProcess::Start(options);
   INFO(prefill_started.status().ToString());
   REQUIRE(prefill_started.ok());
