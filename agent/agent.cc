@@ -213,7 +213,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
   peer_options.link.tls = options.tls;
   peer_options.link.insecure = !options.insecure_listen.empty();
   peer_options.link.peer_uids = options.policy.peer_uids;
-  agent->peers_ = std::make_unique<PeerManager>(agent->worker_.get(), peer_options);
+  agent->pings_ = std::make_unique<EndpointPings>(agent->worker_.get(), &agent->counters_);
+  agent->peers_ = std::make_unique<PeerManager>(agent->worker_.get(), peer_options,
+                                                agent->pings_.get());
   if (!options.directory.url.empty()) {
     ASSIGN_OR_RETURN(agent->directory_, Directory::Create(options.directory));
     agent->directory_->SetListener(
@@ -284,7 +286,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
                                           &agent->counters_, options.name);
   agent->inbox_->SetEagerOnlyFrom(
       [self](std::string_view from) { return self->peers_->EndpointLacksNativeRma(from); });
-  agent->inbox_->Install(agent->engine_.get(), agent->stager_.get());
+  agent->inbox_->Install(agent->engine_.get(), agent->stager_.get(), agent->pings_.get());
   // A lost peer fails its transfers at once instead of at their deadline. The engine
   // outlives the peer manager's callers: peers stop in Shutdown, before the engine
   // is destroyed.
@@ -818,6 +820,7 @@ Agent::~Agent() {
   stager_.reset();
   incoming_.reset();
   peers_.reset();
+  pings_.reset();  // its timers and sends ended with the worker
   push_.reset();  // after the doors: no stream is left to push to
   watchers_.reset();
   registry_.reset();

@@ -209,6 +209,7 @@ class Agent {
   std::unique_ptr<IncomingTransfers> incoming_;
   std::unique_ptr<MetadataWatchers> watchers_;
   std::unique_ptr<MetadataPush> push_;  // null with --metadata-push off
+  std::unique_ptr<EndpointPings> pings_;  // used by peers_ and the Inbox; after the worker
   std::unique_ptr<PeerManager> peers_;
   std::unique_ptr<LivenessDoor> liveness_;  // null with --liveness off
   std::unique_ptr<Directory> directory_;  // null without --directory

@@ -17,8 +17,10 @@ enum class AmId : uint16_t {
   kTransferAck = 5,        // TransferAck, on DATA_READY's reply endpoint: TransferEngine
   kNoticeBatch = 6,        // PeerMessageAuth + NoticeBatch: TransferEngine, per entry
   kAckBatch = 7,           // TransferAckBatch, on a NoticeBatch's reply endpoint: TransferEngine
+  kPing = 8,               // EndpointPing, header only, with a reply endpoint: EndpointPings
+  kPong = 9,               // EndpointPing echoed, on the ping's reply endpoint: EndpointPings
 };
-inline constexpr uint16_t kMaxAmId = 7;
+inline constexpr uint16_t kMaxAmId = 9;
 inline constexpr uint16_t Wire(AmId id) { return static_cast<uint16_t>(id); }
 inline std::string_view AmName(AmId id) {
   switch (id) {
@@ -29,6 +31,8 @@ inline std::string_view AmName(AmId id) {
     case AmId::kTransferAck: return "transfer acknowledgement";
     case AmId::kNoticeBatch: return "notification batch";
     case AmId::kAckBatch: return "acknowledgement batch";
+    case AmId::kPing: return "ping";
+    case AmId::kPong: return "pong";
   }
   return "unknown message";
 }
@@ -48,8 +52,12 @@ inline constexpr uint32_t kWireOpenInDataReady = 1u << 2;
 // A DATA_READY with `committed` (a transfer completed when placed) is delivered once it is
 // acknowledged, without the PEER_DATA_COMMIT that went beside it (one notice fewer).
 inline constexpr uint32_t kWireCommitInDataReady = 1u << 3;
-inline constexpr uint32_t kWireFeatures =
-    kWireBatches | kWireAmData | kWireOpenInDataReady | kWireCommitInDataReady;
+// Ids 8 and 9: a ping over a new endpoint is answered by a pong over the ping's reply
+// endpoint, so the connecting agent learns that the peer's UCX reaches it back before
+// it calls the peer connected (EndpointPings).
+inline constexpr uint32_t kWirePing = 1u << 4;
+inline constexpr uint32_t kWireFeatures = kWireBatches | kWireAmData | kWireOpenInDataReady |
+                                          kWireCommitInDataReady | kWirePing;
 // The bounds of a batch (both the sender's and the receiver's): entries, and bytes of
 // the NoticeBatch. A notification larger than kMaxBatchedNoticeBytes goes alone (id 1).
 inline constexpr uint32_t kMaxBatchEntries = 1024;

@@ -29,9 +29,10 @@ Inbox::Inbox(transport::UcxWorker* worker, const PeerSecrets* secrets, SecurityC
 // takes it. Senders: notifications from TransferEngine::SendNotice, acknowledgements
 // from IncomingTransfers (over DATA_READY's reply endpoint), the staged messages from
 // the Stager.
-void Inbox::Install(TransferEngine* engine, Stager* stager) {
+void Inbox::Install(TransferEngine* engine, Stager* stager, EndpointPings* pings) {
   engine_ = engine;
   stager_ = stager;
+  if (pings != nullptr) InstallPings(pings);
   // 1: PeerMessageAuth (bounded, parsed, its secret verified) + Notification (bounded
   // before a rendezvous body is fetched, parsed, sender and limits checked).
   worker_->SetAmDataHandler(Wire(AmId::kNotification), [this](const transport::AmMessage& m) {
@@ -66,6 +67,40 @@ void Inbox::Install(TransferEngine* engine, Stager* stager) {
                                                                       const auto& m) {
     return stager->OnReadReply(h, m);
   });
+}
+
+void Inbox::InstallPings(EndpointPings* pings) {
+  // 8: EndpointPing (bounded, parsed) with a reply endpoint, answered over it with 9.
+  // Data, if any, is never fetched (the handler keeps nothing).
+  worker_->SetAmDataHandler(
+      Wire(AmId::kPing),
+      [this, pings](const transport::AmMessage& m) {
+        wire::EndpointPing ping;
+        if (!ParseHeader(m.header, limits_.max_auth_header_bytes, &ping)) {
+          pings->Drop(fmt::format("a ping whose {}-byte header does not parse (or is over {} "
+                                  "bytes)",
+                                  m.header.size(), limits_.max_auth_header_bytes));
+        } else if (m.reply_ep == nullptr) {
+          pings->Drop("a ping without a reply endpoint (it cannot be answered)");
+        } else {
+          pings->Answer(ping, m.reply_ep);
+        }
+        return false;
+      });
+  // 9: EndpointPing (bounded, parsed); it ends the ping of its token.
+  worker_->SetAmHandler(
+      Wire(AmId::kPong),
+      [this, pings](std::string_view header, std::string_view /*data*/) {
+        wire::EndpointPing pong;
+        if (!ParseHeader(header, limits_.max_auth_header_bytes, &pong)) {
+          pings->Drop(fmt::format("a pong whose {}-byte header does not parse (or is over {} "
+                                  "bytes)",
+                                  header.size(), limits_.max_auth_header_bytes));
+          return;
+        }
+        pings->OnPong(pong);
+      },
+      /*max_data_bytes=*/0);
 }
 
 void Inbox::Silence() { worker_->SilenceAmHandlers(); }

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "agent/access.h"
 #include "agent/am_ids.h"
+#include "agent/endpoint_pings.h"
 #include "agent/kept_messages.h"
 #include "agent/peer_secrets.h"
 #include "proto/kvagent.pb.h"
@@ -67,8 +68,9 @@ class Inbox {
   Inbox& operator=(const Inbox&) = delete;
 
   // Registers every id with the worker (before peers can reach us), each handled by
-  // `engine` or `stager` (null: staged messages stay unanswered). Once.
-  void Install(TransferEngine* engine, Stager* stager);
+  // `engine`, `stager` (null: staged messages stay unanswered) or `pings` (null: pings
+  // stay unanswered). Once.
+  void Install(TransferEngine* engine, Stager* stager, EndpointPings* pings = nullptr);
   // True for a sender whose endpoint here lacks native RMA (tcp): its notifications
   // are refused unfetched when they come by rendezvous (an honest sender sends eager
   // there; fetching one over tcp from a sender that dies aborts UCX 1.13). Set before
@@ -136,6 +138,8 @@ class Inbox {
   void FlushAcks();
   // Sends one serialized TransferAck (5) over `reply_ep`.
   void SendAckBytes(void* reply_ep, std::string_view ack);
+  // Registers 8 and 9, handled by `pings`.
+  void InstallPings(EndpointPings* pings);
   // Registers a staged id whose header is `Header` (parsed here, then `handler`).
   template <typename Header>
   void InstallStaged(AmId id,

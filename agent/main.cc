@@ -206,8 +206,9 @@ constexpr std::string_view kUsage = R"(usage: kvagentd --name NAME [flags]
   --wire-features N           AgentMetadata.wire_features announced to peers (a mask of
                               agent/am_ids.h kWire*: 1 notice batches, 2 data over active
                               messages, 4 an open inside DATA_READY, 8 a committed
-                              DATA_READY; default all): fewer make peers talk to this
-                              agent as to an older one, for testing
+                              DATA_READY, 16 a ping at connect; default all): fewer
+                              make peers talk to this agent as to an older one, for
+                              testing
   --ucx-spin-us N             how long the UCX progress thread polls after work before
                               it sleeps (default 0: at once; polling pays only where
                               cores are spare: on 2 shared cores 50 us made one-page

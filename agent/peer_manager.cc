@@ -339,8 +339,9 @@ absl::StatusOr<std::shared_ptr<PeerLink>> PeerManager::OpenLink(const std::strin
   return link;
 }
 
-PeerManager::PeerManager(transport::UcxWorker* worker, PeerManagerOptions options)
-    : worker_(worker), options_(std::move(options)) {
+PeerManager::PeerManager(transport::UcxWorker* worker, PeerManagerOptions options,
+                         EndpointPings* pings)
+    : worker_(worker), pings_(pings), options_(std::move(options)) {
   absl::MutexLock lock(&guard_->mu);
   guard_->manager = this;
 }
@@ -450,6 +451,23 @@ void PeerManager::ConnectNow(const std::string& address,
       });
 }
 
+namespace {
+// A network peer's endpoint that does not finish connecting, or whose ping is not
+// answered: only the peer's log and status name a refusal by its UCX TCP guard.
+constexpr std::string_view kTcpGuardHint =
+    "; over tcp, the peer's guard may have refused this host's address: its log then says "
+    "'UCX TCP: refused a connection from HOST' and its ucx_tcp_refused_connections rises "
+    "(this agent's UCX connects from an address it did not announce: check "
+    "--data-interface or UCX_NET_DEVICES, and any NAT between the agents)";
+// The same for the way back: the peer's UCX connects to this agent's.
+constexpr std::string_view kOwnTcpGuardHint =
+    "; over tcp, this agent's guard may have refused the peer's connection back: this "
+    "agent's log then says 'UCX TCP: refused a connection from HOST' and its "
+    "ucx_tcp_refused_connections rises (the peer's UCX connects from an address it did not "
+    "announce: check its --data-interface or UCX_NET_DEVICES, and any NAT between the "
+    "agents)";
+}  // namespace
+
 void PeerManager::BuildSnapshot(
     const std::shared_ptr<PeerLink>& link, const v1::AgentMetadata& metadata,
     std::shared_ptr<const PeerSnapshot> previous,
@@ -527,6 +545,7 @@ void PeerManager::BuildSnapshot(
     if (reused) {
       snapshot->endpoint = previous->endpoint;
       snapshot->transports = previous->transports;
+      snapshot->round_trip_us = previous->round_trip_us;
     } else if (!base_slots.empty()) {
       done(absl::FailedPreconditionError(fmt::format(
           "peer '{}': a delta keeps the previous endpoint's keys, but the endpoint must be "
@@ -615,25 +634,46 @@ void PeerManager::BuildSnapshot(
       finish();
       return;
     }
+    // Then a round trip, for a peer that takes pings: the flush proves only the way
+    // there; the pong comes the way every acknowledgement and notice of the peer's
+    // comes (EndpointPings says why).
+    auto ping = [this, snapshot, finish, done]() {
+      if (pings_ == nullptr || (snapshot->wire_features & kWirePing) == 0) {
+        kLog.Info("peer '{}' takes no pings (an older build): called connected without a "
+                  "UCX round trip",
+                  snapshot->name);
+        finish();
+        return;
+      }
+      pings_->Ping(*snapshot->endpoint, snapshot->name,
+                   std::chrono::milliseconds(options_.connect_timeout_ms),
+                   [snapshot, finish, done](absl::StatusOr<uint64_t> round_trip_us) {
+                     if (!round_trip_us.ok()) {
+                       // The guard's hint where the peer's way back is tcp to this host.
+                       const bool tcp = !snapshot->same_host &&
+                                        absl::StrContains(snapshot->endpoint->ReadLanes(), "tcp");
+                       done(absl::Status(round_trip_us.status().code(),
+                                         fmt::format("{}{}", round_trip_us.status().message(),
+                                                     tcp ? kOwnTcpGuardHint : "")));
+                       return;
+                     }
+                     snapshot->round_trip_us = *round_trip_us;
+                     finish();
+                   });
+    };
     // Finish wireup before the first data: with UCX 1.13's tcp transport, puts that
     // race the connection setup crashed the receiving worker (seen here under load).
-    snapshot->endpoint->Flush([snapshot, finish, done](absl::Status flushed) {
+    snapshot->endpoint->Flush([snapshot, ping, done](absl::Status flushed) {
       if (!flushed.ok()) {
         done(absl::UnavailableError(fmt::format(
             "peer '{}': the new UCX endpoint did not finish connecting: {}; check that the "
             "peer's transports are reachable from here (`kvagentctl doctor` on both){}",
             snapshot->name, flushed.message(),
             // Only the peer's log and status name a refusal by its UCX TCP guard.
-            snapshot->same_host
-                ? ""
-                : "; over tcp, the peer's guard may have refused this host's address: its "
-                  "log then says 'UCX TCP: refused a connection from HOST' and its "
-                  "ucx_tcp_refused_connections rises (this agent's UCX connects from an "
-                  "address it did not announce: check --data-interface or UCX_NET_DEVICES, "
-                  "and any NAT between the agents)")));
+            snapshot->same_host ? "" : kTcpGuardHint)));
         return;
       }
-      finish();
+      ping();
     });
   });
 }
@@ -1177,6 +1217,7 @@ v1::PeerInfo PeerManager::InfoLocked(const Peer& peer) const {
   info.set_regions(static_cast<uint32_t>(s.catalog->regions().size()));
   info.set_error_mode(std::string(transport::ErrorModeName(s.error_mode)));
   info.set_transports(s.transports);
+  info.set_ucx_round_trip_us(s.round_trip_us);
   info.set_same_host(s.same_host);
   info.set_state(peer.state);
   info.set_last_error(peer.last_error);

@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "agent/endpoint_pings.h"
 #include "agent/liveness.h"
 #include "agent/peer_snapshot.h"
 #include "agent/tls.h"
@@ -153,7 +154,10 @@ struct PeerManagerOptions {
 
 class PeerManager {
  public:
-  PeerManager(transport::UcxWorker* worker, PeerManagerOptions options);
+  // `pings` (outlives this; null: none sent) proves each new endpoint works both ways
+  // before its peer is called connected (EndpointPings), for peers that take pings.
+  PeerManager(transport::UcxWorker* worker, PeerManagerOptions options,
+              EndpointPings* pings = nullptr);
   ~PeerManager();
 
   // Fetches the peer's metadata and connects; `done` runs on a connector, gRPC or
@@ -352,6 +356,7 @@ class PeerManager {
   void KickMonitor();
 
   transport::UcxWorker* worker_;
+  EndpointPings* pings_;  // null: no pings sent
   PeerManagerOptions options_;
   std::unique_ptr<LivenessProber> prober_;  // null: metadata push or liveness off
   mutable absl::Mutex mu_;

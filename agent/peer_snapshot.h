@@ -98,6 +98,10 @@ struct PeerSnapshot {
   // kAmRead) instead of UCX RMA: the endpoint has no native RMA (Endpoint::NativeRma,
   // tcp) and the peer takes such messages (kWireAmData). Set with the endpoint.
   bool am_data = false;
+  // The endpoint's opening ping (EndpointPings): µs from sending it to the peer's pong,
+  // which proves the peer's UCX reaches this agent back. Kept with a reused endpoint;
+  // 0 when the peer takes no pings (its wire_features lack kWirePing).
+  uint64_t round_trip_us = 0;
   // The same view with only what a finished transfer's outcome and commit notices need
   // (name, incarnation, endpoint, secret, wire features): no catalog, no keys, no
   // mapped memory. Made once per view; an ended record keeps this one, so 10,000 ended

@@ -502,8 +502,10 @@ int RunDemo(const DemoOptions& options) {
   if (!json) {
     std::printf("\nmodel      %s\n", model->description.c_str());
     std::printf("submitted  through %s\n", submitter.mode());
-    std::printf("data path  %s (UCX transports %s, error mode %s)\n", peer->data_path().c_str(),
-                transports.c_str(), peer->error_mode().c_str());
+    std::printf("data path  %s (UCX transports %s, error mode %s, UCX round trip at connect "
+                "%lu us)\n",
+                peer->data_path().c_str(), transports.c_str(), peer->error_mode().c_str(),
+                static_cast<unsigned long>(peer->ucx_round_trip_us()));
     std::printf("regions    %zu per agent in %s (memory path: prefill %s, decode %s)\n\n",
                 src->region_names.size(),
                 vram ? fmt::format("VRAM, CUDA device {}, one IPC handle per pool",
@@ -549,14 +551,15 @@ int RunDemo(const DemoOptions& options) {
       "\"aux_bytes\": %lu, \"checked_bytes\": %lu, \"seconds\": %.6f, \"gbps\": %.3f, "
       "\"p50_us\": %.1f, \"p99_us\": %.1f, \"data_path\": \"%s\", \"transports\": \"%s\", "
       "\"error_mode\": \"%s\", \"prefill_memory_path\": \"%s\", "
-      "\"decode_memory_path\": \"%s\", \"submit\": \"%s\"}\n",
+      "\"decode_memory_path\": \"%s\", \"submit\": \"%s\", \"ucx_round_trip_us\": %lu}\n",
       verified ? "true" : "false", model->model.c_str(), options.memory.c_str(), options.requests,
       static_cast<unsigned long>(pages), src->region_names.size(), model->state_slots,
       static_cast<unsigned long>(bytes), static_cast<unsigned long>(kv_bytes),
       static_cast<unsigned long>(state_bytes), static_cast<unsigned long>(aux_bytes),
       static_cast<unsigned long>(checked_bytes), seconds, gbps, p50, p99,
       peer->data_path().c_str(), transports.c_str(), peer->error_mode().c_str(),
-      src->memory_path.c_str(), dst->memory_path.c_str(), submitter.mode());
+      src->memory_path.c_str(), dst->memory_path.c_str(), submitter.mode(),
+      static_cast<unsigned long>(peer->ucx_round_trip_us()));
   std::fflush(stdout);
   std::move(deregister).Invoke();
   if (local.started()) local.StopAndClean();

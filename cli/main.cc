@@ -35,7 +35,8 @@ commands:
   status                     name, doors, UCX, regions, peers, transfer counters,
                              and who you are to the agent (principal, roles)
   regions                    registered regions with layouts
-  peers                      connected peers: transports, error mode, state
+  peers                      connected peers: transports, error mode, UCX round trip
+                             at connect, state
   agents                     the fleet in the agent's etcd directory (--directory):
                              name, doors, incarnation, age, whether it is a peer here
   transfers [--active] [--incoming]
@@ -375,16 +376,21 @@ void PrintDirectFallbacks(const kvagent::v1::PeerInfo& p) {
   }
 }
 
+// PeerInfo.ucx_round_trip_us as shown: "-" for a peer that takes no pings.
+std::string RoundTrip(const kvagent::v1::PeerInfo& p) {
+  return p.ucx_round_trip_us() == 0 ? std::string("-") : std::to_string(p.ucx_round_trip_us());
+}
+
 void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
-  std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8s %-9s %s\n", "name", "address", "state",
-              "data_path", "ucx_transports", "mode", "regions", "same_host",
+  std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-10s %-8s %-9s %s\n", "name", "address",
+              "state", "data_path", "ucx_transports", "mode", "ucx_rtt_us", "regions", "same_host",
               "metadata (push|poll|reconnecting: last refresh; deltas/full fetches)"
               "[; device copy]");
   for (const auto& p : r.peers()) {
-    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-8u %-9s %s: %lu bytes in %.1f ms; "
+    std::printf("%-16s %-22s %-12s %-16s %-16s %-6s %-10s %-8u %-9s %s: %lu bytes in %.1f ms; "
                 "%lu/%lu%s%s\n",
                 p.name().c_str(), p.address().c_str(), p.state().c_str(), p.data_path().c_str(),
-                p.transports().c_str(), p.error_mode().c_str(), p.regions(),
+                p.transports().c_str(), p.error_mode().c_str(), RoundTrip(p).c_str(), p.regions(),
                 p.same_host() ? "yes" : "no", p.metadata_source().c_str(),
                 static_cast<unsigned long>(p.metadata_bytes_last()),
                 p.refresh_us_last() / 1000.0, static_cast<unsigned long>(p.deltas_applied()),
@@ -402,9 +408,13 @@ void PrintPeers(const kvagent::v1::ListPeersResponse& r) {
 }
 
 void PrintPeer(const kvagent::v1::PeerInfo& p) {
-  std::printf("connected to '%s' at %s: %u regions, data path %s, UCX transports %s, error mode %s\n",
+  std::printf("connected to '%s' at %s: %u regions, data path %s, UCX transports %s, error mode "
+              "%s, UCX round trip %s\n",
               p.name().c_str(), p.address().c_str(), p.regions(), p.data_path().c_str(),
-              p.transports().c_str(), p.error_mode().c_str());
+              p.transports().c_str(), p.error_mode().c_str(),
+              p.ucx_round_trip_us() == 0
+                  ? "not measured (an older peer)"
+                  : (std::to_string(p.ucx_round_trip_us()) + " us").c_str());
   PrintDirectFallbacks(p);
 }
 

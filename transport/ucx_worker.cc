@@ -506,6 +506,41 @@ void UcxWorker::Wake() {
   }
 }
 
+void UcxWorker::PostAfter(std::chrono::milliseconds delay, std::function<void()> fn) {
+  if (!OnWorkerThread()) {
+    Post([this, due = std::chrono::steady_clock::now() + delay, fn = std::move(fn)]() mutable {
+      // Rounded up: never before `due`.
+      PostAfter(std::chrono::ceil<std::chrono::milliseconds>(
+                    std::max(due - std::chrono::steady_clock::now(),
+                             std::chrono::steady_clock::duration::zero())),
+                std::move(fn));
+    });
+    return;
+  }
+  timers_.emplace(std::make_pair(std::chrono::steady_clock::now() + delay, timers_set_++),
+                  std::move(fn));
+}
+
+bool UcxWorker::RunTimers(std::chrono::steady_clock::time_point now, bool all) {
+  bool ran = false;
+  // One at a time: a timer may set another (PostAfter), even one due now.
+  while (!timers_.empty() && (all || timers_.begin()->first.first <= now)) {
+    auto fn = std::move(timers_.begin()->second);
+    timers_.erase(timers_.begin());
+    fn();
+    ran = true;
+  }
+  return ran;
+}
+
+int UcxWorker::MsToNextTimer(std::chrono::steady_clock::time_point now) const {
+  if (timers_.empty()) return -1;
+  const auto due = timers_.begin()->first.first;
+  if (due <= now) return 0;
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(due - now).count();
+  return static_cast<int>(std::min<int64_t>((us + 999) / 1000, 1000));
+}
+
 bool UcxWorker::DrainQueue() {
   posted_here_ = false;
   std::vector<std::function<void()>> batch;
@@ -905,6 +940,7 @@ void UcxWorker::Loop() {
     // The poller first: what it submits is posted here and runs in this same loop.
     bool polled = poller_ != nullptr && poller_->Poll();
     bool worked = DrainQueue();
+    if (!timers_.empty()) worked |= RunTimers(std::chrono::steady_clock::now());
     bool progressed = false;
     while (ucp_worker_progress(worker_) != 0) worked = progressed = true;
     TendTagSink();
@@ -955,6 +991,10 @@ void UcxWorker::Loop() {
       const int limit = poller->SleepTimeoutMs();
       if (limit >= 0 && (timeout_ms < 0 || limit < timeout_ms)) timeout_ms = limit;
     }
+    if (!timers_.empty()) {
+      const int next = MsToNextTimer(std::chrono::steady_clock::now());
+      if (next >= 0 && next < timeout_ms) timeout_ms = next;
+    }
     int count = epoll_wait(epoll_fd_, events, 3, timeout_ms);
     bool rang = false;
     for (int i = 0; i < count; ++i) {
@@ -998,6 +1038,8 @@ void UcxWorker::SetReceiveStallListener(std::function<void()> listener) {
 
 void UcxWorker::Shutdown() {
   DrainQueue();
+  // Every timer runs now (stopping() is true): what waits on one ends.
+  RunTimers(std::chrono::steady_clock::now(), /*all=*/true);
   // The receive for any tag: canceled (none is posted again, stopping_ is set), and
   // freed (UCX releases it once the cancel completes it).
   if (tag_sink_ != nullptr) {
@@ -1013,6 +1055,7 @@ void UcxWorker::Shutdown() {
     DrainQueue();
     while (ucp_worker_progress(worker_) != 0) {
     }
+    RunTimers(std::chrono::steady_clock::now(), /*all=*/true);  // set by what just ran
     ReapRequests();
     bool idle;
     {
@@ -1023,6 +1066,7 @@ void UcxWorker::Shutdown() {
     if (idle) break;
     if (std::chrono::steady_clock::now() >= deadline) {
       DrainQueue();  // closures accepted before exited_ was set
+      RunTimers(std::chrono::steady_clock::now(), /*all=*/true);
       kLog.Warn("UCX worker '{}': {} endpoint close(s) did not finish within {} s; the "
                 "peer is unresponsive, releasing anyway",
                 name_, pending_requests_.size(), kShutdownBudget.count());

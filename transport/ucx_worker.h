@@ -6,13 +6,16 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -153,6 +156,13 @@ class UcxWorker {
   // call from the worker thread or a gRPC handler on a hot path).
   void RunSync(std::function<void()> fn);
   bool OnWorkerThread() const;
+  // Runs `fn` on the worker thread once `delay` has passed, or as the
+  // worker stops, whichever comes first (`stopping()` then says which), so a wait that
+  // ends by it always ends. Timers due at the same time run in the order they were set.
+  // Any thread (from another, the timer is set by a Post).
+  void PostAfter(std::chrono::milliseconds delay, std::function<void()> fn);
+  // True once the worker began to stop (its destructor runs).
+  bool stopping() const { return stopping_.load(); }
   // Has the thread poll `poller` in every loop and sleep on its fd as well (null:
   // stops). Any thread; returns once the thread uses it, after which the previous one
   // is not called again. The poller must outlive its use (set null before it goes).
@@ -239,6 +249,12 @@ class UcxWorker {
   void ReapRequests();
   // Thread exit: finishes queued work and open endpoints, then destroys the worker.
   void Shutdown();
+  // Runs the timers (PostAfter) due by `now`, or all of them (`all`, at shutdown);
+  // false when none ran.
+  bool RunTimers(std::chrono::steady_clock::time_point now, bool all = false);
+  // Milliseconds until the next timer is due, rounded up (0 when one is due); -1 when
+  // none is set.
+  int MsToNextTimer(std::chrono::steady_clock::time_point now) const;
   // Feeds receive_stall_ one loop; true while stalled and arm still says BUSY (the
   // loop then waits 1 ms instead of spinning).
   bool NoteReceiveStall(bool progressed, bool arm_busy);
@@ -314,6 +330,10 @@ class UcxWorker {
     am_sent_[id < kAmCounters ? id : 0].fetch_add(1, std::memory_order_relaxed);
   }
   std::vector<void*> pending_requests_;
+  // PostAfter's timers: due time, then the order they were set.
+  std::map<std::pair<std::chrono::steady_clock::time_point, uint64_t>, std::function<void()>>
+      timers_;
+  uint64_t timers_set_ = 0;
   WorkerPoller* poller_ = nullptr;  // worker thread only (SetPoller)
   int poller_fd_ = -1;              // in epoll_fd_ while poller_ is set
   // Endpoints still open; closed at shutdown if their owner has not destroyed them.

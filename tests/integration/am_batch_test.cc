@@ -67,6 +67,15 @@ uint64_t SentBetween(const AmTable& before, const AmTable& after, const std::str
   return (a == after.end() ? 0 : a->second.first) - (b == before.end() ? 0 : b->second.first);
 }
 
+// Prefill's PeerInfo of decode.
+v1::PeerInfo PrefillsViewOfDecode(AgentPair& pair) {
+  auto peers = pair.prefill().Peers();
+  REQUIRE(peers.ok());
+  REQUIRE(peers->peers_size() == 1);
+  REQUIRE(peers->peers(0).name() == "decode");
+  return peers->peers(0);
+}
+
 // A fast path ring on prefill's session (its client keeps the session).
 std::unique_ptr<FastPath> OpenPrefillRing(AgentPair& pair) {
   auto session = pair.prefill().Session();
@@ -181,6 +190,29 @@ TEST_CASE("one notified one-page WRITE at a time through the fast path: three ac
   CHECK(per_transfer < 2.6);
 }
 
+// Prefill connected to decode (AgentPair) only once decode's pong came back over the
+// new endpoint: one ping each way of the connect, its round trip in PeerInfo.
+TEST_CASE("the connect's ping: one each way of a new endpoint, its round trip shown") {
+  AgentPair pair(ThousandPages());
+  const v1::PeerInfo decode = PrefillsViewOfDecode(pair);
+  std::printf("prefill -> decode (%s, %s): UCX round trip at connect %lu us\n",
+              decode.data_path().c_str(), decode.transports().c_str(),
+              static_cast<unsigned long>(decode.ucx_round_trip_us()));
+  CHECK(decode.ucx_round_trip_us() > 0);
+  const auto prefill_am = AmCounts(pair.prefill());
+  const auto decode_am = AmCounts(pair.decode());
+  CHECK(prefill_am.at("ping") == std::make_pair(uint64_t{1}, uint64_t{0}));
+  CHECK(prefill_am.at("pong") == std::make_pair(uint64_t{0}, uint64_t{1}));
+  CHECK(decode_am.at("ping") == std::make_pair(uint64_t{0}, uint64_t{1}));
+  CHECK(decode_am.at("pong") == std::make_pair(uint64_t{1}, uint64_t{0}));
+  // A refresh with the same endpoint does not ping again (the peer is the same process).
+  auto again = pair.prefill().Connect(pair.decode_process().address());
+  INFO(again.status().ToString());
+  REQUIRE(again.ok());
+  CHECK(again->ucx_round_trip_us() == decode.ucx_round_trip_us());
+  CHECK(AmCounts(pair.prefill()).at("ping").first == 1);
+}
+
 TEST_CASE("to a peer that announces fewer wire features (an older agent), the open and "
           "the commit go as notices of their own, with the same outcome") {
   // 3: notice batches and data over active messages, neither the open inside DATA_READY
@@ -192,6 +224,10 @@ TEST_CASE("to a peer that announces fewer wire features (an older agent), the op
       options.extra_args = {"--wire-features", features};
       AgentPair pair(options);
       pair.ResetContents();
+      // No ping either (kWirePing, 16): prefill called decode connected without one.
+      CHECK(PrefillsViewOfDecode(pair).ucx_round_trip_us() == 0);
+      CHECK(SentBetween({}, AmCounts(pair.prefill()), "ping") == 0);
+      CHECK(SentBetween({}, AmCounts(pair.decode()), "pong") == 0);
       std::unique_ptr<FastPath> fast = OpenPrefillRing(pair);
       auto one = [&](uint64_t i, bool placed) {
         v1::SubmitTransferRequest write =

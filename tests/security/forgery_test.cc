@@ -1580,7 +1580,7 @@ TEST_CASE("active messages of ids the agent does not take are dropped and counte
   UcxAttacker attacker(metadata.worker_address(), "1024",
                        mode == "peer" ? transport::ErrorMode::kPeer : transport::ErrorMode::kNone);
   const uint64_t dropped_before = Dropped(decode_status);
-  const std::vector<uint16_t> ids = {0, 8, 9, 31, 63, 64, 255, 256, 4096, 65535};
+  const std::vector<uint16_t> ids = {0, 10, 11, 31, 63, 64, 255, 256, 4096, 65535};
   const std::string large(64 << 10, 'u');
   int sent = 0;
   for (uint16_t id : ids) {
@@ -1611,17 +1611,16 @@ TEST_CASE("active messages of ids the agent does not take are dropped and counte
   RequireHonestWrite(pair, "after-unknown-ids", {1, 2}, {1, 2});
 }
 
-// Eve as an agent that decode READs from: her metadata on a gRPC Peer service on
-// 127.0.0.1 (prefill's real catalog renamed "eve", every region "staged", her own
-// worker's address), and her own UCX worker, which answers each
-// staged read request with one reply of all its bytes, sent as UCX picks from 1 KiB
-// up (rendezvous), whatever the reader asked for.
-class RendezvousReplier final : public v1::Peer::Service {
+// Eve as an agent of her own for decode to connect to: her metadata on a gRPC Peer
+// service on 127.0.0.1 (prefill's real catalog renamed "eve", every region "staged",
+// her own worker's address, `wire_features`), and her own UCX worker, whose handlers
+// the kinds of eve below set. `rndv_thresh`: UCX_RNDV_THRESH for her context ("": UCX's).
+class FakeAgent : public v1::Peer::Service {
  public:
-  explicit RendezvousReplier(v1::AgentMetadata catalog) : bytes_(1 << 20, '\x5a') {
-    ::setenv("UCX_RNDV_THRESH", "1024", 1);
+  FakeAgent(v1::AgentMetadata catalog, uint32_t wire_features, const std::string& rndv_thresh) {
+    if (!rndv_thresh.empty()) ::setenv("UCX_RNDV_THRESH", rndv_thresh.c_str(), 1);
     auto context = transport::UcxContext::Create();
-    ::unsetenv("UCX_RNDV_THRESH");
+    if (!rndv_thresh.empty()) ::unsetenv("UCX_RNDV_THRESH");
     INFO(context.status().ToString());
     REQUIRE(context.ok());
     context_ = *std::move(context);
@@ -1629,38 +1628,66 @@ class RendezvousReplier final : public v1::Peer::Service {
     INFO(worker.status().ToString());
     REQUIRE(worker.ok());
     worker_ = *std::move(worker);
-    worker_->SetAmDataHandler(kStagedReadAm, [this](const transport::AmMessage& m) {
-      Answer(m);
-      return false;
-    });
     view_ = std::move(catalog);
     view_.set_name("eve");
     view_.set_incarnation(1);
     view_.set_worker_address(worker_->address());
     view_.set_notify_secret(RandomSecret());
     view_.set_liveness_address("");  // polled for liveness, as an older agent is
-    view_.set_wire_features(0);
+    view_.set_wire_features(wire_features);
     for (auto& region : *view_.mutable_regions()) {
       region.set_memory_path("staged");  // (its rkey stays: it is prefill's, never used)
       region.set_memory_id(0);
       region.set_memory_offset(0);
     }
-    server_ = StartFakePeer(this, &port_);
   }
-  ~RendezvousReplier() override {
-    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    worker_.reset();  // its thread finishes the replies in flight first
-  }
+  ~FakeAgent() override { Stop(); }
 
   std::string address() const { return fmt::format("127.0.0.1:{}", port_); }
-  int requests() const { return requests_.load(); }
-  int asked_eager() const { return asked_eager_.load(); }
 
   grpc::Status GetMetadata(grpc::ServerContext*, const v1::GetMetadataRequest* request,
                            v1::AgentMetadata* reply) override {
     AnswerMetadata(view_, *request, reply);
     return grpc::Status::OK;
   }
+
+ protected:
+  // Once the handlers are set: decode may call from then on.
+  void Serve() { server_ = StartFakePeer(this, &port_); }
+  // The server, then the worker (its thread finishes the replies in flight first):
+  // before what the handlers and sends use goes.
+  void Stop() {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    server_.reset();
+    worker_.reset();
+  }
+  transport::UcxWorker& worker() { return *worker_; }
+
+ private:
+  std::unique_ptr<transport::UcxContext> context_;
+  std::unique_ptr<transport::UcxWorker> worker_;
+  v1::AgentMetadata view_;  // set before the server starts, read only after
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// Eve as an agent that decode READs from, which answers each staged read request with
+// one reply of all its bytes, sent as UCX picks from 1 KiB up (rendezvous), whatever
+// the reader asked for.
+class RendezvousReplier final : public FakeAgent {
+ public:
+  explicit RendezvousReplier(v1::AgentMetadata catalog)
+      : FakeAgent(std::move(catalog), /*wire_features=*/0, "1024"), bytes_(1 << 20, '\x5a') {
+    worker().SetAmDataHandler(kStagedReadAm, [this](const transport::AmMessage& m) {
+      Answer(m);
+      return false;
+    });
+    Serve();
+  }
+  ~RendezvousReplier() override { Stop(); }
+
+  int requests() const { return requests_.load(); }
+  int asked_eager() const { return asked_eager_.load(); }
 
  private:
   // Worker thread.
@@ -1675,19 +1702,14 @@ class RendezvousReplier final : public v1::Peer::Service {
     reply.set_from_agent("eve");
     reply.set_request_id(request.request_id());
     reply.set_offset(0);
-    worker_->SendAmReply(m.reply_ep, kStagedReadReplyAm, reply.SerializeAsString(),
+    worker().SendAmReply(m.reply_ep, kStagedReadReplyAm, reply.SerializeAsString(),
                          bytes_.data(), std::min<uint64_t>(total, bytes_.size()),
                          [](absl::Status) {}, /*eager=*/false);
   }
 
   const std::string bytes_;  // what eve answers with; outlives the worker's sends
-  std::unique_ptr<transport::UcxContext> context_;
-  std::unique_ptr<transport::UcxWorker> worker_;
-  v1::AgentMetadata view_;  // set before the server starts, read only after
   std::atomic<int> requests_{0};
   std::atomic<int> asked_eager_{0};
-  int port_ = 0;
-  std::unique_ptr<grpc::Server> server_;
 };
 
 // A reader that asks for eager replies (every endpoint an agent opens here: tcp with
@@ -1740,6 +1762,125 @@ TEST_CASE("a READ answered by rendezvous though eager replies were asked fails u
   REQUIRE(status.ok());
   CHECK(status->dropped_peer_messages() == 0);
   RequireHonestWrite(pair, "after-eve", {4, 5}, {4, 5});
+}
+
+// Eve as an agent that decode connects to (FakeAgent), for the ping that proves a new
+// endpoint works both ways (agent/endpoint_pings.h): her worker answers decode's ping
+// (active message 8) as `answer` says.
+enum class PingAnswer {
+  kPong,        // the pong, with the ping's token, over the ping's reply endpoint
+  kWrongToken,  // a pong over the reply endpoint, but with another token
+  kNone,        // nothing: as a peer whose UCX cannot reach decode back
+  kOlderBuild,  // no kWirePing in her wire_features: decode does not ping
+};
+
+class PingedPeer final : public FakeAgent {
+ public:
+  PingedPeer(v1::AgentMetadata catalog, PingAnswer answer)
+      // What this build announces (with the ping), or an older build's (without).
+      : FakeAgent(std::move(catalog), answer == PingAnswer::kOlderBuild ? 0 : kAllWireFeatures,
+                  ""),
+        answer_(answer) {
+    worker().SetAmDataHandler(kPingAm, [this](const transport::AmMessage& m) {
+      pings_.fetch_add(1);
+      wire::EndpointPing ping;
+      if (answer_ == PingAnswer::kNone || m.reply_ep == nullptr ||
+          !ping.ParseFromArray(m.header.data(), static_cast<int>(m.header.size()))) {
+        return false;
+      }
+      wire::EndpointPing pong;
+      pong.set_token(answer_ == PingAnswer::kWrongToken ? ping.token() + 1 : ping.token());
+      worker().SendAmReply(m.reply_ep, kPongAm, pong.SerializeAsString(), nullptr, 0,
+                           [](absl::Status) {}, /*eager=*/true);
+      return false;
+    });
+    Serve();
+  }
+  ~PingedPeer() override { Stop(); }
+
+  int pings() const { return pings_.load(); }
+
+ private:
+  static constexpr uint16_t kPingAm = 8;  // EndpointPing, with a reply endpoint
+  static constexpr uint16_t kPongAm = 9;  // EndpointPing, on the ping's reply endpoint
+  // agent/am_ids.h kWireFeatures of this build: batches, data over active messages,
+  // open and commit in DATA_READY, pings.
+  static constexpr uint32_t kAllWireFeatures = 0x1f;
+  const PingAnswer answer_;
+  std::atomic<int> pings_{0};
+};
+
+// A peer whose UCX takes this agent's messages but whose answers never come back (its
+// UCX could not connect back, or its worker is stuck) used to be called connected;
+// every transfer to it then ended at its deadline with no reason. Now ConnectPeer waits
+// for the pong of a ping over the new endpoint: it fails within the connect timeout
+// (5 s), saying what happened and where to look, and eve is not left connected. A pong
+// with another token is no answer (dropped, counted). A peer that answers is
+// connected with its round trip; an older build, which takes no pings, is connected
+// without one. Decode keeps taking prefill's WRITEs throughout.
+TEST_CASE("a peer whose UCX does not answer the connect's ping is not called connected") {
+  const std::string mode = GENERATE("none", "peer");
+  INFO("decode's endpoint to eve: --ucx-error-mode " << mode
+       << (mode == "peer" ? " (tcp)" : " (shared memory)"));
+  AgentPairOptions options;
+  options.extra_args = {"--insecure-listen", "127.0.0.1:0", "--ucx-error-mode", mode,
+                        "--shm-direct", "off"};
+  AgentPair pair(options);
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  const v1::AgentMetadata catalog =
+      PeerCaller::Attach(pair.prefill_process(), "catalog-reader")->Metadata("catalog-reader");
+  auto eve_connected = [&]() {
+    auto peers = pair.decode().Peers();
+    REQUIRE(peers.ok());
+    for (const auto& p : peers->peers()) {
+      if (p.name() == "eve") return true;
+    }
+    return false;
+  };
+  for (PingAnswer answer : {PingAnswer::kNone, PingAnswer::kWrongToken}) {
+    INFO((answer == PingAnswer::kNone ? "eve never answers" : "eve answers another token"));
+    PingedPeer eve(catalog, answer);
+    const uint64_t dropped_before = Dropped(decode_status);
+    const auto start = Clock::now();
+    auto connected = pair.decode().Connect(eve.address());
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+    INFO(connected.status().ToString() << " after " << ms << " ms");
+    REQUIRE_FALSE(connected.ok());
+    CHECK(connected.status().code() == absl::StatusCode::kDeadlineExceeded);
+    const std::string why(connected.status().message());
+    CHECK_THAT(why, Contains("peer 'eve': its UCX did not answer this agent's ping within 5000 "
+                             "ms") &&
+                        Contains("The peer's log says why"));
+    // The hint about this agent's TCP guard only where the endpoint is tcp.
+    CHECK((why.find("this agent's guard may have refused the peer's connection back") !=
+           std::string::npos) == (mode == "peer"));
+    CHECK(ms >= 5000);
+    CHECK(ms < 5000 + 10000);  // bounded by the connect timeout, not a transfer's deadline
+    CHECK(eve.pings() == 1);
+    CHECK_FALSE(eve_connected());
+    CHECK(Dropped(decode_status) - dropped_before == (answer == PingAnswer::kNone ? 0u : 1u));
+  }
+  {
+    PingedPeer eve(catalog, PingAnswer::kPong);
+    auto connected = pair.decode().Connect(eve.address());
+    INFO(connected.status().ToString());
+    REQUIRE(connected.ok());
+    CHECK(connected->name() == "eve");
+    CHECK(connected->ucx_round_trip_us() > 0);
+    CHECK(eve.pings() == 1);
+    CHECK(eve_connected());
+  }
+  {
+    PingedPeer eve(catalog, PingAnswer::kOlderBuild);
+    auto connected = pair.decode().Connect(eve.address());
+    INFO(connected.status().ToString());
+    REQUIRE(connected.ok());
+    CHECK(connected->ucx_round_trip_us() == 0);  // not pinged: an older build
+    CHECK(eve.pings() == 0);
+  }
+  REQUIRE(Alive(pair.decode_process().pid()));
+  RequireHonestWrite(pair, "after-pings", {1, 2}, {1, 2});
 }
 
 // Where `pid`'s executable is mapped from its first byte (its ELF header), from

@@ -538,6 +538,70 @@ TEST_CASE("Post keeps per-thread order and RunSync sees every earlier Post") {
   CHECK(order == std::vector<int>{1, 2});
 }
 
+TEST_CASE("PostAfter runs each timer on the worker thread once its delay passed, in order") {
+  Agent a = Agent::Make("timer-a");
+  using Clock = std::chrono::steady_clock;
+  struct Ran {
+    int id;
+    Clock::duration after;
+    bool on_worker;
+  };
+  absl::Mutex mu;
+  std::vector<Ran> ran;
+  absl::Notification all;
+  const auto start = Clock::now();
+  auto timer = [&](int id) {
+    return [&, id] {
+      absl::MutexLock lock(&mu);
+      ran.push_back({id, Clock::now() - start, a.worker->OnWorkerThread()});
+      if (ran.size() == 4) all.Notify();
+    };
+  };
+  // Set on the worker thread, out of order; two due at the same time keep their order.
+  a.worker->RunSync([&] {
+    a.worker->PostAfter(std::chrono::milliseconds(150), timer(3));
+    a.worker->PostAfter(std::chrono::milliseconds(50), timer(1));
+    a.worker->PostAfter(std::chrono::milliseconds(50), timer(2));
+  });
+  // From another thread: set through a Post, due 200 ms from now all the same.
+  a.worker->PostAfter(std::chrono::milliseconds(200), timer(4));
+  // The worker sleeps up to a second when idle: the timers must wake it, not that.
+  REQUIRE(all.WaitForNotificationWithTimeout(kWait));
+  absl::MutexLock lock(&mu);
+  REQUIRE(ran.size() == 4);
+  const std::vector<int> expected_ms = {50, 50, 150, 200};
+  for (size_t i = 0; i < ran.size(); ++i) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(ran[i].after).count();
+    INFO("timer " << ran[i].id << " ran after " << ms << " ms");
+    CHECK(ran[i].id == static_cast<int>(i) + 1);
+    CHECK(ran[i].on_worker);
+    CHECK(ms >= expected_ms[i]);
+    // Not a timing test: only that an idle worker did not sleep through it.
+    CHECK(ms < expected_ms[i] + 900);
+  }
+}
+
+TEST_CASE("a timer not due when the worker stops runs then, and says the worker stopped") {
+  std::atomic<int> ran{0};
+  std::atomic<bool> saw_stopping{false};
+  {
+    Agent a = Agent::Make("timer-stop");
+    UcxWorker* worker = a.worker.get();
+    a.worker->RunSync([&] {
+      worker->PostAfter(std::chrono::hours(1), [&, worker] {
+        saw_stopping = worker->stopping();
+        ran.fetch_add(1);
+        // One set while stopping runs too: what waits on it still ends.
+        worker->PostAfter(std::chrono::hours(1), [&] { ran.fetch_add(1); });
+      });
+    });
+    CHECK(ran.load() == 0);
+    CHECK_FALSE(a.worker->stopping());
+  }  // the worker stops here
+  CHECK(ran.load() == 2);
+  CHECK(saw_stopping.load());
+}
+
 // A peer's packed remote key is untrusted: UCX reads it by its own layout, not its
 // length. A 9-byte key whose map names all 64 memory domains, placed right before an
 // inaccessible page, made UCX read past it (SIGSEGV). Now a key is walked entry by
