@@ -4,7 +4,7 @@
 # (fuzz/seeds/<target>/*.textpb, encoded with protoc), its past failures
 # (fuzz/regressions/<target>/) and a corpus kept between runs.
 #
-#   fuzz/run.sh [--seconds N] [--targets "metadata register plan fast_ring inbox liveness"] [--junit FILE]
+#   fuzz/run.sh [--seconds N] [--targets "metadata register plan fast_ring inbox liveness ucx_stream"] [--junit FILE]
 #               [-- BAZEL_BUILD_FLAGS...]
 #
 # A fuzzer that crashes, leaks, trips a sanitizer or breaks a FUZZ_CHECK fails; its
@@ -17,7 +17,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 seconds="${KVAGENT_FUZZ_SECONDS:-60}"
-targets="metadata register plan fast_ring inbox liveness"
+targets="metadata register plan fast_ring inbox liveness ucx_stream"
 junit=""
 bazel_flags=()
 while (($# > 0)); do
@@ -95,9 +95,11 @@ declare -A message_of=([metadata]=kvagent.v1.AgentMetadata
                        [plan]=kvagent.v1.SubmitTransferRequest
                        [fast_ring]=kvagent.fuzz.FastRingInput
                        [inbox]=kvagent.wire.NoticeBatch
-                       [liveness]=kvagent.fuzz.LivenessInput)
+                       [liveness]=kvagent.fuzz.LivenessInput
+                       [ucx_stream]=kvagent.fuzz.UcxStreamInput)
 declare -A proto_of=([fast_ring]=fuzz/fast_ring_input.proto [inbox]=proto/wire.proto
-                     [liveness]=fuzz/liveness_input.proto)
+                     [liveness]=fuzz/liveness_input.proto
+                     [ucx_stream]=fuzz/ucx_stream_input.proto)
 rc=0
 for t in $targets; do
   dir="$work/$t"

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <uct/api/uct_def.h>
 
 #include <algorithm>
@@ -435,19 +436,59 @@ constexpr uint8_t kKeepalive = UCT_AM_ID_MAX + 3;
 constexpr uint32_t kPutRequestBytes = 8 + 8 + 4;
 constexpr uint32_t kPutAckBytes = 4;
 constexpr size_t kFrameHeaderBytes = 1 + 4;
+// A connection-manager frame's body: a 4-byte event first. The connection request
+// (event 1): the event, flags (1 byte), the endpoint's id (8) and the sender's
+// interface address, as long as the accepting interface's own (a sockaddr_in, or a
+// sockaddr_in6 on an IPv6 interface); UCT aborts on one of another length.
+constexpr uint32_t kCmEventBytes = 4;
+constexpr uint32_t kCmConnectionRequest = 1;
+constexpr size_t kCmRequestFlagsAt = 4;
+constexpr uint8_t kCmFlagConnectToEndpoint = 1;
+constexpr size_t kCmRequestFamilyAt = 4 + 1 + 8;  // the sockaddr_in's sa_family_t
 
-// Why a frame of `id` and `length` is refused ("" when it is not).
-std::string FrameRefusal(uint8_t id, uint32_t length, const internal::StreamRules& rules) {
+// Why a connection request's body (kCmConnectionRequestBytes) is refused ("" if not).
+std::string ConnectionRequestRefusal(const uint8_t* body) {
+  if ((body[kCmRequestFlagsAt] & kCmFlagConnectToEndpoint) != 0) {
+    return "a connection request for UCT's connect-to-endpoint mode (flag 1: it names an "
+           "endpoint by an id this agent cannot check, and UCT aborts on one it does not "
+           "have; kvagent's agents never send it)";
+  }
+  sa_family_t family = 0;
+  std::memcpy(&family, body + kCmRequestFamilyAt, sizeof family);
+  if (family != AF_INET && family != AF_INET6) {
+    return fmt::format("a connection request naming an address of family {} (UCT aborts on "
+                       "any but IPv4 and IPv6)",
+                       family);
+  }
+  return "";
+}
+
+// Why a frame of `id` and `length` is refused ("" when it is not); `requested`: the
+// stream's connection request came.
+std::string FrameRefusal(uint8_t id, uint32_t length, bool requested,
+                         const internal::StreamRules& rules) {
   if (length > rules.max_frame) {
     return fmt::format("a frame of {} bytes (id {}), more than UCT's receive buffer takes "
                        "({}; UCT aborts the process on it)",
                        length, id, rules.max_frame);
   }
-  if (id < UCT_AM_ID_MAX || id == kConnectionManager || id == kKeepalive) return "";
+  if (id < UCT_AM_ID_MAX || id == kKeepalive) return "";
+  if (id == kConnectionManager) {
+    if (length < kCmEventBytes) {
+      return fmt::format("a connection-manager frame of {} bytes, short of its {}-byte event "
+                         "(UCT aborts on it)",
+                         length, kCmEventBytes);
+    }
+    return "";
+  }
   if (id == kPutRequest) {
     if (length != kPutRequestBytes) {
       return fmt::format("a put request of {} bytes (UCT aborts on any but {})", length,
                          kPutRequestBytes);
+    }
+    if (!requested) {
+      return "a put request before the connection's request (UCT aborts answering it on a "
+             "connection it has not taken yet)";
     }
     return "";
   }
@@ -498,17 +539,48 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
         const uint8_t id = check->bytes[0];
         uint32_t length = 0;
         std::memcpy(&length, check->bytes + 1, 4);
-        if (std::string why = FrameRefusal(id, length, rules); !why.empty()) {
+        if (std::string why = FrameRefusal(id, length, check->requested, rules); !why.empty()) {
           check->phase = StreamCheck::kRefused;
           return why;
         }
         check->have = 0;
         if (id == kPutRequest) {
           check->phase = StreamCheck::kPutHeader;
+        } else if (id == kConnectionManager) {
+          check->left = length;  // at least the event (FrameRefusal)
+          check->phase = StreamCheck::kCmEvent;
         } else {
           check->left = length;
           check->phase = length == 0 ? StreamCheck::kHeader : StreamCheck::kBody;
         }
+        break;
+      }
+      case StreamCheck::kCmEvent: {
+        // The whole body when it is as long as a request (it may be one), else the event.
+        const size_t request = check->request_bytes;
+        const size_t want = check->left == request ? request : kCmEventBytes;
+        if (!collect(want)) break;
+        uint32_t event = 0;
+        std::memcpy(&event, check->bytes, sizeof event);
+        if (event == kCmConnectionRequest) {
+          std::string why =
+              check->requested
+                  ? "a second connection request on one connection (UCT sends one, and aborts "
+                    "on another in some states)"
+              : want != request
+                  ? fmt::format("a connection request of {} bytes (UCT aborts on any but {} "
+                                "here)",
+                                check->left, request)
+                  : ConnectionRequestRefusal(check->bytes);
+          if (!why.empty()) {
+            check->phase = StreamCheck::kRefused;
+            return why;
+          }
+          check->requested = true;
+        }
+        check->have = 0;
+        check->left -= want;
+        check->phase = check->left == 0 ? StreamCheck::kHeader : StreamCheck::kBody;
         break;
       }
       case StreamCheck::kPutHeader: {
@@ -525,6 +597,20 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
     }
   }
   return "";
+}
+
+uint8_t ConnectionRequestBytes(int family) {
+  return static_cast<uint8_t>(4 + 1 + 8 +
+                              (family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in)));
+}
+
+std::optional<StreamRules> RulesForRxSegSize(const char* rx_seg_size) {
+  StreamRules rules;
+  if (rx_seg_size == nullptr) return rules;
+  const std::optional<uint64_t> bytes = ParseUcxSize(rx_seg_size);
+  if (!bytes || *bytes == 0) return std::nullopt;
+  rules.max_frame = *bytes;  // UCT's buffer is this and a header (measured: uct_frames_test)
+  return rules;
 }
 
 std::optional<uint64_t> ParseUcxSize(std::string_view text) {
@@ -591,18 +677,15 @@ StreamSlot* SlotOf(int fd) {
 
 // The rules from this process's environment, before UCX reads it.
 internal::StreamRules RulesFromEnvironment() {
-  internal::StreamRules rules;
-  if (const char* size = std::getenv("UCX_TCP_RX_SEG_SIZE")) {
-    const std::optional<uint64_t> bytes = internal::ParseUcxSize(size);
-    if (bytes && *bytes > kFrameHeaderBytes) {
-      rules.max_frame = *bytes - kFrameHeaderBytes;
-    } else {
-      rules.max_frame = UINT64_MAX;
-      kLog.Warn("UCX TCP: UCX_TCP_RX_SEG_SIZE={} is not a size this agent reads; frames "
-                "longer than UCT's receive buffer (on which UCT aborts) are not refused",
-                size);
-    }
+  const char* size = std::getenv("UCX_TCP_RX_SEG_SIZE");
+  if (std::optional<internal::StreamRules> rules = internal::RulesForRxSegSize(size)) {
+    return *rules;
   }
+  kLog.Warn("UCX TCP: UCX_TCP_RX_SEG_SIZE={} is not a size this agent reads; frames "
+            "longer than UCT's receive buffer (on which UCT aborts) are not refused",
+            size);
+  internal::StreamRules rules;
+  rules.max_frame = UINT64_MAX;
   return rules;
 }
 
@@ -620,6 +703,12 @@ bool WatchStream(int fd) {
     return false;
   }
   slot->check = internal::StreamCheck{};
+  // UCT sizes a connection request by the accepting interface's address family.
+  sockaddr_storage local{};
+  socklen_t local_length = sizeof local;
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_length) == 0) {
+    slot->check.request_bytes = internal::ConnectionRequestBytes(local.ss_family);
+  }
   slot->on.store(true, std::memory_order_release);
   return true;
 }

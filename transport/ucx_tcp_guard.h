@@ -99,11 +99,19 @@ bool UcxTcpAdmit(int fd);
 // of a watched descriptor to UcxTcpRecv. UCT's tcp stream there is an 8-byte magic
 // number, then frames of a 1-byte id, a 4-byte length and that many bytes (a put
 // request's frame is followed by its payload, unframed). UCT 1.13 aborts the process
-// (a failed assertion) on a frame longer than its receive buffer (UCX_TCP_RX_SEG_SIZE),
-// on an id it does not know (past the active messages': 32 connection manager, 33 put
-// request, 34 put acknowledgement, 35 keepalive, whose body UCT skips), and on a put
-// request or acknowledgement of another length than its own: any process that
-// connects could end the agent with five bytes. The
+// (a failed assertion) on a frame body longer than its receive buffer
+// (UCX_TCP_RX_SEG_SIZE: UCT adds the header to it), on an id it does not know (past the
+// active messages': 32 connection manager, 33 put request, 34 put acknowledgement, 35
+// keepalive, whose body UCT skips), on a put request or acknowledgement of another
+// length than its own, on a connection-manager frame shorter than its 4-byte event, on
+// a connection request (event 1) of another length than its own, naming an address
+// of a family other than IPv4 or IPv6, or asking for UCT's connect-to-endpoint mode
+// (flag 1: it names an endpoint by an id the guard cannot check, and UCT aborts on
+// one it does not have; kvagent's agents send flags 0), on a second request on one
+// connection in some states (UCT sends one), and on a put request before the
+// connection's request (it answers on a connection not yet its own): any process
+// that connects could end the agent with a few bytes. These rules are held to the
+// installed libuct by tests/security:uct_frames_test. The
 // connection is closed at such a frame instead (the read says end of stream, the
 // socket is shut down), before UCT sees it. A put request's address is not checked:
 // kvagent's own agents send put requests over tcp (with a large staged chunk, most
@@ -132,15 +140,35 @@ namespace internal {
 
 // The checks UcxTcpRecv makes, and where it is in one stream.
 struct StreamRules {
-  uint64_t max_frame = 65536 - 5;  // UCX_TCP_RX_SEG_SIZE less the frame header
+  // The longest frame body UCT takes: UCX_TCP_RX_SEG_SIZE (UCT's receive buffer is that
+  // and a frame header).
+  uint64_t max_frame = 65536;
 };
+// Rules for UCX_TCP_RX_SEG_SIZE=`rx_seg_size` (null: unset, UCX's 64 KiB); nullopt when
+// the text is not a size this agent reads.
+std::optional<StreamRules> RulesForRxSegSize(const char* rx_seg_size);
 struct StreamCheck {
-  enum Phase : uint8_t { kMagic = 0, kHeader, kBody, kPutHeader, kPutData, kRefused };
+  enum Phase : uint8_t {
+    kMagic = 0,
+    kHeader,
+    kBody,
+    kCmEvent,  // a connection-manager frame's event (or whole request), `left` its body
+    kPutHeader,
+    kPutData,
+    kRefused
+  };
   Phase phase = kMagic;
-  uint8_t have = 0;       // bytes of a frame header or put request collected
-  uint8_t bytes[20] = {};
+  uint8_t have = 0;       // bytes of a frame header, event, request or put request collected
+  uint8_t bytes[48] = {};
   uint64_t left = 8;      // bytes of the magic number, a body or a put's payload to pass
+  bool requested = false;  // a connection request came (put requests may follow)
+  // A connection request's body: its event, flags and endpoint id (13 bytes), then the
+  // sender's address as UCT's interface that accepted the connection holds one
+  // (sockaddr_in, or sockaddr_in6 on an IPv6 interface: ConnectionRequestBytes).
+  uint8_t request_bytes = 13 + 16;
 };
+// StreamCheck::request_bytes for a connection accepted at a local address of `family`.
+uint8_t ConnectionRequestBytes(int family);
 // Feeds `n` bytes read from the stream: "" while it is fine, else why it is refused
 // (and it stays refused).
 std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <string>
 
-#include "ucs/async/async_fwd.h"
+#include "tests/security/stock_uct.h"
 #include "uct/api/uct.h"
 
 namespace {
@@ -89,49 +89,15 @@ int main(int argc, char** argv) {
     }
   }
 
-  uct_component_h* components = nullptr;
-  unsigned count = 0;
-  ucs_status_t status = uct_query_components(&components, &count);
-  if (status != UCS_OK) return Fail("uct_query_components", status);
-  uct_component_h tcp = nullptr;
-  for (unsigned i = 0; i < count; ++i) {
-    uct_component_attr_t attr{};
-    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME;
-    if (uct_component_query(components[i], &attr) == UCS_OK && std::string(attr.name) == "tcp") {
-      tcp = components[i];
-    }
+  kvagent::testing::StockUctTcp uct;
+  std::string failed;
+  if (ucs_status_t status = kvagent::testing::OpenStockUctTcp(device_name, &uct, &failed);
+      status != UCS_OK) {
+    return Fail(failed.c_str(), status);
   }
-  if (tcp == nullptr) return Fail("no tcp component", UCS_ERR_NO_DEVICE);
-  uct_md_config_t* md_config = nullptr;
-  if ((status = uct_md_config_read(tcp, nullptr, nullptr, &md_config)) != UCS_OK) {
-    return Fail("uct_md_config_read", status);
-  }
-  uct_md_h md = nullptr;
-  if ((status = uct_md_open(tcp, "tcp", md_config, &md)) != UCS_OK) {
-    return Fail("uct_md_open", status);
-  }
-  ucs_async_context_t* async = nullptr;
-  if ((status = ucs_async_context_create(UCS_ASYNC_MODE_THREAD_SPINLOCK, &async)) != UCS_OK) {
-    return Fail("ucs_async_context_create", status);
-  }
-  uct_worker_h worker = nullptr;
-  if ((status = uct_worker_create(async, UCS_THREAD_MODE_SINGLE, &worker)) != UCS_OK) {
-    return Fail("uct_worker_create", status);
-  }
-  uct_iface_config_t* iface_config = nullptr;
-  if ((status = uct_md_iface_config_read(md, "tcp", nullptr, nullptr, &iface_config)) != UCS_OK) {
-    return Fail("uct_md_iface_config_read", status);
-  }
-  uct_iface_params_t params{};
-  params.field_mask = UCT_IFACE_PARAM_FIELD_OPEN_MODE | UCT_IFACE_PARAM_FIELD_DEVICE;
-  params.open_mode = UCT_IFACE_OPEN_MODE_DEVICE;
-  params.mode.device.tl_name = "tcp";
-  params.mode.device.dev_name = device_name.c_str();
-  uct_iface_h iface = nullptr;
-  if ((status = uct_iface_open(md, worker, &params, iface_config, &iface)) != UCS_OK) {
-    return Fail("uct_iface_open", status);
-  }
-  uct_iface_progress_enable(iface, UCT_PROGRESS_SEND | UCT_PROGRESS_RECV);
+  ucs_status_t status = UCS_OK;
+  uct_worker_h worker = uct.worker;
+  uct_iface_h iface = uct.iface;
   uct_iface_attr_t attr{};
   if ((status = uct_iface_query(iface, &attr)) != UCS_OK) return Fail("uct_iface_query", status);
   if ((attr.cap.flags & UCT_IFACE_FLAG_PUT_ZCOPY) == 0 || attr.iface_addr_len < 2 ||
@@ -235,12 +201,6 @@ int main(int argc, char** argv) {
     Say(line);
   }
   uct_ep_destroy(ep);
-  uct_iface_close(iface);
-  uct_config_release(iface_config);
-  uct_worker_destroy(worker);
-  ucs_async_context_destroy(async);
-  uct_md_close(md);
-  uct_config_release(md_config);
-  uct_release_component_list(components);
+  kvagent::testing::CloseStockUctTcp(&uct);
   return code;
 }

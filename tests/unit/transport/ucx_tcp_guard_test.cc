@@ -458,6 +458,23 @@ std::string Frame(uint8_t id, const std::string& body) {
   out.append(reinterpret_cast<const char*>(&length), 4);
   return out + body;
 }
+// A connection-manager frame: its 4-byte event, then `rest`.
+std::string Cm(uint32_t event, const std::string& rest) {
+  return Frame(UCT_AM_ID_MAX, std::string(reinterpret_cast<const char*>(&event), 4) + rest);
+}
+// A connection request as UCT 1.13 sends it: event 1, flags, its endpoint's id and its
+// interface's address (29 bytes in all; 41 from an IPv6 interface, `ipv6`), with
+// `flags` and the address's `family`.
+std::string ConnectionRequest(uint8_t flags = 0, sa_family_t family = AF_INET,
+                              bool ipv6 = false) {
+  std::string rest(1 + 8 + (ipv6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in)), '\0');
+  rest[0] = static_cast<char>(flags);
+  sockaddr_in6 address{};  // sin6_family and sin_family lie alike
+  address.sin6_family = family;
+  address.sin6_port = htons(40000);
+  std::memcpy(rest.data() + 1 + 8, &address, rest.size() - 1 - 8);
+  return Cm(1, rest);
+}
 std::string PutRequest(uint64_t address, uint64_t length) {
   std::string body(20, '\0');
   std::memcpy(body.data(), &address, 8);
@@ -479,14 +496,15 @@ std::string FeedInPieces(const std::string& stream, size_t piece,
 TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those UCT aborts "
           "on") {
   const std::string magic = "\x78\x56\x34\x12\xbe\xba\xfe\xca";
-  // A connection request, active messages up to the receive buffer, a put request with
-  // its payload unframed after it, a put acknowledgement, and keepalives (UCP's
-  // endpoint check under peer error handling: id 35, as uct_tcp_ep_check sends it,
-  // with no body; UCT skips a body of any length).
-  const std::string honest = magic + Frame(UCT_AM_ID_MAX, std::string(23, 'c')) +
+  // A connection request, another connection-manager event, active messages up to
+  // the receive buffer (64 KiB of body), a put request with its payload unframed after
+  // it, a put acknowledgement, and keepalives (UCP's endpoint check under peer error
+  // handling: id 35, as uct_tcp_ep_check sends it, with no body; UCT skips a body of
+  // any length).
+  const std::string honest = magic + ConnectionRequest() + Cm(2, std::string(19, 'c')) +
                              Frame(3, std::string(9000, 'a')) + Frame(0, "") +
                              Frame(UCT_AM_ID_MAX + 3, "") +
-                             Frame(31, std::string(65531, 'b')) + PutRequest(0x1800, 0x800) +
+                             Frame(31, std::string(65536, 'b')) + PutRequest(0x1800, 0x800) +
                              std::string(0x800, '\x21') + Frame(UCT_AM_ID_MAX + 2, "abcd") +
                              Frame(UCT_AM_ID_MAX + 3, "kk") + PutRequest(0x1000, 0) +
                              Frame(2, "after");
@@ -495,10 +513,44 @@ TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those 
     INFO("pieces of " << piece);
     CHECK(FeedInPieces(honest, piece, rules).empty());
   }
-  // What UCT 1.13 aborts on: a frame past its receive buffer, an unknown id, a put
-  // request or acknowledgement of another length than its own.
-  CHECK_THAT(FeedInPieces(magic + Frame(1, std::string(65532, 'z')), 4096, rules),
-             Catch::Contains("a frame of 65532 bytes (id 1), more than UCT's receive buffer"));
+  // What UCT 1.13 aborts on (tests/security:uct_frames_test holds these to libuct): a
+  // frame past its receive buffer, an unknown id, a put request or acknowledgement of
+  // another length than its own, a connection-manager frame short of its event or a
+  // connection request of another length, a put request before the connection request.
+  CHECK_THAT(FeedInPieces(magic + Frame(1, std::string(65537, 'z')), 4096, rules),
+             Catch::Contains("a frame of 65537 bytes (id 1), more than UCT's receive buffer"));
+  CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX, "abc"), 1, rules),
+             Catch::Contains("a connection-manager frame of 3 bytes, short of its 4-byte event"));
+  CHECK_THAT(FeedInPieces(magic + Cm(1, std::string(20, '\0')), 3, rules),
+             Catch::Contains("a connection request of 24 bytes (UCT aborts on any but 29 here)"));
+  CHECK_THAT(FeedInPieces(magic + ConnectionRequest(/*flags=*/1), 2, rules),
+             Catch::Contains("a connection request for UCT's connect-to-endpoint mode"));
+  CHECK_THAT(FeedInPieces(magic + ConnectionRequest(0, /*family=*/0), 5, rules),
+             Catch::Contains("a connection request naming an address of family 0"));
+  CHECK(FeedInPieces(magic + ConnectionRequest(/*flags=*/2, AF_INET6), 5, rules).empty());
+  // On an IPv6 interface UCT's request holds a sockaddr_in6 (41 bytes; the guard learns
+  // the family from the accepted socket): the IPv4 length is refused there, as UCT
+  // aborts on it (measured against libuct on a global IPv6 address; UCX 1.13 does not
+  // serve IPv6 on loopback, where uct_frames_test runs).
+  auto feed_ipv6 = [&](const std::string& stream) {
+    internal::StreamCheck check;
+    check.request_bytes = internal::ConnectionRequestBytes(AF_INET6);
+    return internal::FeedStream(&check, reinterpret_cast<const uint8_t*>(stream.data()),
+                                stream.size(), rules);
+  };
+  CHECK(internal::ConnectionRequestBytes(AF_INET6) == 41);
+  CHECK(internal::ConnectionRequestBytes(AF_INET) == 29);
+  CHECK(feed_ipv6(magic + ConnectionRequest(0, AF_INET6, /*ipv6=*/true) +
+                  PutRequest(0x1000, 0))
+            .empty());
+  CHECK_THAT(feed_ipv6(magic + ConnectionRequest()),
+             Catch::Contains("a connection request of 29 bytes (UCT aborts on any but 41"));
+  CHECK_THAT(FeedInPieces(magic + PutRequest(0x1000, 0), 7, rules),
+             Catch::Contains("a put request before the connection's request"));
+  CHECK_THAT(FeedInPieces(magic + ConnectionRequest() + ConnectionRequest(), 6, rules),
+             Catch::Contains("a second connection request on one connection"));
+  // Other events are taken at any length of 4 bytes up (UCT logs those it does not know).
+  CHECK(FeedInPieces(magic + Cm(0xa5a5a5a5u, "") + Cm(2, std::string(60, 'x')), 1, rules).empty());
   CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX + 4, ""), 1, rules),
              Catch::Contains("frame id 36, which UCT's tcp transport does not know"));
   CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX + 1, std::string(19, 'q')), 100, rules),
@@ -506,7 +558,9 @@ TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those 
   CHECK_THAT(FeedInPieces(magic + Frame(UCT_AM_ID_MAX + 2, "abc"), 100, rules),
              Catch::Contains("a put acknowledgement of 3 bytes"));
   // A put's payload is not read as frames: bytes that would be a bad frame pass there.
-  CHECK(FeedInPieces(magic + PutRequest(0x1000, 5) + Frame(200, ""), 2, rules).empty());
+  CHECK(FeedInPieces(magic + ConnectionRequest() + PutRequest(0x1000, 5) + Frame(200, ""), 2,
+                     rules)
+            .empty());
   // Refused stays refused.
   internal::StreamCheck check;
   const std::string bad = magic + Frame(200, "");
@@ -517,9 +571,12 @@ TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those 
                                    rules)
                   .empty());
   // A larger receive buffer (UCX_TCP_RX_SEG_SIZE) takes longer frames.
-  internal::StreamRules large;
-  large.max_frame = (1 << 20) - 5;
-  CHECK(FeedInPieces(magic + Frame(1, std::string(65532, 'z')), 4096, large).empty());
+  const std::optional<internal::StreamRules> large = internal::RulesForRxSegSize("1m");
+  REQUIRE(large.has_value());
+  CHECK(large->max_frame == (1u << 20));
+  CHECK(FeedInPieces(magic + Frame(1, std::string(65537, 'z')), 4096, *large).empty());
+  CHECK(internal::RulesForRxSegSize(nullptr)->max_frame == 65536u);  // UCX's 64 KiB
+  CHECK_FALSE(internal::RulesForRxSegSize("lots").has_value());
 }
 
 TEST_CASE("UCX's size settings as the stream check reads them") {
