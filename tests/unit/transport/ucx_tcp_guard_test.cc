@@ -618,5 +618,69 @@ TEST_CASE("a UCX TCP connection on a descriptor past the stream check's table is
   internal::LimitStreamSlotsForTest(1 << 16);
 }
 
+// A connection request is as long as the accepting interface's address family makes
+// it (UCT: 29 bytes on IPv4, 41 on IPv6): the guard reads the family of each connection
+// it keeps from the accepted socket. Through UcxTcpRecv, as UCT's reads go. (After the
+// case above: the recv() stand-in is noted.)
+TEST_CASE("the stream check sizes a connection request by the accepted socket's family") {
+  GuardUcxTcpAccepts({geteuid()});
+  NoteUcxTcpRecvStandIn();
+  const std::string magic = "\x78\x56\x34\x12\xbe\xba\xfe\xca";
+  for (const bool ipv6 : {false, true}) {
+    for (const bool ipv6_request : {false, true}) {
+      INFO((ipv6 ? "an IPv6 connection" : "an IPv4 connection")
+           << (ipv6_request ? " sends the IPv6 request (41 bytes)"
+                            : " sends the IPv4 request (29 bytes)"));
+      const int family = ipv6 ? AF_INET6 : AF_INET;
+      const int listener = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      REQUIRE(listener >= 0);
+      sockaddr_storage at{};
+      socklen_t length = ipv6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+      if (ipv6) {
+        reinterpret_cast<sockaddr_in6&>(at).sin6_family = AF_INET6;
+        reinterpret_cast<sockaddr_in6&>(at).sin6_addr = in6addr_loopback;
+      } else {
+        reinterpret_cast<sockaddr_in&>(at).sin_family = AF_INET;
+        reinterpret_cast<sockaddr_in&>(at).sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      }
+      if (bind(listener, reinterpret_cast<sockaddr*>(&at), length) != 0) {
+        close(listener);
+        REQUIRE(ipv6);  // this host has no IPv6 loopback: nothing to compare
+        WARN("no IPv6 loopback here; the IPv6 half is not run");
+        break;
+      }
+      REQUIRE(listen(listener, 1) == 0);
+      REQUIRE(getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) == 0);
+      const int client = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      REQUIRE(connect(client, reinterpret_cast<sockaddr*>(&at), length) == 0);
+      const int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+      REQUIRE(fd >= 0);
+      REQUIRE(UcxTcpAdmit(fd));  // this uid's connection: kept, and watched
+      const std::string stream = magic + ConnectionRequest(0, ipv6_request ? AF_INET6 : AF_INET,
+                                                           ipv6_request) +
+                                 Frame(1, "after");
+      REQUIRE(write(client, stream.data(), stream.size()) == static_cast<ssize_t>(stream.size()));
+      std::string got(stream.size(), '\0');
+      size_t have = 0;
+      ssize_t n = 0;
+      while (have < got.size() &&
+             (n = UcxTcpRecv(fd, got.data() + have, got.size() - have, 0, &recv)) > 0) {
+        have += static_cast<size_t>(n);
+      }
+      if (ipv6 == ipv6_request) {
+        CHECK(have == stream.size());  // all of it, as sent
+        CHECK(got == stream);
+      } else {
+        CHECK(n == 0);  // refused: the read says end of stream
+        CHECK(have < stream.size());
+      }
+      ForgetUcxTcpStream(fd);
+      close(fd);
+      close(client);
+      close(listener);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvagent::transport
