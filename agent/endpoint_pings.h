@@ -2,9 +2,10 @@
 //
 // An endpoint's flush completes once this agent's UCX has sent what it had; it says
 // nothing about the way back. Every acknowledgement, read reply and notice the peer
-// sends comes over the peer's own UCX connection to this agent's worker, which the
-// peer's UCX sets up when the first message arrives: if that fails (its shared-memory
-// attach refused, a TCP route open one way only), the peer takes this agent's pages and
+// sends comes over the peer's own UCX endpoint to this agent's worker, which the peer's
+// UCX sets up when the first message arrives (over shared memory it attaches this
+// agent's receive queue; over tcp it answers on the connection it accepted): if that
+// fails (its attach refused, its worker stuck), the peer takes this agent's pages and
 // notices and nothing it answers ever arrives. Both sides then end at a transfer's
 // deadline, with no reason given. So a new endpoint to a peer that takes pings
 // (kWirePing) carries one first: a ping (active message 8) with a reply endpoint, which

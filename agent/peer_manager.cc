@@ -452,20 +452,13 @@ void PeerManager::ConnectNow(const std::string& address,
 }
 
 namespace {
-// A network peer's endpoint that does not finish connecting, or whose ping is not
-// answered: only the peer's log and status name a refusal by its UCX TCP guard.
+// A network peer's endpoint that does not finish connecting: only the peer's log and
+// status name a refusal by its UCX TCP guard.
 constexpr std::string_view kTcpGuardHint =
     "; over tcp, the peer's guard may have refused this host's address: its log then says "
     "'UCX TCP: refused a connection from HOST' and its ucx_tcp_refused_connections rises "
     "(this agent's UCX connects from an address it did not announce: check "
     "--data-interface or UCX_NET_DEVICES, and any NAT between the agents)";
-// The same for the way back: the peer's UCX connects to this agent's.
-constexpr std::string_view kOwnTcpGuardHint =
-    "; over tcp, this agent's guard may have refused the peer's connection back: this "
-    "agent's log then says 'UCX TCP: refused a connection from HOST' and its "
-    "ucx_tcp_refused_connections rises (the peer's UCX connects from an address it did not "
-    "announce: check its --data-interface or UCX_NET_DEVICES, and any NAT between the "
-    "agents)";
 }  // namespace
 
 void PeerManager::BuildSnapshot(
@@ -649,12 +642,7 @@ void PeerManager::BuildSnapshot(
                    std::chrono::milliseconds(options_.connect_timeout_ms),
                    [snapshot, finish, done](absl::StatusOr<uint64_t> round_trip_us) {
                      if (!round_trip_us.ok()) {
-                       // The guard's hint where the peer's way back is tcp to this host.
-                       const bool tcp = !snapshot->same_host &&
-                                        absl::StrContains(snapshot->endpoint->ReadLanes(), "tcp");
-                       done(absl::Status(round_trip_us.status().code(),
-                                         fmt::format("{}{}", round_trip_us.status().message(),
-                                                     tcp ? kOwnTcpGuardHint : "")));
+                       done(round_trip_us.status());
                        return;
                      }
                      snapshot->round_trip_us = *round_trip_us;
