@@ -446,8 +446,19 @@ constexpr size_t kCmRequestFlagsAt = 4;
 constexpr uint8_t kCmFlagConnectToEndpoint = 1;
 constexpr size_t kCmRequestFamilyAt = 4 + 1 + 8;  // the sockaddr_in's sa_family_t
 
-// Why a connection request's body (kCmConnectionRequestBytes) is refused ("" if not).
-std::string ConnectionRequestRefusal(const uint8_t* body) {
+// Why the connection request (event 1) `check` is reading is refused ("" if not): its
+// body is check.left long, and check.bytes holds it whole when that is the interface's
+// length (StreamCheck::request_bytes).
+std::string ConnectionRequestRefusal(const internal::StreamCheck& check) {
+  if (check.requested) {
+    return "a second connection request on one connection (UCT sends one, and aborts on "
+           "another in some states)";
+  }
+  if (check.left != check.request_bytes) {
+    return fmt::format("a connection request of {} bytes (UCT aborts on any but {} here)",
+                       check.left, check.request_bytes);
+  }
+  const uint8_t* body = check.bytes;
   if ((body[kCmRequestFlagsAt] & kCmFlagConnectToEndpoint) != 0) {
     return "a connection request for UCT's connect-to-endpoint mode (flag 1: it names an "
            "endpoint by an id this agent cannot check, and UCT aborts on one it does not "
@@ -557,22 +568,13 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
       }
       case StreamCheck::kCmEvent: {
         // The whole body when it is as long as a request (it may be one), else the event.
-        const size_t request = check->request_bytes;
-        const size_t want = check->left == request ? request : kCmEventBytes;
+        const size_t want =
+            check->left == check->request_bytes ? check->request_bytes : kCmEventBytes;
         if (!collect(want)) break;
         uint32_t event = 0;
         std::memcpy(&event, check->bytes, sizeof event);
         if (event == kCmConnectionRequest) {
-          std::string why =
-              check->requested
-                  ? "a second connection request on one connection (UCT sends one, and aborts "
-                    "on another in some states)"
-              : want != request
-                  ? fmt::format("a connection request of {} bytes (UCT aborts on any but {} "
-                                "here)",
-                                check->left, request)
-                  : ConnectionRequestRefusal(check->bytes);
-          if (!why.empty()) {
+          if (std::string why = ConnectionRequestRefusal(*check); !why.empty()) {
             check->phase = StreamCheck::kRefused;
             return why;
           }
@@ -600,8 +602,9 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
 }
 
 uint8_t ConnectionRequestBytes(int family) {
-  return static_cast<uint8_t>(4 + 1 + 8 +
-                              (family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in)));
+  // The address is last, where its family begins.
+  return static_cast<uint8_t>(kCmRequestFamilyAt + (family == AF_INET6 ? sizeof(sockaddr_in6)
+                                                                        : sizeof(sockaddr_in)));
 }
 
 std::optional<StreamRules> RulesForRxSegSize(const char* rx_seg_size) {
