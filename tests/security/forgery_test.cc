@@ -1611,6 +1611,16 @@ TEST_CASE("active messages of ids the agent does not take are dropped and counte
   RequireHonestWrite(pair, "after-unknown-ids", {1, 2}, {1, 2});
 }
 
+// The options of a pair whose decode connects to a fake agent (FakeAgent) on 127.0.0.1:
+// an insecure door for it, UCX error mode `mode` ("peer": tcp; "none": shared memory),
+// --shm-direct off.
+AgentPairOptions WithFakeAgent(const std::string& mode) {
+  AgentPairOptions options;
+  options.extra_args = {"--insecure-listen", "127.0.0.1:0", "--ucx-error-mode", mode,
+                        "--shm-direct", "off"};
+  return options;
+}
+
 // Eve as an agent of her own for decode to connect to: her metadata on a gRPC Peer
 // service on 127.0.0.1 (prefill's real catalog renamed "eve", every region "staged",
 // her own worker's address, `wire_features`), and her own UCX worker, whose handlers
@@ -1723,10 +1733,7 @@ TEST_CASE("a READ answered by rendezvous though eager replies were asked fails u
   const std::string mode = GENERATE("peer", "none");
   INFO("decode's endpoint to eve: --ucx-error-mode " << mode
        << (mode == "peer" ? " (tcp)" : " (shared memory)"));
-  AgentPairOptions options;
-  options.extra_args = {"--insecure-listen", "127.0.0.1:0", "--ucx-error-mode", mode,
-                        "--shm-direct", "off"};
-  AgentPair pair(options);
+  AgentPair pair(WithFakeAgent(mode));
   RendezvousReplier eve(PeerCaller::Attach(pair.prefill_process(), "catalog-reader")
                             ->Metadata("catalog-reader"));
   auto connected = pair.decode().Connect(eve.address());
@@ -1822,10 +1829,7 @@ TEST_CASE("a peer whose UCX does not answer the connect's ping is not called con
   const std::string mode = GENERATE("none", "peer");
   INFO("decode's endpoint to eve: --ucx-error-mode " << mode
        << (mode == "peer" ? " (tcp)" : " (shared memory)"));
-  AgentPairOptions options;
-  options.extra_args = {"--insecure-listen", "127.0.0.1:0", "--ucx-error-mode", mode,
-                        "--shm-direct", "off"};
-  AgentPair pair(options);
+  AgentPair pair(WithFakeAgent(mode));
   cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
   const v1::AgentMetadata catalog =
       PeerCaller::Attach(pair.prefill_process(), "catalog-reader")->Metadata("catalog-reader");
