@@ -654,17 +654,6 @@ TEST_CASE("netem delay and loss on the data link: a transfer completes with the 
 
 // UCT's tcp transport takes a connection from whoever reaches UCX's port and serves a
 // put request by writing its payload wherever it names (tests/security/ucx_tcp_test).
-// Second addresses on the data link (10.77.1.1 prefill's, 10.77.1.2 decode's), for
-// gRPC apart from the addresses UCX connects from; the failure text, empty on success.
-std::string AddSecondAddresses(NetnsLab& lab) {
-  for (int side : {0, 1}) {
-    const std::string error = lab.IpIn(
-        side, {"addr", "add", side == 0 ? "10.77.1.1/24" : "10.77.1.2/24", "dev", lab.data_dev(side)});
-    if (!error.empty()) return "cannot add second addresses: " + error;
-  }
-  return "";
-}
-
 // Prefill's UCX reaches decode from an address decode's guard was never told of: a
 // third address on prefill's data interface, added after prefill announced its own,
 // that the route to decode's data address takes as its source (what a NAT or a policy
@@ -679,7 +668,17 @@ TEST_CASE("a connect whose UCX connection the peer's guard refuses fails, naming
   shape.pages = 4;
   shape.page_bytes = 16 << 10;
   std::string skip;
-  auto pair = StartAgents(&skip, shape, "auto", AddSecondAddresses, {});
+  auto second_addresses = [](NetnsLab& lab) {
+    std::string error;
+    for (int side : {0, 1}) {
+      if (error.empty()) {
+        error = lab.IpIn(side, {"addr", "add", side == 0 ? "10.77.1.1/24" : "10.77.1.2/24",
+                                "dev", lab.data_dev(side)});
+      }
+    }
+    return error.empty() ? error : "cannot add second addresses: " + error;
+  };
+  auto pair = StartAgents(&skip, shape, "auto", second_addresses, {});
   if (!pair) KVAGENT_SKIP(skip);
   NetnsLab& lab = *pair->lab;
   // Decode routes its answers to that address over the link as well.
@@ -730,8 +729,13 @@ TEST_CASE("UCX's TCP port on the data network: a host no peer vouched for is ref
   std::string skip;
   auto network = [](NetnsLab& lab) {
     std::string error = lab.AddStranger();
-    if (!error.empty()) return "cannot add a third host: " + error;
-    return AddSecondAddresses(lab);
+    for (int side : {0, 1}) {
+      if (error.empty()) {
+        error = lab.IpIn(side, {"addr", "add", side == 0 ? "10.77.1.1/24" : "10.77.1.2/24", "dev",
+                                lab.data_dev(side)});
+      }
+    }
+    return error.empty() ? error : "cannot add a third host and second addresses: " + error;
   };
   // A calling peer's addresses are forgotten 1 s after it stops watching (not 60).
   auto pair = StartPair(&skip, shape, "auto", "peer", network, "10.77.1.2",
