@@ -26,7 +26,9 @@ namespace kvagent::transport {
 
 // Shared by an endpoint and its operations in flight (which may complete after the
 // endpoint is gone). Worker thread only.
-struct EndpointHealth {
+// Shared by an endpoint, its operations in flight and UCX's error handler (whose
+// argument it is): it lives until the endpoint's close has been handed to UCX.
+struct EndpointHealth : std::enable_shared_from_this<EndpointHealth> {
   UcxWorker* worker = nullptr;
   const std::string* worker_name = nullptr;  // the worker's (outlives its operations)
   std::function<void(absl::Status)> on_error;
@@ -889,12 +891,53 @@ bool UcxWorker::ReplyEndpointNativeRma(void* reply_ep) const {
   return ParseHasRmaLane(CaptureEpInfo(static_cast<ucp_ep_h>(reply_ep)));
 }
 
-void UcxWorker::TrackRequest(void* request) { pending_requests_.push_back(request); }
+unsigned UcxWorker::Progress() {
+  ++inside_ucx_;
+  const unsigned count = ucp_worker_progress(worker_);
+  --inside_ucx_;
+  CloseDeferred();
+  return count;
+}
+
+void UcxWorker::CloseEndpoint(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health) {
+  if (inside_ucx_ > 0) {
+    // Inside one of UCX's callbacks (a completion, an error handler): UCX may still be
+    // working on this very endpoint when the callback returns. UCX 1.13 completes a
+    // failed endpoint's flush from inside ucp_ep_set_failed, between the discards of
+    // its lanes; closing the endpoint there freed it under that loop, and the next
+    // lane's discard crashed the process. So the close waits until UCX has returned.
+    deferred_closes_.push_back({ep, std::move(health)});
+    return;
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // Read now, not when the close was asked for: UCX may have failed it since.
+  param.flags = health->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ++inside_ucx_;  // a force close completes the endpoint's requests in this call
+  ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
+  --inside_ucx_;
+  if (UCS_PTR_IS_PTR(request)) {
+    pending_requests_.push_back({request, std::move(health)});
+  } else if (UCS_PTR_STATUS(request) != UCS_OK) {
+    kLog.Debug("UCX worker '{}': endpoint close returned {}", name_,
+               UcsStatusText(UCS_PTR_STATUS(request)));
+  }
+  CloseDeferred();
+}
+
+void UcxWorker::CloseDeferred() {
+  if (inside_ucx_ > 0) return;
+  while (!deferred_closes_.empty()) {
+    DeferredClose next = std::move(deferred_closes_.front());
+    deferred_closes_.erase(deferred_closes_.begin());
+    CloseEndpoint(next.ep, std::move(next.health));
+  }
+}
 
 void UcxWorker::ReapRequests() {
   auto it = pending_requests_.begin();
   while (it != pending_requests_.end()) {
-    ucs_status_t status = ucp_request_check_status(*it);
+    ucs_status_t status = ucp_request_check_status(it->request);
     if (status == UCS_INPROGRESS) {
       ++it;
       continue;
@@ -903,7 +946,7 @@ void UcxWorker::ReapRequests() {
       kLog.Debug("UCX worker '{}': endpoint close finished with {}", name_,
                  UcsStatusText(status));
     }
-    ucp_request_free(*it);
+    ucp_request_free(it->request);
     it = pending_requests_.erase(it);
   }
 }
@@ -942,7 +985,7 @@ void UcxWorker::Loop() {
     bool worked = DrainQueue();
     if (!timers_.empty()) worked |= RunTimers(std::chrono::steady_clock::now());
     bool progressed = false;
-    while (ucp_worker_progress(worker_) != 0) worked = progressed = true;
+    while (Progress() != 0) worked = progressed = true;
     TendTagSink();
     TendRetireFlush();
     ReapRequests();
@@ -1053,14 +1096,14 @@ void UcxWorker::Shutdown() {
   const auto deadline = std::chrono::steady_clock::now() + kShutdownBudget;
   for (;;) {
     DrainQueue();
-    while (ucp_worker_progress(worker_) != 0) {
+    while (Progress() != 0) {
     }
     RunTimers(std::chrono::steady_clock::now(), /*all=*/true);  // set by what just ran
     ReapRequests();
     bool idle;
     {
       absl::MutexLock lock(&mu_);
-      idle = queue_.empty() && pending_requests_.empty();
+      idle = queue_.empty() && pending_requests_.empty() && deferred_closes_.empty();
       if (idle || std::chrono::steady_clock::now() >= deadline) exited_ = true;
     }
     if (idle) break;
@@ -1074,7 +1117,7 @@ void UcxWorker::Shutdown() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  for (void* request : pending_requests_) ucp_request_free(request);
+  for (const PendingClose& close : pending_requests_) ucp_request_free(close.request);
   pending_requests_.clear();
   if (retire_flush_ != nullptr) ucp_request_free(retire_flush_);
   retire_flush_ = nullptr;
@@ -1137,7 +1180,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.err_handler.cb = ErrorCallback;
-    params.err_handler.arg = endpoint.get();
+    params.err_handler.arg = endpoint->health_.get();
   } else {
     params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
   }
@@ -1178,24 +1221,18 @@ Endpoint::~Endpoint() {
 }
 
 void Endpoint::Close() {
-  ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = health_->failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   health_->closed = true;
-  ucs_status_ptr_t request = ucp_ep_close_nbx(ep_, &param);
+  ucp_ep_h ep = ep_;
   ep_ = nullptr;
-  if (UCS_PTR_IS_PTR(request)) {
-    worker_.TrackRequest(request);
-  } else if (UCS_PTR_STATUS(request) != UCS_OK) {
-    kLog.Debug("UCX worker '{}': endpoint close returned {}", worker_.name_,
-               UcsStatusText(UCS_PTR_STATUS(request)));
-  }
+  worker_.CloseEndpoint(ep, health_);
 }
 
 void Endpoint::ErrorCallback(void* arg, ucp_ep_h, ucs_status_t status) {
   // Called from progress; an operation UCX failed with the endpoint may have reported
-  // it already.
-  ReportPeerLost(static_cast<Endpoint*>(arg)->health_, status, /*defer=*/false);
+  // it already. The argument is the endpoint's health, not the endpoint: UCX may call
+  // this after the endpoint object is gone, while its close waits (CloseEndpoint).
+  auto* health = static_cast<EndpointHealth*>(arg);
+  ReportPeerLost(health->shared_from_this(), status, /*defer=*/false);
 }
 
 absl::Status Endpoint::Unusable(std::string_view op) const {

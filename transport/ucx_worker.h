@@ -54,6 +54,7 @@ struct AmMessage {
 using AmDataHandler = std::function<bool(const AmMessage& message)>;
 
 class Endpoint;
+struct EndpointHealth;
 
 // Watches the worker loop for a receive queue that never drains: ucp_worker_arm keeps
 // saying events are waiting (UCS_ERR_BUSY) while ucp_worker_progress takes none. UCX
@@ -233,9 +234,6 @@ class UcxWorker {
 
   ucp_worker_h get() const { return worker_; }
 
-  // Internal: endpoints hand their close requests here so shutdown can finish them.
-  void TrackRequest(void* request);
-
  private:
   friend class Endpoint;  // registers itself in endpoints_
   UcxWorker() = default;
@@ -245,8 +243,15 @@ class UcxWorker {
   // Queues `fn` and wakes the thread; false once the thread has finished.
   bool Enqueue(std::function<void()> fn);
   void Wake();
-  // Frees tracked requests that completed.
+  // Frees the endpoint closes that completed.
   void ReapRequests();
+  // ucp_worker_progress, marked as inside UCX; then the closes that waited for it.
+  unsigned Progress();
+  // Starts ucp_ep_close_nbx (forced when `health` says UCX failed the endpoint) and
+  // tracks its request; inside a UCX callback it waits until UCX returned (Progress).
+  void CloseEndpoint(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health);
+  // The closes asked for inside UCX callbacks, once outside.
+  void CloseDeferred();
   // Thread exit: finishes queued work and open endpoints, then destroys the worker.
   void Shutdown();
   // Runs the timers (PostAfter) due by `now`, or all of them (`all`, at shutdown);
@@ -329,7 +334,20 @@ class UcxWorker {
   void CountSent(uint16_t id) {
     am_sent_[id < kAmCounters ? id : 0].fetch_add(1, std::memory_order_relaxed);
   }
-  std::vector<void*> pending_requests_;
+  // Endpoint closes UCX has not finished (freed once complete; shutdown waits for
+  // them), each with the endpoint's health, the argument of its error handler.
+  struct PendingClose {
+    void* request;
+    std::shared_ptr<EndpointHealth> health;
+  };
+  std::vector<PendingClose> pending_requests_;
+  // Inside a call into UCX that can run this worker's callbacks (worker thread).
+  int inside_ucx_ = 0;
+  struct DeferredClose {
+    ucp_ep_h ep;
+    std::shared_ptr<EndpointHealth> health;  // the error handler's argument: kept alive
+  };
+  std::vector<DeferredClose> deferred_closes_;
   // PostAfter's timers: due time, then the order they were set.
   std::map<std::pair<std::chrono::steady_clock::time_point, uint64_t>, std::function<void()>>
       timers_;
@@ -367,7 +385,6 @@ using Completion = std::function<void(absl::Status)>;
 
 // What an endpoint shares with its operations in flight: whether UCX failed it, and
 // the one report of that failure (transport/ucx_worker.cc).
-struct EndpointHealth;
 
 // A connection to one remote worker; worker thread only (create, use, destroy).
 class Endpoint {
@@ -451,7 +468,8 @@ class Endpoint {
  private:
   friend class UcxWorker;  // closes endpoints still open at shutdown
   Endpoint(UcxWorker& worker, ErrorMode mode) : worker_(worker), mode_(mode) {}
-  // Starts ucp_ep_close_nbx and hands a pending close to the worker; ep_ becomes null.
+  // Hands the close to the worker (UcxWorker::CloseEndpoint, which waits while inside a
+  // UCX callback); ep_ becomes null.
   void Close();
   // Status for an operation on a failed or closed endpoint.
   absl::Status Unusable(std::string_view op) const;

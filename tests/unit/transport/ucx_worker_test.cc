@@ -3,9 +3,14 @@
 // UCX_TLS=tcp,self.
 #include "transport/ucx_worker.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -20,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "catch2/catch.hpp"
+#include "tests/security/process_peek.h"
 #include "transport/ucx_context.h"
 
 namespace kvagent::transport {
@@ -66,6 +72,16 @@ RemoteKey Unpack(UcxWorker& worker, Endpoint& endpoint, const std::string& packe
   INFO(unpacked.status().ToString());
   REQUIRE(unpacked.ok());
   return std::move(*unpacked);
+}
+
+// `bytes` registered with `context` as host memory; fails the test when UCX refuses.
+MemoryRegistration MapHost(const UcxContext& context, std::vector<char>& bytes,
+                           const std::string& name) {
+  auto registered =
+      MemoryRegistration::Map(context, bytes.data(), bytes.size(), MemoryType::kHost, name);
+  INFO(name << ": " << registered.status().ToString());
+  REQUIRE(registered.ok());
+  return *std::move(registered);
 }
 
 struct Agent {
@@ -726,14 +742,10 @@ TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, on
   constexpr size_t kSize = 128 << 20;
   constexpr size_t kPiece = 1 << 20;
   std::vector<char> target(kSize, 0);
-  auto target_reg = MemoryRegistration::Map(*b.context, target.data(), target.size(),
-                                            MemoryType::kHost, "b.target");
-  REQUIRE(target_reg.ok());
+  MemoryRegistration target_reg = MapHost(*b.context, target, "b.target");
   std::vector<char> source(kSize, 5);
-  auto source_reg = MemoryRegistration::Map(*a.context, source.data(), source.size(),
-                                            MemoryType::kHost, "a.source");
-  REQUIRE(source_reg.ok());
-  RemoteKey rkey = Unpack(*a.worker, *ep, target_reg->packed_rkey());
+  MemoryRegistration source_reg = MapHost(*a.context, source, "a.source");
+  RemoteKey rkey = Unpack(*a.worker, *ep, target_reg.packed_rkey());
   const uint64_t remote = reinterpret_cast<uint64_t>(target.data());
   REQUIRE(Await(*a.worker, [&](Completion done) { ep->Flush(std::move(done)); }).ok());
 
@@ -791,6 +803,192 @@ TEST_CASE("peer mode: a flush failed by the peer's death runs on_error first, on
   CHECK(put.code() == absl::StatusCode::kUnavailable);
   a.worker->RunSync([&] { rkey = RemoteKey(); });
   Destroy(*a.worker, ep);
+}
+
+// `a` connects to a new worker and flushes: its worker thread is alive and serves.
+void ServesANewPeer(Agent& a, const std::string& name) {
+  Agent c = Agent::Make(name);
+  std::unique_ptr<Endpoint> a_to_c = Connect(*a.worker, c.worker->address(), ErrorMode::kPeer);
+  CHECK(Await(*a.worker, [&](Completion done) { a_to_c->Flush(std::move(done)); }).ok());
+  Destroy(*a.worker, a_to_c);
+}
+
+// Accepts each connection to `ports` (this host's IPv4 addresses) and closes it at
+// once, as a peer's UCX TCP guard does with a connection from a host it does not know.
+class ClosingListener {
+ public:
+  explicit ClosingListener(const std::vector<int>& ports) {
+    for (int port : ports) {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      REQUIRE(fd >= 0);
+      const int one = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+      sockaddr_in address{};
+      address.sin_family = AF_INET;
+      address.sin_port = htons(static_cast<uint16_t>(port));
+      address.sin_addr.s_addr = htonl(INADDR_ANY);
+      INFO("port " << port << ": " << std::strerror(errno));
+      REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0);
+      REQUIRE(listen(fd, 64) == 0);
+      fds_.push_back(fd);
+    }
+    thread_ = std::thread([this] {
+      std::vector<pollfd> polled;
+      for (int fd : fds_) polled.push_back({fd, POLLIN, 0});
+      while (!stop_.load()) {
+        if (poll(polled.data(), polled.size(), 20) <= 0) continue;
+        for (const pollfd& p : polled) {
+          if ((p.revents & POLLIN) == 0) continue;
+          for (int c; (c = accept4(p.fd, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) {
+            close(c);
+            accepted_.fetch_add(1);
+          }
+        }
+      }
+    });
+  }
+  ~ClosingListener() {
+    stop_.store(true);
+    thread_.join();
+    for (int fd : fds_) close(fd);
+  }
+  int accepted() const { return accepted_.load(); }
+
+ private:
+  std::vector<int> fds_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> accepted_{0};
+};
+
+// What PeerManager does when a new endpoint's first flush fails: it lets the endpoint
+// go in the flush's completion. UCX 1.13 completes that flush from inside its failure
+// handling of the endpoint (ucp_ep_set_failed, discarding the endpoint's lanes one by
+// one); an endpoint closed right there was freed under that loop, and the process
+// died in the next lane's discard (SIGSEGV in ucs_mpool_get_grow; first seen in an
+// agent whose peer's guard refused each of UCX's tcp connections, netns_test). The
+// close must wait until UCX has returned. The peer here is a worker that is gone:
+// nothing listens on its ports (the connect is refused), or something accepts each
+// connection and closes it at once (UCX retries 25 times, then fails the endpoint).
+TEST_CASE("an endpoint released inside its own failure's completion is closed after it") {
+  Agent a = Agent::Make("release-a");
+  for (const bool closing : {false, true}) {
+    for (int round = 0; round < 2; ++round) {
+      std::string gone_address;
+      std::vector<int> gone_ports;
+      {
+        const std::vector<int> before = testing::ListeningTcpPorts(getpid());
+        Agent b = Agent::Make("release-b");
+        gone_address = b.worker->address();
+        for (int port : testing::ListeningTcpPorts(getpid())) {
+          if (std::find(before.begin(), before.end(), port) == before.end()) {
+            gone_ports.push_back(port);
+          }
+        }
+      }
+      INFO((closing ? "ports that accept and close" : "nothing listening")
+           << ", round " << round << ", the gone worker's tcp ports: " << gone_ports.size());
+      std::unique_ptr<ClosingListener> listener;
+      if (closing) {
+        REQUIRE_FALSE(gone_ports.empty());
+        listener = std::make_unique<ClosingListener>(gone_ports);
+      }
+      auto reported = std::make_shared<std::atomic<int>>(0);
+      std::unique_ptr<Endpoint> ep;
+      absl::Status connected;
+      a.worker->RunSync([&] {
+        auto result = Endpoint::Connect(*a.worker, gone_address, ErrorMode::kPeer,
+                                        [reported](absl::Status) { reported->fetch_add(1); });
+        connected = result.status();
+        if (result.ok()) ep = std::move(*result);
+      });
+      INFO(connected.ToString());
+      if (!closing && !connected.ok()) {
+        // UCX's connect found the port closed inside ucp_ep_create: refused at once,
+        // nothing to release in a callback.
+        CHECK(connected.code() == absl::StatusCode::kUnavailable);
+        continue;
+      }
+      REQUIRE(connected.ok());
+      struct Flushed {
+        absl::Notification done;
+        absl::Status status;
+      };
+      auto flushed = std::make_shared<Flushed>();
+      a.worker->Post([&ep, flushed] {
+        ep->Flush([&ep, flushed](absl::Status status) {
+          flushed->status = std::move(status);
+          ep.reset();  // released in its own completion, as a failed ConnectPeer does
+          flushed->done.Notify();
+        });
+      });
+      REQUIRE(flushed->done.WaitForNotificationWithTimeout(kWait));
+      INFO(flushed->status.ToString());
+      CHECK(flushed->status.code() == absl::StatusCode::kUnavailable);
+      // UCX finished its failure handling after the completion returned, and the
+      // close that waited for it has run: the worker is alive and serves the next.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      a.worker->RunSync([] {});
+      CHECK(reported->load() <= 1);
+      if (listener) CHECK(listener->accepted() > 0);
+    }
+  }
+  ServesANewPeer(a, "release-c");
+}
+
+// The other place an owner lets a failed endpoint go: its on_error, which UCX's error
+// handler runs from inside the same failure handling (PeerManager marks the peer lost
+// there). The peer dies with puts in flight, so the endpoint fails through the handler
+// or through a purged put, whichever UCX runs first; both happen inside UCX. Before,
+// the handler reached on_error through the endpoint object, so releasing the endpoint
+// there destroyed the running on_error itself (SIGSEGV in it, every run here).
+TEST_CASE("an endpoint released inside its own on_error is closed after UCX returns") {
+  Agent a = Agent::Make("onerror-a");
+  for (int round = 0; round < 3; ++round) {
+    Agent b = Agent::Make("onerror-b");
+    struct Failed {
+      absl::Notification done;
+      std::atomic<int> calls{0};
+    };
+    auto failed = std::make_shared<Failed>();
+    std::unique_ptr<Endpoint> ep;
+    absl::Status connected;
+    a.worker->RunSync([&] {
+      auto result = Endpoint::Connect(*a.worker, b.worker->address(), ErrorMode::kPeer,
+                                      [&ep, failed](absl::Status) {
+                                        ep.reset();  // as a peer's loss drops its endpoint
+                                        if (failed->calls.fetch_add(1) == 0) {
+                                          failed->done.Notify();
+                                        }
+                                      });
+      connected = result.status();
+      if (result.ok()) ep = std::move(*result);
+    });
+    REQUIRE(connected.ok());
+    constexpr size_t kSize = 16 << 20;
+    std::vector<char> target(kSize, 0);
+    MemoryRegistration target_reg = MapHost(*b.context, target, "b.target");
+    std::vector<char> source(kSize, 7);
+    MemoryRegistration source_reg = MapHost(*a.context, source, "a.source");
+    auto rkey = std::make_shared<RemoteKey>(Unpack(*a.worker, *ep, target_reg.packed_rkey()));
+    REQUIRE(Await(*a.worker, [&](Completion done) { ep->Flush(std::move(done)); }).ok());
+    const uint64_t remote = reinterpret_cast<uint64_t>(target.data());
+    a.worker->RunSync([&] {
+      for (size_t off = 0; off < kSize; off += 1 << 20) {
+        if (!ep->Put(source.data() + off, 1 << 20, remote + off, *rkey).ok()) break;
+      }
+    });
+    b.worker.reset();  // the peer goes away
+    INFO("round " << round);
+    REQUIRE(failed->done.WaitForNotificationWithTimeout(kWait));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    a.worker->RunSync([&] { *rkey = RemoteKey(); });
+    CHECK(failed->calls.load() == 1);
+    bool released = false;
+    a.worker->RunSync([&] { released = ep == nullptr; });
+    CHECK(released);
+  }
+  ServesANewPeer(a, "onerror-c");
 }
 
 TEST_CASE("a worker destroyed with endpoints still open shuts down cleanly") {
