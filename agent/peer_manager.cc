@@ -535,6 +535,9 @@ void PeerManager::BuildSnapshot(
                         previous->incarnation == snapshot->incarnation &&
                         previous->worker_address == snapshot->worker_address &&
                         previous->error_mode == snapshot->error_mode;
+    // This agent's own refusals of what peers answered on its UCX's connections
+    // (any peer's), before this endpoint dials: the flush's failure names them.
+    const uint64_t dialled_refused_before = transport::UcxTcpRefusedDialledConnections();
     if (reused) {
       snapshot->endpoint = previous->endpoint;
       snapshot->transports = previous->transports;
@@ -651,12 +654,24 @@ void PeerManager::BuildSnapshot(
     };
     // Finish wireup before the first data: with UCX 1.13's tcp transport, puts that
     // race the connection setup crashed the receiving worker (seen here under load).
-    snapshot->endpoint->Flush([snapshot, ping, done](absl::Status flushed) {
+    snapshot->endpoint->Flush([snapshot, ping, done,
+                               dialled_refused_before](absl::Status flushed) {
       if (!flushed.ok()) {
+        const uint64_t refused =
+            transport::UcxTcpRefusedDialledConnections() - dialled_refused_before;
+        std::string own_refusals;
+        if (refused > 0) {
+          own_refusals = fmt::format(
+              "; meanwhile this agent closed {} connection(s) its UCX dialled at an answer "
+              "UCT would abort on (its log: 'UCX TCP: closed a connection this agent's UCX "
+              "dialled'): the peer's UCX does not speak this UCX 1.13's protocol, or the "
+              "peer is hostile",
+              refused);
+        }
         done(absl::UnavailableError(fmt::format(
             "peer '{}': the new UCX endpoint did not finish connecting: {}; check that the "
-            "peer's transports are reachable from here (`kvagentctl doctor` on both){}",
-            snapshot->name, flushed.message(),
+            "peer's transports are reachable from here (`kvagentctl doctor` on both){}{}",
+            snapshot->name, flushed.message(), own_refusals,
             // Only the peer's log and status name a refusal by its UCX TCP guard.
             snapshot->same_host ? "" : kTcpGuardHint)));
         return;

@@ -1,7 +1,8 @@
 // Fuzz target: a connection's bytes to UCX's TCP port as the agent's stream check
 // (transport/ucx_tcp_guard.h, internal::FeedStream) reads them before UCT does:
 // frames of any id and length, lying lengths, raw tails, an IPv6 interface, another
-// receive buffer, and the reads cut anywhere (fuzz/ucx_stream_input.proto). Whatever
+// receive buffer, a connection this agent's UCX dialled, and the reads cut anywhere
+// (fuzz/ucx_stream_input.proto). Whatever
 // the bytes, nothing crashes, and:
 //   - the verdict does not depend on how the stream is cut into reads: fed in the
 //     input's pieces, or in one, or a byte at a time, it passes or is refused with the
@@ -32,8 +33,9 @@ using transport::internal::StreamRules;
 constexpr size_t kMaxStream = 1 << 20;
 
 std::string Build(const UcxStreamInput& input) {
-  std::string out = input.bad_magic() ? std::string(8, 'x')
-                                      : std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8);
+  std::string out = input.dialled()     ? std::string()
+                    : input.bad_magic() ? std::string(8, 'x')
+                                        : std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8);
   for (int i = 0; i < input.frames_size(); ++i) {
     const std::string& frame = input.frames(i);
     const std::string body = frame.empty() ? std::string() : frame.substr(1);
@@ -53,7 +55,7 @@ std::string Build(const UcxStreamInput& input) {
 // The first refusal feeding `stream` in pieces of `cuts` (cycled; 0 counts as 1), or "".
 std::string Feed(const std::string& stream, const UcxStreamInput& input, const StreamRules& rules,
                  const std::vector<size_t>& cuts) {
-  StreamCheck check;
+  StreamCheck check = input.dialled() ? transport::internal::DialledStreamCheck() : StreamCheck{};
   check.request_bytes = transport::internal::ConnectionRequestBytes(input.ipv6() ? AF_INET6 : AF_INET);
   size_t at = 0, i = 0;
   std::string refused;

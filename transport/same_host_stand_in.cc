@@ -7,7 +7,9 @@
 // process's segment by default, and with shm_open() at UCX's posix segments opened by
 // name, which must be mapped by such a process (SameHostFileAdmitted); connect() at
 // connections to this host while UCX connects a peer's endpoint
-// (SameHostListenerAdmitted). Every other call goes straight to libc.
+// (SameHostListenerAdmitted); every TCP connection UCX dials is also watched, wherever
+// it goes, for what the peer answers on it (WatchDialledUcxTcpStream, ucx_tcp_guard.h).
+// Every other call goes straight to libc.
 // kvagentd links this object and exports the symbols (-Wl,--export-dynamic-symbol in
 // BUILD), so libucs's, libuct's and libuct_cma's calls bind to them; the next
 // definitions (libc's) do the work.
@@ -153,7 +155,8 @@ extern "C" int open(const char* path, int flags, ...) {
 }
 
 // UCX's TCP connections to this host, for a peer's endpoint (SameHostTcpChecked): the
-// port must be one a proven peer's process listens on.
+// port must be one a proven peer's process listens on. Every TCP connection UCX dials
+// is watched (above).
 extern "C" int connect(int fd, const sockaddr* to, socklen_t length) {
   using ConnectFn = int (*)(int, const sockaddr*, socklen_t);
   static const auto next = Next<ConnectFn>("connect");
@@ -161,7 +164,10 @@ extern "C" int connect(int fd, const sockaddr* to, socklen_t length) {
     errno = ENOSYS;
     return -1;
   }
-  if (kvagent::transport::SameHostTcpChecked() && CalledByUcx(__builtin_return_address(0))) {
+  const bool tcp = to != nullptr && length >= sizeof(sa_family_t) &&
+                   (to->sa_family == AF_INET || to->sa_family == AF_INET6);
+  const bool ucx = tcp && CalledByUcx(__builtin_return_address(0));
+  if (ucx && kvagent::transport::SameHostTcpChecked()) {
     const auto listeners = kvagent::transport::UcxTcpLocalListeners(to, length);
     if (listeners.has_value() &&
         !kvagent::transport::SameHostListenerAdmitted(
@@ -170,7 +176,19 @@ extern "C" int connect(int fd, const sockaddr* to, socklen_t length) {
       return -1;
     }
   }
-  return next(fd, to, length);
+  const int result = next(fd, to, length);
+  // What the peer answers on a connection UCX dialled is checked before UCT reads it
+  // (WatchDialledUcxTcpStream): from before its first byte can be read.
+  if (ucx && (result == 0 || errno == EINPROGRESS)) {
+    const int saved = errno;
+    if (!kvagent::transport::WatchDialledUcxTcpStream(fd)) {
+      shutdown(fd, SHUT_RDWR);
+      errno = EPERM;
+      return -1;
+    }
+    errno = saved;
+  }
+  return result;
 }
 
 extern "C" int shm_open(const char* name, int flags, mode_t mode) {

@@ -66,6 +66,7 @@ void DropOwnerLocked(std::map<std::string, Allowed>::iterator it)
 std::atomic<bool> g_on{false};
 std::atomic<bool> g_remote_checked{true};
 std::atomic<uint64_t> g_refused{0};
+std::atomic<uint64_t> g_refused_dialled{0};  // of g_refused: streams UCX dialled
 
 // `a` (unmapped) as a Host.
 Host HostOf(const sockaddr_storage& a) {
@@ -357,16 +358,25 @@ bool UcxTcpGuarded() { return g_on.load() && g_stand_in.load(); }
 
 uint64_t UcxTcpRefusedConnections() { return g_refused.load(std::memory_order_relaxed); }
 
+uint64_t UcxTcpRefusedDialledConnections() {
+  return g_refused_dialled.load(std::memory_order_relaxed);
+}
+
 void NoteUcxTcpAcceptStandIn() { g_stand_in.store(true); }
 
 namespace {
 bool AdmitPeer(int fd);
-bool WatchStream(int fd);
+bool WatchStream(int fd, bool dialled);
 }  // namespace
 
 bool UcxTcpAdmit(int fd) {
   if (!g_on.load(std::memory_order_relaxed)) return true;
-  return AdmitPeer(fd) && WatchStream(fd);
+  return AdmitPeer(fd) && WatchStream(fd, /*dialled=*/false);
+}
+
+bool WatchDialledUcxTcpStream(int fd) {
+  if (!g_on.load(std::memory_order_relaxed)) return true;
+  return WatchStream(fd, /*dialled=*/true);
 }
 
 namespace {
@@ -550,7 +560,9 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
         const uint8_t id = check->bytes[0];
         uint32_t length = 0;
         std::memcpy(&length, check->bytes + 1, 4);
-        if (std::string why = FrameRefusal(id, length, check->requested, rules); !why.empty()) {
+        if (std::string why =
+                FrameRefusal(id, length, check->requested || check->dialled, rules);
+            !why.empty()) {
           check->phase = StreamCheck::kRefused;
           return why;
         }
@@ -599,6 +611,14 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
     }
   }
   return "";
+}
+
+StreamCheck DialledStreamCheck() {
+  StreamCheck check;
+  check.phase = StreamCheck::kHeader;
+  check.left = 0;
+  check.dialled = true;  // UCT serves a put request on it at any point (measured)
+  return check;
 }
 
 uint8_t ConnectionRequestBytes(int family) {
@@ -692,7 +712,7 @@ internal::StreamRules RulesFromEnvironment() {
   return rules;
 }
 
-bool WatchStream(int fd) {
+bool WatchStream(int fd, bool dialled) {
   if (g_streams.load(std::memory_order_acquire) == nullptr ||
       !g_recv_stand_in.load(std::memory_order_relaxed)) {
     return true;
@@ -700,13 +720,14 @@ bool WatchStream(int fd) {
   StreamSlot* slot = SlotOf(fd);
   if (slot == nullptr) {
     const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
-    kLog.Warn("UCX TCP: refused a connection on descriptor {} ({} so far): its stream cannot "
+    kLog.Warn("UCX TCP: refused a connection {} descriptor {} ({} so far): its stream cannot "
               "be watched past descriptor {}; lower the agent's open-file limit or its load",
-              fd, n, g_stream_limit.load(std::memory_order_relaxed) - 1);
+              dialled ? "dialled on" : "on", fd, n,
+              g_stream_limit.load(std::memory_order_relaxed) - 1);
     return false;
   }
-  slot->check = internal::StreamCheck{};
-  // UCT sizes a connection request by the accepting interface's address family.
+  slot->check = dialled ? internal::DialledStreamCheck() : internal::StreamCheck{};
+  // UCT sizes a connection request by its interface's address family: the connection's.
   sockaddr_storage local{};
   socklen_t local_length = sizeof local;
   if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_length) == 0) {
@@ -733,13 +754,16 @@ ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) 
   shutdown(fd, SHUT_RDWR);
   const uint64_t n = g_refused.fetch_add(1, std::memory_order_relaxed) + 1;
   const uint64_t mine = g_refused_streams.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (slot.check.dialled) g_refused_dialled.fetch_add(1, std::memory_order_relaxed);
   if (log::Sampled(mine)) {
     sockaddr_storage peer{}, local{};
     Ends(fd, &peer, &local);
-    kLog.Warn("UCX TCP: closed a connection from {} to {} at {} ({} such so far, {} "
+    kLog.Warn("UCX TCP: closed a connection {} {} {} {} at {} ({} such so far, {} "
               "connections refused in all): UCT would have served it before any check of "
               "kvagent's",
-              Text(internal::Unmapped(peer)), Text(internal::Unmapped(local)), why, mine, n);
+              slot.check.dialled ? "this agent's UCX dialled, to" : "from",
+              Text(internal::Unmapped(peer)), slot.check.dialled ? "from" : "to",
+              Text(internal::Unmapped(local)), why, mine, n);
   }
   return 0;  // end of stream: UCT closes its endpoint
 }

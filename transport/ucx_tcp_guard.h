@@ -77,6 +77,8 @@ bool UcxTcpGuarded();
 
 // Connections the guard closed.
 uint64_t UcxTcpRefusedConnections();
+// Of those, the ones this process's UCX dialled, closed at what the peer answered.
+uint64_t UcxTcpRefusedDialledConnections();
 
 // Where a connection to `to` would land on this host: the sockets listening on its port
 // at its address or a wildcard one (tcp_diag.h's DiagListeners; /proc/net/tcp and tcp6
@@ -117,10 +119,26 @@ bool UcxTcpAdmit(int fd);
 // kvagent's own agents send put requests over tcp (with a large staged chunk, most
 // likely UCP's rendezvous into a receive buffer UCP registered itself) although they
 // start UCX with UCX_TCP_PUT_ENABLE=n.
-// Counted in UcxTcpRefusedConnections and logged. The
-// connections this process's UCX opened itself reach peers it chose, and are not
-// watched. Descriptors from 65,536 up cannot be watched: such a connection is refused.
+// Counted in UcxTcpRefusedConnections and logged. Descriptors from 65,536 up cannot
+// be watched: such a connection is refused.
+// The connections this process's UCX dials are watched too (WatchDialledUcxTcpStream):
+// the peer answers on them with UCT frames, and a dialling UCT 1.13 aborts on the same
+// bad frames (a body past its receive buffer, an unknown id, a short connection-manager
+// frame, a put request or acknowledgement of another length, a connection request
+// formed otherwise than above or a second one); a put request it serves at any point.
+// No magic number comes that way. A peer is chosen by whoever asks this agent to
+// connect, and its worker address names where UCX dials: one answer of a few bytes
+// ended the dialling agent. Left open: a well-formed connection request on a dialled
+// connection is passed (a peer's UCT sends one there when both sides connected at
+// once), and UCT 1.13 aborts on one that does not name the endpoint it dialled by its
+// own sequence number and address, which the check cannot know (uct_frames_test prints
+// it as the one pass that ends a stock UCT).
 using RecvFn = ssize_t (*)(int, void*, size_t, int);
+// Watches TCP connection `fd`, which this process's UCX is dialling (called by the
+// connect() stand-in for UCX's calls, transport/same_host_stand_in.cc), from its first
+// byte. False when it cannot be watched (past the table; counted and logged): the
+// stand-in then refuses the connect. True, watching nothing, while the guard is off.
+bool WatchDialledUcxTcpStream(int fd);
 ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next);
 // A watched descriptor is closed (the close() stand-in): no longer watched.
 void ForgetUcxTcpStream(int fd);
@@ -162,11 +180,15 @@ struct StreamCheck {
   uint8_t bytes[48] = {};
   uint64_t left = 8;      // bytes of the magic number, a body or a put's payload to pass
   bool requested = false;  // a connection request came (put requests may follow)
+  bool dialled = false;    // this process's UCX dialled it: put requests at any point
   // A connection request's body: its event, flags and endpoint id (13 bytes), then the
   // sender's address as UCT's interface that accepted the connection holds one
   // (sockaddr_in, or sockaddr_in6 on an IPv6 interface: ConnectionRequestBytes).
   uint8_t request_bytes = 13 + 16;
 };
+// The check of a connection this process's UCX dialled: frames from the first byte,
+// put requests at any point.
+StreamCheck DialledStreamCheck();
 // StreamCheck::request_bytes for a connection accepted at a local address of `family`.
 uint8_t ConnectionRequestBytes(int family);
 // Feeds `n` bytes read from the stream: "" while it is fine, else why it is refused

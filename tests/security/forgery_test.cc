@@ -12,7 +12,11 @@
 // eve's stock UCX using its other protocols on decode (software RMA and atomics over
 // tcp, stream, tagged eager and rendezvous): RMA reaches the region and nothing beside
 // it, nothing else is served or held, each refusal counted, the agent stays up.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/mman.h>
 #include <sys/types.h>
 
@@ -50,6 +54,7 @@
 #include "tests/integration/metrics_scrape.h"
 #include "tests/integration/stock_ucx_peer.h"
 #include "tests/security/fake_peer.h"
+#include "tests/security/process_peek.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -1672,6 +1677,8 @@ class FakeAgent : public v1::Peer::Service {
     worker_.reset();
   }
   transport::UcxWorker& worker() { return *worker_; }
+  // Her worker goes (its TCP ports close); her metadata still names its address.
+  void DropWorker() { worker_.reset(); }
 
  private:
   std::unique_ptr<transport::UcxContext> context_;
@@ -1881,6 +1888,127 @@ TEST_CASE("a peer whose UCX does not answer the connect's ping is not called con
   }
   REQUIRE(Alive(pair.decode_process().pid()));
   RequireHonestWrite(pair, "after-pings", {1, 2}, {1, 2});
+}
+
+// Eve as an agent whose UCX port answers decode with what would end a stock UCT: her
+// metadata names her worker's address, but her worker is gone and the test holds its
+// TCP ports, answering each connection decode's UCX dials (its magic number and
+// connection request read first) with UCT's acknowledgement and then `answer`.
+class HostileUcxPort final : public FakeAgent {
+ public:
+  // `before`: the ports this process listened on before eve's worker (evaluated first).
+  HostileUcxPort(v1::AgentMetadata catalog, std::string answer,
+                 std::vector<int> before = testing::ListeningTcpPorts(getpid()))
+      : FakeAgent(std::move(catalog), /*wire_features=*/0x1f, ""), answer_(std::move(answer)) {
+    std::vector<int> ports;
+    for (int port : testing::ListeningTcpPorts(getpid())) {
+      if (std::find(before.begin(), before.end(), port) == before.end()) ports.push_back(port);
+    }
+    REQUIRE_FALSE(ports.empty());
+    DropWorker();
+    for (int port : ports) {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      REQUIRE(fd >= 0);
+      const int one = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      sockaddr_in at{};
+      at.sin_family = AF_INET;
+      at.sin_port = htons(static_cast<uint16_t>(port));
+      INFO("taking over eve's UCX port " << port << ": " << std::strerror(errno));
+      REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+      REQUIRE(listen(fd, 16) == 0);
+      listeners_.push_back(fd);
+    }
+    thread_ = std::thread([this] { Answer(); });
+    Serve();
+  }
+  ~HostileUcxPort() override {
+    Stop();
+    stop_.store(true);
+    thread_.join();
+    for (int fd : listeners_) close(fd);
+  }
+  int answered() const { return answered_.load(); }
+
+ private:
+  void Answer() {
+    std::vector<pollfd> polled;
+    for (int fd : listeners_) polled.push_back({fd, POLLIN, 0});
+    std::vector<int> open;
+    while (!stop_.load()) {
+      if (poll(polled.data(), polled.size(), 20) <= 0) continue;
+      for (const pollfd& p : polled) {
+        if ((p.revents & POLLIN) == 0) continue;
+        const int fd = accept4(p.fd, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        open.push_back(fd);
+        // UCT's magic number (8 bytes) and connection request (a 5-byte header, 29).
+        std::string first;
+        char buffer[64];
+        pollfd more{fd, POLLIN, 0};
+        while (first.size() < 8 + 5 + 29 && poll(&more, 1, 2000) == 1) {
+          const ssize_t n = read(fd, buffer, std::min<size_t>(sizeof buffer, 42 - first.size()));
+          if (n <= 0) break;
+          first.append(buffer, static_cast<size_t>(n));
+        }
+        const uint32_t acknowledgement = 2;
+        std::string reply("\x20\x04\x00\x00\x00", 5);
+        reply.append(reinterpret_cast<const char*>(&acknowledgement), 4);
+        reply += answer_;
+        if (send(fd, reply.data(), reply.size(), MSG_NOSIGNAL) > 0) answered_.fetch_add(1);
+      }
+    }
+    for (int fd : open) close(fd);
+  }
+
+  const std::string answer_;
+  std::vector<int> listeners_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> answered_{0};
+};
+
+// A peer chooses where decode's UCX dials (its worker address names the port), and
+// UCT 1.13 aborts the dialling process on a bad frame in the answer (a body past its
+// receive buffer here), as it does on the accepting side: one reply of a few bytes
+// ended decode. The check of dialled connections (transport/ucx_tcp_guard.h) closes
+// the connection at that frame: the connect fails, counted in decode's
+// ucx_tcp_refused_connections, and decode keeps taking prefill's WRITEs.
+TEST_CASE("a peer whose UCX port answers with a frame UCT aborts on does not end the agent "
+          "that dialled it") {
+  AgentPair pair(WithFakeAgent("peer"));  // tcp
+  cli::AgentClient decode_status(pair.decode_process().address(), kTimeoutMs);
+  const v1::AgentMetadata catalog =
+      PeerCaller::Attach(pair.prefill_process(), "catalog-reader")->Metadata("catalog-reader");
+  // An active message one byte longer than UCT's receive buffer (64 KiB of body).
+  const uint32_t length = 65537;
+  std::string frame(1, '\x01');
+  frame.append(reinterpret_cast<const char*>(&length), 4);
+  frame += std::string(length, 'z');
+  HostileUcxPort eve(catalog, frame);
+  auto refused = [&] {
+    auto status = decode_status.Status();
+    REQUIRE(status.ok());
+    return status->ucx_tcp_refused_connections();
+  };
+  const uint64_t refused_before = refused();
+  auto connected = pair.decode().Connect(eve.address());
+  INFO(connected.status().ToString());
+  REQUIRE_FALSE(connected.ok());
+  CHECK(connected.status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(connected.status().message()),
+             Contains("peer 'eve': the new UCX endpoint did not finish connecting") &&
+                 Contains("this agent closed") &&
+                 Contains("connection(s) its UCX dialled at an answer UCT would abort on"));
+  CHECK(eve.answered() >= 1);
+  CHECK(refused() > refused_before);
+  std::printf("eve's UCX port answered %d connection(s) with a frame of %u bytes: decode's "
+              "ConnectPeer: %s; decode refused %llu\n",
+              eve.answered(), length, connected.status().ToString().c_str(),
+              static_cast<unsigned long long>(refused() - refused_before));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  REQUIRE(Alive(pair.decode_process().pid()));
+  RequireHonestWrite(pair, "after-hostile-port", {1, 2}, {1, 2});
 }
 
 // Where `pid`'s executable is mapped from its first byte (its ELF header), from

@@ -5,7 +5,9 @@
 // process (tests/security/uct_frame_target: the installed libuct, nothing of kvagent in
 // front), and the test holds the check to what the library does: every frame the check
 // passes leaves the library running, and every frame it refuses as one UCT aborts on
-// does end the child. So the rules cannot drift from the installed UCX unseen.
+// does end the child. So the rules cannot drift from the installed UCX unseen. The
+// same for the other direction: what a peer answers on a connection this agent's UCX
+// dialled, sent to a stock UCT endpoint that dialled the test.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -56,11 +58,15 @@ struct Target {
   // On kIpv6Device at kIpv6Address (UCX_TCP_AF_PRIO=inet6), which the calling thread's
   // network namespace holds; else on loopback, IPv4.
   bool ipv6 = false;
+  // The stream answers a stock UCT endpoint that dialled this test (on loopback, IPv4):
+  // no magic number comes that way (AnswerStockUctDialler).
+  bool dialled = false;
 };
 
 // The check's verdict on `stream` for `target`: "" (passed) or its refusal.
 std::string Check(const std::string& stream, const Target& target = {}) {
-  internal::StreamCheck check;
+  internal::StreamCheck check =
+      target.dialled ? internal::DialledStreamCheck() : internal::StreamCheck{};
   check.request_bytes = internal::ConnectionRequestBytes(target.ipv6 ? AF_INET6 : AF_INET);
   const std::optional<internal::StreamRules> rules =
       internal::RulesForRxSegSize(target.rx_seg_size);
@@ -69,9 +75,12 @@ std::string Check(const std::string& stream, const Target& target = {}) {
                               stream.size(), *rules);
 }
 
+std::string AnswerStockUctDialler(const std::string& stream);
+
 // What the stock library did with `stream`: "alive", or how the child ended ("setup:
 // ..." when this side failed). Runs on any thread (no test assertions).
 std::string SendToStockUct(const std::string& stream, const Target& target = {}) {
+  if (target.dialled) return AnswerStockUctDialler(stream);
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const std::string binary =
       fmt::format("{}/kvagent/tests/security/uct_frame_target", srcdir ? srcdir : ".");
@@ -227,6 +236,81 @@ std::string HonestConnectionRequest() {
   return bytes.substr(kMagic.size());
 }
 
+// What a stock UCT endpoint that dialled this test does when the test answers with
+// `stream`: tests/security/uct_put_probe connects to a socket of this test and keeps
+// sending active messages (progressing its interface, so reading what comes back) for
+// a second or more; the test reads its magic number and connection request, answers,
+// and looks 150 ms later. "alive" while it still runs (then it is killed), or how it
+// ended. Runs on any thread (no test assertions).
+std::string AnswerStockUctDialler(const std::string& stream) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof at;
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 ||
+      listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) != 0) {
+    return fmt::format("setup: listener: {}", std::strerror(errno));
+  }
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const std::string probe =
+      fmt::format("{}/kvagent/tests/security/uct_put_probe", srcdir ? srcdir : ".");
+  const std::string port = std::to_string(ntohs(at.sin_port));
+  const pid_t pid = fork();
+  if (pid < 0) return fmt::format("setup: fork: {}", std::strerror(errno));
+  if (pid == 0) {
+    setenv("KVAGENT_PROBE_AM", "0:2000000", 1);  // sends until it is killed
+    const int null = open("/dev/null", O_WRONLY);
+    dup2(null, 1);
+    dup2(null, 2);
+    execl(probe.c_str(), probe.c_str(), port.c_str(), "0", nullptr);
+    _exit(127);
+  }
+  std::string result;
+  pollfd wait{listener, POLLIN, 0};
+  const int fd = poll(&wait, 1, 20000) == 1 ? accept(listener, nullptr, nullptr) : -1;
+  if (fd < 0) {
+    result = "setup: the stock endpoint did not connect";
+  } else {
+    // Its magic number and connection request (a 29-byte frame body), then the answer.
+    std::string first;
+    char buffer[256];
+    pollfd more{fd, POLLIN, 0};
+    const size_t want = kMagic.size() + 5 + 29;
+    while (first.size() < want && poll(&more, 1, 20000) == 1) {
+      const ssize_t n = read(fd, buffer, std::min(sizeof buffer, want - first.size()));
+      if (n <= 0) break;
+      first.append(buffer, static_cast<size_t>(n));
+    }
+    if (first.size() != want || first.substr(0, kMagic.size()) != kMagic) {
+      result = "setup: the stock endpoint did not send its magic number and request";
+    }
+    const timeval bound{5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &bound, sizeof bound);
+    size_t sent = 0;
+    while (result.empty() && sent < stream.size()) {
+      const ssize_t n = send(fd, stream.data() + sent, stream.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;  // the child went
+      sent += static_cast<size_t>(n);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  }
+  int status = 0;
+  pid_t done = waitpid(pid, &status, WNOHANG);
+  if (done == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+  if (fd >= 0) close(fd);
+  close(listener);
+  if (!result.empty()) return result;
+  if (done == 0) return "alive";
+  if (WIFSIGNALED(status)) return fmt::format("ended by signal {}", WTERMSIG(status));
+  return fmt::format("setup: the stock endpoint exited {} before the answer was read",
+                     WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+}
+
 // A connection-manager frame: its 4-byte event, then `rest`.
 std::string Cm(uint32_t event, const std::string& rest) {
   std::string body(reinterpret_cast<const char*>(&event), 4);
@@ -373,6 +457,50 @@ TEST_CASE("every frame the UCX TCP stream check passes leaves a stock UCT tcp in
     std::printf("refusal kind: %s: %s\n", kind.c_str(),
                 ended ? "the stock library ended on it" : "never ended the stock library");
     INFO("the check refuses streams for " << kind);
+    CHECK(ended);
+  }
+}
+
+// What a peer answers on a connection this agent's UCX dialled reaches UCT without a
+// magic number first: the acknowledgement of its request, then frames. The check of a
+// dialled connection (internal::DialledStreamCheck) is held to a stock UCT endpoint
+// that dialled this test, as the accepted side's is above: with no acknowledgement
+// (a few kinds), and after UCT's own (4 bytes, event 2, as a stock UCT acceptor sends
+// it: every kind). One kind is a hole left open, printed: a well-formed request.
+TEST_CASE("every answer the check of a dialled connection passes leaves a stock UCT endpoint "
+          "running, and every answer it refuses ends one") {
+  const std::string request = HonestConnectionRequest();
+  const std::string acknowledgement = Cm(2, "");
+  int passed = 0;
+  Refusals refusals;
+  const Target dialled{nullptr, /*ipv6=*/false, /*dialled=*/true};
+  for (const auto& [first, label] : std::vector<std::pair<std::string, std::string>>{
+           {"", "dialled, first"}, {acknowledgement, "dialled, after the acknowledgement"}}) {
+    for (const Case& c : Cases(request, !first.empty())) {
+      const std::string what = fmt::format("{}: {}", label, c.what);
+      const std::string stream = first + c.frames;
+      // The hole left open (ucx_tcp_guard.h): a well-formed connection request passes,
+      // as a peer's UCT sends one there when both sides connected at once, and this
+      // UCT aborts on one that does not name its own endpoint. Printed, not held.
+      if (c.what.find("event 0x1 as long as a request") != std::string::npos) {
+        const std::string check = Check(stream, dialled);
+        std::printf("%-80s check: %-8s stock UCT: %s (left open)\n", what.c_str(),
+                    check.empty() ? "passed" : "refused",
+                    SendToStockUct(stream, dialled).c_str());
+        CHECK(check.empty());
+        continue;
+      }
+      Expect(what, stream, &passed, &refusals, dialled);
+    }
+  }
+  CHECK(passed > 0);
+  // A frame past the buffer, a short connection-manager frame, connection requests of
+  // another length, put requests and acknowledgements of another length, unknown ids.
+  CHECK(refusals.size() >= 5);
+  for (const auto& [kind, ended] : refusals) {
+    std::printf("refusal kind (dialled): %s: %s\n", kind.c_str(),
+                ended ? "the stock library ended on it" : "never ended the stock library");
+    INFO("the check of a dialled connection refuses answers for " << kind);
     CHECK(ended);
   }
 }

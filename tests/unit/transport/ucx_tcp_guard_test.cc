@@ -481,10 +481,11 @@ std::string PutRequest(uint64_t address, uint64_t length) {
   std::memcpy(body.data() + 8, &length, 8);
   return Frame(UCT_AM_ID_MAX + 1, body);
 }
-// Feeds `stream` in pieces of `piece` bytes: "" or the first refusal.
+// Feeds `stream` in pieces of `piece` bytes to `check` (an accepted connection's by
+// default): "" or the first refusal.
 std::string FeedInPieces(const std::string& stream, size_t piece,
-                         const internal::StreamRules& rules) {
-  internal::StreamCheck check;
+                         const internal::StreamRules& rules,
+                         internal::StreamCheck check = internal::StreamCheck{}) {
   for (size_t at = 0; at < stream.size(); at += piece) {
     const std::string part = stream.substr(at, piece);
     std::string why = internal::FeedStream(
@@ -577,6 +578,53 @@ TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those 
   CHECK(FeedInPieces(magic + Frame(1, std::string(65537, 'z')), 4096, *large).empty());
   CHECK(internal::RulesForRxSegSize(nullptr)->max_frame == 65536u);  // UCX's 64 KiB
   CHECK_FALSE(internal::RulesForRxSegSize("lots").has_value());
+}
+
+// What a peer answers on a connection this agent's UCX dialled: no magic number; the
+// acknowledgement of the request (event 2, 4 bytes, as a stock UCT acceptor sends it),
+// then frames as on an accepted connection, put requests at any point. A dialling UCT
+// 1.13 aborts on the same bad frames (held to libuct by tests/security:uct_frames_test,
+// "dialled").
+TEST_CASE("the stream check of a dialled connection passes a peer's answers and refuses what "
+          "UCT aborts on") {
+  const internal::StreamRules rules;
+  const internal::StreamCheck dialled = internal::DialledStreamCheck();
+  CHECK(dialled.dialled);
+  const std::string honest = Cm(2, "") + Frame(0, std::string(13, 'a')) +
+                             PutRequest(0x1800, 0x10) + std::string(0x10, '\x21') +
+                             Frame(UCT_AM_ID_MAX + 2, "abcd") + Frame(UCT_AM_ID_MAX + 3, "") +
+                             Frame(31, std::string(65536, 'b')) + Cm(0xa5a5a5a5u, "xyz");
+  for (size_t piece : {size_t{1}, size_t{5}, size_t{4096}, honest.size()}) {
+    INFO("pieces of " << piece);
+    CHECK(FeedInPieces(honest, piece, rules, dialled).empty());
+  }
+  // A put request before the acknowledgement is served too (measured).
+  CHECK(FeedInPieces(PutRequest(0x1000, 0) + Cm(2, ""), 3, rules, dialled).empty());
+  // The magic number is not expected: its bytes read as a frame header of id 0x78.
+  CHECK_THAT(FeedInPieces("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8, rules, dialled),
+             Catch::Contains("(id 120)"));
+  // A well-formed connection request passes (a peer's UCT sends one on a connection
+  // this agent dialled when both sides connected at once), once; others are refused.
+  CHECK(FeedInPieces(Cm(2, "") + ConnectionRequest() + Frame(1, "x"), 2, rules, dialled)
+            .empty());
+  CHECK_THAT(FeedInPieces(Cm(2, "") + ConnectionRequest(0, /*family=*/0), 2, rules, dialled),
+             Catch::Contains("a connection request naming an address of family 0"));
+  CHECK_THAT(FeedInPieces(Cm(2, "") + Cm(1, ""), 2, rules, dialled),
+             Catch::Contains("a connection request of 4 bytes"));
+  CHECK_THAT(FeedInPieces(ConnectionRequest() + ConnectionRequest(), 2, rules, dialled),
+             Catch::Contains("a second connection request on one connection"));
+  CHECK_THAT(FeedInPieces(ConnectionRequest(/*flags=*/1), 2, rules, dialled),
+             Catch::Contains("connect-to-endpoint mode"));
+  CHECK_THAT(FeedInPieces(Cm(2, "") + Frame(1, std::string(65537, 'z')), 4096, rules, dialled),
+             Catch::Contains("a frame of 65537 bytes (id 1), more than UCT's receive buffer"));
+  CHECK_THAT(FeedInPieces(Frame(UCT_AM_ID_MAX, "ab"), 1, rules, dialled),
+             Catch::Contains("a connection-manager frame of 2 bytes"));
+  CHECK_THAT(FeedInPieces(Frame(UCT_AM_ID_MAX + 1, std::string(16, 'q')), 3, rules, dialled),
+             Catch::Contains("a put request of 16 bytes (UCT aborts on any but 20)"));
+  CHECK_THAT(FeedInPieces(Frame(UCT_AM_ID_MAX + 2, std::string(8, 'q')), 3, rules, dialled),
+             Catch::Contains("a put acknowledgement of 8 bytes"));
+  CHECK_THAT(FeedInPieces(Frame(UCT_AM_ID_MAX + 4, ""), 1, rules, dialled),
+             Catch::Contains("frame id 36, which UCT's tcp transport does not know"));
 }
 
 TEST_CASE("UCX's size settings as the stream check reads them") {
