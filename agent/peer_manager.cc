@@ -664,8 +664,8 @@ void PeerManager::BuildSnapshot(
           own_refusals = fmt::format(
               "; meanwhile this agent closed {} connection(s) its UCX dialled at an answer "
               "UCT would abort on (its log: 'UCX TCP: closed a connection this agent's UCX "
-              "dialled'): the peer's UCX does not speak this UCX 1.13's protocol, or the "
-              "peer is hostile",
+              "dialled'): the peer's UCX is not one this agent's UCX 1.13 can talk to, or "
+              "the peer is hostile",
               refused);
         }
         done(absl::UnavailableError(fmt::format(

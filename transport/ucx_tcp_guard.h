@@ -134,14 +134,14 @@ bool UcxTcpAdmit(int fd);
 // own sequence number and address, which the check cannot know (uct_frames_test prints
 // it as the one pass that ends a stock UCT).
 using RecvFn = ssize_t (*)(int, void*, size_t, int);
+ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next);
+// A watched descriptor is closed (the close() stand-in): no longer watched.
+void ForgetUcxTcpStream(int fd);
 // Watches TCP connection `fd`, which this process's UCX is dialling (called by the
 // connect() stand-in for UCX's calls, transport/same_host_stand_in.cc), from its first
 // byte. False when it cannot be watched (past the table; counted and logged): the
 // stand-in then refuses the connect. True, watching nothing, while the guard is off.
 bool WatchDialledUcxTcpStream(int fd);
-ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next);
-// A watched descriptor is closed (the close() stand-in): no longer watched.
-void ForgetUcxTcpStream(int fd);
 // Called once by the recv()/close() stand-ins when the binary holds them.
 void NoteUcxTcpRecvStandIn();
 

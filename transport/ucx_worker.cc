@@ -24,10 +24,9 @@
 
 namespace kvagent::transport {
 
-// Shared by an endpoint and its operations in flight (which may complete after the
-// endpoint is gone). Worker thread only.
-// Shared by an endpoint, its operations in flight and UCX's error handler (whose
-// argument it is): it lives until the endpoint's close has been handed to UCX.
+// Shared by an endpoint, its operations in flight (which may complete after the
+// endpoint is gone) and UCX's error handler, whose argument it is: it lives until the
+// endpoint's close has been handed to UCX and has finished. Worker thread only.
 struct EndpointHealth : std::enable_shared_from_this<EndpointHealth> {
   UcxWorker* worker = nullptr;
   const std::string* worker_name = nullptr;  // the worker's (outlives its operations)

@@ -54,6 +54,8 @@ struct AmMessage {
 using AmDataHandler = std::function<bool(const AmMessage& message)>;
 
 class Endpoint;
+// What an endpoint shares with its operations in flight and UCX's error handler:
+// whether UCX failed it, and the one report of that failure (transport/ucx_worker.cc).
 struct EndpointHealth;
 
 // Watches the worker loop for a receive queue that never drains: ucp_worker_arm keeps
@@ -382,9 +384,6 @@ enum class ErrorMode {
 std::string_view ErrorModeName(ErrorMode mode);
 
 using Completion = std::function<void(absl::Status)>;
-
-// What an endpoint shares with its operations in flight: whether UCX failed it, and
-// the one report of that failure (transport/ucx_worker.cc).
 
 // A connection to one remote worker; worker thread only (create, use, destroy).
 class Endpoint {

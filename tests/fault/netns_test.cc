@@ -672,7 +672,8 @@ std::string AddSecondAddresses(NetnsLab& lab) {
 // (10.77.1.x) and vouches for those. Decode's guard closes prefill's UCX connection at
 // accept; prefill's new endpoint does not finish connecting, and ConnectPeer fails
 // saying that the peer's guard may have refused this host's address and where that
-// shows (the peer's log and its ucx_tcp_refused_connections, which rose).
+// shows (the peer's log and its ucx_tcp_refused_connections, which rose); prefill lives
+// on and stops cleanly.
 TEST_CASE("a connect whose UCX connection the peer's guard refuses fails, naming the guard") {
   cli::KvPoolShape shape;
   shape.layers = 2;

@@ -1899,6 +1899,7 @@ class HostileUcxPort final : public FakeAgent {
   // `before`: the ports this process listened on before eve's worker (evaluated first).
   HostileUcxPort(v1::AgentMetadata catalog, std::string answer,
                  std::vector<int> before = testing::ListeningTcpPorts(getpid()))
+      // This build's wire features (kWireFeatures): decode treats her as one of its own.
       : FakeAgent(std::move(catalog), /*wire_features=*/0x1f, ""), answer_(std::move(answer)) {
     std::vector<int> ports;
     for (int port : testing::ListeningTcpPorts(getpid())) {
@@ -1919,8 +1920,8 @@ class HostileUcxPort final : public FakeAgent {
       REQUIRE(listen(fd, 16) == 0);
       listeners_.push_back(fd);
     }
-    thread_ = std::thread([this] { Answer(); });
     Serve();
+    thread_ = std::thread([this] { Answer(); });  // last: nothing after it can throw
   }
   ~HostileUcxPort() override {
     Stop();

@@ -251,7 +251,9 @@ std::string AnswerStockUctDialler(const std::string& stream) {
   if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 ||
       listen(listener, 1) != 0 ||
       getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) != 0) {
-    return fmt::format("setup: listener: {}", std::strerror(errno));
+    const std::string why = fmt::format("setup: listener: {}", std::strerror(errno));
+    if (listener >= 0) close(listener);
+    return why;
   }
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const std::string probe =
