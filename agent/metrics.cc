@@ -291,7 +291,7 @@ std::string RenderMetrics(const MetricsSources& sources) {
   Family(&out, "kvagent_ucx_tcp_refused_connections_total", "counter",
          "Connections to UCX's TCP port closed by the guard: unread, from a local uid not a "
          "peer's or a host no authenticated peer vouched for, or at a frame UCT would abort "
-         "the agent on.")
+         "the agent on (also a peer's answer on a connection the agent's UCX dialled).")
       .Sample(static_cast<double>(status.ucx_tcp_refused_connections()));
   Family(&out, "kvagent_ucx_tcp_allowed_hosts", "gauge",
          "Hosts authenticated peers vouched for, whose connections UCX's TCP port keeps.")
