@@ -181,68 +181,20 @@ std::string SendToStockUct(const std::string& stream, const Target& target = {})
   return "alive";
 }
 
-// The connection request a stock UCT tcp endpoint sends first (after the magic
-// number), as it sent it: tests/security/uct_put_probe connects to a socket of this
-// test and its first frame is read.
-std::string HonestConnectionRequest() {
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(listener >= 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
-  REQUIRE(listen(listener, 1) == 0);
-  socklen_t length = sizeof at;
-  REQUIRE(getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) == 0);
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const std::string probe =
-      fmt::format("{}/kvagent/tests/security/uct_put_probe", srcdir ? srcdir : ".");
-  const std::string port = std::to_string(ntohs(at.sin_port));
-  const pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    setenv("KVAGENT_PROBE_AM", "1:1", 1);  // one active message: it connects first
-    const int null = open("/dev/null", O_WRONLY);
-    dup2(null, 1);
-    execl(probe.c_str(), probe.c_str(), port.c_str(), "0", nullptr);
-    _exit(127);
-  }
-  pollfd wait{listener, POLLIN, 0};
-  REQUIRE(poll(&wait, 1, 20000) == 1);
-  const int fd = accept(listener, nullptr, nullptr);
-  REQUIRE(fd >= 0);
-  std::string bytes;
-  char buffer[256];
-  pollfd more{fd, POLLIN, 0};
-  // The magic number and one frame header, then as long as its length says.
-  auto want = [&] {
-    if (bytes.size() < kMagic.size() + 5) return kMagic.size() + 5;
-    uint32_t frame = 0;
-    std::memcpy(&frame, bytes.data() + kMagic.size() + 1, 4);
-    return kMagic.size() + 5 + frame;
-  };
-  while (bytes.size() < want() && poll(&more, 1, 20000) == 1) {
-    const ssize_t n = read(fd, buffer, std::min(sizeof buffer, want() - bytes.size()));
-    if (n <= 0) break;
-    bytes.append(buffer, static_cast<size_t>(n));
-  }
-  close(fd);
-  close(listener);
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-  REQUIRE(bytes.size() == want());
-  REQUIRE(bytes.substr(0, kMagic.size()) == kMagic);
-  REQUIRE(static_cast<uint8_t>(bytes[kMagic.size()]) == UCT_AM_ID_MAX);
-  return bytes.substr(kMagic.size());
-}
-
-// What a stock UCT endpoint that dialled this test does when the test answers with
-// `stream`: tests/security/uct_put_probe connects to a socket of this test and keeps
-// sending active messages (progressing its interface, so reading what comes back) for
-// a second or more; the test reads its magic number and connection request, answers,
-// and looks 150 ms later. "alive" while it still runs (then it is killed), or how it
-// ended. Runs on any thread (no test assertions).
-std::string AnswerStockUctDialler(const std::string& stream) {
+// A stock UCT tcp endpoint (tests/security/uct_put_probe, sending active messages as
+// `probe_am` says, its output to /dev/null) that dialled a loopback socket of this
+// test: the probe's pid, the accepted connection, and what the probe sent first (its
+// magic number and one frame, read as far as the frame's length says). `error` says
+// what failed, then the rest may be unset (-1); the caller kills and reaps the probe
+// and closes the connection. Runs on any thread (no test assertions).
+struct StockDialler {
+  pid_t pid = -1;
+  int fd = -1;
+  std::string first;
+  std::string error;
+};
+StockDialler DialFromStockUct(const char* probe_am) {
+  StockDialler out;
   const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in at{};
   at.sin_family = AF_INET;
@@ -251,61 +203,101 @@ std::string AnswerStockUctDialler(const std::string& stream) {
   if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 ||
       listen(listener, 1) != 0 ||
       getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) != 0) {
-    const std::string why = fmt::format("setup: listener: {}", std::strerror(errno));
+    out.error = fmt::format("setup: listener: {}", std::strerror(errno));
     if (listener >= 0) close(listener);
-    return why;
+    return out;
   }
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const std::string probe =
       fmt::format("{}/kvagent/tests/security/uct_put_probe", srcdir ? srcdir : ".");
   const std::string port = std::to_string(ntohs(at.sin_port));
-  const pid_t pid = fork();
-  if (pid < 0) return fmt::format("setup: fork: {}", std::strerror(errno));
-  if (pid == 0) {
-    setenv("KVAGENT_PROBE_AM", "0:2000000", 1);  // sends until it is killed
+  out.pid = fork();
+  if (out.pid < 0) {
+    out.error = fmt::format("setup: fork: {}", std::strerror(errno));
+    close(listener);
+    return out;
+  }
+  if (out.pid == 0) {
+    setenv("KVAGENT_PROBE_AM", probe_am, 1);
     const int null = open("/dev/null", O_WRONLY);
     dup2(null, 1);
     dup2(null, 2);
     execl(probe.c_str(), probe.c_str(), port.c_str(), "0", nullptr);
     _exit(127);
   }
-  std::string result;
   pollfd wait{listener, POLLIN, 0};
-  const int fd = poll(&wait, 1, 20000) == 1 ? accept(listener, nullptr, nullptr) : -1;
-  if (fd < 0) {
-    result = "setup: the stock endpoint did not connect";
-  } else {
-    // Its magic number and connection request (a 29-byte frame body), then the answer.
-    std::string first;
-    char buffer[256];
-    pollfd more{fd, POLLIN, 0};
-    const size_t want = kMagic.size() + 5 + 29;
-    while (first.size() < want && poll(&more, 1, 20000) == 1) {
-      const ssize_t n = read(fd, buffer, std::min(sizeof buffer, want - first.size()));
-      if (n <= 0) break;
-      first.append(buffer, static_cast<size_t>(n));
-    }
-    if (first.size() != want || first.substr(0, kMagic.size()) != kMagic) {
-      result = "setup: the stock endpoint did not send its magic number and request";
-    }
+  out.fd = poll(&wait, 1, 20000) == 1 ? accept(listener, nullptr, nullptr) : -1;
+  close(listener);
+  if (out.fd < 0) {
+    out.error = "setup: the stock endpoint did not connect";
+    return out;
+  }
+  char buffer[256];
+  pollfd more{out.fd, POLLIN, 0};
+  // The magic number and one frame header, then as long as its length says.
+  auto want = [&] {
+    if (out.first.size() < kMagic.size() + 5) return kMagic.size() + 5;
+    uint32_t frame = 0;
+    std::memcpy(&frame, out.first.data() + kMagic.size() + 1, 4);
+    return kMagic.size() + 5 + frame;
+  };
+  while (out.first.size() < want() && poll(&more, 1, 20000) == 1) {
+    const ssize_t n = read(out.fd, buffer, std::min(sizeof buffer, want() - out.first.size()));
+    if (n <= 0) break;
+    out.first.append(buffer, static_cast<size_t>(n));
+  }
+  if (out.first.size() != want() || out.first.substr(0, kMagic.size()) != kMagic) {
+    out.error = "setup: the stock endpoint did not send its magic number and a frame";
+  }
+  return out;
+}
+
+// The connection request a stock UCT tcp endpoint sends first (after the magic
+// number), as it sent it: tests/security/uct_put_probe connects to a socket of this
+// test and its first frame is read.
+std::string HonestConnectionRequest() {
+  // One active message: it connects first.
+  const StockDialler dialler = DialFromStockUct("1:1");
+  if (dialler.fd >= 0) close(dialler.fd);
+  if (dialler.pid > 0) {
+    kill(dialler.pid, SIGKILL);
+    waitpid(dialler.pid, nullptr, 0);
+  }
+  INFO(dialler.error);
+  REQUIRE(dialler.error.empty());
+  REQUIRE(static_cast<uint8_t>(dialler.first[kMagic.size()]) == UCT_AM_ID_MAX);
+  return dialler.first.substr(kMagic.size());
+}
+
+// What a stock UCT endpoint that dialled this test does when the test answers with
+// `stream`: it keeps sending active messages (progressing its interface, so reading
+// what comes back) for a second or more; the test reads its magic number and
+// connection request (DialFromStockUct), answers, and looks 150 ms later. "alive"
+// while it still runs (then it is killed), or how it ended. Runs on any thread (no
+// test assertions).
+std::string AnswerStockUctDialler(const std::string& stream) {
+  StockDialler dialler = DialFromStockUct("0:2000000");  // sends until it is killed
+  if (dialler.pid < 0) return dialler.error;
+  std::string result = dialler.error;
+  if (result.empty()) {
     const timeval bound{5, 0};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &bound, sizeof bound);
+    setsockopt(dialler.fd, SOL_SOCKET, SO_SNDTIMEO, &bound, sizeof bound);
     size_t sent = 0;
-    while (result.empty() && sent < stream.size()) {
-      const ssize_t n = send(fd, stream.data() + sent, stream.size() - sent, MSG_NOSIGNAL);
+    while (sent < stream.size()) {
+      const ssize_t n =
+          send(dialler.fd, stream.data() + sent, stream.size() - sent, MSG_NOSIGNAL);
       if (n <= 0) break;  // the child went
       sent += static_cast<size_t>(n);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(150));
   }
   int status = 0;
-  pid_t done = waitpid(pid, &status, WNOHANG);
+  const pid_t done = waitpid(dialler.pid, &status, WNOHANG);
   if (done == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
+    kill(dialler.pid, SIGKILL);
+    waitpid(dialler.pid, nullptr, 0);
   }
-  if (fd >= 0) close(fd);
-  close(listener);
+  if (dialler.fd >= 0) close(dialler.fd);
   if (!result.empty()) return result;
   if (done == 0) return "alive";
   if (WIFSIGNALED(status)) return fmt::format("ended by signal {}", WTERMSIG(status));
