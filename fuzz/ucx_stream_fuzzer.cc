@@ -10,6 +10,7 @@
 //   - once refused, a stream stays refused, whatever comes after;
 //   - a refusal says why.
 // Which frames UCT itself aborts on is tests/security:uct_frames_test's part.
+#include <arpa/inet.h>
 #include <netinet/in.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "fuzz/fuzz_target.h"
 #include "fuzz/ucx_stream_input.pb.h"
 #include "transport/ucx_tcp_guard.h"
+#include "uct/api/uct_def.h"
 
 namespace kvagent::fuzz {
 namespace {
@@ -52,11 +54,56 @@ std::string Build(const UcxStreamInput& input) {
   return out;
 }
 
+// The check of the input's connection: accepted, or dialled (to 127.0.0.1:40000 or
+// [fd77::1]:40000, after UCT sent what the input says).
+StreamCheck CheckOf(const UcxStreamInput& input) {
+  if (!input.dialled()) {
+    StreamCheck check;
+    check.request_bytes =
+        transport::internal::ConnectionRequestBytes(input.ipv6() ? AF_INET6 : AF_INET);
+    return check;
+  }
+  sockaddr_in6 to6{};
+  to6.sin6_family = AF_INET6;
+  to6.sin6_port = htons(40000);
+  to6.sin6_addr.s6_addr[0] = 0xfd;
+  to6.sin6_addr.s6_addr[1] = 0x77;
+  to6.sin6_addr.s6_addr[15] = 1;
+  sockaddr_in to4{};
+  to4.sin_family = AF_INET;
+  to4.sin_port = htons(40000);
+  to4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  StreamCheck check =
+      input.ipv6()
+          ? transport::internal::DialledStreamCheck(reinterpret_cast<sockaddr*>(&to6), sizeof to6)
+          : transport::internal::DialledStreamCheck(reinterpret_cast<sockaddr*>(&to4), sizeof to4);
+  check.request_bytes =
+      transport::internal::ConnectionRequestBytes(input.ipv6() ? AF_INET6 : AF_INET);
+  std::string sent = input.sent();
+  if (sent.empty()) {
+    // UCT's magic number, then its request: event 1, flags 0, the connection, its address.
+    sent = std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8);
+    const uint32_t length = check.request_bytes;
+    sent += static_cast<char>(UCT_AM_ID_MAX);
+    sent.append(reinterpret_cast<const char*>(&length), 4);
+    const uint32_t event = 1;
+    sent.append(reinterpret_cast<const char*>(&event), 4);
+    sent += '\0';
+    const uint64_t connection = input.own_connection();
+    sent.append(reinterpret_cast<const char*>(&connection), 8);
+    to4.sin_port = to6.sin6_port = htons(41000);
+    sent += input.ipv6() ? std::string(reinterpret_cast<const char*>(&to6), sizeof to6)
+                         : std::string(reinterpret_cast<const char*>(&to4), sizeof to4);
+  }
+  transport::internal::NoteSent(&check, reinterpret_cast<const uint8_t*>(sent.data()),
+                                sent.size());
+  return check;
+}
+
 // The first refusal feeding `stream` in pieces of `cuts` (cycled; 0 counts as 1), or "".
 std::string Feed(const std::string& stream, const UcxStreamInput& input, const StreamRules& rules,
                  const std::vector<size_t>& cuts) {
-  StreamCheck check = input.dialled() ? transport::internal::DialledStreamCheck() : StreamCheck{};
-  check.request_bytes = transport::internal::ConnectionRequestBytes(input.ipv6() ? AF_INET6 : AF_INET);
+  StreamCheck check = CheckOf(input);
   size_t at = 0, i = 0;
   std::string refused;
   while (at < stream.size()) {

@@ -181,7 +181,7 @@ extern "C" int connect(int fd, const sockaddr* to, socklen_t length) {
   // (WatchDialledUcxTcpStream): from before its first byte can be read.
   if (ucx && (result == 0 || errno == EINPROGRESS)) {
     const int saved = errno;
-    if (!kvagent::transport::WatchDialledUcxTcpStream(fd)) {
+    if (!kvagent::transport::WatchDialledUcxTcpStream(fd, to, length)) {
       shutdown(fd, SHUT_RDWR);
       errno = EPERM;
       return -1;

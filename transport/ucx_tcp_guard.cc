@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -366,7 +367,7 @@ void NoteUcxTcpAcceptStandIn() { g_stand_in.store(true); }
 
 namespace {
 bool AdmitPeer(int fd);
-bool WatchStream(int fd, bool dialled);
+bool WatchStream(int fd, bool dialled, const sockaddr* to = nullptr, socklen_t length = 0);
 }  // namespace
 
 bool UcxTcpAdmit(int fd) {
@@ -374,9 +375,9 @@ bool UcxTcpAdmit(int fd) {
   return AdmitPeer(fd) && WatchStream(fd, /*dialled=*/false);
 }
 
-bool WatchDialledUcxTcpStream(int fd) {
+bool WatchDialledUcxTcpStream(int fd, const sockaddr* to, socklen_t length) {
   if (!g_on.load(std::memory_order_relaxed)) return true;
-  return WatchStream(fd, /*dialled=*/true);
+  return WatchStream(fd, /*dialled=*/true, to, length);
 }
 
 namespace {
@@ -454,13 +455,108 @@ constexpr uint32_t kCmEventBytes = 4;
 constexpr uint32_t kCmConnectionRequest = 1;
 constexpr size_t kCmRequestFlagsAt = 4;
 constexpr uint8_t kCmFlagConnectToEndpoint = 1;
+constexpr size_t kCmRequestEndpointAt = 4 + 1;     // the endpoint's id (8 bytes)
 constexpr size_t kCmRequestFamilyAt = 4 + 1 + 8;  // the sockaddr_in's sa_family_t
+constexpr uint32_t kCmAcknowledgement = 2;
+constexpr uint32_t kCmAcknowledgementWithRequest = 3;
+constexpr uint8_t kMagicBytes[8] = {0x78, 0x56, 0x34, 0x12, 0xbe, 0xba, 0xfe, 0xca};
+
+// The request body at `body` as UCT holds its address: family, port and address bytes
+// (the sockaddr_in's or sockaddr_in6's), "" when the family is neither.
+std::string RequestAddressKey(const uint8_t* body) {
+  sa_family_t family = 0;
+  std::memcpy(&family, body + kCmRequestFamilyAt, sizeof family);
+  const uint8_t* address = body + kCmRequestFamilyAt;
+  if (family == AF_INET) {
+    return std::string(reinterpret_cast<const char*>(address), 2 + 2) +
+           std::string(reinterpret_cast<const char*>(address + offsetof(sockaddr_in, sin_addr)),
+                       4);
+  }
+  if (family == AF_INET6) {
+    return std::string(reinterpret_cast<const char*>(address), 2 + 2) +
+           std::string(
+               reinterpret_cast<const char*>(address + offsetof(sockaddr_in6, sin6_addr)), 16);
+  }
+  return "";
+}
+
+// The same for the address a dialled connection went to.
+std::string DialledAddressKey(const internal::StreamCheck& check) {
+  if (check.to_family != AF_INET && check.to_family != AF_INET6) return "";
+  std::string out(reinterpret_cast<const char*>(&check.to_family), 2);
+  out.append(reinterpret_cast<const char*>(check.to_port), 2);
+  out.append(reinterpret_cast<const char*>(check.to_address), check.to_family == AF_INET ? 4 : 16);
+  return out;
+}
+
+// A key's address as text ("10.0.0.7:4000", "[fd00::7]:4000").
+std::string KeyText(const std::string& key) {
+  if (key.size() < 4) return "an address of another family";
+  sockaddr_storage a{};
+  sa_family_t family = 0;
+  std::memcpy(&family, key.data(), 2);
+  a.ss_family = family;
+  if (family == AF_INET && key.size() == 8) {
+    auto& four = reinterpret_cast<sockaddr_in&>(a);
+    std::memcpy(&four.sin_port, key.data() + 2, 2);
+    std::memcpy(&four.sin_addr, key.data() + 4, 4);
+  } else if (family == AF_INET6 && key.size() == 20) {
+    auto& six = reinterpret_cast<sockaddr_in6&>(a);
+    std::memcpy(&six.sin6_port, key.data() + 2, 2);
+    std::memcpy(&six.sin6_addr, key.data() + 4, 16);
+  }
+  return Text(a);
+}
+
+// Why a well-formed connection request (`body`) on a connection this process's UCX
+// dialled is refused ("" when UCT takes it). UCT 1.13 takes one there only on a
+// connected endpoint, and only naming that endpoint: its connection's sequence number
+// (as UCT sent it in its own request) and the address it dialled; it aborts on any
+// other (a peer's UCT sends one there when both sides connected at once).
+std::string DialledRequestRefusal(const internal::StreamCheck& check, const uint8_t* body) {
+  const size_t own_at = sizeof kMagicBytes + kFrameHeaderBytes;
+  uint32_t own_length = 0, own_event = 0;
+  if (check.sent_have >= own_at + check.request_bytes) {
+    std::memcpy(&own_length, check.sent + sizeof kMagicBytes + 1, 4);
+    std::memcpy(&own_event, check.sent + own_at, 4);
+  }
+  if (check.sent_have < own_at + check.request_bytes ||
+      std::memcmp(check.sent, kMagicBytes, sizeof kMagicBytes) != 0 ||
+      check.sent[sizeof kMagicBytes] != kConnectionManager ||
+      own_length != check.request_bytes || own_event != kCmConnectionRequest) {
+    return "a connection request before this agent's UCX sent its own on the connection "
+           "it dialled (UCT aborts on a request it cannot match to its own)";
+  }
+  const uint8_t* own = check.sent + own_at;
+  const bool connected =
+      (own[kCmRequestFlagsAt] & kCmFlagConnectToEndpoint) != 0 || check.acknowledged;
+  if (!connected) {
+    return "a connection request before the peer acknowledged this agent's (UCT waits for "
+           "the acknowledgement and aborts on a request)";
+  }
+  uint64_t named = 0, mine = 0;
+  std::memcpy(&named, body + kCmRequestEndpointAt, 8);
+  std::memcpy(&mine, own + kCmRequestEndpointAt, 8);
+  if (named != mine) {
+    return fmt::format("a connection request naming connection {} on a connection this "
+                       "agent's UCX dialled as connection {} (UCT aborts on it)",
+                       named, mine);
+  }
+  const std::string from = RequestAddressKey(body);
+  const std::string to = DialledAddressKey(check);
+  if (to.empty() || from != to) {
+    return fmt::format("a connection request from interface {} on a connection this agent's "
+                       "UCX dialled to {} (UCT aborts on it)",
+                       KeyText(from), to.empty() ? "an address of another family" : KeyText(to));
+  }
+  return "";
+}
 
 // Why the connection request (event 1) `check` is reading is refused ("" if not): its
 // body is check.left long, and check.bytes holds it whole when that is the interface's
 // length (StreamCheck::request_bytes).
 std::string ConnectionRequestRefusal(const internal::StreamCheck& check) {
-  if (check.requested) {
+  if (check.requested && !check.dialled) {
     return "a second connection request on one connection (UCT sends one, and aborts on "
            "another in some states)";
   }
@@ -481,7 +577,7 @@ std::string ConnectionRequestRefusal(const internal::StreamCheck& check) {
                        "any but IPv4 and IPv6)",
                        family);
   }
-  return "";
+  return check.dialled ? DialledRequestRefusal(check, body) : "";
 }
 
 // Why a frame of `id` and `length` is refused ("" when it is not); `requested`: the
@@ -591,6 +687,8 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
             return why;
           }
           check->requested = true;
+        } else if (event == kCmAcknowledgement || event == kCmAcknowledgementWithRequest) {
+          check->acknowledged = true;
         }
         check->have = 0;
         check->left -= want;
@@ -613,12 +711,29 @@ std::string FeedStream(StreamCheck* check, const uint8_t* data, size_t n,
   return "";
 }
 
-StreamCheck DialledStreamCheck() {
+StreamCheck DialledStreamCheck(const sockaddr* to, socklen_t length) {
   StreamCheck check;
   check.phase = StreamCheck::kHeader;
   check.left = 0;
   check.dialled = true;  // UCT serves a put request on it at any point (measured)
+  if (to != nullptr && to->sa_family == AF_INET && length >= sizeof(sockaddr_in)) {
+    const auto* four = reinterpret_cast<const sockaddr_in*>(to);
+    check.to_family = AF_INET;
+    std::memcpy(check.to_port, &four->sin_port, 2);
+    std::memcpy(check.to_address, &four->sin_addr, 4);
+  } else if (to != nullptr && to->sa_family == AF_INET6 && length >= sizeof(sockaddr_in6)) {
+    const auto* six = reinterpret_cast<const sockaddr_in6*>(to);
+    check.to_family = AF_INET6;
+    std::memcpy(check.to_port, &six->sin6_port, 2);
+    std::memcpy(check.to_address, &six->sin6_addr, 16);
+  }
   return check;
+}
+
+void NoteSent(StreamCheck* check, const uint8_t* data, size_t n) {
+  const size_t take = std::min(sizeof check->sent - check->sent_have, n);
+  std::memcpy(check->sent + check->sent_have, data, take);
+  check->sent_have = static_cast<uint8_t>(check->sent_have + take);
 }
 
 uint8_t ConnectionRequestBytes(int family) {
@@ -712,7 +827,7 @@ internal::StreamRules RulesFromEnvironment() {
   return rules;
 }
 
-bool WatchStream(int fd, bool dialled) {
+bool WatchStream(int fd, bool dialled, const sockaddr* to, socklen_t length) {
   if (g_streams.load(std::memory_order_acquire) == nullptr ||
       !g_recv_stand_in.load(std::memory_order_relaxed)) {
     return true;
@@ -726,7 +841,7 @@ bool WatchStream(int fd, bool dialled) {
               g_stream_limit.load(std::memory_order_relaxed) - 1);
     return false;
   }
-  slot->check = dialled ? internal::DialledStreamCheck() : internal::StreamCheck{};
+  slot->check = dialled ? internal::DialledStreamCheck(to, length) : internal::StreamCheck{};
   // UCT sizes a connection request by its interface's address family: the connection's.
   sockaddr_storage local{};
   socklen_t local_length = sizeof local;
@@ -766,6 +881,19 @@ ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next) 
               Text(internal::Unmapped(local)), why, mine, n);
   }
   return 0;  // end of stream: UCT closes its endpoint
+}
+
+ssize_t UcxTcpSend(int fd, const void* buffer, size_t length, int flags, SendFn next) {
+  const ssize_t sent = next(fd, buffer, length, flags);
+  StreamSlot* watched = SlotOf(fd);
+  if (sent <= 0 || watched == nullptr || !watched->on.load(std::memory_order_acquire) ||
+      !watched->check.dialled || watched->check.sent_have == sizeof watched->check.sent) {
+    return sent;
+  }
+  // UCT sends and reads a connection on its worker's thread: no other writer.
+  internal::NoteSent(&watched->check, static_cast<const uint8_t*>(buffer),
+                     static_cast<size_t>(sent));
+  return sent;
 }
 
 void ForgetUcxTcpStream(int fd) {

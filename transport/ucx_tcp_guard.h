@@ -125,23 +125,30 @@ bool UcxTcpAdmit(int fd);
 // the peer answers on them with UCT frames, and a dialling UCT 1.13 aborts on the same
 // bad frames (a body past its receive buffer, an unknown id, a short connection-manager
 // frame, a put request or acknowledgement of another length, a connection request
-// formed otherwise than above or a second one); a put request it serves at any point.
+// formed otherwise than above or not naming its own endpoint, below); a put request it
+// serves at any point.
 // No magic number comes that way. A peer is chosen by whoever asks this agent to
 // connect, and its worker address names where UCX dials: one answer of a few bytes
-// ended the dialling agent. Left open: a well-formed connection request on a dialled
-// connection is passed (a peer's UCT sends one there when both sides connected at
-// once), and UCT 1.13 aborts on one that does not name the endpoint it dialled by its
-// own sequence number and address, which the check cannot know (uct_frames_test prints
-// it as the one pass that ends a stock UCT).
+// ended the dialling agent. A connection request there is passed only as UCT 1.13
+// takes one (a peer's UCT sends one when both sides connected at once): after the
+// peer acknowledged UCT's own request, naming UCT's own connection (the sequence
+// number UCT sent in its request, which the send() stand-in reads: UcxTcpSend) and the
+// address UCT dialled; UCT aborts on any other.
 using RecvFn = ssize_t (*)(int, void*, size_t, int);
 ssize_t UcxTcpRecv(int fd, void* buffer, size_t length, int flags, RecvFn next);
+// What this process's UCX sends on a connection it dialled is read as it goes (the
+// send() stand-in, transport/ucx_tcp_guard_accept.cc, hands each send to UcxTcpSend),
+// as far as UCT's own connection request: the connection a peer's request there must
+// name. Other descriptors go straight to `next`.
+using SendFn = ssize_t (*)(int, const void*, size_t, int);
+ssize_t UcxTcpSend(int fd, const void* buffer, size_t length, int flags, SendFn next);
 // A watched descriptor is closed (the close() stand-in): no longer watched.
 void ForgetUcxTcpStream(int fd);
-// Watches TCP connection `fd`, which this process's UCX is dialling (called by the
-// connect() stand-in for UCX's calls, transport/same_host_stand_in.cc), from its first
-// byte. False when it cannot be watched (past the table; counted and logged): the
+// Watches TCP connection `fd`, which this process's UCX is dialling to `to` (called by
+// the connect() stand-in for UCX's calls, transport/same_host_stand_in.cc), from its
+// first byte. False when it cannot be watched (past the table; counted and logged): the
 // stand-in then refuses the connect. True, watching nothing, while the guard is off.
-bool WatchDialledUcxTcpStream(int fd);
+bool WatchDialledUcxTcpStream(int fd, const sockaddr* to, socklen_t length);
 // Called once by the recv()/close() stand-ins when the binary holds them.
 void NoteUcxTcpRecvStandIn();
 
@@ -185,10 +192,25 @@ struct StreamCheck {
   // sender's address as UCT's interface that accepted the connection holds one
   // (sockaddr_in, or sockaddr_in6 on an IPv6 interface: ConnectionRequestBytes).
   uint8_t request_bytes = 13 + 16;
+  // A dialled connection only. Whether the peer acknowledged UCT's request (event 2 or
+  // 3: UCT's endpoint is connected).
+  bool acknowledged = false;
+  // The address UCT dialled, as a request names one: family, port and address (4 or 16
+  // bytes), in network order.
+  uint16_t to_family = 0;
+  uint8_t to_port[2] = {};
+  uint8_t to_address[16] = {};
+  // What UCT sent first (NoteSent): its magic number, a frame header and its request.
+  uint8_t sent_have = 0;
+  uint8_t sent[8 + 5 + 13 + 28] = {};
 };
-// The check of a connection this process's UCX dialled: frames from the first byte,
-// put requests at any point.
-StreamCheck DialledStreamCheck();
+// The check of a connection this process's UCX dialled to `to` (IPv4 or IPv6; another
+// family leaves the address unset, and a peer's request is then refused): frames from
+// the first byte, put requests at any point.
+StreamCheck DialledStreamCheck(const sockaddr* to, socklen_t length);
+// Notes `n` bytes this process's UCX sent on the dialled connection of `check` (only
+// its first ones are kept: UCT's magic number and connection request).
+void NoteSent(StreamCheck* check, const uint8_t* data, size_t n);
 // StreamCheck::request_bytes for a connection accepted at a local address of `family`.
 uint8_t ConnectionRequestBytes(int family);
 // Feeds `n` bytes read from the stream: "" while it is fine, else why it is refused

@@ -1,8 +1,9 @@
-// accept(), recv() and close() in front of libc's, for kvagentd: UCX's libucs takes
-// connections to its TCP transport with accept(), and each goes through UcxTcpAdmit
-// first (ucx_tcp_guard.h); it reads them with recv(), and what a kept connection
-// brings is checked before UCT parses it (UcxTcpRecv); close() ends the watch of a
-// descriptor. A binary (kvagentd) links this object and exports the symbols
+// accept(), recv(), send() and close() in front of libc's, for kvagentd: UCX's libucs
+// takes connections to its TCP transport with accept(), and each goes through
+// UcxTcpAdmit first (ucx_tcp_guard.h); it reads them with recv(), and what a kept
+// connection brings is checked before UCT parses it (UcxTcpRecv); what it sends first
+// on a connection it dialled names the connection a peer's request must name
+// (UcxTcpSend); close() ends the watch of a descriptor. A binary (kvagentd) links this object and exports the symbols
 // (-Wl,--export-dynamic-symbol in BUILD), so libucs's calls bind to them; the next
 // definition in the lookup order (libc's, or a sanitizer's) does the work.
 #include <dlfcn.h>
@@ -27,6 +28,12 @@ AcceptFn NextAccept() {
 kvagent::transport::RecvFn NextRecv() {
   static const auto next =
       reinterpret_cast<kvagent::transport::RecvFn>(dlsym(RTLD_NEXT, "recv"));
+  return next;
+}
+
+kvagent::transport::SendFn NextSend() {
+  static const auto next =
+      reinterpret_cast<kvagent::transport::SendFn>(dlsym(RTLD_NEXT, "send"));
   return next;
 }
 
@@ -71,6 +78,15 @@ extern "C" ssize_t recv(int fd, void* buffer, size_t length, int flags) {
     return -1;
   }
   return kvagent::transport::UcxTcpRecv(fd, buffer, length, flags, next);
+}
+
+extern "C" ssize_t send(int fd, const void* buffer, size_t length, int flags) {
+  const kvagent::transport::SendFn next = NextSend();
+  if (next == nullptr) {
+    errno = ENOSYS;
+    return -1;
+  }
+  return kvagent::transport::UcxTcpSend(fd, buffer, length, flags, next);
 }
 
 extern "C" int close(int fd) {

@@ -1893,11 +1893,13 @@ TEST_CASE("a peer whose UCX does not answer the connect's ping is not called con
 // Eve as an agent whose UCX port answers decode with what would end a stock UCT: her
 // metadata names her worker's address, but her worker is gone and the test holds its
 // TCP ports, answering each connection decode's UCX dials (its magic number and
-// connection request read first) with UCT's acknowledgement and then `answer`.
+// connection request read first) with UCT's acknowledgement and then what `answer`
+// makes of the port decode dialled (the accepted socket's local address).
 class HostileUcxPort final : public FakeAgent {
  public:
+  using Answer = std::function<std::string(const sockaddr_in& dialled)>;
   // `before`: the ports this process listened on before eve's worker (evaluated first).
-  HostileUcxPort(v1::AgentMetadata catalog, std::string answer,
+  HostileUcxPort(v1::AgentMetadata catalog, Answer answer,
                  std::vector<int> before = testing::ListeningTcpPorts(getpid()))
       // This build's wire features (kWireFeatures): decode treats her as one of its own.
       : FakeAgent(std::move(catalog), /*wire_features=*/0x1f, ""), answer_(std::move(answer)) {
@@ -1920,8 +1922,8 @@ class HostileUcxPort final : public FakeAgent {
       REQUIRE(listen(fd, 16) == 0);
       listeners_.push_back(fd);
     }
-    Serve();
-    thread_ = std::thread([this] { Answer(); });  // last: nothing after it can throw
+    FakeAgent::Serve();
+    thread_ = std::thread([this] { Serve(); });  // last: nothing after it can throw
   }
   ~HostileUcxPort() override {
     Stop();
@@ -1932,7 +1934,7 @@ class HostileUcxPort final : public FakeAgent {
   int answered() const { return answered_.load(); }
 
  private:
-  void Answer() {
+  void Serve() {
     std::vector<pollfd> polled;
     for (int fd : listeners_) polled.push_back({fd, POLLIN, 0});
     std::vector<int> open;
@@ -1955,14 +1957,17 @@ class HostileUcxPort final : public FakeAgent {
         const uint32_t acknowledgement = 2;
         std::string reply("\x20\x04\x00\x00\x00", 5);
         reply.append(reinterpret_cast<const char*>(&acknowledgement), 4);
-        reply += answer_;
+        sockaddr_in dialled{};
+        socklen_t length = sizeof dialled;
+        getsockname(fd, reinterpret_cast<sockaddr*>(&dialled), &length);
+        reply += answer_(dialled);
         if (send(fd, reply.data(), reply.size(), MSG_NOSIGNAL) > 0) answered_.fetch_add(1);
       }
     }
     for (int fd : open) close(fd);
   }
 
-  const std::string answer_;
+  const Answer answer_;
   std::vector<int> listeners_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
@@ -1970,11 +1975,14 @@ class HostileUcxPort final : public FakeAgent {
 };
 
 // A peer chooses where decode's UCX dials (its worker address names the port), and
-// UCT 1.13 aborts the dialling process on a bad frame in the answer (a body past its
-// receive buffer here), as it does on the accepting side: one reply of a few bytes
-// ended decode. The check of dialled connections (transport/ucx_tcp_guard.h) closes
-// the connection at that frame: the connect fails, counted in decode's
-// ucx_tcp_refused_connections, and decode keeps taking prefill's WRITEs.
+// UCT 1.13 aborts the dialling process on a bad frame in the answer, as it does on the
+// accepting side: one reply of a few bytes ended decode. Two such answers: a body past
+// UCT's receive buffer, and a well-formed connection request that names another
+// connection than the one decode's UCT dialled (UCT takes a request there only naming
+// its own; without the check, this passed as well-formed). The check of dialled
+// connections (transport/ucx_tcp_guard.h) closes the connection at that frame: the
+// connect fails, counted in decode's ucx_tcp_refused_connections, and decode keeps
+// taking prefill's WRITEs.
 TEST_CASE("a peer whose UCX port answers with a frame UCT aborts on does not end the agent "
           "that dialled it") {
   AgentPair pair(WithFakeAgent("peer"));  // tcp
@@ -1986,30 +1994,48 @@ TEST_CASE("a peer whose UCX port answers with a frame UCT aborts on does not end
   std::string frame(1, '\x01');
   frame.append(reinterpret_cast<const char*>(&length), 4);
   frame += std::string(length, 'z');
-  HostileUcxPort eve(catalog, frame);
-  auto refused = [&] {
-    auto status = decode_status.Status();
-    REQUIRE(status.ok());
-    return status->ucx_tcp_refused_connections();
+  // A connection request (event 1, flags 0) from the address decode dialled, naming
+  // connection 7 (decode's UCT dialled eve's port as its first, 0).
+  auto other_connection = [](const sockaddr_in& dialled) {
+    std::string body("\x01\x00\x00\x00\x00", 5);
+    const uint64_t connection = 7;
+    body.append(reinterpret_cast<const char*>(&connection), 8);
+    body.append(reinterpret_cast<const char*>(&dialled), sizeof dialled);
+    const uint32_t body_length = static_cast<uint32_t>(body.size());
+    std::string request(1, '\x20');
+    request.append(reinterpret_cast<const char*>(&body_length), 4);
+    return request + body;
   };
-  const uint64_t refused_before = refused();
-  auto connected = pair.decode().Connect(eve.address());
-  INFO(connected.status().ToString());
-  REQUIRE_FALSE(connected.ok());
-  CHECK(connected.status().code() == absl::StatusCode::kUnavailable);
-  CHECK_THAT(std::string(connected.status().message()),
-             Contains("peer 'eve': the new UCX endpoint did not finish connecting") &&
-                 Contains("this agent closed") &&
-                 Contains("connection(s) its UCX dialled at an answer UCT would abort on"));
-  CHECK(eve.answered() >= 1);
-  CHECK(refused() > refused_before);
-  std::printf("eve's UCX port answered %d connection(s) with a frame of %u bytes: decode's "
-              "ConnectPeer: %s; decode refused %llu\n",
-              eve.answered(), length, connected.status().ToString().c_str(),
-              static_cast<unsigned long long>(refused() - refused_before));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  REQUIRE(Alive(pair.decode_process().pid()));
-  RequireHonestWrite(pair, "after-hostile-port", {1, 2}, {1, 2});
+  int round = 0;
+  for (const auto& [what, answer] : std::vector<std::pair<std::string, HostileUcxPort::Answer>>{
+           {fmt::format("a frame of {} bytes", length), [&](const sockaddr_in&) { return frame; }},
+           {"a connection request naming connection 7", other_connection}}) {
+    INFO(what);
+    HostileUcxPort eve(catalog, answer);
+    auto refused = [&] {
+      auto status = decode_status.Status();
+      REQUIRE(status.ok());
+      return status->ucx_tcp_refused_connections();
+    };
+    const uint64_t refused_before = refused();
+    auto connected = pair.decode().Connect(eve.address());
+    INFO(connected.status().ToString());
+    REQUIRE_FALSE(connected.ok());
+    CHECK(connected.status().code() == absl::StatusCode::kUnavailable);
+    CHECK_THAT(std::string(connected.status().message()),
+               Contains("peer 'eve': the new UCX endpoint did not finish connecting") &&
+                   Contains("this agent closed") &&
+                   Contains("connection(s) its UCX dialled at an answer UCT would abort on"));
+    CHECK(eve.answered() >= 1);
+    CHECK(refused() > refused_before);
+    std::printf("eve's UCX port answered %d connection(s) with %s: decode's ConnectPeer: %s; "
+                "decode refused %llu\n",
+                eve.answered(), what.c_str(), connected.status().ToString().c_str(),
+                static_cast<unsigned long long>(refused() - refused_before));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    REQUIRE(Alive(pair.decode_process().pid()));
+    RequireHonestWrite(pair, "after-hostile-port-" + std::to_string(++round), {1, 2}, {1, 2});
+  }
 }
 
 // Where `pid`'s executable is mapped from its first byte (its ELF header), from

@@ -63,10 +63,45 @@ struct Target {
   bool dialled = false;
 };
 
-// The check's verdict on `stream` for `target`: "" (passed) or its refusal.
+// The loopback socket every stock UCT endpoint of the dialled cases dials (one for the
+// whole test, so that an answer can name the address UCT dialled): its descriptor and
+// address; fd -1 when it could not be set up.
+struct DialledListener {
+  int fd = -1;
+  sockaddr_in at{};
+};
+const DialledListener& TheDialledListener() {
+  static const DialledListener listener = [] {
+    DialledListener out;
+    out.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    out.at.sin_family = AF_INET;
+    out.at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof out.at;
+    if (out.fd < 0 || bind(out.fd, reinterpret_cast<sockaddr*>(&out.at), sizeof out.at) != 0 ||
+        listen(out.fd, 8) != 0 ||
+        getsockname(out.fd, reinterpret_cast<sockaddr*>(&out.at), &length) != 0) {
+      if (out.fd >= 0) close(out.fd);
+      out.fd = -1;
+    }
+    return out;
+  }();
+  return listener;
+}
+
+std::string HonestConnectionRequest();
+
+// The check's verdict on `stream` for `target`: "" (passed) or its refusal. A dialled
+// connection's check knows what the stock endpoint sent first (its magic number and
+// request, as HonestConnectionRequest read it: each stock endpoint is a new process
+// dialling the same address, so connection 0) and the address it dialled.
 std::string Check(const std::string& stream, const Target& target = {}) {
-  internal::StreamCheck check =
-      target.dialled ? internal::DialledStreamCheck() : internal::StreamCheck{};
+  internal::StreamCheck check = internal::StreamCheck{};
+  if (target.dialled) {
+    const sockaddr_in& to = TheDialledListener().at;
+    check = internal::DialledStreamCheck(reinterpret_cast<const sockaddr*>(&to), sizeof to);
+    const std::string sent = kMagic + HonestConnectionRequest();
+    internal::NoteSent(&check, reinterpret_cast<const uint8_t*>(sent.data()), sent.size());
+  }
   check.request_bytes = internal::ConnectionRequestBytes(target.ipv6 ? AF_INET6 : AF_INET);
   const std::optional<internal::StreamRules> rules =
       internal::RulesForRxSegSize(target.rx_seg_size);
@@ -182,11 +217,12 @@ std::string SendToStockUct(const std::string& stream, const Target& target = {})
 }
 
 // A stock UCT tcp endpoint (tests/security/uct_put_probe, sending active messages as
-// `probe_am` says, its output to /dev/null) that dialled a loopback socket of this
-// test: the probe's pid, the accepted connection, and what the probe sent first (its
-// magic number and one frame, read as far as the frame's length says). `error` says
-// what failed, then the rest may be unset (-1); the caller kills and reaps the probe
-// and closes the connection. Runs on any thread (no test assertions).
+// `probe_am` says, its output to /dev/null) that dialled this test's loopback socket
+// (TheDialledListener): the probe's pid, the accepted connection, and what the probe
+// sent first (its magic number and one frame, read as far as the frame's length says).
+// `error` says what failed, then the rest may be unset (-1); the caller kills and reaps
+// the probe and closes the connection. Runs on any thread (no test assertions), one at
+// a time.
 struct StockDialler {
   pid_t pid = -1;
   int fd = -1;
@@ -195,26 +231,24 @@ struct StockDialler {
 };
 StockDialler DialFromStockUct(const char* probe_am) {
   StockDialler out;
-  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof at;
-  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 ||
-      listen(listener, 1) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) != 0) {
+  const DialledListener& listener = TheDialledListener();
+  if (listener.fd < 0) {
     out.error = fmt::format("setup: listener: {}", std::strerror(errno));
-    if (listener >= 0) close(listener);
     return out;
+  }
+  // A connection an earlier probe left queued is not this one's.
+  for (pollfd queued{listener.fd, POLLIN, 0}; poll(&queued, 1, 0) == 1;) {
+    const int stale = accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (stale < 0) break;
+    close(stale);
   }
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const std::string probe =
       fmt::format("{}/kvagent/tests/security/uct_put_probe", srcdir ? srcdir : ".");
-  const std::string port = std::to_string(ntohs(at.sin_port));
+  const std::string port = std::to_string(ntohs(listener.at.sin_port));
   out.pid = fork();
   if (out.pid < 0) {
     out.error = fmt::format("setup: fork: {}", std::strerror(errno));
-    close(listener);
     return out;
   }
   if (out.pid == 0) {
@@ -225,9 +259,8 @@ StockDialler DialFromStockUct(const char* probe_am) {
     execl(probe.c_str(), probe.c_str(), port.c_str(), "0", nullptr);
     _exit(127);
   }
-  pollfd wait{listener, POLLIN, 0};
-  out.fd = poll(&wait, 1, 20000) == 1 ? accept(listener, nullptr, nullptr) : -1;
-  close(listener);
+  pollfd wait{listener.fd, POLLIN, 0};
+  out.fd = poll(&wait, 1, 20000) == 1 ? accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC) : -1;
   if (out.fd < 0) {
     out.error = "setup: the stock endpoint did not connect";
     return out;
@@ -256,6 +289,8 @@ StockDialler DialFromStockUct(const char* probe_am) {
 // number), as it sent it: tests/security/uct_put_probe connects to a socket of this
 // test and its first frame is read.
 std::string HonestConnectionRequest() {
+  static std::string request;  // read once: every stock endpoint sends this one here
+  if (!request.empty()) return request;
   // One active message: it connects first.
   const StockDialler dialler = DialFromStockUct("1:1");
   if (dialler.fd >= 0) close(dialler.fd);
@@ -266,7 +301,8 @@ std::string HonestConnectionRequest() {
   INFO(dialler.error);
   REQUIRE(dialler.error.empty());
   REQUIRE(static_cast<uint8_t>(dialler.first[kMagic.size()]) == UCT_AM_ID_MAX);
-  return dialler.first.substr(kMagic.size());
+  request = dialler.first.substr(kMagic.size());
+  return request;
 }
 
 // What a stock UCT endpoint that dialled this test does when the test answers with
@@ -279,6 +315,12 @@ std::string AnswerStockUctDialler(const std::string& stream) {
   StockDialler dialler = DialFromStockUct("0:2000000");  // sends until it is killed
   if (dialler.pid < 0) return dialler.error;
   std::string result = dialler.error;
+  // Its request names the connection the check was told of (Check): event, flags and
+  // connection alike (its own address is its interface's, another each time).
+  const std::string told = HonestConnectionRequest();
+  if (result.empty() && dialler.first.compare(kMagic.size(), 5 + 13, told, 0, 5 + 13) != 0) {
+    result = "setup: the stock endpoint's request names another connection than the first's";
+  }
   if (result.empty()) {
     const timeval bound{5, 0};
     setsockopt(dialler.fd, SOL_SOCKET, SO_SNDTIMEO, &bound, sizeof bound);
@@ -419,7 +461,11 @@ TEST_CASE("every frame the UCX TCP stream check passes leaves a stock UCT tcp in
   };
   const std::string family_0 = changed(13, std::string(2, '\0'));
   const std::string family_ipv6 = changed(13, std::string("\x0a\x00", 2));
-  const std::string connect_to_endpoint = changed(4, "\x01");
+  // For connect-to-endpoint, UCT 1.13 asserts that it is the side to accept, which it
+  // is when the request's address is below its own; from port 65535 of loopback it never
+  // is, so the stock interface's verdict does not hang on which ports the kernel gave.
+  std::string connect_to_endpoint = changed(4, "\x01");
+  connect_to_endpoint.replace(5 + 13 + 2, 2, "\xff\xff");
   const std::string other_flags = changed(4, "\xa4");
   const std::string unknown_endpoint = changed(5, std::string(8, '\xa5'));
   int passed = 0;
@@ -459,38 +505,50 @@ TEST_CASE("every frame the UCX TCP stream check passes leaves a stock UCT tcp in
 // magic number first: the acknowledgement of its request, then frames. The check of a
 // dialled connection (internal::DialledStreamCheck) is held to a stock UCT endpoint
 // that dialled this test, as the accepted side's is above: with no acknowledgement
-// (a few kinds), and after UCT's own (4 bytes, event 2, as a stock UCT acceptor sends
-// it: every kind). One kind is a hole left open, printed: a well-formed request.
+// (a few kinds), and after UCT's own (4 bytes, event 2, as a stock UCT acceptor sends it:
+// every kind). A connection request there is taken by UCT only as a peer's UCT sends
+// one when both sides connected at once: after the acknowledgement, naming UCT's own
+// connection (0: the stock endpoint is a new process) and the address it dialled.
 TEST_CASE("every answer the check of a dialled connection passes leaves a stock UCT endpoint "
           "running, and every answer it refuses ends one") {
   const std::string request = HonestConnectionRequest();
   const std::string acknowledgement = Cm(2, "");
+  // A request as the peer's UCT sends it here: event 1, flags 0, connection `sn`, from
+  // the address UCT dialled (`port_change` added to its port).
+  auto request_here = [](uint64_t sn, int port_change) {
+    sockaddr_in from = TheDialledListener().at;
+    from.sin_port = htons(static_cast<uint16_t>(ntohs(from.sin_port) + port_change));
+    std::string rest(1, '\0');
+    rest.append(reinterpret_cast<const char*>(&sn), 8);
+    rest.append(reinterpret_cast<const char*>(&from), sizeof from);
+    return Cm(1, rest);
+  };
   int passed = 0;
   Refusals refusals;
   const Target dialled{nullptr, /*ipv6=*/false, /*dialled=*/true};
   for (const auto& [first, label] : std::vector<std::pair<std::string, std::string>>{
            {"", "dialled, first"}, {acknowledgement, "dialled, after the acknowledgement"}}) {
-    for (const Case& c : Cases(request, !first.empty())) {
-      const std::string what = fmt::format("{}: {}", label, c.what);
-      const std::string stream = first + c.frames;
-      // The hole left open (ucx_tcp_guard.h): a well-formed connection request passes,
-      // as a peer's UCT sends one there when both sides connected at once, and this
-      // UCT aborts on one that does not name its own endpoint. Printed, not held.
-      if (c.what.find("event 0x1 as long as a request") != std::string::npos) {
-        const std::string check = Check(stream, dialled);
-        std::printf("%-80s check: %-8s stock UCT: %s (left open)\n", what.c_str(),
-                    check.empty() ? "passed" : "refused",
-                    SendToStockUct(stream, dialled).c_str());
-        CHECK(check.empty());
-        continue;
-      }
-      Expect(what, stream, &passed, &refusals, dialled);
+    std::vector<Case> cases = Cases(request, !first.empty());
+    cases.push_back({"a request naming UCT's connection and the address it dialled",
+                     request_here(0, 0) + Frame(1, "after it")});
+    cases.push_back({"a request naming another connection (1)", request_here(1, 0)});
+    cases.push_back({"a request from another port of the address UCT dialled",
+                     request_here(0, 1)});
+    for (const Case& c : cases) {
+      Expect(fmt::format("{}: {}", label, c.what), first + c.frames, &passed, &refusals,
+             dialled);
     }
   }
+  // Acknowledged with a request (event 3), and a request UCT takes twice.
+  Expect("dialled, after event 3: a request naming UCT's connection",
+         Cm(3, "") + request_here(0, 0), &passed, &refusals, dialled);
+  Expect("dialled, after the acknowledgement: the request UCT takes, twice",
+         acknowledgement + request_here(0, 0) + request_here(0, 0), &passed, &refusals, dialled);
   CHECK(passed > 0);
   // A frame past the buffer, a short connection-manager frame, connection requests of
-  // another length, put requests and acknowledgements of another length, unknown ids.
-  CHECK(refusals.size() >= 5);
+  // another length, before the acknowledgement, naming another connection or address,
+  // put requests and acknowledgements of another length, unknown ids.
+  CHECK(refusals.size() >= 8);
   for (const auto& [kind, ended] : refusals) {
     std::printf("refusal kind (dialled): %s: %s\n", kind.c_str(),
                 ended ? "the stock library ended on it" : "never ended the stock library");

@@ -12,6 +12,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -580,6 +581,37 @@ TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those 
   CHECK_FALSE(internal::RulesForRxSegSize("lots").has_value());
 }
 
+// An IPv4 address of loopback, port `port`.
+sockaddr_in Loopback(uint16_t port) {
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(port);
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return at;
+}
+// A connection request from interface `from`, for connection `sn`.
+std::string RequestFrom(const sockaddr_in& from, uint64_t sn, uint8_t flags = 0) {
+  std::string rest(1, static_cast<char>(flags));
+  rest.append(reinterpret_cast<const char*>(&sn), 8);
+  rest.append(reinterpret_cast<const char*>(&from), sizeof from);
+  return Cm(1, rest);
+}
+// The check of a connection this process's UCX dialled to `to`, after UCT sent its
+// magic number and request for connection `sn` from its interface at port 41000
+// (`flags` its flags), in pieces of 7 bytes.
+internal::StreamCheck DialledAfterOwnRequest(const sockaddr_in& to, uint64_t sn,
+                                             uint8_t flags = 0) {
+  internal::StreamCheck check =
+      internal::DialledStreamCheck(reinterpret_cast<const sockaddr*>(&to), sizeof to);
+  const std::string own =
+      std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8) + RequestFrom(Loopback(41000), sn, flags);
+  for (size_t at = 0; at < own.size(); at += 7) {
+    const std::string part = own.substr(at, 7);
+    internal::NoteSent(&check, reinterpret_cast<const uint8_t*>(part.data()), part.size());
+  }
+  return check;
+}
+
 // What a peer answers on a connection this agent's UCX dialled: no magic number; the
 // acknowledgement of the request (event 2, 4 bytes, as a stock UCT acceptor sends it),
 // then frames as on an accepted connection, put requests at any point. A dialling UCT
@@ -588,7 +620,8 @@ TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those 
 TEST_CASE("the stream check of a dialled connection passes a peer's answers and refuses what "
           "UCT aborts on") {
   const internal::StreamRules rules;
-  const internal::StreamCheck dialled = internal::DialledStreamCheck();
+  const sockaddr_in to = Loopback(40000);
+  const internal::StreamCheck dialled = DialledAfterOwnRequest(to, 0);
   CHECK(dialled.dialled);
   const std::string honest = Cm(2, "") + Frame(0, std::string(13, 'a')) +
                              PutRequest(0x1800, 0x10) + std::string(0x10, '\x21') +
@@ -603,16 +636,10 @@ TEST_CASE("the stream check of a dialled connection passes a peer's answers and 
   // The magic number is not expected: its bytes read as a frame header of id 0x78.
   CHECK_THAT(FeedInPieces("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8, rules, dialled),
              Catch::Contains("(id 120)"));
-  // A well-formed connection request passes (a peer's UCT sends one on a connection
-  // this agent dialled when both sides connected at once), once; others are refused.
-  CHECK(FeedInPieces(Cm(2, "") + ConnectionRequest() + Frame(1, "x"), 2, rules, dialled)
-            .empty());
   CHECK_THAT(FeedInPieces(Cm(2, "") + ConnectionRequest(0, /*family=*/0), 2, rules, dialled),
              Catch::Contains("a connection request naming an address of family 0"));
   CHECK_THAT(FeedInPieces(Cm(2, "") + Cm(1, ""), 2, rules, dialled),
              Catch::Contains("a connection request of 4 bytes"));
-  CHECK_THAT(FeedInPieces(ConnectionRequest() + ConnectionRequest(), 2, rules, dialled),
-             Catch::Contains("a second connection request on one connection"));
   CHECK_THAT(FeedInPieces(ConnectionRequest(/*flags=*/1), 2, rules, dialled),
              Catch::Contains("connect-to-endpoint mode"));
   CHECK_THAT(FeedInPieces(Cm(2, "") + Frame(1, std::string(65537, 'z')), 4096, rules, dialled),
@@ -625,6 +652,83 @@ TEST_CASE("the stream check of a dialled connection passes a peer's answers and 
              Catch::Contains("a put acknowledgement of 8 bytes"));
   CHECK_THAT(FeedInPieces(Frame(UCT_AM_ID_MAX + 4, ""), 1, rules, dialled),
              Catch::Contains("frame id 36, which UCT's tcp transport does not know"));
+}
+
+// A peer's UCT sends a connection request on a connection this agent's UCX dialled
+// when both sides connected at once; UCT 1.13 takes it only on a connected endpoint
+// (the peer acknowledged UCT's own request), naming UCT's connection (the sequence
+// number UCT sent) and the address UCT dialled, and aborts on any other (held to
+// libuct by tests/security:uct_frames_test).
+TEST_CASE("a connection request on a dialled connection passes only naming the connection "
+          "UCT dialled, once it is acknowledged") {
+  const internal::StreamRules rules;
+  const sockaddr_in to = Loopback(40000);
+  const internal::StreamCheck dialled = DialledAfterOwnRequest(to, 3);
+  const std::string honest = RequestFrom(to, 3);
+  for (size_t piece : {size_t{1}, size_t{2}, size_t{4096}}) {
+    INFO("pieces of " << piece);
+    CHECK(FeedInPieces(Cm(2, "") + honest + Frame(1, "x"), piece, rules, dialled).empty());
+    // Acknowledged with the request (event 3) too.
+    CHECK(FeedInPieces(Cm(3, "") + honest, piece, rules, dialled).empty());
+    CHECK_THAT(FeedInPieces(honest, piece, rules, dialled),
+               Catch::Contains("before the peer acknowledged this agent's"));
+    CHECK_THAT(FeedInPieces(Cm(4, "") + honest, piece, rules, dialled),
+               Catch::Contains("before the peer acknowledged this agent's"));
+    CHECK_THAT(FeedInPieces(Cm(2, "") + RequestFrom(to, 4), piece, rules, dialled),
+               Catch::Contains("naming connection 4 on a connection this agent's UCX dialled "
+                               "as connection 3"));
+    CHECK_THAT(FeedInPieces(Cm(2, "") + RequestFrom(Loopback(40001), 3), piece, rules, dialled),
+               Catch::Contains("from interface 127.0.0.1:40001 on a connection this agent's "
+                               "UCX dialled to 127.0.0.1:40000"));
+    // Again (UCT takes each that names its endpoint).
+    CHECK(FeedInPieces(Cm(2, "") + honest + honest, piece, rules, dialled).empty());
+  }
+  // UCT's own request not read (no send() stand-in, or UCT sent something else first):
+  // none matches it.
+  const internal::StreamCheck unsent =
+      internal::DialledStreamCheck(reinterpret_cast<const sockaddr*>(&to), sizeof to);
+  CHECK_THAT(FeedInPieces(Cm(2, "") + honest, 3, rules, unsent),
+             Catch::Contains("before this agent's UCX sent its own"));
+  internal::StreamCheck other_first = unsent;
+  const std::string not_a_request = Frame(1, std::string(40, 'a'));
+  internal::NoteSent(&other_first, reinterpret_cast<const uint8_t*>(not_a_request.data()),
+                     not_a_request.size());
+  CHECK_THAT(FeedInPieces(Cm(2, "") + honest, 3, rules, other_first),
+             Catch::Contains("before this agent's UCX sent its own"));
+  // A dial to an address of another family names none.
+  sockaddr_un unix_address{};
+  unix_address.sun_family = AF_UNIX;
+  internal::StreamCheck elsewhere = internal::DialledStreamCheck(
+      reinterpret_cast<const sockaddr*>(&unix_address), sizeof unix_address);
+  const internal::StreamCheck own = DialledAfterOwnRequest(to, 3);
+  std::memcpy(elsewhere.sent, own.sent, sizeof own.sent);
+  elsewhere.sent_have = own.sent_have;
+  CHECK_THAT(FeedInPieces(Cm(2, "") + honest, 3, rules, elsewhere),
+             Catch::Contains("dialled to an address of another family"));
+  // IPv6: the request names a sockaddr_in6 (the check's request_bytes from the socket).
+  sockaddr_in6 to6{};
+  to6.sin6_family = AF_INET6;
+  to6.sin6_port = htons(40000);
+  inet_pton(AF_INET6, "fd77::1", &to6.sin6_addr);
+  internal::StreamCheck six =
+      internal::DialledStreamCheck(reinterpret_cast<const sockaddr*>(&to6), sizeof to6);
+  six.request_bytes = internal::ConnectionRequestBytes(AF_INET6);
+  auto request6 = [](const sockaddr_in6& from, uint64_t sn) {
+    std::string rest(1, '\0');
+    rest.append(reinterpret_cast<const char*>(&sn), 8);
+    rest.append(reinterpret_cast<const char*>(&from), sizeof from);
+    return Cm(1, rest);
+  };
+  sockaddr_in6 mine6 = to6;
+  inet_pton(AF_INET6, "fd77::2", &mine6.sin6_addr);
+  const std::string own6 = std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8) + request6(mine6, 9);
+  internal::NoteSent(&six, reinterpret_cast<const uint8_t*>(own6.data()), own6.size());
+  CHECK(FeedInPieces(Cm(2, "") + request6(to6, 9), 5, rules, six).empty());
+  CHECK_THAT(FeedInPieces(Cm(2, "") + request6(mine6, 9), 5, rules, six),
+             Catch::Contains("from interface [fd77::2]:40000 on a connection this agent's UCX "
+                             "dialled to [fd77::1]:40000"));
+  // UCT's own request for connect-to-endpoint mode: its endpoint is connected at once.
+  CHECK(FeedInPieces(honest, 3, rules, DialledAfterOwnRequest(to, 3, /*flags=*/1)).empty());
 }
 
 TEST_CASE("UCX's size settings as the stream check reads them") {
