@@ -767,7 +767,74 @@ TEST_CASE("a UCX TCP connection on a descriptor past the stream check's table is
   CHECK(UcxTcpAdmit(accepted.fd));  // the same connection on a descriptor in the table
   CHECK(UcxTcpRefusedConnections() == before + 1);
   ForgetUcxTcpStream(accepted.fd);
+  // A connection UCX dials on such a descriptor is refused too (the connect() stand-in
+  // then fails the connect).
+  const sockaddr_in to = Loopback(40000);
+  const int dialled_high = fcntl(accepted.fd, F_DUPFD_CLOEXEC, 64);
+  REQUIRE(dialled_high >= 64);
+  CHECK_FALSE(
+      WatchDialledUcxTcpStream(dialled_high, reinterpret_cast<const sockaddr*>(&to), sizeof to));
+  CHECK(UcxTcpRefusedConnections() == before + 2);
+  close(dialled_high);
   internal::LimitStreamSlotsForTest(1 << 16);
+}
+
+// The stand-ins' path for a connection UCX dialled, on real sockets: the connect()
+// stand-in hands the descriptor and the address to WatchDialledUcxTcpStream, the send()
+// stand-in what UCT sends (UcxTcpSend), the recv() stand-in what comes back
+// (UcxTcpRecv). A peer's request naming UCT's connection and the dialled address, after
+// the acknowledgement, reaches the reader; one naming another connection ends the stream
+// there (the read says end of stream), counted as a refused dialled connection. (After
+// the case above: the recv() stand-in is noted.)
+TEST_CASE("a dialled connection's check learns UCT's connection from what it sends") {
+  GuardUcxTcpAccepts({geteuid()});
+  NoteUcxTcpRecvStandIn();
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in at = Loopback(0);
+  socklen_t length = sizeof at;
+  REQUIRE(bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+  REQUIRE(listen(listener, 4) == 0);
+  REQUIRE(getsockname(listener, reinterpret_cast<sockaddr*>(&at), &length) == 0);
+  auto recv_next = [](int fd, void* buffer, size_t n, int flags) {
+    return ::recv(fd, buffer, n, flags);
+  };
+  auto send_next = [](int fd, const void* buffer, size_t n, int flags) {
+    return ::send(fd, buffer, n, flags);
+  };
+  // Dials, sends UCT's magic number and request for connection 2 (in two sends), and
+  // has the peer answer `answer`; what the dialling side then reads (UcxTcpRecv).
+  auto dial = [&](const std::string& answer) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) == 0);
+    REQUIRE(WatchDialledUcxTcpStream(fd, reinterpret_cast<const sockaddr*>(&at), sizeof at));
+    const int peer = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    REQUIRE(peer >= 0);
+    const std::string own = std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8) +
+                            RequestFrom(Loopback(41000), 2);
+    REQUIRE(UcxTcpSend(fd, own.data(), 10, MSG_NOSIGNAL, send_next) == 10);
+    REQUIRE(UcxTcpSend(fd, own.data() + 10, own.size() - 10, MSG_NOSIGNAL, send_next) ==
+            static_cast<ssize_t>(own.size() - 10));
+    REQUIRE(send(peer, answer.data(), answer.size(), MSG_NOSIGNAL) ==
+            static_cast<ssize_t>(answer.size()));
+    close(peer);
+    std::string got;
+    char buffer[256];
+    for (ssize_t n; (n = UcxTcpRecv(fd, buffer, sizeof buffer, 0, recv_next)) > 0;) {
+      got.append(buffer, static_cast<size_t>(n));
+    }
+    ForgetUcxTcpStream(fd);
+    close(fd);
+    return got;
+  };
+  const uint64_t before = UcxTcpRefusedDialledConnections();
+  const std::string honest = Cm(2, "") + RequestFrom(at, 2) + Frame(1, "after it");
+  CHECK(dial(honest) == honest);
+  CHECK(UcxTcpRefusedDialledConnections() == before);
+  // Another connection: the reader sees none of the request (read in one piece here).
+  CHECK(dial(Cm(2, "") + RequestFrom(at, 3)).size() <= Cm(2, "").size());
+  CHECK(UcxTcpRefusedDialledConnections() == before + 1);
+  close(listener);
 }
 
 // A connection request is as long as the accepting interface's address family makes
