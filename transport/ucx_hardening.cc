@@ -67,9 +67,25 @@ struct UcpAmHandler {
 //   handler a forged pointer at each place (transport/ucx_hardening_test feeds every
 //   one).
 // - kDrop: protocols kvagent never uses: every message is dropped.
+// - kShape: the active message protocol kvagent itself uses, which names no id: only its
+//   shape is checked (below).
 // `features`: what the library declares for it (checked, so a table whose meaning
 // changed is not patched).
-enum class Kind { kRange, kId, kDrop };
+// `shape`: for the active message protocols (kvagent's own), how the lengths a message
+// gives must fit it. UCX 1.13 trusts them: a user header longer than the message it
+// came in, a message shorter than its header or footer, or a first fragment longer
+// than the whole message it starts made the process abort on an assertion (an 8-byte
+// message of id AM_SINGLE, from any peer) or copy past the buffer it allocated. A
+// message that does not fit is dropped unread.
+enum class Kind { kRange, kId, kDrop, kShape };
+enum class Shape {
+  kAny,
+  kAmSingle,  // ucp_am_hdr_t (8: id, flags, user header length), data, user header
+  kAmReply,   // the same, then the reply footer (8: the sender's endpoint id)
+  kAmFirst,   // the same, then the first fragment's footer (24: message id, endpoint
+              // id, the whole message's size)
+  kAmMiddle,  // its offset (8), data, then its footer (16: message id, endpoint id)
+};
 struct IdPlace {
   int at = -1;            // byte offset of the id UCP looks up (-1: none)
   bool from_end = false;  // counted back from the message's end (a footer)
@@ -82,10 +98,11 @@ struct Protocol {
   uint64_t features;
   Kind kind;
   IdPlace id;
+  Shape shape = Shape::kAny;
 };
 constexpr uint64_t kTagAm = UCP_FEATURE_TAG | UCP_FEATURE_AM;
 constexpr uint64_t kAmo = UCP_FEATURE_AMO32 | UCP_FEATURE_AMO64;
-constexpr std::array<Protocol, 19> kProtocols = {{
+constexpr std::array<Protocol, 22> kProtocols = {{
     {"PUT", "put (software RMA)", UCP_FEATURE_RMA, Kind::kRange, {8}},
     {"GET_REQ", "get request (software RMA)", UCP_FEATURE_RMA, Kind::kRange, {16}},
     {"GET_REP", "get reply (software RMA)", UCP_FEATURE_RMA, Kind::kId, {0}},
@@ -101,13 +118,22 @@ constexpr std::array<Protocol, 19> kProtocols = {{
     {"RNDV_ATP", "rendezvous put acknowledgement", kTagAm, Kind::kId, {0}},
     {"RNDV_RTR", "rendezvous ready-to-receive", kTagAm, Kind::kId, {0}},
     {"RNDV_DATA", "rendezvous data", kTagAm, Kind::kId, {0}},
-    {"AM_FIRST", "active message's first fragment", UCP_FEATURE_AM, Kind::kId, {16, true}},
-    {"AM_MIDDLE", "active message's later fragment", UCP_FEATURE_AM, Kind::kId, {8, true}},
-    {"AM_SINGLE_REPLY", "active message with reply", UCP_FEATURE_AM, Kind::kId, {8, true}},
+    {"AM_FIRST", "active message's first fragment", UCP_FEATURE_AM, Kind::kId, {16, true},
+     Shape::kAmFirst},
+    {"AM_MIDDLE", "active message's later fragment", UCP_FEATURE_AM, Kind::kId, {8, true},
+     Shape::kAmMiddle},
+    {"AM_SINGLE_REPLY", "active message with reply", UCP_FEATURE_AM, Kind::kId, {8, true},
+     Shape::kAmReply},
+    {"AM_SINGLE", "active message", UCP_FEATURE_AM, Kind::kShape, {}, Shape::kAmSingle},
     {"WIREUP", "wireup", ~uint64_t{0}, Kind::kId, {12, false, true}},
     {"ATOMIC_REQ", "atomic request", kAmo, Kind::kDrop, {}},
     {"ATOMIC_REP", "atomic reply", kAmo, Kind::kDrop, {}},
     {"STREAM_DATA", "stream data", UCP_FEATURE_STREAM, Kind::kDrop, {}},
+    // Tagged sends of several fragments: kvagent sends no tagged message (a peer's
+    // single-fragment ones are taken and discarded, UcxWorker); UCX 1.13 aborts on a
+    // first fragment shorter than its header.
+    {"EAGER_FIRST", "tagged send's first fragment", UCP_FEATURE_TAG, Kind::kDrop, {}},
+    {"EAGER_MIDDLE", "tagged send's later fragment", UCP_FEATURE_TAG, Kind::kDrop, {}},
 }};
 constexpr size_t kPut = 0;  // the other range-checked one is the get request
 
@@ -297,35 +323,104 @@ bool Admit(const void* data, size_t length) ABSL_SHARED_LOCKS_REQUIRED(g_ranges_
   return false;
 }
 
+// The active message protocols' headers and footers (UCX 1.13's ucp_am_hdr_t,
+// ucp_am_reply_ftr_t, ucp_am_first_ftr_t, ucp_am_mid_hdr_t and ucp_am_mid_ftr_t).
+constexpr size_t kAmHeaderBytes = 8;             // id (2), flags (2), user header length (4)
+constexpr size_t kAmUserHeaderLengthAt = 4;
+constexpr size_t kAmReplyFooterBytes = 8;        // the sender's endpoint id
+constexpr size_t kAmFirstFooterBytes = 8 + 8 + 8;  // message id, endpoint id, whole size
+constexpr size_t kAmMiddleBytes = 8 + 8 + 8;     // offset; message id, endpoint id
+// The most a first fragment may say its whole message holds: UCX allocates that much
+// (and the user header) to assemble it, and past this the sum could wrap.
+constexpr uint64_t kAmMaxAssembledBytes = 1ull << 40;
+
+// Why message `data` of `length` bytes does not fit `shape` ("" when it does).
+std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
+  if (shape == Shape::kAny) return "";
+  const auto* bytes = static_cast<const char*>(data);
+  if (shape == Shape::kAmMiddle) {
+    if (length > kAmMiddleBytes) return "";
+    return fmt::format("it is {} bytes, no more than its offset and footer ({}; UCX 1.13 "
+                       "aborts on it)",
+                       length, kAmMiddleBytes);
+  }
+  const size_t around = kAmHeaderBytes + (shape == Shape::kAmReply   ? kAmReplyFooterBytes
+                                          : shape == Shape::kAmFirst ? kAmFirstFooterBytes
+                                                                     : 0);
+  if (length < around) {
+    return fmt::format("it is {} bytes, shorter than its header and footer ({}; UCX 1.13 "
+                       "aborts on it)",
+                       length, around);
+  }
+  uint32_t user_header = 0;
+  std::memcpy(&user_header, bytes + kAmUserHeaderLengthAt, 4);
+  if (user_header > length - around) {
+    return fmt::format("its user header of {} bytes runs past the {} bytes it came in (UCX "
+                       "1.13 aborts on it, or reads and copies past the message)",
+                       user_header, length);
+  }
+  if (shape == Shape::kAmFirst) {
+    uint64_t whole = 0;
+    std::memcpy(&whole, bytes + length - 8, 8);
+    const uint64_t fragment = length - around - user_header;
+    if (whole > kAmMaxAssembledBytes) {
+      return fmt::format("it says its whole message holds {} bytes, more than the {} this "
+                         "agent assembles one from",
+                         whole, kAmMaxAssembledBytes);
+    }
+    if (fragment > whole) {
+      return fmt::format("its {} bytes of data are more than the {} it says its whole "
+                         "message holds (UCX 1.13 copies them past the buffer it allocates)",
+                         fragment, whole);
+    }
+  }
+  return "";
+}
+
+// Counts one dropped message of protocol `k` that does not fit its shape (`why`), and
+// logs it as CountDropped says.
+void CountMisshapen(size_t k, size_t length, const std::string& why) {
+  uint64_t mine = 0;
+  if (!CountDropped(k, &mine)) return;
+  kLog.Warn("UCX: dropped a peer's {} message of {} bytes ({} so far): {}; the sender is not "
+            "UCX 1.13 or is hostile",
+            kProtocols[k].name, length, mine, why);
+}
+
 // True when the id in message `data` of protocol K is indirect (odd): one UCP looks up in
 // its table instead of dereferencing (and the sender's own id, where UCP asserts on
 // it, is not 0).
 template <size_t K>
 bool IdAdmits(const void* data, size_t length) {
   constexpr IdPlace place = kProtocols[K].id;
-  constexpr size_t at = static_cast<size_t>(place.at);
-  constexpr size_t need =
-      place.from_end ? at : std::max(at, static_cast<size_t>(std::max(place.sender_at, 0))) + 8;
-  if (length < need) {
-    CountRefused(K, length, 0, 0, 0, /*short_header=*/true);
-    return false;
-  }
-  const auto* bytes = static_cast<const char*>(data);
-  uint64_t id = 0;
-  std::memcpy(&id, bytes + (place.from_end ? length - at : at), 8);
-  if ((id & 1) == 0 && !(id == 0 && place.zero_ok)) {
-    CountRefusedId(K, length, id);
-    return false;
-  }
-  if constexpr (place.sender_at >= 0) {
-    uint64_t sender = 0;
-    std::memcpy(&sender, bytes + place.sender_at, 8);
-    if (sender == 0) {
-      CountRefusedId(K, length, sender, /*senders=*/true);
+  if constexpr (place.at < 0) {
+    return true;  // names no id
+  } else {
+    constexpr size_t at = static_cast<size_t>(place.at);
+    constexpr size_t need =
+        place.from_end ? at
+                       : std::max(at, static_cast<size_t>(std::max(place.sender_at, 0))) + 8;
+    if (length < need) {
+      CountRefused(K, length, 0, 0, 0, /*short_header=*/true);
       return false;
     }
+    const auto* bytes = static_cast<const char*>(data);
+    uint64_t id = 0;
+    std::memcpy(&id, bytes + (place.from_end ? length - at : at), 8);
+    if ((id & 1) == 0 && !(id == 0 && place.zero_ok)) {
+      CountRefusedId(K, length, id);
+      return false;
+    }
+    if constexpr (place.sender_at >= 0) {
+      uint64_t sender = 0;
+      std::memcpy(&sender, bytes + place.sender_at, 8);
+      if (sender == 0) {
+        CountRefusedId(K, length, sender, /*senders=*/true);
+        return false;
+      }
+    }
+    return true;
   }
-  return true;
 }
 
 // Replies held for requesters that do not read. Serving a software put or get leaves
@@ -487,6 +582,10 @@ void CountHeldRefused(size_t k, size_t length, uint64_t held, bool all) {
 // RetireMapping); and only while fewer than the cap of replies to its endpoint wait.
 template <size_t K, bool kProxy>
 ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
+  if (std::string why = ShapeRefusal(kProtocols[K].shape, data, length); !why.empty()) {
+    CountMisshapen(K, length, why);
+    return UCS_OK;
+  }
   if (!IdAdmits<K>(data, length)) return UCS_OK;
   const uct_am_callback_t original = kProxy ? g_original_proxy[K] : g_original_cb[K];
   if constexpr (kProtocols[K].kind == Kind::kRange) {
@@ -622,7 +721,9 @@ absl::Status Patch() {
     handlers[k]->cb = kHandlers[k];
     if (handlers[k]->proxy_cb != nullptr) handlers[k]->proxy_cb = kProxies[k];
     // Installed in every kvagent context (RMA and AM): the dropped ones too.
-    if (kProtocols[k].kind != Kind::kId) handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    if (kProtocols[k].kind == Kind::kRange || kProtocols[k].kind == Kind::kDrop) {
+      handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    }
     if (std::string_view(kProtocols[k].symbol) == "CMPL") g_cmpl_id.store(ids[k]);
     if (std::string_view(kProtocols[k].symbol) == "GET_REP") g_get_reply_id.store(ids[k]);
   }
@@ -650,8 +751,9 @@ absl::Status HardenUcxForPeers() {
       g_hardened.store(true);
       kLog.Info(
           "UCX: peers' software RMA reaches only memory registered for them; their "
-          "messages naming an endpoint or request id this agent did not give out, atomic "
-          "and stream messages are dropped, and tagged ones discarded");
+          "messages naming an endpoint or request id this agent did not give out, active "
+          "messages whose lengths do not fit them, atomic, stream and fragmented tagged "
+          "messages are dropped, and other tagged ones discarded");
     }
   });
   return outcome;
@@ -670,6 +772,9 @@ std::vector<std::string> UcxRefusedProtocols() {
   }
   names.push_back(fmt::format(
       "any of {} protocols naming an endpoint or request id this agent did not give out", by_id));
+  names.push_back(
+      "active message whose user header, data or fragment does not fit the message it came in "
+      "(UCX 1.13 would abort or copy past its buffer)");
   names.push_back(fmt::format(
       "put or get (software RMA) whose endpoint has {} replies waiting unread "
       "(--ucx-held-replies)",

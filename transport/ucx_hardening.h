@@ -17,7 +17,13 @@
 // by id (software RMA's, tagged sends', rendezvous') are dropped unless the id is
 // indirect: UCX 1.13 dereferences any other as a pointer. HardenUcxForPeers sets
 // UCX_PROTO_INDIRECT_ID=on for the contexts created afterwards, so every id they give
-// out is.
+// out is. Active messages (kvagent's own protocol: single, with reply, first and later
+// fragments) are dropped unless the lengths they give fit them: UCX 1.13 aborts on a
+// user header longer than its message or a message shorter than its header and footer
+// (one 8-byte message from any peer ended the process), and copies a first fragment
+// longer than the whole message it says it starts past the buffer it allocates for
+// it. Tagged sends of several fragments are dropped (kvagent sends no tagged message;
+// UCX 1.13 aborts on a short one).
 // Contexts created afterwards take tagged messages (UcxContext adds UCP_FEATURE_TAG,
 // and each worker keeps a receive for any tag posted that truncates what it matches to
 // nothing). Every message dropped is counted and logged (the first few of each kind).

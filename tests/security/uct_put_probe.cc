@@ -10,7 +10,8 @@
 //
 // KVAGENT_PROBE_AM=ID:COUNT sends COUNT active messages of UCT id ID instead of the put,
 // KVAGENT_PROBE_AM_BYTES=N each with N bytes (a frame longer than the agent's receive
-// buffer when N is past 64 KiB).
+// buffer when N is past 64 KiB); a list (N,M,...) sends COUNT of each size in turn, 0
+// meaning UCT's short form (an 8-byte header and "probe": 13 bytes).
 //
 // Prints one line and exits 0 when the put completed from its side (the agent's UCX
 // took the connection), 3 when the connection never came up or failed (refused), 2 on
@@ -19,11 +20,13 @@
 #include <errno.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "tests/security/stock_uct.h"
 #include "uct/api/uct.h"
@@ -80,12 +83,19 @@ int main(int argc, char** argv) {
   // KVAGENT_PROBE_AM_BYTES=N: each active message carries N bytes (bcopy), past the
   // 8 KiB segment UCT sends by default when N asks for it (a frame longer than the
   // agent's receive buffer).
-  size_t am_bytes = 0;
+  std::vector<size_t> am_sizes = {0};
   if (const char* bytes = std::getenv("KVAGENT_PROBE_AM_BYTES"); bytes != nullptr) {
-    am_bytes = std::strtoull(bytes, nullptr, 0);
-    if (am_bytes + 64 > (8u << 10)) {
-      setenv("UCX_TCP_TX_SEG_SIZE", std::to_string(am_bytes + 64).c_str(), 1);
-      setenv("UCX_TCP_RX_SEG_SIZE", std::to_string(am_bytes + 64).c_str(), 1);
+    am_sizes.clear();
+    size_t largest = 0;
+    for (const char* at = bytes; *at != '\0';) {
+      char* end = nullptr;
+      am_sizes.push_back(std::strtoull(at, &end, 0));
+      largest = std::max(largest, am_sizes.back());
+      at = *end == ',' ? end + 1 : end + std::strlen(end);
+    }
+    if (largest + 64 > (8u << 10)) {
+      setenv("UCX_TCP_TX_SEG_SIZE", std::to_string(largest + 64).c_str(), 1);
+      setenv("UCX_TCP_RX_SEG_SIZE", std::to_string(largest + 64).c_str(), 1);
     }
   }
 
@@ -138,8 +148,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     unsigned sent = 0;
-    std::string body(am_bytes, 'P');
-    for (int spins = 0; sent < count && spins < 2000000; ++spins) {
+    std::string body;
+    const unsigned total = count * static_cast<unsigned>(am_sizes.size());
+    for (int spins = 0; sent < total && spins < 2000000; ++spins) {
+      const size_t am_bytes = am_sizes[sent / count];
+      body.assign(am_bytes, 'P');
       if (am_bytes == 0) {
         status =
             uct_ep_am_short(ep, static_cast<uint8_t>(id), 0x4b564147454e5421ull, "probe", 5);
@@ -166,7 +179,7 @@ int main(int argc, char** argv) {
       usleep(200);
     }
     Say(fmt_sent(sent, id, status));
-    return sent == count ? 0 : 3;
+    return sent == total ? 0 : 3;
   }
   static char payload[16] = "WRITTEN-BY-UCT!";
   uct_iov_t iov{};

@@ -191,5 +191,42 @@ TEST_CASE("messages of UCT ids UCP has no handler for are dropped and counted, n
   CHECK(client.Status().ok());
 }
 
+// What a peer's UCT delivers to UCP's handlers, UCP 1.13 trusts: an AM_SINGLE message
+// (UCT id 23, kvagent's own protocol) shorter than the user header it names, an AM_MIDDLE
+// (25) shorter than its offset and footer, tagged fragments (3, 4) shorter than their
+// headers each ended the agent on an assertion (ucp_am.c, "total_length >=
+// am_hdr->header_length + sizeof(*am_hdr)"; eager.c, "req->recv.remaining >= length").
+// A stock UCT endpoint, connected as the agent's own uid, sends every UCT id below 32
+// with bodies of each length here (13, 1, 7, 24, 64 and 4,096 bytes): the agent drops
+// what does not fit (transport/ucx_hardening.h) and is up after each id.
+TEST_CASE("active messages of every UCT id and length from a peer do not end the agent") {
+  KVAGENT_NEEDS_SETPRIV();
+  Victim victim;
+  const uint64_t dropped_before = victim.Status().dropped_peer_messages();
+  setenv("KVAGENT_PROBE_AM_BYTES", "0,1,7,24,64,4096", 1);
+  for (int id = 0; id < 32; ++id) {
+    setenv("KVAGENT_PROBE_AM", fmt::format("{}:3", id).c_str(), 1);
+    const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
+    auto status = victim.client.Status();
+    if (!status.ok()) {
+      const std::string log = victim.Log();
+      const size_t at = log.find("Assertion");
+      INFO("the agent's log: "
+           << (at != std::string::npos ? log.substr(at, log.find('\n', at) - at)
+                                       : log.substr(log.size() > 2000 ? log.size() - 2000 : 0)));
+      INFO("UCT id " << id << ": the probe: " << sent.code << ": " << sent.message);
+      FAIL("the agent ended: " << status.status().ToString());
+    }
+  }
+  unsetenv("KVAGENT_PROBE_AM");
+  unsetenv("KVAGENT_PROBE_AM_BYTES");
+  const uint64_t dropped = victim.Status().dropped_peer_messages() - dropped_before;
+  std::printf("32 UCT ids x 6 lengths x 3 messages: the agent is up, dropped_peer_messages "
+              "+%llu\n",
+              static_cast<unsigned long long>(dropped));
+  CHECK(dropped > 0);
+}
+
 }  // namespace
 }  // namespace kvagent::testing
+

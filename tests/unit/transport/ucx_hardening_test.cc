@@ -83,11 +83,14 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 11);
+  CHECK(refused.size() == 14);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
-        "atomic request", "atomic reply", "stream data",
+        "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
+        "tagged send's later fragment",
         "any of 16 protocols naming an endpoint or request id this agent did not give out",
+        "active message whose user header, data or fragment does not fit the message it came "
+        "in (UCX 1.13 would abort or copy past its buffer)",
         "put or get (software RMA) whose endpoint has 65536 replies waiting unread "
         "(--ucx-held-replies)",
         "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
@@ -177,6 +180,10 @@ TEST_CASE(
       std::memcpy(message.data() + 24, &reply_to, 8);
     }
     if (wireup) message[0] = 2;  // a reply: it names the endpoint it answers
+    if (std::string(c.symbol) == "AM_FIRST") {
+      const uint64_t whole = 1024;  // its whole message: more than this fragment's data
+      std::memcpy(message.data() + c.length - 8, &whole, 8);
+    }
     const uint64_t sender = 0x1234;
     if (c.sender_at >= 0) std::memcpy(message.data() + c.sender_at, &sender, 8);
     const size_t id_at = c.from_end ? c.length - c.id_at : c.id_at;
@@ -214,6 +221,102 @@ TEST_CASE(
   CHECK(std::all_of(fake_request.begin(), fake_request.end(), [](uint64_t v) { return v == 0; }));
   CHECK(std::all_of(region.begin(), region.end(), [](char v) { return v == 'r'; }));
   ForbidPeerRange(region.data(), region.size());
+  ucp_worker_destroy(worker);
+}
+
+// kvagent's own protocol is UCP's active messages, whose messages give lengths UCX 1.13
+// trusts: a user header longer than the message, a message shorter than its header and
+// footer, a first fragment longer than the whole message it starts. An 8-byte AM_SINGLE
+// message naming a 100-byte user header made a stock UCP abort (its assertion
+// total_length >= header_length + sizeof(ucp_am_hdr_t)); an AM_MIDDLE of 13 bytes too
+// (am_length > 24), and an EAGER_FIRST of 13 bytes (req->recv.remaining >= length):
+// each from any peer whose messages reach the worker. Each is dropped unread and
+// counted; one that fits goes on to UCP. Fed to the callbacks UCT calls, as in the case
+// above (each would abort this test's process without the checks).
+TEST_CASE("a hardened worker drops a peer's active message whose lengths do not fit it") {
+  Hardened h = Hardened::Make();
+  ucp_worker_params_t params{};
+  ucp_worker_h worker = nullptr;
+  REQUIRE(ucp_worker_create(h.context->get(), &params, &worker) == UCS_OK);
+  // UCP's active message 7 is counted here (a message that fits and names no endpoint
+  // reaches it).
+  static int delivered = 0;
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB;
+  handler.id = 7;
+  handler.flags = UCP_AM_FLAG_WHOLE_MSG;
+  handler.cb = [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+    ++delivered;
+    return UCS_OK;
+  };
+  REQUIRE(ucp_worker_set_am_recv_handler(worker, &handler) == UCS_OK);
+  // ucp_am_hdr_t: UCP's active message id 7, flags 0,
+  // `user_header` bytes of user header; then `data` bytes; then `footer`.
+  auto message = [](uint32_t user_header, size_t data, const std::string& footer) {
+    std::string out(8, '\0');
+    out[0] = 7;
+    std::memcpy(out.data() + 4, &user_header, 4);
+    return out + std::string(data, 'd') + footer;
+  };
+  const uint64_t indirect = 0x41;  // an id UCP looks up (and finds no endpoint for)
+  const std::string id(reinterpret_cast<const char*>(&indirect), 8);
+  auto first_footer = [&](uint64_t whole) {
+    return id + id + std::string(reinterpret_cast<const char*>(&whole), 8);
+  };
+  auto middle = [&](uint64_t offset, size_t data) {
+    return std::string(reinterpret_cast<const char*>(&offset), 8) + std::string(data, 'm') +
+           id + id;
+  };
+  struct Case {
+    const char* symbol;
+    std::string what;
+    std::string bytes;
+    bool dropped;  // by the check (else UCP takes it: delivered, or no endpoint has the id)
+  };
+  const std::vector<Case> cases = {
+      {"AM_SINGLE", "8 bytes naming a 100-byte user header", message(100, 0, ""), true},
+      {"AM_SINGLE", "7 bytes", message(0, 0, "").substr(0, 7), true},
+      {"AM_SINGLE", "0 bytes", "", true},
+      {"AM_SINGLE", "a 4-byte user header in 12 bytes", message(4, 0, "") + "uhdr", false},
+      {"AM_SINGLE", "a 5-byte user header in 12 bytes", message(5, 0, "") + "uhdr", true},
+      {"AM_SINGLE_REPLY", "15 bytes", message(0, 7, ""), true},
+      {"AM_SINGLE_REPLY", "a user header running into the footer", message(9, 8, id), true},
+      {"AM_SINGLE_REPLY", "a user header that fits", message(8, 8, id), false},
+      {"AM_FIRST", "31 bytes", message(0, 0, first_footer(64)).substr(0, 31), true},
+      {"AM_FIRST", "a user header running into the footer", message(1, 0, first_footer(64)),
+       true},
+      {"AM_FIRST", "16 bytes of data of a message said to hold 8",
+       message(0, 16, first_footer(8)), true},
+      {"AM_FIRST", "a message said to hold 2^63 bytes", message(0, 16, first_footer(1ull << 63)),
+       true},
+      {"AM_FIRST", "16 bytes of data of a message of 64", message(0, 16, first_footer(64)),
+       false},
+      {"AM_FIRST", "16 bytes of data, the whole message", message(0, 16, first_footer(16)),
+       false},
+      {"AM_MIDDLE", "13 bytes", std::string("\x01\x02\x03\x04\x05\x06\x07\x08probe", 13),
+       true},
+      {"AM_MIDDLE", "24 bytes (no data)", middle(0, 0), true},
+      {"AM_MIDDLE", "one byte of data", middle(0, 1), false},
+      {"EAGER_FIRST", "13 bytes", std::string("\x01\x02\x03\x04\x05\x06\x07\x08probe", 13),
+       true},
+      {"EAGER_MIDDLE", "1 byte", "P", true},
+  };
+  for (const Case& c : cases) {
+    INFO(c.symbol << ": " << c.what);
+    const std::string symbol = std::string("ucp_am_handler_UCP_AM_ID_") + c.symbol;
+    auto* entry = static_cast<UcpProtocolEntry*>(dlsym(RTLD_DEFAULT, symbol.c_str()));
+    REQUIRE(entry != nullptr);
+    std::vector<uint8_t> bytes(c.bytes.begin(), c.bytes.end());
+    bytes.reserve(1);  // a non-null buffer for the empty message
+    const uint64_t before = UcxRefusedMessages();
+    const int delivered_before = delivered;
+    CHECK(entry->cb(worker, bytes.data(), bytes.size(), 0) == UCS_OK);
+    CHECK(UcxRefusedMessages() - before == (c.dropped ? 1u : 0u));
+    // Only AM_SINGLE names no endpoint: the others' id 0x41 is no endpoint's.
+    const bool delivers = !c.dropped && std::string(c.symbol) == "AM_SINGLE";
+    CHECK(delivered - delivered_before == (delivers ? 1 : 0));
+  }
   ucp_worker_destroy(worker);
 }
 
