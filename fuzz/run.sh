@@ -2,10 +2,11 @@
 # Builds kvagent's libFuzzer targets with clang (--config=fuzz: libFuzzer + ASan +
 # UBSan, in its own Bazel output base) and runs each for a bounded time on its seeds
 # (fuzz/seeds/<target>/*.textpb, encoded with protoc), its past failures
-# (fuzz/regressions/<target>/) and a corpus kept between runs.
+# (fuzz/regressions/<target>/) and a corpus kept between runs, --jobs of them at once
+# (default: the cores, KVAGENT_FUZZ_JOBS; each fuzzer uses one).
 #
-#   fuzz/run.sh [--seconds N] [--targets "metadata register plan fast_ring inbox liveness ucx_stream"] [--junit FILE]
-#               [-- BAZEL_BUILD_FLAGS...]
+#   fuzz/run.sh [--seconds N] [--jobs N] [--targets "metadata register plan fast_ring inbox liveness ucx_stream"]
+#               [--junit FILE] [-- BAZEL_BUILD_FLAGS...]
 #
 # A fuzzer that crashes, leaks, trips a sanitizer or breaks a FUZZ_CHECK fails; its
 # input is saved under the work folder and named in the output, with how to turn it
@@ -17,21 +18,27 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 seconds="${KVAGENT_FUZZ_SECONDS:-60}"
+jobs="${KVAGENT_FUZZ_JOBS:-$(nproc)}"
 targets="metadata register plan fast_ring inbox liveness ucx_stream"
 junit=""
 bazel_flags=()
 while (($# > 0)); do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
+    --jobs) jobs="$2"; shift 2 ;;
     --targets) targets="$2"; shift 2 ;;
     --junit) junit="$2"; shift 2 ;;
     --) shift; bazel_flags=("$@"); break ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "fuzz/run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 if ! [[ "$seconds" =~ ^[0-9]+$ ]] || ((seconds == 0)); then
   echo "fuzz/run.sh: --seconds '$seconds' is not a positive number of seconds" >&2
+  exit 2
+fi
+if ! [[ "$jobs" =~ ^[0-9]+$ ]] || ((jobs == 0)); then
+  echo "fuzz/run.sh: --jobs '$jobs' is not a positive number of fuzzers to run at once" >&2
   exit 2
 fi
 
@@ -101,8 +108,11 @@ declare -A proto_of=([fast_ring]=fuzz/fast_ring_input.proto [inbox]=proto/wire.p
                      [liveness]=fuzz/liveness_input.proto
                      [ucx_stream]=fuzz/ucx_stream_input.proto)
 rc=0
-for t in $targets; do
-  dir="$work/$t"
+declare -A pid_of start_of
+
+# Starts target $1 in the background on its seeds, regressions and corpus.
+start_target() {
+  local t="$1" dir="$work/$1" seed
   rm -rf "$dir/seeds" "$dir/artifacts"
   mkdir -p "$dir/corpus" "$dir/seeds" "$dir/artifacts"
   for seed in fuzz/seeds/"$t"/*.textpb; do
@@ -112,17 +122,23 @@ for t in $targets; do
     fi
   done
   echo "== fuzz: ${t}_fuzzer for ${seconds} s (corpus $dir/corpus)"
-  start=$SECONDS
+  start_of[$t]=$SECONDS
   "$bin/fuzz/${t}_fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
       -max_len=4096 -print_final_stats=1 -artifact_prefix="$dir/artifacts/" \
       "$dir/corpus" "$dir/seeds" "fuzz/regressions/$t" >"$dir/log" 2>&1 &
-  pid=$!
+  pid_of[$t]=$!
+}
+
+# Waits for target $1 and reports it.
+finish_target() {
+  local t="$1" dir="$work/$1" pid="${pid_of[$1]}" status artifacts reason
   wait "$pid"
   status=$?
-  seconds_taken[$t]=$((SECONDS - start))
+  seconds_taken[$t]=$((SECONDS - start_of[$t]))
   # The register and plan targets create /kvagent-fuzz-<pid>-* shm objects, unlinked
   # at a normal exit; a crash leaves them.
   rm -f /dev/shm/kvagent-fuzz-"$pid"-*
+  echo "== fuzz: ${t}_fuzzer ended after ${seconds_taken[$t]} s"
   grep -E "^#[0-9]+ +DONE|^stat::number_of_executed_units|^stat::peak_rss_mb" "$dir/log" | tail -3
   artifacts=("$dir"/artifacts/*)
   if ((status == 0)) && [[ ! -e "${artifacts[0]}" ]]; then
@@ -139,6 +155,18 @@ for t in $targets; do
          "(or the gcc build: bazel run //fuzz:${t}_fuzzer -- FILE); after the fix, copy it to" \
          "fuzz/regressions/$t/ so that //fuzz:${t}_fuzzer_replay keeps checking it."
   fi
+}
+
+# libFuzzer runs on one core: --jobs targets at a time, each still for --seconds.
+running=()
+for t in $targets; do
+  start_target "$t"
+  running+=("$t")
+  if ((${#running[@]} >= jobs)); then
+    finish_target "${running[0]}"
+    running=("${running[@]:1}")
+  fi
 done
+for t in "${running[@]}"; do finish_target "$t"; done
 write_junit
 exit "$rc"
