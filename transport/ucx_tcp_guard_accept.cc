@@ -3,9 +3,10 @@
 // UcxTcpAdmit first (ucx_tcp_guard.h); it reads them with recv(), and what a kept
 // connection brings is checked before UCT parses it (UcxTcpRecv); what it sends first
 // on a connection it dialled names the connection a peer's request must name
-// (UcxTcpSend); close() ends the watch of a descriptor. A binary (kvagentd) links this object and exports the symbols
-// (-Wl,--export-dynamic-symbol in BUILD), so libucs's calls bind to them; the next
-// definition in the lookup order (libc's, or a sanitizer's) does the work.
+// (UcxTcpSend); close() ends the watch of a descriptor. A binary (kvagentd) links this
+// object and exports the symbols (-Wl,--export-dynamic-symbol in BUILD), so libucs's
+// calls bind to them; the next definition in the lookup order (libc's, or a
+// sanitizer's) does the work.
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
