@@ -1922,8 +1922,8 @@ class HostileUcxPort final : public FakeAgent {
       REQUIRE(listen(fd, 16) == 0);
       listeners_.push_back(fd);
     }
-    FakeAgent::Serve();
-    thread_ = std::thread([this] { Serve(); });  // last: nothing after it can throw
+    Serve();
+    thread_ = std::thread([this] { AnswerDials(); });  // last: nothing after it can throw
   }
   ~HostileUcxPort() override {
     Stop();
@@ -1934,7 +1934,7 @@ class HostileUcxPort final : public FakeAgent {
   int answered() const { return answered_.load(); }
 
  private:
-  void Serve() {
+  void AnswerDials() {
     std::vector<pollfd> polled;
     for (int fd : listeners_) polled.push_back({fd, POLLIN, 0});
     std::vector<int> open;

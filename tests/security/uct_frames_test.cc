@@ -310,7 +310,7 @@ std::string HonestConnectionRequest() {
 // what comes back) for a second or more; the test reads its magic number and
 // connection request (DialFromStockUct), answers, and looks 150 ms later. "alive"
 // while it still runs (then it is killed), or how it ended. Runs on any thread (no
-// test assertions).
+// test assertions) once HonestConnectionRequest has run on the test's.
 std::string AnswerStockUctDialler(const std::string& stream) {
   StockDialler dialler = DialFromStockUct("0:2000000");  // sends until it is killed
   if (dialler.pid < 0) return dialler.error;
