@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -461,51 +460,34 @@ constexpr uint32_t kCmAcknowledgement = 2;
 constexpr uint32_t kCmAcknowledgementWithRequest = 3;
 constexpr uint8_t kMagicBytes[8] = {0x78, 0x56, 0x34, 0x12, 0xbe, 0xba, 0xfe, 0xca};
 
-// The request body at `body` as UCT holds its address: family, port and address bytes
-// (the sockaddr_in's or sockaddr_in6's), "" when the family is neither.
-std::string RequestAddressKey(const uint8_t* body) {
-  sa_family_t family = 0;
-  std::memcpy(&family, body + kCmRequestFamilyAt, sizeof family);
-  const uint8_t* address = body + kCmRequestFamilyAt;
-  if (family == AF_INET) {
-    return std::string(reinterpret_cast<const char*>(address), 2 + 2) +
-           std::string(reinterpret_cast<const char*>(address + offsetof(sockaddr_in, sin_addr)),
-                       4);
-  }
-  if (family == AF_INET6) {
-    return std::string(reinterpret_cast<const char*>(address), 2 + 2) +
-           std::string(
-               reinterpret_cast<const char*>(address + offsetof(sockaddr_in6, sin6_addr)), 16);
-  }
-  return "";
-}
-
-// The same for the address a dialled connection went to.
-std::string DialledAddressKey(const internal::StreamCheck& check) {
-  if (check.to_family != AF_INET && check.to_family != AF_INET6) return "";
-  std::string out(reinterpret_cast<const char*>(&check.to_family), 2);
-  out.append(reinterpret_cast<const char*>(check.to_port), 2);
-  out.append(reinterpret_cast<const char*>(check.to_address), check.to_family == AF_INET ? 4 : 16);
-  return out;
-}
-
-// A key's address as text ("10.0.0.7:4000", "[fd00::7]:4000").
-std::string KeyText(const std::string& key) {
-  if (key.size() < 4) return "an address of another family";
+// The address a connection request's body names (its family, host and port), family 0
+// when it is neither IPv4 nor IPv6.
+sockaddr_storage RequestAddress(const uint8_t* body) {
   sockaddr_storage a{};
   sa_family_t family = 0;
-  std::memcpy(&family, key.data(), 2);
-  a.ss_family = family;
-  if (family == AF_INET && key.size() == 8) {
-    auto& four = reinterpret_cast<sockaddr_in&>(a);
-    std::memcpy(&four.sin_port, key.data() + 2, 2);
-    std::memcpy(&four.sin_addr, key.data() + 4, 4);
-  } else if (family == AF_INET6 && key.size() == 20) {
-    auto& six = reinterpret_cast<sockaddr_in6&>(a);
-    std::memcpy(&six.sin6_port, key.data() + 2, 2);
-    std::memcpy(&six.sin6_addr, key.data() + 4, 16);
+  std::memcpy(&family, body + kCmRequestFamilyAt, sizeof family);
+  if (family == AF_INET || family == AF_INET6) {
+    std::memcpy(&a, body + kCmRequestFamilyAt,
+                family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
   }
-  return Text(a);
+  return a;
+}
+
+// Whether `a` and `b` are one address as UCT compares them: family, host and port.
+bool SameAddress(const sockaddr_storage& a, const sockaddr_storage& b) {
+  if (a.ss_family != b.ss_family || (a.ss_family != AF_INET && a.ss_family != AF_INET6)) {
+    return false;
+  }
+  auto port = [](const sockaddr_storage& x) {
+    return x.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(x).sin_port
+                                  : reinterpret_cast<const sockaddr_in6&>(x).sin6_port;
+  };
+  return port(a) == port(b) && HostOf(a) == HostOf(b);
+}
+
+// `a` as text, or what it is not (family 0: neither IPv4 nor IPv6).
+std::string AddressText(const sockaddr_storage& a) {
+  return a.ss_family == 0 ? "an address of another family" : Text(a);
 }
 
 // Why a well-formed connection request (`body`) on a connection this process's UCX
@@ -542,12 +524,11 @@ std::string DialledRequestRefusal(const internal::StreamCheck& check, const uint
                        "agent's UCX dialled as connection {} (UCT aborts on it)",
                        named, mine);
   }
-  const std::string from = RequestAddressKey(body);
-  const std::string to = DialledAddressKey(check);
-  if (to.empty() || from != to) {
+  const sockaddr_storage from = RequestAddress(body);
+  if (!SameAddress(from, check.to)) {
     return fmt::format("a connection request from interface {} on a connection this agent's "
                        "UCX dialled to {} (UCT aborts on it)",
-                       KeyText(from), to.empty() ? "an address of another family" : KeyText(to));
+                       AddressText(from), AddressText(check.to));
   }
   return "";
 }
@@ -716,16 +697,10 @@ StreamCheck DialledStreamCheck(const sockaddr* to, socklen_t length) {
   check.phase = StreamCheck::kHeader;
   check.left = 0;
   check.dialled = true;  // UCT serves a put request on it at any point (measured)
-  if (to != nullptr && to->sa_family == AF_INET && length >= sizeof(sockaddr_in)) {
-    const auto* four = reinterpret_cast<const sockaddr_in*>(to);
-    check.to_family = AF_INET;
-    std::memcpy(check.to_port, &four->sin_port, 2);
-    std::memcpy(check.to_address, &four->sin_addr, 4);
-  } else if (to != nullptr && to->sa_family == AF_INET6 && length >= sizeof(sockaddr_in6)) {
-    const auto* six = reinterpret_cast<const sockaddr_in6*>(to);
-    check.to_family = AF_INET6;
-    std::memcpy(check.to_port, &six->sin6_port, 2);
-    std::memcpy(check.to_address, &six->sin6_addr, 16);
+  if (to != nullptr && ((to->sa_family == AF_INET && length >= sizeof(sockaddr_in)) ||
+                        (to->sa_family == AF_INET6 && length >= sizeof(sockaddr_in6)))) {
+    std::memcpy(&check.to, to,
+                to->sa_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
   }
   return check;
 }

@@ -195,11 +195,8 @@ struct StreamCheck {
   // A dialled connection only. Whether the peer acknowledged UCT's request (event 2 or
   // 3: UCT's endpoint is connected).
   bool acknowledged = false;
-  // The address UCT dialled, as a request names one: family, port and address (4 or 16
-  // bytes), in network order.
-  uint16_t to_family = 0;
-  uint8_t to_port[2] = {};
-  uint8_t to_address[16] = {};
+  // The address UCT dialled (family 0: neither IPv4 nor IPv6).
+  sockaddr_storage to{};
   // What UCT sent first (NoteSent): its magic number, a frame header and its request.
   uint8_t sent_have = 0;
   uint8_t sent[8 + 5 + 13 + 28] = {};

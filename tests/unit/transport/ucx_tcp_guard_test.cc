@@ -452,6 +452,8 @@ TEST_CASE("a peer that goes is forgotten: its hosts stay only while another owne
   ForgetUcxTcpHosts("kept too");
 }
 
+// UCT's magic number, little-endian: what a connection to UCX's TCP port sends first.
+const std::string kMagic("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8);
 // UCT's tcp stream as UCT writes it: frames of a 1-byte id and a 4-byte length.
 std::string Frame(uint8_t id, const std::string& body) {
   std::string out(1, static_cast<char>(id));
@@ -497,7 +499,7 @@ std::string FeedInPieces(const std::string& stream, size_t piece,
 }
 TEST_CASE("the stream check passes UCT's frames in any pieces and refuses those UCT aborts "
           "on") {
-  const std::string magic = "\x78\x56\x34\x12\xbe\xba\xfe\xca";
+  const std::string& magic = kMagic;
   // A connection request, another connection-manager event, active messages up to
   // the receive buffer (64 KiB of body), a put request with its payload unframed after
   // it, a put acknowledgement, and keepalives (UCP's endpoint check under peer error
@@ -589,8 +591,10 @@ sockaddr_in Loopback(uint16_t port) {
   at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   return at;
 }
-// A connection request from interface `from`, for connection `sn`.
-std::string RequestFrom(const sockaddr_in& from, uint64_t sn, uint8_t flags = 0) {
+// A connection request from interface `from` (a sockaddr_in or sockaddr_in6), for
+// connection `sn`.
+template <typename Address>
+std::string RequestFrom(const Address& from, uint64_t sn, uint8_t flags = 0) {
   std::string rest(1, static_cast<char>(flags));
   rest.append(reinterpret_cast<const char*>(&sn), 8);
   rest.append(reinterpret_cast<const char*>(&from), sizeof from);
@@ -603,8 +607,7 @@ internal::StreamCheck DialledAfterOwnRequest(const sockaddr_in& to, uint64_t sn,
                                              uint8_t flags = 0) {
   internal::StreamCheck check =
       internal::DialledStreamCheck(reinterpret_cast<const sockaddr*>(&to), sizeof to);
-  const std::string own =
-      std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8) + RequestFrom(Loopback(41000), sn, flags);
+  const std::string own = kMagic + RequestFrom(Loopback(41000), sn, flags);
   for (size_t at = 0; at < own.size(); at += 7) {
     const std::string part = own.substr(at, 7);
     internal::NoteSent(&check, reinterpret_cast<const uint8_t*>(part.data()), part.size());
@@ -634,7 +637,7 @@ TEST_CASE("the stream check of a dialled connection passes a peer's answers and 
   // A put request before the acknowledgement is served too (measured).
   CHECK(FeedInPieces(PutRequest(0x1000, 0) + Cm(2, ""), 3, rules, dialled).empty());
   // The magic number is not expected: its bytes read as a frame header of id 0x78.
-  CHECK_THAT(FeedInPieces("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8, rules, dialled),
+  CHECK_THAT(FeedInPieces(kMagic, 8, rules, dialled),
              Catch::Contains("(id 120)"));
   CHECK_THAT(FeedInPieces(Cm(2, "") + ConnectionRequest(0, /*family=*/0), 2, rules, dialled),
              Catch::Contains("a connection request naming an address of family 0"));
@@ -713,18 +716,12 @@ TEST_CASE("a connection request on a dialled connection passes only naming the c
   internal::StreamCheck six =
       internal::DialledStreamCheck(reinterpret_cast<const sockaddr*>(&to6), sizeof to6);
   six.request_bytes = internal::ConnectionRequestBytes(AF_INET6);
-  auto request6 = [](const sockaddr_in6& from, uint64_t sn) {
-    std::string rest(1, '\0');
-    rest.append(reinterpret_cast<const char*>(&sn), 8);
-    rest.append(reinterpret_cast<const char*>(&from), sizeof from);
-    return Cm(1, rest);
-  };
   sockaddr_in6 mine6 = to6;
   inet_pton(AF_INET6, "fd77::2", &mine6.sin6_addr);
-  const std::string own6 = std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8) + request6(mine6, 9);
+  const std::string own6 = kMagic + RequestFrom(mine6, 9);
   internal::NoteSent(&six, reinterpret_cast<const uint8_t*>(own6.data()), own6.size());
-  CHECK(FeedInPieces(Cm(2, "") + request6(to6, 9), 5, rules, six).empty());
-  CHECK_THAT(FeedInPieces(Cm(2, "") + request6(mine6, 9), 5, rules, six),
+  CHECK(FeedInPieces(Cm(2, "") + RequestFrom(to6, 9), 5, rules, six).empty());
+  CHECK_THAT(FeedInPieces(Cm(2, "") + RequestFrom(mine6, 9), 5, rules, six),
              Catch::Contains("from interface [fd77::2]:40000 on a connection this agent's UCX "
                              "dialled to [fd77::1]:40000"));
   // UCT's own request for connect-to-endpoint mode: its endpoint is connected at once.
@@ -810,8 +807,7 @@ TEST_CASE("a dialled connection's check learns UCT's connection from what it sen
     REQUIRE(WatchDialledUcxTcpStream(fd, reinterpret_cast<const sockaddr*>(&at), sizeof at));
     const int peer = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
     REQUIRE(peer >= 0);
-    const std::string own = std::string("\x78\x56\x34\x12\xbe\xba\xfe\xca", 8) +
-                            RequestFrom(Loopback(41000), 2);
+    const std::string own = kMagic + RequestFrom(Loopback(41000), 2);
     REQUIRE(UcxTcpSend(fd, own.data(), 10, MSG_NOSIGNAL, send_next) == 10);
     REQUIRE(UcxTcpSend(fd, own.data() + 10, own.size() - 10, MSG_NOSIGNAL, send_next) ==
             static_cast<ssize_t>(own.size() - 10));
@@ -844,7 +840,7 @@ TEST_CASE("a dialled connection's check learns UCT's connection from what it sen
 TEST_CASE("the stream check sizes a connection request by the accepted socket's family") {
   GuardUcxTcpAccepts({geteuid()});
   NoteUcxTcpRecvStandIn();
-  const std::string magic = "\x78\x56\x34\x12\xbe\xba\xfe\xca";
+  const std::string& magic = kMagic;
   for (const bool ipv6 : {false, true}) {
     for (const bool ipv6_request : {false, true}) {
       INFO((ipv6 ? "an IPv6 connection" : "an IPv4 connection")
