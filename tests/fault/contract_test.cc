@@ -880,6 +880,12 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
   // Another agent, on the same path, moves pages of the same memory, and gets them.
   cli::DaemonProcess other =
       StartAgent("other", pair.work_dir() + "/other", DrainOptions(path).extra_args);
+  // The case's end: the other agent and the peer (resumed first when stopped) go.
+  auto end_case = [&] {
+    other.Kill();
+    ::kill(peer, SIGCONT);
+    pair.prefill_process().Kill();
+  };
   cli::AgentClient client(other.address());
   cli::KvPool pool = Require(cli::CreateKvPool(client, "other", shape), "the other agent's pool");
   const std::vector<uint64_t> pages = {1, 30, 63};
@@ -893,9 +899,7 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
   // The peer may have been hit mid-message into decode's receive queue (below): then
   // decode's UCX takes nothing more, the connect's ping back included.
   if (!connected.ok() && ReportsReceiveStall(pair.decode(), "decode")) {
-    other.Kill();
-    ::kill(peer, SIGCONT);
-    pair.prefill_process().Kill();
+    end_case();
     return;
   }
   REQUIRE(connected.ok());
@@ -909,9 +913,7 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
   const int64_t waited_ms = MillisSince(submitted);
   // The peer may have been hit mid-message into decode's receive queue.
   if (done.phase() != v1::COMPLETED && ReportsReceiveStall(pair.decode(), "decode")) {
-    other.Kill();
-    ::kill(peer, SIGCONT);
-    pair.prefill_process().Kill();
+    end_case();
     return;
   }
   // Replies the first reader never took hold receive buffers on decode until they are
@@ -930,9 +932,7 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
     CHECK(KvPageEqual(pool, p, pair.decode_pool(), p));
   }
   CHECK(Alive(pair.decode_process().pid()));
-  other.Kill();
-  ::kill(peer, SIGCONT);
-  pair.prefill_process().Kill();
+  end_case();
 }
 
 // ---------------------------------------------------------------------------------
