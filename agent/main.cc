@@ -668,6 +668,19 @@ int main(int argc, char** argv) {
   }
   // What a peer that posts software puts and gets without reading the replies may hold.
   kvagent::transport::SetHeldRepliesPerEndpoint(options.ucx_held_replies);
+  // The biggest fragmented active message a peer may send that this agent's handlers
+  // take: a staged chunk (the larger of StagerOptions::max_chunk_message and this
+  // agent's chunk) with its header (InboxLimits::max_staged_header_bytes); in all, four
+  // of them or the default, the larger.
+  {
+    kvagent::transport::AmAssemblyLimits limits;
+    limits.max_message_bytes =
+        std::max<uint64_t>(kvagent::agent::StagerOptions{}.max_chunk_message,
+                           options.staging.chunk_bytes) +
+        kvagent::agent::InboxLimits{}.max_staged_header_bytes;
+    limits.max_bytes = std::max(limits.max_bytes, 4 * limits.max_message_bytes);
+    kvagent::transport::SetAmAssemblyLimits(limits);
+  }
   // Memory a peer's software get was served from is retired, not unmapped, while the
   // reply may still wait in UCX (RetireMapping; it unmaps nothing itself when unhardened).
   kvagent::registry::ShmMapping::SetRetire(&kvagent::transport::RetireMapping);

@@ -360,6 +360,7 @@ std::string RenderMetrics(const MetricsSources& sources) {
   // processes of this host refused (SameHostTargetAdmitted).
   const transport::RetiredMappings retired = transport::RetiredMappingsNow();
   const transport::HeldReplies held = transport::HeldRepliesNow();
+  const transport::AmAssembly assembly = transport::AmAssemblyNow();
   const struct {
     const char* name;
     const char* type;
@@ -392,6 +393,24 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "Software puts and gets dropped because their endpoint had --ucx-held-replies "
        "replies waiting unread (also in dropped_peer_messages).",
        held.refused},
+      {"kvagent_ucx_am_assembling", "gauge",
+       "Peers' active messages of several fragments being assembled now.", assembly.messages},
+      {"kvagent_ucx_am_assembling_bytes", "gauge",
+       "Memory held for them (data and user header, allocated at their first fragment).",
+       assembly.bytes},
+      {"kvagent_ucx_am_assembling_bytes_peak", "gauge",
+       "The most memory ever held for messages being assembled.", assembly.peak_bytes},
+      {"kvagent_ucx_am_assembled_total", "counter",
+       "Peers' fragmented active messages assembled whole and handed to their handler.",
+       assembly.assembled},
+      {"kvagent_ucx_am_fragments_refused_total", "counter",
+       "Fragments of peers' active messages dropped: out of order, past their message, a "
+       "first fragment again, or a message over the bounds (also in dropped_peer_messages).",
+       assembly.refused},
+      {"kvagent_ucx_am_abandoned_total", "counter",
+       "Messages being assembled dropped after 30 s without a fragment (a sender that "
+       "stopped mid-message).",
+       assembly.abandoned},
       {"kvagent_ucx_rkey_entries_refused_total", "counter",
        "Entries of peers' remote keys refused: naming a shared memory segment to attach "
        "(UCX's posix or sysv domain), or failing to unpack. A peer key holding one is "

@@ -22,6 +22,8 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
+#include <new>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -330,9 +332,6 @@ constexpr size_t kAmUserHeaderLengthAt = 4;
 constexpr size_t kAmReplyFooterBytes = 8;        // the sender's endpoint id
 constexpr size_t kAmFirstFooterBytes = 8 + 8 + 8;  // message id, endpoint id, whole size
 constexpr size_t kAmMiddleBytes = 8 + 8 + 8;     // offset; message id, endpoint id
-// The most a first fragment may say its whole message holds: UCX allocates that much
-// (and the user header) to assemble it, and past this the sum could wrap.
-constexpr uint64_t kAmMaxAssembledBytes = 1ull << 40;
 
 // Why message `data` of `length` bytes does not fit `shape` ("" when it does).
 std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
@@ -363,11 +362,6 @@ std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
     uint64_t whole = 0;
     std::memcpy(&whole, bytes + length - 8, 8);
     const uint64_t fragment = length - around - user_header;
-    if (whole > kAmMaxAssembledBytes) {
-      return fmt::format("it says its whole message holds {} bytes, more than the {} this "
-                         "agent assembles one from",
-                         whole, kAmMaxAssembledBytes);
-    }
     if (fragment > whole) {
       return fmt::format("its {} bytes of data are more than the {} it says its whole "
                          "message holds (UCX 1.13 copies them past the buffer it allocates)",
@@ -421,6 +415,236 @@ bool IdAdmits(const void* data, size_t length) {
     }
     return true;
   }
+}
+
+// Active messages of several fragments (AM_FIRST, AM_MIDDLE) are assembled here: UCP's
+// own handlers for them never run. UCX 1.13 copies a later fragment to the offset it
+// gives in the buffer its first fragment allocated, unchecked (a peer naming one of
+// this process's endpoint ids wrote wherever it liked past that buffer), stops the
+// process on an assertion when a first fragment comes again for a message being
+// assembled, queues later fragments that come before their first without bound, and
+// allocates whatever size a first fragment names. Here each message is kept by the
+// worker, endpoint id and message id its fragments name. A later fragment must start
+// where the data so far ends (a peer's UCX sends a message's fragments on one lane, in
+// order: HardenUcxForPeers sets UCX_MAX_EAGER_LANES=1) and end inside the message. A
+// whole message goes to UCP's handler of single active messages (with reply when its
+// flags ask), as UCP hands an assembled one over. Messages are bounded in bytes each
+// and in all, in number, and in time without a fragment (AmAssemblyLimits). A worker's
+// messages arrive on the thread that progresses it, so each thread keeps its own table
+// and the data path takes no lock; the budgets are shared.
+constexpr size_t IndexOf(std::string_view symbol) {
+  for (size_t k = 0; k < kProtocols.size(); ++k) {
+    if (std::string_view(kProtocols[k].symbol) == symbol) return k;
+  }
+  return kProtocols.size();
+}
+constexpr size_t kAmSingleIndex = IndexOf("AM_SINGLE");
+constexpr size_t kAmSingleReplyIndex = IndexOf("AM_SINGLE_REPLY");
+constexpr size_t kAmFirstIndex = IndexOf("AM_FIRST");
+static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProtocols.size() &&
+              kAmFirstIndex < kProtocols.size());
+constexpr uint16_t kAmSendFlagReply = 1;  // UCP_AM_SEND_FLAG_REPLY, as ucp_am_hdr_t carries it
+static_assert(UCP_AM_SEND_FLAG_REPLY == kAmSendFlagReply);
+
+std::atomic<uint64_t> g_asm_max_message{AmAssemblyLimits{}.max_message_bytes};
+std::atomic<uint64_t> g_asm_max_bytes{AmAssemblyLimits{}.max_bytes};
+std::atomic<uint64_t> g_asm_max_messages{AmAssemblyLimits{}.max_messages};
+std::atomic<int64_t> g_asm_idle_ms{AmAssemblyLimits{}.idle.count()};
+std::atomic<uint64_t> g_asm_bytes{0};
+std::atomic<uint64_t> g_asm_messages{0};
+std::atomic<uint64_t> g_asm_peak{0};
+std::atomic<uint64_t> g_asm_assembled{0};
+std::atomic<uint64_t> g_asm_refused{0};
+std::atomic<uint64_t> g_asm_abandoned{0};
+
+struct Assembly {
+  std::unique_ptr<char[]> message;  // ucp_am_hdr_t, the data, the user header, (reply footer)
+  uint64_t total = 0;               // bytes of data
+  uint32_t user_header = 0;
+  uint64_t received = 0;  // data so far: where the next fragment starts
+  uint64_t held = 0;      // bytes of `message`, counted in g_asm_bytes
+  bool reply = false;
+  std::chrono::steady_clock::time_point last;  // its latest fragment
+  size_t length() const { return kAmHeaderBytes + total + user_header + (reply ? 8 : 0); }
+};
+using AssemblyKey = std::tuple<const void*, uint64_t, uint64_t>;  // worker, endpoint id, message id
+
+void ReleaseAssembly(const Assembly& assembly) {
+  g_asm_bytes.fetch_sub(assembly.held, std::memory_order_relaxed);
+  g_asm_messages.fetch_sub(1, std::memory_order_relaxed);
+}
+
+// The messages being assembled on this thread; those left when it ends are freed.
+struct AssemblyTable {
+  std::map<AssemblyKey, Assembly> messages;
+  std::chrono::steady_clock::time_point swept;
+  ~AssemblyTable() {
+    for (const auto& [key, assembly] : messages) ReleaseAssembly(assembly);
+  }
+};
+thread_local AssemblyTable t_assemblies;
+
+// Counts one fragment of protocol `k` dropped (`why`), and logs it as CountDropped says.
+void CountAssemblyRefused(size_t k, size_t length, const std::string& why) {
+  g_asm_refused.fetch_add(1, std::memory_order_relaxed);
+  uint64_t mine = 0;
+  if (!CountDropped(k, &mine)) return;
+  kLog.Warn("UCX: dropped a peer's {} of {} bytes ({} so far): {}", kProtocols[k].name, length,
+            mine, why);
+}
+
+// Drops this thread's messages that had no fragment for the idle time (their sender
+// stopped or died mid-message), at most once a second.
+void SweepIdleAssemblies(std::chrono::steady_clock::time_point now) {
+  AssemblyTable& table = t_assemblies;
+  if (table.messages.empty() || now - table.swept < std::chrono::seconds(1)) return;
+  table.swept = now;
+  const std::chrono::milliseconds idle(g_asm_idle_ms.load(std::memory_order_relaxed));
+  for (auto it = table.messages.begin(); it != table.messages.end();) {
+    if (now - it->second.last < idle) {
+      ++it;
+      continue;
+    }
+    const uint64_t abandoned = g_asm_abandoned.fetch_add(1, std::memory_order_relaxed) + 1;
+    if (log::Sampled(abandoned)) {
+      kLog.Warn("UCX: dropped a peer's active message of {} bytes after {} of them arrived: "
+                "no fragment for {} ms (its sender stopped mid-message; {} so far)",
+                it->second.total, it->second.received, idle.count(), abandoned);
+    }
+    ReleaseAssembly(it->second);
+    it = table.messages.erase(it);
+  }
+}
+
+// Hands a whole message to UCP's handler of single active messages (or of those with
+// reply), which calls the application's handler with it.
+ucs_status_t DeliverAssembled(void* worker, const Assembly& assembly) {
+  g_asm_assembled.fetch_add(1, std::memory_order_relaxed);
+  const size_t k = assembly.reply ? kAmSingleReplyIndex : kAmSingleIndex;
+  return g_original_cb[k](worker, assembly.message.get(), assembly.length(), 0);
+}
+
+// A first fragment that fits its shape and names an indirect endpoint id.
+ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
+  const auto* bytes = static_cast<const char*>(data);
+  uint16_t flags = 0;
+  uint32_t user_header = 0;
+  uint64_t message_id = 0, endpoint = 0, total = 0;
+  std::memcpy(&flags, bytes + 2, 2);
+  std::memcpy(&user_header, bytes + kAmUserHeaderLengthAt, 4);
+  std::memcpy(&message_id, bytes + length - 24, 8);
+  std::memcpy(&endpoint, bytes + length - 16, 8);
+  std::memcpy(&total, bytes + length - 8, 8);
+  const uint64_t fragment = length - kAmHeaderBytes - kAmFirstFooterBytes - user_header;
+  const uint64_t most = g_asm_max_message.load(std::memory_order_relaxed);
+  if (total > most || user_header > most - total) {
+    CountAssemblyRefused(kAmFirstIndex, length,
+                         fmt::format("it starts a message of {} bytes of data and {} of user "
+                                     "header, more than the {} this agent assembles one from",
+                                     total, user_header, most));
+    return UCS_OK;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  SweepIdleAssemblies(now);
+  AssemblyTable& table = t_assemblies;
+  const AssemblyKey key{worker, endpoint, message_id};
+  if (auto it = table.messages.find(key); it != table.messages.end()) {
+    CountAssemblyRefused(
+        kAmFirstIndex, length,
+        fmt::format("message {:#x} of endpoint {:#x} is being assembled ({} of its {} bytes "
+                    "arrived), and this is its first fragment again (UCX 1.13 stops the "
+                    "process on it)",
+                    message_id, endpoint, it->second.received, it->second.total));
+    return UCS_OK;
+  }
+  Assembly assembly;
+  assembly.total = total;
+  assembly.user_header = user_header;
+  assembly.reply = (flags & kAmSendFlagReply) != 0;
+  assembly.received = fragment;
+  assembly.last = now;
+  assembly.held = assembly.length();
+  const uint64_t held_before = g_asm_bytes.fetch_add(assembly.held, std::memory_order_relaxed);
+  const uint64_t count_before = g_asm_messages.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t max_bytes = g_asm_max_bytes.load(std::memory_order_relaxed);
+  const uint64_t max_messages = g_asm_max_messages.load(std::memory_order_relaxed);
+  std::string why;
+  if (held_before + assembly.held > max_bytes) {
+    why = fmt::format("it starts a message of {} bytes while {} bytes of messages are being "
+                      "assembled, the most this agent holds for them being {}",
+                      assembly.held, held_before, max_bytes);
+  } else if (count_before >= max_messages) {
+    why = fmt::format("{} messages are being assembled, the most this agent holds at once",
+                      count_before);
+  } else {
+    assembly.message.reset(new (std::nothrow) char[assembly.held]);
+    if (assembly.message == nullptr) {
+      why = fmt::format("{} bytes to assemble it could not be allocated", assembly.held);
+    }
+  }
+  if (!why.empty()) {
+    ReleaseAssembly(assembly);
+    CountAssemblyRefused(kAmFirstIndex, length, why);
+    return UCS_OK;
+  }
+  uint64_t peak = g_asm_peak.load(std::memory_order_relaxed);
+  while (held_before + assembly.held > peak &&
+         !g_asm_peak.compare_exchange_weak(peak, held_before + assembly.held)) {
+  }
+  char* out = assembly.message.get();
+  std::memcpy(out, bytes, kAmHeaderBytes);
+  std::memcpy(out + kAmHeaderBytes, bytes + kAmHeaderBytes, fragment);
+  std::memcpy(out + kAmHeaderBytes + total, bytes + kAmHeaderBytes + fragment, user_header);
+  if (assembly.reply) std::memcpy(out + kAmHeaderBytes + total + user_header, &endpoint, 8);
+  if (fragment == total) {  // all of it (UCX sends such a one over an endpoint not yet wired)
+    const ucs_status_t status = DeliverAssembled(worker, assembly);
+    ReleaseAssembly(assembly);
+    return status;
+  }
+  table.messages.emplace(key, std::move(assembly));
+  return UCS_OK;
+}
+
+// A later fragment that fits its shape and names an indirect endpoint id.
+ucs_status_t AssembleMiddle(size_t k, void* worker, const void* data, size_t length) {
+  const auto* bytes = static_cast<const char*>(data);
+  uint64_t offset = 0, message_id = 0, endpoint = 0;
+  std::memcpy(&offset, bytes, 8);
+  std::memcpy(&message_id, bytes + length - 16, 8);
+  std::memcpy(&endpoint, bytes + length - 8, 8);
+  const uint64_t fragment = length - kAmMiddleBytes;
+  AssemblyTable& table = t_assemblies;
+  auto it = table.messages.find(AssemblyKey{worker, endpoint, message_id});
+  if (it == table.messages.end()) {
+    CountAssemblyRefused(k, length,
+                         fmt::format("it carries bytes {} to {} of message {:#x} of endpoint "
+                                     "{:#x}, whose first fragment did not come (or the message "
+                                     "is whole, or was dropped)",
+                                     offset, offset + fragment, message_id, endpoint));
+    return UCS_OK;
+  }
+  Assembly& assembly = it->second;
+  if (offset != assembly.received || fragment > assembly.total - assembly.received) {
+    CountAssemblyRefused(
+        k, length,
+        fmt::format("it carries bytes {} to {} of message {:#x} of endpoint {:#x}, whose next "
+                    "fragment starts at byte {} of {} (UCX 1.13 copies it there unchecked); the "
+                    "message is dropped",
+                    offset, offset + fragment, message_id, endpoint, assembly.received,
+                    assembly.total));
+    ReleaseAssembly(assembly);
+    table.messages.erase(it);
+    return UCS_OK;
+  }
+  std::memcpy(assembly.message.get() + kAmHeaderBytes + offset, bytes + 8, fragment);
+  assembly.received += fragment;
+  assembly.last = std::chrono::steady_clock::now();
+  if (assembly.received < assembly.total) return UCS_OK;
+  Assembly whole = std::move(assembly);
+  table.messages.erase(it);
+  const ucs_status_t status = DeliverAssembled(worker, whole);
+  ReleaseAssembly(whole);
+  return status;
 }
 
 // Replies held for requesters that do not read. Serving a software put or get leaves
@@ -587,6 +811,12 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
     return UCS_OK;
   }
   if (!IdAdmits<K>(data, length)) return UCS_OK;
+  // Fragments are assembled here (the proxy calls this with the worker).
+  if constexpr (!kProxy && kProtocols[K].shape == Shape::kAmFirst) {
+    return AssembleFirst(arg, data, length);
+  } else if constexpr (!kProxy && kProtocols[K].shape == Shape::kAmMiddle) {
+    return AssembleMiddle(K, arg, data, length);
+  }
   const uct_am_callback_t original = kProxy ? g_original_proxy[K] : g_original_cb[K];
   if constexpr (kProtocols[K].kind == Kind::kRange) {
     absl::ReaderMutexLock lock(&g_ranges_mu);
@@ -748,6 +978,14 @@ absl::Status HardenUcxForPeers() {
                   was);
       }
       setenv("UCX_PROTO_INDIRECT_ID", "on", /*overwrite=*/1);
+      // A message's fragments on one lane, in order, which assembling them relies on.
+      was = std::getenv("UCX_MAX_EAGER_LANES");
+      if (was != nullptr && std::string_view(was) != "1") {
+        kLog.Warn("UCX: UCX_MAX_EAGER_LANES={} overridden with 1: a hardened agent takes a "
+                  "peer's fragmented active message only in order, on one lane",
+                  was);
+      }
+      setenv("UCX_MAX_EAGER_LANES", "1", /*overwrite=*/1);
       g_hardened.store(true);
       kLog.Info(
           "UCX: peers' software RMA reaches only memory registered for them; their "
@@ -775,6 +1013,10 @@ std::vector<std::string> UcxRefusedProtocols() {
   names.push_back(
       "active message whose user header, data or fragment does not fit the message it came in "
       "(UCX 1.13 would abort or copy past its buffer)");
+  names.push_back(
+      "fragment of an active message that does not follow the data so far, or first fragment "
+      "of one past what this agent assembles (UCX 1.13 would copy it past its buffer or "
+      "abort)");
   names.push_back(fmt::format(
       "put or get (software RMA) whose endpoint has {} replies waiting unread "
       "(--ucx-held-replies)",
@@ -1438,6 +1680,33 @@ void WatchHeldReplies(void* uct_iface) {
 }
 
 void SetHeldRepliesPerEndpoint(uint64_t cap) { g_held_cap.store(cap); }
+
+void SetAmAssemblyLimits(const AmAssemblyLimits& limits) {
+  g_asm_max_message.store(limits.max_message_bytes);
+  g_asm_max_bytes.store(limits.max_bytes);
+  g_asm_max_messages.store(limits.max_messages);
+  g_asm_idle_ms.store(limits.idle.count());
+}
+
+AmAssemblyLimits AmAssemblyLimitsNow() {
+  AmAssemblyLimits limits;
+  limits.max_message_bytes = g_asm_max_message.load();
+  limits.max_bytes = g_asm_max_bytes.load();
+  limits.max_messages = g_asm_max_messages.load();
+  limits.idle = std::chrono::milliseconds(g_asm_idle_ms.load());
+  return limits;
+}
+
+AmAssembly AmAssemblyNow() {
+  AmAssembly now;
+  now.messages = g_asm_messages.load();
+  now.bytes = g_asm_bytes.load();
+  now.peak_bytes = g_asm_peak.load();
+  now.assembled = g_asm_assembled.load();
+  now.refused = g_asm_refused.load();
+  now.abandoned = g_asm_abandoned.load();
+  return now;
+}
 
 HeldReplies HeldRepliesNow() {
   HeldReplies now;

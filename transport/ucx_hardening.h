@@ -22,8 +22,9 @@
 // user header longer than its message or a message shorter than its header and footer
 // (one 8-byte message from any peer ended the process), and copies a first fragment
 // longer than the whole message it says it starts past the buffer it allocates for
-// it. Tagged sends of several fragments are dropped (kvagent sends no tagged message;
-// UCX 1.13 aborts on a short one).
+// it; messages of several fragments are assembled here instead of by UCP, each fragment
+// checked (AmAssemblyLimits below). Tagged sends of several fragments are dropped
+// (kvagent sends no tagged message; UCX 1.13 aborts on a short one).
 // Contexts created afterwards take tagged messages (UcxContext adds UCP_FEATURE_TAG,
 // and each worker keeps a receive for any tag posted that truncates what it matches to
 // nothing). Every message dropped is counted and logged (the first few of each kind).
@@ -248,6 +249,41 @@ struct HeldReplies {
   uint64_t cap = 0;
 };
 HeldReplies HeldRepliesNow();
+
+// A peer's active message bigger than its transport's segment (8 KiB on tcp and shared
+// memory) comes in fragments: a first, which says how big the whole is, and later ones,
+// each giving its offset. UCX 1.13 trusts them: it copied a later fragment to the
+// offset it gave, past the buffer it allocated (a peer naming one of this process's
+// endpoint ids wrote wherever it liked in the agent's heap), stopped the process on an
+// assertion when a first fragment came twice, queued later fragments arriving before
+// their first without bound, and allocated whatever size a first fragment named. A
+// hardened process assembles them itself (UCP's handlers for them never run): a later
+// fragment must start where the data so far ends and end inside its message (a peer's
+// UCX sends a message's fragments on one lane, in order: HardenUcxForPeers sets
+// UCX_MAX_EAGER_LANES=1), else the message is dropped; a first fragment is refused for a
+// message being assembled, over max_message_bytes (data and user header), or while
+// max_bytes or max_messages are held for messages being assembled; a message with no
+// fragment for `idle` is dropped (checked as first fragments arrive on its worker's
+// thread, at most once a second). A whole message reaches the application's handler as
+// a single one would. Every fragment dropped is counted (UcxRefusedMessages,
+// AmAssembly::refused) and logged (the first few and every 1,024th).
+struct AmAssemblyLimits {
+  uint64_t max_message_bytes = 80ull << 20;
+  uint64_t max_bytes = 1ull << 30;
+  uint64_t max_messages = 16384;
+  std::chrono::milliseconds idle{30000};
+};
+void SetAmAssemblyLimits(const AmAssemblyLimits& limits);
+AmAssemblyLimits AmAssemblyLimitsNow();
+struct AmAssembly {
+  uint64_t messages = 0;    // being assembled now
+  uint64_t bytes = 0;       // held for them
+  uint64_t peak_bytes = 0;  // the most ever held
+  uint64_t assembled = 0;   // whole messages handed over so far
+  uint64_t refused = 0;     // fragments dropped so far
+  uint64_t abandoned = 0;   // messages dropped for idling
+};
+AmAssembly AmAssemblyNow();
 
 // The ranges a software put or get request may name, with their memory type (a
 // ucs_memory_type_t: a request claiming host memory for a range of device memory would

@@ -27,6 +27,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
@@ -76,14 +77,17 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   // An operator's UCX_PROTO_INDIRECT_ID=off is overridden (the id check needs every id
   // indirect): set here when this case is the first to harden the process.
   const bool hardens_first = !UcxHardenedForPeers();
-  if (hardens_first) setenv("UCX_PROTO_INDIRECT_ID", "off", /*overwrite=*/1);
+  if (hardens_first) {
+    setenv("UCX_PROTO_INDIRECT_ID", "off", /*overwrite=*/1);
+    setenv("UCX_MAX_EAGER_LANES", "2", /*overwrite=*/1);
+  }
   absl::Status first = HardenUcxForPeers();
   INFO(first.ToString());
   REQUIRE(first.ok());
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 14);
+  CHECK(refused.size() == 15);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
@@ -91,6 +95,9 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
         "any of 16 protocols naming an endpoint or request id this agent did not give out",
         "active message whose user header, data or fragment does not fit the message it came "
         "in (UCX 1.13 would abort or copy past its buffer)",
+        "fragment of an active message that does not follow the data so far, or first "
+        "fragment of one past what this agent assembles (UCX 1.13 would copy it past its "
+        "buffer or abort)",
         "put or get (software RMA) whose endpoint has 65536 replies waiting unread "
         "(--ucx-held-replies)",
         "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
@@ -107,6 +114,10 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   const char* indirect = std::getenv("UCX_PROTO_INDIRECT_ID");
   REQUIRE(indirect != nullptr);
   CHECK(std::string(indirect) == "on");
+  // A message's fragments on one lane, in order, as the assembly takes them.
+  const char* eager_lanes = std::getenv("UCX_MAX_EAGER_LANES");
+  REQUIRE(eager_lanes != nullptr);
+  CHECK(std::string(eager_lanes) == "1");
 }
 
 // UCP's entry for one of its protocols (ucp_am_handler_t's first two fields): its
@@ -115,6 +126,17 @@ struct UcpProtocolEntry {
   uint64_t features;
   ucs_status_t (*cb)(void* arg, void* data, size_t length, unsigned flags);
 };
+
+// Has `worker` hand each whole active message of UCP id 7 to `cb`.
+void TakeActiveMessage7(ucp_worker_h worker, ucp_am_recv_callback_t cb) {
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB;
+  handler.id = 7;
+  handler.flags = UCP_AM_FLAG_WHOLE_MSG;
+  handler.cb = cb;
+  REQUIRE(ucp_worker_set_am_recv_handler(worker, &handler) == UCS_OK);
+}
 
 TEST_CASE(
     "a hardened worker drops a peer's message naming an endpoint or request id it did not "
@@ -204,12 +226,14 @@ TEST_CASE(
       CHECK(UcxRefusedMessages() - before == 1);
     }
     // An indirect id goes on to UCP, which looks it up, finds none, and drops it (as a
-    // wireup message naming none yet, whose worker address here is empty).
+    // wireup message naming none yet, whose worker address here is empty). Fragments are
+    // assembled by the check itself: a first one starts a message (of 1,024 bytes here),
+    // and a later one that does not follow it (its offset is 0 here) is dropped.
     INFO(c.symbol << " naming an indirect id no endpoint or request has");
     const uint64_t unknown = wireup ? 0 : 0x41;
     std::memcpy(message.data() + id_at, &unknown, 8);
     CHECK(entry->cb(worker, message.data(), message.size(), 0) == UCS_OK);
-    CHECK(UcxRefusedMessages() - before == 1);
+    CHECK(UcxRefusedMessages() - before == (std::string(c.symbol) == "AM_MIDDLE" ? 2u : 1u));
     if (c.sender_at >= 0) {
       INFO(c.symbol << " whose sender's own request id is 0");
       const uint64_t zero = 0;
@@ -241,16 +265,11 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
   // UCP's active message 7 is counted here (a message that fits and names no endpoint
   // reaches it).
   static int delivered = 0;
-  ucp_am_handler_param_t handler{};
-  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                       UCP_AM_HANDLER_PARAM_FIELD_CB;
-  handler.id = 7;
-  handler.flags = UCP_AM_FLAG_WHOLE_MSG;
-  handler.cb = [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
-    ++delivered;
-    return UCS_OK;
-  };
-  REQUIRE(ucp_worker_set_am_recv_handler(worker, &handler) == UCS_OK);
+  TakeActiveMessage7(worker,
+                     [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*) {
+                       ++delivered;
+                       return UCS_OK;
+                     });
   // ucp_am_hdr_t: UCP's active message id 7, flags 0,
   // `user_header` bytes of user header; then `data` bytes; then `footer`.
   auto message = [](uint32_t user_header, size_t data, const std::string& footer) {
@@ -292,12 +311,10 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
        true},
       {"AM_FIRST", "16 bytes of data of a message of 64", message(0, 16, first_footer(64)),
        false},
-      {"AM_FIRST", "16 bytes of data, the whole message", message(0, 16, first_footer(16)),
-       false},
       {"AM_MIDDLE", "13 bytes", std::string("\x01\x02\x03\x04\x05\x06\x07\x08probe", 13),
        true},
-      {"AM_MIDDLE", "24 bytes (no data)", middle(0, 0), true},
-      {"AM_MIDDLE", "one byte of data", middle(0, 1), false},
+      {"AM_MIDDLE", "24 bytes (no data)", middle(16, 0), true},
+      {"AM_MIDDLE", "one byte of data, next in the message", middle(16, 1), false},
       {"EAGER_FIRST", "13 bytes", std::string("\x01\x02\x03\x04\x05\x06\x07\x08probe", 13),
        true},
       {"EAGER_MIDDLE", "1 byte", "P", true},
@@ -313,9 +330,305 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
     const int delivered_before = delivered;
     CHECK(entry->cb(worker, bytes.data(), bytes.size(), 0) == UCS_OK);
     CHECK(UcxRefusedMessages() - before == (c.dropped ? 1u : 0u));
-    // Only AM_SINGLE names no endpoint: the others' id 0x41 is no endpoint's.
+    // Only AM_SINGLE names no endpoint: the others' id 0x41 is no endpoint's (the
+    // fragments' message is not whole).
     const bool delivers = !c.dropped && std::string(c.symbol) == "AM_SINGLE";
     CHECK(delivered - delivered_before == (delivers ? 1 : 0));
+  }
+  ucp_worker_destroy(worker);
+}
+
+// A peer's active message bigger than its transport's segment comes in fragments: a
+// first that says how big the whole is, then later ones, each giving its offset. UCX
+// 1.13 copied a later fragment to the offset it gave in the buffer the first allocated,
+// unchecked, and stopped on an assertion when a first fragment came twice for a message
+// it was assembling. The hardened worker assembles them itself: fed to the callbacks UCT
+// calls, as above, each fragment that does not follow its message is dropped, and whole
+// messages reach the application's handler byte for byte.
+TEST_CASE("a hardened worker assembles a peer's fragmented active message itself and drops "
+          "fragments that do not follow it") {
+  Hardened h = Hardened::Make();
+  ucp_worker_params_t params{};
+  ucp_worker_h worker = nullptr;
+  REQUIRE(ucp_worker_create(h.context->get(), &params, &worker) == UCS_OK);
+  static std::vector<std::pair<std::string, std::string>> delivered;  // user header, data
+  delivered.clear();
+  TakeActiveMessage7(worker, [](void*, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t*) {
+    delivered.emplace_back(std::string(static_cast<const char*>(header), header_length),
+                           std::string(static_cast<const char*>(data), length));
+    return UCS_OK;
+  });
+  auto* first_entry =
+      static_cast<UcpProtocolEntry*>(dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_AM_FIRST"));
+  auto* middle_entry =
+      static_cast<UcpProtocolEntry*>(dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_AM_MIDDLE"));
+  REQUIRE(first_entry != nullptr);
+  REQUIRE(middle_entry != nullptr);
+  auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+  const uint64_t endpoint = 0x41;  // indirect; no endpoint has it (only a reply needs one)
+  // UCP's layouts: ucp_am_hdr_t (id 7, flags, user header length), the data, the user
+  // header, then message id, endpoint id and the whole message's size.
+  auto first = [&](uint64_t message, uint64_t whole, const std::string& data,
+                   const std::string& user_header = "") {
+    std::string out(8, '\0');
+    out[0] = 7;
+    const auto length = static_cast<uint32_t>(user_header.size());
+    std::memcpy(out.data() + 4, &length, 4);
+    return out + data + user_header + u64(message) + u64(endpoint) + u64(whole);
+  };
+  // Its offset, its data, then message id and endpoint id.
+  auto middle = [&](uint64_t message, uint64_t offset, const std::string& data) {
+    return u64(offset) + data + u64(message) + u64(endpoint);
+  };
+  // Feeds one fragment; returns how many messages were dropped for it.
+  auto feed = [&](UcpProtocolEntry* entry, const std::string& fragment) {
+    std::vector<uint8_t> bytes(fragment.begin(), fragment.end());
+    const uint64_t before = UcxRefusedMessages();
+    CHECK(entry->cb(worker, bytes.data(), bytes.size(), 0) == UCS_OK);
+    return UcxRefusedMessages() - before;
+  };
+  const AmAssembly before = AmAssemblyNow();
+  const std::string data = "0123456789abcdefghijklmnopqrstuvwxyzABCD";  // 40 bytes
+
+  {
+    INFO("a message of 40 bytes and a 4-byte user header, in three fragments");
+    CHECK(feed(first_entry, first(0x1001, 40, data.substr(0, 16), "uhdr")) == 0);
+    CHECK(AmAssemblyNow().messages - before.messages == 1);
+    CHECK(AmAssemblyNow().bytes - before.bytes == 8 + 40 + 4);
+    CHECK(feed(middle_entry, middle(0x1001, 16, data.substr(16, 16))) == 0);
+    CHECK(delivered.empty());
+    CHECK(feed(middle_entry, middle(0x1001, 32, data.substr(32))) == 0);
+    REQUIRE(delivered.size() == 1);
+    CHECK(delivered[0].first == "uhdr");
+    CHECK(delivered[0].second == data);
+    CHECK(AmAssemblyNow().assembled - before.assembled == 1);
+    CHECK(AmAssemblyNow().messages == before.messages);
+    CHECK(AmAssemblyNow().bytes == before.bytes);
+  }
+  delivered.clear();
+  {
+    INFO("a later fragment naming an offset 1 TiB past its message's start");
+    CHECK(feed(first_entry, first(0x1002, 40, data.substr(0, 16))) == 0);
+    CHECK(feed(middle_entry, middle(0x1002, 1ull << 40, data.substr(16, 16))) == 1);
+    // Its message is dropped: the honest fragment after it has no first any more.
+    CHECK(feed(middle_entry, middle(0x1002, 16, data.substr(16))) == 1);
+  }
+  {
+    INFO("a later fragment behind the data so far (overlapping it)");
+    CHECK(feed(first_entry, first(0x1003, 40, data.substr(0, 16))) == 0);
+    CHECK(feed(middle_entry, middle(0x1003, 8, data.substr(8, 16))) == 1);
+  }
+  {
+    INFO("a later fragment ahead of the data so far (a hole before it)");
+    CHECK(feed(first_entry, first(0x1004, 40, data.substr(0, 16))) == 0);
+    CHECK(feed(middle_entry, middle(0x1004, 24, data.substr(24))) == 1);
+  }
+  {
+    INFO("a later fragment running past its message's end");
+    CHECK(feed(first_entry, first(0x1005, 40, data.substr(0, 16))) == 0);
+    CHECK(feed(middle_entry, middle(0x1005, 16, data.substr(16) + "overrun")) == 1);
+  }
+  {
+    INFO("a later fragment whose message never started");
+    CHECK(feed(middle_entry, middle(0x1006, 16, data.substr(16))) == 1);
+  }
+  CHECK(delivered.empty());
+  {
+    INFO("a first fragment again for a message being assembled (UCX 1.13 aborts on it)");
+    CHECK(feed(first_entry, first(0x1007, 40, data.substr(0, 16))) == 0);
+    CHECK(feed(first_entry, first(0x1007, 24, std::string(24, 'x'))) == 1);
+    // The message being assembled goes on.
+    CHECK(feed(middle_entry, middle(0x1007, 16, data.substr(16))) == 0);
+    REQUIRE(delivered.size() == 1);
+    CHECK(delivered[0].second == data);
+  }
+  delivered.clear();
+  {
+    INFO("a first fragment holding its whole message");
+    CHECK(feed(first_entry, first(0x1008, 40, data, "h")) == 0);
+    REQUIRE(delivered.size() == 1);
+    CHECK(delivered[0] == std::make_pair(std::string("h"), data));
+  }
+  delivered.clear();
+  CHECK(AmAssemblyNow().messages == before.messages);
+  CHECK(AmAssemblyNow().bytes == before.bytes);
+  {
+    INFO("the bounds: a message over the most one may hold, over the bytes and the number "
+         "held for all");
+    AmAssemblyLimits limits;
+    limits.max_message_bytes = 64;
+    limits.max_bytes = (before.bytes + 150);
+    limits.idle = std::chrono::hours(1);
+    SetAmAssemblyLimits(limits);
+    CHECK(feed(first_entry, first(0x1009, 60, data.substr(0, 16), "12345")) == 1);  // 65
+    CHECK(feed(first_entry, first(0x100a, 60, data.substr(0, 16))) == 0);  // 68 bytes held
+    CHECK(feed(first_entry, first(0x100b, 60, data.substr(0, 16))) == 0);  // 136
+    CHECK(feed(first_entry, first(0x100c, 60, data.substr(0, 16))) == 1);  // 204: over 150
+    limits.max_bytes = 1 << 20;
+    limits.max_messages = before.messages + 2;
+    SetAmAssemblyLimits(limits);
+    CHECK(feed(first_entry, first(0x100c, 60, data.substr(0, 16))) == 1);  // a third
+    const std::string rest(44, 'r');
+    CHECK(feed(middle_entry, middle(0x100a, 16, rest)) == 0);
+    CHECK(feed(first_entry, first(0x100c, 60, data.substr(0, 16))) == 0);  // room again
+    CHECK(feed(middle_entry, middle(0x100b, 16, rest)) == 0);
+    CHECK(feed(middle_entry, middle(0x100c, 16, rest)) == 0);
+    CHECK(delivered.size() == 3);
+    CHECK(AmAssemblyNow().peak_bytes >= before.bytes + 136);
+  }
+  delivered.clear();
+  {
+    INFO("a message with no fragment for its idle time is dropped as another one starts");
+    AmAssemblyLimits limits;
+    limits.idle = std::chrono::milliseconds(1);
+    SetAmAssemblyLimits(limits);
+    CHECK(feed(first_entry, first(0x100d, 40, data.substr(0, 16))) == 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // past the sweeps' pace
+    const uint64_t abandoned = AmAssemblyNow().abandoned;
+    CHECK(feed(first_entry, first(0x100e, 40, data.substr(0, 16))) == 0);
+    // (and any an earlier case left unfinished on this thread)
+    CHECK(AmAssemblyNow().abandoned - abandoned >= 1);
+    CHECK(feed(middle_entry, middle(0x100d, 16, data.substr(16))) == 1);
+    CHECK(feed(middle_entry, middle(0x100e, 16, data.substr(16))) == 0);
+    CHECK(delivered.size() == 1);
+  }
+  SetAmAssemblyLimits(AmAssemblyLimits{});
+  CHECK(AmAssemblyNow().messages <= before.messages);
+  CHECK(AmAssemblyNow().bytes <= before.bytes);
+  ucp_worker_destroy(worker);
+}
+
+// The same from a stock UCX peer that sends for real: its active messages of 300 KiB go
+// in fragments of about 8 KiB (over shared memory, and over tcp with peer error
+// handling), and arrive whole at the hardened worker's handler, with the endpoint to
+// reply on when the sender asked for one.
+TEST_CASE("a stock peer's fragmented active messages arrive whole, with their reply endpoint") {
+  Hardened h = Hardened::Make();
+  absl::Mutex mu;
+  std::vector<std::tuple<std::string, std::string, bool>> got;  // header, data, reply
+  h.worker->SetAmDataHandler(7, [&](const AmMessage& message) {
+    absl::MutexLock lock(&mu);
+    got.emplace_back(std::string(message.header), std::string(message.data),
+                     message.reply_ep != nullptr);
+    return false;
+  });
+  std::string data(300 << 10, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 131 + (i >> 9));
+  const std::string header = "a user header";
+  for (bool peer_errors : {false, true}) {
+    INFO((peer_errors ? "peer error handling (tcp)" : "no error handling (shared memory)"));
+    {
+      absl::MutexLock lock(&mu);
+      got.clear();
+    }
+    const AmAssembly before = AmAssemblyNow();
+    StockUcxPeer peer(h.worker->address(), peer_errors, "");
+    for (bool reply : {false, true}) {
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+      peer.Track(ucp_am_send_nbx(peer.ep(), 7, header.data(), header.size(), data.data(),
+                                 data.size(), &param));
+    }
+    peer.Progress(10000);
+    CHECK(peer.Status(0) == UCS_OK);
+    CHECK(peer.Status(1) == UCS_OK);
+    CHECK(Eventually([&] {
+      absl::MutexLock lock(&mu);
+      return got.size() == 2;
+    }));
+    absl::MutexLock lock(&mu);
+    REQUIRE(got.size() == 2);
+    for (size_t i = 0; i < 2; ++i) {
+      INFO("message " << i);
+      CHECK(std::get<0>(got[i]) == header);
+      CHECK(std::get<1>(got[i]) == data);  // byte for byte
+      CHECK(std::get<2>(got[i]) == (i == 1));
+    }
+    CHECK(AmAssemblyNow().assembled - before.assembled == 2);
+    CHECK(AmAssemblyNow().refused == before.refused);
+    CHECK_FALSE(peer.failed());
+  }
+}
+
+// With an endpoint id the worker really gave a peer, UCX 1.13 would assemble a forged
+// message in its own buffer: a later fragment naming an offset 1 TiB on wrote there (the
+// process died of SIGSEGV), and a first fragment repeated stopped it on an assertion.
+// The id is found as a peer could: each odd id is tried in a message with reply until
+// one reaches the handler with an endpoint.
+TEST_CASE("forged fragments naming a real endpoint of the worker do not reach UCX's assembly") {
+  Hardened h = Hardened::Make();
+  ucp_worker_params_t params{};
+  ucp_worker_h worker = nullptr;
+  REQUIRE(ucp_worker_create(h.context->get(), &params, &worker) == UCS_OK);
+  static int delivered = 0;
+  static bool with_reply = false;
+  delivered = 0;
+  TakeActiveMessage7(
+      worker, [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t* param) {
+        ++delivered;
+        with_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+        return UCS_OK;
+      });
+  ucp_address_t* address = nullptr;
+  size_t address_length = 0;
+  REQUIRE(ucp_worker_get_address(worker, &address, &address_length) == UCS_OK);
+  const std::string packed(reinterpret_cast<const char*>(address), address_length);
+  ucp_worker_release_address(worker, address);
+  {
+    StockUcxPeer peer(packed, false, "");
+    // A message with reply wires the worker's endpoint to the peer up.
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    const std::string hello(64, 'h');
+    peer.Track(ucp_am_send_nbx(peer.ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (delivered == 0 && std::chrono::steady_clock::now() < until) {
+      ucp_worker_progress(worker);
+      peer.Progress(1);
+    }
+    REQUIRE(delivered == 1);
+    REQUIRE(with_reply);
+    auto entry = [](const char* symbol) {
+      auto* found = static_cast<UcpProtocolEntry*>(
+          dlsym(RTLD_DEFAULT, (std::string("ucp_am_handler_UCP_AM_ID_") + symbol).c_str()));
+      REQUIRE(found != nullptr);
+      return found;
+    };
+    auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
+    auto feed = [&](const char* symbol, const std::string& message) {
+      std::vector<uint8_t> bytes(message.begin(), message.end());
+      CHECK(entry(symbol)->cb(worker, bytes.data(), bytes.size(), 0) == UCS_OK);
+    };
+    const std::string am_header("\x07\0\0\0\0\0\0\0", 8);  // id 7, no flags or user header
+    uint64_t real = 0;
+    for (uint64_t id = 1; id < (1u << 16) && real == 0; id += 2) {
+      with_reply = false;
+      feed("AM_SINGLE_REPLY", am_header + "probe" + u64(id));
+      if (with_reply) real = id;
+    }
+    INFO("the worker's endpoint to the peer has id " << std::hex << real);
+    REQUIRE(real != 0);
+    const uint64_t refused = UcxRefusedMessages();
+    // 16 bytes of a message of 64, then 8 more said to lie 1 TiB on.
+    feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2001) + u64(real) + u64(64));
+    feed("AM_MIDDLE", u64(1ull << 40) + std::string(8, 'm') + u64(0x2001) + u64(real));
+    // The first fragment twice.
+    feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
+    feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
+    CHECK(UcxRefusedMessages() - refused == 2);
+    // The peer's own messages still arrive.
+    peer.Track(ucp_am_send_nbx(peer.ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
+    const int now = delivered;
+    const auto again = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (delivered == now && std::chrono::steady_clock::now() < again) {
+      ucp_worker_progress(worker);
+      peer.Progress(1);
+    }
+    CHECK(delivered == now + 1);
+    CHECK_FALSE(peer.failed());
   }
   ucp_worker_destroy(worker);
 }
