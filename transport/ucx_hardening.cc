@@ -87,6 +87,8 @@ enum class Shape {
   kAmFirst,   // the same, then the first fragment's footer (24: message id, endpoint
               // id, the whole message's size)
   kAmMiddle,  // its offset (8), data, then its footer (16: message id, endpoint id)
+  kRndvRts,   // ucp_rndv_rts_hdr_t (41: a tag or ucp_am_hdr_t, endpoint and request ids,
+              // address, size, kind), the packed key, then an active message's user header
 };
 struct IdPlace {
   int at = -1;            // byte offset of the id UCP looks up (-1: none)
@@ -111,11 +113,10 @@ constexpr std::array<Protocol, 22> kProtocols = {{
     {"CMPL", "put completion (software RMA)", UCP_FEATURE_RMA | kAmo, Kind::kId, {0}},
     {"EAGER_SYNC_ONLY", "synchronous tagged send", UCP_FEATURE_TAG, Kind::kId,
      {8, false, false, 16}},
-    {"EAGER_SYNC_FIRST", "synchronous tagged send's first fragment", UCP_FEATURE_TAG, Kind::kId,
-     {24, false, false, 32}},
+
     {"EAGER_SYNC_ACK", "synchronous tagged send acknowledgement", UCP_FEATURE_TAG, Kind::kId,
      {0}},
-    {"RNDV_RTS", "rendezvous request", kTagAm, Kind::kId, {8}},
+    {"RNDV_RTS", "rendezvous request", kTagAm, Kind::kId, {8}, Shape::kRndvRts},
     {"RNDV_ATS", "rendezvous acknowledgement", kTagAm, Kind::kId, {0}},
     {"RNDV_ATP", "rendezvous put acknowledgement", kTagAm, Kind::kId, {0}},
     {"RNDV_RTR", "rendezvous ready-to-receive", kTagAm, Kind::kId, {0}},
@@ -136,6 +137,9 @@ constexpr std::array<Protocol, 22> kProtocols = {{
     // first fragment shorter than its header.
     {"EAGER_FIRST", "tagged send's first fragment", UCP_FEATURE_TAG, Kind::kDrop, {}},
     {"EAGER_MIDDLE", "tagged send's later fragment", UCP_FEATURE_TAG, Kind::kDrop, {}},
+    // Its later fragments are EAGER_MIDDLE, dropped above: it could never complete.
+    {"EAGER_SYNC_FIRST", "synchronous tagged send's first fragment", UCP_FEATURE_TAG,
+     Kind::kDrop, {}},
 }};
 constexpr size_t kPut = 0;  // the other range-checked one is the get request
 
@@ -332,11 +336,37 @@ constexpr size_t kAmUserHeaderLengthAt = 4;
 constexpr size_t kAmReplyFooterBytes = 8;        // the sender's endpoint id
 constexpr size_t kAmFirstFooterBytes = 8 + 8 + 8;  // message id, endpoint id, whole size
 constexpr size_t kAmMiddleBytes = 8 + 8 + 8;     // offset; message id, endpoint id
+// A rendezvous request's header (UCX 1.13's ucp_rndv_rts_hdr_t, packed): a tag or an
+// active message's ucp_am_hdr_t, endpoint and request ids, address, size, then its kind.
+constexpr size_t kRndvRtsBytes = 8 + 8 + 8 + 8 + 8 + 1;
+constexpr uint8_t kRndvRtsTagged = 0;         // UCP_RNDV_RTS_TAG_OK
+constexpr uint8_t kRndvRtsActiveMessage = 1;  // UCP_RNDV_RTS_AM
 
 // Why message `data` of `length` bytes does not fit `shape` ("" when it does).
 std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
   if (shape == Shape::kAny) return "";
   const auto* bytes = static_cast<const char*>(data);
+  if (shape == Shape::kRndvRts) {
+    if (length < kRndvRtsBytes) {
+      return fmt::format("it is {} bytes, shorter than its header ({}; UCX 1.13 reads its kind "
+                         "past the message and aborts on what it finds)",
+                         length, kRndvRtsBytes);
+    }
+    const auto kind = static_cast<uint8_t>(bytes[kRndvRtsBytes - 1]);
+    if (kind != kRndvRtsTagged && kind != kRndvRtsActiveMessage) {
+      return fmt::format("its kind is {}, neither a tagged send's ({}) nor an active "
+                         "message's ({}) (UCX 1.13 aborts on it)",
+                         kind, kRndvRtsTagged, kRndvRtsActiveMessage);
+    }
+    uint32_t user_header = 0;
+    std::memcpy(&user_header, bytes + kAmUserHeaderLengthAt, 4);
+    if (kind == kRndvRtsActiveMessage && user_header > length - kRndvRtsBytes) {
+      return fmt::format("its user header of {} bytes runs past the {} bytes it came in (UCX "
+                         "1.13 aborts on it)",
+                         user_header, length);
+    }
+    return "";
+  }
   if (shape == Shape::kAmMiddle) {
     if (length > kAmMiddleBytes) return "";
     return fmt::format("it is {} bytes, no more than its offset and footer ({}; UCX 1.13 "
@@ -1011,8 +1041,8 @@ std::vector<std::string> UcxRefusedProtocols() {
   names.push_back(fmt::format(
       "any of {} protocols naming an endpoint or request id this agent did not give out", by_id));
   names.push_back(
-      "active message whose user header, data or fragment does not fit the message it came in "
-      "(UCX 1.13 would abort or copy past its buffer)");
+      "active message or rendezvous request whose user header, data, fragment or kind does "
+      "not fit the message it came in (UCX 1.13 would abort or copy past its buffer)");
   names.push_back(
       "fragment of an active message that does not follow the data so far, or first fragment "
       "of one past what this agent assembles (UCX 1.13 would copy it past its buffer or "

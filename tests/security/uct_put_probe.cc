@@ -11,7 +11,9 @@
 // KVAGENT_PROBE_AM=ID:COUNT sends COUNT active messages of UCT id ID instead of the put,
 // KVAGENT_PROBE_AM_BYTES=N each with N bytes (a frame longer than the agent's receive
 // buffer when N is past 64 KiB); a list (N,M,...) sends COUNT of each size in turn, 0
-// meaning UCT's short form (an 8-byte header and "probe": 13 bytes).
+// meaning UCT's short form (an 8-byte header and "probe": 13 bytes). The bodies are of
+// 'P' bytes, or of each byte of KVAGENT_PROBE_AM_FILL in turn for each size ('Q' makes
+// every 8-byte id in a body odd, an id UCP looks up instead of dropping it).
 //
 // Prints one line and exits 0 when the put completed from its side (the agent's UCX
 // took the connection), 3 when the connection never came up or failed (refused), 2 on
@@ -149,10 +151,14 @@ int main(int argc, char** argv) {
     }
     unsigned sent = 0;
     std::string body;
-    const unsigned total = count * static_cast<unsigned>(am_sizes.size());
+    const char* fill_env = std::getenv("KVAGENT_PROBE_AM_FILL");
+    const std::string fills = fill_env != nullptr && *fill_env != '\0' ? fill_env : "P";
+    const unsigned total =
+        count * static_cast<unsigned>(am_sizes.size()) * static_cast<unsigned>(fills.size());
     for (int spins = 0; sent < total && spins < 2000000; ++spins) {
-      const size_t am_bytes = am_sizes[sent / count];
-      body.assign(am_bytes, 'P');
+      const unsigned kind = sent / count;  // which size and fill
+      const size_t am_bytes = am_sizes[kind / fills.size()];
+      body.assign(am_bytes, fills[kind % fills.size()]);
       if (am_bytes == 0) {
         status =
             uct_ep_am_short(ep, static_cast<uint8_t>(id), 0x4b564147454e5421ull, "probe", 5);

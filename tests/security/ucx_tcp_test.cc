@@ -196,14 +196,18 @@ TEST_CASE("messages of UCT ids UCP has no handler for are dropped and counted, n
 // (25) shorter than its offset and footer, tagged fragments (3, 4) shorter than their
 // headers each ended the agent on an assertion (ucp_am.c, "total_length >=
 // am_hdr->header_length + sizeof(*am_hdr)"; eager.c, "req->recv.remaining >= length").
+// So did a rendezvous request (9) of a kind other than 0 or 1 (rndv.c,
+// "ucp_rndv_rts_is_tag(rts_hdr)"), which needs an odd endpoint id to pass the id check.
 // A stock UCT endpoint, connected as the agent's own uid, sends every UCT id below 32
-// with bodies of each length here (13, 1, 7, 24, 64 and 4,096 bytes): the agent drops
-// what does not fit (transport/ucx_hardening.h) and is up after each id.
+// with bodies of each length here (13, 1, 7, 24, 64 and 4,096 bytes), of 'P' bytes and
+// of 'Q' bytes (each 8-byte id in them odd): the agent drops what does not fit
+// (transport/ucx_hardening.h) and is up after each id.
 TEST_CASE("active messages of every UCT id and length from a peer do not end the agent") {
   KVAGENT_NEEDS_SETPRIV();
   Victim victim;
   const uint64_t dropped_before = victim.Status().dropped_peer_messages();
   setenv("KVAGENT_PROBE_AM_BYTES", "0,1,7,24,64,4096", 1);
+  setenv("KVAGENT_PROBE_AM_FILL", "PQ", 1);
   for (int id = 0; id < 32; ++id) {
     setenv("KVAGENT_PROBE_AM", fmt::format("{}:3", id).c_str(), 1);
     const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
@@ -220,8 +224,10 @@ TEST_CASE("active messages of every UCT id and length from a peer do not end the
   }
   unsetenv("KVAGENT_PROBE_AM");
   unsetenv("KVAGENT_PROBE_AM_BYTES");
+  unsetenv("KVAGENT_PROBE_AM_FILL");
   const uint64_t dropped = victim.Status().dropped_peer_messages() - dropped_before;
-  std::printf("32 UCT ids x 6 lengths x 3 messages: the agent is up, dropped_peer_messages "
+  std::printf("32 UCT ids x 6 lengths x 2 fills x 3 messages: the agent is up, "
+              "dropped_peer_messages "
               "+%llu\n",
               static_cast<unsigned long long>(dropped));
   CHECK(dropped > 0);

@@ -87,14 +87,15 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 15);
+  CHECK(refused.size() == 16);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
         "tagged send's later fragment",
-        "any of 16 protocols naming an endpoint or request id this agent did not give out",
-        "active message whose user header, data or fragment does not fit the message it came "
-        "in (UCX 1.13 would abort or copy past its buffer)",
+        "any of 15 protocols naming an endpoint or request id this agent did not give out",
+        "synchronous tagged send's first fragment",
+        "active message or rendezvous request whose user header, data, fragment or kind does "
+        "not fit the message it came in (UCX 1.13 would abort or copy past its buffer)",
         "fragment of an active message that does not follow the data so far, or first "
         "fragment of one past what this agent assembles (UCX 1.13 would copy it past its "
         "buffer or abort)",
@@ -173,7 +174,6 @@ TEST_CASE(
       {"GET_REP", 0, false, 8 + 64, -1},
       {"CMPL", 0, false, 8, -1},
       {"EAGER_SYNC_ONLY", 8, false, 24 + 64, 16},
-      {"EAGER_SYNC_FIRST", 24, false, 40 + 64, 32},
       {"EAGER_SYNC_ACK", 0, false, 16, -1},
       {"RNDV_RTS", 8, false, 96, -1},
       {"RNDV_ATS", 0, false, 16, -1},
@@ -253,8 +253,12 @@ TEST_CASE(
 // footer, a first fragment longer than the whole message it starts. An 8-byte AM_SINGLE
 // message naming a 100-byte user header made a stock UCP abort (its assertion
 // total_length >= header_length + sizeof(ucp_am_hdr_t)); an AM_MIDDLE of 13 bytes too
-// (am_length > 24), and an EAGER_FIRST of 13 bytes (req->recv.remaining >= length):
-// each from any peer whose messages reach the worker. Each is dropped unread and
+// (am_length > 24), an EAGER_FIRST of 13 bytes (req->recv.remaining >= length), and a
+// rendezvous request (RNDV_RTS) of a kind other than a tagged send's or an active
+// message's (ucp_rndv_rts_is_tag(rts_hdr)): each from any peer whose messages reach the
+// worker. An active message's rendezvous request naming a user header longer than the
+// message aborts too once it names a real endpoint (the next case). Each is dropped
+// unread and
 // counted; one that fits goes on to UCP. Fed to the callbacks UCT calls, as in the case
 // above (each would abort this test's process without the checks).
 TEST_CASE("a hardened worker drops a peer's active message whose lengths do not fit it") {
@@ -287,6 +291,17 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
     return std::string(reinterpret_cast<const char*>(&offset), 8) + std::string(data, 'm') +
            id + id;
   };
+  // ucp_rndv_rts_hdr_t: ucp_am_hdr_t (id 7, its user header length) or a tag, endpoint
+  // id, request id, address, size, kind; then `rest` (a packed key, a user header).
+  auto rts = [&](uint32_t user_header, uint8_t kind, const std::string& rest) {
+    std::string out(8, '\0');
+    out[0] = 7;
+    std::memcpy(out.data() + 4, &user_header, 4);
+    const uint64_t size = 64;
+    return out + id + id + std::string(8, '\0') +
+           std::string(reinterpret_cast<const char*>(&size), 8) +
+           std::string(1, static_cast<char>(kind)) + rest;
+  };
   struct Case {
     const char* symbol;
     std::string what;
@@ -318,6 +333,14 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
       {"EAGER_FIRST", "13 bytes", std::string("\x01\x02\x03\x04\x05\x06\x07\x08probe", 13),
        true},
       {"EAGER_MIDDLE", "1 byte", "P", true},
+      {"EAGER_SYNC_FIRST", "any (its later fragments are dropped)", std::string(104, 'S'),
+       true},
+      {"RNDV_RTS", "40 bytes", rts(0, 0, "").substr(0, 40), true},
+      {"RNDV_RTS", "of kind 0x50", rts(0, 0x50, ""), true},
+      {"RNDV_RTS", "an active message's, naming a 100-byte user header in 16", rts(100, 1, id + id),
+       true},
+      {"RNDV_RTS", "an active message's with a user header that fits", rts(16, 1, id + id), false},
+      {"RNDV_RTS", "a tagged send's", rts(0, 0, ""), false},
   };
   for (const Case& c : cases) {
     INFO(c.symbol << ": " << c.what);
@@ -554,10 +577,12 @@ TEST_CASE("a stock peer's fragmented active messages arrive whole, with their re
 
 // With an endpoint id the worker really gave a peer, UCX 1.13 would assemble a forged
 // message in its own buffer: a later fragment naming an offset 1 TiB on wrote there (the
-// process died of SIGSEGV), and a first fragment repeated stopped it on an assertion.
+// process died of SIGSEGV), and a first fragment repeated stopped it on an assertion, as
+// did a rendezvous request naming a user header longer than itself.
 // The id is found as a peer could: each odd id is tried in a message with reply until
 // one reaches the handler with an endpoint.
-TEST_CASE("forged fragments naming a real endpoint of the worker do not reach UCX's assembly") {
+TEST_CASE("forged fragments and rendezvous requests naming a real endpoint of the worker do not "
+          "reach UCX") {
   Hardened h = Hardened::Make();
   ucp_worker_params_t params{};
   ucp_worker_h worker = nullptr;
@@ -618,7 +643,13 @@ TEST_CASE("forged fragments naming a real endpoint of the worker do not reach UC
     // The first fragment twice.
     feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
     feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
-    CHECK(UcxRefusedMessages() - refused == 2);
+    // An active message's rendezvous request naming a user header of 1,000 bytes in 64
+    // (ucp_am.c: "length >= am->header_length + sizeof(*rts)"); then one of kind 0x50.
+    const std::string rts_header("\x07\0\0\0\xe8\x03\0\0", 8);
+    feed("RNDV_RTS", rts_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x01" +
+                         std::string(23, 'k'));
+    feed("RNDV_RTS", am_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x50");
+    CHECK(UcxRefusedMessages() - refused == 4);
     // The peer's own messages still arrive.
     peer.Track(ucp_am_send_nbx(peer.ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
     const int now = delivered;
