@@ -89,6 +89,8 @@ enum class Shape {
   kAmMiddle,  // its offset (8), data, then its footer (16: message id, endpoint id)
   kRndvRts,   // ucp_rndv_rts_hdr_t (41: a tag or ucp_am_hdr_t, endpoint and request ids,
               // address, size, kind), the packed key, then an active message's user header
+  kWireup,    // ucp_wireup_msg_t (20: type, error mode, connection number, source and
+              // destination endpoint ids), then the sender's packed worker address
 };
 struct IdPlace {
   int at = -1;            // byte offset of the id UCP looks up (-1: none)
@@ -128,7 +130,7 @@ constexpr std::array<Protocol, 22> kProtocols = {{
     {"AM_SINGLE_REPLY", "active message with reply", UCP_FEATURE_AM, Kind::kId, {8, true},
      Shape::kAmReply},
     {"AM_SINGLE", "active message", UCP_FEATURE_AM, Kind::kShape, {}, Shape::kAmSingle},
-    {"WIREUP", "wireup", ~uint64_t{0}, Kind::kId, {12, false, true}},
+    {"WIREUP", "wireup", ~uint64_t{0}, Kind::kId, {12, false, true}, Shape::kWireup},
     {"ATOMIC_REQ", "atomic request", kAmo, Kind::kDrop, {}},
     {"ATOMIC_REP", "atomic reply", kAmo, Kind::kDrop, {}},
     {"STREAM_DATA", "stream data", UCP_FEATURE_STREAM, Kind::kDrop, {}},
@@ -341,11 +343,45 @@ constexpr size_t kAmMiddleBytes = 8 + 8 + 8;     // offset; message id, endpoint
 constexpr size_t kRndvRtsBytes = 8 + 8 + 8 + 8 + 8 + 1;
 constexpr uint8_t kRndvRtsTagged = 0;         // UCP_RNDV_RTS_TAG_OK
 constexpr uint8_t kRndvRtsActiveMessage = 1;  // UCP_RNDV_RTS_AM
+// A wireup message's header (UCX 1.13's ucp_wireup_msg_t, packed): type, error mode,
+// connection number (2), source and destination endpoint ids; the sender's packed worker
+// address follows, its version in the low 4 bits of its first byte.
+constexpr size_t kWireupHeaderBytes = 1 + 1 + 2 + 8 + 8;
+constexpr size_t kWireupDestinationAt = 12;
+// UCP_WIREUP_MSG_*: pre-request (0), request, reply, acknowledgement, endpoint check (a
+// peer's UCX keepalive), endpoint removed (5).
+constexpr uint8_t kWireupRequest = 1;
+constexpr uint8_t kWireupLastType = 5;
+constexpr uint8_t kAddressVersionMask = 0x0f;
+constexpr uint8_t kAddressVersionLatest = 1;  // UCP_OBJECT_VERSION_V2 (V1 is 0)
 
 // Why message `data` of `length` bytes does not fit `shape` ("" when it does).
 std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
   if (shape == Shape::kAny) return "";
   const auto* bytes = static_cast<const char*>(data);
+  if (shape == Shape::kWireup) {
+    if (length < kWireupHeaderBytes + 1) {
+      return fmt::format("it is {} bytes, shorter than its header and an address ({}; UCX "
+                         "1.13 reads past it)",
+                         length, kWireupHeaderBytes + 1);
+    }
+    const auto type = static_cast<uint8_t>(bytes[0]);
+    if (type > kWireupLastType) {
+      return fmt::format("its type {} is none of UCX 1.13's (it stops the process on it)", type);
+    }
+    uint64_t destination = 0;
+    std::memcpy(&destination, bytes + kWireupDestinationAt, 8);
+    if (destination == 0 && type != kWireupRequest) {
+      return "it names no endpoint (id 0), which only a request may (UCX 1.13 aborts on it)";
+    }
+    const uint8_t version = static_cast<uint8_t>(bytes[kWireupHeaderBytes]) & kAddressVersionMask;
+    if (version > kAddressVersionLatest) {
+      return fmt::format("its worker address is of version {}, past the {} UCX 1.13 packs (it "
+                         "aborts on it)",
+                         version, kAddressVersionLatest);
+    }
+    return "";
+  }
   if (shape == Shape::kRndvRts) {
     if (length < kRndvRtsBytes) {
       return fmt::format("it is {} bytes, shorter than its header ({}; UCX 1.13 reads its kind "
@@ -1043,6 +1079,9 @@ std::vector<std::string> UcxRefusedProtocols() {
   names.push_back(
       "active message or rendezvous request whose user header, data, fragment or kind does "
       "not fit the message it came in (UCX 1.13 would abort or copy past its buffer)");
+  names.push_back(
+      "wireup message of a type UCX 1.13 does not know, naming no endpoint where it needs "
+      "one, or with a worker address of a version it does not pack (it would abort)");
   names.push_back(
       "fragment of an active message that does not follow the data so far, or first fragment "
       "of one past what this agent assembles (UCX 1.13 would copy it past its buffer or "

@@ -14,6 +14,8 @@
 // meaning UCT's short form (an 8-byte header and "probe": 13 bytes). The bodies are of
 // 'P' bytes, or of each byte of KVAGENT_PROBE_AM_FILL in turn for each size ('Q' makes
 // every 8-byte id in a body odd, an id UCP looks up instead of dropping it).
+// KVAGENT_PROBE_AM_HEX=HEX: each message's body is those bytes instead (sizes and fills
+// ignored).
 //
 // Prints one line and exits 0 when the put completed from its side (the agent's UCX
 // took the connection), 3 when the connection never came up or failed (refused), 2 on
@@ -151,6 +153,13 @@ int main(int argc, char** argv) {
     }
     unsigned sent = 0;
     std::string body;
+    std::string hex_body;
+    if (const char* hex = std::getenv("KVAGENT_PROBE_AM_HEX"); hex != nullptr) {
+      for (size_t i = 0; hex[i] != '\0' && hex[i + 1] != '\0'; i += 2) {
+        hex_body.push_back(static_cast<char>(std::stoi(std::string(hex + i, 2), nullptr, 16)));
+      }
+      if (am_sizes == std::vector<size_t>{0}) am_sizes = {hex_body.size()};  // not the short form
+    }
     const char* fill_env = std::getenv("KVAGENT_PROBE_AM_FILL");
     const std::string fills = fill_env != nullptr && *fill_env != '\0' ? fill_env : "P";
     const unsigned total =
@@ -159,6 +168,7 @@ int main(int argc, char** argv) {
       const unsigned kind = sent / count;  // which size and fill
       const size_t am_bytes = am_sizes[kind / fills.size()];
       body.assign(am_bytes, fills[kind % fills.size()]);
+      if (!hex_body.empty()) body = hex_body;
       if (am_bytes == 0) {
         status =
             uct_ep_am_short(ep, static_cast<uint8_t>(id), 0x4b564147454e5421ull, "probe", 5);

@@ -233,6 +233,40 @@ TEST_CASE("active messages of every UCT id and length from a peer do not end the
   CHECK(dropped > 0);
 }
 
+// UCP's wireup messages carry the sender's worker address, and UCX 1.13 stops the
+// process on an address of a version past the two it packs (address.c, "*addr_version ==
+// UCP_OBJECT_VERSION_V2"), before it looks any endpoint up: a request naming no endpoint
+// yet (id 0), from a stock UCT endpoint connected as the agent's own uid, ended the
+// agent with one 37-byte message of UCT id 1. Now it is dropped and counted.
+TEST_CASE("a wireup request whose address UCX 1.13 aborts on does not end the agent") {
+  KVAGENT_NEEDS_SETPRIV();
+  Victim victim;
+  const uint64_t dropped_before = victim.Status().dropped_peer_messages();
+  // ucp_wireup_msg_t: a request (1), error mode 0, connection 0, source endpoint 0x45,
+  // destination 0 (none yet); then an address whose first byte gives version 3.
+  setenv("KVAGENT_PROBE_AM_HEX",
+         "0100000045000000000000000000000000000000"
+         "0300000000000000000000000000000000",
+         1);
+  setenv("KVAGENT_PROBE_AM", "1:3", 1);
+  const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
+  unsetenv("KVAGENT_PROBE_AM");
+  unsetenv("KVAGENT_PROBE_AM_HEX");
+  INFO("the probe: " << sent.code << ": " << sent.message);
+  auto status = victim.client.Status();
+  if (!status.ok()) {
+    const std::string log = victim.Log();
+    const size_t at = log.find("Assertion");
+    INFO("the agent's log: " << (at != std::string::npos ? log.substr(at, log.find('\n', at) - at)
+                                                         : log.substr(log.size() > 2000
+                                                                          ? log.size() - 2000
+                                                                          : 0)));
+    FAIL("the agent ended: " << status.status().ToString());
+  }
+  CHECK(sent.code == "sent");
+  CHECK(victim.Status().dropped_peer_messages() - dropped_before == 3);
+}
+
 }  // namespace
 }  // namespace kvagent::testing
 

@@ -87,7 +87,7 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 16);
+  CHECK(refused.size() == 17);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
@@ -210,7 +210,6 @@ TEST_CASE(
     if (c.sender_at >= 0) std::memcpy(message.data() + c.sender_at, &sender, 8);
     const size_t id_at = c.from_end ? c.length - c.id_at : c.id_at;
     for (uint64_t id : forged) {
-      if (id == 0 && wireup) continue;  // "none yet" there: below
       INFO(c.symbol << " naming id " << std::hex << id);
       std::memcpy(message.data() + id_at, &id, 8);
       const uint64_t before = UcxRefusedMessages();
@@ -225,12 +224,12 @@ TEST_CASE(
       CHECK(entry->cb(worker, message.data(), short_length, 0) == UCS_OK);
       CHECK(UcxRefusedMessages() - before == 1);
     }
-    // An indirect id goes on to UCP, which looks it up, finds none, and drops it (as a
-    // wireup message naming none yet, whose worker address here is empty). Fragments are
-    // assembled by the check itself: a first one starts a message (of 1,024 bytes here),
-    // and a later one that does not follow it (its offset is 0 here) is dropped.
+    // An indirect id goes on to UCP, which looks it up, finds none, and drops it.
+    // Fragments are assembled by the check itself: a first one starts a message (of
+    // 1,024 bytes here), and a later one that does not follow it (its offset is 0 here)
+    // is dropped.
     INFO(c.symbol << " naming an indirect id no endpoint or request has");
-    const uint64_t unknown = wireup ? 0 : 0x41;
+    const uint64_t unknown = 0x41;
     std::memcpy(message.data() + id_at, &unknown, 8);
     CHECK(entry->cb(worker, message.data(), message.size(), 0) == UCS_OK);
     CHECK(UcxRefusedMessages() - before == (std::string(c.symbol) == "AM_MIDDLE" ? 2u : 1u));
@@ -575,6 +574,91 @@ TEST_CASE("a stock peer's fragmented active messages arrive whole, with their re
   }
 }
 
+// A bare worker of a hardened context (progressed on this thread) that takes UCP's
+// active message 7, and a stock UCP peer connected to it, wired up by a first message
+// with reply. Messages are fed to the callbacks UCT would call, as a hostile peer could
+// send them; `Endpoint` finds the worker's endpoint to the peer as such a peer could,
+// trying each odd id in a message with reply until one reaches the handler with it.
+class WorkerWithPeer {
+ public:
+  explicit WorkerWithPeer(const Hardened& h) {
+    ucp_worker_params_t params{};
+    REQUIRE(ucp_worker_create(h.context->get(), &params, &worker_) == UCS_OK);
+    delivered_ = 0;
+    TakeActiveMessage7(worker_, [](void*, const void*, size_t, void*, size_t,
+                                   const ucp_am_recv_param_t* param) {
+      ++delivered_;
+      with_reply_ = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+      return UCS_OK;
+    });
+    ucp_address_t* address = nullptr;
+    size_t length = 0;
+    REQUIRE(ucp_worker_get_address(worker_, &address, &length) == UCS_OK);
+    address_.assign(reinterpret_cast<const char*>(address), length);
+    ucp_worker_release_address(worker_, address);
+  }
+  ~WorkerWithPeer() {
+    peer_.reset();
+    ucp_worker_destroy(worker_);
+  }
+  // Connects the peer and has it send one message with reply.
+  void Connect() {
+    peer_ = std::make_unique<StockUcxPeer>(address_, false, "");
+    REQUIRE(SayHello());
+    REQUIRE(with_reply_);
+  }
+  // The peer sends one message with reply; true once the worker's handler took it.
+  bool SayHello() {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    static const std::string hello(64, 'h');
+    const int before = delivered_;
+    peer_->Track(ucp_am_send_nbx(peer_->ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (delivered_ == before && std::chrono::steady_clock::now() < until) {
+      ucp_worker_progress(worker_);
+      peer_->Progress(1);
+    }
+    return delivered_ == before + 1;
+  }
+  // Feeds `message` to the callback of UCP's protocol `symbol` (ucp_am_handler_UCP_AM_ID_*).
+  void Feed(const char* symbol, const std::string& message) {
+    auto* entry = static_cast<UcpProtocolEntry*>(
+        dlsym(RTLD_DEFAULT, (std::string("ucp_am_handler_UCP_AM_ID_") + symbol).c_str()));
+    REQUIRE(entry != nullptr);
+    std::vector<uint8_t> bytes(message.begin(), message.end());
+    bytes.reserve(1);
+    CHECK(entry->cb(worker_, bytes.data(), bytes.size(), 0) == UCS_OK);
+  }
+  // True when a message with reply naming endpoint `id` reaches the handler with it.
+  bool Reaches(uint64_t id) {
+    with_reply_ = false;
+    Feed("AM_SINGLE_REPLY", std::string(kAmHeader) + "probe" + U64(id));
+    return with_reply_;
+  }
+  // The id of the worker's endpoint to the peer (0 if none answers).
+  uint64_t Endpoint() {
+    for (uint64_t id = 1; id < (1u << 16); id += 2) {
+      if (Reaches(id)) return id;
+    }
+    return 0;
+  }
+  ucp_worker_h worker() const { return worker_; }
+  StockUcxPeer& peer() { return *peer_; }
+
+  static std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+  // ucp_am_hdr_t of UCP's active message 7, no flags or user header.
+  static inline const std::string kAmHeader{"\x07\0\0\0\0\0\0\0", 8};
+
+ private:
+  static inline int delivered_ = 0;
+  static inline bool with_reply_ = false;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  std::unique_ptr<StockUcxPeer> peer_;
+};
+
 // With an endpoint id the worker really gave a peer, UCX 1.13 would assemble a forged
 // message in its own buffer: a later fragment naming an offset 1 TiB on wrote there (the
 // process died of SIGSEGV), and a first fragment repeated stopped it on an assertion, as
@@ -584,84 +668,99 @@ TEST_CASE("a stock peer's fragmented active messages arrive whole, with their re
 TEST_CASE("forged fragments and rendezvous requests naming a real endpoint of the worker do not "
           "reach UCX") {
   Hardened h = Hardened::Make();
-  ucp_worker_params_t params{};
-  ucp_worker_h worker = nullptr;
-  REQUIRE(ucp_worker_create(h.context->get(), &params, &worker) == UCS_OK);
-  static int delivered = 0;
-  static bool with_reply = false;
-  delivered = 0;
-  TakeActiveMessage7(
-      worker, [](void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t* param) {
-        ++delivered;
-        with_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
-        return UCS_OK;
-      });
-  ucp_address_t* address = nullptr;
-  size_t address_length = 0;
-  REQUIRE(ucp_worker_get_address(worker, &address, &address_length) == UCS_OK);
-  const std::string packed(reinterpret_cast<const char*>(address), address_length);
-  ucp_worker_release_address(worker, address);
-  {
-    StockUcxPeer peer(packed, false, "");
-    // A message with reply wires the worker's endpoint to the peer up.
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
-    const std::string hello(64, 'h');
-    peer.Track(ucp_am_send_nbx(peer.ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (delivered == 0 && std::chrono::steady_clock::now() < until) {
-      ucp_worker_progress(worker);
-      peer.Progress(1);
-    }
-    REQUIRE(delivered == 1);
-    REQUIRE(with_reply);
-    auto entry = [](const char* symbol) {
-      auto* found = static_cast<UcpProtocolEntry*>(
-          dlsym(RTLD_DEFAULT, (std::string("ucp_am_handler_UCP_AM_ID_") + symbol).c_str()));
-      REQUIRE(found != nullptr);
-      return found;
-    };
-    auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
-    auto feed = [&](const char* symbol, const std::string& message) {
-      std::vector<uint8_t> bytes(message.begin(), message.end());
-      CHECK(entry(symbol)->cb(worker, bytes.data(), bytes.size(), 0) == UCS_OK);
-    };
-    const std::string am_header("\x07\0\0\0\0\0\0\0", 8);  // id 7, no flags or user header
-    uint64_t real = 0;
-    for (uint64_t id = 1; id < (1u << 16) && real == 0; id += 2) {
-      with_reply = false;
-      feed("AM_SINGLE_REPLY", am_header + "probe" + u64(id));
-      if (with_reply) real = id;
-    }
-    INFO("the worker's endpoint to the peer has id " << std::hex << real);
-    REQUIRE(real != 0);
-    const uint64_t refused = UcxRefusedMessages();
-    // 16 bytes of a message of 64, then 8 more said to lie 1 TiB on.
-    feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2001) + u64(real) + u64(64));
-    feed("AM_MIDDLE", u64(1ull << 40) + std::string(8, 'm') + u64(0x2001) + u64(real));
-    // The first fragment twice.
-    feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
-    feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
-    // An active message's rendezvous request naming a user header of 1,000 bytes in 64
-    // (ucp_am.c: "length >= am->header_length + sizeof(*rts)"); then one of kind 0x50.
-    const std::string rts_header("\x07\0\0\0\xe8\x03\0\0", 8);
-    feed("RNDV_RTS", rts_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x01" +
+  WorkerWithPeer w(h);
+  w.Connect();
+  const uint64_t real = w.Endpoint();
+  INFO("the worker's endpoint to the peer has id " << std::hex << real);
+  REQUIRE(real != 0);
+  auto u64 = &WorkerWithPeer::U64;
+  const std::string& am_header = WorkerWithPeer::kAmHeader;
+  const uint64_t refused = UcxRefusedMessages();
+  // 16 bytes of a message of 64, then 8 more said to lie 1 TiB on.
+  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2001) + u64(real) + u64(64));
+  w.Feed("AM_MIDDLE", u64(1ull << 40) + std::string(8, 'm') + u64(0x2001) + u64(real));
+  // The first fragment twice.
+  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
+  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
+  // An active message's rendezvous request naming a user header of 1,000 bytes in 64
+  // (ucp_am.c: "length >= am->header_length + sizeof(*rts)"); then one of kind 0x50.
+  const std::string rts_header("\x07\0\0\0\xe8\x03\0\0", 8);
+  w.Feed("RNDV_RTS", rts_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x01" +
                          std::string(23, 'k'));
-    feed("RNDV_RTS", am_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x50");
-    CHECK(UcxRefusedMessages() - refused == 4);
-    // The peer's own messages still arrive.
-    peer.Track(ucp_am_send_nbx(peer.ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
-    const int now = delivered;
-    const auto again = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (delivered == now && std::chrono::steady_clock::now() < again) {
-      ucp_worker_progress(worker);
-      peer.Progress(1);
-    }
-    CHECK(delivered == now + 1);
-    CHECK_FALSE(peer.failed());
+  w.Feed("RNDV_RTS", am_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x50");
+  CHECK(UcxRefusedMessages() - refused == 4);
+  // The peer's own messages still arrive.
+  CHECK(w.SayHello());
+  CHECK_FALSE(w.peer().failed());
+}
+
+// UCP's wireup messages carry the sender's worker address, and UCX 1.13 stops the
+// process on much that a peer may put in one, before any endpoint is looked up: a type
+// it does not know ("Bug: invalid wireup message"), an address of a version past the two
+// it packs, or a reply, acknowledgement, endpoint check or removal naming endpoint 0
+// (each an assertion; a random 0-160-byte wireup message did one of these about one
+// time in six). Each is dropped and counted, and the worker's endpoint to the peer (its
+// id found by trying odd ids) still works; the peer's own wireup, recorded on its way
+// in, passes.
+TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
+  Hardened h = Hardened::Make();
+  WorkerWithPeer w(h);
+  // The wireup messages the peer's UCX sends are recorded as the (hardened) handler takes
+  // them.
+  static std::vector<std::string> recorded;
+  static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
+  recorded.clear();
+  auto* wireup = static_cast<UcpProtocolEntry*>(
+      dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
+  REQUIRE(wireup != nullptr);
+  hardened_wireup = wireup->cb;
+  wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
+    recorded.emplace_back(static_cast<const char*>(data), length);
+    return hardened_wireup(arg, data, length, flags);
+  };
+  const uint64_t refused_before_wireup = UcxRefusedMessages();
+  w.Connect();
+  wireup->cb = hardened_wireup;
+  REQUIRE_FALSE(recorded.empty());
+  CHECK(UcxRefusedMessages() == refused_before_wireup);  // the honest wireup all passed
+  const uint64_t real = w.Endpoint();
+  INFO("the worker's endpoint to the peer has id " << std::hex << real);
+  REQUIRE(real != 0);
+  // ucp_wireup_msg_t: type, error mode, connection number (2), source and destination
+  // endpoint ids; then the sender's worker address (the peer's own, as recorded).
+  const std::string peer_address = recorded.front().substr(20);
+  auto message = [&](uint8_t type, uint64_t destination, const std::string& address) {
+    std::string out(4, '\0');
+    out[0] = static_cast<char>(type);
+    return out + WorkerWithPeer::U64(0x45) + WorkerWithPeer::U64(destination) + address;
+  };
+  std::string version_3 = peer_address;
+  version_3[0] = static_cast<char>((version_3[0] & 0xf0) | 3);
+  struct Forged {
+    const char* what;
+    std::string bytes;
+  };
+  const std::vector<Forged> forged = {
+      {"of type 7", message(7, 0, peer_address)},
+      {"of type 6", message(6, 0, peer_address)},
+      {"a request whose address is of version 3", message(1, 0, version_3)},
+      {"a pre-request naming endpoint 0", message(0, 0, peer_address)},
+      {"a reply naming endpoint 0", message(2, 0, peer_address)},
+      {"an acknowledgement naming endpoint 0", message(3, 0, peer_address)},
+      {"an endpoint check naming endpoint 0", message(4, 0, peer_address)},
+      {"an endpoint removal naming endpoint 0", message(5, 0, peer_address)},
+      {"20 bytes: no address", message(1, 0, "")},
+  };
+  for (const Forged& f : forged) {
+    INFO("a wireup message " << f.what);
+    const uint64_t before = UcxRefusedMessages();
+    w.Feed("WIREUP", f.bytes);
+    for (int i = 0; i < 100; ++i) ucp_worker_progress(w.worker());
+    CHECK(UcxRefusedMessages() - before == 1);
+    CHECK(w.Reaches(real));  // the endpoint to the peer is not failed
   }
-  ucp_worker_destroy(worker);
+  CHECK(w.SayHello());
+  CHECK_FALSE(w.peer().failed());
 }
 
 TEST_CASE("a range admits a request inside one allowed registration of its memory type only") {
