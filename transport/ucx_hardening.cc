@@ -23,8 +23,8 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <new>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -115,7 +115,6 @@ constexpr std::array<Protocol, 22> kProtocols = {{
     {"CMPL", "put completion (software RMA)", UCP_FEATURE_RMA | kAmo, Kind::kId, {0}},
     {"EAGER_SYNC_ONLY", "synchronous tagged send", UCP_FEATURE_TAG, Kind::kId,
      {8, false, false, 16}},
-
     {"EAGER_SYNC_ACK", "synchronous tagged send acknowledgement", UCP_FEATURE_TAG, Kind::kId,
      {0}},
     {"RNDV_RTS", "rendezvous request", kTagAm, Kind::kId, {8}, Shape::kRndvRts},
@@ -512,23 +511,23 @@ static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProto
 constexpr uint16_t kAmSendFlagReply = 1;  // UCP_AM_SEND_FLAG_REPLY, as ucp_am_hdr_t carries it
 static_assert(UCP_AM_SEND_FLAG_REPLY == kAmSendFlagReply);
 
-std::atomic<uint64_t> g_asm_max_message{AmAssemblyLimits{}.max_message_bytes};
-std::atomic<uint64_t> g_asm_max_bytes{AmAssemblyLimits{}.max_bytes};
-std::atomic<uint64_t> g_asm_max_messages{AmAssemblyLimits{}.max_messages};
-std::atomic<int64_t> g_asm_idle_ms{AmAssemblyLimits{}.idle.count()};
-std::atomic<uint64_t> g_asm_bytes{0};
-std::atomic<uint64_t> g_asm_messages{0};
-std::atomic<uint64_t> g_asm_peak{0};
-std::atomic<uint64_t> g_asm_assembled{0};
-std::atomic<uint64_t> g_asm_refused{0};
-std::atomic<uint64_t> g_asm_abandoned{0};
+std::atomic<uint64_t> g_assembly_max_message{AmAssemblyLimits{}.max_message_bytes};
+std::atomic<uint64_t> g_assembly_max_bytes{AmAssemblyLimits{}.max_bytes};
+std::atomic<uint64_t> g_assembly_max_messages{AmAssemblyLimits{}.max_messages};
+std::atomic<int64_t> g_assembly_idle_ms{AmAssemblyLimits{}.idle.count()};
+std::atomic<uint64_t> g_assembly_bytes{0};
+std::atomic<uint64_t> g_assembly_messages{0};
+std::atomic<uint64_t> g_assembly_peak{0};
+std::atomic<uint64_t> g_assembly_assembled{0};
+std::atomic<uint64_t> g_assembly_refused{0};
+std::atomic<uint64_t> g_assembly_abandoned{0};
 
 struct Assembly {
   std::unique_ptr<char[]> message;  // ucp_am_hdr_t, the data, the user header, (reply footer)
   uint64_t total = 0;               // bytes of data
   uint32_t user_header = 0;
   uint64_t received = 0;  // data so far: where the next fragment starts
-  uint64_t held = 0;      // bytes of `message`, counted in g_asm_bytes
+  uint64_t held = 0;      // bytes of `message`, counted in g_assembly_bytes
   bool reply = false;
   std::chrono::steady_clock::time_point last;  // its latest fragment
   size_t length() const { return kAmHeaderBytes + total + user_header + (reply ? 8 : 0); }
@@ -536,8 +535,8 @@ struct Assembly {
 using AssemblyKey = std::tuple<const void*, uint64_t, uint64_t>;  // worker, endpoint id, message id
 
 void ReleaseAssembly(const Assembly& assembly) {
-  g_asm_bytes.fetch_sub(assembly.held, std::memory_order_relaxed);
-  g_asm_messages.fetch_sub(1, std::memory_order_relaxed);
+  g_assembly_bytes.fetch_sub(assembly.held, std::memory_order_relaxed);
+  g_assembly_messages.fetch_sub(1, std::memory_order_relaxed);
 }
 
 // The messages being assembled on this thread; those left when it ends are freed.
@@ -552,7 +551,7 @@ thread_local AssemblyTable t_assemblies;
 
 // Counts one fragment of protocol `k` dropped (`why`), and logs it as CountDropped says.
 void CountAssemblyRefused(size_t k, size_t length, const std::string& why) {
-  g_asm_refused.fetch_add(1, std::memory_order_relaxed);
+  g_assembly_refused.fetch_add(1, std::memory_order_relaxed);
   uint64_t mine = 0;
   if (!CountDropped(k, &mine)) return;
   kLog.Warn("UCX: dropped a peer's {} of {} bytes ({} so far): {}", kProtocols[k].name, length,
@@ -565,13 +564,13 @@ void SweepIdleAssemblies(std::chrono::steady_clock::time_point now) {
   AssemblyTable& table = t_assemblies;
   if (table.messages.empty() || now - table.swept < std::chrono::seconds(1)) return;
   table.swept = now;
-  const std::chrono::milliseconds idle(g_asm_idle_ms.load(std::memory_order_relaxed));
+  const std::chrono::milliseconds idle(g_assembly_idle_ms.load(std::memory_order_relaxed));
   for (auto it = table.messages.begin(); it != table.messages.end();) {
     if (now - it->second.last < idle) {
       ++it;
       continue;
     }
-    const uint64_t abandoned = g_asm_abandoned.fetch_add(1, std::memory_order_relaxed) + 1;
+    const uint64_t abandoned = g_assembly_abandoned.fetch_add(1, std::memory_order_relaxed) + 1;
     if (log::Sampled(abandoned)) {
       kLog.Warn("UCX: dropped a peer's active message of {} bytes after {} of them arrived: "
                 "no fragment for {} ms (its sender stopped mid-message; {} so far)",
@@ -585,7 +584,7 @@ void SweepIdleAssemblies(std::chrono::steady_clock::time_point now) {
 // Hands a whole message to UCP's handler of single active messages (or of those with
 // reply), which calls the application's handler with it.
 ucs_status_t DeliverAssembled(void* worker, const Assembly& assembly) {
-  g_asm_assembled.fetch_add(1, std::memory_order_relaxed);
+  g_assembly_assembled.fetch_add(1, std::memory_order_relaxed);
   const size_t k = assembly.reply ? kAmSingleReplyIndex : kAmSingleIndex;
   return g_original_cb[k](worker, assembly.message.get(), assembly.length(), 0);
 }
@@ -602,7 +601,7 @@ ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
   std::memcpy(&endpoint, bytes + length - 16, 8);
   std::memcpy(&total, bytes + length - 8, 8);
   const uint64_t fragment = length - kAmHeaderBytes - kAmFirstFooterBytes - user_header;
-  const uint64_t most = g_asm_max_message.load(std::memory_order_relaxed);
+  const uint64_t most = g_assembly_max_message.load(std::memory_order_relaxed);
   if (total > most || user_header > most - total) {
     CountAssemblyRefused(kAmFirstIndex, length,
                          fmt::format("it starts a message of {} bytes of data and {} of user "
@@ -630,10 +629,10 @@ ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
   assembly.received = fragment;
   assembly.last = now;
   assembly.held = assembly.length();
-  const uint64_t held_before = g_asm_bytes.fetch_add(assembly.held, std::memory_order_relaxed);
-  const uint64_t count_before = g_asm_messages.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t max_bytes = g_asm_max_bytes.load(std::memory_order_relaxed);
-  const uint64_t max_messages = g_asm_max_messages.load(std::memory_order_relaxed);
+  const uint64_t held_before = g_assembly_bytes.fetch_add(assembly.held, std::memory_order_relaxed);
+  const uint64_t count_before = g_assembly_messages.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t max_bytes = g_assembly_max_bytes.load(std::memory_order_relaxed);
+  const uint64_t max_messages = g_assembly_max_messages.load(std::memory_order_relaxed);
   std::string why;
   if (held_before + assembly.held > max_bytes) {
     why = fmt::format("it starts a message of {} bytes while {} bytes of messages are being "
@@ -653,9 +652,9 @@ ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
     CountAssemblyRefused(kAmFirstIndex, length, why);
     return UCS_OK;
   }
-  uint64_t peak = g_asm_peak.load(std::memory_order_relaxed);
+  uint64_t peak = g_assembly_peak.load(std::memory_order_relaxed);
   while (held_before + assembly.held > peak &&
-         !g_asm_peak.compare_exchange_weak(peak, held_before + assembly.held)) {
+         !g_assembly_peak.compare_exchange_weak(peak, held_before + assembly.held)) {
   }
   char* out = assembly.message.get();
   std::memcpy(out, bytes, kAmHeaderBytes);
@@ -1056,8 +1055,9 @@ absl::Status HardenUcxForPeers() {
       kLog.Info(
           "UCX: peers' software RMA reaches only memory registered for them; their "
           "messages naming an endpoint or request id this agent did not give out, active "
-          "messages whose lengths do not fit them, atomic, stream and fragmented tagged "
-          "messages are dropped, and other tagged ones discarded");
+          "messages, rendezvous requests and wireup messages that do not fit their shape, "
+          "atomic, stream and fragmented tagged messages are dropped, other tagged ones "
+          "discarded, and fragmented active messages assembled here, each fragment checked");
     }
   });
   return outcome;
@@ -1751,29 +1751,29 @@ void WatchHeldReplies(void* uct_iface) {
 void SetHeldRepliesPerEndpoint(uint64_t cap) { g_held_cap.store(cap); }
 
 void SetAmAssemblyLimits(const AmAssemblyLimits& limits) {
-  g_asm_max_message.store(limits.max_message_bytes);
-  g_asm_max_bytes.store(limits.max_bytes);
-  g_asm_max_messages.store(limits.max_messages);
-  g_asm_idle_ms.store(limits.idle.count());
+  g_assembly_max_message.store(limits.max_message_bytes);
+  g_assembly_max_bytes.store(limits.max_bytes);
+  g_assembly_max_messages.store(limits.max_messages);
+  g_assembly_idle_ms.store(limits.idle.count());
 }
 
 AmAssemblyLimits AmAssemblyLimitsNow() {
   AmAssemblyLimits limits;
-  limits.max_message_bytes = g_asm_max_message.load();
-  limits.max_bytes = g_asm_max_bytes.load();
-  limits.max_messages = g_asm_max_messages.load();
-  limits.idle = std::chrono::milliseconds(g_asm_idle_ms.load());
+  limits.max_message_bytes = g_assembly_max_message.load();
+  limits.max_bytes = g_assembly_max_bytes.load();
+  limits.max_messages = g_assembly_max_messages.load();
+  limits.idle = std::chrono::milliseconds(g_assembly_idle_ms.load());
   return limits;
 }
 
 AmAssembly AmAssemblyNow() {
   AmAssembly now;
-  now.messages = g_asm_messages.load();
-  now.bytes = g_asm_bytes.load();
-  now.peak_bytes = g_asm_peak.load();
-  now.assembled = g_asm_assembled.load();
-  now.refused = g_asm_refused.load();
-  now.abandoned = g_asm_abandoned.load();
+  now.messages = g_assembly_messages.load();
+  now.bytes = g_assembly_bytes.load();
+  now.peak_bytes = g_assembly_peak.load();
+  now.assembled = g_assembly_assembled.load();
+  now.refused = g_assembly_refused.load();
+  now.abandoned = g_assembly_abandoned.load();
   return now;
 }
 
