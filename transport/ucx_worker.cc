@@ -86,6 +86,9 @@ std::string RkeyLayoutError(std::string_view packed) {
 constexpr uint8_t kMaxAddressVersion = 1;
 
 constexpr auto kShutdownBudget = std::chrono::seconds(2);
+// How long a worker being destroyed lets UCX send what it still holds for endpoints a
+// peer's wireup made (Shutdown).
+constexpr auto kShutdownFlushBudget = std::chrono::milliseconds(500);
 
 // Statuses UCX completes an endpoint's requests with when it failed the endpoint for
 // the peer's loss (UCP_ERR_HANDLING_MODE_PEER), as its error handler reports it.
@@ -1120,10 +1123,35 @@ void UcxWorker::Shutdown() {
   pending_requests_.clear();
   if (retire_flush_ != nullptr) ucp_request_free(retire_flush_);
   retire_flush_ = nullptr;
+  // The endpoints UCX made for peers' wireup requests are not ours to close, and the
+  // reply to a request can still wait in one (its connection back to the peer not yet
+  // up): UCX 1.13 asserts on a waiting reply when it destroys the worker
+  // (ucp_request_send_state_ff, "got REP message"; seen when a peer connected just
+  // before this worker went). A worker flush sends what waits, while the peer takes it.
+  FlushBeforeDestroy();
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
   // Its endpoints and whatever they still had to send are gone with it.
   if (serves_peers_) LeaveRetireFlushes(this);
+}
+
+void UcxWorker::FlushBeforeDestroy() {
+  ucp_request_param_t param{};
+  ucs_status_ptr_t flush = ucp_worker_flush_nbx(worker_, &param);
+  if (!UCS_PTR_IS_PTR(flush)) return;  // nothing waited (or it failed at once)
+  const auto until = std::chrono::steady_clock::now() + kShutdownFlushBudget;
+  while (ucp_request_check_status(flush) == UCS_INPROGRESS &&
+         std::chrono::steady_clock::now() < until) {
+    if (ucp_worker_progress(worker_) == 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  if (ucp_request_check_status(flush) == UCS_INPROGRESS) {
+    kLog.Warn("UCX worker '{}': what it held for peers' endpoints was not sent within {} ms; "
+              "destroying it anyway",
+              name_, kShutdownFlushBudget.count());
+  }
+  ucp_request_free(flush);
 }
 
 // ---------------------------------------------------------------------------

@@ -256,6 +256,9 @@ class UcxWorker {
   void CloseDeferred();
   // Thread exit: finishes queued work and open endpoints, then destroys the worker.
   void Shutdown();
+  // Shutdown's last step before ucp_worker_destroy: a worker flush, progressed for at
+  // most kShutdownFlushBudget.
+  void FlushBeforeDestroy();
   // Runs the timers (PostAfter) due by `now`, or all of them (`all`, at shutdown);
   // false when none ran.
   bool RunTimers(std::chrono::steady_clock::time_point now, bool all = false);
