@@ -436,8 +436,8 @@ std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
   return "";
 }
 
-// Counts one dropped message of protocol `k` that does not fit its shape (`why`), and
-// logs it as CountDropped says.
+// Counts one dropped message of protocol `k` that does not fit its shape, or (a
+// fragment) its message (`why`), and logs it as CountDropped says.
 void CountMisshapen(size_t k, size_t length, const std::string& why) {
   uint64_t mine = 0;
   if (!CountDropped(k, &mine)) return;
@@ -505,11 +505,7 @@ constexpr size_t IndexOf(std::string_view symbol) {
 }
 constexpr size_t kAmSingleIndex = IndexOf("AM_SINGLE");
 constexpr size_t kAmSingleReplyIndex = IndexOf("AM_SINGLE_REPLY");
-constexpr size_t kAmFirstIndex = IndexOf("AM_FIRST");
-static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProtocols.size() &&
-              kAmFirstIndex < kProtocols.size());
-constexpr uint16_t kAmSendFlagReply = 1;  // UCP_AM_SEND_FLAG_REPLY, as ucp_am_hdr_t carries it
-static_assert(UCP_AM_SEND_FLAG_REPLY == kAmSendFlagReply);
+static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProtocols.size());
 
 std::atomic<uint64_t> g_assembly_max_message{AmAssemblyLimits{}.max_message_bytes};
 std::atomic<uint64_t> g_assembly_max_bytes{AmAssemblyLimits{}.max_bytes};
@@ -527,15 +523,15 @@ struct Assembly {
   uint64_t total = 0;               // bytes of data
   uint32_t user_header = 0;
   uint64_t received = 0;  // data so far: where the next fragment starts
-  uint64_t held = 0;      // bytes of `message`, counted in g_assembly_bytes
   bool reply = false;
   std::chrono::steady_clock::time_point last;  // its latest fragment
+  // Bytes of `message`, counted in g_assembly_bytes.
   size_t length() const { return kAmHeaderBytes + total + user_header + (reply ? 8 : 0); }
 };
 using AssemblyKey = std::tuple<const void*, uint64_t, uint64_t>;  // worker, endpoint id, message id
 
 void ReleaseAssembly(const Assembly& assembly) {
-  g_assembly_bytes.fetch_sub(assembly.held, std::memory_order_relaxed);
+  g_assembly_bytes.fetch_sub(assembly.length(), std::memory_order_relaxed);
   g_assembly_messages.fetch_sub(1, std::memory_order_relaxed);
 }
 
@@ -549,13 +545,10 @@ struct AssemblyTable {
 };
 thread_local AssemblyTable t_assemblies;
 
-// Counts one fragment of protocol `k` dropped (`why`), and logs it as CountDropped says.
+// Counts one fragment of protocol `k` dropped (`why`) in the assembly's refusals too.
 void CountAssemblyRefused(size_t k, size_t length, const std::string& why) {
   g_assembly_refused.fetch_add(1, std::memory_order_relaxed);
-  uint64_t mine = 0;
-  if (!CountDropped(k, &mine)) return;
-  kLog.Warn("UCX: dropped a peer's {} of {} bytes ({} so far): {}", kProtocols[k].name, length,
-            mine, why);
+  CountMisshapen(k, length, why);
 }
 
 // Drops this thread's messages that had no fragment for the idle time (their sender
@@ -590,7 +583,7 @@ ucs_status_t DeliverAssembled(void* worker, const Assembly& assembly) {
 }
 
 // A first fragment that fits its shape and names an indirect endpoint id.
-ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
+ucs_status_t AssembleFirst(size_t k, void* worker, const void* data, size_t length) {
   const auto* bytes = static_cast<const char*>(data);
   uint16_t flags = 0;
   uint32_t user_header = 0;
@@ -603,7 +596,7 @@ ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
   const uint64_t fragment = length - kAmHeaderBytes - kAmFirstFooterBytes - user_header;
   const uint64_t most = g_assembly_max_message.load(std::memory_order_relaxed);
   if (total > most || user_header > most - total) {
-    CountAssemblyRefused(kAmFirstIndex, length,
+    CountAssemblyRefused(k, length,
                          fmt::format("it starts a message of {} bytes of data and {} of user "
                                      "header, more than the {} this agent assembles one from",
                                      total, user_header, most));
@@ -615,7 +608,7 @@ ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
   const AssemblyKey key{worker, endpoint, message_id};
   if (auto it = table.messages.find(key); it != table.messages.end()) {
     CountAssemblyRefused(
-        kAmFirstIndex, length,
+        k, length,
         fmt::format("message {:#x} of endpoint {:#x} is being assembled ({} of its {} bytes "
                     "arrived), and this is its first fragment again (UCX 1.13 stops the "
                     "process on it)",
@@ -625,36 +618,36 @@ ucs_status_t AssembleFirst(void* worker, const void* data, size_t length) {
   Assembly assembly;
   assembly.total = total;
   assembly.user_header = user_header;
-  assembly.reply = (flags & kAmSendFlagReply) != 0;
+  assembly.reply = (flags & UCP_AM_SEND_FLAG_REPLY) != 0;
   assembly.received = fragment;
   assembly.last = now;
-  assembly.held = assembly.length();
-  const uint64_t held_before = g_assembly_bytes.fetch_add(assembly.held, std::memory_order_relaxed);
+  const uint64_t held = assembly.length();
+  const uint64_t held_before = g_assembly_bytes.fetch_add(held, std::memory_order_relaxed);
   const uint64_t count_before = g_assembly_messages.fetch_add(1, std::memory_order_relaxed);
   const uint64_t max_bytes = g_assembly_max_bytes.load(std::memory_order_relaxed);
   const uint64_t max_messages = g_assembly_max_messages.load(std::memory_order_relaxed);
   std::string why;
-  if (held_before + assembly.held > max_bytes) {
+  if (held_before + held > max_bytes) {
     why = fmt::format("it starts a message of {} bytes while {} bytes of messages are being "
                       "assembled, the most this agent holds for them being {}",
-                      assembly.held, held_before, max_bytes);
+                      held, held_before, max_bytes);
   } else if (count_before >= max_messages) {
     why = fmt::format("{} messages are being assembled, the most this agent holds at once",
                       count_before);
   } else {
-    assembly.message.reset(new (std::nothrow) char[assembly.held]);
+    assembly.message.reset(new (std::nothrow) char[held]);
     if (assembly.message == nullptr) {
-      why = fmt::format("{} bytes to assemble it could not be allocated", assembly.held);
+      why = fmt::format("{} bytes to assemble it could not be allocated", held);
     }
   }
   if (!why.empty()) {
     ReleaseAssembly(assembly);
-    CountAssemblyRefused(kAmFirstIndex, length, why);
+    CountAssemblyRefused(k, length, why);
     return UCS_OK;
   }
   uint64_t peak = g_assembly_peak.load(std::memory_order_relaxed);
-  while (held_before + assembly.held > peak &&
-         !g_assembly_peak.compare_exchange_weak(peak, held_before + assembly.held)) {
+  while (held_before + held > peak &&
+         !g_assembly_peak.compare_exchange_weak(peak, held_before + held)) {
   }
   char* out = assembly.message.get();
   std::memcpy(out, bytes, kAmHeaderBytes);
@@ -878,7 +871,7 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
   if (!IdAdmits<K>(data, length)) return UCS_OK;
   // Fragments are assembled here (the proxy calls this with the worker).
   if constexpr (!kProxy && kProtocols[K].shape == Shape::kAmFirst) {
-    return AssembleFirst(arg, data, length);
+    return AssembleFirst(K, arg, data, length);
   } else if constexpr (!kProxy && kProtocols[K].shape == Shape::kAmMiddle) {
     return AssembleMiddle(K, arg, data, length);
   }
