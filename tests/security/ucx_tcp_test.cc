@@ -49,6 +49,13 @@ struct Victim {
     std::ifstream log(process->log_path());
     return std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
   }
+  // What its log says of its end: the line of UCX's assertion, or the last 2,000 bytes.
+  std::string WhyEnded() const {
+    const std::string log = Log();
+    const size_t at = log.find("Assertion");
+    if (at != std::string::npos) return log.substr(at, log.find('\n', at) - at);
+    return log.substr(log.size() > 2000 ? log.size() - 2000 : 0);
+  }
   OpenDir dir;
   std::string probe;
   std::unique_ptr<cli::DaemonProcess> process;
@@ -213,11 +220,7 @@ TEST_CASE("active messages of every UCT id and length from a peer do not end the
     const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
     auto status = victim.client.Status();
     if (!status.ok()) {
-      const std::string log = victim.Log();
-      const size_t at = log.find("Assertion");
-      INFO("the agent's log: "
-           << (at != std::string::npos ? log.substr(at, log.find('\n', at) - at)
-                                       : log.substr(log.size() > 2000 ? log.size() - 2000 : 0)));
+      INFO("the agent's log: " << victim.WhyEnded());
       INFO("UCT id " << id << ": the probe: " << sent.code << ": " << sent.message);
       FAIL("the agent ended: " << status.status().ToString());
     }
@@ -255,12 +258,7 @@ TEST_CASE("a wireup request whose address UCX 1.13 aborts on does not end the ag
   INFO("the probe: " << sent.code << ": " << sent.message);
   auto status = victim.client.Status();
   if (!status.ok()) {
-    const std::string log = victim.Log();
-    const size_t at = log.find("Assertion");
-    INFO("the agent's log: " << (at != std::string::npos ? log.substr(at, log.find('\n', at) - at)
-                                                         : log.substr(log.size() > 2000
-                                                                          ? log.size() - 2000
-                                                                          : 0)));
+    INFO("the agent's log: " << victim.WhyEnded());
     FAIL("the agent ended: " << status.status().ToString());
   }
   CHECK(sent.code == "sent");

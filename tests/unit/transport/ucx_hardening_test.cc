@@ -128,6 +128,9 @@ struct UcpProtocolEntry {
   ucs_status_t (*cb)(void* arg, void* data, size_t length, unsigned flags);
 };
 
+// The 8 bytes of `v` as UCP's messages carry it.
+std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+
 // Has `worker` hand each whole active message of UCP id 7 to `cb`.
 void TakeActiveMessage7(ucp_worker_h worker, ucp_am_recv_callback_t cb) {
   ucp_am_handler_param_t handler{};
@@ -282,13 +285,10 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
     return out + std::string(data, 'd') + footer;
   };
   const uint64_t indirect = 0x41;  // an id UCP looks up (and finds no endpoint for)
-  const std::string id(reinterpret_cast<const char*>(&indirect), 8);
-  auto first_footer = [&](uint64_t whole) {
-    return id + id + std::string(reinterpret_cast<const char*>(&whole), 8);
-  };
+  const std::string id = U64(indirect);
+  auto first_footer = [&](uint64_t whole) { return id + id + U64(whole); };
   auto middle = [&](uint64_t offset, size_t data) {
-    return std::string(reinterpret_cast<const char*>(&offset), 8) + std::string(data, 'm') +
-           id + id;
+    return U64(offset) + std::string(data, 'm') + id + id;
   };
   // ucp_rndv_rts_hdr_t: ucp_am_hdr_t (id 7, its user header length) or a tag, endpoint
   // id, request id, address, size, kind; then `rest` (a packed key, a user header).
@@ -297,8 +297,7 @@ TEST_CASE("a hardened worker drops a peer's active message whose lengths do not 
     out[0] = 7;
     std::memcpy(out.data() + 4, &user_header, 4);
     const uint64_t size = 64;
-    return out + id + id + std::string(8, '\0') +
-           std::string(reinterpret_cast<const char*>(&size), 8) +
+    return out + id + id + std::string(8, '\0') + U64(size) +
            std::string(1, static_cast<char>(kind)) + rest;
   };
   struct Case {
@@ -387,7 +386,6 @@ TEST_CASE("a hardened worker assembles a peer's fragmented active message itself
       static_cast<UcpProtocolEntry*>(dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_AM_MIDDLE"));
   REQUIRE(first_entry != nullptr);
   REQUIRE(middle_entry != nullptr);
-  auto u64 = [](uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); };
   const uint64_t endpoint = 0x41;  // indirect; no endpoint has it (only a reply needs one)
   // UCP's layouts: ucp_am_hdr_t (id 7, flags, user header length), the data, the user
   // header, then message id, endpoint id and the whole message's size.
@@ -397,11 +395,11 @@ TEST_CASE("a hardened worker assembles a peer's fragmented active message itself
     out[0] = 7;
     const auto length = static_cast<uint32_t>(user_header.size());
     std::memcpy(out.data() + 4, &length, 4);
-    return out + data + user_header + u64(message) + u64(endpoint) + u64(whole);
+    return out + data + user_header + U64(message) + U64(endpoint) + U64(whole);
   };
   // Its offset, its data, then message id and endpoint id.
   auto middle = [&](uint64_t message, uint64_t offset, const std::string& data) {
-    return u64(offset) + data + u64(message) + u64(endpoint);
+    return U64(offset) + data + U64(message) + U64(endpoint);
   };
   // Feeds one fragment; returns how many messages were dropped for it.
   auto feed = [&](UcpProtocolEntry* entry, const std::string& fragment) {
@@ -647,7 +645,6 @@ class WorkerWithPeer {
   ucp_worker_h worker() const { return worker_; }
   StockUcxPeer& peer() { return *peer_; }
 
-  static std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
   // ucp_am_hdr_t of UCP's active message 7, no flags or user header.
   static inline const std::string kAmHeader{"\x07\0\0\0\0\0\0\0", 8};
 
@@ -673,21 +670,20 @@ TEST_CASE("forged fragments and rendezvous requests naming a real endpoint of th
   const uint64_t real = w.Endpoint();
   INFO("the worker's endpoint to the peer has id " << std::hex << real);
   REQUIRE(real != 0);
-  auto u64 = &WorkerWithPeer::U64;
   const std::string& am_header = WorkerWithPeer::kAmHeader;
   const uint64_t refused = UcxRefusedMessages();
   // 16 bytes of a message of 64, then 8 more said to lie 1 TiB on.
-  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2001) + u64(real) + u64(64));
-  w.Feed("AM_MIDDLE", u64(1ull << 40) + std::string(8, 'm') + u64(0x2001) + u64(real));
+  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + U64(0x2001) + U64(real) + U64(64));
+  w.Feed("AM_MIDDLE", U64(1ull << 40) + std::string(8, 'm') + U64(0x2001) + U64(real));
   // The first fragment twice.
-  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
-  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + u64(0x2002) + u64(real) + u64(64));
+  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + U64(0x2002) + U64(real) + U64(64));
+  w.Feed("AM_FIRST", am_header + std::string(16, 'f') + U64(0x2002) + U64(real) + U64(64));
   // An active message's rendezvous request naming a user header of 1,000 bytes in 64
   // (ucp_am.c: "length >= am->header_length + sizeof(*rts)"); then one of kind 0x50.
   const std::string rts_header("\x07\0\0\0\xe8\x03\0\0", 8);
-  w.Feed("RNDV_RTS", rts_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x01" +
-                         std::string(23, 'k'));
-  w.Feed("RNDV_RTS", am_header + u64(real) + u64(0x45) + u64(0) + u64(64) + "\x50");
+  w.Feed("RNDV_RTS",
+         rts_header + U64(real) + U64(0x45) + U64(0) + U64(64) + "\x01" + std::string(23, 'k'));
+  w.Feed("RNDV_RTS", am_header + U64(real) + U64(0x45) + U64(0) + U64(64) + "\x50");
   CHECK(UcxRefusedMessages() - refused == 4);
   // The peer's own messages still arrive.
   CHECK(w.SayHello());
@@ -732,7 +728,7 @@ TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   auto message = [&](uint8_t type, uint64_t destination, const std::string& address) {
     std::string out(4, '\0');
     out[0] = static_cast<char>(type);
-    return out + WorkerWithPeer::U64(0x45) + WorkerWithPeer::U64(destination) + address;
+    return out + U64(0x45) + U64(destination) + address;
   };
   std::string version_3 = peer_address;
   version_3[0] = static_cast<char>((version_3[0] & 0xf0) | 3);
