@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "base/log.h"
 #include "fmt/format.h"
@@ -346,10 +347,13 @@ constexpr uint8_t kRndvRtsActiveMessage = 1;  // UCP_RNDV_RTS_AM
 // connection number (2), source and destination endpoint ids; the sender's packed worker
 // address follows, its version in the low 4 bits of its first byte.
 constexpr size_t kWireupHeaderBytes = 1 + 1 + 2 + 8 + 8;
+constexpr size_t kWireupSenderAt = 4;
 constexpr size_t kWireupDestinationAt = 12;
 // UCP_WIREUP_MSG_*: pre-request (0), request, reply, acknowledgement, endpoint check (a
 // peer's UCX keepalive), endpoint removed (5).
+constexpr uint8_t kWireupPreRequest = 0;
 constexpr uint8_t kWireupRequest = 1;
+constexpr uint8_t kWireupReply = 2;
 constexpr uint8_t kWireupLastType = 5;
 constexpr uint8_t kAddressVersionMask = 0x0f;
 constexpr uint8_t kAddressVersionLatest = 1;  // UCP_OBJECT_VERSION_V2 (V1 is 0)
@@ -368,10 +372,21 @@ std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
     if (type > kWireupLastType) {
       return fmt::format("its type {} is none of UCX 1.13's (it stops the process on it)", type);
     }
+    if (type == kWireupPreRequest) {
+      return "it is a pre-request, which only UCX's client-server (connection manager) wireup "
+             "sends and this agent does not use (UCX 1.13 aborts on one naming an endpoint "
+             "without it)";
+    }
     uint64_t destination = 0;
     std::memcpy(&destination, bytes + kWireupDestinationAt, 8);
     if (destination == 0 && type != kWireupRequest) {
       return "it names no endpoint (id 0), which only a request may (UCX 1.13 aborts on it)";
+    }
+    if (destination != 0 && type == kWireupRequest) {
+      return fmt::format("it is a request naming endpoint {:#x}, which only UCX's client-server "
+                         "wireup sends (UCX 1.13 aborts on one whose sender is not that "
+                         "endpoint's peer)",
+                         destination);
     }
     const uint8_t version = static_cast<uint8_t>(bytes[kWireupHeaderBytes]) & kAddressVersionMask;
     if (version > kAddressVersionLatest) {
@@ -505,7 +520,9 @@ constexpr size_t IndexOf(std::string_view symbol) {
 }
 constexpr size_t kAmSingleIndex = IndexOf("AM_SINGLE");
 constexpr size_t kAmSingleReplyIndex = IndexOf("AM_SINGLE_REPLY");
-static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProtocols.size());
+constexpr size_t kWireupIndex = IndexOf("WIREUP");
+static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProtocols.size() &&
+              kWireupIndex < kProtocols.size());
 
 std::atomic<uint64_t> g_assembly_max_message{AmAssemblyLimits{}.max_message_bytes};
 std::atomic<uint64_t> g_assembly_max_bytes{AmAssemblyLimits{}.max_bytes};
@@ -858,6 +875,37 @@ void CountHeldRefused(size_t k, size_t length, uint64_t held, bool all) {
             kProtocols[k].name, length, mine, held);
 }
 
+// The wireup message UCP handles on this thread now: its type and sender's endpoint id,
+// and (a reply) the copy UCP reads, whose sender id ReplyNames may rewrite.
+struct WireupInFlight {
+  uint8_t type = 0;
+  uint64_t sender = 0;
+  char* copy = nullptr;
+};
+thread_local WireupInFlight* t_wireup = nullptr;
+
+// Hands a wireup message that passed to UCP's handler `original`, with the message in
+// flight noted for the endpoint stand-ins; a reply as a copy (UCT's buffer may be
+// shared memory its sender writes).
+ucs_status_t ServeWireup(uct_am_callback_t original, void* arg, void* data, size_t length,
+                         unsigned flags) {
+  WireupInFlight in;
+  const auto* bytes = static_cast<const char*>(data);
+  in.type = static_cast<uint8_t>(bytes[0]);
+  std::memcpy(&in.sender, bytes + kWireupSenderAt, 8);
+  std::string copy;
+  if (in.type == kWireupReply) {
+    copy.assign(bytes, length);
+    in.copy = copy.data();
+    data = copy.data();
+  }
+  WireupInFlight* const was = t_wireup;
+  t_wireup = &in;
+  const ucs_status_t status = original(arg, data, length, flags);
+  t_wireup = was;
+  return status;
+}
+
 // Serves one message of checked protocol K that passes, with UCP's own handler or
 // (`kProxy`) its counting proxy. A range-checked one under the reader lock: a put is
 // copied in before ForbidPeerRange can return (a get's reply may outlive it:
@@ -895,6 +943,8 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
     const ucs_status_t status = original(arg, data, length, flags);
     t_serving.active = false;
     return status;
+  } else if constexpr (K == kWireupIndex) {
+    return ServeWireup(original, arg, data, length, flags);
   } else {
     return original(arg, data, length, flags);
   }
@@ -961,6 +1011,16 @@ absl::Status Patch() {
       table != nullptr && dladdr(table, &where) != 0 && where.dli_fname != nullptr ? where.dli_fname
                                                                                    : "libucp";
   const size_t table_size = table == nullptr ? 0 : SymbolSize(table) / sizeof(void*);
+  // The message shapes checked here, and the internal functions kvagentd's
+  // ucp_endpoint_stand_in stands in for, are UCX 1.13's.
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (major != 1 || minor != 13) {
+    return absl::FailedPreconditionError(fmt::format(
+        "UCX hardening: {} is UCX {}.{}.{}, whose messages and internal functions kvagent "
+        "does not know; {}",
+        library, major, minor, release, fix));
+  }
   std::array<UcpAmHandler*, kProtocols.size()> handlers{};
   std::array<int, kProtocols.size()> ids{};
   absl::Status result = absl::OkStatus();
@@ -1074,7 +1134,12 @@ std::vector<std::string> UcxRefusedProtocols() {
       "not fit the message it came in (UCX 1.13 would abort or copy past its buffer)");
   names.push_back(
       "wireup message of a type UCX 1.13 does not know, naming no endpoint where it needs "
-      "one, or with a worker address of a version it does not pack (it would abort)");
+      "one, with a worker address of a version it does not pack, a pre-request, or a "
+      "request naming an endpoint (it would abort)");
+  names.push_back(
+      "wireup request whose address lists no transport this agent reaches, or that would "
+      "give an endpoint a second configuration, and (made a repeat of the peer's own) a "
+      "reply whose sender contradicts the endpoint's peer (UCX 1.13 would abort)");
   names.push_back(
       "fragment of an active message that does not follow the data so far, or first fragment "
       "of one past what this agent assembles (UCX 1.13 would copy it past its buffer or "
@@ -1781,6 +1846,124 @@ HeldReplies HeldRepliesNow() {
     now.most = std::max<uint64_t>(now.most, queue.size());
   }
   return now;
+}
+
+namespace {
+// An endpoint UCP created: its worker, whether UCP made it for a peer's wireup request,
+// its configuration's index once UCP found one for its lanes (-1 before), and its peer's
+// endpoint id once a wireup message gave it (0 before).
+struct Followed {
+  const void* worker;
+  bool for_request;
+  int configuration = -1;
+  uint64_t peer = 0;
+};
+absl::Mutex g_endpoints_mu;
+absl::flat_hash_map<const void*, Followed>* g_endpoints ABSL_GUARDED_BY(g_endpoints_mu) =
+    new absl::flat_hash_map<const void*, Followed>();
+// The endpoint whose lanes UCP sets up on this thread now, and the last one whose new
+// configuration was refused here (its failure is not UCP's to carry out).
+thread_local const void* t_lanes_for = nullptr;
+thread_local const void* t_refused_for = nullptr;
+
+void CountWireupRefused(const std::string& why) {
+  uint64_t mine = 0;
+  if (!CountDropped(kWireupIndex, &mine)) return;
+  kLog.Warn("UCX: refused a peer's wireup message ({} so far): {}", mine, why);
+}
+}  // namespace
+
+void NoteEndpointCreated(const void* worker, const void* ep, bool for_request) {
+  if (!UcxHardenedForPeers()) return;
+  // Made while a wireup message is handled (for a request, or to answer an endpoint
+  // check), it takes the message's sender as its peer.
+  const uint64_t peer = t_wireup != nullptr ? t_wireup->sender : 0;
+  absl::MutexLock lock(&g_endpoints_mu);
+  (*g_endpoints)[ep] = Followed{worker, for_request, -1, peer};
+}
+
+void EndpointMatched(const void* ep) {
+  if (t_wireup == nullptr || t_wireup->type != kWireupRequest || ep == nullptr) return;
+  absl::MutexLock lock(&g_endpoints_mu);
+  if (auto it = g_endpoints->find(ep); it != g_endpoints->end()) {
+    it->second.peer = t_wireup->sender;
+  }
+}
+
+void ReplyNames(const void* ep) {
+  WireupInFlight* in = t_wireup;
+  if (in == nullptr || in->type != kWireupReply || in->copy == nullptr) return;
+  uint64_t had = 0;
+  {
+    absl::MutexLock lock(&g_endpoints_mu);
+    auto it = g_endpoints->find(ep);
+    if (it == g_endpoints->end()) return;
+    had = it->second.peer;
+    if (had == 0) it->second.peer = in->sender;
+  }
+  if (had == 0 || had == in->sender) return;
+  std::memcpy(in->copy + kWireupSenderAt, &had, 8);
+  CountWireupRefused(fmt::format(
+      "a reply naming endpoint id {:#x} as its sender, for an endpoint whose peer is {:#x} "
+      "already; UCP takes it as a repeat of that peer's answer (UCX 1.13 aborts on it)",
+      in->sender, had));
+  in->sender = had;
+}
+
+LanesSetUp::LanesSetUp(const void* ep) : was_(t_lanes_for) {
+  t_lanes_for = ep;
+  if (t_refused_for == ep) t_refused_for = nullptr;
+}
+LanesSetUp::~LanesSetUp() { t_lanes_for = was_; }
+
+bool ConfigurationFound(unsigned index) {
+  const void* ep = t_lanes_for;  // set only for endpoints followed (hardened)
+  if (ep == nullptr) return true;  // not an endpoint's lanes (UCP's other uses)
+  int had = -1;
+  {
+    absl::MutexLock lock(&g_endpoints_mu);
+    auto it = g_endpoints->find(ep);
+    if (it == g_endpoints->end()) return true;
+    had = it->second.configuration;
+    if (had < 0) it->second.configuration = static_cast<int>(index);
+  }
+  if (had < 0 || had == static_cast<int>(index)) return true;
+  t_refused_for = ep;
+  CountWireupRefused(fmt::format(
+      "a request whose address gives the endpoint it matches lanes of another configuration "
+      "({} for {}); the endpoint keeps its own and the request goes unanswered (UCX 1.13 "
+      "stops the process on it)",
+      index, had));
+  return false;
+}
+
+EndpointFailure EndpointFailing(const void* ep, const void** worker) {
+  if (t_refused_for == ep) {
+    t_refused_for = nullptr;
+    return EndpointFailure::kKeep;
+  }
+  {
+    absl::MutexLock lock(&g_endpoints_mu);
+    auto it = g_endpoints->find(ep);
+    if (it == g_endpoints->end() || !it->second.for_request || it->second.configuration >= 0) {
+      return EndpointFailure::kFail;
+    }
+    *worker = it->second.worker;
+  }
+  CountWireupRefused(
+      "a request whose address lists no transport this agent reaches; the endpoint UCX made "
+      "for it is removed (UCX 1.13 stops the process on failing it)");
+  return EndpointFailure::kRemove;
+}
+
+void ForgetEndpoint(const void* ep) {
+  absl::MutexLock lock(&g_endpoints_mu);
+  g_endpoints->erase(ep);
+}
+
+size_t EndpointsFollowed() {
+  absl::MutexLock lock(&g_endpoints_mu);
+  return g_endpoints->size();
 }
 
 }  // namespace kvagent::transport

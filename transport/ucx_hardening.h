@@ -332,4 +332,58 @@ uint64_t RetireSequence();
 void RetireFlushCompleted(const void* worker, uint64_t sequence);
 void LeaveRetireFlushes(const void* worker);
 
+// UCP's endpoints, as a peer's wireup messages shape them. A wireup request that names
+// no endpoint yet (id 0) has UCP create one for the sender and look for lanes among the
+// transports the request's address lists; where it finds none (an address that lists
+// no transport, or none this process reaches), UCX 1.13 kept the endpoint without a
+// configuration and failed it on its next progress, stopping the process on an
+// assertion there. A request matching an endpoint UCP is connecting (only one whose
+// lanes connect both ways waits to be matched) whose address gives lanes of another
+// configuration stopped it at once ("endpoint reconfiguration not supported yet"; so
+// did one naming an endpoint, which the checked handler drops). The stand-ins in
+// transport:ucp_endpoint_stand_in (kvagentd only) follow every endpoint from its
+// creation (NoteEndpointCreated; `for_request`: UCP made it for a peer's request)
+// through each setup of its lanes (a LanesSetUp on the thread around it), in which
+// UCP finds the endpoint's configuration (ConfigurationFound, with its index: false
+// refuses one that differs from the endpoint's own, which the stand-in then fails as
+// unreachable), until UCP destroys it (ForgetEndpoint). When UCP fails an endpoint
+// (ucp_ep_set_failed_schedule), EndpointFailing says what to do instead: for one made
+// for a request and never configured, remove it at once as UCP removes an endpoint of
+// its own that finds no lanes (the worker is returned); for one whose lanes were just
+// refused a new configuration, nothing (it keeps its lanes, the request goes
+// unanswered); otherwise fail it as UCP would. Each refusal counts as a dropped wireup
+// message (UcxRefusedMessages) and is logged (the first few and every 1,024th).
+// Unhardened, nothing is followed and the stand-ins only pass UCP's calls on.
+enum class EndpointFailure { kFail, kRemove, kKeep };
+void NoteEndpointCreated(const void* worker, const void* ep, bool for_request);
+class LanesSetUp {
+ public:
+  explicit LanesSetUp(const void* ep);
+  ~LanesSetUp();
+  LanesSetUp(const LanesSetUp&) = delete;
+  LanesSetUp& operator=(const LanesSetUp&) = delete;
+
+ private:
+  const void* was_;
+};
+bool ConfigurationFound(unsigned index);
+// A peer's wireup reply names one of this worker's endpoints, and UCX 1.13 stops the
+// process when that endpoint has its peer's endpoint id already (from a request it was
+// made or matched for, or from an earlier reply) and the reply gives another. The peer
+// ids are followed as UCP sets them while it handles a wireup message (the checked
+// handler notes the message in flight on the thread): an endpoint made for a request or
+// to answer an endpoint check (NoteEndpointCreated), one a request matched
+// (EndpointMatched, the ucp_ep_match_retrieve stand-in), and the one a reply names,
+// which UCP takes off its matching table before it reads the sender (ReplyNames, the
+// ucp_ep_match_remove_ep stand-in). A reply giving another id than the endpoint's is
+// made a repeat of the first answer: the handler hands UCP a copy of a reply, whose
+// sender id ReplyNames rewrites to the endpoint's peer, and the rewrite is counted and
+// logged as a refused wireup message.
+void EndpointMatched(const void* ep);
+void ReplyNames(const void* ep);
+EndpointFailure EndpointFailing(const void* ep, const void** worker);
+void ForgetEndpoint(const void* ep);
+// Endpoints followed now (for tests: each is forgotten as UCP destroys it).
+size_t EndpointsFollowed();
+
 }  // namespace kvagent::transport

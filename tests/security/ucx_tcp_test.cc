@@ -236,6 +236,28 @@ TEST_CASE("active messages of every UCT id and length from a peer do not end the
   CHECK(dropped > 0);
 }
 
+// Sends three wireup messages of `hex` (a ucp_wireup_msg_t and its address) from a
+// stock UCT endpoint connected as the agent's own uid, waits `settle_ms` (for what UCP
+// does on a later progress), fails the test if the agent ended, and returns how many
+// messages the agent counted as dropped.
+uint64_t WireupDropped(Victim& victim, const char* hex, int settle_ms) {
+  const uint64_t dropped_before = victim.Status().dropped_peer_messages();
+  setenv("KVAGENT_PROBE_AM_HEX", hex, 1);
+  setenv("KVAGENT_PROBE_AM", "1:3", 1);
+  const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
+  unsetenv("KVAGENT_PROBE_AM");
+  unsetenv("KVAGENT_PROBE_AM_HEX");
+  INFO("the probe: " << sent.code << ": " << sent.message);
+  usleep(settle_ms * 1000);
+  auto status = victim.client.Status();
+  if (!status.ok()) {
+    INFO("the agent's log: " << victim.WhyEnded());
+    FAIL("the agent ended: " << status.status().ToString());
+  }
+  CHECK(sent.code == "sent");
+  return status->dropped_peer_messages() - dropped_before;
+}
+
 // UCP's wireup messages carry the sender's worker address, and UCX 1.13 stops the
 // process on an address of a version past the two it packs (address.c, "*addr_version ==
 // UCP_OBJECT_VERSION_V2"), before it looks any endpoint up: a request naming no endpoint
@@ -244,25 +266,30 @@ TEST_CASE("active messages of every UCT id and length from a peer do not end the
 TEST_CASE("a wireup request whose address UCX 1.13 aborts on does not end the agent") {
   KVAGENT_NEEDS_SETPRIV();
   Victim victim;
-  const uint64_t dropped_before = victim.Status().dropped_peer_messages();
   // ucp_wireup_msg_t: a request (1), error mode 0, connection 0, source endpoint 0x45,
   // destination 0 (none yet); then an address whose first byte gives version 3.
-  setenv("KVAGENT_PROBE_AM_HEX",
-         "0100000045000000000000000000000000000000"
-         "0300000000000000000000000000000000",
-         1);
-  setenv("KVAGENT_PROBE_AM", "1:3", 1);
-  const Outcome sent = RunAs(0, 0, victim.probe, victim.port, "0");
-  unsetenv("KVAGENT_PROBE_AM");
-  unsetenv("KVAGENT_PROBE_AM_HEX");
-  INFO("the probe: " << sent.code << ": " << sent.message);
-  auto status = victim.client.Status();
-  if (!status.ok()) {
-    INFO("the agent's log: " << victim.WhyEnded());
-    FAIL("the agent ended: " << status.status().ToString());
-  }
-  CHECK(sent.code == "sent");
-  CHECK(victim.Status().dropped_peer_messages() - dropped_before == 3);
+  CHECK(WireupDropped(victim,
+                      "0100000045000000000000000000000000000000"
+                      "0300000000000000000000000000000000",
+                      0) == 3);
+}
+
+// A wireup request that names no endpoint yet (id 0) makes UCP create one for the
+// sender, then find it lanes among the transports the sender's address lists. An
+// address that lists none (its uuid, then UCX's end-of-devices byte) left UCX 1.13 an
+// endpoint with no configuration, which it failed on its next progress and stopped the
+// process on an assertion (ucp_ep.h, "ep->cfg_index != UCP_WORKER_CFG_INDEX_NULL").
+// kvagentd's ucp_endpoint_stand_in removes such an endpoint at once; each request is
+// counted.
+TEST_CASE("a wireup request whose address lists no transport does not end the agent") {
+  KVAGENT_NEEDS_SETPRIV();
+  Victim victim;
+  // A request (1), error mode 0, connection 7, source endpoint 0x45, destination 0;
+  // then an address of version 1 with a worker uuid and no devices (0xff).
+  CHECK(WireupDropped(victim,
+                      "0100070045000000000000000000000000000000"
+                      "201122334455667788ff",
+                      300) == 3);
 }
 
 }  // namespace

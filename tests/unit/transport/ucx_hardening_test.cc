@@ -87,7 +87,7 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 17);
+  CHECK(refused.size() == 18);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
@@ -107,7 +107,10 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
         "shared memory attach, TCP connection or cma read or write to a process of this "
         "host no door proved (a peer's worker address naming another process)",
         "peer's posix FIFO in a directory this agent's UCX cannot attach (UCX 1.13 would "
-        "abort)"}) {
+        "abort)",
+        "wireup request whose address lists no transport this agent reaches, or that would "
+        "give an endpoint a second configuration, and (made a repeat of the peer's own) a "
+        "reply whose sender contradicts the endpoint's peer (UCX 1.13 would abort)"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
   // Every endpoint and request id a context gives out from here on is indirect.
@@ -635,6 +638,33 @@ class WorkerWithPeer {
     Feed("AM_SINGLE_REPLY", std::string(kAmHeader) + "probe" + U64(id));
     return with_reply_;
   }
+  // Connects as Connect does, recording the wireup messages the peer's UCX sends as the
+  // (hardened) handler takes them; returns them.
+  std::vector<std::string> ConnectRecordingWireup() {
+    static std::vector<std::string> recorded;
+    static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
+    recorded.clear();
+    auto* wireup = static_cast<UcpProtocolEntry*>(
+        dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
+    REQUIRE(wireup != nullptr);
+    hardened_wireup = wireup->cb;
+    wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
+      recorded.emplace_back(static_cast<const char*>(data), length);
+      return hardened_wireup(arg, data, length, flags);
+    };
+    Connect();
+    wireup->cb = hardened_wireup;
+    return recorded;
+  }
+  // A wireup message (ucp_wireup_msg_t: type, error mode, connection number (2), source
+  // and destination endpoint ids; then the sender's worker address).
+  static std::string Wireup(uint8_t type, uint64_t destination, const std::string& address,
+                            uint8_t error_mode = 0) {
+    std::string out(4, '\0');
+    out[0] = static_cast<char>(type);
+    out[1] = static_cast<char>(error_mode);
+    return out + U64(0x45) + U64(destination) + address;
+  }
   // The id of the worker's endpoint to the peer (0 if none answers).
   uint64_t Endpoint() {
     for (uint64_t id = 1; id < (1u << 16); id += 2) {
@@ -701,34 +731,17 @@ TEST_CASE("forged fragments and rendezvous requests naming a real endpoint of th
 TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   Hardened h = Hardened::Make();
   WorkerWithPeer w(h);
-  // The wireup messages the peer's UCX sends are recorded as the (hardened) handler takes
-  // them.
-  static std::vector<std::string> recorded;
-  static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
-  recorded.clear();
-  auto* wireup = static_cast<UcpProtocolEntry*>(
-      dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
-  REQUIRE(wireup != nullptr);
-  hardened_wireup = wireup->cb;
-  wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
-    recorded.emplace_back(static_cast<const char*>(data), length);
-    return hardened_wireup(arg, data, length, flags);
-  };
   const uint64_t refused_before_wireup = UcxRefusedMessages();
-  w.Connect();
-  wireup->cb = hardened_wireup;
+  const std::vector<std::string> recorded = w.ConnectRecordingWireup();
   REQUIRE_FALSE(recorded.empty());
   CHECK(UcxRefusedMessages() == refused_before_wireup);  // the honest wireup all passed
   const uint64_t real = w.Endpoint();
   INFO("the worker's endpoint to the peer has id " << std::hex << real);
   REQUIRE(real != 0);
-  // ucp_wireup_msg_t: type, error mode, connection number (2), source and destination
-  // endpoint ids; then the sender's worker address (the peer's own, as recorded).
+  // The peer's own worker address, as recorded.
   const std::string peer_address = recorded.front().substr(20);
-  auto message = [&](uint8_t type, uint64_t destination, const std::string& address) {
-    std::string out(4, '\0');
-    out[0] = static_cast<char>(type);
-    return out + U64(0x45) + U64(destination) + address;
+  auto message = [](uint8_t type, uint64_t destination, const std::string& address) {
+    return WorkerWithPeer::Wireup(type, destination, address);
   };
   std::string version_3 = peer_address;
   version_3[0] = static_cast<char>((version_3[0] & 0xf0) | 3);
@@ -757,6 +770,110 @@ TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   }
   CHECK(w.SayHello());
   CHECK_FALSE(w.peer().failed());
+}
+
+// Wireup messages naming an endpoint the worker has, or making one, that stopped UCX
+// 1.13 for good (the worker's endpoint to the peer, its id found by trying odd ids):
+// - a request naming no endpoint yet whose address lists no transport (its uuid, then
+//   UCX's end-of-devices byte): UCP made an endpoint for it, found no lanes, and failed
+//   the endpoint without a configuration at its next progress, on an assertion;
+// - a pre-request, or a request, naming the endpoint (assertions: a pre-request needs a
+//   connection manager lane; a request's sender must be the endpoint's peer);
+// - a reply naming the endpoint with a sender other than its peer (an assertion).
+// kvagentd's ucp_endpoint_stand_in removes the first endpoint as UCP removes one of its
+// own that finds no lanes, the checked handler drops the pre-request and request, and
+// the reply reaches UCP as a repeat of the peer's own (its sender rewritten); each is
+// counted, and the endpoint to the peer still works. A reply from the peer itself, and
+// an endpoint check, pass as they are.
+TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or contradict "
+          "its peer is refused") {
+  const size_t followed_before = EndpointsFollowed();
+  {
+    Hardened h = Hardened::Make();
+    WorkerWithPeer w(h);
+    const std::vector<std::string> recorded = w.ConnectRecordingWireup();
+    REQUIRE_FALSE(recorded.empty());
+    const std::string peer_address = recorded.front().substr(20);
+    uint64_t peer = 0;  // the peer's endpoint id: the sender of its reply
+    REQUIRE(recorded.front()[0] == 2);
+    std::memcpy(&peer, recorded.front().data() + 4, 8);
+    const uint64_t real = w.Endpoint();
+    INFO("the worker's endpoint to the peer has id " << std::hex << real << ", its peer's "
+                                                     << peer);
+    REQUIRE(real != 0);
+    const size_t followed = EndpointsFollowed();
+    CHECK(followed > followed_before);
+    auto from = [](std::string message, uint64_t sender) {
+      std::memcpy(&message[4], &sender, 8);
+      return message;
+    };
+    struct Forged {
+      const char* what;
+      std::string bytes;
+      uint64_t refused;
+    };
+    const std::vector<Forged> forged = {
+        {"a request naming no endpoint, its address listing no transport",
+         WorkerWithPeer::Wireup(1, 0, "\x20" + U64(0x1122334455667788) + "\xff"), 1},
+        {"a pre-request naming the endpoint", WorkerWithPeer::Wireup(0, real, peer_address), 1},
+        {"a request naming the endpoint", WorkerWithPeer::Wireup(1, real, peer_address), 1},
+        {"a reply naming the endpoint, from another sender",
+         WorkerWithPeer::Wireup(2, real, peer_address), 1},
+        {"a reply naming the endpoint, from its peer",
+         from(WorkerWithPeer::Wireup(2, real, peer_address), peer), 0},
+        {"an endpoint check naming the endpoint", WorkerWithPeer::Wireup(4, real, peer_address),
+         0},
+    };
+    for (const Forged& f : forged) {
+      INFO("a wireup message: " << f.what);
+      const uint64_t before = UcxRefusedMessages();
+      w.Feed("WIREUP", f.bytes);
+      for (int i = 0; i < 100; ++i) ucp_worker_progress(w.worker());
+      CHECK(UcxRefusedMessages() - before == f.refused);
+      CHECK(EndpointsFollowed() == followed);  // none made for it is left
+      CHECK(w.Reaches(real));
+    }
+    CHECK(w.SayHello());
+    CHECK_FALSE(w.peer().failed());
+  }
+  CHECK(EndpointsFollowed() == followed_before);  // each forgotten as UCP destroyed it
+}
+
+// A request that matches an endpoint the worker is connecting (not on this host's
+// transports: only one whose lanes need connecting both ways waits to be matched) and
+// whose address gives it lanes of another configuration stopped UCX 1.13 at once
+// ("endpoint reconfiguration not supported yet"). The stand-ins refuse the new
+// configuration (ConfigurationFound) and keep the endpoint's lanes instead of failing
+// it; an endpoint's first configuration, and the same one again, pass.
+TEST_CASE("a second configuration for an endpoint is refused and the endpoint kept") {
+  REQUIRE(HardenUcxForPeers().ok());  // endpoints are followed in a hardened process only
+  int worker = 0, ep = 0, other = 0;
+  NoteEndpointCreated(&worker, &ep, false);
+  NoteEndpointCreated(&worker, &other, true);
+  const uint64_t refused = UcxRefusedMessages();
+  {
+    LanesSetUp lanes(&ep);
+    CHECK(ConfigurationFound(4));
+  }
+  {
+    LanesSetUp lanes(&ep);
+    CHECK(ConfigurationFound(4));
+  }
+  CHECK(UcxRefusedMessages() == refused);
+  {
+    LanesSetUp lanes(&ep);
+    CHECK_FALSE(ConfigurationFound(6));
+  }
+  CHECK(UcxRefusedMessages() - refused == 1);
+  const void* of = nullptr;
+  CHECK(EndpointFailing(&ep, &of) == EndpointFailure::kKeep);   // the refusal's own failure
+  CHECK(EndpointFailing(&ep, &of) == EndpointFailure::kFail);   // any later one is UCP's
+  // One made for a request, failed before any configuration: removed here.
+  CHECK(EndpointFailing(&other, &of) == EndpointFailure::kRemove);
+  CHECK(of == &worker);
+  CHECK(ConfigurationFound(9));  // outside any endpoint's lanes: UCP's other uses
+  ForgetEndpoint(&ep);
+  ForgetEndpoint(&other);
 }
 
 TEST_CASE("a range admits a request inside one allowed registration of its memory type only") {
