@@ -4,10 +4,11 @@
 // message of an id UCP never registers is counted instead of reaching UCT's stub
 // handler (19 log lines and a backtrace each); its sends, pending queue and endpoint
 // teardown count the replies held for requesters that do not read (WatchHeldReplies);
-// and a posix interface checks its peers' FIFO addresses (WatchPosixInterface).
-// kvagentd links this object and exports
-// the symbol (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's call
-// binds to it; the next definition in the lookup order (libuct's) does the work.
+// its reachability probe takes a peer's address entry missing a part it reads as
+// unreachable (GuardReachability); and a posix interface checks its peers' FIFO
+// addresses (WatchPosixInterface). kvagentd links this object and exports the symbol
+// (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's call binds to it;
+// the next definition in the lookup order (libuct's) does the work.
 #include <dlfcn.h>
 #include <uct/api/uct.h>
 
@@ -36,6 +37,7 @@ extern "C" ucs_status_t uct_iface_open(uct_md_h md, uct_worker_h worker,
   if (status == UCS_OK) {
     kvagent::transport::QuietUnusedUctIds(*iface);
     kvagent::transport::WatchHeldReplies(*iface);
+    kvagent::transport::GuardReachability(*iface);
     if ((params->field_mask & UCT_IFACE_PARAM_FIELD_OPEN_MODE) != 0 &&
         (params->open_mode & UCT_IFACE_OPEN_MODE_DEVICE) != 0 &&
         params->mode.device.tl_name != nullptr &&

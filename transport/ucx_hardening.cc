@@ -227,13 +227,19 @@ std::array<std::atomic<uint64_t>, kProtocols.size()> g_refused{};
 std::atomic<uint64_t> g_refused_total{0};
 std::atomic<bool> g_hardened{false};
 
-// Counts one dropped message of protocol `k` (the count of its kind so far in `*mine`);
-// true for the first few and then every 1,024th, the ones to log (a flood does not
-// flood the log).
-bool CountDropped(size_t k, uint64_t* mine) {
-  *mine = g_refused[k].fetch_add(1, std::memory_order_relaxed) + 1;
+// Counts one refusal in `count` (its count so far in `*mine`) and in the total; true
+// for the first few and then every 1,024th, the ones to log (a flood does not flood the
+// log).
+bool CountRefusalIn(std::atomic<uint64_t>& count, uint64_t* mine) {
+  *mine = count.fetch_add(1, std::memory_order_relaxed) + 1;
   g_refused_total.fetch_add(1, std::memory_order_relaxed);
   return log::Sampled(*mine);
+}
+
+// Counts one dropped message of protocol `k` (the count of its kind so far in `*mine`);
+// true for the ones to log.
+bool CountDropped(size_t k, uint64_t* mine) {
+  return CountRefusalIn(g_refused[k], mine);
 }
 
 // Counts one dropped message of protocol `k`, and logs it as CountDropped says. `bytes`
@@ -354,6 +360,10 @@ constexpr size_t kWireupDestinationAt = 12;
 constexpr uint8_t kWireupPreRequest = 0;
 constexpr uint8_t kWireupRequest = 1;
 constexpr uint8_t kWireupReply = 2;
+constexpr uint8_t kWireupAck = 3;
+// A worker address (UCX 1.13's, version 1) with no transport: its header (a worker
+// uuid follows), the uuid (0), then the end of its devices.
+constexpr char kEmptyAddress[] = {0x20, 0, 0, 0, 0, 0, 0, 0, 0, static_cast<char>(0xff)};
 constexpr uint8_t kWireupLastType = 5;
 constexpr uint8_t kAddressVersionMask = 0x0f;
 constexpr uint8_t kAddressVersionLatest = 1;  // UCP_OBJECT_VERSION_V2 (V1 is 0)
@@ -376,6 +386,12 @@ std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
       return "it is a pre-request, which only UCX's client-server (connection manager) wireup "
              "sends and this agent does not use (UCX 1.13 aborts on one naming an endpoint "
              "without it)";
+    }
+    uint64_t sender = 0;
+    std::memcpy(&sender, bytes + kWireupSenderAt, 8);
+    if (sender == 0) {
+      return "its sender names no endpoint of its own (id 0), which UCX 1.13 aborts on as it "
+             "notes it";
     }
     uint64_t destination = 0;
     std::memcpy(&destination, bytes + kWireupDestinationAt, 8);
@@ -896,6 +912,14 @@ ucs_status_t ServeWireup(uct_am_callback_t original, void* arg, void* data, size
   std::string copy;
   if (in.type == kWireupReply) {
     copy.assign(bytes, length);
+  } else if (in.type == kWireupAck) {
+    // UCP reads nothing of an acknowledgement's address but asserts that it lists no
+    // transport (an honest one lists none): it gets an address that lists none.
+    copy.assign(bytes, kWireupHeaderBytes);
+    copy.append(kEmptyAddress, sizeof kEmptyAddress);
+    length = copy.size();
+  }
+  if (!copy.empty()) {
     in.copy = copy.data();
     data = copy.data();
   }
@@ -1134,12 +1158,15 @@ std::vector<std::string> UcxRefusedProtocols() {
       "not fit the message it came in (UCX 1.13 would abort or copy past its buffer)");
   names.push_back(
       "wireup message of a type UCX 1.13 does not know, naming no endpoint where it needs "
-      "one, with a worker address of a version it does not pack, a pre-request, or a "
-      "request naming an endpoint (it would abort)");
+      "one, from sender id 0, with a worker address of a version it does not pack, a "
+      "pre-request, or a request naming an endpoint (it would abort)");
   names.push_back(
       "wireup request whose address lists no transport this agent reaches, or that would "
       "give an endpoint a second configuration, and (made a repeat of the peer's own) a "
       "reply whose sender contradicts the endpoint's peer (UCX 1.13 would abort)");
+  names.push_back(
+      "worker address entry without the device or interface address its transport reads "
+      "(taken as unreachable; UCX 1.13's tcp would read through it)");
   names.push_back(
       "fragment of an active message that does not follow the data so far, or first fragment "
       "of one past what this agent assembles (UCX 1.13 would copy it past its buffer or "
@@ -1688,13 +1715,74 @@ void WatchPosixInterface(void* uct_iface) {
 }
 
 namespace {
+// An interface's own reachability probe, and which of a peer's addresses it reads: the
+// device address where this interface has one, the interface address where it connects
+// to interfaces and has one.
+struct Reachability {
+  uct_iface_is_reachable_func_t probe;
+  bool device;
+  bool iface;
+};
+absl::Mutex g_reach_mu;
+absl::flat_hash_map<const void*, Reachability>* g_reach ABSL_GUARDED_BY(g_reach_mu) =
+    new absl::flat_hash_map<const void*, Reachability>();
+std::atomic<uint64_t> g_reach_refused{0};
+
+int CheckedIsReachable(const uct_iface_h iface, const uct_device_addr_t* device,
+                       const uct_iface_addr_t* address) {
+  Reachability r{};
+  {
+    absl::MutexLock lock(&g_reach_mu);
+    auto it = g_reach->find(iface);
+    if (it == g_reach->end()) return 0;  // cannot happen: kept before the probe is replaced
+    r = it->second;
+  }
+  if ((r.device && device == nullptr) || (r.iface && address == nullptr)) {
+    uint64_t n = 0;
+    if (CountRefusalIn(g_reach_refused, &n)) {
+      kLog.Warn("UCX: a peer's worker address lists a transport without the {} address it "
+                "needs ({} such so far); taken as unreachable (UCX 1.13's tcp reads through "
+                "the missing address and dies of SIGSEGV)",
+                device == nullptr ? "device" : "interface", n);
+    }
+    return 0;
+  }
+  return r.probe(iface, device, address);
+}
+}  // namespace
+
+void GuardReachability(void* uct_iface) {
+  if (!UcxHardenedForPeers()) return;
+  auto* iface = static_cast<uct_iface_h>(uct_iface);
+  if (iface->ops.iface_is_reachable == nullptr ||
+      iface->ops.iface_is_reachable == &CheckedIsReachable) {
+    return;
+  }
+  uct_iface_attr_t attr{};
+  if (uct_iface_query(iface, &attr) != UCS_OK) {
+    kLog.Warn("UCX: an interface could not be queried; its reachability probe reads peers' "
+              "addresses unchecked");
+    return;
+  }
+  Reachability r{iface->ops.iface_is_reachable, attr.device_addr_len > 0,
+                 (attr.cap.flags & UCT_IFACE_FLAG_CONNECT_TO_IFACE) != 0 &&
+                     attr.iface_addr_len > 0};
+  {
+    absl::MutexLock lock(&g_reach_mu);
+    (*g_reach)[iface] = r;
+  }
+  iface->ops.iface_is_reachable = &CheckedIsReachable;
+}
+
+uint64_t UnreachableAddressEntries() { return g_reach_refused.load(std::memory_order_relaxed); }
+
+namespace {
 std::atomic<uint64_t> g_unused_id_messages{0};
 
 ucs_status_t DropUnusedUctId(void* arg, void*, size_t length, unsigned) {
   const auto id = static_cast<unsigned>(reinterpret_cast<uintptr_t>(arg));
-  const uint64_t n = g_unused_id_messages.fetch_add(1, std::memory_order_relaxed) + 1;
-  g_refused_total.fetch_add(1, std::memory_order_relaxed);
-  if (log::Sampled(n)) {
+  uint64_t n = 0;
+  if (CountRefusalIn(g_unused_id_messages, &n)) {
     kLog.Warn("UCX: dropped a message of UCT active message id {} ({} bytes), for which UCX "
               "has no handler ({} such so far): the sender runs something other than "
               "kvagent's UCX or is hostile",

@@ -216,6 +216,18 @@ std::optional<int> ProcessListeningOn(
 bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, uid_t>>& listeners,
                               const std::string& where);
 
+// A peer's worker address gives, for each transport, a device address and an interface
+// address, each of the length it says; one of length 0 reaches the transport's
+// reachability probe as a null pointer, and UCX 1.13's tcp probe read through it (one
+// wireup message whose address said so ended the process with SIGSEGV). GuardReachability
+// (the uct_iface_open stand-in, for each interface UCP opens) puts a check in front of
+// `uct_iface`'s probe: an entry without the device address this interface has one of,
+// or (an interface peers connect to directly) without the interface address, is
+// unreachable; each is counted (UnreachableAddressEntries, and UcxRefusedMessages) and
+// logged (the first few and every 1,024th). A no-op before HardenUcxForPeers.
+void GuardReachability(void* uct_iface);
+uint64_t UnreachableAddressEntries();
+
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
 // 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message
 // (a 13-byte message from a peer: about 2 KiB of log). QuietUnusedUctIds gives every id

@@ -20,8 +20,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -32,6 +34,7 @@
 #include "catch2/catch.hpp"
 #include "fmt/format.h"
 #include "tests/integration/stock_ucx_peer.h"
+#include "tests/security/stock_uct.h"
 #include "transport/ucx_context.h"
 #include "transport/ucx_worker.h"
 
@@ -87,7 +90,7 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 18);
+  CHECK(refused.size() == 19);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
@@ -110,7 +113,9 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
         "abort)",
         "wireup request whose address lists no transport this agent reaches, or that would "
         "give an endpoint a second configuration, and (made a repeat of the peer's own) a "
-        "reply whose sender contradicts the endpoint's peer (UCX 1.13 would abort)"}) {
+        "reply whose sender contradicts the endpoint's peer (UCX 1.13 would abort)",
+        "worker address entry without the device or interface address its transport reads "
+        "(taken as unreachable; UCX 1.13's tcp would read through it)"}) {
     CHECK(std::find(refused.begin(), refused.end(), name) != refused.end());
   }
   // Every endpoint and request id a context gives out from here on is indirect.
@@ -166,7 +171,8 @@ TEST_CASE(
   const uint64_t forged[] = {0, reinterpret_cast<uint64_t>(gone),
                              reinterpret_cast<uint64_t>(fake_request.data())};
   // Where UCX 1.13 looks each id up: bytes from the start, or back from the end (a
-  // footer); `sender_at`: the sender's own request id, which UCX asserts is not 0.
+  // footer); `sender_at`: the sender's own request or endpoint id, which UCX asserts is
+  // not 0.
   struct Case {
     const char* symbol;
     size_t id_at;
@@ -189,7 +195,7 @@ TEST_CASE(
       {"AM_FIRST", 16, true, 64, -1},
       {"AM_MIDDLE", 8, true, 64, -1},
       {"AM_SINGLE_REPLY", 8, true, 64, -1},
-      {"WIREUP", 12, false, 128, -1},
+      {"WIREUP", 12, false, 128, 4},
   };
   for (const Case& c : cases) {
     const std::string symbol = std::string("ucp_am_handler_UCP_AM_ID_") + c.symbol;
@@ -638,8 +644,10 @@ class WorkerWithPeer {
     Feed("AM_SINGLE_REPLY", std::string(kAmHeader) + "probe" + U64(id));
     return with_reply_;
   }
-  // Connects as Connect does, recording the wireup messages the peer's UCX sends as the
-  // (hardened) handler takes them; returns them.
+  // Connects as Connect does, recording the wireup messages the peer takes in (the
+  // worker's reply to the peer's request: UCP's handler table is read as a worker opens
+  // its interfaces, and only the peer's are opened while the recorder is in it); returns
+  // them.
   std::vector<std::string> ConnectRecordingWireup() {
     static std::vector<std::string> recorded;
     static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
@@ -673,6 +681,8 @@ class WorkerWithPeer {
     return 0;
   }
   ucp_worker_h worker() const { return worker_; }
+  // The worker's own address: one that lists its transports.
+  const std::string& address() const { return address_; }
   StockUcxPeer& peer() { return *peer_; }
 
   // ucp_am_hdr_t of UCP's active message 7, no flags or user header.
@@ -726,8 +736,7 @@ TEST_CASE("forged fragments and rendezvous requests naming a real endpoint of th
 // it packs, or a reply, acknowledgement, endpoint check or removal naming endpoint 0
 // (each an assertion; a random 0-160-byte wireup message did one of these about one
 // time in six). Each is dropped and counted, and the worker's endpoint to the peer (its
-// id found by trying odd ids) still works; the peer's own wireup, recorded on its way
-// in, passes.
+// id found by trying odd ids) still works; the honest wireup between them passes.
 TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   Hardened h = Hardened::Make();
   WorkerWithPeer w(h);
@@ -738,26 +747,26 @@ TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   const uint64_t real = w.Endpoint();
   INFO("the worker's endpoint to the peer has id " << std::hex << real);
   REQUIRE(real != 0);
-  // The peer's own worker address, as recorded.
-  const std::string peer_address = recorded.front().substr(20);
+  // A worker address UCX 1.13 packed: the worker's own, as its reply carried it.
+  const std::string reply_address = recorded.front().substr(20);
   auto message = [](uint8_t type, uint64_t destination, const std::string& address) {
     return WorkerWithPeer::Wireup(type, destination, address);
   };
-  std::string version_3 = peer_address;
+  std::string version_3 = reply_address;
   version_3[0] = static_cast<char>((version_3[0] & 0xf0) | 3);
   struct Forged {
     const char* what;
     std::string bytes;
   };
   const std::vector<Forged> forged = {
-      {"of type 7", message(7, 0, peer_address)},
-      {"of type 6", message(6, 0, peer_address)},
+      {"of type 7", message(7, 0, reply_address)},
+      {"of type 6", message(6, 0, reply_address)},
       {"a request whose address is of version 3", message(1, 0, version_3)},
-      {"a pre-request naming endpoint 0", message(0, 0, peer_address)},
-      {"a reply naming endpoint 0", message(2, 0, peer_address)},
-      {"an acknowledgement naming endpoint 0", message(3, 0, peer_address)},
-      {"an endpoint check naming endpoint 0", message(4, 0, peer_address)},
-      {"an endpoint removal naming endpoint 0", message(5, 0, peer_address)},
+      {"a pre-request naming endpoint 0", message(0, 0, reply_address)},
+      {"a reply naming endpoint 0", message(2, 0, reply_address)},
+      {"an acknowledgement naming endpoint 0", message(3, 0, reply_address)},
+      {"an endpoint check naming endpoint 0", message(4, 0, reply_address)},
+      {"an endpoint removal naming endpoint 0", message(5, 0, reply_address)},
       {"20 bytes: no address", message(1, 0, "")},
   };
   for (const Forged& f : forged) {
@@ -777,14 +786,15 @@ TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
 // - a request naming no endpoint yet whose address lists no transport (its uuid, then
 //   UCX's end-of-devices byte): UCP made an endpoint for it, found no lanes, and failed
 //   the endpoint without a configuration at its next progress, on an assertion;
+// - a request from sender id 0 (an assertion as UCP notes the sender);
 // - a pre-request, or a request, naming the endpoint (assertions: a pre-request needs a
 //   connection manager lane; a request's sender must be the endpoint's peer);
 // - a reply naming the endpoint with a sender other than its peer (an assertion).
 // kvagentd's ucp_endpoint_stand_in removes the first endpoint as UCP removes one of its
-// own that finds no lanes, the checked handler drops the pre-request and request, and
-// the reply reaches UCP as a repeat of the peer's own (its sender rewritten); each is
-// counted, and the endpoint to the peer still works. A reply from the peer itself, and
-// an endpoint check, pass as they are.
+// own that finds no lanes; the checked handler drops the sender 0, the pre-request and
+// the request naming an endpoint; the reply reaches UCP as a repeat of the peer's own
+// (its sender rewritten). Each refusal is counted, and the endpoint to the peer still
+// works. A reply from the peer itself, and an endpoint check, pass as they are.
 TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or contradict "
           "its peer is refused") {
   const size_t followed_before = EndpointsFollowed();
@@ -793,10 +803,12 @@ TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or 
     WorkerWithPeer w(h);
     const std::vector<std::string> recorded = w.ConnectRecordingWireup();
     REQUIRE_FALSE(recorded.empty());
-    const std::string peer_address = recorded.front().substr(20);
-    uint64_t peer = 0;  // the peer's endpoint id: the sender of its reply
+    // The worker's reply to the peer: the worker's address as UCX 1.13 packs it for
+    // wireup, and the peer's endpoint id (the one the reply names).
     REQUIRE(recorded.front()[0] == 2);
-    std::memcpy(&peer, recorded.front().data() + 4, 8);
+    const std::string reply_address = recorded.front().substr(20);
+    uint64_t peer = 0;
+    std::memcpy(&peer, recorded.front().data() + 12, 8);
     const uint64_t real = w.Endpoint();
     INFO("the worker's endpoint to the peer has id " << std::hex << real << ", its peer's "
                                                      << peer);
@@ -815,13 +827,15 @@ TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or 
     const std::vector<Forged> forged = {
         {"a request naming no endpoint, its address listing no transport",
          WorkerWithPeer::Wireup(1, 0, "\x20" + U64(0x1122334455667788) + "\xff"), 1},
-        {"a pre-request naming the endpoint", WorkerWithPeer::Wireup(0, real, peer_address), 1},
-        {"a request naming the endpoint", WorkerWithPeer::Wireup(1, real, peer_address), 1},
+        {"a request naming no endpoint, from sender id 0",
+         from(WorkerWithPeer::Wireup(1, 0, reply_address), 0), 1},
+        {"a pre-request naming the endpoint", WorkerWithPeer::Wireup(0, real, reply_address), 1},
+        {"a request naming the endpoint", WorkerWithPeer::Wireup(1, real, reply_address), 1},
         {"a reply naming the endpoint, from another sender",
-         WorkerWithPeer::Wireup(2, real, peer_address), 1},
+         WorkerWithPeer::Wireup(2, real, reply_address), 1},
         {"a reply naming the endpoint, from its peer",
-         from(WorkerWithPeer::Wireup(2, real, peer_address), peer), 0},
-        {"an endpoint check naming the endpoint", WorkerWithPeer::Wireup(4, real, peer_address),
+         from(WorkerWithPeer::Wireup(2, real, reply_address), peer), 0},
+        {"an endpoint check naming the endpoint", WorkerWithPeer::Wireup(4, real, reply_address),
          0},
     };
     for (const Forged& f : forged) {
@@ -874,6 +888,99 @@ TEST_CASE("a second configuration for an endpoint is refused and the endpoint ke
   CHECK(ConfigurationFound(9));  // outside any endpoint's lanes: UCP's other uses
   ForgetEndpoint(&ep);
   ForgetEndpoint(&other);
+}
+
+// A worker address gives, for each transport, a device address and an interface
+// address, each of the length it says, and one of length 0 reaches the transport's
+// reachability probe as a null pointer: UCX 1.13's tcp probe read through it, so a
+// wireup message whose address said so (a random one did, about one in 20,000) ended
+// the process with SIGSEGV. GuardReachability, which kvagentd's uct_iface_open puts in
+// front of each interface's probe, takes such an entry as unreachable and counts it.
+TEST_CASE("a peer's address entry without a device or interface address its transport "
+          "reads is unreachable") {
+  REQUIRE(HardenUcxForPeers().ok());
+  testing::StockUctTcp tcp;
+  std::string failed;
+  REQUIRE(testing::OpenStockUctTcp("lo", &tcp, &failed) == UCS_OK);
+  uct_iface_attr_t attr{};
+  REQUIRE(uct_iface_query(tcp.iface, &attr) == UCS_OK);
+  std::vector<char> device(attr.device_addr_len), iface(attr.iface_addr_len);
+  REQUIRE(uct_iface_get_device_address(
+              tcp.iface, reinterpret_cast<uct_device_addr_t*>(device.data())) == UCS_OK);
+  REQUIRE(uct_iface_get_address(tcp.iface, reinterpret_cast<uct_iface_addr_t*>(
+                                               iface.data())) == UCS_OK);
+  const auto* device_address = reinterpret_cast<const uct_device_addr_t*>(device.data());
+  const auto* iface_address = reinterpret_cast<const uct_iface_addr_t*>(iface.data());
+  GuardReachability(tcp.iface);
+  GuardReachability(tcp.iface);  // once is enough: the probe is not wrapped twice
+  const uint64_t unreachable = UnreachableAddressEntries();
+  const uint64_t refused = UcxRefusedMessages();
+  CHECK(uct_iface_is_reachable(tcp.iface, device_address, iface_address) == 1);
+  CHECK(uct_iface_is_reachable(tcp.iface, nullptr, iface_address) == 0);
+  CHECK(uct_iface_is_reachable(tcp.iface, device_address, nullptr) == 0);
+  CHECK(UnreachableAddressEntries() - unreachable == 2);
+  CHECK(UcxRefusedMessages() - refused == 2);
+  testing::CloseStockUctTcp(&tcp);
+}
+
+// Random wireup messages of each type, naming no endpoint, the worker's endpoint to the
+// peer, or ids near it, from the peer's, another's or no sender, carrying the worker's
+// address (as UCX packs it for wireup, or for the application) with a few bits flipped
+// or cut short: how the cases above were found, and an acknowledgement whose address
+// lists transports (an assertion: an honest one lists none, and UCP reads nothing else
+// of it, so the checked handler hands UCP one that lists none). Each of 40 batches of
+// 300 runs in a child process (the worker and peer made there), and none may end it;
+// on a failure the last message is named. (Without the acknowledgement's address
+// replaced, each of three runs here had a batch among its first 15 stop.)
+TEST_CASE("random wireup messages naming the worker's endpoints do not stop it") {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string last_path = std::string(tmp != nullptr ? tmp : "/tmp") + "/wireup_last";
+  for (int batch = 0; batch < 40; ++batch) {
+    const pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      Hardened h = Hardened::Make();
+      WorkerWithPeer w(h);
+      const std::vector<std::string> recorded = w.ConnectRecordingWireup();
+      if (recorded.empty()) _exit(3);
+      const std::string reply_address = recorded.front().substr(20);
+      uint64_t peer = 0;
+      std::memcpy(&peer, recorded.front().data() + 12, 8);
+      const uint64_t real = w.Endpoint();
+      std::mt19937_64 random(1000 + batch);
+      for (int i = 0; i < 300; ++i) {
+        const uint64_t destinations[] = {0, real, real + 2, (random() % 64) | 1};
+        const uint64_t senders[] = {peer, 0x45, (random() % 64) | 1, 0};
+        std::string address = random() % 2 ? w.address() : reply_address;
+        for (int flips = random() % 4; flips > 0; --flips) {
+          address[random() % address.size()] ^= static_cast<char>(1 << (random() % 8));
+        }
+        if (random() % 5 == 0) address.resize(random() % address.size() + 1);
+        std::string message =
+            WorkerWithPeer::Wireup(random() % 6, destinations[random() % 4], address,
+                                   random() % 3 == 0 ? 1 : 0);
+        const uint64_t sender = senders[random() % 4];
+        std::memcpy(&message[4], &sender, 8);
+        message[2] = static_cast<char>(random() % 4);  // the connection number
+        {
+          std::ofstream last(last_path, std::ios::trunc);
+          last << fmt::format("{:02x}",
+                              fmt::join(std::vector<uint8_t>(message.begin(), message.end()), ""))
+               << std::endl;
+        }
+        w.Feed("WIREUP", message);
+        for (int k = 0; k < 10; ++k) ucp_worker_progress(w.worker());
+      }
+      _exit(0);
+    }
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    std::string last;
+    std::getline(std::ifstream(last_path), last);
+    INFO("batch " << batch << "; the last message: " << last);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }
 }
 
 TEST_CASE("a range admits a request inside one allowed registration of its memory type only") {
