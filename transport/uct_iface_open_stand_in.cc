@@ -5,10 +5,11 @@
 // handler (19 log lines and a backtrace each); its sends, pending queue and endpoint
 // teardown count the replies held for requesters that do not read (WatchHeldReplies);
 // its reachability probe takes a peer's address entry missing a part it reads as
-// unreachable (GuardReachability); and a posix interface checks its peers' FIFO
-// addresses (WatchPosixInterface). kvagentd links this object and exports the symbol
-// (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's call binds to it;
-// the next definition in the lookup order (libuct's) does the work.
+// unreachable (GuardReachability); its worker's puts in flight are counted, against
+// which peers' put completions are checked (WatchPutsOf); and a posix interface checks
+// its peers' FIFO addresses (WatchPosixInterface). kvagentd links this object and
+// exports the symbol (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's
+// call binds to it; the next definition in the lookup order (libuct's) does the work.
 #include <dlfcn.h>
 #include <uct/api/uct.h>
 
@@ -38,6 +39,10 @@ extern "C" ucs_status_t uct_iface_open(uct_md_h md, uct_worker_h worker,
     kvagent::transport::QuietUnusedUctIds(*iface);
     kvagent::transport::WatchHeldReplies(*iface);
     kvagent::transport::GuardReachability(*iface);
+    if ((params->field_mask & UCT_IFACE_PARAM_FIELD_ERR_HANDLER_ARG) != 0) {
+      // UCP gives each interface its worker as the error handler's argument.
+      kvagent::transport::WatchPutsOf(*iface, params->err_handler_arg);
+    }
     if ((params->field_mask & UCT_IFACE_PARAM_FIELD_OPEN_MODE) != 0 &&
         (params->open_mode & UCT_IFACE_OPEN_MODE_DEVICE) != 0 &&
         params->mode.device.tl_name != nullptr &&

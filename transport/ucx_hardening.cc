@@ -537,8 +537,9 @@ constexpr size_t IndexOf(std::string_view symbol) {
 constexpr size_t kAmSingleIndex = IndexOf("AM_SINGLE");
 constexpr size_t kAmSingleReplyIndex = IndexOf("AM_SINGLE_REPLY");
 constexpr size_t kWireupIndex = IndexOf("WIREUP");
+constexpr size_t kCmplIndex = IndexOf("CMPL");
 static_assert(kAmSingleIndex < kProtocols.size() && kAmSingleReplyIndex < kProtocols.size() &&
-              kWireupIndex < kProtocols.size());
+              kWireupIndex < kProtocols.size() && kCmplIndex < kProtocols.size());
 
 std::atomic<uint64_t> g_assembly_max_message{AmAssemblyLimits{}.max_message_bytes};
 std::atomic<uint64_t> g_assembly_max_bytes{AmAssemblyLimits{}.max_bytes};
@@ -772,6 +773,38 @@ std::atomic<uint64_t> g_held_refused{0};
 // ucp_am_handlers; -1 until hardened).
 std::atomic<int> g_cmpl_id{-1};
 std::atomic<int> g_get_reply_id{-1};
+// The UCT active message id of a put (software RMA) this process sends (-1 until
+// hardened), and for each worker that sends through a watched interface, its puts whose
+// completion has not come; which worker each watched interface is of.
+std::atomic<int> g_put_id{-1};
+absl::Mutex g_puts_mu;
+absl::flat_hash_map<const void*, const void*>* g_iface_worker ABSL_GUARDED_BY(g_puts_mu) =
+    new absl::flat_hash_map<const void*, const void*>();
+struct PutsInFlight {
+  uint64_t count = 0;
+  bool unchecked = false;  // one of its interfaces' sends is not watched
+};
+absl::flat_hash_map<const void*, PutsInFlight>* g_puts_in_flight ABSL_GUARDED_BY(g_puts_mu) =
+    new absl::flat_hash_map<const void*, PutsInFlight>();
+std::atomic<uint64_t> g_completions_refused{0};
+
+// A put went out on an interface: one more completion its worker may take.
+void NotePutSent(const void* iface) {
+  absl::MutexLock lock(&g_puts_mu);
+  auto it = g_iface_worker->find(iface);
+  if (it != g_iface_worker->end()) ++(*g_puts_in_flight)[it->second].count;
+}
+
+// True when `worker` may take a put's completion now (one of its puts is in flight, or
+// its interfaces are not watched), and counts it taken.
+bool TakePutCompletion(const void* worker) {
+  absl::MutexLock lock(&g_puts_mu);
+  auto it = g_puts_in_flight->find(worker);
+  if (it == g_puts_in_flight->end() || it->second.unchecked) return true;
+  if (it->second.count == 0) return false;
+  --it->second.count;
+  return true;
+}
 
 // The request a checked handler serves on this thread, while UCP's handler runs.
 struct Serving {
@@ -969,6 +1002,18 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
     return status;
   } else if constexpr (K == kWireupIndex) {
     return ServeWireup(original, arg, data, length, flags);
+  } else if constexpr (K == kCmplIndex) {
+    if (!TakePutCompletion(arg)) {
+      g_completions_refused.fetch_add(1, std::memory_order_relaxed);
+      uint64_t mine = 0;
+      if (CountDropped(K, &mine)) {
+        kLog.Warn("UCX: dropped a peer's put completion ({} so far): this worker has no put "
+                  "in flight (UCX 1.13 aborts on one naming an endpoint with none)",
+                  mine);
+      }
+      return UCS_OK;
+    }
+    return original(arg, data, length, flags);
   } else {
     return original(arg, data, length, flags);
   }
@@ -1097,6 +1142,7 @@ absl::Status Patch() {
       handlers[k]->features |= UCP_FEATURE_RMA | UCP_FEATURE_AM;
     }
     if (std::string_view(kProtocols[k].symbol) == "CMPL") g_cmpl_id.store(ids[k]);
+    if (std::string_view(kProtocols[k].symbol) == "PUT") g_put_id.store(ids[k]);
     if (std::string_view(kProtocols[k].symbol) == "GET_REP") g_get_reply_id.store(ids[k]);
   }
   return absl::OkStatus();
@@ -1167,6 +1213,9 @@ std::vector<std::string> UcxRefusedProtocols() {
   names.push_back(
       "worker address entry without the device or interface address its transport reads "
       "(taken as unreachable; UCX 1.13's tcp would read through it)");
+  names.push_back(
+      "put completion (software RMA) that comes while the worker has no put in flight (UCX "
+      "1.13 would abort)");
   names.push_back(
       "fragment of an active message that does not follow the data so far, or first fragment "
       "of one past what this agent assembles (UCX 1.13 would copy it past its buffer or "
@@ -1833,6 +1882,7 @@ ssize_t HeldAmBcopy(uct_ep_h ep, uint8_t id, uct_pack_callback_t pack, void* arg
                     unsigned flags) {
   const ssize_t packed = g_ops[I].am_bcopy(ep, id, pack, arg, flags);
   if (packed > 0) {
+    if (id == g_put_id.load(std::memory_order_relaxed)) NotePutSent(ep->iface);
     const int get = g_get_reply_id.load(std::memory_order_relaxed);
     if (id == get || id == g_cmpl_id.load(std::memory_order_relaxed)) {
       NoteReplySent(ep, id == get, packed);
@@ -1921,6 +1971,36 @@ AmAssembly AmAssemblyNow() {
   now.refused = g_assembly_refused.load();
   now.abandoned = g_assembly_abandoned.load();
   return now;
+}
+
+void WatchPutsOf(void* uct_iface, const void* worker) {
+  if (!UcxHardenedForPeers() || worker == nullptr) return;
+  // Its puts are seen where WatchHeldReplies stands in front of its sends; one whose
+  // sends are not watched leaves its worker's completions unchecked.
+  const auto sends = static_cast<uct_iface_h>(uct_iface)->ops.ep_am_bcopy;
+  if (sends == nullptr) return;  // no active messages: no put goes through it
+  if (std::none_of(kOpsStandIns.begin(), kOpsStandIns.end(),
+                   [sends](const UctOps& ops) { return ops.am_bcopy == sends; })) {
+    absl::MutexLock lock(&g_puts_mu);
+    (*g_puts_in_flight)[worker].unchecked = true;
+    return;
+  }
+  absl::MutexLock lock(&g_puts_mu);
+  (*g_iface_worker)[uct_iface] = worker;
+  g_puts_in_flight->try_emplace(worker, PutsInFlight{});
+}
+
+void ForgetPutsOf(const void* worker) {
+  absl::MutexLock lock(&g_puts_mu);
+  g_puts_in_flight->erase(worker);
+  for (auto it = g_iface_worker->begin(); it != g_iface_worker->end();) {
+    auto here = it++;
+    if (here->second == worker) g_iface_worker->erase(here);
+  }
+}
+
+uint64_t PutCompletionsRefused() {
+  return g_completions_refused.load(std::memory_order_relaxed);
 }
 
 HeldReplies HeldRepliesNow() {

@@ -228,6 +228,22 @@ bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, ui
 void GuardReachability(void* uct_iface);
 uint64_t UnreachableAddressEntries();
 
+// A put's completion (software RMA over a transport without native RMA, tcp in UCX
+// 1.13) names the endpoint whose put it completes, and UCX 1.13 counts it against the
+// endpoint's and the worker's puts in flight, asserting that there are some: one
+// completion naming a real endpoint id (small odd numbers) of a worker with none ended
+// the process. WatchPutsOf (the uct_iface_open stand-in, with the worker UCP opens
+// `uct_iface` for: its error handler's argument) counts the puts each worker sends
+// through its watched interfaces; a completion that comes to a worker with none in
+// flight is dropped, counted (PutCompletionsRefused, and UcxRefusedMessages) and
+// logged. A worker whose interfaces are not watched takes every completion, as UCX
+// does. ForgetPutsOf: the worker is destroyed (UcxWorker). A no-op before
+// HardenUcxForPeers. A completion naming another endpoint of the worker than the one
+// whose put is in flight still reaches UCX.
+void WatchPutsOf(void* uct_iface, const void* worker);
+void ForgetPutsOf(const void* worker);
+uint64_t PutCompletionsRefused();
+
 // UCT active message ids that UCP registers no handler for (0, 5, 13 and 27-31 in UCX
 // 1.13) reach UCT's stub handler, which logs 19 lines with a backtrace for each message
 // (a 13-byte message from a peer: about 2 KiB of log). QuietUnusedUctIds gives every id

@@ -1129,6 +1129,7 @@ void UcxWorker::Shutdown() {
   // (ucp_request_send_state_ff, "got REP message"; seen when a peer connected just
   // before this worker went). A worker flush sends what waits, while the peer takes it.
   FlushBeforeDestroy();
+  ForgetPutsOf(worker_);
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
   // Its endpoints and whatever they still had to send are gone with it.
