@@ -980,6 +980,18 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
   } else if constexpr (!kProxy && kProtocols[K].shape == Shape::kAmMiddle) {
     return AssembleMiddle(K, arg, data, length);
   }
+  if constexpr (K == kCmplIndex) {
+    if (!TakePutCompletion(arg)) {
+      g_completions_refused.fetch_add(1, std::memory_order_relaxed);
+      uint64_t mine = 0;
+      if (CountDropped(K, &mine)) {
+        kLog.Warn("UCX: dropped a peer's put completion ({} so far): this worker has no put "
+                  "in flight (UCX 1.13 aborts on one naming an endpoint with none)",
+                  mine);
+      }
+      return UCS_OK;
+    }
+  }
   const uct_am_callback_t original = kProxy ? g_original_proxy[K] : g_original_cb[K];
   if constexpr (kProtocols[K].kind == Kind::kRange) {
     absl::ReaderMutexLock lock(&g_ranges_mu);
@@ -1002,18 +1014,6 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
     return status;
   } else if constexpr (K == kWireupIndex) {
     return ServeWireup(original, arg, data, length, flags);
-  } else if constexpr (K == kCmplIndex) {
-    if (!TakePutCompletion(arg)) {
-      g_completions_refused.fetch_add(1, std::memory_order_relaxed);
-      uint64_t mine = 0;
-      if (CountDropped(K, &mine)) {
-        kLog.Warn("UCX: dropped a peer's put completion ({} so far): this worker has no put "
-                  "in flight (UCX 1.13 aborts on one naming an endpoint with none)",
-                  mine);
-      }
-      return UCS_OK;
-    }
-    return original(arg, data, length, flags);
   } else {
     return original(arg, data, length, flags);
   }

@@ -648,11 +648,17 @@ class WorkerWithPeer {
     Feed("AM_SINGLE_REPLY", std::string(kAmHeader) + "probe" + U64(id));
     return with_reply_;
   }
-  // Connects as Connect does, recording the wireup messages the peer takes in (the
-  // worker's reply to the peer's request: UCP's handler table is read as a worker opens
-  // its interfaces, and only the peer's are opened while the recorder is in it); returns
-  // them.
-  std::vector<std::string> ConnectRecordingWireup() {
+  // The worker's reply to the peer's wireup request, as the peer took it in: the
+  // worker's address as UCX 1.13 packs it for wireup, and the peer's endpoint id (the
+  // one the reply names).
+  struct Reply {
+    std::string address;
+    uint64_t peer = 0;
+  };
+  // Connects as Connect does, recording the first wireup message the peer takes in (the
+  // worker's reply: UCP's handler table is read as a worker opens its interfaces, and
+  // only the peer's are opened while the recorder is in it).
+  Reply ConnectRecordingReply() {
     static std::vector<std::string> recorded;
     static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
     recorded.clear();
@@ -666,16 +672,30 @@ class WorkerWithPeer {
     };
     Connect();
     wireup->cb = hardened_wireup;
-    return recorded;
+    REQUIRE_FALSE(recorded.empty());
+    REQUIRE(recorded.front()[0] == 2);
+    Reply reply;
+    reply.address = recorded.front().substr(20);
+    std::memcpy(&reply.peer, recorded.front().data() + 12, 8);
+    return reply;
+  }
+  // Feeds `message` to UCP's protocol `symbol` (as Feed) and progresses the worker
+  // `rounds` times (for what UCP does on a later progress); returns how many messages
+  // were refused meanwhile.
+  uint64_t Refused(const char* symbol, const std::string& message, int rounds) {
+    const uint64_t before = UcxRefusedMessages();
+    Feed(symbol, message);
+    for (int i = 0; i < rounds; ++i) ucp_worker_progress(worker_);
+    return UcxRefusedMessages() - before;
   }
   // A wireup message (ucp_wireup_msg_t: type, error mode, connection number (2), source
   // and destination endpoint ids; then the sender's worker address).
   static std::string Wireup(uint8_t type, uint64_t destination, const std::string& address,
-                            uint8_t error_mode = 0) {
+                            uint64_t sender = 0x45, uint8_t error_mode = 0) {
     std::string out(4, '\0');
     out[0] = static_cast<char>(type);
     out[1] = static_cast<char>(error_mode);
-    return out + U64(0x45) + U64(destination) + address;
+    return out + U64(sender) + U64(destination) + address;
   }
   // Connects, and returns the id of the worker's endpoint to the peer (as Endpoint).
   uint64_t ConnectedEndpoint() {
@@ -750,14 +770,13 @@ TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   Hardened h = Hardened::Make();
   WorkerWithPeer w(h);
   const uint64_t refused_before_wireup = UcxRefusedMessages();
-  const std::vector<std::string> recorded = w.ConnectRecordingWireup();
-  REQUIRE_FALSE(recorded.empty());
+  const WorkerWithPeer::Reply reply = w.ConnectRecordingReply();
   CHECK(UcxRefusedMessages() == refused_before_wireup);  // the honest wireup all passed
   const uint64_t real = w.Endpoint();
   INFO("the worker's endpoint to the peer has id " << std::hex << real);
   REQUIRE(real != 0);
   // A worker address UCX 1.13 packed: the worker's own, as its reply carried it.
-  const std::string reply_address = recorded.front().substr(20);
+  const std::string& reply_address = reply.address;
   auto message = [](uint8_t type, uint64_t destination, const std::string& address) {
     return WorkerWithPeer::Wireup(type, destination, address);
   };
@@ -780,10 +799,7 @@ TEST_CASE("a peer's wireup message that would stop UCX is dropped") {
   };
   for (const Forged& f : forged) {
     INFO("a wireup message " << f.what);
-    const uint64_t before = UcxRefusedMessages();
-    w.Feed("WIREUP", f.bytes);
-    for (int i = 0; i < 100; ++i) ucp_worker_progress(w.worker());
-    CHECK(UcxRefusedMessages() - before == 1);
+    CHECK(w.Refused("WIREUP", f.bytes, 100) == 1);
     CHECK(w.Reaches(real));  // the endpoint to the peer is not failed
   }
   CHECK(w.SayHello());
@@ -810,24 +826,15 @@ TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or 
   {
     Hardened h = Hardened::Make();
     WorkerWithPeer w(h);
-    const std::vector<std::string> recorded = w.ConnectRecordingWireup();
-    REQUIRE_FALSE(recorded.empty());
-    // The worker's reply to the peer: the worker's address as UCX 1.13 packs it for
-    // wireup, and the peer's endpoint id (the one the reply names).
-    REQUIRE(recorded.front()[0] == 2);
-    const std::string reply_address = recorded.front().substr(20);
-    uint64_t peer = 0;
-    std::memcpy(&peer, recorded.front().data() + 12, 8);
+    const WorkerWithPeer::Reply reply = w.ConnectRecordingReply();
+    const std::string& reply_address = reply.address;
+    const uint64_t peer = reply.peer;
     const uint64_t real = w.Endpoint();
     INFO("the worker's endpoint to the peer has id " << std::hex << real << ", its peer's "
                                                      << peer);
     REQUIRE(real != 0);
     const size_t followed = EndpointsFollowed();
     CHECK(followed > followed_before);
-    auto from = [](std::string message, uint64_t sender) {
-      std::memcpy(&message[4], &sender, 8);
-      return message;
-    };
     struct Forged {
       const char* what;
       std::string bytes;
@@ -837,22 +844,19 @@ TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or 
         {"a request naming no endpoint, its address listing no transport",
          WorkerWithPeer::Wireup(1, 0, "\x20" + U64(0x1122334455667788) + "\xff"), 1},
         {"a request naming no endpoint, from sender id 0",
-         from(WorkerWithPeer::Wireup(1, 0, reply_address), 0), 1},
+         WorkerWithPeer::Wireup(1, 0, reply_address, 0), 1},
         {"a pre-request naming the endpoint", WorkerWithPeer::Wireup(0, real, reply_address), 1},
         {"a request naming the endpoint", WorkerWithPeer::Wireup(1, real, reply_address), 1},
         {"a reply naming the endpoint, from another sender",
          WorkerWithPeer::Wireup(2, real, reply_address), 1},
         {"a reply naming the endpoint, from its peer",
-         from(WorkerWithPeer::Wireup(2, real, reply_address), peer), 0},
+         WorkerWithPeer::Wireup(2, real, reply_address, peer), 0},
         {"an endpoint check naming the endpoint", WorkerWithPeer::Wireup(4, real, reply_address),
          0},
     };
     for (const Forged& f : forged) {
       INFO("a wireup message: " << f.what);
-      const uint64_t before = UcxRefusedMessages();
-      w.Feed("WIREUP", f.bytes);
-      for (int i = 0; i < 100; ++i) ucp_worker_progress(w.worker());
-      CHECK(UcxRefusedMessages() - before == f.refused);
+      CHECK(w.Refused("WIREUP", f.bytes, 100) == f.refused);
       CHECK(EndpointsFollowed() == followed);  // none made for it is left
       CHECK(w.Reaches(real));
     }
@@ -910,14 +914,9 @@ TEST_CASE("a put completion that comes while the worker has no put in flight is 
   WorkerWithPeer w(h);
   const uint64_t real = w.ConnectedEndpoint();
   INFO("the worker's endpoint to the peer has id " << std::hex << real);
-  const uint64_t refused = UcxRefusedMessages();
   const uint64_t completions = PutCompletionsRefused();
-  for (int i = 0; i < 3; ++i) {
-    w.Feed("CMPL", U64(real));
-    for (int k = 0; k < 10; ++k) ucp_worker_progress(w.worker());
-  }
+  for (int i = 0; i < 3; ++i) CHECK(w.Refused("CMPL", U64(real), 10) == 1);
   CHECK(PutCompletionsRefused() - completions == 3);
-  CHECK(UcxRefusedMessages() - refused == 3);
   CHECK(w.Reaches(real));
   CHECK(w.SayHello());
   CHECK_FALSE(w.peer().failed());
@@ -974,26 +973,25 @@ TEST_CASE("random wireup messages naming the worker's endpoints do not stop it")
     if (pid == 0) {
       Hardened h = Hardened::Make();
       WorkerWithPeer w(h);
-      const std::vector<std::string> recorded = w.ConnectRecordingWireup();
-      if (recorded.empty()) _exit(3);
-      const std::string reply_address = recorded.front().substr(20);
-      uint64_t peer = 0;
-      std::memcpy(&peer, recorded.front().data() + 12, 8);
+      WorkerWithPeer::Reply reply;
+      try {
+        reply = w.ConnectRecordingReply();
+      } catch (...) {
+        _exit(3);  // a failed REQUIRE: the child runs no further test
+      }
       const uint64_t real = w.Endpoint();
       std::mt19937_64 random(1000 + batch);
       for (int i = 0; i < 300; ++i) {
         const uint64_t destinations[] = {0, real, real + 2, (random() % 64) | 1};
-        const uint64_t senders[] = {peer, 0x45, (random() % 64) | 1, 0};
-        std::string address = random() % 2 ? w.address() : reply_address;
+        const uint64_t senders[] = {reply.peer, 0x45, (random() % 64) | 1, 0};
+        std::string address = random() % 2 ? w.address() : reply.address;
         for (int flips = random() % 4; flips > 0; --flips) {
           address[random() % address.size()] ^= static_cast<char>(1 << (random() % 8));
         }
         if (random() % 5 == 0) address.resize(random() % address.size() + 1);
         std::string message =
             WorkerWithPeer::Wireup(random() % 6, destinations[random() % 4], address,
-                                   random() % 3 == 0 ? 1 : 0);
-        const uint64_t sender = senders[random() % 4];
-        std::memcpy(&message[4], &sender, 8);
+                                   senders[random() % 4], random() % 3 == 0 ? 1 : 0);
         message[2] = static_cast<char>(random() % 4);  // the connection number
         {
           std::ofstream last(last_path, std::ios::trunc);
@@ -1001,8 +999,7 @@ TEST_CASE("random wireup messages naming the worker's endpoints do not stop it")
                               fmt::join(std::vector<uint8_t>(message.begin(), message.end()), ""))
                << std::endl;
         }
-        w.Feed("WIREUP", message);
-        for (int k = 0; k < 10; ++k) ucp_worker_progress(w.worker());
+        w.Refused("WIREUP", message, 10);
       }
       _exit(0);
     }
