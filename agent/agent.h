@@ -85,6 +85,9 @@ struct AgentOptions {
   // Replies to one peer endpoint that may wait unread in UCX (--ucx-held-replies; main
   // sets transport::SetHeldRepliesPerEndpoint from it).
   uint64_t ucx_held_replies = 65536;
+  // Endpoints UCX may make for peers' wireup requests and checks that the agent did not
+  // open itself (--ucx-peer-endpoints; main sets transport::SetPeerEndpointCap).
+  uint64_t ucx_peer_endpoints = 1024;
   bool shm_direct = true;
   // Memory objects of one same-host peer mapped here (--max-peer-memory-objects).
   uint32_t max_peer_memory_objects = 4096;

@@ -631,6 +631,9 @@ void FillAgentStatus(const ServiceDeps& deps, v1::AgentStatus* status) {
   const transport::HeldReplies held = transport::HeldRepliesNow();
   status->set_ucx_held_replies(held.held);
   status->set_ucx_held_replies_refused(held.refused);
+  const transport::PeerEndpoints peer_made = transport::PeerEndpointsNow();
+  status->set_ucx_peer_endpoints(peer_made.live);
+  status->set_ucx_peer_endpoints_refused(peer_made.refused);
   status->set_dropped_peer_messages(deps.counters->dropped_peer_messages.load() +
                                     deps.worker->unknown_messages() +
                                     transport::UcxRefusedMessages() +

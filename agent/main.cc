@@ -294,6 +294,8 @@ KVAGENT_FLAG(Count<uint32_t>, ucx_tcp_host_ttl_ms, "ucx-tcp-host-ttl-ms",
              {Defaults().ucx_tcp_host_ttl_ms}, "");
 KVAGENT_FLAG(Count<uint64_t>, ucx_held_replies, "ucx-held-replies",
              {Defaults().ucx_held_replies}, "");
+KVAGENT_FLAG(Count<uint64_t>, ucx_peer_endpoints, "ucx-peer-endpoints",
+             {Defaults().ucx_peer_endpoints}, "");
 KVAGENT_FLAG(AutoOff, shm_direct, "shm-direct", AutoOff{Defaults().shm_direct}, "");
 KVAGENT_FLAG(Count<uint32_t>, max_peer_memory_objects, "max-peer-memory-objects",
              {Defaults().max_peer_memory_objects}, "");
@@ -474,6 +476,13 @@ absl::Status ReadFlags(kvagent::agent::AgentOptions* options, uint32_t* grace_ms
         "have that many replies in flight (the default, 65536, holds at most about 22 MiB "
         "per endpoint)",
         options->ucx_held_replies));
+  }
+  options->ucx_peer_endpoints = GetFlag(FLAGS_ucx_peer_endpoints).value;
+  if (options->ucx_peer_endpoints < 16) {
+    return absl::InvalidArgumentError(fmt::format(
+        "--ucx-peer-endpoints: {} is below 16; each peer agent connected to this one may "
+        "hold one (the default, 1024, holds at most about 18 MiB)",
+        options->ucx_peer_endpoints));
   }
   if (options->ucx_tcp_host_ttl_ms < 100) {
     return absl::InvalidArgumentError(fmt::format(
@@ -668,6 +677,8 @@ int main(int argc, char** argv) {
   }
   // What a peer that posts software puts and gets without reading the replies may hold.
   kvagent::transport::SetHeldRepliesPerEndpoint(options.ucx_held_replies);
+  // How many endpoints peers' wireup requests and checks may have UCX make.
+  kvagent::transport::SetPeerEndpointCap(options.ucx_peer_endpoints);
   // The biggest fragmented active message a peer may send that this agent's handlers
   // take: a staged chunk (the larger of StagerOptions::max_chunk_message and this
   // agent's chunk) with its header (InboxLimits::max_staged_header_bytes); in all, four

@@ -360,6 +360,7 @@ std::string RenderMetrics(const MetricsSources& sources) {
   // processes of this host refused (SameHostTargetAdmitted).
   const transport::RetiredMappings retired = transport::RetiredMappingsNow();
   const transport::HeldReplies held = transport::HeldRepliesNow();
+  const transport::PeerEndpoints peer_made = transport::PeerEndpointsNow();
   const transport::AmAssembly assembly = transport::AmAssemblyNow();
   const struct {
     const char* name;
@@ -393,6 +394,18 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "Software puts and gets dropped because their endpoint had --ucx-held-replies "
        "replies waiting unread (also in dropped_peer_messages).",
        held.refused},
+      {"kvagent_ucx_peer_endpoints", "gauge",
+       "Endpoints UCX made for peers' wireup requests and checks that this agent did not "
+       "open itself (about 17.5 KiB each): one per peer endpoint connected to this agent.",
+       peer_made.live},
+      {"kvagent_ucx_peer_endpoints_peak", "gauge",
+       "The most of them UCX's worker ever held: what honest peers need of "
+       "--ucx-peer-endpoints.",
+       peer_made.peak},
+      {"kvagent_ucx_peer_endpoints_refused_total", "counter",
+       "Peers' wireup requests and checks refused because UCX's worker held "
+       "--ucx-peer-endpoints endpoints made for peers (also in dropped_peer_messages).",
+       peer_made.refused},
       {"kvagent_ucx_am_assembling", "gauge",
        "Peers' active messages of several fragments being assembled now.", assembly.messages},
       {"kvagent_ucx_am_assembling_bytes", "gauge",

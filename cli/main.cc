@@ -289,15 +289,18 @@ void PrintStatus(const kvagent::v1::AgentStatus& s) {
   std::printf("memory       %lu faults caught (regions whose memory vanished)\n",
               static_cast<unsigned long>(s.memory_faults()));
   std::printf("refused      %lu calls, %lu peer messages dropped (%lu connections to UCX's "
-              "TCP port and %lu software puts and gets over --ucx-held-replies among them); "
-              "UCX's TCP port keeps connections from %lu peer hosts; %lu replies wait unread "
-              "in UCX\n",
+              "TCP port, %lu software puts and gets over --ucx-held-replies and %lu wireup "
+              "requests over --ucx-peer-endpoints among them); UCX's TCP port keeps "
+              "connections from %lu peer hosts; %lu replies wait unread in UCX; UCX holds %lu "
+              "endpoints for peers\n",
               static_cast<unsigned long>(s.refused_calls()),
               static_cast<unsigned long>(s.dropped_peer_messages()),
               static_cast<unsigned long>(s.ucx_tcp_refused_connections()),
               static_cast<unsigned long>(s.ucx_held_replies_refused()),
+              static_cast<unsigned long>(s.ucx_peer_endpoints_refused()),
               static_cast<unsigned long>(s.ucx_tcp_allowed_hosts()),
-              static_cast<unsigned long>(s.ucx_held_replies()));
+              static_cast<unsigned long>(s.ucx_held_replies()),
+              static_cast<unsigned long>(s.ucx_peer_endpoints()));
   std::printf("liveness     %lu pings answered, %lu datagrams dropped (malformed, unknown key, "
               "bad MAC, wrong incarnation, replayed); %lu peers lost, %lu pings refused by a "
               "full door\n",

@@ -3,7 +3,8 @@
 // wireup message UCX 1.13 would stop the process on is refused instead (ucx_hardening.h,
 // NoteEndpointCreated and ReplyNames): a request whose address lists no transport this
 // agent reaches, one that would give an endpoint lanes of another configuration, and a
-// reply whose sender contradicts its endpoint's peer. These functions are UCP's
+// reply whose sender contradicts its endpoint's peer; and so that the endpoints UCP
+// makes for peers' requests and checks stay within a cap (PeerEndpointAdmitted). These functions are UCP's
 // internal ones (exported by libucp and called through its PLT, as `objdump -R
 // libucp.so` lists), of UCX 1.13's signatures (HardenUcxForPeers refuses another UCX;
 // unhardened, the stand-ins only pass the calls on). kvagentd links this object and
@@ -40,8 +41,20 @@ Fn Next(Fn, const char* name) {
   return reinterpret_cast<Fn>(dlsym(RTLD_NEXT, name));
 }
 
-// The name UCX 1.13's wireup gives an endpoint it creates for a peer's request.
+// The names UCX 1.13's wireup gives the endpoints it creates for a peer's request and
+// for its answer to a peer's endpoint check.
 constexpr char kForRequest[] = "remote-request";
+constexpr char kForCheckReply[] = "wireup ep_check reply";
+// UCS_CONN_MATCH_QUEUE_UNEXP: the endpoints UCP made for requests, not yet the user's.
+constexpr int kUnexpectedQueue = 1;
+
+kvagent::transport::MadeFor MadeForMessage(const char* message) {
+  using kvagent::transport::MadeFor;
+  if (message == nullptr) return MadeFor::kAgent;
+  if (std::strcmp(message, kForRequest) == 0) return MadeFor::kRequest;
+  if (std::strcmp(message, kForCheckReply) == 0) return MadeFor::kCheckReply;
+  return MadeFor::kAgent;
+}
 
 using RemoveFn = void (*)(ucp_worker_h, ucp_ep_h);
 RemoveFn NextRemove() {
@@ -63,11 +76,11 @@ extern "C" ucs_status_t ucp_ep_create_base(ucp_worker_h worker, unsigned ep_init
                                            ucp_ep_h* ep_p) {
   static const auto next = Next(&ucp_ep_create_base, "ucp_ep_create_base");
   if (next == nullptr) return UCS_ERR_UNSUPPORTED;
+  const hardening::MadeFor made_for = MadeForMessage(message);
+  // Past the worker's cap of endpoints made for peers, UCP answers nothing.
+  if (!hardening::PeerEndpointAdmitted(worker, made_for)) return UCS_ERR_EXCEEDS_LIMIT;
   const ucs_status_t status = next(worker, ep_init_flags, peer_name, message, ep_p);
-  if (status == UCS_OK) {
-    hardening::NoteEndpointCreated(worker, *ep_p,
-                                   message != nullptr && std::strcmp(message, kForRequest) == 0);
-  }
+  if (status == UCS_OK) hardening::NoteEndpointCreated(worker, *ep_p, made_for);
   return status;
 }
 
@@ -120,6 +133,8 @@ extern "C" ucp_ep_h ucp_ep_match_retrieve(ucp_worker_h worker, uint64_t dest_uui
   if (next == nullptr) return nullptr;
   ucp_ep_h ep = next(worker, dest_uuid, conn_sn, conn_queue_type);
   hardening::EndpointMatched(ep);
+  // The agent's ucp_ep_create takes over an endpoint UCP made for a peer's request.
+  if (conn_queue_type == kUnexpectedQueue) hardening::EndpointAdopted(ep);
   return ep;
 }
 

@@ -361,6 +361,7 @@ constexpr uint8_t kWireupPreRequest = 0;
 constexpr uint8_t kWireupRequest = 1;
 constexpr uint8_t kWireupReply = 2;
 constexpr uint8_t kWireupAck = 3;
+constexpr uint8_t kWireupEndpointCheck = 4;
 // A worker address (UCX 1.13's, version 1) with no transport: its header (a worker
 // uuid follows), the uuid (0), then the end of its devices.
 constexpr char kEmptyAddress[] = {0x20, 0, 0, 0, 0, 0, 0, 0, 0, static_cast<char>(0xff)};
@@ -768,6 +769,8 @@ std::map<EndpointKey, const void*>* g_endpoint_of ABSL_GUARDED_BY(g_held_mu) =
 uint64_t g_held_total ABSL_GUARDED_BY(g_held_mu) = 0;
 uint64_t g_held_peak ABSL_GUARDED_BY(g_held_mu) = 0;  // the most one endpoint ever had
 std::atomic<uint64_t> g_held_cap{kDefaultHeldRepliesPerEndpoint};
+// Endpoints UCP may make for peers' messages, per worker (SetPeerEndpointCap).
+std::atomic<uint64_t> g_peer_made_cap{kDefaultPeerEndpoints};
 std::atomic<uint64_t> g_held_refused{0};
 // The UCT active message ids of a put's completion and a get's reply (their places in
 // ucp_am_handlers; -1 until hardened).
@@ -924,24 +927,36 @@ void CountHeldRefused(size_t k, size_t length, uint64_t held, bool all) {
             kProtocols[k].name, length, mine, held);
 }
 
-// The wireup message UCP handles on this thread now: its type and sender's endpoint id,
+// The wireup message UCP handles on this thread now: its type, sender's endpoint id and
+// worker uuid (the 8 bytes after its address's first; 0 when the message is shorter),
 // and (a reply) the copy UCP reads, whose sender id ReplyNames may rewrite.
 struct WireupInFlight {
   uint8_t type = 0;
   uint64_t sender = 0;
+  uint64_t uuid = 0;
   char* copy = nullptr;
 };
 thread_local WireupInFlight* t_wireup = nullptr;
 
+bool CheckDroppedAtCap(const void* worker, uint64_t uuid);
+
 // Hands a wireup message that passed to UCP's handler `original`, with the message in
 // flight noted for the endpoint stand-ins; a reply as a copy (UCT's buffer may be
-// shared memory its sender writes).
-ucs_status_t ServeWireup(uct_am_callback_t original, void* arg, void* data, size_t length,
-                         unsigned flags) {
+// shared memory its sender writes). An endpoint check that comes while `worker` (null:
+// UCP's proxy, which calls the handler again with the worker) holds the cap of
+// endpoints made for peers is dropped.
+ucs_status_t ServeWireup(uct_am_callback_t original, void* arg, const void* worker, void* data,
+                         size_t length, unsigned flags) {
   WireupInFlight in;
   const auto* bytes = static_cast<const char*>(data);
   in.type = static_cast<uint8_t>(bytes[0]);
   std::memcpy(&in.sender, bytes + kWireupSenderAt, 8);
+  if (length >= kWireupHeaderBytes + 1 + 8) {
+    std::memcpy(&in.uuid, bytes + kWireupHeaderBytes + 1, 8);
+  }
+  if (in.type == kWireupEndpointCheck && worker != nullptr && CheckDroppedAtCap(worker, in.uuid)) {
+    return UCS_OK;
+  }
   std::string copy;
   if (in.type == kWireupReply) {
     copy.assign(bytes, length);
@@ -1013,7 +1028,7 @@ ucs_status_t Checked(void* arg, void* data, size_t length, unsigned flags) {
     t_serving.active = false;
     return status;
   } else if constexpr (K == kWireupIndex) {
-    return ServeWireup(original, arg, data, length, flags);
+    return ServeWireup(original, arg, kProxy ? nullptr : arg, data, length, flags);
   } else {
     return original(arg, data, length, flags);
   }
@@ -1224,6 +1239,10 @@ std::vector<std::string> UcxRefusedProtocols() {
       "put or get (software RMA) whose endpoint has {} replies waiting unread "
       "(--ucx-held-replies)",
       g_held_cap.load()));
+  names.push_back(fmt::format(
+      "wireup request or endpoint check that would have UCX make an endpoint past the {} it "
+      "holds for peers (--ucx-peer-endpoints)",
+      g_peer_made_cap.load()));
   names.push_back(
       "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
       "domain)");
@@ -2017,18 +2036,47 @@ HeldReplies HeldRepliesNow() {
 }
 
 namespace {
-// An endpoint UCP created: its worker, whether UCP made it for a peer's wireup request,
-// its configuration's index once UCP found one for its lanes (-1 before), and its peer's
-// endpoint id once a wireup message gave it (0 before).
+// An endpoint UCP created: its worker, what UCP made it for, its configuration's index
+// once UCP found one for its lanes (-1 before), its peer's endpoint id once a wireup
+// message gave it (0 before), and whether it holds a place of its worker's peer-made
+// endpoints (made for a peer's message and not adopted by the agent).
 struct Followed {
   const void* worker;
-  bool for_request;
+  MadeFor made_for;
   int configuration = -1;
   uint64_t peer = 0;
+  bool counted = false;
 };
 absl::Mutex g_endpoints_mu;
 absl::flat_hash_map<const void*, Followed>* g_endpoints ABSL_GUARDED_BY(g_endpoints_mu) =
     new absl::flat_hash_map<const void*, Followed>();
+// Each worker's endpoints made for peers' messages, held now (PeerEndpointAdmitted).
+absl::flat_hash_map<const void*, uint64_t>* g_peer_made ABSL_GUARDED_BY(g_endpoints_mu) =
+    new absl::flat_hash_map<const void*, uint64_t>();
+uint64_t g_peer_made_total ABSL_GUARDED_BY(g_endpoints_mu) = 0;
+uint64_t g_peer_made_peak ABSL_GUARDED_BY(g_endpoints_mu) = 0;
+std::atomic<uint64_t> g_peer_made_refused{0};
+
+// Gives up `followed`'s place among its worker's peer-made endpoints, if it holds one.
+void ReleasePlace(Followed& followed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_endpoints_mu) {
+  if (!followed.counted) return;
+  followed.counted = false;
+  --g_peer_made_total;
+  auto it = g_peer_made->find(followed.worker);
+  if (it != g_peer_made->end() && --it->second == 0) g_peer_made->erase(it);
+}
+
+// Counts and logs a peer's request or check that `worker` has no room for.
+void CountPeerEndpointRefused(MadeFor made_for, uint64_t uuid, uint64_t held) {
+  g_peer_made_refused.fetch_add(1, std::memory_order_relaxed);
+  uint64_t mine = 0;
+  if (!CountDropped(kWireupIndex, &mine)) return;
+  kLog.Warn("UCX: refused a peer's wireup {} from worker {:#x} ({} so far): this worker holds "
+            "{} endpoints UCX made for peers' requests and checks, the most it keeps "
+            "(--ucx-peer-endpoints); UCX answers nothing. Each peer agent connected to this "
+            "one holds one: raise the flag if more connect, or stop the sender",
+            made_for == MadeFor::kRequest ? "request" : "endpoint check", uuid, mine, held);
+}
 // The endpoint whose lanes UCP sets up on this thread now, and the last one whose new
 // configuration was refused here (its failure is not UCP's to carry out).
 thread_local const void* t_lanes_for = nullptr;
@@ -2039,15 +2087,63 @@ void CountWireupRefused(const std::string& why) {
   if (!CountDropped(kWireupIndex, &mine)) return;
   kLog.Warn("UCX: refused a peer's wireup message ({} so far): {}", mine, why);
 }
+
+// The endpoints made for peers' messages that `worker` holds now.
+uint64_t PeerMadeBy(const void* worker) {
+  absl::MutexLock lock(&g_endpoints_mu);
+  auto it = g_peer_made->find(worker);
+  return it == g_peer_made->end() ? 0 : it->second;
+}
+
+// True (counted and logged) when `worker` holds the cap of peer-made endpoints: an
+// endpoint check from worker `uuid` is then dropped.
+bool CheckDroppedAtCap(const void* worker, uint64_t uuid) {
+  const uint64_t held = PeerMadeBy(worker);
+  if (held < g_peer_made_cap.load()) return false;
+  CountPeerEndpointRefused(MadeFor::kCheckReply, uuid, held);
+  return true;
+}
 }  // namespace
 
-void NoteEndpointCreated(const void* worker, const void* ep, bool for_request) {
+void NoteEndpointCreated(const void* worker, const void* ep, MadeFor made_for) {
   if (!UcxHardenedForPeers()) return;
   // Made while a wireup message is handled (for a request, or to answer an endpoint
   // check), it takes the message's sender as its peer.
   const uint64_t peer = t_wireup != nullptr ? t_wireup->sender : 0;
   absl::MutexLock lock(&g_endpoints_mu);
-  (*g_endpoints)[ep] = Followed{worker, for_request, -1, peer};
+  Followed& followed = (*g_endpoints)[ep];
+  ReleasePlace(followed);  // an address UCP reuses: the old endpoint was not forgotten
+  followed = Followed{worker, made_for, -1, peer, made_for != MadeFor::kAgent};
+  if (!followed.counted) return;
+  ++g_peer_made_total;
+  g_peer_made_peak = std::max(g_peer_made_peak, ++(*g_peer_made)[worker]);
+}
+
+void SetPeerEndpointCap(uint64_t cap) { g_peer_made_cap.store(std::max<uint64_t>(cap, 1)); }
+
+bool PeerEndpointAdmitted(const void* worker, MadeFor made_for) {
+  if (!UcxHardenedForPeers() || made_for == MadeFor::kAgent) return true;
+  const uint64_t held = PeerMadeBy(worker);
+  if (held < g_peer_made_cap.load()) return true;
+  CountPeerEndpointRefused(made_for, t_wireup != nullptr ? t_wireup->uuid : 0, held);
+  return false;
+}
+
+void EndpointAdopted(const void* ep) {
+  if (ep == nullptr) return;
+  absl::MutexLock lock(&g_endpoints_mu);
+  if (auto it = g_endpoints->find(ep); it != g_endpoints->end()) ReleasePlace(it->second);
+}
+
+PeerEndpoints PeerEndpointsNow() {
+  PeerEndpoints now;
+  now.cap = g_peer_made_cap.load();
+  now.refused = g_peer_made_refused.load(std::memory_order_relaxed);
+  absl::MutexLock lock(&g_endpoints_mu);
+  now.live = g_peer_made_total;
+  now.peak = g_peer_made_peak;
+  for (const auto& [worker, held] : *g_peer_made) now.most = std::max(now.most, held);
+  return now;
 }
 
 void EndpointMatched(const void* ep) {
@@ -2113,7 +2209,8 @@ EndpointFailure EndpointFailing(const void* ep, const void** worker) {
   {
     absl::MutexLock lock(&g_endpoints_mu);
     auto it = g_endpoints->find(ep);
-    if (it == g_endpoints->end() || !it->second.for_request || it->second.configuration >= 0) {
+    if (it == g_endpoints->end() || it->second.made_for != MadeFor::kRequest ||
+        it->second.configuration >= 0) {
       return EndpointFailure::kFail;
     }
     *worker = it->second.worker;
@@ -2126,7 +2223,10 @@ EndpointFailure EndpointFailing(const void* ep, const void** worker) {
 
 void ForgetEndpoint(const void* ep) {
   absl::MutexLock lock(&g_endpoints_mu);
-  g_endpoints->erase(ep);
+  auto it = g_endpoints->find(ep);
+  if (it == g_endpoints->end()) return;
+  ReleasePlace(it->second);
+  g_endpoints->erase(it);
 }
 
 size_t EndpointsFollowed() {

@@ -370,7 +370,7 @@ void LeaveRetireFlushes(const void* worker);
 // configuration stopped it at once ("endpoint reconfiguration not supported yet"; so
 // did one naming an endpoint, which the checked handler drops). The stand-ins in
 // transport:ucp_endpoint_stand_in (kvagentd only) follow every endpoint from its
-// creation (NoteEndpointCreated; `for_request`: UCP made it for a peer's request)
+// creation (NoteEndpointCreated, with what UCP made it for)
 // through each setup of its lanes (a LanesSetUp on the thread around it), in which
 // UCP finds the endpoint's configuration (ConfigurationFound, with its index: false
 // refuses one that differs from the endpoint's own, which the stand-in then fails as
@@ -383,7 +383,12 @@ void LeaveRetireFlushes(const void* worker);
 // message (UcxRefusedMessages) and is logged (the first few and every 1,024th).
 // Unhardened, nothing is followed and the stand-ins only pass UCP's calls on.
 enum class EndpointFailure { kFail, kRemove, kKeep };
-void NoteEndpointCreated(const void* worker, const void* ep, bool for_request);
+// Who an endpoint UCP creates is for: the agent (ucp_ep_create), a peer's wireup
+// request that matched none of the agent's ("remote-request"), or the reply to a
+// peer's endpoint check naming an endpoint this worker does not have ("wireup ep_check
+// reply", destroyed once its one message is flushed).
+enum class MadeFor { kAgent, kRequest, kCheckReply };
+void NoteEndpointCreated(const void* worker, const void* ep, MadeFor made_for);
 class LanesSetUp {
  public:
   explicit LanesSetUp(const void* ep);
@@ -413,5 +418,35 @@ EndpointFailure EndpointFailing(const void* ep, const void** worker);
 void ForgetEndpoint(const void* ep);
 // Endpoints followed now (for tests: each is forgotten as UCP destroys it).
 size_t EndpointsFollowed();
+
+// Endpoints UCP makes for peers' messages. Each wireup request that matches none of the
+// agent's own endpoints has UCP create one for its sender, and each endpoint check
+// naming an endpoint this worker lacks one for its answer; without peer error handling
+// (a same-host peer's, or a request asking for none) one made for a request lasts until
+// the worker ends, with lanes to whatever address the request gave. In UCX 1.13 a
+// peer's forged requests (the same 139 bytes, each with another sender id) grew the
+// process by about 17.5 KiB each, without end. Here each worker holds at most `cap` of
+// them (SetPeerEndpointCap; kvagentd's --ucx-peer-endpoints): UCP's endpoint for a
+// request or check past it is refused before it is created (the ucp_ep_create_base
+// stand-in calls PeerEndpointAdmitted; UCP then answers nothing), and an endpoint check
+// that comes while the worker is at its cap is dropped (UCP would only log its
+// refusal), each counted in UcxRefusedMessages and PeerEndpoints::refused and logged
+// (the first few and every 1,024th) with the sender's worker uuid. One the agent's own
+// ucp_ep_create adopts (UCP hands it an unexpected connection's endpoint:
+// EndpointAdopted, the ucp_ep_match_retrieve stand-in) is the agent's and counts no
+// more; one UCP destroys frees its place. An honest peer agent holds one per endpoint
+// it has to this agent that this agent did not also open to it.
+inline constexpr uint64_t kDefaultPeerEndpoints = 1024;
+void SetPeerEndpointCap(uint64_t cap);
+bool PeerEndpointAdmitted(const void* worker, MadeFor made_for);
+void EndpointAdopted(const void* ep);
+struct PeerEndpoints {
+  uint64_t live = 0;     // endpoints UCP made for peers' messages now, all workers
+  uint64_t most = 0;     // on the worker with the most
+  uint64_t peak = 0;     // the most one worker ever held
+  uint64_t refused = 0;  // requests and checks refused at the cap so far
+  uint64_t cap = 0;
+};
+PeerEndpoints PeerEndpointsNow();
 
 }  // namespace kvagent::transport

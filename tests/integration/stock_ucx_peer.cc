@@ -36,34 +36,56 @@ StockUcxPeer::StockUcxPeer(const std::string& address, bool peer_errors,
   worker.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker.thread_mode = UCS_THREAD_MODE_SINGLE;
   REQUIRE(ucp_worker_create(context_, &worker, &worker_) == UCS_OK);
+  address_ = address;
+  peer_errors_ = peer_errors;
+  ep_ = AnotherEndpoint();
+  more_.clear();
+}
+
+ucp_ep_h StockUcxPeer::AnotherEndpoint() {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  ep.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  ep.address = reinterpret_cast<const ucp_address_t*>(address_.data());
+  ep.err_mode = peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = [](void* self, ucp_ep_h, ucs_status_t) {
     static_cast<StockUcxPeer*>(self)->failed_ = true;
   };
   ep.err_handler.arg = this;
-  REQUIRE(ucp_ep_create(worker_, &ep, &ep_) == UCS_OK);
+  ucp_ep_h made = nullptr;
+  REQUIRE(ucp_ep_create(worker_, &ep, &made) == UCS_OK);
+  more_.push_back(made);
+  return made;
 }
 
 StockUcxPeer::~StockUcxPeer() {
   Forget();
   for (ucp_rkey_h rkey : rkeys_) ucp_rkey_destroy(rkey);
-  ucp_request_param_t close{};
-  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t closing = ucp_ep_close_nbx(ep_, &close);
-  if (UCS_PTR_IS_PTR(closing)) {
-    const auto until = Clock::now() + std::chrono::milliseconds(kCloseMs);
-    while (ucp_request_check_status(closing) == UCS_INPROGRESS && Clock::now() < until) {
-      ucp_worker_progress(worker_);
+  more_.push_back(ep_);
+  for (ucp_ep_h ep : more_) {
+    ucp_request_param_t close{};
+    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t closing = ucp_ep_close_nbx(ep, &close);
+    if (UCS_PTR_IS_PTR(closing)) {
+      const auto until = Clock::now() + std::chrono::milliseconds(kCloseMs);
+      while (ucp_request_check_status(closing) == UCS_INPROGRESS && Clock::now() < until) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(closing);
     }
-    ucp_request_free(closing);
   }
   ucp_worker_destroy(worker_);
   ucp_cleanup(context_);
+}
+
+std::string StockUcxPeer::Address() const {
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  REQUIRE(ucp_worker_get_address(worker_, &address, &length) == UCS_OK);
+  std::string out(reinterpret_cast<const char*>(address), length);
+  ucp_worker_release_address(worker_, address);
+  return out;
 }
 
 ucp_rkey_h StockUcxPeer::Unpack(const std::string& packed) {

@@ -25,6 +25,12 @@ class StockUcxPeer {
   StockUcxPeer& operator=(const StockUcxPeer&) = delete;
 
   ucp_ep_h ep() const { return ep_; }
+  // Opens one more endpoint to the same worker, of the same error mode (closed with the
+  // peer; UCP sends its wireup request with its first message that needs the other
+  // side's endpoint, such as an active message with reply).
+  ucp_ep_h AnotherEndpoint();
+  // This peer's worker address (ucp_worker_get_address), for the other side to connect.
+  std::string Address() const;
   // True once UCX reported the endpoint failed.
   bool failed() const { return failed_; }
   // Unpacks a packed rkey for the endpoint (destroyed with the peer).
@@ -42,6 +48,9 @@ class StockUcxPeer {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
+  std::vector<ucp_ep_h> more_;
+  std::string address_;
+  bool peer_errors_ = false;
   bool failed_ = false;
   std::vector<ucp_rkey_h> rkeys_;
   std::vector<ucs_status_ptr_t> tracked_;

@@ -2589,5 +2589,84 @@ TEST_CASE("a peer opening many endpoints and reading none holds at most 4 x "
   RequireHonestWrite(stage.pair, "after-many-endpoints", {1, 2}, {1, 2});
 }
 
+// A peer may open endpoints to an agent's UCX without end, and each has UCX make one
+// for it in the agent (about 17.5 KiB) at its first message that needs the agent's side
+// (here an active message with reply), for as long as the peer's endpoint lives. The
+// agent's worker holds at most --ucx-peer-endpoints of them: each request past it is
+// refused (UCX answers nothing, so that endpoint's message waits), counted and logged,
+// and the other peer's transfers still move. When the peer goes, UCX's peer error
+// handling ends what the agent made for it, and its places are free again.
+TEST_CASE("a peer opening endpoints without end has the agent hold at most "
+          "--ucx-peer-endpoints for it; the rest are refused and counted") {
+  constexpr uint64_t kCap = 16;
+  constexpr size_t kOpened = 40;
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-peer-endpoints", std::to_string(kCap), "--metrics-listen",
+                        "127.0.0.1:0"};
+  AgentPair pair(options);
+  const std::string metrics = MetricsAddress(pair.decode());
+  auto eve = PeerCaller::Attach(pair.decode_process(), "eve");
+  const v1::AgentMetadata metadata = eve->Metadata("eve");
+  const std::string at_start = Scrape(metrics);
+  const double held_before = Value(at_start, "kvagent_ucx_peer_endpoints");
+  CHECK(held_before < static_cast<double>(kCap));
+  CHECK(Value(at_start, "kvagent_ucx_peer_endpoints_refused_total") == 0);
+  const double expected_refused = static_cast<double>(kOpened) - (kCap - held_before);
+  {
+    StockUcxPeer stock(metadata.worker_address(), /*peer_errors=*/true, "");  // tcp
+    std::vector<ucp_ep_h> endpoints = {stock.ep()};
+    while (endpoints.size() < kOpened) endpoints.push_back(stock.AnotherEndpoint());
+    ucp_request_param_t with_reply{};
+    with_reply.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    with_reply.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    static const char kHello[] = "hello";
+    for (ucp_ep_h ep : endpoints) {
+      stock.Track(ucp_am_send_nbx(ep, 7, nullptr, 0, kHello, sizeof kHello, &with_reply));
+    }
+    std::string scraped;
+    const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
+    while (Clock::now() < until) {
+      stock.Progress(200);
+      scraped = Scrape(metrics);
+      if (Value(scraped, "kvagent_ucx_peer_endpoints_refused_total") >= expected_refused) break;
+    }
+    stock.Progress(500);  // nothing more comes
+    scraped = Scrape(metrics);
+    size_t answered = 0;
+    for (size_t i = 0; i < kOpened; ++i) answered += stock.Status(i) == UCS_OK ? 1 : 0;
+    std::printf("eve opened %zu endpoints to decode (cap %llu, %.0f held before): decode holds "
+                "%.0f, refused %.0f; %zu of eve's messages went out\n",
+                kOpened, static_cast<unsigned long long>(kCap), held_before,
+                Value(scraped, "kvagent_ucx_peer_endpoints"),
+                Value(scraped, "kvagent_ucx_peer_endpoints_refused_total"), answered);
+    CHECK(Value(scraped, "kvagent_ucx_peer_endpoints") == static_cast<double>(kCap));
+    CHECK(Value(scraped, "kvagent_ucx_peer_endpoints_peak") == static_cast<double>(kCap));
+    CHECK(Value(scraped, "kvagent_ucx_peer_endpoints_refused_total") == expected_refused);
+    CHECK(static_cast<double>(answered) == kCap - held_before);
+    REQUIRE(Alive(pair.decode_process().pid()));
+    std::ifstream log(pair.decode_process().log_path());
+    CHECK_THAT(std::string((std::istreambuf_iterator<char>(log)),
+                           std::istreambuf_iterator<char>()),
+               Contains("refused a peer's wireup request from worker"));
+    const auto status = pair.decode().Status();
+    REQUIRE(status.ok());
+    CHECK(static_cast<double>(status->ucx_peer_endpoints()) == kCap);
+    CHECK(static_cast<double>(status->ucx_peer_endpoints_refused()) == expected_refused);
+    CHECK(status->dropped_peer_messages() >= status->ucx_peer_endpoints_refused());
+    RequireHonestWrite(pair, "beside-peer-endpoints", {1, 2}, {1, 2});
+    stock.Forget();
+  }
+  // eve's worker is gone: decode's UCX sees each endpoint fail and ends what it made.
+  double held = -1;
+  const auto until = Clock::now() + std::chrono::milliseconds(3 * kTimeoutMs);
+  while (Clock::now() < until) {
+    held = Value(Scrape(metrics), "kvagent_ucx_peer_endpoints");
+    if (held == held_before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  CHECK(held == held_before);
+  RequireHonestWrite(pair, "after-peer-endpoints", {3}, {3});
+}
+
 }  // namespace
 }  // namespace kvagent::testing

@@ -199,6 +199,7 @@ TEST_CASE("kvagentd refuses a bad value of every kind of flag, naming flag and v
   ExpectRefused({"--ucx-tcp-remote=nobody"},
                 {"--ucx-tcp-remote", "'nobody'", "neither peers nor any", "fence UCX's ports"});
   ExpectRefused({"--ucx-held-replies=100"}, {"--ucx-held-replies", "100 is below 256"});
+  ExpectRefused({"--ucx-peer-endpoints=8"}, {"--ucx-peer-endpoints", "8 is below 16"});
   ExpectRefused({"--ucx-tcp-host-ttl-ms=50"},
                 {"--ucx-tcp-host-ttl-ms", "50 is below 100", "reconnect"});
   ExpectRefused({"--max-regions=lots"}, {"--max-regions", "'lots'", "non-negative integer"});

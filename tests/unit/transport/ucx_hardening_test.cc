@@ -90,7 +90,7 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
   CHECK(UcxHardenedForPeers());
   CHECK(HardenUcxForPeers().ok());  // later calls return the first outcome
   const std::vector<std::string> refused = UcxRefusedProtocols();
-  CHECK(refused.size() == 20);
+  CHECK(refused.size() == 21);
   for (const char* name :
        {"put (software RMA) outside peer memory", "get request (software RMA) outside peer memory",
         "atomic request", "atomic reply", "stream data", "tagged send's first fragment",
@@ -104,6 +104,8 @@ TEST_CASE("HardenUcxForPeers checks and patches UCP's table once, and names what
         "buffer or abort)",
         "put or get (software RMA) whose endpoint has 65536 replies waiting unread "
         "(--ucx-held-replies)",
+        "wireup request or endpoint check that would have UCX make an endpoint past the 1024 "
+        "it holds for peers (--ucx-peer-endpoints)",
         "remote key whose entry names a shared memory segment to attach (UCX's posix or sysv "
         "domain)",
         "remote key whose entry UCX cannot unpack (UCX 1.13 would crash releasing it)",
@@ -590,11 +592,28 @@ TEST_CASE("a stock peer's fragmented active messages arrive whole, with their re
 // with reply. Messages are fed to the callbacks UCT would call, as a hostile peer could
 // send them; `Endpoint` finds the worker's endpoint to the peer as such a peer could,
 // trying each odd id in a message with reply until one reaches the handler with it.
+// With `incoming` (which outlives it), the worker records each wireup message it takes
+// in there (UCP's handler table is read as the worker opens its interfaces).
 class WorkerWithPeer {
  public:
-  explicit WorkerWithPeer(const Hardened& h) {
+  explicit WorkerWithPeer(const Hardened& h, std::vector<std::string>* incoming = nullptr) {
     ucp_worker_params_t params{};
-    REQUIRE(ucp_worker_create(h.context->get(), &params, &worker_) == UCS_OK);
+    static std::vector<std::string>* record = nullptr;
+    static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
+    auto* wireup = static_cast<UcpProtocolEntry*>(
+        dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
+    REQUIRE(wireup != nullptr);
+    if (incoming != nullptr) {
+      record = incoming;
+      hardened_wireup = wireup->cb;
+      wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
+        record->emplace_back(static_cast<const char*>(data), length);
+        return hardened_wireup(arg, data, length, flags);
+      };
+    }
+    const ucs_status_t created = ucp_worker_create(h.context->get(), &params, &worker_);
+    if (incoming != nullptr) wireup->cb = hardened_wireup;
+    REQUIRE(created == UCS_OK);
     delivered_ = 0;
     TakeActiveMessage7(worker_, [](void*, const void*, size_t, void*, size_t,
                                    const ucp_am_recv_param_t* param) {
@@ -875,8 +894,8 @@ TEST_CASE("a peer's wireup message that would leave an endpoint unconfigured or 
 TEST_CASE("a second configuration for an endpoint is refused and the endpoint kept") {
   REQUIRE(HardenUcxForPeers().ok());  // endpoints are followed in a hardened process only
   int worker = 0, ep = 0, other = 0;
-  NoteEndpointCreated(&worker, &ep, false);
-  NoteEndpointCreated(&worker, &other, true);
+  NoteEndpointCreated(&worker, &ep, MadeFor::kAgent);
+  NoteEndpointCreated(&worker, &other, MadeFor::kRequest);
   const uint64_t refused = UcxRefusedMessages();
   {
     LanesSetUp lanes(&ep);
@@ -1011,6 +1030,96 @@ TEST_CASE("random wireup messages naming the worker's endpoints do not stop it")
     CHECK(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 0);
   }
+}
+
+// Each wireup request that matches none of the worker's own endpoints has UCP make an
+// endpoint for its sender, and without peer error handling it lasts as long as the
+// worker: the peer's own request sent again with other sender ids grew UCX 1.13 by
+// about 17.5 KiB an endpoint, without end (2,000 of them: +35 MiB). A worker holds at
+// most the cap of endpoints made for peers' requests and checks: past it the request
+// gets no endpoint (UCP answers nothing) and an endpoint check is dropped, each counted
+// and logged. An endpoint the worker's own ucp_ep_create takes over from a request
+// counts no more, and the peer connected before the flood still works.
+TEST_CASE("a worker holds at most its cap of endpoints made for peers' requests") {
+  constexpr uint64_t kCap = 16;
+  const PeerEndpoints before = PeerEndpointsNow();
+  const size_t followed_before = EndpointsFollowed();
+  {
+    Hardened h = Hardened::Make();
+    SetPeerEndpointCap(kCap);
+    std::vector<std::string> incoming;
+    WorkerWithPeer w(h, &incoming);
+    w.Connect();
+    // The peer's request (the first wireup message the worker took in) made one.
+    REQUIRE_FALSE(incoming.empty());
+    const std::string request = incoming.front();
+    REQUIRE(request[0] == 1);
+    CHECK(PeerEndpointsNow().live == before.live + 1);
+    // A second peer, whose endpoint the worker opens too: UCP hands the worker the one
+    // it made for the peer's request, and it is the worker's own from then on.
+    testing::StockUcxPeer second(w.address(), false, "");
+    auto wired = [&] {
+      for (int i = 0; i < 2000; ++i) {
+        ucp_worker_progress(w.worker());
+        second.Progress(0);
+      }
+    };
+    // UCP sends its wireup request with the endpoint's first message with reply.
+    ucp_request_param_t with_reply{};
+    with_reply.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    with_reply.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    second.Track(ucp_am_send_nbx(second.ep(), 7, nullptr, 0, "hi", 2, &with_reply));
+    wired();
+    CHECK(PeerEndpointsNow().live == before.live + 2);
+    const size_t followed = EndpointsFollowed();
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    const std::string second_address = second.Address();
+    params.address = reinterpret_cast<const ucp_address_t*>(second_address.data());
+    ucp_ep_h own = nullptr;
+    REQUIRE(ucp_ep_create(w.worker(), &params, &own) == UCS_OK);
+    wired();
+    CHECK(EndpointsFollowed() == followed);  // the same endpoint
+    CHECK(PeerEndpointsNow().live == before.live + 1);
+    // The first peer's request again, from other senders: the worker makes endpoints
+    // until it holds its cap, then refuses each.
+    const uint64_t refused = UcxRefusedMessages();
+    constexpr uint64_t kSent = 40;
+    for (uint64_t i = 0; i < kSent; ++i) {
+      std::string forged = request;
+      const uint64_t sender = 0x1001 + 2 * i;
+      std::memcpy(&forged[4], &sender, 8);
+      w.Refused("WIREUP", forged, 2);
+    }
+    PeerEndpoints now = PeerEndpointsNow();
+    CHECK(now.live == before.live + kCap);
+    CHECK(now.most == kCap);
+    CHECK(now.peak >= kCap);
+    CHECK(now.cap == kCap);
+    CHECK(now.refused - before.refused == kSent - (kCap - 1));
+    CHECK(UcxRefusedMessages() - refused == kSent - (kCap - 1));
+    CHECK(EndpointsFollowed() == followed + kCap - 1);
+    // An endpoint check naming an endpoint the worker lacks would make another.
+    CHECK(w.Refused("WIREUP", WorkerWithPeer::Wireup(4, 0x7001, request.substr(20), 0x77), 10) ==
+          1);
+    CHECK(PeerEndpointsNow().refused - before.refused == kSent - (kCap - 1) + 1);
+    CHECK(EndpointsFollowed() == followed + kCap - 1);
+    // The peers connected before still work.
+    CHECK(w.SayHello());
+    CHECK_FALSE(w.peer().failed());
+    ucp_request_param_t close{};
+    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t closing = ucp_ep_close_nbx(own, &close);
+    while (UCS_PTR_IS_PTR(closing) && ucp_request_check_status(closing) == UCS_INPROGRESS) {
+      ucp_worker_progress(w.worker());
+    }
+    if (UCS_PTR_IS_PTR(closing)) ucp_request_free(closing);
+  }
+  SetPeerEndpointCap(kDefaultPeerEndpoints);
+  // Each place freed as UCP destroyed its endpoint with the worker.
+  CHECK(PeerEndpointsNow().live == before.live);
+  CHECK(EndpointsFollowed() == followed_before);
 }
 
 TEST_CASE("a range admits a request inside one allowed registration of its memory type only") {
@@ -1600,3 +1709,4 @@ TEST_CASE("a peer's posix FIFO in a named directory is refused where UCX would s
 
 }  // namespace
 }  // namespace kvagent::transport
+
