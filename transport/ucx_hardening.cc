@@ -369,6 +369,126 @@ constexpr uint8_t kWireupLastType = 5;
 constexpr uint8_t kAddressVersionMask = 0x0f;
 constexpr uint8_t kAddressVersionLatest = 1;  // UCP_OBJECT_VERSION_V2 (V1 is 0)
 
+// Why a peer's worker address of `length` bytes, as a wireup message carries it, would
+// have UCX 1.13 read past its end ("" when it would not). UCP's unpacking trusts the
+// lengths and flags the address gives and reads on past the message: the walk here
+// follows it (its non-unified layout, and the flags a wireup message is unpacked with:
+// worker uuid, name, device, interface and endpoint addresses, resource index) and
+// needs each byte it reads inside the address. More than 64 transport entries, or 6
+// endpoint addresses for one, UCP refuses itself (before it reads on): so does the walk.
+std::string AddressRefusal(const uint8_t* address, size_t length) {
+  constexpr uint8_t kVersion2 = 1;           // UCP_OBJECT_VERSION_V2
+  constexpr uint8_t kHasUuid = 0x02;         // UCP_ADDRESS_HEADER_FLAG_WORKER_UUID
+  constexpr uint8_t kHasClientId = 0x04;     // UCP_ADDRESS_HEADER_FLAG_CLIENT_ID
+  constexpr uint8_t kHasName = 0x01;         // UCP_ADDRESS_HEADER_FLAG_DEBUG_INFO
+  constexpr uint8_t kNoDevice = 0xff;        // UCP_NULL_RESOURCE
+  constexpr uint8_t kLast = 0x80;            // UCP_ADDRESS_FLAG_LAST
+  constexpr uint8_t kHasEndpoints = 0x40;    // UCP_ADDRESS_FLAG_HAS_EP_ADDR
+  constexpr uint8_t kNumPaths = 0x40;        // UCP_ADDRESS_FLAG_NUM_PATHS
+  constexpr uint8_t kSystemDevice = 0x20;    // UCP_ADDRESS_FLAG_SYS_DEVICE
+  constexpr uint8_t kDeviceLength = 0x1f;    // UCP_ADDRESS_DEVICE_LEN_MASK
+  constexpr uint8_t kInterfaceLength = 0x3f;  // UCP_ADDRESS_IFACE_LEN_MASK
+  constexpr uint8_t kEmptyDevice = 0x80;     // UCP_ADDRESS_FLAG_MD_EMPTY_DEV
+  constexpr uint8_t kMdExtended = 0x7f;      // a version 2 md index continued
+  constexpr size_t kAttributesV1 = 16;       // ucp_address_packed_iface_attr_t
+  constexpr size_t kAttributesV2 = 8;        // ucp_address_v2_packed_iface_attr_t
+  constexpr size_t kMostEntries = 64;        // UCP_MAX_RESOURCES
+  constexpr size_t kMostEndpoints = 6;       // UCP_MAX_LANES
+  size_t at = 0;
+  std::string short_at;
+  // The next byte, or false (noting where) when the address has no more.
+  auto next = [&](const char* what, uint8_t* out) {
+    if (at >= length) {
+      short_at = fmt::format("{} at byte {}", what, at);
+      return false;
+    }
+    *out = address[at++];
+    return true;
+  };
+  // Skips `n` bytes that UCP reads (or hands on as an address).
+  auto skip = [&](const char* what, size_t n) {
+    if (n > length - std::min(at, length)) {
+      short_at = fmt::format("{} of {} bytes at byte {}", what, n, at);
+      return false;
+    }
+    at += n;
+    return true;
+  };
+  auto refusal = [&] {
+    return fmt::format("its worker address of {} bytes ends before its {} (UCX 1.13 reads on "
+                       "past the message)",
+                       length, short_at);
+  };
+  uint8_t header = 0;
+  if (!next("header", &header)) return refusal();
+  const bool v2 = (header & kAddressVersionMask) == kVersion2;
+  uint8_t flags = static_cast<uint8_t>(header >> 4);
+  if (v2 && !next("header flags", &flags)) return refusal();
+  if ((!v2 || (flags & kHasUuid) != 0) && !skip("worker uuid", 8)) return refusal();
+  if ((flags & kHasClientId) != 0 && !skip("client id", 8)) return refusal();
+  if ((flags & kHasName) != 0) {
+    uint8_t name = 0;
+    if (!next("worker name's length", &name) || !skip("worker name", name)) return refusal();
+  }
+  if (at >= length) {
+    short_at = fmt::format("first device at byte {}", at);
+    return refusal();
+  }
+  if (address[at] == kNoDevice) return "";
+  size_t entries = 0;
+  for (bool last_device = false; !last_device;) {
+    uint8_t md = 0, device = 0, extended = 0;
+    if (!next("device's memory domain", &md)) return refusal();
+    if (v2 && (md & kMdExtended) == kMdExtended && !next("device's memory domain", &extended)) {
+      return refusal();
+    }
+    if (!next("device address length", &device)) return refusal();
+    last_device = (device & kLast) != 0;
+    size_t device_length = device & kDeviceLength;
+    if (v2 && device_length == kDeviceLength) {
+      if (!next("device address length", &extended)) return refusal();
+      device_length = extended;
+    }
+    if ((device & kNumPaths) != 0 && !skip("device's path count", 1)) return refusal();
+    if ((device & kSystemDevice) != 0 && !skip("device's system device", 1)) return refusal();
+    if (!skip("device address", device_length)) return refusal();
+    for (bool last_entry = (md & kEmptyDevice) != 0; !last_entry;) {
+      if (++entries > kMostEntries) {
+        return fmt::format("its worker address lists more than {} transports (UCX 1.13 takes "
+                           "no more)",
+                           kMostEntries);
+      }
+      if (!skip("transport entry", 2 + (v2 ? kAttributesV2 : kAttributesV1) + 1)) {
+        return refusal();
+      }
+      uint8_t entry = 0;
+      if (!next("interface address length", &entry)) return refusal();
+      last_entry = (entry & kLast) != 0;
+      size_t interface_length = entry & kInterfaceLength;
+      if (v2 && interface_length == kInterfaceLength) {
+        if (!next("interface address length", &extended)) return refusal();
+        interface_length = extended;
+      }
+      if (!skip("interface address", interface_length)) return refusal();
+      if ((entry & kHasEndpoints) == 0) continue;
+      for (size_t endpoints = 0;; ++endpoints) {
+        if (endpoints >= kMostEndpoints) {
+          return fmt::format("its worker address gives a transport more than {} endpoint "
+                             "addresses (UCX 1.13 takes no more)",
+                             kMostEndpoints);
+        }
+        uint8_t endpoint = 0, lane = 0;
+        if (!next("endpoint address length", &endpoint) ||
+            !skip("endpoint address", endpoint) || !next("endpoint's lane", &lane)) {
+          return refusal();
+        }
+        if ((lane & kLast) != 0) break;
+      }
+    }
+  }
+  return "";
+}
+
 // Why message `data` of `length` bytes does not fit `shape` ("" when it does).
 std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
   if (shape == Shape::kAny) return "";
@@ -411,7 +531,8 @@ std::string ShapeRefusal(Shape shape, const void* data, size_t length) {
                          "aborts on it)",
                          version, kAddressVersionLatest);
     }
-    return "";
+    return AddressRefusal(reinterpret_cast<const uint8_t*>(bytes) + kWireupHeaderBytes,
+                          length - kWireupHeaderBytes);
   }
   if (shape == Shape::kRndvRts) {
     if (length < kRndvRtsBytes) {
@@ -1220,7 +1341,8 @@ std::vector<std::string> UcxRefusedProtocols() {
   names.push_back(
       "wireup message of a type UCX 1.13 does not know, naming no endpoint where it needs "
       "one, from sender id 0, with a worker address of a version it does not pack, a "
-      "pre-request, or a request naming an endpoint (it would abort)");
+      "pre-request, or a request naming an endpoint (it would abort), or whose worker "
+      "address it would read past its end");
   names.push_back(
       "wireup request whose address lists no transport this agent reaches, or that would "
       "give an endpoint a second configuration, and (made a repeat of the peer's own) a "
