@@ -4,8 +4,8 @@
 // NoteEndpointCreated and ReplyNames): a request whose address lists no transport this
 // agent reaches, one that would give an endpoint lanes of another configuration, and a
 // reply whose sender contradicts its endpoint's peer; and so that the endpoints UCP
-// makes for peers' requests and checks stay within a cap (PeerEndpointAdmitted). These functions are UCP's
-// internal ones (exported by libucp and called through its PLT, as `objdump -R
+// makes for peers' requests and checks stay within a cap (PeerEndpointAdmitted). These
+// functions are UCP's internal ones (exported by libucp and called through its PLT, as `objdump -R
 // libucp.so` lists), of UCX 1.13's signatures (HardenUcxForPeers refuses another UCX;
 // unhardened, the stand-ins only pass the calls on). kvagentd links this object and
 // exports the symbols (-Wl,--export-dynamic-symbol in BUILD), so libucp's calls bind

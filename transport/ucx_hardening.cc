@@ -890,9 +890,9 @@ std::map<EndpointKey, const void*>* g_endpoint_of ABSL_GUARDED_BY(g_held_mu) =
 uint64_t g_held_total ABSL_GUARDED_BY(g_held_mu) = 0;
 uint64_t g_held_peak ABSL_GUARDED_BY(g_held_mu) = 0;  // the most one endpoint ever had
 std::atomic<uint64_t> g_held_cap{kDefaultHeldRepliesPerEndpoint};
+std::atomic<uint64_t> g_held_refused{0};
 // Endpoints UCP may make for peers' messages, per worker (SetPeerEndpointCap).
 std::atomic<uint64_t> g_peer_made_cap{kDefaultPeerEndpoints};
-std::atomic<uint64_t> g_held_refused{0};
 // The UCT active message ids of a put's completion and a get's reply (their places in
 // ucp_am_handlers; -1 until hardened).
 std::atomic<int> g_cmpl_id{-1};
@@ -1049,8 +1049,9 @@ void CountHeldRefused(size_t k, size_t length, uint64_t held, bool all) {
 }
 
 // The wireup message UCP handles on this thread now: its type, sender's endpoint id and
-// worker uuid (the 8 bytes after its address's first; 0 when the message is shorter),
-// and (a reply) the copy UCP reads, whose sender id ReplyNames may rewrite.
+// worker uuid (the 8 bytes after its address's header, of 1 byte in version 1 and 2 in
+// version 2; 0 when the message is shorter), and (a reply) the copy UCP reads, whose
+// sender id ReplyNames may rewrite.
 struct WireupInFlight {
   uint8_t type = 0;
   uint64_t sender = 0;
@@ -1072,9 +1073,11 @@ ucs_status_t ServeWireup(uct_am_callback_t original, void* arg, const void* work
   const auto* bytes = static_cast<const char*>(data);
   in.type = static_cast<uint8_t>(bytes[0]);
   std::memcpy(&in.sender, bytes + kWireupSenderAt, 8);
-  if (length >= kWireupHeaderBytes + 1 + 8) {
-    std::memcpy(&in.uuid, bytes + kWireupHeaderBytes + 1, 8);
-  }
+  // The sender's uuid, for the log only (ShapeRefusal passed at least the address's
+  // first byte, and its whole walk).
+  const size_t uuid_at =
+      kWireupHeaderBytes + ((bytes[kWireupHeaderBytes] & kAddressVersionMask) == 0 ? 1 : 2);
+  if (length >= uuid_at + 8) std::memcpy(&in.uuid, bytes + uuid_at, 8);
   if (in.type == kWireupEndpointCheck && worker != nullptr && CheckDroppedAtCap(worker, in.uuid)) {
     return UCS_OK;
   }

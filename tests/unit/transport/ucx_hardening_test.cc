@@ -1084,6 +1084,26 @@ TEST_CASE("a wireup message whose worker address UCX would read past its end is 
   CHECK(w.Refused("WIREUP", check, 2) == 1);
   CHECK(w.SayHello());
   CHECK_FALSE(w.peer().failed());
+  // A peer whose UCX packs addresses of version 2 (UCX_ADDRESS_VERSION=v2; its own
+  // address says so) wires up too: its request passes the walk, and its message with
+  // reply goes out.
+  const uint64_t refused = UcxRefusedMessages();
+  ::setenv("UCX_ADDRESS_VERSION", "v2", 1);
+  testing::StockUcxPeer v2(w.address(), false, "");
+  ::unsetenv("UCX_ADDRESS_VERSION");
+  CHECK((v2.Address()[0] & 0x0f) == 1);  // UCP_OBJECT_VERSION_V2
+  ucp_request_param_t with_reply{};
+  with_reply.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  with_reply.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+  const size_t sent = v2.Track(ucp_am_send_nbx(v2.ep(), 7, nullptr, 0, "v2", 2, &with_reply));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (v2.Status(sent) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until) {
+    ucp_worker_progress(w.worker());
+    v2.Progress(1);
+  }
+  CHECK(v2.Status(sent) == UCS_OK);
+  CHECK(UcxRefusedMessages() == refused);
+  v2.Forget();
 }
 
 // Each wireup request that matches none of the worker's own endpoints has UCP make an
@@ -1115,7 +1135,7 @@ TEST_CASE("a worker holds at most its cap of endpoints made for peers' requests"
     auto wired = [&] {
       for (int i = 0; i < 2000; ++i) {
         ucp_worker_progress(w.worker());
-        second.Progress(0);
+        second.Progress(1);
       }
     };
     // UCP sends its wireup request with the endpoint's first message with reply.
