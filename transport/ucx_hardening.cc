@@ -1060,7 +1060,7 @@ struct WireupInFlight {
 };
 thread_local WireupInFlight* t_wireup = nullptr;
 
-bool CheckDroppedAtCap(const void* worker, uint64_t uuid);
+bool AdmitPeerEndpoint(const void* worker, MadeFor made_for, uint64_t uuid);
 
 // Hands a wireup message that passed to UCP's handler `original`, with the message in
 // flight noted for the endpoint stand-ins; a reply as a copy (UCT's buffer may be
@@ -1078,7 +1078,8 @@ ucs_status_t ServeWireup(uct_am_callback_t original, void* arg, const void* work
   const size_t uuid_at =
       kWireupHeaderBytes + ((bytes[kWireupHeaderBytes] & kAddressVersionMask) == 0 ? 1 : 2);
   if (length >= uuid_at + 8) std::memcpy(&in.uuid, bytes + uuid_at, 8);
-  if (in.type == kWireupEndpointCheck && worker != nullptr && CheckDroppedAtCap(worker, in.uuid)) {
+  if (in.type == kWireupEndpointCheck && worker != nullptr &&
+      !AdmitPeerEndpoint(worker, MadeFor::kCheckReply, in.uuid)) {
     return UCS_OK;
   }
   std::string copy;
@@ -2166,8 +2167,8 @@ namespace {
 // message gave it (0 before), and whether it holds a place of its worker's peer-made
 // endpoints (made for a peer's message and not adopted by the agent).
 struct Followed {
-  const void* worker;
-  MadeFor made_for;
+  const void* worker = nullptr;
+  MadeFor made_for = MadeFor::kAgent;
   int configuration = -1;
   uint64_t peer = 0;
   bool counted = false;
@@ -2220,13 +2221,13 @@ uint64_t PeerMadeBy(const void* worker) {
   return it == g_peer_made->end() ? 0 : it->second;
 }
 
-// True (counted and logged) when `worker` holds the cap of peer-made endpoints: an
-// endpoint check from worker `uuid` is then dropped.
-bool CheckDroppedAtCap(const void* worker, uint64_t uuid) {
+// True while `worker` holds fewer than the cap of peer-made endpoints; else false, the
+// refusal of a message from worker `uuid` that would make one counted and logged.
+bool AdmitPeerEndpoint(const void* worker, MadeFor made_for, uint64_t uuid) {
   const uint64_t held = PeerMadeBy(worker);
-  if (held < g_peer_made_cap.load()) return false;
-  CountPeerEndpointRefused(MadeFor::kCheckReply, uuid, held);
-  return true;
+  if (held < g_peer_made_cap.load()) return true;
+  CountPeerEndpointRefused(made_for, uuid, held);
+  return false;
 }
 }  // namespace
 
@@ -2248,10 +2249,7 @@ void SetPeerEndpointCap(uint64_t cap) { g_peer_made_cap.store(std::max<uint64_t>
 
 bool PeerEndpointAdmitted(const void* worker, MadeFor made_for) {
   if (!UcxHardenedForPeers() || made_for == MadeFor::kAgent) return true;
-  const uint64_t held = PeerMadeBy(worker);
-  if (held < g_peer_made_cap.load()) return true;
-  CountPeerEndpointRefused(made_for, t_wireup != nullptr ? t_wireup->uuid : 0, held);
-  return false;
+  return AdmitPeerEndpoint(worker, made_for, t_wireup != nullptr ? t_wireup->uuid : 0);
 }
 
 void EndpointAdopted(const void* ep) {

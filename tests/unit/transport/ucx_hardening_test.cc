@@ -597,27 +597,53 @@ TEST_CASE("a stock peer's fragmented active messages arrive whole, with their re
 // with reply. Messages are fed to the callbacks UCT would call, as a hostile peer could
 // send them; `Endpoint` finds the worker's endpoint to the peer as such a peer could,
 // trying each odd id in a message with reply until one reaches the handler with it.
+// Has `peer` send active message 7 with reply on `ep`, eagerly, carrying `length` bytes
+// at `data` (which outlive the send); the request's index in the peer's tracked ones.
+// UCP sends an endpoint's wireup request with the first message that needs the other
+// side's endpoint, as this one does.
+size_t SendWithReply(StockUcxPeer& peer, ucp_ep_h ep, const void* data, size_t length) {
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+  return peer.Track(ucp_am_send_nbx(ep, 7, nullptr, 0, data, length, &param));
+}
+
 // With `incoming` (which outlives it), the worker records each wireup message it takes
 // in there (UCP's handler table is read as the worker opens its interfaces).
+//
+// RecordingWireup runs `open`, which opens UCX interfaces (a worker's as it is created,
+// a peer's as it connects), with UCP's wireup handler recording into `into` each wireup
+// message those interfaces take in, for as long as they live: UCP copies its handler
+// table into an interface as it opens it. Each call site (its own `Open`) keeps its own
+// record.
+template <typename Open>
+void RecordingWireup(std::vector<std::string>* into, Open open) {
+  static std::vector<std::string>* record = nullptr;
+  static ucs_status_t (*hardened)(void*, void*, size_t, unsigned) = nullptr;
+  auto* wireup =
+      static_cast<UcpProtocolEntry*>(dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
+  REQUIRE(wireup != nullptr);
+  record = into;
+  hardened = wireup->cb;
+  wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
+    record->emplace_back(static_cast<const char*>(data), length);
+    return hardened(arg, data, length, flags);
+  };
+  open();
+  wireup->cb = hardened;
+}
+
 class WorkerWithPeer {
  public:
   explicit WorkerWithPeer(const Hardened& h, std::vector<std::string>* incoming = nullptr) {
     ucp_worker_params_t params{};
-    static std::vector<std::string>* record = nullptr;
-    static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
-    auto* wireup = static_cast<UcpProtocolEntry*>(
-        dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
-    REQUIRE(wireup != nullptr);
+    ucs_status_t created = UCS_ERR_NO_ELEM;
+    auto create = [&] { created = ucp_worker_create(h.context->get(), &params, &worker_); };
     if (incoming != nullptr) {
-      record = incoming;
-      hardened_wireup = wireup->cb;
-      wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
-        record->emplace_back(static_cast<const char*>(data), length);
-        return hardened_wireup(arg, data, length, flags);
-      };
+      RecordingWireup(incoming, create);
+    } else {
+      create();
     }
-    const ucs_status_t created = ucp_worker_create(h.context->get(), &params, &worker_);
-    if (incoming != nullptr) wireup->cb = hardened_wireup;
     REQUIRE(created == UCS_OK);
     delivered_ = 0;
     TakeActiveMessage7(worker_, [](void*, const void*, size_t, void*, size_t,
@@ -644,12 +670,9 @@ class WorkerWithPeer {
   }
   // The peer sends one message with reply; true once the worker's handler took it.
   bool SayHello() {
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
     static const std::string hello(64, 'h');
     const int before = delivered_;
-    peer_->Track(ucp_am_send_nbx(peer_->ep(), 7, nullptr, 0, hello.data(), hello.size(), &param));
+    SendWithReply(*peer_, peer_->ep(), hello.data(), hello.size());
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (delivered_ == before && std::chrono::steady_clock::now() < until) {
       ucp_worker_progress(worker_);
@@ -683,19 +706,9 @@ class WorkerWithPeer {
   // worker's reply: UCP's handler table is read as a worker opens its interfaces, and
   // only the peer's are opened while the recorder is in it).
   Reply ConnectRecordingReply() {
-    static std::vector<std::string> recorded;
-    static ucs_status_t (*hardened_wireup)(void*, void*, size_t, unsigned) = nullptr;
-    recorded.clear();
-    auto* wireup = static_cast<UcpProtocolEntry*>(
-        dlsym(RTLD_DEFAULT, "ucp_am_handler_UCP_AM_ID_WIREUP"));
-    REQUIRE(wireup != nullptr);
-    hardened_wireup = wireup->cb;
-    wireup->cb = [](void* arg, void* data, size_t length, unsigned flags) {
-      recorded.emplace_back(static_cast<const char*>(data), length);
-      return hardened_wireup(arg, data, length, flags);
-    };
-    Connect();
-    wireup->cb = hardened_wireup;
+    recorded_.clear();
+    RecordingWireup(&recorded_, [this] { Connect(); });
+    const std::vector<std::string>& recorded = recorded_;
     REQUIRE_FALSE(recorded.empty());
     REQUIRE(recorded.front()[0] == 2);
     Reply reply;
@@ -748,6 +761,8 @@ class WorkerWithPeer {
   static inline bool with_reply_ = false;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
+  // What the peer took in (ConnectRecordingReply), recorded for as long as it lives.
+  std::vector<std::string> recorded_;
   std::unique_ptr<StockUcxPeer> peer_;
 };
 
@@ -1092,10 +1107,7 @@ TEST_CASE("a wireup message whose worker address UCX would read past its end is 
   testing::StockUcxPeer v2(w.address(), false, "");
   ::unsetenv("UCX_ADDRESS_VERSION");
   CHECK((v2.Address()[0] & 0x0f) == 1);  // UCP_OBJECT_VERSION_V2
-  ucp_request_param_t with_reply{};
-  with_reply.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  with_reply.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
-  const size_t sent = v2.Track(ucp_am_send_nbx(v2.ep(), 7, nullptr, 0, "v2", 2, &with_reply));
+  const size_t sent = SendWithReply(v2, v2.ep(), "v2", 2);
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (v2.Status(sent) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until) {
     ucp_worker_progress(w.worker());
@@ -1139,10 +1151,7 @@ TEST_CASE("a worker holds at most its cap of endpoints made for peers' requests"
       }
     };
     // UCP sends its wireup request with the endpoint's first message with reply.
-    ucp_request_param_t with_reply{};
-    with_reply.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    with_reply.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
-    second.Track(ucp_am_send_nbx(second.ep(), 7, nullptr, 0, "hi", 2, &with_reply));
+    SendWithReply(second, second.ep(), "hi", 2);
     wired();
     CHECK(PeerEndpointsNow().live == before.live + 2);
     const size_t followed = EndpointsFollowed();
