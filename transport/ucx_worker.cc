@@ -1061,8 +1061,7 @@ void UcxWorker::Loop() {
     while (Progress() != 0) worked = progressed = true;
     TendTagSink();
     TendRetireFlush();
-    // Every 1,024th round, and before each sleep (below): no clock read per round.
-    if ((++rounds_ & 1023) == 0) TendSameHostEndpoints();
+    TendSameHostEndpoints();
     ReapRequests();
     if (spin_us_ != 0 || poller_ != nullptr) {
       const auto now = std::chrono::steady_clock::now();
@@ -1075,7 +1074,6 @@ void UcxWorker::Loop() {
         continue;
       }
     }
-    TendSameHostEndpoints();  // before arming, so the arm sees what its closes start
     ucs_status_t status = ucp_worker_arm(worker_);
     // Arm keeps reporting a message progress never takes (ReceiveStall): sleep 1 ms
     // below instead of looping at once (spinning on it took a whole core).

@@ -256,8 +256,7 @@ class UcxWorker {
   void CloseDeferred();
   // Closes `ep` now (CloseEndpoint decided it is not held).
   void CloseNow(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health);
-  // At most once a second (Loop calls it before it arms to sleep, and every 1,024th round
-  // while it does not): closes the endpoints whose same-host process ended, its own held
+  // Once a second: closes the endpoints whose same-host process ended, its own held
   // closes and those UCP made for that process's requests, and has UCP destroy them
   // (ucx_hardening.h, ReclaimEndpoint), where UCX 1.13 would keep them until the worker
   // ends: one per restart of a same-host peer.
@@ -368,7 +367,6 @@ class UcxWorker {
   static constexpr size_t kMaxHeldCloses = 1024;  // past it the oldest is closed
   bool held_full_warned_ = false;
   std::chrono::steady_clock::time_point next_same_host_look_{};
-  uint64_t rounds_ = 0;  // of Loop
   // PostAfter's timers: due time, then the order they were set.
   std::map<std::pair<std::chrono::steady_clock::time_point, uint64_t>, std::function<void()>>
       timers_;
