@@ -394,14 +394,6 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "Software puts and gets dropped because their endpoint had --ucx-held-replies "
        "replies waiting unread (also in dropped_peer_messages).",
        held.refused},
-      {"kvagent_ucx_endpoints", "gauge",
-       "Endpoints UCX holds now, the agent's own and those made for peers (about 17.5 KiB "
-       "each).",
-       peer_made.all},
-      {"kvagent_ucx_endpoints_reclaimed_total", "counter",
-       "Endpoints to a same-host peer process that ended, destroyed where UCX would keep "
-       "them until the agent restarts: about one per restart of a same-host peer.",
-       transport::EndpointsReclaimed()},
       {"kvagent_ucx_peer_endpoints", "gauge",
        "Endpoints UCX made for peers' wireup requests and checks that this agent did not "
        "open itself (about 17.5 KiB each): one per peer endpoint connected to this agent.",

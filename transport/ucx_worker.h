@@ -254,13 +254,6 @@ class UcxWorker {
   void CloseEndpoint(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health);
   // The closes asked for inside UCX callbacks, once outside.
   void CloseDeferred();
-  // Closes `ep` now (CloseEndpoint decided it is not held).
-  void CloseNow(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health);
-  // Once a second: closes the endpoints whose same-host process ended, its own held
-  // closes and those UCP made for that process's requests, and has UCP destroy them
-  // (ucx_hardening.h, ReclaimEndpoint), where UCX 1.13 would keep them until the worker
-  // ends: one per restart of a same-host peer.
-  void TendSameHostEndpoints();
   // Thread exit: finishes queued work and open endpoints, then destroys the worker.
   void Shutdown();
   // Shutdown's last step before ucp_worker_destroy: a worker flush, progressed for at
@@ -360,13 +353,6 @@ class UcxWorker {
     std::shared_ptr<EndpointHealth> health;  // the error handler's argument: kept alive
   };
   std::vector<DeferredClose> deferred_closes_;
-  // Closes of endpoints to a same-host process that still runs, held until it ends
-  // (UCX would keep them anyway; see TendSameHostEndpoints), and when this worker next
-  // looks for endpoints to same-host processes that ended.
-  std::vector<DeferredClose> same_host_held_;
-  static constexpr size_t kMaxHeldCloses = 1024;  // past it the oldest is closed
-  bool held_full_warned_ = false;
-  std::chrono::steady_clock::time_point next_same_host_look_{};
   // PostAfter's timers: due time, then the order they were set.
   std::map<std::pair<std::chrono::steady_clock::time_point, uint64_t>, std::function<void()>>
       timers_;
