@@ -394,6 +394,10 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "Software puts and gets dropped because their endpoint had --ucx-held-replies "
        "replies waiting unread (also in dropped_peer_messages).",
        held.refused},
+      {"kvagent_ucx_endpoints", "gauge",
+       "Endpoints UCX holds now, the agent's own and those made for peers (about 17.5 KiB "
+       "each). UCX 1.13 keeps one each side per restart of a same-host peer.",
+       peer_made.all},
       {"kvagent_ucx_peer_endpoints", "gauge",
        "Endpoints UCX made for peers' wireup requests and checks that this agent did not "
        "open itself (about 17.5 KiB each): one per peer endpoint connected to this agent.",

@@ -2265,6 +2265,7 @@ PeerEndpoints PeerEndpointsNow() {
   absl::MutexLock lock(&g_endpoints_mu);
   now.live = g_peer_made_total;
   now.peak = g_peer_made_peak;
+  now.all = g_endpoints->size();
   for (const auto& [worker, held] : *g_peer_made) now.most = std::max(now.most, held);
   return now;
 }

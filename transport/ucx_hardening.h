@@ -446,6 +446,7 @@ struct PeerEndpoints {
   uint64_t peak = 0;     // the most one worker ever held
   uint64_t refused = 0;  // requests and checks refused at the cap so far
   uint64_t cap = 0;
+  uint64_t all = 0;      // every endpoint UCP holds now, the agent's own included
 };
 PeerEndpoints PeerEndpointsNow();
 
