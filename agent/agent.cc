@@ -259,7 +259,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(const AgentOptions& options)
       incoming_options, agent->registry_.get(), agent->notifications_.get(),
       // Through the Inbox (made below, before any DATA_READY can arrive): it holds the
       // acknowledgements of a notification batch and answers them as one.
-      [self](void* reply_ep, const wire::TransferAck& ack) { self->inbox_->SendAck(reply_ep, ack); });
+      [self](const transport::ReplyEndpoint& reply_ep, const wire::TransferAck& ack) {
+        self->inbox_->SendAck(reply_ep, ack);
+      });
   TransferEngineOptions engine_options;
   engine_options.self_name = options.name;
   engine_options.default_timeout_ms = options.transfer_timeout_ms;

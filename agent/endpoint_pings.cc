@@ -92,7 +92,8 @@ void EndpointPings::OnPong(const wire::EndpointPing& pong) {
   End(pong.token(), absl::OkStatus());
 }
 
-void EndpointPings::Answer(const wire::EndpointPing& ping, void* reply_ep) {
+void EndpointPings::Answer(const wire::EndpointPing& ping,
+                           const transport::ReplyEndpoint& reply_ep) {
   if (answering_ >= limits_.max_answering) {
     Drop(fmt::format("a ping while {} pongs are being sent (the bound): a peer pings faster "
                      "than its pongs leave",

@@ -55,7 +55,7 @@ class EndpointPings {
 
   // Worker thread (the Inbox, message 8): answers `ping` with a pong over `reply_ep`.
   // Dropped and counted when max_answering pongs are being sent.
-  void Answer(const wire::EndpointPing& ping, void* reply_ep);
+  void Answer(const wire::EndpointPing& ping, const transport::ReplyEndpoint& reply_ep);
   // Worker thread (the Inbox, message 9): ends the ping waiting for this token; a pong
   // for no waiting ping (late, or forged) is dropped and counted.
   void OnPong(const wire::EndpointPing& pong);

@@ -80,7 +80,7 @@ void Inbox::InstallPings(EndpointPings* pings) {
           pings->Drop(fmt::format("a ping whose {}-byte header does not parse (or is over {} "
                                   "bytes)",
                                   m.header.size(), limits_.max_auth_header_bytes));
-        } else if (m.reply_ep == nullptr) {
+        } else if (!m.reply_ep) {
           pings->Drop("a ping without a reply endpoint (it cannot be answered)");
         } else {
           pings->Answer(ping, m.reply_ep);
@@ -122,7 +122,8 @@ void Inbox::InstallStaged(AmId id,
 }
 
 bool Inbox::OnNotificationMessage(const transport::AmMessage& message, bool batch) {
-  auto handle = [this, batch](std::string_view header, std::string_view data, void* reply_ep) {
+  auto handle = [this, batch](std::string_view header, std::string_view data,
+                              const transport::ReplyEndpoint& reply_ep) {
     if (batch) {
       OnNoticeBatch(header, data, reply_ep);
     } else {
@@ -168,7 +169,7 @@ bool Inbox::OnNotificationMessage(const transport::AmMessage& message, bool batc
   rendezvous_bytes_ += message.length;
   auto header = std::make_shared<std::string>(message.header);
   auto data = std::make_shared<std::string>(message.length, '\0');
-  void* reply_ep = message.reply_ep;
+  transport::ReplyEndpoint reply_ep = message.reply_ep;
   worker_->ReceiveAmData(
       message.descriptor, data->data(), data->size(),
       [this, from = std::string(from), header, data, reply_ep, handle](absl::Status received) {
@@ -302,7 +303,7 @@ template absl::Status Inbox::ParseBatch(std::string_view, const InboxLimits&,
                                         wire::TransferAckBatch*);
 
 bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, int entry,
-                      int entries, void* reply_ep, v1::Notification* n) {
+                      int entries, const transport::ReplyEndpoint& reply_ep, v1::Notification* n) {
   const absl::Status checked = CheckBody(data, auth.from_agent(), limits_, n);
   if (checked.ok()) return true;
   const std::string why =
@@ -314,9 +315,9 @@ bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, 
   // instead of at its deadline.
   // Not when its transfer_id is itself over the bound: no sender of ours waits on
   // such an id, and the acknowledgement would carry it back.
-  if (checked.code() == absl::StatusCode::kInvalidArgument && n->from_agent() == auth.from_agent() &&
-      n->kind() == v1::DATA_READY && n->ack_token() != 0 && reply_ep != nullptr &&
-      n->transfer_id().size() <= limits_.max_notification_id_bytes) {
+  if (checked.code() == absl::StatusCode::kInvalidArgument &&
+      n->from_agent() == auth.from_agent() && n->kind() == v1::DATA_READY && n->ack_token() != 0 &&
+      reply_ep && n->transfer_id().size() <= limits_.max_notification_id_bytes) {
     wire::TransferAck refusal;
     refusal.set_from_agent(self_name_);
     refusal.set_transfer_id(n->transfer_id());
@@ -329,7 +330,8 @@ bool Inbox::AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, 
   return false;
 }
 
-void Inbox::OnNotification(std::string_view header, std::string_view data, void* reply_ep) {
+void Inbox::OnNotification(std::string_view header, std::string_view data,
+                           const transport::ReplyEndpoint& reply_ep) {
   const auto auth = auths_.Take();
   if (!AdmitNotification(header, data.size(), limits_.max_notification_message_bytes,
                          auth.get())) {
@@ -340,7 +342,8 @@ void Inbox::OnNotification(std::string_view header, std::string_view data, void*
   engine_->OnAuthenticatedNotice(*n, reply_ep);
 }
 
-void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep) {
+void Inbox::OnNoticeBatch(std::string_view header, std::string_view data,
+                          const transport::ReplyEndpoint& reply_ep) {
   const auto kept_auth = auths_.Take();
   const wire::PeerMessageAuth& auth = *kept_auth;
   if (!AdmitNotification(header, data.size(), limits_.max_batch_bytes, kept_auth.get())) return;
@@ -364,7 +367,7 @@ void Inbox::OnNoticeBatch(std::string_view header, std::string_view data, void* 
   FlushAcks();
 }
 
-void Inbox::SendAck(void* reply_ep, const wire::TransferAck& ack) {
+void Inbox::SendAck(const transport::ReplyEndpoint& reply_ep, const wire::TransferAck& ack) {
   if (!holding_acks_) {
     SendAckBytes(reply_ep, ack.SerializeAsString());
     return;
@@ -375,7 +378,7 @@ void Inbox::SendAck(void* reply_ep, const wire::TransferAck& ack) {
   ack.SerializeToString(&held.bytes);  // reuses the string's storage
 }
 
-void Inbox::SendAckBytes(void* reply_ep, std::string_view ack) {
+void Inbox::SendAckBytes(const transport::ReplyEndpoint& reply_ep, std::string_view ack) {
   worker_->SendAmReply(reply_ep, Wire(AmId::kTransferAck), ack, nullptr, 0,
                        [](absl::Status sent) {
                          if (!sent.ok()) {
@@ -392,7 +395,7 @@ void Inbox::FlushAcks() {
   const size_t count = std::exchange(held_count_, 0);
   // A batch came on one reply endpoint; group by endpoint anyway, in order.
   for (size_t i = 0; i < count;) {
-    void* reply_ep = acks[i].reply_ep;
+    const transport::ReplyEndpoint reply_ep = acks[i].reply_ep;
     size_t end = i;
     size_t bytes_total = 0;
     for (; end < count && acks[end].reply_ep == reply_ep; ++end) {

@@ -86,7 +86,7 @@ class Inbox {
   // Worker thread: answers a DATA_READY with `ack` over `reply_ep` (IncomingTransfers
   // calls it). While a notification batch is handled, its acknowledgements are held
   // and go back as one acknowledgement batch (7) when it is done; else at once (5).
-  void SendAck(void* reply_ep, const wire::TransferAck& ack);
+  void SendAck(const transport::ReplyEndpoint& reply_ep, const wire::TransferAck& ack);
 
   // The checks each notification body takes (message 1, and each entry of a batch):
   // it is within max_notification_message_bytes (a batch entry as a notification
@@ -115,17 +115,19 @@ class Inbox {
   // after its header authenticates and its announced length is in bounds.
   // The same for a notification batch (`batch`: id 6).
   bool OnNotificationMessage(const transport::AmMessage& message, bool batch);
-  void OnNotification(std::string_view header, std::string_view data, void* reply_ep);
+  void OnNotification(std::string_view header, std::string_view data,
+                      const transport::ReplyEndpoint& reply_ep);
   // A batch: one header for all, then each entry bounded, parsed, checked and handed
   // on alone (a bad one is dropped and counted, naming its index); the acknowledgements
   // its DATA_READYs get meanwhile go back as one message.
-  void OnNoticeBatch(std::string_view header, std::string_view data, void* reply_ep);
+  void OnNoticeBatch(std::string_view header, std::string_view data,
+                     const transport::ReplyEndpoint& reply_ep);
   // Parses one notification body and checks it against the header's sender and the
   // limits; false (dropped, counted, logged naming `entry` of `entries` when it came in
   // a batch, entry >= 0) when it fails. A DATA_READY of the authenticated sender over
   // the limits is refused over `reply_ep` (its transfer fails with the reason).
   bool AdmitBody(std::string_view data, const wire::PeerMessageAuth& auth, int entry, int entries,
-                 void* reply_ep, v1::Notification* n);
+                 const transport::ReplyEndpoint& reply_ep, v1::Notification* n);
   // Bounds, parses and verifies a notification's header for `data_bytes` of body
   // (at most `max_data_bytes`); false (counted and logged) when the message is dropped.
   bool AdmitNotification(std::string_view header, uint64_t data_bytes, uint64_t max_data_bytes,
@@ -137,7 +139,7 @@ class Inbox {
   // endpoint, or a single acknowledgement when there is one).
   void FlushAcks();
   // Sends one serialized TransferAck (5) over `reply_ep`.
-  void SendAckBytes(void* reply_ep, std::string_view ack);
+  void SendAckBytes(const transport::ReplyEndpoint& reply_ep, std::string_view ack);
   // Registers 8 and 9, handled by `pings`.
   void InstallPings(EndpointPings* pings);
   // Registers a staged id whose header is `Header` (parsed here, then `handler`).
@@ -161,7 +163,7 @@ class Inbox {
   // keep their storage from batch to batch (a held acknowledgement allocates nothing
   // once the batches have reached their size).
   struct HeldAck {
-    void* reply_ep = nullptr;
+    transport::ReplyEndpoint reply_ep;
     std::string bytes;  // a serialized TransferAck
   };
   bool holding_acks_ = false;

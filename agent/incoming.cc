@@ -214,7 +214,8 @@ void IncomingTransfers::ClearBetweenAgents(v1::Notification& n) {
   n.clear_committed();
 }
 
-void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
+void IncomingTransfers::OnNotice(const v1::Notification& n,
+                                 const transport::ReplyEndpoint& reply_ep) {
   absl::MutexLock lock(&mu_);
   switch (n.kind()) {
     case v1::PEER_TRANSFER_OPEN: {
@@ -253,7 +254,7 @@ void IncomingTransfers::OnNotice(const v1::Notification& n, void* reply_ep) {
   }
 }
 
-void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
+void IncomingTransfers::HoldLocked(v1::Notification&& n, const transport::ReplyEndpoint& reply_ep) {
   Record* r = FindOrMake(n);
   if (r == nullptr) {
     // Untracked (no room): acknowledge and deliver at once; the commit finds nothing.
@@ -287,9 +288,9 @@ void IncomingTransfers::HoldLocked(v1::Notification&& n, void* reply_ep) {
   r->held->Swap(&n);
 }
 
-void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
+void IncomingTransfers::OnDataReady(v1::Notification&& n, const transport::ReplyEndpoint& reply_ep,
                                     const absl::Status& data) {
-  void* ack_ep = nullptr;
+  transport::ReplyEndpoint ack_ep;
   wire::TransferAck& ack = ack_;
   {
     absl::MutexLock lock(&mu_);
@@ -297,7 +298,7 @@ void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
     HoldLocked(std::move(n), reply_ep);
     // HoldLocked's lookup left the key in lookup_key_; what was held stands for `n`.
     auto it = records_.find(lookup_key_);
-    if (it == records_.end() || it->second.reply_ep == nullptr) return;
+    if (it == records_.end() || !it->second.reply_ep) return;
     // An untracked record is delivered (and erased) by its acknowledgement.
     const bool tracked = it->second.state.direction() == v1::INCOMING;
     ack_ep = AcknowledgeLocked(it, *it->second.held, data, &ack);
@@ -310,24 +311,25 @@ void IncomingTransfers::OnDataReady(v1::Notification&& n, void* reply_ep,
 }
 
 void IncomingTransfers::DataInPlace(const v1::Notification& n, const absl::Status& status) {
-  void* reply_ep = nullptr;
+  transport::ReplyEndpoint reply_ep;
   wire::TransferAck& ack = ack_;
   {
     absl::MutexLock lock(&mu_);
     auto it = records_.find(LookupKey(n));
-    if (it == records_.end() || it->second.reply_ep == nullptr) return;
+    if (it == records_.end() || !it->second.reply_ep) return;
     reply_ep = AcknowledgeLocked(it, n, status, &ack);
   }
   send_ack_(reply_ep, ack);
 }
 
-void* IncomingTransfers::AcknowledgeLocked(Records::iterator it, const v1::Notification& n,
-                                           const absl::Status& status,
-                                           wire::TransferAck* ack_out) {
+transport::ReplyEndpoint IncomingTransfers::AcknowledgeLocked(Records::iterator it,
+                                                              const v1::Notification& n,
+                                                              const absl::Status& status,
+                                                              wire::TransferAck* ack_out) {
   wire::TransferAck& ack = *ack_out;
   ack.Clear();  // ack_, reused: its strings keep their storage
   Record& r = it->second;
-  void* reply_ep = std::exchange(r.reply_ep, nullptr);
+  transport::ReplyEndpoint reply_ep = std::exchange(r.reply_ep, {});
   ack.set_from_agent(options_.self_name);
   ack.set_transfer_id(n.transfer_id());
   ack.set_sender_incarnation(n.sender_incarnation());
@@ -381,7 +383,7 @@ void IncomingTransfers::EndLocked(const Key& key, Record& r, v1::TransferPhase p
   if (r.sender_open != nullptr) --*std::exchange(r.sender_open, nullptr);
   // Kept alive until the end (`from` may be it), then spare for the next DATA_READY.
   std::unique_ptr<v1::Notification> held = std::move(r.held);
-  r.reply_ep = nullptr;
+  r.reply_ep = {};
   r.state.set_phase(phase);
   r.state.set_error_code(static_cast<int32_t>(status.code()));
   r.state.set_error_message(std::string(status.message()));

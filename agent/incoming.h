@@ -26,6 +26,7 @@
 #include "proto/kvagent.pb.h"
 #include "proto/wire.pb.h"
 #include "registry/region_registry.h"
+#include "transport/reply_endpoint.h"
 
 namespace kvagent::agent {
 
@@ -57,7 +58,8 @@ struct IncomingOptions {
 class IncomingTransfers {
  public:
   // Sends `ack` over `reply_ep` (worker thread).
-  using SendAck = std::function<void(void* reply_ep, const wire::TransferAck& ack)>;
+  using SendAck =
+      std::function<void(const transport::ReplyEndpoint& reply_ep, const wire::TransferAck& ack)>;
 
   IncomingTransfers(IncomingOptions options, const registry::RegionRegistry* registry,
                     NotificationQueue* queue, SendAck send_ack);
@@ -65,7 +67,7 @@ class IncomingTransfers {
   // Worker thread, for notices that passed authentication. A DATA_READY records its
   // reply endpoint; it is acknowledged by DataInPlace (at once, or once its staged
   // bytes arrived).
-  void OnNotice(const v1::Notification& notice, void* reply_ep);
+  void OnNotice(const v1::Notification& notice, const transport::ReplyEndpoint& reply_ep);
   // Worker thread: the data of DATA_READY `notice` is in place (`status` OK), or never
   // will be (the status says why: the sender's transfer fails with it). Acknowledges.
   void DataInPlace(const v1::Notification& notice, const absl::Status& status);
@@ -74,7 +76,8 @@ class IncomingTransfers {
   // copied: `notice` is left holding other strings' storage, for the next parse). One
   // with `committed` (kWireCommitInDataReady) is then delivered, once acknowledged, as
   // its PEER_DATA_COMMIT would deliver it.
-  void OnDataReady(v1::Notification&& notice, void* reply_ep, const absl::Status& status);
+  void OnDataReady(v1::Notification&& notice, const transport::ReplyEndpoint& reply_ep,
+                   const absl::Status& status);
   // Ends incoming transfers whose deadline plus grace passed without an outcome
   // (TRANSFER_TIMED_OUT to their owners). Any thread; call it by NextExpiry.
   void Expire();
@@ -112,7 +115,7 @@ class IncomingTransfers {
     uint32_t deadline_ms = 0;         // what expires_us was set from (without grace)
     bool opened = false;              // by a PEER_TRANSFER_OPEN
     bool capped = false;              // its open asked for more than max_peer_timeout_ms
-    void* reply_ep = nullptr;         // of DATA_READY, until acknowledged
+    transport::ReplyEndpoint reply_ep;  // of DATA_READY, until acknowledged
     uint64_t ack_token = 0;
     std::unique_ptr<v1::Notification> held;  // DATA_READY, until the commit
     // Room reserved in the notification queue when DATA_READY was acknowledged: its
@@ -183,12 +186,13 @@ class IncomingTransfers {
   static void ClearBetweenAgents(v1::Notification& n);
   // A DATA_READY's record (made when missing; untracked when there is no room) holds
   // `n` and its reply endpoint, unless the record ended already.
-  void HoldLocked(v1::Notification&& n, void* reply_ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HoldLocked(v1::Notification&& n, const transport::ReplyEndpoint& reply_ep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // DataInPlace for the record at `it`, which holds a reply endpoint (`n` is its
   // DATA_READY): fills `ack` and returns the endpoint to send it on.
-  void* AcknowledgeLocked(Records::iterator it,
-                          const v1::Notification& n, const absl::Status& status,
-                          wire::TransferAck* ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  transport::ReplyEndpoint AcknowledgeLocked(Records::iterator it, const v1::Notification& n,
+                                             const absl::Status& status, wire::TransferAck* ack)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Visible(const Record& r, const Caller& caller) const;
 
   const IncomingOptions options_;

@@ -1350,8 +1350,8 @@ bool Stager::OnReadReply(const wire::StagedReadReply& header, const transport::A
 // pool, not the sending one, so two agents reading from each other never wait on
 // buffers that their own reads hold.
 
-void Stager::RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
-                        absl::StatusCode code, bool eager) {
+void Stager::RefuseRead(const transport::ReplyEndpoint& reply_ep, uint64_t request_id,
+                        const std::string& why, absl::StatusCode code, bool eager) {
   reads_refused_.fetch_add(1);
   wire::StagedReadReply header;
   header.set_from_agent(options_.self_name);
@@ -1376,7 +1376,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
                                            "the agent it names"));
     return false;
   }
-  if (message.reply_ep == nullptr) {
+  if (!message.reply_ep) {
     reads_refused_.fetch_add(1);
     kLog.Warn("dropped staged read request {:x} of transfer '{}' from agent '{}': it came "
               "without a reply endpoint; the requesting agent runs an incompatible version",
@@ -1437,7 +1437,7 @@ bool Stager::OnReadRequest(const wire::StagedReadRequest& header, const transpor
   auto asked = std::make_shared<wire::StagedReadRequest>(header);
   asked->set_eager_replies(eager);  // what ServePart sends with, decided above
   std::shared_ptr<const wire::StagedReadRequest> request = std::move(asked);
-  void* reply_ep = message.reply_ep;
+  transport::ReplyEndpoint reply_ep = message.reply_ep;
   for (uint64_t offset = 0; offset < total; offset += part) {
     const uint64_t length = std::min(part, total - offset);
     ++serving_;
@@ -1458,8 +1458,8 @@ void Stager::PartServed(const std::string& reader) {
 }
 
 void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
-                       std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
-                       uint64_t offset, uint64_t length,
+                       std::shared_ptr<const std::vector<StagedRegion>> sources,
+                       const transport::ReplyEndpoint& reply_ep, uint64_t offset, uint64_t length,
                        std::shared_ptr<StagingPool::Lease> lease) {
   std::vector<uint64_t> lengths;
   lengths.reserve(request->pieces_size());

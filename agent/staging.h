@@ -336,10 +336,11 @@ class Stager {
   // Abandons the requests of jobs whose transfer stopped (cancel, deadline, lost peer).
   void CheckReads();
   void ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
-                 std::shared_ptr<const std::vector<StagedRegion>> sources, void* reply_ep,
-                 uint64_t offset, uint64_t length, std::shared_ptr<StagingPool::Lease> lease);
-  void RefuseRead(void* reply_ep, uint64_t request_id, const std::string& why,
-                  absl::StatusCode code, bool eager);
+                 std::shared_ptr<const std::vector<StagedRegion>> sources,
+                 const transport::ReplyEndpoint& reply_ep, uint64_t offset, uint64_t length,
+                 std::shared_ptr<StagingPool::Lease> lease);
+  void RefuseRead(const transport::ReplyEndpoint& reply_ep, uint64_t request_id,
+                  const std::string& why, absl::StatusCode code, bool eager);
   // Every region of ours by base address, rebuilt when the registry version changes:
   // where a peer's chunks may land and its reads may come from. Every region is in the
   // catalog each authenticated peer fetches, with its rkey, so this reaches no further

@@ -1228,7 +1228,8 @@ void TransferEngine::SendBatch(std::vector<HeldNotice*>& notices) {
   notices.clear();
 }
 
-void TransferEngine::OnAuthenticatedNotice(v1::Notification& n, void* reply_ep) {
+void TransferEngine::OnAuthenticatedNotice(v1::Notification& n,
+                                           const transport::ReplyEndpoint& reply_ep) {
   notifications_received_.fetch_add(1);
   IncomingTransfers& incoming = *options_.incoming;
   switch (n.kind()) {
@@ -1252,10 +1253,10 @@ void TransferEngine::OnAuthenticatedNotice(v1::Notification& n, void* reply_ep) 
     case v1::TRANSFER_FAILED:
     case v1::TRANSFER_TIMED_OUT:
       if (options_.stager != nullptr) options_.stager->Forget(n);
-      incoming.OnNotice(n, nullptr);
+      incoming.OnNotice(n, {});
       return;
     default:
-      incoming.OnNotice(n, nullptr);
+      incoming.OnNotice(n, {});
       if (n.kind() == v1::PEER_TRANSFER_OPEN) WakeDeadlinesBy(incoming.NextExpiry());
   }
 }

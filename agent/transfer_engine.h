@@ -140,7 +140,7 @@ class TransferEngine {
   // authentication and the bounds (agent/inbox): the receiving side takes it.
   // `n` is the Inbox's kept storage: what is read stays there, and only what is held
   // (a DATA_READY, until its commit) is moved out.
-  void OnAuthenticatedNotice(v1::Notification& n, void* reply_ep);
+  void OnAuthenticatedNotice(v1::Notification& n, const transport::ReplyEndpoint& reply_ep);
   // Receivers acknowledged DATA_READYs of ours (AmId::kTransferAck, one; kAckBatch,
   // several): each is matched on its own; the commits they lead to go out together.
   void OnAcks(absl::Span<const wire::TransferAck* const> acks);

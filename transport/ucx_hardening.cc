@@ -2172,6 +2172,7 @@ struct Followed {
   int configuration = -1;
   uint64_t peer = 0;
   bool counted = false;
+  uint64_t serial = 0;  // EndpointSerial
 };
 absl::Mutex g_endpoints_mu;
 absl::flat_hash_map<const void*, Followed>* g_endpoints ABSL_GUARDED_BY(g_endpoints_mu) =
@@ -2182,6 +2183,8 @@ absl::flat_hash_map<const void*, uint64_t>* g_peer_made ABSL_GUARDED_BY(g_endpoi
 uint64_t g_peer_made_total ABSL_GUARDED_BY(g_endpoints_mu) = 0;
 uint64_t g_peer_made_peak ABSL_GUARDED_BY(g_endpoints_mu) = 0;
 std::atomic<uint64_t> g_peer_made_refused{0};
+uint64_t g_last_serial ABSL_GUARDED_BY(g_endpoints_mu) = 0;
+std::atomic<uint64_t> g_replies_to_gone{0};
 
 // Gives up `followed`'s place among its worker's peer-made endpoints, if it holds one.
 void ReleasePlace(Followed& followed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_endpoints_mu) {
@@ -2239,7 +2242,7 @@ void NoteEndpointCreated(const void* worker, const void* ep, MadeFor made_for) {
   absl::MutexLock lock(&g_endpoints_mu);
   Followed& followed = (*g_endpoints)[ep];
   ReleasePlace(followed);  // an address UCP reuses: the old endpoint was not forgotten
-  followed = Followed{worker, made_for, -1, peer, made_for != MadeFor::kAgent};
+  followed = Followed{worker, made_for, -1, peer, made_for != MadeFor::kAgent, ++g_last_serial};
   if (!followed.counted) return;
   ++g_peer_made_total;
   g_peer_made_peak = std::max(g_peer_made_peak, ++(*g_peer_made)[worker]);
@@ -2357,5 +2360,22 @@ size_t EndpointsFollowed() {
   absl::MutexLock lock(&g_endpoints_mu);
   return g_endpoints->size();
 }
+
+uint64_t EndpointSerial(const void* ep) {
+  absl::MutexLock lock(&g_endpoints_mu);
+  auto it = g_endpoints->find(ep);
+  return it == g_endpoints->end() ? 0 : it->second.serial;
+}
+
+bool EndpointStillIs(const void* ep, uint64_t serial) {
+  if (serial == 0) return true;
+  absl::MutexLock lock(&g_endpoints_mu);
+  auto it = g_endpoints->find(ep);
+  return it != g_endpoints->end() && it->second.serial == serial;
+}
+
+void NoteReplyToGoneEndpoint() { g_replies_to_gone.fetch_add(1, std::memory_order_relaxed); }
+
+uint64_t RepliesToGoneEndpoints() { return g_replies_to_gone.load(std::memory_order_relaxed); }
 
 }  // namespace kvagent::transport

@@ -418,6 +418,21 @@ EndpointFailure EndpointFailing(const void* ep, const void** worker);
 void ForgetEndpoint(const void* ep);
 // Endpoints followed now (for tests: each is forgotten as UCP destroys it).
 size_t EndpointsFollowed();
+// Each endpoint followed gets a serial at its creation, never given again. UCP may
+// destroy an endpoint a message came with once its handler returned (the peer's
+// connection failed, the agent closed it, an endpoint check's answer was flushed) and
+// give its memory to the next endpoint it makes, so an answer held past the handler
+// names the endpoint by address and serial (transport::ReplyEndpoint), and is sent only
+// while EndpointStillIs says the address still holds the endpoint of that serial.
+// EndpointSerial: the serial of the endpoint at `ep` now, 0 when none is followed there
+// (unhardened, or a process without the stand-ins). EndpointStillIs: true for serial 0
+// (nothing to check: the caller's risk, as before the serials); else whether `ep` is
+// followed with `serial`. RepliesToGoneEndpoints: the answers UcxWorker::SendAmReply
+// did not send because EndpointStillIs said no (NoteReplyToGoneEndpoint counts one).
+uint64_t EndpointSerial(const void* ep);
+bool EndpointStillIs(const void* ep, uint64_t serial);
+void NoteReplyToGoneEndpoint();
+uint64_t RepliesToGoneEndpoints();
 
 // Endpoints UCP makes for peers' messages. Each wireup request that matches none of the
 // agent's own endpoints has UCP create one for its sender, and each endpoint check

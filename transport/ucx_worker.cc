@@ -780,7 +780,9 @@ ucs_status_t UcxWorker::AmCallback(void* arg, const void* header, size_t header_
     message.header = header_view;
     message.length = length;
     message.rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) message.reply_ep = param->reply_ep;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) {
+      message.reply_ep = ReplyEndpoint{param->reply_ep, EndpointSerial(param->reply_ep)};
+    }
     if (message.rendezvous) {
       message.descriptor = data;
     } else {
@@ -864,12 +866,23 @@ absl::Status UcxWorker::CheckAmHeader(uint16_t id, size_t bytes) const {
       id, bytes, max_am_header_));
 }
 
-void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header,
+void UcxWorker::SendAmReply(const ReplyEndpoint& reply_ep, uint16_t id, std::string_view header,
                             const void* data, uint64_t length,
                             std::function<void(absl::Status)> done, bool eager) {
   if (absl::Status fits = CheckAmHeader(id, header.size()); !fits.ok()) {
     kLog.Warn("{}: {}", name_, fits.message());
     if (done) done(std::move(fits));
+    return;
+  }
+  if (!EndpointStillIs(reply_ep.ep, reply_ep.serial)) {
+    // Counted (RepliesToGoneEndpoints); the requester is gone: nothing to warn about.
+    NoteReplyToGoneEndpoint();
+    if (done) {
+      done(absl::UnavailableError(
+          fmt::format("{}: active message {} not sent: UCX destroyed the endpoint its request came "
+                      "over (the requester's connection ended) before the answer was ready",
+                      name_, id)));
+    }
     return;
   }
   auto op = std::make_unique<SendOp>();
@@ -881,7 +894,7 @@ void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header
   op->data_bytes = length;
   CountSent(id);
   op->payload.assign(header.data(), header.size());
-  auto* ep = static_cast<ucp_ep_h>(reply_ep);
+  auto* ep = static_cast<ucp_ep_h>(reply_ep.ep);
   StartSend(std::move(op), [ep, id, data, length, eager](SendOp* send, ucp_request_param_t& param) {
     if (eager) ForceEager(param, length, /*copied=*/true);
     return ucp_am_send_nbx(ep, id, send->payload.empty() ? nullptr : send->payload.data(),
@@ -889,8 +902,9 @@ void UcxWorker::SendAmReply(void* reply_ep, uint16_t id, std::string_view header
   });
 }
 
-bool UcxWorker::ReplyEndpointNativeRma(void* reply_ep) const {
-  return ParseHasRmaLane(CaptureEpInfo(static_cast<ucp_ep_h>(reply_ep)));
+bool UcxWorker::ReplyEndpointNativeRma(const ReplyEndpoint& reply_ep) const {
+  if (!EndpointStillIs(reply_ep.ep, reply_ep.serial)) return false;
+  return ParseHasRmaLane(CaptureEpInfo(static_cast<ucp_ep_h>(reply_ep.ep)));
 }
 
 unsigned UcxWorker::Progress() {

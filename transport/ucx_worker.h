@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "transport/reply_endpoint.h"
 #include "transport/ucx_context.h"
 #include "ucp/api/ucp.h"
 
@@ -45,9 +46,9 @@ struct AmMessage {
   uint64_t length = 0;
   bool rendezvous = false;
   void* descriptor = nullptr;  // rendezvous only
-  // The endpoint to answer on (a ucp_ep_h), when the sender used Endpoint::SendAmRequest;
-  // else null. Pass it to UcxWorker::SendAmReply, from the worker thread only.
-  void* reply_ep = nullptr;
+  // The endpoint to answer on, when the sender used Endpoint::SendAmRequest; else empty.
+  // Pass it to UcxWorker::SendAmReply, from the worker thread only.
+  ReplyEndpoint reply_ep;
 };
 // Returns true when it kept a rendezvous descriptor (it must then receive or release
 // it exactly once); false lets UCX drop the data.
@@ -224,14 +225,16 @@ class UcxWorker {
   // Worker thread: whether `reply_ep` (AmMessage) has a lane with UCX's RMA role, as
   // Endpoint::NativeRma for our own endpoints (read from ucp_ep_print_info, some tens
   // of µs). Without one (tcp), a reply must be `eager` whatever the asker asked for.
-  bool ReplyEndpointNativeRma(void* reply_ep) const;
+  // False for an endpoint UCP destroyed since (ReplyEndpoint).
+  bool ReplyEndpointNativeRma(const ReplyEndpoint& reply_ep) const;
   // Worker thread: answers a message that came with `reply_ep` (AmMessage), without
-  // copying `data` (valid and unchanged until `done`). UCX keeps the reply endpoint
-  // while its connection lives; a send on one whose peer failed completes with an
-  // error. `eager`: no rendezvous and no zero-copy (answering a peer whose endpoint
-  // lacks native RMA, Endpoint::NativeRma).
-  void SendAmReply(void* reply_ep, uint16_t id, std::string_view header, const void* data,
-                   uint64_t length, std::function<void(absl::Status)> done,
+  // copying `data` (valid and unchanged until `done`). A send on an endpoint whose peer
+  // failed completes with an error; one on an endpoint UCP destroyed since the message
+  // came (ReplyEndpoint) is not begun and completes with UNAVAILABLE.
+  // `eager`: no rendezvous and no zero-copy (answering a peer whose endpoint lacks
+  // native RMA, Endpoint::NativeRma).
+  void SendAmReply(const ReplyEndpoint& reply_ep, uint16_t id, std::string_view header,
+                   const void* data, uint64_t length, std::function<void(absl::Status)> done,
                    bool eager = false);
 
   ucp_worker_h get() const { return worker_; }

@@ -25,6 +25,9 @@ class StockUcxPeer {
   StockUcxPeer& operator=(const StockUcxPeer&) = delete;
 
   ucp_ep_h ep() const { return ep_; }
+  // The peer's worker (to set an active message handler for answers; progressed only
+  // by Progress).
+  ucp_worker_h worker() const { return worker_; }
   // Opens one more endpoint to the same worker, of the same error mode (closed with the
   // peer; UCP sends its wireup request with its first message that needs the other
   // side's endpoint, such as an active message with reply).

@@ -1456,17 +1456,24 @@ TEST_CASE("a rendezvous notification naming a peer whose endpoint is tcp is refu
   RequireHonestWrite(pair, "honest-after", {1}, {2});
 }
 
+// Agents over tcp (peer error handling), one bounce buffer in each staging pool, and
+// 4 MiB regions.
+AgentPairOptions OneBufferOverTcp() {
+  AgentPairOptions options;
+  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--metrics-listen",
+                        "127.0.0.1:0", "--staging-buffers", "1"};
+  options.shape.pages = 64;
+  options.shape.page_bytes = 64 << 10;  // 4 MiB regions
+  return options;
+}
+
 // A reader flooding an agent with read requests fills at most its share of the replies
 // waiting for a receive buffer (1,024 of 4,096): another reader's READ still gets in.
 // Eve holds decode's one receive buffer (a rendezvous reply she never fetches), then
 // asks for 4,100 small reads; prefill's READ over tcp (read requests too) is queued
 // behind hers, not refused, and completes once she lets the buffer go.
 TEST_CASE("a reader flooding read requests gets its share, and another reader's READ moves") {
-  AgentPairOptions options;
-  options.extra_args = {"--ucx-error-mode", "peer", "--shm-direct", "off", "--metrics-listen",
-                        "127.0.0.1:0", "--staging-buffers", "1"};
-  options.shape.pages = 64;
-  options.shape.page_bytes = 64 << 10;  // 4 MiB regions
+  const AgentPairOptions options = OneBufferOverTcp();
   AgentPair pair(options);
   REQUIRE(pair.decode().Connect(pair.prefill_process().address()).ok());
   EveOnDecode eve(pair);
@@ -1510,6 +1517,65 @@ TEST_CASE("a reader flooding read requests gets its share, and another reader's 
     CHECK(std::memcmp(pair.prefill_pool().Page(r, 9), pair.decode_pool().Page(r, 5),
                       options.shape.page_bytes) == 0);
   }
+}
+
+// A reader whose read requests wait for decode's one bounce buffer (eve holds it with a
+// rendezvous reply she never fetches) and that leaves before they are served: UCP
+// destroys decode's endpoint to it (tcp, peer error handling), whose memory the next
+// endpoint UCP makes may take. Decode sent the parts it served once the buffer came
+// back on the destroyed endpoint and died of SIGSEGV in ucp_am_send_nbx. Now each part
+// finds its endpoint gone and is dropped and counted, and decode moves an honest
+// transfer.
+TEST_CASE("read requests whose reader left before a bounce buffer came are not answered, and "
+          "the agent stays up") {
+  AgentPair pair(OneBufferOverTcp());
+  EveOnDecode eve(pair);
+  const std::string secret = eve.metadata.notify_secret();
+  const uint64_t address = eve.region().base_address();
+  UcxAttacker holder(eve.metadata.worker_address(), "auto");  // shared memory
+  HoldReceiveBuffer(holder, secret, address);
+  auto metric = [&](const char* name) { return Value(Scrape(eve.metrics), name); };
+  auto read_requests = [&] {
+    auto status = pair.decode().Status();
+    REQUIRE(status.ok());
+    for (const auto& count : status->active_messages()) {
+      if (count.id() == kStagedReadAm) return count.received();
+    }
+    return uint64_t{0};
+  };
+  const double endpoints = metric("kvagent_ucx_endpoints");
+  const double gone_before = metric("kvagent_ucx_replies_to_gone_endpoints_total");
+  const uint64_t requests_before = read_requests();
+  constexpr size_t kReads = 50;
+  {
+    UcxAttacker leaver(eve.metadata.worker_address(), "auto", transport::ErrorMode::kPeer);
+    std::vector<std::string> headers;
+    for (size_t i = 0; i < kReads; ++i) {
+      headers.push_back(EveRead(secret, 500 + i, address, 4096, /*eager_replies=*/true));
+    }
+    leaver.PostRequests(kStagedReadAm, std::move(headers));
+    const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+    while (read_requests() < requests_before + kReads && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    REQUIRE(read_requests() == requests_before + kReads);  // all wait for the buffer
+  }
+  // The reader is gone: once UCP destroyed decode's endpoint to it, the buffer comes back.
+  const auto until = Clock::now() + std::chrono::milliseconds(kTimeoutMs);
+  while (metric("kvagent_ucx_endpoints") > endpoints && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(metric("kvagent_ucx_endpoints") == endpoints);
+  holder.ReleaseKept();
+  double gone = gone_before;
+  while (gone < gone_before + kReads && Clock::now() < until + std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    gone = metric("kvagent_ucx_replies_to_gone_endpoints_total");
+  }
+  std::printf("%zu read parts served after their reader left: %.0f not sent to its destroyed "
+              "endpoint\n", kReads, gone - gone_before);
+  CHECK(gone - gone_before == kReads);
+  RequireHonestWrite(pair, "after-leaver", {2, 3}, {7, 8});
 }
 
 // A peer announcing staged transfers whose data never comes: each DATA_READY is held
@@ -1798,7 +1864,7 @@ class PingedPeer final : public FakeAgent {
     worker().SetAmDataHandler(kPingAm, [this](const transport::AmMessage& m) {
       pings_.fetch_add(1);
       wire::EndpointPing ping;
-      if (answer_ == PingAnswer::kNone || m.reply_ep == nullptr ||
+      if (answer_ == PingAnswer::kNone || !m.reply_ep ||
           !ping.ParseFromArray(m.header.data(), static_cast<int>(m.header.size()))) {
         return false;
       }

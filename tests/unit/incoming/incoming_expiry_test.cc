@@ -44,19 +44,20 @@ TEST_CASE("an incoming transfer expires at its deadline plus grace, and NextExpi
   IncomingOptions options;
   options.self_name = "receiver";
   options.grace_ms = 20;
-  IncomingTransfers incoming(options, &regions, &queue, [](void*, const wire::TransferAck&) {});
+  IncomingTransfers incoming(options, &regions, &queue,
+                             [](const transport::ReplyEndpoint&, const wire::TransferAck&) {});
 
   CHECK(incoming.NextExpiry() == kNever);  // nothing open: nothing to wake for
   incoming.Expire();
   CHECK(Delivered(queue).empty());
 
   const uint64_t opened_us = MonotonicMicros();
-  incoming.OnNotice(Notice("early", v1::PEER_TRANSFER_OPEN, 80), nullptr);
+  incoming.OnNotice(Notice("early", v1::PEER_TRANSFER_OPEN, 80), {});
   const uint64_t due = incoming.NextExpiry();
   CHECK(due >= opened_us + 100 * 1000);              // 80 ms deadline + 20 ms grace
   CHECK(due <= MonotonicMicros() + 100 * 1000);
   // A later one does not move the earliest.
-  incoming.OnNotice(Notice("late", v1::PEER_TRANSFER_OPEN, 300), nullptr);
+  incoming.OnNotice(Notice("late", v1::PEER_TRANSFER_OPEN, 300), {});
   CHECK(incoming.NextExpiry() == due);
   CHECK(incoming.active() == 2);
 
@@ -78,7 +79,7 @@ TEST_CASE("an incoming transfer expires at its deadline plus grace, and NextExpi
 
   // It ends by its sender's outcome first: NextExpiry may still name it (early is
   // allowed); the Expire then ends nothing and finds nothing left to wait for.
-  incoming.OnNotice(Notice("late", v1::CANCELLED_BY_PEER, 0), nullptr);
+  incoming.OnNotice(Notice("late", v1::CANCELLED_BY_PEER, 0), {});
   out = Delivered(queue);
   REQUIRE(out.size() == 1);
   CHECK(out[0].kind() == v1::CANCELLED_BY_PEER);

@@ -60,7 +60,8 @@ struct Receiver {
               options.max_finished = kept;
               return options;
             }(),
-            &regions, &queue, [this](void*, const wire::TransferAck&) { ++acks; }) {
+            &regions, &queue,
+            [this](const transport::ReplyEndpoint&, const wire::TransferAck&) { ++acks; }) {
     REQUIRE(regions
                 .Register({registry::testing::Spec("ra", shm.name(), 0, 4096, 1, 4096)}, false,
                           registry::testing::Registrant("owner-a-with-a-long-principal"))
@@ -78,21 +79,21 @@ struct Receiver {
   void Complete(const std::string& id, const std::string& target, uint64_t incarnation = 7,
                 const std::string& from = "sender") {
     NextMicrosecond();
-    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target, from), nullptr);
+    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target, from), {});
     static int endpoint;
-    incoming.OnDataReady(Notice(id, v1::DATA_READY, incarnation, target, from), &endpoint,
-                         absl::OkStatus());
-    incoming.OnNotice(Notice(id, v1::PEER_DATA_COMMIT, incarnation, target, from), nullptr);
+    incoming.OnDataReady(Notice(id, v1::DATA_READY, incarnation, target, from),
+                         transport::ReplyEndpoint{&endpoint}, absl::OkStatus());
+    incoming.OnNotice(Notice(id, v1::PEER_DATA_COMMIT, incarnation, target, from), {});
   }
   // Open, then the sender's failure: FAILED with its message.
   void Fail(const std::string& id, const std::string& target, uint64_t incarnation = 7,
             const std::string& from = "sender") {
     NextMicrosecond();
-    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target, from), nullptr);
+    incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, target, from), {});
     v1::Notification failed = Notice(id, v1::TRANSFER_FAILED, incarnation, target, from);
     failed.set_error_code(static_cast<int32_t>(absl::StatusCode::kInternal));
     failed.set_error_message(fmt::format("the sender's copy of {} broke", id));
-    incoming.OnNotice(failed, nullptr);
+    incoming.OnNotice(failed, {});
   }
 
   // List orders by submission time (microseconds) and Get answers the newest: each
@@ -179,10 +180,11 @@ TEST_CASE("a late notice of an ended transfer kept compact makes nothing") {
   REQUIRE(taken.size() == 80);
   REQUIRE(r.acks == 80);
   static int endpoint;
-  r.incoming.OnNotice(Notice("t0", v1::PEER_TRANSFER_OPEN, 7, "ra"), nullptr);
-  r.incoming.OnDataReady(Notice("t0", v1::DATA_READY, 7, "ra"), &endpoint, absl::OkStatus());
-  r.incoming.OnNotice(Notice("t0", v1::PEER_DATA_COMMIT, 7, "ra"), nullptr);
-  r.incoming.OnNotice(Notice("t0", v1::TRANSFER_FAILED, 7, "ra"), nullptr);
+  r.incoming.OnNotice(Notice("t0", v1::PEER_TRANSFER_OPEN, 7, "ra"), {});
+  r.incoming.OnDataReady(Notice("t0", v1::DATA_READY, 7, "ra"), transport::ReplyEndpoint{&endpoint},
+                         absl::OkStatus());
+  r.incoming.OnNotice(Notice("t0", v1::PEER_DATA_COMMIT, 7, "ra"), {});
+  r.incoming.OnNotice(Notice("t0", v1::TRANSFER_FAILED, 7, "ra"), {});
   CHECK(taken.size() == 80);
   CHECK(r.acks == 80);
   CHECK(r.incoming.active() == 0);
@@ -301,8 +303,7 @@ TEST_CASE("Get answers what List holds: the newest record of the id, through pru
         break;
       default:  // left open (until a later step ends the same key)
         r.NextMicrosecond();
-        r.incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, "ra", from),
-                            nullptr);
+        r.incoming.OnNotice(Notice(id, v1::PEER_TRANSFER_OPEN, incarnation, "ra", from), {});
     }
     // Asked from step 105 on, when records have been made and pruned.
     if (step < 105 || (step % 7 != 0 && step < 390)) continue;
@@ -430,11 +431,11 @@ TEST_CASE("each delivered notification carries its own names, payload, targets a
     ready.set_ack_token(100 + i);
     r.NextMicrosecond();
     kept.ParseFromString(open.SerializeAsString());
-    r.incoming.OnNotice(kept, nullptr);
+    r.incoming.OnNotice(kept, {});
     kept.ParseFromString(ready.SerializeAsString());
-    r.incoming.OnDataReady(std::move(kept), &endpoint, absl::OkStatus());
+    r.incoming.OnDataReady(std::move(kept), transport::ReplyEndpoint{&endpoint}, absl::OkStatus());
     kept.ParseFromString(Notice(id, v1::PEER_DATA_COMMIT, 7, targets[0]).SerializeAsString());
-    r.incoming.OnNotice(kept, nullptr);
+    r.incoming.OnNotice(kept, {});
     expected.push_back({id, v1::DATA_READY, payload, targets, owners});
   }
   REQUIRE(taken.size() == expected.size());

@@ -69,7 +69,9 @@ struct Receiver {
 
   Receiver(IncomingOptions options, uint64_t queue_slots)
       : incoming(options, &regions, &queue,
-                 [this](void*, const wire::TransferAck& ack) { acks.push_back(ack); }) {
+                 [this](const transport::ReplyEndpoint&, const wire::TransferAck& ack) {
+                   acks.push_back(ack);
+                 }) {
     limits.set(Limit::kQueuedNotifications, queue_slots);
     REQUIRE(regions
                 .Register({registry::testing::Spec("dst", shm.name(), 0, 4096, 1, 4096)}, false,
@@ -82,7 +84,7 @@ struct Receiver {
   absl::Status Ready(v1::Notification n) {
     static int endpoint;
     const size_t before = acks.size();
-    incoming.OnDataReady(std::move(n), &endpoint, absl::OkStatus());
+    incoming.OnDataReady(std::move(n), transport::ReplyEndpoint{&endpoint}, absl::OkStatus());
     REQUIRE(acks.size() == before + 1);
     const wire::TransferAck& ack = acks.back();
     return absl::Status(static_cast<absl::StatusCode>(ack.error_code()), ack.error_message());
@@ -148,9 +150,9 @@ TEST_CASE("a DATA_READY never opened nor committed ends by a deadline and gives 
   CHECK(r.incoming.NextExpiry() == kNever);
   // The room is back: a new transfer's DATA_READY is acknowledged again, and a late
   // commit of an expired one delivers nothing more.
-  r.incoming.OnNotice(Notice("held-1", v1::PEER_DATA_COMMIT), nullptr);
+  r.incoming.OnNotice(Notice("held-1", v1::PEER_DATA_COMMIT), {});
   CHECK(r.Ready(DataReady("after", "prefill")).ok());
-  r.incoming.OnNotice(Notice("after", v1::PEER_DATA_COMMIT, "prefill"), nullptr);
+  r.incoming.OnNotice(Notice("after", v1::PEER_DATA_COMMIT, "prefill"), {});
   out = Delivered(r.queue);
   REQUIRE(out.size() == 1);
   CHECK(out[0].transfer_id() == "after");
@@ -170,7 +172,7 @@ TEST_CASE("a peer's open may not hold its record past max_peer_timeout_ms") {
   open.set_op(v1::WRITE);
   open.set_timeout_ms(UINT32_MAX);  // 49.7 days
   const uint64_t opened = MonotonicMicros();
-  r.incoming.OnNotice(open, nullptr);
+  r.incoming.OnNotice(open, {});
   CHECK(r.Ready(DataReady("forever")).ok());
   const uint64_t due = r.incoming.NextExpiry();
   std::printf("open with timeout_ms UINT32_MAX: due in %.1f s\n",
@@ -178,7 +180,7 @@ TEST_CASE("a peer's open may not hold its record past max_peer_timeout_ms") {
   REQUIRE(due <= MonotonicMicros() + (100 + 20) * 1000);
   // Opened again halfway: its deadline stays counted from its first notice.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  r.incoming.OnNotice(open, nullptr);
+  r.incoming.OnNotice(open, {});
   SleepUntil(due);
   r.incoming.Expire();
   CHECK(r.incoming.active() == 0);
@@ -191,7 +193,7 @@ TEST_CASE("a peer's open may not hold its record past max_peer_timeout_ms") {
   open.set_transfer_id("short");
   open.set_timeout_ms(40);
   const uint64_t short_opened = MonotonicMicros();
-  r.incoming.OnNotice(open, nullptr);
+  r.incoming.OnNotice(open, {});
   CHECK(r.incoming.NextExpiry() <= MonotonicMicros() + (40 + 20) * 1000);
   CHECK(r.incoming.NextExpiry() >= short_opened + (40 + 20) * 1000);
 }
@@ -219,7 +221,7 @@ TEST_CASE("a DATA_READY carrying the open (kWireOpenInDataReady) opens as the op
   CHECK(due <= MonotonicMicros() + (40 + 20) * 1000);
   CHECK(Delivered(r.queue).empty());  // held for the commit, as before
   // Committed: the owner gets a plain DATA_READY, without the open's fields.
-  r.incoming.OnNotice(Notice("folded", v1::PEER_DATA_COMMIT), nullptr);
+  r.incoming.OnNotice(Notice("folded", v1::PEER_DATA_COMMIT), {});
   std::vector<v1::Notification> out = Delivered(r.queue);
   REQUIRE(out.size() == 1);
   CHECK(out[0].kind() == v1::DATA_READY);
@@ -289,7 +291,7 @@ TEST_CASE("a committed DATA_READY (kWireCommitInDataReady) is delivered once ack
   REQUIRE(state.ok());
   CHECK(state->phase() == v1::COMPLETED);
   CHECK(state->op() == v1::WRITE);
-  r.incoming.OnNotice(Notice("placed", v1::PEER_DATA_COMMIT), nullptr);
+  r.incoming.OnNotice(Notice("placed", v1::PEER_DATA_COMMIT), {});
   CHECK(Delivered(r.queue).empty());
   // Without the flag it still waits for its commit.
   CHECK(r.Ready(DataReady("acked")).ok());
@@ -309,7 +311,7 @@ TEST_CASE("a committed DATA_READY (kWireCommitInDataReady) is delivered once ack
   state = r.incoming.Get("eve", "no-room", owner);
   REQUIRE(state.ok());
   CHECK(state->phase() == v1::FAILED);
-  r.incoming.OnNotice(Notice("acked", v1::PEER_DATA_COMMIT), nullptr);
+  r.incoming.OnNotice(Notice("acked", v1::PEER_DATA_COMMIT), {});
   out = Delivered(r.queue);
   REQUIRE(out.size() == 1);
   CHECK(out[0].transfer_id() == "acked");
@@ -320,7 +322,7 @@ TEST_CASE("a committed DATA_READY (kWireCommitInDataReady) is delivered once ack
   Receiver full(options, /*queue_slots=*/8);
   v1::Notification open = Notice("holder", v1::PEER_TRANSFER_OPEN);
   open.set_timeout_ms(30000);
-  full.incoming.OnNotice(open, nullptr);
+  full.incoming.OnNotice(open, {});
   v1::Notification untracked = DataReady("untracked");
   untracked.set_committed(true);
   CHECK(full.Ready(untracked).ok());
@@ -341,18 +343,18 @@ TEST_CASE("one sender holds at most its share of the open incoming records") {
   for (int i = 0; i < 5; ++i) {
     v1::Notification open = Notice(fmt::format("eve-{}", i), v1::PEER_TRANSFER_OPEN);
     open.set_timeout_ms(30000);
-    r.incoming.OnNotice(open, nullptr);
+    r.incoming.OnNotice(open, {});
   }
   CHECK(r.incoming.active() == 2);
   CHECK(r.incoming.untracked() == 3);
   // Another sender's transfer is still tracked (held until its commit).
   v1::Notification open = Notice("honest", v1::PEER_TRANSFER_OPEN, "prefill");
   open.set_timeout_ms(30000);
-  r.incoming.OnNotice(open, nullptr);
+  r.incoming.OnNotice(open, {});
   CHECK(r.incoming.active() == 3);
   CHECK(r.Ready(DataReady("honest", "prefill")).ok());
   CHECK(Delivered(r.queue).empty());  // held for the commit
-  r.incoming.OnNotice(Notice("honest", v1::PEER_DATA_COMMIT, "prefill"), nullptr);
+  r.incoming.OnNotice(Notice("honest", v1::PEER_DATA_COMMIT, "prefill"), {});
   CHECK(Delivered(r.queue).size() == 1);
   // Eve's untracked one still reaches the owner, once its data is in place.
   CHECK(r.Ready(DataReady("eve-4")).ok());
@@ -360,11 +362,11 @@ TEST_CASE("one sender holds at most its share of the open incoming records") {
   REQUIRE(out.size() == 1);
   CHECK(out[0].transfer_id() == "eve-4");
   // Once one of hers ends, her next is tracked again.
-  r.incoming.OnNotice(Notice("eve-0", v1::CANCELLED_BY_PEER), nullptr);
+  r.incoming.OnNotice(Notice("eve-0", v1::CANCELLED_BY_PEER), {});
   CHECK(r.incoming.active() == 1);
   open = Notice("eve-5", v1::PEER_TRANSFER_OPEN);
   open.set_timeout_ms(30000);
-  r.incoming.OnNotice(open, nullptr);
+  r.incoming.OnNotice(open, {});
   CHECK(r.incoming.active() == 2);
   CHECK(r.incoming.untracked() == 4);  // eve-2, 3 and 4's opens, eve-4's DATA_READY
 }

@@ -550,7 +550,7 @@ TEST_CASE("a stock peer's fragmented active messages arrive whole, with their re
   h.worker->SetAmDataHandler(7, [&](const AmMessage& message) {
     absl::MutexLock lock(&mu);
     got.emplace_back(std::string(message.header), std::string(message.data),
-                     message.reply_ep != nullptr);
+                     static_cast<bool>(message.reply_ep));
     return false;
   });
   std::string data(300 << 10, '\0');
@@ -1126,6 +1126,127 @@ TEST_CASE("a wireup message whose worker address UCX would read past its end is 
 // gets no endpoint (UCP answers nothing) and an endpoint check is dropped, each counted
 // and logged. An endpoint the worker's own ucp_ep_create takes over from a request
 // counts no more, and the peer connected before the flood still works.
+// An answer kept past its handler (an acknowledgement waiting for staged bytes, a staged
+// read's parts) holds the endpoint its request came with by address and serial. Once
+// UCP destroyed that endpoint (the requester's tcp connection ended), the answer is not
+// sent (UNAVAILABLE, counted): neither to the destroyed endpoint nor, when UCP put the
+// next requester's endpoint at the same address, to that requester. Before the serials,
+// the agent handed UCP the raw address it had kept.
+TEST_CASE("an answer kept past its handler is not sent once UCP destroyed its endpoint") {
+  Hardened h = Hardened::Make();
+  constexpr uint16_t kAsk = 7;
+  constexpr uint16_t kAnswer = 9;
+  absl::Mutex mu;
+  std::vector<ReplyEndpoint> kept;
+  h.worker->SetAmDataHandler(kAsk, [&](const AmMessage& message) {
+    absl::MutexLock lock(&mu);
+    kept.push_back(message.reply_ep);
+    return false;
+  });
+  auto kept_count = [&] {
+    absl::MutexLock lock(&mu);
+    return kept.size();
+  };
+  // Answers of id 9 a stock peer received (its handler runs in its Progress).
+  struct Answers {
+    int count = 0;
+  };
+  auto listen = [](StockUcxPeer& peer, Answers* answers) {
+    ucp_am_handler_param_t param{};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = kAnswer;
+    param.arg = answers;
+    param.cb = [](void* arg, const void*, size_t, void*, size_t,
+                  const ucp_am_recv_param_t*) -> ucs_status_t {
+      ++static_cast<Answers*>(arg)->count;
+      return UCS_OK;
+    };
+    REQUIRE(ucp_worker_set_am_recv_handler(peer.worker(), &param) == UCS_OK);
+  };
+  auto ask = [&](StockUcxPeer& peer) {
+    const size_t had = kept_count();
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    const std::string header = "a request";
+    peer.Track(ucp_am_send_nbx(peer.ep(), kAsk, header.data(), header.size(), nullptr, 0,
+                               &param));
+    peer.Progress(10000);
+    REQUIRE(Eventually([&] { return kept_count() == had + 1; }));
+    absl::MutexLock lock(&mu);
+    return kept.back();
+  };
+  // Sends an answer on `to` from the worker thread; its completion status.
+  auto answer = [&](const ReplyEndpoint& to) {
+    auto done = std::make_shared<absl::Notification>();
+    auto status = std::make_shared<absl::Status>();
+    h.worker->RunSync([&] {
+      h.worker->SendAmReply(to, kAnswer, "an answer", nullptr, 0,
+                            [done, status](absl::Status s) {
+                              *status = std::move(s);
+                              done->Notify();
+                            });
+    });
+    REQUIRE(done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+    return *status;
+  };
+  auto native_rma = [&](const ReplyEndpoint& to) {
+    bool rma = true;
+    h.worker->RunSync([&] { rma = h.worker->ReplyEndpointNativeRma(to); });
+    return rma;
+  };
+
+  const size_t followed = EndpointsFollowed();
+  auto first = std::make_unique<StockUcxPeer>(h.worker->address(), /*peer_errors=*/true, "");
+  Answers first_answers;
+  listen(*first, &first_answers);
+  const ReplyEndpoint gone = ask(*first);
+  REQUIRE(gone);
+  CHECK(gone.serial != 0);  // the stand-ins follow every endpoint UCP makes
+  CHECK(EndpointSerial(gone.ep) == gone.serial);
+  {
+    INFO("answered while the requester is there");
+    CHECK(answer(gone).ok());
+    first->Progress(200);
+    CHECK(first_answers.count == 1);
+  }
+  // The requester goes: UCP fails the endpoint it made for it and destroys it.
+  first.reset();
+  REQUIRE(Eventually([&] { return EndpointsFollowed() == followed; }));
+  CHECK(EndpointSerial(gone.ep) == 0);
+  const uint64_t refused = RepliesToGoneEndpoints();
+  {
+    INFO("an answer to the endpoint UCP destroyed is not begun");
+    const absl::Status status = answer(gone);
+    CHECK(status.code() == absl::StatusCode::kUnavailable);
+    CHECK_THAT(std::string(status.message()),
+               Catch::Contains("UCX destroyed the endpoint its request came over"));
+    CHECK(RepliesToGoneEndpoints() - refused == 1);
+    CHECK_FALSE(native_rma(gone));
+  }
+  // The next requester; UCP may put its endpoint where the destroyed one was.
+  StockUcxPeer second(h.worker->address(), /*peer_errors=*/true, "");
+  Answers second_answers;
+  listen(second, &second_answers);
+  const ReplyEndpoint next = ask(second);
+  REQUIRE(next);
+  CHECK(next.serial > gone.serial);
+  INFO("the next requester's endpoint " << (next.ep == gone.ep ? "took" : "did not take")
+                                        << " the destroyed one's address");
+  {
+    INFO("the answer kept for the first requester does not reach the second");
+    CHECK(answer(gone).code() == absl::StatusCode::kUnavailable);
+    second.Progress(200);
+    CHECK(second_answers.count == 0);
+  }
+  CHECK(answer(next).ok());
+  second.Progress(200);
+  CHECK(second_answers.count == 1);
+  CHECK(RepliesToGoneEndpoints() - refused == 2);
+  CHECK_FALSE(second.failed());
+}
+
 TEST_CASE("a worker holds at most its cap of endpoints made for peers' requests") {
   constexpr uint64_t kCap = 16;
   const PeerEndpoints before = PeerEndpointsNow();
