@@ -399,9 +399,9 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "each). UCX 1.13 keeps one each side per restart of a same-host peer.",
        peer_made.all},
       {"kvagent_ucx_replies_to_gone_endpoints_total", "counter",
-       "Answers (acknowledgements, staged read parts, pongs) not sent because UCX had "
-       "destroyed the endpoint their request came over: its requester's connection ended "
-       "before the answer was ready.",
+       "Answers due after their handler returned (acknowledgements, staged read parts) "
+       "not sent because UCX had destroyed the endpoint their request came over: its "
+       "requester's connection ended before the answer was ready.",
        transport::RepliesToGoneEndpoints()},
       {"kvagent_ucx_peer_endpoints", "gauge",
        "Endpoints UCX made for peers' wireup requests and checks that this agent did not "
