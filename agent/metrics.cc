@@ -374,8 +374,7 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "stopped taking a reply.",
        retired.held},
       {"kvagent_retired_mapping_bytes", "gauge",
-       "Address space of kvagent_retired_mappings (zero pages: no memory).",
-       retired.held_bytes},
+       "Address space of kvagent_retired_mappings (zero pages: no memory).", retired.held_bytes},
       {"kvagent_retired_mappings_released_total", "counter",
        "Retired mappings unmapped once every UCX worker flushed.", retired.released},
       {"kvagent_ucx_held_replies", "gauge",
@@ -403,6 +402,10 @@ std::string RenderMetrics(const MetricsSources& sources) {
        "not sent because UCX had destroyed the endpoint their request came over: its "
        "requester's connection ended before the answer was ready.",
        transport::RepliesToGoneEndpoints()},
+      {"kvagent_ucx_endpoints_reclaimed_total", "counter",
+       "Endpoints to a same-host peer process that ended, destroyed where UCX would keep "
+       "them until the agent restarts: about one per restart of a same-host peer.",
+       transport::EndpointsReclaimed()},
       {"kvagent_ucx_peer_endpoints", "gauge",
        "Endpoints UCX made for peers' wireup requests and checks that this agent did not "
        "open itself (about 17.5 KiB each): one per peer endpoint connected to this agent.",

@@ -4,7 +4,9 @@
 // NoteEndpointCreated and ReplyNames): a request whose address lists no transport this
 // agent reaches, one that would give an endpoint lanes of another configuration, and a
 // reply whose sender contradicts its endpoint's peer; and so that the endpoints UCP
-// makes for peers' requests and checks stay within a cap (PeerEndpointAdmitted). These
+// makes for peers' requests and checks stay within a cap (PeerEndpointAdmitted), and so
+// that an endpoint to a same-host process that ended is destroyed when it is closed
+// (ReclaimedOnDisconnect), where UCP would keep it until the worker ends. These
 // functions are UCP's internal ones (exported by libucp and called through its PLT, as `objdump -R
 // libucp.so` lists), of UCX 1.13's signatures (HardenUcxForPeers refuses another UCX;
 // unhardened, the stand-ins only pass the calls on). kvagentd links this object and
@@ -30,6 +32,7 @@ void ucp_ep_destroy_base(ucp_ep_h ep);
 ucp_ep_h ucp_ep_match_retrieve(ucp_worker_h worker, uint64_t dest_uuid, uint16_t conn_sn,
                                int conn_queue_type);
 void ucp_ep_match_remove_ep(ucp_worker_h worker, ucp_ep_h ep);
+void ucp_ep_disconnected(ucp_ep_h ep, int force);
 // Called, not stood in for: what UCP does to an endpoint of its own that found no lanes.
 void ucp_ep_delete(ucp_ep_h ep);
 }
@@ -141,4 +144,15 @@ extern "C" ucp_ep_h ucp_ep_match_retrieve(ucp_worker_h worker, uint64_t dest_uui
 extern "C" void ucp_ep_match_remove_ep(ucp_worker_h worker, ucp_ep_h ep) {
   hardening::ReplyNames(ep);
   RemoveFromMatching(worker, ep);
+}
+
+// The end of an endpoint's close (and of UCP's own destruction of one: force set). UCP
+// keeps an endpoint with a connection from its peer unless forced; one the worker marked
+// because its same-host process ended (ReclaimEndpoint) is destroyed instead, its lanes
+// flushed by the close as for an endpoint without that connection.
+extern "C" void ucp_ep_disconnected(ucp_ep_h ep, int force) {
+  static const auto next = Next(&ucp_ep_disconnected, "ucp_ep_disconnected");
+  if (next == nullptr) return;
+  if (force == 0 && hardening::ReclaimedOnDisconnect(ep)) force = 1;
+  next(ep, force);
 }

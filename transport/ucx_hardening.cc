@@ -1572,8 +1572,10 @@ void ArmSameHostGuard() { g_same_host_armed.store(true); }
 
 namespace {
 // Field 22 of /proc/PID/stat: when the process started, in clock ticks after boot; 0
-// when it cannot be read (no such process).
-uint64_t ProcessStartTicks(int pid) {
+// when it cannot be read (no such process). `state` (when given) gets field 3, the
+// process's state ('Z': it ended and waits to be reaped), or 0.
+uint64_t ProcessStartTicks(int pid, char* state = nullptr) {
+  if (state != nullptr) *state = 0;
   const std::string path = fmt::format("/proc/{}/stat", pid);
   std::FILE* file = std::fopen(path.c_str(), "re");
   if (file == nullptr) return 0;
@@ -1584,16 +1586,23 @@ uint64_t ProcessStartTicks(int pid) {
   // After the command name, which may hold spaces and parentheses: its last ')'.
   const char* rest = std::strrchr(line, ')');
   if (rest == nullptr) return 0;
+  char field3 = 0;
   unsigned long long ticks = 0;
-  // Fields 3 to 21 skipped, 22 read.
+  // Field 3 read, 4 to 21 skipped, 22 read.
   if (std::sscanf(rest + 1,
-                  " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d "
+                  " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d "
                   "%*d %llu",
-                  &ticks) != 1) {
+                  &field3, &ticks) != 2) {
     return 0;
   }
+  if (state != nullptr) *state = field3;
   return ticks;
 }
+
+// The same-host endpoints: an admission of proven pid `pid` made while UCP sets up an
+// endpoint's lanes ties the endpoint to that process (defined below, with the followed
+// endpoints).
+void NoteSameHostReach(int pid);
 
 // Drops the entries whose grace ended.
 void PruneHeldLocked(std::chrono::steady_clock::time_point now)
@@ -1669,7 +1678,10 @@ bool SameHostTargetAdmitted(int pid, SameHostUse use) {
   if (!g_same_host_armed.load(std::memory_order_relaxed)) return true;
   const bool own = pid == ::getpid();
   if (own && use == SameHostUse::kAttach) return true;
-  if (!own && PidAdmitted(pid)) return true;
+  if (!own && PidAdmitted(pid)) {
+    NoteSameHostReach(pid);
+    return true;
+  }
   NoteRefusal(g_same_host_refused, t_same_host_refusal, kSameHostReach,
               use == SameHostUse::kCma
                   ? fmt::format("UCX's cma transport was to read or write the memory of pid "
@@ -1760,7 +1772,9 @@ bool SameHostFileAdmitted(int fd, const char* path) {
     std::vector<int> pids = HeldPeerPids();
     pids.insert(pids.begin(), ::getpid());  // its own segments
     for (const int pid : pids) {
-      if (MapsFile(pid, file.st_dev, file.st_ino)) return true;
+      if (!MapsFile(pid, file.st_dev, file.st_ino)) continue;
+      if (pid != ::getpid()) NoteSameHostReach(pid);
+      return true;
     }
     why = fmt::format("UCX was to open the shared memory file {}, which neither this agent nor "
                       "a peer proven on this host has mapped (a same-host peer's worker "
@@ -1838,11 +1852,16 @@ bool SameHostListenerAdmitted(const std::vector<std::pair<unsigned long long, ui
   if (!g_same_host_armed.load(std::memory_order_relaxed) || listeners.empty()) return true;
   for (const int pid : HeldPeerPids()) {
     const Holds holds = HoldsSocket(pid, listeners);
-    if (holds == Holds::kYes) return true;
+    if (holds == Holds::kYes) {
+      NoteSameHostReach(pid);
+      return true;
+    }
     if (holds == Holds::kUnreadable) {
       const std::optional<uid_t> uid = ProcessUid(pid);
       for (const auto& [listener, owner] : listeners) {
-        if (uid.has_value() && owner == *uid) return true;
+        if (!uid.has_value() || owner != *uid) continue;
+        NoteSameHostReach(pid);
+        return true;
       }
     }
   }
@@ -2173,6 +2192,11 @@ struct Followed {
   uint64_t peer = 0;
   bool counted = false;
   uint64_t serial = 0;  // EndpointSerial
+  // The same-host process its lanes reach (0: none proven), that process's start time
+  // (0: unknown), and whether UCP is to destroy it when it is closed (ReclaimEndpoint).
+  int reach_pid = 0;
+  uint64_t reach_ticks = 0;
+  bool reclaim = false;
 };
 absl::Mutex g_endpoints_mu;
 absl::flat_hash_map<const void*, Followed>* g_endpoints ABSL_GUARDED_BY(g_endpoints_mu) =
@@ -2185,6 +2209,8 @@ uint64_t g_peer_made_peak ABSL_GUARDED_BY(g_endpoints_mu) = 0;
 std::atomic<uint64_t> g_peer_made_refused{0};
 uint64_t g_last_serial ABSL_GUARDED_BY(g_endpoints_mu) = 0;
 std::atomic<uint64_t> g_replies_to_gone{0};
+// Endpoints to same-host processes that ended, destroyed by UCP (ReclaimEndpoint).
+std::atomic<uint64_t> g_reclaimed{0};
 
 // Gives up `followed`'s place among its worker's peer-made endpoints, if it holds one.
 void ReleasePlace(Followed& followed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_endpoints_mu) {
@@ -2242,7 +2268,12 @@ void NoteEndpointCreated(const void* worker, const void* ep, MadeFor made_for) {
   absl::MutexLock lock(&g_endpoints_mu);
   Followed& followed = (*g_endpoints)[ep];
   ReleasePlace(followed);  // an address UCP reuses: the old endpoint was not forgotten
-  followed = Followed{worker, made_for, -1, peer, made_for != MadeFor::kAgent, ++g_last_serial};
+  followed = Followed{};
+  followed.worker = worker;
+  followed.made_for = made_for;
+  followed.peer = peer;
+  followed.counted = made_for != MadeFor::kAgent;
+  followed.serial = ++g_last_serial;
   if (!followed.counted) return;
   ++g_peer_made_total;
   g_peer_made_peak = std::max(g_peer_made_peak, ++(*g_peer_made)[worker]);
@@ -2353,6 +2384,7 @@ void ForgetEndpoint(const void* ep) {
   auto it = g_endpoints->find(ep);
   if (it == g_endpoints->end()) return;
   ReleasePlace(it->second);
+  if (it->second.reclaim) g_reclaimed.fetch_add(1, std::memory_order_relaxed);
   g_endpoints->erase(it);
 }
 
@@ -2377,5 +2409,87 @@ bool EndpointStillIs(const void* ep, uint64_t serial) {
 void NoteReplyToGoneEndpoint() { g_replies_to_gone.fetch_add(1, std::memory_order_relaxed); }
 
 uint64_t RepliesToGoneEndpoints() { return g_replies_to_gone.load(std::memory_order_relaxed); }
+namespace {
+// Whether the process `pid` that started at `ticks` (0: unknown) has ended: no such
+// process, another one under its pid, or one that ended and waits to be reaped.
+bool ProcessEnded(int pid, uint64_t ticks) {
+  char state = 0;
+  const uint64_t now = ProcessStartTicks(pid, &state);
+  if (now == 0) return true;
+  if (ticks != 0 && now != ticks) return true;
+  return state == 'Z' || state == 'X';
+}
+
+void NoteSameHostReach(int pid) {
+  const void* ep = t_lanes_for;
+  if (ep == nullptr || pid <= 0) return;
+  const uint64_t ticks = ProcessStartTicks(pid);  // without the lock
+  absl::MutexLock lock(&g_endpoints_mu);
+  auto it = g_endpoints->find(ep);
+  // The first process reached: an honest peer's lanes all reach its own.
+  if (it == g_endpoints->end() || it->second.reach_pid != 0) return;
+  it->second.reach_pid = pid;
+  it->second.reach_ticks = ticks;
+}
+}  // namespace
+
+PeerProcess EndpointPeerProcess(const void* ep) {
+  int pid = 0;
+  uint64_t ticks = 0;
+  {
+    absl::MutexLock lock(&g_endpoints_mu);
+    auto it = g_endpoints->find(ep);
+    // Without its peer's endpoint id UCP has no connection from the peer on it, and
+    // destroys it when it is closed.
+    if (it == g_endpoints->end() || it->second.reach_pid == 0 || it->second.peer == 0) {
+      return PeerProcess::kNone;
+    }
+    pid = it->second.reach_pid;
+    ticks = it->second.reach_ticks;
+  }
+  return ProcessEnded(pid, ticks) ? PeerProcess::kEnded : PeerProcess::kRunning;
+}
+
+std::vector<const void*> PeerMadeOfEndedProcesses(const void* worker) {
+  struct Reach {
+    const void* ep;
+    int pid;
+    uint64_t ticks;
+  };
+  std::vector<Reach> reaches;
+  {
+    absl::MutexLock lock(&g_endpoints_mu);
+    if (g_peer_made->find(worker) == g_peer_made->end()) return {};
+    for (const auto& [ep, followed] : *g_endpoints) {
+      // Made for a request (one made to answer a check, UCP closes itself).
+      if (followed.worker != worker || !followed.counted ||
+          followed.made_for != MadeFor::kRequest || followed.reach_pid == 0 || followed.reclaim) {
+        continue;
+      }
+      reaches.push_back({ep, followed.reach_pid, followed.reach_ticks});
+    }
+  }
+  std::vector<const void*> ended;
+  std::map<int, bool> looked;  // one look at /proc per process
+  for (const Reach& reach : reaches) {
+    auto [it, added] = looked.emplace(reach.pid, false);
+    if (added) it->second = ProcessEnded(reach.pid, reach.ticks);
+    if (it->second) ended.push_back(reach.ep);
+  }
+  return ended;
+}
+
+void ReclaimEndpoint(const void* ep) {
+  absl::MutexLock lock(&g_endpoints_mu);
+  if (auto it = g_endpoints->find(ep); it != g_endpoints->end()) it->second.reclaim = true;
+}
+
+bool ReclaimedOnDisconnect(const void* ep) {
+  absl::MutexLock lock(&g_endpoints_mu);
+  auto it = g_endpoints->find(ep);
+  return it != g_endpoints->end() && it->second.reclaim;
+}
+
+uint64_t EndpointsReclaimed() { return g_reclaimed.load(std::memory_order_relaxed); }
 
 }  // namespace kvagent::transport

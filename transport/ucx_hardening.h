@@ -465,4 +465,30 @@ struct PeerEndpoints {
 };
 PeerEndpoints PeerEndpointsNow();
 
+// Endpoints to a same-host process that ended. Without peer error handling (same-host
+// peers have none) UCX 1.13 keeps an endpoint that has a connection from its peer until
+// the worker is destroyed: one UCP made for a peer's request, and one the agent closed
+// (ucp_ep_close_nbx flushes it and leaves it be). Each restart of a same-host peer left
+// one behind in the agent it had connected to (held against --ucx-peer-endpoints) and
+// one in each agent that had connected to it, lanes and the peer's receive FIFO
+// mapped. An endpoint's lanes name the process they reach: a same-host admission
+// (SameHostTargetAdmitted, SameHostFileAdmitted, SameHostListenerAdmitted) made while
+// UCP sets up an endpoint's lanes (LanesSetUp) ties the endpoint to that proven pid and
+// its start time, and EndpointPeerProcess says whether that process still runs (kNone:
+// no same-host process is known, as for another host's peer, or UCP has no connection
+// from the peer on the endpoint: it has not learnt the peer's endpoint id, and it
+// destroys such an endpoint when it is closed). The worker (UcxWorker)
+// closes the endpoints it holds for peers' requests whose process ended
+// (PeerMadeOfEndedProcesses), and holds the close of its own while their process runs;
+// before closing one whose process ended it marks it (ReclaimEndpoint), and the
+// ucp_ep_disconnected stand-in then has UCP destroy it as it destroys an endpoint with
+// no connection from its peer (ReclaimedOnDisconnect, counted in EndpointsReclaimed).
+// A process that ended sends nothing more, so no peer loses an endpoint it uses.
+enum class PeerProcess { kNone, kRunning, kEnded };
+PeerProcess EndpointPeerProcess(const void* ep);
+std::vector<const void*> PeerMadeOfEndedProcesses(const void* worker);
+void ReclaimEndpoint(const void* ep);
+bool ReclaimedOnDisconnect(const void* ep);
+uint64_t EndpointsReclaimed();
+
 }  // namespace kvagent::transport

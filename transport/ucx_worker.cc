@@ -925,6 +925,36 @@ void UcxWorker::CloseEndpoint(ucp_ep_h ep, std::shared_ptr<EndpointHealth> healt
     deferred_closes_.push_back({ep, std::move(health)});
     return;
   }
+  // An endpoint to a same-host process: closed once that process ended, and then
+  // destroyed; UCX 1.13 would keep it until the worker ends, the peer's or not. One whose
+  // process already ended waits too, for the reclaim's next looks (ReclaimGate). One UCX
+  // failed is closed by force now, which destroys it.
+  if (!stopping_.load()) {
+    const PeerProcess process = EndpointPeerProcess(ep);
+    if (process != PeerProcess::kNone && !health->failed) {
+      if (same_host_held_.size() >= kMaxHeldCloses) {
+        // The oldest is closed now: UCX keeps it until the worker ends, as it did.
+        if (!held_full_warned_) {
+          held_full_warned_ = true;
+          kLog.Warn(
+              "UCX worker '{}': {} endpoints closed while their same-host peer still "
+              "ran wait for it to end; the oldest are closed now and UCX keeps them "
+              "until this agent restarts. A peer reconnected that often: look at why",
+              name_, same_host_held_.size());
+        }
+        DeferredClose oldest = std::move(same_host_held_.front());
+        same_host_held_.erase(same_host_held_.begin());
+        CloseNow(oldest.ep, std::move(oldest.health));
+      }
+      same_host_held_.push_back({ep, std::move(health)});
+      return;
+    }
+    if (process == PeerProcess::kEnded) ReclaimEndpoint(ep);
+  }
+  CloseNow(ep, std::move(health));
+}
+
+void UcxWorker::CloseNow(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health) {
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   // Read now, not when the close was asked for: UCX may have failed it since.
@@ -948,6 +978,59 @@ void UcxWorker::CloseDeferred() {
     deferred_closes_.erase(deferred_closes_.begin());
     CloseEndpoint(next.ep, std::move(next.health));
   }
+}
+
+void UcxWorker::TendSameHostEndpoints() {
+  if (!serves_peers_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_same_host_look_) return;
+  next_same_host_look_ = now + std::chrono::seconds(1);
+  reclaim_gate_.StartLook();
+  const auto ready = [this](const void* ep) {
+    return reclaim_gate_.Ready({ep, EndpointSerial(ep)});
+  };
+  for (size_t i = 0; i < same_host_held_.size();) {
+    if (EndpointPeerProcess(same_host_held_[i].ep) == PeerProcess::kRunning ||
+        !ready(same_host_held_[i].ep)) {
+      ++i;
+      continue;
+    }
+    DeferredClose close = std::move(same_host_held_[i]);
+    same_host_held_.erase(same_host_held_.begin() + static_cast<std::ptrdiff_t>(i));
+    ReclaimEndpoint(close.ep);
+    CloseNow(close.ep, std::move(close.health));
+  }
+  std::vector<const void*> made = PeerMadeOfEndedProcesses(worker_);
+  made.erase(std::remove_if(made.begin(), made.end(), [&](const void* ep) { return !ready(ep); }),
+             made.end());
+  reclaim_gate_.EndLook();
+  for (const void* each : made) {
+    // UCP made it for the peer's request and never handed it to this agent; its peer
+    // ended, so nothing uses it. Its close flushes what it still sends, then UCP
+    // destroys it. A close that waits (sends queued to a FIFO nobody reads) is left to
+    // UCX, which frees its request when it ends: not polled for.
+    ucp_ep_h ep = static_cast<ucp_ep_h>(const_cast<void*>(each));
+    ReclaimEndpoint(ep);
+    ucp_request_param_t param{};
+    ++inside_ucx_;
+    ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
+    --inside_ucx_;
+    if (UCS_PTR_IS_PTR(request)) {
+      ucp_request_free(request);
+    } else if (UCS_PTR_STATUS(request) != UCS_OK) {
+      kLog.Warn(
+          "UCX worker '{}': closing the endpoint made for a same-host peer that ended "
+          "returned {}; it stays until this agent restarts",
+          name_, UcsStatusText(UCS_PTR_STATUS(request)));
+    }
+  }
+  if (!made.empty()) {
+    kLog.Info(
+        "UCX worker '{}': released {} endpoint(s) UCX made for same-host peers whose "
+        "process ended ({} released so far, this agent's own included)",
+        name_, made.size(), EndpointsReclaimed());
+  }
+  CloseDeferred();
 }
 
 void UcxWorker::ReapRequests() {
@@ -1004,6 +1087,8 @@ void UcxWorker::Loop() {
     while (Progress() != 0) worked = progressed = true;
     TendTagSink();
     TendRetireFlush();
+    // Every 1,024th round, and before each sleep (below): no clock read per round.
+    if ((++rounds_ & 1023) == 0) TendSameHostEndpoints();
     ReapRequests();
     if (spin_us_ != 0 || poller_ != nullptr) {
       const auto now = std::chrono::steady_clock::now();
@@ -1016,7 +1101,9 @@ void UcxWorker::Loop() {
         continue;
       }
     }
+    TendSameHostEndpoints();  // before arming, so the arm sees what its closes start
     ucs_status_t status = ucp_worker_arm(worker_);
+    if (status == UCS_OK) reclaim_gate_.ArmedOk();
     // Arm keeps reporting a message progress never takes (ReceiveStall): sleep 1 ms
     // below instead of looping at once (spinning on it took a whole core).
     const bool stalled = NoteReceiveStall(progressed, status == UCS_ERR_BUSY);
@@ -1109,6 +1196,10 @@ void UcxWorker::Shutdown() {
   // Endpoints their owners left open: close them so the worker can be destroyed.
   for (Endpoint* endpoint : endpoints_) endpoint->Close();
   endpoints_.clear();
+  // Closes held while a same-host peer ran: now (UCX keeps what has a connection from
+  // its peer until the worker is destroyed below).
+  for (DeferredClose& held : same_host_held_) CloseNow(held.ep, std::move(held.health));
+  same_host_held_.clear();
   const auto deadline = std::chrono::steady_clock::now() + kShutdownBudget;
   for (;;) {
     DrainQueue();

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -93,6 +94,45 @@ class ReceiveStall {
   uint64_t after_us_;
   uint64_t busy_since_us_ = 0;
   bool stalled_ = false;
+};
+
+// When an endpoint to a same-host process that ended may be destroyed (UcxWorker::
+// TendSameHostEndpoints): once ucp_worker_arm returned UCS_OK after an earlier look saw
+// that process ended. The process sends nothing more once it ended, and an arm that says
+// OK found no slot of the receive queue claimed and left unread (ReceiveStall): had the
+// process died mid-message, arm would say BUSY for as long as its endpoint keeps the
+// queue's interface in the arm, so the endpoint stays, and so does the stall's report.
+// Endpoints are named by address and serial (ucx_hardening.h, EndpointSerial): UCP puts
+// a new endpoint where it destroyed one.
+class ReclaimGate {
+ public:
+  using Key = std::pair<const void*, uint64_t>;
+  // The loop's arm returned UCS_OK.
+  void ArmedOk() { ++arms_ok_; }
+  // A look starts: whether an arm said OK since the last one.
+  void StartLook() {
+    armed_since_look_ = arms_ok_ != arms_ok_at_look_;
+    arms_ok_at_look_ = arms_ok_;
+  }
+  // `key`'s process ended: true when it may be destroyed now; else it is kept for the
+  // next look.
+  bool Ready(const Key& key) {
+    if (armed_since_look_ && seen_.count(key) != 0) return true;
+    seen_now_.insert(key);
+    return false;
+  }
+  // The look is over: what it saw and kept is what the next one checks.
+  void EndLook() {
+    seen_.swap(seen_now_);
+    seen_now_.clear();
+  }
+
+ private:
+  uint64_t arms_ok_ = 0;
+  uint64_t arms_ok_at_look_ = 0;
+  bool armed_since_look_ = false;
+  std::set<Key> seen_;      // seen ended at the last look, not yet destroyed
+  std::set<Key> seen_now_;  // at this one
 };
 
 // Work the worker thread takes beside UCX (the agent's fast path rings), so that a
@@ -257,6 +297,19 @@ class UcxWorker {
   void CloseEndpoint(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health);
   // The closes asked for inside UCX callbacks, once outside.
   void CloseDeferred();
+  // Closes `ep` now (CloseEndpoint decided it is not held).
+  void CloseNow(ucp_ep_h ep, std::shared_ptr<EndpointHealth> health);
+  // At most once a second (Loop calls it before it arms to sleep, and every 1,024th round
+  // while it does not): closes the endpoints whose same-host process ended, its own held
+  // closes and those UCP made for that process's requests, and has UCP destroy them
+  // (ucx_hardening.h, ReclaimEndpoint), where UCX 1.13 would keep them until the worker
+  // ends: one per restart of a same-host peer. Only once ucp_worker_arm said UCS_OK after
+  // an earlier look saw the process ended (ReclaimGate): a same-host sender that died
+  // mid-message leaves this worker's shared-memory receive queue stopped (ReceiveStall),
+  // which arm reports only while an endpoint still uses that interface. UCP leaves an
+  // interface no endpoint uses out of the arm, so destroying the dead process's endpoints
+  // first hid the stall: nothing arrived over UCX, and health said SERVING.
+  void TendSameHostEndpoints();
   // Thread exit: finishes queued work and open endpoints, then destroys the worker.
   void Shutdown();
   // Shutdown's last step before ucp_worker_destroy: a worker flush, progressed for at
@@ -356,6 +409,15 @@ class UcxWorker {
     std::shared_ptr<EndpointHealth> health;  // the error handler's argument: kept alive
   };
   std::vector<DeferredClose> deferred_closes_;
+  // Closes of endpoints to a same-host process that still runs, held until it ends
+  // (UCX would keep them anyway; see TendSameHostEndpoints), and when this worker next
+  // looks for endpoints to same-host processes that ended.
+  std::vector<DeferredClose> same_host_held_;
+  static constexpr size_t kMaxHeldCloses = 1024;  // past it the oldest is closed
+  bool held_full_warned_ = false;
+  std::chrono::steady_clock::time_point next_same_host_look_{};
+  ReclaimGate reclaim_gate_;  // worker thread
+  uint64_t rounds_ = 0;       // of Loop
   // PostAfter's timers: due time, then the order they were set.
   std::map<std::pair<std::chrono::steady_clock::time_point, uint64_t>, std::function<void()>>
       timers_;

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -584,45 +585,147 @@ TEST_CASE("a peer slow to answer its first handshake is connected once it answer
   CHECK(found);
 }
 
-// kvagent_ucx_endpoints counts every endpoint UCX holds. UCX 1.13 keeps an endpoint
-// without peer error handling that has a connection from its peer until the worker is
-// destroyed, so each restart of a same-host peer leaves one in the agent it connected
-// to (made for its request, and counted against --ucx-peer-endpoints) and one in each
-// agent that connected to it: the gauge shows them (docs/OPERATIONS.md), and this test
-// pins what it counts. Ended transfers kept for queries keep their peer's endpoint, so
-// none is kept here past the last.
-TEST_CASE("kvagent_ucx_endpoints counts the endpoints UCX keeps across same-host restarts") {
+// UCX 1.13 keeps an endpoint that has a connection from its peer until the worker is
+// destroyed when it has no peer error handling, as same-host peers have none: each
+// restart of a same-host peer left one endpoint behind in the agent it had connected
+// to (held against --ucx-peer-endpoints: after 1,024 restarts no new peer could
+// connect) and one in each agent that had connected to it, with that process's receive
+// FIFO still mapped. An endpoint to a same-host process that ended is destroyed now.
+// Seen through the agents' metrics: kvagent_ucx_endpoints counts every endpoint UCX
+// holds. Ended transfers kept for queries keep their peer's endpoint (for their
+// notices), so one is kept here: the last transfer's.
+AgentPairOptions CountedEndpointsPair() {
   AgentPairOptions options;
   options.extra_args = {"--metrics-listen", "127.0.0.1:0", "--ended-transfers-kept", "1"};
-  AgentPair pair(options);
-  const std::string decode_metrics = MetricsAddress(pair.decode());
-  const std::string prefill_metrics = MetricsAddress(pair.prefill());
-  // Prefill's endpoint to decode, and the one decode's UCX made for its request.
-  CHECK(Value(Scrape(prefill_metrics), "kvagent_ucx_endpoints") == 1);
-  CHECK(Value(Scrape(decode_metrics), "kvagent_ucx_endpoints") == 1);
-  CHECK(Value(Scrape(decode_metrics), "kvagent_ucx_peer_endpoints") == 1);
-  pair.prefill_process().Kill();
-  for (int i = 0; i < 2; ++i) {
-    INFO("prefill restart " << i);
-    cli::DaemonProcess prefill = StartAnother(pair, "prefill", fmt::format("p{}", i));
-    cli::AgentClient client(prefill.address());
-    auto pool = cli::CreateKvPool(client, "prefill", pair.prefill_pool().shape);
-    INFO(pool.status().ToString());
-    REQUIRE(pool.ok());
-    std::memset(pool->mapping.data(), 0x30 + i, pool->bytes());
-    REQUIRE(client.Connect(pair.decode_process().address()).ok());
-    const std::string id = fmt::format("from-restart-{}", i);
-    REQUIRE(client.Submit(KvWrite(id, {3}, {4})).ok());
-    auto done = client.WaitTransfer(id, 20000);
-    REQUIRE(done.ok());
-    REQUIRE(done->phase() == v1::COMPLETED);
-    CHECK(PagesEqual(*pool, 3, pair.decode_pool(), 4));
-    prefill.Kill();
-    // One more each restart, all of them made for a request.
-    const std::string body = Scrape(decode_metrics);
-    CHECK(Value(body, "kvagent_ucx_endpoints") == 2 + i);
-    CHECK(Value(body, "kvagent_ucx_peer_endpoints") == 2 + i);
+  return options;
+}
+
+// Polls metric `name` at `metrics` every 20 ms until it equals `want` (up to 10 s: the
+// worker looks for processes that ended once a second, and destroys an endpoint at the
+// look after the one that saw its process ended); returns the last value.
+double WaitMetric(const std::string& metrics, const std::string& name, double want) {
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  double now = Value(Scrape(metrics), name);
+  while (now != want && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    now = Value(Scrape(metrics), name);
   }
+  return now;
+}
+
+// One WRITE from `client` (pool `src`) to pages of decode's pool `dst`, checked byte
+// for byte.
+void WriteChecked(cli::AgentClient& client, const cli::KvPool& src, const cli::KvPool& dst,
+                  const std::string& id) {
+  const std::vector<uint64_t> from = {1, 6};
+  const std::vector<uint64_t> to = {20, 27};
+  auto submitted = client.Submit(KvWrite(id, from, to));
+  INFO(submitted.status().ToString());
+  REQUIRE(submitted.ok());
+  auto done = client.WaitTransfer(id, 20000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  for (size_t i = 0; i < from.size(); ++i) CHECK(PagesEqual(src, from[i], dst, to[i]));
+}
+
+// Another kvagentd named `name` (files under `subdir`) with a pool shaped as the pair's,
+// every byte of page P set to `fill` + P % 16.
+struct AnotherAgent {
+  cli::DaemonProcess process;
+  std::unique_ptr<cli::AgentClient> client;
+  cli::KvPool pool;
+};
+AnotherAgent StartWithPool(AgentPair& pair, const std::string& name, const std::string& subdir,
+                           int fill) {
+  AnotherAgent agent{StartAnother(pair, name, subdir), nullptr, {}};
+  agent.client = std::make_unique<cli::AgentClient>(agent.process.address());
+  auto pool = cli::CreateKvPool(*agent.client, name, pair.prefill_pool().shape);
+  INFO(pool.status().ToString());
+  REQUIRE(pool.ok());
+  agent.pool = *std::move(pool);
+  for (uint64_t page = 0; page < agent.pool.shape.pages; ++page) {
+    for (uint32_t r = 0; r < agent.pool.regions(); ++r) {
+      std::memset(agent.pool.Page(r, page), static_cast<int>(fill + page % 16),
+                  agent.pool.shape.page_bytes);
+    }
+  }
+  return agent;
+}
+
+TEST_CASE(
+    "a same-host peer restarted again and again leaves no UCX endpoint behind in the "
+    "agent it connects to") {
+  AgentPair pair(CountedEndpointsPair());
+  const std::string metrics = MetricsAddress(pair.decode());
+  // Prefill's endpoint made decode's UCX make one for its request.
+  REQUIRE(Value(Scrape(metrics), "kvagent_ucx_peer_endpoints") == 1);
+  pair.prefill_process().Kill();
+  for (int i = 0; i < 4; ++i) {
+    INFO("restart " << i);
+    AnotherAgent prefill = StartWithPool(pair, "prefill", fmt::format("p{}", i), 0x10 * i + 1);
+    auto connected = prefill.client->Connect(pair.decode_process().address());
+    INFO(connected.status().ToString());
+    REQUIRE(connected.ok());
+    WriteChecked(*prefill.client, prefill.pool, pair.decode_pool(), fmt::format("restart-{}", i));
+    // The one decode made for this prefill; the previous process's went when it ended.
+    CHECK(WaitMetric(metrics, "kvagent_ucx_peer_endpoints", 1) == 1);
+    prefill.process.Kill();
+    CHECK(WaitMetric(metrics, "kvagent_ucx_endpoints", 0) == 0);
+  }
+  const std::string body = Scrape(metrics);
+  // The first prefill's and each restart's: without the release, 5 stay.
+  CHECK(Value(body, "kvagent_ucx_endpoints_reclaimed_total") == 5);
+  CHECK(Value(body, "kvagent_ucx_peer_endpoints_peak") <= 2);
+  CHECK(Value(body, "kvagent_ucx_peer_endpoints_refused_total") == 0);
+  // Decode still takes a new peer's connection and data.
+  AnotherAgent prefill = StartWithPool(pair, "prefill", "last", 0x51);
+  REQUIRE(prefill.client->Connect(pair.decode_process().address()).ok());
+  WriteChecked(*prefill.client, prefill.pool, pair.decode_pool(), "after-restarts");
+}
+
+TEST_CASE(
+    "an agent connecting to a same-host peer that restarts keeps no UCX endpoint to a "
+    "process that ended") {
+  AgentPair pair(CountedEndpointsPair());
+  const std::string metrics = MetricsAddress(pair.prefill());
+  REQUIRE(Value(Scrape(metrics), "kvagent_ucx_endpoints") == 1);  // to decode
+  pair.decode_process().Kill();
+  double reclaimed = 0;
+  for (int i = 0; i < 3; ++i) {
+    INFO("restart " << i);
+    AnotherAgent decode = StartWithPool(pair, "decode", fmt::format("d{}", i), 0xE0);
+    auto connected = pair.prefill().Connect(decode.process.address());
+    INFO(connected.status().ToString());
+    REQUIRE(connected.ok());
+    WriteChecked(pair.prefill(), pair.prefill_pool(), decode.pool, fmt::format("to-restart-{}", i));
+    // The new process's endpoint only: the one to the process before went once the
+    // transfer record that kept it did (ended transfers kept: 1).
+    CHECK(WaitMetric(metrics, "kvagent_ucx_endpoints", 1) == 1);
+    const double now = Value(Scrape(metrics), "kvagent_ucx_endpoints_reclaimed_total");
+    CHECK(now > reclaimed);
+    reclaimed = now;
+    decode.process.Kill();
+  }
+}
+
+TEST_CASE(
+    "an endpoint to a same-host peer disconnected while it runs stays until the process "
+    "ends, then goes") {
+  AgentPair pair(CountedEndpointsPair());
+  const std::string metrics = MetricsAddress(pair.prefill());
+  REQUIRE(Value(Scrape(metrics), "kvagent_ucx_endpoints") == 1);  // to decode
+  auto disconnected = pair.prefill().Disconnect("decode");
+  INFO(disconnected.status().ToString());
+  REQUIRE(disconnected.ok());
+  // UCX may still need it for what the running peer sends on its own endpoint.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  CHECK(Value(Scrape(metrics), "kvagent_ucx_endpoints") == 1);
+  CHECK(Value(Scrape(metrics), "kvagent_ucx_endpoints_reclaimed_total") == 0);
+  // Ended, not yet reaped: a zombie still has its /proc entry.
+  REQUIRE(::kill(pair.decode_process().pid(), SIGKILL) == 0);
+  CHECK(WaitMetric(metrics, "kvagent_ucx_endpoints", 0) == 0);
+  CHECK(Value(Scrape(metrics), "kvagent_ucx_endpoints_reclaimed_total") == 1);
 }
 
 }  // namespace

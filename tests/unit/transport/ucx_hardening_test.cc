@@ -7,17 +7,20 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <uct/api/uct.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -1921,6 +1924,135 @@ TEST_CASE("a peer's posix FIFO in a named directory is refused where UCX would s
   CHECK(SameHostRefusals() == before + 1);
 }
 
+// A same-host peer in a child process: reads the worker's address from `from_parent`
+// (its length, then its bytes), connects without peer error handling (so over shared
+// memory), sends active message 7 with reply (UCP's wireup request goes with it), says
+// so on `to_parent` and waits for a byte. 'x': it exits. 'k': it sends one more message,
+// of a generic datatype whose pack callback kills the process halfway through writing
+// the data: UCT packs into the slot of the worker's receive queue it claimed, so the
+// slot is never marked ready, as when a peer is killed mid-message by chance
+// (ReceiveStall). Exit codes past 0 name the step that failed.
+[[noreturn]] void SameHostPeerChild(int from_parent, int to_parent) {
+  uint32_t length = 0;
+  if (::read(from_parent, &length, sizeof(length)) != sizeof(length)) _exit(2);
+  std::string address(length, '\0');
+  if (::read(from_parent, address.data(), length) != static_cast<ssize_t>(length)) _exit(3);
+  // Forked from a process whose same-host guard is armed (a worker made before): the
+  // worker it connects to is its parent's.
+  AllowSameHostPeer(::getppid());
+  try {
+    StockUcxPeer peer(address, /*peer_errors=*/false, "");
+    const char data[64] = {};
+    SendWithReply(peer, peer.ep(), data, sizeof(data));
+    peer.Progress(5000);
+    if (peer.Status(0) != UCS_OK) _exit(4);
+    char step = 'r';
+    if (::write(to_parent, &step, 1) != 1 || ::read(from_parent, &step, 1) != 1) _exit(5);
+    if (step != 'k') _exit(0);
+    ucp_generic_dt_ops_t ops{};
+    ops.start_pack = [](void*, const void* buffer, size_t) { return const_cast<void*>(buffer); };
+    ops.start_unpack = [](void*, void* buffer, size_t) { return buffer; };
+    ops.packed_size = [](void*) -> size_t { return 256; };
+    ops.pack = [](void*, size_t, void* dest, size_t max_length) -> size_t {
+      std::memset(dest, 0x5a, max_length / 2);
+      ::kill(::getpid(), SIGKILL);
+      return 0;
+    };
+    ops.unpack = [](void*, size_t, const void*, size_t) { return UCS_OK; };
+    ops.finish = [](void*) {};
+    ucp_datatype_t datatype;
+    if (ucp_dt_create_generic(&ops, nullptr, &datatype) != UCS_OK) _exit(6);
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    param.datatype = datatype;
+    peer.Track(ucp_am_send_nbx(peer.ep(), 7, nullptr, 0, data, 1, &param));
+    peer.Progress(5000);
+  } catch (...) {
+    _exit(7);  // a failed REQUIRE in the stock peer
+  }
+  _exit(8);  // the pack callback returned
+}
+
+// Reads one byte from `fd` within `ms`; false if none came.
+bool ReadByte(int fd, char* byte, int ms) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, ms) == 1 && ::read(fd, byte, 1) == 1;
+}
+
+// Runs in ucx_hardening_same_host_test, which links the same-host stand-ins that tie an
+// endpoint to the process it reaches (ucx_hardening_test runs every case but this one).
+// UCX 1.13 keeps an endpoint to a same-host peer until the worker ends; the worker
+// destroys those of a process that ended (TendSameHostEndpoints). A sender that died
+// between claiming a slot of the worker's shared-memory receive queue and marking it
+// ready stops that queue for good, and arm reports it (BUSY) only while an endpoint
+// keeps the queue's interface in the arm: destroying the dead process's endpoint hid the
+// stall (contract_test D, 2 runs in 40 under load: another agent's ping went unanswered
+// and health said SERVING). Its endpoint now goes only once an arm said OK after the
+// process was seen ended (ReclaimGate): a peer that exits cleanly loses its endpoint,
+// one killed mid-message keeps it and the stall is reported.
+TEST_CASE(
+    "a same-host peer killed mid-message keeps its endpoint, and the worker reports its "
+    "stopped receive queue; one that exits loses its endpoint",
+    "[same_host]") {
+  for (const bool mid_message : {false, true}) {
+    INFO((mid_message ? "killed mid-message" : "exited"));
+    int down[2];
+    int up[2];
+    REQUIRE(::pipe(down) == 0);
+    REQUIRE(::pipe(up) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::close(down[1]);
+      ::close(up[0]);
+      SameHostPeerChild(down[0], up[1]);
+    }
+    ::close(down[0]);
+    ::close(up[1]);
+    AllowSameHostPeer(pid);
+    Hardened h = Hardened::Make();
+    std::atomic<int> got{0};
+    h.worker->SetAmDataHandler(7, [&](const AmMessage&) {
+      ++got;
+      return false;
+    });
+    const std::string address = h.worker->address();
+    const uint32_t length = static_cast<uint32_t>(address.size());
+    REQUIRE(::write(down[1], &length, sizeof(length)) == sizeof(length));
+    REQUIRE(::write(down[1], address.data(), length) == static_cast<ssize_t>(length));
+    char step = 0;
+    CHECK(ReadByte(up[0], &step, 20000));
+    CHECK(Eventually([&] { return got.load() == 1; }));
+    const PeerEndpoints before = PeerEndpointsNow();
+    CHECK(before.live >= 1);  // UCP made one for the child's request
+    const uint64_t reclaimed = EndpointsReclaimed();
+    step = mid_message ? 'k' : 'x';
+    REQUIRE(::write(down[1], &step, 1) == 1);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    INFO("child status " << status);
+    if (mid_message) {
+      REQUIRE(WIFSIGNALED(status));
+      REQUIRE(WTERMSIG(status) == SIGKILL);
+      CHECK(Eventually([&] { return h.worker->receive_stalled_since_us() != 0; }));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two looks more
+      CHECK(EndpointsReclaimed() == reclaimed);
+      CHECK(PeerEndpointsNow().live == before.live);
+      CHECK(h.worker->receive_stalled_since_us() != 0);
+    } else {
+      REQUIRE(WIFEXITED(status));
+      REQUIRE(WEXITSTATUS(status) == 0);
+      CHECK(Eventually([&] { return EndpointsReclaimed() == reclaimed + 1; }));
+      CHECK(PeerEndpointsNow().live == before.live - 1);
+      CHECK(h.worker->receive_stalled_since_us() == 0);
+    }
+    CHECK(got.load() == 1);
+    ForgetSameHostPeer(pid);
+    ::close(down[1]);
+    ::close(up[0]);
+  }
+}
+
 }  // namespace
 }  // namespace kvagent::transport
-

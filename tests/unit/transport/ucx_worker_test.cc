@@ -1048,3 +1048,34 @@ TEST_CASE("ReceiveStall reports a queue that arm says is busy and progress never
   CHECK_FALSE(stall.stalled());
   CHECK(stall.busy_since_us() == 0);
 }
+
+// ReclaimGate: an endpoint to a same-host process that ended is destroyed only once
+// ucp_worker_arm said OK after an earlier look saw the process ended; while arm says
+// BUSY (a slot the dead process left claimed, ReceiveStall) it stays, however many
+// looks pass. An endpoint put where a destroyed one was (another serial) starts over.
+TEST_CASE("ReclaimGate lets an ended process's endpoint go only after an arm said OK") {
+  using Key = kvagent::transport::ReclaimGate::Key;
+  kvagent::transport::ReclaimGate gate;
+  // One look after `arms_ok` arms said OK, seeing `ended` ended: which may go now.
+  const auto look = [&gate](int arms_ok, const std::vector<Key>& ended) {
+    for (int i = 0; i < arms_ok; ++i) gate.ArmedOk();
+    gate.StartLook();
+    std::vector<bool> ready;
+    for (const Key& key : ended) ready.push_back(gate.Ready(key));
+    gate.EndLook();
+    return ready;
+  };
+  int a = 0;
+  const Key first{&a, 1};
+  const Key second{&a, 2};
+  // First seen ended: kept, though an arm had said OK before the look (proves nothing).
+  CHECK(look(1, {first}) == std::vector<bool>{false});
+  // Arm says BUSY at every round in between: kept at each look.
+  for (int i = 0; i < 5; ++i) CHECK(look(0, {first}) == std::vector<bool>{false});
+  // An arm said OK since the last look: it goes; one seen ended only now waits.
+  CHECK(look(1, {first, second}) == std::vector<bool>{true, false});
+  // A look that did not see it forgets it: seen again, it waits one more look.
+  CHECK(look(1, {}).empty());
+  CHECK(look(1, {second}) == std::vector<bool>{false});
+  CHECK(look(3, {second}) == std::vector<bool>{true});
+}
