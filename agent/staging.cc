@@ -1461,6 +1461,21 @@ void Stager::ServePart(std::shared_ptr<const wire::StagedReadRequest> request,
                        std::shared_ptr<const std::vector<StagedRegion>> sources,
                        const transport::ReplyEndpoint& reply_ep, uint64_t offset, uint64_t length,
                        std::shared_ptr<StagingPool::Lease> lease) {
+  // The reader left before a buffer came (UCX destroyed the endpoint its request came
+  // over): nothing is copied for a reply it cannot take, and the connection is logged
+  // once, not once a part.
+  if (worker_->ReplyEndpointGone(reply_ep)) {
+    PartServed(request->from_agent());
+    if (reply_ep.serial != gone_reader_logged_) {
+      gone_reader_logged_ = reply_ep.serial;
+      kLog.Warn(
+          "staged read of transfer '{}' by agent '{}': its reader's UCX connection "
+          "ended before a bounce buffer was free; the parts asked for over it are not "
+          "copied or sent (kvagent_ucx_replies_to_gone_endpoints_total counts them)",
+          request->transfer_id(), request->from_agent());
+    }
+    return;
+  }
   std::vector<uint64_t> lengths;
   lengths.reserve(request->pieces_size());
   for (const auto& p : request->pieces()) lengths.push_back(p.length());

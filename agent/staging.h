@@ -407,6 +407,9 @@ class Stager {
   uint32_t serving_ = 0;          // reply parts waiting for or holding a buffer
   PerPeer serving_by_peer_;  // serving_ per reader
   void PartServed(const std::string& reader);  // one of serving_ is done
+  // The serial of the last reply endpoint ServePart found gone (logged once, not once
+  // a part); worker thread only.
+  uint64_t gone_reader_logged_ = 0;
   // Rendezvous chunks waiting for or being received (StagerOptions::max_receiving), by
   // sender, and the bytes of those received into heap memory (bigger than our buffers).
   uint32_t receiving_ = 0;

@@ -907,6 +907,12 @@ bool UcxWorker::ReplyEndpointNativeRma(const ReplyEndpoint& reply_ep) const {
   return ParseHasRmaLane(CaptureEpInfo(static_cast<ucp_ep_h>(reply_ep.ep)));
 }
 
+bool UcxWorker::ReplyEndpointGone(const ReplyEndpoint& reply_ep) const {
+  if (EndpointStillIs(reply_ep.ep, reply_ep.serial)) return false;
+  NoteReplyToGoneEndpoint();
+  return true;
+}
+
 unsigned UcxWorker::Progress() {
   ++inside_ucx_;
   const unsigned count = ucp_worker_progress(worker_);

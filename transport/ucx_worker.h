@@ -267,6 +267,10 @@ class UcxWorker {
   // of µs). Without one (tcp), a reply must be `eager` whatever the asker asked for.
   // False for an endpoint UCP destroyed since (ReplyEndpoint).
   bool ReplyEndpointNativeRma(const ReplyEndpoint& reply_ep) const;
+  // Worker thread: true once UCP destroyed `reply_ep`'s endpoint (its requester's
+  // connection ended): an answer prepared for it now would be dropped by SendAmReply.
+  // Counts one answer not sent (RepliesToGoneEndpoints) when true.
+  bool ReplyEndpointGone(const ReplyEndpoint& reply_ep) const;
   // Worker thread: answers a message that came with `reply_ep` (AmMessage), without
   // copying `data` (valid and unchanged until `done`). A send on an endpoint whose peer
   // failed completes with an error; one on an endpoint UCP destroyed since the message

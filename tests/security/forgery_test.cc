@@ -1524,8 +1524,8 @@ TEST_CASE("a reader flooding read requests gets its share, and another reader's 
 // destroys decode's endpoint to it (tcp, peer error handling), whose memory the next
 // endpoint UCP makes may take. Decode sent the parts it served once the buffer came
 // back on the destroyed endpoint and died of SIGSEGV in ucp_am_send_nbx. Now each part
-// finds its endpoint gone and is dropped and counted, and decode moves an honest
-// transfer.
+// finds its endpoint gone and is dropped and counted before anything is copied for it,
+// the leaver is logged once, and decode moves an honest transfer.
 TEST_CASE("read requests whose reader left before a bounce buffer came are not answered, and "
           "the agent stays up") {
   AgentPair pair(OneBufferOverTcp());
@@ -1575,6 +1575,17 @@ TEST_CASE("read requests whose reader left before a bounce buffer came are not a
   std::printf("%zu read parts served after their reader left: %.0f not sent to its destroyed "
               "endpoint\n", kReads, gone - gone_before);
   CHECK(gone - gone_before == kReads);
+  // Nothing is copied for a reader that left, and its connection is logged once: not
+  // once for each part asked for over it.
+  std::ifstream log(pair.decode_process().log_path());
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  size_t logged = 0;
+  for (size_t at = text.find("its reader's UCX connection ended"); at != std::string::npos;
+       at = text.find("its reader's UCX connection ended", at + 1)) {
+    ++logged;
+  }
+  CHECK(logged == 1);
+  CHECK_THAT(text, !Contains("staged read reply of transfer"));
   RequireHonestWrite(pair, "after-leaver", {2, 3}, {7, 8});
 }
 
