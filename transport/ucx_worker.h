@@ -413,9 +413,10 @@ class UcxWorker {
     std::shared_ptr<EndpointHealth> health;  // the error handler's argument: kept alive
   };
   std::vector<DeferredClose> deferred_closes_;
-  // Closes of endpoints to a same-host process that still runs, held until it ends
-  // (UCX would keep them anyway; see TendSameHostEndpoints), and when this worker next
-  // looks for endpoints to same-host processes that ended.
+  // Closes of endpoints to a same-host process, held while it runs and, once it ended,
+  // until ReclaimGate lets them go (UCX would keep them anyway; see
+  // TendSameHostEndpoints), and when this worker next looks for endpoints to same-host
+  // processes that ended.
   std::vector<DeferredClose> same_host_held_;
   static constexpr size_t kMaxHeldCloses = 1024;  // past it the oldest is closed
   bool held_full_warned_ = false;
