@@ -6,8 +6,9 @@
 // teardown count the replies held for requesters that do not read (WatchHeldReplies);
 // its reachability probe takes a peer's address entry missing a part it reads as
 // unreachable (GuardReachability); its worker's puts in flight are counted, against
-// which peers' put completions are checked (WatchPutsOf); and a posix interface checks
-// its peers' FIFO addresses (WatchPosixInterface). kvagentd links this object and
+// which peers' put completions are checked (WatchPutsOf); a posix interface checks its
+// peers' FIFO addresses (WatchPosixInterface); and a posix or sysv interface is noted so
+// that its worker keeps it in UCP's arm (NoteSharedMemoryInterface). kvagentd links this object and
 // exports the symbol (-Wl,--export-dynamic-symbol=uct_iface_open in BUILD), so libucp's
 // call binds to it; the next definition in the lookup order (libuct's) does the work.
 #include <dlfcn.h>
@@ -43,11 +44,19 @@ extern "C" ucs_status_t uct_iface_open(uct_md_h md, uct_worker_h worker,
       // UCP gives each interface its worker as the error handler's argument.
       kvagent::transport::WatchPutsOf(*iface, params->err_handler_arg);
     }
-    if ((params->field_mask & UCT_IFACE_PARAM_FIELD_OPEN_MODE) != 0 &&
-        (params->open_mode & UCT_IFACE_OPEN_MODE_DEVICE) != 0 &&
-        params->mode.device.tl_name != nullptr &&
-        std::strcmp(params->mode.device.tl_name, "posix") == 0) {
-      kvagent::transport::WatchPosixInterface(*iface);
+    const char* tl = (params->field_mask & UCT_IFACE_PARAM_FIELD_OPEN_MODE) != 0 &&
+                             (params->open_mode & UCT_IFACE_OPEN_MODE_DEVICE) != 0
+                         ? params->mode.device.tl_name
+                         : nullptr;
+    const bool posix = tl != nullptr && std::strcmp(tl, "posix") == 0;
+    if (posix) kvagent::transport::WatchPosixInterface(*iface);
+    constexpr uint64_t kUcpFields =
+        UCT_IFACE_PARAM_FIELD_ERR_HANDLER_ARG | UCT_IFACE_PARAM_FIELD_ASYNC_EVENT_ARG;
+    if ((posix || (tl != nullptr && std::strcmp(tl, "sysv") == 0)) &&
+        (params->field_mask & kUcpFields) == kUcpFields) {
+      kvagent::transport::NoteSharedMemoryInterface(*iface, params->err_handler_arg,
+                                                    params->async_event_arg,
+                                                    reinterpret_cast<void* const*>(iface));
     }
   }
   return status;

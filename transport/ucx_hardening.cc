@@ -1928,6 +1928,87 @@ void WatchPosixInterface(void* uct_iface) {
 }
 
 namespace {
+// A shared-memory interface UCP opened on this thread (NoteSharedMemoryInterface): the
+// worker it is for, and UCP's object holding it.
+struct SharedMemoryInterface {
+  uct_iface_h iface;
+  const void* worker;
+  void* ucp_iface;
+};
+thread_local std::vector<SharedMemoryInterface> t_shm_interfaces;
+// An interface was not where UCP's object holding it should hold it (not UCX 1.13).
+thread_local bool t_shm_layout_unknown = false;
+// Each noted interface's own close, which its stand-in calls.
+absl::Mutex g_shm_close_mu;
+absl::flat_hash_map<const void*, uct_iface_close_func_t>* g_shm_close
+    ABSL_GUARDED_BY(g_shm_close_mu) = new absl::flat_hash_map<const void*, uct_iface_close_func_t>;
+
+void CloseSharedMemoryInterface(uct_iface_h iface) {
+  uct_iface_close_func_t close = nullptr;
+  {
+    absl::MutexLock lock(&g_shm_close_mu);
+    auto it = g_shm_close->find(iface);
+    if (it != g_shm_close->end()) {
+      close = it->second;
+      g_shm_close->erase(it);
+    }
+  }
+  auto& noted = t_shm_interfaces;
+  noted.erase(std::remove_if(noted.begin(), noted.end(),
+                             [iface](const SharedMemoryInterface& n) { return n.iface == iface; }),
+              noted.end());
+  if (close != nullptr) close(iface);
+}
+}  // namespace
+
+void NoteSharedMemoryInterface(void* uct_iface, void* ucp_worker, void* ucp_iface,
+                               void* const* iface_out) {
+  auto* iface = static_cast<uct_iface_h>(uct_iface);
+  // UCP has uct_iface_open write the interface into the first field of its object for
+  // it (UCX 1.13's ucp_worker_iface_t), which it gives as the async event argument.
+  if (static_cast<const void*>(iface_out) != ucp_iface) {
+    t_shm_layout_unknown = true;
+    return;
+  }
+  {
+    absl::MutexLock lock(&g_shm_close_mu);
+    if (iface->ops.iface_close != &CloseSharedMemoryInterface) {
+      (*g_shm_close)[iface] = iface->ops.iface_close;
+      iface->ops.iface_close = &CloseSharedMemoryInterface;
+    }
+  }
+  t_shm_interfaces.push_back({iface, ucp_worker, ucp_iface});
+}
+
+void CollectSharedMemoryInterfaces() {
+  t_shm_interfaces.clear();
+  t_shm_layout_unknown = false;
+}
+
+int KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error) {
+  error->clear();
+  // UCX 1.13's: activates the interface once more, as each endpoint lane on it does.
+  using ProgressEp = void (*)(void*);
+  static const auto progress_ep =
+      reinterpret_cast<ProgressEp>(dlsym(RTLD_DEFAULT, "ucp_worker_iface_progress_ep"));
+  std::vector<SharedMemoryInterface> mine;
+  for (const SharedMemoryInterface& n : t_shm_interfaces) {
+    if (n.worker == ucp_worker) mine.push_back(n);
+  }
+  t_shm_interfaces.clear();
+  if (t_shm_layout_unknown) {
+    *error =
+        "UCP opened a shared-memory interface without giving its own object for it the "
+        "way UCX 1.13 does";
+  } else if (!mine.empty() && progress_ep == nullptr) {
+    *error = "libucp has no ucp_worker_iface_progress_ep (not UCX 1.13)";
+    return 0;
+  }
+  for (const SharedMemoryInterface& n : mine) progress_ep(n.ucp_iface);
+  return static_cast<int>(mine.size());
+}
+
+namespace {
 // An interface's own reachability probe, and which of a peer's addresses it reads: the
 // device address where this interface has one, the interface address where it connects
 // to interfaces and has one.

@@ -180,6 +180,30 @@ bool SameHostFileAdmitted(int fd, const char* path);
 void WatchPosixInterface(void* uct_iface);
 bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_bytes);
 
+// A same-host sender that dies between claiming a slot of a worker's shared-memory
+// receive queue (posix, sysv) and marking it ready stops that queue for good
+// (ReceiveStall, ucx_worker.h); ucp_worker_arm reports it (BUSY) only for an interface on
+// UCP's arm list. UCP's adaptive progress keeps an interface off it while no endpoint
+// uses it and waits for the interface's wake-up instead, which that sender never sends:
+// a peer that died so once the worker had no endpoint on the interface (all reclaimed,
+// or a process that outlived the one the endpoint reached) stopped every same-host
+// peer's messages unreported, health SERVING. Turning adaptive progress off for the
+// whole context keeps TCP's interfaces polled too (2.4 us a progress instead of 3 ns,
+// idle, here). NoteSharedMemoryInterface (the uct_iface_open stand-in, for each posix and
+// sysv interface UCP opens) notes the interface with the UCP object that holds it (its
+// async event argument), for the thread that opens it, and forgets it if UCP closes it
+// again (ucp_worker_create closes the ones it finds a better one for).
+// CollectSharedMemoryInterfaces starts, for this thread, a new collection for the next
+// ucp_worker_create; KeepSharedMemoryInterfacesArmed(worker) then activates each of
+// that worker's noted interfaces once, through UCP's own ucp_worker_iface_progress_ep
+// (UCX 1.13, as an endpoint's lane does), so it stays on the arm list for the worker's
+// life; on the thread that created `worker`, before any other uses it. Returns how many
+// it kept armed; "" or a reason in `*error` (UCP's function missing).
+void NoteSharedMemoryInterface(void* uct_iface, void* ucp_worker, void* ucp_iface,
+                               void* const* iface_out);
+void CollectSharedMemoryInterfaces();
+int KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error);
+
 // UCX's TCP transport between same-host processes. Where the worker address of a peer
 // proven at the local door offers no shared memory this agent reaches (or the endpoint
 // has peer error handling), UCX takes TCP on loopback; the address's port is read by

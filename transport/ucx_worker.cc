@@ -378,12 +378,25 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
   // Only the progress thread touches the worker once it runs; creation here
   // happens-before the thread starts.
   params.thread_mode = UCS_THREAD_MODE_SINGLE;
+  CollectSharedMemoryInterfaces();
   ucs_status_t status = ucp_worker_create(context.get(), &params, &worker->worker_);
   if (status != UCS_OK) {
     worker->worker_ = nullptr;
     return UcxError(status, fmt::format("UCX worker '{}': ucp_worker_create failed; check "
                                         "UCX_TLS/UCX_NET_DEVICES (ucx_info -d)",
                                         label));
+  }
+  // Its shared-memory receive queues stay in the arm, used or not, so that one a sender
+  // left stopped is reported (ReceiveStall). Only where kvagentd's uct_iface_open stand-in
+  // noted them.
+  std::string unarmed;
+  worker->shm_interfaces_armed_ = KeepSharedMemoryInterfacesArmed(worker->worker_, &unarmed);
+  if (!unarmed.empty()) {
+    kLog.Warn(
+        "UCX worker '{}': its shared-memory interfaces are left out of UCX's arm while "
+        "no endpoint uses them ({}): a same-host peer that dies mid-message then stops "
+        "its receive queue unreported",
+        label, unarmed);
   }
   ucp_address_t* address = nullptr;
   size_t address_length = 0;

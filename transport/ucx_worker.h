@@ -100,8 +100,10 @@ class ReceiveStall {
 // TendSameHostEndpoints): once ucp_worker_arm returned UCS_OK after an earlier look saw
 // that process ended. The process sends nothing more once it ended, and an arm that says
 // OK found no slot of the receive queue claimed and left unread (ReceiveStall): had the
-// process died mid-message, arm would say BUSY for as long as its endpoint keeps the
-// queue's interface in the arm, so the endpoint stays, and so does the stall's report.
+// process died mid-message, arm would say BUSY for ever (the worker keeps its shared-
+// memory interfaces in the arm, KeepSharedMemoryInterfacesArmed), so the endpoint stays.
+// (Before they were kept there, an interface no endpoint used left the arm, and
+// destroying the dead process's endpoint hid the stall.)
 // Endpoints are named by address and serial (ucx_hardening.h, EndpointSerial): UCP puts
 // a new endpoint where it destroyed one.
 class ReclaimGate {
@@ -243,6 +245,10 @@ class UcxWorker {
   // a second (ReceiveStall: a same-host sender died mid-message); 0 while it drains.
   // Any thread. The loop then sleeps 1 ms between looks instead of spinning on it.
   uint64_t receive_stalled_since_us() const { return receive_stalled_since_us_.load(); }
+  // How many shared-memory interfaces (posix, sysv) the worker keeps in UCX's arm whether
+  // an endpoint uses them or not, where arm reports a stall (KeepSharedMemoryInterfacesArmed,
+  // ucx_hardening.h); 0 without kvagentd's uct_iface_open stand-in.
+  int shared_memory_interfaces_armed() const { return shm_interfaces_armed_; }
   // `listener` runs on the worker thread each time receive_stalled_since_us turns
   // nonzero or back to 0 (the agent's health re-checks then). Set before it can
   // matter: RunSync'd onto the worker thread.
@@ -335,6 +341,7 @@ class UcxWorker {
   std::string name_;
   std::string address_;
   size_t max_am_header_ = 0;
+  int shm_interfaces_armed_ = 0;
   int event_fd_ = -1;   // wakes the thread for Post() and shutdown
   int worker_fd_ = -1;  // ucp_worker_get_efd
   int epoll_fd_ = -1;

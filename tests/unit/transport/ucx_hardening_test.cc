@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1931,7 +1932,10 @@ TEST_CASE("a peer's posix FIFO in a named directory is refused where UCX would s
 // of a generic datatype whose pack callback kills the process halfway through writing
 // the data: UCT packs into the slot of the worker's receive queue it claimed, so the
 // slot is never marked ready, as when a peer is killed mid-message by chance
-// (ReceiveStall). Exit codes past 0 name the step that failed.
+// (ReceiveStall). 'f': it forks and exits; the fork, which has the child's UCX and the
+// worker's receive queue mapped but is not the process the worker's endpoint reaches,
+// says its pid on `to_parent` and waits for the byte the child would have. Exit codes
+// past 0 name the step that failed.
 [[noreturn]] void SameHostPeerChild(int from_parent, int to_parent) {
   uint32_t length = 0;
   if (::read(from_parent, &length, sizeof(length)) != sizeof(length)) _exit(2);
@@ -1948,6 +1952,12 @@ TEST_CASE("a peer's posix FIFO in a named directory is refused where UCX would s
     if (peer.Status(0) != UCS_OK) _exit(4);
     char step = 'r';
     if (::write(to_parent, &step, 1) != 1 || ::read(from_parent, &step, 1) != 1) _exit(5);
+    if (step == 'f') {
+      if (::fork() != 0) _exit(0);
+      const int32_t self = ::getpid();
+      if (::write(to_parent, &self, sizeof(self)) != sizeof(self)) _exit(9);
+      if (::read(from_parent, &step, 1) != 1) _exit(10);
+    }
     if (step != 'k') _exit(0);
     ucp_generic_dt_ops_t ops{};
     ops.start_pack = [](void*, const void* buffer, size_t) { return const_cast<void*>(buffer); };
@@ -1985,18 +1995,30 @@ bool ReadByte(int fd, char* byte, int ms) {
 // UCX 1.13 keeps an endpoint to a same-host peer until the worker ends; the worker
 // destroys those of a process that ended (TendSameHostEndpoints). A sender that died
 // between claiming a slot of the worker's shared-memory receive queue and marking it
-// ready stops that queue for good, and arm reports it (BUSY) only while an endpoint
-// keeps the queue's interface in the arm: destroying the dead process's endpoint hid the
-// stall (contract_test D, 2 runs in 40 under load: another agent's ping went unanswered
-// and health said SERVING). Its endpoint now goes only once an arm said OK after the
-// process was seen ended (ReclaimGate): a peer that exits cleanly loses its endpoint,
-// one killed mid-message keeps it and the stall is reported.
+// ready stops that queue for good, and arm reports it (BUSY) only while the queue's
+// interface is in the arm: UCP's adaptive progress (its default) leaves an interface out
+// of it while no endpoint uses it, waiting for a wake-up that a sender dead mid-message
+// never sends. Destroying the dead process's endpoint hid the stall (contract_test D, 2
+// runs in 40 under load: another agent's ping went unanswered and health said SERVING);
+// its endpoint now goes only once an arm said OK after the process was seen ended
+// (ReclaimGate). And a sender that dies mid-message once no endpoint used the interface
+// (here a fork of a peer whose endpoint went) stopped the queue unreported; the context
+// now keeps every interface in the arm (UcxContext::Create). A peer that exits cleanly
+// loses its endpoint; one killed mid-message keeps it, and the stall is reported.
 TEST_CASE(
     "a same-host peer killed mid-message keeps its endpoint, and the worker reports its "
-    "stopped receive queue; one that exits loses its endpoint",
+    "stopped receive queue, also when no endpoint used the queue; one that exits loses its "
+    "endpoint",
     "[same_host]") {
-  for (const bool mid_message : {false, true}) {
-    INFO((mid_message ? "killed mid-message" : "exited"));
+  // The fork outlives the child the worker's endpoint reaches: this process reaps it.
+  REQUIRE(::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0);
+  enum class Child { kExits, kKilledMidMessage, kForkKilledOnceEndpointWent };
+  for (const Child mode :
+       {Child::kExits, Child::kKilledMidMessage, Child::kForkKilledOnceEndpointWent}) {
+    const bool killed = mode != Child::kExits;
+    INFO((mode == Child::kExits              ? "exited"
+          : mode == Child::kKilledMidMessage ? "killed mid-message"
+                                             : "its fork killed mid-message, no endpoint left"));
     int down[2];
     int up[2];
     REQUIRE(::pipe(down) == 0);
@@ -2012,6 +2034,7 @@ TEST_CASE(
     ::close(up[1]);
     AllowSameHostPeer(pid);
     Hardened h = Hardened::Make();
+    CHECK(h.worker->shared_memory_interfaces_armed() >= 1);  // posix, and sysv if kept
     std::atomic<int> got{0};
     h.worker->SetAmDataHandler(7, [&](const AmMessage&) {
       ++got;
@@ -2024,15 +2047,36 @@ TEST_CASE(
     char step = 0;
     CHECK(ReadByte(up[0], &step, 20000));
     CHECK(Eventually([&] { return got.load() == 1; }));
-    const PeerEndpoints before = PeerEndpointsNow();
+    PeerEndpoints before = PeerEndpointsNow();
     CHECK(before.live >= 1);  // UCP made one for the child's request
-    const uint64_t reclaimed = EndpointsReclaimed();
-    step = mid_message ? 'k' : 'x';
+    uint64_t reclaimed = EndpointsReclaimed();
+    pid_t sender = pid;
+    if (mode == Child::kForkKilledOnceEndpointWent) {
+      // The child forks and exits: its endpoint goes, the last that used the worker's
+      // shared-memory interfaces.
+      step = 'f';
+      REQUIRE(::write(down[1], &step, 1) == 1);
+      int32_t fork_pid = 0;
+      pollfd p{up[0], POLLIN, 0};
+      REQUIRE(::poll(&p, 1, 20000) == 1);
+      REQUIRE(::read(up[0], &fork_pid, sizeof(fork_pid)) == sizeof(fork_pid));
+      sender = fork_pid;
+      int status = 0;
+      REQUIRE(::waitpid(pid, &status, 0) == pid);
+      REQUIRE(WIFEXITED(status));
+      CHECK(WEXITSTATUS(status) == 0);
+      CHECK(Eventually([&] { return EndpointsReclaimed() == reclaimed + 1; }));
+      CHECK(PeerEndpointsNow().live == before.live - 1);
+      CHECK(h.worker->receive_stalled_since_us() == 0);
+      before = PeerEndpointsNow();
+      reclaimed = EndpointsReclaimed();
+    }
+    step = killed ? 'k' : 'x';
     REQUIRE(::write(down[1], &step, 1) == 1);
     int status = 0;
-    REQUIRE(::waitpid(pid, &status, 0) == pid);
-    INFO("child status " << status);
-    if (mid_message) {
+    REQUIRE(::waitpid(sender, &status, 0) == sender);
+    INFO("sender status " << status);
+    if (killed) {
       REQUIRE(WIFSIGNALED(status));
       REQUIRE(WTERMSIG(status) == SIGKILL);
       CHECK(Eventually([&] { return h.worker->receive_stalled_since_us() != 0; }));
