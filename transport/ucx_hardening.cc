@@ -1985,7 +1985,7 @@ void CollectSharedMemoryInterfaces() {
   t_shm_layout_unknown = false;
 }
 
-int KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error) {
+std::vector<void*> KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error) {
   error->clear();
   // UCX 1.13's: activates the interface once more, as each endpoint lane on it does.
   using ProgressEp = void (*)(void*);
@@ -2002,10 +2002,14 @@ int KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error) 
         "way UCX 1.13 does";
   } else if (!mine.empty() && progress_ep == nullptr) {
     *error = "libucp has no ucp_worker_iface_progress_ep (not UCX 1.13)";
-    return 0;
+    return {};
   }
-  for (const SharedMemoryInterface& n : mine) progress_ep(n.ucp_iface);
-  return static_cast<int>(mine.size());
+  std::vector<void*> kept;
+  for (const SharedMemoryInterface& n : mine) {
+    progress_ep(n.ucp_iface);
+    kept.push_back(n.iface);
+  }
+  return kept;
 }
 
 namespace {

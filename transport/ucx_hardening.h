@@ -197,12 +197,12 @@ bool PosixPeerFifoAdmitted(const void* peer_iface_address, size_t own_address_by
 // ucp_worker_create; KeepSharedMemoryInterfacesArmed(worker) then activates each of
 // that worker's noted interfaces once, through UCP's own ucp_worker_iface_progress_ep
 // (UCX 1.13, as an endpoint's lane does), so it stays on the arm list for the worker's
-// life; on the thread that created `worker`, before any other uses it. Returns how many
-// it kept armed; "" or a reason in `*error` (UCP's function missing).
+// life; on the thread that created `worker`, before any other uses it. Returns the UCT
+// interfaces it kept armed; "" or a reason in `*error` (UCP's function missing).
 void NoteSharedMemoryInterface(void* uct_iface, void* ucp_worker, void* ucp_iface,
                                void* const* iface_out);
 void CollectSharedMemoryInterfaces();
-int KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error);
+std::vector<void*> KeepSharedMemoryInterfacesArmed(const void* ucp_worker, std::string* error);
 
 // UCX's TCP transport between same-host processes. Where the worker address of a peer
 // proven at the local door offers no shared memory this agent reaches (or the endpoint

@@ -21,6 +21,7 @@
 #include "base/log.h"
 #include "fmt/format.h"
 #include "transport/ucx_hardening.h"
+#include "uct/api/uct.h"
 
 namespace kvagent::transport {
 
@@ -390,7 +391,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxContext& c
   // left stopped is reported (ReceiveStall). Only where kvagentd's uct_iface_open stand-in
   // noted them.
   std::string unarmed;
-  worker->shm_interfaces_armed_ = KeepSharedMemoryInterfacesArmed(worker->worker_, &unarmed);
+  worker->shm_interfaces_ = KeepSharedMemoryInterfacesArmed(worker->worker_, &unarmed);
   if (!unarmed.empty()) {
     kLog.Warn(
         "UCX worker '{}': its shared-memory interfaces are left out of UCX's arm while "
@@ -1178,7 +1179,7 @@ void UcxWorker::Loop() {
 bool UcxWorker::NoteReceiveStall(bool progressed, bool arm_busy) {
   // The clock only while a streak may run (arm busy, nothing taken): not on every loop.
   const uint64_t now_us = arm_busy && !progressed ? MonotonicMicros() : 0;
-  if (receive_stall_.Observe(progressed, arm_busy, now_us)) {
+  if (receive_stall_.Observe(progressed, arm_busy, now_us, [this] { return ReceiveQueueBusy(); })) {
     if (receive_stall_.stalled()) {
       receive_stalled_since_us_.store(receive_stall_.busy_since_us());
       kLog.Error("UCX worker '{}': its receive queue has not drained for {} ms: UCX reports a "
@@ -1194,7 +1195,29 @@ bool UcxWorker::NoteReceiveStall(bool progressed, bool arm_busy) {
     }
     if (receive_stall_listener_) receive_stall_listener_();
   }
-  return receive_stall_.stalled() && arm_busy;
+  if (!receive_stall_.stuck()) {
+    send_wait_logged_ = false;
+  } else if (!receive_stall_.stalled() && !send_wait_logged_) {
+    send_wait_logged_ = true;
+    kLog.Warn(
+        "UCX worker '{}': sends have waited in UCX for {} ms with nothing else to do: a "
+        "same-host peer reads nothing (stopped, or its agent stuck) and its receive "
+        "queue is full. This agent's own receive queue drains; it looks every "
+        "millisecond until they go (transfers to that peer end at their deadline, or "
+        "when its liveness door stops answering)",
+        name_, (now_us - receive_stall_.busy_since_us()) / 1000);
+  }
+  return receive_stall_.stuck() && arm_busy;
+}
+
+bool UcxWorker::ReceiveQueueBusy() {
+  if (shm_interfaces_.empty()) return true;  // none to ask: arm's word stands
+  for (void* iface : shm_interfaces_) {
+    if (uct_iface_event_arm(static_cast<uct_iface_h>(iface), UCT_EVENT_RECV) == UCS_ERR_BUSY) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void UcxWorker::SetReceiveStallListener(std::function<void()> listener) {

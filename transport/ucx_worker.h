@@ -69,30 +69,43 @@ struct EndpointHealth;
 // arrives from any peer, and arm reports the claimed slot for ever. Found by
 // contract_test D (a peer SIGKILLed or SIGSTOPped mid-transfer, about 1 run in 10).
 // UCX cannot recover from it; a stopped sender that resumes finishes its slot.
+// Arm also says BUSY while this worker's own sends wait in UCX for a peer's FIFO that
+// is full (a same-host peer stopped, or not reading): that is not this queue stopped.
+// Once a streak of BUSY with nothing taken lasts the delay (stuck(): the loop backs
+// off), `receive_busy` says which: whether the receive side is what arm finds waiting.
 class ReceiveStall {
  public:
   explicit ReceiveStall(uint64_t after_us) : after_us_(after_us) {}
   // One loop: whether progress took anything, whether arm then said BUSY. Returns true
-  // when this call changed stalled().
-  bool Observe(bool progressed, bool arm_busy, uint64_t now_us) {
+  // when this call changed stalled(). `receive_busy` is called only while stuck().
+  bool Observe(
+      bool progressed, bool arm_busy, uint64_t now_us,
+      const std::function<bool()>& receive_busy = [] { return true; }) {
     if (progressed || !arm_busy) {
       busy_since_us_ = 0;
+      stuck_ = false;
       if (!stalled_) return false;
       stalled_ = false;
       return true;
     }
     if (busy_since_us_ == 0) busy_since_us_ = now_us;
-    if (stalled_ || now_us - busy_since_us_ < after_us_) return false;
-    stalled_ = true;
+    if (now_us - busy_since_us_ < after_us_) return false;
+    stuck_ = true;
+    const bool receiving = receive_busy();
+    if (receiving == stalled_) return false;
+    stalled_ = receiving;
     return true;
   }
   bool stalled() const { return stalled_; }
+  // Arm has said BUSY with nothing taken for the delay, whatever waits.
+  bool stuck() const { return stuck_; }
   // When arm first said BUSY with nothing taken, in this streak (0: not now).
   uint64_t busy_since_us() const { return busy_since_us_; }
 
  private:
   uint64_t after_us_;
   uint64_t busy_since_us_ = 0;
+  bool stuck_ = false;
   bool stalled_ = false;
 };
 
@@ -248,7 +261,7 @@ class UcxWorker {
   // How many shared-memory interfaces (posix, sysv) the worker keeps in UCX's arm whether
   // an endpoint uses them or not, where arm reports a stall (KeepSharedMemoryInterfacesArmed,
   // ucx_hardening.h); 0 without kvagentd's uct_iface_open stand-in.
-  int shared_memory_interfaces_armed() const { return shm_interfaces_armed_; }
+  int shared_memory_interfaces_armed() const { return static_cast<int>(shm_interfaces_.size()); }
   // `listener` runs on the worker thread each time receive_stalled_since_us turns
   // nonzero or back to 0 (the agent's health re-checks then). Set before it can
   // matter: RunSync'd onto the worker thread.
@@ -331,9 +344,14 @@ class UcxWorker {
   // Milliseconds until the next timer is due, rounded up (0 when one is due); -1 when
   // none is set.
   int MsToNextTimer(std::chrono::steady_clock::time_point now) const;
-  // Feeds receive_stall_ one loop; true while stalled and arm still says BUSY (the
-  // loop then waits 1 ms instead of spinning).
+  // Feeds receive_stall_ one loop; true while stuck and arm still says BUSY (the loop
+  // then waits 1 ms instead of spinning).
   bool NoteReceiveStall(bool progressed, bool arm_busy);
+  // Whether a shared-memory receive queue holds what this worker cannot take (a receive-
+  // only arm of each interface in shm_interfaces_ says BUSY); true with none to ask. On
+  // the worker thread, only while arm keeps saying BUSY: the loop polls then, so a
+  // wake-up signal this arm takes is not missed.
+  bool ReceiveQueueBusy();
   static ucs_status_t AmCallback(void* arg, const void* header, size_t header_length,
                                  void* data, size_t length, const ucp_am_recv_param_t* param);
 
@@ -341,7 +359,10 @@ class UcxWorker {
   std::string name_;
   std::string address_;
   size_t max_am_header_ = 0;
-  int shm_interfaces_armed_ = 0;
+  // The UCT interfaces KeepSharedMemoryInterfacesArmed kept in the arm; asked which side
+  // is busy once arm stays busy (ReceiveQueueBusy).
+  std::vector<void*> shm_interfaces_;
+  bool send_wait_logged_ = false;  // worker thread: this stuck streak's warning
   int event_fd_ = -1;   // wakes the thread for Post() and shutdown
   int worker_fd_ = -1;  // ucp_worker_get_efd
   int epoll_fd_ = -1;

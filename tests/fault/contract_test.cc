@@ -938,6 +938,67 @@ TEST_CASE("D: an agent keeps serving and taking staged bytes after a peer dies o
 // ---------------------------------------------------------------------------------
 // E. Both ends see the transfer; one outcome each for decode's owner.
 
+// A stopped same-host peer reads nothing: once its receive queue is full (256 slots),
+// messages to it wait in the sender's UCX, and the sender's arm says busy for as long as
+// they wait. That is not this agent's receive queue stopped (ReportsReceiveStall): it
+// must not say so, or a liveness probe restarts every agent that sent to a stopped one.
+TEST_CASE(
+    "D: an agent whose messages wait on a stopped peer does not report its own receive "
+    "queue stopped",
+    "[contract][D]") {
+  constexpr int kTransfers = 600;
+  AgentPairOptions options;
+  options.shape.layers = 1;
+  options.shape.pages = kTransfers;
+  options.shape.page_bytes = 4096;
+  AgentPair pair(options);
+  const pid_t decode = pair.decode_process().pid();
+  ResumeOnExit resume{decode};
+  REQUIRE(SuspendAgent(decode) == "");
+  for (int i = 0; i < kTransfers; ++i) {
+    const uint64_t page = static_cast<uint64_t>(i);
+    auto request = KvWrite(fmt::format("d-wait-{}", i), {page}, {page}, "n");
+    request.set_timeout_ms(30000);
+    REQUIRE(pair.prefill().Submit(request).ok());
+  }
+  // Past the second a stall takes to be reported, looked at a few times.
+  cli::AgentClient checker(pair.prefill_process().address());
+  for (int look = 0; look < 4; ++look) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const v1::AgentStatus status = Require(checker.Status(), "GetStatus of prefill");
+    INFO("look " << look << ": " << status.health());
+    CHECK(status.health().find("UCX receive queue has not drained") == std::string::npos);
+  }
+  // Decode's liveness door answers nothing meanwhile: prefill fails the transfers.
+  int ended = 0;
+  for (int i = 0; i < kTransfers; ++i) {
+    const v1::TransferState end = WaitTerminal(pair.prefill(), fmt::format("d-wait-{}", i), 30000);
+    ended += Terminal(end.phase()) ? 1 : 0;
+  }
+  CHECK(ended == kTransfers);
+  ::kill(decode, SIGCONT);
+  // Resumed, decode reads what waited, and prefill moves a new transfer to it (once its
+  // liveness watch sees decode answer again: until then a submit is refused).
+  v1::TransferPhase phase = v1::TRANSFER_PHASE_UNSPECIFIED;
+  std::string last;
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  for (int attempt = 0; phase != v1::COMPLETED && Clock::now() < until; ++attempt) {
+    auto again = KvWrite(fmt::format("d-wait-again-{}", attempt), {0}, {0});
+    again.set_wait(true);
+    again.set_timeout_ms(5000);
+    const auto done = pair.prefill().Submit(again);
+    last = done.ok() ? Describe(*done) : done.status().ToString();
+    if (done.ok()) phase = done->phase();
+    if (phase != v1::COMPLETED) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  INFO("the last submit after SIGCONT: " << last);
+  CHECK(phase == v1::COMPLETED);
+  std::printf(
+      "D wait: prefill with %d WRITEs to a stopped decode said nothing of its own "
+      "receive queue; %d ended, and one after SIGCONT %s (%s)\n",
+      kTransfers, ended, v1::TransferPhase_Name(phase).c_str(), last.c_str());
+}
+
 TEST_CASE("E: decode sees every incoming transfer and gets exactly one outcome for each",
           "[contract][E]") {
   AgentPairOptions options;

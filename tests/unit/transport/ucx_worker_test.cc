@@ -1049,6 +1049,39 @@ TEST_CASE("ReceiveStall reports a queue that arm says is busy and progress never
   CHECK(stall.busy_since_us() == 0);
 }
 
+// Arm also says BUSY while this worker's sends wait for a peer whose receive queue is
+// full (a stopped same-host peer): stuck (the loop backs off) but not stalled, and the
+// receive side is asked only once the streak lasted the delay. contract_test D, "an
+// agent whose messages wait on a stopped peer …": prefill said NOT_SERVING before.
+TEST_CASE("ReceiveStall tells sends waiting on a peer from a receive queue that stopped") {
+  kvagent::transport::ReceiveStall stall(/*after_us=*/1000);
+  int asked = 0;
+  bool receiving = false;
+  const auto receive_busy = [&] {
+    ++asked;
+    return receiving;
+  };
+  CHECK_FALSE(stall.Observe(false, true, 100, receive_busy));
+  CHECK_FALSE(stall.Observe(false, true, 1099, receive_busy));
+  CHECK(asked == 0);  // not before the delay
+  CHECK_FALSE(stall.stuck());
+  CHECK_FALSE(stall.Observe(false, true, 1100, receive_busy));  // only sends wait
+  CHECK(asked == 1);
+  CHECK(stall.stuck());
+  CHECK_FALSE(stall.stalled());
+  receiving = true;  // a sender now died mid-message as well
+  CHECK(stall.Observe(false, true, 2000, receive_busy));
+  CHECK(stall.stalled());
+  CHECK(stall.busy_since_us() == 100);
+  receiving = false;  // the stopped sender resumed and finished its slot; sends still wait
+  CHECK(stall.Observe(false, true, 3000, receive_busy));
+  CHECK_FALSE(stall.stalled());
+  CHECK(stall.stuck());
+  CHECK_FALSE(stall.Observe(true, true, 3100, receive_busy));  // they went: not stuck
+  CHECK_FALSE(stall.stuck());
+  CHECK(stall.busy_since_us() == 0);
+}
+
 // ReclaimGate: an endpoint to a same-host process that ended is destroyed only once
 // ucp_worker_arm said OK after an earlier look saw the process ended; while arm says
 // BUSY (a slot the dead process left claimed, ReceiveStall) it stays, however many
