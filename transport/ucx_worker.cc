@@ -1123,10 +1123,15 @@ void UcxWorker::Loop() {
     }
     TendSameHostEndpoints();  // before arming, so the arm sees what its closes start
     ucs_status_t status = ucp_worker_arm(worker_);
-    if (status == UCS_OK) reclaim_gate_.ArmedOk();
     // Arm keeps reporting a message progress never takes (ReceiveStall): sleep 1 ms
     // below instead of looping at once (spinning on it took a whole core).
     const bool stalled = NoteReceiveStall(progressed, status == UCS_ERR_BUSY);
+    // What ReclaimGate needs to know: no slot of a receive queue left claimed. Arm said
+    // OK, or only sends wait (to a peer that reads nothing: maybe the very process that
+    // ended, whose endpoint must go for them to end).
+    if (status == UCS_OK || (receive_stall_.stuck() && !receive_stall_.stalled())) {
+      reclaim_gate_.ArmedOk();
+    }
     if (status == UCS_ERR_BUSY && !stalled) continue;  // events arrived since the last progress
     if (status != UCS_OK && !stalled) {
       kLog.Error("UCX worker '{}': ucp_worker_arm failed ({}); polling", name_,
@@ -1181,14 +1186,15 @@ bool UcxWorker::NoteReceiveStall(bool progressed, bool arm_busy) {
   const uint64_t now_us = arm_busy && !progressed ? MonotonicMicros() : 0;
   if (receive_stall_.Observe(progressed, arm_busy, now_us, [this] { return ReceiveQueueBusy(); })) {
     if (receive_stall_.stalled()) {
-      receive_stalled_since_us_.store(receive_stall_.busy_since_us());
-      kLog.Error("UCX worker '{}': its receive queue has not drained for {} ms: UCX reports a "
-                 "message waiting that progress never takes. A same-host peer most likely "
-                 "died (or was stopped) while writing into this worker's shared-memory "
-                 "receive queue (posix/sysv), which every same-host peer shares: nothing "
-                 "arrives over UCX until this agent restarts (a stopped peer that resumes "
-                 "unblocks it). Health says NOT_SERVING meanwhile",
-                 name_, (now_us - receive_stall_.busy_since_us()) / 1000);
+      receive_stalled_since_us_.store(receive_stall_.receive_busy_since_us());
+      kLog.Error(
+          "UCX worker '{}': its receive queue has not drained for {} ms: UCX reports a "
+          "message waiting that progress never takes. A same-host peer most likely "
+          "died (or was stopped) while writing into this worker's shared-memory "
+          "receive queue (posix/sysv), which every same-host peer shares: nothing "
+          "arrives over UCX until this agent restarts (a stopped peer that resumes "
+          "unblocks it). Health says NOT_SERVING meanwhile",
+          name_, (now_us - receive_stall_.receive_busy_since_us()) / 1000);
     } else {
       receive_stalled_since_us_.store(0);
       kLog.Warn("UCX worker '{}': its receive queue drains again", name_);

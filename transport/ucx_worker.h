@@ -71,27 +71,35 @@ struct EndpointHealth;
 // UCX cannot recover from it; a stopped sender that resumes finishes its slot.
 // Arm also says BUSY while this worker's own sends wait in UCX for a peer's FIFO that
 // is full (a same-host peer stopped, or not reading): that is not this queue stopped.
-// Once a streak of BUSY with nothing taken lasts the delay (stuck(): the loop backs
-// off), `receive_busy` says which: whether the receive side is what arm finds waiting.
+// `receive_busy` says whether the receive side is what arm finds waiting; a stall is
+// reported once it said so at every look for the delay (a message that arrives between
+// progress and the look makes it say so once). A streak of BUSY with nothing taken that
+// lasts the delay, whatever waits, is stuck(): the loop backs off.
 class ReceiveStall {
  public:
   explicit ReceiveStall(uint64_t after_us) : after_us_(after_us) {}
   // One loop: whether progress took anything, whether arm then said BUSY. Returns true
-  // when this call changed stalled(). `receive_busy` is called only while stuck().
+  // when this call changed stalled(). `receive_busy` is called while arm says BUSY and
+  // progress took nothing.
   bool Observe(
       bool progressed, bool arm_busy, uint64_t now_us,
       const std::function<bool()>& receive_busy = [] { return true; }) {
     if (progressed || !arm_busy) {
       busy_since_us_ = 0;
+      receive_since_us_ = 0;
       stuck_ = false;
       if (!stalled_) return false;
       stalled_ = false;
       return true;
     }
     if (busy_since_us_ == 0) busy_since_us_ = now_us;
-    if (now_us - busy_since_us_ < after_us_) return false;
-    stuck_ = true;
-    const bool receiving = receive_busy();
+    if (!receive_busy()) {
+      receive_since_us_ = 0;
+    } else if (receive_since_us_ == 0) {
+      receive_since_us_ = now_us;
+    }
+    stuck_ = now_us - busy_since_us_ >= after_us_;
+    const bool receiving = receive_since_us_ != 0 && now_us - receive_since_us_ >= after_us_;
     if (receiving == stalled_) return false;
     stalled_ = receiving;
     return true;
@@ -101,10 +109,13 @@ class ReceiveStall {
   bool stuck() const { return stuck_; }
   // When arm first said BUSY with nothing taken, in this streak (0: not now).
   uint64_t busy_since_us() const { return busy_since_us_; }
+  // Since when the receive side has said busy at every look, in this streak (0: not).
+  uint64_t receive_busy_since_us() const { return receive_since_us_; }
 
  private:
   uint64_t after_us_;
   uint64_t busy_since_us_ = 0;
+  uint64_t receive_since_us_ = 0;
   bool stuck_ = false;
   bool stalled_ = false;
 };
@@ -122,7 +133,9 @@ class ReceiveStall {
 class ReclaimGate {
  public:
   using Key = std::pair<const void*, uint64_t>;
-  // The loop's arm returned UCS_OK.
+  // The loop's arm returned UCS_OK, or said BUSY only for sends waiting on a peer that
+  // reads nothing (ReceiveStall: stuck, not stalled): no receive queue holds a slot
+  // left claimed either way.
   void ArmedOk() { ++arms_ok_; }
   // A look starts: whether an arm said OK since the last one.
   void StartLook() {
@@ -349,8 +362,8 @@ class UcxWorker {
   bool NoteReceiveStall(bool progressed, bool arm_busy);
   // Whether a shared-memory receive queue holds what this worker cannot take (a receive-
   // only arm of each interface in shm_interfaces_ says BUSY); true with none to ask. On
-  // the worker thread, only while arm keeps saying BUSY: the loop polls then, so a
-  // wake-up signal this arm takes is not missed.
+  // the worker thread, only when arm said BUSY: the loop polls on then, so a wake-up
+  // signal this arm takes is not missed.
   bool ReceiveQueueBusy();
   static ucs_status_t AmCallback(void* arg, const void* header, size_t header_length,
                                  void* data, size_t length, const ucp_am_recv_param_t* param);

@@ -728,5 +728,53 @@ TEST_CASE(
   CHECK(Value(Scrape(metrics), "kvagent_ucx_endpoints_reclaimed_total") == 1);
 }
 
+// While this agent's messages wait on a stopped same-host peer's full receive queue, arm
+// says busy for as long as they wait. An endpoint to another same-host process that
+// ended is released only once an arm said OK (ReclaimGate), which never came: every
+// same-host reclaim of the agent waited on the stopped peer. A receive side found quiet
+// now counts as OK.
+TEST_CASE(
+    "an agent whose messages wait on a stopped same-host peer still lets go of the "
+    "endpoint to another that ended") {
+  AgentPairOptions options = CountedEndpointsPair();
+  options.shape.layers = 1;
+  options.shape.pages = 600;
+  options.shape.page_bytes = 4096;
+  AgentPair pair(options);
+  const std::string metrics = MetricsAddress(pair.prefill());
+  REQUIRE(Value(Scrape(metrics), "kvagent_ucx_endpoints") == 1);  // to decode
+  AnotherAgent other = StartWithPool(pair, "other", "other", 0xE1);
+  auto connected = pair.prefill().Connect(other.process.address());
+  INFO(connected.status().ToString());
+  REQUIRE(connected.ok());
+  auto to_other = KvWrite("to-other", {1}, {20});
+  to_other.set_peer("other");
+  REQUIRE(pair.prefill().Submit(to_other).ok());
+  auto done = pair.prefill().WaitTransfer("to-other", 20000);
+  REQUIRE(done.ok());
+  INFO(done->error_message());
+  REQUIRE(done->phase() == v1::COMPLETED);
+  CHECK(Value(Scrape(metrics), "kvagent_ucx_endpoints") == 2);
+  REQUIRE(pair.prefill().Disconnect("other").ok());
+  const pid_t decode = pair.decode_process().pid();
+  REQUIRE(SuspendAgent(decode) == "");
+  // More DATA_READY messages than decode's receive queue holds (256 slots); their
+  // records also push out the one that kept the endpoint to `other` (ended transfers
+  // kept: 1).
+  for (uint64_t page = 0; page < 600; ++page) {
+    auto request = KvWrite(fmt::format("wait-{}", page), {page}, {page}, "n");
+    request.set_timeout_ms(30000);
+    REQUIRE(pair.prefill().Submit(request).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // they wait in prefill's UCX
+  other.process.Kill();
+  CHECK(WaitMetric(metrics, "kvagent_ucx_endpoints", 1) == 1);  // decode's only
+  CHECK(Value(Scrape(metrics), "kvagent_ucx_endpoints_reclaimed_total") == 1);
+  const auto status = pair.prefill().Status();
+  REQUIRE(status.ok());
+  CHECK(status->health().find("UCX receive queue") == std::string::npos);
+  ::kill(decode, SIGCONT);
+}
+
 }  // namespace
 }  // namespace kvagent::testing

@@ -1050,28 +1050,32 @@ TEST_CASE("ReceiveStall reports a queue that arm says is busy and progress never
 }
 
 // Arm also says BUSY while this worker's sends wait for a peer whose receive queue is
-// full (a stopped same-host peer): stuck (the loop backs off) but not stalled, and the
-// receive side is asked only once the streak lasted the delay. contract_test D, "an
-// agent whose messages wait on a stopped peer …": prefill said NOT_SERVING before.
+// full (a stopped same-host peer): stuck (the loop backs off) but not stalled. A stall
+// needs the receive side busy at every look for the delay: a message that arrived
+// between progress and the look once made a stuck worker report one (and take it back
+// the next millisecond). contract_test D, "an agent whose messages wait on a stopped
+// peer …": prefill said NOT_SERVING before.
 TEST_CASE("ReceiveStall tells sends waiting on a peer from a receive queue that stopped") {
   kvagent::transport::ReceiveStall stall(/*after_us=*/1000);
-  int asked = 0;
   bool receiving = false;
-  const auto receive_busy = [&] {
-    ++asked;
-    return receiving;
-  };
+  const auto receive_busy = [&] { return receiving; };
   CHECK_FALSE(stall.Observe(false, true, 100, receive_busy));
   CHECK_FALSE(stall.Observe(false, true, 1099, receive_busy));
-  CHECK(asked == 0);  // not before the delay
   CHECK_FALSE(stall.stuck());
   CHECK_FALSE(stall.Observe(false, true, 1100, receive_busy));  // only sends wait
-  CHECK(asked == 1);
   CHECK(stall.stuck());
   CHECK_FALSE(stall.stalled());
-  receiving = true;  // a sender now died mid-message as well
-  CHECK(stall.Observe(false, true, 2000, receive_busy));
+  receiving = true;  // one look finds a message just arrived: not yet
+  CHECK_FALSE(stall.Observe(false, true, 1200, receive_busy));
+  receiving = false;
+  CHECK_FALSE(stall.Observe(false, true, 1300, receive_busy));
+  CHECK(stall.receive_busy_since_us() == 0);
+  receiving = true;  // a sender died mid-message: busy at every look from 1400
+  CHECK_FALSE(stall.Observe(false, true, 1400, receive_busy));
+  CHECK_FALSE(stall.Observe(false, true, 2399, receive_busy));
+  CHECK(stall.Observe(false, true, 2400, receive_busy));
   CHECK(stall.stalled());
+  CHECK(stall.receive_busy_since_us() == 1400);
   CHECK(stall.busy_since_us() == 100);
   receiving = false;  // the stopped sender resumed and finished its slot; sends still wait
   CHECK(stall.Observe(false, true, 3000, receive_busy));
