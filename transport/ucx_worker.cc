@@ -1129,9 +1129,7 @@ void UcxWorker::Loop() {
     // What ReclaimGate needs to know: no slot of a receive queue left claimed. Arm said
     // OK, or only sends wait (to a peer that reads nothing: maybe the very process that
     // ended, whose endpoint must go for them to end).
-    if (status == UCS_OK || (receive_stall_.stuck() && !receive_stall_.stalled())) {
-      reclaim_gate_.ArmedOk();
-    }
+    if (status == UCS_OK || receive_stall_.only_sends_wait()) reclaim_gate_.ArmedOk();
     if (status == UCS_ERR_BUSY && !stalled) continue;  // events arrived since the last progress
     if (status != UCS_OK && !stalled) {
       kLog.Error("UCX worker '{}': ucp_worker_arm failed ({}); polling", name_,
@@ -1203,7 +1201,7 @@ bool UcxWorker::NoteReceiveStall(bool progressed, bool arm_busy) {
   }
   if (!receive_stall_.stuck()) {
     send_wait_logged_ = false;
-  } else if (!receive_stall_.stalled() && !send_wait_logged_) {
+  } else if (receive_stall_.only_sends_wait() && !send_wait_logged_) {
     send_wait_logged_ = true;
     kLog.Warn(
         "UCX worker '{}': sends have waited in UCX for {} ms with nothing else to do: a "

@@ -107,6 +107,9 @@ class ReceiveStall {
   bool stalled() const { return stalled_; }
   // Arm has said BUSY with nothing taken for the delay, whatever waits.
   bool stuck() const { return stuck_; }
+  // Stuck, and only sends wait (to a peer that reads nothing): no receive queue holds a
+  // slot left claimed.
+  bool only_sends_wait() const { return stuck_ && !stalled_; }
   // When arm first said BUSY with nothing taken, in this streak (0: not now).
   uint64_t busy_since_us() const { return busy_since_us_; }
   // Since when the receive side has said busy at every look, in this streak (0: not).
@@ -134,8 +137,8 @@ class ReclaimGate {
  public:
   using Key = std::pair<const void*, uint64_t>;
   // The loop's arm returned UCS_OK, or said BUSY only for sends waiting on a peer that
-  // reads nothing (ReceiveStall: stuck, not stalled): no receive queue holds a slot
-  // left claimed either way.
+  // reads nothing (ReceiveStall::only_sends_wait): no receive queue holds a slot left
+  // claimed either way.
   void ArmedOk() { ++arms_ok_; }
   // A look starts: whether an arm said OK since the last one.
   void StartLook() {
@@ -372,8 +375,9 @@ class UcxWorker {
   std::string name_;
   std::string address_;
   size_t max_am_header_ = 0;
-  // The UCT interfaces KeepSharedMemoryInterfacesArmed kept in the arm; asked which side
-  // is busy once arm stays busy (ReceiveQueueBusy).
+  // The UCT interfaces KeepSharedMemoryInterfacesArmed kept in the arm; asked whether
+  // their receive side is busy at each look where arm said BUSY and nothing was taken
+  // (ReceiveQueueBusy).
   std::vector<void*> shm_interfaces_;
   bool send_wait_logged_ = false;  // worker thread: this stuck streak's warning
   int event_fd_ = -1;   // wakes the thread for Post() and shutdown

@@ -1065,6 +1065,7 @@ TEST_CASE("ReceiveStall tells sends waiting on a peer from a receive queue that 
   CHECK_FALSE(stall.Observe(false, true, 1100, receive_busy));  // only sends wait
   CHECK(stall.stuck());
   CHECK_FALSE(stall.stalled());
+  CHECK(stall.only_sends_wait());
   receiving = true;  // one look finds a message just arrived: not yet
   CHECK_FALSE(stall.Observe(false, true, 1200, receive_busy));
   receiving = false;
@@ -1075,6 +1076,7 @@ TEST_CASE("ReceiveStall tells sends waiting on a peer from a receive queue that 
   CHECK_FALSE(stall.Observe(false, true, 2399, receive_busy));
   CHECK(stall.Observe(false, true, 2400, receive_busy));
   CHECK(stall.stalled());
+  CHECK_FALSE(stall.only_sends_wait());
   CHECK(stall.receive_busy_since_us() == 1400);
   CHECK(stall.busy_since_us() == 100);
   receiving = false;  // the stopped sender resumed and finished its slot; sends still wait
